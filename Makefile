@@ -1,0 +1,51 @@
+# Tessera's front door. Every target first runs scripts/bootstrap.sh, which
+# installs what is missing (Debian packages, the pinned LibTorch) and takes
+# seconds when nothing is.
+#
+#   make build   configure and build into build/ (binaries in build/bin/)
+#   make test    build, then run every test with ctest
+#   make demo    build, then train a small model end to end on this machine
+#   make bench   build, then run the benchmarks
+#
+# Variables: BUILD_DIR (build), BUILD_TYPE (Release), WITH_CUDA (AUTO|ON|OFF),
+# JOBS (number of cores), CTEST_ARGS (extra ctest arguments, e.g. -L unit).
+
+BUILD_DIR  ?= build
+BUILD_TYPE ?= Release
+WITH_CUDA  ?= AUTO
+JOBS       ?= $(shell nproc)
+CTEST_ARGS ?=
+
+.PHONY: all bootstrap configure build test demo bench format clean
+
+all: build
+
+bootstrap:
+	@scripts/bootstrap.sh
+
+configure: bootstrap
+	@mkdir -p $(BUILD_DIR)
+	@cmake -S . -B $(BUILD_DIR) -G Ninja \
+	  -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
+	  -DTESSERA_WITH_CUDA=$(WITH_CUDA) \
+	  -DTESSERA_PYTHON="$$(scripts/bootstrap.sh --print-python)" > $(BUILD_DIR)/configure.log 2>&1 \
+	  || { cat $(BUILD_DIR)/configure.log; exit 1; }
+	@grep -E '^-- Tessera' $(BUILD_DIR)/configure.log || true
+
+build: configure
+	@cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: build
+	@cd $(BUILD_DIR) && ctest -j $(JOBS) --output-on-failure $(CTEST_ARGS)
+
+demo: build
+	@scripts/demo.sh $(BUILD_DIR)
+
+bench: build
+	@scripts/bench.sh $(BUILD_DIR)
+
+format:
+	@git ls-files '*.cc' '*.h' | xargs clang-format -i
+
+clean:
+	@rm -rf $(BUILD_DIR)

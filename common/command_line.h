@@ -1,0 +1,14 @@
+// One way for every binary to parse its flags: a usage text for --help, the
+// build summary for --version, and absl's parsing.
+#pragma once
+
+#include <vector>
+
+namespace tessera {
+
+// Parses absl flags; handles --help (prints `usage`, which begins with a
+// "Usage: ..." line, then the binary's flags), exits 0; --helpfull and
+// --version. Returns the positional arguments, argv[0] first.
+std::vector<char*> ParseCommandLine(int argc, char** argv, const char* usage);
+
+}  // namespace tessera

@@ -1,0 +1,81 @@
+#include "common/daemon/server.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+
+namespace tessera {
+namespace {
+
+// The host part of host:port ("[::1]:5" -> "[::1]"), for address().
+std::string HostOf(absl::string_view address) {
+  size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos) return std::string(address);
+  return std::string(address.substr(0, colon));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
+    const GrpcServerOptions& options, const std::vector<NamedService>& services) {
+  // Both are process-wide switches read when a builder is created.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &port);
+  // gRPC sets SO_REUSEPORT by default, which lets a second daemon bind the
+  // same port and silently take half the connections. One owner per port.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  for (const NamedService& named : services) builder.RegisterService(named.service);
+
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen_address,
+                                               " (address in use, or not a valid host:port)"));
+  }
+  if (auto* health = server->GetHealthCheckService(); health != nullptr) {
+    health->SetServingStatus(true);
+    for (const NamedService& named : services) health->SetServingStatus(named.name, true);
+  }
+  return std::unique_ptr<GrpcServer>(
+      new GrpcServer(std::move(server), HostOf(options.listen_address), port));
+}
+
+GrpcServer::GrpcServer(std::unique_ptr<grpc::Server> server, std::string host, int port)
+    : server_(std::move(server)), host_(std::move(host)), port_(port) {}
+
+GrpcServer::~GrpcServer() { Shutdown(absl::ZeroDuration()); }
+
+std::string GrpcServer::address() const { return absl::StrCat(host_, ":", port_); }
+
+std::shared_ptr<grpc::Channel> GrpcServer::InProcessChannel() const {
+  return server_->InProcessChannel(grpc::ChannelArguments());
+}
+
+void GrpcServer::Shutdown(absl::Duration grace) {
+  if (shut_down_.exchange(true)) return;
+  if (auto* health = server_->GetHealthCheckService(); health != nullptr) {
+    health->Shutdown();
+  }
+  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  server_->Wait();
+}
+
+std::shared_ptr<grpc::Channel> MakeClientChannel(const std::string& address) {
+  return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+}
+
+}  // namespace tessera

@@ -1,0 +1,42 @@
+// tessera-coordinator: the control-plane daemon.
+#include <iostream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "common/command_line.h"
+#include "common/daemon/shutdown_signal.h"
+#include "common/version.h"
+#include "coordinator/coordinator_daemon.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
+          "gRPC listen address (host:port) for clients and workers; port 0 picks one.");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
+          "Prometheus /metrics listen address (host:port); empty disables it.");
+
+constexpr char kUsage[] =
+    "Usage: tessera-coordinator [--listen=HOST:PORT] [--metrics_listen=HOST:PORT]\n\n"
+    "The Tessera coordinator: takes training jobs over gRPC (tessera.v1.Coordinator),\n"
+    "plans and gang-schedules them onto workers (tessera.v1.NodeService).\n";
+
+int main(int argc, char** argv) {
+  tessera::BlockShutdownSignals();
+  tessera::ParseCommandLine(argc, argv, kUsage);
+
+  tessera::coordinator::CoordinatorOptions options;
+  options.listen_address = absl::GetFlag(FLAGS_listen);
+  options.metrics_listen_address = absl::GetFlag(FLAGS_metrics_listen);
+  auto daemon = tessera::coordinator::CoordinatorDaemon::Start(options);
+  if (!daemon.ok()) {
+    std::cerr << "tessera-coordinator: " << daemon.status() << "\n";
+    return 1;
+  }
+  std::cerr << "tessera-coordinator: serving gRPC on " << (*daemon)->address();
+  if ((*daemon)->metrics_port() > 0) {
+    std::cerr << ", metrics on port " << (*daemon)->metrics_port();
+  }
+  std::cerr << std::endl;
+  int signal_number = tessera::WaitForShutdownSignal();
+  std::cerr << "tessera-coordinator: signal " << signal_number << ", shutting down" << std::endl;
+  (*daemon)->Shutdown();
+  return 0;
+}

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Installs everything Tessera needs to build and test, and nothing that is
+# already there. Idempotent: a second run only checks, and takes seconds.
+#
+#   scripts/bootstrap.sh                 install what is missing
+#   scripts/bootstrap.sh --print-python  install, then print the python that holds torch
+#
+# Environment:
+#   TESSERA_CACHE_DIR   shared cache for the LibTorch venv (default ~/.cache/tessera);
+#                       every clone on the machine reuses it.
+#   TESSERA_PYTHON      a python interpreter that already holds torch; skips the venv.
+#   TESSERA_SKIP_APT=1  never call apt-get (machines without a package registry).
+set -euo pipefail
+
+# The LibTorch release Tessera builds against. The GPU machines carry this
+# release in their system python3, so one source tree builds in both places.
+readonly TORCH_VERSION="2.11.0"
+readonly TORCH_SERIES="2.11."
+
+readonly APT_PACKAGES=(
+  build-essential cmake ninja-build ccache pkg-config
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
+  libyaml-cpp-dev nlohmann-json3-dev libsqlite3-dev libsentencepiece-dev
+  python3-venv
+)
+
+print_python=0
+[[ "${1:-}" == "--print-python" ]] && print_python=1
+
+log() { [[ $print_python == 1 ]] && echo "bootstrap: $*" >&2 || echo "bootstrap: $*"; }
+
+as_root() {
+  if [[ $(id -u) == 0 ]]; then "$@"; else sudo "$@"; fi
+}
+
+install_apt_packages() {
+  local missing=()
+  for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+  done
+  [[ ${#missing[@]} == 0 ]] && return 0
+  if [[ "${TESSERA_SKIP_APT:-0}" == 1 ]]; then
+    log "missing Debian packages (TESSERA_SKIP_APT=1, not installing): ${missing[*]}"
+    return 0
+  fi
+  log "installing Debian packages: ${missing[*]}"
+  as_root apt-get update -q >&2
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    "${missing[@]}" >&2
+}
+
+# Prints the version of torch that python "$1" holds, without importing torch
+# (importing it takes seconds; reading its metadata takes milliseconds).
+torch_version_of() {
+  "$1" - <<'PY' 2>/dev/null || true
+import importlib.metadata as m
+try:
+    print(m.version("torch"))
+except m.PackageNotFoundError:
+    pass
+PY
+}
+
+find_or_install_torch() {
+  if [[ -n "${TESSERA_PYTHON:-}" ]]; then
+    echo "$TESSERA_PYTHON"; return 0
+  fi
+  # A machine whose python3 already has the pinned series (the GPU machines) uses it.
+  if command -v python3 >/dev/null; then
+    local system_version
+    system_version=$(torch_version_of python3)
+    if [[ "$system_version" == ${TORCH_SERIES}* ]]; then
+      command -v python3; return 0
+    fi
+  fi
+  local cache_dir="${TESSERA_CACHE_DIR:-$HOME/.cache/tessera}"
+  local venv="$cache_dir/torch-$TORCH_VERSION"
+  mkdir -p "$cache_dir"
+  (
+    # Clones on one machine share the venv; the lock keeps two first runs apart.
+    flock 9
+    if [[ "$(torch_version_of "$venv/bin/python")" != ${TORCH_SERIES}* ]]; then
+      log "installing torch==$TORCH_VERSION from PyPI into $venv (once per machine)"
+      rm -rf "$venv"
+      python3 -m venv "$venv" >&2
+      "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir \
+        "torch==$TORCH_VERSION" numpy >&2
+    fi
+  ) 9>"$cache_dir/.lock"
+  echo "$venv/bin/python"
+}
+
+install_apt_packages
+python=$(find_or_install_torch)
+if [[ $print_python == 1 ]]; then
+  echo "$python"
+else
+  log "ready (torch $(torch_version_of "$python") in $python)"
+fi
