@@ -3,19 +3,20 @@
 include_guard(GLOBAL)
 
 # tessera_add_test(NAME <name> SOURCES <files...> [LIBS <targets...>]
-#                  [LABELS <labels...>] [TIMEOUT <seconds>])
+#                  [LABEL <label>] [TIMEOUT <seconds>])
 #
 # Builds a GoogleTest binary into build/tests/ and registers each of its test
 # cases with ctest (gtest_discover_tests), so `ctest -R` and `ctest -L` work at
-# test-case granularity. Every test gets the label "unit" unless LABELS says
-# otherwise ("integration" for multi-process tests, "gpu" for CUDA tests).
+# test-case granularity. Every test gets the label "unit" unless LABEL says
+# otherwise ("integration" for multi-process tests, "gpu" for CUDA-only
+# tests). One label only: gtest_discover_tests flattens list-valued properties.
 function(tessera_add_test)
-  cmake_parse_arguments(ARG "" "NAME;TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
+  cmake_parse_arguments(ARG "" "NAME;TIMEOUT;LABEL" "SOURCES;LIBS" ${ARGN})
   if(NOT ARG_NAME OR NOT ARG_SOURCES)
     message(FATAL_ERROR "tessera_add_test needs NAME and SOURCES")
   endif()
-  if(NOT ARG_LABELS)
-    set(ARG_LABELS unit)
+  if(NOT ARG_LABEL)
+    set(ARG_LABEL unit)
   endif()
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 120)
@@ -27,7 +28,7 @@ function(tessera_add_test)
   gtest_discover_tests(${ARG_NAME}
     DISCOVERY_TIMEOUT 60
     PROPERTIES
-      LABELS "${ARG_LABELS}"
+      LABELS ${ARG_LABEL}
       TIMEOUT ${ARG_TIMEOUT})
 endfunction()
 
