@@ -4,6 +4,7 @@
 
 #include "absl/flags/flag.h"
 #include "common/command_line.h"
+#include "common/daemon/daemon_servers.h"
 #include "common/daemon/shutdown_signal.h"
 #include "common/version.h"
 #include "coordinator/coordinator_daemon.h"
@@ -30,13 +31,5 @@ int main(int argc, char** argv) {
     std::cerr << "tessera-coordinator: " << daemon.status() << "\n";
     return 1;
   }
-  std::cerr << "tessera-coordinator: serving gRPC on " << (*daemon)->address();
-  if ((*daemon)->metrics_port() > 0) {
-    std::cerr << ", metrics on port " << (*daemon)->metrics_port();
-  }
-  std::cerr << std::endl;
-  int signal_number = tessera::WaitForShutdownSignal();
-  std::cerr << "tessera-coordinator: signal " << signal_number << ", shutting down" << std::endl;
-  (*daemon)->Shutdown();
-  return 0;
+  return tessera::ServeUntilSignal("tessera-coordinator", (*daemon)->servers());
 }

@@ -1,4 +1,4 @@
-// WorkerDaemon: the per-node daemon's servers. It serves tessera.v1.Worker
+// WorkerDaemon: the per-node daemon's services. It serves tessera.v1.Worker
 // (log relay, node status) with health and reflection, and Prometheus
 // metrics. Registration, heartbeats and trainer supervision arrive with the
 // worker issue; until then Worker methods answer UNIMPLEMENTED.
@@ -8,9 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "absl/time/time.h"
-#include "common/daemon/metrics_exposer.h"
-#include "common/daemon/server.h"
+#include "common/daemon/daemon_servers.h"
 #include "tessera/v1/worker_service.grpc.pb.h"
 
 namespace tessera::worker {
@@ -22,22 +20,19 @@ struct WorkerOptions {
   std::string metrics_listen_address = "127.0.0.1:9465";
 };
 
-// Thread safety: Start and Shutdown from one thread.
+// Thread safety: Start and servers().Shutdown from one thread.
 class WorkerDaemon {
  public:
   static absl::StatusOr<std::unique_ptr<WorkerDaemon>> Start(const WorkerOptions& options);
 
-  std::string address() const { return server_->address(); }
-  int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
-
-  void Shutdown(absl::Duration grace = absl::Seconds(5));
+  DaemonServers& servers() { return *servers_; }
 
  private:
   WorkerDaemon() = default;
 
   v1::Worker::CallbackService worker_service_;
-  std::unique_ptr<MetricsExposer> metrics_;
-  std::unique_ptr<GrpcServer> server_;
+  // Declared last: stopped (destroyed) before the service it serves.
+  std::unique_ptr<DaemonServers> servers_;
 };
 
 }  // namespace tessera::worker

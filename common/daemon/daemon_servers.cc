@@ -1,0 +1,33 @@
+#include "common/daemon/daemon_servers.h"
+
+#include <iostream>
+
+#include "common/daemon/shutdown_signal.h"
+#include "common/status_macros.h"
+
+namespace tessera {
+
+absl::StatusOr<std::unique_ptr<DaemonServers>> DaemonServers::Start(
+    const DaemonServerOptions& options, const std::vector<NamedService>& services) {
+  std::unique_ptr<DaemonServers> servers(new DaemonServers());
+  if (!options.metrics_listen_address.empty()) {
+    ASSIGN_OR_RETURN(servers->metrics_,
+                     MetricsExposer::Start({.listen_address = options.metrics_listen_address,
+                                            .component = options.component}));
+  }
+  ASSIGN_OR_RETURN(servers->grpc_,
+                   GrpcServer::Start({.listen_address = options.listen_address}, services));
+  return servers;
+}
+
+int ServeUntilSignal(const std::string& binary, DaemonServers& servers) {
+  std::cerr << binary << ": serving gRPC on " << servers.address();
+  if (servers.metrics_port() > 0) std::cerr << ", metrics on port " << servers.metrics_port();
+  std::cerr << std::endl;
+  int signal_number = WaitForShutdownSignal();
+  std::cerr << binary << ": signal " << signal_number << ", shutting down" << std::endl;
+  servers.Shutdown();
+  return 0;
+}
+
+}  // namespace tessera

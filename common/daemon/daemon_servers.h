@@ -1,0 +1,55 @@
+// DaemonServers: the two listeners every Tessera daemon runs (gRPC with
+// health and reflection, Prometheus /metrics), started and stopped together,
+// and ServeUntilSignal, the body of a daemon's main().
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/daemon/metrics_exposer.h"
+#include "common/daemon/server.h"
+
+namespace tessera {
+
+struct DaemonServerOptions {
+  // Label of tessera_build_info and prefix of log lines ("coordinator").
+  std::string component;
+  // gRPC listen address (host:port); port 0 picks one.
+  std::string listen_address;
+  // Prometheus listen address (host:port); empty disables the endpoint.
+  std::string metrics_listen_address;
+};
+
+// Thread safety: Start and Shutdown from one thread; registry() from any.
+class DaemonServers {
+ public:
+  // Starts metrics first, so the daemon is observable from its first call.
+  static absl::StatusOr<std::unique_ptr<DaemonServers>> Start(
+      const DaemonServerOptions& options, const std::vector<NamedService>& services);
+
+  // gRPC address with the bound port.
+  std::string address() const { return grpc_->address(); }
+  // Bound metrics port; 0 when disabled.
+  int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
+  // Where the daemon registers its metrics; null when metrics are disabled.
+  prometheus::Registry* registry() { return metrics_ ? &metrics_->registry() : nullptr; }
+
+  void Shutdown(absl::Duration grace = absl::Seconds(5)) { grpc_->Shutdown(grace); }
+
+ private:
+  DaemonServers() = default;
+
+  std::unique_ptr<MetricsExposer> metrics_;
+  std::unique_ptr<GrpcServer> grpc_;
+};
+
+// Logs "<binary>: serving gRPC on HOST:PORT[, metrics on port N]" to stderr
+// (tests and scripts read the bound ports from it), waits for SIGINT or
+// SIGTERM, shuts the servers down and returns main()'s exit code. Call
+// BlockShutdownSignals() first thing in main().
+int ServeUntilSignal(const std::string& binary, DaemonServers& servers);
+
+}  // namespace tessera
