@@ -28,7 +28,8 @@ readonly APT_PACKAGES=(
 print_python=0
 [[ "${1:-}" == "--print-python" ]] && print_python=1
 
-log() { [[ $print_python == 1 ]] && echo "bootstrap: $*" >&2 || echo "bootstrap: $*"; }
+# Progress goes to stderr: stdout carries only the --print-python answer.
+log() { echo "bootstrap: $*" >&2; }
 
 as_root() {
   if [[ $(id -u) == 0 ]]; then "$@"; else sudo "$@"; fi
