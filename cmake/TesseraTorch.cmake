@@ -128,5 +128,13 @@ else()
   target_compile_definitions(tessera_torch INTERFACE TESSERA_WITH_CUDA=0)
   message(STATUS "Tessera: CUDA code paths OFF")
 endif()
+# libtorch.so and libtorch_cpu.so export their own copies of std::filesystem
+# (statically linked from a newer libstdc++), and some of them crash when
+# called with this compiler's types (remove_all segfaults). The dynamic linker
+# binds each symbol to the first library that defines it, in DT_NEEDED order,
+# so every binary that links LibTorch names libstdc++ first, as Python's
+# interpreter does by loading it before torch.
+target_link_options(tessera_torch INTERFACE "LINKER:--push-state,--no-as-needed" "-lstdc++"
+  "LINKER:--pop-state")
 # Binaries find LibTorch where it was built against, without LD_LIBRARY_PATH.
 set(CMAKE_BUILD_RPATH "${TESSERA_TORCH_ROOT}/lib" ${CMAKE_BUILD_RPATH})

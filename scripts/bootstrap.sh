@@ -22,7 +22,7 @@ readonly APT_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
   libyaml-cpp-dev nlohmann-json3-dev libsqlite3-dev libsentencepiece-dev
-  python3-venv
+  libssl-dev python3-venv
 )
 
 print_python=0

@@ -1,45 +1,205 @@
 // tessera-trainer: the process that trains one rank of a job. Launched by a
-// worker with a task file, or run standalone.
+// worker with a task file, or run standalone from flags.
+#include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "common/command_line.h"
-#include "common/version.h"
+#include "google/protobuf/text_format.h"
+#include "google/protobuf/util/json_util.h"
+#include "trainer/distributed.h"
+#include "trainer/prepare.h"
+#include "trainer/reporter.h"
 #include "trainer/self_check.h"
+#include "trainer/train.h"
 
-ABSL_FLAG(bool, check, false,
-          "Train a small MLP for a few AdamW steps on --gpu (or the CPU) and print the "
-          "result as one JSON line; exit 0 when the loss falls.");
-ABSL_FLAG(int, gpu, -1, "CUDA device ordinal for --check; -1 uses the CPU.");
-ABSL_FLAG(int, steps, 50, "Optimizer steps of --check.");
 ABSL_FLAG(std::string, task, "",
-          "Path of the TrainerTask file written by the worker (tessera.v1.TrainerTask).");
+          "TrainerTask file written by the worker: binary protobuf, or JSON (.json) or text "
+          "format (.txtpb).");
+ABSL_FLAG(bool, check, false,
+          "Train a small MLP for a few AdamW steps on --gpu (or the CPU) and print the result as "
+          "one JSON line; exit 0 when the loss falls.");
+ABSL_FLAG(int, gpu, -1, "CUDA device ordinal for --check and standalone runs; -1 uses the CPU.");
+// Standalone training (no --task).
+ABSL_FLAG(std::string, preset, "tiny-gpt2", "Standalone: model preset.");
+ABSL_FLAG(std::vector<std::string>, data, {}, "Standalone: training shard paths or globs.");
+ABSL_FLAG(int, seq_len, 128, "Standalone: tokens per sequence.");
+ABSL_FLAG(int64_t, global_batch, 16, "Standalone: sequences per optimizer step (whole job).");
+ABSL_FLAG(int, micro_batch, 4, "Standalone: sequences per rank per forward/backward.");
+ABSL_FLAG(int64_t, steps, 50, "Standalone: optimizer steps (also the step count of --check).");
+ABSL_FLAG(double, lr, 3e-3, "Standalone: peak learning rate.");
+ABSL_FLAG(int64_t, warmup, 10, "Standalone: warmup steps.");
+ABSL_FLAG(int64_t, decay_steps, 0, "Standalone: step where cosine decay ends; 0 = --steps.");
+ABSL_FLAG(double, min_lr_ratio, 0.1, "Standalone: floor of the cosine decay, fraction of peak.");
+ABSL_FLAG(double, weight_decay, 0.1, "Standalone: AdamW weight decay.");
+ABSL_FLAG(double, grad_clip, 1.0, "Standalone: global gradient-norm clip; 0 disables.");
+ABSL_FLAG(uint64_t, seed, 1234, "Standalone: seed of initialisation and data order.");
+ABSL_FLAG(std::string, checkpoint_dir, "", "Standalone: checkpoint directory; empty: none.");
+ABSL_FLAG(int64_t, checkpoint_every, 0, "Standalone: checkpoint interval in steps.");
+ABSL_FLAG(int, keep_last, 0, "Standalone: checkpoints kept; 0 keeps all.");
+ABSL_FLAG(bool, resume, true, "Standalone: resume from the newest complete checkpoint.");
+ABSL_FLAG(bool, export_safetensors, false, "Standalone: export the final weights.");
+ABSL_FLAG(std::string, job_id, "standalone", "Standalone: job id in reports and checkpoints.");
+// tessera-trainer prepare
+ABSL_FLAG(std::vector<std::string>, input, {}, "prepare: input .txt / .jsonl files.");
+ABSL_FLAG(std::string, output_dir, "", "prepare: directory for the token shards.");
+ABSL_FLAG(std::string, tokenizer, "byte", "prepare: 'byte' or a sentencepiece .model path.");
+ABSL_FLAG(std::string, format, "auto", "prepare: text, jsonl or auto (by extension).");
+ABSL_FLAG(double, val_fraction, 0.05, "prepare: fraction of tokens held out for validation.");
+
+namespace {
 
 constexpr char kUsage[] =
-    "Usage: tessera-trainer --task=PATH | --check [--gpu=N] [--steps=N]\n\n"
-    "Trains one rank of a Tessera job.\n"
-    "  --task=PATH  run the rank described by a worker's task file\n"
-    "  --check      train a small MLP on this device to check LibTorch\n";
+    "Usage: tessera-trainer --task=PATH\n"
+    "       tessera-trainer --data=GLOB [--preset=NAME --steps=N ...]   (standalone)\n"
+    "       tessera-trainer prepare --input=FILES --output_dir=DIR [--tokenizer=byte|PATH]\n"
+    "       tessera-trainer --check [--gpu=N]\n\n"
+    "Trains one rank of a Tessera job on LibTorch. With --task it runs what the worker\n"
+    "wrote; standalone it builds the task from flags and prints reports as JSON lines.\n"
+    "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as set by\n"
+    "torchrun or the worker) place the process in a multi-process job (Gloo on CPU, NCCL on\n"
+    "GPU). `prepare` tokenizes text or JSONL into token shards.\n";
+
+absl::StatusOr<tessera::v1::TrainerTask> ReadTask(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--task ", path, ": cannot open"));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  tessera::v1::TrainerTask task;
+  if (absl::EndsWith(path, ".json")) {
+    auto status = google::protobuf::util::JsonStringToMessage(buffer.str(), &task);
+    if (!status.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--task ", path, ": ", status.ToString()));
+    }
+  } else if (absl::EndsWith(path, ".txtpb") || absl::EndsWith(path, ".textproto")) {
+    if (!google::protobuf::TextFormat::ParseFromString(buffer.str(), &task)) {
+      return absl::InvalidArgumentError(absl::StrCat("--task ", path, ": not a text TrainerTask"));
+    }
+  } else if (!task.ParseFromString(buffer.str())) {
+    return absl::InvalidArgumentError(absl::StrCat("--task ", path, ": not a binary TrainerTask"));
+  }
+  return task;
+}
+
+tessera::v1::TrainerTask TaskFromFlags() {
+  tessera::v1::TrainerTask task;
+  task.set_job_id(absl::GetFlag(FLAGS_job_id));
+  tessera::v1::JobSpec* spec = task.mutable_spec();
+  spec->set_name(absl::GetFlag(FLAGS_job_id));
+  spec->mutable_model()->set_preset(absl::GetFlag(FLAGS_preset));
+  for (const auto& shard : absl::GetFlag(FLAGS_data)) spec->mutable_data()->add_train_shards(shard);
+  spec->mutable_data()->set_seq_len(absl::GetFlag(FLAGS_seq_len));
+  spec->mutable_batch()->set_global_batch_size(absl::GetFlag(FLAGS_global_batch));
+  spec->mutable_batch()->set_micro_batch_size(absl::GetFlag(FLAGS_micro_batch));
+  auto* schedule = spec->mutable_optimizer()->mutable_schedule();
+  schedule->set_peak_learning_rate(absl::GetFlag(FLAGS_lr));
+  schedule->set_warmup_steps(absl::GetFlag(FLAGS_warmup));
+  schedule->set_min_lr_ratio(absl::GetFlag(FLAGS_min_lr_ratio));
+  schedule->set_decay_steps(absl::GetFlag(FLAGS_decay_steps));
+  spec->mutable_optimizer()->set_weight_decay(absl::GetFlag(FLAGS_weight_decay));
+  spec->mutable_optimizer()->set_grad_clip_norm(absl::GetFlag(FLAGS_grad_clip));
+  spec->set_max_steps(absl::GetFlag(FLAGS_steps));
+  spec->set_seed(absl::GetFlag(FLAGS_seed));
+  auto* checkpoint = spec->mutable_checkpoint();
+  checkpoint->set_directory(absl::GetFlag(FLAGS_checkpoint_dir));
+  checkpoint->set_interval_steps(absl::GetFlag(FLAGS_checkpoint_every));
+  checkpoint->set_keep_last(absl::GetFlag(FLAGS_keep_last));
+  checkpoint->set_resume(absl::GetFlag(FLAGS_resume));
+  checkpoint->set_export_safetensors(absl::GetFlag(FLAGS_export_safetensors));
+  task.set_checkpoint_directory(absl::GetFlag(FLAGS_checkpoint_dir));
+  int gpu = absl::GetFlag(FLAGS_gpu);
+  task.mutable_assignment()->set_device_type(gpu >= 0 ? tessera::v1::DEVICE_TYPE_CUDA
+                                                      : tessera::v1::DEVICE_TYPE_CPU);
+  task.mutable_assignment()->set_gpu_index(gpu);
+  return task;
+}
+
+int Prepare() {
+  tessera::trainer::PrepareOptions options;
+  options.inputs = absl::GetFlag(FLAGS_input);
+  options.output_dir = absl::GetFlag(FLAGS_output_dir);
+  options.tokenizer = absl::GetFlag(FLAGS_tokenizer);
+  options.format = absl::GetFlag(FLAGS_format);
+  options.val_fraction = absl::GetFlag(FLAGS_val_fraction);
+  auto result = tessera::trainer::PrepareData(options);
+  if (!result.ok()) {
+    std::cerr << "tessera-trainer prepare: " << result.status() << "\n";
+    return 1;
+  }
+  std::cout << "prepared " << result->train_tokens << " training and " << result->val_tokens
+            << " validation tokens (vocab " << result->vocab_size << ") in "
+            << result->train_shards.size() + result->val_shards.size() << " shard(s) under "
+            << options.output_dir << "\n";
+  return 0;
+}
+
+int Check() {
+  auto result =
+      tessera::trainer::RunSelfCheck({.gpu_index = absl::GetFlag(FLAGS_gpu),
+                                      .steps = static_cast<int>(absl::GetFlag(FLAGS_steps))});
+  if (!result.ok()) {
+    std::cerr << "tessera-trainer: check failed: " << result.status() << "\n";
+    return 1;
+  }
+  std::cout << tessera::trainer::ToJson(*result) << "\n";
+  return 0;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
-  tessera::ParseCommandLine(argc, argv, kUsage);
-
-  if (absl::GetFlag(FLAGS_check)) {
-    auto result = tessera::trainer::RunSelfCheck(
-        {.gpu_index = absl::GetFlag(FLAGS_gpu), .steps = absl::GetFlag(FLAGS_steps)});
-    if (!result.ok()) {
-      std::cerr << "tessera-trainer: check failed: " << result.status() << "\n";
-      return 1;
-    }
-    std::cout << tessera::trainer::ToJson(*result) << "\n";
-    return 0;
-  }
-  if (!absl::GetFlag(FLAGS_task).empty()) {
-    std::cerr << "tessera-trainer: running a task file is not built yet (trainer runtime issue); "
-                 "use --check\n";
+  std::vector<char*> args = tessera::ParseCommandLine(argc, argv, kUsage);
+  if (args.size() == 2 && std::string(args[1]) == "prepare") return Prepare();
+  if (args.size() > 1) {
+    std::cerr << "tessera-trainer: unexpected argument '" << args[1] << "'\n\n" << kUsage;
     return 2;
   }
-  std::cerr << "tessera-trainer: nothing to do; pass --task=PATH or --check (see --help)\n";
-  return 2;
+  if (absl::GetFlag(FLAGS_check)) return Check();
+
+  tessera::v1::TrainerTask task;
+  if (!absl::GetFlag(FLAGS_task).empty()) {
+    auto read = ReadTask(absl::GetFlag(FLAGS_task));
+    if (!read.ok()) {
+      std::cerr << "tessera-trainer: " << read.status() << "\n";
+      return 2;
+    }
+    task = std::move(*read);
+  } else if (!absl::GetFlag(FLAGS_data).empty()) {
+    task = TaskFromFlags();
+  } else {
+    std::cerr << "tessera-trainer: nothing to do; pass --task, --data, prepare or --check\n\n"
+              << kUsage;
+    return 2;
+  }
+  auto assignment = tessera::trainer::ResolveRankAssignment(
+      task.assignment(), [](const char* name) { return std::getenv(name); });
+  if (!assignment.ok()) {
+    std::cerr << "tessera-trainer: " << assignment.status() << "\n";
+    return 2;
+  }
+  *task.mutable_assignment() = *assignment;
+
+  std::unique_ptr<tessera::trainer::Reporter> reporter;
+  if (!task.report_socket().empty()) {
+    auto socket = tessera::trainer::SocketReporter::Connect(task.report_socket());
+    if (!socket.ok()) {
+      std::cerr << "tessera-trainer: " << socket.status() << "\n";
+      return 2;
+    }
+    reporter = std::move(*socket);
+  } else {
+    reporter = std::make_unique<tessera::trainer::JsonLinesReporter>(std::cout);
+  }
+  auto result = tessera::trainer::RunTraining(task, *reporter, {.log = &std::cerr});
+  if (!result.ok()) {
+    std::cerr << "tessera-trainer: " << result.status() << "\n";
+    return 1;
+  }
+  return 0;
 }

@@ -25,9 +25,11 @@ ExitInfo DecodeWaitStatus(int status) {
   return info;
 }
 
-// Spawns argv with stdout and stderr both on one new pipe, whose read end
-// is returned in `read_fd`.
-absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, int* read_fd, bool merge_stdout) {
+// Spawns argv with stderr (and stdout when `merge_stdout`) on one new pipe,
+// whose read end is returned in `read_fd`; `extra_env` entries override the
+// inherited environment.
+absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, int* read_fd, bool merge_stdout,
+                            const std::vector<std::string>& extra_env = {}) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError(strerror(errno));
   posix_spawn_file_actions_t actions;
@@ -37,8 +39,20 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, int* read_fd, 
   std::vector<char*> args;
   for (const auto& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
   args.push_back(nullptr);
+  std::vector<std::string> env_entries;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    std::string text = *entry;
+    std::string name = text.substr(0, text.find('='));
+    bool replaced = false;
+    for (const auto& extra : extra_env) replaced |= extra.substr(0, extra.find('=')) == name;
+    if (!replaced) env_entries.push_back(text);
+  }
+  env_entries.insert(env_entries.end(), extra_env.begin(), extra_env.end());
+  std::vector<char*> envp;
+  for (auto& entry : env_entries) envp.push_back(entry.data());
+  envp.push_back(nullptr);
   pid_t pid = 0;
-  int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), envp.data());
   posix_spawn_file_actions_destroy(&actions);
   close(fds[1]);
   if (rc != 0) {
@@ -56,9 +70,10 @@ std::string BinDir() {
   return dir != nullptr ? dir : TESSERA_DEFAULT_BIN_DIR;
 }
 
-absl::StatusOr<Subprocess> Subprocess::Start(const std::vector<std::string>& argv) {
+absl::StatusOr<Subprocess> Subprocess::Start(const std::vector<std::string>& argv,
+                                             const SubprocessOptions& options) {
   int fd = -1;
-  auto pid = Spawn(argv, &fd, /*merge_stdout=*/false);
+  auto pid = Spawn(argv, &fd, options.merge_stdout, options.extra_env);
   if (!pid.ok()) return pid.status();
   return Subprocess(*pid, fd);
 }
@@ -120,6 +135,11 @@ absl::StatusOr<std::string> Subprocess::WaitForStderrLine(const std::string& nee
 absl::StatusOr<ExitInfo> Subprocess::Stop(int signal_number, absl::Duration timeout) {
   if (pid_ <= 0) return absl::FailedPreconditionError("process already stopped");
   kill(pid_, signal_number);
+  return Wait(timeout);
+}
+
+absl::StatusOr<ExitInfo> Subprocess::Wait(absl::Duration timeout) {
+  if (pid_ <= 0) return absl::FailedPreconditionError("process already stopped");
   absl::Time deadline = absl::Now() + timeout;
   while (absl::Now() < deadline) {
     int status = 0;

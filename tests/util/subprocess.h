@@ -20,11 +20,19 @@ struct ExitInfo {
   int signal = 0;
 };
 
+struct SubprocessOptions {
+  // Capture stdout together with stderr (stderr_text() holds both).
+  bool merge_stdout = false;
+  // NAME=VALUE entries added to (or replacing in) the inherited environment.
+  std::vector<std::string> extra_env;
+};
+
 // Thread safety: one thread at a time.
 class Subprocess {
  public:
   // Starts `argv[0]` (a path) with `argv`.
-  static absl::StatusOr<Subprocess> Start(const std::vector<std::string>& argv);
+  static absl::StatusOr<Subprocess> Start(const std::vector<std::string>& argv,
+                                          const SubprocessOptions& options = {});
 
   Subprocess(Subprocess&& other) noexcept;
   Subprocess& operator=(Subprocess&&) = delete;
@@ -42,6 +50,10 @@ class Subprocess {
   // Sends `signal_number` and waits up to `timeout` for the exit;
   // DEADLINE_EXCEEDED (after SIGKILL) if it does not go.
   absl::StatusOr<ExitInfo> Stop(int signal_number, absl::Duration timeout = absl::Seconds(30));
+
+  // Waits up to `timeout` for the process to exit by itself, reading its
+  // output meanwhile; DEADLINE_EXCEEDED (after SIGKILL) if it does not.
+  absl::StatusOr<ExitInfo> Wait(absl::Duration timeout);
 
   // Everything read from stderr so far.
   const std::string& stderr_text() const { return stderr_text_; }

@@ -1,0 +1,89 @@
+// The checkpoint directory protocol of a trainer job. A checkpoint of step S
+// lives in <root>/step-0000000S/: one or more shard files per rank (named by
+// ShardFileName, written by the training loop) plus manifest.pb, a binary
+// tessera.v1.CheckpointManifest listing every shard with its size and
+// SHA-256, and manifest.json, the same in JSON for people. Ranks write into
+// <root>/.staging-step-0000000S/; rank 0 then writes the manifest and renames
+// the staging directory into place, so a final directory is always complete.
+// A resuming trainer takes the newest checkpoint whose shards match its
+// manifest. No LibTorch here: plain files, protobuf and OpenSSL.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tessera/v1/checkpoint.pb.h"
+
+namespace tessera::trainer {
+
+// File names inside a checkpoint directory.
+inline constexpr char kManifestFileName[] = "manifest.pb";
+inline constexpr char kManifestJsonFileName[] = "manifest.json";
+// The manifest's format_version written and understood here.
+inline constexpr int kCheckpointFormatVersion = 1;
+
+// "step-00000100": eight digits, more when the step needs them.
+std::string CheckpointDirName(int64_t step);
+
+// "rank-00000.pt". A rank may write more files than this one as long as their
+// names start with "rank-NNNNN" (five or more digits), e.g. "rank-00000-optim.pt".
+std::string ShardFileName(int rank);
+
+// <root>/.staging-step-00000100: where every rank writes its shards of `step`.
+std::string StagingDir(const std::string& root, int64_t step);
+
+// Creates `root` if needed and an empty staging directory for `step`, removing
+// a stale one left by a crashed attempt, and returns its path. Called by rank 0
+// before a barrier; the other ranks compute the same path with StagingDir().
+absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step);
+
+// Rank 0, after every rank wrote its shards into StagingDir(root, step) and a
+// barrier: fills `manifest.shards` from the staging directory's files (rank
+// parsed from the "rank-NNNNN..." name, size, SHA-256), sets format_version,
+// step and create_time, writes manifest.pb and manifest.json, fsyncs the files
+// and the directory, and renames it to <root>/step-... (atomically replacing
+// a checkpoint of the same step). Then applies retention: with keep_last > 0,
+// complete checkpoints beyond the keep_last newest are deleted (the one just
+// committed is always kept); staging directories of older steps are deleted.
+// Retention is best-effort: its failures are reported on stderr, never undo
+// the commit. Returns the manifest as written.
+//
+// INVALID_ARGUMENT for world_size < 1, a manifest whose step is set and is not
+// `step`, or a file whose name is not a shard name; FAILED_PRECONDITION when
+// the staging directory is missing or some of the world_size ranks wrote no
+// shard (the message lists them) or a shard's rank is out of range.
+absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(const std::string& root, int64_t step,
+                                                        v1::CheckpointManifest manifest,
+                                                        int world_size, int keep_last);
+
+// Re-reads <dir>/manifest.pb and checks every shard it lists: the file exists,
+// its size and SHA-256 match. DATA_LOSS naming the file at fault, e.g.
+// "<dir>/rank-00001.pt: sha256 mismatch (manifest 3fa9..., file 77b0...)",
+// "<dir>/rank-00001.pt: size 1200 bytes, manifest says 4096",
+// "<dir>/manifest.pb: missing (incomplete checkpoint)",
+// "<dir>/manifest.pb: cannot parse". NOT_FOUND when `dir` does not exist.
+// Hashes every shard: costs a full read of the checkpoint.
+absl::StatusOr<v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir);
+
+struct FoundCheckpoint {
+  // Path of the checkpoint directory, <root>/step-....
+  std::string path;
+  v1::CheckpointManifest manifest;
+};
+
+// The newest (highest step) checkpoint under `root` that verifies. Corrupted
+// or partial ones are skipped, each adding one line to `*skipped` (may be
+// null) naming the directory and why; staging directories are never
+// considered. std::nullopt when there is none, including when `root` does not
+// exist; an error only when `root` cannot be listed.
+absl::StatusOr<std::optional<FoundCheckpoint>> FindLatestCheckpoint(
+    const std::string& root, std::vector<std::string>* skipped);
+
+// Paths of the complete checkpoints (those with a manifest.pb) under `root`,
+// newest first. Does not hash: a cheap listing. Empty when `root` is missing.
+std::vector<std::string> ListCheckpointDirs(const std::string& root);
+
+}  // namespace tessera::trainer

@@ -1,0 +1,123 @@
+// The decoder-only transformer a trainer rank trains: GPT-2 (LayerNorm, GELU, learned positions,
+// biases) or Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention, optional Qwen3 qk_norm) as
+// picked by ModelDims.architecture. Parameters are float32; the caller applies bf16 autocast, and
+// the numerically sensitive parts (norms, rotary, loss) compute in float32 regardless. Built from
+// dimensions that ResolveModel has validated and filled in; errors surface as c10::Error.
+#pragma once
+
+#include <torch/nn.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "tessera/v1/model.pb.h"
+
+namespace tessera::trainer {
+
+// Rotary cos and sin tables for positions [0, max_seq_len), each float32 [max_seq_len, head_dim],
+// in the rotate-half layout (frequency i at columns i and i + head_dim / 2). Computed in double so
+// long contexts keep precise angles.
+std::pair<torch::Tensor, torch::Tensor> RotaryTables(int64_t max_seq_len, int64_t head_dim,
+                                                     double theta);
+
+// Rotates x [..., seq, head_dim] by the tables' rows [seq, head_dim] for its positions, in float32,
+// and returns x's dtype.
+torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos,
+                          const torch::Tensor& sin);
+
+// x * rsqrt(mean(x^2) + eps) * weight over the last dimension, in float32; returns x's dtype.
+torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+// LayerNorm (GPT2, with bias) or RMSNorm (LLAMA, no bias) over the last dimension.
+class NormImpl : public torch::nn::Module {
+ public:
+  NormImpl(int64_t size, double eps, bool rms);
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  double eps_;
+  bool rms_;
+  torch::Tensor weight_;
+  torch::Tensor bias_;  // undefined for RMSNorm
+};
+TORCH_MODULE(Norm);
+
+// Causal self-attention of one block: fused qkv for GPT2, separate q/k/v with RoPE and
+// grouped-query attention for LLAMA.
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const v1::ModelDims& dims);
+  // x [batch, seq, hidden]; cos/sin [seq, head_dim] (undefined for GPT2).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  // The projection writing into the residual stream (gets the scaled init).
+  torch::nn::Linear& output_projection() { return out_; }
+
+ private:
+  bool llama_;
+  int64_t heads_, kv_heads_, head_dim_;
+  torch::nn::Linear qkv_{nullptr}, q_{nullptr}, k_{nullptr}, v_{nullptr}, out_{nullptr};
+  Norm q_norm_{nullptr}, k_norm_{nullptr};
+};
+TORCH_MODULE(Attention);
+
+// GELU MLP (GPT2) or SwiGLU (LLAMA).
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const v1::ModelDims& dims);
+  torch::Tensor forward(const torch::Tensor& x);
+  // The projection writing into the residual stream (gets the scaled init).
+  torch::nn::Linear& output_projection() { return down_; }
+
+ private:
+  bool llama_;
+  torch::nn::Linear up_{nullptr}, gate_{nullptr}, down_{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+// Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const v1::ModelDims& dims);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  Attention& attention() { return attn_; }
+  Mlp& mlp() { return mlp_; }
+
+ private:
+  Norm attn_norm_{nullptr}, mlp_norm_{nullptr};
+  Attention attn_{nullptr};
+  Mlp mlp_{nullptr};
+};
+TORCH_MODULE(Block);
+
+// A decoder-only transformer (GPT2 or LLAMA family per dims.architecture), in float32 parameters.
+class CausalLMImpl : public torch::nn::Module {
+ public:
+  // dims must be resolved (ResolveModel output); init_std 0 means kDefaultInitStd. Initialisation
+  // draws from LibTorch's generator, so it is deterministic given torch::manual_seed.
+  CausalLMImpl(const v1::ModelDims& dims, double init_std);
+  // tokens: int64 [batch, seq] (seq <= max_seq_len) -> logits float [batch, seq, vocab]
+  torch::Tensor forward(const torch::Tensor& tokens);
+  // Mean next-token cross-entropy over all positions: logits of inputs vs targets, both int64
+  // [batch, seq]. Computed in float32. Targets of -100 are ignored.
+  torch::Tensor Loss(const torch::Tensor& inputs, const torch::Tensor& targets);
+  // Parameters that get weight decay (matrices and embeddings, dim >= 2) and those that do not
+  // (biases, norm weights).
+  std::vector<torch::Tensor> DecayParameters();
+  std::vector<torch::Tensor> NoDecayParameters();
+  const v1::ModelDims& dims() const { return dims_; }
+
+ private:
+  void Initialize(double init_std);
+
+  v1::ModelDims dims_;
+  torch::nn::Embedding embed_{nullptr};
+  torch::nn::Embedding pos_embed_{nullptr};  // GPT2 only
+  torch::nn::ModuleList layers_;
+  Norm final_norm_{nullptr};
+  torch::Tensor lm_head_;              // undefined when tied: the output reuses embed_'s weight
+  torch::Tensor rope_cos_, rope_sin_;  // LLAMA only; buffers, so they follow .to(device)
+};
+TORCH_MODULE(CausalLM);
+
+}  // namespace tessera::trainer

@@ -1,0 +1,34 @@
+// Model configuration: turns a ModelSpec (a named preset or explicit dimensions) into a
+// ModelSummary with every default filled in, validated, and sized (parameters, training FLOPs
+// per token). The coordinator plans memory and MFU from it and the trainer builds its module from
+// the resolved dimensions, so both agree on one model. Plain C++: no LibTorch here.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tessera/v1/model.pb.h"
+
+namespace tessera::trainer {
+
+// init_std used when ModelSpec.init_std is 0.
+inline constexpr double kDefaultInitStd = 0.02;
+
+// Resolves a spec to full dimensions: a preset by name, or explicit dims with defaults filled in.
+// Validates; every error is INVALID_ARGUMENT and names the field, e.g.
+// "model.preset: unknown preset 'gpt5'; known: gpt2-124m, ...",
+// "model.dims.num_kv_heads: 3 does not divide num_attention_heads 32",
+// "model.dims.hidden_size: must be > 0". seq_len > 0 is the training sequence length: it must be
+// <= max_seq_len ("data.seq_len: 2048 exceeds model max_seq_len 1024") and is used for
+// flops_per_token.
+absl::StatusOr<v1::ModelSummary> ResolveModel(const v1::ModelSpec& spec, int seq_len);
+
+// Exact parameter count of resolved dims (tied embeddings counted once).
+int64_t CountParameters(const v1::ModelDims& dims);
+
+// Names of all presets, sorted.
+std::vector<std::string> PresetNames();
+
+}  // namespace tessera::trainer

@@ -1,0 +1,460 @@
+// CausalLM against references computed another way: parameter counts from model_config, a
+// hand-written double-precision forward pass, grouped-query attention against multi-head
+// attention with repeated k/v weights, rotary relative-position invariance, and training steps.
+
+#include "trainer/model.h"
+
+#include <ATen/autocast_mode.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <numbers>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "trainer/device.h"
+#include "trainer/model_config.h"
+#include "trainer/torch_pch.h"
+
+namespace tessera::trainer {
+namespace {
+
+using ::tessera::testing::IsOk;
+using Tensor = torch::Tensor;
+
+v1::ModelDims PresetDims(const std::string& name) {
+  v1::ModelSpec spec;
+  spec.set_preset(name);
+  auto summary = ResolveModel(spec, 16);
+  EXPECT_THAT(summary, IsOk());
+  return summary.ok() ? summary->dims() : v1::ModelDims();
+}
+
+// Qwen3-shaped: qk_norm, tied, and head_dim (32) != hidden / heads (16).
+v1::ModelDims TinyQwenDims() {
+  v1::ModelSpec spec;
+  v1::ModelDims* dims = spec.mutable_dims();
+  dims->set_architecture(v1::ARCHITECTURE_LLAMA);
+  dims->set_num_layers(2);
+  dims->set_hidden_size(64);
+  dims->set_num_attention_heads(4);
+  dims->set_num_kv_heads(2);
+  dims->set_head_dim(32);
+  dims->set_ffn_hidden_size(128);
+  dims->set_vocab_size(257);
+  dims->set_max_seq_len(64);
+  dims->set_rope_theta(1e6);
+  dims->set_norm_eps(1e-6);
+  dims->set_tie_embeddings(true);
+  dims->set_qk_norm(true);
+  auto summary = ResolveModel(spec, 16);
+  EXPECT_THAT(summary, IsOk());
+  return summary.ok() ? summary->dims() : v1::ModelDims();
+}
+
+std::vector<std::pair<std::string, v1::ModelDims>> TinyModels() {
+  return {{"tiny-gpt2", PresetDims("tiny-gpt2")},
+          {"tiny-llama", PresetDims("tiny-llama")},
+          {"tiny-qwen", TinyQwenDims()}};
+}
+
+CausalLM MakeModel(const v1::ModelDims& dims, uint64_t seed = 7) {
+  torch::manual_seed(seed);
+  return CausalLM(dims, 0.02);
+}
+
+Tensor RandomTokens(const v1::ModelDims& dims, int64_t batch, int64_t seq) {
+  return torch::randint(dims.vocab_size(), {batch, seq}, torch::kLong);
+}
+
+int64_t NumelOf(const std::vector<Tensor>& tensors) {
+  int64_t total = 0;
+  for (const Tensor& t : tensors) total += t.numel();
+  return total;
+}
+
+// ---- A reference forward pass in float64, written without the module's helpers. ----
+
+class Reference {
+ public:
+  explicit Reference(CausalLM& model) : dims_(model->dims()) {
+    for (const auto& item : model->named_parameters()) {
+      params_[item.key()] = item.value().detach().to(torch::kFloat64);
+    }
+  }
+
+  Tensor Logits(const Tensor& tokens) {
+    const int64_t seq = tokens.size(1);
+    const bool llama = dims_.architecture() == v1::ARCHITECTURE_LLAMA;
+    Tensor h = P("embed.weight").index({tokens});
+    if (!llama) h = h + P("pos_embed.weight").slice(0, 0, seq);
+    for (int i = 0; i < dims_.num_layers(); ++i) {
+      const std::string prefix = "layers." + std::to_string(i) + ".";
+      h = h + Attention(Norm(h, prefix + "attn_norm"), prefix + "attn.", llama);
+      Tensor x = Norm(h, prefix + "mlp_norm");
+      if (llama) {
+        Tensor gate = Linear(x, prefix + "mlp.gate", false);
+        h = h + Linear(gate * torch::sigmoid(gate) * Linear(x, prefix + "mlp.up", false),
+                       prefix + "mlp.down", false);
+      } else {
+        Tensor u = Linear(x, prefix + "mlp.fc", true);
+        Tensor gelu =
+            0.5 * u *
+            (1 + torch::tanh(std::sqrt(2 / std::numbers::pi) * (u + 0.044715 * u.pow(3))));
+        h = h + Linear(gelu, prefix + "mlp.proj", true);
+      }
+    }
+    h = Norm(h, "final_norm");
+    Tensor head = dims_.tie_embeddings() ? P("embed.weight") : P("lm_head");
+    return torch::matmul(h, head.t());
+  }
+
+ private:
+  Tensor P(const std::string& name) {
+    auto it = params_.find(name);
+    if (it == params_.end()) {
+      ADD_FAILURE() << "no parameter " << name;
+      return Tensor();
+    }
+    return it->second;
+  }
+
+  Tensor Linear(const Tensor& x, const std::string& name, bool bias) {
+    Tensor y = torch::matmul(x, P(name + ".weight").t());
+    return bias ? y + P(name + ".bias") : y;
+  }
+
+  Tensor Norm(const Tensor& x, const std::string& name) {
+    if (dims_.architecture() == v1::ARCHITECTURE_LLAMA) {
+      return x / torch::sqrt((x * x).mean(-1, true) + dims_.norm_eps()) * P(name + ".weight");
+    }
+    Tensor centered = x - x.mean(-1, true);
+    Tensor variance = (centered * centered).mean(-1, true);
+    return centered / torch::sqrt(variance + dims_.norm_eps()) * P(name + ".weight") +
+           P(name + ".bias");
+  }
+
+  // x [batch, seq, heads, head_dim]: pairs (i, i + half) rotate by position * theta^(-2i/hd).
+  Tensor Rotate(const Tensor& x) {
+    const int64_t seq = x.size(1), hd = x.size(3), half = hd / 2;
+    Tensor cos = torch::empty({seq, half}, torch::kFloat64);
+    Tensor sin = torch::empty({seq, half}, torch::kFloat64);
+    for (int64_t p = 0; p < seq; ++p) {
+      for (int64_t i = 0; i < half; ++i) {
+        double angle = p * std::pow(dims_.rope_theta(), -2.0 * i / hd);
+        cos[p][i] = std::cos(angle);
+        sin[p][i] = std::sin(angle);
+      }
+    }
+    cos = cos.unsqueeze(1);
+    sin = sin.unsqueeze(1);
+    Tensor a = x.slice(3, 0, half), b = x.slice(3, half, hd);
+    return torch::cat({a * cos - b * sin, b * cos + a * sin}, 3);
+  }
+
+  Tensor Attention(const Tensor& x, const std::string& prefix, bool llama) {
+    const int64_t batch = x.size(0), seq = x.size(1);
+    const int64_t heads = dims_.num_attention_heads(), kv_heads = dims_.num_kv_heads();
+    const int64_t hd = dims_.head_dim();
+    Tensor q, k, v;
+    if (llama) {
+      q = Linear(x, prefix + "q", false).view({batch, seq, heads, hd});
+      k = Linear(x, prefix + "k", false).view({batch, seq, kv_heads, hd});
+      v = Linear(x, prefix + "v", false).view({batch, seq, kv_heads, hd});
+      if (dims_.qk_norm()) {
+        auto rms = [&](const Tensor& t, const std::string& name) {
+          return t / torch::sqrt((t * t).mean(-1, true) + dims_.norm_eps()) * P(name);
+        };
+        q = rms(q, prefix + "q_norm.weight");
+        k = rms(k, prefix + "k_norm.weight");
+      }
+      q = Rotate(q);
+      k = Rotate(k);
+    } else {
+      Tensor qkv = Linear(x, prefix + "qkv", true);
+      q = qkv.slice(2, 0, heads * hd).view({batch, seq, heads, hd});
+      k = qkv.slice(2, heads * hd, 2 * heads * hd).view({batch, seq, heads, hd});
+      v = qkv.slice(2, 2 * heads * hd, 3 * heads * hd).view({batch, seq, heads, hd});
+    }
+    Tensor mask = torch::ones({seq, seq}, torch::kBool).triu(1);
+    std::vector<Tensor> outputs;
+    for (int64_t head = 0; head < heads; ++head) {
+      const int64_t kv = head / (heads / kv_heads);  // query heads share kv heads in groups
+      Tensor qh = q.select(2, head), kh = k.select(2, kv), vh = v.select(2, kv);
+      Tensor scores = torch::matmul(qh, kh.transpose(1, 2)) / std::sqrt(static_cast<double>(hd));
+      scores = scores.masked_fill(mask, -std::numeric_limits<double>::infinity());
+      outputs.push_back(torch::matmul(torch::softmax(scores, -1), vh));
+    }
+    return Linear(torch::cat(outputs, 2), prefix + (llama ? "o" : "proj"), !llama);
+  }
+
+  v1::ModelDims dims_;
+  std::map<std::string, Tensor> params_;
+};
+
+TEST(ModelTest, ParameterCountMatchesConfig) {
+  auto models = TinyModels();
+  models.emplace_back("gpt2-124m", PresetDims("gpt2-124m"));
+  for (const auto& [name, dims] : models) {
+    CausalLM model(dims, 0.02);
+    std::vector<Tensor> params = model->parameters();
+    EXPECT_EQ(NumelOf(params), CountParameters(dims)) << name;
+    std::set<const void*> storages;
+    for (const Tensor& p : params) storages.insert(p.data_ptr());
+    EXPECT_EQ(storages.size(), params.size()) << name << ": a tensor is listed twice";
+    EXPECT_EQ(NumelOf(model->DecayParameters()) + NumelOf(model->NoDecayParameters()),
+              NumelOf(params))
+        << name;
+    for (const Tensor& p : model->NoDecayParameters()) EXPECT_EQ(p.dim(), 1) << name;
+    EXPECT_EQ(model->named_parameters().contains("lm_head"), !dims.tie_embeddings()) << name;
+  }
+  EXPECT_EQ(CountParameters(PresetDims("gpt2-124m")), 124'439'808);
+}
+
+TEST(ModelTest, DecayGroupsSplitMatricesFromVectors) {
+  CausalLM model = MakeModel(PresetDims("tiny-gpt2"));
+  // Matrices: wte, wpe and 4 linears per layer. Vectors: 2 norms * 2 + 4 biases per layer, ln_f
+  // * 2.
+  EXPECT_EQ(model->DecayParameters().size(), 2u + 2 * 4);
+  EXPECT_EQ(model->NoDecayParameters().size(), 2u * 8 + 2);
+}
+
+TEST(ModelTest, ForwardShapes) {
+  for (const auto& [name, dims] : TinyModels()) {
+    CausalLM model = MakeModel(dims);
+    Tensor logits = model->forward(RandomTokens(dims, 3, 11));
+    EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{3, 11, dims.vocab_size()})) << name;
+    EXPECT_EQ(logits.scalar_type(), torch::kFloat32) << name;
+    EXPECT_TRUE(logits.isfinite().all().item<bool>()) << name;
+  }
+}
+
+TEST(ModelTest, MatchesReferenceForward) {
+  for (const auto& [name, dims] : TinyModels()) {
+    // A larger init than the default so that attention is far from uniform and every term matters.
+    torch::manual_seed(3);
+    CausalLM model(dims, 0.2);
+    Tensor tokens = RandomTokens(dims, 2, 9);
+    Tensor logits = model->forward(tokens).to(torch::kFloat64);
+    Tensor expected = Reference(model).Logits(tokens);
+    EXPECT_LT((logits - expected).abs().max().item<double>(),
+              1e-4 * expected.abs().max().item<double>())
+        << name;
+  }
+}
+
+TEST(ModelTest, IsCausal) {
+  for (const auto& [name, dims] : TinyModels()) {
+    CausalLM model = MakeModel(dims);
+    torch::NoGradGuard no_grad;
+    Tensor tokens = RandomTokens(dims, 2, 12);
+    const int64_t t = 7;
+    Tensor changed = tokens.clone();
+    changed.index_put_({torch::indexing::Slice(), t},
+                       (tokens.index({torch::indexing::Slice(), t}) + 1) % dims.vocab_size());
+    Tensor before = model->forward(tokens), after = model->forward(changed);
+    using torch::indexing::Slice;
+    EXPECT_TRUE(torch::allclose(before.index({Slice(), Slice(0, t)}),
+                                after.index({Slice(), Slice(0, t)}), 0, 1e-6))
+        << name << ": a later token changed earlier logits";
+    for (int64_t pos = t; pos < 12; ++pos) {
+      EXPECT_FALSE(torch::allclose(before.select(1, pos), after.select(1, pos)))
+          << name << ": position " << pos << " ignores token " << t;
+    }
+  }
+}
+
+TEST(ModelTest, GroupedQueryAttentionEqualsMultiHeadWithRepeatedKv) {
+  for (int kv_heads : {1, 2}) {
+    v1::ModelDims gqa = PresetDims("tiny-llama");
+    gqa.set_num_kv_heads(kv_heads);
+    v1::ModelDims mha = gqa;
+    mha.set_num_kv_heads(gqa.num_attention_heads());
+    torch::manual_seed(5);
+    CausalLM grouped(gqa, 0.2), full(mha, 0.2);
+    const int64_t group = gqa.num_attention_heads() / kv_heads, hd = gqa.head_dim();
+    {
+      torch::NoGradGuard no_grad;
+      auto source = grouped->named_parameters();
+      for (auto& item : full->named_parameters()) {
+        Tensor from = source[item.key()];
+        const std::string& key = item.key();
+        const bool is_kv = key.ends_with("attn.k.weight") || key.ends_with("attn.v.weight");
+        if (is_kv) {
+          // Rows of kv head j serve query heads j*group .. j*group+group-1.
+          from =
+              from.view({kv_heads, hd, -1}).repeat_interleave(group, 0).reshape({-1, from.size(1)});
+        }
+        item.value().copy_(from);
+      }
+    }
+    Tensor tokens = RandomTokens(gqa, 2, 10);
+    EXPECT_TRUE(torch::allclose(grouped->forward(tokens), full->forward(tokens), 1e-5, 1e-5))
+        << "kv_heads " << kv_heads;
+  }
+}
+
+TEST(ModelTest, InitialLossIsNearLogVocab) {
+  for (const auto& [name, dims] : TinyModels()) {
+    CausalLM model = MakeModel(dims);
+    Tensor inputs = RandomTokens(dims, 4, 32), targets = RandomTokens(dims, 4, 32);
+    Tensor loss = model->Loss(inputs, targets);
+    EXPECT_EQ(loss.dim(), 0);
+    EXPECT_NEAR(loss.item<double>(), std::log(dims.vocab_size()), 0.5) << name;
+    // Against log-softmax picked at the targets.
+    Tensor log_probs = torch::log_softmax(model->forward(inputs).to(torch::kFloat64), -1);
+    double expected = -log_probs.gather(-1, targets.unsqueeze(-1)).mean().item<double>();
+    EXPECT_NEAR(loss.item<double>(), expected, 1e-5) << name;
+  }
+}
+
+TEST(ModelTest, RotaryScoresDependOnlyOnRelativePosition) {
+  const int64_t seq = 64, hd = 32;
+  auto [cos, sin] = RotaryTables(seq, hd, 10000);
+  ASSERT_EQ(cos.sizes(), (std::vector<int64_t>{seq, hd}));
+  torch::manual_seed(11);
+  // The same query and key vector at every position: rotation is the only thing that varies.
+  Tensor q = ApplyRotary(torch::randn({hd}).expand({seq, hd}), cos, sin);
+  Tensor k = ApplyRotary(torch::randn({hd}).expand({seq, hd}), cos, sin);
+  Tensor scores = torch::matmul(q, k.t());
+  for (auto [i, j] : std::vector<std::pair<int, int>>{{5, 2}, {9, 9}, {3, 17}, {40, 1}}) {
+    for (int shift : {1, 7, 20}) {
+      EXPECT_NEAR(scores[i][j].item<double>(), scores[i + shift][j + shift].item<double>(), 1e-4)
+          << "(" << i << ", " << j << ") shifted by " << shift;
+    }
+  }
+  // And they do depend on the relative position.
+  EXPECT_GT(std::abs(scores[5][2].item<double>() - scores[5][4].item<double>()), 1e-3);
+  // Position 0 is the identity; every rotation preserves length.
+  Tensor x = torch::randn({seq, hd});
+  Tensor rotated = ApplyRotary(x, cos, sin);
+  EXPECT_TRUE(torch::allclose(rotated[0], x[0]));
+  EXPECT_TRUE(torch::allclose(rotated.norm(2, -1), x.norm(2, -1), 1e-5, 1e-5));
+  // Rotate-half layout: the first pair (0, hd/2) turns by exactly one radian at position 1.
+  EXPECT_NEAR(cos[1][0].item<double>(), std::cos(1.0), 1e-7);
+  EXPECT_NEAR(cos[1][hd / 2].item<double>(), std::cos(1.0), 1e-7);
+  EXPECT_NEAR(sin[3][1].item<double>(), std::sin(3 * std::pow(10000.0, -2.0 / hd)), 1e-7);
+}
+
+TEST(ModelTest, RmsNormMatchesFormulaAndKeepsDtype) {
+  torch::manual_seed(2);
+  Tensor x = torch::randn({3, 5, 16}), w = torch::randn({16});
+  Tensor x64 = x.to(torch::kFloat64);
+  Tensor expected = x64 / torch::sqrt(x64.pow(2).mean(-1, true) + 1e-6) * w.to(torch::kFloat64);
+  EXPECT_TRUE(torch::allclose(RmsNorm(x, w, 1e-6).to(torch::kFloat64), expected, 1e-5, 1e-6));
+  EXPECT_EQ(RmsNorm(x.to(torch::kBFloat16), w, 1e-6).scalar_type(), torch::kBFloat16);
+}
+
+TEST(ModelTest, InitializationIsSeededAndScaled) {
+  v1::ModelDims dims = PresetDims("tiny-gpt2");
+  CausalLM a = MakeModel(dims, 1), b = MakeModel(dims, 1), c = MakeModel(dims, 2);
+  auto pa = a->parameters(), pb = b->parameters(), pc = c->parameters();
+  bool any_differs = false;
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(torch::equal(pa[i], pb[i])) << "parameter " << i;
+    any_differs |= !torch::equal(pa[i], pc[i]);
+  }
+  EXPECT_TRUE(any_differs) << "another seed gave the same model";
+
+  // Larger tensors for stable statistics.
+  v1::ModelDims wide = dims;
+  wide.set_hidden_size(256);
+  wide.set_ffn_hidden_size(1024);
+  wide.set_head_dim(64);
+  torch::manual_seed(3);
+  CausalLM model(wide, 0.05);
+  auto named = model->named_parameters();
+  EXPECT_NEAR(named["embed.weight"].std().item<double>(), 0.05, 0.002);
+  EXPECT_NEAR(named["layers.0.attn.qkv.weight"].std().item<double>(), 0.05, 0.002);
+  EXPECT_NEAR(named["layers.1.mlp.proj.weight"].std().item<double>(), 0.05 / 2, 0.002);
+  EXPECT_NEAR(named["layers.0.attn.proj.weight"].std().item<double>(), 0.05 / 2, 0.002);
+  EXPECT_TRUE(torch::equal(named["layers.0.attn.qkv.bias"],
+                           torch::zeros_like(named["layers.0.attn.qkv.bias"])));
+  EXPECT_TRUE(torch::equal(named["final_norm.weight"], torch::ones({256})));
+  EXPECT_TRUE(torch::equal(named["final_norm.bias"], torch::zeros({256})));
+}
+
+TEST(ModelTest, AdamWStepsOnARepeatedBatchLowerTheLoss) {
+  for (const auto& [name, dims] : TinyModels()) {
+    CausalLM model = MakeModel(dims);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(model->DecayParameters(),
+                        std::make_unique<torch::optim::AdamWOptions>(
+                            torch::optim::AdamWOptions(3e-3).weight_decay(0.1)));
+    groups.emplace_back(model->NoDecayParameters(),
+                        std::make_unique<torch::optim::AdamWOptions>(
+                            torch::optim::AdamWOptions(3e-3).weight_decay(0.0)));
+    torch::optim::AdamW optimizer(std::move(groups));
+    Tensor tokens = RandomTokens(dims, 4, 33);
+    using torch::indexing::Slice;
+    Tensor inputs = tokens.index({Slice(), Slice(0, 32)}),
+           targets = tokens.index({Slice(), Slice(1)});
+    double first = 0, last = 0;
+    for (int step = 0; step < 10; ++step) {
+      optimizer.zero_grad();
+      Tensor loss = model->Loss(inputs, targets);
+      loss.backward();
+      optimizer.step();
+      (step == 0 ? first : last) = loss.item<double>();
+    }
+    EXPECT_LT(last, first - 0.3) << name;
+    for (const Tensor& p : model->parameters()) ASSERT_TRUE(p.grad().defined()) << name;
+  }
+}
+
+TEST(ModelTest, Bf16AutocastTracksFloat32) {
+  for (const auto& [name, dims] : TinyModels()) {
+    CausalLM model = MakeModel(dims);
+    Tensor inputs = RandomTokens(dims, 2, 16), targets = RandomTokens(dims, 2, 16);
+    const double reference = model->Loss(inputs, targets).item<double>();
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    Tensor loss = model->Loss(inputs, targets);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    EXPECT_EQ(loss.scalar_type(), torch::kFloat32) << name;
+    EXPECT_NEAR(loss.item<double>(), reference, 0.05) << name;
+    loss.backward();
+    for (const Tensor& p : model->parameters()) {
+      ASSERT_TRUE(p.grad().defined()) << name;
+      EXPECT_EQ(p.grad().scalar_type(), torch::kFloat32) << name;
+    }
+  }
+}
+
+TEST(ModelTest, RejectsTooLongSequence) {
+  v1::ModelDims dims = PresetDims("tiny-llama");
+  CausalLM model = MakeModel(dims);
+  EXPECT_THROW(model->forward(RandomTokens(dims, 1, dims.max_seq_len() + 1)), c10::Error);
+  EXPECT_NO_THROW(model->forward(RandomTokens(dims, 1, dims.max_seq_len())));
+  EXPECT_THROW(CausalLM(v1::ModelDims(), 0.02), c10::Error);
+}
+
+TEST(ModelTest, CudaMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
+  for (const auto& [name, dims] : TinyModels()) {
+    CausalLM model = MakeModel(dims);
+    Tensor inputs = RandomTokens(dims, 2, 64), targets = RandomTokens(dims, 2, 64);
+    const double cpu_loss = model->Loss(inputs, targets).item<double>();
+    model->to(torch::kCUDA);
+    Tensor gpu_inputs = inputs.to(torch::kCUDA), gpu_targets = targets.to(torch::kCUDA);
+    EXPECT_NEAR(model->Loss(gpu_inputs, gpu_targets).item<double>(), cpu_loss, 1e-3) << name;
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    Tensor loss = model->Loss(gpu_inputs, gpu_targets);
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+    EXPECT_NEAR(loss.item<double>(), cpu_loss, 0.05) << name;
+    loss.backward();
+    for (const Tensor& p : model->parameters()) ASSERT_TRUE(p.grad().defined()) << name;
+  }
+}
+
+}  // namespace
+}  // namespace tessera::trainer

@@ -1,0 +1,257 @@
+#include "trainer/prepare.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "trainer/data_loader.h"
+#include "trainer/token_shard.h"
+#include "trainer/tokenizer.h"
+
+namespace tessera::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using ::tessera::testing::IsOk;
+using ::tessera::testing::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::SizeIs;
+
+constexpr uint32_t kEos = 256;
+
+std::string TestDir() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const fs::path dir =
+      fs::path(::testing::TempDir()) /
+      absl::StrCat("tessera_", info->test_suite_name(), "_", info->name(), "_", getpid());
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir.string();
+}
+
+std::string WriteFile(const std::string& path, const std::string& contents) {
+  std::ofstream(path, std::ios::binary) << contents;
+  return path;
+}
+
+std::vector<uint32_t> Bytes(const std::string& text) {
+  return std::vector<uint32_t>(reinterpret_cast<const unsigned char*>(text.data()),
+                               reinterpret_cast<const unsigned char*>(text.data()) + text.size());
+}
+
+// The tokens of `paths`, concatenated.
+std::vector<uint32_t> ReadShards(const std::vector<std::string>& paths) {
+  std::vector<uint32_t> tokens;
+  for (const std::string& path : paths) {
+    absl::StatusOr<TokenShard> shard = TokenShard::Open(path);
+    EXPECT_THAT(shard, IsOk());
+    if (!shard.ok()) continue;
+    for (uint64_t i = 0; i < shard->size(); ++i) tokens.push_back(shard->token(i));
+  }
+  return tokens;
+}
+
+TEST(PrepareTest, TextFilesAreDocumentsEndedByEos) {
+  const std::string dir = TestDir();
+  const std::string a = "hello world\n";
+  const std::string b = "h\xc3\xa9llo";
+  PrepareOptions options;
+  options.inputs = {WriteFile(dir + "/a.txt", a), WriteFile(dir + "/b.txt", b)};
+  options.output_dir = dir + "/out";
+  options.val_fraction = 0;
+  absl::StatusOr<PrepareResult> result = PrepareData(options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->vocab_size, 257u);
+  EXPECT_EQ(result->train_tokens, a.size() + b.size() + 2);
+  EXPECT_EQ(result->val_tokens, 0u);
+  EXPECT_THAT(result->train_shards, ElementsAre(dir + "/out/train-00000.bin"));
+  EXPECT_THAT(result->val_shards, SizeIs(0));
+  std::vector<uint32_t> expected = Bytes(a);
+  expected.push_back(kEos);
+  for (uint32_t t : Bytes(b)) expected.push_back(t);
+  expected.push_back(kEos);
+  EXPECT_EQ(ReadShards(result->train_shards), expected);
+}
+
+TEST(PrepareTest, SplitsValidationFromTheEndAndCutsShards) {
+  const std::string dir = TestDir();
+  std::string text;
+  for (int i = 0; i < 1000; ++i) text.push_back(static_cast<char>('a' + i % 26));
+  PrepareOptions options;
+  options.inputs = {WriteFile(dir + "/corpus.txt", text)};
+  options.output_dir = dir + "/out";
+  options.val_fraction = 0.1;
+  options.tokens_per_shard = 300;
+  // A shard of an earlier, larger run: must not survive into this run's glob.
+  fs::create_directories(dir + "/out");
+  WriteFile(dir + "/out/train-00009.bin", "stale");
+  WriteFile(dir + "/out/notes.txt", "kept");
+
+  absl::StatusOr<PrepareResult> result = PrepareData(options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->val_tokens, 100u);  // round(1001 * 0.1)
+  EXPECT_EQ(result->train_tokens, 901u);
+  EXPECT_THAT(result->train_shards,
+              ElementsAre(dir + "/out/train-00000.bin", dir + "/out/train-00001.bin",
+                          dir + "/out/train-00002.bin", dir + "/out/train-00003.bin"));
+  EXPECT_THAT(result->val_shards, ElementsAre(dir + "/out/val-00000.bin"));
+  EXPECT_FALSE(fs::exists(dir + "/out/train-00009.bin"));
+  EXPECT_TRUE(fs::exists(dir + "/out/notes.txt"));
+
+  std::vector<uint32_t> expected = Bytes(text);
+  expected.push_back(kEos);
+  std::vector<uint32_t> train = ReadShards(result->train_shards);
+  const std::vector<uint32_t> val = ReadShards(result->val_shards);
+  EXPECT_EQ(train.size(), 901u);
+  train.insert(train.end(), val.begin(), val.end());
+  EXPECT_EQ(train, expected);
+}
+
+TEST(PrepareTest, JsonlRecordsBecomeDocuments) {
+  const std::string dir = TestDir();
+  PrepareOptions options;
+  options.inputs = {WriteFile(dir + "/sft.jsonl",
+                              "{\"text\": \"plain\"}\n"
+                              "{\"instruction\": \"Q?\", \"response\": \"A.\"}\n"
+                              "\n"
+                              "{\"prompt\": \"P\", \"completion\": \"C\", \"id\": 3}\n")};
+  options.output_dir = dir + "/out";
+  options.val_fraction = 0;
+  absl::StatusOr<PrepareResult> result = PrepareData(options);
+  ASSERT_THAT(result, IsOk());
+  const std::unique_ptr<Tokenizer> bytes = MakeByteTokenizer();
+  const std::vector<uint32_t> tokens = ReadShards(result->train_shards);
+  EXPECT_EQ(bytes->Decode(tokens), "plainQ?\n\nA.P\n\nC");
+  EXPECT_EQ(std::count(tokens.begin(), tokens.end(), kEos), 3);
+  EXPECT_EQ(tokens.back(), kEos);
+}
+
+TEST(PrepareTest, MalformedJsonlNamesFileAndLine) {
+  const std::string dir = TestDir();
+  PrepareOptions options;
+  options.output_dir = dir + "/out";
+  options.inputs = {WriteFile(dir + "/bad.jsonl",
+                              "{\"text\": \"fine\"}\n{\"text\": \"fine\"}\n{\"text\": broken\n")};
+  EXPECT_THAT(PrepareData(options), StatusIs(absl::StatusCode::kInvalidArgument,
+                                             HasSubstr(dir + "/bad.jsonl:3: malformed JSON")));
+  options.inputs = {WriteFile(dir + "/fields.jsonl", "{\"text\": \"fine\"}\n{\"title\": \"x\"}\n")};
+  EXPECT_THAT(PrepareData(options), StatusIs(absl::StatusCode::kInvalidArgument,
+                                             HasSubstr(dir + "/fields.jsonl:2: expected")));
+  options.inputs = {WriteFile(dir + "/type.jsonl", "{\"text\": 5}\n")};
+  EXPECT_THAT(PrepareData(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(dir + "/type.jsonl:1: field \"text\" is not a string")));
+  // A .txt file holding JSON is text when format is auto, JSONL when asked.
+  options.inputs = {WriteFile(dir + "/records.txt", "{\"text\": broken\n")};
+  EXPECT_THAT(PrepareData(options), IsOk());
+  options.format = "jsonl";
+  EXPECT_THAT(PrepareData(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(dir + "/records.txt:1")));
+}
+
+TEST(PrepareTest, BadOptionsNameTheOption) {
+  const std::string dir = TestDir();
+  PrepareOptions options;
+  options.output_dir = dir + "/out";
+  options.inputs = {dir + "/missing.txt"};
+  EXPECT_THAT(PrepareData(options),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr(dir + "/missing.txt")));
+  options.inputs = {WriteFile(dir + "/a.txt", "text")};
+  options.tokenizer = dir + "/missing.model";
+  EXPECT_THAT(PrepareData(options),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr(dir + "/missing.model")));
+  options.tokenizer = "byte";
+  options.format = "csv";
+  EXPECT_THAT(PrepareData(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("format")));
+  options.format = "auto";
+  options.val_fraction = 1.0;
+  EXPECT_THAT(PrepareData(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("val_fraction")));
+  options.val_fraction = 0.05;
+  options.inputs = {WriteFile(dir + "/empty.txt", "")};
+  EXPECT_THAT(PrepareData(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no text")));
+}
+
+TEST(PrepareTest, SentencePieceTokenizerEncodesDocuments) {
+  const std::string dir = TestDir();
+  std::ifstream in(std::string(TESSERA_CORPUS_DIR) + "/kjv-genesis-ruth.txt");
+  std::string sample(30000, '\0');
+  in.read(sample.data(), static_cast<std::streamsize>(sample.size()));
+  const std::string train_text = WriteFile(dir + "/spm_train.txt", sample);
+  ASSERT_THAT(TrainSentencePieceModel("--input=" + train_text + " --model_prefix=" + dir +
+                                      "/spm --vocab_size=400 --model_type=bpe --minloglevel=2 "
+                                      // Keep newlines: no whitespace folding, bytes for "\n".
+                                      "--normalization_rule_name=identity "
+                                      "--remove_extra_whitespaces=false --byte_fallback=true"),
+              IsOk());
+  PrepareOptions options;
+  options.inputs = {
+      WriteFile(dir + "/a.txt", "In the beginning God created the heaven."),
+      WriteFile(dir + "/b.jsonl", "{\"prompt\": \"Who\", \"completion\": \"Moses\"}\n")};
+  options.output_dir = dir + "/out";
+  options.tokenizer = dir + "/spm.model";
+  options.val_fraction = 0;
+  absl::StatusOr<PrepareResult> result = PrepareData(options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->vocab_size, 400u);
+  const std::vector<uint32_t> tokens = ReadShards(result->train_shards);
+  ASSERT_EQ(tokens.size(), result->train_tokens);
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer =
+      LoadSentencePieceTokenizer(dir + "/spm.model");
+  ASSERT_THAT(tokenizer, IsOk());
+  const uint32_t eos = (*tokenizer)->eos_id();
+  ASSERT_EQ(std::count(tokens.begin(), tokens.end(), eos), 2);
+  const auto first_eos = std::find(tokens.begin(), tokens.end(), eos);
+  EXPECT_EQ((*tokenizer)->Decode(std::vector<uint32_t>(tokens.begin(), first_eos)),
+            "In the beginning God created the heaven.");
+  EXPECT_EQ((*tokenizer)->Decode(std::vector<uint32_t>(first_eos + 1, tokens.end())),
+            "Who\n\nMoses");
+}
+
+TEST(PrepareTest, BundledCorpusPreparesWithTheByteTokenizer) {
+  const std::string corpus = std::string(TESSERA_CORPUS_DIR) + "/kjv-genesis-ruth.txt";
+  ASSERT_TRUE(fs::exists(corpus)) << corpus;
+  const uint64_t bytes = fs::file_size(corpus);
+  EXPECT_GT(bytes, 500'000u);
+  EXPECT_LT(bytes, 2'000'000u);
+
+  const std::string dir = TestDir();
+  PrepareOptions options;
+  options.inputs = {corpus};
+  options.output_dir = dir + "/out";
+  options.tokens_per_shard = 1 << 18;
+  absl::StatusOr<PrepareResult> result = PrepareData(options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->train_tokens + result->val_tokens, bytes + 1);  // one document, one eos
+  EXPECT_NEAR(static_cast<double>(result->val_tokens), 0.05 * static_cast<double>(bytes), 1.0);
+  EXPECT_EQ(result->train_shards.size(), (result->train_tokens + (1 << 18) - 1) / (1 << 18));
+  EXPECT_THAT(result->val_shards, SizeIs(1));
+
+  absl::StatusOr<TokenDataset> train = TokenDataset::Open({dir + "/out/train-*.bin"}, 256);
+  ASSERT_THAT(train, IsOk());
+  EXPECT_EQ(train->vocab_size(), 257u);
+  std::vector<int64_t> window(257);
+  train->ReadSample(0, window.data());
+  std::string head;
+  for (int64_t t : window) head.push_back(static_cast<char>(t));
+  EXPECT_TRUE(head.starts_with("The Holy Bible, King James Version")) << head;
+  absl::StatusOr<TokenDataset> val =
+      TokenDataset::Open({dir + "/out/val-*.bin"}, 256, "data.val_shards");
+  ASSERT_THAT(val, IsOk());
+  EXPECT_GT(val->num_samples(), 100);
+}
+
+}  // namespace
+}  // namespace tessera::trainer

@@ -1,0 +1,17 @@
+# runtime part of tessera_trainer: the training loop, process groups, the
+# learning-rate schedule and the report channel (see CMakeLists.txt).
+
+# Debian's Gloo headers: c10d's ProcessGroupGloo.hpp includes them, and the
+# torch wheel does not ship them (docs/build.md).
+find_path(TESSERA_GLOO_INCLUDE_DIR gloo/algorithm.h REQUIRED)
+
+set(TESSERA_RUNTIME_PLAIN_SOURCES lr_schedule.cc reporter.cc)
+target_sources(tessera_trainer PRIVATE distributed.cc train.cc ${TESSERA_RUNTIME_PLAIN_SOURCES})
+set_source_files_properties(${TESSERA_RUNTIME_PLAIN_SOURCES} PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
+target_include_directories(tessera_trainer SYSTEM PRIVATE "${TESSERA_GLOO_INCLUDE_DIR}")
+
+if(TESSERA_BUILD_TESTS)
+  tessera_add_test(NAME runtime_test
+    SOURCES lr_schedule_test.cc reporter_test.cc
+    LIBS tessera::trainer)
+endif()

@@ -1,0 +1,93 @@
+#include "trainer/sha256.h"
+
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <openssl/sha.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace tessera::trainer {
+namespace {
+
+constexpr size_t kReadChunkBytes = 1 << 20;
+
+struct EvpMdCtxDeleter {
+  void operator()(EVP_MD_CTX* ctx) const { EVP_MD_CTX_free(ctx); }
+};
+using EvpMdCtxPtr = std::unique_ptr<EVP_MD_CTX, EvpMdCtxDeleter>;
+
+EvpMdCtxPtr NewSha256Context() {
+  EvpMdCtxPtr ctx(EVP_MD_CTX_new());
+  // Allocation or initialization of a built-in digest fails only when the
+  // process is out of memory.
+  if (ctx == nullptr || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) {
+    return nullptr;
+  }
+  return ctx;
+}
+
+std::string FinishHex(EVP_MD_CTX* ctx) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  EVP_DigestFinal_ex(ctx, digest, &length);
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), length));
+}
+
+absl::Status ErrnoStatus(int error, absl::string_view what) {
+  std::string message = absl::StrCat(what, ": ", std::strerror(error));
+  switch (error) {
+    case ENOENT:
+      return absl::NotFoundError(message);
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(message);
+    case EISDIR:
+      return absl::FailedPreconditionError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> Sha256File(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, path);
+  EvpMdCtxPtr ctx = NewSha256Context();
+  if (ctx == nullptr) {
+    ::close(fd);
+    return absl::ResourceExhaustedError(absl::StrCat(path, ": cannot create a SHA-256 context"));
+  }
+  std::vector<char> buffer(kReadChunkBytes);
+  while (true) {
+    ssize_t n = ::read(fd, buffer.data(), buffer.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int error = errno;
+      ::close(fd);
+      return ErrnoStatus(error, absl::StrCat(path, ": read"));
+    }
+    if (n == 0) break;
+    EVP_DigestUpdate(ctx.get(), buffer.data(), static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return FinishHex(ctx.get());
+}
+
+std::string Sha256Hex(std::string_view bytes) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), digest);
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(digest), sizeof(digest)));
+}
+
+}  // namespace tessera::trainer

@@ -1,0 +1,44 @@
+// The training loop of one rank: builds the model, data loader and optimizer
+// for a TrainerTask, joins the job's process group, resumes from the newest
+// complete checkpoint, trains with data-parallel gradient all-reduce
+// (c10d's Reducer: bucketed and overlapped with backward, skipped on
+// accumulation micro-steps), checkpoints, and reports every step.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "tessera/v1/trainer.pb.h"
+#include "trainer/reporter.h"
+
+namespace tessera::trainer {
+
+struct TrainOptions {
+  // Longest a rendezvous or collective may block (the task's
+  // collective_timeout_seconds wins when set).
+  absl::Duration collective_timeout = absl::Minutes(10);
+  // Human-readable progress and warnings (skipped checkpoints, ...).
+  std::ostream* log = nullptr;
+};
+
+struct TrainResult {
+  int64_t start_step = 0;
+  int64_t final_step = 0;
+  double final_loss = 0;
+  std::string resumed_from;
+};
+
+// Runs the task to max_steps. Every failure is also sent to `reporter` as a
+// typed TrainerFailure (NaN loss, out of memory, collective timeout, data or
+// checkpoint error, ...) before it is returned. `task.assignment` must be
+// resolved (ResolveRankAssignment).
+absl::StatusOr<TrainResult> RunTraining(const v1::TrainerTask& task, Reporter& reporter,
+                                        const TrainOptions& options);
+
+// Dense bf16 peak FLOP/s of a device by its name (0 when unknown, e.g. CPU),
+// the denominator of MFU.
+double PeakFlopsForDevice(const std::string& device_name);
+
+}  // namespace tessera::trainer
