@@ -21,7 +21,7 @@ readonly APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
-  libyaml-cpp-dev nlohmann-json3-dev libsqlite3-dev libsentencepiece-dev
+  libyaml-cpp-dev nlohmann-json3-dev libsqlite3-dev libsentencepiece-dev libgloo-dev
   libssl-dev python3-venv
 )
 
