@@ -199,9 +199,8 @@ TEST(CheckpointTest, ManifestRoundTrip) {
   manifest.mutable_data_position()->set_epoch(2);
   manifest.mutable_data_position()->set_samples_in_epoch(640);
   manifest.mutable_data_position()->set_seed(42);
-  v1::RngState* rng = manifest.add_rng_states();
-  rng->set_rank(0);
-  rng->set_cpu_state(std::string("\x00\x01\xff rng", 7));
+  manifest.mutable_model()->set_preset("tiny-gpt2");
+  manifest.mutable_model()->set_num_parameters(132928);
 
   absl::StatusOr<v1::CheckpointManifest> committed = CommitCheckpoint(root, 7, manifest, 1, 0);
   ASSERT_THAT(committed, IsOk());

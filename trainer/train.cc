@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/time_util.h"
+#include "trainer/adamw.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data_loader.h"
 #include "trainer/distributed.h"
@@ -253,17 +254,13 @@ class Trainer {
     BroadcastParameters();
 
     const v1::OptimizerSpec& opt = spec_.optimizer();
-    auto options_for = [&](double weight_decay) {
-      auto o = std::make_unique<torch::optim::AdamWOptions>(opt.schedule().peak_learning_rate());
-      o->betas({opt.beta1() > 0 ? opt.beta1() : 0.9, opt.beta2() > 0 ? opt.beta2() : 0.95});
-      o->eps(opt.epsilon() > 0 ? opt.epsilon() : 1e-8);
-      o->weight_decay(weight_decay);
-      return o;
-    };
-    std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(model_->DecayParameters(), options_for(opt.weight_decay()));
-    groups.emplace_back(model_->NoDecayParameters(), options_for(0.0));
-    optimizer_.emplace(std::move(groups), *options_for(0.0));
+    optimizer_.emplace(
+        std::vector<AdamWGroup>{
+            {.params = model_->DecayParameters(), .weight_decay = opt.weight_decay()},
+            {.params = model_->NoDecayParameters(), .weight_decay = 0.0}},
+        AdamWOptions{.beta1 = opt.beta1() > 0 ? opt.beta1() : 0.9,
+                     .beta2 = opt.beta2() > 0 ? opt.beta2() : 0.95,
+                     .eps = opt.epsilon() > 0 ? opt.epsilon() : 1e-8});
 
     v1::DataPosition start;
     start.set_seed(seed_);
@@ -356,7 +353,7 @@ class Trainer {
     archive.read("model", model_archive);
     archive.read("optimizer", optimizer_archive);
     model_->load(model_archive);
-    optimizer_->load(optimizer_archive);
+    optimizer_->Load(optimizer_archive);
     at::Tensor rng;
     if (archive.try_read("rng_cpu", rng)) {
       at::Generator generator = at::detail::getDefaultCPUGenerator();
@@ -421,11 +418,8 @@ class Trainer {
     double clip = spec_.optimizer().grad_clip_norm();
     *grad_norm = torch::nn::utils::clip_grad_norm_(
         params_, clip > 0 ? clip : std::numeric_limits<double>::infinity());
-    for (auto& group : optimizer_->param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate);
-    }
-    optimizer_->step();
-    optimizer_->zero_grad();
+    optimizer_->Step(learning_rate);
+    optimizer_->ZeroGrad();
     return loss_value;
   }
 
@@ -499,7 +493,7 @@ class Trainer {
 
     torch::serialize::OutputArchive archive, model_archive, optimizer_archive;
     model_->save(model_archive);
-    optimizer_->save(optimizer_archive);
+    optimizer_->Save(optimizer_archive);
     archive.write("model", model_archive);
     archive.write("optimizer", optimizer_archive);
     archive.write("rng_cpu", at::detail::getDefaultCPUGenerator().get_state());
@@ -577,7 +571,7 @@ class Trainer {
   std::optional<JoinedGroup> group_;
   CausalLM model_{nullptr};
   std::vector<at::Tensor> params_;
-  std::optional<torch::optim::AdamW> optimizer_;
+  std::optional<FusedAdamW> optimizer_;
   std::unique_ptr<c10d::Reducer> reducer_;
   int64_t step_ = 0;
   int64_t tokens_seen_ = 0;
