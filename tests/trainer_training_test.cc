@@ -232,6 +232,22 @@ TEST_F(TrainerTrainingTest, TruncatedShardIsRefusedByName) {
   EXPECT_TRUE(typed) << "no DATA_ERROR failure report in:\n" << run.output;
 }
 
+TEST_F(TrainerTrainingTest, DivergenceIsReportedAsNanLoss) {
+  // A learning rate of 1e4 without clipping blows the weights up within steps.
+  std::vector<std::string> flags = BaseFlags(20);
+  flags.push_back("--lr=1e4");
+  flags.push_back("--warmup=0");
+  flags.push_back("--grad_clip=0");
+  TrainerRun run = RunTrainer(flags);
+  EXPECT_EQ(run.exit_code, 1);
+  bool typed = false;
+  for (const auto& report : run.reports) {
+    typed |= report.has_failure() && report.failure().kind() == v1::FAILURE_KIND_NAN_LOSS;
+  }
+  EXPECT_TRUE(typed) << "no NAN_LOSS failure report in:\n" << run.output;
+  EXPECT_LT(run.losses.size(), 20u);
+}
+
 TEST_F(TrainerTrainingTest, CorruptedCheckpointIsSkippedByName) {
   std::string dir = MakeTempDir("ckpt-corrupt");
   std::vector<std::string> flags = BaseFlags(4, dir);
