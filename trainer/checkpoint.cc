@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "common/errno_status.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
@@ -46,26 +47,9 @@ std::string JoinPath(const std::string& dir, absl::string_view name) {
   return absl::StrCat(dir, "/", name);
 }
 
-absl::Status ErrnoStatus(int error, absl::string_view what) {
-  std::string message = absl::StrCat(what, ": ", std::strerror(error));
-  switch (error) {
-    case ENOENT:
-      return absl::NotFoundError(message);
-    case EACCES:
-    case EPERM:
-      return absl::PermissionDeniedError(message);
-    case ENOSPC:
-    case EDQUOT:
-      return absl::ResourceExhaustedError(message);
-    default:
-      return absl::InternalError(message);
-  }
-}
-
-// File-system helpers on POSIX calls. Not std::filesystem: LibTorch's CUDA
-// wheel (libtorch.so) exports its own copies of std::filesystem's functions,
-// which the dynamic linker binds ahead of libstdc++'s, and its remove_all
-// crashes (calls address 0).
+// File-system helpers on POSIX calls, which also give the errno for
+// messages. (std::filesystem is safe again in LibTorch binaries since they
+// name libstdc++ first; see cmake/TesseraTorch.cmake.)
 
 // stat(2) of `path`, following symbolic links; false when it does not exist or cannot be read.
 bool Stat(const std::string& path, struct stat* info) { return ::stat(path.c_str(), info) == 0; }
@@ -89,7 +73,7 @@ struct DirEntry {
 // The entries of directory `path` but "." and "..", following symbolic links for their types.
 absl::StatusOr<std::vector<DirEntry>> ListDirectory(const std::string& path) {
   DIR* dir = ::opendir(path.c_str());
-  if (dir == nullptr) return ErrnoStatus(errno, path);
+  if (dir == nullptr) return ErrnoToStatus(errno, path);
   std::vector<DirEntry> entries;
   while (true) {
     errno = 0;
@@ -104,7 +88,7 @@ absl::StatusOr<std::vector<DirEntry>> ListDirectory(const std::string& path) {
   }
   const int error = errno;
   ::closedir(dir);
-  if (error != 0) return ErrnoStatus(error, absl::StrCat(path, ": readdir"));
+  if (error != 0) return ErrnoToStatus(error, absl::StrCat(path, ": readdir"));
   return entries;
 }
 
@@ -114,11 +98,11 @@ absl::Status RemoveTree(const std::string& path) {
   struct stat info;
   if (::lstat(path.c_str(), &info) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
-    return ErrnoStatus(errno, path);
+    return ErrnoToStatus(errno, path);
   }
   if (S_ISDIR(info.st_mode)) {
     DIR* dir = ::opendir(path.c_str());
-    if (dir == nullptr) return ErrnoStatus(errno, path);
+    if (dir == nullptr) return ErrnoToStatus(errno, path);
     std::vector<std::string> children;
     while (const dirent* entry = ::readdir(dir)) {
       std::string name = entry->d_name;
@@ -126,10 +110,10 @@ absl::Status RemoveTree(const std::string& path) {
     }
     ::closedir(dir);
     for (const std::string& child : children) RETURN_IF_ERROR(RemoveTree(child));
-    if (::rmdir(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus(errno, path);
+    if (::rmdir(path.c_str()) != 0 && errno != ENOENT) return ErrnoToStatus(errno, path);
     return absl::OkStatus();
   }
-  if (::unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus(errno, path);
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoToStatus(errno, path);
   return absl::OkStatus();
 }
 
@@ -140,7 +124,7 @@ absl::Status MakeDirectories(const std::string& path) {
   if (slash != std::string::npos && slash > 0)
     RETURN_IF_ERROR(MakeDirectories(path.substr(0, slash)));
   if (::mkdir(path.c_str(), 0755) != 0 && !(errno == EEXIST && IsDirectory(path))) {
-    return ErrnoStatus(errno, absl::StrCat("mkdir ", path));
+    return ErrnoToStatus(errno, absl::StrCat("mkdir ", path));
   }
   return absl::OkStatus();
 }
@@ -182,7 +166,7 @@ absl::StatusOr<std::vector<StepDir>> ListStepDirs(const std::string& root, absl:
   struct stat info;
   if (!Stat(root, &info)) {
     if (errno == ENOENT) return dirs;
-    return ErrnoStatus(errno, root);
+    return ErrnoToStatus(errno, root);
   }
   if (!S_ISDIR(info.st_mode)) {
     return absl::FailedPreconditionError(absl::StrCat(root, ": not a directory"));
@@ -202,7 +186,7 @@ absl::StatusOr<std::vector<StepDir>> ListStepDirs(const std::string& root, absl:
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, path);
+  if (fd < 0) return ErrnoToStatus(errno, path);
   std::string contents;
   char buffer[1 << 16];
   while (true) {
@@ -211,7 +195,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
       if (errno == EINTR) continue;
       int error = errno;
       ::close(fd);
-      return ErrnoStatus(error, absl::StrCat(path, ": read"));
+      return ErrnoToStatus(error, absl::StrCat(path, ": read"));
     }
     if (n == 0) break;
     contents.append(buffer, static_cast<size_t>(n));
@@ -223,7 +207,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 // Writes `contents` to a new file at `path` and fsyncs it.
 absl::Status WriteFileSynced(const std::string& path, absl::string_view contents) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoStatus(errno, path);
+  if (fd < 0) return ErrnoToStatus(errno, path);
   size_t written = 0;
   while (written < contents.size()) {
     ssize_t n = ::write(fd, contents.data() + written, contents.size() - written);
@@ -231,27 +215,27 @@ absl::Status WriteFileSynced(const std::string& path, absl::string_view contents
       if (errno == EINTR) continue;
       int error = errno;
       ::close(fd);
-      return ErrnoStatus(error, absl::StrCat(path, ": write"));
+      return ErrnoToStatus(error, absl::StrCat(path, ": write"));
     }
     written += static_cast<size_t>(n);
   }
   if (::fsync(fd) != 0) {
     int error = errno;
     ::close(fd);
-    return ErrnoStatus(error, absl::StrCat(path, ": fsync"));
+    return ErrnoToStatus(error, absl::StrCat(path, ": fsync"));
   }
-  if (::close(fd) != 0) return ErrnoStatus(errno, absl::StrCat(path, ": close"));
+  if (::close(fd) != 0) return ErrnoToStatus(errno, absl::StrCat(path, ": close"));
   return absl::OkStatus();
 }
 
 // Flushes a file's or directory's data and metadata (for a directory: its entries) to disk.
 absl::Status FsyncPath(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, path);
+  if (fd < 0) return ErrnoToStatus(errno, path);
   if (::fsync(fd) != 0) {
     int error = errno;
     ::close(fd);
-    return ErrnoStatus(error, absl::StrCat(path, ": fsync"));
+    return ErrnoToStatus(error, absl::StrCat(path, ": fsync"));
   }
   ::close(fd);
   return absl::OkStatus();
@@ -270,7 +254,7 @@ absl::Status MoveIntoPlace(const std::string& root, int64_t step, const std::str
                            const std::string& final_dir) {
   if (::rename(staging.c_str(), final_dir.c_str()) == 0) return absl::OkStatus();
   if (errno != ENOTEMPTY && errno != EEXIST) {
-    return ErrnoStatus(errno, absl::StrCat("rename ", staging, " to ", final_dir));
+    return ErrnoToStatus(errno, absl::StrCat("rename ", staging, " to ", final_dir));
   }
   // A checkpoint of this step exists (e.g. written again after a restart).
   // Swap the two atomically; the old one is then deleted from the staging path.
@@ -279,17 +263,17 @@ absl::Status MoveIntoPlace(const std::string& root, int64_t step, const std::str
     return absl::OkStatus();
   }
   if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) {
-    return ErrnoStatus(errno, absl::StrCat("exchange ", staging, " with ", final_dir));
+    return ErrnoToStatus(errno, absl::StrCat("exchange ", staging, " with ", final_dir));
   }
   // No RENAME_EXCHANGE on this file system: move the old one aside first. A
   // crash in between leaves no checkpoint of this step, and an older one is used.
   std::string replaced = JoinPath(root, absl::StrCat(kReplacedPrefix, CheckpointDirName(step)));
   RETURN_IF_ERROR(RemoveTree(replaced));
   if (::rename(final_dir.c_str(), replaced.c_str()) != 0) {
-    return ErrnoStatus(errno, absl::StrCat("rename ", final_dir, " to ", replaced));
+    return ErrnoToStatus(errno, absl::StrCat("rename ", final_dir, " to ", replaced));
   }
   if (::rename(staging.c_str(), final_dir.c_str()) != 0) {
-    return ErrnoStatus(errno, absl::StrCat("rename ", staging, " to ", final_dir));
+    return ErrnoToStatus(errno, absl::StrCat("rename ", staging, " to ", final_dir));
   }
   RemoveTreeReporting(replaced);
   return absl::OkStatus();
@@ -347,7 +331,7 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
   std::string staging = StagingDir(root, step);
   RETURN_IF_ERROR(RemoveTree(staging));
   if (::mkdir(staging.c_str(), 0755) != 0)
-    return ErrnoStatus(errno, absl::StrCat("mkdir ", staging));
+    return ErrnoToStatus(errno, absl::StrCat("mkdir ", staging));
   return staging;
 }
 
@@ -416,7 +400,7 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(const std::string& root,
     std::string path = JoinPath(staging, file.name);
     RETURN_IF_ERROR(FsyncPath(path));
     struct stat info;
-    if (!Stat(path, &info)) return ErrnoStatus(errno, path);
+    if (!Stat(path, &info)) return ErrnoToStatus(errno, path);
     const int64_t size = info.st_size;
     ASSIGN_OR_RETURN(std::string sha256, Sha256File(path));
     v1::CheckpointShard* shard = manifest.add_shards();

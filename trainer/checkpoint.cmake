@@ -11,5 +11,5 @@ target_link_libraries(tessera_trainer PUBLIC OpenSSL::Crypto nlohmann_json::nloh
 if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME checkpoint_test
     SOURCES checkpoint_test.cc safetensors_test.cc
-    LIBS tessera::trainer)
+    LIBS tessera::trainer tessera::test_util)
 endif()

@@ -19,6 +19,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
+#include "tests/util/temp_dir.h"
 #include "trainer/sha256.h"
 
 namespace tessera::trainer {
@@ -26,6 +27,7 @@ namespace {
 
 using ::google::protobuf::util::MessageDifferencer;
 using ::tessera::testing::IsOk;
+using ::tessera::testing::ScopedTempDir;
 using ::tessera::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
@@ -33,34 +35,10 @@ using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::SizeIs;
 
-// File-system helpers on POSIX calls: std::filesystem is unusable in binaries
-// that link LibTorch's libtorch.so (see checkpoint.cc).
 bool Exists(const std::string& path) {
   struct stat info;
   return ::stat(path.c_str(), &info) == 0;
 }
-
-int RemoveEntry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
-
-void RemoveTree(const std::string& path) {
-  ::nftw(path.c_str(), RemoveEntry, 16, FTW_DEPTH | FTW_PHYS);
-}
-
-// A fresh directory under the test temp dir, removed with everything in it at scope exit.
-class ScopedTempDir {
- public:
-  ScopedTempDir() {
-    std::string temp = ::testing::TempDir();
-    if (temp.empty() || temp.back() != '/') temp += '/';
-    path_ = temp + "checkpoint_test.XXXXXX";
-    EXPECT_NE(::mkdtemp(path_.data()), nullptr) << "mkdtemp " << path_;
-  }
-  ~ScopedTempDir() { RemoveTree(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 bool IsDirectory(const std::string& path) {
   struct stat info;
@@ -129,7 +107,7 @@ TEST(Sha256Test, KnownVectors) {
 }
 
 TEST(Sha256Test, FileMatchesBytesAcrossChunks) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string dir = tmp.path();
   WriteBytes(dir + "/abc", "abc");
   EXPECT_EQ(*Sha256File(dir + "/abc"),
@@ -144,7 +122,7 @@ TEST(Sha256Test, FileMatchesBytesAcrossChunks) {
 }
 
 TEST(Sha256Test, MissingFileIsNotFoundNamingIt) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string path = tmp.path() + "/absent.pt";
   EXPECT_THAT(Sha256File(path), StatusIs(absl::StatusCode::kNotFound, HasSubstr(path)));
 }
@@ -159,7 +137,7 @@ TEST(CheckpointNamesTest, Format) {
 }
 
 TEST(CheckpointTest, CommitMakesFinalDirAndRemovesStaging) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path() + "/ckpt";  // created by PrepareStaging
   absl::StatusOr<v1::CheckpointManifest> manifest = WriteCheckpoint(root, 100, 2, 0);
   ASSERT_THAT(manifest, IsOk());
@@ -187,7 +165,7 @@ TEST(CheckpointTest, CommitMakesFinalDirAndRemovesStaging) {
 }
 
 TEST(CheckpointTest, ManifestRoundTrip) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   ASSERT_THAT(PrepareStaging(root, 7), IsOk());
   WriteBytes(StagingDir(root, 7) + "/" + ShardFileName(0), "weights of rank 0");
@@ -225,7 +203,7 @@ TEST(CheckpointTest, ManifestRoundTrip) {
 }
 
 TEST(CheckpointTest, VerifyCatchesFlippedByte) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   ASSERT_THAT(WriteCheckpoint(root, 100, 2, 0), IsOk());
   const std::string shard = CheckpointPath(root, 100) + "/rank-00001.pt";
@@ -240,7 +218,7 @@ TEST(CheckpointTest, VerifyCatchesFlippedByte) {
 }
 
 TEST(CheckpointTest, VerifyCatchesTruncatedShard) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   ASSERT_THAT(WriteCheckpoint(root, 100, 2, 0), IsOk());
   const std::string shard = CheckpointPath(root, 100) + "/rank-00000.pt";
@@ -252,7 +230,7 @@ TEST(CheckpointTest, VerifyCatchesTruncatedShard) {
 }
 
 TEST(CheckpointTest, VerifyCatchesMissingShard) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   ASSERT_THAT(WriteCheckpoint(root, 100, 2, 0), IsOk());
   const std::string shard = CheckpointPath(root, 100) + "/rank-00001.pt";
@@ -262,7 +240,7 @@ TEST(CheckpointTest, VerifyCatchesMissingShard) {
 }
 
 TEST(CheckpointTest, VerifyCatchesMissingAndGarbledManifest) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   ASSERT_THAT(WriteCheckpoint(root, 100, 1, 0), IsOk());
   const std::string manifest = CheckpointPath(root, 100) + "/manifest.pb";
@@ -278,7 +256,7 @@ TEST(CheckpointTest, VerifyCatchesMissingAndGarbledManifest) {
 }
 
 TEST(CheckpointTest, FindLatestSkipsCorruptedNewerCheckpoint) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   for (int64_t step : {100, 200, 300}) ASSERT_THAT(WriteCheckpoint(root, step, 2, 0), IsOk());
   const std::string shard = CheckpointPath(root, 300) + "/rank-00000.pt";
@@ -307,7 +285,7 @@ TEST(CheckpointTest, FindLatestSkipsCorruptedNewerCheckpoint) {
 }
 
 TEST(CheckpointTest, StagingDirIsNeverReturned) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   ASSERT_THAT(WriteCheckpoint(root, 100, 2, 0), IsOk());
   // A crash at step 200 after every shard was written but before the commit.
@@ -331,7 +309,7 @@ TEST(CheckpointTest, StagingDirIsNeverReturned) {
 }
 
 TEST(CheckpointTest, FindLatestInMissingOrEmptyRootIsNone) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   absl::StatusOr<std::optional<FoundCheckpoint>> found =
       FindLatestCheckpoint(root + "/never-created", nullptr);
@@ -344,7 +322,7 @@ TEST(CheckpointTest, FindLatestInMissingOrEmptyRootIsNone) {
 }
 
 TEST(CheckpointTest, KeepLastTwoKeepsTheTwoNewest) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   for (int64_t step : {100, 200, 300, 400}) {
     ASSERT_THAT(WriteCheckpoint(root, step, 2, /*keep_last=*/2), IsOk());
@@ -357,14 +335,14 @@ TEST(CheckpointTest, KeepLastTwoKeepsTheTwoNewest) {
 }
 
 TEST(CheckpointTest, KeepLastZeroKeepsAll) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   for (int64_t step : {1, 2, 3}) ASSERT_THAT(WriteCheckpoint(root, step, 1, 0), IsOk());
   EXPECT_THAT(ListCheckpointDirs(root), SizeIs(3));
 }
 
 TEST(CheckpointTest, RetentionKeepsTheCommittedOneWhenNewerExist) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   for (int64_t step : {300, 400}) ASSERT_THAT(WriteCheckpoint(root, step, 1, 0), IsOk());
   // A job that resumed from an older step commits below existing checkpoints.
@@ -374,7 +352,7 @@ TEST(CheckpointTest, RetentionKeepsTheCommittedOneWhenNewerExist) {
 }
 
 TEST(CheckpointTest, CommitRemovesStaleStagingOfOlderSteps) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   ASSERT_THAT(PrepareStaging(root, 50), IsOk());   // crashed attempt
   ASSERT_THAT(PrepareStaging(root, 500), IsOk());  // a newer one is left alone
@@ -384,7 +362,7 @@ TEST(CheckpointTest, CommitRemovesStaleStagingOfOlderSteps) {
 }
 
 TEST(CheckpointTest, PrepareStagingClearsAStaleAttempt) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   ASSERT_THAT(PrepareStaging(root, 100), IsOk());
   WriteBytes(StagingDir(root, 100) + "/rank-00003.pt", "from a crashed attempt");
@@ -396,7 +374,7 @@ TEST(CheckpointTest, PrepareStagingClearsAStaleAttempt) {
 }
 
 TEST(CheckpointTest, CommitWithMissingRankFailsNamingIt) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   ASSERT_THAT(PrepareStaging(root, 100), IsOk());
   WriteBytes(StagingDir(root, 100) + "/" + ShardFileName(0), "r0");
@@ -412,7 +390,7 @@ TEST(CheckpointTest, CommitWithMissingRankFailsNamingIt) {
 }
 
 TEST(CheckpointTest, CommitRejectsForeignFilesAndOutOfRangeRanks) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   ASSERT_THAT(PrepareStaging(root, 100), IsOk());
   WriteBytes(StagingDir(root, 100) + "/" + ShardFileName(0), "r0");
@@ -429,7 +407,7 @@ TEST(CheckpointTest, CommitRejectsForeignFilesAndOutOfRangeRanks) {
 }
 
 TEST(CheckpointTest, RecommittingAStepReplacesIt) {
-  ScopedTempDir tmp;
+  ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
   ASSERT_THAT(WriteCheckpoint(root, 100, 1, 0), IsOk());
   ASSERT_THAT(PrepareStaging(root, 100), IsOk());

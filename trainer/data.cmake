@@ -32,7 +32,7 @@ target_link_libraries(tessera_trainer
 if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME data_test
     SOURCES token_shard_test.cc tokenizer_test.cc data_loader_test.cc prepare_test.cc
-    LIBS tessera::trainer)
+    LIBS tessera::trainer tessera::test_util)
   # The bundled corpus (data/corpus), which the tests tokenize.
   target_compile_definitions(data_test PRIVATE
     TESSERA_CORPUS_DIR="${PROJECT_SOURCE_DIR}/data/corpus")

@@ -15,6 +15,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/util/temp_dir.h"
 #include "trainer/token_shard.h"
 
 namespace tessera::trainer {
@@ -23,21 +24,12 @@ namespace {
 namespace fs = std::filesystem;
 using ::tessera::testing::IsOk;
 using ::tessera::testing::StatusIs;
+using ::tessera::testing::TestDir;
 using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
 
 constexpr uint32_t kVocab = 100000;
-
-std::string TestDir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir =
-      fs::path(::testing::TempDir()) /
-      absl::StrCat("tessera_", info->test_suite_name(), "_", info->name(), "_", getpid());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir.string();
-}
 
 // Writes a shard whose tokens are first, first + 1, ..., first + count - 1: every window is then
 // recognisable by its first token.

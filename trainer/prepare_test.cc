@@ -13,6 +13,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/util/temp_dir.h"
 #include "trainer/data_loader.h"
 #include "trainer/token_shard.h"
 #include "trainer/tokenizer.h"
@@ -23,21 +24,12 @@ namespace {
 namespace fs = std::filesystem;
 using ::tessera::testing::IsOk;
 using ::tessera::testing::StatusIs;
+using ::tessera::testing::TestDir;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::SizeIs;
 
 constexpr uint32_t kEos = 256;
-
-std::string TestDir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir =
-      fs::path(::testing::TempDir()) /
-      absl::StrCat("tessera_", info->test_suite_name(), "_", info->name(), "_", getpid());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir.string();
-}
 
 std::string WriteFile(const std::string& path, const std::string& contents) {
   std::ofstream(path, std::ios::binary) << contents;

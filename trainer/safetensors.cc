@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/errno_status.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -27,14 +28,6 @@ constexpr char kMetadataKey[] = "__metadata__";
 constexpr size_t kHeaderAlignment = 8;
 // Hugging Face's readers refuse headers above 100 MB; so do we, before allocating.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
-
-absl::Status ErrnoStatus(int error, absl::string_view what) {
-  std::string message = absl::StrCat(what, ": ", std::strerror(error));
-  if (error == ENOENT) return absl::NotFoundError(message);
-  if (error == EACCES || error == EPERM) return absl::PermissionDeniedError(message);
-  if (error == ENOSPC || error == EDQUOT) return absl::ResourceExhaustedError(message);
-  return absl::InternalError(message);
-}
 
 // Number of elements of `shape`; nullopt when a dimension is negative or the
 // count overflows.
@@ -75,7 +68,7 @@ absl::Status WriteAll(int fd, const void* data, size_t size, const std::string& 
     ssize_t n = ::write(fd, bytes, size);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return ErrnoStatus(errno, absl::StrCat(path, ": write"));
+      return ErrnoToStatus(errno, absl::StrCat(path, ": write"));
     }
     bytes += n;
     size -= static_cast<size_t>(n);
@@ -89,7 +82,7 @@ absl::Status ReadExactly(int fd, void* data, size_t size, const std::string& pat
     ssize_t n = ::read(fd, bytes, size);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return ErrnoStatus(errno, absl::StrCat(path, ": read"));
+      return ErrnoToStatus(errno, absl::StrCat(path, ": read"));
     }
     if (n == 0) return absl::DataLossError(absl::StrCat(path, ": truncated header"));
     bytes += n;
@@ -107,7 +100,7 @@ absl::Status WriteFileContents(int fd, const std::string& path, const std::strin
   for (const TensorView* tensor : tensors) {
     RETURN_IF_ERROR(WriteAll(fd, tensor->data, tensor->nbytes, path));
   }
-  if (::fsync(fd) != 0) return ErrnoStatus(errno, absl::StrCat(path, ": fsync"));
+  if (::fsync(fd) != 0) return ErrnoToStatus(errno, absl::StrCat(path, ": fsync"));
   return absl::OkStatus();
 }
 
@@ -224,12 +217,12 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorV
 
   const std::string tmp_path = path + ".tmp";
   int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoStatus(errno, tmp_path);
+  if (fd < 0) return ErrnoToStatus(errno, tmp_path);
   absl::Status status = WriteFileContents(fd, tmp_path, header_text, order);
   if (::close(fd) != 0 && status.ok())
-    status = ErrnoStatus(errno, absl::StrCat(tmp_path, ": close"));
+    status = ErrnoToStatus(errno, absl::StrCat(tmp_path, ": close"));
   if (status.ok() && ::rename(tmp_path.c_str(), path.c_str()) != 0) {
-    status = ErrnoStatus(errno, absl::StrCat("rename ", tmp_path, " to ", path));
+    status = ErrnoToStatus(errno, absl::StrCat("rename ", tmp_path, " to ", path));
   }
   if (!status.ok()) ::unlink(tmp_path.c_str());
   return status;
@@ -237,14 +230,14 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorV
 
 absl::StatusOr<SafetensorsFile> ReadSafetensorsHeader(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, path);
+  if (fd < 0) return ErrnoToStatus(errno, path);
   struct FdCloser {
     int fd;
     ~FdCloser() { ::close(fd); }
   } closer{fd};
   const off_t file_size = ::lseek(fd, 0, SEEK_END);
   if (file_size < 0 || ::lseek(fd, 0, SEEK_SET) != 0) {
-    return ErrnoStatus(errno, absl::StrCat(path, ": seek"));
+    return ErrnoToStatus(errno, absl::StrCat(path, ": seek"));
   }
   if (file_size < 8) {
     return absl::DataLossError(

@@ -16,44 +16,22 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/util/temp_dir.h"
 
 namespace tessera::trainer {
 namespace {
 
 using ::tessera::testing::IsOk;
+using ::tessera::testing::ScopedTempDir;
 using ::tessera::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-// File-system helpers on POSIX calls: std::filesystem is unusable in binaries
-// that link LibTorch's libtorch.so (see checkpoint.cc).
 bool Exists(const std::string& path) {
   struct stat info;
   return ::stat(path.c_str(), &info) == 0;
 }
-
-int RemoveEntry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
-
-void RemoveTree(const std::string& path) {
-  ::nftw(path.c_str(), RemoveEntry, 16, FTW_DEPTH | FTW_PHYS);
-}
-
-// A fresh directory under the test temp dir, removed with everything in it at scope exit.
-class ScopedTempDir {
- public:
-  ScopedTempDir() {
-    std::string temp = ::testing::TempDir();
-    if (temp.empty() || temp.back() != '/') temp += '/';
-    path_ = temp + "safetensors_test.XXXXXX";
-    EXPECT_NE(::mkdtemp(path_.data()), nullptr) << "mkdtemp " << path_;
-  }
-  ~ScopedTempDir() { RemoveTree(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 std::string ReadBytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

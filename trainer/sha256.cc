@@ -14,6 +14,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/errno_status.h"
 
 namespace tessera::trainer {
 namespace {
@@ -42,26 +43,11 @@ std::string FinishHex(EVP_MD_CTX* ctx) {
   return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), length));
 }
 
-absl::Status ErrnoStatus(int error, absl::string_view what) {
-  std::string message = absl::StrCat(what, ": ", std::strerror(error));
-  switch (error) {
-    case ENOENT:
-      return absl::NotFoundError(message);
-    case EACCES:
-    case EPERM:
-      return absl::PermissionDeniedError(message);
-    case EISDIR:
-      return absl::FailedPreconditionError(message);
-    default:
-      return absl::InternalError(message);
-  }
-}
-
 }  // namespace
 
 absl::StatusOr<std::string> Sha256File(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, path);
+  if (fd < 0) return ErrnoToStatus(errno, path);
   EvpMdCtxPtr ctx = NewSha256Context();
   if (ctx == nullptr) {
     ::close(fd);
@@ -74,7 +60,7 @@ absl::StatusOr<std::string> Sha256File(const std::string& path) {
       if (errno == EINTR) continue;
       int error = errno;
       ::close(fd);
-      return ErrnoStatus(error, absl::StrCat(path, ": read"));
+      return ErrnoToStatus(error, absl::StrCat(path, ": read"));
     }
     if (n == 0) break;
     EVP_DigestUpdate(ctx.get(), buffer.data(), static_cast<size_t>(n));

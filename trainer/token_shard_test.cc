@@ -12,6 +12,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/util/temp_dir.h"
 
 namespace tessera::trainer {
 namespace {
@@ -19,19 +20,10 @@ namespace {
 namespace fs = std::filesystem;
 using ::tessera::testing::IsOk;
 using ::tessera::testing::StatusIs;
+using ::tessera::testing::TestDir;
 using ::testing::HasSubstr;
 
 // A fresh directory for the running test.
-std::string TestDir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir =
-      fs::path(::testing::TempDir()) /
-      absl::StrCat("tessera_", info->test_suite_name(), "_", info->name(), "_", getpid());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir.string();
-}
-
 std::vector<uint32_t> Ramp(size_t n, uint32_t vocab_size, uint32_t stride) {
   std::vector<uint32_t> tokens(n);
   for (size_t i = 0; i < n; ++i) tokens[i] = static_cast<uint32_t>((i * stride) % vocab_size);

@@ -12,6 +12,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/util/temp_dir.h"
 
 namespace tessera::trainer {
 namespace {
@@ -19,18 +20,9 @@ namespace {
 namespace fs = std::filesystem;
 using ::tessera::testing::IsOk;
 using ::tessera::testing::StatusIs;
+using ::tessera::testing::TestDir;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-std::string TestDir() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir =
-      fs::path(::testing::TempDir()) /
-      absl::StrCat("tessera_", info->test_suite_name(), "_", info->name(), "_", getpid());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir.string();
-}
 
 TEST(TokenizerTest, ByteTokenizerRoundTripsUtf8) {
   const std::unique_ptr<Tokenizer> tokenizer = MakeByteTokenizer();
