@@ -232,6 +232,28 @@ TEST_F(TrainerTrainingTest, TruncatedShardIsRefusedByName) {
   EXPECT_TRUE(typed) << "no DATA_ERROR failure report in:\n" << run.output;
 }
 
+TEST_F(TrainerTrainingTest, EvaluatesOnHeldOutShards) {
+  std::vector<std::string> flags = BaseFlags(60);
+  flags.push_back("--val_data=" + *data_dir_ + "/val-*.bin");
+  flags.push_back("--eval_every=20");
+  flags.push_back("--eval_batches=4");
+  TrainerRun run = RunTrainer(flags);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  std::vector<v1::EvalMetrics> evals;
+  for (const auto& report : run.reports) {
+    if (report.has_eval()) evals.push_back(report.eval());
+  }
+  ASSERT_EQ(evals.size(), 3u) << run.output;
+  EXPECT_EQ(evals[0].step(), 20);
+  EXPECT_EQ(evals[2].step(), 60);
+  for (const auto& eval : evals) {
+    EXPECT_NEAR(eval.perplexity(), std::exp(eval.loss()), 1e-9 * eval.perplexity());
+    // 4 micro-batches x 2 sequences x 64 tokens.
+    EXPECT_EQ(eval.tokens(), 4 * 2 * 64);
+  }
+  EXPECT_LT(evals[2].loss(), evals[0].loss()) << "held-out loss should fall with training";
+}
+
 TEST_F(TrainerTrainingTest, DivergenceIsReportedAsNanLoss) {
   // A learning rate of 1e4 without clipping blows the weights up within steps.
   std::vector<std::string> flags = BaseFlags(20);

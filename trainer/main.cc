@@ -29,6 +29,10 @@ ABSL_FLAG(int, gpu, -1, "CUDA device ordinal for --check and standalone runs; -1
 // Standalone training (no --task).
 ABSL_FLAG(std::string, preset, "tiny-gpt2", "Standalone: model preset.");
 ABSL_FLAG(std::vector<std::string>, data, {}, "Standalone: training shard paths or globs.");
+ABSL_FLAG(std::vector<std::string>, val_data, {},
+          "Standalone: validation shard paths or globs (evaluated every --eval_every steps).");
+ABSL_FLAG(int64_t, eval_every, 0, "Standalone: evaluation interval in steps; 0 never.");
+ABSL_FLAG(int, eval_batches, 20, "Standalone: micro-batches per rank per evaluation.");
 ABSL_FLAG(int, seq_len, 128, "Standalone: tokens per sequence.");
 ABSL_FLAG(int64_t, global_batch, 16, "Standalone: sequences per optimizer step (whole job).");
 ABSL_FLAG(int, micro_batch, 4, "Standalone: sequences per rank per forward/backward.");
@@ -95,6 +99,11 @@ tessera::v1::TrainerTask TaskFromFlags() {
   spec->mutable_model()->set_preset(absl::GetFlag(FLAGS_preset));
   for (const auto& shard : absl::GetFlag(FLAGS_data)) spec->mutable_data()->add_train_shards(shard);
   spec->mutable_data()->set_seq_len(absl::GetFlag(FLAGS_seq_len));
+  for (const auto& shard : absl::GetFlag(FLAGS_val_data)) {
+    spec->mutable_data()->add_validation_shards(shard);
+  }
+  spec->mutable_data()->set_eval_interval_steps(absl::GetFlag(FLAGS_eval_every));
+  spec->mutable_data()->set_eval_batches(absl::GetFlag(FLAGS_eval_batches));
   spec->mutable_batch()->set_global_batch_size(absl::GetFlag(FLAGS_global_batch));
   spec->mutable_batch()->set_micro_batch_size(absl::GetFlag(FLAGS_micro_batch));
   auto* schedule = spec->mutable_optimizer()->mutable_schedule();

@@ -236,6 +236,14 @@ class Trainer {
                       " is larger than the model's vocab_size ", summary_.dims().vocab_size())));
     }
 
+    if (spec_.data().validation_shards_size() > 0 && spec_.data().eval_interval_steps() > 0) {
+      auto validation = TokenDataset::Open(
+          {spec_.data().validation_shards().begin(), spec_.data().validation_shards().end()},
+          spec_.data().seq_len(), "data.validation_shards");
+      if (!validation.ok()) return Fail(v1::FAILURE_KIND_DATA_ERROR, validation.status());
+      validation_.emplace(std::move(*validation));
+    }
+
     if (world() > 1) {
       absl::Duration timeout = task_.collective_timeout_seconds() > 0
                                    ? absl::Seconds(task_.collective_timeout_seconds())
@@ -435,6 +443,53 @@ class Trainer {
     return PeakHostMemoryBytes();
   }
 
+  // Mean loss over the first eval_batches x micro_batch x ranks validation
+  // samples (the same ones every time, so evaluations compare), each rank
+  // taking its share; rank 0 reports it.
+  void Evaluate() {
+    torch::NoGradGuard no_grad;
+    model_->eval();
+    const int micro = spec_.batch().micro_batch_size();
+    const int seq = spec_.data().seq_len();
+    const int batches = spec_.data().eval_batches() > 0 ? spec_.data().eval_batches() : 20;
+    const int64_t available = validation_->num_samples();
+    std::vector<int64_t> window(seq + 1);
+    at::Tensor totals = torch::zeros({2}, torch::TensorOptions().dtype(torch::kFloat64));
+    for (int b = 0; b < batches; ++b) {
+      MicroBatch mb;
+      mb.seq_len = seq;
+      for (int i = 0; i < micro; ++i) {
+        int64_t index = (static_cast<int64_t>(b) * world() + rank()) * micro + i;
+        if (index >= available) break;
+        validation_->ReadSample(index, window.data());
+        mb.inputs.insert(mb.inputs.end(), window.begin(), window.end() - 1);
+        mb.targets.insert(mb.targets.end(), window.begin() + 1, window.end());
+        ++mb.batch_size;
+      }
+      if (mb.batch_size == 0) break;
+      AutocastScope autocast(bf16_);
+      at::Tensor loss = model_->Loss(ToDevice(mb.inputs, mb.batch_size, seq),
+                                     ToDevice(mb.targets, mb.batch_size, seq));
+      int64_t tokens = static_cast<int64_t>(mb.batch_size) * seq;
+      totals[0] += loss.item<double>() * tokens;
+      totals[1] += static_cast<double>(tokens);
+    }
+    model_->train();
+    if (group_.has_value()) {
+      std::vector<at::Tensor> tensors{totals};
+      group_->group->allreduce(tensors)->wait();
+    }
+    if (rank() != 0 || totals[1].item<double>() == 0) return;
+    double loss = totals[0].item<double>() / totals[1].item<double>();
+    v1::TrainerReport report = NewReport();
+    v1::EvalMetrics* eval = report.mutable_eval();
+    eval->set_step(step_);
+    eval->set_loss(loss);
+    eval->set_perplexity(std::exp(loss));
+    eval->set_tokens(static_cast<int64_t>(totals[1].item<double>()));
+    Send(report);
+  }
+
   absl::Status TrainLoop(v1::FailureKind* kind) {
     const int64_t max_steps = spec_.max_steps();
     const int64_t tokens_per_step = spec_.batch().global_batch_size() * spec_.data().seq_len();
@@ -473,6 +528,8 @@ class Trainer {
         Send(report);
       }
       bool last = step_ == max_steps;
+      const int64_t eval_interval = spec_.data().eval_interval_steps();
+      if (validation_.has_value() && (last || step_ % eval_interval == 0)) Evaluate();
       if (!task_.checkpoint_directory().empty() &&
           (last || (interval > 0 && step_ % interval == 0))) {
         if (auto status = SaveCheckpoint(last); !status.ok()) {
@@ -567,6 +624,8 @@ class Trainer {
   bool bf16_ = false;
   uint64_t seed_ = 0;
   std::optional<TokenDataset> dataset_;
+  // Held-out samples for evaluation; empty when the job asks for none.
+  std::optional<TokenDataset> validation_;
   std::optional<BatchLoader> loader_;
   std::optional<JoinedGroup> group_;
   CausalLM model_{nullptr};
