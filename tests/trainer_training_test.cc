@@ -22,7 +22,7 @@
 #include "tessera/v1/trainer.pb.h"
 #include "tests/util/subprocess.h"
 #include "trainer/model.h"
-#include "trainer/model_config.h"
+#include "planner/model_config.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera {
@@ -171,7 +171,7 @@ TEST_F(TrainerTrainingTest, TwoDataParallelProcessesMatchOneProcess) {
   std::string last = absl::StrCat(dp_dir, "/step-", std::string(8 - 2, '0'), steps);
   v1::ModelSpec spec;
   spec.set_preset("tiny-gpt2");
-  auto summary = trainer::ResolveModel(spec, 64);
+  auto summary = planner::ResolveModel(spec, 64);
   ASSERT_THAT(summary, IsOk());
   std::vector<trainer::CausalLM> models;
   for (int rank = 0; rank < 2; ++rank) {

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <string>
 
-#include "trainer/model_config.h"
+#include "planner/model_config.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -143,11 +143,12 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& co
 }
 
 CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std) : dims_(dims) {
-  TORCH_CHECK(
-      dims.num_layers() > 0 && dims.hidden_size() > 0 && dims.vocab_size() > 0 &&
-          dims.max_seq_len() > 0 && dims.num_attention_heads() > 0 && dims.num_kv_heads() > 0 &&
-          dims.head_dim() > 0 && dims.ffn_hidden_size() > 0 && dims.norm_eps() > 0,
-      "CausalLM needs resolved ModelDims (see ResolveModel), got ", dims.ShortDebugString());
+  TORCH_CHECK(dims.num_layers() > 0 && dims.hidden_size() > 0 && dims.vocab_size() > 0 &&
+                  dims.max_seq_len() > 0 && dims.num_attention_heads() > 0 &&
+                  dims.num_kv_heads() > 0 && dims.head_dim() > 0 && dims.ffn_hidden_size() > 0 &&
+                  dims.norm_eps() > 0,
+              "CausalLM needs resolved ModelDims (see planner::ResolveModel), got ",
+              dims.ShortDebugString());
   const int64_t d = dims.hidden_size(), vocab = dims.vocab_size();
   const bool llama = IsLlama(dims);
   embed_ = register_module("embed", torch::nn::Embedding(vocab, d));
@@ -162,7 +163,7 @@ CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std) : dims_(d
     rope_cos_ = register_buffer("rope_cos", cos);
     rope_sin_ = register_buffer("rope_sin", sin);
   }
-  Initialize(init_std > 0 ? init_std : kDefaultInitStd);
+  Initialize(init_std > 0 ? init_std : planner::kDefaultInitStd);
 }
 
 void CausalLMImpl::Initialize(double init_std) {

@@ -1,9 +1,9 @@
 # model part of tessera_trainer: sources and tests (see CMakeLists.txt).
-target_sources(tessera_trainer PRIVATE model_config.cc model.cc)
+target_sources(tessera_trainer PRIVATE model.cc)
 
 if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME model_test
-    SOURCES model_config_test.cc model_test.cc
+    SOURCES model_test.cc
     LIBS tessera::trainer)
   target_precompile_headers(model_test REUSE_FROM tessera_trainer)
 endif()

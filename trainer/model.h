@@ -2,7 +2,7 @@
 // biases) or Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention, optional Qwen3 qk_norm) as
 // picked by ModelDims.architecture. Parameters are float32; the caller applies bf16 autocast, and
 // the numerically sensitive parts (norms, rotary, loss) compute in float32 regardless. Built from
-// dimensions that ResolveModel has validated and filled in; errors surface as c10::Error.
+// dimensions that planner::ResolveModel has validated and filled in; errors surface as c10::Error.
 #pragma once
 
 #include <torch/nn.h>
@@ -93,8 +93,9 @@ TORCH_MODULE(Block);
 // A decoder-only transformer (GPT2 or LLAMA family per dims.architecture), in float32 parameters.
 class CausalLMImpl : public torch::nn::Module {
  public:
-  // dims must be resolved (ResolveModel output); init_std 0 means kDefaultInitStd. Initialisation
-  // draws from LibTorch's generator, so it is deterministic given torch::manual_seed.
+  // dims must be resolved (planner::ResolveModel output); init_std 0 means
+  // planner::kDefaultInitStd. Initialisation draws from LibTorch's generator, so it is
+  // deterministic given torch::manual_seed.
   CausalLMImpl(const v1::ModelDims& dims, double init_std);
   // tokens: int64 [batch, seq] (seq <= max_seq_len) -> logits float [batch, seq, vocab]
   torch::Tensor forward(const torch::Tensor& tokens);

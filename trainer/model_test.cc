@@ -18,8 +18,8 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/model_config.h"
 #include "trainer/device.h"
-#include "trainer/model_config.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -31,7 +31,7 @@ using Tensor = torch::Tensor;
 v1::ModelDims PresetDims(const std::string& name) {
   v1::ModelSpec spec;
   spec.set_preset(name);
-  auto summary = ResolveModel(spec, 16);
+  auto summary = planner::ResolveModel(spec, 16);
   EXPECT_THAT(summary, IsOk());
   return summary.ok() ? summary->dims() : v1::ModelDims();
 }
@@ -53,7 +53,7 @@ v1::ModelDims TinyQwenDims() {
   dims->set_norm_eps(1e-6);
   dims->set_tie_embeddings(true);
   dims->set_qk_norm(true);
-  auto summary = ResolveModel(spec, 16);
+  auto summary = planner::ResolveModel(spec, 16);
   EXPECT_THAT(summary, IsOk());
   return summary.ok() ? summary->dims() : v1::ModelDims();
 }
@@ -204,7 +204,7 @@ TEST(ModelTest, ParameterCountMatchesConfig) {
   for (const auto& [name, dims] : models) {
     CausalLM model(dims, 0.02);
     std::vector<Tensor> params = model->parameters();
-    EXPECT_EQ(NumelOf(params), CountParameters(dims)) << name;
+    EXPECT_EQ(NumelOf(params), planner::CountParameters(dims)) << name;
     std::set<const void*> storages;
     for (const Tensor& p : params) storages.insert(p.data_ptr());
     EXPECT_EQ(storages.size(), params.size()) << name << ": a tensor is listed twice";
@@ -214,7 +214,7 @@ TEST(ModelTest, ParameterCountMatchesConfig) {
     for (const Tensor& p : model->NoDecayParameters()) EXPECT_EQ(p.dim(), 1) << name;
     EXPECT_EQ(model->named_parameters().contains("lm_head"), !dims.tie_embeddings()) << name;
   }
-  EXPECT_EQ(CountParameters(PresetDims("gpt2-124m")), 124'439'808);
+  EXPECT_EQ(planner::CountParameters(PresetDims("gpt2-124m")), 124'439'808);
 }
 
 TEST(ModelTest, DecayGroupsSplitMatricesFromVectors) {

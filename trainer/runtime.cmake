@@ -5,14 +5,14 @@
 # torch wheel does not ship them (docs/build.md).
 find_path(TESSERA_GLOO_INCLUDE_DIR gloo/algorithm.h REQUIRED)
 
-set(TESSERA_RUNTIME_PLAIN_SOURCES lr_schedule.cc reporter.cc)
+set(TESSERA_RUNTIME_PLAIN_SOURCES reporter.cc)
 target_sources(tessera_trainer PRIVATE adamw.cc distributed.cc train.cc ${TESSERA_RUNTIME_PLAIN_SOURCES})
 set_source_files_properties(${TESSERA_RUNTIME_PLAIN_SOURCES} PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
 target_include_directories(tessera_trainer SYSTEM PRIVATE "${TESSERA_GLOO_INCLUDE_DIR}")
 
 if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME runtime_test
-    SOURCES lr_schedule_test.cc reporter_test.cc
+    SOURCES reporter_test.cc
     LIBS tessera::trainer)
   tessera_add_test(NAME adamw_test SOURCES adamw_test.cc LIBS tessera::trainer)
   target_precompile_headers(adamw_test REUSE_FROM tessera_trainer)

@@ -18,13 +18,13 @@
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/time_util.h"
+#include "planner/lr_schedule.h"
+#include "planner/model_config.h"
 #include "trainer/adamw.h"
 #include "trainer/checkpoint.h"
 #include "trainer/data_loader.h"
 #include "trainer/distributed.h"
-#include "trainer/lr_schedule.h"
 #include "trainer/model.h"
-#include "trainer/model_config.h"
 #include "trainer/safetensors.h"
 #include "trainer/torch_pch.h"
 #if TESSERA_WITH_CUDA
@@ -213,11 +213,11 @@ class Trainer {
     if (auto status = ValidateLayout(); !status.ok()) {
       return Fail(v1::FAILURE_KIND_INVALID_SPEC, status);
     }
-    if (auto status = ValidateSchedule(spec_.optimizer().schedule(), spec_.max_steps());
+    if (auto status = planner::ValidateSchedule(spec_.optimizer().schedule(), spec_.max_steps());
         !status.ok()) {
       return Fail(v1::FAILURE_KIND_INVALID_SPEC, status);
     }
-    auto summary = ResolveModel(spec_.model(), spec_.data().seq_len());
+    auto summary = planner::ResolveModel(spec_.model(), spec_.data().seq_len());
     if (!summary.ok()) return Fail(v1::FAILURE_KIND_INVALID_SPEC, summary.status());
     summary_ = *summary;
     if (auto status = SetupDevice(); !status.ok()) {
@@ -497,7 +497,7 @@ class Trainer {
     const double peak_flops = PeakFlopsForDevice(device_name_);
     while (step_ < max_steps) {
       auto start = std::chrono::steady_clock::now();
-      double lr = LearningRateAt(spec_.optimizer().schedule(), max_steps, step_ + 1);
+      double lr = planner::LearningRateAt(spec_.optimizer().schedule(), max_steps, step_ + 1);
       double grad_norm = 0;
       auto loss = TrainStep(lr, &grad_norm);
       if (!loss.ok()) {

@@ -1,4 +1,4 @@
-#include "trainer/model_config.h"
+#include "planner/model_config.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,7 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 
-namespace tessera::trainer {
+namespace tessera::planner {
 namespace {
 
 using v1::ARCHITECTURE_GPT2;
@@ -281,4 +281,4 @@ absl::StatusOr<v1::ModelSummary> ResolveModel(const v1::ModelSpec& spec, int seq
   return summary;
 }
 
-}  // namespace tessera::trainer
+}  // namespace tessera::planner

@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "tessera/v1/model.pb.h"
 
-namespace tessera::trainer {
+namespace tessera::planner {
 
 // init_std used when ModelSpec.init_std is 0.
 inline constexpr double kDefaultInitStd = 0.02;
@@ -31,4 +31,4 @@ int64_t CountParameters(const v1::ModelDims& dims);
 // Names of all presets, sorted.
 std::vector<std::string> PresetNames();
 
-}  // namespace tessera::trainer
+}  // namespace tessera::planner

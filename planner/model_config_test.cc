@@ -1,7 +1,7 @@
 // ResolveModel, CountParameters and the presets: parameter counts checked against published
 // figures and hand-derived sums, defaults, FLOPs, and validation messages that name the field.
 
-#include "trainer/model_config.h"
+#include "planner/model_config.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -12,7 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace tessera::trainer {
+namespace tessera::planner {
 namespace {
 
 using ::tessera::testing::IsOk;
@@ -250,4 +250,4 @@ TEST(ModelConfigTest, ExplicitDimsKeepWhatIsSet) {
 }
 
 }  // namespace
-}  // namespace tessera::trainer
+}  // namespace tessera::planner

@@ -8,7 +8,7 @@
 #include "absl/status/status.h"
 #include "tessera/v1/job.pb.h"
 
-namespace tessera::trainer {
+namespace tessera::planner {
 
 // Learning rate for optimizer step `step` (1-based: the first step is 1) of a
 // job of `max_steps` steps. decay_steps 0 means max_steps.
@@ -17,4 +17,4 @@ double LearningRateAt(const v1::LearningRateSchedule& schedule, int64_t max_step
 // INVALID_ARGUMENT naming the field for a schedule that cannot run.
 absl::Status ValidateSchedule(const v1::LearningRateSchedule& schedule, int64_t max_steps);
 
-}  // namespace tessera::trainer
+}  // namespace tessera::planner

@@ -1,4 +1,4 @@
-#include "trainer/lr_schedule.h"
+#include "planner/lr_schedule.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace tessera::trainer {
+namespace tessera::planner {
 
 double LearningRateAt(const v1::LearningRateSchedule& schedule, int64_t max_steps, int64_t step) {
   const double peak = schedule.peak_learning_rate();
@@ -39,4 +39,4 @@ absl::Status ValidateSchedule(const v1::LearningRateSchedule& schedule, int64_t 
   return absl::OkStatus();
 }
 
-}  // namespace tessera::trainer
+}  // namespace tessera::planner

@@ -1,4 +1,4 @@
-#include "trainer/lr_schedule.h"
+#include "planner/lr_schedule.h"
 
 #include <cmath>
 
@@ -6,7 +6,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace tessera::trainer {
+namespace tessera::planner {
 namespace {
 
 using ::tessera::testing::IsOk;
@@ -63,4 +63,4 @@ TEST(LrScheduleTest, ValidationNamesTheField) {
 }
 
 }  // namespace
-}  // namespace tessera::trainer
+}  // namespace tessera::planner
