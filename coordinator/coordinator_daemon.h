@@ -1,10 +1,10 @@
-// CoordinatorDaemon: the coordinator process's services. It serves the
-// client-facing tessera.v1.Coordinator and the worker-facing
+// CoordinatorDaemon: the coordinator process. It opens the durable store,
+// serves the client-facing tessera.v1.Coordinator and the worker-facing
 // tessera.v1.NodeService on one gRPC port (with health and reflection), and
 // Prometheus metrics on another.
 //
-// The services' handlers arrive with the coordinator issue; until then every
-// method answers UNIMPLEMENTED, which is the contract's own default.
+// NodeService's handlers (registration, heartbeats, scheduling onto workers)
+// are not built yet and answer UNIMPLEMENTED, the contract's default.
 #pragma once
 
 #include <memory>
@@ -12,6 +12,9 @@
 
 #include "absl/status/statusor.h"
 #include "common/daemon/daemon_servers.h"
+#include "coordinator/coordinator_service.h"
+#include "coordinator/job_manager.h"
+#include "coordinator/store.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 
@@ -22,6 +25,8 @@ struct CoordinatorOptions {
   std::string listen_address = "127.0.0.1:50051";
   // Prometheus /metrics listen address; empty disables the endpoint.
   std::string metrics_listen_address = "127.0.0.1:9464";
+  // SQLite file holding jobs, events, metrics, checkpoints and nodes.
+  std::string state_path = "tessera-coordinator.db";
 };
 
 // Thread safety: Start and servers().Shutdown from one thread; the servers
@@ -36,7 +41,9 @@ class CoordinatorDaemon {
  private:
   CoordinatorDaemon() = default;
 
-  v1::Coordinator::CallbackService coordinator_service_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<CoordinatorService> coordinator_service_;
   v1::NodeService::CallbackService node_service_;
   // Declared last: stopped (destroyed) before the services it serves.
   std::unique_ptr<DaemonServers> servers_;

@@ -11,11 +11,15 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "gRPC listen address (host:port) for clients and workers; port 0 picks one.");
+ABSL_FLAG(std::string, state, "tessera-coordinator.db",
+          "SQLite file of the coordinator's state (jobs, events, metrics, checkpoints, nodes); "
+          "created if missing. Put it on a persistent volume.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Prometheus /metrics listen address (host:port); empty disables it.");
 
 constexpr char kUsage[] =
-    "Usage: tessera-coordinator [--listen=HOST:PORT] [--metrics_listen=HOST:PORT]\n\n"
+    "Usage: tessera-coordinator [--listen=HOST:PORT] [--metrics_listen=HOST:PORT] "
+    "[--state=FILE]\n\n"
     "The Tessera coordinator: takes training jobs over gRPC (tessera.v1.Coordinator),\n"
     "plans and gang-schedules them onto workers (tessera.v1.NodeService).\n";
 
@@ -26,6 +30,7 @@ int main(int argc, char** argv) {
   tessera::coordinator::CoordinatorOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen);
   options.metrics_listen_address = absl::GetFlag(FLAGS_metrics_listen);
+  options.state_path = absl::GetFlag(FLAGS_state);
   auto daemon = tessera::coordinator::CoordinatorDaemon::Start(options);
   if (!daemon.ok()) {
     std::cerr << "tessera-coordinator: " << daemon.status() << "\n";

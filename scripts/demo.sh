@@ -21,7 +21,8 @@ echo "demo: training tiny-gpt2 for 200 steps on the CPU (loss starts near ln(257
 ls "$work/checkpoints"/step-*/ | sed 's/^/  /'
 
 echo "demo: starting a coordinator on 127.0.0.1 (ephemeral port)"
-"$bin/tessera-coordinator" --listen=127.0.0.1:0 --metrics_listen= 2>"$work/coordinator.log" &
+"$bin/tessera-coordinator" --listen=127.0.0.1:0 --metrics_listen= --state="$work/coordinator.db" \
+  2>"$work/coordinator.log" &
 coordinator_pid=$!
 for _ in $(seq 50); do
   grep -q "serving gRPC on" "$work/coordinator.log" && break

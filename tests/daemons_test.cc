@@ -15,8 +15,10 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
+#include "tessera/v1/node_service.grpc.pb.h"
 #include "tests/util/http_get.h"
 #include "tests/util/subprocess.h"
+#include "tests/util/temp_dir.h"
 
 namespace tessera {
 namespace {
@@ -25,6 +27,7 @@ using ::tessera::testing::BinDir;
 using ::tessera::testing::HttpGet;
 using ::tessera::testing::IsOk;
 using ::tessera::testing::RunCommand;
+using ::tessera::testing::ScopedTempDir;
 using ::tessera::testing::Subprocess;
 using ::testing::HasSubstr;
 
@@ -36,9 +39,12 @@ struct Daemon {
 
 // Starts a daemon binary on ephemeral ports and reads the bound ones from
 // its "serving gRPC on HOST:PORT[, metrics on port N]" line.
-absl::StatusOr<Daemon> StartDaemon(const std::string& binary) {
-  auto process = Subprocess::Start({absl::StrCat(BinDir(), "/", binary), "--listen=127.0.0.1:0",
-                                    "--metrics_listen=127.0.0.1:0"});
+absl::StatusOr<Daemon> StartDaemon(const std::string& binary,
+                                   const std::vector<std::string>& extra_flags = {}) {
+  std::vector<std::string> argv = {absl::StrCat(BinDir(), "/", binary), "--listen=127.0.0.1:0",
+                                   "--metrics_listen=127.0.0.1:0"};
+  argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+  auto process = Subprocess::Start(argv);
   if (!process.ok()) return process.status();
   auto line = process->WaitForStderrLine("serving gRPC on");
   if (!line.ok()) return line.status();
@@ -53,7 +59,8 @@ absl::StatusOr<Daemon> StartDaemon(const std::string& binary) {
 }
 
 TEST(DaemonsTest, CoordinatorServesHealthMetricsAndTheContract) {
-  auto coordinator = StartDaemon("tessera-coordinator");
+  ScopedTempDir state("daemons_test");
+  auto coordinator = StartDaemon("tessera-coordinator", {"--state=" + state.path() + "/db"});
   ASSERT_THAT(coordinator, IsOk());
 
   // The CLI reaches it over TCP.
@@ -63,14 +70,21 @@ TEST(DaemonsTest, CoordinatorServesHealthMetricsAndTheContract) {
   EXPECT_EQ(health->exit.exit_code, 0) << health->output;
   EXPECT_THAT(health->output, HasSubstr("SERVING"));
 
-  // The v1 service is registered (methods not built yet answer UNIMPLEMENTED,
-  // not "unknown service").
+  // Both v1 services are registered; NodeService's handlers are not built
+  // yet and answer UNIMPLEMENTED (not "unknown service").
   auto stub = v1::Coordinator::NewStub(MakeClientChannel(coordinator->address));
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   v1::ListJobsResponse response;
   grpc::Status status = stub->ListJobs(&context, {}, &response);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << status.error_message();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.jobs_size(), 0);
+  auto nodes = v1::NodeService::NewStub(MakeClientChannel(coordinator->address));
+  grpc::ClientContext node_context;
+  node_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::RegisterNodeResponse registered;
+  EXPECT_EQ(nodes->RegisterNode(&node_context, {}, &registered).error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
 
   ASSERT_GT(coordinator->metrics_port, 0);
   auto metrics = HttpGet(coordinator->metrics_port, "/metrics");
@@ -104,10 +118,11 @@ TEST(DaemonsTest, CliReportsAnUnreachableCoordinator) {
 }
 
 TEST(DaemonsTest, ABusyPortFailsWithAClearMessage) {
-  auto first = StartDaemon("tessera-coordinator");
+  ScopedTempDir state("daemons_test");
+  auto first = StartDaemon("tessera-coordinator", {"--state=" + state.path() + "/first.db"});
   ASSERT_THAT(first, IsOk());
-  auto second = RunCommand(
-      {BinDir() + "/tessera-coordinator", "--listen=" + first->address, "--metrics_listen="});
+  auto second = RunCommand({BinDir() + "/tessera-coordinator", "--listen=" + first->address,
+                            "--metrics_listen=", "--state=" + state.path() + "/second.db"});
   ASSERT_THAT(second, IsOk());
   EXPECT_EQ(second->exit.exit_code, 1);
   EXPECT_THAT(second->output, HasSubstr("cannot listen on " + first->address));

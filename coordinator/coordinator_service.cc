@@ -1,0 +1,239 @@
+#include "coordinator/coordinator_service.h"
+
+#include <deque>
+#include <memory>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "common/daemon/grpc_status.h"
+#include "coordinator/job_validation.h"
+
+namespace tessera::coordinator {
+namespace {
+
+// Job ids are short; anything longer is not one of ours.
+constexpr size_t kMaxIdLength = 128;
+// Events read from the store per batch while a watcher catches up.
+constexpr int kWatchBatch = 256;
+
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+absl::Status CheckJobId(const std::string& job_id) {
+  if (job_id.empty()) return absl::InvalidArgumentError("job_id: required");
+  if (job_id.size() > kMaxIdLength) {
+    return absl::InvalidArgumentError(absl::StrCat("job_id: longer than ", kMaxIdLength));
+  }
+  return absl::OkStatus();
+}
+
+// Replays a job's stored events after a sequence number, then follows new
+// ones as JobManager announces them, and finishes once the job is terminal
+// and everything is sent. Lifetime: gRPC owns the reactor until OnDone; the
+// manager's listener holds only the shared State, whose `reactor` is cleared
+// (under the same recursive mutex that every entry point takes) before the
+// reactor is deleted.
+class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
+ public:
+  WatchReactor(JobManager* jobs, const v1::WatchJobRequest& request)
+      : jobs_(jobs),
+        job_id_(request.job_id()),
+        last_sequence_(request.after_sequence()),
+        from_step_(request.from_step()),
+        state_(std::make_shared<State>()) {
+    state_->reactor = this;
+    if (auto status = CheckJobId(job_id_); !status.ok()) {
+      finished_ = true;
+      Finish(ToGrpcStatus(status));
+      return;
+    }
+    if (auto job = jobs_->Get(job_id_); !job.ok()) {
+      finished_ = true;
+      Finish(ToGrpcStatus(job.status()));
+      return;
+    }
+    std::shared_ptr<State> state = state_;
+    handle_ = jobs_->Subscribe(job_id_, [state] {
+      std::lock_guard<std::recursive_mutex> lock(state->mu);
+      if (state->reactor != nullptr) state->reactor->PumpLocked();
+    });
+    std::lock_guard<std::recursive_mutex> lock(state->mu);
+    PumpLocked();
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::shared_ptr<State> state = state_;
+    std::lock_guard<std::recursive_mutex> lock(state->mu);
+    writing_ = false;
+    if (!ok) {
+      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+      return;
+    }
+    PumpLocked();
+  }
+
+  void OnCancel() override {
+    std::shared_ptr<State> state = state_;
+    std::lock_guard<std::recursive_mutex> lock(state->mu);
+    FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled"));
+  }
+
+  void OnDone() override {
+    std::shared_ptr<State> state = state_;
+    {
+      std::lock_guard<std::recursive_mutex> lock(state->mu);
+      state->reactor = nullptr;
+    }
+    if (handle_ != 0) jobs_->Unsubscribe(handle_);
+    delete this;
+  }
+
+ private:
+  struct State {
+    std::recursive_mutex mu;
+    WatchReactor* reactor = nullptr;
+  };
+
+  void FinishLocked(const grpc::Status& status) {
+    if (finished_) return;
+    finished_ = true;
+    Finish(status);  // may run OnDone inline; touch nothing afterwards
+  }
+
+  // Sends the next event, refilling from the store when the buffer is empty.
+  // Caller holds state_->mu.
+  void PumpLocked() {
+    if (writing_ || finished_) return;
+    if (buffer_.empty()) {
+      // The job first, then its events: a terminal state was committed
+      // together with its event, so "terminal and nothing newer" is final.
+      auto job = jobs_->Get(job_id_);
+      if (!job.ok()) return FinishLocked(ToGrpcStatus(job.status()));
+      auto events = jobs_->Events(job_id_, last_sequence_, kWatchBatch);
+      if (!events.ok()) return FinishLocked(ToGrpcStatus(events.status()));
+      for (auto& event : *events) {
+        last_sequence_ = event.sequence();
+        if (event.has_metrics() && event.metrics().step() < from_step_) continue;
+        buffer_.push_back(std::move(event));
+      }
+      if (buffer_.empty()) {
+        if (IsTerminal(job->state()) && events->empty()) FinishLocked(grpc::Status::OK);
+        // Caught up with events still to come (or skipped): the listener
+        // calls back when there are more.
+        if (!events->empty() && !finished_) PumpLocked();
+        return;
+      }
+    }
+    current_ = std::move(buffer_.front());
+    buffer_.pop_front();
+    writing_ = true;
+    StartWrite(&current_);
+  }
+
+  JobManager* jobs_;
+  const std::string job_id_;
+  int64_t last_sequence_;
+  const int64_t from_step_;
+  std::shared_ptr<State> state_;
+  int64_t handle_ = 0;
+  bool writing_ = false;
+  bool finished_ = false;
+  std::deque<v1::JobEvent> buffer_;
+  v1::JobEvent current_;
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* CoordinatorService::SubmitJob(grpc::CallbackServerContext* context,
+                                                        const v1::SubmitJobRequest* request,
+                                                        v1::SubmitJobResponse* response) {
+  auto job = jobs_->Submit(request->spec(), request->request_id());
+  if (job.ok()) *response->mutable_job() = std::move(*job);
+  return Reply(context, job.status());
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext* context,
+                                                     const v1::GetJobRequest* request,
+                                                     v1::GetJobResponse* response) {
+  if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
+  auto job = jobs_->Get(request->job_id());
+  if (job.ok()) *response->mutable_job() = std::move(*job);
+  return Reply(context, job.status());
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::ListJobs(grpc::CallbackServerContext* context,
+                                                       const v1::ListJobsRequest* request,
+                                                       v1::ListJobsResponse* response) {
+  std::vector<v1::JobState> states;
+  for (int state : request->states()) states.push_back(static_cast<v1::JobState>(state));
+  auto page = jobs_->List(states, request->page_size(), request->page_token());
+  if (page.ok()) {
+    for (auto& job : page->jobs) *response->add_jobs() = std::move(job);
+    response->set_next_page_token(page->next_page_token);
+  }
+  return Reply(context, page.status());
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::CancelJob(grpc::CallbackServerContext* context,
+                                                        const v1::CancelJobRequest* request,
+                                                        v1::CancelJobResponse* response) {
+  if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
+  auto job = jobs_->Cancel(request->job_id(), request->reason());
+  if (job.ok()) *response->mutable_job() = std::move(*job);
+  return Reply(context, job.status());
+}
+
+grpc::ServerWriteReactor<v1::JobEvent>* CoordinatorService::WatchJob(
+    grpc::CallbackServerContext* context, const v1::WatchJobRequest* request) {
+  return new WatchReactor(jobs_, *request);
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::GetMetrics(grpc::CallbackServerContext* context,
+                                                         const v1::GetMetricsRequest* request,
+                                                         v1::GetMetricsResponse* response) {
+  if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
+  auto metrics = jobs_->Metrics(*request);
+  if (metrics.ok()) *response = std::move(*metrics);
+  return Reply(context, metrics.status());
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::ListCheckpoints(
+    grpc::CallbackServerContext* context, const v1::ListCheckpointsRequest* request,
+    v1::ListCheckpointsResponse* response) {
+  if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
+  auto checkpoints = jobs_->Checkpoints(request->job_id());
+  if (checkpoints.ok()) {
+    for (auto& checkpoint : *checkpoints) *response->add_checkpoints() = std::move(checkpoint);
+  }
+  return Reply(context, checkpoints.status());
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::ListNodes(grpc::CallbackServerContext* context,
+                                                        const v1::ListNodesRequest* request,
+                                                        v1::ListNodesResponse* response) {
+  auto nodes = store_->ListNodes();
+  if (nodes.ok()) {
+    for (auto& node : *nodes) {
+      if (node.state() == v1::NODE_STATE_LOST && !request->include_lost()) continue;
+      *response->add_nodes() = std::move(node);
+    }
+  }
+  return Reply(context, nodes.status());
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::PlanLayout(grpc::CallbackServerContext* context,
+                                                         const v1::PlanLayoutRequest* request,
+                                                         v1::PlanLayoutResponse* response) {
+  absl::Status status = ValidateJobSpec(request->spec());
+  if (status.ok()) {
+    auto plan = PlanJob(request->spec());
+    if (plan.ok()) *response->mutable_plan() = std::move(*plan);
+    status = plan.status();
+  }
+  return Reply(context, status);
+}
+
+}  // namespace tessera::coordinator

@@ -1,0 +1,51 @@
+// CoordinatorService: tessera.v1.Coordinator over gRPC's callback API. It
+// only converts messages and calls JobManager (and the store for nodes), so
+// the logic is testable without gRPC; WatchJob streams through a reactor that
+// replays stored events and follows new ones without holding a thread.
+#pragma once
+
+#include "coordinator/job_manager.h"
+#include "coordinator/store.h"
+#include "tessera/v1/coordinator_service.grpc.pb.h"
+
+namespace tessera::coordinator {
+
+// Thread safety: gRPC calls the handlers from its threads; they share only
+// the manager and the store, which are thread-safe.
+class CoordinatorService final : public v1::Coordinator::CallbackService {
+ public:
+  CoordinatorService(JobManager* jobs, Store* store) : jobs_(jobs), store_(store) {}
+
+  grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* context,
+                                      const v1::SubmitJobRequest* request,
+                                      v1::SubmitJobResponse* response) override;
+  grpc::ServerUnaryReactor* GetJob(grpc::CallbackServerContext* context,
+                                   const v1::GetJobRequest* request,
+                                   v1::GetJobResponse* response) override;
+  grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* context,
+                                     const v1::ListJobsRequest* request,
+                                     v1::ListJobsResponse* response) override;
+  grpc::ServerUnaryReactor* CancelJob(grpc::CallbackServerContext* context,
+                                      const v1::CancelJobRequest* request,
+                                      v1::CancelJobResponse* response) override;
+  grpc::ServerWriteReactor<v1::JobEvent>* WatchJob(grpc::CallbackServerContext* context,
+                                                   const v1::WatchJobRequest* request) override;
+  grpc::ServerUnaryReactor* GetMetrics(grpc::CallbackServerContext* context,
+                                       const v1::GetMetricsRequest* request,
+                                       v1::GetMetricsResponse* response) override;
+  grpc::ServerUnaryReactor* ListCheckpoints(grpc::CallbackServerContext* context,
+                                            const v1::ListCheckpointsRequest* request,
+                                            v1::ListCheckpointsResponse* response) override;
+  grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext* context,
+                                      const v1::ListNodesRequest* request,
+                                      v1::ListNodesResponse* response) override;
+  grpc::ServerUnaryReactor* PlanLayout(grpc::CallbackServerContext* context,
+                                       const v1::PlanLayoutRequest* request,
+                                       v1::PlanLayoutResponse* response) override;
+
+ private:
+  JobManager* jobs_;
+  Store* store_;
+};
+
+}  // namespace tessera::coordinator

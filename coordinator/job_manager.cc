@@ -1,0 +1,223 @@
+#include "coordinator/job_manager.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "coordinator/job_validation.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace tessera::coordinator {
+namespace {
+
+using google::protobuf::util::TimeUtil;
+
+v1::JobEvent StateEvent(v1::JobState from, v1::JobState to, const std::string& reason) {
+  v1::JobEvent event;
+  event.mutable_state_change()->set_previous_state(from);
+  event.mutable_state_change()->set_new_state(to);
+  event.mutable_state_change()->set_reason(reason);
+  return event;
+}
+
+}  // namespace
+
+bool IsTerminal(v1::JobState state) {
+  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
+         state == v1::JOB_STATE_CANCELLED;
+}
+
+JobManager::JobManager(Store* store) : store_(store) {}
+
+absl::StatusOr<std::vector<v1::JobEvent>> JobManager::CommitAndNotify(const JobWrite& write) {
+  ASSIGN_OR_RETURN(auto events, store_->Commit(write));
+  std::vector<std::function<void()>> to_call;
+  {
+    absl::MutexLock lock(&listeners_mu_);
+    for (const auto& [handle, entry] : listeners_) {
+      if (entry.first == write.job_id) to_call.push_back(entry.second);
+    }
+  }
+  for (auto& listener : to_call) listener();
+  return events;
+}
+
+absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::string& request_id) {
+  RETURN_IF_ERROR(ValidateJobSpec(spec));
+  ASSIGN_OR_RETURN(v1::LayoutPlan plan, PlanJob(spec));
+  absl::MutexLock lock(&mu_);
+  if (!request_id.empty()) {
+    ASSIGN_OR_RETURN(auto existing, store_->FindJobByRequestId(request_id));
+    if (existing.has_value()) return *existing;
+  }
+  v1::Job job;
+  ASSIGN_OR_RETURN(*job.mutable_job_id(), store_->NextJobId());
+  *job.mutable_spec() = spec;
+  *job.mutable_plan() = std::move(plan);
+  job.set_state(v1::JOB_STATE_PENDING);
+  job.set_reason("waiting to be scheduled");
+  *job.mutable_create_time() = TimeUtil::GetCurrentTime();
+  JobWrite write;
+  write.job_id = job.job_id();
+  write.job = job;
+  write.request_id = request_id;
+  write.events.push_back(StateEvent(v1::JOB_STATE_UNSPECIFIED, v1::JOB_STATE_PENDING, "submitted"));
+  RETURN_IF_ERROR(CommitAndNotify(write).status());
+  return job;
+}
+
+absl::StatusOr<v1::Job> JobManager::Get(const std::string& job_id) {
+  return store_->GetJob(job_id);
+}
+
+absl::StatusOr<JobPage> JobManager::List(const std::vector<v1::JobState>& states, int page_size,
+                                         const std::string& page_token) {
+  if (page_size < 0) return absl::InvalidArgumentError("page_size: must be >= 0");
+  return store_->ListJobs(states, page_size, page_token);
+}
+
+absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id, const std::string& reason) {
+  {
+    ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
+    if (IsTerminal(job.state())) return job;
+  }
+  auto cancelled = Transition(
+      job_id, v1::JOB_STATE_CANCELLED,
+      reason.empty() ? std::string("cancelled by a user") : absl::StrCat("cancelled: ", reason));
+  // Lost a race with another terminal transition: report the job as it is.
+  if (absl::IsFailedPrecondition(cancelled.status())) return store_->GetJob(job_id);
+  return cancelled;
+}
+
+absl::StatusOr<v1::Job> JobManager::Transition(const std::string& job_id, v1::JobState state,
+                                               const std::string& reason,
+                                               const std::function<void(v1::Job&)>& mutate) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
+  if (IsTerminal(job.state())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id, " is ", v1::JobState_Name(job.state()), " and cannot change state"));
+  }
+  v1::JobState previous = job.state();
+  job.set_state(state);
+  job.set_reason(reason);
+  auto now = TimeUtil::GetCurrentTime();
+  if (state == v1::JOB_STATE_RUNNING && !job.has_start_time()) *job.mutable_start_time() = now;
+  if (IsTerminal(state)) *job.mutable_end_time() = now;
+  if (mutate) mutate(job);
+  JobWrite write;
+  write.job_id = job_id;
+  write.job = job;
+  if (previous != state) write.events.push_back(StateEvent(previous, state, reason));
+  RETURN_IF_ERROR(CommitAndNotify(write).status());
+  return job;
+}
+
+absl::Status JobManager::RecordReports(const std::string& job_id,
+                                       const std::vector<v1::StepMetrics>& metrics,
+                                       const std::vector<v1::EvalMetrics>& evals,
+                                       const std::vector<v1::Checkpoint>& checkpoints) {
+  if (metrics.empty() && evals.empty() && checkpoints.empty()) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
+  JobWrite write;
+  write.job_id = job_id;
+  for (const auto& point : metrics) {
+    if (point.step() > job.current_step()) {
+      job.set_current_step(point.step());
+      *job.mutable_latest_metrics() = point;
+    }
+    write.metrics.push_back(point);
+    *write.events.emplace_back().mutable_metrics() = point;
+  }
+  for (const auto& eval : evals) {
+    write.evals.push_back(eval);
+    *write.events.emplace_back().mutable_eval() = eval;
+  }
+  for (const auto& checkpoint : checkpoints) {
+    if (checkpoint.step() >= job.latest_checkpoint().step()) {
+      *job.mutable_latest_checkpoint() = checkpoint;
+    }
+    write.checkpoints.push_back(checkpoint);
+    *write.events.emplace_back().mutable_checkpoint() = checkpoint;
+  }
+  write.job = job;
+  return CommitAndNotify(write).status();
+}
+
+std::vector<v1::StepMetrics> Downsample(const std::vector<v1::StepMetrics>& points,
+                                        int max_points) {
+  if (max_points <= 0 || static_cast<int>(points.size()) <= max_points) return points;
+  std::vector<v1::StepMetrics> out;
+  const size_t n = points.size();
+  for (int bucket = 0; bucket < max_points; ++bucket) {
+    size_t begin = n * bucket / max_points, end = n * (bucket + 1) / max_points;
+    if (begin == end) continue;
+    v1::StepMetrics mean = points[end - 1];
+    double count = static_cast<double>(end - begin);
+    double loss = 0, grad_norm = 0, lr = 0, tokens = 0, samples = 0, mfu = 0, seconds = 0;
+    int64_t peak = 0;
+    for (size_t i = begin; i < end; ++i) {
+      loss += points[i].loss();
+      grad_norm += points[i].grad_norm();
+      lr += points[i].learning_rate();
+      tokens += points[i].tokens_per_second();
+      samples += points[i].samples_per_second();
+      mfu += points[i].mfu();
+      seconds += points[i].step_time_seconds();
+      peak = std::max(peak, points[i].peak_memory_bytes());
+    }
+    mean.set_loss(loss / count);
+    mean.set_grad_norm(grad_norm / count);
+    mean.set_learning_rate(lr / count);
+    mean.set_tokens_per_second(tokens / count);
+    mean.set_samples_per_second(samples / count);
+    mean.set_mfu(mfu / count);
+    mean.set_step_time_seconds(seconds / count);
+    mean.set_peak_memory_bytes(peak);
+    out.push_back(std::move(mean));
+  }
+  return out;
+}
+
+absl::StatusOr<v1::GetMetricsResponse> JobManager::Metrics(const v1::GetMetricsRequest& request) {
+  if (request.max_points() < 0) return absl::InvalidArgumentError("max_points: must be >= 0");
+  if (request.from_step() < 0 || request.to_step() < 0) {
+    return absl::InvalidArgumentError("from_step, to_step: must be >= 0");
+  }
+  RETURN_IF_ERROR(store_->GetJob(request.job_id()).status());
+  ASSIGN_OR_RETURN(auto points,
+                   store_->ReadMetrics(request.job_id(), request.from_step(), request.to_step()));
+  ASSIGN_OR_RETURN(auto evals,
+                   store_->ReadEvals(request.job_id(), request.from_step(), request.to_step()));
+  v1::GetMetricsResponse response;
+  for (auto& point : Downsample(points, request.max_points())) {
+    *response.add_points() = std::move(point);
+  }
+  for (auto& eval : evals) *response.add_evals() = std::move(eval);
+  return response;
+}
+
+absl::StatusOr<std::vector<v1::Checkpoint>> JobManager::Checkpoints(const std::string& job_id) {
+  RETURN_IF_ERROR(store_->GetJob(job_id).status());
+  return store_->ListCheckpoints(job_id);
+}
+
+absl::StatusOr<std::vector<v1::JobEvent>> JobManager::Events(const std::string& job_id,
+                                                             int64_t after_sequence, int limit) {
+  return store_->ReadEvents(job_id, after_sequence, limit);
+}
+
+int64_t JobManager::Subscribe(const std::string& job_id, std::function<void()> listener) {
+  absl::MutexLock lock(&listeners_mu_);
+  int64_t handle = next_listener_++;
+  listeners_[handle] = {job_id, std::move(listener)};
+  return handle;
+}
+
+void JobManager::Unsubscribe(int64_t handle) {
+  absl::MutexLock lock(&listeners_mu_);
+  listeners_.erase(handle);
+}
+
+}  // namespace tessera::coordinator

@@ -1,0 +1,85 @@
+// JobManager: the coordinator's job lifecycle. It validates and plans
+// submissions, persists every change through the Store (job row, numbered
+// events, metric points, checkpoints in one transaction), serves reads, and
+// tells watchers when a job has new events.
+//
+// Thread safety: all methods may be called from any thread. One absl::Mutex
+// (mu_) serializes changes to a job so that its events are numbered in the
+// order they happen; reads go straight to the Store. Watcher callbacks run
+// outside the lock.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/store.h"
+#include "tessera/v1/coordinator_service.pb.h"
+
+namespace tessera::coordinator {
+
+// Is `state` one of SUCCEEDED, FAILED, CANCELLED?
+bool IsTerminal(v1::JobState state);
+
+class JobManager {
+ public:
+  // `store` must outlive the manager.
+  explicit JobManager(Store* store);
+
+  // Validates (INVALID_ARGUMENT naming the field), plans, and stores a new
+  // PENDING job. A request_id seen before returns that job instead.
+  absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec, const std::string& request_id);
+  // NOT_FOUND for an unknown id.
+  absl::StatusOr<v1::Job> Get(const std::string& job_id);
+  absl::StatusOr<JobPage> List(const std::vector<v1::JobState>& states, int page_size,
+                               const std::string& page_token);
+  // Moves a non-terminal job to CANCELLED; a terminal job is returned
+  // unchanged.
+  absl::StatusOr<v1::Job> Cancel(const std::string& job_id, const std::string& reason);
+  // Moves a job to `state` with `reason`, recording the event. Terminal jobs
+  // do not move (FAILED_PRECONDITION).
+  absl::StatusOr<v1::Job> Transition(const std::string& job_id, v1::JobState state,
+                                     const std::string& reason,
+                                     const std::function<void(v1::Job&)>& mutate = nullptr);
+  // Records trainer reports for a job (metrics, evals, checkpoints) with
+  // their events; metric points are idempotent per step.
+  absl::Status RecordReports(const std::string& job_id, const std::vector<v1::StepMetrics>& metrics,
+                             const std::vector<v1::EvalMetrics>& evals,
+                             const std::vector<v1::Checkpoint>& checkpoints);
+
+  // Metric points of steps [from_step, to_step] (0 = open), downsampled to at
+  // most max_points (0 = all): each point the mean of an equal run of
+  // consecutive steps, stamped with the run's last step.
+  absl::StatusOr<v1::GetMetricsResponse> Metrics(const v1::GetMetricsRequest& request);
+  absl::StatusOr<std::vector<v1::Checkpoint>> Checkpoints(const std::string& job_id);
+  // Stored events after `after_sequence`, at most `limit`.
+  absl::StatusOr<std::vector<v1::JobEvent>> Events(const std::string& job_id,
+                                                   int64_t after_sequence, int limit);
+
+  // Calls `listener` (from the thread that committed) after new events of
+  // `job_id` are stored. Returns a handle for Unsubscribe.
+  int64_t Subscribe(const std::string& job_id, std::function<void()> listener);
+  void Unsubscribe(int64_t handle);
+
+ private:
+  // Commits `write` and wakes the job's watchers.
+  absl::StatusOr<std::vector<v1::JobEvent>> CommitAndNotify(const JobWrite& write);
+
+  Store* store_;
+  // Serializes read-modify-write of jobs.
+  absl::Mutex mu_;
+  absl::Mutex listeners_mu_;
+  int64_t next_listener_ ABSL_GUARDED_BY(listeners_mu_) = 1;
+  std::map<int64_t, std::pair<std::string, std::function<void()>>> listeners_
+      ABSL_GUARDED_BY(listeners_mu_);
+};
+
+// Downsamples step metrics to at most `max_points` (see JobManager::Metrics).
+std::vector<v1::StepMetrics> Downsample(const std::vector<v1::StepMetrics>& points, int max_points);
+
+}  // namespace tessera::coordinator

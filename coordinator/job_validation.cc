@@ -1,0 +1,367 @@
+#include "coordinator/job_validation.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/status_macros.h"
+#include "planner/lr_schedule.h"
+#include "planner/model_config.h"
+
+namespace tessera::coordinator {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view problem) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", problem));
+}
+
+// NaN compares false with everything, so every range check on a double goes through here first.
+absl::Status CheckFinite(absl::string_view field, double value) {
+  if (std::isfinite(value)) return absl::OkStatus();
+  return Invalid(field, absl::StrCat("must be a finite number, got ", value));
+}
+
+absl::Status CheckNonNegative(absl::string_view field, int64_t value) {
+  if (value >= 0) return absl::OkStatus();
+  return Invalid(field, absl::StrCat("must be >= 0, got ", value));
+}
+
+absl::Status CheckFiniteNonNegative(absl::string_view field, double value) {
+  RETURN_IF_ERROR(CheckFinite(field, value));
+  if (value >= 0) return absl::OkStatus();
+  return Invalid(field, absl::StrCat("must be >= 0, got ", value));
+}
+
+absl::Status CheckPositive(absl::string_view field, int64_t value) {
+  if (value > 0) return absl::OkStatus();
+  return Invalid(field, absl::StrCat("must be > 0, got ", value));
+}
+
+// Adam betas: 0 picks the default, 1 would never forget.
+absl::Status CheckBeta(absl::string_view field, double value) {
+  RETURN_IF_ERROR(CheckFinite(field, value));
+  if (value >= 0 && value < 1) return absl::OkStatus();
+  return Invalid(field, absl::StrCat("must be in [0, 1), got ", value));
+}
+
+bool IsLowerAlnumOrHyphen(char c) {
+  return absl::ascii_islower(c) || absl::ascii_isdigit(c) || c == '-';
+}
+
+bool IsLabelKeyChar(char c) { return absl::ascii_isalnum(c) || c == '.' || c == '_' || c == '-'; }
+
+// Where the world size comes from, for messages: "resources.gpus 8" or "resources.cpu_slots 2".
+std::string WorldSizeSource(const v1::ResourceRequest& resources) {
+  return resources.gpus() > 0 ? absl::StrCat("resources.gpus ", resources.gpus())
+                              : absl::StrCat("resources.cpu_slots ", resources.cpu_slots());
+}
+
+// The job's world size, or nullopt while the resources are invalid (their own check says why).
+std::optional<int> WorldSize(const v1::ResourceRequest& resources) {
+  if (resources.gpus() < 0 || resources.cpu_slots() < 0) return std::nullopt;
+  if (resources.gpus() > 0) return resources.gpus();
+  if (resources.cpu_slots() > 0) return resources.cpu_slots();
+  return std::nullopt;
+}
+
+bool HasExplicitLayout(const v1::JobSpec& spec) {
+  return spec.parallelism().choice_case() == v1::ParallelismSpec::kLayout;
+}
+
+// The data-parallel degree the batch is split over, or nullopt while it cannot be known yet (an
+// invalid layout degree or invalid resources; their own checks say why).
+std::optional<int64_t> DataParallel(const v1::JobSpec& spec) {
+  if (HasExplicitLayout(spec)) {
+    const int dp = spec.parallelism().layout().data_parallel();
+    return dp >= 1 ? std::optional<int64_t>(dp) : std::nullopt;
+  }
+  return WorldSize(spec.resources());
+}
+
+absl::Status ValidateName(const std::string& name) {
+  if (name.empty() || name.size() > kMaxNameLength) {
+    return Invalid("name",
+                   absl::StrCat("must be 1-", kMaxNameLength, " characters, got ", name.size()));
+  }
+  if (!absl::ascii_islower(name[0])) {
+    return Invalid("name", absl::StrCat("'", name, "' must start with a letter a-z"));
+  }
+  if (!std::all_of(name.begin(), name.end(), IsLowerAlnumOrHyphen)) {
+    return Invalid("name", absl::StrCat("'", name, "' may hold only a-z, 0-9 and '-'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateShards(absl::string_view field,
+                            const google::protobuf::RepeatedPtrField<std::string>& shards) {
+  for (int i = 0; i < shards.size(); ++i) {
+    if (shards[i].empty()) {
+      return Invalid(absl::StrCat(field, "[", i, "]"), "must be a non-empty path or glob");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateData(const v1::DataSpec& data, const v1::ModelDims& dims) {
+  if (data.train_shards().empty()) {
+    return Invalid("data.train_shards", "at least one path or glob is required");
+  }
+  RETURN_IF_ERROR(ValidateShards("data.train_shards", data.train_shards()));
+  RETURN_IF_ERROR(ValidateShards("data.validation_shards", data.validation_shards()));
+  if (data.eval_interval_steps() > 0 && data.validation_shards().empty()) {
+    return Invalid("data.validation_shards",
+                   absl::StrCat("at least one path or glob is required when "
+                                "data.eval_interval_steps is ",
+                                data.eval_interval_steps(), " (> 0)"));
+  }
+  RETURN_IF_ERROR(CheckPositive("data.seq_len", data.seq_len()));
+  if (data.seq_len() > dims.max_seq_len()) {
+    return Invalid("data.seq_len",
+                   absl::StrCat(data.seq_len(), " exceeds model max_seq_len ", dims.max_seq_len()));
+  }
+  RETURN_IF_ERROR(CheckNonNegative("data.eval_interval_steps", data.eval_interval_steps()));
+  RETURN_IF_ERROR(CheckNonNegative("data.eval_batches", data.eval_batches()));
+  return absl::OkStatus();
+}
+
+absl::Status ValidateBatch(const v1::JobSpec& spec) {
+  const v1::BatchSpec& batch = spec.batch();
+  RETURN_IF_ERROR(CheckPositive("batch.global_batch_size", batch.global_batch_size()));
+  RETURN_IF_ERROR(CheckPositive("batch.micro_batch_size", batch.micro_batch_size()));
+  const std::optional<int64_t> dp = DataParallel(spec);
+  if (!dp.has_value()) return absl::OkStatus();
+  // Both factors are below 2^31, so the product cannot overflow.
+  const int64_t per_pass = int64_t{batch.micro_batch_size()} * *dp;
+  if (batch.global_batch_size() % per_pass != 0) {
+    return Invalid(
+        "batch.global_batch_size",
+        absl::StrCat(batch.global_batch_size(), " is not divisible by micro_batch_size ",
+                     batch.micro_batch_size(), " x data_parallel ", *dp, " (= ", per_pass, ")"));
+  }
+  if (batch.global_batch_size() / per_pass > INT32_MAX) {
+    return Invalid(
+        "batch.global_batch_size",
+        absl::StrCat(batch.global_batch_size(), " / (micro_batch_size ", batch.micro_batch_size(),
+                     " x data_parallel ", *dp, ") = ", batch.global_batch_size() / per_pass,
+                     " gradient accumulation steps, more than ", INT32_MAX));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateExplicitLayout(const v1::Layout& layout, const v1::ResourceRequest& resources,
+                                    const v1::ModelDims& dims) {
+  const struct {
+    const char* name;
+    int value;
+  } degrees[] = {{"data_parallel", layout.data_parallel()},
+                 {"tensor_parallel", layout.tensor_parallel()},
+                 {"pipeline_parallel", layout.pipeline_parallel()}};
+  for (const auto& degree : degrees) {
+    if (degree.value < 1) {
+      return Invalid(absl::StrCat("parallelism.layout.", degree.name),
+                     absl::StrCat("must be >= 1 in an explicit layout (0 does not mean a default; "
+                                  "use auto_layout to let the planner choose), got ",
+                                  degree.value));
+    }
+  }
+  if (layout.zero_stage() < 0 || layout.zero_stage() > kMaxZeroStage) {
+    return Invalid("parallelism.layout.zero_stage",
+                   absl::StrCat("must be in 0..", kMaxZeroStage, ", got ", layout.zero_stage()));
+  }
+  const int64_t world =
+      int64_t{layout.data_parallel()} * layout.tensor_parallel() * layout.pipeline_parallel();
+  if (std::optional<int> requested = WorldSize(resources);
+      requested.has_value() && world != *requested) {
+    return Invalid(
+        "parallelism.layout",
+        absl::StrCat("data_parallel ", layout.data_parallel(), " x tensor_parallel ",
+                     layout.tensor_parallel(), " x pipeline_parallel ", layout.pipeline_parallel(),
+                     " = ", world, " != ", WorldSizeSource(resources)));
+  }
+  const int tp = layout.tensor_parallel();
+  if (dims.num_attention_heads() % tp != 0) {
+    return Invalid("parallelism.layout.tensor_parallel",
+                   absl::StrCat(tp, " does not divide the model's num_attention_heads ",
+                                dims.num_attention_heads()));
+  }
+  if (dims.num_kv_heads() % tp != 0) {
+    return Invalid(
+        "parallelism.layout.tensor_parallel",
+        absl::StrCat(tp, " does not divide the model's num_kv_heads ", dims.num_kv_heads()));
+  }
+  if (dims.num_layers() % layout.pipeline_parallel() != 0) {
+    return Invalid("parallelism.layout.pipeline_parallel",
+                   absl::StrCat(layout.pipeline_parallel(),
+                                " does not divide the model's num_layers ", dims.num_layers()));
+  }
+  if (layout.sequence_parallel() && tp == 1) {
+    return Invalid("parallelism.layout.sequence_parallel",
+                   "needs tensor_parallel > 1, got tensor_parallel 1");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateAutoLayout(const v1::AutoLayoutSpec& auto_layout) {
+  RETURN_IF_ERROR(CheckNonNegative("parallelism.auto_layout.max_tensor_parallel",
+                                   auto_layout.max_tensor_parallel()));
+  RETURN_IF_ERROR(CheckNonNegative("parallelism.auto_layout.max_pipeline_parallel",
+                                   auto_layout.max_pipeline_parallel()));
+  if (auto_layout.has_max_zero_stage() &&
+      (auto_layout.max_zero_stage() < 0 || auto_layout.max_zero_stage() > kMaxZeroStage)) {
+    return Invalid(
+        "parallelism.auto_layout.max_zero_stage",
+        absl::StrCat("must be in 0..", kMaxZeroStage, ", got ", auto_layout.max_zero_stage()));
+  }
+  const double headroom = auto_layout.memory_headroom_fraction();
+  RETURN_IF_ERROR(CheckFinite("parallelism.auto_layout.memory_headroom_fraction", headroom));
+  if (headroom < 0 || headroom > 1) {
+    return Invalid("parallelism.auto_layout.memory_headroom_fraction",
+                   absl::StrCat("must be in [0, 1] (0 for the default 0.9), got ", headroom));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateOptimizer(const v1::OptimizerSpec& optimizer, int64_t max_steps) {
+  const v1::LearningRateSchedule& schedule = optimizer.schedule();
+  // ValidateSchedule's range check on min_lr_ratio lets NaN through, and it checks max_steps (a
+  // later field) last: check the fields before min_lr_ratio, then min_lr_ratio, then the rest, so
+  // the first problem in field order is the one reported.
+  const int64_t steps_for_schedule = std::max<int64_t>(max_steps, 1);
+  if (std::isnan(schedule.min_lr_ratio())) {
+    v1::LearningRateSchedule leading_fields;
+    leading_fields.set_peak_learning_rate(schedule.peak_learning_rate());
+    leading_fields.set_warmup_steps(schedule.warmup_steps());
+    RETURN_IF_ERROR(planner::ValidateSchedule(leading_fields, steps_for_schedule));
+    RETURN_IF_ERROR(CheckFinite("optimizer.schedule.min_lr_ratio", schedule.min_lr_ratio()));
+  }
+  RETURN_IF_ERROR(planner::ValidateSchedule(schedule, steps_for_schedule));
+  RETURN_IF_ERROR(CheckFiniteNonNegative("optimizer.weight_decay", optimizer.weight_decay()));
+  RETURN_IF_ERROR(CheckBeta("optimizer.beta1", optimizer.beta1()));
+  RETURN_IF_ERROR(CheckBeta("optimizer.beta2", optimizer.beta2()));
+  RETURN_IF_ERROR(CheckFiniteNonNegative("optimizer.epsilon", optimizer.epsilon()));
+  RETURN_IF_ERROR(CheckFiniteNonNegative("optimizer.grad_clip_norm", optimizer.grad_clip_norm()));
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePrecision(v1::Precision precision, const v1::ResourceRequest& resources) {
+  if (!v1::Precision_IsValid(precision)) {
+    return Invalid("precision", absl::StrCat("unknown value ", static_cast<int>(precision)));
+  }
+  // A negative gpus is reported by its own check under resources.
+  if (precision == v1::PRECISION_BF16 && resources.gpus() == 0) {
+    return Invalid("precision",
+                   "PRECISION_BF16 is CUDA only and needs resources.gpus > 0, got gpus 0; use "
+                   "PRECISION_FP32 or PRECISION_UNSPECIFIED on CPU slots");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateResources(const v1::ResourceRequest& resources) {
+  RETURN_IF_ERROR(CheckNonNegative("resources.gpus", resources.gpus()));
+  RETURN_IF_ERROR(CheckNonNegative("resources.cpu_slots", resources.cpu_slots()));
+  if (resources.gpus() == 0 && resources.cpu_slots() == 0) {
+    return Invalid("resources", "request gpus or cpu_slots; both are 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateLabels(const google::protobuf::Map<std::string, std::string>& labels) {
+  // Map order is unspecified; sort so the same spec always reports the same label.
+  std::vector<std::string> keys;
+  keys.reserve(labels.size());
+  for (const auto& [key, value] : labels) keys.push_back(key);
+  std::sort(keys.begin(), keys.end());
+  for (const std::string& key : keys) {
+    if (key.empty() || key.size() > kMaxNameLength) {
+      return Invalid("labels", absl::StrCat("key '", key, "' must be 1-", kMaxNameLength,
+                                            " characters, got ", key.size()));
+    }
+    if (!std::all_of(key.begin(), key.end(), IsLabelKeyChar)) {
+      return Invalid("labels",
+                     absl::StrCat("key '", key, "' may hold only a-z, A-Z, 0-9, '.', '_' and '-'"));
+    }
+    const std::string& value = labels.at(key);
+    if (value.empty() || value.size() > kMaxNameLength) {
+      return Invalid(
+          absl::StrCat("labels[", key, "]"),
+          absl::StrCat("value must be 1-", kMaxNameLength, " characters, got ", value.size()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  RETURN_IF_ERROR(ValidateName(spec.name()));
+  // The model's own fields come before data.seq_len, so resolve at seq_len 1 (always within
+  // max_seq_len) here and check the real seq_len with the data.
+  ASSIGN_OR_RETURN(const v1::ModelSummary model, planner::ResolveModel(spec.model(), 1));
+  RETURN_IF_ERROR(ValidateData(spec.data(), model.dims()));
+  RETURN_IF_ERROR(ValidateBatch(spec));
+  if (HasExplicitLayout(spec)) {
+    RETURN_IF_ERROR(
+        ValidateExplicitLayout(spec.parallelism().layout(), spec.resources(), model.dims()));
+  } else {
+    RETURN_IF_ERROR(ValidateAutoLayout(spec.parallelism().auto_layout()));
+  }
+  RETURN_IF_ERROR(ValidateOptimizer(spec.optimizer(), spec.max_steps()));
+  RETURN_IF_ERROR(ValidatePrecision(spec.precision(), spec.resources()));
+  RETURN_IF_ERROR(CheckPositive("max_steps", spec.max_steps()));
+  RETURN_IF_ERROR(
+      CheckNonNegative("checkpoint.interval_steps", spec.checkpoint().interval_steps()));
+  RETURN_IF_ERROR(CheckNonNegative("checkpoint.keep_last", spec.checkpoint().keep_last()));
+  RETURN_IF_ERROR(ValidateResources(spec.resources()));
+  if (spec.priority() < kMinPriority || spec.priority() > kMaxPriority) {
+    return Invalid("priority", absl::StrCat("must be in [", kMinPriority, ", ", kMaxPriority,
+                                            "], got ", spec.priority()));
+  }
+  RETURN_IF_ERROR(CheckNonNegative("max_restarts", spec.max_restarts()));
+  RETURN_IF_ERROR(ValidateLabels(spec.labels()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::LayoutPlan> PlanJob(const v1::JobSpec& spec) {
+  RETURN_IF_ERROR(ValidateJobSpec(spec));
+  v1::LayoutPlan plan;
+  ASSIGN_OR_RETURN(*plan.mutable_model(),
+                   planner::ResolveModel(spec.model(), spec.data().seq_len()));
+  // ValidateJobSpec accepted the resources, so the world size is known.
+  const int world = *WorldSize(spec.resources());
+  const char* device = spec.resources().gpus() > 0 ? "GPUs" : "CPU slots";
+  v1::Layout& layout = *plan.mutable_layout();
+  if (HasExplicitLayout(spec)) {
+    layout = spec.parallelism().layout();
+    plan.set_explanation(
+        absl::StrCat("Explicit layout from the job spec: data_parallel ", layout.data_parallel(),
+                     " x tensor_parallel ", layout.tensor_parallel(), " x pipeline_parallel ",
+                     layout.pipeline_parallel(), ", ZeRO stage ", layout.zero_stage(), ", over ",
+                     world, " ", device, ". Memory and step time are not estimated yet."));
+  } else {
+    layout.set_data_parallel(world);
+    layout.set_tensor_parallel(1);
+    layout.set_pipeline_parallel(1);
+    layout.set_zero_stage(0);
+    plan.set_explanation(absl::StrCat(
+        "Provisional automatic layout: plain data parallelism over all ", world, " ", device,
+        " (data_parallel ", world,
+        ", no tensor or pipeline parallelism, no ZeRO). The layout planner will replace it "
+        "with a layout fitted to device memory and speed; memory and step time are not "
+        "estimated yet."));
+  }
+  plan.set_world_size(world);
+  plan.set_micro_batch_size(spec.batch().micro_batch_size());
+  plan.set_gradient_accumulation_steps(
+      static_cast<int32_t>(spec.batch().global_batch_size() /
+                           (int64_t{spec.batch().micro_batch_size()} * layout.data_parallel())));
+  plan.set_fits(true);
+  return plan;
+}
+
+}  // namespace tessera::coordinator

@@ -1,0 +1,40 @@
+// Admission checks for submitted training jobs, and the layout plan of an admitted one. Everything
+// a JobSpec gets wrong is found here, at submission, with a message naming the field, so that a
+// job never fails on a worker for a reason its spec already showed. The plan is provisional: it
+// takes an explicit layout as given and lays an automatic one out as pure data parallelism until
+// the planner (planner/) fits layouts to device memory and speed.
+#pragma once
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "tessera/v1/job.pb.h"
+#include "tessera/v1/layout.pb.h"
+
+namespace tessera::coordinator {
+
+// Longest job name and label key or value (a DNS label's length).
+inline constexpr int kMaxNameLength = 63;
+// Bounds of JobSpec.priority.
+inline constexpr int kMinPriority = -1000;
+inline constexpr int kMaxPriority = 1000;
+// ZeRO stages are 0 (none) to 3 (parameters sharded).
+inline constexpr int kMaxZeroStage = 3;
+
+// OK when the spec can run; otherwise INVALID_ARGUMENT for the first problem in the proto's field
+// order (name, model, data, batch, parallelism, optimizer, precision, max_steps, checkpoint,
+// resources, priority, max_restarts, labels). The message starts with the field path, states the
+// value and the rule, e.g. "batch.global_batch_size: 100 is not divisible by micro_batch_size 4 x
+// data_parallel 8 (= 32)". A rule spanning fields is reported at the field that states it, and only
+// once the fields it depends on are valid themselves (else their own error is reported). NaN and
+// infinite doubles are refused everywhere. Pure function; thread-safe.
+absl::Status ValidateJobSpec(const v1::JobSpec& spec);
+
+// The plan for a spec that ValidateJobSpec accepts (its error otherwise). World size is
+// resources.gpus, or resources.cpu_slots when gpus is 0. An explicit layout is used as given; an
+// automatic one (or unset parallelism) becomes data_parallel = world size, tensor and pipeline
+// parallel 1, ZeRO stage 0, until the layout planner replaces it (`explanation` says which).
+// `model` is the resolved ModelSummary at data.seq_len. `fits` is true and `memory` and `step_time`
+// are left empty: nothing is estimated yet. Pure function; thread-safe.
+absl::StatusOr<v1::LayoutPlan> PlanJob(const v1::JobSpec& spec);
+
+}  // namespace tessera::coordinator

@@ -1,0 +1,446 @@
+// ValidateJobSpec and PlanJob: one table of broken specs, each derived from a valid minimal spec by
+// one mutation, checked for the code and the field named in the message; the first problem in
+// field order wins; and the provisional plans for explicit and automatic layouts.
+
+#include "coordinator/job_validation.h"
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace tessera::coordinator {
+namespace {
+
+using ::tessera::testing::IsOk;
+using ::tessera::testing::StatusIs;
+using ::testing::HasSubstr;
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// tiny-gpt2 (2 layers, 4 heads, max_seq_len 256) on 2 CPU slots, global batch 8 of micro 2,
+// automatic layout: the smallest spec that can run.
+v1::JobSpec MinimalSpec() {
+  v1::JobSpec spec;
+  spec.set_name("tiny-job");
+  spec.mutable_model()->set_preset("tiny-gpt2");
+  spec.mutable_data()->add_train_shards("/data/train-*.bin");
+  spec.mutable_data()->set_seq_len(64);
+  spec.mutable_batch()->set_global_batch_size(8);
+  spec.mutable_batch()->set_micro_batch_size(2);
+  spec.mutable_parallelism()->mutable_auto_layout();
+  spec.mutable_optimizer()->mutable_schedule()->set_peak_learning_rate(1e-3);
+  spec.set_max_steps(10);
+  spec.mutable_resources()->set_cpu_slots(2);
+  return spec;
+}
+
+void SetLayout(v1::JobSpec& spec, int dp, int tp, int pp) {
+  v1::Layout* layout = spec.mutable_parallelism()->mutable_layout();
+  layout->set_data_parallel(dp);
+  layout->set_tensor_parallel(tp);
+  layout->set_pipeline_parallel(pp);
+}
+
+struct BadSpecCase {
+  std::string name;  // gtest parameter name: [A-Za-z0-9_]
+  std::function<void(v1::JobSpec&)> mutate;
+  absl::StatusCode code;
+  std::string message;  // substring of the expected message
+};
+
+std::ostream& operator<<(std::ostream& os, const BadSpecCase& c) { return os << c.name; }
+
+std::vector<BadSpecCase> BadSpecCases() {
+  using S = v1::JobSpec;
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  return {
+      // name
+      {"NameEmpty", [](S& s) { s.set_name(""); }, kInvalid, "name: must be 1-63 characters, got 0"},
+      {"NameTooLong", [](S& s) { s.set_name(std::string(64, 'a')); }, kInvalid,
+       "name: must be 1-63 characters, got 64"},
+      {"NameStartsWithDigit", [](S& s) { s.set_name("1job"); }, kInvalid,
+       "name: '1job' must start with a letter"},
+      {"NameUpperCase", [](S& s) { s.set_name("Job"); }, kInvalid,
+       "name: 'Job' must start with a letter"},
+      {"NameUnderscore", [](S& s) { s.set_name("my_job"); }, kInvalid,
+       "name: 'my_job' may hold only a-z, 0-9 and '-'"},
+      // model (planner::ResolveModel's messages, passed through)
+      {"ModelUnset", [](S& s) { s.clear_model(); }, kInvalid, "model: set one of preset or dims"},
+      {"ModelUnknownPreset", [](S& s) { s.mutable_model()->set_preset("gpt5"); }, kInvalid,
+       "model.preset: unknown preset 'gpt5'"},
+      {"ModelDimsZeroHidden",
+       [](S& s) {
+         v1::ModelDims* dims = s.mutable_model()->mutable_dims();
+         dims->set_architecture(v1::ARCHITECTURE_GPT2);
+         dims->set_num_layers(2);
+         dims->set_num_attention_heads(4);
+         dims->set_vocab_size(257);
+         dims->set_max_seq_len(256);
+       },
+       kInvalid, "model.dims.hidden_size: must be > 0"},
+      {"ModelInitStdNaN", [](S& s) { s.mutable_model()->set_init_std(kNaN); }, kInvalid,
+       "model.init_std: must be a finite number"},
+      // data
+      {"DataNoTrainShards", [](S& s) { s.mutable_data()->clear_train_shards(); }, kInvalid,
+       "data.train_shards: at least one path or glob is required"},
+      {"DataEmptyTrainShard", [](S& s) { s.mutable_data()->add_train_shards(""); }, kInvalid,
+       "data.train_shards[1]: must be a non-empty path or glob"},
+      {"DataEmptyValidationShard", [](S& s) { s.mutable_data()->add_validation_shards(""); },
+       kInvalid, "data.validation_shards[0]: must be a non-empty path or glob"},
+      {"DataEvalWithoutValidationShards",
+       [](S& s) { s.mutable_data()->set_eval_interval_steps(100); }, kInvalid,
+       "data.validation_shards: at least one path or glob is required when "
+       "data.eval_interval_steps is 100"},
+      {"DataSeqLenZero", [](S& s) { s.mutable_data()->set_seq_len(0); }, kInvalid,
+       "data.seq_len: must be > 0, got 0"},
+      {"DataSeqLenBeyondModel", [](S& s) { s.mutable_data()->set_seq_len(512); }, kInvalid,
+       "data.seq_len: 512 exceeds model max_seq_len 256"},
+      {"DataNegativeEvalInterval", [](S& s) { s.mutable_data()->set_eval_interval_steps(-1); },
+       kInvalid, "data.eval_interval_steps: must be >= 0, got -1"},
+      {"DataNegativeEvalBatches", [](S& s) { s.mutable_data()->set_eval_batches(-1); }, kInvalid,
+       "data.eval_batches: must be >= 0, got -1"},
+      // batch
+      {"BatchGlobalZero", [](S& s) { s.mutable_batch()->set_global_batch_size(0); }, kInvalid,
+       "batch.global_batch_size: must be > 0, got 0"},
+      {"BatchMicroZero", [](S& s) { s.mutable_batch()->set_micro_batch_size(0); }, kInvalid,
+       "batch.micro_batch_size: must be > 0, got 0"},
+      {"BatchNotDivisibleAuto", [](S& s) { s.mutable_batch()->set_global_batch_size(10); },
+       kInvalid,
+       "batch.global_batch_size: 10 is not divisible by micro_batch_size 2 x data_parallel 2 "
+       "(= 4)"},
+      {"BatchNotDivisibleExplicit",
+       [](S& s) {
+         s.mutable_resources()->set_gpus(8);
+         SetLayout(s, 8, 1, 1);
+         s.mutable_batch()->set_global_batch_size(100);
+         s.mutable_batch()->set_micro_batch_size(4);
+       },
+       kInvalid,
+       "batch.global_batch_size: 100 is not divisible by micro_batch_size 4 x data_parallel 8 "
+       "(= 32)"},
+      {"BatchAccumulationOverflowsInt32",
+       [](S& s) {
+         s.mutable_batch()->set_global_batch_size(int64_t{1} << 40);
+         s.mutable_batch()->set_micro_batch_size(1);
+       },
+       kInvalid, "gradient accumulation steps, more than 2147483647"},
+      // parallelism.layout
+      {"LayoutZeroDataParallel", [](S& s) { SetLayout(s, 0, 1, 1); }, kInvalid,
+       "parallelism.layout.data_parallel: must be >= 1 in an explicit layout (0 does not mean a "
+       "default"},
+      {"LayoutZeroTensorParallel", [](S& s) { SetLayout(s, 2, 0, 1); }, kInvalid,
+       "parallelism.layout.tensor_parallel: must be >= 1 in an explicit layout"},
+      {"LayoutZeroPipelineParallel", [](S& s) { SetLayout(s, 2, 1, 0); }, kInvalid,
+       "parallelism.layout.pipeline_parallel: must be >= 1 in an explicit layout"},
+      {"LayoutZeroStageFour",
+       [](S& s) {
+         SetLayout(s, 2, 1, 1);
+         s.mutable_parallelism()->mutable_layout()->set_zero_stage(4);
+       },
+       kInvalid, "parallelism.layout.zero_stage: must be in 0..3, got 4"},
+      {"LayoutWorldMismatchGpus",
+       [](S& s) {
+         s.mutable_resources()->set_gpus(8);
+         SetLayout(s, 2, 2, 1);
+       },
+       kInvalid,
+       "parallelism.layout: data_parallel 2 x tensor_parallel 2 x pipeline_parallel 1 = 4 != "
+       "resources.gpus 8"},
+      {"LayoutWorldMismatchCpuSlots", [](S& s) { SetLayout(s, 1, 1, 1); }, kInvalid,
+       "parallelism.layout: data_parallel 1 x tensor_parallel 1 x pipeline_parallel 1 = 1 != "
+       "resources.cpu_slots 2"},
+      {"LayoutTensorParallelVsHeads",
+       [](S& s) {
+         s.mutable_resources()->set_cpu_slots(3);
+         SetLayout(s, 1, 3, 1);
+       },
+       kInvalid,
+       "parallelism.layout.tensor_parallel: 3 does not divide the model's num_attention_heads 4"},
+      {"LayoutTensorParallelVsKvHeads",
+       [](S& s) {
+         s.mutable_model()->set_preset("tiny-llama");  // 4 heads, 2 kv heads
+         s.mutable_resources()->set_cpu_slots(4);
+         SetLayout(s, 1, 4, 1);
+       },
+       kInvalid,
+       "parallelism.layout.tensor_parallel: 4 does not divide the model's num_kv_heads 2"},
+      {"LayoutPipelineParallelVsLayers",
+       [](S& s) {
+         s.mutable_resources()->set_cpu_slots(3);
+         SetLayout(s, 1, 1, 3);
+       },
+       kInvalid,
+       "parallelism.layout.pipeline_parallel: 3 does not divide the model's num_layers 2"},
+      {"LayoutSequenceParallelWithoutTensorParallel",
+       [](S& s) {
+         SetLayout(s, 2, 1, 1);
+         s.mutable_parallelism()->mutable_layout()->set_sequence_parallel(true);
+       },
+       kInvalid, "parallelism.layout.sequence_parallel: needs tensor_parallel > 1"},
+      // parallelism.auto_layout
+      {"AutoNegativeMaxTensorParallel",
+       [](S& s) { s.mutable_parallelism()->mutable_auto_layout()->set_max_tensor_parallel(-1); },
+       kInvalid, "parallelism.auto_layout.max_tensor_parallel: must be >= 0, got -1"},
+      {"AutoNegativeMaxPipelineParallel",
+       [](S& s) { s.mutable_parallelism()->mutable_auto_layout()->set_max_pipeline_parallel(-2); },
+       kInvalid, "parallelism.auto_layout.max_pipeline_parallel: must be >= 0, got -2"},
+      {"AutoMaxZeroStageFour",
+       [](S& s) { s.mutable_parallelism()->mutable_auto_layout()->set_max_zero_stage(4); },
+       kInvalid, "parallelism.auto_layout.max_zero_stage: must be in 0..3, got 4"},
+      {"AutoHeadroomAboveOne",
+       [](S& s) {
+         s.mutable_parallelism()->mutable_auto_layout()->set_memory_headroom_fraction(1.5);
+       },
+       kInvalid, "parallelism.auto_layout.memory_headroom_fraction: must be in [0, 1]"},
+      {"AutoHeadroomNaN",
+       [](S& s) {
+         s.mutable_parallelism()->mutable_auto_layout()->set_memory_headroom_fraction(kNaN);
+       },
+       kInvalid, "parallelism.auto_layout.memory_headroom_fraction: must be a finite number"},
+      // optimizer
+      {"ScheduleNoPeak", [](S& s) { s.mutable_optimizer()->clear_schedule(); }, kInvalid,
+       "optimizer.schedule.peak_learning_rate: must be > 0"},
+      {"ScheduleMinLrRatioNaN",
+       [](S& s) { s.mutable_optimizer()->mutable_schedule()->set_min_lr_ratio(kNaN); }, kInvalid,
+       "optimizer.schedule.min_lr_ratio: must be a finite number"},
+      {"ScheduleMinLrRatioAboveOne",
+       [](S& s) { s.mutable_optimizer()->mutable_schedule()->set_min_lr_ratio(2); }, kInvalid,
+       "optimizer.schedule.min_lr_ratio: must be in [0, 1], got 2"},
+      {"WeightDecayNegative", [](S& s) { s.mutable_optimizer()->set_weight_decay(-0.1); }, kInvalid,
+       "optimizer.weight_decay: must be >= 0, got -0.1"},
+      {"WeightDecayInfinite", [](S& s) { s.mutable_optimizer()->set_weight_decay(kInf); }, kInvalid,
+       "optimizer.weight_decay: must be a finite number, got inf"},
+      {"Beta1One", [](S& s) { s.mutable_optimizer()->set_beta1(1.0); }, kInvalid,
+       "optimizer.beta1: must be in [0, 1), got 1"},
+      {"Beta2NaN", [](S& s) { s.mutable_optimizer()->set_beta2(kNaN); }, kInvalid,
+       "optimizer.beta2: must be a finite number"},
+      {"EpsilonNegative", [](S& s) { s.mutable_optimizer()->set_epsilon(-1e-8); }, kInvalid,
+       "optimizer.epsilon: must be >= 0"},
+      {"GradClipNormInfinite", [](S& s) { s.mutable_optimizer()->set_grad_clip_norm(-kInf); },
+       kInvalid, "optimizer.grad_clip_norm: must be a finite number, got -inf"},
+      // precision
+      {"Bf16OnCpuSlots", [](S& s) { s.set_precision(v1::PRECISION_BF16); }, kInvalid,
+       "precision: PRECISION_BF16 is CUDA only and needs resources.gpus > 0, got gpus 0"},
+      {"PrecisionUnknownValue", [](S& s) { s.set_precision(static_cast<v1::Precision>(7)); },
+       kInvalid, "precision: unknown value 7"},
+      // max_steps, checkpoint
+      {"MaxStepsZero", [](S& s) { s.set_max_steps(0); }, kInvalid, "max_steps: must be > 0, got 0"},
+      {"CheckpointNegativeInterval", [](S& s) { s.mutable_checkpoint()->set_interval_steps(-5); },
+       kInvalid, "checkpoint.interval_steps: must be >= 0, got -5"},
+      {"CheckpointNegativeKeepLast", [](S& s) { s.mutable_checkpoint()->set_keep_last(-1); },
+       kInvalid, "checkpoint.keep_last: must be >= 0, got -1"},
+      // resources
+      {"ResourcesNegativeGpus", [](S& s) { s.mutable_resources()->set_gpus(-1); }, kInvalid,
+       "resources.gpus: must be >= 0, got -1"},
+      {"ResourcesNegativeCpuSlots", [](S& s) { s.mutable_resources()->set_cpu_slots(-2); },
+       kInvalid, "resources.cpu_slots: must be >= 0, got -2"},
+      {"ResourcesNothingRequested", [](S& s) { s.mutable_resources()->clear_cpu_slots(); },
+       kInvalid, "resources: request gpus or cpu_slots"},
+      // priority, max_restarts, labels
+      {"PriorityTooHigh", [](S& s) { s.set_priority(1001); }, kInvalid,
+       "priority: must be in [-1000, 1000], got 1001"},
+      {"PriorityTooLow", [](S& s) { s.set_priority(-1001); }, kInvalid,
+       "priority: must be in [-1000, 1000], got -1001"},
+      {"MaxRestartsNegative", [](S& s) { s.set_max_restarts(-1); }, kInvalid,
+       "max_restarts: must be >= 0, got -1"},
+      {"LabelEmptyKey", [](S& s) { (*s.mutable_labels())[""] = "x"; }, kInvalid,
+       "labels: key '' must be 1-63 characters, got 0"},
+      {"LabelKeyTooLong", [](S& s) { (*s.mutable_labels())[std::string(64, 'k')] = "x"; }, kInvalid,
+       "must be 1-63 characters, got 64"},
+      {"LabelKeyBadCharacter", [](S& s) { (*s.mutable_labels())["team/ml"] = "x"; }, kInvalid,
+       "labels: key 'team/ml' may hold only a-z, A-Z, 0-9, '.', '_' and '-'"},
+      {"LabelEmptyValue", [](S& s) { (*s.mutable_labels())["team"] = ""; }, kInvalid,
+       "labels[team]: value must be 1-63 characters, got 0"},
+      // The first problem in field order is the one reported.
+      {"FirstProblemNameBeforeBatch",
+       [](S& s) {
+         s.set_name("");
+         s.mutable_batch()->set_global_batch_size(0);
+       },
+       kInvalid, "name:"},
+      {"FirstProblemBatchBeforeResources",
+       [](S& s) {
+         s.mutable_resources()->clear_cpu_slots();
+         s.mutable_batch()->set_micro_batch_size(0);
+       },
+       kInvalid, "batch.micro_batch_size:"},
+      {"FirstProblemModelBeforeSeqLen",
+       [](S& s) {
+         s.mutable_model()->set_preset("gpt5");
+         s.mutable_data()->set_seq_len(0);
+       },
+       kInvalid, "model.preset:"},
+      {"FirstProblemTrainShardsBeforeSeqLen",
+       [](S& s) {
+         s.mutable_data()->clear_train_shards();
+         s.mutable_data()->set_seq_len(-1);
+       },
+       kInvalid, "data.train_shards:"},
+      {"FirstProblemPeakBeforeMinLrRatioNaN",
+       [](S& s) {
+         s.mutable_optimizer()->mutable_schedule()->set_peak_learning_rate(0);
+         s.mutable_optimizer()->mutable_schedule()->set_min_lr_ratio(kNaN);
+       },
+       kInvalid, "optimizer.schedule.peak_learning_rate:"},
+      {"FirstProblemOptimizerBeforeMaxSteps",
+       [](S& s) {
+         s.set_max_steps(0);
+         s.mutable_optimizer()->set_beta1(2);
+       },
+       kInvalid, "optimizer.beta1:"},
+      {"FirstProblemLayoutBeforeResourcesWhenWorldUnknown",
+       [](S& s) {
+         s.mutable_resources()->clear_cpu_slots();
+         SetLayout(s, 1, 3, 1);
+       },
+       kInvalid, "parallelism.layout.tensor_parallel: 3 does not divide"},
+  };
+}
+
+class JobValidationBadSpecTest : public ::testing::TestWithParam<BadSpecCase> {};
+
+TEST_P(JobValidationBadSpecTest, RefusedWithFieldAndRuleInMessage) {
+  const BadSpecCase& c = GetParam();
+  v1::JobSpec spec = MinimalSpec();
+  c.mutate(spec);
+  const absl::Status status = ValidateJobSpec(spec);
+  EXPECT_THAT(status, StatusIs(c.code, HasSubstr(c.message)));
+  // PlanJob admits exactly what ValidateJobSpec admits.
+  EXPECT_EQ(PlanJob(spec).status(), status);
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, JobValidationBadSpecTest, ::testing::ValuesIn(BadSpecCases()),
+                         [](const ::testing::TestParamInfo<BadSpecCase>& info) {
+                           return info.param.name;
+                         });
+
+TEST(JobValidationTest, MinimalSpecIsValid) { EXPECT_THAT(ValidateJobSpec(MinimalSpec()), IsOk()); }
+
+TEST(JobValidationTest, FullExplicitGpuSpecIsValid) {
+  v1::JobSpec spec = MinimalSpec();
+  spec.mutable_model()->set_preset("tiny-llama");
+  spec.mutable_data()->add_validation_shards("/data/val.bin");
+  spec.mutable_data()->set_eval_interval_steps(50);
+  spec.mutable_data()->set_eval_batches(4);
+  spec.mutable_resources()->set_gpus(8);
+  SetLayout(spec, 2, 2, 2);
+  spec.mutable_parallelism()->mutable_layout()->set_zero_stage(3);
+  spec.mutable_parallelism()->mutable_layout()->set_sequence_parallel(true);
+  spec.mutable_batch()->set_global_batch_size(64);
+  spec.set_precision(v1::PRECISION_BF16);
+  spec.mutable_optimizer()->set_beta1(0.9);
+  spec.mutable_optimizer()->set_beta2(0.999);
+  spec.mutable_optimizer()->set_grad_clip_norm(1.0);
+  spec.mutable_optimizer()->mutable_schedule()->set_min_lr_ratio(0.1);
+  spec.set_priority(-1000);
+  (*spec.mutable_labels())["team.ml_infra-2"] = "any value: spaces/slashes ok";
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+}
+
+TEST(JobValidationTest, AutoLayoutLimitsAtTheirBoundsAreValid) {
+  v1::JobSpec spec = MinimalSpec();
+  v1::AutoLayoutSpec* auto_layout = spec.mutable_parallelism()->mutable_auto_layout();
+  auto_layout->set_max_zero_stage(0);
+  auto_layout->set_memory_headroom_fraction(1.0);
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+  auto_layout->set_max_zero_stage(3);
+  auto_layout->set_memory_headroom_fraction(0.0);
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+}
+
+TEST(JobValidationTest, UnsetParallelismIsAnAutomaticLayout) {
+  v1::JobSpec spec = MinimalSpec();
+  spec.clear_parallelism();
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+}
+
+TEST(JobValidationPlanTest, AutoLayoutIsDataParallelOverEveryCpuSlot) {
+  v1::JobSpec spec = MinimalSpec();
+  spec.mutable_resources()->set_cpu_slots(4);
+  spec.mutable_batch()->set_global_batch_size(24);
+  spec.mutable_batch()->set_micro_batch_size(3);
+  absl::StatusOr<v1::LayoutPlan> plan = PlanJob(spec);
+  ASSERT_THAT(plan, IsOk());
+  EXPECT_EQ(plan->world_size(), 4);
+  EXPECT_EQ(plan->layout().data_parallel(), 4);
+  EXPECT_EQ(plan->layout().tensor_parallel(), 1);
+  EXPECT_EQ(plan->layout().pipeline_parallel(), 1);
+  EXPECT_EQ(plan->layout().zero_stage(), 0);
+  EXPECT_EQ(plan->micro_batch_size(), 3);
+  EXPECT_EQ(plan->gradient_accumulation_steps(), 2);  // 24 / (3 x 4)
+  EXPECT_TRUE(plan->fits());
+  EXPECT_FALSE(plan->has_memory());
+  EXPECT_FALSE(plan->has_step_time());
+  EXPECT_THAT(plan->explanation(), HasSubstr("planner will replace"));
+  EXPECT_THAT(plan->explanation(), HasSubstr("4 CPU slots"));
+
+  // tiny-gpt2 (d 64, 2 layers, vocab 257, 256 positions, tied), summed by hand:
+  // embeddings 257*64 + 256*64 = 32832, per block 49984, final LayerNorm 128.
+  const int64_t params = 257 * 64 + 256 * 64 + 2 * 49984 + 128;
+  ASSERT_EQ(params, 132928);
+  EXPECT_EQ(plan->model().preset(), "tiny-gpt2");
+  EXPECT_EQ(plan->model().num_parameters(), 132928);
+  // FLOPs per token at the job's seq_len 64, not at the seq_len 1 validation resolves with.
+  EXPECT_DOUBLE_EQ(plan->model().flops_per_token(), 6.0 * params + 12.0 * 2 * 64 * 64);
+}
+
+TEST(JobValidationPlanTest, ExplicitLayoutIsTakenAsGiven) {
+  v1::JobSpec spec = MinimalSpec();
+  spec.mutable_resources()->set_gpus(8);
+  SetLayout(spec, 2, 4, 1);
+  spec.mutable_parallelism()->mutable_layout()->set_zero_stage(2);
+  spec.mutable_parallelism()->mutable_layout()->set_activation_checkpointing(true);
+  spec.mutable_batch()->set_global_batch_size(32);
+  spec.mutable_batch()->set_micro_batch_size(2);
+  absl::StatusOr<v1::LayoutPlan> plan = PlanJob(spec);
+  ASSERT_THAT(plan, IsOk());
+  EXPECT_EQ(plan->world_size(), 8);
+  EXPECT_EQ(plan->layout().data_parallel(), 2);
+  EXPECT_EQ(plan->layout().tensor_parallel(), 4);
+  EXPECT_EQ(plan->layout().pipeline_parallel(), 1);
+  EXPECT_EQ(plan->layout().zero_stage(), 2);
+  EXPECT_TRUE(plan->layout().activation_checkpointing());
+  EXPECT_EQ(plan->gradient_accumulation_steps(), 8);  // 32 / (2 x 2): tp ranks share a batch
+  EXPECT_EQ(plan->model().num_parameters(), 132928);
+  EXPECT_TRUE(plan->fits());
+  EXPECT_THAT(plan->explanation(), HasSubstr("Explicit layout"));
+  EXPECT_THAT(plan->explanation(), HasSubstr("8 GPUs"));
+}
+
+TEST(JobValidationPlanTest, GpusDecideTheWorldSizeOverCpuSlots) {
+  v1::JobSpec spec = MinimalSpec();
+  spec.mutable_resources()->set_gpus(4);
+  spec.mutable_resources()->set_cpu_slots(2);  // ignored when gpus > 0
+  spec.mutable_batch()->set_global_batch_size(16);
+  absl::StatusOr<v1::LayoutPlan> plan = PlanJob(spec);
+  ASSERT_THAT(plan, IsOk());
+  EXPECT_EQ(plan->world_size(), 4);
+  EXPECT_EQ(plan->layout().data_parallel(), 4);
+  EXPECT_EQ(plan->gradient_accumulation_steps(), 2);  // 16 / (2 x 4)
+
+  spec.mutable_resources()->set_gpus(0);
+  plan = PlanJob(spec);
+  ASSERT_THAT(plan, IsOk());
+  EXPECT_EQ(plan->world_size(), 2);
+  EXPECT_EQ(plan->layout().data_parallel(), 2);
+  EXPECT_EQ(plan->gradient_accumulation_steps(), 4);  // 16 / (2 x 2)
+}
+
+TEST(JobValidationPlanTest, LayoutMustMatchGpusNotCpuSlotsWhenBothAreSet) {
+  v1::JobSpec spec = MinimalSpec();
+  spec.mutable_resources()->set_gpus(4);
+  SetLayout(spec, 2, 1, 1);  // matches cpu_slots 2, not gpus 4
+  EXPECT_THAT(PlanJob(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("= 2 != resources.gpus 4")));
+}
+
+}  // namespace
+}  // namespace tessera::coordinator

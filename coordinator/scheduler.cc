@@ -1,0 +1,305 @@
+#include "coordinator/scheduler.h"
+
+#include <algorithm>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace tessera::coordinator {
+namespace {
+
+// Slots (GPUs or CPU slots, whichever the request uses) one node offers one request. `node`
+// indexes the node vector, which Schedule sorts by node_id, so a smaller index is a smaller id.
+struct Offer {
+  int node = 0;
+  int slots = 0;
+};
+
+// Tensor-parallel groups a gang puts on one node.
+struct Share {
+  int node = 0;
+  int groups = 0;
+};
+
+// What the capacity in a shortfall message means; the wording must say which, or a person reads
+// "largest node has 4" and wonders why a node with 8 GPUs does not count.
+enum class Basis { kFree, kEmptySchedulable, kEmptyAll };
+
+std::string Amount(const GangRequest& request, int count) {
+  if (!request.use_gpus) return absl::StrCat(count, count == 1 ? " CPU slot" : " CPU slots");
+  std::string text = absl::StrCat(count, count == 1 ? " GPU" : " GPUs");
+  if (!request.gpu_type.empty()) absl::StrAppend(&text, " of type ", request.gpu_type);
+  return text;
+}
+
+std::string FormatLabels(const std::map<std::string, std::string>& labels) {
+  return absl::StrCat("{", absl::StrJoin(labels, ", ", absl::PairFormatter("=")), "}");
+}
+
+std::optional<std::string> ShapeProblem(const GangRequest& request) {
+  if (request.world_size < 1) {
+    return absl::StrCat("world_size must be at least 1, got ", request.world_size);
+  }
+  if (request.tensor_parallel < 1) {
+    return absl::StrCat("tensor_parallel must be at least 1, got ", request.tensor_parallel);
+  }
+  if (request.world_size % request.tensor_parallel != 0) {
+    return absl::StrCat("tensor_parallel ", request.tensor_parallel, " does not divide world_size ",
+                        request.world_size);
+  }
+  return std::nullopt;
+}
+
+bool CarriesLabels(const NodeCapacity& node, const std::map<std::string, std::string>& selector) {
+  for (const auto& [key, value] : selector) {
+    auto it = node.labels.find(key);
+    if (it == node.labels.end() || it->second != value) return false;
+  }
+  return true;
+}
+
+// Capacity when empty. A node may report more free than total if its report raced a change;
+// trusting the larger keeps the reservation from being smaller than what is visibly there.
+int TotalSlots(const GangRequest& request, const NodeCapacity& node) {
+  if (request.use_gpus) {
+    return std::max(node.total_gpus, static_cast<int>(node.free_gpus.size()));
+  }
+  return std::max(node.total_cpu_slots, node.free_cpu_slots);
+}
+
+bool HasResource(const GangRequest& request, const NodeCapacity& node) {
+  if (TotalSlots(request, node) <= 0) return false;
+  if (!request.use_gpus || request.gpu_type.empty()) return true;
+  return node.gpu_name.find(request.gpu_type) != std::string::npos;
+}
+
+// Fills `eligible` with the indexes of the nodes the request may use, or says why there are none.
+std::optional<std::string> NoEligibleNode(const GangRequest& request,
+                                          const std::vector<NodeCapacity>& nodes,
+                                          bool schedulable_only, std::vector<int>* eligible) {
+  const char* kind = schedulable_only ? "schedulable node" : "node";
+  bool any_node = false;
+  bool any_labelled = false;
+  for (int i = 0; i < static_cast<int>(nodes.size()); ++i) {
+    const NodeCapacity& node = nodes[i];
+    if (schedulable_only && !node.schedulable) continue;
+    any_node = true;
+    if (!CarriesLabels(node, request.node_selector)) continue;
+    any_labelled = true;
+    if (HasResource(request, node)) eligible->push_back(i);
+  }
+  if (!eligible->empty()) return std::nullopt;
+  if (!any_node) {
+    return schedulable_only ? "no schedulable node (all draining or lost)" : "no node registered";
+  }
+  if (!any_labelled) {
+    return absl::StrCat("no ", kind, " carries labels ", FormatLabels(request.node_selector));
+  }
+  std::string where = schedulable_only ? " on a schedulable node" : " registered";
+  if (!request.node_selector.empty()) {
+    absl::StrAppend(&where, " with labels ", FormatLabels(request.node_selector));
+  }
+  if (request.use_gpus && !request.gpu_type.empty()) {
+    return absl::StrCat("needs ", Amount(request, request.world_size), ", none", where);
+  }
+  return absl::StrCat("needs ", Amount(request, request.world_size), ", no ",
+                      request.use_gpus ? "GPUs" : "CPU slots", where);
+}
+
+// The packing rule of scheduler.h: fewest nodes, tightest fit, ties to the smaller node index.
+// Greedy largest-first reaches the minimum node count because after taking the j largest nodes the
+// remainder fits one node exactly when the j+1 largest would have covered the gang.
+std::optional<std::vector<Share>> Pack(const GangRequest& request, std::vector<Offer> offers) {
+  const int group = request.tensor_parallel;
+  int needed = request.world_size / group;
+  int offered = 0;
+  std::erase_if(offers, [group](const Offer& offer) { return offer.slots < group; });
+  for (const Offer& offer : offers) offered += offer.slots / group;
+  if (offered < needed) return std::nullopt;
+
+  std::vector<Share> shares;
+  while (needed > 0) {
+    auto tightest = offers.end();
+    for (auto it = offers.begin(); it != offers.end(); ++it) {
+      if (it->slots / group < needed) continue;
+      if (tightest == offers.end() ||
+          std::tie(it->slots, it->node) < std::tie(tightest->slots, tightest->node)) {
+        tightest = it;
+      }
+    }
+    if (tightest != offers.end()) {
+      shares.push_back({tightest->node, needed});
+      break;
+    }
+    auto largest = offers.begin();
+    for (auto it = offers.begin(); it != offers.end(); ++it) {
+      // Most groups first; among equals, the fewest wasted slots, then the smaller index.
+      auto key = std::make_tuple(-(it->slots / group), it->slots, it->node);
+      if (key < std::make_tuple(-(largest->slots / group), largest->slots, largest->node)) {
+        largest = it;
+      }
+    }
+    shares.push_back({largest->node, largest->slots / group});
+    needed -= largest->slots / group;
+    offers.erase(largest);
+  }
+  return shares;
+}
+
+// Why Pack failed on `offers` (non-empty eligible nodes), in the terms of `basis`.
+std::string Shortfall(const GangRequest& request, const std::vector<Offer>& offers, Basis basis) {
+  const int group = request.tensor_parallel;
+  int largest_node = 0;
+  int gang = 0;
+  for (const Offer& offer : offers) {
+    largest_node = std::max(largest_node, offer.slots);
+    gang += offer.slots / group * group;
+  }
+  if (group > 1 && largest_node < group) {
+    const char* largest_text =
+        basis == Basis::kEmptySchedulable ? "largest schedulable node has " : "largest node has ";
+    return absl::StrCat("tensor_parallel ", group, " needs ", Amount(request, group),
+                        " on one node, ", largest_text, largest_node,
+                        basis == Basis::kFree ? " free" : "");
+  }
+  std::string needs = absl::StrCat("needs ", Amount(request, request.world_size));
+  if (group > 1) absl::StrAppend(&needs, " in tensor_parallel groups of ", group);
+  switch (basis) {
+    case Basis::kFree:
+      return absl::StrCat(needs, ", largest free gang is ", gang);
+    case Basis::kEmptySchedulable:
+      return absl::StrCat(needs, ", schedulable nodes hold at most ", gang, " even when empty");
+    case Basis::kEmptyAll:
+      break;
+  }
+  return absl::StrCat(needs, ", matching nodes hold at most ", gang);
+}
+
+// Working copy of one node's free slots during a pass.
+struct NodeState {
+  std::vector<int> free_gpus;  // ascending, unique
+  int free_cpu_slots = 0;
+  int reserved_gpus = 0;  // held for the head request
+  int reserved_cpu_slots = 0;
+
+  int Free(bool gpus) const { return gpus ? static_cast<int>(free_gpus.size()) : free_cpu_slots; }
+  int Reserved(bool gpus) const { return gpus ? reserved_gpus : reserved_cpu_slots; }
+};
+
+GangPlacement Commit(const GangRequest& request, const std::vector<Share>& shares,
+                     const std::vector<NodeCapacity>& nodes, std::vector<NodeState>& states) {
+  GangPlacement placement;
+  placement.job_id = request.job_id;
+  placement.master_addr = nodes[shares.front().node].host;
+  int rank = 0;
+  for (const Share& share : shares) {
+    NodeState& state = states[share.node];
+    const int count = share.groups * request.tensor_parallel;
+    for (int local_rank = 0; local_rank < count; ++local_rank) {
+      v1::RankPlacement& placed = placement.ranks.emplace_back();
+      placed.set_rank(rank++);
+      placed.set_node_id(nodes[share.node].node_id);
+      placed.set_local_rank(local_rank);
+      placed.set_gpu_index(request.use_gpus ? state.free_gpus[local_rank] : -1);
+    }
+    if (request.use_gpus) {
+      state.free_gpus.erase(state.free_gpus.begin(), state.free_gpus.begin() + count);
+    } else {
+      state.free_cpu_slots -= count;
+    }
+  }
+  return placement;
+}
+
+std::string WaitingBehind(const GangRequest& request, const GangRequest& head) {
+  return absl::StrCat("waiting behind ",
+                      head.priority > request.priority ? "higher-priority" : "older", " job ",
+                      head.job_id, " (backfill would delay it)");
+}
+
+}  // namespace
+
+ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapacity> nodes) {
+  // Sorting both inputs makes the answer independent of the order the caller happened to use.
+  std::sort(pending.begin(), pending.end(), [](const GangRequest& a, const GangRequest& b) {
+    return std::make_tuple(-static_cast<int64_t>(a.priority), a.submit_order, std::cref(a.job_id)) <
+           std::make_tuple(-static_cast<int64_t>(b.priority), b.submit_order, std::cref(b.job_id));
+  });
+  std::sort(nodes.begin(), nodes.end(),
+            [](const NodeCapacity& a, const NodeCapacity& b) { return a.node_id < b.node_id; });
+
+  std::vector<NodeState> states(nodes.size());
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    std::vector<int>& gpus = states[i].free_gpus;
+    gpus = nodes[i].free_gpus;
+    std::sort(gpus.begin(), gpus.end());
+    gpus.erase(std::unique(gpus.begin(), gpus.end()), gpus.end());
+    states[i].free_cpu_slots = std::max(0, nodes[i].free_cpu_slots);
+  }
+
+  ScheduleResult result;
+  std::optional<GangRequest> head;
+  for (const GangRequest& request : pending) {
+    if (auto problem = ShapeProblem(request)) {
+      result.pending_reasons[request.job_id] = *problem;
+      continue;
+    }
+    std::vector<int> eligible;
+    if (auto problem = NoEligibleNode(request, nodes, /*schedulable_only=*/true, &eligible)) {
+      result.pending_reasons[request.job_id] = *problem;
+      continue;
+    }
+    const bool gpus = request.use_gpus;
+    std::vector<Offer> free;
+    std::vector<Offer> unreserved;
+    for (int node : eligible) {
+      const NodeState& state = states[node];
+      free.push_back({node, state.Free(gpus)});
+      unreserved.push_back({node, std::max(0, state.Free(gpus) - state.Reserved(gpus))});
+    }
+    if (auto shares = Pack(request, unreserved)) {
+      result.placed.push_back(Commit(request, *shares, nodes, states));
+      continue;
+    }
+    if (!head.has_value()) {
+      std::vector<Offer> empty;
+      for (int node : eligible) empty.push_back({node, TotalSlots(request, nodes[node])});
+      auto reservation = Pack(request, empty);
+      if (!reservation.has_value()) {
+        // Reserving for a gang that cannot fit even on empty nodes would idle the cluster for
+        // nothing; the next blocked request becomes the head instead.
+        result.pending_reasons[request.job_id] =
+            Shortfall(request, empty, Basis::kEmptySchedulable);
+        continue;
+      }
+      head = request;
+      for (const Share& share : *reservation) {
+        (gpus ? states[share.node].reserved_gpus : states[share.node].reserved_cpu_slots) +=
+            share.groups * request.tensor_parallel;
+      }
+      result.pending_reasons[request.job_id] = Shortfall(request, free, Basis::kFree);
+      continue;
+    }
+    result.pending_reasons[request.job_id] = Pack(request, free).has_value()
+                                                 ? WaitingBehind(request, *head)
+                                                 : Shortfall(request, free, Basis::kFree);
+  }
+  return result;
+}
+
+std::optional<std::string> Unsatisfiable(const GangRequest& request,
+                                         const std::vector<NodeCapacity>& nodes) {
+  if (auto problem = ShapeProblem(request)) return problem;
+  std::vector<int> eligible;
+  if (auto problem = NoEligibleNode(request, nodes, /*schedulable_only=*/false, &eligible)) {
+    return problem;
+  }
+  std::vector<Offer> empty;
+  for (int node : eligible) empty.push_back({node, TotalSlots(request, nodes[node])});
+  if (Pack(request, empty).has_value()) return std::nullopt;
+  return Shortfall(request, empty, Basis::kEmptyAll);
+}
+
+}  // namespace tessera::coordinator

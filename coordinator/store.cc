@@ -1,0 +1,827 @@
+#include "coordinator/store.h"
+
+#include <sqlite3.h>
+
+#include <limits>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/status_macros.h"
+
+namespace tessera::coordinator {
+namespace {
+
+// Schema migrations: kMigrations[v - 1] takes the schema from version v - 1 to
+// v. Append only; never edit a migration that has shipped.
+constexpr const char* kMigrations[] = {
+    // v1.
+    R"sql(
+CREATE TABLE jobs (
+  job_id TEXT PRIMARY KEY NOT NULL,
+  state INTEGER NOT NULL,
+  priority INTEGER NOT NULL,
+  create_time_ns INTEGER NOT NULL,
+  request_id TEXT UNIQUE,
+  job BLOB NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX jobs_by_create_time ON jobs (create_time_ns, job_id);
+CREATE INDEX jobs_by_state ON jobs (state, create_time_ns, job_id);
+CREATE TABLE job_events (
+  job_id TEXT NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
+  sequence INTEGER NOT NULL,
+  event BLOB NOT NULL,
+  PRIMARY KEY (job_id, sequence)
+) WITHOUT ROWID;
+CREATE TABLE step_metrics (
+  job_id TEXT NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
+  step INTEGER NOT NULL,
+  metrics BLOB NOT NULL,
+  PRIMARY KEY (job_id, step)
+) WITHOUT ROWID;
+CREATE TABLE eval_metrics (
+  job_id TEXT NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
+  step INTEGER NOT NULL,
+  metrics BLOB NOT NULL,
+  PRIMARY KEY (job_id, step)
+) WITHOUT ROWID;
+CREATE TABLE checkpoints (
+  job_id TEXT NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
+  step INTEGER NOT NULL,
+  checkpoint BLOB NOT NULL,
+  PRIMARY KEY (job_id, step)
+) WITHOUT ROWID;
+CREATE TABLE nodes (
+  node_id TEXT PRIMARY KEY NOT NULL,
+  node BLOB NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE counters (
+  name TEXT PRIMARY KEY NOT NULL,
+  value INTEGER NOT NULL
+) WITHOUT ROWID;
+)sql",
+};
+static_assert(std::size(kMigrations) == Store::kSchemaVersion);
+
+constexpr char kJobIdCounter[] = "next_job_id";
+constexpr char kPageTokenVersion[] = "v1";
+constexpr int64_t kMaxJobIdCounter = 0xffffffffLL;
+
+absl::Status SqliteStatus(sqlite3* db, int rc, absl::string_view operation) {
+  const char* detail = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+  std::string message = absl::StrCat("store: ", operation, ": ", detail);
+  switch (rc & 0xff) {
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+      return absl::UnavailableError(message);
+    case SQLITE_FULL:
+      return absl::ResourceExhaustedError(message);
+    case SQLITE_CORRUPT:
+      return absl::DataLossError(message);
+    case SQLITE_NOTADB:
+    case SQLITE_CANTOPEN:
+      return absl::FailedPreconditionError(message);
+    case SQLITE_CONSTRAINT:
+      if (rc == SQLITE_CONSTRAINT_UNIQUE || rc == SQLITE_CONSTRAINT_PRIMARYKEY) {
+        return absl::AlreadyExistsError(message);
+      }
+      return absl::InternalError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+// Nanoseconds since the Unix epoch, saturated; ordering key of jobs.
+int64_t TimestampNanos(const google::protobuf::Timestamp& time) {
+  constexpr int64_t kNanosPerSecond = 1'000'000'000;
+  constexpr int64_t kMaxSeconds = std::numeric_limits<int64_t>::max() / kNanosPerSecond - 1;
+  if (time.seconds() > kMaxSeconds) return std::numeric_limits<int64_t>::max();
+  if (time.seconds() < -kMaxSeconds) return std::numeric_limits<int64_t>::min();
+  return time.seconds() * kNanosPerSecond + time.nanos();
+}
+
+void SetNow(google::protobuf::Timestamp& time) {
+  const absl::Duration since_epoch = absl::Now() - absl::UnixEpoch();
+  const int64_t seconds = absl::ToInt64Seconds(since_epoch);
+  time.set_seconds(seconds);
+  time.set_nanos(
+      static_cast<int32_t>(absl::ToInt64Nanoseconds(since_epoch - absl::Seconds(seconds))));
+}
+
+std::string EncodePageToken(int64_t create_time_ns, const std::string& job_id) {
+  return absl::WebSafeBase64Escape(
+      absl::StrCat(kPageTokenVersion, "|", create_time_ns, "|", job_id));
+}
+
+struct PageCursor {
+  int64_t create_time_ns = 0;
+  std::string job_id;
+};
+
+absl::StatusOr<PageCursor> DecodePageToken(const std::string& token) {
+  std::string decoded;
+  if (!absl::WebSafeBase64Unescape(token, &decoded)) {
+    return absl::InvalidArgumentError("page_token: not a token returned by ListJobs");
+  }
+  std::vector<std::string> parts = absl::StrSplit(decoded, absl::MaxSplits('|', 2));
+  PageCursor cursor;
+  if (parts.size() != 3 || parts[0] != kPageTokenVersion ||
+      !absl::SimpleAtoi(parts[1], &cursor.create_time_ns) || parts[2].empty()) {
+    return absl::InvalidArgumentError("page_token: not a token returned by ListJobs");
+  }
+  cursor.job_id = std::move(parts[2]);
+  return cursor;
+}
+
+}  // namespace
+
+// A prepared statement borrowed from the cache for one use: bind, step, read
+// columns; reset and unbound when it goes out of scope.
+class Store::Statement {
+ public:
+  Statement(sqlite3* db, sqlite3_stmt* stmt, absl::string_view operation)
+      : db_(db), stmt_(stmt), operation_(operation) {}
+  ~Statement() {
+    sqlite3_reset(stmt_);
+    sqlite3_clear_bindings(stmt_);
+  }
+  Statement(const Statement&) = delete;
+  Statement& operator=(const Statement&) = delete;
+
+  // Parameters are numbered from 1. A failed bind is reported by Step.
+  void Bind(int index, int64_t value) { Check(sqlite3_bind_int64(stmt_, index, value)); }
+  void BindText(int index, absl::string_view value) {
+    Check(sqlite3_bind_text(stmt_, index, value.data(), static_cast<int>(value.size()),
+                            SQLITE_TRANSIENT));
+  }
+  // Empty text binds NULL.
+  void BindTextOrNull(int index, absl::string_view value) {
+    if (value.empty()) {
+      Check(sqlite3_bind_null(stmt_, index));
+    } else {
+      BindText(index, value);
+    }
+  }
+  void BindMessage(int index, const google::protobuf::MessageLite& message) {
+    const std::string bytes = message.SerializeAsString();
+    Check(sqlite3_bind_blob(stmt_, index, bytes.data(), static_cast<int>(bytes.size()),
+                            SQLITE_TRANSIENT));
+  }
+
+  // True when a row is ready, false when done.
+  absl::StatusOr<bool> Step() {
+    if (bind_rc_ != SQLITE_OK) return SqliteStatus(db_, bind_rc_, operation_);
+    const int rc = sqlite3_step(stmt_);
+    if (rc == SQLITE_ROW) return true;
+    if (rc == SQLITE_DONE) return false;
+    return SqliteStatus(db_, rc, operation_);
+  }
+  // Steps a statement that returns no rows.
+  absl::Status Run() {
+    ASSIGN_OR_RETURN(bool row, Step());
+    (void)row;
+    return absl::OkStatus();
+  }
+
+  int64_t ColumnInt64(int column) { return sqlite3_column_int64(stmt_, column); }
+  std::string ColumnText(int column) {
+    const unsigned char* text = sqlite3_column_text(stmt_, column);
+    return text == nullptr ? std::string()
+                           : std::string(reinterpret_cast<const char*>(text),
+                                         sqlite3_column_bytes(stmt_, column));
+  }
+  // DATA_LOSS naming `what` when the blob does not parse.
+  absl::Status ColumnMessage(int column, google::protobuf::MessageLite& message,
+                             absl::string_view what) {
+    const void* data = sqlite3_column_blob(stmt_, column);
+    const int size = sqlite3_column_bytes(stmt_, column);
+    if (!message.ParseFromArray(data, size)) {
+      return absl::DataLossError(absl::StrCat("store: ", what, ": stored ", message.GetTypeName(),
+                                              " (", size, " bytes) does not parse"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  void Check(int rc) {
+    if (rc != SQLITE_OK && bind_rc_ == SQLITE_OK) bind_rc_ = rc;
+  }
+
+  sqlite3* const db_;
+  sqlite3_stmt* const stmt_;
+  const absl::string_view operation_;
+  int bind_rc_ = SQLITE_OK;
+};
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
+  sqlite3* db = nullptr;
+  const int rc = sqlite3_open_v2(
+      path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX, nullptr);
+  if (rc != SQLITE_OK) {
+    absl::Status status = SqliteStatus(db, rc, absl::StrCat("open '", path, "'"));
+    sqlite3_close(db);
+    return status;
+  }
+  std::unique_ptr<Store> store(new Store(db, path));
+  absl::MutexLock lock(&store->mu_);
+  RETURN_IF_ERROR(store->Configure());
+  RETURN_IF_ERROR(store->Migrate());
+  return store;
+}
+
+Store::Store(sqlite3* db, std::string path) : path_(std::move(path)), db_(db) {}
+
+Store::~Store() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [sql, stmt] : statements_) sqlite3_finalize(stmt);
+  sqlite3_close(db_);
+}
+
+absl::Status Store::Configure() {
+  const std::string operation = absl::StrCat("open '", path_, "'");
+  sqlite3_extended_result_codes(db_, 1);
+  if (const int rc = sqlite3_busy_timeout(db_, kBusyTimeoutMs); rc != SQLITE_OK) {
+    return SqliteStatus(db_, rc, operation);
+  }
+  // The first statement reads the file: a file that is not a database fails
+  // here with SQLITE_NOTADB.
+  ASSIGN_OR_RETURN(sqlite3_stmt * journal_mode_stmt,
+                   Prepare("PRAGMA journal_mode = WAL", operation));
+  Statement journal_mode(db_, journal_mode_stmt, operation);
+  ASSIGN_OR_RETURN(bool has_row, journal_mode.Step());
+  const std::string mode = has_row ? journal_mode.ColumnText(0) : "";
+  if (mode != "wal" && !(mode == "memory" && path_ == ":memory:")) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("store: ", operation, ": journal_mode is '", mode, "', want 'wal'"));
+  }
+  RETURN_IF_ERROR(Exec("PRAGMA synchronous = FULL", operation));
+  RETURN_IF_ERROR(Exec("PRAGMA foreign_keys = ON", operation));
+  // Pragmas ignore what they do not understand; read the settings back, since
+  // durability and referential integrity rest on them.
+  constexpr int64_t kSynchronousFull = 2;
+  for (const auto& [pragma, want] :
+       {std::pair<const char*, int64_t>{"PRAGMA synchronous", kSynchronousFull},
+        std::pair<const char*, int64_t>{"PRAGMA foreign_keys", 1}}) {
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(pragma, operation));
+    Statement read(db_, stmt, operation);
+    ASSIGN_OR_RETURN(bool has_row, read.Step());
+    const int64_t got = has_row ? read.ColumnInt64(0) : -1;
+    if (got != want) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("store: ", operation, ": ", pragma, " is ", got, ", want ", want));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::Migrate() {
+  const std::string operation = absl::StrCat("migrate '", path_, "'");
+  RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", operation));
+  absl::Status status = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+    RETURN_IF_ERROR(
+        Exec("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)", operation));
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+                     Prepare("SELECT COALESCE(MAX(version), 0) FROM schema_version", operation));
+    Statement select(db_, stmt, operation);
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    const int64_t version = has_row ? select.ColumnInt64(0) : 0;
+    if (version > kSchemaVersion) {
+      return absl::FailedPreconditionError(absl::StrCat("store: '", path_, "' has schema version ",
+                                                        version, ", newer than this binary's ",
+                                                        kSchemaVersion));
+    }
+    for (int64_t next = version + 1; next <= kSchemaVersion; ++next) {
+      RETURN_IF_ERROR(
+          Exec(kMigrations[next - 1], absl::StrCat(operation, " to schema version ", next)));
+    }
+    if (version != kSchemaVersion) {
+      RETURN_IF_ERROR(Exec("DELETE FROM schema_version", operation));
+      ASSIGN_OR_RETURN(sqlite3_stmt * insert_stmt,
+                       Prepare("INSERT INTO schema_version (version) VALUES (?1)", operation));
+      Statement insert(db_, insert_stmt, operation);
+      insert.Bind(1, kSchemaVersion);
+      RETURN_IF_ERROR(insert.Run());
+    }
+    return absl::OkStatus();
+  }();
+  return FinishTransaction(std::move(status), operation);
+}
+
+absl::StatusOr<sqlite3_stmt*> Store::Prepare(absl::string_view sql, absl::string_view operation) {
+  if (auto it = statements_.find(sql); it != statements_.end()) return it->second;
+  sqlite3_stmt* stmt = nullptr;
+  const int rc = sqlite3_prepare_v3(db_, sql.data(), static_cast<int>(sql.size()),
+                                    SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
+  if (rc != SQLITE_OK) return SqliteStatus(db_, rc, operation);
+  statements_.emplace(sql, stmt);
+  return stmt;
+}
+
+absl::Status Store::Exec(const char* sql, absl::string_view operation) {
+  const int rc = sqlite3_exec(db_, sql, nullptr, nullptr, nullptr);
+  if (rc != SQLITE_OK) return SqliteStatus(db_, rc, operation);
+  return absl::OkStatus();
+}
+
+absl::Status Store::FinishTransaction(absl::Status status, absl::string_view operation) {
+  if (status.ok()) {
+    status = Exec("COMMIT", operation);
+    if (status.ok()) return status;
+  }
+  // Some errors (SQLITE_FULL, SQLITE_IOERR) roll back by themselves.
+  if (sqlite3_get_autocommit(db_) == 0) {
+    sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
+  }
+  return status;
+}
+
+absl::StatusOr<std::vector<v1::JobEvent>> Store::Commit(const JobWrite& write) {
+  if (write.job_id.empty()) return absl::InvalidArgumentError("store: job_id is empty");
+  if (write.job.has_value() && write.job->job_id() != write.job_id) {
+    return absl::InvalidArgumentError(absl::StrCat("store: job.job_id '", write.job->job_id(),
+                                                   "' does not match job_id '", write.job_id, "'"));
+  }
+  for (size_t i = 0; i < write.events.size(); ++i) {
+    const std::string& event_job = write.events[i].job_id();
+    if (!event_job.empty() && event_job != write.job_id) {
+      return absl::InvalidArgumentError(absl::StrCat("store: events[", i, "].job_id '", event_job,
+                                                     "' does not match job_id '", write.job_id,
+                                                     "'"));
+    }
+  }
+  for (size_t i = 0; i < write.checkpoints.size(); ++i) {
+    const std::string& checkpoint_job = write.checkpoints[i].job_id();
+    if (!checkpoint_job.empty() && checkpoint_job != write.job_id) {
+      return absl::InvalidArgumentError(absl::StrCat("store: checkpoints[", i, "].job_id '",
+                                                     checkpoint_job, "' does not match job_id '",
+                                                     write.job_id, "'"));
+    }
+  }
+
+  std::vector<v1::JobEvent> stored_events;
+  double seconds = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time start = absl::Now();
+    const std::string operation = absl::StrCat("commit for ", write.job_id);
+    RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", operation));
+    RETURN_IF_ERROR(FinishTransaction(ApplyWrite(write, stored_events), operation));
+    seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  }
+  ReportWrite(seconds);
+  return stored_events;
+}
+
+absl::Status Store::ApplyWrite(const JobWrite& write, std::vector<v1::JobEvent>& stored_events) {
+  const std::string& job_id = write.job_id;
+  if (write.job.has_value()) {
+    const std::string operation = absl::StrCat("upsert job ", job_id);
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+INSERT INTO jobs (job_id, state, priority, create_time_ns, request_id, job)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+ON CONFLICT (job_id) DO UPDATE SET
+  state = excluded.state,
+  priority = excluded.priority,
+  create_time_ns = excluded.create_time_ns,
+  request_id = COALESCE(excluded.request_id, jobs.request_id),
+  job = excluded.job)sql",
+                                                  operation));
+    Statement upsert(db_, stmt, operation);
+    upsert.BindText(1, job_id);
+    upsert.Bind(2, write.job->state());
+    upsert.Bind(3, write.job->spec().priority());
+    upsert.Bind(4, TimestampNanos(write.job->create_time()));
+    upsert.BindTextOrNull(5, write.request_id);
+    upsert.BindMessage(6, *write.job);
+    RETURN_IF_ERROR(upsert.Run());
+  } else {
+    ASSIGN_OR_RETURN(bool exists, JobExists(job_id));
+    if (!exists) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+    if (!write.request_id.empty()) {
+      const std::string operation = absl::StrCat("record request id of ", job_id);
+      ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+                       Prepare("UPDATE jobs SET request_id = ?2 WHERE job_id = ?1", operation));
+      Statement update(db_, stmt, operation);
+      update.BindText(1, job_id);
+      update.BindText(2, write.request_id);
+      RETURN_IF_ERROR(update.Run());
+    }
+  }
+
+  if (!write.events.empty()) {
+    int64_t sequence = 0;
+    {
+      const std::string operation = absl::StrCat("read last event sequence of ", job_id);
+      ASSIGN_OR_RETURN(
+          sqlite3_stmt * stmt,
+          Prepare("SELECT COALESCE(MAX(sequence), 0) FROM job_events WHERE job_id = ?1",
+                  operation));
+      Statement select(db_, stmt, operation);
+      select.BindText(1, job_id);
+      ASSIGN_OR_RETURN(bool has_row, select.Step());
+      if (has_row) sequence = select.ColumnInt64(0);
+    }
+    const std::string operation = absl::StrCat("insert event for ", job_id);
+    ASSIGN_OR_RETURN(
+        sqlite3_stmt * stmt,
+        Prepare("INSERT INTO job_events (job_id, sequence, event) VALUES (?1, ?2, ?3)", operation));
+    stored_events.reserve(write.events.size());
+    for (const v1::JobEvent& event : write.events) {
+      v1::JobEvent& stored = stored_events.emplace_back(event);
+      stored.set_job_id(job_id);
+      stored.set_sequence(++sequence);
+      if (!stored.has_time()) SetNow(*stored.mutable_time());
+      Statement insert(db_, stmt, operation);
+      insert.BindText(1, job_id);
+      insert.Bind(2, sequence);
+      insert.BindMessage(3, stored);
+      RETURN_IF_ERROR(insert.Run());
+    }
+  }
+
+  if (!write.metrics.empty()) {
+    const std::string operation = absl::StrCat("upsert step metrics for ", job_id);
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+INSERT INTO step_metrics (job_id, step, metrics) VALUES (?1, ?2, ?3)
+ON CONFLICT (job_id, step) DO UPDATE SET metrics = excluded.metrics)sql",
+                                                  operation));
+    for (const v1::StepMetrics& metrics : write.metrics) {
+      Statement upsert(db_, stmt, operation);
+      upsert.BindText(1, job_id);
+      upsert.Bind(2, metrics.step());
+      upsert.BindMessage(3, metrics);
+      RETURN_IF_ERROR(upsert.Run());
+    }
+  }
+
+  if (!write.evals.empty()) {
+    const std::string operation = absl::StrCat("upsert eval metrics for ", job_id);
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+INSERT INTO eval_metrics (job_id, step, metrics) VALUES (?1, ?2, ?3)
+ON CONFLICT (job_id, step) DO UPDATE SET metrics = excluded.metrics)sql",
+                                                  operation));
+    for (const v1::EvalMetrics& eval : write.evals) {
+      Statement upsert(db_, stmt, operation);
+      upsert.BindText(1, job_id);
+      upsert.Bind(2, eval.step());
+      upsert.BindMessage(3, eval);
+      RETURN_IF_ERROR(upsert.Run());
+    }
+  }
+
+  if (!write.checkpoints.empty()) {
+    const std::string operation = absl::StrCat("upsert checkpoint for ", job_id);
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+INSERT INTO checkpoints (job_id, step, checkpoint) VALUES (?1, ?2, ?3)
+ON CONFLICT (job_id, step) DO UPDATE SET checkpoint = excluded.checkpoint)sql",
+                                                  operation));
+    for (const v1::Checkpoint& checkpoint : write.checkpoints) {
+      v1::Checkpoint stored = checkpoint;
+      stored.set_job_id(job_id);
+      Statement upsert(db_, stmt, operation);
+      upsert.BindText(1, job_id);
+      upsert.Bind(2, stored.step());
+      upsert.BindMessage(3, stored);
+      RETURN_IF_ERROR(upsert.Run());
+    }
+  }
+
+  if (!write.deleted_checkpoint_steps.empty()) {
+    const std::string operation = absl::StrCat("delete checkpoint of ", job_id);
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+                     Prepare("DELETE FROM checkpoints WHERE job_id = ?1 AND step = ?2", operation));
+    for (int64_t step : write.deleted_checkpoint_steps) {
+      Statement remove(db_, stmt, operation);
+      remove.BindText(1, job_id);
+      remove.Bind(2, step);
+      RETURN_IF_ERROR(remove.Run());
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Store::JobExists(const std::string& job_id) {
+  const std::string operation = absl::StrCat("look up job ", job_id);
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare("SELECT 1 FROM jobs WHERE job_id = ?1", operation));
+  Statement select(db_, stmt, operation);
+  select.BindText(1, job_id);
+  return select.Step();
+}
+
+absl::StatusOr<std::vector<v1::Job>> Store::QueryJobs(Statement& statement,
+                                                      absl::string_view operation) {
+  std::vector<v1::Job> jobs;
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, statement.Step());
+    if (!has_row) break;
+    const std::string job_id = statement.ColumnText(0);
+    RETURN_IF_ERROR(statement.ColumnMessage(
+        1, jobs.emplace_back(), absl::StrCat(operation, ": job '", job_id, "' in table jobs")));
+  }
+  return jobs;
+}
+
+absl::StatusOr<v1::Job> Store::GetJob(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  const std::string operation = absl::StrCat("get job ", job_id);
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+                   Prepare("SELECT job_id, job FROM jobs WHERE job_id = ?1", operation));
+  Statement select(db_, stmt, operation);
+  select.BindText(1, job_id);
+  ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, QueryJobs(select, operation));
+  if (jobs.empty()) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
+  return std::move(jobs.front());
+}
+
+absl::StatusOr<std::optional<v1::Job>> Store::FindJobByRequestId(const std::string& request_id) {
+  if (request_id.empty()) return std::nullopt;
+  absl::MutexLock lock(&mu_);
+  const std::string operation = absl::StrCat("find job by request id '", request_id, "'");
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+                   Prepare("SELECT job_id, job FROM jobs WHERE request_id = ?1", operation));
+  Statement select(db_, stmt, operation);
+  select.BindText(1, request_id);
+  ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, QueryJobs(select, operation));
+  if (jobs.empty()) return std::nullopt;
+  return std::move(jobs.front());
+}
+
+absl::StatusOr<JobPage> Store::ListJobs(const std::vector<v1::JobState>& states, int page_size,
+                                        const std::string& page_token) {
+  if (page_size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("page_size: ", page_size, " is negative"));
+  }
+  if (page_size == 0) page_size = kDefaultPageSize;
+  if (page_size > kMaxPageSize) page_size = kMaxPageSize;
+  int64_t state_mask = 0;
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (states[i] < 0 || states[i] > 62) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("states[", i, "]: ", static_cast<int>(states[i]), " is not a job state"));
+    }
+    state_mask |= int64_t{1} << states[i];
+  }
+  PageCursor cursor;
+  if (!page_token.empty()) {
+    ASSIGN_OR_RETURN(cursor, DecodePageToken(page_token));
+  }
+
+  absl::MutexLock lock(&mu_);
+  const std::string operation = "list jobs";
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+SELECT job_id, job, create_time_ns FROM jobs
+WHERE (?1 = 0 OR ((1 << state) & ?1) != 0)
+  AND (?2 = 0 OR create_time_ns < ?3 OR (create_time_ns = ?3 AND job_id < ?4))
+ORDER BY create_time_ns DESC, job_id DESC
+LIMIT ?5)sql",
+                                                operation));
+  Statement select(db_, stmt, operation);
+  select.Bind(1, state_mask);
+  select.Bind(2, page_token.empty() ? 0 : 1);
+  select.Bind(3, cursor.create_time_ns);
+  select.BindText(4, cursor.job_id);
+  select.Bind(5, page_size + 1);
+  JobPage page;
+  int64_t last_create_time_ns = 0;
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (!has_row) break;
+    if (static_cast<int>(page.jobs.size()) == page_size) {
+      page.next_page_token = EncodePageToken(last_create_time_ns, page.jobs.back().job_id());
+      break;
+    }
+    const std::string job_id = select.ColumnText(0);
+    v1::Job& job = page.jobs.emplace_back();
+    RETURN_IF_ERROR(select.ColumnMessage(
+        1, job, absl::StrCat(operation, ": job '", job_id, "' in table jobs")));
+    // The row's key, not the blob's, so the cursor matches the index.
+    job.set_job_id(job_id);
+    last_create_time_ns = select.ColumnInt64(2);
+  }
+  return page;
+}
+
+absl::StatusOr<std::vector<v1::Job>> Store::ListActiveJobs() {
+  absl::MutexLock lock(&mu_);
+  const std::string operation = "list active jobs";
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+SELECT job_id, job FROM jobs WHERE state IN (?1, ?2, ?3, ?4)
+ORDER BY create_time_ns, job_id)sql",
+                                                operation));
+  Statement select(db_, stmt, operation);
+  select.Bind(1, v1::JOB_STATE_PENDING);
+  select.Bind(2, v1::JOB_STATE_SCHEDULED);
+  select.Bind(3, v1::JOB_STATE_RUNNING);
+  select.Bind(4, v1::JOB_STATE_RESTARTING);
+  return QueryJobs(select, operation);
+}
+
+absl::StatusOr<std::vector<v1::JobEvent>> Store::ReadEvents(const std::string& job_id,
+                                                            int64_t after_sequence, int limit) {
+  absl::MutexLock lock(&mu_);
+  const std::string operation = absl::StrCat("read events of ", job_id);
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+SELECT sequence, event FROM job_events WHERE job_id = ?1 AND sequence > ?2
+ORDER BY sequence LIMIT ?3)sql",
+                                                operation));
+  Statement select(db_, stmt, operation);
+  select.BindText(1, job_id);
+  select.Bind(2, after_sequence);
+  select.Bind(3, limit > 0 ? limit : -1);
+  std::vector<v1::JobEvent> events;
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (!has_row) break;
+    const int64_t sequence = select.ColumnInt64(0);
+    RETURN_IF_ERROR(select.ColumnMessage(1, events.emplace_back(),
+                                         absl::StrCat(operation, ": event ", sequence, " of job '",
+                                                      job_id, "' in table job_events")));
+  }
+  return events;
+}
+
+absl::StatusOr<int64_t> Store::LastEventSequence(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  const std::string operation = absl::StrCat("read last event sequence of ", job_id);
+  ASSIGN_OR_RETURN(
+      sqlite3_stmt * stmt,
+      Prepare("SELECT COALESCE(MAX(sequence), 0) FROM job_events WHERE job_id = ?1", operation));
+  Statement select(db_, stmt, operation);
+  select.BindText(1, job_id);
+  ASSIGN_OR_RETURN(bool has_row, select.Step());
+  return has_row ? select.ColumnInt64(0) : 0;
+}
+
+namespace {
+
+// Reads (step, blob) rows into messages, naming `table` on a bad blob.
+template <typename Message, typename Statement>
+absl::StatusOr<std::vector<Message>> ReadStepRows(Statement& select, const std::string& job_id,
+                                                  absl::string_view table) {
+  std::vector<Message> rows;
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (!has_row) break;
+    const int64_t step = select.ColumnInt64(0);
+    RETURN_IF_ERROR(select.ColumnMessage(
+        1, rows.emplace_back(),
+        absl::StrCat("step ", step, " of job '", job_id, "' in table ", table)));
+  }
+  return rows;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<v1::StepMetrics>> Store::ReadMetrics(const std::string& job_id,
+                                                                int64_t from_step,
+                                                                int64_t to_step) {
+  absl::MutexLock lock(&mu_);
+  const std::string operation = absl::StrCat("read step metrics of ", job_id);
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+SELECT step, metrics FROM step_metrics WHERE job_id = ?1 AND step >= ?2 AND step <= ?3
+ORDER BY step)sql",
+                                                operation));
+  Statement select(db_, stmt, operation);
+  select.BindText(1, job_id);
+  select.Bind(2, from_step);
+  select.Bind(3, to_step == 0 ? std::numeric_limits<int64_t>::max() : to_step);
+  return ReadStepRows<v1::StepMetrics>(select, job_id, "step_metrics");
+}
+
+absl::StatusOr<std::vector<v1::EvalMetrics>> Store::ReadEvals(const std::string& job_id,
+                                                              int64_t from_step, int64_t to_step) {
+  absl::MutexLock lock(&mu_);
+  const std::string operation = absl::StrCat("read eval metrics of ", job_id);
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+SELECT step, metrics FROM eval_metrics WHERE job_id = ?1 AND step >= ?2 AND step <= ?3
+ORDER BY step)sql",
+                                                operation));
+  Statement select(db_, stmt, operation);
+  select.BindText(1, job_id);
+  select.Bind(2, from_step);
+  select.Bind(3, to_step == 0 ? std::numeric_limits<int64_t>::max() : to_step);
+  return ReadStepRows<v1::EvalMetrics>(select, job_id, "eval_metrics");
+}
+
+absl::StatusOr<std::vector<v1::Checkpoint>> Store::ListCheckpoints(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  const std::string operation = absl::StrCat("list checkpoints of ", job_id);
+  ASSIGN_OR_RETURN(
+      sqlite3_stmt * stmt,
+      Prepare("SELECT step, checkpoint FROM checkpoints WHERE job_id = ?1 ORDER BY step DESC",
+              operation));
+  Statement select(db_, stmt, operation);
+  select.BindText(1, job_id);
+  return ReadStepRows<v1::Checkpoint>(select, job_id, "checkpoints");
+}
+
+absl::Status Store::PutNode(const v1::Node& node) {
+  if (node.node_id().empty()) return absl::InvalidArgumentError("store: node.node_id is empty");
+  double seconds = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time start = absl::Now();
+    const std::string operation = absl::StrCat("put node ", node.node_id());
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+INSERT INTO nodes (node_id, node) VALUES (?1, ?2)
+ON CONFLICT (node_id) DO UPDATE SET node = excluded.node)sql",
+                                                  operation));
+    Statement upsert(db_, stmt, operation);
+    upsert.BindText(1, node.node_id());
+    upsert.BindMessage(2, node);
+    RETURN_IF_ERROR(upsert.Run());
+    seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  }
+  ReportWrite(seconds);
+  return absl::OkStatus();
+}
+
+absl::Status Store::DeleteNode(const std::string& node_id) {
+  double seconds = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time start = absl::Now();
+    const std::string operation = absl::StrCat("delete node ", node_id);
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+                     Prepare("DELETE FROM nodes WHERE node_id = ?1", operation));
+    Statement remove(db_, stmt, operation);
+    remove.BindText(1, node_id);
+    RETURN_IF_ERROR(remove.Run());
+    seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  }
+  ReportWrite(seconds);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<v1::Node>> Store::ListNodes() {
+  absl::MutexLock lock(&mu_);
+  const std::string operation = "list nodes";
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+                   Prepare("SELECT node_id, node FROM nodes ORDER BY node_id", operation));
+  Statement select(db_, stmt, operation);
+  std::vector<v1::Node> nodes;
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (!has_row) break;
+    const std::string node_id = select.ColumnText(0);
+    RETURN_IF_ERROR(select.ColumnMessage(
+        1, nodes.emplace_back(), absl::StrCat(operation, ": node '", node_id, "' in table nodes")));
+  }
+  return nodes;
+}
+
+absl::StatusOr<std::string> Store::NextJobId() {
+  absl::MutexLock lock(&mu_);
+  const std::string operation = "allocate job id";
+  RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", operation));
+  std::string job_id;
+  absl::Status status = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+INSERT INTO counters (name, value) VALUES (?1, 1)
+ON CONFLICT (name) DO UPDATE SET value = value + 1
+RETURNING value)sql",
+                                                  operation));
+    // Skips ids taken by jobs stored under another scheme (none today).
+    while (true) {
+      int64_t value = 0;
+      {
+        Statement next(db_, stmt, operation);
+        next.BindText(1, kJobIdCounter);
+        ASSIGN_OR_RETURN(bool has_row, next.Step());
+        if (!has_row) return absl::InternalError("store: allocate job id: no counter value");
+        value = next.ColumnInt64(0);
+        // RETURNING rows are produced before the statement completes.
+        RETURN_IF_ERROR(next.Run());
+      }
+      if (value > kMaxJobIdCounter) {
+        return absl::ResourceExhaustedError("store: allocate job id: all 2^32-1 job ids are used");
+      }
+      job_id = absl::StrFormat("job-%08x", value);
+      ASSIGN_OR_RETURN(bool taken, JobExists(job_id));
+      if (!taken) return absl::OkStatus();
+    }
+  }();
+  RETURN_IF_ERROR(FinishTransaction(std::move(status), operation));
+  return job_id;
+}
+
+void Store::SetWriteObserver(std::function<void(double seconds)> observer) {
+  absl::MutexLock lock(&mu_);
+  write_observer_ = std::move(observer);
+}
+
+void Store::ReportWrite(double seconds) {
+  std::function<void(double)> observer;
+  {
+    absl::MutexLock lock(&mu_);
+    observer = write_observer_;
+  }
+  if (observer) observer(seconds);
+}
+
+}  // namespace tessera::coordinator

@@ -1,0 +1,682 @@
+#include "coordinator/store.h"
+
+#include <signal.h>
+#include <sqlite3.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_format.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/util/temp_dir.h"
+
+namespace tessera::coordinator {
+namespace {
+
+using ::tessera::testing::IsOk;
+using ::tessera::testing::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::SizeIs;
+
+v1::Job MakeJob(const std::string& job_id, v1::JobState state, int64_t create_seconds) {
+  v1::Job job;
+  job.set_job_id(job_id);
+  job.set_state(state);
+  job.mutable_spec()->set_name("job-" + std::to_string(create_seconds));
+  job.mutable_spec()->set_priority(static_cast<int32_t>(create_seconds % 3));
+  job.mutable_create_time()->set_seconds(create_seconds);
+  return job;
+}
+
+v1::JobEvent StateEvent(v1::JobState from, v1::JobState to) {
+  v1::JobEvent event;
+  event.mutable_state_change()->set_previous_state(from);
+  event.mutable_state_change()->set_new_state(to);
+  return event;
+}
+
+v1::StepMetrics Metrics(int64_t step, double loss) {
+  v1::StepMetrics metrics;
+  metrics.set_step(step);
+  metrics.set_loss(loss);
+  return metrics;
+}
+
+std::unique_ptr<Store> OpenOrDie(const std::string& path) {
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(path);
+  EXPECT_THAT(store, IsOk());
+  return store.ok() ? std::move(store).value() : nullptr;
+}
+
+// Submits a job with `events` state events (all PENDING -> PENDING).
+void SubmitJob(Store& store, const v1::Job& job, int events = 0) {
+  JobWrite write;
+  write.job_id = job.job_id();
+  write.job = job;
+  for (int i = 0; i < events; ++i) {
+    write.events.push_back(StateEvent(v1::JOB_STATE_UNSPECIFIED, v1::JOB_STATE_PENDING));
+  }
+  ASSERT_THAT(store.Commit(write), IsOk());
+}
+
+std::vector<int64_t> Sequences(const std::vector<v1::JobEvent>& events) {
+  std::vector<int64_t> sequences;
+  for (const v1::JobEvent& event : events) sequences.push_back(event.sequence());
+  return sequences;
+}
+
+std::vector<std::string> JobIds(const std::vector<v1::Job>& jobs) {
+  std::vector<std::string> ids;
+  for (const v1::Job& job : jobs) ids.push_back(job.job_id());
+  return ids;
+}
+
+TEST(StoreTest, EventSequencesAreGapFreePerJob) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+
+  JobWrite first;
+  first.job_id = "job-a";
+  first.job = MakeJob("job-a", v1::JOB_STATE_PENDING, 100);
+  first.events = {StateEvent(v1::JOB_STATE_UNSPECIFIED, v1::JOB_STATE_PENDING),
+                  StateEvent(v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED)};
+  absl::StatusOr<std::vector<v1::JobEvent>> stored = store->Commit(first);
+  ASSERT_THAT(stored, IsOk());
+  EXPECT_THAT(Sequences(*stored), ElementsAre(1, 2));
+  for (const v1::JobEvent& event : *stored) {
+    EXPECT_EQ(event.job_id(), "job-a");
+    EXPECT_GT(event.time().seconds(), 0) << "time is set when unset";
+  }
+
+  SubmitJob(*store, MakeJob("job-b", v1::JOB_STATE_PENDING, 101), 1);
+
+  JobWrite second;
+  second.job_id = "job-a";  // No job upsert: events of an existing job.
+  v1::JobEvent timed = StateEvent(v1::JOB_STATE_SCHEDULED, v1::JOB_STATE_RUNNING);
+  timed.mutable_time()->set_seconds(42);
+  second.events = {timed, StateEvent(v1::JOB_STATE_RUNNING, v1::JOB_STATE_SUCCEEDED),
+                   StateEvent(v1::JOB_STATE_SUCCEEDED, v1::JOB_STATE_SUCCEEDED)};
+  stored = store->Commit(second);
+  ASSERT_THAT(stored, IsOk());
+  EXPECT_THAT(Sequences(*stored), ElementsAre(3, 4, 5));
+  EXPECT_EQ((*stored)[0].time().seconds(), 42) << "a set time is kept";
+
+  EXPECT_THAT(store->LastEventSequence("job-a"), ::tessera::testing::IsOkAndHolds(5));
+  EXPECT_THAT(store->LastEventSequence("job-b"), ::tessera::testing::IsOkAndHolds(1));
+  EXPECT_THAT(store->LastEventSequence("job-none"), ::tessera::testing::IsOkAndHolds(0));
+
+  absl::StatusOr<std::vector<v1::JobEvent>> all = store->ReadEvents("job-a", 0, 0);
+  ASSERT_THAT(all, IsOk());
+  EXPECT_THAT(Sequences(*all), ElementsAre(1, 2, 3, 4, 5));
+  EXPECT_EQ((*all)[2].state_change().new_state(), v1::JOB_STATE_RUNNING);
+}
+
+TEST(StoreTest, ReadEventsAfterSequenceWithLimit) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_PENDING, 1), 10);
+
+  absl::StatusOr<std::vector<v1::JobEvent>> after = store->ReadEvents("job-a", 7, 0);
+  ASSERT_THAT(after, IsOk());
+  EXPECT_THAT(Sequences(*after), ElementsAre(8, 9, 10));
+
+  after = store->ReadEvents("job-a", 2, 3);
+  ASSERT_THAT(after, IsOk());
+  EXPECT_THAT(Sequences(*after), ElementsAre(3, 4, 5));
+
+  after = store->ReadEvents("job-a", 10, 0);
+  ASSERT_THAT(after, IsOk());
+  EXPECT_THAT(*after, IsEmpty());
+}
+
+TEST(StoreTest, CommitRejectsBadWrites) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+
+  JobWrite no_id;
+  no_id.job = MakeJob("job-a", v1::JOB_STATE_PENDING, 1);
+  EXPECT_THAT(store->Commit(no_id),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_id")));
+
+  JobWrite mismatch;
+  mismatch.job_id = "job-b";
+  mismatch.job = MakeJob("job-a", v1::JOB_STATE_PENDING, 1);
+  EXPECT_THAT(store->Commit(mismatch),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job-a")));
+
+  JobWrite unknown;
+  unknown.job_id = "job-missing";
+  unknown.events.push_back(StateEvent(v1::JOB_STATE_PENDING, v1::JOB_STATE_RUNNING));
+  EXPECT_THAT(store->Commit(unknown),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("job 'job-missing' not found")));
+
+  v1::JobEvent foreign = StateEvent(v1::JOB_STATE_PENDING, v1::JOB_STATE_RUNNING);
+  foreign.set_job_id("job-d");
+  JobWrite foreign_event;
+  foreign_event.job_id = "job-c";
+  foreign_event.job = MakeJob("job-c", v1::JOB_STATE_PENDING, 1);
+  foreign_event.events.push_back(foreign);
+  EXPECT_THAT(store->Commit(foreign_event),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("events[0]")));
+}
+
+TEST(StoreTest, MetricPointsAreKeyedByStep) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
+  SubmitJob(*store, MakeJob("job-b", v1::JOB_STATE_RUNNING, 2));
+
+  JobWrite write;
+  write.job_id = "job-a";
+  for (int step = 1; step <= 5; ++step) write.metrics.push_back(Metrics(step, 10.0 - step));
+  ASSERT_THAT(store->Commit(write), IsOk());
+  // The same batch relayed again, with step 3 revised: still one point per step.
+  write.metrics[2].set_loss(1.5);
+  ASSERT_THAT(store->Commit(write), IsOk());
+  JobWrite other;
+  other.job_id = "job-b";
+  other.metrics.push_back(Metrics(3, 99));
+  ASSERT_THAT(store->Commit(other), IsOk());
+
+  absl::StatusOr<std::vector<v1::StepMetrics>> all = store->ReadMetrics("job-a", 0, 0);
+  ASSERT_THAT(all, IsOk());
+  ASSERT_THAT(*all, SizeIs(5));
+  for (int i = 0; i < 5; ++i) EXPECT_EQ((*all)[i].step(), i + 1);
+  EXPECT_DOUBLE_EQ((*all)[2].loss(), 1.5);
+  EXPECT_DOUBLE_EQ((*all)[4].loss(), 5.0);
+
+  absl::StatusOr<std::vector<v1::StepMetrics>> range = store->ReadMetrics("job-a", 2, 4);
+  ASSERT_THAT(range, IsOk());
+  ASSERT_THAT(*range, SizeIs(3));
+  EXPECT_EQ(range->front().step(), 2);
+  EXPECT_EQ(range->back().step(), 4);
+
+  JobWrite evals;
+  evals.job_id = "job-a";
+  for (int step : {10, 20, 10}) {
+    v1::EvalMetrics eval;
+    eval.set_step(step);
+    eval.set_loss(step / 10.0);
+    evals.evals.push_back(eval);
+  }
+  ASSERT_THAT(store->Commit(evals), IsOk());
+  absl::StatusOr<std::vector<v1::EvalMetrics>> read_evals = store->ReadEvals("job-a", 15, 0);
+  ASSERT_THAT(read_evals, IsOk());
+  ASSERT_THAT(*read_evals, SizeIs(1));
+  EXPECT_EQ(read_evals->front().step(), 20);
+  read_evals = store->ReadEvals("job-a", 0, 0);
+  ASSERT_THAT(read_evals, IsOk());
+  EXPECT_THAT(*read_evals, SizeIs(2));
+}
+
+TEST(StoreTest, ListJobsPaginatesNewestFirst) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  // 25 jobs; jobs 20..24 share one create_time, so the job_id tie-break counts.
+  std::vector<std::string> newest_first;
+  for (int i = 0; i < 25; ++i) {
+    const std::string id = absl::StrFormat("job-%08x", i);
+    const v1::JobState state = i % 2 == 0 ? v1::JOB_STATE_RUNNING : v1::JOB_STATE_SUCCEEDED;
+    SubmitJob(*store, MakeJob(id, state, i < 20 ? 1000 + i : 2000));
+    newest_first.insert(newest_first.begin(), id);
+  }
+
+  std::vector<std::string> seen;
+  std::string token;
+  int pages = 0;
+  do {
+    absl::StatusOr<JobPage> page = store->ListJobs({}, 10, token);
+    ASSERT_THAT(page, IsOk());
+    ++pages;
+    EXPECT_LE(page->jobs.size(), 10u);
+    for (const std::string& id : JobIds(page->jobs)) seen.push_back(id);
+    token = page->next_page_token;
+    ASSERT_LE(pages, 3) << "the last page must return an empty token";
+  } while (!token.empty());
+  EXPECT_EQ(pages, 3);
+  EXPECT_EQ(seen, newest_first);
+
+  // Filtered: the 13 RUNNING jobs (even i), newest first, over two pages.
+  absl::StatusOr<JobPage> running = store->ListJobs({v1::JOB_STATE_RUNNING}, 10, "");
+  ASSERT_THAT(running, IsOk());
+  ASSERT_THAT(running->jobs, SizeIs(10));
+  for (const v1::Job& job : running->jobs) EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  absl::StatusOr<JobPage> rest =
+      store->ListJobs({v1::JOB_STATE_RUNNING}, 10, running->next_page_token);
+  ASSERT_THAT(rest, IsOk());
+  EXPECT_THAT(rest->jobs, SizeIs(3));
+  EXPECT_EQ(rest->next_page_token, "");
+  EXPECT_EQ(rest->jobs.back().job_id(), "job-00000000");
+
+  absl::StatusOr<JobPage> both =
+      store->ListJobs({v1::JOB_STATE_RUNNING, v1::JOB_STATE_SUCCEEDED}, 0, "");
+  ASSERT_THAT(both, IsOk());
+  EXPECT_THAT(both->jobs, SizeIs(25));
+  EXPECT_EQ(both->next_page_token, "");
+
+  absl::StatusOr<JobPage> none = store->ListJobs({v1::JOB_STATE_CANCELLED}, 0, "");
+  ASSERT_THAT(none, IsOk());
+  EXPECT_THAT(none->jobs, IsEmpty());
+
+  EXPECT_THAT(store->ListJobs({}, 10, "not a token!"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
+  EXPECT_THAT(store->ListJobs({}, 10, "YWJj"),  // base64 of "abc"
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
+}
+
+TEST(StoreTest, ListActiveJobsOldestFirst) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-run", v1::JOB_STATE_RUNNING, 30));
+  SubmitJob(*store, MakeJob("job-done", v1::JOB_STATE_SUCCEEDED, 5));
+  SubmitJob(*store, MakeJob("job-pend", v1::JOB_STATE_PENDING, 10));
+  SubmitJob(*store, MakeJob("job-fail", v1::JOB_STATE_FAILED, 15));
+  SubmitJob(*store, MakeJob("job-restart", v1::JOB_STATE_RESTARTING, 20));
+  SubmitJob(*store, MakeJob("job-sched", v1::JOB_STATE_SCHEDULED, 25));
+  SubmitJob(*store, MakeJob("job-cancel", v1::JOB_STATE_CANCELLED, 1));
+
+  absl::StatusOr<std::vector<v1::Job>> active = store->ListActiveJobs();
+  ASSERT_THAT(active, IsOk());
+  EXPECT_THAT(JobIds(*active), ElementsAre("job-pend", "job-restart", "job-sched", "job-run"));
+
+  // A state change moves a job out of the active set.
+  JobWrite finish;
+  finish.job_id = "job-run";
+  finish.job = MakeJob("job-run", v1::JOB_STATE_SUCCEEDED, 30);
+  ASSERT_THAT(store->Commit(finish), IsOk());
+  active = store->ListActiveJobs();
+  ASSERT_THAT(active, IsOk());
+  EXPECT_THAT(JobIds(*active), ElementsAre("job-pend", "job-restart", "job-sched"));
+}
+
+TEST(StoreTest, FindsJobByRequestId) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  JobWrite submit;
+  submit.job_id = "job-a";
+  submit.job = MakeJob("job-a", v1::JOB_STATE_PENDING, 1);
+  submit.request_id = "req-1";
+  ASSERT_THAT(store->Commit(submit), IsOk());
+  SubmitJob(*store, MakeJob("job-b", v1::JOB_STATE_PENDING, 2));  // No request id.
+
+  absl::StatusOr<std::optional<v1::Job>> found = store->FindJobByRequestId("req-1");
+  ASSERT_THAT(found, IsOk());
+  ASSERT_TRUE(found->has_value());
+  EXPECT_EQ((*found)->job_id(), "job-a");
+
+  // A later upsert without a request id keeps the recorded one.
+  JobWrite update;
+  update.job_id = "job-a";
+  update.job = MakeJob("job-a", v1::JOB_STATE_RUNNING, 1);
+  ASSERT_THAT(store->Commit(update), IsOk());
+  found = store->FindJobByRequestId("req-1");
+  ASSERT_THAT(found, IsOk());
+  ASSERT_TRUE(found->has_value());
+  EXPECT_EQ((*found)->state(), v1::JOB_STATE_RUNNING);
+
+  found = store->FindJobByRequestId("req-2");
+  ASSERT_THAT(found, IsOk());
+  EXPECT_FALSE(found->has_value());
+  found = store->FindJobByRequestId("");
+  ASSERT_THAT(found, IsOk());
+  EXPECT_FALSE(found->has_value());
+
+  JobWrite duplicate;
+  duplicate.job_id = "job-c";
+  duplicate.job = MakeJob("job-c", v1::JOB_STATE_PENDING, 3);
+  duplicate.request_id = "req-1";
+  EXPECT_THAT(store->Commit(duplicate),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("job-c")));
+}
+
+TEST(StoreTest, CheckpointsNewestFirstAndRetention) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
+  JobWrite write;
+  write.job_id = "job-a";
+  for (int step : {100, 300, 200}) {
+    v1::Checkpoint checkpoint;
+    checkpoint.set_step(step);
+    checkpoint.set_path("/ckpt/job-a/step-" + std::to_string(step));
+    write.checkpoints.push_back(checkpoint);
+  }
+  ASSERT_THAT(store->Commit(write), IsOk());
+
+  absl::StatusOr<std::vector<v1::Checkpoint>> checkpoints = store->ListCheckpoints("job-a");
+  ASSERT_THAT(checkpoints, IsOk());
+  ASSERT_THAT(*checkpoints, SizeIs(3));
+  EXPECT_EQ((*checkpoints)[0].step(), 300);
+  EXPECT_EQ((*checkpoints)[1].step(), 200);
+  EXPECT_EQ((*checkpoints)[2].step(), 100);
+  EXPECT_EQ((*checkpoints)[0].job_id(), "job-a");
+  EXPECT_EQ((*checkpoints)[0].path(), "/ckpt/job-a/step-300");
+
+  // A new checkpoint and the retention of the two oldest, in one write.
+  JobWrite retain;
+  retain.job_id = "job-a";
+  retain.checkpoints.emplace_back().set_step(400);
+  retain.deleted_checkpoint_steps = {100, 200};
+  ASSERT_THAT(store->Commit(retain), IsOk());
+  checkpoints = store->ListCheckpoints("job-a");
+  ASSERT_THAT(checkpoints, IsOk());
+  ASSERT_THAT(*checkpoints, SizeIs(2));
+  EXPECT_EQ((*checkpoints)[0].step(), 400);
+  EXPECT_EQ((*checkpoints)[1].step(), 300);
+  checkpoints = store->ListCheckpoints("job-other");
+  ASSERT_THAT(checkpoints, IsOk());
+  EXPECT_THAT(*checkpoints, IsEmpty());
+}
+
+TEST(StoreTest, NodesUpsertListDelete) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  v1::Node node_b;
+  node_b.set_node_id("node-b");
+  node_b.set_state(v1::NODE_STATE_READY);
+  v1::Node node_a;
+  node_a.set_node_id("node-a");
+  node_a.set_address("10.0.0.1:50052");
+  ASSERT_THAT(store->PutNode(node_b), IsOk());
+  ASSERT_THAT(store->PutNode(node_a), IsOk());
+  node_b.set_state(v1::NODE_STATE_LOST);
+  ASSERT_THAT(store->PutNode(node_b), IsOk());
+  EXPECT_THAT(store->PutNode(v1::Node()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("node_id")));
+
+  absl::StatusOr<std::vector<v1::Node>> nodes = store->ListNodes();
+  ASSERT_THAT(nodes, IsOk());
+  ASSERT_THAT(*nodes, SizeIs(2));
+  EXPECT_EQ((*nodes)[0].node_id(), "node-a");
+  EXPECT_EQ((*nodes)[0].address(), "10.0.0.1:50052");
+  EXPECT_EQ((*nodes)[1].node_id(), "node-b");
+  EXPECT_EQ((*nodes)[1].state(), v1::NODE_STATE_LOST);
+
+  ASSERT_THAT(store->DeleteNode("node-a"), IsOk());
+  ASSERT_THAT(store->DeleteNode("node-absent"), IsOk());
+  nodes = store->ListNodes();
+  ASSERT_THAT(nodes, IsOk());
+  ASSERT_THAT(*nodes, SizeIs(1));
+  EXPECT_EQ((*nodes)[0].node_id(), "node-b");
+}
+
+TEST(StoreTest, WriteObserverSeesEveryWrite) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  std::vector<double> observed;
+  store->SetWriteObserver([&](double seconds) { observed.push_back(seconds); });
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_PENDING, 1), 2);
+  v1::Node node;
+  node.set_node_id("node-a");
+  ASSERT_THAT(store->PutNode(node), IsOk());
+  ASSERT_THAT(store->DeleteNode("node-a"), IsOk());
+  JobWrite rejected;
+  rejected.job_id = "job-missing";
+  rejected.metrics.push_back(Metrics(1, 1));
+  EXPECT_FALSE(store->Commit(rejected).ok());
+  ASSERT_THAT(observed, SizeIs(3)) << "failed writes are not observed";
+  for (double seconds : observed) EXPECT_GE(seconds, 0);
+  store->SetWriteObserver(nullptr);
+  ASSERT_THAT(store->PutNode(node), IsOk());
+  EXPECT_THAT(observed, SizeIs(3));
+}
+
+TEST(StoreTest, NextJobIdIsUniqueAndMonotonicAcrossReopen) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/coordinator.db";
+  std::vector<std::string> ids;
+  for (int round = 0; round < 3; ++round) {
+    std::unique_ptr<Store> store = OpenOrDie(path);
+    ASSERT_NE(store, nullptr);
+    for (int i = 0; i < 5; ++i) {
+      absl::StatusOr<std::string> id = store->NextJobId();
+      ASSERT_THAT(id, IsOk());
+      EXPECT_THAT(*id, ::testing::MatchesRegex("job-[0-9a-f]{8}"));
+      ids.push_back(*id);
+    }
+  }
+  EXPECT_EQ(ids.front(), "job-00000001");
+  EXPECT_EQ(ids.back(), "job-0000000f");
+  for (size_t i = 1; i < ids.size(); ++i) EXPECT_LT(ids[i - 1], ids[i]);
+  EXPECT_EQ(std::set<std::string>(ids.begin(), ids.end()).size(), ids.size());
+
+  // An id already used by a stored job is skipped.
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-00000010", v1::JOB_STATE_PENDING, 1));
+  EXPECT_THAT(store->NextJobId(), ::tessera::testing::IsOkAndHolds("job-00000011"));
+}
+
+TEST(StoreTest, ReopenKeepsData) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/coordinator.db";
+  {
+    std::unique_ptr<Store> store = OpenOrDie(path);
+    ASSERT_NE(store, nullptr);
+    SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 7), 3);
+    v1::Node node;
+    node.set_node_id("node-a");
+    ASSERT_THAT(store->PutNode(node), IsOk());
+  }
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  absl::StatusOr<v1::Job> job = store->GetJob("job-a");
+  ASSERT_THAT(job, IsOk());
+  EXPECT_EQ(job->state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(job->create_time().seconds(), 7);
+  EXPECT_THAT(store->LastEventSequence("job-a"), ::tessera::testing::IsOkAndHolds(3));
+  absl::StatusOr<std::vector<v1::Node>> nodes = store->ListNodes();
+  ASSERT_THAT(nodes, IsOk());
+  EXPECT_THAT(*nodes, SizeIs(1));
+  // Sequences continue after a reopen.
+  JobWrite more;
+  more.job_id = "job-a";
+  more.events.push_back(StateEvent(v1::JOB_STATE_RUNNING, v1::JOB_STATE_SUCCEEDED));
+  absl::StatusOr<std::vector<v1::JobEvent>> stored = store->Commit(more);
+  ASSERT_THAT(stored, IsOk());
+  EXPECT_THAT(Sequences(*stored), ElementsAre(4));
+}
+
+// The child commits and kills itself with SIGKILL as soon as Commit returns:
+// no destructor, no close, no checkpoint of the WAL. The parent must find
+// everything the commit wrote.
+TEST(StoreTest, CommitSurvivesSigkill) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/coordinator.db";
+  {
+    std::unique_ptr<Store> store = OpenOrDie(path);  // Creates the schema.
+    ASSERT_NE(store, nullptr);
+  }
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(path);
+    if (!store.ok()) _exit(10);
+    JobWrite write;
+    write.job_id = "job-kill";
+    write.job = MakeJob("job-kill", v1::JOB_STATE_RUNNING, 9);
+    for (int i = 0; i < 3; ++i) {
+      write.events.push_back(StateEvent(v1::JOB_STATE_PENDING, v1::JOB_STATE_RUNNING));
+    }
+    write.metrics.push_back(Metrics(12, 2.5));
+    v1::Checkpoint checkpoint;
+    checkpoint.set_step(10);
+    write.checkpoints.push_back(checkpoint);
+    if (!(*store)->Commit(write).ok()) _exit(11);
+    raise(SIGKILL);
+    _exit(12);
+  }
+  int wait_status = 0;
+  ASSERT_EQ(waitpid(pid, &wait_status, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(wait_status))
+      << "child exited with " << (WIFEXITED(wait_status) ? WEXITSTATUS(wait_status) : -1);
+  ASSERT_EQ(WTERMSIG(wait_status), SIGKILL);
+
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  absl::StatusOr<v1::Job> job = store->GetJob("job-kill");
+  ASSERT_THAT(job, IsOk());
+  EXPECT_EQ(job->state(), v1::JOB_STATE_RUNNING);
+  absl::StatusOr<std::vector<v1::JobEvent>> events = store->ReadEvents("job-kill", 0, 0);
+  ASSERT_THAT(events, IsOk());
+  EXPECT_THAT(Sequences(*events), ElementsAre(1, 2, 3));
+  absl::StatusOr<std::vector<v1::StepMetrics>> metrics = store->ReadMetrics("job-kill", 0, 0);
+  ASSERT_THAT(metrics, IsOk());
+  ASSERT_THAT(*metrics, SizeIs(1));
+  EXPECT_DOUBLE_EQ(metrics->front().loss(), 2.5);
+  absl::StatusOr<std::vector<v1::Checkpoint>> checkpoints = store->ListCheckpoints("job-kill");
+  ASSERT_THAT(checkpoints, IsOk());
+  EXPECT_THAT(*checkpoints, SizeIs(1));
+}
+
+TEST(StoreTest, OpeningANonDatabaseFileFails) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/not-a-db";
+  {
+    std::ofstream file(path);
+    for (int i = 0; i < 100; ++i) file << "this is a text file, not a SQLite database\n";
+  }
+  EXPECT_THAT(Store::Open(path), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(path)));
+  EXPECT_THAT(Store::Open(dir.path() + "/missing-dir/x.db"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("missing-dir")));
+}
+
+// Runs `sql` on the database file behind the store's back.
+void RawExec(const std::string& path, const char* sql) {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  char* error = nullptr;
+  EXPECT_EQ(sqlite3_exec(db, sql, nullptr, nullptr, &error), SQLITE_OK)
+      << (error != nullptr ? error : "");
+  sqlite3_free(error);
+  sqlite3_close(db);
+}
+
+TEST(StoreTest, NewerSchemaIsRefused) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/coordinator.db";
+  ASSERT_NE(OpenOrDie(path), nullptr);
+  RawExec(path, "UPDATE schema_version SET version = 99");
+  EXPECT_THAT(Store::Open(path),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("schema version 99")));
+}
+
+// A write that fails half-way (here a trigger rejects its metric point)
+// leaves nothing behind: the job row and events written before it roll back.
+TEST(StoreTest, FailedCommitRollsBackEverything) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/coordinator.db";
+  ASSERT_NE(OpenOrDie(path), nullptr);
+  RawExec(path,
+          "CREATE TRIGGER reject_negative_step BEFORE INSERT ON step_metrics "
+          "WHEN NEW.step < 0 BEGIN SELECT RAISE(ABORT, 'negative step'); END;");
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  JobWrite write;
+  write.job_id = "job-a";
+  write.job = MakeJob("job-a", v1::JOB_STATE_PENDING, 1);
+  write.events.push_back(StateEvent(v1::JOB_STATE_UNSPECIFIED, v1::JOB_STATE_PENDING));
+  write.metrics.push_back(Metrics(-1, 1));
+  EXPECT_THAT(store->Commit(write), StatusIs(absl::StatusCode::kInternal,
+                                             HasSubstr("step metrics for job-a: negative step")));
+  EXPECT_THAT(store->GetJob("job-a"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("job-a")));
+  EXPECT_THAT(store->LastEventSequence("job-a"), ::tessera::testing::IsOkAndHolds(0));
+  // The store is usable afterwards, and sequences start from 1.
+  write.metrics[0].set_step(1);
+  absl::StatusOr<std::vector<v1::JobEvent>> stored = store->Commit(write);
+  ASSERT_THAT(stored, IsOk());
+  EXPECT_THAT(Sequences(*stored), ElementsAre(1));
+}
+
+TEST(StoreTest, CorruptBlobIsDataLoss) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/coordinator.db";
+  {
+    std::unique_ptr<Store> store = OpenOrDie(path);
+    ASSERT_NE(store, nullptr);
+    SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1), 1);
+    JobWrite write;
+    write.job_id = "job-a";
+    write.metrics.push_back(Metrics(1, 1));
+    ASSERT_THAT(store->Commit(write), IsOk());
+  }
+  // 0xff is a field header with wire type 7, which no protobuf parser accepts.
+  RawExec(path,
+          "UPDATE jobs SET job = x'ffffffff'; UPDATE job_events SET event = x'ffffffff';"
+          "UPDATE step_metrics SET metrics = x'ffffffff';");
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  EXPECT_THAT(store->GetJob("job-a"),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("job 'job-a' in table jobs")));
+  EXPECT_THAT(store->ListJobs({}, 0, ""),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("job-a")));
+  EXPECT_THAT(store->ListActiveJobs(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("job-a")));
+  EXPECT_THAT(store->ReadEvents("job-a", 0, 0),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("job_events")));
+  EXPECT_THAT(store->ReadMetrics("job-a", 0, 0),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("step_metrics")));
+}
+
+TEST(StoreTest, ConcurrentCommitsKeepSequencesGapFree) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
+  constexpr int kThreads = 4;
+  constexpr int kCommitsPerThread = 50;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < kCommitsPerThread; ++i) {
+        JobWrite write;
+        write.job_id = "job-a";
+        write.events.push_back(StateEvent(v1::JOB_STATE_RUNNING, v1::JOB_STATE_RUNNING));
+        write.events.push_back(StateEvent(v1::JOB_STATE_RUNNING, v1::JOB_STATE_RUNNING));
+        EXPECT_THAT(store->Commit(write), IsOk());
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  absl::StatusOr<std::vector<v1::JobEvent>> events = store->ReadEvents("job-a", 0, 0);
+  ASSERT_THAT(events, IsOk());
+  ASSERT_THAT(*events, SizeIs(2 * kThreads * kCommitsPerThread));
+  for (size_t i = 0; i < events->size(); ++i) EXPECT_EQ((*events)[i].sequence(), int64_t(i) + 1);
+}
+
+// Each Commit is a durable transaction (an fsync of the WAL); prints the rate.
+TEST(StoreTest, ThousandEventCommitLoop) {
+  tessera::testing::ScopedTempDir dir("store");
+  std::unique_ptr<Store> store = OpenOrDie(dir.path() + "/coordinator.db");
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
+  constexpr int kCommits = 1000;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 1; i <= kCommits; ++i) {
+    JobWrite write;
+    write.job_id = "job-a";
+    v1::JobEvent event;
+    *event.mutable_metrics() = Metrics(i, 1.0 / i);
+    write.events.push_back(event);
+    write.metrics.push_back(event.metrics());
+    ASSERT_THAT(store->Commit(write), IsOk());
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::cout << absl::StrFormat("[ store    ] %d single-event commits in %.3f s: %.0f commits/s\n",
+                               kCommits, seconds, kCommits / seconds);
+  EXPECT_THAT(store->LastEventSequence("job-a"), ::tessera::testing::IsOkAndHolds(kCommits));
+  absl::StatusOr<std::vector<v1::StepMetrics>> metrics = store->ReadMetrics("job-a", 0, 0);
+  ASSERT_THAT(metrics, IsOk());
+  EXPECT_THAT(*metrics, SizeIs(kCommits));
+}
+
+}  // namespace
+}  // namespace tessera::coordinator
