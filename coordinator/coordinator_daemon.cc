@@ -9,16 +9,54 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   std::unique_ptr<CoordinatorDaemon> daemon(new CoordinatorDaemon());
   ASSIGN_OR_RETURN(daemon->store_, Store::Open(options.state_path));
   daemon->jobs_ = std::make_unique<JobManager>(daemon->store_.get());
+  daemon->cluster_ =
+      std::make_unique<Cluster>(daemon->store_.get(), daemon->jobs_.get(), options.cluster);
+  RETURN_IF_ERROR(daemon->cluster_->Recover());
   daemon->coordinator_service_ =
-      std::make_unique<CoordinatorService>(daemon->jobs_.get(), daemon->store_.get());
+      std::make_unique<CoordinatorService>(daemon->jobs_.get(), daemon->cluster_.get());
+  daemon->node_service_ = std::make_unique<NodeService>(daemon->cluster_.get());
+
+  // The metrics object needs the exposer's registry, and the gRPC server
+  // needs its interceptor: DaemonServers hands over the registry in between.
+  CoordinatorDaemon* raw = daemon.get();
+  auto make_interceptors = [raw](prometheus::Registry* registry) {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+        interceptors;
+    if (registry == nullptr) return interceptors;
+    raw->metrics_ = std::make_unique<CoordinatorMetrics>(*registry);
+    interceptors.push_back(raw->metrics_->MakeInterceptorFactory());
+    return interceptors;
+  };
   ASSIGN_OR_RETURN(daemon->servers_,
                    DaemonServers::Start(
                        {.component = "coordinator",
                         .listen_address = options.listen_address,
                         .metrics_listen_address = options.metrics_listen_address},
                        {{v1::Coordinator::service_full_name(), daemon->coordinator_service_.get()},
-                        {v1::NodeService::service_full_name(), &daemon->node_service_}}));
+                        {v1::NodeService::service_full_name(), daemon->node_service_.get()}},
+                       make_interceptors));
+
+  CoordinatorMetrics* metrics = daemon->metrics_.get();
+  if (metrics == nullptr) {
+    daemon->cluster_->Start(nullptr);
+    return daemon;
+  }
+  daemon->store_->SetWriteObserver(
+      [metrics](double seconds) { metrics->ObserveStoreWrite(seconds); });
+  daemon->cluster_->SetSchedulingLatencyObserver(
+      [metrics](double seconds) { metrics->ObserveSchedulingLatency(seconds); });
+  daemon->cluster_->Start([metrics](const ClusterStats& stats, double seconds) {
+    metrics->SetJobCounts(stats.jobs);
+    metrics->SetNodeCounts(stats.nodes);
+    metrics->SetGpus(stats.gpus_total, stats.gpus_allocated);
+    metrics->SetCpuSlots(stats.cpu_slots_total, stats.cpu_slots_allocated);
+    metrics->ObserveSchedulingPass(seconds);
+  });
   return daemon;
+}
+
+CoordinatorDaemon::~CoordinatorDaemon() {
+  if (cluster_) cluster_->Stop();
 }
 
 }  // namespace tessera::coordinator

@@ -3,8 +3,9 @@
 // tessera.v1.NodeService on one gRPC port (with health and reflection), and
 // Prometheus metrics on another.
 //
-// NodeService's handlers (registration, heartbeats, scheduling onto workers)
-// are not built yet and answer UNIMPLEMENTED, the contract's default.
+// On start it reloads nodes and the allocations of running jobs from the
+// store, then runs the cluster's loop (liveness, gang scheduling) until
+// destroyed.
 #pragma once
 
 #include <memory>
@@ -12,8 +13,11 @@
 
 #include "absl/status/statusor.h"
 #include "common/daemon/daemon_servers.h"
+#include "coordinator/cluster.h"
+#include "coordinator/coordinator_metrics.h"
 #include "coordinator/coordinator_service.h"
 #include "coordinator/job_manager.h"
+#include "coordinator/node_service.h"
 #include "coordinator/store.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 #include "tessera/v1/node_service.grpc.pb.h"
@@ -27,6 +31,8 @@ struct CoordinatorOptions {
   std::string metrics_listen_address = "127.0.0.1:9464";
   // SQLite file holding jobs, events, metrics, checkpoints and nodes.
   std::string state_path = "tessera-coordinator.db";
+  // Registry, liveness and scheduling settings.
+  ClusterOptions cluster;
 };
 
 // Thread safety: Start and servers().Shutdown from one thread; the servers
@@ -36,15 +42,23 @@ class CoordinatorDaemon {
   static absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> Start(
       const CoordinatorOptions& options);
 
+  // Stops the cluster loop first: it reports into the metrics registry that
+  // the servers own.
+  ~CoordinatorDaemon();
+
   DaemonServers& servers() { return *servers_; }
 
  private:
   CoordinatorDaemon() = default;
 
+  // Null when metrics are disabled. Declared first: destroyed last, after
+  // everything that reports to it.
+  std::unique_ptr<CoordinatorMetrics> metrics_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<Cluster> cluster_;
   std::unique_ptr<CoordinatorService> coordinator_service_;
-  v1::NodeService::CallbackService node_service_;
+  std::unique_ptr<NodeService> node_service_;
   // Declared last: stopped (destroyed) before the services it serves.
   std::unique_ptr<DaemonServers> servers_;
 };

@@ -214,14 +214,10 @@ grpc::ServerUnaryReactor* CoordinatorService::ListCheckpoints(
 grpc::ServerUnaryReactor* CoordinatorService::ListNodes(grpc::CallbackServerContext* context,
                                                         const v1::ListNodesRequest* request,
                                                         v1::ListNodesResponse* response) {
-  auto nodes = store_->ListNodes();
-  if (nodes.ok()) {
-    for (auto& node : *nodes) {
-      if (node.state() == v1::NODE_STATE_LOST && !request->include_lost()) continue;
-      *response->add_nodes() = std::move(node);
-    }
+  for (auto& node : cluster_->Nodes(request->include_lost())) {
+    *response->add_nodes() = std::move(node);
   }
-  return Reply(context, nodes.status());
+  return Reply(context, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::PlanLayout(grpc::CallbackServerContext* context,

@@ -1,9 +1,10 @@
 // CoordinatorService: tessera.v1.Coordinator over gRPC's callback API. It
-// only converts messages and calls JobManager (and the store for nodes), so
+// only converts messages and calls JobManager (and Cluster for nodes), so
 // the logic is testable without gRPC; WatchJob streams through a reactor that
 // replays stored events and follows new ones without holding a thread.
 #pragma once
 
+#include "coordinator/cluster.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/store.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
@@ -11,10 +12,10 @@
 namespace tessera::coordinator {
 
 // Thread safety: gRPC calls the handlers from its threads; they share only
-// the manager and the store, which are thread-safe.
+// the manager and the cluster, which are thread-safe.
 class CoordinatorService final : public v1::Coordinator::CallbackService {
  public:
-  CoordinatorService(JobManager* jobs, Store* store) : jobs_(jobs), store_(store) {}
+  CoordinatorService(JobManager* jobs, Cluster* cluster) : jobs_(jobs), cluster_(cluster) {}
 
   grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* context,
                                       const v1::SubmitJobRequest* request,
@@ -45,7 +46,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
 
  private:
   JobManager* jobs_;
-  Store* store_;
+  Cluster* cluster_;
 };
 
 }  // namespace tessera::coordinator

@@ -14,6 +14,11 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
 ABSL_FLAG(std::string, state, "tessera-coordinator.db",
           "SQLite file of the coordinator's state (jobs, events, metrics, checkpoints, nodes); "
           "created if missing. Put it on a persistent volume.");
+ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(15),
+          "A worker silent this long is LOST and its jobs fail, e.g. 15s.");
+ABSL_FLAG(std::string, checkpoint_root, "tessera-checkpoints",
+          "Checkpoint directory of jobs whose spec names none: <root>/<job_id>; every node must "
+          "see it at the same path.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Prometheus /metrics listen address (host:port); empty disables it.");
 
@@ -31,6 +36,8 @@ int main(int argc, char** argv) {
   options.listen_address = absl::GetFlag(FLAGS_listen);
   options.metrics_listen_address = absl::GetFlag(FLAGS_metrics_listen);
   options.state_path = absl::GetFlag(FLAGS_state);
+  options.cluster.heartbeat_timeout = absl::GetFlag(FLAGS_heartbeat_timeout);
+  options.cluster.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
   auto daemon = tessera::coordinator::CoordinatorDaemon::Start(options);
   if (!daemon.ok()) {
     std::cerr << "tessera-coordinator: " << daemon.status() << "\n";

@@ -23,6 +23,7 @@ readonly APT_PACKAGES=(
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
   libyaml-cpp-dev nlohmann-json3-dev libsqlite3-dev libsentencepiece-dev libgloo-dev
   libssl-dev python3-venv
+  prometheus  # promtool: tests lint the /metrics exposition with it
 )
 
 print_python=0

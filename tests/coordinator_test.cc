@@ -4,7 +4,10 @@
 
 #include <signal.h>
 
+#include <functional>
+#include <map>
 #include <regex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -15,6 +18,7 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
+#include "tessera/v1/node_service.grpc.pb.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
 
@@ -51,9 +55,11 @@ class CoordinatorTest : public ::testing::Test {
  protected:
   void SetUp() override { Start(); }
 
-  void Start() {
-    auto process = Subprocess::Start({BinDir() + "/tessera-coordinator", "--listen=127.0.0.1:0",
-                                      "--metrics_listen=", "--state=" + dir_.path() + "/state.db"});
+  void Start(const std::vector<std::string>& extra_flags = {}) {
+    std::vector<std::string> argv = {BinDir() + "/tessera-coordinator", "--listen=127.0.0.1:0",
+                                     "--metrics_listen=", "--state=" + dir_.path() + "/state.db"};
+    argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+    auto process = Subprocess::Start(argv);
     ASSERT_THAT(process, IsOk());
     process_.emplace(std::move(*process));
     auto line = process_->WaitForStderrLine("serving gRPC on");
@@ -61,6 +67,56 @@ class CoordinatorTest : public ::testing::Test {
     std::smatch match;
     ASSERT_TRUE(std::regex_search(*line, match, std::regex(R"(serving gRPC on (\S+:\d+))")));
     stub_ = v1::Coordinator::NewStub(MakeClientChannel(match[1]));
+    nodes_ = v1::NodeService::NewStub(MakeClientChannel(match[1]));
+  }
+
+  // Polls GetJob until `done` holds or 10 s pass; returns the last job seen.
+  v1::Job WaitForJob(const std::string& job_id, const std::function<bool(const v1::Job&)>& done) {
+    v1::Job job;
+    absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline) {
+      if (Get(job_id, &job).ok() && done(job)) return job;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return job;
+  }
+
+  void RegisterNode(const std::string& node_id, int gpus, int cpu_slots) {
+    v1::RegisterNodeRequest request;
+    request.set_node_id(node_id);
+    request.set_hostname(node_id);
+    request.set_address(node_id + ".cluster.local:50052");
+    request.mutable_resources()->set_cpu_slots(cpu_slots);
+    for (int i = 0; i < gpus; ++i) {
+      auto* gpu = request.mutable_resources()->add_gpus();
+      gpu->set_index(i);
+      gpu->set_name("NVIDIA H100 80GB HBM3");
+      gpu->set_memory_bytes(80LL << 30);
+    }
+    v1::RegisterNodeResponse response;
+    grpc::Status status = nodes_->RegisterNode(Context().get(), request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_GT(response.heartbeat_interval_seconds(), 0);
+  }
+
+  v1::HeartbeatResponse Heartbeat(const std::string& node_id,
+                                  const std::vector<v1::TaskStatus>& tasks = {}) {
+    v1::HeartbeatRequest request;
+    request.set_node_id(node_id);
+    for (const auto& task : tasks) *request.add_tasks() = task;
+    v1::HeartbeatResponse response;
+    grpc::Status status = nodes_->Heartbeat(Context().get(), request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response;
+  }
+
+  static v1::TaskStatus Task(const v1::TaskAssignment& assignment, v1::TaskState state) {
+    v1::TaskStatus status;
+    status.set_task_id(assignment.task_id());
+    status.set_job_id(assignment.trainers(0).job_id());
+    status.set_attempt(assignment.trainers(0).attempt());
+    status.set_state(state);
+    return status;
   }
 
   v1::Job Submit(const v1::JobSpec& spec, const std::string& request_id = "") {
@@ -99,7 +155,176 @@ class CoordinatorTest : public ::testing::Test {
   ScopedTempDir dir_{"coordinator_test"};
   std::optional<Subprocess> process_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::unique_ptr<v1::NodeService::Stub> nodes_;
 };
+
+v1::JobSpec GpuSpec(const std::string& name, int gpus, int dp, int tp) {
+  v1::JobSpec spec = ValidSpec(name);
+  spec.mutable_model()->set_preset("tiny-llama");
+  spec.mutable_resources()->set_cpu_slots(0);
+  spec.mutable_resources()->set_gpus(gpus);
+  auto* layout = spec.mutable_parallelism()->mutable_layout();
+  layout->set_data_parallel(dp);
+  layout->set_tensor_parallel(tp);
+  layout->set_pipeline_parallel(1);
+  spec.mutable_batch()->set_global_batch_size(2 * dp * 2);
+  return spec;
+}
+
+TEST_F(CoordinatorTest, SchedulesAGangOntoFakeNodesAndFollowsItToTheEnd) {
+  RegisterNode("node-a", 4, 0);
+  RegisterNode("node-b", 4, 0);
+  v1::Job job = Submit(GpuSpec("gang", 8, 4, 2));
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
+  ASSERT_EQ(job.placements_size(), 8);
+
+  // Each node gets its four ranks, with one rendezvous point for all.
+  std::map<std::string, v1::TaskAssignment> assignments;
+  for (const std::string node : {"node-a", "node-b"}) {
+    v1::HeartbeatResponse response = Heartbeat(node);
+    ASSERT_EQ(response.start_size(), 1) << node;
+    assignments[node] = response.start(0);
+    ASSERT_EQ(response.start(0).trainers_size(), 4);
+  }
+  std::set<int> ranks;
+  std::string master;
+  for (const auto& [node, assignment] : assignments) {
+    for (int i = 0; i < assignment.trainers_size(); ++i) {
+      const auto& task = assignment.trainers(i);
+      ranks.insert(task.assignment().rank());
+      EXPECT_EQ(task.assignment().world_size(), 8);
+      EXPECT_EQ(task.assignment().local_world_size(), 4);
+      EXPECT_EQ(task.assignment().device_type(), v1::DEVICE_TYPE_CUDA);
+      EXPECT_EQ(task.spec().name(), "gang");
+      if (master.empty())
+        master =
+            absl::StrCat(task.assignment().master_addr(), ":", task.assignment().master_port());
+      EXPECT_EQ(absl::StrCat(task.assignment().master_addr(), ":", task.assignment().master_port()),
+                master);
+    }
+  }
+  EXPECT_EQ(ranks.size(), 8u);
+  // A heartbeat delivers an assignment once.
+  EXPECT_EQ(Heartbeat("node-a").start_size(), 0);
+
+  Heartbeat("node-a", {Task(assignments["node-a"], v1::TASK_STATE_RUNNING)});
+  Heartbeat("node-b", {Task(assignments["node-b"], v1::TASK_STATE_RUNNING)});
+  job =
+      WaitForJob(job.job_id(), [](const v1::Job& j) { return j.state() == v1::JOB_STATE_RUNNING; });
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+
+  v1::ReportRequest report;
+  report.set_node_id("node-a");
+  report.set_task_id(assignments["node-a"].task_id());
+  report.set_first_sequence(1);
+  for (int step = 1; step <= 3; ++step) {
+    auto* r = report.add_reports();
+    r->set_job_id(job.job_id());
+    r->mutable_metrics()->set_step(step);
+    r->mutable_metrics()->set_loss(5.0 - step);
+  }
+  v1::ReportResponse acked;
+  ASSERT_TRUE(nodes_->Report(Context().get(), report, &acked).ok());
+  EXPECT_EQ(acked.acked_sequence(), 3);
+  v1::GetMetricsRequest metrics;
+  metrics.set_job_id(job.job_id());
+  v1::GetMetricsResponse curve;
+  ASSERT_TRUE(stub_->GetMetrics(Context().get(), metrics, &curve).ok());
+  ASSERT_EQ(curve.points_size(), 3);
+  EXPECT_DOUBLE_EQ(curve.points(2).loss(), 2.0);
+  metrics.set_max_points(1);
+  ASSERT_TRUE(stub_->GetMetrics(Context().get(), metrics, &curve).ok());
+  ASSERT_EQ(curve.points_size(), 1);
+  EXPECT_DOUBLE_EQ(curve.points(0).loss(), 3.0);  // mean of 4, 3, 2
+  EXPECT_EQ(curve.points(0).step(), 3);
+
+  Heartbeat("node-a", {Task(assignments["node-a"], v1::TASK_STATE_SUCCEEDED)});
+  Heartbeat("node-b", {Task(assignments["node-b"], v1::TASK_STATE_SUCCEEDED)});
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SUCCEEDED; });
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.current_step(), 3);
+
+  std::vector<v1::JobState> states;
+  int metric_events = 0;
+  for (const auto& event : Watch(job.job_id(), 0)) {
+    if (event.has_state_change()) states.push_back(event.state_change().new_state());
+    metric_events += event.has_metrics();
+  }
+  EXPECT_EQ(states, (std::vector<v1::JobState>{v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED,
+                                               v1::JOB_STATE_RUNNING, v1::JOB_STATE_SUCCEEDED}));
+  EXPECT_EQ(metric_events, 3);
+
+  // The GPUs are free again.
+  v1::ListNodesResponse listed;
+  ASSERT_TRUE(stub_->ListNodes(Context().get(), {}, &listed).ok());
+  ASSERT_EQ(listed.nodes_size(), 2);
+  EXPECT_EQ(listed.nodes(0).free_gpus_size(), 4);
+}
+
+TEST_F(CoordinatorTest, PendingReasonNamesTheShortfall) {
+  RegisterNode("small", 4, 0);
+  v1::Job job = Submit(GpuSpec("too-big", 8, 8, 1));
+  job = WaitForJob(job.job_id(), [](const v1::Job& j) {
+    return j.reason().find("needs 8 GPUs") != std::string::npos;
+  });
+  EXPECT_EQ(job.state(), v1::JOB_STATE_PENDING);
+  EXPECT_THAT(job.reason(), HasSubstr("needs 8 GPUs"));
+}
+
+TEST_F(CoordinatorTest, CancelStopsTheTasks) {
+  RegisterNode("cpu-node", 0, 2);
+  v1::Job job = Submit(ValidSpec("to-cancel"));
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED);
+  v1::HeartbeatResponse started = Heartbeat("cpu-node");
+  ASSERT_EQ(started.start_size(), 1);
+  EXPECT_EQ(started.start(0).trainers(0).assignment().device_type(), v1::DEVICE_TYPE_CPU);
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(job.job_id());
+  v1::CancelJobResponse cancelled;
+  ASSERT_TRUE(stub_->CancelJob(Context().get(), cancel, &cancelled).ok());
+  // The next heartbeats carry the stop order.
+  bool stopped = false;
+  absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!stopped && absl::Now() < deadline) {
+    v1::HeartbeatResponse response =
+        Heartbeat("cpu-node", {Task(started.start(0), v1::TASK_STATE_RUNNING)});
+    for (const auto& task : response.stop()) stopped |= task == started.start(0).task_id();
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(stopped);
+}
+
+class CoordinatorLivenessTest : public CoordinatorTest {
+ protected:
+  void SetUp() override { Start({"--heartbeat_timeout=1s"}); }
+};
+
+TEST_F(CoordinatorLivenessTest, ASilentNodeIsLostAndItsJobFails) {
+  RegisterNode("flaky", 0, 2);
+  v1::Job job = Submit(ValidSpec("on-flaky"));
+  job =
+      WaitForJob(job.job_id(), [](const v1::Job& j) { return j.state() != v1::JOB_STATE_PENDING; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
+  // No heartbeats from now on.
+  job =
+      WaitForJob(job.job_id(), [](const v1::Job& j) { return j.state() == v1::JOB_STATE_FAILED; });
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(job.reason(), HasSubstr("node flaky lost"));
+  EXPECT_EQ(job.failure().kind(), v1::FAILURE_KIND_NODE_LOST);
+  v1::ListNodesRequest list;
+  list.set_include_lost(true);
+  v1::ListNodesResponse listed;
+  ASSERT_TRUE(stub_->ListNodes(Context().get(), list, &listed).ok());
+  ASSERT_EQ(listed.nodes_size(), 1);
+  EXPECT_EQ(listed.nodes(0).state(), v1::NODE_STATE_LOST);
+  // A lost node that comes back is told to register again.
+  EXPECT_TRUE(Heartbeat("flaky").reregister());
+}
 
 TEST_F(CoordinatorTest, SubmitGetListCancelWatch) {
   v1::Job job = Submit(ValidSpec("first"));

@@ -3,10 +3,13 @@
 // their Prometheus endpoints, and stops them with SIGTERM.
 
 #include <signal.h>
+#include <unistd.h>
 
+#include <fstream>
 #include <regex>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/daemon/server.h"
@@ -70,8 +73,7 @@ TEST(DaemonsTest, CoordinatorServesHealthMetricsAndTheContract) {
   EXPECT_EQ(health->exit.exit_code, 0) << health->output;
   EXPECT_THAT(health->output, HasSubstr("SERVING"));
 
-  // Both v1 services are registered; NodeService's handlers are not built
-  // yet and answer UNIMPLEMENTED (not "unknown service").
+  // Both v1 services are registered and check their input.
   auto stub = v1::Coordinator::NewStub(MakeClientChannel(coordinator->address));
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -83,13 +85,36 @@ TEST(DaemonsTest, CoordinatorServesHealthMetricsAndTheContract) {
   grpc::ClientContext node_context;
   node_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   v1::RegisterNodeResponse registered;
-  EXPECT_EQ(nodes->RegisterNode(&node_context, {}, &registered).error_code(),
-            grpc::StatusCode::UNIMPLEMENTED);
+  grpc::Status register_status = nodes->RegisterNode(&node_context, {}, &registered);
+  EXPECT_EQ(register_status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(register_status.error_message(), HasSubstr("node_id"));
 
   ASSERT_GT(coordinator->metrics_port, 0);
-  auto metrics = HttpGet(coordinator->metrics_port, "/metrics");
-  ASSERT_THAT(metrics, IsOk());
+  // The cluster loop publishes its gauges within a pass (200 ms).
+  absl::StatusOr<testing::HttpResponse> metrics;
+  for (int i = 0; i < 50; ++i) {
+    metrics = HttpGet(coordinator->metrics_port, "/metrics");
+    ASSERT_THAT(metrics, IsOk());
+    if (absl::StrContains(metrics->body, "tessera_scheduler_pass_duration_seconds_count")) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
   EXPECT_THAT(metrics->body, HasSubstr("tessera_build_info{component=\"coordinator\""));
+  EXPECT_THAT(metrics->body, HasSubstr("tessera_jobs{state=\"pending\"} 0"));
+  EXPECT_THAT(metrics->body, HasSubstr("tessera_scheduler_pass_duration_seconds_count"));
+  EXPECT_THAT(metrics->body, HasSubstr("tessera_grpc_server_requests_total{code=\"OK\","
+                                       "method=\"/tessera.v1.Coordinator/ListJobs\"} 1"));
+  EXPECT_THAT(metrics->body,
+              HasSubstr("tessera_grpc_server_requests_total{code=\"INVALID_ARGUMENT\","
+                        "method=\"/tessera.v1.NodeService/RegisterNode\"} 1"));
+  // The exposition passes Prometheus' own linter, where it is installed.
+  if (access("/usr/bin/promtool", X_OK) == 0) {
+    std::string file = state.path() + "/metrics.txt";
+    std::ofstream(file) << metrics->body;
+    auto lint = RunCommand({"/bin/sh", "-c", "/usr/bin/promtool check metrics < " + file});
+    ASSERT_THAT(lint, IsOk());
+    EXPECT_EQ(lint->exit.exit_code, 0) << lint->output;
+    EXPECT_EQ(lint->output, "");
+  }
 
   auto exit = coordinator->process.Stop(SIGTERM);
   ASSERT_THAT(exit, IsOk());

@@ -8,15 +8,18 @@
 namespace tessera {
 
 absl::StatusOr<std::unique_ptr<DaemonServers>> DaemonServers::Start(
-    const DaemonServerOptions& options, const std::vector<NamedService>& services) {
+    const DaemonServerOptions& options, const std::vector<NamedService>& services,
+    const InterceptorMaker& make_interceptors) {
   std::unique_ptr<DaemonServers> servers(new DaemonServers());
   if (!options.metrics_listen_address.empty()) {
     ASSIGN_OR_RETURN(servers->metrics_,
                      MetricsExposer::Start({.listen_address = options.metrics_listen_address,
                                             .component = options.component}));
   }
-  ASSIGN_OR_RETURN(servers->grpc_,
-                   GrpcServer::Start({.listen_address = options.listen_address}, services));
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  if (make_interceptors) interceptors = make_interceptors(servers->registry());
+  ASSIGN_OR_RETURN(servers->grpc_, GrpcServer::Start({.listen_address = options.listen_address},
+                                                     services, std::move(interceptors)));
   return servers;
 }
 

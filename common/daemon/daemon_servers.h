@@ -3,6 +3,7 @@
 // and ServeUntilSignal, the body of a daemon's main().
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,12 +24,19 @@ struct DaemonServerOptions {
   std::string metrics_listen_address;
 };
 
+// Makes the gRPC interceptors of a daemon once its metrics registry exists
+// (null when metrics are disabled).
+using InterceptorMaker = std::function<
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>(
+        prometheus::Registry* registry)>;
+
 // Thread safety: Start and Shutdown from one thread; registry() from any.
 class DaemonServers {
  public:
   // Starts metrics first, so the daemon is observable from its first call.
   static absl::StatusOr<std::unique_ptr<DaemonServers>> Start(
-      const DaemonServerOptions& options, const std::vector<NamedService>& services);
+      const DaemonServerOptions& options, const std::vector<NamedService>& services,
+      const InterceptorMaker& make_interceptors = nullptr);
 
   // gRPC address with the bound port.
   std::string address() const { return grpc_->address(); }

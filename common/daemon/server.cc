@@ -26,7 +26,9 @@ std::string HostOf(absl::string_view address) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
-    const GrpcServerOptions& options, const std::vector<NamedService>& services) {
+    const GrpcServerOptions& options, const std::vector<NamedService>& services,
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+        interceptors) {
   // Both are process-wide switches read when a builder is created.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -40,6 +42,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   for (const NamedService& named : services) builder.RegisterService(named.service);
+  if (!interceptors.empty()) builder.experimental().SetInterceptorCreators(std::move(interceptors));
 
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {

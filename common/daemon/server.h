@@ -13,6 +13,7 @@
 #include "grpcpp/channel.h"
 #include "grpcpp/server.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "grpcpp/support/server_interceptor.h"
 
 namespace tessera {
 
@@ -36,8 +37,11 @@ class GrpcServer {
   // Builds and starts a server for `services` (not owned; they must outlive
   // the server). The health service reports the server ("") and each service
   // SERVING. UNAVAILABLE when the address cannot be bound.
+  // `interceptors` wrap every call (e.g. request metrics).
   static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(
-      const GrpcServerOptions& options, const std::vector<NamedService>& services);
+      const GrpcServerOptions& options, const std::vector<NamedService>& services,
+      std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+          interceptors = {});
 
   ~GrpcServer();
   GrpcServer(const GrpcServer&) = delete;

@@ -1,0 +1,259 @@
+#include "coordinator/coordinator_metrics.h"
+
+#include <chrono>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "google/protobuf/descriptor.h"
+#include "grpcpp/support/interceptor.h"
+#include "grpcpp/support/status.h"
+
+namespace tessera::coordinator {
+namespace {
+
+using ::grpc::experimental::InterceptionHookPoints;
+using Buckets = prometheus::Histogram::BucketBoundaries;
+
+// Submission -> SCHEDULED: from an idle cluster's milliseconds to an hour in
+// the queue.
+Buckets SchedulingLatencyBuckets() {
+  return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,  1,   2.5,
+          5,     10,     30,    60,   120,   300,  600, 1200, 1800, 3600};
+}
+
+// In-process work (a scheduler pass, a SQLite transaction): 100 us to 10 s.
+Buckets FastOperationBuckets() {
+  return {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+          0.05,   0.1,     0.25,   0.5,   1,      2.5,   5,    10};
+}
+
+// RPCs: unary calls take milliseconds, log streams may stay open for an hour.
+Buckets RpcBuckets() {
+  return {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+          0.25,   0.5,     1,      2.5,   5,      10,    30,   60,    300,  3600};
+}
+
+// JOB_STATE_PENDING -> "pending".
+std::string StateLabel(const std::string& enum_name, absl::string_view prefix) {
+  return absl::AsciiStrToLower(absl::StripPrefix(enum_name, prefix));
+}
+
+// "OK", "UNIMPLEMENTED", ...: gRPC and Abseil share the canonical codes.
+std::string CodeLabel(grpc::StatusCode code) {
+  std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+  return name.empty() ? absl::StrCat(static_cast<int>(code)) : name;
+}
+
+// Whether `method` ("/package.Service/Method") names a method of a service
+// compiled into this binary. A client may send any name; only these become
+// label values, so the series stay bounded.
+bool IsKnownMethod(absl::string_view method) {
+  if (!absl::ConsumePrefix(&method, "/")) return false;
+  const size_t slash = method.rfind('/');
+  if (slash == absl::string_view::npos) return false;
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          std::string(method.substr(0, slash)));
+  return service != nullptr &&
+         service->FindMethodByName(std::string(method.substr(slash + 1))) != nullptr;
+}
+
+void SetOrZero(prometheus::Gauge* gauge, int64_t value) {
+  if (gauge != nullptr) gauge->Set(static_cast<double>(value));
+}
+
+// One per call. Records the call when its status is about to be sent, or,
+// for a call that never sends one, when gRPC destroys the call.
+class MetricsInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  MetricsInterceptor(CoordinatorMetrics* metrics, std::string method)
+      : metrics_(metrics), method_(std::move(method)), start_(std::chrono::steady_clock::now()) {}
+
+  ~MetricsInterceptor() override {
+    if (!recorded_) Record(grpc::StatusCode::CANCELLED);
+  }
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      Record(methods->GetSendStatus().error_code());
+    }
+    methods->Proceed();
+  }
+
+ private:
+  void Record(grpc::StatusCode code) {
+    recorded_ = true;
+    const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start_;
+    metrics_->RecordRequest(method_, code, elapsed.count());
+  }
+
+  CoordinatorMetrics* metrics_;
+  std::string method_;
+  std::chrono::steady_clock::time_point start_;
+  bool recorded_ = false;
+};
+
+class MetricsInterceptorFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit MetricsInterceptorFactory(CoordinatorMetrics* metrics) : metrics_(metrics) {}
+
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    // No method name: a call gRPC answers itself; nothing to attribute it to.
+    if (info->method() == nullptr) return nullptr;
+    return new MetricsInterceptor(metrics_, info->method());
+  }
+
+ private:
+  CoordinatorMetrics* metrics_;
+};
+
+}  // namespace
+
+CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
+    : gpus_capacity_(prometheus::BuildGauge()
+                         .Name("tessera_gpus_capacity")
+                         .Help("GPUs on the nodes that take work (ready nodes).")
+                         .Register(registry)
+                         .Add({})),
+      gpus_allocated_(prometheus::BuildGauge()
+                          .Name("tessera_gpus_allocated")
+                          .Help("GPUs held by scheduled and running jobs.")
+                          .Register(registry)
+                          .Add({})),
+      cpu_slots_capacity_(prometheus::BuildGauge()
+                              .Name("tessera_cpu_slots_capacity")
+                              .Help("CPU trainer slots on the nodes that take work (ready nodes).")
+                              .Register(registry)
+                              .Add({})),
+      cpu_slots_allocated_(prometheus::BuildGauge()
+                               .Name("tessera_cpu_slots_allocated")
+                               .Help("CPU trainer slots held by scheduled and running jobs.")
+                               .Register(registry)
+                               .Add({})),
+      scheduling_latency_(prometheus::BuildHistogram()
+                              .Name("tessera_scheduling_latency_seconds")
+                              .Help("Time from a job's submission until it is SCHEDULED, in "
+                                    "seconds.")
+                              .Register(registry)
+                              .Add({}, SchedulingLatencyBuckets())),
+      scheduler_pass_duration_(prometheus::BuildHistogram()
+                                   .Name("tessera_scheduler_pass_duration_seconds")
+                                   .Help("Duration of one pass of the gang scheduler, in seconds.")
+                                   .Register(registry)
+                                   .Add({}, FastOperationBuckets())),
+      store_write_duration_(prometheus::BuildHistogram()
+                                .Name("tessera_store_write_duration_seconds")
+                                .Help("Duration of one write transaction of the job store, in "
+                                      "seconds.")
+                                .Register(registry)
+                                .Add({}, FastOperationBuckets())),
+      grpc_requests_(prometheus::BuildCounter()
+                         .Name("tessera_grpc_server_requests_total")
+                         .Help("gRPC calls finished by the coordinator, by full method name "
+                               "and status code.")
+                         .Register(registry)),
+      grpc_request_duration_(prometheus::BuildHistogram()
+                                 .Name("tessera_grpc_server_request_duration_seconds")
+                                 .Help("Duration of gRPC calls from their start until their "
+                                       "status is sent (for streams, the whole stream), in "
+                                       "seconds.")
+                                 .Register(registry)) {
+  auto& jobs = prometheus::BuildGauge()
+                   .Name("tessera_jobs")
+                   .Help("Jobs known to the coordinator, by state.")
+                   .Register(registry);
+  for (int state = v1::JobState_MIN; state <= v1::JobState_MAX; ++state) {
+    if (state == v1::JOB_STATE_UNSPECIFIED || !v1::JobState_IsValid(state)) continue;
+    job_gauges_[state] = &jobs.Add(
+        {{"state", StateLabel(v1::JobState_Name(static_cast<v1::JobState>(state)), "JOB_STATE_")}});
+  }
+  auto& nodes = prometheus::BuildGauge()
+                    .Name("tessera_nodes")
+                    .Help("Worker nodes registered with the coordinator, by state.")
+                    .Register(registry);
+  for (int state = v1::NodeState_MIN; state <= v1::NodeState_MAX; ++state) {
+    if (state == v1::NODE_STATE_UNSPECIFIED || !v1::NodeState_IsValid(state)) continue;
+    node_gauges_[state] =
+        &nodes.Add({{"state", StateLabel(v1::NodeState_Name(static_cast<v1::NodeState>(state)),
+                                         "NODE_STATE_")}});
+  }
+}
+
+void CoordinatorMetrics::SetJobCounts(const std::map<v1::JobState, int64_t>& counts) {
+  for (size_t state = 0; state < job_gauges_.size(); ++state) {
+    const auto it = counts.find(static_cast<v1::JobState>(state));
+    SetOrZero(job_gauges_[state], it == counts.end() ? 0 : it->second);
+  }
+}
+
+void CoordinatorMetrics::SetNodeCounts(const std::map<v1::NodeState, int64_t>& counts) {
+  for (size_t state = 0; state < node_gauges_.size(); ++state) {
+    const auto it = counts.find(static_cast<v1::NodeState>(state));
+    SetOrZero(node_gauges_[state], it == counts.end() ? 0 : it->second);
+  }
+}
+
+void CoordinatorMetrics::SetGpus(int64_t total, int64_t allocated) {
+  gpus_capacity_.Set(static_cast<double>(total));
+  gpus_allocated_.Set(static_cast<double>(allocated));
+}
+
+void CoordinatorMetrics::SetCpuSlots(int64_t total, int64_t allocated) {
+  cpu_slots_capacity_.Set(static_cast<double>(total));
+  cpu_slots_allocated_.Set(static_cast<double>(allocated));
+}
+
+void CoordinatorMetrics::ObserveSchedulingLatency(double seconds) {
+  scheduling_latency_.Observe(seconds);
+}
+
+void CoordinatorMetrics::ObserveSchedulingPass(double seconds) {
+  scheduler_pass_duration_.Observe(seconds);
+}
+
+void CoordinatorMetrics::ObserveStoreWrite(double seconds) {
+  store_write_duration_.Observe(seconds);
+}
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
+CoordinatorMetrics::MakeInterceptorFactory() {
+  return std::make_unique<MetricsInterceptorFactory>(this);
+}
+
+void CoordinatorMetrics::RecordRequest(const std::string& method, grpc::StatusCode code,
+                                       double seconds) {
+  const int code_index = static_cast<int>(code);
+  prometheus::Counter* requests = nullptr;
+  prometheus::Histogram* duration = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = methods_.find(method);
+    if (it == methods_.end()) {
+      // Unknown names share one entry, so they cannot grow methods_ either.
+      it = methods_.try_emplace(IsKnownMethod(method) ? method : std::string(kOtherMethod)).first;
+    }
+    const std::string& label = it->first;
+    MethodSeries& series = it->second;
+    if (series.duration == nullptr) {
+      series.duration = &grpc_request_duration_.Add({{"method", label}}, RpcBuckets());
+    }
+    duration = series.duration;
+    const bool canonical = code_index >= 0 && code_index < static_cast<int>(series.requests.size());
+    if (canonical && series.requests[code_index] != nullptr) {
+      requests = series.requests[code_index];
+    } else {
+      requests = &grpc_requests_.Add({{"method", label}, {"code", CodeLabel(code)}});
+      if (canonical) series.requests[code_index] = requests;
+    }
+  }
+  requests->Increment();
+  duration->Observe(seconds);
+}
+
+}  // namespace tessera::coordinator

@@ -1,0 +1,120 @@
+// CoordinatorMetrics: the coordinator's Prometheus metrics (job and node
+// counts by state, GPU and CPU-slot capacity and allocation, scheduling and
+// store latencies, and per-method gRPC request counts and latencies), all
+// registered in the registry the daemon exposes on /metrics. Thread safety:
+// every method may be called from any thread at any time (prometheus-cpp
+// metrics are thread-safe); the object and its registry must outlive every
+// gRPC server built with MakeInterceptorFactory().
+//
+// Exposed families (all names follow the Prometheus conventions and pass
+// `promtool check metrics`):
+//   tessera_jobs{state}                     gauge; state is the lower-case
+//                                           JobState without its prefix
+//                                           ("pending", "scheduled", ...)
+//   tessera_nodes{state}                    gauge; "ready", "draining", "lost"
+//   tessera_gpus_capacity                   gauge; GPUs on ready nodes
+//   tessera_gpus_allocated                  gauge; GPUs held by jobs
+//   tessera_cpu_slots_capacity              gauge; CPU slots on ready nodes
+//   tessera_cpu_slots_allocated             gauge; CPU slots held by jobs
+//   tessera_scheduling_latency_seconds      histogram; submission -> SCHEDULED
+//   tessera_scheduler_pass_duration_seconds histogram; one scheduler pass
+//   tessera_store_write_duration_seconds    histogram; one store transaction
+//   tessera_grpc_server_requests_total{method,code}
+//                                           counter; finished RPCs by full
+//                                           method name ("/tessera.v1.
+//                                           Coordinator/SubmitJob", or
+//                                           "other") and status code name
+//   tessera_grpc_server_request_duration_seconds{method}
+//                                           histogram; call start until the
+//                                           status is sent (for streams too)
+// Capacity and allocation are two gauges rather than one with a label, so
+// that sum() over a family stays meaningful (as in kube-state-metrics).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/support/server_interceptor.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "tessera/v1/job.pb.h"
+#include "tessera/v1/node.pb.h"
+
+namespace tessera::coordinator {
+
+class CoordinatorMetrics {
+ public:
+  // Registers every family in `registry`, which must outlive this object.
+  // Gauges start at 0 with every state label present.
+  explicit CoordinatorMetrics(prometheus::Registry& registry);
+  CoordinatorMetrics(const CoordinatorMetrics&) = delete;
+  CoordinatorMetrics& operator=(const CoordinatorMetrics&) = delete;
+
+  // Gauges set wholesale by the control loop each pass. A state missing from
+  // `counts` is set to 0; the UNSPECIFIED state and unknown values are
+  // ignored.
+  void SetJobCounts(const std::map<v1::JobState, int64_t>& counts);
+  void SetNodeCounts(const std::map<v1::NodeState, int64_t>& counts);
+  void SetGpus(int64_t total, int64_t allocated);
+  void SetCpuSlots(int64_t total, int64_t allocated);
+
+  // Histograms, in seconds.
+  // Submission -> SCHEDULED of one job (buckets 1 ms .. 1 h).
+  void ObserveSchedulingLatency(double seconds);
+  // Duration of one scheduler pass (buckets 100 us .. 10 s).
+  void ObserveSchedulingPass(double seconds);
+  // Latency of one store transaction (buckets 100 us .. 10 s).
+  void ObserveStoreWrite(double seconds);
+
+  // A gRPC server interceptor factory (for
+  // ServerBuilder::experimental().SetInterceptorCreators) that counts each
+  // finished call, unary or streaming, in tessera_grpc_server_requests_total
+  // and observes its duration (creation of the call until its status is sent)
+  // in tessera_grpc_server_request_duration_seconds. A call that ends without
+  // sending a status (cancelled, server shut down) counts with code
+  // "CANCELLED". A method name that no service compiled into the binary
+  // declares (clients may send any) is counted as method="other" (the value
+  // gRPC's OpenTelemetry metrics, gRFC A66, use), so the series stay bounded.
+  std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeInterceptorFactory();
+
+  // The `method` label value of calls to methods no compiled-in service declares.
+  static constexpr char kOtherMethod[] = "other";
+
+  // Records one finished call; what the interceptor calls.
+  void RecordRequest(const std::string& method, grpc::StatusCode code, double seconds);
+
+ private:
+  // The series of one method, resolved once: Family::Add builds a metric on
+  // every call before looking it up, too costly for every RPC.
+  struct MethodSeries {
+    prometheus::Histogram* duration = nullptr;
+    // Index = grpc::StatusCode value (0 .. UNAUTHENTICATED); null until seen.
+    std::array<prometheus::Counter*, grpc::StatusCode::UNAUTHENTICATED + 1> requests{};
+  };
+
+  // Index = enum value; index 0 (UNSPECIFIED) is left null.
+  std::array<prometheus::Gauge*, v1::JobState_ARRAYSIZE> job_gauges_{};
+  std::array<prometheus::Gauge*, v1::NodeState_ARRAYSIZE> node_gauges_{};
+  prometheus::Gauge& gpus_capacity_;
+  prometheus::Gauge& gpus_allocated_;
+  prometheus::Gauge& cpu_slots_capacity_;
+  prometheus::Gauge& cpu_slots_allocated_;
+  prometheus::Histogram& scheduling_latency_;
+  prometheus::Histogram& scheduler_pass_duration_;
+  prometheus::Histogram& store_write_duration_;
+  prometheus::Family<prometheus::Counter>& grpc_requests_;
+  prometheus::Family<prometheus::Histogram>& grpc_request_duration_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, MethodSeries> methods_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tessera::coordinator

@@ -1,0 +1,332 @@
+// CoordinatorMetrics: the exposition text the coordinator serves on /metrics,
+// its gRPC interceptor against a real server on 127.0.0.1, and promtool's
+// lint of the whole exposition.
+
+#include "coordinator/coordinator_metrics.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/slice.h"
+#include "gtest/gtest.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+#include "tessera/v1/worker_service.grpc.pb.h"
+#include "tests/util/subprocess.h"
+#include "tests/util/temp_dir.h"
+
+namespace tessera::coordinator {
+namespace {
+
+using ::tessera::testing::IsOk;
+using ::testing::AllOf;
+using ::testing::Contains;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr char kGetNode[] = "/tessera.v1.Worker/GetNode";
+constexpr char kReadLogs[] = "/tessera.v1.Worker/ReadLogs";
+
+std::string Exposition(prometheus::Registry& registry) {
+  return prometheus::TextSerializer().Serialize(registry.Collect());
+}
+
+// Every line of the exposition, so a test can match whole lines: a substring
+// match would take `x{...} 10` for `x{...} 1`.
+std::vector<std::string> Lines(const std::string& text) {
+  return absl::StrSplit(text, '\n', absl::SkipEmpty());
+}
+
+class CoordinatorMetricsTest : public ::testing::Test {
+ protected:
+  std::vector<std::string> ExpositionLines() { return Lines(Exposition(registry_)); }
+
+  prometheus::Registry registry_;
+  CoordinatorMetrics metrics_{registry_};
+};
+
+TEST_F(CoordinatorMetricsTest, EveryJobStateIsExposedFromTheStart) {
+  const std::vector<std::string> lines = ExpositionLines();
+  for (const char* state :
+       {"pending", "scheduled", "running", "restarting", "succeeded", "failed", "cancelled"}) {
+    EXPECT_THAT(lines, Contains(absl::StrCat("tessera_jobs{state=\"", state, "\"} 0")));
+  }
+  EXPECT_THAT(Exposition(registry_), Not(HasSubstr("unspecified")));
+}
+
+TEST_F(CoordinatorMetricsTest, JobCountsAreSetWholesaleAndMissingStatesReadZero) {
+  metrics_.SetJobCounts({{v1::JOB_STATE_PENDING, 3}, {v1::JOB_STATE_RUNNING, 2}});
+  metrics_.SetJobCounts({{v1::JOB_STATE_RUNNING, 5}, {v1::JOB_STATE_SUCCEEDED, 11}});
+
+  const std::vector<std::string> lines = ExpositionLines();
+  EXPECT_THAT(lines, Contains("# HELP tessera_jobs Jobs known to the coordinator, by state."));
+  EXPECT_THAT(lines, Contains("# TYPE tessera_jobs gauge"));
+  EXPECT_THAT(lines, Contains("tessera_jobs{state=\"pending\"} 0"));
+  EXPECT_THAT(lines, Contains("tessera_jobs{state=\"running\"} 5"));
+  EXPECT_THAT(lines, Contains("tessera_jobs{state=\"succeeded\"} 11"));
+  EXPECT_THAT(lines, Contains("tessera_jobs{state=\"failed\"} 0"));
+}
+
+TEST_F(CoordinatorMetricsTest, UnspecifiedStatesAreIgnored) {
+  metrics_.SetJobCounts({{v1::JOB_STATE_UNSPECIFIED, 4}, {v1::JOB_STATE_FAILED, 1}});
+  metrics_.SetNodeCounts({{v1::NODE_STATE_UNSPECIFIED, 4}, {v1::NODE_STATE_LOST, 1}});
+
+  const std::string text = Exposition(registry_);
+  EXPECT_THAT(text, Not(HasSubstr("unspecified")));
+  EXPECT_THAT(Lines(text), Contains("tessera_jobs{state=\"failed\"} 1"));
+  EXPECT_THAT(Lines(text), Contains("tessera_nodes{state=\"lost\"} 1"));
+}
+
+TEST_F(CoordinatorMetricsTest, NodeCountsCoverEveryState) {
+  metrics_.SetNodeCounts({{v1::NODE_STATE_READY, 7}, {v1::NODE_STATE_LOST, 1}});
+
+  const std::vector<std::string> lines = ExpositionLines();
+  EXPECT_THAT(lines, Contains("# TYPE tessera_nodes gauge"));
+  EXPECT_THAT(lines, Contains("tessera_nodes{state=\"ready\"} 7"));
+  EXPECT_THAT(lines, Contains("tessera_nodes{state=\"draining\"} 0"));
+  EXPECT_THAT(lines, Contains("tessera_nodes{state=\"lost\"} 1"));
+}
+
+TEST_F(CoordinatorMetricsTest, GpusAndCpuSlotsAreCapacityAndAllocatedGauges) {
+  metrics_.SetGpus(16, 12);
+  metrics_.SetCpuSlots(64, 3);
+
+  const std::vector<std::string> lines = ExpositionLines();
+  EXPECT_THAT(lines, Contains("# TYPE tessera_gpus_capacity gauge"));
+  EXPECT_THAT(lines, Contains("tessera_gpus_capacity 16"));
+  EXPECT_THAT(lines, Contains("tessera_gpus_allocated 12"));
+  EXPECT_THAT(lines, Contains("tessera_cpu_slots_capacity 64"));
+  EXPECT_THAT(lines, Contains("tessera_cpu_slots_allocated 3"));
+}
+
+TEST_F(CoordinatorMetricsTest, HistogramsCountObservationsIntoTheirBuckets) {
+  metrics_.ObserveSchedulingLatency(0.0005);  // under the first bucket, 1 ms
+  metrics_.ObserveSchedulingLatency(2.0);
+  metrics_.ObserveSchedulingLatency(7200.0);  // beyond the last bucket, 1 h
+  metrics_.ObserveSchedulingPass(0.003);
+  metrics_.ObserveSchedulingPass(0.004);
+  metrics_.ObserveStoreWrite(0.00005);  // under the first bucket, 100 us
+
+  const std::vector<std::string> lines = ExpositionLines();
+  EXPECT_THAT(lines, Contains("# TYPE tessera_scheduling_latency_seconds histogram"));
+  EXPECT_THAT(lines, Contains("tessera_scheduling_latency_seconds_count 3"));
+  EXPECT_THAT(lines, Contains("tessera_scheduling_latency_seconds_sum 7202.0005"));
+  EXPECT_THAT(lines, Contains("tessera_scheduling_latency_seconds_bucket{le=\"0.001\"} 1"));
+  EXPECT_THAT(lines, Contains("tessera_scheduling_latency_seconds_bucket{le=\"1\"} 1"));
+  EXPECT_THAT(lines, Contains("tessera_scheduling_latency_seconds_bucket{le=\"2.5\"} 2"));
+  EXPECT_THAT(lines, Contains("tessera_scheduling_latency_seconds_bucket{le=\"3600\"} 2"));
+  EXPECT_THAT(lines, Contains("tessera_scheduling_latency_seconds_bucket{le=\"+Inf\"} 3"));
+
+  EXPECT_THAT(lines, Contains("tessera_scheduler_pass_duration_seconds_count 2"));
+  EXPECT_THAT(lines, Contains("tessera_scheduler_pass_duration_seconds_bucket{le=\"0.0025\"} 0"));
+  EXPECT_THAT(lines, Contains("tessera_scheduler_pass_duration_seconds_bucket{le=\"0.005\"} 2"));
+
+  EXPECT_THAT(lines, Contains("tessera_store_write_duration_seconds_count 1"));
+  EXPECT_THAT(lines, Contains("tessera_store_write_duration_seconds_bucket{le=\"0.0001\"} 1"));
+  EXPECT_THAT(lines, Contains("tessera_store_write_duration_seconds_bucket{le=\"10\"} 1"));
+}
+
+// Answers GetNode; ReadLogs keeps the generated UNIMPLEMENTED default.
+class FakeWorkerService final : public v1::Worker::CallbackService {
+ public:
+  grpc::ServerUnaryReactor* GetNode(grpc::CallbackServerContext* context,
+                                    const v1::GetNodeRequest* /*request*/,
+                                    v1::GetNodeResponse* response) override {
+    response->mutable_node()->set_hostname("node-under-test");
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+};
+
+std::unique_ptr<grpc::ClientContext> ContextWithDeadline() {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  return context;
+}
+
+// A real server on 127.0.0.1 with the metrics interceptor, called over TCP.
+class MetricsInterceptorTest : public CoordinatorMetricsTest {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service_);
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back(metrics_.MakeInterceptorFactory());
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port, 0);
+    channel_ =
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+    stub_ = v1::Worker::NewStub(channel_);
+  }
+
+  void TearDown() override {
+    if (server_ != nullptr) server_->Shutdown();
+  }
+
+  grpc::Status CallGetNode() {
+    v1::GetNodeResponse response;
+    grpc::Status status = stub_->GetNode(ContextWithDeadline().get(), {}, &response);
+    if (status.ok()) {
+      EXPECT_EQ(response.node().hostname(), "node-under-test");
+    }
+    return status;
+  }
+
+  // Reads the whole ReadLogs stream and returns its final status.
+  grpc::Status CallReadLogs() {
+    std::unique_ptr<grpc::ClientContext> context = ContextWithDeadline();
+    std::unique_ptr<grpc::ClientReader<v1::LogChunk>> reader =
+        stub_->ReadLogs(context.get(), v1::ReadLogsRequest());
+    v1::LogChunk chunk;
+    while (reader->Read(&chunk)) {
+    }
+    return reader->Finish();
+  }
+
+  // Calls `method` with an empty message through the generic stub, which
+  // sends any name, and waits for the status.
+  grpc::Status CallByName(const std::string& method) {
+    grpc::GenericStub generic(channel_);
+    std::unique_ptr<grpc::ClientContext> context = ContextWithDeadline();
+    grpc::Slice empty_message("");
+    grpc::ByteBuffer request(&empty_message, 1);
+    grpc::ByteBuffer response;
+    absl::Notification done;
+    grpc::Status status;
+    generic.UnaryCall(context.get(), method, grpc::StubOptions(), &request, &response,
+                      [&](grpc::Status s) {
+                        status = std::move(s);
+                        done.Notify();
+                      });
+    done.WaitForNotification();
+    return status;
+  }
+
+  FakeWorkerService service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Worker::Stub> stub_;
+};
+
+TEST_F(MetricsInterceptorTest, CountsUnaryAndStreamingCallsByMethodAndCode) {
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(CallGetNode().ok());
+  ASSERT_EQ(CallReadLogs().error_code(), grpc::StatusCode::UNIMPLEMENTED);
+
+  // The interceptor records before the status goes out, so the client has
+  // seen every status only after the counters moved.
+  const std::vector<std::string> lines = ExpositionLines();
+  EXPECT_THAT(lines, Contains("# TYPE tessera_grpc_server_requests_total counter"));
+  EXPECT_THAT(lines,
+              Contains(absl::StrCat("tessera_grpc_server_requests_total{code=\"OK\",method=\"",
+                                    kGetNode, "\"} 3")));
+  EXPECT_THAT(lines, Contains(absl::StrCat(
+                         "tessera_grpc_server_requests_total{code=\"UNIMPLEMENTED\",method=\"",
+                         kReadLogs, "\"} 1")));
+  EXPECT_THAT(Exposition(registry_),
+              Not(HasSubstr(absl::StrCat("code=\"UNIMPLEMENTED\",method=\"", kGetNode))));
+  EXPECT_THAT(Exposition(registry_),
+              Not(HasSubstr(absl::StrCat("code=\"OK\",method=\"", kReadLogs))));
+
+  EXPECT_THAT(lines, Contains("# TYPE tessera_grpc_server_request_duration_seconds histogram"));
+  EXPECT_THAT(lines,
+              Contains(absl::StrCat("tessera_grpc_server_request_duration_seconds_count{method=\"",
+                                    kGetNode, "\"} 3")));
+  EXPECT_THAT(lines,
+              Contains(absl::StrCat("tessera_grpc_server_request_duration_seconds_count{method=\"",
+                                    kReadLogs, "\"} 1")));
+  // Loopback calls finish well within the 10 s bucket.
+  EXPECT_THAT(lines,
+              Contains(absl::StrCat("tessera_grpc_server_request_duration_seconds_bucket{method=\"",
+                                    kGetNode, "\",le=\"10\"} 3")));
+}
+
+TEST_F(MetricsInterceptorTest, UnknownMethodNamesShareOneSeries) {
+  // A client may name any method; a series per name would let it grow the
+  // exposition without bound.
+  for (const char* method : {"/tessera.v1.Worker/NoSuchMethod", "/no.such.Service/Call", "/junk"}) {
+    EXPECT_EQ(CallByName(method).error_code(), grpc::StatusCode::UNIMPLEMENTED) << method;
+  }
+  ASSERT_TRUE(CallGetNode().ok());
+
+  const std::string text = Exposition(registry_);
+  EXPECT_THAT(text, Not(HasSubstr("NoSuchMethod")));
+  EXPECT_THAT(text, Not(HasSubstr("no.such")));
+  EXPECT_THAT(text, Not(HasSubstr("junk")));
+  EXPECT_THAT(Lines(text), Contains("tessera_grpc_server_requests_total{code=\"UNIMPLEMENTED\","
+                                    "method=\"other\"} 3"));
+  EXPECT_THAT(Lines(text),
+              Contains(absl::StrCat("tessera_grpc_server_requests_total{code=\"OK\",method=\"",
+                                    kGetNode, "\"} 1")));
+}
+
+// promtool's directory on PATH, or "" when it is not installed.
+std::string FindPromtool() {
+  const char* path = std::getenv("PATH");
+  if (path == nullptr) return "";
+  for (absl::string_view dir : absl::StrSplit(path, ':', absl::SkipEmpty())) {
+    std::string candidate = absl::StrCat(dir, "/promtool");
+    if (access(candidate.c_str(), X_OK) == 0) return candidate;
+  }
+  return "";
+}
+
+TEST_F(MetricsInterceptorTest, PromtoolFindsNothingToLint) {
+  const std::string promtool = FindPromtool();
+  if (promtool.empty()) {
+    GTEST_SKIP() << "promtool is not on PATH; scripts/bootstrap.sh installs it (Debian package "
+                    "`prometheus`)";
+  }
+  // Every family with samples in it: gauges, histograms, and request series.
+  metrics_.SetJobCounts({{v1::JOB_STATE_RUNNING, 1}});
+  metrics_.SetNodeCounts({{v1::NODE_STATE_READY, 1}});
+  metrics_.SetGpus(8, 8);
+  metrics_.SetCpuSlots(4, 0);
+  metrics_.ObserveSchedulingLatency(0.5);
+  metrics_.ObserveSchedulingPass(0.001);
+  metrics_.ObserveStoreWrite(0.001);
+  ASSERT_TRUE(CallGetNode().ok());
+  ASSERT_EQ(CallReadLogs().error_code(), grpc::StatusCode::UNIMPLEMENTED);
+
+  const std::string text = Exposition(registry_);
+  ASSERT_THAT(text, AllOf(HasSubstr("tessera_grpc_server_requests_total{"),
+                          HasSubstr("tessera_jobs{"), HasSubstr("tessera_gpus_capacity 8")));
+  testing::ScopedTempDir dir("coordinator_metrics");
+  const std::string file = dir.path() + "/metrics.txt";
+  {
+    std::ofstream out(file);
+    out << text;
+    ASSERT_TRUE(out.good());
+  }
+  auto result = testing::RunCommand(
+      {"/bin/sh", "-c", absl::StrCat("'", promtool, "' check metrics < '", file, "'")});
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->exit.exit_code, 0) << result->output;
+  EXPECT_EQ(result->output, "") << "exposition:\n" << text;
+}
+
+}  // namespace
+}  // namespace tessera::coordinator
