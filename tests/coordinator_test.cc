@@ -299,6 +299,80 @@ TEST_F(CoordinatorTest, CancelStopsTheTasks) {
   EXPECT_TRUE(stopped);
 }
 
+TEST_F(CoordinatorTest, SigkillMidTrainingLosesNothingAndReconciles) {
+  RegisterNode("node-a", 0, 2);
+  v1::Job job = Submit(ValidSpec("mid-training"));
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED);
+  v1::TaskAssignment assignment = Heartbeat("node-a").start(0);
+  Heartbeat("node-a", {Task(assignment, v1::TASK_STATE_RUNNING)});
+  job =
+      WaitForJob(job.job_id(), [](const v1::Job& j) { return j.state() == v1::JOB_STATE_RUNNING; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  v1::ReportRequest report;
+  report.set_node_id("node-a");
+  report.set_task_id(assignment.task_id());
+  report.set_first_sequence(1);
+  for (int step = 1; step <= 5; ++step) {
+    auto* r = report.add_reports();
+    r->set_job_id(job.job_id());
+    r->mutable_metrics()->set_step(step);
+    r->mutable_metrics()->set_loss(6.0 - step);
+  }
+  auto* checkpoint = report.add_reports();
+  checkpoint->set_job_id(job.job_id());
+  checkpoint->mutable_checkpoint()->set_job_id(job.job_id());
+  checkpoint->mutable_checkpoint()->set_step(5);
+  checkpoint->mutable_checkpoint()->set_path("/ckpt/step-00000005");
+  v1::ReportResponse acked;
+  ASSERT_TRUE(nodes_->Report(Context().get(), report, &acked).ok());
+
+  auto exit = process_->Stop(SIGKILL);
+  ASSERT_THAT(exit, IsOk());
+  process_.reset();
+  Start();
+
+  // Everything is still there.
+  ASSERT_TRUE(Get(job.job_id(), &job).ok());
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(job.current_step(), 5);
+  v1::GetMetricsRequest metrics;
+  metrics.set_job_id(job.job_id());
+  v1::GetMetricsResponse curve;
+  ASSERT_TRUE(stub_->GetMetrics(Context().get(), metrics, &curve).ok());
+  EXPECT_EQ(curve.points_size(), 5);
+  v1::ListCheckpointsRequest list;
+  list.set_job_id(job.job_id());
+  v1::ListCheckpointsResponse checkpoints;
+  ASSERT_TRUE(stub_->ListCheckpoints(Context().get(), list, &checkpoints).ok());
+  ASSERT_EQ(checkpoints.checkpoints_size(), 1);
+  EXPECT_EQ(checkpoints.checkpoints(0).path(), "/ckpt/step-00000005");
+
+  // The worker's next heartbeat reconciles: the task keeps running, nothing
+  // is started twice, and the job then finishes normally.
+  v1::HeartbeatResponse again = Heartbeat("node-a", {Task(assignment, v1::TASK_STATE_RUNNING)});
+  EXPECT_FALSE(again.reregister());
+  EXPECT_EQ(again.start_size(), 0);
+  EXPECT_EQ(again.stop_size(), 0);
+  Heartbeat("node-a", {Task(assignment, v1::TASK_STATE_SUCCEEDED)});
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SUCCEEDED; });
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+TEST_F(CoordinatorTest, OversizedRequestsAreRefused) {
+  v1::SubmitJobRequest huge;
+  *huge.mutable_spec() = ValidSpec("huge");
+  (*huge.mutable_spec()->mutable_labels())["blob"] = std::string(65 << 20, 'x');
+  v1::SubmitJobResponse response;
+  grpc::Status status = stub_->SubmitJob(Context(30).get(), huge, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  // The daemon is unharmed.
+  v1::Job job = Submit(ValidSpec("after-huge"));
+  EXPECT_FALSE(job.job_id().empty());
+}
+
 class CoordinatorLivenessTest : public CoordinatorTest {
  protected:
   void SetUp() override { Start({"--heartbeat_timeout=1s"}); }
