@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/daemon/grpc_status.h"
 #include "coordinator/job_validation.h"
+#include "coordinator/log_relay.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -218,6 +219,11 @@ grpc::ServerUnaryReactor* CoordinatorService::ListNodes(grpc::CallbackServerCont
     *response->add_nodes() = std::move(node);
   }
   return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerWriteReactor<v1::LogChunk>* CoordinatorService::GetLogs(
+    grpc::CallbackServerContext* context, const v1::GetLogsRequest* request) {
+  return StartLogRelay(jobs_, cluster_, *request);
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::PlanLayout(grpc::CallbackServerContext* context,

@@ -40,6 +40,8 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext* context,
                                       const v1::ListNodesRequest* request,
                                       v1::ListNodesResponse* response) override;
+  grpc::ServerWriteReactor<v1::LogChunk>* GetLogs(grpc::CallbackServerContext* context,
+                                                  const v1::GetLogsRequest* request) override;
   grpc::ServerUnaryReactor* PlanLayout(grpc::CallbackServerContext* context,
                                        const v1::PlanLayoutRequest* request,
                                        v1::PlanLayoutResponse* response) override;

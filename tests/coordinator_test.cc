@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 #include "tessera/v1/node_service.grpc.pb.h"
+#include "tessera/v1/worker_service.grpc.pb.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
 
@@ -371,6 +372,76 @@ TEST_F(CoordinatorTest, OversizedRequestsAreRefused) {
   // The daemon is unharmed.
   v1::Job job = Submit(ValidSpec("after-huge"));
   EXPECT_FALSE(job.job_id().empty());
+}
+
+// A worker whose ReadLogs answers with two chunks naming what it was asked.
+class FakeLogWorker final : public v1::Worker::Service {
+ public:
+  grpc::Status ReadLogs(grpc::ServerContext*, const v1::ReadLogsRequest* request,
+                        grpc::ServerWriter<v1::LogChunk>* writer) override {
+    for (int i = 0; i < 2; ++i) {
+      v1::LogChunk chunk;
+      chunk.set_job_id(request->job_id());
+      chunk.set_attempt(request->attempt());
+      chunk.set_rank(i);
+      chunk.set_data(absl::StrCat("line ", i, " of ", request->job_id(), "\n"));
+      writer->Write(chunk);
+    }
+    return grpc::Status::OK;
+  }
+};
+
+TEST_F(CoordinatorTest, GetLogsRelaysFromTheWorkers) {
+  FakeLogWorker worker;
+  auto server = GrpcServer::Start({.listen_address = "127.0.0.1:0"},
+                                  {{v1::Worker::service_full_name(), &worker}});
+  ASSERT_THAT(server, IsOk());
+  v1::RegisterNodeRequest node;
+  node.set_node_id("logs-node");
+  node.set_address((*server)->address());
+  node.mutable_resources()->set_cpu_slots(2);
+  v1::RegisterNodeResponse registered;
+  ASSERT_TRUE(nodes_->RegisterNode(Context().get(), node, &registered).ok());
+
+  v1::Job pending = Submit(GpuSpec("never-placed", 64, 64, 1));
+  v1::GetLogsRequest request;
+  request.set_job_id(pending.job_id());
+  request.set_rank(-1);
+  request.set_attempt(-1);
+  {
+    auto context = Context();
+    auto reader = stub_->GetLogs(context.get(), request);
+    v1::LogChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    grpc::Status status = reader->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(status.error_message(), HasSubstr("no trainer has been placed"));
+  }
+
+  v1::Job job = Submit(ValidSpec("with-logs"));
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED);
+  request.set_job_id(job.job_id());
+  auto context = Context();
+  auto reader = stub_->GetLogs(context.get(), request);
+  std::vector<v1::LogChunk> chunks;
+  v1::LogChunk chunk;
+  while (reader->Read(&chunk)) chunks.push_back(chunk);
+  grpc::Status status = reader->Finish();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(chunks[0].data(), absl::StrCat("line 0 of ", job.job_id(), "\n"));
+  EXPECT_EQ(chunks[1].node_id(), "logs-node");
+
+  // A worker that is gone is named in the error.
+  (*server)->Shutdown(absl::ZeroDuration());
+  auto context2 = Context();
+  auto reader2 = stub_->GetLogs(context2.get(), request);
+  EXPECT_FALSE(reader2->Read(&chunk));
+  status = reader2->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(status.error_message(), HasSubstr("worker logs-node"));
 }
 
 class CoordinatorLivenessTest : public CoordinatorTest {

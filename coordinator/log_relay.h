@@ -1,0 +1,19 @@
+// LogRelay: Coordinator.GetLogs. Trainer logs stay on the nodes that wrote
+// them; the relay opens Worker.ReadLogs on every node of the job (or the one
+// holding the requested rank), in parallel, and merges the chunks into the
+// client's stream as they arrive. It ends when every node's stream has ended
+// (immediately unless `follow`), and fails only when every node failed.
+#pragma once
+
+#include "coordinator/cluster.h"
+#include "coordinator/job_manager.h"
+#include "grpcpp/support/server_callback.h"
+#include "tessera/v1/coordinator_service.pb.h"
+
+namespace tessera::coordinator {
+
+// Starts a relay for `request`; gRPC owns the returned reactor.
+grpc::ServerWriteReactor<v1::LogChunk>* StartLogRelay(JobManager* jobs, Cluster* cluster,
+                                                      const v1::GetLogsRequest& request);
+
+}  // namespace tessera::coordinator
