@@ -19,6 +19,9 @@ ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(15),
 ABSL_FLAG(std::string, checkpoint_root, "tessera-checkpoints",
           "Checkpoint directory of jobs whose spec names none: <root>/<job_id>; every node must "
           "see it at the same path.");
+ABSL_FLAG(int, master_port_base, 29500,
+          "First TCPStore port given to a job's rank 0; jobs whose rank 0 shares a node get the "
+          "next ones.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Prometheus /metrics listen address (host:port); empty disables it.");
 
@@ -38,6 +41,7 @@ int main(int argc, char** argv) {
   options.state_path = absl::GetFlag(FLAGS_state);
   options.cluster.heartbeat_timeout = absl::GetFlag(FLAGS_heartbeat_timeout);
   options.cluster.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
+  options.cluster.base_master_port = absl::GetFlag(FLAGS_master_port_base);
   auto daemon = tessera::coordinator::CoordinatorDaemon::Start(options);
   if (!daemon.ok()) {
     std::cerr << "tessera-coordinator: " << daemon.status() << "\n";

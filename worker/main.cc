@@ -1,31 +1,78 @@
 // tessera-worker: the per-node daemon that runs trainer processes.
+#include <unistd.h>
+
+#include <filesystem>
 #include <iostream>
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_split.h"
 #include "common/command_line.h"
 #include "common/daemon/daemon_servers.h"
 #include "common/daemon/shutdown_signal.h"
 #include "common/version.h"
+#include "worker/trainer_process.h"
 #include "worker/worker_daemon.h"
 
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "Coordinator gRPC address (host:port).");
+ABSL_FLAG(std::string, node_name, "", "Node identity in the cluster; empty means the hostname.");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50052",
-          "gRPC listen address (host:port) of the worker's own service; port 0 picks one.");
+          "gRPC listen address (host:port) of the worker's own service (logs); port 0 picks one.");
+ABSL_FLAG(std::string, advertise_host, "",
+          "Host the coordinator uses to reach this worker; empty: the listen host, or the "
+          "hostname when listening on 0.0.0.0.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9465",
           "Prometheus /metrics listen address (host:port); empty disables it.");
+ABSL_FLAG(std::string, work_dir, "tessera-work",
+          "Directory for task files, per-rank logs and the trainers' report socket.");
+ABSL_FLAG(int, cpu_slots, 0, "Trainer ranks this node runs on CPU (for nodes without GPUs).");
+ABSL_FLAG(std::string, trainer, "",
+          "Path of tessera-trainer; empty means the tessera-trainer beside this binary.");
+ABSL_FLAG(std::vector<std::string>, labels, {}, "Node labels as key=value,key=value.");
+ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
+          "Time between SIGTERM and SIGKILL when stopping trainers.");
 
 constexpr char kUsage[] =
-    "Usage: tessera-worker [--listen=HOST:PORT] [--metrics_listen=HOST:PORT]\n\n"
-    "The Tessera worker: one per node; launches and supervises trainer processes\n"
-    "for the coordinator.\n";
+    "Usage: tessera-worker --coordinator=HOST:PORT [--node_name=NAME] [--cpu_slots=N]\n"
+    "                      [--listen=HOST:PORT] [--metrics_listen=HOST:PORT] [--work_dir=DIR]\n\n"
+    "The Tessera worker: one per node; registers the node's GPUs (NVML) or CPU slots with the\n"
+    "coordinator, launches and supervises trainer processes, and relays their reports.\n";
 
 int main(int argc, char** argv) {
   tessera::BlockShutdownSignals();
   tessera::ParseCommandLine(argc, argv, kUsage);
+  // Trainers' orphaned descendants become ours to reap, so stopping a
+  // trainer's process group always finishes (PID 1 may not reap them).
+  if (auto status = tessera::worker::BecomeChildSubreaper(); !status.ok()) {
+    std::cerr << "tessera-worker: " << status << " (orphaned trainer children may linger)\n";
+  }
 
   tessera::worker::WorkerOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen);
   options.metrics_listen_address = absl::GetFlag(FLAGS_metrics_listen);
+  options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
+  auto& agent = options.agent;
+  agent.coordinator_address = absl::GetFlag(FLAGS_coordinator);
+  agent.node_id = absl::GetFlag(FLAGS_node_name);
+  if (agent.node_id.empty()) {
+    char name[256] = {};
+    gethostname(name, sizeof(name) - 1);
+    agent.node_id = name;
+  }
+  agent.work_dir = std::filesystem::absolute(absl::GetFlag(FLAGS_work_dir)).string();
+  agent.cpu_slots = absl::GetFlag(FLAGS_cpu_slots);
+  agent.trainer_path = absl::GetFlag(FLAGS_trainer);
+  if (agent.trainer_path.empty()) {
+    std::error_code error;
+    auto self = std::filesystem::read_symlink("/proc/self/exe", error);
+    agent.trainer_path = (self.parent_path() / "tessera-trainer").string();
+  }
+  for (const auto& label : absl::GetFlag(FLAGS_labels)) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(label, absl::MaxSplits('=', 1));
+    agent.labels[kv.first] = kv.second;
+  }
+  agent.stop_grace = absl::GetFlag(FLAGS_stop_grace);
+
   auto daemon = tessera::worker::WorkerDaemon::Start(options);
   if (!daemon.ok()) {
     std::cerr << "tessera-worker: " << daemon.status() << "\n";

@@ -1,18 +1,43 @@
 #include "worker/worker_daemon.h"
 
+#include <unistd.h>
+
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace tessera::worker {
 
 absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOptions& options) {
   std::unique_ptr<WorkerDaemon> daemon(new WorkerDaemon());
+  std::string nvml_error;
+  std::unique_ptr<GpuBackend> gpus = LoadNvml(&nvml_error);
+  if (!gpus) std::cerr << "tessera-worker: no GPUs (" << nvml_error << ")" << std::endl;
+  daemon->agent_ = std::make_unique<WorkerAgent>(options.agent, std::move(gpus));
+  daemon->worker_service_ = std::make_unique<WorkerService>(daemon->agent_.get());
   ASSIGN_OR_RETURN(
       daemon->servers_,
       DaemonServers::Start({.component = "worker",
                             .listen_address = options.listen_address,
                             .metrics_listen_address = options.metrics_listen_address},
-                           {{v1::Worker::service_full_name(), &daemon->worker_service_}}));
+                           {{v1::Worker::service_full_name(), daemon->worker_service_.get()}}));
+  std::string address = daemon->servers_->address();
+  std::string host = options.advertise_host;
+  if (host.empty()) {
+    host = address.substr(0, address.rfind(':'));
+    if (host == "0.0.0.0" || host == "[::]") {
+      char name[256] = {};
+      gethostname(name, sizeof(name) - 1);
+      host = name;
+    }
+  }
+  RETURN_IF_ERROR(daemon->agent_->Start(absl::StrCat(host, address.substr(address.rfind(':')))));
   return daemon;
+}
+
+WorkerDaemon::~WorkerDaemon() {
+  if (agent_) agent_->Stop();
 }
 
 }  // namespace tessera::worker

@@ -1,7 +1,6 @@
-// WorkerDaemon: the per-node daemon's services. It serves tessera.v1.Worker
-// (log relay, node status) with health and reflection, and Prometheus
-// metrics. Registration, heartbeats and trainer supervision arrive with the
-// worker issue; until then Worker methods answer UNIMPLEMENTED.
+// WorkerDaemon: the per-node daemon. It serves tessera.v1.Worker (logs, node
+// view) with health and reflection and Prometheus metrics, and runs the
+// WorkerAgent that registers with the coordinator and runs trainers.
 #pragma once
 
 #include <memory>
@@ -9,7 +8,8 @@
 
 #include "absl/status/statusor.h"
 #include "common/daemon/daemon_servers.h"
-#include "tessera/v1/worker_service.grpc.pb.h"
+#include "worker/worker_agent.h"
+#include "worker/worker_service.h"
 
 namespace tessera::worker {
 
@@ -18,19 +18,27 @@ struct WorkerOptions {
   std::string listen_address = "127.0.0.1:50052";
   // Prometheus /metrics listen address; empty disables the endpoint.
   std::string metrics_listen_address = "127.0.0.1:9465";
+  // Host the coordinator uses to reach this worker; empty means the listen
+  // host (or the hostname when listening on all interfaces).
+  std::string advertise_host;
+  // Registration, trainers and relay.
+  WorkerAgentOptions agent;
 };
 
-// Thread safety: Start and servers().Shutdown from one thread.
+// Thread safety: Start and destruction from one thread.
 class WorkerDaemon {
  public:
   static absl::StatusOr<std::unique_ptr<WorkerDaemon>> Start(const WorkerOptions& options);
+  // Stops the agent (and its trainers) before the servers.
+  ~WorkerDaemon();
 
   DaemonServers& servers() { return *servers_; }
 
  private:
   WorkerDaemon() = default;
 
-  v1::Worker::CallbackService worker_service_;
+  std::unique_ptr<WorkerAgent> agent_;
+  std::unique_ptr<WorkerService> worker_service_;
   // Declared last: stopped (destroyed) before the service it serves.
   std::unique_ptr<DaemonServers> servers_;
 };

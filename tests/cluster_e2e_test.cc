@@ -1,0 +1,214 @@
+// The whole system on loopback: a real coordinator, a real worker with two
+// CPU slots, and real tessera-trainer processes. A 2-rank data-parallel job
+// on the bundled corpus runs to SUCCEEDED; its loss curve, checkpoint and
+// logs come back through the coordinator. A cancelled job's trainers stop.
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <regex>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/daemon/server.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+#include "tessera/v1/coordinator_service.grpc.pb.h"
+#include "tests/util/subprocess.h"
+#include "tests/util/temp_dir.h"
+
+namespace tessera {
+namespace {
+
+using ::tessera::testing::BinDir;
+using ::tessera::testing::IsOk;
+using ::tessera::testing::RunCommand;
+using ::tessera::testing::ScopedTempDir;
+using ::tessera::testing::Subprocess;
+using ::testing::HasSubstr;
+
+std::unique_ptr<grpc::ClientContext> Context(int seconds = 10) {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  return context;
+}
+
+std::string Address(Subprocess& process) {
+  auto line = process.WaitForStderrLine("serving gRPC on");
+  EXPECT_THAT(line, IsOk());
+  if (!line.ok()) return "";
+  std::smatch match;
+  std::regex_search(*line, match, std::regex(R"(serving gRPC on (\S+:\d+))"));
+  return match[1];
+}
+
+class ClusterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto prepared = RunCommand({BinDir() + "/tessera-trainer", "prepare",
+                                "--input=" + std::string(TESSERA_CORPUS_FILE),
+                                "--output_dir=" + dir_.path() + "/data"});
+    ASSERT_THAT(prepared, IsOk());
+    ASSERT_EQ(prepared->exit.exit_code, 0) << prepared->output;
+
+    auto coordinator =
+        Subprocess::Start({BinDir() + "/tessera-coordinator", "--listen=127.0.0.1:0",
+                           "--metrics_listen=", "--state=" + dir_.path() + "/state.db",
+                           "--checkpoint_root=" + dir_.path() + "/ckpt",
+                           // Test processes run side by side: each coordinator hands out its
+                           // own rendezvous ports.
+                           absl::StrCat("--master_port_base=", 40000 + (getpid() % 2000) * 10)});
+    ASSERT_THAT(coordinator, IsOk());
+    coordinator_.emplace(std::move(*coordinator));
+    address_ = Address(*coordinator_);
+    auto worker = Subprocess::Start({BinDir() + "/tessera-worker", "--coordinator=" + address_,
+                                     "--listen=127.0.0.1:0",
+                                     "--metrics_listen=", "--node_name=e2e-node", "--cpu_slots=2",
+                                     "--work_dir=" + dir_.path() + "/work", "--stop_grace=2s"});
+    ASSERT_THAT(worker, IsOk());
+    worker_.emplace(std::move(*worker));
+    ASSERT_FALSE(Address(*worker_).empty());
+    stub_ = v1::Coordinator::NewStub(MakeClientChannel(address_));
+    // The worker registers within its first heartbeat.
+    for (int i = 0; i < 100; ++i) {
+      v1::ListNodesResponse nodes;
+      if (stub_->ListNodes(Context().get(), {}, &nodes).ok() && nodes.nodes_size() == 1) return;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    FAIL() << "the worker did not register";
+  }
+
+  void TearDown() override {
+    if (worker_) {
+      EXPECT_THAT(worker_->Stop(SIGTERM), IsOk());
+    }
+    if (coordinator_) {
+      EXPECT_THAT(coordinator_->Stop(SIGTERM), IsOk());
+    }
+  }
+
+  v1::JobSpec Spec(int steps) {
+    v1::JobSpec spec;
+    spec.set_name("e2e");
+    spec.mutable_model()->set_preset("tiny-gpt2");
+    spec.mutable_data()->add_train_shards(dir_.path() + "/data/train-*.bin");
+    spec.mutable_data()->set_seq_len(64);
+    spec.mutable_batch()->set_global_batch_size(8);
+    spec.mutable_batch()->set_micro_batch_size(2);
+    spec.mutable_optimizer()->mutable_schedule()->set_peak_learning_rate(3e-3);
+    spec.mutable_optimizer()->mutable_schedule()->set_warmup_steps(5);
+    spec.set_max_steps(steps);
+    spec.mutable_checkpoint()->set_interval_steps(10);
+    spec.mutable_resources()->set_cpu_slots(2);
+    return spec;
+  }
+
+  v1::Job WaitFor(const std::string& job_id, v1::JobState state, int seconds) {
+    v1::GetJobRequest request;
+    request.set_job_id(job_id);
+    v1::GetJobResponse response;
+    absl::Time deadline = absl::Now() + absl::Seconds(seconds);
+    while (absl::Now() < deadline) {
+      if (stub_->GetJob(Context().get(), request, &response).ok() &&
+          (response.job().state() == state ||
+           (state != v1::JOB_STATE_FAILED && response.job().state() == v1::JOB_STATE_FAILED))) {
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    return response.job();
+  }
+
+  ScopedTempDir dir_{"cluster_e2e"};
+  std::optional<Subprocess> coordinator_;
+  std::optional<Subprocess> worker_;
+  std::string address_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+};
+
+TEST_F(ClusterTest, TwoRankJobTrainsThroughCoordinatorAndWorker) {
+  v1::SubmitJobRequest submit;
+  *submit.mutable_spec() = Spec(30);
+  v1::SubmitJobResponse submitted;
+  ASSERT_TRUE(stub_->SubmitJob(Context().get(), submit, &submitted).ok());
+  const std::string job_id = submitted.job().job_id();
+
+  v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason() << "\n"
+                                                  << job.failure().message() << "\nworker:\n"
+                                                  << worker_->stderr_text();
+  EXPECT_EQ(job.current_step(), 30);
+
+  v1::GetMetricsRequest metrics;
+  metrics.set_job_id(job_id);
+  v1::GetMetricsResponse curve;
+  ASSERT_TRUE(stub_->GetMetrics(Context().get(), metrics, &curve).ok());
+  ASSERT_EQ(curve.points_size(), 30);
+  EXPECT_NEAR(curve.points(0).loss(), std::log(257.0), 0.5);
+  EXPECT_LT(curve.points(29).loss(), curve.points(0).loss() - 1.0);
+
+  v1::ListCheckpointsRequest list;
+  list.set_job_id(job_id);
+  v1::ListCheckpointsResponse checkpoints;
+  ASSERT_TRUE(stub_->ListCheckpoints(Context().get(), list, &checkpoints).ok());
+  ASSERT_EQ(checkpoints.checkpoints_size(), 3);  // steps 10, 20, 30
+  EXPECT_EQ(checkpoints.checkpoints(0).step(), 30);
+  EXPECT_EQ(checkpoints.checkpoints(0).num_shards(), 2);
+
+  v1::GetLogsRequest logs;
+  logs.set_job_id(job_id);
+  logs.set_rank(-1);
+  logs.set_attempt(-1);
+  auto context = Context(30);
+  auto reader = stub_->GetLogs(context.get(), logs);
+  std::string text;
+  std::set<int> ranks;
+  v1::LogChunk chunk;
+  while (reader->Read(&chunk)) {
+    text += chunk.data();
+    ranks.insert(chunk.rank());
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(ranks, (std::set<int>{0, 1}));
+  EXPECT_THAT(text, HasSubstr("[rank 1] model tiny-gpt2"));
+}
+
+TEST_F(ClusterTest, CancelStopsTheTrainers) {
+  v1::SubmitJobRequest submit;
+  *submit.mutable_spec() = Spec(100000);
+  v1::SubmitJobResponse submitted;
+  ASSERT_TRUE(stub_->SubmitJob(Context().get(), submit, &submitted).ok());
+  const std::string job_id = submitted.job().job_id();
+  v1::Job job = WaitFor(job_id, v1::JOB_STATE_RUNNING, 60);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_RUNNING) << job.reason();
+
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(job_id);
+  v1::CancelJobResponse cancelled;
+  ASSERT_TRUE(stub_->CancelJob(Context().get(), cancel, &cancelled).ok());
+  // The worker gets the stop order with its next heartbeat and the trainers
+  // go; the slots are free again.
+  bool freed = false;
+  for (int i = 0; i < 200 && !freed; ++i) {
+    v1::ListNodesResponse nodes;
+    ASSERT_TRUE(stub_->ListNodes(Context().get(), {}, &nodes).ok());
+    freed = nodes.nodes(0).free_cpu_slots() == 2 && nodes.nodes(0).job_ids().empty();
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(freed);
+  auto pgrep = RunCommand({"/bin/sh", "-c", "pgrep -f '[t]ask=" + dir_.path() + "' || true"});
+  ASSERT_THAT(pgrep, IsOk());
+  bool gone = pgrep->output.empty();
+  for (int i = 0; i < 100 && !gone; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    pgrep = RunCommand({"/bin/sh", "-c", "pgrep -f '[t]ask=" + dir_.path() + "' || true"});
+    gone = pgrep.ok() && pgrep->output.empty();
+  }
+  // ("[t]ask" keeps pgrep from matching the shell that runs it.)
+  EXPECT_TRUE(gone) << "trainer processes left: " << pgrep->output;
+}
+
+}  // namespace
+}  // namespace tessera

@@ -1,0 +1,5 @@
+target_sources(tessera_worker PRIVATE gpu_inventory.cc)
+target_link_libraries(tessera_worker PUBLIC prometheus-cpp::core ${CMAKE_DL_LIBS})
+if(TESSERA_BUILD_TESTS)
+  tessera_add_test(NAME gpu_inventory_test SOURCES gpu_inventory_test.cc LIBS tessera::worker)
+endif()

@@ -1,0 +1,8 @@
+target_sources(tessera_worker PRIVATE trainer_process.cc log_reader.cc)
+if(TESSERA_BUILD_TESTS)
+  add_executable(fake_trainer ${PROJECT_SOURCE_DIR}/tests/fake_trainer.cc)
+  set_target_properties(fake_trainer PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${CMAKE_BINARY_DIR}/tests")
+  tessera_add_test(NAME trainer_process_test SOURCES trainer_process_test.cc log_reader_test.cc LIBS tessera::worker tessera::test_util)
+  target_compile_definitions(trainer_process_test PRIVATE TESSERA_FAKE_TRAINER="$<TARGET_FILE:fake_trainer>")
+  add_dependencies(trainer_process_test fake_trainer)
+endif()

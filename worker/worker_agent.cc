@@ -1,0 +1,481 @@
+#include "worker/worker_agent.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "common/daemon/grpc_status.h"
+#include "common/daemon/server.h"
+#include "common/version.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl.h"
+#include "grpcpp/client_context.h"
+
+namespace tessera::worker {
+namespace {
+
+// Most reports relayed in one Report call.
+constexpr int kRelayBatch = 256;
+// Lines of a failed rank's log quoted in its failure message.
+constexpr int kFailureLogLines = 20;
+
+std::string Hostname() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+bool IsTerminal(v1::TaskState state) {
+  return state == v1::TASK_STATE_SUCCEEDED || state == v1::TASK_STATE_FAILED ||
+         state == v1::TASK_STATE_STOPPED;
+}
+
+}  // namespace
+
+WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend> gpus)
+    : options_(std::move(options)), gpus_(std::move(gpus)) {
+  if (gpus_) devices_ = gpus_->Devices();
+  coordinator_ = v1::NodeService::NewStub(MakeClientChannel(options_.coordinator_address));
+  socket_path_ = absl::StrCat(options_.work_dir, "/reports.sock");
+}
+
+WorkerAgent::~WorkerAgent() { Stop(); }
+
+absl::Status WorkerAgent::Start(const std::string& advertise_address) {
+  advertise_address_ = advertise_address;
+  std::error_code error;
+  std::filesystem::create_directories(options_.work_dir, error);
+  if (error) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--work_dir ", options_.work_dir, ": ", error.message()));
+  }
+  sockaddr_un addr{};
+  if (socket_path_.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("--work_dir ", options_.work_dir,
+                                                   ": too long for a Unix socket path (",
+                                                   socket_path_, ")"));
+  }
+  unlink(socket_path_.c_str());
+  listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, socket_path_.data(), socket_path_.size());
+  if (listen_fd_ < 0 || bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      listen(listen_fd_, 64) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("report socket ", socket_path_, ": ", std::strerror(errno)));
+  }
+  threads_.emplace_back([this] { AcceptLoop(); });
+  threads_.emplace_back([this] { HeartbeatLoop(); });
+  threads_.emplace_back([this] { SuperviseLoop(); });
+  threads_.emplace_back([this] { RelayLoop(); });
+  return absl::OkStatus();
+}
+
+void WorkerAgent::Stop() {
+  if (stop_.HasBeenNotified()) return;
+  stop_.Notify();
+  if (listen_fd_ >= 0) shutdown(listen_fd_, SHUT_RDWR);
+  {
+    absl::MutexLock lock(&mu_);
+    for (int fd : reader_fds_) shutdown(fd, SHUT_RDWR);
+  }
+  for (auto& thread : threads_) {
+    if (thread.joinable()) thread.join();
+  }
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, task] : tasks_) {
+    for (auto& rank : task.ranks) {
+      if (rank.process && !rank.exit) rank.exit = rank.process->Stop(options_.stop_grace);
+    }
+  }
+  if (listen_fd_ >= 0) close(listen_fd_);
+  listen_fd_ = -1;
+  unlink(socket_path_.c_str());
+}
+
+absl::Status WorkerAgent::RegisterNow() {
+  v1::RegisterNodeRequest request;
+  request.set_node_id(options_.node_id);
+  request.set_hostname(Hostname());
+  request.set_address(advertise_address_);
+  request.mutable_resources()->set_cpu_cores(static_cast<int>(std::thread::hardware_concurrency()));
+  request.mutable_resources()->set_memory_bytes(static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) *
+                                                sysconf(_SC_PAGE_SIZE));
+  request.mutable_resources()->set_cpu_slots(options_.cpu_slots);
+  for (const auto& device : devices_) *request.mutable_resources()->add_gpus() = device;
+  for (const auto& [key, value] : options_.labels) (*request.mutable_labels())[key] = value;
+  request.set_worker_version(Version());
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, task] : tasks_) {
+      if (IsTerminal(task.state)) continue;
+      v1::TaskStatus* status = request.add_running_tasks();
+      status->set_task_id(id);
+      status->set_job_id(task.job_id);
+      status->set_attempt(task.attempt);
+      status->set_state(task.state);
+    }
+  }
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  v1::RegisterNodeResponse response;
+  grpc::Status status = coordinator_->RegisterNode(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  absl::MutexLock lock(&mu_);
+  registered_ = true;
+  if (response.heartbeat_interval_seconds() > 0) {
+    heartbeat_interval_ = absl::Seconds(response.heartbeat_interval_seconds());
+  }
+  return absl::OkStatus();
+}
+
+void WorkerAgent::HeartbeatLoop() {
+  absl::Duration wait = absl::ZeroDuration();
+  std::string last_error;
+  while (!stop_.WaitForNotificationWithTimeout(wait)) {
+    bool registered;
+    {
+      absl::MutexLock lock(&mu_);
+      registered = registered_;
+      wait = heartbeat_interval_;
+    }
+    if (!registered) {
+      if (auto status = RegisterNow(); !status.ok()) {
+        if (status.ToString() != last_error) {
+          std::cerr << "tessera-worker: cannot register with " << options_.coordinator_address
+                    << ": " << status << " (retrying)" << std::endl;
+          last_error = status.ToString();
+        }
+        wait = absl::Seconds(1);
+      } else {
+        std::cerr << "tessera-worker: registered with " << options_.coordinator_address << " as "
+                  << options_.node_id << std::endl;
+        last_error.clear();
+        wait = absl::ZeroDuration();
+      }
+      continue;
+    }
+    v1::HeartbeatRequest request;
+    request.set_node_id(options_.node_id);
+    std::vector<std::string> terminal_sent;
+    if (gpus_) {
+      std::vector<GpuSample> samples = gpus_->Sample();
+      absl::MutexLock lock(&mu_);
+      last_gpu_metrics_.clear();
+      for (auto& sample : samples) last_gpu_metrics_.push_back(sample.metrics);
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& metrics : last_gpu_metrics_) *request.add_gpu_metrics() = metrics;
+      for (const auto& [id, task] : tasks_) {
+        v1::TaskStatus* status = request.add_tasks();
+        status->set_task_id(id);
+        status->set_job_id(task.job_id);
+        status->set_attempt(task.attempt);
+        status->set_state(task.state);
+        if (task.state == v1::TASK_STATE_FAILED) *status->mutable_failure() = task.failure;
+        if (IsTerminal(task.state)) terminal_sent.push_back(id);
+      }
+    }
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    v1::HeartbeatResponse response;
+    grpc::Status status = coordinator_->Heartbeat(&context, request, &response);
+    if (!status.ok()) {
+      // The coordinator may be restarting: keep the tasks and reports, and
+      // register again once it answers.
+      absl::MutexLock lock(&mu_);
+      registered_ = status.error_code() != grpc::StatusCode::UNAVAILABLE;
+      wait = absl::Seconds(1);
+      continue;
+    }
+    absl::MutexLock lock(&mu_);
+    if (response.reregister()) {
+      registered_ = false;
+      wait = absl::ZeroDuration();
+      continue;
+    }
+    for (const auto& id : terminal_sent) {
+      if (auto it = tasks_.find(id); it != tasks_.end()) it->second.status_sent_after_end = true;
+    }
+    for (const auto& assignment : response.start()) LaunchLocked(assignment);
+    for (const auto& id : response.stop()) {
+      if (auto it = tasks_.find(id); it != tasks_.end() && !IsTerminal(it->second.state)) {
+        it->second.state = v1::TASK_STATE_STOPPED;  // the supervise loop stops the processes
+      }
+    }
+  }
+}
+
+void WorkerAgent::LaunchLocked(const v1::TaskAssignment& assignment) {
+  if (tasks_.contains(assignment.task_id()) || assignment.trainers().empty()) return;
+  Task& task = tasks_[assignment.task_id()];
+  task.task_id = assignment.task_id();
+  task.job_id = assignment.trainers(0).job_id();
+  task.attempt = assignment.trainers(0).attempt();
+  const std::string dir =
+      absl::StrCat(options_.work_dir, "/jobs/", task.job_id, "/attempt-", task.attempt);
+  std::error_code ignored;
+  std::filesystem::create_directories(dir, ignored);
+  for (const auto& trainer : assignment.trainers()) {
+    Rank rank;
+    rank.task = trainer;
+    const v1::RankAssignment& ra = trainer.assignment();
+    rank.task.set_report_socket(socket_path_);
+    std::map<std::string, std::string> env = {
+        {"RANK", std::to_string(ra.rank())},
+        {"WORLD_SIZE", std::to_string(ra.world_size())},
+        {"LOCAL_RANK", std::to_string(ra.local_rank())},
+        {"LOCAL_WORLD_SIZE", std::to_string(ra.local_world_size())},
+        {"MASTER_ADDR", ra.master_addr()},
+        {"MASTER_PORT", std::to_string(ra.master_port())},
+        {"CUDA_VISIBLE_DEVICES", ra.gpu_index() >= 0 ? std::to_string(ra.gpu_index()) : ""}};
+    // The process sees only its GPU, as device 0.
+    if (ra.gpu_index() >= 0) rank.task.mutable_assignment()->set_gpu_index(0);
+    std::string task_file = absl::StrCat(dir, "/rank-", ra.rank(), ".task.pb");
+    rank.log_path = absl::StrCat(dir, "/rank-", ra.rank(), ".log");
+    absl::Status status = WriteMessageFile(task_file, rank.task);
+    if (status.ok()) {
+      auto process = TrainerProcess::Launch({.binary = options_.trainer_path,
+                                             .args = {"--task=" + task_file},
+                                             .env = env,
+                                             .log_path = rank.log_path,
+                                             .working_dir = dir});
+      if (process.ok()) {
+        rank.process = std::move(*process);
+      } else {
+        status = process.status();
+      }
+    }
+    if (!status.ok()) {
+      task.state = v1::TASK_STATE_FAILED;
+      task.failure.set_kind(v1::FAILURE_KIND_PROCESS_EXIT);
+      task.failure.set_rank(ra.rank());
+      task.failure.set_node_id(options_.node_id);
+      task.failure.set_message(
+          absl::StrCat("cannot start rank ", ra.rank(), ": ", status.message()));
+    }
+    task.ranks.push_back(std::move(rank));
+  }
+  if (task.state == v1::TASK_STATE_STARTING) task.state = v1::TASK_STATE_RUNNING;
+}
+
+void WorkerAgent::SuperviseLoop() {
+  while (!stop_.WaitForNotificationWithTimeout(options_.poll_interval)) {
+    std::vector<TrainerProcess*> to_stop;
+    {
+      absl::MutexLock lock(&mu_);
+      for (auto& [id, task] : tasks_) {
+        for (auto& rank : task.ranks) {
+          if (rank.process && !rank.exit) rank.exit = rank.process->Poll();
+        }
+        if (task.state == v1::TASK_STATE_RUNNING) {
+          bool all_done = true;
+          for (auto& rank : task.ranks) {
+            if (!rank.exit) {
+              all_done = false;
+              continue;
+            }
+            if (rank.exit->exit_code == 0) continue;
+            // A rank failed: report it (the trainer's own typed failure when
+            // it sent one) and stop its siblings rather than leave them
+            // hanging in a collective.
+            task.state = v1::TASK_STATE_FAILED;
+            if (rank.reported_failure) {
+              task.failure = *rank.reported_failure;
+            } else {
+              task.failure.set_kind(v1::FAILURE_KIND_PROCESS_EXIT);
+              task.failure.set_message(
+                  rank.exit->signal != 0 ? absl::StrCat("killed by signal ", rank.exit->signal)
+                                         : absl::StrCat("exited with code ", rank.exit->exit_code));
+            }
+            task.failure.set_rank(rank.task.assignment().rank());
+            task.failure.set_node_id(options_.node_id);
+            task.failure.set_exit_code(std::max(0, rank.exit->exit_code));
+            task.failure.set_signal(rank.exit->signal);
+            task.failure.set_message(absl::StrCat(task.failure.message(), "; last lines of ",
+                                                  rank.log_path, ":\n",
+                                                  rank.process->LogTail(kFailureLogLines)));
+            break;
+          }
+          if (task.state == v1::TASK_STATE_RUNNING && all_done) {
+            task.state = v1::TASK_STATE_SUCCEEDED;
+          }
+        }
+        if (IsTerminal(task.state)) {
+          for (auto& rank : task.ranks) {
+            if (rank.process && !rank.exit) to_stop.push_back(rank.process.get());
+          }
+        }
+      }
+    }
+    // Stopping waits for up to the grace period: outside the lock. Only this
+    // thread erases tasks, so the processes stay alive meanwhile.
+    for (TrainerProcess* process : to_stop) process->Stop(options_.stop_grace);
+    absl::MutexLock lock(&mu_);
+    for (auto it = tasks_.begin(); it != tasks_.end();) {
+      Task& task = it->second;
+      bool processes_gone = true;
+      for (auto& rank : task.ranks) {
+        if (rank.process && !rank.exit) rank.exit = rank.process->Poll();
+        processes_gone &= !rank.process || rank.exit.has_value();
+      }
+      if (IsTerminal(task.state) && task.status_sent_after_end && task.unacked.empty() &&
+          processes_gone) {
+        it = tasks_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+WorkerAgent::Task* WorkerAgent::FindTaskLocked(const std::string& job_id, int attempt) {
+  for (auto& [id, task] : tasks_) {
+    if (task.job_id == job_id && task.attempt == attempt) return &task;
+  }
+  return nullptr;
+}
+
+void WorkerAgent::AcceptLoop() {
+  std::vector<std::thread> readers;
+  while (!stop_.HasBeenNotified()) {
+    pollfd pfd{listen_fd_, POLLIN, 0};
+    if (poll(&pfd, 1, 200) <= 0) continue;
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    readers.emplace_back([this, fd] { ReadReports(fd); });
+  }
+  for (auto& reader : readers) reader.join();
+}
+
+void WorkerAgent::ReadReports(int fd) {
+  {
+    absl::MutexLock lock(&mu_);
+    reader_fds_.insert(fd);
+    if (stop_.HasBeenNotified()) shutdown(fd, SHUT_RDWR);
+  }
+  {
+    // Blocking reads; Stop() shuts the socket down to end them.
+    google::protobuf::io::FileInputStream stream(fd);
+    while (true) {
+      google::protobuf::io::CodedInputStream coded(&stream);
+      uint32_t size = 0;
+      if (!coded.ReadVarint32(&size)) break;  // the trainer closed its end
+      auto limit = coded.PushLimit(static_cast<int>(size));
+      v1::TrainerReport report;
+      if (!report.ParseFromCodedStream(&coded)) break;
+      coded.PopLimit(limit);
+      absl::MutexLock lock(&mu_);
+      Task* task = FindTaskLocked(report.job_id(), report.attempt());
+      if (task == nullptr) continue;
+      if (report.has_failure()) {
+        for (auto& rank : task->ranks) {
+          if (rank.task.assignment().rank() == report.rank()) {
+            rank.reported_failure = report.failure();
+          }
+        }
+      }
+      task->unacked.push_back(std::move(report));
+      ++task->next_sequence;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  reader_fds_.erase(fd);
+  close(fd);
+}
+
+void WorkerAgent::RelayLoop() {
+  while (!stop_.WaitForNotificationWithTimeout(options_.poll_interval)) {
+    std::vector<v1::ReportRequest> batches;
+    {
+      absl::MutexLock lock(&mu_);
+      for (auto& [id, task] : tasks_) {
+        if (task.unacked.empty()) continue;
+        v1::ReportRequest& request = batches.emplace_back();
+        request.set_node_id(options_.node_id);
+        request.set_task_id(id);
+        request.set_first_sequence(task.first_unacked);
+        int count = std::min<int>(kRelayBatch, static_cast<int>(task.unacked.size()));
+        for (int i = 0; i < count; ++i) *request.add_reports() = task.unacked[i];
+      }
+    }
+    for (const auto& request : batches) {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+      v1::ReportResponse response;
+      // Unreachable coordinator: the reports stay queued for the next round.
+      if (!coordinator_->Report(&context, request, &response).ok()) break;
+      absl::MutexLock lock(&mu_);
+      auto it = tasks_.find(request.task_id());
+      if (it == tasks_.end()) continue;
+      Task& task = it->second;
+      int64_t acked = response.acked_sequence() - task.first_unacked + 1;
+      acked = std::clamp<int64_t>(acked, 0, static_cast<int64_t>(task.unacked.size()));
+      task.unacked.erase(task.unacked.begin(), task.unacked.begin() + acked);
+      task.first_unacked += acked;
+    }
+  }
+}
+
+absl::StatusOr<std::string> WorkerAgent::LogPath(const std::string& job_id, int attempt, int rank) {
+  absl::MutexLock lock(&mu_);
+  Task* task = FindTaskLocked(job_id, attempt);
+  if (task != nullptr) {
+    for (const auto& r : task->ranks) {
+      if (r.task.assignment().rank() == rank) return r.log_path;
+    }
+  }
+  // Finished tasks are forgotten, their logs are not.
+  std::string path = absl::StrCat(options_.work_dir, "/jobs/", job_id, "/attempt-", attempt,
+                                  "/rank-", rank, ".log");
+  if (std::filesystem::exists(path)) return path;
+  return absl::NotFoundError(absl::StrCat("no log of ", job_id, " attempt ", attempt, " rank ",
+                                          rank, " on ", options_.node_id));
+}
+
+std::vector<int> WorkerAgent::Ranks(const std::string& job_id, int attempt, int rank) {
+  std::vector<int> ranks;
+  const std::string dir = absl::StrCat(options_.work_dir, "/jobs/", job_id, "/attempt-", attempt);
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    std::string name = entry.path().filename().string();
+    int found = -1;
+    if (sscanf(name.c_str(), "rank-%d.log", &found) == 1 && name.ends_with(".log") &&
+        (rank < 0 || found == rank)) {
+      ranks.push_back(found);
+    }
+  }
+  std::sort(ranks.begin(), ranks.end());
+  return ranks;
+}
+
+bool WorkerAgent::Running(const std::string& job_id, int attempt) {
+  absl::MutexLock lock(&mu_);
+  Task* task = FindTaskLocked(job_id, attempt);
+  return task != nullptr && !IsTerminal(task->state);
+}
+
+v1::Node WorkerAgent::NodeView() {
+  v1::Node node;
+  node.set_node_id(options_.node_id);
+  node.set_hostname(Hostname());
+  node.set_address(advertise_address_);
+  node.set_worker_version(Version());
+  node.mutable_resources()->set_cpu_slots(options_.cpu_slots);
+  for (const auto& device : devices_) *node.mutable_resources()->add_gpus() = device;
+  absl::MutexLock lock(&mu_);
+  node.set_state(registered_ ? v1::NODE_STATE_READY : v1::NODE_STATE_UNSPECIFIED);
+  for (const auto& metrics : last_gpu_metrics_) *node.add_gpu_metrics() = metrics;
+  for (const auto& [id, task] : tasks_) node.add_job_ids(task.job_id);
+  return node;
+}
+
+}  // namespace tessera::worker
