@@ -16,6 +16,7 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
+#include "tests/util/http_get.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
 
@@ -35,12 +36,16 @@ std::unique_ptr<grpc::ClientContext> Context(int seconds = 10) {
   return context;
 }
 
-std::string Address(Subprocess& process) {
+// The gRPC address (and metrics port, when `metrics_port` is given) from a
+// daemon's "serving gRPC on HOST:PORT[, metrics on port N]" line.
+std::string Address(Subprocess& process, int* metrics_port = nullptr) {
   auto line = process.WaitForStderrLine("serving gRPC on");
   EXPECT_THAT(line, IsOk());
   if (!line.ok()) return "";
   std::smatch match;
-  std::regex_search(*line, match, std::regex(R"(serving gRPC on (\S+:\d+))"));
+  std::regex_search(*line, match,
+                    std::regex(R"(serving gRPC on (\S+:\d+)(, metrics on port (\d+))?)"));
+  if (metrics_port != nullptr && match[3].matched) *metrics_port = std::stoi(match[3]);
   return match[1];
 }
 
@@ -64,12 +69,12 @@ class ClusterTest : public ::testing::Test {
     coordinator_.emplace(std::move(*coordinator));
     address_ = Address(*coordinator_);
     auto worker = Subprocess::Start({BinDir() + "/tessera-worker", "--coordinator=" + address_,
-                                     "--listen=127.0.0.1:0",
-                                     "--metrics_listen=", "--node_name=e2e-node", "--cpu_slots=2",
+                                     "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
+                                     "--node_name=e2e-node", "--cpu_slots=2",
                                      "--work_dir=" + dir_.path() + "/work", "--stop_grace=2s"});
     ASSERT_THAT(worker, IsOk());
     worker_.emplace(std::move(*worker));
-    ASSERT_FALSE(Address(*worker_).empty());
+    ASSERT_FALSE(Address(*worker_, &worker_metrics_port_).empty());
     stub_ = v1::Coordinator::NewStub(MakeClientChannel(address_));
     // The worker registers within its first heartbeat.
     for (int i = 0; i < 100; ++i) {
@@ -125,6 +130,7 @@ class ClusterTest : public ::testing::Test {
   std::optional<Subprocess> coordinator_;
   std::optional<Subprocess> worker_;
   std::string address_;
+  int worker_metrics_port_ = 0;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
 };
 
@@ -173,6 +179,14 @@ TEST_F(ClusterTest, TwoRankJobTrainsThroughCoordinatorAndWorker) {
   ASSERT_TRUE(reader->Finish().ok());
   EXPECT_EQ(ranks, (std::set<int>{0, 1}));
   EXPECT_THAT(text, HasSubstr("[rank 1] model tiny-gpt2"));
+
+  // The worker exports the job's training metrics (rank 0 reports them).
+  ASSERT_GT(worker_metrics_port_, 0);
+  auto metrics_page = testing::HttpGet(worker_metrics_port_, "/metrics");
+  ASSERT_THAT(metrics_page, IsOk());
+  EXPECT_THAT(metrics_page->body,
+              HasSubstr(absl::StrCat("tessera_train_loss{job=\"", job_id, "\",rank=\"0\"}")));
+  EXPECT_THAT(metrics_page->body, HasSubstr("tessera_train_tokens_per_second{"));
 }
 
 TEST_F(ClusterTest, CancelStopsTheTrainers) {

@@ -48,6 +48,16 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend>
 
 WorkerAgent::~WorkerAgent() { Stop(); }
 
+void WorkerAgent::SetGpuObserver(
+    std::function<void(const std::vector<v1::GpuDevice>&, const std::vector<GpuSample>&)>
+        observer) {
+  gpu_observer_ = std::move(observer);
+}
+
+void WorkerAgent::SetReportObserver(std::function<void(const v1::TrainerReport&)> observer) {
+  report_observer_ = std::move(observer);
+}
+
 absl::Status WorkerAgent::Start(const std::string& advertise_address) {
   advertise_address_ = advertise_address;
   std::error_code error;
@@ -167,6 +177,7 @@ void WorkerAgent::HeartbeatLoop() {
     std::vector<std::string> terminal_sent;
     if (gpus_) {
       std::vector<GpuSample> samples = gpus_->Sample();
+      if (gpu_observer_) gpu_observer_(devices_, samples);
       absl::MutexLock lock(&mu_);
       last_gpu_metrics_.clear();
       for (auto& sample : samples) last_gpu_metrics_.push_back(sample.metrics);
@@ -373,6 +384,7 @@ void WorkerAgent::ReadReports(int fd) {
       v1::TrainerReport report;
       if (!report.ParseFromCodedStream(&coded)) break;
       coded.PopLimit(limit);
+      if (report_observer_) report_observer_(report);
       absl::MutexLock lock(&mu_);
       Task* task = FindTaskLocked(report.job_id(), report.attempt());
       if (task == nullptr) continue;

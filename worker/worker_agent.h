@@ -12,6 +12,7 @@
 // own thread and never hold the mutex while calling the coordinator.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -56,6 +57,13 @@ class WorkerAgent {
   // `gpus` may be null (a CPU-only node).
   WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend> gpus);
   ~WorkerAgent();
+
+  // Observers, set before Start(): each GPU sample (every heartbeat), and
+  // each TrainerReport received from a trainer.
+  void SetGpuObserver(
+      std::function<void(const std::vector<v1::GpuDevice>&, const std::vector<GpuSample>&)>
+          observer);
+  void SetReportObserver(std::function<void(const v1::TrainerReport&)> observer);
 
   // Opens the report socket and starts the loops; the coordinator reaches
   // this worker's own service at `advertise_address` (host:port).
@@ -110,6 +118,9 @@ class WorkerAgent {
   std::unique_ptr<v1::NodeService::Stub> coordinator_;
   std::string socket_path_;
   std::string advertise_address_;
+  std::function<void(const std::vector<v1::GpuDevice>&, const std::vector<GpuSample>&)>
+      gpu_observer_;
+  std::function<void(const v1::TrainerReport&)> report_observer_;
   int listen_fd_ = -1;
 
   absl::Mutex mu_;

@@ -22,6 +22,20 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOp
                             .listen_address = options.listen_address,
                             .metrics_listen_address = options.metrics_listen_address},
                            {{v1::Worker::service_full_name(), daemon->worker_service_.get()}}));
+  if (prometheus::Registry* registry = daemon->servers_->registry(); registry != nullptr) {
+    char name[256] = {};
+    gethostname(name, sizeof(name) - 1);
+    daemon->dcgm_ = std::make_unique<DcgmExporter>(*registry, name);
+    daemon->training_ = std::make_unique<TrainingMetrics>(*registry);
+    DcgmExporter* dcgm = daemon->dcgm_.get();
+    TrainingMetrics* training = daemon->training_.get();
+    daemon->agent_->SetGpuObserver(
+        [dcgm](const std::vector<v1::GpuDevice>& devices, const std::vector<GpuSample>& samples) {
+          dcgm->Update(devices, samples);
+        });
+    daemon->agent_->SetReportObserver(
+        [training](const v1::TrainerReport& report) { training->Record(report); });
+  }
   std::string address = daemon->servers_->address();
   std::string host = options.advertise_host;
   if (host.empty()) {
@@ -34,6 +48,34 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOp
   }
   RETURN_IF_ERROR(daemon->agent_->Start(absl::StrCat(host, address.substr(address.rfind(':')))));
   return daemon;
+}
+
+TrainingMetrics::TrainingMetrics(prometheus::Registry& registry)
+    : loss_(prometheus::BuildGauge()
+                .Name("tessera_train_loss")
+                .Help("Training loss (nats per token) of the newest step reported by a trainer")
+                .Register(registry)),
+      tokens_per_second_(prometheus::BuildGauge()
+                             .Name("tessera_train_tokens_per_second")
+                             .Help("Training tokens per second of the whole job, newest step")
+                             .Register(registry)),
+      mfu_(prometheus::BuildGauge()
+               .Name("tessera_train_mfu_ratio")
+               .Help("Model FLOPs utilisation of the newest step, in [0, 1]")
+               .Register(registry)),
+      step_time_(prometheus::BuildGauge()
+                     .Name("tessera_train_step_time_seconds")
+                     .Help("Wall time of the newest optimizer step")
+                     .Register(registry)) {}
+
+void TrainingMetrics::Record(const v1::TrainerReport& report) {
+  if (!report.has_metrics()) return;
+  const prometheus::Labels labels = {{"job", report.job_id()},
+                                     {"rank", std::to_string(report.rank())}};
+  loss_.Add(labels).Set(report.metrics().loss());
+  tokens_per_second_.Add(labels).Set(report.metrics().tokens_per_second());
+  mfu_.Add(labels).Set(report.metrics().mfu());
+  step_time_.Add(labels).Set(report.metrics().step_time_seconds());
 }
 
 WorkerDaemon::~WorkerDaemon() {

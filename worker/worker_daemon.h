@@ -8,10 +8,28 @@
 
 #include "absl/status/statusor.h"
 #include "common/daemon/daemon_servers.h"
+#include "prometheus/gauge.h"
+#include "worker/gpu_inventory.h"
 #include "worker/worker_agent.h"
 #include "worker/worker_service.h"
 
 namespace tessera::worker {
+
+// Per-job training metrics on the worker's /metrics, from its trainers'
+// reports: tessera_train_loss, tessera_train_tokens_per_second,
+// tessera_train_mfu and tessera_train_step_time_seconds, labelled job and
+// rank. Gauges hold the newest step, so a scrape never double counts.
+class TrainingMetrics {
+ public:
+  explicit TrainingMetrics(prometheus::Registry& registry);
+  void Record(const v1::TrainerReport& report);
+
+ private:
+  prometheus::Family<prometheus::Gauge>& loss_;
+  prometheus::Family<prometheus::Gauge>& tokens_per_second_;
+  prometheus::Family<prometheus::Gauge>& mfu_;
+  prometheus::Family<prometheus::Gauge>& step_time_;
+};
 
 struct WorkerOptions {
   // gRPC listen address of the worker's own service.
@@ -37,6 +55,10 @@ class WorkerDaemon {
  private:
   WorkerDaemon() = default;
 
+  // Null when metrics are disabled. Declared before the agent, which reports
+  // into them, so they outlive it.
+  std::unique_ptr<DcgmExporter> dcgm_;
+  std::unique_ptr<TrainingMetrics> training_;
   std::unique_ptr<WorkerAgent> agent_;
   std::unique_ptr<WorkerService> worker_service_;
   // Declared last: stopped (destroyed) before the service it serves.
