@@ -13,20 +13,149 @@ CoordinatorClient::CoordinatorClient(const ClientOptions& options) : options_(op
   coordinator_ = v1::Coordinator::NewStub(channel);
 }
 
+absl::Status CoordinatorClient::Annotate(const grpc::Status& status) const {
+  if (status.ok()) return absl::OkStatus();
+  absl::Status error = FromGrpcStatus(status);
+  // Unreachable: say where we looked. Otherwise the coordinator's message
+  // already says what is wrong.
+  if (error.code() == absl::StatusCode::kUnavailable ||
+      error.code() == absl::StatusCode::kDeadlineExceeded) {
+    return absl::Status(error.code(),
+                        absl::StrCat("coordinator at ", options_.address, ": ", error.message()));
+  }
+  return error;
+}
+
+std::unique_ptr<grpc::ClientContext> CoordinatorClient::NewContext() const {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  return context;
+}
+
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CoordinatorClient::CheckHealth(
     const std::string& service) {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;
-  grpc::Status status = health_->Check(&context, request, &response);
+  grpc::Status status = health_->Check(NewContext().get(), request, &response);
   if (!status.ok()) {
     absl::Status error = FromGrpcStatus(status);
     return absl::Status(error.code(),
                         absl::StrCat("coordinator at ", options_.address, ": ", error.message()));
   }
   return response.status();
+}
+
+absl::StatusOr<v1::Job> CoordinatorClient::Submit(const v1::JobSpec& spec,
+                                                  const std::string& request_id) {
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = spec;
+  request.set_request_id(request_id);
+  v1::SubmitJobResponse response;
+  if (auto s = Annotate(coordinator_->SubmitJob(NewContext().get(), request, &response)); !s.ok()) {
+    return s;
+  }
+  return response.job();
+}
+
+absl::StatusOr<v1::Job> CoordinatorClient::Get(const std::string& job_id) {
+  v1::GetJobRequest request;
+  request.set_job_id(job_id);
+  v1::GetJobResponse response;
+  if (auto s = Annotate(coordinator_->GetJob(NewContext().get(), request, &response)); !s.ok()) {
+    return s;
+  }
+  return response.job();
+}
+
+absl::StatusOr<v1::ListJobsResponse> CoordinatorClient::List(const v1::ListJobsRequest& request) {
+  v1::ListJobsResponse response;
+  if (auto s = Annotate(coordinator_->ListJobs(NewContext().get(), request, &response)); !s.ok()) {
+    return s;
+  }
+  return response;
+}
+
+absl::StatusOr<v1::Job> CoordinatorClient::Cancel(const std::string& job_id,
+                                                  const std::string& reason) {
+  v1::CancelJobRequest request;
+  request.set_job_id(job_id);
+  request.set_reason(reason);
+  v1::CancelJobResponse response;
+  if (auto s = Annotate(coordinator_->CancelJob(NewContext().get(), request, &response)); !s.ok()) {
+    return s;
+  }
+  return response.job();
+}
+
+absl::StatusOr<v1::GetMetricsResponse> CoordinatorClient::Metrics(
+    const v1::GetMetricsRequest& request) {
+  v1::GetMetricsResponse response;
+  if (auto s = Annotate(coordinator_->GetMetrics(NewContext().get(), request, &response));
+      !s.ok()) {
+    return s;
+  }
+  return response;
+}
+
+absl::StatusOr<std::vector<v1::Checkpoint>> CoordinatorClient::Checkpoints(
+    const std::string& job_id) {
+  v1::ListCheckpointsRequest request;
+  request.set_job_id(job_id);
+  v1::ListCheckpointsResponse response;
+  if (auto s = Annotate(coordinator_->ListCheckpoints(NewContext().get(), request, &response));
+      !s.ok()) {
+    return s;
+  }
+  return std::vector<v1::Checkpoint>(response.checkpoints().begin(), response.checkpoints().end());
+}
+
+absl::StatusOr<std::vector<v1::Node>> CoordinatorClient::Nodes(bool include_lost) {
+  v1::ListNodesRequest request;
+  request.set_include_lost(include_lost);
+  v1::ListNodesResponse response;
+  if (auto s = Annotate(coordinator_->ListNodes(NewContext().get(), request, &response)); !s.ok()) {
+    return s;
+  }
+  return std::vector<v1::Node>(response.nodes().begin(), response.nodes().end());
+}
+
+absl::StatusOr<v1::PlanLayoutResponse> CoordinatorClient::Plan(const v1::JobSpec& spec) {
+  v1::PlanLayoutRequest request;
+  *request.mutable_spec() = spec;
+  v1::PlanLayoutResponse response;
+  if (auto s = Annotate(coordinator_->PlanLayout(NewContext().get(), request, &response));
+      !s.ok()) {
+    return s;
+  }
+  return response;
+}
+
+absl::Status CoordinatorClient::Watch(const std::string& job_id, int64_t after_sequence,
+                                      const std::function<bool(const v1::JobEvent&)>& on_event) {
+  v1::WatchJobRequest request;
+  request.set_job_id(job_id);
+  request.set_after_sequence(after_sequence);
+  grpc::ClientContext context;
+  auto reader = coordinator_->WatchJob(&context, request);
+  v1::JobEvent event;
+  while (reader->Read(&event)) {
+    if (!on_event(event)) {
+      context.TryCancel();
+      break;
+    }
+  }
+  return Annotate(reader->Finish());
+}
+
+absl::Status CoordinatorClient::Logs(const v1::GetLogsRequest& request,
+                                     const std::function<void(const v1::LogChunk&)>& on_chunk) {
+  grpc::ClientContext context;
+  if (!request.follow()) context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  auto reader = coordinator_->GetLogs(&context, request);
+  v1::LogChunk chunk;
+  while (reader->Read(&chunk)) on_chunk(chunk);
+  return Annotate(reader->Finish());
 }
 
 }  // namespace tessera::client

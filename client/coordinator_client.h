@@ -1,9 +1,12 @@
 // CoordinatorClient: the C++ client library the `tessera` CLI is built on.
-// Synchronous stubs, a deadline on every call, errors as absl::Status.
+// Synchronous stubs, a deadline on every unary call, errors as absl::Status
+// whose message names the coordinator.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -29,9 +32,28 @@ class CoordinatorClient {
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth(
       const std::string& service = "");
 
+  absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec, const std::string& request_id = "");
+  absl::StatusOr<v1::Job> Get(const std::string& job_id);
+  absl::StatusOr<v1::ListJobsResponse> List(const v1::ListJobsRequest& request);
+  absl::StatusOr<v1::Job> Cancel(const std::string& job_id, const std::string& reason);
+  absl::StatusOr<v1::GetMetricsResponse> Metrics(const v1::GetMetricsRequest& request);
+  absl::StatusOr<std::vector<v1::Checkpoint>> Checkpoints(const std::string& job_id);
+  absl::StatusOr<std::vector<v1::Node>> Nodes(bool include_lost);
+  absl::StatusOr<v1::PlanLayoutResponse> Plan(const v1::JobSpec& spec);
+  // Streams the job's events after `after_sequence` to `on_event` until the
+  // job is terminal (OK) or `on_event` returns false (CANCELLED). No deadline.
+  absl::Status Watch(const std::string& job_id, int64_t after_sequence,
+                     const std::function<bool(const v1::JobEvent&)>& on_event);
+  // Streams trainer logs to `on_chunk`.
+  absl::Status Logs(const v1::GetLogsRequest& request,
+                    const std::function<void(const v1::LogChunk&)>& on_chunk);
+
   const ClientOptions& options() const { return options_; }
 
  private:
+  absl::Status Annotate(const grpc::Status& status) const;
+  std::unique_ptr<grpc::ClientContext> NewContext() const;
+
   ClientOptions options_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
   std::unique_ptr<v1::Coordinator::Stub> coordinator_;

@@ -1,53 +1,276 @@
 // tessera: the command-line client of a Tessera coordinator.
+#include <cmath>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
+#include "client/job_spec_file.h"
 #include "common/command_line.h"
 #include "common/version.h"
+#include "google/protobuf/util/json_util.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "Coordinator gRPC address (host:port).");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10), "Deadline of each call, e.g. 10s.");
+ABSL_FLAG(bool, watch, false, "submit: follow the job until it ends (exit 0 on SUCCEEDED).");
+ABSL_FLAG(std::vector<std::string>, state, {},
+          "list: only jobs in these states, e.g. running,pending.");
+ABSL_FLAG(int, rank, -1, "logs: only this rank; -1 for every rank.");
+ABSL_FLAG(bool, follow, false, "logs: keep streaming new output until the job ends.");
+ABSL_FLAG(int, tail, 0, "logs: start with the last N lines per rank; 0 from the start.");
+ABSL_FLAG(int, max_points, 0, "metrics: downsample the curve to at most N points; 0 all.");
+ABSL_FLAG(std::string, reason, "", "cancel: why, recorded in the job.");
+ABSL_FLAG(bool, json, false, "get, list, nodes, metrics, plan: print protobuf JSON.");
 
 namespace {
 
 constexpr char kUsage[] =
+    "Usage: tessera [--coordinator=HOST:PORT] COMMAND [ARGS]\n\n"
     "The Tessera command-line client.\n\n"
-    "Usage: tessera [--coordinator=HOST:PORT] COMMAND\n\n"
     "Commands:\n"
-    "  health     ask the coordinator whether it serves (grpc.health.v1); exit 0 when it does\n"
-    "  version    print this build's version\n";
+    "  submit SPEC.yaml [--watch]   submit a job (YAML or JSON JobSpec); print its id\n"
+    "  watch JOB                    follow a job: states, live loss and throughput; exit 0 on "
+    "SUCCEEDED\n"
+    "  get JOB                      one job\n"
+    "  list [--state=...]           jobs, newest first\n"
+    "  cancel JOB [--reason=...]    cancel a job\n"
+    "  logs JOB [--rank=N] [--follow] [--tail=N]   trainer logs, relayed from the workers\n"
+    "  metrics JOB [--max_points=N] the loss curve\n"
+    "  checkpoints JOB              retained checkpoints\n"
+    "  nodes                        registered nodes and their free capacity\n"
+    "  plan SPEC.yaml               the layout the coordinator would choose\n"
+    "  health                       whether the coordinator serves\n"
+    "  version                      this build's version\n";
 
-int Health(tessera::client::CoordinatorClient& client) {
-  auto serving = client.CheckHealth("tessera.v1.Coordinator");
-  if (!serving.ok()) {
-    std::cerr << "tessera: " << serving.status().message() << "\n";
-    return 1;
+using tessera::client::CoordinatorClient;
+namespace v1 = tessera::v1;
+
+int Fail(const absl::Status& status) {
+  std::cerr << "tessera: " << status.message() << "\n";
+  return 1;
+}
+
+std::string Json(const google::protobuf::Message& message) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(message, &out, options);
+  return out;
+}
+
+std::string StateName(v1::JobState state) {
+  std::string name = v1::JobState_Name(state);
+  return name.substr(std::string("JOB_STATE_").size());
+}
+
+std::string Rate(double value) {
+  if (value >= 1e6) return absl::StrFormat("%.2fM", value / 1e6);
+  if (value >= 1e3) return absl::StrFormat("%.1fk", value / 1e3);
+  return absl::StrFormat("%.0f", value);
+}
+
+void PrintJob(const v1::Job& job) {
+  std::cout << absl::StrFormat("%-14s %-10s %-20s step %lld/%lld", job.job_id(),
+                               StateName(job.state()), job.spec().name(), job.current_step(),
+                               job.spec().max_steps());
+  if (job.has_latest_metrics()) {
+    std::cout << absl::StrFormat("  loss %.4f", job.latest_metrics().loss());
   }
-  std::cout << client.options().address << ": "
-            << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*serving) << "\n";
-  return *serving == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+  if (!job.reason().empty()) std::cout << "  (" << job.reason() << ")";
+  std::cout << "\n";
+}
+
+// Prints a job's events; returns main()'s exit code once it ends.
+int Watch(CoordinatorClient& client, const std::string& job_id) {
+  auto job = client.Get(job_id);
+  if (!job.ok()) return Fail(job.status());
+  const int64_t max_steps = job->spec().max_steps();
+  v1::JobState last = v1::JOB_STATE_UNSPECIFIED;
+  auto status = client.Watch(job_id, 0, [&](const v1::JobEvent& event) {
+    if (event.has_state_change()) {
+      last = event.state_change().new_state();
+      std::cout << absl::StrFormat("[%s] %s", StateName(last), event.state_change().reason())
+                << std::endl;
+    } else if (event.has_metrics()) {
+      const v1::StepMetrics& m = event.metrics();
+      const int width = 30;
+      int filled = max_steps > 0 ? static_cast<int>(width * m.step() / max_steps) : 0;
+      std::cout << absl::StrFormat("  [%s%s] step %lld/%lld  loss %.4f  %s tok/s  lr %.2e",
+                                   std::string(filled, '#'), std::string(width - filled, '.'),
+                                   m.step(), max_steps, m.loss(), Rate(m.tokens_per_second()),
+                                   m.learning_rate());
+      if (m.mfu() > 0) std::cout << absl::StrFormat("  MFU %.1f%%", 100 * m.mfu());
+      std::cout << std::endl;
+    } else if (event.has_checkpoint()) {
+      std::cout << "  checkpoint " << event.checkpoint().path() << std::endl;
+    } else if (event.has_eval()) {
+      std::cout << absl::StrFormat("  eval at step %lld: loss %.4f  perplexity %.2f",
+                                   event.eval().step(), event.eval().loss(),
+                                   event.eval().perplexity())
+                << std::endl;
+    } else if (event.has_failure()) {
+      std::cout << "  failure: " << event.failure().message() << std::endl;
+    }
+    return true;
+  });
+  if (!status.ok()) return Fail(status);
+  return last == v1::JOB_STATE_SUCCEEDED ? 0 : 1;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<char*> args = tessera::ParseCommandLine(argc, argv, kUsage);
-  if (args.size() != 2) {
+  if (args.size() < 2) {
     std::cerr << kUsage;
     return 2;
   }
   const std::string command = args[1];
+  const std::string arg = args.size() > 2 ? args[2] : "";
+  auto need_arg = [&](const char* what) {
+    if (!arg.empty()) return true;
+    std::cerr << "tessera " << command << ": missing " << what << "\n\n" << kUsage;
+    return false;
+  };
   if (command == "version") {
     std::cout << tessera::BuildSummary() << "\n";
     return 0;
   }
-  tessera::client::CoordinatorClient client(
+  CoordinatorClient client(
       {.address = absl::GetFlag(FLAGS_coordinator), .timeout = absl::GetFlag(FLAGS_timeout)});
-  if (command == "health") return Health(client);
+  const bool json = absl::GetFlag(FLAGS_json);
+
+  if (command == "health") {
+    auto serving = client.CheckHealth("tessera.v1.Coordinator");
+    if (!serving.ok()) return Fail(serving.status());
+    std::cout << client.options().address << ": "
+              << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*serving) << "\n";
+    return *serving == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+  }
+  if (command == "submit" || command == "plan") {
+    if (!need_arg("SPEC file")) return 2;
+    auto spec = tessera::client::LoadJobSpec(arg);
+    if (!spec.ok()) return Fail(spec.status());
+    if (command == "plan") {
+      auto plan = client.Plan(*spec);
+      if (!plan.ok()) return Fail(plan.status());
+      std::cout << Json(*plan);
+      return 0;
+    }
+    auto job = client.Submit(*spec);
+    if (!job.ok()) return Fail(job.status());
+    std::cout << job->job_id() << "\n";
+    return absl::GetFlag(FLAGS_watch) ? Watch(client, job->job_id()) : 0;
+  }
+  if (command == "watch") return need_arg("JOB") ? Watch(client, arg) : 2;
+  if (command == "get") {
+    if (!need_arg("JOB")) return 2;
+    auto job = client.Get(arg);
+    if (!job.ok()) return Fail(job.status());
+    if (json) {
+      std::cout << Json(*job);
+    } else {
+      PrintJob(*job);
+    }
+    return 0;
+  }
+  if (command == "list") {
+    v1::ListJobsRequest request;
+    for (const auto& name : absl::GetFlag(FLAGS_state)) {
+      v1::JobState state;
+      if (!v1::JobState_Parse("JOB_STATE_" + absl::AsciiStrToUpper(name), &state)) {
+        std::cerr << "tessera list: unknown state '" << name << "'\n";
+        return 2;
+      }
+      request.add_states(state);
+    }
+    do {
+      auto page = client.List(request);
+      if (!page.ok()) return Fail(page.status());
+      for (const auto& job : page->jobs()) {
+        if (json) {
+          std::cout << Json(job);
+        } else {
+          PrintJob(job);
+        }
+      }
+      request.set_page_token(page->next_page_token());
+    } while (!request.page_token().empty());
+    return 0;
+  }
+  if (command == "cancel") {
+    if (!need_arg("JOB")) return 2;
+    auto job = client.Cancel(arg, absl::GetFlag(FLAGS_reason));
+    if (!job.ok()) return Fail(job.status());
+    PrintJob(*job);
+    return 0;
+  }
+  if (command == "logs") {
+    if (!need_arg("JOB")) return 2;
+    v1::GetLogsRequest request;
+    request.set_job_id(arg);
+    request.set_rank(absl::GetFlag(FLAGS_rank));
+    request.set_attempt(-1);
+    request.set_follow(absl::GetFlag(FLAGS_follow));
+    request.set_tail_lines(absl::GetFlag(FLAGS_tail));
+    auto status = client.Logs(request, [](const v1::LogChunk& chunk) {
+      std::cout << chunk.data();
+      std::cout.flush();
+    });
+    return status.ok() ? 0 : Fail(status);
+  }
+  if (command == "metrics") {
+    if (!need_arg("JOB")) return 2;
+    v1::GetMetricsRequest request;
+    request.set_job_id(arg);
+    request.set_max_points(absl::GetFlag(FLAGS_max_points));
+    auto metrics = client.Metrics(request);
+    if (!metrics.ok()) return Fail(metrics.status());
+    if (json) {
+      std::cout << Json(*metrics);
+      return 0;
+    }
+    std::cout << "step\tloss\tgrad_norm\tlr\ttokens_per_s\tmfu\n";
+    for (const auto& m : metrics->points()) {
+      std::cout << absl::StrFormat("%lld\t%.4f\t%.3f\t%.3e\t%.0f\t%.4f\n", m.step(), m.loss(),
+                                   m.grad_norm(), m.learning_rate(), m.tokens_per_second(),
+                                   m.mfu());
+    }
+    return 0;
+  }
+  if (command == "checkpoints") {
+    if (!need_arg("JOB")) return 2;
+    auto checkpoints = client.Checkpoints(arg);
+    if (!checkpoints.ok()) return Fail(checkpoints.status());
+    for (const auto& c : *checkpoints) {
+      std::cout << absl::StrFormat("step %-8lld %8.1f MiB  %d shard(s)  %s\n", c.step(),
+                                   c.size_bytes() / 1048576.0, c.num_shards(), c.path());
+    }
+    return 0;
+  }
+  if (command == "nodes") {
+    auto nodes = client.Nodes(/*include_lost=*/true);
+    if (!nodes.ok()) return Fail(nodes.status());
+    for (const auto& node : *nodes) {
+      if (json) {
+        std::cout << Json(node);
+        continue;
+      }
+      std::string state =
+          v1::NodeState_Name(node.state()).substr(std::string("NODE_STATE_").size());
+      std::cout << absl::StrFormat(
+          "%-20s %-8s gpus %d/%d free  cpu slots %d/%d free  jobs [%s]\n", node.node_id(), state,
+          node.free_gpus_size(), node.resources().gpus_size(), node.free_cpu_slots(),
+          node.resources().cpu_slots(), absl::StrJoin(node.job_ids(), ","));
+    }
+    return 0;
+  }
   std::cerr << "tessera: unknown command '" << command << "'\n\n" << kUsage;
   return 2;
 }

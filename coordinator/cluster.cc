@@ -168,6 +168,18 @@ absl::StatusOr<v1::ReportResponse> Cluster::Report(const v1::ReportRequest& requ
       case v1::TrainerReport::kCheckpoint:
         checkpoints[job_id].push_back(report.checkpoint());
         break;
+      case v1::TrainerReport::kStarted: {
+        // Rank 0 starts training only after every rank joined the process
+        // group: the whole gang runs.
+        auto job = store_->GetJob(job_id);
+        if (report.rank() == 0 && job.ok() && job->state() == v1::JOB_STATE_SCHEDULED) {
+          (void)jobs_->Transition(job_id, v1::JOB_STATE_RUNNING,
+                                  absl::StrCat("all ", job->placements_size(),
+                                               " ranks joined; training from step ",
+                                               report.started().start_step()));
+        }
+        break;
+      }
       case v1::TrainerReport::kFailure: {
         absl::MutexLock lock(&mu_);
         v1::TrainerFailure failure = report.failure();

@@ -1,36 +1,53 @@
 #!/usr/bin/env bash
-# make demo: the local end-to-end run. What exists today: the trainer trains a
-# small GPT-2 on the bundled corpus on this machine's CPU, and a coordinator
-# starts and answers health checks. Submitting the job through the coordinator
-# to a worker (the real end to end) arrives with the coordinator, worker and
-# CLI issues; until then this says so and exits non-zero.
+# make demo: the whole system on this machine. Starts a coordinator and a
+# worker with two CPU slots on loopback, tokenizes the bundled corpus, submits
+# examples/tiny-gpt2-cpu.yaml (a small GPT-2, data parallel over two trainer
+# processes on Gloo) and follows it to the end with the tessera CLI.
 set -euo pipefail
 build_dir="${1:-build}"
-bin="$build_dir/bin"
-work=$(mktemp -d)
-trap 'kill ${coordinator_pid:-} 2>/dev/null || true; rm -rf "$work"' EXIT
+bin="$(cd "$build_dir/bin" && pwd)"
+work=$(mktemp -d /tmp/tessera-demo.XXXXXX)
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap cleanup EXIT
 
+wait_for_line() {  # file, pattern
+  for _ in $(seq 100); do
+    grep -q "$2" "$1" && return 0
+    sleep 0.1
+  done
+  echo "demo: '$2' did not appear in $1:" >&2
+  cat "$1" >&2
+  return 1
+}
+
+echo "demo: working in $work"
 echo "demo: tokenizing the bundled corpus (data/corpus) into token shards"
 "$bin/tessera-trainer" prepare --input=data/corpus/kjv-genesis-ruth.txt --output_dir="$work/data"
 
-echo "demo: training tiny-gpt2 for 200 steps on the CPU (loss starts near ln(257) = 5.55)"
-"$bin/tessera-trainer" --data="$work/data/train-*.bin" --preset=tiny-gpt2 --steps=200 \
-  --seq_len=128 --global_batch=16 --micro_batch=4 --checkpoint_dir="$work/checkpoints" \
-  --export_safetensors 2>"$work/trainer.log" |
-  grep -o '"step":"[0-9]*0","loss":[0-9.]*' | sed 's/"step":"\([0-9]*\)","loss":\([0-9.]\{5\}\).*/  step \1  loss \2/'
-ls "$work/checkpoints"/step-*/ | sed 's/^/  /'
-
-echo "demo: starting a coordinator on 127.0.0.1 (ephemeral port)"
-"$bin/tessera-coordinator" --listen=127.0.0.1:0 --metrics_listen= --state="$work/coordinator.db" \
+echo "demo: starting a coordinator and a worker (2 CPU slots) on 127.0.0.1"
+"$bin/tessera-coordinator" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
+  --state="$work/coordinator.db" --checkpoint_root="$work/checkpoints" \
   2>"$work/coordinator.log" &
-coordinator_pid=$!
-for _ in $(seq 50); do
-  grep -q "serving gRPC on" "$work/coordinator.log" && break
-  sleep 0.1
-done
+pids+=($!)
+wait_for_line "$work/coordinator.log" "serving gRPC on"
 address=$(sed -n 's/.*serving gRPC on \([^,]*\).*/\1/p' "$work/coordinator.log")
-"$bin/tessera" --coordinator="$address" health
+"$bin/tessera-worker" --coordinator="$address" --listen=127.0.0.1:0 --metrics_listen= \
+  --node_name=demo-node --cpu_slots=2 --work_dir="$work/worker" 2>"$work/worker.log" &
+pids+=($!)
+wait_for_line "$work/worker.log" "registered with"
+tessera() { "$bin/tessera" --coordinator="$address" "$@"; }
+tessera nodes
 
-echo "demo: submitting the job through the coordinator to a worker is not built yet;" >&2
-echo "      it arrives with the coordinator, worker and CLI issues. Exiting non-zero." >&2
-exit 3
+sed "s|DATA_DIR|$work/data|g" examples/tiny-gpt2-cpu.yaml >"$work/job.yaml"
+echo "demo: tessera submit job.yaml --watch"
+tessera submit "$work/job.yaml" --watch | awk '!/step [0-9]+\// || /step [0-9]*0\//'
+job=$(tessera list | awk 'NR==1 {print $1}')
+echo "demo: checkpoints of $job"
+tessera checkpoints "$job"
+echo "demo: last lines of rank 1's log"
+tessera logs "$job" --rank=1 --tail=3
+echo "demo: done. Logs and state are in $work"

@@ -1,0 +1,73 @@
+#include "client/job_spec_file.h"
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace tessera::client {
+namespace {
+
+using ::tessera::testing::IsOk;
+using ::tessera::testing::StatusIs;
+using ::testing::HasSubstr;
+
+TEST(JobSpecFileTest, YamlMapsOntoTheProtoFields) {
+  auto spec = ParseJobSpec(R"(
+name: demo
+model: {preset: tiny-gpt2}
+data:
+  train_shards: [/data/train-*.bin]
+  seq_len: 128
+batch: {global_batch_size: 16, micro_batch_size: 4}
+parallelism: auto
+optimizer:
+  schedule: {peak_learning_rate: 3e-3, warmup_steps: 10}
+precision: PRECISION_FP32
+max_steps: 200
+checkpoint: {interval_steps: 100, resume: false}
+resources: {cpu_slots: 2}
+labels: {team: "pretraining"}
+)");
+  ASSERT_THAT(spec, IsOk());
+  EXPECT_EQ(spec->name(), "demo");
+  EXPECT_EQ(spec->model().preset(), "tiny-gpt2");
+  EXPECT_EQ(spec->data().train_shards(0), "/data/train-*.bin");
+  EXPECT_EQ(spec->data().seq_len(), 128);
+  EXPECT_EQ(spec->batch().global_batch_size(), 16);
+  EXPECT_TRUE(spec->parallelism().has_auto_layout());
+  EXPECT_DOUBLE_EQ(spec->optimizer().schedule().peak_learning_rate(), 3e-3);
+  EXPECT_EQ(spec->precision(), v1::PRECISION_FP32);
+  EXPECT_EQ(spec->max_steps(), 200);
+  EXPECT_TRUE(spec->checkpoint().has_resume());
+  EXPECT_FALSE(spec->checkpoint().resume());
+  EXPECT_EQ(spec->labels().at("team"), "pretraining");
+}
+
+TEST(JobSpecFileTest, ExplicitLayout) {
+  auto spec = ParseJobSpec(
+      "parallelism: {layout: {data_parallel: 2, tensor_parallel: 4, pipeline_parallel: 1}}");
+  ASSERT_THAT(spec, IsOk());
+  EXPECT_EQ(spec->parallelism().layout().tensor_parallel(), 4);
+}
+
+TEST(JobSpecFileTest, MistakesAreNamed) {
+  EXPECT_THAT(ParseJobSpec("max_stepz: 10"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_stepz")));
+  EXPECT_THAT(ParseJobSpec("batch: {global_batch_size: lots}"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("global_batch_size")));
+  EXPECT_THAT(ParseJobSpec("name: [unclosed"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job spec")));
+  EXPECT_THAT(ParseJobSpec("- just\n- a list"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("mapping")));
+  EXPECT_THAT(LoadJobSpec("/nonexistent/spec.yaml"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/spec.yaml")));
+}
+
+TEST(JobSpecFileTest, TheBundledExampleParses) {
+  auto spec = LoadJobSpec(TESSERA_EXAMPLE_SPEC);
+  ASSERT_THAT(spec, IsOk());
+  EXPECT_EQ(spec->resources().cpu_slots(), 2);
+}
+
+}  // namespace
+}  // namespace tessera::client
