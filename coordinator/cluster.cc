@@ -79,6 +79,29 @@ absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNod
   *node.mutable_last_heartbeat_time() = ToProto(now);
   entry.last_heartbeat = now;
   RETURN_IF_ERROR(store_->PutNode(node));
+  // A worker that registers again without a task it was given has lost it
+  // (the worker restarted): the job cannot go on.
+  std::set<std::string> reported;
+  for (const auto& task : request.running_tasks()) reported.insert(task.task_id());
+  std::vector<std::string> lost;
+  for (const auto& [job_id, allocation] : allocations_) {
+    std::string task_id = TaskId(job_id, allocation.attempt, request.node_id());
+    bool on_node = false;
+    for (const auto& rank : allocation.ranks) on_node |= rank.node_id() == request.node_id();
+    bool undelivered = false;
+    for (const auto& start : entry.to_start) undelivered |= start.task_id() == task_id;
+    if (on_node && !undelivered && !reported.contains(task_id)) lost.push_back(job_id);
+  }
+  for (const auto& job_id : lost) {
+    v1::TrainerFailure failure;
+    failure.set_kind(v1::FAILURE_KIND_PROCESS_EXIT);
+    failure.set_rank(-1);
+    failure.set_node_id(request.node_id());
+    failure.set_message("the worker restarted and no longer runs its trainers");
+    FailJobLocked(job_id, failure,
+                  absl::StrCat("worker on ", request.node_id(),
+                               " restarted and no longer runs the job's trainers"));
+  }
   for (const auto& task : request.running_tasks()) OnTaskStatusLocked(request.node_id(), task);
   v1::RegisterNodeResponse response;
   response.set_node_id(request.node_id());
@@ -173,10 +196,10 @@ absl::StatusOr<v1::ReportResponse> Cluster::Report(const v1::ReportRequest& requ
         // group: the whole gang runs.
         auto job = store_->GetJob(job_id);
         if (report.rank() == 0 && job.ok() && job->state() == v1::JOB_STATE_SCHEDULED) {
-          (void)jobs_->Transition(job_id, v1::JOB_STATE_RUNNING,
-                                  absl::StrCat("all ", job->placements_size(),
-                                               " ranks joined; training from step ",
-                                               report.started().start_step()));
+          (void)jobs_->Transition(
+              job_id, v1::JOB_STATE_RUNNING,
+              absl::StrCat("all ", job->placements_size(), " ranks joined; training from step ",
+                           report.started().start_step()));
         }
         break;
       }

@@ -444,6 +444,20 @@ TEST_F(CoordinatorTest, GetLogsRelaysFromTheWorkers) {
   EXPECT_THAT(status.error_message(), HasSubstr("worker logs-node"));
 }
 
+TEST_F(CoordinatorTest, AWorkerThatRestartedFailsItsJobs) {
+  RegisterNode("restarting", 0, 2);
+  v1::Job job = Submit(ValidSpec("victim"));
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED);
+  ASSERT_EQ(Heartbeat("restarting").start_size(), 1);  // delivered
+  // The worker comes back empty-handed.
+  RegisterNode("restarting", 0, 2);
+  ASSERT_TRUE(Get(job.job_id(), &job).ok());
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(job.reason(), HasSubstr("restarted"));
+}
+
 class CoordinatorLivenessTest : public CoordinatorTest {
  protected:
   void SetUp() override { Start({"--heartbeat_timeout=1s"}); }
