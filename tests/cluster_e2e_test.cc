@@ -189,6 +189,41 @@ TEST_F(ClusterTest, TwoRankJobTrainsThroughCoordinatorAndWorker) {
   EXPECT_THAT(metrics_page->body, HasSubstr("tessera_train_tokens_per_second{"));
 }
 
+TEST_F(ClusterTest, NothingIsLostWhileTheCoordinatorRestarts) {
+  v1::SubmitJobRequest submit;
+  *submit.mutable_spec() = Spec(300);
+  v1::SubmitJobResponse submitted;
+  ASSERT_TRUE(stub_->SubmitJob(Context().get(), submit, &submitted).ok());
+  const std::string job_id = submitted.job().job_id();
+  v1::Job job = WaitFor(job_id, v1::JOB_STATE_RUNNING, 60);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_RUNNING) << job.reason();
+
+  // kill -9 the coordinator mid-training; the trainers go on, the worker
+  // keeps their reports. Restart it on the same address and state.
+  ASSERT_THAT(coordinator_->Stop(SIGKILL), IsOk());
+  coordinator_.reset();
+  absl::SleepFor(absl::Seconds(3));
+  auto coordinator =
+      Subprocess::Start({BinDir() + "/tessera-coordinator", "--listen=" + address_,
+                         "--metrics_listen=", "--state=" + dir_.path() + "/state.db",
+                         "--checkpoint_root=" + dir_.path() + "/ckpt",
+                         absl::StrCat("--master_port_base=", 40000 + (getpid() % 2000) * 10)});
+  ASSERT_THAT(coordinator, IsOk());
+  coordinator_.emplace(std::move(*coordinator));
+  ASSERT_EQ(Address(*coordinator_), address_);
+
+  job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  v1::GetMetricsRequest metrics;
+  metrics.set_job_id(job_id);
+  v1::GetMetricsResponse curve;
+  ASSERT_TRUE(stub_->GetMetrics(Context().get(), metrics, &curve).ok());
+  // Every step, once, in order: the reports made while the coordinator was
+  // down were relayed after it came back.
+  ASSERT_EQ(curve.points_size(), 300);
+  for (int i = 0; i < curve.points_size(); ++i) EXPECT_EQ(curve.points(i).step(), i + 1);
+}
+
 TEST_F(ClusterTest, CancelStopsTheTrainers) {
   v1::SubmitJobRequest submit;
   *submit.mutable_spec() = Spec(100000);
