@@ -224,6 +224,20 @@ TEST_F(ClusterTest, NothingIsLostWhileTheCoordinatorRestarts) {
   for (int i = 0; i < curve.points_size(); ++i) EXPECT_EQ(curve.points(i).step(), i + 1);
 }
 
+TEST_F(ClusterTest, ATrainerFailureFailsTheJobWithItsReason) {
+  v1::SubmitJobRequest submit;
+  *submit.mutable_spec() = Spec(20);
+  // Validation cannot see the workers' file systems; the trainers can.
+  submit.mutable_spec()->mutable_data()->set_train_shards(0, dir_.path() + "/missing/*.bin");
+  v1::SubmitJobResponse submitted;
+  ASSERT_TRUE(stub_->SubmitJob(Context().get(), submit, &submitted).ok());
+  v1::Job job = WaitFor(submitted.job().job_id(), v1::JOB_STATE_FAILED, 60);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.failure().kind(), v1::FAILURE_KIND_DATA_ERROR);
+  EXPECT_THAT(job.reason(), HasSubstr("missing/*.bin"));
+  EXPECT_EQ(job.failure().node_id(), "e2e-node");
+}
+
 TEST_F(ClusterTest, CancelStopsTheTrainers) {
   v1::SubmitJobRequest submit;
   *submit.mutable_spec() = Spec(100000);
