@@ -1,10 +1,14 @@
 // tessera: the command-line client of a Tessera coordinator.
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -15,7 +19,9 @@
 #include "common/version.h"
 #include "google/protobuf/util/json_util.h"
 
-ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "Coordinator gRPC address (host:port).");
+ABSL_FLAG(std::string, coordinator, "",
+          "Coordinator gRPC address (host:port); empty: $TESSERA_COORDINATOR, else "
+          "127.0.0.1:50051.");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10), "Deadline of each call, e.g. 10s.");
 ABSL_FLAG(bool, watch, false, "submit: follow the job until it ends (exit 0 on SUCCEEDED).");
 ABSL_FLAG(std::vector<std::string>, state, {},
@@ -25,9 +31,14 @@ ABSL_FLAG(bool, follow, false, "logs: keep streaming new output until the job en
 ABSL_FLAG(int, tail, 0, "logs: start with the last N lines per rank; 0 from the start.");
 ABSL_FLAG(int, max_points, 0, "metrics: downsample the curve to at most N points; 0 all.");
 ABSL_FLAG(std::string, reason, "", "cancel: why, recorded in the job.");
-ABSL_FLAG(bool, json, false, "get, list, nodes, metrics, plan: print protobuf JSON.");
+ABSL_FLAG(std::string, output, "text", "text or json (protobuf JSON) for get, list, nodes, plan.");
+ABSL_FLAG(std::string, format, "csv", "metrics: csv or json.");
 
 namespace {
+
+// Environment variable with the coordinator address, used when --coordinator
+// is not given.
+constexpr char kCoordinatorEnv[] = "TESSERA_COORDINATOR";
 
 constexpr char kUsage[] =
     "Usage: tessera [--coordinator=HOST:PORT] COMMAND [ARGS]\n\n"
@@ -36,16 +47,18 @@ constexpr char kUsage[] =
     "  submit SPEC.yaml [--watch]   submit a job (YAML or JSON JobSpec); print its id\n"
     "  watch JOB                    follow a job: states, live loss and throughput; exit 0 on "
     "SUCCEEDED\n"
-    "  get JOB                      one job\n"
+    "  get JOB | status JOB         one job\n"
     "  list [--state=...]           jobs, newest first\n"
     "  cancel JOB [--reason=...]    cancel a job\n"
     "  logs JOB [--rank=N] [--follow] [--tail=N]   trainer logs, relayed from the workers\n"
-    "  metrics JOB [--max_points=N] the loss curve\n"
+    "  metrics JOB [--format=csv|json] [--max_points=N]   the whole loss curve\n"
     "  checkpoints JOB              retained checkpoints\n"
     "  nodes                        registered nodes and their free capacity\n"
     "  plan SPEC.yaml               the layout the coordinator would choose\n"
     "  health                       whether the coordinator serves\n"
-    "  version                      this build's version\n";
+    "  version                      this build's version\n\n"
+    "Exit codes: 0 success (watch: the job SUCCEEDED), 1 the call or the job failed,\n"
+    "2 bad usage.\n";
 
 using tessera::client::CoordinatorClient;
 namespace v1 = tessera::v1;
@@ -92,7 +105,14 @@ int Watch(CoordinatorClient& client, const std::string& job_id) {
   if (!job.ok()) return Fail(job.status());
   const int64_t max_steps = job->spec().max_steps();
   v1::JobState last = v1::JOB_STATE_UNSPECIFIED;
+  const bool tty = isatty(STDOUT_FILENO) != 0;
+  bool progress_shown = false;
   auto status = client.Watch(job_id, 0, [&](const v1::JobEvent& event) {
+    // Anything but a step ends the live progress line first.
+    if (progress_shown && !event.has_metrics()) {
+      std::cout << "\n";
+      progress_shown = false;
+    }
     if (event.has_state_change()) {
       last = event.state_change().new_state();
       std::cout << absl::StrFormat("[%s] %s", StateName(last), event.state_change().reason())
@@ -101,12 +121,21 @@ int Watch(CoordinatorClient& client, const std::string& job_id) {
       const v1::StepMetrics& m = event.metrics();
       const int width = 30;
       int filled = max_steps > 0 ? static_cast<int>(width * m.step() / max_steps) : 0;
-      std::cout << absl::StrFormat("  [%s%s] step %lld/%lld  loss %.4f  %s tok/s  lr %.2e",
-                                   std::string(filled, '#'), std::string(width - filled, '.'),
-                                   m.step(), max_steps, m.loss(), Rate(m.tokens_per_second()),
-                                   m.learning_rate());
-      if (m.mfu() > 0) std::cout << absl::StrFormat("  MFU %.1f%%", 100 * m.mfu());
-      std::cout << std::endl;
+      double eta = m.step_time_seconds() * static_cast<double>(max_steps - m.step());
+      std::string line =
+          absl::StrFormat("[%s%s] step %d/%d  loss %.4f  %s tok/s  lr %.2e  ETA %s",
+                          std::string(filled, '#'), std::string(width - filled, '.'), m.step(),
+                          max_steps, m.loss(), Rate(m.tokens_per_second()), m.learning_rate(),
+                          absl::FormatDuration(absl::Seconds(std::round(eta))));
+      if (m.mfu() > 0) line += absl::StrFormat("  MFU %.1f%%", 100 * m.mfu());
+      if (tty) {
+        // One live line on a terminal, redrawn in place.
+        std::cout << "\r  " << line << "\033[K" << std::flush;
+        progress_shown = true;
+      } else {
+        std::cout << "  " << line << std::endl;
+      }
+      return true;
     } else if (event.has_checkpoint()) {
       std::cout << "  checkpoint " << event.checkpoint().path() << std::endl;
     } else if (event.has_eval()) {
@@ -142,9 +171,18 @@ int main(int argc, char** argv) {
     std::cout << tessera::BuildSummary() << "\n";
     return 0;
   }
-  CoordinatorClient client(
-      {.address = absl::GetFlag(FLAGS_coordinator), .timeout = absl::GetFlag(FLAGS_timeout)});
-  const bool json = absl::GetFlag(FLAGS_json);
+  std::string address = absl::GetFlag(FLAGS_coordinator);
+  if (const char* from_env = std::getenv(kCoordinatorEnv); address.empty() && from_env != nullptr) {
+    address = from_env;
+  }
+  if (address.empty()) address = "127.0.0.1:50051";
+  CoordinatorClient client({.address = address, .timeout = absl::GetFlag(FLAGS_timeout)});
+  const std::string output = absl::GetFlag(FLAGS_output);
+  if (output != "text" && output != "json") {
+    std::cerr << "tessera: --output must be text or json, not '" << output << "'\n";
+    return 2;
+  }
+  const bool json = output == "json";
 
   if (command == "health") {
     auto serving = client.CheckHealth("tessera.v1.Coordinator");
@@ -169,7 +207,7 @@ int main(int argc, char** argv) {
     return absl::GetFlag(FLAGS_watch) ? Watch(client, job->job_id()) : 0;
   }
   if (command == "watch") return need_arg("JOB") ? Watch(client, arg) : 2;
-  if (command == "get") {
+  if (command == "get" || command == "status") {
     if (!need_arg("JOB")) return 2;
     auto job = client.Get(arg);
     if (!job.ok()) return Fail(job.status());

@@ -6,6 +6,8 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <fstream>
 #include <regex>
 #include <string>
 
@@ -236,6 +238,52 @@ TEST_F(ClusterTest, ATrainerFailureFailsTheJobWithItsReason) {
   EXPECT_EQ(job.failure().kind(), v1::FAILURE_KIND_DATA_ERROR);
   EXPECT_THAT(job.reason(), HasSubstr("missing/*.bin"));
   EXPECT_EQ(job.failure().node_id(), "e2e-node");
+}
+
+TEST_F(ClusterTest, TheCliSubmitsWatchesAndReads) {
+  const std::string spec = dir_.path() + "/job.yaml";
+  std::ofstream(spec) << "name: cli-job\n"
+                      << "model: {preset: tiny-gpt2}\n"
+                      << "data: {train_shards: [" << dir_.path() << "/data/train-*.bin], "
+                      << "seq_len: 64}\n"
+                      << "batch: {global_batch_size: 8, micro_batch_size: 2}\n"
+                      << "parallelism: auto\n"
+                      << "optimizer: {schedule: {peak_learning_rate: 3e-3, warmup_steps: 5}}\n"
+                      << "max_steps: 25\n"
+                      << "resources: {cpu_slots: 2}\n";
+  const std::string tessera = BinDir() + "/tessera";
+  // The address comes from the environment here.
+  auto run = [&](const std::string& args) {
+    return RunCommand(
+        {"/bin/sh", "-c", "TESSERA_COORDINATOR=" + address_ + " " + tessera + " " + args},
+        absl::Minutes(4));
+  };
+  auto submitted = run("submit " + spec + " --watch");
+  ASSERT_THAT(submitted, IsOk());
+  EXPECT_EQ(submitted->exit.exit_code, 0) << submitted->output;
+  EXPECT_THAT(submitted->output, HasSubstr("[SUCCEEDED]"));
+  EXPECT_THAT(submitted->output, HasSubstr("step 25/25"));
+  const std::string job_id = submitted->output.substr(0, submitted->output.find('\n'));
+
+  auto csv = run("metrics " + job_id);
+  ASSERT_THAT(csv, IsOk());
+  EXPECT_EQ(csv->exit.exit_code, 0);
+  EXPECT_EQ(std::count(csv->output.begin(), csv->output.end(), '\n'), 26);  // header + 25 steps
+
+  auto status = run("status " + job_id + " --output=json");
+  ASSERT_THAT(status, IsOk());
+  EXPECT_THAT(status->output, HasSubstr("\"state\": \"JOB_STATE_SUCCEEDED\""));
+
+  std::ofstream(dir_.path() + "/bad.yaml") << "name: bad\nmax_stepz: 3\n";
+  auto bad = run("submit " + dir_.path() + "/bad.yaml");
+  ASSERT_THAT(bad, IsOk());
+  EXPECT_EQ(bad->exit.exit_code, 1);
+  EXPECT_THAT(bad->output, HasSubstr("max_stepz"));
+
+  auto missing = run("status job-ffffffff");
+  ASSERT_THAT(missing, IsOk());
+  EXPECT_EQ(missing->exit.exit_code, 1);
+  EXPECT_THAT(missing->output, HasSubstr("not found"));
 }
 
 TEST_F(ClusterTest, CancelStopsTheTrainers) {
