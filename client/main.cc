@@ -3,18 +3,21 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
 #include "client/job_spec_file.h"
+#include "client/plot.h"
 #include "common/command_line.h"
 #include "common/version.h"
 #include "google/protobuf/util/json_util.h"
@@ -33,6 +36,7 @@ ABSL_FLAG(int, max_points, 0, "metrics: downsample the curve to at most N points
 ABSL_FLAG(std::string, reason, "", "cancel: why, recorded in the job.");
 ABSL_FLAG(std::string, output, "text", "text or json (protobuf JSON) for get, list, nodes, plan.");
 ABSL_FLAG(std::string, format, "csv", "metrics: csv or json.");
+ABSL_FLAG(std::string, o, "", "plot: output SVG file (default <job>.svg).");
 
 namespace {
 
@@ -52,6 +56,7 @@ constexpr char kUsage[] =
     "  cancel JOB [--reason=...]    cancel a job\n"
     "  logs JOB [--rank=N] [--follow] [--tail=N]   trainer logs, relayed from the workers\n"
     "  metrics JOB [--format=csv|json] [--max_points=N]   the whole loss curve\n"
+    "  plot JOB [-o FILE.svg]       loss and throughput curves as an SVG image\n"
     "  checkpoints JOB              retained checkpoints\n"
     "  nodes                        registered nodes and their free capacity\n"
     "  plan SPEC.yaml               the layout the coordinator would choose\n"
@@ -280,6 +285,26 @@ int main(int argc, char** argv) {
                                    m.grad_norm(), m.learning_rate(), m.tokens_per_second(),
                                    m.mfu());
     }
+    return 0;
+  }
+  if (command == "plot") {
+    if (!need_arg("JOB")) return 2;
+    v1::GetMetricsRequest request;
+    request.set_job_id(arg);
+    request.set_max_points(absl::GetFlag(FLAGS_max_points) > 0 ? absl::GetFlag(FLAGS_max_points)
+                                                               : 2000);
+    auto metrics = client.Metrics(request);
+    if (!metrics.ok()) return Fail(metrics.status());
+    auto job = client.Get(arg);
+    if (!job.ok()) return Fail(job.status());
+    std::string path = absl::GetFlag(FLAGS_o).empty() ? arg + ".svg" : absl::GetFlag(FLAGS_o);
+    std::ofstream out(path);
+    out << tessera::client::RenderTrainingPlot(
+        absl::StrCat(arg, " (", job->spec().name(), "): ", StateName(job->state()), ", step ",
+                     job->current_step(), "/", job->spec().max_steps()),
+        *metrics);
+    if (!out.good()) return Fail(absl::UnavailableError(absl::StrCat(path, ": cannot write")));
+    std::cout << path << "\n";
     return 0;
   }
   if (command == "checkpoints") {

@@ -48,6 +48,8 @@ tessera submit "$work/job.yaml" --watch | awk '!/step [0-9]+\// || /step [0-9]*0
 job=$(tessera list | awk 'NR==1 {print $1}')
 echo "demo: checkpoints of $job"
 tessera checkpoints "$job"
+echo "demo: loss and throughput curves"
+tessera plot "$job" -o "$work/$job.svg"
 echo "demo: last lines of rank 1's log"
 tessera logs "$job" --rank=1 --tail=3
 echo "demo: done. Logs and state are in $work"

@@ -270,6 +270,13 @@ TEST_F(ClusterTest, TheCliSubmitsWatchesAndReads) {
   EXPECT_EQ(csv->exit.exit_code, 0);
   EXPECT_EQ(std::count(csv->output.begin(), csv->output.end(), '\n'), 26);  // header + 25 steps
 
+  auto plot = run("plot " + job_id + " -o " + dir_.path() + "/curve.svg");
+  ASSERT_THAT(plot, IsOk());
+  EXPECT_EQ(plot->exit.exit_code, 0) << plot->output;
+  std::ifstream svg(dir_.path() + "/curve.svg");
+  std::string image((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(image, HasSubstr("<polyline"));
+
   auto status = run("status " + job_id + " --output=json");
   ASSERT_THAT(status, IsOk());
   EXPECT_THAT(status->output, HasSubstr("\"state\": \"JOB_STATE_SUCCEEDED\""));
