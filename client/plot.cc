@@ -57,7 +57,7 @@ std::string Number(double v) {
   double a = std::abs(v);
   if (a >= 1e6) return absl::StrFormat("%.1fM", v / 1e6);
   if (a >= 1e3) return absl::StrFormat("%.1fk", v / 1e3);
-  if (a >= 10 || a == 0) return absl::StrFormat("%.0f", v);
+  if (a >= 10 || v == std::round(v)) return absl::StrFormat("%.0f", v);
   return absl::StrFormat("%.2f", v);
 }
 
