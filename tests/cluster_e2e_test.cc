@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <fstream>
 #include <regex>
+#include <set>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -70,24 +71,37 @@ class ClusterTest : public ::testing::Test {
     ASSERT_THAT(coordinator, IsOk());
     coordinator_.emplace(std::move(*coordinator));
     address_ = Address(*coordinator_);
-    auto worker = Subprocess::Start({BinDir() + "/tessera-worker", "--coordinator=" + address_,
-                                     "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
-                                     "--node_name=e2e-node", "--cpu_slots=2",
-                                     "--work_dir=" + dir_.path() + "/work", "--stop_grace=2s"});
-    ASSERT_THAT(worker, IsOk());
-    worker_.emplace(std::move(*worker));
-    ASSERT_FALSE(Address(*worker_, &worker_metrics_port_).empty());
+    // One worker with two slots, or (SecondWorker) two with one slot each.
+    const int workers = second_worker_ ? 2 : 1;
+    for (int w = 0; w < workers; ++w) {
+      std::string name = w == 0 ? "e2e-node" : "e2e-node-2";
+      auto worker =
+          Subprocess::Start({BinDir() + "/tessera-worker", "--coordinator=" + address_,
+                             "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
+                             "--node_name=" + name, absl::StrCat("--cpu_slots=", 2 / workers),
+                             "--work_dir=" + dir_.path() + "/" + name, "--stop_grace=2s"});
+      ASSERT_THAT(worker, IsOk());
+      (w == 0 ? worker_ : worker2_).emplace(std::move(*worker));
+      ASSERT_FALSE(Address(*(w == 0 ? worker_ : worker2_),
+                           w == 0 ? &worker_metrics_port_ : &worker2_metrics_port_)
+                       .empty());
+    }
     stub_ = v1::Coordinator::NewStub(MakeClientChannel(address_));
-    // The worker registers within its first heartbeat.
+    // The workers register within their first heartbeat.
     for (int i = 0; i < 100; ++i) {
       v1::ListNodesResponse nodes;
-      if (stub_->ListNodes(Context().get(), {}, &nodes).ok() && nodes.nodes_size() == 1) return;
+      if (stub_->ListNodes(Context().get(), {}, &nodes).ok() && nodes.nodes_size() == workers) {
+        return;
+      }
       absl::SleepFor(absl::Milliseconds(100));
     }
-    FAIL() << "the worker did not register";
+    FAIL() << "the workers did not register";
   }
 
   void TearDown() override {
+    if (worker2_) {
+      EXPECT_THAT(worker2_->Stop(SIGTERM), IsOk());
+    }
     if (worker_) {
       EXPECT_THAT(worker_->Stop(SIGTERM), IsOk());
     }
@@ -133,6 +147,9 @@ class ClusterTest : public ::testing::Test {
   std::optional<Subprocess> worker_;
   std::string address_;
   int worker_metrics_port_ = 0;
+  bool second_worker_ = false;
+  std::optional<Subprocess> worker2_;
+  int worker2_metrics_port_ = 0;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
 };
 
@@ -189,6 +206,37 @@ TEST_F(ClusterTest, TwoRankJobTrainsThroughCoordinatorAndWorker) {
   EXPECT_THAT(metrics_page->body,
               HasSubstr(absl::StrCat("tessera_train_loss{job=\"", job_id, "\",rank=\"0\"}")));
   EXPECT_THAT(metrics_page->body, HasSubstr("tessera_train_tokens_per_second{"));
+}
+
+class TwoWorkerClusterTest : public ClusterTest {
+ protected:
+  void SetUp() override {
+    second_worker_ = true;
+    ClusterTest::SetUp();
+  }
+};
+
+TEST_F(TwoWorkerClusterTest, ARankOnEachNodeTrainsTogether) {
+  v1::SubmitJobRequest submit;
+  *submit.mutable_spec() = Spec(20);
+  v1::SubmitJobResponse submitted;
+  ASSERT_TRUE(stub_->SubmitJob(Context().get(), submit, &submitted).ok());
+  v1::Job job = WaitFor(submitted.job().job_id(), v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  std::set<std::string> nodes;
+  for (const auto& rank : job.placements()) nodes.insert(rank.node_id());
+  EXPECT_EQ(nodes, (std::set<std::string>{"e2e-node", "e2e-node-2"}));
+  v1::GetMetricsRequest metrics;
+  metrics.set_job_id(job.job_id());
+  v1::GetMetricsResponse curve;
+  ASSERT_TRUE(stub_->GetMetrics(Context().get(), metrics, &curve).ok());
+  EXPECT_EQ(curve.points_size(), 20);
+  // Rank 0's node exports the job's training series.
+  const std::string rank0_node = job.placements(0).node_id();
+  int port = rank0_node == "e2e-node" ? worker_metrics_port_ : worker2_metrics_port_;
+  auto page = testing::HttpGet(port, "/metrics");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_THAT(page->body, HasSubstr("tessera_train_loss{job=\"" + job.job_id() + "\""));
 }
 
 TEST_F(ClusterTest, NothingIsLostWhileTheCoordinatorRestarts) {
