@@ -1,8 +1,10 @@
 // tessera: the command-line client of a Tessera coordinator.
+#include <signal.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -17,6 +19,7 @@
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
 #include "client/job_spec_file.h"
+#include "client/local_cluster.h"
 #include "client/plot.h"
 #include "common/command_line.h"
 #include "common/version.h"
@@ -37,6 +40,10 @@ ABSL_FLAG(std::string, reason, "", "cancel: why, recorded in the job.");
 ABSL_FLAG(std::string, output, "text", "text or json (protobuf JSON) for get, list, nodes, plan.");
 ABSL_FLAG(std::string, format, "csv", "metrics: csv or json.");
 ABSL_FLAG(std::string, o, "", "plot: output SVG file (default <job>.svg).");
+ABSL_FLAG(int, workers, 1, "local: workers to start.");
+ABSL_FLAG(int, cpu_slots, 2, "local: CPU trainer slots per worker.");
+ABSL_FLAG(std::string, dir, "",
+          "local: directory for state, logs and work (default a new one in /tmp).");
 
 namespace {
 
@@ -60,6 +67,8 @@ constexpr char kUsage[] =
     "  checkpoints JOB              retained checkpoints\n"
     "  nodes                        registered nodes and their free capacity\n"
     "  plan SPEC.yaml               the layout the coordinator would choose\n"
+    "  local [--workers=N] [--cpu_slots=N] [--dir=DIR]   run a coordinator and workers on this\n"
+    "                               machine until Ctrl-C\n"
     "  health                       whether the coordinator serves\n"
     "  version                      this build's version\n\n"
     "Exit codes: 0 success (watch: the job SUCCEEDED), 1 the call or the job failed,\n"
@@ -157,6 +166,40 @@ int Watch(CoordinatorClient& client, const std::string& job_id) {
   return last == v1::JOB_STATE_SUCCEEDED ? 0 : 1;
 }
 
+// `tessera local`: a coordinator and workers on 127.0.0.1 until SIGINT/SIGTERM.
+int Local() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::error_code error;
+  auto self = std::filesystem::read_symlink("/proc/self/exe", error);
+  std::string dir = absl::GetFlag(FLAGS_dir);
+  if (dir.empty()) {
+    char pattern[] = "/tmp/tessera-local.XXXXXX";
+    dir = mkdtemp(pattern);
+  }
+  auto cluster =
+      tessera::client::LocalCluster::Start({.bin_dir = self.parent_path().string(),
+                                            .dir = dir,
+                                            .workers = absl::GetFlag(FLAGS_workers),
+                                            .cpu_slots = absl::GetFlag(FLAGS_cpu_slots)});
+  if (!cluster.ok()) return Fail(cluster.status());
+  for (const auto& daemon : (*cluster)->daemons()) {
+    std::cout << absl::StrFormat("%-12s gRPC %s  metrics http://127.0.0.1:%d/metrics  log %s\n",
+                                 daemon.name, daemon.address, daemon.metrics_port, daemon.log_path);
+  }
+  std::cout << "\nexport TESSERA_COORDINATOR=" << (*cluster)->coordinator().address
+            << "\nthen, e.g.: tessera submit examples/tiny-gpt2-cpu.yaml --watch"
+            << "\nCtrl-C stops everything (state stays in " << dir << ")." << std::endl;
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  std::cout << "\nstopping..." << std::endl;
+  cluster->reset();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -172,6 +215,7 @@ int main(int argc, char** argv) {
     std::cerr << "tessera " << command << ": missing " << what << "\n\n" << kUsage;
     return false;
   };
+  if (command == "local") return Local();
   if (command == "version") {
     std::cout << tessera::BuildSummary() << "\n";
     return 0;

@@ -378,3 +378,45 @@ TEST_F(ClusterTest, CancelStopsTheTrainers) {
 
 }  // namespace
 }  // namespace tessera
+
+namespace tessera {
+namespace {
+
+TEST(LocalTest, TesseraLocalRunsAJobAndStopsCleanly) {
+  ScopedTempDir dir("tessera_local");
+  auto prepared = RunCommand({BinDir() + "/tessera-trainer", "prepare",
+                              "--input=" + std::string(TESSERA_CORPUS_FILE),
+                              "--output_dir=" + dir.path() + "/data"});
+  ASSERT_THAT(prepared, IsOk());
+  auto local = Subprocess::Start({BinDir() + "/tessera", "local", "--workers=2", "--cpu_slots=1",
+                                  "--dir=" + dir.path() + "/cluster"},
+                                 {.merge_stdout = true, .extra_env = {}});
+  ASSERT_THAT(local, IsOk());
+  auto line = local->WaitForStderrLine("export TESSERA_COORDINATOR=");
+  ASSERT_THAT(line, IsOk());
+  const std::string address = line->substr(line->find('=') + 1);
+  EXPECT_THAT(local->stderr_text(), HasSubstr("worker-1"));
+
+  std::ofstream(dir.path() + "/job.yaml")
+      << "name: local-job\nmodel: {preset: tiny-gpt2}\n"
+      << "data: {train_shards: [" << dir.path() << "/data/train-*.bin], seq_len: 64}\n"
+      << "batch: {global_batch_size: 8, micro_batch_size: 2}\n"
+      << "optimizer: {schedule: {peak_learning_rate: 3e-3}}\nmax_steps: 10\n"
+      << "resources: {cpu_slots: 2}\n";
+  auto submitted = RunCommand({BinDir() + "/tessera", "--coordinator=" + address, "submit",
+                               dir.path() + "/job.yaml", "--watch"},
+                              absl::Minutes(4));
+  ASSERT_THAT(submitted, IsOk());
+  EXPECT_EQ(submitted->exit.exit_code, 0) << submitted->output;
+
+  auto exit = local->Stop(SIGINT);
+  ASSERT_THAT(exit, IsOk());
+  EXPECT_EQ(exit->exit_code, 0) << local->stderr_text();
+  // Nothing it started is left running.
+  auto left = RunCommand({"/bin/sh", "-c", "pgrep -f '[t]essera-.*" + dir.path() + "' || true"});
+  ASSERT_THAT(left, IsOk());
+  EXPECT_EQ(left->output, "");
+}
+
+}  // namespace
+}  // namespace tessera
