@@ -2,8 +2,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -113,6 +115,23 @@ void PrintJob(const v1::Job& job) {
   std::cout << "\n";
 }
 
+// Losses shown in the live chart of `watch`.
+constexpr size_t kSparkline = 40;
+
+// A one-line chart of `values` (high = tall), scaled to their own range.
+std::string Sparkline(const std::deque<double>& values) {
+  static const char* kBars[] = {"\u2581", "\u2582", "\u2583", "\u2584",
+                                "\u2585", "\u2586", "\u2587", "\u2588"};
+  if (values.empty()) return "";
+  auto [lo, hi] = std::minmax_element(values.begin(), values.end());
+  std::string out;
+  for (double v : values) {
+    int level = *hi > *lo ? static_cast<int>((v - *lo) / (*hi - *lo) * 7.0 + 0.5) : 0;
+    out += kBars[std::clamp(level, 0, 7)];
+  }
+  return out;
+}
+
 // Prints a job's events; returns main()'s exit code once it ends.
 int Watch(CoordinatorClient& client, const std::string& job_id) {
   auto job = client.Get(job_id);
@@ -121,6 +140,7 @@ int Watch(CoordinatorClient& client, const std::string& job_id) {
   v1::JobState last = v1::JOB_STATE_UNSPECIFIED;
   const bool tty = isatty(STDOUT_FILENO) != 0;
   bool progress_shown = false;
+  std::deque<double> recent;
   auto status = client.Watch(job_id, 0, [&](const v1::JobEvent& event) {
     // Anything but a step ends the live progress line first.
     if (progress_shown && !event.has_metrics()) {
@@ -142,7 +162,10 @@ int Watch(CoordinatorClient& client, const std::string& job_id) {
                           max_steps, m.loss(), Rate(m.tokens_per_second()), m.learning_rate(),
                           absl::FormatDuration(absl::Seconds(std::round(eta))));
       if (m.mfu() > 0) line += absl::StrFormat("  MFU %.1f%%", 100 * m.mfu());
+      recent.push_back(m.loss());
+      if (recent.size() > kSparkline) recent.pop_front();
       if (tty) {
+        line += "  " + Sparkline(recent);
         // One live line on a terminal, redrawn in place.
         std::cout << "\r  " << line << "\033[K" << std::flush;
         progress_shown = true;

@@ -35,7 +35,7 @@ echo "demo: starting a coordinator and a worker (2 CPU slots) on 127.0.0.1"
 pids+=($!)
 wait_for_line "$work/coordinator.log" "serving gRPC on"
 address=$(sed -n 's/.*serving gRPC on \([^,]*\).*/\1/p' "$work/coordinator.log")
-"$bin/tessera-worker" --coordinator="$address" --listen=127.0.0.1:0 --metrics_listen= \
+"$bin/tessera-worker" --coordinator="$address" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
   --node_name=demo-node --cpu_slots=2 --work_dir="$work/worker" 2>"$work/worker.log" &
 pids+=($!)
 wait_for_line "$work/worker.log" "registered with"
@@ -52,4 +52,10 @@ echo "demo: loss and throughput curves"
 tessera plot "$job" -o "$work/$job.svg"
 echo "demo: last lines of rank 1's log"
 tessera logs "$job" --rank=1 --tail=3
+tessera status "$job"
+coordinator_metrics=$(sed -n 's/.*metrics on port \([0-9]*\).*/\1/p' "$work/coordinator.log")
+worker_metrics=$(sed -n 's/.*metrics on port \([0-9]*\).*/\1/p' "$work/worker.log")
+echo "demo: /metrics of the coordinator: http://127.0.0.1:$coordinator_metrics/metrics" \
+  "and of the worker: http://127.0.0.1:$worker_metrics/metrics (until the demo exits)"
+curl -s "http://127.0.0.1:$worker_metrics/metrics" 2>/dev/null | grep '^tessera_train_loss' || true
 echo "demo: done. Logs and state are in $work"
