@@ -1,7 +1,10 @@
 #include "client/job_spec_file.h"
 
+#include <cctype>
 #include <fstream>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/util/json_util.h"
@@ -38,12 +41,47 @@ nlohmann::json ToJson(const YAML::Node& node) {
   }
 }
 
+// Every mapping key of the document with the (1-based) line it is on.
+void CollectKeyLines(const YAML::Node& node, std::vector<std::pair<std::string, int>>* keys) {
+  if (node.IsMap()) {
+    for (const auto& item : node) {
+      keys->emplace_back(item.first.Scalar(), item.first.Mark().line + 1);
+      CollectKeyLines(item.second, keys);
+    }
+  } else if (node.IsSequence()) {
+    for (const auto& item : node) CollectKeyLines(item, keys);
+  }
+}
+
+// " (line N)" for the key the protobuf error names; the longest key that
+// appears in the message as a whole word wins.
+std::string LineOfKeyIn(const std::string& message, const YAML::Node& root) {
+  std::vector<std::pair<std::string, int>> keys;
+  CollectKeyLines(root, &keys);
+  std::string best;
+  int line = 0;
+  for (const auto& [key, key_line] : keys) {
+    size_t at = message.find(key);
+    if (at == std::string::npos || key.size() <= best.size()) continue;
+    auto is_word = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+    bool starts = at == 0 || !is_word(message[at - 1]);
+    bool ends = at + key.size() == message.size() || !is_word(message[at + key.size()]);
+    if (starts && ends) {
+      best = key;
+      line = key_line;
+    }
+  }
+  return line > 0 ? absl::StrCat(" (line ", line, ")") : "";
+}
+
 }  // namespace
 
 absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text) {
   nlohmann::json json;
+  YAML::Node root;
   try {
-    json = ToJson(YAML::Load(text));
+    root = YAML::Load(text);
+    json = ToJson(root);
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("job spec: ", e.what()));
   }
@@ -55,7 +93,9 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text) {
   v1::JobSpec spec;
   auto status = google::protobuf::util::JsonStringToMessage(json.dump(), &spec);
   if (!status.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("job spec: ", status.message().ToString()));
+    std::string message = status.message().ToString();
+    return absl::InvalidArgumentError(
+        absl::StrCat("job spec: ", message, LineOfKeyIn(message, root)));
   }
   return spec;
 }

@@ -51,10 +51,14 @@ TEST(JobSpecFileTest, ExplicitLayout) {
 }
 
 TEST(JobSpecFileTest, MistakesAreNamed) {
-  EXPECT_THAT(ParseJobSpec("max_stepz: 10"),
+  EXPECT_THAT(ParseJobSpec("name: x\nmax_stepz: 10"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_stepz")));
-  EXPECT_THAT(ParseJobSpec("batch: {global_batch_size: lots}"),
+  EXPECT_THAT(ParseJobSpec("name: x\nmax_stepz: 10"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(line 2)")));
+  EXPECT_THAT(ParseJobSpec("name: x\n\nbatch:\n  global_batch_size: lots"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("global_batch_size")));
+  EXPECT_THAT(ParseJobSpec("name: x\n\nbatch:\n  global_batch_size: lots"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(line 4)")));
   EXPECT_THAT(ParseJobSpec("name: [unclosed"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job spec")));
   EXPECT_THAT(ParseJobSpec("- just\n- a list"),

@@ -214,7 +214,7 @@ int Local() {
                                  daemon.name, daemon.address, daemon.metrics_port, daemon.log_path);
   }
   std::cout << "\nexport TESSERA_COORDINATOR=" << (*cluster)->coordinator().address
-            << "\nthen, e.g.: tessera submit examples/tiny-gpt2-cpu.yaml --watch"
+            << "\nthen, e.g.: tessera submit examples/tiny-gpt.yaml --watch"
             << "\nCtrl-C stops everything (state stays in " << dir << ")." << std::endl;
   int signal_number = 0;
   sigwait(&signals, &signal_number);
@@ -398,6 +398,13 @@ int main(int argc, char** argv) {
           "%-20s %-8s gpus %d/%d free  cpu slots %d/%d free  jobs [%s]\n", node.node_id(), state,
           node.free_gpus_size(), node.resources().gpus_size(), node.free_cpu_slots(),
           node.resources().cpu_slots(), absl::StrJoin(node.job_ids(), ","));
+      for (const auto& gpu : node.gpu_metrics()) {
+        std::cout << absl::StrFormat(
+            "    gpu %d  util %3.0f%%  memory %5.1f/%5.1f GiB  %3.0f W  %2.0f C  %4.0f MHz\n",
+            gpu.index(), gpu.utilization_percent(), gpu.memory_used_bytes() / 1073741824.0,
+            gpu.memory_total_bytes() / 1073741824.0, gpu.power_watts(), gpu.temperature_celsius(),
+            gpu.sm_clock_mhz());
+      }
     }
     return 0;
   }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make demo: the whole system on this machine. Starts a coordinator and a
 # worker with two CPU slots on loopback, tokenizes the bundled corpus, submits
-# examples/tiny-gpt2-cpu.yaml (a small GPT-2, data parallel over two trainer
+# examples/tiny-gpt.yaml (a small GPT-2, data parallel over two trainer
 # processes on Gloo) and follows it to the end with the tessera CLI.
 set -euo pipefail
 build_dir="${1:-build}"
@@ -42,7 +42,7 @@ wait_for_line "$work/worker.log" "registered with"
 tessera() { "$bin/tessera" --coordinator="$address" "$@"; }
 tessera nodes
 
-sed "s|DATA_DIR|$work/data|g" examples/tiny-gpt2-cpu.yaml >"$work/job.yaml"
+sed "s|DATA_DIR|$work/data|g" examples/tiny-gpt.yaml >"$work/job.yaml"
 echo "demo: tessera submit job.yaml --watch"
 tessera submit "$work/job.yaml" --watch | awk '!/step [0-9]+\// || /step [0-9]*0\//'
 job=$(tessera list | awk 'NR==1 {print $1}')
