@@ -342,15 +342,22 @@ int main(int argc, char** argv) {
     request.set_max_points(absl::GetFlag(FLAGS_max_points));
     auto metrics = client.Metrics(request);
     if (!metrics.ok()) return Fail(metrics.status());
-    if (json) {
+    const std::string format = absl::GetFlag(FLAGS_format);
+    if (format == "json" || json) {
       std::cout << Json(*metrics);
       return 0;
     }
-    std::cout << "step\tloss\tgrad_norm\tlr\ttokens_per_s\tmfu\n";
+    if (format != "csv") {
+      std::cerr << "tessera metrics: --format must be csv or json\n";
+      return 2;
+    }
+    std::cout << "step,loss,grad_norm,learning_rate,tokens_per_second,samples_per_second,mfu,"
+                 "step_time_seconds,peak_memory_bytes\n";
     for (const auto& m : metrics->points()) {
-      std::cout << absl::StrFormat("%lld\t%.4f\t%.3f\t%.3e\t%.0f\t%.4f\n", m.step(), m.loss(),
+      std::cout << absl::StrFormat("%d,%.6f,%.6f,%.6e,%.1f,%.2f,%.6f,%.6f,%d\n", m.step(), m.loss(),
                                    m.grad_norm(), m.learning_rate(), m.tokens_per_second(),
-                                   m.mfu());
+                                   m.samples_per_second(), m.mfu(), m.step_time_seconds(),
+                                   m.peak_memory_bytes());
     }
     return 0;
   }

@@ -12,7 +12,9 @@
 #include <set>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/daemon/server.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
@@ -403,11 +405,81 @@ TEST(LocalTest, TesseraLocalRunsAJobAndStopsCleanly) {
       << "batch: {global_batch_size: 8, micro_batch_size: 2}\n"
       << "optimizer: {schedule: {peak_learning_rate: 3e-3}}\nmax_steps: 10\n"
       << "resources: {cpu_slots: 2}\n";
-  auto submitted = RunCommand({BinDir() + "/tessera", "--coordinator=" + address, "submit",
-                               dir.path() + "/job.yaml", "--watch"},
-                              absl::Minutes(4));
+  auto tessera = [&](const std::string& args) {
+    return RunCommand(
+        {"/bin/sh", "-c", BinDir() + "/tessera --coordinator=" + address + " " + args},
+        absl::Minutes(4));
+  };
+  auto submitted = tessera("submit " + dir.path() + "/job.yaml --watch");
   ASSERT_THAT(submitted, IsOk());
-  EXPECT_EQ(submitted->exit.exit_code, 0) << submitted->output;
+  ASSERT_EQ(submitted->exit.exit_code, 0) << submitted->output;
+  const std::string job_id = submitted->output.substr(0, submitted->output.find('\n'));
+
+  // The curve has every step, and the loss fell.
+  auto csv = tessera("metrics " + job_id);
+  ASSERT_THAT(csv, IsOk());
+  std::vector<std::string> rows = absl::StrSplit(csv->output, '\n', absl::SkipEmpty());
+  ASSERT_EQ(rows.size(), 11u);  // header + 10 steps
+  auto loss_of = [](const std::string& row) {
+    std::vector<std::string> cells = absl::StrSplit(row, ',');
+    EXPECT_GE(cells.size(), 2u) << row;
+    return cells.size() >= 2 ? std::stod(cells[1]) : 0.0;
+  };
+  EXPECT_LT(loss_of(rows[10]), loss_of(rows[1]) - 0.5);
+  auto checkpoints = tessera("checkpoints " + job_id);
+  ASSERT_THAT(checkpoints, IsOk());
+  EXPECT_THAT(checkpoints->output, HasSubstr("step 10"));
+
+  // Both kinds of daemon serve their series: nodes on the coordinator,
+  // training on the worker that ran rank 0.
+  std::vector<int> ports;
+  std::smatch match;
+  std::string text = local->stderr_text();
+  std::regex metrics_url(R"(127\.0\.0\.1:(\d+)/metrics)");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), metrics_url);
+       it != std::sregex_iterator(); ++it) {
+    ports.push_back(std::stoi((*it)[1]));
+  }
+  ASSERT_EQ(ports.size(), 3u);  // coordinator, worker-0, worker-1
+  auto coordinator_page = testing::HttpGet(ports[0], "/metrics");
+  ASSERT_THAT(coordinator_page, IsOk());
+  EXPECT_THAT(coordinator_page->body, HasSubstr("tessera_nodes{state=\"ready\"} 2"));
+  bool training_series = false;
+  for (int i = 1; i < 3; ++i) {
+    auto page = testing::HttpGet(ports[i], "/metrics");
+    ASSERT_THAT(page, IsOk());
+    training_series |= absl::StrContains(page->body, "tessera_train_loss{job=\"" + job_id);
+  }
+  EXPECT_TRUE(training_series);
+
+  // A second job, cancelled mid-run, leaves no trainer behind.
+  std::ofstream(dir.path() + "/long.yaml")
+      << "name: long-job\nmodel: {preset: tiny-gpt2}\n"
+      << "data: {train_shards: [" << dir.path() << "/data/train-*.bin], seq_len: 64}\n"
+      << "batch: {global_batch_size: 8, micro_batch_size: 2}\n"
+      << "optimizer: {schedule: {peak_learning_rate: 3e-3}}\nmax_steps: 100000\n"
+      << "resources: {cpu_slots: 2}\n";
+  auto second = tessera("submit " + dir.path() + "/long.yaml");
+  ASSERT_THAT(second, IsOk());
+  const std::string second_id = second->output.substr(0, second->output.find('\n'));
+  bool running = false;
+  for (int i = 0; i < 300 && !running; ++i) {
+    auto status = tessera("status " + second_id);
+    running = status.ok() && absl::StrContains(status->output, "RUNNING") &&
+              !absl::StrContains(status->output, "step 0/");
+    if (!running) absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_TRUE(running);
+  auto cancelled = tessera("cancel " + second_id);
+  ASSERT_THAT(cancelled, IsOk());
+  EXPECT_THAT(cancelled->output, HasSubstr("CANCELLED"));
+  bool gone = false;
+  for (int i = 0; i < 200 && !gone; ++i) {
+    auto left = RunCommand({"/bin/sh", "-c", "pgrep -f '[t]ask=" + dir.path() + "' || true"});
+    gone = left.ok() && left->output.empty();
+    if (!gone) absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(gone) << "trainers of the cancelled job are still running";
 
   auto exit = local->Stop(SIGINT);
   ASSERT_THAT(exit, IsOk());
