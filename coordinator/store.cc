@@ -444,52 +444,41 @@ ON CONFLICT (job_id) DO UPDATE SET
     }
   }
 
-  if (!write.metrics.empty()) {
-    const std::string operation = absl::StrCat("upsert step metrics for ", job_id);
-    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
-INSERT INTO step_metrics (job_id, step, metrics) VALUES (?1, ?2, ?3)
-ON CONFLICT (job_id, step) DO UPDATE SET metrics = excluded.metrics)sql",
-                                                  operation));
-    for (const v1::StepMetrics& metrics : write.metrics) {
-      Statement upsert(db_, stmt, operation);
-      upsert.BindText(1, job_id);
-      upsert.Bind(2, metrics.step());
-      upsert.BindMessage(3, metrics);
-      RETURN_IF_ERROR(upsert.Run());
-    }
-  }
-
-  if (!write.evals.empty()) {
-    const std::string operation = absl::StrCat("upsert eval metrics for ", job_id);
-    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
-INSERT INTO eval_metrics (job_id, step, metrics) VALUES (?1, ?2, ?3)
-ON CONFLICT (job_id, step) DO UPDATE SET metrics = excluded.metrics)sql",
-                                                  operation));
-    for (const v1::EvalMetrics& eval : write.evals) {
-      Statement upsert(db_, stmt, operation);
-      upsert.BindText(1, job_id);
-      upsert.Bind(2, eval.step());
-      upsert.BindMessage(3, eval);
-      RETURN_IF_ERROR(upsert.Run());
-    }
-  }
-
-  if (!write.checkpoints.empty()) {
-    const std::string operation = absl::StrCat("upsert checkpoint for ", job_id);
-    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
-INSERT INTO checkpoints (job_id, step, checkpoint) VALUES (?1, ?2, ?3)
-ON CONFLICT (job_id, step) DO UPDATE SET checkpoint = excluded.checkpoint)sql",
-                                                  operation));
-    for (const v1::Checkpoint& checkpoint : write.checkpoints) {
-      v1::Checkpoint stored = checkpoint;
-      stored.set_job_id(job_id);
+  // Metric points, evaluations and checkpoint records are keyed (job_id,
+  // step); a resent step replaces the old row.
+  auto upsert_by_step = [&](const char* sql, const char* what, const auto& items,
+                            const auto& to_store) -> absl::Status {
+    if (items.empty()) return absl::OkStatus();
+    const std::string operation = absl::StrCat("upsert ", what, " for ", job_id);
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(sql, operation));
+    for (const auto& item : items) {
+      const auto stored = to_store(item);
       Statement upsert(db_, stmt, operation);
       upsert.BindText(1, job_id);
       upsert.Bind(2, stored.step());
       upsert.BindMessage(3, stored);
       RETURN_IF_ERROR(upsert.Run());
     }
-  }
+    return absl::OkStatus();
+  };
+  auto as_is = [](const auto& item) { return item; };
+  RETURN_IF_ERROR(upsert_by_step(R"sql(
+INSERT INTO step_metrics (job_id, step, metrics) VALUES (?1, ?2, ?3)
+ON CONFLICT (job_id, step) DO UPDATE SET metrics = excluded.metrics)sql",
+                                 "step metrics", write.metrics, as_is));
+  RETURN_IF_ERROR(upsert_by_step(R"sql(
+INSERT INTO eval_metrics (job_id, step, metrics) VALUES (?1, ?2, ?3)
+ON CONFLICT (job_id, step) DO UPDATE SET metrics = excluded.metrics)sql",
+                                 "eval metrics", write.evals, as_is));
+  RETURN_IF_ERROR(upsert_by_step(R"sql(
+INSERT INTO checkpoints (job_id, step, checkpoint) VALUES (?1, ?2, ?3)
+ON CONFLICT (job_id, step) DO UPDATE SET checkpoint = excluded.checkpoint)sql",
+                                 "checkpoint", write.checkpoints,
+                                 [&](const v1::Checkpoint& checkpoint) {
+                                   v1::Checkpoint stored = checkpoint;
+                                   stored.set_job_id(job_id);
+                                   return stored;
+                                 }));
 
   if (!write.deleted_checkpoint_steps.empty()) {
     const std::string operation = absl::StrCat("delete checkpoint of ", job_id);

@@ -21,6 +21,7 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
+#include "tests/util/grpc_context.h"
 #include "tests/util/http_get.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
@@ -36,9 +37,7 @@ using ::tessera::testing::Subprocess;
 using ::testing::HasSubstr;
 
 std::unique_ptr<grpc::ClientContext> Context(int seconds = 10) {
-  auto context = std::make_unique<grpc::ClientContext>();
-  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
-  return context;
+  return testing::ContextWithDeadline(seconds);
 }
 
 // The gRPC address (and metrics port, when `metrics_port` is given) from a

@@ -20,6 +20,7 @@
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 #include "tessera/v1/worker_service.grpc.pb.h"
+#include "tests/util/grpc_context.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
 
@@ -33,9 +34,7 @@ using ::tessera::testing::Subprocess;
 using ::testing::HasSubstr;
 
 std::unique_ptr<grpc::ClientContext> Context(int seconds = 10) {
-  auto context = std::make_unique<grpc::ClientContext>();
-  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
-  return context;
+  return testing::ContextWithDeadline(seconds);
 }
 
 v1::JobSpec ValidSpec(const std::string& name) {

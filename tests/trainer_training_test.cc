@@ -19,10 +19,10 @@
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "planner/model_config.h"
 #include "tessera/v1/trainer.pb.h"
 #include "tests/util/subprocess.h"
 #include "trainer/model.h"
-#include "planner/model_config.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera {

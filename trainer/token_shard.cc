@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/scoped_fd.h"
 
 namespace tessera::trainer {
 namespace {
@@ -34,25 +35,6 @@ struct ShardHeader {
 static_assert(sizeof(ShardHeader) == kTokenShardHeaderBytes);
 
 std::string ErrnoMessage(int error) { return std::strerror(error); }
-
-// Closes a file descriptor on scope exit.
-class FdCloser {
- public:
-  explicit FdCloser(int fd) : fd_(fd) {}
-  ~FdCloser() {
-    if (fd_ >= 0) close(fd_);
-  }
-  FdCloser(const FdCloser&) = delete;
-  FdCloser& operator=(const FdCloser&) = delete;
-  // Closes now and reports failure (close can report a delayed write error).
-  bool Close() {
-    const int fd = std::exchange(fd_, -1);
-    return close(fd) == 0;
-  }
-
- private:
-  int fd_;
-};
 
 absl::Status WriteAll(int fd, const void* data, size_t bytes, const std::string& path) {
   const char* p = static_cast<const char*>(data);
@@ -111,7 +93,7 @@ absl::Status WriteTokenShard(const std::string& path, std::span<const uint32_t> 
     const int error = errno;
     return absl::InternalError(absl::StrCat(tmp_path, ": cannot create: ", ErrnoMessage(error)));
   }
-  FdCloser closer(fd);
+  ScopedFd closer(fd);
   absl::Status status = WriteAll(fd, &header, sizeof(header), tmp_path);
   if (status.ok()) {
     status = header.token_bytes == 2 ? WriteTokens<uint16_t>(fd, tokens, tmp_path)
@@ -138,7 +120,7 @@ absl::StatusOr<TokenShard> TokenShard::Open(const std::string& path) {
     if (error == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such token shard"));
     return absl::PermissionDeniedError(absl::StrCat(path, ": cannot open: ", ErrnoMessage(error)));
   }
-  FdCloser closer(fd);
+  ScopedFd closer(fd);
   struct stat st;
   if (fstat(fd, &st) != 0) {
     return absl::InternalError(absl::StrCat(path, ": cannot stat: ", ErrnoMessage(errno)));

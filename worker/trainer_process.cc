@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/errno_status.h"
+#include "common/scoped_fd.h"
 #include "worker/log_reader.h"
 
 extern char** environ;
@@ -28,20 +29,6 @@ namespace {
 
 // How often Stop and the group drain look at a process that has been signalled.
 constexpr absl::Duration kPollInterval = absl::Milliseconds(5);
-
-// Closes a file descriptor when it goes out of scope.
-class FdCloser {
- public:
-  explicit FdCloser(int fd) : fd_(fd) {}
-  ~FdCloser() {
-    if (fd_ >= 0) close(fd_);
-  }
-  FdCloser(const FdCloser&) = delete;
-  FdCloser& operator=(const FdCloser&) = delete;
-
- private:
-  int fd_;
-};
 
 // posix_spawn's attribute and file-action objects, destroyed on every path.
 struct SpawnObjects {
@@ -132,7 +119,7 @@ absl::StatusOr<std::unique_ptr<TrainerProcess>> TrainerProcess::Launch(const Lau
   }
   const int log_fd = open(spec.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (log_fd < 0) return ErrnoToStatus(errno, absl::StrCat("opening log ", spec.log_path));
-  FdCloser log_closer(log_fd);
+  ScopedFd log_closer(log_fd);
 
   absl::StatusOr<std::vector<std::string>> env = ChildEnvironment(spec.env);
   if (!env.ok()) return env.status();

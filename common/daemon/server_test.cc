@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "prometheus/counter.h"
 #include "tessera/v1/worker_service.grpc.pb.h"
+#include "tests/util/grpc_context.h"
 #include "tests/util/http_get.h"
 
 namespace tessera {
@@ -23,6 +24,7 @@ namespace {
 using ::grpc::health::v1::Health;
 using ::grpc::health::v1::HealthCheckRequest;
 using ::grpc::health::v1::HealthCheckResponse;
+using ::tessera::testing::ContextWithDeadline;
 using ::tessera::testing::IsOk;
 using ::tessera::testing::StatusIs;
 using ::testing::HasSubstr;
@@ -45,12 +47,6 @@ class FakeWorkerService final : public v1::Worker::CallbackService {
  private:
   std::atomic<int> calls_{0};
 };
-
-std::unique_ptr<grpc::ClientContext> ContextWithDeadline() {
-  auto context = std::make_unique<grpc::ClientContext>();
-  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  return context;
-}
 
 class GrpcServerTest : public ::testing::Test {
  protected:
