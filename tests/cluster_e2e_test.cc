@@ -127,6 +127,16 @@ class ClusterTest : public ::testing::Test {
     return spec;
   }
 
+  // Submits `spec`; the job id, or "" after a failed assertion.
+  std::string Submit(const v1::JobSpec& spec) {
+    v1::SubmitJobRequest request;
+    *request.mutable_spec() = spec;
+    v1::SubmitJobResponse response;
+    grpc::Status status = stub_->SubmitJob(Context().get(), request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response.job().job_id();
+  }
+
   v1::Job WaitFor(const std::string& job_id, v1::JobState state, int seconds) {
     v1::GetJobRequest request;
     request.set_job_id(job_id);
@@ -155,11 +165,8 @@ class ClusterTest : public ::testing::Test {
 };
 
 TEST_F(ClusterTest, TwoRankJobTrainsThroughCoordinatorAndWorker) {
-  v1::SubmitJobRequest submit;
-  *submit.mutable_spec() = Spec(30);
-  v1::SubmitJobResponse submitted;
-  ASSERT_TRUE(stub_->SubmitJob(Context().get(), submit, &submitted).ok());
-  const std::string job_id = submitted.job().job_id();
+  const std::string job_id = Submit(Spec(30));
+  ASSERT_FALSE(job_id.empty());
 
   v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason() << "\n"
@@ -218,11 +225,7 @@ class TwoWorkerClusterTest : public ClusterTest {
 };
 
 TEST_F(TwoWorkerClusterTest, ARankOnEachNodeTrainsTogether) {
-  v1::SubmitJobRequest submit;
-  *submit.mutable_spec() = Spec(20);
-  v1::SubmitJobResponse submitted;
-  ASSERT_TRUE(stub_->SubmitJob(Context().get(), submit, &submitted).ok());
-  v1::Job job = WaitFor(submitted.job().job_id(), v1::JOB_STATE_SUCCEEDED, 240);
+  v1::Job job = WaitFor(Submit(Spec(20)), v1::JOB_STATE_SUCCEEDED, 240);
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
   std::set<std::string> nodes;
   for (const auto& rank : job.placements()) nodes.insert(rank.node_id());
@@ -241,11 +244,8 @@ TEST_F(TwoWorkerClusterTest, ARankOnEachNodeTrainsTogether) {
 }
 
 TEST_F(ClusterTest, NothingIsLostWhileTheCoordinatorRestarts) {
-  v1::SubmitJobRequest submit;
-  *submit.mutable_spec() = Spec(300);
-  v1::SubmitJobResponse submitted;
-  ASSERT_TRUE(stub_->SubmitJob(Context().get(), submit, &submitted).ok());
-  const std::string job_id = submitted.job().job_id();
+  const std::string job_id = Submit(Spec(300));
+  ASSERT_FALSE(job_id.empty());
   v1::Job job = WaitFor(job_id, v1::JOB_STATE_RUNNING, 60);
   ASSERT_EQ(job.state(), v1::JOB_STATE_RUNNING) << job.reason();
 
@@ -276,13 +276,10 @@ TEST_F(ClusterTest, NothingIsLostWhileTheCoordinatorRestarts) {
 }
 
 TEST_F(ClusterTest, ATrainerFailureFailsTheJobWithItsReason) {
-  v1::SubmitJobRequest submit;
-  *submit.mutable_spec() = Spec(20);
+  v1::JobSpec spec = Spec(20);
   // Validation cannot see the workers' file systems; the trainers can.
-  submit.mutable_spec()->mutable_data()->set_train_shards(0, dir_.path() + "/missing/*.bin");
-  v1::SubmitJobResponse submitted;
-  ASSERT_TRUE(stub_->SubmitJob(Context().get(), submit, &submitted).ok());
-  v1::Job job = WaitFor(submitted.job().job_id(), v1::JOB_STATE_FAILED, 60);
+  spec.mutable_data()->set_train_shards(0, dir_.path() + "/missing/*.bin");
+  v1::Job job = WaitFor(Submit(spec), v1::JOB_STATE_FAILED, 60);
   ASSERT_EQ(job.state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(job.failure().kind(), v1::FAILURE_KIND_DATA_ERROR);
   EXPECT_THAT(job.reason(), HasSubstr("missing/*.bin"));
@@ -343,11 +340,8 @@ TEST_F(ClusterTest, TheCliSubmitsWatchesAndReads) {
 }
 
 TEST_F(ClusterTest, CancelStopsTheTrainers) {
-  v1::SubmitJobRequest submit;
-  *submit.mutable_spec() = Spec(100000);
-  v1::SubmitJobResponse submitted;
-  ASSERT_TRUE(stub_->SubmitJob(Context().get(), submit, &submitted).ok());
-  const std::string job_id = submitted.job().job_id();
+  const std::string job_id = Submit(Spec(100000));
+  ASSERT_FALSE(job_id.empty());
   v1::Job job = WaitFor(job_id, v1::JOB_STATE_RUNNING, 60);
   ASSERT_EQ(job.state(), v1::JOB_STATE_RUNNING) << job.reason();
 
