@@ -670,31 +670,32 @@ absl::StatusOr<std::vector<v1::StepMetrics>> Store::ReadMetrics(const std::strin
                                                                 int64_t from_step,
                                                                 int64_t to_step) {
   absl::MutexLock lock(&mu_);
-  const std::string operation = absl::StrCat("read step metrics of ", job_id);
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
-SELECT step, metrics FROM step_metrics WHERE job_id = ?1 AND step >= ?2 AND step <= ?3
-ORDER BY step)sql",
-                                                operation));
-  Statement select(db_, stmt, operation);
-  select.BindText(1, job_id);
-  select.Bind(2, from_step);
-  select.Bind(3, to_step == 0 ? std::numeric_limits<int64_t>::max() : to_step);
-  return ReadStepRows<v1::StepMetrics>(select, job_id, "step_metrics");
+  return ReadStepRangeLocked<v1::StepMetrics>("step_metrics", job_id, from_step, to_step);
 }
 
 absl::StatusOr<std::vector<v1::EvalMetrics>> Store::ReadEvals(const std::string& job_id,
                                                               int64_t from_step, int64_t to_step) {
   absl::MutexLock lock(&mu_);
-  const std::string operation = absl::StrCat("read eval metrics of ", job_id);
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
-SELECT step, metrics FROM eval_metrics WHERE job_id = ?1 AND step >= ?2 AND step <= ?3
-ORDER BY step)sql",
-                                                operation));
+  return ReadStepRangeLocked<v1::EvalMetrics>("eval_metrics", job_id, from_step, to_step);
+}
+
+template <typename Message>
+absl::StatusOr<std::vector<Message>> Store::ReadStepRangeLocked(const char* table,
+                                                                const std::string& job_id,
+                                                                int64_t from_step,
+                                                                int64_t to_step) {
+  const std::string operation = absl::StrCat("read ", table, " of ", job_id);
+  // `table` is one of ours, never input: the SQL stays a fixed set of strings.
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+                   Prepare(absl::StrCat("SELECT step, metrics FROM ", table,
+                                        " WHERE job_id = ?1 AND step >= ?2 AND step <= ?3 "
+                                        "ORDER BY step"),
+                           operation));
   Statement select(db_, stmt, operation);
   select.BindText(1, job_id);
   select.Bind(2, from_step);
   select.Bind(3, to_step == 0 ? std::numeric_limits<int64_t>::max() : to_step);
-  return ReadStepRows<v1::EvalMetrics>(select, job_id, "eval_metrics");
+  return ReadStepRows<Message>(select, job_id, table);
 }
 
 absl::StatusOr<std::vector<v1::Checkpoint>> Store::ListCheckpoints(const std::string& job_id) {

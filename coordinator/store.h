@@ -160,6 +160,13 @@ class Store {
 
   absl::Status Configure() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Migrate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Rows of a (job_id, step, metrics) table with from_step <= step <= to_step
+  // (0 = no upper bound), in step order.
+  template <typename Message>
+  absl::StatusOr<std::vector<Message>> ReadStepRangeLocked(const char* table,
+                                                           const std::string& job_id,
+                                                           int64_t from_step, int64_t to_step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<sqlite3_stmt*> Prepare(absl::string_view sql, absl::string_view operation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Exec(const char* sql, absl::string_view operation)

@@ -25,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "common/errno_status.h"
+#include "common/read_file.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
@@ -185,22 +186,10 @@ absl::StatusOr<std::vector<StepDir>> ListStepDirs(const std::string& root, absl:
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, path);
   std::string contents;
-  char buffer[1 << 16];
-  while (true) {
-    ssize_t n = ::read(fd, buffer, sizeof(buffer));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      int error = errno;
-      ::close(fd);
-      return ErrnoToStatus(error, absl::StrCat(path, ": read"));
-    }
-    if (n == 0) break;
-    contents.append(buffer, static_cast<size_t>(n));
-  }
-  ::close(fd);
+  absl::Status read = ReadFileChunks(
+      path, 1 << 16, [&](const char* data, size_t size) { contents.append(data, size); });
+  if (!read.ok()) return read;
   return contents;
 }
 

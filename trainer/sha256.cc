@@ -14,7 +14,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "common/errno_status.h"
+#include "common/read_file.h"
 
 namespace tessera::trainer {
 namespace {
@@ -46,26 +46,14 @@ std::string FinishHex(EVP_MD_CTX* ctx) {
 }  // namespace
 
 absl::StatusOr<std::string> Sha256File(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoToStatus(errno, path);
   EvpMdCtxPtr ctx = NewSha256Context();
   if (ctx == nullptr) {
-    ::close(fd);
     return absl::ResourceExhaustedError(absl::StrCat(path, ": cannot create a SHA-256 context"));
   }
-  std::vector<char> buffer(kReadChunkBytes);
-  while (true) {
-    ssize_t n = ::read(fd, buffer.data(), buffer.size());
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      int error = errno;
-      ::close(fd);
-      return ErrnoToStatus(error, absl::StrCat(path, ": read"));
-    }
-    if (n == 0) break;
-    EVP_DigestUpdate(ctx.get(), buffer.data(), static_cast<size_t>(n));
-  }
-  ::close(fd);
+  absl::Status read = ReadFileChunks(path, kReadChunkBytes, [&](const char* data, size_t size) {
+    EVP_DigestUpdate(ctx.get(), data, size);
+  });
+  if (!read.ok()) return read;
   return FinishHex(ctx.get());
 }
 

@@ -1,0 +1,31 @@
+#include "common/read_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/errno_status.h"
+#include "common/scoped_fd.h"
+
+namespace tessera {
+
+absl::Status ReadFileChunks(const std::string& path, size_t chunk_bytes,
+                            const std::function<void(const char* data, size_t size)>& consume) {
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return ErrnoToStatus(errno, path);
+  std::vector<char> buffer(chunk_bytes);
+  while (true) {
+    ssize_t n = ::read(fd.get(), buffer.data(), buffer.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoToStatus(errno, absl::StrCat(path, ": read"));
+    }
+    if (n == 0) return absl::OkStatus();
+    consume(buffer.data(), static_cast<size_t>(n));
+  }
+}
+
+}  // namespace tessera
