@@ -5,7 +5,8 @@
 #   make build   configure and build into build/ (binaries in build/bin/)
 #   make test    build, then run every test with ctest
 #   make demo    build, then train a small model end to end on this machine
-#   make bench   build, then run the benchmarks
+#   make bench   build, then run the CPU benchmarks (BENCH="trainer ..." picks some)
+#   make bench-gpu  build, then run the GPU benchmarks (needs a CUDA build and a GPU)
 #
 # Variables: BUILD_DIR (build), BUILD_TYPE (Release), WITH_CUDA (AUTO|ON|OFF),
 # JOBS (number of cores), CTEST_ARGS (extra ctest arguments, e.g. -L unit).
@@ -16,7 +17,7 @@ WITH_CUDA  ?= AUTO
 JOBS       ?= $(shell nproc)
 CTEST_ARGS ?=
 
-.PHONY: all bootstrap configure build test demo bench format clean
+.PHONY: all bootstrap configure build test demo bench bench-gpu format clean
 
 all: build
 
@@ -42,7 +43,10 @@ demo: build
 	@scripts/demo.sh $(BUILD_DIR)
 
 bench: build
-	@scripts/bench.sh $(BUILD_DIR)
+	@scripts/bench.sh $(BUILD_DIR) cpu $(BENCH)
+
+bench-gpu: build
+	@scripts/bench.sh $(BUILD_DIR) gpu $(BENCH)
 
 format:
 	@git ls-files '*.cc' '*.h' | xargs clang-format -i
