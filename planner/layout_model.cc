@@ -1,0 +1,462 @@
+// The memory and step-time models of layout_planner.h.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "planner/devices.h"
+#include "planner/layout_planner.h"
+#include "planner/model_config.h"
+
+namespace tessera::planner {
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+// The trainer's DDP bucket size (PyTorch's default); also used for ZeRO reduce-scatter buckets.
+constexpr int64_t kBucketBytes = 25 * kMiB;
+// Latency of one collective or transfer on NVLink / a network, seconds.
+constexpr double kCollectiveLatency = 20e-6;
+// Share of communication that hides behind the compute it overlaps with.
+constexpr double kOverlapEfficiency = 0.8;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool IsLlama(const v1::ModelDims& dims) {
+  return dims.architecture() == v1::ARCHITECTURE_LLAMA;
+}
+
+// Parameters of one device, split by where they live. Counts are per tensor-parallel rank.
+struct ParameterSplit {
+  // One transformer layer: matmul weights (and column-parallel biases) split over tp.
+  int64_t layer_sharded = 0;
+  // One layer: norms and row-parallel biases, replicated over tp.
+  int64_t layer_replicated = 0;
+  // One layer: matmul weights only (what autocast casts to bf16).
+  int64_t layer_matmul = 0;
+  // One layer: parameter tensors (AdamW keeps a step counter per tensor).
+  int64_t layer_tensors = 0;
+  // One layer: LoRA adapter parameters (rank r on every block matmul), per tp rank.
+  int64_t layer_lora = 0;
+  int64_t layer_lora_tensors = 0;
+  // Token embedding (vocab-parallel) and, for GPT-2, learned positions (replicated).
+  int64_t token_embedding = 0;
+  int64_t position_embedding = 0;
+  // Final norm and the LM head (vocab-parallel).
+  int64_t final_norm = 0;
+  int64_t lm_head = 0;
+  int64_t final_norm_tensors = 0;
+};
+
+ParameterSplit SplitParameters(const Workload& w, int tp) {
+  const v1::ModelDims& m = w.dims;
+  const int64_t d = m.hidden_size(), f = m.ffn_hidden_size(), v = m.vocab_size();
+  const int64_t r = w.lora_rank;
+  ParameterSplit p;
+  if (IsLlama(m)) {
+    const int64_t hd = m.head_dim();
+    const int64_t q = m.num_attention_heads() * hd, kv = m.num_kv_heads() * hd;
+    p.layer_matmul = CeilDiv(d * q + 2 * d * kv + q * d + 3 * d * f, tp);
+    p.layer_sharded = p.layer_matmul;
+    p.layer_replicated = 2 * d + (m.qk_norm() ? 2 * hd : 0);
+    p.layer_tensors = 9 + (m.qk_norm() ? 2 : 0);
+    p.layer_lora = CeilDiv(r * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d)), tp);
+    p.layer_lora_tensors = r > 0 ? 2 * 7 : 0;
+    p.final_norm = d;
+    p.final_norm_tensors = 1;
+  } else {
+    p.layer_matmul = CeilDiv(3 * d * d + d * d + 2 * d * f, tp);
+    p.layer_sharded = p.layer_matmul + CeilDiv(3 * d + f, tp);  // qkv and fc biases
+    p.layer_replicated = 2 * d + 2 * d + 2 * d;                 // two layer norms, two row biases
+    p.layer_tensors = 12;
+    p.layer_lora = CeilDiv(r * ((d + 3 * d) + (d + d) + (d + f) + (f + d)), tp);
+    p.layer_lora_tensors = r > 0 ? 2 * 4 : 0;
+    p.position_embedding = int64_t{m.max_seq_len()} * d;
+    p.final_norm = 2 * d;
+    p.final_norm_tensors = 2;
+  }
+  p.token_embedding = CeilDiv(v * d, tp);
+  p.lm_head = CeilDiv(v * d, tp);
+  return p;
+}
+
+// Parameters (and tensors) one device of `stage` holds, split into what AdamW trains.
+struct StageParameters {
+  int64_t all = 0;           // every parameter held
+  int64_t matmul = 0;        // matmul weights (bf16-cast by autocast)
+  int64_t trainable = 0;     // parameters with gradients and optimizer state
+  int64_t frozen = 0;        // LoRA's base weights
+  int64_t tensors = 0;       // trainable parameter tensors
+  int64_t embedding = 0;     // embedding tables and LM head (subset of `all`)
+  int64_t layer_all = 0;     // one layer, for ZeRO-3 gather buffers
+};
+
+StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int stage) {
+  const ParameterSplit p = SplitParameters(w, l.tp);
+  const int64_t layers = w.dims.num_layers() / l.pp;
+  const bool first = stage == 0, last = stage == l.pp - 1;
+  StageParameters s;
+  int64_t base = layers * (p.layer_sharded + p.layer_replicated);
+  int64_t base_tensors = layers * p.layer_tensors;
+  s.matmul = layers * p.layer_matmul;
+  s.layer_all = p.layer_sharded + p.layer_replicated;
+  if (first) {
+    s.embedding += p.token_embedding + p.position_embedding;
+    base_tensors += 1 + (p.position_embedding > 0 ? 1 : 0);
+  }
+  if (last) {
+    base += p.final_norm;
+    base_tensors += p.final_norm_tensors;
+    // An untied head is its own matrix; a tied one is the embedding itself when one stage holds
+    // both ends, and a second copy on the last stage of a pipeline.
+    if (!w.dims.tie_embeddings() || l.pp > 1) {
+      s.embedding += p.lm_head;
+      base_tensors += 1;
+    }
+    s.matmul += p.lm_head;  // the head matmul is cast whether tied or not
+  }
+  base += s.embedding;
+  if (w.lora_rank > 0) {
+    s.frozen = base;
+    s.trainable = layers * p.layer_lora;
+    s.tensors = layers * p.layer_lora_tensors;
+    s.matmul = 0;  // the frozen base is stored in the compute precision already
+  } else {
+    s.trainable = base;
+    s.tensors = base_tensors;
+  }
+  s.all = s.frozen + s.trainable;
+  return s;
+}
+
+int ActivationBytes(const Workload& w) { return w.precision == v1::PRECISION_FP32 ? 4 : 2; }
+
+struct LayerActivations {
+  // Bytes kept for backward by one layer for one micro-batch, under the layout's recomputation.
+  int64_t kept = 0;
+  // Bytes one layer holds without any recomputation (re-materialised during a full recompute).
+  int64_t full = 0;
+};
+
+LayerActivations ActivationsPerLayer(const Workload& w, const LayoutChoice& l) {
+  const v1::ModelDims& m = w.dims;
+  const double s = w.seq_len, b = l.micro_batch, h = m.hidden_size(), f = m.ffn_hidden_size();
+  const double t = l.tp, a = m.num_attention_heads();
+  const double q = a * m.head_dim(), kv = static_cast<double>(m.num_kv_heads()) * m.head_dim();
+  const double e = ActivationBytes(w);  // matmul inputs, attention tensors, MLP intermediates
+  const double r = 4;                   // residual stream and norm inputs stay float32
+  const double split = l.sp ? t : 1;    // sequence parallelism splits the norm regions
+  // Norm regions: each of the two norms keeps its float32 input and per-token statistics (mean
+  // and rstd, or rstd), and the next matmul keeps the normalised input in compute precision.
+  const double norm_stats = IsLlama(m) ? 4 : 8;
+  const double norms = 2 * (s * b * h * (r + e) + s * b * norm_stats) / split;
+  // Attention: q, k, v (kept by the attention kernel), its output (kept by the kernel and, after
+  // the head transpose, again by the output projection), and the per-head log-sum-exp.
+  double attention = s * b * (q + 2 * kv) * e / t + 2 * s * b * q * e / t;
+  if (m.qk_norm()) attention += s * b * (q + kv) * e / t;  // q_norm/k_norm inputs
+  double scores = 0;
+  if (w.flash_attention) {
+    attention += s * b * a * 4 / t;
+  } else {
+    // Softmax output in float32 plus its compute-precision copy for the second matmul.
+    scores = a * s * s * b * (w.precision == v1::PRECISION_FP32 ? 4 : 4 + e) / t;
+  }
+  // MLP intermediates: GPT-2 keeps the fc output (GELU input) and GELU output; SwiGLU keeps gate,
+  // up, silu(gate) and the product.
+  const double mlp_tensors = IsLlama(m) ? 4 : 2;
+  const double mlp_recomputable = IsLlama(m) ? 2 : 1;  // activation function outputs
+  const double mlp = mlp_tensors * s * b * f * e / t;
+  LayerActivations out;
+  out.full = static_cast<int64_t>(norms + attention + scores + mlp);
+  switch (l.ac) {
+    case v1::ACTIVATION_CHECKPOINTING_FULL:
+      out.kept = static_cast<int64_t>(s * b * h * r / split);
+      break;
+    case v1::ACTIVATION_CHECKPOINTING_SELECTIVE:
+      out.kept = static_cast<int64_t>(norms + attention +
+                                      (mlp_tensors - mlp_recomputable) * s * b * f * e / t);
+      break;
+    default:
+      out.kept = out.full;
+  }
+  return out;
+}
+
+int InFlightMicroBatches(const LayoutChoice& l, int64_t accumulation, int stage) {
+  return static_cast<int>(std::min<int64_t>(l.pp - stage, accumulation));
+}
+
+// Size factor of matmul efficiency: small GEMMs (few tokens per micro-batch, narrow tp shards)
+// reach less of the peak. 1 for large shapes.
+double GemmEfficiency(const Workload& w, const LayoutChoice& l) {
+  const double tokens = static_cast<double>(w.seq_len) * l.micro_batch;
+  const double width = static_cast<double>(w.dims.hidden_size()) / l.tp;
+  return tokens / (tokens + 512) * width / (width + 256);
+}
+
+// Ring all-reduce of `bytes` over `n` ranks at `bandwidth` (each way).
+double AllReduceSeconds(double bytes, int n, double bandwidth) {
+  if (n <= 1 || bytes <= 0) return 0;
+  return 2.0 * (n - 1) / n * bytes / bandwidth + kCollectiveLatency * std::ceil(bytes / kBucketBytes);
+}
+
+// Reduce-scatter or all-gather of `bytes` (the full size) over `n` ranks.
+double HalfRingSeconds(double bytes, int n, double bandwidth) {
+  if (n <= 1 || bytes <= 0) return 0;
+  return 1.0 * (n - 1) / n * bytes / bandwidth + kCollectiveLatency * std::ceil(bytes / kBucketBytes);
+}
+
+// Whether a data-parallel group (ranks tp apart, tp fastest) stays inside a node.
+bool DataParallelInsideNode(const LayoutChoice& l, const ClusterShape& c) {
+  return int64_t{l.tp} * l.dp <= c.gpus_per_node;
+}
+
+bool PipelineInsideNode(const LayoutChoice& l, const ClusterShape& c) {
+  return int64_t{l.tp} * l.dp * l.pp <= c.gpus_per_node;
+}
+
+}  // namespace
+
+int64_t GradientAccumulation(const Workload& w, const LayoutChoice& l) {
+  const int64_t per_step = int64_t{l.micro_batch} * l.dp;
+  return per_step > 0 ? w.global_batch / per_step : 0;
+}
+
+std::optional<std::string> InvalidReason(const Workload& w, const LayoutChoice& l,
+                                         const ClusterShape& c) {
+  const v1::ModelDims& m = w.dims;
+  if (l.dp < 1 || l.tp < 1 || l.pp < 1) return "every degree must be >= 1";
+  if (l.world() != c.gpus) {
+    return absl::StrCat("dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", l.world(), " != ",
+                        c.gpus, " devices");
+  }
+  if (m.num_attention_heads() % l.tp != 0) {
+    return absl::StrCat("tensor_parallel ", l.tp, " does not divide ", m.num_attention_heads(),
+                        " attention heads");
+  }
+  if (m.num_kv_heads() % l.tp != 0) {
+    return absl::StrCat("tensor_parallel ", l.tp, " does not divide ", m.num_kv_heads(),
+                        " key/value heads");
+  }
+  if (m.ffn_hidden_size() % l.tp != 0) {
+    return absl::StrCat("tensor_parallel ", l.tp, " does not divide ffn_hidden_size ",
+                        m.ffn_hidden_size());
+  }
+  if (l.tp > c.gpus_per_node) {
+    return absl::StrCat("tensor_parallel ", l.tp, " exceeds the ", c.gpus_per_node,
+                        " devices of a node (tensor-parallel groups stay inside a node)");
+  }
+  if (m.num_layers() % l.pp != 0) {
+    return absl::StrCat("pipeline_parallel ", l.pp, " does not divide ", m.num_layers(),
+                        " layers");
+  }
+  if (l.zero < 0 || l.zero > 3) return absl::StrCat("zero_stage ", l.zero, " is not in 0..3");
+  if (l.zero > 0 && l.dp == 1) {
+    return absl::StrCat("zero_stage ", l.zero, " needs data_parallel > 1 to shard over");
+  }
+  if (l.sp && l.tp == 1) return "sequence_parallel needs tensor_parallel > 1";
+  if (l.micro_batch < 1) return absl::StrCat("micro_batch ", l.micro_batch, " must be >= 1");
+  const int64_t per_step = int64_t{l.micro_batch} * l.dp;
+  if (w.global_batch % per_step != 0) {
+    return absl::StrCat("global batch ", w.global_batch, " is not divisible by micro_batch ",
+                        l.micro_batch, " x data_parallel ", l.dp, " (= ", per_step, ")");
+  }
+  if (w.precision == v1::PRECISION_BF16 && IsCpu(c.device)) {
+    return "bf16 needs a GPU; CPU trainers run fp32";
+  }
+  return std::nullopt;
+}
+
+std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutChoice& l,
+                                               const ClusterShape& c) {
+  const int64_t accumulation = GradientAccumulation(w, l);
+  const int64_t e = ActivationBytes(w);
+  const LayerActivations layer = ActivationsPerLayer(w, l);
+  const int64_t layers = w.dims.num_layers() / l.pp;
+  const double s = w.seq_len, b = l.micro_batch, h = w.dims.hidden_size();
+  const int64_t usable = static_cast<int64_t>(
+      static_cast<double>(std::max<int64_t>(0, c.device.memory_bytes() - c.device.reserved_bytes())) *
+      c.memory_headroom);
+  std::vector<v1::MemoryEstimate> stages;
+  for (int stage = 0; stage < l.pp; ++stage) {
+    const StageParameters p = ParametersOfStage(w, l, stage);
+    const bool last = stage == l.pp - 1;
+    v1::MemoryEstimate mem;
+    mem.set_pipeline_stage(stage);
+    mem.set_parameters(p.all);
+    // Weights: float32 for what is trained (and for the frozen base in fp32 runs), compute
+    // precision for LoRA's frozen base; ZeRO-3 shards them over dp.
+    int64_t weights = 4 * p.trainable + e * p.frozen;
+    int64_t grads = 4 * p.trainable;
+    int64_t optimizer = 8 * p.trainable;
+    // ZeRO stage z shards the first z of (optimizer, gradients, weights) over dp.
+    auto shard = [&](int64_t bytes, int from_stage) {
+      return l.zero >= from_stage ? CeilDiv(bytes, l.dp) : bytes;
+    };
+    optimizer = shard(optimizer, 1);
+    grads = shard(grads, 2);
+    weights = shard(weights, 3);
+    const int64_t embedding_state =
+        w.lora_rank > 0 ? shard(e * p.embedding, 3)
+                        : shard(4 * p.embedding, 3) + shard(4 * p.embedding, 2) +
+                              shard(8 * p.embedding, 1);
+    optimizer += 4 * p.tensors;  // AdamW's float32 step counter per tensor
+    mem.set_weights_bytes(weights);
+    mem.set_gradients_bytes(grads);
+    mem.set_optimizer_bytes(optimizer);
+    mem.set_embedding_state_bytes(embedding_state);
+
+    // bf16 autocast keeps a copy of every matmul weight it cast in forward until backward; with
+    // full recomputation only the layer being recomputed and the head hold theirs at the peak.
+    int64_t cast = 0;
+    if (e == 2 && p.matmul > 0) {
+      const int64_t per_layer = SplitParameters(w, l.tp).layer_matmul;
+      cast = 2 * (l.ac == v1::ACTIVATION_CHECKPOINTING_FULL
+                      ? per_layer + (p.matmul - layers * per_layer)
+                      : p.matmul);
+    }
+    mem.set_cast_weights_bytes(cast);
+
+    const int in_flight = InFlightMicroBatches(l, accumulation, stage);
+    mem.set_in_flight_micro_batches(in_flight);
+    mem.set_activations_per_layer_bytes(layer.kept);
+    int64_t activations = layers * layer.kept * in_flight;
+    if (l.ac == v1::ACTIVATION_CHECKPOINTING_FULL) activations += layer.full;  // the recompute
+    if (last) {
+      // Final norm input (float32) and the head's input in compute precision.
+      activations += static_cast<int64_t>(s * b * h * (4 + e) / (l.sp ? l.tp : 1));
+    }
+    mem.set_activations_bytes(activations);
+
+    // Logits at the start of backward: log-softmax output, the loss gradient and the logits
+    // gradient in float32 (12 bytes per element), plus a bf16 copy of that gradient under
+    // autocast; vocab-parallel over tp.
+    int64_t logits = 0;
+    if (last) {
+      logits = static_cast<int64_t>(s * b * CeilDiv(w.dims.vocab_size(), l.tp) * (12 + (e == 2 ? 2 : 0)));
+    }
+    mem.set_logits_bytes(logits);
+
+    int64_t comm = 0;
+    if (l.dp > 1 && l.zero == 0) {
+      // The trainer's reducer keeps a float32 bucket copy of every gradient
+      // (gradient_as_bucket_view off).
+      comm += 4 * p.trainable;
+    } else if (l.dp > 1 && l.zero < 3) {
+      comm += 2 * kBucketBytes;  // reduce-scatter and all-gather buckets
+    } else if (l.dp > 1) {
+      comm += 2 * 4 * p.layer_all + kBucketBytes;  // two layers gathered in full (prefetch)
+    }
+    if (l.pp > 1) comm += static_cast<int64_t>(4 * s * b * h * e / (l.sp ? l.tp : 1));
+    mem.set_communication_bytes(comm);
+
+    const int64_t overhead =
+        (IsCpu(c.device) ? 0 : c.device.workspace_bytes()) +
+        static_cast<int64_t>(c.device.fragmentation_fraction() *
+                             static_cast<double>(activations + logits));
+    mem.set_overhead_bytes(overhead);
+
+    // Gradients coexist with a micro-batch's activations when they outlive it (accumulation, a
+    // pipeline); with one micro-batch per step backward trades one for the other.
+    const int64_t transient = accumulation > 1 ? grads + activations + logits
+                                               : std::max(grads, activations + logits);
+    mem.set_total_bytes(weights + optimizer + cast + comm + overhead + transient);
+    mem.set_device_capacity_bytes(c.device.memory_bytes());
+    mem.set_usable_bytes(usable);
+    stages.push_back(std::move(mem));
+  }
+  return stages;
+}
+
+v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& l,
+                                      const ClusterShape& c) {
+  const v1::ModelDims& m = w.dims;
+  const int64_t accumulation = std::max<int64_t>(1, GradientAccumulation(w, l));
+  const double tokens = static_cast<double>(w.seq_len) * static_cast<double>(w.global_batch);
+  const double params = static_cast<double>(CountParameters(w.dims));
+  const double attention = 12.0 * m.num_layers() * m.hidden_size() * w.seq_len;
+  // Per token: forward 2N, backward 4N (2N with LoRA: no weight gradients of the frozen base).
+  const double model_per_token = (w.lora_rank > 0 ? 4.0 : 6.0) * params + attention;
+  double hardware_per_token = model_per_token;
+  if (l.ac == v1::ACTIVATION_CHECKPOINTING_FULL) {
+    hardware_per_token += 2.0 * params + attention / 3;
+  } else if (l.ac == v1::ACTIVATION_CHECKPOINTING_SELECTIVE && !w.flash_attention) {
+    hardware_per_token += attention / 3;
+  }
+  const double peak = PeakFlops(c.device, w.precision);
+  const double rate = peak * c.device.achievable_flops_fraction() * GemmEfficiency(w, l);
+  const double micro_tokens = static_cast<double>(w.seq_len) * l.micro_batch;
+  // One micro-batch's forward + backward on one device of a stage.
+  const double micro_compute = hardware_per_token * micro_tokens / (l.tp * l.pp) / rate;
+
+  // Tensor parallel: two all-reduces of the layer's activations in forward, two in backward (two
+  // more in a full recompute); sequence parallelism moves the same bytes as gathers/scatters.
+  const int e = ActivationBytes(w);
+  const int layers = m.num_layers() / l.pp;
+  const double tp_bytes = micro_tokens * m.hidden_size() * e;
+  const int tp_collectives = 4 + (l.ac == v1::ACTIVATION_CHECKPOINTING_FULL ? 2 : 0);
+  const double micro_tp =
+      layers * tp_collectives * AllReduceSeconds(tp_bytes, l.tp, c.device.intra_node_bandwidth());
+  const double micro_time = micro_compute + micro_tp;
+
+  // Pipeline: 1F1B runs m micro-batches plus (pp - 1) of fill and drain; each boundary sends
+  // activations forward and gradients back.
+  double transfer = 0;
+  double bubble = 0;
+  if (l.pp > 1) {
+    const double bandwidth = PipelineInsideNode(l, c) ? c.device.intra_node_bandwidth()
+                                                      : c.device.inter_node_bandwidth();
+    const double p2p = tp_bytes / (l.sp ? l.tp : 1) / bandwidth + kCollectiveLatency;
+    transfer = 2.0 * static_cast<double>(accumulation + l.pp - 1) * p2p;
+    bubble = (l.pp - 1) * micro_time;
+  }
+
+  // Data parallel over the stage's trainable parameters, float32 gradients.
+  const StageParameters stage = ParametersOfStage(w, l, 0);
+  const double grad_bytes = 4.0 * static_cast<double>(stage.trainable);
+  const double dp_bandwidth = DataParallelInsideNode(l, c) ? c.device.intra_node_bandwidth()
+                                                           : c.device.inter_node_bandwidth();
+  double dp_seconds = 0;
+  double exposed_dp = 0;
+  if (l.zero < 3) {
+    // All-reduce, or reduce-scatter + all-gather of the updated weights (same volume), hidden
+    // behind the last micro-batch's backward.
+    dp_seconds = AllReduceSeconds(grad_bytes, l.dp, dp_bandwidth);
+    exposed_dp = std::max(0.0, dp_seconds - kOverlapEfficiency * micro_compute * 2 / 3);
+  } else {
+    // Weights gathered for forward and again for backward, gradients reduce-scattered, every
+    // micro-batch; prefetching hides them behind all of the step's compute.
+    dp_seconds = static_cast<double>(accumulation) * 3 *
+                 HalfRingSeconds(grad_bytes, l.dp, dp_bandwidth);
+    exposed_dp = std::max(0.0, dp_seconds - kOverlapEfficiency * micro_compute *
+                                                static_cast<double>(accumulation));
+  }
+
+  // AdamW reads weight, gradient and both moments and writes three of them back (28 bytes per
+  // parameter it owns), plus the gradient-norm pass (4 bytes).
+  const double owned = static_cast<double>(stage.trainable) / (l.zero >= 1 ? l.dp : 1);
+  const double optimizer = (28.0 * owned + 4.0 * static_cast<double>(stage.trainable)) /
+                           c.device.memory_bandwidth();
+
+  v1::StepTimeEstimate est;
+  est.set_compute_seconds(micro_compute * static_cast<double>(accumulation));
+  est.set_tensor_parallel_seconds(micro_tp * static_cast<double>(accumulation));
+  est.set_pipeline_bubble_seconds(bubble);
+  est.set_pipeline_transfer_seconds(transfer);
+  est.set_data_parallel_seconds(dp_seconds);
+  est.set_optimizer_seconds(optimizer);
+  est.set_exposed_communication_seconds(est.tensor_parallel_seconds() + transfer + exposed_dp);
+  const double step = micro_time * static_cast<double>(accumulation) + bubble + transfer +
+                      exposed_dp + optimizer;
+  est.set_step_seconds(step);
+  est.set_tokens_per_second(tokens / step);
+  est.set_model_flops(model_per_token * tokens);
+  est.set_hardware_flops(hardware_per_token * tokens);
+  est.set_mfu(peak > 0 ? model_per_token * tokens / (step * l.world() * peak) : 0);
+  return est;
+}
+
+}  // namespace tessera::planner

@@ -1,0 +1,153 @@
+// The layout planner: for a model, a batch and a cluster shape it says, before launch, how much
+// memory each device of a layout needs, how fast a step will be, and which layout is best.
+//
+// Memory model (per device, per pipeline stage), each term reported separately:
+//   * weights, gradients and AdamW state of the parameters the device holds after the tensor
+//     split (vocab-parallel embeddings, column/row-parallel matmuls, replicated norms) and the
+//     pipeline split (embeddings on the first stage, the final norm and LM head on the last; a
+//     tied head is a second copy when pp > 1), then ZeRO (1 shards optimizer states, 2 also
+//     gradients, 3 also weights over the data-parallel group). The precision policy is the
+//     trainer's: weights, gradients and the two AdamW moments are float32 (16 bytes per trained
+//     parameter, plus a 4-byte step counter per tensor); bf16 autocast adds bf16 copies of the
+//     matmul weights, kept from forward to backward (`cast_weights_bytes`). LoRA trains only
+//     rank-r adapters on every block matmul and keeps the frozen base in the compute precision.
+//   * activations per layer and micro-batch, counted tensor by tensor in the way of Korthikanti
+//     et al. 2022 for the blocks the trainer builds (pre-norm GPT-2 and Llama/SwiGLU/GQA, no
+//     dropout, float32 residual stream), with flash attention keeping O(s) instead of the a*s^2
+//     scores, sequence parallelism splitting the norm regions over tp, and recomputation
+//     (selective: attention core and the MLP activation function; full: only each layer's input,
+//     plus one layer's worth during its recompute). A 1F1B pipeline holds min(pp - stage, m)
+//     micro-batches in flight, so the first stage holds the most.
+//   * logits and cross-entropy buffers on the last stage (vocab x seq x micro-batch, split over
+//     tp), communication buffers (the trainer's DDP gradient buckets, ZeRO gathers, pipeline
+//     send/receive), and the device's allocator workspace plus a fragmentation fraction.
+//   Peak: gradients and activations are counted together when gradients outlive a micro-batch
+//   (accumulation or a pipeline); with one micro-batch per step the larger of the two.
+//
+// Step-time model: hardware FLOPs (6 x params x tokens plus attention, plus recomputation) at
+// peak x achievable fraction x a small-GEMM penalty, tensor-parallel collectives per layer over
+// the intra-node links (not overlapped), pipeline transfers and the 1F1B bubble (pp-1)/(m+pp-1),
+// data-parallel gradient all-reduce / reduce-scatter over intra- or inter-node links (overlapped
+// with the last micro-batch's backward; ZeRO-3's gathers with all compute), and the optimizer's
+// memory-bound update. Gives step time, tokens/s and MFU.
+//
+// Plain C++: no LibTorch. Pure functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tessera/v1/layout.pb.h"
+#include "tessera/v1/model.pb.h"
+
+namespace tessera::planner {
+
+// What is trained.
+struct Workload {
+  // Resolved dimensions (ResolveModel).
+  v1::ModelDims dims;
+  // Tokens per sequence.
+  int seq_len = 0;
+  // Sequences per optimizer step over the whole job.
+  int64_t global_batch = 0;
+  // PRECISION_BF16 (autocast over float32 weights) or PRECISION_FP32.
+  v1::Precision precision = v1::PRECISION_BF16;
+  // LoRA adapter rank; 0 trains every weight.
+  int lora_rank = 0;
+  // Attention through a fused kernel that keeps O(seq) state (the trainer's
+  // scaled_dot_product_attention picks one on CUDA and CPU alike).
+  bool flash_attention = true;
+};
+
+// One fully specified layout.
+struct LayoutChoice {
+  int dp = 1;
+  int tp = 1;
+  int pp = 1;
+  int zero = 0;
+  int micro_batch = 1;
+  bool sp = false;
+  // NONE, SELECTIVE or FULL (never UNSPECIFIED here).
+  v1::ActivationCheckpointing ac = v1::ACTIVATION_CHECKPOINTING_NONE;
+
+  int world() const { return dp * tp * pp; }
+  friend bool operator==(const LayoutChoice&, const LayoutChoice&) = default;
+};
+
+// The devices a job runs on.
+struct ClusterShape {
+  int gpus = 1;
+  int gpus_per_node = 1;
+  v1::DeviceModel device;
+  // Fraction of (memory - reserved) a plan may use, in (0, 1].
+  double memory_headroom = 0.9;
+};
+
+// Micro-batches per optimizer step per data-parallel rank.
+int64_t GradientAccumulation(const Workload& workload, const LayoutChoice& layout);
+
+// Why `layout` cannot run `workload` on `cluster` at all (structure, not memory), e.g.
+// "tensor_parallel 3 does not divide 32 attention heads"; nullopt when it can.
+std::optional<std::string> InvalidReason(const Workload& workload, const LayoutChoice& layout,
+                                         const ClusterShape& cluster);
+
+// Per-device memory of every pipeline stage (stage 0 first). Needs a structurally valid layout.
+std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& workload,
+                                               const LayoutChoice& layout,
+                                               const ClusterShape& cluster);
+
+// Step time, tokens/s and MFU. Needs a structurally valid layout.
+v1::StepTimeEstimate EstimateStepTime(const Workload& workload, const LayoutChoice& layout,
+                                      const ClusterShape& cluster);
+
+// Everything about one layout: plan (memory of the worst stage, stage_memory when pp > 1, step
+// time, fits) and, when it is invalid or does not fit, rejected_reason ("does not fit: needs
+// 93.1 GiB per GPU, 70.9 GiB usable (over by 22.2 GiB)").
+v1::LayoutCandidate EvaluateLayout(const Workload& workload, const LayoutChoice& layout,
+                                   const ClusterShape& cluster);
+
+// What the search may choose from.
+struct SearchLimits {
+  // Largest degrees to consider; 0 means no limit beyond the cluster.
+  int max_tp = 0;
+  int max_pp = 0;
+  int max_zero = 3;
+  bool allow_activation_checkpointing = true;
+  bool allow_sequence_parallel = true;
+  // Fixed micro-batch; 0 searches powers of two (and the per-rank batch itself).
+  int micro_batch = 0;
+};
+
+struct SearchResult {
+  // Fitting layouts by estimated tokens/s (fastest first; ties: less memory), then layouts that do
+  // not fit by how much they miss, then invalid ones; each with its reason when not fitting.
+  std::vector<v1::LayoutCandidate> candidates;
+  int fitting = 0;
+};
+
+// Enumerates every layout of cluster.gpus devices within `limits` (tp a divisor within a node, pp,
+// dp, ZeRO stage, micro-batch, sp, recomputation) and evaluates each.
+SearchResult SearchLayouts(const Workload& workload, const ClusterShape& cluster,
+                           const SearchLimits& limits);
+
+// The plan to use from a search: the fastest fitting candidate with an explanation naming the
+// runner-up and how many were considered, or (when none fits) the one that misses by least with
+// fits = false and an explanation of what was tried.
+v1::LayoutPlan ChoosePlan(const SearchResult& result, const ClusterShape& cluster);
+
+// Conversions between the proto layout and LayoutChoice. FromProto resolves the legacy
+// activation_checkpointing flag and UNSPECIFIED (as NONE); micro_batch comes from the caller.
+LayoutChoice FromProto(const v1::Layout& layout, int micro_batch);
+v1::Layout ToProto(const LayoutChoice& layout);
+
+// "dp=8 tp=1 pp=1 zero=1 mb=4 sp=off ac=none".
+std::string Describe(const LayoutChoice& layout);
+// "none", "selective", "full".
+std::string ActivationCheckpointingName(v1::ActivationCheckpointing ac);
+// Bytes as "93.1 GiB" / "512.0 MiB".
+std::string FormatBytes(int64_t bytes);
+
+}  // namespace tessera::planner

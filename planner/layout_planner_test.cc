@@ -1,0 +1,349 @@
+// The layout planner against facts anyone can check: 16 bytes per parameter of mixed-precision
+// AdamW state, MLPerf's GPT-3 175B layout fitting 80 GB H100s, the structural rules of a layout,
+// the 1F1B bubble, and what ZeRO, recomputation, sequence parallelism and LoRA each save.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/devices.h"
+#include "planner/layout_planner.h"
+#include "planner/model_config.h"
+
+namespace tessera::planner {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr double kGB = 1e9;
+
+v1::ModelDims Preset(const std::string& name) {
+  v1::ModelSpec spec;
+  spec.set_preset(name);
+  auto summary = ResolveModel(spec, 1);
+  EXPECT_TRUE(summary.ok()) << summary.status();
+  return summary->dims();
+}
+
+// Llama 2 7B's shape: 32 layers, width 4096, 32 heads, SwiGLU 11008, vocab 32000.
+v1::ModelDims Llama7b() {
+  v1::ModelSpec spec;
+  v1::ModelDims* d = spec.mutable_dims();
+  d->set_architecture(v1::ARCHITECTURE_LLAMA);
+  d->set_num_layers(32);
+  d->set_hidden_size(4096);
+  d->set_num_attention_heads(32);
+  d->set_ffn_hidden_size(11008);
+  d->set_vocab_size(32000);
+  d->set_max_seq_len(4096);
+  auto summary = ResolveModel(spec, 1);
+  EXPECT_TRUE(summary.ok()) << summary.status();
+  return summary->dims();
+}
+
+ClusterShape Cluster(const std::string& device, int gpus, int per_node) {
+  ClusterShape c;
+  c.device = *DevicePreset(device);
+  c.gpus = gpus;
+  c.gpus_per_node = per_node;
+  return c;
+}
+
+Workload Work(v1::ModelDims dims, int seq, int64_t batch,
+              v1::Precision precision = v1::PRECISION_BF16) {
+  Workload w;
+  w.dims = std::move(dims);
+  w.seq_len = seq;
+  w.global_batch = batch;
+  w.precision = precision;
+  return w;
+}
+
+int64_t ModelState(const v1::MemoryEstimate& m) {
+  return m.weights_bytes() + m.gradients_bytes() + m.optimizer_bytes();
+}
+
+TEST(LayoutPlannerTest, MixedPrecisionAdamWCosts16BytesPerParameter) {
+  const Workload w = Work(Llama7b(), 4096, 1);
+  const int64_t params = CountParameters(w.dims);
+  ASSERT_NEAR(static_cast<double>(params), 6.74e9, 0.01e9);
+  const ClusterShape one = Cluster("h100-sxm", 1, 8);
+  const LayoutChoice single{1, 1, 1, 0, 1, false, v1::ACTIVATION_CHECKPOINTING_FULL};
+  v1::LayoutCandidate c = EvaluateLayout(w, single, one);
+  const v1::MemoryEstimate& m = c.plan().memory();
+  // 4 (fp32 weights) + 4 (gradients) + 8 (AdamW m and v), plus a 4-byte step per tensor.
+  const int64_t tensors = 32 * 9 + 1 + 1 + 1;  // layers, embedding, final norm, untied head
+  EXPECT_EQ(m.weights_bytes(), 4 * params);
+  EXPECT_EQ(m.gradients_bytes(), 4 * params);
+  EXPECT_EQ(m.optimizer_bytes(), 8 * params + 4 * tensors);
+  EXPECT_NEAR(static_cast<double>(ModelState(m)) / params, 16.0, 1e-6);
+  // ~108 GB of model state for 6.7B parameters (112 GB for a round 7B): no 80 GB GPU holds it.
+  EXPECT_GT(ModelState(m), 100 * kGB);
+  EXPECT_FALSE(c.plan().fits());
+  EXPECT_THAT(c.rejected_reason(), HasSubstr("does not fit: needs"));
+  EXPECT_THAT(c.rejected_reason(), HasSubstr("over by"));
+  // The same model on one 141 GB H200 fits with full recomputation.
+  EXPECT_TRUE(EvaluateLayout(w, single, Cluster("h200", 1, 8)).plan().fits());
+}
+
+TEST(LayoutPlannerTest, Gpt3OnMlperfLayoutFits768H100s) {
+  // MLPerf Training's GPT-3 175B: tp 8, pp 16, dp 6, sequence 2048, global batch 1536 (later
+  // rounds), micro-batch 1, sequence parallel, selective recompute, distributed optimizer.
+  const Workload w = Work(Preset("gpt3-175b"), 2048, 1536);
+  const ClusterShape c = Cluster("h100-sxm", 768, 8);
+  const LayoutChoice mlperf{6, 8, 16, 1, 1, true, v1::ACTIVATION_CHECKPOINTING_SELECTIVE};
+  v1::LayoutCandidate candidate = EvaluateLayout(w, mlperf, c);
+  ASSERT_EQ(candidate.rejected_reason(), "");
+  const v1::LayoutPlan& plan = candidate.plan();
+  EXPECT_TRUE(plan.fits());
+  EXPECT_EQ(plan.gradient_accumulation_steps(), 256);
+  ASSERT_EQ(plan.stage_memory_size(), 16);
+  // 1F1B: the first stage keeps pp micro-batches in flight, the last one.
+  EXPECT_EQ(plan.stage_memory(0).in_flight_micro_batches(), 16);
+  EXPECT_EQ(plan.stage_memory(15).in_flight_micro_batches(), 1);
+  EXPECT_GT(plan.stage_memory(0).activations_bytes(), plan.stage_memory(15).activations_bytes());
+  EXPECT_GT(plan.stage_memory(15).logits_bytes(), 0);
+  EXPECT_EQ(plan.stage_memory(0).logits_bytes(), 0);
+  EXPECT_LT(plan.memory().total_bytes(), 80 * kGB);
+  // ~175B / 128 model-parallel ranks = 1.4B parameters per device (the first stage also holds
+  // the vocab-parallel embedding).
+  EXPECT_NEAR(static_cast<double>(plan.stage_memory(1).parameters()), 175e9 / 128, 0.05e9);
+  // Without recomputation, ZeRO or sequence parallelism the first stage needs more; at
+  // micro-batch 2 it no longer fits.
+  const LayoutChoice naive{6, 8, 16, 0, 1, false, v1::ACTIVATION_CHECKPOINTING_NONE};
+  EXPECT_GT(EvaluateLayout(w, naive, c).plan().memory().total_bytes(),
+            plan.memory().total_bytes() + 20 * kGB);
+  const LayoutChoice naive2{6, 8, 16, 0, 2, false, v1::ACTIVATION_CHECKPOINTING_NONE};
+  EXPECT_FALSE(EvaluateLayout(w, naive2, c).plan().fits());
+  EXPECT_TRUE(EvaluateLayout(w, {6, 8, 16, 1, 2, true, v1::ACTIVATION_CHECKPOINTING_SELECTIVE}, c)
+                  .plan()
+                  .fits());
+  // And 175B with pure data parallelism is nowhere near.
+  const LayoutChoice dp_only{768, 1, 1, 0, 2, false, v1::ACTIVATION_CHECKPOINTING_FULL};
+  EXPECT_THAT(EvaluateLayout(w, dp_only, c).rejected_reason(), HasSubstr("does not fit"));
+  // A sensible MFU for this layout on H100s.
+  EXPECT_GT(plan.step_time().mfu(), 0.2);
+  EXPECT_LT(plan.step_time().mfu(), 0.7);
+}
+
+TEST(LayoutPlannerTest, StructuralRulesAreRejectedWithTheReason) {
+  const Workload w = Work(Preset("llama3-8b"), 2048, 64);
+  const ClusterShape c = Cluster("h100-sxm", 16, 8);
+  auto reason = [&](LayoutChoice l) { return InvalidReason(w, l, c).value_or(""); };
+  EXPECT_EQ(reason({16, 1, 1, 0, 1}), "");
+  EXPECT_EQ(reason({1, 1, 16, 0, 1}), "");
+  // llama3-8b has 32 layers: pp 3 does not divide them.
+  const ClusterShape c12 = Cluster("h100-sxm", 12, 8);
+  EXPECT_EQ(InvalidReason(w, {4, 1, 3, 0, 1}, c12).value_or(""),
+            "pipeline_parallel 3 does not divide 32 layers");
+  EXPECT_EQ(InvalidReason(w, {4, 3, 1, 0, 1}, c12).value_or(""),
+            "tensor_parallel 3 does not divide 32 attention heads");
+  EXPECT_EQ(reason({1, 16, 1, 0, 1}), "tensor_parallel 16 does not divide 8 key/value heads");
+  const ClusterShape c32 = Cluster("h100-sxm", 32, 8);
+  const Workload w32 = Work(Preset("qwen3-32b"), 2048, 64);  // 64 heads, 8 kv heads
+  EXPECT_THAT(InvalidReason(w32, {2, 16, 1, 0, 1}, c32).value_or(""),
+              HasSubstr("divide 8 key/value heads"));
+  EXPECT_THAT(InvalidReason(Work(Preset("gpt3-175b"), 2048, 64), {1, 16, 2, 0, 1}, c32)
+                  .value_or(""),
+              HasSubstr("exceeds the 8 devices of a node"));
+  EXPECT_EQ(reason({16, 1, 1, 0, 3}),
+            "global batch 64 is not divisible by micro_batch 3 x data_parallel 16 (= 48)");
+  EXPECT_EQ(reason({8, 2, 1, 0, 1, false}), "");
+  EXPECT_EQ(reason({1, 2, 8, 0, 1, true}), "");
+  EXPECT_EQ(reason({1, 1, 16, 1, 1}), "zero_stage 1 needs data_parallel > 1 to shard over");
+  EXPECT_EQ(reason({8, 1, 2, 0, 1, true}), "sequence_parallel needs tensor_parallel > 1");
+  EXPECT_EQ(reason({8, 1, 1, 0, 1}), "dp 8 x tp 1 x pp 1 = 8 != 16 devices");
+  EXPECT_EQ(InvalidReason(w, {1, 1, 1, 0, 1}, Cluster("cpu", 1, 1)).value_or(""),
+            "bf16 needs a GPU; CPU trainers run fp32");
+}
+
+TEST(LayoutPlannerTest, PipelineBubbleIsPpMinusOneOverMPlusPpMinusOne) {
+  Workload w = Work(Preset("gpt2-350m"), 1024, 32);
+  const ClusterShape c = Cluster("h100-sxm", 4, 8);
+  // pp 4, one data-parallel rank, micro-batch 8: m = 4 micro-batches.
+  v1::StepTimeEstimate t = EstimateStepTime(w, {1, 1, 4, 0, 8}, c);
+  const double busy = t.compute_seconds() + t.tensor_parallel_seconds();
+  EXPECT_NEAR(t.pipeline_bubble_seconds() / (busy + t.pipeline_bubble_seconds()), 3.0 / 7, 1e-9);
+  // More micro-batches shrink it: m = 32 -> 3/35.
+  t = EstimateStepTime(w, {1, 1, 4, 0, 1}, c);
+  EXPECT_NEAR(t.pipeline_bubble_seconds() /
+                  (t.compute_seconds() + t.tensor_parallel_seconds() + t.pipeline_bubble_seconds()),
+              3.0 / 35, 1e-9);
+  EXPECT_EQ(EstimateStepTime(w, {4, 1, 1, 0, 8}, c).pipeline_bubble_seconds(), 0);
+}
+
+TEST(LayoutPlannerTest, StepTimeCountsModelFlopsAndCommunication) {
+  const Workload w = Work(Preset("gpt2-124m"), 1024, 64);
+  const ClusterShape c = Cluster("h100-sxm", 8, 8);
+  const v1::StepTimeEstimate t = EstimateStepTime(w, {8, 1, 1, 0, 8}, c);
+  const double params = static_cast<double>(CountParameters(w.dims));
+  const double tokens = 64.0 * 1024;
+  EXPECT_DOUBLE_EQ(t.model_flops(), (6 * params + 12.0 * 12 * 768 * 1024) * tokens);
+  EXPECT_DOUBLE_EQ(t.tokens_per_second(), tokens / t.step_seconds());
+  EXPECT_NEAR(t.mfu(), t.model_flops() / (t.step_seconds() * 8 * 989e12), 1e-12);
+  EXPECT_GT(t.data_parallel_seconds(), 0);
+  EXPECT_EQ(t.tensor_parallel_seconds(), 0);
+  // Full recomputation costs one more forward: hardware FLOPs 4/3 of model FLOPs (nearly).
+  const v1::StepTimeEstimate full =
+      EstimateStepTime(w, {8, 1, 1, 0, 8, false, v1::ACTIVATION_CHECKPOINTING_FULL}, c);
+  EXPECT_NEAR(full.hardware_flops() / full.model_flops(), 4.0 / 3, 1e-9);
+  EXPECT_GT(full.step_seconds(), t.step_seconds());
+  // Tensor parallelism adds per-layer collectives; across nodes, data parallelism gets slower.
+  const v1::StepTimeEstimate tp = EstimateStepTime(w, {4, 2, 1, 0, 8}, c);
+  EXPECT_GT(tp.tensor_parallel_seconds(), 0);
+  ClusterShape two_nodes = Cluster("h100-sxm", 16, 8);
+  const Workload w16 = Work(Preset("gpt2-124m"), 1024, 128);
+  EXPECT_GT(EstimateStepTime(w16, {16, 1, 1, 0, 8}, two_nodes).data_parallel_seconds(),
+            t.data_parallel_seconds());
+}
+
+TEST(LayoutPlannerTest, ZeroStagesShardStateOverDataParallel) {
+  const Workload w = Work(Preset("llama3-8b"), 4096, 64);
+  const ClusterShape c = Cluster("h100-sxm", 8, 8);
+  auto memory = [&](int zero) {
+    return EstimateMemory(w, {8, 1, 1, zero, 1, false, v1::ACTIVATION_CHECKPOINTING_FULL}, c)[0];
+  };
+  const v1::MemoryEstimate z0 = memory(0), z1 = memory(1), z2 = memory(2), z3 = memory(3);
+  const int64_t counters = 4 * (32 * 9 + 3);
+  EXPECT_EQ(z1.optimizer_bytes() - counters, (z0.optimizer_bytes() - counters + 7) / 8);
+  EXPECT_EQ(z1.gradients_bytes(), z0.gradients_bytes());
+  EXPECT_EQ(z2.gradients_bytes(), (z0.gradients_bytes() + 7) / 8);
+  EXPECT_EQ(z2.weights_bytes(), z0.weights_bytes());
+  EXPECT_EQ(z3.weights_bytes(), (z0.weights_bytes() + 7) / 8);
+  EXPECT_GT(z0.total_bytes(), z1.total_bytes());
+  EXPECT_GT(z1.total_bytes(), z2.total_bytes());
+  EXPECT_GT(z2.total_bytes(), z3.total_bytes());
+  // DDP (ZeRO-0) keeps a float32 bucket copy of every gradient.
+  EXPECT_EQ(z0.communication_bytes(), z0.gradients_bytes());
+}
+
+TEST(LayoutPlannerTest, RecomputationAndSequenceParallelismShrinkActivations) {
+  const Workload w = Work(Preset("llama3-8b"), 8192, 64);
+  const ClusterShape c = Cluster("h100-sxm", 8, 8);
+  auto per_layer = [&](bool sp, v1::ActivationCheckpointing ac, int micro = 1) {
+    return EstimateMemory(w, {1, 8, 1, 0, micro, sp, ac}, c)[0].activations_per_layer_bytes();
+  };
+  const int64_t none = per_layer(false, v1::ACTIVATION_CHECKPOINTING_NONE);
+  const int64_t selective = per_layer(false, v1::ACTIVATION_CHECKPOINTING_SELECTIVE);
+  const int64_t full = per_layer(false, v1::ACTIVATION_CHECKPOINTING_FULL);
+  EXPECT_GT(none, selective);
+  EXPECT_GT(selective, full);
+  // Full recomputation keeps each layer's float32 input: s x b x h x 4 bytes.
+  EXPECT_EQ(full, int64_t{8192} * 4096 * 4);
+  // Sequence parallelism splits the norm regions (and the kept input) over tp.
+  EXPECT_LT(per_layer(true, v1::ACTIVATION_CHECKPOINTING_NONE), none);
+  EXPECT_EQ(per_layer(true, v1::ACTIVATION_CHECKPOINTING_FULL), full / 8);
+  // Activations grow linearly with the micro-batch.
+  EXPECT_NEAR(static_cast<double>(per_layer(false, v1::ACTIVATION_CHECKPOINTING_NONE, 4)),
+              4.0 * static_cast<double>(none), 4.0 * 1024);
+}
+
+TEST(LayoutPlannerTest, FlashAttentionDropsTheQuadraticScores) {
+  Workload w = Work(Preset("gpt2-124m"), 1024, 8);
+  const ClusterShape c = Cluster("h100-sxm", 1, 8);
+  const int64_t flash = EstimateMemory(w, {1, 1, 1, 0, 8}, c)[0].activations_per_layer_bytes();
+  w.flash_attention = false;
+  const int64_t eager = EstimateMemory(w, {1, 1, 1, 0, 8}, c)[0].activations_per_layer_bytes();
+  // Softmax output (fp32) and its bf16 copy: 6 bytes x heads x s^2 x b, less the log-sum-exp.
+  EXPECT_EQ(eager - flash, int64_t{6} * 12 * 1024 * 1024 * 8 - int64_t{4} * 12 * 1024 * 8);
+}
+
+TEST(LayoutPlannerTest, LoraTrainsOnlyAdapters) {
+  Workload w = Work(Preset("llama3-8b"), 4096, 8);
+  const ClusterShape c = Cluster("h100-sxm", 1, 8);
+  const LayoutChoice l{1, 1, 1, 0, 1, false, v1::ACTIVATION_CHECKPOINTING_FULL};
+  const v1::MemoryEstimate full = EstimateMemory(w, l, c)[0];
+  w.lora_rank = 16;
+  const v1::MemoryEstimate lora = EstimateMemory(w, l, c)[0];
+  // Frozen base in bf16 (2 bytes per parameter) plus small fp32 adapters.
+  const int64_t params = CountParameters(w.dims);
+  EXPECT_GT(lora.weights_bytes(), 2 * params);
+  EXPECT_LT(lora.weights_bytes(), 2 * params + 2 * params / 50);
+  EXPECT_LT(lora.optimizer_bytes(), full.optimizer_bytes() / 100);
+  EXPECT_FALSE(EvaluateLayout(Work(Preset("llama3-8b"), 4096, 8), l, c).plan().fits());
+  EXPECT_TRUE(EvaluateLayout(w, l, c).plan().fits());
+}
+
+TEST(LayoutPlannerTest, SearchRanksFittingLayoutsByTokensPerSecond) {
+  const Workload w = Work(Preset("llama3-8b"), 4096, 64);
+  const ClusterShape c = Cluster("h100-sxm", 16, 8);
+  const SearchResult result = SearchLayouts(w, c, SearchLimits{});
+  ASSERT_GT(result.fitting, 10);
+  ASSERT_GT(result.candidates.size(), static_cast<size_t>(result.fitting));
+  double previous = 1e30;
+  for (int i = 0; i < result.fitting; ++i) {
+    const v1::LayoutCandidate& x = result.candidates[i];
+    EXPECT_TRUE(x.plan().fits());
+    EXPECT_EQ(x.rejected_reason(), "");
+    EXPECT_LE(x.plan().step_time().tokens_per_second(), previous);
+    previous = x.plan().step_time().tokens_per_second();
+  }
+  for (size_t i = result.fitting; i < result.candidates.size(); ++i) {
+    EXPECT_FALSE(result.candidates[i].plan().fits());
+    EXPECT_NE(result.candidates[i].rejected_reason(), "");
+  }
+  // Data parallel with no state sharding does not fit 8B on 80 GB: it is among the rejected.
+  const bool plain_dp_rejected = std::any_of(
+      result.candidates.begin() + result.fitting, result.candidates.end(),
+      [](const v1::LayoutCandidate& x) {
+        const v1::Layout& l = x.plan().layout();
+        return l.data_parallel() == 16 && l.zero_stage() == 0;
+      });
+  EXPECT_TRUE(plain_dp_rejected);
+  const v1::LayoutPlan plan = ChoosePlan(result, c);
+  EXPECT_TRUE(plan.fits());
+  EXPECT_THAT(plan.explanation(), HasSubstr("fastest of"));
+  EXPECT_THAT(plan.explanation(), HasSubstr("Runner-up"));
+}
+
+TEST(LayoutPlannerTest, LimitsRestrictTheSearchAndNothingFittingIsExplained) {
+  const Workload w = Work(Preset("llama3-8b"), 4096, 64);
+  const ClusterShape c = Cluster("h100-sxm", 8, 8);
+  SearchLimits data_parallel_only;
+  data_parallel_only.max_tp = 1;
+  data_parallel_only.max_pp = 1;
+  data_parallel_only.max_zero = 0;
+  data_parallel_only.allow_activation_checkpointing = false;
+  data_parallel_only.micro_batch = 1;
+  const SearchResult result = SearchLayouts(w, c, data_parallel_only);
+  ASSERT_EQ(result.candidates.size(), 1u);
+  EXPECT_EQ(result.fitting, 0);
+  const v1::LayoutPlan plan = ChoosePlan(result, c);
+  EXPECT_FALSE(plan.fits());
+  EXPECT_THAT(plan.explanation(), HasSubstr("No layout fits (1 considered)"));
+  EXPECT_THAT(plan.explanation(), HasSubstr("over by"));
+}
+
+TEST(DevicesTest, PresetsByNameAndByNvmlName) {
+  auto h100 = DeviceForGpuName("NVIDIA H100 80GB HBM3", 0);
+  ASSERT_TRUE(h100.ok());
+  EXPECT_EQ(h100->name(), "h100-sxm");
+  EXPECT_EQ(h100->peak_flops_bf16(), 989e12);
+  auto a100_40 = DeviceForGpuName("NVIDIA A100-SXM4-40GB", int64_t{40} << 30);
+  ASSERT_TRUE(a100_40.ok());
+  EXPECT_EQ(a100_40->memory_bytes(), int64_t{40} << 30);
+  EXPECT_EQ(DeviceForGpuName("NVIDIA H200", 0)->name(), "h200");
+  EXPECT_EQ(DeviceForGpuName("NVIDIA L40S", 0)->name(), "l40s");
+  EXPECT_EQ(DeviceForGpuName("NVIDIA RTX PRO 6000 Blackwell Server Edition", 0)->name(),
+            "rtx-pro-6000");
+  EXPECT_EQ(DeviceForGpuName("", 0)->name(), "cpu");
+  EXPECT_EQ(DeviceForGpuName("Radeon 7", 0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(DevicePreset("tpu").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(DevicePreset("tpu").status().message()), HasSubstr("h100-sxm"));
+  v1::DeviceModel overrides;
+  overrides.set_memory_bytes(int64_t{94} << 30);
+  const v1::DeviceModel nvl = ApplyDeviceOverrides(*DevicePreset("H100-SXM"), overrides);
+  EXPECT_EQ(nvl.memory_bytes(), int64_t{94} << 30);
+  EXPECT_EQ(nvl.peak_flops_bf16(), 989e12);
+  EXPECT_TRUE(ValidateDeviceModel(nvl).ok());
+  overrides.set_achievable_flops_fraction(1.5);
+  EXPECT_THAT(std::string(ValidateDeviceModel(ApplyDeviceOverrides(nvl, overrides)).message()),
+              HasSubstr("device.achievable_flops_fraction"));
+  for (const std::string& name : DevicePresetNames()) {
+    EXPECT_TRUE(ValidateDeviceModel(*DevicePreset(name)).ok()) << name;
+  }
+}
+
+}  // namespace
+}  // namespace tessera::planner

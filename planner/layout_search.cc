@@ -1,0 +1,253 @@
+// Layout evaluation, enumeration and choice (layout_planner.h).
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "planner/devices.h"
+#include "planner/layout_planner.h"
+#include "planner/model_config.h"
+
+namespace tessera::planner {
+namespace {
+
+constexpr v1::ActivationCheckpointing kNone = v1::ACTIVATION_CHECKPOINTING_NONE;
+constexpr v1::ActivationCheckpointing kSelective = v1::ACTIVATION_CHECKPOINTING_SELECTIVE;
+constexpr v1::ActivationCheckpointing kFull = v1::ACTIVATION_CHECKPOINTING_FULL;
+
+std::vector<int> Divisors(int n) {
+  std::vector<int> out;
+  for (int d = 1; d <= n; ++d) {
+    if (n % d == 0) out.push_back(d);
+  }
+  return out;
+}
+
+// Micro-batches worth trying for a per-rank batch: powers of two that divide it, and the batch.
+std::vector<int> MicroBatches(int64_t per_rank) {
+  std::vector<int> out;
+  for (int64_t m = 1; m <= per_rank && m <= (1 << 20); m *= 2) {
+    if (per_rank % m == 0) out.push_back(static_cast<int>(m));
+  }
+  if (per_rank > 0 && per_rank <= (1 << 20) &&
+      std::find(out.begin(), out.end(), per_rank) == out.end()) {
+    out.push_back(static_cast<int>(per_rank));
+  }
+  return out;
+}
+
+const v1::MemoryEstimate& WorstStage(const std::vector<v1::MemoryEstimate>& stages) {
+  return *std::max_element(stages.begin(), stages.end(),
+                           [](const v1::MemoryEstimate& a, const v1::MemoryEstimate& b) {
+                             return a.total_bytes() < b.total_bytes();
+                           });
+}
+
+std::string DeviceLabel(const ClusterShape& cluster) {
+  return absl::StrCat(cluster.device.name(), " (", FormatBytes(cluster.device.memory_bytes()),
+                      ")");
+}
+
+}  // namespace
+
+std::string ActivationCheckpointingName(v1::ActivationCheckpointing ac) {
+  switch (ac) {
+    case kSelective:
+      return "selective";
+    case kFull:
+      return "full";
+    default:
+      return "none";
+  }
+}
+
+std::string FormatBytes(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (std::abs(b) >= static_cast<double>(int64_t{1} << 30)) return absl::StrFormat("%.1f GiB", b / (1 << 30));
+  if (std::abs(b) >= static_cast<double>(1 << 20)) return absl::StrFormat("%.1f MiB", b / (1 << 20));
+  return absl::StrFormat("%.1f KiB", b / 1024);
+}
+
+std::string Describe(const LayoutChoice& l) {
+  return absl::StrCat("dp=", l.dp, " tp=", l.tp, " pp=", l.pp, " zero=", l.zero,
+                      " mb=", l.micro_batch, " sp=", l.sp ? "on" : "off",
+                      " ac=", ActivationCheckpointingName(l.ac));
+}
+
+LayoutChoice FromProto(const v1::Layout& layout, int micro_batch) {
+  LayoutChoice l;
+  l.dp = layout.data_parallel();
+  l.tp = std::max(1, layout.tensor_parallel());
+  l.pp = std::max(1, layout.pipeline_parallel());
+  l.zero = layout.zero_stage();
+  l.sp = layout.sequence_parallel();
+  l.micro_batch = micro_batch;
+  l.ac = layout.activation_checkpointing_mode();
+  if (l.ac == v1::ACTIVATION_CHECKPOINTING_UNSPECIFIED) {
+    l.ac = layout.activation_checkpointing() ? kFull : kNone;
+  }
+  return l;
+}
+
+v1::Layout ToProto(const LayoutChoice& l) {
+  v1::Layout layout;
+  layout.set_data_parallel(l.dp);
+  layout.set_tensor_parallel(l.tp);
+  layout.set_pipeline_parallel(l.pp);
+  layout.set_zero_stage(l.zero);
+  layout.set_sequence_parallel(l.sp);
+  layout.set_activation_checkpointing_mode(l.ac);
+  layout.set_activation_checkpointing(l.ac == kFull);
+  return layout;
+}
+
+v1::LayoutCandidate EvaluateLayout(const Workload& w, const LayoutChoice& l,
+                                   const ClusterShape& c) {
+  v1::LayoutCandidate candidate;
+  v1::LayoutPlan& plan = *candidate.mutable_plan();
+  *plan.mutable_layout() = ToProto(l);
+  plan.set_world_size(l.world());
+  plan.set_micro_batch_size(l.micro_batch);
+  plan.set_gradient_accumulation_steps(static_cast<int32_t>(GradientAccumulation(w, l)));
+  *plan.mutable_model()->mutable_dims() = w.dims;
+  plan.mutable_model()->set_num_parameters(CountParameters(w.dims));
+  plan.mutable_model()->set_flops_per_token(6.0 * static_cast<double>(CountParameters(w.dims)) +
+                                            12.0 * w.dims.num_layers() * w.dims.hidden_size() *
+                                                w.seq_len);
+  *plan.mutable_device() = c.device;
+  plan.set_devices_per_node(c.gpus_per_node);
+  plan.set_lora_rank(w.lora_rank);
+  plan.set_precision(w.precision);
+  if (auto invalid = InvalidReason(w, l, c)) {
+    candidate.set_rejected_reason(*invalid);
+    return candidate;
+  }
+  std::vector<v1::MemoryEstimate> stages = EstimateMemory(w, l, c);
+  *plan.mutable_memory() = WorstStage(stages);
+  if (stages.size() > 1) {
+    for (auto& stage : stages) *plan.add_stage_memory() = std::move(stage);
+  }
+  *plan.mutable_step_time() = EstimateStepTime(w, l, c);
+  const v1::MemoryEstimate& mem = plan.memory();
+  // A device of unknown memory (a CPU slot without an override) is not checked.
+  const bool known = c.device.memory_bytes() > 0;
+  plan.set_fits(!known || mem.total_bytes() <= mem.usable_bytes());
+  if (!plan.fits()) {
+    candidate.set_rejected_reason(absl::StrCat(
+        "does not fit: needs ", FormatBytes(mem.total_bytes()), " per device",
+        l.pp > 1 ? absl::StrCat(" (pipeline stage ", mem.pipeline_stage(), ")") : "", ", ",
+        FormatBytes(mem.usable_bytes()), " usable on ", DeviceLabel(c), " (over by ",
+        FormatBytes(mem.total_bytes() - mem.usable_bytes()), ")"));
+  }
+  return candidate;
+}
+
+SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const SearchLimits& limits) {
+  std::vector<v1::ActivationCheckpointing> recompute{kNone};
+  if (limits.allow_activation_checkpointing) {
+    recompute.push_back(kSelective);
+    recompute.push_back(kFull);
+  }
+  SearchResult result;
+  for (int tp : Divisors(c.gpus)) {
+    if (limits.max_tp > 0 && tp > limits.max_tp) continue;
+    for (int pp : Divisors(c.gpus / tp)) {
+      if (limits.max_pp > 0 && pp > limits.max_pp) continue;
+      const int dp = c.gpus / tp / pp;
+      std::vector<int> micro_batches;
+      if (limits.micro_batch > 0) {
+        micro_batches.push_back(limits.micro_batch);
+      } else {
+        micro_batches = MicroBatches(w.global_batch / dp);
+        if (micro_batches.empty()) micro_batches.push_back(1);  // reported as indivisible
+      }
+      const int max_zero = dp > 1 ? std::min(3, limits.max_zero) : 0;
+      for (int micro : micro_batches) {
+        for (int zero = 0; zero <= max_zero; ++zero) {
+          for (bool sp : {false, true}) {
+            if (sp && (tp == 1 || !limits.allow_sequence_parallel)) continue;
+            for (v1::ActivationCheckpointing ac : recompute) {
+              LayoutChoice l{dp, tp, pp, zero, micro, sp, ac};
+              v1::LayoutCandidate candidate = EvaluateLayout(w, l, c);
+              // A structural problem is the same for every zero/sp/ac/micro-batch variant of a
+              // (tp, pp) pair: keep one of them so the list says why, not how many times.
+              if (!candidate.rejected_reason().empty() && !candidate.plan().has_memory()) {
+                const bool seen = std::any_of(
+                    result.candidates.begin(), result.candidates.end(),
+                    [&](const v1::LayoutCandidate& other) {
+                      return other.rejected_reason() == candidate.rejected_reason();
+                    });
+                if (seen) continue;
+              }
+              result.candidates.push_back(std::move(candidate));
+            }
+          }
+        }
+      }
+    }
+  }
+  auto rank = [](const v1::LayoutCandidate& x) {
+    const v1::LayoutPlan& p = x.plan();
+    const int group = p.fits() ? 0 : (p.has_memory() ? 1 : 2);
+    const double speed = group == 0 ? -p.step_time().tokens_per_second() : 0;
+    const int64_t over = group == 1 ? p.memory().total_bytes() - p.memory().usable_bytes() : 0;
+    return std::make_tuple(group, speed, over, p.memory().total_bytes());
+  };
+  std::stable_sort(result.candidates.begin(), result.candidates.end(),
+                   [&](const v1::LayoutCandidate& a, const v1::LayoutCandidate& b) {
+                     return rank(a) < rank(b);
+                   });
+  result.fitting = static_cast<int>(
+      std::count_if(result.candidates.begin(), result.candidates.end(),
+                    [](const v1::LayoutCandidate& x) { return x.plan().fits(); }));
+  return result;
+}
+
+v1::LayoutPlan ChoosePlan(const SearchResult& result, const ClusterShape& c) {
+  if (result.candidates.empty()) {
+    v1::LayoutPlan plan;
+    plan.set_fits(false);
+    plan.set_explanation("no layout was considered");
+    return plan;
+  }
+  const v1::LayoutCandidate& best = result.candidates.front();
+  v1::LayoutPlan plan = best.plan();
+  const LayoutChoice l = FromProto(plan.layout(), plan.micro_batch_size());
+  const int considered = static_cast<int>(result.candidates.size());
+  if (plan.fits()) {
+    const v1::StepTimeEstimate& t = plan.step_time();
+    std::string explanation = absl::StrFormat(
+        "%s, gradient accumulation %d: fastest of %d fitting layouts (%d considered) on %d x %s, "
+        "%d per node: est. %.0f tokens/s, %.3f s/step, MFU %.1f%%, peak %s of %s usable per "
+        "device.",
+        Describe(l), plan.gradient_accumulation_steps(), result.fitting, considered, c.gpus,
+        DeviceLabel(c), c.gpus_per_node, t.tokens_per_second(), t.step_seconds(), 100 * t.mfu(),
+        FormatBytes(plan.memory().total_bytes()), FormatBytes(plan.memory().usable_bytes()));
+    if (result.fitting > 1) {
+      const v1::LayoutPlan& next = result.candidates[1].plan();
+      absl::StrAppendFormat(
+          &explanation, " Runner-up: %s at %.0f tokens/s (%.1f%% slower).",
+          Describe(FromProto(next.layout(), next.micro_batch_size())),
+          next.step_time().tokens_per_second(),
+          100 * (1 - next.step_time().tokens_per_second() / t.tokens_per_second()));
+    }
+    plan.set_explanation(explanation);
+  } else if (plan.has_memory()) {
+    plan.set_explanation(absl::StrCat("No layout fits (", considered,
+                                      " considered). Closest: ", Describe(l), " ",
+                                      best.rejected_reason(),
+                                      ". More devices, a larger ZeRO stage or activation "
+                                      "checkpointing (if allowed), or a smaller micro-batch or "
+                                      "sequence would help."));
+  } else {
+    plan.set_explanation(absl::StrCat("No valid layout (", considered,
+                                      " considered): ", best.rejected_reason(), "."));
+  }
+  return plan;
+}
+
+}  // namespace tessera::planner
