@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "coordinator/layout_planning.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace tessera::coordinator {
@@ -277,7 +278,10 @@ std::vector<NodeCapacity> Cluster::CapacityLocked() {
     c.total_gpus = node.resources().gpus_size();
     for (const auto& gpu : node.resources().gpus()) {
       if (!used_gpus[node_id].contains(gpu.index())) c.free_gpus.push_back(gpu.index());
-      if (c.gpu_name.empty()) c.gpu_name = gpu.name();
+      if (c.gpu_name.empty()) {
+        c.gpu_name = gpu.name();
+        c.gpu_memory_bytes = gpu.memory_bytes();
+      }
     }
     c.total_cpu_slots = node.resources().cpu_slots();
     c.free_cpu_slots = std::max(0, c.total_cpu_slots - used_slots[node_id]);
@@ -328,7 +332,8 @@ void Cluster::ExpireNodesLocked(absl::Time now) {
   }
 }
 
-void Cluster::PlaceLocked(const v1::Job& job, const GangPlacement& placement) {
+void Cluster::PlaceLocked(const v1::Job& job, const GangPlacement& placement,
+                          const v1::LayoutPlan& plan) {
   Allocation allocation;
   allocation.attempt = job.attempt();
   allocation.ranks = placement.ranks;
@@ -342,6 +347,7 @@ void Cluster::PlaceLocked(const v1::Job& job, const GangPlacement& placement) {
   auto transitioned = jobs_->Transition(job.job_id(), v1::JOB_STATE_SCHEDULED,
                                         absl::StrCat("placed on ", absl::StrJoin(node_order, ", ")),
                                         [&](v1::Job& stored) {
+                                          *stored.mutable_plan() = plan;
                                           stored.mutable_placements()->Clear();
                                           for (const auto& rank : placement.ranks)
                                             *stored.add_placements() = rank;
@@ -358,7 +364,7 @@ void Cluster::PlaceLocked(const v1::Job& job, const GangPlacement& placement) {
     task->set_job_id(job.job_id());
     task->set_attempt(job.attempt());
     *task->mutable_spec() = job.spec();
-    *task->mutable_plan() = job.plan();
+    *task->mutable_plan() = plan;
     task->set_checkpoint_directory(checkpoint_dir);
     v1::RankAssignment* ra = task->mutable_assignment();
     ra->set_rank(rank.rank());
@@ -384,26 +390,47 @@ void Cluster::PlaceLocked(const v1::Job& job, const GangPlacement& placement) {
 void Cluster::ScheduleLocked(const std::vector<v1::Job>& active) {
   std::vector<GangRequest> requests;
   std::map<std::string, const v1::Job*> pending;
+  // The plan each pending job starts with, fitted to the devices registered now.
+  std::map<std::string, v1::LayoutPlan> plans;
+  std::map<std::string, std::string> unfit;
+  const std::vector<NodeCapacity> capacity = CapacityLocked();
   for (const auto& job : active) {
     if (job.state() != v1::JOB_STATE_PENDING) continue;
+    v1::LayoutPlan& plan = plans[job.job_id()];
+    plan = job.plan();
+    // Automatic layouts are chosen for the devices the job would get; explicit ones are checked
+    // against them. A job that cannot be planned here (no matching node yet, a GPU without a
+    // device model) keeps its provisional plan and the scheduler says why it waits.
+    if (auto fitted = PlanForScheduling(job.spec(), capacity); fitted.ok()) {
+      if (!fitted->fits()) {
+        unfit[job.job_id()] = fitted->explanation();
+        continue;
+      }
+      plan = *std::move(fitted);
+    }
     pending[job.job_id()] = &job;
     GangRequest request;
     request.job_id = job.job_id();
     request.priority = job.spec().priority();
     request.submit_order = TimeUtil::TimestampToNanoseconds(job.create_time());
-    request.world_size = std::max(1, job.plan().world_size());
+    request.world_size = std::max(1, plan.world_size());
     request.use_gpus = job.spec().resources().gpus() > 0;
-    request.tensor_parallel = std::max(1, job.plan().layout().tensor_parallel());
+    request.tensor_parallel = std::max(1, plan.layout().tensor_parallel());
     request.gpu_type = job.spec().resources().gpu_type();
     request.node_selector.insert(job.spec().resources().node_selector().begin(),
                                  job.spec().resources().node_selector().end());
     requests.push_back(std::move(request));
   }
-  if (requests.empty()) return;
-  ScheduleResult result = Schedule(std::move(requests), CapacityLocked());
-  for (const auto& placement : result.placed) PlaceLocked(*pending[placement.job_id], placement);
+  ScheduleResult result;
+  if (!requests.empty()) result = Schedule(std::move(requests), capacity);
+  for (const auto& placement : result.placed) {
+    PlaceLocked(*pending[placement.job_id], placement, plans[placement.job_id]);
+  }
+  result.pending_reasons.merge(unfit);
+  std::map<std::string, const v1::Job*> by_id;
+  for (const auto& job : active) by_id[job.job_id()] = &job;
   for (const auto& [job_id, reason] : result.pending_reasons) {
-    const v1::Job* job = pending[job_id];
+    const v1::Job* job = by_id[job_id];
     if (job != nullptr && job->reason() != reason) {
       (void)jobs_->Transition(job_id, v1::JOB_STATE_PENDING, reason);
     }
@@ -438,6 +465,11 @@ ClusterStats Cluster::Tick() {
   }
   for (const auto& [node_id, entry] : nodes_) ++stats.nodes[entry.node.state()];
   return stats;
+}
+
+std::vector<NodeCapacity> Cluster::Capacity() {
+  absl::MutexLock lock(&mu_);
+  return CapacityLocked();
 }
 
 std::vector<v1::Node> Cluster::Nodes(bool include_lost) {

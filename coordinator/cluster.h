@@ -68,6 +68,8 @@ class Cluster {
 
   // Nodes with their free GPUs / slots and jobs; LOST ones when include_lost.
   std::vector<v1::Node> Nodes(bool include_lost);
+  // What every registered node offers now (for planning).
+  std::vector<NodeCapacity> Capacity();
 
   // One pass: liveness, settling, scheduling. Returns the pass's statistics.
   ClusterStats Tick();
@@ -104,7 +106,8 @@ class Cluster {
                      const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireNodesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ScheduleLocked(const std::vector<v1::Job>& active) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PlaceLocked(const v1::Job& job, const GangPlacement& placement)
+  void PlaceLocked(const v1::Job& job, const GangPlacement& placement,
+                   const v1::LayoutPlan& plan)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

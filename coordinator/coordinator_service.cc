@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/daemon/grpc_status.h"
 #include "coordinator/job_validation.h"
+#include "coordinator/layout_planning.h"
 #include "coordinator/log_relay.h"
 
 namespace tessera::coordinator {
@@ -229,13 +230,9 @@ grpc::ServerWriteReactor<v1::LogChunk>* CoordinatorService::GetLogs(
 grpc::ServerUnaryReactor* CoordinatorService::PlanLayout(grpc::CallbackServerContext* context,
                                                          const v1::PlanLayoutRequest* request,
                                                          v1::PlanLayoutResponse* response) {
-  absl::Status status = ValidateJobSpec(request->spec());
-  if (status.ok()) {
-    auto plan = PlanJob(request->spec());
-    if (plan.ok()) *response->mutable_plan() = std::move(*plan);
-    status = plan.status();
-  }
-  return Reply(context, status);
+  auto planned = PlanLayoutFor(*request, cluster_->Capacity());
+  if (planned.ok()) *response = std::move(*planned);
+  return Reply(context, planned.status());
 }
 
 }  // namespace tessera::coordinator

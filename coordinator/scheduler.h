@@ -57,6 +57,8 @@ struct NodeCapacity {
   std::vector<int> free_gpus;
   // E.g. "NVIDIA H100 80GB HBM3"; "" on CPU-only nodes.
   std::string gpu_name;
+  // Memory of one GPU as registered; 0 when unknown or CPU-only.
+  int64_t gpu_memory_bytes = 0;
   int total_gpus = 0;
   int free_cpu_slots = 0;
   int total_cpu_slots = 0;

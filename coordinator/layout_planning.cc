@@ -1,0 +1,135 @@
+#include "coordinator/layout_planning.h"
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "planner/devices.h"
+#include "planner/job_plan.h"
+
+namespace tessera::coordinator {
+namespace {
+
+constexpr int kDefaultMaxCandidates = 10;
+
+bool Matches(const v1::JobSpec& spec, const NodeCapacity& node, bool gpus) {
+  if (!node.schedulable) return false;
+  for (const auto& [key, value] : spec.resources().node_selector()) {
+    auto it = node.labels.find(key);
+    if (it == node.labels.end() || it->second != value) return false;
+  }
+  if (!gpus) return node.total_cpu_slots > 0;
+  return node.total_gpus > 0 && absl::StrContains(node.gpu_name, spec.resources().gpu_type());
+}
+
+}  // namespace
+
+absl::StatusOr<PlanTarget> TargetFromNodes(const v1::JobSpec& spec,
+                                           const std::vector<NodeCapacity>& nodes) {
+  const bool gpus = spec.resources().gpus() > 0;
+  // Per GPU name (or "" for CPU slots): free devices, total devices, largest node, memory.
+  struct Group {
+    int free = 0, total = 0, largest = 0;
+    int64_t memory = 0;
+  };
+  std::map<std::string, Group> groups;
+  for (const NodeCapacity& node : nodes) {
+    if (!Matches(spec, node, gpus)) continue;
+    Group& g = groups[gpus ? node.gpu_name : ""];
+    const int total = gpus ? node.total_gpus : node.total_cpu_slots;
+    g.free += gpus ? static_cast<int>(node.free_gpus.size()) : node.free_cpu_slots;
+    g.total += total;
+    g.largest = std::max(g.largest, total);
+    g.memory = std::max(g.memory, node.gpu_memory_bytes);
+  }
+  if (groups.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no registered node offers ", gpus ? "GPUs" : "CPU slots",
+        spec.resources().gpu_type().empty() ? ""
+                                            : absl::StrCat(" of type '", spec.resources().gpu_type(), "'"),
+        spec.resources().node_selector().empty() ? "" : " with the job's node_selector labels"));
+  }
+  auto best = std::max_element(groups.begin(), groups.end(), [](const auto& a, const auto& b) {
+    return std::make_tuple(a.second.free, a.second.total, b.first) <
+           std::make_tuple(b.second.free, b.second.total, a.first);
+  });
+  PlanTarget target;
+  target.gpu_name = best->first;
+  target.devices_per_node = best->second.largest;
+  ASSIGN_OR_RETURN(target.device, planner::DeviceForGpuName(best->first, best->second.memory));
+  return target;
+}
+
+absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutFor(const v1::PlanLayoutRequest& request,
+                                                     const std::vector<NodeCapacity>& nodes) {
+  const v1::JobSpec& spec = request.spec();
+  if (request.gpus() < 0 || request.gpus_per_node() < 0 || request.max_candidates() < 0 ||
+      request.lora_rank() < 0) {
+    return absl::InvalidArgumentError(
+        "gpus, gpus_per_node, max_candidates and lora_rank must be >= 0");
+  }
+  PlanTarget target;
+  const std::string preset = !request.device().name().empty() ? request.device().name()
+                                                               : request.gpu_type();
+  if (!preset.empty()) {
+    auto device = planner::DevicePreset(preset);
+    if (!device.ok()) device = planner::DeviceForGpuName(preset, 0);
+    if (!device.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device: '", preset, "' is not a known device; known: ",
+          absl::StrJoin(planner::DevicePresetNames(), ", ")));
+    }
+    target.device = *device;
+  } else {
+    auto live = TargetFromNodes(spec, nodes);
+    if (!live.ok()) {
+      return absl::Status(live.status().code(),
+                          absl::StrCat(live.status().message(),
+                                       "; name a device (gpu_type or device.name) to plan for a "
+                                       "hypothetical cluster"));
+    }
+    target = *std::move(live);
+  }
+  target.device = planner::ApplyDeviceOverrides(target.device, request.device());
+  planner::JobPlanOptions options;
+  options.device = target.device;
+  options.devices = request.gpus();
+  options.devices_per_node =
+      request.gpus_per_node() > 0 ? request.gpus_per_node()
+      : target.devices_per_node > 0 ? target.devices_per_node
+                                    : (planner::IsCpu(target.device) ? 1 : 8);
+  options.lora_rank = request.lora_rank();
+  ASSIGN_OR_RETURN(planner::JobPlan plan, planner::PlanJobSpec(spec, options));
+  v1::PlanLayoutResponse response;
+  *response.mutable_plan() = std::move(plan.plan);
+  const int limit = request.max_candidates() > 0 ? request.max_candidates() : kDefaultMaxCandidates;
+  for (auto& candidate : plan.candidates) {
+    if (response.candidates_size() >= limit) break;
+    *response.add_candidates() = std::move(candidate);
+  }
+  return response;
+}
+
+absl::StatusOr<v1::LayoutPlan> PlanForScheduling(const v1::JobSpec& spec,
+                                                 const std::vector<NodeCapacity>& nodes) {
+  ASSIGN_OR_RETURN(PlanTarget target, TargetFromNodes(spec, nodes));
+  planner::JobPlanOptions options;
+  options.device = target.device;
+  options.devices_per_node = std::max(1, target.devices_per_node);
+  options.runnable_only = true;
+  ASSIGN_OR_RETURN(planner::JobPlan plan, planner::PlanJobSpec(spec, options));
+  if (!target.gpu_name.empty()) {
+    plan.plan.set_explanation(
+        absl::StrCat(plan.plan.explanation(), " Planned for ", target.gpu_name, "."));
+  }
+  return std::move(plan.plan);
+}
+
+}  // namespace tessera::coordinator
