@@ -120,9 +120,8 @@ absl::StatusOr<std::vector<v1::Node>> CoordinatorClient::Nodes(bool include_lost
   return std::vector<v1::Node>(response.nodes().begin(), response.nodes().end());
 }
 
-absl::StatusOr<v1::PlanLayoutResponse> CoordinatorClient::Plan(const v1::JobSpec& spec) {
-  v1::PlanLayoutRequest request;
-  *request.mutable_spec() = spec;
+absl::StatusOr<v1::PlanLayoutResponse> CoordinatorClient::Plan(
+    const v1::PlanLayoutRequest& request) {
   v1::PlanLayoutResponse response;
   if (auto s = Annotate(coordinator_->PlanLayout(NewContext().get(), request, &response));
       !s.ok()) {

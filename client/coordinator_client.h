@@ -39,7 +39,7 @@ class CoordinatorClient {
   absl::StatusOr<v1::GetMetricsResponse> Metrics(const v1::GetMetricsRequest& request);
   absl::StatusOr<std::vector<v1::Checkpoint>> Checkpoints(const std::string& job_id);
   absl::StatusOr<std::vector<v1::Node>> Nodes(bool include_lost);
-  absl::StatusOr<v1::PlanLayoutResponse> Plan(const v1::JobSpec& spec);
+  absl::StatusOr<v1::PlanLayoutResponse> Plan(const v1::PlanLayoutRequest& request);
   // Streams the job's events after `after_sequence` to `on_event` until the
   // job is terminal (OK) or `on_event` returns false (CANCELLED). No deadline.
   absl::Status Watch(const std::string& job_id, int64_t after_sequence,

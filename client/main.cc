@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -22,6 +23,7 @@
 #include "client/coordinator_client.h"
 #include "client/job_spec_file.h"
 #include "client/local_cluster.h"
+#include "client/plan_command.h"
 #include "client/plot.h"
 #include "common/command_line.h"
 #include "common/version.h"
@@ -68,7 +70,11 @@ constexpr char kUsage[] =
     "  plot JOB [-o FILE.svg]       loss and throughput curves as an SVG image\n"
     "  checkpoints JOB              retained checkpoints\n"
     "  nodes                        registered nodes and their free capacity\n"
-    "  plan SPEC.yaml               the layout the coordinator would choose\n"
+    "  plan [SPEC.yaml] [--model=PRESET --seq_len=S --global_batch=B --micro_batch=M\n"
+    "       --precision=bf16 --gpus=N --gpus_per_node=G --device=h100-sxm --gpu_memory=80GiB\n"
+    "       --layout=tp=4,pp=2,zero=1,sp=on,ac=selective --lora_rank=R]\n"
+    "                               memory, step time and rank of every layout; offline when\n"
+    "                               a device is named, else for the coordinator's cluster\n"
     "  local [--workers=N] [--cpu_slots=N] [--dir=DIR]   run a coordinator and workers on this\n"
     "                               machine until Ctrl-C\n"
     "  health                       whether the coordinator serves\n"
@@ -223,9 +229,23 @@ int Local() {
   return 0;
 }
 
+// Flags are declared with underscores (--seq_len); people also type dashes (--seq-len). Rewrites
+// the name part of every "--flag[=value]" argument (up to a bare "--") to the underscore form.
+void AcceptDashedFlags(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "--") break;
+    if (arg.size() < 3 || arg.substr(0, 2) != "--") continue;
+    for (char* c = argv[i] + 2; *c != '\0' && *c != '='; ++c) {
+      if (*c == '-') *c = '_';
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  AcceptDashedFlags(argc, argv);
   std::vector<char*> args = tessera::ParseCommandLine(argc, argv, kUsage);
   if (args.size() < 2) {
     std::cerr << kUsage;
@@ -263,16 +283,11 @@ int main(int argc, char** argv) {
               << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*serving) << "\n";
     return *serving == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
   }
-  if (command == "submit" || command == "plan") {
+  if (command == "plan") return tessera::client::RunPlan(arg, client, json);
+  if (command == "submit") {
     if (!need_arg("SPEC file")) return 2;
     auto spec = tessera::client::LoadJobSpec(arg);
     if (!spec.ok()) return Fail(spec.status());
-    if (command == "plan") {
-      auto plan = client.Plan(*spec);
-      if (!plan.ok()) return Fail(plan.status());
-      std::cout << Json(*plan);
-      return 0;
-    }
     auto job = client.Submit(*spec);
     if (!job.ok()) return Fail(job.status());
     std::cout << job->job_id() << "\n";

@@ -9,15 +9,12 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "planner/devices.h"
 #include "planner/job_plan.h"
 
 namespace tessera::coordinator {
 namespace {
-
-constexpr int kDefaultMaxCandidates = 10;
 
 bool Matches(const v1::JobSpec& spec, const NodeCapacity& node, bool gpus) {
   if (!node.schedulable) return false;
@@ -31,7 +28,7 @@ bool Matches(const v1::JobSpec& spec, const NodeCapacity& node, bool gpus) {
 
 }  // namespace
 
-absl::StatusOr<PlanTarget> TargetFromNodes(const v1::JobSpec& spec,
+absl::StatusOr<planner::DeviceTarget> TargetFromNodes(const v1::JobSpec& spec,
                                            const std::vector<NodeCapacity>& nodes) {
   const bool gpus = spec.resources().gpus() > 0;
   // Per GPU name (or "" for CPU slots): free devices, total devices, largest node, memory.
@@ -60,7 +57,7 @@ absl::StatusOr<PlanTarget> TargetFromNodes(const v1::JobSpec& spec,
     return std::make_tuple(a.second.free, a.second.total, b.first) <
            std::make_tuple(b.second.free, b.second.total, a.first);
   });
-  PlanTarget target;
+  planner::DeviceTarget target;
   target.gpu_name = best->first;
   target.devices_per_node = best->second.largest;
   ASSIGN_OR_RETURN(target.device, planner::DeviceForGpuName(best->first, best->second.memory));
@@ -69,57 +66,12 @@ absl::StatusOr<PlanTarget> TargetFromNodes(const v1::JobSpec& spec,
 
 absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutFor(const v1::PlanLayoutRequest& request,
                                                      const std::vector<NodeCapacity>& nodes) {
-  const v1::JobSpec& spec = request.spec();
-  if (request.gpus() < 0 || request.gpus_per_node() < 0 || request.max_candidates() < 0 ||
-      request.lora_rank() < 0) {
-    return absl::InvalidArgumentError(
-        "gpus, gpus_per_node, max_candidates and lora_rank must be >= 0");
-  }
-  PlanTarget target;
-  const std::string preset = !request.device().name().empty() ? request.device().name()
-                                                               : request.gpu_type();
-  if (!preset.empty()) {
-    auto device = planner::DevicePreset(preset);
-    if (!device.ok()) device = planner::DeviceForGpuName(preset, 0);
-    if (!device.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "device: '", preset, "' is not a known device; known: ",
-          absl::StrJoin(planner::DevicePresetNames(), ", ")));
-    }
-    target.device = *device;
-  } else {
-    auto live = TargetFromNodes(spec, nodes);
-    if (!live.ok()) {
-      return absl::Status(live.status().code(),
-                          absl::StrCat(live.status().message(),
-                                       "; name a device (gpu_type or device.name) to plan for a "
-                                       "hypothetical cluster"));
-    }
-    target = *std::move(live);
-  }
-  target.device = planner::ApplyDeviceOverrides(target.device, request.device());
-  planner::JobPlanOptions options;
-  options.device = target.device;
-  options.devices = request.gpus();
-  options.devices_per_node =
-      request.gpus_per_node() > 0 ? request.gpus_per_node()
-      : target.devices_per_node > 0 ? target.devices_per_node
-                                    : (planner::IsCpu(target.device) ? 1 : 8);
-  options.lora_rank = request.lora_rank();
-  ASSIGN_OR_RETURN(planner::JobPlan plan, planner::PlanJobSpec(spec, options));
-  v1::PlanLayoutResponse response;
-  *response.mutable_plan() = std::move(plan.plan);
-  const int limit = request.max_candidates() > 0 ? request.max_candidates() : kDefaultMaxCandidates;
-  for (auto& candidate : plan.candidates) {
-    if (response.candidates_size() >= limit) break;
-    *response.add_candidates() = std::move(candidate);
-  }
-  return response;
+  return planner::PlanLayoutRequest(request, TargetFromNodes(request.spec(), nodes));
 }
 
 absl::StatusOr<v1::LayoutPlan> PlanForScheduling(const v1::JobSpec& spec,
                                                  const std::vector<NodeCapacity>& nodes) {
-  ASSIGN_OR_RETURN(PlanTarget target, TargetFromNodes(spec, nodes));
+  ASSIGN_OR_RETURN(planner::DeviceTarget target, TargetFromNodes(spec, nodes));
   planner::JobPlanOptions options;
   options.device = target.device;
   options.devices_per_node = std::max(1, target.devices_per_node);

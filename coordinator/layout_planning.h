@@ -1,39 +1,27 @@
-// Where the coordinator meets the layout planner (planner/job_plan.h): which device and node shape
-// a job is planned for, from the request (a hypothetical cluster) or from the registered nodes (the
-// live one), for the PlanLayout RPC and for scheduling. Pure functions over NodeCapacity lists, so
-// the scheduler's lock is the only synchronisation needed; thread-safe.
+// Where the coordinator meets the layout planner (planner/job_plan.h): the device and node shape of
+// the live cluster a job would run on, for the PlanLayout RPC and for scheduling. Pure functions
+// over NodeCapacity lists, so the scheduler's lock is the only synchronisation needed; thread-safe.
 #pragma once
 
-#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "coordinator/scheduler.h"
+#include "planner/job_plan.h"
 #include "tessera/v1/coordinator_service.pb.h"
 #include "tessera/v1/job.pb.h"
 #include "tessera/v1/layout.pb.h"
 
 namespace tessera::coordinator {
 
-// The device a job would run on.
-struct PlanTarget {
-  v1::DeviceModel device;
-  int devices_per_node = 0;
-  // The registered GPU name the target was taken from ("" for a CPU or a hypothetical device).
-  std::string gpu_name;
-};
-
 // The device and node shape of the live cluster for `spec`: among schedulable nodes that match its
 // node_selector (and gpu_type), for GPU jobs the GPU model with the most free GPUs (ties: most in
 // total, then name), for CPU jobs the CPU slot model. devices_per_node is the largest such node.
-// FAILED_PRECONDITION when no registered node matches; NOT_FOUND when the GPU has no device model
-// (the message says to plan with an explicit device).
-absl::StatusOr<PlanTarget> TargetFromNodes(const v1::JobSpec& spec,
-                                           const std::vector<NodeCapacity>& nodes);
+// FAILED_PRECONDITION when no registered node matches; NOT_FOUND when the GPU has no device model.
+absl::StatusOr<planner::DeviceTarget> TargetFromNodes(const v1::JobSpec& spec,
+                                                      const std::vector<NodeCapacity>& nodes);
 
-// Coordinator.PlanLayout: the target is the request's device (a preset name plus overrides), or its
-// gpu_type, or else the live cluster's; gpus and gpus_per_node override the spec's and the
-// cluster's. Up to max_candidates (0: 10) candidates are returned after the chosen plan.
+// Coordinator.PlanLayout on the live cluster `nodes` (see planner::PlanLayoutRequest).
 absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutFor(const v1::PlanLayoutRequest& request,
                                                      const std::vector<NodeCapacity>& nodes);
 

@@ -122,7 +122,8 @@ struct SearchLimits {
 };
 
 struct SearchResult {
-  // Fitting layouts by estimated tokens/s (fastest first; ties: less memory), then layouts that do
+  // Fitting layouts by estimated tokens/s (fastest first; ties: the simpler layout, i.e. lower
+  // ZeRO stage, less recomputation, no sp, fewer stages, less tp; then less memory), then layouts that do
   // not fit by how much they miss, then invalid ones; each with its reason when not fitting.
   std::vector<v1::LayoutCandidate> candidates;
   int fitting = 0;

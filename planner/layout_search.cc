@@ -195,7 +195,13 @@ SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const Searc
     const int group = p.fits() ? 0 : (p.has_memory() ? 1 : 2);
     const double speed = group == 0 ? -p.step_time().tokens_per_second() : 0;
     const int64_t over = group == 1 ? p.memory().total_bytes() - p.memory().usable_bytes() : 0;
-    return std::make_tuple(group, speed, over, p.memory().total_bytes());
+    // Equal speed: the simpler layout (less sharding, recomputation, parallelism), then less
+    // memory.
+    const v1::Layout& l = p.layout();
+    return std::make_tuple(group, speed, over, l.zero_stage(),
+                           static_cast<int>(l.activation_checkpointing_mode()),
+                           l.sequence_parallel(), l.pipeline_parallel(), l.tensor_parallel(),
+                           p.memory().total_bytes());
   };
   std::stable_sort(result.candidates.begin(), result.candidates.end(),
                    [&](const v1::LayoutCandidate& a, const v1::LayoutCandidate& b) {

@@ -1,0 +1,198 @@
+#include "planner/job_plan.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "planner/devices.h"
+#include "planner/model_config.h"
+
+namespace tessera::planner {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view problem) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", problem));
+}
+
+}  // namespace
+
+SearchLimits TrainerCapabilities() {
+  SearchLimits limits;
+  limits.max_tp = 1;
+  limits.max_pp = 1;
+  limits.max_zero = 0;
+  limits.allow_activation_checkpointing = false;
+  limits.allow_sequence_parallel = false;
+  return limits;
+}
+
+absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOptions& options) {
+  RETURN_IF_ERROR(ValidateDeviceModel(options.device));
+  ASSIGN_OR_RETURN(const v1::ModelSummary model,
+                   ResolveModel(spec.model(), spec.data().seq_len()));
+  Workload w;
+  w.dims = model.dims();
+  w.seq_len = spec.data().seq_len();
+  w.global_batch = spec.batch().global_batch_size();
+  w.lora_rank = options.lora_rank;
+  if (w.global_batch <= 0) {
+    return Invalid("batch.global_batch_size", absl::StrCat("must be > 0, got ", w.global_batch));
+  }
+  const int micro = spec.batch().micro_batch_size();
+  if (micro < 0) {
+    return Invalid("batch.micro_batch_size", absl::StrCat("must be >= 0, got ", micro));
+  }
+  if (options.lora_rank < 0) {
+    return Invalid("lora_rank", absl::StrCat("must be >= 0, got ", options.lora_rank));
+  }
+  const bool cpu = IsCpu(options.device);
+  switch (spec.precision()) {
+    case v1::PRECISION_UNSPECIFIED:
+      w.precision = cpu ? v1::PRECISION_FP32 : v1::PRECISION_BF16;
+      break;
+    case v1::PRECISION_FP32:
+    case v1::PRECISION_BF16:
+      w.precision = spec.precision();
+      break;
+    default:
+      return Invalid("precision", absl::StrCat("unknown value ", spec.precision()));
+  }
+  ClusterShape cluster;
+  cluster.device = options.device;
+  cluster.gpus = options.devices > 0 ? options.devices
+                 : spec.resources().gpus() > 0 ? spec.resources().gpus()
+                                               : spec.resources().cpu_slots();
+  cluster.gpus_per_node = options.devices_per_node;
+  if (cluster.gpus <= 0) {
+    return Invalid("resources.gpus", "plan for at least one device (gpus or cpu_slots > 0)");
+  }
+  if (cluster.gpus_per_node <= 0) {
+    return Invalid("devices_per_node",
+                   absl::StrCat("must be > 0, got ", cluster.gpus_per_node));
+  }
+
+  SearchLimits limits;
+  limits.micro_batch = micro;
+  const bool explicit_layout = spec.parallelism().has_layout();
+  if (!explicit_layout) {
+    const v1::AutoLayoutSpec& auto_layout = spec.parallelism().auto_layout();
+    limits.max_tp = auto_layout.max_tensor_parallel();
+    limits.max_pp = auto_layout.max_pipeline_parallel();
+    if (auto_layout.has_max_zero_stage()) limits.max_zero = auto_layout.max_zero_stage();
+    if (auto_layout.has_allow_activation_checkpointing()) {
+      limits.allow_activation_checkpointing = auto_layout.allow_activation_checkpointing();
+    }
+    const double headroom = auto_layout.memory_headroom_fraction();
+    if (headroom < 0 || headroom > 1 || headroom != headroom) {
+      return Invalid("parallelism.auto_layout.memory_headroom_fraction",
+                     absl::StrCat("must be in (0, 1] (0 for 0.9), got ", headroom));
+    }
+    if (headroom > 0) cluster.memory_headroom = headroom;
+    if (options.runnable_only) {
+      const SearchLimits runnable = TrainerCapabilities();
+      auto cap = [](int limit, int max) { return limit > 0 ? std::min(limit, max) : max; };
+      limits.max_tp = cap(limits.max_tp, runnable.max_tp);
+      limits.max_pp = cap(limits.max_pp, runnable.max_pp);
+      limits.max_zero = std::min(limits.max_zero, runnable.max_zero);
+      limits.allow_activation_checkpointing &= runnable.allow_activation_checkpointing;
+      limits.allow_sequence_parallel &= runnable.allow_sequence_parallel;
+    }
+  }
+
+  JobPlan out;
+  if (explicit_layout) {
+    const v1::Layout& layout = spec.parallelism().layout();
+    std::vector<int> micro_batches;
+    if (micro > 0) {
+      micro_batches.push_back(micro);
+    } else {
+      const int dp = std::max(1, layout.data_parallel());
+      for (int64_t m = 1; m <= w.global_batch / dp && m <= (1 << 20); m *= 2) {
+        if ((w.global_batch / dp) % m == 0) micro_batches.push_back(static_cast<int>(m));
+      }
+      if (micro_batches.empty()) micro_batches.push_back(1);
+    }
+    SearchResult result;
+    for (int m : micro_batches) {
+      result.candidates.push_back(EvaluateLayout(w, FromProto(layout, m), cluster));
+    }
+    std::stable_sort(result.candidates.begin(), result.candidates.end(),
+                     [](const v1::LayoutCandidate& a, const v1::LayoutCandidate& b) {
+                       return std::make_pair(!a.plan().fits(),
+                                             -a.plan().step_time().tokens_per_second()) <
+                              std::make_pair(!b.plan().fits(),
+                                             -b.plan().step_time().tokens_per_second());
+                     });
+    result.fitting = static_cast<int>(
+        std::count_if(result.candidates.begin(), result.candidates.end(),
+                      [](const v1::LayoutCandidate& c) { return c.plan().fits(); }));
+    out.plan = ChoosePlan(result, cluster);
+    out.plan.set_explanation(absl::StrCat("Explicit layout from the job spec. ",
+                                          out.plan.explanation()));
+    out.candidates = std::move(result.candidates);
+  } else {
+    SearchResult result = SearchLayouts(w, cluster, limits);
+    out.plan = ChoosePlan(result, cluster);
+    if (options.runnable_only) {
+      out.plan.set_explanation(absl::StrCat(
+          out.plan.explanation(),
+          " Chosen among the layouts this trainer runs (data parallel, no ZeRO, no "
+          "recomputation)."));
+    }
+    out.candidates = std::move(result.candidates);
+  }
+  return out;
+}
+
+absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutRequest(
+    const v1::PlanLayoutRequest& request, const absl::StatusOr<DeviceTarget>& live) {
+  if (request.gpus() < 0 || request.gpus_per_node() < 0 || request.max_candidates() < 0 ||
+      request.lora_rank() < 0) {
+    return absl::InvalidArgumentError(
+        "gpus, gpus_per_node, max_candidates and lora_rank must be >= 0");
+  }
+  DeviceTarget target;
+  const std::string preset = !request.device().name().empty() ? request.device().name()
+                                                               : request.gpu_type();
+  if (!preset.empty()) {
+    auto device = DevicePreset(preset);
+    if (!device.ok()) device = DeviceForGpuName(preset, 0);
+    if (!device.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("device: '", preset,
+                                                     "' is not a known device; known: ",
+                                                     absl::StrJoin(DevicePresetNames(), ", ")));
+    }
+    target.device = *std::move(device);
+  } else if (live.ok()) {
+    target = *live;
+  } else {
+    return absl::Status(live.status().code(),
+                        absl::StrCat(live.status().message(),
+                                     "; name a device (gpu_type or device.name) to plan for a "
+                                     "hypothetical cluster"));
+  }
+  target.device = ApplyDeviceOverrides(target.device, request.device());
+  JobPlanOptions options;
+  options.device = target.device;
+  options.devices = request.gpus();
+  options.devices_per_node = request.gpus_per_node() > 0 ? request.gpus_per_node()
+                             : target.devices_per_node > 0 ? target.devices_per_node
+                             : IsCpu(target.device)        ? 1
+                                                           : 8;
+  options.lora_rank = request.lora_rank();
+  ASSIGN_OR_RETURN(JobPlan plan, PlanJobSpec(request.spec(), options));
+  v1::PlanLayoutResponse response;
+  *response.mutable_plan() = std::move(plan.plan);
+  const int limit = request.max_candidates() > 0 ? request.max_candidates() : 10;
+  for (auto& candidate : plan.candidates) {
+    if (response.candidates_size() >= limit) break;
+    *response.add_candidates() = std::move(candidate);
+  }
+  return response;
+}
+
+}  // namespace tessera::planner

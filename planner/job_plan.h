@@ -1,0 +1,67 @@
+// Planning a job spec: turns a JobSpec (model, data.seq_len, batch, parallelism, precision,
+// resources) plus a cluster shape into the planner's inputs, runs the search (or evaluates the
+// spec's explicit layout) and returns the chosen plan with the candidates. Shared by the
+// coordinator (PlanLayout RPC, `parallelism: auto` at scheduling time) and the offline
+// `tessera plan`. Pure; thread-safe.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "planner/layout_planner.h"
+#include "tessera/v1/coordinator_service.pb.h"
+#include "tessera/v1/job.pb.h"
+#include "tessera/v1/layout.pb.h"
+
+namespace tessera::planner {
+
+// The layouts this project's trainer runs today (trainer/train.cc refuses the rest with
+// UNIMPLEMENTED): data parallel only, no ZeRO, no recomputation. `parallelism: auto` chooses
+// among these; the planner can still estimate every layout.
+SearchLimits TrainerCapabilities();
+
+struct JobPlanOptions {
+  // Devices to plan for; 0 uses resources.gpus (or resources.cpu_slots when gpus is 0).
+  int devices = 0;
+  // Devices per node; must be > 0.
+  int devices_per_node = 0;
+  // The device model (already resolved from a preset, a GPU name and overrides).
+  v1::DeviceModel device;
+  // LoRA adapter rank; 0 plans full training.
+  int lora_rank = 0;
+  // Restrict automatic layouts to what the trainer runs (TrainerCapabilities()).
+  bool runnable_only = false;
+};
+
+struct JobPlan {
+  // The chosen plan (fits = false when nothing fits; its explanation says why).
+  v1::LayoutPlan plan;
+  // Everything considered, best first (see SearchLayouts).
+  std::vector<v1::LayoutCandidate> candidates;
+};
+
+// Plans `spec`. Only the fields planning needs are checked: model, data.seq_len,
+// batch.global_batch_size (> 0), batch.micro_batch_size (>= 0; 0 searches micro-batches), the
+// parallelism limits or explicit layout's degrees, precision; INVALID_ARGUMENT naming the field
+// otherwise. An explicit layout is evaluated as given (over the micro-batches when the spec's is
+// 0); an automatic one is searched within spec.parallelism.auto_layout's limits.
+absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOptions& options);
+
+// The device a job is planned for, and how many of them a node holds.
+struct DeviceTarget {
+  v1::DeviceModel device;
+  int devices_per_node = 0;
+  // The registered GPU name the target was taken from ("" for a CPU or a hypothetical device).
+  std::string gpu_name;
+};
+
+// Coordinator.PlanLayout's rules, for the coordinator and the offline CLI alike: the target is the
+// request's device (a preset name, or gpu_type, plus overrides), else `live` (the registered
+// cluster's; its error is returned, with a hint to name a device, when it has none); gpus and
+// gpus_per_node override the spec's and the target's. Up to max_candidates (0: 10) candidates
+// follow the chosen plan.
+absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutRequest(
+    const v1::PlanLayoutRequest& request, const absl::StatusOr<DeviceTarget>& live);
+
+}  // namespace tessera::planner
