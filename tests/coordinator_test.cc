@@ -274,6 +274,94 @@ TEST_F(CoordinatorTest, PendingReasonNamesTheShortfall) {
   EXPECT_THAT(job.reason(), HasSubstr("needs 8 GPUs"));
 }
 
+// An automatic-layout job on GPUs: the given gpt2-124m spec, no explicit layout.
+v1::JobSpec AutoGpuSpec(const std::string& name, const std::string& preset, int gpus,
+                        int micro_batch) {
+  v1::JobSpec spec = ValidSpec(name);
+  spec.mutable_model()->set_preset(preset);
+  spec.mutable_data()->set_seq_len(1024);
+  spec.mutable_resources()->set_cpu_slots(0);
+  spec.mutable_resources()->set_gpus(gpus);
+  spec.mutable_batch()->set_global_batch_size(64);
+  spec.mutable_batch()->set_micro_batch_size(micro_batch);
+  spec.mutable_parallelism()->mutable_auto_layout();
+  return spec;
+}
+
+TEST_F(CoordinatorTest, AutoLayoutIsPlannedForTheRegisteredGpus) {
+  RegisterNode("gpu-node", 8, 0);
+  v1::Job job = Submit(AutoGpuSpec("auto-fits", "gpt2-124m", 8, 8));
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
+  // GetJob shows the plan the planner chose, and why.
+  const v1::LayoutPlan& plan = job.plan();
+  EXPECT_TRUE(plan.fits());
+  EXPECT_EQ(plan.device().name(), "h100-sxm");
+  EXPECT_EQ(plan.layout().data_parallel(), 8);
+  EXPECT_EQ(plan.gradient_accumulation_steps(), 1);
+  EXPECT_GT(plan.memory().total_bytes(), plan.memory().weights_bytes());
+  EXPECT_LT(plan.memory().total_bytes(), plan.memory().usable_bytes());
+  EXPECT_GT(plan.step_time().tokens_per_second(), 0);
+  EXPECT_THAT(plan.explanation(), HasSubstr("fastest of"));
+  EXPECT_THAT(plan.explanation(), HasSubstr("NVIDIA H100 80GB HBM3"));
+  // The trainers get the same plan.
+  v1::HeartbeatResponse started = Heartbeat("gpu-node");
+  ASSERT_EQ(started.start_size(), 1);
+  EXPECT_EQ(started.start(0).trainers(0).plan().explanation(), plan.explanation());
+}
+
+TEST_F(CoordinatorTest, AutoLayoutThatFitsNowhereWaitsWithThePlannersReason) {
+  RegisterNode("gpu-node", 8, 0);
+  // 8B parameters of data-parallel AdamW state (16 bytes each) on 80 GB GPUs: nothing the
+  // trainer runs fits.
+  v1::Job job = Submit(AutoGpuSpec("auto-too-big", "llama3-8b", 8, 1));
+  job = WaitForJob(job.job_id(), [](const v1::Job& j) {
+    return j.reason().find("No layout fits") != std::string::npos;
+  });
+  EXPECT_EQ(job.state(), v1::JOB_STATE_PENDING);
+  EXPECT_THAT(job.reason(), HasSubstr("does not fit: needs"));
+  EXPECT_THAT(job.reason(), HasSubstr("over by"));
+  EXPECT_EQ(Heartbeat("gpu-node").start_size(), 0);
+}
+
+TEST_F(CoordinatorTest, PlanLayoutForAHypotheticalOrTheLiveCluster) {
+  v1::PlanLayoutRequest request;
+  *request.mutable_spec() = AutoGpuSpec("plan", "gpt2-124m", 8, 8);
+  v1::PlanLayoutResponse response;
+  // No GPU node registered: the live cluster cannot be planned for.
+  grpc::Status status = stub_->PlanLayout(Context().get(), request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("name a device"));
+  // A hypothetical cluster: 64 H200s, 8 per node.
+  request.set_gpu_type("h200");
+  request.set_gpus(64);
+  request.set_max_candidates(5);
+  status = stub_->PlanLayout(Context().get(), request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(response.plan().fits());
+  EXPECT_EQ(response.plan().world_size(), 64);
+  EXPECT_EQ(response.plan().device().name(), "h200");
+  EXPECT_EQ(response.candidates_size(), 5);
+  // The live cluster once a node registered.
+  RegisterNode("gpu-node", 8, 0);
+  request.clear_gpu_type();
+  request.set_gpus(0);
+  status = stub_->PlanLayout(Context().get(), request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.plan().world_size(), 8);
+  EXPECT_EQ(response.plan().device().name(), "h100-sxm");
+  // Bad input.
+  request.set_gpu_type("tpu-v5");
+  EXPECT_EQ(stub_->PlanLayout(Context().get(), request, &response).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  request.clear_gpu_type();
+  request.mutable_spec()->mutable_data()->set_seq_len(4096);
+  status = stub_->PlanLayout(Context().get(), request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("data.seq_len"));
+}
+
 TEST_F(CoordinatorTest, CancelStopsTheTasks) {
   RegisterNode("cpu-node", 0, 2);
   v1::Job job = Submit(ValidSpec("to-cancel"));

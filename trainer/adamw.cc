@@ -45,6 +45,18 @@ void FusedAdamW::Step(double lr) {
   }
 }
 
+int64_t FusedAdamW::StateBytes() const {
+  int64_t bytes = 0;
+  for (const auto& group : state_) {
+    for (const State& state : group) {
+      for (const at::Tensor* t : {&state.exp_avg, &state.exp_avg_sq, &state.step}) {
+        if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+      }
+    }
+  }
+  return bytes;
+}
+
 void FusedAdamW::ZeroGrad() {
   for (auto& group : groups_) {
     for (auto& param : group.params) param.mutable_grad().reset();

@@ -7,6 +7,7 @@
 
 #include <torch/serialize/archive.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "trainer/torch_pch.h"
@@ -36,6 +37,10 @@ class FusedAdamW {
   void Step(double lr);
   // Drops every gradient (set to undefined, as zero_grad(set_to_none=true)).
   void ZeroGrad();
+
+  // Bytes of optimizer state allocated so far (moments and step counters; created at a
+  // parameter's first step).
+  int64_t StateBytes() const;
 
   // Moments and step counters, keyed by group and position in the group.
   void Save(torch::serialize::OutputArchive& archive) const;

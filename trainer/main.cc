@@ -9,13 +9,17 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/command_line.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
+#include "planner/model_config.h"
 #include "trainer/distributed.h"
+#include "trainer/model.h"
 #include "trainer/prepare.h"
 #include "trainer/reporter.h"
+#include "trainer/safetensors.h"
 #include "trainer/self_check.h"
 #include "trainer/train.h"
 
@@ -50,6 +54,11 @@ ABSL_FLAG(int, keep_last, 0, "Standalone: checkpoints kept; 0 keeps all.");
 ABSL_FLAG(bool, resume, true, "Standalone: resume from the newest complete checkpoint.");
 ABSL_FLAG(bool, export_safetensors, false, "Standalone: export the final weights.");
 ABSL_FLAG(std::string, job_id, "standalone", "Standalone: job id in reports and checkpoints.");
+ABSL_FLAG(std::string, export_initial, "",
+          "With --task or standalone flags: write the weights the run would start step 1 from "
+          "(a fresh run, no resume) to this safetensors file, float32 and named as "
+          "--export_safetensors names them, with the resolved model in its metadata; then exit "
+          "without training. For comparing against other implementations.");
 // tessera-trainer prepare
 ABSL_FLAG(std::vector<std::string>, input, {}, "prepare: input .txt / .jsonl files.");
 ABSL_FLAG(std::string, output_dir, "", "prepare: directory for the token shards.");
@@ -160,6 +169,60 @@ int Check() {
   return 0;
 }
 
+// Contract with Trainer::Setup (train.cc): a fresh run seeds LibTorch's CPU generator with the
+// job seed (0 means 1234) and builds the model on the CPU before anything else draws from it, so
+// the same steps here give bit-identical weights. A change there that breaks this shows up as a
+// first-step loss mismatch in bench/trainer_bench.py.
+int ExportInitialWeights(const tessera::v1::TrainerTask& task, const std::string& path) {
+  const tessera::v1::JobSpec& spec = task.spec();
+  auto summary = tessera::planner::ResolveModel(spec.model(), spec.data().seq_len());
+  if (!summary.ok()) {
+    std::cerr << "tessera-trainer: " << summary.status() << "\n";
+    return 2;
+  }
+  std::string dims_json;
+  google::protobuf::util::JsonPrintOptions json_options;
+  json_options.preserve_proto_field_names = true;
+  json_options.always_print_primitive_fields = true;
+  if (!google::protobuf::util::MessageToJsonString(summary->dims(), &dims_json, json_options)
+           .ok()) {
+    std::cerr << "tessera-trainer: cannot print the model dims as JSON\n";
+    return 1;
+  }
+  try {
+    torch::manual_seed(spec.seed() != 0 ? spec.seed() : 1234);
+    tessera::trainer::CausalLM model(summary->dims(), spec.model().init_std());
+    std::vector<tessera::trainer::TensorView> views;
+    for (const auto& item : model->named_parameters()) {
+      const at::Tensor& value = item.value();
+      views.push_back({.name = item.key(),
+                       .dtype = "F32",
+                       .shape = value.sizes().vec(),
+                       .data = value.data_ptr(),
+                       .nbytes = static_cast<size_t>(value.nbytes())});
+    }
+    absl::Status status = tessera::trainer::WriteSafetensors(
+        path, views,
+        {{"format", "pt"},
+         {"tessera.step", "0"},
+         {"tessera.preset", summary->preset()},
+         {"tessera.dims", dims_json},
+         {"tessera.num_parameters", std::to_string(summary->num_parameters())},
+         {"tessera.flops_per_token", absl::StrFormat("%.17g", summary->flops_per_token())}});
+    if (!status.ok()) {
+      std::cerr << "tessera-trainer: --export_initial: " << status << "\n";
+      return 1;
+    }
+  } catch (const c10::Error& e) {
+    std::cerr << "tessera-trainer: --export_initial: LibTorch: " << e.what_without_backtrace()
+              << "\n";
+    return 1;
+  }
+  std::cout << "exported the initial weights of " << summary->num_parameters()
+            << " parameters to " << path << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -185,6 +248,9 @@ int main(int argc, char** argv) {
     std::cerr << "tessera-trainer: nothing to do; pass --task, --data, prepare or --check\n\n"
               << kUsage;
     return 2;
+  }
+  if (!absl::GetFlag(FLAGS_export_initial).empty()) {
+    return ExportInitialWeights(task, absl::GetFlag(FLAGS_export_initial));
   }
   auto assignment = tessera::trainer::ResolveRankAssignment(
       task.assignment(), [](const char* name) { return std::getenv(name); });

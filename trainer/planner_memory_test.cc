@@ -1,0 +1,109 @@
+// The planner's model-state terms against what the trainer really allocates on CPU: for several
+// model shapes, build the trainer's module and its fused AdamW, run one step, and compare the bytes
+// of parameters, gradients and optimizer state with planner::EstimateMemory for the same config.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "planner/devices.h"
+#include "planner/layout_planner.h"
+#include "planner/model_config.h"
+#include "trainer/adamw.h"
+#include "trainer/model.h"
+
+namespace tessera::trainer {
+namespace {
+
+struct Allocated {
+  int64_t weights = 0;
+  int64_t gradients = 0;
+  int64_t optimizer = 0;
+};
+
+// One training step of the trainer's model and optimizer, as train.cc sets them up.
+Allocated TrainOneStep(const v1::ModelDims& dims, int seq, int batch) {
+  torch::manual_seed(7);
+  CausalLM model(dims, planner::kDefaultInitStd);
+  FusedAdamW optimizer({{.params = model->DecayParameters(), .weight_decay = 0.1},
+                        {.params = model->NoDecayParameters(), .weight_decay = 0.0}},
+                       AdamWOptions{});
+  at::Tensor tokens = torch::randint(dims.vocab_size(), {batch, seq + 1}, torch::kLong);
+  at::Tensor loss = model->Loss(tokens.narrow(1, 0, seq), tokens.narrow(1, 1, seq));
+  loss.backward();
+  optimizer.Step(1e-3);
+  Allocated out;
+  for (const auto& param : model->parameters()) {
+    out.weights += static_cast<int64_t>(param.nbytes());
+    if (param.grad().defined()) out.gradients += static_cast<int64_t>(param.grad().nbytes());
+  }
+  out.optimizer = optimizer.StateBytes();
+  return out;
+}
+
+v1::ModelDims Resolve(const v1::ModelSpec& spec) {
+  auto summary = planner::ResolveModel(spec, 16);
+  EXPECT_TRUE(summary.ok()) << summary.status();
+  return summary->dims();
+}
+
+std::vector<std::pair<std::string, v1::ModelDims>> Shapes() {
+  std::vector<std::pair<std::string, v1::ModelDims>> shapes;
+  for (const char* preset : {"tiny-gpt2", "tiny-llama"}) {
+    v1::ModelSpec spec;
+    spec.set_preset(preset);
+    shapes.emplace_back(preset, Resolve(spec));
+  }
+  v1::ModelSpec qwen_like;  // GQA, qk_norm, untied head
+  v1::ModelDims* d = qwen_like.mutable_dims();
+  d->set_architecture(v1::ARCHITECTURE_LLAMA);
+  d->set_num_layers(3);
+  d->set_hidden_size(96);
+  d->set_num_attention_heads(6);
+  d->set_num_kv_heads(2);
+  d->set_head_dim(32);
+  d->set_ffn_hidden_size(200);
+  d->set_vocab_size(300);
+  d->set_max_seq_len(64);
+  d->set_qk_norm(true);
+  shapes.emplace_back("llama-gqa-qk_norm-untied", Resolve(qwen_like));
+  v1::ModelSpec gpt2_untied;
+  d = gpt2_untied.mutable_dims();
+  d->set_architecture(v1::ARCHITECTURE_GPT2);
+  d->set_num_layers(2);
+  d->set_hidden_size(64);
+  d->set_num_attention_heads(4);
+  d->set_vocab_size(257);
+  d->set_max_seq_len(32);
+  d->set_tie_embeddings(false);
+  shapes.emplace_back("gpt2-untied", Resolve(gpt2_untied));
+  return shapes;
+}
+
+TEST(PlannerMemoryTest, ModelStateMatchesTheTrainersAllocations) {
+  planner::ClusterShape cpu;
+  cpu.device = *planner::DevicePreset("cpu");
+  for (const auto& [name, dims] : Shapes()) {
+    SCOPED_TRACE(name);
+    const int seq = 16, micro = 2;
+    const Allocated real = TrainOneStep(dims, seq, micro);
+    planner::Workload workload;
+    workload.dims = dims;
+    workload.seq_len = seq;
+    workload.global_batch = micro;
+    workload.precision = v1::PRECISION_FP32;
+    const planner::LayoutChoice layout{1, 1, 1, 0, micro};
+    ASSERT_EQ(planner::InvalidReason(workload, layout, cpu), std::nullopt);
+    const v1::MemoryEstimate estimate = planner::EstimateMemory(workload, layout, cpu).at(0);
+    EXPECT_EQ(estimate.parameters(), planner::CountParameters(dims));
+    EXPECT_EQ(estimate.weights_bytes(), real.weights);
+    EXPECT_EQ(estimate.gradients_bytes(), real.gradients);
+    EXPECT_EQ(estimate.optimizer_bytes(), real.optimizer);
+    // No bf16 copies on CPU, and a single process has no gradient buckets.
+    EXPECT_EQ(estimate.cast_weights_bytes(), 0);
+    EXPECT_EQ(estimate.communication_bytes(), 0);
+  }
+}
+
+}  // namespace
+}  // namespace tessera::trainer
