@@ -342,18 +342,17 @@ absl::StatusOr<v1::LayoutPlan> PlanJob(const v1::JobSpec& spec) {
         absl::StrCat("Explicit layout from the job spec: data_parallel ", layout.data_parallel(),
                      " x tensor_parallel ", layout.tensor_parallel(), " x pipeline_parallel ",
                      layout.pipeline_parallel(), ", ZeRO stage ", layout.zero_stage(), ", over ",
-                     world, " ", device, ". Memory and step time are not estimated yet."));
+                     world, " ", device, ". The planner checks it against the devices the job "
+                     "gets when it is scheduled."));
   } else {
     layout.set_data_parallel(world);
     layout.set_tensor_parallel(1);
     layout.set_pipeline_parallel(1);
     layout.set_zero_stage(0);
     plan.set_explanation(absl::StrCat(
-        "Provisional automatic layout: plain data parallelism over all ", world, " ", device,
-        " (data_parallel ", world,
-        ", no tensor or pipeline parallelism, no ZeRO). The layout planner will replace it "
-        "with a layout fitted to device memory and speed; memory and step time are not "
-        "estimated yet."));
+        "Provisional automatic layout: data parallelism over all ", world, " ", device,
+        ". The layout planner chooses the layout when the job is scheduled, for the devices it "
+        "gets, and records it here with its memory and step-time estimates."));
   }
   plan.set_world_size(world);
   plan.set_micro_batch_size(spec.batch().micro_batch_size());

@@ -1,8 +1,8 @@
 // Admission checks for submitted training jobs, and the layout plan of an admitted one. Everything
 // a JobSpec gets wrong is found here, at submission, with a message naming the field, so that a
-// job never fails on a worker for a reason its spec already showed. The plan is provisional: it
-// takes an explicit layout as given and lays an automatic one out as pure data parallelism until
-// the planner (planner/) fits layouts to device memory and speed.
+// job never fails on a worker for a reason its spec already showed. The plan made here is
+// provisional: the scheduler replaces it with the layout planner's (planner/job_plan.h) for the
+// devices the job gets (coordinator/layout_planning.h).
 #pragma once
 
 #include "absl/status/status.h"
@@ -32,9 +32,9 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 // The plan for a spec that ValidateJobSpec accepts (its error otherwise). World size is
 // resources.gpus, or resources.cpu_slots when gpus is 0. An explicit layout is used as given; an
 // automatic one (or unset parallelism) becomes data_parallel = world size, tensor and pipeline
-// parallel 1, ZeRO stage 0, until the layout planner replaces it (`explanation` says which).
-// `model` is the resolved ModelSummary at data.seq_len. `fits` is true and `memory` and `step_time`
-// are left empty: nothing is estimated yet. Pure function; thread-safe.
+// parallel 1, ZeRO stage 0, until the scheduler plans it (`explanation` says which). `model` is
+// the resolved ModelSummary at data.seq_len. `fits` is true and `memory` and `step_time` are left
+// empty until then. Pure function; thread-safe.
 absl::StatusOr<v1::LayoutPlan> PlanJob(const v1::JobSpec& spec);
 
 }  // namespace tessera::coordinator

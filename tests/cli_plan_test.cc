@@ -1,0 +1,113 @@
+// `tessera plan` as people run it: the real binary, offline (no coordinator), JSON and text output,
+// and bad flags.
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/util/subprocess.h"
+
+namespace tessera {
+namespace {
+
+using ::tessera::testing::BinDir;
+using ::tessera::testing::RunCommand;
+using ::tessera::testing::RunResult;
+using ::testing::HasSubstr;
+
+RunResult Plan(std::vector<std::string> args) {
+  args.insert(args.begin(), {BinDir() + "/tessera", "plan"});
+  auto result = RunCommand(args);
+  EXPECT_TRUE(result.ok()) << result.status();
+  return result.ok() ? *result : RunResult{};
+}
+
+TEST(CliPlanTest, OfflineJsonListsLayoutsWithEveryTerm) {
+  RunResult run = Plan({"--model", "llama3-8b", "--seq-len", "4096", "--global-batch", "64",
+                        "--precision", "bf16", "--gpus", "16", "--gpus-per-node", "8",
+                        "--gpu-memory", "80GiB", "--max-candidates", "5000", "--output", "json"});
+  ASSERT_EQ(run.exit.exit_code, 0) << run.output;
+  const nlohmann::json doc = nlohmann::json::parse(run.output);
+  EXPECT_TRUE(doc["fits"].get<bool>());
+  EXPECT_EQ(doc["model"]["parameters"].get<int64_t>(), 8030261248);
+  EXPECT_EQ(doc["cluster"]["devices"].get<int>(), 16);
+  EXPECT_EQ(doc["cluster"]["device"]["memory_bytes"].get<int64_t>(), int64_t{80} << 30);
+  const auto& layouts = doc["layouts"];
+  ASSERT_GT(layouts.size(), 100u);
+  bool saw_rejected = false;
+  double previous = 1e30;
+  for (const auto& layout : layouts) {
+    for (const char* key : {"dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "sp", "ac",
+                            "fits"}) {
+      ASSERT_TRUE(layout.contains(key)) << key << " in " << layout.dump();
+    }
+    if (layout["fits"].get<bool>()) {
+      EXPECT_FALSE(saw_rejected) << "fitting layouts come first";
+      for (const char* key : {"weights_bytes", "gradients_bytes", "optimizer_bytes",
+                              "activations_bytes", "logits_bytes", "communication_bytes",
+                              "overhead_bytes", "peak_bytes"}) {
+        EXPECT_TRUE(layout["memory"].contains(key)) << key;
+      }
+      EXPECT_LE(layout["memory"]["peak_bytes"].get<int64_t>(),
+                layout["memory"]["usable_bytes"].get<int64_t>());
+      const double tokens = layout["est_tokens_per_s"].get<double>();
+      EXPECT_LE(tokens, previous);
+      previous = tokens;
+      EXPECT_GT(layout["est_step_time_s"].get<double>(), 0);
+      EXPECT_GT(layout["est_mfu"].get<double>(), 0);
+      if (layout["pp"].get<int>() > 1) {
+        EXPECT_TRUE(layout["memory"].contains("stages"));
+      }
+    } else {
+      saw_rejected = true;
+      EXPECT_FALSE(layout["reason"].get<std::string>().empty()) << layout.dump();
+    }
+  }
+  EXPECT_TRUE(saw_rejected);
+}
+
+TEST(CliPlanTest, SevenBillionOnOneGpuDoesNotFitAndSaysByHowMuch) {
+  RunResult run = Plan({"--model=qwen3-8b", "--seq_len=2048", "--global_batch=8", "--gpus=1",
+                        "--device=h100-sxm", "--layout=ac=full"});
+  EXPECT_EQ(run.exit.exit_code, 1);
+  EXPECT_THAT(run.output, HasSubstr("does not fit: needs"));
+  EXPECT_THAT(run.output, HasSubstr("over by"));
+  EXPECT_THAT(run.output, HasSubstr("No layout fits"));
+}
+
+TEST(CliPlanTest, ExampleSpecAndAnExplicitLayout) {
+  RunResult run = Plan({std::string(TESSERA_EXAMPLES_DIR) + "/llama3-8b.yaml", "--device=h100-sxm",
+                        "--output=json"});
+  ASSERT_EQ(run.exit.exit_code, 0) << run.output;
+  const nlohmann::json doc = nlohmann::json::parse(run.output);
+  ASSERT_GE(doc["layouts"].size(), 1u);
+  const auto& layout = doc["layouts"][0];
+  EXPECT_EQ(layout["tp"].get<int>(), 8);
+  EXPECT_EQ(layout["dp"].get<int>(), 8);
+  EXPECT_EQ(layout["zero"].get<int>(), 1);
+  EXPECT_TRUE(layout["sp"].get<bool>());
+  EXPECT_THAT(doc["explanation"].get<std::string>(), HasSubstr("Explicit layout"));
+}
+
+TEST(CliPlanTest, BadFlagsAreUsageErrors) {
+  RunResult run = Plan({"--model=gpt2-124m", "--seq_len=1024", "--global_batch=8", "--gpus=8",
+                        "--device=h100-sxm", "--layout=tp=2,xx=1"});
+  EXPECT_EQ(run.exit.exit_code, 2);
+  EXPECT_THAT(run.output, HasSubstr("--layout: unknown key 'xx'"));
+  run = Plan({"--model=gpt2-124m", "--seq_len=1024", "--global_batch=8", "--gpus=8",
+              "--gpu_memory=eighty"});
+  EXPECT_EQ(run.exit.exit_code, 2);
+  EXPECT_THAT(run.output, HasSubstr("--gpu_memory: 'eighty' is not a size"));
+  run = Plan({"--model=gpt9", "--seq_len=1024", "--global_batch=8", "--gpus=8",
+              "--device=h100-sxm"});
+  EXPECT_EQ(run.exit.exit_code, 1);
+  EXPECT_THAT(run.output, HasSubstr("model.preset: unknown preset 'gpt9'"));
+  run = Plan({"--model=gpt2-124m", "--seq_len=1024", "--global_batch=8", "--gpus=8",
+              "--device=tpu"});
+  EXPECT_EQ(run.exit.exit_code, 1);
+  EXPECT_THAT(run.output, HasSubstr("'tpu' is not a known device"));
+}
+
+}  // namespace
+}  // namespace tessera
