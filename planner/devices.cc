@@ -51,6 +51,9 @@ const std::vector<Entry>& Entries() {
   static const auto* entries = new std::vector<Entry>{
       // Memory in MiB as nvidia-smi reports the board; bandwidths are per GPU, per direction:
       // NVLink (or PCIe) inside a node, one 400 Gb/s (or 200 Gb/s) NIC per GPU across nodes.
+      // Matched in this order, so the PCIe and NVL variants come before the SXM part.
+      {"h100-pcie", "H100 PCIe", Gpu("h100-pcie", 756e12, 51e12, 81559, 2.0e12, 64e9, 50e9)},
+      {"h100-nvl", "H100 NVL", Gpu("h100-nvl", 835e12, 60e12, 95830, 3.9e12, 300e9, 50e9)},
       {"h100-sxm", "H100", Gpu("h100-sxm", 989e12, 67e12, 81559, 3.35e12, 450e9, 50e9)},
       {"h200", "H200", Gpu("h200", 989e12, 67e12, 143771, 4.8e12, 450e9, 50e9)},
       {"a100-80gb", "A100", Gpu("a100-80gb", 312e12, 19.5e12, 81920, 2.039e12, 300e9, 25e9)},

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "planner/devices.h"
 
 namespace tessera::worker {
 namespace {
@@ -243,14 +244,8 @@ double WholeMib(int64_t bytes) { return bytes <= 0 ? 0.0 : static_cast<double>(b
 }  // namespace
 
 double PeakBf16Flops(absl::string_view name) {
-  const std::string upper = absl::AsciiStrToUpper(name);
-  if (absl::StrContains(upper, "H100") || absl::StrContains(upper, "H200")) {
-    if (absl::StrContains(upper, "NVL")) return 835e12;
-    if (absl::StrContains(upper, "PCIE")) return 756e12;
-    return 989e12;
-  }
-  if (absl::StrContains(upper, "A100")) return 312e12;
-  return 0.0;
+  auto device = planner::DeviceForGpuName(name, 0);
+  return device.ok() && !name.empty() ? device->peak_flops_bf16() : 0.0;
 }
 
 std::unique_ptr<GpuBackend> LoadNvml(std::string* error) {

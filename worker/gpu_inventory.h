@@ -50,9 +50,9 @@ class GpuBackend {
   virtual std::vector<GpuSample> Sample() = 0;
 };
 
-// Dense bf16 peak FLOP/s of a GPU from its NVML product name, for MFU: 989e12 for H100 and H200
-// (SXM, and GH200), 835e12 for their NVL boards, 756e12 for H100 PCIe, 312e12 for A100; 0 when
-// unknown.
+// Dense bf16 peak FLOP/s of a GPU from its NVML product name, for MFU, from the planner's device
+// presets (planner/devices.h): e.g. 989e12 for H100 SXM and H200, 835e12 for H100 NVL, 756e12 for
+// H100 PCIe, 312e12 for A100; 0 when no preset matches.
 double PeakBf16Flops(absl::string_view name);
 
 // Loads NVML: dlopen("libnvidia-ml.so.1"), falling back to "libnvidia-ml.so", resolves the
