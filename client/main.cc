@@ -302,6 +302,9 @@ int main(int argc, char** argv) {
       std::cout << Json(*job);
     } else {
       PrintJob(*job);
+      if (!job->plan().explanation().empty()) {
+        std::cout << "  plan: " << job->plan().explanation() << "\n";
+      }
     }
     return 0;
   }
