@@ -387,13 +387,19 @@ void Cluster::PlaceLocked(const v1::Job& job, const GangPlacement& placement,
   }
 }
 
-void Cluster::ScheduleLocked(const std::vector<v1::Job>& active) {
+std::set<std::string> Cluster::ScheduleLocked(const std::vector<v1::Job>& active) {
   std::vector<GangRequest> requests;
   std::map<std::string, const v1::Job*> pending;
   // The plan each pending job starts with, fitted to the devices registered now.
   std::map<std::string, v1::LayoutPlan> plans;
   std::map<std::string, std::string> unfit;
+  const bool any_pending = std::any_of(active.begin(), active.end(), [](const v1::Job& job) {
+    return job.state() == v1::JOB_STATE_PENDING;
+  });
+  if (!any_pending) return {};
   const std::vector<NodeCapacity> capacity = CapacityLocked();
+  // Jobs asking for the same kind of device share one look over the nodes.
+  std::map<std::string, absl::StatusOr<planner::DeviceTarget>> targets;
   for (const auto& job : active) {
     if (job.state() != v1::JOB_STATE_PENDING) continue;
     v1::LayoutPlan& plan = plans[job.job_id()];
@@ -401,7 +407,17 @@ void Cluster::ScheduleLocked(const std::vector<v1::Job>& active) {
     // Automatic layouts are chosen for the devices the job would get; explicit ones are checked
     // against them. A job that cannot be planned here (no matching node yet, a GPU without a
     // device model) keeps its provisional plan and the scheduler says why it waits.
-    if (auto fitted = PlanForScheduling(job.spec(), capacity); fitted.ok()) {
+    const v1::ResourceRequest& resources = job.spec().resources();
+    std::string key = absl::StrCat(resources.gpus() > 0, "|", resources.gpu_type());
+    for (const auto& [label, value] : std::map<std::string, std::string>(
+             resources.node_selector().begin(), resources.node_selector().end())) {
+      absl::StrAppend(&key, "|", label, "=", value);
+    }
+    auto target = targets.find(key);
+    if (target == targets.end()) {
+      target = targets.emplace(key, TargetFromNodes(job.spec(), capacity)).first;
+    }
+    if (auto fitted = PlanForTarget(job.spec(), target->second); fitted.ok()) {
       if (!fitted->fits()) {
         unfit[job.job_id()] = fitted->explanation();
         continue;
@@ -423,8 +439,10 @@ void Cluster::ScheduleLocked(const std::vector<v1::Job>& active) {
   }
   ScheduleResult result;
   if (!requests.empty()) result = Schedule(std::move(requests), capacity);
+  std::set<std::string> placed;
   for (const auto& placement : result.placed) {
     PlaceLocked(*pending[placement.job_id], placement, plans[placement.job_id]);
+    placed.insert(placement.job_id);
   }
   result.pending_reasons.merge(unfit);
   std::map<std::string, const v1::Job*> by_id;
@@ -435,6 +453,7 @@ void Cluster::ScheduleLocked(const std::vector<v1::Job>& active) {
       (void)jobs_->Transition(job_id, v1::JOB_STATE_PENDING, reason);
     }
   }
+  return placed;
 }
 
 ClusterStats Cluster::Tick() {
@@ -451,10 +470,9 @@ ClusterStats Cluster::Tick() {
       if (!active_ids.contains(job_id)) ended.push_back(job_id);
     }
     for (const auto& job_id : ended) ReleaseLocked(job_id);
-    ScheduleLocked(*active);
+    const std::set<std::string> placed = ScheduleLocked(*active);
     for (const auto& job : *active) {
-      auto fresh = store_->GetJob(job.job_id());
-      ++stats.jobs[fresh.ok() ? fresh->state() : job.state()];
+      ++stats.jobs[placed.contains(job.job_id()) ? v1::JOB_STATE_SCHEDULED : job.state()];
     }
   }
   for (const auto& capacity : CapacityLocked()) {

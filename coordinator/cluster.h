@@ -105,7 +105,9 @@ class Cluster {
   void FailJobLocked(const std::string& job_id, const v1::TrainerFailure& failure,
                      const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireNodesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ScheduleLocked(const std::vector<v1::Job>& active) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One scheduling pass over the active jobs; returns the ids of the jobs it placed.
+  std::set<std::string> ScheduleLocked(const std::vector<v1::Job>& active)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PlaceLocked(const v1::Job& job, const GangPlacement& placement,
                    const v1::LayoutPlan& plan)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

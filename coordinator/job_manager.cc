@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "common/timestamp.h"
 #include "coordinator/job_validation.h"
 #include "google/protobuf/util/time_util.h"
 
@@ -56,7 +57,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::s
   *job.mutable_plan() = std::move(plan);
   job.set_state(v1::JOB_STATE_PENDING);
   job.set_reason("waiting to be scheduled");
-  *job.mutable_create_time() = TimeUtil::GetCurrentTime();
+  *job.mutable_create_time() = NowTimestamp();
   JobWrite write;
   write.job_id = job.job_id();
   write.job = job;
@@ -101,7 +102,7 @@ absl::StatusOr<v1::Job> JobManager::Transition(const std::string& job_id, v1::Jo
   v1::JobState previous = job.state();
   job.set_state(state);
   job.set_reason(reason);
-  auto now = TimeUtil::GetCurrentTime();
+  auto now = NowTimestamp();
   if (state == v1::JOB_STATE_RUNNING && !job.has_start_time()) *job.mutable_start_time() = now;
   if (IsTerminal(state)) *job.mutable_end_time() = now;
   if (mutate) mutate(job);

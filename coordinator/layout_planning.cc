@@ -71,15 +71,20 @@ absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutFor(const v1::PlanLayoutRequest
 
 absl::StatusOr<v1::LayoutPlan> PlanForScheduling(const v1::JobSpec& spec,
                                                  const std::vector<NodeCapacity>& nodes) {
-  ASSIGN_OR_RETURN(planner::DeviceTarget target, TargetFromNodes(spec, nodes));
+  return PlanForTarget(spec, TargetFromNodes(spec, nodes));
+}
+
+absl::StatusOr<v1::LayoutPlan> PlanForTarget(const v1::JobSpec& spec,
+                                             const absl::StatusOr<planner::DeviceTarget>& target) {
+  if (!target.ok()) return target.status();
   planner::JobPlanOptions options;
-  options.device = target.device;
-  options.devices_per_node = std::max(1, target.devices_per_node);
+  options.device = target->device;
+  options.devices_per_node = std::max(1, target->devices_per_node);
   options.runnable_only = true;
   ASSIGN_OR_RETURN(planner::JobPlan plan, planner::PlanJobSpec(spec, options));
-  if (!target.gpu_name.empty()) {
+  if (!target->gpu_name.empty()) {
     plan.plan.set_explanation(
-        absl::StrCat(plan.plan.explanation(), " Planned for ", target.gpu_name, "."));
+        absl::StrCat(plan.plan.explanation(), " Planned for ", target->gpu_name, "."));
   }
   return std::move(plan.plan);
 }

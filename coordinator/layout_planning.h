@@ -32,4 +32,9 @@ absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutFor(const v1::PlanLayoutRequest
 absl::StatusOr<v1::LayoutPlan> PlanForScheduling(const v1::JobSpec& spec,
                                                  const std::vector<NodeCapacity>& nodes);
 
+// PlanForScheduling with the target already found (TargetFromNodes), so that jobs asking for the
+// same devices share one look over the nodes; `target`'s error is returned as is.
+absl::StatusOr<v1::LayoutPlan> PlanForTarget(const v1::JobSpec& spec,
+                                             const absl::StatusOr<planner::DeviceTarget>& target);
+
 }  // namespace tessera::coordinator

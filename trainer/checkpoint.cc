@@ -27,6 +27,7 @@
 #include "common/errno_status.h"
 #include "common/read_file.h"
 #include "common/status_macros.h"
+#include "common/timestamp.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
 #include "trainer/sha256.h"
@@ -400,7 +401,7 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(const std::string& root,
   }
   manifest.set_format_version(kCheckpointFormatVersion);
   manifest.set_step(step);
-  *manifest.mutable_create_time() = google::protobuf::util::TimeUtil::GetCurrentTime();
+  *manifest.mutable_create_time() = NowTimestamp();
 
   std::string binary;
   if (!manifest.SerializeToString(&binary)) {

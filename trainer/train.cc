@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "common/timestamp.h"
 #include "google/protobuf/util/time_util.h"
 #include "planner/lr_schedule.h"
 #include "planner/model_config.h"
@@ -136,7 +137,7 @@ class Trainer {
     report.set_job_id(task_.job_id());
     report.set_attempt(task_.attempt());
     report.set_rank(rank());
-    *report.mutable_time() = TimeUtil::GetCurrentTime();
+    *report.mutable_time() = NowTimestamp();
     return report;
   }
 
