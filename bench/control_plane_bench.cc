@@ -1,0 +1,267 @@
+// control_plane_bench: the control plane at scale. For each fleet size it
+// starts the real tessera-coordinator, joins that many simulated 8-GPU
+// worker nodes heartbeating over the real NodeService protocol, feeds it a
+// steady stream of mixed-size jobs, and measures heartbeat latency against a
+// no-op gRPC health check on the same connections, submission-to-placement
+// latency, placements per second, and the coordinator's CPU and memory.
+// Prints a table and writes $TESSERA_BENCH_RESULTS/control-plane.json.
+#include <sys/statfs.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "bench/control_plane_report.h"
+#include "bench/control_plane_scale.h"
+#include "common/command_line.h"
+#include "common/version.h"
+
+// Directory that receives control-plane.json (scripts/bench.sh sets it).
+constexpr char kResultsEnv[] = "TESSERA_BENCH_RESULTS";
+// Git commit of the tree, with "-dirty" when modified.
+constexpr char kCommitEnv[] = "TESSERA_BENCH_COMMIT";
+// UTC date and time of the run, ISO 8601.
+constexpr char kDateEnv[] = "TESSERA_BENCH_DATE";
+// One line: CPU model, cores, memory, GPUs.
+constexpr char kMachineEnv[] = "TESSERA_BENCH_MACHINE";
+// The build directory; its bin/ holds tessera-coordinator.
+constexpr char kBuildDirEnv[] = "TESSERA_BUILD_DIR";
+// Where temporary files go when --work_dir is not given.
+constexpr char kTmpDirEnv[] = "TMPDIR";
+constexpr char kResultsFile[] = "control-plane.json";
+
+ABSL_FLAG(std::string, coordinator, "",
+          "Path of tessera-coordinator; default $TESSERA_BUILD_DIR/bin/tessera-coordinator, "
+          "else ../bin/tessera-coordinator beside this binary.");
+ABSL_FLAG(std::vector<std::string>, nodes, std::vector<std::string>({"100", "1000", "10000"}),
+          "Fleet sizes to run, one fresh coordinator each, e.g. 100,1000,10000.");
+ABSL_FLAG(std::vector<std::string>, jobs_per_s, std::vector<std::string>({"5", "20", "20"}),
+          "Jobs submitted per second for each --nodes entry in turn; entries past the end of "
+          "this list use its last value.");
+ABSL_FLAG(double, duration_s, 20, "Measured seconds per fleet size.");
+ABSL_FLAG(double, warmup_s, 5, "Seconds of job flow after the fleet joined, before measuring.");
+ABSL_FLAG(int, windows, 4,
+          "The measured window is cut into this many equal parts; ranges are over them.");
+ABSL_FLAG(int, channels, 8, "gRPC connections the simulated nodes are spread over.");
+ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(1), "Heartbeat period of each node.");
+ABSL_FLAG(int, gpus_per_node, 8, "Simulated GPUs per node (NVIDIA H100 80GB HBM3).");
+ABSL_FLAG(double, health_checks_per_s, 20,
+          "grpc.health.v1.Health/Check calls per second, the no-op baseline; 0 disables.");
+ABSL_FLAG(std::vector<std::string>, job_gpus, std::vector<std::string>({"1", "8", "16", "64"}),
+          "GPUs per job in the mix (data-parallel layouts of that world size).");
+ABSL_FLAG(std::vector<std::string>, job_weights, std::vector<std::string>({"4", "3", "2", "1"}),
+          "Relative frequency of each --job_gpus size.");
+ABSL_FLAG(absl::Duration, min_run_time, absl::Seconds(2), "Shortest simulated job run.");
+ABSL_FLAG(absl::Duration, max_run_time, absl::Seconds(5), "Longest simulated job run.");
+ABSL_FLAG(int, metric_steps, 10,
+          "Step metrics rank 0 reports (NodeService/Report) before its job finishes; 0 none.");
+ABSL_FLAG(int, max_backlog, 2000,
+          "Submissions pause while this many submitted jobs still wait for their ranks.");
+ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(15),
+          "The coordinator's --heartbeat_timeout.");
+ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(120),
+          "How long a fleet may take to register before measuring anyway.");
+ABSL_FLAG(std::string, work_dir, "",
+          "Where each coordinator's state directory is made; default $TMPDIR, else /tmp.");
+ABSL_FLAG(bool, keep_state, false, "Keep each coordinator's SQLite file and log.");
+ABSL_FLAG(std::string, results_dir, "",
+          "Directory for control-plane.json; default $TESSERA_BENCH_RESULTS, else the current "
+          "directory.");
+
+constexpr char kUsage[] =
+    "Usage: control_plane_bench [--coordinator=PATH] [--nodes=100,1000,10000] "
+    "[--duration_s=20]\n\n"
+    "Runs tessera-coordinator against simulated fleets of 8-GPU nodes heartbeating over the\n"
+    "real NodeService protocol while jobs are submitted, and reports heartbeat latency\n"
+    "(against a no-op health check), submit-to-placement latency, placements per second\n"
+    "and the coordinator's CPU and memory. Writes control-plane.json.\n";
+
+namespace tessera::bench {
+namespace {
+
+std::string EnvOr(const char* name, const std::string& fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : fallback;
+}
+
+template <typename T>
+absl::StatusOr<std::vector<T>> ParseList(const std::string& flag,
+                                         const std::vector<std::string>& items) {
+  std::vector<T> values;
+  for (const std::string& item : items) {
+    T value;
+    bool ok;
+    if constexpr (std::is_same_v<T, int>) {
+      ok = absl::SimpleAtoi(item, &value) && value > 0;
+    } else {
+      ok = absl::SimpleAtod(item, &value) && value > 0;
+    }
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, ": '", item, "' is not a positive number"));
+    }
+    values.push_back(value);
+  }
+  if (values.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": empty"));
+  return values;
+}
+
+// The machine line scripts/bench.sh would give, without the GPU probe.
+std::string DescribeMachine() {
+  std::string cpu = "unknown CPU";
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);) {
+    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) {
+      cpu = line.substr(line.find(':') + 2);
+      break;
+    }
+  }
+  const double memory_gib = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
+                            static_cast<double>(sysconf(_SC_PAGESIZE)) / (1024.0 * 1024 * 1024);
+  return absl::StrFormat("%s, %d cores, %.0f GiB RAM, GPUs: not probed", cpu,
+                         sysconf(_SC_NPROCESSORS_ONLN), memory_gib);
+}
+
+// The commit this binary was built from, when scripts/bench.sh did not say.
+std::string BuildCommit() {
+  std::smatch match;
+  const std::string summary = BuildSummary();
+  if (std::regex_search(summary, match, std::regex(R"(commit ([^,]+),)"))) {
+    return absl::StrCat(match[1].str(), " (at build time)");
+  }
+  return "unknown";
+}
+
+// "/tmp (ext4)": fsync on tmpfs is free, on a real disk it is not.
+std::string DescribeFilesystem(const std::string& path) {
+  struct statfs info {};
+  if (statfs(path.c_str(), &info) != 0) return absl::StrCat(path, " (unknown filesystem)");
+  const char* type;
+  switch (static_cast<unsigned long>(info.f_type)) {
+    case 0xEF53:
+      type = "ext4";
+      break;
+    case 0x01021994:
+      type = "tmpfs";
+      break;
+    case 0x794C7630:
+      type = "overlayfs";
+      break;
+    case 0x58465342:
+      type = "xfs";
+      break;
+    case 0x9123683E:
+      type = "btrfs";
+      break;
+    default:
+      return absl::StrFormat("%s (filesystem type 0x%x)", path,
+                             static_cast<unsigned long>(info.f_type));
+  }
+  return absl::StrCat(path, " (", type, ")");
+}
+
+std::string DefaultCoordinator() {
+  const std::string build_dir = EnvOr(kBuildDirEnv, "");
+  if (!build_dir.empty()) return build_dir + "/bin/tessera-coordinator";
+  std::error_code error;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (error) return "tessera-coordinator";
+  return (self.parent_path().parent_path() / "bin" / "tessera-coordinator").string();
+}
+
+int Run() {
+  auto nodes = ParseList<int>("nodes", absl::GetFlag(FLAGS_nodes));
+  auto rates = ParseList<double>("jobs_per_s", absl::GetFlag(FLAGS_jobs_per_s));
+  auto job_gpus = ParseList<int>("job_gpus", absl::GetFlag(FLAGS_job_gpus));
+  auto job_weights = ParseList<double>("job_weights", absl::GetFlag(FLAGS_job_weights));
+  for (const absl::Status& status :
+       {nodes.status(), rates.status(), job_gpus.status(), job_weights.status()}) {
+    if (!status.ok()) {
+      std::cerr << "control_plane_bench: " << status.message() << "\n";
+      return 2;
+    }
+  }
+  if (job_weights->size() != job_gpus->size()) {
+    std::cerr << "control_plane_bench: --job_weights needs one weight per --job_gpus size\n";
+    return 2;
+  }
+
+  ScaleOptions base;
+  base.coordinator_binary = absl::GetFlag(FLAGS_coordinator);
+  if (base.coordinator_binary.empty()) base.coordinator_binary = DefaultCoordinator();
+  base.work_dir = absl::GetFlag(FLAGS_work_dir);
+  if (base.work_dir.empty()) base.work_dir = EnvOr(kTmpDirEnv, "/tmp");
+  base.keep_state = absl::GetFlag(FLAGS_keep_state);
+  base.coordinator_heartbeat_timeout = absl::GetFlag(FLAGS_heartbeat_timeout);
+  base.register_timeout = absl::GetFlag(FLAGS_register_timeout);
+  base.warmup = absl::Seconds(absl::GetFlag(FLAGS_warmup_s));
+  base.duration = absl::Seconds(absl::GetFlag(FLAGS_duration_s));
+  base.windows = std::max(1, absl::GetFlag(FLAGS_windows));
+  base.fleet.channels = std::max(1, absl::GetFlag(FLAGS_channels));
+  base.fleet.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
+  base.fleet.gpus_per_node = absl::GetFlag(FLAGS_gpus_per_node);
+  base.fleet.health_checks_per_second = absl::GetFlag(FLAGS_health_checks_per_s);
+  base.fleet.min_run_time = absl::GetFlag(FLAGS_min_run_time);
+  base.fleet.max_run_time = std::max(base.fleet.min_run_time, absl::GetFlag(FLAGS_max_run_time));
+  base.fleet.metric_steps_per_job = absl::GetFlag(FLAGS_metric_steps);
+  base.jobs.gpu_sizes = *job_gpus;
+  base.jobs.weights = *job_weights;
+  base.jobs.max_backlog = absl::GetFlag(FLAGS_max_backlog);
+
+  RunInfo info;
+  info.commit = EnvOr(kCommitEnv, BuildCommit());
+  info.date =
+      EnvOr(kDateEnv, absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone()));
+  info.machine = EnvOr(kMachineEnv, DescribeMachine());
+  info.state_filesystem = DescribeFilesystem(base.work_dir);
+  std::string results_dir = absl::GetFlag(FLAGS_results_dir);
+  if (results_dir.empty()) results_dir = EnvOr(kResultsEnv, ".");
+
+  std::vector<ScaleResult> results;
+  int failures = 0;
+  for (size_t i = 0; i < nodes->size(); ++i) {
+    ScaleOptions options = base;
+    options.fleet.nodes = (*nodes)[i];
+    options.jobs.jobs_per_second = (*rates)[std::min(i, rates->size() - 1)];
+    std::cerr << "control_plane_bench: " << options.fleet.nodes << " nodes, "
+              << options.jobs.jobs_per_second << " jobs/s offered..." << std::endl;
+    auto result = RunScale(options);
+    if (!result.ok()) {
+      std::cerr << "control_plane_bench: " << options.fleet.nodes << " nodes: " << result.status()
+                << std::endl;
+      ++failures;
+      continue;
+    }
+    results.push_back(std::move(*result));
+  }
+
+  std::cout << FormatSummary(info, base, results) << std::flush;
+  std::error_code error;
+  std::filesystem::create_directories(results_dir, error);
+  const std::string path = absl::StrCat(results_dir, "/", kResultsFile);
+  if (absl::Status written = WriteJson(path, info, base, results); !written.ok()) {
+    std::cerr << "control_plane_bench: " << written << std::endl;
+    return 1;
+  }
+  std::cout << "\nwrote " << path << std::endl;
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace tessera::bench
+
+int main(int argc, char** argv) {
+  tessera::ParseCommandLine(argc, argv, kUsage);
+  return tessera::bench::Run();
+}

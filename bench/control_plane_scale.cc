@@ -1,0 +1,220 @@
+#include "bench/control_plane_scale.h"
+
+#include <stdlib.h>
+
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "bench/control_plane_process.h"
+#include "bench/control_plane_prometheus.h"
+#include "common/daemon/server.h"
+#include "common/errno_status.h"
+#include "common/status_macros.h"
+
+namespace tessera::bench {
+namespace {
+
+// Series of the coordinator's /metrics that the summary reads.
+constexpr char kPassHistogram[] = "tessera_scheduler_pass_duration_seconds";
+constexpr char kStoreWriteHistogram[] = "tessera_store_write_duration_seconds";
+constexpr char kSchedulingLatencyHistogram[] = "tessera_scheduling_latency_seconds";
+constexpr char kRequestHistogram[] = "tessera_grpc_server_request_duration_seconds";
+constexpr char kHeartbeatMethod[] = R"(method="/tessera.v1.NodeService/Heartbeat")";
+constexpr char kHealthMethod[] = R"(method="/grpc.health.v1.Health/Check")";
+// The coordinator labels methods it has no descriptor for "other"; the
+// health service is one of them, and the benchmark calls no other such.
+constexpr char kOtherMethod[] = R"(method="other")";
+constexpr char kSubmitMethod[] = R"(method="/tessera.v1.Coordinator/SubmitJob")";
+
+absl::StatusOr<std::string> MakeTempDir(const std::string& parent, const std::string& prefix) {
+  std::string pattern = absl::StrCat(parent, "/", prefix, ".XXXXXX");
+  if (mkdtemp(pattern.data()) == nullptr) return ErrnoToStatus(errno, pattern);
+  return pattern;
+}
+
+// Removes a directory tree on scope exit unless told to keep it.
+class DirectoryCleanup {
+ public:
+  DirectoryCleanup(std::string path, bool keep) : path_(std::move(path)), keep_(keep) {}
+  ~DirectoryCleanup() {
+    std::error_code ignored;
+    if (!keep_) std::filesystem::remove_all(path_, ignored);
+  }
+  DirectoryCleanup(const DirectoryCleanup&) = delete;
+  DirectoryCleanup& operator=(const DirectoryCleanup&) = delete;
+
+ private:
+  std::string path_;
+  bool keep_;
+};
+
+double Mean(const HistogramTotals& totals) {
+  return totals.count > 0 ? totals.sum / totals.count : 0;
+}
+
+CoordinatorInternals InternalsBetween(const MetricSamples& before, const MetricSamples& after,
+                                      double seconds) {
+  auto delta = [&](const char* name, const std::string& labels = "") {
+    return Difference(HistogramIn(after, name, labels), HistogramIn(before, name, labels));
+  };
+  CoordinatorInternals internals;
+  const HistogramTotals passes = delta(kPassHistogram);
+  internals.passes_per_second = passes.count / seconds;
+  internals.mean_pass_seconds = Mean(passes);
+  internals.pass_duty = passes.sum / seconds;
+  const HistogramTotals writes = delta(kStoreWriteHistogram);
+  internals.store_writes_per_second = writes.count / seconds;
+  internals.mean_store_write_seconds = Mean(writes);
+  internals.mean_heartbeat_seconds = Mean(delta(kRequestHistogram, kHeartbeatMethod));
+  HistogramTotals health = delta(kRequestHistogram, kHealthMethod);
+  if (health.count == 0) health = delta(kRequestHistogram, kOtherMethod);
+  internals.mean_health_seconds = Mean(health);
+  internals.mean_submit_seconds = Mean(delta(kRequestHistogram, kSubmitMethod));
+  const HistogramTotals scheduled = delta(kSchedulingLatencyHistogram);
+  internals.mean_submit_to_scheduled_seconds = Mean(scheduled);
+  internals.jobs_scheduled_per_second = scheduled.count / seconds;
+  return internals;
+}
+
+// Sleeps until `when`.
+void SleepUntil(Clock::time_point when) {
+  const Clock::time_point now = Clock::now();
+  if (when > now) absl::SleepFor(absl::FromChrono(when - now));
+}
+
+}  // namespace
+
+absl::StatusOr<ScaleResult> RunScale(const ScaleOptions& options) {
+  ScaleResult result;
+  result.nodes = options.fleet.nodes;
+  result.offered_jobs_per_second = options.jobs.jobs_per_second;
+  result.heartbeats_expected_per_second =
+      options.fleet.nodes / absl::ToDoubleSeconds(options.fleet.heartbeat_interval);
+
+  ASSIGN_OR_RETURN(
+      const std::string dir,
+      MakeTempDir(options.work_dir, absl::StrCat("tessera-control-plane-", options.fleet.nodes)));
+  DirectoryCleanup cleanup(dir, options.keep_state);
+  if (options.keep_state) result.notes.push_back(absl::StrCat("state kept in ", dir));
+  ASSIGN_OR_RETURN(
+      auto coordinator,
+      CoordinatorProcess::Start({.binary = options.coordinator_binary,
+                                 .dir = dir,
+                                 .heartbeat_timeout = options.coordinator_heartbeat_timeout}));
+
+  JobStream jobs(MakeClientChannel(coordinator->address()), options.jobs);
+  SimulatedFleet fleet(
+      coordinator->address(), options.fleet,
+      [&jobs](const std::string& job_id, int ranks, int world_size, Clock::time_point at) {
+        jobs.OnDelivered(job_id, ranks, world_size, at);
+      });
+
+  const Clock::time_point register_start = Clock::now();
+  fleet.Start();
+  result.registered = fleet.WaitRegistered(options.register_timeout);
+  result.register_seconds = SecondsBetween(register_start, Clock::now());
+  result.register_latency = [&] {
+    std::vector<double> seconds = fleet.register_latency().Between(register_start, Clock::now());
+    return Summarize(seconds);
+  }();
+  if (result.registered < options.fleet.nodes) {
+    result.notes.push_back(absl::StrCat("only ", result.registered, " of ", options.fleet.nodes,
+                                        " nodes registered within ",
+                                        absl::FormatDuration(options.register_timeout)));
+  }
+  ASSIGN_OR_RETURN(ProcessSample after_register, SampleProcess(coordinator->pid()));
+  result.coordinator_rss_after_register_bytes = after_register.rss_bytes;
+
+  jobs.Start();
+  absl::SleepFor(options.warmup);
+
+  // The measured window: /proc samples at every sub-window boundary, the
+  // coordinator's /metrics at both ends.
+  const int windows = std::max(1, options.windows);
+  const std::chrono::nanoseconds part = absl::ToChronoNanoseconds(options.duration / windows);
+  std::vector<Clock::time_point> bounds;
+  std::vector<ProcessSample> coordinator_samples;
+  std::vector<ProcessSample> bench_samples;
+  std::vector<double> machine_busy;
+  auto metrics_before = ScrapeMetrics(coordinator->metrics_port());
+  const Clock::time_point window_start = Clock::now();
+  for (int w = 0; w <= windows; ++w) {
+    SleepUntil(window_start + w * part);
+    bounds.push_back(Clock::now());
+    ASSIGN_OR_RETURN(ProcessSample coordinator_sample, SampleProcess(coordinator->pid()));
+    ASSIGN_OR_RETURN(ProcessSample bench_sample, SampleProcess(0));
+    ASSIGN_OR_RETURN(double busy, MachineBusySeconds());
+    machine_busy.push_back(busy);
+    coordinator_samples.push_back(coordinator_sample);
+    bench_samples.push_back(bench_sample);
+  }
+  auto metrics_after = ScrapeMetrics(coordinator->metrics_port());
+  const Clock::time_point window_end = bounds.back();
+  result.window_seconds = SecondsBetween(window_start, window_end);
+
+  jobs.Stop();
+  fleet.Stop();
+  result.fleet = fleet.counters();
+  result.jobs = jobs.counters();
+  ASSIGN_OR_RETURN(ProcessSample final_sample, SampleProcess(coordinator->pid()));
+  result.coordinator_rss_bytes = coordinator_samples.back().rss_bytes;
+  result.coordinator_peak_rss_bytes = final_sample.peak_rss_bytes;
+  result.coordinator_threads = coordinator_samples.back().threads;
+  if (auto stopped = coordinator->Stop(); !stopped.ok()) {
+    result.notes.push_back(std::string(stopped.message()));
+  }
+
+  if (metrics_before.ok() && metrics_after.ok()) {
+    result.internals = InternalsBetween(*metrics_before, *metrics_after, result.window_seconds);
+    result.internals_available = true;
+  } else {
+    result.notes.push_back(absl::StrCat(
+        "coordinator /metrics unreadable: ",
+        (metrics_before.ok() ? metrics_after.status() : metrics_before.status()).message()));
+  }
+
+  auto summarize = [&](const LatencyRecorder& recorder, Clock::time_point begin,
+                       Clock::time_point end) {
+    std::vector<double> seconds = recorder.Between(begin, end);
+    return Summarize(seconds);
+  };
+  const double window = result.window_seconds;
+  result.heartbeat = summarize(fleet.heartbeat_latency(), window_start, window_end);
+  result.health = summarize(fleet.health_latency(), window_start, window_end);
+  result.report = summarize(fleet.report_latency(), window_start, window_end);
+  result.submit = summarize(jobs.submit_latency(), window_start, window_end);
+  result.scheduling = summarize(jobs.scheduling_latency(), window_start, window_end);
+  for (int gpus : options.jobs.gpu_sizes) {
+    result.scheduling_by_gpus[gpus] =
+        summarize(jobs.scheduling_latency(gpus), window_start, window_end);
+  }
+  result.heartbeats_per_second = static_cast<double>(result.heartbeat.count) / window;
+  result.jobs_submitted_per_second = static_cast<double>(result.submit.count) / window;
+  result.jobs_placed_per_second = static_cast<double>(result.scheduling.count) / window;
+  result.coordinator_cores =
+      (coordinator_samples.back().cpu_seconds - coordinator_samples.front().cpu_seconds) / window;
+  result.bench_cores =
+      (bench_samples.back().cpu_seconds - bench_samples.front().cpu_seconds) / window;
+  result.other_cores = std::max(0.0, (machine_busy.back() - machine_busy.front()) / window -
+                                         result.coordinator_cores - result.bench_cores);
+
+  for (int w = 0; w < windows; ++w) {
+    const double seconds = SecondsBetween(bounds[w], bounds[w + 1]);
+    WindowFigures figures;
+    figures.heartbeat = summarize(fleet.heartbeat_latency(), bounds[w], bounds[w + 1]);
+    figures.health = summarize(fleet.health_latency(), bounds[w], bounds[w + 1]);
+    figures.heartbeats_per_second = static_cast<double>(figures.heartbeat.count) / seconds;
+    figures.jobs_placed_per_second =
+        static_cast<double>(jobs.scheduling_latency().CountBetween(bounds[w], bounds[w + 1])) /
+        seconds;
+    figures.coordinator_cores =
+        (coordinator_samples[w + 1].cpu_seconds - coordinator_samples[w].cpu_seconds) / seconds;
+    result.windows.push_back(figures);
+  }
+  return result;
+}
+
+}  // namespace tessera::bench
