@@ -336,11 +336,15 @@ class Trainer {
     bool resume = !spec_.checkpoint().has_resume() || spec_.checkpoint().resume();
     if (root.empty() || !resume) return absl::OkStatus();
     std::string path;
+    std::optional<v1::CheckpointManifest> verified;
     if (rank() == 0) {
       std::vector<std::string> skipped;
       ASSIGN_OR_RETURN(auto found, FindLatestCheckpoint(root, &skipped));
       for (const auto& line : skipped) Log(absl::StrCat("skipping checkpoint: ", line));
-      if (found.has_value()) path = found->path;
+      if (found.has_value()) {
+        path = found->path;
+        verified = std::move(found->manifest);
+      }
     }
     if (group_.has_value()) {
       if (rank() == 0) {
@@ -352,8 +356,14 @@ class Trainer {
     }
     if (path.empty()) return absl::OkStatus();
 
-    // Rank 0 verified the checkpoint; the others read the manifest only.
-    ASSIGN_OR_RETURN(v1::CheckpointManifest manifest, ReadManifest(path));
+    // Rank 0 verified the checkpoint (every shard's sha256) while finding it; the others read
+    // the manifest only.
+    v1::CheckpointManifest manifest;
+    if (verified.has_value()) {
+      manifest = *std::move(verified);
+    } else {
+      ASSIGN_OR_RETURN(manifest, ReadManifest(path));
+    }
     int shard_rank = manifest.layout().data_parallel() == world() ? rank() : 0;
     std::string shard = absl::StrCat(path, "/", ShardFileName(shard_rank));
     torch::serialize::InputArchive archive;
@@ -377,7 +387,6 @@ class Trainer {
   }
 
   absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& dir) {
-    if (rank() == 0) return VerifyCheckpoint(dir);
     std::ifstream in(absl::StrCat(dir, "/manifest.pb"), std::ios::binary);
     v1::CheckpointManifest manifest;
     if (!in || !manifest.ParseFromIstream(&in)) {
