@@ -162,10 +162,10 @@ absl::StatusOr<TrainerState> BuildTrainerState(const BenchOptions& options) {
 }
 
 // SaveCheckpoint of trainer/train.cc on rank 0 of a one-rank job, call for
-// call. Phases: prepare_staging, build_archive, serialize_write (save_to: zip
-// records with CRC-32 into the page cache, no fsync), commit (CommitCheckpoint:
-// fsync of the shard, SHA-256 re-read of it, manifest.pb/.json written and
-// fsynced, rename, directory fsyncs).
+// call. Phases: prepare_staging, build_archive, serialize_write (save_to
+// through WriteHashedFile: zip records with CRC-32 into the page cache, SHA-256
+// on the way, no fsync), commit (CommitCheckpoint with the digest: fsync of the
+// shard, manifest.pb/.json written and fsynced, rename, directory fsyncs).
 absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root, int64_t step) {
   try {
     PhaseClock clock;
@@ -178,8 +178,11 @@ absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root
     archive.write("optimizer", optimizer_archive);
     archive.write("rng_cpu", at::detail::getDefaultCPUGenerator().get_state());
     clock.Lap("build_archive");
-    archive.save_to(
-        absl::StrCat(trainer::StagingDir(root, step), "/", trainer::ShardFileName(/*rank=*/0)));
+    const std::string shard = trainer::ShardFileName(/*rank=*/0);
+    ASSIGN_OR_RETURN(std::string sha256,
+                     trainer::WriteHashedFile(
+                         absl::StrCat(trainer::StagingDir(root, step), "/", shard),
+                         [&](const trainer::ByteSink& sink) { archive.save_to(sink); }));
     clock.Lap("serialize_write");
     v1::CheckpointManifest manifest;
     manifest.set_job_id("checkpoint-bench");
@@ -187,7 +190,7 @@ absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root
     manifest.mutable_layout()->set_data_parallel(1);
     *manifest.mutable_model() = state.summary;
     RETURN_IF_ERROR(trainer::CommitCheckpoint(root, step, std::move(manifest), /*world_size=*/1,
-                                              /*keep_last=*/0)
+                                              /*keep_last=*/0, {{shard, sha256}})
                         .status());
     clock.Lap("commit");
     return std::move(clock).Take();
@@ -199,8 +202,7 @@ absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root
 
 // Resume of trainer/train.cc on rank 0, call for call. Phases:
 // find_latest_verify (FindLatestCheckpoint: manifest and SHA-256 of the
-// shard, the read that meets the cold cache), read_manifest_verify (Resume's
-// ReadManifest, which on rank 0 is VerifyCheckpoint again), load_from
+// shard, the read that meets the cold cache; Resume keeps that manifest), load_from
 // (InputArchive: reading and parsing the zip into tensors), apply (model and
 // optimizer loads, RNG state). Returns the loaded checkpoint's directory in
 // `*path`.
@@ -216,8 +218,6 @@ absl::StatusOr<PhaseTimes> LoadOurs(TrainerState& state, const std::string& root
           absl::StrCat(root, ": no checkpoint that verifies (", absl::StrJoin(skipped, "; "), ")"));
     }
     clock.Lap("find_latest_verify");
-    ASSIGN_OR_RETURN(v1::CheckpointManifest manifest, trainer::VerifyCheckpoint(found->path));
-    clock.Lap("read_manifest_verify");
     torch::serialize::InputArchive archive;
     archive.load_from(absl::StrCat(found->path, "/", trainer::ShardFileName(/*rank=*/0)),
                       torch::Device(torch::kCPU));
@@ -362,7 +362,7 @@ absl::Status RunIterations(const BenchOptions& options, Results& results) {
   at::Tensor probe = state.model->parameters().front();
   const at::Tensor probe_saved = probe.detach().clone();
   // The page cache each operation fills. Our load also allocates new tensors
-  // of that size, but only after hashing the file twice: seconds later, when
+  // of that size, but only after hashing the file: seconds later, when
   // memory freed now has gone back to the host anyway.
   const size_t file_bytes = static_cast<size_t>(state.state_bytes) + kPrefaultSlackBytes;
   std::string previous_checkpoint, previous_plain_file;
@@ -531,18 +531,7 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
   json["runs_first"] = results.first;
   json["save"] = ComparisonJson(results.save_ours, results.save_plain, results.shard_bytes);
   json["load"] = ComparisonJson(results.load_ours, results.load_plain, results.shard_bytes);
-  // What a load would take if Resume verified once: the runs less their
-  // read_manifest_verify phase (the shard is in the page cache by then).
-  std::vector<double> single_verify_rates;
-  for (const PhaseTimes& run : results.load_ours.runs) {
-    double seconds = run.Total();
-    for (const auto& [name, phase_seconds] : run.phases) {
-      if (name == "read_manifest_verify") seconds -= phase_seconds;
-    }
-    single_verify_rates.push_back(results.shard_bytes / kBytesPerMb / seconds);
-  }
   json["diagnostics"] = {
-      {"load_ours_without_second_verify_median_mb_per_s", Median(single_verify_rates)},
       {"sha256_in_memory_mb_per_s", results.sha256_in_memory_mb_s},
       {"sha256_file_page_cache_mb_per_s", results.sha256_file_warm_mb_s},
       {"plain_read_page_cache_mb_per_s", results.plain_read_warm_mb_s},
@@ -570,14 +559,14 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
        "seconds costs about a second per GB of host faults when used again. Without the "
        "prefaulting, whichever side went second paid that: plain's 1.1 GB write took 0.3-0.6 s "
        "going first and 1.7-2.5 s going second. What prefaulting cannot cover: our load "
-       "allocates its 1.1 GB of tensors after two SHA-256 passes, seconds in, so on this VM that "
+       "allocates its 1.1 GB of tensors after the SHA-256 pass, seconds in, so on this VM that "
        "memory is cold; this is charged to ours, as it would be in a trainer here."},
       {"save_ours",
        "trainer/train.cc SaveCheckpoint for rank 0 of one rank: PrepareStaging; OutputArchive of "
-       "model->save, FusedAdamW::Save and the CPU RNG state; save_to the staging shard; "
-       "CommitCheckpoint (world_size 1, keep_last 0): fsync of the shard, SHA-256 re-read, "
-       "manifest.pb and manifest.json written and fsynced, fsync of the staging directory, rename "
-       "into place, fsync of the root."},
+       "model->save, FusedAdamW::Save and the CPU RNG state; save_to the staging shard through "
+       "WriteHashedFile (SHA-256 computed while writing); CommitCheckpoint (world_size 1, "
+       "keep_last 0) with that digest: fsync of the shard, manifest.pb and manifest.json written "
+       "and fsynced, fsync of the staging directory, rename into place, fsync of the root."},
       {"save_plain",
        "write() of the shard's bytes from memory in 8 MiB blocks to a new file in the same file "
        "system, then fsync of the file and of its directory (dd bs=8M conv=fsync, plus the "
@@ -586,10 +575,9 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
        "Both sides fsync all they wrote, and the directories, before the clock stops."},
       {"load_ours",
        "trainer/train.cc Resume on rank 0: FindLatestCheckpoint (lists the root, parses "
-       "manifest.pb, SHA-256 of the shard), VerifyCheckpoint again (Resume's ReadManifest does "
-       "that on rank 0), InputArchive::load_from, model->load, FusedAdamW::Load, RNG set_state. "
-       "Loading here = reading + sha256 verify (twice, as the trainer does) + deserializing into "
-       "tensors."},
+       "manifest.pb, SHA-256 of the shard; Resume keeps that manifest), "
+       "InputArchive::load_from, model->load, FusedAdamW::Load, RNG set_state. Loading here = "
+       "reading + sha256 verify + deserializing into tensors."},
       {"load_plain",
        "read() of the plain file in 8 MiB blocks into an already-touched buffer of its size; no "
        "hashing, no parsing."},
@@ -599,7 +587,6 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
        "fraction (max in diagnostics). This empties this kernel's page cache only: a hypervisor "
        "or device cache below it may still serve the reads."},
       {"diagnostics",
-       "load_ours_without_second_verify: the load runs less their read_manifest_verify phase. "
        "Measured once, after the runs: SHA-256 (OpenSSL, as Sha256Hex) of the bytes in memory; "
        "Sha256File and a plain read of the plain file while it is in the page cache; save_to into "
        "a function that discards the bytes (zip records and CRC-32, no file)."},

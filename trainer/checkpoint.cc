@@ -9,7 +9,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -26,6 +28,7 @@
 #include "absl/strings/strip.h"
 #include "common/errno_status.h"
 #include "common/read_file.h"
+#include "common/scoped_fd.h"
 #include "common/status_macros.h"
 #include "common/timestamp.h"
 #include "google/protobuf/util/json_util.h"
@@ -325,9 +328,35 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
   return staging;
 }
 
-absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(const std::string& root, int64_t step,
-                                                        v1::CheckpointManifest manifest,
-                                                        int world_size, int keep_last) {
+absl::StatusOr<std::string> WriteHashedFile(const std::string& path,
+                                            const std::function<void(const ByteSink&)>& produce) {
+  ScopedFd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) return ErrnoToStatus(errno, path);
+  ASSIGN_OR_RETURN(Sha256Hasher hasher, Sha256Hasher::Create());
+  int write_errno = 0;
+  produce([&](const void* data, size_t size) -> size_t {
+    const char* bytes = static_cast<const char*>(data);
+    size_t done = 0;
+    while (done < size) {
+      const ssize_t n = write(fd.get(), bytes + done, size - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        write_errno = n < 0 ? errno : EIO;
+        break;
+      }
+      done += static_cast<size_t>(n);
+    }
+    hasher.Update(data, done);
+    return done;
+  });
+  if (write_errno != 0) return ErrnoToStatus(write_errno, path);
+  if (!fd.Close()) return ErrnoToStatus(errno, path);
+  return hasher.HexDigest();
+}
+
+absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
+    const std::string& root, int64_t step, v1::CheckpointManifest manifest, int world_size,
+    int keep_last, const std::map<std::string, std::string>& known_sha256) {
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("negative checkpoint step ", step));
   if (world_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat("world_size ", world_size, " is not positive"));
@@ -392,7 +421,12 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(const std::string& root,
     struct stat info;
     if (!Stat(path, &info)) return ErrnoToStatus(errno, path);
     const int64_t size = info.st_size;
-    ASSIGN_OR_RETURN(std::string sha256, Sha256File(path));
+    std::string sha256;
+    if (auto known = known_sha256.find(file.name); known != known_sha256.end()) {
+      sha256 = known->second;
+    } else {
+      ASSIGN_OR_RETURN(sha256, Sha256File(path));
+    }
     v1::CheckpointShard* shard = manifest.add_shards();
     shard->set_rank(file.rank);
     shard->set_file(file.name);

@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -55,9 +57,21 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
 // `step`, or a file whose name is not a shard name; FAILED_PRECONDITION when
 // the staging directory is missing or some of the world_size ranks wrote no
 // shard (the message lists them) or a shard's rank is out of range.
-absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(const std::string& root, int64_t step,
-                                                        v1::CheckpointManifest manifest,
-                                                        int world_size, int keep_last);
+//
+// `known_sha256` maps shard file names to the digests their writers computed while writing
+// (WriteHashedFile); those shards are not read back to hash them, the others are.
+absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
+    const std::string& root, int64_t step, v1::CheckpointManifest manifest, int world_size,
+    int keep_last, const std::map<std::string, std::string>& known_sha256 = {});
+
+// Receives bytes in order; returns how many it took (fewer means an error).
+using ByteSink = std::function<size_t(const void* data, size_t size)>;
+
+// Creates (or truncates) `path` and writes what `produce` passes to its sink, hashing the bytes on
+// the way: returns their SHA-256 hex, so that the shard need not be read back to be hashed. Errors
+// name the path; if `produce` throws, the exception propagates after the file is closed.
+absl::StatusOr<std::string> WriteHashedFile(const std::string& path,
+                                            const std::function<void(const ByteSink&)>& produce);
 
 // Re-reads <dir>/manifest.pb and checks every shard it lists: the file exists,
 // its size and SHA-256 match. DATA_LOSS naming the file at fault, e.g.

@@ -164,6 +164,43 @@ TEST(CheckpointTest, CommitMakesFinalDirAndRemovesStaging) {
   EXPECT_THAT(ListCheckpointDirs(root), ElementsAre(dir));
 }
 
+TEST(CheckpointTest, ShardsHashedWhileWrittenAreNotReadBack) {
+  ScopedTempDir tmp("checkpoint_test");
+  const std::string root = tmp.path() + "/ckpt";
+  ASSERT_THAT(PrepareStaging(root, 7), IsOk());
+  // Rank 0 writes through WriteHashedFile in uneven pieces; rank 1 writes plainly.
+  const std::string content = ShardContent(7, 0);
+  absl::StatusOr<std::string> digest = WriteHashedFile(
+      StagingDir(root, 7) + "/" + ShardFileName(0), [&](const ByteSink& sink) {
+        for (size_t at = 0; at < content.size(); at += 333) {
+          const size_t n = std::min<size_t>(333, content.size() - at);
+          ASSERT_EQ(sink(content.data() + at, n), n);
+        }
+      });
+  ASSERT_THAT(digest, IsOk());
+  EXPECT_EQ(*digest, Sha256Hex(content));
+  EXPECT_EQ(ReadBytes(StagingDir(root, 7) + "/" + ShardFileName(0)), content);
+  WriteBytes(StagingDir(root, 7) + "/" + ShardFileName(1), ShardContent(7, 1));
+  // The commit takes rank 0's digest as given (a wrong one shows it was not recomputed) and
+  // hashes rank 1's shard itself.
+  const std::string wrong(64, 'a');
+  absl::StatusOr<v1::CheckpointManifest> manifest =
+      CommitCheckpoint(root, 7, v1::CheckpointManifest(), 2, 0, {{ShardFileName(0), wrong}});
+  ASSERT_THAT(manifest, IsOk());
+  EXPECT_EQ(manifest->shards(0).sha256(), wrong);
+  EXPECT_EQ(manifest->shards(1).sha256(), Sha256Hex(ShardContent(7, 1)));
+  // Which VerifyCheckpoint then refuses, naming the shard.
+  EXPECT_THAT(VerifyCheckpoint(CheckpointPath(root, 7)),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("sha256 mismatch")));
+}
+
+TEST(CheckpointTest, WriteHashedFileReportsAnUnwritablePath) {
+  ScopedTempDir tmp("checkpoint_test");
+  absl::StatusOr<std::string> digest =
+      WriteHashedFile(tmp.path() + "/missing-dir/shard", [](const ByteSink&) {});
+  EXPECT_THAT(digest, StatusIs(absl::StatusCode::kNotFound, HasSubstr("missing-dir/shard")));
+}
+
 TEST(CheckpointTest, ManifestRoundTrip) {
   ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();

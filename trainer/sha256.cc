@@ -64,4 +64,31 @@ std::string Sha256Hex(std::string_view bytes) {
       absl::string_view(reinterpret_cast<const char*>(digest), sizeof(digest)));
 }
 
+absl::StatusOr<Sha256Hasher> Sha256Hasher::Create() {
+  EvpMdCtxPtr ctx = NewSha256Context();
+  if (ctx == nullptr) return absl::ResourceExhaustedError("cannot create a SHA-256 context");
+  return Sha256Hasher(ctx.release());
+}
+
+Sha256Hasher::Sha256Hasher(Sha256Hasher&& other) noexcept : ctx_(other.ctx_) {
+  other.ctx_ = nullptr;
+}
+
+Sha256Hasher& Sha256Hasher::operator=(Sha256Hasher&& other) noexcept {
+  if (this != &other) {
+    EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(ctx_));
+    ctx_ = other.ctx_;
+    other.ctx_ = nullptr;
+  }
+  return *this;
+}
+
+Sha256Hasher::~Sha256Hasher() { EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(ctx_)); }
+
+void Sha256Hasher::Update(const void* data, size_t size) {
+  EVP_DigestUpdate(static_cast<EVP_MD_CTX*>(ctx_), data, size);
+}
+
+std::string Sha256Hasher::HexDigest() { return FinishHex(static_cast<EVP_MD_CTX*>(ctx_)); }
+
 }  // namespace tessera::trainer

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <optional>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
@@ -564,9 +565,24 @@ class Trainer {
     archive.write("model", model_archive);
     archive.write("optimizer", optimizer_archive);
     archive.write("rng_cpu", at::detail::getDefaultCPUGenerator().get_state());
-    archive.save_to(absl::StrCat(StagingDir(root, step_), "/", ShardFileName(rank())));
+    // Each rank hashes its shard while writing it and hands the digest to rank 0 through the
+    // store, so the commit does not read the shards back.
+    const std::string shard = ShardFileName(rank());
+    ASSIGN_OR_RETURN(std::string sha256,
+                     WriteHashedFile(absl::StrCat(StagingDir(root, step_), "/", shard),
+                                     [&](const ByteSink& sink) { archive.save_to(sink); }));
+    const std::string digest_key = absl::StrCat("checkpoint/", step_, "/sha256/");
+    if (group_.has_value() && rank() != 0) {
+      group_->store->set(absl::StrCat(digest_key, rank()),
+                         std::vector<uint8_t>(sha256.begin(), sha256.end()));
+    }
     if (group_.has_value()) RETURN_IF_ERROR(Barrier(*group_));
     if (rank() != 0) return absl::OkStatus();
+    std::map<std::string, std::string> known_sha256{{shard, sha256}};
+    for (int r = 1; r < world(); ++r) {
+      std::vector<uint8_t> bytes = group_->store->get(absl::StrCat(digest_key, r));
+      known_sha256[ShardFileName(r)] = std::string(bytes.begin(), bytes.end());
+    }
 
     v1::CheckpointManifest manifest;
     manifest.set_job_id(task_.job_id());
@@ -577,7 +593,7 @@ class Trainer {
     *manifest.mutable_data_position() = loader_->position();
     manifest.set_tokens_seen(tokens_seen_);
     ASSIGN_OR_RETURN(manifest, CommitCheckpoint(root, step_, std::move(manifest), world(),
-                                                spec_.checkpoint().keep_last()));
+                                                spec_.checkpoint().keep_last(), known_sha256));
     std::string path = absl::StrCat(root, "/", CheckpointDirName(step_));
 
     v1::TrainerReport report = NewReport();
