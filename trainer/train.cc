@@ -20,6 +20,7 @@
 #include "common/status_macros.h"
 #include "common/timestamp.h"
 #include "google/protobuf/util/time_util.h"
+#include "planner/devices.h"
 #include "planner/lr_schedule.h"
 #include "planner/model_config.h"
 #include "trainer/adamw.h"
@@ -666,17 +667,9 @@ class Trainer {
 }  // namespace
 
 double PeakFlopsForDevice(const std::string& device_name) {
-  // Dense bf16 tensor-core peaks from the vendors' datasheets (SXM parts).
-  if (absl::StrContains(device_name, "H100") || absl::StrContains(device_name, "H200") ||
-      absl::StrContains(device_name, "H800") || absl::StrContains(device_name, "GH200")) {
-    return 989e12;
-  }
-  if (absl::StrContains(device_name, "B200")) return 2250e12;
-  if (absl::StrContains(device_name, "A100") || absl::StrContains(device_name, "A800")) {
-    return 312e12;
-  }
-  if (absl::StrContains(device_name, "L40S")) return 362e12;
-  return 0;
+  if (device_name.empty() || device_name == "cpu") return 0;
+  auto device = planner::DeviceForGpuName(device_name, 0);
+  return device.ok() ? device->peak_flops_bf16() : 0;
 }
 
 absl::StatusOr<TrainResult> RunTraining(const v1::TrainerTask& task, Reporter& reporter,

@@ -37,8 +37,8 @@ struct TrainResult {
 absl::StatusOr<TrainResult> RunTraining(const v1::TrainerTask& task, Reporter& reporter,
                                         const TrainOptions& options);
 
-// Dense bf16 peak FLOP/s of a device by its name (0 when unknown, e.g. CPU),
-// the denominator of MFU.
+// Dense bf16 peak FLOP/s of a device by its name, from the planner's device
+// presets (0 when unknown, and for the CPU), the denominator of MFU.
 double PeakFlopsForDevice(const std::string& device_name);
 
 }  // namespace tessera::trainer
