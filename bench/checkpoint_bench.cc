@@ -36,6 +36,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/bench_env.h"
 #include "bench/checkpoint_bench_files.h"
 #include "common/command_line.h"
 #include "common/errno_status.h"
@@ -64,15 +65,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Json = nlohmann::ordered_json;
 
-// Directory for checkpoint.json (scripts/bench.sh: <build>/bench/results).
-// Unset: results/ beside this binary.
-constexpr char kResultsEnv[] = "TESSERA_BENCH_RESULTS";
-// Git commit of the tree, "-dirty" when modified. Unset: "unknown".
-constexpr char kCommitEnv[] = "TESSERA_BENCH_COMMIT";
-// UTC date and time of the bench run (ISO 8601). Unset: now.
-constexpr char kDateEnv[] = "TESSERA_BENCH_DATE";
-// One line naming CPU, cores, memory and GPUs. Unset: read from /proc here.
-constexpr char kMachineEnv[] = "TESSERA_BENCH_MACHINE";
 
 // Where scratch files go when --dir is not given (POSIX's TMPDIR).
 constexpr char kTmpDirEnv[] = "TMPDIR";
@@ -692,26 +684,6 @@ absl::Status Run(const BenchOptions& options) {
   return WriteResults(options.results_dir, ResultsJson(options, results));
 }
 
-std::string EnvOr(const char* name, std::string fallback) {
-  const char* value = std::getenv(name);
-  return value != nullptr && *value != '\0' ? std::string(value) : std::move(fallback);
-}
-
-std::string DescribeMachine() {
-  std::string cpu = "unknown CPU";
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  for (std::string line; std::getline(cpuinfo, line);) {
-    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) {
-      cpu = line.substr(line.find(':') + 2);
-      break;
-    }
-  }
-  const double memory_gib = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
-                            static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1 << 30);
-  return absl::StrFormat("%s, %d cores, %.0f GiB RAM, GPUs: not probed", cpu,
-                         std::thread::hardware_concurrency(), memory_gib);
-}
-
 std::string DefaultResultsDir() {
   std::error_code error;
   std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
@@ -737,11 +709,11 @@ int main(int argc, char** argv) {
   options.num_layers = absl::GetFlag(FLAGS_layers);
   options.hidden_size = absl::GetFlag(FLAGS_hidden);
   options.vocab_size = absl::GetFlag(FLAGS_vocab);
-  options.results_dir = EnvOr(kResultsEnv, DefaultResultsDir());
-  options.commit = EnvOr(kCommitEnv, "unknown");
-  options.date =
-      EnvOr(kDateEnv, absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone()));
-  options.machine = EnvOr(kMachineEnv, DescribeMachine());
+  options.results_dir = ResultsDir(DefaultResultsDir());
+  const Provenance provenance = ReadProvenance();
+  options.commit = provenance.commit;
+  options.date = provenance.date;
+  options.machine = provenance.machine;
   if (absl::Status status = Run(options); !status.ok()) {
     std::cerr << "checkpoint_bench: " << status << "\n";
     return 1;

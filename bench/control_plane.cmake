@@ -14,7 +14,7 @@ add_executable(control_plane_bench
   control_plane_scale.cc
   control_plane_stats.cc)
 target_link_libraries(control_plane_bench PRIVATE
-  tessera::daemon tessera::proto
+  tessera::daemon tessera::proto tessera_bench_env
   absl::flags absl::str_format absl::synchronization absl::time
   nlohmann_json::nlohmann_json Threads::Threads)
 set_target_properties(control_plane_bench PROPERTIES

@@ -22,19 +22,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/bench_env.h"
 #include "bench/control_plane_report.h"
 #include "bench/control_plane_scale.h"
 #include "common/command_line.h"
 #include "common/version.h"
 
-// Directory that receives control-plane.json (scripts/bench.sh sets it).
-constexpr char kResultsEnv[] = "TESSERA_BENCH_RESULTS";
-// Git commit of the tree, with "-dirty" when modified.
-constexpr char kCommitEnv[] = "TESSERA_BENCH_COMMIT";
-// UTC date and time of the run, ISO 8601.
-constexpr char kDateEnv[] = "TESSERA_BENCH_DATE";
-// One line: CPU model, cores, memory, GPUs.
-constexpr char kMachineEnv[] = "TESSERA_BENCH_MACHINE";
 // The build directory; its bin/ holds tessera-coordinator.
 constexpr char kBuildDirEnv[] = "TESSERA_BUILD_DIR";
 // Where temporary files go when --work_dir is not given.
@@ -90,11 +83,6 @@ constexpr char kUsage[] =
 namespace tessera::bench {
 namespace {
 
-std::string EnvOr(const char* name, const std::string& fallback) {
-  const char* value = std::getenv(name);
-  return value != nullptr && *value != '\0' ? value : fallback;
-}
-
 template <typename T>
 absl::StatusOr<std::vector<T>> ParseList(const std::string& flag,
                                          const std::vector<std::string>& items) {
@@ -115,32 +103,6 @@ absl::StatusOr<std::vector<T>> ParseList(const std::string& flag,
   }
   if (values.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": empty"));
   return values;
-}
-
-// The machine line scripts/bench.sh would give, without the GPU probe.
-std::string DescribeMachine() {
-  std::string cpu = "unknown CPU";
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  for (std::string line; std::getline(cpuinfo, line);) {
-    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) {
-      cpu = line.substr(line.find(':') + 2);
-      break;
-    }
-  }
-  const double memory_gib = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
-                            static_cast<double>(sysconf(_SC_PAGESIZE)) / (1024.0 * 1024 * 1024);
-  return absl::StrFormat("%s, %d cores, %.0f GiB RAM, GPUs: not probed", cpu,
-                         sysconf(_SC_NPROCESSORS_ONLN), memory_gib);
-}
-
-// The commit this binary was built from, when scripts/bench.sh did not say.
-std::string BuildCommit() {
-  std::smatch match;
-  const std::string summary = BuildSummary();
-  if (std::regex_search(summary, match, std::regex(R"(commit ([^,]+),)"))) {
-    return absl::StrCat(match[1].str(), " (at build time)");
-  }
-  return "unknown";
 }
 
 // "/tmp (ext4)": fsync on tmpfs is free, on a real disk it is not.
@@ -220,13 +182,13 @@ int Run() {
   base.jobs.max_backlog = absl::GetFlag(FLAGS_max_backlog);
 
   RunInfo info;
-  info.commit = EnvOr(kCommitEnv, BuildCommit());
-  info.date =
-      EnvOr(kDateEnv, absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone()));
-  info.machine = EnvOr(kMachineEnv, DescribeMachine());
+  const Provenance provenance = ReadProvenance();
+  info.commit = provenance.commit;
+  info.date = provenance.date;
+  info.machine = provenance.machine;
   info.state_filesystem = DescribeFilesystem(base.work_dir);
   std::string results_dir = absl::GetFlag(FLAGS_results_dir);
-  if (results_dir.empty()) results_dir = EnvOr(kResultsEnv, ".");
+  if (results_dir.empty()) results_dir = ResultsDir(".");
 
   std::vector<ScaleResult> results;
   int failures = 0;

@@ -1,0 +1,28 @@
+// What every benchmark records about where it ran, read from the environment
+// scripts/bench.sh sets (TESSERA_BENCH_COMMIT, _DATE, _MACHINE, _RESULTS), with
+// fallbacks so a benchmark binary also runs by hand.
+#pragma once
+
+#include <string>
+
+namespace tessera::bench {
+
+struct Provenance {
+  // Git commit of the tree ("-dirty" when modified); unset: the commit the
+  // binary was built from, marked "(at build time)".
+  std::string commit;
+  // UTC date and time of the run, ISO 8601; unset: now.
+  std::string date;
+  // CPU model, cores, memory, GPUs; unset: read from /proc (GPUs not probed).
+  std::string machine;
+};
+
+Provenance ReadProvenance();
+
+// Directory for the benchmark's JSON: $TESSERA_BENCH_RESULTS, else `fallback`.
+std::string ResultsDir(const std::string& fallback);
+
+// The environment variable `name`, or `fallback` when unset or empty.
+std::string EnvOr(const char* name, const std::string& fallback);
+
+}  // namespace tessera::bench
