@@ -13,10 +13,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "client/coordinator_client.h"
 #include "client/job_spec_file.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
 #include "nlohmann/json.hpp"
 #include "planner/job_plan.h"
 #include "planner/layout_planner.h"
@@ -36,6 +39,10 @@ ABSL_FLAG(std::string, device, "",
 ABSL_FLAG(std::string, gpu_memory, "",
           "plan: memory per device, e.g. 80GiB (with no --device: an h100-sxm with this memory); "
           "plans offline.");
+ABSL_FLAG(std::string, device_override, "",
+          "plan: device model fields to override, e.g. "
+          "peak_flops_bf16=700e12,intra_node_bandwidth=200e9,achievable_flops_fraction=0.5 (names "
+          "of tessera.v1.DeviceModel; byte counts take sizes like 1GiB); plans offline.");
 ABSL_FLAG(std::string, layout, "",
           "plan: evaluate this layout only, e.g. tp=4,pp=2,dp=1,zero=1,sp=on,ac=selective.");
 ABSL_FLAG(int, lora_rank, 0, "plan: LoRA adapter rank; 0 plans full training.");
@@ -197,6 +204,40 @@ absl::StatusOr<v1::Layout> ParseLayout(const std::string& text) {
   return layout;
 }
 
+absl::Status ParseDeviceOverrides(const std::string& text, v1::DeviceModel* device) {
+  const google::protobuf::Descriptor* descriptor = device->GetDescriptor();
+  const google::protobuf::Reflection* reflection = device->GetReflection();
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    std::vector<std::string> kv = absl::StrSplit(part, '=');
+    if (kv.size() != 2) {
+      return absl::InvalidArgumentError(absl::StrCat("'", part, "' is not field=value"));
+    }
+    const std::string name(absl::StripAsciiWhitespace(kv[0]));
+    const std::string value(absl::StripAsciiWhitespace(kv[1]));
+    const google::protobuf::FieldDescriptor* field = descriptor->FindFieldByName(name);
+    if (field == nullptr || name == "name") {
+      std::vector<std::string> names;
+      for (int i = 0; i < descriptor->field_count(); ++i) {
+        if (descriptor->field(i)->name() != "name") names.push_back(descriptor->field(i)->name());
+      }
+      return absl::InvalidArgumentError(absl::StrCat("unknown field '", name, "'; known: ",
+                                                     absl::StrJoin(names, ", ")));
+    }
+    if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_DOUBLE) {
+      double number = 0;
+      if (!absl::SimpleAtod(value, &number)) {
+        return absl::InvalidArgumentError(absl::StrCat(name, "=", value, ": not a number"));
+      }
+      reflection->SetDouble(device, field, number);
+    } else {
+      auto bytes = ParseBytes(value);
+      if (!bytes.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", bytes.status().message()));
+      reflection->SetInt64(device, field, *bytes);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::PlanLayoutRequest> PlanRequestFromFlags(const std::string& spec_path) {
   v1::PlanLayoutRequest request;
   v1::JobSpec& spec = *request.mutable_spec();
@@ -243,6 +284,12 @@ absl::StatusOr<v1::PlanLayoutRequest> PlanRequestFromFlags(const std::string& sp
     if (!bytes.ok()) return BadFlag("gpu_memory", std::string(bytes.status().message()));
     request.mutable_device()->set_memory_bytes(*bytes);
     if (device.empty()) request.mutable_device()->set_name("h100-sxm");
+  }
+  if (const std::string text = absl::GetFlag(FLAGS_device_override); !text.empty()) {
+    if (auto status = ParseDeviceOverrides(text, request.mutable_device()); !status.ok()) {
+      return BadFlag("device_override", std::string(status.message()));
+    }
+    if (request.device().name().empty()) request.mutable_device()->set_name("h100-sxm");
   }
   if (int rank = absl::GetFlag(FLAGS_lora_rank); rank != 0) {
     if (rank < 0) return BadFlag("lora_rank", "must be >= 0");

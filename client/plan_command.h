@@ -28,6 +28,10 @@ int RunPlan(const std::string& spec_path, CoordinatorClient& client, bool json);
 // "80GiB", "80GB", "512MiB", "85899345920" -> bytes; INVALID_ARGUMENT otherwise.
 absl::StatusOr<int64_t> ParseBytes(const std::string& text);
 
+// "peak_flops_bf16=700e12,memory_bytes=94GiB" -> the named DeviceModel fields set in `device`;
+// INVALID_ARGUMENT for unknown fields or bad values.
+absl::Status ParseDeviceOverrides(const std::string& text, v1::DeviceModel* device);
+
 // "tp=4,pp=2,dp=1,zero=1,sp=on,ac=selective" -> Layout (unnamed degrees: tp, pp 1, zero 0, sp off,
 // ac none; dp: what remains of the GPUs, filled in by the planner's checks).
 absl::StatusOr<v1::Layout> ParseLayout(const std::string& text);

@@ -90,6 +90,22 @@ TEST(CliPlanTest, ExampleSpecAndAnExplicitLayout) {
   EXPECT_THAT(doc["explanation"].get<std::string>(), HasSubstr("Explicit layout"));
 }
 
+TEST(CliPlanTest, DeviceFieldsCanBeOverridden) {
+  RunResult run = Plan({"--model=gpt2-124m", "--seq_len=1024", "--global_batch=64", "--gpus=8",
+                        "--device=a100-80gb",
+                        "--device_override=memory_bytes=40GiB,peak_flops_bf16=200e12",
+                        "--output=json", "--max_candidates=1"});
+  ASSERT_EQ(run.exit.exit_code, 0) << run.output;
+  const nlohmann::json doc = nlohmann::json::parse(run.output);
+  EXPECT_EQ(doc["cluster"]["device"]["name"].get<std::string>(), "a100-80gb");
+  EXPECT_EQ(doc["cluster"]["device"]["memory_bytes"].get<int64_t>(), int64_t{40} << 30);
+  EXPECT_EQ(doc["cluster"]["device"]["peak_flops_bf16"].get<double>(), 200e12);
+  run = Plan({"--model=gpt2-124m", "--seq_len=1024", "--global_batch=64", "--gpus=8",
+              "--device_override=foo=1"});
+  EXPECT_EQ(run.exit.exit_code, 2);
+  EXPECT_THAT(run.output, HasSubstr("unknown field 'foo'; known: peak_flops_bf16"));
+}
+
 TEST(CliPlanTest, BadFlagsAreUsageErrors) {
   RunResult run = Plan({"--model=gpt2-124m", "--seq_len=1024", "--global_batch=8", "--gpus=8",
                         "--device=h100-sxm", "--layout=tp=2,xx=1"});
