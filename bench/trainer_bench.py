@@ -7,15 +7,16 @@ samples, with the same optimizer, schedule, precision, batch and thread count.
     python bench/trainer_bench.py --device=cuda   # make bench-gpu
 
 How it runs, per configuration:
-  1. `tessera-trainer prepare` tokenizes a generated, deterministic text into byte-level shards.
+  1. `tessera-trainer prepare` tokenizes data/corpus/kjv-genesis-ruth.txt into byte-level shards.
   2. `tessera-trainer --task=T --export_initial=W` writes the weights a fresh run of T starts from;
      the baseline loads them, so both sides start from identical parameters.
   3. Runs alternate, each a fresh process: ours, PyTorch, ours, PyTorch, ... (--runs of each).
   4. Both sides report every step's time, measured the same way (from the learning-rate lookup to
      the end of zero_grad, without a device synchronisation at the end). A run's throughput is
      tokens of the timed steps / sum of their step times: process start-up, model building, weight
-     loading and the first --untimed steps (allocator, kernel and permutation warm-up) are
-     excluded on both sides alike.
+     loading and each configuration's first untimed_steps (allocator, kernel and data-order
+     warm-up) are excluded on both sides alike. On a machine shared with other work, the
+     per-run figure from the median step time is the steadier one; both are reported.
   5. The two sides must agree before a figure is believed: equal parameter counts, equal learning
      rates every step, and first-step losses within a tolerance (1e-4 relative in fp32, 2e-3 in
      bf16), in fp32 the losses of every step too; otherwise the benchmark fails.
@@ -33,6 +34,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -157,25 +159,8 @@ CHECK_CONFIGS = [
     },
 ]
 
-# Dense bf16 peak FLOP/s by device name, the denominator of MFU; the same table as
-# PeakFlopsForDevice in trainer/train.cc, so both sides' MFU share one denominator.
-PEAK_FLOPS = [
-    (("H100", "H200", "H800", "GH200"), 989e12),
-    (("B200",), 2250e12),
-    (("A100", "A800"), 312e12),
-    (("L40S",), 362e12),
-]
-
-
 class BenchError(Exception):
     """A failure that ends the benchmark; its message says what and where."""
-
-
-def peak_flops_for(device_name):
-    for names, flops in PEAK_FLOPS:
-        if any(name in device_name for name in names):
-            return flops
-    return 0.0
 
 
 # --- environment ------------------------------------------------------------------------------
@@ -193,7 +178,9 @@ def git_commit():
         return "unknown"
 
 
-def machine_line(torch):
+def machine_line():
+    """As scripts/bench.sh describes the machine; asks nvidia-smi, not torch, for the GPUs so that
+    this process holds no CUDA context while the runs measure memory."""
     cpu = "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
@@ -207,8 +194,12 @@ def machine_line(torch):
     except (OSError, StopIteration, ValueError):
         memory = "unknown RAM"
     gpus = "none"
-    if torch.cuda.is_available():
-        gpus = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, check=True).stdout.split("\n")
+        gpus = ", ".join(name.strip() for name in names if name.strip()) or "none"
+    except (OSError, subprocess.CalledProcessError):
+        pass
     return f"{cpu}, {os.cpu_count()} cores, {memory}, GPUs: {gpus}"
 
 
@@ -237,7 +228,10 @@ def prepare_shards(trainer, env, configs, workdir):
 
 
 def run_checked(command, env, timeout, what):
-    """Runs command; returns (stdout, seconds). BenchError with the output's tail on failure."""
+    """Runs command; returns (stdout, process facts: wall and CPU seconds, the 1-minute load
+    average before it started). BenchError with the output's tail on failure."""
+    load_before = os.getloadavg()[0]
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
@@ -245,10 +239,14 @@ def run_checked(command, env, timeout, what):
     except subprocess.TimeoutExpired:
         raise BenchError(f"{what}: no result after {timeout} s: {' '.join(command)}") from None
     seconds = time.perf_counter() - start
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         tail = "\n".join((done.stderr.strip() or done.stdout.strip()).splitlines()[-15:])
         raise BenchError(f"{what} failed (exit {done.returncode}): {' '.join(command)}\n{tail}")
-    return done.stdout, seconds
+    cpu_seconds = (cpu_after.ru_utime - cpu_before.ru_utime +
+                   cpu_after.ru_stime - cpu_before.ru_stime)
+    return done.stdout, {"process_seconds": seconds, "process_cpu_seconds": cpu_seconds,
+                         "load_average_before": load_before}
 
 
 # --- one run of each side ---------------------------------------------------------------------
@@ -269,7 +267,7 @@ def parse_reports(stdout, what):
     return reports
 
 
-def summarize_run(reports, config, process_seconds, what):
+def summarize_run(reports, config, process, what):
     """The figures of one run from its step reports (ours: protobuf JSON, int64 as strings)."""
     started = next((r["started"] for r in reports if "started" in r), None)
     metrics = sorted((r["metrics"] for r in reports if "metrics" in r),
@@ -285,7 +283,7 @@ def summarize_run(reports, config, process_seconds, what):
         "tokens_per_second": tokens_per_step * len(timed) / sum(timed_times),
         "tokens_per_second_median_step": tokens_per_step / statistics.median(timed_times),
         "timed_seconds": sum(timed_times),
-        "process_seconds": process_seconds,
+        **process,
         "num_parameters": int(started.get("num_parameters", 0)),
         "device": started.get("device", ""),
         "first_step_loss": float(metrics[0].get("loss", 0.0)),
@@ -298,6 +296,13 @@ def summarize_run(reports, config, process_seconds, what):
     reported_mfu = [float(m["mfu"]) for m in timed if "mfu" in m]
     if reported_mfu:
         run["reported_mfu_median"] = statistics.median(reported_mfu)
+    # The trainer's MFU is flops_per_token * tokens/s / peak, with the peak from the planner's
+    # device presets (planner/devices.cc): tokens/s over MFU recovers peak / flops_per_token, so
+    # both sides' MFU share the trainer's denominator without a second table here.
+    per_mfu = [float(m["tokens_per_second"]) / float(m["mfu"]) for m in timed
+               if float(m.get("mfu", 0)) > 0 and "tokens_per_second" in m]
+    if per_mfu:
+        run["tokens_per_second_per_mfu"] = statistics.median(per_mfu)
     if "threads" in started:
         run["threads"] = started["threads"]
     if "startup_seconds" in started:
@@ -307,15 +312,15 @@ def summarize_run(reports, config, process_seconds, what):
 
 def run_ours(trainer, task_path, config, env, timeout):
     what = f"{config['name']}: tessera-trainer"
-    stdout, seconds = run_checked([trainer, f"--task={task_path}"], env, timeout, what)
-    return summarize_run(parse_reports(stdout, what), config, seconds, what)
+    stdout, process = run_checked([trainer, f"--task={task_path}"], env, timeout, what)
+    return summarize_run(parse_reports(stdout, what), config, process, what)
 
 
 def run_pytorch(python, run_config_path, config, env, timeout):
     what = f"{config['name']}: PyTorch baseline"
-    stdout, seconds = run_checked([python, BASELINE, f"--config={run_config_path}"], env, timeout,
+    stdout, process = run_checked([python, BASELINE, f"--config={run_config_path}"], env, timeout,
                                   what)
-    return summarize_run(parse_reports(stdout, what), config, seconds, what)
+    return summarize_run(parse_reports(stdout, what), config, process, what)
 
 
 # --- configuration files ----------------------------------------------------------------------
@@ -477,7 +482,9 @@ def bench_config(config, args, paths):
         theirs = run_pytorch(python, baseline_path, config, env, timeout)
         theirs_runs.append(theirs)
         print(f"  run {i + 1}/{args.runs}: ours {ours['tokens_per_second']:,.0f} tokens/s, "
-              f"PyTorch {theirs['tokens_per_second']:,.0f} tokens/s", flush=True)
+              f"PyTorch {theirs['tokens_per_second']:,.0f} tokens/s (load average before: "
+              f"{ours['load_average_before']:.1f}, {theirs['load_average_before']:.1f})",
+              flush=True)
         if equivalence is None:
             equivalence = check_equivalence(config, ours, theirs,
                                             int(metadata["tessera.num_parameters"]),
@@ -491,7 +498,8 @@ def bench_config(config, args, paths):
             raise BenchError(f"{name}: first-step loss {run['first_step_loss']!r} of a later run "
                              f"differs from the first run's {reference!r}")
 
-    peak = peak_flops_for(ours_runs[0]["device"]) if device == "cuda" else 0.0
+    peak = (flops_per_token * ours_runs[0]["tokens_per_second_per_mfu"]
+            if device == "cuda" and "tokens_per_second_per_mfu" in ours_runs[0] else 0.0)
     sides = {}
     for side, runs in (("ours", ours_runs), ("pytorch", theirs_runs)):
         tps = [r["tokens_per_second"] for r in runs]
@@ -612,7 +620,7 @@ def main():
         "commit": os.environ.get(COMMIT_ENV) or git_commit(),
         "date": os.environ.get(DATE_ENV) or
         datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": os.environ.get(MACHINE_ENV) or machine_line(torch),
+        "machine": os.environ.get(MACHINE_ENV) or machine_line(),
         "python": python,
         "torch_version": torch.__version__,
         "trainer": trainer,
@@ -640,10 +648,13 @@ def main():
                            "the losses of every step too), else the benchmark fails",
             "mfu": "flops_per_token (6 * parameters + 12 * layers * hidden * seq_len, as "
                    "planner/model_config.cc, read from the exported weights' metadata) * "
-                   "tokens/s / the device's dense bf16 peak (peak_flops, the table of "
-                   "trainer/train.cc), the same formula for both sides; GPU only",
+                   "tokens/s / the device's dense bf16 peak (peak_flops: the trainer's, from "
+                   "planner/devices.cc, recovered from its reported MFU), the same formula for "
+                   "both sides; GPU only",
             "data": "data/corpus/kjv-genesis-ruth.txt, byte tokenizer (vocabulary 257), "
                     "repeated so that a run stays within one epoch",
+            "load": "each run records the 1-minute load average before it started and its "
+                    "CPU seconds (user + sys): other work on the machine shows there",
             "memory": "cuda: peak allocated bytes of the caching allocator, the maximum over "
                       "steps; cpu: peak resident set of the whole process (for PyTorch it "
                       "includes the Python interpreter and the torch module)",
