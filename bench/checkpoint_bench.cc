@@ -48,6 +48,7 @@
 #include "trainer/model.h"
 #include "trainer/sha256.h"
 #include "trainer/torch_pch.h"
+#include "trainer/training_state.h"
 
 ABSL_FLAG(std::string, dir, "",
           "Directory in which to create the scratch directory (both sides write there); "
@@ -163,12 +164,8 @@ absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root
     PhaseClock clock;
     RETURN_IF_ERROR(trainer::PrepareStaging(root, step).status());
     clock.Lap("prepare_staging");
-    torch::serialize::OutputArchive archive, model_archive, optimizer_archive;
-    state.model->save(model_archive);
-    state.optimizer->Save(optimizer_archive);
-    archive.write("model", model_archive);
-    archive.write("optimizer", optimizer_archive);
-    archive.write("rng_cpu", at::detail::getDefaultCPUGenerator().get_state());
+    torch::serialize::OutputArchive archive;
+    trainer::SaveTrainingState(state.model, *state.optimizer, archive);
     clock.Lap("build_archive");
     const std::string shard = trainer::ShardFileName(/*rank=*/0);
     ASSIGN_OR_RETURN(std::string sha256,
@@ -214,16 +211,7 @@ absl::StatusOr<PhaseTimes> LoadOurs(TrainerState& state, const std::string& root
     archive.load_from(absl::StrCat(found->path, "/", trainer::ShardFileName(/*rank=*/0)),
                       torch::Device(torch::kCPU));
     clock.Lap("load_from");
-    torch::serialize::InputArchive model_archive, optimizer_archive;
-    archive.read("model", model_archive);
-    archive.read("optimizer", optimizer_archive);
-    state.model->load(model_archive);
-    state.optimizer->Load(optimizer_archive);
-    at::Tensor rng;
-    if (archive.try_read("rng_cpu", rng)) {
-      at::Generator generator = at::detail::getDefaultCPUGenerator();
-      generator.set_state(rng);
-    }
+    trainer::LoadTrainingState(archive, state.model, *state.optimizer);
     clock.Lap("apply");
     *path = std::move(found->path);
     return std::move(clock).Take();
@@ -312,12 +300,8 @@ absl::Status RemoveAndSettle(const std::string& path, const std::string& scratch
 absl::StatusOr<double> SerializeToMemoryMbPerSecond(TrainerState& state) {
   try {
     const Clock::time_point start = Clock::now();
-    torch::serialize::OutputArchive archive, model_archive, optimizer_archive;
-    state.model->save(model_archive);
-    state.optimizer->Save(optimizer_archive);
-    archive.write("model", model_archive);
-    archive.write("optimizer", optimizer_archive);
-    archive.write("rng_cpu", at::detail::getDefaultCPUGenerator().get_state());
+    torch::serialize::OutputArchive archive;
+    trainer::SaveTrainingState(state.model, *state.optimizer, archive);
     int64_t sunk = 0;
     archive.save_to([&sunk](const void*, size_t size) {
       sunk += static_cast<int64_t>(size);

@@ -30,6 +30,7 @@
 #include "trainer/model.h"
 #include "trainer/safetensors.h"
 #include "trainer/torch_pch.h"
+#include "trainer/training_state.h"
 #if TESSERA_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -370,16 +371,7 @@ class Trainer {
     std::string shard = absl::StrCat(path, "/", ShardFileName(shard_rank));
     torch::serialize::InputArchive archive;
     archive.load_from(shard, device_);
-    torch::serialize::InputArchive model_archive, optimizer_archive;
-    archive.read("model", model_archive);
-    archive.read("optimizer", optimizer_archive);
-    model_->load(model_archive);
-    optimizer_->Load(optimizer_archive);
-    at::Tensor rng;
-    if (archive.try_read("rng_cpu", rng)) {
-      at::Generator generator = at::detail::getDefaultCPUGenerator();
-      generator.set_state(rng);
-    }
+    LoadTrainingState(archive, model_, *optimizer_);
     step_ = manifest.step();
     tokens_seen_ = manifest.tokens_seen();
     *start = manifest.data_position();
@@ -560,12 +552,8 @@ class Trainer {
     if (rank() == 0) RETURN_IF_ERROR(PrepareStaging(root, step_).status());
     if (group_.has_value()) RETURN_IF_ERROR(Barrier(*group_));
 
-    torch::serialize::OutputArchive archive, model_archive, optimizer_archive;
-    model_->save(model_archive);
-    optimizer_->Save(optimizer_archive);
-    archive.write("model", model_archive);
-    archive.write("optimizer", optimizer_archive);
-    archive.write("rng_cpu", at::detail::getDefaultCPUGenerator().get_state());
+    torch::serialize::OutputArchive archive;
+    SaveTrainingState(model_, *optimizer_, archive);
     // Each rank hashes its shard while writing it and hands the digest to rank 0 through the
     // store, so the commit does not read the shards back.
     const std::string shard = ShardFileName(rank());
