@@ -1,42 +1,22 @@
 #include "bench/control_plane_process.h"
 
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
-#include <regex>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/daemon_process.h"
 #include "common/read_file.h"
-
-extern char** environ;
+#include "common/status_macros.h"
 
 namespace tessera::bench {
 namespace {
-
-// /proc files and logs are small; one page per read is plenty.
-constexpr size_t kReadChunkBytes = 4096;
-
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  std::string text;
-  absl::Status status = ReadFileChunks(
-      path, kReadChunkBytes, [&](const char* data, size_t size) { text.append(data, size); });
-  if (!status.ok()) return status;
-  return text;
-}
-
-// The log, or a note that it could not be read, for error messages.
-std::string LogOrNote(const std::string& path) {
-  auto log = ReadWholeFile(path);
-  return log.ok() ? *log : absl::StrCat("(no log: ", log.status().message(), ")");
-}
 
 // "VmRSS:    1234 kB" -> 1234 * 1024, for the line starting with `key`.
 int64_t StatusFieldBytes(const std::string& status, absl::string_view key) {
@@ -62,49 +42,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorProcess>> CoordinatorProcess::Start(
       absl::StrCat("--state=", options.dir, "/state.db"),
       absl::StrCat("--checkpoint_root=", options.dir, "/checkpoints"),
       absl::StrCat("--heartbeat_timeout=", absl::FormatDuration(options.heartbeat_timeout))};
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
-  // Its own process group: a Ctrl-C on the benchmark reaches us, and our
-  // destructor stops the coordinator.
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
-  posix_spawnattr_setpgroup(&attr, 0);
-  std::vector<char*> args;
-  for (auto& arg : argv) args.push_back(arg.data());
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, args[0], &actions, &attr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
-  if (rc != 0) {
-    return absl::NotFoundError(absl::StrCat("cannot start ", options.binary, ": ", strerror(rc)));
-  }
-  std::unique_ptr<CoordinatorProcess> process(new CoordinatorProcess(pid, log_path));
-
-  static const std::regex kServing(R"(serving gRPC on (\S+:\d+), metrics on port (\d+))");
-  const absl::Time deadline = absl::Now() + kCoordinatorStartTimeout;
-  while (absl::Now() < deadline) {
-    auto log = ReadWholeFile(log_path);
-    std::smatch match;
-    if (log.ok() && std::regex_search(*log, match, kServing)) {
-      process->address_ = match[1];
-      process->metrics_port_ = std::stoi(match[2]);
-      return process;
-    }
-    if (waitpid(pid, nullptr, WNOHANG) == pid) {
-      process->pid_ = -1;
-      return absl::UnavailableError(
-          absl::StrCat(options.binary, " exited before serving: ", LogOrNote(log_path)));
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return absl::UnavailableError(absl::StrCat(options.binary, " did not serve within ",
-                                             absl::FormatDuration(kCoordinatorStartTimeout), ": ",
-                                             LogOrNote(log_path)));
+  // Its own process group: a Ctrl-C on the benchmark reaches us, and our destructor stops the
+  // coordinator.
+  ASSIGN_OR_RETURN(ServingDaemon daemon, StartDaemon(argv, log_path, kCoordinatorStartTimeout));
+  std::unique_ptr<CoordinatorProcess> process(new CoordinatorProcess(daemon.pid, log_path));
+  process->address_ = daemon.address;
+  process->metrics_port_ = daemon.metrics_port;
+  return process;
 }
 
 CoordinatorProcess::~CoordinatorProcess() { (void)Stop(); }
@@ -112,14 +56,7 @@ CoordinatorProcess::~CoordinatorProcess() { (void)Stop(); }
 absl::Status CoordinatorProcess::Stop() {
   if (pid_ <= 0) return absl::OkStatus();
   const pid_t pid = std::exchange(pid_, -1);
-  kill(pid, SIGTERM);
-  const absl::Time deadline = absl::Now() + kCoordinatorStopTimeout;
-  while (absl::Now() < deadline) {
-    if (waitpid(pid, nullptr, WNOHANG) == pid) return absl::OkStatus();
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, nullptr, 0);
+  if (StopDaemon(pid, kCoordinatorStopTimeout)) return absl::OkStatus();
   return absl::DeadlineExceededError(
       absl::StrCat("the coordinator (pid ", pid, ") ignored SIGTERM for ",
                    absl::FormatDuration(kCoordinatorStopTimeout), " and was killed"));

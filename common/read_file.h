@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace tessera {
 
@@ -14,5 +15,8 @@ namespace tessera {
 // (ErrnoToStatus).
 absl::Status ReadFileChunks(const std::string& path, size_t chunk_bytes,
                             const std::function<void(const char* data, size_t size)>& consume);
+
+// The whole file at `path` (errors as ReadFileChunks).
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path);
 
 }  // namespace tessera
