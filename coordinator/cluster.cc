@@ -275,6 +275,7 @@ std::vector<NodeCapacity> Cluster::CapacityLocked() {
     NodeCapacity c;
     c.node_id = node_id;
     c.host = HostOf(node.address());
+    c.host_memory_bytes = node.resources().memory_bytes();
     c.total_gpus = node.resources().gpus_size();
     for (const auto& gpu : node.resources().gpus()) {
       if (!used_gpus[node_id].contains(gpu.index())) c.free_gpus.push_back(gpu.index());

@@ -44,7 +44,11 @@ absl::StatusOr<planner::DeviceTarget> TargetFromNodes(const v1::JobSpec& spec,
     g.free += gpus ? static_cast<int>(node.free_gpus.size()) : node.free_cpu_slots;
     g.total += total;
     g.largest = std::max(g.largest, total);
-    g.memory = std::max(g.memory, node.gpu_memory_bytes);
+    // A CPU slot's share of its host's memory; for GPUs the device's own.
+    const int64_t memory = gpus ? node.gpu_memory_bytes
+                           : node.total_cpu_slots > 0 ? node.host_memory_bytes / node.total_cpu_slots
+                                                      : 0;
+    g.memory = std::max(g.memory, memory);
   }
   if (groups.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(

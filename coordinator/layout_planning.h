@@ -16,7 +16,8 @@ namespace tessera::coordinator {
 
 // The device and node shape of the live cluster for `spec`: among schedulable nodes that match its
 // node_selector (and gpu_type), for GPU jobs the GPU model with the most free GPUs (ties: most in
-// total, then name), for CPU jobs the CPU slot model. devices_per_node is the largest such node.
+// total, then name), for CPU jobs the CPU slot model with the host's memory shared among its slots
+// (unchecked when a node registered none). devices_per_node is the largest such node.
 // FAILED_PRECONDITION when no registered node matches; NOT_FOUND when the GPU has no device model.
 absl::StatusOr<planner::DeviceTarget> TargetFromNodes(const v1::JobSpec& spec,
                                                       const std::vector<NodeCapacity>& nodes);

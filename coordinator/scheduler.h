@@ -59,6 +59,8 @@ struct NodeCapacity {
   std::string gpu_name;
   // Memory of one GPU as registered; 0 when unknown or CPU-only.
   int64_t gpu_memory_bytes = 0;
+  // The node's host memory as registered; 0 when unknown.
+  int64_t host_memory_bytes = 0;
   int total_gpus = 0;
   int free_cpu_slots = 0;
   int total_cpu_slots = 0;

@@ -48,8 +48,19 @@ const v1::MemoryEstimate& WorstStage(const std::vector<v1::MemoryEstimate>& stag
 }
 
 std::string DeviceLabel(const ClusterShape& cluster) {
+  if (cluster.device.memory_bytes() <= 0) return absl::StrCat(cluster.device.name(), " (memory unknown)");
   return absl::StrCat(cluster.device.name(), " (", FormatBytes(cluster.device.memory_bytes()),
                       ")");
+}
+
+// "peak 8.6 MiB of 70.9 GiB usable per device", or without the capacity when it is unknown.
+std::string PeakLabel(const v1::MemoryEstimate& memory) {
+  if (memory.usable_bytes() <= 0) {
+    return absl::StrCat("peak ", FormatBytes(memory.total_bytes()),
+                        " per device (memory not checked)");
+  }
+  return absl::StrCat("peak ", FormatBytes(memory.total_bytes()), " of ",
+                      FormatBytes(memory.usable_bytes()), " usable per device");
 }
 
 }  // namespace
@@ -228,11 +239,10 @@ v1::LayoutPlan ChoosePlan(const SearchResult& result, const ClusterShape& c) {
     const v1::StepTimeEstimate& t = plan.step_time();
     std::string explanation = absl::StrFormat(
         "%s, gradient accumulation %d: fastest of %d fitting layouts (%d considered) on %d x %s, "
-        "%d per node: est. %.0f tokens/s, %.3f s/step, MFU %.1f%%, peak %s of %s usable per "
-        "device.",
+        "%d per node: est. %.0f tokens/s, %.3f s/step, MFU %.1f%%, %s.",
         Describe(l), plan.gradient_accumulation_steps(), result.fitting, considered, c.gpus,
         DeviceLabel(c), c.gpus_per_node, t.tokens_per_second(), t.step_seconds(), 100 * t.mfu(),
-        FormatBytes(plan.memory().total_bytes()), FormatBytes(plan.memory().usable_bytes()));
+        PeakLabel(plan.memory()));
     if (result.fitting > 1) {
       const v1::LayoutPlan& next = result.candidates[1].plan();
       absl::StrAppendFormat(

@@ -81,12 +81,14 @@ class CoordinatorTest : public ::testing::Test {
     return job;
   }
 
-  void RegisterNode(const std::string& node_id, int gpus, int cpu_slots) {
+  void RegisterNode(const std::string& node_id, int gpus, int cpu_slots,
+                    int64_t host_memory_bytes = 0) {
     v1::RegisterNodeRequest request;
     request.set_node_id(node_id);
     request.set_hostname(node_id);
     request.set_address(node_id + ".cluster.local:50052");
     request.mutable_resources()->set_cpu_slots(cpu_slots);
+    request.mutable_resources()->set_memory_bytes(host_memory_bytes);
     for (int i = 0; i < gpus; ++i) {
       auto* gpu = request.mutable_resources()->add_gpus();
       gpu->set_index(i);
@@ -323,6 +325,26 @@ TEST_F(CoordinatorTest, AutoLayoutThatFitsNowhereWaitsWithThePlannersReason) {
   EXPECT_THAT(job.reason(), HasSubstr("does not fit: needs"));
   EXPECT_THAT(job.reason(), HasSubstr("over by"));
   EXPECT_EQ(Heartbeat("gpu-node").start_size(), 0);
+}
+
+TEST_F(CoordinatorTest, CpuJobsArePlannedAgainstTheHostsMemoryPerSlot) {
+  // 1 GiB shared by 2 slots: gpt2-124m's fp32 AdamW state alone is 2 GB per rank.
+  RegisterNode("small-host", 0, 2, int64_t{1} << 30);
+  v1::JobSpec big = ValidSpec("cpu-too-big");
+  big.mutable_model()->set_preset("gpt2-124m");
+  v1::Job job = Submit(big);
+  job = WaitForJob(job.job_id(), [](const v1::Job& j) {
+    return j.reason().find("No layout fits") != std::string::npos;
+  });
+  EXPECT_EQ(job.state(), v1::JOB_STATE_PENDING);
+  EXPECT_THAT(job.reason(), HasSubstr("cpu (512.0 MiB)"));
+  // The tiny model fits in the same slots.
+  v1::Job small = Submit(ValidSpec("cpu-fits"));
+  small = WaitForJob(small.job_id(),
+                     [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  EXPECT_EQ(small.state(), v1::JOB_STATE_SCHEDULED) << small.reason();
+  EXPECT_TRUE(small.plan().fits());
+  EXPECT_EQ(small.plan().memory().device_capacity_bytes(), int64_t{512} << 20);
 }
 
 TEST_F(CoordinatorTest, PlanLayoutForAHypotheticalOrTheLiveCluster) {
