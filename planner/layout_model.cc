@@ -314,8 +314,10 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     int64_t cast = 0;
     if (e == 2 && p.matmul > 0) {
       const int64_t per_layer = SplitParameters(w, l.tp).layer_matmul;
-      cast = 2 * (l.ac == v1::ACTIVATION_CHECKPOINTING_FULL
-                      ? per_layer + (p.matmul - layers * per_layer)
+      // ZeRO-3 gathers (and casts) a layer at a time and frees it after use: the layer in use and
+      // the one prefetched.
+      cast = 2 * (l.ac == v1::ACTIVATION_CHECKPOINTING_FULL || l.zero >= 3
+                      ? (l.zero >= 3 ? 2 : 1) * per_layer + (p.matmul - layers * per_layer)
                       : p.matmul);
     }
     mem.set_cast_weights_bytes(cast);
