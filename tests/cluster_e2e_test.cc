@@ -326,6 +326,18 @@ TEST_F(ClusterTest, TheCliSubmitsWatchesAndReads) {
   auto status = run("status " + job_id + " --output=json");
   ASSERT_THAT(status, IsOk());
   EXPECT_THAT(status->output, HasSubstr("\"state\": \"JOB_STATE_SUCCEEDED\""));
+  // The automatic layout was planned for the worker's CPU slots and recorded with the job.
+  auto text_status = run("status " + job_id);
+  ASSERT_THAT(text_status, IsOk());
+  EXPECT_THAT(text_status->output, HasSubstr("plan: dp=2 tp=1 pp=1"));
+  EXPECT_THAT(text_status->output, HasSubstr("on 2 x cpu ("));
+
+  // `plan` with no device named asks the coordinator, which plans for its live cluster.
+  auto plan = run("plan " + spec);
+  ASSERT_THAT(plan, IsOk());
+  EXPECT_EQ(plan->exit.exit_code, 0) << plan->output;
+  EXPECT_THAT(plan->output, HasSubstr("Devices: 2 x cpu"));
+  EXPECT_THAT(plan->output, HasSubstr("Chosen: dp=2"));
 
   std::ofstream(dir_.path() + "/bad.yaml") << "name: bad\nmax_stepz: 3\n";
   auto bad = run("submit " + dir_.path() + "/bad.yaml");
