@@ -66,7 +66,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Json = nlohmann::ordered_json;
 
-
 // Where scratch files go when --dir is not given (POSIX's TMPDIR).
 constexpr char kTmpDirEnv[] = "TMPDIR";
 
@@ -168,10 +167,10 @@ absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root
     trainer::SaveTrainingState(state.model, *state.optimizer, archive);
     clock.Lap("build_archive");
     const std::string shard = trainer::ShardFileName(/*rank=*/0);
-    ASSIGN_OR_RETURN(std::string sha256,
-                     trainer::WriteHashedFile(
-                         absl::StrCat(trainer::StagingDir(root, step), "/", shard),
-                         [&](const trainer::ByteSink& sink) { archive.save_to(sink); }));
+    ASSIGN_OR_RETURN(
+        std::string sha256,
+        trainer::WriteHashedFile(absl::StrCat(trainer::StagingDir(root, step), "/", shard),
+                                 [&](const trainer::ByteSink& sink) { archive.save_to(sink); }));
     clock.Lap("serialize_write");
     v1::CheckpointManifest manifest;
     manifest.set_job_id("checkpoint-bench");

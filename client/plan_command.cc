@@ -59,8 +59,7 @@ absl::Status BadFlag(const std::string& flag, const std::string& problem) {
 }
 
 std::string AcName(const v1::Layout& layout) {
-  return planner::ActivationCheckpointingName(
-      planner::FromProto(layout, 1).ac);
+  return planner::ActivationCheckpointingName(planner::FromProto(layout, 1).ac);
 }
 
 json MemoryJson(const v1::MemoryEstimate& m) {
@@ -131,8 +130,8 @@ std::string Rate(double value) {
 absl::StatusOr<int64_t> ParseBytes(const std::string& text) {
   absl::string_view rest = absl::StripAsciiWhitespace(text);
   size_t digits = 0;
-  while (digits < rest.size() && (std::isdigit(static_cast<unsigned char>(rest[digits])) ||
-                                  rest[digits] == '.')) {
+  while (digits < rest.size() &&
+         (std::isdigit(static_cast<unsigned char>(rest[digits])) || rest[digits] == '.')) {
     ++digits;
   }
   double value = 0;
@@ -220,8 +219,8 @@ absl::Status ParseDeviceOverrides(const std::string& text, v1::DeviceModel* devi
       for (int i = 0; i < descriptor->field_count(); ++i) {
         if (descriptor->field(i)->name() != "name") names.push_back(descriptor->field(i)->name());
       }
-      return absl::InvalidArgumentError(absl::StrCat("unknown field '", name, "'; known: ",
-                                                     absl::StrJoin(names, ", ")));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown field '", name, "'; known: ", absl::StrJoin(names, ", ")));
     }
     if (field->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_DOUBLE) {
       double number = 0;
@@ -231,7 +230,8 @@ absl::Status ParseDeviceOverrides(const std::string& text, v1::DeviceModel* devi
       reflection->SetDouble(device, field, number);
     } else {
       auto bytes = ParseBytes(value);
-      if (!bytes.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", bytes.status().message()));
+      if (!bytes.ok())
+        return absl::InvalidArgumentError(absl::StrCat(name, ": ", bytes.status().message()));
       reflection->SetInt64(device, field, *bytes);
     }
   }
@@ -295,7 +295,7 @@ absl::StatusOr<v1::PlanLayoutRequest> PlanRequestFromFlags(const std::string& sp
     if (rank < 0) return BadFlag("lora_rank", "must be >= 0");
     request.set_lora_rank(rank);
   }
-  const int devices = request.gpus() > 0 ? request.gpus()
+  const int devices = request.gpus() > 0            ? request.gpus()
                       : spec.resources().gpus() > 0 ? spec.resources().gpus()
                                                     : spec.resources().cpu_slots();
   if (const std::string text = absl::GetFlag(FLAGS_layout); !text.empty()) {
@@ -304,8 +304,8 @@ absl::StatusOr<v1::PlanLayoutRequest> PlanRequestFromFlags(const std::string& sp
     if (layout->data_parallel() == 0) {
       const int model_parallel = layout->tensor_parallel() * layout->pipeline_parallel();
       if (devices % model_parallel != 0) {
-        return BadFlag("layout", absl::StrCat("tp x pp = ", model_parallel,
-                                              " does not divide the ", devices, " devices"));
+        return BadFlag("layout", absl::StrCat("tp x pp = ", model_parallel, " does not divide the ",
+                                              devices, " devices"));
       }
       layout->set_data_parallel(devices / model_parallel);
     }
@@ -324,32 +324,32 @@ std::string PlanJson(const v1::PlanLayoutRequest& request, const v1::PlanLayoutR
   json layouts = json::array();
   for (const auto& candidate : response.candidates()) layouts.push_back(CandidateJson(candidate));
   const v1::DeviceModel& d = plan.device();
-  json out{
-      {"model",
-       {{"preset", request.spec().model().preset()},
-        {"parameters", plan.model().num_parameters()},
-        {"seq_len", request.spec().data().seq_len()},
-        {"global_batch", request.spec().batch().global_batch_size()},
-        {"precision", plan.precision() == v1::PRECISION_FP32 ? "fp32" : "bf16"},
-        {"lora_rank", plan.lora_rank()}}},
-      {"cluster",
-       {{"devices", plan.world_size()},
-        {"devices_per_node", plan.devices_per_node()},
-        {"device",
-         {{"name", d.name()},
-          {"memory_bytes", d.memory_bytes()},
-          {"peak_flops_bf16", d.peak_flops_bf16()},
-          {"peak_flops_fp32", d.peak_flops_fp32()},
-          {"intra_node_bandwidth", d.intra_node_bandwidth()},
-          {"inter_node_bandwidth", d.inter_node_bandwidth()},
-          {"achievable_flops_fraction", d.achievable_flops_fraction()}}}}},
-      {"fits", plan.fits()},
-      {"explanation", plan.explanation()},
-      {"layouts", std::move(layouts)}};
+  json out{{"model",
+            {{"preset", request.spec().model().preset()},
+             {"parameters", plan.model().num_parameters()},
+             {"seq_len", request.spec().data().seq_len()},
+             {"global_batch", request.spec().batch().global_batch_size()},
+             {"precision", plan.precision() == v1::PRECISION_FP32 ? "fp32" : "bf16"},
+             {"lora_rank", plan.lora_rank()}}},
+           {"cluster",
+            {{"devices", plan.world_size()},
+             {"devices_per_node", plan.devices_per_node()},
+             {"device",
+              {{"name", d.name()},
+               {"memory_bytes", d.memory_bytes()},
+               {"peak_flops_bf16", d.peak_flops_bf16()},
+               {"peak_flops_fp32", d.peak_flops_fp32()},
+               {"intra_node_bandwidth", d.intra_node_bandwidth()},
+               {"inter_node_bandwidth", d.inter_node_bandwidth()},
+               {"achievable_flops_fraction", d.achievable_flops_fraction()}}}}},
+           {"fits", plan.fits()},
+           {"explanation", plan.explanation()},
+           {"layouts", std::move(layouts)}};
   return out.dump(2) + "\n";
 }
 
-std::string PlanTable(const v1::PlanLayoutRequest& request, const v1::PlanLayoutResponse& response) {
+std::string PlanTable(const v1::PlanLayoutRequest& request,
+                      const v1::PlanLayoutResponse& response) {
   const v1::LayoutPlan& plan = response.plan();
   const v1::JobSpec& spec = request.spec();
   std::string out = absl::StrFormat(

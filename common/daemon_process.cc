@@ -68,9 +68,8 @@ absl::StatusOr<ServingDaemon> StartDaemon(const std::vector<std::string>& argv,
     absl::SleepFor(absl::Milliseconds(20));
   }
   StopDaemon(daemon.pid, absl::Seconds(5));
-  return absl::UnavailableError(absl::StrCat(argv[0], " did not serve within ",
-                                             absl::FormatDuration(timeout), ": ",
-                                             LogOrNote(log_path)));
+  return absl::UnavailableError(absl::StrCat(
+      argv[0], " did not serve within ", absl::FormatDuration(timeout), ": ", LogOrNote(log_path)));
 }
 
 bool StopDaemon(pid_t pid, absl::Duration timeout) {

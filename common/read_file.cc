@@ -30,9 +30,8 @@ absl::Status ReadFileChunks(const std::string& path, size_t chunk_bytes,
 
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
   std::string out;
-  absl::Status status = ReadFileChunks(path, size_t{64} << 10, [&](const char* data, size_t size) {
-    out.append(data, size);
-  });
+  absl::Status status = ReadFileChunks(
+      path, size_t{64} << 10, [&](const char* data, size_t size) { out.append(data, size); });
   if (!status.ok()) return status;
   return out;
 }

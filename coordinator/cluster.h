@@ -108,8 +108,7 @@ class Cluster {
   // One scheduling pass over the active jobs; returns the ids of the jobs it placed.
   std::set<std::string> ScheduleLocked(const std::vector<v1::Job>& active)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PlaceLocked(const v1::Job& job, const GangPlacement& placement,
-                   const v1::LayoutPlan& plan)
+  void PlaceLocked(const v1::Job& job, const GangPlacement& placement, const v1::LayoutPlan& plan)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

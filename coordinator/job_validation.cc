@@ -338,12 +338,13 @@ absl::StatusOr<v1::LayoutPlan> PlanJob(const v1::JobSpec& spec) {
   v1::Layout& layout = *plan.mutable_layout();
   if (HasExplicitLayout(spec)) {
     layout = spec.parallelism().layout();
-    plan.set_explanation(
-        absl::StrCat("Explicit layout from the job spec: data_parallel ", layout.data_parallel(),
-                     " x tensor_parallel ", layout.tensor_parallel(), " x pipeline_parallel ",
-                     layout.pipeline_parallel(), ", ZeRO stage ", layout.zero_stage(), ", over ",
-                     world, " ", device, ". The planner checks it against the devices the job "
-                     "gets when it is scheduled."));
+    plan.set_explanation(absl::StrCat("Explicit layout from the job spec: data_parallel ",
+                                      layout.data_parallel(), " x tensor_parallel ",
+                                      layout.tensor_parallel(), " x pipeline_parallel ",
+                                      layout.pipeline_parallel(), ", ZeRO stage ",
+                                      layout.zero_stage(), ", over ", world, " ", device,
+                                      ". The planner checks it against the devices the job "
+                                      "gets when it is scheduled."));
   } else {
     layout.set_data_parallel(world);
     layout.set_tensor_parallel(1);

@@ -379,7 +379,8 @@ TEST(JobValidationPlanTest, AutoLayoutIsDataParallelOverEveryCpuSlot) {
   EXPECT_TRUE(plan->fits());
   EXPECT_FALSE(plan->has_memory());
   EXPECT_FALSE(plan->has_step_time());
-  EXPECT_THAT(plan->explanation(), HasSubstr("planner chooses the layout when the job is scheduled"));
+  EXPECT_THAT(plan->explanation(),
+              HasSubstr("planner chooses the layout when the job is scheduled"));
   EXPECT_THAT(plan->explanation(), HasSubstr("4 CPU slots"));
 
   // tiny-gpt2 (d 64, 2 layers, vocab 257, 256 positions, tied), summed by hand:

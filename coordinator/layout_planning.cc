@@ -29,7 +29,7 @@ bool Matches(const v1::JobSpec& spec, const NodeCapacity& node, bool gpus) {
 }  // namespace
 
 absl::StatusOr<planner::DeviceTarget> TargetFromNodes(const v1::JobSpec& spec,
-                                           const std::vector<NodeCapacity>& nodes) {
+                                                      const std::vector<NodeCapacity>& nodes) {
   const bool gpus = spec.resources().gpus() > 0;
   // Per GPU name (or "" for CPU slots): free devices, total devices, largest node, memory.
   struct Group {
@@ -46,15 +46,17 @@ absl::StatusOr<planner::DeviceTarget> TargetFromNodes(const v1::JobSpec& spec,
     g.largest = std::max(g.largest, total);
     // A CPU slot's share of its host's memory; for GPUs the device's own.
     const int64_t memory = gpus ? node.gpu_memory_bytes
-                           : node.total_cpu_slots > 0 ? node.host_memory_bytes / node.total_cpu_slots
-                                                      : 0;
+                           : node.total_cpu_slots > 0
+                               ? node.host_memory_bytes / node.total_cpu_slots
+                               : 0;
     g.memory = std::max(g.memory, memory);
   }
   if (groups.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "no registered node offers ", gpus ? "GPUs" : "CPU slots",
-        spec.resources().gpu_type().empty() ? ""
-                                            : absl::StrCat(" of type '", spec.resources().gpu_type(), "'"),
+        spec.resources().gpu_type().empty()
+            ? ""
+            : absl::StrCat(" of type '", spec.resources().gpu_type(), "'"),
         spec.resources().node_selector().empty() ? "" : " with the job's node_selector labels"));
   }
   auto best = std::max_element(groups.begin(), groups.end(), [](const auto& a, const auto& b) {

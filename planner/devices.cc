@@ -3,7 +3,6 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
@@ -11,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 
 namespace tessera::planner {
 namespace {
@@ -61,7 +61,8 @@ const std::vector<Entry>& Entries() {
       {"rtx-pro-6000", "RTX PRO 6000",
        Gpu("rtx-pro-6000", 500e12, 125e12, 97887, 1.792e12, 50e9, 25e9)},
       {"b200", "B200", Gpu("b200", 2250e12, 75e12, 183359, 8e12, 900e9, 50e9)},
-      {"cpu", "", [] {
+      {"cpu", "",
+       [] {
          v1::DeviceModel d;
          d.set_name("cpu");
          // One trainer slot (about one core with AVX2 FMA); no bf16 on CPU trainers.
@@ -96,9 +97,9 @@ absl::StatusOr<v1::DeviceModel> DevicePreset(absl::string_view name) {
   for (const Entry& entry : Entries()) {
     if (absl::EqualsIgnoreCase(name, entry.name)) return entry.model;
   }
-  return absl::InvalidArgumentError(absl::StrCat("device '", name, "' is not a known device; known: ",
-                                                 absl::StrJoin(DevicePresetNames(), ", "),
-                                                 " (or give the figures explicitly)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("device '", name, "' is not a known device; known: ",
+                   absl::StrJoin(DevicePresetNames(), ", "), " (or give the figures explicitly)"));
 }
 
 absl::StatusOr<v1::DeviceModel> DeviceForGpuName(absl::string_view gpu_name, int64_t memory_bytes) {
@@ -110,14 +111,15 @@ absl::StatusOr<v1::DeviceModel> DeviceForGpuName(absl::string_view gpu_name, int
   }
   for (const Entry& entry : Entries()) {
     if (found) break;
-    if (*entry.nvml_match != '\0' && absl::StrContains(absl::AsciiStrToLower(gpu_name), absl::AsciiStrToLower(entry.nvml_match))) {
+    if (*entry.nvml_match != '\0' && absl::StrContains(absl::AsciiStrToLower(gpu_name),
+                                                       absl::AsciiStrToLower(entry.nvml_match))) {
       model = entry.model;
       found = true;
     }
   }
   if (!found) {
-    return absl::NotFoundError(absl::StrCat("no device model for GPU '", gpu_name,
-                                            "'; known: ", absl::StrJoin(DevicePresetNames(), ", ")));
+    return absl::NotFoundError(absl::StrCat("no device model for GPU '", gpu_name, "'; known: ",
+                                            absl::StrJoin(DevicePresetNames(), ", ")));
   }
   if (memory_bytes > 0) model.set_memory_bytes(memory_bytes);
   return model;

@@ -6,17 +6,18 @@
 #pragma once
 
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "tessera/v1/common.pb.h"
 #include "tessera/v1/layout.pb.h"
 
 namespace tessera::planner {
 
 // The preset called `name` ("h100-pcie", "h100-nvl", "h100-sxm", "h200", "a100-80gb", "l40s",
-// "rtx-pro-6000", "b200", "cpu"); INVALID_ARGUMENT listing the known names otherwise. Matching ignores case.
+// "rtx-pro-6000", "b200", "cpu"); INVALID_ARGUMENT listing the known names otherwise. Matching
+// ignores case.
 absl::StatusOr<v1::DeviceModel> DevicePreset(absl::string_view name);
 
 // The preset for a GPU as NVML names it ("NVIDIA H100 80GB HBM3" -> h100-sxm); NOT_FOUND when no

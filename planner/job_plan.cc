@@ -32,8 +32,7 @@ SearchLimits TrainerCapabilities() {
 
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOptions& options) {
   RETURN_IF_ERROR(ValidateDeviceModel(options.device));
-  ASSIGN_OR_RETURN(const v1::ModelSummary model,
-                   ResolveModel(spec.model(), spec.data().seq_len()));
+  ASSIGN_OR_RETURN(const v1::ModelSummary model, ResolveModel(spec.model(), spec.data().seq_len()));
   Workload w;
   w.dims = model.dims();
   w.seq_len = spec.data().seq_len();
@@ -63,7 +62,7 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
   }
   ClusterShape cluster;
   cluster.device = options.device;
-  cluster.gpus = options.devices > 0 ? options.devices
+  cluster.gpus = options.devices > 0           ? options.devices
                  : spec.resources().gpus() > 0 ? spec.resources().gpus()
                                                : spec.resources().cpu_slots();
   cluster.gpus_per_node = options.devices_per_node;
@@ -71,8 +70,7 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
     return Invalid("resources.gpus", "plan for at least one device (gpus or cpu_slots > 0)");
   }
   if (cluster.gpus_per_node <= 0) {
-    return Invalid("devices_per_node",
-                   absl::StrCat("must be > 0, got ", cluster.gpus_per_node));
+    return Invalid("devices_per_node", absl::StrCat("must be > 0, got ", cluster.gpus_per_node));
   }
 
   SearchLimits limits;
@@ -120,51 +118,50 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
     for (int m : micro_batches) {
       result.candidates.push_back(EvaluateLayout(w, FromProto(layout, m), cluster));
     }
-    std::stable_sort(result.candidates.begin(), result.candidates.end(),
-                     [](const v1::LayoutCandidate& a, const v1::LayoutCandidate& b) {
-                       return std::make_pair(!a.plan().fits(),
-                                             -a.plan().step_time().tokens_per_second()) <
-                              std::make_pair(!b.plan().fits(),
-                                             -b.plan().step_time().tokens_per_second());
-                     });
+    std::stable_sort(
+        result.candidates.begin(), result.candidates.end(),
+        [](const v1::LayoutCandidate& a, const v1::LayoutCandidate& b) {
+          return std::make_pair(!a.plan().fits(), -a.plan().step_time().tokens_per_second()) <
+                 std::make_pair(!b.plan().fits(), -b.plan().step_time().tokens_per_second());
+        });
     result.fitting = static_cast<int>(
         std::count_if(result.candidates.begin(), result.candidates.end(),
                       [](const v1::LayoutCandidate& c) { return c.plan().fits(); }));
     out.plan = ChoosePlan(result, cluster);
-    out.plan.set_explanation(absl::StrCat("Explicit layout from the job spec. ",
-                                          out.plan.explanation()));
+    out.plan.set_explanation(
+        absl::StrCat("Explicit layout from the job spec. ", out.plan.explanation()));
     out.candidates = std::move(result.candidates);
   } else {
     SearchResult result = SearchLayouts(w, cluster, limits);
     out.plan = ChoosePlan(result, cluster);
     if (options.runnable_only) {
-      out.plan.set_explanation(absl::StrCat(
-          out.plan.explanation(),
-          " Chosen among the layouts this trainer runs (data parallel, no ZeRO, no "
-          "recomputation)."));
+      out.plan.set_explanation(
+          absl::StrCat(out.plan.explanation(),
+                       " Chosen among the layouts this trainer runs (data parallel, no ZeRO, no "
+                       "recomputation)."));
     }
     out.candidates = std::move(result.candidates);
   }
   return out;
 }
 
-absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutRequest(
-    const v1::PlanLayoutRequest& request, const absl::StatusOr<DeviceTarget>& live) {
+absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutRequest(const v1::PlanLayoutRequest& request,
+                                                         const absl::StatusOr<DeviceTarget>& live) {
   if (request.gpus() < 0 || request.gpus_per_node() < 0 || request.max_candidates() < 0 ||
       request.lora_rank() < 0) {
     return absl::InvalidArgumentError(
         "gpus, gpus_per_node, max_candidates and lora_rank must be >= 0");
   }
   DeviceTarget target;
-  const std::string preset = !request.device().name().empty() ? request.device().name()
-                                                               : request.gpu_type();
+  const std::string preset =
+      !request.device().name().empty() ? request.device().name() : request.gpu_type();
   if (!preset.empty()) {
     auto device = DevicePreset(preset);
     if (!device.ok()) device = DeviceForGpuName(preset, 0);
     if (!device.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("device: '", preset,
-                                                     "' is not a known device; known: ",
-                                                     absl::StrJoin(DevicePresetNames(), ", ")));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device: '", preset,
+          "' is not a known device; known: ", absl::StrJoin(DevicePresetNames(), ", ")));
     }
     target.device = *std::move(device);
   } else if (live.ok()) {
@@ -179,7 +176,7 @@ absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutRequest(
   JobPlanOptions options;
   options.device = target.device;
   options.devices = request.gpus();
-  options.devices_per_node = request.gpus_per_node() > 0 ? request.gpus_per_node()
+  options.devices_per_node = request.gpus_per_node() > 0   ? request.gpus_per_node()
                              : target.devices_per_node > 0 ? target.devices_per_node
                              : IsCpu(target.device)        ? 1
                                                            : 8;

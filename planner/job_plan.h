@@ -61,7 +61,7 @@ struct DeviceTarget {
 // cluster's; its error is returned, with a hint to name a device, when it has none); gpus and
 // gpus_per_node override the spec's and the target's. Up to max_candidates (0: 10) candidates
 // follow the chosen plan.
-absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutRequest(
-    const v1::PlanLayoutRequest& request, const absl::StatusOr<DeviceTarget>& live);
+absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutRequest(const v1::PlanLayoutRequest& request,
+                                                         const absl::StatusOr<DeviceTarget>& live);
 
 }  // namespace tessera::planner

@@ -25,9 +25,7 @@ constexpr double kOverlapEfficiency = 0.8;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-bool IsLlama(const v1::ModelDims& dims) {
-  return dims.architecture() == v1::ARCHITECTURE_LLAMA;
-}
+bool IsLlama(const v1::ModelDims& dims) { return dims.architecture() == v1::ARCHITECTURE_LLAMA; }
 
 // Parameters of one device, split by where they live. Counts are per tensor-parallel rank.
 struct ParameterSplit {
@@ -85,13 +83,13 @@ ParameterSplit SplitParameters(const Workload& w, int tp) {
 
 // Parameters (and tensors) one device of `stage` holds, split into what AdamW trains.
 struct StageParameters {
-  int64_t all = 0;           // every parameter held
-  int64_t matmul = 0;        // matmul weights (bf16-cast by autocast)
-  int64_t trainable = 0;     // parameters with gradients and optimizer state
-  int64_t frozen = 0;        // LoRA's base weights
-  int64_t tensors = 0;       // trainable parameter tensors
-  int64_t embedding = 0;     // embedding tables and LM head (subset of `all`)
-  int64_t layer_all = 0;     // one layer, for ZeRO-3 gather buffers
+  int64_t all = 0;        // every parameter held
+  int64_t matmul = 0;     // matmul weights (bf16-cast by autocast)
+  int64_t trainable = 0;  // parameters with gradients and optimizer state
+  int64_t frozen = 0;     // LoRA's base weights
+  int64_t tensors = 0;    // trainable parameter tensors
+  int64_t embedding = 0;  // embedding tables and LM head (subset of `all`)
+  int64_t layer_all = 0;  // one layer, for ZeRO-3 gather buffers
 };
 
 StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int stage) {
@@ -200,13 +198,15 @@ double GemmEfficiency(const Workload& w, const LayoutChoice& l) {
 // Ring all-reduce of `bytes` over `n` ranks at `bandwidth` (each way).
 double AllReduceSeconds(double bytes, int n, double bandwidth) {
   if (n <= 1 || bytes <= 0) return 0;
-  return 2.0 * (n - 1) / n * bytes / bandwidth + kCollectiveLatency * std::ceil(bytes / kBucketBytes);
+  return 2.0 * (n - 1) / n * bytes / bandwidth +
+         kCollectiveLatency * std::ceil(bytes / kBucketBytes);
 }
 
 // Reduce-scatter or all-gather of `bytes` (the full size) over `n` ranks.
 double HalfRingSeconds(double bytes, int n, double bandwidth) {
   if (n <= 1 || bytes <= 0) return 0;
-  return 1.0 * (n - 1) / n * bytes / bandwidth + kCollectiveLatency * std::ceil(bytes / kBucketBytes);
+  return 1.0 * (n - 1) / n * bytes / bandwidth +
+         kCollectiveLatency * std::ceil(bytes / kBucketBytes);
 }
 
 // Whether a data-parallel group (ranks tp apart, tp fastest) stays inside a node.
@@ -230,8 +230,8 @@ std::optional<std::string> InvalidReason(const Workload& w, const LayoutChoice& 
   const v1::ModelDims& m = w.dims;
   if (l.dp < 1 || l.tp < 1 || l.pp < 1) return "every degree must be >= 1";
   if (l.world() != c.gpus) {
-    return absl::StrCat("dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", l.world(), " != ",
-                        c.gpus, " devices");
+    return absl::StrCat("dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", l.world(),
+                        " != ", c.gpus, " devices");
   }
   if (m.num_attention_heads() % l.tp != 0) {
     return absl::StrCat("tensor_parallel ", l.tp, " does not divide ", m.num_attention_heads(),
@@ -250,8 +250,7 @@ std::optional<std::string> InvalidReason(const Workload& w, const LayoutChoice& 
                         " devices of a node (tensor-parallel groups stay inside a node)");
   }
   if (m.num_layers() % l.pp != 0) {
-    return absl::StrCat("pipeline_parallel ", l.pp, " does not divide ", m.num_layers(),
-                        " layers");
+    return absl::StrCat("pipeline_parallel ", l.pp, " does not divide ", m.num_layers(), " layers");
   }
   if (l.zero < 0 || l.zero > 3) return absl::StrCat("zero_stage ", l.zero, " is not in 0..3");
   if (l.zero > 0 && l.dp == 1) {
@@ -277,9 +276,10 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
   const LayerActivations layer = ActivationsPerLayer(w, l);
   const int64_t layers = w.dims.num_layers() / l.pp;
   const double s = w.seq_len, b = l.micro_batch, h = w.dims.hidden_size();
-  const int64_t usable = static_cast<int64_t>(
-      static_cast<double>(std::max<int64_t>(0, c.device.memory_bytes() - c.device.reserved_bytes())) *
-      c.memory_headroom);
+  const int64_t usable =
+      static_cast<int64_t>(static_cast<double>(std::max<int64_t>(
+                               0, c.device.memory_bytes() - c.device.reserved_bytes())) *
+                           c.memory_headroom);
   std::vector<v1::MemoryEstimate> stages;
   for (int stage = 0; stage < l.pp; ++stage) {
     const StageParameters p = ParametersOfStage(w, l, stage);
@@ -300,9 +300,9 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     grads = shard(grads, 2);
     weights = shard(weights, 3);
     const int64_t embedding_state =
-        w.lora_rank > 0 ? shard(e * p.embedding, 3)
-                        : shard(4 * p.embedding, 3) + shard(4 * p.embedding, 2) +
-                              shard(8 * p.embedding, 1);
+        w.lora_rank > 0
+            ? shard(e * p.embedding, 3)
+            : shard(4 * p.embedding, 3) + shard(4 * p.embedding, 2) + shard(8 * p.embedding, 1);
     optimizer += 4 * p.tensors;  // AdamW's float32 step counter per tensor
     mem.set_weights_bytes(weights);
     mem.set_gradients_bytes(grads);
@@ -338,7 +338,8 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     // autocast; vocab-parallel over tp.
     int64_t logits = 0;
     if (last) {
-      logits = static_cast<int64_t>(s * b * CeilDiv(w.dims.vocab_size(), l.tp) * (12 + (e == 2 ? 2 : 0)));
+      logits = static_cast<int64_t>(s * b * CeilDiv(w.dims.vocab_size(), l.tp) *
+                                    (12 + (e == 2 ? 2 : 0)));
     }
     mem.set_logits_bytes(logits);
 
@@ -355,16 +356,15 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     if (l.pp > 1) comm += static_cast<int64_t>(4 * s * b * h * e / (l.sp ? l.tp : 1));
     mem.set_communication_bytes(comm);
 
-    const int64_t overhead =
-        (IsCpu(c.device) ? 0 : c.device.workspace_bytes()) +
-        static_cast<int64_t>(c.device.fragmentation_fraction() *
-                             static_cast<double>(activations + logits));
+    const int64_t overhead = (IsCpu(c.device) ? 0 : c.device.workspace_bytes()) +
+                             static_cast<int64_t>(c.device.fragmentation_fraction() *
+                                                  static_cast<double>(activations + logits));
     mem.set_overhead_bytes(overhead);
 
     // Gradients coexist with a micro-batch's activations when they outlive it (accumulation, a
     // pipeline); with one micro-batch per step backward trades one for the other.
-    const int64_t transient = accumulation > 1 ? grads + activations + logits
-                                               : std::max(grads, activations + logits);
+    const int64_t transient =
+        accumulation > 1 ? grads + activations + logits : std::max(grads, activations + logits);
     mem.set_total_bytes(weights + optimizer + cast + comm + overhead + transient);
     mem.set_device_capacity_bytes(c.device.memory_bytes());
     mem.set_usable_bytes(usable);
@@ -431,17 +431,17 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& l,
   } else {
     // Weights gathered for forward and again for backward, gradients reduce-scattered, every
     // micro-batch; prefetching hides them behind all of the step's compute.
-    dp_seconds = static_cast<double>(accumulation) * 3 *
-                 HalfRingSeconds(grad_bytes, l.dp, dp_bandwidth);
-    exposed_dp = std::max(0.0, dp_seconds - kOverlapEfficiency * micro_compute *
-                                                static_cast<double>(accumulation));
+    dp_seconds =
+        static_cast<double>(accumulation) * 3 * HalfRingSeconds(grad_bytes, l.dp, dp_bandwidth);
+    exposed_dp = std::max(
+        0.0, dp_seconds - kOverlapEfficiency * micro_compute * static_cast<double>(accumulation));
   }
 
   // AdamW reads weight, gradient and both moments and writes three of them back (28 bytes per
   // parameter it owns), plus the gradient-norm pass (4 bytes).
   const double owned = static_cast<double>(stage.trainable) / (l.zero >= 1 ? l.dp : 1);
-  const double optimizer = (28.0 * owned + 4.0 * static_cast<double>(stage.trainable)) /
-                           c.device.memory_bandwidth();
+  const double optimizer =
+      (28.0 * owned + 4.0 * static_cast<double>(stage.trainable)) / c.device.memory_bandwidth();
 
   v1::StepTimeEstimate est;
   est.set_compute_seconds(micro_compute * static_cast<double>(accumulation));
@@ -451,8 +451,8 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& l,
   est.set_data_parallel_seconds(dp_seconds);
   est.set_optimizer_seconds(optimizer);
   est.set_exposed_communication_seconds(est.tensor_parallel_seconds() + transfer + exposed_dp);
-  const double step = micro_time * static_cast<double>(accumulation) + bubble + transfer +
-                      exposed_dp + optimizer;
+  const double step =
+      micro_time * static_cast<double>(accumulation) + bubble + transfer + exposed_dp + optimizer;
   est.set_step_seconds(step);
   est.set_tokens_per_second(tokens / step);
   est.set_model_flops(model_per_token * tokens);

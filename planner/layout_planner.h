@@ -95,8 +95,7 @@ std::optional<std::string> InvalidReason(const Workload& workload, const LayoutC
                                          const ClusterShape& cluster);
 
 // Per-device memory of every pipeline stage (stage 0 first). Needs a structurally valid layout.
-std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& workload,
-                                               const LayoutChoice& layout,
+std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& workload, const LayoutChoice& layout,
                                                const ClusterShape& cluster);
 
 // Step time, tokens/s and MFU. Needs a structurally valid layout.
@@ -123,8 +122,9 @@ struct SearchLimits {
 
 struct SearchResult {
   // Fitting layouts by estimated tokens/s (fastest first; ties: the simpler layout, i.e. lower
-  // ZeRO stage, less recomputation, no sp, fewer stages, less tp; then less memory), then layouts that do
-  // not fit by how much they miss, then invalid ones; each with its reason when not fitting.
+  // ZeRO stage, less recomputation, no sp, fewer stages, less tp; then less memory), then layouts
+  // that do not fit by how much they miss, then invalid ones; each with its reason when not
+  // fitting.
   std::vector<v1::LayoutCandidate> candidates;
   int fitting = 0;
 };

@@ -1,6 +1,8 @@
 // The layout planner against facts anyone can check: 16 bytes per parameter of mixed-precision
 // AdamW state, MLPerf's GPT-3 175B layout fitting 80 GB H100s, the structural rules of a layout,
 // the 1F1B bubble, and what ZeRO, recomputation, sequence parallelism and LoRA each save.
+#include "planner/layout_planner.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -8,7 +10,6 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/devices.h"
-#include "planner/layout_planner.h"
 #include "planner/model_config.h"
 
 namespace tessera::planner {
@@ -144,9 +145,9 @@ TEST(LayoutPlannerTest, StructuralRulesAreRejectedWithTheReason) {
   const Workload w32 = Work(Preset("qwen3-32b"), 2048, 64);  // 64 heads, 8 kv heads
   EXPECT_THAT(InvalidReason(w32, {2, 16, 1, 0, 1}, c32).value_or(""),
               HasSubstr("divide 8 key/value heads"));
-  EXPECT_THAT(InvalidReason(Work(Preset("gpt3-175b"), 2048, 64), {1, 16, 2, 0, 1}, c32)
-                  .value_or(""),
-              HasSubstr("exceeds the 8 devices of a node"));
+  EXPECT_THAT(
+      InvalidReason(Work(Preset("gpt3-175b"), 2048, 64), {1, 16, 2, 0, 1}, c32).value_or(""),
+      HasSubstr("exceeds the 8 devices of a node"));
   EXPECT_EQ(reason({16, 1, 1, 0, 3}),
             "global batch 64 is not divisible by micro_batch 3 x data_parallel 16 (= 48)");
   EXPECT_EQ(reason({8, 2, 1, 0, 1, false}), "");
@@ -284,12 +285,12 @@ TEST(LayoutPlannerTest, SearchRanksFittingLayoutsByTokensPerSecond) {
     EXPECT_NE(result.candidates[i].rejected_reason(), "");
   }
   // Data parallel with no state sharding does not fit 8B on 80 GB: it is among the rejected.
-  const bool plain_dp_rejected = std::any_of(
-      result.candidates.begin() + result.fitting, result.candidates.end(),
-      [](const v1::LayoutCandidate& x) {
-        const v1::Layout& l = x.plan().layout();
-        return l.data_parallel() == 16 && l.zero_stage() == 0;
-      });
+  const bool plain_dp_rejected =
+      std::any_of(result.candidates.begin() + result.fitting, result.candidates.end(),
+                  [](const v1::LayoutCandidate& x) {
+                    const v1::Layout& l = x.plan().layout();
+                    return l.data_parallel() == 16 && l.zero_stage() == 0;
+                  });
   EXPECT_TRUE(plain_dp_rejected);
   const v1::LayoutPlan plan = ChoosePlan(result, c);
   EXPECT_TRUE(plan.fits());

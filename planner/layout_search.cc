@@ -48,9 +48,9 @@ const v1::MemoryEstimate& WorstStage(const std::vector<v1::MemoryEstimate>& stag
 }
 
 std::string DeviceLabel(const ClusterShape& cluster) {
-  if (cluster.device.memory_bytes() <= 0) return absl::StrCat(cluster.device.name(), " (memory unknown)");
-  return absl::StrCat(cluster.device.name(), " (", FormatBytes(cluster.device.memory_bytes()),
-                      ")");
+  if (cluster.device.memory_bytes() <= 0)
+    return absl::StrCat(cluster.device.name(), " (memory unknown)");
+  return absl::StrCat(cluster.device.name(), " (", FormatBytes(cluster.device.memory_bytes()), ")");
 }
 
 // "peak 8.6 MiB of 70.9 GiB usable per device", or without the capacity when it is unknown.
@@ -78,8 +78,10 @@ std::string ActivationCheckpointingName(v1::ActivationCheckpointing ac) {
 
 std::string FormatBytes(int64_t bytes) {
   const double b = static_cast<double>(bytes);
-  if (std::abs(b) >= static_cast<double>(int64_t{1} << 30)) return absl::StrFormat("%.1f GiB", b / (1 << 30));
-  if (std::abs(b) >= static_cast<double>(1 << 20)) return absl::StrFormat("%.1f MiB", b / (1 << 20));
+  if (std::abs(b) >= static_cast<double>(int64_t{1} << 30))
+    return absl::StrFormat("%.1f GiB", b / (1 << 30));
+  if (std::abs(b) >= static_cast<double>(1 << 20))
+    return absl::StrFormat("%.1f MiB", b / (1 << 20));
   return absl::StrFormat("%.1f KiB", b / 1024);
 }
 
@@ -148,11 +150,11 @@ v1::LayoutCandidate EvaluateLayout(const Workload& w, const LayoutChoice& l,
   const bool known = c.device.memory_bytes() > 0;
   plan.set_fits(!known || mem.total_bytes() <= mem.usable_bytes());
   if (!plan.fits()) {
-    candidate.set_rejected_reason(absl::StrCat(
-        "does not fit: needs ", FormatBytes(mem.total_bytes()), " per device",
-        l.pp > 1 ? absl::StrCat(" (pipeline stage ", mem.pipeline_stage(), ")") : "", ", ",
-        FormatBytes(mem.usable_bytes()), " usable on ", DeviceLabel(c), " (over by ",
-        FormatBytes(mem.total_bytes() - mem.usable_bytes()), ")"));
+    candidate.set_rejected_reason(
+        absl::StrCat("does not fit: needs ", FormatBytes(mem.total_bytes()), " per device",
+                     l.pp > 1 ? absl::StrCat(" (pipeline stage ", mem.pipeline_stage(), ")") : "",
+                     ", ", FormatBytes(mem.usable_bytes()), " usable on ", DeviceLabel(c),
+                     " (over by ", FormatBytes(mem.total_bytes() - mem.usable_bytes()), ")"));
   }
   return candidate;
 }
@@ -187,11 +189,11 @@ SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const Searc
               // A structural problem is the same for every zero/sp/ac/micro-batch variant of a
               // (tp, pp) pair: keep one of them so the list says why, not how many times.
               if (!candidate.rejected_reason().empty() && !candidate.plan().has_memory()) {
-                const bool seen = std::any_of(
-                    result.candidates.begin(), result.candidates.end(),
-                    [&](const v1::LayoutCandidate& other) {
-                      return other.rejected_reason() == candidate.rejected_reason();
-                    });
+                const bool seen =
+                    std::any_of(result.candidates.begin(), result.candidates.end(),
+                                [&](const v1::LayoutCandidate& other) {
+                                  return other.rejected_reason() == candidate.rejected_reason();
+                                });
                 if (seen) continue;
               }
               result.candidates.push_back(std::move(candidate));
@@ -218,9 +220,9 @@ SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const Searc
                    [&](const v1::LayoutCandidate& a, const v1::LayoutCandidate& b) {
                      return rank(a) < rank(b);
                    });
-  result.fitting = static_cast<int>(
-      std::count_if(result.candidates.begin(), result.candidates.end(),
-                    [](const v1::LayoutCandidate& x) { return x.plan().fits(); }));
+  result.fitting =
+      static_cast<int>(std::count_if(result.candidates.begin(), result.candidates.end(),
+                                     [](const v1::LayoutCandidate& x) { return x.plan().fits(); }));
   return result;
 }
 
@@ -253,9 +255,8 @@ v1::LayoutPlan ChoosePlan(const SearchResult& result, const ClusterShape& c) {
     }
     plan.set_explanation(explanation);
   } else if (plan.has_memory()) {
-    plan.set_explanation(absl::StrCat("No layout fits (", considered,
-                                      " considered). Closest: ", Describe(l), " ",
-                                      best.rejected_reason(),
+    plan.set_explanation(absl::StrCat("No layout fits (", considered, " considered). Closest: ",
+                                      Describe(l), " ", best.rejected_reason(),
                                       ". More devices, a larger ZeRO stage or activation "
                                       "checkpointing (if allowed), or a smaller micro-batch or "
                                       "sequence would help."));

@@ -38,15 +38,15 @@ TEST(CliPlanTest, OfflineJsonListsLayoutsWithEveryTerm) {
   bool saw_rejected = false;
   double previous = 1e30;
   for (const auto& layout : layouts) {
-    for (const char* key : {"dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "sp", "ac",
-                            "fits"}) {
+    for (const char* key :
+         {"dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "sp", "ac", "fits"}) {
       ASSERT_TRUE(layout.contains(key)) << key << " in " << layout.dump();
     }
     if (layout["fits"].get<bool>()) {
       EXPECT_FALSE(saw_rejected) << "fitting layouts come first";
-      for (const char* key : {"weights_bytes", "gradients_bytes", "optimizer_bytes",
-                              "activations_bytes", "logits_bytes", "communication_bytes",
-                              "overhead_bytes", "peak_bytes"}) {
+      for (const char* key :
+           {"weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes",
+            "logits_bytes", "communication_bytes", "overhead_bytes", "peak_bytes"}) {
         EXPECT_TRUE(layout["memory"].contains(key)) << key;
       }
       EXPECT_LE(layout["memory"]["peak_bytes"].get<int64_t>(),
@@ -91,10 +91,10 @@ TEST(CliPlanTest, ExampleSpecAndAnExplicitLayout) {
 }
 
 TEST(CliPlanTest, DeviceFieldsCanBeOverridden) {
-  RunResult run = Plan({"--model=gpt2-124m", "--seq_len=1024", "--global_batch=64", "--gpus=8",
-                        "--device=a100-80gb",
-                        "--device_override=memory_bytes=40GiB,peak_flops_bf16=200e12",
-                        "--output=json", "--max_candidates=1"});
+  RunResult run =
+      Plan({"--model=gpt2-124m", "--seq_len=1024", "--global_batch=64", "--gpus=8",
+            "--device=a100-80gb", "--device_override=memory_bytes=40GiB,peak_flops_bf16=200e12",
+            "--output=json", "--max_candidates=1"});
   ASSERT_EQ(run.exit.exit_code, 0) << run.output;
   const nlohmann::json doc = nlohmann::json::parse(run.output);
   EXPECT_EQ(doc["cluster"]["device"]["name"].get<std::string>(), "a100-80gb");
@@ -115,12 +115,12 @@ TEST(CliPlanTest, BadFlagsAreUsageErrors) {
               "--gpu_memory=eighty"});
   EXPECT_EQ(run.exit.exit_code, 2);
   EXPECT_THAT(run.output, HasSubstr("--gpu_memory: 'eighty' is not a size"));
-  run = Plan({"--model=gpt9", "--seq_len=1024", "--global_batch=8", "--gpus=8",
-              "--device=h100-sxm"});
+  run =
+      Plan({"--model=gpt9", "--seq_len=1024", "--global_batch=8", "--gpus=8", "--device=h100-sxm"});
   EXPECT_EQ(run.exit.exit_code, 1);
   EXPECT_THAT(run.output, HasSubstr("model.preset: unknown preset 'gpt9'"));
-  run = Plan({"--model=gpt2-124m", "--seq_len=1024", "--global_batch=8", "--gpus=8",
-              "--device=tpu"});
+  run =
+      Plan({"--model=gpt2-124m", "--seq_len=1024", "--global_batch=8", "--gpus=8", "--device=tpu"});
   EXPECT_EQ(run.exit.exit_code, 1);
   EXPECT_THAT(run.output, HasSubstr("'tpu' is not a known device"));
 }

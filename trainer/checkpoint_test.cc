@@ -170,8 +170,8 @@ TEST(CheckpointTest, ShardsHashedWhileWrittenAreNotReadBack) {
   ASSERT_THAT(PrepareStaging(root, 7), IsOk());
   // Rank 0 writes through WriteHashedFile in uneven pieces; rank 1 writes plainly.
   const std::string content = ShardContent(7, 0);
-  absl::StatusOr<std::string> digest = WriteHashedFile(
-      StagingDir(root, 7) + "/" + ShardFileName(0), [&](const ByteSink& sink) {
+  absl::StatusOr<std::string> digest =
+      WriteHashedFile(StagingDir(root, 7) + "/" + ShardFileName(0), [&](const ByteSink& sink) {
         for (size_t at = 0; at < content.size(); at += 333) {
           const size_t n = std::min<size_t>(333, content.size() - at);
           ASSERT_EQ(sink(content.data() + at, n), n);

@@ -218,8 +218,8 @@ int ExportInitialWeights(const tessera::v1::TrainerTask& task, const std::string
               << "\n";
     return 1;
   }
-  std::cout << "exported the initial weights of " << summary->num_parameters()
-            << " parameters to " << path << "\n";
+  std::cout << "exported the initial weights of " << summary->num_parameters() << " parameters to "
+            << path << "\n";
   return 0;
 }
 
