@@ -165,12 +165,18 @@ void Cluster::OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatu
   if (all_in(v1::TASK_STATE_SUCCEEDED)) {
     (void)jobs_->Transition(job_id, v1::JOB_STATE_SUCCEEDED, "every rank finished");
     allocations_.erase(job_id);
-  } else if (all_in(v1::TASK_STATE_RUNNING)) {
+  } else if (!allocation.running_seen && all_in(v1::TASK_STATE_RUNNING)) {
+    // Once per allocation: every heartbeat of a running job would otherwise read the store.
     auto job = store_->GetJob(job_id);
-    if (job.ok() && job->state() == v1::JOB_STATE_SCHEDULED) {
-      (void)jobs_->Transition(job_id, v1::JOB_STATE_RUNNING,
-                              absl::StrCat("all ", allocation.ranks.size(), " ranks running"));
+    if (!job.ok()) return;
+    if (job->state() == v1::JOB_STATE_SCHEDULED) {
+      if (!jobs_->Transition(job_id, v1::JOB_STATE_RUNNING,
+                             absl::StrCat("all ", allocation.ranks.size(), " ranks running"))
+               .ok()) {
+        return;
+      }
     }
+    allocation.running_seen = true;
   }
 }
 

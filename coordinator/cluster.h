@@ -95,6 +95,9 @@ class Cluster {
     int master_port = 0;
     // node_id -> last task state reported.
     std::map<std::string, v1::TaskState> task_states;
+    // Every node has reported its tasks RUNNING once and the job's state was brought to RUNNING
+    // (or found past SCHEDULED): later heartbeats need not read the job again.
+    bool running_seen = false;
   };
 
   static std::string TaskId(const std::string& job_id, int32_t attempt, const std::string& node);

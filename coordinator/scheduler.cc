@@ -1,6 +1,7 @@
 #include "coordinator/scheduler.h"
 
 #include <algorithm>
+#include <map>
 #include <tuple>
 #include <utility>
 
@@ -111,13 +112,19 @@ std::optional<std::string> NoEligibleNode(const GangRequest& request,
 // The packing rule of scheduler.h: fewest nodes, tightest fit, ties to the smaller node index.
 // Greedy largest-first reaches the minimum node count because after taking the j largest nodes the
 // remainder fits one node exactly when the j+1 largest would have covered the gang.
-std::optional<std::vector<Share>> Pack(const GangRequest& request, std::vector<Offer> offers) {
+std::optional<std::vector<Share>> Pack(const GangRequest& request,
+                                       const std::vector<Offer>& all_offers) {
   const int group = request.tensor_parallel;
   int needed = request.world_size / group;
+  // Most calls on a busy cluster fail here: count before copying anything.
   int offered = 0;
-  std::erase_if(offers, [group](const Offer& offer) { return offer.slots < group; });
-  for (const Offer& offer : offers) offered += offer.slots / group;
+  for (const Offer& offer : all_offers) offered += offer.slots / group;
   if (offered < needed) return std::nullopt;
+  std::vector<Offer> offers;
+  offers.reserve(all_offers.size());
+  for (const Offer& offer : all_offers) {
+    if (offer.slots >= group) offers.push_back(offer);
+  }
 
   std::vector<Share> shares;
   while (needed > 0) {
@@ -148,15 +155,27 @@ std::optional<std::vector<Share>> Pack(const GangRequest& request, std::vector<O
   return shares;
 }
 
-// Why Pack failed on `offers` (non-empty eligible nodes), in the terms of `basis`.
-std::string Shortfall(const GangRequest& request, const std::vector<Offer>& offers, Basis basis) {
-  const int group = request.tensor_parallel;
-  int largest_node = 0;
-  int gang = 0;
+// What a request with tensor-parallel groups of `group` can get from `offers`.
+struct OfferSummary {
+  int largest_node = 0;  // most slots on one node
+  int gang = 0;          // slots usable in whole groups
+};
+
+OfferSummary Summarize(const std::vector<Offer>& offers, int group) {
+  OfferSummary summary;
   for (const Offer& offer : offers) {
-    largest_node = std::max(largest_node, offer.slots);
-    gang += offer.slots / group * group;
+    summary.largest_node = std::max(summary.largest_node, offer.slots);
+    summary.gang += offer.slots / group * group;
   }
+  return summary;
+}
+
+// Why Pack failed on offers summarised by `summary` (non-empty eligible nodes), in the terms of
+// `basis`.
+std::string Shortfall(const GangRequest& request, const OfferSummary& summary, Basis basis) {
+  const int group = request.tensor_parallel;
+  const int largest_node = summary.largest_node;
+  const int gang = summary.gang;
   if (group > 1 && largest_node < group) {
     const char* largest_text =
         basis == Basis::kEmptySchedulable ? "largest schedulable node has " : "largest node has ";
@@ -241,27 +260,75 @@ ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapaci
 
   ScheduleResult result;
   std::optional<GangRequest> head;
+  // Requests asking for the same kind of node share one scan for eligible nodes: a deep queue on
+  // a large cluster otherwise rescans every node for every request.
+  struct Candidates {
+    std::vector<int> nodes;
+    std::vector<Offer> free;
+    std::vector<Offer> unreserved;
+    // Group size -> summaries of (free, unreserved).
+    std::map<int, std::pair<OfferSummary, OfferSummary>> summaries;
+    int64_t version = -1;
+  };
+  std::map<std::string, Candidates> eligibility;
+  // Bumped whenever a commit or the head's reservation changes what nodes offer.
+  int64_t version = 0;
   for (const GangRequest& request : pending) {
     if (auto problem = ShapeProblem(request)) {
       result.pending_reasons[request.job_id] = *problem;
       continue;
     }
-    std::vector<int> eligible;
-    if (auto problem = NoEligibleNode(request, nodes, /*schedulable_only=*/true, &eligible)) {
-      result.pending_reasons[request.job_id] = *problem;
+    std::string key = absl::StrCat(request.use_gpus, "|", request.gpu_type);
+    for (const auto& [label, value] : request.node_selector) {
+      absl::StrAppend(&key, "|", label, "=", value);
+    }
+    auto cached = eligibility.find(key);
+    if (cached == eligibility.end()) {
+      Candidates found;
+      (void)NoEligibleNode(request, nodes, /*schedulable_only=*/true, &found.nodes);
+      cached = eligibility.emplace(std::move(key), std::move(found)).first;
+    }
+    if (cached->second.nodes.empty()) {
+      // The reason names this request's size, so it is worded per request.
+      std::vector<int> none;
+      result.pending_reasons[request.job_id] =
+          NoEligibleNode(request, nodes, /*schedulable_only=*/true, &none).value_or("");
       continue;
     }
+    const std::vector<int>& eligible = cached->second.nodes;
     const bool gpus = request.use_gpus;
-    std::vector<Offer> free;
-    std::vector<Offer> unreserved;
-    for (int node : eligible) {
-      const NodeState& state = states[node];
-      free.push_back({node, state.Free(gpus)});
-      unreserved.push_back({node, std::max(0, state.Free(gpus) - state.Reserved(gpus))});
+    // The free and unreserved slots of these nodes, and their summaries per group size, change
+    // only when a gang is committed or the head reserves: rebuild them then, not per request.
+    Candidates& candidates = cached->second;
+    if (candidates.version != version) {
+      candidates.free.clear();
+      candidates.unreserved.clear();
+      for (int node : eligible) {
+        const NodeState& state = states[node];
+        candidates.free.push_back({node, state.Free(gpus)});
+        candidates.unreserved.push_back(
+            {node, std::max(0, state.Free(gpus) - state.Reserved(gpus))});
+      }
+      candidates.summaries.clear();
+      candidates.version = version;
     }
-    if (auto shares = Pack(request, unreserved)) {
-      result.placed.push_back(Commit(request, *shares, nodes, states));
-      continue;
+    const std::vector<Offer>& free = candidates.free;
+    const int group = request.tensor_parallel;
+    auto summary = candidates.summaries.find(group);
+    if (summary == candidates.summaries.end()) {
+      summary = candidates.summaries
+                    .emplace(group, std::make_pair(Summarize(free, group),
+                                                   Summarize(candidates.unreserved, group)))
+                    .first;
+    }
+    const OfferSummary& free_summary = summary->second.first;
+    // Pack succeeds exactly when the offers hold enough whole groups.
+    if (summary->second.second.gang >= request.world_size) {
+      if (auto shares = Pack(request, candidates.unreserved)) {
+        result.placed.push_back(Commit(request, *shares, nodes, states));
+        ++version;
+        continue;
+      }
     }
     if (!head.has_value()) {
       std::vector<Offer> empty;
@@ -271,7 +338,7 @@ ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapaci
         // Reserving for a gang that cannot fit even on empty nodes would idle the cluster for
         // nothing; the next blocked request becomes the head instead.
         result.pending_reasons[request.job_id] =
-            Shortfall(request, empty, Basis::kEmptySchedulable);
+            Shortfall(request, Summarize(empty, group), Basis::kEmptySchedulable);
         continue;
       }
       head = request;
@@ -279,12 +346,13 @@ ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapaci
         (gpus ? states[share.node].reserved_gpus : states[share.node].reserved_cpu_slots) +=
             share.groups * request.tensor_parallel;
       }
-      result.pending_reasons[request.job_id] = Shortfall(request, free, Basis::kFree);
+      ++version;
+      result.pending_reasons[request.job_id] = Shortfall(request, free_summary, Basis::kFree);
       continue;
     }
-    result.pending_reasons[request.job_id] = Pack(request, free).has_value()
+    result.pending_reasons[request.job_id] = free_summary.gang >= request.world_size
                                                  ? WaitingBehind(request, *head)
-                                                 : Shortfall(request, free, Basis::kFree);
+                                                 : Shortfall(request, free_summary, Basis::kFree);
   }
   return result;
 }
@@ -299,7 +367,7 @@ std::optional<std::string> Unsatisfiable(const GangRequest& request,
   std::vector<Offer> empty;
   for (int node : eligible) empty.push_back({node, TotalSlots(request, nodes[node])});
   if (Pack(request, empty).has_value()) return std::nullopt;
-  return Shortfall(request, empty, Basis::kEmptyAll);
+  return Shortfall(request, Summarize(empty, request.tensor_parallel), Basis::kEmptyAll);
 }
 
 }  // namespace tessera::coordinator
