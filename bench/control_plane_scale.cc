@@ -24,9 +24,6 @@ constexpr char kSchedulingLatencyHistogram[] = "tessera_scheduling_latency_secon
 constexpr char kRequestHistogram[] = "tessera_grpc_server_request_duration_seconds";
 constexpr char kHeartbeatMethod[] = R"(method="/tessera.v1.NodeService/Heartbeat")";
 constexpr char kHealthMethod[] = R"(method="/grpc.health.v1.Health/Check")";
-// The coordinator labels methods it has no descriptor for "other"; the
-// health service is one of them, and the benchmark calls no other such.
-constexpr char kOtherMethod[] = R"(method="other")";
 constexpr char kSubmitMethod[] = R"(method="/tessera.v1.Coordinator/SubmitJob")";
 
 absl::StatusOr<std::string> MakeTempDir(const std::string& parent, const std::string& prefix) {
@@ -69,9 +66,7 @@ CoordinatorInternals InternalsBetween(const MetricSamples& before, const MetricS
   internals.store_writes_per_second = writes.count / seconds;
   internals.mean_store_write_seconds = Mean(writes);
   internals.mean_heartbeat_seconds = Mean(delta(kRequestHistogram, kHeartbeatMethod));
-  HistogramTotals health = delta(kRequestHistogram, kHealthMethod);
-  if (health.count == 0) health = delta(kRequestHistogram, kOtherMethod);
-  internals.mean_health_seconds = Mean(health);
+  internals.mean_health_seconds = Mean(delta(kRequestHistogram, kHealthMethod));
   internals.mean_submit_seconds = Mean(delta(kRequestHistogram, kSubmitMethod));
   const HistogramTotals scheduled = delta(kSchedulingLatencyHistogram);
   internals.mean_submit_to_scheduled_seconds = Mean(scheduled);

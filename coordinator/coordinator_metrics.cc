@@ -52,6 +52,17 @@ std::string CodeLabel(grpc::StatusCode code) {
 // compiled into this binary. A client may send any name; only these become
 // label values, so the series stay bounded.
 bool IsKnownMethod(absl::string_view method) {
+  // Served by gRPC itself (health checking, reflection), whose descriptors are not in this
+  // binary's pool.
+  static constexpr absl::string_view kGrpcMethods[] = {
+      "/grpc.health.v1.Health/Check",
+      "/grpc.health.v1.Health/Watch",
+      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+      "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+  };
+  for (absl::string_view known : kGrpcMethods) {
+    if (method == known) return true;
+  }
   if (!absl::ConsumePrefix(&method, "/")) return false;
   const size_t slash = method.rfind('/');
   if (slash == absl::string_view::npos) return false;

@@ -82,7 +82,8 @@ class CoordinatorMetrics {
   // in tessera_grpc_server_request_duration_seconds. A call that ends without
   // sending a status (cancelled, server shut down) counts with code
   // "CANCELLED". A method name that no service compiled into the binary
-  // declares (clients may send any) is counted as method="other" (the value
+  // declares, and that is not gRPC's own health or reflection service,
+  // (clients may send any) is counted as method="other" (the value
   // gRPC's OpenTelemetry metrics, gRFC A66, use), so the series stay bounded.
   std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeInterceptorFactory();
 

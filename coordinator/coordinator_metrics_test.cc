@@ -271,8 +271,14 @@ TEST_F(MetricsInterceptorTest, UnknownMethodNamesShareOneSeries) {
     EXPECT_EQ(CallByName(method).error_code(), grpc::StatusCode::UNIMPLEMENTED) << method;
   }
   ASSERT_TRUE(CallGetNode().ok());
+  // gRPC's own health service has no descriptor in the pool but keeps its name (this test server
+  // does not serve it, hence UNIMPLEMENTED).
+  EXPECT_EQ(CallByName("/grpc.health.v1.Health/Check").error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
 
   const std::string text = Exposition(registry_);
+  EXPECT_THAT(Lines(text), Contains("tessera_grpc_server_requests_total{code=\"UNIMPLEMENTED\","
+                                    "method=\"/grpc.health.v1.Health/Check\"} 1"));
   EXPECT_THAT(text, Not(HasSubstr("NoSuchMethod")));
   EXPECT_THAT(text, Not(HasSubstr("no.such")));
   EXPECT_THAT(text, Not(HasSubstr("junk")));
