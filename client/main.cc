@@ -25,6 +25,7 @@
 #include "client/local_cluster.h"
 #include "client/plan_command.h"
 #include "client/plot.h"
+#include "client/text_format.h"
 #include "common/command_line.h"
 #include "common/version.h"
 #include "google/protobuf/util/json_util.h"
@@ -83,6 +84,7 @@ constexpr char kUsage[] =
     "2 bad usage.\n";
 
 using tessera::client::CoordinatorClient;
+using tessera::client::FormatRate;
 namespace v1 = tessera::v1;
 
 int Fail(const absl::Status& status) {
@@ -102,12 +104,6 @@ std::string Json(const google::protobuf::Message& message) {
 std::string StateName(v1::JobState state) {
   std::string name = v1::JobState_Name(state);
   return name.substr(std::string("JOB_STATE_").size());
-}
-
-std::string Rate(double value) {
-  if (value >= 1e6) return absl::StrFormat("%.2fM", value / 1e6);
-  if (value >= 1e3) return absl::StrFormat("%.1fk", value / 1e3);
-  return absl::StrFormat("%.0f", value);
 }
 
 void PrintJob(const v1::Job& job) {
@@ -165,7 +161,7 @@ int Watch(CoordinatorClient& client, const std::string& job_id) {
       std::string line =
           absl::StrFormat("[%s%s] step %d/%d  loss %.4f  %s tok/s  lr %.2e  ETA %s",
                           std::string(filled, '#'), std::string(width - filled, '.'), m.step(),
-                          max_steps, m.loss(), Rate(m.tokens_per_second()), m.learning_rate(),
+                          max_steps, m.loss(), FormatRate(m.tokens_per_second()), m.learning_rate(),
                           absl::FormatDuration(absl::Seconds(std::round(eta))));
       if (m.mfu() > 0) line += absl::StrFormat("  MFU %.1f%%", 100 * m.mfu());
       recent.push_back(m.loss());

@@ -18,6 +18,7 @@
 #include "absl/strings/strip.h"
 #include "client/coordinator_client.h"
 #include "client/job_spec_file.h"
+#include "client/text_format.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
 #include "nlohmann/json.hpp"
@@ -117,12 +118,6 @@ json CandidateJson(const v1::LayoutCandidate& candidate) {
   }
   if (!candidate.rejected_reason().empty()) out["reason"] = candidate.rejected_reason();
   return out;
-}
-
-std::string Rate(double value) {
-  if (value >= 1e6) return absl::StrFormat("%.2fM", value / 1e6);
-  if (value >= 1e3) return absl::StrFormat("%.1fk", value / 1e3);
-  return absl::StrFormat("%.0f", value);
 }
 
 }  // namespace
@@ -374,7 +369,7 @@ std::string PlanTable(const v1::PlanLayoutRequest& request,
         l.data_parallel(), l.tensor_parallel(), l.pipeline_parallel(), l.zero_stage(),
         p.micro_batch_size(), p.gradient_accumulation_steps(), l.sequence_parallel() ? "on" : "off",
         AcName(l), estimated ? FormatBytes(p.memory().total_bytes()) : "-", p.fits() ? "yes" : "no",
-        estimated ? Rate(p.step_time().tokens_per_second()) : "-",
+        estimated ? FormatRate(p.step_time().tokens_per_second()) : "-",
         estimated ? absl::StrFormat("%.1f%%", 100 * p.step_time().mfu()) : "-",
         estimated ? absl::StrFormat("%.3fs", p.step_time().step_seconds()) : "-",
         candidate.rejected_reason());

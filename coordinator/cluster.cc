@@ -170,8 +170,9 @@ void Cluster::OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatu
     auto job = store_->GetJob(job_id);
     if (!job.ok()) return;
     if (job->state() == v1::JOB_STATE_SCHEDULED) {
-      if (!jobs_->Transition(job_id, v1::JOB_STATE_RUNNING,
-                             absl::StrCat("all ", allocation.ranks.size(), " ranks running"))
+      if (!jobs_
+               ->Transition(job_id, v1::JOB_STATE_RUNNING,
+                            absl::StrCat("all ", allocation.ranks.size(), " ranks running"))
                .ok()) {
         return;
       }
@@ -394,6 +395,21 @@ void Cluster::PlaceLocked(const v1::Job& job, const GangPlacement& placement,
   }
 }
 
+const absl::StatusOr<v1::LayoutPlan>& Cluster::CachedPlanLocked(
+    const v1::Job& job, const absl::StatusOr<planner::DeviceTarget>& target) {
+  // A job's spec never changes, so its plan changes only with the device it is planned for.
+  const std::string fingerprint =
+      target.ok() ? absl::StrCat(target->device.SerializeAsString(), "|", target->devices_per_node,
+                                 "|", target->gpu_name)
+                  : target.status().ToString();
+  CachedPlan& cached = plan_cache_[job.job_id()];
+  if (!cached.plan.has_value() || cached.fingerprint != fingerprint) {
+    cached.fingerprint = fingerprint;
+    cached.plan = PlanForTarget(job.spec(), target);
+  }
+  return *cached.plan;
+}
+
 std::set<std::string> Cluster::ScheduleLocked(const std::vector<v1::Job>& active) {
   std::vector<GangRequest> requests;
   std::map<std::string, const v1::Job*> pending;
@@ -407,43 +423,44 @@ std::set<std::string> Cluster::ScheduleLocked(const std::vector<v1::Job>& active
   const std::vector<NodeCapacity> capacity = CapacityLocked();
   // Jobs asking for the same kind of device share one look over the nodes.
   std::map<std::string, absl::StatusOr<planner::DeviceTarget>> targets;
+  std::set<std::string> pending_ids;
   for (const auto& job : active) {
     if (job.state() != v1::JOB_STATE_PENDING) continue;
-    v1::LayoutPlan& plan = plans[job.job_id()];
-    plan = job.plan();
-    // Automatic layouts are chosen for the devices the job would get; explicit ones are checked
-    // against them. A job that cannot be planned here (no matching node yet, a GPU without a
-    // device model) keeps its provisional plan and the scheduler says why it waits.
+    pending_ids.insert(job.job_id());
     const v1::ResourceRequest& resources = job.spec().resources();
-    std::string key = absl::StrCat(resources.gpus() > 0, "|", resources.gpu_type());
-    for (const auto& [label, value] : std::map<std::string, std::string>(
-             resources.node_selector().begin(), resources.node_selector().end())) {
-      absl::StrAppend(&key, "|", label, "=", value);
-    }
-    auto target = targets.find(key);
-    if (target == targets.end()) {
-      target = targets.emplace(key, TargetFromNodes(job.spec(), capacity)).first;
-    }
-    if (auto fitted = PlanForTarget(job.spec(), target->second); fitted.ok()) {
-      if (!fitted->fits()) {
-        unfit[job.job_id()] = fitted->explanation();
-        continue;
-      }
-      plan = *std::move(fitted);
-    }
-    pending[job.job_id()] = &job;
     GangRequest request;
     request.job_id = job.job_id();
     request.priority = job.spec().priority();
     request.submit_order = TimeUtil::TimestampToNanoseconds(job.create_time());
+    request.use_gpus = resources.gpus() > 0;
+    request.gpu_type = resources.gpu_type();
+    request.node_selector.insert(resources.node_selector().begin(),
+                                 resources.node_selector().end());
+    const std::string key = NodeKindKey(request);
+    auto target = targets.find(key);
+    if (target == targets.end()) {
+      target = targets.emplace(key, TargetFromNodes(job.spec(), capacity)).first;
+    }
+    // Automatic layouts are chosen for the devices the job would get; explicit ones are checked
+    // against them. A job that cannot be planned here (no matching node yet, a GPU without a
+    // device model) keeps its provisional plan and the scheduler says why it waits.
+    v1::LayoutPlan& plan = plans[job.job_id()];
+    plan = job.plan();
+    const absl::StatusOr<v1::LayoutPlan>& fitted = CachedPlanLocked(job, target->second);
+    if (fitted.ok()) {
+      if (!fitted->fits()) {
+        unfit[job.job_id()] = fitted->explanation();
+        continue;
+      }
+      plan = *fitted;
+    }
+    pending[job.job_id()] = &job;
     request.world_size = std::max(1, plan.world_size());
-    request.use_gpus = job.spec().resources().gpus() > 0;
     request.tensor_parallel = std::max(1, plan.layout().tensor_parallel());
-    request.gpu_type = job.spec().resources().gpu_type();
-    request.node_selector.insert(job.spec().resources().node_selector().begin(),
-                                 job.spec().resources().node_selector().end());
     requests.push_back(std::move(request));
   }
+  // Plans of jobs that left the queue are not needed again.
+  std::erase_if(plan_cache_, [&](const auto& entry) { return !pending_ids.contains(entry.first); });
   ScheduleResult result;
   if (!requests.empty()) result = Schedule(std::move(requests), capacity);
   std::set<std::string> placed;

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "coordinator/job_manager.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/store.h"
+#include "planner/job_plan.h"
 #include "tessera/v1/node_service.pb.h"
 
 namespace tessera::coordinator {
@@ -108,6 +110,10 @@ class Cluster {
   void FailJobLocked(const std::string& job_id, const v1::TrainerFailure& failure,
                      const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireNodesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `job`'s plan for `target`, computed again only when the target changed.
+  const absl::StatusOr<v1::LayoutPlan>& CachedPlanLocked(
+      const v1::Job& job, const absl::StatusOr<planner::DeviceTarget>& target)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One scheduling pass over the active jobs; returns the ids of the jobs it placed.
   std::set<std::string> ScheduleLocked(const std::vector<v1::Job>& active)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -123,6 +129,12 @@ class Cluster {
   absl::Mutex mu_;
   std::map<std::string, NodeEntry> nodes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Allocation> allocations_ ABSL_GUARDED_BY(mu_);
+  // Pending jobs' plans (PlanForTarget), keyed by job_id, with the target they were made for.
+  struct CachedPlan {
+    std::string fingerprint;
+    std::optional<absl::StatusOr<v1::LayoutPlan>> plan;
+  };
+  std::map<std::string, CachedPlan> plan_cache_ ABSL_GUARDED_BY(mu_);
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(mu_);
 
   std::thread loop_;

@@ -75,11 +75,6 @@ absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutFor(const v1::PlanLayoutRequest
   return planner::PlanLayoutRequest(request, TargetFromNodes(request.spec(), nodes));
 }
 
-absl::StatusOr<v1::LayoutPlan> PlanForScheduling(const v1::JobSpec& spec,
-                                                 const std::vector<NodeCapacity>& nodes) {
-  return PlanForTarget(spec, TargetFromNodes(spec, nodes));
-}
-
 absl::StatusOr<v1::LayoutPlan> PlanForTarget(const v1::JobSpec& spec,
                                              const absl::StatusOr<planner::DeviceTarget>& target) {
   if (!target.ok()) return target.status();

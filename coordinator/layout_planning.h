@@ -26,15 +26,11 @@ absl::StatusOr<planner::DeviceTarget> TargetFromNodes(const v1::JobSpec& spec,
 absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutFor(const v1::PlanLayoutRequest& request,
                                                      const std::vector<NodeCapacity>& nodes);
 
-// The plan a pending job runs with on `nodes` now: an automatic layout is chosen among those the
-// trainer runs, an explicit one is checked. The result's `fits` is false (and its explanation is
-// the pending reason) when nothing fits; an error when the job cannot be planned on these nodes
-// at all (no matching node, unknown GPU model) — the caller then keeps the job's provisional plan.
-absl::StatusOr<v1::LayoutPlan> PlanForScheduling(const v1::JobSpec& spec,
-                                                 const std::vector<NodeCapacity>& nodes);
-
-// PlanForScheduling with the target already found (TargetFromNodes), so that jobs asking for the
-// same devices share one look over the nodes; `target`'s error is returned as is.
+// The plan a pending job runs with on `target` (TargetFromNodes of the nodes registered now): an
+// automatic layout is chosen among those the trainer runs, an explicit one is checked. The
+// result's `fits` is false (and its explanation is the pending reason) when nothing fits; an error
+// when the job cannot be planned there at all (no matching node, unknown GPU model; `target`'s
+// error is returned as is) - the caller then keeps the job's provisional plan.
 absl::StatusOr<v1::LayoutPlan> PlanForTarget(const v1::JobSpec& spec,
                                              const absl::StatusOr<planner::DeviceTarget>& target);
 

@@ -240,6 +240,14 @@ std::string WaitingBehind(const GangRequest& request, const GangRequest& head) {
 
 }  // namespace
 
+std::string NodeKindKey(const GangRequest& request) {
+  std::string key = absl::StrCat(request.use_gpus, "|", request.gpu_type);
+  for (const auto& [label, value] : request.node_selector) {
+    absl::StrAppend(&key, "|", label, "=", value);
+  }
+  return key;
+}
+
 ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapacity> nodes) {
   // Sorting both inputs makes the answer independent of the order the caller happened to use.
   std::sort(pending.begin(), pending.end(), [](const GangRequest& a, const GangRequest& b) {
@@ -278,15 +286,12 @@ ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapaci
       result.pending_reasons[request.job_id] = *problem;
       continue;
     }
-    std::string key = absl::StrCat(request.use_gpus, "|", request.gpu_type);
-    for (const auto& [label, value] : request.node_selector) {
-      absl::StrAppend(&key, "|", label, "=", value);
-    }
+    const std::string key = NodeKindKey(request);
     auto cached = eligibility.find(key);
     if (cached == eligibility.end()) {
       Candidates found;
       (void)NoEligibleNode(request, nodes, /*schedulable_only=*/true, &found.nodes);
-      cached = eligibility.emplace(std::move(key), std::move(found)).first;
+      cached = eligibility.emplace(key, std::move(found)).first;
     }
     if (cached->second.nodes.empty()) {
       // The reason names this request's size, so it is worded per request.

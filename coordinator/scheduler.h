@@ -106,6 +106,10 @@ struct ScheduleResult {
   std::map<std::string, std::string> pending_reasons;
 };
 
+// Requests with equal keys may use exactly the same nodes: the key covers use_gpus, gpu_type and
+// node_selector.
+std::string NodeKindKey(const GangRequest& request);
+
 // One scheduling pass: decides which pending gangs start now on the free capacity, by the policy
 // above. Pure and deterministic: the result depends on the contents of the inputs, not on their
 // order. Node ids must be unique.

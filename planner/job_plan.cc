@@ -104,29 +104,14 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
   JobPlan out;
   if (explicit_layout) {
     const v1::Layout& layout = spec.parallelism().layout();
-    std::vector<int> micro_batches;
-    if (micro > 0) {
-      micro_batches.push_back(micro);
-    } else {
-      const int dp = std::max(1, layout.data_parallel());
-      for (int64_t m = 1; m <= w.global_batch / dp && m <= (1 << 20); m *= 2) {
-        if ((w.global_batch / dp) % m == 0) micro_batches.push_back(static_cast<int>(m));
-      }
-      if (micro_batches.empty()) micro_batches.push_back(1);
-    }
+    const std::vector<int> micro_batches =
+        micro > 0 ? std::vector<int>{micro}
+                  : MicroBatchChoices(w.global_batch / std::max(1, layout.data_parallel()));
     SearchResult result;
     for (int m : micro_batches) {
       result.candidates.push_back(EvaluateLayout(w, FromProto(layout, m), cluster));
     }
-    std::stable_sort(
-        result.candidates.begin(), result.candidates.end(),
-        [](const v1::LayoutCandidate& a, const v1::LayoutCandidate& b) {
-          return std::make_pair(!a.plan().fits(), -a.plan().step_time().tokens_per_second()) <
-                 std::make_pair(!b.plan().fits(), -b.plan().step_time().tokens_per_second());
-        });
-    result.fitting = static_cast<int>(
-        std::count_if(result.candidates.begin(), result.candidates.end(),
-                      [](const v1::LayoutCandidate& c) { return c.plan().fits(); }));
+    RankCandidates(result);
     out.plan = ChoosePlan(result, cluster);
     out.plan.set_explanation(
         absl::StrCat("Explicit layout from the job spec. ", out.plan.explanation()));

@@ -379,7 +379,7 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& l,
   const int64_t accumulation = std::max<int64_t>(1, GradientAccumulation(w, l));
   const double tokens = static_cast<double>(w.seq_len) * static_cast<double>(w.global_batch);
   const double params = static_cast<double>(CountParameters(w.dims));
-  const double attention = 12.0 * m.num_layers() * m.hidden_size() * w.seq_len;
+  const double attention = AttentionFlopsPerToken(m, w.seq_len);
   // Per token: forward 2N, backward 4N (2N with LoRA: no weight gradients of the frozen base).
   const double model_per_token = (w.lora_rank > 0 ? 4.0 : 6.0) * params + attention;
   double hardware_per_token = model_per_token;

@@ -129,6 +129,13 @@ struct SearchResult {
   int fitting = 0;
 };
 
+// Micro-batches worth trying for a per-rank batch: the powers of two that divide it and the batch
+// itself ({1} when there is none, for InvalidReason to report).
+std::vector<int> MicroBatchChoices(int64_t per_rank);
+
+// Orders result.candidates as SearchResult describes and counts the fitting ones.
+void RankCandidates(SearchResult& result);
+
 // Enumerates every layout of cluster.gpus devices within `limits` (tp a divisor within a node, pp,
 // dp, ZeRO stage, micro-batch, sp, recomputation) and evaluates each.
 SearchResult SearchLayouts(const Workload& workload, const ClusterShape& cluster,

@@ -27,19 +27,6 @@ std::vector<int> Divisors(int n) {
   return out;
 }
 
-// Micro-batches worth trying for a per-rank batch: powers of two that divide it, and the batch.
-std::vector<int> MicroBatches(int64_t per_rank) {
-  std::vector<int> out;
-  for (int64_t m = 1; m <= per_rank && m <= (1 << 20); m *= 2) {
-    if (per_rank % m == 0) out.push_back(static_cast<int>(m));
-  }
-  if (per_rank > 0 && per_rank <= (1 << 20) &&
-      std::find(out.begin(), out.end(), per_rank) == out.end()) {
-    out.push_back(static_cast<int>(per_rank));
-  }
-  return out;
-}
-
 const v1::MemoryEstimate& WorstStage(const std::vector<v1::MemoryEstimate>& stages) {
   return *std::max_element(stages.begin(), stages.end(),
                            [](const v1::MemoryEstimate& a, const v1::MemoryEstimate& b) {
@@ -128,9 +115,7 @@ v1::LayoutCandidate EvaluateLayout(const Workload& w, const LayoutChoice& l,
   plan.set_gradient_accumulation_steps(static_cast<int32_t>(GradientAccumulation(w, l)));
   *plan.mutable_model()->mutable_dims() = w.dims;
   plan.mutable_model()->set_num_parameters(CountParameters(w.dims));
-  plan.mutable_model()->set_flops_per_token(6.0 * static_cast<double>(CountParameters(w.dims)) +
-                                            12.0 * w.dims.num_layers() * w.dims.hidden_size() *
-                                                w.seq_len);
+  plan.mutable_model()->set_flops_per_token(FlopsPerToken(w.dims, w.seq_len));
   *plan.mutable_device() = c.device;
   plan.set_devices_per_node(c.gpus_per_node);
   plan.set_lora_rank(w.lora_rank);
@@ -159,6 +144,42 @@ v1::LayoutCandidate EvaluateLayout(const Workload& w, const LayoutChoice& l,
   return candidate;
 }
 
+std::vector<int> MicroBatchChoices(int64_t per_rank) {
+  std::vector<int> out;
+  for (int64_t m = 1; m <= per_rank && m <= (1 << 20); m *= 2) {
+    if (per_rank % m == 0) out.push_back(static_cast<int>(m));
+  }
+  if (per_rank > 0 && per_rank <= (1 << 20) &&
+      std::find(out.begin(), out.end(), per_rank) == out.end()) {
+    out.push_back(static_cast<int>(per_rank));
+  }
+  if (out.empty()) out.push_back(1);  // reported as indivisible by InvalidReason
+  return out;
+}
+
+void RankCandidates(SearchResult& result) {
+  auto rank = [](const v1::LayoutCandidate& x) {
+    const v1::LayoutPlan& p = x.plan();
+    const int group = p.fits() ? 0 : (p.has_memory() ? 1 : 2);
+    const double speed = group == 0 ? -p.step_time().tokens_per_second() : 0;
+    const int64_t over = group == 1 ? p.memory().total_bytes() - p.memory().usable_bytes() : 0;
+    // Equal speed: the simpler layout (less sharding, recomputation, parallelism), then less
+    // memory.
+    const v1::Layout& l = p.layout();
+    return std::make_tuple(group, speed, over, l.zero_stage(),
+                           static_cast<int>(l.activation_checkpointing_mode()),
+                           l.sequence_parallel(), l.pipeline_parallel(), l.tensor_parallel(),
+                           p.memory().total_bytes());
+  };
+  std::stable_sort(result.candidates.begin(), result.candidates.end(),
+                   [&](const v1::LayoutCandidate& a, const v1::LayoutCandidate& b) {
+                     return rank(a) < rank(b);
+                   });
+  result.fitting =
+      static_cast<int>(std::count_if(result.candidates.begin(), result.candidates.end(),
+                                     [](const v1::LayoutCandidate& x) { return x.plan().fits(); }));
+}
+
 SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const SearchLimits& limits) {
   std::vector<v1::ActivationCheckpointing> recompute{kNone};
   if (limits.allow_activation_checkpointing) {
@@ -175,8 +196,7 @@ SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const Searc
       if (limits.micro_batch > 0) {
         micro_batches.push_back(limits.micro_batch);
       } else {
-        micro_batches = MicroBatches(w.global_batch / dp);
-        if (micro_batches.empty()) micro_batches.push_back(1);  // reported as indivisible
+        micro_batches = MicroBatchChoices(w.global_batch / dp);
       }
       const int max_zero = dp > 1 ? std::min(3, limits.max_zero) : 0;
       for (int micro : micro_batches) {
@@ -203,26 +223,7 @@ SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const Searc
       }
     }
   }
-  auto rank = [](const v1::LayoutCandidate& x) {
-    const v1::LayoutPlan& p = x.plan();
-    const int group = p.fits() ? 0 : (p.has_memory() ? 1 : 2);
-    const double speed = group == 0 ? -p.step_time().tokens_per_second() : 0;
-    const int64_t over = group == 1 ? p.memory().total_bytes() - p.memory().usable_bytes() : 0;
-    // Equal speed: the simpler layout (less sharding, recomputation, parallelism), then less
-    // memory.
-    const v1::Layout& l = p.layout();
-    return std::make_tuple(group, speed, over, l.zero_stage(),
-                           static_cast<int>(l.activation_checkpointing_mode()),
-                           l.sequence_parallel(), l.pipeline_parallel(), l.tensor_parallel(),
-                           p.memory().total_bytes());
-  };
-  std::stable_sort(result.candidates.begin(), result.candidates.end(),
-                   [&](const v1::LayoutCandidate& a, const v1::LayoutCandidate& b) {
-                     return rank(a) < rank(b);
-                   });
-  result.fitting =
-      static_cast<int>(std::count_if(result.candidates.begin(), result.candidates.end(),
-                                     [](const v1::LayoutCandidate& x) { return x.plan().fits(); }));
+  RankCandidates(result);
   return result;
 }
 

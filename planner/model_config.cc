@@ -233,6 +233,14 @@ int64_t CountParameters(const v1::ModelDims& dims) {
   return v * d + layers * per_layer + d + untied_head;
 }
 
+double AttentionFlopsPerToken(const v1::ModelDims& dims, int seq_len) {
+  return 12.0 * dims.num_layers() * dims.hidden_size() * seq_len;
+}
+
+double FlopsPerToken(const v1::ModelDims& dims, int seq_len) {
+  return 6.0 * static_cast<double>(CountParameters(dims)) + AttentionFlopsPerToken(dims, seq_len);
+}
+
 std::vector<std::string> PresetNames() {
   std::vector<std::string> names;
   for (const Preset& preset : Presets()) names.emplace_back(preset.name);
@@ -276,8 +284,7 @@ absl::StatusOr<v1::ModelSummary> ResolveModel(const v1::ModelSpec& spec, int seq
                    "parameter count overflows int64");
   }
   summary.set_num_parameters(CountParameters(dims));
-  summary.set_flops_per_token(6.0 * static_cast<double>(summary.num_parameters()) +
-                              12.0 * dims.num_layers() * dims.hidden_size() * seq_len);
+  summary.set_flops_per_token(FlopsPerToken(dims, seq_len));
   return summary;
 }
 

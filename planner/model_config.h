@@ -28,6 +28,14 @@ absl::StatusOr<v1::ModelSummary> ResolveModel(const v1::ModelSpec& spec, int seq
 // Exact parameter count of resolved dims (tied embeddings counted once).
 int64_t CountParameters(const v1::ModelDims& dims);
 
+// FLOPs of the attention score and value matmuls per token, forward and backward, at `seq_len`:
+// 12 x layers x hidden x seq_len (the term MFU adds to 6 x parameters).
+double AttentionFlopsPerToken(const v1::ModelDims& dims, int seq_len);
+
+// Model FLOPs per trained token: 6 x parameters + AttentionFlopsPerToken (the PaLM convention
+// MFU uses).
+double FlopsPerToken(const v1::ModelDims& dims, int seq_len);
+
 // Names of all presets, sorted.
 std::vector<std::string> PresetNames();
 
