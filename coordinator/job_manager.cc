@@ -45,6 +45,7 @@ absl::StatusOr<std::vector<v1::JobEvent>> JobManager::CommitAndNotify(const JobW
 
 absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::string& request_id) {
   RETURN_IF_ERROR(ValidateJobSpec(spec));
+  RETURN_IF_ERROR(ValidateTrainerRuns(spec));
   ASSIGN_OR_RETURN(v1::LayoutPlan plan, PlanJob(spec));
   absl::MutexLock lock(&mu_);
   if (!request_id.empty()) {

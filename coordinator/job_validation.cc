@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
+#include "planner/job_plan.h"
 #include "planner/lr_schedule.h"
 #include "planner/model_config.h"
 
@@ -120,11 +121,7 @@ absl::Status ValidateData(const v1::DataSpec& data, const v1::ModelDims& dims) {
                                 "data.eval_interval_steps is ",
                                 data.eval_interval_steps(), " (> 0)"));
   }
-  RETURN_IF_ERROR(CheckPositive("data.seq_len", data.seq_len()));
-  if (data.seq_len() > dims.max_seq_len()) {
-    return Invalid("data.seq_len",
-                   absl::StrCat(data.seq_len(), " exceeds model max_seq_len ", dims.max_seq_len()));
-  }
+  RETURN_IF_ERROR(planner::CheckSeqLen(dims, data.seq_len()));
   RETURN_IF_ERROR(CheckNonNegative("data.eval_interval_steps", data.eval_interval_steps()));
   RETURN_IF_ERROR(CheckNonNegative("data.eval_batches", data.eval_batches()));
   return absl::OkStatus();
@@ -300,8 +297,8 @@ absl::Status ValidateLabels(const google::protobuf::Map<std::string, std::string
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   RETURN_IF_ERROR(ValidateName(spec.name()));
-  // The model's own fields come before data.seq_len, so resolve at seq_len 1 (always within
-  // max_seq_len) here and check the real seq_len with the data.
+  // The model's own fields come before data.seq_len, so resolve at seq_len 1 (always valid) here
+  // and check the real seq_len with the data.
   ASSIGN_OR_RETURN(const v1::ModelSummary model, planner::ResolveModel(spec.model(), 1));
   RETURN_IF_ERROR(ValidateData(spec.data(), model.dims()));
   RETURN_IF_ERROR(ValidateBatch(spec));
@@ -325,6 +322,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   RETURN_IF_ERROR(CheckNonNegative("max_restarts", spec.max_restarts()));
   RETURN_IF_ERROR(ValidateLabels(spec.labels()));
   return absl::OkStatus();
+}
+
+absl::Status ValidateTrainerRuns(const v1::JobSpec& spec) {
+  // An automatic layout is chosen among what the trainer runs when the job is scheduled.
+  if (!HasExplicitLayout(spec)) return absl::OkStatus();
+  return planner::CheckTrainerRuns(spec.parallelism().layout());
 }
 
 absl::StatusOr<v1::LayoutPlan> PlanJob(const v1::JobSpec& spec) {

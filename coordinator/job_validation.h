@@ -29,6 +29,13 @@ inline constexpr int kMaxZeroStage = 3;
 // infinite doubles are refused everywhere. Pure function; thread-safe.
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 
+// OK when the trainer runs the spec's layout; UNIMPLEMENTED naming the field otherwise (an
+// explicit tensor_parallel or pipeline_parallel > 1, or sequence_parallel: see
+// planner::CheckTrainerRuns for why UNIMPLEMENTED). Separate from ValidateJobSpec, which says
+// whether a spec is well formed (and `tessera plan` still estimates such layouts): SubmitJob
+// applies both, this one after ValidateJobSpec accepted the spec. Pure function; thread-safe.
+absl::Status ValidateTrainerRuns(const v1::JobSpec& spec);
+
 // The plan for a spec that ValidateJobSpec accepts (its error otherwise). World size is
 // resources.gpus, or resources.cpu_slots when gpus is 0. An explicit layout is used as given; an
 // automatic one (or unset parallelism) becomes data_parallel = world size, tensor and pipeline

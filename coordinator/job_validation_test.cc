@@ -345,6 +345,55 @@ TEST(JobValidationTest, FullExplicitGpuSpecIsValid) {
   EXPECT_THAT(ValidateJobSpec(spec), IsOk());
 }
 
+TEST(JobValidationTest, TrainerRunsDataParallelWithZeroAndRecomputationOnly) {
+  v1::JobSpec spec = MinimalSpec();
+  // An automatic layout is chosen among what the trainer runs at scheduling time.
+  EXPECT_THAT(ValidateTrainerRuns(spec), IsOk());
+  spec.mutable_resources()->set_gpus(8);
+  SetLayout(spec, 8, 1, 1);
+  spec.mutable_batch()->set_global_batch_size(16);
+  for (int zero = 0; zero <= kMaxZeroStage; ++zero) {
+    spec.mutable_parallelism()->mutable_layout()->set_zero_stage(zero);
+    spec.mutable_parallelism()->mutable_layout()->set_activation_checkpointing_mode(
+        v1::ACTIVATION_CHECKPOINTING_FULL);
+    EXPECT_THAT(ValidateJobSpec(spec), IsOk()) << zero;
+    EXPECT_THAT(ValidateTrainerRuns(spec), IsOk()) << zero;
+  }
+  // ZeRO over a single data-parallel rank is valid (it shards over that rank).
+  SetLayout(spec, 1, 1, 1);
+  spec.mutable_resources()->set_gpus(1);
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+  EXPECT_THAT(ValidateTrainerRuns(spec), IsOk());
+  // Tensor and pipeline parallelism are well formed but not run yet.
+  spec.mutable_resources()->set_gpus(8);
+  SetLayout(spec, 4, 2, 1);
+  spec.mutable_model()->set_preset("tiny-llama");
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+  EXPECT_THAT(ValidateTrainerRuns(spec),
+              StatusIs(absl::StatusCode::kUnimplemented,
+                       HasSubstr("parallelism.layout.tensor_parallel: 2: this trainer does not "
+                                 "run tensor parallelism yet")));
+  spec.mutable_parallelism()->mutable_layout()->set_sequence_parallel(true);
+  EXPECT_THAT(ValidateTrainerRuns(spec), StatusIs(absl::StatusCode::kUnimplemented,
+                                                  HasSubstr("parallelism.layout.tensor_parallel")));
+  SetLayout(spec, 4, 1, 2);
+  spec.mutable_parallelism()->mutable_layout()->set_sequence_parallel(false);
+  EXPECT_THAT(ValidateTrainerRuns(spec),
+              StatusIs(absl::StatusCode::kUnimplemented,
+                       HasSubstr("parallelism.layout.pipeline_parallel: 2: this trainer")));
+}
+
+TEST(JobValidationTest, RotaryModelsTrainPastTheirMaxSeqLen) {
+  v1::JobSpec spec = MinimalSpec();
+  spec.mutable_model()->set_preset("tiny-llama");  // max_seq_len 256, rotary positions
+  spec.mutable_data()->set_seq_len(1024);
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+  absl::StatusOr<v1::LayoutPlan> plan = PlanJob(spec);
+  ASSERT_THAT(plan, IsOk());
+  // The trainer builds its rotary tables from the plan's dims.
+  EXPECT_EQ(plan->model().dims().max_seq_len(), 1024);
+}
+
 TEST(JobValidationTest, AutoLayoutLimitsAtTheirBoundsAreValid) {
   v1::JobSpec spec = MinimalSpec();
   v1::AutoLayoutSpec* auto_layout = spec.mutable_parallelism()->mutable_auto_layout();

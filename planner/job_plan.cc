@@ -18,16 +18,43 @@ absl::Status Invalid(absl::string_view field, absl::string_view problem) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", problem));
 }
 
+// What TrainerCapabilities() allows, in words, for explanations and refusals.
+constexpr char kTrainerRuns[] =
+    "data parallel with ZeRO 0-3 and activation checkpointing; no tensor or pipeline parallelism";
+
 }  // namespace
 
 SearchLimits TrainerCapabilities() {
   SearchLimits limits;
   limits.max_tp = 1;
   limits.max_pp = 1;
-  limits.max_zero = 0;
-  limits.allow_activation_checkpointing = false;
+  limits.max_zero = 3;
+  limits.allow_activation_checkpointing = true;
   limits.allow_sequence_parallel = false;
   return limits;
+}
+
+absl::Status CheckTrainerRuns(const v1::Layout& layout) {
+  const SearchLimits runs = TrainerCapabilities();
+  auto refuse = [](absl::string_view field, absl::string_view value, absl::string_view what,
+                   absl::string_view runnable_value) {
+    return absl::UnimplementedError(
+        absl::StrCat("parallelism.layout.", field, ": ", value, ": this trainer does not run ",
+                     what, " yet (it runs ", kTrainerRuns, "); set ", field, " to ", runnable_value,
+                     " or use parallelism: auto"));
+  };
+  if (layout.tensor_parallel() > runs.max_tp) {
+    return refuse("tensor_parallel", absl::StrCat(layout.tensor_parallel()), "tensor parallelism",
+                  "1");
+  }
+  if (layout.pipeline_parallel() > runs.max_pp) {
+    return refuse("pipeline_parallel", absl::StrCat(layout.pipeline_parallel()),
+                  "pipeline parallelism", "1");
+  }
+  if (layout.sequence_parallel() && !runs.allow_sequence_parallel) {
+    return refuse("sequence_parallel", "true", "sequence parallelism", "false");
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOptions& options) {
@@ -120,10 +147,9 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
     SearchResult result = SearchLayouts(w, cluster, limits);
     out.plan = ChoosePlan(result, cluster);
     if (options.runnable_only) {
-      out.plan.set_explanation(
-          absl::StrCat(out.plan.explanation(),
-                       " Chosen among the layouts this trainer runs (data parallel, no ZeRO, no "
-                       "recomputation)."));
+      out.plan.set_explanation(absl::StrCat(out.plan.explanation(),
+                                            " Chosen among the layouts this trainer runs (",
+                                            kTrainerRuns, ")."));
     }
     out.candidates = std::move(result.candidates);
   }

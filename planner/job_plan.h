@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "planner/layout_planner.h"
 #include "tessera/v1/coordinator_service.pb.h"
@@ -17,9 +18,19 @@
 namespace tessera::planner {
 
 // The layouts this project's trainer runs today (trainer/train.cc refuses the rest with
-// UNIMPLEMENTED): data parallel only, no ZeRO, no recomputation. `parallelism: auto` chooses
-// among these; the planner can still estimate every layout.
+// UNIMPLEMENTED): data parallel with ZeRO stages 0-3 and activation checkpointing (none,
+// selective, full); tensor_parallel, pipeline_parallel 1 and no sequence parallelism.
+// `parallelism: auto` chooses among these when scheduling; the planner (and `tessera plan`) can
+// still estimate every layout.
 SearchLimits TrainerCapabilities();
+
+// OK when the trainer runs an explicit `layout` (TrainerCapabilities()); otherwise UNIMPLEMENTED
+// naming the first field it does not run, e.g. "parallelism.layout.tensor_parallel: 2: this
+// trainer does not run tensor parallelism yet (...)". UNIMPLEMENTED, not INVALID_ARGUMENT: the
+// layout is well formed and the planner estimates it; what is missing is the trainer's support,
+// as trainer/train.cc reports for the same layout. Checks only the degrees; the structural rules
+// are ValidateJobSpec's and InvalidReason's.
+absl::Status CheckTrainerRuns(const v1::Layout& layout);
 
 struct JobPlanOptions {
   // Devices to plan for; 0 uses resources.gpus (or resources.cpu_slots when gpus is 0).

@@ -16,7 +16,9 @@ namespace tessera::planner {
 namespace {
 
 constexpr int64_t kMiB = int64_t{1} << 20;
-// The trainer's DDP bucket size (PyTorch's default); also used for ZeRO reduce-scatter buckets.
+// Granularity of the latency term of a collective: bytes per NCCL/Gloo call (PyTorch DDP's default
+// bucket size). The trainer communicates per unit (a layer, or the embeddings and head); a unit
+// larger than this is counted as several calls.
 constexpr int64_t kBucketBytes = 25 * kMiB;
 // Latency of one collective or transfer on NVLink / a network, seconds.
 constexpr double kCollectiveLatency = 20e-6;
@@ -89,7 +91,14 @@ struct StageParameters {
   int64_t frozen = 0;     // LoRA's base weights
   int64_t tensors = 0;    // trainable parameter tensors
   int64_t embedding = 0;  // embedding tables and LM head (subset of `all`)
-  int64_t layer_all = 0;  // one layer, for ZeRO-3 gather buffers
+  // The trainer's units: each transformer layer of the stage, plus one unit for everything else
+  // it holds (embeddings, final norm, LM head; none on a middle pipeline stage). Parameters are
+  // kept in one flat float32 buffer per unit, padded to a multiple of dp.
+  int64_t layers = 0;
+  int64_t layer_trainable = 0;  // one layer's trainable parameters
+  int64_t layer_frozen = 0;     // one layer's frozen (LoRA base) parameters
+  int64_t rest_trainable = 0;   // the non-layer unit's
+  int64_t rest_frozen = 0;
 };
 
 StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int stage) {
@@ -100,7 +109,8 @@ StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int 
   int64_t base = layers * (p.layer_sharded + p.layer_replicated);
   int64_t base_tensors = layers * p.layer_tensors;
   s.matmul = layers * p.layer_matmul;
-  s.layer_all = p.layer_sharded + p.layer_replicated;
+  s.layers = layers;
+  const int64_t layer_all = p.layer_sharded + p.layer_replicated;
   if (first) {
     s.embedding += p.token_embedding + p.position_embedding;
     base_tensors += 1 + (p.position_embedding > 0 ? 1 : 0);
@@ -122,11 +132,16 @@ StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int 
     s.trainable = layers * p.layer_lora;
     s.tensors = layers * p.layer_lora_tensors;
     s.matmul = 0;  // the frozen base is stored in the compute precision already
+    s.layer_trainable = p.layer_lora;
+    s.layer_frozen = layer_all;
   } else {
     s.trainable = base;
     s.tensors = base_tensors;
+    s.layer_trainable = layer_all;
   }
   s.all = s.frozen + s.trainable;
+  s.rest_trainable = s.trainable - layers * s.layer_trainable;
+  s.rest_frozen = s.frozen - layers * s.layer_frozen;
   return s;
 }
 
@@ -218,6 +233,13 @@ bool PipelineInsideNode(const LayoutChoice& l, const ClusterShape& c) {
   return int64_t{l.tp} * l.dp * l.pp <= c.gpus_per_node;
 }
 
+// What the trainer does for `l`: ZeRO over a single data-parallel rank shards nothing and
+// gathers nothing, so it runs as ZeRO-0.
+LayoutChoice Effective(LayoutChoice l) {
+  if (l.dp == 1) l.zero = 0;
+  return l;
+}
+
 }  // namespace
 
 int64_t GradientAccumulation(const Workload& w, const LayoutChoice& l) {
@@ -252,10 +274,9 @@ std::optional<std::string> InvalidReason(const Workload& w, const LayoutChoice& 
   if (m.num_layers() % l.pp != 0) {
     return absl::StrCat("pipeline_parallel ", l.pp, " does not divide ", m.num_layers(), " layers");
   }
+  // zero_stage > 0 at data_parallel 1 shards over one rank: valid, and the same as zero_stage 0
+  // in memory (NeMo's distributed optimizer accepts it too).
   if (l.zero < 0 || l.zero > 3) return absl::StrCat("zero_stage ", l.zero, " is not in 0..3");
-  if (l.zero > 0 && l.dp == 1) {
-    return absl::StrCat("zero_stage ", l.zero, " needs data_parallel > 1 to shard over");
-  }
   if (l.sp && l.tp == 1) return "sequence_parallel needs tensor_parallel > 1";
   if (l.micro_batch < 1) return absl::StrCat("micro_batch ", l.micro_batch, " must be >= 1");
   const int64_t per_step = int64_t{l.micro_batch} * l.dp;
@@ -269,8 +290,9 @@ std::optional<std::string> InvalidReason(const Workload& w, const LayoutChoice& 
   return std::nullopt;
 }
 
-std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutChoice& l,
+std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutChoice& layout,
                                                const ClusterShape& c) {
+  const LayoutChoice l = Effective(layout);
   const int64_t accumulation = GradientAccumulation(w, l);
   const int64_t e = ActivationBytes(w);
   const LayerActivations layer = ActivationsPerLayer(w, l);
@@ -287,23 +309,29 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     v1::MemoryEstimate mem;
     mem.set_pipeline_stage(stage);
     mem.set_parameters(p.all);
-    // Weights: float32 for what is trained (and for the frozen base in fp32 runs), compute
-    // precision for LoRA's frozen base; ZeRO-3 shards them over dp.
-    int64_t weights = 4 * p.trainable + e * p.frozen;
-    int64_t grads = 4 * p.trainable;
-    int64_t optimizer = 8 * p.trainable;
-    // ZeRO stage z shards the first z of (optimizer, gradients, weights) over dp.
+    // The trainer's flat buffers: one per unit, padded to a multiple of dp so that each rank owns
+    // an equal 1/dp shard of it. Weights are float32 for what is trained (and for the frozen base
+    // in fp32 runs), the compute precision for LoRA's frozen base.
+    auto padded = [&](int64_t n) { return CeilDiv(n, l.dp) * l.dp; };
+    const int64_t trainable = p.layers * padded(p.layer_trainable) + padded(p.rest_trainable);
+    const int64_t layer_weights = 4 * p.layer_trainable + e * p.layer_frozen;
+    const int64_t rest_weights = 4 * p.rest_trainable + e * p.rest_frozen;
+    // ZeRO stage z shards the first z of (optimizer, gradients, weights) over dp: AdamW's exp_avg
+    // and exp_avg_sq (8 bytes) for the elements the rank steps from stage 1 (at most its padded
+    // shard; ZeRO-0 steps every real element), the float32 gradient buffers from stage 2 (stages
+    // 0 and 1 keep full flat buffers that .grad views into), the weights from stage 3. Plus
+    // AdamW's float32 step counter per tensor it steps.
     auto shard = [&](int64_t bytes, int from_stage) {
       return l.zero >= from_stage ? CeilDiv(bytes, l.dp) : bytes;
     };
-    optimizer = shard(optimizer, 1);
-    grads = shard(grads, 2);
-    weights = shard(weights, 3);
+    const int64_t weights = shard(4 * trainable, 3) + shard(e * p.frozen, 3);
+    const int64_t grads = shard(4 * trainable, 2);
+    const int64_t optimizer =
+        (l.zero >= 1 ? CeilDiv(8 * trainable, l.dp) : 8 * p.trainable) + 4 * p.tensors;
     const int64_t embedding_state =
         w.lora_rank > 0
             ? shard(e * p.embedding, 3)
             : shard(4 * p.embedding, 3) + shard(4 * p.embedding, 2) + shard(8 * p.embedding, 1);
-    optimizer += 4 * p.tensors;  // AdamW's float32 step counter per tensor
     mem.set_weights_bytes(weights);
     mem.set_gradients_bytes(grads);
     mem.set_optimizer_bytes(optimizer);
@@ -343,15 +371,17 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     }
     mem.set_logits_bytes(logits);
 
+    // ZeRO 0 and 1 all-reduce / reduce-scatter each unit's flat gradient in place and all-gather
+    // the updated shards into the flat weights in place: no copies. ZeRO 2 and 3 keep only the
+    // gradient shard, so a unit's full gradient exists while it is computed and reduce-scattered:
+    // the non-layer unit's for the whole backward (its head part arrives first, its embedding part
+    // last) and up to two layers' (the one in backward and the one being reduce-scattered). ZeRO-3
+    // also gathers weights in full: the non-layer unit for the whole forward and backward, and two
+    // layers (the one in use and the one prefetched).
     int64_t comm = 0;
-    if (l.dp > 1 && l.zero == 0) {
-      // The trainer's reducer keeps a float32 bucket copy of every gradient
-      // (gradient_as_bucket_view off).
-      comm += 4 * p.trainable;
-    } else if (l.dp > 1 && l.zero < 3) {
-      comm += 2 * kBucketBytes;  // reduce-scatter and all-gather buckets
-    } else if (l.dp > 1) {
-      comm += 2 * 4 * p.layer_all + kBucketBytes;  // two layers gathered in full (prefetch)
+    if (l.dp > 1 && l.zero >= 2) {
+      comm += 4 * (p.rest_trainable + 2 * p.layer_trainable);
+      if (l.zero >= 3) comm += rest_weights + 2 * layer_weights;
     }
     if (l.pp > 1) comm += static_cast<int64_t>(4 * s * b * h * e / (l.sp ? l.tp : 1));
     mem.set_communication_bytes(comm);
@@ -361,11 +391,10 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
                                                   static_cast<double>(activations + logits));
     mem.set_overhead_bytes(overhead);
 
-    // Gradients coexist with a micro-batch's activations when they outlive it (accumulation, a
-    // pipeline); with one micro-batch per step backward trades one for the other.
-    const int64_t transient =
-        accumulation > 1 ? grads + activations + logits : std::max(grads, activations + logits);
-    mem.set_total_bytes(weights + optimizer + cast + comm + overhead + transient);
+    // The flat gradient buffers (or shards) are allocated once and live through every step, next
+    // to the activations.
+    mem.set_total_bytes(weights + optimizer + cast + comm + overhead + grads + activations +
+                        logits);
     mem.set_device_capacity_bytes(c.device.memory_bytes());
     mem.set_usable_bytes(usable);
     stages.push_back(std::move(mem));
@@ -373,8 +402,9 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
   return stages;
 }
 
-v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& l,
+v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& layout,
                                       const ClusterShape& c) {
+  const LayoutChoice l = Effective(layout);
   const v1::ModelDims& m = w.dims;
   const int64_t accumulation = std::max<int64_t>(1, GradientAccumulation(w, l));
   const double tokens = static_cast<double>(w.seq_len) * static_cast<double>(w.global_batch);
@@ -423,25 +453,49 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& l,
                                                            : c.device.inter_node_bandwidth();
   double dp_seconds = 0;
   double exposed_dp = 0;
-  if (l.zero < 3) {
-    // All-reduce, or reduce-scatter + all-gather of the updated weights (same volume), hidden
-    // behind the last micro-batch's backward.
-    dp_seconds = AllReduceSeconds(grad_bytes, l.dp, dp_bandwidth);
-    exposed_dp = std::max(0.0, dp_seconds - kOverlapEfficiency * micro_compute * 2 / 3);
+  // Collectives run per unit as backward finishes it (forward uses it, for ZeRO-3's gathers),
+  // hidden behind the compute still to come, except for the non-layer unit's: its gradient is
+  // complete only when backward reaches the embedding, at the very end, and ZeRO-3 gathers its
+  // weights before forward can start. Backward is two thirds of a micro-batch's compute.
+  const double rest_bytes = 4.0 * static_cast<double>(stage.rest_trainable);
+  const double layer_bytes = grad_bytes - rest_bytes;
+  const double micro_backward = micro_compute * 2 / 3;
+  if (l.zero == 0) {
+    // Each unit's flat gradient all-reduced in place in the last micro-batch's backward.
+    const double tail = AllReduceSeconds(rest_bytes, l.dp, dp_bandwidth);
+    const double hidden = AllReduceSeconds(layer_bytes, l.dp, dp_bandwidth);
+    dp_seconds = tail + hidden;
+    exposed_dp = tail + std::max(0.0, hidden - kOverlapEfficiency * micro_backward);
+  } else if (l.zero < 3) {
+    // Gradients reduce-scattered: once per step for ZeRO-1 (full gradient buffers accumulate),
+    // every micro-batch for ZeRO-2 (only the shard is kept). Then the updated shards are
+    // all-gathered into the full weights after the optimizer step, with no compute left to hide
+    // behind.
+    const double tail = HalfRingSeconds(rest_bytes, l.dp, dp_bandwidth);
+    const double hidden = HalfRingSeconds(layer_bytes, l.dp, dp_bandwidth);
+    const double gather = HalfRingSeconds(grad_bytes, l.dp, dp_bandwidth);
+    const double scatters = l.zero == 1 ? 1.0 : static_cast<double>(accumulation);
+    dp_seconds = scatters * (tail + hidden) + gather;
+    exposed_dp =
+        scatters * (tail + std::max(0.0, hidden - kOverlapEfficiency * micro_backward)) + gather;
   } else {
-    // Weights gathered for forward and again for backward, gradients reduce-scattered, every
-    // micro-batch; prefetching hides them behind all of the step's compute.
-    dp_seconds =
-        static_cast<double>(accumulation) * 3 * HalfRingSeconds(grad_bytes, l.dp, dp_bandwidth);
-    exposed_dp = std::max(
-        0.0, dp_seconds - kOverlapEfficiency * micro_compute * static_cast<double>(accumulation));
+    // Every micro-batch: the non-layer unit gathered once (before forward) and reduce-scattered
+    // once (after backward), exposed; each layer gathered for forward and again for backward and
+    // reduce-scattered, prefetched behind all of the step's compute.
+    const double tail = 2 * HalfRingSeconds(rest_bytes, l.dp, dp_bandwidth);
+    const double hidden = 3 * HalfRingSeconds(layer_bytes, l.dp, dp_bandwidth);
+    const double micro_batches = static_cast<double>(accumulation);
+    dp_seconds = micro_batches * (tail + hidden);
+    exposed_dp =
+        micro_batches * (tail + std::max(0.0, hidden - kOverlapEfficiency * micro_compute));
   }
 
   // AdamW reads weight, gradient and both moments and writes three of them back (28 bytes per
-  // parameter it owns), plus the gradient-norm pass (4 bytes).
-  const double owned = static_cast<double>(stage.trainable) / (l.zero >= 1 ? l.dp : 1);
+  // parameter it owns), plus the gradient-norm pass over the gradients the rank holds (4 bytes).
+  const double trainable = static_cast<double>(stage.trainable);
+  const double owned = trainable / (l.zero >= 1 ? l.dp : 1);
   const double optimizer =
-      (28.0 * owned + 4.0 * static_cast<double>(stage.trainable)) / c.device.memory_bandwidth();
+      (28.0 * owned + 4.0 * (l.zero >= 2 ? owned : trainable)) / c.device.memory_bandwidth();
 
   v1::StepTimeEstimate est;
   est.set_compute_seconds(micro_compute * static_cast<double>(accumulation));

@@ -6,11 +6,15 @@
 //     split (vocab-parallel embeddings, column/row-parallel matmuls, replicated norms) and the
 //     pipeline split (embeddings on the first stage, the final norm and LM head on the last; a
 //     tied head is a second copy when pp > 1), then ZeRO (1 shards optimizer states, 2 also
-//     gradients, 3 also weights over the data-parallel group). The precision policy is the
-//     trainer's: weights, gradients and the two AdamW moments are float32 (16 bytes per trained
-//     parameter, plus a 4-byte step counter per tensor); bf16 autocast adds bf16 copies of the
-//     matmul weights, kept from forward to backward (`cast_weights_bytes`). LoRA trains only
-//     rank-r adapters on every block matmul and keeps the frozen base in the compute precision.
+//     gradients, 3 also weights over the data-parallel group). Like the trainer, parameters live
+//     in one flat float32 buffer per unit (each layer, and one unit for the embeddings, final
+//     norm and head), padded to a multiple of dp; ZeRO 0 and 1 keep full flat gradient buffers
+//     (.grad views into them, all-reduced or reduce-scattered in place), ZeRO 2 and 3 only the
+//     rank's 1/dp shard. The precision policy is the trainer's: weights, gradients and the two
+//     AdamW moments are float32 (16 bytes per trained parameter, plus a 4-byte step counter per
+//     tensor); bf16 autocast adds bf16 copies of the matmul weights, kept from forward to
+//     backward (`cast_weights_bytes`). LoRA trains only rank-r adapters on every block matmul and
+//     keeps the frozen base in the compute precision.
 //   * activations per layer and micro-batch, counted tensor by tensor in the way of Korthikanti
 //     et al. 2022 for the blocks the trainer builds (pre-norm GPT-2 and Llama/SwiGLU/GQA, no
 //     dropout, float32 residual stream), with flash attention keeping O(s) instead of the a*s^2
@@ -19,17 +23,20 @@
 //     plus one layer's worth during its recompute). A 1F1B pipeline holds min(pp - stage, m)
 //     micro-batches in flight, so the first stage holds the most.
 //   * logits and cross-entropy buffers on the last stage (vocab x seq x micro-batch, split over
-//     tp), communication buffers (the trainer's DDP gradient buckets, ZeRO gathers, pipeline
-//     send/receive), and the device's allocator workspace plus a fragmentation fraction.
-//   Peak: gradients and activations are counted together when gradients outlive a micro-batch
-//   (accumulation or a pipeline); with one micro-batch per step the larger of the two.
+//     tp), communication buffers (ZeRO 2/3: the full gradients of the units in flight; ZeRO-3:
+//     the gathered weights of the non-layer unit and two layers; pipeline send/receive), and the
+//     device's allocator workspace plus a fragmentation fraction.
+//   Peak: the sum of every term; gradient buffers are allocated once and live next to the
+//   activations.
 //
 // Step-time model: hardware FLOPs (6 x params x tokens plus attention, plus recomputation) at
 // peak x achievable fraction x a small-GEMM penalty, tensor-parallel collectives per layer over
 // the intra-node links (not overlapped), pipeline transfers and the 1F1B bubble (pp-1)/(m+pp-1),
-// data-parallel gradient all-reduce / reduce-scatter over intra- or inter-node links (overlapped
-// with the last micro-batch's backward; ZeRO-3's gathers with all compute), and the optimizer's
-// memory-bound update. Gives step time, tokens/s and MFU.
+// data-parallel gradient all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1 once per step, ZeRO-2 per
+// micro-batch) over intra- or inter-node links, overlapped with backward, then ZeRO-1/2's
+// all-gather of the updated weights (exposed); ZeRO-3's gathers and reduce-scatters overlapped
+// with all compute; and the optimizer's memory-bound update of the state the rank owns. Gives
+// step time, tokens/s and MFU.
 //
 // Plain C++: no LibTorch. Pure functions; thread-safe.
 #pragma once
@@ -141,9 +148,12 @@ void RankCandidates(SearchResult& result);
 SearchResult SearchLayouts(const Workload& workload, const ClusterShape& cluster,
                            const SearchLimits& limits);
 
-// The plan to use from a search: the fastest fitting candidate with an explanation naming the
-// runner-up and how many were considered, or (when none fits) the one that misses by least with
-// fits = false and an explanation of what was tried.
+// The plan to use from a search: the fastest fitting candidate, or, among the fitting ones of its
+// tp, pp and sp estimated within 10% of its tokens/s, the one with the lowest ZeRO stage, then
+// least recomputation (the estimates are uncalibrated); with an explanation naming the
+// runner-up (or the fastest, when a simpler layout was preferred) and how many were considered, or
+// (when none fits) the one that misses by least with fits = false and an explanation of what was
+// tried.
 v1::LayoutPlan ChoosePlan(const SearchResult& result, const ClusterShape& cluster);
 
 // Conversions between the proto layout and LayoutChoice. FromProto resolves the legacy

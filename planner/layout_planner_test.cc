@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/devices.h"
+#include "planner/job_plan.h"
 #include "planner/model_config.h"
 
 namespace tessera::planner {
@@ -79,6 +80,10 @@ TEST(LayoutPlannerTest, MixedPrecisionAdamWCosts16BytesPerParameter) {
   EXPECT_EQ(m.gradients_bytes(), 4 * params);
   EXPECT_EQ(m.optimizer_bytes(), 8 * params + 4 * tensors);
   EXPECT_NEAR(static_cast<double>(ModelState(m)) / params, 16.0, 1e-6);
+  // The trainer's gradient buffers are allocated once and live next to the activations: the
+  // peak is the sum of every term, even with a single micro-batch per step.
+  EXPECT_EQ(m.total_bytes(), ModelState(m) + m.cast_weights_bytes() + m.activations_bytes() +
+                                 m.logits_bytes() + m.communication_bytes() + m.overhead_bytes());
   // ~108 GB of model state for 6.7B parameters (112 GB for a round 7B): no 80 GB GPU holds it.
   EXPECT_GT(ModelState(m), 100 * kGB);
   EXPECT_FALSE(c.plan().fits());
@@ -152,7 +157,10 @@ TEST(LayoutPlannerTest, StructuralRulesAreRejectedWithTheReason) {
             "global batch 64 is not divisible by micro_batch 3 x data_parallel 16 (= 48)");
   EXPECT_EQ(reason({8, 2, 1, 0, 1, false}), "");
   EXPECT_EQ(reason({1, 2, 8, 0, 1, true}), "");
-  EXPECT_EQ(reason({1, 1, 16, 1, 1}), "zero_stage 1 needs data_parallel > 1 to shard over");
+  // ZeRO over one data-parallel rank shards over that rank: valid (NeMo accepts it too).
+  EXPECT_EQ(reason({1, 1, 16, 1, 1}), "");
+  EXPECT_EQ(reason({1, 1, 16, 3, 1}), "");
+  EXPECT_EQ(reason({16, 1, 1, 4, 1}), "zero_stage 4 is not in 0..3");
   EXPECT_EQ(reason({8, 1, 2, 0, 1, true}), "sequence_parallel needs tensor_parallel > 1");
   EXPECT_EQ(reason({8, 1, 1, 0, 1}), "dp 8 x tp 1 x pp 1 = 8 != 16 devices");
   EXPECT_EQ(InvalidReason(w, {1, 1, 1, 0, 1}, Cluster("cpu", 1, 1)).value_or(""),
@@ -215,8 +223,47 @@ TEST(LayoutPlannerTest, ZeroStagesShardStateOverDataParallel) {
   EXPECT_GT(z0.total_bytes(), z1.total_bytes());
   EXPECT_GT(z1.total_bytes(), z2.total_bytes());
   EXPECT_GT(z2.total_bytes(), z3.total_bytes());
-  // DDP (ZeRO-0) keeps a float32 bucket copy of every gradient.
-  EXPECT_EQ(z0.communication_bytes(), z0.gradients_bytes());
+  // ZeRO 0 and 1 all-reduce / reduce-scatter the flat gradient buffers in place: no copies.
+  EXPECT_EQ(z0.communication_bytes(), 0);
+  EXPECT_EQ(z1.communication_bytes(), 0);
+  // ZeRO 2 keeps the gradient shard; full gradients exist for the units in flight: the
+  // non-layer unit (embedding, untied head, final norm) through backward, and two layers.
+  const int64_t rest = 2 * int64_t{128256} * 4096 + 4096;
+  const int64_t layer = (CountParameters(w.dims) - rest) / 32;
+  ASSERT_EQ(layer, 218112000);  // 4096 x (4096 + 2 x 1024 + 4096 + 3 x 14336) + 2 x 4096
+  EXPECT_EQ(z2.communication_bytes(), 4 * (rest + 2 * layer));
+  // ZeRO-3 also gathers the weights of the non-layer unit (all of forward and backward) and of
+  // two layers (the one in use and the one prefetched).
+  EXPECT_EQ(z3.communication_bytes(), 2 * 4 * (rest + 2 * layer));
+}
+
+TEST(LayoutPlannerTest, FlatBuffersArePaddedPerUnitToAMultipleOfDp) {
+  // tiny-gpt2: two blocks of 49984 parameters and one unit of 257 x 64 + 256 x 64 + 128 = 32960
+  // (tied embedding, positions, final norm). Over dp 3 each unit pads to a multiple of 3.
+  const Workload w = Work(Preset("tiny-gpt2"), 64, 6, v1::PRECISION_FP32);
+  const ClusterShape c = Cluster("cpu", 3, 3);
+  auto memory = [&](int zero) { return EstimateMemory(w, {3, 1, 1, zero, 2}, c)[0]; };
+  const int64_t padded = 2 * 49986 + 32961, shard = 2 * 16662 + 10987;
+  const int64_t counters = 4 * (2 * 12 + 4);  // blocks, token and position tables, final norm
+  EXPECT_EQ(memory(0).weights_bytes(), 4 * padded);
+  EXPECT_EQ(memory(0).gradients_bytes(), 4 * padded);
+  // ZeRO-0's AdamW steps the parameters themselves: moments for the real elements only.
+  EXPECT_EQ(memory(0).optimizer_bytes(), 8 * (2 * 49984 + 32960) + counters);
+  EXPECT_EQ(memory(1).optimizer_bytes(), 8 * shard + counters);
+  EXPECT_EQ(memory(2).gradients_bytes(), 4 * shard);
+  EXPECT_EQ(memory(3).weights_bytes(), 4 * shard);
+  // One rank has nothing to pad or shard over: ZeRO at dp 1 costs what ZeRO-0 does.
+  const ClusterShape one = Cluster("cpu", 1, 1);
+  const Workload w1 = Work(Preset("tiny-gpt2"), 64, 2, v1::PRECISION_FP32);
+  const v1::MemoryEstimate plain = EstimateMemory(w1, {1, 1, 1, 0, 2}, one)[0];
+  EXPECT_EQ(plain.weights_bytes(), 4 * (2 * 49984 + 32960));
+  for (int zero = 1; zero <= 3; ++zero) {
+    const v1::MemoryEstimate sharded = EstimateMemory(w1, {1, 1, 1, zero, 2}, one)[0];
+    EXPECT_EQ(sharded.total_bytes(), plain.total_bytes()) << zero;
+    EXPECT_EQ(sharded.optimizer_bytes(), plain.optimizer_bytes()) << zero;
+    EXPECT_EQ(EstimateStepTime(w1, {1, 1, 1, zero, 2}, one).step_seconds(),
+              EstimateStepTime(w1, {1, 1, 1, 0, 2}, one).step_seconds());
+  }
 }
 
 TEST(LayoutPlannerTest, RecomputationAndSequenceParallelismShrinkActivations) {
@@ -314,6 +361,69 @@ TEST(LayoutPlannerTest, LimitsRestrictTheSearchAndNothingFittingIsExplained) {
   EXPECT_FALSE(plan.fits());
   EXPECT_THAT(plan.explanation(), HasSubstr("No layout fits (1 considered)"));
   EXPECT_THAT(plan.explanation(), HasSubstr("over by"));
+}
+
+// What `parallelism: auto` picks among the layouts the trainer runs (TrainerCapabilities).
+TEST(LayoutPlannerTest, RunnableSearchKeepsPlainDataParallelWhenItFits) {
+  // gpt2-124m on one node of H100s: every ZeRO stage and recomputation mode fits, and plain data
+  // parallelism is the fastest (ZeRO-1/2 add an exposed all-gather, recomputation a forward).
+  const Workload w = Work(Preset("gpt2-124m"), 1024, 64);
+  const ClusterShape c = Cluster("h100-sxm", 8, 8);
+  SearchLimits runnable = TrainerCapabilities();
+  runnable.micro_batch = 8;
+  const SearchResult result = SearchLayouts(w, c, runnable);
+  ASSERT_EQ(result.candidates.size(), 4u * 3u);  // ZeRO 0-3 x recomputation none/selective/full
+  EXPECT_EQ(result.fitting, 12);
+  const v1::LayoutPlan plan = ChoosePlan(result, c);
+  EXPECT_TRUE(plan.fits());
+  EXPECT_EQ(plan.layout().data_parallel(), 8);
+  EXPECT_EQ(plan.layout().zero_stage(), 0);
+  EXPECT_EQ(plan.layout().activation_checkpointing_mode(), v1::ACTIVATION_CHECKPOINTING_NONE);
+  // ZeRO-3 is estimated a few percent faster (the optimizer steps a 1/8 shard): within the
+  // model's error, so the simpler layout is chosen and the explanation says so.
+  const v1::LayoutPlan& fastest = result.candidates[0].plan();
+  EXPECT_EQ(fastest.layout().zero_stage(), 3);
+  EXPECT_GT(fastest.step_time().tokens_per_second(), plan.step_time().tokens_per_second());
+  EXPECT_GT(plan.step_time().tokens_per_second(), 0.9 * fastest.step_time().tokens_per_second());
+  EXPECT_THAT(plan.explanation(), HasSubstr("simplest of the layouts within 10% of the fastest"));
+  EXPECT_THAT(plan.explanation(), HasSubstr("Fastest: dp=8 tp=1 pp=1 zero=3"));
+  // At equal speed the simpler layout ranks first: recomputation costs nothing with flash
+  // attention under selective, so none and selective tie and none comes first.
+  for (size_t i = 0; i + 1 < result.candidates.size(); ++i) {
+    const v1::LayoutPlan& a = result.candidates[i].plan();
+    const v1::LayoutPlan& b = result.candidates[i + 1].plan();
+    if (a.step_time().tokens_per_second() == b.step_time().tokens_per_second()) {
+      EXPECT_LE(a.layout().zero_stage(), b.layout().zero_stage());
+      EXPECT_LT(a.layout().activation_checkpointing_mode(),
+                b.layout().activation_checkpointing_mode());
+    }
+  }
+  for (const v1::LayoutCandidate& x : result.candidates) {
+    EXPECT_EQ(x.plan().layout().tensor_parallel(), 1);
+    EXPECT_EQ(x.plan().layout().pipeline_parallel(), 1);
+    EXPECT_FALSE(x.plan().layout().sequence_parallel());
+  }
+}
+
+TEST(LayoutPlannerTest, RunnableSearchShardsOrRecomputesWhenNeededToFit) {
+  // llama3-8b on 8 x 80 GB: 16 bytes x 8B parameters of replicated state is 128 GB, so no
+  // ZeRO-0 layout fits; the search picks a ZeRO stage (and recomputation if that is needed too).
+  const Workload w = Work(Preset("llama3-8b"), 4096, 64);
+  const ClusterShape c = Cluster("h100-sxm", 8, 8);
+  const SearchResult result = SearchLayouts(w, c, TrainerCapabilities());
+  ASSERT_GT(result.fitting, 0);
+  for (int i = 0; i < result.fitting; ++i) {
+    EXPECT_GE(result.candidates[i].plan().layout().zero_stage(), 2) << i;
+  }
+  const v1::LayoutPlan plan = ChoosePlan(result, c);
+  EXPECT_TRUE(plan.fits());
+  EXPECT_EQ(plan.layout().tensor_parallel(), 1);
+  EXPECT_GE(plan.layout().zero_stage(), 2);
+  // Without ZeRO and recomputation (the trainer's earlier limits) nothing fits.
+  SearchLimits plain = TrainerCapabilities();
+  plain.max_zero = 0;
+  plain.allow_activation_checkpointing = false;
+  EXPECT_EQ(SearchLayouts(w, c, plain).fitting, 0);
 }
 
 TEST(DevicesTest, PresetsByNameAndByNvmlName) {

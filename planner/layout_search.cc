@@ -1,5 +1,6 @@
 // Layout evaluation, enumeration and choice (layout_planner.h).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -18,6 +19,19 @@ namespace {
 constexpr v1::ActivationCheckpointing kNone = v1::ACTIVATION_CHECKPOINTING_NONE;
 constexpr v1::ActivationCheckpointing kSelective = v1::ACTIVATION_CHECKPOINTING_SELECTIVE;
 constexpr v1::ActivationCheckpointing kFull = v1::ACTIVATION_CHECKPOINTING_FULL;
+
+// The estimates are uncalibrated (docs/planner.md): a higher ZeRO stage or more recomputation than
+// another fitting layout of the same tp, pp and sp needs is chosen only when it is estimated more
+// than this fraction faster. Small models on NVLink, for example, come out a few percent faster
+// with ZeRO-3 (the optimizer steps a 1/dp shard) - within the model's error, not worth the extra
+// collectives.
+constexpr double kSimplerLayoutMargin = 0.10;
+
+// Orders layouts from the simplest: lexicographic in ZeRO stage, recomputation, sp, pp, tp.
+std::tuple<int, int, bool, int, int> Complexity(const v1::Layout& l) {
+  return std::make_tuple(l.zero_stage(), static_cast<int>(l.activation_checkpointing_mode()),
+                         l.sequence_parallel(), l.pipeline_parallel(), l.tensor_parallel());
+}
 
 std::vector<int> Divisors(int n) {
   std::vector<int> out;
@@ -165,11 +179,7 @@ void RankCandidates(SearchResult& result) {
     const int64_t over = group == 1 ? p.memory().total_bytes() - p.memory().usable_bytes() : 0;
     // Equal speed: the simpler layout (less sharding, recomputation, parallelism), then less
     // memory.
-    const v1::Layout& l = p.layout();
-    return std::make_tuple(group, speed, over, l.zero_stage(),
-                           static_cast<int>(l.activation_checkpointing_mode()),
-                           l.sequence_parallel(), l.pipeline_parallel(), l.tensor_parallel(),
-                           p.memory().total_bytes());
+    return std::make_tuple(group, speed, over, Complexity(p.layout()), p.memory().total_bytes());
   };
   std::stable_sort(result.candidates.begin(), result.candidates.end(),
                    [&](const v1::LayoutCandidate& a, const v1::LayoutCandidate& b) {
@@ -234,25 +244,55 @@ v1::LayoutPlan ChoosePlan(const SearchResult& result, const ClusterShape& c) {
     plan.set_explanation("no layout was considered");
     return plan;
   }
-  const v1::LayoutCandidate& best = result.candidates.front();
+  // The fastest fitting layout, or the one with the least ZeRO and recomputation among those of
+  // its tp, pp and sp within kSimplerLayoutMargin of it.
+  size_t chosen = 0;
+  const v1::LayoutPlan& fastest = result.candidates.front().plan();
+  if (fastest.fits()) {
+    const double floor = (1 - kSimplerLayoutMargin) * fastest.step_time().tokens_per_second();
+    const v1::Layout& shape = fastest.layout();
+    for (size_t i = 1; i < static_cast<size_t>(result.fitting); ++i) {
+      const v1::LayoutPlan& p = result.candidates[i].plan();
+      if (p.step_time().tokens_per_second() < floor) break;
+      const v1::Layout& l = p.layout();
+      if (l.tensor_parallel() != shape.tensor_parallel() ||
+          l.pipeline_parallel() != shape.pipeline_parallel() ||
+          l.sequence_parallel() != shape.sequence_parallel()) {
+        continue;
+      }
+      if (Complexity(l) < Complexity(result.candidates[chosen].plan().layout())) chosen = i;
+    }
+  }
+  const v1::LayoutCandidate& best = result.candidates[chosen];
   v1::LayoutPlan plan = best.plan();
   const LayoutChoice l = FromProto(plan.layout(), plan.micro_batch_size());
   const int considered = static_cast<int>(result.candidates.size());
   if (plan.fits()) {
     const v1::StepTimeEstimate& t = plan.step_time();
+    const std::string why =
+        chosen == 0 ? absl::StrFormat("fastest of %d fitting layouts (%d considered)",
+                                      result.fitting, considered)
+                    : absl::StrFormat(
+                          "simplest of the layouts within %.0f%% of the fastest (%d fitting, %d "
+                          "considered)",
+                          100 * kSimplerLayoutMargin, result.fitting, considered);
     std::string explanation = absl::StrFormat(
-        "%s, gradient accumulation %d: fastest of %d fitting layouts (%d considered) on %d x %s, "
-        "%d per node: est. %.0f tokens/s, %.3f s/step, MFU %.1f%%, %s.",
-        Describe(l), plan.gradient_accumulation_steps(), result.fitting, considered, c.gpus,
-        DeviceLabel(c), c.gpus_per_node, t.tokens_per_second(), t.step_seconds(), 100 * t.mfu(),
+        "%s, gradient accumulation %d: %s on %d x %s, %d per node: est. %.0f tokens/s, %.3f "
+        "s/step, MFU %.1f%%, %s.",
+        Describe(l), plan.gradient_accumulation_steps(), why, c.gpus, DeviceLabel(c),
+        c.gpus_per_node, t.tokens_per_second(), t.step_seconds(), 100 * t.mfu(),
         PeakLabel(plan.memory()));
-    if (result.fitting > 1) {
-      const v1::LayoutPlan& next = result.candidates[1].plan();
+    // The fastest when a simpler layout was preferred, else the next fastest.
+    const size_t other = chosen != 0 ? 0 : 1;
+    if (static_cast<int>(other) < result.fitting) {
+      const v1::LayoutPlan& next = result.candidates[other].plan();
+      const double ratio = next.step_time().tokens_per_second() / t.tokens_per_second();
       absl::StrAppendFormat(
-          &explanation, " Runner-up: %s at %.0f tokens/s (%.1f%% slower).",
+          &explanation, " %s: %s at %.0f tokens/s (%.1f%% %s).",
+          chosen != 0 ? "Fastest" : "Runner-up",
           Describe(FromProto(next.layout(), next.micro_batch_size())),
-          next.step_time().tokens_per_second(),
-          100 * (1 - next.step_time().tokens_per_second() / t.tokens_per_second()));
+          next.step_time().tokens_per_second(), 100 * std::abs(1 - ratio),
+          chosen != 0 ? "faster in estimate: too little for the added machinery" : "slower");
     }
     plan.set_explanation(explanation);
   } else if (plan.has_memory()) {

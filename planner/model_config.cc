@@ -247,6 +247,16 @@ std::vector<std::string> PresetNames() {
   return names;
 }
 
+absl::Status CheckSeqLen(const v1::ModelDims& dims, int seq_len) {
+  if (seq_len <= 0) return Invalid("data.seq_len", absl::StrCat("must be > 0, got ", seq_len));
+  if (dims.architecture() != ARCHITECTURE_LLAMA && seq_len > dims.max_seq_len()) {
+    return Invalid("data.seq_len",
+                   absl::StrCat(seq_len, " exceeds model max_seq_len ", dims.max_seq_len(),
+                                " (learned position embeddings have no rows beyond it)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::ModelSummary> ResolveModel(const v1::ModelSpec& spec, int seq_len) {
   v1::ModelSummary summary;
   switch (spec.source_case()) {
@@ -272,12 +282,11 @@ absl::StatusOr<v1::ModelSummary> ResolveModel(const v1::ModelSpec& spec, int seq
   }
   if (auto s = CheckNonNegative("model.init_std", spec.init_std()); !s.ok()) return s;
 
+  if (auto s = CheckSeqLen(summary.dims(), seq_len); !s.ok()) return s;
+  // Rotary positions extend past the preset's context: the trainer sizes its rotary tables from
+  // max_seq_len, so it must cover the training sequence.
+  if (seq_len > summary.dims().max_seq_len()) summary.mutable_dims()->set_max_seq_len(seq_len);
   const v1::ModelDims& dims = summary.dims();
-  if (seq_len <= 0) return Invalid("data.seq_len", absl::StrCat("must be > 0, got ", seq_len));
-  if (seq_len > dims.max_seq_len()) {
-    return Invalid("data.seq_len",
-                   absl::StrCat(seq_len, " exceeds model max_seq_len ", dims.max_seq_len()));
-  }
   // 2^62 leaves headroom for the sums in CountParameters; no trainable model comes near it.
   if (ApproximateParameters(dims) > static_cast<long double>(int64_t{1} << 62)) {
     return Invalid(spec.has_dims() ? "model.dims" : "model.preset",

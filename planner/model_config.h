@@ -20,10 +20,16 @@ inline constexpr double kDefaultInitStd = 0.02;
 // Validates; every error is INVALID_ARGUMENT and names the field, e.g.
 // "model.preset: unknown preset 'gpt5'; known: gpt2-124m, ...",
 // "model.dims.num_kv_heads: 3 does not divide num_attention_heads 32",
-// "model.dims.hidden_size: must be > 0". seq_len > 0 is the training sequence length: it must be
-// <= max_seq_len ("data.seq_len: 2048 exceeds model max_seq_len 1024") and is used for
-// flops_per_token.
+// "model.dims.hidden_size: must be > 0". seq_len is the training sequence length, checked by
+// CheckSeqLen and used for flops_per_token. A Llama-family model (rotary positions) trained past
+// its max_seq_len (long-context extension) gets dims.max_seq_len raised to seq_len, since the
+// trainer builds its rotary tables from dims.max_seq_len.
 absl::StatusOr<v1::ModelSummary> ResolveModel(const v1::ModelSpec& spec, int seq_len);
+
+// Whether a model of resolved `dims` trains at `seq_len`: > 0, and for GPT-2 (learned position
+// embeddings, one row per position) <= max_seq_len ("data.seq_len: 2048 exceeds model max_seq_len
+// 1024 (...)"); rotary (ARCHITECTURE_LLAMA) models take any length. INVALID_ARGUMENT otherwise.
+absl::Status CheckSeqLen(const v1::ModelDims& dims, int seq_len);
 
 // Exact parameter count of resolved dims (tied embeddings counted once).
 int64_t CountParameters(const v1::ModelDims& dims);

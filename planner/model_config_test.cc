@@ -168,6 +168,30 @@ TEST(ModelConfigTest, SeqLenMustFitTheModel) {
   EXPECT_THAT(ResolveModel(PresetSpec("gpt2-124m"), 1024), IsOk());
 }
 
+TEST(ModelConfigTest, RotaryModelsTrainPastTheirMaxSeqLen) {
+  // Long-context extension: the resolved max_seq_len grows to the training length, since the
+  // trainer sizes its rotary tables from it; nothing else about the model changes.
+  const v1::ModelSummary at_preset = Resolve("llama3-8b", 8192);
+  EXPECT_EQ(at_preset.dims().max_seq_len(), 8192);
+  const v1::ModelSummary extended = Resolve("llama3-8b", 32768);
+  EXPECT_EQ(extended.dims().max_seq_len(), 32768);
+  EXPECT_EQ(extended.num_parameters(), at_preset.num_parameters());
+  EXPECT_DOUBLE_EQ(extended.flops_per_token(), FlopsPerToken(extended.dims(), 32768));
+  // A shorter sequence keeps the preset's context.
+  EXPECT_EQ(Resolve("llama3-8b", 1024).dims().max_seq_len(), 8192);
+  EXPECT_EQ(Resolve("qwen3-0.6b", 65536).dims().max_seq_len(), 65536);
+  EXPECT_EQ(Resolve("tiny-llama", 1024).dims().max_seq_len(), 1024);
+  // Learned positions have no rows past max_seq_len: GPT-2 (and GPT-3) keep the limit.
+  EXPECT_THAT(ResolveModel(PresetSpec("gpt3-175b"), 4096),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("data.seq_len: 4096 exceeds model max_seq_len 2048")));
+  EXPECT_THAT(CheckSeqLen(Resolve("tiny-gpt2").dims(), 257),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("data.seq_len: 257 exceeds model max_seq_len 256")));
+  EXPECT_THAT(CheckSeqLen(Resolve("tiny-llama").dims(), 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("data.seq_len: must be > 0")));
+}
+
 TEST(ModelConfigTest, ExplicitDimsErrorsNameTheField) {
   struct Case {
     void (*mutate)(v1::ModelSpec&);

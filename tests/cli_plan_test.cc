@@ -83,11 +83,34 @@ TEST(CliPlanTest, ExampleSpecAndAnExplicitLayout) {
   const nlohmann::json doc = nlohmann::json::parse(run.output);
   ASSERT_GE(doc["layouts"].size(), 1u);
   const auto& layout = doc["layouts"][0];
-  EXPECT_EQ(layout["tp"].get<int>(), 8);
-  EXPECT_EQ(layout["dp"].get<int>(), 8);
-  EXPECT_EQ(layout["zero"].get<int>(), 1);
-  EXPECT_TRUE(layout["sp"].get<bool>());
+  // The example runs on the trainer as it is: data parallel 64, ZeRO-2, full recomputation.
+  EXPECT_EQ(layout["dp"].get<int>(), 64);
+  EXPECT_EQ(layout["tp"].get<int>(), 1);
+  EXPECT_EQ(layout["zero"].get<int>(), 2);
+  EXPECT_EQ(layout["ac"].get<std::string>(), "full");
+  EXPECT_TRUE(layout["fits"].get<bool>());
   EXPECT_THAT(doc["explanation"].get<std::string>(), HasSubstr("Explicit layout"));
+  // Planning is not submission: a tensor- and sequence-parallel layout the trainer does not run
+  // yet is still estimated offline.
+  run = Plan({std::string(TESSERA_EXAMPLES_DIR) + "/llama3-8b.yaml", "--device=h100-sxm",
+              "--layout=dp=8,tp=8,zero=1,sp=on,ac=selective", "--output=json"});
+  ASSERT_EQ(run.exit.exit_code, 0) << run.output;
+  const nlohmann::json tp_doc = nlohmann::json::parse(run.output);
+  ASSERT_GE(tp_doc["layouts"].size(), 1u);
+  const auto& tp_layout = tp_doc["layouts"][0];
+  EXPECT_EQ(tp_layout["tp"].get<int>(), 8);
+  EXPECT_EQ(tp_layout["dp"].get<int>(), 8);
+  EXPECT_EQ(tp_layout["zero"].get<int>(), 1);
+  EXPECT_TRUE(tp_layout["sp"].get<bool>());
+  EXPECT_TRUE(tp_layout["fits"].get<bool>());
+  // Pipeline layouts too, with a memory estimate per stage.
+  run = Plan({"--model=llama3-8b", "--seq_len=4096", "--global_batch=64", "--gpus=16",
+              "--device=h100-sxm", "--layout=dp=4,tp=2,pp=2,zero=1", "--output=json"});
+  ASSERT_EQ(run.exit.exit_code, 0) << run.output;
+  const nlohmann::json pp_doc = nlohmann::json::parse(run.output);
+  ASSERT_GE(pp_doc["layouts"].size(), 1u);
+  EXPECT_EQ(pp_doc["layouts"][0]["pp"].get<int>(), 2);
+  EXPECT_EQ(pp_doc["layouts"][0]["memory"]["stages"].size(), 2u);
 }
 
 TEST(CliPlanTest, DeviceFieldsCanBeOverridden) {
