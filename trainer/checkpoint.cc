@@ -34,6 +34,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
 #include "trainer/sha256.h"
+#include "trainer/shard_file.h"
 
 namespace tessera::trainer {
 namespace {
@@ -314,6 +315,10 @@ std::string CheckpointDirName(int64_t step) { return absl::StrFormat("step-%08d"
 
 std::string ShardFileName(int rank) { return absl::StrFormat("rank-%05d.pt", rank); }
 
+std::string SliceShardFileName(int rank) {
+  return absl::StrFormat("rank-%05d%s", rank, kSliceShardExtension);
+}
+
 std::string StagingDir(const std::string& root, int64_t step) {
   return JoinPath(root, absl::StrCat(kStagingPrefix, CheckpointDirName(step)));
 }
@@ -415,6 +420,7 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
   }
 
   manifest.clear_shards();
+  bool has_slice_shards = false;
   for (const ShardFile& file : files) {
     std::string path = JoinPath(staging, file.name);
     RETURN_IF_ERROR(FsyncPath(path));
@@ -432,8 +438,16 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     shard->set_file(file.name);
     shard->set_size_bytes(size);
     shard->set_sha256(std::move(sha256));
+    if (absl::EndsWith(file.name, kSliceShardExtension)) {
+      has_slice_shards = true;
+      ASSIGN_OR_RETURN(std::vector<v1::TensorSlice> slices, ReadShardSlices(path));
+      shard->mutable_slices()->Add(std::make_move_iterator(slices.begin()),
+                                   std::make_move_iterator(slices.end()));
+    }
   }
-  manifest.set_format_version(kCheckpointFormatVersion);
+  if (has_slice_shards) RETURN_IF_ERROR(CheckManifestSlices(manifest));
+  manifest.set_format_version(has_slice_shards ? kCheckpointFormatVersion
+                                               : kOldestCheckpointFormatVersion);
   manifest.set_step(step);
   *manifest.mutable_create_time() = NowTimestamp();
 
@@ -478,10 +492,11 @@ absl::StatusOr<v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir) 
   if (!manifest.ParseFromString(bytes)) {
     return absl::DataLossError(absl::StrCat(manifest_path, ": cannot parse"));
   }
-  if (manifest.format_version() != kCheckpointFormatVersion) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(manifest_path, ": format_version ", manifest.format_version(),
-                     ", this build reads ", kCheckpointFormatVersion));
+  if (manifest.format_version() < kOldestCheckpointFormatVersion ||
+      manifest.format_version() > kCheckpointFormatVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        manifest_path, ": format_version ", manifest.format_version(), ", this build reads ",
+        kOldestCheckpointFormatVersion, " to ", kCheckpointFormatVersion));
   }
   if (manifest.shards().empty()) {
     return absl::DataLossError(absl::StrCat(manifest_path, ": lists no shards"));

@@ -1,6 +1,7 @@
 // The checkpoint directory protocol of a trainer job. A checkpoint of step S
 // lives in <root>/step-0000000S/: one or more shard files per rank (named by
-// ShardFileName, written by the training loop) plus manifest.pb, a binary
+// SliceShardFileName or ShardFileName, written by the training loop; see the
+// format versions below) plus manifest.pb, a binary
 // tessera.v1.CheckpointManifest listing every shard with its size and
 // SHA-256, and manifest.json, the same in JSON for people. Ranks write into
 // <root>/.staging-step-0000000S/; rank 0 then writes the manifest and renames
@@ -24,8 +25,15 @@ namespace tessera::trainer {
 // File names inside a checkpoint directory.
 inline constexpr char kManifestFileName[] = "manifest.pb";
 inline constexpr char kManifestJsonFileName[] = "manifest.json";
-// The manifest's format_version written and understood here.
-inline constexpr int kCheckpointFormatVersion = 1;
+// The manifest's format_version: 2 when the shard files are safetensors files
+// of tensor slices (SliceShardFileName, trainer/shard_file.h), which any layout
+// can resume from; 1 when they are LibTorch archives (ShardFileName), which
+// only the layout that wrote them can. CommitCheckpoint writes 2 when any shard
+// is a ".safetensors" file, 1 otherwise; VerifyCheckpoint accepts both.
+inline constexpr int kCheckpointFormatVersion = 2;
+inline constexpr int kOldestCheckpointFormatVersion = 1;
+// Extension of the format version 2 shard files.
+inline constexpr char kSliceShardExtension[] = ".safetensors";
 
 // "step-00000100": eight digits, more when the step needs them.
 std::string CheckpointDirName(int64_t step);
@@ -33,6 +41,9 @@ std::string CheckpointDirName(int64_t step);
 // "rank-00000.pt". A rank may write more files than this one as long as their
 // names start with "rank-NNNNN" (five or more digits), e.g. "rank-00000-optim.pt".
 std::string ShardFileName(int rank);
+
+// "rank-00000.safetensors": the one shard file of a rank in format version 2.
+std::string SliceShardFileName(int rank);
 
 // <root>/.staging-step-00000100: where every rank writes its shards of `step`.
 std::string StagingDir(const std::string& root, int64_t step);
@@ -44,19 +55,22 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
 
 // Rank 0, after every rank wrote its shards into StagingDir(root, step) and a
 // barrier: fills `manifest.shards` from the staging directory's files (rank
-// parsed from the "rank-NNNNN..." name, size, SHA-256), sets format_version,
-// step and create_time, writes manifest.pb and manifest.json, fsyncs the files
-// and the directory, and renames it to <root>/step-... (atomically replacing
-// a checkpoint of the same step). Then applies retention: with keep_last > 0,
-// complete checkpoints beyond the keep_last newest are deleted (the one just
-// committed is always kept); staging directories of older steps are deleted.
-// Retention is best-effort: its failures are reported on stderr, never undo
-// the commit. Returns the manifest as written.
+// parsed from the "rank-NNNNN..." name, size, SHA-256, and for a ".safetensors"
+// file the slices its header lists, reading only the header), sets
+// format_version (see kCheckpointFormatVersion), step and create_time, writes manifest.pb and
+// manifest.json, fsyncs the files and the directory, and renames it to <root>/step-... (atomically
+// replacing a checkpoint of the same step). Then applies retention: with keep_last > 0, complete
+// checkpoints beyond the keep_last newest are deleted (the one just committed is always kept);
+// staging directories of older steps are deleted. Retention is best-effort: its failures are
+// reported on stderr, never undo the commit. Returns the manifest as written.
 //
 // INVALID_ARGUMENT for world_size < 1, a manifest whose step is set and is not
 // `step`, or a file whose name is not a shard name; FAILED_PRECONDITION when
 // the staging directory is missing or some of the world_size ranks wrote no
-// shard (the message lists them) or a shard's rank is out of range.
+// shard (the message lists them) or a shard's rank is out of range, or when
+// the slices of the ".safetensors" shards disagree on a tensor's dtype or
+// shape or leave some of its elements out (CheckManifestSlices); DATA_LOSS
+// naming the file when a ".safetensors" shard's header is malformed.
 //
 // `known_sha256` maps shard file names to the digests their writers computed while writing
 // (WriteHashedFile); those shards are not read back to hash them, the others are.

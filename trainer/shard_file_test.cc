@@ -1,0 +1,391 @@
+#include "trainer/shard_file.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/util/temp_dir.h"
+#include "trainer/checkpoint.h"
+#include "trainer/safetensors.h"
+#include "trainer/sha256.h"
+
+namespace tessera::trainer {
+namespace {
+
+using ::tessera::testing::IsOk;
+using ::tessera::testing::IsOkAndHolds;
+using ::tessera::testing::ScopedTempDir;
+using ::tessera::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::SizeIs;
+
+// A whole tensor of the "model" and its bytes, distinct for every element.
+struct FullTensor {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::string bytes;
+
+  int64_t numel() const {
+    int64_t count = 1;
+    for (int64_t dim : shape) count *= dim;
+    return count;
+  }
+  size_t element_size() const { return SafetensorsDtypeSize(dtype); }
+};
+
+FullTensor MakeTensor(std::string name, std::string dtype, std::vector<int64_t> shape, int seed) {
+  FullTensor tensor{std::move(name), std::move(dtype), std::move(shape), ""};
+  const size_t size = static_cast<size_t>(tensor.numel()) * tensor.element_size();
+  for (size_t i = 0; i < size; ++i) {
+    tensor.bytes.push_back(static_cast<char>((i * 131 + seed * 29 + i / 251) & 0xff));
+  }
+  return tensor;
+}
+
+// Several dtypes and shapes, a 0-dim tensor and an odd-sized one included.
+std::vector<FullTensor> Model() {
+  return {MakeTensor("layers.0.attn.qkv.weight", "F32", {96, 32}, 1),
+          MakeTensor("layers.0.norm.weight", "BF16", {33}, 2),
+          MakeTensor("step_counter", "I64", {}, 3), MakeTensor("embed.weight", "F16", {7, 13}, 4),
+          MakeTensor("mask", "U8", {5, 3, 1}, 5)};
+}
+
+// Elements [begin[r], begin[r + 1]) of each tensor go to rank r. Boundaries
+// are uneven and differ per tensor; a rank may get none of a tensor.
+std::vector<int64_t> Boundaries(int64_t numel, int ranks, int tensor_index) {
+  std::vector<int64_t> begin(ranks + 1, 0);
+  begin[ranks] = numel;
+  for (int r = 1; r < ranks; ++r) {
+    // Weighted: rank r gets roughly r + 1 + tensor_index % 3 parts, rank 1 nothing sometimes.
+    int64_t weight_before = 0, weight_all = 0;
+    for (int q = 0; q < ranks; ++q) {
+      const int64_t weight = (q == 1 && tensor_index % 2 == 0) ? 0 : q + 1 + tensor_index % 3;
+      weight_all += weight;
+      if (q < r) weight_before += weight;
+    }
+    begin[r] = numel * weight_before / weight_all;
+  }
+  return begin;
+}
+
+// Plays `ranks` ranks each writing its shard file of `model`, then rank 0 committing step `step`.
+absl::StatusOr<v1::CheckpointManifest> SaveSharded(const std::string& root, int64_t step,
+                                                   const std::vector<FullTensor>& model,
+                                                   int ranks) {
+  absl::StatusOr<std::string> staging = PrepareStaging(root, step);
+  if (!staging.ok()) return staging.status();
+  std::map<std::string, std::string> known_sha256;
+  for (int rank = 0; rank < ranks; ++rank) {
+    std::vector<SliceToWrite> slices;
+    for (size_t t = 0; t < model.size(); ++t) {
+      const FullTensor& tensor = model[t];
+      const std::vector<int64_t> begin = Boundaries(tensor.numel(), ranks, static_cast<int>(t));
+      const int64_t numel = begin[rank + 1] - begin[rank];
+      // A rank holding none of a tensor may list an empty slice of it or leave it out.
+      if (numel == 0 && t % 4 == 0) continue;
+      slices.push_back({tensor.name, tensor.dtype, tensor.shape, begin[rank], numel,
+                        tensor.bytes.data() + begin[rank] * tensor.element_size()});
+    }
+    const std::string file = SliceShardFileName(rank);
+    absl::StatusOr<WrittenShard> written = WriteShardFile(
+        *staging + "/" + file, slices, {{"job_id", "job-1"}, {"rank", absl::StrCat(rank)}});
+    if (!written.ok()) return written.status();
+    known_sha256[file] = written->sha256;
+  }
+  v1::CheckpointManifest manifest;
+  manifest.set_job_id("job-1");
+  return CommitCheckpoint(root, step, manifest, ranks, /*keep_last=*/0, known_sha256);
+}
+
+std::string ReadRange(const ShardedCheckpointReader& reader, const FullTensor& tensor,
+                      int64_t offset, int64_t numel) {
+  std::string out(static_cast<size_t>(numel) * tensor.element_size(), '\0');
+  absl::Status status =
+      reader.Read(tensor.name, tensor.shape, tensor.dtype, offset, numel, out.data());
+  EXPECT_THAT(status, IsOk()) << tensor.name << " [" << offset << ", +" << numel << ")";
+  return out;
+}
+
+std::string Expected(const FullTensor& tensor, int64_t offset, int64_t numel) {
+  return tensor.bytes.substr(offset * tensor.element_size(), numel * tensor.element_size());
+}
+
+class ShardFileRoundTripTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShardFileRoundTripTest, ReadsEveryTensorWholeAndInRanges) {
+  const int ranks = GetParam();
+  ScopedTempDir tmp("shard_file_test");
+  const std::vector<FullTensor> model = Model();
+  absl::StatusOr<v1::CheckpointManifest> committed = SaveSharded(tmp.path(), 10, model, ranks);
+  ASSERT_THAT(committed, IsOk());
+  EXPECT_EQ(committed->format_version(), 2);
+  ASSERT_EQ(committed->shards_size(), ranks);
+
+  // Resume as a job would: find, verify, open.
+  absl::StatusOr<std::optional<FoundCheckpoint>> found = FindLatestCheckpoint(tmp.path(), nullptr);
+  ASSERT_THAT(found, IsOk());
+  ASSERT_TRUE(found->has_value());
+  EXPECT_EQ((*found)->manifest.format_version(), 2);
+  absl::StatusOr<ShardedCheckpointReader> reader =
+      ShardedCheckpointReader::Open((*found)->path, (*found)->manifest);
+  ASSERT_THAT(reader, IsOk());
+
+  std::vector<std::string> names;
+  for (const FullTensor& tensor : model) names.push_back(tensor.name);
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(reader->TensorNames(), names);
+  for (const FullTensor& tensor : model) {
+    SCOPED_TRACE(tensor.name);
+    EXPECT_TRUE(reader->Has(tensor.name));
+    EXPECT_THAT(reader->GlobalShape(tensor.name), IsOkAndHolds(tensor.shape));
+    EXPECT_THAT(reader->Dtype(tensor.name), IsOkAndHolds(tensor.dtype));
+    const int64_t n = tensor.numel();
+    EXPECT_EQ(ReadRange(*reader, tensor, 0, n), tensor.bytes);
+    // Every sub-range of small tensors; a spread of ranges of large ones,
+    // crossing the writers' boundaries, as another layout would ask.
+    const int64_t stride = n <= 40 ? 1 : 97;
+    for (int64_t begin = 0; begin < n; begin += stride) {
+      for (int64_t end = begin; end <= n; end += (n <= 40 ? 1 : 211)) {
+        ASSERT_EQ(ReadRange(*reader, tensor, begin, end - begin),
+                  Expected(tensor, begin, end - begin))
+            << "[" << begin << ", " << end << ")";
+      }
+    }
+    // Resharding to dp=3: what each new rank reads, on its own thread, equals the original bytes.
+    const std::vector<int64_t> resume = Boundaries(n, 3, 1);
+    std::vector<std::string> got(3);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r) {
+      threads.emplace_back(
+          [&, r] { got[r] = ReadRange(*reader, tensor, resume[r], resume[r + 1] - resume[r]); });
+    }
+    for (std::thread& thread : threads) thread.join();
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(got[r], Expected(tensor, resume[r], resume[r + 1] - resume[r])) << "rank " << r;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ShardFileRoundTripTest, ::testing::Values(1, 2, 3, 4));
+
+TEST(ShardFileTest, CommitFillsSlicesFromHeaders) {
+  ScopedTempDir tmp("shard_file_test");
+  const std::vector<FullTensor> model = Model();
+  absl::StatusOr<v1::CheckpointManifest> manifest = SaveSharded(tmp.path(), 3, model, 2);
+  ASSERT_THAT(manifest, IsOk());
+  EXPECT_EQ(manifest->format_version(), kCheckpointFormatVersion);
+  const std::string dir = tmp.path() + "/" + CheckpointDirName(3);
+  for (const v1::CheckpointShard& shard : manifest->shards()) {
+    EXPECT_EQ(shard.file(), SliceShardFileName(shard.rank()));
+    // The manifest lists what the header holds, and the SHA-256 from writing is the file's.
+    absl::StatusOr<std::vector<v1::TensorSlice>> slices = ReadShardSlices(dir + "/" + shard.file());
+    ASSERT_THAT(slices, IsOk());
+    ASSERT_EQ(static_cast<int>(slices->size()), shard.slices_size());
+    for (size_t i = 0; i < slices->size(); ++i) {
+      EXPECT_EQ((*slices)[i].SerializeAsString(), shard.slices(i).SerializeAsString());
+    }
+    EXPECT_THAT(Sha256File(dir + "/" + shard.file()), IsOkAndHolds(shard.sha256()));
+  }
+  // Rank 1 holds elements [13, 33) of the norm weight (Boundaries(33, 2, 1): weights 2 and 3)
+  // and none of qkv (tensor 0: rank 1's weight is 0), which it leaves out.
+  const v1::TensorSlice* norm = nullptr;
+  for (const v1::TensorSlice& slice : manifest->shards(1).slices()) {
+    EXPECT_NE(slice.name(), "layers.0.attn.qkv.weight");
+    if (slice.name() == "layers.0.norm.weight") norm = &slice;
+  }
+  ASSERT_NE(norm, nullptr);
+  EXPECT_EQ(norm->dtype(), "BF16");
+  EXPECT_THAT(norm->global_shape(), ::testing::ElementsAre(33));
+  EXPECT_EQ(norm->offset(), 13);
+  EXPECT_EQ(norm->numel(), 20);
+  // The file is a plain safetensors file: its metadata are there for any reader.
+  absl::StatusOr<SafetensorsFile> header = ReadSafetensorsHeader(dir + "/rank-00001.safetensors");
+  ASSERT_THAT(header, IsOk());
+  EXPECT_EQ(header->metadata.at("rank"), "1");
+  EXPECT_EQ(header->metadata.at("job_id"), "job-1");
+  EXPECT_THAT(header->tensors.at("layers.0.norm.weight").shape, ::testing::ElementsAre(20));
+}
+
+TEST(ShardFileTest, WrittenSizeAndHashMatchTheFile) {
+  ScopedTempDir tmp("shard_file_test");
+  const FullTensor tensor = MakeTensor("w", "F32", {10, 10}, 7);
+  const std::string path = tmp.path() + "/rank-00000.safetensors";
+  absl::StatusOr<WrittenShard> written =
+      WriteShardFile(path, {{"w", "F32", {10, 10}, 30, 50, tensor.bytes.data() + 30 * 4}}, {});
+  ASSERT_THAT(written, IsOk());
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  EXPECT_EQ(static_cast<int64_t>(in.tellg()), written->size_bytes);
+  EXPECT_THAT(Sha256File(path), IsOkAndHolds(written->sha256));
+  ASSERT_EQ(written->slices.size(), 1u);
+  EXPECT_EQ(written->slices[0].offset(), 30);
+  EXPECT_EQ(written->slices[0].numel(), 50);
+}
+
+TEST(ShardFileTest, WriteRejectsInvalidSlicesNamingTheTensor) {
+  ScopedTempDir tmp("shard_file_test");
+  const std::string path = tmp.path() + "/rank-00000.safetensors";
+  const std::vector<float> data(16);
+  auto write = [&](std::vector<SliceToWrite> slices) {
+    return WriteShardFile(path, slices, {}).status();
+  };
+  EXPECT_THAT(write({{"w", "F32", {4, 4}, 10, 7, data.data()}}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("\"w\""), HasSubstr("out of the bounds"))));
+  EXPECT_THAT(write({{"w", "F31", {4}, 0, 4, data.data()}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown dtype \"F31\"")));
+  EXPECT_THAT(write({{"w", "F32", {4}, 0, 2, data.data()}, {"w", "F32", {4}, 2, 2, data.data()}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("\"w\": name repeats")));
+  EXPECT_THAT(write({{"w", "F32", {4}, -1, 2, data.data()}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("\"w\"")));
+  EXPECT_THAT(write({{"w", "F32", {4}, 0, 2, nullptr}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("\"w\": null data")));
+  EXPECT_THAT(WriteShardFile(path, {}, {{kSlicesMetadataKey, "x"}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("reserved")));
+}
+
+class ShardedReaderErrorsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<v1::CheckpointManifest> manifest = SaveSharded(tmp_.path(), 5, model_, 3);
+    ASSERT_THAT(manifest, IsOk());
+    manifest_ = *manifest;
+    dir_ = tmp_.path() + "/" + CheckpointDirName(5);
+  }
+
+  ScopedTempDir tmp_{"shard_file_test"};
+  std::vector<FullTensor> model_ = Model();
+  v1::CheckpointManifest manifest_;
+  std::string dir_;
+};
+
+TEST_F(ShardedReaderErrorsTest, ShapeMismatchNamesTheTensor) {
+  absl::StatusOr<ShardedCheckpointReader> reader = ShardedCheckpointReader::Open(dir_, manifest_);
+  ASSERT_THAT(reader, IsOk());
+  std::vector<float> out(48 * 32);
+  EXPECT_THAT(
+      reader->Read("layers.0.attn.qkv.weight", {48, 32}, "F32", 0, 48 * 32, out.data()),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               HasSubstr("checkpoint tensor layers.0.attn.qkv.weight has shape [96, 32], "
+                         "this model's is [48, 32]: the checkpoint is from another model")));
+  EXPECT_THAT(reader->Read("layers.0.attn.qkv.weight", {96, 32}, "BF16", 0, 10, out.data()),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("layers.0.attn.qkv.weight"), HasSubstr("dtype F32"))));
+  EXPECT_THAT(reader->Read("layers.0.attn.qkv.weight", {96, 32}, "F32", 3000, 100, out.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layers.0.attn.qkv.weight")));
+}
+
+TEST_F(ShardedReaderErrorsTest, MissingTensorIsNotFoundNamingIt) {
+  absl::StatusOr<ShardedCheckpointReader> reader = ShardedCheckpointReader::Open(dir_, manifest_);
+  ASSERT_THAT(reader, IsOk());
+  EXPECT_FALSE(reader->Has("layers.1.mlp.weight"));
+  const std::string message =
+      absl::StrCat("checkpoint ", dir_, " has no tensor layers.1.mlp.weight");
+  EXPECT_THAT(reader->GlobalShape("layers.1.mlp.weight"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr(message)));
+  float out[4];
+  EXPECT_THAT(reader->Read("layers.1.mlp.weight", {4}, "F32", 0, 4, out),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr(message)));
+}
+
+TEST_F(ShardedReaderErrorsTest, HoleInCoverageIsDataLossNamingTheRange) {
+  // A manifest that lost rank 1's slice of the norm weight (tensor 1), elements [7, 18).
+  const FullTensor& norm = model_[1];
+  const std::vector<int64_t> begin = Boundaries(norm.numel(), 3, 1);
+  ASSERT_EQ(begin[1], 7);
+  ASSERT_EQ(begin[2], 18);
+  v1::CheckpointManifest holed = manifest_;
+  auto* slices = holed.mutable_shards(1)->mutable_slices();
+  const int before = slices->size();
+  slices->erase(
+      std::remove_if(slices->begin(), slices->end(),
+                     [&](const v1::TensorSlice& slice) { return slice.name() == norm.name; }),
+      slices->end());
+  ASSERT_EQ(slices->size(), before - 1);
+  absl::StatusOr<ShardedCheckpointReader> reader = ShardedCheckpointReader::Open(dir_, holed);
+  ASSERT_THAT(reader, IsOk());
+  std::string out(norm.bytes.size(), '\0');
+  EXPECT_THAT(reader->Read(norm.name, norm.shape, norm.dtype, 0, norm.numel(), out.data()),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(norm.name),
+                             HasSubstr(absl::StrCat("[", begin[1], ", ", begin[2], ")")))));
+  // Ranges that avoid the hole still read.
+  EXPECT_EQ(ReadRange(*reader, norm, 0, begin[1]), Expected(norm, 0, begin[1]));
+  EXPECT_EQ(ReadRange(*reader, norm, begin[2], norm.numel() - begin[2]),
+            Expected(norm, begin[2], norm.numel() - begin[2]));
+  // And CommitCheckpoint refuses to write such a checkpoint in the first place.
+  EXPECT_THAT(CheckManifestSlices(holed),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr(norm.name), HasSubstr("[7, 18)"))));
+  EXPECT_THAT(CheckManifestSlices(manifest_), IsOk());
+  // Rank 1's file still holds the slice the manifest lost: reading from it is refused.
+  const FullTensor& embed = model_[3];
+  EXPECT_THAT(reader->Read(embed.name, embed.shape, embed.dtype, 0, embed.numel(), out.data()),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(SliceShardFileName(1)), HasSubstr("manifest"))));
+}
+
+TEST_F(ShardedReaderErrorsTest, CorruptedHeaderIsDataLossNamingTheFile) {
+  const std::string path = dir_ + "/" + SliceShardFileName(2);
+  {
+    std::fstream file(path, std::ios::binary | std::ios::in | std::ios::out);
+    file.seekp(9);  // Inside the JSON header.
+    file.write("\x01\x02", 2);
+  }
+  EXPECT_THAT(ReadShardSlices(path), StatusIs(absl::StatusCode::kDataLoss, HasSubstr(path)));
+  absl::StatusOr<ShardedCheckpointReader> reader = ShardedCheckpointReader::Open(dir_, manifest_);
+  ASSERT_THAT(reader, IsOk());  // Opens no file.
+  const FullTensor& qkv = model_[0];
+  std::string out(qkv.bytes.size(), '\0');
+  EXPECT_THAT(reader->Read(qkv.name, qkv.shape, qkv.dtype, 0, qkv.numel(), out.data()),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr(path)));
+  // The manifest's hash catches it too: the checkpoint is skipped when resuming.
+  std::vector<std::string> skipped;
+  absl::StatusOr<std::optional<FoundCheckpoint>> found =
+      FindLatestCheckpoint(tmp_.path(), &skipped);
+  ASSERT_THAT(found, IsOk());
+  EXPECT_FALSE(found->has_value());
+  ASSERT_THAT(skipped, SizeIs(1));
+  EXPECT_THAT(skipped[0], HasSubstr(SliceShardFileName(2)));
+}
+
+TEST_F(ShardedReaderErrorsTest, CommitRejectsAMalformedShardHeader) {
+  const std::string staging = *PrepareStaging(tmp_.path(), 6);
+  const std::string bad = staging + "/" + SliceShardFileName(0);
+  std::ofstream(bad, std::ios::binary) << std::string("\x04\0\0\0\0\0\0\0{}  ", 12);
+  ASSERT_THAT(WriteSafetensors(staging + "/" + SliceShardFileName(1), {}, {}), IsOk());
+  EXPECT_THAT(CommitCheckpoint(tmp_.path(), 6, v1::CheckpointManifest(), 2, 0),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr(bad)));
+}
+
+TEST_F(ShardedReaderErrorsTest, OpenRefusesLibTorchCheckpoints) {
+  v1::CheckpointManifest old = manifest_;
+  old.set_format_version(1);
+  EXPECT_THAT(ShardedCheckpointReader::Open(dir_, old),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("format_version 1")));
+}
+
+TEST_F(ShardedReaderErrorsTest, OpenRefusesSlicesThatDisagreeOnShape) {
+  v1::CheckpointManifest bad = manifest_;
+  for (v1::TensorSlice& slice : *bad.mutable_shards(2)->mutable_slices()) {
+    if (slice.name() == "embed.weight") slice.set_global_shape(0, 8);
+  }
+  EXPECT_THAT(ShardedCheckpointReader::Open(dir_, bad),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("embed.weight")));
+}
+
+}  // namespace
+}  // namespace tessera::trainer
