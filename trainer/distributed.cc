@@ -5,6 +5,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 #define USE_C10D_GLOO 1
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -36,7 +37,7 @@ absl::StatusOr<v1::RankAssignment> ResolveRankAssignment(const v1::RankAssignmen
   v1::RankAssignment resolved = assignment;
   int rank = resolved.rank(), world = std::max(1, resolved.world_size());
   int local_rank = resolved.local_rank(), local_world = std::max(1, resolved.local_world_size());
-  int port = resolved.master_port() > 0 ? resolved.master_port() : 29500;
+  int port = resolved.master_port() > 0 ? resolved.master_port() : kDefaultMasterPort;
   for (auto [name, min_value, target] :
        {std::tuple{kRankEnv, 0, &rank}, std::tuple{kWorldSizeEnv, 1, &world},
         std::tuple{kLocalRankEnv, 0, &local_rank}, std::tuple{kLocalWorldSizeEnv, 1, &local_world},
@@ -45,13 +46,13 @@ absl::StatusOr<v1::RankAssignment> ResolveRankAssignment(const v1::RankAssignmen
   }
   if (rank >= world) {
     return absl::InvalidArgumentError(
-        absl::StrCat("RANK ", rank, " is not below WORLD_SIZE ", world));
+        absl::StrCat(kRankEnv, " ", rank, " is not below ", kWorldSizeEnv, " ", world));
   }
   if (local_rank >= local_world) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("LOCAL_RANK ", local_rank, " is not below LOCAL_WORLD_SIZE ", local_world));
+    return absl::InvalidArgumentError(absl::StrCat(kLocalRankEnv, " ", local_rank, " is not below ",
+                                                   kLocalWorldSizeEnv, " ", local_world));
   }
-  if (port > 65535) return absl::InvalidArgumentError(absl::StrCat("MASTER_PORT ", port));
+  if (port > 65535) return absl::InvalidArgumentError(absl::StrCat(kMasterPortEnv, " ", port));
   resolved.set_rank(rank);
   resolved.set_world_size(world);
   resolved.set_local_rank(local_rank);
@@ -75,30 +76,11 @@ absl::StatusOr<JoinedGroup> JoinProcessGroup(const v1::RankAssignment& assignmen
     store_options.waitWorkers = true;
     store_options.timeout = timeout;
     joined.store = c10::make_intrusive<c10d::TCPStore>(assignment.master_addr(), store_options);
-    joined.group = c10::make_intrusive<c10d::ProcessGroup>(joined.store, rank, size);
-    if (assignment.device_type() == v1::DEVICE_TYPE_CUDA) {
-#if TESSERA_WITH_CUDA
-      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
-      nccl_options->timeout = timeout;
-      auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(joined.store, rank, size,
-                                                              std::move(nccl_options));
-      joined.group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
-      joined.group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
-      joined.backend = "nccl";
-#else
-      return absl::FailedPreconditionError(
-          "device_type CUDA: this trainer was built without CUDA (TESSERA_WITH_CUDA=OFF)");
-#endif
-    } else {
-      auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
-      gloo_options->devices.push_back(
-          c10d::ProcessGroupGloo::createDeviceForHostname(assignment.master_addr()));
-      auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(joined.store, rank, size,
-                                                              std::move(gloo_options));
-      joined.group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
-      joined.group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-      joined.backend = "gloo";
-    }
+    ASSIGN_OR_RETURN(joined.group,
+                     NewProcessGroup(joined.store, rank, size, assignment.device_type(),
+                                     assignment.master_addr(), options));
+    joined.backend = assignment.device_type() == v1::DEVICE_TYPE_CUDA ? "nccl" : "gloo";
+    joined.hostname = assignment.master_addr();
   } catch (const c10::Error& e) {
     return absl::UnavailableError(absl::StrCat("rendezvous at ", assignment.master_addr(), ":",
                                                assignment.master_port(), " as rank ", rank, "/",
@@ -108,6 +90,34 @@ absl::StatusOr<JoinedGroup> JoinProcessGroup(const v1::RankAssignment& assignmen
                                                assignment.master_port(), ": ", e.what()));
   }
   return joined;
+}
+
+absl::StatusOr<c10::intrusive_ptr<c10d::ProcessGroup>> NewProcessGroup(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, v1::DeviceType device_type,
+    const std::string& hostname, const ProcessGroupOptions& options) {
+  const auto timeout = std::chrono::milliseconds(absl::ToInt64Milliseconds(options.timeout));
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  if (device_type == v1::DEVICE_TYPE_CUDA) {
+#if TESSERA_WITH_CUDA
+    auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+    nccl_options->timeout = timeout;
+    auto nccl =
+        c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, std::move(nccl_options));
+    group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+    group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+#else
+    return absl::FailedPreconditionError(
+        "device_type CUDA: this trainer was built without CUDA (TESSERA_WITH_CUDA=OFF)");
+#endif
+  } else {
+    auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+    auto gloo =
+        c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, std::move(gloo_options));
+    group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+    group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  }
+  return group;
 }
 
 absl::Status Barrier(JoinedGroup& group) {

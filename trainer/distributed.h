@@ -11,24 +11,20 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/trainer_env.h"
 #include "tessera/v1/trainer.pb.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
 
-// Environment variable names, as torchrun sets them.
-// Global rank of the process.
-inline constexpr char kRankEnv[] = "RANK";
-// Number of processes in the job.
-inline constexpr char kWorldSizeEnv[] = "WORLD_SIZE";
-// Rank among the job's processes on this node.
-inline constexpr char kLocalRankEnv[] = "LOCAL_RANK";
-// Number of the job's processes on this node.
-inline constexpr char kLocalWorldSizeEnv[] = "LOCAL_WORLD_SIZE";
-// Host of rank 0's TCPStore.
-inline constexpr char kMasterAddrEnv[] = "MASTER_ADDR";
-// Port of rank 0's TCPStore.
-inline constexpr char kMasterPortEnv[] = "MASTER_PORT";
+// The environment variables ResolveRankAssignment reads (common/trainer_env.h documents them).
+using ::tessera::kDefaultMasterPort;
+using ::tessera::kLocalRankEnv;
+using ::tessera::kLocalWorldSizeEnv;
+using ::tessera::kMasterAddrEnv;
+using ::tessera::kMasterPortEnv;
+using ::tessera::kRankEnv;
+using ::tessera::kWorldSizeEnv;
 
 // Reads an environment variable; nullptr when unset. main() passes getenv.
 using EnvLookup = std::function<const char*(const char*)>;
@@ -45,6 +41,8 @@ struct JoinedGroup {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   // "gloo" or "nccl".
   std::string backend;
+  // The address Gloo's devices bind to (the rendezvous host); sub-groups use it too.
+  std::string hostname;
 };
 
 struct ProcessGroupOptions {
@@ -57,6 +55,13 @@ struct ProcessGroupOptions {
 // DEADLINE_EXCEEDED when the rendezvous fails, naming the address.
 absl::StatusOr<JoinedGroup> JoinProcessGroup(const v1::RankAssignment& assignment,
                                              const ProcessGroupOptions& options);
+
+// A group of `size` ranks rendezvousing through `store` (the world's store, or a PrefixStore over
+// it for a sub-group), on NCCL for DEVICE_TYPE_CUDA and Gloo otherwise; `hostname` picks Gloo's
+// network interface. c10::Error passes through as thrown.
+absl::StatusOr<c10::intrusive_ptr<c10d::ProcessGroup>> NewProcessGroup(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, v1::DeviceType device_type,
+    const std::string& hostname, const ProcessGroupOptions& options);
 
 // Blocks until every rank of the group calls it; errors carry c10d's message.
 absl::Status Barrier(JoinedGroup& group);

@@ -1,9 +1,12 @@
 #include "trainer/model.h"
 
 #include <cmath>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "planner/model_config.h"
+#include "trainer/activation_checkpoint.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -103,12 +106,24 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     k = qkv[1];
     v = qkv[2];
   }
+  torch::Tensor out =
+      recompute_core_
+          ? Checkpoint(
+                [this](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
+                  return {Core(in[0], in[1], in[2])};
+                },
+                {q, k, v})[0]
+          : Core(q, k, v);
+  return out_->forward(out.transpose(1, 2).reshape({batch, seq, heads_ * head_dim_}));
+}
+
+torch::Tensor AttentionImpl::Core(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v) const {
   // enable_gqa lets the kernel share each kv head across its query group instead of
   // materialising repeated k and v.
-  torch::Tensor out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                                       /*is_causal=*/true, /*scale=*/std::nullopt,
-                                                       /*enable_gqa=*/kv_heads_ != heads_);
-  return out_->forward(out.transpose(1, 2).reshape({batch, seq, heads_ * head_dim_}));
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                          /*is_causal=*/true, /*scale=*/std::nullopt,
+                                          /*enable_gqa=*/kv_heads_ != heads_);
 }
 
 MlpImpl::MlpImpl(const v1::ModelDims& dims) : llama_(IsLlama(dims)) {
@@ -124,8 +139,25 @@ MlpImpl::MlpImpl(const v1::ModelDims& dims) : llama_(IsLlama(dims)) {
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
-  if (llama_) return down_->forward(torch::silu(gate_->forward(x)) * up_->forward(x));
-  return down_->forward(torch::gelu(up_->forward(x), "tanh"));
+  if (!recompute_activation_) {
+    if (llama_) return down_->forward(torch::silu(gate_->forward(x)) * up_->forward(x));
+    return down_->forward(torch::gelu(up_->forward(x), "tanh"));
+  }
+  // The down projection saves the activation's output; CheckpointWithoutOutput frees it and
+  // recomputes it from the projections' outputs just before the down projection's backward.
+  auto down = [this](const std::vector<torch::Tensor>& in) { return down_->forward(in[0]); };
+  if (llama_) {
+    return CheckpointWithoutOutput(
+        [](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
+          return {torch::silu(in[0]) * in[1]};
+        },
+        {gate_->forward(x), up_->forward(x)}, down);
+  }
+  return CheckpointWithoutOutput(
+      [](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
+        return {torch::gelu(in[0], "tanh")};
+      },
+      {up_->forward(x)}, down);
 }
 
 BlockImpl::BlockImpl(const v1::ModelDims& dims) {
@@ -134,6 +166,12 @@ BlockImpl::BlockImpl(const v1::ModelDims& dims) {
   attn_ = register_module("attn", Attention(dims));
   mlp_norm_ = register_module("mlp_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms));
   mlp_ = register_module("mlp", Mlp(dims));
+}
+
+void BlockImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) {
+  const bool selective = mode == v1::ACTIVATION_CHECKPOINTING_SELECTIVE;
+  attn_->set_recompute_core(selective);
+  mlp_->set_recompute_activation(selective);
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
@@ -200,7 +238,20 @@ torch::Tensor CausalLMImpl::forward(const torch::Tensor& tokens) {
     cos = rope_cos_.narrow(0, 0, seq);
     sin = rope_sin_.narrow(0, 0, seq);
   }
-  for (auto& layer : *layers_) h = layer->as<BlockImpl>()->forward(h, cos, sin);
+  for (int i = 0; i < static_cast<int>(layers_->size()); ++i) {
+    if (hooks_ != nullptr) hooks_->BeforeLayer(i);
+    std::shared_ptr<BlockImpl> block = layers_->ptr<BlockImpl>(i);
+    if (checkpointing_ == v1::ACTIVATION_CHECKPOINTING_FULL) {
+      h = Checkpoint(
+          [block, cos, sin](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
+            return {block->forward(in[0], cos, sin)};
+          },
+          {h})[0];
+    } else {
+      h = block->forward(h, cos, sin);
+    }
+    if (hooks_ != nullptr) h = hooks_->AfterLayer(i, std::move(h));
+  }
   h = final_norm_->forward(h);
   return F::linear(h, lm_head_.defined() ? lm_head_ : embed_->weight);
 }
@@ -211,6 +262,28 @@ torch::Tensor CausalLMImpl::Loss(const torch::Tensor& inputs, const torch::Tenso
   torch::Tensor logits = forward(inputs);
   return F::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
                           targets.reshape({-1}));
+}
+
+void CausalLMImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) {
+  TORCH_CHECK(v1::ActivationCheckpointing_IsValid(mode), "unknown activation checkpointing mode ",
+              static_cast<int>(mode));
+  checkpointing_ =
+      mode == v1::ACTIVATION_CHECKPOINTING_UNSPECIFIED ? v1::ACTIVATION_CHECKPOINTING_NONE : mode;
+  for (auto& layer : *layers_) layer->as<BlockImpl>()->SetActivationCheckpointing(checkpointing_);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> CausalLMImpl::LayerParameters(int layer) {
+  TORCH_CHECK(layer >= -1 && layer < static_cast<int>(layers_->size()), "layer ", layer,
+              " outside [-1, ", layers_->size(), ")");
+  const std::string layer_prefix = "layers.";
+  const std::string prefix = layer_prefix + std::to_string(layer) + ".";
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& item : named_parameters()) {
+    const bool selected =
+        layer >= 0 ? item.key().starts_with(prefix) : !item.key().starts_with(layer_prefix);
+    if (selected) out.emplace_back(item.key(), item.value());
+  }
+  return out;
 }
 
 std::vector<torch::Tensor> CausalLMImpl::DecayParameters() {

@@ -1,9 +1,14 @@
 # model part of tessera_trainer: sources and tests (see CMakeLists.txt).
-target_sources(tessera_trainer PRIVATE model.cc)
+target_sources(tessera_trainer PRIVATE activation_checkpoint.cc model.cc)
 
 if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME model_test
     SOURCES model_test.cc
     LIBS tessera::trainer)
   target_precompile_headers(model_test REUSE_FROM tessera_trainer)
+
+  tessera_add_test(NAME activation_checkpoint_test
+    SOURCES activation_checkpoint_test.cc
+    LIBS tessera::trainer)
+  target_precompile_headers(activation_checkpoint_test REUSE_FROM tessera_trainer)
 endif()

@@ -3,14 +3,18 @@
 // picked by ModelDims.architecture. Parameters are float32; the caller applies bf16 autocast, and
 // the numerically sensitive parts (norms, rotary, loss) compute in float32 regardless. Built from
 // dimensions that planner::ResolveModel has validated and filled in; errors surface as c10::Error.
+// Activation checkpointing (v1::ActivationCheckpointing) trades recompute for activation memory,
+// and LayerHooks let a sharded engine (ZeRO-3) act around each transformer layer.
 #pragma once
 
 #include <torch/nn.h>
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "tessera/v1/layout.pb.h"
 #include "tessera/v1/model.pb.h"
 
 namespace tessera::trainer {
@@ -52,9 +56,14 @@ class AttentionImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   // The projection writing into the residual stream (gets the scaled init).
   torch::nn::Linear& output_projection() { return out_; }
+  // Recompute scaled_dot_product_attention in backward, keeping only q, k and v for it.
+  void set_recompute_core(bool recompute) { recompute_core_ = recompute; }
 
  private:
+  torch::Tensor Core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const;
+
   bool llama_;
+  bool recompute_core_ = false;
   int64_t heads_, kv_heads_, head_dim_;
   torch::nn::Linear qkv_{nullptr}, q_{nullptr}, k_{nullptr}, v_{nullptr}, out_{nullptr};
   Norm q_norm_{nullptr}, k_norm_{nullptr};
@@ -68,9 +77,13 @@ class MlpImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   // The projection writing into the residual stream (gets the scaled init).
   torch::nn::Linear& output_projection() { return down_; }
+  // Recompute the activation function's outputs (GELU's; SwiGLU's silu(gate) and
+  // silu(gate) * up) in backward, keeping only their inputs.
+  void set_recompute_activation(bool recompute) { recompute_activation_ = recompute; }
 
  private:
   bool llama_;
+  bool recompute_activation_ = false;
   torch::nn::Linear up_{nullptr}, gate_{nullptr}, down_{nullptr};
 };
 TORCH_MODULE(Mlp);
@@ -82,6 +95,8 @@ class BlockImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   Attention& attention() { return attn_; }
   Mlp& mlp() { return mlp_; }
+  // SELECTIVE recomputation inside the block; NONE and FULL (done by the caller) keep everything.
+  void SetActivationCheckpointing(v1::ActivationCheckpointing mode);
 
  private:
   Norm attn_norm_{nullptr}, mlp_norm_{nullptr};
@@ -89,6 +104,20 @@ class BlockImpl : public torch::nn::Module {
   Mlp mlp_{nullptr};
 };
 TORCH_MODULE(Block);
+
+// Called around each transformer layer's forward (ZeRO-3 gathers a layer's parameters before it
+// and frees them after). Runs on the thread calling forward, once per layer and forward call in
+// layer order; never during backward, also not when FULL checkpointing recomputes a layer there.
+// With FULL, layer i's recompute is the first thing backward does after the gradient of its output
+// arrives, so autograd hooks registered in AfterLayer run before it (the place to gather the
+// layer's parameters again). SELECTIVE's recomputes use no parameters.
+class LayerHooks {
+ public:
+  virtual ~LayerHooks() = default;
+  virtual void BeforeLayer(int layer) = 0;
+  // Returns the layer's output (may register autograd hooks on it).
+  virtual torch::Tensor AfterLayer(int layer, torch::Tensor output) = 0;
+};
 
 // A decoder-only transformer (GPT2 or LLAMA family per dims.architecture), in float32 parameters.
 class CausalLMImpl : public torch::nn::Module {
@@ -108,6 +137,22 @@ class CausalLMImpl : public torch::nn::Module {
   std::vector<torch::Tensor> NoDecayParameters();
   const v1::ModelDims& dims() const { return dims_; }
 
+  // What forward keeps for backward: UNSPECIFIED and NONE keep everything; SELECTIVE recomputes
+  // each layer's attention core and MLP activation function (planner::ActivationsPerLayer's
+  // model); FULL keeps only each layer's input and recomputes the layer. Losses and gradients are
+  // unchanged (bitwise on CPU). Set between steps, not during one.
+  void SetActivationCheckpointing(v1::ActivationCheckpointing mode);
+  v1::ActivationCheckpointing activation_checkpointing() const { return checkpointing_; }
+  // nullptr = none; not owned, must outlive the forward calls that use it.
+  void SetLayerHooks(LayerHooks* hooks) { hooks_ = hooks; }
+
+  // The transformer blocks ("layers.<i>" in named_parameters()), each a Block.
+  torch::nn::ModuleList& layers() { return layers_; }
+  // named_parameters() entries, in its order, whose name starts with "layers.<layer>."; for layer
+  // -1 all the others (embeddings, final norm, lm_head). Names are full
+  // ("layers.3.attn.qkv.weight", "embed.weight"). c10::Error for a layer outside [-1, num_layers).
+  std::vector<std::pair<std::string, torch::Tensor>> LayerParameters(int layer);
+
  private:
   void Initialize(double init_std);
 
@@ -118,6 +163,8 @@ class CausalLMImpl : public torch::nn::Module {
   Norm final_norm_{nullptr};
   torch::Tensor lm_head_;              // undefined when tied: the output reuses embed_'s weight
   torch::Tensor rope_cos_, rope_sin_;  // LLAMA only; buffers, so they follow .to(device)
+  v1::ActivationCheckpointing checkpointing_ = v1::ACTIVATION_CHECKPOINTING_NONE;
+  LayerHooks* hooks_ = nullptr;
 };
 TORCH_MODULE(CausalLM);
 

@@ -1,11 +1,15 @@
 // CausalLM against references computed another way: parameter counts from model_config, a
 // hand-written double-precision forward pass, grouped-query attention against multi-head
-// attention with repeated k/v weights, rotary relative-position invariance, and training steps.
+// attention with repeated k/v weights, rotary relative-position invariance, and training steps;
+// activation checkpointing against the uncheckpointed model (bitwise on CPU) and against the bytes
+// a layer's input takes, and the layer hooks' calls.
 
 #include "trainer/model.h"
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/CPUAllocator.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -15,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -453,6 +458,261 @@ TEST(ModelTest, CudaMatchesCpu) {
     EXPECT_NEAR(loss.item<double>(), cpu_loss, 0.05) << name;
     loss.backward();
     for (const Tensor& p : model->parameters()) ASSERT_TRUE(p.grad().defined()) << name;
+  }
+}
+
+// ---- Activation checkpointing and layer hooks. ----
+
+constexpr v1::ActivationCheckpointing kNone = v1::ACTIVATION_CHECKPOINTING_NONE;
+constexpr v1::ActivationCheckpointing kSelective = v1::ACTIVATION_CHECKPOINTING_SELECTIVE;
+constexpr v1::ActivationCheckpointing kFull = v1::ACTIVATION_CHECKPOINTING_FULL;
+
+struct TrainingRecord {
+  std::vector<Tensor> losses;
+  std::vector<std::map<std::string, Tensor>> gradients;  // per step, by parameter name
+};
+
+// Two AdamW steps on one batch, recording each step's loss and gradients.
+TrainingRecord TrainTwoSteps(const v1::ModelDims& dims, v1::ActivationCheckpointing mode,
+                             torch::Device device = torch::kCPU, bool autocast = false) {
+  CausalLM model = MakeModel(dims);
+  model->SetActivationCheckpointing(mode);
+  model->to(device);
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::manual_seed(21);
+  Tensor tokens = RandomTokens(dims, 3, 25).to(device);
+  using torch::indexing::Slice;
+  Tensor inputs = tokens.index({Slice(), Slice(0, 24)}),
+         targets = tokens.index({Slice(), Slice(1)});
+  TrainingRecord record;
+  for (int step = 0; step < 2; ++step) {
+    optimizer.zero_grad();
+    if (autocast) {
+      at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+      at::autocast::set_autocast_enabled(at::kCUDA, true);
+    }
+    Tensor loss = model->Loss(inputs, targets);
+    if (autocast) {
+      at::autocast::set_autocast_enabled(at::kCUDA, false);
+      at::autocast::clear_cache();
+    }
+    loss.backward();
+    record.losses.push_back(loss.detach().cpu());
+    auto& grads = record.gradients.emplace_back();
+    for (const auto& item : model->named_parameters()) {
+      EXPECT_TRUE(item.value().grad().defined()) << item.key();
+      if (item.value().grad().defined()) grads[item.key()] = item.value().grad().cpu().clone();
+    }
+    optimizer.step();
+  }
+  return record;
+}
+
+TEST(ModelCheckpointingTest, LossesAndGradientsEqualUncheckpointedBitwise) {
+  for (const auto& [name, dims] : TinyModels()) {
+    const TrainingRecord reference = TrainTwoSteps(dims, kNone);
+    for (auto mode : {kSelective, kFull}) {
+      const std::string label = absl::StrCat(name, " ", v1::ActivationCheckpointing_Name(mode));
+      const TrainingRecord record = TrainTwoSteps(dims, mode);
+      ASSERT_EQ(record.losses.size(), reference.losses.size()) << label;
+      for (size_t step = 0; step < record.losses.size(); ++step) {
+        EXPECT_TRUE(torch::equal(record.losses[step], reference.losses[step]))
+            << label << " step " << step << ": " << record.losses[step].item<double>() << " vs "
+            << reference.losses[step].item<double>();
+        ASSERT_EQ(record.gradients[step].size(), reference.gradients[step].size()) << label;
+        for (const auto& [param, grad] : reference.gradients[step]) {
+          EXPECT_TRUE(torch::equal(record.gradients[step].at(param), grad))
+              << label << " step " << step << " " << param;
+        }
+      }
+    }
+  }
+}
+
+// Counts the bytes held by tensors that the CPU allocator hands out while installed.
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  static CountingCpuAllocator& Instance() {
+    static auto* allocator = new CountingCpuAllocator();  // outlives every tensor it allocated
+    return *allocator;
+  }
+
+  c10::DataPtr allocate(size_t n) override {
+    auto* block = new Block{base_->allocate(n), n};
+    live_ += static_cast<int64_t>(n);
+    void* data = block->inner.get();
+    return {data, block, &Free, block->inner.device()};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  int64_t live() const { return live_.load(); }
+
+  // Installs the counter as LibTorch's CPU allocator for the guard's lifetime.
+  class Installed {
+   public:
+    Installed() : previous_(c10::GetCPUAllocator()) {
+      c10::SetCPUAllocator(&Instance(), kPriority);
+    }
+    ~Installed() { c10::SetCPUAllocator(previous_, kPriority); }
+
+   private:
+    static constexpr uint8_t kPriority = 100;
+    c10::Allocator* previous_;
+  };
+
+ private:
+  struct Block {
+    c10::DataPtr inner;
+    size_t bytes;
+  };
+  static void Free(void* context) {
+    auto* block = static_cast<Block*>(context);
+    Instance().live_ -= static_cast<int64_t>(block->bytes);
+    delete block;
+  }
+
+  c10::Allocator* base_ = c10::GetDefaultCPUAllocator();
+  std::atomic<int64_t> live_{0};
+};
+
+constexpr int64_t kBatch = 4, kSeq = 32;
+
+// Bytes of CPU tensors a forward pass (to the loss) leaves alive, i.e. that autograd keeps.
+int64_t BytesKeptForBackward(v1::ModelDims dims, int layers, v1::ActivationCheckpointing mode) {
+  dims.set_num_layers(layers);
+  CausalLM model = MakeModel(dims);
+  model->SetActivationCheckpointing(mode);
+  Tensor inputs = RandomTokens(dims, kBatch, kSeq), targets = RandomTokens(dims, kBatch, kSeq);
+  model->Loss(inputs, targets).backward();  // warm-up: lazily made buffers are not activations
+  CountingCpuAllocator::Installed counting;
+  const int64_t before = CountingCpuAllocator::Instance().live();
+  Tensor loss = model->Loss(inputs, targets);
+  return CountingCpuAllocator::Instance().live() - before;
+}
+
+TEST(ModelCheckpointingTest, FullKeepsOnlyEachLayersInputAndSelectiveDropsRecomputedTensors) {
+  const int64_t rng_state_bytes =
+      at::globalContext().defaultGenerator(c10::kCPU).get_state().nbytes();
+  for (const auto& [name, dims] : TinyModels()) {
+    // Two more layers isolate what one layer keeps from the embeddings' and the head's share.
+    auto per_layer = [&](v1::ActivationCheckpointing mode) {
+      return (BytesKeptForBackward(dims, 4, mode) - BytesKeptForBackward(dims, 2, mode)) / 2;
+    };
+    const int64_t none = per_layer(kNone), selective = per_layer(kSelective),
+                  full = per_layer(kFull);
+    const int64_t layer_input = kBatch * kSeq * dims.hidden_size() * 4;
+    // The layer's float32 input and the CPU generator's state the recompute replays.
+    EXPECT_EQ(full, layer_input + rng_state_bytes) << name;
+    // SELECTIVE frees the MLP activation outputs (GELU's, or SwiGLU's silu(gate) and product) and
+    // what the attention kernel keeps besides q, k, v (its output stays: the output projection
+    // reads the same storage), and adds two generator states.
+    const int64_t mlp_recomputed = (dims.architecture() == v1::ARCHITECTURE_LLAMA ? 2 : 1) *
+                                   kBatch * kSeq * dims.ffn_hidden_size() * 4;
+    EXPECT_LE(selective, none - mlp_recomputed + 2 * rng_state_bytes) << name;
+    EXPECT_GT(selective, full) << name;
+    EXPECT_GT(none, 4 * full) << name;
+  }
+}
+
+// Records the layer hooks' calls and, through autograd hooks on the layer outputs, when backward
+// reaches each layer.
+class RecordingHooks : public LayerHooks {
+ public:
+  void BeforeLayer(int layer) override { events.push_back(absl::StrCat("before ", layer)); }
+  Tensor AfterLayer(int layer, Tensor output) override {
+    events.push_back(absl::StrCat("after ", layer));
+    output.register_hook(
+        [this, layer](const Tensor&) { events.push_back(absl::StrCat("backward ", layer)); });
+    return output * scale;
+  }
+
+  double scale = 1.0;
+  std::vector<std::string> events;
+};
+
+TEST(ModelCheckpointingTest, LayerHooksRunAroundEachLayerOnceAndNotInRecompute) {
+  v1::ModelDims dims = PresetDims("tiny-llama");
+  dims.set_num_layers(3);
+  for (auto mode : {kNone, kSelective, kFull}) {
+    CausalLM model = MakeModel(dims);
+    model->SetActivationCheckpointing(mode);
+    RecordingHooks hooks;
+    model->SetLayerHooks(&hooks);
+    Tensor inputs = RandomTokens(dims, 2, 8), targets = RandomTokens(dims, 2, 8);
+    Tensor loss = model->Loss(inputs, targets);
+    EXPECT_EQ(hooks.events, (std::vector<std::string>{"before 0", "after 0", "before 1", "after 1",
+                                                      "before 2", "after 2"}))
+        << v1::ActivationCheckpointing_Name(mode);
+    hooks.events.clear();
+    loss.backward();
+    EXPECT_EQ(hooks.events, (std::vector<std::string>{"backward 2", "backward 1", "backward 0"}))
+        << v1::ActivationCheckpointing_Name(mode);
+
+    // The model continues with what AfterLayer returns.
+    hooks.scale = 0.5;
+    Tensor scaled = model->forward(inputs);
+    model->SetLayerHooks(nullptr);
+    hooks.events.clear();
+    Tensor plain = model->forward(inputs);
+    EXPECT_TRUE(hooks.events.empty());
+    EXPECT_FALSE(torch::allclose(scaled, plain));
+  }
+}
+
+TEST(ModelCheckpointingTest, LayerParametersPartitionNamedParameters) {
+  for (const auto& [name, dims] : TinyModels()) {
+    CausalLM model = MakeModel(dims);
+    std::vector<std::pair<std::string, Tensor>> all;
+    for (int layer = -1; layer < dims.num_layers(); ++layer) {
+      auto params = model->LayerParameters(layer);
+      EXPECT_FALSE(params.empty()) << name << " layer " << layer;
+      for (const auto& [param, tensor] : params) {
+        if (layer >= 0) {
+          EXPECT_TRUE(param.starts_with(absl::StrCat("layers.", layer, "."))) << param;
+        } else {
+          EXPECT_FALSE(param.starts_with("layers.")) << param;
+        }
+      }
+      all.insert(all.end(), params.begin(), params.end());
+    }
+    // Every parameter exactly once; within a part, in named_parameters() order.
+    auto named = model->named_parameters();
+    ASSERT_EQ(all.size(), named.size()) << name;
+    std::map<std::string, size_t> position;
+    for (size_t i = 0; i < named.size(); ++i) position[named[i].key()] = i;
+    for (size_t i = 0; i < all.size(); ++i) {
+      ASSERT_TRUE(position.contains(all[i].first)) << all[i].first;
+      EXPECT_TRUE(all[i].second.is_same(named[all[i].first])) << all[i].first;
+      if (i > 0 && all[i - 1].first.substr(0, 9) == all[i].first.substr(0, 9)) {
+        EXPECT_LT(position[all[i - 1].first], position[all[i].first]) << all[i].first;
+      }
+    }
+    EXPECT_TRUE(position.contains("embed.weight") && position.contains("final_norm.weight"))
+        << name;
+    EXPECT_THROW(model->LayerParameters(dims.num_layers()), c10::Error);
+    EXPECT_THROW(model->LayerParameters(-2), c10::Error);
+  }
+}
+
+TEST(ModelCheckpointingTest, CudaAutocastCheckpointingTracksUncheckpointed) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
+  for (const auto& [name, dims] : TinyModels()) {
+    const TrainingRecord reference = TrainTwoSteps(dims, kNone, torch::kCUDA, /*autocast=*/true);
+    for (auto mode : {kSelective, kFull}) {
+      const std::string label = absl::StrCat(name, " ", v1::ActivationCheckpointing_Name(mode));
+      const TrainingRecord record = TrainTwoSteps(dims, mode, torch::kCUDA, /*autocast=*/true);
+      // The first forward is the same computation; later ones start from parameters that GPU
+      // reductions in backward may have rounded differently.
+      EXPECT_TRUE(torch::equal(record.losses[0], reference.losses[0])) << label;
+      EXPECT_NEAR(record.losses[1].item<double>(), reference.losses[1].item<double>(), 1e-3)
+          << label;
+      // A recompute outside bf16 autocast would differ by bf16's rounding (~1e-2).
+      for (const auto& [param, grad] : reference.gradients[0]) {
+        const double error = (record.gradients[0].at(param) - grad).norm().item<double>();
+        EXPECT_LE(error, 1e-3 * grad.norm().item<double>() + 1e-7) << label << " " << param;
+      }
+    }
   }
 }
 

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/daemon/grpc_status.h"
 #include "common/daemon/server.h"
+#include "common/trainer_env.h"
 #include "common/version.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl.h"
@@ -241,13 +242,13 @@ void WorkerAgent::LaunchLocked(const v1::TaskAssignment& assignment) {
     const v1::RankAssignment& ra = trainer.assignment();
     rank.task.set_report_socket(socket_path_);
     std::map<std::string, std::string> env = {
-        {"RANK", std::to_string(ra.rank())},
-        {"WORLD_SIZE", std::to_string(ra.world_size())},
-        {"LOCAL_RANK", std::to_string(ra.local_rank())},
-        {"LOCAL_WORLD_SIZE", std::to_string(ra.local_world_size())},
-        {"MASTER_ADDR", ra.master_addr()},
-        {"MASTER_PORT", std::to_string(ra.master_port())},
-        {"CUDA_VISIBLE_DEVICES", ra.gpu_index() >= 0 ? std::to_string(ra.gpu_index()) : ""}};
+        {kRankEnv, std::to_string(ra.rank())},
+        {kWorldSizeEnv, std::to_string(ra.world_size())},
+        {kLocalRankEnv, std::to_string(ra.local_rank())},
+        {kLocalWorldSizeEnv, std::to_string(ra.local_world_size())},
+        {kMasterAddrEnv, ra.master_addr()},
+        {kMasterPortEnv, std::to_string(ra.master_port())},
+        {kCudaVisibleDevicesEnv, ra.gpu_index() >= 0 ? std::to_string(ra.gpu_index()) : ""}};
     // The process sees only its GPU, as device 0.
     if (ra.gpu_index() >= 0) rank.task.mutable_assignment()->set_gpu_index(0);
     std::string task_file = absl::StrCat(dir, "/rank-", ra.rank(), ".task.pb");

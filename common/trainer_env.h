@@ -1,0 +1,30 @@
+// The environment contract between a worker and the trainer processes it launches: the names of
+// the variables the worker sets for each rank (worker/worker_agent.cc) and the trainer reads
+// (trainer/distributed.cc's ResolveRankAssignment), in torchrun's spelling so that a trainer
+// started by torchrun joins the same way. Values are decimal integers unless said otherwise; in
+// the trainer they override the matching RankAssignment fields of its task file. Header-only and
+// dependency-free so both sides include it.
+#pragma once
+
+namespace tessera {
+
+// Global rank of the process in its job, in [0, WORLD_SIZE).
+inline constexpr char kRankEnv[] = "RANK";
+// Number of processes in the job.
+inline constexpr char kWorldSizeEnv[] = "WORLD_SIZE";
+// Rank among the job's processes on this node, in [0, LOCAL_WORLD_SIZE).
+inline constexpr char kLocalRankEnv[] = "LOCAL_RANK";
+// Number of the job's processes on this node.
+inline constexpr char kLocalWorldSizeEnv[] = "LOCAL_WORLD_SIZE";
+// Host name or address of rank 0's TCPStore (the rendezvous point); also the address Gloo binds.
+inline constexpr char kMasterAddrEnv[] = "MASTER_ADDR";
+// TCP port of rank 0's TCPStore, in [1, 65535].
+inline constexpr char kMasterPortEnv[] = "MASTER_PORT";
+// The port a trainer uses when neither MASTER_PORT nor its task gives one (torchrun's default).
+inline constexpr int kDefaultMasterPort = 29500;
+// Read by the CUDA runtime, not by the trainer: the worker sets it to the one GPU index the rank
+// owns (and rewrites the task's gpu_index to 0, the only device the process then sees), or to ""
+// for a CPU rank, which hides every GPU.
+inline constexpr char kCudaVisibleDevicesEnv[] = "CUDA_VISIBLE_DEVICES";
+
+}  // namespace tessera
