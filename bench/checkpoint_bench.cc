@@ -2,10 +2,10 @@
 // about 1 GB of model weights and AdamW state, next to a plain sequential
 // write and read of the same bytes in the same directory, measured in the same
 // run and interleaved (ours, plain, ours, plain, ...). "Ours" is the trainer's
-// own path: the archive SaveCheckpoint builds in trainer/train.cc,
-// PrepareStaging and CommitCheckpoint for a save; FindLatestCheckpoint, the
-// second VerifyCheckpoint of Resume's ReadManifest, InputArchive::load_from
-// and the model and optimizer loads for a load. Both sides are durable (fsync)
+// own path (trainer/checkpointing.cc): PrepareStaging, WriteTrainingState's
+// safetensors shard of slices and CommitCheckpoint for a save;
+// FindLatestCheckpoint, ShardedCheckpointReader and ReadTrainingState for a
+// load. Both sides are durable (fsync)
 // before the clock stops, and both read with the file dropped from the page
 // cache. Prints a summary and writes $TESSERA_BENCH_RESULTS/checkpoint.json
 // (scripts/bench.sh sets the TESSERA_BENCH_* variables).
@@ -47,6 +47,8 @@
 #include "trainer/checkpoint.h"
 #include "trainer/model.h"
 #include "trainer/sha256.h"
+#include "trainer/shard_file.h"
+#include "trainer/sharded_engine.h"
 #include "trainer/torch_pch.h"
 #include "trainer/training_state.h"
 
@@ -107,12 +109,12 @@ double Median(std::vector<double> values) {
 // ---------------------------------------------------------------------------
 // Ours: the trainer's checkpoint code on a trainer-shaped model and optimizer.
 
-// What a rank holds between steps: the model and FusedAdamW with its moments
-// populated, built as trainer/train.cc builds them.
+// What a rank holds between steps: the model and the trainer's step engine (ZeRO 0, one rank)
+// with its AdamW moments populated, built as trainer/train.cc builds them.
 struct TrainerState {
   v1::ModelSummary summary;
   trainer::CausalLM model{nullptr};
-  std::optional<trainer::FusedAdamW> optimizer;
+  std::unique_ptr<trainer::ShardedEngine> engine;
   int64_t state_bytes = 0;
 };
 
@@ -132,45 +134,33 @@ absl::StatusOr<TrainerState> BuildTrainerState(const BenchOptions& options) {
   state.summary = summary;
   torch::manual_seed(1234);
   state.model = trainer::CausalLM(summary.dims(), planner::kDefaultInitStd);
-  state.optimizer.emplace(
-      std::vector<trainer::AdamWGroup>{
-          {.params = state.model->DecayParameters(), .weight_decay = 0.1},
-          {.params = state.model->NoDecayParameters(), .weight_decay = 0.0}},
-      trainer::AdamWOptions{});
-  // One step with random gradients gives every parameter its exp_avg and
-  // exp_avg_sq, as any checkpoint after step 1 has them.
-  {
-    torch::NoGradGuard no_grad;
-    for (at::Tensor& param : state.model->parameters()) {
-      param.mutable_grad() = torch::randn_like(param).mul_(1e-3);
-    }
+  trainer::ShardedEngineOptions engine_options;
+  engine_options.weight_decay = 0.1;
+  state.engine = std::make_unique<trainer::ShardedEngine>(state.model, engine_options);
+  // Moments exist from the start (zeros); a step with random gradients makes them realistic.
+  for (const trainer::TensorRange& range : state.engine->LoadRanges()) {
+    if (range.name.rfind("exp_avg", 0) == 0) range.data.normal_(0, 1e-3).abs_();
   }
-  state.optimizer->Step(1e-4);
-  state.optimizer->ZeroGrad();
-  for (const at::Tensor& param : state.model->parameters()) {
-    state.state_bytes += 3 * param.numel() * static_cast<int64_t>(param.element_size());
-  }
+  const trainer::EngineMemory memory = state.engine->Memory();
+  state.state_bytes = memory.parameter_bytes + memory.moment_bytes;
   return state;
 }
 
-// SaveCheckpoint of trainer/train.cc on rank 0 of a one-rank job, call for
-// call. Phases: prepare_staging, build_archive, serialize_write (save_to
-// through WriteHashedFile: zip records with CRC-32 into the page cache, SHA-256
-// on the way, no fsync), commit (CommitCheckpoint with the digest: fsync of the
-// shard, manifest.pb/.json written and fsynced, rename, directory fsyncs).
+// SaveCheckpoint of trainer/checkpointing.cc on rank 0 of a one-rank job, call for call. Phases:
+// prepare_staging, serialize_write (WriteTrainingState: the slices copied to host memory and
+// written as a safetensors shard through WriteHashedFile, SHA-256 on the way, no fsync), commit
+// (CommitCheckpoint with the digest: fsync of the shard, manifest.pb/.json written and fsynced,
+// rename, directory fsyncs).
 absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root, int64_t step) {
   try {
     PhaseClock clock;
     RETURN_IF_ERROR(trainer::PrepareStaging(root, step).status());
     clock.Lap("prepare_staging");
-    torch::serialize::OutputArchive archive;
-    trainer::SaveTrainingState(state.model, *state.optimizer, archive);
-    clock.Lap("build_archive");
-    const std::string shard = trainer::ShardFileName(/*rank=*/0);
-    ASSIGN_OR_RETURN(
-        std::string sha256,
-        trainer::WriteHashedFile(absl::StrCat(trainer::StagingDir(root, step), "/", shard),
-                                 [&](const trainer::ByteSink& sink) { archive.save_to(sink); }));
+    const std::string shard = trainer::SliceShardFileName(/*rank=*/0);
+    ASSIGN_OR_RETURN(trainer::WrittenShard written,
+                     trainer::WriteTrainingState(
+                         absl::StrCat(trainer::StagingDir(root, step), "/", shard), *state.engine,
+                         /*rank=*/0, {{"tessera.job_id", "checkpoint-bench"}}));
     clock.Lap("serialize_write");
     v1::CheckpointManifest manifest;
     manifest.set_job_id("checkpoint-bench");
@@ -178,7 +168,7 @@ absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root
     manifest.mutable_layout()->set_data_parallel(1);
     *manifest.mutable_model() = state.summary;
     RETURN_IF_ERROR(trainer::CommitCheckpoint(root, step, std::move(manifest), /*world_size=*/1,
-                                              /*keep_last=*/0, {{shard, sha256}})
+                                              /*keep_last=*/0, {{shard, written.sha256}})
                         .status());
     clock.Lap("commit");
     return std::move(clock).Take();
@@ -188,12 +178,11 @@ absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root
   }
 }
 
-// Resume of trainer/train.cc on rank 0, call for call. Phases:
-// find_latest_verify (FindLatestCheckpoint: manifest and SHA-256 of the
-// shard, the read that meets the cold cache; Resume keeps that manifest), load_from
-// (InputArchive: reading and parsing the zip into tensors), apply (model and
-// optimizer loads, RNG state). Returns the loaded checkpoint's directory in
-// `*path`.
+// ResumeLatest of trainer/checkpointing.cc on rank 0, call for call. Phases: find_latest_verify
+// (FindLatestCheckpoint: manifest and SHA-256 of the shard, the read that meets the cold cache;
+// the trainer keeps that manifest), open (the slice index), apply (ReadTrainingState: every
+// parameter and moment read with pread into host buffers and copied into the engine's, the RNG
+// state). Returns the loaded checkpoint's directory in `*path`.
 absl::StatusOr<PhaseTimes> LoadOurs(TrainerState& state, const std::string& root,
                                     std::string* path) {
   try {
@@ -206,11 +195,10 @@ absl::StatusOr<PhaseTimes> LoadOurs(TrainerState& state, const std::string& root
           absl::StrCat(root, ": no checkpoint that verifies (", absl::StrJoin(skipped, "; "), ")"));
     }
     clock.Lap("find_latest_verify");
-    torch::serialize::InputArchive archive;
-    archive.load_from(absl::StrCat(found->path, "/", trainer::ShardFileName(/*rank=*/0)),
-                      torch::Device(torch::kCPU));
-    clock.Lap("load_from");
-    trainer::LoadTrainingState(archive, state.model, *state.optimizer);
+    ASSIGN_OR_RETURN(trainer::ShardedCheckpointReader reader,
+                     trainer::ShardedCheckpointReader::Open(found->path, found->manifest));
+    clock.Lap("open");
+    RETURN_IF_ERROR(trainer::ReadTrainingState(reader, *state.engine, /*rank=*/0));
     clock.Lap("apply");
     *path = std::move(found->path);
     return std::move(clock).Take();
@@ -295,21 +283,14 @@ absl::Status RemoveAndSettle(const std::string& path, const std::string& scratch
   return SettleFileSystem(scratch);
 }
 
-// The CPU cost of save_to without a file: zip records, CRC-32, no I/O.
+// The CPU cost of a shard without a disk: host copies, header and SHA-256, written to /dev/null.
 absl::StatusOr<double> SerializeToMemoryMbPerSecond(TrainerState& state) {
   try {
     const Clock::time_point start = Clock::now();
-    torch::serialize::OutputArchive archive;
-    trainer::SaveTrainingState(state.model, *state.optimizer, archive);
-    int64_t sunk = 0;
-    archive.save_to([&sunk](const void*, size_t size) {
-      sunk += static_cast<int64_t>(size);
-      return size;
-    });
+    ASSIGN_OR_RETURN(trainer::WrittenShard written,
+                     trainer::WriteTrainingState("/dev/null", *state.engine, /*rank=*/0, {}));
     const double seconds = SecondsSince(start);
-    // A few hundred bytes fewer than the shard: the zip's record names come
-    // from the file name, "archive" here.
-    return sunk / kBytesPerMb / seconds;
+    return static_cast<double>(written.size_bytes) / kBytesPerMb / seconds;
   } catch (const c10::Error& error) {
     return absl::InternalError(error.what_without_backtrace());
   }
@@ -361,7 +342,7 @@ absl::Status RunIterations(const BenchOptions& options, Results& results) {
       RETURN_IF_ERROR(PrefaultFreeMemory(file_bytes));
       ASSIGN_OR_RETURN(save_ours, SaveOurs(state, root, step));
       if (!warmup) return absl::OkStatus();
-      const std::string shard = absl::StrCat(checkpoint, "/", trainer::ShardFileName(0));
+      const std::string shard = absl::StrCat(checkpoint, "/", trainer::SliceShardFileName(0));
       results.shard_bytes = static_cast<int64_t>(std::filesystem::file_size(shard, error));
       if (error) return absl::InternalError(absl::StrCat(shard, ": ", error.message()));
       ASSIGN_OR_RETURN(results.checkpoint_bytes, DirectoryBytes(checkpoint));
@@ -537,9 +518,10 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
        "allocates its 1.1 GB of tensors after the SHA-256 pass, seconds in, so on this VM that "
        "memory is cold; this is charged to ours, as it would be in a trainer here."},
       {"save_ours",
-       "trainer/train.cc SaveCheckpoint for rank 0 of one rank: PrepareStaging; OutputArchive of "
-       "model->save, FusedAdamW::Save and the CPU RNG state; save_to the staging shard through "
-       "WriteHashedFile (SHA-256 computed while writing); CommitCheckpoint (world_size 1, "
+       "trainer/checkpointing.cc SaveCheckpoint for rank 0 of one rank: PrepareStaging; "
+       "WriteTrainingState (every parameter and AdamW moment slice and the CPU RNG state as a "
+       "safetensors shard, through WriteHashedFile: SHA-256 computed while writing); "
+       "CommitCheckpoint (world_size 1, "
        "keep_last 0) with that digest: fsync of the shard, manifest.pb and manifest.json written "
        "and fsynced, fsync of the staging directory, rename into place, fsync of the root."},
       {"save_plain",
@@ -549,10 +531,11 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
       {"durability",
        "Both sides fsync all they wrote, and the directories, before the clock stops."},
       {"load_ours",
-       "trainer/train.cc Resume on rank 0: FindLatestCheckpoint (lists the root, parses "
-       "manifest.pb, SHA-256 of the shard; Resume keeps that manifest), "
-       "InputArchive::load_from, model->load, FusedAdamW::Load, RNG set_state. Loading here = "
-       "reading + sha256 verify + deserializing into tensors."},
+       "trainer/checkpointing.cc ResumeLatest on rank 0: FindLatestCheckpoint (lists the root, "
+       "parses manifest.pb, SHA-256 of the shard; the trainer keeps that manifest), "
+       "ShardedCheckpointReader::Open, ReadTrainingState (pread of every slice into host "
+       "buffers, copied into the engine's, RNG set_state). Loading here = reading + sha256 "
+       "verify + restoring the tensors."},
       {"load_plain",
        "read() of the plain file in 8 MiB blocks into an already-touched buffer of its size; no "
        "hashing, no parsing."},

@@ -42,6 +42,16 @@ class FusedAdamW {
   // parameter's first step).
   int64_t StateBytes() const;
 
+  struct State {
+    at::Tensor exp_avg;
+    at::Tensor exp_avg_sq;
+    // float32 scalar on the parameter's device, as the fused kernel wants.
+    at::Tensor step;
+  };
+  // The state of parameter `index` of group `group`, created (zero moments, step 0) if it has
+  // none yet; for callers that save, restore or inspect it slice by slice.
+  State& StateFor(size_t group, size_t index);
+
   // Moments and step counters, keyed by group and position in the group.
   void Save(torch::serialize::OutputArchive& archive) const;
   // The inverse of Save for the same parameter groups; tensors land on each
@@ -49,14 +59,6 @@ class FusedAdamW {
   void Load(torch::serialize::InputArchive& archive);
 
  private:
-  struct State {
-    at::Tensor exp_avg;
-    at::Tensor exp_avg_sq;
-    // float32 scalar on the parameter's device, as the fused kernel wants.
-    at::Tensor step;
-  };
-  State& StateFor(size_t group, size_t index);
-
   std::vector<AdamWGroup> groups_;
   AdamWOptions options_;
   std::vector<std::vector<State>> state_;

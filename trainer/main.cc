@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -53,6 +54,11 @@ ABSL_FLAG(int64_t, checkpoint_every, 0, "Standalone: checkpoint interval in step
 ABSL_FLAG(int, keep_last, 0, "Standalone: checkpoints kept; 0 keeps all.");
 ABSL_FLAG(bool, resume, true, "Standalone: resume from the newest complete checkpoint.");
 ABSL_FLAG(bool, export_safetensors, false, "Standalone: export the final weights.");
+ABSL_FLAG(int, zero_stage, 0,
+          "Standalone: ZeRO stage over the data-parallel ranks (0 none, 1 optimizer state, 2 + "
+          "gradients, 3 + parameters).");
+ABSL_FLAG(std::string, activation_checkpointing, "none",
+          "Standalone: activation recomputation: none, selective or full.");
 ABSL_FLAG(std::string, job_id, "standalone", "Standalone: job id in reports and checkpoints.");
 ABSL_FLAG(std::string, export_initial, "",
           "With --task or standalone flags: write the weights the run would start step 1 from "
@@ -75,9 +81,11 @@ constexpr char kUsage[] =
     "       tessera-trainer --check [--gpu=N]\n\n"
     "Trains one rank of a Tessera job on LibTorch. With --task it runs what the worker\n"
     "wrote; standalone it builds the task from flags and prints reports as JSON lines.\n"
-    "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as set by\n"
-    "torchrun or the worker) place the process in a multi-process job (Gloo on CPU, NCCL on\n"
-    "GPU). `prepare` tokenizes text or JSONL into token shards.\n";
+    "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (default\n"
+    "29500), as set by torchrun or the worker, place the process in a multi-process job (Gloo\n"
+    "on CPU, NCCL on GPU) and override the task's assignment; the worker also sets\n"
+    "CUDA_VISIBLE_DEVICES to the rank's GPU (common/trainer_env.h has the contract).\n"
+    "`prepare` tokenizes text or JSONL into token shards.\n";
 
 absl::StatusOr<tessera::v1::TrainerTask> ReadTask(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -131,6 +139,16 @@ tessera::v1::TrainerTask TaskFromFlags() {
   checkpoint->set_resume(absl::GetFlag(FLAGS_resume));
   checkpoint->set_export_safetensors(absl::GetFlag(FLAGS_export_safetensors));
   task.set_checkpoint_directory(absl::GetFlag(FLAGS_checkpoint_dir));
+  tessera::v1::Layout* layout = task.mutable_plan()->mutable_layout();
+  layout->set_zero_stage(absl::GetFlag(FLAGS_zero_stage));
+  const std::string recompute =
+      absl::AsciiStrToUpper(absl::GetFlag(FLAGS_activation_checkpointing));
+  tessera::v1::ActivationCheckpointing mode = tessera::v1::ACTIVATION_CHECKPOINTING_UNSPECIFIED;
+  if (!tessera::v1::ActivationCheckpointing_Parse("ACTIVATION_CHECKPOINTING_" + recompute, &mode)) {
+    std::cerr << "tessera-trainer: --activation_checkpointing must be none, selective or full\n";
+    std::exit(2);
+  }
+  layout->set_activation_checkpointing_mode(mode);
   int gpu = absl::GetFlag(FLAGS_gpu);
   task.mutable_assignment()->set_device_type(gpu >= 0 ? tessera::v1::DEVICE_TYPE_CUDA
                                                       : tessera::v1::DEVICE_TYPE_CPU);

@@ -5,12 +5,19 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "planner/devices.h"
 #include "planner/layout_planner.h"
 #include "planner/model_config.h"
 #include "trainer/adamw.h"
 #include "trainer/model.h"
+#include "trainer/sharded_engine.h"
+
+#define USE_C10D_GLOO 1
+#include <thread>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 namespace tessera::trainer {
 namespace {
@@ -102,6 +109,92 @@ TEST(PlannerMemoryTest, ModelStateMatchesTheTrainersAllocations) {
     // No bf16 copies on CPU, and a single process has no gradient buckets.
     EXPECT_EQ(estimate.cast_weights_bytes(), 0);
     EXPECT_EQ(estimate.communication_bytes(), 0);
+  }
+}
+
+// The ZeRO engine's per-rank bytes against the planner's terms for the same layout, on dp ranks
+// simulated by threads sharing a HashStore over Gloo (c10d's own way). The trainer pads each
+// unit (a layer, or the rest of the model) to a multiple of dp, so its shard of a unit can exceed
+// the planner's ceil(bytes / dp) by at most dp - 1 elements per unit.
+TEST(PlannerMemoryTest, ZeroShardsMatchThePlannerPerRank) {
+  planner::ClusterShape cpu;
+  cpu.device = *planner::DevicePreset("cpu");
+  for (const auto& [name, dims] : Shapes()) {
+    for (int dp : {2, 4}) {
+      for (int zero = 0; zero <= 3; ++zero) {
+        SCOPED_TRACE(absl::StrCat(name, " dp ", dp, " zero ", zero));
+        const int seq = 16, micro = 2;
+        planner::Workload workload;
+        workload.dims = dims;
+        workload.seq_len = seq;
+        workload.global_batch = micro * dp;
+        workload.precision = v1::PRECISION_FP32;
+        planner::LayoutChoice layout;
+        layout.dp = dp;
+        layout.zero = zero;
+        layout.micro_batch = micro;
+        cpu.gpus = dp;
+        cpu.gpus_per_node = dp;
+        ASSERT_EQ(planner::InvalidReason(workload, layout, cpu), std::nullopt);
+        const v1::MemoryEstimate estimate = planner::EstimateMemory(workload, layout, cpu).at(0);
+
+        auto store = c10::make_intrusive<c10d::HashStore>();
+        std::vector<EngineMemory> memory(dp);
+        std::vector<std::thread> ranks;
+        for (int rank = 0; rank < dp; ++rank) {
+          ranks.emplace_back([&, rank] {
+            auto options = c10d::ProcessGroupGloo::Options::create();
+            options->devices.push_back(
+                c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+            auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, dp, options);
+            auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, dp);
+            group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+            group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+            torch::manual_seed(7);
+            CausalLM model(dims, planner::kDefaultInitStd);
+            ShardedEngine engine(model, {.zero_stage = zero,
+                                         .dp_group = group,
+                                         .dp_rank = rank,
+                                         .dp_size = dp,
+                                         .adamw = {},
+                                         .weight_decay = 0.1});
+            at::Tensor tokens = torch::randint(dims.vocab_size(), {micro, seq + 1}, torch::kLong);
+            engine.ForwardBackward(tokens.narrow(1, 0, seq), tokens.narrow(1, 1, seq), 0.5, true);
+            engine.Step(1e-3, 1.0);
+            memory[rank] = engine.Memory();
+          });
+        }
+        for (auto& thread : ranks) thread.join();
+        const int64_t units = 1 + dims.num_layers();
+        const int64_t slack = 4 * (dp - 1) * units;
+        for (int rank = 0; rank < dp; ++rank) {
+          SCOPED_TRACE(absl::StrCat("rank ", rank));
+          const EngineMemory& m = memory[rank];
+          EXPECT_GE(m.parameter_bytes, estimate.weights_bytes());
+          EXPECT_LE(m.parameter_bytes, estimate.weights_bytes() + slack);
+          EXPECT_GE(m.gradient_bytes, estimate.gradients_bytes());
+          EXPECT_LE(m.gradient_bytes, estimate.gradients_bytes() + slack);
+          // The padding itself: what each rank holds beyond the exact parameter count.
+          EXPECT_EQ(m.parameter_bytes,
+                    4 * (zero == 3 ? (planner::CountParameters(dims) + m.padding_elements) / dp
+                                   : planner::CountParameters(dims) + m.padding_elements));
+          // Moments cover exactly the elements the rank steps (all of them for ZeRO 0); the
+          // planner's optimizer term adds a 4-byte step counter per tensor.
+          if (zero == 0) {
+            EXPECT_EQ(m.moment_bytes, 8 * planner::CountParameters(dims));
+          } else {
+            EXPECT_LE(m.moment_bytes,
+                      8 * ((planner::CountParameters(dims) + dp - 1) / dp) + 8 * (dp - 1) * units);
+          }
+        }
+        if (zero >= 1) {
+          int64_t total = 0;
+          for (const EngineMemory& m : memory) total += m.moment_bytes;
+          // Every element's moments live on exactly one rank.
+          EXPECT_EQ(total, 8 * planner::CountParameters(dims));
+        }
+      }
+    }
   }
 }
 

@@ -11,7 +11,6 @@
 #include <limits>
 #include <map>
 #include <optional>
-#include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -25,12 +24,13 @@
 #include "planner/model_config.h"
 #include "trainer/adamw.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpointing.h"
 #include "trainer/data_loader.h"
 #include "trainer/distributed.h"
+#include "trainer/mesh.h"
 #include "trainer/model.h"
-#include "trainer/safetensors.h"
+#include "trainer/sharded_engine.h"
 #include "trainer/torch_pch.h"
-#include "trainer/training_state.h"
 #if TESSERA_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -41,13 +41,6 @@ namespace tessera::trainer {
 namespace {
 
 using google::protobuf::util::TimeUtil;
-
-// Bucket sizes of the gradient all-reduce, as PyTorch's DDP defaults: a small
-// first bucket so communication starts early in backward, then 25 MiB.
-constexpr size_t kFirstBucketBytes = 1 << 20;
-constexpr size_t kBucketBytes = 25 << 20;
-// TCPStore key through which rank 0 tells the others what to resume from.
-constexpr char kResumeKey[] = "tessera/resume_from";
 
 v1::FailureKind ClassifyTorchError(const std::string& what) {
   if (absl::StrContains(what, "out of memory") || absl::StrContains(what, "OutOfMemory")) {
@@ -64,24 +57,6 @@ v1::FailureKind ClassifyTorchError(const std::string& what) {
 struct Failure {
   v1::FailureKind kind;
   absl::Status status;
-};
-
-// Enables bf16 autocast on CUDA for its lifetime.
-class AutocastScope {
- public:
-  explicit AutocastScope(bool enabled) : enabled_(enabled) {
-    if (!enabled_) return;
-    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-    at::autocast::set_autocast_enabled(at::kCUDA, true);
-  }
-  ~AutocastScope() {
-    if (!enabled_) return;
-    at::autocast::set_autocast_enabled(at::kCUDA, false);
-    at::autocast::clear_cache();
-  }
-
- private:
-  bool enabled_;
 };
 
 int64_t PeakHostMemoryBytes() {
@@ -166,21 +141,32 @@ class Trainer {
     return status;
   }
 
+  // The layouts this trainer runs: data parallel with ZeRO 0-3 and activation checkpointing. The
+  // coordinator refuses the others at submission; this guards direct launches.
   absl::Status ValidateLayout() {
     const v1::Layout& layout = task_.plan().layout();
-    int tp = std::max(1, layout.tensor_parallel()), pp = std::max(1, layout.pipeline_parallel());
-    int dp = layout.data_parallel() > 0 ? layout.data_parallel() : world();
-    if (tp != 1 || pp != 1 || layout.zero_stage() != 0) {
+    if (layout.tensor_parallel() > 1 || layout.pipeline_parallel() > 1 ||
+        layout.sequence_parallel()) {
       return absl::UnimplementedError(absl::StrFormat(
-          "parallelism.layout: tensor_parallel %d, pipeline_parallel %d, zero_stage %d: this "
-          "trainer runs data parallel only (tp=1, pp=1, zero_stage=0) so far",
-          tp, pp, layout.zero_stage()));
+          "parallelism.layout: tensor_parallel %d, pipeline_parallel %d, sequence_parallel %v: "
+          "this trainer runs data parallel (ZeRO 0-3, activation checkpointing) only so far",
+          layout.tensor_parallel(), layout.pipeline_parallel(), layout.sequence_parallel()));
     }
-    if (dp != world()) {
+    if (layout.zero_stage() < 0 || layout.zero_stage() > 3) {
       return absl::InvalidArgumentError(
-          absl::StrCat("parallelism.layout.data_parallel ", dp, " != world size ", world()));
+          absl::StrCat("parallelism.layout.zero_stage: ", layout.zero_stage(), " is not in 0..3"));
     }
+    ASSIGN_OR_RETURN(shape_, MeshShapeForLayout(layout, world()));
     return absl::OkStatus();
+  }
+
+  v1::ActivationCheckpointing CheckpointingMode() const {
+    const v1::Layout& layout = task_.plan().layout();
+    if (layout.activation_checkpointing_mode() != v1::ACTIVATION_CHECKPOINTING_UNSPECIFIED) {
+      return layout.activation_checkpointing_mode();
+    }
+    return layout.activation_checkpointing() ? v1::ACTIVATION_CHECKPOINTING_FULL
+                                             : v1::ACTIVATION_CHECKPOINTING_NONE;
   }
 
   absl::Status SetupDevice() {
@@ -256,23 +242,29 @@ class Trainer {
       if (!group.ok()) return Fail(v1::FAILURE_KIND_COLLECTIVE_TIMEOUT, group.status());
       group_.emplace(std::move(*group));
     }
+    auto mesh = DeviceMesh::Create(shape_, rank(), group_.has_value() ? &*group_ : nullptr,
+                                   {.timeout = options_.collective_timeout});
+    if (!mesh.ok()) return Fail(v1::FAILURE_KIND_COLLECTIVE_TIMEOUT, mesh.status());
+    mesh_ = *std::move(mesh);
 
     seed_ = spec_.seed() != 0 ? spec_.seed() : 1234;
     torch::manual_seed(seed_);
     double init_std = spec_.model().init_std() > 0 ? spec_.model().init_std() : 0.02;
     model_ = CausalLM(summary_.dims(), init_std);
     model_->to(device_);
-    params_ = model_->parameters();
+    model_->SetActivationCheckpointing(CheckpointingMode());
     BroadcastParameters();
-
     const v1::OptimizerSpec& opt = spec_.optimizer();
-    optimizer_.emplace(
-        std::vector<AdamWGroup>{
-            {.params = model_->DecayParameters(), .weight_decay = opt.weight_decay()},
-            {.params = model_->NoDecayParameters(), .weight_decay = 0.0}},
-        AdamWOptions{.beta1 = opt.beta1() > 0 ? opt.beta1() : 0.9,
-                     .beta2 = opt.beta2() > 0 ? opt.beta2() : 0.95,
-                     .eps = opt.epsilon() > 0 ? opt.epsilon() : 1e-8});
+    engine_ = std::make_unique<ShardedEngine>(
+        model_, ShardedEngineOptions{.zero_stage = task_.plan().layout().zero_stage(),
+                                     .dp_group = mesh_.group(MeshDim::kData),
+                                     .dp_rank = mesh_.coord(MeshDim::kData),
+                                     .dp_size = mesh_.size(MeshDim::kData),
+                                     .adamw = {.beta1 = opt.beta1() > 0 ? opt.beta1() : 0.9,
+                                               .beta2 = opt.beta2() > 0 ? opt.beta2() : 0.95,
+                                               .eps = opt.epsilon() > 0 ? opt.epsilon() : 1e-8},
+                                     .weight_decay = opt.weight_decay(),
+                                     .bf16 = bf16_});
 
     v1::DataPosition start;
     start.set_seed(seed_);
@@ -282,14 +274,13 @@ class Trainer {
     auto loader = BatchLoader::Create(&*dataset_,
                                       {.global_batch_size = spec_.batch().global_batch_size(),
                                        .micro_batch_size = spec_.batch().micro_batch_size(),
-                                       .dp_rank = rank(),
-                                       .dp_size = world(),
+                                       .dp_rank = mesh_.coord(MeshDim::kData),
+                                       .dp_size = mesh_.size(MeshDim::kData),
                                        .seed = seed_},
                                       start);
     if (!loader.ok()) return Fail(v1::FAILURE_KIND_INVALID_SPEC, loader.status());
     loader_.emplace(std::move(*loader));
 
-    if (group_.has_value()) CreateReducer();
     result_.start_step = step_;
 
     v1::TrainerReport report = NewReport();
@@ -302,10 +293,16 @@ class Trainer {
                                             : (device_.is_cuda() ? "nccl" : "gloo"));
     started->set_resumed_from(result_.resumed_from);
     Send(report);
-    Log(absl::StrFormat("model %s: %d parameters; %d rank(s) on %s; %d micro-batch(es) per step",
-                        summary_.preset().empty() ? "custom" : summary_.preset(),
-                        summary_.num_parameters(), world(), device_.str(),
-                        loader_->accumulation_steps()));
+    const EngineMemory memory = engine_->Memory();
+    Log(absl::StrFormat(
+        "model %s: %d parameters; %d rank(s) on %s (%s); ZeRO %d, activation checkpointing %s; "
+        "%d micro-batch(es) per step; this rank holds %.1f MiB of parameters, %.1f MiB of "
+        "gradients, %.1f MiB of optimizer state",
+        summary_.preset().empty() ? "custom" : summary_.preset(), summary_.num_parameters(),
+        world(), device_.str(), mesh_.Describe(), task_.plan().layout().zero_stage(),
+        v1::ActivationCheckpointing_Name(CheckpointingMode()), loader_->accumulation_steps(),
+        memory.parameter_bytes / 1048576.0, memory.gradient_bytes / 1048576.0,
+        (memory.moment_bytes + memory.step_counter_bytes) / 1048576.0));
     return absl::OkStatus();
   }
 
@@ -313,80 +310,29 @@ class Trainer {
     if (!group_.has_value()) return;
     // Every rank initialises from the same seed; the broadcast makes rank 0's
     // weights authoritative anyway, as DDP does.
-    for (auto& param : params_) {
+    for (auto& param : model_->parameters()) {
       std::vector<at::Tensor> tensors{param.data()};
       group_->group->broadcast(tensors)->wait();
     }
   }
 
-  void CreateReducer() {
-    std::vector<bool> sparse(params_.size(), false);
-    auto [buckets, limits] =
-        c10d::compute_bucket_assignment_by_size(params_, {kFirstBucketBytes, kBucketBytes}, sparse);
-    // Gradients arrive in reverse order of the parameters' creation.
-    std::reverse(buckets.begin(), buckets.end());
-    std::reverse(limits.begin(), limits.end());
-    std::vector<int64_t> limit_list(limits.begin(), limits.end());
-    reducer_ = std::make_unique<c10d::Reducer>(
-        params_, std::move(buckets), group_->group, sparse, static_cast<int64_t>(kBucketBytes),
-        /*find_unused_parameters=*/false, /*gradient_as_bucket_view=*/false,
-        std::unordered_map<size_t, std::string>(), static_cast<int64_t>(kFirstBucketBytes),
-        /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false, limit_list);
-  }
-
   absl::Status Resume(v1::DataPosition* start) {
-    const std::string& root = task_.checkpoint_directory();
-    bool resume = !spec_.checkpoint().has_resume() || spec_.checkpoint().resume();
-    if (root.empty() || !resume) return absl::OkStatus();
-    std::string path;
-    std::optional<v1::CheckpointManifest> verified;
-    if (rank() == 0) {
-      std::vector<std::string> skipped;
-      ASSIGN_OR_RETURN(auto found, FindLatestCheckpoint(root, &skipped));
-      for (const auto& line : skipped) Log(absl::StrCat("skipping checkpoint: ", line));
-      if (found.has_value()) {
-        path = found->path;
-        verified = std::move(found->manifest);
-      }
-    }
-    if (group_.has_value()) {
-      if (rank() == 0) {
-        group_->store->set(kResumeKey, std::vector<uint8_t>(path.begin(), path.end()));
-      } else {
-        auto bytes = group_->store->get(kResumeKey);
-        path.assign(bytes.begin(), bytes.end());
-      }
-    }
-    if (path.empty()) return absl::OkStatus();
-
-    // Rank 0 verified the checkpoint (every shard's sha256) while finding it; the others read
-    // the manifest only.
-    v1::CheckpointManifest manifest;
-    if (verified.has_value()) {
-      manifest = *std::move(verified);
-    } else {
-      ASSIGN_OR_RETURN(manifest, ReadManifest(path));
-    }
-    int shard_rank = manifest.layout().data_parallel() == world() ? rank() : 0;
-    std::string shard = absl::StrCat(path, "/", ShardFileName(shard_rank));
-    torch::serialize::InputArchive archive;
-    archive.load_from(shard, device_);
-    LoadTrainingState(archive, model_, *optimizer_);
-    step_ = manifest.step();
-    tokens_seen_ = manifest.tokens_seen();
-    *start = manifest.data_position();
-    result_.resumed_from = path;
-    Log(absl::StrCat("resumed from ", path, " at step ", step_));
+    ASSIGN_OR_RETURN(std::optional<Resumed> resumed, ResumeLatest(Checkpoints()));
+    if (!resumed.has_value()) return absl::OkStatus();
+    step_ = resumed->manifest.step();
+    tokens_seen_ = resumed->manifest.tokens_seen();
+    *start = resumed->manifest.data_position();
+    result_.resumed_from = resumed->path;
     return absl::OkStatus();
   }
 
-  absl::StatusOr<v1::CheckpointManifest> ReadManifest(const std::string& dir) {
-    std::ifstream in(absl::StrCat(dir, "/manifest.pb"), std::ios::binary);
-    v1::CheckpointManifest manifest;
-    if (!in || !manifest.ParseFromIstream(&in)) {
-      return absl::DataLossError(absl::StrCat(dir, "/manifest.pb: cannot read"));
-    }
-    return manifest;
+  CheckpointContext Checkpoints() {
+    return {.task = &task_,
+            .rank = rank(),
+            .world = world(),
+            .group = group_.has_value() ? &*group_ : nullptr,
+            .engine = engine_.get(),
+            .log = options_.log};
   }
 
   at::Tensor ToDevice(std::vector<int64_t>& values, int batch, int seq) {
@@ -398,24 +344,16 @@ class Trainer {
     std::vector<MicroBatch> micro_batches = loader_->NextStep();
     const int accumulation = static_cast<int>(micro_batches.size());
     at::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().device(device_));
+    // Each micro-batch's gradient is scaled so that the sum over the dp group is the mean over
+    // the global batch.
+    const double scale = 1.0 / (accumulation * mesh_.size(MeshDim::kData));
     for (int i = 0; i < accumulation; ++i) {
       MicroBatch& mb = micro_batches[i];
-      const bool sync = reducer_ != nullptr && i == accumulation - 1;
-      if (sync) {
-        reducer_->prepare_for_forward();
-        reducer_->rebuild_buckets();
-      }
       at::Tensor inputs = ToDevice(mb.inputs, mb.batch_size, mb.seq_len);
       at::Tensor targets = ToDevice(mb.targets, mb.batch_size, mb.seq_len);
-      at::Tensor loss;
-      {
-        AutocastScope autocast(bf16_);
-        loss = model_->Loss(inputs, targets);
-      }
-      at::Tensor scaled = loss / accumulation;
-      if (sync) reducer_->prepare_for_backward({scaled});
-      scaled.backward();
-      loss_sum += loss.detach().to(torch::kFloat32);
+      at::Tensor loss =
+          engine_->ForwardBackward(inputs, targets, scale, /*last=*/i == accumulation - 1);
+      loss_sum += loss.to(torch::kFloat32);
     }
     at::Tensor step_loss = loss_sum / accumulation;
     if (group_.has_value()) {
@@ -428,10 +366,8 @@ class Trainer {
       return absl::InternalError(absl::StrCat("loss is ", loss_value, " at step ", step_ + 1));
     }
     double clip = spec_.optimizer().grad_clip_norm();
-    *grad_norm = torch::nn::utils::clip_grad_norm_(
-        params_, clip > 0 ? clip : std::numeric_limits<double>::infinity());
-    optimizer_->Step(learning_rate);
-    optimizer_->ZeroGrad();
+    *grad_norm =
+        engine_->Step(learning_rate, clip > 0 ? clip : std::numeric_limits<double>::infinity());
     return loss_value;
   }
 
@@ -463,7 +399,10 @@ class Trainer {
       MicroBatch mb;
       mb.seq_len = seq;
       for (int i = 0; i < micro; ++i) {
-        int64_t index = (static_cast<int64_t>(b) * world() + rank()) * micro + i;
+        int64_t index =
+            (static_cast<int64_t>(b) * mesh_.size(MeshDim::kData) + mesh_.coord(MeshDim::kData)) *
+                micro +
+            i;
         if (index >= available) break;
         validation_->ReadSample(index, window.data());
         mb.inputs.insert(mb.inputs.end(), window.begin(), window.end() - 1);
@@ -471,9 +410,8 @@ class Trainer {
         ++mb.batch_size;
       }
       if (mb.batch_size == 0) break;
-      AutocastScope autocast(bf16_);
-      at::Tensor loss = model_->Loss(ToDevice(mb.inputs, mb.batch_size, seq),
-                                     ToDevice(mb.targets, mb.batch_size, seq));
+      at::Tensor loss = engine_->EvalLoss(ToDevice(mb.inputs, mb.batch_size, seq),
+                                          ToDevice(mb.targets, mb.batch_size, seq));
       int64_t tokens = static_cast<int64_t>(mb.batch_size) * seq;
       totals[0] += loss.item<double>() * tokens;
       totals[1] += static_cast<double>(tokens);
@@ -547,83 +485,20 @@ class Trainer {
   }
 
   absl::Status SaveCheckpoint(bool last) {
-    auto start = std::chrono::steady_clock::now();
-    const std::string& root = task_.checkpoint_directory();
-    if (rank() == 0) RETURN_IF_ERROR(PrepareStaging(root, step_).status());
-    if (group_.has_value()) RETURN_IF_ERROR(Barrier(*group_));
-
-    torch::serialize::OutputArchive archive;
-    SaveTrainingState(model_, *optimizer_, archive);
-    // Each rank hashes its shard while writing it and hands the digest to rank 0 through the
-    // store, so the commit does not read the shards back.
-    const std::string shard = ShardFileName(rank());
-    ASSIGN_OR_RETURN(std::string sha256,
-                     WriteHashedFile(absl::StrCat(StagingDir(root, step_), "/", shard),
-                                     [&](const ByteSink& sink) { archive.save_to(sink); }));
-    const std::string digest_key = absl::StrCat("checkpoint/", step_, "/sha256/");
-    if (group_.has_value() && rank() != 0) {
-      group_->store->set(absl::StrCat(digest_key, rank()),
-                         std::vector<uint8_t>(sha256.begin(), sha256.end()));
-    }
-    if (group_.has_value()) RETURN_IF_ERROR(Barrier(*group_));
+    CheckpointState state{.step = step_,
+                          .tokens_seen = tokens_seen_,
+                          .layout = task_.plan().layout(),
+                          .model = summary_,
+                          .data_position = loader_->position()};
+    state.layout.set_data_parallel(mesh_.size(MeshDim::kData));
+    ASSIGN_OR_RETURN(v1::Checkpoint checkpoint,
+                     trainer::SaveCheckpoint(Checkpoints(), state,
+                                             last && spec_.checkpoint().export_safetensors()));
     if (rank() != 0) return absl::OkStatus();
-    std::map<std::string, std::string> known_sha256{{shard, sha256}};
-    for (int r = 1; r < world(); ++r) {
-      std::vector<uint8_t> bytes = group_->store->get(absl::StrCat(digest_key, r));
-      known_sha256[ShardFileName(r)] = std::string(bytes.begin(), bytes.end());
-    }
-
-    v1::CheckpointManifest manifest;
-    manifest.set_job_id(task_.job_id());
-    manifest.set_step(step_);
-    *manifest.mutable_layout() = task_.plan().layout();
-    manifest.mutable_layout()->set_data_parallel(world());
-    *manifest.mutable_model() = summary_;
-    *manifest.mutable_data_position() = loader_->position();
-    manifest.set_tokens_seen(tokens_seen_);
-    ASSIGN_OR_RETURN(manifest, CommitCheckpoint(root, step_, std::move(manifest), world(),
-                                                spec_.checkpoint().keep_last(), known_sha256));
-    std::string path = absl::StrCat(root, "/", CheckpointDirName(step_));
-
     v1::TrainerReport report = NewReport();
-    v1::Checkpoint* checkpoint = report.mutable_checkpoint();
-    checkpoint->set_job_id(task_.job_id());
-    checkpoint->set_step(step_);
-    checkpoint->set_path(path);
-    int64_t size = 0;
-    for (const auto& shard : manifest.shards()) size += shard.size_bytes();
-    checkpoint->set_size_bytes(size);
-    checkpoint->set_num_shards(manifest.shards_size());
-    *checkpoint->mutable_create_time() = manifest.create_time();
-    if (last && spec_.checkpoint().export_safetensors()) {
-      std::string file = absl::StrCat(path, "/model.safetensors");
-      RETURN_IF_ERROR(ExportSafetensors(file));
-      checkpoint->set_safetensors_path(file);
-    }
-    checkpoint->set_write_seconds(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    *report.mutable_checkpoint() = std::move(checkpoint);
     Send(report);
-    Log(absl::StrCat("checkpoint ", path));
     return absl::OkStatus();
-  }
-
-  absl::Status ExportSafetensors(const std::string& file) {
-    std::vector<at::Tensor> keep;
-    std::vector<TensorView> views;
-    for (const auto& item : model_->named_parameters()) {
-      at::Tensor cpu = item.value().detach().to(torch::kCPU, torch::kFloat32).contiguous();
-      keep.push_back(cpu);
-      views.push_back({.name = item.key(),
-                       .dtype = "F32",
-                       .shape = cpu.sizes().vec(),
-                       .data = cpu.data_ptr(),
-                       .nbytes = static_cast<size_t>(cpu.nbytes())});
-    }
-    return WriteSafetensors(file, views,
-                            {{"format", "pt"},
-                             {"tessera.job_id", task_.job_id()},
-                             {"tessera.step", std::to_string(step_)},
-                             {"tessera.preset", summary_.preset()}});
   }
 
   const v1::TrainerTask& task_;
@@ -644,9 +519,9 @@ class Trainer {
   std::optional<BatchLoader> loader_;
   std::optional<JoinedGroup> group_;
   CausalLM model_{nullptr};
-  std::vector<at::Tensor> params_;
-  std::optional<FusedAdamW> optimizer_;
-  std::unique_ptr<c10d::Reducer> reducer_;
+  MeshShape shape_;
+  DeviceMesh mesh_;
+  std::unique_ptr<ShardedEngine> engine_;
   int64_t step_ = 0;
   int64_t tokens_seen_ = 0;
   TrainResult result_;

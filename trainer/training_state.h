@@ -1,22 +1,31 @@
-// What a checkpoint shard holds: the model's parameters and buffers ("model"), the AdamW moments
-// and step counters ("optimizer") and the CPU generator's state ("rng_cpu"), in one LibTorch
-// archive. The trainer's save and resume, and the checkpoint benchmark, all go through here.
+// What a checkpoint shard holds (format version 2, trainer/shard_file.h): the rank's owned range
+// of every parameter ("model/<name>") and of both AdamW moments ("exp_avg/<name>",
+// "exp_avg_sq/<name>"), float32, as ShardedEngine lays them out; AdamW's step counter
+// ("optimizer.step", rank 0); and the rank's CPU generator state ("rng/cpu/rank-NNNNN"). Because
+// every range names its tensor, global shape and offset, a checkpoint written under one layout
+// (dp, ZeRO stage) restores under any other. The trainer's save and resume, and the checkpoint
+// benchmark, all go through here.
 #pragma once
 
-#include <torch/serialize/archive.h>
+#include <map>
+#include <string>
 
-#include "trainer/adamw.h"
-#include "trainer/model.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "trainer/shard_file.h"
+#include "trainer/sharded_engine.h"
 
 namespace tessera::trainer {
 
-// Writes the training state into `archive`.
-void SaveTrainingState(CausalLM& model, const FusedAdamW& optimizer,
-                       torch::serialize::OutputArchive& archive);
+// Writes this rank's part of the training state to `path` (hashing it on the way).
+absl::StatusOr<WrittenShard> WriteTrainingState(const std::string& path, ShardedEngine& engine,
+                                                int rank,
+                                                const std::map<std::string, std::string>& metadata);
 
-// Restores it from `archive` (the RNG only when the archive has it). Throws c10::Error when the
-// archive does not match the model or optimizer.
-void LoadTrainingState(torch::serialize::InputArchive& archive, CausalLM& model,
-                       FusedAdamW& optimizer);
+// Restores what `engine` keeps on this rank from a checkpoint written under any layout, and this
+// rank's RNG (rank 0's when the checkpoint had fewer ranks). FAILED_PRECONDITION naming the
+// tensor when the checkpoint is of another model (a tensor missing, extra, or of another shape).
+absl::Status ReadTrainingState(const ShardedCheckpointReader& reader, ShardedEngine& engine,
+                               int rank);
 
 }  // namespace tessera::trainer

@@ -1,0 +1,519 @@
+#include "trainer/sharded_engine.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace tessera::trainer {
+namespace {
+
+// Enables bf16 autocast on CUDA for its lifetime.
+class AutocastScope {
+ public:
+  explicit AutocastScope(bool enabled) : enabled_(enabled) {
+    if (!enabled_) return;
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+  }
+  ~AutocastScope() {
+    if (!enabled_) return;
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+  }
+
+ private:
+  bool enabled_;
+};
+
+// Tells the engine that one more parameter of `unit` has its gradient for this backward.
+class GradientReadyHook final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  GradientReadyHook(ShardedEngine* engine, int unit) : engine_(engine), unit_(unit) {}
+  void operator()(const torch::autograd::Variable& /*param*/) override {
+    engine_->OnGradientReady(unit_);
+  }
+
+ private:
+  ShardedEngine* engine_;
+  int unit_;
+};
+
+// The unit of a parameter by its name: 1 + i for "layers.<i>.*", 0 otherwise.
+int UnitOf(const std::string& name) {
+  if (!absl::StartsWith(name, "layers.")) return 0;
+  const size_t dot = name.find('.', 7);
+  int layer = 0;
+  TORCH_CHECK(dot != std::string::npos && absl::SimpleAtoi(name.substr(7, dot - 7), &layer),
+              "parameter name ", name, " does not name its layer");
+  return 1 + layer;
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+ShardedEngine::ShardedEngine(CausalLM model, const ShardedEngineOptions& options)
+    : model_(std::move(model)), options_(options) {
+  TORCH_CHECK(options_.zero_stage >= 0 && options_.zero_stage <= 3, "zero_stage ",
+              options_.zero_stage, " is not in 0..3");
+  TORCH_CHECK(options_.dp_size >= 1 && options_.dp_rank >= 0 && options_.dp_rank < options_.dp_size,
+              "dp rank ", options_.dp_rank, " of ", options_.dp_size);
+  TORCH_CHECK(options_.dp_size == 1 || options_.dp_group, "dp ", options_.dp_size,
+              " needs a process group");
+  BuildUnits();
+  BuildRuns();
+  if (stage() == 3) model_->SetLayerHooks(this);
+}
+
+ShardedEngine::~ShardedEngine() {
+  if (stage() == 3) model_->SetLayerHooks(nullptr);
+  for (Unit& unit : units_) {
+    for (Entry& entry : unit.entries) {
+      torch::autograd::impl::set_post_acc_grad_hooks(entry.param, nullptr);
+    }
+  }
+}
+
+void ShardedEngine::BuildUnits() {
+  torch::NoGradGuard no_grad;
+  units_.assign(1 + model_->dims().num_layers(), Unit{});
+  for (const auto& item : model_->named_parameters()) {
+    const at::Tensor& param = item.value();
+    names_.insert(item.key());
+    units_[UnitOf(item.key())].entries.push_back(Entry{.name = item.key(),
+                                                       .param = param,
+                                                       .shape = param.sizes().vec(),
+                                                       .numel = param.numel(),
+                                                       .decay = param.dim() >= 2});
+  }
+  const int64_t dp = options_.dp_size;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = units_[u];
+    std::stable_partition(unit.entries.begin(), unit.entries.end(),
+                          [](const Entry& e) { return e.decay; });
+    for (Entry& entry : unit.entries) {
+      entry.offset = unit.numel;
+      unit.numel += entry.numel;
+      if (entry.decay) unit.decay_end = unit.numel;
+    }
+    unit.padded = CeilDiv(unit.numel, dp) * dp;
+    unit.shard = unit.padded / dp;
+    const at::TensorOptions f32 = unit.entries.front().param.options().dtype(at::kFloat);
+    unit.full = at::zeros({unit.padded}, f32);
+    for (Entry& entry : unit.entries) {
+      at::Tensor view = unit.full.narrow(0, entry.offset, entry.numel).view(entry.shape);
+      view.copy_(entry.param.detach());
+      // The parameter keeps its identity (autograd meta, the module's references) and now
+      // shares the unit's storage.
+      entry.param.set_data(view);
+    }
+    if (stage() <= 1) {
+      unit.full_grad = at::zeros({unit.padded}, f32);
+      for (Entry& entry : unit.entries) {
+        entry.param.mutable_grad() =
+            unit.full_grad.narrow(0, entry.offset, entry.numel).view(entry.shape);
+      }
+      unit.shard_grad = unit.full_grad.narrow(0, OwnedBegin(unit), unit.shard);
+    } else {
+      unit.shard_grad = at::zeros({unit.shard}, f32);
+    }
+    if (stage() == 3) {
+      unit.owned = unit.full.narrow(0, OwnedBegin(unit), unit.shard).clone();
+      unit.gather = GatherState::kGathered;
+      Free(static_cast<int>(u));
+    } else {
+      unit.owned = unit.full.narrow(0, OwnedBegin(unit), unit.shard);
+      unit.gather = GatherState::kGathered;
+    }
+    for (Entry& entry : unit.entries) {
+      torch::autograd::impl::set_post_acc_grad_hooks(
+          entry.param, std::make_unique<GradientReadyHook>(this, static_cast<int>(u)));
+    }
+  }
+}
+
+void ShardedEngine::BuildRuns() {
+  std::vector<AdamWGroup> groups(2);
+  groups[0].weight_decay = options_.weight_decay;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = units_[u];
+    // The range this rank steps: the whole unit under ZeRO 0, its shard otherwise.
+    const int64_t begin = stage() == 0 ? 0 : std::min(unit.numel, OwnedBegin(unit));
+    const int64_t end = stage() == 0 ? unit.numel : std::min(unit.numel, begin + unit.shard);
+    for (const auto& [from, to, decay] :
+         {std::tuple{begin, std::min(end, unit.decay_end), true},
+          std::tuple{std::max(begin, unit.decay_end), end, false}}) {
+      if (from >= to) continue;
+      Run run;
+      run.unit = static_cast<int>(u);
+      run.begin = from;
+      run.end = to;
+      run.decay = decay;
+      const int64_t owned_begin = stage() == 0 ? 0 : OwnedBegin(unit);
+      run.param = (stage() == 3 ? unit.owned.narrow(0, from - owned_begin, to - from)
+                                : unit.full.narrow(0, from, to - from))
+                      .detach();
+      run.param.mutable_grad() = stage() <= 1
+                                     ? unit.full_grad.narrow(0, from, to - from)
+                                     : unit.shard_grad.narrow(0, from - owned_begin, to - from);
+      groups[decay ? 0 : 1].params.push_back(run.param);
+      runs_.push_back(std::move(run));
+    }
+  }
+  optimizer_ = std::make_unique<FusedAdamW>(std::move(groups), options_.adamw);
+  // Moments exist from the start, so checkpoints and memory figures never depend on whether a
+  // step ran yet.
+  size_t counts[2] = {0, 0};
+  for (Run& run : runs_) {
+    run.state_index = counts[run.decay ? 0 : 1]++;
+    optimizer_->StateFor(run.decay ? 0 : 1, run.state_index);
+  }
+}
+
+at::Tensor ShardedEngine::TakeBuffer(int64_t numel, const at::TensorOptions& options) {
+  std::vector<at::Tensor>& spare = spare_buffers_[numel];
+  if (spare.empty()) return at::empty({numel}, options);
+  at::Tensor buffer = std::move(spare.back());
+  spare.pop_back();
+  return buffer;
+}
+
+void ShardedEngine::GiveBuffer(at::Tensor buffer) {
+  if (!buffer.is_cpu()) return;  // CUDA's caching allocator already reuses blocks
+  std::vector<at::Tensor>& spare = spare_buffers_[buffer.numel()];
+  if (static_cast<int>(spare.size()) < kSpareBuffers) spare.push_back(std::move(buffer));
+}
+
+void ShardedEngine::AllocateFull(Unit& unit) {
+  c10::StorageImpl* storage = unit.full.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(unit.padded) * unit.full.element_size();
+  std::vector<at::DataPtr>& spare = spare_storage_[bytes];
+  if (spare.empty()) {
+    storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  } else {
+    storage->set_data_ptr_noswap(std::move(spare.back()));
+    spare.pop_back();
+  }
+  storage->set_nbytes(bytes);
+}
+
+void ShardedEngine::StartGather(int u) {
+  Unit& unit = units_[u];
+  if (unit.gather != GatherState::kFreed) return;
+  AllocateFull(unit);
+  if (options_.dp_size == 1) {
+    torch::NoGradGuard no_grad;
+    unit.full.copy_(unit.owned);
+    unit.gather = GatherState::kGathered;
+    return;
+  }
+  unit.gather_work = options_.dp_group->_allgather_base(unit.full, unit.owned);
+  unit.gather = GatherState::kGathering;
+}
+
+void ShardedEngine::EnsureGathered(int u) {
+  Unit& unit = units_[u];
+  StartGather(u);
+  if (unit.gather == GatherState::kGathering) {
+    unit.gather_work->wait();
+    unit.gather_work.reset();
+    unit.gather = GatherState::kGathered;
+  }
+}
+
+void ShardedEngine::Free(int u) {
+  Unit& unit = units_[u];
+  if (unit.gather == GatherState::kFreed) return;
+  if (unit.gather == GatherState::kGathering) unit.gather_work->wait();
+  unit.gather_work.reset();
+  // Release the storage the parameters view, keeping the tensors (and whatever autograd saved
+  // of them); the next gather puts fresh memory under the same storage.
+  c10::StorageImpl* storage = unit.full.storage().unsafeGetStorageImpl();
+  at::DataPtr memory = storage->set_data_ptr(at::DataPtr(nullptr, unit.full.device()));
+  std::vector<at::DataPtr>& spare = spare_storage_[storage->nbytes()];
+  if (unit.full.is_cpu() && static_cast<int>(spare.size()) < kSpareBuffers) {
+    spare.push_back(std::move(memory));
+  }
+  storage->set_nbytes(0);
+  unit.gather = GatherState::kFreed;
+}
+
+void ShardedEngine::BeforeLayer(int layer) {
+  const int u = 1 + layer;
+  EnsureGathered(u);
+  if (u + 1 < static_cast<int>(units_.size())) StartGather(u + 1);
+}
+
+torch::Tensor ShardedEngine::AfterLayer(int layer, torch::Tensor output) {
+  const int u = 1 + layer;
+  if (output.requires_grad() && torch::GradMode::is_enabled()) {
+    // Runs when backward reaches this layer: its parameters come back, the next one down is
+    // prefetched.
+    output.register_hook([this, u](const at::Tensor& grad) {
+      EnsureGathered(u);
+      if (u > 1) StartGather(u - 1);
+      return grad;
+    });
+  }
+  Free(u);
+  return output;
+}
+
+void ShardedEngine::OnGradientReady(int u) {
+  if (stage() <= 1 && !last_micro_batch_) return;  // accumulate locally until the last one
+  Unit& unit = units_[u];
+  if (++unit.ready < static_cast<int>(unit.entries.size())) return;
+  unit.ready = 0;
+  ReduceUnit(u);
+  if (stage() == 3) Free(u);
+}
+
+void ShardedEngine::ReduceUnit(int u) {
+  Unit& unit = units_[u];
+  torch::NoGradGuard no_grad;
+  at::Tensor input;
+  if (stage() <= 1) {
+    input = unit.full_grad;
+  } else {
+    std::vector<at::Tensor> pieces;
+    pieces.reserve(unit.entries.size() + 1);
+    for (Entry& entry : unit.entries) pieces.push_back(entry.param.grad().reshape({-1}));
+    input = TakeBuffer(unit.padded, unit.shard_grad.options());
+    at::Tensor values = input.narrow(0, 0, unit.numel);
+    at::cat_out(values, pieces);
+    if (unit.padded > unit.numel) input.narrow(0, unit.numel, unit.padded - unit.numel).zero_();
+    for (Entry& entry : unit.entries) entry.param.mutable_grad().reset();
+  }
+  if (options_.dp_size == 1) {
+    if (stage() >= 2) {
+      unit.shard_grad.add_(input);
+      GiveBuffer(std::move(input));
+    }
+    return;
+  }
+  while (static_cast<int>(pending_.size()) >= std::max(1, options_.max_in_flight)) FinishOldest();
+  Pending pending;
+  pending.unit = u;
+  pending.input = input;
+  if (stage() == 0) {
+    std::vector<at::Tensor> tensors{input};
+    pending.work = options_.dp_group->allreduce(tensors);
+  } else {
+    pending.output = TakeBuffer(unit.shard, input.options());
+    pending.work = options_.dp_group->_reduce_scatter_base(pending.output, pending.input);
+  }
+  pending_.push_back(std::move(pending));
+}
+
+void ShardedEngine::FinishOldest() {
+  Pending pending = std::move(pending_.front());
+  pending_.pop_front();
+  pending.work->wait();
+  if (!pending.output.defined()) return;
+  torch::NoGradGuard no_grad;
+  Unit& unit = units_[pending.unit];
+  if (stage() == 1) {
+    unit.shard_grad.copy_(pending.output);
+  } else {
+    unit.shard_grad.add_(pending.output);
+    GiveBuffer(std::move(pending.input));
+  }
+  GiveBuffer(std::move(pending.output));
+}
+
+void ShardedEngine::FinishAll() {
+  while (!pending_.empty()) FinishOldest();
+}
+
+at::Tensor ShardedEngine::ForwardBackward(const at::Tensor& inputs, const at::Tensor& targets,
+                                          double scale, bool last) {
+  last_micro_batch_ = last;
+  for (Unit& unit : units_) unit.ready = 0;
+  if (stage() == 3) EnsureGathered(0);
+  at::Tensor loss;
+  {
+    AutocastScope autocast(options_.bf16);
+    loss = model_->Loss(inputs, targets);
+  }
+  (loss * scale).backward();
+  FinishAll();
+  return loss.detach();
+}
+
+double ShardedEngine::Step(double lr, double clip_norm) {
+  FinishAll();
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  grads.reserve(runs_.size());
+  for (const Run& run : runs_) grads.push_back(run.param.grad());
+  at::Tensor squares =
+      at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(units_.front().full.device()));
+  if (!grads.empty()) {
+    std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
+    squares = at::stack(norms).to(at::kDouble).pow(2).sum();
+  }
+  if (stage() >= 1 && options_.dp_size > 1) {
+    std::vector<at::Tensor> tensors{squares};
+    options_.dp_group->allreduce(tensors)->wait();
+  }
+  const double norm = std::sqrt(squares.item<double>());
+  if (std::isfinite(clip_norm) && !grads.empty()) {
+    const double coef = clip_norm / (norm + 1e-6);
+    if (coef < 1) at::_foreach_mul_(grads, coef);
+  }
+  optimizer_->Step(lr);
+  if ((stage() == 1 || stage() == 2) && options_.dp_size > 1) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<at::Tensor> inputs;
+    for (Unit& unit : units_) {
+      // A copy of the shard: c10d's all-gather does not promise to accept an input that aliases
+      // its output on every backend.
+      inputs.push_back(TakeBuffer(unit.shard, unit.owned.options()));
+      inputs.back().copy_(unit.owned);
+      works.push_back(options_.dp_group->_allgather_base(unit.full, inputs.back()));
+    }
+    for (auto& work : works) work->wait();
+    for (at::Tensor& input : inputs) GiveBuffer(std::move(input));
+  }
+  ZeroGradients();
+  return norm;
+}
+
+void ShardedEngine::ZeroGradients() {
+  for (Unit& unit : units_) {
+    if (stage() <= 1) {
+      unit.full_grad.zero_();
+    } else {
+      unit.shard_grad.zero_();
+    }
+  }
+}
+
+at::Tensor ShardedEngine::EvalLoss(const at::Tensor& inputs, const at::Tensor& targets) {
+  torch::NoGradGuard no_grad;
+  if (stage() == 3) EnsureGathered(0);
+  at::Tensor loss;
+  {
+    AutocastScope autocast(options_.bf16);
+    loss = model_->Loss(inputs, targets);
+  }
+  if (stage() == 3) Free(0);
+  return loss;
+}
+
+EngineMemory ShardedEngine::Memory() const {
+  EngineMemory memory;
+  for (const Unit& unit : units_) {
+    memory.parameter_bytes += (stage() == 3 ? unit.shard : unit.padded) * 4;
+    memory.gradient_bytes += (stage() <= 1 ? unit.padded : unit.shard) * 4;
+    memory.padding_elements += unit.padded - unit.numel;
+  }
+  for (const Run& run : runs_) {
+    const FusedAdamW::State& state = optimizer_->StateFor(run.decay ? 0 : 1, run.state_index);
+    memory.moment_bytes += static_cast<int64_t>(state.exp_avg.nbytes() + state.exp_avg_sq.nbytes());
+    memory.step_counter_bytes += static_cast<int64_t>(state.step.nbytes());
+  }
+  return memory;
+}
+
+void ShardedEngine::AppendRanges(int u, const Entry& entry, int64_t from, int64_t to, bool values,
+                                 bool moments, std::vector<TensorRange>* out) {
+  if (from >= to) return;
+  Unit& unit = units_[u];
+  const int64_t offset = from - entry.offset;
+  if (values) {
+    const int64_t owned_begin = OwnedBegin(unit);
+    out->push_back({absl::StrCat("model/", entry.name), entry.shape, offset,
+                    stage() == 3 ? unit.owned.narrow(0, from - owned_begin, to - from)
+                                 : unit.full.narrow(0, from, to - from)});
+  }
+  if (!moments) return;
+  for (const Run& run : runs_) {
+    if (run.unit != u || from < run.begin || to > run.end) continue;
+    FusedAdamW::State& state = optimizer_->StateFor(run.decay ? 0 : 1, run.state_index);
+    out->push_back({absl::StrCat("exp_avg/", entry.name), entry.shape, offset,
+                    state.exp_avg.narrow(0, from - run.begin, to - from)});
+    out->push_back({absl::StrCat("exp_avg_sq/", entry.name), entry.shape, offset,
+                    state.exp_avg_sq.narrow(0, from - run.begin, to - from)});
+  }
+}
+
+std::vector<TensorRange> ShardedEngine::SaveRanges() {
+  std::vector<TensorRange> out;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const Unit& unit = units_[u];
+    const int64_t owned_begin = OwnedBegin(unit);
+    for (const Entry& entry : unit.entries) {
+      AppendRanges(static_cast<int>(u), entry, std::max(owned_begin, entry.offset),
+                   std::min(owned_begin + unit.shard, entry.offset + entry.numel),
+                   /*values=*/true, /*moments=*/true, &out);
+    }
+  }
+  return out;
+}
+
+std::vector<TensorRange> ShardedEngine::LoadRanges() {
+  std::vector<TensorRange> out;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const Unit& unit = units_[u];
+    const int64_t owned_begin = std::min(unit.numel, OwnedBegin(unit));
+    const int64_t owned_end = std::min(unit.numel, owned_begin + unit.shard);
+    for (const Entry& entry : unit.entries) {
+      const int64_t begin = entry.offset, end = entry.offset + entry.numel;
+      const int64_t owned_from = std::max(owned_begin, begin), owned_to = std::min(owned_end, end);
+      // Parameters: all of them below ZeRO-3. Moments: the range this rank steps.
+      AppendRanges(static_cast<int>(u), entry, stage() == 3 ? owned_from : begin,
+                   stage() == 3 ? owned_to : end, /*values=*/true, /*moments=*/false, &out);
+      AppendRanges(static_cast<int>(u), entry, stage() == 0 ? begin : owned_from,
+                   stage() == 0 ? end : owned_to, /*values=*/false, /*moments=*/true, &out);
+    }
+  }
+  return out;
+}
+
+bool ShardedEngine::Knows(const std::string& name) const {
+  for (const char* prefix : {"model/", "exp_avg/", "exp_avg_sq/"}) {
+    if (absl::StartsWith(name, prefix) && names_.contains(name.substr(std::strlen(prefix)))) {
+      return true;
+    }
+  }
+  return false;
+}
+
+int64_t ShardedEngine::optimizer_step() const {
+  if (runs_.empty()) return 0;
+  const at::Tensor& step = optimizer_->StateFor(runs_[0].decay ? 0 : 1, runs_[0].state_index).step;
+  return static_cast<int64_t>(step.item<double>());
+}
+
+void ShardedEngine::set_optimizer_step(int64_t step) {
+  for (const Run& run : runs_) {
+    optimizer_->StateFor(run.decay ? 0 : 1, run.state_index).step.fill_(static_cast<double>(step));
+  }
+}
+
+void ShardedEngine::ForEachFullParameter(
+    const std::function<void(const std::string&, const at::Tensor&)>& visit) {
+  torch::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = units_[u];
+    if (stage() == 3) EnsureGathered(static_cast<int>(u));
+    for (const Entry& entry : unit.entries) {
+      visit(entry.name, unit.full.narrow(0, entry.offset, entry.numel)
+                            .view(entry.shape)
+                            .to(at::kCPU, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+    }
+    if (stage() == 3) Free(static_cast<int>(u));
+  }
+}
+
+}  // namespace tessera::trainer

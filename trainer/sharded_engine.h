@@ -1,0 +1,210 @@
+// The step engine of a data-parallel group: how a rank turns micro-batches into an optimizer step
+// with ZeRO stage 0, 1, 2 or 3 (Rajbhandari et al. 2020), on c10d collectives over the mesh's dp
+// group (Gloo on CPU, NCCL on CUDA), or alone when dp is 1.
+//
+// Parameters live in flat float32 buffers, one per unit: each transformer layer is a unit, and
+// everything else (embeddings, final norm, head) is the "outer" unit. A unit's buffer is padded to
+// a multiple of dp and split into dp equal shards; rank r owns shard r. The model's parameters are
+// views into the buffers, ordered within a unit by decay group (matrices, then biases and norms),
+// so a shard holds at most two optimizer runs. As in FSDP and DeepSpeed, collectives move whole
+// flat buffers, never tensor by tensor.
+//
+//   stage 0: full gradients (the parameters' .grad are views into a flat buffer per unit),
+//            all-reduced per unit as backward finishes it (overlapped with the rest of backward,
+//            like DDP's buckets), on the last micro-batch only; AdamW on the whole model.
+//   stage 1: same gradients, reduce-scattered instead; AdamW on the owned shard; the updated
+//            shards all-gathered into the full parameters after the step.
+//   stage 2: gradients reduce-scattered per unit on every micro-batch and accumulated into the
+//            owned shard; a unit's full gradients live only until their reduce-scatter is sent.
+//   stage 3: parameters sharded too: a layer's full parameters are all-gathered just before its
+//            forward (the next layer's gather is prefetched while it computes) and freed after;
+//            gathered again (prefetching the layer below) when backward reaches the layer, and
+//            freed once its gradients are reduce-scattered. The outer unit stays gathered from the
+//            start of forward to the end of backward (its embedding is also the tied head).
+// At most two reduce-scatters (or all-reduces) are in flight; the oldest is finished before a
+// third starts, which bounds the transient full gradients to two units.
+//
+// Thread safety: one thread drives it (the training loop); autograd hooks run on the autograd
+// engine's thread while that thread waits inside backward().
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
+
+#include "trainer/adamw.h"
+#include "trainer/model.h"
+#include "trainer/torch_pch.h"
+
+namespace tessera::trainer {
+
+struct ShardedEngineOptions {
+  int zero_stage = 0;
+  // The mesh's dp group, null when dp_size is 1.
+  c10::intrusive_ptr<c10d::ProcessGroup> dp_group;
+  int dp_rank = 0;
+  int dp_size = 1;
+  AdamWOptions adamw;
+  double weight_decay = 0;
+  // bf16 autocast on CUDA around forward.
+  bool bf16 = false;
+  // Reduce-scatters / all-reduces allowed in flight before the oldest is waited for.
+  int max_in_flight = 2;
+};
+
+// Bytes this rank holds for its shard of the training state (what the planner's memory terms
+// describe): parameters, gradients, AdamW moments and step counters. Transient buffers (a unit
+// gathered in ZeRO-3, a unit's full gradients on the way to its reduce-scatter) are not counted.
+struct EngineMemory {
+  int64_t parameter_bytes = 0;
+  int64_t gradient_bytes = 0;
+  int64_t moment_bytes = 0;
+  int64_t step_counter_bytes = 0;
+  // Elements added to pad units to a multiple of dp, all units together.
+  int64_t padding_elements = 0;
+};
+
+// A contiguous range of one model tensor's row-major flattened elements, as a 1-D float32 view.
+struct TensorRange {
+  // "model/<parameter name>", "exp_avg/<name>" or "exp_avg_sq/<name>".
+  std::string name;
+  std::vector<int64_t> global_shape;
+  int64_t offset = 0;
+  at::Tensor data;  // 1-D, data.numel() elements starting at `offset`
+};
+
+class ShardedEngine : public LayerHooks {
+ public:
+  // Takes over `model`'s parameters (they become views into the engine's buffers) and builds the
+  // optimizer. Every rank of the dp group must call it on an identically initialised model.
+  ShardedEngine(CausalLM model, const ShardedEngineOptions& options);
+  ~ShardedEngine() override;
+  ShardedEngine(const ShardedEngine&) = delete;
+  ShardedEngine& operator=(const ShardedEngine&) = delete;
+
+  // Forward and backward of one micro-batch. The gradient is that of loss * `scale` summed over
+  // the dp group (pass 1 / (accumulation * dp) for the mean over the global batch). `last` marks
+  // the step's last micro-batch. Returns the unscaled loss, detached.
+  at::Tensor ForwardBackward(const at::Tensor& inputs, const at::Tensor& targets, double scale,
+                             bool last);
+
+  // Finishes the gradient reduction, clips the global gradient norm to `clip_norm` (infinity:
+  // no clipping), steps AdamW at `lr` and zeroes the gradients. Returns the norm before clipping.
+  double Step(double lr, double clip_norm);
+
+  // The mean loss of a batch without gradients (ZeRO-3 gathers layer by layer as in training).
+  at::Tensor EvalLoss(const at::Tensor& inputs, const at::Tensor& targets);
+
+  EngineMemory Memory() const;
+
+  // What this rank writes to a checkpoint: its owned range of every parameter and of both AdamW
+  // moments (under ZeRO 0 too, so that the dp replicas write 1/dp each, not dp copies).
+  std::vector<TensorRange> SaveRanges();
+  // Where this rank reads a checkpoint into: the parameters it keeps (all of them below ZeRO-3,
+  // its shard under ZeRO-3) and the moments it steps.
+  std::vector<TensorRange> LoadRanges();
+  // Whether `name` ("model/<parameter>", "exp_avg/<parameter>", "exp_avg_sq/<parameter>") is a
+  // tensor of this model, on whichever rank it lives.
+  bool Knows(const std::string& name) const;
+  // AdamW's step counter (the same for every parameter).
+  int64_t optimizer_step() const;
+  void set_optimizer_step(int64_t step);
+
+  // Calls `visit` with every parameter's full value (float32, on the CPU) in named_parameters()
+  // order. A collective under ZeRO-3 (every dp rank must call it).
+  void ForEachFullParameter(
+      const std::function<void(const std::string&, const at::Tensor&)>& visit);
+
+  // LayerHooks (ZeRO-3's gathers and frees).
+  void BeforeLayer(int layer) override;
+  torch::Tensor AfterLayer(int layer, torch::Tensor output) override;
+
+  // Called by the parameters' post-accumulate-grad hooks.
+  void OnGradientReady(int unit);
+
+ private:
+  struct Entry {
+    std::string name;
+    at::Tensor param;  // the model's parameter, a view into its unit's buffer
+    std::vector<int64_t> shape;
+    int64_t offset = 0;  // in the unit's flat buffer
+    int64_t numel = 0;
+    bool decay = false;
+  };
+  struct Run {
+    int unit = 0;
+    int64_t begin = 0;  // [begin, end) in the unit's flat coordinates
+    int64_t end = 0;
+    bool decay = false;
+    at::Tensor param;        // leaf view the optimizer steps; its grad is set to the matching view
+    size_t state_index = 0;  // position in its AdamW group (0 decay, 1 no decay)
+  };
+  enum class GatherState { kFreed, kGathering, kGathered };
+  struct Unit {
+    std::vector<Entry> entries;
+    int64_t numel = 0;
+    int64_t padded = 0;
+    int64_t shard = 0;      // padded / dp
+    int64_t decay_end = 0;  // entries [0, decay_end) decay
+    at::Tensor full;        // [padded]: the parameters' storage (freed between uses in ZeRO-3)
+    at::Tensor owned;       // [shard]: the owned parameters (a view of full below ZeRO-3)
+    at::Tensor full_grad;   // [padded], ZeRO 0/1
+    at::Tensor shard_grad;  // [shard], ZeRO 2/3 (a view of full_grad in ZeRO 1)
+    int ready = 0;          // parameters whose gradient arrived this backward
+    GatherState gather = GatherState::kFreed;
+    c10::intrusive_ptr<c10d::Work> gather_work;
+  };
+  struct Pending {
+    int unit = 0;
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor input;   // kept alive until the collective finishes
+    at::Tensor output;  // reduce-scatter result to accumulate into the unit's shard gradient
+  };
+
+  int stage() const { return options_.zero_stage; }
+  int64_t OwnedBegin(const Unit& unit) const { return options_.dp_rank * unit.shard; }
+  void BuildUnits();
+  void BuildRuns();
+  void AllocateFull(Unit& unit);
+  void StartGather(int unit);
+  void EnsureGathered(int unit);
+  void Free(int unit);
+  void ReduceUnit(int unit);
+  void FinishOldest();
+  void FinishAll();
+  void ZeroGradients();
+  // Reusable CPU buffers: glibc maps every block above 32 MiB afresh and unmaps it on free, so
+  // without reuse each gathered layer or flattened gradient costs page faults for all its bytes,
+  // every step (bench/zero_bench.py measured 4.5M minor faults per rank over 5 ZeRO-3 steps).
+  // On CUDA the caching allocator reuses blocks already, and nothing is kept here.
+  at::Tensor TakeBuffer(int64_t numel, const at::TensorOptions& options);
+  void GiveBuffer(at::Tensor buffer);
+  // Appends the ranges of elements [from, to) (unit coordinates, inside `entry`) of unit `u`:
+  // the parameter values when `values`, AdamW's moments from the run holding them when
+  // `moments`. Nothing when from >= to.
+  void AppendRanges(int u, const Entry& entry, int64_t from, int64_t to, bool values, bool moments,
+                    std::vector<TensorRange>* out);
+
+  CausalLM model_;
+  ShardedEngineOptions options_;
+  std::vector<Unit> units_;  // units_[0] is the outer unit, units_[1 + i] layer i
+  std::vector<Run> runs_;
+  std::set<std::string> names_;  // every parameter's name
+  std::unique_ptr<FusedAdamW> optimizer_;
+  std::deque<Pending> pending_;
+  // Spare CPU buffers by element count, and spare ZeRO-3 unit storage by bytes, at most
+  // kSpareBuffers of each size (the engine never holds more than two units' worth in flight).
+  static constexpr int kSpareBuffers = 3;
+  std::map<int64_t, std::vector<at::Tensor>> spare_buffers_;
+  std::map<size_t, std::vector<at::DataPtr>> spare_storage_;
+  bool last_micro_batch_ = true;
+  bool in_backward_ = false;
+};
+
+}  // namespace tessera::trainer
