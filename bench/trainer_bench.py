@@ -42,27 +42,15 @@ import sys
 import tempfile
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_common import (BUILD_DIR_ENV, COMMIT_ENV, CORPUS, DATE_ENV, MACHINE_ENV, RANK_ENVS,
+                          REPO_ROOT, RESULTS_ENV, BenchError, git_commit, machine_line, parse_reports,
+                          spread)
+
 BASELINE = os.path.join(REPO_ROOT, "bench", "pytorch_baseline.py")
-# Training text: Genesis to Ruth of the King James Bible (about 1 MiB), tokenized as bytes.
-CORPUS = os.path.join(REPO_ROOT, "data", "corpus", "kjv-genesis-ruth.txt")
 
 # Environment set by scripts/bench.sh.
-# Directory for trainer.json / trainer-gpu.json.
-RESULTS_ENV = "TESSERA_BENCH_RESULTS"
-# Git commit of the tree ("-dirty" when modified).
-COMMIT_ENV = "TESSERA_BENCH_COMMIT"
-# UTC date and time of the bench run (ISO 8601).
-DATE_ENV = "TESSERA_BENCH_DATE"
-# One line describing CPU, cores, memory and GPUs.
-MACHINE_ENV = "TESSERA_BENCH_MACHINE"
 # Python with the pinned torch wheel (runs the baseline).
 PYTHON_ENV = "TESSERA_BENCH_PYTHON"
-# Build directory holding bin/tessera-trainer.
-BUILD_DIR_ENV = "TESSERA_BUILD_DIR"
-
-# Variables that would place a trainer in a multi-process job; the benchmark runs one rank.
-RANK_ENVS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # Longest one training process may take before the benchmark gives up on it.
 RUN_TIMEOUT_SECONDS = {"cpu": 900, "cuda": 1800}
@@ -159,50 +147,6 @@ CHECK_CONFIGS = [
     },
 ]
 
-class BenchError(Exception):
-    """A failure that ends the benchmark; its message says what and where."""
-
-
-# --- environment ------------------------------------------------------------------------------
-
-
-def git_commit():
-    try:
-        commit = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short=12", "HEAD"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", REPO_ROOT, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=True).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine_line():
-    """As scripts/bench.sh describes the machine; asks nvidia-smi, not torch, for the GPUs so that
-    this process holds no CUDA context while the runs measure memory."""
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as f:
-            mem_kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
-        memory = f"{mem_kib / 1048576:.0f} GiB RAM"
-    except (OSError, StopIteration, ValueError):
-        memory = "unknown RAM"
-    gpus = "none"
-    try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                               capture_output=True, text=True, check=True).stdout.split("\n")
-        gpus = ", ".join(name.strip() for name in names if name.strip()) or "none"
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, {memory}, GPUs: {gpus}"
-
-
 def child_env(threads):
     env = {k: v for k, v in os.environ.items() if k not in RANK_ENVS}
     env["OMP_NUM_THREADS"] = str(threads)
@@ -250,21 +194,6 @@ def run_checked(command, env, timeout, what):
 
 
 # --- one run of each side ---------------------------------------------------------------------
-
-
-def parse_reports(stdout, what):
-    reports = []
-    for line in stdout.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                reports.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise BenchError(f"{what}: unreadable report line {line[:200]!r}: {e}") from None
-    failures = [r["failure"] for r in reports if "failure" in r]
-    if failures:
-        raise BenchError(f"{what}: reported failure: {json.dumps(failures[0])}")
-    return reports
 
 
 def summarize_run(reports, config, process, what):
@@ -382,11 +311,6 @@ def read_safetensors_metadata(path):
 
 
 # --- statistics and checks --------------------------------------------------------------------
-
-
-def spread(values):
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "runs": values}
 
 
 def check_equivalence(config, ours, theirs, exported_parameters, every_step):

@@ -216,8 +216,24 @@ void ShardedEngine::StartGather(int u) {
     unit.gather = GatherState::kGathered;
     return;
   }
-  unit.gather_work = options_.dp_group->_allgather_base(unit.full, unit.owned);
+  unit.gather_work = GatherInto(unit, unit.owned);
   unit.gather = GatherState::kGathering;
+}
+
+c10::intrusive_ptr<c10d::Work> ShardedEngine::GatherInto(Unit& unit, const at::Tensor& shard) {
+  if (!options_.sharded_collectives_as_all_reduce) {
+    at::Tensor input = shard;
+    return options_.dp_group->_allgather_base(unit.full, input);
+  }
+  // Every rank contributes its shard in place and zeros elsewhere; the sum is the gather.
+  torch::NoGradGuard no_grad;
+  const int64_t begin = OwnedBegin(unit);
+  at::Tensor slot = unit.full.narrow(0, begin, unit.shard);
+  if (!slot.is_same(shard) && slot.data_ptr() != shard.data_ptr()) slot.copy_(shard);
+  unit.full.narrow(0, 0, begin).zero_();
+  unit.full.narrow(0, begin + unit.shard, unit.padded - begin - unit.shard).zero_();
+  std::vector<at::Tensor> tensors{unit.full};
+  return options_.dp_group->allreduce(tensors);
 }
 
 void ShardedEngine::EnsureGathered(int u) {
@@ -304,7 +320,7 @@ void ShardedEngine::ReduceUnit(int u) {
   Pending pending;
   pending.unit = u;
   pending.input = input;
-  if (stage() == 0) {
+  if (stage() == 0 || options_.sharded_collectives_as_all_reduce) {
     std::vector<at::Tensor> tensors{input};
     pending.work = options_.dp_group->allreduce(tensors);
   } else {
@@ -318,9 +334,15 @@ void ShardedEngine::FinishOldest() {
   Pending pending = std::move(pending_.front());
   pending_.pop_front();
   pending.work->wait();
-  if (!pending.output.defined()) return;
   torch::NoGradGuard no_grad;
   Unit& unit = units_[pending.unit];
+  if (options_.sharded_collectives_as_all_reduce && stage() >= 2) {
+    // The whole unit was all-reduced; this rank keeps its shard of it.
+    unit.shard_grad.add_(pending.input.narrow(0, OwnedBegin(unit), unit.shard));
+    GiveBuffer(std::move(pending.input));
+    return;
+  }
+  if (!pending.output.defined()) return;
   if (stage() == 1) {
     unit.shard_grad.copy_(pending.output);
   } else {
@@ -375,11 +397,15 @@ double ShardedEngine::Step(double lr, double clip_norm) {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<at::Tensor> inputs;
     for (Unit& unit : units_) {
+      if (options_.sharded_collectives_as_all_reduce) {
+        works.push_back(GatherInto(unit, unit.owned));
+        continue;
+      }
       // A copy of the shard: c10d's all-gather does not promise to accept an input that aliases
       // its output on every backend.
       inputs.push_back(TakeBuffer(unit.shard, unit.owned.options()));
       inputs.back().copy_(unit.owned);
-      works.push_back(options_.dp_group->_allgather_base(unit.full, inputs.back()));
+      works.push_back(GatherInto(unit, inputs.back()));
     }
     for (auto& work : works) work->wait();
     for (at::Tensor& input : inputs) GiveBuffer(std::move(input));

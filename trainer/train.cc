@@ -264,7 +264,8 @@ class Trainer {
                                                .beta2 = opt.beta2() > 0 ? opt.beta2() : 0.95,
                                                .eps = opt.epsilon() > 0 ? opt.epsilon() : 1e-8},
                                      .weight_decay = opt.weight_decay(),
-                                     .bf16 = bf16_});
+                                     .bf16 = bf16_,
+                                     .sharded_collectives_as_all_reduce = !device_.is_cuda()});
 
     v1::DataPosition start;
     start.set_seed(seed_);
