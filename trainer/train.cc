@@ -13,9 +13,11 @@
 #include <optional>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "common/status_macros.h"
 #include "common/timestamp.h"
 #include "google/protobuf/util/time_util.h"
@@ -301,8 +303,10 @@ class Trainer {
         "gradients, %.1f MiB of optimizer state",
         summary_.preset().empty() ? "custom" : summary_.preset(), summary_.num_parameters(),
         world(), device_.str(), mesh_.Describe(), task_.plan().layout().zero_stage(),
-        v1::ActivationCheckpointing_Name(CheckpointingMode()), loader_->accumulation_steps(),
-        memory.parameter_bytes / 1048576.0, memory.gradient_bytes / 1048576.0,
+        absl::AsciiStrToLower(absl::StripPrefix(
+            v1::ActivationCheckpointing_Name(CheckpointingMode()), "ACTIVATION_CHECKPOINTING_")),
+        loader_->accumulation_steps(), memory.parameter_bytes / 1048576.0,
+        memory.gradient_bytes / 1048576.0,
         (memory.moment_bytes + memory.step_counter_bytes) / 1048576.0));
     return absl::OkStatus();
   }
