@@ -24,3 +24,7 @@ if(TESSERA_BUILD_TESTS)
   # The ZeRO memory test builds Gloo groups in-process.
   target_include_directories(planner_memory_test SYSTEM PRIVATE "${TESSERA_GLOO_INCLUDE_DIR}")
 endif()
+if(TESSERA_BUILD_TESTS)
+  tessera_add_test(NAME mesh_test SOURCES mesh_test.cc LIBS tessera::trainer)
+  target_precompile_headers(mesh_test REUSE_FROM tessera_trainer)
+endif()
