@@ -77,6 +77,16 @@ def spread(values):
             "runs": values}
 
 
+def write_results(results, results_dir, file_name, bench_name):
+    """Writes `results` as JSON to results_dir/file_name and says where."""
+    os.makedirs(results_dir, exist_ok=True)
+    out = os.path.join(results_dir, file_name)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+    print(f"{bench_name}: {results['wall_seconds']:.0f} s; results in {out}")
+
+
 def parse_reports(text, what):
     """The trainer's JSON report lines in `text`; BenchError naming `what` for an unreadable line
     or a reported failure."""

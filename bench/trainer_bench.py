@@ -44,7 +44,7 @@ import time
 
 from bench_common import (BUILD_DIR_ENV, COMMIT_ENV, CORPUS, DATE_ENV, MACHINE_ENV, RANK_ENVS,
                           REPO_ROOT, RESULTS_ENV, BenchError, git_commit, machine_line, parse_reports,
-                          spread)
+                          spread, write_results)
 
 BASELINE = os.path.join(REPO_ROOT, "bench", "pytorch_baseline.py")
 
@@ -612,12 +612,8 @@ def main():
     results["wall_seconds"] = time.perf_counter() - start
 
     print_summary(results)
-    os.makedirs(results_dir, exist_ok=True)
-    out = os.path.join(results_dir, "trainer.json" if args.device == "cpu" else "trainer-gpu.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
-        f.write("\n")
-    print(f"trainer_bench: {results['wall_seconds']:.0f} s; results in {out}")
+    write_results(results, results_dir,
+                  "trainer.json" if args.device == "cpu" else "trainer-gpu.json", "trainer_bench")
     return 0
 
 

@@ -51,7 +51,7 @@ import time
 
 from bench_common import (BUILD_DIR_ENV, COMMIT_ENV, CORPUS, DATE_ENV, MACHINE_ENV, RANK_ENVS,
                           REPO_ROOT, RESULTS_ENV, BenchError, git_commit, machine_line, parse_reports,
-                          spread)
+                          spread, write_results)
 
 
 # Longest one run (all its ranks) may take before the benchmark gives up on it.
@@ -523,12 +523,7 @@ def main():
                 zero3["ratio_peak_rss_vs_zero0"] <= TARGET["zero3_peak_memory_ratio_max"]),
     }
     print_summary(results)
-    os.makedirs(results_dir, exist_ok=True)
-    out = os.path.join(results_dir, "zero.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
-        f.write("\n")
-    print(f"zero_bench: {results['wall_seconds']:.0f} s; results in {out}")
+    write_results(results, results_dir, "zero.json", "zero_bench")
     return 0
 
 

@@ -212,7 +212,6 @@ class ShardedEngine : public LayerHooks {
   std::map<int64_t, std::vector<at::Tensor>> spare_buffers_;
   std::map<size_t, std::vector<at::DataPtr>> spare_storage_;
   bool last_micro_batch_ = true;
-  bool in_backward_ = false;
 };
 
 }  // namespace tessera::trainer

@@ -1,15 +1,10 @@
 #include "trainer/train.h"
 
-#include <ATen/autocast_mode.h>
 #include <sys/resource.h>
-#include <torch/nn/utils/clip_grad.h>
-#include <torch/serialize.h>
 
 #include <chrono>
 #include <cmath>
-#include <fstream>
 #include <limits>
-#include <map>
 #include <optional>
 
 #include "absl/status/status.h"
@@ -20,12 +15,9 @@
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
 #include "common/timestamp.h"
-#include "google/protobuf/util/time_util.h"
 #include "planner/devices.h"
 #include "planner/lr_schedule.h"
 #include "planner/model_config.h"
-#include "trainer/adamw.h"
-#include "trainer/checkpoint.h"
 #include "trainer/checkpointing.h"
 #include "trainer/data_loader.h"
 #include "trainer/distributed.h"
@@ -41,8 +33,6 @@
 
 namespace tessera::trainer {
 namespace {
-
-using google::protobuf::util::TimeUtil;
 
 v1::FailureKind ClassifyTorchError(const std::string& what) {
   if (absl::StrContains(what, "out of memory") || absl::StrContains(what, "OutOfMemory")) {

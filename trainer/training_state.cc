@@ -2,8 +2,6 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
-#include <set>
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -51,9 +49,7 @@ absl::StatusOr<WrittenShard> WriteTrainingState(
 
 absl::Status ReadTrainingState(const ShardedCheckpointReader& reader, ShardedEngine& engine,
                                int rank) {
-  std::set<std::string> wanted;
   for (const TensorRange& range : engine.LoadRanges()) {
-    wanted.insert(range.name);
     at::Tensor host = at::empty({range.data.numel()}, at::kFloat);
     RETURN_IF_ERROR(reader.Read(range.name, range.global_shape, "F32", range.offset, host.numel(),
                                 host.data_ptr()));
@@ -62,7 +58,7 @@ absl::Status ReadTrainingState(const ShardedCheckpointReader& reader, ShardedEng
   }
   for (const std::string& name : reader.TensorNames()) {
     const bool model_state = absl::StartsWith(name, "model/") || absl::StartsWith(name, "exp_avg");
-    if (model_state && !wanted.contains(name) && !engine.Knows(name)) {
+    if (model_state && !engine.Knows(name)) {
       return absl::FailedPreconditionError(
           absl::StrCat("checkpoint tensor ", name,
                        " is not in this model: the checkpoint is from another model"));
