@@ -57,6 +57,15 @@ ABSL_FLAG(bool, export_safetensors, false, "Standalone: export the final weights
 ABSL_FLAG(int, zero_stage, 0,
           "Standalone: ZeRO stage over the data-parallel ranks (0 none, 1 optimizer state, 2 + "
           "gradients, 3 + parameters).");
+ABSL_FLAG(int, tensor_parallel, 1,
+          "Standalone: tensor-parallel degree (consecutive ranks; must divide the attention heads, "
+          "key/value heads and ffn_hidden_size).");
+ABSL_FLAG(bool, sequence_parallel, false,
+          "Standalone: split norms and activations between tensor-parallel regions along the "
+          "sequence (needs --tensor_parallel > 1).");
+ABSL_FLAG(int, pipeline_parallel, 1,
+          "Standalone: pipeline stages (1F1B; must divide the layers). Data parallelism is the "
+          "rest of the world size.");
 ABSL_FLAG(std::string, activation_checkpointing, "none",
           "Standalone: activation recomputation: none, selective or full.");
 ABSL_FLAG(std::string, job_id, "standalone", "Standalone: job id in reports and checkpoints.");
@@ -141,6 +150,9 @@ tessera::v1::TrainerTask TaskFromFlags() {
   task.set_checkpoint_directory(absl::GetFlag(FLAGS_checkpoint_dir));
   tessera::v1::Layout* layout = task.mutable_plan()->mutable_layout();
   layout->set_zero_stage(absl::GetFlag(FLAGS_zero_stage));
+  layout->set_tensor_parallel(absl::GetFlag(FLAGS_tensor_parallel));
+  layout->set_pipeline_parallel(absl::GetFlag(FLAGS_pipeline_parallel));
+  layout->set_sequence_parallel(absl::GetFlag(FLAGS_sequence_parallel));
   const std::string recompute =
       absl::AsciiStrToUpper(absl::GetFlag(FLAGS_activation_checkpointing));
   tessera::v1::ActivationCheckpointing mode = tessera::v1::ACTIVATION_CHECKPOINTING_UNSPECIFIED;

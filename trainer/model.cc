@@ -1,10 +1,17 @@
 #include "trainer/model.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "planner/model_config.h"
 #include "trainer/activation_checkpoint.h"
 #include "trainer/torch_pch.h"
@@ -18,6 +25,35 @@ bool IsLlama(const v1::ModelDims& dims) { return dims.architecture() == v1::ARCH
 
 torch::nn::Linear MakeLinear(int64_t in, int64_t out, bool bias) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+// 64-bit FNV-1a: a hash of a parameter's name that is the same in every process and build.
+uint64_t NameHash(const std::string& name) {
+  uint64_t hash = 1469598103934665603ULL;
+  for (unsigned char c : name) {
+    hash ^= c;
+    hash *= 1099511628211ULL;
+  }
+  return hash;
+}
+
+// Column-parallel output (`tp` splits `out`), or the whole linear.
+torch::nn::Linear ColumnLinear(int64_t in, int64_t out, bool bias, const TensorParallel& tp) {
+  return MakeLinear(in, out / tp.size, bias);
+}
+
+// Row-parallel input (`tp` splits `in`; the bias stays whole).
+torch::nn::Linear RowLinear(int64_t in, int64_t out, bool bias, const TensorParallel& tp) {
+  return MakeLinear(in / tp.size, out, bias);
+}
+
+// A row-parallel linear's output: the partial products summed over tp (or reduce-scattered along
+// the sequence), then the bias. Without tp exactly the plain linear.
+torch::Tensor RowParallelForward(torch::nn::Linear& linear, const torch::Tensor& x,
+                                 const TensorParallel& tp) {
+  if (!tp.enabled()) return linear->forward(x);
+  torch::Tensor y = ExitTensorParallel(F::linear(x, linear->weight), tp);
+  return linear->bias.defined() ? y + linear->bias : y;
 }
 
 torch::Tensor RotateHalf(const torch::Tensor& x) {
@@ -62,31 +98,37 @@ torch::Tensor NormImpl::forward(const torch::Tensor& x) {
       .to(x.scalar_type());
 }
 
-AttentionImpl::AttentionImpl(const v1::ModelDims& dims)
+AttentionImpl::AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp)
     : llama_(IsLlama(dims)),
-      heads_(dims.num_attention_heads()),
-      kv_heads_(dims.num_kv_heads()),
+      tp_(tp),
+      heads_(dims.num_attention_heads() / tp.size),
+      kv_heads_(dims.num_kv_heads() / tp.size),
       head_dim_(dims.head_dim()) {
+  TORCH_CHECK(dims.num_attention_heads() % tp.size == 0 && dims.num_kv_heads() % tp.size == 0,
+              "tensor_parallel ", tp.size, " must divide the ", dims.num_attention_heads(),
+              " attention heads and the ", dims.num_kv_heads(), " key/value heads");
   const int64_t d = dims.hidden_size();
-  const int64_t q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
+  const int64_t q_width = dims.num_attention_heads() * head_dim_,
+                kv_width = dims.num_kv_heads() * head_dim_;
   if (llama_) {
-    q_ = register_module("q", MakeLinear(d, q_width, false));
-    k_ = register_module("k", MakeLinear(d, kv_width, false));
-    v_ = register_module("v", MakeLinear(d, kv_width, false));
-    out_ = register_module("o", MakeLinear(q_width, d, false));
+    q_ = register_module("q", ColumnLinear(d, q_width, false, tp));
+    k_ = register_module("k", ColumnLinear(d, kv_width, false, tp));
+    v_ = register_module("v", ColumnLinear(d, kv_width, false, tp));
+    out_ = register_module("o", RowLinear(q_width, d, false, tp));
     if (dims.qk_norm()) {
       // One weight of size head_dim shared by all heads, as in Qwen3.
       q_norm_ = register_module("q_norm", Norm(head_dim_, dims.norm_eps(), /*rms=*/true));
       k_norm_ = register_module("k_norm", Norm(head_dim_, dims.norm_eps(), /*rms=*/true));
     }
   } else {
-    qkv_ = register_module("qkv", MakeLinear(d, 3 * q_width, true));
-    out_ = register_module("proj", MakeLinear(q_width, d, true));
+    qkv_ = register_module("qkv", ColumnLinear(d, 3 * q_width, true, tp));
+    out_ = register_module("proj", RowLinear(q_width, d, true, tp));
   }
 }
 
-torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
+torch::Tensor AttentionImpl::forward(const torch::Tensor& input, const torch::Tensor& cos,
                                      const torch::Tensor& sin) {
+  const torch::Tensor x = EnterTensorParallel(input, tp_);
   const int64_t batch = x.size(0), seq = x.size(1);
   torch::Tensor q, k, v;
   if (llama_) {
@@ -114,7 +156,8 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
                 },
                 {q, k, v})[0]
           : Core(q, k, v);
-  return out_->forward(out.transpose(1, 2).reshape({batch, seq, heads_ * head_dim_}));
+  return RowParallelForward(out_, out.transpose(1, 2).reshape({batch, seq, heads_ * head_dim_}),
+                            tp_);
 }
 
 torch::Tensor AttentionImpl::Core(const torch::Tensor& q, const torch::Tensor& k,
@@ -126,26 +169,33 @@ torch::Tensor AttentionImpl::Core(const torch::Tensor& q, const torch::Tensor& k
                                           /*enable_gqa=*/kv_heads_ != heads_);
 }
 
-MlpImpl::MlpImpl(const v1::ModelDims& dims) : llama_(IsLlama(dims)) {
+MlpImpl::MlpImpl(const v1::ModelDims& dims, const TensorParallel& tp)
+    : llama_(IsLlama(dims)), tp_(tp) {
   const int64_t d = dims.hidden_size(), f = dims.ffn_hidden_size();
+  TORCH_CHECK(f % tp.size == 0, "tensor_parallel ", tp.size, " must divide ffn_hidden_size ", f);
   if (llama_) {
-    gate_ = register_module("gate", MakeLinear(d, f, false));
-    up_ = register_module("up", MakeLinear(d, f, false));
-    down_ = register_module("down", MakeLinear(f, d, false));
+    gate_ = register_module("gate", ColumnLinear(d, f, false, tp));
+    up_ = register_module("up", ColumnLinear(d, f, false, tp));
+    down_ = register_module("down", RowLinear(f, d, false, tp));
   } else {
-    up_ = register_module("fc", MakeLinear(d, f, true));
-    down_ = register_module("proj", MakeLinear(f, d, true));
+    up_ = register_module("fc", ColumnLinear(d, f, true, tp));
+    down_ = register_module("proj", RowLinear(f, d, true, tp));
   }
 }
 
-torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
+torch::Tensor MlpImpl::forward(const torch::Tensor& input) {
+  const torch::Tensor x = EnterTensorParallel(input, tp_);
   if (!recompute_activation_) {
-    if (llama_) return down_->forward(torch::silu(gate_->forward(x)) * up_->forward(x));
-    return down_->forward(torch::gelu(up_->forward(x), "tanh"));
+    if (llama_) {
+      return RowParallelForward(down_, torch::silu(gate_->forward(x)) * up_->forward(x), tp_);
+    }
+    return RowParallelForward(down_, torch::gelu(up_->forward(x), "tanh"), tp_);
   }
   // The down projection saves the activation's output; CheckpointWithoutOutput frees it and
   // recomputes it from the projections' outputs just before the down projection's backward.
-  auto down = [this](const std::vector<torch::Tensor>& in) { return down_->forward(in[0]); };
+  auto down = [this](const std::vector<torch::Tensor>& in) {
+    return RowParallelForward(down_, in[0], tp_);
+  };
   if (llama_) {
     return CheckpointWithoutOutput(
         [](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
@@ -160,12 +210,12 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
       {up_->forward(x)}, down);
 }
 
-BlockImpl::BlockImpl(const v1::ModelDims& dims) {
+BlockImpl::BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp) {
   const bool rms = IsLlama(dims);
   attn_norm_ = register_module("attn_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms));
-  attn_ = register_module("attn", Attention(dims));
+  attn_ = register_module("attn", Attention(dims, tp));
   mlp_norm_ = register_module("mlp_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms));
-  mlp_ = register_module("mlp", Mlp(dims));
+  mlp_ = register_module("mlp", Mlp(dims, tp));
 }
 
 void BlockImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) {
@@ -180,67 +230,166 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& co
   return h + mlp_->forward(mlp_norm_->forward(h));
 }
 
-CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std) : dims_(dims) {
+CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
+                           const ModelPartition& partition)
+    : dims_(dims), partition_(partition) {
+  // Drawn before any module is built: LibTorch's layers draw their default initialisation from
+  // the same generator, and how much they draw depends on this rank's shapes.
+  const uint64_t init_seed = static_cast<uint64_t>(
+      torch::randint(0, std::numeric_limits<int64_t>::max(), {1}, torch::kInt64).item<int64_t>());
   TORCH_CHECK(dims.num_layers() > 0 && dims.hidden_size() > 0 && dims.vocab_size() > 0 &&
                   dims.max_seq_len() > 0 && dims.num_attention_heads() > 0 &&
                   dims.num_kv_heads() > 0 && dims.head_dim() > 0 && dims.ffn_hidden_size() > 0 &&
                   dims.norm_eps() > 0,
               "CausalLM needs resolved ModelDims (see planner::ResolveModel), got ",
               dims.ShortDebugString());
-  const int64_t d = dims.hidden_size(), vocab = dims.vocab_size();
+  const TensorParallel& tp = partition_.tp;
+  TORCH_CHECK(tp.size >= 1 && tp.rank >= 0 && tp.rank < tp.size, "tensor-parallel rank ", tp.rank,
+              " of ", tp.size);
+  TORCH_CHECK(dims.vocab_size() >= tp.size, "tensor_parallel ", tp.size, " exceeds the vocabulary");
+  if (partition_.num_layers < 0) partition_.num_layers = dims.num_layers() - partition_.first_layer;
+  TORCH_CHECK(partition_.first_layer >= 0 && partition_.num_layers >= 0 &&
+                  partition_.first_layer + partition_.num_layers <= dims.num_layers(),
+              "layers [", partition_.first_layer, ", ",
+              partition_.first_layer + partition_.num_layers, ") outside the model's ",
+              dims.num_layers());
+  const int64_t d = dims.hidden_size();
+  const int64_t local_vocab = VocabRowsPerRank(dims.vocab_size(), tp.size);
   const bool llama = IsLlama(dims);
-  embed_ = register_module("embed", torch::nn::Embedding(vocab, d));
-  if (!llama)
+  if (partition_.embedding || (partition_.head && dims.tie_embeddings())) {
+    embed_ = register_module("embed", torch::nn::Embedding(local_vocab, d));
+  }
+  if (!llama && partition_.embedding) {
     pos_embed_ = register_module("pos_embed", torch::nn::Embedding(dims.max_seq_len(), d));
-  layers_ = register_module("layers", torch::nn::ModuleList());
-  for (int i = 0; i < dims.num_layers(); ++i) layers_->push_back(Block(dims));
-  final_norm_ = register_module("final_norm", Norm(d, dims.norm_eps(), llama));
-  if (!dims.tie_embeddings()) lm_head_ = register_parameter("lm_head", torch::empty({vocab, d}));
+  }
+  layers_ = register_module("layers", torch::nn::ModuleDict());
+  for (int i = 0; i < partition_.num_layers; ++i) {
+    Block block(dims, tp);
+    layers_->update(std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>{
+        {std::to_string(partition_.first_layer + i), block.ptr()}});
+    blocks_.push_back(block.ptr());
+  }
+  if (partition_.head) {
+    final_norm_ = register_module("final_norm", Norm(d, dims.norm_eps(), llama));
+    if (!dims.tie_embeddings()) {
+      lm_head_ = register_parameter("lm_head", torch::empty({local_vocab, d}));
+    }
+  }
   if (llama) {
     auto [cos, sin] = RotaryTables(dims.max_seq_len(), dims.head_dim(), dims.rope_theta());
     rope_cos_ = register_buffer("rope_cos", cos);
     rope_sin_ = register_buffer("rope_sin", sin);
   }
-  Initialize(init_std > 0 ? init_std : planner::kDefaultInitStd);
+  for (const auto& item : named_parameters()) {
+    ParamShard shard = ShardOfParameter(item.key(), {});
+    std::vector<int64_t> shape = item.value().sizes().vec();
+    switch (shard.kind) {
+      case ParamShard::Kind::kReplicated:
+        break;
+      case ParamShard::Kind::kColumn:
+        shape[0] *= tp.size;
+        break;
+      case ParamShard::Kind::kRow:
+        shape[1] *= tp.size;
+        break;
+      case ParamShard::Kind::kVocab:
+        shape[0] = dims.vocab_size();
+        break;
+    }
+    shard.global_shape = shape;
+    shards_.emplace(item.key(), std::move(shard));
+  }
+  Initialize(init_std > 0 ? init_std : planner::kDefaultInitStd, init_seed);
 }
 
-void CausalLMImpl::Initialize(double init_std) {
+void CausalLMImpl::Initialize(double init_std, uint64_t base) {
   torch::NoGradGuard no_grad;
   // GPT-2's scaling: each block adds two residual branches, so their output projections start
   // smaller to keep the residual stream's variance independent of depth.
   const double residual_std = init_std / std::sqrt(2.0 * dims_.num_layers());
-  for (auto& module : modules(/*include_self=*/false)) {
-    if (auto* linear = module->as<torch::nn::Linear>()) {
-      torch::nn::init::normal_(linear->weight, 0.0, init_std);
-      if (linear->bias.defined()) torch::nn::init::zeros_(linear->bias);
-    } else if (auto* embedding = module->as<torch::nn::Embedding>()) {
-      torch::nn::init::normal_(embedding->weight, 0.0, init_std);
+  for (const auto& item : named_parameters()) {
+    const std::string& name = item.key();
+    torch::Tensor param = item.value();
+    const ParamShard& shard = shards_.at(name);
+    if (absl::StrContains(name, "norm.")) {
+      param.fill_(absl::EndsWith(name, ".bias") ? 0.0 : 1.0);
+      continue;
     }
+    if (absl::EndsWith(name, ".bias")) {
+      param.zero_();
+      continue;
+    }
+    const bool residual =
+        absl::EndsWith(name, ".attn.proj.weight") || absl::EndsWith(name, ".attn.o.weight") ||
+        absl::EndsWith(name, ".mlp.proj.weight") || absl::EndsWith(name, ".mlp.down.weight");
+    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(base ^ NameHash(name));
+    torch::Tensor full = torch::empty(shard.global_shape, torch::kFloat32);
+    full.normal_(0.0, residual ? residual_std : init_std, generator);
+    param.copy_(LocalShardOf(full, shard, partition_.tp.rank, partition_.tp.size));
   }
-  for (auto& layer : *layers_) {
-    auto* block = layer->as<BlockImpl>();
-    torch::nn::init::normal_(block->attention()->output_projection()->weight, 0.0, residual_std);
-    torch::nn::init::normal_(block->mlp()->output_projection()->weight, 0.0, residual_std);
-  }
-  if (lm_head_.defined()) torch::nn::init::normal_(lm_head_, 0.0, init_std);
 }
 
-torch::Tensor CausalLMImpl::forward(const torch::Tensor& tokens) {
-  TORCH_CHECK(tokens.dim() == 2, "tokens must be [batch, seq], got ", tokens.sizes());
+const ParamShard& CausalLMImpl::ShardOf(const std::string& name) const {
+  auto it = shards_.find(name);
+  TORCH_CHECK(it != shards_.end(), "no parameter ", name, " on this rank");
+  return it->second;
+}
+
+std::vector<std::string> CausalLMImpl::AllParameterNames() const {
+  std::vector<std::string> names = {"embed.weight"};
+  const bool llama = IsLlama(dims_);
+  if (!llama) names.push_back("pos_embed.weight");
+  // One layer's names, from a layer this rank holds (every stage holds at least one).
+  std::vector<std::string> suffixes;
+  const std::string prefix = absl::StrCat("layers.", partition_.first_layer, ".");
+  for (const auto& item : named_parameters()) {
+    if (absl::StartsWith(item.key(), prefix)) suffixes.push_back(item.key().substr(prefix.size()));
+  }
+  for (int i = 0; i < dims_.num_layers(); ++i) {
+    for (const std::string& suffix : suffixes)
+      names.push_back(absl::StrCat("layers.", i, ".", suffix));
+  }
+  names.push_back("final_norm.weight");
+  if (!llama) names.push_back("final_norm.bias");
+  if (!dims_.tie_embeddings()) names.push_back("lm_head");
+  return names;
+}
+
+torch::Tensor CausalLMImpl::Embed(const torch::Tensor& tokens) {
+  const TensorParallel& tp = partition_.tp;
   const int64_t seq = tokens.size(1);
-  TORCH_CHECK(seq <= dims_.max_seq_len(), "sequence length ", seq, " exceeds max_seq_len ",
-              dims_.max_seq_len());
-  torch::Tensor h = embed_->forward(tokens);
-  torch::Tensor cos, sin;
-  if (pos_embed_) {
-    h = h + pos_embed_->weight.narrow(0, 0, seq);
+  torch::Tensor h;
+  if (!tp.enabled()) {
+    h = embed_->forward(tokens);
   } else {
+    // Vocab-parallel: each rank looks up the tokens in its rows, zeros elsewhere, and the sum over
+    // tp (or its sequence shard of it) is the embedding.
+    const int64_t rows = embed_->weight.size(0);
+    torch::Tensor local = tokens - tp.rank * rows;
+    torch::Tensor mine = (local >= 0).logical_and(local < rows);
+    h = embed_->forward(local.masked_fill(mine.logical_not(), 0)) *
+        mine.unsqueeze(-1).to(embed_->weight.scalar_type());
+    h = ExitTensorParallel(h, tp);
+  }
+  if (pos_embed_) {
+    const bool split = tp.enabled() && tp.sequence_parallel;
+    const int64_t part = split ? seq / tp.size : seq;
+    h = h + pos_embed_->weight.narrow(0, split ? tp.rank * part : 0, part);
+  }
+  return h;
+}
+
+torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h) {
+  const TensorParallel& tp = partition_.tp;
+  const int64_t seq = h.size(1) * (tp.enabled() && tp.sequence_parallel ? tp.size : 1);
+  torch::Tensor cos, sin;
+  if (rope_cos_.defined()) {
     cos = rope_cos_.narrow(0, 0, seq);
     sin = rope_sin_.narrow(0, 0, seq);
   }
-  for (int i = 0; i < static_cast<int>(layers_->size()); ++i) {
+  for (int i = 0; i < num_local_layers(); ++i) {
     if (hooks_ != nullptr) hooks_->BeforeLayer(i);
-    std::shared_ptr<BlockImpl> block = layers_->ptr<BlockImpl>(i);
+    std::shared_ptr<BlockImpl> block = blocks_[i];
     if (checkpointing_ == v1::ACTIVATION_CHECKPOINTING_FULL) {
       h = Checkpoint(
           [block, cos, sin](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
@@ -252,16 +401,60 @@ torch::Tensor CausalLMImpl::forward(const torch::Tensor& tokens) {
     }
     if (hooks_ != nullptr) h = hooks_->AfterLayer(i, std::move(h));
   }
-  h = final_norm_->forward(h);
+  return h;
+}
+
+torch::Tensor CausalLMImpl::HeadLoss(const torch::Tensor& hidden, const torch::Tensor& targets) {
+  const TensorParallel& tp = partition_.tp;
+  torch::Tensor h = final_norm_->forward(hidden);
+  const torch::Tensor& weight = lm_head_.defined() ? lm_head_ : embed_->weight;
+  if (!tp.enabled()) {
+    torch::Tensor logits = F::linear(h, weight);
+    return F::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
+                            targets.reshape({-1}));
+  }
+  torch::Tensor logits = F::linear(EnterTensorParallel(h, tp), weight);
+  const int64_t rows = weight.size(0);
+  const int64_t begin = tp.rank * rows;
+  const int64_t valid = std::clamp<int64_t>(dims_.vocab_size() - begin, 0, rows);
+  return VocabParallelCrossEntropy(logits.reshape({-1, rows}), targets.reshape({-1}), begin, valid,
+                                   tp);
+}
+
+torch::Tensor CausalLMImpl::StageForward(const torch::Tensor& input, const torch::Tensor& targets) {
+  torch::Tensor h = input;
+  if (partition_.embedding) {
+    TORCH_CHECK(input.dim() == 2, "tokens must be [batch, seq], got ", input.sizes());
+    TORCH_CHECK(input.size(1) <= dims_.max_seq_len(), "sequence length ", input.size(1),
+                " exceeds max_seq_len ", dims_.max_seq_len());
+    const TensorParallel& tp = partition_.tp;
+    TORCH_CHECK(!tp.enabled() || !tp.sequence_parallel || input.size(1) % tp.size == 0,
+                "sequence length ", input.size(1), " is not divisible by tensor_parallel ", tp.size,
+                " (sequence parallelism splits it)");
+    h = Embed(input);
+  }
+  h = RunLayers(std::move(h));
+  if (!partition_.head) return h;
+  TORCH_CHECK(targets.defined(), "the last stage needs targets");
+  return HeadLoss(h, targets);
+}
+
+torch::Tensor CausalLMImpl::forward(const torch::Tensor& tokens) {
+  TORCH_CHECK(tokens.dim() == 2, "tokens must be [batch, seq], got ", tokens.sizes());
+  TORCH_CHECK(partition_.embedding && partition_.head && !partition_.tp.enabled(),
+              "forward() needs the whole model on one rank; use StageForward");
+  const int64_t seq = tokens.size(1);
+  TORCH_CHECK(seq <= dims_.max_seq_len(), "sequence length ", seq, " exceeds max_seq_len ",
+              dims_.max_seq_len());
+  torch::Tensor h = final_norm_->forward(RunLayers(Embed(tokens)));
   return F::linear(h, lm_head_.defined() ? lm_head_ : embed_->weight);
 }
 
 torch::Tensor CausalLMImpl::Loss(const torch::Tensor& inputs, const torch::Tensor& targets) {
   TORCH_CHECK(inputs.sizes() == targets.sizes(), "inputs ", inputs.sizes(), " and targets ",
               targets.sizes(), " differ in shape");
-  torch::Tensor logits = forward(inputs);
-  return F::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
-                          targets.reshape({-1}));
+  TORCH_CHECK(partition_.embedding && partition_.head, "Loss() needs every pipeline stage");
+  return StageForward(inputs, targets);
 }
 
 void CausalLMImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) {
@@ -269,12 +462,14 @@ void CausalLMImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) 
               static_cast<int>(mode));
   checkpointing_ =
       mode == v1::ACTIVATION_CHECKPOINTING_UNSPECIFIED ? v1::ACTIVATION_CHECKPOINTING_NONE : mode;
-  for (auto& layer : *layers_) layer->as<BlockImpl>()->SetActivationCheckpointing(checkpointing_);
+  for (auto& block : blocks_) block->SetActivationCheckpointing(checkpointing_);
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> CausalLMImpl::LayerParameters(int layer) {
-  TORCH_CHECK(layer >= -1 && layer < static_cast<int>(layers_->size()), "layer ", layer,
-              " outside [-1, ", layers_->size(), ")");
+  TORCH_CHECK(layer == -1 || (layer >= partition_.first_layer &&
+                              layer < partition_.first_layer + partition_.num_layers),
+              "layer ", layer, " is not held here (layers [", partition_.first_layer, ", ",
+              partition_.first_layer + partition_.num_layers, "))");
   const std::string layer_prefix = "layers.";
   const std::string prefix = layer_prefix + std::to_string(layer) + ".";
   std::vector<std::pair<std::string, torch::Tensor>> out;

@@ -1,5 +1,5 @@
 # model part of tessera_trainer: sources and tests (see CMakeLists.txt).
-target_sources(tessera_trainer PRIVATE activation_checkpoint.cc model.cc)
+target_sources(tessera_trainer PRIVATE activation_checkpoint.cc model.cc tensor_parallel.cc)
 
 if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME model_test

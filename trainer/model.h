@@ -10,12 +10,15 @@
 #include <torch/nn.h>
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "tessera/v1/layout.pb.h"
 #include "tessera/v1/model.pb.h"
+#include "trainer/tensor_parallel.h"
 
 namespace tessera::trainer {
 
@@ -48,10 +51,11 @@ class NormImpl : public torch::nn::Module {
 TORCH_MODULE(Norm);
 
 // Causal self-attention of one block: fused qkv for GPT2, separate q/k/v with RoPE and
-// grouped-query attention for LLAMA.
+// grouped-query attention for LLAMA. Under tensor parallelism it holds heads / tp query heads and
+// kv_heads / tp key/value heads (column-parallel projections, row-parallel output).
 class AttentionImpl : public torch::nn::Module {
  public:
-  explicit AttentionImpl(const v1::ModelDims& dims);
+  AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp);
   // x [batch, seq, hidden]; cos/sin [seq, head_dim] (undefined for GPT2).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   // The projection writing into the residual stream (gets the scaled init).
@@ -64,16 +68,17 @@ class AttentionImpl : public torch::nn::Module {
 
   bool llama_;
   bool recompute_core_ = false;
-  int64_t heads_, kv_heads_, head_dim_;
+  TensorParallel tp_;
+  int64_t heads_, kv_heads_, head_dim_;  // this rank's heads
   torch::nn::Linear qkv_{nullptr}, q_{nullptr}, k_{nullptr}, v_{nullptr}, out_{nullptr};
   Norm q_norm_{nullptr}, k_norm_{nullptr};
 };
 TORCH_MODULE(Attention);
 
-// GELU MLP (GPT2) or SwiGLU (LLAMA).
+// GELU MLP (GPT2) or SwiGLU (LLAMA); ffn_hidden_size / tp columns of it under tensor parallelism.
 class MlpImpl : public torch::nn::Module {
  public:
-  explicit MlpImpl(const v1::ModelDims& dims);
+  MlpImpl(const v1::ModelDims& dims, const TensorParallel& tp);
   torch::Tensor forward(const torch::Tensor& x);
   // The projection writing into the residual stream (gets the scaled init).
   torch::nn::Linear& output_projection() { return down_; }
@@ -84,6 +89,7 @@ class MlpImpl : public torch::nn::Module {
  private:
   bool llama_;
   bool recompute_activation_ = false;
+  TensorParallel tp_;
   torch::nn::Linear up_{nullptr}, gate_{nullptr}, down_{nullptr};
 };
 TORCH_MODULE(Mlp);
@@ -91,7 +97,7 @@ TORCH_MODULE(Mlp);
 // Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const v1::ModelDims& dims);
+  BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   Attention& attention() { return attn_; }
   Mlp& mlp() { return mlp_; }
@@ -119,23 +125,45 @@ class LayerHooks {
   virtual torch::Tensor AfterLayer(int layer, torch::Tensor output) = 0;
 };
 
+// Which part of the model a rank holds: its tensor-parallel split and, under pipeline
+// parallelism, its stage's layers. Parameter names stay those of the whole model
+// ("layers.<global index>.", "embed.weight"), so checkpoints do not depend on the layout.
+struct ModelPartition {
+  TensorParallel tp;
+  int first_layer = 0;
+  int num_layers = -1;  // -1: every layer from first_layer on
+  // The first stage holds the embeddings; the last the final norm, the LM head and the loss.
+  // With tied embeddings the last stage of a pipeline holds its own copy of embed.weight as the
+  // head (the engine keeps the two copies' gradients summed).
+  bool embedding = true;
+  bool head = true;
+};
+
 // A decoder-only transformer (GPT2 or LLAMA family per dims.architecture), in float32 parameters.
 class CausalLMImpl : public torch::nn::Module {
  public:
   // dims must be resolved (planner::ResolveModel output); init_std 0 means
-  // planner::kDefaultInitStd. Initialisation draws from LibTorch's generator, so it is
-  // deterministic given torch::manual_seed.
-  CausalLMImpl(const v1::ModelDims& dims, double init_std);
-  // tokens: int64 [batch, seq] (seq <= max_seq_len) -> logits float [batch, seq, vocab]
+  // planner::kDefaultInitStd. Initialisation is deterministic given torch::manual_seed: one number
+  // is drawn from LibTorch's CPU generator, and every parameter is drawn in full from a generator
+  // seeded by it and the parameter's name, then cut to this rank's shard. So a parameter's
+  // initial value is the same under every layout.
+  CausalLMImpl(const v1::ModelDims& dims, double init_std, const ModelPartition& partition = {});
+  // tokens: int64 [batch, seq] (seq <= max_seq_len) -> logits float [batch, seq, vocab]. The whole
+  // model on one rank only.
   torch::Tensor forward(const torch::Tensor& tokens);
   // Mean next-token cross-entropy over all positions: logits of inputs vs targets, both int64
-  // [batch, seq]. Computed in float32. Targets of -100 are ignored.
+  // [batch, seq]. Computed in float32. Targets of -100 are ignored. The whole model (any tp).
   torch::Tensor Loss(const torch::Tensor& inputs, const torch::Tensor& targets);
+  // This rank's stage of the forward: tokens in on the first stage, else the previous stage's
+  // activations [batch, seq (/ tp with sequence parallelism), hidden]; out the loss on the last
+  // stage (targets are only read there), else the activations for the next stage.
+  torch::Tensor StageForward(const torch::Tensor& input, const torch::Tensor& targets);
   // Parameters that get weight decay (matrices and embeddings, dim >= 2) and those that do not
   // (biases, norm weights).
   std::vector<torch::Tensor> DecayParameters();
   std::vector<torch::Tensor> NoDecayParameters();
   const v1::ModelDims& dims() const { return dims_; }
+  const ModelPartition& partition() const { return partition_; }
 
   // What forward keeps for backward: UNSPECIFIED and NONE keep everything; SELECTIVE recomputes
   // each layer's attention core and MLP activation function (planner::ActivationsPerLayer's
@@ -143,26 +171,38 @@ class CausalLMImpl : public torch::nn::Module {
   // unchanged (bitwise on CPU). Set between steps, not during one.
   void SetActivationCheckpointing(v1::ActivationCheckpointing mode);
   v1::ActivationCheckpointing activation_checkpointing() const { return checkpointing_; }
-  // nullptr = none; not owned, must outlive the forward calls that use it.
+  // nullptr = none; not owned, must outlive the forward calls that use it. Hooks get the layer's
+  // local index (0 is this rank's first layer).
   void SetLayerHooks(LayerHooks* hooks) { hooks_ = hooks; }
 
-  // The transformer blocks ("layers.<i>" in named_parameters()), each a Block.
-  torch::nn::ModuleList& layers() { return layers_; }
-  // named_parameters() entries, in its order, whose name starts with "layers.<layer>."; for layer
-  // -1 all the others (embeddings, final norm, lm_head). Names are full
-  // ("layers.3.attn.qkv.weight", "embed.weight"). c10::Error for a layer outside [-1, num_layers).
+  // This rank's transformer blocks, in order.
+  int num_local_layers() const { return static_cast<int>(blocks_.size()); }
+  // named_parameters() entries, in its order, whose name starts with "layers.<layer>." (a global
+  // index of a layer this rank holds); for layer -1 all the others (embeddings, final norm,
+  // lm_head). Names are full ("layers.3.attn.qkv.weight", "embed.weight"). c10::Error for a
+  // layer this rank does not hold.
   std::vector<std::pair<std::string, torch::Tensor>> LayerParameters(int layer);
+  // How a parameter of this rank is split over tp (its global shape included).
+  const ParamShard& ShardOf(const std::string& name) const;
+  // Every parameter name of the whole model, whatever this rank holds.
+  std::vector<std::string> AllParameterNames() const;
 
  private:
-  void Initialize(double init_std);
+  void Initialize(double init_std, uint64_t base);
+  torch::Tensor Embed(const torch::Tensor& tokens);
+  torch::Tensor RunLayers(torch::Tensor h);
+  torch::Tensor HeadLoss(const torch::Tensor& h, const torch::Tensor& targets);
 
   v1::ModelDims dims_;
+  ModelPartition partition_;
   torch::nn::Embedding embed_{nullptr};
   torch::nn::Embedding pos_embed_{nullptr};  // GPT2 only
-  torch::nn::ModuleList layers_;
+  torch::nn::ModuleDict layers_{nullptr};    // keyed by global layer index
+  std::vector<std::shared_ptr<BlockImpl>> blocks_;
   Norm final_norm_{nullptr};
   torch::Tensor lm_head_;              // undefined when tied: the output reuses embed_'s weight
   torch::Tensor rope_cos_, rope_sin_;  // LLAMA only; buffers, so they follow .to(device)
+  std::map<std::string, ParamShard> shards_;
   v1::ActivationCheckpointing checkpointing_ = v1::ACTIVATION_CHECKPOINTING_NONE;
   LayerHooks* hooks_ = nullptr;
 };

@@ -7,7 +7,7 @@ find_path(TESSERA_GLOO_INCLUDE_DIR gloo/algorithm.h REQUIRED)
 
 set(TESSERA_RUNTIME_PLAIN_SOURCES reporter.cc)
 target_sources(tessera_trainer PRIVATE adamw.cc checkpointing.cc distributed.cc mesh.cc sharded_engine.cc
-  train.cc training_state.cc ${TESSERA_RUNTIME_PLAIN_SOURCES})
+  pipeline.cc train.cc training_state.cc ${TESSERA_RUNTIME_PLAIN_SOURCES})
 set_source_files_properties(${TESSERA_RUNTIME_PLAIN_SOURCES} PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
 target_include_directories(tessera_trainer SYSTEM PRIVATE "${TESSERA_GLOO_INCLUDE_DIR}")
 

@@ -47,14 +47,14 @@ class GradientReadyHook final : public torch::autograd::PostAccumulateGradHook {
   int unit_;
 };
 
-// The unit of a parameter by its name: 1 + i for "layers.<i>.*", 0 otherwise.
-int UnitOf(const std::string& name) {
+// The unit of a parameter by its name: 1 + i for "layers.<first_layer + i>.*", 0 otherwise.
+int UnitOf(const std::string& name, int first_layer) {
   if (!absl::StartsWith(name, "layers.")) return 0;
   const size_t dot = name.find('.', 7);
   int layer = 0;
   TORCH_CHECK(dot != std::string::npos && absl::SimpleAtoi(name.substr(7, dot - 7), &layer),
               "parameter name ", name, " does not name its layer");
-  return 1 + layer;
+  return 1 + layer - first_layer;
 }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -69,6 +69,11 @@ ShardedEngine::ShardedEngine(CausalLM model, const ShardedEngineOptions& options
               "dp rank ", options_.dp_rank, " of ", options_.dp_size);
   TORCH_CHECK(options_.dp_size == 1 || options_.dp_group, "dp ", options_.dp_size,
               " needs a process group");
+  TORCH_CHECK(options_.tp.size == model_->partition().tp.size,
+              "the engine's tensor parallelism differs from the model's");
+  TORCH_CHECK(options_.pp_size == 1 || options_.pp_group, "pp ", options_.pp_size,
+              " needs a process group");
+  for (const std::string& name : model_->AllParameterNames()) names_.insert(name);
   BuildUnits();
   BuildRuns();
   if (stage() == 3) model_->SetLayerHooks(this);
@@ -85,15 +90,23 @@ ShardedEngine::~ShardedEngine() {
 
 void ShardedEngine::BuildUnits() {
   torch::NoGradGuard no_grad;
-  units_.assign(1 + model_->dims().num_layers(), Unit{});
+  units_.assign(1 + model_->num_local_layers(), Unit{});
+  const ModelPartition& partition = model_->partition();
+  const int tp = options_.tp.size;
   for (const auto& item : model_->named_parameters()) {
     const at::Tensor& param = item.value();
-    names_.insert(item.key());
-    units_[UnitOf(item.key())].entries.push_back(Entry{.name = item.key(),
-                                                       .param = param,
-                                                       .shape = param.sizes().vec(),
-                                                       .numel = param.numel(),
-                                                       .decay = param.dim() >= 2});
+    const ParamShard& shard = model_->ShardOf(item.key());
+    Entry entry{.name = item.key(),
+                .param = param,
+                .shape = param.sizes().vec(),
+                .numel = param.numel(),
+                .decay = param.dim() >= 2,
+                .pieces = ShardPieces(shard, options_.tp.rank, tp)};
+    entry.replicated = tp > 1 && shard.kind == ParamShard::Kind::kReplicated;
+    const bool tied_copy = item.key() == "embed.weight" && !partition.embedding;
+    entry.saved = !tied_copy && (!entry.replicated || options_.tp.rank == 0);
+    entry.norm_share = tied_copy ? 0.0 : (entry.replicated ? 1.0 / tp : 1.0);
+    units_[UnitOf(item.key(), partition.first_layer)].entries.push_back(std::move(entry));
   }
   const int64_t dp = options_.dp_size;
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -107,6 +120,7 @@ void ShardedEngine::BuildUnits() {
     }
     unit.padded = CeilDiv(unit.numel, dp) * dp;
     unit.shard = unit.padded / dp;
+    if (unit.entries.empty()) continue;  // the outer unit of a middle pipeline stage
     const at::TensorOptions f32 = unit.entries.front().param.options().dtype(at::kFloat);
     unit.full = at::zeros({unit.padded}, f32);
     for (Entry& entry : unit.entries) {
@@ -166,6 +180,15 @@ void ShardedEngine::BuildRuns() {
                                      ? unit.full_grad.narrow(0, from, to - from)
                                      : unit.shard_grad.narrow(0, from - owned_begin, to - from);
       groups[decay ? 0 : 1].params.push_back(run.param);
+      // Under ZeRO 0 every dp replica holds the whole gradient.
+      const double replicas = stage() == 0 ? options_.dp_size : 1;
+      for (const Entry& entry : unit.entries) {
+        const int64_t a = std::max(from, entry.offset),
+                      b = std::min(to, entry.offset + entry.numel);
+        if (a >= b || entry.norm_share == 0) continue;
+        norm_groups_[entry.norm_share / replicas].push_back(
+            run.param.grad().narrow(0, a - from, b - a));
+      }
       runs_.push_back(std::move(run));
     }
   }
@@ -208,7 +231,7 @@ void ShardedEngine::AllocateFull(Unit& unit) {
 
 void ShardedEngine::StartGather(int u) {
   Unit& unit = units_[u];
-  if (unit.gather != GatherState::kFreed) return;
+  if (unit.gather != GatherState::kFreed || unit.entries.empty()) return;
   AllocateFull(unit);
   if (options_.dp_size == 1) {
     torch::NoGradGuard no_grad;
@@ -248,7 +271,7 @@ void ShardedEngine::EnsureGathered(int u) {
 
 void ShardedEngine::Free(int u) {
   Unit& unit = units_[u];
-  if (unit.gather == GatherState::kFreed) return;
+  if (unit.gather == GatherState::kFreed || unit.entries.empty()) return;
   if (unit.gather == GatherState::kGathering) unit.gather_work->wait();
   unit.gather_work.reset();
   // Release the storage the parameters view, keeping the tensors (and whatever autograd saved
@@ -286,9 +309,11 @@ torch::Tensor ShardedEngine::AfterLayer(int layer, torch::Tensor output) {
 
 void ShardedEngine::OnGradientReady(int u) {
   if (stage() <= 1 && !last_micro_batch_) return;  // accumulate locally until the last one
+  if (u == 0 && defer_outer_unit()) return;        // Step reduces it after the tied sum
   Unit& unit = units_[u];
   if (++unit.ready < static_cast<int>(unit.entries.size())) return;
   unit.ready = 0;
+  SumReplicatedGradients(u);
   ReduceUnit(u);
   if (stage() == 3) Free(u);
 }
@@ -356,6 +381,45 @@ void ShardedEngine::FinishAll() {
   while (!pending_.empty()) FinishOldest();
 }
 
+void ShardedEngine::SumReplicatedGradients(int u) {
+  if (!options_.tp.enabled() || !options_.tp.sequence_parallel) return;
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (Entry& entry : units_[u].entries) {
+    if (entry.replicated && entry.param.grad().defined()) grads.push_back(entry.param.grad());
+  }
+  if (grads.empty()) return;
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& grad : grads) flat.push_back(grad.reshape({-1}));
+  at::Tensor sum = at::cat(flat);
+  AllReduceSum(options_.tp.group, sum);
+  int64_t offset = 0;
+  for (at::Tensor& grad : grads) {
+    grad.copy_(sum.narrow(0, offset, grad.numel()).view_as(grad));
+    offset += grad.numel();
+  }
+}
+
+void ShardedEngine::SumTiedEmbeddingGradients() {
+  torch::NoGradGuard no_grad;
+  at::Tensor grad;
+  for (Entry& entry : units_[0].entries) {
+    if (entry.name == "embed.weight") grad = entry.param.grad();
+  }
+  if (!grad.defined()) {
+    // A middle stage: zeros of the embedding's shape.
+    const v1::ModelDims& dims = model_->dims();
+    grad = at::zeros({VocabRowsPerRank(dims.vocab_size(), options_.tp.size), dims.hidden_size()},
+                     at::TensorOptions()
+                         .dtype(at::kFloat)
+                         .device(units_.back().full.defined() ? units_.back().full.device()
+                                                              : at::Device(at::kCPU)));
+    AllReduceSum(options_.pp_group, grad);
+    return;
+  }
+  AllReduceSum(options_.pp_group, grad);
+}
+
 at::Tensor ShardedEngine::ForwardBackward(const at::Tensor& inputs, const at::Tensor& targets,
                                           double scale, bool last) {
   last_micro_batch_ = last;
@@ -371,19 +435,50 @@ at::Tensor ShardedEngine::ForwardBackward(const at::Tensor& inputs, const at::Te
   return loss.detach();
 }
 
+at::Tensor ShardedEngine::ForwardStage(const at::Tensor& input, const at::Tensor& targets) {
+  TORCH_CHECK(stage() <= 1, "pipeline stages run ZeRO 0 or 1");
+  AutocastScope autocast(options_.bf16);
+  return model_->StageForward(input, targets);
+}
+
+void ShardedEngine::BackwardStage(const at::Tensor& output, const at::Tensor& grad, double scale,
+                                  bool last) {
+  last_micro_batch_ = last;
+  for (Unit& unit : units_) unit.ready = 0;
+  if (grad.defined()) {
+    output.backward(grad);
+  } else {
+    (output * scale).backward();
+  }
+}
+
 double ShardedEngine::Step(double lr, double clip_norm) {
   FinishAll();
+  if (defer_outer_unit()) {
+    SumTiedEmbeddingGradients();
+    if (!units_[0].entries.empty()) {
+      SumReplicatedGradients(0);
+      ReduceUnit(0);
+      FinishAll();
+    }
+  }
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   grads.reserve(runs_.size());
   for (const Run& run : runs_) grads.push_back(run.param.grad());
-  at::Tensor squares =
-      at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(units_.front().full.device()));
-  if (!grads.empty()) {
-    std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
-    squares = at::stack(norms).to(at::kDouble).pow(2).sum();
+  at::Device device = at::kCPU;
+  for (const Unit& unit : units_) {
+    if (unit.full.defined()) device = unit.full.device();
   }
-  if (stage() >= 1 && options_.dp_size > 1) {
+  at::Tensor squares = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+  for (const auto& [share, views] : norm_groups_) {
+    std::vector<at::Tensor> norms = at::_foreach_norm(views, 2);
+    squares += at::stack(norms).to(at::kDouble).pow(2).sum() * share;
+  }
+  if (options_.world_group) {
+    std::vector<at::Tensor> tensors{squares};
+    options_.world_group->allreduce(tensors)->wait();
+  } else if (options_.dp_size > 1) {
     std::vector<at::Tensor> tensors{squares};
     options_.dp_group->allreduce(tensors)->wait();
   }
@@ -397,6 +492,7 @@ double ShardedEngine::Step(double lr, double clip_norm) {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<at::Tensor> inputs;
     for (Unit& unit : units_) {
+      if (unit.entries.empty()) continue;
       if (options_.sharded_collectives_as_all_reduce) {
         works.push_back(GatherInto(unit, unit.owned));
         continue;
@@ -416,6 +512,7 @@ double ShardedEngine::Step(double lr, double clip_norm) {
 
 void ShardedEngine::ZeroGradients() {
   for (Unit& unit : units_) {
+    if (unit.entries.empty()) continue;
     if (stage() <= 1) {
       unit.full_grad.zero_();
     } else {
@@ -455,21 +552,32 @@ void ShardedEngine::AppendRanges(int u, const Entry& entry, int64_t from, int64_
                                  bool moments, std::vector<TensorRange>* out) {
   if (from >= to) return;
   Unit& unit = units_[u];
-  const int64_t offset = from - entry.offset;
-  if (values) {
-    const int64_t owned_begin = OwnedBegin(unit);
-    out->push_back({absl::StrCat("model/", entry.name), entry.shape, offset,
-                    stage() == 3 ? unit.owned.narrow(0, from - owned_begin, to - from)
-                                 : unit.full.narrow(0, from, to - from)});
-  }
-  if (!moments) return;
-  for (const Run& run : runs_) {
-    if (run.unit != u || from < run.begin || to > run.end) continue;
-    FusedAdamW::State& state = optimizer_->StateFor(run.decay ? 0 : 1, run.state_index);
-    out->push_back({absl::StrCat("exp_avg/", entry.name), entry.shape, offset,
-                    state.exp_avg.narrow(0, from - run.begin, to - from)});
-    out->push_back({absl::StrCat("exp_avg_sq/", entry.name), entry.shape, offset,
-                    state.exp_avg_sq.narrow(0, from - run.begin, to - from)});
+  const std::vector<int64_t>& global_shape = model_->ShardOf(entry.name).global_shape;
+  for (const ShardPiece& piece : entry.pieces) {
+    // The piece's elements in unit coordinates, cut to [from, to).
+    const int64_t a = std::max(from, entry.offset + piece.local_begin);
+    const int64_t b = std::min(to, entry.offset + piece.local_begin + piece.numel);
+    if (a >= b) continue;
+    const int64_t offset = a - entry.offset - piece.local_begin;
+    auto add = [&](const char* prefix, at::Tensor data) {
+      out->push_back({.name = absl::StrCat(prefix, entry.name),
+                      .global_shape = global_shape,
+                      .offset = offset,
+                      .data = std::move(data),
+                      .box_offset = piece.box_offset,
+                      .box_shape = piece.box_shape});
+    };
+    if (values) {
+      add("model/", stage() == 3 ? unit.owned.narrow(0, a - OwnedBegin(unit), b - a)
+                                 : unit.full.narrow(0, a, b - a));
+    }
+    if (!moments) continue;
+    for (const Run& run : runs_) {
+      if (run.unit != u || a < run.begin || b > run.end) continue;
+      FusedAdamW::State& state = optimizer_->StateFor(run.decay ? 0 : 1, run.state_index);
+      add("exp_avg/", state.exp_avg.narrow(0, a - run.begin, b - a));
+      add("exp_avg_sq/", state.exp_avg_sq.narrow(0, a - run.begin, b - a));
+    }
   }
 }
 
@@ -479,6 +587,7 @@ std::vector<TensorRange> ShardedEngine::SaveRanges() {
     const Unit& unit = units_[u];
     const int64_t owned_begin = OwnedBegin(unit);
     for (const Entry& entry : unit.entries) {
+      if (!entry.saved) continue;
       AppendRanges(static_cast<int>(u), entry, std::max(owned_begin, entry.offset),
                    std::min(owned_begin + unit.shard, entry.offset + entry.numel),
                    /*values=*/true, /*moments=*/true, &out);
@@ -529,6 +638,8 @@ void ShardedEngine::set_optimizer_step(int64_t step) {
 
 void ShardedEngine::ForEachFullParameter(
     const std::function<void(const std::string&, const at::Tensor&)>& visit) {
+  TORCH_CHECK(options_.tp.size == 1 && options_.pp_size == 1,
+              "full parameters are gathered under data parallelism only");
   torch::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = units_[u];

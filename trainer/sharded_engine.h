@@ -40,6 +40,7 @@
 
 #include "trainer/adamw.h"
 #include "trainer/model.h"
+#include "trainer/tensor_parallel.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -62,6 +63,19 @@ struct ShardedEngineOptions {
   bool sharded_collectives_as_all_reduce = false;
   // Reduce-scatters / all-reduces allowed in flight before the oldest is waited for.
   int max_in_flight = 2;
+  // Tensor parallelism of the model (the same as its ModelPartition's). With sequence
+  // parallelism, the replicated parameters' gradients are summed over tp before the dp reduction.
+  TensorParallel tp;
+  // The group of every rank of the job (null for one rank): the global gradient norm is summed
+  // over it, each element counted once.
+  c10::intrusive_ptr<c10d::ProcessGroup> world_group;
+  // The pipeline group (null without pipeline parallelism) and this rank's stage in it. With
+  // tied embeddings, the first stage's embed.weight and the last stage's copy get the sum of both
+  // gradients (an all-reduce over the pipeline group, middle stages adding zeros) before the dp
+  // reduction, which for that unit waits until Step.
+  c10::intrusive_ptr<c10d::ProcessGroup> pp_group;
+  int pp_stage = 0;
+  int pp_size = 1;
 };
 
 // Bytes this rank holds for its shard of the training state (what the planner's memory terms
@@ -83,6 +97,11 @@ struct TensorRange {
   std::vector<int64_t> global_shape;
   int64_t offset = 0;
   at::Tensor data;  // 1-D, data.numel() elements starting at `offset`
+  // The block of the tensor the range lies in, for tensor-parallel shards: a box of `box_shape`
+  // elements at `box_offset` in the global tensor. Both empty: the whole tensor. `offset` counts
+  // in the box's row-major flattening.
+  std::vector<int64_t> box_offset = {};
+  std::vector<int64_t> box_shape = {};
 };
 
 class ShardedEngine : public LayerHooks {
@@ -106,6 +125,13 @@ class ShardedEngine : public LayerHooks {
 
   // The mean loss of a batch without gradients (ZeRO-3 gathers layer by layer as in training).
   at::Tensor EvalLoss(const at::Tensor& inputs, const at::Tensor& targets);
+
+  // Pipeline stages: the stage's forward of one micro-batch (under the engine's autocast), and
+  // the backward from its output: `grad` is the next stage's gradient for it, or undefined on
+  // the last stage, whose output is the loss (then loss * scale is differentiated). `last` marks
+  // the step's last backward (ZeRO 0/1 reduce then).
+  at::Tensor ForwardStage(const at::Tensor& input, const at::Tensor& targets);
+  void BackwardStage(const at::Tensor& output, const at::Tensor& grad, double scale, bool last);
 
   EngineMemory Memory() const;
 
@@ -142,6 +168,15 @@ class ShardedEngine : public LayerHooks {
     int64_t offset = 0;  // in the unit's flat buffer
     int64_t numel = 0;
     bool decay = false;
+    // Where its elements lie in the global tensor (tensor-parallel shards).
+    std::vector<ShardPiece> pieces;
+    // Whole on every tp rank (norms, row-parallel biases, position embeddings) when tp > 1.
+    bool replicated = false;
+    // Written to checkpoints by this rank: not by tp ranks other than 0 for replicated
+    // parameters, nor by the last pipeline stage for its copy of a tied embedding.
+    bool saved = true;
+    // Its share of the global gradient norm: 0 for a tied copy, 1 / tp when replicated.
+    double norm_share = 1;
   };
   struct Run {
     int unit = 0;
@@ -187,6 +222,11 @@ class ShardedEngine : public LayerHooks {
   void FinishOldest();
   void FinishAll();
   void ZeroGradients();
+  // Sequence parallelism: sums the replicated parameters' gradients of `unit` over tp.
+  void SumReplicatedGradients(int unit);
+  // Pipeline with tied embeddings: sums the two copies' gradients over the pipeline group.
+  void SumTiedEmbeddingGradients();
+  bool defer_outer_unit() const { return options_.pp_size > 1 && model_->dims().tie_embeddings(); }
   // Reusable CPU buffers: glibc maps every block above 32 MiB afresh and unmaps it on free, so
   // without reuse each gathered layer or flattened gradient costs page faults for all its bytes,
   // every step (bench/zero_bench.py measured 4.5M minor faults per rank over 5 ZeRO-3 steps).
@@ -203,7 +243,9 @@ class ShardedEngine : public LayerHooks {
   ShardedEngineOptions options_;
   std::vector<Unit> units_;  // units_[0] is the outer unit, units_[1 + i] layer i
   std::vector<Run> runs_;
-  std::set<std::string> names_;  // every parameter's name
+  std::set<std::string> names_;  // every parameter name of the whole model
+  // The gradient views this rank steps, grouped by their share of the global norm.
+  std::map<double, std::vector<at::Tensor>> norm_groups_;
   std::unique_ptr<FusedAdamW> optimizer_;
   std::deque<Pending> pending_;
   // Spare CPU buffers by element count, and spare ZeRO-3 unit storage by bytes, at most

@@ -23,6 +23,7 @@
 #include "trainer/distributed.h"
 #include "trainer/mesh.h"
 #include "trainer/model.h"
+#include "trainer/pipeline.h"
 #include "trainer/sharded_engine.h"
 #include "trainer/torch_pch.h"
 #if TESSERA_WITH_CUDA
@@ -133,22 +134,54 @@ class Trainer {
     return status;
   }
 
-  // The layouts this trainer runs: data parallel with ZeRO 0-3 and activation checkpointing. The
-  // coordinator refuses the others at submission; this guards direct launches.
+  // The layouts this trainer runs: dp x tp x pp (tp with or without sequence parallelism), ZeRO
+  // 0-3 under data parallelism alone and ZeRO 0-1 with tp or pp, any activation checkpointing.
+  // The coordinator refuses the others at submission; this guards direct launches.
   absl::Status ValidateLayout() {
     const v1::Layout& layout = task_.plan().layout();
-    if (layout.tensor_parallel() > 1 || layout.pipeline_parallel() > 1 ||
-        layout.sequence_parallel()) {
-      return absl::UnimplementedError(absl::StrFormat(
-          "parallelism.layout: tensor_parallel %d, pipeline_parallel %d, sequence_parallel %v: "
-          "this trainer runs data parallel (ZeRO 0-3, activation checkpointing) only so far",
-          layout.tensor_parallel(), layout.pipeline_parallel(), layout.sequence_parallel()));
-    }
     if (layout.zero_stage() < 0 || layout.zero_stage() > 3) {
       return absl::InvalidArgumentError(
           absl::StrCat("parallelism.layout.zero_stage: ", layout.zero_stage(), " is not in 0..3"));
     }
     ASSIGN_OR_RETURN(shape_, MeshShapeForLayout(layout, world()));
+    if (layout.zero_stage() > 1 && (shape_.tp > 1 || shape_.pp > 1)) {
+      return absl::UnimplementedError(absl::StrFormat(
+          "parallelism.layout.zero_stage: %d with tensor_parallel %d and pipeline_parallel %d: "
+          "this trainer runs ZeRO 2 and 3 under data parallelism alone; use zero_stage 0 or 1",
+          layout.zero_stage(), shape_.tp, shape_.pp));
+    }
+    if (layout.sequence_parallel() && shape_.tp == 1) {
+      return absl::InvalidArgumentError(
+          "parallelism.layout.sequence_parallel: needs tensor_parallel > 1");
+    }
+    return absl::OkStatus();
+  }
+
+  // What the model's dimensions must allow for the layout's splits (the planner's rules).
+  absl::Status ValidateSplits() {
+    const v1::ModelDims& dims = summary_.dims();
+    const int tp = shape_.tp, pp = shape_.pp;
+    auto refuse = [](const std::string& field, const std::string& problem) {
+      return absl::InvalidArgumentError(absl::StrCat("parallelism.layout.", field, ": ", problem));
+    };
+    if (dims.num_attention_heads() % tp != 0 || dims.num_kv_heads() % tp != 0) {
+      return refuse("tensor_parallel",
+                    absl::StrCat(tp, " does not divide the model's ", dims.num_attention_heads(),
+                                 " attention heads and ", dims.num_kv_heads(),
+                                 " key/value heads (key/value heads are split, not replicated)"));
+    }
+    if (dims.ffn_hidden_size() % tp != 0) {
+      return refuse("tensor_parallel",
+                    absl::StrCat(tp, " does not divide ffn_hidden_size ", dims.ffn_hidden_size()));
+    }
+    if (dims.num_layers() % pp != 0) {
+      return refuse("pipeline_parallel", absl::StrCat(pp, " does not divide the model's ",
+                                                      dims.num_layers(), " layers"));
+    }
+    if (task_.plan().layout().sequence_parallel() && spec_.data().seq_len() % tp != 0) {
+      return refuse("sequence_parallel", absl::StrCat("data.seq_len ", spec_.data().seq_len(),
+                                                      " is not divisible by tensor_parallel ", tp));
+    }
     return absl::OkStatus();
   }
 
@@ -202,6 +235,9 @@ class Trainer {
     auto summary = planner::ResolveModel(spec_.model(), spec_.data().seq_len());
     if (!summary.ok()) return Fail(v1::FAILURE_KIND_INVALID_SPEC, summary.status());
     summary_ = *summary;
+    if (auto status = ValidateSplits(); !status.ok()) {
+      return Fail(v1::FAILURE_KIND_INVALID_SPEC, status);
+    }
     if (auto status = SetupDevice(); !status.ok()) {
       return Fail(v1::FAILURE_KIND_INVALID_SPEC, status);
     }
@@ -242,10 +278,29 @@ class Trainer {
     seed_ = spec_.seed() != 0 ? spec_.seed() : 1234;
     torch::manual_seed(seed_);
     double init_std = spec_.model().init_std() > 0 ? spec_.model().init_std() : 0.02;
-    model_ = CausalLM(summary_.dims(), init_std);
+    const int stage = mesh_.coord(MeshDim::kPipeline), stages = shape_.pp;
+    const int layers_per_stage = summary_.dims().num_layers() / stages;
+    TensorParallel tp{
+        .group = mesh_.group(MeshDim::kTensor),
+        .rank = mesh_.coord(MeshDim::kTensor),
+        .size = shape_.tp,
+        .sequence_parallel = shape_.tp > 1 && task_.plan().layout().sequence_parallel()};
+    model_ = CausalLM(summary_.dims(), init_std,
+                      ModelPartition{.tp = tp,
+                                     .first_layer = stage * layers_per_stage,
+                                     .num_layers = layers_per_stage,
+                                     .embedding = stage == 0,
+                                     .head = stage == stages - 1});
     model_->to(device_);
     model_->SetActivationCheckpointing(CheckpointingMode());
     BroadcastParameters();
+    if (stages > 1) {
+      const int64_t seq = spec_.data().seq_len() / (tp.sequence_parallel ? tp.size : 1);
+      pipeline_.emplace(mesh_.group(MeshDim::kPipeline), stage, stages,
+                        std::vector<int64_t>{spec_.batch().micro_batch_size(), seq,
+                                             summary_.dims().hidden_size()},
+                        device_);
+    }
     const v1::OptimizerSpec& opt = spec_.optimizer();
     engine_ = std::make_unique<ShardedEngine>(
         model_, ShardedEngineOptions{.zero_stage = task_.plan().layout().zero_stage(),
@@ -257,7 +312,12 @@ class Trainer {
                                                .eps = opt.epsilon() > 0 ? opt.epsilon() : 1e-8},
                                      .weight_decay = opt.weight_decay(),
                                      .bf16 = bf16_,
-                                     .sharded_collectives_as_all_reduce = !device_.is_cuda()});
+                                     .sharded_collectives_as_all_reduce = !device_.is_cuda(),
+                                     .tp = tp,
+                                     .world_group = group_.has_value() ? group_->group : nullptr,
+                                     .pp_group = mesh_.group(MeshDim::kPipeline),
+                                     .pp_stage = stage,
+                                     .pp_size = stages});
 
     v1::DataPosition start;
     start.set_seed(seed_);
@@ -302,12 +362,13 @@ class Trainer {
   }
 
   void BroadcastParameters() {
-    if (!group_.has_value()) return;
-    // Every rank initialises from the same seed; the broadcast makes rank 0's
-    // weights authoritative anyway, as DDP does.
+    const auto& dp_group = mesh_.group(MeshDim::kData);
+    if (!dp_group) return;
+    // Every rank initialises from the same seed; the broadcast makes dp rank 0's weights
+    // authoritative anyway, as DDP does (the ranks of a dp group hold the same shard).
     for (auto& param : model_->parameters()) {
       std::vector<at::Tensor> tensors{param.data()};
-      group_->group->broadcast(tensors)->wait();
+      dp_group->broadcast(tensors)->wait();
     }
   }
 
@@ -342,19 +403,35 @@ class Trainer {
     // Each micro-batch's gradient is scaled so that the sum over the dp group is the mean over
     // the global batch.
     const double scale = 1.0 / (accumulation * mesh_.size(MeshDim::kData));
-    for (int i = 0; i < accumulation; ++i) {
-      MicroBatch& mb = micro_batches[i];
-      at::Tensor inputs = ToDevice(mb.inputs, mb.batch_size, mb.seq_len);
-      at::Tensor targets = ToDevice(mb.targets, mb.batch_size, mb.seq_len);
-      at::Tensor loss =
-          engine_->ForwardBackward(inputs, targets, scale, /*last=*/i == accumulation - 1);
-      loss_sum += loss.to(torch::kFloat32);
+    if (pipeline_.has_value()) {
+      at::Tensor sum = pipeline_->Train(
+          accumulation,
+          [&](int i, const at::Tensor& input) {
+            MicroBatch& mb = micro_batches[i];
+            return engine_->ForwardStage(
+                pipeline_->first() ? ToDevice(mb.inputs, mb.batch_size, mb.seq_len) : input,
+                pipeline_->last() ? ToDevice(mb.targets, mb.batch_size, mb.seq_len) : at::Tensor());
+          },
+          [&](int /*i*/, const at::Tensor& output, const at::Tensor& grad, bool last) {
+            engine_->BackwardStage(output, grad, scale, last);
+          });
+      if (sum.defined()) loss_sum += sum;
+    } else {
+      for (int i = 0; i < accumulation; ++i) {
+        MicroBatch& mb = micro_batches[i];
+        at::Tensor inputs = ToDevice(mb.inputs, mb.batch_size, mb.seq_len);
+        at::Tensor targets = ToDevice(mb.targets, mb.batch_size, mb.seq_len);
+        at::Tensor loss =
+            engine_->ForwardBackward(inputs, targets, scale, /*last=*/i == accumulation - 1);
+        loss_sum += loss.to(torch::kFloat32);
+      }
     }
     at::Tensor step_loss = loss_sum / accumulation;
     if (group_.has_value()) {
+      // The last pipeline stage's ranks hold the loss (every tp rank the same value).
       std::vector<at::Tensor> tensors{step_loss};
       group_->group->allreduce(tensors)->wait();
-      step_loss = tensors[0] / world();
+      step_loss = tensors[0] / (world() / shape_.pp);
     }
     double loss_value = step_loss.item<double>();
     if (!std::isfinite(loss_value)) {
@@ -405,8 +482,20 @@ class Trainer {
         ++mb.batch_size;
       }
       if (mb.batch_size == 0) break;
-      at::Tensor loss = engine_->EvalLoss(ToDevice(mb.inputs, mb.batch_size, seq),
-                                          ToDevice(mb.targets, mb.batch_size, seq));
+      at::Tensor loss;
+      if (pipeline_.has_value()) {
+        // Evaluation batches may be smaller than a micro-batch: fixed-shape sends need full ones.
+        if (mb.batch_size != micro) break;
+        loss = pipeline_->Evaluate([&](int, const at::Tensor& input) {
+          return engine_->ForwardStage(
+              pipeline_->first() ? ToDevice(mb.inputs, mb.batch_size, seq) : input,
+              pipeline_->last() ? ToDevice(mb.targets, mb.batch_size, seq) : at::Tensor());
+        });
+        if (!loss.defined()) continue;  // only the last stage counts
+      } else {
+        loss = engine_->EvalLoss(ToDevice(mb.inputs, mb.batch_size, seq),
+                                 ToDevice(mb.targets, mb.batch_size, seq));
+      }
       int64_t tokens = static_cast<int64_t>(mb.batch_size) * seq;
       totals[0] += loss.item<double>() * tokens;
       totals[1] += static_cast<double>(tokens);
@@ -517,6 +606,8 @@ class Trainer {
   MeshShape shape_;
   DeviceMesh mesh_;
   std::unique_ptr<ShardedEngine> engine_;
+  // Pipeline parallelism only.
+  std::optional<PipelineSchedule> pipeline_;
   int64_t step_ = 0;
   int64_t tokens_seen_ = 0;
   TrainResult result_;
