@@ -192,6 +192,11 @@ absl::Status ValidateExplicitLayout(const v1::Layout& layout, const v1::Resource
         "parallelism.layout.tensor_parallel",
         absl::StrCat(tp, " does not divide the model's num_kv_heads ", dims.num_kv_heads()));
   }
+  if (dims.ffn_hidden_size() % tp != 0) {
+    return Invalid(
+        "parallelism.layout.tensor_parallel",
+        absl::StrCat(tp, " does not divide the model's ffn_hidden_size ", dims.ffn_hidden_size()));
+  }
   if (dims.num_layers() % layout.pipeline_parallel() != 0) {
     return Invalid("parallelism.layout.pipeline_parallel",
                    absl::StrCat(layout.pipeline_parallel(),

@@ -29,11 +29,12 @@ inline constexpr int kMaxZeroStage = 3;
 // infinite doubles are refused everywhere. Pure function; thread-safe.
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 
-// OK when the trainer runs the spec's layout; UNIMPLEMENTED naming the field otherwise (an
-// explicit tensor_parallel or pipeline_parallel > 1, or sequence_parallel: see
-// planner::CheckTrainerRuns for why UNIMPLEMENTED). Separate from ValidateJobSpec, which says
-// whether a spec is well formed (and `tessera plan` still estimates such layouts): SubmitJob
-// applies both, this one after ValidateJobSpec accepted the spec. Pure function; thread-safe.
+// OK when the trainer runs the spec's layout; UNIMPLEMENTED naming the field otherwise (today an
+// explicit zero_stage 2 or 3 with tensor_parallel or pipeline_parallel > 1: see
+// planner::CheckTrainerRuns for the rule and why UNIMPLEMENTED). Separate from ValidateJobSpec,
+// which says whether a spec is well formed (and `tessera plan` still estimates such layouts):
+// SubmitJob applies both, this one after ValidateJobSpec accepted the spec. Pure function;
+// thread-safe.
 absl::Status ValidateTrainerRuns(const v1::JobSpec& spec);
 
 // The plan for a spec that ValidateJobSpec accepts (its error otherwise). World size is

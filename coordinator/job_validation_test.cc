@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -172,6 +173,21 @@ std::vector<BadSpecCase> BadSpecCases() {
        },
        kInvalid,
        "parallelism.layout.tensor_parallel: 4 does not divide the model's num_kv_heads 2"},
+      {"LayoutTensorParallelVsFfn",
+       [](S& s) {
+         v1::ModelDims* dims = s.mutable_model()->mutable_dims();
+         dims->set_architecture(v1::ARCHITECTURE_GPT2);
+         dims->set_num_layers(2);
+         dims->set_hidden_size(64);
+         dims->set_num_attention_heads(4);
+         dims->set_ffn_hidden_size(250);  // column-parallel MLP: split over tp 2, not 4
+         dims->set_vocab_size(257);
+         dims->set_max_seq_len(256);
+         s.mutable_resources()->set_cpu_slots(4);
+         SetLayout(s, 1, 4, 1);
+       },
+       kInvalid,
+       "parallelism.layout.tensor_parallel: 4 does not divide the model's ffn_hidden_size 250"},
       {"LayoutPipelineParallelVsLayers",
        [](S& s) {
          s.mutable_resources()->set_cpu_slots(3);
@@ -345,7 +361,7 @@ TEST(JobValidationTest, FullExplicitGpuSpecIsValid) {
   EXPECT_THAT(ValidateJobSpec(spec), IsOk());
 }
 
-TEST(JobValidationTest, TrainerRunsDataParallelWithZeroAndRecomputationOnly) {
+TEST(JobValidationTest, TrainerRunsModelParallelismWithZeroAtMostOne) {
   v1::JobSpec spec = MinimalSpec();
   // An automatic layout is chosen among what the trainer runs at scheduling time.
   EXPECT_THAT(ValidateTrainerRuns(spec), IsOk());
@@ -364,23 +380,59 @@ TEST(JobValidationTest, TrainerRunsDataParallelWithZeroAndRecomputationOnly) {
   spec.mutable_resources()->set_gpus(1);
   EXPECT_THAT(ValidateJobSpec(spec), IsOk());
   EXPECT_THAT(ValidateTrainerRuns(spec), IsOk());
-  // Tensor and pipeline parallelism are well formed but not run yet.
+  // Tensor (with or without sequence parallelism) and pipeline parallelism run with ZeRO 0 or 1,
+  // under any recomputation mode.
   spec.mutable_resources()->set_gpus(8);
+  spec.mutable_model()->set_preset("tiny-llama");  // 4 heads, 2 kv heads, 2 layers
+  struct Shape {
+    int dp, tp, pp;
+    bool sp;
+  };
+  const Shape shapes[] = {{4, 2, 1, false}, {4, 2, 1, true}, {4, 1, 2, false}, {2, 2, 2, true}};
+  for (const Shape& shape : shapes) {
+    SetLayout(spec, shape.dp, shape.tp, shape.pp);
+    v1::Layout* layout = spec.mutable_parallelism()->mutable_layout();
+    layout->set_sequence_parallel(shape.sp);
+    for (auto ac : {v1::ACTIVATION_CHECKPOINTING_NONE, v1::ACTIVATION_CHECKPOINTING_SELECTIVE,
+                    v1::ACTIVATION_CHECKPOINTING_FULL}) {
+      layout->set_activation_checkpointing_mode(ac);
+      for (int zero = 0; zero <= 1; ++zero) {
+        layout->set_zero_stage(zero);
+        EXPECT_THAT(ValidateJobSpec(spec), IsOk()) << layout->ShortDebugString();
+        EXPECT_THAT(ValidateTrainerRuns(spec), IsOk()) << layout->ShortDebugString();
+      }
+      // ZeRO 2 and 3 are well formed next to them, but the trainer does not run them.
+      for (int zero = 2; zero <= kMaxZeroStage; ++zero) {
+        layout->set_zero_stage(zero);
+        EXPECT_THAT(ValidateJobSpec(spec), IsOk()) << layout->ShortDebugString();
+        EXPECT_THAT(
+            ValidateTrainerRuns(spec),
+            StatusIs(absl::StatusCode::kUnimplemented,
+                     HasSubstr(absl::StrCat("parallelism.layout.zero_stage: ", zero, " with "))))
+            << layout->ShortDebugString();
+      }
+    }
+  }
   SetLayout(spec, 4, 2, 1);
-  spec.mutable_model()->set_preset("tiny-llama");
-  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
-  EXPECT_THAT(ValidateTrainerRuns(spec),
-              StatusIs(absl::StatusCode::kUnimplemented,
-                       HasSubstr("parallelism.layout.tensor_parallel: 2: this trainer does not "
-                                 "run tensor parallelism yet")));
-  spec.mutable_parallelism()->mutable_layout()->set_sequence_parallel(true);
-  EXPECT_THAT(ValidateTrainerRuns(spec), StatusIs(absl::StatusCode::kUnimplemented,
-                                                  HasSubstr("parallelism.layout.tensor_parallel")));
-  SetLayout(spec, 4, 1, 2);
   spec.mutable_parallelism()->mutable_layout()->set_sequence_parallel(false);
+  spec.mutable_parallelism()->mutable_layout()->set_zero_stage(2);
   EXPECT_THAT(ValidateTrainerRuns(spec),
               StatusIs(absl::StatusCode::kUnimplemented,
-                       HasSubstr("parallelism.layout.pipeline_parallel: 2: this trainer")));
+                       HasSubstr("parallelism.layout.zero_stage: 2 with tensor_parallel 2: this "
+                                 "trainer does not run ZeRO 2 together with tensor or pipeline "
+                                 "parallelism")));
+  EXPECT_THAT(ValidateTrainerRuns(spec),
+              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("set zero_stage to 1")));
+  SetLayout(spec, 4, 1, 2);
+  spec.mutable_parallelism()->mutable_layout()->set_zero_stage(3);
+  EXPECT_THAT(ValidateTrainerRuns(spec),
+              StatusIs(absl::StatusCode::kUnimplemented,
+                       HasSubstr("parallelism.layout.zero_stage: 3 with pipeline_parallel 2: ")));
+  SetLayout(spec, 2, 2, 2);
+  EXPECT_THAT(ValidateTrainerRuns(spec),
+              StatusIs(absl::StatusCode::kUnimplemented,
+                       HasSubstr("parallelism.layout.zero_stage: 3 with tensor_parallel 2 and "
+                                 "pipeline_parallel 2: ")));
 }
 
 TEST(JobValidationTest, RotaryModelsTrainPastTheirMaxSeqLen) {

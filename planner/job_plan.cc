@@ -1,6 +1,7 @@
 #include "planner/job_plan.h"
 
 #include <algorithm>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -20,39 +21,60 @@ absl::Status Invalid(absl::string_view field, absl::string_view problem) {
 
 // What TrainerCapabilities() allows, in words, for explanations and refusals.
 constexpr char kTrainerRuns[] =
-    "data parallel with ZeRO 0-3 and activation checkpointing; no tensor or pipeline parallelism";
+    "any data x tensor x pipeline parallel layout, with sequence parallelism and activation "
+    "checkpointing; ZeRO 0-3 without tensor or pipeline parallelism, ZeRO 0-1 with them";
 
 }  // namespace
 
 SearchLimits TrainerCapabilities() {
   SearchLimits limits;
-  limits.max_tp = 1;
-  limits.max_pp = 1;
+  limits.max_tp = 0;
+  limits.max_pp = 0;
   limits.max_zero = 3;
+  limits.max_zero_with_model_parallel = 1;
   limits.allow_activation_checkpointing = true;
-  limits.allow_sequence_parallel = false;
+  limits.allow_sequence_parallel = true;
   return limits;
 }
 
 absl::Status CheckTrainerRuns(const v1::Layout& layout) {
+  // Derived from TrainerCapabilities() so that the refusals and `auto` agree; today only the
+  // ZeRO rule can refuse.
   const SearchLimits runs = TrainerCapabilities();
+  // `remedy` names what runs instead; "or use parallelism: auto" always does.
   auto refuse = [](absl::string_view field, absl::string_view value, absl::string_view what,
-                   absl::string_view runnable_value) {
-    return absl::UnimplementedError(
-        absl::StrCat("parallelism.layout.", field, ": ", value, ": this trainer does not run ",
-                     what, " yet (it runs ", kTrainerRuns, "); set ", field, " to ", runnable_value,
-                     " or use parallelism: auto"));
+                   absl::string_view remedy) {
+    return absl::UnimplementedError(absl::StrCat(
+        "parallelism.layout.", field, ": ", value, ": this trainer does not run ", what,
+        " (it runs ", kTrainerRuns, "); ", remedy, ", or use parallelism: auto"));
   };
-  if (layout.tensor_parallel() > runs.max_tp) {
-    return refuse("tensor_parallel", absl::StrCat(layout.tensor_parallel()), "tensor parallelism",
-                  "1");
+  const int tp = layout.tensor_parallel(), pp = layout.pipeline_parallel();
+  if (runs.max_tp > 0 && tp > runs.max_tp) {
+    return refuse("tensor_parallel", absl::StrCat(tp),
+                  absl::StrCat("tensor_parallel above ", runs.max_tp),
+                  absl::StrCat("set tensor_parallel to at most ", runs.max_tp));
   }
-  if (layout.pipeline_parallel() > runs.max_pp) {
-    return refuse("pipeline_parallel", absl::StrCat(layout.pipeline_parallel()),
-                  "pipeline parallelism", "1");
+  if (runs.max_pp > 0 && pp > runs.max_pp) {
+    return refuse("pipeline_parallel", absl::StrCat(pp),
+                  absl::StrCat("pipeline_parallel above ", runs.max_pp),
+                  absl::StrCat("set pipeline_parallel to at most ", runs.max_pp));
   }
   if (layout.sequence_parallel() && !runs.allow_sequence_parallel) {
-    return refuse("sequence_parallel", "true", "sequence parallelism", "false");
+    return refuse("sequence_parallel", "true", "sequence parallelism",
+                  "set sequence_parallel to false");
+  }
+  const int zero = layout.zero_stage();
+  if ((tp > 1 || pp > 1) && zero > runs.max_zero_with_model_parallel) {
+    std::vector<std::string> with;
+    if (tp > 1) with.push_back(absl::StrCat("tensor_parallel ", tp));
+    if (pp > 1) with.push_back(absl::StrCat("pipeline_parallel ", pp));
+    return refuse(
+        "zero_stage", absl::StrCat(zero, " with ", absl::StrJoin(with, " and ")),
+        absl::StrCat("ZeRO ", zero, " together with tensor or pipeline parallelism"),
+        absl::StrCat("set zero_stage to ", runs.max_zero_with_model_parallel,
+                     " (optimizer states sharded over data_parallel), or tensor_parallel and "
+                     "pipeline_parallel to 1 to keep ZeRO ",
+                     zero));
   }
   return absl::OkStatus();
 }
@@ -119,10 +141,16 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
     if (headroom > 0) cluster.memory_headroom = headroom;
     if (options.runnable_only) {
       const SearchLimits runnable = TrainerCapabilities();
-      auto cap = [](int limit, int max) { return limit > 0 ? std::min(limit, max) : max; };
+      // 0 is "no limit" for the degrees.
+      auto cap = [](int limit, int max) {
+        if (max <= 0) return limit;
+        return limit > 0 ? std::min(limit, max) : max;
+      };
       limits.max_tp = cap(limits.max_tp, runnable.max_tp);
       limits.max_pp = cap(limits.max_pp, runnable.max_pp);
       limits.max_zero = std::min(limits.max_zero, runnable.max_zero);
+      limits.max_zero_with_model_parallel =
+          std::min(limits.max_zero_with_model_parallel, runnable.max_zero_with_model_parallel);
       limits.allow_activation_checkpointing &= runnable.allow_activation_checkpointing;
       limits.allow_sequence_parallel &= runnable.allow_sequence_parallel;
     }

@@ -17,19 +17,21 @@
 
 namespace tessera::planner {
 
-// The layouts this project's trainer runs today (trainer/train.cc refuses the rest with
-// UNIMPLEMENTED): data parallel with ZeRO stages 0-3 and activation checkpointing (none,
-// selective, full); tensor_parallel, pipeline_parallel 1 and no sequence parallelism.
-// `parallelism: auto` chooses among these when scheduling; the planner (and `tessera plan`) can
-// still estimate every layout.
+// The layouts this project's trainer runs: any data x tensor x pipeline parallel layout (Megatron
+// tensor parallelism with vocab-parallel embedding and cross-entropy, 1F1B pipeline stages), with
+// sequence parallelism (which needs tensor_parallel > 1) and activation checkpointing (none,
+// selective, full); ZeRO stages 0-3 when tensor_parallel and pipeline_parallel are 1, ZeRO 0 or 1
+// otherwise (max_zero_with_model_parallel). `parallelism: auto` chooses among these when
+// scheduling; the planner (and `tessera plan`) can still estimate every layout.
 SearchLimits TrainerCapabilities();
 
 // OK when the trainer runs an explicit `layout` (TrainerCapabilities()); otherwise UNIMPLEMENTED
-// naming the first field it does not run, e.g. "parallelism.layout.tensor_parallel: 2: this
-// trainer does not run tensor parallelism yet (...)". UNIMPLEMENTED, not INVALID_ARGUMENT: the
-// layout is well formed and the planner estimates it; what is missing is the trainer's support,
-// as trainer/train.cc reports for the same layout. Checks only the degrees; the structural rules
-// are ValidateJobSpec's and InvalidReason's.
+// naming the first field it does not run and what runs instead, e.g.
+// "parallelism.layout.zero_stage: 2 with tensor_parallel 2: this trainer does not run ZeRO 2
+// together with tensor or pipeline parallelism (...); set zero_stage to 1 (...), or ...".
+// UNIMPLEMENTED, not INVALID_ARGUMENT: the layout is well formed and the planner estimates it;
+// what is missing is the trainer's support. Checks only the degrees and the ZeRO stage; the
+// structural rules are ValidateJobSpec's and InvalidReason's.
 absl::Status CheckTrainerRuns(const v1::Layout& layout);
 
 struct JobPlanOptions {

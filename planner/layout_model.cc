@@ -78,8 +78,10 @@ ParameterSplit SplitParameters(const Workload& w, int tp) {
     p.final_norm = 2 * d;
     p.final_norm_tensors = 2;
   }
-  p.token_embedding = CeilDiv(v * d, tp);
-  p.lm_head = CeilDiv(v * d, tp);
+  // Vocab-parallel: the trainer pads the vocabulary to a multiple of tp, so each rank holds
+  // ceil(v / tp) whole rows of the embedding and of the head.
+  p.token_embedding = CeilDiv(v, tp) * d;
+  p.lm_head = CeilDiv(v, tp) * d;
   return p;
 }
 
@@ -363,7 +365,8 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
 
     // Logits at the start of backward: log-softmax output, the loss gradient and the logits
     // gradient in float32 (12 bytes per element), plus a bf16 copy of that gradient under
-    // autocast; vocab-parallel over tp.
+    // autocast; vocab-parallel over tp (ceil(vocab / tp) columns per rank, the padded rows'
+    // logits included).
     int64_t logits = 0;
     if (last) {
       logits = static_cast<int64_t>(s * b * CeilDiv(w.dims.vocab_size(), l.tp) *

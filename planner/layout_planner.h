@@ -3,8 +3,9 @@
 //
 // Memory model (per device, per pipeline stage), each term reported separately:
 //   * weights, gradients and AdamW state of the parameters the device holds after the tensor
-//     split (vocab-parallel embeddings, column/row-parallel matmuls, replicated norms) and the
-//     pipeline split (embeddings on the first stage, the final norm and LM head on the last; a
+//     split (vocab-parallel embedding and head, each ceil(vocab / tp) rows per rank as the trainer
+//     pads the vocabulary to a multiple of tp; column/row-parallel matmuls, replicated norms) and
+//     the pipeline split (embeddings on the first stage, the final norm and LM head on the last; a
 //     tied head is a second copy when pp > 1), then ZeRO (1 shards optimizer states, 2 also
 //     gradients, 3 also weights over the data-parallel group). Like the trainer, parameters live
 //     in one flat float32 buffer per unit (each layer, and one unit for the embeddings, final
@@ -23,9 +24,10 @@
 //     plus one layer's worth during its recompute). A 1F1B pipeline holds min(pp - stage, m)
 //     micro-batches in flight, so the first stage holds the most.
 //   * logits and cross-entropy buffers on the last stage (vocab x seq x micro-batch, split over
-//     tp), communication buffers (ZeRO 2/3: the full gradients of the units in flight; ZeRO-3:
-//     the gathered weights of the non-layer unit and two layers; pipeline send/receive), and the
-//     device's allocator workspace plus a fragmentation fraction.
+//     tp: ceil(vocab / tp) columns per rank, like the embedding and head), communication buffers
+//     (ZeRO 2/3: the full gradients of the units in flight; ZeRO-3: the gathered weights of the
+//     non-layer unit and two layers; pipeline send/receive), and the device's allocator workspace
+//     plus a fragmentation fraction.
 //   Peak: the sum of every term; gradient buffers are allocated once and live next to the
 //   activations.
 //
@@ -121,6 +123,10 @@ struct SearchLimits {
   int max_tp = 0;
   int max_pp = 0;
   int max_zero = 3;
+  // Largest ZeRO stage when tensor_parallel > 1 or pipeline_parallel > 1 (and no more than
+  // max_zero): a trainer may shard optimizer states over dp next to a model-parallel split without
+  // also sharding gradients or weights.
+  int max_zero_with_model_parallel = 3;
   bool allow_activation_checkpointing = true;
   bool allow_sequence_parallel = true;
   // Fixed micro-batch; 0 searches powers of two (and the per-rank batch itself).
@@ -144,7 +150,8 @@ std::vector<int> MicroBatchChoices(int64_t per_rank);
 void RankCandidates(SearchResult& result);
 
 // Enumerates every layout of cluster.gpus devices within `limits` (tp a divisor within a node, pp,
-// dp, ZeRO stage, micro-batch, sp, recomputation) and evaluates each.
+// dp, ZeRO stage, micro-batch, sp, recomputation) and evaluates each. Layouts outside the limits
+// (e.g. ZeRO above max_zero_with_model_parallel next to tp or pp) are not candidates at all.
 SearchResult SearchLayouts(const Workload& workload, const ClusterShape& cluster,
                            const SearchLimits& limits);
 

@@ -3,10 +3,13 @@
 // the 1F1B bubble, and what ZeRO, recomputation, sequence parallelism and LoRA each save.
 #include "planner/layout_planner.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/devices.h"
@@ -153,6 +156,12 @@ TEST(LayoutPlannerTest, StructuralRulesAreRejectedWithTheReason) {
   EXPECT_THAT(
       InvalidReason(Work(Preset("gpt3-175b"), 2048, 64), {1, 16, 2, 0, 1}, c32).value_or(""),
       HasSubstr("exceeds the 8 devices of a node"));
+  // Column-parallel MLP: tp must divide the ffn width too.
+  v1::ModelDims odd_ffn = Llama7b();
+  odd_ffn.set_ffn_hidden_size(11004);
+  EXPECT_EQ(InvalidReason(Work(odd_ffn, 2048, 64), {2, 8, 1, 0, 1}, c).value_or(""),
+            "tensor_parallel 8 does not divide ffn_hidden_size 11004");
+  EXPECT_EQ(InvalidReason(Work(odd_ffn, 2048, 64), {4, 4, 1, 0, 1}, c).value_or(""), "");
   EXPECT_EQ(reason({16, 1, 1, 0, 3}),
             "global batch 64 is not divisible by micro_batch 3 x data_parallel 16 (= 48)");
   EXPECT_EQ(reason({8, 2, 1, 0, 1, false}), "");
@@ -266,6 +275,39 @@ TEST(LayoutPlannerTest, FlatBuffersArePaddedPerUnitToAMultipleOfDp) {
   }
 }
 
+TEST(LayoutPlannerTest, VocabParallelTablesPadTheVocabularyToAMultipleOfTp) {
+  // The trainer pads the vocabulary to a multiple of tp: each rank holds ceil(257 / 2) = 129
+  // whole rows of the token embedding and of the LM head, and computes 129 logits per token.
+  const ClusterShape c = Cluster("h100-sxm", 2, 8);
+  const int64_t rows = 129, d = 64;
+  // tiny-llama: 2 layers of d 64, 4 heads and 2 kv heads of 16, SwiGLU 256, untied head. A layer
+  // holds 64 x 64 (q) + 2 x 64 x 32 (k, v) + 64 x 64 (o) + 3 x 64 x 256 matmul weights, split over
+  // tp, and two replicated norms.
+  const Workload llama = Work(Preset("tiny-llama"), 64, 2);
+  const int64_t llama_layer = (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 256) / 2 + 2 * d;
+  const v1::MemoryEstimate tp2 = EstimateMemory(llama, {1, 2, 1, 0, 1}, c)[0];
+  EXPECT_EQ(tp2.parameters(), 2 * llama_layer + rows * d + d + rows * d);
+  EXPECT_EQ(tp2.embedding_state_bytes(), 16 * 2 * rows * d);
+  EXPECT_EQ(tp2.logits_bytes(), int64_t{64} * rows * (12 + 2));
+  // At tp 1 nothing is padded.
+  const v1::MemoryEstimate tp1 = EstimateMemory(llama, {2, 1, 1, 0, 1}, c)[0];
+  EXPECT_EQ(tp1.parameters(), CountParameters(llama.dims));
+  EXPECT_EQ(tp1.logits_bytes(), int64_t{64} * 257 * (12 + 2));
+  // tiny-gpt2 (tied) over tp 2 x pp 2: the first stage holds the padded embedding and the learned
+  // positions, the last the final norm and its own padded copy of the tied head. A layer: 3d x d
+  // + d x d + 2 x d x 256 matmul weights and the qkv and fc biases split over tp, two norms and two
+  // row-parallel biases replicated.
+  const Workload gpt = Work(Preset("tiny-gpt2"), 64, 2);
+  const ClusterShape c4 = Cluster("h100-sxm", 4, 8);
+  const int64_t gpt_layer = (3 * d * d + d * d + 2 * d * 256 + 3 * d + 256) / 2 + 6 * d;
+  const std::vector<v1::MemoryEstimate> stages = EstimateMemory(gpt, {1, 2, 2, 0, 1}, c4);
+  ASSERT_EQ(stages.size(), 2u);
+  EXPECT_EQ(stages[0].parameters(), gpt_layer + rows * d + 256 * d);
+  EXPECT_EQ(stages[1].parameters(), gpt_layer + 2 * d + rows * d);
+  EXPECT_EQ(stages[0].logits_bytes(), 0);
+  EXPECT_EQ(stages[1].logits_bytes(), int64_t{64} * rows * (12 + 2));
+}
+
 TEST(LayoutPlannerTest, RecomputationAndSequenceParallelismShrinkActivations) {
   const Workload w = Work(Preset("llama3-8b"), 8192, 64);
   const ClusterShape c = Cluster("h100-sxm", 8, 8);
@@ -364,16 +406,57 @@ TEST(LayoutPlannerTest, LimitsRestrictTheSearchAndNothingFittingIsExplained) {
 }
 
 // What `parallelism: auto` picks among the layouts the trainer runs (TrainerCapabilities).
+bool ModelParallel(const v1::Layout& l) {
+  return l.tensor_parallel() > 1 || l.pipeline_parallel() > 1;
+}
+
+TEST(LayoutPlannerTest, TrainerRunsEveryLayoutButZeroTwoAndThreeWithModelParallelism) {
+  const SearchLimits runs = TrainerCapabilities();
+  EXPECT_EQ(runs.max_tp, 0);
+  EXPECT_EQ(runs.max_pp, 0);
+  EXPECT_EQ(runs.max_zero, 3);
+  EXPECT_EQ(runs.max_zero_with_model_parallel, 1);
+  EXPECT_TRUE(runs.allow_sequence_parallel);
+  EXPECT_TRUE(runs.allow_activation_checkpointing);
+  for (int zero = 0; zero <= 3; ++zero) {
+    for (auto ac : {v1::ACTIVATION_CHECKPOINTING_NONE, v1::ACTIVATION_CHECKPOINTING_SELECTIVE,
+                    v1::ACTIVATION_CHECKPOINTING_FULL}) {
+      EXPECT_TRUE(CheckTrainerRuns(ToProto({8, 1, 1, zero, 1, false, ac})).ok()) << zero;
+      // Tensor (with or without sp) and pipeline parallelism run with ZeRO 0 and 1 only.
+      for (LayoutChoice l :
+           {LayoutChoice{4, 2, 1, zero, 1, false, ac}, LayoutChoice{4, 2, 1, zero, 1, true, ac},
+            LayoutChoice{4, 1, 2, zero, 1, false, ac}, LayoutChoice{2, 2, 2, zero, 1, true, ac}}) {
+        EXPECT_EQ(CheckTrainerRuns(ToProto(l)).ok(), zero <= 1) << Describe(l);
+      }
+    }
+  }
+  // ZeRO over one data-parallel rank next to tp is ZeRO-0 in effect, but still refused as
+  // written: the trainer checks the stage, not its effect.
+  const absl::Status tp = CheckTrainerRuns(ToProto({1, 2, 1, 2, 1}));
+  EXPECT_EQ(tp.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(tp.message()),
+              HasSubstr("parallelism.layout.zero_stage: 2 with tensor_parallel 2: this trainer "
+                        "does not run ZeRO 2 together with tensor or pipeline parallelism"));
+  EXPECT_THAT(std::string(tp.message()), HasSubstr("set zero_stage to 1"));
+  EXPECT_THAT(std::string(tp.message()), HasSubstr("or use parallelism: auto"));
+  const absl::Status both = CheckTrainerRuns(ToProto({2, 2, 2, 3, 1, true}));
+  EXPECT_EQ(both.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(both.message()),
+              HasSubstr("parallelism.layout.zero_stage: 3 with tensor_parallel 2 and "
+                        "pipeline_parallel 2: "));
+  EXPECT_THAT(std::string(CheckTrainerRuns(ToProto({4, 1, 2, 2, 1})).message()),
+              HasSubstr("parallelism.layout.zero_stage: 2 with pipeline_parallel 2: "));
+}
+
 TEST(LayoutPlannerTest, RunnableSearchKeepsPlainDataParallelWhenItFits) {
   // gpt2-124m on one node of H100s: every ZeRO stage and recomputation mode fits, and plain data
-  // parallelism is the fastest (ZeRO-1/2 add an exposed all-gather, recomputation a forward).
+  // parallelism is the fastest (ZeRO-1/2 add an exposed all-gather, recomputation a forward,
+  // tensor parallelism per-layer collectives, pipeline parallelism a bubble).
   const Workload w = Work(Preset("gpt2-124m"), 1024, 64);
   const ClusterShape c = Cluster("h100-sxm", 8, 8);
   SearchLimits runnable = TrainerCapabilities();
   runnable.micro_batch = 8;
   const SearchResult result = SearchLayouts(w, c, runnable);
-  ASSERT_EQ(result.candidates.size(), 4u * 3u);  // ZeRO 0-3 x recomputation none/selective/full
-  EXPECT_EQ(result.fitting, 12);
   const v1::LayoutPlan plan = ChoosePlan(result, c);
   EXPECT_TRUE(plan.fits());
   EXPECT_EQ(plan.layout().data_parallel(), 8);
@@ -383,47 +466,138 @@ TEST(LayoutPlannerTest, RunnableSearchKeepsPlainDataParallelWhenItFits) {
   // model's error, so the simpler layout is chosen and the explanation says so.
   const v1::LayoutPlan& fastest = result.candidates[0].plan();
   EXPECT_EQ(fastest.layout().zero_stage(), 3);
+  EXPECT_EQ(fastest.layout().tensor_parallel(), 1);
   EXPECT_GT(fastest.step_time().tokens_per_second(), plan.step_time().tokens_per_second());
   EXPECT_GT(plan.step_time().tokens_per_second(), 0.9 * fastest.step_time().tokens_per_second());
   EXPECT_THAT(plan.explanation(), HasSubstr("simplest of the layouts within 10% of the fastest"));
   EXPECT_THAT(plan.explanation(), HasSubstr("Fastest: dp=8 tp=1 pp=1 zero=3"));
   // At equal speed the simpler layout ranks first: recomputation costs nothing with flash
-  // attention under selective, so none and selective tie and none comes first.
-  for (size_t i = 0; i + 1 < result.candidates.size(); ++i) {
+  // attention under selective, so none and selective tie and none comes first; sequence
+  // parallelism moves the same bytes, so sp off comes first.
+  auto complexity = [](const v1::Layout& l) {
+    return std::make_tuple(l.zero_stage(), static_cast<int>(l.activation_checkpointing_mode()),
+                           l.sequence_parallel(), l.pipeline_parallel(), l.tensor_parallel());
+  };
+  int ties = 0;
+  for (int i = 0; i + 1 < result.fitting; ++i) {
     const v1::LayoutPlan& a = result.candidates[i].plan();
     const v1::LayoutPlan& b = result.candidates[i + 1].plan();
     if (a.step_time().tokens_per_second() == b.step_time().tokens_per_second()) {
-      EXPECT_LE(a.layout().zero_stage(), b.layout().zero_stage());
-      EXPECT_LT(a.layout().activation_checkpointing_mode(),
-                b.layout().activation_checkpointing_mode());
+      ++ties;
+      EXPECT_LT(complexity(a.layout()), complexity(b.layout())) << i;
     }
   }
+  EXPECT_GT(ties, 0);
+  // Data parallel alone: ZeRO 0-3 x recomputation none/selective/full. Tensor (with and without
+  // sp) and pipeline layouts are considered too, but never with ZeRO 2 or 3.
+  int data_parallel = 0, tensor = 0, pipeline = 0, sequence = 0;
   for (const v1::LayoutCandidate& x : result.candidates) {
-    EXPECT_EQ(x.plan().layout().tensor_parallel(), 1);
-    EXPECT_EQ(x.plan().layout().pipeline_parallel(), 1);
-    EXPECT_FALSE(x.plan().layout().sequence_parallel());
+    const v1::Layout& l = x.plan().layout();
+    if (!x.plan().has_memory()) continue;  // structurally invalid (tp 8 of 12 heads, pp 8)
+    if (!ModelParallel(l)) ++data_parallel;
+    tensor += l.tensor_parallel() > 1;
+    pipeline += l.pipeline_parallel() > 1;
+    sequence += l.sequence_parallel();
+    if (ModelParallel(l)) {
+      EXPECT_LE(l.zero_stage(), 1) << x.ShortDebugString();
+    }
   }
+  EXPECT_EQ(data_parallel, 4 * 3);
+  EXPECT_GT(tensor, 0);
+  EXPECT_GT(pipeline, 0);
+  EXPECT_GT(sequence, 0);
 }
 
-TEST(LayoutPlannerTest, RunnableSearchShardsOrRecomputesWhenNeededToFit) {
-  // llama3-8b on 8 x 80 GB: 16 bytes x 8B parameters of replicated state is 128 GB, so no
-  // ZeRO-0 layout fits; the search picks a ZeRO stage (and recomputation if that is needed too).
-  const Workload w = Work(Preset("llama3-8b"), 4096, 64);
+TEST(LayoutPlannerTest, RunnableSearchUsesModelParallelismWhenDataParallelFitsWorse) {
+  // llama3-8b at seq 8192 on 8 x 80 GB: 16 bytes x 8B parameters of replicated state is 128 GB,
+  // so data parallelism alone fits only with ZeRO 2/3, and it is estimated slower than splitting
+  // the model with ZeRO <= 1.
+  const Workload w = Work(Preset("llama3-8b"), 8192, 64);
   const ClusterShape c = Cluster("h100-sxm", 8, 8);
   const SearchResult result = SearchLayouts(w, c, TrainerCapabilities());
   ASSERT_GT(result.fitting, 0);
   for (int i = 0; i < result.fitting; ++i) {
-    EXPECT_GE(result.candidates[i].plan().layout().zero_stage(), 2) << i;
+    const v1::Layout& l = result.candidates[i].plan().layout();
+    if (ModelParallel(l)) {
+      EXPECT_LE(l.zero_stage(), 1) << i;
+    } else {
+      EXPECT_GE(l.zero_stage(), 2) << i;
+    }
   }
   const v1::LayoutPlan plan = ChoosePlan(result, c);
   EXPECT_TRUE(plan.fits());
-  EXPECT_EQ(plan.layout().tensor_parallel(), 1);
-  EXPECT_GE(plan.layout().zero_stage(), 2);
-  // Without ZeRO and recomputation (the trainer's earlier limits) nothing fits.
-  SearchLimits plain = TrainerCapabilities();
+  EXPECT_TRUE(ModelParallel(plan.layout())) << plan.explanation();
+  EXPECT_LE(plan.layout().zero_stage(), 1);
+  EXPECT_TRUE(CheckTrainerRuns(plan.layout()).ok());
+  // The data-parallel-only search (the trainer's earlier limits) still finds ZeRO 2/3 layouts, all
+  // estimated slower.
+  SearchLimits data_parallel_only = TrainerCapabilities();
+  data_parallel_only.max_tp = 1;
+  data_parallel_only.max_pp = 1;
+  const SearchResult dp = SearchLayouts(w, c, data_parallel_only);
+  ASSERT_GT(dp.fitting, 0);
+  EXPECT_GE(dp.candidates[0].plan().layout().zero_stage(), 2);
+  EXPECT_LT(dp.candidates[0].plan().step_time().tokens_per_second(),
+            plan.step_time().tokens_per_second());
+  // Without ZeRO and recomputation nothing fits at all.
+  SearchLimits plain = data_parallel_only;
   plain.max_zero = 0;
   plain.allow_activation_checkpointing = false;
   EXPECT_EQ(SearchLayouts(w, c, plain).fitting, 0);
+}
+
+TEST(LayoutPlannerTest, RunnableSearchSplitsTheModelWhenShardingIsCappedAtZeroOne) {
+  // llama3-8b at seq 4096 on 8 x 80 GB fits data parallel with ZeRO-3, the fastest layout. Capped
+  // at ZeRO-1 (auto_layout.max_zero_stage: 1) data parallelism alone no longer fits (64 GB of
+  // float32 weights and gradients per GPU before activations) and the plan splits the model.
+  const Workload w = Work(Preset("llama3-8b"), 4096, 64);
+  const ClusterShape c = Cluster("h100-sxm", 8, 8);
+  const v1::LayoutPlan uncapped = ChoosePlan(SearchLayouts(w, c, TrainerCapabilities()), c);
+  EXPECT_TRUE(uncapped.fits());
+  EXPECT_FALSE(ModelParallel(uncapped.layout()));
+  EXPECT_EQ(uncapped.layout().zero_stage(), 3);
+  SearchLimits capped = TrainerCapabilities();
+  capped.max_zero = 1;
+  const SearchResult result = SearchLayouts(w, c, capped);
+  ASSERT_GT(result.fitting, 0);
+  for (int i = 0; i < result.fitting; ++i) {
+    EXPECT_TRUE(ModelParallel(result.candidates[i].plan().layout())) << i;
+    EXPECT_LE(result.candidates[i].plan().layout().zero_stage(), 1) << i;
+  }
+  const v1::LayoutPlan plan = ChoosePlan(result, c);
+  EXPECT_TRUE(plan.fits());
+  EXPECT_TRUE(ModelParallel(plan.layout()));
+  EXPECT_TRUE(CheckTrainerRuns(plan.layout()).ok());
+}
+
+TEST(LayoutPlannerTest, MaxZeroWithModelParallelLimitsOnlyModelParallelLayouts) {
+  const Workload w = Work(Preset("llama3-8b"), 4096, 64);
+  const ClusterShape c = Cluster("h100-sxm", 8, 8);
+  SearchLimits limits;
+  limits.micro_batch = 1;
+  limits.allow_activation_checkpointing = false;
+  limits.allow_sequence_parallel = false;
+  auto zero_stages = [&](int tp, int pp) {
+    std::vector<int> stages;
+    for (const v1::LayoutCandidate& x : SearchLayouts(w, c, limits).candidates) {
+      const v1::Layout& l = x.plan().layout();
+      if (l.tensor_parallel() == tp && l.pipeline_parallel() == pp) {
+        stages.push_back(l.zero_stage());
+      }
+    }
+    std::sort(stages.begin(), stages.end());
+    return stages;
+  };
+  EXPECT_EQ(zero_stages(2, 1), (std::vector<int>{0, 1, 2, 3}));
+  limits.max_zero_with_model_parallel = 1;
+  EXPECT_EQ(zero_stages(1, 1), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(zero_stages(2, 1), (std::vector<int>{0, 1}));
+  EXPECT_EQ(zero_stages(1, 2), (std::vector<int>{0, 1}));
+  EXPECT_EQ(zero_stages(2, 2), (std::vector<int>{0, 1}));
+  // max_zero still bounds both.
+  limits.max_zero = 0;
+  EXPECT_EQ(zero_stages(1, 1), (std::vector<int>{0}));
+  EXPECT_EQ(zero_stages(2, 1), (std::vector<int>{0}));
 }
 
 TEST(DevicesTest, PresetsByNameAndByNvmlName) {

@@ -208,7 +208,12 @@ SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const Searc
       } else {
         micro_batches = MicroBatchChoices(w.global_batch / dp);
       }
-      const int max_zero = dp > 1 ? std::min(3, limits.max_zero) : 0;
+      // ZeRO over one data-parallel rank shards nothing: only stage 0 is a distinct layout.
+      const bool model_parallel = tp > 1 || pp > 1;
+      const int max_zero =
+          dp > 1 ? std::min({3, limits.max_zero,
+                             model_parallel ? limits.max_zero_with_model_parallel : 3})
+                 : 0;
       for (int micro : micro_batches) {
         for (int zero = 0; zero <= max_zero; ++zero) {
           for (bool sp : {false, true}) {

@@ -83,24 +83,39 @@ TEST(CliPlanTest, ExampleSpecAndAnExplicitLayout) {
   const nlohmann::json doc = nlohmann::json::parse(run.output);
   ASSERT_GE(doc["layouts"].size(), 1u);
   const auto& layout = doc["layouts"][0];
-  // The example runs on the trainer as it is: data parallel 64, ZeRO-2, full recomputation.
-  EXPECT_EQ(layout["dp"].get<int>(), 64);
-  EXPECT_EQ(layout["tp"].get<int>(), 1);
-  EXPECT_EQ(layout["zero"].get<int>(), 2);
-  EXPECT_EQ(layout["ac"].get<std::string>(), "full");
+  // The example's layout: tensor parallel 2 with sequence parallelism inside a node, data
+  // parallel 32 with ZeRO-1, selective recomputation.
+  EXPECT_EQ(layout["dp"].get<int>(), 32);
+  EXPECT_EQ(layout["tp"].get<int>(), 2);
+  EXPECT_EQ(layout["pp"].get<int>(), 1);
+  EXPECT_EQ(layout["zero"].get<int>(), 1);
+  EXPECT_TRUE(layout["sp"].get<bool>());
+  EXPECT_EQ(layout["ac"].get<std::string>(), "selective");
   EXPECT_TRUE(layout["fits"].get<bool>());
   EXPECT_THAT(doc["explanation"].get<std::string>(), HasSubstr("Explicit layout"));
-  // Planning is not submission: a tensor- and sequence-parallel layout the trainer does not run
-  // yet is still estimated offline.
+  // Flags override the spec's layout: data parallel only needs ZeRO-2 and full recomputation to
+  // fit, and is estimated slower.
   run = Plan({std::string(TESSERA_EXAMPLES_DIR) + "/llama3-8b.yaml", "--device=h100-sxm",
-              "--layout=dp=8,tp=8,zero=1,sp=on,ac=selective", "--output=json"});
+              "--layout=dp=64,zero=2,ac=full", "--output=json"});
+  ASSERT_EQ(run.exit.exit_code, 0) << run.output;
+  const nlohmann::json dp_doc = nlohmann::json::parse(run.output);
+  ASSERT_GE(dp_doc["layouts"].size(), 1u);
+  const auto& dp_layout = dp_doc["layouts"][0];
+  EXPECT_EQ(dp_layout["dp"].get<int>(), 64);
+  EXPECT_EQ(dp_layout["tp"].get<int>(), 1);
+  EXPECT_TRUE(dp_layout["fits"].get<bool>());
+  EXPECT_LT(dp_layout["est_tokens_per_s"].get<double>(), layout["est_tokens_per_s"].get<double>());
+  // Planning is not submission: a layout the trainer does not run (ZeRO-2 next to tensor
+  // parallelism) is still estimated offline.
+  run = Plan({std::string(TESSERA_EXAMPLES_DIR) + "/llama3-8b.yaml", "--device=h100-sxm",
+              "--layout=dp=8,tp=8,zero=2,sp=on,ac=selective", "--output=json"});
   ASSERT_EQ(run.exit.exit_code, 0) << run.output;
   const nlohmann::json tp_doc = nlohmann::json::parse(run.output);
   ASSERT_GE(tp_doc["layouts"].size(), 1u);
   const auto& tp_layout = tp_doc["layouts"][0];
   EXPECT_EQ(tp_layout["tp"].get<int>(), 8);
   EXPECT_EQ(tp_layout["dp"].get<int>(), 8);
-  EXPECT_EQ(tp_layout["zero"].get<int>(), 1);
+  EXPECT_EQ(tp_layout["zero"].get<int>(), 2);
   EXPECT_TRUE(tp_layout["sp"].get<bool>());
   EXPECT_TRUE(tp_layout["fits"].get<bool>());
   // Pipeline layouts too, with a memory estimate per stage.

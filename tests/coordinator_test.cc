@@ -317,31 +317,50 @@ TEST_F(CoordinatorTest, AutoLayoutIsPlannedForTheRegisteredGpus) {
   EXPECT_EQ(started.start(0).trainers(0).plan().explanation(), plan.explanation());
 }
 
-TEST_F(CoordinatorTest, AutoLayoutShardsAModelThatFitsOnlyWithZero) {
+TEST_F(CoordinatorTest, AutoLayoutSplitsAModelThatDoesNotFitReplicated) {
   RegisterNode("gpu-node", 8, 0);
-  // 8B parameters of AdamW state (16 bytes each, 128 GB) replicated on 80 GB GPUs do not fit;
-  // sharded over 8 ranks they do.
-  v1::Job job = Submit(AutoGpuSpec("auto-zero", "llama3-8b", 8, 1));
+  // 8B parameters of AdamW state (16 bytes each, 128 GB) replicated on 80 GB GPUs do not fit.
+  // Data parallelism alone fits only with ZeRO 2/3; splitting the model over tensor or pipeline
+  // parallel ranks (with ZeRO 0 or 1, all the trainer runs next to them) is estimated faster.
+  v1::Job job = Submit(AutoGpuSpec("auto-split", "llama3-8b", 8, 1));
   job = WaitForJob(job.job_id(),
                    [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
   ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
   const v1::LayoutPlan& plan = job.plan();
   EXPECT_TRUE(plan.fits());
-  EXPECT_EQ(plan.layout().data_parallel(), 8);
-  EXPECT_EQ(plan.layout().tensor_parallel(), 1);
-  EXPECT_EQ(plan.layout().pipeline_parallel(), 1);
-  EXPECT_GE(plan.layout().zero_stage(), 2);
+  const v1::Layout& layout = plan.layout();
+  EXPECT_GT(layout.tensor_parallel() * layout.pipeline_parallel(), 1) << plan.explanation();
+  EXPECT_LE(layout.zero_stage(), 1) << plan.explanation();
+  EXPECT_EQ(layout.data_parallel() * layout.tensor_parallel() * layout.pipeline_parallel(), 8);
   EXPECT_LE(plan.memory().total_bytes(), plan.memory().usable_bytes());
-  EXPECT_THAT(plan.explanation(), HasSubstr("ZeRO 0-3 and activation checkpointing"));
+  EXPECT_THAT(plan.explanation(), HasSubstr("Chosen among the layouts this trainer runs"));
   v1::HeartbeatResponse started = Heartbeat("gpu-node");
   ASSERT_EQ(started.start_size(), 1);
-  EXPECT_EQ(started.start(0).trainers(0).plan().layout().zero_stage(), plan.layout().zero_stage());
+  const v1::Layout& sent = started.start(0).trainers(0).plan().layout();
+  EXPECT_EQ(sent.tensor_parallel(), layout.tensor_parallel());
+  EXPECT_EQ(sent.pipeline_parallel(), layout.pipeline_parallel());
+  EXPECT_EQ(sent.zero_stage(), layout.zero_stage());
+}
+
+TEST_F(CoordinatorTest, AutoLayoutLimitedToDataParallelShardsWithZero) {
+  RegisterNode("gpu-node", 8, 0);
+  // The spec's limits hold: data parallel only (tp and pp at most 1), where ZeRO 2 or 3 is what
+  // makes 8B fit.
+  v1::JobSpec spec = AutoGpuSpec("auto-dp-only", "llama3-8b", 8, 1);
+  spec.mutable_parallelism()->mutable_auto_layout()->set_max_tensor_parallel(1);
+  spec.mutable_parallelism()->mutable_auto_layout()->set_max_pipeline_parallel(1);
+  v1::Job job = Submit(spec);
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
+  EXPECT_EQ(job.plan().layout().data_parallel(), 8);
+  EXPECT_GE(job.plan().layout().zero_stage(), 2);
 }
 
 TEST_F(CoordinatorTest, AutoLayoutThatFitsNowhereWaitsWithThePlannersReason) {
   RegisterNode("gpu-node", 8, 0);
-  // 70B parameters of AdamW state (16 bytes each) over 8 x 80 GB GPUs: 140 GB per GPU even fully
-  // sharded with ZeRO-3, so nothing the trainer runs fits.
+  // 70B parameters of AdamW state (16 bytes each) over 8 x 80 GB GPUs: 140 GB per GPU whether
+  // sharded with ZeRO-3 or split 8 ways by tensor and pipeline parallelism, so nothing fits.
   v1::Job job = Submit(AutoGpuSpec("auto-too-big", "llama3-70b", 8, 1));
   job = WaitForJob(job.job_id(), [](const v1::Job& j) {
     return j.reason().find("No layout fits") != std::string::npos;
@@ -412,19 +431,25 @@ TEST_F(CoordinatorTest, PlanLayoutForAHypotheticalOrTheLiveCluster) {
 TEST_F(CoordinatorTest, SubmitRefusesLayoutsTheTrainerDoesNotRun) {
   v1::SubmitJobRequest request;
   v1::SubmitJobResponse response;
-  v1::JobSpec pipeline = GpuSpec("pp", 8, 4, 1);
+  // ZeRO 2 and 3 shard gradients (and weights) over dp: the trainer does that only without
+  // tensor or pipeline parallelism.
+  v1::JobSpec tensor = GpuSpec("tp-zero2", 8, 4, 2);
+  tensor.mutable_parallelism()->mutable_layout()->set_zero_stage(2);
+  v1::JobSpec pipeline = GpuSpec("pp-zero3", 8, 4, 1);
   pipeline.mutable_parallelism()->mutable_layout()->set_pipeline_parallel(2);
+  pipeline.mutable_parallelism()->mutable_layout()->set_zero_stage(3);
   const std::vector<std::pair<v1::JobSpec, std::string>> cases = {
-      {GpuSpec("tp", 8, 4, 2), "parallelism.layout.tensor_parallel: 2: "},
-      {pipeline, "parallelism.layout.pipeline_parallel: 2: "}};
+      {tensor, "parallelism.layout.zero_stage: 2 with tensor_parallel 2: "},
+      {pipeline, "parallelism.layout.zero_stage: 3 with pipeline_parallel 2: "}};
   for (const auto& [spec, field] : cases) {
     *request.mutable_spec() = spec;
     grpc::Status status = stub_->SubmitJob(Context().get(), request, &response);
     // Well formed (INVALID_ARGUMENT is for malformed specs), but the trainer does not implement
-    // it yet.
+    // it.
     EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << spec.name();
     EXPECT_THAT(status.error_message(), HasSubstr(field)) << spec.name();
     EXPECT_THAT(status.error_message(), HasSubstr("this trainer does not run")) << spec.name();
+    EXPECT_THAT(status.error_message(), HasSubstr("set zero_stage to 1")) << spec.name();
   }
   // A malformed layout is reported as such first.
   request.mutable_spec()->mutable_parallelism()->mutable_layout()->set_pipeline_parallel(3);
@@ -443,6 +468,7 @@ TEST_F(CoordinatorTest, SubmitRefusesLayoutsTheTrainerDoesNotRun) {
   status = stub_->PlanLayout(Context().get(), plan, &planned);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(planned.plan().layout().tensor_parallel(), 2);
+  EXPECT_EQ(planned.plan().layout().zero_stage(), 2);
 }
 
 TEST_F(CoordinatorTest, SubmitAcceptsZeroAndRecomputationLayouts) {
@@ -466,6 +492,40 @@ TEST_F(CoordinatorTest, SubmitAcceptsZeroAndRecomputationLayouts) {
                    [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
   EXPECT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
   EXPECT_TRUE(job.plan().fits()) << job.plan().explanation();
+}
+
+TEST_F(CoordinatorTest, SubmitAcceptsTensorPipelineAndSequenceParallelLayouts) {
+  // dp 2 x tp 2 x pp 2 with sequence parallelism, ZeRO-1 and selective recomputation: Megatron's
+  // kind of layout, which the trainer runs.
+  v1::JobSpec spec = GpuSpec("tp-pp-sp", 8, 2, 2);
+  v1::Layout* layout = spec.mutable_parallelism()->mutable_layout();
+  layout->set_pipeline_parallel(2);
+  layout->set_sequence_parallel(true);
+  layout->set_zero_stage(1);
+  layout->set_activation_checkpointing_mode(v1::ACTIVATION_CHECKPOINTING_SELECTIVE);
+  v1::Job job = Submit(spec);
+  ASSERT_FALSE(job.job_id().empty());
+  EXPECT_EQ(job.plan().layout().tensor_parallel(), 2);
+  EXPECT_EQ(job.plan().layout().pipeline_parallel(), 2);
+  // Pipeline parallel alone, ZeRO-0.
+  v1::JobSpec pipeline = GpuSpec("pp-only", 8, 4, 1);
+  pipeline.mutable_parallelism()->mutable_layout()->set_pipeline_parallel(2);
+  EXPECT_FALSE(Submit(pipeline).job_id().empty());
+  // Scheduled once GPUs are there, and every trainer gets the layout.
+  RegisterNode("gpu-node", 8, 0);
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
+  EXPECT_TRUE(job.plan().fits()) << job.plan().explanation();
+  v1::HeartbeatResponse started = Heartbeat("gpu-node");
+  ASSERT_EQ(started.start_size(), 1);
+  ASSERT_EQ(started.start(0).trainers_size(), 8);
+  for (const auto& trainer : started.start(0).trainers()) {
+    EXPECT_EQ(trainer.plan().layout().tensor_parallel(), 2);
+    EXPECT_EQ(trainer.plan().layout().pipeline_parallel(), 2);
+    EXPECT_TRUE(trainer.plan().layout().sequence_parallel());
+    EXPECT_EQ(trainer.plan().layout().zero_stage(), 1);
+  }
 }
 
 TEST_F(CoordinatorTest, RotaryModelsMayTrainPastTheirPresetsMaxSeqLen) {
