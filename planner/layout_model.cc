@@ -37,18 +37,14 @@ struct ParameterSplit {
   int64_t layer_replicated = 0;
   // One layer: matmul weights only (what autocast casts to bf16).
   int64_t layer_matmul = 0;
-  // One layer: parameter tensors (AdamW keeps a step counter per tensor).
-  int64_t layer_tensors = 0;
   // One layer: LoRA adapter parameters (rank r on every block matmul), per tp rank.
   int64_t layer_lora = 0;
-  int64_t layer_lora_tensors = 0;
   // Token embedding (vocab-parallel) and, for GPT-2, learned positions (replicated).
   int64_t token_embedding = 0;
   int64_t position_embedding = 0;
   // Final norm and the LM head (vocab-parallel).
   int64_t final_norm = 0;
   int64_t lm_head = 0;
-  int64_t final_norm_tensors = 0;
 };
 
 ParameterSplit SplitParameters(const Workload& w, int tp) {
@@ -62,21 +58,15 @@ ParameterSplit SplitParameters(const Workload& w, int tp) {
     p.layer_matmul = CeilDiv(d * q + 2 * d * kv + q * d + 3 * d * f, tp);
     p.layer_sharded = p.layer_matmul;
     p.layer_replicated = 2 * d + (m.qk_norm() ? 2 * hd : 0);
-    p.layer_tensors = 9 + (m.qk_norm() ? 2 : 0);
     p.layer_lora = CeilDiv(r * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d)), tp);
-    p.layer_lora_tensors = r > 0 ? 2 * 7 : 0;
     p.final_norm = d;
-    p.final_norm_tensors = 1;
   } else {
     p.layer_matmul = CeilDiv(3 * d * d + d * d + 2 * d * f, tp);
     p.layer_sharded = p.layer_matmul + CeilDiv(3 * d + f, tp);  // qkv and fc biases
     p.layer_replicated = 2 * d + 2 * d + 2 * d;                 // two layer norms, two row biases
-    p.layer_tensors = 12;
     p.layer_lora = CeilDiv(r * ((d + 3 * d) + (d + d) + (d + f) + (f + d)), tp);
-    p.layer_lora_tensors = r > 0 ? 2 * 4 : 0;
     p.position_embedding = int64_t{m.max_seq_len()} * d;
     p.final_norm = 2 * d;
-    p.final_norm_tensors = 2;
   }
   // Vocab-parallel: the trainer pads the vocabulary to a multiple of tp, so each rank holds
   // ceil(v / tp) whole rows of the embedding and of the head.
@@ -85,13 +75,12 @@ ParameterSplit SplitParameters(const Workload& w, int tp) {
   return p;
 }
 
-// Parameters (and tensors) one device of `stage` holds, split into what AdamW trains.
+// Parameters one device of `stage` holds, split into what AdamW trains.
 struct StageParameters {
   int64_t all = 0;        // every parameter held
   int64_t matmul = 0;     // matmul weights (bf16-cast by autocast)
   int64_t trainable = 0;  // parameters with gradients and optimizer state
   int64_t frozen = 0;     // LoRA's base weights
-  int64_t tensors = 0;    // trainable parameter tensors
   int64_t embedding = 0;  // embedding tables and LM head (subset of `all`)
   // The trainer's units: each transformer layer of the stage, plus one unit for everything else
   // it holds (embeddings, final norm, LM head; none on a middle pipeline stage). Parameters are
@@ -101,6 +90,13 @@ struct StageParameters {
   int64_t layer_frozen = 0;     // one layer's frozen (LoRA base) parameters
   int64_t rest_trainable = 0;   // the non-layer unit's
   int64_t rest_frozen = 0;
+  // AdamW step counters (one float32 each) of the worst dp rank. Within a unit the trainer orders
+  // the trainable decay parameters (matrices, embeddings, head: dim >= 2) before the no-decay ones
+  // (biases, norms), and its fused AdamW keeps one counter per contiguous run of either kind that a
+  // rank steps: per unit, one per kind it holds under ZeRO 0 (the whole unit), and as many on the
+  // rank whose 1/dp shard straddles the boundary under ZeRO >= 1. So 2 for a unit holding both
+  // kinds, 1 for one kind, 0 for an empty unit.
+  int64_t step_counters = 0;
 };
 
 StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int stage) {
@@ -109,37 +105,40 @@ StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int 
   const bool first = stage == 0, last = stage == l.pp - 1;
   StageParameters s;
   int64_t base = layers * (p.layer_sharded + p.layer_replicated);
-  int64_t base_tensors = layers * p.layer_tensors;
   s.matmul = layers * p.layer_matmul;
   s.layers = layers;
   const int64_t layer_all = p.layer_sharded + p.layer_replicated;
   if (first) {
     s.embedding += p.token_embedding + p.position_embedding;
-    base_tensors += 1 + (p.position_embedding > 0 ? 1 : 0);
   }
   if (last) {
     base += p.final_norm;
-    base_tensors += p.final_norm_tensors;
     // An untied head is its own matrix; a tied one is the embedding itself when one stage holds
     // both ends, and a second copy on the last stage of a pipeline.
     if (!w.dims.tie_embeddings() || l.pp > 1) {
       s.embedding += p.lm_head;
-      base_tensors += 1;
     }
     s.matmul += p.lm_head;  // the head matmul is cast whether tied or not
   }
   base += s.embedding;
+  auto kinds = [](int64_t decay, int64_t no_decay) {
+    return (decay > 0 ? 1 : 0) + (no_decay > 0 ? 1 : 0);
+  };
   if (w.lora_rank > 0) {
     s.frozen = base;
     s.trainable = layers * p.layer_lora;
-    s.tensors = layers * p.layer_lora_tensors;
     s.matmul = 0;  // the frozen base is stored in the compute precision already
     s.layer_trainable = p.layer_lora;
     s.layer_frozen = layer_all;
+    // Only the adapters train, and they are matrices: one decay run per layer, none outside.
+    s.step_counters = layers * kinds(p.layer_lora, 0);
   } else {
     s.trainable = base;
-    s.tensors = base_tensors;
     s.layer_trainable = layer_all;
+    // A layer: matmul weights, then biases and norms. The non-layer unit: embeddings and head,
+    // then the final norm (on the last stage).
+    s.step_counters = layers * kinds(p.layer_matmul, layer_all - p.layer_matmul) +
+                      kinds(s.embedding, last ? p.final_norm : 0);
   }
   s.all = s.frozen + s.trainable;
   s.rest_trainable = s.trainable - layers * s.layer_trainable;
@@ -322,14 +321,14 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     // and exp_avg_sq (8 bytes) for the elements the rank steps from stage 1 (at most its padded
     // shard; ZeRO-0 steps every real element), the float32 gradient buffers from stage 2 (stages
     // 0 and 1 keep full flat buffers that .grad views into), the weights from stage 3. Plus
-    // AdamW's float32 step counter per tensor it steps.
+    // AdamW's float32 step counter per run it steps (StageParameters::step_counters).
     auto shard = [&](int64_t bytes, int from_stage) {
       return l.zero >= from_stage ? CeilDiv(bytes, l.dp) : bytes;
     };
     const int64_t weights = shard(4 * trainable, 3) + shard(e * p.frozen, 3);
     const int64_t grads = shard(4 * trainable, 2);
     const int64_t optimizer =
-        (l.zero >= 1 ? CeilDiv(8 * trainable, l.dp) : 8 * p.trainable) + 4 * p.tensors;
+        (l.zero >= 1 ? CeilDiv(8 * trainable, l.dp) : 8 * p.trainable) + 4 * p.step_counters;
     const int64_t embedding_state =
         w.lora_rank > 0
             ? shard(e * p.embedding, 3)

@@ -12,10 +12,14 @@
 //     norm and head), padded to a multiple of dp; ZeRO 0 and 1 keep full flat gradient buffers
 //     (.grad views into them, all-reduced or reduce-scattered in place), ZeRO 2 and 3 only the
 //     rank's 1/dp shard. The precision policy is the trainer's: weights, gradients and the two
-//     AdamW moments are float32 (16 bytes per trained parameter, plus a 4-byte step counter per
-//     tensor); bf16 autocast adds bf16 copies of the matmul weights, kept from forward to
-//     backward (`cast_weights_bytes`). LoRA trains only rank-r adapters on every block matmul and
-//     keeps the frozen base in the compute precision.
+//     AdamW moments are float32 (16 bytes per trained parameter), plus AdamW's 4-byte step
+//     counter per run it steps: each unit orders its decay parameters (matrices, embeddings,
+//     head) before its no-decay ones (biases, norms), and the fused AdamW keeps one counter per
+//     contiguous run of either kind, so a unit costs 8 bytes when it holds both kinds and 4 when
+//     it holds one (under ZeRO >= 1 the worst dp rank's, whose shard straddles the boundary);
+//     bf16 autocast adds bf16 copies of the matmul weights, kept from forward to backward
+//     (`cast_weights_bytes`). LoRA trains only rank-r adapters on every block matmul (one decay
+//     run per layer) and keeps the frozen base in the compute precision.
 //   * activations per layer and micro-batch, counted tensor by tensor in the way of Korthikanti
 //     et al. 2022 for the blocks the trainer builds (pre-norm GPT-2 and Llama/SwiGLU/GQA, no
 //     dropout, float32 residual stream), with flash attention keeping O(s) instead of the a*s^2

@@ -77,11 +77,13 @@ TEST(LayoutPlannerTest, MixedPrecisionAdamWCosts16BytesPerParameter) {
   const LayoutChoice single{1, 1, 1, 0, 1, false, v1::ACTIVATION_CHECKPOINTING_FULL};
   v1::LayoutCandidate c = EvaluateLayout(w, single, one);
   const v1::MemoryEstimate& m = c.plan().memory();
-  // 4 (fp32 weights) + 4 (gradients) + 8 (AdamW m and v), plus a 4-byte step per tensor.
-  const int64_t tensors = 32 * 9 + 1 + 1 + 1;  // layers, embedding, final norm, untied head
+  // 4 (fp32 weights) + 4 (gradients) + 8 (AdamW m and v), plus a 4-byte step counter per run of
+  // decay or no-decay parameters in a unit: each layer holds matrices and norms, the non-layer
+  // unit the embedding and untied head, and the final norm.
+  const int64_t runs = 32 * 2 + 2;
   EXPECT_EQ(m.weights_bytes(), 4 * params);
   EXPECT_EQ(m.gradients_bytes(), 4 * params);
-  EXPECT_EQ(m.optimizer_bytes(), 8 * params + 4 * tensors);
+  EXPECT_EQ(m.optimizer_bytes(), 8 * params + 4 * runs);
   EXPECT_NEAR(static_cast<double>(ModelState(m)) / params, 16.0, 1e-6);
   // The trainer's gradient buffers are allocated once and live next to the activations: the
   // peak is the sum of every term, even with a single micro-batch per step.
@@ -223,7 +225,8 @@ TEST(LayoutPlannerTest, ZeroStagesShardStateOverDataParallel) {
     return EstimateMemory(w, {8, 1, 1, zero, 1, false, v1::ACTIVATION_CHECKPOINTING_FULL}, c)[0];
   };
   const v1::MemoryEstimate z0 = memory(0), z1 = memory(1), z2 = memory(2), z3 = memory(3);
-  const int64_t counters = 4 * (32 * 9 + 3);
+  // Step counters: two runs (decay, no-decay) per unit, for the rank whose shard straddles both.
+  const int64_t counters = 4 * (32 * 2 + 2);
   EXPECT_EQ(z1.optimizer_bytes() - counters, (z0.optimizer_bytes() - counters + 7) / 8);
   EXPECT_EQ(z1.gradients_bytes(), z0.gradients_bytes());
   EXPECT_EQ(z2.gradients_bytes(), (z0.gradients_bytes() + 7) / 8);
@@ -253,7 +256,8 @@ TEST(LayoutPlannerTest, FlatBuffersArePaddedPerUnitToAMultipleOfDp) {
   const ClusterShape c = Cluster("cpu", 3, 3);
   auto memory = [&](int zero) { return EstimateMemory(w, {3, 1, 1, zero, 2}, c)[0]; };
   const int64_t padded = 2 * 49986 + 32961, shard = 2 * 16662 + 10987;
-  const int64_t counters = 4 * (2 * 12 + 4);  // blocks, token and position tables, final norm
+  // Step counters: a decay and a no-decay run in each of the three units.
+  const int64_t counters = 4 * (2 * 2 + 2);
   EXPECT_EQ(memory(0).weights_bytes(), 4 * padded);
   EXPECT_EQ(memory(0).gradients_bytes(), 4 * padded);
   // ZeRO-0's AdamW steps the parameters themselves: moments for the real elements only.
@@ -353,6 +357,41 @@ TEST(LayoutPlannerTest, LoraTrainsOnlyAdapters) {
   EXPECT_LT(lora.optimizer_bytes(), full.optimizer_bytes() / 100);
   EXPECT_FALSE(EvaluateLayout(Work(Preset("llama3-8b"), 4096, 8), l, c).plan().fits());
   EXPECT_TRUE(EvaluateLayout(w, l, c).plan().fits());
+  // The adapters are matrices: one decay run, one step counter, per layer; nothing else trains.
+  EXPECT_EQ(lora.optimizer_bytes() - 2 * lora.gradients_bytes(), 4 * 32);
+}
+
+TEST(LayoutPlannerTest, StepCountersArePerRunOfEachUnit) {
+  // The trainer's fused AdamW keeps one float32 step counter per contiguous run of decay
+  // (matrices, embeddings, head) or no-decay (biases, norms) parameters a rank steps, at most two
+  // per unit. At ZeRO 0 on one dp rank (no padding) the optimizer term is 8 bytes per trained
+  // parameter plus those counters.
+  auto counters = [](const v1::MemoryEstimate& m) {
+    return m.optimizer_bytes() - 2 * m.gradients_bytes();
+  };
+  const Workload w = Work(Preset("llama3-8b"), 4096, 64);
+  const std::vector<v1::MemoryEstimate> stages =
+      EstimateMemory(w, {1, 1, 4, 0, 1}, Cluster("h100-sxm", 4, 8));
+  ASSERT_EQ(stages.size(), 4u);
+  // 8 layers per stage, each of matrices and norms; the first stage's non-layer unit holds only
+  // the embedding (one run), the middle stages' nothing, the last stage's the final norm and the
+  // untied head (two runs).
+  EXPECT_EQ(counters(stages[0]), 4 * (8 * 2 + 1));
+  EXPECT_EQ(counters(stages[1]), 4 * (8 * 2));
+  EXPECT_EQ(counters(stages[2]), 4 * (8 * 2));
+  EXPECT_EQ(counters(stages[3]), 4 * (8 * 2 + 2));
+  // Tensor parallelism splits parameters, not runs.
+  const std::vector<v1::MemoryEstimate> split =
+      EstimateMemory(w, {1, 2, 4, 0, 1}, Cluster("h100-sxm", 8, 8));
+  EXPECT_EQ(counters(split[0]), 4 * (8 * 2 + 1));
+  EXPECT_EQ(counters(split[3]), 4 * (8 * 2 + 2));
+  const v1::MemoryEstimate whole = EstimateMemory(w, {1, 1, 1, 0, 1}, Cluster("h100-sxm", 1, 8))[0];
+  EXPECT_EQ(counters(whole), 4 * (32 * 2 + 2));
+  // ZeRO-1 counts the worst dp rank, whose shard of each unit straddles its decay/no-decay
+  // boundary: as many counters as the whole model's. It keeps the full (padded) flat gradients,
+  // and its moments cover a 1/8 shard of them.
+  const v1::MemoryEstimate zero1 = EstimateMemory(w, {8, 1, 1, 1, 1}, Cluster("h100-sxm", 8, 8))[0];
+  EXPECT_EQ(zero1.optimizer_bytes() - 2 * zero1.gradients_bytes() / 8, 4 * (32 * 2 + 2));
 }
 
 TEST(LayoutPlannerTest, SearchRanksFittingLayoutsByTokensPerSecond) {
