@@ -1,9 +1,11 @@
 # checkpoint part of tessera_trainer: sources and tests (see CMakeLists.txt).
 # The checkpoint directory protocol (checkpoint.h), SHA-256 of shard files
 # (sha256.h), safetensors export (safetensors.h) and the resharding tensor
-# slice shard files (shard_file.h). Plain C++: no LibTorch.
+# slice shard files (shard_file.h) with their box geometry (tensor_box.h).
+# Plain C++: no LibTorch.
 
-target_sources(tessera_trainer PRIVATE checkpoint.cc sha256.cc safetensors.cc shard_file.cc)
+target_sources(tessera_trainer PRIVATE checkpoint.cc sha256.cc safetensors.cc shard_file.cc
+  tensor_box.cc)
 
 find_package(OpenSSL REQUIRED)
 find_package(nlohmann_json REQUIRED)
@@ -12,6 +14,6 @@ target_link_libraries(tessera_trainer PUBLIC
 
 if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME checkpoint_test
-    SOURCES checkpoint_test.cc safetensors_test.cc shard_file_test.cc
+    SOURCES checkpoint_test.cc safetensors_test.cc shard_file_test.cc tensor_box_test.cc
     LIBS tessera::trainer tessera::test_util)
 endif()

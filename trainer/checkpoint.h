@@ -69,8 +69,9 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
 // the staging directory is missing or some of the world_size ranks wrote no
 // shard (the message lists them) or a shard's rank is out of range, or when
 // the slices of the ".safetensors" shards disagree on a tensor's dtype or
-// shape or leave some of its elements out (CheckManifestSlices); DATA_LOSS
-// naming the file when a ".safetensors" shard's header is malformed.
+// shape, leave some of its elements out or hold some twice
+// (CheckManifestSlices); DATA_LOSS naming the file when a ".safetensors"
+// shard's header is malformed.
 //
 // `known_sha256` maps shard file names to the digests their writers computed while writing
 // (WriteHashedFile); those shards are not read back to hash them, the others are.

@@ -1,11 +1,16 @@
 #include "trainer/checkpointing.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <map>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "trainer/checkpoint.h"
@@ -36,26 +41,68 @@ absl::Status Barrier(const CheckpointContext& context) {
   return context.group != nullptr ? trainer::Barrier(*context.group) : absl::OkStatus();
 }
 
-// Every rank takes part (ZeRO-3 gathers unit by unit); rank 0 writes the file.
-absl::Status ExportSafetensors(const CheckpointContext& context, const std::string& file,
-                               int64_t step, const std::string& preset) {
-  std::vector<at::Tensor> keep;
-  std::vector<TensorView> views;
-  context.engine->ForEachFullParameter([&](const std::string& name, const at::Tensor& value) {
-    if (context.rank != 0) return;
-    keep.push_back(value);
-    views.push_back({.name = name,
-                     .dtype = "F32",
-                     .shape = value.sizes().vec(),
-                     .data = value.data_ptr(),
-                     .nbytes = static_cast<size_t>(value.nbytes())});
-  });
-  if (context.rank != 0) return absl::OkStatus();
-  return WriteSafetensors(file, views,
-                          {{"format", "pt"},
-                           {"tessera.job_id", context.task->job_id()},
-                           {"tessera.step", std::to_string(step)},
-                           {"tessera.preset", preset}});
+// The prefix of the model's parameters among a checkpoint's tensors.
+constexpr char kModelPrefix[] = "model/";
+
+// Orders names as strings, except that runs of digits compare as numbers ("layers.2.mlp" before
+// "layers.10.attn"), so an export lists the layers in order, whatever their count.
+bool NaturalLess(const std::string& a, const std::string& b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (absl::ascii_isdigit(a[i]) && absl::ascii_isdigit(b[j])) {
+      size_t a_end = i, b_end = j;
+      while (a_end < a.size() && absl::ascii_isdigit(a[a_end])) ++a_end;
+      while (b_end < b.size() && absl::ascii_isdigit(b[b_end])) ++b_end;
+      // Without leading zeros, a shorter run is a smaller number.
+      size_t a_digits = i, b_digits = j;
+      while (a_digits + 1 < a_end && a[a_digits] == '0') ++a_digits;
+      while (b_digits + 1 < b_end && b[b_digits] == '0') ++b_digits;
+      const std::string_view a_number(a.data() + a_digits, a_end - a_digits);
+      const std::string_view b_number(b.data() + b_digits, b_end - b_digits);
+      if (a_number.size() != b_number.size()) return a_number.size() < b_number.size();
+      if (a_number != b_number) return a_number < b_number;
+      if (a_end - i != b_end - j) return a_end - i < b_end - j;  // "01" after "1"
+      i = a_end;
+      j = b_end;
+      continue;
+    }
+    if (a[i] != b[j]) return a[i] < b[j];
+    ++i;
+    ++j;
+  }
+  return a.size() - i < b.size() - j;
+}
+
+// Rank 0, after committing `manifest` into `dir`: writes every "model/<name>" tensor of the
+// checkpoint, whole and float32, to `file` under <name>, one tensor in memory at a time. The
+// data are in NaturalLess order of the names (the header, being JSON, lists them sorted).
+absl::Status ExportSafetensors(const CheckpointContext& context, const std::string& dir,
+                               const v1::CheckpointManifest& manifest, const std::string& file,
+                               const std::string& preset) {
+  ASSIGN_OR_RETURN(ShardedCheckpointReader reader, ShardedCheckpointReader::Open(dir, manifest));
+  std::vector<std::string> names;
+  for (const std::string& name : reader.TensorNames()) {
+    if (absl::StartsWith(name, kModelPrefix)) names.push_back(name);
+  }
+  std::sort(names.begin(), names.end(), NaturalLess);
+  std::vector<TensorSpec> tensors;
+  for (const std::string& name : names) {
+    ASSIGN_OR_RETURN(std::vector<int64_t> shape, reader.GlobalShape(name));
+    tensors.push_back({.name = name.substr(std::strlen(kModelPrefix)),
+                       .dtype = "F32",
+                       .shape = std::move(shape)});
+  }
+  return WriteSafetensorsStreaming(file, tensors,
+                                   {{"format", "pt"},
+                                    {"tessera.job_id", context.task->job_id()},
+                                    {"tessera.step", std::to_string(manifest.step())},
+                                    {"tessera.preset", preset}},
+                                   [&](size_t i, void* data) {
+                                     int64_t numel = 1;
+                                     for (int64_t dim : tensors[i].shape) numel *= dim;
+                                     return reader.Read(names[i], tensors[i].shape, "F32", 0, numel,
+                                                        data);
+                                   });
 }
 
 }  // namespace
@@ -107,6 +154,8 @@ absl::StatusOr<std::optional<Resumed>> ResumeLatest(const CheckpointContext& con
   RETURN_IF_ERROR(ReadTrainingState(reader, *context.engine, context.rank));
   Log(context, absl::StrCat("resumed from ", path, " at step ", resumed.manifest.step(),
                             " (written with dp ", resumed.manifest.layout().data_parallel(),
+                            ", tp ", std::max(1, resumed.manifest.layout().tensor_parallel()),
+                            ", pp ", std::max(1, resumed.manifest.layout().pipeline_parallel()),
                             ", ZeRO ", resumed.manifest.layout().zero_stage(), ")"));
   return resumed;
 }
@@ -155,18 +204,19 @@ absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
     checkpoint.set_job_id(task.job_id());
     checkpoint.set_step(state.step);
     checkpoint.set_path(absl::StrCat(root, "/", CheckpointDirName(state.step)));
+    if (export_safetensors) {
+      // From the committed checkpoint, which holds every tensor whatever the layout (no rank
+      // holds every parameter under pipeline parallelism); the other ranks go on meanwhile.
+      const std::string file = absl::StrCat(checkpoint.path(), "/model.safetensors");
+      RETURN_IF_ERROR(
+          ExportSafetensors(context, checkpoint.path(), manifest, file, state.model.preset()));
+      checkpoint.set_safetensors_path(file);
+    }
     int64_t size = 0;
     for (const auto& s : manifest.shards()) size += s.size_bytes();
     checkpoint.set_size_bytes(size);
     checkpoint.set_num_shards(manifest.shards_size());
     *checkpoint.mutable_create_time() = manifest.create_time();
-  }
-  if (export_safetensors) {
-    // The commit renamed the directory; the others learn its name from the step.
-    const std::string file =
-        absl::StrCat(root, "/", CheckpointDirName(state.step), "/model.safetensors");
-    RETURN_IF_ERROR(ExportSafetensors(context, file, state.step, state.model.preset()));
-    if (context.rank == 0) checkpoint.set_safetensors_path(file);
   }
   checkpoint.set_write_seconds(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());

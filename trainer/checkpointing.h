@@ -2,7 +2,8 @@
 // (rank 0 finds and verifies it, the others follow through the store) under whatever layout wrote
 // it, and saving one (every rank writes its shard into the staging directory, rank 0 commits the
 // manifest with the digests the ranks computed while writing), plus the safetensors export of the
-// full weights. Every function here is a collective over the job's ranks.
+// full weights (rank 0, from the checkpoint it committed). Every function here is a collective
+// over the job's ranks.
 #pragma once
 
 #include <optional>
@@ -47,7 +48,11 @@ struct CheckpointState {
 };
 
 // Saves the checkpoint of `state.step`. Rank 0 returns the Checkpoint to report (with the
-// safetensors path when `export_safetensors`); the other ranks return an empty one.
+// safetensors path when `export_safetensors`); the other ranks return an empty one. With
+// `export_safetensors`, rank 0 alone, once the checkpoint is committed, reads every "model/<name>"
+// tensor back from it, one at a time, and writes <checkpoint>/model.safetensors (float32, names
+// without "model/", data in the names' order with digit runs compared as numbers, metadata
+// format=pt, tessera.job_id, tessera.step, tessera.preset); the other ranks do not wait for it.
 absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
                                               const CheckpointState& state,
                                               bool export_safetensors);

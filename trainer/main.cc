@@ -57,6 +57,7 @@ ABSL_FLAG(bool, export_safetensors, false, "Standalone: export the final weights
 ABSL_FLAG(int, zero_stage, 0,
           "Standalone: ZeRO stage over the data-parallel ranks (0 none, 1 optimizer state, 2 + "
           "gradients, 3 + parameters).");
+ABSL_FLAG(int, num_layers, 0, "Standalone: override the preset's number of layers; 0 keeps it.");
 ABSL_FLAG(int, tensor_parallel, 1,
           "Standalone: tensor-parallel degree (consecutive ranks; must divide the attention heads, "
           "key/value heads and ffn_hidden_size).");
@@ -123,6 +124,17 @@ tessera::v1::TrainerTask TaskFromFlags() {
   tessera::v1::JobSpec* spec = task.mutable_spec();
   spec->set_name(absl::GetFlag(FLAGS_job_id));
   spec->mutable_model()->set_preset(absl::GetFlag(FLAGS_preset));
+  if (absl::GetFlag(FLAGS_num_layers) > 0) {
+    // A spec names a preset or dimensions, not both: spell out the preset's, with the override.
+    auto preset = tessera::planner::ResolveModel(spec->model(), absl::GetFlag(FLAGS_seq_len));
+    if (!preset.ok()) {
+      std::cerr << "tessera-trainer: --preset: " << preset.status() << "\n";
+      std::exit(2);
+    }
+    spec->mutable_model()->clear_preset();
+    *spec->mutable_model()->mutable_dims() = preset->dims();
+    spec->mutable_model()->mutable_dims()->set_num_layers(absl::GetFlag(FLAGS_num_layers));
+  }
   for (const auto& shard : absl::GetFlag(FLAGS_data)) spec->mutable_data()->add_train_shards(shard);
   spec->mutable_data()->set_seq_len(absl::GetFlag(FLAGS_seq_len));
   for (const auto& shard : absl::GetFlag(FLAGS_val_data)) {

@@ -2,7 +2,11 @@
 
 #include <algorithm>
 #include <deque>
+#include <stdexcept>
+#include <string>
 #include <utility>
+
+#include "absl/strings/str_cat.h"
 
 namespace tessera::trainer {
 namespace {
@@ -14,11 +18,12 @@ constexpr int kGradientTag = 2;
 }  // namespace
 
 PipelineSchedule::PipelineSchedule(c10::intrusive_ptr<c10d::ProcessGroup> group, int stage,
-                                   int stages, std::vector<int64_t> activation_shape,
-                                   at::Device device)
+                                   std::vector<int> stage_ranks,
+                                   std::vector<int64_t> activation_shape, at::Device device)
     : group_(std::move(group)),
       stage_(stage),
-      stages_(stages),
+      stages_(static_cast<int>(stage_ranks.size())),
+      stage_ranks_(std::move(stage_ranks)),
       activation_shape_(std::move(activation_shape)),
       device_(device) {
   TORCH_CHECK(stages_ >= 1 && stage_ >= 0 && stage_ < stages_, "pipeline stage ", stage_, " of ",
@@ -43,7 +48,22 @@ at::Tensor PipelineSchedule::Exchange(const at::Tensor& send, int send_to, int s
     incoming.push_back(EmptyActivation());
     works.push_back(group_->recv(incoming, receive_from, receive_tag));
   }
-  for (auto& work : works) work->wait();
+  try {
+    for (auto& work : works) work->wait();
+  } catch (const std::exception& e) {
+    std::string peers;
+    for (int peer : {send.defined() ? send_to : -1, receive ? receive_from : -1}) {
+      if (peer < 0 || peers.find(std::to_string(stage_ranks_[peer]) + ")") != std::string::npos) {
+        continue;
+      }
+      peers += absl::StrCat(peers.empty() ? "" : " and ", "stage ", peer, " (rank ",
+                            stage_ranks_[peer], ")");
+    }
+    throw std::runtime_error(absl::StrCat("pipeline peer lost: stage ", stage_, " (rank ",
+                                          stage_ranks_[stage_],
+                                          ") could not exchange activations or gradients with ",
+                                          peers, ": ", c10::GetExceptionString(e)));
+  }
   if (!receive) return at::Tensor();
   return incoming[0].requires_grad_(requires_grad);
 }

@@ -28,10 +28,13 @@ class PipelineSchedule {
   using Backward = std::function<void(int micro_batch, const at::Tensor& output,
                                       const at::Tensor& grad, bool last)>;
 
-  // `group` holds the stages in order (group rank = stage); `activation_shape` is one
-  // micro-batch's activations between stages, sent as float32 on `device`.
-  PipelineSchedule(c10::intrusive_ptr<c10d::ProcessGroup> group, int stage, int stages,
-                   std::vector<int64_t> activation_shape, at::Device device);
+  // `group` holds the stages in order (group rank = stage), and `stage_ranks` their global
+  // ranks (for error messages); `activation_shape` is one micro-batch's activations between
+  // stages, sent as float32 on `device`. A failed send or receive (a peer that died) throws
+  // std::runtime_error naming both stages and ranks and containing "pipeline peer".
+  PipelineSchedule(c10::intrusive_ptr<c10d::ProcessGroup> group, int stage,
+                   std::vector<int> stage_ranks, std::vector<int64_t> activation_shape,
+                   at::Device device);
 
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ == stages_ - 1; }
@@ -54,6 +57,7 @@ class PipelineSchedule {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int stage_;
   int stages_;
+  std::vector<int> stage_ranks_;
   std::vector<int64_t> activation_shape_;
   at::Device device_;
 };

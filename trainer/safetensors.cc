@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string_view>
@@ -91,19 +93,6 @@ absl::Status ReadExactly(int fd, void* data, size_t size, const std::string& pat
   return absl::OkStatus();
 }
 
-absl::Status WriteFileContents(int fd, const std::string& path, const std::string& header,
-                               const std::vector<const TensorView*>& tensors) {
-  char length[8];
-  EncodeLittleEndian64(header.size(), length);
-  RETURN_IF_ERROR(WriteAll(fd, length, sizeof(length), path));
-  RETURN_IF_ERROR(WriteAll(fd, header.data(), header.size(), path));
-  for (const TensorView* tensor : tensors) {
-    RETURN_IF_ERROR(WriteAll(fd, tensor->data, tensor->nbytes, path));
-  }
-  if (::fsync(fd) != 0) return ErrnoToStatus(errno, absl::StrCat(path, ": fsync"));
-  return absl::OkStatus();
-}
-
 // Parses one tensor entry of the header into `entry`; false with `why` set when malformed.
 bool ParseEntry(const Json& value, SafetensorsEntry& entry, std::string& why) {
   if (!value.is_object()) {
@@ -166,12 +155,25 @@ size_t SafetensorsDtypeSize(const std::string& dtype) {
   return it == kSizes->end() ? 0 : it->second;
 }
 
-absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorView>& tensors,
+namespace {
+
+// What a writer lays out: the padded header text, and the tensors' indices in data order.
+struct Layout {
+  std::string header_text;
+  std::vector<size_t> order;
+};
+
+// Validates `tensors` (names, dtypes, shapes; errors name `path` and the tensor) and lays out
+// the file: data ordered by element size, widest first (stable, as Hugging Face's writer does),
+// so that with the data section 8-byte aligned every tensor starts aligned to its element size
+// and readers can map it without copying.
+absl::StatusOr<Layout> LayOut(const std::string& path, const std::vector<TensorSpec>& tensors,
                               const std::map<std::string, std::string>& metadata) {
   Json header = Json::object();
   if (!metadata.empty()) header[kMetadataKey] = metadata;
   std::set<std::string> names;
-  for (const TensorView& tensor : tensors) {
+  std::vector<uint64_t> sizes;
+  for (const TensorSpec& tensor : tensors) {
     const std::string what = absl::StrCat(path, ": tensor \"", tensor.name, "\"");
     if (tensor.name.empty() || tensor.name == kMetadataKey) {
       return absl::InvalidArgumentError(absl::StrCat(what, ": reserved or empty name"));
@@ -187,45 +189,98 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorV
     if (!bytes.has_value()) {
       return absl::InvalidArgumentError(absl::StrCat(what, ": invalid shape"));
     }
-    if (*bytes != tensor.nbytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": nbytes ", tensor.nbytes, " but shape and ", tensor.dtype, " need ", *bytes));
-    }
-    if (tensor.nbytes > 0 && tensor.data == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": null data"));
-    }
+    sizes.push_back(*bytes);
   }
-  // Wider dtypes first (stable, as Hugging Face's writer does): with the data
-  // section 8-byte aligned, every tensor then starts aligned to its element
-  // size, so readers can map it without copying.
-  std::vector<const TensorView*> order;
-  for (const TensorView& tensor : tensors) order.push_back(&tensor);
-  std::stable_sort(order.begin(), order.end(), [](const TensorView* a, const TensorView* b) {
-    return SafetensorsDtypeSize(a->dtype) > SafetensorsDtypeSize(b->dtype);
+  Layout layout;
+  for (size_t i = 0; i < tensors.size(); ++i) layout.order.push_back(i);
+  std::stable_sort(layout.order.begin(), layout.order.end(), [&](size_t a, size_t b) {
+    return SafetensorsDtypeSize(tensors[a].dtype) > SafetensorsDtypeSize(tensors[b].dtype);
   });
   uint64_t offset = 0;
-  for (const TensorView* tensor : order) {
-    header[tensor->name] = {{"dtype", tensor->dtype},
-                            {"shape", tensor->shape},
-                            {"data_offsets", {offset, offset + tensor->nbytes}}};
-    offset += tensor->nbytes;
+  for (size_t i : layout.order) {
+    header[tensors[i].name] = {{"dtype", tensors[i].dtype},
+                               {"shape", tensors[i].shape},
+                               {"data_offsets", {offset, offset + sizes[i]}}};
+    offset += sizes[i];
   }
-  std::string header_text = header.dump();
+  layout.header_text = header.dump();
   // Pad so that the data section starts 8-byte aligned (8 + header length).
-  header_text.append((kHeaderAlignment - header_text.size() % kHeaderAlignment) % kHeaderAlignment,
-                     ' ');
+  layout.header_text.append(
+      (kHeaderAlignment - layout.header_text.size() % kHeaderAlignment) % kHeaderAlignment, ' ');
+  return layout;
+}
 
+// Writes the length, the header and, through `write_data(fd, tmp_path)`, the data to
+// `path`.tmp, fsyncs it and renames it to `path`; removes it on failure.
+absl::Status WriteAtomically(
+    const std::string& path, const std::string& header_text,
+    const std::function<absl::Status(int, const std::string&)>& write_data) {
   const std::string tmp_path = path + ".tmp";
   int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoToStatus(errno, tmp_path);
-  absl::Status status = WriteFileContents(fd, tmp_path, header_text, order);
-  if (::close(fd) != 0 && status.ok())
+  char length[8];
+  EncodeLittleEndian64(header_text.size(), length);
+  absl::Status status = WriteAll(fd, length, sizeof(length), tmp_path);
+  if (status.ok()) status = WriteAll(fd, header_text.data(), header_text.size(), tmp_path);
+  if (status.ok()) status = write_data(fd, tmp_path);
+  if (status.ok() && ::fsync(fd) != 0) {
+    status = ErrnoToStatus(errno, absl::StrCat(tmp_path, ": fsync"));
+  }
+  if (::close(fd) != 0 && status.ok()) {
     status = ErrnoToStatus(errno, absl::StrCat(tmp_path, ": close"));
+  }
   if (status.ok() && ::rename(tmp_path.c_str(), path.c_str()) != 0) {
     status = ErrnoToStatus(errno, absl::StrCat("rename ", tmp_path, " to ", path));
   }
   if (!status.ok()) ::unlink(tmp_path.c_str());
   return status;
+}
+
+}  // namespace
+
+absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorView>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorSpec> specs;
+  for (const TensorView& tensor : tensors)
+    specs.push_back({tensor.name, tensor.dtype, tensor.shape});
+  ASSIGN_OR_RETURN(Layout layout, LayOut(path, specs, metadata));
+  for (const TensorView& tensor : tensors) {
+    const std::string what = absl::StrCat(path, ": tensor \"", tensor.name, "\"");
+    const uint64_t bytes = *TensorBytes(tensor.dtype, tensor.shape);
+    if (bytes != tensor.nbytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": nbytes ", tensor.nbytes, " but shape and ", tensor.dtype, " need ", bytes));
+    }
+    if (tensor.nbytes > 0 && tensor.data == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": null data"));
+    }
+  }
+  return WriteAtomically(path, layout.header_text, [&](int fd, const std::string& tmp_path) {
+    for (size_t i : layout.order) {
+      RETURN_IF_ERROR(WriteAll(fd, tensors[i].data, tensors[i].nbytes, tmp_path));
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status WriteSafetensorsStreaming(
+    const std::string& path, const std::vector<TensorSpec>& tensors,
+    const std::map<std::string, std::string>& metadata,
+    const std::function<absl::Status(size_t index, void* data)>& fill) {
+  ASSIGN_OR_RETURN(Layout layout, LayOut(path, tensors, metadata));
+  size_t largest = 0;
+  for (const TensorSpec& tensor : tensors) {
+    largest = std::max<size_t>(largest, *TensorBytes(tensor.dtype, tensor.shape));
+  }
+  std::unique_ptr<char[]> buffer(new char[std::max<size_t>(largest, 1)]);
+  return WriteAtomically(path, layout.header_text, [&](int fd, const std::string& tmp_path) {
+    for (size_t i : layout.order) {
+      RETURN_IF_ERROR(fill(i, buffer.get()));
+      const size_t bytes = *TensorBytes(tensors[i].dtype, tensors[i].shape);
+      RETURN_IF_ERROR(WriteAll(fd, buffer.get(), bytes, tmp_path));
+    }
+    return absl::OkStatus();
+  });
 }
 
 absl::StatusOr<SafetensorsFile> ReadSafetensorsHeader(const std::string& path) {

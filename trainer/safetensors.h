@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -30,6 +31,14 @@ struct TensorView {
   size_t nbytes = 0;
 };
 
+// A tensor to write whose bytes are produced while writing (WriteSafetensorsStreaming).
+struct TensorSpec {
+  std::string name;
+  // As TensorView::dtype.
+  std::string dtype;
+  std::vector<int64_t> shape;
+};
+
 // Bytes per element of a safetensors dtype; 0 for one this file does not know.
 size_t SafetensorsDtypeSize(const std::string& dtype);
 
@@ -41,6 +50,18 @@ size_t SafetensorsDtypeSize(const std::string& dtype);
 // empty or "__metadata__", or a name repeats.
 absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorView>& tensors,
                               const std::map<std::string, std::string>& metadata);
+
+// As WriteSafetensors, for tensors too large to hold at once: the file's layout is that
+// WriteSafetensors gives tensors of these names, dtypes and shapes, and each tensor's bytes are
+// asked for when the writer reaches it: `fill(i, data)` writes the product(shape) * dtype size
+// bytes of tensors[i] to `data`, a buffer the size of the largest tensor, reused for every one,
+// so memory stays at one tensor. `fill` is called once per tensor, in data order (widest dtype
+// first, then as given). When it returns an error, writing stops, `path` is left as it was and
+// the error is returned. The same INVALID_ARGUMENT errors as WriteSafetensors, before any call.
+absl::Status WriteSafetensorsStreaming(
+    const std::string& path, const std::vector<TensorSpec>& tensors,
+    const std::map<std::string, std::string>& metadata,
+    const std::function<absl::Status(size_t index, void* data)>& fill);
 
 // A tensor as the header describes it; [begin, end) is relative to data_offset.
 struct SafetensorsEntry {

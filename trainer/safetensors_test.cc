@@ -194,5 +194,55 @@ TEST_F(SafetensorsTest, EmptyAndZeroSizedTensors) {
   EXPECT_THAT(file->tensors.at("one").shape, ::testing::IsEmpty());
 }
 
+TEST_F(SafetensorsTest, StreamingWritesTheSameFileOneTensorAtATime) {
+  const std::vector<float> weights = {1.5f, -2.25f, 3.0f, 0.0f, 1e-3f, -7.75f};
+  const std::vector<int64_t> ids = {1, -2, 1LL << 40, 7};
+  const std::vector<uint16_t> halves = {0x3c00, 0xc000, 0x0001};
+  const std::vector<TensorView> views = {
+      {"layers.0.weight", "F32", {2, 3}, weights.data(), weights.size() * sizeof(float)},
+      {"halves", "F16", {3}, halves.data(), halves.size() * sizeof(uint16_t)},
+      {"token_ids", "I64", {4}, ids.data(), ids.size() * sizeof(int64_t)}};
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  const std::string reference = dir_ + "/reference.safetensors";
+  ASSERT_THAT(WriteSafetensors(reference, views, metadata), IsOk());
+
+  std::vector<TensorSpec> specs;
+  for (const TensorView& view : views) specs.push_back({view.name, view.dtype, view.shape});
+  const std::string path = dir_ + "/streamed.safetensors";
+  std::vector<size_t> asked;
+  ASSERT_THAT(WriteSafetensorsStreaming(path, specs, metadata,
+                                        [&](size_t i, void* data) {
+                                          asked.push_back(i);
+                                          std::memcpy(data, views[i].data, views[i].nbytes);
+                                          return absl::OkStatus();
+                                        }),
+              IsOk());
+  // Data order: widest dtype first, then as given; the file is byte for byte WriteSafetensors'.
+  EXPECT_THAT(asked, ElementsAre(2, 0, 1));
+  EXPECT_EQ(ReadBytes(path), ReadBytes(reference));
+  EXPECT_FALSE(Exists(path + ".tmp"));
+
+  // A failing producer stops the write: the previous file stays, no temporary is left.
+  EXPECT_THAT(WriteSafetensorsStreaming(path, specs, {},
+                                        [&](size_t i, void*) {
+                                          return i == 0 ? absl::DataLossError("tensor 0 is gone")
+                                                        : absl::OkStatus();
+                                        }),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("tensor 0 is gone")));
+  EXPECT_EQ(ReadBytes(path), ReadBytes(reference));
+  EXPECT_FALSE(Exists(path + ".tmp"));
+  // Invalid tensors are refused before the producer is asked for anything.
+  asked.clear();
+  EXPECT_THAT(WriteSafetensorsStreaming(dir_ + "/bad.safetensors",
+                                        {{"w", "F32", {2}}, {"w", "F32", {2}}}, {},
+                                        [&](size_t i, void*) {
+                                          asked.push_back(i);
+                                          return absl::OkStatus();
+                                        }),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("name repeats")));
+  EXPECT_THAT(asked, ::testing::IsEmpty());
+  EXPECT_FALSE(Exists(dir_ + "/bad.safetensors"));
+}
+
 }  // namespace
 }  // namespace tessera::trainer

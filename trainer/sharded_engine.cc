@@ -636,21 +636,4 @@ void ShardedEngine::set_optimizer_step(int64_t step) {
   }
 }
 
-void ShardedEngine::ForEachFullParameter(
-    const std::function<void(const std::string&, const at::Tensor&)>& visit) {
-  TORCH_CHECK(options_.tp.size == 1 && options_.pp_size == 1,
-              "full parameters are gathered under data parallelism only");
-  torch::NoGradGuard no_grad;
-  for (size_t u = 0; u < units_.size(); ++u) {
-    Unit& unit = units_[u];
-    if (stage() == 3) EnsureGathered(static_cast<int>(u));
-    for (const Entry& entry : unit.entries) {
-      visit(entry.name, unit.full.narrow(0, entry.offset, entry.numel)
-                            .view(entry.shape)
-                            .to(at::kCPU, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
-    }
-    if (stage() == 3) Free(static_cast<int>(u));
-  }
-}
-
 }  // namespace tessera::trainer

@@ -30,7 +30,6 @@
 
 #include <cstdint>
 #include <deque>
-#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -147,11 +146,6 @@ class ShardedEngine : public LayerHooks {
   // AdamW's step counter (the same for every parameter).
   int64_t optimizer_step() const;
   void set_optimizer_step(int64_t step);
-
-  // Calls `visit` with every parameter's full value (float32, on the CPU) in named_parameters()
-  // order. A collective under ZeRO-3 (every dp rank must call it).
-  void ForEachFullParameter(
-      const std::function<void(const std::string&, const at::Tensor&)>& visit);
 
   // LayerHooks (ZeRO-3's gathers and frees).
   void BeforeLayer(int layer) override;

@@ -12,7 +12,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "common/timestamp.h"
 #include "planner/devices.h"
@@ -38,6 +40,12 @@ namespace {
 v1::FailureKind ClassifyTorchError(const std::string& what) {
   if (absl::StrContains(what, "out of memory") || absl::StrContains(what, "OutOfMemory")) {
     return v1::FAILURE_KIND_OUT_OF_MEMORY;
+  }
+  // A collective whose peer went away (Gloo's TCP pairs; the pipeline's send/receive).
+  if (absl::StrContains(what, "pipeline peer lost") ||
+      absl::StrContains(what, "Connection closed by peer") ||
+      absl::StrContains(what, "Connection reset by peer")) {
+    return v1::FAILURE_KIND_COLLECTIVE_TIMEOUT;
   }
   if (absl::StrContains(what, "Timed out") || absl::StrContains(what, "timed out") ||
       absl::StrContains(what, "Timeout") || absl::StrContains(what, "timeout")) {
@@ -85,6 +93,9 @@ class Trainer {
       status = absl::InternalError(e.what());
     }
     if (!status.ok()) {
+      if (kind == v1::FAILURE_KIND_COLLECTIVE_TIMEOUT && group_.has_value()) {
+        status = absl::Status(status.code(), absl::StrCat(status.message(), LostRanks()));
+      }
       ReportFailure(kind, status);
       return status;
     }
@@ -127,6 +138,33 @@ class Trainer {
     failure->set_message(std::string(status.message()));
     Send(report);
     Log(absl::StrCat("failed: ", status.ToString()));
+  }
+
+  // After a failed collective: which ranks are gone. A collective error names at best a socket
+  // address, so every rank that survives one checks in on the job's store; the ranks that have
+  // not checked in after a few seconds are named (dead, or still blocked in a collective).
+  std::string LostRanks() {
+    constexpr absl::Duration kGrace = absl::Seconds(5);
+    try {
+      const c10::intrusive_ptr<c10d::Store>& store = group_->store;
+      store->set(absl::StrCat("tessera/survived/", rank()), std::vector<uint8_t>{1});
+      std::vector<int> missing;
+      const absl::Time deadline = absl::Now() + kGrace;
+      do {
+        missing.clear();
+        for (int r = 0; r < world(); ++r) {
+          if (!store->check({absl::StrCat("tessera/survived/", r)})) missing.push_back(r);
+        }
+        if (missing.empty()) return "";
+        absl::SleepFor(absl::Milliseconds(200));
+      } while (absl::Now() < deadline);
+      return absl::StrCat("; rank(s) ", absl::StrJoin(missing, ", "), " did not answer within ",
+                          absl::FormatDuration(kGrace),
+                          " of the failure (exited, or still blocked in a collective)");
+    } catch (const std::exception& e) {
+      return absl::StrCat("; the job's store (rank 0) is unreachable too: ",
+                          c10::GetExceptionString(e));
+    }
   }
 
   absl::Status Fail(v1::FailureKind kind, absl::Status status) {
@@ -296,7 +334,12 @@ class Trainer {
     BroadcastParameters();
     if (stages > 1) {
       const int64_t seq = spec_.data().seq_len() / (tp.sequence_parallel ? tp.size : 1);
-      pipeline_.emplace(mesh_.group(MeshDim::kPipeline), stage, stages,
+      std::vector<int> stage_ranks;
+      for (int s = 0; s < stages; ++s) {
+        stage_ranks.push_back(DeviceMesh::RankAt(
+            shape_, {s, mesh_.coord(MeshDim::kData), mesh_.coord(MeshDim::kTensor)}));
+      }
+      pipeline_.emplace(mesh_.group(MeshDim::kPipeline), stage, std::move(stage_ranks),
                         std::vector<int64_t>{spec_.batch().micro_batch_size(), seq,
                                              summary_.dims().hidden_size()},
                         device_);
@@ -575,6 +618,8 @@ class Trainer {
                           .model = summary_,
                           .data_position = loader_->position()};
     state.layout.set_data_parallel(mesh_.size(MeshDim::kData));
+    state.layout.set_tensor_parallel(mesh_.size(MeshDim::kTensor));
+    state.layout.set_pipeline_parallel(mesh_.size(MeshDim::kPipeline));
     ASSIGN_OR_RETURN(v1::Checkpoint checkpoint,
                      trainer::SaveCheckpoint(Checkpoints(), state,
                                              last && spec_.checkpoint().export_safetensors()));

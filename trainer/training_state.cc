@@ -32,7 +32,9 @@ absl::StatusOr<WrittenShard> WriteTrainingState(
                       .global_shape = range.global_shape,
                       .offset = range.offset,
                       .numel = host.back().numel(),
-                      .data = host.back().data_ptr()});
+                      .data = host.back().data_ptr(),
+                      .box_offset = range.box_offset,
+                      .box_shape = range.box_shape});
   }
   int64_t step = engine.optimizer_step();
   if (rank == 0) {
@@ -51,8 +53,8 @@ absl::Status ReadTrainingState(const ShardedCheckpointReader& reader, ShardedEng
                                int rank) {
   for (const TensorRange& range : engine.LoadRanges()) {
     at::Tensor host = at::empty({range.data.numel()}, at::kFloat);
-    RETURN_IF_ERROR(reader.Read(range.name, range.global_shape, "F32", range.offset, host.numel(),
-                                host.data_ptr()));
+    RETURN_IF_ERROR(reader.Read(range.name, range.global_shape, "F32", range.box_offset,
+                                range.box_shape, range.offset, host.numel(), host.data_ptr()));
     torch::NoGradGuard no_grad;
     range.data.copy_(host);
   }

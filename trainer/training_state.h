@@ -2,9 +2,9 @@
 // of every parameter ("model/<name>") and of both AdamW moments ("exp_avg/<name>",
 // "exp_avg_sq/<name>"), float32, as ShardedEngine lays them out; AdamW's step counter
 // ("optimizer.step", rank 0); and the rank's CPU generator state ("rng/cpu/rank-NNNNN"). Because
-// every range names its tensor, global shape and offset, a checkpoint written under one layout
-// (dp, ZeRO stage) restores under any other. The trainer's save and resume, and the checkpoint
-// benchmark, all go through here.
+// every range names its tensor, global shape, box (tensor-parallel block, if any) and offset, a
+// checkpoint written under one layout (dp, ZeRO stage, tp) restores under any other. The trainer's
+// save and resume, and the checkpoint benchmark, all go through here.
 #pragma once
 
 #include <map>
