@@ -441,7 +441,19 @@ class ModelParallelTest : public TrainerTrainingTest,
     }
     if (layers > 0) flags.push_back(absl::StrCat("--num_layers=", layers));
     flags.push_back("--export_safetensors");
+    flags.push_back("--val_data=" + *data_dir_ + "/val-*.bin");
+    flags.push_back("--eval_every=10");
+    flags.push_back("--eval_batches=3");
     return flags;
+  }
+
+  // The evaluations rank 0 reported, in order.
+  static std::vector<v1::EvalMetrics> Evals(const TrainerRun& run) {
+    std::vector<v1::EvalMetrics> evals;
+    for (const auto& report : run.reports) {
+      if (report.has_eval()) evals.push_back(report.eval());
+    }
+    return evals;
   }
 
   // One process of the case's model, once per model for the suite; returns its checkpoint dir.
@@ -486,6 +498,16 @@ TEST_P(ModelParallelTest, LossesAndWeightsMatchOneProcess) {
     const double relative = std::abs(runs[0].losses.at(step) - expected) / expected;
     EXPECT_LE(relative, 1e-5) << "step " << step;
     worst = std::max(worst, relative);
+  }
+  // Evaluation runs through the stages too, each sample counted once (eval_batches are per dp
+  // rank, so only dp 1 evaluates the reference's samples).
+  const std::vector<v1::EvalMetrics> evals = Evals(runs[0]), expected_evals = Evals(reference);
+  ASSERT_EQ(evals.size(), 2u) << runs[0].output;
+  ASSERT_EQ(expected_evals.size(), 2u);
+  for (size_t i = 0; i < evals.size() && c.world == c.tp * c.pp; ++i) {
+    EXPECT_EQ(evals[i].tokens(), expected_evals[i].tokens());
+    EXPECT_LE(std::abs(evals[i].loss() - expected_evals[i].loss()) / expected_evals[i].loss(),
+              1e-5);
   }
   const std::string export_path =
       absl::StrCat("/step-", std::string(6, '0'), kSteps, "/model.safetensors");

@@ -539,6 +539,8 @@ class Trainer {
         loss = engine_->EvalLoss(ToDevice(mb.inputs, mb.batch_size, seq),
                                  ToDevice(mb.targets, mb.batch_size, seq));
       }
+      // Each tp rank holds the same loss: one of them counts it.
+      if (mesh_.coord(MeshDim::kTensor) != 0) continue;
       int64_t tokens = static_cast<int64_t>(mb.batch_size) * seq;
       totals[0] += loss.item<double>() * tokens;
       totals[1] += static_cast<double>(tokens);
