@@ -47,6 +47,7 @@ benches=(
   "trainer-gpu|$TESSERA_BENCH_PYTHON bench/trainer_bench.py --device=cuda|gpu"
   "checkpoint|$build_dir/bench/checkpoint_bench|cpu"
   "zero|$TESSERA_BENCH_PYTHON bench/zero_bench.py|cpu"
+  "model-parallel|$TESSERA_BENCH_PYTHON bench/model_parallel_bench.py|cpu"
   "control-plane|$build_dir/bench/control_plane_bench --coordinator=$build_dir/bin/tessera-coordinator|cpu"
 )
 status=0
