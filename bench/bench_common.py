@@ -1,10 +1,19 @@
 """What the Python benchmarks share: their error type, the provenance they record (commit,
-machine) and the median/range summary of repeated runs."""
+machine) and the median/range summary of repeated runs; and for the multi-process CPU benchmarks
+(bench/zero_bench.py, bench/model_parallel_bench.py) the launch of a job's ranks as torchrun
+would, its task file and the checks that runs computed the same thing. Standard library only."""
 
+import datetime
+import hashlib
 import json
 import os
+import shutil
+import signal
+import socket
 import statistics
 import subprocess
+import sys
+import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Training text: Genesis to Ruth of the King James Bible (about 1 MiB), tokenized as bytes.
@@ -102,3 +111,209 @@ def parse_reports(text, what):
     if failures:
         raise BenchError(f"{what}: reported failure: {json.dumps(failures[0])}")
     return reports
+
+
+# --- the multi-process CPU benchmarks ---------------------------------------------------------
+
+# Longest one run (all its ranks) may take before the benchmark gives up on it.
+RUN_TIMEOUT_SECONDS = 600
+
+
+def utc_now():
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def find_trainer(bench_name):
+    """The build directory and its bin/tessera-trainer ($TESSERA_BUILD_DIR, else ./build), or
+    None, having said on stderr what is missing."""
+    build_dir = os.environ.get(BUILD_DIR_ENV) or os.path.join(REPO_ROOT, "build")
+    built = os.path.join(os.path.abspath(build_dir), "bin", "tessera-trainer")
+    if not os.access(built, os.X_OK):
+        print(f"{bench_name}: {built} not found; build it (cmake --build {build_dir} "
+              f"--target tessera-trainer) or set {BUILD_DIR_ENV}", file=sys.stderr)
+        return None
+    return build_dir, built
+
+
+def sha256_of(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def provenance(built, trainer):
+    """Commit, date and machine (scripts/bench.sh's, else found here) and the trainer binary:
+    `built`, run through its copy `trainer`."""
+    return {
+        "commit": os.environ.get(COMMIT_ENV) or git_commit(),
+        "date": os.environ.get(DATE_ENV) or utc_now(),
+        "machine": os.environ.get(MACHINE_ENV) or machine_line(ask_gpus=False),
+        "trainer": built,
+        "trainer_sha256": sha256_of(trainer),
+        "trainer_mtime": datetime.datetime.fromtimestamp(
+            os.path.getmtime(built), datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def prepare_corpus(trainer, workdir, timeout):
+    """Tokenizes CORPUS into byte-level shards under workdir; returns the shards' glob."""
+    shard_dir = os.path.join(workdir, "shards")
+    subprocess.run([trainer, "prepare", f"--input={CORPUS}", f"--output_dir={shard_dir}",
+                    "--val_fraction=0"], check=True, capture_output=True, text=True,
+                   cwd=REPO_ROOT, timeout=timeout)
+    return os.path.join(shard_dir, "train-*.bin")
+
+
+def write_cpu_task(path, prefix, job, config, shards, layout, model=None):
+    """The task of one job: `config`'s model (or `model`), batch, optimizer, seed and untimed +
+    timed steps, fp32 on CPU, with plan layout `layout`; job id "prefix-job"."""
+    task = {
+        "job_id": f"{prefix}-{job}",
+        "spec": {
+            "name": f"{prefix}-{config['name']}",
+            "model": model or config["model"],
+            "data": {"train_shards": [shards], "seq_len": config["seq_len"]},
+            "batch": {"global_batch_size": config["global_batch_size"],
+                      "micro_batch_size": config["micro_batch_size"]},
+            "optimizer": config["optimizer"],
+            "precision": "PRECISION_FP32",
+            "max_steps": config["untimed_steps"] + config["timed_steps"],
+            "seed": config["seed"],
+        },
+        "plan": {"layout": layout},
+        "assignment": {"device_type": "DEVICE_TYPE_CPU", "gpu_index": -1},
+    }
+    with open(path, "w") as f:
+        json.dump(task, f, indent=1)
+
+
+def free_port():
+    """A port free now on 127.0.0.1 for the rendezvous (the usual bind-to-0 race is accepted)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(threads, rank, world, port):
+    env = {k: v for k, v in os.environ.items() if k not in RANK_ENVS}
+    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port)})
+    return env
+
+
+def tail(path, lines=15):
+    try:
+        with open(path, errors="replace") as f:
+            return "\n".join(f.read().strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_ranks(trainer, task_path, world, threads, workdir, label, timeout, poll_seconds,
+              on_poll=None):
+    """Starts `world` ranks of one job and waits for all of them, looking every poll_seconds.
+    Returns the 1-minute load average before the launch and, per rank, a dict: rank, the paths of
+    its stdout and stderr (out, err), what the kernel counted for its process (rusage, from
+    wait4) and when its end was seen (seconds after the launch). on_poll(seconds, ranks), when
+    given, is called at every look before the ranks are waited on; a rank's dict has "rusage"
+    once it has ended, "popen" throughout, and keeps what on_poll stores in it. BenchError with
+    the failing rank's output on a failure, or after `timeout` seconds (the other ranks are
+    killed: they would wait on the dead one)."""
+    port = free_port()
+    load_before = os.getloadavg()[0]
+    procs = []
+    try:
+        for rank in range(world):
+            out = os.path.join(workdir, f"{label}.rank{rank}.out")
+            err = os.path.join(workdir, f"{label}.rank{rank}.err")
+            with open(out, "w") as out_f, open(err, "w") as err_f:
+                procs.append({"rank": rank, "out": out, "err": err, "popen": subprocess.Popen(
+                    [trainer, f"--task={task_path}"], stdout=out_f, stderr=err_f,
+                    env=rank_env(threads, rank, world, port), cwd=REPO_ROOT)})
+        start = time.perf_counter()
+        while any("rusage" not in p for p in procs):
+            now = time.perf_counter() - start
+            if on_poll:
+                on_poll(now, procs)
+            for p in procs:
+                if "rusage" in p:
+                    continue
+                pid, status, usage = os.wait4(p["popen"].pid, os.WNOHANG)
+                if pid != 0:
+                    p["popen"].returncode = os.waitstatus_to_exitcode(status)
+                    p["rusage"] = usage
+                    p["seconds"] = now
+            failed = [p for p in procs if p.get("rusage") and p["popen"].returncode != 0]
+            if failed:
+                p = failed[0]
+                raise BenchError(f"{label}: rank {p['rank']} failed (exit "
+                                 f"{p['popen'].returncode}):\n{tail(p['err']) or tail(p['out'])}")
+            if now > timeout:
+                raise BenchError(f"{label}: no result after {timeout} s:\n"
+                                 f"{tail(procs[0]['err'])}")
+            time.sleep(poll_seconds)
+    finally:
+        for p in procs:
+            if "rusage" not in p and p["popen"].poll() is None:
+                p["popen"].send_signal(signal.SIGKILL)
+                p["popen"].wait()
+    return procs, load_before
+
+
+def json_lines(path, what):
+    with open(path, errors="replace") as f:
+        return parse_reports(f.read(), what)
+
+
+def step_reports(rank, steps, what):
+    """The start report and the step metrics 1..steps (in order) in a rank's output; BenchError
+    unless all are there."""
+    reports = json_lines(rank["out"], what) + json_lines(rank["err"], what)
+    started = next((r["started"] for r in reports if "started" in r), None)
+    metrics = sorted((r["metrics"] for r in reports if "metrics" in r),
+                     key=lambda m: int(m.get("step", 0)))
+    if started is None or [int(m.get("step", 0)) for m in metrics] != list(range(1, steps + 1)):
+        raise BenchError(f"{what}: expected a start report and steps 1..{steps} from rank 0, got "
+                         f"{[m.get('step') for m in metrics]}")
+    return started, metrics
+
+
+def loss_diffs(run, reference, what, reference_name, compared, exact_steps, tolerance_first,
+               tolerance):
+    """Fails unless `run` trained the same model on the same data as `reference` (the first
+    `reference_name` run): equal parameter counts, the first `exact_steps` losses within
+    tolerance_first relative of the reference's, the later ones within `tolerance`. Returns the
+    relative loss differences by step."""
+    if run["num_parameters"] != reference["num_parameters"]:
+        raise BenchError(f"{what}: {run['num_parameters']} parameters, the reference run "
+                         f"{reference['num_parameters']}")
+    diffs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(run["losses"], reference["losses"])]
+    if (len(diffs) != len(reference["losses"]) or
+            not max(diffs[:exact_steps]) <= tolerance_first or not max(diffs) <= tolerance):
+        first = "at the first step" if exact_steps == 1 else f"in the first {exact_steps} steps"
+        raise BenchError(f"{what}: losses {run['losses']} differ from the first {reference_name} "
+                         f"run's {reference['losses']} beyond {tolerance_first:g} relative {first} "
+                         f"or {tolerance:g} later (by step: {['%.3g' % d for d in diffs]}): the "
+                         f"{compared} do not compute the same thing")
+    return diffs
+
+
+def in_workdir(bench_name, workdir, keep_workdir, measure):
+    """Returns measure()'s result, then removes workdir unless keep_workdir. On a BenchError or a
+    failed or hung subprocess says so on stderr, keeps workdir and returns None."""
+    try:
+        return measure()
+    except (BenchError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        detail = e.stderr if isinstance(e, subprocess.CalledProcessError) else ""
+        print(f"{bench_name}: FAILED: {e}\n{detail or ''}".rstrip(), file=sys.stderr)
+        keep_workdir = True
+        return None
+    finally:
+        if keep_workdir:
+            print(f"{bench_name}: work directory kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)

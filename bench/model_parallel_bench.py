@@ -47,27 +47,19 @@ local defaults. Only the standard library is used.
 """
 
 import argparse
-import datetime
-import hashlib
-import json
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from bench_common import (BUILD_DIR_ENV, COMMIT_ENV, CORPUS, DATE_ENV, MACHINE_ENV, RANK_ENVS,
-                          REPO_ROOT, RESULTS_ENV, BenchError, git_commit, machine_line, parse_reports,
-                          spread, write_results)
+from bench_common import (RESULTS_ENV, RUN_TIMEOUT_SECONDS, BenchError, find_trainer, in_workdir,
+                          loss_diffs, prepare_corpus, provenance, run_ranks, spread, step_reports,
+                          tail, write_cpu_task, write_results)
 
 
-# Longest one run (all its ranks) may take before the benchmark gives up on it.
-RUN_TIMEOUT_SECONDS = 600
 # The first step's loss is computed from the initial weights on the first batch: every layout
 # must reproduce it up to the order of fp32 sums (tensor parallelism splits the matmuls' inner
 # dimensions, two threads split them differently). Later steps compound that rounding through
@@ -125,101 +117,22 @@ def usable_cores():
         return os.cpu_count() or 1
 
 
-def free_port():
-    """A port free now on 127.0.0.1 for the rendezvous (the usual bind-to-0 race is accepted)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_env(threads, rank, world, port):
-    env = {k: v for k, v in os.environ.items() if k not in RANK_ENVS}
-    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port)})
-    return env
-
-
-def sha256_of(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def tail(path, lines=15):
-    try:
-        with open(path, errors="replace") as f:
-            return "\n".join(f.read().strip().splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 # --- processes --------------------------------------------------------------------------------
 
 
-def run_ranks(trainer, task_path, world, threads, workdir, label):
-    """Starts `world` ranks of one job and waits for all of them. Returns, per rank, the paths of
-    its stdout and stderr and what the kernel counted for its process (wait4). BenchError with
-    the failing rank's output on a failure or timeout (the other ranks are killed: they would
-    wait on the dead one)."""
-    port = free_port()
-    load_before = os.getloadavg()[0]
-    procs = []
-    try:
-        for rank in range(world):
-            out = os.path.join(workdir, f"{label}.rank{rank}.out")
-            err = os.path.join(workdir, f"{label}.rank{rank}.err")
-            with open(out, "w") as out_f, open(err, "w") as err_f:
-                procs.append({"rank": rank, "out": out, "err": err, "popen": subprocess.Popen(
-                    [trainer, f"--task={task_path}"], stdout=out_f, stderr=err_f,
-                    env=rank_env(threads, rank, world, port), cwd=REPO_ROOT)})
-        start = time.perf_counter()
-        while any("rusage" not in p for p in procs):
-            now = time.perf_counter() - start
-            for p in procs:
-                if "rusage" in p:
-                    continue
-                pid, status, usage = os.wait4(p["popen"].pid, os.WNOHANG)
-                if pid != 0:
-                    p["popen"].returncode = os.waitstatus_to_exitcode(status)
-                    p["rusage"] = usage
-                    p["seconds"] = now
-            failed = [p for p in procs if p.get("rusage") and p["popen"].returncode != 0]
-            if failed:
-                p = failed[0]
-                raise BenchError(f"{label}: rank {p['rank']} failed (exit "
-                                 f"{p['popen'].returncode}):\n{tail(p['err']) or tail(p['out'])}")
-            if now > RUN_TIMEOUT_SECONDS:
-                raise BenchError(f"{label}: timed out after {RUN_TIMEOUT_SECONDS} s:\n"
-                                 f"{tail(procs[0]['err'])}")
-            time.sleep(POLL_SECONDS)
-    finally:
-        for p in procs:
-            if "rusage" not in p and p["popen"].poll() is None:
-                p["popen"].send_signal(signal.SIGKILL)
-                p["popen"].wait()
-    ranks = []
-    for p in procs:
-        usage = p["rusage"]
-        ranks.append({
-            "rank": p["rank"], "out": p["out"], "err": p["err"],
-            "user_cpu_seconds": usage.ru_utime,
-            "system_cpu_seconds": usage.ru_stime,
-            "process_seconds": p["seconds"],
-            "peak_rss_bytes": usage.ru_maxrss * 1024,
-        })
-    return ranks, load_before
+def launch(trainer, task_path, world, threads, workdir, label):
+    """Runs one job's ranks (run_ranks). Returns, per rank, what the kernel counted for its
+    process, and the load average before."""
+    procs, load_before = run_ranks(trainer, task_path, world, threads, workdir, label,
+                                   RUN_TIMEOUT_SECONDS, POLL_SECONDS)
+    return [{"rank": p["rank"], "out": p["out"], "err": p["err"],
+             "user_cpu_seconds": p["rusage"].ru_utime,
+             "system_cpu_seconds": p["rusage"].ru_stime,
+             "process_seconds": p["seconds"],
+             "peak_rss_bytes": p["rusage"].ru_maxrss * 1024} for p in procs], load_before
 
 
 # --- reports ----------------------------------------------------------------------------------
-
-
-def json_lines(path, what):
-    with open(path, errors="replace") as f:
-        return parse_reports(f.read(), what)
 
 
 def check_mesh(config, rank, what):
@@ -238,14 +151,8 @@ def check_mesh(config, rank, what):
 
 def summarize_run(config, ranks, load_before, what):
     """The figures of one run: rank 0's step reports, every rank's CPU time."""
-    reports = json_lines(ranks[0]["out"], what) + json_lines(ranks[0]["err"], what)
-    started = next((r["started"] for r in reports if "started" in r), None)
-    metrics = sorted((r["metrics"] for r in reports if "metrics" in r),
-                     key=lambda m: int(m.get("step", 0)))
-    steps = CONFIG["untimed_steps"] + CONFIG["timed_steps"]
-    if started is None or [int(m.get("step", 0)) for m in metrics] != list(range(1, steps + 1)):
-        raise BenchError(f"{what}: expected a start report and steps 1..{steps} from rank 0, got "
-                         f"{[m.get('step') for m in metrics]}")
+    started, metrics = step_reports(ranks[0], CONFIG["untimed_steps"] + CONFIG["timed_steps"],
+                                    what)
     mesh = [check_mesh(config, r, f"{what} rank {r['rank']}") for r in ranks]
     times = [float(m["step_time_seconds"]) for m in metrics]
     timed = times[CONFIG["untimed_steps"]:]
@@ -281,17 +188,8 @@ def summarize_run(config, ranks, load_before, what):
 def check_same_computation(run, reference, what):
     """Fails unless `run` trained the same model on the same data as `reference`. Returns the
     relative loss differences (first step, largest later one)."""
-    if run["num_parameters"] != reference["num_parameters"]:
-        raise BenchError(f"{what}: {run['num_parameters']} parameters, the reference run "
-                         f"{reference['num_parameters']}")
-    diffs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(run["losses"], reference["losses"])]
-    if (len(diffs) != len(reference["losses"]) or not diffs[0] <= LOSS_TOLERANCE_FIRST or
-            not max(diffs) <= LOSS_TOLERANCE):
-        raise BenchError(f"{what}: losses {run['losses']} differ from the first {BASELINE} run's "
-                         f"{reference['losses']} beyond {LOSS_TOLERANCE_FIRST:g} relative at the "
-                         f"first step or {LOSS_TOLERANCE:g} later (by step: "
-                         f"{['%.3g' % d for d in diffs]}): the layouts do not compute the same "
-                         f"thing")
+    diffs = loss_diffs(run, reference, what, BASELINE, "layouts", 1, LOSS_TOLERANCE_FIRST,
+                       LOSS_TOLERANCE)
     return diffs[0], max(diffs[1:], default=0.0)
 
 
@@ -303,27 +201,10 @@ def grad_norm_diff(run, reference):
 
 
 def write_task(path, config, shards):
-    task = {
-        "job_id": f"model-parallel-bench-{config['name']}",
-        "spec": {
-            "name": f"model-parallel-bench-{CONFIG['name']}",
-            "model": CONFIG["model"],
-            "data": {"train_shards": [shards], "seq_len": CONFIG["seq_len"]},
-            "batch": {"global_batch_size": CONFIG["global_batch_size"],
-                      "micro_batch_size": CONFIG["micro_batch_size"]},
-            "optimizer": CONFIG["optimizer"],
-            "precision": "PRECISION_FP32",
-            "max_steps": CONFIG["untimed_steps"] + CONFIG["timed_steps"],
-            "seed": CONFIG["seed"],
-        },
-        "plan": {"layout": {"zero_stage": 0, "tensor_parallel": config["tp"],
-                            "pipeline_parallel": config["pp"],
-                            "sequence_parallel": config["sp"],
-                            "activation_checkpointing_mode": CONFIG["activation_checkpointing"]}},
-        "assignment": {"device_type": "DEVICE_TYPE_CPU", "gpu_index": -1},
-    }
-    with open(path, "w") as f:
-        json.dump(task, f, indent=1)
+    write_cpu_task(path, "model-parallel-bench", config["name"], CONFIG, shards,
+                   {"zero_stage": 0, "tensor_parallel": config["tp"],
+                    "pipeline_parallel": config["pp"], "sequence_parallel": config["sp"],
+                    "activation_checkpointing_mode": CONFIG["activation_checkpointing"]})
 
 
 def ratio(runs, base_runs):
@@ -433,12 +314,10 @@ def main():
         parser.error("--runs and --timed-steps must be >= 1")
     CONFIG["timed_steps"] = args.timed_steps
 
-    build_dir = os.environ.get(BUILD_DIR_ENV) or os.path.join(REPO_ROOT, "build")
-    built = os.path.join(os.path.abspath(build_dir), "bin", "tessera-trainer")
-    if not os.access(built, os.X_OK):
-        print(f"model_parallel_bench: {built} not found; build it (cmake --build {build_dir} "
-              f"--target tessera-trainer) or set {BUILD_DIR_ENV}", file=sys.stderr)
+    found = find_trainer("model_parallel_bench")
+    if not found:
         return 2
+    build_dir, built = found
     results_dir = os.environ.get(RESULTS_ENV) or os.path.join(build_dir, "bench", "results")
     cores = usable_cores()
 
@@ -449,14 +328,7 @@ def main():
     results = {
         "benchmark": "model-parallel",
         "device": "cpu",
-        "commit": os.environ.get(COMMIT_ENV) or git_commit(),
-        "date": os.environ.get(DATE_ENV) or
-        datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": os.environ.get(MACHINE_ENV) or machine_line(ask_gpus=False),
-        "trainer": built,
-        "trainer_sha256": sha256_of(trainer),
-        "trainer_mtime": datetime.datetime.fromtimestamp(
-            os.path.getmtime(built), datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        **provenance(built, trainer),
         "config": CONFIG,
         "micro_batches_per_step": MICRO_BATCHES,
         "method": {
@@ -500,13 +372,8 @@ def main():
         "configs": [],
     }
 
-    start = time.perf_counter()
-    try:
-        shard_dir = os.path.join(workdir, "shards")
-        subprocess.run([trainer, "prepare", f"--input={CORPUS}", f"--output_dir={shard_dir}",
-                        "--val_fraction=0"], check=True, capture_output=True, text=True,
-                       cwd=REPO_ROOT, timeout=RUN_TIMEOUT_SECONDS)
-        shards = os.path.join(shard_dir, "train-*.bin")
+    def measure():
+        shards = prepare_corpus(trainer, workdir, RUN_TIMEOUT_SECONDS)
         tasks = {}
         for config in CONFIGS:
             tasks[config["name"]] = os.path.join(workdir, f"{config['name']}.task.json")
@@ -521,8 +388,8 @@ def main():
         for round_index in range(args.runs):
             for config in CONFIGS:
                 label = f"{config['name']}.round{round_index + 1}"
-                ranks, load = run_ranks(trainer, tasks[config["name"]], config["procs"],
-                                        config["threads"], workdir, label)
+                ranks, load = launch(trainer, tasks[config["name"]], config["procs"],
+                                     config["threads"], workdir, label)
                 run = summarize_run(config, ranks, load, label)
                 if reference is None:
                     reference = run
@@ -537,16 +404,13 @@ def main():
                       f"{run['cpu_share_per_rank']:.2f} of a core per rank), first loss "
                       f"{run['losses'][0]:.6f} (load average before: "
                       f"{run['load_average_before']:.1f})", flush=True)
-    except (BenchError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        detail = e.stderr if isinstance(e, subprocess.CalledProcessError) else ""
-        print(f"model_parallel_bench: FAILED: {e}\n{detail or ''}".rstrip(), file=sys.stderr)
-        args.keep_workdir = True
+        return runs, reference, first_diff, later_diff, grad_diff
+
+    start = time.perf_counter()
+    measured = in_workdir("model_parallel_bench", workdir, args.keep_workdir, measure)
+    if measured is None:
         return 1
-    finally:
-        if args.keep_workdir:
-            print(f"model_parallel_bench: work directory kept: {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+    runs, reference, first_diff, later_diff, grad_diff = measured
 
     results["wall_seconds"] = time.perf_counter() - start
     results["num_parameters"] = reference["num_parameters"]

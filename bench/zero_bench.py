@@ -35,27 +35,19 @@ Only the standard library is used (no torch: the driver's own memory stays small
 """
 
 import argparse
-import datetime
-import hashlib
-import json
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from bench_common import (BUILD_DIR_ENV, COMMIT_ENV, CORPUS, DATE_ENV, MACHINE_ENV, RANK_ENVS,
-                          REPO_ROOT, RESULTS_ENV, BenchError, git_commit, machine_line, parse_reports,
-                          spread, write_results)
+from bench_common import (RESULTS_ENV, RUN_TIMEOUT_SECONDS, BenchError, find_trainer, in_workdir,
+                          loss_diffs, prepare_corpus, provenance, run_ranks, spread, step_reports,
+                          tail, write_cpu_task, write_results)
 
 
-# Longest one run (all its ranks) may take before the benchmark gives up on it.
-RUN_TIMEOUT_SECONDS = 600
 # Every stage runs the same arithmetic on the same data; they differ only in how gradients are
 # reduced (all-reduce vs reduce-scatter) and where AdamW runs. The first EXACT_STEPS losses (the
 # initial weights and one update) must agree to LOSS_TOLERANCE_FIRST; later ones to LOSS_TOLERANCE
@@ -106,30 +98,6 @@ STATE_LINE = re.compile(r"this rank holds ([0-9.]+) MiB of parameters, ([0-9.]+)
                         r"gradients, ([0-9.]+) MiB of optimizer state")
 
 
-def free_port():
-    """A port free now on 127.0.0.1 for the rendezvous (the usual bind-to-0 race is accepted)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_env(threads, rank, world, port):
-    env = {k: v for k, v in os.environ.items() if k not in RANK_ENVS}
-    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port)})
-    return env
-
-
-def sha256_of(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 # --- processes --------------------------------------------------------------------------------
 
 
@@ -143,62 +111,26 @@ def read_rss_kib(pid):
         return None
 
 
-def tail(path, lines=15):
-    try:
-        with open(path, errors="replace") as f:
-            return "\n".join(f.read().strip().splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def run_ranks(trainer, task_path, world, threads, workdir, label):
-    """Starts `world` ranks of one job and waits for all of them. Returns, per rank, the paths of
-    its stdout and stderr and what the kernel counted for its process (wait4), plus a resident-set
-    timeline. BenchError with the failing rank's output on a failure or timeout."""
-    port = free_port()
-    load_before = os.getloadavg()[0]
-    procs = []
-    try:
-        for rank in range(world):
-            out = os.path.join(workdir, f"{label}.rank{rank}.out")
-            err = os.path.join(workdir, f"{label}.rank{rank}.err")
-            with open(out, "w") as out_f, open(err, "w") as err_f:
-                procs.append({"rank": rank, "out": out, "err": err, "popen": subprocess.Popen(
-                    [trainer, f"--task={task_path}"], stdout=out_f, stderr=err_f,
-                    env=rank_env(threads, rank, world, port), cwd=REPO_ROOT)})
-        start = time.perf_counter()
-        timeline = []  # [seconds since start, rss KiB of rank 0, rank 1, ...]
-        while any("rusage" not in p for p in procs):
-            now = time.perf_counter() - start
-            sample = [round(now, 2)]
-            for p in procs:
-                if "rusage" in p:
-                    sample.append(None)
-                    continue
-                rss = read_rss_kib(p["popen"].pid)
-                sample.append(rss[0] if rss else None)
-                if rss:
-                    p["vm_hwm_kib"] = rss[1]
-                pid, status, usage = os.wait4(p["popen"].pid, os.WNOHANG)
-                if pid != 0:
-                    p["popen"].returncode = os.waitstatus_to_exitcode(status)
-                    p["rusage"] = usage
-                    p["seconds"] = now
-            timeline.append(sample)
-            failed = [p for p in procs if p.get("rusage") and p["popen"].returncode != 0]
-            if failed:
-                p = failed[0]
-                raise BenchError(f"{label}: rank {p['rank']} failed (exit "
-                                 f"{p['popen'].returncode}):\n{tail(p['err']) or tail(p['out'])}")
-            if now > RUN_TIMEOUT_SECONDS:
-                raise BenchError(f"{label}: no result after {RUN_TIMEOUT_SECONDS} s:\n"
-                                 f"{tail(procs[0]['err'])}")
-            time.sleep(SAMPLE_SECONDS)
-    finally:
+def sample_rss(timeline):
+    """An on_poll for run_ranks: appends [seconds since launch, RSS KiB of rank 0, rank 1, ...]
+    (None for a rank that has ended) to `timeline` and keeps each live rank's VmHWM."""
+    def sample(now, procs):
+        row = [round(now, 2)]
         for p in procs:
-            if "rusage" not in p and p["popen"].poll() is None:
-                p["popen"].send_signal(signal.SIGKILL)
-                p["popen"].wait()
+            rss = None if "rusage" in p else read_rss_kib(p["popen"].pid)
+            row.append(rss[0] if rss else None)
+            if rss:
+                p["vm_hwm_kib"] = rss[1]
+        timeline.append(row)
+    return sample
+
+
+def launch(trainer, task_path, world, threads, workdir, label):
+    """Runs one job's ranks (run_ranks). Returns, per rank, what the kernel counted for its
+    process, plus the load average before and a resident-set timeline."""
+    timeline = []
+    procs, load_before = run_ranks(trainer, task_path, world, threads, workdir, label,
+                                   RUN_TIMEOUT_SECONDS, SAMPLE_SECONDS, sample_rss(timeline))
     ranks = []
     for p in procs:
         usage = p["rusage"]
@@ -218,11 +150,6 @@ def run_ranks(trainer, task_path, world, threads, workdir, label):
 # --- reports ----------------------------------------------------------------------------------
 
 
-def json_lines(path, what):
-    with open(path, errors="replace") as f:
-        return parse_reports(f.read(), what)
-
-
 def state_mib(path, what):
     with open(path, errors="replace") as f:
         match = STATE_LINE.search(f.read())
@@ -235,14 +162,8 @@ def state_mib(path, what):
 
 def summarize_run(stage, ranks, process, what):
     """The figures of one run: rank 0's step reports, every rank's memory."""
-    reports = json_lines(ranks[0]["out"], what) + json_lines(ranks[0]["err"], what)
-    started = next((r["started"] for r in reports if "started" in r), None)
-    metrics = sorted((r["metrics"] for r in reports if "metrics" in r),
-                     key=lambda m: int(m.get("step", 0)))
-    steps = CONFIG["untimed_steps"] + CONFIG["timed_steps"]
-    if started is None or [int(m.get("step", 0)) for m in metrics] != list(range(1, steps + 1)):
-        raise BenchError(f"{what}: expected a start report and steps 1..{steps} from rank 0, got "
-                         f"{[m.get('step') for m in metrics]}")
+    started, metrics = step_reports(ranks[0], CONFIG["untimed_steps"] + CONFIG["timed_steps"],
+                                    what)
     timed = metrics[CONFIG["untimed_steps"]:]
     tokens_per_step = CONFIG["global_batch_size"] * CONFIG["seq_len"]
     timed_times = [float(m["step_time_seconds"]) for m in timed]
@@ -274,41 +195,14 @@ def summarize_run(stage, ranks, process, what):
 
 def check_same_computation(run, reference, what):
     """Fails unless `run` trained the same model on the same data as `reference`."""
-    if run["num_parameters"] != reference["num_parameters"]:
-        raise BenchError(f"{what}: {run['num_parameters']} parameters, the reference run "
-                         f"{reference['num_parameters']}")
-    diffs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(run["losses"], reference["losses"])]
-    if (len(diffs) != len(reference["losses"]) or
-            not max(diffs[:EXACT_STEPS]) <= LOSS_TOLERANCE_FIRST or
-            not max(diffs) <= LOSS_TOLERANCE):
-        raise BenchError(f"{what}: losses {run['losses']} differ from the first ZeRO-0 run's "
-                         f"{reference['losses']} beyond {LOSS_TOLERANCE_FIRST:g} relative in the "
-                         f"first {EXACT_STEPS} steps or {LOSS_TOLERANCE:g} later (by step: "
-                         f"{['%.3g' % d for d in diffs]}): the stages do not compute the same "
-                         f"thing")
-    return max(diffs)
+    return max(loss_diffs(run, reference, what, "ZeRO-0", "stages", EXACT_STEPS,
+                          LOSS_TOLERANCE_FIRST, LOSS_TOLERANCE))
 
 
 def write_task(path, stage, shards, model=None):
-    task = {
-        "job_id": f"zero-bench-{stage}",
-        "spec": {
-            "name": f"zero-bench-{CONFIG['name']}",
-            "model": model or CONFIG["model"],
-            "data": {"train_shards": [shards], "seq_len": CONFIG["seq_len"]},
-            "batch": {"global_batch_size": CONFIG["global_batch_size"],
-                      "micro_batch_size": CONFIG["micro_batch_size"]},
-            "optimizer": CONFIG["optimizer"],
-            "precision": "PRECISION_FP32",
-            "max_steps": CONFIG["untimed_steps"] + CONFIG["timed_steps"],
-            "seed": CONFIG["seed"],
-        },
-        "plan": {"layout": {"zero_stage": stage,
-                            "activation_checkpointing_mode": CONFIG["activation_checkpointing"]}},
-        "assignment": {"device_type": "DEVICE_TYPE_CPU", "gpu_index": -1},
-    }
-    with open(path, "w") as f:
-        json.dump(task, f, indent=1)
+    write_cpu_task(path, "zero-bench", stage, CONFIG, shards,
+                   {"zero_stage": stage,
+                    "activation_checkpointing_mode": CONFIG["activation_checkpointing"]}, model)
 
 
 def summarize_stage(stage, runs, baseline_runs):
@@ -388,12 +282,10 @@ def main():
     if args.runs < 1 or args.threads < 1 or args.ranks < 2:
         parser.error("--runs and --threads must be >= 1, --ranks >= 2")
 
-    build_dir = os.environ.get(BUILD_DIR_ENV) or os.path.join(REPO_ROOT, "build")
-    built = os.path.join(os.path.abspath(build_dir), "bin", "tessera-trainer")
-    if not os.access(built, os.X_OK):
-        print(f"zero_bench: {built} not found; build it (cmake --build {build_dir} --target "
-              f"tessera-trainer) or set {BUILD_DIR_ENV}", file=sys.stderr)
+    found = find_trainer("zero_bench")
+    if not found:
         return 2
+    build_dir, built = found
     results_dir = os.environ.get(RESULTS_ENV) or os.path.join(build_dir, "bench", "results")
 
     workdir = tempfile.mkdtemp(prefix="tessera-zero-bench-")
@@ -403,14 +295,7 @@ def main():
     results = {
         "benchmark": "zero",
         "device": "cpu",
-        "commit": os.environ.get(COMMIT_ENV) or git_commit(),
-        "date": os.environ.get(DATE_ENV) or
-        datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": os.environ.get(MACHINE_ENV) or machine_line(ask_gpus=False),
-        "trainer": built,
-        "trainer_sha256": sha256_of(trainer),
-        "trainer_mtime": datetime.datetime.fromtimestamp(
-            os.path.getmtime(built), datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        **provenance(built, trainer),
         "config": CONFIG,
         "method": {
             "ranks": args.ranks,
@@ -452,13 +337,8 @@ def main():
         "stages": [],
     }
 
-    start = time.perf_counter()
-    try:
-        shard_dir = os.path.join(workdir, "shards")
-        subprocess.run([trainer, "prepare", f"--input={CORPUS}", f"--output_dir={shard_dir}",
-                        "--val_fraction=0"], check=True, capture_output=True, text=True,
-                       cwd=REPO_ROOT, timeout=RUN_TIMEOUT_SECONDS)
-        shards = os.path.join(shard_dir, "train-*.bin")
+    def measure():
+        shards = prepare_corpus(trainer, workdir, RUN_TIMEOUT_SECONDS)
         tasks = {}
         for stage in STAGES:
             tasks[stage] = os.path.join(workdir, f"zero{stage}.task.json")
@@ -468,7 +348,7 @@ def main():
               f"{CONFIG['timed_steps']} timed steps; {results['machine']}", flush=True)
         floor_task = os.path.join(workdir, "floor.task.json")
         write_task(floor_task, 0, shards, FLOOR_MODEL)
-        floor_ranks, _ = run_ranks(trainer, floor_task, args.ranks, args.threads, workdir, "floor")
+        floor_ranks, _ = launch(trainer, floor_task, args.ranks, args.threads, workdir, "floor")
         results["resident_floor_bytes_per_rank"] = [r["peak_rss_bytes"] for r in floor_ranks]
         print(f"  floor (a 0.1M-parameter model): peak RSS/rank "
               f"{', '.join('%.2f' % (r['peak_rss_bytes'] / 2**30) for r in floor_ranks)} GiB",
@@ -479,8 +359,8 @@ def main():
         for round_index in range(args.runs):
             for stage in STAGES:
                 label = f"zero{stage}.round{round_index + 1}"
-                ranks, process = run_ranks(trainer, tasks[stage], args.ranks, args.threads,
-                                           workdir, label)
+                ranks, process = launch(trainer, tasks[stage], args.ranks, args.threads,
+                                        workdir, label)
                 run = summarize_run(stage, ranks, process, label)
                 if reference is None:
                     reference = run
@@ -492,16 +372,13 @@ def main():
                       f"GiB, state/rank {run['ranks'][0]['state']['total_mib']:.0f} MiB, minor "
                       f"faults/rank {run['ranks'][0]['minor_page_faults']:,} (load average "
                       f"before: {run['load_average_before']:.1f})", flush=True)
-    except (BenchError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        detail = e.stderr if isinstance(e, subprocess.CalledProcessError) else ""
-        print(f"zero_bench: FAILED: {e}\n{detail or ''}".rstrip(), file=sys.stderr)
-        args.keep_workdir = True
+        return runs, reference, max_diff
+
+    start = time.perf_counter()
+    measured = in_workdir("zero_bench", workdir, args.keep_workdir, measure)
+    if measured is None:
         return 1
-    finally:
-        if args.keep_workdir:
-            print(f"zero_bench: work directory kept: {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+    runs, reference, max_diff = measured
 
     results["wall_seconds"] = time.perf_counter() - start
     results["num_parameters"] = reference["num_parameters"]
