@@ -27,6 +27,7 @@
 #include "client/plot.h"
 #include "client/text_format.h"
 #include "common/command_line.h"
+#include "common/daemon/failure_text.h"
 #include "common/version.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -86,6 +87,7 @@ constexpr char kUsage[] =
 using tessera::client::CoordinatorClient;
 using tessera::client::FormatRate;
 namespace v1 = tessera::v1;
+using tessera::DescribeFailure;
 
 int Fail(const absl::Status& status) {
   std::cerr << "tessera: " << status.message() << "\n";
@@ -115,6 +117,31 @@ void PrintJob(const v1::Job& job) {
   }
   if (!job.reason().empty()) std::cout << "  (" << job.reason() << ")";
   std::cout << "\n";
+}
+
+// `get`: restarts, why each ended attempt ended, and the slowest rank when one holds the job back.
+void PrintAttempts(const v1::Job& job) {
+  if (job.restarts() > 0 || job.spec().max_restarts() > 0) {
+    std::cout << absl::StrFormat("  restarts: %d of %d\n", job.restarts(),
+                                 job.spec().max_restarts());
+  }
+  for (const auto& attempt : job.attempts()) {
+    std::cout << absl::StrFormat("  attempt %d on %s (%d ranks), steps %lld-%lld: %s\n",
+                                 attempt.attempt(), absl::StrJoin(attempt.node_ids(), ","),
+                                 attempt.world_size(), attempt.start_step(), attempt.end_step(),
+                                 attempt.reason());
+    for (const auto& consequence : attempt.consequences()) {
+      std::cout << "    then " << DescribeFailure(consequence) << "\n";
+    }
+  }
+  const v1::StragglerReport& straggler = job.straggler();
+  if (straggler.straggling()) {
+    std::cout << absl::StrFormat(
+        "  straggler: rank %d on %s computes %.3f s per step, %.2fx the median rank's %.3f s\n",
+        straggler.slowest_rank(), straggler.slowest_node_id(),
+        straggler.skew() * straggler.median_busy_seconds(), straggler.skew(),
+        straggler.median_busy_seconds());
+  }
 }
 
 // Losses shown in the live chart of `watch`.
@@ -183,7 +210,7 @@ int Watch(CoordinatorClient& client, const std::string& job_id) {
                                    event.eval().perplexity())
                 << std::endl;
     } else if (event.has_failure()) {
-      std::cout << "  failure: " << event.failure().message() << std::endl;
+      std::cout << "  failure: " << DescribeFailure(event.failure()) << std::endl;
     }
     return true;
   });
@@ -301,6 +328,7 @@ int main(int argc, char** argv) {
       if (!job->plan().explanation().empty()) {
         std::cout << "  plan: " << job->plan().explanation() << "\n";
       }
+      PrintAttempts(*job);
     }
     return 0;
   }

@@ -26,5 +26,10 @@ inline constexpr int kDefaultMasterPort = 29500;
 // owns (and rewrites the task's gpu_index to 0, the only device the process then sees), or to ""
 // for a CPU rank, which hides every GPU.
 inline constexpr char kCudaVisibleDevicesEnv[] = "CUDA_VISIBLE_DEVICES";
+// Tessera's own, not torchrun's: the pid of the worker that launched the trainer. A trainer that
+// finds it set asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG) and exits at
+// once if its parent is already another process, so no trainer outlives its worker. Unset for
+// standalone and torchrun launches.
+inline constexpr char kWorkerPidEnv[] = "TESSERA_WORKER_PID";
 
 }  // namespace tessera

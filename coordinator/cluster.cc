@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iostream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "coordinator/attempt_policy.h"
 #include "coordinator/layout_planning.h"
 #include "google/protobuf/util/time_util.h"
 
@@ -18,15 +20,41 @@ google::protobuf::Timestamp ToProto(absl::Time time) {
   return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(time));
 }
 
-std::string HostOf(const std::string& address) {
-  size_t colon = address.rfind(':');
-  return colon == std::string::npos ? address : address.substr(0, colon);
+// A store write whose failure the next tick repairs: worth a log line, not a crash or a lost job.
+void LogRetried(const absl::Status& status, const std::string& what) {
+  if (!status.ok()) {
+    std::cerr << "tessera-coordinator: " << what << ": " << status << " (retried next tick)"
+              << std::endl;
+  }
+}
+
+bool ResumesFromCheckpoints(const v1::JobSpec& spec) {
+  return !spec.checkpoint().has_resume() || spec.checkpoint().resume();
+}
+
+bool AutomaticLayout(const v1::JobSpec& spec) { return !spec.parallelism().has_layout(); }
+
+// `spec` asking for `devices` devices of the kind it runs on.
+v1::JobSpec WithDevices(v1::JobSpec spec, int devices) {
+  if (spec.resources().gpus() > 0) {
+    spec.mutable_resources()->set_gpus(devices);
+  } else {
+    spec.mutable_resources()->set_cpu_slots(devices);
+  }
+  return spec;
+}
+
+int RequestedDevices(const v1::JobSpec& spec) {
+  return spec.resources().gpus() > 0 ? spec.resources().gpus() : spec.resources().cpu_slots();
 }
 
 }  // namespace
 
 Cluster::Cluster(Store* store, JobManager* jobs, ClusterOptions options)
-    : store_(store), jobs_(jobs), options_(std::move(options)) {}
+    : store_(store),
+      jobs_(jobs),
+      options_(std::move(options)),
+      nodes_(store, options_.heartbeat_timeout) {}
 
 Cluster::~Cluster() { Stop(); }
 
@@ -36,23 +64,22 @@ std::string Cluster::TaskId(const std::string& job_id, int32_t attempt, const st
 
 absl::Status Cluster::Recover() {
   absl::MutexLock lock(&mu_);
-  absl::Time now = options_.now();
-  ASSIGN_OR_RETURN(auto nodes, store_->ListNodes());
-  for (auto& node : nodes) {
-    NodeEntry& entry = nodes_[node.node_id()];
-    entry.node = std::move(node);
-    entry.last_heartbeat = now;
-  }
+  const absl::Time now = options_.now();
+  RETURN_IF_ERROR(nodes_.Load(now));
   ASSIGN_OR_RETURN(auto active, store_->ListActiveJobs());
   for (const auto& job : active) {
     if (job.placements().empty()) continue;
-    Allocation& allocation = allocations_[job.job_id()];
+    Allocation allocation;
     allocation.attempt = job.attempt();
     allocation.ranks.assign(job.placements().begin(), job.placements().end());
     allocation.master_node = job.placements(0).node_id();
+    allocation.placed_time = now;
+    allocation.start_step = job.current_step();
     // The port is in the assignments the workers hold; reserve the node's
     // next one so a new job never reuses it.
-    allocation.master_port = MasterPortLocked(allocation.master_node);
+    allocation.master_port =
+        allocations_.FreeMasterPort(allocation.master_node, options_.base_master_port);
+    allocations_.Add(job.job_id(), std::move(allocation));
   }
   return absl::OkStatus();
 }
@@ -64,44 +91,28 @@ absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNod
     return absl::InvalidArgumentError("resources: a node must offer GPUs or cpu_slots");
   }
   absl::MutexLock lock(&mu_);
-  absl::Time now = options_.now();
-  NodeEntry& entry = nodes_[request.node_id()];
-  v1::Node& node = entry.node;
-  bool returning = !node.node_id().empty();
-  node.set_node_id(request.node_id());
-  node.set_hostname(request.hostname());
-  node.set_address(request.address());
-  node.set_state(v1::NODE_STATE_READY);
-  *node.mutable_resources() = request.resources();
-  node.mutable_labels()->clear();
-  for (const auto& [key, value] : request.labels()) (*node.mutable_labels())[key] = value;
-  node.set_worker_version(request.worker_version());
-  if (!returning) *node.mutable_register_time() = ToProto(now);
-  *node.mutable_last_heartbeat_time() = ToProto(now);
-  entry.last_heartbeat = now;
-  RETURN_IF_ERROR(store_->PutNode(node));
+  const absl::Time now = options_.now();
+  bool returning = false;
+  RETURN_IF_ERROR(nodes_.Register(request, now, &returning));
   // A worker that registers again without a task it was given has lost it
-  // (the worker restarted): the job cannot go on.
+  // (the worker restarted): that attempt cannot go on.
   std::set<std::string> reported;
   for (const auto& task : request.running_tasks()) reported.insert(task.task_id());
-  std::vector<std::string> lost;
-  for (const auto& [job_id, allocation] : allocations_) {
-    std::string task_id = TaskId(job_id, allocation.attempt, request.node_id());
-    bool on_node = false;
-    for (const auto& rank : allocation.ranks) on_node |= rank.node_id() == request.node_id();
-    bool undelivered = false;
-    for (const auto& start : entry.to_start) undelivered |= start.task_id() == task_id;
-    if (on_node && !undelivered && !reported.contains(task_id)) lost.push_back(job_id);
-  }
-  for (const auto& job_id : lost) {
+  for (auto& [job_id, allocation] : allocations_.all()) {
+    const std::string task_id = TaskId(job_id, allocation.attempt, request.node_id());
+    const auto nodes = allocation.Nodes();
+    if (std::find(nodes.begin(), nodes.end(), request.node_id()) == nodes.end()) continue;
+    if (nodes_.StartQueued(request.node_id(), task_id) || reported.contains(task_id)) continue;
+    if (allocation.NodeEnded(request.node_id())) continue;
+    allocation.task_states[request.node_id()] = v1::TASK_STATE_FAILED;
+    if (allocation.phase == Allocation::Phase::kDraining) continue;
     v1::TrainerFailure failure;
     failure.set_kind(v1::FAILURE_KIND_PROCESS_EXIT);
     failure.set_rank(-1);
     failure.set_node_id(request.node_id());
-    failure.set_message("the worker restarted and no longer runs its trainers");
-    FailJobLocked(job_id, failure,
-                  absl::StrCat("worker on ", request.node_id(),
-                               " restarted and no longer runs the job's trainers"));
+    failure.set_message("the worker restarted and no longer runs the job's trainers");
+    *failure.mutable_time() = ToProto(now);
+    AddFailureLocked(job_id, allocation.attempt, failure);
   }
   for (const auto& task : request.running_tasks()) OnTaskStatusLocked(request.node_id(), task);
   v1::RegisterNodeResponse response;
@@ -113,82 +124,122 @@ absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNod
 absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequest& request) {
   absl::MutexLock lock(&mu_);
   v1::HeartbeatResponse response;
-  auto it = nodes_.find(request.node_id());
-  if (it == nodes_.end() || it->second.node.state() == v1::NODE_STATE_LOST) {
+  if (!nodes_.Touch(request.node_id(), options_.now(), request.gpu_metrics())) {
     // Unknown, or declared lost (its work was failed): start over.
     response.set_reregister(true);
     return response;
   }
-  NodeEntry& entry = it->second;
-  absl::Time now = options_.now();
-  entry.last_heartbeat = now;
-  *entry.node.mutable_last_heartbeat_time() = ToProto(now);
-  entry.node.mutable_gpu_metrics()->CopyFrom(request.gpu_metrics());
-  for (const auto& task : request.tasks()) OnTaskStatusLocked(request.node_id(), task);
-  for (auto& start : entry.to_start) *response.add_start() = std::move(start);
-  for (auto& stop : entry.to_stop) response.add_stop(std::move(stop));
-  entry.to_start.clear();
-  entry.to_stop.clear();
+  std::set<std::string> listed;
+  for (const auto& task : request.tasks()) {
+    listed.insert(task.task_id());
+    OnTaskStatusLocked(request.node_id(), task);
+  }
+  // A draining attempt's task the worker no longer lists has ended there (the worker forgets a
+  // task once it reported it ended, e.g. to a coordinator that restarted since).
+  for (auto& [job_id, allocation] : allocations_.all()) {
+    if (allocation.phase != Allocation::Phase::kDraining) continue;
+    const std::string task_id = TaskId(job_id, allocation.attempt, request.node_id());
+    const auto nodes = allocation.Nodes();
+    if (std::find(nodes.begin(), nodes.end(), request.node_id()) == nodes.end()) continue;
+    if (!listed.contains(task_id) && !nodes_.StartQueued(request.node_id(), task_id) &&
+        !allocation.NodeEnded(request.node_id())) {
+      allocation.task_states[request.node_id()] = v1::TASK_STATE_STOPPED;
+    }
+  }
+  nodes_.TakeOrders(request.node_id(), &response);
   return response;
 }
 
 void Cluster::OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status) {
-  auto it = allocations_.find(status.job_id());
-  if (it == allocations_.end() || it->second.attempt != status.attempt()) {
+  Allocation* allocation = allocations_.Find(status.job_id());
+  if (allocation == nullptr || allocation->attempt != status.attempt()) {
     // A task the coordinator no longer wants (cancelled, failed elsewhere,
-    // or from before a restart of the job): stop it.
+    // or from an earlier attempt of the job): stop it.
     if (status.state() == v1::TASK_STATE_STARTING || status.state() == v1::TASK_STATE_RUNNING) {
-      nodes_[node_id].to_stop.push_back(status.task_id());
+      nodes_.QueueStop(node_id, status.task_id());
     }
     return;
   }
-  Allocation& allocation = it->second;
-  allocation.task_states[node_id] = status.state();
+  allocation->task_states[node_id] = status.state();
+  for (const auto& rank : status.ranks()) {
+    v1::RankStepTime& time = allocation->rank_times[rank.rank()];
+    time = rank;
+    if (time.node_id().empty()) time.set_node_id(node_id);
+  }
   const std::string job_id = status.job_id();
   if (status.state() == v1::TASK_STATE_FAILED) {
     v1::TrainerFailure failure = status.failure();
     if (failure.node_id().empty()) failure.set_node_id(node_id);
-    FailJobLocked(job_id, failure,
-                  absl::StrCat("task on ", node_id, " failed: ",
-                               v1::FailureKind_Name(failure.kind()), " ", failure.message()));
+    if (!failure.has_time()) *failure.mutable_time() = ToProto(options_.now());
+    AddFailureLocked(job_id, status.attempt(), failure);
     return;
   }
-  std::set<std::string> job_nodes;
-  for (const auto& rank : allocation.ranks) job_nodes.insert(rank.node_id());
-  auto all_in = [&](v1::TaskState state) {
-    for (const auto& node : job_nodes) {
-      auto found = allocation.task_states.find(node);
-      if (found == allocation.task_states.end() || found->second != state) return false;
-    }
-    return true;
-  };
-  if (all_in(v1::TASK_STATE_SUCCEEDED)) {
-    (void)jobs_->Transition(job_id, v1::JOB_STATE_SUCCEEDED, "every rank finished");
-    allocations_.erase(job_id);
-  } else if (!allocation.running_seen && all_in(v1::TASK_STATE_RUNNING)) {
+  if (allocation->phase != Allocation::Phase::kRunning) return;
+  if (allocation->AllNodesIn(v1::TASK_STATE_SUCCEEDED)) {
+    if (RecordSuccessLocked(job_id, *allocation)) allocations_.Erase(job_id);
+  } else if (!allocation->running_seen && allocation->AllNodesIn(v1::TASK_STATE_RUNNING)) {
     // Once per allocation: every heartbeat of a running job would otherwise read the store.
     auto job = store_->GetJob(job_id);
     if (!job.ok()) return;
     if (job->state() == v1::JOB_STATE_SCHEDULED) {
-      if (!jobs_
-               ->Transition(job_id, v1::JOB_STATE_RUNNING,
-                            absl::StrCat("all ", allocation.ranks.size(), " ranks running"))
-               .ok()) {
+      auto running =
+          jobs_->Transition(job_id, v1::JOB_STATE_RUNNING,
+                            absl::StrCat("all ", allocation->ranks.size(), " ranks running"));
+      if (!running.ok()) {
+        LogRetried(running.status(), absl::StrCat("job ", job_id, " to RUNNING"));
         return;
       }
     }
-    allocation.running_seen = true;
+    allocation->running_seen = true;
   }
+}
+
+bool Cluster::RecordSuccessLocked(const std::string& job_id, Allocation& allocation) {
+  auto job = store_->GetJob(job_id);
+  if (job.ok() && IsTerminal(job->state())) return true;
+  const absl::Time now = options_.now();
+  auto succeeded = jobs_->Transition(
+      job_id, v1::JOB_STATE_SUCCEEDED, "every rank finished", [&](v1::Job& stored) {
+        v1::JobAttempt* record = stored.add_attempts();
+        record->set_attempt(allocation.attempt);
+        for (const auto& node : allocation.Nodes()) record->add_node_ids(node);
+        record->set_world_size(static_cast<int>(allocation.ranks.size()));
+        *record->mutable_layout() = stored.plan().layout();
+        record->set_start_step(allocation.start_step);
+        record->set_end_step(stored.current_step());
+        *record->mutable_start_time() = ToProto(allocation.placed_time);
+        *record->mutable_end_time() = ToProto(now);
+        record->set_reason("every rank finished");
+      });
+  if (succeeded.ok() || absl::IsFailedPrecondition(succeeded.status())) return true;
+  LogRetried(succeeded.status(), absl::StrCat("job ", job_id, " to SUCCEEDED"));
+  return false;
 }
 
 absl::StatusOr<v1::ReportResponse> Cluster::Report(const v1::ReportRequest& request) {
   if (request.reports().empty()) return v1::ReportResponse();
+  for (const auto& report : request.reports()) {
+    if (report.job_id().empty()) return absl::InvalidArgumentError("reports[].job_id: required");
+  }
+  const int64_t last_sequence = request.first_sequence() + request.reports_size() - 1;
+  // Reports of this batch already stored (the worker resends a batch whose response it lost):
+  // skipped, so each report is stored, and each event appended, once.
+  int64_t skip = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const v1::TrainerReport& first = request.reports(0);
+    Allocation* allocation = allocations_.Find(first.job_id());
+    if (allocation != nullptr && allocation->attempt == first.attempt()) {
+      const int64_t acked = allocation->acked_sequence[request.node_id()];
+      skip = std::clamp<int64_t>(acked - request.first_sequence() + 1, 0, request.reports_size());
+    }
+  }
   std::map<std::string, std::vector<v1::StepMetrics>> metrics;
   std::map<std::string, std::vector<v1::EvalMetrics>> evals;
   std::map<std::string, std::vector<v1::Checkpoint>> checkpoints;
-  for (const auto& report : request.reports()) {
+  for (int i = static_cast<int>(skip); i < request.reports_size(); ++i) {
+    const v1::TrainerReport& report = request.reports(i);
     const std::string& job_id = report.job_id();
-    if (job_id.empty()) return absl::InvalidArgumentError("reports[].job_id: required");
     switch (report.report_case()) {
       case v1::TrainerReport::kMetrics:
         metrics[job_id].push_back(report.metrics());
@@ -203,11 +254,13 @@ absl::StatusOr<v1::ReportResponse> Cluster::Report(const v1::ReportRequest& requ
         // Rank 0 starts training only after every rank joined the process
         // group: the whole gang runs.
         auto job = store_->GetJob(job_id);
-        if (report.rank() == 0 && job.ok() && job->state() == v1::JOB_STATE_SCHEDULED) {
-          (void)jobs_->Transition(
+        if (report.rank() == 0 && job.ok() && job->state() == v1::JOB_STATE_SCHEDULED &&
+            job->attempt() == report.attempt()) {
+          auto running = jobs_->Transition(
               job_id, v1::JOB_STATE_RUNNING,
-              absl::StrCat("all ", job->placements_size(), " ranks joined; training from step ",
-                           report.started().start_step()));
+              absl::StrCat("all ", job->placements_size(), " ranks of attempt ", report.attempt(),
+                           " joined; training from step ", report.started().start_step()));
+          LogRetried(running.status(), absl::StrCat("job ", job_id, " to RUNNING"));
         }
         break;
       }
@@ -215,9 +268,8 @@ absl::StatusOr<v1::ReportResponse> Cluster::Report(const v1::ReportRequest& requ
         absl::MutexLock lock(&mu_);
         v1::TrainerFailure failure = report.failure();
         if (failure.node_id().empty()) failure.set_node_id(request.node_id());
-        FailJobLocked(job_id, failure,
-                      absl::StrCat("rank ", failure.rank(), " on ", failure.node_id(), ": ",
-                                   v1::FailureKind_Name(failure.kind()), ": ", failure.message()));
+        if (!failure.has_time()) *failure.mutable_time() = report.time();
+        AddFailureLocked(job_id, report.attempt(), failure);
         break;
       }
       default:
@@ -231,139 +283,188 @@ absl::StatusOr<v1::ReportResponse> Cluster::Report(const v1::ReportRequest& requ
   for (const auto& id : job_ids) {
     RETURN_IF_ERROR(jobs_->RecordReports(id, metrics[id], evals[id], checkpoints[id]));
   }
+  {
+    absl::MutexLock lock(&mu_);
+    const v1::TrainerReport& first = request.reports(0);
+    Allocation* allocation = allocations_.Find(first.job_id());
+    if (allocation != nullptr && allocation->attempt == first.attempt()) {
+      int64_t& acked = allocation->acked_sequence[request.node_id()];
+      acked = std::max(acked, last_sequence);
+    }
+  }
   v1::ReportResponse response;
-  response.set_acked_sequence(request.first_sequence() + request.reports_size() - 1);
+  response.set_acked_sequence(last_sequence);
   return response;
 }
 
-void Cluster::FailJobLocked(const std::string& job_id, const v1::TrainerFailure& failure,
-                            const std::string& reason) {
-  (void)jobs_->Transition(job_id, v1::JOB_STATE_FAILED, reason,
-                          [&](v1::Job& job) { *job.mutable_failure() = failure; });
-  ReleaseLocked(job_id);
-}
-
-void Cluster::ReleaseLocked(const std::string& job_id) {
-  auto it = allocations_.find(job_id);
-  if (it == allocations_.end()) return;
-  std::set<std::string> job_nodes;
-  for (const auto& rank : it->second.ranks) job_nodes.insert(rank.node_id());
-  for (const auto& node : job_nodes) {
-    auto entry = nodes_.find(node);
-    if (entry == nodes_.end()) continue;
-    std::string task_id = TaskId(job_id, it->second.attempt, node);
-    // A start not yet delivered is simply withdrawn.
-    auto& starts = entry->second.to_start;
-    auto pending = std::remove_if(starts.begin(), starts.end(), [&](const v1::TaskAssignment& a) {
-      return a.task_id() == task_id;
-    });
-    bool delivered = pending == starts.end();
-    starts.erase(pending, starts.end());
-    if (delivered) entry->second.to_stop.push_back(task_id);
+void Cluster::AddFailureLocked(const std::string& job_id, int32_t attempt,
+                               const v1::TrainerFailure& failure) {
+  Allocation* allocation = allocations_.Find(job_id);
+  if (allocation == nullptr || allocation->attempt != attempt) return;  // an earlier attempt's
+  allocation->AddFailure(failure, options_.now());
+  if (allocation->phase == Allocation::Phase::kRunning) {
+    allocation->phase = Allocation::Phase::kFailing;
   }
-  allocations_.erase(it);
 }
 
-std::vector<NodeCapacity> Cluster::CapacityLocked() {
-  std::map<std::string, std::set<int>> used_gpus;
-  std::map<std::string, int> used_slots;
-  for (const auto& [job_id, allocation] : allocations_) {
-    for (const auto& rank : allocation.ranks) {
-      if (rank.gpu_index() >= 0) {
-        used_gpus[rank.node_id()].insert(rank.gpu_index());
-      } else {
-        ++used_slots[rank.node_id()];
-      }
+void Cluster::DecideLocked(const std::string& job_id, Allocation& allocation, absl::Time now) {
+  if (allocation.phase != Allocation::Phase::kFailing) return;
+  const bool cause_known = std::any_of(allocation.failures.begin(), allocation.failures.end(),
+                                       [](const auto& f) { return !IsConsequence(f); });
+  const absl::Duration waited = now - allocation.first_failure_time;
+  if (!allocation.AllNodesEnded() && waited < options_.failure_settle &&
+      !(cause_known && waited >= options_.blame_grace)) {
+    return;
+  }
+  auto job = store_->GetJob(job_id);
+  if (!job.ok()) {
+    LogRetried(job.status(), absl::StrCat("reading job ", job_id, " to settle its failure"));
+    return;
+  }
+  if (IsTerminal(job->state())) {  // cancelled meanwhile
+    DrainLocked(job_id, allocation);
+    return;
+  }
+  const size_t blamed = BlameIndex(allocation.failures);
+  v1::TrainerFailure primary = allocation.failures[blamed];
+  if (primary.step() == 0) {
+    auto rank = allocation.rank_times.find(primary.rank());
+    primary.set_step(rank != allocation.rank_times.end() ? rank->second.step()
+                                                         : job->current_step());
+  }
+  const std::string description = DescribeFailure(primary);
+  const int32_t max_restarts = job->spec().max_restarts();
+  const bool retry = IsRetryable(primary.kind()) && job->restarts() < max_restarts;
+  const int64_t resume_step =
+      ResumesFromCheckpoints(job->spec()) ? job->latest_checkpoint().step() : 0;
+  std::string reason;
+  if (retry) {
+    reason =
+        absl::StrCat("attempt ", allocation.attempt, " failed: ", description, "; restarting from ",
+                     resume_step > 0 ? absl::StrCat("the checkpoint of step ", resume_step)
+                                     : std::string("the start"),
+                     " (restart ", job->restarts() + 1, " of ", max_restarts, ")");
+  } else if (!IsRetryable(primary.kind())) {
+    reason = absl::StrCat(description, " (not retried: the same spec and data fail again)");
+  } else if (max_restarts > 0) {
+    reason = absl::StrCat(description, " (no restarts left: ", max_restarts, " used)");
+  } else {
+    reason = description;
+  }
+  v1::JobAttempt record;
+  record.set_attempt(allocation.attempt);
+  for (const auto& node : allocation.Nodes()) record.add_node_ids(node);
+  record.set_world_size(static_cast<int>(allocation.ranks.size()));
+  *record.mutable_layout() = job->plan().layout();
+  record.set_start_step(allocation.start_step);
+  record.set_end_step(job->current_step());
+  *record.mutable_start_time() = ToProto(allocation.placed_time);
+  *record.mutable_end_time() = ToProto(now);
+  record.set_reason(description);
+  *record.mutable_failure() = primary;
+  std::vector<v1::JobEvent> events;
+  *events.emplace_back().mutable_failure() = primary;
+  for (size_t i = 0; i < allocation.failures.size(); ++i) {
+    if (i == blamed) continue;
+    *record.add_consequences() = allocation.failures[i];
+    *events.emplace_back().mutable_failure() = allocation.failures[i];
+  }
+  auto transitioned = jobs_->Transition(
+      job_id, retry ? v1::JOB_STATE_RESTARTING : v1::JOB_STATE_FAILED, reason,
+      [&](v1::Job& stored) {
+        *stored.mutable_failure() = primary;
+        *stored.add_attempts() = record;
+        if (!retry) return;
+        stored.set_restarts(stored.restarts() + 1);
+        stored.set_attempt(stored.attempt() + 1);
+        stored.mutable_placements()->Clear();
+        // Steps after the checkpoint are trained again: their metrics (and events) are those of
+        // the new attempt.
+        stored.set_current_step(resume_step);
+      },
+      events);
+  if (!transitioned.ok() && !absl::IsFailedPrecondition(transitioned.status())) {
+    LogRetried(transitioned.status(),
+               absl::StrCat("ending attempt ", allocation.attempt, " of job ", job_id));
+    return;
+  }
+  if (transitioned.ok() && retry) ++restarts_[primary.kind()];
+  DrainLocked(job_id, allocation);
+}
+
+void Cluster::DrainLocked(const std::string& job_id, Allocation& allocation) {
+  allocation.phase = Allocation::Phase::kDraining;
+  for (const auto& node : allocation.Nodes()) {
+    if (allocation.NodeEnded(node)) continue;
+    const std::string task_id = TaskId(job_id, allocation.attempt, node);
+    if (nodes_.WithdrawStart(node, task_id)) {
+      allocation.task_states[node] = v1::TASK_STATE_STOPPED;  // never started
+    } else {
+      nodes_.QueueStop(node, task_id);
     }
   }
-  std::vector<NodeCapacity> capacity;
-  for (const auto& [node_id, entry] : nodes_) {
-    const v1::Node& node = entry.node;
-    NodeCapacity c;
-    c.node_id = node_id;
-    c.host = HostOf(node.address());
-    c.host_memory_bytes = node.resources().memory_bytes();
-    c.total_gpus = node.resources().gpus_size();
-    for (const auto& gpu : node.resources().gpus()) {
-      if (!used_gpus[node_id].contains(gpu.index())) c.free_gpus.push_back(gpu.index());
-      if (c.gpu_name.empty()) {
-        c.gpu_name = gpu.name();
-        c.gpu_memory_bytes = gpu.memory_bytes();
-      }
-    }
-    c.total_cpu_slots = node.resources().cpu_slots();
-    c.free_cpu_slots = std::max(0, c.total_cpu_slots - used_slots[node_id]);
-    c.labels.insert(node.labels().begin(), node.labels().end());
-    c.schedulable = node.state() == v1::NODE_STATE_READY;
-    capacity.push_back(std::move(c));
-  }
-  return capacity;
 }
 
-int Cluster::MasterPortLocked(const std::string& node_id) {
-  std::set<int> used;
-  for (const auto& [job_id, allocation] : allocations_) {
-    if (allocation.master_node == node_id) used.insert(allocation.master_port);
-  }
-  int port = options_.base_master_port;
-  while (used.contains(port)) ++port;
-  return port;
-}
+std::vector<NodeCapacity> Cluster::CapacityLocked() { return nodes_.Capacity(allocations_.Used()); }
 
 void Cluster::ExpireNodesLocked(absl::Time now) {
-  for (auto& [node_id, entry] : nodes_) {
-    if (entry.node.state() == v1::NODE_STATE_LOST) continue;
-    if (now - entry.last_heartbeat <= options_.heartbeat_timeout) continue;
-    entry.node.set_state(v1::NODE_STATE_LOST);
-    entry.to_start.clear();
-    entry.to_stop.clear();
-    (void)store_->PutNode(entry.node);
-    std::string reason = absl::StrCat("node ", node_id, " lost: no heartbeat for ",
-                                      absl::FormatDuration(now - entry.last_heartbeat));
-    std::vector<std::string> affected;
-    for (const auto& [job_id, allocation] : allocations_) {
-      for (const auto& rank : allocation.ranks) {
-        if (rank.node_id() == node_id) {
-          affected.push_back(job_id);
-          break;
-        }
-      }
-    }
-    for (const auto& job_id : affected) {
+  for (const auto& [node_id, silence] : nodes_.Expire(now)) {
+    const std::string reason = absl::StrCat("no heartbeat for ", absl::FormatDuration(silence));
+    for (const auto& job_id : allocations_.JobsOn(node_id)) {
+      Allocation& allocation = *allocations_.Find(job_id);
+      allocation.lost_nodes.insert(node_id);
+      if (allocation.phase == Allocation::Phase::kDraining) continue;
       v1::TrainerFailure failure;
       failure.set_kind(v1::FAILURE_KIND_NODE_LOST);
       failure.set_rank(-1);
       failure.set_node_id(node_id);
       failure.set_message(reason);
-      FailJobLocked(job_id, failure, reason);
+      *failure.mutable_time() = ToProto(now);
+      AddFailureLocked(job_id, allocation.attempt, failure);
     }
   }
 }
 
-void Cluster::PlaceLocked(const v1::Job& job, const GangPlacement& placement,
-                          const v1::LayoutPlan& plan) {
+void Cluster::PlaceLocked(const v1::Job& job, const v1::JobSpec& spec,
+                          const GangPlacement& placement, const v1::LayoutPlan& plan) {
   Allocation allocation;
   allocation.attempt = job.attempt();
   allocation.ranks = placement.ranks;
   allocation.master_node = placement.ranks.front().node_id();
-  allocation.master_port = MasterPortLocked(allocation.master_node);
+  allocation.master_port =
+      allocations_.FreeMasterPort(allocation.master_node, options_.base_master_port);
+  allocation.placed_time = options_.now();
+  allocation.start_step = ResumesFromCheckpoints(spec) ? job.latest_checkpoint().step() : 0;
   std::vector<std::string> node_order;
   std::map<std::string, int> local_world;
   for (const auto& rank : placement.ranks) {
     if (local_world[rank.node_id()]++ == 0) node_order.push_back(rank.node_id());
   }
-  auto transitioned = jobs_->Transition(job.job_id(), v1::JOB_STATE_SCHEDULED,
-                                        absl::StrCat("placed on ", absl::StrJoin(node_order, ", ")),
-                                        [&](v1::Job& stored) {
-                                          *stored.mutable_plan() = plan;
-                                          stored.mutable_placements()->Clear();
-                                          for (const auto& rank : placement.ranks)
-                                            *stored.add_placements() = rank;
-                                        });
-  if (!transitioned.ok()) return;
-  const std::string checkpoint_dir = job.spec().checkpoint().directory().empty()
+  std::string reason = absl::StrCat("placed on ", absl::StrJoin(node_order, ", "));
+  if (job.attempt() > 0) {
+    reason = absl::StrCat("attempt ", job.attempt(), " ", reason, ", resuming from ",
+                          allocation.start_step > 0
+                              ? absl::StrCat("the checkpoint of step ", allocation.start_step)
+                              : std::string("the start"));
+    if (static_cast<int>(placement.ranks.size()) != RequestedDevices(job.spec())) {
+      absl::StrAppend(&reason, "; re-planned for ", placement.ranks.size(), " of the ",
+                      RequestedDevices(job.spec()), " devices asked for (",
+                      plan.explanation().substr(0, plan.explanation().find('.')), ")");
+    }
+  }
+  auto transitioned =
+      jobs_->Transition(job.job_id(), v1::JOB_STATE_SCHEDULED, reason, [&](v1::Job& stored) {
+        *stored.mutable_plan() = plan;
+        stored.mutable_placements()->Clear();
+        for (const auto& rank : placement.ranks) *stored.add_placements() = rank;
+      });
+  if (!transitioned.ok()) {
+    LogRetried(transitioned.status(), absl::StrCat("placing job ", job.job_id()));
+    return;
+  }
+  const std::string checkpoint_dir = spec.checkpoint().directory().empty()
                                          ? absl::StrCat(options_.checkpoint_root, "/", job.job_id())
-                                         : job.spec().checkpoint().directory();
+                                         : spec.checkpoint().directory();
   std::map<std::string, v1::TaskAssignment> assignments;
   for (const auto& rank : placement.ranks) {
     v1::TaskAssignment& assignment = assignments[rank.node_id()];
@@ -371,7 +472,7 @@ void Cluster::PlaceLocked(const v1::Job& job, const GangPlacement& placement,
     v1::TrainerTask* task = assignment.add_trainers();
     task->set_job_id(job.job_id());
     task->set_attempt(job.attempt());
-    *task->mutable_spec() = job.spec();
+    *task->mutable_spec() = spec;
     *task->mutable_plan() = plan;
     task->set_checkpoint_directory(checkpoint_dir);
     v1::RankAssignment* ra = task->mutable_assignment();
@@ -385,48 +486,52 @@ void Cluster::PlaceLocked(const v1::Job& job, const GangPlacement& placement,
     ra->set_gpu_index(rank.gpu_index());
   }
   for (auto& [node_id, assignment] : assignments) {
-    nodes_[node_id].to_start.push_back(std::move(assignment));
+    nodes_.QueueStart(node_id, std::move(assignment));
   }
-  allocations_[job.job_id()] = std::move(allocation);
+  allocations_.Add(job.job_id(), std::move(allocation));
   std::function<void(double)> observer = latency_observer_;
-  if (observer) {
+  if (observer && job.attempt() == 0) {
     absl::Time submitted = absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(job.create_time()));
     observer(absl::ToDoubleSeconds(options_.now() - submitted));
   }
 }
 
 const absl::StatusOr<v1::LayoutPlan>& Cluster::CachedPlanLocked(
-    const v1::Job& job, const absl::StatusOr<planner::DeviceTarget>& target) {
-  // A job's spec never changes, so its plan changes only with the device it is planned for.
+    const v1::Job& job, const v1::JobSpec& spec,
+    const absl::StatusOr<planner::DeviceTarget>& target) {
+  // A job's spec never changes, so its plan changes only with the device it is planned for (or
+  // the devices it is given after losing some).
   const std::string fingerprint =
       target.ok() ? absl::StrCat(target->device.SerializeAsString(), "|", target->devices_per_node,
-                                 "|", target->gpu_name)
+                                 "|", target->gpu_name, "|", RequestedDevices(spec))
                   : target.status().ToString();
   CachedPlan& cached = plan_cache_[job.job_id()];
   if (!cached.plan.has_value() || cached.fingerprint != fingerprint) {
     cached.fingerprint = fingerprint;
-    cached.plan = PlanForTarget(job.spec(), target);
+    cached.plan = PlanForTarget(spec, target);
   }
   return *cached.plan;
 }
 
 std::set<std::string> Cluster::ScheduleLocked(const std::vector<v1::Job>& active) {
   std::vector<GangRequest> requests;
-  std::map<std::string, const v1::Job*> pending;
-  // The plan each pending job starts with, fitted to the devices registered now.
+  std::map<std::string, const v1::Job*> waiting;
+  // The spec and plan each waiting job starts with, fitted to the devices registered now.
+  std::map<std::string, v1::JobSpec> specs;
   std::map<std::string, v1::LayoutPlan> plans;
   std::map<std::string, std::string> unfit;
-  const bool any_pending = std::any_of(active.begin(), active.end(), [](const v1::Job& job) {
-    return job.state() == v1::JOB_STATE_PENDING;
-  });
-  if (!any_pending) return {};
+  auto waits = [&](const v1::Job& job) {
+    return (job.state() == v1::JOB_STATE_PENDING || job.state() == v1::JOB_STATE_RESTARTING) &&
+           allocations_.Find(job.job_id()) == nullptr;
+  };
+  if (std::none_of(active.begin(), active.end(), waits)) return {};
   const std::vector<NodeCapacity> capacity = CapacityLocked();
   // Jobs asking for the same kind of device share one look over the nodes.
   std::map<std::string, absl::StatusOr<planner::DeviceTarget>> targets;
-  std::set<std::string> pending_ids;
+  std::set<std::string> waiting_ids;
   for (const auto& job : active) {
-    if (job.state() != v1::JOB_STATE_PENDING) continue;
-    pending_ids.insert(job.job_id());
+    if (!waits(job)) continue;
+    waiting_ids.insert(job.job_id());
     const v1::ResourceRequest& resources = job.spec().resources();
     GangRequest request;
     request.job_id = job.job_id();
@@ -441,12 +546,33 @@ std::set<std::string> Cluster::ScheduleLocked(const std::vector<v1::Job>& active
     if (target == targets.end()) {
       target = targets.emplace(key, TargetFromNodes(job.spec(), capacity)).first;
     }
+    // A restarting job with an automatic layout that lost devices (a node is gone) runs on what
+    // is free rather than waiting for the node: fewer data-parallel replicas, the same global
+    // batch through more accumulation. Its checkpoint is resharded on load.
+    v1::JobSpec& spec = specs[job.job_id()] = job.spec();
+    if (job.state() == v1::JOB_STATE_RESTARTING && AutomaticLayout(spec)) {
+      int free = 0;
+      for (const auto& node : capacity) {
+        if (!node.schedulable) continue;
+        if (!Unsatisfiable(request, {node}).has_value()) {
+          free += request.use_gpus ? static_cast<int>(node.free_gpus.size()) : node.free_cpu_slots;
+        }
+      }
+      const int asked = RequestedDevices(spec);
+      for (int devices = std::min(free, asked); devices >= 1 && devices < asked; --devices) {
+        const v1::JobSpec smaller = WithDevices(job.spec(), devices);
+        if (auto plan = PlanForTarget(smaller, target->second); plan.ok() && plan->fits()) {
+          spec = smaller;
+          break;
+        }
+      }
+    }
     // Automatic layouts are chosen for the devices the job would get; explicit ones are checked
     // against them. A job that cannot be planned here (no matching node yet, a GPU without a
     // device model) keeps its provisional plan and the scheduler says why it waits.
     v1::LayoutPlan& plan = plans[job.job_id()];
     plan = job.plan();
-    const absl::StatusOr<v1::LayoutPlan>& fitted = CachedPlanLocked(job, target->second);
+    const absl::StatusOr<v1::LayoutPlan>& fitted = CachedPlanLocked(job, spec, target->second);
     if (fitted.ok()) {
       if (!fitted->fits()) {
         unfit[job.job_id()] = fitted->explanation();
@@ -454,27 +580,31 @@ std::set<std::string> Cluster::ScheduleLocked(const std::vector<v1::Job>& active
       }
       plan = *fitted;
     }
-    pending[job.job_id()] = &job;
+    waiting[job.job_id()] = &job;
     request.world_size = std::max(1, plan.world_size());
     request.tensor_parallel = std::max(1, plan.layout().tensor_parallel());
     requests.push_back(std::move(request));
   }
   // Plans of jobs that left the queue are not needed again.
-  std::erase_if(plan_cache_, [&](const auto& entry) { return !pending_ids.contains(entry.first); });
+  std::erase_if(plan_cache_, [&](const auto& entry) { return !waiting_ids.contains(entry.first); });
   ScheduleResult result;
   if (!requests.empty()) result = Schedule(std::move(requests), capacity);
   std::set<std::string> placed;
   for (const auto& placement : result.placed) {
-    PlaceLocked(*pending[placement.job_id], placement, plans[placement.job_id]);
-    placed.insert(placement.job_id);
+    const std::string& job_id = placement.job_id;
+    PlaceLocked(*waiting[job_id], specs[job_id], placement, plans[job_id]);
+    if (allocations_.Find(job_id) != nullptr) placed.insert(job_id);
   }
   result.pending_reasons.merge(unfit);
   std::map<std::string, const v1::Job*> by_id;
   for (const auto& job : active) by_id[job.job_id()] = &job;
   for (const auto& [job_id, reason] : result.pending_reasons) {
     const v1::Job* job = by_id[job_id];
-    if (job != nullptr && job->reason() != reason) {
-      (void)jobs_->Transition(job_id, v1::JOB_STATE_PENDING, reason);
+    if (job == nullptr) continue;
+    // A restarting job keeps its state (and the reason it restarts) until it is placed again.
+    if (job->state() == v1::JOB_STATE_PENDING && job->reason() != reason) {
+      LogRetried(jobs_->Transition(job_id, v1::JOB_STATE_PENDING, reason).status(),
+                 absl::StrCat("recording why job ", job_id, " waits"));
     }
   }
   return placed;
@@ -482,22 +612,42 @@ std::set<std::string> Cluster::ScheduleLocked(const std::vector<v1::Job>& active
 
 ClusterStats Cluster::Tick() {
   absl::MutexLock lock(&mu_);
-  ExpireNodesLocked(options_.now());
+  const absl::Time now = options_.now();
+  LogRetried(nodes_.Flush(), "writing node records");
+  ExpireNodesLocked(now);
   ClusterStats stats;
   auto active = store_->ListActiveJobs();
   if (active.ok()) {
-    // Work of jobs that ended (cancelled, failed) is stopped and freed.
     std::set<std::string> active_ids;
     for (const auto& job : *active) active_ids.insert(job.job_id());
-    std::vector<std::string> ended;
-    for (const auto& [job_id, _] : allocations_) {
-      if (!active_ids.contains(job_id)) ended.push_back(job_id);
+    for (auto& [job_id, allocation] : allocations_.all()) {
+      if (!active_ids.contains(job_id)) {
+        // Cancelled (or ended by a decision already recorded): stop what still runs.
+        if (allocation.phase != Allocation::Phase::kDraining) DrainLocked(job_id, allocation);
+        continue;
+      }
+      DecideLocked(job_id, allocation, now);
+      // A success whose recording failed earlier is recorded now.
+      if (allocation.phase == Allocation::Phase::kRunning &&
+          allocation.AllNodesIn(v1::TASK_STATE_SUCCEEDED) &&
+          RecordSuccessLocked(job_id, allocation)) {
+        allocation.phase = Allocation::Phase::kDraining;
+      }
     }
-    for (const auto& job_id : ended) ReleaseLocked(job_id);
+    // Attempts whose every task has ended give their devices back.
+    const size_t erased = std::erase_if(allocations_.all(), [](const auto& entry) {
+      return entry.second.phase == Allocation::Phase::kDraining && entry.second.AllNodesEnded();
+    });
+    // A job whose attempt just ended may be placed again in this pass.
+    if (erased > 0) {
+      if (auto relisted = store_->ListActiveJobs(); relisted.ok()) active = std::move(relisted);
+    }
     const std::set<std::string> placed = ScheduleLocked(*active);
     for (const auto& job : *active) {
       ++stats.jobs[placed.contains(job.job_id()) ? v1::JOB_STATE_SCHEDULED : job.state()];
     }
+  } else {
+    LogRetried(active.status(), "listing active jobs");
   }
   for (const auto& capacity : CapacityLocked()) {
     stats.gpus_total += capacity.total_gpus;
@@ -505,8 +655,24 @@ ClusterStats Cluster::Tick() {
     stats.cpu_slots_total += capacity.total_cpu_slots;
     stats.cpu_slots_allocated += capacity.total_cpu_slots - capacity.free_cpu_slots;
   }
-  for (const auto& [node_id, entry] : nodes_) ++stats.nodes[entry.node.state()];
+  for (const auto& node : nodes_.Nodes()) ++stats.nodes[node.state()];
+  stats.restarts = restarts_;
+  for (auto& [job_id, allocation] : allocations_.all()) {
+    if (allocation.phase != Allocation::Phase::kRunning || allocation.rank_times.empty()) continue;
+    std::vector<v1::RankStepTime> ranks;
+    for (const auto& [rank, time] : allocation.rank_times) ranks.push_back(time);
+    stats.stragglers[job_id] = ComputeStraggler(std::move(ranks), options_.straggler_threshold);
+  }
   return stats;
+}
+
+std::optional<v1::StragglerReport> Cluster::Straggler(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  Allocation* allocation = allocations_.Find(job_id);
+  if (allocation == nullptr || allocation->rank_times.empty()) return std::nullopt;
+  std::vector<v1::RankStepTime> ranks;
+  for (const auto& [rank, time] : allocation->rank_times) ranks.push_back(time);
+  return ComputeStraggler(std::move(ranks), options_.straggler_threshold);
 }
 
 std::vector<NodeCapacity> Cluster::Capacity() {
@@ -517,14 +683,15 @@ std::vector<NodeCapacity> Cluster::Capacity() {
 std::vector<v1::Node> Cluster::Nodes(bool include_lost) {
   absl::MutexLock lock(&mu_);
   std::map<std::string, std::set<std::string>> jobs_on;
-  for (const auto& [job_id, allocation] : allocations_) {
+  for (const auto& [job_id, allocation] : allocations_.all()) {
     for (const auto& rank : allocation.ranks) jobs_on[rank.node_id()].insert(job_id);
   }
   std::vector<v1::Node> nodes;
   for (const auto& capacity : CapacityLocked()) {
-    const v1::Node& stored = nodes_[capacity.node_id].node;
-    if (stored.state() == v1::NODE_STATE_LOST && !include_lost) continue;
-    v1::Node node = stored;
+    const v1::Node* stored = nodes_.Find(capacity.node_id);
+    if (stored == nullptr) continue;
+    if (stored->state() == v1::NODE_STATE_LOST && !include_lost) continue;
+    v1::Node node = *stored;
     for (int gpu : capacity.free_gpus) node.add_free_gpus(gpu);
     node.set_free_cpu_slots(capacity.free_cpu_slots);
     for (const auto& job_id : jobs_on[capacity.node_id]) node.add_job_ids(job_id);

@@ -1,12 +1,20 @@
-// Cluster: the coordinator's view of its workers and what runs on them. It
-// keeps the node registry (registration, heartbeats, liveness), the
-// allocation of GPUs and CPU slots to jobs, and the queues of work handed out
-// in heartbeat responses; each Tick() expires silent nodes, runs one gang
-// scheduling pass over the PENDING jobs, and settles jobs whose tasks ended.
+// Cluster: the coordinator's control loop over its workers. It ties together the node registry
+// (NodeRegistry: registration, heartbeats, liveness, queued orders), the allocation ledger
+// (AllocationLedger: devices held per job attempt and what each attempt reported), the gang
+// scheduler and the job lifecycle (JobManager): each Tick() expires silent nodes, decides the fate
+// of attempts that failed (blame, restart or fail, see attempt_policy.h), frees the devices of
+// attempts whose every task has ended, retries store writes that failed, and runs one gang
+// scheduling pass over the PENDING and RESTARTING jobs.
 //
-// Thread safety: all methods may be called from any thread; one absl::Mutex
-// guards the registry, allocations and queues. JobManager and Store calls
-// made under it never call back into Cluster.
+// Restarts: a failed attempt with restarts left goes RESTARTING; its tasks are stopped everywhere
+// and the next attempt is placed only once every node of the failed one reported its task ended
+// (or was lost), so no rank of attempt N runs beside attempt N+1. An automatic layout that no
+// longer fits (a node is gone) is planned again for the devices that are free. Trainers resume
+// from the newest complete checkpoint themselves.
+//
+// Thread safety: all methods may be called from any thread; one absl::Mutex guards the registry,
+// the ledger and the plan cache. JobManager and Store calls made under it never call back into
+// Cluster.
 #pragma once
 
 #include <cstdint>
@@ -22,7 +30,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "coordinator/allocation_ledger.h"
 #include "coordinator/job_manager.h"
+#include "coordinator/node_registry.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/store.h"
 #include "planner/job_plan.h"
@@ -33,11 +43,19 @@ namespace tessera::coordinator {
 struct ClusterOptions {
   // Heartbeat period asked of workers.
   absl::Duration heartbeat_interval = absl::Seconds(2);
-  // A node silent this long is LOST and its jobs fail.
+  // A node silent this long is LOST and its jobs' attempts fail.
   absl::Duration heartbeat_timeout = absl::Seconds(15);
   // Period of Tick() when Start() runs the loop.
   absl::Duration tick_interval = absl::Milliseconds(200);
-  // Checkpoint root for jobs whose spec names no directory: <root>/<job_id>.
+  // After an attempt's first failure, how long to wait for more before blaming one: the whole
+  // wait when only consequences (FAILURE_KIND_PEER_FAILED) came in, else blame_grace. The wait
+  // ends early once every node of the attempt reported its task ended.
+  absl::Duration failure_settle = absl::Seconds(5);
+  absl::Duration blame_grace = absl::Seconds(1);
+  // A rank whose busy time per step exceeds the median's by this factor is a straggler.
+  double straggler_threshold = 1.2;
+  // Checkpoint root for jobs whose spec names no directory: <root>/<job_id>. Made absolute by
+  // the daemon at startup: trainers of each attempt run in a directory of their own.
   std::string checkpoint_root = "tessera-checkpoints";
   // First TCPStore port handed to a job's rank 0; each concurrent job whose
   // rank 0 is on the same node gets the next one.
@@ -52,6 +70,10 @@ struct ClusterStats {
   std::map<v1::JobState, int64_t> jobs;
   int64_t gpus_total = 0, gpus_allocated = 0;
   int64_t cpu_slots_total = 0, cpu_slots_allocated = 0;
+  // Restarts decided since the coordinator started, by the blamed failure's kind.
+  std::map<v1::FailureKind, int64_t> restarts;
+  // Running jobs' straggler figures, by job_id.
+  std::map<std::string, v1::StragglerReport> stragglers;
 };
 
 class Cluster {
@@ -61,7 +83,9 @@ class Cluster {
 
   // Reloads nodes from the store (each gets a fresh heartbeat grace period)
   // and the allocations of SCHEDULED / RUNNING jobs, so running work
-  // reconciles when its workers next heartbeat.
+  // reconciles when its workers next heartbeat. A RESTARTING job is placed
+  // again by the scheduler; tasks of its old attempt still running anywhere
+  // are stopped when their workers report them.
   absl::Status Recover();
 
   absl::StatusOr<v1::RegisterNodeResponse> Register(const v1::RegisterNodeRequest& request);
@@ -83,43 +107,38 @@ class Cluster {
   // Seconds from submission to SCHEDULED of each job placed, for metrics.
   void SetSchedulingLatencyObserver(std::function<void(double)> observer);
 
- private:
-  struct NodeEntry {
-    v1::Node node;
-    absl::Time last_heartbeat;
-    std::vector<v1::TaskAssignment> to_start;
-    std::vector<std::string> to_stop;
-  };
-  struct Allocation {
-    int32_t attempt = 0;
-    std::vector<v1::RankPlacement> ranks;
-    std::string master_node;
-    int master_port = 0;
-    // node_id -> last task state reported.
-    std::map<std::string, v1::TaskState> task_states;
-    // Every node has reported its tasks RUNNING once and the job's state was brought to RUNNING
-    // (or found past SCHEDULED): later heartbeats need not read the job again.
-    bool running_seen = false;
-  };
+  // The straggler figures of `job_id`'s running attempt, if any rank reported step times.
+  std::optional<v1::StragglerReport> Straggler(const std::string& job_id);
 
+ private:
   static std::string TaskId(const std::string& job_id, int32_t attempt, const std::string& node);
   std::vector<NodeCapacity> CapacityLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  int MasterPortLocked(const std::string& node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Queues stop orders for every task of `job_id` and frees its resources.
-  void ReleaseLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailJobLocked(const std::string& job_id, const v1::TrainerFailure& failure,
-                     const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ExpireNodesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // `job`'s plan for `target`, computed again only when the target changed.
-  const absl::StatusOr<v1::LayoutPlan>& CachedPlanLocked(
-      const v1::Job& job, const absl::StatusOr<planner::DeviceTarget>& target)
+  // Records a failure of the job's current attempt; the attempt enters kFailing.
+  void AddFailureLocked(const std::string& job_id, int32_t attempt,
+                        const v1::TrainerFailure& failure) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Blames one failure of a kFailing attempt once the settle rules allow, and moves the job to
+  // RESTARTING or FAILED; on a store error the attempt stays kFailing and the next tick retries.
+  void DecideLocked(const std::string& job_id, Allocation& allocation, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // One scheduling pass over the active jobs; returns the ids of the jobs it placed.
+  // Stops every task of the allocation that has not ended (a start not yet delivered is simply
+  // withdrawn); the allocation is erased by Tick once all have ended.
+  void DrainLocked(const std::string& job_id, Allocation& allocation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpireNodesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `job`'s plan for `target`, computed again only when the target (or the device count, for a
+  // job re-planned after losing devices) changed.
+  const absl::StatusOr<v1::LayoutPlan>& CachedPlanLocked(
+      const v1::Job& job, const v1::JobSpec& spec,
+      const absl::StatusOr<planner::DeviceTarget>& target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One scheduling pass over the jobs waiting for devices; returns the ids of the jobs it placed.
   std::set<std::string> ScheduleLocked(const std::vector<v1::Job>& active)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PlaceLocked(const v1::Job& job, const GangPlacement& placement, const v1::LayoutPlan& plan)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PlaceLocked(const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
+                   const v1::LayoutPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves a job whose every task succeeded to SUCCEEDED; false (retried later) on a store error.
+  bool RecordSuccessLocked(const std::string& job_id, Allocation& allocation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Store* store_;
@@ -127,15 +146,16 @@ class Cluster {
   const ClusterOptions options_;
 
   absl::Mutex mu_;
-  std::map<std::string, NodeEntry> nodes_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, Allocation> allocations_ ABSL_GUARDED_BY(mu_);
-  // Pending jobs' plans (PlanForTarget), keyed by job_id, with the target they were made for.
+  NodeRegistry nodes_ ABSL_GUARDED_BY(mu_);
+  AllocationLedger allocations_ ABSL_GUARDED_BY(mu_);
+  // Waiting jobs' plans (PlanForTarget), keyed by job_id, with the target they were made for.
   struct CachedPlan {
     std::string fingerprint;
     std::optional<absl::StatusOr<v1::LayoutPlan>> plan;
   };
   std::map<std::string, CachedPlan> plan_cache_ ABSL_GUARDED_BY(mu_);
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(mu_);
+  std::map<v1::FailureKind, int64_t> restarts_ ABSL_GUARDED_BY(mu_);
 
   std::thread loop_;
   absl::Notification stop_;

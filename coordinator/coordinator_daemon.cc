@@ -1,5 +1,9 @@
 #include "coordinator/coordinator_daemon.h"
 
+#include <filesystem>
+#include <system_error>
+
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace tessera::coordinator {
@@ -9,8 +13,18 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   std::unique_ptr<CoordinatorDaemon> daemon(new CoordinatorDaemon());
   ASSIGN_OR_RETURN(daemon->store_, Store::Open(options.state_path));
   daemon->jobs_ = std::make_unique<JobManager>(daemon->store_.get());
+  ClusterOptions cluster = options.cluster;
+  // Each attempt's trainers run in a directory of their own: a relative root would give every
+  // attempt a checkpoint directory of its own and hide earlier checkpoints from a restart.
+  std::error_code error;
+  std::filesystem::path root = std::filesystem::absolute(cluster.checkpoint_root, error);
+  if (error) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--checkpoint_root ", cluster.checkpoint_root, ": ", error.message()));
+  }
+  cluster.checkpoint_root = root.lexically_normal().string();
   daemon->cluster_ =
-      std::make_unique<Cluster>(daemon->store_.get(), daemon->jobs_.get(), options.cluster);
+      std::make_unique<Cluster>(daemon->store_.get(), daemon->jobs_.get(), std::move(cluster));
   RETURN_IF_ERROR(daemon->cluster_->Recover());
   daemon->coordinator_service_ =
       std::make_unique<CoordinatorService>(daemon->jobs_.get(), daemon->cluster_.get());
@@ -51,6 +65,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
     metrics->SetGpus(stats.gpus_total, stats.gpus_allocated);
     metrics->SetCpuSlots(stats.cpu_slots_total, stats.cpu_slots_allocated);
     metrics->ObserveSchedulingPass(seconds);
+    metrics->SetRestarts(stats.restarts);
+    metrics->SetStragglers(stats.stragglers);
   });
   return daemon;
 }

@@ -174,7 +174,22 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                                  .Help("Duration of gRPC calls from their start until their "
                                        "status is sent (for streams, the whole stream), in "
                                        "seconds.")
-                                 .Register(registry)) {
+                                 .Register(registry)),
+      restarts_(prometheus::BuildCounter()
+                    .Name("tessera_job_restarts_total")
+                    .Help("Job restarts the coordinator decided, by the kind of the failure "
+                          "blamed for the attempt that ended.")
+                    .Register(registry)),
+      rank_step_seconds_(prometheus::BuildGauge()
+                             .Name("tessera_rank_step_seconds")
+                             .Help("Seconds per optimizer step a running job's rank spends "
+                                   "computing rather than waiting for its peers.")
+                             .Register(registry)),
+      straggler_skew_(prometheus::BuildGauge()
+                          .Name("tessera_job_straggler_skew")
+                          .Help("A running job's slowest rank's busy seconds per step over the "
+                                "median rank's (1 = even).")
+                          .Register(registry)) {
   auto& jobs = prometheus::BuildGauge()
                    .Name("tessera_jobs")
                    .Help("Jobs known to the coordinator, by state.")
@@ -218,6 +233,46 @@ void CoordinatorMetrics::SetGpus(int64_t total, int64_t allocated) {
 void CoordinatorMetrics::SetCpuSlots(int64_t total, int64_t allocated) {
   cpu_slots_capacity_.Set(static_cast<double>(total));
   cpu_slots_allocated_.Set(static_cast<double>(allocated));
+}
+
+void CoordinatorMetrics::SetRestarts(const std::map<v1::FailureKind, int64_t>& restarts) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [kind, total] : restarts) {
+    int64_t& seen = restarts_seen_[kind];
+    if (total <= seen) continue;
+    restarts_.Add({{"kind", StateLabel(v1::FailureKind_Name(kind), "FAILURE_KIND_")}})
+        .Increment(static_cast<double>(total - seen));
+    seen = total;
+  }
+}
+
+void CoordinatorMetrics::SetStragglers(
+    const std::map<std::string, v1::StragglerReport>& stragglers) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = rank_series_.begin(); it != rank_series_.end();) {
+    if (stragglers.contains(it->first)) {
+      ++it;
+      continue;
+    }
+    for (auto& [rank, gauge] : it->second) rank_step_seconds_.Remove(gauge);
+    straggler_skew_.Remove(skew_series_[it->first]);
+    skew_series_.erase(it->first);
+    it = rank_series_.erase(it);
+  }
+  for (const auto& [job_id, report] : stragglers) {
+    auto& series = rank_series_[job_id];
+    for (const auto& rank : report.ranks()) {
+      prometheus::Gauge*& gauge = series[rank.rank()];
+      if (gauge == nullptr) {
+        gauge =
+            &rank_step_seconds_.Add({{"job_id", job_id}, {"rank", std::to_string(rank.rank())}});
+      }
+      gauge->Set(rank.busy_seconds());
+    }
+    prometheus::Gauge*& skew = skew_series_[job_id];
+    if (skew == nullptr) skew = &straggler_skew_.Add({{"job_id", job_id}});
+    skew->Set(report.skew());
+  }
 }
 
 void CoordinatorMetrics::ObserveSchedulingLatency(double seconds) {

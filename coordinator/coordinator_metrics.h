@@ -19,6 +19,13 @@
 //   tessera_scheduling_latency_seconds      histogram; submission -> SCHEDULED
 //   tessera_scheduler_pass_duration_seconds histogram; one scheduler pass
 //   tessera_store_write_duration_seconds    histogram; one store transaction
+//   tessera_job_restarts_total{kind}        counter; restarts decided, by the
+//                                           blamed failure's kind
+//                                           ("process_exit", "node_lost", ...)
+//   tessera_rank_step_seconds{job_id,rank}  gauge; a running job's rank's
+//                                           busy (non-waiting) seconds per step
+//   tessera_job_straggler_skew{job_id}      gauge; slowest rank's busy time
+//                                           over the median (1 = even)
 //   tessera_grpc_server_requests_total{method,code}
 //                                           counter; finished RPCs by full
 //                                           method name ("/tessera.v1.
@@ -47,6 +54,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "tessera/v1/job.pb.h"
+#include "tessera/v1/metrics.pb.h"
 #include "tessera/v1/node.pb.h"
 
 namespace tessera::coordinator {
@@ -66,6 +74,13 @@ class CoordinatorMetrics {
   void SetNodeCounts(const std::map<v1::NodeState, int64_t>& counts);
   void SetGpus(int64_t total, int64_t allocated);
   void SetCpuSlots(int64_t total, int64_t allocated);
+
+  // Restarts decided since start, by blamed failure kind (cumulative; the
+  // counters advance by the difference to the previous call).
+  void SetRestarts(const std::map<v1::FailureKind, int64_t>& restarts);
+  // The running jobs' per-rank step times and skew; series of jobs no longer
+  // listed are removed.
+  void SetStragglers(const std::map<std::string, v1::StragglerReport>& stragglers);
 
   // Histograms, in seconds.
   // Submission -> SCHEDULED of one job (buckets 1 ms .. 1 h).
@@ -114,8 +129,15 @@ class CoordinatorMetrics {
   prometheus::Histogram& store_write_duration_;
   prometheus::Family<prometheus::Counter>& grpc_requests_;
   prometheus::Family<prometheus::Histogram>& grpc_request_duration_;
+  prometheus::Family<prometheus::Counter>& restarts_;
+  prometheus::Family<prometheus::Gauge>& rank_step_seconds_;
+  prometheus::Family<prometheus::Gauge>& straggler_skew_;
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, MethodSeries> methods_ ABSL_GUARDED_BY(mu_);
+  std::map<v1::FailureKind, int64_t> restarts_seen_ ABSL_GUARDED_BY(mu_);
+  // job_id -> the rank_step_seconds series set last time, and its skew series.
+  std::map<std::string, std::map<int, prometheus::Gauge*>> rank_series_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, prometheus::Gauge*> skew_series_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tessera::coordinator

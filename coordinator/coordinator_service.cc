@@ -162,7 +162,10 @@ grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext
                                                      v1::GetJobResponse* response) {
   if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
   auto job = jobs_->Get(request->job_id());
-  if (job.ok()) *response->mutable_job() = std::move(*job);
+  if (job.ok()) {
+    if (auto straggler = cluster_->Straggler(job->job_id())) *job->mutable_straggler() = *straggler;
+    *response->mutable_job() = std::move(*job);
+  }
   return Reply(context, job.status());
 }
 

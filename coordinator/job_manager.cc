@@ -93,7 +93,8 @@ absl::StatusOr<v1::Job> JobManager::Cancel(const std::string& job_id, const std:
 
 absl::StatusOr<v1::Job> JobManager::Transition(const std::string& job_id, v1::JobState state,
                                                const std::string& reason,
-                                               const std::function<void(v1::Job&)>& mutate) {
+                                               const std::function<void(v1::Job&)>& mutate,
+                                               const std::vector<v1::JobEvent>& preceding_events) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
   if (IsTerminal(job.state())) {
@@ -110,6 +111,7 @@ absl::StatusOr<v1::Job> JobManager::Transition(const std::string& job_id, v1::Jo
   JobWrite write;
   write.job_id = job_id;
   write.job = job;
+  write.events = preceding_events;
   if (previous != state) write.events.push_back(StateEvent(previous, state, reason));
   RETURN_IF_ERROR(CommitAndNotify(write).status());
   return job;
@@ -125,11 +127,10 @@ absl::Status JobManager::RecordReports(const std::string& job_id,
   JobWrite write;
   write.job_id = job_id;
   for (const auto& point : metrics) {
-    if (point.step() > job.current_step()) {
-      job.set_current_step(point.step());
-      *job.mutable_latest_metrics() = point;
-    }
     write.metrics.push_back(point);
+    if (point.step() <= job.current_step()) continue;
+    job.set_current_step(point.step());
+    *job.mutable_latest_metrics() = point;
     *write.events.emplace_back().mutable_metrics() = point;
   }
   for (const auto& eval : evals) {

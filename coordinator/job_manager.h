@@ -41,13 +41,17 @@ class JobManager {
   // Moves a non-terminal job to CANCELLED; a terminal job is returned
   // unchanged.
   absl::StatusOr<v1::Job> Cancel(const std::string& job_id, const std::string& reason);
-  // Moves a job to `state` with `reason`, recording the event. Terminal jobs
-  // do not move (FAILED_PRECONDITION).
+  // Moves a job to `state` with `reason`, recording the event after
+  // `preceding_events` (e.g. the failures that caused it), all in one
+  // transaction. Terminal jobs do not move (FAILED_PRECONDITION).
   absl::StatusOr<v1::Job> Transition(const std::string& job_id, v1::JobState state,
                                      const std::string& reason,
-                                     const std::function<void(v1::Job&)>& mutate = nullptr);
+                                     const std::function<void(v1::Job&)>& mutate = nullptr,
+                                     const std::vector<v1::JobEvent>& preceding_events = {});
   // Records trainer reports for a job (metrics, evals, checkpoints) with
-  // their events; metric points are idempotent per step.
+  // their events. Metric points are idempotent per step, and a point at or
+  // below the job's current_step adds no event: a resent point is not shown
+  // twice (a restart sets current_step back to the step it resumes from).
   absl::Status RecordReports(const std::string& job_id, const std::vector<v1::StepMetrics>& metrics,
                              const std::vector<v1::EvalMetrics>& evals,
                              const std::vector<v1::Checkpoint>& checkpoints);

@@ -325,6 +325,7 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
                                             "], got ", spec.priority()));
   }
   RETURN_IF_ERROR(CheckNonNegative("max_restarts", spec.max_restarts()));
+  RETURN_IF_ERROR(CheckNonNegative("hang_timeout_seconds", spec.hang_timeout_seconds()));
   RETURN_IF_ERROR(ValidateLabels(spec.labels()));
   return absl::OkStatus();
 }

@@ -17,6 +17,15 @@ ABSL_FLAG(std::string, state, "tessera-coordinator.db",
           "created if missing. Put it on a persistent volume.");
 ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(15),
           "A worker silent this long is LOST and its jobs fail, e.g. 15s.");
+ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(2),
+          "Heartbeat period asked of workers; also how fast task ends and failures reach the "
+          "coordinator.");
+ABSL_FLAG(absl::Duration, failure_settle, absl::Seconds(5),
+          "After a job attempt's first failure, how long to wait for its cause when only "
+          "consequences (peers reporting a lost connection) came in, before blaming one.");
+ABSL_FLAG(double, straggler_threshold, 1.2,
+          "A rank whose busy time per step exceeds the median rank's by this factor is named "
+          "as a straggler.");
 ABSL_FLAG(std::string, checkpoint_root, "tessera-checkpoints",
           "Checkpoint directory of jobs whose spec names none: <root>/<job_id>; every node must "
           "see it at the same path.");
@@ -44,6 +53,9 @@ int main(int argc, char** argv) {
   options.metrics_listen_address = absl::GetFlag(FLAGS_metrics_listen);
   options.state_path = absl::GetFlag(FLAGS_state);
   options.cluster.heartbeat_timeout = absl::GetFlag(FLAGS_heartbeat_timeout);
+  options.cluster.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
+  options.cluster.failure_settle = absl::GetFlag(FLAGS_failure_settle);
+  options.cluster.straggler_threshold = absl::GetFlag(FLAGS_straggler_threshold);
   options.cluster.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
   options.cluster.base_master_port = absl::GetFlag(FLAGS_master_port_base);
   auto daemon = tessera::coordinator::CoordinatorDaemon::Start(options);

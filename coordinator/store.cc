@@ -342,6 +342,7 @@ absl::Status Store::FinishTransaction(absl::Status status, absl::string_view ope
 
 absl::StatusOr<std::vector<v1::JobEvent>> Store::Commit(const JobWrite& write) {
   if (write.job_id.empty()) return absl::InvalidArgumentError("store: job_id is empty");
+  RETURN_IF_ERROR(InjectedFailure(write.job_id));
   if (write.job.has_value() && write.job->job_id() != write.job_id) {
     return absl::InvalidArgumentError(absl::StrCat("store: job.job_id '", write.job->job_id(),
                                                    "' does not match job_id '", write.job_id, "'"));
@@ -712,6 +713,7 @@ absl::StatusOr<std::vector<v1::Checkpoint>> Store::ListCheckpoints(const std::st
 
 absl::Status Store::PutNode(const v1::Node& node) {
   if (node.node_id().empty()) return absl::InvalidArgumentError("store: node.node_id is empty");
+  RETURN_IF_ERROR(InjectedFailure(node.node_id()));
   double seconds = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -803,6 +805,20 @@ RETURNING value)sql",
 void Store::SetWriteObserver(std::function<void(double seconds)> observer) {
   absl::MutexLock lock(&mu_);
   write_observer_ = std::move(observer);
+}
+
+void Store::SetWriteFailureInjector(std::function<absl::Status(const std::string&)> injector) {
+  absl::MutexLock lock(&mu_);
+  write_failure_injector_ = std::move(injector);
+}
+
+absl::Status Store::InjectedFailure(const std::string& id) {
+  std::function<absl::Status(const std::string&)> injector;
+  {
+    absl::MutexLock lock(&mu_);
+    injector = write_failure_injector_;
+  }
+  return injector ? injector(id) : absl::OkStatus();
 }
 
 void Store::ReportWrite(double seconds) {

@@ -152,6 +152,12 @@ class Store {
   // Pass nullptr to remove.
   void SetWriteObserver(std::function<void(double seconds)> observer);
 
+  // Fault injection for tests of what sits on the store: before each write
+  // (Commit, PutNode) `injector` is called with the write's job or node id; a
+  // non-OK status it returns fails the write unapplied, as a real SQLite
+  // error would. Pass nullptr to remove.
+  void SetWriteFailureInjector(std::function<absl::Status(const std::string& id)> injector);
+
  private:
   Store(sqlite3* db, std::string path);
 
@@ -186,6 +192,9 @@ class Store {
   sqlite3* const db_;  // Used under mu_ only.
   absl::flat_hash_map<absl::string_view, sqlite3_stmt*> statements_ ABSL_GUARDED_BY(mu_);
   std::function<void(double)> write_observer_ ABSL_GUARDED_BY(mu_);
+  std::function<absl::Status(const std::string&)> write_failure_injector_ ABSL_GUARDED_BY(mu_);
+  // The injected failure for a write of `id`, OK when none.
+  absl::Status InjectedFailure(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
 };
 
 }  // namespace tessera::coordinator

@@ -18,6 +18,7 @@
 #include "common/daemon/server.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/util/time_util.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
@@ -68,7 +69,8 @@ class ClusterTest : public ::testing::Test {
                            "--checkpoint_root=" + dir_.path() + "/ckpt",
                            // Test processes run side by side: each coordinator hands out its
                            // own rendezvous ports.
-                           absl::StrCat("--master_port_base=", 40000 + (getpid() % 2000) * 10)});
+                           absl::StrCat("--master_port_base=", 40000 + (getpid() % 2000) * 10),
+                           "--heartbeat_interval=500ms", "--heartbeat_timeout=3s"});
     ASSERT_THAT(coordinator, IsOk());
     coordinator_.emplace(std::move(*coordinator));
     address_ = Address(*coordinator_);
@@ -151,6 +153,64 @@ class ClusterTest : public ::testing::Test {
       absl::SleepFor(absl::Milliseconds(100));
     }
     return response.job();
+  }
+
+  v1::Job Get(const std::string& job_id) {
+    v1::GetJobRequest request;
+    request.set_job_id(job_id);
+    v1::GetJobResponse response;
+    EXPECT_TRUE(stub_->GetJob(Context().get(), request, &response).ok());
+    return response.job();
+  }
+
+  // Waits until the job has reported `step`; false after `seconds`.
+  bool WaitForStep(const std::string& job_id, int64_t step, int seconds) {
+    absl::Time deadline = absl::Now() + absl::Seconds(seconds);
+    while (absl::Now() < deadline) {
+      v1::Job job = Get(job_id);
+      if (job.current_step() >= step && job.state() == v1::JOB_STATE_RUNNING) return true;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return false;
+  }
+
+  // Pids of the trainer processes whose task file lies under `dir` (a worker's work dir, a job's
+  // attempt directory, one rank's task file...).
+  std::vector<pid_t> TrainerPids(const std::string& pattern) {
+    // "[-]-task" keeps pgrep from matching the shell that runs it.
+    auto pgrep = RunCommand({"/bin/sh", "-c", "pgrep -f '[-]-task=" + pattern + "' || true"});
+    EXPECT_THAT(pgrep, IsOk());
+    std::vector<pid_t> pids;
+    if (!pgrep.ok()) return pids;
+    for (absl::string_view line : absl::StrSplit(pgrep->output, '\n', absl::SkipEmpty())) {
+      pids.push_back(std::stoi(std::string(line)));
+    }
+    return pids;
+  }
+
+  std::string RankTask(const std::string& node, const std::string& job_id, int attempt, int rank) {
+    return absl::StrCat(dir_.path(), "/", node, "/jobs/", job_id, "/attempt-", attempt, "/rank-",
+                        rank, ".task.pb");
+  }
+
+  std::vector<v1::StepMetrics> Curve(const std::string& job_id) {
+    v1::GetMetricsRequest metrics;
+    metrics.set_job_id(job_id);
+    v1::GetMetricsResponse curve;
+    EXPECT_TRUE(stub_->GetMetrics(Context().get(), metrics, &curve).ok());
+    return {curve.points().begin(), curve.points().end()};
+  }
+
+  std::vector<v1::JobEvent> Events(const std::string& job_id) {
+    v1::WatchJobRequest request;
+    request.set_job_id(job_id);
+    auto context = Context(30);
+    auto reader = stub_->WatchJob(context.get(), request);
+    std::vector<v1::JobEvent> events;
+    v1::JobEvent event;
+    // The stream ends after the event that ends the job.
+    while (reader->Read(&event)) events.push_back(event);
+    return events;
   }
 
   ScopedTempDir dir_{"cluster_e2e"};
@@ -284,6 +344,116 @@ TEST_F(ClusterTest, ATrainerFailureFailsTheJobWithItsReason) {
   EXPECT_EQ(job.failure().kind(), v1::FAILURE_KIND_DATA_ERROR);
   EXPECT_THAT(job.reason(), HasSubstr("missing/*.bin"));
   EXPECT_EQ(job.failure().node_id(), "e2e-node");
+}
+
+TEST_F(ClusterTest, KilledRankRestartsAndRetrainsTheLostStepsExactly) {
+  v1::JobSpec spec = Spec(40);
+  spec.set_max_restarts(2);
+  const std::string job_id = Submit(spec);
+  ASSERT_TRUE(WaitForStep(job_id, 15, 120)) << Get(job_id).reason();
+  std::vector<pid_t> rank1 = TrainerPids(RankTask("e2e-node", job_id, 0, 1));
+  ASSERT_EQ(rank1.size(), 1u);
+  ASSERT_EQ(kill(rank1[0], SIGKILL), 0);
+  v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason() << "\n" << worker_->stderr_text();
+  EXPECT_EQ(job.restarts(), 1);
+  ASSERT_EQ(job.attempts_size(), 2);
+  EXPECT_THAT(job.attempts(0).reason(), HasSubstr("rank 1 on e2e-node was killed by signal 9"));
+  EXPECT_EQ(job.attempts(0).failure().rank(), 1);
+  EXPECT_GE(job.attempts(1).start_step(), 10) << "resumed from a checkpoint";
+  EXPECT_TRUE(TrainerPids(dir_.path() + "/e2e-node/jobs/" + job_id + "/attempt-0").empty());
+
+  // The curve has every step once; the watch stream shows the restart between the attempts.
+  std::vector<v1::StepMetrics> curve = Curve(job_id);
+  ASSERT_EQ(curve.size(), 40u);
+  for (int i = 0; i < 40; ++i) EXPECT_EQ(curve[i].step(), i + 1);
+  std::vector<std::string> transitions;
+  for (const auto& event : Events(job_id)) {
+    if (event.has_state_change()) {
+      transitions.push_back(v1::JobState_Name(event.state_change().new_state()));
+    }
+  }
+  EXPECT_THAT(transitions, ::testing::ElementsAre("JOB_STATE_PENDING", "JOB_STATE_SCHEDULED",
+                                                  "JOB_STATE_RUNNING", "JOB_STATE_RESTARTING",
+                                                  "JOB_STATE_SCHEDULED", "JOB_STATE_RUNNING",
+                                                  "JOB_STATE_SUCCEEDED"));
+
+  // The same job without the failure: the retrained steps have the same losses.
+  spec.set_name("uninterrupted");
+  spec.mutable_checkpoint()->set_directory(dir_.path() + "/uninterrupted");
+  v1::Job reference = WaitFor(Submit(spec), v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(reference.state(), v1::JOB_STATE_SUCCEEDED) << reference.reason();
+  std::vector<v1::StepMetrics> expected = Curve(reference.job_id());
+  ASSERT_EQ(expected.size(), 40u);
+  for (int i = 0; i < 40; ++i) {
+    EXPECT_NEAR(curve[i].loss(), expected[i].loss(), 1e-4) << "step " << i + 1;
+  }
+}
+
+TEST_F(ClusterTest, WithoutRestartsTheKilledRankIsBlamedNotItsPeer) {
+  const std::string job_id = Submit(Spec(100000));
+  ASSERT_TRUE(WaitForStep(job_id, 3, 120)) << Get(job_id).reason();
+  std::vector<pid_t> rank1 = TrainerPids(RankTask("e2e-node", job_id, 0, 1));
+  ASSERT_EQ(rank1.size(), 1u);
+  ASSERT_EQ(kill(rank1[0], SIGKILL), 0);
+  v1::Job job = WaitFor(job_id, v1::JOB_STATE_FAILED, 60);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.failure().rank(), 1);
+  EXPECT_EQ(job.failure().signal(), 9);
+  EXPECT_EQ(job.failure().kind(), v1::FAILURE_KIND_PROCESS_EXIT);
+  EXPECT_THAT(job.reason(), HasSubstr("rank 1 on e2e-node was killed by signal 9"));
+  EXPECT_EQ(job.restarts(), 0);
+}
+
+TEST_F(ClusterTest, StoppedRankIsFoundHungAndTheJobRestarts) {
+  v1::JobSpec spec = Spec(40);
+  spec.set_max_restarts(1);
+  spec.set_hang_timeout_seconds(3);
+  const std::string job_id = Submit(spec);
+  ASSERT_TRUE(WaitForStep(job_id, 12, 120)) << Get(job_id).reason();
+  std::vector<pid_t> rank1 = TrainerPids(RankTask("e2e-node", job_id, 0, 1));
+  ASSERT_EQ(rank1.size(), 1u);
+  const absl::Time stopped = absl::Now();
+  ASSERT_EQ(kill(rank1[0], SIGSTOP), 0);
+  v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason() << "\n" << worker_->stderr_text();
+  ASSERT_EQ(job.attempts_size(), 2);
+  const v1::TrainerFailure& hang = job.attempts(0).failure();
+  EXPECT_EQ(hang.kind(), v1::FAILURE_KIND_COLLECTIVE_TIMEOUT);
+  EXPECT_EQ(hang.rank(), 1);
+  EXPECT_THAT(hang.message(), HasSubstr("stopped"));
+  const absl::Time detected =
+      absl::FromUnixNanos(google::protobuf::util::TimeUtil::TimestampToNanoseconds(hang.time()));
+  EXPECT_LE(detected - stopped, absl::Seconds(3 + 2)) << "hang_timeout + 2 s";
+  EXPECT_TRUE(TrainerPids(dir_.path() + "/e2e-node/jobs/" + job_id + "/attempt-0").empty());
+}
+
+TEST_F(TwoWorkerClusterTest, KilledWorkerLeavesNoTrainerAndTheJobGoesOnWithOneNode) {
+  v1::JobSpec spec = Spec(60);
+  spec.set_max_restarts(1);
+  const std::string job_id = Submit(spec);
+  ASSERT_TRUE(WaitForStep(job_id, 12, 120)) << Get(job_id).reason();
+  const std::string node2_tasks = dir_.path() + "/e2e-node-2/";
+  ASSERT_EQ(TrainerPids(node2_tasks).size(), 1u);
+  ASSERT_THAT(worker2_->Stop(SIGKILL), IsOk());
+  worker2_.reset();
+  const absl::Time killed = absl::Now();
+  while (!TrainerPids(node2_tasks).empty() && absl::Now() - killed < absl::Seconds(5)) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(TrainerPids(node2_tasks).empty()) << "a trainer outlived its worker";
+  EXPECT_LE(absl::Now() - killed, absl::Seconds(2));
+
+  v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason() << "\n" << worker_->stderr_text();
+  ASSERT_EQ(job.attempts_size(), 2);
+  EXPECT_THAT(job.attempts(0).reason(), HasSubstr("node e2e-node-2 was lost"));
+  EXPECT_EQ(job.attempts(1).world_size(), 1);
+  EXPECT_EQ(job.attempts(1).node_ids(0), "e2e-node");
+  EXPECT_EQ(job.plan().layout().data_parallel(), 1);
+  std::vector<v1::StepMetrics> curve = Curve(job_id);
+  ASSERT_EQ(curve.size(), 60u);
+  for (int i = 0; i < 60; ++i) EXPECT_EQ(curve[i].step(), i + 1);
 }
 
 TEST_F(ClusterTest, TheCliSubmitsWatchesAndReads) {

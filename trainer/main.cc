@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -13,16 +14,19 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/command_line.h"
+#include "common/trainer_env.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
 #include "planner/model_config.h"
 #include "trainer/distributed.h"
+#include "trainer/heartbeat.h"
 #include "trainer/model.h"
 #include "trainer/prepare.h"
 #include "trainer/reporter.h"
 #include "trainer/safetensors.h"
 #include "trainer/self_check.h"
 #include "trainer/train.h"
+#include "trainer/worker_lifeline.h"
 
 ABSL_FLAG(std::string, task, "",
           "TrainerTask file written by the worker: binary protobuf, or JSON (.json) or text "
@@ -268,6 +272,13 @@ int ExportInitialWeights(const tessera::v1::TrainerTask& task, const std::string
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before anything else: a trainer whose worker is already gone must not start training.
+  if (const char* worker_pid = std::getenv(tessera::kWorkerPidEnv); worker_pid != nullptr) {
+    if (absl::Status status = tessera::trainer::DieWithWorker(worker_pid); !status.ok()) {
+      std::cerr << "tessera-trainer: " << status << "\n";
+      if (absl::IsFailedPrecondition(status)) return 1;
+    }
+  }
   std::vector<char*> args = tessera::ParseCommandLine(argc, argv, kUsage);
   if (args.size() == 2 && std::string(args[1]) == "prepare") return Prepare();
   if (args.size() > 1) {
@@ -304,7 +315,8 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<tessera::trainer::Reporter> reporter;
   if (!task.report_socket().empty()) {
-    auto socket = tessera::trainer::SocketReporter::Connect(task.report_socket());
+    auto socket = tessera::trainer::SocketReporter::Connect(
+        task.report_socket(), {.on_worker_gone = tessera::trainer::ExitBecauseWorkerGone});
     if (!socket.ok()) {
       std::cerr << "tessera-trainer: " << socket.status() << "\n";
       return 2;
@@ -313,7 +325,20 @@ int main(int argc, char** argv) {
   } else {
     reporter = std::make_unique<tessera::trainer::JsonLinesReporter>(std::cout);
   }
-  auto result = tessera::trainer::RunTraining(task, *reporter, {.log = &std::cerr});
+  // Heartbeats go to a worker only (standalone output stays one line per event), from a thread
+  // started before the model and data are set up, so that slow setup is not taken for a hang.
+  tessera::trainer::RankProgress progress;
+  std::optional<tessera::trainer::HeartbeatSender> heartbeat;
+  if (!task.report_socket().empty()) {
+    heartbeat.emplace(
+        *reporter, progress,
+        tessera::trainer::HeartbeatOptions{.job_id = task.job_id(),
+                                           .attempt = task.attempt(),
+                                           .rank = task.assignment().rank(),
+                                           .interval = tessera::trainer::HeartbeatInterval(task)});
+  }
+  auto result =
+      tessera::trainer::RunTraining(task, *reporter, {.log = &std::cerr, .progress = &progress});
   if (!result.ok()) {
     std::cerr << "tessera-trainer: " << result.status() << "\n";
     return 1;

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "trainer/peer_wait.h"
 
 namespace tessera::trainer {
 namespace {
@@ -49,7 +50,7 @@ at::Tensor PipelineSchedule::Exchange(const at::Tensor& send, int send_to, int s
     works.push_back(group_->recv(incoming, receive_from, receive_tag));
   }
   try {
-    for (auto& work : works) work->wait();
+    for (auto& work : works) WaitForPeers(work);
   } catch (const std::exception& e) {
     std::string peers;
     for (int peer : {send.defined() ? send_to : -1, receive ? receive_from : -1}) {

@@ -4,10 +4,13 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <sstream>
 #include <string>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/io/coded_stream.h"
@@ -79,6 +82,63 @@ TEST(ReporterTest, SocketCarriesLengthDelimitedReports) {
   close(connection);
   close(listener);
   unlink(path.c_str());
+}
+
+// A listening Unix socket at a fresh path, removed by the destructor.
+class Listener {
+ public:
+  Listener() {
+    path_ = ::testing::TempDir() + "tessera-reporter-watch-" + std::to_string(getpid());
+    unlink(path_.c_str());
+    fd_ = socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, path_.c_str(), sizeof(addr.sun_path) - 1);
+    ok_ = fd_ >= 0 && bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+          listen(fd_, 1) == 0;
+  }
+  ~Listener() {
+    if (fd_ >= 0) close(fd_);
+    unlink(path_.c_str());
+  }
+  bool ok() const { return ok_; }
+  const std::string& path() const { return path_; }
+  int Accept() { return accept(fd_, nullptr, nullptr); }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  bool ok_ = false;
+};
+
+TEST(ReporterTest, WorkerClosingTheSocketRunsOnWorkerGone) {
+  Listener listener;
+  ASSERT_TRUE(listener.ok());
+  absl::Notification gone;
+  auto reporter =
+      SocketReporter::Connect(listener.path(), {.on_worker_gone = [&] { gone.Notify(); }});
+  ASSERT_THAT(reporter, IsOk());
+  const int connection = listener.Accept();
+  ASSERT_GE(connection, 0);
+  ASSERT_THAT((*reporter)->Send(MetricsReport(1, 1.0)), IsOk());
+  EXPECT_FALSE(gone.WaitForNotificationWithTimeout(absl::Milliseconds(200)))
+      << "fired while the worker was still connected";
+  close(connection);  // the worker goes away
+  EXPECT_TRUE(gone.WaitForNotificationWithTimeout(absl::Seconds(10)));
+}
+
+TEST(ReporterTest, DestroyingTheReporterDoesNotRunOnWorkerGone) {
+  Listener listener;
+  ASSERT_TRUE(listener.ok());
+  std::atomic<bool> fired{false};
+  auto reporter =
+      SocketReporter::Connect(listener.path(), {.on_worker_gone = [&] { fired = true; }});
+  ASSERT_THAT(reporter, IsOk());
+  const int connection = listener.Accept();
+  ASSERT_GE(connection, 0);
+  reporter->reset();  // joins the watch thread
+  close(connection);
+  EXPECT_FALSE(fired.load());
 }
 
 TEST(ReporterTest, ConnectingToNothingNamesThePath) {

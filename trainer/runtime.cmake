@@ -5,7 +5,7 @@
 # torch wheel does not ship them (docs/build.md).
 find_path(TESSERA_GLOO_INCLUDE_DIR gloo/algorithm.h REQUIRED)
 
-set(TESSERA_RUNTIME_PLAIN_SOURCES reporter.cc)
+set(TESSERA_RUNTIME_PLAIN_SOURCES heartbeat.cc reporter.cc worker_lifeline.cc)
 target_sources(tessera_trainer PRIVATE adamw.cc checkpointing.cc distributed.cc mesh.cc sharded_engine.cc
   pipeline.cc train.cc training_state.cc ${TESSERA_RUNTIME_PLAIN_SOURCES})
 set_source_files_properties(${TESSERA_RUNTIME_PLAIN_SOURCES} PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
@@ -13,7 +13,7 @@ target_include_directories(tessera_trainer SYSTEM PRIVATE "${TESSERA_GLOO_INCLUD
 
 if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME runtime_test
-    SOURCES reporter_test.cc
+    SOURCES heartbeat_test.cc reporter_test.cc worker_lifeline_test.cc
     LIBS tessera::trainer)
   tessera_add_test(NAME adamw_test SOURCES adamw_test.cc LIBS tessera::trainer)
   target_precompile_headers(adamw_test REUSE_FROM tessera_trainer)

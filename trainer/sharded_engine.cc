@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "trainer/peer_wait.h"
 
 namespace tessera::trainer {
 namespace {
@@ -263,7 +264,7 @@ void ShardedEngine::EnsureGathered(int u) {
   Unit& unit = units_[u];
   StartGather(u);
   if (unit.gather == GatherState::kGathering) {
-    unit.gather_work->wait();
+    WaitForPeers(unit.gather_work);
     unit.gather_work.reset();
     unit.gather = GatherState::kGathered;
   }
@@ -272,7 +273,7 @@ void ShardedEngine::EnsureGathered(int u) {
 void ShardedEngine::Free(int u) {
   Unit& unit = units_[u];
   if (unit.gather == GatherState::kFreed || unit.entries.empty()) return;
-  if (unit.gather == GatherState::kGathering) unit.gather_work->wait();
+  if (unit.gather == GatherState::kGathering) WaitForPeers(unit.gather_work);
   unit.gather_work.reset();
   // Release the storage the parameters view, keeping the tensors (and whatever autograd saved
   // of them); the next gather puts fresh memory under the same storage.
@@ -358,7 +359,7 @@ void ShardedEngine::ReduceUnit(int u) {
 void ShardedEngine::FinishOldest() {
   Pending pending = std::move(pending_.front());
   pending_.pop_front();
-  pending.work->wait();
+  WaitForPeers(pending.work);
   torch::NoGradGuard no_grad;
   Unit& unit = units_[pending.unit];
   if (options_.sharded_collectives_as_all_reduce && stage() >= 2) {
@@ -477,10 +478,10 @@ double ShardedEngine::Step(double lr, double clip_norm) {
   }
   if (options_.world_group) {
     std::vector<at::Tensor> tensors{squares};
-    options_.world_group->allreduce(tensors)->wait();
+    WaitForPeers(options_.world_group->allreduce(tensors));
   } else if (options_.dp_size > 1) {
     std::vector<at::Tensor> tensors{squares};
-    options_.dp_group->allreduce(tensors)->wait();
+    WaitForPeers(options_.dp_group->allreduce(tensors));
   }
   const double norm = std::sqrt(squares.item<double>());
   if (std::isfinite(clip_norm) && !grads.empty()) {
@@ -503,7 +504,7 @@ double ShardedEngine::Step(double lr, double clip_norm) {
       inputs.back().copy_(unit.owned);
       works.push_back(GatherInto(unit, inputs.back()));
     }
-    for (auto& work : works) work->wait();
+    for (auto& work : works) WaitForPeers(work);
     for (at::Tensor& input : inputs) GiveBuffer(std::move(input));
   }
   ZeroGradients();

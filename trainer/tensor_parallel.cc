@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/match.h"
+#include "trainer/peer_wait.h"
 
 namespace tessera::trainer {
 namespace {
@@ -25,7 +26,7 @@ void AllReduceIn(c10d::ProcessGroup* group, at::Tensor& tensor,
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp(op);
   std::vector<at::Tensor> tensors{tensor};
-  group->allreduce(tensors, options)->wait();
+  WaitForPeers(group->allreduce(tensors, options));
 }
 
 // [batch, s, d] on each rank -> [batch, size * s, d], rank order along the sequence.
@@ -37,13 +38,13 @@ at::Tensor AllGatherSequence(c10d::ProcessGroup* group, const at::Tensor& x) {
     std::vector<int64_t> shape = local.sizes().vec();
     shape[0] *= size;
     gathered = at::empty(shape, local.options());
-    group->_allgather_base(gathered, local)->wait();
+    WaitForPeers(group->_allgather_base(gathered, local));
   } else {
     // Gloo: the list form (its flat all-gather is not implemented for every dtype).
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < size; ++r) outputs[0].push_back(at::empty_like(local));
     std::vector<at::Tensor> inputs{local};
-    group->allgather(outputs, inputs)->wait();
+    WaitForPeers(group->allgather(outputs, inputs));
     gathered = at::cat(outputs[0], 0);
   }
   return gathered.transpose(0, 1).contiguous();
@@ -61,7 +62,7 @@ at::Tensor ReduceScatterSequence(c10d::ProcessGroup* group, const at::Tensor& x)
     std::vector<int64_t> shape = full.sizes().vec();
     shape[0] = part;
     mine = at::empty(shape, full.options());
-    group->_reduce_scatter_base(mine, full)->wait();
+    WaitForPeers(group->_reduce_scatter_base(mine, full));
   } else {
     // Gloo: an all-reduce keeping this rank's block.
     AllReduceIn(group, full);

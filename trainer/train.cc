@@ -2,6 +2,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -25,6 +26,7 @@
 #include "trainer/distributed.h"
 #include "trainer/mesh.h"
 #include "trainer/model.h"
+#include "trainer/peer_wait.h"
 #include "trainer/pipeline.h"
 #include "trainer/sharded_engine.h"
 #include "trainer/torch_pch.h"
@@ -41,11 +43,12 @@ v1::FailureKind ClassifyTorchError(const std::string& what) {
   if (absl::StrContains(what, "out of memory") || absl::StrContains(what, "OutOfMemory")) {
     return v1::FAILURE_KIND_OUT_OF_MEMORY;
   }
-  // A collective whose peer went away (Gloo's TCP pairs; the pipeline's send/receive).
-  if (absl::StrContains(what, "pipeline peer lost") ||
-      absl::StrContains(what, "Connection closed by peer") ||
-      absl::StrContains(what, "Connection reset by peer")) {
-    return v1::FAILURE_KIND_COLLECTIVE_TIMEOUT;
+  // A collective whose peer went away (Gloo's TCP pairs; the pipeline's send/receive): the
+  // consequence of another rank's failure, which that rank (or its worker) reports as the cause.
+  // Gloo says which way it noticed: a read of 0 bytes, ECONNRESET, or EPIPE while it was writing.
+  for (const char* lost : {"pipeline peer lost", "Connection closed by peer",
+                           "Connection reset by peer", "Broken pipe", "Socket closed"}) {
+    if (absl::StrContains(what, lost)) return v1::FAILURE_KIND_PEER_FAILED;
   }
   if (absl::StrContains(what, "Timed out") || absl::StrContains(what, "timed out") ||
       absl::StrContains(what, "Timeout") || absl::StrContains(what, "timeout")) {
@@ -93,7 +96,8 @@ class Trainer {
       status = absl::InternalError(e.what());
     }
     if (!status.ok()) {
-      if (kind == v1::FAILURE_KIND_COLLECTIVE_TIMEOUT && group_.has_value()) {
+      if ((kind == v1::FAILURE_KIND_COLLECTIVE_TIMEOUT || kind == v1::FAILURE_KIND_PEER_FAILED) &&
+          group_.has_value()) {
         status = absl::Status(status.code(), absl::StrCat(status.message(), LostRanks()));
       }
       ReportFailure(kind, status);
@@ -136,6 +140,8 @@ class Trainer {
     failure->set_rank(rank());
     failure->set_step(step_);
     failure->set_message(std::string(status.message()));
+    // The worker blames the first failure of a task by this time.
+    *failure->mutable_time() = report.time();
     Send(report);
     Log(absl::StrCat("failed: ", status.ToString()));
   }
@@ -367,6 +373,7 @@ class Trainer {
     if (auto status = Resume(&start); !status.ok()) {
       return Fail(v1::FAILURE_KIND_CHECKPOINT_ERROR, status);
     }
+    if (options_.progress != nullptr) options_.progress->SetStep(step_);
     auto loader = BatchLoader::Create(&*dataset_,
                                       {.global_batch_size = spec_.batch().global_batch_size(),
                                        .micro_batch_size = spec_.batch().micro_batch_size(),
@@ -473,7 +480,7 @@ class Trainer {
     if (group_.has_value()) {
       // The last pipeline stage's ranks hold the loss (every tp rank the same value).
       std::vector<at::Tensor> tensors{step_loss};
-      group_->group->allreduce(tensors)->wait();
+      WaitForPeers(group_->group->allreduce(tensors));
       step_loss = tensors[0] / (world() / shape_.pp);
     }
     double loss_value = step_loss.item<double>();
@@ -568,6 +575,7 @@ class Trainer {
     const double peak_flops = PeakFlopsForDevice(device_name_);
     while (step_ < max_steps) {
       auto start = std::chrono::steady_clock::now();
+      const double waited_before = PeerWaitSeconds();
       double lr = planner::LearningRateAt(spec_.optimizer().schedule(), max_steps, step_ + 1);
       double grad_norm = 0;
       auto loss = TrainStep(lr, &grad_norm);
@@ -579,6 +587,10 @@ class Trainer {
       tokens_seen_ += tokens_per_step;
       double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (options_.progress != nullptr) {
+        const double busy = std::max(0.0, seconds - (PeerWaitSeconds() - waited_before));
+        options_.progress->StepFinished(step_, seconds, busy);
+      }
       result_.final_loss = *loss;
       if (rank() == 0) {
         v1::TrainerReport report = NewReport();

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "tessera/v1/trainer.pb.h"
+#include "trainer/heartbeat.h"
 #include "trainer/reporter.h"
 
 namespace tessera::trainer {
@@ -21,6 +22,8 @@ struct TrainOptions {
   absl::Duration collective_timeout = absl::Minutes(10);
   // Human-readable progress and warnings (skipped checkpoints, ...).
   std::ostream* log = nullptr;
+  // Where each step's wall and busy time go, for the rank's heartbeats; may be null.
+  RankProgress* progress = nullptr;
 };
 
 struct TrainResult {
@@ -31,8 +34,9 @@ struct TrainResult {
 };
 
 // Runs the task to max_steps. Every failure is also sent to `reporter` as a
-// typed TrainerFailure (NaN loss, out of memory, collective timeout, data or
-// checkpoint error, ...) before it is returned. `task.assignment` must be
+// typed TrainerFailure (NaN loss, out of memory, collective timeout, a peer
+// that went away, data or checkpoint error, ...), stamped with the time it
+// was reported, before it is returned. `task.assignment` must be
 // resolved (ResolveRankAssignment).
 absl::StatusOr<TrainResult> RunTraining(const v1::TrainerTask& task, Reporter& reporter,
                                         const TrainOptions& options);

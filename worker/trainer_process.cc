@@ -230,6 +230,12 @@ ExitStatus TrainerProcess::Stop(absl::Duration grace) {
   }
 }
 
+ExitStatus TrainerProcess::Kill() {
+  absl::MutexLock lock(&mu_);
+  if (exit_status_.has_value()) return *exit_status_;
+  return KillGroupAndReapLocked();
+}
+
 std::string TrainerProcess::LogTail(int lines) const {
   absl::StatusOr<LogReader> reader = LogReader::Open(log_path_, lines);
   if (!reader.ok()) return "";

@@ -80,6 +80,10 @@ class TrainerProcess {
   // same status without signalling anything.
   ExitStatus Stop(absl::Duration grace);
 
+  // SIGKILL to the group at once, then reaps; for a hung rank, which a SIGTERM may never reach (a
+  // stopped process only queues it). Idempotent like Stop.
+  ExitStatus Kill();
+
   // The last `lines` lines of the log (at most kMaxLogTailBytes), for failure messages; "" when
   // the log cannot be read.
   std::string LogTail(int lines) const;

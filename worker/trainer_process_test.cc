@@ -212,6 +212,20 @@ TEST_F(TrainerProcessTest, StopEscalatesToSigkillAfterGrace) {
   ExpectGroupGone(process->pid());
 }
 
+TEST_F(TrainerProcessTest, KillEndsAStoppedProcessWithoutWaiting) {
+  // A hung rank: SIGSTOPped, so a SIGTERM would only be queued.
+  LaunchSpec spec = Spec({"--spawn_child", "--sleep=60"});
+  std::unique_ptr<TrainerProcess> process = LaunchOrDie(spec);
+  ASSERT_NE(process, nullptr);
+  ASSERT_TRUE(WaitForLog(spec.log_path, "READY\n"));
+  ASSERT_EQ(kill(-process->pid(), SIGSTOP), 0);
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(process->Kill().signal, SIGKILL);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(process->Stop(absl::Seconds(1)).signal, SIGKILL) << "idempotent";
+  ExpectGroupGone(process->pid());
+}
+
 TEST_F(TrainerProcessTest, StopKillsGrandchildIgnoringSigterm) {
   LaunchSpec spec = Spec({"--spawn_child", "--ignore_sigterm", "--sleep=60"});
   std::unique_ptr<TrainerProcess> process = LaunchOrDie(spec);

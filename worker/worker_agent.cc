@@ -18,6 +18,9 @@
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl.h"
 #include "grpcpp/client_context.h"
+#include "worker/failure_policy.h"
+#include "worker/orphans.h"
+#include "worker/proc_stat.h"
 
 namespace tessera::worker {
 namespace {
@@ -45,6 +48,7 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend>
   if (gpus_) devices_ = gpus_->Devices();
   coordinator_ = v1::NodeService::NewStub(MakeClientChannel(options_.coordinator_address));
   socket_path_ = absl::StrCat(options_.work_dir, "/reports.sock");
+  pid_dir_ = absl::StrCat(options_.work_dir, "/trainers");
 }
 
 WorkerAgent::~WorkerAgent() { Stop(); }
@@ -66,6 +70,27 @@ absl::Status WorkerAgent::Start(const std::string& advertise_address) {
   if (error) {
     return absl::FailedPreconditionError(
         absl::StrCat("--work_dir ", options_.work_dir, ": ", error.message()));
+  }
+  // Before registering: the coordinator must not count on ranks a crashed predecessor left
+  // running, and they must not hold this node's GPUs.
+  absl::StatusOr<OrphanSweep> sweep = KillOrphanedTrainers(pid_dir_);
+  if (!sweep.ok()) {
+    std::cerr << "tessera-worker: cannot check for trainers left by a previous worker: "
+              << sweep.status() << std::endl;
+  } else {
+    for (const TrainerRecord& record : sweep->killed) {
+      std::cerr << "tessera-worker: killed trainer pid " << record.pid << " (task "
+                << record.task_id << ", rank " << record.rank
+                << ") left running by a previous worker" << std::endl;
+    }
+    for (const TrainerRecord& record : sweep->survived) {
+      std::cerr << "tessera-worker: trainer pid " << record.pid << " (task " << record.task_id
+                << ", rank " << record.rank << ") is still alive " << kOrphanKillTimeout
+                << " after SIGKILL" << std::endl;
+    }
+    for (const std::string& problem : sweep->unreadable) {
+      std::cerr << "tessera-worker: ignored " << problem << std::endl;
+    }
   }
   sockaddr_un addr{};
   if (socket_path_.size() >= sizeof(addr.sun_path)) {
@@ -92,6 +117,17 @@ absl::Status WorkerAgent::Start(const std::string& advertise_address) {
 void WorkerAgent::Stop() {
   if (stop_.HasBeenNotified()) return;
   stop_.Notify();
+  // The trainers first, while their report sockets are open and the thread that spawned them
+  // lives: either closing would SIGKILL them at once, with no SIGTERM grace.
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, task] : tasks_) {
+      for (auto& rank : task.ranks) {
+        if (rank.process && !rank.exit)
+          RecordExitLocked(rank, rank.process->Stop(options_.stop_grace));
+      }
+    }
+  }
   if (listen_fd_ >= 0) shutdown(listen_fd_, SHUT_RDWR);
   {
     absl::MutexLock lock(&mu_);
@@ -99,12 +135,6 @@ void WorkerAgent::Stop() {
   }
   for (auto& thread : threads_) {
     if (thread.joinable()) thread.join();
-  }
-  absl::MutexLock lock(&mu_);
-  for (auto& [id, task] : tasks_) {
-    for (auto& rank : task.ranks) {
-      if (rank.process && !rank.exit) rank.exit = rank.process->Stop(options_.stop_grace);
-    }
   }
   if (listen_fd_ >= 0) close(listen_fd_);
   listen_fd_ = -1;
@@ -193,6 +223,9 @@ void WorkerAgent::HeartbeatLoop() {
         status->set_attempt(task.attempt);
         status->set_state(task.state);
         if (task.state == v1::TASK_STATE_FAILED) *status->mutable_failure() = task.failure;
+        for (const auto& rank : task.ranks) {
+          if (rank.step_time) *status->add_ranks() = *rank.step_time;
+        }
         if (IsTerminal(task.state)) terminal_sent.push_back(id);
       }
     }
@@ -219,14 +252,15 @@ void WorkerAgent::HeartbeatLoop() {
     }
     for (const auto& assignment : response.start()) LaunchLocked(assignment);
     for (const auto& id : response.stop()) {
-      if (auto it = tasks_.find(id); it != tasks_.end() && !IsTerminal(it->second.state)) {
-        it->second.state = v1::TASK_STATE_STOPPED;  // the supervise loop stops the processes
-      }
+      // The supervise loop decides STOPPED or FAILED, and stops the processes.
+      if (auto it = tasks_.find(id); it != tasks_.end()) it->second.stop_requested = true;
     }
   }
 }
 
 void WorkerAgent::LaunchLocked(const v1::TaskAssignment& assignment) {
+  // After Stop() has stopped the trainers, nothing new starts.
+  if (stop_.HasBeenNotified()) return;
   if (tasks_.contains(assignment.task_id()) || assignment.trainers().empty()) return;
   Task& task = tasks_[assignment.task_id()];
   task.task_id = assignment.task_id();
@@ -241,6 +275,8 @@ void WorkerAgent::LaunchLocked(const v1::TaskAssignment& assignment) {
     rank.task = trainer;
     const v1::RankAssignment& ra = trainer.assignment();
     rank.task.set_report_socket(socket_path_);
+    rank.task.set_heartbeat_interval_seconds(
+        absl::ToDoubleSeconds(options_.trainer_heartbeat_interval));
     std::map<std::string, std::string> env = {
         {kRankEnv, std::to_string(ra.rank())},
         {kWorldSizeEnv, std::to_string(ra.world_size())},
@@ -248,7 +284,8 @@ void WorkerAgent::LaunchLocked(const v1::TaskAssignment& assignment) {
         {kLocalWorldSizeEnv, std::to_string(ra.local_world_size())},
         {kMasterAddrEnv, ra.master_addr()},
         {kMasterPortEnv, std::to_string(ra.master_port())},
-        {kCudaVisibleDevicesEnv, ra.gpu_index() >= 0 ? std::to_string(ra.gpu_index()) : ""}};
+        {kCudaVisibleDevicesEnv, ra.gpu_index() >= 0 ? std::to_string(ra.gpu_index()) : ""},
+        {kWorkerPidEnv, std::to_string(getpid())}};
     // The process sees only its GPU, as device 0.
     if (ra.gpu_index() >= 0) rank.task.mutable_assignment()->set_gpu_index(0);
     std::string task_file = absl::StrCat(dir, "/rank-", ra.rank(), ".task.pb");
@@ -262,6 +299,15 @@ void WorkerAgent::LaunchLocked(const v1::TaskAssignment& assignment) {
                                              .working_dir = dir});
       if (process.ok()) {
         rank.process = std::move(*process);
+        rank.launched = absl::Now();
+        // Without its record a successor worker could not find the trainer if this worker
+        // died; the trainer's parent-death signal and socket watch still end it.
+        if (absl::Status recorded =
+                RecordTrainer(pid_dir_, rank.process->pid(), task.task_id, ra.rank());
+            !recorded.ok()) {
+          std::cerr << "tessera-worker: no pid file for rank " << ra.rank() << " of task "
+                    << task.task_id << ": " << recorded << std::endl;
+        }
       } else {
         status = process.status();
       }
@@ -273,70 +319,134 @@ void WorkerAgent::LaunchLocked(const v1::TaskAssignment& assignment) {
       task.failure.set_node_id(options_.node_id);
       task.failure.set_message(
           absl::StrCat("cannot start rank ", ra.rank(), ": ", status.message()));
+      *task.failure.mutable_time() = ToTimestamp(absl::Now());
     }
     task.ranks.push_back(std::move(rank));
   }
   if (task.state == v1::TASK_STATE_STARTING) task.state = v1::TASK_STATE_RUNNING;
 }
 
+void WorkerAgent::PollRankLocked(Rank& rank) {
+  if (!rank.process || rank.exit) return;
+  if (std::optional<ExitStatus> exit = rank.process->Poll()) RecordExitLocked(rank, *exit);
+}
+
+void WorkerAgent::RecordExitLocked(Rank& rank, ExitStatus exit) {
+  if (rank.exit) return;
+  rank.exit = exit;
+  rank.exit_seen = absl::Now();
+  if (absl::Status status = RemovePidFile(pid_dir_, rank.process->pid()); !status.ok()) {
+    // A stale file is harmless: its start time no longer matches any process.
+    std::cerr << "tessera-worker: " << status << std::endl;
+  }
+}
+
+v1::TrainerFailure WorkerAgent::ExitFailureLocked(const Rank& rank) {
+  v1::TrainerFailure failure;
+  if (rank.reported_failure) {
+    failure = *rank.reported_failure;
+  } else {
+    failure.set_kind(v1::FAILURE_KIND_PROCESS_EXIT);
+    failure.set_message(rank.exit->signal != 0
+                            ? absl::StrCat("killed by signal ", rank.exit->signal)
+                            : absl::StrCat("exited with code ", rank.exit->exit_code));
+  }
+  if (!failure.has_time()) *failure.mutable_time() = ToTimestamp(rank.exit_seen);
+  failure.set_rank(rank.task.assignment().rank());
+  failure.set_node_id(options_.node_id);
+  failure.set_exit_code(std::max(0, rank.exit->exit_code));
+  failure.set_signal(rank.exit->signal);
+  return failure;
+}
+
+void WorkerAgent::JudgeTaskLocked(Task& task, absl::Time now) {
+  std::vector<v1::TrainerFailure> failures;
+  bool rank_running = false;
+  for (const Rank& rank : task.ranks) {
+    if (!rank.exit) {
+      rank_running |= rank.process != nullptr;
+    } else if (rank.exit->exit_code != 0) {
+      // The process is gone but its socket may still hold its typed failure (the reader thread
+      // has not reached the end of the stream): that report, not the bare exit code, tells a
+      // lost peer from a cause.
+      if (!rank.reported_failure && rank.reporting && !rank.reports_ended &&
+          now - rank.exit_seen < kExitReportGrace) {
+        return;
+      }
+      failures.push_back(ExitFailureLocked(rank));
+    }
+  }
+  if (!failures.empty()) {
+    if (!task.first_failure_seen) task.first_failure_seen = now;
+    // A rank that lost its peer fails first; hold on briefly for the rank that caused it. A
+    // stop order does not wait: the coordinator already acts on a failure.
+    if (task.stop_requested || !AwaitCause(failures, rank_running, *task.first_failure_seen, now,
+                                           options_.peer_failure_grace)) {
+      task.state = v1::TASK_STATE_FAILED;
+      task.failure = *BlameFailure(failures);
+      for (const Rank& rank : task.ranks) {
+        if (rank.task.assignment().rank() != task.failure.rank()) continue;
+        task.failure.set_message(absl::StrCat(task.failure.message(), "; last lines of ",
+                                              rank.log_path, ":\n",
+                                              rank.process->LogTail(kFailureLogLines)));
+      }
+      return;
+    }
+  } else if (task.stop_requested) {
+    task.state = v1::TASK_STATE_STOPPED;
+    return;
+  } else if (!rank_running) {
+    task.state = v1::TASK_STATE_SUCCEEDED;
+    return;
+  }
+  // The hang watchdog: a running rank silent for its job's hang timeout is frozen (stopped,
+  // wedged in a driver), and its siblings wait on it in a collective forever.
+  for (Rank& rank : task.ranks) {
+    if (!rank.process || rank.exit) continue;
+    const absl::Duration silence = Silence(rank.launched, rank.last_heartbeat, now);
+    if (silence < HangTimeout(rank.task.spec())) continue;
+    absl::StatusOr<ProcStat> stat = ReadProcStat(rank.process->pid());
+    rank.hung = true;
+    task.state = v1::TASK_STATE_FAILED;
+    task.failure = HungRankFailure(rank.task.assignment().rank(), options_.node_id,
+                                   rank.step_time ? rank.step_time->step() : 0, silence,
+                                   stat.ok() ? stat->state : '?', now);
+    task.failure.set_message(absl::StrCat(task.failure.message(), "; last lines of ", rank.log_path,
+                                          ":\n", rank.process->LogTail(kFailureLogLines)));
+    return;
+  }
+}
+
 void WorkerAgent::SuperviseLoop() {
   while (!stop_.WaitForNotificationWithTimeout(options_.poll_interval)) {
+    std::vector<TrainerProcess*> to_kill;
     std::vector<TrainerProcess*> to_stop;
     {
       absl::MutexLock lock(&mu_);
+      const absl::Time now = absl::Now();
       for (auto& [id, task] : tasks_) {
-        for (auto& rank : task.ranks) {
-          if (rank.process && !rank.exit) rank.exit = rank.process->Poll();
-        }
-        if (task.state == v1::TASK_STATE_RUNNING) {
-          bool all_done = true;
-          for (auto& rank : task.ranks) {
-            if (!rank.exit) {
-              all_done = false;
-              continue;
-            }
-            if (rank.exit->exit_code == 0) continue;
-            // A rank failed: report it (the trainer's own typed failure when
-            // it sent one) and stop its siblings rather than leave them
-            // hanging in a collective.
-            task.state = v1::TASK_STATE_FAILED;
-            if (rank.reported_failure) {
-              task.failure = *rank.reported_failure;
-            } else {
-              task.failure.set_kind(v1::FAILURE_KIND_PROCESS_EXIT);
-              task.failure.set_message(
-                  rank.exit->signal != 0 ? absl::StrCat("killed by signal ", rank.exit->signal)
-                                         : absl::StrCat("exited with code ", rank.exit->exit_code));
-            }
-            task.failure.set_rank(rank.task.assignment().rank());
-            task.failure.set_node_id(options_.node_id);
-            task.failure.set_exit_code(std::max(0, rank.exit->exit_code));
-            task.failure.set_signal(rank.exit->signal);
-            task.failure.set_message(absl::StrCat(task.failure.message(), "; last lines of ",
-                                                  rank.log_path, ":\n",
-                                                  rank.process->LogTail(kFailureLogLines)));
-            break;
-          }
-          if (task.state == v1::TASK_STATE_RUNNING && all_done) {
-            task.state = v1::TASK_STATE_SUCCEEDED;
-          }
-        }
+        for (auto& rank : task.ranks) PollRankLocked(rank);
+        if (task.state == v1::TASK_STATE_RUNNING) JudgeTaskLocked(task, now);
         if (IsTerminal(task.state)) {
+          // A failed rank's siblings would hang in their next collective: stop them too. A hung
+          // rank gets SIGKILL, which (unlike SIGTERM) reaches a stopped process.
           for (auto& rank : task.ranks) {
-            if (rank.process && !rank.exit) to_stop.push_back(rank.process.get());
+            if (!rank.process || rank.exit) continue;
+            (rank.hung ? to_kill : to_stop).push_back(rank.process.get());
           }
         }
       }
     }
     // Stopping waits for up to the grace period: outside the lock. Only this
     // thread erases tasks, so the processes stay alive meanwhile.
+    for (TrainerProcess* process : to_kill) process->Kill();
     for (TrainerProcess* process : to_stop) process->Stop(options_.stop_grace);
     absl::MutexLock lock(&mu_);
     for (auto it = tasks_.begin(); it != tasks_.end();) {
       Task& task = it->second;
       bool processes_gone = true;
       for (auto& rank : task.ranks) {
-        if (rank.process && !rank.exit) rank.exit = rank.process->Poll();
+        PollRankLocked(rank);
         processes_gone &= !rank.process || rank.exit.has_value();
       }
       if (IsTerminal(task.state) && task.status_sent_after_end && task.unacked.empty() &&
@@ -377,6 +487,9 @@ void WorkerAgent::ReadReports(int fd) {
   {
     // Blocking reads; Stop() shuts the socket down to end them.
     google::protobuf::io::FileInputStream stream(fd);
+    // The connection's rank, once a report named it: its end of stream tells the supervise
+    // loop that no typed failure report of that rank is still on its way.
+    std::optional<v1::TrainerReport> sender;
     while (true) {
       google::protobuf::io::CodedInputStream coded(&stream);
       uint32_t size = 0;
@@ -389,15 +502,46 @@ void WorkerAgent::ReadReports(int fd) {
       absl::MutexLock lock(&mu_);
       Task* task = FindTaskLocked(report.job_id(), report.attempt());
       if (task == nullptr) continue;
+      if (!sender) {
+        sender.emplace();
+        sender->set_job_id(report.job_id());
+        sender->set_attempt(report.attempt());
+        sender->set_rank(report.rank());
+      }
+      if (report.has_heartbeat()) {
+        // Consumed here (hang watchdog, node heartbeat), never relayed: one per rank per
+        // interval would swamp the report queue and the coordinator's log.
+        for (auto& rank : task->ranks) {
+          if (rank.task.assignment().rank() != report.rank()) continue;
+          rank.reporting = true;
+          rank.last_heartbeat = absl::Now();
+          v1::RankStepTime& step_time = rank.step_time.emplace();
+          step_time.set_rank(report.rank());
+          step_time.set_node_id(options_.node_id);
+          step_time.set_step(report.heartbeat().step());
+          step_time.set_step_seconds(report.heartbeat().step_seconds());
+          step_time.set_busy_seconds(report.heartbeat().busy_seconds());
+          *step_time.mutable_heartbeat_time() = ToTimestamp(*rank.last_heartbeat);
+        }
+        continue;
+      }
       if (report.has_failure()) {
         for (auto& rank : task->ranks) {
           if (rank.task.assignment().rank() == report.rank()) {
+            rank.reporting = true;
             rank.reported_failure = report.failure();
           }
         }
       }
       task->unacked.push_back(std::move(report));
       ++task->next_sequence;
+    }
+    absl::MutexLock lock(&mu_);
+    Task* task = sender ? FindTaskLocked(sender->job_id(), sender->attempt()) : nullptr;
+    if (task != nullptr) {
+      for (auto& rank : task->ranks) {
+        if (rank.task.assignment().rank() == sender->rank()) rank.reports_ended = true;
+      }
     }
   }
   absl::MutexLock lock(&mu_);

@@ -1,15 +1,23 @@
 // WorkerAgent: what a worker does for its node. It registers with the
-// coordinator and heartbeats (task states, GPU metrics); starts one trainer
-// process per assigned rank (own process group, torchrun environment, task
-// file, per-rank log file) and supervises them (a failed rank stops its
-// siblings; stop orders get SIGTERM then SIGKILL); receives the trainers'
-// TrainerReports on a Unix socket and relays them to the coordinator in
-// batches, keeping them while the coordinator is unreachable.
+// coordinator and heartbeats (task states, GPU metrics, each rank's latest
+// step time); starts one trainer process per assigned rank (own process
+// group, torchrun environment, task file, per-rank log file, a pid file under
+// <work_dir>/trainers) and supervises them: a failed rank stops its siblings,
+// and the task blames the first failure that is not a consequence of another
+// (FAILURE_KIND_PEER_FAILED); a rank whose heartbeats stop for the job's hang
+// timeout is hung and is killed; stop orders get SIGTERM then SIGKILL. It
+// receives the trainers' TrainerReports on a Unix socket, keeps their
+// heartbeats to itself and relays the rest to the coordinator in batches,
+// keeping them while the coordinator is unreachable. At start it kills the
+// trainers a previous worker left behind (worker/orphans.h).
 //
 // Thread safety: public methods may be called from any thread. One
 // absl::Mutex guards the tasks and the report queues; the heartbeat, the
 // supervision and the relay loops and the socket readers each run on their
-// own thread and never hold the mutex while calling the coordinator.
+// own thread and never hold the mutex while calling the coordinator or while
+// waiting for a trainer to stop. Trainers are spawned from the heartbeat
+// thread, which lives until Stop() has stopped them: a trainer's
+// parent-death signal (common/trainer_env.h) fires when that thread ends.
 #pragma once
 
 #include <functional>
@@ -48,6 +56,11 @@ struct WorkerAgentOptions {
   absl::Duration stop_grace = absl::Seconds(10);
   // Period of the supervision and relay loops.
   absl::Duration poll_interval = absl::Milliseconds(200);
+  // Written into each TrainerTask: how often its rank sends a RankHeartbeat.
+  absl::Duration trainer_heartbeat_interval = absl::Seconds(1);
+  // How long a task whose failed ranks all blame a peer waits, while another
+  // of its ranks still runs, for the cause to surface (kPeerFailureGrace).
+  absl::Duration peer_failure_grace = absl::Seconds(1);
   // Deadline of each call to the coordinator.
   absl::Duration rpc_timeout = absl::Seconds(10);
 };
@@ -85,8 +98,20 @@ class WorkerAgent {
     v1::TrainerTask task;
     std::string log_path;
     std::unique_ptr<TrainerProcess> process;
+    absl::Time launched;
     std::optional<ExitStatus> exit;
+    // When the supervise loop first saw the exit.
+    absl::Time exit_seen;
     std::optional<v1::TrainerFailure> reported_failure;
+    // Arrival of the latest RankHeartbeat, and what it said.
+    std::optional<absl::Time> last_heartbeat;
+    std::optional<v1::RankStepTime> step_time;
+    // Set when the hang watchdog condemned the rank: killed, not stopped.
+    bool hung = false;
+    // Whether a report of the rank has arrived, and whether its report
+    // stream has since ended (the reader saw end of file).
+    bool reporting = false;
+    bool reports_ended = false;
   };
   struct Task {
     std::string task_id;
@@ -100,6 +125,11 @@ class WorkerAgent {
     int64_t next_sequence = 1;
     int64_t first_unacked = 1;
     bool status_sent_after_end = false;
+    // The coordinator ordered the task stopped; the supervise loop decides
+    // between STOPPED and FAILED (a rank that had already failed on its own).
+    bool stop_requested = false;
+    // When a failed rank was first seen, for the peer-failure grace.
+    std::optional<absl::Time> first_failure_seen;
   };
 
   void HeartbeatLoop();
@@ -109,7 +139,14 @@ class WorkerAgent {
   void ReadReports(int fd);
   absl::Status RegisterNow();
   void LaunchLocked(const v1::TaskAssignment& assignment) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void StopTaskLocked(Task& task, v1::TaskState final_state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Polls a running rank; on its exit records the time and removes its pid file.
+  void PollRankLocked(Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordExitLocked(Rank& rank, ExitStatus exit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Decides a running task's state from its ranks' exits and heartbeats.
+  void JudgeTaskLocked(Task& task, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The failure of a rank that exited non-zero: its own typed report, else
+  // the exit status; stamped with when the exit was seen if it has no time.
+  v1::TrainerFailure ExitFailureLocked(const Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Task* FindTaskLocked(const std::string& job_id, int attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const WorkerAgentOptions options_;
@@ -117,6 +154,8 @@ class WorkerAgent {
   std::vector<v1::GpuDevice> devices_;
   std::unique_ptr<v1::NodeService::Stub> coordinator_;
   std::string socket_path_;
+  // Pid files of launched trainers (worker/orphans.h).
+  std::string pid_dir_;
   std::string advertise_address_;
   std::function<void(const std::vector<v1::GpuDevice>&, const std::vector<GpuSample>&)>
       gpu_observer_;

@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Fault-tolerance benchmark on CPU: how long a job takes to get going again after one of its
+ranks is killed, and how much of a job's wall time a failure every 100 steps costs (goodput).
+
+    python bench/fault_bench.py          # make bench BENCH=fault
+
+How it runs:
+  1. `tessera-trainer prepare` tokenizes data/corpus/kjv-genesis-ruth.txt into byte-level shards.
+  2. A real coordinator (heartbeat interval 500 ms, timeout 5 s) and one real worker with two CPU
+     slots (stop grace 2 s) on 127.0.0.1, each in a fresh work directory; jobs go in and come out
+     through the `tessera` CLI (submit, get --output=json), as a user's would.
+  3. Every job is the same data-parallel tiny-gpt2 over the two slots (global batch 8, micro-batch
+     2, seq_len 64, fp32, one intra-op thread per rank), checkpointing every CHECKPOINT_INTERVAL
+     steps, max_restarts high enough never to run out.
+  4. Recovery: one job of RECOVERY_KILLS x KILL_EVERY + 50 steps; whenever it has trained
+     KILL_EVERY steps past where its attempt started, rank 1's trainer gets SIGKILL (found by its
+     task file). Measured per kill, from the kill: until the job is RESTARTING (detected, the
+     failure blamed), until it is RUNNING again (the old gang stopped, the new one placed, started
+     and joined), and until the coordinator has the first step of the new attempt (the restart's
+     whole cost, the checkpoint load included). The CLI's polling (about every 30 ms) bounds the
+     resolution.
+  5. Goodput: a GOODPUT_STEPS-step job run through without failure, and the same job with rank 1
+     killed every KILL_EVERY steps. Goodput = the clean run's wall time (submission to SUCCEEDED)
+     / the faulted run's. The difference per failure is the recovery above plus the steps retrained
+     since the last checkpoint. It is shown as measured (tiny steps of a few tens of
+     milliseconds, where recovery dominates) and projected onto longer steps:
+     goodput(T) = GOODPUT_STEPS * T / (GOODPUT_STEPS * T + failures * (recovery + lost * T)), with
+     lost = CHECKPOINT_INTERVAL / 2 steps retrained on average.
+
+Results: a summary on stdout and $TESSERA_BENCH_RESULTS/fault.json with medians, ranges, every
+kill's figures, the configuration, machine, date and commit. Only the standard library is used.
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench_common import (RESULTS_ENV, BenchError, find_trainer, in_workdir, prepare_corpus,
+                          provenance, spread, tail, write_results)
+
+BENCH = "fault"
+CHECKPOINT_INTERVAL = 10
+KILL_EVERY = 100
+RECOVERY_KILLS = 5
+GOODPUT_STEPS = 400
+# Projected step times (seconds) for the goodput model.
+PROJECTED_STEP_SECONDS = (0.1, 1.0, 5.0)
+JOB_TIMEOUT_SECONDS = 900
+POLL_SECONDS = 0.02
+
+
+class Cluster:
+    """A coordinator and a 2-slot worker on loopback, stopped on exit."""
+
+    def __init__(self, build_dir, workdir):
+        self.bin = os.path.join(build_dir, "bin")
+        self.workdir = workdir
+        self.procs = []
+        self.coordinator_log = os.path.join(workdir, "coordinator.log")
+        coordinator = self._start("coordinator", [
+            os.path.join(self.bin, "tessera-coordinator"), "--listen=127.0.0.1:0",
+            "--metrics_listen=", f"--state={workdir}/state.db",
+            f"--checkpoint_root={workdir}/ckpt", "--heartbeat_interval=500ms",
+            "--heartbeat_timeout=5s", f"--master_port_base={30000 + os.getpid() % 1000 * 20}"])
+        self.address = self._wait_for(coordinator, r"serving gRPC on (\S+:\d+)")
+        worker = self._start("worker", [
+            os.path.join(self.bin, "tessera-worker"), f"--coordinator={self.address}",
+            "--listen=127.0.0.1:0", "--metrics_listen=", "--node_name=bench-node",
+            "--cpu_slots=2", f"--work_dir={workdir}/worker", "--stop_grace=2s"])
+        self._wait_for(worker, r"registered with")
+
+    def _start(self, name, argv):
+        log = open(os.path.join(self.workdir, f"{name}.log"), "w")
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc.log_path = log.name
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def _wait_for(proc, pattern, seconds=30):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            with open(proc.log_path) as f:
+                match = re.search(pattern, f.read())
+            if match:
+                return match.group(1) if match.groups() else match.group(0)
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise BenchError(f"{proc.args[0]} did not log {pattern!r}:\n{tail(proc.log_path)}")
+
+    def cli(self, *args):
+        out = subprocess.run([os.path.join(self.bin, "tessera"), f"--coordinator={self.address}",
+                              *args], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise BenchError(f"tessera {' '.join(args)}: {out.stderr.strip()}")
+        return out.stdout
+
+    def get(self, job_id):
+        job = json.loads(self.cli("--output=json", "get", job_id))
+        job["current_step"] = int(job.get("current_step", 0))
+        job["restarts"] = int(job.get("restarts", 0))
+        return job
+
+    def stop(self):
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def write_spec(path, name, shards, steps):
+    spec = {
+        "name": name,
+        "model": {"preset": "tiny-gpt2"},
+        "data": {"train_shards": [shards], "seq_len": 64},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 2},
+        "optimizer": {"schedule": {"peak_learning_rate": 3e-3, "warmup_steps": 10}},
+        "precision": "PRECISION_FP32",
+        "max_steps": steps,
+        "checkpoint": {"interval_steps": CHECKPOINT_INTERVAL, "keep_last": 2},
+        "resources": {"cpu_slots": 2},
+        "max_restarts": 1000,
+    }
+    with open(path, "w") as f:
+        json.dump(spec, f)  # JSON is YAML
+
+
+def rank_pid(workdir, job_id, attempt, rank):
+    task = f"{workdir}/worker/jobs/{job_id}/attempt-{attempt}/rank-{rank}.task.pb"
+    out = subprocess.run(["pgrep", "-f", "--", f"--task={task}"], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    return pids[0] if len(pids) == 1 else None
+
+
+def run_job(cluster, spec_path, kill_every, on_kill=None):
+    """Submits the spec and follows it to SUCCEEDED, killing rank 1 whenever the running attempt
+    has trained `kill_every` steps past its start (0: never). Returns (wall seconds, kills), each
+    kill a dict of seconds from the kill to RESTARTING, to RUNNING and to the first new step."""
+    job_id = cluster.cli("submit", spec_path).strip()
+    start = time.monotonic()
+    kills = []
+    attempt_start = 0
+    pending = None  # the kill being timed
+    while True:
+        if time.monotonic() - start > JOB_TIMEOUT_SECONDS:
+            raise BenchError(f"{job_id} did not finish in {JOB_TIMEOUT_SECONDS} s")
+        job = cluster.get(job_id)
+        state, step, now = job["state"], job["current_step"], time.monotonic()
+        if state == "JOB_STATE_FAILED":
+            raise BenchError(f"{job_id} failed: {job.get('reason')}")
+        if state == "JOB_STATE_SUCCEEDED":
+            return now - start, kills, job
+        if pending is not None:
+            if "restarting" not in pending and job["restarts"] > pending["restarts_before"]:
+                pending["restarting"] = now - pending["time"]
+                pending["resume_step"] = step
+            if "restarting" in pending and state == "JOB_STATE_RUNNING" and "running" not in pending:
+                pending["running"] = now - pending["time"]
+            if "running" in pending and step > pending["resume_step"]:
+                pending["first_step"] = now - pending["time"]
+                attempt_start = pending["resume_step"]
+                kills.append({k: v for k, v in pending.items() if k != "time"})
+                pending = None
+        elif kill_every and state == "JOB_STATE_RUNNING" and step >= attempt_start + kill_every \
+                and step < int(job["spec"]["max_steps"]) - 5:
+            pid = rank_pid(cluster.workdir, job_id, int(job.get("attempt", 0)), 1)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                pending = {"time": time.monotonic(), "kill_step": step,
+                           "restarts_before": job["restarts"]}
+                if on_kill:
+                    on_kill(len(kills) + 1, step)
+        time.sleep(POLL_SECONDS)
+
+
+def projected_goodput(step_seconds, failures, recovery_seconds):
+    useful = GOODPUT_STEPS * step_seconds
+    lost = failures * (recovery_seconds + CHECKPOINT_INTERVAL / 2 * step_seconds)
+    return useful / (useful + lost)
+
+
+def measure(build_dir, trainer, workdir, args):
+    shards = prepare_corpus(trainer, workdir, timeout=300)
+    cluster = Cluster(build_dir, workdir)
+    try:
+        recovery_steps = RECOVERY_KILLS * KILL_EVERY + 50
+        write_spec(f"{workdir}/recovery.yaml", "recovery", shards, recovery_steps)
+        print(f"{BENCH}: recovery: {RECOVERY_KILLS} kills of rank 1, one every {KILL_EVERY} steps")
+        _, kills, job = run_job(cluster, f"{workdir}/recovery.yaml", KILL_EVERY,
+                                lambda n, s: print(f"  kill {n} at step {s}"))
+        if len(kills) < RECOVERY_KILLS:
+            raise BenchError(f"only {len(kills)} of {RECOVERY_KILLS} kills were timed")
+        blamed = [a.get("reason", "") for a in job.get("attempts", [])[:-1]]
+        if not all("rank 1" in r and "signal 9" in r for r in blamed):
+            raise BenchError(f"an attempt blamed something else than the killed rank: {blamed}")
+
+        write_spec(f"{workdir}/goodput.yaml", "goodput", shards, GOODPUT_STEPS)
+        clean, faulted, clean_step_seconds = [], [], []
+        for r in range(args.runs):
+            wall, _, job = run_job(cluster, f"{workdir}/goodput.yaml", 0)
+            clean.append(wall)
+            clean_step_seconds.append(float(job["latest_metrics"]["step_time_seconds"]))
+            wall, goodput_kills, _ = run_job(cluster, f"{workdir}/goodput.yaml", KILL_EVERY)
+            faulted.append(wall)
+            print(f"  round {r + 1}: clean {clean[-1]:.1f} s, with {len(goodput_kills)} kills "
+                  f"{faulted[-1]:.1f} s")
+    finally:
+        cluster.stop()
+
+    first_step = [k["first_step"] for k in kills]
+    median_recovery = statistics.median(first_step)
+    goodput = [c / f for c, f in zip(clean, faulted)]
+    failures = (GOODPUT_STEPS - 1) // KILL_EVERY
+    return {
+        "recovery": {
+            "kill_to_restarting_seconds": spread([k["restarting"] for k in kills]),
+            "kill_to_running_seconds": spread([k["running"] for k in kills]),
+            "kill_to_first_step_seconds": spread(first_step),
+            "kills": kills,
+        },
+        "goodput": {
+            "steps": GOODPUT_STEPS, "kill_every": KILL_EVERY, "failures": failures,
+            "clean_wall_seconds": spread(clean), "faulted_wall_seconds": spread(faulted),
+            "goodput": spread(goodput),
+            "measured_step_seconds": statistics.median(clean_step_seconds),
+            "projected": {f"{t:g}s_steps": projected_goodput(t, failures, median_recovery)
+                          for t in PROJECTED_STEP_SECONDS},
+        },
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="goodput rounds (clean + faulted)")
+    parser.add_argument("--keep_workdir", action="store_true")
+    args = parser.parse_args()
+    found = find_trainer(BENCH)
+    if found is None:
+        return 1
+    build_dir, trainer = found
+    started = time.monotonic()
+    workdir = tempfile.mkdtemp(prefix="tessera-fault-bench-")
+    figures = in_workdir(BENCH, workdir, args.keep_workdir,
+                         lambda: measure(build_dir, trainer, workdir, args))
+    if figures is None:
+        return 1
+    r, g = figures["recovery"], figures["goodput"]
+    print(f"{BENCH}: kill -9 of a rank -> RESTARTING median "
+          f"{r['kill_to_restarting_seconds']['median']:.2f} s, -> RUNNING "
+          f"{r['kill_to_running_seconds']['median']:.2f} s, -> first step of the next attempt "
+          f"median {r['kill_to_first_step_seconds']['median']:.2f} s "
+          f"(max {r['kill_to_first_step_seconds']['max']:.2f} s) over {len(r['kills'])} kills")
+    print(f"{BENCH}: goodput with a rank killed every {KILL_EVERY} of {GOODPUT_STEPS} steps: "
+          f"median {g['goodput']['median']:.1%} at {g['measured_step_seconds'] * 1000:.0f} ms "
+          f"steps; projected " + ", ".join(f"{v:.1%} at {k.replace('s_steps', '')} s steps"
+                                          for k, v in g["projected"].items()))
+    results = {
+        "benchmark": BENCH,
+        "method": __doc__,
+        "config": {"checkpoint_interval": CHECKPOINT_INTERVAL, "kill_every": KILL_EVERY,
+                   "recovery_kills": RECOVERY_KILLS, "goodput_steps": GOODPUT_STEPS,
+                   "runs": args.runs},
+        **figures,
+        **provenance(trainer, trainer),
+        "wall_seconds": time.monotonic() - started,
+    }
+    write_results(results, os.environ.get(RESULTS_ENV, os.path.join(build_dir, "bench", "results")),
+                  f"{BENCH}.json", BENCH)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+// AllocationLedger: which job attempt holds which devices, and how far each attempt has got. An
+// allocation is made when a gang is placed and lives until every node of the attempt has reported
+// its task ended (or was lost): while a failed or cancelled attempt drains, its devices stay held,
+// so no rank of attempt N shares a device with attempt N+1 or another job. Along the way it
+// gathers what the attempt's nodes report: task states, failures (all of them, for blame), the
+// report sequence acknowledged per node (so a resent batch is stored once) and each rank's latest
+// step time.
+//
+// Not thread-safe: Cluster owns it and calls it under its own mutex.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "coordinator/node_registry.h"
+#include "tessera/v1/job.pb.h"
+#include "tessera/v1/node_service.pb.h"
+
+namespace tessera::coordinator {
+
+struct Allocation {
+  enum class Phase {
+    // Ranks starting or training.
+    kRunning,
+    // A failure came in; more may follow before one is blamed (see Cluster::DecideLocked).
+    kFailing,
+    // The attempt is over (decided, succeeded or cancelled); waiting for every node to stop.
+    kDraining,
+  };
+
+  int32_t attempt = 0;
+  std::vector<v1::RankPlacement> ranks;
+  std::string master_node;
+  int master_port = 0;
+  absl::Time placed_time;
+  // Optimizer step the attempt resumes from.
+  int64_t start_step = 0;
+  Phase phase = Phase::kRunning;
+  // node_id -> last task state reported.
+  std::map<std::string, v1::TaskState> task_states;
+  // Nodes of the attempt declared LOST (their tasks count as ended).
+  std::set<std::string> lost_nodes;
+  // Every failure reported for the attempt, in arrival order; first_failure_time is when the
+  // first came in.
+  std::vector<v1::TrainerFailure> failures;
+  absl::Time first_failure_time;
+  // node_id -> highest report sequence stored.
+  std::map<std::string, int64_t> acked_sequence;
+  // rank -> its latest step time.
+  std::map<int, v1::RankStepTime> rank_times;
+  // Every node reported its tasks RUNNING once and the job was brought to RUNNING (or found past
+  // SCHEDULED): later heartbeats need not read the job again.
+  bool running_seen = false;
+
+  // The attempt's nodes, in order of their first rank.
+  std::vector<std::string> Nodes() const;
+  // Whether `node_id`'s task has ended (terminal state reported, or the node lost).
+  bool NodeEnded(const std::string& node_id) const;
+  bool AllNodesEnded() const;
+  bool AllNodesIn(v1::TaskState state) const;
+  // Adds a failure unless the same rank already reported one of the same kind and message.
+  void AddFailure(const v1::TrainerFailure& failure, absl::Time now);
+};
+
+class AllocationLedger {
+ public:
+  Allocation* Find(const std::string& job_id);
+  Allocation& Add(const std::string& job_id, Allocation allocation);
+  void Erase(const std::string& job_id) { allocations_.erase(job_id); }
+  std::map<std::string, Allocation>& all() { return allocations_; }
+
+  // Devices held by every allocation, draining ones included.
+  UsedResources Used() const;
+  // The lowest port from `base` not held by a rank 0 of another allocation on `node_id`.
+  int FreeMasterPort(const std::string& node_id, int base) const;
+  // Jobs with a rank on `node_id`.
+  std::vector<std::string> JobsOn(const std::string& node_id) const;
+
+ private:
+  std::map<std::string, Allocation> allocations_;
+};
+
+}  // namespace tessera::coordinator

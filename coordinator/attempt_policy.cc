@@ -1,0 +1,64 @@
+#include "coordinator/attempt_policy.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "google/protobuf/util/time_util.h"
+
+namespace tessera::coordinator {
+namespace {
+
+int64_t TimeKey(const v1::TrainerFailure& failure) {
+  if (!failure.has_time()) return std::numeric_limits<int64_t>::max();
+  return google::protobuf::util::TimeUtil::TimestampToNanoseconds(failure.time());
+}
+
+}  // namespace
+
+bool IsConsequence(const v1::TrainerFailure& failure) {
+  return failure.kind() == v1::FAILURE_KIND_PEER_FAILED;
+}
+
+bool IsRetryable(v1::FailureKind kind) {
+  return kind != v1::FAILURE_KIND_INVALID_SPEC && kind != v1::FAILURE_KIND_DATA_ERROR;
+}
+
+size_t BlameIndex(const std::vector<v1::TrainerFailure>& failures) {
+  size_t best = 0;
+  for (size_t i = 1; i < failures.size(); ++i) {
+    const bool cause = !IsConsequence(failures[i]), best_cause = !IsConsequence(failures[best]);
+    if (cause != best_cause) {
+      if (cause) best = i;
+      continue;
+    }
+    if (TimeKey(failures[i]) < TimeKey(failures[best])) best = i;
+  }
+  return best;
+}
+
+v1::StragglerReport ComputeStraggler(std::vector<v1::RankStepTime> ranks, double threshold) {
+  std::sort(ranks.begin(), ranks.end(),
+            [](const auto& a, const auto& b) { return a.rank() < b.rank(); });
+  v1::StragglerReport report;
+  std::vector<double> busy;
+  const v1::RankStepTime* slowest = nullptr;
+  for (const auto& rank : ranks) {
+    *report.add_ranks() = rank;
+    if (rank.busy_seconds() <= 0) continue;
+    busy.push_back(rank.busy_seconds());
+    if (slowest == nullptr || rank.busy_seconds() > slowest->busy_seconds()) slowest = &rank;
+  }
+  if (busy.empty()) return report;
+  std::sort(busy.begin(), busy.end());
+  const size_t n = busy.size();
+  const double median = n % 2 == 1 ? busy[n / 2] : (busy[n / 2 - 1] + busy[n / 2]) / 2;
+  report.set_median_busy_seconds(median);
+  report.set_slowest_rank(slowest->rank());
+  report.set_slowest_node_id(slowest->node_id());
+  report.set_skew(median > 0 ? slowest->busy_seconds() / median : 1.0);
+  report.set_straggling(n >= 2 && report.skew() > threshold);
+  return report;
+}
+
+}  // namespace tessera::coordinator

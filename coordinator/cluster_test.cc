@@ -1,0 +1,536 @@
+// In-process tests of the coordinator's control loop (Cluster with its NodeRegistry and
+// AllocationLedger) and of the attempt policy: an in-memory store, a clock the test moves, and
+// workers played by the test through Register / Heartbeat / Report. No processes, no sleeps.
+
+#include "coordinator/cluster.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
+#include "coordinator/attempt_policy.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/time_util.h"
+#include "gtest/gtest.h"
+
+namespace tessera::coordinator {
+namespace {
+
+using ::google::protobuf::util::TimeUtil;
+using ::tessera::testing::IsOk;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::SizeIs;
+
+google::protobuf::Timestamp At(absl::Time time) {
+  return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(time));
+}
+
+v1::JobSpec CpuSpec(int slots, int max_restarts) {
+  v1::JobSpec spec;
+  spec.set_name("restartable");
+  spec.mutable_model()->set_preset("tiny-gpt2");
+  spec.mutable_data()->add_train_shards("/data/train-*.bin");
+  spec.mutable_data()->set_seq_len(64);
+  spec.mutable_batch()->set_global_batch_size(8);
+  spec.mutable_batch()->set_micro_batch_size(2);
+  spec.mutable_optimizer()->mutable_schedule()->set_peak_learning_rate(1e-3);
+  spec.set_max_steps(100);
+  spec.mutable_resources()->set_cpu_slots(slots);
+  spec.set_max_restarts(max_restarts);
+  return spec;
+}
+
+v1::TrainerFailure Failure(v1::FailureKind kind, int rank, const std::string& node, absl::Time time,
+                           const std::string& message = "") {
+  v1::TrainerFailure failure;
+  failure.set_kind(kind);
+  failure.set_rank(rank);
+  failure.set_node_id(node);
+  failure.set_message(message);
+  *failure.mutable_time() = At(time);
+  return failure;
+}
+
+class ClusterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto store = Store::Open(":memory:");
+    ASSERT_THAT(store.status(), IsOk());
+    store_ = std::move(*store);
+    jobs_ = std::make_unique<JobManager>(store_.get());
+    ClusterOptions options;
+    options.heartbeat_timeout = absl::Seconds(10);
+    options.failure_settle = absl::Seconds(5);
+    options.blame_grace = absl::Seconds(1);
+    options.checkpoint_root = "/ckpt";
+    options.now = [this] { return now_; };
+    cluster_ = std::make_unique<Cluster>(store_.get(), jobs_.get(), options);
+  }
+
+  void Register(const std::string& node, int slots) {
+    v1::RegisterNodeRequest request;
+    request.set_node_id(node);
+    request.set_address(node + ":7000");
+    request.mutable_resources()->set_cpu_slots(slots);
+    ASSERT_THAT(cluster_->Register(request).status(), IsOk());
+  }
+
+  std::string Submit(const v1::JobSpec& spec) {
+    auto job = jobs_->Submit(spec, "");
+    EXPECT_THAT(job.status(), IsOk());
+    return job.ok() ? job->job_id() : "";
+  }
+
+  // A heartbeat from `node` with the given task states; returns the orders it gets back.
+  v1::HeartbeatResponse Beat(const std::string& node, const std::vector<v1::TaskStatus>& tasks) {
+    v1::HeartbeatRequest request;
+    request.set_node_id(node);
+    for (const auto& task : tasks) *request.add_tasks() = task;
+    auto response = cluster_->Heartbeat(request);
+    EXPECT_THAT(response.status(), IsOk());
+    return response.ok() ? *response : v1::HeartbeatResponse();
+  }
+
+  static v1::TaskStatus Task(const std::string& job_id, int attempt, const std::string& node,
+                             v1::TaskState state) {
+    v1::TaskStatus status;
+    status.set_task_id(absl::StrCat(job_id, "/", attempt, "/", node));
+    status.set_job_id(job_id);
+    status.set_attempt(attempt);
+    status.set_state(state);
+    return status;
+  }
+
+  v1::Job Job(const std::string& job_id) {
+    auto job = jobs_->Get(job_id);
+    EXPECT_THAT(job.status(), IsOk());
+    return job.ok() ? *job : v1::Job();
+  }
+
+  int FreeSlots(const std::string& node) {
+    for (const auto& n : cluster_->Nodes(true)) {
+      if (n.node_id() == node) return n.free_cpu_slots();
+    }
+    return -1;
+  }
+
+  // Reports of one relayed batch from `node`, sequence numbers from `first`.
+  absl::StatusOr<v1::ReportResponse> Relay(const std::string& node, const std::string& job_id,
+                                           int attempt, int64_t first,
+                                           const std::vector<v1::TrainerReport>& reports) {
+    v1::ReportRequest request;
+    request.set_node_id(node);
+    request.set_task_id(absl::StrCat(job_id, "/", attempt, "/", node));
+    request.set_first_sequence(first);
+    for (auto report : reports) {
+      report.set_job_id(job_id);
+      report.set_attempt(attempt);
+      *request.add_reports() = report;
+    }
+    return cluster_->Report(request);
+  }
+
+  static v1::TrainerReport Step(int64_t step, double loss) {
+    v1::TrainerReport report;
+    report.mutable_metrics()->set_step(step);
+    report.mutable_metrics()->set_loss(loss);
+    return report;
+  }
+
+  static v1::TrainerReport CheckpointAt(int64_t step) {
+    v1::TrainerReport report;
+    report.mutable_checkpoint()->set_step(step);
+    report.mutable_checkpoint()->set_path(absl::StrCat("/ckpt/step-", step));
+    return report;
+  }
+
+  // Runs the job's attempt `attempt` on `node` up to RUNNING.
+  void StartOn(const std::string& job_id, int attempt, const std::string& node) {
+    v1::HeartbeatResponse orders = Beat(node, {});
+    ASSERT_THAT(orders.start(), SizeIs(1));
+    EXPECT_EQ(orders.start(0).task_id(), absl::StrCat(job_id, "/", attempt, "/", node));
+    Beat(node, {Task(job_id, attempt, node, v1::TASK_STATE_RUNNING)});
+  }
+
+  std::vector<v1::JobEvent> Events(const std::string& job_id) {
+    auto events = jobs_->Events(job_id, 0, 0);
+    EXPECT_THAT(events.status(), IsOk());
+    return events.ok() ? *events : std::vector<v1::JobEvent>();
+  }
+
+  absl::Time now_ = absl::FromUnixSeconds(1'800'000'000);
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<Cluster> cluster_;
+};
+
+TEST_F(ClusterTest, SilentNodeIsLostAndAskedToRegisterAgain) {
+  Register("n1", 2);
+  now_ += absl::Seconds(9);
+  cluster_->Tick();
+  EXPECT_EQ(cluster_->Nodes(false).size(), 1u);
+  now_ += absl::Seconds(2);  // 11 s since the last heartbeat, timeout 10 s
+  ClusterStats stats = cluster_->Tick();
+  EXPECT_EQ(stats.nodes[v1::NODE_STATE_LOST], 1);
+  EXPECT_TRUE(cluster_->Nodes(false).empty());
+  EXPECT_TRUE(Beat("n1", {}).reregister());
+}
+
+TEST_F(ClusterTest, KilledRankRestartsFromTheCheckpointBlamingTheKilledRank) {
+  Register("n1", 2);
+  const std::string job_id = Submit(CpuSpec(2, 2));
+  cluster_->Tick();
+  StartOn(job_id, 0, "n1");
+  ASSERT_THAT(Relay("n1", job_id, 0, 1, {Step(1, 5.0), Step(2, 4.0), CheckpointAt(2), Step(3, 3.5)})
+                  .status(),
+              IsOk());
+  EXPECT_EQ(Job(job_id).current_step(), 3);
+  // Rank 0 reports its peer's loss first; the worker's record of rank 1's death comes later but
+  // happened earlier, and is a cause, not a consequence.
+  v1::TrainerReport peer;
+  *peer.mutable_failure() =
+      Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", now_, "Connection closed by peer");
+  ASSERT_THAT(Relay("n1", job_id, 0, 5, {peer}).status(), IsOk());
+  v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_PROCESS_EXIT, 1, "n1",
+                                      now_ - absl::Milliseconds(50), "killed by signal 9");
+  failed.mutable_failure()->set_signal(9);
+  Beat("n1", {failed});
+  cluster_->Tick();  // every node ended: decided at once
+
+  v1::Job job = Job(job_id);
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.attempt(), 1);
+  EXPECT_EQ(job.failure().rank(), 1);
+  EXPECT_EQ(job.current_step(), 2) << "metrics go on from the checkpoint's step";
+  ASSERT_THAT(job.attempts(), SizeIs(1));
+  EXPECT_EQ(job.attempts(0).reason(), "rank 1 on n1 was killed by signal 9 (SIGKILL) at step 3");
+  ASSERT_THAT(job.attempts(0).consequences(), SizeIs(1));
+  EXPECT_EQ(job.attempts(0).consequences(0).kind(), v1::FAILURE_KIND_PEER_FAILED);
+  // The devices came back and the next attempt was placed in the same pass.
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_THAT(job.reason(), HasSubstr("attempt 1 placed on n1, resuming from the checkpoint of "
+                                      "step 2"));
+  StartOn(job_id, 1, "n1");
+  // A straggling report of attempt 0 is stopped, not counted.
+  v1::HeartbeatResponse orders = Beat("n1", {Task(job_id, 0, "n1", v1::TASK_STATE_RUNNING),
+                                             Task(job_id, 1, "n1", v1::TASK_STATE_RUNNING)});
+  EXPECT_THAT(orders.stop(), ElementsAre(absl::StrCat(job_id, "/0/n1")));
+  ASSERT_THAT(Relay("n1", job_id, 1, 1, {Step(3, 3.4), Step(4, 3.0)}).status(), IsOk());
+  Beat("n1", {Task(job_id, 1, "n1", v1::TASK_STATE_SUCCEEDED)});
+  job = Job(job_id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  ASSERT_THAT(job.attempts(), SizeIs(2));
+  EXPECT_EQ(job.attempts(1).start_step(), 2);
+  EXPECT_EQ(job.attempts(1).end_step(), 4);
+  EXPECT_EQ(FreeSlots("n1"), 2);
+
+  // The watch stream: each step once per attempt that trained it, the restart in between.
+  std::vector<int64_t> steps;
+  std::vector<v1::JobState> states;
+  for (const auto& event : Events(job_id)) {
+    if (event.has_metrics()) steps.push_back(event.metrics().step());
+    if (event.has_state_change()) states.push_back(event.state_change().new_state());
+  }
+  EXPECT_THAT(steps, ElementsAre(1, 2, 3, 3, 4));
+  EXPECT_THAT(states,
+              ElementsAre(v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED, v1::JOB_STATE_RUNNING,
+                          v1::JOB_STATE_RESTARTING, v1::JOB_STATE_SCHEDULED, v1::JOB_STATE_RUNNING,
+                          v1::JOB_STATE_SUCCEEDED));
+}
+
+TEST_F(ClusterTest, NextAttemptWaitsUntilEveryTaskOfTheFailedOneStopped) {
+  Register("n1", 1);
+  Register("n2", 1);
+  const std::string job_id = Submit(CpuSpec(2, 1));
+  cluster_->Tick();
+  StartOn(job_id, 0, "n1");
+  StartOn(job_id, 0, "n2");
+  v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_OUT_OF_MEMORY, 0, "n1", now_);
+  Beat("n1", {failed});
+  now_ += absl::Seconds(1);  // the blame grace: the cause is known
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RESTARTING);
+  v1::HeartbeatResponse orders = Beat("n2", {Task(job_id, 0, "n2", v1::TASK_STATE_RUNNING)});
+  EXPECT_THAT(orders.stop(), ElementsAre(absl::StrCat(job_id, "/0/n2")));
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RESTARTING) << "n2 still runs attempt 0";
+  EXPECT_EQ(FreeSlots("n2"), 0);
+  Beat("n2", {Task(job_id, 0, "n2", v1::TASK_STATE_STOPPED)});
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(Job(job_id).attempt(), 1);
+}
+
+TEST_F(ClusterTest, CauseReportedByAnotherNodeWithinTheGraceIsBlamed) {
+  Register("n1", 1);
+  Register("n2", 1);
+  const std::string job_id = Submit(CpuSpec(2, 0));
+  cluster_->Tick();
+  StartOn(job_id, 0, "n1");
+  StartOn(job_id, 0, "n2");
+  // n1's rank reports its peer gone; n2's worker reports the killed rank a heartbeat later.
+  v1::TaskStatus consequence = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
+  *consequence.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", now_);
+  Beat("n1", {consequence});
+  now_ += absl::Seconds(3);
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RUNNING) << "only a consequence so far";
+  v1::TaskStatus cause = Task(job_id, 0, "n2", v1::TASK_STATE_FAILED);
+  *cause.mutable_failure() = Failure(v1::FAILURE_KIND_PROCESS_EXIT, 1, "n2",
+                                     now_ - absl::Seconds(3), "killed by signal 9");
+  cause.mutable_failure()->set_signal(9);
+  Beat("n2", {cause});
+  cluster_->Tick();
+  v1::Job job = Job(job_id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.failure().rank(), 1);
+  EXPECT_EQ(job.failure().node_id(), "n2");
+  EXPECT_THAT(job.reason(), HasSubstr("rank 1 on n2 was killed by signal 9"));
+  EXPECT_EQ(FreeSlots("n1"), 1);
+  EXPECT_EQ(FreeSlots("n2"), 1);
+}
+
+TEST_F(ClusterTest, OnlyConsequencesAreBlamedAfterTheSettleTime) {
+  Register("n1", 2);
+  const std::string job_id = Submit(CpuSpec(2, 0));
+  cluster_->Tick();
+  StartOn(job_id, 0, "n1");
+  v1::TrainerReport peer;
+  *peer.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", now_, "peer lost");
+  ASSERT_THAT(Relay("n1", job_id, 0, 1, {peer}).status(), IsOk());
+  now_ += absl::Seconds(4);
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RUNNING);
+  now_ += absl::Seconds(1);
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(Job(job_id).failure().kind(), v1::FAILURE_KIND_PEER_FAILED);
+}
+
+TEST_F(ClusterTest, NonRetryableFailureEndsTheJobWithRestartsLeft) {
+  Register("n1", 2);
+  const std::string job_id = Submit(CpuSpec(2, 3));
+  cluster_->Tick();
+  StartOn(job_id, 0, "n1");
+  v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_DATA_ERROR, 0, "n1", now_, "bad shard");
+  Beat("n1", {failed});
+  cluster_->Tick();
+  v1::Job job = Job(job_id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_THAT(job.reason(), HasSubstr("not retried"));
+}
+
+TEST_F(ClusterTest, JobFailingEveryAttemptStopsAfterMaxRestartsWithEveryReason) {
+  Register("n1", 2);
+  const std::string job_id = Submit(CpuSpec(2, 2));
+  cluster_->Tick();
+  for (int attempt = 0; attempt <= 2; ++attempt) {
+    StartOn(job_id, attempt, "n1");
+    v1::TaskStatus failed = Task(job_id, attempt, "n1", v1::TASK_STATE_FAILED);
+    *failed.mutable_failure() =
+        Failure(v1::FAILURE_KIND_NAN_LOSS, 0, "n1", now_, absl::StrCat("nan #", attempt));
+    Beat("n1", {failed});
+    cluster_->Tick();
+  }
+  v1::Job job = Job(job_id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.restarts(), 2);
+  ASSERT_THAT(job.attempts(), SizeIs(3));
+  for (int attempt = 0; attempt <= 2; ++attempt) {
+    EXPECT_THAT(job.attempts(attempt).reason(), HasSubstr(absl::StrCat("nan #", attempt)));
+  }
+  EXPECT_THAT(job.reason(), HasSubstr("no restarts left"));
+  EXPECT_EQ(FreeSlots("n1"), 2);
+}
+
+TEST_F(ClusterTest, StoreFailuresAreRetriedAndNoAllocationLeaks) {
+  Register("n1", 2);
+  const std::string job_id = Submit(CpuSpec(2, 1));
+  cluster_->Tick();
+  StartOn(job_id, 0, "n1");
+  bool fail_writes = true;
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    return fail_writes && id == job_id ? absl::UnavailableError("injected: database is locked")
+                                       : absl::OkStatus();
+  });
+  v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_OUT_OF_MEMORY, 1, "n1", now_);
+  Beat("n1", {failed});
+  cluster_->Tick();
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RUNNING) << "the decision could not be stored";
+  EXPECT_EQ(FreeSlots("n1"), 0) << "the attempt keeps its devices until its end is recorded";
+  fail_writes = false;
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).restarts(), 1);
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
+
+  // Success that cannot be recorded at first is recorded by a later tick, and frees the slots.
+  StartOn(job_id, 1, "n1");
+  fail_writes = true;
+  Beat("n1", {Task(job_id, 1, "n1", v1::TASK_STATE_SUCCEEDED)});
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(FreeSlots("n1"), 0);
+  fail_writes = false;
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(FreeSlots("n1"), 2);
+}
+
+TEST_F(ClusterTest, NodeRecordWriteFailureIsRetried) {
+  Register("n1", 2);
+  bool fail = true;
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    return fail && id == "n1" ? absl::UnavailableError("injected") : absl::OkStatus();
+  });
+  now_ += absl::Seconds(11);
+  cluster_->Tick();  // n1 lost; its record cannot be written
+  fail = false;
+  cluster_->Tick();
+  auto nodes = store_->ListNodes();
+  ASSERT_THAT(nodes.status(), IsOk());
+  ASSERT_THAT(*nodes, SizeIs(1));
+  EXPECT_EQ((*nodes)[0].state(), v1::NODE_STATE_LOST);
+}
+
+TEST_F(ClusterTest, ResentReportBatchAddsEachStepOnce) {
+  Register("n1", 2);
+  const std::string job_id = Submit(CpuSpec(2, 0));
+  cluster_->Tick();
+  StartOn(job_id, 0, "n1");
+  const std::vector<v1::TrainerReport> batch = {Step(1, 5.0), Step(2, 4.5), CheckpointAt(2)};
+  // The worker's first call was stored but its response lost: it sends the batch again, then
+  // the batch extended by one report.
+  ASSERT_THAT(Relay("n1", job_id, 0, 1, batch).status(), IsOk());
+  auto again = Relay("n1", job_id, 0, 1, batch);
+  ASSERT_THAT(again.status(), IsOk());
+  EXPECT_EQ(again->acked_sequence(), 3);
+  std::vector<v1::TrainerReport> longer = batch;
+  longer.push_back(Step(3, 4.0));
+  ASSERT_THAT(Relay("n1", job_id, 0, 1, longer).status(), IsOk());
+  std::vector<int64_t> steps;
+  int checkpoints = 0;
+  for (const auto& event : Events(job_id)) {
+    if (event.has_metrics()) steps.push_back(event.metrics().step());
+    checkpoints += event.has_checkpoint();
+  }
+  EXPECT_THAT(steps, ElementsAre(1, 2, 3));
+  EXPECT_EQ(checkpoints, 1);
+}
+
+TEST_F(ClusterTest, LostNodeRestartsAnAutomaticLayoutOnWhatIsLeft) {
+  Register("n1", 1);
+  Register("n2", 1);
+  const std::string job_id = Submit(CpuSpec(2, 1));
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).plan().world_size(), 2);
+  StartOn(job_id, 0, "n1");
+  StartOn(job_id, 0, "n2");
+  // n2 goes silent; n1's rank loses its peer.
+  for (int i = 0; i < 6; ++i) {
+    now_ += absl::Seconds(2);
+    Beat("n1", {Task(job_id, 0, "n1", v1::TASK_STATE_RUNNING)});
+    cluster_->Tick();
+  }
+  v1::TaskStatus consequence = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
+  *consequence.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", now_);
+  Beat("n1", {consequence});
+  cluster_->Tick();
+  v1::Job job = Job(job_id);
+  EXPECT_EQ(job.failure().kind(), v1::FAILURE_KIND_NODE_LOST);
+  EXPECT_THAT(job.attempts(0).reason(), HasSubstr("node n2 was lost"));
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(job.plan().world_size(), 1);
+  EXPECT_EQ(job.plan().layout().data_parallel(), 1);
+  EXPECT_THAT(job.reason(), HasSubstr("re-planned for 1 of the 2 devices"));
+  v1::HeartbeatResponse orders = Beat("n1", {});
+  ASSERT_THAT(orders.start(), SizeIs(1));
+  ASSERT_THAT(orders.start(0).trainers(), SizeIs(1));
+  const v1::TrainerTask& task = orders.start(0).trainers(0);
+  EXPECT_EQ(task.assignment().world_size(), 1);
+  EXPECT_EQ(task.spec().resources().cpu_slots(), 1);
+  EXPECT_EQ(task.spec().batch().global_batch_size(), 8) << "the same global batch";
+  EXPECT_EQ(task.checkpoint_directory(), "/ckpt/" + job_id);
+}
+
+TEST_F(ClusterTest, StragglerIsTheRankWithTheMostBusyTime) {
+  Register("n1", 2);
+  Register("n2", 1);
+  v1::JobSpec spec = CpuSpec(3, 0);
+  spec.mutable_batch()->set_global_batch_size(12);
+  const std::string job_id = Submit(spec);
+  cluster_->Tick();
+  v1::HeartbeatResponse n1 = Beat("n1", {});
+  v1::HeartbeatResponse n2 = Beat("n2", {});
+  ASSERT_EQ(n1.start_size() + n2.start_size(), 2);
+  auto with_ranks = [&](const std::string& node, std::vector<std::pair<int, double>> busy) {
+    v1::TaskStatus status = Task(job_id, 0, node, v1::TASK_STATE_RUNNING);
+    for (const auto& [rank, seconds] : busy) {
+      v1::RankStepTime* time = status.add_ranks();
+      time->set_rank(rank);
+      time->set_step(10);
+      time->set_step_seconds(0.5);
+      time->set_busy_seconds(seconds);
+    }
+    return status;
+  };
+  Beat("n1", {with_ranks("n1", {{0, 0.10}, {1, 0.11}})});
+  Beat("n2", {with_ranks("n2", {{2, 0.40}})});
+  auto report = cluster_->Straggler(job_id);
+  ASSERT_TRUE(report.has_value());
+  EXPECT_EQ(report->slowest_rank(), 2);
+  EXPECT_EQ(report->slowest_node_id(), "n2");
+  EXPECT_NEAR(report->median_busy_seconds(), 0.11, 1e-9);
+  EXPECT_NEAR(report->skew(), 0.40 / 0.11, 1e-9);
+  EXPECT_TRUE(report->straggling());
+  ClusterStats stats = cluster_->Tick();
+  ASSERT_TRUE(stats.stragglers.contains(job_id));
+  EXPECT_EQ(stats.stragglers[job_id].ranks_size(), 3);
+}
+
+TEST(AttemptPolicyTest, BlamesTheEarliestCauseOverEarlierConsequences) {
+  const absl::Time t = absl::FromUnixSeconds(100);
+  std::vector<v1::TrainerFailure> failures = {
+      Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", t),
+      Failure(v1::FAILURE_KIND_PROCESS_EXIT, 3, "n2", t + absl::Seconds(2)),
+      Failure(v1::FAILURE_KIND_COLLECTIVE_TIMEOUT, 1, "n1", t + absl::Seconds(1)),
+  };
+  EXPECT_EQ(BlameIndex(failures), 2u);
+  failures.pop_back();
+  EXPECT_EQ(BlameIndex(failures), 1u);
+  failures.pop_back();
+  EXPECT_EQ(BlameIndex(failures), 0u);
+}
+
+TEST(AttemptPolicyTest, RetriesWhatARestartCanOutrun) {
+  EXPECT_TRUE(IsRetryable(v1::FAILURE_KIND_PROCESS_EXIT));
+  EXPECT_TRUE(IsRetryable(v1::FAILURE_KIND_NODE_LOST));
+  EXPECT_TRUE(IsRetryable(v1::FAILURE_KIND_COLLECTIVE_TIMEOUT));
+  EXPECT_FALSE(IsRetryable(v1::FAILURE_KIND_INVALID_SPEC));
+  EXPECT_FALSE(IsRetryable(v1::FAILURE_KIND_DATA_ERROR));
+}
+
+TEST(AttemptPolicyTest, DescribesFailuresForPeople) {
+  v1::TrainerFailure killed = Failure(v1::FAILURE_KIND_PROCESS_EXIT, 1, "n1", absl::Now());
+  killed.set_signal(9);
+  killed.set_step(32);
+  EXPECT_EQ(DescribeFailure(killed), "rank 1 on n1 was killed by signal 9 (SIGKILL) at step 32");
+  v1::TrainerFailure hung = Failure(v1::FAILURE_KIND_COLLECTIVE_TIMEOUT, 2, "n3", absl::Now(),
+                                    "rank 2 on n3 hung: no heartbeat for 5.1 s\nmore detail");
+  EXPECT_EQ(DescribeFailure(hung),
+            "rank 2 on n3 failed: COLLECTIVE_TIMEOUT: rank 2 on n3 hung: no heartbeat for 5.1 s");
+  v1::TrainerFailure lost =
+      Failure(v1::FAILURE_KIND_NODE_LOST, -1, "n2", absl::Now(), "no heartbeat for 16s");
+  EXPECT_EQ(DescribeFailure(lost), "node n2 was lost: no heartbeat for 16s");
+}
+
+}  // namespace
+}  // namespace tessera::coordinator

@@ -1,0 +1,182 @@
+#include "coordinator/node_registry.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace tessera::coordinator {
+namespace {
+
+google::protobuf::Timestamp ToProto(absl::Time time) {
+  return google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(time));
+}
+
+std::string HostOf(const std::string& address) {
+  size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+}  // namespace
+
+absl::Status NodeRegistry::Load(absl::Time now) {
+  ASSIGN_OR_RETURN(auto nodes, store_->ListNodes());
+  for (auto& node : nodes) {
+    Entry& entry = nodes_[node.node_id()];
+    entry.node = std::move(node);
+    entry.last_heartbeat = now;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NodeRegistry::Persist(const std::string& node_id) {
+  absl::Status status = store_->PutNode(nodes_.at(node_id).node);
+  if (status.ok()) {
+    dirty_.erase(node_id);
+  } else {
+    dirty_.insert(node_id);
+  }
+  return status;
+}
+
+absl::Status NodeRegistry::Flush() {
+  absl::Status first;
+  const std::set<std::string> dirty = dirty_;
+  for (const auto& node_id : dirty) first.Update(Persist(node_id));
+  return first;
+}
+
+absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl::Time now,
+                                    bool* returning) {
+  Entry& entry = nodes_[request.node_id()];
+  v1::Node& node = entry.node;
+  *returning = !node.node_id().empty();
+  node.set_node_id(request.node_id());
+  node.set_hostname(request.hostname());
+  node.set_address(request.address());
+  node.set_state(v1::NODE_STATE_READY);
+  *node.mutable_resources() = request.resources();
+  node.mutable_labels()->clear();
+  for (const auto& [key, value] : request.labels()) (*node.mutable_labels())[key] = value;
+  node.set_worker_version(request.worker_version());
+  if (!*returning) *node.mutable_register_time() = ToProto(now);
+  *node.mutable_last_heartbeat_time() = ToProto(now);
+  entry.last_heartbeat = now;
+  return Persist(request.node_id());
+}
+
+bool NodeRegistry::Touch(const std::string& node_id, absl::Time now,
+                         const google::protobuf::RepeatedPtrField<v1::GpuMetrics>& gpu_metrics) {
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end() || it->second.node.state() == v1::NODE_STATE_LOST) return false;
+  Entry& entry = it->second;
+  entry.last_heartbeat = now;
+  *entry.node.mutable_last_heartbeat_time() = ToProto(now);
+  entry.node.mutable_gpu_metrics()->CopyFrom(gpu_metrics);
+  return true;
+}
+
+std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire(absl::Time now) {
+  std::vector<std::pair<std::string, absl::Duration>> lost;
+  for (auto& [node_id, entry] : nodes_) {
+    if (entry.node.state() == v1::NODE_STATE_LOST) continue;
+    const absl::Duration silence = now - entry.last_heartbeat;
+    if (silence <= heartbeat_timeout_) continue;
+    entry.node.set_state(v1::NODE_STATE_LOST);
+    entry.to_start.clear();
+    entry.to_stop.clear();
+    // A failed write leaves the record dirty: Flush (every tick) writes it again.
+    Persist(node_id).IgnoreError();
+    lost.emplace_back(node_id, silence);
+  }
+  return lost;
+}
+
+bool NodeRegistry::IsLost(const std::string& node_id) const {
+  auto it = nodes_.find(node_id);
+  return it == nodes_.end() || it->second.node.state() == v1::NODE_STATE_LOST;
+}
+
+const v1::Node* NodeRegistry::Find(const std::string& node_id) const {
+  auto it = nodes_.find(node_id);
+  return it == nodes_.end() ? nullptr : &it->second.node;
+}
+
+void NodeRegistry::QueueStart(const std::string& node_id, v1::TaskAssignment assignment) {
+  auto it = nodes_.find(node_id);
+  if (it != nodes_.end()) it->second.to_start.push_back(std::move(assignment));
+}
+
+void NodeRegistry::QueueStop(const std::string& node_id, const std::string& task_id) {
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end() || it->second.node.state() == v1::NODE_STATE_LOST) return;
+  auto& stops = it->second.to_stop;
+  if (std::find(stops.begin(), stops.end(), task_id) == stops.end()) stops.push_back(task_id);
+}
+
+bool NodeRegistry::WithdrawStart(const std::string& node_id, const std::string& task_id) {
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) return false;
+  auto& starts = it->second.to_start;
+  auto pending = std::remove_if(starts.begin(), starts.end(), [&](const v1::TaskAssignment& a) {
+    return a.task_id() == task_id;
+  });
+  const bool withdrawn = pending != starts.end();
+  starts.erase(pending, starts.end());
+  return withdrawn;
+}
+
+bool NodeRegistry::StartQueued(const std::string& node_id, const std::string& task_id) const {
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) return false;
+  return std::any_of(it->second.to_start.begin(), it->second.to_start.end(),
+                     [&](const v1::TaskAssignment& a) { return a.task_id() == task_id; });
+}
+
+void NodeRegistry::TakeOrders(const std::string& node_id, v1::HeartbeatResponse* response) {
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) return;
+  for (auto& start : it->second.to_start) *response->add_start() = std::move(start);
+  for (auto& stop : it->second.to_stop) response->add_stop(std::move(stop));
+  it->second.to_start.clear();
+  it->second.to_stop.clear();
+}
+
+std::vector<NodeCapacity> NodeRegistry::Capacity(const UsedResources& used) const {
+  std::vector<NodeCapacity> capacity;
+  for (const auto& [node_id, entry] : nodes_) {
+    const v1::Node& node = entry.node;
+    NodeCapacity c;
+    c.node_id = node_id;
+    c.host = HostOf(node.address());
+    c.host_memory_bytes = node.resources().memory_bytes();
+    c.total_gpus = node.resources().gpus_size();
+    auto used_gpus = used.gpus.find(node_id);
+    for (const auto& gpu : node.resources().gpus()) {
+      if (used_gpus == used.gpus.end() || !used_gpus->second.contains(gpu.index())) {
+        c.free_gpus.push_back(gpu.index());
+      }
+      if (c.gpu_name.empty()) {
+        c.gpu_name = gpu.name();
+        c.gpu_memory_bytes = gpu.memory_bytes();
+      }
+    }
+    c.total_cpu_slots = node.resources().cpu_slots();
+    auto used_slots = used.cpu_slots.find(node_id);
+    c.free_cpu_slots = std::max(
+        0, c.total_cpu_slots - (used_slots == used.cpu_slots.end() ? 0 : used_slots->second));
+    c.labels.insert(node.labels().begin(), node.labels().end());
+    c.schedulable = node.state() == v1::NODE_STATE_READY;
+    capacity.push_back(std::move(c));
+  }
+  return capacity;
+}
+
+std::vector<v1::Node> NodeRegistry::Nodes() const {
+  std::vector<v1::Node> nodes;
+  for (const auto& [node_id, entry] : nodes_) nodes.push_back(entry.node);
+  return nodes;
+}
+
+}  // namespace tessera::coordinator

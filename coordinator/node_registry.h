@@ -1,0 +1,89 @@
+// NodeRegistry: the coordinator's list of worker nodes and their liveness. It records what each
+// node registered (address, GPUs, CPU slots, labels), refreshes it on every heartbeat, declares a
+// node LOST once it has been silent for the heartbeat timeout, and holds the orders (tasks to
+// start, tasks to stop) that go out in the node's next heartbeat response. Store writes of node
+// records that fail are kept as dirty and retried, never dropped.
+//
+// Not thread-safe: Cluster owns it and calls it under its own mutex. Time comes in as arguments,
+// so tests drive it without sleeping.
+#pragma once
+
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "coordinator/scheduler.h"
+#include "coordinator/store.h"
+#include "tessera/v1/node_service.pb.h"
+
+namespace tessera::coordinator {
+
+// Devices jobs hold on each node, for NodeRegistry::Capacity.
+struct UsedResources {
+  std::map<std::string, std::set<int>> gpus;
+  std::map<std::string, int> cpu_slots;
+};
+
+class NodeRegistry {
+ public:
+  // `store` (must outlive the registry) persists node records.
+  NodeRegistry(Store* store, absl::Duration heartbeat_timeout)
+      : store_(store), heartbeat_timeout_(heartbeat_timeout) {}
+
+  // Reloads stored nodes; each gets a fresh grace period from `now`.
+  absl::Status Load(absl::Time now);
+
+  // Records (or replaces) a node's registration as READY. Returns whether the node was known
+  // before. Store errors are returned; the node is kept dirty and written again by Flush.
+  absl::Status Register(const v1::RegisterNodeRequest& request, absl::Time now, bool* returning);
+
+  // A heartbeat from `node_id`: false (and nothing recorded) when the node is unknown or LOST.
+  bool Touch(const std::string& node_id, absl::Time now,
+             const google::protobuf::RepeatedPtrField<v1::GpuMetrics>& gpu_metrics);
+
+  // Marks every READY node silent for longer than the heartbeat timeout LOST, drops its queued
+  // orders and returns (node_id, silence) of each.
+  std::vector<std::pair<std::string, absl::Duration>> Expire(absl::Time now);
+
+  // Writes the records whose last store write failed; returns the first error.
+  absl::Status Flush();
+
+  bool Known(const std::string& node_id) const { return nodes_.contains(node_id); }
+  bool IsLost(const std::string& node_id) const;
+  // The registered node, or null.
+  const v1::Node* Find(const std::string& node_id) const;
+
+  // Orders delivered with the node's next heartbeat response.
+  void QueueStart(const std::string& node_id, v1::TaskAssignment assignment);
+  void QueueStop(const std::string& node_id, const std::string& task_id);
+  // Removes a start not yet delivered; true when there was one.
+  bool WithdrawStart(const std::string& node_id, const std::string& task_id);
+  bool StartQueued(const std::string& node_id, const std::string& task_id) const;
+  // Moves the queued orders into `response`.
+  void TakeOrders(const std::string& node_id, v1::HeartbeatResponse* response);
+
+  // What each node offers, less `used`; LOST nodes are listed but not schedulable.
+  std::vector<NodeCapacity> Capacity(const UsedResources& used) const;
+  // The registered node records, in node_id order.
+  std::vector<v1::Node> Nodes() const;
+
+ private:
+  struct Entry {
+    v1::Node node;
+    absl::Time last_heartbeat;
+    std::vector<v1::TaskAssignment> to_start;
+    std::vector<std::string> to_stop;
+  };
+  absl::Status Persist(const std::string& node_id);
+
+  Store* store_;
+  const absl::Duration heartbeat_timeout_;
+  std::map<std::string, Entry> nodes_;
+  std::set<std::string> dirty_;
+};
+
+}  // namespace tessera::coordinator

@@ -1,0 +1,274 @@
+// WorkerAgent against an in-process fake coordinator (NodeService on 127.0.0.1, port 0) and
+// tests/fake_trainer ranks that speak the report socket: which failure a task blames, the hang
+// watchdog, stop orders after a failure, and that heartbeats are consumed, not relayed.
+#include "worker/worker_agent.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "grpcpp/server_builder.h"
+#include "gtest/gtest.h"
+#include "tests/util/temp_dir.h"
+
+namespace tessera::worker {
+namespace {
+
+using ::tessera::testing::IsOk;
+using ::testing::HasSubstr;
+
+constexpr char kFakeTrainer[] = TESSERA_FAKE_TRAINER;
+constexpr char kTaskId[] = "job-1/0/n1";
+
+bool IsTerminal(v1::TaskState state) {
+  return state == v1::TASK_STATE_SUCCEEDED || state == v1::TASK_STATE_FAILED ||
+         state == v1::TASK_STATE_STOPPED;
+}
+
+// Hands out one task at the first heartbeat, records what the worker sends, and acknowledges
+// every report.
+class FakeCoordinator final : public v1::NodeService::Service {
+ public:
+  explicit FakeCoordinator(v1::TaskAssignment assignment) : assignment_(std::move(assignment)) {}
+
+  // Answer heartbeats with a stop order for the task once a failure report arrived.
+  void StopOnFailureReport() {
+    absl::MutexLock lock(&mu_);
+    stop_on_failure_report_ = true;
+  }
+
+  grpc::Status RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest*,
+                            v1::RegisterNodeResponse* response) override {
+    response->set_heartbeat_interval_seconds(0.1);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request,
+                         v1::HeartbeatResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    if (!assigned_) {
+      *response->add_start() = assignment_;
+      assigned_ = true;
+    }
+    for (const v1::TaskStatus& status : request->tasks()) {
+      if (status.task_id() != kTaskId) continue;
+      if (!IsTerminal(last_status_.state())) last_status_ = status;
+      for (const v1::RankStepTime& rank : status.ranks()) step_times_.push_back(rank);
+    }
+    if (stop_on_failure_report_ && failure_reported_) response->add_stop(kTaskId);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Report(grpc::ServerContext*, const v1::ReportRequest* request,
+                      v1::ReportResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    const int64_t expected = first_unseen_;
+    for (int i = 0; i < request->reports_size(); ++i) {
+      if (request->first_sequence() + i < expected) continue;  // a resend
+      relayed_.push_back(request->reports(i));
+      failure_reported_ |= request->reports(i).has_failure();
+      ++first_unseen_;
+    }
+    response->set_acked_sequence(first_unseen_ - 1);
+    return grpc::Status::OK;
+  }
+
+  // The task's first terminal status (waiting up to `timeout`), or the last one seen.
+  v1::TaskStatus WaitForEnd(absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto ended = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return IsTerminal(last_status_.state());
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&ended), timeout);
+    return last_status_;
+  }
+  std::vector<v1::TrainerReport> relayed() {
+    absl::MutexLock lock(&mu_);
+    return relayed_;
+  }
+  std::vector<v1::RankStepTime> step_times() {
+    absl::MutexLock lock(&mu_);
+    return step_times_;
+  }
+
+ private:
+  const v1::TaskAssignment assignment_;
+  absl::Mutex mu_;
+  bool assigned_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_on_failure_report_ ABSL_GUARDED_BY(mu_) = false;
+  bool failure_reported_ ABSL_GUARDED_BY(mu_) = false;
+  v1::TaskStatus last_status_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::RankStepTime> step_times_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::TrainerReport> relayed_ ABSL_GUARDED_BY(mu_);
+  int64_t first_unseen_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+// Two CPU ranks of job-1 attempt 0, with the fake's flags per rank.
+v1::TaskAssignment TwoRanks(int hang_timeout_seconds) {
+  v1::TaskAssignment assignment;
+  assignment.set_task_id(kTaskId);
+  for (int rank = 0; rank < 2; ++rank) {
+    v1::TrainerTask* trainer = assignment.add_trainers();
+    trainer->set_job_id("job-1");
+    trainer->set_attempt(0);
+    trainer->mutable_spec()->set_hang_timeout_seconds(hang_timeout_seconds);
+    v1::RankAssignment* ra = trainer->mutable_assignment();
+    ra->set_rank(rank);
+    ra->set_world_size(2);
+    ra->set_local_rank(rank);
+    ra->set_local_world_size(2);
+    ra->set_master_addr("127.0.0.1");
+    ra->set_master_port(29500);
+    ra->set_device_type(v1::DEVICE_TYPE_CPU);
+    ra->set_gpu_index(-1);
+  }
+  return assignment;
+}
+
+class WorkerAgentTest : public ::testing::Test {
+ protected:
+  void StartCluster(v1::TaskAssignment assignment, const std::string& rank0_flags,
+                    const std::string& rank1_flags, WorkerAgentOptions options) {
+    setenv("TESSERA_FAKE_TRAINER_ARGS_RANK0", rank0_flags.c_str(), 1);
+    setenv("TESSERA_FAKE_TRAINER_ARGS_RANK1", rank1_flags.c_str(), 1);
+    coordinator_ = std::make_unique<FakeCoordinator>(std::move(assignment));
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(coordinator_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    options.coordinator_address = absl::StrCat("127.0.0.1:", port);
+    options.node_id = "n1";
+    options.work_dir = work_dir_;
+    options.cpu_slots = 2;
+    options.trainer_path = kFakeTrainer;
+    options.poll_interval = absl::Milliseconds(50);
+    options.trainer_heartbeat_interval = absl::Milliseconds(100);
+    agent_ = std::make_unique<WorkerAgent>(options, nullptr);
+    ASSERT_THAT(agent_->Start("127.0.0.1:1"), IsOk());
+  }
+
+  void TearDown() override {
+    if (agent_) agent_->Stop();
+    if (server_) server_->Shutdown();
+    unsetenv("TESSERA_FAKE_TRAINER_ARGS_RANK0");
+    unsetenv("TESSERA_FAKE_TRAINER_ARGS_RANK1");
+  }
+
+  // Pid files left under <work_dir>/trainers, after waiting up to 10 s for them to go.
+  int PidFilesAfterWait() {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    int files = 0;
+    do {
+      files = 0;
+      std::error_code error;
+      for ([[maybe_unused]] const auto& entry :
+           std::filesystem::directory_iterator(work_dir_ + "/trainers", error)) {
+        ++files;
+      }
+      if (files == 0) break;
+      absl::SleepFor(absl::Milliseconds(20));
+    } while (absl::Now() < deadline);
+    return files;
+  }
+
+  void ExpectNoHeartbeatRelayed() {
+    for (const v1::TrainerReport& report : coordinator_->relayed()) {
+      EXPECT_FALSE(report.has_heartbeat()) << "relayed: " << report.ShortDebugString();
+    }
+  }
+
+  const std::string work_dir_ = ::tessera::testing::TestDir() + "/w";
+  std::unique_ptr<FakeCoordinator> coordinator_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<WorkerAgent> agent_;
+};
+
+TEST_F(WorkerAgentTest, BlamesTheCauseNotTheRankThatLostItsPeerFirst) {
+  WorkerAgentOptions options;
+  options.peer_failure_grace = absl::Seconds(5);
+  // Rank 0 reports a lost peer at once; rank 1, the cause, exits 0.4 s later with no report.
+  StartCluster(TwoRanks(0), "--heartbeat --report_failure=10 --exit=1",
+               "--heartbeat --sleep=0.4 --exit=3", options);
+  const v1::TaskStatus status = coordinator_->WaitForEnd(absl::Seconds(30));
+  ASSERT_EQ(status.state(), v1::TASK_STATE_FAILED) << status.ShortDebugString();
+  EXPECT_EQ(status.failure().rank(), 1);
+  EXPECT_EQ(status.failure().kind(), v1::FAILURE_KIND_PROCESS_EXIT);
+  EXPECT_EQ(status.failure().exit_code(), 3);
+  EXPECT_THAT(status.failure().message(), HasSubstr("exited with code 3"));
+  EXPECT_EQ(status.failure().node_id(), "n1");
+  EXPECT_GT(status.failure().time().seconds(), 0);
+  EXPECT_EQ(PidFilesAfterWait(), 0);
+
+  // The worker passed its pid, and kept the ranks' heartbeats to itself.
+  std::ifstream log(work_dir_ + "/jobs/job-1/attempt-0/rank-0.log");
+  std::stringstream text;
+  text << log.rdbuf();
+  EXPECT_THAT(text.str(), HasSubstr(absl::StrCat("TESSERA_WORKER_PID=", getpid(), "\n")));
+  ExpectNoHeartbeatRelayed();
+  bool relayed_peer_failure = false;
+  for (const v1::TrainerReport& report : coordinator_->relayed()) {
+    relayed_peer_failure |= report.failure().kind() == v1::FAILURE_KIND_PEER_FAILED;
+  }
+  EXPECT_TRUE(relayed_peer_failure) << "typed failure reports are still relayed";
+}
+
+TEST_F(WorkerAgentTest, HungRankIsKilledAndBlamed) {
+  WorkerAgentOptions options;
+  // A SIGTERM-and-wait stop would take this long: the hung rank must be SIGKILLed instead.
+  options.stop_grace = absl::Seconds(20);
+  StartCluster(TwoRanks(/*hang_timeout_seconds=*/1),
+               "--heartbeat --stop_after_heartbeats=3 --sleep=60", "--heartbeat --sleep=60",
+               options);
+  const v1::TaskStatus status = coordinator_->WaitForEnd(absl::Seconds(30));
+  ASSERT_EQ(status.state(), v1::TASK_STATE_FAILED) << status.ShortDebugString();
+  EXPECT_EQ(status.failure().kind(), v1::FAILURE_KIND_COLLECTIVE_TIMEOUT);
+  EXPECT_EQ(status.failure().rank(), 0);
+  EXPECT_THAT(status.failure().message(), HasSubstr("rank 0 on n1 hung: no heartbeat for"));
+  EXPECT_THAT(status.failure().message(), HasSubstr("(process state: stopped)"));
+  EXPECT_GT(status.failure().time().seconds(), 0);
+  const absl::Time ended = absl::Now();
+  EXPECT_EQ(PidFilesAfterWait(), 0) << "the ranks were not reaped";
+  EXPECT_LT(absl::Now() - ended, absl::Seconds(10));
+
+  // Step times reached the coordinator in the node heartbeat, and only there.
+  bool rank1_progress = false;
+  for (const v1::RankStepTime& step_time : coordinator_->step_times()) {
+    EXPECT_EQ(step_time.node_id(), "n1");
+    EXPECT_GT(step_time.heartbeat_time().seconds(), 0);
+    rank1_progress |= step_time.rank() == 1 && step_time.step() > 0;
+  }
+  EXPECT_TRUE(rank1_progress);
+  ExpectNoHeartbeatRelayed();
+}
+
+TEST_F(WorkerAgentTest, StopOrderAfterARankFailedOnItsOwnFails) {
+  WorkerAgentOptions options;
+  options.peer_failure_grace = absl::Seconds(60);  // the verdict waits for the stop order
+  options.stop_grace = absl::Seconds(2);
+  StartCluster(TwoRanks(0), "--heartbeat --report_failure=10 --exit=1", "--heartbeat --sleep=60",
+               options);
+  coordinator_->StopOnFailureReport();
+  const v1::TaskStatus status = coordinator_->WaitForEnd(absl::Seconds(30));
+  ASSERT_EQ(status.state(), v1::TASK_STATE_FAILED) << status.ShortDebugString();
+  EXPECT_EQ(status.failure().rank(), 0);
+  EXPECT_EQ(status.failure().kind(), v1::FAILURE_KIND_PEER_FAILED);
+  EXPECT_EQ(status.failure().exit_code(), 1);
+  EXPECT_EQ(PidFilesAfterWait(), 0);
+}
+
+}  // namespace
+}  // namespace tessera::worker
