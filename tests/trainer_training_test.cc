@@ -26,6 +26,7 @@
 #include "planner/layout_planner.h"
 #include "planner/model_config.h"
 #include "tessera/v1/trainer.pb.h"
+#include "tests/util/free_port.h"
 #include "tests/util/subprocess.h"
 #include "trainer/model.h"
 #include "trainer/safetensors.h"
@@ -37,6 +38,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::tessera::testing::BinDir;
 using ::tessera::testing::IsOk;
+using ::tessera::testing::PickFreePort;
 using ::tessera::testing::RunCommand;
 using ::tessera::testing::Subprocess;
 using ::testing::HasSubstr;
@@ -114,8 +116,9 @@ class TrainerTrainingTest : public ::testing::Test {
   // `world` real processes on Gloo over loopback, each with `flags` plus its torchrun
   // environment; returns every rank's run (rank 0 reports the all-reduced loss of each step).
   static std::vector<TrainerRun> RunRanks(const std::vector<std::string>& flags, int world) {
-    static int next_port = 29000 + static_cast<int>(getpid() % 1000) * 20;
-    const int port = next_port++;
+    const absl::StatusOr<int> port = PickFreePort();
+    EXPECT_THAT(port, IsOk());
+    if (!port.ok()) return {};
     std::vector<Subprocess> ranks;
     for (int rank = 0; rank < world; ++rank) {
       auto process = Subprocess::Start(
@@ -123,7 +126,7 @@ class TrainerTrainingTest : public ::testing::Test {
                   .extra_env = {absl::StrCat("RANK=", rank), absl::StrCat("WORLD_SIZE=", world),
                                 absl::StrCat("LOCAL_RANK=", rank),
                                 absl::StrCat("LOCAL_WORLD_SIZE=", world), "MASTER_ADDR=127.0.0.1",
-                                absl::StrCat("MASTER_PORT=", port)}});
+                                absl::StrCat("MASTER_PORT=", *port)}});
       EXPECT_THAT(process, IsOk());
       if (!process.ok()) return {};
       ranks.push_back(std::move(*process));
@@ -540,15 +543,15 @@ INSTANTIATE_TEST_SUITE_P(
 TEST_F(TrainerTrainingTest, DeadPipelineStageFailsItsPeerNamingTheRank) {
   std::vector<std::string> flags = BaseFlags(100000);
   flags.push_back("--pipeline_parallel=2");
-  static int next_port = 31000 + static_cast<int>(getpid() % 1000) * 3;
-  const int port = next_port++;
+  const absl::StatusOr<int> port = PickFreePort();
+  ASSERT_THAT(port, IsOk());
   std::vector<Subprocess> ranks;
   for (int rank = 0; rank < 2; ++rank) {
     auto process = Subprocess::Start(
         flags, {.merge_stdout = true,
                 .extra_env = {absl::StrCat("RANK=", rank), "WORLD_SIZE=2",
                               absl::StrCat("LOCAL_RANK=", rank), "LOCAL_WORLD_SIZE=2",
-                              "MASTER_ADDR=127.0.0.1", absl::StrCat("MASTER_PORT=", port)}});
+                              "MASTER_ADDR=127.0.0.1", absl::StrCat("MASTER_PORT=", *port)}});
     ASSERT_THAT(process, IsOk());
     ranks.push_back(std::move(*process));
   }
@@ -568,11 +571,15 @@ TEST_F(TrainerTrainingTest, DeadPipelineStageFailsItsPeerNamingTheRank) {
   EXPECT_THAT(run.output,
               ::testing::ContainsRegex("stage 1 \\(rank 1\\)|rank\\(s\\) 1 did not answer"))
       << run.output;
+  // A closed connection is a consequence of rank 1's death (PEER_FAILED); only a peer that
+  // stalls rather than dies would surface as a timeout.
   bool typed = false;
   for (const auto& report : run.reports) {
     typed |= report.has_failure() &&
-             report.failure().kind() == v1::FAILURE_KIND_COLLECTIVE_TIMEOUT &&
-             absl::StrContains(report.failure().message(), "rank 1");
+             (report.failure().kind() == v1::FAILURE_KIND_PEER_FAILED ||
+              report.failure().kind() == v1::FAILURE_KIND_COLLECTIVE_TIMEOUT) &&
+             absl::StrContains(report.failure().message(), "rank 1") &&
+             report.failure().time().seconds() > 0;
   }
   EXPECT_TRUE(typed) << run.output;
 }
