@@ -1,6 +1,8 @@
 #include "client/job_spec_file.h"
 
+#include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -16,30 +18,43 @@ namespace {
 
 // YAML -> JSON. Scalars become JSON strings except booleans and nulls; the
 // protobuf JSON parser accepts numbers written as strings for numeric fields.
-nlohmann::json ToJson(const YAML::Node& node) {
+// Values are expanded through `env`; the first failure lands in `*error`.
+nlohmann::json ToJson(const YAML::Node& node, const EnvLookup& env, absl::Status* error) {
   switch (node.Type()) {
     case YAML::NodeType::Map: {
       nlohmann::json object = nlohmann::json::object();
-      for (const auto& item : node) object[item.first.as<std::string>()] = ToJson(item.second);
+      for (const auto& item : node) {
+        object[item.first.as<std::string>()] = ToJson(item.second, env, error);
+      }
       return object;
     }
     case YAML::NodeType::Sequence: {
       nlohmann::json array = nlohmann::json::array();
-      for (const auto& item : node) array.push_back(ToJson(item));
+      for (const auto& item : node) array.push_back(ToJson(item, env, error));
       return array;
     }
     case YAML::NodeType::Scalar: {
-      const std::string& value = node.Scalar();
-      if (node.Tag() != "!") {  // unquoted
-        if (value == "true") return true;
-        if (value == "false") return false;
+      absl::StatusOr<std::string> value = ExpandEnvironment(node.Scalar(), env);
+      if (!value.ok()) {
+        if (error->ok()) {
+          *error = absl::InvalidArgumentError(absl::StrCat(
+              "job spec: ", value.status().message(), " (line ", node.Mark().line + 1, ")"));
+        }
+        return nullptr;
       }
-      return value;
+      if (node.Tag() != "!") {  // unquoted
+        if (*value == "true") return true;
+        if (*value == "false") return false;
+      }
+      return *value;
     }
     default:
       return nullptr;
   }
 }
+
+bool IsNameStart(char c) { return std::isalpha(static_cast<unsigned char>(c)) || c == '_'; }
+bool IsNameChar(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; }
 
 // Every mapping key of the document with the (1-based) line it is on.
 void CollectKeyLines(const YAML::Node& node, std::vector<std::pair<std::string, int>>* keys) {
@@ -76,15 +91,69 @@ std::string LineOfKeyIn(const std::string& message, const YAML::Node& root) {
 
 }  // namespace
 
-absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text) {
+EnvLookup ProcessEnvironment() {
+  return [](const std::string& name) -> std::optional<std::string> {
+    const char* value = std::getenv(name.c_str());
+    if (value == nullptr) return std::nullopt;
+    return std::string(value);
+  };
+}
+
+absl::StatusOr<std::string> ExpandEnvironment(const std::string& value, const EnvLookup& env) {
+  std::string out;
+  for (size_t i = 0; i < value.size(); ++i) {
+    if (value[i] != '$' || i + 1 == value.size()) {
+      out += value[i];
+      continue;
+    }
+    if (value[i + 1] == '$') {
+      out += '$';
+      ++i;
+      continue;
+    }
+    if (value[i + 1] != '{') {
+      out += value[i];
+      continue;
+    }
+    const size_t close = value.find('}', i + 2);
+    if (close == std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", value.substr(i), "' has no closing '}' (write $$ for a literal $)"));
+    }
+    const std::string inside = value.substr(i + 2, close - i - 2);
+    const size_t dash = inside.find(":-");
+    const std::string name = inside.substr(0, dash);
+    if (name.empty() || !IsNameStart(name[0]) ||
+        !std::all_of(name.begin(), name.end(), IsNameChar)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("${", inside, "}: '", name, "' is not an environment variable name"));
+    }
+    std::optional<std::string> found = env ? env(name) : std::nullopt;
+    if (dash != std::string::npos && (!found || found->empty())) {
+      found = inside.substr(dash + 2);
+    }
+    if (!found) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "${", name, "} is not set in the environment (set it, or write ${", name,
+          ":-default})"));
+    }
+    out += *found;
+    i = close;
+  }
+  return out;
+}
+
+absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text, const EnvLookup& env) {
   nlohmann::json json;
   YAML::Node root;
+  absl::Status expanded;
   try {
     root = YAML::Load(text);
-    json = ToJson(root);
+    json = ToJson(root, env, &expanded);
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("job spec: ", e.what()));
   }
+  if (!expanded.ok()) return expanded;
   if (!json.is_object()) return absl::InvalidArgumentError("job spec: expected a mapping");
   // Shorthand: `parallelism: auto`.
   if (json.contains("parallelism") && json["parallelism"] == "auto") {
@@ -100,12 +169,12 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text) {
   return spec;
 }
 
-absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path) {
+absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path, const EnvLookup& env) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
   std::stringstream buffer;
   buffer << in.rdbuf();
-  auto spec = ParseJobSpec(buffer.str());
+  auto spec = ParseJobSpec(buffer.str(), env);
   if (!spec.ok()) {
     return absl::Status(spec.status().code(), absl::StrCat(path, ": ", spec.status().message()));
   }

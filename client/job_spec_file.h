@@ -9,8 +9,15 @@
 //   optimizer: {schedule: {peak_learning_rate: 3e-3, warmup_steps: 10}}
 //   max_steps: 200
 //   resources: {cpu_slots: 2}
+//
+// Values may name environment variables, as in a shell or docker compose:
+// ${NAME} (an error naming NAME and its line when unset), ${NAME:-default}
+// (default when unset or empty); $$ is a literal $. Only values are expanded,
+// never keys or comments.
 #pragma once
 
+#include <functional>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -18,11 +25,22 @@
 
 namespace tessera::client {
 
-// Parses a spec from YAML or JSON text. INVALID_ARGUMENT naming the field
-// (protobuf's JSON mapping) or the YAML line for malformed input.
-absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text);
+// The value of an environment variable, or nullopt when it is unset.
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+
+// This process's environment (getenv), for the CLI to pass.
+EnvLookup ProcessEnvironment();
+
+// Parses a spec from YAML or JSON text, expanding ${...} in values through
+// `env` (none set when null). INVALID_ARGUMENT naming the field (protobuf's
+// JSON mapping), the variable, or the YAML line for malformed input.
+absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text, const EnvLookup& env = nullptr);
 
 // Reads and parses a spec file; NOT_FOUND naming the path.
-absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path);
+absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path, const EnvLookup& env = nullptr);
+
+// `value` with ${NAME}, ${NAME:-default} and $$ expanded (the rules above).
+// INVALID_ARGUMENT naming the variable when one is unset or malformed.
+absl::StatusOr<std::string> ExpandEnvironment(const std::string& value, const EnvLookup& env);
 
 }  // namespace tessera::client

@@ -1,5 +1,9 @@
 #include "client/job_spec_file.h"
 
+#include <map>
+#include <optional>
+#include <string>
+
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -8,7 +12,9 @@ namespace tessera::client {
 namespace {
 
 using ::tessera::testing::IsOk;
+using ::tessera::testing::IsOkAndHolds;
 using ::tessera::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 TEST(JobSpecFileTest, YamlMapsOntoTheProtoFields) {
@@ -67,10 +73,51 @@ TEST(JobSpecFileTest, MistakesAreNamed) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/spec.yaml")));
 }
 
-TEST(JobSpecFileTest, TheBundledExampleParses) {
-  auto spec = LoadJobSpec(TESSERA_EXAMPLE_SPEC);
+EnvLookup Environment(std::map<std::string, std::string> values) {
+  return [values = std::move(values)](const std::string& name) -> std::optional<std::string> {
+    auto it = values.find(name);
+    if (it == values.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+TEST(JobSpecFileTest, TheBundledExampleParsesWithItsDataDirectoryFromTheEnvironment) {
+  auto spec = LoadJobSpec(TESSERA_EXAMPLE_SPEC, Environment({{"TESSERA_DATA_DIR", "/d"}}));
   ASSERT_THAT(spec, IsOk());
   EXPECT_EQ(spec->resources().cpu_slots(), 2);
+  EXPECT_EQ(spec->data().train_shards(0), "/d/train-*.bin");
+  EXPECT_THAT(LoadJobSpec(TESSERA_EXAMPLE_SPEC),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("${TESSERA_DATA_DIR} is not set in the environment")));
+}
+
+TEST(JobSpecFileTest, ValuesExpandVariablesWithDefaultsAndEscapes) {
+  const EnvLookup env = Environment({{"ROOT", "/mnt/data"}, {"EMPTY", ""}, {"STEPS", "30"}});
+  auto spec = ParseJobSpec(
+      "name: run-${STEPS}\n"
+      "data: {train_shards: [\"${ROOT}/a-*.bin\", \"${EMPTY:-/fallback}/b\", \"$$HOME\"]}\n"
+      "max_steps: ${STEPS}\n"
+      "# a comment naming ${UNSET} is left alone\n",
+      env);
+  ASSERT_THAT(spec, IsOk());
+  EXPECT_EQ(spec->name(), "run-30");
+  EXPECT_EQ(spec->max_steps(), 30);
+  ASSERT_EQ(spec->data().train_shards_size(), 3);
+  EXPECT_EQ(spec->data().train_shards(0), "/mnt/data/a-*.bin");
+  EXPECT_EQ(spec->data().train_shards(1), "/fallback/b");
+  EXPECT_EQ(spec->data().train_shards(2), "$HOME");
+}
+
+TEST(JobSpecFileTest, BadVariablesNameTheVariableAndTheLine) {
+  EXPECT_THAT(ParseJobSpec("name: x\nmax_steps: ${NOPE}\n", Environment({})),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("${NOPE} is not set"), HasSubstr("(line 2)"))));
+  EXPECT_THAT(ExpandEnvironment("${1BAD}", Environment({})),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("is not an environment variable name")));
+  EXPECT_THAT(ExpandEnvironment("a${OPEN", Environment({})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no closing")));
+  EXPECT_THAT(ExpandEnvironment("cost $5 and $", Environment({})), IsOkAndHolds("cost $5 and $"));
 }
 
 }  // namespace

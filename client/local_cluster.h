@@ -1,7 +1,7 @@
-// LocalCluster: `tessera local`. Starts a coordinator and workers on
-// 127.0.0.1 as child processes of the CLI (binaries beside it), with their
-// state, logs and work directories under one directory, and stops them
-// (workers first, SIGTERM) when destroyed.
+// LocalCluster: `tessera local`. Tokenizes a corpus into token shards (once),
+// starts a coordinator and workers on 127.0.0.1 as child processes of the CLI
+// (binaries beside it), with their state, logs and work directories under one
+// directory, and stops them (workers first, SIGTERM) when destroyed.
 #pragma once
 
 #include <sys/types.h>
@@ -22,7 +22,14 @@ struct LocalClusterOptions {
   int workers = 1;
   // CPU trainer slots per worker.
   int cpu_slots = 2;
+  // A text file `tessera-trainer prepare` tokenizes into <dir>/data (skipped when that directory
+  // already holds train shards); empty: nothing is prepared.
+  std::string corpus;
 };
+
+// The corpus the build puts beside the binaries in `bin_dir`
+// (<bin_dir>/../share/tessera/corpus/*.txt); empty when there is none.
+std::string BundledCorpus(const std::string& bin_dir);
 
 struct LocalDaemon {
   std::string name;
@@ -41,6 +48,8 @@ class LocalCluster {
   ~LocalCluster();
 
   const LocalDaemon& coordinator() const { return daemons_.front(); }
+  // Where the corpus was prepared (<dir>/data); empty when none was asked for.
+  const std::string& data_dir() const { return data_dir_; }
   const std::vector<LocalDaemon>& daemons() const { return daemons_; }
 
  private:
@@ -48,6 +57,7 @@ class LocalCluster {
   absl::StatusOr<LocalDaemon> Spawn(const std::string& name, std::vector<std::string> argv,
                                     const std::string& log_path);
   std::vector<LocalDaemon> daemons_;
+  std::string data_dir_;
 };
 
 }  // namespace tessera::client

@@ -1,5 +1,6 @@
 // tessera: the command-line client of a Tessera coordinator.
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include "client/local_cluster.h"
 #include "client/plan_command.h"
 #include "client/plot.h"
+#include "client/progress_line.h"
 #include "client/text_format.h"
 #include "common/command_line.h"
 #include "common/daemon/failure_text.h"
@@ -50,6 +52,9 @@ ABSL_FLAG(int, workers, 1, "local: workers to start.");
 ABSL_FLAG(int, cpu_slots, 2, "local: CPU trainer slots per worker.");
 ABSL_FLAG(std::string, dir, "",
           "local: directory for state, logs and work (default a new one in /tmp).");
+ABSL_FLAG(std::string, corpus, "",
+          "local: a text file to tokenize into DIR/data for the examples (default the bundled "
+          "corpus, share/tessera/corpus beside the binaries).");
 
 namespace {
 
@@ -77,8 +82,9 @@ constexpr char kUsage[] =
     "       --layout=tp=4,pp=2,zero=1,sp=on,ac=selective --lora_rank=R]\n"
     "                               memory, step time and rank of every layout; offline when\n"
     "                               a device is named, else for the coordinator's cluster\n"
-    "  local [--workers=N] [--cpu_slots=N] [--dir=DIR]   run a coordinator and workers on this\n"
-    "                               machine until Ctrl-C\n"
+    "  local [--workers=N] [--cpu_slots=N] [--dir=DIR] [--corpus=FILE]\n"
+    "                               run a coordinator and workers on this machine until\n"
+    "                               Ctrl-C, with the bundled corpus prepared for the examples\n"
     "  health                       whether the coordinator serves\n"
     "  version                      this build's version\n\n"
     "Exit codes: 0 success (watch: the job SUCCEEDED), 1 the call or the job failed,\n"
@@ -144,21 +150,11 @@ void PrintAttempts(const v1::Job& job) {
   }
 }
 
-// Losses shown in the live chart of `watch`.
-constexpr size_t kSparkline = 40;
-
-// A one-line chart of `values` (high = tall), scaled to their own range.
-std::string Sparkline(const std::deque<double>& values) {
-  static const char* kBars[] = {"\u2581", "\u2582", "\u2583", "\u2584",
-                                "\u2585", "\u2586", "\u2587", "\u2588"};
-  if (values.empty()) return "";
-  auto [lo, hi] = std::minmax_element(values.begin(), values.end());
-  std::string out;
-  for (double v : values) {
-    int level = *hi > *lo ? static_cast<int>((v - *lo) / (*hi - *lo) * 7.0 + 0.5) : 0;
-    out += kBars[std::clamp(level, 0, 7)];
-  }
-  return out;
+// Columns of the terminal on stdout (it may be resized while watching); 80 when unknown.
+int TerminalColumns() {
+  winsize size{};
+  if (ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 0) return size.ws_col;
+  return 80;
 }
 
 // Prints a job's events; returns main()'s exit code once it ends.
@@ -169,7 +165,7 @@ int Watch(CoordinatorClient& client, const std::string& job_id) {
   v1::JobState last = v1::JOB_STATE_UNSPECIFIED;
   const bool tty = isatty(STDOUT_FILENO) != 0;
   bool progress_shown = false;
-  std::deque<double> recent;
+  tessera::client::ProgressLine progress(max_steps);
   auto status = client.Watch(job_id, 0, [&](const v1::JobEvent& event) {
     // Anything but a step ends the live progress line first.
     if (progress_shown && !event.has_metrics()) {
@@ -181,25 +177,16 @@ int Watch(CoordinatorClient& client, const std::string& job_id) {
       std::cout << absl::StrFormat("[%s] %s", StateName(last), event.state_change().reason())
                 << std::endl;
     } else if (event.has_metrics()) {
-      const v1::StepMetrics& m = event.metrics();
-      const int width = 30;
-      int filled = max_steps > 0 ? static_cast<int>(width * m.step() / max_steps) : 0;
-      double eta = m.step_time_seconds() * static_cast<double>(max_steps - m.step());
-      std::string line =
-          absl::StrFormat("[%s%s] step %d/%d  loss %.4f  %s tok/s  lr %.2e  ETA %s",
-                          std::string(filled, '#'), std::string(width - filled, '.'), m.step(),
-                          max_steps, m.loss(), FormatRate(m.tokens_per_second()), m.learning_rate(),
-                          absl::FormatDuration(absl::Seconds(std::round(eta))));
-      if (m.mfu() > 0) line += absl::StrFormat("  MFU %.1f%%", 100 * m.mfu());
-      recent.push_back(m.loss());
-      if (recent.size() > kSparkline) recent.pop_front();
+      progress.Add(event.metrics());
       if (tty) {
-        line += "  " + Sparkline(recent);
-        // One live line on a terminal, redrawn in place.
-        std::cout << "\r  " << line << "\033[K" << std::flush;
+        // One live line on a terminal, redrawn in place: narrower than the terminal (after the
+        // two-space indent, and short of the last column, where some terminals wrap), or each
+        // redraw would leave a wrapped half line behind.
+        std::cout << "\r  " << progress.Render(TerminalColumns() - 3) << "\033[K" << std::flush;
         progress_shown = true;
       } else {
-        std::cout << "  " << line << std::endl;
+        // A log, one line per step: no chart.
+        std::cout << "  " << progress.Render(1 << 20, /*chart=*/false) << std::endl;
       }
       return true;
     } else if (event.has_checkpoint()) {
@@ -232,19 +219,28 @@ int Local() {
     char pattern[] = "/tmp/tessera-local.XXXXXX";
     dir = mkdtemp(pattern);
   }
-  auto cluster =
-      tessera::client::LocalCluster::Start({.bin_dir = self.parent_path().string(),
-                                            .dir = dir,
-                                            .workers = absl::GetFlag(FLAGS_workers),
-                                            .cpu_slots = absl::GetFlag(FLAGS_cpu_slots)});
+  const std::string bin_dir = self.parent_path().string();
+  std::string corpus = absl::GetFlag(FLAGS_corpus);
+  if (corpus.empty()) corpus = tessera::client::BundledCorpus(bin_dir);
+  if (!corpus.empty()) std::cout << "preparing " << corpus << " into " << dir << "/data" << std::endl;
+  auto cluster = tessera::client::LocalCluster::Start({.bin_dir = bin_dir,
+                                                       .dir = dir,
+                                                       .workers = absl::GetFlag(FLAGS_workers),
+                                                       .cpu_slots = absl::GetFlag(FLAGS_cpu_slots),
+                                                       .corpus = corpus});
   if (!cluster.ok()) return Fail(cluster.status());
   for (const auto& daemon : (*cluster)->daemons()) {
     std::cout << absl::StrFormat("%-12s gRPC %s  metrics http://127.0.0.1:%d/metrics  log %s\n",
                                  daemon.name, daemon.address, daemon.metrics_port, daemon.log_path);
   }
-  std::cout << "\nexport TESSERA_COORDINATOR=" << (*cluster)->coordinator().address
-            << "\nthen, e.g.: tessera submit examples/tiny-gpt.yaml --watch"
-            << "\nCtrl-C stops everything (state stays in " << dir << ")." << std::endl;
+  std::cout << "\nexport TESSERA_COORDINATOR=" << (*cluster)->coordinator().address << "\n";
+  if (!(*cluster)->data_dir().empty()) {
+    std::cout << "export TESSERA_DATA_DIR=" << (*cluster)->data_dir() << "\n"
+              << "then, e.g.: tessera submit examples/tiny-gpt.yaml --watch\n";
+  } else {
+    std::cout << "(no corpus prepared: pass --corpus=FILE.txt to tokenize one)\n";
+  }
+  std::cout << "Ctrl-C stops everything (state stays in " << dir << ")." << std::endl;
   int signal_number = 0;
   sigwait(&signals, &signal_number);
   std::cout << "\nstopping..." << std::endl;
@@ -252,23 +248,9 @@ int Local() {
   return 0;
 }
 
-// Flags are declared with underscores (--seq_len); people also type dashes (--seq-len). Rewrites
-// the name part of every "--flag[=value]" argument (up to a bare "--") to the underscore form.
-void AcceptDashedFlags(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    if (arg == "--") break;
-    if (arg.size() < 3 || arg.substr(0, 2) != "--") continue;
-    for (char* c = argv[i] + 2; *c != '\0' && *c != '='; ++c) {
-      if (*c == '-') *c = '_';
-    }
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  AcceptDashedFlags(argc, argv);
   std::vector<char*> args = tessera::ParseCommandLine(argc, argv, kUsage);
   if (args.size() < 2) {
     std::cerr << kUsage;
@@ -309,7 +291,7 @@ int main(int argc, char** argv) {
   if (command == "plan") return tessera::client::RunPlan(arg, client, json);
   if (command == "submit") {
     if (!need_arg("SPEC file")) return 2;
-    auto spec = tessera::client::LoadJobSpec(arg);
+    auto spec = tessera::client::LoadJobSpec(arg, tessera::client::ProcessEnvironment());
     if (!spec.ok()) return Fail(spec.status());
     auto job = client.Submit(*spec);
     if (!job.ok()) return Fail(job.status());

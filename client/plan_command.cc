@@ -237,7 +237,7 @@ absl::StatusOr<v1::PlanLayoutRequest> PlanRequestFromFlags(const std::string& sp
   v1::PlanLayoutRequest request;
   v1::JobSpec& spec = *request.mutable_spec();
   if (!spec_path.empty()) {
-    auto loaded = LoadJobSpec(spec_path);
+    auto loaded = LoadJobSpec(spec_path, ProcessEnvironment());
     if (!loaded.ok()) return loaded.status();
     spec = *std::move(loaded);
   } else {

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <string_view>
 
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -34,7 +35,19 @@ void PrintHelp(const char* usage) {
 
 }  // namespace
 
+void AcceptDashedFlags(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--") break;
+    if (arg.size() < 3 || arg.substr(0, 2) != "--") continue;
+    for (char* c = argv[i] + 2; *c != '\0' && *c != '='; ++c) {
+      if (*c == '-') *c = '_';
+    }
+  }
+}
+
 std::vector<char*> ParseCommandLine(int argc, char** argv, const char* usage) {
+  AcceptDashedFlags(argc, argv);
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--") break;

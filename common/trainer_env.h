@@ -26,10 +26,20 @@ inline constexpr int kDefaultMasterPort = 29500;
 // owns (and rewrites the task's gpu_index to 0, the only device the process then sees), or to ""
 // for a CPU rank, which hides every GPU.
 inline constexpr char kCudaVisibleDevicesEnv[] = "CUDA_VISIBLE_DEVICES";
+// Intra-op threads of the rank's OpenMP and MKL pools, which LibTorch sizes from them; the worker
+// sets both to its share of the node's cores (torchrun sets OMP_NUM_THREADS=1 when it starts
+// several ranks on a node), so that ranks do not oversubscribe the cores.
+inline constexpr char kOmpNumThreadsEnv[] = "OMP_NUM_THREADS";
+inline constexpr char kMklNumThreadsEnv[] = "MKL_NUM_THREADS";
 // Tessera's own, not torchrun's: the pid of the worker that launched the trainer. A trainer that
 // finds it set asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG) and exits at
 // once if its parent is already another process, so no trainer outlives its worker. Unset for
 // standalone and torchrun launches.
 inline constexpr char kWorkerPidEnv[] = "TESSERA_WORKER_PID";
+// Fault injection for tests of alerting and failure handling, never set in production: a step
+// number N; from step N on the trainer's loss reads NaN, so it reports that step with loss NaN
+// and fails with FAILURE_KIND_NAN_LOSS as a diverged run would. Trainers inherit it from their
+// worker's environment.
+inline constexpr char kFaultNanLossAtStepEnv[] = "TESSERA_FAULT_NAN_LOSS_AT_STEP";
 
 }  // namespace tessera

@@ -388,7 +388,7 @@ void Cluster::DecideLocked(const std::string& job_id, Allocation& allocation, ab
                absl::StrCat("ending attempt ", allocation.attempt, " of job ", job_id));
     return;
   }
-  if (transitioned.ok() && retry) ++restarts_[primary.kind()];
+  if (transitioned.ok()) ++(retry ? restarts_ : failures_)[primary.kind()];
   DrainLocked(job_id, allocation);
 }
 
@@ -644,7 +644,14 @@ ClusterStats Cluster::Tick() {
     }
     const std::set<std::string> placed = ScheduleLocked(*active);
     for (const auto& job : *active) {
+      const bool pending = !placed.contains(job.job_id()) && job.state() == v1::JOB_STATE_PENDING;
       ++stats.jobs[placed.contains(job.job_id()) ? v1::JOB_STATE_SCHEDULED : job.state()];
+      if (pending) {
+        stats.oldest_pending_seconds = std::max(
+            stats.oldest_pending_seconds,
+            absl::ToDoubleSeconds(now - absl::FromUnixNanos(
+                                            TimeUtil::TimestampToNanoseconds(job.create_time()))));
+      }
     }
   } else {
     LogRetried(active.status(), "listing active jobs");
@@ -657,6 +664,13 @@ ClusterStats Cluster::Tick() {
   }
   for (const auto& node : nodes_.Nodes()) ++stats.nodes[node.state()];
   stats.restarts = restarts_;
+  stats.failures = failures_;
+  // Ended jobs are counted by the store (the active ones above, as this pass left them).
+  if (auto ended = store_->CountEndedJobs(); ended.ok()) {
+    for (const auto& [state, count] : *ended) stats.jobs[state] = count;
+  } else {
+    LogRetried(ended.status(), "counting ended jobs");
+  }
   for (auto& [job_id, allocation] : allocations_.all()) {
     if (allocation.phase != Allocation::Phase::kRunning || allocation.rank_times.empty()) continue;
     std::vector<v1::RankStepTime> ranks;

@@ -72,6 +72,10 @@ struct ClusterStats {
   int64_t cpu_slots_total = 0, cpu_slots_allocated = 0;
   // Restarts decided since the coordinator started, by the blamed failure's kind.
   std::map<v1::FailureKind, int64_t> restarts;
+  // Jobs that ended FAILED since the coordinator started, by the blamed failure's kind.
+  std::map<v1::FailureKind, int64_t> failures;
+  // Age of the oldest PENDING job; 0 when none waits.
+  double oldest_pending_seconds = 0;
   // Running jobs' straggler figures, by job_id.
   std::map<std::string, v1::StragglerReport> stragglers;
 };
@@ -156,6 +160,7 @@ class Cluster {
   std::map<std::string, CachedPlan> plan_cache_ ABSL_GUARDED_BY(mu_);
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(mu_);
   std::map<v1::FailureKind, int64_t> restarts_ ABSL_GUARDED_BY(mu_);
+  std::map<v1::FailureKind, int64_t> failures_ ABSL_GUARDED_BY(mu_);
 
   std::thread loop_;
   absl::Notification stop_;

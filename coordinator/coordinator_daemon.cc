@@ -66,6 +66,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
     metrics->SetCpuSlots(stats.cpu_slots_total, stats.cpu_slots_allocated);
     metrics->ObserveSchedulingPass(seconds);
     metrics->SetRestarts(stats.restarts);
+    metrics->SetFailures(stats.failures);
+    metrics->SetOldestPendingSeconds(stats.oldest_pending_seconds);
     metrics->SetStragglers(stats.stragglers);
   });
   return daemon;

@@ -180,6 +180,17 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                     .Help("Job restarts the coordinator decided, by the kind of the failure "
                           "blamed for the attempt that ended.")
                     .Register(registry)),
+      failures_(prometheus::BuildCounter()
+                    .Name("tessera_job_failures_total")
+                    .Help("Jobs that ended FAILED, by the kind of the failure blamed for their "
+                          "last attempt.")
+                    .Register(registry)),
+      oldest_pending_(prometheus::BuildGauge()
+                          .Name("tessera_job_oldest_pending_seconds")
+                          .Help("Seconds the oldest PENDING job has waited since its "
+                                "submission (0 when none waits).")
+                          .Register(registry)
+                          .Add({})),
       rank_step_seconds_(prometheus::BuildGauge()
                              .Name("tessera_rank_step_seconds")
                              .Help("Seconds per optimizer step a running job's rank spends "
@@ -235,16 +246,35 @@ void CoordinatorMetrics::SetCpuSlots(int64_t total, int64_t allocated) {
   cpu_slots_allocated_.Set(static_cast<double>(allocated));
 }
 
-void CoordinatorMetrics::SetRestarts(const std::map<v1::FailureKind, int64_t>& restarts) {
-  absl::MutexLock lock(&mu_);
-  for (const auto& [kind, total] : restarts) {
-    int64_t& seen = restarts_seen_[kind];
-    if (total <= seen) continue;
-    restarts_.Add({{"kind", StateLabel(v1::FailureKind_Name(kind), "FAILURE_KIND_")}})
-        .Increment(static_cast<double>(total - seen));
-    seen = total;
+namespace {
+
+// Advances the counters of `family` by kind to the cumulative `totals`; `seen` holds the totals
+// of the previous call.
+void AdvanceByKind(prometheus::Family<prometheus::Counter>& family,
+                   const std::map<v1::FailureKind, int64_t>& totals,
+                   std::map<v1::FailureKind, int64_t>& seen) {
+  for (const auto& [kind, total] : totals) {
+    int64_t& previous = seen[kind];
+    if (total <= previous) continue;
+    family.Add({{"kind", StateLabel(v1::FailureKind_Name(kind), "FAILURE_KIND_")}})
+        .Increment(static_cast<double>(total - previous));
+    previous = total;
   }
 }
+
+}  // namespace
+
+void CoordinatorMetrics::SetRestarts(const std::map<v1::FailureKind, int64_t>& restarts) {
+  absl::MutexLock lock(&mu_);
+  AdvanceByKind(restarts_, restarts, restarts_seen_);
+}
+
+void CoordinatorMetrics::SetFailures(const std::map<v1::FailureKind, int64_t>& failures) {
+  absl::MutexLock lock(&mu_);
+  AdvanceByKind(failures_, failures, failures_seen_);
+}
+
+void CoordinatorMetrics::SetOldestPendingSeconds(double seconds) { oldest_pending_.Set(seconds); }
 
 void CoordinatorMetrics::SetStragglers(
     const std::map<std::string, v1::StragglerReport>& stragglers) {

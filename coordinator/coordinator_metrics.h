@@ -8,9 +8,14 @@
 //
 // Exposed families (all names follow the Prometheus conventions and pass
 // `promtool check metrics`):
-//   tessera_jobs{state}                     gauge; state is the lower-case
-//                                           JobState without its prefix
-//                                           ("pending", "scheduled", ...)
+//   tessera_jobs{state}                     gauge; jobs in every state, the
+//                                           terminal ones included; state is
+//                                           the lower-case JobState without
+//                                           its prefix ("pending", ...)
+//   tessera_job_oldest_pending_seconds      gauge; age of the oldest PENDING
+//                                           job (0 when none waits)
+//   tessera_job_failures_total{kind}        counter; jobs that ended FAILED,
+//                                           by the blamed failure's kind
 //   tessera_nodes{state}                    gauge; "ready", "draining", "lost"
 //   tessera_gpus_capacity                   gauge; GPUs on ready nodes
 //   tessera_gpus_allocated                  gauge; GPUs held by jobs
@@ -78,6 +83,9 @@ class CoordinatorMetrics {
   // Restarts decided since start, by blamed failure kind (cumulative; the
   // counters advance by the difference to the previous call).
   void SetRestarts(const std::map<v1::FailureKind, int64_t>& restarts);
+  // Jobs that ended FAILED since start, by blamed failure kind (cumulative, as SetRestarts).
+  void SetFailures(const std::map<v1::FailureKind, int64_t>& failures);
+  void SetOldestPendingSeconds(double seconds);
   // The running jobs' per-rank step times and skew; series of jobs no longer
   // listed are removed.
   void SetStragglers(const std::map<std::string, v1::StragglerReport>& stragglers);
@@ -130,11 +138,14 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Counter>& grpc_requests_;
   prometheus::Family<prometheus::Histogram>& grpc_request_duration_;
   prometheus::Family<prometheus::Counter>& restarts_;
+  prometheus::Family<prometheus::Counter>& failures_;
+  prometheus::Gauge& oldest_pending_;
   prometheus::Family<prometheus::Gauge>& rank_step_seconds_;
   prometheus::Family<prometheus::Gauge>& straggler_skew_;
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, MethodSeries> methods_ ABSL_GUARDED_BY(mu_);
   std::map<v1::FailureKind, int64_t> restarts_seen_ ABSL_GUARDED_BY(mu_);
+  std::map<v1::FailureKind, int64_t> failures_seen_ ABSL_GUARDED_BY(mu_);
   // job_id -> the rank_step_seconds series set last time, and its skew series.
   std::map<std::string, std::map<int, prometheus::Gauge*>> rank_series_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, prometheus::Gauge*> skew_series_ ABSL_GUARDED_BY(mu_);

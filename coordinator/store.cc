@@ -611,6 +611,27 @@ ORDER BY create_time_ns, job_id)sql",
   return QueryJobs(select, operation);
 }
 
+absl::StatusOr<std::map<v1::JobState, int64_t>> Store::CountEndedJobs() {
+  absl::MutexLock lock(&mu_);
+  const std::string operation = "count ended jobs";
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+SELECT state, COUNT(*) FROM jobs WHERE state IN (?1, ?2, ?3) GROUP BY state)sql",
+                                                operation));
+  Statement select(db_, stmt, operation);
+  std::map<v1::JobState, int64_t> counts;
+  for (v1::JobState state :
+       {v1::JOB_STATE_SUCCEEDED, v1::JOB_STATE_FAILED, v1::JOB_STATE_CANCELLED}) {
+    select.Bind(static_cast<int>(counts.size()) + 1, state);
+    counts[state] = 0;
+  }
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (!has_row) break;
+    counts[static_cast<v1::JobState>(select.ColumnInt64(0))] = select.ColumnInt64(1);
+  }
+  return counts;
+}
+
 absl::StatusOr<std::vector<v1::JobEvent>> Store::ReadEvents(const std::string& job_id,
                                                             int64_t after_sequence, int limit) {
   absl::MutexLock lock(&mu_);

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -117,6 +118,8 @@ class Store {
   // Jobs in non-terminal states (PENDING, SCHEDULED, RUNNING, RESTARTING),
   // oldest first: what the coordinator reloads on start.
   absl::StatusOr<std::vector<v1::Job>> ListActiveJobs();
+  // How many jobs are SUCCEEDED, FAILED and CANCELLED (each present, 0 when none).
+  absl::StatusOr<std::map<v1::JobState, int64_t>> CountEndedJobs();
 
   // Events with sequence > after_sequence, ascending, at most `limit`
   // (0 means no limit).

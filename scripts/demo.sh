@@ -42,9 +42,9 @@ wait_for_line "$work/worker.log" "registered with"
 tessera() { "$bin/tessera" --coordinator="$address" "$@"; }
 tessera nodes
 
-sed "s|DATA_DIR|$work/data|g" examples/tiny-gpt.yaml >"$work/job.yaml"
-echo "demo: tessera submit job.yaml --watch"
-tessera submit "$work/job.yaml" --watch | awk '!/step [0-9]+\// || /step [0-9]*0\//'
+export TESSERA_DATA_DIR="$work/data"
+echo "demo: TESSERA_DATA_DIR=$TESSERA_DATA_DIR tessera submit examples/tiny-gpt.yaml --watch"
+tessera submit examples/tiny-gpt.yaml --watch | awk '!/step [0-9]+\// || /step [0-9]*0\//'
 job=$(tessera list | awk 'NR==1 {print $1}')
 echo "demo: checkpoints of $job"
 tessera checkpoints "$job"

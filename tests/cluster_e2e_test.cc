@@ -272,7 +272,7 @@ TEST_F(ClusterTest, TwoRankJobTrainsThroughCoordinatorAndWorker) {
   auto metrics_page = testing::HttpGet(worker_metrics_port_, "/metrics");
   ASSERT_THAT(metrics_page, IsOk());
   EXPECT_THAT(metrics_page->body,
-              HasSubstr(absl::StrCat("tessera_train_loss{job=\"", job_id, "\",rank=\"0\"}")));
+              HasSubstr(absl::StrCat("tessera_train_loss{job_id=\"", job_id, "\",rank=\"0\"}")));
   EXPECT_THAT(metrics_page->body, HasSubstr("tessera_train_tokens_per_second{"));
 }
 
@@ -300,7 +300,7 @@ TEST_F(TwoWorkerClusterTest, ARankOnEachNodeTrainsTogether) {
   int port = rank0_node == "e2e-node" ? worker_metrics_port_ : worker2_metrics_port_;
   auto page = testing::HttpGet(port, "/metrics");
   ASSERT_THAT(page, IsOk());
-  EXPECT_THAT(page->body, HasSubstr("tessera_train_loss{job=\"" + job.job_id() + "\""));
+  EXPECT_THAT(page->body, HasSubstr("tessera_train_loss{job_id=\"" + job.job_id() + "\""));
 }
 
 TEST_F(ClusterTest, NothingIsLostWhileTheCoordinatorRestarts) {
@@ -623,7 +623,7 @@ TEST(LocalTest, TesseraLocalRunsAJobAndStopsCleanly) {
   for (int i = 1; i < 3; ++i) {
     auto page = testing::HttpGet(ports[i], "/metrics");
     ASSERT_THAT(page, IsOk());
-    training_series |= absl::StrContains(page->body, "tessera_train_loss{job=\"" + job_id);
+    training_series |= absl::StrContains(page->body, "tessera_train_loss{job_id=\"" + job_id);
   }
   EXPECT_TRUE(training_series);
 

@@ -1,6 +1,7 @@
 // fake_trainer: a stand-in for tessera-trainer in the worker's tests. It links only the proto
 // library and does what its flags say, in this order:
-//   prints RANK, WORLD_SIZE, LOCAL_RANK, CUDA_VISIBLE_DEVICES and TESSERA_WORKER_PID ("<unset>"
+//   prints RANK, WORLD_SIZE, LOCAL_RANK, CUDA_VISIBLE_DEVICES, TESSERA_WORKER_PID, OMP_NUM_THREADS
+//   and MKL_NUM_THREADS ("<unset>"
 //   when absent), its working directory (CWD=...) and each argument (ARG[i]=...) to stdout;
 //   --task=PATH        a task file the worker wrote (one naming a report socket; other paths
 //                      are only printed): reads the TrainerTask, takes more flags from
@@ -162,6 +163,8 @@ int main(int argc, char** argv) {
   PrintEnv("LOCAL_RANK");
   PrintEnv("CUDA_VISIBLE_DEVICES");
   PrintEnv("TESSERA_WORKER_PID");
+  PrintEnv("OMP_NUM_THREADS");
+  PrintEnv("MKL_NUM_THREADS");
   char cwd[4096];
   std::printf("CWD=%s\n", getcwd(cwd, sizeof(cwd)) != nullptr ? cwd : "<unknown>");
   for (int i = 1; i < argc; ++i) std::printf("ARG[%d]=%s\n", i, argv[i]);

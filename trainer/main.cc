@@ -11,6 +11,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/command_line.h"
@@ -337,8 +338,17 @@ int main(int argc, char** argv) {
                                            .rank = task.assignment().rank(),
                                            .interval = tessera::trainer::HeartbeatInterval(task)});
   }
-  auto result =
-      tessera::trainer::RunTraining(task, *reporter, {.log = &std::cerr, .progress = &progress});
+  tessera::trainer::TrainOptions train_options{.log = &std::cerr, .progress = &progress};
+  if (const char* step = std::getenv(tessera::kFaultNanLossAtStepEnv); step != nullptr) {
+    if (!absl::SimpleAtoi(step, &train_options.nan_loss_from_step)) {
+      std::cerr << "tessera-trainer: " << tessera::kFaultNanLossAtStepEnv
+                << " must be a step number, not '" << step << "'\n";
+      return 2;
+    }
+    std::cerr << "tessera-trainer: fault injection: loss reads NaN from step "
+              << train_options.nan_loss_from_step << "\n";
+  }
+  auto result = tessera::trainer::RunTraining(task, *reporter, train_options);
   if (!result.ok()) {
     std::cerr << "tessera-trainer: " << result.status() << "\n";
     return 1;

@@ -484,7 +484,20 @@ class Trainer {
       step_loss = tensors[0] / (world() / shape_.pp);
     }
     double loss_value = step_loss.item<double>();
+    if (options_.nan_loss_from_step > 0 && step_ + 1 >= options_.nan_loss_from_step) {
+      loss_value = std::numeric_limits<double>::quiet_NaN();
+    }
     if (!std::isfinite(loss_value)) {
+      // The step is reported (its loss gauge reads NaN, for dashboards and alerts), never applied.
+      if (rank() == 0) {
+        v1::TrainerReport report = NewReport();
+        v1::StepMetrics* m = report.mutable_metrics();
+        m->set_step(step_ + 1);
+        m->set_loss(loss_value);
+        m->set_learning_rate(learning_rate);
+        *m->mutable_time() = report.time();
+        Send(report);
+      }
       return absl::InternalError(absl::StrCat("loss is ", loss_value, " at step ", step_ + 1));
     }
     double clip = spec_.optimizer().grad_clip_norm();

@@ -24,6 +24,9 @@ struct TrainOptions {
   std::ostream* log = nullptr;
   // Where each step's wall and busy time go, for the rank's heartbeats; may be null.
   RankProgress* progress = nullptr;
+  // Fault injection (common/trainer_env.h kFaultNanLossAtStepEnv): from this step on the loss
+  // reads NaN. 0: off.
+  int64_t nan_loss_from_step = 0;
 };
 
 struct TrainResult {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_split.h"
 #include "common/command_line.h"
 #include "common/daemon/daemon_servers.h"
+#include "common/daemon/log_format.h"
 #include "common/daemon/shutdown_signal.h"
 #include "common/version.h"
 #include "worker/trainer_process.h"
@@ -32,6 +33,14 @@ ABSL_FLAG(std::vector<std::string>, labels, {}, "Node labels as key=value,key=va
 ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
           "Time between SIGTERM and SIGKILL when stopping trainers.");
 
+ABSL_FLAG(std::string, log_format, "text",
+          "text: plain lines; json: one JSON object per line (time, component, pid, message; "
+          "gRPC's lines with severity and source) for cluster log collectors.");
+ABSL_FLAG(int, trainer_threads, 0,
+          "Intra-op CPU threads of each trainer (OMP_NUM_THREADS, MKL_NUM_THREADS); 0: this "
+          "node's cores divided by its slots (CPU slots, or GPUs), at least 1, so that ranks do "
+          "not fight over cores.");
+
 constexpr char kUsage[] =
     "Usage: tessera-worker --coordinator=HOST:PORT [--node_name=NAME] [--cpu_slots=N]\n"
     "                      [--listen=HOST:PORT] [--metrics_listen=HOST:PORT] [--work_dir=DIR]\n\n"
@@ -41,6 +50,12 @@ constexpr char kUsage[] =
 int main(int argc, char** argv) {
   tessera::BlockShutdownSignals();
   tessera::ParseCommandLine(argc, argv, kUsage);
+  auto log_format = tessera::ParseLogFormat(absl::GetFlag(FLAGS_log_format));
+  if (!log_format.ok()) {
+    std::cerr << "tessera-worker: " << log_format.status().message() << "\n";
+    return 2;
+  }
+  tessera::InstallLogFormat(*log_format, "worker");
   // Trainers' orphaned descendants become ours to reap, so stopping a
   // trainer's process group always finishes (PID 1 may not reap them).
   if (auto status = tessera::worker::BecomeChildSubreaper(); !status.ok()) {
@@ -72,6 +87,7 @@ int main(int argc, char** argv) {
     agent.labels[kv.first] = kv.second;
   }
   agent.stop_grace = absl::GetFlag(FLAGS_stop_grace);
+  agent.trainer_threads = absl::GetFlag(FLAGS_trainer_threads);
 
   auto daemon = tessera::worker::WorkerDaemon::Start(options);
   if (!daemon.ok()) {

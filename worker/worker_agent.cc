@@ -1,14 +1,17 @@
 #include "worker/worker_agent.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/daemon/grpc_status.h"
@@ -27,6 +30,9 @@ namespace {
 
 // Most reports relayed in one Report call.
 constexpr int kRelayBatch = 256;
+// How long an ended task's state waits for its queued reports to be relayed (TaskStatusLocked).
+constexpr absl::Duration kReportDrainTimeout = absl::Seconds(30);
+
 // Lines of a failed rank's log quoted in its failure message.
 constexpr int kFailureLogLines = 20;
 
@@ -41,11 +47,27 @@ bool IsTerminal(v1::TaskState state) {
          state == v1::TASK_STATE_STOPPED;
 }
 
+// Cores this process may run on (its affinity mask, which a container's cpuset narrows).
+int UsableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
 }  // namespace
+
+int TrainerThreads(int requested, int usable_cores, int slots) {
+  if (requested > 0) return requested;
+  return std::max(1, usable_cores / std::max(1, slots));
+}
 
 WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend> gpus)
     : options_(std::move(options)), gpus_(std::move(gpus)) {
   if (gpus_) devices_ = gpus_->Devices();
+  trainer_threads_ = TrainerThreads(
+      options_.trainer_threads, UsableCores(),
+      options_.cpu_slots > 0 ? options_.cpu_slots : static_cast<int>(devices_.size()));
   coordinator_ = v1::NodeService::NewStub(MakeClientChannel(options_.coordinator_address));
   socket_path_ = absl::StrCat(options_.work_dir, "/reports.sock");
   pid_dir_ = absl::StrCat(options_.work_dir, "/trainers");
@@ -141,6 +163,29 @@ void WorkerAgent::Stop() {
   unlink(socket_path_.c_str());
 }
 
+v1::TaskStatus WorkerAgent::TaskStatusLocked(Task& task, absl::Time now) {
+  v1::TaskStatus status;
+  status.set_task_id(task.task_id);
+  status.set_job_id(task.job_id);
+  status.set_attempt(task.attempt);
+  status.set_state(task.state);
+  // The end of a task goes out after its last reports, so that the coordinator has every step
+  // when it records the end (reports queue up while it is unreachable); a coordinator that keeps
+  // refusing them delays the end by kReportDrainTimeout at most.
+  if (IsTerminal(task.state) && !task.unacked.empty()) {
+    if (!task.drain_deadline) task.drain_deadline = now + kReportDrainTimeout;
+    if (now < *task.drain_deadline) {
+      status.set_state(v1::TASK_STATE_RUNNING);
+      return status;
+    }
+  }
+  if (task.state == v1::TASK_STATE_FAILED) *status.mutable_failure() = task.failure;
+  for (const auto& rank : task.ranks) {
+    if (rank.step_time) *status.add_ranks() = *rank.step_time;
+  }
+  return status;
+}
+
 absl::Status WorkerAgent::RegisterNow() {
   v1::RegisterNodeRequest request;
   request.set_node_id(options_.node_id);
@@ -155,13 +200,9 @@ absl::Status WorkerAgent::RegisterNow() {
   request.set_worker_version(Version());
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [id, task] : tasks_) {
-      if (IsTerminal(task.state)) continue;
-      v1::TaskStatus* status = request.add_running_tasks();
-      status->set_task_id(id);
-      status->set_job_id(task.job_id);
-      status->set_attempt(task.attempt);
-      status->set_state(task.state);
+    // Ended tasks too: one that ended while the coordinator was away is not lost.
+    for (auto& [id, task] : tasks_) {
+      *request.add_running_tasks() = TaskStatusLocked(task, absl::Now());
     }
   }
   grpc::ClientContext context;
@@ -216,17 +257,11 @@ void WorkerAgent::HeartbeatLoop() {
     {
       absl::MutexLock lock(&mu_);
       for (const auto& metrics : last_gpu_metrics_) *request.add_gpu_metrics() = metrics;
-      for (const auto& [id, task] : tasks_) {
+      const absl::Time now = absl::Now();
+      for (auto& [id, task] : tasks_) {
         v1::TaskStatus* status = request.add_tasks();
-        status->set_task_id(id);
-        status->set_job_id(task.job_id);
-        status->set_attempt(task.attempt);
-        status->set_state(task.state);
-        if (task.state == v1::TASK_STATE_FAILED) *status->mutable_failure() = task.failure;
-        for (const auto& rank : task.ranks) {
-          if (rank.step_time) *status->add_ranks() = *rank.step_time;
-        }
-        if (IsTerminal(task.state)) terminal_sent.push_back(id);
+        *status = TaskStatusLocked(task, now);
+        if (IsTerminal(status->state())) terminal_sent.push_back(id);
       }
     }
     grpc::ClientContext context;
@@ -285,7 +320,9 @@ void WorkerAgent::LaunchLocked(const v1::TaskAssignment& assignment) {
         {kMasterAddrEnv, ra.master_addr()},
         {kMasterPortEnv, std::to_string(ra.master_port())},
         {kCudaVisibleDevicesEnv, ra.gpu_index() >= 0 ? std::to_string(ra.gpu_index()) : ""},
-        {kWorkerPidEnv, std::to_string(getpid())}};
+        {kWorkerPidEnv, std::to_string(getpid())},
+        {kOmpNumThreadsEnv, std::to_string(trainer_threads_)},
+        {kMklNumThreadsEnv, std::to_string(trainer_threads_)}};
     // The process sees only its GPU, as device 0.
     if (ra.gpu_index() >= 0) rank.task.mutable_assignment()->set_gpu_index(0);
     std::string task_file = absl::StrCat(dir, "/rank-", ra.rank(), ".task.pb");

@@ -48,6 +48,9 @@ struct WorkerAgentOptions {
   std::string work_dir = "tessera-work";
   // Trainer ranks a node without GPUs runs at once.
   int cpu_slots = 0;
+  // Intra-op threads of each trainer (OMP_NUM_THREADS, MKL_NUM_THREADS); 0: the cores this
+  // process may run on divided by the node's slots (CPU slots, else GPUs), at least 1.
+  int trainer_threads = 0;
   // The tessera-trainer binary.
   std::string trainer_path;
   // Labels offered to node selectors.
@@ -64,6 +67,10 @@ struct WorkerAgentOptions {
   // Deadline of each call to the coordinator.
   absl::Duration rpc_timeout = absl::Seconds(10);
 };
+
+// Intra-op threads per trainer: `requested` when positive, else `usable_cores` / `slots` (at
+// least 1 each).
+int TrainerThreads(int requested, int usable_cores, int slots);
 
 class WorkerAgent {
  public:
@@ -130,6 +137,8 @@ class WorkerAgent {
     bool stop_requested = false;
     // When a failed rank was first seen, for the peer-failure grace.
     std::optional<absl::Time> first_failure_seen;
+    // Until when the end of the task is held back for its unrelayed reports.
+    std::optional<absl::Time> drain_deadline;
   };
 
   void HeartbeatLoop();
@@ -147,6 +156,9 @@ class WorkerAgent {
   // The failure of a rank that exited non-zero: its own typed report, else
   // the exit status; stamped with when the exit was seen if it has no time.
   v1::TrainerFailure ExitFailureLocked(const Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What heartbeats and registrations say of `task`: RUNNING still for an ended task whose
+  // reports are not all relayed (up to a deadline it sets on first call).
+  v1::TaskStatus TaskStatusLocked(Task& task, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Task* FindTaskLocked(const std::string& job_id, int attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const WorkerAgentOptions options_;
@@ -156,6 +168,8 @@ class WorkerAgent {
   std::string socket_path_;
   // Pid files of launched trainers (worker/orphans.h).
   std::string pid_dir_;
+  // OMP_NUM_THREADS / MKL_NUM_THREADS of every trainer (TrainerThreads).
+  int trainer_threads_ = 1;
   std::string advertise_address_;
   std::function<void(const std::vector<v1::GpuDevice>&, const std::vector<GpuSample>&)>
       gpu_observer_;

@@ -197,9 +197,18 @@ class WorkerAgentTest : public ::testing::Test {
   std::unique_ptr<WorkerAgent> agent_;
 };
 
+TEST(TrainerThreadsTest, CoresAreSharedAmongSlotsUnlessAskedFor) {
+  EXPECT_EQ(TrainerThreads(0, 16, 2), 8);
+  EXPECT_EQ(TrainerThreads(0, 2, 2), 1);
+  EXPECT_EQ(TrainerThreads(0, 2, 4), 1) << "never 0 threads";
+  EXPECT_EQ(TrainerThreads(0, 8, 0), 8) << "no slots counted: one rank's share is every core";
+  EXPECT_EQ(TrainerThreads(3, 16, 2), 3);
+}
+
 TEST_F(WorkerAgentTest, BlamesTheCauseNotTheRankThatLostItsPeerFirst) {
   WorkerAgentOptions options;
   options.peer_failure_grace = absl::Seconds(5);
+  options.trainer_threads = 3;
   // Rank 0 reports a lost peer at once; rank 1, the cause, exits 0.4 s later with no report.
   StartCluster(TwoRanks(0), "--heartbeat --report_failure=10 --exit=1",
                "--heartbeat --sleep=0.4 --exit=3", options);
@@ -218,6 +227,9 @@ TEST_F(WorkerAgentTest, BlamesTheCauseNotTheRankThatLostItsPeerFirst) {
   std::stringstream text;
   text << log.rdbuf();
   EXPECT_THAT(text.str(), HasSubstr(absl::StrCat("TESSERA_WORKER_PID=", getpid(), "\n")));
+  // Its share of the cores, whatever the worker's own environment says.
+  EXPECT_THAT(text.str(), HasSubstr("OMP_NUM_THREADS=3\n"));
+  EXPECT_THAT(text.str(), HasSubstr("MKL_NUM_THREADS=3\n"));
   ExpectNoHeartbeatRelayed();
   bool relayed_peer_failure = false;
   for (const v1::TrainerReport& report : coordinator_->relayed()) {

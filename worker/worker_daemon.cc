@@ -50,32 +50,49 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOp
   return daemon;
 }
 
+namespace {
+
+prometheus::Family<prometheus::Gauge>& TrainingGauge(prometheus::Registry& registry,
+                                                     const std::string& name,
+                                                     const std::string& help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(registry);
+}
+
+}  // namespace
+
+// Series are labelled job_id, not job: Prometheus reserves `job` for the scrape job and would
+// rename ours to exported_job.
 TrainingMetrics::TrainingMetrics(prometheus::Registry& registry)
-    : loss_(prometheus::BuildGauge()
-                .Name("tessera_train_loss")
-                .Help("Training loss (nats per token) of the newest step reported by a trainer")
-                .Register(registry)),
-      tokens_per_second_(prometheus::BuildGauge()
-                             .Name("tessera_train_tokens_per_second")
-                             .Help("Training tokens per second of the whole job, newest step")
-                             .Register(registry)),
-      mfu_(prometheus::BuildGauge()
-               .Name("tessera_train_mfu_ratio")
-               .Help("Model FLOPs utilisation of the newest step, in [0, 1]")
-               .Register(registry)),
-      step_time_(prometheus::BuildGauge()
-                     .Name("tessera_train_step_time_seconds")
-                     .Help("Wall time of the newest optimizer step")
-                     .Register(registry)) {}
+    : loss_(TrainingGauge(registry, "tessera_train_loss",
+                          "Training loss (nats per token) of the newest step reported by a "
+                          "trainer; NaN when the step's loss was not finite")),
+      tokens_per_second_(TrainingGauge(registry, "tessera_train_tokens_per_second",
+                                       "Training tokens per second of the whole job, newest step")),
+      mfu_(TrainingGauge(registry, "tessera_train_mfu_ratio",
+                         "Model FLOPs utilisation of the newest step, in [0, 1]")),
+      step_time_(TrainingGauge(registry, "tessera_train_step_time_seconds",
+                               "Wall time of the newest optimizer step")),
+      grad_norm_(TrainingGauge(registry, "tessera_train_grad_norm",
+                               "Global gradient norm of the newest step, before clipping")),
+      learning_rate_(TrainingGauge(registry, "tessera_train_learning_rate",
+                                   "Learning rate of the newest step")),
+      step_(TrainingGauge(registry, "tessera_train_step", "Newest optimizer step reported")),
+      eval_loss_(TrainingGauge(registry, "tessera_eval_loss",
+                               "Validation loss (nats per token) of the newest evaluation")) {}
 
 void TrainingMetrics::Record(const v1::TrainerReport& report) {
-  if (!report.has_metrics()) return;
-  const prometheus::Labels labels = {{"job", report.job_id()},
+  const prometheus::Labels labels = {{"job_id", report.job_id()},
                                      {"rank", std::to_string(report.rank())}};
-  loss_.Add(labels).Set(report.metrics().loss());
-  tokens_per_second_.Add(labels).Set(report.metrics().tokens_per_second());
-  mfu_.Add(labels).Set(report.metrics().mfu());
-  step_time_.Add(labels).Set(report.metrics().step_time_seconds());
+  if (report.has_eval()) eval_loss_.Add(labels).Set(report.eval().loss());
+  if (!report.has_metrics()) return;
+  const v1::StepMetrics& metrics = report.metrics();
+  loss_.Add(labels).Set(metrics.loss());
+  tokens_per_second_.Add(labels).Set(metrics.tokens_per_second());
+  mfu_.Add(labels).Set(metrics.mfu());
+  step_time_.Add(labels).Set(metrics.step_time_seconds());
+  grad_norm_.Add(labels).Set(metrics.grad_norm());
+  learning_rate_.Add(labels).Set(metrics.learning_rate());
+  step_.Add(labels).Set(static_cast<double>(metrics.step()));
 }
 
 WorkerDaemon::~WorkerDaemon() {

@@ -22,6 +22,8 @@ namespace tessera::worker {
 class TrainingMetrics {
  public:
   explicit TrainingMetrics(prometheus::Registry& registry);
+  // Sets the gauges of the report's job and rank from a StepMetrics or EvalMetrics report;
+  // ignores other reports.
   void Record(const v1::TrainerReport& report);
 
  private:
@@ -29,6 +31,10 @@ class TrainingMetrics {
   prometheus::Family<prometheus::Gauge>& tokens_per_second_;
   prometheus::Family<prometheus::Gauge>& mfu_;
   prometheus::Family<prometheus::Gauge>& step_time_;
+  prometheus::Family<prometheus::Gauge>& grad_norm_;
+  prometheus::Family<prometheus::Gauge>& learning_rate_;
+  prometheus::Family<prometheus::Gauge>& step_;
+  prometheus::Family<prometheus::Gauge>& eval_loss_;
 };
 
 struct WorkerOptions {
