@@ -73,6 +73,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   return daemon;
 }
 
+void CoordinatorDaemon::PrepareShutdown() { jobs_->CloseWatches(); }
+
 CoordinatorDaemon::~CoordinatorDaemon() {
   if (cluster_) cluster_->Stop();
 }

@@ -47,6 +47,9 @@ class CoordinatorDaemon {
   ~CoordinatorDaemon();
 
   DaemonServers& servers() { return *servers_; }
+  // Before the servers shut down: ends the open WatchJob streams (UNAVAILABLE), which would
+  // otherwise hold the shutdown for its whole grace period.
+  void PrepareShutdown();
 
  private:
   CoordinatorDaemon() = default;

@@ -109,6 +109,11 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
   // Caller holds state_->mu.
   void PumpLocked() {
     if (writing_ || finished_) return;
+    if (jobs_->closed()) {
+      return FinishLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                       "the coordinator is shutting down; watch again (from "
+                                       "after_sequence) once it is back"));
+    }
     if (buffer_.empty()) {
       // The job first, then its events: a terminal state was committed
       // together with its event, so "terminal and nothing newer" is final.

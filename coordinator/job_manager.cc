@@ -218,6 +218,16 @@ int64_t JobManager::Subscribe(const std::string& job_id, std::function<void()> l
   return handle;
 }
 
+void JobManager::CloseWatches() {
+  closed_.store(true);
+  std::vector<std::function<void()>> to_call;
+  {
+    absl::MutexLock lock(&listeners_mu_);
+    for (const auto& [handle, entry] : listeners_) to_call.push_back(entry.second);
+  }
+  for (auto& listener : to_call) listener();
+}
+
 void JobManager::Unsubscribe(int64_t handle) {
   absl::MutexLock lock(&listeners_mu_);
   listeners_.erase(handle);

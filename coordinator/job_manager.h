@@ -9,6 +9,7 @@
 // outside the lock.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -70,6 +71,12 @@ class JobManager {
   int64_t Subscribe(const std::string& job_id, std::function<void()> listener);
   void Unsubscribe(int64_t handle);
 
+  // Shutdown: from now on closed() is true, and every listener is called once so that the
+  // streams following events end (a watcher resumes on the next coordinator) instead of holding
+  // the gRPC server's shutdown for its whole grace period.
+  void CloseWatches();
+  bool closed() const { return closed_.load(); }
+
  private:
   // Commits `write` and wakes the job's watchers.
   absl::StatusOr<std::vector<v1::JobEvent>> CommitAndNotify(const JobWrite& write);
@@ -77,6 +84,7 @@ class JobManager {
   Store* store_;
   // Serializes read-modify-write of jobs.
   absl::Mutex mu_;
+  std::atomic<bool> closed_{false};
   absl::Mutex listeners_mu_;
   int64_t next_listener_ ABSL_GUARDED_BY(listeners_mu_) = 1;
   std::map<int64_t, std::pair<std::string, std::function<void()>>> listeners_

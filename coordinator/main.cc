@@ -74,5 +74,6 @@ int main(int argc, char** argv) {
     std::cerr << "tessera-coordinator: " << daemon.status() << "\n";
     return 1;
   }
-  return tessera::ServeUntilSignal("tessera-coordinator", (*daemon)->servers());
+  return tessera::ServeUntilSignal("tessera-coordinator", (*daemon)->servers(),
+                                   [&daemon] { (*daemon)->PrepareShutdown(); });
 }

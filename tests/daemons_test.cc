@@ -12,11 +12,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/daemon/server.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 #include "tests/util/http_get.h"
@@ -120,6 +122,66 @@ TEST(DaemonsTest, CoordinatorServesHealthMetricsAndTheContract) {
   ASSERT_THAT(exit, IsOk());
   EXPECT_EQ(exit->exit_code, 0) << coordinator->process.stderr_text();
   EXPECT_THAT(coordinator->process.stderr_text(), HasSubstr("shutting down"));
+}
+
+// What a Kubernetes pod needs: flags spelled with dashes, one JSON object per log line, ended
+// jobs counted, and SIGTERM obeyed at once even while a client follows a job (a watch stream would
+// otherwise hold the gRPC shutdown for its whole 5 s grace).
+TEST(DaemonsTest, DashedFlagsJsonLogsAndAPromptStopWithAWatcherOpen) {
+  ScopedTempDir state("daemons_test");
+  auto coordinator = StartDaemon("tessera-coordinator",
+                                 {"--state=" + state.path() + "/db", "--log-format=json",
+                                  "--heartbeat-timeout=7s", "--checkpoint-root=" + state.path()});
+  ASSERT_THAT(coordinator, IsOk());
+  const std::string cli = BinDir() + "/tessera --coordinator=" + coordinator->address;
+  auto submitted = RunCommand({"/bin/sh", "-c",
+                               "TESSERA_DATA_DIR=" + state.path() + " " + cli + " submit " +
+                                   std::string(TESSERA_EXAMPLES_DIR) + "/tiny-gpt.yaml"});
+  ASSERT_THAT(submitted, IsOk());
+  ASSERT_EQ(submitted->exit.exit_code, 0) << submitted->output;
+  const std::string job_id = submitted->output.substr(0, submitted->output.find('\n'));
+  auto watcher = Subprocess::Start({BinDir() + "/tessera", "--coordinator=" + coordinator->address,
+                                    "watch", job_id},
+                                   {.merge_stdout = true, .extra_env = {}});
+  ASSERT_THAT(watcher, IsOk());
+  ASSERT_THAT(watcher->WaitForStderrLine("[PENDING]"), IsOk());
+
+  absl::StatusOr<testing::HttpResponse> metrics;
+  for (int i = 0; i < 50; ++i) {
+    metrics = HttpGet(coordinator->metrics_port, "/metrics");
+    ASSERT_THAT(metrics, IsOk());
+    if (absl::StrContains(metrics->body, "tessera_jobs{state=\"pending\"} 1")) break;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_THAT(metrics->body, HasSubstr("tessera_jobs{state=\"pending\"} 1"));
+  EXPECT_THAT(metrics->body, HasSubstr("tessera_jobs{state=\"succeeded\"} 0"));
+  EXPECT_THAT(metrics->body, HasSubstr("tessera_jobs{state=\"failed\"} 0"));
+  EXPECT_THAT(metrics->body, HasSubstr("tessera_job_oldest_pending_seconds "));
+
+  const absl::Time signalled = absl::Now();
+  auto exit = coordinator->process.Stop(SIGTERM);
+  ASSERT_THAT(exit, IsOk());
+  EXPECT_EQ(exit->exit_code, 0);
+  EXPECT_LT(absl::Now() - signalled, absl::Seconds(3)) << "waited out the gRPC grace";
+  auto watch_exit = watcher->Wait(absl::Seconds(10));
+  ASSERT_THAT(watch_exit, IsOk());
+  EXPECT_EQ(watch_exit->exit_code, 1);
+  EXPECT_THAT(watcher->stderr_text(), HasSubstr("shutting down; watch again"));
+
+  // Every line of the log is a JSON object naming the component, the startup line among them.
+  const std::string log = coordinator->process.stderr_text();
+  int lines = 0;
+  bool serving = false;
+  for (absl::string_view line : absl::StrSplit(log, '\n', absl::SkipEmpty())) {
+    ++lines;
+    const nlohmann::json parsed = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(parsed.is_object()) << line;
+    EXPECT_EQ(parsed.value("component", ""), "coordinator") << line;
+    EXPECT_TRUE(parsed.contains("time")) << line;
+    serving |= absl::StrContains(parsed.value("message", ""), "serving gRPC on");
+  }
+  EXPECT_GE(lines, 2);
+  EXPECT_TRUE(serving) << log;
 }
 
 TEST(DaemonsTest, WorkerStartsAndStopsCleanly) {

@@ -23,12 +23,14 @@ absl::StatusOr<std::unique_ptr<DaemonServers>> DaemonServers::Start(
   return servers;
 }
 
-int ServeUntilSignal(const std::string& binary, DaemonServers& servers) {
+int ServeUntilSignal(const std::string& binary, DaemonServers& servers,
+                     const std::function<void()>& before_shutdown) {
   std::cerr << binary << ": serving gRPC on " << servers.address();
   if (servers.metrics_port() > 0) std::cerr << ", metrics on port " << servers.metrics_port();
   std::cerr << std::endl;
   int signal_number = WaitForShutdownSignal();
   std::cerr << binary << ": signal " << signal_number << ", shutting down" << std::endl;
+  if (before_shutdown) before_shutdown();
   servers.Shutdown();
   return 0;
 }

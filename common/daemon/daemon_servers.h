@@ -58,6 +58,10 @@ class DaemonServers {
 // (tests and scripts read the bound ports from it), waits for SIGINT or
 // SIGTERM, shuts the servers down and returns main()'s exit code. Call
 // BlockShutdownSignals() first thing in main().
-int ServeUntilSignal(const std::string& binary, DaemonServers& servers);
+// `before_shutdown` (may be null) runs first after the signal: ending the
+// daemon's long-lived streams, so that a daemon with no call in flight stops at
+// once rather than after the grace period.
+int ServeUntilSignal(const std::string& binary, DaemonServers& servers,
+                     const std::function<void()>& before_shutdown = nullptr);
 
 }  // namespace tessera

@@ -32,13 +32,19 @@ class MetricsExposer {
   // The port actually bound.
   int port() const { return port_; }
 
+  // Stops the HTTP server at once: civetweb's listener thread notices the stop only when its
+  // poll() returns, after up to a second, so the destructor connects to the port until it has.
+  ~MetricsExposer();
+
  private:
   MetricsExposer(std::unique_ptr<prometheus::Exposer> exposer,
-                 std::shared_ptr<prometheus::Registry> registry, int port);
+                 std::shared_ptr<prometheus::Registry> registry, int port, std::string host);
 
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::shared_ptr<prometheus::Registry> registry_;
   int port_;
+  // An IPv4 address the listener answers on, to wake it (127.0.0.1 for a wildcard).
+  std::string wake_host_;
 };
 
 }  // namespace tessera
