@@ -13,8 +13,10 @@
 #include <string>
 
 #include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "client/progress_line.h"
 #include "common/daemon/server.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
@@ -24,6 +26,7 @@
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 #include "tests/util/grpc_context.h"
 #include "tests/util/http_get.h"
+#include "tests/util/pty.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
 
@@ -559,51 +562,67 @@ TEST_F(ClusterTest, CancelStopsTheTrainers) {
 namespace tessera {
 namespace {
 
+// `tessera local` as its output tells a new user: it prepares the bundled corpus, prints the
+// exports, and the example it names runs as printed, watched on an 80-column terminal.
 TEST(LocalTest, TesseraLocalRunsAJobAndStopsCleanly) {
   ScopedTempDir dir("tessera_local");
-  auto prepared = RunCommand({BinDir() + "/tessera-trainer", "prepare",
-                              "--input=" + std::string(TESSERA_CORPUS_FILE),
-                              "--output_dir=" + dir.path() + "/data"});
-  ASSERT_THAT(prepared, IsOk());
   auto local = Subprocess::Start({BinDir() + "/tessera", "local", "--workers=2", "--cpu_slots=1",
                                   "--dir=" + dir.path() + "/cluster"},
                                  {.merge_stdout = true, .extra_env = {}});
   ASSERT_THAT(local, IsOk());
-  auto line = local->WaitForStderrLine("export TESSERA_COORDINATOR=");
-  ASSERT_THAT(line, IsOk());
-  const std::string address = line->substr(line->find('=') + 1);
+  auto line = local->WaitForStderrLine("then, e.g.: tessera submit examples/tiny-gpt.yaml --watch",
+                                       absl::Seconds(90));
+  ASSERT_THAT(line, IsOk()) << local->stderr_text();
+  std::vector<std::string> exports;
+  for (absl::string_view printed : absl::StrSplit(local->stderr_text(), '\n')) {
+    if (absl::ConsumePrefix(&printed, "export ")) exports.emplace_back(printed);
+  }
+  ASSERT_EQ(exports.size(), 2u) << local->stderr_text();
+  ASSERT_TRUE(absl::StartsWith(exports[0], "TESSERA_COORDINATOR=")) << exports[0];
+  ASSERT_EQ(exports[1], "TESSERA_DATA_DIR=" + dir.path() + "/cluster/data");
+  const std::string address = exports[0].substr(exports[0].find('=') + 1);
   EXPECT_THAT(local->stderr_text(), HasSubstr("worker-1"));
 
-  std::ofstream(dir.path() + "/job.yaml")
-      << "name: local-job\nmodel: {preset: tiny-gpt2}\n"
-      << "data: {train_shards: [" << dir.path() << "/data/train-*.bin], seq_len: 64}\n"
-      << "batch: {global_batch_size: 8, micro_batch_size: 2}\n"
-      << "optimizer: {schedule: {peak_learning_rate: 3e-3}}\nmax_steps: 10\n"
-      << "resources: {cpu_slots: 2}\n";
+  // As printed, from the repository root, under a pseudo-terminal 80 columns wide.
+  auto watched = testing::RunInPty(
+      {"/bin/sh", "-c",
+       "cd " + std::string(TESSERA_SOURCE_DIR) + " && " + BinDir() +
+           "/tessera submit examples/tiny-gpt.yaml --watch"},
+      exports, /*columns=*/80, /*rows=*/24, absl::Minutes(4));
+  ASSERT_THAT(watched, IsOk());
+  ASSERT_EQ(watched->exit.exit_code, 0) << watched->output;
+  EXPECT_THAT(watched->output, HasSubstr("[SUCCEEDED]"));
+  const std::string job_id = watched->output.substr(0, watched->output.find_first_of("\r\n"));
+  // The live line is redrawn in place and never wider than the terminal: a wrapped line would
+  // leave half lines behind on every redraw.
+  int live_lines = 0;
+  for (const std::string& piece : testing::TerminalPieces(watched->output)) {
+    if (!absl::StrContains(piece, " step ")) continue;  // plain lines (paths) may wrap
+    ++live_lines;
+    EXPECT_LE(client::DisplayWidth(piece), 80) << piece;
+  }
+  EXPECT_GE(live_lines, 10);
+  EXPECT_THAT(watched->output, HasSubstr("step 200/200"));
+
   auto tessera = [&](const std::string& args) {
     return RunCommand(
         {"/bin/sh", "-c", BinDir() + "/tessera --coordinator=" + address + " " + args},
         absl::Minutes(4));
   };
-  auto submitted = tessera("submit " + dir.path() + "/job.yaml --watch");
-  ASSERT_THAT(submitted, IsOk());
-  ASSERT_EQ(submitted->exit.exit_code, 0) << submitted->output;
-  const std::string job_id = submitted->output.substr(0, submitted->output.find('\n'));
-
   // The curve has every step, and the loss fell.
   auto csv = tessera("metrics " + job_id);
   ASSERT_THAT(csv, IsOk());
   std::vector<std::string> rows = absl::StrSplit(csv->output, '\n', absl::SkipEmpty());
-  ASSERT_EQ(rows.size(), 11u);  // header + 10 steps
+  ASSERT_EQ(rows.size(), 201u);  // header + 200 steps
   auto loss_of = [](const std::string& row) {
     std::vector<std::string> cells = absl::StrSplit(row, ',');
     EXPECT_GE(cells.size(), 2u) << row;
     return cells.size() >= 2 ? std::stod(cells[1]) : 0.0;
   };
-  EXPECT_LT(loss_of(rows[10]), loss_of(rows[1]) - 0.5);
+  EXPECT_LT(loss_of(rows[200]), loss_of(rows[1]) - 0.5);
   auto checkpoints = tessera("checkpoints " + job_id);
   ASSERT_THAT(checkpoints, IsOk());
-  EXPECT_THAT(checkpoints->output, HasSubstr("step 10"));
+  EXPECT_THAT(checkpoints->output, HasSubstr("step 200"));
 
   // Both kinds of daemon serve their series: nodes on the coordinator,
   // training on the worker that ran rank 0.
@@ -630,7 +649,7 @@ TEST(LocalTest, TesseraLocalRunsAJobAndStopsCleanly) {
   // A second job, cancelled mid-run, leaves no trainer behind.
   std::ofstream(dir.path() + "/long.yaml")
       << "name: long-job\nmodel: {preset: tiny-gpt2}\n"
-      << "data: {train_shards: [" << dir.path() << "/data/train-*.bin], seq_len: 64}\n"
+      << "data: {train_shards: [" << dir.path() << "/cluster/data/train-*.bin], seq_len: 64}\n"
       << "batch: {global_batch_size: 8, micro_batch_size: 2}\n"
       << "optimizer: {schedule: {peak_learning_rate: 3e-3}}\nmax_steps: 100000\n"
       << "resources: {cpu_slots: 2}\n";
