@@ -7,10 +7,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <regex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/strip.h"
@@ -85,7 +87,8 @@ class ClusterTest : public ::testing::Test {
           Subprocess::Start({BinDir() + "/tessera-worker", "--coordinator=" + address_,
                              "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
                              "--node_name=" + name, absl::StrCat("--cpu_slots=", 2 / workers),
-                             "--work_dir=" + dir_.path() + "/" + name, "--stop_grace=2s"});
+                             "--work_dir=" + dir_.path() + "/" + name, "--stop_grace=2s"},
+                            {.merge_stdout = false, .extra_env = worker_env_});
       ASSERT_THAT(worker, IsOk());
       (w == 0 ? worker_ : worker2_).emplace(std::move(*worker));
       ASSERT_FALSE(Address(*(w == 0 ? worker_ : worker2_),
@@ -222,6 +225,8 @@ class ClusterTest : public ::testing::Test {
   std::string address_;
   int worker_metrics_port_ = 0;
   bool second_worker_ = false;
+  // NAME=VALUE added to the workers' environment (their trainers inherit it).
+  std::vector<std::string> worker_env_;
   std::optional<Subprocess> worker2_;
   int worker2_metrics_port_ = 0;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
@@ -406,6 +411,43 @@ TEST_F(ClusterTest, WithoutRestartsTheKilledRankIsBlamedNotItsPeer) {
   EXPECT_EQ(job.failure().kind(), v1::FAILURE_KIND_PROCESS_EXIT);
   EXPECT_THAT(job.reason(), HasSubstr("rank 1 on e2e-node was killed by signal 9"));
   EXPECT_EQ(job.restarts(), 0);
+}
+
+// Trainers whose loss turns NaN at step 4 of every attempt (fault injection through the worker's
+// environment): the job restarts from its checkpoint until max_restarts is spent, then fails with
+// every attempt's reason kept.
+class DivergingClusterTest : public ClusterTest {
+ protected:
+  void SetUp() override {
+    worker_env_ = {"TESSERA_FAULT_NAN_LOSS_AT_STEP=4"};
+    ClusterTest::SetUp();
+  }
+};
+
+TEST_F(DivergingClusterTest, AJobFailingAlikeEveryAttemptStopsAfterMaxRestarts) {
+  v1::JobSpec spec = Spec(20);
+  spec.set_max_restarts(2);
+  const std::string job_id = Submit(spec);
+  ASSERT_FALSE(job_id.empty());
+  v1::Job job = WaitFor(job_id, v1::JOB_STATE_FAILED, 180);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_FAILED) << job.reason();
+  EXPECT_EQ(job.restarts(), 2);
+  EXPECT_EQ(job.failure().kind(), v1::FAILURE_KIND_NAN_LOSS);
+  ASSERT_EQ(job.attempts_size(), 3) << job.ShortDebugString();
+  for (int i = 0; i < job.attempts_size(); ++i) {
+    // Every rank holds the all-reduced loss, so either may be the first to report it.
+    EXPECT_EQ(job.attempts(i).attempt(), i);
+    EXPECT_THAT(job.attempts(i).reason(), HasSubstr("NAN_LOSS: loss is nan at step 4")) << i;
+  }
+  // The diverged step reached the metrics: its loss is NaN, once, and the steps before it are
+  // there once each.
+  v1::GetMetricsRequest request;
+  request.set_job_id(job_id);
+  v1::GetMetricsResponse curve;
+  ASSERT_TRUE(stub_->GetMetrics(Context().get(), request, &curve).ok());
+  ASSERT_EQ(curve.points_size(), 4);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(curve.points(i).step(), i + 1);
+  EXPECT_TRUE(std::isnan(curve.points(3).loss()));
 }
 
 TEST_F(ClusterTest, StoppedRankIsFoundHungAndTheJobRestarts) {
