@@ -8,34 +8,12 @@
 
 #include "absl/status/statusor.h"
 #include "common/daemon/daemon_servers.h"
-#include "prometheus/gauge.h"
 #include "worker/gpu_inventory.h"
+#include "worker/training_metrics.h"
 #include "worker/worker_agent.h"
 #include "worker/worker_service.h"
 
 namespace tessera::worker {
-
-// Per-job training metrics on the worker's /metrics, from its trainers'
-// reports: tessera_train_loss, tessera_train_tokens_per_second,
-// tessera_train_mfu and tessera_train_step_time_seconds, labelled job and
-// rank. Gauges hold the newest step, so a scrape never double counts.
-class TrainingMetrics {
- public:
-  explicit TrainingMetrics(prometheus::Registry& registry);
-  // Sets the gauges of the report's job and rank from a StepMetrics or EvalMetrics report;
-  // ignores other reports.
-  void Record(const v1::TrainerReport& report);
-
- private:
-  prometheus::Family<prometheus::Gauge>& loss_;
-  prometheus::Family<prometheus::Gauge>& tokens_per_second_;
-  prometheus::Family<prometheus::Gauge>& mfu_;
-  prometheus::Family<prometheus::Gauge>& step_time_;
-  prometheus::Family<prometheus::Gauge>& grad_norm_;
-  prometheus::Family<prometheus::Gauge>& learning_rate_;
-  prometheus::Family<prometheus::Gauge>& step_;
-  prometheus::Family<prometheus::Gauge>& eval_loss_;
-};
 
 struct WorkerOptions {
   // gRPC listen address of the worker's own service.
@@ -64,7 +42,7 @@ class WorkerDaemon {
   // Null when metrics are disabled. Declared before the agent, which reports
   // into them, so they outlive it.
   std::unique_ptr<DcgmExporter> dcgm_;
-  std::unique_ptr<TrainingMetrics> training_;
+  std::shared_ptr<TrainingMetrics> training_;
   std::unique_ptr<WorkerAgent> agent_;
   std::unique_ptr<WorkerService> worker_service_;
   // Declared last: stopped (destroyed) before the service it serves.

@@ -44,6 +44,10 @@ class DaemonServers {
   int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
   // Where the daemon registers its metrics; null when metrics are disabled.
   prometheus::Registry* registry() { return metrics_ ? &metrics_->registry() : nullptr; }
+  // Serves `collectable`'s samples on /metrics too, while it lives (no-op when metrics are off).
+  void RegisterCollectable(const std::weak_ptr<prometheus::Collectable>& collectable) {
+    if (metrics_) metrics_->RegisterCollectable(collectable);
+  }
 
   void Shutdown(absl::Duration grace = absl::Seconds(5)) { grpc_->Shutdown(grace); }
 

@@ -31,6 +31,10 @@ class MetricsExposer {
   prometheus::Registry& registry() { return *registry_; }
   // The port actually bound.
   int port() const { return port_; }
+  // Serves `collectable` beside the registry while it lives.
+  void RegisterCollectable(const std::weak_ptr<prometheus::Collectable>& collectable) {
+    exposer_->RegisterCollectable(collectable);
+  }
 
   // Stops the HTTP server at once: civetweb's listener thread notices the stop only when its
   // poll() returns, after up to a second, so the destructor connects to the port until it has.
