@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Generates Tessera's Grafana dashboards (deploy/helm/tessera/files/dashboards/*.json).
+
+The dashboards are code so that every panel has the same datasource, units and variables, and so
+that a reviewer reads a short list of queries rather than Grafana's JSON. Run it after a change:
+
+    python3 deploy/grafana/generate.py            # writes the JSON files
+    python3 deploy/grafana/generate.py --check    # lints them and fails if they are stale
+
+deploy/tests/prometheus_test.py runs every query below against a real Prometheus server.
+"""
+import argparse
+import json
+import pathlib
+import re
+import sys
+
+OUT = pathlib.Path(__file__).resolve().parent.parent / "helm" / "tessera" / "files" / "dashboards"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+JOB = 'job_id=~"$job_id"'
+GPU = 'Hostname=~"$Hostname", gpu=~"$gpu"'
+RATE = "$__rate_interval"
+
+
+def datasource_variable():
+    return {"name": "datasource", "label": "Data source", "type": "datasource",
+            "query": "prometheus", "current": {}, "hide": 0}
+
+
+def query_variable(name, label, query, multi=True):
+    return {"name": name, "label": label, "type": "query", "datasource": DATASOURCE,
+            "definition": query, "query": {"query": query, "refId": name},
+            "refresh": 2, "includeAll": multi, "multi": multi, "allValue": ".*",
+            "current": {}, "sort": 1, "hide": 0}
+
+
+def target(expr, legend, ref):
+    return {"refId": ref, "expr": expr, "legendFormat": legend, "datasource": DATASOURCE}
+
+
+def panel(title, targets, unit="short", kind="timeseries", description="", width=12,
+          overrides=None):
+    """A panel; `targets` is a list of (expr, legend)."""
+    return {
+        "type": kind, "title": title, "description": description, "datasource": DATASOURCE,
+        "targets": [target(e, l, chr(ord("A") + i)) for i, (e, l) in enumerate(targets)],
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": overrides or []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "_width": width,
+    }
+
+
+def dashboard(uid, title, description, variables, panels):
+    x = y = 0
+    laid = []
+    for i, p in enumerate(panels, start=1):
+        width = p.pop("_width")
+        if x + width > 24:
+            x, y = 0, y + 8
+        laid.append({"id": i, "gridPos": {"x": x, "y": y, "w": width, "h": 8}, **p})
+        x += width
+    return {
+        "uid": uid, "title": title, "description": description, "tags": ["tessera"],
+        "editable": True, "schemaVersion": 39, "version": 1, "refresh": "30s",
+        "time": {"from": "now-6h", "to": "now"}, "timezone": "browser",
+        "templating": {"list": variables}, "annotations": {"list": []}, "panels": laid,
+    }
+
+
+def training():
+    eval_points = [{"matcher": {"id": "byRegexp", "options": ".* eval"},
+                    "properties": [{"id": "custom.drawStyle", "value": "points"},
+                                   {"id": "custom.pointSize", "value": 8}]}]
+    return dashboard(
+        "tessera-training", "Tessera / Training",
+        "Per job: loss with evaluations, throughput, MFU, step time, gradient norm, learning "
+        "rate, per-rank step time and skew, restarts and failures.",
+        [datasource_variable(),
+         query_variable("job_id", "Job", "label_values(tessera_train_step, job_id)")],
+        [
+            panel("Loss (train, eval as points)",
+                  [(f"tessera_train_loss{{{JOB}}}", "{{job_id}} train"),
+                   (f"tessera_eval_loss{{{JOB}}}", "{{job_id}} eval")],
+                  overrides=eval_points,
+                  description="Newest step's training loss; evaluations drawn as points."),
+            panel("Tokens per second", [(f"sum by (job_id) (tessera_train_tokens_per_second{{{JOB}}})",
+                                         "{{job_id}}")], unit="short"),
+            panel("MFU", [(f"tessera_train_mfu_ratio{{{JOB}}}", "{{job_id}}")],
+                  unit="percentunit",
+                  description="6 x parameters x tokens/s over the GPUs' dense bf16 peak; 0 on CPU."),
+            panel("Step time", [(f"tessera_train_step_time_seconds{{{JOB}}}", "{{job_id}}")],
+                  unit="s"),
+            panel("Gradient norm", [(f"tessera_train_grad_norm{{{JOB}}}", "{{job_id}}")]),
+            panel("Learning rate", [(f"tessera_train_learning_rate{{{JOB}}}", "{{job_id}}")],
+                  unit="sci"),
+            panel("Busy seconds per step, by rank",
+                  [(f"tessera_rank_step_seconds{{{JOB}}}", "{{job_id}} rank {{rank}}")],
+                  unit="s",
+                  description="Time each rank computes per step, excluding waits for its peers: "
+                              "the straggler is the highest line."),
+            panel("Rank skew (slowest / median)",
+                  [(f"tessera_job_straggler_skew{{{JOB}}}", "{{job_id}}")],
+                  description="1 is even; the TesseraStragglerRank alert fires above 1.3."),
+            panel("Step", [(f"max by (job_id) (tessera_train_step{{{JOB}}})", "{{job_id}}")],
+                  kind="stat", width=8),
+            panel("Restarts by cause (range)",
+                  [(f"sum by (kind) (increase(tessera_job_restarts_total[$__range]))", "{{kind}}")],
+                  kind="stat", width=8),
+            panel("Failed jobs by cause (range)",
+                  [(f"sum by (kind) (increase(tessera_job_failures_total[$__range]))", "{{kind}}")],
+                  kind="stat", width=8),
+        ])
+
+
+def gpus():
+    def gpu_panel(title, metric, unit, description=""):
+        return panel(title, [(f"{metric}{{{GPU}}}", "{{Hostname}} GPU {{gpu}}")], unit=unit,
+                     description=description)
+    return dashboard(
+        "tessera-gpus", "Tessera / GPUs",
+        "Every GPU the workers export, under dcgm-exporter's metric names.",
+        [datasource_variable(),
+         query_variable("Hostname", "Node", "label_values(DCGM_FI_DEV_GPU_UTIL, Hostname)"),
+         query_variable("gpu", "GPU", 'label_values(DCGM_FI_DEV_GPU_UTIL{Hostname=~"$Hostname"}, gpu)')],
+        [
+            gpu_panel("Utilization", "DCGM_FI_DEV_GPU_UTIL", "percent"),
+            gpu_panel("Memory copy utilization", "DCGM_FI_DEV_MEM_COPY_UTIL", "percent"),
+            gpu_panel("Framebuffer used", "DCGM_FI_DEV_FB_USED", "decmbytes"),
+            gpu_panel("Framebuffer free", "DCGM_FI_DEV_FB_FREE", "decmbytes"),
+            gpu_panel("Power", "DCGM_FI_DEV_POWER_USAGE", "watt"),
+            gpu_panel("Temperature", "DCGM_FI_DEV_GPU_TEMP", "celsius"),
+            gpu_panel("SM clock", "DCGM_FI_DEV_SM_CLOCK", "hertz",
+                      "MHz as NVML reports it; a drop under load means throttling."),
+            gpu_panel("XID errors", "DCGM_FI_DEV_XID_ERRORS", "short",
+                      "The last XID error code (0: none)."),
+        ])
+
+
+def control_plane():
+    requests = "tessera_grpc_server_requests_total"
+    return dashboard(
+        "tessera-control-plane", "Tessera / Control plane",
+        "The coordinator: jobs and nodes by state, capacity, scheduling latency, heartbeats, "
+        "RPC rates and errors, scheduler and store timings.",
+        [datasource_variable()],
+        [
+            panel("Jobs by state", [("sum by (state) (tessera_jobs)", "{{state}}")]),
+            panel("Nodes by state", [("sum by (state) (tessera_nodes)", "{{state}}")]),
+            panel("GPUs and CPU slots: capacity vs allocated",
+                  [("sum(tessera_gpus_capacity)", "GPUs"),
+                   ("sum(tessera_gpus_allocated)", "GPUs allocated"),
+                   ("sum(tessera_cpu_slots_capacity)", "CPU slots"),
+                   ("sum(tessera_cpu_slots_allocated)", "CPU slots allocated")]),
+            panel("Scheduling latency (submission to SCHEDULED)",
+                  [(f"histogram_quantile({q}, sum by (le) (rate(tessera_scheduling_latency_seconds_bucket[{RATE}])))",
+                    f"p{int(q * 100)}") for q in (0.5, 0.99)], unit="s"),
+            panel("Oldest pending job", [("max(tessera_job_oldest_pending_seconds)", "age")],
+                  unit="s"),
+            panel("Heartbeats per second",
+                  [(f'sum(rate({requests}{{method="/tessera.v1.NodeService/Heartbeat"}}[{RATE}]))',
+                    "heartbeats")], unit="reqps"),
+            panel("RPCs per second by method",
+                  [(f"sum by (method) (rate({requests}[{RATE}]))", "{{method}}")], unit="reqps"),
+            panel("RPC error ratio by method",
+                  [(f'(sum by (method) (rate({requests}{{code!="OK"}}[{RATE}])) '
+                    f"or sum by (method) (rate({requests}[{RATE}])) * 0) "
+                    f"/ sum by (method) (rate({requests}[{RATE}]))", "{{method}}")],
+                  unit="percentunit",
+                  description="Calls that did not end OK (0 when none failed)."),
+            panel("RPC latency p99 by method",
+                  [(f"histogram_quantile(0.99, sum by (method, le) (rate(tessera_grpc_server_request_duration_seconds_bucket[{RATE}])))",
+                    "{{method}}")], unit="s"),
+            panel("Scheduler pass and store write p99",
+                  [(f"histogram_quantile(0.99, sum by (le) (rate(tessera_scheduler_pass_duration_seconds_bucket[{RATE}])))",
+                    "scheduler pass"),
+                   (f"histogram_quantile(0.99, sum by (le) (rate(tessera_store_write_duration_seconds_bucket[{RATE}])))",
+                    "store write")], unit="s"),
+        ])
+
+
+DASHBOARDS = {"training.json": training, "gpus.json": gpus, "control-plane.json": control_plane}
+
+
+def render(build):
+    return json.dumps(build(), indent=2, sort_keys=True) + "\n"
+
+
+def lint(name, board):
+    """Problems of one dashboard, as strings."""
+    problems = []
+    ids = [p["id"] for p in board["panels"]]
+    if len(ids) != len(set(ids)):
+        problems.append(f"{name}: duplicate panel ids")
+    defined = {v["name"] for v in board["templating"]["list"]}
+    builtin = {"__rate_interval", "__range", "__interval"}
+    for p in board["panels"]:
+        if p.get("datasource") != DATASOURCE:
+            problems.append(f"{name}: panel '{p['title']}' does not use ${{datasource}}")
+        if not p.get("targets"):
+            problems.append(f"{name}: panel '{p['title']}' has no query")
+        for t in p.get("targets", []):
+            for used in re.findall(r"\$\{?(\w+)", t["expr"]):
+                if used not in defined and used not in builtin:
+                    problems.append(f"{name}: panel '{p['title']}' uses undefined ${used}")
+    return problems
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="lint the committed dashboards and fail if they differ from a fresh "
+                             "generation")
+    args = parser.parse_args()
+    problems = []
+    for name, build in DASHBOARDS.items():
+        fresh = render(build)
+        path = OUT / name
+        if args.check:
+            if not path.exists() or path.read_text() != fresh:
+                problems.append(f"{path} is stale: run python3 deploy/grafana/generate.py")
+                continue
+            problems += lint(name, json.loads(path.read_text()))
+        else:
+            OUT.mkdir(parents=True, exist_ok=True)
+            path.write_text(fresh)
+    extra = sorted(p.name for p in OUT.glob("*.json") if p.name not in DASHBOARDS)
+    if args.check and extra:
+        problems.append(f"dashboards not generated here: {extra}")
+    for problem in problems:
+        print(problem)
+    if args.check:
+        print(f"{len(DASHBOARDS) - len({p.split(':')[0] for p in problems})} passed, "
+              f"{len(problems)} failed")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

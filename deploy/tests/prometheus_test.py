@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""The dashboards and alert rules against a real Prometheus server and a real cluster.
+
+Starts a coordinator and two workers (tessera binaries from --bin_dir) on loopback, a Prometheus
+server (Debian's) scraping them every second with deploy's alert rules loaded, trains one job on
+CPU and one whose loss turns NaN (TESSERA_FAULT_NAN_LOSS_AT_STEP on its worker), then:
+  - runs every query of every dashboard panel through Prometheus' HTTP API: each must return
+    data (the GPU dashboard's DCGM queries are only checked to be valid on a machine without
+    GPUs, and reported as skipped);
+  - waits for the NaN-loss and failed-job alerts to fire.
+Prints "N passed, N failed, N skipped" and exits 0 when nothing failed, 77 (skipped) when
+Prometheus or the binaries are missing. Every process it starts is stopped at the end.
+"""
+import argparse
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+
+DEPLOY = pathlib.Path(__file__).resolve().parent.parent
+DASHBOARDS = DEPLOY / "helm" / "tessera" / "files" / "dashboards"
+RULES = DEPLOY / "helm" / "tessera" / "files" / "alerts.rules.yaml"
+SKIP = 77
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, work, bin_dir):
+        self.work = work
+        self.bin = bin_dir
+        self.processes = []
+
+    def start(self, name, argv, env=None):
+        log = open(self.work / f"{name}.log", "w")
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})}, start_new_session=True)
+        self.processes.append(process)
+        return process
+
+    def wait_for_line(self, name, pattern, timeout=60):
+        deadline = time.time() + timeout
+        path = self.work / f"{name}.log"
+        while time.time() < deadline:
+            match = re.search(pattern, path.read_text()) if path.exists() else None
+            if match:
+                return match
+            time.sleep(0.1)
+        raise RuntimeError(f"{name}: '{pattern}' not in its log within {timeout}s:\n"
+                           + (path.read_text() if path.exists() else ""))
+
+    def stop(self):
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.time() + 15
+        for process in reversed(self.processes):
+            try:
+                process.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def http_json(url, timeout=10):
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def query(prometheus, expr):
+    url = f"http://{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        return http_json(url)
+    except urllib.error.HTTPError as error:  # a bad query answers 400 with a JSON body
+        return json.loads(error.read())
+
+
+def cli(args, bin_dir, coordinator):
+    out = subprocess.run([f"{bin_dir}/tessera", f"--coordinator={coordinator}", *args],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"tessera {' '.join(args)}: {out.stdout}{out.stderr}")
+    return out.stdout
+
+
+def job_state(bin_dir, coordinator, job_id):
+    got = json.loads(cli(["get", job_id, "--output=json"], bin_dir, coordinator))
+    return got.get("state", ""), int(got.get("current_step", 0) or 0)
+
+
+def spec(name, data, steps, slots, selector, extra=""):
+    return (f"name: {name}\nmodel: {{preset: tiny-gpt2}}\n"
+            f"data: {{train_shards: ['{data}/train-*.bin'], validation_shards: ['{data}/val-*.bin'],"
+            f" seq_len: 64, eval_interval_steps: 20, eval_batches: 2}}\n"
+            f"batch: {{global_batch_size: 8, micro_batch_size: 2}}\n"
+            f"optimizer: {{schedule: {{peak_learning_rate: 3e-3, warmup_steps: 5}}}}\n"
+            f"max_steps: {steps}\n"
+            f"resources: {{cpu_slots: {slots}, node_selector: {{fault: {selector}}}}}\n{extra}")
+
+
+def panel_queries():
+    """(dashboard, panel title, expr) of every panel target."""
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        board = json.loads(path.read_text())
+        for panel in board["panels"]:
+            for target in panel["targets"]:
+                yield path.stem, panel["title"], target["expr"]
+
+
+def substitute(expr, job_id):
+    # Job ids are [a-z0-9-], nothing a regular expression treats specially.
+    values = {"job_id": job_id, "Hostname": ".*", "gpu": ".*",
+              "__rate_interval": "5s", "__range": "10m", "__interval": "1s"}
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: values[m.group(1)], expr)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bin_dir", required=True)
+    parser.add_argument("--prometheus", default="/usr/bin/prometheus")
+    parser.add_argument("--corpus", required=True)
+    args = parser.parse_args()
+    if not args.prometheus or not os.access(args.prometheus, os.X_OK):
+        print(f"skipped: no Prometheus server at '{args.prometheus}'")
+        return SKIP
+    for binary in ("tessera", "tessera-coordinator", "tessera-worker", "tessera-trainer"):
+        if not os.access(f"{args.bin_dir}/{binary}", os.X_OK):
+            print(f"skipped: {args.bin_dir}/{binary} is not built")
+            return SKIP
+
+    passed, failed, skipped = [], [], []
+    work = pathlib.Path(tempfile.mkdtemp(prefix="tessera-prometheus-test."))
+    cluster = Cluster(work, args.bin_dir)
+    try:
+        subprocess.run([f"{args.bin_dir}/tessera-trainer", "prepare", f"--input={args.corpus}",
+                        f"--output_dir={work}/data"], check=True, capture_output=True, timeout=120)
+        cluster.start("coordinator", [
+            f"{args.bin_dir}/tessera-coordinator", "--listen=127.0.0.1:0",
+            "--metrics-listen=127.0.0.1:0", f"--state={work}/state.db",
+            f"--checkpoint-root={work}/checkpoints", f"--master-port-base={free_port()}",
+            "--heartbeat-interval=500ms", "--heartbeat-timeout=5s", "--failure-settle=2s"])
+        match = cluster.wait_for_line("coordinator", r"serving gRPC on (\S+:\d+), metrics on port (\d+)")
+        coordinator, coordinator_metrics = match.group(1), int(match.group(2))
+        worker_metrics = []
+        for name, label, env in (("worker-a", "none", {}),
+                                 ("worker-b", "nan", {"TESSERA_FAULT_NAN_LOSS_AT_STEP": "5"})):
+            cluster.start(name, [
+                f"{args.bin_dir}/tessera-worker", f"--coordinator={coordinator}",
+                "--listen=127.0.0.1:0", "--metrics-listen=127.0.0.1:0", f"--node-name={name}",
+                "--cpu-slots=2" if name == "worker-a" else "--cpu-slots=1",
+                f"--labels=fault={label}", f"--work-dir={work}/{name}", "--stop-grace=2s"], env)
+            worker_metrics.append(int(cluster.wait_for_line(
+                name, r"metrics on port (\d+)").group(1)))
+            cluster.wait_for_line(name, "registered with")
+
+        prometheus = f"127.0.0.1:{free_port()}"
+        (work / "prometheus.yml").write_text(json.dumps({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(RULES)],
+            "scrape_configs": [
+                {"job_name": "tessera-coordinator",
+                 "static_configs": [{"targets": [f"127.0.0.1:{coordinator_metrics}"]}]},
+                {"job_name": "tessera-worker",
+                 "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in worker_metrics]}]},
+            ]}))
+        cluster.start("prometheus", [
+            args.prometheus, f"--config.file={work}/prometheus.yml",
+            f"--storage.tsdb.path={work}/tsdb", f"--web.listen-address={prometheus}"])
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://{prometheus}/-/ready", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.3)
+
+        (work / "train.yaml").write_text(spec("observed", work / "data", 1000000, 2, "none"))
+        (work / "nan.yaml").write_text(spec("diverges", work / "data", 50, 1, "nan",
+                                            "max_restarts: 1\n"))
+        training = cli(["submit", str(work / "train.yaml")], args.bin_dir, coordinator).split()[0]
+        diverging = cli(["submit", str(work / "nan.yaml")], args.bin_dir, coordinator).split()[0]
+
+        # The observed job past its first evaluations, the diverging one failed after a restart.
+        deadline = time.time() + 120
+        while True:
+            state, step = job_state(args.bin_dir, coordinator, training)
+            nan_state, _ = job_state(args.bin_dir, coordinator, diverging)
+            if state == "JOB_STATE_RUNNING" and step >= 60 and nan_state == "JOB_STATE_FAILED":
+                break
+            if time.time() > deadline:
+                raise RuntimeError(f"{training} {state} at step {step}; {diverging} {nan_state}")
+            time.sleep(0.5)
+
+        # Every panel's query returns data (give rates and fresh series up to 30 s).
+        for board, title, expr in panel_queries():
+            resolved = substitute(expr, training)
+            name = f"{board} / {title}: {resolved}"
+            deadline = time.time() + 30
+            while True:
+                answer = query(prometheus, resolved)
+                ok = answer.get("status") == "success"
+                result = answer.get("data", {}).get("result", []) if ok else []
+                if not ok or result or board == "gpus" or time.time() > deadline:
+                    break
+                time.sleep(1)
+            if not ok:
+                failed.append(f"{name}: {answer.get('error')}")
+            elif board == "gpus" and not result:
+                skipped.append(f"{name}: no GPU on this machine (the query is valid)")
+            elif result:
+                passed.append(name)
+            else:
+                failed.append(f"{name}: no data")
+
+        # The NaN-loss and failed-job alerts fire for the diverged job.
+        for alert, label, value in (("TesseraTrainingLossNaN", "job_id", diverging),
+                                    ("TesseraJobFailed", "kind", "nan_loss")):
+            deadline = time.time() + 60
+            firing = False
+            while not firing and time.time() < deadline:
+                alerts = http_json(f"http://{prometheus}/api/v1/alerts")["data"]["alerts"]
+                firing = any(a["labels"].get("alertname") == alert and a["state"] == "firing"
+                             and a["labels"].get(label) == value for a in alerts)
+                if not firing:
+                    time.sleep(1)
+            (passed if firing else failed).append(f"alert {alert} fires for {label}={value}")
+        # And nothing fires for the healthy job.
+        alerts = http_json(f"http://{prometheus}/api/v1/alerts")["data"]["alerts"]
+        healthy = [a["labels"]["alertname"] for a in alerts
+                   if a["labels"].get("job_id") == training]
+        (failed if healthy else passed).append(f"no alert for the healthy job {training}: {healthy}")
+        cli(["cancel", training], args.bin_dir, coordinator)
+    except Exception as error:  # the cluster's logs say why
+        failed.append(f"setup: {error}")
+        for log in sorted(work.glob("*.log")):
+            print(f"--- {log.name} (last 20 lines)")
+            print("\n".join(log.read_text().splitlines()[-20:]))
+    finally:
+        cluster.stop()
+
+    for name in passed:
+        print(f"PASS {name}")
+    for name in skipped:
+        print(f"SKIP {name}")
+    for name in failed:
+        print(f"FAIL {name}")
+    print(f"{len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped")
+    if not failed:
+        subprocess.run(["rm", "-rf", str(work)])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
