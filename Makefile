@@ -29,7 +29,8 @@ configure: bootstrap
 	@cmake -S . -B $(BUILD_DIR) -G Ninja \
 	  -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
 	  -DTESSERA_WITH_CUDA=$(WITH_CUDA) \
-	  -DTESSERA_PYTHON="$$(scripts/bootstrap.sh --print-python)" > $(BUILD_DIR)/configure.log 2>&1 \
+	  -DTESSERA_PYTHON="$$(scripts/bootstrap.sh --print-python)" \
+	  -DTESSERA_TOOLS_PYTHON="$$(scripts/bootstrap.sh --print-tools-python)" > $(BUILD_DIR)/configure.log 2>&1 \
 	  || { cat $(BUILD_DIR)/configure.log; exit 1; }
 	@grep -E '^-- Tessera' $(BUILD_DIR)/configure.log || true
 

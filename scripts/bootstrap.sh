@@ -26,8 +26,20 @@ readonly APT_PACKAGES=(
   prometheus  # promtool: tests lint the /metrics exposition with it
 )
 
+# Deploy tools for the chart's tests (a Helm renderer and Kubernetes' OpenAPI schemas), pinned;
+# in a venv of their own so that torch's stays as it is.
+readonly TOOLS_PACKAGES=(
+  "helm-python-sdk==0.2.2"      # Helm v4 as a library: renders charts offline
+  "kubernetes-validate==1.37.0" # Kubernetes OpenAPI schemas, 1.30 to 1.37, strict mode
+  "PyYAML==6.0.2"
+  "jsonschema==4.23.0"
+)
+readonly TOOLS_TAG="tools-1"
+
 print_python=0
+print_tools_python=0
 [[ "${1:-}" == "--print-python" ]] && print_python=1
+[[ "${1:-}" == "--print-tools-python" ]] && print_tools_python=1
 
 # Progress goes to stderr: stdout carries only the --print-python answer.
 log() { echo "bootstrap: $*" >&2; }
@@ -93,7 +105,32 @@ find_or_install_torch() {
   echo "$venv/bin/python"
 }
 
+# Prints the tools venv's python, creating it once per machine; prints nothing when it cannot be
+# made (no registry): the chart tests then skip.
+find_or_install_tools() {
+  local cache_dir="${TESSERA_CACHE_DIR:-$HOME/.cache/tessera}"
+  local venv="$cache_dir/$TOOLS_TAG"
+  mkdir -p "$cache_dir"
+  (
+    flock 9
+    if [[ ! -f "$venv/.complete" ]]; then
+      log "installing the deploy tools into $venv (once per machine)"
+      rm -rf "$venv"
+      python3 -m venv "$venv" >&2 &&
+        "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir \
+          "${TOOLS_PACKAGES[@]}" >&2 &&
+        touch "$venv/.complete" || log "deploy tools not installed; the chart tests will skip"
+    fi
+  ) 9>"$cache_dir/.tools-lock"
+  [[ -f "$venv/.complete" ]] && echo "$venv/bin/python"
+  return 0
+}
+
 install_apt_packages
+if [[ $print_tools_python == 1 ]]; then
+  find_or_install_tools
+  exit 0
+fi
 python=$(find_or_install_torch)
 if [[ $print_python == 1 ]]; then
   echo "$python"
