@@ -219,7 +219,8 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
     node_gauges_[state] =
         &nodes.Add({{"state", StateLabel(v1::NodeState_Name(static_cast<v1::NodeState>(state)),
                                          "NODE_STATE_")}});
-  }  // Every kind's counters exist from the start at 0: a series that first appears at 1 has no
+  }
+  // Every kind's counters exist from the start at 0: a series that first appears at 1 has no
   // baseline, and increase() over it reads 0, so an alert on the first failure would never fire.
   for (int kind = v1::FailureKind_MIN; kind <= v1::FailureKind_MAX; ++kind) {
     if (kind == v1::FAILURE_KIND_UNSPECIFIED || !v1::FailureKind_IsValid(kind)) continue;
