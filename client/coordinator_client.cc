@@ -8,12 +8,30 @@
 namespace tessera::client {
 
 CoordinatorClient::CoordinatorClient(const ClientOptions& options) : options_(options) {
-  auto channel = MakeClientChannel(options.address);
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (options.tls.enabled()) {
+    setup_error_ = CheckTlsFiles(options.tls, /*need_identity=*/false);
+    if (setup_error_.ok() && options.tls.ca_file.empty()) {
+      setup_error_ = absl::InvalidArgumentError(
+          "--tls_ca: required with --tls_cert/--tls_key (the CA that signed the coordinator)");
+    }
+    if (setup_error_.ok()) {
+      auto made = MakeChannelCredentials(options.tls);
+      if (made.ok()) {
+        credentials = std::move(*made);
+      } else {
+        setup_error_ = made.status();
+      }
+    }
+  }
+  // With a setup error the channel points nowhere useful; Annotate returns the error first.
+  auto channel = MakeClientChannel(options.address, credentials);
   health_ = grpc::health::v1::Health::NewStub(channel);
   coordinator_ = v1::Coordinator::NewStub(channel);
 }
 
 absl::Status CoordinatorClient::Annotate(const grpc::Status& status) const {
+  if (!setup_error_.ok()) return setup_error_;
   if (status.ok()) return absl::OkStatus();
   absl::Status error = FromGrpcStatus(status);
   // Unreachable: say where we looked. Otherwise the coordinator's message
@@ -29,6 +47,7 @@ absl::Status CoordinatorClient::Annotate(const grpc::Status& status) const {
 std::unique_ptr<grpc::ClientContext> CoordinatorClient::NewContext() const {
   auto context = std::make_unique<grpc::ClientContext>();
   context->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
   return context;
 }
 
@@ -136,6 +155,7 @@ absl::Status CoordinatorClient::Watch(const std::string& job_id, int64_t after_s
   request.set_job_id(job_id);
   request.set_after_sequence(after_sequence);
   grpc::ClientContext context;
+  if (!options_.token.empty()) context.AddMetadata("authorization", "Bearer " + options_.token);
   auto reader = coordinator_->WatchJob(&context, request);
   v1::JobEvent event;
   while (reader->Read(&event)) {
@@ -151,6 +171,7 @@ absl::Status CoordinatorClient::Logs(const v1::GetLogsRequest& request,
                                      const std::function<void(const v1::LogChunk&)>& on_chunk) {
   grpc::ClientContext context;
   if (!request.follow()) context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  if (!options_.token.empty()) context.AddMetadata("authorization", "Bearer " + options_.token);
   auto reader = coordinator_->GetLogs(&context, request);
   v1::LogChunk chunk;
   while (reader->Read(&chunk)) on_chunk(chunk);

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/security/tls.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 
@@ -20,11 +21,18 @@ struct ClientOptions {
   std::string address = "127.0.0.1:50051";
   // Deadline of each unary call.
   absl::Duration timeout = absl::Seconds(10);
+  // Bearer token sent with every call; empty: none.
+  std::string token{};
+  // TLS: CA verifying the coordinator, and an optional client certificate.
+  // Disabled when all are empty (plaintext).
+  TlsOptions tls{};
 };
 
 // Thread safety: the methods may be called from several threads at once.
 class CoordinatorClient {
  public:
+  // TLS files that cannot be used (e.g. a --tls_cert without --tls_ca) surface as the first
+  // call's INVALID_ARGUMENT.
   explicit CoordinatorClient(const ClientOptions& options);
 
   // The coordinator's grpc.health.v1 status for `service` ("" = the server).
@@ -55,6 +63,8 @@ class CoordinatorClient {
   std::unique_ptr<grpc::ClientContext> NewContext() const;
 
   ClientOptions options_;
+  // Why the channel could not be made; every call returns it.
+  absl::Status setup_error_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
   std::unique_ptr<v1::Coordinator::Stub> coordinator_;
 };

@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "client/client_config.h"
 #include "client/coordinator_client.h"
 #include "client/job_spec_file.h"
 #include "client/local_cluster.h"
@@ -36,6 +37,13 @@
 ABSL_FLAG(std::string, coordinator, "",
           "Coordinator gRPC address (host:port); empty: $TESSERA_COORDINATOR, else "
           "127.0.0.1:50051.");
+ABSL_FLAG(std::string, config, "",
+          "Config file (YAML: coordinator, token, tls_ca, tls_cert, tls_key); empty: "
+          "$TESSERA_CONFIG, else ~/.config/tessera/config.yaml when it exists.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA that signed the coordinator's certificate: connect with TLS.");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (its CN is your user name).");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(10), "Deadline of each call, e.g. 10s.");
 ABSL_FLAG(bool, watch, false, "submit: follow the job until it ends (exit 0 on SUCCEEDED).");
 ABSL_FLAG(std::vector<std::string>, state, {},
@@ -61,6 +69,8 @@ namespace {
 // Environment variable with the coordinator address, used when --coordinator
 // is not given.
 constexpr char kCoordinatorEnv[] = "TESSERA_COORDINATOR";
+// Bearer token presented to the coordinator (or `token:` in the config file).
+constexpr char kTokenEnv[] = "TESSERA_TOKEN";
 
 constexpr char kUsage[] =
     "Usage: tessera [--coordinator=HOST:PORT] COMMAND [ARGS]\n\n"
@@ -87,6 +97,9 @@ constexpr char kUsage[] =
     "                               Ctrl-C, with the bundled corpus prepared for the examples\n"
     "  health                       whether the coordinator serves\n"
     "  version                      this build's version\n\n"
+    "Connection: --coordinator, --tls_ca, --tls_cert, --tls_key, the token in $TESSERA_TOKEN;\n"
+    "or coordinator, token, tls_ca, tls_cert, tls_key in --config (default\n"
+    "~/.config/tessera/config.yaml, mode 600 when it holds a token). docs/security.md.\n\n"
     "Exit codes: 0 success (watch: the job SUCCEEDED), 1 the call or the job failed,\n"
     "2 bad usage.\n";
 
@@ -115,9 +128,9 @@ std::string StateName(v1::JobState state) {
 }
 
 void PrintJob(const v1::Job& job) {
-  std::cout << absl::StrFormat("%-14s %-10s %-20s step %lld/%lld", job.job_id(),
-                               StateName(job.state()), job.spec().name(), job.current_step(),
-                               job.spec().max_steps());
+  std::cout << absl::StrFormat("%-14s %-10s %-10s %-20s step %lld/%lld", job.job_id(),
+                               StateName(job.state()), job.owner(), job.spec().name(),
+                               job.current_step(), job.spec().max_steps());
   if (job.has_latest_metrics()) {
     std::cout << absl::StrFormat("  loss %.4f", job.latest_metrics().loss());
   }
@@ -268,12 +281,29 @@ int main(int argc, char** argv) {
     std::cout << tessera::BuildSummary() << "\n";
     return 0;
   }
-  std::string address = absl::GetFlag(FLAGS_coordinator);
-  if (const char* from_env = std::getenv(kCoordinatorEnv); address.empty() && from_env != nullptr) {
-    address = from_env;
+  auto config = tessera::client::LoadClientConfig(absl::GetFlag(FLAGS_config));
+  if (!config.ok()) {
+    std::cerr << "tessera: " << config.status().message() << "\n";
+    return 2;
   }
+  // Flags, then the environment, then the config file.
+  auto pick = [](const std::string& flag, const char* env, const std::string& from_file) {
+    if (!flag.empty()) return flag;
+    if (const char* value = env == nullptr ? nullptr : std::getenv(env);
+        value != nullptr && *value != '\0') {
+      return std::string(value);
+    }
+    return from_file;
+  };
+  std::string address = pick(absl::GetFlag(FLAGS_coordinator), kCoordinatorEnv, config->coordinator);
   if (address.empty()) address = "127.0.0.1:50051";
-  CoordinatorClient client({.address = address, .timeout = absl::GetFlag(FLAGS_timeout)});
+  tessera::client::ClientOptions client_options{.address = address,
+                                                .timeout = absl::GetFlag(FLAGS_timeout)};
+  client_options.token = pick("", kTokenEnv, config->token);
+  client_options.tls.ca_file = pick(absl::GetFlag(FLAGS_tls_ca), nullptr, config->tls_ca);
+  client_options.tls.cert_file = pick(absl::GetFlag(FLAGS_tls_cert), nullptr, config->tls_cert);
+  client_options.tls.key_file = pick(absl::GetFlag(FLAGS_tls_key), nullptr, config->tls_key);
+  CoordinatorClient client(client_options);
   const std::string output = absl::GetFlag(FLAGS_output);
   if (output != "text" && output != "json") {
     std::cerr << "tessera: --output must be text or json, not '" << output << "'\n";

@@ -123,6 +123,7 @@ absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNod
 
 absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequest& request) {
   absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(nodes_.CheckKey(request.node_id(), request.node_key()));
   v1::HeartbeatResponse response;
   if (!nodes_.Touch(request.node_id(), options_.now(), request.gpu_metrics())) {
     // Unknown, or declared lost (its work was failed): start over.
@@ -227,6 +228,18 @@ absl::StatusOr<v1::ReportResponse> Cluster::Report(const v1::ReportRequest& requ
   int64_t skip = 0;
   {
     absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(nodes_.CheckKey(request.node_id(), request.node_key()));
+    // A node speaks only for the attempts placed on it.
+    for (const auto& report : request.reports()) {
+      const Allocation* placed = allocations_.Find(report.job_id());
+      if (placed == nullptr || placed->attempt != report.attempt()) continue;
+      const auto nodes = placed->Nodes();
+      if (std::find(nodes.begin(), nodes.end(), request.node_id()) == nodes.end()) {
+        return absl::PermissionDeniedError(
+            absl::StrCat("node ", request.node_id(), " reports for ", report.job_id(),
+                         " attempt ", report.attempt(), ", which does not run there"));
+      }
+    }
     const v1::TrainerReport& first = request.reports(0);
     Allocation* allocation = allocations_.Find(first.job_id());
     if (allocation != nullptr && allocation->attempt == first.attempt()) {

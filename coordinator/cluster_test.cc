@@ -532,5 +532,33 @@ TEST(AttemptPolicyTest, DescribesFailuresForPeople) {
   EXPECT_EQ(DescribeFailure(lost), "node n2 was lost: no heartbeat for 16s");
 }
 
+// A node speaks for its own attempts only, and only with the key it registered with.
+TEST_F(ClusterTest, NodesReportOnlyForTheirOwnAttemptsWithTheirKey) {
+  Register("n1", 2);
+  Register("n2", 2);
+  const std::string job_id = Submit(CpuSpec(2, 0));
+  cluster_->Tick();
+  const std::string placed = Job(job_id).placements(0).node_id();
+  const std::string other = placed == "n1" ? "n2" : "n1";
+  StartOn(job_id, 0, placed);
+  auto forged = Relay(other, job_id, 0, 1, {Step(1, 5.0)});
+  EXPECT_EQ(forged.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(forged.status().message(), HasSubstr("which does not run there"));
+  EXPECT_THAT(Relay(placed, job_id, 0, 1, {Step(1, 5.0)}).status(), IsOk());
+  EXPECT_EQ(Job(job_id).current_step(), 1);
+
+  // n1 registered without a key; a worker with a key cannot take its id over while it lives.
+  v1::RegisterNodeRequest takeover;
+  takeover.set_node_id("n1");
+  takeover.set_address("elsewhere:7000");
+  takeover.set_node_key("another-key");
+  takeover.mutable_resources()->set_cpu_slots(2);
+  EXPECT_EQ(cluster_->Register(takeover).status().code(), absl::StatusCode::kAlreadyExists);
+  v1::HeartbeatRequest beat;
+  beat.set_node_id("n1");
+  beat.set_node_key("another-key");
+  EXPECT_EQ(cluster_->Heartbeat(beat).status().code(), absl::StatusCode::kPermissionDenied);
+}
+
 }  // namespace
 }  // namespace tessera::coordinator

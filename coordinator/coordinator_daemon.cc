@@ -1,6 +1,7 @@
 #include "coordinator/coordinator_daemon.h"
 
 #include <filesystem>
+#include <iostream>
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
@@ -11,6 +12,19 @@ namespace tessera::coordinator {
 absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
     const CoordinatorOptions& options) {
   std::unique_ptr<CoordinatorDaemon> daemon(new CoordinatorDaemon());
+  // Security first: a daemon with unusable certificates or auth file must not start at all.
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> server_credentials,
+                   DaemonServerCredentials("tessera-coordinator", options.listen_address,
+                                           options.security, ClientCertPolicy::kRequestAndVerify));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> worker_credentials,
+                   DaemonChannelCredentials(options.security));
+  ASSIGN_OR_RETURN(daemon->authenticator_,
+                   Authenticator::Create({.auth_file = options.auth_file}));
+  if (daemon->authenticator_->open() && !IsLoopbackAddress(options.listen_address)) {
+    std::cerr << "tessera-coordinator: WARNING: no --auth_file: every caller that reaches "
+              << options.listen_address << " may submit, cancel and register nodes\n";
+  }
+  daemon->limits_ = std::make_unique<ClientLimits>(options.limits);
   ASSIGN_OR_RETURN(daemon->store_, Store::Open(options.state_path));
   daemon->jobs_ = std::make_unique<JobManager>(daemon->store_.get());
   ClusterOptions cluster = options.cluster;
@@ -26,9 +40,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   daemon->cluster_ =
       std::make_unique<Cluster>(daemon->store_.get(), daemon->jobs_.get(), std::move(cluster));
   RETURN_IF_ERROR(daemon->cluster_->Recover());
-  daemon->coordinator_service_ =
-      std::make_unique<CoordinatorService>(daemon->jobs_.get(), daemon->cluster_.get());
-  daemon->node_service_ = std::make_unique<NodeService>(daemon->cluster_.get());
+  daemon->coordinator_service_ = std::make_unique<CoordinatorService>(
+      daemon->jobs_.get(), daemon->cluster_.get(), daemon->authenticator_.get(),
+      daemon->limits_.get(),
+      WorkerChannelSecurity{.credentials = std::move(worker_credentials),
+                            .tls_server_name = options.worker_tls_server_name});
+  daemon->node_service_ =
+      std::make_unique<NodeService>(daemon->cluster_.get(), daemon->authenticator_.get());
 
   // The metrics object needs the exposer's registry, and the gRPC server
   // needs its interceptor: DaemonServers hands over the registry in between.
@@ -45,7 +63,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
                    DaemonServers::Start(
                        {.component = "coordinator",
                         .listen_address = options.listen_address,
-                        .metrics_listen_address = options.metrics_listen_address},
+                        .metrics_listen_address = options.metrics_listen_address,
+                        .credentials = std::move(server_credentials),
+                        .max_message_bytes = options.max_request_bytes},
                        {{v1::Coordinator::service_full_name(), daemon->coordinator_service_.get()},
                         {v1::NodeService::service_full_name(), daemon->node_service_.get()}},
                        make_interceptors));

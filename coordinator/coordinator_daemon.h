@@ -13,6 +13,9 @@
 
 #include "absl/status/statusor.h"
 #include "common/daemon/daemon_servers.h"
+#include "common/security/daemon_security.h"
+#include "coordinator/auth.h"
+#include "coordinator/client_limits.h"
 #include "coordinator/cluster.h"
 #include "coordinator/coordinator_metrics.h"
 #include "coordinator/coordinator_service.h"
@@ -33,6 +36,17 @@ struct CoordinatorOptions {
   std::string state_path = "tessera-coordinator.db";
   // Registry, liveness and scheduling settings.
   ClusterOptions cluster;
+  // TLS of the gRPC port and of the calls to workers' log service.
+  DaemonSecurityOptions security;
+  // Name the workers' certificates carry (they are reached by address, e.g. a
+  // pod IP); empty: the host of each worker's address.
+  std::string worker_tls_server_name;
+  // Users, roles and token hashes (auth.h); empty: no authentication.
+  std::string auth_file;
+  // Per-user submit rate and open streams.
+  ClientLimitsOptions limits;
+  // Largest gRPC message accepted, in bytes.
+  int max_request_bytes = 64 << 20;
 };
 
 // Thread safety: Start and servers().Shutdown from one thread; the servers
@@ -60,6 +74,8 @@ class CoordinatorDaemon {
   std::unique_ptr<Store> store_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<Cluster> cluster_;
+  std::unique_ptr<Authenticator> authenticator_;
+  std::unique_ptr<ClientLimits> limits_;
   std::unique_ptr<CoordinatorService> coordinator_service_;
   std::unique_ptr<NodeService> node_service_;
   // Declared last: stopped (destroyed) before the services it serves.

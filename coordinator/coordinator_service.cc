@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/daemon/grpc_status.h"
+#include "common/status_macros.h"
 #include "coordinator/job_validation.h"
 #include "coordinator/layout_planning.h"
 #include "coordinator/log_relay.h"
@@ -19,10 +20,21 @@ constexpr size_t kMaxIdLength = 128;
 constexpr int kWatchBatch = 256;
 
 grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& status) {
+  if (auto retry = status.GetPayload(kRetryAfterPayload); retry.has_value()) {
+    context->AddTrailingMetadata("retry-after-ms", std::string(*retry));
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
+
+// A stream refused before it began.
+template <typename T>
+class RefusedStream final : public grpc::ServerWriteReactor<T> {
+ public:
+  explicit RefusedStream(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
 
 absl::Status CheckJobId(const std::string& job_id) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id: required");
@@ -40,8 +52,10 @@ absl::Status CheckJobId(const std::string& job_id) {
 // reactor is deleted.
 class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
  public:
-  WatchReactor(JobManager* jobs, const v1::WatchJobRequest& request)
-      : jobs_(jobs),
+  WatchReactor(JobManager* jobs, const v1::WatchJobRequest& request,
+               std::shared_ptr<void> stream_slot)
+      : stream_slot_(std::move(stream_slot)),
+        jobs_(jobs),
         job_id_(request.job_id()),
         last_sequence_(request.after_sequence()),
         from_step_(request.from_step()),
@@ -140,6 +154,8 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
     StartWrite(&current_);
   }
 
+  // Held while the stream is open (ClientLimits' per-user count).
+  std::shared_ptr<void> stream_slot_;
   JobManager* jobs_;
   const std::string job_id_;
   int64_t last_sequence_;
@@ -154,10 +170,50 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
 
 }  // namespace
 
+absl::StatusOr<Principal> AdmitCall(Authenticator* authenticator,
+                                    const grpc::ServerContextBase& context, Action action,
+                                    absl::string_view job_owner) {
+  Principal principal;
+  if (authenticator == nullptr) {
+    principal.user = "anonymous";
+    principal.roles = ~0u;
+    principal.method = "open";
+  } else {
+    ASSIGN_OR_RETURN(principal, authenticator->Authenticate(CredentialsOf(context)));
+  }
+  RETURN_IF_ERROR(Authorize(principal, action, job_owner));
+  return principal;
+}
+
+absl::StatusOr<Principal> CoordinatorService::Admit(grpc::CallbackServerContext* context,
+                                                    Action action, const std::string& job_id) {
+  if (action != Action::kManageJob) return AdmitCall(authenticator_, *context, action);
+  // Who may act on a job depends on its owner: authenticate before reading it, so that an
+  // unknown caller learns nothing (not even whether the job exists).
+  RETURN_IF_ERROR(AdmitCall(authenticator_, *context, Action::kRead).status());
+  RETURN_IF_ERROR(CheckJobId(job_id));
+  ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(job_id));
+  return AdmitCall(authenticator_, *context, action, job.owner());
+}
+
+absl::StatusOr<std::shared_ptr<void>> CoordinatorService::AdmitStream(
+    grpc::CallbackServerContext* context, Action action, const std::string& job_id) {
+  ASSIGN_OR_RETURN(Principal principal, Admit(context, action, job_id));
+  if (limits_ == nullptr) return std::shared_ptr<void>();
+  return limits_->OpenStream(principal.user);
+}
+
 grpc::ServerUnaryReactor* CoordinatorService::SubmitJob(grpc::CallbackServerContext* context,
                                                         const v1::SubmitJobRequest* request,
                                                         v1::SubmitJobResponse* response) {
-  auto job = jobs_->Submit(request->spec(), request->request_id());
+  auto principal = Admit(context, Action::kSubmit);
+  if (!principal.ok()) return Reply(context, principal.status());
+  if (limits_ != nullptr) {
+    if (auto status = limits_->AdmitSubmit(principal->user); !status.ok()) {
+      return Reply(context, status);
+    }
+  }
+  auto job = jobs_->Submit(request->spec(), request->request_id(), principal->user);
   if (job.ok()) *response->mutable_job() = std::move(*job);
   return Reply(context, job.status());
 }
@@ -165,6 +221,9 @@ grpc::ServerUnaryReactor* CoordinatorService::SubmitJob(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext* context,
                                                      const v1::GetJobRequest* request,
                                                      v1::GetJobResponse* response) {
+  if (auto principal = Admit(context, Action::kRead); !principal.ok()) {
+    return Reply(context, principal.status());
+  }
   if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
   auto job = jobs_->Get(request->job_id());
   if (job.ok()) {
@@ -177,6 +236,9 @@ grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* CoordinatorService::ListJobs(grpc::CallbackServerContext* context,
                                                        const v1::ListJobsRequest* request,
                                                        v1::ListJobsResponse* response) {
+  if (auto principal = Admit(context, Action::kRead); !principal.ok()) {
+    return Reply(context, principal.status());
+  }
   std::vector<v1::JobState> states;
   for (int state : request->states()) states.push_back(static_cast<v1::JobState>(state));
   auto page = jobs_->List(states, request->page_size(), request->page_token());
@@ -190,6 +252,9 @@ grpc::ServerUnaryReactor* CoordinatorService::ListJobs(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CoordinatorService::CancelJob(grpc::CallbackServerContext* context,
                                                         const v1::CancelJobRequest* request,
                                                         v1::CancelJobResponse* response) {
+  if (auto principal = Admit(context, Action::kManageJob, request->job_id()); !principal.ok()) {
+    return Reply(context, principal.status());
+  }
   if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
   auto job = jobs_->Cancel(request->job_id(), request->reason());
   if (job.ok()) *response->mutable_job() = std::move(*job);
@@ -198,12 +263,17 @@ grpc::ServerUnaryReactor* CoordinatorService::CancelJob(grpc::CallbackServerCont
 
 grpc::ServerWriteReactor<v1::JobEvent>* CoordinatorService::WatchJob(
     grpc::CallbackServerContext* context, const v1::WatchJobRequest* request) {
-  return new WatchReactor(jobs_, *request);
+  auto slot = AdmitStream(context, Action::kRead);
+  if (!slot.ok()) return new RefusedStream<v1::JobEvent>(slot.status());
+  return new WatchReactor(jobs_, *request, std::move(*slot));
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::GetMetrics(grpc::CallbackServerContext* context,
                                                          const v1::GetMetricsRequest* request,
                                                          v1::GetMetricsResponse* response) {
+  if (auto principal = Admit(context, Action::kRead); !principal.ok()) {
+    return Reply(context, principal.status());
+  }
   if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
   auto metrics = jobs_->Metrics(*request);
   if (metrics.ok()) *response = std::move(*metrics);
@@ -213,6 +283,9 @@ grpc::ServerUnaryReactor* CoordinatorService::GetMetrics(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* CoordinatorService::ListCheckpoints(
     grpc::CallbackServerContext* context, const v1::ListCheckpointsRequest* request,
     v1::ListCheckpointsResponse* response) {
+  if (auto principal = Admit(context, Action::kRead); !principal.ok()) {
+    return Reply(context, principal.status());
+  }
   if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
   auto checkpoints = jobs_->Checkpoints(request->job_id());
   if (checkpoints.ok()) {
@@ -224,7 +297,11 @@ grpc::ServerUnaryReactor* CoordinatorService::ListCheckpoints(
 grpc::ServerUnaryReactor* CoordinatorService::ListNodes(grpc::CallbackServerContext* context,
                                                         const v1::ListNodesRequest* request,
                                                         v1::ListNodesResponse* response) {
+  if (auto principal = Admit(context, Action::kRead); !principal.ok()) {
+    return Reply(context, principal.status());
+  }
   for (auto& node : cluster_->Nodes(request->include_lost())) {
+    node.clear_key_sha256();
     *response->add_nodes() = std::move(node);
   }
   return Reply(context, absl::OkStatus());
@@ -232,12 +309,17 @@ grpc::ServerUnaryReactor* CoordinatorService::ListNodes(grpc::CallbackServerCont
 
 grpc::ServerWriteReactor<v1::LogChunk>* CoordinatorService::GetLogs(
     grpc::CallbackServerContext* context, const v1::GetLogsRequest* request) {
-  return StartLogRelay(jobs_, cluster_, *request);
+  auto slot = AdmitStream(context, Action::kManageJob, request->job_id());
+  if (!slot.ok()) return new RefusedStream<v1::LogChunk>(slot.status());
+  return StartLogRelay(jobs_, cluster_, *request, worker_security_, std::move(*slot));
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::PlanLayout(grpc::CallbackServerContext* context,
                                                          const v1::PlanLayoutRequest* request,
                                                          v1::PlanLayoutResponse* response) {
+  if (auto principal = Admit(context, Action::kRead); !principal.ok()) {
+    return Reply(context, principal.status());
+  }
   auto planned = PlanLayoutFor(*request, cluster_->Capacity());
   if (planned.ok()) *response = std::move(*planned);
   return Reply(context, planned.status());

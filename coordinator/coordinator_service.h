@@ -4,18 +4,37 @@
 // replays stored events and follows new ones without holding a thread.
 #pragma once
 
+#include <memory>
+
+#include "coordinator/auth.h"
+#include "coordinator/client_limits.h"
 #include "coordinator/cluster.h"
 #include "coordinator/job_manager.h"
+#include "coordinator/log_relay.h"
 #include "coordinator/store.h"
+#include "grpcpp/security/credentials.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 
 namespace tessera::coordinator {
 
+// Every call is authenticated and authorized first (see auth.h): an
+// unauthenticated call gets UNAUTHENTICATED and a call its roles do not allow
+// PERMISSION_DENIED, before any data is read.
+//
 // Thread safety: gRPC calls the handlers from its threads; they share only
-// the manager and the cluster, which are thread-safe.
+// the manager, the cluster, the authenticator and the limits, which are
+// thread-safe.
 class CoordinatorService final : public v1::Coordinator::CallbackService {
  public:
-  CoordinatorService(JobManager* jobs, Cluster* cluster) : jobs_(jobs), cluster_(cluster) {}
+  // `authenticator` and `limits` may be null: open, unlimited (in-process tests).
+  // `worker_security` secures the calls to workers' log service.
+  CoordinatorService(JobManager* jobs, Cluster* cluster, Authenticator* authenticator = nullptr,
+                     ClientLimits* limits = nullptr, WorkerChannelSecurity worker_security = {})
+      : jobs_(jobs),
+        cluster_(cluster),
+        authenticator_(authenticator),
+        limits_(limits),
+        worker_security_(std::move(worker_security)) {}
 
   grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* context,
                                       const v1::SubmitJobRequest* request,
@@ -47,8 +66,23 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
                                        v1::PlanLayoutResponse* response) override;
 
  private:
+  // The caller, allowed to do `action` (for kManageJob, on `job_id`).
+  absl::StatusOr<Principal> Admit(grpc::CallbackServerContext* context, Action action,
+                                  const std::string& job_id = "");
+  // Admit, then one of the caller's stream slots (ClientLimits), held until the stream ends.
+  absl::StatusOr<std::shared_ptr<void>> AdmitStream(grpc::CallbackServerContext* context,
+                                                    Action action, const std::string& job_id = "");
+
   JobManager* jobs_;
   Cluster* cluster_;
+  Authenticator* authenticator_;
+  ClientLimits* limits_;
+  WorkerChannelSecurity worker_security_;
 };
+
+// Authenticates a call with `authenticator` (null: open) and checks `action`.
+absl::StatusOr<Principal> AdmitCall(Authenticator* authenticator,
+                                    const grpc::ServerContextBase& context, Action action,
+                                    absl::string_view job_owner = "");
 
 }  // namespace tessera::coordinator

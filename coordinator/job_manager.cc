@@ -43,26 +43,30 @@ absl::StatusOr<std::vector<v1::JobEvent>> JobManager::CommitAndNotify(const JobW
   return events;
 }
 
-absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::string& request_id) {
+absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::string& request_id,
+                                           const std::string& owner) {
   RETURN_IF_ERROR(ValidateJobSpec(spec));
   RETURN_IF_ERROR(ValidateTrainerRuns(spec));
   ASSIGN_OR_RETURN(v1::LayoutPlan plan, PlanJob(spec));
+  const std::string owned_request_id =
+      request_id.empty() ? "" : absl::StrCat(owner, "/", request_id);
   absl::MutexLock lock(&mu_);
-  if (!request_id.empty()) {
-    ASSIGN_OR_RETURN(auto existing, store_->FindJobByRequestId(request_id));
+  if (!owned_request_id.empty()) {
+    ASSIGN_OR_RETURN(auto existing, store_->FindJobByRequestId(owned_request_id));
     if (existing.has_value()) return *existing;
   }
   v1::Job job;
   ASSIGN_OR_RETURN(*job.mutable_job_id(), store_->NextJobId());
   *job.mutable_spec() = spec;
   *job.mutable_plan() = std::move(plan);
+  job.set_owner(owner);
   job.set_state(v1::JOB_STATE_PENDING);
   job.set_reason("waiting to be scheduled");
   *job.mutable_create_time() = NowTimestamp();
   JobWrite write;
   write.job_id = job.job_id();
   write.job = job;
-  write.request_id = request_id;
+  write.request_id = owned_request_id;
   write.events.push_back(StateEvent(v1::JOB_STATE_UNSPECIFIED, v1::JOB_STATE_PENDING, "submitted"));
   RETURN_IF_ERROR(CommitAndNotify(write).status());
   return job;

@@ -33,8 +33,11 @@ class JobManager {
   explicit JobManager(Store* store);
 
   // Validates (INVALID_ARGUMENT naming the field), plans, and stores a new
-  // PENDING job. A request_id seen before returns that job instead.
-  absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec, const std::string& request_id);
+  // PENDING job owned by `owner`. A request_id `owner` used before returns
+  // that job instead (request ids are per owner: another user's id never
+  // returns someone else's job).
+  absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec, const std::string& request_id,
+                                 const std::string& owner = "anonymous");
   // NOT_FOUND for an unknown id.
   absl::StatusOr<v1::Job> Get(const std::string& job_id);
   absl::StatusOr<JobPage> List(const std::vector<v1::JobState>& states, int page_size,

@@ -101,9 +101,17 @@ absl::Status ValidateName(const std::string& name) {
 
 absl::Status ValidateShards(absl::string_view field,
                             const google::protobuf::RepeatedPtrField<std::string>& shards) {
+  if (shards.size() > kMaxShardPatterns) {
+    return Invalid(field, absl::StrCat("at most ", kMaxShardPatterns,
+                                       " paths or globs (use a glob), got ", shards.size()));
+  }
   for (int i = 0; i < shards.size(); ++i) {
     if (shards[i].empty()) {
       return Invalid(absl::StrCat(field, "[", i, "]"), "must be a non-empty path or glob");
+    }
+    if (shards[i].size() > kMaxPathLength) {
+      return Invalid(absl::StrCat(field, "[", i, "]"),
+                     absl::StrCat("longer than ", kMaxPathLength, " characters"));
     }
   }
   return absl::OkStatus();
@@ -274,6 +282,9 @@ absl::Status ValidateResources(const v1::ResourceRequest& resources) {
 }
 
 absl::Status ValidateLabels(const google::protobuf::Map<std::string, std::string>& labels) {
+  if (labels.size() > kMaxLabels) {
+    return Invalid("labels", absl::StrCat("at most ", kMaxLabels, ", got ", labels.size()));
+  }
   // Map order is unspecified; sort so the same spec always reports the same label.
   std::vector<std::string> keys;
   keys.reserve(labels.size());
@@ -301,6 +312,9 @@ absl::Status ValidateLabels(const google::protobuf::Map<std::string, std::string
 }  // namespace
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  if (const size_t bytes = spec.ByteSizeLong(); bytes > kMaxSpecBytes) {
+    return Invalid("spec", absl::StrCat(bytes, " bytes encoded; at most ", kMaxSpecBytes));
+  }
   RETURN_IF_ERROR(ValidateName(spec.name()));
   // The model's own fields come before data.seq_len, so resolve at seq_len 1 (always valid) here
   // and check the real seq_len with the data.

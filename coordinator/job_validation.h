@@ -14,6 +14,12 @@ namespace tessera::coordinator {
 
 // Longest job name and label key or value (a DNS label's length).
 inline constexpr int kMaxNameLength = 63;
+// Bounds on a spec's size, so one submission cannot make the coordinator
+// store, plan or replay an unbounded amount of text.
+inline constexpr size_t kMaxSpecBytes = 256 << 10;
+inline constexpr int kMaxShardPatterns = 4096;
+inline constexpr int kMaxPathLength = 4096;
+inline constexpr int kMaxLabels = 64;
 // Bounds of JobSpec.priority.
 inline constexpr int kMinPriority = -1000;
 inline constexpr int kMaxPriority = 1000;

@@ -275,6 +275,25 @@ std::vector<BadSpecCase> BadSpecCases() {
        "labels: key 'team/ml' may hold only a-z, A-Z, 0-9, '.', '_' and '-'"},
       {"LabelEmptyValue", [](S& s) { (*s.mutable_labels())["team"] = ""; }, kInvalid,
        "labels[team]: value must be 1-63 characters, got 0"},
+      // Size bounds: one submission cannot make the coordinator hold unbounded text.
+      {"TooManyLabels",
+       [](S& s) {
+         for (int i = 0; i < 65; ++i) (*s.mutable_labels())[absl::StrCat("k", i)] = "v";
+       },
+       kInvalid, "labels: at most 64, got 65"},
+      {"TooManyShardPatterns",
+       [](S& s) {
+         for (int i = 0; i < 4096; ++i) s.mutable_data()->add_train_shards("/d/x.bin");
+       },
+       kInvalid, "data.train_shards: at most 4096 paths or globs"},
+      {"ShardPathTooLong",
+       [](S& s) { s.mutable_data()->add_validation_shards(std::string(4097, 'p')); }, kInvalid,
+       "data.validation_shards[0]: longer than 4096 characters"},
+      {"SpecTooLarge",
+       [](S& s) {
+         for (int i = 0; i < 100; ++i) s.mutable_data()->add_train_shards(std::string(4000, 'p'));
+       },
+       kInvalid, "spec: 4"},
       // The first problem in field order is the one reported.
       {"FirstProblemNameBeforeBatch",
        [](S& s) {

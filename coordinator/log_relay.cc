@@ -31,9 +31,18 @@ class LogRelay final : public grpc::ServerWriteReactor<v1::LogChunk> {
     int failed_readers = 0;
     grpc::Status first_error;
     std::vector<std::shared_ptr<grpc::ClientContext>> contexts;
+    // Credentials of the calls to the workers (null: plaintext) and the name their certificates
+    // carry (empty: their address's host).
+    std::shared_ptr<grpc::ChannelCredentials> credentials;
+    std::string tls_server_name;
   };
 
-  LogRelay() : state_(std::make_shared<State>()) { state_->reactor = this; }
+  LogRelay(const WorkerChannelSecurity& security, std::shared_ptr<void> stream_slot)
+      : stream_slot_(std::move(stream_slot)), state_(std::make_shared<State>()) {
+    state_->reactor = this;
+    state_->credentials = security.credentials;
+    state_->tls_server_name = security.tls_server_name;
+  }
 
   // Reads from each (node_id, address) on its own thread.
   void Start(const std::vector<std::pair<std::string, std::string>>& workers,
@@ -85,7 +94,7 @@ class LogRelay final : public grpc::ServerWriteReactor<v1::LogChunk> {
  private:
   static void ReadFrom(std::shared_ptr<State> state, std::shared_ptr<grpc::ClientContext> context,
                        std::string node_id, std::string address, v1::ReadLogsRequest request) {
-    auto stub = v1::Worker::NewStub(MakeClientChannel(address));
+    auto stub = v1::Worker::NewStub(MakeClientChannel(address, state->credentials, state->tls_server_name));
     auto reader = stub->ReadLogs(context.get(), request);
     v1::LogChunk chunk;
     while (reader->Read(&chunk)) {
@@ -131,15 +140,18 @@ class LogRelay final : public grpc::ServerWriteReactor<v1::LogChunk> {
     Finish(status);
   }
 
+  // Held while the stream is open (ClientLimits' per-user count).
+  std::shared_ptr<void> stream_slot_;
   std::shared_ptr<State> state_;
   v1::LogChunk current_;
 };
 
 }  // namespace
 
-grpc::ServerWriteReactor<v1::LogChunk>* StartLogRelay(JobManager* jobs, Cluster* cluster,
-                                                      const v1::GetLogsRequest& request) {
-  auto* relay = new LogRelay();
+grpc::ServerWriteReactor<v1::LogChunk>* StartLogRelay(
+    JobManager* jobs, Cluster* cluster, const v1::GetLogsRequest& request,
+    const WorkerChannelSecurity& worker_security, std::shared_ptr<void> stream_slot) {
+  auto* relay = new LogRelay(worker_security, std::move(stream_slot));
   auto fail = [relay](const absl::Status& status) {
     relay->FinishNow(ToGrpcStatus(status));
     return relay;

@@ -7,13 +7,27 @@
 
 #include "coordinator/cluster.h"
 #include "coordinator/job_manager.h"
+#include <memory>
+#include <string>
+
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/support/server_callback.h"
 #include "tessera/v1/coordinator_service.pb.h"
 
 namespace tessera::coordinator {
 
-// Starts a relay for `request`; gRPC owns the returned reactor.
-grpc::ServerWriteReactor<v1::LogChunk>* StartLogRelay(JobManager* jobs, Cluster* cluster,
-                                                      const v1::GetLogsRequest& request);
+// How the coordinator calls workers' log service.
+struct WorkerChannelSecurity {
+  // Null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // Name the workers' certificates carry; empty: the host of their address.
+  std::string tls_server_name;
+};
+
+// Starts a relay for `request`; gRPC owns the returned reactor. `stream_slot`
+// is held until the stream ends.
+grpc::ServerWriteReactor<v1::LogChunk>* StartLogRelay(
+    JobManager* jobs, Cluster* cluster, const v1::GetLogsRequest& request,
+    const WorkerChannelSecurity& worker_security = {}, std::shared_ptr<void> stream_slot = nullptr);
 
 }  // namespace tessera::coordinator

@@ -35,6 +35,30 @@ ABSL_FLAG(int, master_port_base, 29500,
           "next ones.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Prometheus /metrics listen address (host:port); empty disables it.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate (chain) of this coordinator: served on --listen and presented to "
+          "workers' log service. Re-read when it changes.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA bundle: verifies client certificates (users, nodes) and the workers' "
+          "certificates.");
+ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Seconds(10),
+          "How often the TLS files are checked for rotation (cert-manager).");
+ABSL_FLAG(std::string, worker_tls_name, "",
+          "Name the workers' certificates carry (a DNS SAN), checked when the coordinator calls "
+          "a worker's log service by its address; empty: the host of the worker's address.");
+ABSL_FLAG(bool, insecure, false,
+          "Serve plaintext gRPC on a non-loopback --listen address (without TLS the coordinator "
+          "refuses to, unless asked).");
+ABSL_FLAG(std::string, auth_file, "",
+          "YAML file of users: name, roles (viewer, user, admin, node), token_sha256 (see "
+          "docs/security.md); re-read when it changes. Empty: no authentication, every caller is "
+          "an admin.");
+ABSL_FLAG(int, max_submits_per_minute, 60,
+          "Jobs one user may submit per minute (bursts up to as many); 0: unlimited.");
+ABSL_FLAG(int, max_streams_per_client, 16,
+          "WatchJob and GetLogs streams one user may hold open; 0: unlimited.");
+ABSL_FLAG(int, max_request_bytes, 64 << 20, "Largest gRPC message accepted, in bytes.");
 
 ABSL_FLAG(std::string, log_format, "text",
           "text: plain lines; json: one JSON object per line (time, component, pid, message; "
@@ -69,6 +93,16 @@ int main(int argc, char** argv) {
   options.cluster.straggler_threshold = absl::GetFlag(FLAGS_straggler_threshold);
   options.cluster.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
   options.cluster.base_master_port = absl::GetFlag(FLAGS_master_port_base);
+  options.security.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.security.tls.key_file = absl::GetFlag(FLAGS_tls_key);
+  options.security.tls.ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.security.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
+  options.security.insecure = absl::GetFlag(FLAGS_insecure);
+  options.worker_tls_server_name = absl::GetFlag(FLAGS_worker_tls_name);
+  options.auth_file = absl::GetFlag(FLAGS_auth_file);
+  options.limits.submits_per_minute = absl::GetFlag(FLAGS_max_submits_per_minute);
+  options.limits.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
+  options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   auto daemon = tessera::coordinator::CoordinatorDaemon::Start(options);
   if (!daemon.ok()) {
     std::cerr << "tessera-coordinator: " << daemon.status() << "\n";

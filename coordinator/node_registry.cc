@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "coordinator/auth.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace tessera::coordinator {
@@ -49,6 +50,16 @@ absl::Status NodeRegistry::Flush() {
 
 absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl::Time now,
                                     bool* returning) {
+  const std::string key_sha256 = TokenSha256(request.node_key());
+  if (auto it = nodes_.find(request.node_id());
+      it != nodes_.end() && it->second.node.state() != v1::NODE_STATE_LOST &&
+      // A record from before node keys binds to the first key it sees.
+      !it->second.node.key_sha256().empty() && it->second.node.key_sha256() != key_sha256) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "node ", request.node_id(), " is registered by another worker (", it->second.node.address(),
+        ", heard from ", absl::FormatDuration(absl::Trunc(now - it->second.last_heartbeat, absl::Milliseconds(100))),
+        " ago) with a different node key; a node id is taken over only once its node is LOST"));
+  }
   Entry& entry = nodes_[request.node_id()];
   v1::Node& node = entry.node;
   *returning = !node.node_id().empty();
@@ -60,6 +71,7 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl
   node.mutable_labels()->clear();
   for (const auto& [key, value] : request.labels()) (*node.mutable_labels())[key] = value;
   node.set_worker_version(request.worker_version());
+  node.set_key_sha256(key_sha256);
   if (!*returning) *node.mutable_register_time() = ToProto(now);
   *node.mutable_last_heartbeat_time() = ToProto(now);
   entry.last_heartbeat = now;
@@ -91,6 +103,14 @@ std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire(absl::T
     lost.emplace_back(node_id, silence);
   }
   return lost;
+}
+
+absl::Status NodeRegistry::CheckKey(const std::string& node_id, const std::string& key) const {
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end() || it->second.node.key_sha256().empty()) return absl::OkStatus();
+  if (it->second.node.key_sha256() == TokenSha256(key)) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat("node ", node_id, " registered with another node key"));
 }
 
 bool NodeRegistry::IsLost(const std::string& node_id) const {

@@ -38,8 +38,14 @@ class NodeRegistry {
   absl::Status Load(absl::Time now);
 
   // Records (or replaces) a node's registration as READY. Returns whether the node was known
-  // before. Store errors are returned; the node is kept dirty and written again by Flush.
+  // before. ALREADY_EXISTS when the node is alive (not LOST) under another node key: the id
+  // cannot be taken over. Store errors are returned; the node is kept dirty and written again by Flush.
   absl::Status Register(const v1::RegisterNodeRequest& request, absl::Time now, bool* returning);
+
+  // OK when `key` is the key `node_id` registered with (or the node is unknown);
+  // PERMISSION_DENIED otherwise: heartbeats and reports carry the key so that a
+  // worker cannot speak for another node.
+  absl::Status CheckKey(const std::string& node_id, const std::string& key) const;
 
   // A heartbeat from `node_id`: false (and nothing recorded) when the node is unknown or LOST.
   bool Touch(const std::string& node_id, absl::Time now,

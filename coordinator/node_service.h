@@ -1,16 +1,21 @@
 // NodeService: tessera.v1.NodeService (the worker-facing API) over gRPC's
-// callback API; converts messages and calls Cluster.
+// callback API; converts messages and calls Cluster. Only callers with the
+// node role (a join token or a node certificate, see auth.h) get through.
 #pragma once
 
+#include "coordinator/auth.h"
 #include "coordinator/cluster.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 
 namespace tessera::coordinator {
 
-// Thread safety: handlers run on gRPC threads and share only the Cluster.
+// Thread safety: handlers run on gRPC threads and share only the Cluster and
+// the Authenticator, both thread-safe.
 class NodeService final : public v1::NodeService::CallbackService {
  public:
-  explicit NodeService(Cluster* cluster) : cluster_(cluster) {}
+  // `authenticator` may be null: open (in-process tests).
+  explicit NodeService(Cluster* cluster, Authenticator* authenticator = nullptr)
+      : cluster_(cluster), authenticator_(authenticator) {}
 
   grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* context,
                                          const v1::RegisterNodeRequest* request,
@@ -24,6 +29,7 @@ class NodeService final : public v1::NodeService::CallbackService {
 
  private:
   Cluster* cluster_;
+  Authenticator* authenticator_;
 };
 
 }  // namespace tessera::coordinator

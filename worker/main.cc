@@ -1,12 +1,15 @@
 // tessera-worker: the per-node daemon that runs trainer processes.
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
+#include "common/read_file.h"
 #include "common/command_line.h"
 #include "common/daemon/daemon_servers.h"
 #include "common/daemon/log_format.h"
@@ -32,6 +35,24 @@ ABSL_FLAG(std::string, trainer, "",
 ABSL_FLAG(std::vector<std::string>, labels, {}, "Node labels as key=value,key=value.");
 ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
           "Time between SIGTERM and SIGKILL when stopping trainers.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate (chain) of this worker: served on --listen and presented to the "
+          "coordinator (a node certificate). Re-read when it changes.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA bundle: verifies the coordinator, and the client certificate every caller of "
+          "this worker must present.");
+ABSL_FLAG(absl::Duration, tls_reload_interval, absl::Seconds(10),
+          "How often the TLS files are checked for rotation (cert-manager).");
+ABSL_FLAG(bool, insecure, false,
+          "Serve plaintext gRPC on a non-loopback --listen address (without TLS the worker "
+          "refuses to, unless asked).");
+ABSL_FLAG(std::vector<std::string>, tls_allowed_callers, {},
+          "Certificate CNs allowed to call this worker's service, e.g. tessera-coordinator; "
+          "empty: any certificate signed by --tls_ca.");
+ABSL_FLAG(std::string, join_token_file, "",
+          "File holding the token this worker presents to the coordinator (a user with the "
+          "node role); TESSERA_JOIN_TOKEN is used when empty.");
 
 ABSL_FLAG(std::string, log_format, "text",
           "text: plain lines; json: one JSON object per line (time, component, pid, message; "
@@ -40,6 +61,9 @@ ABSL_FLAG(int, trainer_threads, 0,
           "Intra-op CPU threads of each trainer (OMP_NUM_THREADS, MKL_NUM_THREADS); 0: this "
           "node's cores divided by its slots (CPU slots, or GPUs), at least 1, so that ranks do "
           "not fight over cores.");
+
+// Join token of the worker when --join_token_file is not given.
+constexpr char kJoinTokenEnv[] = "TESSERA_JOIN_TOKEN";
 
 constexpr char kUsage[] =
     "Usage: tessera-worker --coordinator=HOST:PORT [--node_name=NAME] [--cpu_slots=N]\n"
@@ -89,6 +113,22 @@ int main(int argc, char** argv) {
   agent.stop_grace = absl::GetFlag(FLAGS_stop_grace);
   agent.trainer_threads = absl::GetFlag(FLAGS_trainer_threads);
 
+  options.security.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.security.tls.key_file = absl::GetFlag(FLAGS_tls_key);
+  options.security.tls.ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.security.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
+  options.security.insecure = absl::GetFlag(FLAGS_insecure);
+  options.allowed_callers = absl::GetFlag(FLAGS_tls_allowed_callers);
+  if (const std::string path = absl::GetFlag(FLAGS_join_token_file); !path.empty()) {
+    auto token = tessera::ReadWholeFile(path);
+    if (!token.ok()) {
+      std::cerr << "tessera-worker: --join_token_file: " << token.status() << "\n";
+      return 1;
+    }
+    agent.join_token = std::string(absl::StripAsciiWhitespace(*token));
+  } else if (const char* token = std::getenv(kJoinTokenEnv); token != nullptr) {
+    agent.join_token = std::string(absl::StripAsciiWhitespace(token));
+  }
   auto daemon = tessera::worker::WorkerDaemon::Start(options);
   if (!daemon.ok()) {
     std::cerr << "tessera-worker: " << daemon.status() << "\n";

@@ -18,12 +18,12 @@
 #include "common/daemon/server.h"
 #include "common/trainer_env.h"
 #include "common/version.h"
-#include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl.h"
 #include "grpcpp/client_context.h"
 #include "worker/failure_policy.h"
 #include "worker/orphans.h"
 #include "worker/proc_stat.h"
+#include "worker/report_stream.h"
 
 namespace tessera::worker {
 namespace {
@@ -68,9 +68,17 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend>
   trainer_threads_ = TrainerThreads(
       options_.trainer_threads, UsableCores(),
       options_.cpu_slots > 0 ? options_.cpu_slots : static_cast<int>(devices_.size()));
-  coordinator_ = v1::NodeService::NewStub(MakeClientChannel(options_.coordinator_address));
+  coordinator_ = v1::NodeService::NewStub(
+      MakeClientChannel(options_.coordinator_address, options_.coordinator_credentials));
   socket_path_ = absl::StrCat(options_.work_dir, "/reports.sock");
   pid_dir_ = absl::StrCat(options_.work_dir, "/trainers");
+}
+
+void WorkerAgent::PrepareCall(grpc::ClientContext& context) const {
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  if (!options_.join_token.empty()) {
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", options_.join_token));
+  }
 }
 
 WorkerAgent::~WorkerAgent() { Stop(); }
@@ -205,8 +213,9 @@ absl::Status WorkerAgent::RegisterNow() {
       *request.add_running_tasks() = TaskStatusLocked(task, absl::Now());
     }
   }
+  request.set_node_key(options_.node_key);
   grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  PrepareCall(context);
   v1::RegisterNodeResponse response;
   grpc::Status status = coordinator_->RegisterNode(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
@@ -264,8 +273,9 @@ void WorkerAgent::HeartbeatLoop() {
         if (IsTerminal(status->state())) terminal_sent.push_back(id);
       }
     }
+    request.set_node_key(options_.node_key);
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    PrepareCall(context);
     v1::HeartbeatResponse response;
     grpc::Status status = coordinator_->Heartbeat(&context, request, &response);
     if (!status.ok()) {
@@ -528,13 +538,9 @@ void WorkerAgent::ReadReports(int fd) {
     // loop that no typed failure report of that rank is still on its way.
     std::optional<v1::TrainerReport> sender;
     while (true) {
-      google::protobuf::io::CodedInputStream coded(&stream);
-      uint32_t size = 0;
-      if (!coded.ReadVarint32(&size)) break;  // the trainer closed its end
-      auto limit = coded.PushLimit(static_cast<int>(size));
       v1::TrainerReport report;
-      if (!report.ParseFromCodedStream(&coded)) break;
-      coded.PopLimit(limit);
+      // The trainer closed its end, or wrote a malformed frame: either way the stream is done.
+      if (!ReadTrainerReport(&stream, &report).ok()) break;
       if (report_observer_) report_observer_(report);
       absl::MutexLock lock(&mu_);
       Task* task = FindTaskLocked(report.job_id(), report.attempt());
@@ -596,6 +602,7 @@ void WorkerAgent::RelayLoop() {
         v1::ReportRequest& request = batches.emplace_back();
         request.set_node_id(options_.node_id);
         request.set_task_id(id);
+        request.set_node_key(options_.node_key);
         request.set_first_sequence(task.first_unacked);
         int count = std::min<int>(kRelayBatch, static_cast<int>(task.unacked.size()));
         for (int i = 0; i < count; ++i) *request.add_reports() = task.unacked[i];
@@ -603,7 +610,7 @@ void WorkerAgent::RelayLoop() {
     }
     for (const auto& request : batches) {
       grpc::ClientContext context;
-      context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+      PrepareCall(context);
       v1::ReportResponse response;
       // Unreachable coordinator: the reports stay queued for the next round.
       if (!coordinator_->Report(&context, request, &response).ok()) break;

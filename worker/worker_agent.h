@@ -23,6 +23,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -33,6 +34,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/security/credentials.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 #include "worker/gpu_inventory.h"
 #include "worker/trainer_process.h"
@@ -66,6 +69,13 @@ struct WorkerAgentOptions {
   absl::Duration peer_failure_grace = absl::Seconds(1);
   // Deadline of each call to the coordinator.
   absl::Duration rpc_timeout = absl::Seconds(10);
+  // Transport security of the calls to the coordinator; null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials;
+  // Bearer token presented to the coordinator (a user with the node role); empty: none (a node
+  // certificate, or a coordinator without authentication).
+  std::string join_token;
+  // This node's key (node_key.h): binds the node id at the coordinator.
+  std::string node_key;
 };
 
 // Intra-op threads per trainer: `requested` when positive, else `usable_cores` / `slots` (at
@@ -141,6 +151,8 @@ class WorkerAgent {
     std::optional<absl::Time> drain_deadline;
   };
 
+  // Deadline and credentials of a call to the coordinator.
+  void PrepareCall(grpc::ClientContext& context) const;
   void HeartbeatLoop();
   void SuperviseLoop();
   void RelayLoop();

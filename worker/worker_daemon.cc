@@ -6,21 +6,29 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/node_key.h"
 
 namespace tessera::worker {
 
 absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOptions& options) {
   std::unique_ptr<WorkerDaemon> daemon(new WorkerDaemon());
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> server_credentials,
+                   DaemonServerCredentials("tessera-worker", options.listen_address,
+                                           options.security, ClientCertPolicy::kRequireAndVerify));
+  WorkerAgentOptions agent = options.agent;
+  ASSIGN_OR_RETURN(agent.coordinator_credentials, DaemonChannelCredentials(options.security));
+  ASSIGN_OR_RETURN(agent.node_key, LoadOrCreateNodeKey(agent.work_dir));
   std::string nvml_error;
   std::unique_ptr<GpuBackend> gpus = LoadNvml(&nvml_error);
   if (!gpus) std::cerr << "tessera-worker: no GPUs (" << nvml_error << ")" << std::endl;
-  daemon->agent_ = std::make_unique<WorkerAgent>(options.agent, std::move(gpus));
-  daemon->worker_service_ = std::make_unique<WorkerService>(daemon->agent_.get());
+  daemon->agent_ = std::make_unique<WorkerAgent>(std::move(agent), std::move(gpus));
+  daemon->worker_service_ = std::make_unique<WorkerService>(daemon->agent_.get(), options.allowed_callers);
   ASSIGN_OR_RETURN(
       daemon->servers_,
       DaemonServers::Start({.component = "worker",
                             .listen_address = options.listen_address,
-                            .metrics_listen_address = options.metrics_listen_address},
+                            .metrics_listen_address = options.metrics_listen_address,
+                            .credentials = std::move(server_credentials)},
                            {{v1::Worker::service_full_name(), daemon->worker_service_.get()}}));
   if (prometheus::Registry* registry = daemon->servers_->registry(); registry != nullptr) {
     char name[256] = {};

@@ -5,9 +5,11 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/daemon/daemon_servers.h"
+#include "common/security/daemon_security.h"
 #include "worker/gpu_inventory.h"
 #include "worker/training_metrics.h"
 #include "worker/worker_agent.h"
@@ -25,6 +27,13 @@ struct WorkerOptions {
   std::string advertise_host;
   // Registration, trainers and relay.
   WorkerAgentOptions agent;
+  // TLS of the worker's own port (which then requires a client certificate
+  // signed by the CA: only the coordinator calls it) and of its calls to the
+  // coordinator.
+  DaemonSecurityOptions security;
+  // Certificate CNs allowed to call the worker's service (the coordinator's); empty: any
+  // certificate the CA signed.
+  std::vector<std::string> allowed_callers;
 };
 
 // Thread safety: Start and destruction from one thread.

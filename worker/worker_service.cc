@@ -1,9 +1,12 @@
 #include "worker/worker_service.h"
 
+#include <algorithm>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/daemon/grpc_status.h"
+#include "common/security/tls.h"
 #include "worker/log_reader.h"
 
 namespace tessera::worker {
@@ -16,9 +19,22 @@ constexpr absl::Duration kFollowPause = absl::Milliseconds(200);
 
 }  // namespace
 
+grpc::Status WorkerService::CheckCaller(const grpc::ServerContext& context) const {
+  if (allowed_callers_.empty()) return grpc::Status::OK;
+  std::optional<std::string> name = PeerCommonName(context.auth_context().get());
+  if (name && std::find(allowed_callers_.begin(), allowed_callers_.end(), *name) !=
+                  allowed_callers_.end()) {
+    return grpc::Status::OK;
+  }
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      absl::StrCat("caller ", name.value_or("without a certificate"),
+                                   " is not in --tls_allowed_callers"));
+}
+
 grpc::Status WorkerService::ReadLogs(grpc::ServerContext* context,
                                      const v1::ReadLogsRequest* request,
                                      grpc::ServerWriter<v1::LogChunk>* writer) {
+  if (grpc::Status status = CheckCaller(*context); !status.ok()) return status;
   if (request->job_id().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required");
   }
@@ -65,6 +81,7 @@ grpc::Status WorkerService::ReadLogs(grpc::ServerContext* context,
 
 grpc::Status WorkerService::GetNode(grpc::ServerContext* context, const v1::GetNodeRequest*,
                                     v1::GetNodeResponse* response) {
+  if (grpc::Status status = CheckCaller(*context); !status.ok()) return status;
   *response->mutable_node() = agent_->NodeView();
   return grpc::Status::OK;
 }

@@ -22,6 +22,10 @@ struct DaemonServerOptions {
   std::string listen_address;
   // Prometheus listen address (host:port); empty disables the endpoint.
   std::string metrics_listen_address;
+  // gRPC transport security; null: plaintext.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  // Largest gRPC message accepted or sent, in bytes.
+  int max_message_bytes = 64 << 20;
 };
 
 // Makes the gRPC interceptors of a daemon once its metrics registry exists

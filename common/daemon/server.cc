@@ -35,7 +35,10 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
 
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(
+      options.listen_address,
+      options.credentials != nullptr ? options.credentials : grpc::InsecureServerCredentials(),
+      &port);
   // gRPC sets SO_REUSEPORT by default, which lets a second daemon bind the
   // same port and silently take half the connections. One owner per port.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -77,8 +80,16 @@ void GrpcServer::Shutdown(absl::Duration grace) {
   server_->Wait();
 }
 
-std::shared_ptr<grpc::Channel> MakeClientChannel(const std::string& address) {
-  return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+std::shared_ptr<grpc::Channel> MakeClientChannel(
+    const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials,
+    const std::string& tls_server_name) {
+  if (credentials == nullptr) {
+    return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  }
+  if (tls_server_name.empty()) return grpc::CreateChannel(address, credentials);
+  grpc::ChannelArguments arguments;
+  arguments.SetSslTargetNameOverride(tls_server_name);
+  return grpc::CreateCustomChannel(address, credentials, arguments);
 }
 
 }  // namespace tessera

@@ -11,6 +11,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/server_interceptor.h"
@@ -29,6 +31,8 @@ struct GrpcServerOptions {
   std::string listen_address = "127.0.0.1:0";
   // Largest message accepted or sent, in bytes.
   int max_message_bytes = 64 << 20;
+  // Transport security (common/security/tls.h); null: plaintext.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
 };
 
 // Thread safety: all methods may be called from any thread.
@@ -67,8 +71,12 @@ class GrpcServer {
   std::atomic<bool> shut_down_{false};
 };
 
-// A client channel to host:port (plaintext; Tessera runs inside a cluster
-// network, TLS terminates at the ingress).
-std::shared_ptr<grpc::Channel> MakeClientChannel(const std::string& address);
+// A client channel to host:port with `credentials` (common/security/tls.h);
+// null: plaintext. With TLS, a non-empty `tls_server_name` is the name the
+// server's certificate must carry instead of the address's host (workers are
+// reached by pod IP but share one certificate naming the service).
+std::shared_ptr<grpc::Channel> MakeClientChannel(
+    const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr,
+    const std::string& tls_server_name = "");
 
 }  // namespace tessera

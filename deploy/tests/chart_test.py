@@ -8,7 +8,10 @@
   and runs the PrometheusRule's groups through `promtool check rules`.
 - Checks that values.schema.json refuses a typo and a wrong type, the properties a deployment
   relies on (gRPC probes, GPUs requested, non-root, no service account token, dashboards
-  labelled for Grafana's sidecar), and that deploy/manifests/tessera.yaml is a fresh render.
+  labelled for Grafana's sidecar), the security settings (TLS, auth file and join token flags
+  pointing into read-only Secret mounts, --insecure exactly when TLS is off, TCP probes under TLS,
+  trainer ports open to workers only under the NetworkPolicy; docs/security.md), and that
+  deploy/manifests/tessera.yaml is a fresh render.
 
 `--write` regenerates deploy/manifests/tessera.yaml instead (deploy/render.sh). Prints
 "N passed, N failed"; exits 77 (skipped) when the tools are not installed.
@@ -44,6 +47,15 @@ VALUES_SETS = {
                     "prometheusRule": {"enabled": True, "labels": {"release": "prom"}}},
         "networkPolicy": {"enabled": True, "clientPodSelector": {"matchLabels": {"app": "ci"}},
                           "metricsNamespaceSelector": {"matchLabels": {"name": "monitoring"}}},
+    },
+    "TLS, auth file, join token, network policy": {
+        "tls": {"enabled": True, "secretName": "tessera-tls"},
+        "auth": {"secretName": "tessera-auth", "joinTokenSecret": "tessera-join"},
+        "networkPolicy": {"enabled": True},
+    },
+    "TLS, workers by certificate": {
+        "tls": {"enabled": True, "secretName": "tessera-tls"},
+        "auth": {"secretName": "tessera-auth"},
     },
     "existing claim, CPU-only nodes": {
         "sharedStorage": {"existingClaim": "team-nfs"},
@@ -128,6 +140,109 @@ def by_kind(objs, kind):
     return [o for o in objs if o["kind"] == kind]
 
 
+def containers(objs):
+    """{"coordinator": (pod spec, container), "worker": ...} of one render."""
+    pods = {"coordinator": by_kind(objs, "StatefulSet")[0], "worker": by_kind(objs, "DaemonSet")[0]}
+    return {name: (o["spec"]["template"]["spec"], o["spec"]["template"]["spec"]["containers"][0])
+            for name, o in pods.items()}
+
+
+def flag(container, name):
+    """The value of --name=VALUE in the container's args (dashes), or None."""
+    values = [a.split("=", 1)[1] for a in container["args"] if a.startswith(f"--{name}=")]
+    return values[0] if values else None
+
+
+def secret_behind(pod, container, path):
+    """The Secret (and key) a file path reads, when it lies in a read-only whole-Secret mount."""
+    directory, key = path.rsplit("/", 1)
+    mounts = [m for m in container.get("volumeMounts", []) if m["mountPath"] == directory]
+    if len(mounts) != 1 or mounts[0].get("readOnly") is not True or "subPath" in mounts[0]:
+        return None  # a subPath mount would never see a rotated file
+    volumes = [v for v in pod["volumes"] if v["name"] == mounts[0]["name"]]
+    return (volumes[0]["secret"]["secretName"], key) if volumes and "secret" in volumes[0] else None
+
+
+def test_security(results, rendered_sets):
+    tls_flags = ("tls-cert", "tls-key", "tls-ca")
+    for label, objs in rendered_sets.items():
+        values = VALUES_SETS[label]
+        tls = values.get("tls", {}).get("enabled", False)
+        auth = values.get("auth", {})
+        for daemon, (pod, container) in containers(objs).items():
+            args = container["args"]
+            where = f"{label}: {daemon}"
+            probes = [container[p] for p in ("startupProbe", "livenessProbe", "readinessProbe")
+                      if p in container]
+            if not tls:
+                results.check("--insecure" in args and not any(flag(container, f) for f in tls_flags),
+                              f"{where}: plaintext only with --insecure (listens on 0.0.0.0)")
+                results.check(all("grpc" in p for p in probes), f"{where}: gRPC health probes")
+                continue
+            results.check("--insecure" not in args, f"{where}: no --insecure under TLS")
+            secrets = {f: secret_behind(pod, container, flag(container, f) or "/") for f in tls_flags}
+            results.check(secrets == {"tls-cert": ("tessera-tls", "tls.crt"),
+                                      "tls-key": ("tessera-tls", "tls.key"),
+                                      "tls-ca": ("tessera-tls", "ca.crt")},
+                          f"{where}: --tls-cert/--tls-key/--tls-ca read the kubernetes.io/tls "
+                          "Secret's keys from a read-only mount", str(secrets))
+            results.check(probes and all(set(p) & {"grpc", "tcpSocket"} == {"tcpSocket"}
+                                         for p in probes),
+                          f"{where}: TCP probes under TLS (the grpc probe cannot do TLS)",
+                          str(probes))
+        (coordinator_pod, coordinator), (worker_pod, worker) = containers(objs).values()
+        if tls:
+            # Workers are dialled by pod IP: their shared certificate is checked for the
+            # coordinator Service's name, which it carries, instead.
+            results.check(flag(coordinator, "worker-tls-name") == "tessera-coordinator",
+                          f"{label}: --worker-tls-name names the shared certificate's DNS SAN",
+                          str(flag(coordinator, "worker-tls-name")))
+        else:
+            results.check(flag(coordinator, "worker-tls-name") is None,
+                          f"{label}: no --worker-tls-name without TLS")
+        auth_file = flag(coordinator, "auth-file")
+        if auth.get("secretName"):
+            results.check(secret_behind(coordinator_pod, coordinator, auth_file or "/")
+                          == (auth["secretName"], "auth.yaml"),
+                          f"{label}: --auth-file reads auth.yaml from the auth Secret, read-only",
+                          str(auth_file))
+        else:
+            results.check(auth_file is None, f"{label}: no --auth-file without auth.secretName")
+        join = flag(worker, "join-token-file")
+        if auth.get("joinTokenSecret"):
+            results.check(secret_behind(worker_pod, worker, join or "/")
+                          == (auth["joinTokenSecret"], "token"),
+                          f"{label}: --join-token-file reads key token of the join Secret, "
+                          "read-only", str(join))
+        else:
+            results.check(join is None, f"{label}: no --join-token-file without auth.joinTokenSecret")
+        results.check(flag(worker, "auth-file") is None and flag(coordinator, "join-token-file") is None
+                      and not any(v["name"] == "auth" for v in worker_pod["volumes"]),
+                      f"{label}: the auth file stays on the coordinator, the join token on workers")
+
+    # Under the NetworkPolicy only worker pods reach the workers' other ports (the trainers'
+    # unauthenticated c10d TCPStore and NCCL/Gloo sockets); others get one named port each.
+    for label, objs in rendered_sets.items():
+        if not VALUES_SETS[label].get("networkPolicy", {}).get("enabled"):
+            continue
+        policies = {o["metadata"]["name"]: o["spec"] for o in by_kind(objs, "NetworkPolicy")}
+        worker_policy = policies["tessera-worker"]
+        worker_selector = worker_policy["podSelector"]["matchLabels"]
+        open_rules = [r for r in worker_policy["ingress"] if not r.get("ports")]
+        results.check(worker_policy["policyTypes"] == ["Ingress"] and len(open_rules) == 1 and
+                      open_rules[0]["from"] == [{"podSelector": {"matchLabels": worker_selector}}],
+                      f"{label}: workers take any port from worker pods only (trainer ports)",
+                      str(worker_policy["ingress"]))
+        ports = {p["port"] for r in worker_policy["ingress"] if r.get("ports") for p in r["ports"]}
+        results.check(ports == {50052, 9465}, f"{label}: others reach only the worker's gRPC and "
+                      "metrics ports", str(ports))
+        coordinator_policy = policies["tessera-coordinator"]
+        results.check(all(r.get("ports") for r in coordinator_policy["ingress"]) and
+                      {p["port"] for r in coordinator_policy["ingress"] for p in r["ports"]}
+                      == {50051, 9464},
+                      f"{label}: the coordinator takes only its gRPC and metrics ports")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--promtool", default="")
@@ -191,16 +306,32 @@ def main():
                   "CPU-only workers: no GPU request, CPU slots and labels passed")
     results.check(not by_kind(cpu, "PersistentVolumeClaim"), "an existing claim is not created")
 
+    test_security(results, rendered_sets)
+
     # The values schema refuses mistakes.
     for label, bad, why in (("a typo", {"coordinatr": {"grpcPort": 1}}, "'coordinatr' not allowed"),
                             ("a wrong type", {"worker": {"gpusPerNode": "eight"}}, "/worker/gpusPerNode"),
                             ("a bad duration", {"coordinator": {"heartbeatTimeout": "soon"}},
-                             "/coordinator/heartbeatTimeout")):
+                             "/coordinator/heartbeatTimeout"),
+                            ("a typo in tls", {"tls": {"enabeld": True}}, "'enabeld' not allowed"),
+                            ("a typo in auth", {"auth": {"joinTokenSecrets": "t"}},
+                             "'joinTokenSecrets' not allowed"),
+                            ("TLS without a Secret", {"tls": {"enabled": True}}, "/tls/secretName"),
+                            ("a Secret name Kubernetes refuses", {"auth": {"secretName": "Auth_File"}},
+                             "/auth/secretName")):
         try:
             render(bad)
             results.check(False, f"values schema refuses {label}", "rendered")
         except HelmError as error:
             results.check(why in str(error), f"values schema refuses {label}, naming it", str(error))
+
+    try:
+        render({"auth": {"secretName": "tessera-auth"}})
+        results.check(False, "an auth file without TLS or a join token is refused", "rendered")
+    except HelmError as error:
+        results.check("auth.joinTokenSecret" in str(error),
+                      "an auth file without TLS or a join token is refused (workers could not "
+                      "authenticate)", str(error))
 
     # The plain manifests are the chart's default render.
     fresh = manifest_text(render({}))

@@ -48,3 +48,33 @@ readOnlyRootFilesystem: true
 capabilities:
   drop: [ALL]
 {{- end -}}
+
+{{/* Where the chart mounts its Secrets (docs/security.md). Whole directories, never subPath, so
+     that rotated certificates and an edited auth file reach the daemons without a restart. */}}
+{{- define "tessera.tlsDir" -}}/etc/tessera/tls{{- end -}}
+{{- define "tessera.authDir" -}}/etc/tessera/auth{{- end -}}
+{{- define "tessera.joinDir" -}}/etc/tessera/join{{- end -}}
+
+{{/* gRPC transport flags of both daemons: TLS from the mounted Secret, else plaintext, which a
+     daemon refuses on 0.0.0.0 unless told --insecure. */}}
+{{- define "tessera.transportArgs" -}}
+{{- if .Values.tls.enabled -}}
+- --tls-cert={{ include "tessera.tlsDir" . }}/tls.crt
+- --tls-key={{ include "tessera.tlsDir" . }}/tls.key
+- --tls-ca={{ include "tessera.tlsDir" . }}/ca.crt
+{{- else -}}
+- --insecure
+{{- end -}}
+{{- end -}}
+
+{{/* A probe's handler for a daemon's gRPC port (dict "root" . "port" N). Kubernetes' grpc probe
+     speaks plaintext only, so with TLS on it becomes a TCP connect: it proves the port is open,
+     not that the health service says SERVING. */}}
+{{- define "tessera.grpcProbeHandler" -}}
+{{- if .root.Values.tls.enabled -}}
+tcpSocket: {port: {{ .port }}}
+{{- else -}}
+grpc: {port: {{ .port }}}
+{{- end -}}
+{{- end -}}
+
