@@ -109,7 +109,22 @@ namespace v1 = tessera::v1;
 using tessera::DescribeFailure;
 
 int Fail(const absl::Status& status) {
-  std::cerr << "tessera: " << status.message() << "\n";
+  // Who-may-do-what refusals say so; other messages already say what is wrong.
+  std::string kind;
+  switch (status.code()) {
+    case absl::StatusCode::kUnauthenticated:
+      kind = "unauthenticated: ";
+      break;
+    case absl::StatusCode::kPermissionDenied:
+      kind = "permission denied: ";
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      kind = "limit reached: ";
+      break;
+    default:
+      break;
+  }
+  std::cerr << "tessera: " << kind << status.message() << "\n";
   return 1;
 }
 

@@ -12,6 +12,7 @@
 // - Plaintext beyond loopback needs --insecure.
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -711,6 +712,43 @@ TEST_F(SecurityTest, SubmitRateAndOpenStreamsArePerUser) {
     absl::SleepFor(absl::Milliseconds(100));
   }
   EXPECT_TRUE(reopened);
+}
+
+// The CLI: TLS and the token from its config file or TESSERA_TOKEN; `list` shows owners.
+TEST_F(SecurityTest, TheCliConnectsWithItsConfigFileOrTheEnvironment) {
+  StartCoordinator();
+  const std::string job_id = SubmitAs(Token("alice", kAliceToken), "alices-job");
+  const std::string config = dir_.path() + "/cli.yaml";
+  WriteAtomically(config, absl::StrCat("coordinator: ", address_, "\ntls_ca: ", pki_->ca_file(),
+                                       "\ntoken: ", kBobToken, "\n"));
+  ASSERT_EQ(chmod(config.c_str(), 0600), 0);
+  auto run = [&](std::vector<std::string> args, std::vector<std::string> env) {
+    args.insert(args.begin(), BinDir() + "/tessera");
+    auto cli = Subprocess::Start(args, {.merge_stdout = true, .extra_env = std::move(env)});
+    EXPECT_THAT(cli, IsOk());
+    auto exit = cli->Wait(absl::Seconds(30));
+    EXPECT_THAT(exit, IsOk());
+    return std::make_pair(exit.ok() ? exit->exit_code : -1, cli->stderr_text());
+  };
+  auto [code, output] = run({"--config=" + config, "list"}, {});
+  EXPECT_EQ(code, 0) << output;
+  EXPECT_THAT(output, ::testing::ContainsRegex("alices-job"));
+  EXPECT_THAT(output, HasSubstr(" alice "));
+  // The environment's token wins over the file's: bob may not cancel alice's job.
+  std::tie(code, output) =
+      run({"--config=" + config, "cancel", job_id}, {absl::StrCat("TESSERA_TOKEN=", kBobToken)});
+  EXPECT_EQ(code, 1);
+  EXPECT_THAT(output, HasSubstr("permission denied: user bob")) << output;
+  std::tie(code, output) =
+      run({"--config=" + config, "cancel", job_id}, {absl::StrCat("TESSERA_TOKEN=", kAliceToken)});
+  EXPECT_EQ(code, 0) << output;
+  // Without the CA the handshake fails; without a token the call is refused.
+  std::tie(code, output) = run({"--coordinator=" + address_, "list"}, {"TESSERA_CONFIG=/nonexistent"});
+  EXPECT_EQ(code, 2) << output;  // a named config file that is missing
+  std::tie(code, output) = run({"--coordinator=" + address_, "--tls_ca=" + pki_->ca_file(), "list"},
+                               {"HOME=" + dir_.path(), "TESSERA_TOKEN="});
+  EXPECT_EQ(code, 1);
+  EXPECT_THAT(output, HasSubstr("unauthenticated: credentials required")) << output;
 }
 
 TEST_F(SecurityTest, PlaintextBeyondLoopbackNeedsInsecure) {
