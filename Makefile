@@ -7,17 +7,28 @@
 #   make demo    build, then train a small model end to end on this machine
 #   make bench   build, then run the CPU benchmarks (BENCH="trainer ..." picks some)
 #   make bench-gpu  build, then run the GPU benchmarks (needs a CUDA build and a GPU)
+#   make fuzz    build the fuzz targets (tests/fuzz, with clang into build-fuzz/), then run
+#                each for FUZZ_SECONDS (FUZZERS="job_spec ..." picks some)
+#
+# `make test` also builds the fuzz targets and runs their ctest: each target for a fixed number
+# of iterations over its seed corpus, and every checked-in regression input.
 #
 # Variables: BUILD_DIR (build), BUILD_TYPE (Release), WITH_CUDA (AUTO|ON|OFF),
-# JOBS (number of cores), CTEST_ARGS (extra ctest arguments, e.g. -L unit).
+# JOBS (number of cores), CTEST_ARGS (extra ctest arguments, e.g. -L unit),
+# FUZZ_DIR (build-fuzz), FUZZ_SECONDS (60), FUZZ_CTEST_ARGS (extra ctest arguments of the fuzz
+# build, e.g. -L fuzz-regression for the regression inputs alone).
 
 BUILD_DIR  ?= build
 BUILD_TYPE ?= Release
 WITH_CUDA  ?= AUTO
 JOBS       ?= $(shell nproc)
 CTEST_ARGS ?=
+FUZZ_DIR   ?= build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_CTEST_ARGS ?=
+FUZZERS    ?=
 
-.PHONY: all bootstrap configure build test demo bench bench-gpu format clean
+.PHONY: all bootstrap configure build test demo bench bench-gpu fuzz-build fuzz format clean
 
 all: build
 
@@ -37,8 +48,9 @@ configure: bootstrap
 build: configure
 	@cmake --build $(BUILD_DIR) -j $(JOBS)
 
-test: build
+test: build fuzz-build
 	@cd $(BUILD_DIR) && ctest -j $(JOBS) --output-on-failure $(CTEST_ARGS)
+	@cd $(FUZZ_DIR) && ctest -j $(JOBS) --output-on-failure $(FUZZ_CTEST_ARGS)
 
 demo: build
 	@scripts/demo.sh $(BUILD_DIR)
@@ -49,8 +61,19 @@ bench: build
 bench-gpu: build
 	@scripts/bench.sh $(BUILD_DIR) gpu $(BENCH)
 
+# libFuzzer is Clang's and the main build uses GCC: the fuzz targets are a build of their own.
+fuzz-build: bootstrap
+	@mkdir -p $(FUZZ_DIR)
+	@cmake -S tests/fuzz -B $(FUZZ_DIR) -G Ninja \
+	  -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 > $(FUZZ_DIR)/configure.log 2>&1 \
+	  || { cat $(FUZZ_DIR)/configure.log; exit 1; }
+	@cmake --build $(FUZZ_DIR) -j $(JOBS)
+
+fuzz: fuzz-build
+	@tests/fuzz/run_fuzzers.sh $(FUZZ_DIR) $(FUZZ_SECONDS) $(FUZZERS)
+
 format:
 	@git ls-files '*.cc' '*.h' | xargs clang-format -i
 
 clean:
-	@rm -rf $(BUILD_DIR)
+	@rm -rf $(BUILD_DIR) $(FUZZ_DIR)

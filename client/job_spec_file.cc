@@ -159,8 +159,15 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text, const EnvLooku
   if (json.contains("parallelism") && json["parallelism"] == "auto") {
     json["parallelism"] = {{"auto_layout", nlohmann::json::object()}};
   }
+  std::string json_text;
+  try {
+    json_text = json.dump();
+  } catch (const nlohmann::json::type_error& e) {
+    // YAML passes any bytes through; JSON text must be UTF-8 (and so must proto strings).
+    return absl::InvalidArgumentError("job spec: a key or value is not valid UTF-8 text");
+  }
   v1::JobSpec spec;
-  auto status = google::protobuf::util::JsonStringToMessage(json.dump(), &spec);
+  auto status = google::protobuf::util::JsonStringToMessage(json_text, &spec);
   if (!status.ok()) {
     std::string message = status.message().ToString();
     return absl::InvalidArgumentError(

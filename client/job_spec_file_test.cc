@@ -71,6 +71,10 @@ TEST(JobSpecFileTest, MistakesAreNamed) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("mapping")));
   EXPECT_THAT(LoadJobSpec("/nonexistent/spec.yaml"),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/spec.yaml")));
+  // A Latin-1 byte in a key: once an uncaught JSON exception that aborted the CLI (found by
+  // tests/fuzz/job_spec_fuzz.cc).
+  EXPECT_THAT(ParseJobSpec("name: x\nbatch: {global_ba\x95: 8}\n"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not valid UTF-8")));
 }
 
 EnvLookup Environment(std::map<std::string, std::string> values) {

@@ -24,6 +24,9 @@ readonly APT_PACKAGES=(
   libyaml-cpp-dev nlohmann-json3-dev libsqlite3-dev libsentencepiece-dev libgloo-dev
   libssl-dev python3-venv
   prometheus  # promtool: tests lint the /metrics exposition with it
+  # The fuzz build (tests/fuzz): clang, libFuzzer and the sanitizer runtimes
+  # (libclang_rt.fuzzer-x86_64.a is in libclang-rt-14-dev), llvm-symbolizer for its reports.
+  clang-14 libclang-rt-14-dev llvm-14
 )
 
 # Deploy tools for the chart's tests (a Helm renderer and Kubernetes' OpenAPI schemas), pinned;

@@ -394,9 +394,10 @@ absl::Status CheckManifestSlices(const v1::CheckpointManifest& manifest) {
     });
     const std::string what =
         absl::StrCat("checkpoint tensor ", name, " ", ShapeString(tensor.global_shape), ": ");
-    auto at = [&](int64_t index) {
-      return absl::StrCat(" (flat indices; the first at ",
-                          ShapeString(CoordinatesOf(tensor.global_shape, index)), ")");
+    // Captures the shape, not the structured binding: Clang before 16 cannot capture those.
+    auto at = [&shape = tensor.global_shape](int64_t index) {
+      return absl::StrCat(" (flat indices; the first at ", ShapeString(CoordinatesOf(shape, index)),
+                          ")");
     };
     int64_t covered = 0;
     size_t covered_by = 0;
