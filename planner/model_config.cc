@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "planner/hf_config.h"
 
 namespace tessera::planner {
 namespace {
@@ -277,8 +278,18 @@ absl::StatusOr<v1::ModelSummary> ResolveModel(const v1::ModelSpec& spec, int seq
       *summary.mutable_dims() = spec.dims();
       if (auto s = FillAndValidate(*summary.mutable_dims(), "model.dims"); !s.ok()) return s;
       break;
+    case v1::ModelSpec::kFromPretrained: {
+      if (spec.from_pretrained().empty()) return Invalid("model.from_pretrained", "is empty");
+      auto dims = ReadHfConfig(spec.from_pretrained());
+      if (!dims.ok()) return Invalid("model.from_pretrained", dims.status().message());
+      *summary.mutable_dims() = *dims;
+      if (auto s = FillAndValidate(*summary.mutable_dims(), "model.from_pretrained"); !s.ok()) {
+        return s;
+      }
+      break;
+    }
     default:
-      return Invalid("model", "set one of preset or dims");
+      return Invalid("model", "set one of preset or dims, or from_pretrained");
   }
   if (auto s = CheckNonNegative("model.init_std", spec.init_std()); !s.ok()) return s;
 
@@ -289,7 +300,9 @@ absl::StatusOr<v1::ModelSummary> ResolveModel(const v1::ModelSpec& spec, int seq
   const v1::ModelDims& dims = summary.dims();
   // 2^62 leaves headroom for the sums in CountParameters; no trainable model comes near it.
   if (ApproximateParameters(dims) > static_cast<long double>(int64_t{1} << 62)) {
-    return Invalid(spec.has_dims() ? "model.dims" : "model.preset",
+    return Invalid(spec.has_dims()     ? "model.dims"
+                   : spec.has_preset() ? "model.preset"
+                                       : "model.from_pretrained",
                    "parameter count overflows int64");
   }
   summary.set_num_parameters(CountParameters(dims));

@@ -16,7 +16,8 @@ namespace tessera::planner {
 // init_std used when ModelSpec.init_std is 0.
 inline constexpr double kDefaultInitStd = 0.02;
 
-// Resolves a spec to full dimensions: a preset by name, or explicit dims with defaults filled in.
+// Resolves a spec to full dimensions: a preset by name, explicit dims with defaults filled in, or
+// a Hugging Face directory's config.json (from_pretrained; see hf_config.h).
 // Validates; every error is INVALID_ARGUMENT and names the field, e.g.
 // "model.preset: unknown preset 'gpt5'; known: gpt2-124m, ...",
 // "model.dims.num_kv_heads: 3 does not divide num_attention_heads 32",

@@ -16,6 +16,8 @@ set -euo pipefail
 # release in their system python3, so one source tree builds in both places.
 readonly TORCH_VERSION="2.11.0"
 readonly TORCH_SERIES="2.11."
+# Installed next to torch in its venv for tests/hf_interop_test.py (which skips without it).
+readonly TRANSFORMERS_PIN="transformers==4.57.1"
 
 readonly APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
@@ -103,6 +105,14 @@ find_or_install_torch() {
       python3 -m venv "$venv" >&2
       "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir \
         "torch==$TORCH_VERSION" numpy >&2
+    fi
+    # Once per pin, also into a venv made before it; never touches torch (a failure only logs:
+    # the test that needs it skips).
+    if [[ ! -f "$venv/.$TRANSFORMERS_PIN" ]]; then
+      log "installing $TRANSFORMERS_PIN into $venv (once)"
+      "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir \
+        "$TRANSFORMERS_PIN" >&2 && touch "$venv/.$TRANSFORMERS_PIN" ||
+        log "$TRANSFORMERS_PIN not installed; tests/hf_interop_test.py will skip"
     fi
   ) 9>"$cache_dir/.lock"
   echo "$venv/bin/python"

@@ -21,6 +21,7 @@
 #include "planner/model_config.h"
 #include "trainer/distributed.h"
 #include "trainer/heartbeat.h"
+#include "trainer/hf_weights.h"
 #include "trainer/model.h"
 #include "trainer/prepare.h"
 #include "trainer/reporter.h"
@@ -81,6 +82,23 @@ ABSL_FLAG(std::string, export_initial, "",
           "--export_safetensors names them, with the resolved model in its metadata; then exit "
           "without training. For comparing against other implementations.");
 // tessera-trainer prepare
+ABSL_FLAG(std::string, init_from, "",
+          "Standalone: a Hugging Face model directory (config.json + safetensors of a "
+          "LlamaForCausalLM, Qwen3ForCausalLM or GPT2LMHeadModel) to start from instead of "
+          "--preset (the spec's model.from_pretrained).");
+ABSL_FLAG(std::string, weights, "",
+          "With --export_hf / --logits_out: a Tessera safetensors export (a checkpoint's "
+          "model.safetensors, --export_initial) of the model --preset / --init_from describe, "
+          "to load instead of --init_from's or the seeded initial weights.");
+ABSL_FLAG(std::string, export_hf, "",
+          "Write the model (--init_from, --weights or the seeded initial weights) to this "
+          "directory as a Hugging Face model (config.json, model.safetensors, "
+          "generation_config.json) that transformers loads; then exit.");
+ABSL_FLAG(std::vector<std::string>, logits_tokens, {},
+          "With --logits_out: token ids of one sequence to run the model on.");
+ABSL_FLAG(std::string, logits_out, "",
+          "Write the float32 logits [1, len(--logits_tokens), vocab] of the model (as for "
+          "--export_hf) to this safetensors file under 'logits'; then exit.");
 ABSL_FLAG(std::vector<std::string>, input, {}, "prepare: input .txt / .jsonl files.");
 ABSL_FLAG(std::string, output_dir, "", "prepare: directory for the token shards.");
 ABSL_FLAG(std::string, tokenizer, "byte", "prepare: 'byte' or a sentencepiece .model path.");
@@ -93,7 +111,9 @@ constexpr char kUsage[] =
     "Usage: tessera-trainer --task=PATH\n"
     "       tessera-trainer --data=GLOB [--preset=NAME --steps=N ...]   (standalone)\n"
     "       tessera-trainer prepare --input=FILES --output_dir=DIR [--tokenizer=byte|PATH]\n"
-    "       tessera-trainer --check [--gpu=N]\n\n"
+    "       tessera-trainer --check [--gpu=N]\n"
+    "       tessera-trainer --init_from=HF_DIR [--data=GLOB ...]   (from Hugging Face weights)\n"
+    "       tessera-trainer [--init_from=HF_DIR | --preset=NAME --weights=FILE] --export_hf=DIR\n\n"
     "Trains one rank of a Tessera job on LibTorch. With --task it runs what the worker\n"
     "wrote; standalone it builds the task from flags and prints reports as JSON lines.\n"
     "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (default\n"
@@ -129,6 +149,13 @@ tessera::v1::TrainerTask TaskFromFlags() {
   tessera::v1::JobSpec* spec = task.mutable_spec();
   spec->set_name(absl::GetFlag(FLAGS_job_id));
   spec->mutable_model()->set_preset(absl::GetFlag(FLAGS_preset));
+  if (!absl::GetFlag(FLAGS_init_from).empty()) {
+    if (absl::GetFlag(FLAGS_num_layers) > 0) {
+      std::cerr << "tessera-trainer: --num_layers cannot change an --init_from model\n";
+      std::exit(2);
+    }
+    spec->mutable_model()->set_from_pretrained(absl::GetFlag(FLAGS_init_from));
+  }
   if (absl::GetFlag(FLAGS_num_layers) > 0) {
     // A spec names a preset or dimensions, not both: spell out the preset's, with the override.
     auto preset = tessera::planner::ResolveModel(spec->model(), absl::GetFlag(FLAGS_seq_len));
@@ -270,6 +297,78 @@ int ExportInitialWeights(const tessera::v1::TrainerTask& task, const std::string
   return 0;
 }
 
+// --export_hf and --logits_out: builds the whole model on the CPU as ExportInitialWeights does,
+// loads --weights or the spec's from_pretrained weights into it, and writes what was asked for.
+int RunModelTool(const tessera::v1::TrainerTask& task) {
+  const tessera::v1::JobSpec& spec = task.spec();
+  auto summary = tessera::planner::ResolveModel(spec.model(), spec.data().seq_len());
+  if (!summary.ok()) {
+    std::cerr << "tessera-trainer: " << summary.status() << "\n";
+    return 2;
+  }
+  std::vector<int64_t> tokens;
+  for (const std::string& token : absl::GetFlag(FLAGS_logits_tokens)) {
+    int64_t id = 0;
+    if (!absl::SimpleAtoi(token, &id) || id < 0 || id >= summary->dims().vocab_size()) {
+      std::cerr << "tessera-trainer: --logits_tokens: '" << token << "' is not a token id below "
+                << summary->dims().vocab_size() << "\n";
+      return 2;
+    }
+    tokens.push_back(id);
+  }
+  const std::string logits_out = absl::GetFlag(FLAGS_logits_out);
+  if (!logits_out.empty() && tokens.empty()) {
+    std::cerr << "tessera-trainer: --logits_out needs --logits_tokens\n";
+    return 2;
+  }
+  try {
+    torch::manual_seed(spec.seed() != 0 ? spec.seed() : 1234);
+    tessera::trainer::CausalLM model(summary->dims(), spec.model().init_std());
+    absl::Status status;
+    if (!absl::GetFlag(FLAGS_weights).empty()) {
+      status = tessera::trainer::LoadTesseraWeights(*model, absl::GetFlag(FLAGS_weights));
+    } else if (spec.model().has_from_pretrained()) {
+      status = tessera::trainer::LoadHfWeights(*model, spec.model().from_pretrained());
+    }
+    if (!status.ok()) {
+      std::cerr << "tessera-trainer: " << status << "\n";
+      return 1;
+    }
+    model->eval();
+    if (!logits_out.empty()) {
+      torch::NoGradGuard no_grad;
+      torch::Tensor logits =
+          model->forward(torch::tensor(tokens, torch::kInt64).unsqueeze(0)).contiguous();
+      status =
+          tessera::trainer::WriteSafetensors(logits_out,
+                                             {{.name = "logits",
+                                               .dtype = "F32",
+                                               .shape = logits.sizes().vec(),
+                                               .data = logits.data_ptr(),
+                                               .nbytes = static_cast<size_t>(logits.nbytes())}},
+                                             {{"format", "pt"}});
+      if (!status.ok()) {
+        std::cerr << "tessera-trainer: --logits_out: " << status << "\n";
+        return 1;
+      }
+      std::cout << "wrote the logits of " << tokens.size() << " tokens to " << logits_out << "\n";
+    }
+    if (const std::string dir = absl::GetFlag(FLAGS_export_hf); !dir.empty()) {
+      status = tessera::trainer::ExportHfModel(*model, dir, spec.model().from_pretrained());
+      if (!status.ok()) {
+        std::cerr << "tessera-trainer: --export_hf: " << status << "\n";
+        return 1;
+      }
+      std::cout << "exported " << summary->num_parameters() << " parameters to " << dir
+                << " as a Hugging Face model\n";
+    }
+  } catch (const c10::Error& e) {
+    std::cerr << "tessera-trainer: LibTorch: " << e.what_without_backtrace() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -296,7 +395,8 @@ int main(int argc, char** argv) {
       return 2;
     }
     task = std::move(*read);
-  } else if (!absl::GetFlag(FLAGS_data).empty()) {
+  } else if (!absl::GetFlag(FLAGS_data).empty() || !absl::GetFlag(FLAGS_export_hf).empty() ||
+             !absl::GetFlag(FLAGS_logits_out).empty()) {
     task = TaskFromFlags();
   } else {
     std::cerr << "tessera-trainer: nothing to do; pass --task, --data, prepare or --check\n\n"
@@ -305,6 +405,9 @@ int main(int argc, char** argv) {
   }
   if (!absl::GetFlag(FLAGS_export_initial).empty()) {
     return ExportInitialWeights(task, absl::GetFlag(FLAGS_export_initial));
+  }
+  if (!absl::GetFlag(FLAGS_export_hf).empty() || !absl::GetFlag(FLAGS_logits_out).empty()) {
+    return RunModelTool(task);
   }
   auto assignment = tessera::trainer::ResolveRankAssignment(
       task.assignment(), [](const char* name) { return std::getenv(name); });

@@ -1,5 +1,7 @@
 # model part of tessera_trainer: sources and tests (see CMakeLists.txt).
-target_sources(tessera_trainer PRIVATE activation_checkpoint.cc model.cc tensor_parallel.cc)
+# hf_weights.cc: Hugging Face import and export of the model's weights.
+target_sources(tessera_trainer PRIVATE activation_checkpoint.cc model.cc tensor_parallel.cc
+  hf_weights.cc)
 
 if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME model_test

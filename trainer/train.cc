@@ -24,6 +24,7 @@
 #include "trainer/checkpointing.h"
 #include "trainer/data_loader.h"
 #include "trainer/distributed.h"
+#include "trainer/hf_weights.h"
 #include "trainer/mesh.h"
 #include "trainer/model.h"
 #include "trainer/peer_wait.h"
@@ -335,6 +336,14 @@ class Trainer {
                                      .num_layers = layers_per_stage,
                                      .embedding = stage == 0,
                                      .head = stage == stages - 1});
+    if (spec_.model().has_from_pretrained()) {
+      // Every rank reads its own part; a resumed checkpoint then overrides these weights.
+      if (auto status = LoadHfWeights(*model_, spec_.model().from_pretrained()); !status.ok()) {
+        return Fail(
+            v1::FAILURE_KIND_INVALID_SPEC,
+            absl::Status(status.code(), absl::StrCat("model.from_pretrained: ", status.message())));
+      }
+    }
     model_->to(device_);
     model_->SetActivationCheckpointing(CheckpointingMode());
     BroadcastParameters();

@@ -32,7 +32,7 @@ struct GrpcServerOptions {
   // Largest message accepted or sent, in bytes.
   int max_message_bytes = 64 << 20;
   // Transport security (common/security/tls.h); null: plaintext.
-  std::shared_ptr<grpc::ServerCredentials> credentials;
+  std::shared_ptr<grpc::ServerCredentials> credentials{};
 };
 
 // Thread safety: all methods may be called from any thread.

@@ -1,0 +1,263 @@
+#include "planner/hf_config.h"
+
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace tessera::planner {
+namespace {
+
+using Json = nlohmann::json;
+
+// Reads typed fields of one config object; every error names the file and the field.
+class ConfigReader {
+ public:
+  ConfigReader(const Json& json, absl::string_view source) : json_(json), source_(source) {}
+
+  absl::Status Error(absl::string_view field, absl::string_view problem) const {
+    return absl::InvalidArgumentError(absl::StrCat(source_, ": ", field, ": ", problem));
+  }
+
+  bool Has(const char* field) const { return json_.contains(field) && !json_[field].is_null(); }
+
+  // A positive int32; `fallback` when the field is absent or null (nullopt: required).
+  absl::StatusOr<int32_t> Int(const char* field, std::optional<int32_t> fallback = {}) const {
+    if (!Has(field)) {
+      if (fallback.has_value()) return *fallback;
+      return Error(field, "missing");
+    }
+    const Json& value = json_[field];
+    if (!value.is_number_integer()) return Error(field, "must be an integer");
+    const int64_t number = value.get<int64_t>();
+    if (number <= 0 || number > std::numeric_limits<int32_t>::max()) {
+      return Error(field, absl::StrCat("must be a positive int32, got ", number));
+    }
+    return static_cast<int32_t>(number);
+  }
+
+  absl::StatusOr<double> Number(const char* field, double fallback) const {
+    if (!Has(field)) return fallback;
+    const Json& value = json_[field];
+    if (!value.is_number()) return Error(field, "must be a number");
+    const double number = value.get<double>();
+    if (!std::isfinite(number) || number <= 0) {
+      return Error(field, absl::StrCat("must be a finite number > 0, got ", number));
+    }
+    return number;
+  }
+
+  absl::StatusOr<bool> Bool(const char* field, bool fallback) const {
+    if (!Has(field)) return fallback;
+    if (!json_[field].is_boolean()) return Error(field, "must be true or false");
+    return json_[field].get<bool>();
+  }
+
+  absl::StatusOr<std::string> String(const char* field, const std::string& fallback) const {
+    if (!Has(field)) return fallback;
+    if (!json_[field].is_string()) return Error(field, "must be a string");
+    return json_[field].get<std::string>();
+  }
+
+  // A boolean feature Tessera does not implement must be absent or `expected`.
+  absl::Status Require(const char* field, bool expected) const {
+    auto value = Bool(field, expected);
+    if (!value.ok()) return value.status();
+    if (*value != expected) {
+      return Error(field, absl::StrCat(*value ? "true" : "false", " is not supported"));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const Json& json_;
+  std::string source_;
+};
+
+// Llama and Qwen3: RMSNorm, RoPE (plain, unscaled), SwiGLU, grouped-query attention.
+absl::StatusOr<v1::ModelDims> LlamaFamilyDims(const ConfigReader& config, bool qwen3) {
+  v1::ModelDims dims;
+  dims.set_architecture(v1::ARCHITECTURE_LLAMA);
+  dims.set_qk_norm(qwen3);
+  int32_t value = 0;
+  ASSIGN_OR_RETURN(value, config.Int("hidden_size"));
+  dims.set_hidden_size(value);
+  ASSIGN_OR_RETURN(value, config.Int("intermediate_size"));
+  dims.set_ffn_hidden_size(value);
+  ASSIGN_OR_RETURN(value, config.Int("num_hidden_layers"));
+  dims.set_num_layers(value);
+  ASSIGN_OR_RETURN(value, config.Int("num_attention_heads"));
+  dims.set_num_attention_heads(value);
+  ASSIGN_OR_RETURN(value, config.Int("num_key_value_heads", dims.num_attention_heads()));
+  dims.set_num_kv_heads(value);
+  ASSIGN_OR_RETURN(value, config.Int("head_dim", 0));
+  dims.set_head_dim(value);
+  ASSIGN_OR_RETURN(value, config.Int("vocab_size"));
+  dims.set_vocab_size(value);
+  ASSIGN_OR_RETURN(value, config.Int("max_position_embeddings"));
+  dims.set_max_seq_len(value);
+  double number = 0;
+  ASSIGN_OR_RETURN(number, config.Number("rms_norm_eps", 1e-6));
+  dims.set_norm_eps(number);
+  ASSIGN_OR_RETURN(number, config.Number("rope_theta", 10000.0));
+  dims.set_rope_theta(number);
+  bool tied = false;
+  ASSIGN_OR_RETURN(tied, config.Bool("tie_word_embeddings", false));
+  dims.set_tie_embeddings(tied);
+
+  std::string act;
+  ASSIGN_OR_RETURN(act, config.String("hidden_act", "silu"));
+  if (act != "silu")
+    return config.Error("hidden_act", absl::StrCat("'", act, "' is not supported (silu only)"));
+  RETURN_IF_ERROR(config.Require("attention_bias", false));
+  RETURN_IF_ERROR(config.Require("mlp_bias", false));
+  if (qwen3) RETURN_IF_ERROR(config.Require("use_sliding_window", false));
+  return dims;
+}
+
+absl::StatusOr<v1::ModelDims> Gpt2Dims(const ConfigReader& config) {
+  v1::ModelDims dims;
+  dims.set_architecture(v1::ARCHITECTURE_GPT2);
+  int32_t value = 0;
+  ASSIGN_OR_RETURN(value, config.Int("n_embd"));
+  dims.set_hidden_size(value);
+  ASSIGN_OR_RETURN(value, config.Int("n_inner", 4 * dims.hidden_size()));
+  dims.set_ffn_hidden_size(value);
+  ASSIGN_OR_RETURN(value, config.Int("n_layer"));
+  dims.set_num_layers(value);
+  ASSIGN_OR_RETURN(value, config.Int("n_head"));
+  dims.set_num_attention_heads(value);
+  ASSIGN_OR_RETURN(value, config.Int("vocab_size"));
+  dims.set_vocab_size(value);
+  ASSIGN_OR_RETURN(value, config.Int("n_positions"));
+  dims.set_max_seq_len(value);
+  double number = 0;
+  ASSIGN_OR_RETURN(number, config.Number("layer_norm_epsilon", 1e-5));
+  dims.set_norm_eps(number);
+  bool tied = true;
+  ASSIGN_OR_RETURN(tied, config.Bool("tie_word_embeddings", true));
+  dims.set_tie_embeddings(tied);
+  // transformers' "gelu_new" and "gelu_pytorch_tanh" are both the tanh approximation, which is
+  // what Tessera's GPT-2 MLP computes.
+  std::string act;
+  ASSIGN_OR_RETURN(act, config.String("activation_function", "gelu_new"));
+  if (act != "gelu_new" && act != "gelu_pytorch_tanh") {
+    return config.Error("activation_function",
+                        absl::StrCat("'", act, "' is not supported (gelu_new, gelu_pytorch_tanh)"));
+  }
+  RETURN_IF_ERROR(config.Require("scale_attn_weights", true));
+  RETURN_IF_ERROR(config.Require("scale_attn_by_inverse_layer_idx", false));
+  RETURN_IF_ERROR(config.Require("add_cross_attention", false));
+  return dims;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ModelDims> ParseHfConfig(absl::string_view text, absl::string_view source) {
+  Json json = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded() || !json.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
+  }
+  ConfigReader config(json, source);
+  if (!json.contains("architectures") || !json["architectures"].is_array() ||
+      json["architectures"].size() != 1 || !json["architectures"][0].is_string()) {
+    return config.Error("architectures", "must list exactly one architecture");
+  }
+  const std::string arch = json["architectures"][0].get<std::string>();
+  if (arch != kHfLlama && arch != kHfQwen3 && arch != kHfGpt2) {
+    return config.Error("architectures",
+                        absl::StrCat("'", arch, "' is not supported; supported: ",
+                                     absl::StrJoin({kHfLlama, kHfQwen3, kHfGpt2}, ", ")));
+  }
+  if (config.Has("rope_scaling")) {
+    const Json& scaling = json["rope_scaling"];
+    std::string type = "?";
+    if (scaling.is_object()) {
+      for (const char* key : {"rope_type", "type"}) {
+        if (scaling.contains(key) && scaling[key].is_string()) type = scaling[key];
+      }
+    }
+    if (type != "default") {
+      return config.Error("rope_scaling",
+                          absl::StrCat("rope_type '", type,
+                                       "' is not supported (plain RoPE only: null or default)"));
+    }
+  }
+  if (arch == kHfGpt2) return Gpt2Dims(config);
+  return LlamaFamilyDims(config, arch == kHfQwen3);
+}
+
+absl::StatusOr<v1::ModelDims> ReadHfConfig(const std::string& dir) {
+  const std::string path = absl::StrCat(dir, "/", kHfConfigFileName);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": cannot open (not a Hugging Face model directory?)"));
+  }
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return ParseHfConfig(buffer.str(), path);
+}
+
+std::string HfArchitectureOf(const v1::ModelDims& dims) {
+  if (dims.architecture() == v1::ARCHITECTURE_GPT2) return kHfGpt2;
+  return dims.qk_norm() ? kHfQwen3 : kHfLlama;
+}
+
+absl::StatusOr<std::string> HfConfigJson(const v1::ModelDims& dims, absl::string_view base_json) {
+  Json config = Json::object();
+  if (!base_json.empty()) {
+    config = Json::parse(base_json.begin(), base_json.end(), nullptr, false);
+    if (config.is_discarded() || !config.is_object()) {
+      return absl::InvalidArgumentError("config.json of the source model: not a JSON object");
+    }
+  }
+  const std::string arch = HfArchitectureOf(dims);
+  config["architectures"] = Json::array({arch});
+  config["vocab_size"] = dims.vocab_size();
+  config["tie_word_embeddings"] = dims.tie_embeddings();
+  config["torch_dtype"] = "float32";
+  config.erase("dtype");
+  if (arch == kHfGpt2) {
+    config["model_type"] = "gpt2";
+    config["n_embd"] = dims.hidden_size();
+    config["n_inner"] = dims.ffn_hidden_size();
+    config["n_layer"] = dims.num_layers();
+    config["n_head"] = dims.num_attention_heads();
+    config["n_positions"] = dims.max_seq_len();
+    config["n_ctx"] = dims.max_seq_len();
+    config["layer_norm_epsilon"] = dims.norm_eps();
+    config["activation_function"] = "gelu_new";
+  } else {
+    config["model_type"] = arch == kHfQwen3 ? "qwen3" : "llama";
+    config["hidden_size"] = dims.hidden_size();
+    config["intermediate_size"] = dims.ffn_hidden_size();
+    config["num_hidden_layers"] = dims.num_layers();
+    config["num_attention_heads"] = dims.num_attention_heads();
+    config["num_key_value_heads"] = dims.num_kv_heads();
+    config["head_dim"] = dims.head_dim();
+    config["max_position_embeddings"] = dims.max_seq_len();
+    config["rms_norm_eps"] = dims.norm_eps();
+    config["rope_theta"] = dims.rope_theta();
+    config["rope_scaling"] = nullptr;
+    config["hidden_act"] = "silu";
+    config["attention_bias"] = false;
+    if (arch == kHfQwen3) {
+      config["use_sliding_window"] = false;
+    } else {
+      config["mlp_bias"] = false;
+    }
+  }
+  return config.dump(2) + "\n";
+}
+
+}  // namespace tessera::planner

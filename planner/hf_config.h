@@ -1,0 +1,45 @@
+// Hugging Face model configs: reads a transformers `config.json` (LlamaForCausalLM, including
+// Llama 3; Qwen3ForCausalLM; GPT2LMHeadModel) into tessera.v1.ModelDims, and writes one back for
+// an export, so a spec `model: {from_pretrained: DIR}` resolves without LibTorch and an exported
+// directory loads in `transformers.AutoModelForCausalLM.from_pretrained`. Only configs whose
+// forward pass Tessera's model computes exactly are accepted: anything else (other architectures,
+// rope_scaling, biases on Llama projections, sliding windows, other activations) is refused
+// rather than approximated. Plain C++: no LibTorch here.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "tessera/v1/model.pb.h"
+
+namespace tessera::planner {
+
+// Name of the config file inside a Hugging Face model directory.
+inline constexpr char kHfConfigFileName[] = "config.json";
+
+// The `architectures` entries Tessera reads and writes.
+inline constexpr char kHfLlama[] = "LlamaForCausalLM";
+inline constexpr char kHfQwen3[] = "Qwen3ForCausalLM";
+inline constexpr char kHfGpt2[] = "GPT2LMHeadModel";
+
+// Parses config.json text into dimensions as the config states them (ResolveModel fills the
+// remaining defaults and validates). `source` names the file in messages. INVALID_ARGUMENT naming
+// `source` and the field: malformed JSON, an unsupported architecture, a missing or mistyped
+// field, a feature Tessera does not implement ("rope_scaling: rope_type 'llama3' is not
+// supported").
+absl::StatusOr<v1::ModelDims> ParseHfConfig(absl::string_view json, absl::string_view source);
+
+// ParseHfConfig of `dir`/config.json; INVALID_ARGUMENT naming the file when it cannot be read.
+absl::StatusOr<v1::ModelDims> ReadHfConfig(const std::string& dir);
+
+// The `architectures` entry of resolved `dims`: GPT2LMHeadModel for ARCHITECTURE_GPT2,
+// Qwen3ForCausalLM for ARCHITECTURE_LLAMA with qk_norm, else LlamaForCausalLM.
+std::string HfArchitectureOf(const v1::ModelDims& dims);
+
+// config.json text for resolved `dims` with float32 weights. `base_json`, when not empty, is the
+// config the model was imported from: its other fields (token ids, ...) are kept and the
+// dimensions overwritten. INVALID_ARGUMENT when `base_json` is not a JSON object.
+absl::StatusOr<std::string> HfConfigJson(const v1::ModelDims& dims, absl::string_view base_json);
+
+}  // namespace tessera::planner

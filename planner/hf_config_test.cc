@@ -1,0 +1,150 @@
+// ParseHfConfig and HfConfigJson: the published config.json files of Llama 3 8B, Qwen3 0.6B and
+// GPT-2 resolve to the dimensions of the presets written from the papers, a config written back
+// parses to the same dimensions, and refused configs name the file and the field.
+
+#include "planner/hf_config.h"
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "gtest/gtest.h"
+#include "planner/model_config.h"
+
+namespace tessera::planner {
+namespace {
+
+using ::tessera::testing::IsOk;
+using ::tessera::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+// As published on the Hugging Face hub (fields Tessera ignores trimmed only where noted).
+constexpr char kLlama3_8b[] = R"({
+  "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+  "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192,
+  "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+  "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": null,
+  "rope_theta": 500000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+  "transformers_version": "4.40.0.dev0", "use_cache": true, "vocab_size": 128256})";
+
+constexpr char kQwen3_0_6b[] = R"({
+  "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+  "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+  "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+  "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null,
+  "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+  "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})";
+
+constexpr char kGpt2[] = R"({
+  "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+  "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
+  "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768, "n_head": 12,
+  "n_layer": 12, "n_positions": 1024, "resid_pdrop": 0.1, "summary_activation": null,
+  "summary_first_dropout": 0.1, "summary_proj_to_labels": true, "summary_type": "cls_index",
+  "summary_use_proj": true, "vocab_size": 50257})";
+
+v1::ModelDims ResolvedDims(const v1::ModelDims& dims) {
+  v1::ModelSpec spec;
+  *spec.mutable_dims() = dims;
+  auto summary = ResolveModel(spec, 128);
+  EXPECT_THAT(summary, IsOk());
+  return summary.ok() ? summary->dims() : v1::ModelDims();
+}
+
+v1::ModelDims PresetDims(const std::string& name) {
+  v1::ModelSpec spec;
+  spec.set_preset(name);
+  auto summary = ResolveModel(spec, 128);
+  EXPECT_THAT(summary, IsOk());
+  return summary.ok() ? summary->dims() : v1::ModelDims();
+}
+
+void ExpectSameDims(const v1::ModelDims& a, const v1::ModelDims& b) {
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(a, b))
+      << a.ShortDebugString() << "\nvs\n"
+      << b.ShortDebugString();
+}
+
+TEST(HfConfigTest, PublishedConfigsMatchThePresets) {
+  for (const auto& [json, preset] :
+       {std::pair{kLlama3_8b, "llama3-8b"}, std::pair{kQwen3_0_6b, "qwen3-0.6b"},
+        std::pair{kGpt2, "gpt2-124m"}}) {
+    auto dims = ParseHfConfig(json, "config.json");
+    ASSERT_THAT(dims, IsOk()) << preset;
+    ExpectSameDims(ResolvedDims(*dims), PresetDims(preset));
+  }
+}
+
+TEST(HfConfigTest, WrittenConfigParsesBack) {
+  for (const char* preset : {"llama3-8b", "qwen3-0.6b", "gpt2-124m", "tiny-llama"}) {
+    const v1::ModelDims dims = PresetDims(preset);
+    auto json = HfConfigJson(dims, "");
+    ASSERT_THAT(json, IsOk());
+    auto parsed = ParseHfConfig(*json, "config.json");
+    ASSERT_THAT(parsed, IsOk()) << preset << "\n" << *json;
+    ExpectSameDims(ResolvedDims(*parsed), dims);
+    EXPECT_THAT(*json, HasSubstr(HfArchitectureOf(dims))) << preset;
+  }
+}
+
+TEST(HfConfigTest, WrittenConfigKeepsTheSourceTokenIds) {
+  auto json = HfConfigJson(PresetDims("llama3-8b"), kLlama3_8b);
+  ASSERT_THAT(json, IsOk());
+  EXPECT_THAT(*json, HasSubstr("\"eos_token_id\": 128001"));
+  EXPECT_THAT(*json, HasSubstr("\"torch_dtype\": \"float32\""));
+}
+
+TEST(HfConfigTest, RefusesWhatTesseraDoesNotCompute) {
+  auto with = [](std::string json, const std::string& from, const std::string& to) {
+    json.replace(json.find(from), from.size(), to);
+    return json;
+  };
+  EXPECT_THAT(ParseHfConfig(with(kLlama3_8b, "LlamaForCausalLM", "MistralForCausalLM"), "d/c.json"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("d/c.json: architectures"),
+                             HasSubstr("'MistralForCausalLM' is not supported"))));
+  EXPECT_THAT(ParseHfConfig(with(kLlama3_8b, "\"rope_scaling\": null",
+                                 R"("rope_scaling": {"rope_type": "llama3", "factor": 8.0})"),
+                            "d/c.json"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("d/c.json: rope_scaling"), HasSubstr("'llama3'"))));
+  EXPECT_THAT(
+      ParseHfConfig(with(kLlama3_8b, "\"attention_bias\": false", "\"attention_bias\": true"),
+                    "c.json"),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("c.json: attention_bias")));
+  EXPECT_THAT(ParseHfConfig(with(kGpt2, "\"gelu_new\"", "\"relu\""), "c.json"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("c.json: activation_function: 'relu'")));
+  EXPECT_THAT(ParseHfConfig(with(kGpt2, "\"n_embd\": 768,", ""), "c.json"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("c.json: n_embd: missing")));
+  EXPECT_THAT(ParseHfConfig("{not json", "c.json"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("c.json: not a JSON object")));
+}
+
+TEST(HfConfigTest, ResolveModelReadsFromPretrained) {
+  const std::string dir = ::testing::TempDir() + "/hf_config_test_qwen3";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/config.json") << kQwen3_0_6b;
+  v1::ModelSpec spec;
+  spec.set_from_pretrained(dir);
+  auto summary = ResolveModel(spec, 128);
+  ASSERT_THAT(summary, IsOk());
+  ExpectSameDims(summary->dims(), PresetDims("qwen3-0.6b"));
+  EXPECT_EQ(summary->num_parameters(), 596049920);  // Qwen3-0.6B's published 0.6B, tied
+
+  spec.set_from_pretrained(dir + "/missing");
+  EXPECT_THAT(ResolveModel(spec, 128),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("model.from_pretrained"),
+                             HasSubstr("missing/config.json: cannot open"))));
+}
+
+}  // namespace
+}  // namespace tessera::planner

@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Hugging Face interop of tessera-trainer, checked against transformers itself.
+
+For tiny random LlamaForCausalLM (sharded safetensors with an index), Qwen3ForCausalLM and
+GPT2LMHeadModel models written by save_pretrained:
+  * `--init_from=DIR --logits_out` gives transformers' logits (float32, max |diff| <= 1e-4);
+  * `--export_hf` writes a directory that AutoModelForCausalLM.from_pretrained loads and that
+    gives the same logits again;
+  * 20 standalone training steps run from the imported weights (finite, falling loss), and
+    under tensor parallel 2 and pipeline parallel 2 (each rank loading only its part) the first
+    loss equals that of one process;
+and broken inputs (no config.json, an unsupported architecture, a missing tensor, a truncated
+safetensors file) fail with messages naming the file and the tensor or field.
+
+Exit code 77 (ctest's skip) when transformers is not installed. No downloads.
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+try:
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+except ImportError as error:  # pragma: no cover - depends on the venv
+    print(f"SKIP: {error} (scripts/bootstrap.sh installs transformers into the torch venv)")
+    sys.exit(77)
+
+TOLERANCE = 1e-4
+TOKENS = [3, 17, 250, 42, 0, 99, 128, 7, 255, 1, 64, 200]
+
+
+def tiny_configs():
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  rms_norm_eps=1e-6, rope_theta=10000.0)
+    return {
+        "llama": transformers.LlamaConfig(**common, tie_word_embeddings=False),
+        "qwen3": transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
+        "gpt2": transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4,
+                                        n_positions=128, n_inner=None),
+    }
+
+
+def make_model(config, seed):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Norm weights and biases start at 1 and 0; perturb everything so each tensor's mapping
+    # (and GPT-2's transposes) shows in the logits.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model.eval()
+
+
+def hf_logits(model):
+    with torch.no_grad():
+        return model(torch.tensor([TOKENS])).logits.float()
+
+
+def run(trainer, *args, expect_ok=True):
+    result = subprocess.run([trainer, *args], capture_output=True, text=True, timeout=300)
+    if expect_ok and result.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n"
+                             f"{result.stdout}\n{result.stderr}")
+    return result
+
+
+def tessera_logits(trainer, init_from, out_file, *extra):
+    run(trainer, f"--init_from={init_from}", "--logits_tokens=" + ",".join(map(str, TOKENS)),
+        f"--logits_out={out_file}", *extra)
+    return load_file(out_file)["logits"]
+
+
+def expect_failure(trainer, args, *needles):
+    result = run(trainer, *args, expect_ok=False)
+    message = result.stderr
+    assert result.returncode != 0, f"{args} succeeded:\n{result.stdout}"
+    for needle in needles:
+        assert needle in message, f"{args}: {needle!r} not in:\n{message}"
+    print(f"  refused as expected: {message.strip().splitlines()[-1][:200]}")
+
+
+def check_bad_inputs(trainer, tmp, llama_dir):
+    logits_args = ["--logits_tokens=1,2", f"--logits_out={tmp}/bad.safetensors"]
+    empty = os.path.join(tmp, "empty")
+    os.makedirs(empty)
+    expect_failure(trainer, [f"--init_from={empty}", *logits_args],
+                   "model.from_pretrained", f"{empty}/config.json: cannot open")
+
+    mistral = os.path.join(tmp, "mistral")
+    os.makedirs(mistral)
+    with open(os.path.join(llama_dir, "config.json")) as f:
+        config = json.load(f)
+    config["architectures"] = ["MistralForCausalLM"]
+    with open(os.path.join(mistral, "config.json"), "w") as f:
+        json.dump(config, f)
+    expect_failure(trainer, [f"--init_from={mistral}", *logits_args],
+                   f"{mistral}/config.json: architectures", "MistralForCausalLM")
+
+    scaled = os.path.join(tmp, "rope_scaled")
+    os.makedirs(scaled)
+    config["architectures"] = ["LlamaForCausalLM"]
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    with open(os.path.join(scaled, "config.json"), "w") as f:
+        json.dump(config, f)
+    expect_failure(trainer, [f"--init_from={scaled}", *logits_args], "rope_scaling", "llama3")
+
+    # One tensor left out of a single-file checkpoint.
+    model = make_model(tiny_configs()["gpt2"], seed=5)
+    missing = os.path.join(tmp, "missing_tensor")
+    model.save_pretrained(missing)
+    tensors = load_file(os.path.join(missing, "model.safetensors"))
+    del tensors["transformer.h.1.mlp.c_fc.weight"]
+    save_file(tensors, os.path.join(missing, "model.safetensors"), metadata={"format": "pt"})
+    expect_failure(trainer, [f"--init_from={missing}", *logits_args],
+                   f"{missing}/model.safetensors", "transformer.h.1.mlp.c_fc.weight")
+
+    # A tensor of the wrong shape.
+    tensors = load_file(os.path.join(missing, "model.safetensors"))
+    tensors["transformer.h.1.mlp.c_fc.weight"] = torch.zeros(64, 100)
+    save_file(tensors, os.path.join(missing, "model.safetensors"), metadata={"format": "pt"})
+    expect_failure(trainer, [f"--init_from={missing}", *logits_args],
+                   "transformer.h.1.mlp.c_fc.weight", "[64, 100]", "[64, 256]")
+
+    truncated = os.path.join(tmp, "truncated")
+    model.save_pretrained(truncated)
+    path = os.path.join(truncated, "model.safetensors")
+    os.truncate(path, os.path.getsize(path) - 1000)
+    expect_failure(trainer, [f"--init_from={truncated}", *logits_args], path)
+
+
+def check_training(trainer, tmp, name, model_dir, corpus):
+    data = os.path.join(tmp, "data")
+    if not os.path.isdir(data):
+        run(trainer, "prepare", f"--input={corpus}", f"--output_dir={data}", "--val_fraction=0.05")
+    shards = os.path.join(data, "train-*.bin")
+    result = run(trainer, f"--init_from={model_dir}", f"--data={shards}", "--steps=20",
+                 "--seq_len=64", "--global_batch=4", "--micro_batch=2", "--lr=1e-3",
+                 "--warmup=2", f"--job_id=hf-{name}")
+    losses = []
+    for line in result.stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        report = json.loads(line)
+        if "metrics" in report:
+            losses.append(float(report["metrics"]["loss"]))
+    assert len(losses) == 20, f"expected 20 step reports, got {len(losses)}:\n{result.stdout}"
+    assert all(math.isfinite(loss) for loss in losses), losses
+    assert losses[-1] < losses[0], f"loss did not fall in 20 steps: {losses}"
+    print(f"  {name}: trained 20 steps from the import, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    return losses
+
+
+def free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def first_loss(stdout):
+    for line in stdout.splitlines():
+        if line.startswith("{") and "metrics" in json.loads(line):
+            return float(json.loads(line)["metrics"]["loss"])
+    raise AssertionError(f"no step report in:\n{stdout}")
+
+
+def check_sharded_layouts(trainer, tmp, name, model_dir):
+    """Each rank of tp 2 and of pp 2 loads only its part; the first loss equals one process's."""
+    shards = os.path.join(tmp, "data", "train-*.bin")
+    flags = [f"--init_from={model_dir}", f"--data={shards}", "--steps=1", "--seq_len=64",
+             "--global_batch=4", "--micro_batch=2", "--warmup=1"]
+    reference = first_loss(run(trainer, *flags, f"--job_id=hf-{name}-single").stdout)
+    for layout in ("--tensor_parallel=2", "--pipeline_parallel=2"):
+        port = free_port()
+        procs = []
+        for rank in (0, 1):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            procs.append(subprocess.Popen([trainer, *flags, layout, f"--job_id=hf-{name}-{rank}"],
+                                          env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        outputs = [proc.communicate(timeout=300) for proc in procs]
+        for proc, (out, err) in zip(procs, outputs):
+            assert proc.returncode == 0, f"{layout} rank failed:\n{out}\n{err}"
+        # Rank 0 reports under tp; under pp the last stage computes the loss but rank 0 reports.
+        loss = first_loss(outputs[0][0] + outputs[1][0])
+        print(f"  {name} {layout}: first loss {loss:.6f} vs one process {reference:.6f}")
+        assert abs(loss - reference) <= 1e-4 * abs(reference), (layout, loss, reference)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", required=True)
+    parser.add_argument("--corpus", default="")
+    args = parser.parse_args()
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="hf_interop_") as tmp:
+        dirs = {}
+        for seed, (name, config) in enumerate(tiny_configs().items()):
+            model = make_model(config, seed)
+            model_dir = os.path.join(tmp, name)
+            # Llama: sharded, so the index file is read too.
+            model.save_pretrained(model_dir, max_shard_size="100KB" if name == "llama" else "5GB")
+            dirs[name] = model_dir
+            reference = hf_logits(model)
+
+            logits = tessera_logits(args.trainer, model_dir, os.path.join(tmp, f"{name}.logits"))
+            diff = (logits - reference).abs().max().item()
+            print(f"{name}: import max |logit diff| vs transformers = {diff:.3g}")
+            if logits.shape != reference.shape or not diff <= TOLERANCE:
+                failures.append(f"{name}: import logits differ by {diff} (shape {logits.shape})")
+
+            export_dir = os.path.join(tmp, f"{name}_export")
+            run(args.trainer, f"--init_from={model_dir}", f"--export_hf={export_dir}")
+            exported = transformers.AutoModelForCausalLM.from_pretrained(export_dir).eval()
+            assert type(exported) is type(model), (type(exported), type(model))
+            diff = (hf_logits(exported) - reference).abs().max().item()
+            print(f"{name}: export -> transformers max |logit diff| = {diff:.3g}")
+            if not diff <= TOLERANCE:
+                failures.append(f"{name}: exported model's logits differ by {diff}")
+
+        check_bad_inputs(args.trainer, tmp, dirs["llama"])
+        if args.corpus:
+            for name in ("llama", "gpt2"):
+                check_training(args.trainer, tmp, name, dirs[name], args.corpus)
+            # Qwen3 ties its embeddings: pp's last stage loads its own copy of them.
+            check_sharded_layouts(args.trainer, tmp, "qwen3", dirs["qwen3"])
+
+    if failures:
+        print("FAILED:\n  " + "\n  ".join(failures))
+        return 1
+    print("PASSED")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

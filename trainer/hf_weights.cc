@@ -1,0 +1,355 @@
+#include "trainer/hf_weights.h"
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "planner/hf_config.h"
+#include "trainer/safetensors.h"
+#include "trainer/torch_pch.h"
+
+namespace tessera::trainer {
+namespace {
+
+using Json = nlohmann::json;
+
+// A tensor as a Hugging Face file names it; `transposed`: stored [in, out] (GPT-2's Conv1D).
+struct HfName {
+  std::string name;
+  bool transposed = false;
+};
+
+// Per-layer names: Tessera's suffix after "layers.N.", transformers' after its layer prefix.
+struct LayerName {
+  const char* tessera;
+  const char* hf;
+  bool transposed;
+};
+
+constexpr LayerName kLlamaLayer[] = {
+    {"attn_norm.weight", "input_layernorm.weight", false},
+    {"attn.q.weight", "self_attn.q_proj.weight", false},
+    {"attn.k.weight", "self_attn.k_proj.weight", false},
+    {"attn.v.weight", "self_attn.v_proj.weight", false},
+    {"attn.o.weight", "self_attn.o_proj.weight", false},
+    {"attn.q_norm.weight", "self_attn.q_norm.weight", false},
+    {"attn.k_norm.weight", "self_attn.k_norm.weight", false},
+    {"mlp_norm.weight", "post_attention_layernorm.weight", false},
+    {"mlp.gate.weight", "mlp.gate_proj.weight", false},
+    {"mlp.up.weight", "mlp.up_proj.weight", false},
+    {"mlp.down.weight", "mlp.down_proj.weight", false},
+};
+
+constexpr LayerName kGpt2Layer[] = {
+    {"attn_norm.weight", "ln_1.weight", false},       {"attn_norm.bias", "ln_1.bias", false},
+    {"attn.qkv.weight", "attn.c_attn.weight", true},  {"attn.qkv.bias", "attn.c_attn.bias", false},
+    {"attn.proj.weight", "attn.c_proj.weight", true}, {"attn.proj.bias", "attn.c_proj.bias", false},
+    {"mlp_norm.weight", "ln_2.weight", false},        {"mlp_norm.bias", "ln_2.bias", false},
+    {"mlp.fc.weight", "mlp.c_fc.weight", true},       {"mlp.fc.bias", "mlp.c_fc.bias", false},
+    {"mlp.proj.weight", "mlp.c_proj.weight", true},   {"mlp.proj.bias", "mlp.c_proj.bias", false},
+};
+
+// transformers' name of the Tessera parameter `name`; nullopt for one with no counterpart.
+std::optional<HfName> HfNameOf(const std::string& name, const v1::ModelDims& dims) {
+  const bool gpt2 = dims.architecture() == v1::ARCHITECTURE_GPT2;
+  static const std::map<std::string, std::string> kLlamaGlobal = {
+      {"embed.weight", "model.embed_tokens.weight"},
+      {"final_norm.weight", "model.norm.weight"},
+      {"lm_head", "lm_head.weight"}};
+  static const std::map<std::string, std::string> kGpt2Global = {
+      {"embed.weight", "transformer.wte.weight"},
+      {"pos_embed.weight", "transformer.wpe.weight"},
+      {"final_norm.weight", "transformer.ln_f.weight"},
+      {"final_norm.bias", "transformer.ln_f.bias"},
+      {"lm_head", "lm_head.weight"}};
+  const auto& globals = gpt2 ? kGpt2Global : kLlamaGlobal;
+  if (auto it = globals.find(name); it != globals.end()) return HfName{it->second};
+  absl::string_view rest = name;
+  if (!absl::ConsumePrefix(&rest, "layers.")) return std::nullopt;
+  const size_t dot = rest.find('.');
+  int layer = 0;
+  if (dot == absl::string_view::npos || !absl::SimpleAtoi(rest.substr(0, dot), &layer)) {
+    return std::nullopt;
+  }
+  const absl::string_view suffix = rest.substr(dot + 1);
+  auto find = [&](const auto& table, absl::string_view prefix) -> std::optional<HfName> {
+    for (const LayerName& entry : table) {
+      if (suffix == entry.tessera) {
+        return HfName{absl::StrCat(prefix, layer, ".", entry.hf), entry.transposed};
+      }
+    }
+    return std::nullopt;
+  };
+  return gpt2 ? find(kGpt2Layer, "transformer.h.") : find(kLlamaLayer, "model.layers.");
+}
+
+absl::Status Invalid(absl::string_view file, absl::string_view problem) {
+  return absl::InvalidArgumentError(absl::StrCat(file, ": ", problem));
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+absl::StatusOr<std::string> ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Invalid(path, "cannot open");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+// The safetensors files of a model and the tensors each holds; reads one tensor at a time.
+class WeightFiles {
+ public:
+  // `dir`'s model.safetensors.index.json, else its model.safetensors.
+  static absl::StatusOr<WeightFiles> OpenHfDirectory(const std::string& dir) {
+    WeightFiles files;
+    const std::string index_path = absl::StrCat(dir, "/", kHfWeightsIndexFileName);
+    if (std::filesystem::exists(index_path)) {
+      ASSIGN_OR_RETURN(std::string text, ReadText(index_path));
+      Json index = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+      if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") ||
+          !index["weight_map"].is_object()) {
+        return Invalid(index_path, "weight_map: missing or not a JSON object");
+      }
+      for (const auto& [name, file] : index["weight_map"].items()) {
+        if (!file.is_string() || absl::StrContains(file.get<std::string>(), "/")) {
+          return Invalid(index_path, absl::StrCat("weight_map: '", name,
+                                                  "' must map to a file name in the directory"));
+        }
+        files.file_of_[name] = absl::StrCat(dir, "/", file.get<std::string>());
+      }
+      for (const auto& [name, path] : files.file_of_) RETURN_IF_ERROR(files.OpenFile(path));
+      for (const auto& [name, path] : files.file_of_) {
+        if (!files.headers_.at(path).tensors.contains(name)) {
+          return Invalid(path, absl::StrCat("has no tensor '", name, "', which ", index_path,
+                                            " places there"));
+        }
+      }
+      return files;
+    }
+    const std::string path = absl::StrCat(dir, "/", kHfWeightsFileName);
+    if (!std::filesystem::exists(path)) {
+      return Invalid(dir, absl::StrCat("no ", kHfWeightsFileName, " or ", kHfWeightsIndexFileName,
+                                       " (only safetensors weights are read)"));
+    }
+    RETURN_IF_ERROR(files.OpenFile(path));
+    return files;
+  }
+
+  static absl::StatusOr<WeightFiles> OpenFileOnly(const std::string& path) {
+    WeightFiles files;
+    RETURN_IF_ERROR(files.OpenFile(path));
+    return files;
+  }
+
+  bool Has(const std::string& name) const { return file_of_.contains(name); }
+
+  // Where a missing tensor was looked for, for messages.
+  std::string Where() const {
+    std::vector<std::string> paths;
+    for (const auto& [path, header] : headers_) paths.push_back(path);
+    return absl::StrJoin(paths, ", ");
+  }
+
+  // The tensor `name` (which Has), whole, as float32 [shape].
+  absl::StatusOr<torch::Tensor> Read(const std::string& name) const {
+    const std::string& path = file_of_.at(name);
+    const SafetensorsFile& header = headers_.at(path);
+    const SafetensorsEntry& entry = header.tensors.at(name);
+    static const std::map<std::string, torch::ScalarType> kDtypes = {{"F32", torch::kFloat32},
+                                                                     {"F16", torch::kFloat16},
+                                                                     {"BF16", torch::kBFloat16},
+                                                                     {"F64", torch::kFloat64}};
+    auto dtype = kDtypes.find(entry.dtype);
+    if (dtype == kDtypes.end()) {
+      return Invalid(path, absl::StrCat("tensor '", name, "' has dtype ", entry.dtype,
+                                        "; F32, F16, BF16 or F64 weights are read"));
+    }
+    torch::Tensor raw = torch::empty(entry.shape, torch::TensorOptions().dtype(dtype->second));
+    const uint64_t nbytes = entry.end - entry.begin;
+    if (nbytes != static_cast<uint64_t>(raw.nbytes())) {
+      return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "' has ", nbytes,
+                                              " bytes for shape ", ShapeString(entry.shape)));
+    }
+    std::ifstream in(path, std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(header.data_offset + entry.begin));
+    in.read(static_cast<char*>(raw.data_ptr()), static_cast<std::streamsize>(nbytes));
+    if (!in) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": tensor '", name, "': cannot read its ", nbytes, " bytes"));
+    }
+    return raw.to(torch::kFloat32);
+  }
+
+ private:
+  absl::Status OpenFile(const std::string& path) {
+    if (headers_.contains(path)) return absl::OkStatus();
+    auto header = ReadSafetensorsHeader(path);
+    if (!header.ok()) return header.status();
+    for (const auto& [name, entry] : header->tensors) file_of_.emplace(name, path);
+    headers_.emplace(path, *std::move(header));
+    return absl::OkStatus();
+  }
+
+  std::map<std::string, std::string> file_of_;  // tensor name -> file path
+  std::map<std::string, SafetensorsFile> headers_;
+};
+
+// Copies into every parameter `model` holds the tensor `source_name(parameter)` names in `files`.
+template <typename NameFn>
+absl::Status LoadParameters(CausalLMImpl& model, const WeightFiles& files, NameFn source_name) {
+  try {
+    torch::NoGradGuard no_grad;
+    const TensorParallel& tp = model.partition().tp;
+    for (const auto& item : model.named_parameters()) {
+      const std::string& name = item.key();
+      std::optional<HfName> source = source_name(name);
+      if (!source.has_value()) {
+        return absl::InternalError(absl::StrCat("parameter '", name, "' has no name in the file"));
+      }
+      // Checkpoints saved from GPT2Model (the original gpt2 upload) lack the "transformer." prefix.
+      if (!files.Has(source->name) && absl::StartsWith(source->name, "transformer.") &&
+          files.Has(source->name.substr(12))) {
+        source->name = source->name.substr(12);
+      }
+      if (!files.Has(source->name)) {
+        return absl::InvalidArgumentError(absl::StrCat(files.Where(), ": no tensor '", source->name,
+                                                       "' (for parameter ", name, ")"));
+      }
+      ASSIGN_OR_RETURN(torch::Tensor full, files.Read(source->name));
+      const ParamShard& shard = model.ShardOf(name);
+      std::vector<int64_t> expected = shard.global_shape;
+      if (source->transposed && expected.size() == 2) std::swap(expected[0], expected[1]);
+      if (full.sizes().vec() != expected) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(files.Where(), ": tensor '", source->name, "' has shape ",
+                         ShapeString(full.sizes().vec()), ", the model's config needs ",
+                         ShapeString(expected), source->transposed ? " (stored [in, out])" : ""));
+      }
+      if (source->transposed) full = full.t().contiguous();
+      item.value().copy_(LocalShardOf(full, shard, tp.rank, tp.size));
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        absl::StrCat("loading weights: LibTorch: ", e.what_without_backtrace()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteText(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat(path, ": cannot write"));
+  return absl::OkStatus();
+}
+
+// Files of a Hugging Face directory that describe the tokenizer and generation, copied as they are.
+constexpr const char* kCopiedFiles[] = {"generation_config.json",
+                                        "tokenizer.json",
+                                        "tokenizer_config.json",
+                                        "special_tokens_map.json",
+                                        "tokenizer.model",
+                                        "vocab.json",
+                                        "merges.txt",
+                                        "added_tokens.json"};
+
+}  // namespace
+
+absl::Status LoadHfWeights(CausalLMImpl& model, const std::string& dir) {
+  ASSIGN_OR_RETURN(WeightFiles files, WeightFiles::OpenHfDirectory(dir));
+  const v1::ModelDims dims = model.dims();
+  return LoadParameters(model, files,
+                        [&](const std::string& name) { return HfNameOf(name, dims); });
+}
+
+absl::Status LoadTesseraWeights(CausalLMImpl& model, const std::string& file) {
+  ASSIGN_OR_RETURN(WeightFiles files, WeightFiles::OpenFileOnly(file));
+  return LoadParameters(
+      model, files, [](const std::string& name) { return std::optional<HfName>(HfName{name}); });
+}
+
+absl::Status ExportHfModel(CausalLMImpl& model, const std::string& dir,
+                           const std::string& source_dir) {
+  const ModelPartition& partition = model.partition();
+  const v1::ModelDims& dims = model.dims();
+  if (partition.tp.enabled() || !partition.embedding || !partition.head ||
+      model.num_local_layers() != dims.num_layers()) {
+    return absl::FailedPreconditionError(
+        "Hugging Face export needs the whole model on one rank (no tensor or pipeline split)");
+  }
+  std::string base_config;
+  if (!source_dir.empty()) {
+    ASSIGN_OR_RETURN(base_config,
+                     ReadText(absl::StrCat(source_dir, "/", planner::kHfConfigFileName)));
+  }
+  ASSIGN_OR_RETURN(std::string config, planner::HfConfigJson(dims, base_config));
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error) return absl::InternalError(absl::StrCat(dir, ": cannot create: ", error.message()));
+
+  std::vector<torch::Tensor> keep;
+  std::vector<TensorView> views;
+  try {
+    torch::NoGradGuard no_grad;
+    for (const auto& item : model.named_parameters()) {
+      std::optional<HfName> hf = HfNameOf(item.key(), dims);
+      if (!hf.has_value()) {
+        return absl::InternalError(
+            absl::StrCat("parameter '", item.key(), "' has no Hugging Face name"));
+      }
+      torch::Tensor value = item.value().detach().to(torch::kCPU, torch::kFloat32);
+      if (hf->transposed) value = value.t();
+      value = value.contiguous();
+      keep.push_back(value);
+      views.push_back({.name = hf->name,
+                       .dtype = "F32",
+                       .shape = value.sizes().vec(),
+                       .data = value.data_ptr(),
+                       .nbytes = static_cast<size_t>(value.nbytes())});
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        absl::StrCat("Hugging Face export: LibTorch: ", e.what_without_backtrace()));
+  }
+  RETURN_IF_ERROR(
+      WriteSafetensors(absl::StrCat(dir, "/", kHfWeightsFileName), views, {{"format", "pt"}}));
+  RETURN_IF_ERROR(WriteText(absl::StrCat(dir, "/", planner::kHfConfigFileName), config));
+  bool copied_generation_config = false;
+  if (!source_dir.empty()) {
+    for (const char* file : kCopiedFiles) {
+      const std::filesystem::path from = std::filesystem::path(source_dir) / file;
+      if (!std::filesystem::exists(from)) continue;
+      std::filesystem::copy_file(from, std::filesystem::path(dir) / file,
+                                 std::filesystem::copy_options::overwrite_existing, error);
+      if (error) {
+        return absl::InternalError(
+            absl::StrCat(from.string(), ": cannot copy to ", dir, ": ", error.message()));
+      }
+      copied_generation_config |= std::string(file) == "generation_config.json";
+    }
+  }
+  if (!copied_generation_config) {
+    RETURN_IF_ERROR(WriteText(absl::StrCat(dir, "/generation_config.json"),
+                              "{\n  \"_from_model_config\": true\n}\n"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tessera::trainer
