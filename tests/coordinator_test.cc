@@ -4,6 +4,8 @@
 
 #include <signal.h>
 
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <regex>
@@ -845,6 +847,34 @@ TEST_F(CoordinatorTest, IdempotentSubmission) {
   v1::Job a = Submit(ValidSpec("same"), "request-42");
   v1::Job b = Submit(ValidSpec("same"), "request-42");
   EXPECT_EQ(a.job_id(), b.job_id());
+}
+
+// A spec naming a Hugging Face directory is planned from its config.json; a directory without
+// one, or an architecture Tessera does not run, is refused at submission naming the field.
+TEST_F(CoordinatorTest, FromPretrainedIsPlannedFromTheModelsConfig) {
+  const std::string model_dir = dir_.path() + "/hf-llama";
+  std::filesystem::create_directories(model_dir);
+  std::ofstream(model_dir + "/config.json")
+      << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 320, "max_position_embeddings": 128,
+             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false})";
+  v1::JobSpec spec = ValidSpec("from-hf");
+  spec.mutable_model()->set_from_pretrained(model_dir);
+  v1::Job job = Submit(spec);
+  ASSERT_FALSE(job.job_id().empty());
+  EXPECT_EQ(job.plan().model().dims().hidden_size(), 64);
+  EXPECT_EQ(job.plan().model().dims().num_layers(), 2);
+  EXPECT_EQ(job.plan().model().dims().vocab_size(), 320);
+
+  v1::SubmitJobRequest bad;
+  *bad.mutable_spec() = ValidSpec("no-config");
+  bad.mutable_spec()->mutable_model()->set_from_pretrained(dir_.path() + "/nowhere");
+  v1::SubmitJobResponse response;
+  grpc::Status status = stub_->SubmitJob(Context().get(), bad, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("model.from_pretrained"));
+  EXPECT_THAT(status.error_message(), HasSubstr("config.json"));
 }
 
 TEST_F(CoordinatorTest, BadInputGetsTheRightCode) {
