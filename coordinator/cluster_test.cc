@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "google/protobuf/util/time_util.h"
 #include "gtest/gtest.h"
+#include "tests/util/job_specs.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -29,18 +30,7 @@ google::protobuf::Timestamp At(absl::Time time) {
 }
 
 v1::JobSpec CpuSpec(int slots, int max_restarts) {
-  v1::JobSpec spec;
-  spec.set_name("restartable");
-  spec.mutable_model()->set_preset("tiny-gpt2");
-  spec.mutable_data()->add_train_shards("/data/train-*.bin");
-  spec.mutable_data()->set_seq_len(64);
-  spec.mutable_batch()->set_global_batch_size(8);
-  spec.mutable_batch()->set_micro_batch_size(2);
-  spec.mutable_optimizer()->mutable_schedule()->set_peak_learning_rate(1e-3);
-  spec.set_max_steps(100);
-  spec.mutable_resources()->set_cpu_slots(slots);
-  spec.set_max_restarts(max_restarts);
-  return spec;
+  return testing::TinyCpuJobSpec("restartable", slots, max_restarts);
 }
 
 v1::TrainerFailure Failure(v1::FailureKind kind, int rank, const std::string& node, absl::Time time,

@@ -23,6 +23,7 @@
 #include "tessera/v1/node_service.grpc.pb.h"
 #include "tessera/v1/worker_service.grpc.pb.h"
 #include "tests/util/grpc_context.h"
+#include "tests/util/job_specs.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
 
@@ -39,19 +40,7 @@ std::unique_ptr<grpc::ClientContext> Context(int seconds = 10) {
   return testing::ContextWithDeadline(seconds);
 }
 
-v1::JobSpec ValidSpec(const std::string& name) {
-  v1::JobSpec spec;
-  spec.set_name(name);
-  spec.mutable_model()->set_preset("tiny-gpt2");
-  spec.mutable_data()->add_train_shards("/data/train-*.bin");
-  spec.mutable_data()->set_seq_len(64);
-  spec.mutable_batch()->set_global_batch_size(8);
-  spec.mutable_batch()->set_micro_batch_size(2);
-  spec.mutable_optimizer()->mutable_schedule()->set_peak_learning_rate(1e-3);
-  spec.set_max_steps(100);
-  spec.mutable_resources()->set_cpu_slots(2);
-  return spec;
-}
+v1::JobSpec ValidSpec(const std::string& name) { return testing::TinyCpuJobSpec(name); }
 
 class CoordinatorTest : public ::testing::Test {
  protected:

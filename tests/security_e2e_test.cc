@@ -42,6 +42,7 @@
 #include "tessera/v1/node_service.grpc.pb.h"
 #include "tessera/v1/worker_service.grpc.pb.h"
 #include "tests/util/grpc_context.h"
+#include "tests/util/job_specs.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
 #include "tests/util/test_pki.h"
@@ -63,19 +64,7 @@ constexpr char kAliceToken[] = "alice-token-0123456789";
 constexpr char kBobToken[] = "bob-token-0123456789";
 constexpr char kNodeToken[] = "node-join-token-0123456789";
 
-v1::JobSpec Spec(const std::string& name) {
-  v1::JobSpec spec;
-  spec.set_name(name);
-  spec.mutable_model()->set_preset("tiny-gpt2");
-  spec.mutable_data()->add_train_shards("/data/train-*.bin");
-  spec.mutable_data()->set_seq_len(64);
-  spec.mutable_batch()->set_global_batch_size(8);
-  spec.mutable_batch()->set_micro_batch_size(2);
-  spec.mutable_optimizer()->mutable_schedule()->set_peak_learning_rate(1e-3);
-  spec.set_max_steps(100);
-  spec.mutable_resources()->set_cpu_slots(2);
-  return spec;
-}
+v1::JobSpec Spec(const std::string& name) { return testing::TinyCpuJobSpec(name); }
 
 std::string AuthFile(const std::string& alice_token) {
   return absl::StrCat("users:\n",                                                     //
