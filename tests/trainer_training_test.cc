@@ -538,6 +538,120 @@ INSTANTIATE_TEST_SUITE_P(
         ModelParallelCase{"llama_pp2", 2, 1, 2, false, 0, "none", "tiny-llama", 0}),
     [](const ::testing::TestParamInfo<ModelParallelCase>& info) { return info.param.name; });
 
+// Instruction data with prompt masking (prepare --sample_seq_len): every layout that splits
+// the global batch or the model (dp, tp's vocab-parallel loss, pp's last stage, and evaluation
+// through them) gives one process's losses. The records' responses differ in length, so
+// micro-batches and ranks hold different numbers of counted targets: a mean of per-rank means
+// would differ from the global mean.
+struct MaskedLayoutCase {
+  std::string name;
+  int dp;
+  int tp;
+  int pp;
+};
+
+class MaskedTrainingTest : public TrainerTrainingTest,
+                           public ::testing::WithParamInterface<MaskedLayoutCase> {
+ protected:
+  static constexpr int kSteps = 12;
+
+  static const std::string& SftDir() {
+    static const std::string* dir = [] {
+      auto* out = new std::string(MakeTempDir("sft"));
+      const std::string jsonl = *out + "/chat.jsonl";
+      std::ofstream file(jsonl);
+      for (int i = 0; i < 240; ++i) {
+        std::string reply;
+        for (int j = 0; j < 1 + (i * 7) % 30; ++j) reply += static_cast<char>('a' + (i + j) % 26);
+        file << "{\"messages\": [{\"role\": \"user\", \"content\": \"echo " << i % 17
+             << "\"}, {\"role\": \"assistant\", \"content\": \"" << reply << "\"}]}\n";
+      }
+      file.close();
+      auto prepared = RunCommand({Trainer(), "prepare", "--input=" + jsonl, "--output_dir=" + *out,
+                                  "--sample_seq_len=64", "--val_fraction=0.1"});
+      EXPECT_THAT(prepared, IsOk());
+      if (prepared.ok()) {
+        EXPECT_EQ(prepared->exit.exit_code, 0) << prepared->output;
+        EXPECT_THAT(prepared->output, HasSubstr("with a loss mask"));
+      }
+      return out;
+    }();
+    return *dir;
+  }
+
+  static std::vector<std::string> MaskedFlags(const std::string& checkpoint_dir) {
+    std::vector<std::string> flags = BaseFlags(kSteps, checkpoint_dir);
+    for (auto& flag : flags) {
+      if (flag.starts_with("--data=")) flag = "--data=" + SftDir() + "/train-*.bin";
+    }
+    flags.push_back("--val_data=" + SftDir() + "/val-*.bin");
+    flags.push_back("--eval_every=6");
+    flags.push_back("--eval_batches=3");
+    return flags;
+  }
+
+  static std::vector<v1::EvalMetrics> Evals(const TrainerRun& run) {
+    std::vector<v1::EvalMetrics> evals;
+    for (const auto& report : run.reports) {
+      if (report.has_eval()) evals.push_back(report.eval());
+    }
+    return evals;
+  }
+
+  static const TrainerRun& Reference() {
+    static const TrainerRun* run = new TrainerRun(RunTrainer(MaskedFlags(MakeTempDir("sft-ref"))));
+    return *run;
+  }
+};
+
+TEST_P(MaskedTrainingTest, LossesAndEvaluationMatchOneProcess) {
+  const MaskedLayoutCase& c = GetParam();
+  const TrainerRun& reference = Reference();
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  ASSERT_EQ(reference.losses.size(), static_cast<size_t>(kSteps)) << reference.output;
+  const std::vector<v1::EvalMetrics> expected_evals = Evals(reference);
+  ASSERT_EQ(expected_evals.size(), 2u) << reference.output;
+  // Only response tokens count: fewer than the 3 x 2 x 64 targets of the evaluated samples.
+  EXPECT_GT(expected_evals[0].tokens(), 0);
+  EXPECT_LT(expected_evals[0].tokens(), 3 * 2 * 64);
+
+  std::vector<std::string> flags = MaskedFlags(MakeTempDir("sft-" + c.name));
+  flags.push_back(absl::StrCat("--tensor_parallel=", c.tp));
+  flags.push_back(absl::StrCat("--pipeline_parallel=", c.pp));
+  const int world = c.dp * c.tp * c.pp;
+  std::vector<TrainerRun> runs = RunRanks(flags, world);
+  ASSERT_EQ(runs.size(), static_cast<size_t>(world));
+  for (int rank = 0; rank < world; ++rank) {
+    ASSERT_EQ(runs[rank].exit_code, 0) << "rank " << rank << ":\n" << runs[rank].output;
+  }
+  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps)) << runs[0].output;
+  double worst = 0;
+  for (int64_t step = 1; step <= kSteps; ++step) {
+    const double expected = reference.losses.at(step);
+    ASSERT_TRUE(std::isfinite(runs[0].losses.at(step))) << "step " << step;
+    const double relative = std::abs(runs[0].losses.at(step) - expected) / expected;
+    EXPECT_LE(relative, 2e-5) << "step " << step;
+    worst = std::max(worst, relative);
+  }
+  std::cout << "masked " << c.name << ": max relative loss difference " << worst << "\n";
+  // Evaluation takes eval_batches per dp rank: only dp 1 evaluates the reference's samples.
+  const std::vector<v1::EvalMetrics> evals = Evals(runs[0]);
+  ASSERT_EQ(evals.size(), 2u) << runs[0].output;
+  for (size_t i = 0; i < evals.size() && c.dp == 1; ++i) {
+    EXPECT_EQ(evals[i].tokens(), expected_evals[i].tokens());
+    EXPECT_LE(std::abs(evals[i].loss() - expected_evals[i].loss()) / expected_evals[i].loss(),
+              2e-5);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, MaskedTrainingTest,
+                         ::testing::Values(MaskedLayoutCase{"dp2", 2, 1, 1},
+                                           MaskedLayoutCase{"tp2", 1, 2, 1},
+                                           MaskedLayoutCase{"pp2", 1, 1, 2}),
+                         [](const ::testing::TestParamInfo<MaskedLayoutCase>& info) {
+                           return info.param.name;
+                         });
+
 // A pipeline stage that dies mid-step: its peer fails within seconds naming the lost stage's
 // rank, with a typed failure, instead of waiting forever.
 TEST_F(TrainerTrainingTest, DeadPipelineStageFailsItsPeerNamingTheRank) {

@@ -85,6 +85,13 @@ absl::StatusOr<TokenDataset> TokenDataset::Open(const std::vector<std::string>& 
   uint64_t total_tokens = 0;
   for (const std::string& path : paths) {
     ASSIGN_OR_RETURN(TokenShard shard, TokenShard::Open(path));
+    if (shard.sample_tokens() != 0 && shard.sample_tokens() != window) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": ", path, " holds samples of ", shard.sample_tokens(),
+          " tokens (prepared with --seq_len=", shard.sample_tokens() - 1, ") but seq_len is ",
+          seq_len, "; prepare the data again with --seq_len=", seq_len));
+    }
+    dataset.has_loss_mask_ = dataset.has_loss_mask_ || shard.has_loss_mask();
     if (dataset.shards_.empty()) {
       dataset.vocab_size_ = shard.vocab_size();
     } else if (shard.vocab_size() != dataset.vocab_size_) {
@@ -105,9 +112,9 @@ absl::StatusOr<TokenDataset> TokenDataset::Open(const std::vector<std::string>& 
   return dataset;
 }
 
-void TokenDataset::ReadSample(int64_t index, int64_t* out) const {
+std::pair<size_t, uint64_t> TokenDataset::Locate(int64_t index) const {
   if (index < 0 || index >= num_samples()) {
-    std::fprintf(stderr, "TokenDataset::ReadSample: sample %lld outside [0, %lld)\n",
+    std::fprintf(stderr, "TokenDataset: sample %lld outside [0, %lld)\n",
                  static_cast<long long>(index), static_cast<long long>(num_samples()));
     std::abort();
   }
@@ -115,8 +122,45 @@ void TokenDataset::ReadSample(int64_t index, int64_t* out) const {
   const auto next = std::upper_bound(sample_offsets_.begin(), sample_offsets_.end(), index);
   const size_t shard = static_cast<size_t>(next - sample_offsets_.begin()) - 1;
   const uint64_t window = static_cast<uint64_t>(seq_len_) + 1;
-  const uint64_t local = static_cast<uint64_t>(index - sample_offsets_[shard]);
-  shards_[shard].Read(local * window, window, out);
+  return {shard, static_cast<uint64_t>(index - sample_offsets_[shard]) * window};
+}
+
+void TokenDataset::ReadSample(int64_t index, int64_t* out) const {
+  const auto [shard, offset] = Locate(index);
+  shards_[shard].Read(offset, static_cast<uint64_t>(seq_len_) + 1, out);
+}
+
+int64_t TokenDataset::ReadExample(int64_t index, int64_t* inputs, int64_t* targets) const {
+  const auto [shard, offset] = Locate(index);
+  const TokenShard& file = shards_[shard];
+  file.Read(offset, static_cast<uint64_t>(seq_len_), inputs);
+  file.Read(offset + 1, static_cast<uint64_t>(seq_len_), targets);
+  if (!file.has_loss_mask()) return seq_len_;
+  std::vector<uint8_t> mask(static_cast<size_t>(seq_len_));
+  file.ReadLossMask(offset + 1, mask.size(), mask.data());
+  int64_t counted = 0;
+  for (size_t i = 0; i < mask.size(); ++i) {
+    if (mask[i] != 0) {
+      ++counted;
+    } else {
+      targets[i] = kIgnoreTarget;
+    }
+  }
+  return counted;
+}
+
+int64_t TokenDataset::CountLossTargets(int64_t index) const {
+  const auto [shard, offset] = Locate(index);
+  const TokenShard& file = shards_[shard];
+  if (!file.has_loss_mask()) return seq_len_;
+  std::vector<uint8_t> mask(static_cast<size_t>(seq_len_));
+  file.ReadLossMask(offset + 1, mask.size(), mask.data());
+  return std::count_if(mask.begin(), mask.end(), [](uint8_t m) { return m != 0; });
+}
+
+double LossWeight(const MicroBatch& batch) {
+  if (batch.step_loss_tokens <= 0) return 0.0;
+  return static_cast<double>(batch.loss_tokens) / static_cast<double>(batch.step_loss_tokens);
 }
 
 std::vector<int64_t> EpochPermutation(int64_t num_samples, uint64_t seed, int64_t epoch) {
@@ -204,7 +248,17 @@ std::vector<MicroBatch> BatchLoader::NextStep() {
   const int micro = options_.micro_batch_size;
   const int64_t rank_begin =
       samples_in_epoch_ + options_.dp_rank * (options_.global_batch_size / options_.dp_size);
-  std::vector<int64_t> window(static_cast<size_t>(seq_len) + 1);
+  // Every rank counts the whole step's targets itself (reading only masks), so that no
+  // collective is needed to weigh its micro-batches.
+  int64_t step_loss_tokens = 0;
+  if (dataset_->has_loss_mask()) {
+    for (int64_t i = 0; i < options_.global_batch_size; ++i) {
+      step_loss_tokens +=
+          dataset_->CountLossTargets(order[static_cast<size_t>(samples_in_epoch_ + i)]);
+    }
+  } else {
+    step_loss_tokens = options_.global_batch_size * seq_len;
+  }
   std::vector<MicroBatch> batches(static_cast<size_t>(accumulation_steps_));
   for (int m = 0; m < accumulation_steps_; ++m) {
     MicroBatch& batch = batches[static_cast<size_t>(m)];
@@ -212,12 +266,12 @@ std::vector<MicroBatch> BatchLoader::NextStep() {
     batch.seq_len = seq_len;
     batch.inputs.resize(static_cast<size_t>(micro) * seq_len);
     batch.targets.resize(static_cast<size_t>(micro) * seq_len);
+    batch.step_loss_tokens = step_loss_tokens;
     for (int row = 0; row < micro; ++row) {
       const int64_t sample = order[static_cast<size_t>(rank_begin + int64_t{m} * micro + row)];
-      dataset_->ReadSample(sample, window.data());
       const size_t offset = static_cast<size_t>(row) * seq_len;
-      std::copy(window.begin(), window.end() - 1, batch.inputs.begin() + offset);
-      std::copy(window.begin() + 1, window.end(), batch.targets.begin() + offset);
+      batch.loss_tokens += dataset_->ReadExample(sample, batch.inputs.data() + offset,
+                                                 batch.targets.data() + offset);
     }
   }
   samples_in_epoch_ += options_.global_batch_size;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -15,9 +16,14 @@
 
 namespace tessera::trainer {
 
+// The target value of a position whose loss is not taken (a prompt or padding token): the
+// losses (CausalLM::Loss, VocabParallelCrossEntropy) skip it. Torch's cross_entropy default.
+inline constexpr int64_t kIgnoreTarget = -100;
+
 // The training samples: every shard cut into non-overlapping windows of seq_len + 1 tokens
 // (inputs = window[0..seq_len), targets = window[1..seq_len]); a shard's tail shorter than a
-// window is dropped. Sample i of shard k comes after every sample of shards 0..k-1.
+// window is dropped. Sample i of shard k comes after every sample of shards 0..k-1. A target
+// whose token the shard's loss mask marks 0 becomes kIgnoreTarget (see token_shard.h).
 // Movable; reads are const and safe from several threads.
 class TokenDataset {
  public:
@@ -25,7 +31,8 @@ class TokenDataset {
   // A pattern with wildcards that matches nothing is INVALID_ARGUMENT
   // ("<field>: pattern 'x*' matches no file"); a plain path that does not exist is the shard's
   // NOT_FOUND. Shard errors are passed on as TokenShard::Open gives them. All shards must have the
-  // same vocab_size, and together hold at least one sample. `field` names the configuration
+  // same vocab_size, and together hold at least one sample; a shard written in fixed samples
+  // (sample_tokens) must have samples of seq_len + 1 tokens. `field` names the configuration
   // field the patterns came from, for messages.
   static absl::StatusOr<TokenDataset> Open(const std::vector<std::string>& patterns, int seq_len,
                                            std::string_view field = "data.train_shards");
@@ -34,18 +41,28 @@ class TokenDataset {
   int seq_len() const { return seq_len_; }
   uint32_t vocab_size() const { return vocab_size_; }
   const std::vector<TokenShard>& shards() const { return shards_; }
+  // Whether some shard has a loss mask, i.e. some targets may be kIgnoreTarget.
+  bool has_loss_mask() const { return has_loss_mask_; }
 
   // Writes the seq_len + 1 tokens of sample `index` (< num_samples()) to `out`.
   void ReadSample(int64_t index, int64_t* out) const;
+  // Writes the seq_len inputs and seq_len targets of sample `index`, masked targets as
+  // kIgnoreTarget; returns how many targets count.
+  int64_t ReadExample(int64_t index, int64_t* inputs, int64_t* targets) const;
+  // How many of sample `index`'s seq_len targets count (seq_len without a mask).
+  int64_t CountLossTargets(int64_t index) const;
 
  private:
   TokenDataset() = default;
+  // The shard of sample `index` and the sample's first token there.
+  std::pair<size_t, uint64_t> Locate(int64_t index) const;
 
   std::vector<TokenShard> shards_;
   // sample_offsets_[k] = samples in shards 0..k-1; size shards_.size() + 1.
   std::vector<int64_t> sample_offsets_{0};
   int seq_len_ = 0;
   uint32_t vocab_size_ = 0;
+  bool has_loss_mask_ = false;
 };
 
 // The order of epoch `epoch`: a permutation of 0..num_samples-1, by an explicit Fisher-Yates
@@ -57,10 +74,21 @@ std::vector<int64_t> EpochPermutation(int64_t num_samples, uint64_t seed, int64_
 // One micro-batch, row-major [batch_size, seq_len].
 struct MicroBatch {
   std::vector<int64_t> inputs;
+  // kIgnoreTarget where the loss is not taken.
   std::vector<int64_t> targets;
   int batch_size = 0;
   int seq_len = 0;
+  // Targets of this micro-batch that count (not kIgnoreTarget).
+  int64_t loss_tokens = 0;
+  // Targets that count in the whole optimizer step: every micro-batch of every dp rank. The loss
+  // of the step is the sum of the counted targets' losses divided by this, so a micro-batch's
+  // mean loss weighs loss_tokens / step_loss_tokens (see LossWeight()).
+  int64_t step_loss_tokens = 0;
 };
+
+// The weight of a micro-batch's mean loss in its step's loss: loss_tokens / step_loss_tokens, or
+// 0 when the whole step has no counted target.
+double LossWeight(const MicroBatch& batch);
 
 struct BatchLoaderOptions {
   // Samples per optimizer step across all data-parallel ranks.

@@ -342,3 +342,55 @@ TEST_F(BatchLoaderTest, RefusesAPositionFromAnotherSeedOrOutsideTheDataset) {
 
 }  // namespace
 }  // namespace tessera::trainer
+
+namespace tessera::trainer {
+namespace {
+
+// A shard with a loss mask: masked targets come out as kIgnoreTarget, inputs never masked, and
+// every dp rank counts the same targets for the whole step, the sum of its micro-batches'.
+TEST(MaskedBatchLoaderTest, IgnoresMaskedTargetsAndCountsTheWholeStepOnEveryRank) {
+  const std::string path = TestDir() + "/masked.bin";
+  std::vector<uint32_t> tokens(40);
+  std::iota(tokens.begin(), tokens.end(), 1000);
+  std::vector<uint8_t> mask(40);
+  for (size_t i = 0; i < mask.size(); ++i) mask[i] = (i % 3 == 0 || i % 7 == 0) ? 0 : 1;
+  TokenShardExtras extras;
+  extras.loss_mask = mask;
+  extras.sample_tokens = 4;
+  ASSERT_THAT(WriteTokenShard(path, tokens, kVocab, extras), IsOk());
+  absl::StatusOr<TokenDataset> dataset = TokenDataset::Open({path}, 3);
+  ASSERT_THAT(dataset, IsOk());
+  ASSERT_TRUE(dataset->has_loss_mask());
+  std::vector<BatchLoader> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    auto loader = BatchLoader::Create(
+        &*dataset,
+        {.global_batch_size = 4, .micro_batch_size = 1, .dp_rank = rank, .dp_size = 2, .seed = 3},
+        v1::DataPosition());
+    ASSERT_THAT(loader, IsOk());
+    ranks.push_back(std::move(*loader));
+  }
+  for (int step = 0; step < 5; ++step) {
+    int64_t counted = 0, step_tokens = -1;
+    for (BatchLoader& loader : ranks) {
+      for (const MicroBatch& batch : loader.NextStep()) {
+        int64_t batch_counted = 0;
+        for (size_t i = 0; i < batch.inputs.size(); ++i) {
+          const size_t index = static_cast<size_t>(batch.inputs[i] - 1000) + 1;  // the target's
+          EXPECT_EQ(batch.targets[i], mask[index] ? static_cast<int64_t>(tokens[index])
+                                                  : kIgnoreTarget)
+              << "step " << step << " position " << i;
+          batch_counted += mask[index];
+        }
+        EXPECT_EQ(batch.loss_tokens, batch_counted);
+        counted += batch_counted;
+        if (step_tokens >= 0) EXPECT_EQ(batch.step_loss_tokens, step_tokens);
+        step_tokens = batch.step_loss_tokens;
+      }
+    }
+    EXPECT_EQ(step_tokens, counted) << "step " << step;
+  }
+}
+
+}  // namespace
+}  // namespace tessera::trainer

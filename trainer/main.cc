@@ -104,6 +104,16 @@ ABSL_FLAG(std::string, output_dir, "", "prepare: directory for the token shards.
 ABSL_FLAG(std::string, tokenizer, "byte", "prepare: 'byte' or a sentencepiece .model path.");
 ABSL_FLAG(std::string, format, "auto", "prepare: text, jsonl or auto (by extension).");
 ABSL_FLAG(double, val_fraction, 0.05, "prepare: fraction of tokens held out for validation.");
+ABSL_FLAG(std::string, prompt_template, "alpaca",
+          "prepare: how JSONL Alpaca records {instruction, input, output} become prompt and "
+          "response: 'alpaca' (Stanford Alpaca's template) or 'chat' (role tags, as chat "
+          "records {messages: [{role, content}...]} always are). Only response tokens count in "
+          "the loss.");
+ABSL_FLAG(int, sample_seq_len, 0,
+          "prepare: write every record as one sample of N + 1 tokens (truncated, or padded with "
+          "eos that does not count); training must then use --seq_len=N. 0: one token stream.");
+ABSL_FLAG(bool, pack, false,
+          "prepare: with --sample_seq_len, put several short records into one sample.");
 
 namespace {
 
@@ -111,6 +121,7 @@ constexpr char kUsage[] =
     "Usage: tessera-trainer --task=PATH\n"
     "       tessera-trainer --data=GLOB [--preset=NAME --steps=N ...]   (standalone)\n"
     "       tessera-trainer prepare --input=FILES --output_dir=DIR [--tokenizer=byte|PATH]\n"
+    "                               [--prompt_template=alpaca|chat --sample_seq_len=N [--pack]]\n"
     "       tessera-trainer --check [--gpu=N]\n"
     "       tessera-trainer --init_from=HF_DIR [--data=GLOB ...]   (from Hugging Face weights)\n"
     "       tessera-trainer [--init_from=HF_DIR | --preset=NAME --weights=FILE] --export_hf=DIR\n\n"
@@ -219,6 +230,9 @@ int Prepare() {
   options.tokenizer = absl::GetFlag(FLAGS_tokenizer);
   options.format = absl::GetFlag(FLAGS_format);
   options.val_fraction = absl::GetFlag(FLAGS_val_fraction);
+  options.prompt_template = absl::GetFlag(FLAGS_prompt_template);
+  options.seq_len = absl::GetFlag(FLAGS_sample_seq_len);
+  options.pack = absl::GetFlag(FLAGS_pack);
   auto result = tessera::trainer::PrepareData(options);
   if (!result.ok()) {
     std::cerr << "tessera-trainer prepare: " << result.status() << "\n";
@@ -227,7 +241,13 @@ int Prepare() {
   std::cout << "prepared " << result->train_tokens << " training and " << result->val_tokens
             << " validation tokens (vocab " << result->vocab_size << ") in "
             << result->train_shards.size() + result->val_shards.size() << " shard(s) under "
-            << options.output_dir << "\n";
+            << options.output_dir;
+  if (result->loss_mask) std::cout << ", with a loss mask on the prompt tokens";
+  if (result->dropped_records > 0) {
+    std::cout << "; " << result->dropped_records
+              << " record(s) dropped: no response token left within --sample_seq_len";
+  }
+  std::cout << "\n";
   return 0;
 }
 

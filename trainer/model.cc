@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "planner/model_config.h"
 #include "trainer/activation_checkpoint.h"
+#include "trainer/data_loader.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -410,8 +411,13 @@ torch::Tensor CausalLMImpl::HeadLoss(const torch::Tensor& hidden, const torch::T
   const torch::Tensor& weight = lm_head_.defined() ? lm_head_ : embed_->weight;
   if (!tp.enabled()) {
     torch::Tensor logits = F::linear(h, weight);
-    return F::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
-                            targets.reshape({-1}));
+    // Sum over the counted targets / their number (1 when none: an all-masked batch has loss
+    // 0 and zero gradients, where cross_entropy's mean would be 0 / 0).
+    const torch::Tensor flat = targets.reshape({-1});
+    const torch::Tensor losses = F::cross_entropy(
+        logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32), flat,
+        F::CrossEntropyFuncOptions().reduction(torch::kNone).ignore_index(kIgnoreTarget));
+    return losses.sum() / (flat != kIgnoreTarget).sum().clamp_min(1);
   }
   torch::Tensor logits = F::linear(EnterTensorParallel(h, tp), weight);
   const int64_t rows = weight.size(0);

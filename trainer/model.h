@@ -151,8 +151,10 @@ class CausalLMImpl : public torch::nn::Module {
   // tokens: int64 [batch, seq] (seq <= max_seq_len) -> logits float [batch, seq, vocab]. The whole
   // model on one rank only.
   torch::Tensor forward(const torch::Tensor& tokens);
-  // Mean next-token cross-entropy over all positions: logits of inputs vs targets, both int64
-  // [batch, seq]. Computed in float32. Targets of -100 are ignored. The whole model (any tp).
+  // Mean next-token cross-entropy over the counted positions: logits of inputs vs targets, both
+  // int64 [batch, seq]. Computed in float32. Targets of kIgnoreTarget (-100, data_loader.h) are
+  // not counted; with none counted the loss is 0 with zero gradients (never NaN). The whole
+  // model (any tp). A caller weighing micro-batches multiplies by the counted targets.
   torch::Tensor Loss(const torch::Tensor& inputs, const torch::Tensor& targets);
   // This rank's stage of the forward: tokens in on the first stage, else the previous stage's
   // activations [batch, seq (/ tp with sequence parallelism), hidden]; out the loss on the last

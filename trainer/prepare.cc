@@ -1,5 +1,6 @@
 #include "trainer/prepare.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -67,8 +68,93 @@ absl::StatusOr<const std::string*> StringField(const nlohmann::json& record, con
   return &it->get_ref<const std::string&>();
 }
 
-// The document of one JSONL record (see PrepareOptions::format).
-absl::StatusOr<std::string> JsonlDocument(std::string_view line, const std::string& where) {
+// One tokenized record: its tokens and, per token, whether its loss is taken (1) or not (0).
+struct Example {
+  std::vector<uint32_t> tokens;
+  std::vector<uint8_t> mask;
+
+  void Append(const Tokenizer& tokenizer, std::string_view text, uint8_t counted) {
+    if (text.empty()) return;
+    const std::vector<uint32_t> encoded = tokenizer.Encode(text);
+    tokens.insert(tokens.end(), encoded.begin(), encoded.end());
+    mask.insert(mask.end(), encoded.size(), counted);
+  }
+  void AppendEos(const Tokenizer& tokenizer) {
+    tokens.push_back(tokenizer.eos_id());
+    mask.push_back(1);
+  }
+};
+
+constexpr char kAlpacaPromptWithInput[] =
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n";
+constexpr char kAlpacaPromptNoInput[] =
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n";
+
+struct ChatMessage {
+  std::string role;
+  std::string content;
+};
+
+// The chat template (PrepareOptions::prompt_template).
+void RenderChat(const Tokenizer& tokenizer, const std::vector<ChatMessage>& messages,
+                Example& example) {
+  for (const ChatMessage& message : messages) {
+    if (message.role == "assistant") {
+      example.Append(tokenizer, "<|assistant|>\n", 0);
+      example.Append(tokenizer, message.content, 1);
+      example.AppendEos(tokenizer);
+    } else {
+      example.Append(tokenizer, absl::StrCat("<|", message.role, "|>\n", message.content, "\n"),
+                     0);
+    }
+  }
+}
+
+std::string Substitute(std::string text, std::string_view key, std::string_view value) {
+  const size_t at = text.find(key);
+  if (at != std::string::npos) text.replace(at, key.size(), value);
+  return text;
+}
+
+absl::StatusOr<std::vector<ChatMessage>> ChatMessages(const nlohmann::json& messages,
+                                                      const std::string& where) {
+  if (!messages.is_array()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": field \"messages\" is not an array"));
+  }
+  std::vector<ChatMessage> out;
+  bool has_reply = false;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const std::string at = absl::StrCat(where, ": messages[", i, "]");
+    if (!messages[i].is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ": expected a JSON object"));
+    }
+    ASSIGN_OR_RETURN(const std::string* role, StringField(messages[i], "role", at));
+    ASSIGN_OR_RETURN(const std::string* content, StringField(messages[i], "content", at));
+    if (role == nullptr || content == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(at, ": expected string fields \"role\" and \"content\""));
+    }
+    if (*role != "system" && *role != "user" && *role != "assistant") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at, ": role \"", *role, "\" is not \"system\", \"user\" or \"assistant\""));
+    }
+    has_reply = has_reply || *role == "assistant";
+    out.push_back({*role, *content});
+  }
+  if (!has_reply) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": \"messages\" has no \"assistant\" message to learn from"));
+  }
+  return out;
+}
+
+// The example of one JSONL record (see PrepareOptions::format).
+absl::StatusOr<Example> JsonlExample(std::string_view line, const std::string& where,
+                                     const Tokenizer& tokenizer,
+                                     const std::string& prompt_template) {
   nlohmann::json record;
   try {
     record = nlohmann::json::parse(line);
@@ -78,36 +164,64 @@ absl::StatusOr<std::string> JsonlDocument(std::string_view line, const std::stri
   if (!record.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": expected a JSON object"));
   }
+  Example example;
+  if (const auto messages = record.find("messages"); messages != record.end()) {
+    ASSIGN_OR_RETURN(const std::vector<ChatMessage> chat, ChatMessages(*messages, where));
+    RenderChat(tokenizer, chat, example);
+    return example;
+  }
   ASSIGN_OR_RETURN(const std::string* text, StringField(record, "text", where));
-  if (text != nullptr) return *text;
+  if (text != nullptr) {
+    example.Append(tokenizer, *text, 1);
+    if (!example.tokens.empty()) example.AppendEos(tokenizer);
+    return example;
+  }
   ASSIGN_OR_RETURN(const std::string* instruction, StringField(record, "instruction", where));
+  ASSIGN_OR_RETURN(const std::string* output, StringField(record, "output", where));
+  if (instruction != nullptr && output != nullptr) {
+    ASSIGN_OR_RETURN(const std::string* input, StringField(record, "input", where));
+    const bool has_input = input != nullptr && !input->empty();
+    if (prompt_template == "chat") {
+      RenderChat(tokenizer,
+                 {{"user", has_input ? absl::StrCat(*instruction, "\n\n", *input) : *instruction},
+                  {"assistant", *output}},
+                 example);
+      return example;
+    }
+    std::string prompt = Substitute(has_input ? kAlpacaPromptWithInput : kAlpacaPromptNoInput,
+                                    "{instruction}", *instruction);
+    if (has_input) prompt = Substitute(std::move(prompt), "{input}", *input);
+    example.Append(tokenizer, prompt, 0);
+    example.Append(tokenizer, *output, 1);
+    example.AppendEos(tokenizer);
+    return example;
+  }
   ASSIGN_OR_RETURN(const std::string* response, StringField(record, "response", where));
   if (instruction == nullptr && response == nullptr) {
     ASSIGN_OR_RETURN(instruction, StringField(record, "prompt", where));
     ASSIGN_OR_RETURN(response, StringField(record, "completion", where));
   }
   if (instruction == nullptr || response == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where,
-                     ": expected a \"text\" field, or \"instruction\" and \"response\", or "
-                     "\"prompt\" and \"completion\""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        where,
+        ": expected a \"text\" field, \"messages\", \"instruction\" and \"output\" (Alpaca), "
+        "\"instruction\" and \"response\", or \"prompt\" and \"completion\""));
   }
-  return absl::StrCat(*instruction, "\n\n", *response);
-}
-
-void AppendDocument(const Tokenizer& tokenizer, std::string_view document,
-                    std::vector<uint32_t>& tokens) {
-  if (document.empty()) return;
-  const std::vector<uint32_t> encoded = tokenizer.Encode(document);
-  tokens.insert(tokens.end(), encoded.begin(), encoded.end());
-  tokens.push_back(tokenizer.eos_id());
+  example.Append(tokenizer, absl::StrCat(*instruction, "\n\n", *response), 1);
+  if (!example.tokens.empty()) example.AppendEos(tokenizer);
+  return example;
 }
 
 absl::Status TokenizeInput(const std::string& path, InputFormat format, const Tokenizer& tokenizer,
-                           std::vector<uint32_t>& tokens) {
+                           const std::string& prompt_template, std::vector<Example>& examples) {
   ASSIGN_OR_RETURN(const std::string contents, ReadFile(path));
   if (format == InputFormat::kText) {
-    AppendDocument(tokenizer, contents, tokens);
+    Example example;
+    example.Append(tokenizer, contents, 1);
+    if (!example.tokens.empty()) {
+      example.AppendEos(tokenizer);
+      examples.push_back(std::move(example));
+    }
     return absl::OkStatus();
   }
   std::string_view rest = contents;
@@ -116,21 +230,77 @@ absl::Status TokenizeInput(const std::string& path, InputFormat format, const To
     std::string_view line = rest.substr(0, end);
     rest = end == std::string_view::npos ? std::string_view() : rest.substr(end + 1);
     if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
-    ASSIGN_OR_RETURN(const std::string document,
-                     JsonlDocument(line, absl::StrCat(path, ":", line_number)));
-    AppendDocument(tokenizer, document, tokens);
+    ASSIGN_OR_RETURN(Example example, JsonlExample(line, absl::StrCat(path, ":", line_number),
+                                                   tokenizer, prompt_template));
+    if (!example.tokens.empty()) examples.push_back(std::move(example));
   }
   return absl::OkStatus();
 }
 
+// The corpus as written: tokens and their loss mask, in samples of sample_tokens when that is
+// not 0.
+struct Corpus {
+  std::vector<uint32_t> tokens;
+  std::vector<uint8_t> mask;
+  uint64_t sample_tokens = 0;
+  uint64_t dropped = 0;
+};
+
+// Whether a sample with this loss mask has a counted target (its first token is never a
+// target).
+bool HasTarget(std::span<const uint8_t> mask) {
+  return mask.size() > 1 && std::find(mask.begin() + 1, mask.end(), 1) != mask.end();
+}
+
+Corpus Arrange(std::vector<Example>& examples, const PrepareOptions& options, uint32_t pad_id) {
+  Corpus corpus;
+  if (options.seq_len <= 0) {
+    for (Example& example : examples) {
+      corpus.tokens.insert(corpus.tokens.end(), example.tokens.begin(), example.tokens.end());
+      corpus.mask.insert(corpus.mask.end(), example.mask.begin(), example.mask.end());
+    }
+    return corpus;
+  }
+  const size_t window = static_cast<size_t>(options.seq_len) + 1;
+  corpus.sample_tokens = window;
+  size_t filled = 0;  // tokens of the open sample (packing)
+  auto close_sample = [&]() {
+    if (filled == 0) return;
+    corpus.tokens.insert(corpus.tokens.end(), window - filled, pad_id);
+    corpus.mask.insert(corpus.mask.end(), window - filled, 0);
+    filled = 0;
+  };
+  for (Example& example : examples) {
+    const size_t size = std::min(example.tokens.size(), window);
+    if (!HasTarget(std::span<const uint8_t>(example.mask).first(size))) {
+      ++corpus.dropped;
+      continue;
+    }
+    if (!options.pack || filled + size > window) close_sample();
+    corpus.tokens.insert(corpus.tokens.end(), example.tokens.begin(),
+                         example.tokens.begin() + static_cast<std::ptrdiff_t>(size));
+    corpus.mask.insert(corpus.mask.end(), example.mask.begin(),
+                       example.mask.begin() + static_cast<std::ptrdiff_t>(size));
+    filled += size;
+  }
+  close_sample();
+  return corpus;
+}
+
 // Writes `tokens` as <output_dir>/<split>-NNNNN.bin shards of at most tokens_per_shard tokens.
+// With `mask` empty, version-1 shards; else each shard gets its part of the mask. With
+// sample_tokens, tokens_per_shard is a multiple of it.
 absl::Status WriteSplit(const fs::path& output_dir, const char* split,
-                        std::span<const uint32_t> tokens, uint64_t tokens_per_shard,
-                        uint32_t vocab_size, std::vector<std::string>& paths) {
+                        std::span<const uint32_t> tokens, std::span<const uint8_t> mask,
+                        uint64_t sample_tokens, uint64_t tokens_per_shard, uint32_t vocab_size,
+                        std::vector<std::string>& paths) {
   for (uint64_t begin = 0, index = 0; begin < tokens.size(); begin += tokens_per_shard, ++index) {
     const uint64_t count = std::min<uint64_t>(tokens_per_shard, tokens.size() - begin);
     const std::string path = (output_dir / absl::StrFormat("%s-%05d.bin", split, index)).string();
-    RETURN_IF_ERROR(WriteTokenShard(path, tokens.subspan(begin, count), vocab_size));
+    TokenShardExtras extras;
+    extras.sample_tokens = sample_tokens;
+    if (!mask.empty()) extras.loss_mask = mask.subspan(begin, count);
+    RETURN_IF_ERROR(WriteTokenShard(path, tokens.subspan(begin, count), vocab_size, extras));
     paths.push_back(path);
   }
   return absl::OkStatus();
@@ -186,19 +356,46 @@ absl::StatusOr<PrepareResult> PrepareData(const PrepareOptions& options) {
   if (options.tokens_per_shard == 0) {
     return absl::InvalidArgumentError("tokens_per_shard must be positive");
   }
+  if (options.prompt_template != "alpaca" && options.prompt_template != "chat") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt_template must be \"alpaca\" or \"chat\" (got \"", options.prompt_template, "\")"));
+  }
+  if (options.seq_len < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("seq_len must not be negative (got ", options.seq_len, ")"));
+  }
+  if (options.pack && options.seq_len == 0) {
+    return absl::InvalidArgumentError("pack needs seq_len: packing fills samples of seq_len + 1");
+  }
   ASSIGN_OR_RETURN(const std::unique_ptr<Tokenizer> tokenizer, MakeTokenizer(options.tokenizer));
 
-  std::vector<uint32_t> tokens;
+  std::vector<Example> examples;
   for (const std::string& input : options.inputs) {
     ASSIGN_OR_RETURN(const InputFormat format, FormatOf(input, options.format));
-    RETURN_IF_ERROR(TokenizeInput(input, format, *tokenizer, tokens));
+    RETURN_IF_ERROR(TokenizeInput(input, format, *tokenizer, options.prompt_template, examples));
   }
-  if (tokens.empty()) {
-    return absl::InvalidArgumentError("inputs: the input files hold no text");
+  const uint64_t records = examples.size();
+  Corpus corpus = Arrange(examples, options, tokenizer->eos_id());
+  examples.clear();
+  if (corpus.tokens.empty()) {
+    return absl::InvalidArgumentError(
+        corpus.dropped > 0 ? absl::StrCat("inputs: all ", corpus.dropped,
+                                          " records lose their whole response to seq_len ",
+                                          options.seq_len)
+                           : std::string("inputs: the input files hold no text"));
   }
-  uint64_t val_tokens = static_cast<uint64_t>(
-      std::llround(static_cast<double>(tokens.size()) * options.val_fraction));
-  val_tokens = std::min<uint64_t>(val_tokens, tokens.size() - 1);  // keep one train token
+  const std::vector<uint32_t>& tokens = corpus.tokens;
+  // The unit the split and the shards are cut in: a token, or a sample.
+  const uint64_t unit = corpus.sample_tokens > 0 ? corpus.sample_tokens : 1;
+  const uint64_t units = tokens.size() / unit;
+  uint64_t val_units =
+      static_cast<uint64_t>(std::llround(static_cast<double>(units) * options.val_fraction));
+  val_units = std::min<uint64_t>(val_units, units - 1);  // keep one train token / sample
+  const uint64_t val_tokens = val_units * unit;
+  const uint64_t tokens_per_shard = std::max<uint64_t>(unit, options.tokens_per_shard / unit * unit);
+  const bool masked = std::find(corpus.mask.begin(), corpus.mask.end(), 0) != corpus.mask.end();
+  const std::span<const uint8_t> mask =
+      masked ? std::span<const uint8_t>(corpus.mask) : std::span<const uint8_t>();
 
   const fs::path output_dir(options.output_dir);
   std::error_code error;
@@ -211,11 +408,18 @@ absl::StatusOr<PrepareResult> PrepareData(const PrepareOptions& options) {
   result.vocab_size = tokenizer->vocab_size();
   result.val_tokens = val_tokens;
   result.train_tokens = tokens.size() - val_tokens;
+  result.records = records - corpus.dropped;
+  result.dropped_records = corpus.dropped;
+  result.loss_mask = masked;
   const std::span<const uint32_t> all(tokens);
   RETURN_IF_ERROR(WriteSplit(output_dir, "train", all.first(result.train_tokens),
-                             options.tokens_per_shard, result.vocab_size, result.train_shards));
+                             mask.empty() ? mask : mask.first(result.train_tokens),
+                             corpus.sample_tokens, tokens_per_shard, result.vocab_size,
+                             result.train_shards));
   RETURN_IF_ERROR(WriteSplit(output_dir, "val", all.subspan(result.train_tokens),
-                             options.tokens_per_shard, result.vocab_size, result.val_shards));
+                             mask.empty() ? mask : mask.subspan(result.train_tokens),
+                             corpus.sample_tokens, tokens_per_shard, result.vocab_size,
+                             result.val_shards));
   RETURN_IF_ERROR(RemoveStaleShards(output_dir, result));
   return result;
 }

@@ -128,6 +128,223 @@ TEST(PrepareTest, JsonlRecordsBecomeDocuments) {
   EXPECT_EQ(tokens.back(), kEos);
 }
 
+// The tokens and loss mask of one shard.
+struct MaskedShard {
+  std::vector<uint32_t> tokens;
+  std::vector<uint8_t> mask;
+  uint64_t sample_tokens = 0;
+};
+
+MaskedShard ReadMaskedShard(const std::string& path) {
+  MaskedShard out;
+  absl::StatusOr<TokenShard> shard = TokenShard::Open(path);
+  EXPECT_THAT(shard, IsOk());
+  if (!shard.ok()) return out;
+  EXPECT_TRUE(shard->has_loss_mask()) << path;
+  EXPECT_EQ(shard->version(), 2u);
+  out.sample_tokens = shard->sample_tokens();
+  out.mask.resize(shard->size());
+  shard->ReadLossMask(0, shard->size(), out.mask.data());
+  for (uint64_t i = 0; i < shard->size(); ++i) out.tokens.push_back(shard->token(i));
+  return out;
+}
+
+// `text`'s bytes, each with `counted` as its mask.
+void AppendText(MaskedShard& shard, const std::string& text, uint8_t counted) {
+  for (uint32_t t : Bytes(text)) {
+    shard.tokens.push_back(t);
+    shard.mask.push_back(counted);
+  }
+}
+
+void AppendEos(MaskedShard& shard, uint8_t counted = 1) {
+  shard.tokens.push_back(kEos);
+  shard.mask.push_back(counted);
+}
+
+constexpr char kAlpacaNoInput[] =
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\nAdd 2 and 3.\n\n### Response:\n";
+constexpr char kAlpacaWithInput[] =
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\nTranslate.\n\n### Input:\nbonjour\n\n### Response:\n";
+
+TEST(PrepareTest, AlpacaRecordsMaskThePromptAndCountTheResponseAndEos) {
+  const std::string dir = TestDir();
+  PrepareOptions options;
+  options.inputs = {WriteFile(dir + "/alpaca.jsonl",
+                              "{\"instruction\": \"Add 2 and 3.\", \"input\": \"\", \"output\": \"5\"}\n"
+                              "{\"instruction\": \"Translate.\", \"input\": \"bonjour\", "
+                              "\"output\": \"hello\"}\n"
+                              "{\"text\": \"doc\"}\n")};
+  options.output_dir = dir + "/out";
+  options.val_fraction = 0;
+  absl::StatusOr<PrepareResult> result = PrepareData(options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_TRUE(result->loss_mask);
+  EXPECT_EQ(result->records, 3u);
+  ASSERT_THAT(result->train_shards, SizeIs(1));
+  MaskedShard expected;
+  AppendText(expected, kAlpacaNoInput, 0);
+  AppendText(expected, "5", 1);
+  AppendEos(expected);
+  AppendText(expected, kAlpacaWithInput, 0);
+  AppendText(expected, "hello", 1);
+  AppendEos(expected);
+  AppendText(expected, "doc", 1);  // a plain document counts whole
+  AppendEos(expected);
+  const MaskedShard shard = ReadMaskedShard(result->train_shards[0]);
+  EXPECT_EQ(shard.tokens, expected.tokens);
+  EXPECT_EQ(shard.mask, expected.mask);
+  EXPECT_EQ(shard.sample_tokens, 0u);
+  // Spelled out: the template's last token ("\n" after "### Response:") does not count, the
+  // response's first token does.
+  const size_t first_response = std::string(kAlpacaNoInput).size();
+  EXPECT_EQ(shard.tokens[first_response - 1], '\n');
+  EXPECT_EQ(shard.mask[first_response - 1], 0);
+  EXPECT_EQ(shard.tokens[first_response], '5');
+  EXPECT_EQ(shard.mask[first_response], 1);
+}
+
+TEST(PrepareTest, ChatRecordsCountOnlyTheAssistantReplies) {
+  const std::string dir = TestDir();
+  PrepareOptions options;
+  options.inputs = {WriteFile(
+      dir + "/chat.jsonl",
+      "{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, "
+      "{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"Hey\"}, "
+      "{\"role\": \"user\", \"content\": \"Bye\"}, {\"role\": \"assistant\", \"content\": \"Ok\"}]}\n"
+      "{\"instruction\": \"Q\", \"output\": \"A\"}\n")};
+  options.output_dir = dir + "/out";
+  options.val_fraction = 0;
+  options.prompt_template = "chat";
+  absl::StatusOr<PrepareResult> result = PrepareData(options);
+  ASSERT_THAT(result, IsOk());
+  MaskedShard expected;
+  AppendText(expected, "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n", 0);
+  AppendText(expected, "Hey", 1);
+  AppendEos(expected);
+  AppendText(expected, "<|user|>\nBye\n<|assistant|>\n", 0);
+  AppendText(expected, "Ok", 1);
+  AppendEos(expected);
+  // An Alpaca record under the chat template.
+  AppendText(expected, "<|user|>\nQ\n<|assistant|>\n", 0);
+  AppendText(expected, "A", 1);
+  AppendEos(expected);
+  const MaskedShard shard = ReadMaskedShard(result->train_shards.at(0));
+  EXPECT_EQ(shard.tokens, expected.tokens);
+  EXPECT_EQ(shard.mask, expected.mask);
+}
+
+TEST(PrepareTest, BadChatRecordsNameFileLineAndMessage) {
+  const std::string dir = TestDir();
+  PrepareOptions options;
+  options.output_dir = dir + "/out";
+  options.inputs = {WriteFile(dir + "/chat.jsonl",
+                              "{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}\n")};
+  EXPECT_THAT(PrepareData(options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(dir + "/chat.jsonl:1: messages[0]: role \"robot\"")));
+  options.inputs = {WriteFile(dir + "/chat.jsonl",
+                              "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n")};
+  EXPECT_THAT(PrepareData(options), StatusIs(absl::StatusCode::kInvalidArgument,
+                                             HasSubstr("no \"assistant\" message")));
+  options.prompt_template = "vicuna";
+  EXPECT_THAT(PrepareData(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("prompt_template")));
+}
+
+// One sample of seq_len + 1 tokens per record: padded with uncounted eos, truncated, or dropped
+// when truncation leaves no response; the shards record the sample size and the loader keeps
+// prompt targets out of the loss.
+TEST(PrepareTest, SampleSeqLenPadsTruncatesAndDrops) {
+  const std::string dir = TestDir();
+  PrepareOptions options;
+  options.inputs = {WriteFile(dir + "/pairs.jsonl",
+                              "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, "
+                              "{\"role\": \"assistant\", \"content\": \"b\"}]}\n"
+                              "{\"messages\": [{\"role\": \"user\", \"content\": \"c\"}, "
+                              "{\"role\": \"assistant\", \"content\": \"0123456789abcdef\"}]}\n"
+                              "{\"messages\": [{\"role\": \"user\", \"content\": "
+                              "\"a prompt longer than the whole sample\"}, "
+                              "{\"role\": \"assistant\", \"content\": \"lost\"}]}\n")};
+  options.output_dir = dir + "/out";
+  options.val_fraction = 0;
+  options.seq_len = 27;  // samples of 28 tokens; "<|user|>\nc\n<|assistant|>\n" is 25
+  absl::StatusOr<PrepareResult> result = PrepareData(options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->records, 2u);
+  EXPECT_EQ(result->dropped_records, 1u);
+  EXPECT_EQ(result->train_tokens, 56u);
+  MaskedShard expected;
+  AppendText(expected, "<|user|>\na\n<|assistant|>\n", 0);
+  AppendText(expected, "b", 1);
+  AppendEos(expected);
+  while (expected.tokens.size() < 28) AppendEos(expected, 0);
+  AppendText(expected, "<|user|>\nc\n<|assistant|>\n", 0);
+  AppendText(expected, "012", 1);
+  const MaskedShard shard = ReadMaskedShard(result->train_shards.at(0));
+  EXPECT_EQ(shard.sample_tokens, 28u);
+  EXPECT_EQ(shard.tokens, expected.tokens);
+  EXPECT_EQ(shard.mask, expected.mask);
+
+  // Through the loader: sample 0's targets are kIgnoreTarget up to the response.
+  absl::StatusOr<TokenDataset> dataset = TokenDataset::Open(result->train_shards, 27);
+  ASSERT_THAT(dataset, IsOk());
+  ASSERT_TRUE(dataset->has_loss_mask());
+  ASSERT_EQ(dataset->num_samples(), 2);
+  std::vector<int64_t> inputs(27), targets(27);
+  EXPECT_EQ(dataset->ReadExample(0, inputs.data(), targets.data()), 2);  // "b" and eos
+  EXPECT_EQ(dataset->CountLossTargets(0), 2);
+  const size_t prompt = std::string("<|user|>\na\n<|assistant|>\n").size();
+  for (size_t i = 0; i + 1 < prompt; ++i) EXPECT_EQ(targets[i], kIgnoreTarget) << i;
+  EXPECT_EQ(targets[prompt - 1], 'b');
+  EXPECT_EQ(inputs[prompt - 1], '\n');  // inputs are never masked
+  EXPECT_EQ(targets[prompt], kEos);
+  for (size_t i = prompt + 1; i < 27; ++i) EXPECT_EQ(targets[i], kIgnoreTarget) << i;
+  // Another seq_len would cut samples across records: refused by name.
+  EXPECT_THAT(TokenDataset::Open(result->train_shards, 31),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("prepared with --seq_len=27) but seq_len is 31")));
+}
+
+TEST(PrepareTest, PackPutsShortRecordsInOneSample) {
+  const std::string dir = TestDir();
+  PrepareOptions options;
+  options.inputs = {WriteFile(dir + "/pairs.jsonl",
+                              "{\"instruction\": \"x\", \"output\": \"1\"}\n"
+                              "{\"text\": \"ab\"}\n"
+                              "{\"text\": \"cd\"}\n"
+                              "{\"text\": \"efghij\"}\n")};
+  options.output_dir = dir + "/out";
+  options.val_fraction = 0.5;
+  options.seq_len = 7;  // samples of 8
+  options.pack = true;
+  // The Alpaca record is longer than a sample: truncated, it is all prompt and dropped.
+  absl::StatusOr<PrepareResult> result = PrepareData(options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->dropped_records, 1u);
+  // "ab<eos>cd<eos>" + 2 pad, then "efghij<eos>" + 1 pad; the second sample is validation.
+  EXPECT_EQ(result->train_tokens, 8u);
+  EXPECT_EQ(result->val_tokens, 8u);
+  MaskedShard train;
+  AppendText(train, "ab", 1);
+  AppendEos(train);
+  AppendText(train, "cd", 1);
+  AppendEos(train);
+  AppendEos(train, 0);
+  AppendEos(train, 0);
+  const MaskedShard shard = ReadMaskedShard(result->train_shards.at(0));
+  EXPECT_EQ(shard.tokens, train.tokens);
+  EXPECT_EQ(shard.mask, train.mask);
+  const MaskedShard val = ReadMaskedShard(result->val_shards.at(0));
+  EXPECT_EQ(val.mask, (std::vector<uint8_t>{1, 1, 1, 1, 1, 1, 1, 0}));
+  options.seq_len = 0;
+  EXPECT_THAT(PrepareData(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pack needs seq_len")));
+}
+
 TEST(PrepareTest, MalformedJsonlNamesFileAndLine) {
   const std::string dir = TestDir();
   PrepareOptions options;

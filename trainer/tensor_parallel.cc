@@ -134,7 +134,8 @@ struct VocabParallelCE : torch::autograd::Function<VocabParallelCE> {
     at::Tensor picked = shifted.gather(1, index).squeeze(1) * in_range.to(shifted.scalar_type());
     AllReduceIn(group, picked);
     at::Tensor keep = (targets != -100).to(shifted.scalar_type());
-    at::Tensor count = keep.sum();
+    // 1 when no target counts: loss 0 and zero gradients rather than 0 / 0.
+    at::Tensor count = keep.sum().clamp_min(1);
     at::Tensor loss = ((sum.log() - picked) * keep).sum() / count;
     ctx->save_for_backward({exp.div_(sum.unsqueeze(1)), index, in_range, keep, count});
     ctx->saved_data["local"] = logits.size(1);

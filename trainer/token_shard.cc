@@ -30,7 +30,10 @@ struct ShardHeader {
   uint32_t token_bytes;
   uint64_t num_tokens;
   uint32_t vocab_size;
-  char reserved[36];
+  // Version 2 (zero in version 1).
+  uint32_t flags;
+  uint64_t sample_tokens;
+  char reserved[24];
 };
 static_assert(sizeof(ShardHeader) == kTokenShardHeaderBytes);
 
@@ -71,6 +74,27 @@ uint32_t TokenBytesForVocab(uint32_t vocab_size) { return vocab_size <= 65536 ? 
 
 absl::Status WriteTokenShard(const std::string& path, std::span<const uint32_t> tokens,
                              uint32_t vocab_size) {
+  return WriteTokenShard(path, tokens, vocab_size, TokenShardExtras{});
+}
+
+absl::Status WriteTokenShard(const std::string& path, std::span<const uint32_t> tokens,
+                             uint32_t vocab_size, const TokenShardExtras& extras) {
+  if (!extras.loss_mask.empty() && extras.loss_mask.size() != tokens.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": loss mask has ",
+                                                   extras.loss_mask.size(), " entries for ",
+                                                   tokens.size(), " tokens"));
+  }
+  for (size_t i = 0; i < extras.loss_mask.size(); ++i) {
+    if (extras.loss_mask[i] > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": loss mask entry ", i, " is ",
+                                                     extras.loss_mask[i], " (expected 0 or 1)"));
+    }
+  }
+  if (extras.sample_tokens > 0 && tokens.size() % extras.sample_tokens != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", tokens.size(),
+                                                   " tokens are not whole samples of ",
+                                                   extras.sample_tokens));
+  }
   if (vocab_size == 0) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": vocab_size must be positive"));
   }
@@ -82,7 +106,10 @@ absl::Status WriteTokenShard(const std::string& path, std::span<const uint32_t> 
   }
   ShardHeader header{};
   std::memcpy(header.magic, kTokenShardMagic, sizeof(header.magic));
-  header.version = kTokenShardVersion;
+  const bool version2 = !extras.loss_mask.empty() || extras.sample_tokens > 0;
+  header.version = version2 ? 2 : 1;
+  header.flags = !extras.loss_mask.empty() ? kTokenShardHasLossMask : 0;
+  header.sample_tokens = extras.sample_tokens;
   header.token_bytes = TokenBytesForVocab(vocab_size);
   header.num_tokens = tokens.size();
   header.vocab_size = vocab_size;
@@ -98,6 +125,9 @@ absl::Status WriteTokenShard(const std::string& path, std::span<const uint32_t> 
   if (status.ok()) {
     status = header.token_bytes == 2 ? WriteTokens<uint16_t>(fd, tokens, tmp_path)
                                      : WriteTokens<uint32_t>(fd, tokens, tmp_path);
+  }
+  if (status.ok() && !extras.loss_mask.empty()) {
+    status = WriteAll(fd, extras.loss_mask.data(), extras.loss_mask.size(), tmp_path);
   }
   if (status.ok() && fsync(fd) != 0) {
     status = absl::InternalError(absl::StrCat(tmp_path, ": fsync failed: ", ErrnoMessage(errno)));
@@ -148,11 +178,20 @@ absl::StatusOr<TokenShard> TokenShard::Open(const std::string& path) {
     return absl::DataLossError(
         absl::StrCat(path, ": not a token shard (bad magic; expected \"TSRSHRD1\")"));
   }
-  if (header.version != kTokenShardVersion) {
+  if (header.version != 1 && header.version != 2) {
     return absl::DataLossError(absl::StrCat(path, ": unsupported token shard version ",
-                                            header.version, " (this build reads version ",
+                                            header.version, " (this build reads versions 1 to ",
                                             kTokenShardVersion, ")"));
   }
+  if (header.version == 1) {
+    // Version 1 left these bytes reserved (written as zeros); never read meaning into them.
+    header.flags = 0;
+    header.sample_tokens = 0;
+  } else if ((header.flags & ~kTokenShardHasLossMask) != 0) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": unknown token shard flags 0x", absl::Hex(header.flags)));
+  }
+  const uint64_t mask_bytes_per_token = (header.flags & kTokenShardHasLossMask) ? 1 : 0;
   if (header.token_bytes != 2 && header.token_bytes != 4) {
     return absl::DataLossError(
         absl::StrCat(path, ": bad token width ", header.token_bytes, " bytes (expected 2 or 4)"));
@@ -161,13 +200,20 @@ absl::StatusOr<TokenShard> TokenShard::Open(const std::string& path) {
     return absl::DataLossError(absl::StrCat(path, ": token width ", header.token_bytes,
                                             " bytes does not fit vocab_size ", header.vocab_size));
   }
-  const uint64_t max_tokens = (UINT64_MAX - kTokenShardHeaderBytes) / header.token_bytes;
+  const uint64_t bytes_per_token = header.token_bytes + mask_bytes_per_token;
+  const uint64_t max_tokens = (UINT64_MAX - kTokenShardHeaderBytes) / bytes_per_token;
   if (header.num_tokens > max_tokens ||
-      kTokenShardHeaderBytes + header.num_tokens * header.token_bytes != file_bytes) {
-    return absl::DataLossError(
-        absl::StrCat(path, ": truncated: header says ", header.num_tokens, " tokens (",
-                     kTokenShardHeaderBytes + header.num_tokens * header.token_bytes,
-                     " bytes) but the file has ", file_bytes, " bytes"));
+      kTokenShardHeaderBytes + header.num_tokens * bytes_per_token != file_bytes) {
+    return absl::DataLossError(absl::StrCat(
+        path, ": truncated: header says ", header.num_tokens, " tokens",
+        mask_bytes_per_token ? " with a loss mask" : "", " (",
+        kTokenShardHeaderBytes + header.num_tokens * bytes_per_token, " bytes) but the file has ",
+        file_bytes, " bytes"));
+  }
+  if (header.sample_tokens > 0 && header.num_tokens % header.sample_tokens != 0) {
+    return absl::DataLossError(absl::StrCat(path, ": ", header.num_tokens,
+                                            " tokens are not whole samples of ",
+                                            header.sample_tokens));
   }
   // Training reads windows in a random order; say so to the kernel.
   madvise(mapping, file_bytes, MADV_RANDOM);
@@ -175,6 +221,11 @@ absl::StatusOr<TokenShard> TokenShard::Open(const std::string& path) {
   shard.num_tokens_ = header.num_tokens;
   shard.vocab_size_ = header.vocab_size;
   shard.token_bytes_ = header.token_bytes;
+  shard.version_ = header.version;
+  shard.sample_tokens_ = header.sample_tokens;
+  if (mask_bytes_per_token) {
+    shard.loss_mask_ = shard.tokens_ + header.num_tokens * header.token_bytes;
+  }
   return shard;
 }
 
@@ -187,9 +238,12 @@ TokenShard& TokenShard::operator=(TokenShard&& other) noexcept {
     mapping_ = std::exchange(other.mapping_, nullptr);
     mapping_bytes_ = std::exchange(other.mapping_bytes_, 0);
     tokens_ = std::exchange(other.tokens_, nullptr);
+    loss_mask_ = std::exchange(other.loss_mask_, nullptr);
     num_tokens_ = std::exchange(other.num_tokens_, 0);
     vocab_size_ = std::exchange(other.vocab_size_, 0);
     token_bytes_ = std::exchange(other.token_bytes_, 0);
+    version_ = std::exchange(other.version_, 0);
+    sample_tokens_ = std::exchange(other.sample_tokens_, 0);
   }
   return *this;
 }
@@ -201,6 +255,7 @@ void TokenShard::Unmap() {
   mapping_ = nullptr;
   mapping_bytes_ = 0;
   tokens_ = nullptr;
+  loss_mask_ = nullptr;
 }
 
 uint32_t TokenShard::token(uint64_t i) const {
@@ -213,6 +268,30 @@ uint32_t TokenShard::token(uint64_t i) const {
   uint32_t value;
   std::memcpy(&value, tokens_ + i * 4, 4);
   return value;
+}
+
+namespace {
+
+void CheckRange(const std::string& path, uint64_t offset, uint64_t count, uint64_t num_tokens) {
+  if (offset > num_tokens || count > num_tokens - offset) {
+    // A caller bug, not a data problem: the dataset computes every range from the header.
+    std::fprintf(stderr, "%s: read of %llu tokens at %llu past the %llu tokens of the shard\n",
+                 path.c_str(), static_cast<unsigned long long>(count),
+                 static_cast<unsigned long long>(offset),
+                 static_cast<unsigned long long>(num_tokens));
+    std::abort();
+  }
+}
+
+}  // namespace
+
+void TokenShard::ReadLossMask(uint64_t offset, uint64_t count, uint8_t* out) const {
+  CheckRange(path_, offset, count, num_tokens_);
+  if (loss_mask_ == nullptr) {
+    std::memset(out, 1, count);
+  } else {
+    std::memcpy(out, loss_mask_ + offset, count);
+  }
 }
 
 void TokenShard::Read(uint64_t offset, uint64_t count, int64_t* out) const {

@@ -116,10 +116,85 @@ TEST(TokenShardTest, UnknownVersionIsDataLoss) {
   {
     std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
     file.seekp(8);
-    file.put(2);
+    file.put(3);
   }
   EXPECT_THAT(TokenShard::Open(path),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr(path + ": unsupported")));
+}
+
+// A version-1 file written byte by byte as older builds did: still opens, with every token counted.
+TEST(TokenShardTest, VersionOneShardStillOpensWithEveryTokenCounted) {
+  const std::string path = TestDir() + "/v1.bin";
+  {
+    std::ofstream out(path, std::ios::binary);
+    char header[64] = {'T', 'S', 'R', 'S', 'H', 'R', 'D', '1', 1, 0, 0, 0, 2, 0, 0, 0, 3};
+    header[24] = 1;  // vocab_size 257 (0x101)
+    header[25] = 1;
+    out.write(header, sizeof(header));
+    const uint16_t tokens[3] = {5, 256, 7};
+    out.write(reinterpret_cast<const char*>(tokens), sizeof(tokens));
+  }
+  absl::StatusOr<TokenShard> shard = TokenShard::Open(path);
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_EQ(shard->version(), 1u);
+  EXPECT_EQ(shard->vocab_size(), 257u);
+  EXPECT_FALSE(shard->has_loss_mask());
+  EXPECT_EQ(shard->sample_tokens(), 0u);
+  EXPECT_EQ(shard->token(1), 256u);
+  std::vector<uint8_t> mask(3, 7);
+  shard->ReadLossMask(0, 3, mask.data());
+  EXPECT_EQ(mask, (std::vector<uint8_t>{1, 1, 1}));
+}
+
+TEST(TokenShardTest, PlainWriteStaysVersionOne) {
+  const std::string path = TestDir() + "/plain.bin";
+  ASSERT_THAT(WriteTokenShard(path, Ramp(10, 257, 1), 257), IsOk());
+  absl::StatusOr<TokenShard> shard = TokenShard::Open(path);
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_EQ(shard->version(), 1u);
+  EXPECT_FALSE(shard->has_loss_mask());
+}
+
+TEST(TokenShardTest, LossMaskAndSampleSizeRoundTripAsVersionTwo) {
+  const std::string path = TestDir() + "/masked.bin";
+  const std::vector<uint32_t> tokens = Ramp(12, 70000, 6007);
+  const std::vector<uint8_t> mask = {0, 0, 1, 1, 0, 1, 0, 0, 0, 1, 1, 1};
+  ASSERT_THAT(WriteTokenShard(path, tokens, 70000, {.loss_mask = mask, .sample_tokens = 4}),
+              IsOk());
+  EXPECT_EQ(fs::file_size(path), 64 + tokens.size() * 4 + tokens.size());
+  absl::StatusOr<TokenShard> shard = TokenShard::Open(path);
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_EQ(shard->version(), 2u);
+  EXPECT_TRUE(shard->has_loss_mask());
+  EXPECT_EQ(shard->sample_tokens(), 4u);
+  for (size_t i = 0; i < tokens.size(); ++i) ASSERT_EQ(shard->token(i), tokens[i]) << i;
+  std::vector<uint8_t> read(5);
+  shard->ReadLossMask(3, 5, read.data());
+  EXPECT_EQ(read, std::vector<uint8_t>(mask.begin() + 3, mask.begin() + 8));
+}
+
+TEST(TokenShardTest, BadMaskOrSampleSizeIsRefused) {
+  const std::string path = TestDir() + "/bad.bin";
+  const std::vector<uint32_t> tokens = Ramp(6, 257, 1);
+  const std::vector<uint8_t> short_mask = {1, 1};
+  EXPECT_THAT(WriteTokenShard(path, tokens, 257, {.loss_mask = short_mask}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("loss mask has 2 entries")));
+  const std::vector<uint8_t> bad_mask = {1, 1, 2, 0, 0, 0};
+  EXPECT_THAT(WriteTokenShard(path, tokens, 257, {.loss_mask = bad_mask}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("entry 2 is 2")));
+  TokenShardExtras whole_samples;
+  whole_samples.sample_tokens = 4;
+  EXPECT_THAT(WriteTokenShard(path, tokens, 257, whole_samples),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not whole samples of 4")));
+}
+
+TEST(TokenShardTest, TruncatedLossMaskIsDataLoss) {
+  const std::string path = TestDir() + "/cut.bin";
+  const std::vector<uint8_t> mask(10, 1);
+  ASSERT_THAT(WriteTokenShard(path, Ramp(10, 257, 1), 257, {.loss_mask = mask}), IsOk());
+  fs::resize_file(path, fs::file_size(path) - 3);
+  EXPECT_THAT(TokenShard::Open(path),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("with a loss mask")));
 }
 
 TEST(TokenShardTest, MissingShardIsNotFound) {

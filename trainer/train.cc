@@ -458,39 +458,45 @@ class Trainer {
   absl::StatusOr<double> TrainStep(double learning_rate, double* grad_norm) {
     std::vector<MicroBatch> micro_batches = loader_->NextStep();
     const int accumulation = static_cast<int>(micro_batches.size());
-    at::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().device(device_));
-    // Each micro-batch's gradient is scaled so that the sum over the dp group is the mean over
-    // the global batch.
-    const double scale = 1.0 / (accumulation * mesh_.size(MeshDim::kData));
+    // The step's loss is the sum of every counted target's loss over the global batch (all
+    // micro-batches, all dp ranks) divided by their number. A micro-batch's mean loss therefore
+    // weighs LossWeight() = its counted targets / the step's, both in its loss and in its
+    // gradient, so that the dp group's summed gradient is that of the global batch however the
+    // loss mask spreads the counted targets (1 / (accumulation * dp) without a mask).
+    at::Tensor step_loss = torch::zeros({}, torch::TensorOptions().device(device_));
     if (pipeline_.has_value()) {
-      at::Tensor sum = pipeline_->Train(
+      pipeline_->Train(
           accumulation,
           [&](int i, const at::Tensor& input) {
             MicroBatch& mb = micro_batches[i];
-            return engine_->ForwardStage(
+            at::Tensor output = engine_->ForwardStage(
                 pipeline_->first() ? ToDevice(mb.inputs, mb.batch_size, mb.seq_len) : input,
                 pipeline_->last() ? ToDevice(mb.targets, mb.batch_size, mb.seq_len) : at::Tensor());
+            if (pipeline_->last()) {
+              step_loss += output.detach().to(torch::kFloat32) * LossWeight(mb);
+            }
+            return output;
           },
-          [&](int /*i*/, const at::Tensor& output, const at::Tensor& grad, bool last) {
-            engine_->BackwardStage(output, grad, scale, last);
+          [&](int i, const at::Tensor& output, const at::Tensor& grad, bool last) {
+            engine_->BackwardStage(output, grad, LossWeight(micro_batches[i]), last);
           });
-      if (sum.defined()) loss_sum += sum;
     } else {
       for (int i = 0; i < accumulation; ++i) {
         MicroBatch& mb = micro_batches[i];
         at::Tensor inputs = ToDevice(mb.inputs, mb.batch_size, mb.seq_len);
         at::Tensor targets = ToDevice(mb.targets, mb.batch_size, mb.seq_len);
+        const double weight = LossWeight(mb);
         at::Tensor loss =
-            engine_->ForwardBackward(inputs, targets, scale, /*last=*/i == accumulation - 1);
-        loss_sum += loss.to(torch::kFloat32);
+            engine_->ForwardBackward(inputs, targets, weight, /*last=*/i == accumulation - 1);
+        step_loss += loss.to(torch::kFloat32) * weight;
       }
     }
-    at::Tensor step_loss = loss_sum / accumulation;
     if (group_.has_value()) {
-      // The last pipeline stage's ranks hold the loss (every tp rank the same value).
+      // The last pipeline stage's ranks hold the weighted losses, every tp rank the same value;
+      // the weights already divide by the dp group's counted targets.
       std::vector<at::Tensor> tensors{step_loss};
       WaitForPeers(group_->group->allreduce(tensors));
-      step_loss = tensors[0] / (world() / shape_.pp);
+      step_loss = tensors[0] / shape_.tp;
     }
     double loss_value = step_loss.item<double>();
     if (options_.nan_loss_from_step > 0 && step_ + 1 >= options_.nan_loss_from_step) {
@@ -527,7 +533,7 @@ class Trainer {
     return PeakHostMemoryBytes();
   }
 
-  // Mean loss over the first eval_batches x micro_batch x ranks validation
+  // Mean loss over the counted targets of the first eval_batches x micro_batch x ranks validation
   // samples (the same ones every time, so evaluations compare), each rank
   // taking its share; rank 0 reports it.
   void Evaluate() {
@@ -537,7 +543,6 @@ class Trainer {
     const int seq = spec_.data().seq_len();
     const int batches = spec_.data().eval_batches() > 0 ? spec_.data().eval_batches() : 20;
     const int64_t available = validation_->num_samples();
-    std::vector<int64_t> window(seq + 1);
     at::Tensor totals = torch::zeros({2}, torch::TensorOptions().dtype(torch::kFloat64));
     for (int b = 0; b < batches; ++b) {
       MicroBatch mb;
@@ -548,9 +553,10 @@ class Trainer {
                 micro +
             i;
         if (index >= available) break;
-        validation_->ReadSample(index, window.data());
-        mb.inputs.insert(mb.inputs.end(), window.begin(), window.end() - 1);
-        mb.targets.insert(mb.targets.end(), window.begin() + 1, window.end());
+        mb.inputs.resize(mb.inputs.size() + seq);
+        mb.targets.resize(mb.targets.size() + seq);
+        mb.loss_tokens += validation_->ReadExample(index, mb.inputs.data() + mb.inputs.size() - seq,
+                                                   mb.targets.data() + mb.targets.size() - seq);
         ++mb.batch_size;
       }
       if (mb.batch_size == 0) break;
@@ -570,9 +576,9 @@ class Trainer {
       }
       // Each tp rank holds the same loss: one of them counts it.
       if (mesh_.coord(MeshDim::kTensor) != 0) continue;
-      int64_t tokens = static_cast<int64_t>(mb.batch_size) * seq;
-      totals[0] += loss.item<double>() * tokens;
-      totals[1] += static_cast<double>(tokens);
+      // The batch's loss is the mean over its counted targets.
+      totals[0] += loss.item<double>() * static_cast<double>(mb.loss_tokens);
+      totals[1] += static_cast<double>(mb.loss_tokens);
     }
     model_->train();
     if (group_.has_value()) {
