@@ -78,6 +78,14 @@ class ConfigReader {
     return absl::OkStatus();
   }
 
+  // Stores a field read by Int, Number or Bool into `dims` with `setter`, or returns its error.
+  template <typename Value, typename Setter>
+  absl::Status Set(v1::ModelDims& dims, Setter setter, absl::StatusOr<Value> value) const {
+    if (!value.ok()) return value.status();
+    (dims.*setter)(*value);
+    return absl::OkStatus();
+  }
+
  private:
   const Json& json_;
   std::string source_;
@@ -88,31 +96,25 @@ absl::StatusOr<v1::ModelDims> LlamaFamilyDims(const ConfigReader& config, bool q
   v1::ModelDims dims;
   dims.set_architecture(v1::ARCHITECTURE_LLAMA);
   dims.set_qk_norm(qwen3);
-  int32_t value = 0;
-  ASSIGN_OR_RETURN(value, config.Int("hidden_size"));
-  dims.set_hidden_size(value);
-  ASSIGN_OR_RETURN(value, config.Int("intermediate_size"));
-  dims.set_ffn_hidden_size(value);
-  ASSIGN_OR_RETURN(value, config.Int("num_hidden_layers"));
-  dims.set_num_layers(value);
-  ASSIGN_OR_RETURN(value, config.Int("num_attention_heads"));
-  dims.set_num_attention_heads(value);
-  ASSIGN_OR_RETURN(value, config.Int("num_key_value_heads", dims.num_attention_heads()));
-  dims.set_num_kv_heads(value);
-  ASSIGN_OR_RETURN(value, config.Int("head_dim", 0));
-  dims.set_head_dim(value);
-  ASSIGN_OR_RETURN(value, config.Int("vocab_size"));
-  dims.set_vocab_size(value);
-  ASSIGN_OR_RETURN(value, config.Int("max_position_embeddings"));
-  dims.set_max_seq_len(value);
-  double number = 0;
-  ASSIGN_OR_RETURN(number, config.Number("rms_norm_eps", 1e-6));
-  dims.set_norm_eps(number);
-  ASSIGN_OR_RETURN(number, config.Number("rope_theta", 10000.0));
-  dims.set_rope_theta(number);
-  bool tied = false;
-  ASSIGN_OR_RETURN(tied, config.Bool("tie_word_embeddings", false));
-  dims.set_tie_embeddings(tied);
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_hidden_size, config.Int("hidden_size")));
+  RETURN_IF_ERROR(
+      config.Set(dims, &v1::ModelDims::set_ffn_hidden_size, config.Int("intermediate_size")));
+  RETURN_IF_ERROR(
+      config.Set(dims, &v1::ModelDims::set_num_layers, config.Int("num_hidden_layers")));
+  RETURN_IF_ERROR(
+      config.Set(dims, &v1::ModelDims::set_num_attention_heads, config.Int("num_attention_heads")));
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_num_kv_heads,
+                             config.Int("num_key_value_heads", dims.num_attention_heads())));
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_head_dim, config.Int("head_dim", 0)));
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_vocab_size, config.Int("vocab_size")));
+  RETURN_IF_ERROR(
+      config.Set(dims, &v1::ModelDims::set_max_seq_len, config.Int("max_position_embeddings")));
+  RETURN_IF_ERROR(
+      config.Set(dims, &v1::ModelDims::set_norm_eps, config.Number("rms_norm_eps", 1e-6)));
+  RETURN_IF_ERROR(
+      config.Set(dims, &v1::ModelDims::set_rope_theta, config.Number("rope_theta", 10000.0)));
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_tie_embeddings,
+                             config.Bool("tie_word_embeddings", false)));
 
   std::string act;
   ASSIGN_OR_RETURN(act, config.String("hidden_act", "silu"));
@@ -127,25 +129,17 @@ absl::StatusOr<v1::ModelDims> LlamaFamilyDims(const ConfigReader& config, bool q
 absl::StatusOr<v1::ModelDims> Gpt2Dims(const ConfigReader& config) {
   v1::ModelDims dims;
   dims.set_architecture(v1::ARCHITECTURE_GPT2);
-  int32_t value = 0;
-  ASSIGN_OR_RETURN(value, config.Int("n_embd"));
-  dims.set_hidden_size(value);
-  ASSIGN_OR_RETURN(value, config.Int("n_inner", 4 * dims.hidden_size()));
-  dims.set_ffn_hidden_size(value);
-  ASSIGN_OR_RETURN(value, config.Int("n_layer"));
-  dims.set_num_layers(value);
-  ASSIGN_OR_RETURN(value, config.Int("n_head"));
-  dims.set_num_attention_heads(value);
-  ASSIGN_OR_RETURN(value, config.Int("vocab_size"));
-  dims.set_vocab_size(value);
-  ASSIGN_OR_RETURN(value, config.Int("n_positions"));
-  dims.set_max_seq_len(value);
-  double number = 0;
-  ASSIGN_OR_RETURN(number, config.Number("layer_norm_epsilon", 1e-5));
-  dims.set_norm_eps(number);
-  bool tied = true;
-  ASSIGN_OR_RETURN(tied, config.Bool("tie_word_embeddings", true));
-  dims.set_tie_embeddings(tied);
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_hidden_size, config.Int("n_embd")));
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_ffn_hidden_size,
+                             config.Int("n_inner", 4 * dims.hidden_size())));
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_num_layers, config.Int("n_layer")));
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_num_attention_heads, config.Int("n_head")));
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_vocab_size, config.Int("vocab_size")));
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_max_seq_len, config.Int("n_positions")));
+  RETURN_IF_ERROR(
+      config.Set(dims, &v1::ModelDims::set_norm_eps, config.Number("layer_norm_epsilon", 1e-5)));
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_tie_embeddings,
+                             config.Bool("tie_word_embeddings", true)));
   // transformers' "gelu_new" and "gelu_pytorch_tanh" are both the tanh approximation, which is
   // what Tessera's GPT-2 MLP computes.
   std::string act;

@@ -61,6 +61,15 @@ void ParseReports(TrainerRun& run) {
   }
 }
 
+// The evaluations a run reported, in order.
+std::vector<v1::EvalMetrics> Evals(const TrainerRun& run) {
+  std::vector<v1::EvalMetrics> evals;
+  for (const auto& report : run.reports) {
+    if (report.has_eval()) evals.push_back(report.eval());
+  }
+  return evals;
+}
+
 class TrainerTrainingTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -450,15 +459,6 @@ class ModelParallelTest : public TrainerTrainingTest,
     return flags;
   }
 
-  // The evaluations rank 0 reported, in order.
-  static std::vector<v1::EvalMetrics> Evals(const TrainerRun& run) {
-    std::vector<v1::EvalMetrics> evals;
-    for (const auto& report : run.reports) {
-      if (report.has_eval()) evals.push_back(report.eval());
-    }
-    return evals;
-  }
-
   // One process of the case's model, once per model for the suite; returns its checkpoint dir.
   static const TrainerRun& Reference(const std::string& preset, int layers, std::string* dir) {
     static auto* runs = new std::map<std::string, std::pair<std::string, TrainerRun>>;
@@ -588,14 +588,6 @@ class MaskedTrainingTest : public TrainerTrainingTest,
     flags.push_back("--eval_every=6");
     flags.push_back("--eval_batches=3");
     return flags;
-  }
-
-  static std::vector<v1::EvalMetrics> Evals(const TrainerRun& run) {
-    std::vector<v1::EvalMetrics> evals;
-    for (const auto& report : run.reports) {
-      if (report.has_eval()) evals.push_back(report.eval());
-    }
-    return evals;
   }
 
   static const TrainerRun& Reference() {
