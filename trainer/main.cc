@@ -101,7 +101,12 @@ ABSL_FLAG(std::string, logits_out, "",
           "--export_hf) to this safetensors file under 'logits'; then exit.");
 ABSL_FLAG(std::vector<std::string>, input, {}, "prepare: input .txt / .jsonl files.");
 ABSL_FLAG(std::string, output_dir, "", "prepare: directory for the token shards.");
-ABSL_FLAG(std::string, tokenizer, "byte", "prepare: 'byte' or a sentencepiece .model path.");
+ABSL_FLAG(std::string, tokenizer, "byte",
+          "prepare: 'byte', a sentencepiece .model path, or a Hugging Face tokenizer.json (or "
+          "a model directory holding one; runs in $TESSERA_PYTHON's `tokenizers` package).");
+ABSL_FLAG(std::string, eos_token, "",
+          "prepare: with a tokenizer.json, the added token that ends documents (default: "
+          "<|end_of_text|>, <|endoftext|>, </s>, ... whichever the tokenizer has).");
 ABSL_FLAG(std::string, format, "auto", "prepare: text, jsonl or auto (by extension).");
 ABSL_FLAG(double, val_fraction, 0.05, "prepare: fraction of tokens held out for validation.");
 ABSL_FLAG(std::string, prompt_template, "alpaca",
@@ -228,6 +233,7 @@ int Prepare() {
   options.inputs = absl::GetFlag(FLAGS_input);
   options.output_dir = absl::GetFlag(FLAGS_output_dir);
   options.tokenizer = absl::GetFlag(FLAGS_tokenizer);
+  options.eos_token = absl::GetFlag(FLAGS_eos_token);
   options.format = absl::GetFlag(FLAGS_format);
   options.val_fraction = absl::GetFlag(FLAGS_val_fraction);
   options.prompt_template = absl::GetFlag(FLAGS_prompt_template);

@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "trainer/hf_tokenizer.h"
 #include "trainer/token_shard.h"
 #include "trainer/tokenizer.h"
 
@@ -38,8 +39,14 @@ absl::StatusOr<InputFormat> FormatOf(const std::string& path, const std::string&
   return extension == ".jsonl" || extension == ".ndjson" ? InputFormat::kJsonl : InputFormat::kText;
 }
 
-absl::StatusOr<std::unique_ptr<Tokenizer>> MakeTokenizer(const std::string& name) {
+absl::StatusOr<std::unique_ptr<Tokenizer>> MakeTokenizer(const PrepareOptions& options) {
+  const std::string& name = options.tokenizer;
   if (name == "byte") return MakeByteTokenizer();
+  if (IsHfTokenizerPath(name)) {
+    HfTokenizerOptions hf_options;
+    hf_options.eos_token = options.eos_token;
+    return LoadHfTokenizer(name, hf_options);
+  }
   return LoadSentencePieceTokenizer(name);
 }
 
@@ -367,12 +374,18 @@ absl::StatusOr<PrepareResult> PrepareData(const PrepareOptions& options) {
   if (options.pack && options.seq_len == 0) {
     return absl::InvalidArgumentError("pack needs seq_len: packing fills samples of seq_len + 1");
   }
-  ASSIGN_OR_RETURN(const std::unique_ptr<Tokenizer> tokenizer, MakeTokenizer(options.tokenizer));
+  if (!options.eos_token.empty() && !IsHfTokenizerPath(options.tokenizer)) {
+    return absl::InvalidArgumentError("eos_token applies to Hugging Face tokenizers only");
+  }
+  ASSIGN_OR_RETURN(const std::unique_ptr<Tokenizer> tokenizer, MakeTokenizer(options));
 
   std::vector<Example> examples;
   for (const std::string& input : options.inputs) {
     ASSIGN_OR_RETURN(const InputFormat format, FormatOf(input, options.format));
     RETURN_IF_ERROR(TokenizeInput(input, format, *tokenizer, options.prompt_template, examples));
+    if (absl::Status status = tokenizer->status(); !status.ok()) {
+      return absl::Status(status.code(), absl::StrCat(input, ": ", status.message()));
+    }
   }
   const uint64_t records = examples.size();
   Corpus corpus = Arrange(examples, options, tokenizer->eos_id());

@@ -42,8 +42,12 @@ struct PrepareOptions {
   // Where train-00000.bin, train-00001.bin, ..., val-00000.bin, ... are written (created if
   // missing). Shards of an earlier run numbered past this run's are removed.
   std::string output_dir;
-  // "byte", or the path of a SentencePiece .model.
+  // "byte", the path of a SentencePiece .model, or of a Hugging Face tokenizer.json (or a
+  // directory holding one: hf_tokenizer.h).
   std::string tokenizer = "byte";
+  // Hugging Face tokenizers only: the added token that ends documents and responses, instead of
+  // the one LoadHfTokenizer picks (e.g. "<|im_end|>" for a chat model's turns).
+  std::string eos_token;
   // Fraction of the tokens, taken from the end, written to val shards; in [0, 1).
   double val_fraction = 0.05;
   // Tokens per shard file (the last shard of each split may hold fewer).

@@ -1,6 +1,7 @@
 // Tokenizers that turn text into the token ids of the shards and back: a byte tokenizer (every
-// UTF-8 byte is a token, needs no model) and SentencePiece models (libsentencepiece). The prepare
-// step encodes with them; a trainer decodes samples with them for logs.
+// UTF-8 byte is a token, needs no model) and SentencePiece models (libsentencepiece); Hugging
+// Face tokenizer.json files are in hf_tokenizer.h. The prepare step encodes with them; a trainer
+// decodes samples with them for logs.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +22,15 @@ class Tokenizer {
   virtual ~Tokenizer() = default;
   // The tokens of `text`; no eos is appended.
   virtual std::vector<uint32_t> Encode(std::string_view text) const = 0;
+  // Encode of each text; faster than one call per text where a call has a fixed cost (the
+  // Hugging Face tokenizer's round trip to its process).
+  virtual std::vector<std::vector<uint32_t>> EncodeBatch(
+      std::span<const std::string_view> texts) const {
+    std::vector<std::vector<uint32_t>> tokens;
+    tokens.reserve(texts.size());
+    for (std::string_view text : texts) tokens.push_back(Encode(text));
+    return tokens;
+  }
   // The text of `tokens`. Control tokens such as eos, and ids outside the vocabulary, decode to
   // nothing.
   virtual std::string Decode(std::span<const uint32_t> tokens) const = 0;
@@ -28,6 +38,10 @@ class Tokenizer {
   virtual uint32_t vocab_size() const = 0;
   // The end-of-document token the prepare step puts between documents.
   virtual uint32_t eos_id() const = 0;
+  // OK, or why the tokenizer stopped working (a tokenizer that runs in another process: that
+  // process died or did not answer). From the first failure on, Encode and Decode return
+  // nothing, so callers check this after encoding.
+  virtual absl::Status status() const { return absl::OkStatus(); }
 };
 
 // Bytes 0..255 are tokens 0..255; eos is 256; vocab_size is 257. Round-trips any byte string.
