@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "planner/job_plan.h"
 #include "planner/lr_schedule.h"
+#include "planner/lora.h"
 #include "planner/model_config.h"
 
 namespace tessera::coordinator {
@@ -328,6 +329,7 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
     RETURN_IF_ERROR(ValidateAutoLayout(spec.parallelism().auto_layout()));
   }
   RETURN_IF_ERROR(ValidateOptimizer(spec.optimizer(), spec.max_steps()));
+  if (spec.has_lora()) RETURN_IF_ERROR(planner::ResolveLora(spec.lora(), model.dims()).status());
   RETURN_IF_ERROR(ValidatePrecision(spec.precision(), spec.resources()));
   RETURN_IF_ERROR(CheckPositive("max_steps", spec.max_steps()));
   RETURN_IF_ERROR(
@@ -347,6 +349,7 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
 absl::Status ValidateTrainerRuns(const v1::JobSpec& spec) {
   // An automatic layout is chosen among what the trainer runs when the job is scheduled.
   if (!HasExplicitLayout(spec)) return absl::OkStatus();
+  if (spec.has_lora()) RETURN_IF_ERROR(planner::CheckTrainerRunsLora(spec.parallelism().layout()));
   return planner::CheckTrainerRuns(spec.parallelism().layout());
 }
 
@@ -379,6 +382,7 @@ absl::StatusOr<v1::LayoutPlan> PlanJob(const v1::JobSpec& spec) {
         "gets, and records it here with its memory and step-time estimates."));
   }
   plan.set_world_size(world);
+  plan.set_lora_rank(spec.lora().rank());
   plan.set_micro_batch_size(spec.batch().micro_batch_size());
   plan.set_gradient_accumulation_steps(
       static_cast<int32_t>(spec.batch().global_batch_size() /

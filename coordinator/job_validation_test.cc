@@ -454,6 +454,39 @@ TEST(JobValidationTest, TrainerRunsModelParallelismWithZeroAtMostOne) {
                                  "pipeline_parallel 2: ")));
 }
 
+TEST(JobValidationTest, LoraIsCheckedAgainstTheModelAndRunsDataParallelOnly) {
+  v1::JobSpec spec = MinimalSpec();
+  spec.mutable_model()->set_preset("tiny-llama");
+  spec.mutable_lora()->set_rank(8);
+  spec.mutable_lora()->add_target_modules("q_proj");
+  spec.mutable_lora()->add_target_modules("v_proj");
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+  ASSERT_THAT(PlanJob(spec), IsOk());
+  EXPECT_EQ(PlanJob(spec)->lora_rank(), 8);
+  spec.mutable_lora()->add_target_modules("c_fc");
+  EXPECT_THAT(ValidateJobSpec(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("lora.target_modules: 'c_fc' is not a linear layer")));
+  spec.mutable_lora()->clear_target_modules();
+  spec.mutable_lora()->set_rank(0);
+  EXPECT_THAT(ValidateJobSpec(spec), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("lora.rank: must be > 0, got 0")));
+  spec.mutable_lora()->set_rank(4);
+  spec.mutable_resources()->set_gpus(8);
+  spec.mutable_batch()->set_global_batch_size(16);
+  SetLayout(spec, 4, 2, 1);
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+  EXPECT_THAT(ValidateTrainerRuns(spec),
+              StatusIs(absl::StatusCode::kUnimplemented,
+                       HasSubstr("this trainer runs LoRA under data parallelism alone")));
+  SetLayout(spec, 8, 1, 1);
+  spec.mutable_parallelism()->mutable_layout()->set_zero_stage(1);
+  EXPECT_THAT(ValidateTrainerRuns(spec), IsOk());
+  spec.mutable_parallelism()->mutable_layout()->set_zero_stage(3);
+  EXPECT_THAT(ValidateTrainerRuns(spec), StatusIs(absl::StatusCode::kUnimplemented,
+                                                  HasSubstr("zero_stage 3 with lora")));
+}
+
 TEST(JobValidationTest, RotaryModelsTrainPastTheirMaxSeqLen) {
   v1::JobSpec spec = MinimalSpec();
   spec.mutable_model()->set_preset("tiny-llama");  // max_seq_len 256, rotary positions

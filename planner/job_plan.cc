@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "planner/devices.h"
+#include "planner/lora.h"
 #include "planner/model_config.h"
 
 namespace tessera::planner {
@@ -79,6 +80,19 @@ absl::Status CheckTrainerRuns(const v1::Layout& layout) {
   return absl::OkStatus();
 }
 
+absl::Status CheckTrainerRunsLora(const v1::Layout& layout) {
+  if (layout.tensor_parallel() > 1 || layout.pipeline_parallel() > 1 || layout.zero_stage() > 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "parallelism.layout: tensor_parallel ", std::max(1, layout.tensor_parallel()),
+        ", pipeline_parallel ", std::max(1, layout.pipeline_parallel()), ", zero_stage ",
+        layout.zero_stage(),
+        " with lora: this trainer runs LoRA under data parallelism alone with ZeRO 0 or 1 (the "
+        "frozen base is replicated); set tensor_parallel and pipeline_parallel to 1 and "
+        "zero_stage to 0 or 1, or use parallelism: auto"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOptions& options) {
   RETURN_IF_ERROR(ValidateDeviceModel(options.device));
   ASSIGN_OR_RETURN(const v1::ModelSummary model, ResolveModel(spec.model(), spec.data().seq_len()));
@@ -96,6 +110,12 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
   }
   if (options.lora_rank < 0) {
     return Invalid("lora_rank", absl::StrCat("must be >= 0, got ", options.lora_rank));
+  }
+  const bool lora = spec.has_lora() && spec.lora().rank() > 0;
+  if (lora) {
+    ASSIGN_OR_RETURN(const ResolvedLora resolved, ResolveLora(spec.lora(), model.dims()));
+    w.lora_rank = resolved.rank;
+    w.lora_layer_parameters = resolved.parameters_per_layer;
   }
   const bool cpu = IsCpu(options.device);
   switch (spec.precision()) {
@@ -153,6 +173,12 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
           std::min(limits.max_zero_with_model_parallel, runnable.max_zero_with_model_parallel);
       limits.allow_activation_checkpointing &= runnable.allow_activation_checkpointing;
       limits.allow_sequence_parallel &= runnable.allow_sequence_parallel;
+    }
+    if (lora && options.runnable_only) {
+      // The trainer runs LoRA under data parallelism with ZeRO 0 or 1 (CheckTrainerRunsLora).
+      limits.max_tp = 1;
+      limits.max_pp = 1;
+      limits.max_zero = std::min(limits.max_zero, 1);
     }
   }
 

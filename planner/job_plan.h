@@ -34,6 +34,10 @@ SearchLimits TrainerCapabilities();
 // structural rules are ValidateJobSpec's and InvalidReason's.
 absl::Status CheckTrainerRuns(const v1::Layout& layout);
 
+// OK when the trainer runs LoRA (JobSpec.lora) on an explicit `layout`: data parallelism alone,
+// ZeRO 0 or 1; UNIMPLEMENTED naming the fields otherwise.
+absl::Status CheckTrainerRunsLora(const v1::Layout& layout);
+
 struct JobPlanOptions {
   // Devices to plan for; 0 uses resources.gpus (or resources.cpu_slots when gpus is 0).
   int devices = 0;
@@ -41,7 +45,7 @@ struct JobPlanOptions {
   int devices_per_node = 0;
   // The device model (already resolved from a preset, a GPU name and overrides).
   v1::DeviceModel device;
-  // LoRA adapter rank; 0 plans full training.
+  // LoRA adapter rank (on every linear layer) when the spec has no lora; 0 plans full training.
   int lora_rank = 0;
   // Restrict automatic layouts to what the trainer runs (TrainerCapabilities()).
   bool runnable_only = false;

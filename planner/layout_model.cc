@@ -68,6 +68,7 @@ ParameterSplit SplitParameters(const Workload& w, int tp) {
     p.position_embedding = int64_t{m.max_seq_len()} * d;
     p.final_norm = 2 * d;
   }
+  if (w.lora_layer_parameters > 0) p.layer_lora = CeilDiv(w.lora_layer_parameters, tp);
   // Vocab-parallel: the trainer pads the vocabulary to a multiple of tp, so each rank holds
   // ceil(v / tp) whole rows of the embedding and of the head.
   p.token_embedding = CeilDiv(v, tp) * d;

@@ -70,6 +70,9 @@ struct Workload {
   v1::Precision precision = v1::PRECISION_BF16;
   // LoRA adapter rank; 0 trains every weight.
   int lora_rank = 0;
+  // With LoRA: adapter parameters per transformer layer (ResolvedLora::parameters_per_layer);
+  // 0 means adapters on every linear layer of the block.
+  int64_t lora_layer_parameters = 0;
   // Attention through a fused kernel that keeps O(seq) state (the trainer's
   // scaled_dot_product_attention picks one on CUDA and CPU alike).
   bool flash_attention = true;

@@ -16,8 +16,11 @@ set -euo pipefail
 # release in their system python3, so one source tree builds in both places.
 readonly TORCH_VERSION="2.11.0"
 readonly TORCH_SERIES="2.11."
-# Installed next to torch in its venv for tests/hf_interop_test.py (which skips without it).
+# Installed next to torch in its venv for tests/hf_interop_test.py and tests/lora_peft_test.py
+# (which skip without them), and for `prepare` with a Hugging Face tokenizer.json (tokenizers
+# comes with transformers).
 readonly TRANSFORMERS_PIN="transformers==4.57.1"
+readonly PEFT_PIN="peft==0.17.1"
 
 readonly APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
@@ -108,12 +111,13 @@ find_or_install_torch() {
     fi
     # Once per pin, also into a venv made before it; never touches torch (a failure only logs:
     # the test that needs it skips).
-    if [[ ! -f "$venv/.$TRANSFORMERS_PIN" ]]; then
-      log "installing $TRANSFORMERS_PIN into $venv (once)"
-      "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir \
-        "$TRANSFORMERS_PIN" >&2 && touch "$venv/.$TRANSFORMERS_PIN" ||
-        log "$TRANSFORMERS_PIN not installed; tests/hf_interop_test.py will skip"
-    fi
+    for pin in "$TRANSFORMERS_PIN" "$PEFT_PIN"; do
+      if [[ ! -f "$venv/.$pin" ]]; then
+        log "installing $pin into $venv (once)"
+        "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir "$pin" >&2 &&
+          touch "$venv/.$pin" || log "$pin not installed; the tests that need it will skip"
+      fi
+    done
   ) 9>"$cache_dir/.lock"
   echo "$venv/bin/python"
 }

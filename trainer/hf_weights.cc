@@ -270,7 +270,158 @@ constexpr const char* kCopiedFiles[] = {"generation_config.json",
                                         "merges.txt",
                                         "added_tokens.json"};
 
+// PEFT's name of the adapter tensor `name` ("layers.3.attn.q.lora_a"); nullopt for others.
+std::optional<std::string> PeftNameOf(const std::string& name, const v1::ModelDims& dims) {
+  absl::string_view rest = name;
+  if (!absl::ConsumePrefix(&rest, "layers.")) return std::nullopt;
+  const size_t dot = rest.find('.');
+  int layer = 0;
+  if (dot == absl::string_view::npos || !absl::SimpleAtoi(rest.substr(0, dot), &layer)) {
+    return std::nullopt;
+  }
+  absl::string_view module = rest.substr(dot + 1);
+  const char* matrix = absl::ConsumeSuffix(&module, ".lora_a")   ? "lora_A"
+                       : absl::ConsumeSuffix(&module, ".lora_b") ? "lora_B"
+                                                                 : nullptr;
+  if (matrix == nullptr) return std::nullopt;
+  const bool gpt2 = dims.architecture() == v1::ARCHITECTURE_GPT2;
+  for (const planner::LoraTarget& target : planner::LoraCandidates(dims)) {
+    if (target.module != module) continue;
+    return absl::StrCat("base_model.model.", gpt2 ? "transformer.h." : "model.layers.", layer, ".",
+                        target.hf_module, ".", matrix, ".weight");
+  }
+  return std::nullopt;
+}
+
 }  // namespace
+
+LoraOptions LoraOptionsOf(const planner::ResolvedLora& lora) {
+  LoraOptions options{.rank = lora.rank, .scale = lora.alpha / lora.rank, .dropout = lora.dropout};
+  for (const planner::LoraTarget& target : lora.targets) options.targets.insert(target.module);
+  return options;
+}
+
+absl::Status ExportPeftAdapter(CausalLMImpl& model, const planner::ResolvedLora& lora,
+                               const std::string& dir, const std::string& base_model) {
+  if (model.lora().rank == 0) {
+    return absl::FailedPreconditionError("PEFT export: the model has no LoRA adapters");
+  }
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error) return absl::InternalError(absl::StrCat(dir, ": cannot create: ", error.message()));
+  std::vector<torch::Tensor> keep;
+  std::vector<TensorView> views;
+  try {
+    torch::NoGradGuard no_grad;
+    for (const auto& item : model.named_parameters()) {
+      if (!IsLoraParameter(item.key())) continue;
+      std::optional<std::string> peft = PeftNameOf(item.key(), model.dims());
+      if (!peft.has_value()) {
+        return absl::InternalError(absl::StrCat("adapter '", item.key(), "' has no PEFT name"));
+      }
+      torch::Tensor value = item.value().detach().to(torch::kCPU, torch::kFloat32).contiguous();
+      keep.push_back(value);
+      views.push_back({.name = *peft,
+                       .dtype = "F32",
+                       .shape = value.sizes().vec(),
+                       .data = value.data_ptr(),
+                       .nbytes = static_cast<size_t>(value.nbytes())});
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat("PEFT export: LibTorch: ", e.what_without_backtrace()));
+  }
+  RETURN_IF_ERROR(
+      WriteSafetensors(absl::StrCat(dir, "/", kPeftWeightsFileName), views, {{"format", "pt"}}));
+  const bool gpt2 = model.dims().architecture() == v1::ARCHITECTURE_GPT2;
+  Json config = {{"peft_type", "LORA"},
+                 {"task_type", "CAUSAL_LM"},
+                 {"base_model_name_or_path", base_model.empty() ? Json() : Json(base_model)},
+                 {"r", lora.rank},
+                 {"lora_alpha", lora.alpha},
+                 {"lora_dropout", lora.dropout},
+                 {"target_modules", lora.peft_target_modules},
+                 {"bias", "none"},
+                 // GPT-2's Conv1D layers store [in, out]; PEFT merges into them transposed.
+                 {"fan_in_fan_out", gpt2},
+                 {"inference_mode", true},
+                 {"init_lora_weights", true},
+                 {"use_rslora", false},
+                 {"use_dora", false},
+                 {"modules_to_save", Json()},
+                 {"layers_to_transform", Json()},
+                 {"rank_pattern", Json::object()},
+                 {"alpha_pattern", Json::object()}};
+  return WriteText(absl::StrCat(dir, "/", kPeftConfigFileName), config.dump(2) + "\n");
+}
+
+absl::StatusOr<v1::LoraSpec> ReadPeftAdapterConfig(const std::string& dir) {
+  const std::string path = absl::StrCat(dir, "/", kPeftConfigFileName);
+  if (!std::filesystem::exists(path)) {
+    return absl::NotFoundError(absl::StrCat(path, ": no such file (not a PEFT adapter directory)"));
+  }
+  ASSIGN_OR_RETURN(std::string text, ReadText(path));
+  Json config = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (config.is_discarded() || !config.is_object()) return Invalid(path, "not a JSON object");
+  if (config.value("peft_type", "") != "LORA") {
+    return Invalid(path, "peft_type: only LORA adapters are read");
+  }
+  v1::LoraSpec spec;
+  if (!config.contains("r") || !config["r"].is_number_integer()) {
+    return Invalid(path, "r: missing or not an integer");
+  }
+  spec.set_rank(config["r"].get<int>());
+  if (config.contains("lora_alpha") && config["lora_alpha"].is_number()) {
+    spec.set_alpha(config["lora_alpha"].get<double>());
+  }
+  if (config.contains("lora_dropout") && config["lora_dropout"].is_number()) {
+    spec.set_dropout(config["lora_dropout"].get<double>());
+  }
+  const Json& targets = config.contains("target_modules") ? config["target_modules"] : Json();
+  if (targets.is_string()) {
+    spec.add_target_modules(targets.get<std::string>());
+  } else if (targets.is_array()) {
+    for (const Json& target : targets) {
+      if (!target.is_string()) return Invalid(path, "target_modules: not a list of names");
+      spec.add_target_modules(target.get<std::string>());
+    }
+  } else {
+    return Invalid(path, "target_modules: missing");
+  }
+  for (const char* unsupported : {"use_dora", "use_rslora"}) {
+    if (config.value(unsupported, false)) {
+      return Invalid(path, absl::StrCat(unsupported, ": not supported"));
+    }
+  }
+  return spec;
+}
+
+absl::Status LoadPeftAdapterWeights(CausalLMImpl& model, const std::string& dir) {
+  ASSIGN_OR_RETURN(WeightFiles files,
+                   WeightFiles::OpenFileOnly(absl::StrCat(dir, "/", kPeftWeightsFileName)));
+  try {
+    torch::NoGradGuard no_grad;
+    for (const auto& item : model.named_parameters()) {
+      if (!IsLoraParameter(item.key())) continue;
+      std::optional<std::string> peft = PeftNameOf(item.key(), model.dims());
+      if (!peft.has_value() || !files.Has(*peft)) {
+        return absl::InvalidArgumentError(absl::StrCat(files.Where(), ": no tensor '",
+                                                       peft.value_or(item.key()),
+                                                       "' (for adapter ", item.key(), ")"));
+      }
+      ASSIGN_OR_RETURN(torch::Tensor value, files.Read(*peft));
+      if (value.sizes() != item.value().sizes()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            files.Where(), ": tensor '", *peft, "' has shape ", ShapeString(value.sizes().vec()),
+            ", the adapter needs ", ShapeString(item.value().sizes().vec())));
+      }
+      item.value().copy_(value);
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        absl::StrCat("loading the adapter: LibTorch: ", e.what_without_backtrace()));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status LoadHfWeights(CausalLMImpl& model, const std::string& dir) {
   ASSIGN_OR_RETURN(WeightFiles files, WeightFiles::OpenHfDirectory(dir));
@@ -308,13 +459,26 @@ absl::Status ExportHfModel(CausalLMImpl& model, const std::string& dir,
   std::vector<TensorView> views;
   try {
     torch::NoGradGuard no_grad;
-    for (const auto& item : model.named_parameters()) {
+    const auto params = model.named_parameters();
+    for (const auto& item : params) {
+      if (IsLoraParameter(item.key())) continue;
       std::optional<HfName> hf = HfNameOf(item.key(), dims);
       if (!hf.has_value()) {
         return absl::InternalError(
             absl::StrCat("parameter '", item.key(), "' has no Hugging Face name"));
       }
       torch::Tensor value = item.value().detach().to(torch::kCPU, torch::kFloat32);
+      // A layer with an adapter exports W + scale * B A.
+      absl::string_view layer = item.key();
+      if (absl::ConsumeSuffix(&layer, ".weight")) {
+        const torch::Tensor* a = params.find(absl::StrCat(layer, ".lora_a"));
+        const torch::Tensor* b = params.find(absl::StrCat(layer, ".lora_b"));
+        if (a != nullptr && b != nullptr) {
+          value = value + torch::matmul(b->detach().to(torch::kCPU, torch::kFloat32),
+                                        a->detach().to(torch::kCPU, torch::kFloat32)) *
+                              model.lora().scale;
+        }
+      }
       if (hf->transposed) value = value.t();
       value = value.contiguous();
       keep.push_back(value);

@@ -13,6 +13,9 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "planner/lora.h"
+#include "tessera/v1/job.pb.h"
 #include "trainer/model.h"
 
 namespace tessera::trainer {
@@ -33,8 +36,33 @@ absl::Status LoadHfWeights(CausalLMImpl& model, const std::string& dir);
 // Tessera's parameter names, whole tensors) into `model`, with LoadHfWeights' errors.
 absl::Status LoadTesseraWeights(CausalLMImpl& model, const std::string& file);
 
+// File names of a PEFT adapter directory.
+inline constexpr char kPeftConfigFileName[] = "adapter_config.json";
+inline constexpr char kPeftWeightsFileName[] = "adapter_model.safetensors";
+
+// Options for a model with LoRA adapters (CausalLMImpl::AddLora) from a resolved spec.
+LoraOptions LoraOptionsOf(const planner::ResolvedLora& lora);
+
+// Writes the LoRA adapters of `model` (whole on this rank) to `dir` in PEFT's layout:
+// adapter_config.json (peft_type LORA, task_type CAUSAL_LM, r, lora_alpha, lora_dropout,
+// target_modules, base_model_name_or_path = `base_model`) and adapter_model.safetensors with
+// PEFT's names ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", float32), which
+// peft.PeftModel.from_pretrained loads onto the base model. FAILED_PRECONDITION when the model
+// has no adapters; INTERNAL naming the file when it cannot be written.
+absl::Status ExportPeftAdapter(CausalLMImpl& model, const planner::ResolvedLora& lora,
+                               const std::string& dir, const std::string& base_model);
+
+// The LoraSpec of a PEFT adapter directory's adapter_config.json (LoRA only: r, lora_alpha,
+// lora_dropout, target_modules). NOT_FOUND / INVALID_ARGUMENT naming the file and field.
+absl::StatusOr<v1::LoraSpec> ReadPeftAdapterConfig(const std::string& dir);
+
+// Copies a PEFT adapter directory's adapter_model.safetensors into `model`'s adapters (added
+// with AddLora from ReadPeftAdapterConfig's spec). INVALID_ARGUMENT naming the file and tensor
+// when one is missing or has another shape.
+absl::Status LoadPeftAdapterWeights(CausalLMImpl& model, const std::string& dir);
+
 // Writes `model` (the whole model on this rank: no tensor or pipeline split) to `dir` as a
-// Hugging Face directory: config.json (float32), model.safetensors under transformers' names,
+// Hugging Face directory (LoRA adapters, if any, merged into their layers' weights): config.json (float32), model.safetensors under transformers' names,
 // generation_config.json. `source_dir`, when not empty, is the directory the model was imported
 // from: its config.json's other fields (token ids, ...) are kept, and its generation config and
 // tokenizer files are copied. FAILED_PRECONDITION for a partial model; INTERNAL naming the file

@@ -18,6 +18,7 @@
 #include "common/trainer_env.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
+#include "planner/lora.h"
 #include "planner/model_config.h"
 #include "trainer/distributed.h"
 #include "trainer/heartbeat.h"
@@ -94,6 +95,17 @@ ABSL_FLAG(std::string, export_hf, "",
           "Write the model (--init_from, --weights or the seeded initial weights) to this "
           "directory as a Hugging Face model (config.json, model.safetensors, "
           "generation_config.json) that transformers loads; then exit.");
+ABSL_FLAG(int, lora_rank, 0,
+          "Standalone: LoRA adapter rank (the spec's lora.rank); 0 trains every weight.");
+ABSL_FLAG(double, lora_alpha, 0, "Standalone: LoRA alpha; 0 means 2 * rank.");
+ABSL_FLAG(double, lora_dropout, 0, "Standalone: dropout on the LoRA adapters' input.");
+ABSL_FLAG(std::vector<std::string>, lora_targets, {},
+          "Standalone: the linear layers that get adapters (q_proj, v_proj, ..., c_attn, ...); "
+          "empty: all-linear.");
+ABSL_FLAG(std::string, lora_adapter, "",
+          "With --export_hf / --logits_out: a PEFT LoRA adapter directory (adapter_config.json, "
+          "adapter_model.safetensors; a LoRA job's final checkpoint holds one in adapter/) to "
+          "apply to the model; --export_hf then merges it into the weights.");
 ABSL_FLAG(std::vector<std::string>, logits_tokens, {},
           "With --logits_out: token ids of one sequence to run the model on.");
 ABSL_FLAG(std::string, logits_out, "",
@@ -200,6 +212,15 @@ tessera::v1::TrainerTask TaskFromFlags() {
   spec->mutable_optimizer()->set_weight_decay(absl::GetFlag(FLAGS_weight_decay));
   spec->mutable_optimizer()->set_grad_clip_norm(absl::GetFlag(FLAGS_grad_clip));
   spec->set_max_steps(absl::GetFlag(FLAGS_steps));
+  if (absl::GetFlag(FLAGS_lora_rank) != 0) {
+    tessera::v1::LoraSpec* lora = spec->mutable_lora();
+    lora->set_rank(absl::GetFlag(FLAGS_lora_rank));
+    lora->set_alpha(absl::GetFlag(FLAGS_lora_alpha));
+    lora->set_dropout(absl::GetFlag(FLAGS_lora_dropout));
+    for (const std::string& target : absl::GetFlag(FLAGS_lora_targets)) {
+      lora->add_target_modules(target);
+    }
+  }
   spec->set_seed(absl::GetFlag(FLAGS_seed));
   auto* checkpoint = spec->mutable_checkpoint();
   checkpoint->set_directory(absl::GetFlag(FLAGS_checkpoint_dir));
@@ -359,6 +380,22 @@ int RunModelTool(const tessera::v1::TrainerTask& task) {
     if (!status.ok()) {
       std::cerr << "tessera-trainer: " << status << "\n";
       return 1;
+    }
+    if (const std::string adapter = absl::GetFlag(FLAGS_lora_adapter); !adapter.empty()) {
+      absl::StatusOr<tessera::v1::LoraSpec> lora = tessera::trainer::ReadPeftAdapterConfig(adapter);
+      absl::StatusOr<tessera::planner::ResolvedLora> resolved =
+          lora.ok() ? tessera::planner::ResolveLora(*lora, summary->dims())
+                    : absl::StatusOr<tessera::planner::ResolvedLora>(lora.status());
+      if (resolved.ok()) {
+        model->AddLora(tessera::trainer::LoraOptionsOf(*resolved));
+        status = tessera::trainer::LoadPeftAdapterWeights(*model, adapter);
+      } else {
+        status = resolved.status();
+      }
+      if (!status.ok()) {
+        std::cerr << "tessera-trainer: --lora_adapter: " << status << "\n";
+        return 1;
+      }
     }
     model->eval();
     if (!logits_out.empty()) {

@@ -57,12 +57,42 @@ torch::Tensor RowParallelForward(torch::nn::Linear& linear, const torch::Tensor&
   return linear->bias.defined() ? y + linear->bias : y;
 }
 
+// Registers `linear`'s adapter when `options.targets` names it ("<module>.<child>").
+void AttachLora(const std::string& module, const char* child, torch::nn::Linear& linear,
+                const LoraOptions& options, LoraAdapter* adapter) {
+  if (!linear || !options.targets.contains(absl::StrCat(module, ".", child))) return;
+  const int64_t out = linear->weight.size(0), in = linear->weight.size(1);
+  adapter->a = linear->register_parameter("lora_a", torch::zeros({options.rank, in}));
+  adapter->b = linear->register_parameter("lora_b", torch::zeros({out, options.rank}));
+  adapter->scale = options.scale;
+  adapter->dropout = options.dropout;
+}
+
+// The adapter's scale * B A dropout(x) added to y, the linear layer's output for x.
+torch::Tensor AddLoraDelta(torch::Tensor y, const LoraAdapter& lora, const torch::Tensor& x,
+                           bool training) {
+  if (!lora.a.defined()) return y;
+  const torch::Tensor in =
+      lora.dropout > 0
+          ? F::dropout(x, F::DropoutFuncOptions().p(lora.dropout).training(training))
+          : x;
+  return y + F::linear(F::linear(in, lora.a), lora.b) * lora.scale;
+}
+
+torch::Tensor Project(torch::nn::Linear& linear, const LoraAdapter& lora, const torch::Tensor& x) {
+  return AddLoraDelta(linear->forward(x), lora, x, linear->is_training());
+}
+
 torch::Tensor RotateHalf(const torch::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
 }  // namespace
+
+bool IsLoraParameter(const std::string& name) {
+  return absl::EndsWith(name, ".lora_a") || absl::EndsWith(name, ".lora_b");
+}
 
 std::pair<torch::Tensor, torch::Tensor> RotaryTables(int64_t max_seq_len, int64_t head_dim,
                                                      double theta) {
@@ -133,9 +163,9 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& input, const torch::Te
   const int64_t batch = x.size(0), seq = x.size(1);
   torch::Tensor q, k, v;
   if (llama_) {
-    q = q_->forward(x).view({batch, seq, heads_, head_dim_});
-    k = k_->forward(x).view({batch, seq, kv_heads_, head_dim_});
-    v = v_->forward(x).view({batch, seq, kv_heads_, head_dim_}).transpose(1, 2);
+    q = Project(q_, q_lora_, x).view({batch, seq, heads_, head_dim_});
+    k = Project(k_, k_lora_, x).view({batch, seq, kv_heads_, head_dim_});
+    v = Project(v_, v_lora_, x).view({batch, seq, kv_heads_, head_dim_}).transpose(1, 2);
     if (q_norm_) {
       q = q_norm_->forward(q);
       k = k_norm_->forward(k);
@@ -144,7 +174,9 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& input, const torch::Te
     k = ApplyRotary(k.transpose(1, 2), cos, sin);
   } else {
     // [batch, seq, 3, heads, head_dim] -> three [batch, heads, seq, head_dim].
-    auto qkv = qkv_->forward(x).view({batch, seq, 3, heads_, head_dim_}).permute({2, 0, 3, 1, 4});
+    auto qkv = Project(qkv_, qkv_lora_, x)
+                   .view({batch, seq, 3, heads_, head_dim_})
+                   .permute({2, 0, 3, 1, 4});
     q = qkv[0];
     k = qkv[1];
     v = qkv[2];
@@ -157,8 +189,17 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& input, const torch::Te
                 },
                 {q, k, v})[0]
           : Core(q, k, v);
-  return RowParallelForward(out_, out.transpose(1, 2).reshape({batch, seq, heads_ * head_dim_}),
-                            tp_);
+  const torch::Tensor merged = out.transpose(1, 2).reshape({batch, seq, heads_ * head_dim_});
+  return AddLoraDelta(RowParallelForward(out_, merged, tp_), out_lora_, merged, is_training());
+}
+
+void AttentionImpl::AddLora(const LoraOptions& options) {
+  TORCH_CHECK(!tp_.enabled(), "LoRA runs without tensor parallelism");
+  AttachLora("attn", "qkv", qkv_, options, &qkv_lora_);
+  AttachLora("attn", "q", q_, options, &q_lora_);
+  AttachLora("attn", "k", k_, options, &k_lora_);
+  AttachLora("attn", "v", v_, options, &v_lora_);
+  AttachLora("attn", llama_ ? "o" : "proj", out_, options, &out_lora_);
 }
 
 torch::Tensor AttentionImpl::Core(const torch::Tensor& q, const torch::Tensor& k,
@@ -186,29 +227,38 @@ MlpImpl::MlpImpl(const v1::ModelDims& dims, const TensorParallel& tp)
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& input) {
   const torch::Tensor x = EnterTensorParallel(input, tp_);
+  auto down = [this](const torch::Tensor& h) {
+    return AddLoraDelta(RowParallelForward(down_, h, tp_), down_lora_, h, is_training());
+  };
   if (!recompute_activation_) {
     if (llama_) {
-      return RowParallelForward(down_, torch::silu(gate_->forward(x)) * up_->forward(x), tp_);
+      return down(torch::silu(Project(gate_, gate_lora_, x)) * Project(up_, up_lora_, x));
     }
-    return RowParallelForward(down_, torch::gelu(up_->forward(x), "tanh"), tp_);
+    return down(torch::gelu(Project(up_, up_lora_, x), "tanh"));
   }
   // The down projection saves the activation's output; CheckpointWithoutOutput frees it and
   // recomputes it from the projections' outputs just before the down projection's backward.
-  auto down = [this](const std::vector<torch::Tensor>& in) {
-    return RowParallelForward(down_, in[0], tp_);
-  };
+  auto down_of_first = [&down](const std::vector<torch::Tensor>& in) { return down(in[0]); };
   if (llama_) {
     return CheckpointWithoutOutput(
         [](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
           return {torch::silu(in[0]) * in[1]};
         },
-        {gate_->forward(x), up_->forward(x)}, down);
+        {Project(gate_, gate_lora_, x), Project(up_, up_lora_, x)}, down_of_first);
   }
   return CheckpointWithoutOutput(
       [](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
         return {torch::gelu(in[0], "tanh")};
       },
-      {up_->forward(x)}, down);
+      {Project(up_, up_lora_, x)}, down_of_first);
+}
+
+void MlpImpl::AddLora(const LoraOptions& options) {
+  TORCH_CHECK(!tp_.enabled(), "LoRA runs without tensor parallelism");
+  AttachLora("mlp", "gate", gate_, options, &gate_lora_);
+  AttachLora("mlp", "up", up_, options, &up_lora_);
+  AttachLora("mlp", llama_ ? "down" : "proj", down_, options, &down_lora_);
+  AttachLora("mlp", "fc", up_, options, &up_lora_);
 }
 
 BlockImpl::BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp) {
@@ -300,7 +350,30 @@ CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
     shard.global_shape = shape;
     shards_.emplace(item.key(), std::move(shard));
   }
+  init_seed_ = init_seed;
   Initialize(init_std > 0 ? init_std : planner::kDefaultInitStd, init_seed);
+}
+
+void CausalLMImpl::AddLora(const LoraOptions& options) {
+  TORCH_CHECK(options.rank > 0, "LoRA rank must be > 0, got ", options.rank);
+  TORCH_CHECK(lora_.rank == 0, "LoRA adapters were already added");
+  TORCH_CHECK(!partition_.tp.enabled(), "LoRA runs without tensor parallelism");
+  TORCH_CHECK(options.dropout >= 0 && options.dropout < 1, "LoRA dropout must be in [0, 1), got ",
+              options.dropout);
+  for (auto& param : parameters()) param.requires_grad_(false);
+  for (auto& block : blocks_) block->AddLora(options);
+  lora_ = options;
+  torch::NoGradGuard no_grad;
+  for (const auto& item : named_parameters()) {
+    const std::string& name = item.key();
+    if (!IsLoraParameter(name)) continue;
+    torch::Tensor param = item.value();
+    shards_[name] = ParamShard{.global_shape = param.sizes().vec()};
+    if (absl::EndsWith(name, ".lora_b")) continue;  // zero: the model starts as the base
+    const double bound = 1.0 / std::sqrt(static_cast<double>(param.size(1)));
+    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(init_seed_ ^ NameHash(name));
+    param.uniform_(-bound, bound, generator);
+  }
 }
 
 void CausalLMImpl::Initialize(double init_std, uint64_t base) {
@@ -353,6 +426,12 @@ std::vector<std::string> CausalLMImpl::AllParameterNames() const {
   names.push_back("final_norm.weight");
   if (!llama) names.push_back("final_norm.bias");
   if (!dims_.tie_embeddings()) names.push_back("lm_head");
+  return names;
+}
+
+std::vector<std::string> CausalLMImpl::TrainableParameterNames() const {
+  std::vector<std::string> names = AllParameterNames();
+  if (lora_.rank > 0) std::erase_if(names, [](const std::string& n) { return !IsLoraParameter(n); });
   return names;
 }
 

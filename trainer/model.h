@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,6 +36,29 @@ torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos,
 
 // x * rsqrt(mean(x^2) + eps) * weight over the last dimension, in float32; returns x's dtype.
 torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+// LoRA (job.proto's LoraSpec), resolved: adapters of rank `rank` on the linear layers named in
+// `targets` by their Tessera suffix after "layers.N." ("attn.q", "attn.qkv", "mlp.down", ...).
+struct LoraOptions {
+  int rank = 0;
+  // Adapters add scale * B A dropout(x): scale = alpha / rank.
+  double scale = 1;
+  double dropout = 0;
+  std::set<std::string> targets;
+};
+
+// One linear layer's adapter: parameters "lora_a" [rank, in] and "lora_b" [out, rank] registered
+// on the linear module, so their names are "layers.N.attn.q.lora_a" and so on. Undefined
+// tensors: the layer has none.
+struct LoraAdapter {
+  torch::Tensor a;
+  torch::Tensor b;
+  double scale = 0;
+  double dropout = 0;
+};
+
+// True for the parameter names of LoRA adapters (".lora_a", ".lora_b").
+bool IsLoraParameter(const std::string& name);
 
 // LayerNorm (GPT2, with bias) or RMSNorm (LLAMA, no bias) over the last dimension.
 class NormImpl : public torch::nn::Module {
@@ -62,6 +86,8 @@ class AttentionImpl : public torch::nn::Module {
   torch::nn::Linear& output_projection() { return out_; }
   // Recompute scaled_dot_product_attention in backward, keeping only q, k and v for it.
   void set_recompute_core(bool recompute) { recompute_core_ = recompute; }
+  // Adapters on the projections `options.targets` names ("attn.q", ...); no tensor parallelism.
+  void AddLora(const LoraOptions& options);
 
  private:
   torch::Tensor Core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const;
@@ -71,6 +97,7 @@ class AttentionImpl : public torch::nn::Module {
   TensorParallel tp_;
   int64_t heads_, kv_heads_, head_dim_;  // this rank's heads
   torch::nn::Linear qkv_{nullptr}, q_{nullptr}, k_{nullptr}, v_{nullptr}, out_{nullptr};
+  LoraAdapter qkv_lora_, q_lora_, k_lora_, v_lora_, out_lora_;
   Norm q_norm_{nullptr}, k_norm_{nullptr};
 };
 TORCH_MODULE(Attention);
@@ -85,12 +112,15 @@ class MlpImpl : public torch::nn::Module {
   // Recompute the activation function's outputs (GELU's; SwiGLU's silu(gate) and
   // silu(gate) * up) in backward, keeping only their inputs.
   void set_recompute_activation(bool recompute) { recompute_activation_ = recompute; }
+  // Adapters on the projections `options.targets` names ("mlp.up", ...); no tensor parallelism.
+  void AddLora(const LoraOptions& options);
 
  private:
   bool llama_;
   bool recompute_activation_ = false;
   TensorParallel tp_;
   torch::nn::Linear up_{nullptr}, gate_{nullptr}, down_{nullptr};
+  LoraAdapter up_lora_, gate_lora_, down_lora_;
 };
 TORCH_MODULE(Mlp);
 
@@ -103,6 +133,10 @@ class BlockImpl : public torch::nn::Module {
   Mlp& mlp() { return mlp_; }
   // SELECTIVE recomputation inside the block; NONE and FULL (done by the caller) keep everything.
   void SetActivationCheckpointing(v1::ActivationCheckpointing mode);
+  void AddLora(const LoraOptions& options) {
+    attn_->AddLora(options);
+    mlp_->AddLora(options);
+  }
 
  private:
   Norm attn_norm_{nullptr}, mlp_norm_{nullptr};
@@ -188,6 +222,17 @@ class CausalLMImpl : public torch::nn::Module {
   const ParamShard& ShardOf(const std::string& name) const;
   // Every parameter name of the whole model, whatever this rank holds.
   std::vector<std::string> AllParameterNames() const;
+  // Those of AllParameterNames() that train: all of them, or the adapters' with LoRA.
+  std::vector<std::string> TrainableParameterNames() const;
+
+  // LoRA: freezes every parameter (requires_grad false) and adds an adapter to each linear layer
+  // of every block that `options.targets` names. A is drawn uniform in +-1/sqrt(in) (PyTorch's
+  // default for a linear layer, as PEFT initialises it) from a generator seeded like the other
+  // parameters' (the same under every layout), B is zero. Call once, after loading weights and
+  // before moving the model to its device. Needs rank > 0 and no tensor parallelism.
+  void AddLora(const LoraOptions& options);
+  // The options AddLora was given; rank 0 when it was not called.
+  const LoraOptions& lora() const { return lora_; }
 
  private:
   void Initialize(double init_std, uint64_t base);
@@ -205,6 +250,8 @@ class CausalLMImpl : public torch::nn::Module {
   torch::Tensor lm_head_;              // undefined when tied: the output reuses embed_'s weight
   torch::Tensor rope_cos_, rope_sin_;  // LLAMA only; buffers, so they follow .to(device)
   std::map<std::string, ParamShard> shards_;
+  uint64_t init_seed_ = 0;
+  LoraOptions lora_;
   v1::ActivationCheckpointing checkpointing_ = v1::ACTIVATION_CHECKPOINTING_NONE;
   LayerHooks* hooks_ = nullptr;
 };

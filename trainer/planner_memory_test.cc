@@ -18,8 +18,10 @@
 #include "gtest/gtest.h"
 #include "planner/devices.h"
 #include "planner/layout_planner.h"
+#include "planner/lora.h"
 #include "planner/model_config.h"
 #include "trainer/distributed.h"
+#include "trainer/hf_weights.h"
 #include "trainer/mesh.h"
 #include "trainer/model.h"
 #include "trainer/sharded_engine.h"
@@ -484,6 +486,69 @@ TEST(PlannerMemoryTest, TensorAndPipelineShardsMatchThePlannerPerRank) {
         }
         EXPECT_EQ(worst, planner_counters);
       }
+    }
+  }
+}
+
+// LoRA: the planner's terms for a LoRA workload (frozen base at its precision, float32 adapters
+// with gradients and AdamW state) against the engine's bytes after a step, for every linear
+// layer and for a subset of them; and only the adapters move while the base stays bit for bit.
+TEST(PlannerMemoryTest, LoraStateMatchesThePlannerAndOnlyAdaptersTrain) {
+  planner::ClusterShape cpu;
+  cpu.device = *planner::DevicePreset("cpu");
+  for (const auto& [name, dims] : Shapes()) {
+    const bool gpt2 = dims.architecture() == v1::ARCHITECTURE_GPT2;
+    for (const std::vector<std::string>& targets :
+         {std::vector<std::string>{},
+          gpt2 ? std::vector<std::string>{"attn.qkv", "mlp.proj"}
+               : std::vector<std::string>{"attn.q", "mlp.down"}}) {
+      SCOPED_TRACE(absl::StrCat(name, targets.empty() ? " all-linear" : " some layers"));
+      v1::LoraSpec spec;
+      spec.set_rank(4);
+      for (const std::string& target : targets) spec.add_target_modules(target);
+      auto lora = planner::ResolveLora(spec, dims);
+      ASSERT_TRUE(lora.ok()) << lora.status();
+      const int seq = 16, micro = 2;
+      torch::manual_seed(7);
+      CausalLM model(dims, planner::kDefaultInitStd);
+      model->AddLora(LoraOptionsOf(*lora));
+      std::map<std::string, at::Tensor> before;
+      for (const auto& item : model->named_parameters()) before[item.key()] = item.value().clone();
+      ShardedEngineOptions options;
+      options.weight_decay = 0.1;
+      ShardedEngine engine(model, options);
+      at::Tensor tokens = torch::randint(dims.vocab_size(), {micro, seq + 1}, torch::kLong);
+      for (int step = 0; step < 2; ++step) {
+        engine.ForwardBackward(tokens.narrow(1, 0, seq), tokens.narrow(1, 1, seq), 1.0, true);
+        engine.Step(1e-2, 1.0);
+      }
+      int adapters = 0;
+      for (const auto& item : model->named_parameters()) {
+        const bool equal = torch::equal(before.at(item.key()), item.value());
+        if (IsLoraParameter(item.key())) {
+          ++adapters;
+          EXPECT_FALSE(equal) << item.key() << " did not train";
+        } else {
+          EXPECT_TRUE(equal) << item.key() << " is frozen but changed";
+          EXPECT_FALSE(item.value().grad().defined()) << item.key();
+        }
+      }
+      EXPECT_EQ(adapters, 2 * dims.num_layers() * static_cast<int>(lora->targets.size()));
+
+      planner::Workload workload;
+      workload.dims = dims;
+      workload.seq_len = seq;
+      workload.global_batch = micro;
+      workload.precision = v1::PRECISION_FP32;
+      workload.lora_rank = lora->rank;
+      workload.lora_layer_parameters = lora->parameters_per_layer;
+      const planner::LayoutChoice layout{.micro_batch = micro};
+      const v1::MemoryEstimate estimate = planner::EstimateMemory(workload, layout, cpu).at(0);
+      const EngineMemory memory = engine.Memory();
+      EXPECT_EQ(memory.parameter_bytes, 4 * lora->parameters_per_layer * dims.num_layers());
+      EXPECT_EQ(estimate.weights_bytes(), memory.parameter_bytes + memory.frozen_bytes);
+      EXPECT_EQ(estimate.gradients_bytes(), memory.gradient_bytes);
+      EXPECT_EQ(estimate.optimizer_bytes(), memory.moment_bytes + memory.step_counter_bytes);
     }
   }
 }

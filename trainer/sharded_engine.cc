@@ -74,7 +74,7 @@ ShardedEngine::ShardedEngine(CausalLM model, const ShardedEngineOptions& options
               "the engine's tensor parallelism differs from the model's");
   TORCH_CHECK(options_.pp_size == 1 || options_.pp_group, "pp ", options_.pp_size,
               " needs a process group");
-  for (const std::string& name : model_->AllParameterNames()) names_.insert(name);
+  for (const std::string& name : model_->TrainableParameterNames()) names_.insert(name);
   BuildUnits();
   BuildRuns();
   if (stage() == 3) model_->SetLayerHooks(this);
@@ -96,6 +96,9 @@ void ShardedEngine::BuildUnits() {
   const int tp = options_.tp.size;
   for (const auto& item : model_->named_parameters()) {
     const at::Tensor& param = item.value();
+    // A frozen parameter (LoRA's base) stays as the model holds it: no gradient, no optimizer
+    // state, not in checkpoints.
+    if (!param.requires_grad()) continue;
     const ParamShard& shard = model_->ShardOf(item.key());
     Entry entry{.name = item.key(),
                 .param = param,
@@ -540,6 +543,9 @@ EngineMemory ShardedEngine::Memory() const {
     memory.parameter_bytes += (stage() == 3 ? unit.shard : unit.padded) * 4;
     memory.gradient_bytes += (stage() <= 1 ? unit.padded : unit.shard) * 4;
     memory.padding_elements += unit.padded - unit.numel;
+  }
+  for (const auto& param : model_->parameters()) {
+    if (!param.requires_grad()) memory.frozen_bytes += static_cast<int64_t>(param.nbytes());
   }
   for (const Run& run : runs_) {
     const FusedAdamW::State& state = optimizer_->StateFor(run.decay ? 0 : 1, run.state_index);

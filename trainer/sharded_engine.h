@@ -87,6 +87,9 @@ struct EngineMemory {
   int64_t step_counter_bytes = 0;
   // Elements added to pad units to a multiple of dp, all units together.
   int64_t padding_elements = 0;
+  // Parameters without gradients (LoRA's frozen base), in the dtype they are held in; not part
+  // of parameter_bytes.
+  int64_t frozen_bytes = 0;
 };
 
 // A contiguous range of one model tensor's row-major flattened elements, as a 1-D float32 view.
@@ -105,8 +108,8 @@ struct TensorRange {
 
 class ShardedEngine : public LayerHooks {
  public:
-  // Takes over `model`'s parameters (they become views into the engine's buffers) and builds the
-  // optimizer. Every rank of the dp group must call it on an identically initialised model.
+  // Takes over `model`'s trainable parameters (they become views into the engine's buffers; frozen
+  // ones, requires_grad false, are left alone) and builds the optimizer. Every rank of the dp group must call it on an identically initialised model.
   ShardedEngine(CausalLM model, const ShardedEngineOptions& options);
   ~ShardedEngine() override;
   ShardedEngine(const ShardedEngine&) = delete;

@@ -19,6 +19,8 @@
 #include "common/status_macros.h"
 #include "common/timestamp.h"
 #include "planner/devices.h"
+#include "planner/job_plan.h"
+#include "planner/lora.h"
 #include "planner/lr_schedule.h"
 #include "planner/model_config.h"
 #include "trainer/checkpointing.h"
@@ -195,6 +197,7 @@ class Trainer {
           "this trainer runs ZeRO 2 and 3 under data parallelism alone; use zero_stage 0 or 1",
           layout.zero_stage(), shape_.tp, shape_.pp));
     }
+    if (spec_.has_lora()) RETURN_IF_ERROR(planner::CheckTrainerRunsLora(layout));
     if (layout.sequence_parallel() && shape_.tp == 1) {
       return absl::InvalidArgumentError(
           "parallelism.layout.sequence_parallel: needs tensor_parallel > 1");
@@ -344,7 +347,21 @@ class Trainer {
             absl::Status(status.code(), absl::StrCat("model.from_pretrained: ", status.message())));
       }
     }
+    if (spec_.has_lora()) {
+      auto lora = planner::ResolveLora(spec_.lora(), summary_.dims());
+      if (!lora.ok()) return Fail(v1::FAILURE_KIND_INVALID_SPEC, lora.status());
+      lora_ = *std::move(lora);
+      model_->AddLora(LoraOptionsOf(*lora_));
+    }
     model_->to(device_);
+    if (lora_.has_value() && bf16_) {
+      // The frozen base is only read: held in the compute precision it halves its memory, as the
+      // planner's LoRA model assumes. The adapters stay float32 for AdamW.
+      torch::NoGradGuard no_grad;
+      for (auto& param : model_->parameters()) {
+        if (!param.requires_grad()) param.set_data(param.to(torch::kBFloat16));
+      }
+    }
     model_->SetActivationCheckpointing(CheckpointingMode());
     BroadcastParameters();
     if (stages > 1) {
@@ -417,6 +434,17 @@ class Trainer {
         loader_->accumulation_steps(), memory.parameter_bytes / 1048576.0,
         memory.gradient_bytes / 1048576.0,
         (memory.moment_bytes + memory.step_counter_bytes) / 1048576.0));
+    if (lora_.has_value()) {
+      Log(absl::StrFormat(
+          "LoRA rank %d, alpha %g, dropout %g on %s: %d trainable parameters (%.3f%%), %.1f MiB "
+          "of frozen weights",
+          lora_->rank, lora_->alpha, lora_->dropout,
+          absl::StrJoin(lora_->peft_target_modules, ", "),
+          lora_->parameters_per_layer * summary_.dims().num_layers(),
+          100.0 * lora_->parameters_per_layer * summary_.dims().num_layers() /
+              summary_.num_parameters(),
+          memory.frozen_bytes / 1048576.0));
+    }
     return absl::OkStatus();
   }
 
@@ -426,6 +454,9 @@ class Trainer {
     // Every rank initialises from the same seed; the broadcast makes dp rank 0's weights
     // authoritative anyway, as DDP does (the ranks of a dp group hold the same shard).
     for (auto& param : model_->parameters()) {
+      // Frozen weights (LoRA's base) are the same everywhere: loaded from one source or drawn
+      // from one seed.
+      if (!param.requires_grad()) continue;
       std::vector<at::Tensor> tensors{param.data()};
       dp_group->broadcast(tensors)->wait();
     }
@@ -601,6 +632,10 @@ class Trainer {
     const int64_t tokens_per_step = spec_.batch().global_batch_size() * spec_.data().seq_len();
     const int64_t interval = spec_.checkpoint().interval_steps();
     const double peak_flops = PeakFlopsForDevice(device_name_);
+    // Model FLOPs per token (MFU's numerator): with LoRA the frozen base computes no weight
+    // gradients, 2N fewer per token (the planner's LoRA model).
+    const double flops_per_token =
+        summary_.flops_per_token() - (lora_.has_value() ? 2.0 * summary_.num_parameters() : 0.0);
     while (step_ < max_steps) {
       auto start = std::chrono::steady_clock::now();
       const double waited_before = PeerWaitSeconds();
@@ -630,7 +665,7 @@ class Trainer {
         m->set_step_time_seconds(seconds);
         m->set_tokens_per_second(tokens_per_step / seconds);
         m->set_samples_per_second(spec_.batch().global_batch_size() / seconds);
-        m->set_mfu(peak_flops > 0 ? summary_.flops_per_token() * (tokens_per_step / seconds) /
+        m->set_mfu(peak_flops > 0 ? flops_per_token * (tokens_per_step / seconds) /
                                         (world() * peak_flops)
                                   : 0.0);
         m->set_peak_memory_bytes(PeakMemoryBytes());
@@ -666,6 +701,12 @@ class Trainer {
                      trainer::SaveCheckpoint(Checkpoints(), state,
                                              last && spec_.checkpoint().export_safetensors()));
     if (rank() != 0) return absl::OkStatus();
+    if (last && lora_.has_value()) {
+      // Rank 0 holds every adapter (LoRA runs without tensor or pipeline splits).
+      const std::string dir = absl::StrCat(checkpoint.path(), "/adapter");
+      RETURN_IF_ERROR(ExportPeftAdapter(*model_, *lora_, dir, spec_.model().from_pretrained()));
+      Log(absl::StrCat("LoRA adapter in PEFT's layout: ", dir));
+    }
     v1::TrainerReport report = NewReport();
     *report.mutable_checkpoint() = std::move(checkpoint);
     Send(report);
@@ -690,6 +731,8 @@ class Trainer {
   std::optional<BatchLoader> loader_;
   std::optional<JoinedGroup> group_;
   CausalLM model_{nullptr};
+  // LoRA fine-tuning (spec.lora), resolved.
+  std::optional<planner::ResolvedLora> lora_;
   MeshShape shape_;
   DeviceMesh mesh_;
   std::unique_ptr<ShardedEngine> engine_;

@@ -1,0 +1,96 @@
+#include "planner/lora.h"
+
+#include <cmath>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace tessera::planner {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view problem) {
+  return absl::InvalidArgumentError(absl::StrCat("lora.", field, ": ", problem));
+}
+
+bool IsGpt2(const v1::ModelDims& dims) { return dims.architecture() == v1::ARCHITECTURE_GPT2; }
+
+// The names a target answers to in target_modules: transformers' leaf name, its module path
+// after the layer prefix, and Tessera's module suffix.
+std::vector<std::string> NamesOf(const LoraTarget& target) {
+  std::vector<std::string> names = {target.module, target.hf_module};
+  const size_t dot = target.hf_module.rfind('.');
+  names.push_back(dot == std::string::npos ? target.hf_module : target.hf_module.substr(dot + 1));
+  return names;
+}
+
+}  // namespace
+
+std::vector<LoraTarget> LoraCandidates(const v1::ModelDims& dims) {
+  const int64_t d = dims.hidden_size(), f = dims.ffn_hidden_size();
+  if (IsGpt2(dims)) {
+    return {{"attn.qkv", "attn.c_attn", d, 3 * d},
+            {"attn.proj", "attn.c_proj", d, d},
+            {"mlp.fc", "mlp.c_fc", d, f},
+            {"mlp.proj", "mlp.c_proj", f, d}};
+  }
+  const int64_t q = int64_t{dims.num_attention_heads()} * dims.head_dim();
+  const int64_t kv = int64_t{dims.num_kv_heads()} * dims.head_dim();
+  return {{"attn.q", "self_attn.q_proj", d, q},   {"attn.k", "self_attn.k_proj", d, kv},
+          {"attn.v", "self_attn.v_proj", d, kv},  {"attn.o", "self_attn.o_proj", q, d},
+          {"mlp.gate", "mlp.gate_proj", d, f},    {"mlp.up", "mlp.up_proj", d, f},
+          {"mlp.down", "mlp.down_proj", f, d}};
+}
+
+absl::StatusOr<ResolvedLora> ResolveLora(const v1::LoraSpec& spec, const v1::ModelDims& dims) {
+  ResolvedLora out;
+  if (spec.rank() <= 0) return Invalid("rank", absl::StrCat("must be > 0, got ", spec.rank()));
+  if (!std::isfinite(spec.alpha()) || spec.alpha() < 0) {
+    return Invalid("alpha", absl::StrCat("must be >= 0 (0 for 2 * rank), got ", spec.alpha()));
+  }
+  if (!std::isfinite(spec.dropout()) || spec.dropout() < 0 || spec.dropout() >= 1) {
+    return Invalid("dropout", absl::StrCat("must be in [0, 1), got ", spec.dropout()));
+  }
+  out.rank = spec.rank();
+  out.alpha = spec.alpha() > 0 ? spec.alpha() : 2.0 * spec.rank();
+  out.dropout = spec.dropout();
+  const std::vector<LoraTarget> candidates = LoraCandidates(dims);
+  std::set<std::string> chosen;
+  bool all = spec.target_modules().empty();
+  for (const std::string& name : spec.target_modules()) {
+    if (name == "all-linear") {
+      all = true;
+      continue;
+    }
+    bool matched = false;
+    for (const LoraTarget& target : candidates) {
+      for (const std::string& alias : NamesOf(target)) {
+        if (alias == name) {
+          chosen.insert(target.module);
+          matched = true;
+        }
+      }
+    }
+    if (!matched) {
+      std::vector<std::string> known;
+      for (const LoraTarget& target : candidates) known.push_back(NamesOf(target)[2]);
+      if (IsGpt2(dims)) known = {"c_attn", "attn.c_proj", "c_fc", "mlp.c_proj", "c_proj"};
+      known.push_back("all-linear");
+      return Invalid("target_modules",
+                     absl::StrCat("'", name, "' is not a linear layer of a ",
+                                  IsGpt2(dims) ? "GPT-2" : "Llama", " block; known: ",
+                                  absl::StrJoin(known, ", ")));
+    }
+  }
+  for (const LoraTarget& target : candidates) {
+    if (!all && !chosen.contains(target.module)) continue;
+    out.targets.push_back(target);
+    out.parameters_per_layer += int64_t{out.rank} * (target.in + target.out);
+    // PEFT matches a target_modules entry against the end of a module's path; GPT-2's two
+    // c_proj need their parent to tell them apart.
+    out.peft_target_modules.push_back(IsGpt2(dims) ? target.hf_module : NamesOf(target)[2]);
+  }
+  return out;
+}
+
+}  // namespace tessera::planner

@@ -1,0 +1,153 @@
+// LoRA's targets and defaults (planner/lora.h), and the planner's memory for a LoRA spec.
+#include "planner/lora.h"
+
+#include <string>
+#include <vector>
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/job_plan.h"
+#include "planner/devices.h"
+#include "planner/model_config.h"
+
+namespace tessera::planner {
+namespace {
+
+using ::tessera::testing::IsOk;
+using ::tessera::testing::StatusIs;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+v1::ModelDims Dims(const std::string& preset) {
+  v1::ModelSpec spec;
+  spec.set_preset(preset);
+  auto summary = ResolveModel(spec, 64);
+  EXPECT_TRUE(summary.ok()) << summary.status();
+  return summary->dims();
+}
+
+std::vector<std::string> Modules(const ResolvedLora& lora) {
+  std::vector<std::string> out;
+  for (const LoraTarget& t : lora.targets) out.push_back(t.module);
+  return out;
+}
+
+TEST(LoraTest, EmptyTargetsMeanEveryLinearLayer) {
+  v1::LoraSpec spec;
+  spec.set_rank(8);
+  const v1::ModelDims llama = Dims("llama3-8b");
+  auto lora_or = ResolveLora(spec, llama);
+  ASSERT_TRUE(lora_or.ok()) << lora_or.status();
+  const ResolvedLora lora = *lora_or;
+  EXPECT_EQ(lora.alpha, 16);  // 2 * rank
+  EXPECT_THAT(Modules(lora), ElementsAre("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate",
+                                         "mlp.up", "mlp.down"));
+  EXPECT_THAT(lora.peft_target_modules, ElementsAre("q_proj", "k_proj", "v_proj", "o_proj",
+                                                    "gate_proj", "up_proj", "down_proj"));
+  // Llama 3 8B: d 4096, q 4096, kv 1024, ffn 14336.
+  EXPECT_EQ(lora.parameters_per_layer,
+            8 * ((4096 + 4096) + 2 * (4096 + 1024) + (4096 + 4096) + 2 * (4096 + 14336) +
+                 (14336 + 4096)));
+}
+
+TEST(LoraTest, TargetsByLeafNamePathOrTesseraName) {
+  v1::LoraSpec spec;
+  spec.set_rank(4);
+  spec.set_alpha(32);
+  spec.set_dropout(0.05);
+  spec.add_target_modules("q_proj");
+  spec.add_target_modules("self_attn.v_proj");
+  spec.add_target_modules("mlp.down");
+  auto lora_or = ResolveLora(spec, Dims("tiny-llama"));
+  ASSERT_TRUE(lora_or.ok()) << lora_or.status();
+  const ResolvedLora lora = *lora_or;
+  EXPECT_THAT(Modules(lora), ElementsAre("attn.q", "attn.v", "mlp.down"));
+  EXPECT_EQ(lora.alpha, 32);
+  EXPECT_DOUBLE_EQ(lora.dropout, 0.05);
+}
+
+TEST(LoraTest, Gpt2CProjNamesBothUnlessQualified) {
+  v1::LoraSpec spec;
+  spec.set_rank(2);
+  spec.add_target_modules("c_proj");
+  auto both_or = ResolveLora(spec, Dims("tiny-gpt2"));
+  ASSERT_TRUE(both_or.ok()) << both_or.status();
+  const ResolvedLora both = *both_or;
+  EXPECT_THAT(Modules(both), ElementsAre("attn.proj", "mlp.proj"));
+  // PEFT matches by suffix: the parent keeps the two apart.
+  EXPECT_THAT(both.peft_target_modules, ElementsAre("attn.c_proj", "mlp.c_proj"));
+  spec.set_target_modules(0, "attn.c_proj");
+  auto one_or = ResolveLora(spec, Dims("tiny-gpt2"));
+  ASSERT_TRUE(one_or.ok()) << one_or.status();
+  const ResolvedLora one = *one_or;
+  EXPECT_THAT(Modules(one), ElementsAre("attn.proj"));
+}
+
+TEST(LoraTest, BadSpecsNameTheField) {
+  const v1::ModelDims llama = Dims("tiny-llama");
+  v1::LoraSpec spec;
+  EXPECT_THAT(ResolveLora(spec, llama),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lora.rank: must be > 0")));
+  spec.set_rank(4);
+  spec.set_dropout(1);
+  EXPECT_THAT(ResolveLora(spec, llama), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                 HasSubstr("lora.dropout: must be in [0, 1)")));
+  spec.set_dropout(0);
+  spec.set_alpha(-1);
+  EXPECT_THAT(ResolveLora(spec, llama),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lora.alpha")));
+  spec.set_alpha(0);
+  spec.add_target_modules("c_attn");  // GPT-2's, not Llama's
+  EXPECT_THAT(ResolveLora(spec, llama),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("lora.target_modules: 'c_attn' is not a linear layer of a "
+                                 "Llama block; known: q_proj")));
+}
+
+TEST(LoraTest, PlannerCountsOnlyTheTargetedAdaptersAndRunsDataParallel) {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_preset("llama3-8b");
+  spec.mutable_data()->set_seq_len(2048);
+  spec.mutable_batch()->set_global_batch_size(16);
+  spec.mutable_batch()->set_micro_batch_size(2);
+  spec.set_precision(v1::PRECISION_BF16);
+  spec.mutable_resources()->set_gpus(8);
+  spec.mutable_lora()->set_rank(16);
+  JobPlanOptions options;
+  options.device = *DevicePreset("h100-sxm");
+  options.devices_per_node = 8;
+  options.runnable_only = true;
+  auto all_or = PlanJobSpec(spec, options);
+  ASSERT_TRUE(all_or.ok()) << all_or.status();
+  const JobPlan all = *all_or;
+  ASSERT_TRUE(all.plan.fits()) << all.plan.explanation();
+  EXPECT_EQ(all.plan.lora_rank(), 16);
+  EXPECT_EQ(all.plan.layout().tensor_parallel(), 1);
+  EXPECT_EQ(all.plan.layout().pipeline_parallel(), 1);
+  EXPECT_LE(all.plan.layout().zero_stage(), 1);
+  spec.mutable_lora()->add_target_modules("q_proj");
+  spec.mutable_lora()->add_target_modules("v_proj");
+  auto qv_or = PlanJobSpec(spec, options);
+  ASSERT_TRUE(qv_or.ok()) << qv_or.status();
+  const JobPlan qv = *qv_or;
+  // AdamW state: two float32 moments per adapter parameter (plus step counters): q and v only
+  // hold 16 * ((4096 + 4096) + (4096 + 1024)) per layer of 32.
+  const int64_t qv_adapters = int64_t{32} * 16 * ((4096 + 4096) + (4096 + 1024));
+  const int64_t dp = qv.plan.layout().data_parallel();
+  const int64_t optimizer = qv.plan.memory().optimizer_bytes();
+  EXPECT_GE(optimizer, 8 * qv_adapters / (qv.plan.layout().zero_stage() == 1 ? dp : 1));
+  EXPECT_LT(optimizer, all.plan.memory().optimizer_bytes());
+  v1::Layout layout;
+  layout.set_data_parallel(2);
+  layout.set_tensor_parallel(2);
+  EXPECT_THAT(CheckTrainerRunsLora(layout),
+              StatusIs(absl::StatusCode::kUnimplemented,
+                       HasSubstr("this trainer runs LoRA under data parallelism alone")));
+  layout.set_tensor_parallel(1);
+  layout.set_zero_stage(1);
+  EXPECT_THAT(CheckTrainerRunsLora(layout), IsOk());
+}
+
+}  // namespace
+}  // namespace tessera::planner
