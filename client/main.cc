@@ -142,10 +142,16 @@ std::string StateName(v1::JobState state) {
   return name.substr(std::string("JOB_STATE_").size());
 }
 
+// The job's last step: the spec's max_steps, or (for a job that trains for `epochs`) what its
+// trainer reported once it opened the data; 0 until then.
+int64_t TotalSteps(const v1::Job& job) {
+  return job.spec().max_steps() > 0 ? job.spec().max_steps() : job.latest_metrics().max_steps();
+}
+
 void PrintJob(const v1::Job& job) {
   std::cout << absl::StrFormat("%-14s %-10s %-10s %-20s step %lld/%lld", job.job_id(),
                                StateName(job.state()), job.owner(), job.spec().name(),
-                               job.current_step(), job.spec().max_steps());
+                               job.current_step(), TotalSteps(job));
   if (job.has_latest_metrics()) {
     std::cout << absl::StrFormat("  loss %.4f", job.latest_metrics().loss());
   }
@@ -189,7 +195,7 @@ int TerminalColumns() {
 int Watch(CoordinatorClient& client, const std::string& job_id) {
   auto job = client.Get(job_id);
   if (!job.ok()) return Fail(job.status());
-  const int64_t max_steps = job->spec().max_steps();
+  const int64_t max_steps = TotalSteps(*job);
   v1::JobState last = v1::JOB_STATE_UNSPECIFIED;
   const bool tty = isatty(STDOUT_FILENO) != 0;
   bool progress_shown = false;
@@ -421,12 +427,12 @@ int main(int argc, char** argv) {
       return 2;
     }
     std::cout << "step,loss,grad_norm,learning_rate,tokens_per_second,samples_per_second,mfu,"
-                 "step_time_seconds,peak_memory_bytes\n";
+                 "step_time_seconds,peak_memory_bytes,epoch\n";
     for (const auto& m : metrics->points()) {
-      std::cout << absl::StrFormat("%d,%.6f,%.6f,%.6e,%.1f,%.2f,%.6f,%.6f,%d\n", m.step(), m.loss(),
-                                   m.grad_norm(), m.learning_rate(), m.tokens_per_second(),
-                                   m.samples_per_second(), m.mfu(), m.step_time_seconds(),
-                                   m.peak_memory_bytes());
+      std::cout << absl::StrFormat("%d,%.6f,%.6f,%.6e,%.1f,%.2f,%.6f,%.6f,%d,%.4f\n", m.step(),
+                                   m.loss(), m.grad_norm(), m.learning_rate(),
+                                   m.tokens_per_second(), m.samples_per_second(), m.mfu(),
+                                   m.step_time_seconds(), m.peak_memory_bytes(), m.epoch());
     }
     return 0;
   }
@@ -444,7 +450,7 @@ int main(int argc, char** argv) {
     std::ofstream out(path);
     out << tessera::client::RenderTrainingPlot(
         absl::StrCat(arg, " (", job->spec().name(), "): ", StateName(job->state()), ", step ",
-                     job->current_step(), "/", job->spec().max_steps()),
+                     job->current_step(), "/", TotalSteps(*job)),
         *metrics);
     if (!out.good()) return Fail(absl::UnavailableError(absl::StrCat(path, ": cannot write")));
     std::cout << path << "\n";

@@ -13,6 +13,8 @@
 namespace tessera::client {
 
 void ProgressLine::Add(const v1::StepMetrics& metrics) {
+  // A job that trains for `epochs` learns its step count from its trainer.
+  if (metrics.max_steps() > 0) max_steps_ = metrics.max_steps();
   last_ = metrics;
   has_last_ = true;
   if (metrics.step_time_seconds() > 0) {
@@ -49,7 +51,9 @@ std::string ProgressLine::Render(int columns, bool chart) const {
                                            FormatRate(WindowTokensPerSecond()));
   const std::string eta_text =
       absl::StrCat("  ETA ", absl::FormatDuration(absl::Seconds(std::round(eta))));
-  const std::string lr = absl::StrFormat("  lr %.2e", last_.learning_rate());
+  const std::string lr =
+      absl::StrFormat("  lr %.2e", last_.learning_rate()) +
+      (last_.epoch() > 0 ? absl::StrFormat("  epoch %.2f", last_.epoch()) : std::string());
   const std::string mfu = last_.mfu() > 0 ? absl::StrFormat("  MFU %.1f%%", 100 * last_.mfu()) : "";
   const std::string spark = chart ? "  " + Sparkline(losses_) : "";
   auto bar = [&](int width) {

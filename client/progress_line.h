@@ -40,7 +40,7 @@ class ProgressLine {
     double seconds = 0;
     double tokens = 0;
   };
-  const int64_t max_steps_;
+  int64_t max_steps_;
   v1::StepMetrics last_;
   bool has_last_ = false;
   std::deque<Step> window_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -328,10 +329,23 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   } else {
     RETURN_IF_ERROR(ValidateAutoLayout(spec.parallelism().auto_layout()));
   }
-  RETURN_IF_ERROR(ValidateOptimizer(spec.optimizer(), spec.max_steps()));
+  // With `epochs` the trainer knows max_steps only once it has opened the shards: the schedule's
+  // step counts are checked against it there.
+  RETURN_IF_ERROR(ValidateOptimizer(
+      spec.optimizer(), spec.epochs() > 0 ? std::numeric_limits<int64_t>::max() : spec.max_steps()));
   if (spec.has_lora()) RETURN_IF_ERROR(planner::ResolveLora(spec.lora(), model.dims()).status());
   RETURN_IF_ERROR(ValidatePrecision(spec.precision(), spec.resources()));
-  RETURN_IF_ERROR(CheckPositive("max_steps", spec.max_steps()));
+  if (spec.epochs() != 0) {
+    if (!std::isfinite(spec.epochs()) || spec.epochs() < 0) {
+      return Invalid("epochs", absl::StrCat("must be > 0, got ", spec.epochs()));
+    }
+    if (spec.max_steps() != 0) {
+      return Invalid("epochs", absl::StrCat("set max_steps (", spec.max_steps(), ") or epochs (",
+                                            spec.epochs(), "), not both"));
+    }
+  } else {
+    RETURN_IF_ERROR(CheckPositive("max_steps", spec.max_steps()));
+  }
   RETURN_IF_ERROR(
       CheckNonNegative("checkpoint.interval_steps", spec.checkpoint().interval_steps()));
   RETURN_IF_ERROR(CheckNonNegative("checkpoint.keep_last", spec.checkpoint().keep_last()));

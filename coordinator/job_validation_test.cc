@@ -454,6 +454,25 @@ TEST(JobValidationTest, TrainerRunsModelParallelismWithZeroAtMostOne) {
                                  "pipeline_parallel 2: ")));
 }
 
+TEST(JobValidationTest, EpochsReplaceMaxSteps) {
+  v1::JobSpec spec = MinimalSpec();
+  spec.set_epochs(3);
+  EXPECT_THAT(ValidateJobSpec(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("epochs: set max_steps (")));
+  spec.set_max_steps(0);
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+  // The schedule's step counts are the trainer's to check against the steps the epochs make.
+  spec.mutable_optimizer()->mutable_schedule()->set_warmup_steps(1000000);
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+  spec.set_epochs(-1);
+  EXPECT_THAT(ValidateJobSpec(spec), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("epochs: must be > 0, got -1")));
+  spec.set_epochs(0);
+  EXPECT_THAT(ValidateJobSpec(spec), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("max_steps: must be > 0")));
+}
+
 TEST(JobValidationTest, LoraIsCheckedAgainstTheModelAndRunsDataParallelOnly) {
   v1::JobSpec spec = MinimalSpec();
   spec.mutable_model()->set_preset("tiny-llama");

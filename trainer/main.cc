@@ -95,6 +95,9 @@ ABSL_FLAG(std::string, export_hf, "",
           "Write the model (--init_from, --weights or the seeded initial weights) to this "
           "directory as a Hugging Face model (config.json, model.safetensors, "
           "generation_config.json) that transformers loads; then exit.");
+ABSL_FLAG(double, epochs, 0,
+          "Standalone: passes over the training data to train instead of --steps (the spec's "
+          "epochs); 0 uses --steps.");
 ABSL_FLAG(int, lora_rank, 0,
           "Standalone: LoRA adapter rank (the spec's lora.rank); 0 trains every weight.");
 ABSL_FLAG(double, lora_alpha, 0, "Standalone: LoRA alpha; 0 means 2 * rank.");
@@ -211,7 +214,8 @@ tessera::v1::TrainerTask TaskFromFlags() {
   schedule->set_decay_steps(absl::GetFlag(FLAGS_decay_steps));
   spec->mutable_optimizer()->set_weight_decay(absl::GetFlag(FLAGS_weight_decay));
   spec->mutable_optimizer()->set_grad_clip_norm(absl::GetFlag(FLAGS_grad_clip));
-  spec->set_max_steps(absl::GetFlag(FLAGS_steps));
+  spec->set_max_steps(absl::GetFlag(FLAGS_epochs) > 0 ? 0 : absl::GetFlag(FLAGS_steps));
+  spec->set_epochs(absl::GetFlag(FLAGS_epochs));
   if (absl::GetFlag(FLAGS_lora_rank) != 0) {
     tessera::v1::LoraSpec* lora = spec->mutable_lora();
     lora->set_rank(absl::GetFlag(FLAGS_lora_rank));

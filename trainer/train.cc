@@ -276,10 +276,6 @@ class Trainer {
     if (auto status = ValidateLayout(); !status.ok()) {
       return Fail(v1::FAILURE_KIND_INVALID_SPEC, status);
     }
-    if (auto status = planner::ValidateSchedule(spec_.optimizer().schedule(), spec_.max_steps());
-        !status.ok()) {
-      return Fail(v1::FAILURE_KIND_INVALID_SPEC, status);
-    }
     auto summary = planner::ResolveModel(spec_.model(), spec_.data().seq_len());
     if (!summary.ok()) return Fail(v1::FAILURE_KIND_INVALID_SPEC, summary.status());
     summary_ = *summary;
@@ -300,6 +296,14 @@ class Trainer {
                   absl::InvalidArgumentError(absl::StrCat(
                       "data.train_shards: tokenizer vocabulary ", dataset_->vocab_size(),
                       " is larger than the model's vocab_size ", summary_.dims().vocab_size())));
+    }
+
+    if (auto status = ResolveMaxSteps(); !status.ok()) {
+      return Fail(v1::FAILURE_KIND_INVALID_SPEC, status);
+    }
+    if (auto status = planner::ValidateSchedule(spec_.optimizer().schedule(), max_steps_);
+        !status.ok()) {
+      return Fail(v1::FAILURE_KIND_INVALID_SPEC, status);
     }
 
     if (spec_.data().validation_shards_size() > 0 && spec_.data().eval_interval_steps() > 0) {
@@ -445,6 +449,30 @@ class Trainer {
               summary_.num_parameters(),
           memory.frozen_bytes / 1048576.0));
     }
+    return absl::OkStatus();
+  }
+
+  // max_steps, or what spec.epochs come to over the training samples.
+  absl::Status ResolveMaxSteps() {
+    samples_per_epoch_ = dataset_->num_samples();
+    if (spec_.epochs() <= 0) {
+      max_steps_ = spec_.max_steps();
+      return absl::OkStatus();
+    }
+    const int64_t batch = spec_.batch().global_batch_size();
+    if (samples_per_epoch_ <= 0 || batch <= 0) {
+      return absl::InvalidArgumentError("epochs: the training shards hold no sample");
+    }
+    const double steps =
+        std::ceil(spec_.epochs() * static_cast<double>(samples_per_epoch_) / batch - 1e-9);
+    if (!(steps >= 1) || steps > 1e12) {
+      return absl::InvalidArgumentError(absl::StrCat("epochs: ", spec_.epochs(), " x ",
+                                                     samples_per_epoch_, " samples / batch ",
+                                                     batch, " is not a step count"));
+    }
+    max_steps_ = static_cast<int64_t>(steps);
+    Log(absl::StrFormat("%g epoch(s) of %d samples at %d per step: %d steps", spec_.epochs(),
+                        samples_per_epoch_, batch, max_steps_));
     return absl::OkStatus();
   }
 
@@ -628,7 +656,7 @@ class Trainer {
   }
 
   absl::Status TrainLoop(v1::FailureKind* kind) {
-    const int64_t max_steps = spec_.max_steps();
+    const int64_t max_steps = max_steps_;
     const int64_t tokens_per_step = spec_.batch().global_batch_size() * spec_.data().seq_len();
     const int64_t interval = spec_.checkpoint().interval_steps();
     const double peak_flops = PeakFlopsForDevice(device_name_);
@@ -670,6 +698,9 @@ class Trainer {
                                   : 0.0);
         m->set_peak_memory_bytes(PeakMemoryBytes());
         m->set_tokens_seen(tokens_seen_);
+        m->set_max_steps(max_steps);
+        m->set_epoch(static_cast<double>(step_) * spec_.batch().global_batch_size() /
+                     static_cast<double>(samples_per_epoch_));
         *m->mutable_time() = report.time();
         Send(report);
       }
@@ -739,6 +770,8 @@ class Trainer {
   // Pipeline parallelism only.
   std::optional<PipelineSchedule> pipeline_;
   int64_t step_ = 0;
+  int64_t max_steps_ = 0;
+  int64_t samples_per_epoch_ = 1;
   int64_t tokens_seen_ = 0;
   TrainResult result_;
 };
