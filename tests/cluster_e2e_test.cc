@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <set>
 #include <string>
@@ -18,6 +20,7 @@
 #include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "client/job_spec_file.h"
 #include "client/progress_line.h"
 #include "common/daemon/server.h"
 #include "common/status_matchers.h"
@@ -282,6 +285,76 @@ TEST_F(ClusterTest, TwoRankJobTrainsThroughCoordinatorAndWorker) {
   EXPECT_THAT(metrics_page->body,
               HasSubstr(absl::StrCat("tessera_train_loss{job_id=\"", job_id, "\",rank=\"0\"}")));
   EXPECT_THAT(metrics_page->body, HasSubstr("tessera_train_tokens_per_second{"));
+}
+
+// Instruction records in Alpaca's format for a task a small model can pick up in two epochs:
+// spelling a word backwards.
+std::string AlpacaRecords(int count) {
+  const char* words[] = {"apple", "river", "stone", "cloud", "ember", "maple", "tiger", "lemon",
+                         "piano", "robin", "sugar", "quilt", "ocean", "delta", "forge", "haven"};
+  std::string out;
+  for (int i = 0; i < count; ++i) {
+    const std::string word = words[i % 16];
+    const std::string reversed(word.rbegin(), word.rend());
+    out += absl::StrCat(R"({"instruction": "Reverse the word.", "input": ")", word,
+                        R"(", "output": ")", reversed, "\"}\n");
+  }
+  return out;
+}
+
+// examples/tiny-lora-alpaca.yaml as a user runs it: a base model exported in Hugging Face's
+// format, Alpaca records prepared with the prompt masked, LoRA for two epochs through the
+// coordinator; the step count comes from the epochs, and the adapter lands in PEFT's layout.
+TEST_F(ClusterTest, TheLoraExampleFineTunesAnImportedModelForTwoEpochs) {
+  const std::string trainer = BinDir() + "/tessera-trainer";
+  const std::string base = dir_.path() + "/base";
+  auto exported = RunCommand({trainer, "--preset=tiny-llama", "--export_hf=" + base});
+  ASSERT_THAT(exported, IsOk());
+  ASSERT_EQ(exported->exit.exit_code, 0) << exported->output;
+  std::ofstream(dir_.path() + "/alpaca.jsonl") << AlpacaRecords(160);
+  auto prepared = RunCommand({trainer, "prepare", "--input=" + dir_.path() + "/alpaca.jsonl",
+                              "--output_dir=" + dir_.path() + "/sft", "--sample_seq_len=64",
+                              "--prompt_template=chat", "--val_fraction=0.1"});
+  ASSERT_THAT(prepared, IsOk());
+  ASSERT_EQ(prepared->exit.exit_code, 0) << prepared->output;
+
+  auto spec = client::LoadJobSpec(
+      std::string(TESSERA_EXAMPLES_DIR) + "/tiny-lora-alpaca.yaml",
+      [&](const std::string& name) -> std::optional<std::string> {
+        if (name == "TESSERA_BASE_MODEL") return base;
+        if (name == "TESSERA_DATA_DIR") return dir_.path() + "/sft";
+        return std::nullopt;
+      });
+  ASSERT_THAT(spec, IsOk());
+  const std::string job_id = Submit(*spec);
+  ASSERT_FALSE(job_id.empty());
+  v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason() << "\n"
+                                                  << job.failure().message() << "\nworker:\n"
+                                                  << worker_->stderr_text();
+  EXPECT_EQ(job.plan().lora_rank(), 8);
+  // 144 training records, 16 per step: two epochs are 18 steps.
+  const std::vector<v1::StepMetrics> curve = Curve(job_id);
+  ASSERT_EQ(curve.size(), 18u);
+  EXPECT_EQ(job.current_step(), 18);
+  EXPECT_EQ(curve.back().max_steps(), 18);
+  EXPECT_DOUBLE_EQ(curve.back().epoch(), 2.0);
+  EXPECT_DOUBLE_EQ(curve[8].epoch(), 1.0);
+  EXPECT_LT(curve.back().loss(), curve.front().loss() - 0.2)
+      << curve.front().loss() << " -> " << curve.back().loss();
+
+  v1::ListCheckpointsRequest list;
+  list.set_job_id(job_id);
+  v1::ListCheckpointsResponse checkpoints;
+  ASSERT_TRUE(stub_->ListCheckpoints(Context().get(), list, &checkpoints).ok());
+  ASSERT_GE(checkpoints.checkpoints_size(), 1);
+  std::ifstream config(checkpoints.checkpoints(0).path() + "/adapter/adapter_config.json");
+  const std::string text((std::istreambuf_iterator<char>(config)),
+                         std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, HasSubstr("\"peft_type\": \"LORA\""));
+  EXPECT_THAT(text, HasSubstr("\"o_proj\""));
+  EXPECT_TRUE(std::filesystem::exists(checkpoints.checkpoints(0).path() +
+                                      "/adapter/adapter_model.safetensors"));
 }
 
 class TwoWorkerClusterTest : public ClusterTest {
