@@ -49,6 +49,7 @@ benches=(
   "zero|$TESSERA_BENCH_PYTHON bench/zero_bench.py|cpu"
   "model-parallel|$TESSERA_BENCH_PYTHON bench/model_parallel_bench.py|cpu"
   "fault|$TESSERA_BENCH_PYTHON bench/fault_bench.py|cpu"
+  "lora|$TESSERA_BENCH_PYTHON bench/lora_bench.py|cpu"
   "control-plane|$build_dir/bench/control_plane_bench --coordinator=$build_dir/bin/tessera-coordinator|cpu"
 )
 status=0
