@@ -46,7 +46,7 @@
 #include "trainer/adamw.h"
 #include "trainer/checkpoint.h"
 #include "trainer/model.h"
-#include "trainer/sha256.h"
+#include "trainer/xxh3.h"
 #include "trainer/shard_file.h"
 #include "trainer/sharded_engine.h"
 #include "trainer/torch_pch.h"
@@ -148,7 +148,7 @@ absl::StatusOr<TrainerState> BuildTrainerState(const BenchOptions& options) {
 
 // SaveCheckpoint of trainer/checkpointing.cc on rank 0 of a one-rank job, call for call. Phases:
 // prepare_staging, serialize_write (WriteTrainingState: the slices copied to host memory and
-// written as a safetensors shard through WriteHashedFile, SHA-256 on the way, no fsync), commit
+// written as a safetensors shard through WriteHashedFile, XXH3-128 on the way, no fsync), commit
 // (CommitCheckpoint with the digest: fsync of the shard, manifest.pb/.json written and fsynced,
 // rename, directory fsyncs).
 absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root, int64_t step) {
@@ -168,7 +168,7 @@ absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root
     manifest.mutable_layout()->set_data_parallel(1);
     *manifest.mutable_model() = state.summary;
     RETURN_IF_ERROR(trainer::CommitCheckpoint(root, step, std::move(manifest), /*world_size=*/1,
-                                              /*keep_last=*/0, {{shard, written.sha256}})
+                                              /*keep_last=*/0, {{shard, written.xxh3_128}})
                         .status());
     clock.Lap("commit");
     return std::move(clock).Take();
@@ -220,6 +220,11 @@ struct Series {
     return rates;
   }
   double MedianMbPerSecond(int64_t bytes) const { return Median(MbPerSecond(bytes)); }
+  double MedianSeconds() const {
+    std::vector<double> seconds;
+    for (const PhaseTimes& run : runs) seconds.push_back(run.Total());
+    return Median(seconds);
+  }
   double BestMbPerSecond(int64_t bytes) const {
     const std::vector<double> rates = MbPerSecond(bytes);
     return *std::max_element(rates.begin(), rates.end());
@@ -258,10 +263,13 @@ struct Results {
   std::vector<std::string> first;
   double max_resident_after_drop = 0;
   // Diagnostics, each measured once after the runs.
-  double sha256_in_memory_mb_s = 0;
+  double digest_in_memory_mb_s = 0;
   double serialize_to_memory_mb_s = 0;
+  // An asynchronous save blocks training for its snapshot to host memory (SnapshotTrainingState)
+  // only: median of 5, against the median synchronous save above.
+  double async_blocked_seconds = 0;
   double plain_read_warm_mb_s = 0;
-  double sha256_file_warm_mb_s = 0;
+  double digest_file_warm_mb_s = 0;
 };
 
 absl::StatusOr<int64_t> DirectoryBytes(const std::string& dir) {
@@ -393,11 +401,11 @@ absl::Status RunIterations(const BenchOptions& options, Results& results) {
       RETURN_IF_ERROR(ReadPlain(plain_file, &plain_bytes).status());
       results.plain_read_warm_mb_s = results.shard_bytes / kBytesPerMb / SecondsSince(start);
       start = Clock::now();
-      RETURN_IF_ERROR(trainer::Sha256File(plain_file).status());
-      results.sha256_file_warm_mb_s = results.shard_bytes / kBytesPerMb / SecondsSince(start);
+      RETURN_IF_ERROR(trainer::Xxh3File(plain_file).status());
+      results.digest_file_warm_mb_s = results.shard_bytes / kBytesPerMb / SecondsSince(start);
       start = Clock::now();
-      trainer::Sha256Hex(plain_bytes);
-      results.sha256_in_memory_mb_s = results.shard_bytes / kBytesPerMb / SecondsSince(start);
+      trainer::Xxh3Hex(plain_bytes);
+      results.digest_in_memory_mb_s = results.shard_bytes / kBytesPerMb / SecondsSince(start);
     }
     if (warmup) {
       std::cout << "  warm-up done\n" << std::flush;
@@ -417,6 +425,18 @@ absl::Status RunIterations(const BenchOptions& options, Results& results) {
     results.load_plain.runs.push_back(std::move(load_plain));
   }
   ASSIGN_OR_RETURN(results.serialize_to_memory_mb_s, SerializeToMemoryMbPerSecond(state));
+  {
+    // As the trainer's AsyncCheckpointer does: each snapshot writes over the previous one's
+    // buffers (the first, untimed, allocates them).
+    std::vector<double> blocked;
+    trainer::TrainingStateSnapshot snapshot = trainer::SnapshotTrainingState(*state.engine);
+    for (int i = 0; i < 5; ++i) {
+      const Clock::time_point start = Clock::now();
+      snapshot = trainer::SnapshotTrainingState(*state.engine, &snapshot);
+      blocked.push_back(SecondsSince(start));
+    }
+    results.async_blocked_seconds = Median(blocked);
+  }
   return absl::OkStatus();
 }
 
@@ -488,10 +508,11 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
   json["save"] = ComparisonJson(results.save_ours, results.save_plain, results.shard_bytes);
   json["load"] = ComparisonJson(results.load_ours, results.load_plain, results.shard_bytes);
   json["diagnostics"] = {
-      {"sha256_in_memory_mb_per_s", results.sha256_in_memory_mb_s},
-      {"sha256_file_page_cache_mb_per_s", results.sha256_file_warm_mb_s},
+      {"xxh3_128_in_memory_mb_per_s", results.digest_in_memory_mb_s},
+      {"xxh3_128_file_page_cache_mb_per_s", results.digest_file_warm_mb_s},
       {"plain_read_page_cache_mb_per_s", results.plain_read_warm_mb_s},
       {"serialize_to_memory_mb_per_s", results.serialize_to_memory_mb_s},
+      {"async_save_blocked_seconds", results.async_blocked_seconds},
       {"max_resident_fraction_after_cache_drop", results.max_resident_after_drop}};
   json["method"] = {
       {"units",
@@ -532,9 +553,9 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
        "Both sides fsync all they wrote, and the directories, before the clock stops."},
       {"load_ours",
        "trainer/checkpointing.cc ResumeLatest on rank 0: FindLatestCheckpoint (lists the root, "
-       "parses manifest.pb, SHA-256 of the shard; the trainer keeps that manifest), "
+       "parses manifest.pb, XXH3-128 of the shard; the trainer keeps that manifest), "
        "ShardedCheckpointReader::Open, ReadTrainingState (pread of every slice into host "
-       "buffers, copied into the engine's, RNG set_state). Loading here = reading + sha256 "
+       "buffers, copied into the engine's, RNG set_state). Loading here = reading + digest "
        "verify + restoring the tensors."},
       {"load_plain",
        "read() of the plain file in 8 MiB blocks into an already-touched buffer of its size; no "
@@ -587,6 +608,12 @@ void PrintSummary(const Results& results) {
       "  save ratio ours/plain: %.2f (best run over best run %.2f)\n",
       results.save_ours.MedianMbPerSecond(bytes) / results.save_plain.MedianMbPerSecond(bytes),
       results.save_ours.BestMbPerSecond(bytes) / results.save_plain.BestMbPerSecond(bytes));
+  std::cout << absl::StrFormat(
+      "  async save: training blocked %.3f s (the snapshot to host memory), %.1f%% of the median "
+      "synchronous save's %.3f s\n",
+      results.async_blocked_seconds,
+      100 * results.async_blocked_seconds / results.save_ours.MedianSeconds(),
+      results.save_ours.MedianSeconds());
   PrintSide("load ours", results.load_ours, bytes);
   PrintSide("load plain", results.load_plain, bytes);
   std::cout << absl::StrFormat(
@@ -594,10 +621,10 @@ void PrintSummary(const Results& results) {
       results.load_ours.MedianMbPerSecond(bytes) / results.load_plain.MedianMbPerSecond(bytes),
       results.load_ours.BestMbPerSecond(bytes) / results.load_plain.BestMbPerSecond(bytes));
   std::cout << absl::StrFormat(
-      "  diagnostics: sha256 in memory %.0f MB/s, Sha256File from page cache %.0f MB/s, "
+      "  diagnostics: XXH3-128 in memory %.0f MB/s, Xxh3File from page cache %.0f MB/s, "
       "plain read from page cache %.0f MB/s, save_to without a file %.0f MB/s; page cache left "
       "after drops %.1f%%\n",
-      results.sha256_in_memory_mb_s, results.sha256_file_warm_mb_s, results.plain_read_warm_mb_s,
+      results.digest_in_memory_mb_s, results.digest_file_warm_mb_s, results.plain_read_warm_mb_s,
       results.serialize_to_memory_mb_s, 100 * results.max_resident_after_drop);
 }
 

@@ -41,5 +41,9 @@ inline constexpr char kWorkerPidEnv[] = "TESSERA_WORKER_PID";
 // and fails with FAILURE_KIND_NAN_LOSS as a diverged run would. Trainers inherit it from their
 // worker's environment.
 inline constexpr char kFaultNanLossAtStepEnv[] = "TESSERA_FAULT_NAN_LOSS_AT_STEP";
+// Fault injection, never set in production: a step number N; the background write of step N's
+// checkpoint cuts the rank's shard to half its size and the process kills itself with SIGKILL
+// before the commit, as a machine dying in the middle of an asynchronous save would.
+inline constexpr char kFaultKillInCheckpointAtStepEnv[] = "TESSERA_FAULT_KILL_IN_CHECKPOINT_AT_STEP";
 
 }  // namespace tessera

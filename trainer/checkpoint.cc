@@ -34,6 +34,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
 #include "trainer/sha256.h"
+#include "trainer/xxh3.h"
 #include "trainer/shard_file.h"
 
 namespace tessera::trainer {
@@ -333,25 +334,33 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
   return staging;
 }
 
+namespace {
+constexpr size_t kWriteChunkBytes = size_t{2} << 20;
+}  // namespace
+
 absl::StatusOr<std::string> WriteHashedFile(const std::string& path,
                                             const std::function<void(const ByteSink&)>& produce) {
   ScopedFd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) return ErrnoToStatus(errno, path);
-  ASSIGN_OR_RETURN(Sha256Hasher hasher, Sha256Hasher::Create());
+  ASSIGN_OR_RETURN(Xxh3Hasher hasher, Xxh3Hasher::Create());
   int write_errno = 0;
   produce([&](const void* data, size_t size) -> size_t {
     const char* bytes = static_cast<const char*>(data);
     size_t done = 0;
     while (done < size) {
-      const ssize_t n = write(fd.get(), bytes + done, size - done);
+      // Bounded writes, each hashed right after it is written while its bytes are still in the
+      // CPU's caches (hashing a whole multi-GB tensor afterwards would read it from memory
+      // again).
+      const size_t want = std::min(size - done, kWriteChunkBytes);
+      const ssize_t n = write(fd.get(), bytes + done, want);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
         write_errno = n < 0 ? errno : EIO;
         break;
       }
+      hasher.Update(bytes + done, static_cast<size_t>(n));
       done += static_cast<size_t>(n);
     }
-    hasher.Update(data, done);
     return done;
   });
   if (write_errno != 0) return ErrnoToStatus(write_errno, path);
@@ -361,7 +370,7 @@ absl::StatusOr<std::string> WriteHashedFile(const std::string& path,
 
 absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     const std::string& root, int64_t step, v1::CheckpointManifest manifest, int world_size,
-    int keep_last, const std::map<std::string, std::string>& known_sha256) {
+    int keep_last, const std::map<std::string, std::string>& known_digests) {
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("negative checkpoint step ", step));
   if (world_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat("world_size ", world_size, " is not positive"));
@@ -427,17 +436,17 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     struct stat info;
     if (!Stat(path, &info)) return ErrnoToStatus(errno, path);
     const int64_t size = info.st_size;
-    std::string sha256;
-    if (auto known = known_sha256.find(file.name); known != known_sha256.end()) {
-      sha256 = known->second;
+    std::string digest;
+    if (auto known = known_digests.find(file.name); known != known_digests.end()) {
+      digest = known->second;
     } else {
-      ASSIGN_OR_RETURN(sha256, Sha256File(path));
+      ASSIGN_OR_RETURN(digest, Xxh3File(path));
     }
     v1::CheckpointShard* shard = manifest.add_shards();
     shard->set_rank(file.rank);
     shard->set_file(file.name);
     shard->set_size_bytes(size);
-    shard->set_sha256(std::move(sha256));
+    shard->set_xxh3_128(std::move(digest));
     if (absl::EndsWith(file.name, kSliceShardExtension)) {
       has_slice_shards = true;
       ASSIGN_OR_RETURN(std::vector<v1::TensorSlice> slices, ReadShardSlices(path));
@@ -517,10 +526,17 @@ absl::StatusOr<v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir) 
       return absl::DataLossError(
           absl::StrCat(path, ": size ", size, " bytes, manifest says ", shard.size_bytes()));
     }
-    ASSIGN_OR_RETURN(std::string sha256, Sha256File(path));
-    if (sha256 != shard.sha256()) {
-      return absl::DataLossError(absl::StrCat(path, ": sha256 mismatch (manifest ", shard.sha256(),
-                                              ", file ", sha256, ")"));
+    // XXH3-128 since it replaced SHA-256; older manifests hold only the SHA-256.
+    const bool xxh3 = !shard.xxh3_128().empty();
+    if (!xxh3 && shard.sha256().empty()) {
+      return absl::DataLossError(absl::StrCat(path, ": the manifest records no digest of it"));
+    }
+    ASSIGN_OR_RETURN(std::string digest, xxh3 ? Xxh3File(path) : Sha256File(path));
+    const std::string& expected = xxh3 ? shard.xxh3_128() : shard.sha256();
+    if (digest != expected) {
+      return absl::DataLossError(absl::StrCat(path, ": ", xxh3 ? "xxh3-128" : "sha256",
+                                              " mismatch (manifest ", expected, ", file ", digest,
+                                              ")"));
     }
   }
   return manifest;

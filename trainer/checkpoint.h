@@ -73,24 +73,25 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
 // (CheckManifestSlices); DATA_LOSS naming the file when a ".safetensors"
 // shard's header is malformed.
 //
-// `known_sha256` maps shard file names to the digests their writers computed while writing
-// (WriteHashedFile); those shards are not read back to hash them, the others are.
+// `known_digests` maps shard file names to the XXH3-128 digests their writers computed while
+// writing (WriteHashedFile); those shards are not read back to hash them, the others are.
 absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     const std::string& root, int64_t step, v1::CheckpointManifest manifest, int world_size,
-    int keep_last, const std::map<std::string, std::string>& known_sha256 = {});
+    int keep_last, const std::map<std::string, std::string>& known_digests = {});
 
 // Receives bytes in order; returns how many it took (fewer means an error).
 using ByteSink = std::function<size_t(const void* data, size_t size)>;
 
 // Creates (or truncates) `path` and writes what `produce` passes to its sink, hashing the bytes on
-// the way: returns their SHA-256 hex, so that the shard need not be read back to be hashed. Errors
+// the way: returns their XXH3-128 hex, so that the shard need not be read back to be hashed. Errors
 // name the path; if `produce` throws, the exception propagates after the file is closed.
 absl::StatusOr<std::string> WriteHashedFile(const std::string& path,
                                             const std::function<void(const ByteSink&)>& produce);
 
 // Re-reads <dir>/manifest.pb and checks every shard it lists: the file exists,
-// its size and SHA-256 match. DATA_LOSS naming the file at fault, e.g.
-// "<dir>/rank-00001.pt: sha256 mismatch (manifest 3fa9..., file 77b0...)",
+// its size and digest match (XXH3-128, or SHA-256 for a manifest written before
+// it). DATA_LOSS naming the file at fault, e.g.
+// "<dir>/rank-00001.pt: xxh3-128 mismatch (manifest 3fa9..., file 77b0...)",
 // "<dir>/rank-00001.pt: size 1200 bytes, manifest says 4096",
 // "<dir>/manifest.pb: missing (incomplete checkpoint)",
 // "<dir>/manifest.pb: cannot parse". NOT_FOUND when `dir` does not exist.

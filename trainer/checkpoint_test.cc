@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
 #include "trainer/sha256.h"
+#include "trainer/xxh3.h"
 
 namespace tessera::trainer {
 namespace {
@@ -158,7 +159,8 @@ TEST(CheckpointTest, CommitMakesFinalDirAndRemovesStaging) {
     EXPECT_EQ(shard.rank(), rank);
     EXPECT_EQ(shard.file(), ShardFileName(rank));
     EXPECT_EQ(shard.size_bytes(), static_cast<int64_t>(ShardContent(100, rank).size()));
-    EXPECT_EQ(shard.sha256(), Sha256Hex(ShardContent(100, rank)));
+    EXPECT_EQ(shard.xxh3_128(), Xxh3Hex(ShardContent(100, rank)));
+    EXPECT_EQ(shard.sha256(), "");
     EXPECT_EQ(ReadBytes(dir + "/" + shard.file()), ShardContent(100, rank));
   }
   EXPECT_THAT(ListCheckpointDirs(root), ElementsAre(dir));
@@ -178,20 +180,20 @@ TEST(CheckpointTest, ShardsHashedWhileWrittenAreNotReadBack) {
         }
       });
   ASSERT_THAT(digest, IsOk());
-  EXPECT_EQ(*digest, Sha256Hex(content));
+  EXPECT_EQ(*digest, Xxh3Hex(content));
   EXPECT_EQ(ReadBytes(StagingDir(root, 7) + "/" + ShardFileName(0)), content);
   WriteBytes(StagingDir(root, 7) + "/" + ShardFileName(1), ShardContent(7, 1));
   // The commit takes rank 0's digest as given (a wrong one shows it was not recomputed) and
   // hashes rank 1's shard itself.
-  const std::string wrong(64, 'a');
+  const std::string wrong(32, 'a');
   absl::StatusOr<v1::CheckpointManifest> manifest =
       CommitCheckpoint(root, 7, v1::CheckpointManifest(), 2, 0, {{ShardFileName(0), wrong}});
   ASSERT_THAT(manifest, IsOk());
-  EXPECT_EQ(manifest->shards(0).sha256(), wrong);
-  EXPECT_EQ(manifest->shards(1).sha256(), Sha256Hex(ShardContent(7, 1)));
+  EXPECT_EQ(manifest->shards(0).xxh3_128(), wrong);
+  EXPECT_EQ(manifest->shards(1).xxh3_128(), Xxh3Hex(ShardContent(7, 1)));
   // Which VerifyCheckpoint then refuses, naming the shard.
   EXPECT_THAT(VerifyCheckpoint(CheckpointPath(root, 7)),
-              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("sha256 mismatch")));
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("xxh3-128 mismatch")));
 }
 
 TEST(CheckpointTest, WriteHashedFileReportsAnUnwritablePath) {
@@ -249,9 +251,51 @@ TEST(CheckpointTest, VerifyCatchesFlippedByte) {
   WriteBytes(shard, bytes);
   EXPECT_THAT(
       VerifyCheckpoint(CheckpointPath(root, 100)),
-      StatusIs(absl::StatusCode::kDataLoss, AllOf(HasSubstr(shard + ": sha256 mismatch (manifest "),
-                                                  HasSubstr(Sha256Hex(ShardContent(100, 1))),
-                                                  HasSubstr(", file " + Sha256Hex(bytes) + ")"))));
+      StatusIs(absl::StatusCode::kDataLoss, AllOf(HasSubstr(shard + ": xxh3-128 mismatch (manifest "),
+                                                  HasSubstr(Xxh3Hex(ShardContent(100, 1))),
+                                                  HasSubstr(", file " + Xxh3Hex(bytes) + ")"))));
+}
+
+// Every single-bit flip anywhere in a shard changes its XXH3-128 (checked exhaustively over a 4 KiB
+// shard), so verification catches any flipped byte, as SHA-256 did.
+TEST(CheckpointTest, EverySingleBitFlipChangesTheDigest) {
+  std::string bytes = ShardContent(1, 0);
+  bytes.resize(4096, 'x');
+  const std::string digest = Xxh3Hex(bytes);
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    for (int bit = 0; bit < 8; ++bit) {
+      bytes[i] ^= static_cast<char>(1 << bit);
+      ASSERT_NE(Xxh3Hex(bytes), digest) << "byte " << i << " bit " << bit;
+      bytes[i] ^= static_cast<char>(1 << bit);
+    }
+  }
+}
+
+// Manifests written before XXH3-128 hold only SHA-256: they still verify, and a flipped byte is
+// still caught.
+TEST(CheckpointTest, OlderManifestsWithSha256StillVerify) {
+  ScopedTempDir tmp("checkpoint_test");
+  const std::string root = tmp.path();
+  ASSERT_THAT(WriteCheckpoint(root, 100, 2, 0), IsOk());
+  const std::string dir = CheckpointPath(root, 100);
+  v1::CheckpointManifest manifest;
+  ASSERT_TRUE(manifest.ParseFromString(ReadBytes(dir + "/manifest.pb")));
+  for (v1::CheckpointShard& shard : *manifest.mutable_shards()) {
+    shard.clear_xxh3_128();
+    shard.set_sha256(Sha256Hex(ReadBytes(dir + "/" + shard.file())));
+  }
+  WriteBytes(dir + "/manifest.pb", manifest.SerializeAsString());
+  EXPECT_THAT(VerifyCheckpoint(dir), IsOk());
+  const std::string shard = dir + "/rank-00001.pt";
+  std::string bytes = ReadBytes(shard);
+  bytes[bytes.size() / 2] ^= 0x01;
+  WriteBytes(shard, bytes);
+  EXPECT_THAT(VerifyCheckpoint(dir), StatusIs(absl::StatusCode::kDataLoss,
+                                              HasSubstr(shard + ": sha256 mismatch (manifest ")));
+  manifest.mutable_shards(1)->clear_sha256();
+  WriteBytes(dir + "/manifest.pb", manifest.SerializeAsString());
+  EXPECT_THAT(VerifyCheckpoint(dir), StatusIs(absl::StatusCode::kDataLoss,
+                                              HasSubstr("records no digest")));
 }
 
 TEST(CheckpointTest, VerifyCatchesTruncatedShard) {
@@ -308,7 +352,7 @@ TEST(CheckpointTest, FindLatestSkipsCorruptedNewerCheckpoint) {
   EXPECT_EQ((*found)->path, CheckpointPath(root, 200));
   EXPECT_EQ((*found)->manifest.step(), 200);
   ASSERT_THAT(skipped, SizeIs(1));
-  EXPECT_THAT(skipped[0], AllOf(HasSubstr(CheckpointPath(root, 300)), HasSubstr("sha256 mismatch"),
+  EXPECT_THAT(skipped[0], AllOf(HasSubstr(CheckpointPath(root, 300)), HasSubstr("xxh3-128 mismatch"),
                                 HasSubstr("rank-00000.pt")));
 
   // Without the corruption the newest wins, and nothing is skipped.

@@ -1,10 +1,14 @@
 #include "trainer/checkpointing.h"
 
+#include <csignal>
+
 #include <algorithm>
+#include <filesystem>
 #include <chrono>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <string_view>
 #include <vector>
 
@@ -133,7 +137,7 @@ absl::StatusOr<std::optional<Resumed>> ResumeLatest(const CheckpointContext& con
   }
   if (path.empty()) return std::nullopt;
 
-  // Rank 0 verified the checkpoint (every shard's sha256) while finding it; the others read the
+  // Rank 0 verified the checkpoint (every shard's digest) while finding it; the others read the
   // manifest only.
   Resumed resumed;
   resumed.path = path;
@@ -160,36 +164,53 @@ absl::StatusOr<std::optional<Resumed>> ResumeLatest(const CheckpointContext& con
   return resumed;
 }
 
-absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
-                                              const CheckpointState& state,
-                                              bool export_safetensors) {
-  auto start = std::chrono::steady_clock::now();
+namespace {
+
+// Rank 0 creates the step's staging directory; every rank waits for it (a collective).
+absl::Status PrepareSave(const CheckpointContext& context, int64_t step) {
+  if (context.rank == 0) {
+    RETURN_IF_ERROR(PrepareStaging(context.task->checkpoint_directory(), step).status());
+  }
+  return Barrier(context);
+}
+
+// After this rank wrote its shard: the ranks other than 0 hand their digest to rank 0 through the
+// store and are done; rank 0 waits for every digest (the shards are then all written), commits
+// the manifest with them and exports. Uses the store only, no collective, so it may run on a
+// thread of its own while the training loop runs collectives. Rank 0 returns the Checkpoint to
+// report, the others an empty one.
+absl::StatusOr<v1::Checkpoint> CollectAndCommit(const CheckpointContext& context,
+                                                const CheckpointState& state,
+                                                const WrittenShard& written,
+                                                bool export_safetensors,
+                                                std::chrono::steady_clock::time_point start) {
   const v1::TrainerTask& task = *context.task;
   const std::string& root = task.checkpoint_directory();
-  if (context.rank == 0) RETURN_IF_ERROR(PrepareStaging(root, state.step).status());
-  RETURN_IF_ERROR(Barrier(context));
-
-  // Each rank hashes its shard while writing it and hands the digest to rank 0 through the store,
-  // so the commit does not read the shards back.
-  const std::string shard = SliceShardFileName(context.rank);
-  ASSIGN_OR_RETURN(WrittenShard written,
-                   WriteTrainingState(absl::StrCat(StagingDir(root, state.step), "/", shard),
-                                      *context.engine, context.rank,
-                                      {{"tessera.job_id", task.job_id()},
-                                       {"tessera.step", std::to_string(state.step)},
-                                       {"tessera.rank", std::to_string(context.rank)}}));
-  const std::string digest_key = absl::StrCat("checkpoint/", state.step, "/sha256/");
-  if (context.group != nullptr && context.rank != 0) {
-    context.group->store->set(absl::StrCat(digest_key, context.rank),
-                              std::vector<uint8_t>(written.sha256.begin(), written.sha256.end()));
-  }
-  RETURN_IF_ERROR(Barrier(context));
+  const std::string digest_key = absl::StrCat("checkpoint/", state.step, "/xxh3_128/");
   v1::Checkpoint checkpoint;
-  if (context.rank == 0) {
-    std::map<std::string, std::string> known_sha256{{shard, written.sha256}};
-    for (int r = 1; r < context.world; ++r) {
-      std::vector<uint8_t> bytes = context.group->store->get(absl::StrCat(digest_key, r));
-      known_sha256[SliceShardFileName(r)] = std::string(bytes.begin(), bytes.end());
+  if (context.rank != 0) {
+    context.group->store->set(
+        absl::StrCat(digest_key, context.rank),
+        std::vector<uint8_t>(written.xxh3_128.begin(), written.xxh3_128.end()));
+  } else {
+    std::map<std::string, std::string> known_digests{
+        {SliceShardFileName(context.rank), written.xxh3_128}};
+    if (context.world > 1) {
+      std::vector<std::string> keys;
+      for (int r = 1; r < context.world; ++r) keys.push_back(absl::StrCat(digest_key, r));
+      const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(
+          1000 * (task.collective_timeout_seconds() > 0 ? task.collective_timeout_seconds() : 600)));
+      try {
+        context.group->store->wait(keys, timeout);
+      } catch (const std::exception& e) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("checkpoint step ", state.step,
+                         ": waiting for every rank's shard: ", c10::GetExceptionString(e)));
+      }
+      for (int r = 1; r < context.world; ++r) {
+        std::vector<uint8_t> bytes = context.group->store->get(keys[r - 1]);
+        known_digests[SliceShardFileName(r)] = std::string(bytes.begin(), bytes.end());
+      }
     }
     v1::CheckpointManifest manifest;
     manifest.set_job_id(task.job_id());
@@ -200,7 +221,7 @@ absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
     manifest.set_tokens_seen(state.tokens_seen);
     ASSIGN_OR_RETURN(manifest,
                      CommitCheckpoint(root, state.step, std::move(manifest), context.world,
-                                      task.spec().checkpoint().keep_last(), known_sha256));
+                                      task.spec().checkpoint().keep_last(), known_digests));
     checkpoint.set_job_id(task.job_id());
     checkpoint.set_step(state.step);
     checkpoint.set_path(absl::StrCat(root, "/", CheckpointDirName(state.step)));
@@ -222,6 +243,87 @@ absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   if (context.rank == 0) Log(context, absl::StrCat("checkpoint ", checkpoint.path()));
   return checkpoint;
+}
+
+std::map<std::string, std::string> ShardMetadata(const CheckpointContext& context, int64_t step) {
+  return {{"tessera.job_id", context.task->job_id()},
+          {"tessera.step", std::to_string(step)},
+          {"tessera.rank", std::to_string(context.rank)}};
+}
+
+std::string ShardPath(const CheckpointContext& context, int64_t step) {
+  return absl::StrCat(StagingDir(context.task->checkpoint_directory(), step), "/",
+                      SliceShardFileName(context.rank));
+}
+
+}  // namespace
+
+absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
+                                              const CheckpointState& state,
+                                              bool export_safetensors) {
+  const auto start = std::chrono::steady_clock::now();
+  RETURN_IF_ERROR(PrepareSave(context, state.step));
+  // Each rank hashes its shard while writing it and hands the digest to rank 0 through the store,
+  // so the commit does not read the shards back.
+  ASSIGN_OR_RETURN(WrittenShard written,
+                   WriteTrainingState(ShardPath(context, state.step), *context.engine,
+                                      context.rank, ShardMetadata(context, state.step)));
+  return CollectAndCommit(context, state, written, export_safetensors, start);
+}
+
+AsyncCheckpointer::AsyncCheckpointer(const CheckpointContext& context) : context_(context) {}
+
+AsyncCheckpointer::~AsyncCheckpointer() { (void)Wait(); }
+
+absl::Status AsyncCheckpointer::Wait() {
+  if (thread_.joinable()) thread_.join();
+  absl::Status status = std::move(status_);
+  status_ = absl::OkStatus();
+  return status;
+}
+
+absl::Status AsyncCheckpointer::Start(const CheckpointState& state, bool export_safetensors,
+                                      std::function<void(const v1::Checkpoint&)> on_committed) {
+  const auto start = std::chrono::steady_clock::now();
+  // The previous save must be done (and have succeeded) before its snapshot buffers are reused
+  // and before a second one is in flight.
+  RETURN_IF_ERROR(Wait());
+  RETURN_IF_ERROR(PrepareSave(context_, state.step));
+  // The previous save is done: its snapshot's buffers are written over.
+  auto snapshot = std::make_shared<TrainingStateSnapshot>(
+      SnapshotTrainingState(*context_.engine, spare_.get()));
+  spare_ = snapshot;
+  last_blocked_seconds_ =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  thread_ = std::thread([this, state, export_safetensors, start, snapshot,
+                         on_committed = std::move(on_committed)] {
+    absl::StatusOr<WrittenShard> written = WriteTrainingStateSnapshot(
+        ShardPath(context_, state.step), *snapshot, context_.rank,
+        ShardMetadata(context_, state.step));
+    if (!written.ok()) {
+      status_ = written.status();
+      return;
+    }
+    if (context_.kill_in_checkpoint_at_step == state.step) {
+      const std::string path = ShardPath(context_, state.step);
+      std::error_code ignored;
+      std::filesystem::resize_file(path, written->size_bytes / 2, ignored);
+      ::raise(SIGKILL);
+    }
+    absl::StatusOr<v1::Checkpoint> checkpoint;
+    try {
+      checkpoint = CollectAndCommit(context_, state, *written, export_safetensors, start);
+    } catch (const std::exception& e) {
+      checkpoint = absl::InternalError(absl::StrCat("checkpoint step ", state.step, ": ",
+                                                    c10::GetExceptionString(e)));
+    }
+    if (!checkpoint.ok()) {
+      status_ = checkpoint.status();
+      return;
+    }
+    if (context_.rank == 0 && on_committed) on_committed(*checkpoint);
+  });
+  return absl::OkStatus();
 }
 
 }  // namespace tessera::trainer

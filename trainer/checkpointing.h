@@ -6,15 +6,19 @@
 // over the job's ranks.
 #pragma once
 
+#include <functional>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "tessera/v1/checkpoint.pb.h"
 #include "tessera/v1/trainer.pb.h"
 #include "trainer/distributed.h"
 #include "trainer/sharded_engine.h"
+#include "trainer/training_state.h"
 
 namespace tessera::trainer {
 
@@ -27,6 +31,9 @@ struct CheckpointContext {
   ShardedEngine* engine = nullptr;
   // Progress lines (skipped checkpoints, ...); may be null.
   std::ostream* log = nullptr;
+  // Fault injection (common/trainer_env.h kFaultKillInCheckpointAtStepEnv): the asynchronous
+  // save of this step tears its shard and kills the process. 0: off.
+  int64_t kill_in_checkpoint_at_step = 0;
 };
 
 struct Resumed {
@@ -56,5 +63,40 @@ struct CheckpointState {
 absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
                                               const CheckpointState& state,
                                               bool export_safetensors);
+
+// Saves as SaveCheckpoint does, but training goes on while the shard is written: Start copies
+// this rank's state to host memory (pinned on CUDA) and returns; a thread of its own writes and
+// hashes the shard, and on rank 0 waits (through the store, not a collective) for every rank's
+// digest, commits the manifest and exports. A save interrupted anywhere (kill -9 included) leaves
+// only a staging directory, which resume never reads. One save at a time: Start first waits for
+// the previous one. Start and Wait are called from the training thread.
+class AsyncCheckpointer {
+ public:
+  explicit AsyncCheckpointer(const CheckpointContext& context);
+  // Waits for the save in flight.
+  ~AsyncCheckpointer();
+  AsyncCheckpointer(const AsyncCheckpointer&) = delete;
+  AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
+
+  // Waits for the previous save (returning its error, if any, and starting nothing); then, a
+  // collective over the job's ranks: rank 0 prepares the staging directory, every rank snapshots
+  // its state and starts writing it in the background. `on_committed` runs on rank 0's background
+  // thread once the checkpoint is committed.
+  absl::Status Start(const CheckpointState& state, bool export_safetensors,
+                     std::function<void(const v1::Checkpoint&)> on_committed);
+  // Waits for the save in flight, if any; its error.
+  absl::Status Wait();
+  // How long the last Start blocked its caller: the wait for the previous save, the barrier and
+  // the snapshot.
+  double last_blocked_seconds() const { return last_blocked_seconds_; }
+
+ private:
+  CheckpointContext context_;
+  std::thread thread_;
+  // The last save's snapshot, whose buffers the next one reuses once that save is done.
+  std::shared_ptr<TrainingStateSnapshot> spare_;
+  absl::Status status_;  // written by thread_, read after joining it
+  double last_blocked_seconds_ = 0;
+};
 
 }  // namespace tessera::trainer

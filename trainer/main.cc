@@ -518,6 +518,15 @@ int main(int argc, char** argv) {
     std::cerr << "tessera-trainer: fault injection: loss reads NaN from step "
               << train_options.nan_loss_from_step << "\n";
   }
+  if (const char* step = std::getenv(tessera::kFaultKillInCheckpointAtStepEnv); step != nullptr) {
+    if (!absl::SimpleAtoi(step, &train_options.kill_in_checkpoint_at_step)) {
+      std::cerr << "tessera-trainer: " << tessera::kFaultKillInCheckpointAtStepEnv
+                << " must be a step number, not '" << step << "'\n";
+      return 2;
+    }
+    std::cerr << "tessera-trainer: fault injection: the checkpoint of step "
+              << train_options.kill_in_checkpoint_at_step << " dies half-written\n";
+  }
   auto result = tessera::trainer::RunTraining(task, *reporter, train_options);
   if (!result.ok()) {
     std::cerr << "tessera-trainer: " << result.status() << "\n";

@@ -344,9 +344,9 @@ absl::StatusOr<WrittenShard> WriteShardFile(const std::string& path,
       if (bytes > 0 && sink(slices[i].data, bytes) != bytes) return;
     }
   };
-  ASSIGN_OR_RETURN(std::string sha256, WriteHashedFile(path, produce));
+  ASSIGN_OR_RETURN(std::string digest, WriteHashedFile(path, produce));
   WrittenShard written;
-  written.sha256 = std::move(sha256);
+  written.xxh3_128 = std::move(digest);
   written.size_bytes = static_cast<int64_t>(sizeof(length) + header_text.size() + data_size);
   for (const SliceToWrite& slice : slices) {
     v1::TensorSlice& out = written.slices.emplace_back();

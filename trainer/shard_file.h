@@ -64,16 +64,16 @@ struct SliceToWrite {
 };
 
 struct WrittenShard {
-  // Lower-case hex SHA-256 of the file, computed while writing.
-  std::string sha256;
+  // Lower-case hex XXH3-128 of the file, computed while writing.
+  std::string xxh3_128;
   int64_t size_bytes = 0;
   // The slices as the file's header lists them, in the order given.
   std::vector<v1::TensorSlice> slices;
 };
 
 // Creates (or truncates) `path` and writes `slices` and `metadata` to it
-// through WriteHashedFile, so the SHA-256 needs no read-back (hand it to
-// CommitCheckpoint's known_sha256). Data is ordered widest dtype first, so each
+// through WriteHashedFile, so the digest needs no read-back (hand it to
+// CommitCheckpoint's known_digests). Data is ordered widest dtype first, so each
 // slice is aligned to its element size. No fsync: CommitCheckpoint syncs.
 // Several slices may name the same tensor (see the key scheme above); they
 // must agree on its dtype and global shape. INVALID_ARGUMENT naming the tensor

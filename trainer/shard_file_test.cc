@@ -21,7 +21,7 @@
 #include "tests/util/temp_dir.h"
 #include "trainer/checkpoint.h"
 #include "trainer/safetensors.h"
-#include "trainer/sha256.h"
+#include "trainer/xxh3.h"
 
 namespace tessera::trainer {
 namespace {
@@ -90,7 +90,7 @@ absl::StatusOr<v1::CheckpointManifest> SaveSharded(const std::string& root, int6
                                                    int ranks) {
   absl::StatusOr<std::string> staging = PrepareStaging(root, step);
   if (!staging.ok()) return staging.status();
-  std::map<std::string, std::string> known_sha256;
+  std::map<std::string, std::string> known_digests;
   for (int rank = 0; rank < ranks; ++rank) {
     std::vector<SliceToWrite> slices;
     for (size_t t = 0; t < model.size(); ++t) {
@@ -106,11 +106,11 @@ absl::StatusOr<v1::CheckpointManifest> SaveSharded(const std::string& root, int6
     absl::StatusOr<WrittenShard> written = WriteShardFile(
         *staging + "/" + file, slices, {{"job_id", "job-1"}, {"rank", absl::StrCat(rank)}});
     if (!written.ok()) return written.status();
-    known_sha256[file] = written->sha256;
+    known_digests[file] = written->xxh3_128;
   }
   v1::CheckpointManifest manifest;
   manifest.set_job_id("job-1");
-  return CommitCheckpoint(root, step, manifest, ranks, /*keep_last=*/0, known_sha256);
+  return CommitCheckpoint(root, step, manifest, ranks, /*keep_last=*/0, known_digests);
 }
 
 std::string ReadRange(const ShardedCheckpointReader& reader, const FullTensor& tensor,
@@ -200,7 +200,7 @@ TEST(ShardFileTest, CommitFillsSlicesFromHeaders) {
     for (size_t i = 0; i < slices->size(); ++i) {
       EXPECT_EQ((*slices)[i].SerializeAsString(), shard.slices(i).SerializeAsString());
     }
-    EXPECT_THAT(Sha256File(dir + "/" + shard.file()), IsOkAndHolds(shard.sha256()));
+    EXPECT_THAT(Xxh3File(dir + "/" + shard.file()), IsOkAndHolds(shard.xxh3_128()));
   }
   // Rank 1 holds elements [13, 33) of the norm weight (Boundaries(33, 2, 1): weights 2 and 3)
   // and none of qkv (tensor 0: rank 1's weight is 0), which it leaves out.
@@ -231,7 +231,7 @@ TEST(ShardFileTest, WrittenSizeAndHashMatchTheFile) {
   ASSERT_THAT(written, IsOk());
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   EXPECT_EQ(static_cast<int64_t>(in.tellg()), written->size_bytes);
-  EXPECT_THAT(Sha256File(path), IsOkAndHolds(written->sha256));
+  EXPECT_THAT(Xxh3File(path), IsOkAndHolds(written->xxh3_128));
   ASSERT_EQ(written->slices.size(), 1u);
   EXPECT_EQ(written->slices[0].offset(), 30);
   EXPECT_EQ(written->slices[0].numel(), 50);
@@ -461,7 +461,7 @@ absl::StatusOr<v1::CheckpointManifest> SaveBoxes(const std::string& root, int64_
                                                  const std::vector<BoxSlice>& layout, int ranks) {
   absl::StatusOr<std::string> staging = PrepareStaging(root, step);
   if (!staging.ok()) return staging.status();
-  std::map<std::string, std::string> known_sha256;
+  std::map<std::string, std::string> known_digests;
   for (int rank = 0; rank < ranks; ++rank) {
     std::vector<std::string> data;  // reserved: SliceToWrite points into it
     data.reserve(layout.size());
@@ -483,11 +483,11 @@ absl::StatusOr<v1::CheckpointManifest> SaveBoxes(const std::string& root, int64_
     const std::string file = SliceShardFileName(rank);
     absl::StatusOr<WrittenShard> written = WriteShardFile(*staging + "/" + file, slices, {});
     if (!written.ok()) return written.status();
-    known_sha256[file] = written->sha256;
+    known_digests[file] = written->xxh3_128;
   }
   v1::CheckpointManifest manifest;
   manifest.set_job_id("job-1");
-  return CommitCheckpoint(root, step, manifest, ranks, /*keep_last=*/0, known_sha256);
+  return CommitCheckpoint(root, step, manifest, ranks, /*keep_last=*/0, known_digests);
 }
 
 // Reads elements [offset, offset + numel) of a box of `tensor` through the box API.

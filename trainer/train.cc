@@ -398,6 +398,7 @@ class Trainer {
                                      .pp_stage = stage,
                                      .pp_size = stages});
 
+    checkpointer_.emplace(Checkpoints());
     v1::DataPosition start;
     start.set_seed(seed_);
     if (auto status = Resume(&start); !status.ok()) {
@@ -506,7 +507,8 @@ class Trainer {
             .world = world(),
             .group = group_.has_value() ? &*group_ : nullptr,
             .engine = engine_.get(),
-            .log = options_.log};
+            .log = options_.log,
+            .kill_in_checkpoint_at_step = options_.kill_in_checkpoint_at_step};
   }
 
   at::Tensor ToDevice(std::vector<int64_t>& values, int batch, int seq) {
@@ -683,6 +685,8 @@ class Trainer {
         options_.progress->StepFinished(step_, seconds, busy);
       }
       result_.final_loss = *loss;
+      // Reported with this step, then counted afresh.
+      const double blocked_before = checkpoint_blocked_seconds_;
       if (rank() == 0) {
         v1::TrainerReport report = NewReport();
         v1::StepMetrics* m = report.mutable_metrics();
@@ -699,11 +703,13 @@ class Trainer {
         m->set_peak_memory_bytes(PeakMemoryBytes());
         m->set_tokens_seen(tokens_seen_);
         m->set_max_steps(max_steps);
+        m->set_checkpoint_blocked_seconds(checkpoint_blocked_seconds_);
         m->set_epoch(static_cast<double>(step_) * spec_.batch().global_batch_size() /
                      static_cast<double>(samples_per_epoch_));
         *m->mutable_time() = report.time();
         Send(report);
       }
+      checkpoint_blocked_seconds_ -= blocked_before;
       bool last = step_ == max_steps;
       const int64_t eval_interval = spec_.data().eval_interval_steps();
       if (validation_.has_value() && (last || step_ % eval_interval == 0)) Evaluate();
@@ -719,6 +725,8 @@ class Trainer {
     return absl::OkStatus();
   }
 
+  // Starts the checkpoint of this step in the background (AsyncCheckpointer); the last one is
+  // waited for, so the job ends with it committed (and, with LoRA, its PEFT adapter written).
   absl::Status SaveCheckpoint(bool last) {
     CheckpointState state{.step = step_,
                           .tokens_seen = tokens_seen_,
@@ -728,18 +736,36 @@ class Trainer {
     state.layout.set_data_parallel(mesh_.size(MeshDim::kData));
     state.layout.set_tensor_parallel(mesh_.size(MeshDim::kTensor));
     state.layout.set_pipeline_parallel(mesh_.size(MeshDim::kPipeline));
-    ASSIGN_OR_RETURN(v1::Checkpoint checkpoint,
-                     trainer::SaveCheckpoint(Checkpoints(), state,
-                                             last && spec_.checkpoint().export_safetensors()));
+    auto committed = std::make_shared<v1::Checkpoint>();
+    const auto start = std::chrono::steady_clock::now();
+    RETURN_IF_ERROR(checkpointer_->Start(
+        state, last && spec_.checkpoint().export_safetensors(),
+        [this, last, committed](const v1::Checkpoint& checkpoint) {
+          // Rank 0's background thread; the last checkpoint is reported after the wait below.
+          if (last) {
+            *committed = checkpoint;
+            return;
+          }
+          v1::TrainerReport report = NewReport();
+          *report.mutable_checkpoint() = checkpoint;
+          Send(report);
+        }));
+    if (!last) {
+      checkpoint_blocked_seconds_ += checkpointer_->last_blocked_seconds();
+      return absl::OkStatus();
+    }
+    RETURN_IF_ERROR(checkpointer_->Wait());
+    checkpoint_blocked_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (rank() != 0) return absl::OkStatus();
-    if (last && lora_.has_value()) {
+    if (lora_.has_value()) {
       // Rank 0 holds every adapter (LoRA runs without tensor or pipeline splits).
-      const std::string dir = absl::StrCat(checkpoint.path(), "/adapter");
+      const std::string dir = absl::StrCat(committed->path(), "/adapter");
       RETURN_IF_ERROR(ExportPeftAdapter(*model_, *lora_, dir, spec_.model().from_pretrained()));
       Log(absl::StrCat("LoRA adapter in PEFT's layout: ", dir));
     }
     v1::TrainerReport report = NewReport();
-    *report.mutable_checkpoint() = std::move(checkpoint);
+    *report.mutable_checkpoint() = *committed;
     Send(report);
     return absl::OkStatus();
   }
@@ -767,6 +793,9 @@ class Trainer {
   MeshShape shape_;
   DeviceMesh mesh_;
   std::unique_ptr<ShardedEngine> engine_;
+  // Background checkpoint writes (after engine_: destroyed first, waiting for its save).
+  std::optional<AsyncCheckpointer> checkpointer_;
+  double checkpoint_blocked_seconds_ = 0;
   // Pipeline parallelism only.
   std::optional<PipelineSchedule> pipeline_;
   int64_t step_ = 0;

@@ -16,47 +16,97 @@ std::string RngName(int rank) { return absl::StrFormat("rng/cpu/rank-%05d", rank
 
 }  // namespace
 
-absl::StatusOr<WrittenShard> WriteTrainingState(
-    const std::string& path, ShardedEngine& engine, int rank,
-    const std::map<std::string, std::string>& metadata) {
-  std::vector<TensorRange> ranges = engine.SaveRanges();
-  // Shard files are written from host memory; keep the CPU copies alive until then.
-  std::vector<at::Tensor> host;
+namespace {
+
+// The shard's slices: every range, AdamW's step (rank 0) and the RNG state. `host` keeps the
+// CPU copies of device tensors alive; `step` must outlive the slices.
+std::vector<SliceToWrite> SlicesOf(const std::vector<TensorRange>& ranges, const int64_t* step,
+                                   const at::Tensor& rng, int rank, std::vector<at::Tensor>* host) {
   std::vector<SliceToWrite> slices;
-  host.reserve(ranges.size() + 2);
   slices.reserve(ranges.size() + 2);
   for (const TensorRange& range : ranges) {
-    host.push_back(range.data.to(at::kCPU).contiguous());
+    host->push_back(range.data.to(at::kCPU).contiguous());
     slices.push_back({.name = range.name,
                       .dtype = "F32",
                       .global_shape = range.global_shape,
                       .offset = range.offset,
-                      .numel = host.back().numel(),
-                      .data = host.back().data_ptr(),
+                      .numel = host->back().numel(),
+                      .data = host->back().data_ptr(),
                       .box_offset = range.box_offset,
                       .box_shape = range.box_shape});
   }
-  int64_t step = engine.optimizer_step();
-  if (rank == 0) {
-    slices.push_back({.name = kStepName, .dtype = "I64", .numel = 1, .data = &step});
-  }
-  host.push_back(at::detail::getDefaultCPUGenerator().get_state().contiguous());
+  if (rank == 0) slices.push_back({.name = kStepName, .dtype = "I64", .numel = 1, .data = step});
   slices.push_back({.name = RngName(rank),
                     .dtype = "U8",
-                    .global_shape = {host.back().numel()},
-                    .numel = host.back().numel(),
-                    .data = host.back().data_ptr()});
-  return WriteShardFile(path, slices, metadata);
+                    .global_shape = {rng.numel()},
+                    .numel = rng.numel(),
+                    .data = rng.data_ptr()});
+  return slices;
+}
+
+}  // namespace
+
+absl::StatusOr<WrittenShard> WriteTrainingState(
+    const std::string& path, ShardedEngine& engine, int rank,
+    const std::map<std::string, std::string>& metadata) {
+  const std::vector<TensorRange> ranges = engine.SaveRanges();
+  const int64_t step = engine.optimizer_step();
+  const at::Tensor rng = at::detail::getDefaultCPUGenerator().get_state().contiguous();
+  // Shard files are written from host memory; keep the CPU copies alive until then.
+  std::vector<at::Tensor> host;
+  return WriteShardFile(path, SlicesOf(ranges, &step, rng, rank, &host), metadata);
+}
+
+TrainingStateSnapshot SnapshotTrainingState(ShardedEngine& engine, TrainingStateSnapshot* reuse) {
+  torch::NoGradGuard no_grad;
+  TrainingStateSnapshot snapshot;
+  snapshot.ranges = engine.SaveRanges();
+  const bool reusable = reuse != nullptr && reuse->ranges.size() == snapshot.ranges.size();
+  for (size_t i = 0; i < snapshot.ranges.size(); ++i) {
+    TensorRange& range = snapshot.ranges[i];
+    const at::Tensor& live = range.data;
+    if (reusable && reuse->ranges[i].data.numel() == live.numel() &&
+        reuse->ranges[i].data.scalar_type() == live.scalar_type()) {
+      at::Tensor copy = std::move(reuse->ranges[i].data);
+      copy.copy_(live.reshape({-1}));
+      range.data = std::move(copy);
+      continue;
+    }
+    // Pinned host memory for a device tensor: the copy runs at full DMA speed. Blocking, so the
+    // snapshot is complete when this returns.
+    at::Tensor copy = at::empty(
+        {live.numel()},
+        at::TensorOptions().dtype(live.scalar_type()).pinned_memory(live.is_cuda()));
+    copy.copy_(live.reshape({-1}));
+    range.data = std::move(copy);
+  }
+  snapshot.optimizer_step = engine.optimizer_step();
+  snapshot.rng = at::detail::getDefaultCPUGenerator().get_state().contiguous();
+  return snapshot;
+}
+
+absl::StatusOr<WrittenShard> WriteTrainingStateSnapshot(
+    const std::string& path, const TrainingStateSnapshot& snapshot, int rank,
+    const std::map<std::string, std::string>& metadata) {
+  std::vector<at::Tensor> host;  // the snapshot's own tensors: no copies
+  return WriteShardFile(
+      path, SlicesOf(snapshot.ranges, &snapshot.optimizer_step, snapshot.rng, rank, &host),
+      metadata);
 }
 
 absl::Status ReadTrainingState(const ShardedCheckpointReader& reader, ShardedEngine& engine,
                                int rank) {
   for (const TensorRange& range : engine.LoadRanges()) {
-    at::Tensor host = at::empty({range.data.numel()}, at::kFloat);
+    // Read straight into the engine's memory when it is contiguous float32 host memory; through
+    // a host buffer otherwise (device tensors).
+    const bool direct = range.data.is_cpu() && range.data.is_contiguous() &&
+                        range.data.scalar_type() == at::kFloat;
+    at::Tensor host = direct ? range.data : at::empty({range.data.numel()}, at::kFloat);
     RETURN_IF_ERROR(reader.Read(range.name, range.global_shape, "F32", range.box_offset,
                                 range.box_shape, range.offset, host.numel(), host.data_ptr()));
+    if (direct) continue;
     torch::NoGradGuard no_grad;
-    range.data.copy_(host);
+    range.data.copy_(host.view(range.data.sizes()));
   }
   for (const std::string& name : reader.TensorNames()) {
     const bool model_state = absl::StartsWith(name, "model/") || absl::StartsWith(name, "exp_avg");
