@@ -4,6 +4,7 @@
 #include <chrono>
 #include <iostream>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
@@ -54,7 +55,12 @@ Cluster::Cluster(Store* store, JobManager* jobs, ClusterOptions options)
     : store_(store),
       jobs_(jobs),
       options_(std::move(options)),
-      nodes_(store, options_.heartbeat_timeout) {}
+      nodes_(store, options_.heartbeat_timeout) {
+  // The registry calls this under mu_ (it is only ever used under mu_).
+  nodes_.SetOrdersListener([this](const std::string& node_id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (notifier_ != nullptr && node_id != heartbeat_node_) notifier_->Notify(node_id);
+  });
+}
 
 Cluster::~Cluster() { Stop(); }
 
@@ -124,6 +130,8 @@ absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNod
 absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequest& request) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(nodes_.CheckKey(request.node_id(), request.node_key()));
+  heartbeat_node_ = request.node_id();
+  absl::Cleanup quiet = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { heartbeat_node_.clear(); };
   v1::HeartbeatResponse response;
   if (!nodes_.Touch(request.node_id(), options_.now(), request.gpu_metrics())) {
     // Unknown, or declared lost (its work was failed): start over.
@@ -149,6 +157,15 @@ absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequ
   }
   nodes_.TakeOrders(request.node_id(), &response);
   return response;
+}
+
+absl::Status Cluster::CheckWatcher(const std::string& node_id, const std::string& node_key) {
+  if (node_id.empty()) return absl::InvalidArgumentError("node_id: required");
+  absl::MutexLock lock(&mu_);
+  if (!nodes_.Known(node_id)) {
+    return absl::NotFoundError(absl::StrCat("node ", node_id, " is not registered"));
+  }
+  return nodes_.CheckKey(node_id, node_key);
 }
 
 void Cluster::OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status) {
@@ -742,6 +759,11 @@ void Cluster::Start(std::function<void(const ClusterStats&, double)> observer) {
 void Cluster::Stop() {
   if (!stop_.HasBeenNotified()) stop_.Notify();
   if (loop_.joinable()) loop_.join();
+}
+
+void Cluster::SetAssignmentNotifier(AssignmentNotifier* notifier) {
+  absl::MutexLock lock(&mu_);
+  notifier_ = notifier;
 }
 
 void Cluster::SetSchedulingLatencyObserver(std::function<void(double)> observer) {

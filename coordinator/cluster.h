@@ -31,6 +31,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "coordinator/allocation_ledger.h"
+#include "coordinator/assignment_notifier.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/node_registry.h"
 #include "coordinator/scheduler.h"
@@ -95,6 +96,8 @@ class Cluster {
   absl::StatusOr<v1::RegisterNodeResponse> Register(const v1::RegisterNodeRequest& request);
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
   absl::StatusOr<v1::ReportResponse> Report(const v1::ReportRequest& request);
+  // Whether `node_id` may watch for its assignments: registered, and `node_key` is its key.
+  absl::Status CheckWatcher(const std::string& node_id, const std::string& node_key);
 
   // Nodes with their free GPUs / slots and jobs; LOST ones when include_lost.
   std::vector<v1::Node> Nodes(bool include_lost);
@@ -107,6 +110,11 @@ class Cluster {
   // be null) gets each pass's statistics and duration.
   void Start(std::function<void(const ClusterStats&, double seconds)> observer);
   void Stop();
+
+  // `notifier` (may be null; must outlive the cluster) hears of each node that has new orders
+  // (tasks to start or stop), so that its worker heartbeats at once. Orders queued while the
+  // node's own heartbeat is handled go out in that heartbeat's response and are not announced.
+  void SetAssignmentNotifier(AssignmentNotifier* notifier);
 
   // Seconds from submission to SCHEDULED of each job placed, for metrics.
   void SetSchedulingLatencyObserver(std::function<void(double)> observer);
@@ -159,6 +167,9 @@ class Cluster {
   };
   std::map<std::string, CachedPlan> plan_cache_ ABSL_GUARDED_BY(mu_);
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(mu_);
+  AssignmentNotifier* notifier_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // The node whose heartbeat is being handled: its new orders leave with the response.
+  std::string heartbeat_node_ ABSL_GUARDED_BY(mu_);
   std::map<v1::FailureKind, int64_t> restarts_ ABSL_GUARDED_BY(mu_);
   std::map<v1::FailureKind, int64_t> failures_ ABSL_GUARDED_BY(mu_);
 

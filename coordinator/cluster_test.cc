@@ -4,6 +4,7 @@
 
 #include "coordinator/cluster.h"
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -548,6 +549,55 @@ TEST_F(ClusterTest, NodesReportOnlyForTheirOwnAttemptsWithTheirKey) {
   beat.set_node_id("n1");
   beat.set_node_key("another-key");
   EXPECT_EQ(cluster_->Heartbeat(beat).status().code(), absl::StatusCode::kPermissionDenied);
+}
+
+// The scheduler's decisions reach the notifier for the nodes concerned (so their workers
+// heartbeat at once); an order queued while the node's own heartbeat is handled leaves with that
+// heartbeat's response and is not announced (else a worker would heartbeat again and again).
+TEST_F(ClusterTest, OrdersAreAnnouncedToTheirNodeOnly) {
+  AssignmentNotifier notifier;
+  cluster_->SetAssignmentNotifier(&notifier);
+  absl::Mutex mu;
+  std::map<std::string, int> notices;
+  for (const std::string node : {"n1", "n2"}) {
+    notifier.Subscribe(node, [&mu, &notices, node] {
+      absl::MutexLock lock(&mu);
+      ++notices[node];
+    });
+  }
+  // The dispatcher runs on its own thread: wait (bounded) for the count to settle.
+  auto count = [&](const std::string& node, int want) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (true) {
+      {
+        absl::MutexLock lock(&mu);
+        if (notices[node] == want || absl::Now() > deadline) return notices[node];
+      }
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  };
+  Register("n1", 2);
+  Register("n2", 2);
+  const std::string job_id = Submit(CpuSpec(2, 0));
+  cluster_->Tick();
+  ASSERT_EQ(Job(job_id).placements_size(), 2);
+  const std::string node = Job(job_id).placements(0).node_id();
+  const std::string other = node == "n1" ? "n2" : "n1";
+  EXPECT_EQ(count(node, 1), 1);
+
+  // The start goes out with the next heartbeat; a stale task it reports gets a stop order in the
+  // same response, unannounced.
+  v1::HeartbeatResponse orders = Beat(node, {Task("old-job", 0, node, v1::TASK_STATE_RUNNING)});
+  EXPECT_THAT(orders.start(), SizeIs(1));
+  EXPECT_THAT(orders.stop(), ElementsAre("old-job/0/" + node));
+  Beat(node, {Task(job_id, 0, node, v1::TASK_STATE_RUNNING)});
+
+  // Cancelling drains the attempt: the stop order is announced.
+  ASSERT_THAT(jobs_->Cancel(job_id, "test").status(), IsOk());
+  cluster_->Tick();
+  EXPECT_EQ(count(node, 2), 2);
+  EXPECT_EQ(count(other, 0), 0);
+  cluster_->SetAssignmentNotifier(nullptr);
 }
 
 }  // namespace

@@ -40,13 +40,15 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   daemon->cluster_ =
       std::make_unique<Cluster>(daemon->store_.get(), daemon->jobs_.get(), std::move(cluster));
   RETURN_IF_ERROR(daemon->cluster_->Recover());
+  daemon->notifier_ = std::make_unique<AssignmentNotifier>();
+  daemon->cluster_->SetAssignmentNotifier(daemon->notifier_.get());
   daemon->coordinator_service_ = std::make_unique<CoordinatorService>(
       daemon->jobs_.get(), daemon->cluster_.get(), daemon->authenticator_.get(),
       daemon->limits_.get(),
       WorkerChannelSecurity{.credentials = std::move(worker_credentials),
                             .tls_server_name = options.worker_tls_server_name});
-  daemon->node_service_ =
-      std::make_unique<NodeService>(daemon->cluster_.get(), daemon->authenticator_.get());
+  daemon->node_service_ = std::make_unique<NodeService>(
+      daemon->cluster_.get(), daemon->authenticator_.get(), daemon->notifier_.get());
 
   // The metrics object needs the exposer's registry, and the gRPC server
   // needs its interceptor: DaemonServers hands over the registry in between.
@@ -93,7 +95,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   return daemon;
 }
 
-void CoordinatorDaemon::PrepareShutdown() { jobs_->CloseWatches(); }
+void CoordinatorDaemon::PrepareShutdown() {
+  jobs_->CloseWatches();
+  notifier_->Close();
+}
 
 CoordinatorDaemon::~CoordinatorDaemon() {
   if (cluster_) cluster_->Stop();

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "common/daemon/daemon_servers.h"
 #include "common/security/daemon_security.h"
+#include "coordinator/assignment_notifier.h"
 #include "coordinator/auth.h"
 #include "coordinator/client_limits.h"
 #include "coordinator/cluster.h"
@@ -61,8 +62,8 @@ class CoordinatorDaemon {
   ~CoordinatorDaemon();
 
   DaemonServers& servers() { return *servers_; }
-  // Before the servers shut down: ends the open WatchJob streams (UNAVAILABLE), which would
-  // otherwise hold the shutdown for its whole grace period.
+  // Before the servers shut down: ends the open WatchJob and WatchAssignments streams
+  // (UNAVAILABLE), which would otherwise hold the shutdown for its whole grace period.
   void PrepareShutdown();
 
  private:
@@ -73,6 +74,8 @@ class CoordinatorDaemon {
   std::unique_ptr<CoordinatorMetrics> metrics_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<JobManager> jobs_;
+  // Outlives the cluster, which notifies it, and the node service's streams.
+  std::unique_ptr<AssignmentNotifier> notifier_;
   std::unique_ptr<Cluster> cluster_;
   std::unique_ptr<Authenticator> authenticator_;
   std::unique_ptr<ClientLimits> limits_;

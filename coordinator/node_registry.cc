@@ -125,14 +125,18 @@ const v1::Node* NodeRegistry::Find(const std::string& node_id) const {
 
 void NodeRegistry::QueueStart(const std::string& node_id, v1::TaskAssignment assignment) {
   auto it = nodes_.find(node_id);
-  if (it != nodes_.end()) it->second.to_start.push_back(std::move(assignment));
+  if (it == nodes_.end()) return;
+  it->second.to_start.push_back(std::move(assignment));
+  if (orders_listener_) orders_listener_(node_id);
 }
 
 void NodeRegistry::QueueStop(const std::string& node_id, const std::string& task_id) {
   auto it = nodes_.find(node_id);
   if (it == nodes_.end() || it->second.node.state() == v1::NODE_STATE_LOST) return;
   auto& stops = it->second.to_stop;
-  if (std::find(stops.begin(), stops.end(), task_id) == stops.end()) stops.push_back(task_id);
+  if (std::find(stops.begin(), stops.end(), task_id) != stops.end()) return;
+  stops.push_back(task_id);
+  if (orders_listener_) orders_listener_(node_id);
 }
 
 bool NodeRegistry::WithdrawStart(const std::string& node_id, const std::string& task_id) {

@@ -8,6 +8,7 @@
 // so tests drive it without sleeping.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -63,6 +64,12 @@ class NodeRegistry {
   // The registered node, or null.
   const v1::Node* Find(const std::string& node_id) const;
 
+  // Called with the node's id each time an order is queued for it (a stop already queued is not
+  // queued again), under the owner's lock: it must not block nor call back into the registry.
+  void SetOrdersListener(std::function<void(const std::string& node_id)> listener) {
+    orders_listener_ = std::move(listener);
+  }
+
   // Orders delivered with the node's next heartbeat response.
   void QueueStart(const std::string& node_id, v1::TaskAssignment assignment);
   void QueueStop(const std::string& node_id, const std::string& task_id);
@@ -90,6 +97,7 @@ class NodeRegistry {
   const absl::Duration heartbeat_timeout_;
   std::map<std::string, Entry> nodes_;
   std::set<std::string> dirty_;
+  std::function<void(const std::string&)> orders_listener_;
 };
 
 }  // namespace tessera::coordinator

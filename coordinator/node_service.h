@@ -1,21 +1,26 @@
 // NodeService: tessera.v1.NodeService (the worker-facing API) over gRPC's
 // callback API; converts messages and calls Cluster. Only callers with the
 // node role (a join token or a node certificate, see auth.h) get through.
+// WatchAssignments streams hold no thread: each is a reactor subscribed to the
+// AssignmentNotifier, with at most one write in flight and one notice pending.
 #pragma once
 
+#include "coordinator/assignment_notifier.h"
 #include "coordinator/auth.h"
 #include "coordinator/cluster.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 
 namespace tessera::coordinator {
 
-// Thread safety: handlers run on gRPC threads and share only the Cluster and
-// the Authenticator, both thread-safe.
+// Thread safety: handlers run on gRPC threads and share only the Cluster, the
+// Authenticator and the AssignmentNotifier, all thread-safe.
 class NodeService final : public v1::NodeService::CallbackService {
  public:
-  // `authenticator` may be null: open (in-process tests).
-  explicit NodeService(Cluster* cluster, Authenticator* authenticator = nullptr)
-      : cluster_(cluster), authenticator_(authenticator) {}
+  // `authenticator` may be null: open (in-process tests). `notifier` may be
+  // null: WatchAssignments answers UNIMPLEMENTED and workers rely on heartbeats.
+  explicit NodeService(Cluster* cluster, Authenticator* authenticator = nullptr,
+                       AssignmentNotifier* notifier = nullptr)
+      : cluster_(cluster), authenticator_(authenticator), notifier_(notifier) {}
 
   grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* context,
                                          const v1::RegisterNodeRequest* request,
@@ -26,10 +31,13 @@ class NodeService final : public v1::NodeService::CallbackService {
   grpc::ServerUnaryReactor* Report(grpc::CallbackServerContext* context,
                                    const v1::ReportRequest* request,
                                    v1::ReportResponse* response) override;
+  grpc::ServerWriteReactor<v1::AssignmentsNotice>* WatchAssignments(
+      grpc::CallbackServerContext* context, const v1::WatchAssignmentsRequest* request) override;
 
  private:
   Cluster* cluster_;
   Authenticator* authenticator_;
+  AssignmentNotifier* notifier_;
 };
 
 }  // namespace tessera::coordinator

@@ -376,6 +376,21 @@ TEST_F(SecurityTest, EveryRpcTimesEveryCallerGetsTheExpectedCode) {
     v1::HeartbeatResponse response;
     return nodes(caller)->Heartbeat(Context(caller).get(), request, &response);
   };
+  rpcs["WatchAssignments"] = [&](const Caller& caller) {
+    v1::WatchAssignmentsRequest request;
+    request.set_node_id("n1");
+    request.set_node_key("key-1");
+    auto context = Context(caller);
+    auto reader = nodes(caller)->WatchAssignments(context.get(), request);
+    v1::AssignmentsNotice notice;
+    // The stream opens with a notice and stays open: that notice is the call's success.
+    if (reader->Read(&notice)) {
+      context->TryCancel();
+      reader->Finish().IgnoreError();
+      return grpc::Status::OK;
+    }
+    return reader->Finish();
+  };
   rpcs["Report"] = [&](const Caller& caller) {
     v1::ReportRequest request;
     request.set_node_id("n1");
@@ -417,13 +432,16 @@ TEST_F(SecurityTest, EveryRpcTimesEveryCallerGetsTheExpectedCode) {
                      {"admin (certificate)", kDenied}, {"node", kOk}}},
       {"Report", {{"viewer", kDenied}, {"alice (owner)", kDenied}, {"bob (not owner)", kDenied},
                   {"admin (certificate)", kDenied}, {"node", kOk}}},
+      {"WatchAssignments", {{"viewer", kDenied}, {"alice (owner)", kDenied},
+                            {"bob (not owner)", kDenied}, {"admin (certificate)", kDenied},
+                            {"node", kOk}}},
   };
 
   int unauthenticated_calls = 0;
   int unauthenticated_accepted = 0;
   int checked = 0;
   std::vector<std::string> mismatches;
-  // RegisterNode first, so that Heartbeat and Report find the node.
+  // RegisterNode first, so that Heartbeat, Report and WatchAssignments find the node.
   std::vector<std::string> order = {"RegisterNode"};
   for (const auto& [name, rpc] : rpcs) {
     if (name != "RegisterNode") order.push_back(name);
@@ -496,6 +514,14 @@ TEST_F(SecurityTest, ANodeIdCannotBeTakenOverWhileItsNodeIsAlive) {
   v1::ReportResponse reported;
   EXPECT_EQ(stub->Report(Context(node).get(), report, &reported).error_code(),
             Code::PERMISSION_DENIED);
+  v1::WatchAssignmentsRequest watch;
+  watch.set_node_id("gpu-1");
+  watch.set_node_key("key-b");
+  auto watch_context = Context(node);
+  auto watcher = stub->WatchAssignments(watch_context.get(), watch);
+  v1::AssignmentsNotice notice;
+  EXPECT_FALSE(watcher->Read(&notice));
+  EXPECT_EQ(watcher->Finish().error_code(), Code::PERMISSION_DENIED);
   // The same worker (same key) registers again, e.g. after a restart.
   EXPECT_TRUE(
       stub->RegisterNode(Context(node).get(), NodeRequest("gpu-1", "key-a"), &registered).ok());

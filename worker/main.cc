@@ -61,6 +61,10 @@ ABSL_FLAG(int, trainer_threads, 0,
           "Intra-op CPU threads of each trainer (OMP_NUM_THREADS, MKL_NUM_THREADS); 0: this "
           "node's cores divided by its slots (CPU slots, or GPUs), at least 1, so that ranks do "
           "not fight over cores.");
+ABSL_FLAG(bool, watch_assignments, true,
+          "Keep a stream open to the coordinator (NodeService.WatchAssignments) and heartbeat as "
+          "soon as it has tasks to start or stop; false: only the periodic heartbeat delivers "
+          "them.");
 
 // Join token of the worker when --join_token_file is not given.
 constexpr char kJoinTokenEnv[] = "TESSERA_JOIN_TOKEN";
@@ -112,6 +116,7 @@ int main(int argc, char** argv) {
   }
   agent.stop_grace = absl::GetFlag(FLAGS_stop_grace);
   agent.trainer_threads = absl::GetFlag(FLAGS_trainer_threads);
+  agent.watch_assignments = absl::GetFlag(FLAGS_watch_assignments);
 
   options.security.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.security.tls.key_file = absl::GetFlag(FLAGS_tls_key);

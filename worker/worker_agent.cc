@@ -72,10 +72,28 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend>
       MakeClientChannel(options_.coordinator_address, options_.coordinator_credentials));
   socket_path_ = absl::StrCat(options_.work_dir, "/reports.sock");
   pid_dir_ = absl::StrCat(options_.work_dir, "/trainers");
+  if (options_.watch_assignments) {
+    watch_ = std::make_unique<AssignmentWatch>(
+        coordinator_.get(),
+        [this](grpc::ClientContext& context) { Authorize(context); },
+        [this]() -> std::optional<v1::WatchAssignmentsRequest> {
+          absl::MutexLock lock(&mu_);
+          if (!registered_) return std::nullopt;
+          v1::WatchAssignmentsRequest request;
+          request.set_node_id(options_.node_id);
+          request.set_node_key(options_.node_key);
+          return request;
+        },
+        [this] { WakeHeartbeat(); }, options_.watch);
+  }
 }
 
 void WorkerAgent::PrepareCall(grpc::ClientContext& context) const {
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  Authorize(context);
+}
+
+void WorkerAgent::Authorize(grpc::ClientContext& context) const {
   if (!options_.join_token.empty()) {
     context.AddMetadata("authorization", absl::StrCat("Bearer ", options_.join_token));
   }
@@ -141,12 +159,33 @@ absl::Status WorkerAgent::Start(const std::string& advertise_address) {
   threads_.emplace_back([this] { HeartbeatLoop(); });
   threads_.emplace_back([this] { SuperviseLoop(); });
   threads_.emplace_back([this] { RelayLoop(); });
+  if (watch_) watch_->Start();
   return absl::OkStatus();
+}
+
+bool WorkerAgent::WaitForHeartbeat(absl::Duration wait) {
+  absl::MutexLock lock(&wake_mu_);
+  auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(wake_mu_) {
+    return heartbeat_now_ || stopping_;
+  };
+  wake_mu_.AwaitWithTimeout(absl::Condition(&woken), wait);
+  heartbeat_now_ = false;
+  return !stopping_;
+}
+
+void WorkerAgent::WakeHeartbeat() {
+  absl::MutexLock lock(&wake_mu_);
+  heartbeat_now_ = true;
 }
 
 void WorkerAgent::Stop() {
   if (stop_.HasBeenNotified()) return;
   stop_.Notify();
+  {
+    absl::MutexLock lock(&wake_mu_);
+    stopping_ = true;
+  }
+  if (watch_) watch_->Stop();
   // The trainers first, while their report sockets are open and the thread that spawned them
   // lives: either closing would SIGKILL them at once, with no SIGTERM grace.
   {
@@ -230,7 +269,7 @@ absl::Status WorkerAgent::RegisterNow() {
 void WorkerAgent::HeartbeatLoop() {
   absl::Duration wait = absl::ZeroDuration();
   std::string last_error;
-  while (!stop_.WaitForNotificationWithTimeout(wait)) {
+  while (WaitForHeartbeat(wait)) {
     bool registered;
     {
       absl::MutexLock lock(&mu_);
@@ -248,6 +287,7 @@ void WorkerAgent::HeartbeatLoop() {
       } else {
         std::cerr << "tessera-worker: registered with " << options_.coordinator_address << " as "
                   << options_.node_id << std::endl;
+        if (watch_) watch_->Kick();
         last_error.clear();
         wait = absl::ZeroDuration();
       }

@@ -11,6 +11,10 @@
 // keeping them while the coordinator is unreachable. At start it kills the
 // trainers a previous worker left behind (worker/orphans.h).
 //
+// Between heartbeats it keeps a WatchAssignments stream open (AssignmentWatch):
+// each notice from the coordinator wakes the heartbeat loop at once, so new
+// tasks start (and stop orders land) without waiting for the heartbeat period.
+//
 // Thread safety: public methods may be called from any thread. One
 // absl::Mutex guards the tasks and the report queues; the heartbeat, the
 // supervision and the relay loops and the socket readers each run on their
@@ -37,6 +41,7 @@
 #include "grpcpp/client_context.h"
 #include "grpcpp/security/credentials.h"
 #include "tessera/v1/node_service.grpc.pb.h"
+#include "worker/assignment_watch.h"
 #include "worker/gpu_inventory.h"
 #include "worker/trainer_process.h"
 
@@ -76,6 +81,11 @@ struct WorkerAgentOptions {
   std::string join_token;
   // This node's key (node_key.h): binds the node id at the coordinator.
   std::string node_key;
+  // Watch for assignments (NodeService.WatchAssignments) and heartbeat as soon as the
+  // coordinator has some; false: assignments arrive with the periodic heartbeat only.
+  bool watch_assignments = true;
+  // Reconnection of the watch stream.
+  AssignmentWatchOptions watch;
 };
 
 // Intra-op threads per trainer: `requested` when positive, else `usable_cores` / `slots` (at
@@ -153,7 +163,13 @@ class WorkerAgent {
 
   // Deadline and credentials of a call to the coordinator.
   void PrepareCall(grpc::ClientContext& context) const;
+  // Credentials of a call to the coordinator (the watch stream has no fixed deadline).
+  void Authorize(grpc::ClientContext& context) const;
   void HeartbeatLoop();
+  // Waits `wait`, or less when WakeHeartbeat() is called; false once Stop() began.
+  bool WaitForHeartbeat(absl::Duration wait);
+  // Makes the heartbeat loop heartbeat now (a notice from the coordinator).
+  void WakeHeartbeat();
   void SuperviseLoop();
   void RelayLoop();
   void AcceptLoop();
@@ -197,6 +213,12 @@ class WorkerAgent {
   std::set<int> reader_fds_ ABSL_GUARDED_BY(mu_);
 
   absl::Notification stop_;
+  // Wakes the heartbeat loop early (WaitForHeartbeat); a leaf mutex.
+  absl::Mutex wake_mu_;
+  bool heartbeat_now_ ABSL_GUARDED_BY(wake_mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(wake_mu_) = false;
+  // Null when options_.watch_assignments is false.
+  std::unique_ptr<AssignmentWatch> watch_;
   std::vector<std::thread> threads_;
 };
 

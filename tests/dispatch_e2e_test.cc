@@ -1,0 +1,224 @@
+// Sub-second dispatch on the real binaries: a coordinator whose workers heartbeat only once a
+// minute, a worker running fake trainers, jobs submitted through the CLI. A trainer can start
+// only from a heartbeat response, and the next periodic heartbeat is a minute away, so a trainer
+// that starts well within that minute proves the WatchAssignments notice woke the worker. The
+// same holds for stop orders (cancel), after a worker restart and after a coordinator restart
+// (the stream reconnects), and the coordinator still stops at once on SIGTERM with the stream
+// open.
+
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/util/http_get.h"
+#include "tests/util/subprocess.h"
+#include "tests/util/temp_dir.h"
+
+namespace tessera {
+namespace {
+
+using ::tessera::testing::BinDir;
+using ::tessera::testing::HttpGet;
+using ::tessera::testing::IsOk;
+using ::tessera::testing::RunCommand;
+using ::tessera::testing::ScopedTempDir;
+using ::tessera::testing::Subprocess;
+using ::testing::HasSubstr;
+
+// The workers' heartbeat period: nothing in this test may wait for it.
+constexpr absl::Duration kHeartbeatInterval = absl::Seconds(60);
+// How long an early heartbeat may take on a loaded machine; far below kHeartbeatInterval.
+constexpr absl::Duration kPrompt = absl::Seconds(20);
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Polls `done` every 50 ms until it holds or `deadline` passes.
+template <typename F>
+bool WaitUntil(absl::Time deadline, F done) {
+  while (!done()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return true;
+}
+
+class DispatchTest : public ::testing::Test {
+ protected:
+  void StartCoordinator(const std::string& listen = "127.0.0.1:0") {
+    auto process = Subprocess::Start(
+        {BinDir() + "/tessera-coordinator", "--listen=" + listen, "--metrics_listen=127.0.0.1:0",
+         "--state=" + dir_.path() + "/state.db",
+         "--checkpoint_root=" + dir_.path() + "/checkpoints",
+         absl::StrCat("--heartbeat_interval=", absl::FormatDuration(kHeartbeatInterval)),
+         absl::StrCat("--heartbeat_timeout=", absl::FormatDuration(3 * kHeartbeatInterval))});
+    ASSERT_THAT(process, IsOk());
+    auto line = process->WaitForStderrLine("serving gRPC on");
+    ASSERT_THAT(line, IsOk()) << process->stderr_text();
+    std::smatch match;
+    const std::string serving = *line;
+    ASSERT_TRUE(std::regex_search(
+        serving, match, std::regex(R"(serving gRPC on (\S+:\d+), metrics on port (\d+))")))
+        << serving;
+    address_ = match[1];
+    ASSERT_TRUE(absl::SimpleAtoi(match[2].str(), &metrics_port_));
+    coordinator_.emplace(std::move(*process));
+  }
+
+  // Starts the worker and waits until its watch stream is open; returns when it registered.
+  absl::Time StartWorker() {
+    testing::SubprocessOptions options;
+    options.extra_env = {"TESSERA_FAKE_TRAINER_ARGS_RANK0=--sleep=600",
+                         "TESSERA_FAKE_TRAINER_ARGS_RANK1=--sleep=600"};
+    auto process = Subprocess::Start(
+        {BinDir() + "/tessera-worker", "--coordinator=" + address_, "--node_name=cpu-1",
+         "--listen=127.0.0.1:0", "--metrics_listen=", "--cpu_slots=2", "--work_dir=" + work_dir(),
+         "--trainer=" + BinDir() + "/../tests/fake_trainer"},
+        options);
+    EXPECT_THAT(process, IsOk());
+    if (!process.ok()) return absl::InfinitePast();
+    worker_.emplace(std::move(*process));
+    EXPECT_THAT(worker_->WaitForStderrLine("registered with"), IsOk()) << worker_->stderr_text();
+    const absl::Time registered = absl::Now();
+    EXPECT_THAT(worker_->WaitForStderrLine("watching the coordinator for assignments"), IsOk())
+        << worker_->stderr_text();
+    return registered;
+  }
+
+  std::string work_dir() const { return dir_.path() + "/work"; }
+
+  std::string Cli(const std::string& args) {
+    auto result = RunCommand({"/bin/sh", "-c",
+                              "TESSERA_DATA_DIR=" + dir_.path() + " " + BinDir() +
+                                  "/tessera --coordinator=" + address_ + " " + args});
+    EXPECT_THAT(result, IsOk());
+    if (!result.ok()) return "";
+    EXPECT_EQ(result->exit.exit_code, 0) << args << ": " << result->output;
+    return result->output;
+  }
+
+  std::string Submit() {
+    const std::string output =
+        Cli(std::string("submit ") + TESSERA_EXAMPLES_DIR + "/tiny-gpt.yaml");
+    return output.substr(0, output.find('\n'));
+  }
+
+  // Whether rank 0 of the job's first attempt has started (the fake trainer prints READY).
+  bool TrainerStarted(const std::string& job_id) {
+    return ReadFile(work_dir() + "/jobs/" + job_id + "/attempt-0/rank-0.log").find("READY") !=
+           std::string::npos;
+  }
+
+  // Trainers the worker runs now (one pid file each).
+  int RunningTrainers() {
+    std::error_code error;
+    int count = 0;
+    for (const auto& entry : std::filesystem::directory_iterator(work_dir() + "/trainers", error)) {
+      (void)entry;
+      ++count;
+    }
+    return count;
+  }
+
+  // OK heartbeats the coordinator answered, from its /metrics.
+  int Heartbeats() {
+    auto metrics = HttpGet(metrics_port_, "/metrics");
+    if (!metrics.ok()) return -1;
+    std::smatch match;
+    static const std::regex kLine(
+        R"re(tessera_grpc_server_requests_total\{code="OK",method="/tessera.v1.NodeService/Heartbeat"\} (\d+))re");
+    int count = 0;
+    if (std::regex_search(metrics->body, match, kLine))
+      (void)absl::SimpleAtoi(match[1].str(), &count);
+    return count;
+  }
+
+  ScopedTempDir dir_{"dispatch_e2e_test"};
+  std::optional<Subprocess> coordinator_;
+  std::optional<Subprocess> worker_;
+  std::string address_;
+  int metrics_port_ = 0;
+};
+
+TEST_F(DispatchTest, AssignmentsReachTheWorkerLongBeforeItsNextHeartbeat) {
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator());
+  const absl::Time registered = StartWorker();
+  const absl::Time next_heartbeat = registered + kHeartbeatInterval;
+
+  const std::string job_id = Submit();
+  ASSERT_FALSE(job_id.empty());
+  ASSERT_TRUE(WaitUntil(registered + kPrompt, [&] { return TrainerStarted(job_id); }))
+      << Cli("get " + job_id) << worker_->stderr_text();
+  EXPECT_LT(absl::Now(), next_heartbeat);
+  EXPECT_THAT(Cli("get " + job_id), HasSubstr("SCHEDULED"));
+
+  // Notices lead to heartbeats, not to a storm of them: registration, the stream's opening notice
+  // and the placement make three at most, and a running job adds none.
+  absl::SleepFor(absl::Seconds(1));
+  const int heartbeats = Heartbeats();
+  EXPECT_GE(heartbeats, 2);
+  EXPECT_LE(heartbeats, 3);
+
+  // Cancelling sends a stop order the same way: the trainers end long before the next heartbeat.
+  ASSERT_EQ(RunningTrainers(), 2);
+  Cli("cancel " + job_id);
+  EXPECT_TRUE(WaitUntil(absl::Now() + kPrompt, [&] { return RunningTrainers() == 0; }))
+      << worker_->stderr_text();
+  EXPECT_LT(absl::Now(), next_heartbeat);
+
+  // SIGTERM is obeyed at once with the worker's stream open.
+  const absl::Time signalled = absl::Now();
+  auto exit = coordinator_->Stop(SIGTERM);
+  ASSERT_THAT(exit, IsOk());
+  EXPECT_EQ(exit->exit_code, 0) << coordinator_->stderr_text();
+  EXPECT_LT(absl::Now() - signalled, absl::Seconds(3)) << "the watch stream held the shutdown";
+  coordinator_.reset();
+  auto worker_exit = worker_->Stop(SIGTERM);
+  ASSERT_THAT(worker_exit, IsOk());
+  EXPECT_EQ(worker_exit->exit_code, 0) << worker_->stderr_text();
+}
+
+TEST_F(DispatchTest, TheStreamComesBackAfterAWorkerAndACoordinatorRestart) {
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator());
+  StartWorker();
+
+  // A restarted worker (same node, same work directory) watches again.
+  ASSERT_THAT(worker_->Stop(SIGTERM), IsOk());
+  worker_.reset();
+  absl::Time registered = StartWorker();
+  const std::string first = Submit();
+  ASSERT_TRUE(WaitUntil(registered + kPrompt, [&] { return TrainerStarted(first); }))
+      << Cli("get " + first) << worker_->stderr_text();
+  Cli("cancel " + first);
+  ASSERT_TRUE(WaitUntil(absl::Now() + kPrompt, [&] { return RunningTrainers() == 0; }));
+
+  // The coordinator restarts on the same address: the worker's stream ends (UNAVAILABLE), the
+  // worker registers again and reopens it, and the next job starts at once.
+  const std::string address = address_;
+  ASSERT_THAT(coordinator_->Stop(SIGTERM), IsOk());
+  coordinator_.reset();
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator(address));
+  ASSERT_THAT(worker_->WaitForStderrLine("watching the coordinator for assignments"), IsOk())
+      << worker_->stderr_text();
+  registered = absl::Now();
+  const std::string second = Submit();
+  ASSERT_TRUE(WaitUntil(registered + kPrompt, [&] { return TrainerStarted(second); }))
+      << Cli("get " + second) << worker_->stderr_text();
+}
+
+}  // namespace
+}  // namespace tessera
