@@ -2,6 +2,11 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
+#include <atomic>
+#include <thread>
+#include <vector>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -11,6 +16,8 @@ namespace tessera::trainer {
 namespace {
 
 constexpr char kStepName[] = "optimizer.step";
+// Threads reading a checkpoint's ranges at once (at most the machine's cores).
+constexpr size_t kReadThreads = 4;
 
 std::string RngName(int rank) { return absl::StrFormat("rng/cpu/rank-%05d", rank); }
 
@@ -96,17 +103,43 @@ absl::StatusOr<WrittenShard> WriteTrainingStateSnapshot(
 
 absl::Status ReadTrainingState(const ShardedCheckpointReader& reader, ShardedEngine& engine,
                                int rank) {
-  for (const TensorRange& range : engine.LoadRanges()) {
-    // Read straight into the engine's memory when it is contiguous float32 host memory; through
-    // a host buffer otherwise (device tensors).
-    const bool direct = range.data.is_cpu() && range.data.is_contiguous() &&
-                        range.data.scalar_type() == at::kFloat;
-    at::Tensor host = direct ? range.data : at::empty({range.data.numel()}, at::kFloat);
-    RETURN_IF_ERROR(reader.Read(range.name, range.global_shape, "F32", range.box_offset,
-                                range.box_shape, range.offset, host.numel(), host.data_ptr()));
-    if (direct) continue;
+  // Every range is read with pread (ShardedCheckpointReader::Read is thread-safe), by several
+  // threads at once: from the page cache a single thread copies at memory speed of one core, and
+  // cold reads keep several requests in flight. Straight into the engine's memory when it is
+  // contiguous float32 host memory; device tensors go through host buffers, copied on this
+  // thread afterwards.
+  const std::vector<TensorRange> ranges = engine.LoadRanges();
+  std::vector<at::Tensor> host(ranges.size());
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const at::Tensor& data = ranges[i].data;
+    const bool direct =
+        data.is_cpu() && data.is_contiguous() && data.scalar_type() == at::kFloat;
+    host[i] = direct ? data : at::empty({data.numel()}, at::kFloat);
+  }
+  std::vector<absl::Status> statuses(ranges.size());
+  std::atomic<size_t> next{0};
+  auto read_ranges = [&] {
+    for (size_t i = next++; i < ranges.size(); i = next++) {
+      const TensorRange& range = ranges[i];
+      statuses[i] = reader.Read(range.name, range.global_shape, "F32", range.box_offset,
+                                range.box_shape, range.offset, host[i].numel(),
+                                host[i].data_ptr());
+    }
+  };
+  const size_t threads = std::min<size_t>(
+      {kReadThreads, std::max(1u, std::thread::hardware_concurrency()), ranges.size()});
+  std::vector<std::thread> helpers;
+  for (size_t t = 1; t < threads; ++t) helpers.emplace_back(read_ranges);
+  read_ranges();
+  for (std::thread& helper : helpers) helper.join();
+  for (const absl::Status& status : statuses) RETURN_IF_ERROR(status);
+  {
     torch::NoGradGuard no_grad;
-    range.data.copy_(host.view(range.data.sizes()));
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      if (!host[i].is_same(ranges[i].data)) {
+        ranges[i].data.copy_(host[i].view(ranges[i].data.sizes()));
+      }
+    }
   }
   for (const std::string& name : reader.TensorNames()) {
     const bool model_state = absl::StartsWith(name, "model/") || absl::StartsWith(name, "exp_avg");
