@@ -27,48 +27,12 @@ try:
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
+    from hf_tiny_models import TOKENS, logits_of, make_model, run, tiny_configs
 except ImportError as error:  # pragma: no cover - depends on the venv
     print(f"SKIP: {error} (scripts/bootstrap.sh installs transformers into the torch venv)")
     sys.exit(77)
 
 TOLERANCE = 1e-4
-TOKENS = [3, 17, 250, 42, 0, 99, 128, 7, 255, 1, 64, 200]
-
-
-def tiny_configs():
-    common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  rms_norm_eps=1e-6, rope_theta=10000.0)
-    return {
-        "llama": transformers.LlamaConfig(**common, tie_word_embeddings=False),
-        "qwen3": transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
-        "gpt2": transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4,
-                                        n_positions=128, n_inner=None),
-    }
-
-
-def make_model(config, seed):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Norm weights and biases start at 1 and 0; perturb everything so each tensor's mapping
-    # (and GPT-2's transposes) shows in the logits.
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    return model.eval()
-
-
-def hf_logits(model):
-    with torch.no_grad():
-        return model(torch.tensor([TOKENS])).logits.float()
-
-
-def run(trainer, *args, expect_ok=True):
-    result = subprocess.run([trainer, *args], capture_output=True, text=True, timeout=300)
-    if expect_ok and result.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n"
-                             f"{result.stdout}\n{result.stderr}")
-    return result
 
 
 def tessera_logits(trainer, init_from, out_file, *extra):
@@ -212,7 +176,7 @@ def main():
             # Llama: sharded, so the index file is read too.
             model.save_pretrained(model_dir, max_shard_size="100KB" if name == "llama" else "5GB")
             dirs[name] = model_dir
-            reference = hf_logits(model)
+            reference = logits_of(model)
 
             logits = tessera_logits(args.trainer, model_dir, os.path.join(tmp, f"{name}.logits"))
             diff = (logits - reference).abs().max().item()
@@ -224,7 +188,7 @@ def main():
             run(args.trainer, f"--init_from={model_dir}", f"--export_hf={export_dir}")
             exported = transformers.AutoModelForCausalLM.from_pretrained(export_dir).eval()
             assert type(exported) is type(model), (type(exported), type(model))
-            diff = (hf_logits(exported) - reference).abs().max().item()
+            diff = (logits_of(exported) - reference).abs().max().item()
             print(f"{name}: export -> transformers max |logit diff| = {diff:.3g}")
             if not diff <= TOLERANCE:
                 failures.append(f"{name}: exported model's logits differ by {diff}")

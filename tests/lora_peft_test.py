@@ -20,7 +20,6 @@ Exit code 77 (ctest's skip) when transformers or peft is not installed. No downl
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -30,13 +29,13 @@ try:
     import transformers
     from safetensors import safe_open
     from safetensors.torch import load_file
+    from hf_tiny_models import TOKENS, logits_of, make_model, run, tiny_configs
 except ImportError as error:  # pragma: no cover - depends on the venv
     print(f"SKIP: {error} (scripts/bootstrap.sh installs transformers and peft into the torch "
           "venv)")
     sys.exit(77)
 
 TOLERANCE = 1e-4
-TOKENS = [3, 17, 250, 42, 0, 99, 128, 7, 255, 1, 64, 200]
 
 # model: (target modules as the spec names them, the weights they adapt in transformers' names)
 CASES = {
@@ -44,41 +43,6 @@ CASES = {
     "qwen3": (["q_proj", "v_proj"], ["q_proj.weight", "v_proj.weight"]),
     "gpt2": (["c_attn", "mlp.c_proj"], ["attn.c_attn.weight", "mlp.c_proj.weight"]),
 }
-
-
-def tiny_configs():
-    common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  rms_norm_eps=1e-6, rope_theta=10000.0)
-    return {
-        "llama": transformers.LlamaConfig(**common, tie_word_embeddings=False),
-        "qwen3": transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
-        "gpt2": transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4,
-                                        n_positions=128, n_inner=None),
-    }
-
-
-def make_model(config, seed):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    return model.eval()
-
-
-def logits_of(model):
-    with torch.no_grad():
-        return model(torch.tensor([TOKENS])).logits.float()
-
-
-def run(trainer, *args, expect_ok=True, env=None):
-    result = subprocess.run([trainer, *args], capture_output=True, text=True, timeout=300,
-                            env=env)
-    if expect_ok and result.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n"
-                             f"{result.stdout}\n{result.stderr}")
-    return result
 
 
 def losses_of(stdout):

@@ -270,6 +270,29 @@ constexpr const char* kCopiedFiles[] = {"generation_config.json",
                                         "merges.txt",
                                         "added_tokens.json"};
 
+// Creates `dir` and its parents; INTERNAL naming it when it cannot.
+absl::Status MakeDirectory(const std::string& dir) {
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error) return absl::InternalError(absl::StrCat(dir, ": cannot create: ", error.message()));
+  return absl::OkStatus();
+}
+
+// Float32 host copies of tensors and the safetensors views of them, for writing a file.
+struct HostTensors {
+  std::vector<torch::Tensor> keep;
+  std::vector<TensorView> views;
+
+  void Add(const std::string& name, torch::Tensor value) {
+    keep.push_back(value.contiguous());
+    views.push_back({.name = name,
+                     .dtype = "F32",
+                     .shape = keep.back().sizes().vec(),
+                     .data = keep.back().data_ptr(),
+                     .nbytes = static_cast<size_t>(keep.back().nbytes())});
+  }
+};
+
 // PEFT's name of the adapter tensor `name` ("layers.3.attn.q.lora_a"); nullopt for others.
 std::optional<std::string> PeftNameOf(const std::string& name, const v1::ModelDims& dims) {
   absl::string_view rest = name;
@@ -306,11 +329,8 @@ absl::Status ExportPeftAdapter(CausalLMImpl& model, const planner::ResolvedLora&
   if (model.lora().rank == 0) {
     return absl::FailedPreconditionError("PEFT export: the model has no LoRA adapters");
   }
-  std::error_code error;
-  std::filesystem::create_directories(dir, error);
-  if (error) return absl::InternalError(absl::StrCat(dir, ": cannot create: ", error.message()));
-  std::vector<torch::Tensor> keep;
-  std::vector<TensorView> views;
+  RETURN_IF_ERROR(MakeDirectory(dir));
+  HostTensors tensors;
   try {
     torch::NoGradGuard no_grad;
     for (const auto& item : model.named_parameters()) {
@@ -319,19 +339,13 @@ absl::Status ExportPeftAdapter(CausalLMImpl& model, const planner::ResolvedLora&
       if (!peft.has_value()) {
         return absl::InternalError(absl::StrCat("adapter '", item.key(), "' has no PEFT name"));
       }
-      torch::Tensor value = item.value().detach().to(torch::kCPU, torch::kFloat32).contiguous();
-      keep.push_back(value);
-      views.push_back({.name = *peft,
-                       .dtype = "F32",
-                       .shape = value.sizes().vec(),
-                       .data = value.data_ptr(),
-                       .nbytes = static_cast<size_t>(value.nbytes())});
+      tensors.Add(*peft, item.value().detach().to(torch::kCPU, torch::kFloat32));
     }
   } catch (const c10::Error& e) {
     return absl::InternalError(absl::StrCat("PEFT export: LibTorch: ", e.what_without_backtrace()));
   }
-  RETURN_IF_ERROR(
-      WriteSafetensors(absl::StrCat(dir, "/", kPeftWeightsFileName), views, {{"format", "pt"}}));
+  RETURN_IF_ERROR(WriteSafetensors(absl::StrCat(dir, "/", kPeftWeightsFileName), tensors.views,
+                                   {{"format", "pt"}}));
   const bool gpt2 = model.dims().architecture() == v1::ARCHITECTURE_GPT2;
   Json config = {{"peft_type", "LORA"},
                  {"task_type", "CAUSAL_LM"},
@@ -451,12 +465,9 @@ absl::Status ExportHfModel(CausalLMImpl& model, const std::string& dir,
                      ReadText(absl::StrCat(source_dir, "/", planner::kHfConfigFileName)));
   }
   ASSIGN_OR_RETURN(std::string config, planner::HfConfigJson(dims, base_config));
-  std::error_code error;
-  std::filesystem::create_directories(dir, error);
-  if (error) return absl::InternalError(absl::StrCat(dir, ": cannot create: ", error.message()));
+  RETURN_IF_ERROR(MakeDirectory(dir));
 
-  std::vector<torch::Tensor> keep;
-  std::vector<TensorView> views;
+  HostTensors tensors;
   try {
     torch::NoGradGuard no_grad;
     const auto params = model.named_parameters();
@@ -479,23 +490,18 @@ absl::Status ExportHfModel(CausalLMImpl& model, const std::string& dir,
                               model.lora().scale;
         }
       }
-      if (hf->transposed) value = value.t();
-      value = value.contiguous();
-      keep.push_back(value);
-      views.push_back({.name = hf->name,
-                       .dtype = "F32",
-                       .shape = value.sizes().vec(),
-                       .data = value.data_ptr(),
-                       .nbytes = static_cast<size_t>(value.nbytes())});
+      tensors.Add(hf->name, hf->transposed ? value.t() : value);
     }
   } catch (const c10::Error& e) {
     return absl::InternalError(
         absl::StrCat("Hugging Face export: LibTorch: ", e.what_without_backtrace()));
   }
   RETURN_IF_ERROR(
-      WriteSafetensors(absl::StrCat(dir, "/", kHfWeightsFileName), views, {{"format", "pt"}}));
+      WriteSafetensors(absl::StrCat(dir, "/", kHfWeightsFileName), tensors.views,
+                       {{"format", "pt"}}));
   RETURN_IF_ERROR(WriteText(absl::StrCat(dir, "/", planner::kHfConfigFileName), config));
   bool copied_generation_config = false;
+  std::error_code error;
   if (!source_dir.empty()) {
     for (const char* file : kCopiedFiles) {
       const std::filesystem::path from = std::filesystem::path(source_dir) / file;
