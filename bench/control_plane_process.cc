@@ -41,7 +41,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorProcess>> CoordinatorProcess::Start(
       "--metrics_listen=127.0.0.1:0",
       absl::StrCat("--state=", options.dir, "/state.db"),
       absl::StrCat("--checkpoint_root=", options.dir, "/checkpoints"),
-      absl::StrCat("--heartbeat_timeout=", absl::FormatDuration(options.heartbeat_timeout))};
+      absl::StrCat("--heartbeat_timeout=", absl::FormatDuration(options.heartbeat_timeout)),
+      // The load generator is one anonymous user offering a whole organisation's jobs: the
+      // per-user submission limit would cap it at 1 job/s and measure the limiter, not the
+      // scheduler.
+      "--max_submits_per_minute=0"};
   // Its own process group: a Ctrl-C on the benchmark reaches us, and our destructor stops the
   // coordinator.
   ASSIGN_OR_RETURN(ServingDaemon daemon, StartDaemon(argv, log_path, kCoordinatorStartTimeout));
