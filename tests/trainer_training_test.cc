@@ -309,6 +309,31 @@ TEST_F(TrainerTrainingTest, TruncatedShardIsRefusedByName) {
   EXPECT_TRUE(typed) << "no DATA_ERROR failure report in:\n" << run.output;
 }
 
+// A shard whose header is fine but whose body holds ids beyond its vocabulary fails the run as
+// DATA_ERROR naming the file, instead of indexing past the embedding.
+TEST_F(TrainerTrainingTest, TokensBeyondTheVocabularyAreADataError) {
+  std::string dir = MakeTempDir("bad-tokens");
+  std::string shard = dir + "/train-00000.bin";
+  fs::copy_file(*data_dir_ + "/train-00000.bin", shard);
+  {
+    std::fstream file(shard, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(4096);
+    const std::string ones(fs::file_size(shard) - 4096, '\xff');
+    file.write(ones.data(), static_cast<std::streamsize>(ones.size()));
+  }
+  std::vector<std::string> flags = BaseFlags(5);
+  flags[1] = "--data=" + shard;
+  TrainerRun run = RunTrainer(flags);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_THAT(run.output, HasSubstr(shard + ": token "));
+  EXPECT_THAT(run.output, HasSubstr("not below the vocabulary size 257"));
+  bool typed = false;
+  for (const auto& report : run.reports) {
+    typed |= report.has_failure() && report.failure().kind() == v1::FAILURE_KIND_DATA_ERROR;
+  }
+  EXPECT_TRUE(typed) << "no DATA_ERROR failure report in:\n" << run.output;
+}
+
 TEST_F(TrainerTrainingTest, EvaluatesOnHeldOutShards) {
   std::vector<std::string> flags = BaseFlags(60);
   flags.push_back("--val_data=" + *data_dir_ + "/val-*.bin");

@@ -125,9 +125,31 @@ std::pair<size_t, uint64_t> TokenDataset::Locate(int64_t index) const {
   return {shard, static_cast<uint64_t>(index - sample_offsets_[shard]) * window};
 }
 
+namespace {
+
+// CorruptTokenError for the first of `count` tokens read from `file` at token `offset` that is not
+// below `vocab_size`.
+void CheckTokens(const TokenShard& file, uint64_t offset, const int64_t* tokens, uint64_t count,
+                 uint32_t vocab_size) {
+  int64_t largest = 0;
+  for (uint64_t i = 0; i < count; ++i) largest = std::max(largest, tokens[i]);
+  if (largest < vocab_size) return;
+  for (uint64_t i = 0; i < count; ++i) {
+    if (tokens[i] >= vocab_size) {
+      throw CorruptTokenError(absl::StrCat(file.path(), ": token ", offset + i, " is ", tokens[i],
+                                           ", not below the vocabulary size ", vocab_size,
+                                           " the shard declares (a corrupt shard)"));
+    }
+  }
+}
+
+}  // namespace
+
 void TokenDataset::ReadSample(int64_t index, int64_t* out) const {
   const auto [shard, offset] = Locate(index);
-  shards_[shard].Read(offset, static_cast<uint64_t>(seq_len_) + 1, out);
+  const uint64_t count = static_cast<uint64_t>(seq_len_) + 1;
+  shards_[shard].Read(offset, count, out);
+  CheckTokens(shards_[shard], offset, out, count, vocab_size_);
 }
 
 int64_t TokenDataset::ReadExample(int64_t index, int64_t* inputs, int64_t* targets) const {
@@ -135,6 +157,8 @@ int64_t TokenDataset::ReadExample(int64_t index, int64_t* inputs, int64_t* targe
   const TokenShard& file = shards_[shard];
   file.Read(offset, static_cast<uint64_t>(seq_len_), inputs);
   file.Read(offset + 1, static_cast<uint64_t>(seq_len_), targets);
+  CheckTokens(file, offset, inputs, static_cast<uint64_t>(seq_len_), vocab_size_);
+  CheckTokens(file, offset + 1, targets, static_cast<uint64_t>(seq_len_), vocab_size_);
   if (!file.has_loss_mask()) return seq_len_;
   std::vector<uint8_t> mask(static_cast<size_t>(seq_len_));
   file.ReadLossMask(offset + 1, mask.size(), mask.data());

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -19,6 +20,14 @@ namespace tessera::trainer {
 // The target value of a position whose loss is not taken (a prompt or padding token): the
 // losses (CausalLM::Loss, VocabParallelCrossEntropy) skip it. Torch's cross_entropy default.
 inline constexpr int64_t kIgnoreTarget = -100;
+
+// A shard whose body holds a token id that is not below its vocabulary size (a corrupt or
+// hand-made file): thrown by TokenDataset's reads, which run once per sample on the training
+// loop's hot path, and caught at the trainer's boundary as a DATA_ERROR failure.
+class CorruptTokenError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 // The training samples: every shard cut into non-overlapping windows of seq_len + 1 tokens
 // (inputs = window[0..seq_len), targets = window[1..seq_len]); a shard's tail shorter than a
@@ -45,9 +54,10 @@ class TokenDataset {
   bool has_loss_mask() const { return has_loss_mask_; }
 
   // Writes the seq_len + 1 tokens of sample `index` (< num_samples()) to `out`.
+  // CorruptTokenError naming the shard and token when an id is >= vocab_size().
   void ReadSample(int64_t index, int64_t* out) const;
   // Writes the seq_len inputs and seq_len targets of sample `index`, masked targets as
-  // kIgnoreTarget; returns how many targets count.
+  // kIgnoreTarget; returns how many targets count. CorruptTokenError as ReadSample.
   int64_t ReadExample(int64_t index, int64_t* inputs, int64_t* targets) const;
   // How many of sample `index`'s seq_len targets count (seq_len without a mask).
   int64_t CountLossTargets(int64_t index) const;

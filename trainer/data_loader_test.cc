@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <numeric>
 #include <set>
@@ -62,6 +63,31 @@ TEST(TokenDatasetTest, CutsShardsIntoWindowsAndDropsTails) {
   EXPECT_THAT(Sample(*dataset, 9), ElementsAre(45, 46, 47, 48, 49));
   EXPECT_THAT(Sample(*dataset, 10), ElementsAre(1000, 1001, 1002, 1003, 1004));
   EXPECT_THAT(Sample(*dataset, 16), ElementsAre(1030, 1031, 1032, 1033, 1034));
+}
+
+// A token id at or above the shard's vocabulary (a corrupt body; the header is fine) is refused
+// when its sample is read, naming the file and the token, never passed on to an embedding.
+TEST(TokenDatasetTest, TokenOutsideTheVocabularyIsCorruptData) {
+  const std::string dir = TestDir();
+  const std::string path = WriteRampShard(dir + "/a.bin", 0, 10, /*vocab_size=*/300);
+  {
+    // uint16 tokens end the file: token 7 is 3 tokens (6 bytes) before its end.
+    std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(-6, std::ios::end);
+    const char big[2] = {'\xff', '\xff'};
+    file.write(big, 2);
+  }
+  absl::StatusOr<TokenDataset> dataset = TokenDataset::Open({path}, 4);
+  ASSERT_THAT(dataset, IsOk());
+  EXPECT_THAT(Sample(*dataset, 0), ElementsAre(0, 1, 2, 3, 4));
+  try {
+    Sample(*dataset, 1);
+    ADD_FAILURE() << "no CorruptTokenError";
+  } catch (const CorruptTokenError& e) {
+    EXPECT_THAT(e.what(), HasSubstr(path + ": token 7 is 65535, not below the vocabulary size 300"));
+  }
+  std::vector<int64_t> inputs(4), targets(4);
+  EXPECT_THROW(dataset->ReadExample(1, inputs.data(), targets.data()), CorruptTokenError);
 }
 
 TEST(TokenDatasetTest, SortsAndDeduplicatesPatterns) {

@@ -91,6 +91,9 @@ class Trainer {
       } else {
         status = TrainLoop(&kind);
       }
+    } catch (const CorruptTokenError& e) {
+      kind = v1::FAILURE_KIND_DATA_ERROR;
+      status = absl::DataLossError(e.what());
     } catch (const c10::Error& e) {
       kind = ClassifyTorchError(e.what());
       status = absl::InternalError(absl::StrCat("LibTorch: ", e.what_without_backtrace()));
