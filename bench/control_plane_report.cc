@@ -71,6 +71,9 @@ json ScaleJson(const ScaleResult& r) {
         {"scheduler_passes_per_second", in.passes_per_second},
         {"scheduler_pass_mean_ms", Ms(in.mean_pass_seconds)},
         {"scheduler_pass_share_of_wall", in.pass_duty},
+        {"scheduler_pass_lock_held_mean_ms", Ms(in.mean_lock_held_seconds)},
+        {"scheduler_pass_longest_lock_hold_mean_ms", Ms(in.mean_longest_lock_hold_seconds)},
+        {"cluster_lock_share_of_wall", in.lock_duty},
         {"store_writes_per_second", in.store_writes_per_second},
         {"store_write_mean_ms", Ms(in.mean_store_write_seconds)},
         {"server_heartbeat_mean_ms", Ms(in.mean_heartbeat_seconds)},
@@ -223,11 +226,13 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
       const CoordinatorInternals& in = r.internals;
       absl::StrAppendFormat(
           &out,
-          "  coordinator: scheduler pass %.1f/s, mean %.2f ms, %.0f%% of wall under the cluster "
-          "lock; SQLite writes %.1f/s, mean %.2f ms;\n  server-side mean: Heartbeat %.3f ms, "
+          "  coordinator: scheduler pass %.1f/s, mean %.2f ms, holding the cluster lock %.2f ms "
+          "(longest hold %.2f ms), %.0f%% of wall under the cluster lock; SQLite writes %.1f/s, "
+          "mean %.2f ms;\n  server-side mean: Heartbeat %.3f ms, "
           "Health/Check %.3f ms, SubmitJob %.2f ms; its own submit->SCHEDULED mean %.0f ms (from "
           "Job.create_time)\n",
-          in.passes_per_second, Ms(in.mean_pass_seconds), 100 * in.pass_duty,
+          in.passes_per_second, Ms(in.mean_pass_seconds), Ms(in.mean_lock_held_seconds),
+          Ms(in.mean_longest_lock_hold_seconds), 100 * in.lock_duty,
           in.store_writes_per_second, Ms(in.mean_store_write_seconds),
           Ms(in.mean_heartbeat_seconds), Ms(in.mean_health_seconds), Ms(in.mean_submit_seconds),
           Ms(in.mean_submit_to_scheduled_seconds));

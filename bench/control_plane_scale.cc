@@ -19,6 +19,8 @@ namespace {
 
 // Series of the coordinator's /metrics that the summary reads.
 constexpr char kPassHistogram[] = "tessera_scheduler_pass_duration_seconds";
+constexpr char kPassLockHistogram[] = "tessera_scheduler_pass_lock_held_seconds";
+constexpr char kPassLongestHoldHistogram[] = "tessera_scheduler_pass_longest_lock_hold_seconds";
 constexpr char kStoreWriteHistogram[] = "tessera_store_write_duration_seconds";
 constexpr char kSchedulingLatencyHistogram[] = "tessera_scheduling_latency_seconds";
 constexpr char kRequestHistogram[] = "tessera_grpc_server_request_duration_seconds";
@@ -62,6 +64,16 @@ CoordinatorInternals InternalsBetween(const MetricSamples& before, const MetricS
   internals.passes_per_second = passes.count / seconds;
   internals.mean_pass_seconds = Mean(passes);
   internals.pass_duty = passes.sum / seconds;
+  const HistogramTotals held = delta(kPassLockHistogram);
+  if (held.count > 0) {
+    internals.mean_lock_held_seconds = Mean(held);
+    internals.mean_longest_lock_hold_seconds = Mean(delta(kPassLongestHoldHistogram));
+    internals.lock_duty = held.sum / seconds;
+  } else {
+    internals.mean_lock_held_seconds = internals.mean_pass_seconds;
+    internals.mean_longest_lock_hold_seconds = internals.mean_pass_seconds;
+    internals.lock_duty = internals.pass_duty;
+  }
   const HistogramTotals writes = delta(kStoreWriteHistogram);
   internals.store_writes_per_second = writes.count / seconds;
   internals.mean_store_write_seconds = Mean(writes);

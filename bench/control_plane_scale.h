@@ -47,11 +47,17 @@ struct WindowFigures {
 
 // What the coordinator's own /metrics said over the measured window.
 struct CoordinatorInternals {
-  // Scheduler passes (Cluster::Tick, run under the cluster lock) per second,
-  // their mean duration, and the share of the window spent in them.
+  // Scheduler passes (Cluster::Tick) per second, their mean duration, and the
+  // share of the window spent in them.
   double passes_per_second = 0;
   double mean_pass_seconds = 0;
   double pass_duty = 0;
+  // Of those passes: the cluster lock held per pass (mean), the longest single
+  // hold per pass (mean) and the share of the window under the lock. A
+  // coordinator without the lock histograms held the lock for whole passes.
+  double mean_lock_held_seconds = 0;
+  double mean_longest_lock_hold_seconds = 0;
+  double lock_duty = 0;
   // SQLite write transactions per second and their mean duration.
   double store_writes_per_second = 0;
   double mean_store_write_seconds = 0;

@@ -29,6 +29,24 @@ void LogRetried(const absl::Status& status, const std::string& what) {
   }
 }
 
+// Holds a mutex for one phase of a pass and adds the time held to the pass's statistics.
+class ABSL_SCOPED_LOCKABLE TimedLock {
+ public:
+  TimedLock(absl::Mutex* mu, ClusterStats* stats) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu)
+      : lock_(mu), stats_(stats), start_(std::chrono::steady_clock::now()) {}
+  ~TimedLock() ABSL_UNLOCK_FUNCTION() {
+    const double held =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    stats_->lock_held_seconds += held;
+    stats_->longest_lock_hold_seconds = std::max(stats_->longest_lock_hold_seconds, held);
+  }
+
+ private:
+  absl::MutexLock lock_;
+  ClusterStats* stats_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 bool ResumesFromCheckpoints(const v1::JobSpec& spec) {
   return !spec.checkpoint().has_resume() || spec.checkpoint().resume();
 }
@@ -526,7 +544,7 @@ void Cluster::PlaceLocked(const v1::Job& job, const v1::JobSpec& spec,
   }
 }
 
-const absl::StatusOr<v1::LayoutPlan>& Cluster::CachedPlanLocked(
+const absl::StatusOr<v1::LayoutPlan>& Cluster::CachedPlan(
     const v1::Job& job, const v1::JobSpec& spec,
     const absl::StatusOr<planner::DeviceTarget>& target) {
   // A job's spec never changes, so its plan changes only with the device it is planned for (or
@@ -535,7 +553,7 @@ const absl::StatusOr<v1::LayoutPlan>& Cluster::CachedPlanLocked(
       target.ok() ? absl::StrCat(target->device.SerializeAsString(), "|", target->devices_per_node,
                                  "|", target->gpu_name, "|", RequestedDevices(spec))
                   : target.status().ToString();
-  CachedPlan& cached = plan_cache_[job.job_id()];
+  PlanEntry& cached = plan_cache_[job.job_id()];
   if (!cached.plan.has_value() || cached.fingerprint != fingerprint) {
     cached.fingerprint = fingerprint;
     cached.plan = PlanForTarget(spec, target);
@@ -543,25 +561,39 @@ const absl::StatusOr<v1::LayoutPlan>& Cluster::CachedPlanLocked(
   return *cached.plan;
 }
 
-std::set<std::string> Cluster::ScheduleLocked(const std::vector<v1::Job>& active) {
+Cluster::PassSnapshot Cluster::SnapshotLocked(const std::vector<v1::Job>& active) {
+  PassSnapshot snapshot;
+  for (const auto& job : active) {
+    if ((job.state() == v1::JOB_STATE_PENDING || job.state() == v1::JOB_STATE_RESTARTING) &&
+        allocations_.Find(job.job_id()) == nullptr) {
+      snapshot.waiting.insert(job.job_id());
+    }
+  }
+  if (snapshot.waiting.empty()) return snapshot;
+  snapshot.summaries = nodes_.Summaries();
+  snapshot.used = allocations_.Used();
+  snapshot.generation = nodes_.generation();
+  return snapshot;
+}
+
+std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
+                                            const PassSnapshot& snapshot, ClusterStats* stats) {
   std::vector<GangRequest> requests;
   std::map<std::string, const v1::Job*> waiting;
   // The spec and plan each waiting job starts with, fitted to the devices registered now.
   std::map<std::string, v1::JobSpec> specs;
   std::map<std::string, v1::LayoutPlan> plans;
   std::map<std::string, std::string> unfit;
-  auto waits = [&](const v1::Job& job) {
-    return (job.state() == v1::JOB_STATE_PENDING || job.state() == v1::JOB_STATE_RESTARTING) &&
-           allocations_.Find(job.job_id()) == nullptr;
-  };
-  if (std::none_of(active.begin(), active.end(), waits)) return {};
-  const std::vector<NodeCapacity> capacity = CapacityLocked();
+  const std::set<std::string>& waiting_ids = snapshot.waiting;
+  if (waiting_ids.empty()) {
+    plan_cache_.clear();
+    return {};
+  }
+  std::vector<NodeCapacity> capacity = NodeRegistry::Subtract(*snapshot.summaries, snapshot.used);
   // Jobs asking for the same kind of device share one look over the nodes.
   std::map<std::string, absl::StatusOr<planner::DeviceTarget>> targets;
-  std::set<std::string> waiting_ids;
   for (const auto& job : active) {
-    if (!waits(job)) continue;
-    waiting_ids.insert(job.job_id());
+    if (!waiting_ids.contains(job.job_id())) continue;
     const v1::ResourceRequest& resources = job.spec().resources();
     GangRequest request;
     request.job_id = job.job_id();
@@ -602,7 +634,7 @@ std::set<std::string> Cluster::ScheduleLocked(const std::vector<v1::Job>& active
     // device model) keeps its provisional plan and the scheduler says why it waits.
     v1::LayoutPlan& plan = plans[job.job_id()];
     plan = job.plan();
-    const absl::StatusOr<v1::LayoutPlan>& fitted = CachedPlanLocked(job, spec, target->second);
+    const absl::StatusOr<v1::LayoutPlan>& fitted = CachedPlan(job, spec, target->second);
     if (fitted.ok()) {
       if (!fitted->fits()) {
         unfit[job.job_id()] = fitted->explanation();
@@ -618,10 +650,19 @@ std::set<std::string> Cluster::ScheduleLocked(const std::vector<v1::Job>& active
   // Plans of jobs that left the queue are not needed again.
   std::erase_if(plan_cache_, [&](const auto& entry) { return !waiting_ids.contains(entry.first); });
   ScheduleResult result;
-  if (!requests.empty()) result = Schedule(std::move(requests), capacity);
+  if (!requests.empty()) result = Schedule(std::move(requests), std::move(capacity));
   std::set<std::string> placed;
   for (const auto& placement : result.placed) {
+    // One hold per gang: its store write is the slow part, and heartbeats go in between.
+    TimedLock lock(&mu_, stats);
     const std::string& job_id = placement.job_id;
+    // A node that registered again (or was lost) since the snapshot may offer other devices: that
+    // gang waits for the next pass. The others hold distinct devices and stay valid.
+    bool stale = false;
+    for (const auto& rank : placement.ranks) {
+      stale = stale || nodes_.ChangedSince(rank.node_id(), snapshot.generation);
+    }
+    if (stale || allocations_.Find(job_id) != nullptr) continue;
     PlaceLocked(*waiting[job_id], specs[job_id], placement, plans[job_id]);
     if (allocations_.Find(job_id) != nullptr) placed.insert(job_id);
   }
@@ -641,38 +682,46 @@ std::set<std::string> Cluster::ScheduleLocked(const std::vector<v1::Job>& active
 }
 
 ClusterStats Cluster::Tick() {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock pass_lock(&pass_mu_);
   const absl::Time now = options_.now();
-  LogRetried(nodes_.Flush(), "writing node records");
-  ExpireNodesLocked(now);
   ClusterStats stats;
-  auto active = store_->ListActiveJobs();
+  absl::StatusOr<std::vector<v1::Job>> active;
+  PassSnapshot snapshot;
+  {
+    TimedLock lock(&mu_, &stats);
+    LogRetried(nodes_.Flush(), "writing node records");
+    ExpireNodesLocked(now);
+    active = store_->ListActiveJobs();
+    if (active.ok()) {
+      std::set<std::string> active_ids;
+      for (const auto& job : *active) active_ids.insert(job.job_id());
+      for (auto& [job_id, allocation] : allocations_.all()) {
+        if (!active_ids.contains(job_id)) {
+          // Cancelled (or ended by a decision already recorded): stop what still runs.
+          if (allocation.phase != Allocation::Phase::kDraining) DrainLocked(job_id, allocation);
+          continue;
+        }
+        DecideLocked(job_id, allocation, now);
+        // A success whose recording failed earlier is recorded now.
+        if (allocation.phase == Allocation::Phase::kRunning &&
+            allocation.AllNodesIn(v1::TASK_STATE_SUCCEEDED) &&
+            RecordSuccessLocked(job_id, allocation)) {
+          allocation.phase = Allocation::Phase::kDraining;
+        }
+      }
+      // Attempts whose every task has ended give their devices back.
+      const size_t erased = std::erase_if(allocations_.all(), [](const auto& entry) {
+        return entry.second.phase == Allocation::Phase::kDraining && entry.second.AllNodesEnded();
+      });
+      // A job whose attempt just ended may be placed again in this pass.
+      if (erased > 0) {
+        if (auto relisted = store_->ListActiveJobs(); relisted.ok()) active = std::move(relisted);
+      }
+      snapshot = SnapshotLocked(*active);
+    }
+  }
   if (active.ok()) {
-    std::set<std::string> active_ids;
-    for (const auto& job : *active) active_ids.insert(job.job_id());
-    for (auto& [job_id, allocation] : allocations_.all()) {
-      if (!active_ids.contains(job_id)) {
-        // Cancelled (or ended by a decision already recorded): stop what still runs.
-        if (allocation.phase != Allocation::Phase::kDraining) DrainLocked(job_id, allocation);
-        continue;
-      }
-      DecideLocked(job_id, allocation, now);
-      // A success whose recording failed earlier is recorded now.
-      if (allocation.phase == Allocation::Phase::kRunning &&
-          allocation.AllNodesIn(v1::TASK_STATE_SUCCEEDED) &&
-          RecordSuccessLocked(job_id, allocation)) {
-        allocation.phase = Allocation::Phase::kDraining;
-      }
-    }
-    // Attempts whose every task has ended give their devices back.
-    const size_t erased = std::erase_if(allocations_.all(), [](const auto& entry) {
-      return entry.second.phase == Allocation::Phase::kDraining && entry.second.AllNodesEnded();
-    });
-    // A job whose attempt just ended may be placed again in this pass.
-    if (erased > 0) {
-      if (auto relisted = store_->ListActiveJobs(); relisted.ok()) active = std::move(relisted);
-    }
-    const std::set<std::string> placed = ScheduleLocked(*active);
+    const std::set<std::string> placed = SchedulePass(*active, snapshot, &stats);
     for (const auto& job : *active) {
       const bool pending = !placed.contains(job.job_id()) && job.state() == v1::JOB_STATE_PENDING;
       ++stats.jobs[placed.contains(job.job_id()) ? v1::JOB_STATE_SCHEDULED : job.state()];
@@ -686,26 +735,31 @@ ClusterStats Cluster::Tick() {
   } else {
     LogRetried(active.status(), "listing active jobs");
   }
-  for (const auto& capacity : CapacityLocked()) {
-    stats.gpus_total += capacity.total_gpus;
-    stats.gpus_allocated += capacity.total_gpus - static_cast<int64_t>(capacity.free_gpus.size());
-    stats.cpu_slots_total += capacity.total_cpu_slots;
-    stats.cpu_slots_allocated += capacity.total_cpu_slots - capacity.free_cpu_slots;
+  {
+    TimedLock lock(&mu_, &stats);
+    // Counted in place: copying every node record (or capacity) here cost more than the pass.
+    NodeRegistry::Tally tally = nodes_.Count(allocations_.Used());
+    stats.nodes = std::move(tally.nodes);
+    stats.gpus_total = tally.gpus_total;
+    stats.gpus_allocated = tally.gpus_allocated;
+    stats.cpu_slots_total = tally.cpu_slots_total;
+    stats.cpu_slots_allocated = tally.cpu_slots_allocated;
+    stats.restarts = restarts_;
+    stats.failures = failures_;
+    for (auto& [job_id, allocation] : allocations_.all()) {
+      if (allocation.phase != Allocation::Phase::kRunning || allocation.rank_times.empty()) {
+        continue;
+      }
+      std::vector<v1::RankStepTime> ranks;
+      for (const auto& [rank, time] : allocation.rank_times) ranks.push_back(time);
+      stats.stragglers[job_id] = ComputeStraggler(std::move(ranks), options_.straggler_threshold);
+    }
   }
-  for (const auto& node : nodes_.Nodes()) ++stats.nodes[node.state()];
-  stats.restarts = restarts_;
-  stats.failures = failures_;
   // Ended jobs are counted by the store (the active ones above, as this pass left them).
   if (auto ended = store_->CountEndedJobs(); ended.ok()) {
     for (const auto& [state, count] : *ended) stats.jobs[state] = count;
   } else {
     LogRetried(ended.status(), "counting ended jobs");
-  }
-  for (auto& [job_id, allocation] : allocations_.all()) {
-    if (allocation.phase != Allocation::Phase::kRunning || allocation.rank_times.empty()) continue;
-    std::vector<v1::RankStepTime> ranks;
-    for (const auto& [rank, time] : allocation.rank_times) ranks.push_back(time);
-    stats.stragglers[job_id] = ComputeStraggler(std::move(ranks), options_.straggler_threshold);
   }
   return stats;
 }

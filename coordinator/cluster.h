@@ -12,14 +12,21 @@
 // longer fits (a node is gone) is planned again for the devices that are free. Trainers resume
 // from the newest complete checkpoint themselves.
 //
-// Thread safety: all methods may be called from any thread; one absl::Mutex guards the registry,
-// the ledger and the plan cache. JobManager and Store calls made under it never call back into
-// Cluster.
+// Thread safety: all methods may be called from any thread; one absl::Mutex (mu_) guards the
+// registry and the ledger. JobManager and Store calls made under it never call back into Cluster.
+// A Tick holds mu_ only for short phases, so heartbeats are not held up by a scheduling pass on a
+// large cluster: liveness and settling; a snapshot of the free devices (the registry's shared
+// capacity summaries and the devices held, O(allocated ranks)); then, with mu_ released, planning
+// and the gang scheduler; then a commit under mu_ of the placements whose nodes did not change
+// since the snapshot (only a Tick adds or frees allocations, and passes are serialized by pass_mu_,
+// so devices free in the snapshot are still free unless the node registered again); then the
+// pending reasons are written with mu_ released. pass_mu_ also guards the plan cache.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -79,6 +86,10 @@ struct ClusterStats {
   double oldest_pending_seconds = 0;
   // Running jobs' straggler figures, by job_id.
   std::map<std::string, v1::StragglerReport> stragglers;
+  // How long the pass held the cluster lock in all (heartbeats wait on it), and its longest
+  // single hold; the planning and the gang scheduler run without it.
+  double lock_held_seconds = 0;
+  double longest_lock_hold_seconds = 0;
 };
 
 class Cluster {
@@ -139,12 +150,24 @@ class Cluster {
   void ExpireNodesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `job`'s plan for `target`, computed again only when the target (or the device count, for a
   // job re-planned after losing devices) changed.
-  const absl::StatusOr<v1::LayoutPlan>& CachedPlanLocked(
+  const absl::StatusOr<v1::LayoutPlan>& CachedPlan(
       const v1::Job& job, const v1::JobSpec& spec,
-      const absl::StatusOr<planner::DeviceTarget>& target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // One scheduling pass over the jobs waiting for devices; returns the ids of the jobs it placed.
-  std::set<std::string> ScheduleLocked(const std::vector<v1::Job>& active)
+      const absl::StatusOr<planner::DeviceTarget>& target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_);
+  // What a scheduling pass starts from, taken under mu_.
+  struct PassSnapshot {
+    // Jobs PENDING or RESTARTING without an allocation.
+    std::set<std::string> waiting;
+    std::shared_ptr<const std::vector<NodeCapacity>> summaries;
+    UsedResources used;
+    uint64_t generation = 0;
+  };
+  PassSnapshot SnapshotLocked(const std::vector<v1::Job>& active)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One scheduling pass over the jobs waiting for devices, computed without mu_ and committed
+  // under it; returns the ids of the jobs it placed.
+  std::set<std::string> SchedulePass(const std::vector<v1::Job>& active,
+                                     const PassSnapshot& snapshot, ClusterStats* stats)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   void PlaceLocked(const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
                    const v1::LayoutPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status)
@@ -157,15 +180,17 @@ class Cluster {
   JobManager* jobs_;
   const ClusterOptions options_;
 
+  // Serializes Tick: one pass at a time. Taken before mu_.
+  absl::Mutex pass_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::Mutex mu_;
   NodeRegistry nodes_ ABSL_GUARDED_BY(mu_);
   AllocationLedger allocations_ ABSL_GUARDED_BY(mu_);
   // Waiting jobs' plans (PlanForTarget), keyed by job_id, with the target they were made for.
-  struct CachedPlan {
+  struct PlanEntry {
     std::string fingerprint;
     std::optional<absl::StatusOr<v1::LayoutPlan>> plan;
   };
-  std::map<std::string, CachedPlan> plan_cache_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, PlanEntry> plan_cache_ ABSL_GUARDED_BY(pass_mu_);
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(mu_);
   AssignmentNotifier* notifier_ ABSL_GUARDED_BY(mu_) = nullptr;
   // The node whose heartbeat is being handled: its new orders leave with the response.

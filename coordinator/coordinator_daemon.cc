@@ -87,6 +87,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
     metrics->SetGpus(stats.gpus_total, stats.gpus_allocated);
     metrics->SetCpuSlots(stats.cpu_slots_total, stats.cpu_slots_allocated);
     metrics->ObserveSchedulingPass(seconds);
+    metrics->ObserveSchedulingPassLock(stats.lock_held_seconds, stats.longest_lock_hold_seconds);
     metrics->SetRestarts(stats.restarts);
     metrics->SetFailures(stats.failures);
     metrics->SetOldestPendingSeconds(stats.oldest_pending_seconds);

@@ -158,6 +158,18 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                                    .Help("Duration of one pass of the gang scheduler, in seconds.")
                                    .Register(registry)
                                    .Add({}, FastOperationBuckets())),
+      scheduler_pass_lock_held_(prometheus::BuildHistogram()
+                                    .Name("tessera_scheduler_pass_lock_held_seconds")
+                                    .Help("Time one scheduler pass held the cluster lock, in "
+                                          "seconds (heartbeats wait for it).")
+                                    .Register(registry)
+                                    .Add({}, FastOperationBuckets())),
+      scheduler_pass_longest_lock_hold_(
+          prometheus::BuildHistogram()
+              .Name("tessera_scheduler_pass_longest_lock_hold_seconds")
+              .Help("Longest single hold of the cluster lock in one scheduler pass, in seconds.")
+              .Register(registry)
+              .Add({}, FastOperationBuckets())),
       store_write_duration_(prometheus::BuildHistogram()
                                 .Name("tessera_store_write_duration_seconds")
                                 .Help("Duration of one write transaction of the job store, in "
@@ -321,6 +333,12 @@ void CoordinatorMetrics::ObserveSchedulingLatency(double seconds) {
 
 void CoordinatorMetrics::ObserveSchedulingPass(double seconds) {
   scheduler_pass_duration_.Observe(seconds);
+}
+
+void CoordinatorMetrics::ObserveSchedulingPassLock(double held_seconds,
+                                                   double longest_hold_seconds) {
+  scheduler_pass_lock_held_.Observe(held_seconds);
+  scheduler_pass_longest_lock_hold_.Observe(longest_hold_seconds);
 }
 
 void CoordinatorMetrics::ObserveStoreWrite(double seconds) {

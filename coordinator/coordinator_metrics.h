@@ -23,6 +23,10 @@
 //   tessera_cpu_slots_allocated             gauge; CPU slots held by jobs
 //   tessera_scheduling_latency_seconds      histogram; submission -> SCHEDULED
 //   tessera_scheduler_pass_duration_seconds histogram; one scheduler pass
+//   tessera_scheduler_pass_lock_held_seconds histogram; time one pass held
+//                                           the cluster lock (heartbeats wait)
+//   tessera_scheduler_pass_longest_lock_hold_seconds histogram; its longest
+//                                           single hold
 //   tessera_store_write_duration_seconds    histogram; one store transaction
 //   tessera_job_restarts_total{kind}        counter; restarts decided, by the
 //                                           blamed failure's kind
@@ -95,6 +99,8 @@ class CoordinatorMetrics {
   void ObserveSchedulingLatency(double seconds);
   // Duration of one scheduler pass (buckets 100 us .. 10 s).
   void ObserveSchedulingPass(double seconds);
+  // Of one pass: the cluster lock held in all and its longest single hold (buckets as above).
+  void ObserveSchedulingPassLock(double held_seconds, double longest_hold_seconds);
   // Latency of one store transaction (buckets 100 us .. 10 s).
   void ObserveStoreWrite(double seconds);
 
@@ -134,6 +140,8 @@ class CoordinatorMetrics {
   prometheus::Gauge& cpu_slots_allocated_;
   prometheus::Histogram& scheduling_latency_;
   prometheus::Histogram& scheduler_pass_duration_;
+  prometheus::Histogram& scheduler_pass_lock_held_;
+  prometheus::Histogram& scheduler_pass_longest_lock_hold_;
   prometheus::Histogram& store_write_duration_;
   prometheus::Family<prometheus::Counter>& grpc_requests_;
   prometheus::Family<prometheus::Histogram>& grpc_request_duration_;

@@ -27,8 +27,31 @@ absl::Status NodeRegistry::Load(absl::Time now) {
     Entry& entry = nodes_[node.node_id()];
     entry.node = std::move(node);
     entry.last_heartbeat = now;
+    Summarize(entry);
   }
   return absl::OkStatus();
+}
+
+void NodeRegistry::Summarize(Entry& entry) {
+  const v1::Node& node = entry.node;
+  NodeCapacity& c = entry.capacity;
+  c = NodeCapacity();
+  c.node_id = node.node_id();
+  c.host = HostOf(node.address());
+  c.host_memory_bytes = node.resources().memory_bytes();
+  c.total_gpus = node.resources().gpus_size();
+  for (const auto& gpu : node.resources().gpus()) {
+    c.free_gpus.push_back(gpu.index());
+    if (c.gpu_name.empty()) {
+      c.gpu_name = gpu.name();
+      c.gpu_memory_bytes = gpu.memory_bytes();
+    }
+  }
+  c.total_cpu_slots = node.resources().cpu_slots();
+  c.free_cpu_slots = std::max(0, c.total_cpu_slots);
+  c.labels.insert(node.labels().begin(), node.labels().end());
+  c.schedulable = node.state() == v1::NODE_STATE_READY;
+  entry.changed = ++generation_;
 }
 
 absl::Status NodeRegistry::Persist(const std::string& node_id) {
@@ -75,6 +98,7 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl
   if (!*returning) *node.mutable_register_time() = ToProto(now);
   *node.mutable_last_heartbeat_time() = ToProto(now);
   entry.last_heartbeat = now;
+  Summarize(entry);
   return Persist(request.node_id());
 }
 
@@ -96,6 +120,8 @@ std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire(absl::T
     const absl::Duration silence = now - entry.last_heartbeat;
     if (silence <= heartbeat_timeout_) continue;
     entry.node.set_state(v1::NODE_STATE_LOST);
+    entry.capacity.schedulable = false;
+    entry.changed = ++generation_;
     entry.to_start.clear();
     entry.to_stop.clear();
     // A failed write leaves the record dirty: Flush (every tick) writes it again.
@@ -168,33 +194,64 @@ void NodeRegistry::TakeOrders(const std::string& node_id, v1::HeartbeatResponse*
 }
 
 std::vector<NodeCapacity> NodeRegistry::Capacity(const UsedResources& used) const {
-  std::vector<NodeCapacity> capacity;
-  for (const auto& [node_id, entry] : nodes_) {
-    const v1::Node& node = entry.node;
-    NodeCapacity c;
-    c.node_id = node_id;
-    c.host = HostOf(node.address());
-    c.host_memory_bytes = node.resources().memory_bytes();
-    c.total_gpus = node.resources().gpus_size();
-    auto used_gpus = used.gpus.find(node_id);
-    for (const auto& gpu : node.resources().gpus()) {
-      if (used_gpus == used.gpus.end() || !used_gpus->second.contains(gpu.index())) {
-        c.free_gpus.push_back(gpu.index());
-      }
-      if (c.gpu_name.empty()) {
-        c.gpu_name = gpu.name();
-        c.gpu_memory_bytes = gpu.memory_bytes();
-      }
+  return Subtract(*Summaries(), used);
+}
+
+std::shared_ptr<const std::vector<NodeCapacity>> NodeRegistry::Summaries() const {
+  if (summaries_ == nullptr || summaries_generation_ != generation_) {
+    auto summaries = std::make_shared<std::vector<NodeCapacity>>();
+    summaries->reserve(nodes_.size());
+    for (const auto& [node_id, entry] : nodes_) summaries->push_back(entry.capacity);
+    summaries_ = std::move(summaries);
+    summaries_generation_ = generation_;
+  }
+  return summaries_;
+}
+
+std::vector<NodeCapacity> NodeRegistry::Subtract(const std::vector<NodeCapacity>& summaries,
+                                                 const UsedResources& used) {
+  std::vector<NodeCapacity> capacity = summaries;
+  // Both are in node_id order: walk them together instead of a lookup per node.
+  auto used_gpus = used.gpus.begin();
+  auto used_slots = used.cpu_slots.begin();
+  for (NodeCapacity& c : capacity) {
+    while (used_gpus != used.gpus.end() && used_gpus->first < c.node_id) ++used_gpus;
+    if (used_gpus != used.gpus.end() && used_gpus->first == c.node_id) {
+      std::erase_if(c.free_gpus, [&](int gpu) { return used_gpus->second.contains(gpu); });
     }
-    c.total_cpu_slots = node.resources().cpu_slots();
-    auto used_slots = used.cpu_slots.find(node_id);
-    c.free_cpu_slots = std::max(
-        0, c.total_cpu_slots - (used_slots == used.cpu_slots.end() ? 0 : used_slots->second));
-    c.labels.insert(node.labels().begin(), node.labels().end());
-    c.schedulable = node.state() == v1::NODE_STATE_READY;
-    capacity.push_back(std::move(c));
+    while (used_slots != used.cpu_slots.end() && used_slots->first < c.node_id) ++used_slots;
+    if (used_slots != used.cpu_slots.end() && used_slots->first == c.node_id) {
+      c.free_cpu_slots = std::max(0, c.total_cpu_slots - used_slots->second);
+    }
   }
   return capacity;
+}
+
+bool NodeRegistry::ChangedSince(const std::string& node_id, uint64_t generation) const {
+  auto it = nodes_.find(node_id);
+  return it == nodes_.end() || it->second.changed > generation;
+}
+
+NodeRegistry::Tally NodeRegistry::Count(const UsedResources& used) const {
+  Tally tally;
+  for (const auto& [node_id, entry] : nodes_) {
+    ++tally.nodes[entry.node.state()];
+    tally.gpus_total += entry.capacity.total_gpus;
+    tally.cpu_slots_total += entry.capacity.total_cpu_slots;
+  }
+  // Only devices a node registered count as allocated (a rank on an unknown GPU index does not).
+  for (const auto& [node_id, gpus] : used.gpus) {
+    auto it = nodes_.find(node_id);
+    if (it == nodes_.end()) continue;
+    for (int gpu : it->second.capacity.free_gpus) tally.gpus_allocated += gpus.contains(gpu);
+  }
+  for (const auto& [node_id, slots] : used.cpu_slots) {
+    auto it = nodes_.find(node_id);
+    if (it == nodes_.end()) continue;
+    const int total = it->second.capacity.total_cpu_slots;
+    tally.cpu_slots_allocated += total - std::max(0, total - slots);
+  }
+  return tally;
 }
 
 std::vector<v1::Node> NodeRegistry::Nodes() const {

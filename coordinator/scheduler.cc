@@ -254,8 +254,11 @@ ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapaci
     return std::make_tuple(-static_cast<int64_t>(a.priority), a.submit_order, std::cref(a.job_id)) <
            std::make_tuple(-static_cast<int64_t>(b.priority), b.submit_order, std::cref(b.job_id));
   });
-  std::sort(nodes.begin(), nodes.end(),
-            [](const NodeCapacity& a, const NodeCapacity& b) { return a.node_id < b.node_id; });
+  auto by_id = [](const NodeCapacity& a, const NodeCapacity& b) { return a.node_id < b.node_id; };
+  // The coordinator passes them in node_id order already; checking is cheaper than sorting.
+  if (!std::is_sorted(nodes.begin(), nodes.end(), by_id)) {
+    std::sort(nodes.begin(), nodes.end(), by_id);
+  }
 
   std::vector<NodeState> states(nodes.size());
   for (size_t i = 0; i < nodes.size(); ++i) {

@@ -1,0 +1,159 @@
+// NodeRegistry's capacity summary against a recount from the node records: after random sequences
+// of registrations (new and returning, with changed resources and labels), expiries and
+// allocations, Capacity and Count must equal what the records and the used devices say, and
+// ChangedSince must name exactly the nodes that registered or were lost (what the coordinator's
+// commit of a pass computed without its lock relies on).
+#include "coordinator/node_registry.h"
+
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace tessera::coordinator {
+namespace {
+
+// The capacity of `nodes` less `used`, computed the slow way from the protos.
+std::vector<NodeCapacity> Recount(const std::vector<v1::Node>& nodes, const UsedResources& used) {
+  std::vector<NodeCapacity> capacity;
+  for (const v1::Node& node : nodes) {
+    NodeCapacity& c = capacity.emplace_back();
+    c.node_id = node.node_id();
+    c.host = node.address().substr(0, node.address().rfind(':'));
+    c.host_memory_bytes = node.resources().memory_bytes();
+    c.total_gpus = node.resources().gpus_size();
+    for (const auto& gpu : node.resources().gpus()) {
+      auto held = used.gpus.find(node.node_id());
+      if (held == used.gpus.end() || !held->second.contains(gpu.index())) {
+        c.free_gpus.push_back(gpu.index());
+      }
+      if (c.gpu_name.empty()) {
+        c.gpu_name = gpu.name();
+        c.gpu_memory_bytes = gpu.memory_bytes();
+      }
+    }
+    c.total_cpu_slots = node.resources().cpu_slots();
+    auto slots = used.cpu_slots.find(node.node_id());
+    c.free_cpu_slots =
+        std::max(0, c.total_cpu_slots - (slots == used.cpu_slots.end() ? 0 : slots->second));
+    c.labels.insert(node.labels().begin(), node.labels().end());
+    c.schedulable = node.state() == v1::NODE_STATE_READY;
+  }
+  return capacity;
+}
+
+void ExpectSame(const NodeCapacity& a, const NodeCapacity& b) {
+  EXPECT_EQ(a.node_id, b.node_id);
+  EXPECT_EQ(a.host, b.host) << a.node_id;
+  EXPECT_EQ(a.free_gpus, b.free_gpus) << a.node_id;
+  EXPECT_EQ(a.gpu_name, b.gpu_name) << a.node_id;
+  EXPECT_EQ(a.gpu_memory_bytes, b.gpu_memory_bytes) << a.node_id;
+  EXPECT_EQ(a.host_memory_bytes, b.host_memory_bytes) << a.node_id;
+  EXPECT_EQ(a.total_gpus, b.total_gpus) << a.node_id;
+  EXPECT_EQ(a.free_cpu_slots, b.free_cpu_slots) << a.node_id;
+  EXPECT_EQ(a.total_cpu_slots, b.total_cpu_slots) << a.node_id;
+  EXPECT_EQ(a.labels, b.labels) << a.node_id;
+  EXPECT_EQ(a.schedulable, b.schedulable) << a.node_id;
+}
+
+TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
+  auto store = Store::Open(":memory:");
+  ASSERT_TRUE(store.ok()) << store.status();
+  const absl::Duration timeout = absl::Seconds(15);
+  NodeRegistry registry(store->get(), timeout);
+  std::mt19937 random(20261125);
+  auto pick = [&](int n) { return static_cast<int>(random() % n); };
+  absl::Time now = absl::FromUnixSeconds(1'000'000);
+  std::map<std::string, absl::Time> last_seen;
+  UsedResources used;
+
+  for (int step = 0; step < 400; ++step) {
+    const std::string node_id = absl::StrCat("node-", pick(40));
+    const uint64_t generation = registry.generation();
+    std::set<std::string> changed;
+    switch (pick(5)) {
+      case 0:
+      case 1: {  // (re)register, possibly with other resources and labels
+        v1::RegisterNodeRequest request;
+        request.set_node_id(node_id);
+        request.set_node_key("key");
+        request.set_address(absl::StrCat("10.0.0.", pick(9), ":", 5000 + pick(3)));
+        const int gpus = pick(3) == 0 ? 0 : 1 + pick(8);
+        for (int i = 0; i < gpus; ++i) {
+          auto* gpu = request.mutable_resources()->add_gpus();
+          gpu->set_index(gpus - 1 - i);  // descending: the summary must not reorder
+          gpu->set_name(pick(2) ? "NVIDIA H100 80GB HBM3" : "NVIDIA A100-SXM4-40GB");
+          gpu->set_memory_bytes(int64_t{40 + pick(2) * 40} << 30);
+        }
+        request.mutable_resources()->set_cpu_slots(gpus == 0 ? 1 + pick(16) : pick(3));
+        request.mutable_resources()->set_memory_bytes(int64_t{pick(512)} << 30);
+        if (pick(2)) (*request.mutable_labels())["zone"] = absl::StrCat("z", pick(3));
+        bool returning = false;
+        ASSERT_TRUE(registry.Register(request, now, &returning).ok());
+        last_seen[node_id] = now;
+        changed.insert(node_id);
+        break;
+      }
+      case 2:  // time passes; heartbeats from some nodes; expiry
+        now += absl::Seconds(1 + pick(8));
+        for (auto& [id, seen] : last_seen) {
+          if (pick(3) && registry.Touch(id, now, {})) seen = now;
+        }
+        for (const auto& [lost, silence] : registry.Expire(now)) changed.insert(lost);
+        break;
+      case 3:  // allocate (possibly GPUs the node does not have)
+        if (pick(2)) {
+          used.gpus[node_id].insert(pick(10));
+        } else {
+          used.cpu_slots[node_id] += 1 + pick(4);
+        }
+        break;
+      case 4:  // free
+        if (pick(2)) {
+          if (auto it = used.gpus.find(node_id); it != used.gpus.end() && !it->second.empty()) {
+            it->second.erase(it->second.begin());
+            if (it->second.empty()) used.gpus.erase(it);
+          }
+        } else {
+          used.cpu_slots.erase(node_id);
+        }
+        break;
+    }
+    const std::vector<v1::Node> records = registry.Nodes();
+    const std::vector<NodeCapacity> expected = Recount(records, used);
+    const std::vector<NodeCapacity> actual = registry.Capacity(used);
+    ASSERT_EQ(actual.size(), expected.size());
+    for (size_t i = 0; i < actual.size(); ++i) ExpectSame(actual[i], expected[i]);
+
+    for (const auto& node : records) {
+      EXPECT_EQ(registry.ChangedSince(node.node_id(), generation), changed.contains(node.node_id()))
+          << node.node_id();
+    }
+    EXPECT_TRUE(registry.ChangedSince("never-registered", generation));
+
+    const NodeRegistry::Tally tally = registry.Count(used);
+    std::map<v1::NodeState, int64_t> states;
+    int64_t gpus_total = 0, gpus_allocated = 0, slots_total = 0, slots_allocated = 0;
+    for (const auto& node : records) ++states[node.state()];
+    for (const auto& c : expected) {
+      gpus_total += c.total_gpus;
+      gpus_allocated += c.total_gpus - static_cast<int64_t>(c.free_gpus.size());
+      slots_total += c.total_cpu_slots;
+      slots_allocated += c.total_cpu_slots - c.free_cpu_slots;
+    }
+    EXPECT_EQ(tally.nodes, states);
+    EXPECT_EQ(tally.gpus_total, gpus_total);
+    EXPECT_EQ(tally.gpus_allocated, gpus_allocated);
+    EXPECT_EQ(tally.cpu_slots_total, slots_total);
+    EXPECT_EQ(tally.cpu_slots_allocated, slots_allocated);
+    if (HasFailure()) FAIL() << "after step " << step;
+  }
+}
+
+}  // namespace
+}  // namespace tessera::coordinator
