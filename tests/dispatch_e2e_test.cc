@@ -9,6 +9,7 @@
 #include <signal.h>
 
 #include <filesystem>
+#include <iterator>
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -126,15 +127,11 @@ class DispatchTest : public ::testing::Test {
   // Trainers the worker runs now (one pid file each).
   int RunningTrainers() {
     std::error_code error;
-    int count = 0;
-    for (const auto& entry : std::filesystem::directory_iterator(work_dir() + "/trainers", error)) {
-      (void)entry;
-      ++count;
-    }
-    return count;
+    std::filesystem::directory_iterator files(work_dir() + "/trainers", error);
+    return error ? 0 : static_cast<int>(std::distance(files, std::filesystem::directory_iterator()));
   }
 
-  // OK heartbeats the coordinator answered, from its /metrics.
+  // OK heartbeats the coordinator answered, from its /metrics; -1 when it cannot be read.
   int Heartbeats() {
     auto metrics = HttpGet(metrics_port_, "/metrics");
     if (!metrics.ok()) return -1;
@@ -142,9 +139,8 @@ class DispatchTest : public ::testing::Test {
     static const std::regex kLine(
         R"re(tessera_grpc_server_requests_total\{code="OK",method="/tessera.v1.NodeService/Heartbeat"\} (\d+))re");
     int count = 0;
-    if (std::regex_search(metrics->body, match, kLine))
-      (void)absl::SimpleAtoi(match[1].str(), &count);
-    return count;
+    if (!std::regex_search(metrics->body, match, kLine)) return 0;
+    return absl::SimpleAtoi(match[1].str(), &count) ? count : -1;
   }
 
   ScopedTempDir dir_{"dispatch_e2e_test"};

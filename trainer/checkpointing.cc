@@ -273,7 +273,13 @@ absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
 
 AsyncCheckpointer::AsyncCheckpointer(const CheckpointContext& context) : context_(context) {}
 
-AsyncCheckpointer::~AsyncCheckpointer() { (void)Wait(); }
+AsyncCheckpointer::~AsyncCheckpointer() {
+  // A save still in flight when training stopped (a failure elsewhere): finished here, and its
+  // error, which nobody else will see, logged.
+  if (absl::Status status = Wait(); !status.ok()) {
+    Log(context_, absl::StrCat("checkpoint not saved: ", status.ToString()));
+  }
+}
 
 absl::Status AsyncCheckpointer::Wait() {
   if (thread_.joinable()) thread_.join();

@@ -63,6 +63,22 @@ constexpr LayerName kGpt2Layer[] = {
     {"mlp.proj.weight", "mlp.c_proj.weight", true},   {"mlp.proj.bias", "mlp.c_proj.bias", false},
 };
 
+// A per-layer parameter name "layers.<layer>.<rest>" split; nullopt for the others.
+struct LayerPart {
+  int layer = 0;
+  absl::string_view rest;
+};
+std::optional<LayerPart> SplitLayerName(absl::string_view name) {
+  if (!absl::ConsumePrefix(&name, "layers.")) return std::nullopt;
+  const size_t dot = name.find('.');
+  LayerPart part;
+  if (dot == absl::string_view::npos || !absl::SimpleAtoi(name.substr(0, dot), &part.layer)) {
+    return std::nullopt;
+  }
+  part.rest = name.substr(dot + 1);
+  return part;
+}
+
 // transformers' name of the Tessera parameter `name`; nullopt for one with no counterpart.
 std::optional<HfName> HfNameOf(const std::string& name, const v1::ModelDims& dims) {
   const bool gpt2 = dims.architecture() == v1::ARCHITECTURE_GPT2;
@@ -78,14 +94,10 @@ std::optional<HfName> HfNameOf(const std::string& name, const v1::ModelDims& dim
       {"lm_head", "lm_head.weight"}};
   const auto& globals = gpt2 ? kGpt2Global : kLlamaGlobal;
   if (auto it = globals.find(name); it != globals.end()) return HfName{it->second};
-  absl::string_view rest = name;
-  if (!absl::ConsumePrefix(&rest, "layers.")) return std::nullopt;
-  const size_t dot = rest.find('.');
-  int layer = 0;
-  if (dot == absl::string_view::npos || !absl::SimpleAtoi(rest.substr(0, dot), &layer)) {
-    return std::nullopt;
-  }
-  const absl::string_view suffix = rest.substr(dot + 1);
+  const std::optional<LayerPart> part = SplitLayerName(name);
+  if (!part.has_value()) return std::nullopt;
+  const int layer = part->layer;
+  const absl::string_view suffix = part->rest;
   auto find = [&](const auto& table, absl::string_view prefix) -> std::optional<HfName> {
     for (const LayerName& entry : table) {
       if (suffix == entry.tessera) {
@@ -295,14 +307,10 @@ struct HostTensors {
 
 // PEFT's name of the adapter tensor `name` ("layers.3.attn.q.lora_a"); nullopt for others.
 std::optional<std::string> PeftNameOf(const std::string& name, const v1::ModelDims& dims) {
-  absl::string_view rest = name;
-  if (!absl::ConsumePrefix(&rest, "layers.")) return std::nullopt;
-  const size_t dot = rest.find('.');
-  int layer = 0;
-  if (dot == absl::string_view::npos || !absl::SimpleAtoi(rest.substr(0, dot), &layer)) {
-    return std::nullopt;
-  }
-  absl::string_view module = rest.substr(dot + 1);
+  const std::optional<LayerPart> part = SplitLayerName(name);
+  if (!part.has_value()) return std::nullopt;
+  const int layer = part->layer;
+  absl::string_view module = part->rest;
   const char* matrix = absl::ConsumeSuffix(&module, ".lora_a")   ? "lora_A"
                        : absl::ConsumeSuffix(&module, ".lora_b") ? "lora_B"
                                                                  : nullptr;
