@@ -7,6 +7,11 @@
 #   make demo    build, then train a small model end to end on this machine
 #   make bench   build, then run the CPU benchmarks (BENCH="trainer ..." picks some)
 #   make bench-gpu  build, then run the GPU benchmarks (needs a CUDA build and a GPU)
+#   make gpu-check  on a machine with a GPU: build with CUDA (or take the GPU_BUNDLE), run every
+#                GPU test, the trainer's --check, gpt2-124m and qwen3-0.6b through a coordinator
+#                and worker, and bench-gpu; one JSON + a summary (scripts/gpu_check.py)
+#   make gpu-bundle  here, for a GPU machine without a package registry: a CUDA build's
+#                binaries and the libraries they need in GPU_BUNDLE (scripts/gpu_bundle.sh)
 #   make fuzz    build the fuzz targets (tests/fuzz, with clang into build-fuzz/), then run
 #                each for FUZZ_SECONDS (FUZZERS="job_spec ..." picks some)
 #
@@ -27,8 +32,11 @@ FUZZ_DIR   ?= build-fuzz
 FUZZ_SECONDS ?= 60
 FUZZ_CTEST_ARGS ?=
 FUZZERS    ?=
+GPU_BUNDLE ?= .gpu-bundle
+GPU_CHECK_ARGS ?=
 
-.PHONY: all bootstrap configure build test demo bench bench-gpu fuzz-build fuzz format clean
+.PHONY: all bootstrap configure build test demo bench bench-gpu gpu-check gpu-bundle fuzz-build fuzz \
+  format clean
 
 all: build
 
@@ -60,6 +68,21 @@ bench: build
 
 bench-gpu: build
 	@scripts/bench.sh $(BUILD_DIR) gpu $(BENCH)
+
+# With a bundle from `make gpu-bundle` nothing is built or installed (the machine may reach no
+# package registry); otherwise this builds with CUDA first.
+gpu-check:
+	@if [ -f "$(GPU_BUNDLE)/BUNDLE" ]; then \
+	  echo "gpu-check: binaries from the bundle $(GPU_BUNDLE):"; sed 's/^/  /' "$(GPU_BUNDLE)/BUNDLE"; \
+	  python3 scripts/gpu_check.py --build-dir="$(GPU_BUNDLE)" $(GPU_CHECK_ARGS); \
+	else \
+	  $(MAKE) --no-print-directory build WITH_CUDA=ON && \
+	  python3 scripts/gpu_check.py --build-dir="$(BUILD_DIR)" $(GPU_CHECK_ARGS); \
+	fi
+
+gpu-bundle:
+	@$(MAKE) --no-print-directory build WITH_CUDA=ON
+	@scripts/gpu_bundle.sh $(BUILD_DIR) $(GPU_BUNDLE)
 
 # libFuzzer is Clang's and the main build uses GCC: the fuzz targets are a build of their own.
 fuzz-build: bootstrap

@@ -1,12 +1,15 @@
 """What the Python benchmarks share: their error type, the provenance they record (commit,
 machine) and the median/range summary of repeated runs; and for the multi-process CPU benchmarks
 (bench/zero_bench.py, bench/model_parallel_bench.py) the launch of a job's ranks as torchrun
-would, its task file and the checks that runs computed the same thing. Standard library only."""
+would, its task file and the checks that runs computed the same thing; and a local cluster (a real
+coordinator and worker driven through the CLI) for bench/fault_bench.py and scripts/gpu_check.py.
+Standard library only."""
 
 import datetime
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -262,6 +265,84 @@ def run_ranks(trainer, task_path, world, threads, workdir, label, timeout, poll_
                 p["popen"].send_signal(signal.SIGKILL)
                 p["popen"].wait()
     return procs, load_before
+
+
+class Cluster:
+    """A real coordinator and one real worker on loopback (state and work under `workdir`),
+    driven through the `tessera` CLI as a user would; stop() ends them.
+
+    cpu_slots: the worker's CPU trainer slots (0: its GPUs, found through NVML, are the slots).
+    metrics: serve both daemons' /metrics on free ports (metrics_url() names the worker's).
+    threads: OMP/MKL threads of the daemons' environment, inherited by the trainers (None: the
+    worker's own choice, cores divided by slots)."""
+
+    def __init__(self, build_dir, workdir, coordinator_flags=(), worker_flags=(), cpu_slots=0,
+                 metrics=False, threads=None):
+        self.bin = os.path.join(build_dir, "bin")
+        self.workdir = workdir
+        self.procs = []
+        self.threads = threads
+        metrics_listen = "--metrics_listen=127.0.0.1:0" if metrics else "--metrics_listen="
+        coordinator = self._start("coordinator", [
+            os.path.join(self.bin, "tessera-coordinator"), "--listen=127.0.0.1:0", metrics_listen,
+            f"--state={workdir}/state.db", f"--checkpoint_root={workdir}/ckpt",
+            f"--master_port_base={30000 + os.getpid() % 1000 * 20}", *coordinator_flags])
+        self.address = self._wait_for(coordinator, r"serving gRPC on (\S+:\d+)")
+        worker = self._start("worker", [
+            os.path.join(self.bin, "tessera-worker"), f"--coordinator={self.address}",
+            "--listen=127.0.0.1:0", metrics_listen, "--node_name=bench-node",
+            f"--cpu_slots={cpu_slots}", f"--work_dir={workdir}/worker", *worker_flags])
+        self._wait_for(worker, r"registered with")
+        self.worker_metrics_port = (
+            self._wait_for(worker, r"metrics on port (\d+)") if metrics else None)
+
+    def _start(self, name, argv):
+        log = open(os.path.join(self.workdir, f"{name}.log"), "w")
+        env = dict(os.environ)
+        if self.threads is not None:
+            env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc.log_path = log.name
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def _wait_for(proc, pattern, seconds=30):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            with open(proc.log_path) as f:
+                match = re.search(pattern, f.read())
+            if match:
+                return match.group(1) if match.groups() else match.group(0)
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise BenchError(f"{proc.args[0]} did not log {pattern!r}:\n{tail(proc.log_path)}")
+
+    def cli(self, *args, timeout=60):
+        out = subprocess.run([os.path.join(self.bin, "tessera"), f"--coordinator={self.address}",
+                              *args], capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0:
+            raise BenchError(f"tessera {' '.join(args)}: {out.stderr.strip()}")
+        return out.stdout
+
+    def get(self, job_id):
+        job = json.loads(self.cli("--output=json", "get", job_id))
+        job["current_step"] = int(job.get("current_step", 0))
+        job["restarts"] = int(job.get("restarts", 0))
+        return job
+
+    def metrics_url(self):
+        return f"http://127.0.0.1:{self.worker_metrics_port}/metrics"
+
+    def stop(self):
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
 def json_lines(path, what):

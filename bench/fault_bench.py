@@ -34,7 +34,6 @@ kill's figures, the configuration, machine, date and commit. Only the standard l
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -42,8 +41,8 @@ import sys
 import tempfile
 import time
 
-from bench_common import (RESULTS_ENV, BenchError, find_trainer, in_workdir, prepare_corpus,
-                          provenance, spread, tail, write_results)
+from bench_common import (RESULTS_ENV, BenchError, Cluster, find_trainer, in_workdir,
+                          prepare_corpus, provenance, spread, write_results)
 
 BENCH = "fault"
 CHECKPOINT_INTERVAL = 10
@@ -54,70 +53,6 @@ GOODPUT_STEPS = 400
 PROJECTED_STEP_SECONDS = (0.1, 1.0, 5.0)
 JOB_TIMEOUT_SECONDS = 900
 POLL_SECONDS = 0.02
-
-
-class Cluster:
-    """A coordinator and a 2-slot worker on loopback, stopped on exit."""
-
-    def __init__(self, build_dir, workdir):
-        self.bin = os.path.join(build_dir, "bin")
-        self.workdir = workdir
-        self.procs = []
-        self.coordinator_log = os.path.join(workdir, "coordinator.log")
-        coordinator = self._start("coordinator", [
-            os.path.join(self.bin, "tessera-coordinator"), "--listen=127.0.0.1:0",
-            "--metrics_listen=", f"--state={workdir}/state.db",
-            f"--checkpoint_root={workdir}/ckpt", "--heartbeat_interval=500ms",
-            "--heartbeat_timeout=5s", f"--master_port_base={30000 + os.getpid() % 1000 * 20}"])
-        self.address = self._wait_for(coordinator, r"serving gRPC on (\S+:\d+)")
-        worker = self._start("worker", [
-            os.path.join(self.bin, "tessera-worker"), f"--coordinator={self.address}",
-            "--listen=127.0.0.1:0", "--metrics_listen=", "--node_name=bench-node",
-            "--cpu_slots=2", f"--work_dir={workdir}/worker", "--stop_grace=2s"])
-        self._wait_for(worker, r"registered with")
-
-    def _start(self, name, argv):
-        log = open(os.path.join(self.workdir, f"{name}.log"), "w")
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        proc.log_path = log.name
-        self.procs.append(proc)
-        return proc
-
-    @staticmethod
-    def _wait_for(proc, pattern, seconds=30):
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            with open(proc.log_path) as f:
-                match = re.search(pattern, f.read())
-            if match:
-                return match.group(1) if match.groups() else match.group(0)
-            if proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise BenchError(f"{proc.args[0]} did not log {pattern!r}:\n{tail(proc.log_path)}")
-
-    def cli(self, *args):
-        out = subprocess.run([os.path.join(self.bin, "tessera"), f"--coordinator={self.address}",
-                              *args], capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            raise BenchError(f"tessera {' '.join(args)}: {out.stderr.strip()}")
-        return out.stdout
-
-    def get(self, job_id):
-        job = json.loads(self.cli("--output=json", "get", job_id))
-        job["current_step"] = int(job.get("current_step", 0))
-        job["restarts"] = int(job.get("restarts", 0))
-        return job
-
-    def stop(self):
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
 
 
 def write_spec(path, name, shards, steps):
@@ -193,7 +128,9 @@ def projected_goodput(step_seconds, failures, recovery_seconds):
 
 def measure(build_dir, trainer, workdir, args):
     shards = prepare_corpus(trainer, workdir, timeout=300)
-    cluster = Cluster(build_dir, workdir)
+    cluster = Cluster(build_dir, workdir, coordinator_flags=(
+        "--heartbeat_interval=500ms", "--heartbeat_timeout=5s"), cpu_slots=2,
+        worker_flags=("--stop_grace=2s",), threads=1)
     try:
         recovery_steps = RECOVERY_KILLS * KILL_EVERY + 50
         write_spec(f"{workdir}/recovery.yaml", "recovery", shards, recovery_steps)

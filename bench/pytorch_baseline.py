@@ -15,6 +15,7 @@ RUN.json (written by bench/trainer_bench.py) holds:
   device             "cpu" or "cuda"
   precision          "fp32" or "bf16" (bf16 autocast, CUDA only; parameters stay float32)
   threads            intra-op threads
+  compile            optional; true: the forward and loss through torch.compile
 
 Prints one JSON object per line on stdout, shaped like the trainer's reports: {"started": ...},
 one {"metrics": ...} per step, {"finished": ...}. Only the standard library and torch are used.
@@ -406,7 +407,7 @@ def emit(record):
     print(json.dumps(record), flush=True)
 
 
-def train_step(model, params, optimizer, loader, device, bf16, grad_clip, lr):
+def train_step(loss_fn, params, optimizer, loader, device, bf16, grad_clip, lr):
     """One optimizer step; returns (loss averaged over micro-batches, gradient norm)."""
     micro_batches = loader.next_step()
     accumulation = len(micro_batches)
@@ -415,7 +416,7 @@ def train_step(model, params, optimizer, loader, device, bf16, grad_clip, lr):
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = model.loss(inputs, targets)
+            loss = loss_fn(inputs, targets)
         (loss / accumulation).backward()
         loss_sum += loss.detach().float()
     loss_value = (loss_sum / accumulation).item()
@@ -455,6 +456,11 @@ def run(config):
         lr=config["lr"]["peak"], betas=(config["beta1"], config["beta2"]), eps=config["eps"],
         fused=True)
 
+    # "compile": the forward and loss through torch.compile (default mode, Inductor), the
+    # baseline `make gpu-check` measures next to eager; its compilation falls in the untimed
+    # first steps.
+    loss_fn = torch.compile(model.loss) if config.get("compile") else model.loss
+
     samples = TokenSamples(config["train_shards"], config["seq_len"])
     loader = BatchLoader(samples, config["global_batch_size"], config["micro_batch_size"],
                          config["seed"])
@@ -464,6 +470,7 @@ def run(config):
                       f"{device} ({torch.cuda.get_device_name(device)})",
                       "threads": torch.get_num_threads(),
                       "torch_version": torch.__version__,
+                      "compiled": bool(config.get("compile")),
                       "startup_seconds": time.perf_counter() - start}})
 
     steps = config["steps"]
@@ -473,7 +480,7 @@ def run(config):
         # optimizer step and zero_grad, without a device synchronisation at the end.
         step_start = time.perf_counter()
         lr = learning_rate_at(config["lr"], steps, step)
-        loss, grad_norm = train_step(model, params, optimizer, loader, device, bf16,
+        loss, grad_norm = train_step(loss_fn, params, optimizer, loader, device, bf16,
                                      config["grad_clip"], lr)
         seconds = time.perf_counter() - step_start
         if device.type == "cuda":

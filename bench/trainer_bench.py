@@ -5,12 +5,15 @@ samples, with the same optimizer, schedule, precision, batch and thread count.
 
     python bench/trainer_bench.py --device=cpu    # make bench
     python bench/trainer_bench.py --device=cuda   # make bench-gpu
+    python bench/trainer_bench.py --device=cuda --configs=gpt2-124m --baselines=eager,compile
 
 How it runs, per configuration:
   1. `tessera-trainer prepare` tokenizes data/corpus/kjv-genesis-ruth.txt into byte-level shards.
   2. `tessera-trainer --task=T --export_initial=W` writes the weights a fresh run of T starts from;
      the baseline loads them, so both sides start from identical parameters.
-  3. Runs alternate, each a fresh process: ours, PyTorch, ours, PyTorch, ... (--runs of each).
+  3. Runs alternate, each a fresh process: ours, PyTorch, ours, PyTorch, ... (--runs of each);
+     with --baselines=eager,compile a third side, PyTorch with the model's forward and loss
+     through torch.compile (compiled during the untimed steps), follows each PyTorch run.
   4. Both sides report every step's time, measured the same way (from the learning-rate lookup to
      the end of zero_grad, without a device synchronisation at the end). A run's throughput is
      tokens of the timed steps / sum of their step times: process start-up, model building, weight
@@ -92,8 +95,8 @@ CPU_CONFIGS = [
     },
 ]
 
-# GPU configurations: GPT-2 small at its full context, and a Qwen3 model of 1.7B parameters at
-# 2048 tokens (Llama blocks with grouped-query attention, RoPE and qk_norm), both in bf16
+# GPU configurations: GPT-2 small at its full context, and Qwen3 models of 0.6B (the one `make
+# gpu-check` runs) and 1.7B parameters at 2048 tokens (Llama blocks with grouped-query attention, RoPE and qk_norm), both in bf16
 # autocast with gradient accumulation. micro_batch_size 1 keeps Qwen3-1.7B (27 GiB of weights,
 # gradients and AdamW moments in float32, no activation checkpointing) within an 80 GiB H100.
 GPU_CONFIGS = [
@@ -105,6 +108,16 @@ GPU_CONFIGS = [
         "micro_batch_size": 16,
         "untimed_steps": 5,
         "timed_steps": 20,
+        "precision": "bf16",
+    },
+    {
+        "name": "qwen3-0.6b",
+        "model": {"preset": "qwen3-0.6b"},
+        "seq_len": 2048,
+        "global_batch_size": 16,
+        "micro_batch_size": 4,
+        "untimed_steps": 3,
+        "timed_steps": 10,
         "precision": "bf16",
     },
     {
@@ -287,7 +300,7 @@ def write_task(path, config, shards, device):
         json.dump(task, f, indent=1)
 
 
-def write_baseline_config(path, config, shards, device, init, threads):
+def write_baseline_config(path, config, shards, device, init, threads, compile_model=False):
     run_config = dict(OPTIMIZER)
     run_config.update({
         "init": init,
@@ -299,6 +312,7 @@ def write_baseline_config(path, config, shards, device, init, threads):
         "device": device,
         "precision": config["precision"],
         "threads": threads,
+        "compile": compile_model,
     })
     with open(path, "w") as f:
         json.dump(run_config, f, indent=1)
@@ -372,6 +386,10 @@ def set_up_config(config, args, paths):
                 f"{name}: exporting the initial weights")
     write_baseline_config(baseline_path, config, paths["shards"], args.device, init_path,
                           args.threads)
+    if "compile" in args.baselines:
+        write_baseline_config(baseline_path.replace(".baseline.", ".compiled."), config,
+                              paths["shards"], args.device, init_path, args.threads,
+                              compile_model=True)
     return task_path, baseline_path, read_safetensors_metadata(init_path)
 
 
@@ -399,16 +417,22 @@ def bench_config(config, args, paths):
           f"{config['seq_len']}, batch {config['global_batch_size']} (micro "
           f"{config['micro_batch_size']}), {config['precision']}, {config['untimed_steps']} "
           f"untimed + {config['timed_steps']} timed steps, {args.runs} runs per side", flush=True)
-    ours_runs, theirs_runs, equivalence = [], [], None
+    ours_runs, theirs_runs, compiled_runs, equivalence = [], [], [], None
     for i in range(args.runs):
         ours = run_ours(trainer, task_path, config, env, timeout)
         ours_runs.append(ours)
         theirs = run_pytorch(python, baseline_path, config, env, timeout)
         theirs_runs.append(theirs)
+        compiled_note = ""
+        if "compile" in args.baselines:
+            compiled = run_pytorch(python, baseline_path.replace(".baseline.", ".compiled."),
+                                   config, env, timeout)
+            compiled_runs.append(compiled)
+            compiled_note = f", torch.compile {compiled['tokens_per_second']:,.0f}"
         print(f"  run {i + 1}/{args.runs}: ours {ours['tokens_per_second']:,.0f} tokens/s, "
-              f"PyTorch {theirs['tokens_per_second']:,.0f} tokens/s (load average before: "
-              f"{ours['load_average_before']:.1f}, {theirs['load_average_before']:.1f})",
-              flush=True)
+              f"PyTorch {theirs['tokens_per_second']:,.0f} tokens/s{compiled_note} (load "
+              f"average before: {ours['load_average_before']:.1f}, "
+              f"{theirs['load_average_before']:.1f})", flush=True)
         if equivalence is None:
             equivalence = check_equivalence(config, ours, theirs,
                                             int(metadata["tessera.num_parameters"]),
@@ -417,7 +441,7 @@ def bench_config(config, args, paths):
     # Every run is deterministic up to the tolerance; a run that strays trained something else.
     tolerance = LOSS_TOLERANCE[config["precision"]]
     reference = ours_runs[0]["first_step_loss"]
-    for run in ours_runs + theirs_runs:
+    for run in ours_runs + theirs_runs + compiled_runs:
         if not abs(run["first_step_loss"] - reference) <= tolerance * abs(reference):
             raise BenchError(f"{name}: first-step loss {run['first_step_loss']!r} of a later run "
                              f"differs from the first run's {reference!r}")
@@ -425,7 +449,10 @@ def bench_config(config, args, paths):
     peak = (flops_per_token * ours_runs[0]["tokens_per_second_per_mfu"]
             if device == "cuda" and "tokens_per_second_per_mfu" in ours_runs[0] else 0.0)
     sides = {}
-    for side, runs in (("ours", ours_runs), ("pytorch", theirs_runs)):
+    for side, runs in (("ours", ours_runs), ("pytorch", theirs_runs),
+                       ("compile", compiled_runs)):
+        if not runs:
+            continue
         tps = [r["tokens_per_second"] for r in runs]
         section = {
             "tokens_per_second": spread(tps),
@@ -464,6 +491,13 @@ def bench_config(config, args, paths):
             (sides["ours"]["tokens_per_second_median_step"]["median"] /
              sides["pytorch"]["tokens_per_second_median_step"]["median"]),
         "equivalence": equivalence,
+        **({"compile": {
+            **sides["compile"],
+            "ratio_tokens_per_second": (sides["ours"]["tokens_per_second"]["median"] /
+                                        sides["compile"]["tokens_per_second"]["median"]),
+            "ratio_by_run_pair": spread([o["tokens_per_second"] / c["tokens_per_second"]
+                                         for o, c in zip(ours_runs, compiled_runs)]),
+        }} if compiled_runs else {}),
     }
 
 
@@ -477,10 +511,15 @@ def print_summary(results):
         print(f"  {c['name']}:")
         print(f"    tessera-trainer  {o['median']:>12,.0f}  [{o['min']:,.0f}, {o['max']:,.0f}]")
         print(f"    PyTorch eager    {t['median']:>12,.0f}  [{t['min']:,.0f}, {t['max']:,.0f}]")
+        if "compile" in c:
+            k = c["compile"]["tokens_per_second"]
+            print(f"    torch.compile    {k['median']:>12,.0f}  [{k['min']:,.0f}, {k['max']:,.0f}]")
         r = c["ratio_by_run_pair"]
         print(f"    ratio ours/PyTorch {c['ratio_tokens_per_second']:.3f} (run pairs "
               f"{r['min']:.3f}..{r['max']:.3f}); from median step times "
               f"{c['ratio_tokens_per_second_median_step']:.3f}")
+        if "compile" in c:
+            print(f"    ratio ours/torch.compile {c['compile']['ratio_tokens_per_second']:.3f}")
         if "mfu" in ours:
             print(f"    MFU ours {ours['mfu']['median']:.1%}, PyTorch "
                   f"{theirs['mfu']['median']:.1%}")
@@ -501,6 +540,9 @@ def main():
                         help="intra-op threads of both sides (default: the CPUs available)")
     parser.add_argument("--configs", default="",
                         help="comma-separated configuration names (default: all of the device)")
+    parser.add_argument("--baselines", default="eager",
+                        help="comma-separated: eager (always run), compile (also PyTorch with "
+                             "the model's forward and loss through torch.compile)")
     parser.add_argument("--check", action="store_true",
                         help="only check that both sides train the same small models to the "
                              "same losses, once each; no timing, no JSON")
@@ -509,6 +551,9 @@ def main():
     args = parser.parse_args()
     if args.runs < 1 or args.threads < 1:
         parser.error("--runs and --threads must be >= 1")
+    args.baselines = set(args.baselines.split(","))
+    if not args.baselines <= {"eager", "compile"}:
+        parser.error(f"--baselines takes eager and compile, not {sorted(args.baselines)}")
 
     import torch  # after argument parsing, so --help stays fast
 
@@ -550,6 +595,7 @@ def main():
         "trainer": trainer,
         "method": {
             "runs_per_side": args.runs,
+            "baselines": sorted(args.baselines),
             "order": "interleaved, each run a fresh process: ours, PyTorch, ours, PyTorch, ...",
             "statistic": "median over runs; ranges are min and max; ratio = median tokens/s of "
                          "ours / median of PyTorch; ratio_by_run_pair divides the i-th runs. "
