@@ -1,6 +1,6 @@
 # checkpoint_bench: save and load throughput of the trainer's checkpoint path
-# (archive + PrepareStaging/CommitCheckpoint, FindLatestCheckpoint/VerifyCheckpoint
-# + InputArchive) against a plain sequential write and read of the same bytes.
+# (WriteTrainingState + PrepareStaging/CommitCheckpoint; ResumeLatest) against a
+# plain sequential write and read of the same bytes.
 # Links LibTorch through tessera::trainer, so it inherits the libstdc++-first
 # link order of tessera::torch (docs/build.md).
 

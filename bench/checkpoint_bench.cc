@@ -4,7 +4,7 @@
 // run and interleaved (ours, plain, ours, plain, ...). "Ours" is the trainer's
 // own path (trainer/checkpointing.cc): PrepareStaging, WriteTrainingState's
 // safetensors shard of slices and CommitCheckpoint for a save;
-// FindLatestCheckpoint, ShardedCheckpointReader and ReadTrainingState for a
+// ResumeLatest (the digest verified on a thread beside the slices' reads) for a
 // load. Both sides are durable (fsync)
 // before the clock stops, and both read with the file dropped from the page
 // cache. Prints a summary and writes $TESSERA_BENCH_RESULTS/checkpoint.json
@@ -45,6 +45,7 @@
 #include "planner/model_config.h"
 #include "trainer/adamw.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpointing.h"
 #include "trainer/model.h"
 #include "trainer/xxh3.h"
 #include "trainer/shard_file.h"
@@ -59,6 +60,10 @@ ABSL_FLAG(int, runs, 7,
           "Timed runs of each of the four operations (at least 1; 5 or more for "
           "a result worth quoting).");
 ABSL_FLAG(int, layers, 12, "GPT-2 model: number of layers.");
+ABSL_FLAG(bool, verify_then_load, false,
+          "Our load as before digests were checked during it: FindLatestCheckpoint hashes the "
+          "shard, then its slices are read (a second read, from the page cache), for an A/B "
+          "against the default ResumeLatest.");
 ABSL_FLAG(int, hidden, 768, "GPT-2 model: hidden size (a multiple of 64; heads of 64).");
 ABSL_FLAG(int, vocab, 8192, "GPT-2 model: vocabulary size.");
 
@@ -89,6 +94,7 @@ struct BenchOptions {
   int num_layers = 12;
   int hidden_size = 768;
   int vocab_size = 8192;
+  bool verify_then_load = false;
   std::string results_dir;
   std::string commit;
   std::string date;
@@ -178,29 +184,42 @@ absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root
   }
 }
 
-// ResumeLatest of trainer/checkpointing.cc on rank 0, call for call. Phases: find_latest_verify
-// (FindLatestCheckpoint: manifest and SHA-256 of the shard, the read that meets the cold cache;
-// the trainer keeps that manifest), open (the slice index), apply (ReadTrainingState: every
-// parameter and moment read with pread into host buffers and copied into the engine's, the RNG
-// state). Returns the loaded checkpoint's directory in `*path`.
+// trainer/checkpointing.cc ResumeLatest as the one rank of a single-process job, the call the
+// trainer makes: the newest checkpoint whose manifest and shard sizes check, its digest computed
+// on a thread beside the reads of its slices into the engine (the checkpoint read once), the RNG
+// state. One phase, resume. With `verify_then_load` (--verify_then_load), the load as it was
+// before: FindLatestCheckpoint hashing the shard (phase find_latest_verify), then the reader
+// (open) and ReadTrainingState from the page cache (apply). Returns the loaded checkpoint's
+// directory in `*path`.
 absl::StatusOr<PhaseTimes> LoadOurs(TrainerState& state, const std::string& root,
-                                    std::string* path) {
+                                    bool verify_then_load, std::string* path) {
   try {
     PhaseClock clock;
-    std::vector<std::string> skipped;
-    ASSIGN_OR_RETURN(std::optional<trainer::FoundCheckpoint> found,
-                     trainer::FindLatestCheckpoint(root, &skipped));
-    if (!found.has_value()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(root, ": no checkpoint that verifies (", absl::StrJoin(skipped, "; "), ")"));
+    if (verify_then_load) {
+      ASSIGN_OR_RETURN(std::optional<trainer::FoundCheckpoint> found,
+                       trainer::FindLatestCheckpoint(root, nullptr));
+      if (!found.has_value()) {
+        return absl::FailedPreconditionError(absl::StrCat(root, ": no checkpoint verifies"));
+      }
+      clock.Lap("find_latest_verify");
+      ASSIGN_OR_RETURN(trainer::ShardedCheckpointReader reader,
+                       trainer::ShardedCheckpointReader::Open(found->path, found->manifest));
+      clock.Lap("open");
+      RETURN_IF_ERROR(trainer::ReadTrainingState(reader, *state.engine, /*rank=*/0));
+      clock.Lap("apply");
+      *path = std::move(found->path);
+      return std::move(clock).Take();
     }
-    clock.Lap("find_latest_verify");
-    ASSIGN_OR_RETURN(trainer::ShardedCheckpointReader reader,
-                     trainer::ShardedCheckpointReader::Open(found->path, found->manifest));
-    clock.Lap("open");
-    RETURN_IF_ERROR(trainer::ReadTrainingState(reader, *state.engine, /*rank=*/0));
-    clock.Lap("apply");
-    *path = std::move(found->path);
+    v1::TrainerTask task;
+    task.set_checkpoint_directory(root);
+    const trainer::CheckpointContext context{
+        .task = &task, .rank = 0, .world = 1, .engine = state.engine.get()};
+    ASSIGN_OR_RETURN(std::optional<trainer::Resumed> resumed, trainer::ResumeLatest(context));
+    if (!resumed.has_value()) {
+      return absl::FailedPreconditionError(absl::StrCat(root, ": no checkpoint to resume from"));
+    }
+    clock.Lap("resume");
+    *path = std::move(resumed->path);
     return std::move(clock).Take();
   } catch (const c10::Error& error) {
     return absl::InternalError(
@@ -291,7 +310,7 @@ absl::Status RemoveAndSettle(const std::string& path, const std::string& scratch
   return SettleFileSystem(scratch);
 }
 
-// The CPU cost of a shard without a disk: host copies, header and SHA-256, written to /dev/null.
+// The CPU cost of a shard without a disk: host copies, header and XXH3-128, written to /dev/null.
 absl::StatusOr<double> SerializeToMemoryMbPerSecond(TrainerState& state) {
   try {
     const Clock::time_point start = Clock::now();
@@ -374,7 +393,7 @@ absl::Status RunIterations(const BenchOptions& options, Results& results) {
       }
       RETURN_IF_ERROR(PrefaultFreeMemory(file_bytes));
       std::string loaded;
-      ASSIGN_OR_RETURN(load_ours, LoadOurs(state, root, &loaded));
+      ASSIGN_OR_RETURN(load_ours, LoadOurs(state, root, options.verify_then_load, &loaded));
       if (loaded != checkpoint || !torch::equal(probe, probe_saved)) {
         return absl::InternalError(absl::StrCat(
             "load of ", checkpoint, " did not restore the saved weights (loaded ", loaded, ")"));
@@ -503,6 +522,7 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
                    {"throughput_basis", results.shard_bytes}};
   json["scratch"] = {{"directory", results.scratch}, {"file_system", results.file_system}};
   json["runs"] = options.runs;
+  json["load_mode"] = options.verify_then_load ? "verify_then_load" : "resume_latest";
   json["warmup_runs"] = 1;
   json["runs_first"] = results.first;
   json["save"] = ComparisonJson(results.save_ours, results.save_plain, results.shard_bytes);
@@ -535,13 +555,11 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
        "This VM's balloon reports free pages to the host: memory free for more than about two "
        "seconds costs about a second per GB of host faults when used again. Without the "
        "prefaulting, whichever side went second paid that: plain's 1.1 GB write took 0.3-0.6 s "
-       "going first and 1.7-2.5 s going second. What prefaulting cannot cover: our load "
-       "allocates its 1.1 GB of tensors after the SHA-256 pass, seconds in, so on this VM that "
-       "memory is cold; this is charged to ours, as it would be in a trainer here."},
+       "going first and 1.7-2.5 s going second."},
       {"save_ours",
        "trainer/checkpointing.cc SaveCheckpoint for rank 0 of one rank: PrepareStaging; "
        "WriteTrainingState (every parameter and AdamW moment slice and the CPU RNG state as a "
-       "safetensors shard, through WriteHashedFile: SHA-256 computed while writing); "
+       "safetensors shard, through WriteHashedFile: XXH3-128 computed while writing); "
        "CommitCheckpoint (world_size 1, "
        "keep_last 0) with that digest: fsync of the shard, manifest.pb and manifest.json written "
        "and fsynced, fsync of the staging directory, rename into place, fsync of the root."},
@@ -552,11 +570,12 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
       {"durability",
        "Both sides fsync all they wrote, and the directories, before the clock stops."},
       {"load_ours",
-       "trainer/checkpointing.cc ResumeLatest on rank 0: FindLatestCheckpoint (lists the root, "
-       "parses manifest.pb, XXH3-128 of the shard; the trainer keeps that manifest), "
-       "ShardedCheckpointReader::Open, ReadTrainingState (pread of every slice into host "
-       "buffers, copied into the engine's, RNG set_state). Loading here = reading + digest "
-       "verify + restoring the tensors."},
+       "trainer/checkpointing.cc ResumeLatest for the one rank of a single-process job: "
+       "FindLatestCheckpoint without digests (lists the root, parses manifest.pb, checks the "
+       "shard's size), ShardedCheckpointReader::Open, then ReadTrainingState (pread of every "
+       "slice straight into the engine's tensors on up to 4 threads, RNG set_state) while "
+       "another thread computes the shard's XXH3-128 and compares it with the manifest's. "
+       "Loading here = reading + digest verify + restoring the tensors."},
       {"load_plain",
        "read() of the plain file in 8 MiB blocks into an already-touched buffer of its size; no "
        "hashing, no parsing."},
@@ -566,9 +585,9 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
        "fraction (max in diagnostics). This empties this kernel's page cache only: a hypervisor "
        "or device cache below it may still serve the reads."},
       {"diagnostics",
-       "Measured once, after the runs: SHA-256 (OpenSSL, as Sha256Hex) of the bytes in memory; "
-       "Sha256File and a plain read of the plain file while it is in the page cache; save_to into "
-       "a function that discards the bytes (zip records and CRC-32, no file)."},
+       "Measured once, after the runs: XXH3-128 of the bytes in memory; Xxh3File and a plain "
+       "read of the plain file while it is in the page cache; WriteTrainingState into /dev/null "
+       "(host copies, header and digest, no file)."},
       {"cpu_seconds",
        "User + system CPU time of this process (getrusage) over each operation. The benchmark "
        "runs on one thread; when wall time is well above CPU time outside of I/O waits, other "
@@ -702,6 +721,7 @@ int main(int argc, char** argv) {
   options.num_layers = absl::GetFlag(FLAGS_layers);
   options.hidden_size = absl::GetFlag(FLAGS_hidden);
   options.vocab_size = absl::GetFlag(FLAGS_vocab);
+  options.verify_then_load = absl::GetFlag(FLAGS_verify_then_load);
   options.results_dir = ResultsDir(DefaultResultsDir());
   const Provenance provenance = ReadProvenance();
   options.commit = provenance.commit;

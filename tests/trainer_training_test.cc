@@ -372,6 +372,20 @@ TEST_F(TrainerTrainingTest, DivergenceIsReportedAsNanLoss) {
   EXPECT_LT(run.losses.size(), 20u);
 }
 
+// Flips one byte of a checkpoint's shard file (a digest mismatch, the size unchanged).
+void FlipByte(const std::string& path, std::streamoff offset) {
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  ASSERT_TRUE(file.is_open()) << path;
+  file.seekg(offset);
+  char byte = 0;
+  file.read(&byte, 1);
+  file.seekp(offset);
+  byte = static_cast<char>(~byte);
+  file.write(&byte, 1);
+}
+
+// A resume verifies the digests while it loads: the corrupted newest checkpoint is loaded,
+// found out, set aside as .corrupt and the older one loaded in its place, in the same process.
 TEST_F(TrainerTrainingTest, CorruptedCheckpointIsSkippedByName) {
   std::string dir = MakeTempDir("ckpt-corrupt");
   std::vector<std::string> flags = BaseFlags(4, dir);
@@ -380,22 +394,67 @@ TEST_F(TrainerTrainingTest, CorruptedCheckpointIsSkippedByName) {
   ASSERT_EQ(first.exit_code, 0) << first.output;
   // Flip a byte in the newest checkpoint's shard.
   std::string shard = dir + "/step-00000004/rank-00000.safetensors";
-  {
-    std::fstream file(shard, std::ios::in | std::ios::out | std::ios::binary);
-    file.seekp(100);
-    char byte = 0;
-    file.read(&byte, 1);
-    file.seekp(100);
-    byte = static_cast<char>(~byte);
-    file.write(&byte, 1);
-  }
+  FlipByte(shard, 100);
   flags = BaseFlags(6, dir);
   TrainerRun resumed = RunTrainer(flags);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_THAT(resumed.output, HasSubstr(shard));
   EXPECT_THAT(resumed.output, HasSubstr("xxh3-128 mismatch"));
-  EXPECT_THAT(resumed.output, HasSubstr("step-00000002"));
+  EXPECT_THAT(resumed.output, HasSubstr("resumed from " + dir + "/step-00000002"));
   EXPECT_EQ(resumed.losses.begin()->first, 3) << "should resume after step 2";
+  EXPECT_TRUE(std::filesystem::is_directory(dir + "/step-00000004.corrupt"))
+      << "the corrupted checkpoint is kept aside for inspection";
+  EXPECT_FALSE(std::filesystem::exists(dir + "/step-00000004"));
+
+  // The losses after the fallback are those of a run that resumed from step 2 untouched: nothing
+  // of the corrupted checkpoint's load survives the second one.
+  std::string clean = MakeTempDir("ckpt-corrupt-reference");
+  flags = BaseFlags(4, clean);
+  flags.push_back("--checkpoint_every=2");
+  ASSERT_EQ(RunTrainer(flags).exit_code, 0);
+  std::filesystem::remove_all(clean + "/step-00000004");
+  TrainerRun reference = RunTrainer(BaseFlags(6, clean));
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  EXPECT_EQ(resumed.losses, reference.losses);
+}
+
+// Under dp=2 each rank hashes the shard it reads; the mismatch found by rank 1 alone sends both
+// ranks back to the older checkpoint.
+TEST_F(TrainerTrainingTest, ACorruptedShardOfAnotherRankSendsEveryRankToTheOlderCheckpoint) {
+  std::string dir = MakeTempDir("ckpt-corrupt-dp");
+  std::vector<std::string> flags = BaseFlags(4, dir);
+  flags.push_back("--checkpoint_every=2");
+  for (const TrainerRun& run : RunRanks(flags, 2)) ASSERT_EQ(run.exit_code, 0) << run.output;
+  FlipByte(dir + "/step-00000004/rank-00001.safetensors", 200);
+  std::vector<TrainerRun> resumed = RunRanks(BaseFlags(6, dir), 2);
+  ASSERT_EQ(resumed.size(), 2u);
+  for (const TrainerRun& run : resumed) {
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_THAT(run.output, HasSubstr("resumed from " + dir + "/step-00000002"));
+  }
+  EXPECT_THAT(resumed[0].output, HasSubstr("rank-00001.safetensors: xxh3-128 mismatch"));
+  EXPECT_EQ(resumed[0].losses.begin()->first, 3);
+  EXPECT_TRUE(std::filesystem::is_directory(dir + "/step-00000004.corrupt"));
+}
+
+// When the only checkpoint turns out corrupted after it was loaded, the attempt fails as a
+// checkpoint error naming it (its state is no longer the initial one); the next attempt, with the
+// checkpoint set aside, starts from step 1.
+TEST_F(TrainerTrainingTest, AnOnlyCheckpointFoundCorruptWhileLoadingFailsTheAttemptAndIsSetAside) {
+  std::string dir = MakeTempDir("ckpt-corrupt-only");
+  std::vector<std::string> flags = BaseFlags(2, dir);
+  flags.push_back("--checkpoint_every=2");
+  ASSERT_EQ(RunTrainer(flags).exit_code, 0);
+  FlipByte(dir + "/step-00000002/rank-00000.safetensors", 300);
+  TrainerRun failed = RunTrainer(BaseFlags(4, dir));
+  EXPECT_NE(failed.exit_code, 0) << failed.output;
+  EXPECT_THAT(failed.output, HasSubstr("FAILURE_KIND_CHECKPOINT_ERROR"));
+  EXPECT_THAT(failed.output, HasSubstr("set aside as " + dir + "/step-00000002.corrupt"));
+  EXPECT_TRUE(failed.losses.empty());
+  TrainerRun restarted = RunTrainer(BaseFlags(4, dir));
+  ASSERT_EQ(restarted.exit_code, 0) << restarted.output;
+  EXPECT_EQ(restarted.losses.begin()->first, 1);
+  EXPECT_THAT(restarted.output, ::testing::Not(HasSubstr("resumed from")));
 }
 
 // ZeRO stage x activation checkpointing on dp ranks against one process without either: the same

@@ -487,7 +487,8 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
   return manifest;
 }
 
-absl::StatusOr<v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir) {
+absl::StatusOr<v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir,
+                                                        DigestCheck digests) {
   if (!IsDirectory(dir)) {
     return absl::NotFoundError(absl::StrCat(dir, ": no such checkpoint directory"));
   }
@@ -526,27 +527,33 @@ absl::StatusOr<v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir) 
       return absl::DataLossError(
           absl::StrCat(path, ": size ", size, " bytes, manifest says ", shard.size_bytes()));
     }
-    // XXH3-128 since it replaced SHA-256; older manifests hold only the SHA-256.
-    const bool xxh3 = !shard.xxh3_128().empty();
-    if (!xxh3 && shard.sha256().empty()) {
+    if (shard.xxh3_128().empty() && shard.sha256().empty()) {
       return absl::DataLossError(absl::StrCat(path, ": the manifest records no digest of it"));
     }
-    ASSIGN_OR_RETURN(std::string digest, xxh3 ? Xxh3File(path) : Sha256File(path));
-    const std::string& expected = xxh3 ? shard.xxh3_128() : shard.sha256();
-    if (digest != expected) {
-      return absl::DataLossError(absl::StrCat(path, ": ", xxh3 ? "xxh3-128" : "sha256",
-                                              " mismatch (manifest ", expected, ", file ", digest,
-                                              ")"));
-    }
+    if (digests == DigestCheck::kAll) RETURN_IF_ERROR(VerifyShardDigest(dir, shard));
   }
   return manifest;
 }
 
+absl::Status VerifyShardDigest(const std::string& dir, const v1::CheckpointShard& shard) {
+  const std::string path = JoinPath(dir, shard.file());
+  // XXH3-128 since it replaced SHA-256; older manifests hold only the SHA-256.
+  const bool xxh3 = !shard.xxh3_128().empty();
+  ASSIGN_OR_RETURN(std::string digest, xxh3 ? Xxh3File(path) : Sha256File(path));
+  const std::string& expected = xxh3 ? shard.xxh3_128() : shard.sha256();
+  if (digest != expected) {
+    return absl::DataLossError(absl::StrCat(path, ": ", xxh3 ? "xxh3-128" : "sha256",
+                                            " mismatch (manifest ", expected, ", file ", digest,
+                                            ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::optional<FoundCheckpoint>> FindLatestCheckpoint(
-    const std::string& root, std::vector<std::string>* skipped) {
+    const std::string& root, std::vector<std::string>* skipped, DigestCheck digests) {
   ASSIGN_OR_RETURN(std::vector<StepDir> dirs, ListStepDirs(root, "", /*require_manifest=*/false));
   for (StepDir& dir : dirs) {
-    absl::StatusOr<v1::CheckpointManifest> manifest = VerifyCheckpoint(dir.path);
+    absl::StatusOr<v1::CheckpointManifest> manifest = VerifyCheckpoint(dir.path, digests);
     if (!manifest.ok()) {
       if (skipped != nullptr) {
         skipped->push_back(absl::StrCat(dir.path, ": skipped: ", manifest.status().message()));
@@ -563,6 +570,18 @@ absl::StatusOr<std::optional<FoundCheckpoint>> FindLatestCheckpoint(
     return FoundCheckpoint{std::move(dir.path), *std::move(manifest)};
   }
   return std::nullopt;
+}
+
+absl::StatusOr<std::string> QuarantineCheckpoint(const std::string& dir) {
+  std::string target = absl::StrCat(dir, kCorruptSuffix);
+  struct stat info;
+  for (int n = 2; Stat(target, &info); ++n) target = absl::StrCat(dir, kCorruptSuffix, "-", n);
+  if (::rename(dir.c_str(), target.c_str()) != 0) {
+    return ErrnoToStatus(errno, absl::StrCat("rename ", dir, " to ", target));
+  }
+  const size_t slash = dir.find_last_of('/');
+  RETURN_IF_ERROR(FsyncPath(slash == std::string::npos ? "." : dir.substr(0, slash)));
+  return target;
 }
 
 std::vector<std::string> ListCheckpointDirs(const std::string& root) {

@@ -3,7 +3,7 @@
 // SliceShardFileName or ShardFileName, written by the training loop; see the
 // format versions below) plus manifest.pb, a binary
 // tessera.v1.CheckpointManifest listing every shard with its size and
-// SHA-256, and manifest.json, the same in JSON for people. Ranks write into
+// XXH3-128 digest, and manifest.json, the same in JSON for people. Ranks write into
 // <root>/.staging-step-0000000S/; rank 0 then writes the manifest and renames
 // the staging directory into place, so a final directory is always complete.
 // A resuming trainer takes the newest checkpoint whose shards match its
@@ -55,7 +55,7 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
 
 // Rank 0, after every rank wrote its shards into StagingDir(root, step) and a
 // barrier: fills `manifest.shards` from the staging directory's files (rank
-// parsed from the "rank-NNNNN..." name, size, SHA-256, and for a ".safetensors"
+// parsed from the "rank-NNNNN..." name, size, XXH3-128, and for a ".safetensors"
 // file the slices its header lists, reading only the header), sets
 // format_version (see kCheckpointFormatVersion), step and create_time, writes manifest.pb and
 // manifest.json, fsyncs the files and the directory, and renames it to <root>/step-... (atomically
@@ -88,15 +88,29 @@ using ByteSink = std::function<size_t(const void* data, size_t size)>;
 absl::StatusOr<std::string> WriteHashedFile(const std::string& path,
                                             const std::function<void(const ByteSink&)>& produce);
 
+// How much of a checkpoint VerifyCheckpoint and FindLatestCheckpoint check.
+enum class DigestCheck {
+  // Every shard's digest too: a full read of the checkpoint.
+  kAll,
+  // The manifest and each shard's presence, size and recorded digest, no data read: for a
+  // resume that verifies the digests while it loads (trainer/checkpointing.h).
+  kNone,
+};
+
 // Re-reads <dir>/manifest.pb and checks every shard it lists: the file exists,
 // its size and digest match (XXH3-128, or SHA-256 for a manifest written before
-// it). DATA_LOSS naming the file at fault, e.g.
+// it; the digest only with DigestCheck::kAll). DATA_LOSS naming the file at
+// fault, e.g.
 // "<dir>/rank-00001.pt: xxh3-128 mismatch (manifest 3fa9..., file 77b0...)",
 // "<dir>/rank-00001.pt: size 1200 bytes, manifest says 4096",
 // "<dir>/manifest.pb: missing (incomplete checkpoint)",
 // "<dir>/manifest.pb: cannot parse". NOT_FOUND when `dir` does not exist.
-// Hashes every shard: costs a full read of the checkpoint.
-absl::StatusOr<v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir);
+absl::StatusOr<v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir,
+                                                        DigestCheck digests = DigestCheck::kAll);
+
+// Hashes one shard of the checkpoint in `dir` and compares it with the manifest's digest:
+// DATA_LOSS "<dir>/<file>: xxh3-128 mismatch (...)" as above, or the read's error.
+absl::Status VerifyShardDigest(const std::string& dir, const v1::CheckpointShard& shard);
 
 struct FoundCheckpoint {
   // Path of the checkpoint directory, <root>/step-....
@@ -104,13 +118,22 @@ struct FoundCheckpoint {
   v1::CheckpointManifest manifest;
 };
 
-// The newest (highest step) checkpoint under `root` that verifies. Corrupted
+// The newest (highest step) checkpoint under `root` that verifies (to `digests`). Corrupted
 // or partial ones are skipped, each adding one line to `*skipped` (may be
 // null) naming the directory and why; staging directories are never
 // considered. std::nullopt when there is none, including when `root` does not
 // exist; an error only when `root` cannot be listed.
 absl::StatusOr<std::optional<FoundCheckpoint>> FindLatestCheckpoint(
-    const std::string& root, std::vector<std::string>* skipped);
+    const std::string& root, std::vector<std::string>* skipped,
+    DigestCheck digests = DigestCheck::kAll);
+
+// Suffix of a checkpoint directory set aside because a shard failed verification.
+inline constexpr char kCorruptSuffix[] = ".corrupt";
+
+// Renames the checkpoint directory `dir` to <dir>.corrupt (or <dir>.corrupt-2, ...) so that no
+// resume, listing or retention considers it again, and keeps it for inspection. Returns the new
+// path; the rename's error naming both paths.
+absl::StatusOr<std::string> QuarantineCheckpoint(const std::string& dir);
 
 // Paths of the complete checkpoints (those with a manifest.pb) under `root`,
 // newest first. Does not hash: a cheap listing. Empty when `root` is missing.

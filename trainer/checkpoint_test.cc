@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -363,6 +364,60 @@ TEST(CheckpointTest, FindLatestSkipsCorruptedNewerCheckpoint) {
   ASSERT_TRUE(found->has_value());
   EXPECT_EQ((*found)->path, CheckpointPath(root, 300));
   EXPECT_THAT(skipped, IsEmpty());
+}
+
+// DigestCheck::kNone reads no shard data: a flipped byte passes it (the resume that uses it
+// hashes while loading), a changed size or a missing file does not; VerifyShardDigest then names
+// the shard that was flipped. QuarantineCheckpoint sets the checkpoint aside where no listing or
+// resume sees it, without overwriting an earlier one set aside.
+TEST(CheckpointTest, StructureOnlyCheckDigestOfOneShardAndQuarantine) {
+  ScopedTempDir tmp("checkpoint_test");
+  const std::string root = tmp.path();
+  for (int64_t step : {100, 200}) ASSERT_THAT(WriteCheckpoint(root, step, 2, 0), IsOk());
+  const std::string dir = CheckpointPath(root, 200);
+  const std::string shard = dir + "/rank-00001.pt";
+  std::string bytes = ReadBytes(shard);
+  bytes[bytes.size() / 2] ^= 0x01;
+  WriteBytes(shard, bytes);
+
+  absl::StatusOr<v1::CheckpointManifest> manifest = VerifyCheckpoint(dir, DigestCheck::kNone);
+  ASSERT_THAT(manifest, IsOk());
+  EXPECT_THAT(VerifyCheckpoint(dir), StatusIs(absl::StatusCode::kDataLoss,
+                                              HasSubstr(shard + ": xxh3-128 mismatch")));
+  ASSERT_THAT(manifest->shards(), SizeIs(2));
+  for (const v1::CheckpointShard& s : manifest->shards()) {
+    if (s.rank() == 0) EXPECT_THAT(VerifyShardDigest(dir, s), IsOk());
+    if (s.rank() == 1) {
+      EXPECT_THAT(VerifyShardDigest(dir, s), StatusIs(absl::StatusCode::kDataLoss,
+                                                      HasSubstr(shard + ": xxh3-128 mismatch")));
+    }
+  }
+  std::vector<std::string> skipped;
+  auto found = FindLatestCheckpoint(root, &skipped, DigestCheck::kNone);
+  ASSERT_THAT(found, IsOk());
+  ASSERT_TRUE(found->has_value());
+  EXPECT_EQ((*found)->path, dir);
+
+  WriteBytes(shard, bytes + "x");
+  EXPECT_THAT(VerifyCheckpoint(dir, DigestCheck::kNone),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr(shard + ": size ")));
+
+  absl::StatusOr<std::string> moved = QuarantineCheckpoint(dir);
+  ASSERT_THAT(moved, IsOk());
+  EXPECT_EQ(*moved, dir + ".corrupt");
+  found = FindLatestCheckpoint(root, nullptr, DigestCheck::kNone);
+  ASSERT_THAT(found, IsOk());
+  ASSERT_TRUE(found->has_value());
+  EXPECT_EQ((*found)->path, CheckpointPath(root, 100));
+  EXPECT_THAT(ListCheckpointDirs(root), ElementsAre(CheckpointPath(root, 100)));
+
+  // The same step written again and found corrupt again is set aside next to the first.
+  ASSERT_THAT(WriteCheckpoint(root, 200, 2, 0), IsOk());
+  moved = QuarantineCheckpoint(dir);
+  ASSERT_THAT(moved, IsOk());
+  EXPECT_EQ(*moved, dir + ".corrupt-2");
+  EXPECT_TRUE(std::filesystem::is_directory(dir + ".corrupt"));
+  EXPECT_THAT(QuarantineCheckpoint(dir), StatusIs(absl::StatusCode::kNotFound, HasSubstr(dir)));
 }
 
 TEST(CheckpointTest, StagingDirIsNeverReturned) {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <map>
 #include <memory>
 #include <string_view>
@@ -111,57 +112,147 @@ absl::Status ExportSafetensors(const CheckpointContext& context, const std::stri
 
 }  // namespace
 
+namespace {
+
+// Rank 0 hands `value` to the other ranks through the store under `key`; they wait for it.
+std::string ShareFromRankZero(const CheckpointContext& context, const std::string& key,
+                              const std::string& value) {
+  if (context.group == nullptr) return value;
+  if (context.rank == 0) {
+    context.group->store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+    return value;
+  }
+  std::vector<uint8_t> bytes = context.group->store->get(key);
+  return std::string(bytes.begin(), bytes.end());
+}
+
+// Every rank's `problem` (empty: none) gathered by rank 0, which hands the first non-empty one
+// (by rank) back to all: the ranks agree on whether the checkpoint they loaded verified.
+absl::StatusOr<std::string> AgreeOnProblem(const CheckpointContext& context,
+                                           const std::string& key, const std::string& problem) {
+  if (context.group == nullptr) return problem;
+  if (context.rank != 0) {
+    context.group->store->set(absl::StrCat(key, "/", context.rank),
+                              std::vector<uint8_t>(problem.begin(), problem.end()));
+    return ShareFromRankZero(context, key, "");
+  }
+  std::string first = problem;
+  if (context.world > 1) {
+    std::vector<std::string> keys;
+    for (int r = 1; r < context.world; ++r) keys.push_back(absl::StrCat(key, "/", r));
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(
+        1000 * (context.task->collective_timeout_seconds() > 0
+                    ? context.task->collective_timeout_seconds()
+                    : 600)));
+    try {
+      context.group->store->wait(keys, timeout);
+    } catch (const std::exception& e) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "resume: waiting for every rank's verification: ", c10::GetExceptionString(e)));
+    }
+    for (const std::string& k : keys) {
+      if (!first.empty()) break;
+      std::vector<uint8_t> bytes = context.group->store->get(k);
+      first.assign(bytes.begin(), bytes.end());
+    }
+  }
+  return ShareFromRankZero(context, key, first);
+}
+
+// This rank's share of a checkpoint's digests: the shards written by ranks r with r % world ==
+// rank, which under the layout that wrote them are the ones this rank reads itself, so the
+// hashing meets the pages its reads bring in. Returns the first mismatch or read error.
+absl::Status VerifyShareOfDigests(const std::string& dir, const v1::CheckpointManifest& manifest,
+                                  int rank, int world) {
+  for (const v1::CheckpointShard& shard : manifest.shards()) {
+    if (shard.rank() % world != rank) continue;
+    RETURN_IF_ERROR(VerifyShardDigest(dir, shard));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::optional<Resumed>> ResumeLatest(const CheckpointContext& context) {
   const v1::TrainerTask& task = *context.task;
   const std::string& root = task.checkpoint_directory();
   const bool resume = !task.spec().checkpoint().has_resume() || task.spec().checkpoint().resume();
   if (root.empty() || !resume) return std::nullopt;
-  std::string path;
-  std::optional<v1::CheckpointManifest> verified;
-  if (context.rank == 0) {
-    std::vector<std::string> skipped;
-    ASSIGN_OR_RETURN(auto found, FindLatestCheckpoint(root, &skipped));
-    for (const auto& line : skipped) Log(context, absl::StrCat("skipping checkpoint: ", line));
-    if (found.has_value()) {
-      path = found->path;
-      verified = std::move(found->manifest);
-    }
-  }
-  if (context.group != nullptr) {
+  // Round 0 takes the newest checkpoint whose manifest and shard sizes check and verifies its
+  // digests while loading it: each rank hashes its share of the shards on a thread beside its
+  // reads, so a checkpoint is read from disk once. Only when some digest did not match (the
+  // engine then holds a mix of it and the initial state) does round 1 set it aside
+  // (QuarantineCheckpoint) and load the newest checkpoint that rank 0 verified in full first.
+  std::string quarantined;
+  for (int round = 0; round < 2; ++round) {
+    const DigestCheck find = round == 0 ? DigestCheck::kNone : DigestCheck::kAll;
+    std::string path;
+    std::optional<v1::CheckpointManifest> found_manifest;
     if (context.rank == 0) {
-      context.group->store->set(kResumeKey, std::vector<uint8_t>(path.begin(), path.end()));
+      std::vector<std::string> skipped;
+      ASSIGN_OR_RETURN(auto found, FindLatestCheckpoint(root, &skipped, find));
+      for (const auto& line : skipped) Log(context, absl::StrCat("skipping checkpoint: ", line));
+      if (found.has_value()) {
+        path = found->path;
+        found_manifest = std::move(found->manifest);
+      }
+    }
+    path = ShareFromRankZero(context, absl::StrCat(kResumeKey, "/", round), path);
+    if (path.empty()) {
+      if (round == 0) return std::nullopt;
+      return absl::DataLossError(absl::StrCat(
+          "resume: the newest checkpoint failed verification after it was loaded (set aside as ",
+          quarantined, ") and no older checkpoint under ", root,
+          " verifies; this attempt's state is no longer its initial one, so it stops: a restart "
+          "starts from step 0"));
+    }
+    Resumed resumed;
+    resumed.path = path;
+    if (found_manifest.has_value()) {
+      resumed.manifest = *std::move(found_manifest);
     } else {
-      auto bytes = context.group->store->get(kResumeKey);
-      path.assign(bytes.begin(), bytes.end());
+      ASSIGN_OR_RETURN(resumed.manifest, ReadManifest(path));
+    }
+    if (resumed.manifest.format_version() < kCheckpointFormatVersion) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path, ": checkpoint format ", resumed.manifest.format_version(),
+          " (whole LibTorch archives per rank) was written by an older trainer and cannot be "
+          "resumed by this one; start the job with checkpoint.resume: false or another "
+          "checkpoint directory"));
+    }
+    ASSIGN_OR_RETURN(ShardedCheckpointReader reader,
+                     ShardedCheckpointReader::Open(path, resumed.manifest));
+    std::future<absl::Status> digests;
+    if (round == 0) {
+      digests = std::async(std::launch::async, VerifyShareOfDigests, path,
+                           std::cref(resumed.manifest), context.rank, context.world);
+    }
+    const absl::Status applied = ReadTrainingState(reader, *context.engine, context.rank);
+    const absl::Status verified = round == 0 ? digests.get() : absl::OkStatus();
+    ASSIGN_OR_RETURN(std::string problem,
+                     AgreeOnProblem(context, absl::StrCat(kResumeKey, "/verified/", round),
+                                    verified.ok() ? "" : std::string(verified.message())));
+    if (problem.empty()) {
+      RETURN_IF_ERROR(applied);
+      Log(context,
+          absl::StrCat("resumed from ", path, " at step ", resumed.manifest.step(),
+                       " (written with dp ", resumed.manifest.layout().data_parallel(), ", tp ",
+                       std::max(1, resumed.manifest.layout().tensor_parallel()), ", pp ",
+                       std::max(1, resumed.manifest.layout().pipeline_parallel()), ", ZeRO ",
+                       resumed.manifest.layout().zero_stage(), ")"));
+      return resumed;
+    }
+    quarantined = path;
+    if (context.rank == 0) {
+      absl::StatusOr<std::string> moved = QuarantineCheckpoint(path);
+      if (moved.ok()) quarantined = *moved;
+      Log(context, absl::StrCat("skipping checkpoint: ", path, ": skipped: ", problem, "; ",
+                                moved.ok() ? absl::StrCat("set aside as ", *moved)
+                                           : absl::StrCat("could not set it aside: ",
+                                                          moved.status().message())));
     }
   }
-  if (path.empty()) return std::nullopt;
-
-  // Rank 0 verified the checkpoint (every shard's digest) while finding it; the others read the
-  // manifest only.
-  Resumed resumed;
-  resumed.path = path;
-  if (verified.has_value()) {
-    resumed.manifest = *std::move(verified);
-  } else {
-    ASSIGN_OR_RETURN(resumed.manifest, ReadManifest(path));
-  }
-  if (resumed.manifest.format_version() < kCheckpointFormatVersion) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        path, ": checkpoint format ", resumed.manifest.format_version(),
-        " (whole LibTorch archives per rank) was written by an older trainer and cannot be "
-        "resumed by this one; start the job with checkpoint.resume: false or another "
-        "checkpoint directory"));
-  }
-  ASSIGN_OR_RETURN(ShardedCheckpointReader reader,
-                   ShardedCheckpointReader::Open(path, resumed.manifest));
-  RETURN_IF_ERROR(ReadTrainingState(reader, *context.engine, context.rank));
-  Log(context, absl::StrCat("resumed from ", path, " at step ", resumed.manifest.step(),
-                            " (written with dp ", resumed.manifest.layout().data_parallel(),
-                            ", tp ", std::max(1, resumed.manifest.layout().tensor_parallel()),
-                            ", pp ", std::max(1, resumed.manifest.layout().pipeline_parallel()),
-                            ", ZeRO ", resumed.manifest.layout().zero_stage(), ")"));
-  return resumed;
+  return absl::InternalError("resume: unreachable");
 }
 
 namespace {

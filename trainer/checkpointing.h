@@ -1,6 +1,6 @@
 // A trainer job's checkpoints as its ranks see them: resuming from the newest complete checkpoint
-// (rank 0 finds and verifies it, the others follow through the store) under whatever layout wrote
-// it, and saving one (every rank writes its shard into the staging directory, rank 0 commits the
+// (rank 0 finds it, the others follow through the store; the ranks verify its digests between
+// them while they load it) under whatever layout wrote it, and saving one (every rank writes its shard into the staging directory, rank 0 commits the
 // manifest with the digests the ranks computed while writing), plus the safetensors export of the
 // full weights (rank 0, from the checkpoint it committed). Every function here is a collective
 // over the job's ranks.
@@ -42,7 +42,12 @@ struct Resumed {
 };
 
 // Restores the newest complete checkpoint under the task's checkpoint directory into the engine
-// and the CPU RNG. std::nullopt when there is none (or the job asks not to resume).
+// and the CPU RNG. std::nullopt when there is none (or the job asks not to resume). Its digests
+// are checked while it loads, each rank hashing the shards its layout's twin wrote, so the
+// checkpoint is read from disk once; when one does not match, the checkpoint is renamed to
+// <dir>.corrupt (QuarantineCheckpoint) and the newest older one that verifies in full is loaded
+// instead; DATA_LOSS when there is none (the engine no longer holds its initial state, so the
+// attempt must end: its restart starts from step 0).
 absl::StatusOr<std::optional<Resumed>> ResumeLatest(const CheckpointContext& context);
 
 // What rank 0 records in the manifest besides the shards.
