@@ -30,6 +30,16 @@ constexpr GaugeSpec kStepGauges[] = {
      [](const v1::StepMetrics& m) { return m.learning_rate(); }},
     {"tessera_train_step", "Newest optimizer step reported",
      [](const v1::StepMetrics& m) { return static_cast<double>(m.step()); }},
+    {"tessera_train_epoch", "Epochs of the training data seen by the newest step (fractional)",
+     [](const v1::StepMetrics& m) { return m.epoch(); }},
+    {"tessera_train_peak_memory_bytes",
+     "Peak memory of the newest step on this rank: GPU memory allocated, or the process's peak "
+     "RSS on CPU",
+     [](const v1::StepMetrics& m) { return static_cast<double>(m.peak_memory_bytes()); }},
+    {"tessera_train_checkpoint_blocked_seconds",
+     "Time the newest step waited for a checkpoint save (the snapshot to host memory, or the "
+     "previous asynchronous save still writing); 0 for a step without one",
+     [](const v1::StepMetrics& m) { return m.checkpoint_blocked_seconds(); }},
 };
 
 prometheus::ClientMetric Sample(const std::pair<std::string, int>& key, double value) {

@@ -20,6 +20,9 @@ v1::TrainerReport StepReport(const std::string& job_id, int64_t step, double los
   m->set_grad_norm(0.5);
   m->set_learning_rate(1e-3);
   m->set_tokens_per_second(1000);
+  m->set_epoch(0.25 * static_cast<double>(step));
+  m->set_peak_memory_bytes(1 << 20);
+  m->set_checkpoint_blocked_seconds(step == 2 ? 0.125 : 0.0);
   return report;
 }
 
@@ -52,8 +55,11 @@ TEST(TrainingMetricsTest, NewestStepAndEvaluationPerJobLabelledJobId) {
   EXPECT_EQ(values["tessera_train_grad_norm"]["job-1"], 0.5);
   EXPECT_EQ(values["tessera_train_learning_rate"]["job-1"], 1e-3);
   EXPECT_EQ(values["tessera_eval_loss"]["job-1"], 4.5);
+  EXPECT_EQ(values["tessera_train_epoch"]["job-1"], 0.5);
+  EXPECT_EQ(values["tessera_train_peak_memory_bytes"]["job-1"], 1 << 20);
+  EXPECT_EQ(values["tessera_train_checkpoint_blocked_seconds"]["job-1"], 0.125);
   // Every family is served, with its help, even the empty ones.
-  EXPECT_EQ(metrics.Collect().size(), 8u);
+  EXPECT_EQ(metrics.Collect().size(), 11u);
 }
 
 TEST(TrainingMetricsTest, ADivergedStepReadsNaN) {

@@ -74,7 +74,8 @@ def training():
     return dashboard(
         "tessera-training", "Tessera / Training",
         "Per job: loss with evaluations, throughput, MFU, step time, gradient norm, learning "
-        "rate, per-rank step time and skew, restarts and failures.",
+        "rate, peak memory, checkpoint stalls, per-rank step time and skew, restarts and "
+        "failures.",
         [datasource_variable(),
          query_variable("job_id", "Job", "label_values(tessera_train_step, job_id)")],
         [
@@ -93,6 +94,17 @@ def training():
             panel("Gradient norm", [(f"tessera_train_grad_norm{{{JOB}}}", "{{job_id}}")]),
             panel("Learning rate", [(f"tessera_train_learning_rate{{{JOB}}}", "{{job_id}}")],
                   unit="sci"),
+            panel("Peak memory per rank",
+                  [(f"tessera_train_peak_memory_bytes{{{JOB}}}", "{{job_id}} rank {{rank}}")],
+                  unit="bytes",
+                  description="GPU memory allocated at the newest step's peak (process RSS on "
+                              "CPU); compare with the plan's estimate in `tessera get`."),
+            panel("Step time held by checkpoints",
+                  [(f"max by (job_id) (tessera_train_checkpoint_blocked_seconds{{{JOB}}})",
+                    "{{job_id}}")],
+                  unit="s",
+                  description="How long the newest step waited for a checkpoint save: the "
+                              "snapshot to host memory, or a previous save still writing."),
             panel("Busy seconds per step, by rank",
                   [(f"tessera_rank_step_seconds{{{JOB}}}", "{{job_id}} rank {{rank}}")],
                   unit="s",
