@@ -9,10 +9,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <optional>
+#include <thread>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +28,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "common/errno_status.h"
 #include "common/read_file.h"
 #include "common/scoped_fd.h"
@@ -335,22 +338,93 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
 }
 
 namespace {
+
 constexpr size_t kWriteChunkBytes = size_t{2} << 20;
+
+// Hashes byte ranges in order on a thread of its own, so that a writer's write() of one chunk and
+// the hash of the previous one run at once (a save then costs max(write, hash), not their sum).
+// Hash(data, size) queues a range, which must stay valid until Drain() returns.
+class PipelinedHasher {
+ public:
+  explicit PipelinedHasher(Xxh3Hasher hasher)
+      : hasher_(std::move(hasher)), thread_([this] { Run(); }) {}
+  PipelinedHasher(const PipelinedHasher&) = delete;
+  PipelinedHasher& operator=(const PipelinedHasher&) = delete;
+  ~PipelinedHasher() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+      queue_.clear();  // only after an exception left a sink call unfinished
+    }
+    thread_.join();
+  }
+
+  void Hash(const char* data, size_t size) {
+    absl::MutexLock lock(&mu_);
+    queue_.emplace_back(data, size);
+  }
+
+  // Waits until every queued range is hashed.
+  void Drain() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](PipelinedHasher* h) ABSL_SHARED_LOCKS_REQUIRED(h->mu_) {
+          return h->queue_.empty() && !h->busy_;
+        },
+        this));
+  }
+
+  std::string HexDigest() {
+    Drain();
+    return hasher_.HexDigest();
+  }
+
+ private:
+  void Run() {
+    while (true) {
+      std::pair<const char*, size_t> range;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](PipelinedHasher* h) ABSL_SHARED_LOCKS_REQUIRED(h->mu_) {
+              return h->stop_ || !h->queue_.empty();
+            },
+            this));
+        if (stop_) return;
+        range = queue_.front();
+        queue_.pop_front();
+        busy_ = true;
+      }
+      hasher_.Update(range.first, range.second);
+      absl::MutexLock lock(&mu_);
+      busy_ = false;
+    }
+  }
+
+  Xxh3Hasher hasher_;  // used by the thread alone until Drain()
+  absl::Mutex mu_;
+  std::deque<std::pair<const char*, size_t>> queue_ ABSL_GUARDED_BY(mu_);
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::string> WriteHashedFile(const std::string& path,
                                             const std::function<void(const ByteSink&)>& produce) {
   ScopedFd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) return ErrnoToStatus(errno, path);
-  ASSIGN_OR_RETURN(Xxh3Hasher hasher, Xxh3Hasher::Create());
+  ASSIGN_OR_RETURN(Xxh3Hasher xxh3, Xxh3Hasher::Create());
+  PipelinedHasher hasher(std::move(xxh3));
   int write_errno = 0;
   produce([&](const void* data, size_t size) -> size_t {
     const char* bytes = static_cast<const char*>(data);
     size_t done = 0;
     while (done < size) {
-      // Bounded writes, each hashed right after it is written while its bytes are still in the
-      // CPU's caches (hashing a whole multi-GB tensor afterwards would read it from memory
-      // again).
+      // Bounded writes, each handed to the hashing thread right after it is written, while its
+      // bytes are still in the CPU's caches (hashing a whole multi-GB tensor afterwards would
+      // read it from memory again) and while this thread writes the next one.
       const size_t want = std::min(size - done, kWriteChunkBytes);
       const ssize_t n = write(fd.get(), bytes + done, want);
       if (n < 0 && errno == EINTR) continue;
@@ -358,9 +432,10 @@ absl::StatusOr<std::string> WriteHashedFile(const std::string& path,
         write_errno = n < 0 ? errno : EIO;
         break;
       }
-      hasher.Update(bytes + done, static_cast<size_t>(n));
+      hasher.Hash(bytes + done, static_cast<size_t>(n));
       done += static_cast<size_t>(n);
     }
+    hasher.Drain();  // `data` is the caller's only until this returns
     return done;
   });
   if (write_errno != 0) return ErrnoToStatus(write_errno, path);

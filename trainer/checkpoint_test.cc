@@ -197,6 +197,28 @@ TEST(CheckpointTest, ShardsHashedWhileWrittenAreNotReadBack) {
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("xxh3-128 mismatch")));
 }
 
+// The digest is computed on another thread while the next chunk is written: a caller may reuse
+// its buffer as soon as a sink call returns. Three calls of several 2 MiB chunks each, all from
+// one buffer refilled between them, must hash to the file's bytes.
+TEST(CheckpointTest, WriteHashedFileHashesEveryChunkBeforeASinkCallReturns) {
+  ScopedTempDir tmp("checkpoint_test");
+  const std::string path = tmp.path() + "/shard";
+  std::string buffer((5 << 20) + 3, '\0');
+  std::string expected;
+  absl::StatusOr<std::string> digest = WriteHashedFile(path, [&](const ByteSink& sink) {
+    for (int call = 0; call < 3; ++call) {
+      for (size_t i = 0; i < buffer.size(); ++i) {
+        buffer[i] = static_cast<char>((i * 131 + static_cast<size_t>(call) * 7) >> 3);
+      }
+      expected += buffer;
+      ASSERT_EQ(sink(buffer.data(), buffer.size()), buffer.size());
+    }
+  });
+  ASSERT_THAT(digest, IsOk());
+  EXPECT_EQ(*digest, Xxh3Hex(expected));
+  EXPECT_EQ(ReadBytes(path), expected);
+}
+
 TEST(CheckpointTest, WriteHashedFileReportsAnUnwritablePath) {
   ScopedTempDir tmp("checkpoint_test");
   absl::StatusOr<std::string> digest =
