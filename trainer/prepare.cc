@@ -75,22 +75,62 @@ absl::StatusOr<const std::string*> StringField(const nlohmann::json& record, con
   return &it->get_ref<const std::string&>();
 }
 
-// One tokenized record: its tokens and, per token, whether its loss is taken (1) or not (0).
+// One record: first its text segments as the input format lays them out, then, once a batch of
+// records is tokenized (TokenizeExamples), its tokens and, per token, whether its loss is taken
+// (1) or not (0).
 struct Example {
+  struct Segment {
+    std::string text;
+    uint8_t counted = 1;
+    // The end-of-sequence token instead of text (counted); with `if_tokens`, only when the
+    // segments before it produced a token.
+    bool eos = false;
+    bool if_tokens = false;
+  };
+  std::vector<Segment> segments;
   std::vector<uint32_t> tokens;
   std::vector<uint8_t> mask;
 
-  void Append(const Tokenizer& tokenizer, std::string_view text, uint8_t counted) {
-    if (text.empty()) return;
-    const std::vector<uint32_t> encoded = tokenizer.Encode(text);
-    tokens.insert(tokens.end(), encoded.begin(), encoded.end());
-    mask.insert(mask.end(), encoded.size(), counted);
+  void Append(std::string_view text, uint8_t counted) {
+    if (!text.empty()) segments.push_back({.text = std::string(text), .counted = counted});
   }
-  void AppendEos(const Tokenizer& tokenizer) {
-    tokens.push_back(tokenizer.eos_id());
-    mask.push_back(1);
-  }
+  void AppendEos() { segments.push_back({.eos = true}); }
+  // The end-of-sequence token unless the record turned out to hold no token at all.
+  void AppendEosIfTokens() { segments.push_back({.eos = true, .if_tokens = true}); }
 };
+
+// Tokenizes the segments of `examples` with one EncodeBatch call (one round trip to a Hugging
+// Face tokenizer's process for the whole batch, not one per segment) and fills their tokens and
+// masks.
+void TokenizeExamples(const Tokenizer& tokenizer, std::span<Example> examples) {
+  std::vector<std::string_view> texts;
+  for (const Example& example : examples) {
+    for (const Example::Segment& segment : example.segments) {
+      if (!segment.eos) texts.push_back(segment.text);
+    }
+  }
+  const std::vector<std::vector<uint32_t>> encoded =
+      texts.empty() ? std::vector<std::vector<uint32_t>>() : tokenizer.EncodeBatch(texts);
+  size_t next = 0;
+  for (Example& example : examples) {
+    for (const Example::Segment& segment : example.segments) {
+      if (segment.eos) {
+        if (segment.if_tokens && example.tokens.empty()) continue;
+        example.tokens.push_back(tokenizer.eos_id());
+        example.mask.push_back(1);
+        continue;
+      }
+      if (next >= encoded.size()) return;  // a failed tokenizer; its status() says why
+      const std::vector<uint32_t>& tokens = encoded[next++];
+      example.tokens.insert(example.tokens.end(), tokens.begin(), tokens.end());
+      example.mask.insert(example.mask.end(), tokens.size(), segment.counted);
+    }
+    example.segments.clear();
+  }
+}
+
+// Records tokenized per EncodeBatch call.
+constexpr size_t kRecordsPerBatch = 512;
 
 constexpr char kAlpacaPromptWithInput[] =
     "Below is an instruction that describes a task, paired with an input that provides further "
@@ -106,16 +146,14 @@ struct ChatMessage {
 };
 
 // The chat template (PrepareOptions::prompt_template).
-void RenderChat(const Tokenizer& tokenizer, const std::vector<ChatMessage>& messages,
-                Example& example) {
+void RenderChat(const std::vector<ChatMessage>& messages, Example& example) {
   for (const ChatMessage& message : messages) {
     if (message.role == "assistant") {
-      example.Append(tokenizer, "<|assistant|>\n", 0);
-      example.Append(tokenizer, message.content, 1);
-      example.AppendEos(tokenizer);
+      example.Append("<|assistant|>\n", 0);
+      example.Append(message.content, 1);
+      example.AppendEos();
     } else {
-      example.Append(tokenizer, absl::StrCat("<|", message.role, "|>\n", message.content, "\n"),
-                     0);
+      example.Append(absl::StrCat("<|", message.role, "|>\n", message.content, "\n"), 0);
     }
   }
 }
@@ -160,7 +198,6 @@ absl::StatusOr<std::vector<ChatMessage>> ChatMessages(const nlohmann::json& mess
 
 // The example of one JSONL record (see PrepareOptions::format).
 absl::StatusOr<Example> JsonlExample(std::string_view line, const std::string& where,
-                                     const Tokenizer& tokenizer,
                                      const std::string& prompt_template) {
   nlohmann::json record;
   try {
@@ -174,13 +211,13 @@ absl::StatusOr<Example> JsonlExample(std::string_view line, const std::string& w
   Example example;
   if (const auto messages = record.find("messages"); messages != record.end()) {
     ASSIGN_OR_RETURN(const std::vector<ChatMessage> chat, ChatMessages(*messages, where));
-    RenderChat(tokenizer, chat, example);
+    RenderChat(chat, example);
     return example;
   }
   ASSIGN_OR_RETURN(const std::string* text, StringField(record, "text", where));
   if (text != nullptr) {
-    example.Append(tokenizer, *text, 1);
-    if (!example.tokens.empty()) example.AppendEos(tokenizer);
+    example.Append(*text, 1);
+    example.AppendEosIfTokens();
     return example;
   }
   ASSIGN_OR_RETURN(const std::string* instruction, StringField(record, "instruction", where));
@@ -189,8 +226,7 @@ absl::StatusOr<Example> JsonlExample(std::string_view line, const std::string& w
     ASSIGN_OR_RETURN(const std::string* input, StringField(record, "input", where));
     const bool has_input = input != nullptr && !input->empty();
     if (prompt_template == "chat") {
-      RenderChat(tokenizer,
-                 {{"user", has_input ? absl::StrCat(*instruction, "\n\n", *input) : *instruction},
+      RenderChat({{"user", has_input ? absl::StrCat(*instruction, "\n\n", *input) : *instruction},
                   {"assistant", *output}},
                  example);
       return example;
@@ -198,9 +234,9 @@ absl::StatusOr<Example> JsonlExample(std::string_view line, const std::string& w
     std::string prompt = Substitute(has_input ? kAlpacaPromptWithInput : kAlpacaPromptNoInput,
                                     "{instruction}", *instruction);
     if (has_input) prompt = Substitute(std::move(prompt), "{input}", *input);
-    example.Append(tokenizer, prompt, 0);
-    example.Append(tokenizer, *output, 1);
-    example.AppendEos(tokenizer);
+    example.Append(prompt, 0);
+    example.Append(*output, 1);
+    example.AppendEos();
     return example;
   }
   ASSIGN_OR_RETURN(const std::string* response, StringField(record, "response", where));
@@ -214,21 +250,29 @@ absl::StatusOr<Example> JsonlExample(std::string_view line, const std::string& w
         ": expected a \"text\" field, \"messages\", \"instruction\" and \"output\" (Alpaca), "
         "\"instruction\" and \"response\", or \"prompt\" and \"completion\""));
   }
-  example.Append(tokenizer, absl::StrCat(*instruction, "\n\n", *response), 1);
-  if (!example.tokens.empty()) example.AppendEos(tokenizer);
+  example.Append(absl::StrCat(*instruction, "\n\n", *response), 1);
+  example.AppendEosIfTokens();
   return example;
 }
 
 absl::Status TokenizeInput(const std::string& path, InputFormat format, const Tokenizer& tokenizer,
                            const std::string& prompt_template, std::vector<Example>& examples) {
   ASSIGN_OR_RETURN(const std::string contents, ReadFile(path));
-  if (format == InputFormat::kText) {
-    Example example;
-    example.Append(tokenizer, contents, 1);
-    if (!example.tokens.empty()) {
-      example.AppendEos(tokenizer);
-      examples.push_back(std::move(example));
+  // Records wait in `batch` until kRecordsPerBatch of them are tokenized at once; those left
+  // without a token are dropped.
+  std::vector<Example> batch;
+  auto flush = [&] {
+    TokenizeExamples(tokenizer, batch);
+    for (Example& example : batch) {
+      if (!example.tokens.empty()) examples.push_back(std::move(example));
     }
+    batch.clear();
+  };
+  if (format == InputFormat::kText) {
+    Example& example = batch.emplace_back();
+    example.Append(contents, 1);
+    example.AppendEosIfTokens();
+    flush();
     return absl::OkStatus();
   }
   std::string_view rest = contents;
@@ -237,10 +281,12 @@ absl::Status TokenizeInput(const std::string& path, InputFormat format, const To
     std::string_view line = rest.substr(0, end);
     rest = end == std::string_view::npos ? std::string_view() : rest.substr(end + 1);
     if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
-    ASSIGN_OR_RETURN(Example example, JsonlExample(line, absl::StrCat(path, ":", line_number),
-                                                   tokenizer, prompt_template));
-    if (!example.tokens.empty()) examples.push_back(std::move(example));
+    ASSIGN_OR_RETURN(Example example,
+                     JsonlExample(line, absl::StrCat(path, ":", line_number), prompt_template));
+    batch.push_back(std::move(example));
+    if (batch.size() == kRecordsPerBatch) flush();
   }
+  flush();
   return absl::OkStatus();
 }
 
