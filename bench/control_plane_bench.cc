@@ -59,6 +59,11 @@ ABSL_FLAG(absl::Duration, min_run_time, absl::Seconds(2), "Shortest simulated jo
 ABSL_FLAG(absl::Duration, max_run_time, absl::Seconds(5), "Longest simulated job run.");
 ABSL_FLAG(int, metric_steps, 10,
           "Step metrics rank 0 reports (NodeService/Report) before its job finishes; 0 none.");
+ABSL_FLAG(bool, watch_assignments, false,
+          "Each simulated node keeps a NodeService.WatchAssignments stream open and heartbeats "
+          "when notified, as workers do by default; false (the default, comparable with the "
+          "figures in docs/performance.md): orders wait for the next heartbeat. At 10,000 nodes "
+          "10,000 open streams cost the coordinator more than the rest of the load (see there).");
 ABSL_FLAG(int, max_backlog, 2000,
           "Submissions pause while this many submitted jobs still wait for their ranks.");
 ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(15),
@@ -177,6 +182,7 @@ int Run() {
   base.fleet.min_run_time = absl::GetFlag(FLAGS_min_run_time);
   base.fleet.max_run_time = std::max(base.fleet.min_run_time, absl::GetFlag(FLAGS_max_run_time));
   base.fleet.metric_steps_per_job = absl::GetFlag(FLAGS_metric_steps);
+  base.fleet.watch_assignments = absl::GetFlag(FLAGS_watch_assignments);
   base.jobs.gpu_sizes = *job_gpus;
   base.jobs.weights = *job_weights;
   base.jobs.max_backlog = absl::GetFlag(FLAGS_max_backlog);

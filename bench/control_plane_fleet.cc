@@ -42,6 +42,54 @@ v1::TaskStatus StatusOf(const std::string& task_id, const std::string& job_id, i
 
 }  // namespace
 
+// One node's WatchAssignments stream (gRPC's callback API: ten thousand streams need no thread
+// each). Owned by the node while open and by itself until OnDone.
+class SimulatedFleet::Watch : public grpc::ClientReadReactor<v1::AssignmentsNotice> {
+ public:
+  Watch(SimulatedFleet* fleet, Node* node) : fleet_(fleet), node_(node) {}
+
+  void Start(std::shared_ptr<Watch> self) {
+    self_ = std::move(self);
+    request_.set_node_id(node_->id);
+    context_.set_deadline(absl::ToChronoTime(absl::Now() + fleet_->options_.watch_lifetime));
+    fleet_->CallStarted();
+    fleet_->watches_opened_.fetch_add(1);
+    node_->connection->nodes->async()->WatchAssignments(&context_, &request_, this);
+    StartRead(&notice_);
+    StartCall();
+  }
+  void Cancel() { context_.TryCancel(); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // OnDone follows.
+    fleet_->notices_.fetch_add(1);
+    fleet_->OnNotice(*node_);
+    StartRead(&notice_);
+  }
+  void OnDone(const grpc::Status& status) override {
+    if (!status.ok() && !fleet_->stop_.HasBeenNotified()) {
+      fleet_->watch_failures_.fetch_add(1);
+      fleet_->NoteError("WatchAssignments", status);
+    }
+    {
+      absl::MutexLock lock(&node_->mu);
+      if (node_->watch.get() == this) node_->watch.reset();
+    }
+    SimulatedFleet* fleet = fleet_;
+    std::shared_ptr<Watch> self = std::move(self_);
+    self.reset();  // may delete this
+    fleet->CallDone();
+  }
+
+ private:
+  SimulatedFleet* const fleet_;
+  Node* const node_;
+  grpc::ClientContext context_;
+  v1::WatchAssignmentsRequest request_;
+  v1::AssignmentsNotice notice_;
+  std::shared_ptr<Watch> self_;
+};
+
 SimulatedFleet::SimulatedFleet(const std::string& address, FleetOptions options,
                                DeliveryObserver on_delivery)
     : options_(std::move(options)), on_delivery_(std::move(on_delivery)) {
@@ -114,6 +162,14 @@ void SimulatedFleet::Stop() {
   for (auto& thread : threads_) {
     if (thread.joinable()) thread.join();
   }
+  for (auto& node : nodes_) {
+    std::shared_ptr<Watch> watch;
+    {
+      absl::MutexLock lock(&node->mu);
+      watch = node->watch;
+    }
+    if (watch != nullptr) watch->Cancel();
+  }
   // Every call ends by its deadline, so this ends too.
   while (calls_in_flight_.load(std::memory_order_acquire) > 0) {
     absl::SleepFor(absl::Milliseconds(1));
@@ -135,6 +191,10 @@ FleetCounters SimulatedFleet::counters() const {
   counters.report_failures = report_failures_.load();
   counters.health_failures = health_failures_.load();
   counters.pacer_resets = pacer_resets_.load();
+  counters.watches_opened = watches_opened_.load();
+  counters.notices = notices_.load();
+  counters.notified_heartbeats = notified_heartbeats_.load();
+  counters.watch_failures = watch_failures_.load();
   absl::MutexLock lock(&error_mu_);
   counters.first_error = first_error_;
   return counters;
@@ -192,6 +252,7 @@ void SimulatedFleet::SendRegister(Node& node) {
         if (status.ok()) {
           register_latency_.Record(done, SecondsBetween(call->sent, done));
           registered_.fetch_add(1);
+          if (options_.watch_assignments) OpenWatch(node);
         } else {
           register_failures_.fetch_add(1);
           NoteError("RegisterNode", status);
@@ -199,6 +260,31 @@ void SimulatedFleet::SendRegister(Node& node) {
         registers_in_flight_.fetch_sub(1);
         CallDone();
       });
+}
+
+void SimulatedFleet::OpenWatch(Node& node) {
+  if (stop_.HasBeenNotified()) return;
+  std::shared_ptr<Watch> watch;
+  {
+    absl::MutexLock lock(&node.mu);
+    if (node.watch != nullptr) return;
+    watch = node.watch = std::make_shared<Watch>(this, &node);
+  }
+  watch->Start(watch);
+}
+
+void SimulatedFleet::OnNotice(Node& node) {
+  if (stop_.HasBeenNotified()) return;
+  {
+    absl::MutexLock lock(&node.mu);
+    if (!node.registered) return;
+    if (node.heartbeat_in_flight) {
+      node.beat_requested = true;
+      return;
+    }
+  }
+  notified_heartbeats_.fetch_add(1);
+  Beat(node);
 }
 
 void SimulatedFleet::HeartbeatLoop() {
@@ -345,9 +431,11 @@ void SimulatedFleet::OnHeartbeatDone(Node& node, const v1::HeartbeatRequest& req
   };
   std::vector<Delivery> deliveries;
   std::vector<std::pair<std::string, v1::ReportRequest>> started_reports;
+  bool beat_again = false;
   {
     absl::MutexLock lock(&node.mu);
     node.heartbeat_in_flight = false;
+    beat_again = std::exchange(node.beat_requested, false);
     if (response.reregister()) {
       // The coordinator declared the node lost and failed its jobs.
       reregister_requests_.fetch_add(1);
@@ -406,6 +494,10 @@ void SimulatedFleet::OnHeartbeatDone(Node& node, const v1::HeartbeatRequest& req
     for (const Delivery& delivery : deliveries) {
       on_delivery_(delivery.job_id, delivery.ranks, delivery.world_size, done);
     }
+  }
+  if (beat_again && !stop_.HasBeenNotified()) {
+    notified_heartbeats_.fetch_add(1);
+    Beat(node);
   }
 }
 

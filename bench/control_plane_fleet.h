@@ -4,7 +4,10 @@
 // evenly over the period), takes the assignments that come back, reports its
 // tasks RUNNING on the next heartbeat and SUCCEEDED after a simulated run
 // time, and relays what a rank-0 trainer would report (started, a few step
-// metrics) through NodeService.Report. Between the heartbeats, from the same
+// metrics) through NodeService.Report. With watch_assignments, like a real
+// worker (--watch_assignments), each registered node keeps a
+// NodeService.WatchAssignments stream open and heartbeats at once when a notice
+// comes, so work starts without waiting for the node's next heartbeat slot. Between the heartbeats, from the same
 // thread and on the same connections, it samples the standard
 // grpc.health.v1.Health/Check as a no-op baseline.
 //
@@ -60,6 +63,11 @@ struct FleetOptions {
   double health_checks_per_second = 20;
   // Step metrics rank 0 reports before its task finishes; 0 sends none.
   int metric_steps_per_job = 10;
+  // Each registered node watches for assignments (NodeService.WatchAssignments) and heartbeats
+  // when notified, as workers do by default; false: orders wait for the next heartbeat slot.
+  bool watch_assignments = false;
+  // Deadline of each watch stream.
+  absl::Duration watch_lifetime = absl::Hours(1);
 };
 
 // Called (on a gRPC thread, with no fleet lock held) when `ranks` ranks of
@@ -86,6 +94,12 @@ struct FleetCounters {
   // Pacer rounds restarted because the heartbeat thread fell a whole period
   // behind (the load generator itself could not keep up).
   int64_t pacer_resets = 0;
+  // WatchAssignments: streams opened, notices received, heartbeats sent because of a notice,
+  // and streams that ended with an error before Stop().
+  int64_t watches_opened = 0;
+  int64_t notices = 0;
+  int64_t notified_heartbeats = 0;
+  int64_t watch_failures = 0;
   // The first error message seen, for the summary.
   std::string first_error;
 };
@@ -134,6 +148,7 @@ class SimulatedFleet {
     // Rank 0's final metrics are in flight; the task succeeds when they land.
     bool finishing = false;
   };
+  class Watch;
   struct Node {
     std::string id;
     Connection* connection = nullptr;
@@ -145,6 +160,10 @@ class SimulatedFleet {
     bool registering ABSL_GUARDED_BY(mu) = true;
     bool heartbeat_in_flight ABSL_GUARDED_BY(mu) = false;
     std::map<std::string, Task> tasks ABSL_GUARDED_BY(mu);
+    // A notice came while a heartbeat was in flight: heartbeat again when it returns.
+    bool beat_requested ABSL_GUARDED_BY(mu) = false;
+    // The open WatchAssignments stream, if any.
+    std::shared_ptr<Watch> watch ABSL_GUARDED_BY(mu);
   };
 
   void RegistrationLoop();
@@ -159,6 +178,10 @@ class SimulatedFleet {
       Node& node, std::vector<std::pair<std::string, v1::ReportRequest>>* final_reports)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(node.mu);
   void SendRegister(Node& node);
+  // Opens the node's WatchAssignments stream unless one is open.
+  void OpenWatch(Node& node);
+  // A notice: heartbeat now, or as soon as the one in flight returns.
+  void OnNotice(Node& node);
   // One grpc.health.v1.Health/Check on `connection`, timed like a heartbeat.
   void CheckHealth(Connection& connection);
   void OnHeartbeatDone(Node& node, const v1::HeartbeatRequest& request,
@@ -201,6 +224,10 @@ class SimulatedFleet {
   std::atomic<int64_t> report_failures_{0};
   std::atomic<int64_t> health_failures_{0};
   std::atomic<int64_t> pacer_resets_{0};
+  std::atomic<int64_t> watches_opened_{0};
+  std::atomic<int64_t> notices_{0};
+  std::atomic<int64_t> notified_heartbeats_{0};
+  std::atomic<int64_t> watch_failures_{0};
   mutable absl::Mutex error_mu_;
   std::string first_error_ ABSL_GUARDED_BY(error_mu_);
 

@@ -140,6 +140,10 @@ json ScaleJson(const ScaleResult& r) {
         {"report_failures", f.report_failures},
         {"health_check_failures", f.health_failures},
         {"pacer_resets", f.pacer_resets},
+        {"watches_opened", f.watches_opened},
+        {"assignment_notices", f.notices},
+        {"notified_heartbeats", f.notified_heartbeats},
+        {"watch_failures", f.watch_failures},
         {"first_error", f.first_error}}},
       {"jobs",
        {{"submitted", j.submitted},
@@ -164,12 +168,12 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
       &out,
       "  %d GPUs/node, heartbeat every %s per node over %d connections; measured %s after a "
       "%s warm-up, in %d windows\n  jobs of %s GPUs (weights %s), each running %s-%s; "
-      "health checks %.0f/s as the no-op baseline\n\n",
+      "health checks %.0f/s as the no-op baseline; nodes %s WatchAssignments\n\n",
       p.fleet.gpus_per_node, absl::FormatDuration(p.fleet.heartbeat_interval), p.fleet.channels,
       absl::FormatDuration(p.duration), absl::FormatDuration(p.warmup), p.windows,
       absl::StrJoin(p.jobs.gpu_sizes, "/"), absl::StrJoin(p.jobs.weights, "/"),
       absl::FormatDuration(p.fleet.min_run_time), absl::FormatDuration(p.fleet.max_run_time),
-      p.fleet.health_checks_per_second);
+      p.fleet.health_checks_per_second, p.fleet.watch_assignments ? "open" : "do not open");
   absl::StrAppendFormat(&out, "%7s | %17s %8s %8s | %8s %7s | %9s %9s | %14s | %5s %8s %8s\n", "",
                         "heartbeats/s", "hb p50", "hb p99", "hc p50", "hb/hc", "sched p50",
                         "sched p99", "jobs placed/s", "cores", "RSS", "HWM");
@@ -189,8 +193,9 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
   absl::StrAppend(&out,
                   "\n  hb = NodeService/Heartbeat, hc = grpc.health.v1.Health/Check (no-op), both "
                   "client-side round trips on the same connections;\n  sched = SubmitJob's return "
-                  "until the last rank's assignment arrived in a heartbeat response (includes up "
-                  "to one heartbeat period).\n");
+                  "until the last rank's assignment arrived in a heartbeat response (with "
+                  "WatchAssignments, the heartbeat a notice prompts; without, up to one heartbeat "
+                  "period later).\n");
 
   for (const ScaleResult& r : results) {
     absl::StrAppendFormat(&out, "\n%d nodes:\n", r.nodes);
@@ -243,6 +248,12 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
                           r.bench_cores, r.other_cores,
                           r.coordinator_rss_after_register_bytes / kMiB, r.coordinator_threads);
     const FleetCounters& f = r.fleet;
+    if (f.watches_opened > 0) {
+      absl::StrAppendFormat(&out,
+                            "  assignment watches: %d streams opened, %d notices, %d heartbeats "
+                            "sent on a notice, %d streams failed\n",
+                            f.watches_opened, f.notices, f.notified_heartbeats, f.watch_failures);
+    }
     if (f.heartbeat_failures + f.heartbeats_skipped + f.reregister_requests + f.register_failures +
             f.report_failures + f.health_failures + f.pacer_resets + r.jobs.submit_failures +
             r.jobs.skipped_in_flight + r.jobs.skipped_backlog >
@@ -296,6 +307,7 @@ absl::Status WriteJson(const std::string& path, const RunInfo& info, const Scale
         {"job_run_seconds_min", absl::ToDoubleSeconds(p.fleet.min_run_time)},
         {"job_run_seconds_max", absl::ToDoubleSeconds(p.fleet.max_run_time)},
         {"metric_steps_per_job", p.fleet.metric_steps_per_job},
+        {"watch_assignments", p.fleet.watch_assignments},
         {"max_submits_in_flight", p.jobs.max_submits_in_flight},
         {"max_backlog", p.jobs.max_backlog},
         {"warmup_seconds", absl::ToDoubleSeconds(p.warmup)},

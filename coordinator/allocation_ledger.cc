@@ -60,7 +60,40 @@ Allocation* AllocationLedger::Find(const std::string& job_id) {
 }
 
 Allocation& AllocationLedger::Add(const std::string& job_id, Allocation allocation) {
+  if (auto it = allocations_.find(job_id); it != allocations_.end()) Unindex(job_id, it->second);
+  for (const auto& rank : allocation.ranks) jobs_by_node_[rank.node_id()].insert(job_id);
   return allocations_[job_id] = std::move(allocation);
+}
+
+void AllocationLedger::Unindex(const std::string& job_id, const Allocation& allocation) {
+  for (const auto& rank : allocation.ranks) {
+    auto it = jobs_by_node_.find(rank.node_id());
+    if (it == jobs_by_node_.end()) continue;
+    it->second.erase(job_id);
+    if (it->second.empty()) jobs_by_node_.erase(it);
+  }
+}
+
+void AllocationLedger::Erase(const std::string& job_id) {
+  auto it = allocations_.find(job_id);
+  if (it == allocations_.end()) return;
+  Unindex(job_id, it->second);
+  allocations_.erase(it);
+}
+
+size_t AllocationLedger::EraseIf(
+    const std::function<bool(const std::string&, const Allocation&)>& pred) {
+  size_t erased = 0;
+  for (auto it = allocations_.begin(); it != allocations_.end();) {
+    if (pred(it->first, it->second)) {
+      Unindex(it->first, it->second);
+      it = allocations_.erase(it);
+      ++erased;
+    } else {
+      ++it;
+    }
+  }
+  return erased;
 }
 
 UsedResources AllocationLedger::Used() const {
@@ -79,8 +112,11 @@ UsedResources AllocationLedger::Used() const {
 
 int AllocationLedger::FreeMasterPort(const std::string& node_id, int base) const {
   std::set<int> held;
-  for (const auto& [job_id, allocation] : allocations_) {
-    if (allocation.master_node == node_id) held.insert(allocation.master_port);
+  if (auto jobs = jobs_by_node_.find(node_id); jobs != jobs_by_node_.end()) {
+    for (const auto& job_id : jobs->second) {
+      const Allocation& allocation = allocations_.at(job_id);
+      if (allocation.master_node == node_id) held.insert(allocation.master_port);
+    }
   }
   int port = base;
   while (held.contains(port)) ++port;
@@ -88,16 +124,9 @@ int AllocationLedger::FreeMasterPort(const std::string& node_id, int base) const
 }
 
 std::vector<std::string> AllocationLedger::JobsOn(const std::string& node_id) const {
-  std::vector<std::string> jobs;
-  for (const auto& [job_id, allocation] : allocations_) {
-    for (const auto& rank : allocation.ranks) {
-      if (rank.node_id() == node_id) {
-        jobs.push_back(job_id);
-        break;
-      }
-    }
-  }
-  return jobs;
+  auto it = jobs_by_node_.find(node_id);
+  if (it == jobs_by_node_.end()) return {};
+  return std::vector<std::string>(it->second.begin(), it->second.end());
 }
 
 }  // namespace tessera::coordinator

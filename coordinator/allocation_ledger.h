@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -56,6 +57,9 @@ struct Allocation {
   // Every node reported its tasks RUNNING once and the job was brought to RUNNING (or found past
   // SCHEDULED): later heartbeats need not read the job again.
   bool running_seen = false;
+  // Every node reported SUCCEEDED and a heartbeat is storing the job's success outside the
+  // cluster lock: nobody else records it, and the devices stay held until it is stored.
+  bool success_pending = false;
 
   // The attempt's nodes, in order of their first rank.
   std::vector<std::string> Nodes() const;
@@ -70,19 +74,29 @@ struct Allocation {
 class AllocationLedger {
  public:
   Allocation* Find(const std::string& job_id);
+  // Replaces any allocation of `job_id`.
   Allocation& Add(const std::string& job_id, Allocation allocation);
-  void Erase(const std::string& job_id) { allocations_.erase(job_id); }
+  void Erase(const std::string& job_id);
+  // Erases the allocations for which `pred(job_id, allocation)` holds; returns how many.
+  size_t EraseIf(const std::function<bool(const std::string&, const Allocation&)>& pred);
+  // For iteration and changes in place; allocations are added and erased only through the
+  // methods above (they keep the index by node).
   std::map<std::string, Allocation>& all() { return allocations_; }
 
   // Devices held by every allocation, draining ones included.
   UsedResources Used() const;
   // The lowest port from `base` not held by a rank 0 of another allocation on `node_id`.
   int FreeMasterPort(const std::string& node_id, int base) const;
-  // Jobs with a rank on `node_id`.
+  // Jobs with a rank on `node_id`, in job_id order; from an index, so a heartbeat does not scan
+  // every allocation.
   std::vector<std::string> JobsOn(const std::string& node_id) const;
 
  private:
+  void Unindex(const std::string& job_id, const Allocation& allocation);
+
   std::map<std::string, Allocation> allocations_;
+  // node_id -> jobs with a rank there.
+  std::map<std::string, std::set<std::string>> jobs_by_node_;
 };
 
 }  // namespace tessera::coordinator

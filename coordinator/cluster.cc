@@ -114,6 +114,8 @@ absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNod
   if (request.resources().gpus().empty() && request.resources().cpu_slots() <= 0) {
     return absl::InvalidArgumentError("resources: a node must offer GPUs or cpu_slots");
   }
+  FollowUps follow_ups;
+  absl::Cleanup finish = [&] { FinishFollowUps(follow_ups); };
   absl::MutexLock lock(&mu_);
   const absl::Time now = options_.now();
   bool returning = false;
@@ -122,10 +124,11 @@ absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNod
   // (the worker restarted): that attempt cannot go on.
   std::set<std::string> reported;
   for (const auto& task : request.running_tasks()) reported.insert(task.task_id());
-  for (auto& [job_id, allocation] : allocations_.all()) {
+  for (const auto& job_id : allocations_.JobsOn(request.node_id())) {
+    Allocation* found = allocations_.Find(job_id);
+    if (found == nullptr) continue;
+    Allocation& allocation = *found;
     const std::string task_id = TaskId(job_id, allocation.attempt, request.node_id());
-    const auto nodes = allocation.Nodes();
-    if (std::find(nodes.begin(), nodes.end(), request.node_id()) == nodes.end()) continue;
     if (nodes_.StartQueued(request.node_id(), task_id) || reported.contains(task_id)) continue;
     if (allocation.NodeEnded(request.node_id())) continue;
     allocation.task_states[request.node_id()] = v1::TASK_STATE_FAILED;
@@ -138,7 +141,9 @@ absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNod
     *failure.mutable_time() = ToProto(now);
     AddFailureLocked(job_id, allocation.attempt, failure);
   }
-  for (const auto& task : request.running_tasks()) OnTaskStatusLocked(request.node_id(), task);
+  for (const auto& task : request.running_tasks()) {
+    OnTaskStatusLocked(request.node_id(), task, &follow_ups);
+  }
   v1::RegisterNodeResponse response;
   response.set_node_id(request.node_id());
   response.set_heartbeat_interval_seconds(absl::ToDoubleSeconds(options_.heartbeat_interval));
@@ -146,8 +151,18 @@ absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNod
 }
 
 absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequest& request) {
+  // Declared first: the store writes the heartbeat decided run after mu_ is released.
+  FollowUps follow_ups;
+  absl::Cleanup finish = [&] { FinishFollowUps(follow_ups); };
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(nodes_.CheckKey(request.node_id(), request.node_key()));
+  // A placement on this node that a pass is storing is handed out only once it is stored.
+  struct NotStoring {
+    const std::map<std::string, int>* storing;
+    const std::string* node_id;
+    static bool Check(NotStoring* self) { return !self->storing->contains(*self->node_id); }
+  } not_storing{&storing_nodes_, &request.node_id()};
+  mu_.Await(absl::Condition(&NotStoring::Check, &not_storing));
   heartbeat_node_ = request.node_id();
   absl::Cleanup quiet = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { heartbeat_node_.clear(); };
   v1::HeartbeatResponse response;
@@ -159,15 +174,16 @@ absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequ
   std::set<std::string> listed;
   for (const auto& task : request.tasks()) {
     listed.insert(task.task_id());
-    OnTaskStatusLocked(request.node_id(), task);
+    OnTaskStatusLocked(request.node_id(), task, &follow_ups);
   }
   // A draining attempt's task the worker no longer lists has ended there (the worker forgets a
   // task once it reported it ended, e.g. to a coordinator that restarted since).
-  for (auto& [job_id, allocation] : allocations_.all()) {
+  for (const auto& job_id : allocations_.JobsOn(request.node_id())) {
+    Allocation* allocation_found = allocations_.Find(job_id);
+    if (allocation_found == nullptr) continue;
+    Allocation& allocation = *allocation_found;
     if (allocation.phase != Allocation::Phase::kDraining) continue;
     const std::string task_id = TaskId(job_id, allocation.attempt, request.node_id());
-    const auto nodes = allocation.Nodes();
-    if (std::find(nodes.begin(), nodes.end(), request.node_id()) == nodes.end()) continue;
     if (!listed.contains(task_id) && !nodes_.StartQueued(request.node_id(), task_id) &&
         !allocation.NodeEnded(request.node_id())) {
       allocation.task_states[request.node_id()] = v1::TASK_STATE_STOPPED;
@@ -186,7 +202,8 @@ absl::Status Cluster::CheckWatcher(const std::string& node_id, const std::string
   return nodes_.CheckKey(node_id, node_key);
 }
 
-void Cluster::OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status) {
+void Cluster::OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status,
+                                 FollowUps* follow_ups) {
   Allocation* allocation = allocations_.Find(status.job_id());
   if (allocation == nullptr || allocation->attempt != status.attempt()) {
     // A task the coordinator no longer wants (cancelled, failed elsewhere,
@@ -212,38 +229,73 @@ void Cluster::OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatu
   }
   if (allocation->phase != Allocation::Phase::kRunning) return;
   if (allocation->AllNodesIn(v1::TASK_STATE_SUCCEEDED)) {
-    if (RecordSuccessLocked(job_id, *allocation)) allocations_.Erase(job_id);
+    if (!allocation->success_pending) {
+      allocation->success_pending = true;
+      follow_ups->succeeded.push_back({job_id, SuccessOf(*allocation)});
+    }
   } else if (!allocation->running_seen && allocation->AllNodesIn(v1::TASK_STATE_RUNNING)) {
     // Once per allocation: every heartbeat of a running job would otherwise read the store.
-    auto job = store_->GetJob(job_id);
-    if (!job.ok()) return;
-    if (job->state() == v1::JOB_STATE_SCHEDULED) {
-      auto running =
-          jobs_->Transition(job_id, v1::JOB_STATE_RUNNING,
-                            absl::StrCat("all ", allocation->ranks.size(), " ranks running"));
-      if (!running.ok()) {
-        LogRetried(running.status(), absl::StrCat("job ", job_id, " to RUNNING"));
-        return;
-      }
-    }
     allocation->running_seen = true;
+    follow_ups->running.push_back(
+        {job_id, allocation->attempt, static_cast<int>(allocation->ranks.size())});
   }
 }
 
-bool Cluster::RecordSuccessLocked(const std::string& job_id, Allocation& allocation) {
+void Cluster::FinishFollowUps(const FollowUps& follow_ups) {
+  for (const auto& running : follow_ups.running) {
+    auto job = store_->GetJob(running.job_id);
+    bool done = job.ok();
+    if (job.ok() && job->state() == v1::JOB_STATE_SCHEDULED && job->attempt() == running.attempt) {
+      auto transitioned =
+          jobs_->Transition(running.job_id, v1::JOB_STATE_RUNNING,
+                            absl::StrCat("all ", running.ranks, " ranks running"));
+      done = transitioned.ok() || absl::IsFailedPrecondition(transitioned.status());
+      LogRetried(transitioned.status(), absl::StrCat("job ", running.job_id, " to RUNNING"));
+    }
+    if (!done) {
+      // The next heartbeat tries again.
+      absl::MutexLock lock(&mu_);
+      Allocation* allocation = allocations_.Find(running.job_id);
+      if (allocation != nullptr && allocation->attempt == running.attempt) {
+        allocation->running_seen = false;
+      }
+    }
+  }
+  for (const auto& [job_id, success] : follow_ups.succeeded) {
+    const bool recorded = RecordSuccess(job_id, success);
+    absl::MutexLock lock(&mu_);
+    Allocation* allocation = allocations_.Find(job_id);
+    if (allocation == nullptr || allocation->attempt != success.attempt) continue;
+    allocation->success_pending = false;
+    // Otherwise a tick records it (a store error) or drains the attempt (a node was lost since).
+    if (recorded && allocation->phase == Allocation::Phase::kRunning) allocations_.Erase(job_id);
+  }
+}
+
+Cluster::SuccessRecord Cluster::SuccessOf(const Allocation& allocation) {
+  SuccessRecord record;
+  record.attempt = allocation.attempt;
+  record.nodes = allocation.Nodes();
+  record.world_size = static_cast<int>(allocation.ranks.size());
+  record.start_step = allocation.start_step;
+  record.placed_time = allocation.placed_time;
+  return record;
+}
+
+bool Cluster::RecordSuccess(const std::string& job_id, const SuccessRecord& success) {
   auto job = store_->GetJob(job_id);
   if (job.ok() && IsTerminal(job->state())) return true;
   const absl::Time now = options_.now();
   auto succeeded = jobs_->Transition(
       job_id, v1::JOB_STATE_SUCCEEDED, "every rank finished", [&](v1::Job& stored) {
         v1::JobAttempt* record = stored.add_attempts();
-        record->set_attempt(allocation.attempt);
-        for (const auto& node : allocation.Nodes()) record->add_node_ids(node);
-        record->set_world_size(static_cast<int>(allocation.ranks.size()));
+        record->set_attempt(success.attempt);
+        for (const auto& node : success.nodes) record->add_node_ids(node);
+        record->set_world_size(success.world_size);
         *record->mutable_layout() = stored.plan().layout();
-        record->set_start_step(allocation.start_step);
+        record->set_start_step(success.start_step);
         record->set_end_step(stored.current_step());
-        *record->mutable_start_time() = ToProto(allocation.placed_time);
+        *record->mutable_start_time() = ToProto(success.placed_time);
         *record->mutable_end_time() = ToProto(now);
         record->set_reason("every rank finished");
       });
@@ -473,7 +525,34 @@ void Cluster::ExpireNodesLocked(absl::Time now) {
   }
 }
 
-void Cluster::PlaceLocked(const v1::Job& job, const v1::JobSpec& spec,
+int64_t Cluster::StartStep(const v1::Job& job, const v1::JobSpec& spec) {
+  return ResumesFromCheckpoints(spec) ? job.latest_checkpoint().step() : 0;
+}
+
+std::string Cluster::PlacementReason(const v1::Job& job, const v1::JobSpec& spec,
+                                     const GangPlacement& placement, const v1::LayoutPlan& plan) {
+  std::vector<std::string> node_order;
+  for (const auto& rank : placement.ranks) {
+    if (std::find(node_order.begin(), node_order.end(), rank.node_id()) == node_order.end()) {
+      node_order.push_back(rank.node_id());
+    }
+  }
+  std::string reason = absl::StrCat("placed on ", absl::StrJoin(node_order, ", "));
+  if (job.attempt() > 0) {
+    const int64_t start_step = StartStep(job, spec);
+    reason = absl::StrCat("attempt ", job.attempt(), " ", reason, ", resuming from ",
+                          start_step > 0 ? absl::StrCat("the checkpoint of step ", start_step)
+                                         : std::string("the start"));
+    if (static_cast<int>(placement.ranks.size()) != RequestedDevices(job.spec())) {
+      absl::StrAppend(&reason, "; re-planned for ", placement.ranks.size(), " of the ",
+                      RequestedDevices(job.spec()), " devices asked for (",
+                      plan.explanation().substr(0, plan.explanation().find('.')), ")");
+    }
+  }
+  return reason;
+}
+
+void Cluster::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
                           const GangPlacement& placement, const v1::LayoutPlan& plan) {
   Allocation allocation;
   allocation.attempt = job.attempt();
@@ -482,34 +561,9 @@ void Cluster::PlaceLocked(const v1::Job& job, const v1::JobSpec& spec,
   allocation.master_port =
       allocations_.FreeMasterPort(allocation.master_node, options_.base_master_port);
   allocation.placed_time = options_.now();
-  allocation.start_step = ResumesFromCheckpoints(spec) ? job.latest_checkpoint().step() : 0;
-  std::vector<std::string> node_order;
+  allocation.start_step = StartStep(job, spec);
   std::map<std::string, int> local_world;
-  for (const auto& rank : placement.ranks) {
-    if (local_world[rank.node_id()]++ == 0) node_order.push_back(rank.node_id());
-  }
-  std::string reason = absl::StrCat("placed on ", absl::StrJoin(node_order, ", "));
-  if (job.attempt() > 0) {
-    reason = absl::StrCat("attempt ", job.attempt(), " ", reason, ", resuming from ",
-                          allocation.start_step > 0
-                              ? absl::StrCat("the checkpoint of step ", allocation.start_step)
-                              : std::string("the start"));
-    if (static_cast<int>(placement.ranks.size()) != RequestedDevices(job.spec())) {
-      absl::StrAppend(&reason, "; re-planned for ", placement.ranks.size(), " of the ",
-                      RequestedDevices(job.spec()), " devices asked for (",
-                      plan.explanation().substr(0, plan.explanation().find('.')), ")");
-    }
-  }
-  auto transitioned =
-      jobs_->Transition(job.job_id(), v1::JOB_STATE_SCHEDULED, reason, [&](v1::Job& stored) {
-        *stored.mutable_plan() = plan;
-        stored.mutable_placements()->Clear();
-        for (const auto& rank : placement.ranks) *stored.add_placements() = rank;
-      });
-  if (!transitioned.ok()) {
-    LogRetried(transitioned.status(), absl::StrCat("placing job ", job.job_id()));
-    return;
-  }
+  for (const auto& rank : placement.ranks) ++local_world[rank.node_id()];
   const std::string checkpoint_dir = spec.checkpoint().directory().empty()
                                          ? absl::StrCat(options_.checkpoint_root, "/", job.job_id())
                                          : spec.checkpoint().directory();
@@ -537,11 +591,6 @@ void Cluster::PlaceLocked(const v1::Job& job, const v1::JobSpec& spec,
     nodes_.QueueStart(node_id, std::move(assignment));
   }
   allocations_.Add(job.job_id(), std::move(allocation));
-  std::function<void(double)> observer = latency_observer_;
-  if (observer && job.attempt() == 0) {
-    absl::Time submitted = absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(job.create_time()));
-    observer(absl::ToDoubleSeconds(options_.now() - submitted));
-  }
 }
 
 const absl::StatusOr<v1::LayoutPlan>& Cluster::CachedPlan(
@@ -561,11 +610,11 @@ const absl::StatusOr<v1::LayoutPlan>& Cluster::CachedPlan(
   return *cached.plan;
 }
 
-Cluster::PassSnapshot Cluster::SnapshotLocked(const std::vector<v1::Job>& active) {
+Cluster::PassSnapshot Cluster::SnapshotLocked(const std::vector<v1::Job>& waiting) {
   PassSnapshot snapshot;
-  for (const auto& job : active) {
-    if ((job.state() == v1::JOB_STATE_PENDING || job.state() == v1::JOB_STATE_RESTARTING) &&
-        allocations_.Find(job.job_id()) == nullptr) {
+  for (const auto& job : waiting) {
+    // A restarting job is listed while its failed attempt still drains.
+    if (allocations_.Find(job.job_id()) == nullptr) {
       snapshot.waiting.insert(job.job_id());
     }
   }
@@ -578,6 +627,7 @@ Cluster::PassSnapshot Cluster::SnapshotLocked(const std::vector<v1::Job>& active
 
 std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
                                             const PassSnapshot& snapshot, ClusterStats* stats) {
+  // `active` holds the waiting jobs (ListWaitingJobs).
   std::vector<GangRequest> requests;
   std::map<std::string, const v1::Job*> waiting;
   // The spec and plan each waiting job starts with, fitted to the devices registered now.
@@ -651,20 +701,38 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
   std::erase_if(plan_cache_, [&](const auto& entry) { return !waiting_ids.contains(entry.first); });
   ScheduleResult result;
   if (!requests.empty()) result = Schedule(std::move(requests), std::move(capacity));
-  std::set<std::string> placed;
-  for (const auto& placement : result.placed) {
-    // One hold per gang: its store write is the slow part, and heartbeats go in between.
+  // The gangs are admitted (allocation made, assignments queued) under one short hold, unless a
+  // node registered again (or was lost) since the snapshot: it may offer other devices now, and
+  // that gang waits for the next pass. Only a pass adds or frees allocations, so the other
+  // gangs' devices are still free. Their nodes' heartbeats wait until the placements are stored.
+  std::vector<const GangPlacement*> admitted;
+  {
     TimedLock lock(&mu_, stats);
-    const std::string& job_id = placement.job_id;
-    // A node that registered again (or was lost) since the snapshot may offer other devices: that
-    // gang waits for the next pass. The others hold distinct devices and stay valid.
-    bool stale = false;
-    for (const auto& rank : placement.ranks) {
-      stale = stale || nodes_.ChangedSince(rank.node_id(), snapshot.generation);
+    for (const auto& placement : result.placed) {
+      bool stale = false;
+      for (const auto& rank : placement.ranks) {
+        stale = stale || nodes_.ChangedSince(rank.node_id(), snapshot.generation);
+      }
+      if (stale || allocations_.Find(placement.job_id) != nullptr) continue;
+      AdmitLocked(*waiting[placement.job_id], specs[placement.job_id], placement,
+                  plans[placement.job_id]);
+      for (const auto& rank : placement.ranks) ++storing_nodes_[rank.node_id()];
+      admitted.push_back(&placement);
     }
-    if (stale || allocations_.Find(job_id) != nullptr) continue;
-    PlaceLocked(*waiting[job_id], specs[job_id], placement, plans[job_id]);
-    if (allocations_.Find(job_id) != nullptr) placed.insert(job_id);
+  }
+  // Every placement and every changed pending reason of the pass is stored in one transaction
+  // (one fsync), without mu_.
+  std::vector<JobManager::TransitionRequest> writes;
+  for (const GangPlacement* placement : admitted) {
+    const std::string& job_id = placement->job_id;
+    const v1::LayoutPlan& plan = plans[job_id];
+    writes.push_back({job_id, v1::JOB_STATE_SCHEDULED,
+                      PlacementReason(*waiting[job_id], specs[job_id], *placement, plan),
+                      [&plan, placement](v1::Job& stored) {
+                        *stored.mutable_plan() = plan;
+                        stored.mutable_placements()->Clear();
+                        for (const auto& rank : placement->ranks) *stored.add_placements() = rank;
+                      }});
   }
   result.pending_reasons.merge(unfit);
   std::map<std::string, const v1::Job*> by_id;
@@ -674,27 +742,77 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
     if (job == nullptr) continue;
     // A restarting job keeps its state (and the reason it restarts) until it is placed again.
     if (job->state() == v1::JOB_STATE_PENDING && job->reason() != reason) {
-      LogRetried(jobs_->Transition(job_id, v1::JOB_STATE_PENDING, reason).status(),
-                 absl::StrCat("recording why job ", job_id, " waits"));
+      writes.push_back({job_id, v1::JOB_STATE_PENDING, reason, nullptr});
+    }
+  }
+  const std::vector<absl::StatusOr<v1::Job>> stored = jobs_->TransitionAll(writes);
+  std::set<std::string> placed;
+  std::function<void(double)> latency_observer;
+  std::vector<double> latencies;
+  {
+    TimedLock lock(&mu_, stats);
+    latency_observer = latency_observer_;
+    for (size_t i = 0; i < admitted.size(); ++i) {
+      const GangPlacement& placement = *admitted[i];
+      const std::string& job_id = placement.job_id;
+      for (const auto& rank : placement.ranks) {
+        auto storing = storing_nodes_.find(rank.node_id());
+        if (storing != storing_nodes_.end() && --storing->second == 0) storing_nodes_.erase(storing);
+      }
+      if (stored[i].ok()) {
+        placed.insert(job_id);
+        if (stored[i]->attempt() == 0) {
+          latencies.push_back(absl::ToDoubleSeconds(
+              options_.now() -
+              absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(stored[i]->create_time()))));
+        }
+        continue;
+      }
+      // Cancelled meanwhile (FAILED_PRECONDITION), or a store error: nothing was delivered (the
+      // nodes' heartbeats waited), so the gang is taken back and the next pass decides.
+      if (!absl::IsFailedPrecondition(stored[i].status())) {
+        LogRetried(stored[i].status(), absl::StrCat("placing job ", job_id));
+      }
+      if (Allocation* allocation = allocations_.Find(job_id)) {
+        for (const auto& node : allocation->Nodes()) {
+          nodes_.WithdrawStart(node, TaskId(job_id, allocation->attempt, node));
+        }
+        allocations_.Erase(job_id);
+      }
+    }
+  }
+  if (latency_observer) {
+    for (double seconds : latencies) latency_observer(seconds);
+  }
+  for (size_t i = admitted.size(); i < writes.size(); ++i) {
+    if (!stored[i].ok() && !absl::IsFailedPrecondition(stored[i].status())) {
+      LogRetried(stored[i].status(), absl::StrCat("recording why job ", writes[i].job_id, " waits"));
     }
   }
   return placed;
 }
 
-ClusterStats Cluster::Tick() {
+ClusterStats Cluster::Tick(bool count) {
   absl::MutexLock pass_lock(&pass_mu_);
   const absl::Time now = options_.now();
   ClusterStats stats;
-  absl::StatusOr<std::vector<v1::Job>> active;
+  stats.counted = count;
+  // Read without mu_. Only the waiting jobs are parsed: parsing every running job's blob cost
+  // more than the rest of a pass on a busy cluster. Allocations are added only by a pass, so
+  // every allocation's job is listed unless it ended since; a job cancelled or finished meanwhile
+  // is seen by the next pass.
+  absl::StatusOr<std::vector<Store::JobSummary>> active = store_->ListActiveJobSummaries();
+  absl::StatusOr<std::vector<v1::Job>> waiting = store_->ListWaitingJobs();
   PassSnapshot snapshot;
+  bool relist = false;
   {
     TimedLock lock(&mu_, &stats);
     LogRetried(nodes_.Flush(), "writing node records");
-    ExpireNodesLocked(now);
-    active = store_->ListActiveJobs();
+    // Liveness is a scan of every node: the regular passes (every tick_interval) do it.
+    if (count) ExpireNodesLocked(now);
     if (active.ok()) {
       std::set<std::string> active_ids;
-      for (const auto& job : *active) active_ids.insert(job.job_id());
+      for (const auto& job : *active) active_ids.insert(job.job_id);
       for (auto& [job_id, allocation] : allocations_.all()) {
         if (!active_ids.contains(job_id)) {
           // Cancelled (or ended by a decision already recorded): stop what still runs.
@@ -702,39 +820,48 @@ ClusterStats Cluster::Tick() {
           continue;
         }
         DecideLocked(job_id, allocation, now);
-        // A success whose recording failed earlier is recorded now.
-        if (allocation.phase == Allocation::Phase::kRunning &&
+        // A success whose recording failed earlier is recorded now (unless a heartbeat is
+        // recording it).
+        if (allocation.phase == Allocation::Phase::kRunning && !allocation.success_pending &&
             allocation.AllNodesIn(v1::TASK_STATE_SUCCEEDED) &&
-            RecordSuccessLocked(job_id, allocation)) {
+            RecordSuccess(job_id, SuccessOf(allocation))) {
           allocation.phase = Allocation::Phase::kDraining;
         }
       }
-      // Attempts whose every task has ended give their devices back.
-      const size_t erased = std::erase_if(allocations_.all(), [](const auto& entry) {
-        return entry.second.phase == Allocation::Phase::kDraining && entry.second.AllNodesEnded();
+      // Attempts whose every task has ended give their devices back. A job still active whose
+      // attempt just ended (it restarts) may be placed again in this pass: list again for it.
+      allocations_.EraseIf([&](const std::string& job_id, const Allocation& allocation) {
+        const bool ended = allocation.phase == Allocation::Phase::kDraining &&
+                           allocation.AllNodesEnded() && !allocation.success_pending;
+        relist = relist || (ended && active_ids.contains(job_id));
+        return ended;
       });
-      // A job whose attempt just ended may be placed again in this pass.
-      if (erased > 0) {
-        if (auto relisted = store_->ListActiveJobs(); relisted.ok()) active = std::move(relisted);
-      }
-      snapshot = SnapshotLocked(*active);
+      if (!relist && waiting.ok()) snapshot = SnapshotLocked(*waiting);
     }
   }
-  if (active.ok()) {
-    const std::set<std::string> placed = SchedulePass(*active, snapshot, &stats);
+  if (relist) {
+    active = store_->ListActiveJobSummaries();
+    waiting = store_->ListWaitingJobs();
+    if (waiting.ok()) {
+      TimedLock lock(&mu_, &stats);
+      snapshot = SnapshotLocked(*waiting);
+    }
+  }
+  if (active.ok() && waiting.ok()) {
+    const std::set<std::string> placed = SchedulePass(*waiting, snapshot, &stats);
     for (const auto& job : *active) {
-      const bool pending = !placed.contains(job.job_id()) && job.state() == v1::JOB_STATE_PENDING;
-      ++stats.jobs[placed.contains(job.job_id()) ? v1::JOB_STATE_SCHEDULED : job.state()];
+      const bool pending = !placed.contains(job.job_id) && job.state == v1::JOB_STATE_PENDING;
+      ++stats.jobs[placed.contains(job.job_id) ? v1::JOB_STATE_SCHEDULED : job.state];
       if (pending) {
-        stats.oldest_pending_seconds = std::max(
-            stats.oldest_pending_seconds,
-            absl::ToDoubleSeconds(now - absl::FromUnixNanos(
-                                            TimeUtil::TimestampToNanoseconds(job.create_time()))));
+        stats.oldest_pending_seconds =
+            std::max(stats.oldest_pending_seconds,
+                     absl::ToDoubleSeconds(now - absl::FromUnixNanos(job.create_time_ns)));
       }
     }
   } else {
-    LogRetried(active.status(), "listing active jobs");
+    LogRetried(active.ok() ? waiting.status() : active.status(), "listing active jobs");
   }
+  if (!count) return stats;
   {
     TimedLock lock(&mu_, &stats);
     // Counted in place: copying every node record (or capacity) here cost more than the pass.
@@ -800,9 +927,29 @@ std::vector<v1::Node> Cluster::Nodes(bool include_lost) {
 
 void Cluster::Start(std::function<void(const ClusterStats&, double)> observer) {
   loop_ = std::thread([this, observer = std::move(observer)] {
-    while (!stop_.WaitForNotificationWithTimeout(options_.tick_interval)) {
+    absl::Time last_start = absl::Now();
+    absl::Time last_counted = last_start;
+    while (true) {
+      {
+        absl::MutexLock lock(&wake_mu_);
+        // The regular pass comes tick_interval after the previous one started; a requested one
+        // as soon as min_tick_gap has passed since then.
+        while (!stopping_) {
+          const absl::Time wake_now = absl::Now();
+          absl::Time due = last_start + options_.tick_interval;
+          if (pass_requested_) due = std::min(due, last_start + options_.min_tick_gap);
+          if (wake_now >= due) break;
+          wake_cv_.WaitWithDeadline(&wake_mu_, due);
+        }
+        if (stopping_) return;
+        pass_requested_ = false;
+      }
+      last_start = absl::Now();
+      // The cluster-wide counts are taken every tick_interval, not on every early pass.
+      const bool count = last_start - last_counted >= options_.tick_interval;
+      if (count) last_counted = last_start;
       auto start = std::chrono::steady_clock::now();
-      ClusterStats stats = Tick();
+      ClusterStats stats = Tick(count);
       double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (observer) observer(stats, seconds);
@@ -810,8 +957,19 @@ void Cluster::Start(std::function<void(const ClusterStats&, double)> observer) {
   });
 }
 
+void Cluster::RequestPass() {
+  absl::MutexLock lock(&wake_mu_);
+  if (pass_requested_) return;
+  pass_requested_ = true;
+  wake_cv_.Signal();
+}
+
 void Cluster::Stop() {
-  if (!stop_.HasBeenNotified()) stop_.Notify();
+  {
+    absl::MutexLock lock(&wake_mu_);
+    stopping_ = true;
+    wake_cv_.SignalAll();
+  }
   if (loop_.joinable()) loop_.join();
 }
 

@@ -14,13 +14,19 @@
 //
 // Thread safety: all methods may be called from any thread; one absl::Mutex (mu_) guards the
 // registry and the ledger. JobManager and Store calls made under it never call back into Cluster.
+// Heartbeats and registrations decide under mu_ and make the store writes that follow (a job to
+// RUNNING or SUCCEEDED) after releasing it, so one heartbeat's fsync does not hold up the others;
+// an attempt whose success is being recorded keeps its devices until the write is stored.
 // A Tick holds mu_ only for short phases, so heartbeats are not held up by a scheduling pass on a
 // large cluster: liveness and settling; a snapshot of the free devices (the registry's shared
 // capacity summaries and the devices held, O(allocated ranks)); then, with mu_ released, planning
-// and the gang scheduler; then a commit under mu_ of the placements whose nodes did not change
-// since the snapshot (only a Tick adds or frees allocations, and passes are serialized by pass_mu_,
-// so devices free in the snapshot are still free unless the node registered again); then the
-// pending reasons are written with mu_ released. pass_mu_ also guards the plan cache.
+// and the gang scheduler; then the admission under mu_ of the placements whose nodes did not
+// change since the snapshot (only a Tick adds or frees allocations, and passes are serialized by
+// pass_mu_, so devices free in the snapshot are still free unless the node registered again):
+// allocation made, assignments queued. The pass's placements and changed pending reasons are then
+// stored in ONE store transaction with mu_ released; until then the heartbeats of the admitted
+// nodes wait, so an assignment reaches a worker only once its placement is stored (a placement
+// that cannot be stored is taken back). pass_mu_ also guards the plan cache.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +41,6 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "coordinator/allocation_ledger.h"
 #include "coordinator/assignment_notifier.h"
@@ -55,6 +60,9 @@ struct ClusterOptions {
   absl::Duration heartbeat_timeout = absl::Seconds(15);
   // Period of Tick() when Start() runs the loop.
   absl::Duration tick_interval = absl::Milliseconds(200);
+  // A pass asked for by RequestPass() (a job was submitted) starts this long after the previous
+  // pass started at the soonest, so a stream of submissions does not run passes back to back.
+  absl::Duration min_tick_gap = absl::Milliseconds(25);
   // After an attempt's first failure, how long to wait for more before blaming one: the whole
   // wait when only consequences (FAILURE_KIND_PEER_FAILED) came in, else blame_grace. The wait
   // ends early once every node of the attempt reported its task ended.
@@ -90,6 +98,9 @@ struct ClusterStats {
   // single hold; the planning and the gang scheduler run without it.
   double lock_held_seconds = 0;
   double longest_lock_hold_seconds = 0;
+  // False for a pass that skipped the node, device, ended-job and straggler figures (Tick's
+  // `count`): keep the previous ones.
+  bool counted = true;
 };
 
 class Cluster {
@@ -115,11 +126,18 @@ class Cluster {
   // What every registered node offers now (for planning).
   std::vector<NodeCapacity> Capacity();
 
-  // One pass: liveness, settling, scheduling. Returns the pass's statistics.
-  ClusterStats Tick();
+  // One pass: liveness, settling, scheduling. Returns the pass's statistics. Without `count` (the
+  // loop's early passes, asked for by RequestPass) it skips the scans of every node, liveness and
+  // the cluster-wide node, device and ended-job counts, which the regular passes keep current;
+  // its statistics then hold only the active job counts and the lock holds.
+  ClusterStats Tick(bool count = true);
   // Runs Tick() every tick_interval on a thread until Stop(); `observer` (may
   // be null) gets each pass's statistics and duration.
   void Start(std::function<void(const ClusterStats&, double seconds)> observer);
+  // Asks the loop for a pass soon (no sooner than min_tick_gap after the previous one started):
+  // a job just submitted need not wait for the regular one. Requests made before that pass
+  // starts are served by it. Never blocks on a pass.
+  void RequestPass();
   void Stop();
 
   // `notifier` (may be null; must outlive the cluster) hears of each node that has new orders
@@ -161,20 +179,48 @@ class Cluster {
     UsedResources used;
     uint64_t generation = 0;
   };
-  PassSnapshot SnapshotLocked(const std::vector<v1::Job>& active)
+  // `waiting`: the PENDING and RESTARTING jobs (Store::ListWaitingJobs).
+  PassSnapshot SnapshotLocked(const std::vector<v1::Job>& waiting)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // One scheduling pass over the jobs waiting for devices, computed without mu_ and committed
-  // under it; returns the ids of the jobs it placed.
+  // One scheduling pass over the jobs waiting for devices (`active`: the PENDING and RESTARTING
+  // jobs), computed without mu_; returns the ids of the jobs it placed.
   std::set<std::string> SchedulePass(const std::vector<v1::Job>& active,
                                      const PassSnapshot& snapshot, ClusterStats* stats)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_) ABSL_LOCKS_EXCLUDED(mu_);
-  void PlaceLocked(const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
+  static int64_t StartStep(const v1::Job& job, const v1::JobSpec& spec);
+  // The reason stored with a placement ("placed on n1, n2").
+  static std::string PlacementReason(const v1::Job& job, const v1::JobSpec& spec,
+                                     const GangPlacement& placement, const v1::LayoutPlan& plan);
+  // Records the allocation of a placement already stored and queues its assignments.
+  void AdmitLocked(const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
                    const v1::LayoutPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What RecordSuccess writes of an attempt.
+  struct SuccessRecord {
+    int32_t attempt = 0;
+    std::vector<std::string> nodes;
+    int world_size = 0;
+    int64_t start_step = 0;
+    absl::Time placed_time;
+  };
+  // Store writes a heartbeat or registration decided under mu_, made once it is released.
+  struct FollowUps {
+    struct Running {
+      std::string job_id;
+      int32_t attempt = 0;
+      int ranks = 0;
+    };
+    std::vector<Running> running;
+    std::vector<std::pair<std::string, SuccessRecord>> succeeded;
+  };
+  void OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status,
+                          FollowUps* follow_ups) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves jobs to RUNNING and SUCCEEDED as decided; a write that fails is tried again by the next
+  // heartbeat (RUNNING) or tick (SUCCEEDED: the attempt keeps its devices until it is stored).
+  void FinishFollowUps(const FollowUps& follow_ups) ABSL_LOCKS_EXCLUDED(mu_);
+  static SuccessRecord SuccessOf(const Allocation& allocation);
   // Moves a job whose every task succeeded to SUCCEEDED; false (retried later) on a store error.
-  bool RecordSuccessLocked(const std::string& job_id, Allocation& allocation)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes no use of mu_.
+  bool RecordSuccess(const std::string& job_id, const SuccessRecord& success);
 
   Store* store_;
   JobManager* jobs_;
@@ -191,6 +237,9 @@ class Cluster {
     std::optional<absl::StatusOr<v1::LayoutPlan>> plan;
   };
   std::map<std::string, PlanEntry> plan_cache_ ABSL_GUARDED_BY(pass_mu_);
+  // Nodes with placements admitted by the running pass but not yet stored (count per node): their
+  // heartbeats wait, so no assignment reaches a worker before its placement is in the store.
+  std::map<std::string, int> storing_nodes_ ABSL_GUARDED_BY(mu_);
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(mu_);
   AssignmentNotifier* notifier_ ABSL_GUARDED_BY(mu_) = nullptr;
   // The node whose heartbeat is being handled: its new orders leave with the response.
@@ -199,7 +248,10 @@ class Cluster {
   std::map<v1::FailureKind, int64_t> failures_ ABSL_GUARDED_BY(mu_);
 
   std::thread loop_;
-  absl::Notification stop_;
+  absl::Mutex wake_mu_;
+  absl::CondVar wake_cv_;
+  bool pass_requested_ ABSL_GUARDED_BY(wake_mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(wake_mu_) = false;
 };
 
 }  // namespace tessera::coordinator

@@ -5,17 +5,20 @@
 #include "coordinator/cluster.h"
 
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "common/status_matchers.h"
 #include "coordinator/attempt_policy.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/time_util.h"
 #include "gtest/gtest.h"
 #include "tests/util/job_specs.h"
+#include "tests/util/temp_dir.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -598,6 +601,127 @@ TEST_F(ClusterTest, OrdersAreAnnouncedToTheirNodeOnly) {
   EXPECT_EQ(count(node, 2), 2);
   EXPECT_EQ(count(other, 0), 0);
   cluster_->SetAssignmentNotifier(nullptr);
+}
+
+TEST_F(ClusterTest, ANodeRegisteringAgainWhileItsPlacementIsStoredIsNotDoubleBooked) {
+  Register("n1", 2);
+  const std::string first = Submit(CpuSpec(2, 0));
+  // The pass stores its placements without the cluster lock; n1's worker restarts and registers
+  // again in between (the injector runs as the placement is about to be written).
+  bool registered_again = false;
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    if (id == first && !registered_again) {
+      registered_again = true;
+      Register("n1", 2);
+    }
+    return absl::OkStatus();
+  });
+  cluster_->Tick();
+  store_->SetWriteFailureInjector(nullptr);
+  ASSERT_TRUE(registered_again);
+  EXPECT_EQ(Job(first).state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(FreeSlots("n1"), 0) << "the placement still holds both slots";
+  // A second job does not get the same slots.
+  const std::string second = Submit(CpuSpec(2, 0));
+  cluster_->Tick();
+  EXPECT_EQ(Job(second).state(), v1::JOB_STATE_PENDING);
+  // The first job's assignment is handed out once, to the node as it registered again.
+  v1::HeartbeatResponse orders = Beat("n1", {});
+  ASSERT_THAT(orders.start(), SizeIs(1));
+  EXPECT_EQ(orders.start(0).task_id(), absl::StrCat(first, "/0/n1"));
+  EXPECT_THAT(Beat("n1", {Task(first, 0, "n1", v1::TASK_STATE_RUNNING)}).start(), SizeIs(0));
+}
+
+TEST_F(ClusterTest, APlacementThatCannotBeStoredIsTakenBack) {
+  Register("n1", 2);
+  Register("n2", 2);
+  const std::string failing = Submit(CpuSpec(2, 0));
+  const std::string other = Submit(CpuSpec(2, 0));
+  bool fail = true;
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    return fail && id == failing ? absl::UnavailableError("injected: disk full") : absl::OkStatus();
+  });
+  cluster_->Tick();
+  EXPECT_EQ(Job(failing).state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(Job(other).state(), v1::JOB_STATE_SCHEDULED) << "one failed write spares the others";
+  const std::string other_node = Job(other).placements(0).node_id();
+  const std::string free_node = other_node == "n1" ? "n2" : "n1";
+  EXPECT_EQ(FreeSlots(free_node), 2) << "the failed placement holds nothing";
+  EXPECT_THAT(Beat(free_node, {}).start(), SizeIs(0)) << "nothing unstored is handed out";
+  fail = false;
+  cluster_->Tick();
+  EXPECT_EQ(Job(failing).state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_THAT(Beat(free_node, {}).start(), SizeIs(1));
+}
+
+TEST(ClusterStoreTest, APassStoresItsPlacementsInOneTransactionThatSurvivesARestart) {
+  tessera::testing::ScopedTempDir dir("cluster");
+  const std::string path = dir.path() + "/coordinator.db";
+  std::vector<std::string> job_ids;
+  {
+    auto store = Store::Open(path);
+    ASSERT_THAT(store.status(), IsOk());
+    JobManager jobs(store->get());
+    Cluster cluster(store->get(), &jobs, ClusterOptions());
+    for (int n = 0; n < 4; ++n) {
+      v1::RegisterNodeRequest request;
+      request.set_node_id(absl::StrCat("n", n));
+      request.set_address(absl::StrCat("n", n, ":7000"));
+      request.mutable_resources()->set_cpu_slots(2);
+      ASSERT_THAT(cluster.Register(request).status(), IsOk());
+    }
+    for (int j = 0; j < 4; ++j) {
+      auto job = jobs.Submit(CpuSpec(2, 0), "");
+      ASSERT_THAT(job.status(), IsOk());
+      job_ids.push_back(job->job_id());
+    }
+    int transactions = 0;
+    (*store)->SetWriteObserver([&](double) { ++transactions; });
+    cluster.Tick();
+    (*store)->SetWriteObserver(nullptr);
+    EXPECT_EQ(transactions, 1) << "four placements, one transaction";
+  }
+  // A coordinator started again on the file finds every placement and holds its devices.
+  auto store = Store::Open(path);
+  ASSERT_THAT(store.status(), IsOk());
+  JobManager jobs(store->get());
+  Cluster cluster(store->get(), &jobs, ClusterOptions());
+  ASSERT_THAT(cluster.Recover(), IsOk());
+  std::set<std::string> nodes;
+  for (const auto& job_id : job_ids) {
+    auto job = jobs.Get(job_id);
+    ASSERT_THAT(job.status(), IsOk());
+    EXPECT_EQ(job->state(), v1::JOB_STATE_SCHEDULED);
+    ASSERT_THAT(job->placements(), SizeIs(2));
+    nodes.insert(job->placements(0).node_id());
+  }
+  EXPECT_THAT(nodes, SizeIs(4));
+  for (const auto& node : cluster.Nodes(true)) EXPECT_EQ(node.free_cpu_slots(), 0);
+}
+
+TEST_F(ClusterTest, RequestPassRunsAPassWithoutWaitingForTheRegularOne) {
+  ClusterOptions options;
+  options.tick_interval = absl::Hours(1);
+  options.min_tick_gap = absl::ZeroDuration();
+  Cluster cluster(store_.get(), jobs_.get(), options);
+  v1::RegisterNodeRequest request;
+  request.set_node_id("n9");
+  request.set_address("n9:7000");
+  request.mutable_resources()->set_cpu_slots(2);
+  ASSERT_THAT(cluster.Register(request).status(), IsOk());
+  const std::string job_id = Submit(CpuSpec(2, 0));
+  absl::Notification placed;
+  cluster.Start([&](const ClusterStats& stats, double) {
+    auto scheduled = stats.jobs.find(v1::JOB_STATE_SCHEDULED);
+    if (scheduled != stats.jobs.end() && scheduled->second > 0 && !placed.HasBeenNotified()) {
+      placed.Notify();
+    }
+  });
+  cluster.RequestPass();
+  // Without the request, the first pass would come an hour from now.
+  placed.WaitForNotification();
+  cluster.Stop();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
 }
 
 }  // namespace

@@ -82,12 +82,14 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   daemon->cluster_->SetSchedulingLatencyObserver(
       [metrics](double seconds) { metrics->ObserveSchedulingLatency(seconds); });
   daemon->cluster_->Start([metrics](const ClusterStats& stats, double seconds) {
+    metrics->ObserveSchedulingPass(seconds);
+    metrics->ObserveSchedulingPassLock(stats.lock_held_seconds, stats.longest_lock_hold_seconds);
+    // An early pass (a job was submitted) leaves the cluster-wide figures to the regular ones.
+    if (!stats.counted) return;
     metrics->SetJobCounts(stats.jobs);
     metrics->SetNodeCounts(stats.nodes);
     metrics->SetGpus(stats.gpus_total, stats.gpus_allocated);
     metrics->SetCpuSlots(stats.cpu_slots_total, stats.cpu_slots_allocated);
-    metrics->ObserveSchedulingPass(seconds);
-    metrics->ObserveSchedulingPassLock(stats.lock_held_seconds, stats.longest_lock_hold_seconds);
     metrics->SetRestarts(stats.restarts);
     metrics->SetFailures(stats.failures);
     metrics->SetOldestPendingSeconds(stats.oldest_pending_seconds);

@@ -214,7 +214,11 @@ grpc::ServerUnaryReactor* CoordinatorService::SubmitJob(grpc::CallbackServerCont
     }
   }
   auto job = jobs_->Submit(request->spec(), request->request_id(), principal->user);
-  if (job.ok()) *response->mutable_job() = std::move(*job);
+  if (job.ok()) {
+    // The job need not wait for the regular pass; a burst of submissions shares one.
+    if (job->state() == v1::JOB_STATE_PENDING) cluster_->RequestPass();
+    *response->mutable_job() = std::move(*job);
+  }
   return Reply(context, job.status());
 }
 

@@ -1,6 +1,8 @@
 #include "coordinator/job_manager.h"
 
 #include <algorithm>
+#include <functional>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -30,16 +32,24 @@ bool IsTerminal(v1::JobState state) {
 
 JobManager::JobManager(Store* store) : store_(store) {}
 
-absl::StatusOr<std::vector<v1::JobEvent>> JobManager::CommitAndNotify(const JobWrite& write) {
-  ASSIGN_OR_RETURN(auto events, store_->Commit(write));
+absl::Mutex& JobManager::StripeOf(const std::string& key) {
+  return job_stripes_[std::hash<std::string>{}(key) % kLockStripes];
+}
+
+void JobManager::NotifyWatchers(const std::string& job_id) {
   std::vector<std::function<void()>> to_call;
   {
     absl::MutexLock lock(&listeners_mu_);
     for (const auto& [handle, entry] : listeners_) {
-      if (entry.first == write.job_id) to_call.push_back(entry.second);
+      if (entry.first == job_id) to_call.push_back(entry.second);
     }
   }
   for (auto& listener : to_call) listener();
+}
+
+absl::StatusOr<std::vector<v1::JobEvent>> JobManager::CommitAndNotify(const JobWrite& write) {
+  ASSIGN_OR_RETURN(auto events, store_->Commit(write));
+  NotifyWatchers(write.job_id);
   return events;
 }
 
@@ -50,7 +60,12 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::s
   ASSIGN_OR_RETURN(v1::LayoutPlan plan, PlanJob(spec));
   const std::string owned_request_id =
       request_id.empty() ? "" : absl::StrCat(owner, "/", request_id);
-  absl::MutexLock lock(&mu_);
+  // Only a repeated request id needs the lock: a new job's id is unknown to anyone else until it
+  // is returned.
+  std::optional<absl::MutexLock> lock;
+  if (!owned_request_id.empty()) {
+    lock.emplace(&submit_stripes_[std::hash<std::string>{}(owned_request_id) % kLockStripes]);
+  }
   if (!owned_request_id.empty()) {
     ASSIGN_OR_RETURN(auto existing, store_->FindJobByRequestId(owned_request_id));
     if (existing.has_value()) return *existing;
@@ -99,7 +114,7 @@ absl::StatusOr<v1::Job> JobManager::Transition(const std::string& job_id, v1::Jo
                                                const std::string& reason,
                                                const std::function<void(v1::Job&)>& mutate,
                                                const std::vector<v1::JobEvent>& preceding_events) {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&StripeOf(job_id));
   ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
   if (IsTerminal(job.state())) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -121,12 +136,68 @@ absl::StatusOr<v1::Job> JobManager::Transition(const std::string& job_id, v1::Jo
   return job;
 }
 
+std::vector<absl::StatusOr<v1::Job>> JobManager::TransitionAll(
+    const std::vector<TransitionRequest>& requests) {
+  std::vector<absl::StatusOr<v1::Job>> results(requests.size(), absl::UnknownError("not stored"));
+  // Every job's stripe, taken in address order so two batches cannot deadlock.
+  std::vector<absl::Mutex*> stripes;
+  for (const auto& request : requests) stripes.push_back(&StripeOf(request.job_id));
+  std::sort(stripes.begin(), stripes.end());
+  stripes.erase(std::unique(stripes.begin(), stripes.end()), stripes.end());
+  for (absl::Mutex* stripe : stripes) stripe->Lock();
+  std::vector<JobWrite> writes;
+  std::vector<size_t> written;  // request index of each write
+  const auto now = NowTimestamp();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const TransitionRequest& request = requests[i];
+    absl::StatusOr<v1::Job> job = store_->GetJob(request.job_id);
+    if (!job.ok()) {
+      results[i] = job.status();
+      continue;
+    }
+    if (IsTerminal(job->state())) {
+      results[i] = absl::FailedPreconditionError(
+          absl::StrCat("job ", request.job_id, " is ", v1::JobState_Name(job->state()),
+                       " and cannot change state"));
+      continue;
+    }
+    const v1::JobState previous = job->state();
+    job->set_state(request.state);
+    job->set_reason(request.reason);
+    if (request.state == v1::JOB_STATE_RUNNING && !job->has_start_time()) {
+      *job->mutable_start_time() = now;
+    }
+    if (IsTerminal(request.state)) *job->mutable_end_time() = now;
+    if (request.mutate) request.mutate(*job);
+    JobWrite& write = writes.emplace_back();
+    write.job_id = request.job_id;
+    if (previous != request.state) {
+      write.events.push_back(StateEvent(previous, request.state, request.reason));
+    }
+    write.job = *std::move(job);
+    written.push_back(i);
+  }
+  std::vector<absl::StatusOr<std::vector<v1::JobEvent>>> committed = store_->CommitAll(writes);
+  for (size_t w = 0; w < writes.size(); ++w) {
+    if (committed[w].ok()) {
+      results[written[w]] = std::move(*writes[w].job);
+    } else {
+      results[written[w]] = committed[w].status();
+    }
+  }
+  for (auto it = stripes.rbegin(); it != stripes.rend(); ++it) (*it)->Unlock();
+  for (size_t w = 0; w < writes.size(); ++w) {
+    if (committed[w].ok()) NotifyWatchers(writes[w].job_id);
+  }
+  return results;
+}
+
 absl::Status JobManager::RecordReports(const std::string& job_id,
                                        const std::vector<v1::StepMetrics>& metrics,
                                        const std::vector<v1::EvalMetrics>& evals,
                                        const std::vector<v1::Checkpoint>& checkpoints) {
   if (metrics.empty() && evals.empty() && checkpoints.empty()) return absl::OkStatus();
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&StripeOf(job_id));
   ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
   JobWrite write;
   write.job_id = job_id;

@@ -3,10 +3,12 @@
 // events, metric points, checkpoints in one transaction), serves reads, and
 // tells watchers when a job has new events.
 //
-// Thread safety: all methods may be called from any thread. One absl::Mutex
-// (mu_) serializes changes to a job so that its events are numbered in the
-// order they happen; reads go straight to the Store. Watcher callbacks run
-// outside the lock.
+// Thread safety: all methods may be called from any thread. Changes to one
+// job are serialized by one of kLockStripes mutexes (picked by a hash of the
+// job id) so that its events are numbered in the order they happen, while
+// changes to different jobs overlap and share the Store's group commits;
+// submissions with the same request id are serialized the same way. Reads go
+// straight to the Store. Watcher callbacks run outside the locks.
 #pragma once
 
 #include <atomic>
@@ -52,6 +54,19 @@ class JobManager {
                                      const std::string& reason,
                                      const std::function<void(v1::Job&)>& mutate = nullptr,
                                      const std::vector<v1::JobEvent>& preceding_events = {});
+  // One Transition of a batch (TransitionAll).
+  struct TransitionRequest {
+    std::string job_id;
+    v1::JobState state = v1::JOB_STATE_UNSPECIFIED;
+    std::string reason;
+    std::function<void(v1::Job&)> mutate;
+  };
+  // Transition for every request, all stored in ONE store transaction (one
+  // fsync): result i is what Transition(requests[i]) would return, and a
+  // request that fails (a terminal job, a store error) does not stop the
+  // others. At most one request per job.
+  std::vector<absl::StatusOr<v1::Job>> TransitionAll(
+      const std::vector<TransitionRequest>& requests);
   // Records trainer reports for a job (metrics, evals, checkpoints) with
   // their events. Metric points are idempotent per step, and a point at or
   // below the job's current_step adds no event: a resent point is not shown
@@ -84,9 +99,16 @@ class JobManager {
   // Commits `write` and wakes the job's watchers.
   absl::StatusOr<std::vector<v1::JobEvent>> CommitAndNotify(const JobWrite& write);
 
+  static constexpr size_t kLockStripes = 64;
+  // The stripe serializing read-modify-write of `key` (a job id or request id).
+  absl::Mutex& StripeOf(const std::string& key);
+  void NotifyWatchers(const std::string& job_id);
+
   Store* store_;
-  // Serializes read-modify-write of jobs.
-  absl::Mutex mu_;
+  // Serialize read-modify-write of jobs, by a hash of the job id.
+  absl::Mutex job_stripes_[kLockStripes];
+  // Serialize submissions, by a hash of the request id.
+  absl::Mutex submit_stripes_[kLockStripes];
   std::atomic<bool> closed_{false};
   absl::Mutex listeners_mu_;
   int64_t next_listener_ ABSL_GUARDED_BY(listeners_mu_) = 1;

@@ -2,6 +2,7 @@
 
 #include <sqlite3.h>
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 
@@ -340,7 +341,7 @@ absl::Status Store::FinishTransaction(absl::Status status, absl::string_view ope
   return status;
 }
 
-absl::StatusOr<std::vector<v1::JobEvent>> Store::Commit(const JobWrite& write) {
+absl::Status Store::CheckWrite(const JobWrite& write) {
   if (write.job_id.empty()) return absl::InvalidArgumentError("store: job_id is empty");
   RETURN_IF_ERROR(InjectedFailure(write.job_id));
   if (write.job.has_value() && write.job->job_id() != write.job_id) {
@@ -363,19 +364,104 @@ absl::StatusOr<std::vector<v1::JobEvent>> Store::Commit(const JobWrite& write) {
                                                      write.job_id, "'"));
     }
   }
+  return absl::OkStatus();
+}
 
-  std::vector<v1::JobEvent> stored_events;
-  double seconds = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    const absl::Time start = absl::Now();
-    const std::string operation = absl::StrCat("commit for ", write.job_id);
-    RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", operation));
-    RETURN_IF_ERROR(FinishTransaction(ApplyWrite(write, stored_events), operation));
-    seconds = absl::ToDoubleSeconds(absl::Now() - start);
+absl::StatusOr<std::vector<v1::JobEvent>> Store::Commit(const JobWrite& write) {
+  std::vector<absl::StatusOr<std::vector<v1::JobEvent>>> results = CommitAll({write});
+  return std::move(results.front());
+}
+
+std::vector<absl::StatusOr<std::vector<v1::JobEvent>>> Store::CommitAll(
+    const std::vector<JobWrite>& writes) {
+  std::vector<absl::StatusOr<std::vector<v1::JobEvent>>> results(writes.size());
+  std::vector<std::vector<v1::JobEvent>> stored_events(writes.size());
+  std::vector<QueuedWrite> queued(writes.size());
+  std::vector<QueuedWrite*> to_commit;
+  for (size_t i = 0; i < writes.size(); ++i) {
+    if (absl::Status checked = CheckWrite(writes[i]); !checked.ok()) {
+      results[i] = std::move(checked);
+      continue;
+    }
+    queued[i].apply = [this, &write = writes[i], &events = stored_events[i]]()
+                          ABSL_NO_THREAD_SAFETY_ANALYSIS { return ApplyWrite(write, events); };
+    to_commit.push_back(&queued[i]);
   }
-  ReportWrite(seconds);
-  return stored_events;
+  GroupCommit(to_commit);
+  for (size_t i = 0; i < writes.size(); ++i) {
+    if (!queued[i].apply) continue;
+    if (queued[i].status.ok()) {
+      results[i] = std::move(stored_events[i]);
+    } else {
+      results[i] = std::move(queued[i].status);
+    }
+  }
+  return results;
+}
+
+void Store::GroupCommit(const std::vector<QueuedWrite*>& writes) {
+  if (writes.empty()) return;
+  absl::MutexLock lock(&queue_mu_);
+  queued_.insert(queued_.end(), writes.begin(), writes.end());
+  // Ours are done once the last one is (a batch is finished as a whole).
+  QueuedWrite* const last = writes.back();
+  while (!last->done) {
+    if (committing_) {
+      batch_done_.Wait(&queue_mu_);
+      continue;
+    }
+    committing_ = true;
+    std::vector<QueuedWrite*> batch = std::move(queued_);
+    queued_.clear();
+    queue_mu_.Unlock();
+    const double seconds = RunBatch(batch);
+    const bool any_applied =
+        std::any_of(batch.begin(), batch.end(), [](const QueuedWrite* w) { return w->status.ok(); });
+    if (any_applied) ReportWrite(seconds);
+    queue_mu_.Lock();
+    for (QueuedWrite* write : batch) write->done = true;
+    committing_ = false;
+    batch_done_.SignalAll();
+  }
+}
+
+double Store::RunBatch(const std::vector<QueuedWrite*>& batch) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time start = absl::Now();
+  const std::string operation = absl::StrCat("group commit of ", batch.size(), " writes");
+  absl::Status begun = Exec("BEGIN IMMEDIATE", operation);
+  if (!begun.ok()) {
+    for (QueuedWrite* write : batch) write->status = begun;
+    return 0;
+  }
+  for (QueuedWrite* write : batch) {
+    absl::Status status = Exec("SAVEPOINT write", operation);
+    if (status.ok()) status = write->apply();
+    if (status.ok()) {
+      status = Exec("RELEASE write", operation);
+    } else if (sqlite3_get_autocommit(db_) == 0) {
+      sqlite3_exec(db_, "ROLLBACK TO write", nullptr, nullptr, nullptr);
+      sqlite3_exec(db_, "RELEASE write", nullptr, nullptr, nullptr);
+    }
+    write->status = std::move(status);
+    if (sqlite3_get_autocommit(db_) != 0) {
+      // SQLite rolled the whole transaction back (SQLITE_FULL, SQLITE_IOERR): nothing of the
+      // batch is stored, and the writes after this one were never tried.
+      const absl::Status lost =
+          write->status.ok() ? absl::InternalError(absl::StrCat("store: ", operation,
+                                                                ": transaction rolled back"))
+                             : write->status;
+      for (QueuedWrite* other : batch) other->status = lost;
+      return 0;
+    }
+  }
+  absl::Status committed = FinishTransaction(absl::OkStatus(), operation);
+  if (!committed.ok()) {
+    for (QueuedWrite* write : batch) {
+      if (write->status.ok()) write->status = committed;
+    }
+  }
+  return absl::ToDoubleSeconds(absl::Now() - start);
 }
 
 absl::Status Store::ApplyWrite(const JobWrite& write, std::vector<v1::JobEvent>& stored_events) {
@@ -611,6 +697,43 @@ ORDER BY create_time_ns, job_id)sql",
   return QueryJobs(select, operation);
 }
 
+absl::StatusOr<std::vector<Store::JobSummary>> Store::ListActiveJobSummaries() {
+  absl::MutexLock lock(&mu_);
+  const std::string operation = "list active job summaries";
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+SELECT job_id, state, create_time_ns FROM jobs WHERE state IN (?1, ?2, ?3, ?4)
+ORDER BY create_time_ns, job_id)sql",
+                                                operation));
+  Statement select(db_, stmt, operation);
+  select.Bind(1, v1::JOB_STATE_PENDING);
+  select.Bind(2, v1::JOB_STATE_SCHEDULED);
+  select.Bind(3, v1::JOB_STATE_RUNNING);
+  select.Bind(4, v1::JOB_STATE_RESTARTING);
+  std::vector<JobSummary> jobs;
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (!has_row) break;
+    JobSummary& job = jobs.emplace_back();
+    job.job_id = select.ColumnText(0);
+    job.state = static_cast<v1::JobState>(select.ColumnInt64(1));
+    job.create_time_ns = select.ColumnInt64(2);
+  }
+  return jobs;
+}
+
+absl::StatusOr<std::vector<v1::Job>> Store::ListWaitingJobs() {
+  absl::MutexLock lock(&mu_);
+  const std::string operation = "list waiting jobs";
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+SELECT job_id, job FROM jobs WHERE state IN (?1, ?2)
+ORDER BY create_time_ns, job_id)sql",
+                                                operation));
+  Statement select(db_, stmt, operation);
+  select.Bind(1, v1::JOB_STATE_PENDING);
+  select.Bind(2, v1::JOB_STATE_RESTARTING);
+  return QueryJobs(select, operation);
+}
+
 absl::StatusOr<std::map<v1::JobState, int64_t>> Store::CountEndedJobs() {
   absl::MutexLock lock(&mu_);
   const std::string operation = "count ended jobs";
@@ -735,10 +858,8 @@ absl::StatusOr<std::vector<v1::Checkpoint>> Store::ListCheckpoints(const std::st
 absl::Status Store::PutNode(const v1::Node& node) {
   if (node.node_id().empty()) return absl::InvalidArgumentError("store: node.node_id is empty");
   RETURN_IF_ERROR(InjectedFailure(node.node_id()));
-  double seconds = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    const absl::Time start = absl::Now();
+  QueuedWrite write;
+  write.apply = [this, &node]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
     const std::string operation = absl::StrCat("put node ", node.node_id());
     ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
 INSERT INTO nodes (node_id, node) VALUES (?1, ?2)
@@ -747,28 +868,24 @@ ON CONFLICT (node_id) DO UPDATE SET node = excluded.node)sql",
     Statement upsert(db_, stmt, operation);
     upsert.BindText(1, node.node_id());
     upsert.BindMessage(2, node);
-    RETURN_IF_ERROR(upsert.Run());
-    seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  }
-  ReportWrite(seconds);
-  return absl::OkStatus();
+    return upsert.Run();
+  };
+  GroupCommit({&write});
+  return write.status;
 }
 
 absl::Status Store::DeleteNode(const std::string& node_id) {
-  double seconds = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    const absl::Time start = absl::Now();
+  QueuedWrite write;
+  write.apply = [this, &node_id]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
     const std::string operation = absl::StrCat("delete node ", node_id);
     ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
                      Prepare("DELETE FROM nodes WHERE node_id = ?1", operation));
     Statement remove(db_, stmt, operation);
     remove.BindText(1, node_id);
-    RETURN_IF_ERROR(remove.Run());
-    seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  }
-  ReportWrite(seconds);
-  return absl::OkStatus();
+    return remove.Run();
+  };
+  GroupCommit({&write});
+  return write.status;
 }
 
 absl::StatusOr<std::vector<v1::Node>> Store::ListNodes() {
@@ -789,11 +906,10 @@ absl::StatusOr<std::vector<v1::Node>> Store::ListNodes() {
 }
 
 absl::StatusOr<std::string> Store::NextJobId() {
-  absl::MutexLock lock(&mu_);
-  const std::string operation = "allocate job id";
-  RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", operation));
   std::string job_id;
-  absl::Status status = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+  QueuedWrite write;
+  write.apply = [this, &job_id]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+    const std::string operation = "allocate job id";
     ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
 INSERT INTO counters (name, value) VALUES (?1, 1)
 ON CONFLICT (name) DO UPDATE SET value = value + 1
@@ -818,8 +934,9 @@ RETURNING value)sql",
       ASSIGN_OR_RETURN(bool taken, JobExists(job_id));
       if (!taken) return absl::OkStatus();
     }
-  }();
-  RETURN_IF_ERROR(FinishTransaction(std::move(status), operation));
+  };
+  GroupCommit({&write});
+  RETURN_IF_ERROR(write.status);
   return job_id;
 }
 

@@ -5,13 +5,24 @@
 // consistent picture. The database runs in WAL mode with synchronous=FULL: a
 // Commit that returned survives SIGKILL and power loss.
 //
+// Group commit: writes from concurrent callers (Commit, CommitAll, PutNode,
+// DeleteNode, NextJobId) share one SQLite transaction and so one fsync. The
+// first caller to find no transaction in progress becomes the leader: it
+// takes every write queued so far, applies each inside its own SAVEPOINT (a
+// write that fails is rolled back alone and only its caller sees the error),
+// commits, and wakes the others; writes that arrive meanwhile form the next
+// batch. Every caller still returns only once its write is durable (or has
+// failed), so the guarantee above is unchanged; what is shared is the wait.
+//
 // Protobufs are stored as serialized blobs, next to the columns that queries
 // filter and order on. A blob that does not parse is reported as DATA_LOSS,
 // never a crash.
 //
 // Thread safety: every method may be called from any thread; one absl::Mutex
-// serializes use of the single connection. The write observer is called after
-// the mutex is released, on the writing thread.
+// (mu_) serializes use of the single connection, and queue_mu_ guards the
+// queue of writes waiting for the next group commit (taken before mu_, never
+// while holding it). The write observer is called after the mutexes are
+// released, on the thread that led the commit, once per SQLite transaction.
 #pragma once
 
 #include <cstdint>
@@ -104,6 +115,13 @@ class Store {
   // sequence, job_id and time). INVALID_ARGUMENT when job_id is empty or an
   // object names another job.
   absl::StatusOr<std::vector<v1::JobEvent>> Commit(const JobWrite& write);
+  // Applies every write in ONE SQLite transaction (one fsync), each
+  // atomically on its own: the result at index i is Commit(writes[i])'s. A
+  // write that fails leaves no trace and does not stop the others; all that
+  // succeed are durable together when this returns. Two writes of one job
+  // are applied in order.
+  std::vector<absl::StatusOr<std::vector<v1::JobEvent>>> CommitAll(
+      const std::vector<JobWrite>& writes);
 
   // NOT_FOUND "job 'x' not found" when absent.
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id);
@@ -118,6 +136,17 @@ class Store {
   // Jobs in non-terminal states (PENDING, SCHEDULED, RUNNING, RESTARTING),
   // oldest first: what the coordinator reloads on start.
   absl::StatusOr<std::vector<v1::Job>> ListActiveJobs();
+  // The key columns of a stored job, read without parsing its blob.
+  struct JobSummary {
+    std::string job_id;
+    v1::JobState state = v1::JOB_STATE_UNSPECIFIED;
+    int64_t create_time_ns = 0;
+  };
+  // What ListActiveJobs lists, in its order, as summaries: a scheduling pass needs only the
+  // waiting jobs in full, and parsing every running job's blob cost more than the pass.
+  absl::StatusOr<std::vector<JobSummary>> ListActiveJobSummaries();
+  // Jobs PENDING or RESTARTING, oldest first (create_time, then job_id).
+  absl::StatusOr<std::vector<v1::Job>> ListWaitingJobs();
   // How many jobs are SUCCEEDED, FAILED and CANCELLED (each present, 0 when none).
   absl::StatusOr<std::map<v1::JobState, int64_t>> CountEndedJobs();
 
@@ -150,8 +179,9 @@ class Store {
   // ids.
   absl::StatusOr<std::string> NextJobId();
 
-  // Called with the seconds a committed write took (Commit, PutNode,
-  // DeleteNode, including the fsync), for the store-write-latency histogram.
+  // Called with the seconds each committed SQLite transaction took (one
+  // group commit of Commit, CommitAll, PutNode, DeleteNode or NextJobId
+  // writes, including the fsync), for the store-write-latency histogram.
   // Pass nullptr to remove.
   void SetWriteObserver(std::function<void(double seconds)> observer);
 
@@ -166,6 +196,21 @@ class Store {
 
   // A cached prepared statement, reset and cleared when the object dies.
   class Statement;
+  // One write waiting for a group commit: `apply` runs under mu_ inside the
+  // batch's transaction; `status` and `done` are set by the leader.
+  struct QueuedWrite {
+    std::function<absl::Status()> apply;
+    absl::Status status;
+    bool done = false;
+  };
+
+  // Queues `writes` (all in the same batch) and returns once they are
+  // committed or failed, leading the commit when no other caller is.
+  void GroupCommit(const std::vector<QueuedWrite*>& writes) ABSL_LOCKS_EXCLUDED(mu_, queue_mu_);
+  // One transaction over `batch`; returns its duration for the observer.
+  double RunBatch(const std::vector<QueuedWrite*>& batch) ABSL_LOCKS_EXCLUDED(mu_);
+  // The checks Commit makes before queuing a write (ids, the injected failure).
+  absl::Status CheckWrite(const JobWrite& write) ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::Status Configure() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Migrate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -195,6 +240,10 @@ class Store {
   sqlite3* const db_;  // Used under mu_ only.
   absl::flat_hash_map<absl::string_view, sqlite3_stmt*> statements_ ABSL_GUARDED_BY(mu_);
   std::function<void(double)> write_observer_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex queue_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  absl::CondVar batch_done_;
+  std::vector<QueuedWrite*> queued_ ABSL_GUARDED_BY(queue_mu_);
+  bool committing_ ABSL_GUARDED_BY(queue_mu_) = false;
   std::function<absl::Status(const std::string&)> write_failure_injector_ ABSL_GUARDED_BY(mu_);
   // The injected failure for a write of `id`, OK when none.
   absl::Status InjectedFailure(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);

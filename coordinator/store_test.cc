@@ -11,7 +11,9 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -21,6 +23,7 @@ namespace tessera::coordinator {
 namespace {
 
 using ::tessera::testing::IsOk;
+using ::tessera::testing::IsOkAndHolds;
 using ::tessera::testing::StatusIs;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -649,6 +652,93 @@ TEST(StoreTest, ConcurrentCommitsKeepSequencesGapFree) {
   ASSERT_THAT(events, IsOk());
   ASSERT_THAT(*events, SizeIs(2 * kThreads * kCommitsPerThread));
   for (size_t i = 0; i < events->size(); ++i) EXPECT_EQ((*events)[i].sequence(), int64_t(i) + 1);
+}
+
+TEST(StoreTest, CommitAllStoresEachWriteAtomicallyInOneTransaction) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/coordinator.db";
+  {
+    std::unique_ptr<Store> store = OpenOrDie(path);
+    ASSERT_NE(store, nullptr);
+    SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_PENDING, 1), 1);
+    int transactions = 0;
+    store->SetWriteObserver([&](double) { ++transactions; });
+    std::vector<JobWrite> writes(3);
+    writes[0].job_id = "job-a";
+    writes[0].job = MakeJob("job-a", v1::JOB_STATE_SCHEDULED, 1);
+    writes[0].events.push_back(StateEvent(v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED));
+    // Fails half-way (the job row is not there): its event must not be stored either.
+    writes[1].job_id = "job-missing";
+    writes[1].events.push_back(StateEvent(v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED));
+    writes[2].job_id = "job-b";
+    writes[2].job = MakeJob("job-b", v1::JOB_STATE_PENDING, 2);
+    writes[2].events.push_back(StateEvent(v1::JOB_STATE_UNSPECIFIED, v1::JOB_STATE_PENDING));
+    std::vector<absl::StatusOr<std::vector<v1::JobEvent>>> results = store->CommitAll(writes);
+    ASSERT_THAT(results, SizeIs(3));
+    ASSERT_THAT(results[0], IsOk());
+    EXPECT_THAT(Sequences(*results[0]), ElementsAre(2));
+    EXPECT_EQ(results[1].status().code(), absl::StatusCode::kNotFound);
+    ASSERT_THAT(results[2], IsOk());
+    EXPECT_THAT(Sequences(*results[2]), ElementsAre(1));
+    EXPECT_EQ(transactions, 1);
+    store->SetWriteObserver(nullptr);
+  }
+  // What CommitAll returned is on disk.
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  absl::StatusOr<v1::Job> a = store->GetJob("job-a");
+  ASSERT_THAT(a, IsOk());
+  EXPECT_EQ(a->state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_THAT(store->ReadEvents("job-a", 0, 0), IsOkAndHolds(SizeIs(2)));
+  EXPECT_THAT(store->GetJob("job-b"), IsOk());
+  EXPECT_EQ(store->GetJob("job-missing").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(store->ReadEvents("job-missing", 0, 0), IsOkAndHolds(SizeIs(0)));
+}
+
+TEST(StoreTest, ConcurrentWritersShareCommitsAndEveryWriteIsDurable) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/coordinator.db";
+  constexpr int kThreads = 8;
+  constexpr int kWritesPerThread = 25;
+  std::set<std::string> ids;
+  {
+    std::unique_ptr<Store> store = OpenOrDie(path);
+    ASSERT_NE(store, nullptr);
+    absl::Mutex mu;
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        for (int i = 0; i < kWritesPerThread; ++i) {
+          // A job id and the job's first write, as a submission makes them, and a node record.
+          absl::StatusOr<std::string> id = store->NextJobId();
+          ASSERT_THAT(id, IsOk());
+          {
+            absl::MutexLock lock(&mu);
+            ids.insert(*id);
+          }
+          JobWrite write;
+          write.job_id = *id;
+          write.job = MakeJob(*id, v1::JOB_STATE_PENDING, t * 1000 + i);
+          write.events.push_back(StateEvent(v1::JOB_STATE_UNSPECIFIED, v1::JOB_STATE_PENDING));
+          EXPECT_THAT(store->Commit(write), IsOk());
+          v1::Node node;
+          node.set_node_id(absl::StrCat("node-", t));
+          EXPECT_THAT(store->PutNode(node), IsOk());
+        }
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+  }
+  ASSERT_THAT(ids, SizeIs(kThreads * kWritesPerThread)) << "job ids are unique";
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  for (const std::string& id : ids) {
+    EXPECT_THAT(store->GetJob(id), IsOk()) << id;
+    EXPECT_THAT(store->ReadEvents(id, 0, 0), IsOkAndHolds(SizeIs(1))) << id;
+  }
+  EXPECT_THAT(store->ListNodes(), IsOkAndHolds(SizeIs(kThreads)));
+  EXPECT_THAT(store->NextJobId(),
+              IsOkAndHolds(absl::StrFormat("job-%08x", kThreads * kWritesPerThread + 1)));
 }
 
 // Each Commit is a durable transaction (an fsync of the WAL); prints the rate.
