@@ -363,12 +363,19 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     }
     mem.set_activations_bytes(activations);
 
-    // Logits at the start of backward: log-softmax output, the loss gradient and the logits
-    // gradient in float32 (12 bytes per element), plus a bf16 copy of that gradient under
-    // autocast; vocab-parallel over tp (ceil(vocab / tp) columns per rank, the padded rows'
-    // logits included).
+    // Logits. Without tp the head and its loss run a chunk of tokens at a time
+    // (trainer/linear_cross_entropy.h): one chunk's float32 logits, turned into their gradient
+    // in place, plus that gradient (or, before it, the logits) in compute precision under
+    // autocast. Vocab-parallel over tp the whole shard's logits exist at the start of backward:
+    // log-softmax output, the loss gradient and the logits gradient in float32 (12 bytes per
+    // element), plus a bf16 copy of that gradient under autocast (ceil(vocab / tp) columns per
+    // rank, the padded rows' logits included).
     int64_t logits = 0;
-    if (last) {
+    if (last && l.tp == 1) {
+      const int64_t rows =
+          std::min<int64_t>(static_cast<int64_t>(s * b), LossChunkRows(w.dims.vocab_size()));
+      logits = rows * w.dims.vocab_size() * (4 + (e == 2 ? 2 : 0));
+    } else if (last) {
       logits = static_cast<int64_t>(s * b * CeilDiv(w.dims.vocab_size(), l.tp) *
                                     (12 + (e == 2 ? 2 : 0)));
     }

@@ -296,7 +296,9 @@ TEST(LayoutPlannerTest, VocabParallelTablesPadTheVocabularyToAMultipleOfTp) {
   // At tp 1 nothing is padded.
   const v1::MemoryEstimate tp1 = EstimateMemory(llama, {2, 1, 1, 0, 1}, c)[0];
   EXPECT_EQ(tp1.parameters(), CountParameters(llama.dims));
-  EXPECT_EQ(tp1.logits_bytes(), int64_t{64} * 257 * (12 + 2));
+  // At tp 1 the head's loss runs in chunks: all 64 tokens fit one chunk of float32 logits and
+  // their bf16 copy.
+  EXPECT_EQ(tp1.logits_bytes(), int64_t{64} * 257 * (4 + 2));
   // tiny-gpt2 (tied) over tp 2 x pp 2: the first stage holds the padded embedding and the learned
   // positions, the last the final norm and its own padded copy of the tied head. A layer: 3d x d
   // + d x d + 2 x d x 256 matmul weights and the qkv and fc biases split over tp, two norms and two
@@ -310,6 +312,18 @@ TEST(LayoutPlannerTest, VocabParallelTablesPadTheVocabularyToAMultipleOfTp) {
   EXPECT_EQ(stages[1].parameters(), gpt_layer + 2 * d + rows * d);
   EXPECT_EQ(stages[0].logits_bytes(), 0);
   EXPECT_EQ(stages[1].logits_bytes(), int64_t{64} * rows * (12 + 2));
+}
+
+// Without tp the logits are counted for one chunk of LossChunkRows tokens however many tokens a
+// micro-batch holds: llama3-8b at 8 x 2048 tokens would hold 16,384 x 128,256 float32 logits
+// (8 GiB) at once; a chunk of 523 tokens holds 256 MiB and its bf16 copy.
+TEST(LayoutPlannerTest, LogitsAreOneChunkOfTokensWithoutTensorParallelism) {
+  const Workload big = Work(Preset("llama3-8b"), 2048, 8);
+  const v1::MemoryEstimate one = EstimateMemory(big, {1, 1, 1, 0, 1}, Cluster("h100-sxm", 1, 8))[0];
+  const int64_t vocab = big.dims.vocab_size();
+  EXPECT_EQ(LossChunkRows(vocab), kLossChunkBytes / (4 * vocab));
+  EXPECT_EQ(one.logits_bytes(), LossChunkRows(vocab) * vocab * (4 + 2));
+  EXPECT_LT(one.logits_bytes(), int64_t{400} << 20);
 }
 
 TEST(LayoutPlannerTest, RecomputationAndSequenceParallelismShrinkActivations) {
@@ -548,10 +562,11 @@ TEST(LayoutPlannerTest, RunnableSearchKeepsPlainDataParallelWhenItFits) {
 }
 
 TEST(LayoutPlannerTest, RunnableSearchUsesModelParallelismWhenDataParallelFitsWorse) {
-  // llama3-8b at seq 8192 on 8 x 80 GB: 16 bytes x 8B parameters of replicated state is 128 GB,
+  // llama3-8b at seq 16384 on 8 x 80 GB: 16 bytes x 8B parameters of replicated state is 128 GB,
   // so data parallelism alone fits only with ZeRO 2/3, and it is estimated slower than splitting
-  // the model with ZeRO <= 1.
-  const Workload w = Work(Preset("llama3-8b"), 8192, 64);
+  // the model with ZeRO <= 1. (At seq 8192 data parallelism with ZeRO-3 ties since the head's
+  // loss runs in chunks of tokens and the logits no longer scale with the micro-batch.)
+  const Workload w = Work(Preset("llama3-8b"), 16384, 64);
   const ClusterShape c = Cluster("h100-sxm", 8, 8);
   const SearchResult result = SearchLayouts(w, c, TrainerCapabilities());
   ASSERT_GT(result.fitting, 0);

@@ -310,4 +310,8 @@ absl::StatusOr<v1::ModelSummary> ResolveModel(const v1::ModelSpec& spec, int seq
   return summary;
 }
 
+int64_t LossChunkRows(int64_t vocab_columns) {
+  return std::max<int64_t>(1, kLossChunkBytes / (4 * std::max<int64_t>(1, vocab_columns)));
+}
+
 }  // namespace tessera::planner

@@ -15,6 +15,7 @@
 #include "planner/model_config.h"
 #include "trainer/activation_checkpoint.h"
 #include "trainer/data_loader.h"
+#include "trainer/linear_cross_entropy.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -489,14 +490,10 @@ torch::Tensor CausalLMImpl::HeadLoss(const torch::Tensor& hidden, const torch::T
   torch::Tensor h = final_norm_->forward(hidden);
   const torch::Tensor& weight = lm_head_.defined() ? lm_head_ : embed_->weight;
   if (!tp.enabled()) {
-    torch::Tensor logits = F::linear(h, weight);
     // Sum over the counted targets / their number (1 when none: an all-masked batch has loss
-    // 0 and zero gradients, where cross_entropy's mean would be 0 / 0).
-    const torch::Tensor flat = targets.reshape({-1});
-    const torch::Tensor losses = F::cross_entropy(
-        logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32), flat,
-        F::CrossEntropyFuncOptions().reduction(torch::kNone).ignore_index(kIgnoreTarget));
-    return losses.sum() / (flat != kIgnoreTarget).sum().clamp_min(1);
+    // 0 and zero gradients, where cross_entropy's mean would be 0 / 0), a chunk of tokens at a
+    // time: the whole [tokens, vocab] logits never exist.
+    return LinearCrossEntropy(h.reshape({-1, h.size(-1)}), weight, targets.reshape({-1}));
   }
   torch::Tensor logits = F::linear(EnterTensorParallel(h, tp), weight);
   const int64_t rows = weight.size(0);

@@ -1,0 +1,91 @@
+#include "trainer/linear_cross_entropy.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+
+#include "planner/model_config.h"
+#include "trainer/data_loader.h"
+
+namespace tessera::trainer {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& weight,
+                            const at::Tensor& targets, int64_t chunk_rows, bool grad_h,
+                            bool grad_w) {
+    // The dtype of the two products: autocast's when it is on (a linear layer's inputs would be
+    // cast to it), else the inputs'. Cast once here, not per chunk.
+    const at::DeviceType device = h.device().type();
+    const at::ScalarType compute = at::autocast::is_autocast_enabled(device)
+                                       ? at::autocast::get_autocast_dtype(device)
+                                       : h.scalar_type();
+    const at::Tensor h_c = h.to(compute);
+    const at::Tensor w_c = weight.to(compute);
+    const int64_t rows = h.size(0);
+    const at::Tensor counted = targets != kIgnoreTarget;
+    // 1 when no target counts: loss 0 and zero gradients rather than 0 / 0.
+    const at::Tensor count = counted.sum().clamp_min(1).to(at::kFloat);
+    at::Tensor loss = at::zeros({}, h.options().dtype(at::kFloat));
+    at::Tensor dh = grad_h ? at::empty_like(h) : at::Tensor();
+    at::Tensor dw = grad_w ? at::zeros(weight.sizes(), weight.options().dtype(at::kFloat))
+                           : at::Tensor();
+    for (int64_t begin = 0; begin < rows; begin += chunk_rows) {
+      const int64_t n = std::min(chunk_rows, rows - begin);
+      const at::Tensor h_chunk = h_c.narrow(0, begin, n);
+      const at::Tensor keep = counted.narrow(0, begin, n);
+      // Ignored rows pick column 0; their loss and gradient are multiplied by 0.
+      const at::Tensor index = targets.narrow(0, begin, n).clamp_min(0).unsqueeze(1);
+      at::Tensor logits = at::matmul(h_chunk, w_c.t()).to(at::kFloat);
+      const at::Tensor lse = logits.logsumexp(1);
+      const at::Tensor picked = logits.gather(1, index).squeeze(1);
+      const at::Tensor weight_of_row = keep.to(at::kFloat);
+      loss.add_(((lse - picked) * weight_of_row).sum());
+      if (!grad_h && !grad_w) continue;
+      // d(loss) / d(logits) = (softmax - one-hot) * counted / count, built in the logits' memory.
+      at::Tensor grad = logits.sub_(lse.unsqueeze(1)).exp_();
+      grad.scatter_add_(1, index, -at::ones({n, 1}, grad.options()));
+      grad.mul_((weight_of_row / count).unsqueeze(1));
+      const at::Tensor grad_c = grad.to(compute);
+      if (grad_h) dh.narrow(0, begin, n).copy_(at::matmul(grad_c, w_c));
+      if (grad_w) dw.add_(at::matmul(grad_c.t(), h_chunk));
+    }
+    ctx->save_for_backward({dh, dw});
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    return loss.div_(count);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& dh = saved[0];
+    const at::Tensor& dw = saved[1];
+    const at::Tensor& scale = grads[0];
+    const auto weight_dtype =
+        static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    return {dh.defined() ? dh * scale.to(dh.scalar_type()) : at::Tensor(),
+            dw.defined() ? (dw * scale.to(at::kFloat)).to(weight_dtype) : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor LinearCrossEntropy(const torch::Tensor& h, const torch::Tensor& weight,
+                                 const torch::Tensor& targets, int64_t chunk_rows) {
+  TORCH_CHECK(h.dim() == 2 && weight.dim() == 2 && h.size(1) == weight.size(1),
+              "LinearCrossEntropy: h ", h.sizes(), " and weight ", weight.sizes(),
+              " do not multiply");
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == h.size(0), "LinearCrossEntropy: targets ",
+              targets.sizes(), " for ", h.size(0), " rows");
+  if (chunk_rows <= 0) chunk_rows = planner::LossChunkRows(weight.size(0));
+  const bool grad = at::GradMode::is_enabled();
+  return LinearCrossEntropyFunction::apply(h, weight, targets, chunk_rows,
+                                           grad && h.requires_grad(),
+                                           grad && weight.requires_grad());
+}
+
+}  // namespace tessera::trainer

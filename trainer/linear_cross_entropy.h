@@ -1,0 +1,26 @@
+// The language-model head and its cross-entropy as one operation that never holds the whole
+// [tokens, vocab] logits. Rows (tokens) are taken a chunk at a time (planner::LossChunkRows of
+// the vocabulary: about 256 MiB of float32 logits): the chunk's logits h W^T are computed (in
+// the autocast dtype when autocast is on, as a linear layer would), their log-sum-exp and the
+// target's logit give the chunk's losses, and while the logits are at hand the chunk's gradients
+// with respect to h and W are computed too (softmax - one-hot, scaled, through the same two
+// matrix products a linear layer's backward runs). Backward then only scales the saved
+// gradients by the incoming one: no logits are kept or recomputed.
+#pragma once
+
+#include <cstdint>
+
+#include "trainer/torch_pch.h"
+
+namespace tessera::trainer {
+
+// Mean over the counted targets of -log softmax(h W^T)[row, target]: h is [rows, hidden]
+// (float32, or any floating dtype), weight [vocab, hidden], targets int64 [rows] with
+// kIgnoreTarget (data_loader.h) for rows whose loss is not taken. When no target counts the
+// loss is 0 and so are the gradients (not 0 / 0). Gradients flow to h and weight where they
+// require them (a frozen head, as under LoRA, gets none and costs no weight-gradient product).
+// `chunk_rows` 0 means planner::LossChunkRows(vocab).
+torch::Tensor LinearCrossEntropy(const torch::Tensor& h, const torch::Tensor& weight,
+                                 const torch::Tensor& targets, int64_t chunk_rows = 0);
+
+}  // namespace tessera::trainer

@@ -1,0 +1,134 @@
+// LinearCrossEntropy against the reference it replaces (ATen's linear, then cross_entropy over
+// the whole float32 logits): the loss and the gradients of h and of the weight, over several
+// chunks, with ignored targets, all targets ignored, a frozen weight, without grad mode, under
+// CPU bf16 autocast, and on a GPU (bf16 autocast) when there is one.
+#include "trainer/linear_cross_entropy.h"
+
+#include <ATen/autocast_mode.h>
+
+#include <cstdint>
+
+#include "gtest/gtest.h"
+#include "trainer/data_loader.h"
+#include "trainer/device.h"
+
+namespace tessera::trainer {
+namespace {
+
+namespace F = torch::nn::functional;
+
+struct Result {
+  torch::Tensor loss, dh, dw;
+};
+
+Result Reference(const torch::Tensor& h0, const torch::Tensor& w0, const torch::Tensor& targets) {
+  torch::Tensor h = h0.detach().clone().requires_grad_(true);
+  torch::Tensor w = w0.detach().clone().requires_grad_(true);
+  const torch::Tensor losses = F::cross_entropy(
+      F::linear(h, w).to(torch::kFloat32), targets,
+      F::CrossEntropyFuncOptions().reduction(torch::kNone).ignore_index(kIgnoreTarget));
+  const torch::Tensor loss = losses.sum() / (targets != kIgnoreTarget).sum().clamp_min(1);
+  loss.backward();
+  return {loss.detach(), h.grad(), w.grad()};
+}
+
+Result Fused(const torch::Tensor& h0, const torch::Tensor& w0, const torch::Tensor& targets,
+             int64_t chunk_rows) {
+  torch::Tensor h = h0.detach().clone().requires_grad_(true);
+  torch::Tensor w = w0.detach().clone().requires_grad_(true);
+  const torch::Tensor loss = LinearCrossEntropy(h, w, targets, chunk_rows);
+  loss.backward();
+  return {loss.detach(), h.grad(), w.grad()};
+}
+
+struct Case {
+  torch::Tensor h, w, targets;
+};
+
+Case RandomCase(int64_t rows, int64_t hidden, int64_t vocab, torch::Device device) {
+  torch::manual_seed(11);
+  Case c;
+  c.h = torch::randn({rows, hidden}).to(device);
+  c.w = (torch::randn({vocab, hidden}) * 0.2).to(device);
+  torch::Tensor targets = torch::randint(0, vocab, {rows}, torch::kInt64);
+  // Every third row's target is not counted (a masked prompt).
+  targets.index_put_({torch::arange(0, rows, 3)}, kIgnoreTarget);
+  c.targets = targets.to(device);
+  return c;
+}
+
+void ExpectClose(const Result& fused, const Result& reference, double tolerance) {
+  EXPECT_TRUE(torch::allclose(fused.loss, reference.loss, tolerance, tolerance))
+      << fused.loss.item<double>() << " vs " << reference.loss.item<double>();
+  EXPECT_TRUE(torch::allclose(fused.dh, reference.dh, tolerance, tolerance))
+      << "max |dh diff| " << (fused.dh - reference.dh).abs().max().item<double>();
+  EXPECT_TRUE(torch::allclose(fused.dw, reference.dw, tolerance, tolerance))
+      << "max |dw diff| " << (fused.dw - reference.dw).abs().max().item<double>();
+}
+
+TEST(LinearCrossEntropyTest, MatchesLinearThenCrossEntropyOverSeveralChunks) {
+  const Case c = RandomCase(/*rows=*/37, /*hidden=*/16, /*vocab=*/50, torch::kCPU);
+  const Result reference = Reference(c.h, c.w, c.targets);
+  for (int64_t chunk : {1, 5, 37, 100, 0}) {
+    SCOPED_TRACE(chunk);
+    ExpectClose(Fused(c.h, c.w, c.targets, chunk), reference, 1e-5);
+  }
+}
+
+TEST(LinearCrossEntropyTest, NoCountedTargetGivesZeroLossAndZeroGradients) {
+  Case c = RandomCase(8, 4, 10, torch::kCPU);
+  c.targets.fill_(kIgnoreTarget);
+  const Result fused = Fused(c.h, c.w, c.targets, 3);
+  EXPECT_EQ(fused.loss.item<double>(), 0.0);
+  EXPECT_EQ(fused.dh.abs().max().item<double>(), 0.0);
+  EXPECT_EQ(fused.dw.abs().max().item<double>(), 0.0);
+  ExpectClose(fused, Reference(c.h, c.w, c.targets), 0);
+}
+
+TEST(LinearCrossEntropyTest, AFrozenHeadGetsNoGradientAndNoGradModeComputesOnlyTheLoss) {
+  const Case c = RandomCase(12, 8, 20, torch::kCPU);
+  const Result reference = Reference(c.h, c.w, c.targets);
+  torch::Tensor h = c.h.clone().requires_grad_(true);
+  const torch::Tensor frozen = c.w.clone();
+  LinearCrossEntropy(h, frozen, c.targets, 5).backward();
+  EXPECT_FALSE(frozen.grad().defined());
+  EXPECT_TRUE(torch::allclose(h.grad(), reference.dh, 1e-5, 1e-5));
+
+  torch::NoGradGuard no_grad;
+  torch::Tensor w = c.w.clone().requires_grad_(true);
+  const torch::Tensor loss = LinearCrossEntropy(c.h, w, c.targets, 5);
+  EXPECT_FALSE(loss.requires_grad());
+  EXPECT_TRUE(torch::allclose(loss, reference.loss, 1e-6, 1e-6));
+}
+
+// Under autocast both sides multiply in bf16 (a linear layer's inputs are cast to it) and take
+// the softmax in float32; the chunks' weight gradients add up in float32 where the reference
+// rounds one product to bf16, hence the tolerance.
+TEST(LinearCrossEntropyTest, UnderCpuBf16AutocastMatchesTheReferenceUnderIt) {
+  const Case c = RandomCase(64, 32, 40, torch::kCPU);
+  at::autocast::set_autocast_enabled(at::kCPU, true);
+  at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+  const Result reference = Reference(c.h, c.w, c.targets);
+  const Result fused = Fused(c.h, c.w, c.targets, 16);
+  at::autocast::set_autocast_enabled(at::kCPU, false);
+  at::autocast::clear_cache();
+  EXPECT_EQ(fused.dw.scalar_type(), torch::kFloat32);
+  ExpectClose(fused, reference, 2e-2);
+}
+
+TEST(LinearCrossEntropyTest, CudaBf16MatchesTheReference) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
+  const Case c = RandomCase(3000, 256, 5000, torch::Device(torch::kCUDA, 0));
+  at::autocast::set_autocast_enabled(at::kCUDA, true);
+  at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+  const Result reference = Reference(c.h, c.w, c.targets);
+  const Result fused = Fused(c.h, c.w, c.targets, 700);
+  at::autocast::set_autocast_enabled(at::kCUDA, false);
+  at::autocast::clear_cache();
+  ExpectClose(fused, reference, 2e-2);
+  // Float32 on the GPU: as tight as on the CPU.
+  ExpectClose(Fused(c.h, c.w, c.targets, 700), Reference(c.h, c.w, c.targets), 1e-4);
+}
+
+}  // namespace
+}  // namespace tessera::trainer
