@@ -60,6 +60,7 @@ GPU_TESTS = (
     ("trainer_test", "*"),                # DeviceTest: the trainer runs on the GPU
     ("gpu_inventory_test", "*"),          # the worker's NVML inventory and DCGM-named metrics
     ("trainer_training_test", "*Gpu*"),   # bf16 on NCCL vs CPU; ZeRO-3 peak memory vs planner
+    ("linear_cross_entropy_test", "*"),   # the chunked head + loss vs linear + cross_entropy
 )
 # A skip that is expected on a machine with a GPU: the case checks life without NVML.
 EXPECTED_SKIPS = {"GpuInventoryTest.LoadNvmlWithoutNvmlReturnsNullWithReason"}
