@@ -1,5 +1,7 @@
 #include "trainer/device.h"
 
+#include <malloc.h>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "trainer/torch_pch.h"
@@ -52,6 +54,13 @@ DeviceInfo DefaultDevice(int local_rank) {
     if (gpu.ok()) return *gpu;
   }
   return *DescribeDevice(-1);
+}
+
+bool RetainFreedHostMemory() {
+  // Setting either threshold also turns off glibc's dynamic adjustment of both.
+  const bool mmap_set = mallopt(M_MMAP_THRESHOLD, static_cast<int>(kHostMmapThresholdBytes)) == 1;
+  const bool trim_set = mallopt(M_TRIM_THRESHOLD, static_cast<int>(kHostTrimThresholdBytes)) == 1;
+  return mmap_set && trim_set;
 }
 
 }  // namespace tessera::trainer

@@ -3,6 +3,7 @@
 // callers need no LibTorch headers.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -32,5 +33,20 @@ absl::StatusOr<DeviceInfo> DescribeDevice(int gpu_index);
 // The device a rank should use when nothing is specified: GPU `local_rank`
 // when there are GPUs, else the CPU.
 DeviceInfo DefaultDevice(int local_rank);
+
+// Blocks up to this size come from malloc's heap instead of a mapping of their own: glibc's
+// maximum on 64-bit (a larger value is refused and the dynamic threshold stays).
+inline constexpr size_t kHostMmapThresholdBytes = size_t{32} << 20;
+// Free memory at the heap's top is handed back to the kernel only beyond this.
+inline constexpr size_t kHostTrimThresholdBytes = size_t{1} << 30;
+
+// Keeps the host memory a training step frees for the next step. By default glibc's malloc
+// returns large freed blocks to the kernel (munmap, or trimming the heap's top), so every step
+// pays a page fault and the kernel's zeroing for each page of its activations and gradients
+// again: ~25,000 faults a step, a tenth of the step's time in the kernel, for the CPU benchmark's
+// GPT-2 (docs/performance.md). The trainer's steps repeat the same allocations, so the memory
+// is kept at the step's peak instead, as a caching allocator would. Process-wide: call once at
+// start-up, before other threads allocate. False when malloc refused a setting.
+bool RetainFreedHostMemory();
 
 }  // namespace tessera::trainer

@@ -20,6 +20,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "planner/lora.h"
 #include "planner/model_config.h"
+#include "trainer/device.h"
 #include "trainer/distributed.h"
 #include "trainer/heartbeat.h"
 #include "trainer/hf_weights.h"
@@ -445,6 +446,10 @@ int main(int argc, char** argv) {
       std::cerr << "tessera-trainer: " << status << "\n";
       if (absl::IsFailedPrecondition(status)) return 1;
     }
+  }
+  if (!tessera::trainer::RetainFreedHostMemory()) {
+    std::cerr << "tessera-trainer: malloc refused to keep freed memory; each step's host "
+                 "allocations will fault in fresh pages\n";
   }
   std::vector<char*> args = tessera::ParseCommandLine(argc, argv, kUsage);
   if (args.size() == 2 && std::string(args[1]) == "prepare") return Prepare();

@@ -35,17 +35,19 @@ class AutocastScope {
   bool enabled_;
 };
 
-// Tells the engine that one more parameter of `unit` has its gradient for this backward.
+// Tells the engine that parameter `entry` of `unit` has its gradient for this backward.
 class GradientReadyHook final : public torch::autograd::PostAccumulateGradHook {
  public:
-  GradientReadyHook(ShardedEngine* engine, int unit) : engine_(engine), unit_(unit) {}
+  GradientReadyHook(ShardedEngine* engine, int unit, int entry)
+      : engine_(engine), unit_(unit), entry_(entry) {}
   void operator()(const torch::autograd::Variable& /*param*/) override {
-    engine_->OnGradientReady(unit_);
+    engine_->OnGradientReady(unit_, entry_);
   }
 
  private:
   ShardedEngine* engine_;
   int unit_;
+  int entry_;
 };
 
 // The unit of a parameter by its name: 1 + i for "layers.<first_layer + i>.*", 0 otherwise.
@@ -152,9 +154,10 @@ void ShardedEngine::BuildUnits() {
       unit.owned = unit.full.narrow(0, OwnedBegin(unit), unit.shard);
       unit.gather = GatherState::kGathered;
     }
-    for (Entry& entry : unit.entries) {
+    for (size_t e = 0; e < unit.entries.size(); ++e) {
       torch::autograd::impl::set_post_acc_grad_hooks(
-          entry.param, std::make_unique<GradientReadyHook>(this, static_cast<int>(u)));
+          unit.entries[e].param,
+          std::make_unique<GradientReadyHook>(this, static_cast<int>(u), static_cast<int>(e)));
     }
   }
 }
@@ -311,7 +314,52 @@ torch::Tensor ShardedEngine::AfterLayer(int layer, torch::Tensor output) {
   return output;
 }
 
-void ShardedEngine::OnGradientReady(int u) {
+at::Tensor ShardedEngine::GradientView(const Unit& unit, const Entry& entry) {
+  return unit.full_grad.narrow(0, entry.offset, entry.numel).view(entry.shape);
+}
+
+void ShardedEngine::BeginFirstBackward() {
+  if (stage() > 1 || !gradients_empty_) return;
+  // Autograd accumulates into a defined .grad (grad += new) and takes the new gradient over
+  // when .grad is undefined: without .grad, the first backward's gradients are copied into
+  // the flat buffer once instead of being added to zeros written by the last step.
+  for (Unit& unit : units_) {
+    for (Entry& entry : unit.entries) {
+      entry.param.mutable_grad().reset();
+      entry.arrived = false;
+    }
+  }
+  writing_first_gradients_ = true;
+}
+
+void ShardedEngine::EndFirstBackward() {
+  if (!writing_first_gradients_) return;
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    for (Entry& entry : unit.entries) {
+      if (entry.arrived) continue;
+      // No gradient this backward (or an exception cut it short): zeros, as before the step.
+      at::Tensor view = GradientView(unit, entry);
+      view.zero_();
+      entry.param.mutable_grad() = view;
+    }
+  }
+  writing_first_gradients_ = false;
+  gradients_empty_ = false;
+}
+
+void ShardedEngine::OnGradientReady(int u, int e) {
+  if (writing_first_gradients_) {
+    Unit& unit = units_[u];
+    Entry& entry = unit.entries[e];
+    at::Tensor view = GradientView(unit, entry);
+    {
+      torch::NoGradGuard no_grad;
+      view.copy_(entry.param.grad());
+    }
+    entry.param.mutable_grad() = view;
+    entry.arrived = true;
+  }
   if (stage() <= 1 && !last_micro_batch_) return;  // accumulate locally until the last one
   if (u == 0 && defer_outer_unit()) return;        // Step reduces it after the tied sum
   Unit& unit = units_[u];
@@ -434,6 +482,8 @@ at::Tensor ShardedEngine::ForwardBackward(const at::Tensor& inputs, const at::Te
     AutocastScope autocast(options_.bf16);
     loss = model_->Loss(inputs, targets);
   }
+  BeginFirstBackward();
+  FirstBackwardScope first(this);
   (loss * scale).backward();
   FinishAll();
   return loss.detach();
@@ -449,6 +499,8 @@ void ShardedEngine::BackwardStage(const at::Tensor& output, const at::Tensor& gr
                                   bool last) {
   last_micro_batch_ = last;
   for (Unit& unit : units_) unit.ready = 0;
+  BeginFirstBackward();
+  FirstBackwardScope first(this);
   if (grad.defined()) {
     output.backward(grad);
   } else {
@@ -515,13 +567,14 @@ double ShardedEngine::Step(double lr, double clip_norm) {
 }
 
 void ShardedEngine::ZeroGradients() {
+  if (stage() <= 1) {
+    // The next backward writes every parameter's gradient (EndFirstBackward zeroes those it
+    // missed); the padding past a unit's parameters is never written and stays zero.
+    gradients_empty_ = true;
+    return;
+  }
   for (Unit& unit : units_) {
-    if (unit.entries.empty()) continue;
-    if (stage() <= 1) {
-      unit.full_grad.zero_();
-    } else {
-      unit.shard_grad.zero_();
-    }
+    if (!unit.entries.empty()) unit.shard_grad.zero_();
   }
 }
 

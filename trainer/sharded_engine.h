@@ -154,8 +154,9 @@ class ShardedEngine : public LayerHooks {
   void BeforeLayer(int layer) override;
   torch::Tensor AfterLayer(int layer, torch::Tensor output) override;
 
-  // Called by the parameters' post-accumulate-grad hooks.
-  void OnGradientReady(int unit);
+  // Called by the parameters' post-accumulate-grad hooks: parameter `entry` of `unit` has its
+  // gradient of this backward.
+  void OnGradientReady(int unit, int entry);
 
  private:
   struct Entry {
@@ -174,6 +175,8 @@ class ShardedEngine : public LayerHooks {
     bool saved = true;
     // Its share of the global gradient norm: 0 for a tied copy, 1 / tp when replicated.
     double norm_share = 1;
+    // ZeRO 0/1, during the first backward of a step: its gradient is in the flat buffer.
+    bool arrived = false;
   };
   struct Run {
     int unit = 0;
@@ -218,7 +221,27 @@ class ShardedEngine : public LayerHooks {
   void ReduceUnit(int unit);
   void FinishOldest();
   void FinishAll();
+  // ZeRO 0/1: marks the flat gradients as holding nothing; the next backward writes them.
   void ZeroGradients();
+  // ZeRO 0/1: the first backward after ZeroGradients() runs with the parameters' .grad undefined,
+  // and each gradient autograd delivers is copied into the parameter's place in the flat buffer
+  // (OnGradientReady), which becomes its .grad again; EndFirstBackward zeroes the places of
+  // parameters that got none. Later backwards accumulate into the buffer as autograd does.
+  void BeginFirstBackward();
+  void EndFirstBackward();
+  // Ends the first backward however backward() leaves (an exception included).
+  class FirstBackwardScope {
+   public:
+    explicit FirstBackwardScope(ShardedEngine* engine) : engine_(engine) {}
+    ~FirstBackwardScope() { engine_->EndFirstBackward(); }
+    FirstBackwardScope(const FirstBackwardScope&) = delete;
+    FirstBackwardScope& operator=(const FirstBackwardScope&) = delete;
+
+   private:
+    ShardedEngine* engine_;
+  };
+  // The view of `entry`'s gradient in the unit's flat buffer (ZeRO 0/1).
+  static at::Tensor GradientView(const Unit& unit, const Entry& entry);
   // Sequence parallelism: sums the replicated parameters' gradients of `unit` over tp.
   void SumReplicatedGradients(int unit);
   // Pipeline with tied embeddings: sums the two copies' gradients over the pipeline group.
@@ -251,6 +274,10 @@ class ShardedEngine : public LayerHooks {
   std::map<int64_t, std::vector<at::Tensor>> spare_buffers_;
   std::map<size_t, std::vector<at::DataPtr>> spare_storage_;
   bool last_micro_batch_ = true;
+  // ZeRO 0/1: the flat gradients hold nothing since the last step (the buffers start zeroed).
+  bool gradients_empty_ = false;
+  // ZeRO 0/1: inside the first backward after ZeroGradients().
+  bool writing_first_gradients_ = false;
 };
 
 }  // namespace tessera::trainer
