@@ -40,16 +40,20 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
       const at::Tensor keep = counted.narrow(0, begin, n);
       // Ignored rows pick column 0; their loss and gradient are multiplied by 0.
       const at::Tensor index = targets.narrow(0, begin, n).clamp_min(0).unsqueeze(1);
-      at::Tensor logits = at::matmul(h_chunk, w_c.t()).to(at::kFloat);
-      const at::Tensor lse = logits.logsumexp(1);
-      const at::Tensor picked = logits.gather(1, index).squeeze(1);
+      // The same operations as cross_entropy over log_softmax and its backward, in the same
+      // order, so that a single chunk gives bitwise the losses and gradients the unchunked
+      // reference gives.
+      at::Tensor log_probs =
+          at::log_softmax(at::matmul(h_chunk, w_c.t()).to(at::kFloat), /*dim=*/1);
+      const at::Tensor picked = log_probs.gather(1, index).squeeze(1);
       const at::Tensor weight_of_row = keep.to(at::kFloat);
-      loss.add_(((lse - picked) * weight_of_row).sum());
+      loss.add_((-picked * weight_of_row).sum());
       if (!grad_h && !grad_w) continue;
-      // d(loss) / d(logits) = (softmax - one-hot) * counted / count, built in the logits' memory.
-      at::Tensor grad = logits.sub_(lse.unsqueeze(1)).exp_();
-      grad.scatter_add_(1, index, -at::ones({n, 1}, grad.options()));
-      grad.mul_((weight_of_row / count).unsqueeze(1));
+      // d(loss) / d(logits) = softmax * w - one-hot * w with w = counted / count, built in the
+      // log-probabilities' memory.
+      const at::Tensor w_row = (weight_of_row / count).unsqueeze(1);
+      at::Tensor grad = log_probs.exp_().mul_(w_row);
+      grad.scatter_add_(1, index, -w_row);
       const at::Tensor grad_c = grad.to(compute);
       if (grad_h) dh.narrow(0, begin, n).copy_(at::matmul(grad_c, w_c));
       if (grad_w) dw.add_(at::matmul(grad_c.t(), h_chunk));
