@@ -364,9 +364,9 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     mem.set_activations_bytes(activations);
 
     // Logits. Without tp the head and its loss run a chunk of tokens at a time
-    // (trainer/linear_cross_entropy.h): one chunk's float32 logits and their log-probabilities
-    // (8 bytes per element; under autocast the compute-precision logits before and the gradient
-    // after them need less). Vocab-parallel over tp the whole shard's logits exist at the start of backward:
+    // (trainer/linear_cross_entropy.h): at the peak one chunk's float32 log-probabilities, the
+    // gradient log_softmax's backward takes and the one it gives (12 bytes per element; under
+    // autocast the compute-precision logits before and gradient after need less). Vocab-parallel over tp the whole shard's logits exist at the start of backward:
     // log-softmax output, the loss gradient and the logits gradient in float32 (12 bytes per
     // element), plus a bf16 copy of that gradient under autocast (ceil(vocab / tp) columns per
     // rank, the padded rows' logits included).
@@ -374,7 +374,7 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     if (last && l.tp == 1) {
       const int64_t rows =
           std::min<int64_t>(static_cast<int64_t>(s * b), LossChunkRows(w.dims.vocab_size()));
-      logits = rows * w.dims.vocab_size() * 8;
+      logits = rows * w.dims.vocab_size() * 12;
     } else if (last) {
       logits = static_cast<int64_t>(s * b * CeilDiv(w.dims.vocab_size(), l.tp) *
                                     (12 + (e == 2 ? 2 : 0)));

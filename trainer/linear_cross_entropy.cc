@@ -49,14 +49,20 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
       const at::Tensor weight_of_row = keep.to(at::kFloat);
       loss.add_((-picked * weight_of_row).sum());
       if (!grad_h && !grad_w) continue;
-      // d(loss) / d(logits) = softmax * w - one-hot * w with w = counted / count, built in the
-      // log-probabilities' memory.
-      const at::Tensor w_row = (weight_of_row / count).unsqueeze(1);
-      at::Tensor grad = log_probs.exp_().mul_(w_row);
-      grad.scatter_add_(1, index, -w_row);
+      // d(loss) / d(logits) through the backward kernels cross_entropy's own gradient takes
+      // (nll: -w at the target with w = counted / count; then log_softmax's), so that a single
+      // chunk's gradients are bitwise the reference's.
+      at::Tensor grad_log_probs = at::zeros_like(log_probs);
+      grad_log_probs.scatter_(1, index, -(weight_of_row / count).unsqueeze(1));
+      at::Tensor grad =
+          at::_log_softmax_backward_data(grad_log_probs, log_probs, /*dim=*/1, at::kFloat);
+      grad_log_probs.reset();
+      log_probs.reset();
       const at::Tensor grad_c = grad.to(compute);
       if (grad_h) dh.narrow(0, begin, n).copy_(at::matmul(grad_c, w_c));
-      if (grad_w) dw.add_(at::matmul(grad_c.t(), h_chunk));
+      // (h^T grad)^T, as the backward of h W^T computes it, rather than grad^T h: the same
+      // numbers, summed in the same order.
+      if (grad_w) dw.add_(at::matmul(h_chunk.t(), grad_c).t());
     }
     ctx->save_for_backward({dh, dw});
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());

@@ -1,11 +1,13 @@
 // The language-model head and its cross-entropy as one operation that never holds the whole
 // [tokens, vocab] logits. Rows (tokens) are taken a chunk at a time (planner::LossChunkRows of
 // the vocabulary: about 256 MiB of float32 logits): the chunk's logits h W^T are computed (in
-// the autocast dtype when autocast is on, as a linear layer would), their log-sum-exp and the
-// target's logit give the chunk's losses, and while the logits are at hand the chunk's gradients
-// with respect to h and W are computed too (softmax - one-hot, scaled, through the same two
-// matrix products a linear layer's backward runs). Backward then only scales the saved
-// gradients by the incoming one: no logits are kept or recomputed.
+// the autocast dtype when autocast is on, as a linear layer would), their log-softmax and the
+// target's log-probability give the chunk's losses, and while they are at hand the chunk's
+// gradients with respect to h and W are computed too (through the backward kernels of
+// log_softmax and of the two matrix products, in the order autograd runs them, so that one chunk
+// gives bitwise the unchunked linear + cross_entropy's numbers). Backward then only scales the
+// saved gradients by the incoming one: no logits are kept or recomputed. Per chunk about 12
+// bytes per logit exist at the peak (logits' log-probabilities, their gradient and its input).
 #pragma once
 
 #include <cstdint>
