@@ -274,14 +274,17 @@ class Cluster:
     cpu_slots: the worker's CPU trainer slots (0: its GPUs, found through NVML, are the slots).
     metrics: serve both daemons' /metrics on free ports (metrics_url() names the worker's).
     threads: OMP/MKL threads of the daemons' environment, inherited by the trainers (None: the
-    worker's own choice, cores divided by slots)."""
+    worker's own choice, cores divided by slots).
+    env: the daemons' environment (default this process's), which the trainers inherit."""
 
     def __init__(self, build_dir, workdir, coordinator_flags=(), worker_flags=(), cpu_slots=0,
-                 metrics=False, threads=None):
+                 metrics=False, threads=None, env=None):
         self.bin = os.path.join(build_dir, "bin")
         self.workdir = workdir
         self.procs = []
-        self.threads = threads
+        self.env = dict(os.environ if env is None else env)
+        if threads is not None:
+            self.env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         metrics_listen = "--metrics_listen=127.0.0.1:0" if metrics else "--metrics_listen="
         coordinator = self._start("coordinator", [
             os.path.join(self.bin, "tessera-coordinator"), "--listen=127.0.0.1:0", metrics_listen,
@@ -298,10 +301,7 @@ class Cluster:
 
     def _start(self, name, argv):
         log = open(os.path.join(self.workdir, f"{name}.log"), "w")
-        env = dict(os.environ)
-        if self.threads is not None:
-            env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         proc.log_path = log.name
         self.procs.append(proc)
         return proc
@@ -321,7 +321,8 @@ class Cluster:
 
     def cli(self, *args, timeout=60):
         out = subprocess.run([os.path.join(self.bin, "tessera"), f"--coordinator={self.address}",
-                              *args], capture_output=True, text=True, timeout=timeout)
+                              *args], capture_output=True, text=True, timeout=timeout,
+                             env=self.env)
         if out.returncode != 0:
             raise BenchError(f"tessera {' '.join(args)}: {out.stderr.strip()}")
         return out.stdout

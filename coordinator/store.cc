@@ -3,6 +3,7 @@
 #include <sqlite3.h>
 
 #include <algorithm>
+#include <iterator>
 #include <limits>
 #include <utility>
 
@@ -682,6 +683,12 @@ LIMIT ?5)sql",
   return page;
 }
 
+namespace {
+// The non-terminal states, bound as ?1..?4 of the active-job queries.
+constexpr v1::JobState kActiveStates[] = {v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED,
+                                          v1::JOB_STATE_RUNNING, v1::JOB_STATE_RESTARTING};
+}  // namespace
+
 absl::StatusOr<std::vector<v1::Job>> Store::ListActiveJobs() {
   absl::MutexLock lock(&mu_);
   const std::string operation = "list active jobs";
@@ -690,10 +697,9 @@ SELECT job_id, job FROM jobs WHERE state IN (?1, ?2, ?3, ?4)
 ORDER BY create_time_ns, job_id)sql",
                                                 operation));
   Statement select(db_, stmt, operation);
-  select.Bind(1, v1::JOB_STATE_PENDING);
-  select.Bind(2, v1::JOB_STATE_SCHEDULED);
-  select.Bind(3, v1::JOB_STATE_RUNNING);
-  select.Bind(4, v1::JOB_STATE_RESTARTING);
+  for (int i = 0; i < static_cast<int>(std::size(kActiveStates)); ++i) {
+    select.Bind(i + 1, kActiveStates[i]);
+  }
   return QueryJobs(select, operation);
 }
 
@@ -705,10 +711,9 @@ SELECT job_id, state, create_time_ns FROM jobs WHERE state IN (?1, ?2, ?3, ?4)
 ORDER BY create_time_ns, job_id)sql",
                                                 operation));
   Statement select(db_, stmt, operation);
-  select.Bind(1, v1::JOB_STATE_PENDING);
-  select.Bind(2, v1::JOB_STATE_SCHEDULED);
-  select.Bind(3, v1::JOB_STATE_RUNNING);
-  select.Bind(4, v1::JOB_STATE_RESTARTING);
+  for (int i = 0; i < static_cast<int>(std::size(kActiveStates)); ++i) {
+    select.Bind(i + 1, kActiveStates[i]);
+  }
   std::vector<JobSummary> jobs;
   while (true) {
     ASSIGN_OR_RETURN(bool has_row, select.Step());

@@ -366,16 +366,10 @@ def stage_cluster(ctx):
                     "--val_fraction=0"], check=True, capture_output=True, text=True,
                    env=ctx["env"], timeout=300)
     shards = os.path.join(shard_dir, "train-*.bin")
-    saved = dict(os.environ)
-    os.environ.update(ctx["env"])  # the daemons (and so the trainers) inherit the library path
-    try:
-        cluster = Cluster(ctx["build_dir"], ctx["workdir"], metrics=True,
-                          cpu_slots=0 if ctx["gpu"] else 2,
-                          threads=None if ctx["gpu"] else 1,
-                          worker_flags=("--stop_grace=5s",))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    # The daemons, and so the trainers, get the library path.
+    cluster = Cluster(ctx["build_dir"], ctx["workdir"], metrics=True,
+                      cpu_slots=0 if ctx["gpu"] else 2, threads=None if ctx["gpu"] else 1,
+                      worker_flags=("--stop_grace=5s",), env=ctx["env"])
     runs, failures = [], []
     try:
         nodes = cluster.cli("--output=json", "nodes")
