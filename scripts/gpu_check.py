@@ -61,6 +61,7 @@ GPU_TESTS = (
     ("gpu_inventory_test", "*"),          # the worker's NVML inventory and DCGM-named metrics
     ("trainer_training_test", "*Gpu*"),   # bf16 on NCCL vs CPU; ZeRO-3 peak memory vs planner
     ("linear_cross_entropy_test", "*"),   # the chunked head + loss vs linear + cross_entropy
+    ("fused_ops_test", "*"),              # fused RMSNorm / rotary / SwiGLU kernels vs ATen
 )
 # A skip that is expected on a machine with a GPU: the case checks life without NVML.
 EXPECTED_SKIPS = {"GpuInventoryTest.LoadNvmlWithoutNvmlReturnsNullWithReason"}

@@ -22,6 +22,7 @@
 #include "planner/model_config.h"
 #include "trainer/device.h"
 #include "trainer/distributed.h"
+#include "trainer/fused_ops.h"
 #include "trainer/heartbeat.h"
 #include "trainer/hf_weights.h"
 #include "trainer/model.h"
@@ -39,6 +40,9 @@ ABSL_FLAG(bool, check, false,
           "Train a small MLP for a few AdamW steps on --gpu (or the CPU) and print the result as "
           "one JSON line; exit 0 when the loss falls.");
 ABSL_FLAG(int, gpu, -1, "CUDA device ordinal for --check and standalone runs; -1 uses the CPU.");
+ABSL_FLAG(bool, fused_kernels, true,
+          "Run RMSNorm, rotary embedding and SwiGLU as fused CUDA kernels on a GPU; false runs "
+          "ATen's composite ops (as the CPU always does).");
 // Standalone training (no --task).
 ABSL_FLAG(std::string, preset, "tiny-gpt2", "Standalone: model preset.");
 ABSL_FLAG(std::vector<std::string>, data, {}, "Standalone: training shard paths or globs.");
@@ -452,6 +456,7 @@ int main(int argc, char** argv) {
                  "allocations will fault in fresh pages\n";
   }
   std::vector<char*> args = tessera::ParseCommandLine(argc, argv, kUsage);
+  tessera::trainer::SetFusedKernelsEnabled(absl::GetFlag(FLAGS_fused_kernels));
   if (args.size() == 2 && std::string(args[1]) == "prepare") return Prepare();
   if (args.size() > 1) {
     std::cerr << "tessera-trainer: unexpected argument '" << args[1] << "'\n\n" << kUsage;

@@ -15,6 +15,7 @@
 #include "planner/model_config.h"
 #include "trainer/activation_checkpoint.h"
 #include "trainer/data_loader.h"
+#include "trainer/fused_ops.h"
 #include "trainer/linear_cross_entropy.h"
 #include "trainer/torch_pch.h"
 
@@ -84,11 +85,6 @@ torch::Tensor Project(torch::nn::Linear& linear, const LoraAdapter& lora, const 
   return AddLoraDelta(linear->forward(x), lora, x, linear->is_training());
 }
 
-torch::Tensor RotateHalf(const torch::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
 }  // namespace
 
 bool IsLoraParameter(const std::string& name) {
@@ -108,14 +104,11 @@ std::pair<torch::Tensor, torch::Tensor> RotaryTables(int64_t max_seq_len, int64_
 
 torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos,
                           const torch::Tensor& sin) {
-  torch::Tensor x32 = x.to(torch::kFloat32);
-  return (x32 * cos + RotateHalf(x32) * sin).to(x.scalar_type());
+  return FusedRotary(x, cos, sin);
 }
 
 torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  torch::Tensor x32 = x.to(torch::kFloat32);
-  torch::Tensor normed = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return (normed * weight.to(torch::kFloat32)).to(x.scalar_type());
+  return FusedRmsNorm(x, weight, eps);
 }
 
 NormImpl::NormImpl(int64_t size, double eps, bool rms) : eps_(eps), rms_(rms) {
@@ -233,7 +226,7 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& input) {
   };
   if (!recompute_activation_) {
     if (llama_) {
-      return down(torch::silu(Project(gate_, gate_lora_, x)) * Project(up_, up_lora_, x));
+      return down(FusedSwiGlu(Project(gate_, gate_lora_, x), Project(up_, up_lora_, x)));
     }
     return down(torch::gelu(Project(up_, up_lora_, x), "tanh"));
   }
@@ -243,7 +236,7 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& input) {
   if (llama_) {
     return CheckpointWithoutOutput(
         [](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
-          return {torch::silu(in[0]) * in[1]};
+          return {FusedSwiGlu(in[0], in[1])};
         },
         {Project(gate_, gate_lora_, x), Project(up_, up_lora_, x)}, down_of_first);
   }

@@ -1,8 +1,26 @@
 # model part of tessera_trainer: sources and tests (see CMakeLists.txt).
 # hf_weights.cc: Hugging Face import and export of the model's weights; linear_cross_entropy.cc: the
-# head and its loss in chunks, without the whole logits.
+# head and its loss in chunks, without the whole logits; fused_ops.cc: RMSNorm, rotary and SwiGLU
+# as CUDA kernels (fused_ops_kernels.cu) with ATen's composite as the fallback.
 target_sources(tessera_trainer PRIVATE activation_checkpoint.cc model.cc tensor_parallel.cc
-  hf_weights.cc linear_cross_entropy.cc)
+  hf_weights.cc linear_cross_entropy.cc fused_ops.cc)
+
+if(TESSERA_CUDA_ENABLED)
+  # The kernels alone, without LibTorch's headers (slow under nvcc) or its usage requirements. The
+  # architectures come from TORCH_CUDA_ARCH_LIST: TorchConfig puts its -gencode flags into
+  # CMAKE_CUDA_FLAGS (cmake/TesseraTorch.cmake), so CMake adds none (CUDA_ARCHITECTURES OFF). The
+  # runtime is the shared libcudart that LibTorch links: kernels and LibTorch share one runtime.
+  add_library(tessera_fused_kernels OBJECT fused_ops_kernels.cu)
+  target_include_directories(tessera_fused_kernels PRIVATE "${PROJECT_SOURCE_DIR}")
+  set_target_properties(tessera_fused_kernels PROPERTIES
+    CUDA_STANDARD 17
+    CUDA_STANDARD_REQUIRED ON
+    CUDA_RUNTIME_LIBRARY Shared
+    CUDA_ARCHITECTURES OFF
+    # add_compile_options' -Wall -Wextra are host-compiler flags nvcc does not take directly.
+    COMPILE_OPTIONS "-Xcompiler=-Wall,-Wextra,-Wno-unused-parameter")
+  target_sources(tessera_trainer PRIVATE $<TARGET_OBJECTS:tessera_fused_kernels>)
+endif()
 
 if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME model_test
@@ -22,6 +40,13 @@ if(TESSERA_BUILD_TESTS)
     SOURCES linear_cross_entropy_test.cc
     LIBS tessera::trainer)
   target_precompile_headers(linear_cross_entropy_test REUSE_FROM tessera_trainer)
+
+  # The fused RMSNorm, rotary and SwiGLU against ATen's composite: the CPU fallback bitwise, the
+  # CUDA kernels (forward and gradients) on a GPU when there is one.
+  tessera_add_test(NAME fused_ops_test
+    SOURCES fused_ops_test.cc
+    LIBS tessera::trainer)
+  target_precompile_headers(fused_ops_test REUSE_FROM tessera_trainer)
 
   tessera_add_test(NAME activation_checkpoint_test
     SOURCES activation_checkpoint_test.cc

@@ -30,11 +30,12 @@ std::pair<torch::Tensor, torch::Tensor> RotaryTables(int64_t max_seq_len, int64_
                                                      double theta);
 
 // Rotates x [..., seq, head_dim] by the tables' rows [seq, head_dim] for its positions, in float32,
-// and returns x's dtype.
+// and returns x's dtype (one fused kernel on a GPU: trainer/fused_ops.h).
 torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos,
                           const torch::Tensor& sin);
 
-// x * rsqrt(mean(x^2) + eps) * weight over the last dimension, in float32; returns x's dtype.
+// x * rsqrt(mean(x^2) + eps) * weight over the last dimension, in float32; returns x's dtype (one
+// fused kernel on a GPU: trainer/fused_ops.h).
 torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 
 // LoRA (job.proto's LoraSpec), resolved: adapters of rank `rank` on the linear layers named in

@@ -1,0 +1,265 @@
+#include "trainer/fused_ops.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <atomic>
+#include <optional>
+
+#if TESSERA_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "trainer/fused_ops_kernels.h"
+#endif
+
+namespace tessera::trainer {
+namespace {
+
+std::atomic<bool> fused_kernels_enabled{true};
+
+// The composites: what the model ran before the fused kernels, and what it still runs wherever
+// they do not apply. Keep them as they are: CPU training's numbers depend on them bit for bit.
+
+torch::Tensor RotateHalf(const torch::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+torch::Tensor RotaryComposite(const torch::Tensor& x, const torch::Tensor& cos,
+                              const torch::Tensor& sin) {
+  torch::Tensor x32 = x.to(torch::kFloat32);
+  return (x32 * cos + RotateHalf(x32) * sin).to(x.scalar_type());
+}
+
+torch::Tensor RmsNormComposite(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  torch::Tensor x32 = x.to(torch::kFloat32);
+  torch::Tensor normed = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return (normed * weight.to(torch::kFloat32)).to(x.scalar_type());
+}
+
+torch::Tensor SwiGluComposite(const torch::Tensor& gate, const torch::Tensor& up) {
+  return torch::silu(gate) * up;
+}
+
+#if TESSERA_WITH_CUDA
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::optional<kernels::Dtype> KernelDtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return kernels::Dtype::kFloat32;
+    case at::kBFloat16:
+      return kernels::Dtype::kBFloat16;
+    case at::kHalf:
+      return kernels::Dtype::kFloat16;
+    default:
+      return std::nullopt;
+  }
+}
+
+kernels::Dtype KernelDtypeOf(const torch::Tensor& t) {
+  const std::optional<kernels::Dtype> dtype = KernelDtype(t.scalar_type());
+  TORCH_CHECK(dtype.has_value(), "fused kernels: unsupported dtype ", t.scalar_type());
+  return *dtype;
+}
+
+void CheckLaunch(cudaError_t error, const char* kernel) {
+  TORCH_CHECK(error == cudaSuccess, "fused kernel ", kernel, ": ", cudaGetErrorString(error));
+}
+
+bool OnOneCudaDevice(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.is_cuda() && b.is_cuda() && a.device() == b.device();
+}
+
+bool FusedRmsNormApplies(const torch::Tensor& x, const torch::Tensor& weight) {
+  return OnOneCudaDevice(x, weight) && KernelDtype(x.scalar_type()) &&
+         KernelDtype(weight.scalar_type()) && x.dim() >= 1 && weight.dim() == 1 &&
+         x.size(-1) == weight.size(0) && x.numel() > 0;
+}
+
+struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, double eps) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const torch::Tensor x_c = x.contiguous(), w_c = weight.contiguous();
+    const int64_t hidden = x_c.size(-1), rows = x_c.numel() / hidden;
+    torch::Tensor y = at::empty(x_c.sizes(), x_c.options());
+    torch::Tensor rstd = at::empty({rows}, x_c.options().dtype(at::kFloat));
+    CheckLaunch(kernels::LaunchRmsNormForward(
+                    x_c.const_data_ptr(), w_c.const_data_ptr(), y.mutable_data_ptr(),
+                    rstd.mutable_data_ptr<float>(), rows, hidden, static_cast<float>(eps),
+                    KernelDtypeOf(x_c), KernelDtypeOf(w_c), c10::cuda::getCurrentCUDAStream()),
+                "RmsNormForward");
+    ctx->save_for_backward({x_c, w_c, rstd});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    torch::Tensor grad_x, grad_weight;
+    if (!grads[0].defined()) return {grad_x, grad_weight, torch::Tensor()};
+    const c10::cuda::CUDAGuard guard(x.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const torch::Tensor grad_y = grads[0].to(x.scalar_type()).contiguous();
+    const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+    if (ctx->needs_input_grad(0)) {
+      grad_x = at::empty(x.sizes(), x.options());
+      CheckLaunch(kernels::LaunchRmsNormBackward(
+                      grad_y.const_data_ptr(), x.const_data_ptr(), weight.const_data_ptr(),
+                      rstd.const_data_ptr<float>(), grad_x.mutable_data_ptr(), rows, hidden,
+                      KernelDtypeOf(x), KernelDtypeOf(weight), stream),
+                  "RmsNormBackward");
+    }
+    if (ctx->needs_input_grad(1)) {
+      const kernels::RmsNormWeightGradPlan plan = kernels::PlanRmsNormWeightGrad(rows);
+      torch::Tensor partials = at::empty({plan.partitions, hidden}, rstd.options());
+      CheckLaunch(
+          kernels::LaunchRmsNormWeightGradPartial(
+              grad_y.const_data_ptr(), x.const_data_ptr(), rstd.const_data_ptr<float>(),
+              partials.mutable_data_ptr<float>(), rows, hidden, plan, KernelDtypeOf(x), stream),
+          "RmsNormWeightGradPartial");
+      grad_weight = partials.sum(0).to(weight.scalar_type());
+    }
+    return {grad_x, grad_weight, torch::Tensor()};
+  }
+};
+
+bool FusedRotaryApplies(const torch::Tensor& x, const torch::Tensor& cos,
+                        const torch::Tensor& sin) {
+  return OnOneCudaDevice(x, cos) && OnOneCudaDevice(x, sin) && KernelDtype(x.scalar_type()) &&
+         cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+         !cos.requires_grad() && !sin.requires_grad() && x.dim() >= 2 && x.dim() <= 4 &&
+         cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(-2) &&
+         cos.size(1) == x.size(-1) && x.size(-1) % 2 == 0 && x.numel() > 0;
+}
+
+// Views `t` (2 to 4 dimensions) as 4 by adding leading dimensions of size 1.
+torch::Tensor As4d(torch::Tensor t) {
+  while (t.dim() < 4) t = t.unsqueeze(0);
+  return t;
+}
+
+// out = the rotation of `in` (or its transpose), in's shape and dtype; out takes in's strides when
+// in is dense, else it is contiguous.
+torch::Tensor LaunchRotaryOn(const torch::Tensor& in, const torch::Tensor& cos,
+                             const torch::Tensor& sin, bool transpose) {
+  const c10::cuda::CUDAGuard guard(in.device());
+  torch::Tensor out = at::empty_like(in);
+  const torch::Tensor in4 = As4d(in), out4 = As4d(out);
+  const torch::Tensor table = cos.expand(in4.sizes());
+  kernels::RotaryGeometry geometry;
+  for (int d = 0; d < 3; ++d) geometry.sizes[d] = in4.size(d);
+  geometry.head_dim = in4.size(3);
+  for (int d = 0; d < 4; ++d) {
+    geometry.in_strides[d] = in4.stride(d);
+    geometry.out_strides[d] = out4.stride(d);
+    geometry.table_strides[d] = table.stride(d);
+  }
+  CheckLaunch(
+      kernels::LaunchRotary(in.const_data_ptr(), cos.const_data_ptr<float>(),
+                            sin.const_data_ptr<float>(), out.mutable_data_ptr(), geometry,
+                            transpose, KernelDtypeOf(in), c10::cuda::getCurrentCUDAStream()),
+      transpose ? "RotaryBackward" : "RotaryForward");
+  return out;
+}
+
+struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& cos, const torch::Tensor& sin) {
+    // Contiguous tables share their strides, which the kernel assumes; the model's are already.
+    const torch::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
+    ctx->save_for_backward({cos_c, sin_c});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
+    return LaunchRotaryOn(x, cos_c, sin_c, /*transpose=*/false);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined() || !ctx->needs_input_grad(0)) {
+      return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
+    const variable_list saved = ctx->get_saved_variables();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {LaunchRotaryOn(grads[0].to(dtype), saved[0], saved[1], /*transpose=*/true),
+            torch::Tensor(), torch::Tensor()};
+  }
+};
+
+bool FusedSwiGluApplies(const torch::Tensor& gate, const torch::Tensor& up) {
+  return OnOneCudaDevice(gate, up) && KernelDtype(gate.scalar_type()) &&
+         gate.scalar_type() == up.scalar_type() && gate.sizes() == up.sizes() && gate.numel() > 0;
+}
+
+struct SwiGluFunction : torch::autograd::Function<SwiGluFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
+                               const torch::Tensor& up) {
+    const c10::cuda::CUDAGuard guard(gate.device());
+    const torch::Tensor gate_c = gate.contiguous(), up_c = up.contiguous();
+    torch::Tensor y = at::empty(gate_c.sizes(), gate_c.options());
+    CheckLaunch(kernels::LaunchSwiGluForward(
+                    gate_c.const_data_ptr(), up_c.const_data_ptr(), y.mutable_data_ptr(),
+                    gate_c.numel(), KernelDtypeOf(gate_c), c10::cuda::getCurrentCUDAStream()),
+                "SwiGluForward");
+    ctx->save_for_backward({gate_c, up_c});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
+    const variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &gate = saved[0], &up = saved[1];
+    const c10::cuda::CUDAGuard guard(gate.device());
+    const torch::Tensor grad_y = grads[0].to(gate.scalar_type()).contiguous();
+    torch::Tensor grad_gate = at::empty(gate.sizes(), gate.options());
+    torch::Tensor grad_up = at::empty(up.sizes(), up.options());
+    CheckLaunch(kernels::LaunchSwiGluBackward(
+                    grad_y.const_data_ptr(), gate.const_data_ptr(), up.const_data_ptr(),
+                    grad_gate.mutable_data_ptr(), grad_up.mutable_data_ptr(), gate.numel(),
+                    KernelDtypeOf(gate), c10::cuda::getCurrentCUDAStream()),
+                "SwiGluBackward");
+    return {ctx->needs_input_grad(0) ? grad_gate : torch::Tensor(),
+            ctx->needs_input_grad(1) ? grad_up : torch::Tensor()};
+  }
+};
+
+#endif  // TESSERA_WITH_CUDA
+
+}  // namespace
+
+void SetFusedKernelsEnabled(bool enabled) { fused_kernels_enabled.store(enabled); }
+
+bool FusedKernelsEnabled() { return fused_kernels_enabled.load(); }
+
+bool FusedKernelsBuilt() { return TESSERA_WITH_CUDA != 0; }
+
+torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+#if TESSERA_WITH_CUDA
+  if (FusedKernelsEnabled() && FusedRmsNormApplies(x, weight)) {
+    return RmsNormFunction::apply(x, weight, eps);
+  }
+#endif
+  return RmsNormComposite(x, weight, eps);
+}
+
+torch::Tensor FusedRotary(const torch::Tensor& x, const torch::Tensor& cos,
+                          const torch::Tensor& sin) {
+#if TESSERA_WITH_CUDA
+  if (FusedKernelsEnabled() && FusedRotaryApplies(x, cos, sin)) {
+    return RotaryFunction::apply(x, cos, sin);
+  }
+#endif
+  return RotaryComposite(x, cos, sin);
+}
+
+torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up) {
+#if TESSERA_WITH_CUDA
+  if (FusedKernelsEnabled() && FusedSwiGluApplies(gate, up)) {
+    return SwiGluFunction::apply(gate, up);
+  }
+#endif
+  return SwiGluComposite(gate, up);
+}
+
+}  // namespace tessera::trainer

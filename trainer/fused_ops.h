@@ -1,0 +1,37 @@
+// The model's RMSNorm, rotary position embedding and SwiGLU as single CUDA kernels (forward and
+// backward, as autograd Functions) instead of chains of ATen kernels, with ATen's composite as the
+// fallback. The fused path runs when fused kernels are enabled (the default; the trainer's
+// --fused_kernels), the build has CUDA and the operands are CUDA tensors of a supported dtype
+// (float32, bfloat16, float16) and shape; everything else (every CPU tensor included) runs the
+// composite exactly as before, so CPU results are bit-for-bit those of the composite. The fused
+// kernels compute in float32 and round once to the output dtype; their results match the
+// composite's to float32 rounding, not bitwise. Their backward is not itself differentiable
+// (no double backward).
+#pragma once
+
+#include "trainer/torch_pch.h"
+
+namespace tessera::trainer {
+
+// Process-wide switch of the fused kernels (default on); thread-safe. Off, every op runs its
+// composite.
+void SetFusedKernelsEnabled(bool enabled);
+bool FusedKernelsEnabled();
+// Whether this build has the CUDA kernels at all (TESSERA_WITH_CUDA).
+bool FusedKernelsBuilt();
+
+// RMSNorm over the last dimension: (x * rsqrt(mean(x^2, -1) + eps) * weight) computed in float32
+// and returned in x's dtype. weight is [x.size(-1)], of any floating dtype.
+torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+// Rotary embedding of x's last dimension (x cos + rotate_half(x) sin, in float32, returned in x's
+// dtype), with rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2]). cos and sin broadcast against x
+// (the model's: float32 [seq, head_dim] against x [batch, heads, seq, head_dim], which may be a
+// transposed view). No gradient flows to cos and sin.
+torch::Tensor FusedRotary(const torch::Tensor& x, const torch::Tensor& cos,
+                          const torch::Tensor& sin);
+
+// SwiGLU's activation: silu(gate) * up, elementwise over tensors of one shape.
+torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up);
+
+}  // namespace tessera::trainer

@@ -1,0 +1,336 @@
+// The kernels of fused_ops_kernels.h. Deliberately plain: RMSNorm runs one thread block per row
+// (rows taken in a grid-stride loop), the rest are grid-stride elementwise loops; all arithmetic is
+// float32. Products and sums are written with __fmul_rn / __fadd_rn where ATen's composite computes
+// them as separate rounded operations, so that nvcc does not contract them into fused
+// multiply-adds (this keeps float32 results at or next to ATen's).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "trainer/fused_ops_kernels.h"
+
+namespace tessera::trainer::kernels {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kElementwiseThreads = 256;
+constexpr int64_t kMaxElementwiseBlocks = 65536;
+// Grid-stride over rows beyond this many blocks (also keeps grid.x well inside its limit).
+constexpr int64_t kMaxRowBlocks = 65535;
+constexpr int kMaxRowThreads = 256;
+constexpr int64_t kMaxGridY = 65535;
+constexpr int64_t kMinRowsPerPartition = 128;
+
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float v);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls fn(Tag<T>{}) with T the C++ type of `dtype`.
+template <typename Fn>
+cudaError_t DispatchDtype(Dtype dtype, Fn&& fn) {
+  switch (dtype) {
+    case Dtype::kFloat32:
+      return fn(Tag<float>{});
+    case Dtype::kBFloat16:
+      return fn(Tag<__nv_bfloat16>{});
+    case Dtype::kFloat16:
+      return fn(Tag<__half>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int ElementwiseBlocks(int64_t n) {
+  return static_cast<int>(std::min(CeilDiv(n, kElementwiseThreads), kMaxElementwiseBlocks));
+}
+
+// Threads per RMSNorm row block: a whole number of warps, at most kMaxRowThreads.
+int RowThreads(int64_t hidden) {
+  return static_cast<int>(std::min<int64_t>(
+      kMaxRowThreads, CeilDiv(std::max<int64_t>(hidden, 1), kWarpSize) * kWarpSize));
+}
+
+int RowBlocks(int64_t rows) { return static_cast<int>(std::min(rows, kMaxRowBlocks)); }
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
+
+// The sum of v over the block, returned to every thread (each thread adds the per-warp sums in
+// the same order, so all get the same value). blockDim.x must be a multiple of 32; `scratch` holds
+// one float per warp. Every thread of the block must call it (it synchronizes twice, the second
+// time so that a following call may reuse `scratch`).
+__device__ float BlockSum(float v, float* scratch) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  v = WarpSum(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarpSize; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+
+template <typename T, typename W>
+__global__ void RmsNormForwardKernel(const T* __restrict__ x, const W* __restrict__ weight,
+                                     T* __restrict__ y, float* __restrict__ rstd, int64_t rows,
+                                     int64_t hidden, float eps) {
+  __shared__ float scratch[kMaxRowThreads / kWarpSize];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* x_row = x + row * hidden;
+    T* y_row = y + row * hidden;
+    float sum_sq = 0.0f;
+    for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x) {
+      const float v = ToFloat(x_row[j]);
+      sum_sq += v * v;
+    }
+    sum_sq = BlockSum(sum_sq, scratch);
+    const float r = rsqrtf(sum_sq / static_cast<float>(hidden) + eps);
+    if (threadIdx.x == 0) rstd[row] = r;
+    for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x) {
+      const float normed = __fmul_rn(ToFloat(x_row[j]), r);
+      y_row[j] = FromFloat<T>(__fmul_rn(normed, ToFloat(weight[j])));
+    }
+  }
+}
+
+template <typename T, typename W>
+__global__ void RmsNormBackwardKernel(const T* __restrict__ grad_y, const T* __restrict__ x,
+                                      const W* __restrict__ weight, const float* __restrict__ rstd,
+                                      T* __restrict__ grad_x, int64_t rows, int64_t hidden) {
+  __shared__ float scratch[kMaxRowThreads / kWarpSize];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t base = row * hidden;
+    const float r = rstd[row];
+    // dot = sum_j g_j n_j with g = grad_y * weight and n = x * rstd.
+    float dot = 0.0f;
+    for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x) {
+      const float g = ToFloat(grad_y[base + j]) * ToFloat(weight[j]);
+      const float n = ToFloat(x[base + j]) * r;
+      dot += g * n;
+    }
+    const float mean_dot = BlockSum(dot, scratch) / static_cast<float>(hidden);
+    for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x) {
+      const float g = ToFloat(grad_y[base + j]) * ToFloat(weight[j]);
+      const float n = ToFloat(x[base + j]) * r;
+      grad_x[base + j] = FromFloat<T>(r * (g - n * mean_dot));
+    }
+  }
+}
+
+// One thread per (column, partition): coalesced across columns, deterministic (no atomics).
+template <typename T>
+__global__ void RmsNormWeightGradPartialKernel(const T* __restrict__ grad_y,
+                                               const T* __restrict__ x,
+                                               const float* __restrict__ rstd,
+                                               float* __restrict__ partials, int64_t rows,
+                                               int64_t hidden, int64_t rows_per_partition) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= hidden) return;
+  const int64_t partition = blockIdx.y;
+  const int64_t first = partition * rows_per_partition;
+  const int64_t end = first + rows_per_partition;
+  const int64_t last = end < rows ? end : rows;
+  float sum = 0.0f;
+  for (int64_t row = first; row < last; ++row) {
+    const float normed = __fmul_rn(ToFloat(x[row * hidden + j]), rstd[row]);
+    sum += ToFloat(grad_y[row * hidden + j]) * normed;
+  }
+  partials[partition * hidden + j] = sum;
+}
+
+template <typename T>
+__global__ void RotaryKernel(const T* __restrict__ in, const float* __restrict__ cos,
+                             const float* __restrict__ sin, T* __restrict__ out, RotaryGeometry g,
+                             bool transpose) {
+  const int64_t half = g.head_dim / 2;
+  const int64_t pairs = g.sizes[0] * g.sizes[1] * g.sizes[2] * half;
+  for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < pairs;
+       index += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = index % half;
+    int64_t rest = index / half;
+    const int64_t c2 = rest % g.sizes[2];
+    rest /= g.sizes[2];
+    const int64_t c1 = rest % g.sizes[1];
+    const int64_t c0 = rest / g.sizes[1];
+    const int64_t in_row = c0 * g.in_strides[0] + c1 * g.in_strides[1] + c2 * g.in_strides[2];
+    const int64_t out_row = c0 * g.out_strides[0] + c1 * g.out_strides[1] + c2 * g.out_strides[2];
+    const int64_t table_row =
+        c0 * g.table_strides[0] + c1 * g.table_strides[1] + c2 * g.table_strides[2];
+    const int64_t lo = i, hi = i + half;
+    const float a = ToFloat(in[in_row + lo * g.in_strides[3]]);
+    const float b = ToFloat(in[in_row + hi * g.in_strides[3]]);
+    const float cos_lo = cos[table_row + lo * g.table_strides[3]];
+    const float cos_hi = cos[table_row + hi * g.table_strides[3]];
+    const float sin_lo = sin[table_row + lo * g.table_strides[3]];
+    const float sin_hi = sin[table_row + hi * g.table_strides[3]];
+    float out_lo, out_hi;
+    if (!transpose) {
+      out_lo = __fsub_rn(__fmul_rn(a, cos_lo), __fmul_rn(b, sin_lo));
+      out_hi = __fadd_rn(__fmul_rn(b, cos_hi), __fmul_rn(a, sin_hi));
+    } else {
+      out_lo = __fadd_rn(__fmul_rn(a, cos_lo), __fmul_rn(b, sin_hi));
+      out_hi = __fsub_rn(__fmul_rn(b, cos_hi), __fmul_rn(a, sin_lo));
+    }
+    out[out_row + lo * g.out_strides[3]] = FromFloat<T>(out_lo);
+    out[out_row + hi * g.out_strides[3]] = FromFloat<T>(out_hi);
+  }
+}
+
+__device__ __forceinline__ float Sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+template <typename T>
+__global__ void SwiGluForwardKernel(const T* __restrict__ gate, const T* __restrict__ up,
+                                    T* __restrict__ y, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = ToFloat(gate[i]);
+    const float silu = g / (1.0f + expf(-g));
+    y[i] = FromFloat<T>(__fmul_rn(silu, ToFloat(up[i])));
+  }
+}
+
+template <typename T>
+__global__ void SwiGluBackwardKernel(const T* __restrict__ grad_y, const T* __restrict__ gate,
+                                     const T* __restrict__ up, T* __restrict__ grad_gate,
+                                     T* __restrict__ grad_up, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float dy = ToFloat(grad_y[i]);
+    const float g = ToFloat(gate[i]);
+    const float s = Sigmoid(g);
+    // d silu(g) / dg = s (1 + g (1 - s)), as ATen's silu_backward.
+    grad_gate[i] = FromFloat<T>(dy * ToFloat(up[i]) * (s * (1.0f + g * (1.0f - s))));
+    grad_up[i] = FromFloat<T>(dy * (g * s));
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchRmsNormForward(const void* x, const void* weight, void* y, float* rstd,
+                                 int64_t rows, int64_t hidden, float eps, Dtype x_dtype,
+                                 Dtype weight_dtype, cudaStream_t stream) {
+  if (rows <= 0 || hidden <= 0) return cudaSuccess;
+  return DispatchDtype(x_dtype, [&](auto x_tag) {
+    using T = typename decltype(x_tag)::type;
+    return DispatchDtype(weight_dtype, [&](auto weight_tag) {
+      using W = typename decltype(weight_tag)::type;
+      RmsNormForwardKernel<T, W><<<RowBlocks(rows), RowThreads(hidden), 0, stream>>>(
+          static_cast<const T*>(x), static_cast<const W*>(weight), static_cast<T*>(y), rstd, rows,
+          hidden, eps);
+      return cudaGetLastError();
+    });
+  });
+}
+
+cudaError_t LaunchRmsNormBackward(const void* grad_y, const void* x, const void* weight,
+                                  const float* rstd, void* grad_x, int64_t rows, int64_t hidden,
+                                  Dtype x_dtype, Dtype weight_dtype, cudaStream_t stream) {
+  if (rows <= 0 || hidden <= 0) return cudaSuccess;
+  return DispatchDtype(x_dtype, [&](auto x_tag) {
+    using T = typename decltype(x_tag)::type;
+    return DispatchDtype(weight_dtype, [&](auto weight_tag) {
+      using W = typename decltype(weight_tag)::type;
+      RmsNormBackwardKernel<T, W><<<RowBlocks(rows), RowThreads(hidden), 0, stream>>>(
+          static_cast<const T*>(grad_y), static_cast<const T*>(x), static_cast<const W*>(weight),
+          rstd, static_cast<T*>(grad_x), rows, hidden);
+      return cudaGetLastError();
+    });
+  });
+}
+
+RmsNormWeightGradPlan PlanRmsNormWeightGrad(int64_t rows) {
+  RmsNormWeightGradPlan plan;
+  if (rows <= 0) return plan;
+  plan.rows_per_partition = std::max(kMinRowsPerPartition, CeilDiv(rows, kMaxGridY));
+  plan.partitions = CeilDiv(rows, plan.rows_per_partition);
+  return plan;
+}
+
+cudaError_t LaunchRmsNormWeightGradPartial(const void* grad_y, const void* x, const float* rstd,
+                                           float* partials, int64_t rows, int64_t hidden,
+                                           const RmsNormWeightGradPlan& plan, Dtype x_dtype,
+                                           cudaStream_t stream) {
+  if (rows <= 0 || hidden <= 0) return cudaSuccess;
+  if (plan.partitions <= 0 || plan.partitions > kMaxGridY ||
+      plan.partitions * plan.rows_per_partition < rows) {
+    return cudaErrorInvalidValue;
+  }
+  return DispatchDtype(x_dtype, [&](auto x_tag) {
+    using T = typename decltype(x_tag)::type;
+    const dim3 grid(static_cast<unsigned>(CeilDiv(hidden, kElementwiseThreads)),
+                    static_cast<unsigned>(plan.partitions));
+    RmsNormWeightGradPartialKernel<T><<<grid, kElementwiseThreads, 0, stream>>>(
+        static_cast<const T*>(grad_y), static_cast<const T*>(x), rstd, partials, rows, hidden,
+        plan.rows_per_partition);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t LaunchRotary(const void* in, const float* cos, const float* sin, void* out,
+                         const RotaryGeometry& geometry, bool transpose, Dtype dtype,
+                         cudaStream_t stream) {
+  if (geometry.head_dim % 2 != 0) return cudaErrorInvalidValue;
+  const int64_t pairs =
+      geometry.sizes[0] * geometry.sizes[1] * geometry.sizes[2] * (geometry.head_dim / 2);
+  if (pairs <= 0) return cudaSuccess;
+  return DispatchDtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    RotaryKernel<T><<<ElementwiseBlocks(pairs), kElementwiseThreads, 0, stream>>>(
+        static_cast<const T*>(in), cos, sin, static_cast<T*>(out), geometry, transpose);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t LaunchSwiGluForward(const void* gate, const void* up, void* y, int64_t n, Dtype dtype,
+                                cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  return DispatchDtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    SwiGluForwardKernel<T><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
+        static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(y), n);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t LaunchSwiGluBackward(const void* grad_y, const void* gate, const void* up,
+                                 void* grad_gate, void* grad_up, int64_t n, Dtype dtype,
+                                 cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  return DispatchDtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    SwiGluBackwardKernel<T><<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
+        static_cast<const T*>(grad_y), static_cast<const T*>(gate), static_cast<const T*>(up),
+        static_cast<T*>(grad_gate), static_cast<T*>(grad_up), n);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace tessera::trainer::kernels

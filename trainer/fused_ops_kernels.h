@@ -1,0 +1,77 @@
+// Plain CUDA kernels behind trainer/fused_ops.h: RMSNorm, rotary embedding and SwiGLU, forward and
+// backward. Launchers take raw device pointers, element counts and the stream to run on, and
+// return the launch's cudaError_t (cudaGetLastError right after the launch); they never synchronize
+// and never allocate. No LibTorch here, so that nvcc compiles fused_ops_kernels.cu without the
+// LibTorch headers. Every kernel computes in float32 whatever the storage dtype, and uses 64-bit
+// indices throughout.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace tessera::trainer::kernels {
+
+// Storage dtype of a tensor argument.
+enum class Dtype { kFloat32, kBFloat16, kFloat16 };
+
+// y = x * rsqrt(mean(x^2) + eps) * weight over rows of `hidden` contiguous elements, rounded to
+// x's dtype; rstd[row] (float32) receives rsqrt(mean(x^2) + eps). x and y: x_dtype, [rows, hidden];
+// weight: weight_dtype, [hidden].
+cudaError_t LaunchRmsNormForward(const void* x, const void* weight, void* y, float* rstd,
+                                 int64_t rows, int64_t hidden, float eps, Dtype x_dtype,
+                                 Dtype weight_dtype, cudaStream_t stream);
+
+// grad_x = rstd * (g - n * mean(g * n)) with g = grad_y * weight and n = x * rstd, per row.
+// grad_y and grad_x: x_dtype, [rows, hidden].
+cudaError_t LaunchRmsNormBackward(const void* grad_y, const void* x, const void* weight,
+                                  const float* rstd, void* grad_x, int64_t rows, int64_t hidden,
+                                  Dtype x_dtype, Dtype weight_dtype, cudaStream_t stream);
+
+// How RmsNormWeightGradPartial splits the rows: partials[p] sums rows
+// [p * rows_per_partition, (p + 1) * rows_per_partition). At most 65535 partitions (one grid
+// column each).
+struct RmsNormWeightGradPlan {
+  int64_t rows_per_partition = 0;
+  int64_t partitions = 0;
+};
+RmsNormWeightGradPlan PlanRmsNormWeightGrad(int64_t rows);
+
+// partials[p, j] = sum over the rows of partition p of grad_y[row, j] * x[row, j] * rstd[row]
+// (float32, [plan.partitions, hidden]); the weight's gradient is the sum of partials over p.
+cudaError_t LaunchRmsNormWeightGradPartial(const void* grad_y, const void* x, const float* rstd,
+                                           float* partials, int64_t rows, int64_t hidden,
+                                           const RmsNormWeightGradPlan& plan, Dtype x_dtype,
+                                           cudaStream_t stream);
+
+// Element strides of a rotary operand seen as [n0, n1, n2, head_dim]; the last dimension is the
+// one rotated. Tables (cos, sin) are addressed with their own strides, 0 where they broadcast.
+struct RotaryGeometry {
+  int64_t sizes[3] = {0, 0, 0};
+  int64_t head_dim = 0;  // even
+  int64_t in_strides[4] = {0, 0, 0, 0};
+  int64_t out_strides[4] = {0, 0, 0, 0};
+  int64_t table_strides[4] = {0, 0, 0, 0};  // shared by cos and sin
+};
+
+// With h = head_dim / 2 and i < h, per row:
+//   forward (transpose false): out[i] = in[i] cos[i] - in[i+h] sin[i],
+//                              out[i+h] = in[i+h] cos[i+h] + in[i] sin[i+h]
+//   (x cos + rotate_half(x) sin), and its transpose, the backward (transpose true):
+//                              out[i] = in[i] cos[i] + in[i+h] sin[i+h],
+//                              out[i+h] = in[i+h] cos[i+h] - in[i] sin[i].
+// in and out: dtype; cos and sin: float32. out must not overlap in.
+cudaError_t LaunchRotary(const void* in, const float* cos, const float* sin, void* out,
+                         const RotaryGeometry& geometry, bool transpose, Dtype dtype,
+                         cudaStream_t stream);
+
+// y = silu(gate) * up over n contiguous elements of one dtype.
+cudaError_t LaunchSwiGluForward(const void* gate, const void* up, void* y, int64_t n, Dtype dtype,
+                                cudaStream_t stream);
+
+// grad_gate = grad_y * up * silu'(gate), grad_up = grad_y * silu(gate); all of one dtype.
+cudaError_t LaunchSwiGluBackward(const void* grad_y, const void* gate, const void* up,
+                                 void* grad_gate, void* grad_up, int64_t n, Dtype dtype,
+                                 cudaStream_t stream);
+
+}  // namespace tessera::trainer::kernels

@@ -1,0 +1,430 @@
+// FusedRmsNorm, FusedRotary and FusedSwiGlu against ATen's composite, which is copied here as the
+// model ran it before the fused kernels: on the CPU (the fallback) bitwise, forward and gradients;
+// on a GPU (when there is one) the CUDA kernels' forward and every gradient against the composite
+// on the same GPU, float32 to float32 rounding and bfloat16 / float16 against the float32 composite
+// of the same (rounded) inputs, over odd sizes, non-contiguous inputs, more than 65535 rows and
+// empty inputs; and a Qwen3-shaped model's loss and gradients with the kernels on and off.
+#include "trainer/fused_ops.h"
+
+#include <ATen/autocast_mode.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "planner/model_config.h"
+#include "trainer/device.h"
+#include "trainer/model.h"
+
+namespace tessera::trainer {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+using Tensor = torch::Tensor;
+
+// ---- The composite, as model.cc had it. ----
+
+Tensor ReferenceRotateHalf(const Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+Tensor ReferenceRotary(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  Tensor x32 = x.to(torch::kFloat32);
+  return (x32 * cos + ReferenceRotateHalf(x32) * sin).to(x.scalar_type());
+}
+
+Tensor ReferenceRmsNorm(const Tensor& x, const Tensor& weight, double eps) {
+  Tensor x32 = x.to(torch::kFloat32);
+  Tensor normed = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return (normed * weight.to(torch::kFloat32)).to(x.scalar_type());
+}
+
+Tensor ReferenceSwiGlu(const Tensor& gate, const Tensor& up) { return torch::silu(gate) * up; }
+
+// ---- Running an op: its output, the gradients of its inputs for a given output gradient, and
+// the name of the autograd node that made the output. ----
+
+using Op = std::function<Tensor(const std::vector<Tensor>&)>;
+
+struct OpRun {
+  Tensor output;
+  std::vector<Tensor> grads;  // per input; undefined for inputs that take no gradient
+  std::string node;
+};
+
+// `inputs` are leaves made from `values` (detached copies); `differentiable[i]` says whether
+// input i requires grad. `make_input` turns a leaf into what the op sees (e.g. a transposed view).
+OpRun RunOp(const Op& op, const std::vector<Tensor>& values,
+            const std::vector<bool>& differentiable, const Tensor& grad_output,
+            const std::function<Tensor(size_t, const Tensor&)>& make_input = nullptr) {
+  std::vector<Tensor> leaves, inputs;
+  for (size_t i = 0; i < values.size(); ++i) {
+    leaves.push_back(values[i].detach().clone().requires_grad_(differentiable[i]));
+    inputs.push_back(make_input ? make_input(i, leaves.back()) : leaves.back());
+  }
+  OpRun run;
+  run.output = op(inputs);
+  run.node = run.output.grad_fn() ? run.output.grad_fn()->name() : "";
+  run.output.backward(grad_output);
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    run.grads.push_back(differentiable[i] ? leaves[i].grad() : Tensor());
+  }
+  run.output = run.output.detach();
+  return run;
+}
+
+void ExpectEqual(const OpRun& actual, const OpRun& expected) {
+  EXPECT_TRUE(torch::equal(actual.output, expected.output));
+  ASSERT_EQ(actual.grads.size(), expected.grads.size());
+  for (size_t i = 0; i < actual.grads.size(); ++i) {
+    ASSERT_EQ(actual.grads[i].defined(), expected.grads[i].defined()) << "input " << i;
+    if (expected.grads[i].defined()) {
+      EXPECT_TRUE(torch::equal(actual.grads[i], expected.grads[i])) << "input " << i;
+    }
+  }
+}
+
+// |actual - expected| <= rtol |expected| + atol_of_max max|expected| elementwise, with matching
+// shape and dtype.
+void ExpectClose(const Tensor& actual, const Tensor& expected, double rtol, double atol_of_max,
+                 const std::string& what) {
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  EXPECT_EQ(actual.scalar_type(), expected.scalar_type()) << what;
+  const Tensor a = actual.to(torch::kFloat64), e = expected.to(torch::kFloat64);
+  if (e.numel() == 0) return;
+  const double atol = atol_of_max * e.abs().max().item<double>();
+  const Tensor excess = (a - e).abs() - (rtol * e.abs() + atol);
+  EXPECT_LE(excess.max().item<double>(), 0.0)
+      << what << ": max |diff| " << (a - e).abs().max().item<double>() << ", max |expected| "
+      << e.abs().max().item<double>();
+}
+
+void ExpectRunClose(const OpRun& actual, const OpRun& expected, double rtol, double atol_of_max,
+                    const std::string& what) {
+  ExpectClose(actual.output, expected.output, rtol, atol_of_max, what + " output");
+  for (size_t i = 0; i < expected.grads.size(); ++i) {
+    if (!expected.grads[i].defined()) continue;
+    ASSERT_TRUE(actual.grads[i].defined()) << what << " grad " << i;
+    ExpectClose(actual.grads[i], expected.grads[i], rtol, atol_of_max,
+                what + " grad " + std::to_string(i));
+  }
+}
+
+const Op kFusedRmsNorm = [](const std::vector<Tensor>& in) {
+  return FusedRmsNorm(in[0], in[1], 1e-6);
+};
+const Op kReferenceRmsNorm = [](const std::vector<Tensor>& in) {
+  return ReferenceRmsNorm(in[0], in[1], 1e-6);
+};
+const Op kFusedRotary = [](const std::vector<Tensor>& in) {
+  return FusedRotary(in[0], in[1], in[2]);
+};
+const Op kReferenceRotary = [](const std::vector<Tensor>& in) {
+  return ReferenceRotary(in[0], in[1], in[2]);
+};
+const Op kFusedSwiGlu = [](const std::vector<Tensor>& in) { return FusedSwiGlu(in[0], in[1]); };
+const Op kReferenceSwiGlu = [](const std::vector<Tensor>& in) {
+  return ReferenceSwiGlu(in[0], in[1]);
+};
+
+// x [batch, seq, heads, head_dim] seen as [batch, heads, seq, head_dim], as the model calls rotary.
+Tensor HeadsFirst(size_t input, const Tensor& t) { return input == 0 ? t.transpose(1, 2) : t; }
+
+// ---- CPU: the fallback is the composite, bit for bit. ----
+
+TEST(FusedOpsCpuTest, RmsNormIsTheCompositeBitwise) {
+  torch::manual_seed(1);
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const Tensor x = torch::randn({3, 5, 37}).to(dtype), w = torch::randn({37});
+    const Tensor grad = torch::randn({3, 5, 37}).to(dtype);
+    const OpRun fused = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
+    ExpectEqual(fused, RunOp(kReferenceRmsNorm, {x, w}, {true, true}, grad));
+    EXPECT_THAT(fused.node, Not(HasSubstr("RmsNormFunction")));
+  }
+}
+
+TEST(FusedOpsCpuTest, RotaryIsTheCompositeBitwise) {
+  torch::manual_seed(2);
+  auto [cos, sin] = RotaryTables(/*max_seq_len=*/9, /*head_dim=*/16, 10000);
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const Tensor x = torch::randn({2, 9, 3, 16}).to(dtype);
+    const Tensor grad = torch::randn({2, 3, 9, 16}).to(dtype);
+    const OpRun fused = RunOp(kFusedRotary, {x, cos, sin}, {true, false, false}, grad, HeadsFirst);
+    ExpectEqual(fused,
+                RunOp(kReferenceRotary, {x, cos, sin}, {true, false, false}, grad, HeadsFirst));
+    EXPECT_THAT(fused.node, Not(HasSubstr("RotaryFunction")));
+  }
+}
+
+TEST(FusedOpsCpuTest, SwiGluIsTheCompositeBitwise) {
+  torch::manual_seed(3);
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const Tensor gate = torch::randn({4, 7, 33}).to(dtype), up = torch::randn({4, 7, 33}).to(dtype);
+    const Tensor grad = torch::randn({4, 7, 33}).to(dtype);
+    const OpRun fused = RunOp(kFusedSwiGlu, {gate, up}, {true, true}, grad);
+    ExpectEqual(fused, RunOp(kReferenceSwiGlu, {gate, up}, {true, true}, grad));
+    EXPECT_THAT(fused.node, Not(HasSubstr("SwiGluFunction")));
+  }
+}
+
+TEST(FusedOpsCpuTest, SwitchRoundTrips) {
+  ASSERT_TRUE(FusedKernelsEnabled());
+  SetFusedKernelsEnabled(false);
+  EXPECT_FALSE(FusedKernelsEnabled());
+  SetFusedKernelsEnabled(true);
+  EXPECT_TRUE(FusedKernelsEnabled());
+}
+
+// ---- GPU: the kernels against the composite on the same device. ----
+
+class FusedOpsGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
+    ASSERT_TRUE(FusedKernelsBuilt()) << "a CUDA device but a build without the CUDA kernels";
+    ASSERT_TRUE(FusedKernelsEnabled());
+    torch::manual_seed(17);
+  }
+
+  static Tensor Randn(std::vector<int64_t> sizes, torch::ScalarType dtype = torch::kFloat32) {
+    return torch::randn(sizes, torch::TensorOptions().device(torch::kCUDA)).to(dtype);
+  }
+};
+
+// Float32: the composite's numbers up to float32 rounding (reductions run in another order).
+constexpr double kRtol32 = 1e-5, kAtol32 = 1e-5;
+// Lower precision: the result of the float32 composite on the same (already rounded) inputs, up
+// to about two roundings to 8 significant bits.
+constexpr double kRtolLow = 2e-2, kAtolLow = 1e-2;
+
+TEST_F(FusedOpsGpuTest, RmsNormFloat32MatchesComposite) {
+  for (int64_t hidden : {1000, 4096, 5120, 77, 128, 1}) {
+    SCOPED_TRACE(hidden);
+    const Tensor x = Randn({3, 5, hidden}), w = Randn({hidden}), grad = Randn({3, 5, hidden});
+    const OpRun fused = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
+    EXPECT_THAT(fused.node, HasSubstr("RmsNormFunction"));
+    ExpectRunClose(fused, RunOp(kReferenceRmsNorm, {x, w}, {true, true}, grad), kRtol32, kAtol32,
+                   "rms_norm f32");
+  }
+}
+
+TEST_F(FusedOpsGpuTest, RmsNormLowPrecisionMatchesFloat32Composite) {
+  // bf16 activations with a float32 weight are what autocast gives the q/k norms; a weight of the
+  // activations' dtype is covered too.
+  for (auto dtype : {torch::kBFloat16, torch::kFloat16}) {
+    for (auto weight_dtype : {torch::kFloat32, dtype}) {
+      SCOPED_TRACE(c10::toString(dtype) + std::string(" weight ") + c10::toString(weight_dtype));
+      const Tensor x = Randn({4, 9, 4096}, dtype), w = Randn({4096}, weight_dtype);
+      const Tensor grad = Randn({4, 9, 4096}, dtype);
+      const OpRun fused = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
+      EXPECT_THAT(fused.node, HasSubstr("RmsNormFunction"));
+      ASSERT_EQ(fused.output.scalar_type(), dtype);
+      ASSERT_EQ(fused.grads[1].scalar_type(), weight_dtype);
+      const OpRun reference =
+          RunOp(kReferenceRmsNorm, {x.to(torch::kFloat32), w.to(torch::kFloat32)}, {true, true},
+                grad.to(torch::kFloat32));
+      ExpectClose(fused.output.to(torch::kFloat32), reference.output, kRtolLow, kAtolLow, "output");
+      ExpectClose(fused.grads[0].to(torch::kFloat32), reference.grads[0], kRtolLow, kAtolLow,
+                  "grad x");
+      ExpectClose(fused.grads[1].to(torch::kFloat32), reference.grads[1], kRtolLow, kAtolLow,
+                  "grad weight");
+    }
+  }
+}
+
+TEST_F(FusedOpsGpuTest, RmsNormManyRowsNonContiguousAndFrozenWeight) {
+  // More rows than one grid dimension of blocks (65535) and than one weight-gradient partition.
+  {
+    const Tensor x = Randn({70001, 64}), w = Randn({64}), grad = Randn({70001, 64});
+    ExpectRunClose(RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad),
+                   RunOp(kReferenceRmsNorm, {x, w}, {true, true}, grad), kRtol32, kAtol32,
+                   "70001 rows");
+  }
+  // A transposed input; a weight that takes no gradient (a frozen norm under LoRA).
+  {
+    const Tensor x = Randn({96, 6, 4}), w = Randn({4}), grad = Randn({6, 96, 4});
+    auto transposed = [](size_t i, const Tensor& t) { return i == 0 ? t.transpose(0, 1) : t; };
+    const OpRun fused = RunOp(kFusedRmsNorm, {x, w}, {true, false}, grad, transposed);
+    EXPECT_THAT(fused.node, HasSubstr("RmsNormFunction"));
+    EXPECT_FALSE(fused.grads[1].defined());
+    ExpectRunClose(fused, RunOp(kReferenceRmsNorm, {x, w}, {true, false}, grad, transposed),
+                   kRtol32, kAtol32, "transposed");
+  }
+}
+
+TEST_F(FusedOpsGpuTest, RotaryFloat32MatchesCompositeOnTheModelsLayout) {
+  for (int64_t head_dim : {128, 64, 10, 2}) {
+    SCOPED_TRACE(head_dim);
+    auto [cos, sin] = RotaryTables(/*max_seq_len=*/40, head_dim, 10000);
+    // The model passes narrowed tables and q.transpose(1, 2) of q [batch, seq, heads, head_dim].
+    cos = cos.to(torch::kCUDA).narrow(0, 0, 33);
+    sin = sin.to(torch::kCUDA).narrow(0, 0, 33);
+    const Tensor x = Randn({2, 33, 5, head_dim}), grad = Randn({2, 5, 33, head_dim});
+    const OpRun fused = RunOp(kFusedRotary, {x, cos, sin}, {true, false, false}, grad, HeadsFirst);
+    EXPECT_THAT(fused.node, HasSubstr("RotaryFunction"));
+    ExpectRunClose(fused,
+                   RunOp(kReferenceRotary, {x, cos, sin}, {true, false, false}, grad, HeadsFirst),
+                   kRtol32, kAtol32, "rotary transposed");
+    // A contiguous x, a 2-d x broadcast over rows (stride 0) and a transposed output gradient.
+    const Tensor x4 = Randn({2, 5, 33, head_dim});
+    ExpectRunClose(RunOp(kFusedRotary, {x4, cos, sin}, {true, false, false},
+                         grad.transpose(1, 2).contiguous().transpose(1, 2)),
+                   RunOp(kReferenceRotary, {x4, cos, sin}, {true, false, false}, grad), kRtol32,
+                   kAtol32, "rotary contiguous");
+    const Tensor row = Randn({head_dim}), grad2 = Randn({33, head_dim});
+    auto expand = [](size_t i, const Tensor& t) { return i == 0 ? t.expand({33, t.size(0)}) : t; };
+    ExpectRunClose(RunOp(kFusedRotary, {row, cos, sin}, {true, false, false}, grad2, expand),
+                   RunOp(kReferenceRotary, {row, cos, sin}, {true, false, false}, grad2, expand),
+                   kRtol32, kAtol32, "rotary 2-d broadcast");
+  }
+}
+
+TEST_F(FusedOpsGpuTest, RotaryLowPrecisionAndManyRowsMatchComposite) {
+  auto [cos, sin] = RotaryTables(/*max_seq_len=*/4500, /*head_dim=*/16, 10000);
+  cos = cos.to(torch::kCUDA);
+  sin = sin.to(torch::kCUDA);
+  // 2 * 8 * 4500 = 72000 rows.
+  const Tensor x = Randn({2, 4500, 8, 16}), grad = Randn({2, 8, 4500, 16});
+  ExpectRunClose(RunOp(kFusedRotary, {x, cos, sin}, {true, false, false}, grad, HeadsFirst),
+                 RunOp(kReferenceRotary, {x, cos, sin}, {true, false, false}, grad, HeadsFirst),
+                 kRtol32, kAtol32, "rotary 72000 rows");
+  for (auto dtype : {torch::kBFloat16, torch::kFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const Tensor xl = x.to(dtype), gradl = grad.to(dtype);
+    const OpRun fused =
+        RunOp(kFusedRotary, {xl, cos, sin}, {true, false, false}, gradl, HeadsFirst);
+    ASSERT_EQ(fused.output.scalar_type(), dtype);
+    ASSERT_EQ(fused.grads[0].scalar_type(), dtype);
+    const OpRun reference = RunOp(kReferenceRotary, {xl.to(torch::kFloat32), cos, sin},
+                                  {true, false, false}, gradl.to(torch::kFloat32), HeadsFirst);
+    ExpectClose(fused.output.to(torch::kFloat32), reference.output, kRtolLow, kAtolLow, "output");
+    ExpectClose(fused.grads[0].to(torch::kFloat32), reference.grads[0], kRtolLow, kAtolLow,
+                "grad x");
+  }
+}
+
+TEST_F(FusedOpsGpuTest, SwiGluMatchesComposite) {
+  for (int64_t width : {1000, 4096, 5120, 77}) {
+    SCOPED_TRACE(width);
+    const Tensor gate = Randn({3, 7, width}) * 4, up = Randn({3, 7, width}),
+                 grad = Randn({3, 7, width});
+    const OpRun fused = RunOp(kFusedSwiGlu, {gate, up}, {true, true}, grad);
+    EXPECT_THAT(fused.node, HasSubstr("SwiGluFunction"));
+    ExpectRunClose(fused, RunOp(kReferenceSwiGlu, {gate, up}, {true, true}, grad), kRtol32, kAtol32,
+                   "swiglu f32");
+    for (auto dtype : {torch::kBFloat16, torch::kFloat16}) {
+      SCOPED_TRACE(c10::toString(dtype));
+      const Tensor gl = gate.to(dtype), ul = up.to(dtype), dl = grad.to(dtype);
+      const OpRun low = RunOp(kFusedSwiGlu, {gl, ul}, {true, true}, dl);
+      const OpRun reference =
+          RunOp(kReferenceSwiGlu, {gl.to(torch::kFloat32), ul.to(torch::kFloat32)}, {true, true},
+                dl.to(torch::kFloat32));
+      ExpectClose(low.output.to(torch::kFloat32), reference.output, kRtolLow, kAtolLow, "output");
+      ExpectClose(low.grads[0].to(torch::kFloat32), reference.grads[0], kRtolLow, kAtolLow,
+                  "grad gate");
+      ExpectClose(low.grads[1].to(torch::kFloat32), reference.grads[1], kRtolLow, kAtolLow,
+                  "grad up");
+    }
+  }
+  // Many elements, a transposed gate, and an up that takes no gradient.
+  const Tensor gate = Randn({3, 70001}), up = Randn({70001, 3}), grad = Randn({70001, 3});
+  auto transposed = [](size_t i, const Tensor& t) { return i == 0 ? t.t() : t; };
+  const OpRun fused = RunOp(kFusedSwiGlu, {gate, up}, {true, false}, grad, transposed);
+  EXPECT_FALSE(fused.grads[1].defined());
+  ExpectRunClose(fused, RunOp(kReferenceSwiGlu, {gate, up}, {true, false}, grad, transposed),
+                 kRtol32, kAtol32, "swiglu transposed");
+}
+
+TEST_F(FusedOpsGpuTest, EmptyInputsGiveEmptyResultsAndZeroWeightGradient) {
+  const Tensor x = Randn({0, 64}), w = Randn({64}), grad = Randn({0, 64});
+  const OpRun norm = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
+  EXPECT_EQ(norm.output.sizes(), x.sizes());
+  EXPECT_EQ(norm.grads[0].sizes(), x.sizes());
+  EXPECT_TRUE(torch::equal(norm.grads[1], torch::zeros_like(w)));
+  auto [cos, sin] = RotaryTables(/*max_seq_len=*/4, /*head_dim=*/8, 10000);
+  const Tensor q = Randn({0, 4, 2, 8});
+  const OpRun rotary = RunOp(kFusedRotary, {q, cos.to(torch::kCUDA), sin.to(torch::kCUDA)},
+                             {true, false, false}, Randn({0, 2, 4, 8}), HeadsFirst);
+  EXPECT_EQ(rotary.output.sizes(), (std::vector<int64_t>{0, 2, 4, 8}));
+  const Tensor gate = Randn({2, 0}), up = Randn({2, 0});
+  const OpRun swiglu = RunOp(kFusedSwiGlu, {gate, up}, {true, true}, Randn({2, 0}));
+  EXPECT_EQ(swiglu.output.sizes(), gate.sizes());
+  EXPECT_EQ(swiglu.grads[0].sizes(), gate.sizes());
+}
+
+TEST_F(FusedOpsGpuTest, SwitchedOffRunsTheCompositeBitwise) {
+  const Tensor x = Randn({6, 96}), w = Randn({96}), grad = Randn({6, 96});
+  SetFusedKernelsEnabled(false);
+  const OpRun off = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
+  SetFusedKernelsEnabled(true);
+  EXPECT_THAT(off.node, Not(HasSubstr("RmsNormFunction")));
+  ExpectEqual(off, RunOp(kReferenceRmsNorm, {x, w}, {true, true}, grad));
+}
+
+// Qwen3-shaped (RMSNorm, q/k norms, rotary, SwiGLU) under bf16 autocast, with selective
+// checkpointing (SwiGLU recomputed): loss and gradients with the kernels on track those off.
+TEST_F(FusedOpsGpuTest, ModelTracksTheCompositeUnderAutocast) {
+  v1::ModelSpec spec;
+  v1::ModelDims* dims = spec.mutable_dims();
+  dims->set_architecture(v1::ARCHITECTURE_LLAMA);
+  dims->set_num_layers(2);
+  dims->set_hidden_size(64);
+  dims->set_num_attention_heads(4);
+  dims->set_num_kv_heads(2);
+  dims->set_head_dim(32);
+  dims->set_ffn_hidden_size(160);
+  dims->set_vocab_size(257);
+  dims->set_max_seq_len(64);
+  dims->set_rope_theta(1e6);
+  dims->set_norm_eps(1e-6);
+  dims->set_qk_norm(true);
+  auto summary = planner::ResolveModel(spec, 48);
+  ASSERT_THAT(summary, ::tessera::testing::IsOk());
+  const Tensor tokens = torch::randint(257, {2, 49}, torch::kLong).to(torch::kCUDA);
+  const Tensor inputs = tokens.narrow(1, 0, 48), targets = tokens.narrow(1, 1, 48);
+  for (auto mode : {v1::ACTIVATION_CHECKPOINTING_NONE, v1::ACTIVATION_CHECKPOINTING_SELECTIVE}) {
+    SCOPED_TRACE(v1::ActivationCheckpointing_Name(mode));
+    std::vector<Tensor> losses;
+    std::vector<std::vector<Tensor>> grads;
+    for (bool fused : {true, false}) {
+      SetFusedKernelsEnabled(fused);
+      torch::manual_seed(5);
+      CausalLM model(summary->dims(), 0.02);
+      model->SetActivationCheckpointing(mode);
+      model->to(torch::kCUDA);
+      at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+      at::autocast::set_autocast_enabled(at::kCUDA, true);
+      Tensor loss = model->Loss(inputs, targets);
+      at::autocast::set_autocast_enabled(at::kCUDA, false);
+      at::autocast::clear_cache();
+      loss.backward();
+      losses.push_back(loss.detach().cpu());
+      auto& g = grads.emplace_back();
+      for (const Tensor& p : model->parameters()) {
+        ASSERT_TRUE(p.grad().defined());
+        g.push_back(p.grad().cpu());
+      }
+    }
+    SetFusedKernelsEnabled(true);
+    EXPECT_NEAR(losses[0].item<double>(), losses[1].item<double>(), 1e-2);
+    ASSERT_EQ(grads[0].size(), grads[1].size());
+    // bf16 rounds the two computations' activations differently (the kernels round once, the
+    // composite after each op): close in norm, not equal.
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      const double error = (grads[0][i] - grads[1][i]).norm().item<double>();
+      EXPECT_LE(error, 1e-1 * grads[1][i].norm().item<double>() + 1e-6) << "parameter " << i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tessera::trainer
