@@ -64,6 +64,9 @@ ABSL_FLAG(bool, verify_then_load, false,
           "Our load as before digests were checked during it: FindLatestCheckpoint hashes the "
           "shard, then its slices are read (a second read, from the page cache), for an A/B "
           "against the default ResumeLatest.");
+ABSL_FLAG(bool, copy_before_step, false,
+          "Asynchronous saves as they were before the copy overlapped the step: the step waits "
+          "for the copy right after Start (AwaitSnapshot), for an A/B in the same binary.");
 ABSL_FLAG(int, hidden, 768, "GPT-2 model: hidden size (a multiple of 64; heads of 64).");
 ABSL_FLAG(int, vocab, 8192, "GPT-2 model: vocabulary size.");
 
@@ -95,6 +98,7 @@ struct BenchOptions {
   int hidden_size = 768;
   int vocab_size = 8192;
   bool verify_then_load = false;
+  bool copy_before_step = false;
   std::string results_dir;
   std::string commit;
   std::string date;
@@ -284,9 +288,14 @@ struct Results {
   // Diagnostics, each measured once after the runs.
   double digest_in_memory_mb_s = 0;
   double serialize_to_memory_mb_s = 0;
-  // An asynchronous save blocks training for its snapshot to host memory (SnapshotTrainingState)
-  // only: median of 5, against the median synchronous save above.
-  double async_blocked_seconds = 0;
+  // The copy of the state to host memory alone (SnapshotTrainingState into reused buffers):
+  // what an asynchronous save blocked training for when Start took the copy. Median of 5.
+  double snapshot_copy_seconds = 0;
+  // An asynchronous save during training, as the trainer runs it (MeasureAsyncSave). Medians.
+  double async_blocked_seconds = 0;   // Start + AwaitSnapshot: the trainer's metric
+  double step_seconds = 0;            // a training step without a save
+  double step_with_save_seconds = 0;  // the step right after a save's Start
+  int step_tokens = 0;
   double plain_read_warm_mb_s = 0;
   double digest_file_warm_mb_s = 0;
 };
@@ -330,6 +339,78 @@ absl::StatusOr<double> SerializeToMemoryMbPerSecond(TrainerState& state) {
 // file about to be read is dropped from the page cache, and as much memory as
 // the operation will allocate is prefaulted (PrefaultFreeMemory), so both
 // sides start from the same state.
+// An asynchronous save during training, as trainer/train.cc runs one: Start after a step, then
+// the next step's forward and backward, AwaitSnapshot, and its optimizer step. Each round times a
+// step with a save and a step without one, in alternating order, on the bench's model (one
+// sequence of 256 tokens); the save's write is waited for outside the clock before the next
+// round (a trainer goes on with further steps meanwhile), and free memory is prefaulted before
+// each step as before each save above. Blocked = Start + AwaitSnapshot, the
+// trainer's checkpoint_blocked_seconds; the step's slowdown also counts what the background copy
+// and write take from the step in cores and memory bandwidth.
+absl::Status MeasureAsyncSave(TrainerState& state, const std::string& scratch,
+                              const BenchOptions& options, Results& results) {
+  constexpr int kSeq = 256;
+  v1::TrainerTask task;
+  task.set_job_id("checkpoint-bench");
+  const std::string root = absl::StrCat(scratch, "/async-saves");
+  task.set_checkpoint_directory(root);
+  task.mutable_spec()->mutable_checkpoint()->set_keep_last(1);
+  trainer::CheckpointContext context{
+      .task = &task, .rank = 0, .world = 1, .engine = state.engine.get()};
+  trainer::AsyncCheckpointer checkpointer(context);
+  torch::manual_seed(5);
+  const at::Tensor inputs = torch::randint(0, options.vocab_size, {1, kSeq}, torch::kInt64);
+  const at::Tensor targets = torch::randint(0, options.vocab_size, {1, kSeq}, torch::kInt64);
+  int64_t saves = 0;
+  auto step = [&](bool save, double* blocked) -> absl::StatusOr<double> {
+    const Clock::time_point start = Clock::now();
+    if (save) {
+      trainer::CheckpointState checkpoint_state;
+      checkpoint_state.step = ++saves;
+      RETURN_IF_ERROR(checkpointer.Start(checkpoint_state, false, nullptr));
+      *blocked = checkpointer.last_blocked_seconds();
+      if (options.copy_before_step) *blocked += checkpointer.AwaitSnapshot();
+    }
+    try {
+      state.engine->ForwardBackward(inputs, targets, 1.0, /*last=*/true);
+      if (save) *blocked += checkpointer.AwaitSnapshot();
+      state.engine->Step(1e-5, 1.0);
+    } catch (const c10::Error& error) {
+      return absl::InternalError(absl::StrCat("training step: ", error.what_without_backtrace()));
+    }
+    return SecondsSince(start);
+  };
+  std::vector<double> blocked, plain_steps, save_steps;
+  // Warm-up: the first save allocates its host buffers; later ones write over them.
+  for (int round = -1; round < options.runs; ++round) {
+    const bool save_first = round % 2 == 0;
+    double without = 0, with = 0, waited = 0;
+    for (bool save : {save_first, !save_first}) {
+      // As before the saves above: the page cache the write fills gets warm pages, not pages
+      // this VM's balloon has handed back to the host.
+      RETURN_IF_ERROR(PrefaultFreeMemory(static_cast<size_t>(results.shard_bytes)));
+      ASSIGN_OR_RETURN(double seconds, step(save, &waited));
+      (save ? with : without) = seconds;
+      if (save) RETURN_IF_ERROR(checkpointer.Wait());
+    }
+    if (round < 0) continue;
+    blocked.push_back(waited);
+    plain_steps.push_back(without);
+    save_steps.push_back(with);
+    std::cout << absl::StrFormat(
+                     "  async round %d/%d: step %.3f s, step with a save %.3f s, blocked %.3f s\n",
+                     round + 1, options.runs, without, with, waited)
+              << std::flush;
+  }
+  results.async_blocked_seconds = Median(blocked);
+  results.step_seconds = Median(plain_steps);
+  results.step_with_save_seconds = Median(save_steps);
+  results.step_tokens = kSeq;
+  std::error_code ignored;
+  std::filesystem::remove_all(root, ignored);
+  return absl::OkStatus();
+}
+
 absl::Status RunIterations(const BenchOptions& options, Results& results) {
   TrainerState& state = *results.state;
   const std::string root = absl::StrCat(results.scratch, "/checkpoints");
@@ -445,18 +526,17 @@ absl::Status RunIterations(const BenchOptions& options, Results& results) {
   }
   ASSIGN_OR_RETURN(results.serialize_to_memory_mb_s, SerializeToMemoryMbPerSecond(state));
   {
-    // As the trainer's AsyncCheckpointer does: each snapshot writes over the previous one's
-    // buffers (the first, untimed, allocates them).
-    std::vector<double> blocked;
+    // Each snapshot writes over the previous one's buffers (the first, untimed, allocates them).
+    std::vector<double> copies;
     trainer::TrainingStateSnapshot snapshot = trainer::SnapshotTrainingState(*state.engine);
     for (int i = 0; i < 5; ++i) {
       const Clock::time_point start = Clock::now();
       snapshot = trainer::SnapshotTrainingState(*state.engine, &snapshot);
-      blocked.push_back(SecondsSince(start));
+      copies.push_back(SecondsSince(start));
     }
-    results.async_blocked_seconds = Median(blocked);
+    results.snapshot_copy_seconds = Median(copies);
   }
-  return absl::OkStatus();
+  return MeasureAsyncSave(state, results.scratch, options, results);
 }
 
 // ---------------------------------------------------------------------------
@@ -523,6 +603,7 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
   json["scratch"] = {{"directory", results.scratch}, {"file_system", results.file_system}};
   json["runs"] = options.runs;
   json["load_mode"] = options.verify_then_load ? "verify_then_load" : "resume_latest";
+  json["async_copy"] = options.copy_before_step ? "before_step" : "during_step";
   json["warmup_runs"] = 1;
   json["runs_first"] = results.first;
   json["save"] = ComparisonJson(results.save_ours, results.save_plain, results.shard_bytes);
@@ -532,8 +613,18 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
       {"xxh3_128_file_page_cache_mb_per_s", results.digest_file_warm_mb_s},
       {"plain_read_page_cache_mb_per_s", results.plain_read_warm_mb_s},
       {"serialize_to_memory_mb_per_s", results.serialize_to_memory_mb_s},
-      {"async_save_blocked_seconds", results.async_blocked_seconds},
+      {"snapshot_copy_seconds", results.snapshot_copy_seconds},
       {"max_resident_fraction_after_cache_drop", results.max_resident_after_drop}};
+  const double sync_save = results.save_ours.MedianSeconds();
+  json["async_save"] = {
+      {"blocked_seconds", results.async_blocked_seconds},
+      {"blocked_fraction_of_sync_save", results.async_blocked_seconds / sync_save},
+      {"step_seconds", results.step_seconds},
+      {"step_with_save_seconds", results.step_with_save_seconds},
+      {"step_slowdown_fraction_of_sync_save",
+       (results.step_with_save_seconds - results.step_seconds) / sync_save},
+      {"step_tokens", results.step_tokens},
+      {"sync_save_seconds", sync_save}};
   json["method"] = {
       {"units",
        "MB = 10^6 bytes. Every MB/s figure, ours and plain, is the shard's size (the plain file "
@@ -592,6 +683,14 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
        "User + system CPU time of this process (getrusage) over each operation. The benchmark "
        "runs on one thread; when wall time is well above CPU time outside of I/O waits, other "
        "processes were competing for the cores (see load_average)."},
+      {"async_save",
+       "After the runs, per round (runs rounds after one warm-up round) a training step of the "
+       "model without a save and one right after AsyncCheckpointer::Start, in alternating "
+       "order, the save's write waited for outside the clock. blocked = Start (barrier, "
+       "capture) + AwaitSnapshot before the optimizer step, as the trainer reports it; the "
+       "slowdown is the step with a save minus the step without, medians, also counting the "
+       "background copy's and write's use of cores and memory bandwidth. Fractions are of the "
+       "median synchronous save above."},
       {"device",
        "Tensors on the CPU. A GPU trainer's save also copies device to host inside save_to, and "
        "its load copies host to device."}};
@@ -627,12 +726,15 @@ void PrintSummary(const Results& results) {
       "  save ratio ours/plain: %.2f (best run over best run %.2f)\n",
       results.save_ours.MedianMbPerSecond(bytes) / results.save_plain.MedianMbPerSecond(bytes),
       results.save_ours.BestMbPerSecond(bytes) / results.save_plain.BestMbPerSecond(bytes));
+  const double sync_save = results.save_ours.MedianSeconds();
   std::cout << absl::StrFormat(
-      "  async save: training blocked %.3f s (the snapshot to host memory), %.1f%% of the median "
-      "synchronous save's %.3f s\n",
-      results.async_blocked_seconds,
-      100 * results.async_blocked_seconds / results.save_ours.MedianSeconds(),
-      results.save_ours.MedianSeconds());
+      "  async save: training blocked %.3f s = %.1f%% of the median synchronous save's %.3f s "
+      "(the copy alone: %.3f s = %.1f%%); a %d-token step %.3f s, with a save %.3f s (+%.1f%% "
+      "of a synchronous save)\n",
+      results.async_blocked_seconds, 100 * results.async_blocked_seconds / sync_save, sync_save,
+      results.snapshot_copy_seconds, 100 * results.snapshot_copy_seconds / sync_save,
+      results.step_tokens, results.step_seconds, results.step_with_save_seconds,
+      100 * (results.step_with_save_seconds - results.step_seconds) / sync_save);
   PrintSide("load ours", results.load_ours, bytes);
   PrintSide("load plain", results.load_plain, bytes);
   std::cout << absl::StrFormat(
@@ -722,6 +824,7 @@ int main(int argc, char** argv) {
   options.hidden_size = absl::GetFlag(FLAGS_hidden);
   options.vocab_size = absl::GetFlag(FLAGS_vocab);
   options.verify_then_load = absl::GetFlag(FLAGS_verify_then_load);
+  options.copy_before_step = absl::GetFlag(FLAGS_copy_before_step);
   options.results_dir = ResultsDir(DefaultResultsDir());
   const Provenance provenance = ReadProvenance();
   options.commit = provenance.commit;

@@ -1,8 +1,10 @@
 #include "trainer/checkpointing.h"
 
-#include <csignal>
+#include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
+#include <csignal>
 #include <filesystem>
 #include <chrono>
 #include <cstring>
@@ -379,6 +381,14 @@ absl::Status AsyncCheckpointer::Wait() {
   return status;
 }
 
+double AsyncCheckpointer::AwaitSnapshot() {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock lock(mutex_);
+  if (copied_) return 0;
+  copied_cv_.wait(lock, [this] { return copied_; });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 absl::Status AsyncCheckpointer::Start(const CheckpointState& state, bool export_safetensors,
                                       std::function<void(const v1::Checkpoint&)> on_committed) {
   const auto start = std::chrono::steady_clock::now();
@@ -386,14 +396,42 @@ absl::Status AsyncCheckpointer::Start(const CheckpointState& state, bool export_
   // and before a second one is in flight.
   RETURN_IF_ERROR(Wait());
   RETURN_IF_ERROR(PrepareSave(context_, state.step));
-  // The previous save is done: its snapshot's buffers are written over.
-  auto snapshot = std::make_shared<TrainingStateSnapshot>(
-      SnapshotTrainingState(*context_.engine, spare_.get()));
-  spare_ = snapshot;
+  auto live = std::make_shared<LiveTrainingState>(CaptureTrainingState(*context_.engine));
+  {
+    std::lock_guard lock(mutex_);
+    copied_ = false;
+  }
   last_blocked_seconds_ =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  thread_ = std::thread([this, state, export_safetensors, start, snapshot,
+  thread_ = std::thread([this, state, export_safetensors, start, live,
                          on_committed = std::move(on_committed)] {
+    // The previous save is done: its snapshot's buffers are written over. The live views are
+    // dropped as soon as the copy exists.
+    std::shared_ptr<TrainingStateSnapshot> snapshot;
+    if (context_.before_copy) context_.before_copy();
+    try {
+      snapshot = std::make_shared<TrainingStateSnapshot>(CopyTrainingState(*live, spare_.get()));
+    } catch (const std::exception& e) {
+      status_ = absl::InternalError(absl::StrCat("checkpoint step ", state.step,
+                                                 ": copying the state: ",
+                                                 c10::GetExceptionString(e)));
+    }
+    live->state.ranges.clear();
+    {
+      std::lock_guard lock(mutex_);
+      copied_ = true;
+    }
+    copied_cv_.notify_all();
+    if (snapshot == nullptr) return;
+    spare_ = snapshot;
+    // The write, its hashing thread and the commit take cores training leaves idle only: on a
+    // CPU trainer every core runs intra-op threads, and a writer sharing them at equal priority
+    // stalls each parallel region on the thread it preempted (a step took twice as long).
+    sched_param idle{};
+    if (int error = pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle); error != 0) {
+      Log(context_, absl::StrCat("checkpoint writer keeps its priority: pthread_setschedparam: ",
+                                 std::strerror(error)));
+    }
     absl::StatusOr<WrittenShard> written = WriteTrainingStateSnapshot(
         ShardPath(context_, state.step), *snapshot, context_.rank,
         ShardMetadata(context_, state.step));

@@ -7,7 +7,9 @@
 #pragma once
 
 #include <functional>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -34,6 +36,8 @@ struct CheckpointContext {
   // Fault injection (common/trainer_env.h kFaultKillInCheckpointAtStepEnv): the asynchronous
   // save of this step tears its shard and kills the process. 0: off.
   int64_t kill_in_checkpoint_at_step = 0;
+  // Tests: runs on an asynchronous save's thread before it copies the state.
+  std::function<void()> before_copy = nullptr;
 };
 
 struct Resumed {
@@ -69,12 +73,16 @@ absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
                                               const CheckpointState& state,
                                               bool export_safetensors);
 
-// Saves as SaveCheckpoint does, but training goes on while the shard is written: Start copies
-// this rank's state to host memory (pinned on CUDA) and returns; a thread of its own writes and
-// hashes the shard, and on rank 0 waits (through the store, not a collective) for every rank's
-// digest, commits the manifest and exports. A save interrupted anywhere (kill -9 included) leaves
-// only a staging directory, which resume never reads. One save at a time: Start first waits for
-// the previous one. Start and Wait are called from the training thread.
+// Saves as SaveCheckpoint does, but training goes on while the shard is written. Start captures
+// this rank's state (CaptureTrainingState: views, no copies) and returns; a thread of its own
+// copies the state to host memory (pinned on CUDA) while the next step's forward and backward
+// run, then writes and hashes the shard, and on rank 0 waits (through the store, not a
+// collective) for every rank's digest, commits the manifest and exports. The training thread
+// calls AwaitSnapshot before anything changes the engine's state (its Step): the only wait a
+// save costs a step is for a copy that has not finished by then. A save interrupted anywhere
+// (kill -9 included) leaves only a staging directory, which resume never reads. One save at a
+// time: Start first waits for the previous one. Start, AwaitSnapshot and Wait are called from
+// the training thread.
 class AsyncCheckpointer {
  public:
   explicit AsyncCheckpointer(const CheckpointContext& context);
@@ -84,15 +92,18 @@ class AsyncCheckpointer {
   AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
 
   // Waits for the previous save (returning its error, if any, and starting nothing); then, a
-  // collective over the job's ranks: rank 0 prepares the staging directory, every rank snapshots
-  // its state and starts writing it in the background. `on_committed` runs on rank 0's background
-  // thread once the checkpoint is committed.
+  // collective over the job's ranks: rank 0 prepares the staging directory, every rank captures
+  // its state and starts copying and writing it in the background. `on_committed` runs on rank
+  // 0's background thread once the checkpoint is committed.
   absl::Status Start(const CheckpointState& state, bool export_safetensors,
                      std::function<void(const v1::Checkpoint&)> on_committed);
+  // Returns once the save in flight (if any) holds its copy of the state, so that the engine may
+  // change it; the seconds it waited.
+  double AwaitSnapshot();
   // Waits for the save in flight, if any; its error.
   absl::Status Wait();
   // How long the last Start blocked its caller: the wait for the previous save, the barrier and
-  // the snapshot.
+  // the capture.
   double last_blocked_seconds() const { return last_blocked_seconds_; }
 
  private:
@@ -102,6 +113,10 @@ class AsyncCheckpointer {
   std::shared_ptr<TrainingStateSnapshot> spare_;
   absl::Status status_;  // written by thread_, read after joining it
   double last_blocked_seconds_ = 0;
+  // Set by thread_ once its copy of the state is complete (or it gave up).
+  std::mutex mutex_;
+  std::condition_variable copied_cv_;
+  bool copied_ = true;
 };
 
 }  // namespace tessera::trainer

@@ -28,3 +28,9 @@ if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME mesh_test SOURCES mesh_test.cc LIBS tessera::trainer)
   target_precompile_headers(mesh_test REUSE_FROM tessera_trainer)
 endif()
+if(TESSERA_BUILD_TESTS)
+  # Asynchronous saves: the copy of the state overlaps the next step, which waits for it.
+  tessera_add_test(NAME async_checkpoint_test SOURCES async_checkpoint_test.cc
+    LIBS tessera::trainer tessera::test_util)
+  target_precompile_headers(async_checkpoint_test REUSE_FROM tessera_trainer)
+endif()

@@ -579,6 +579,8 @@ class Trainer {
       }
       return absl::InternalError(absl::StrCat("loss is ", loss_value, " at step ", step_ + 1));
     }
+    // A save started after the last step may still be copying the state the optimizer changes.
+    checkpoint_blocked_seconds_ += checkpointer_->AwaitSnapshot();
     double clip = spec_.optimizer().grad_clip_norm();
     *grad_norm =
         engine_->Step(learning_rate, clip > 0 ? clip : std::numeric_limits<double>::infinity());

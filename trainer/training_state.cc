@@ -1,9 +1,16 @@
 #include "trainer/training_state.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#if TESSERA_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -64,32 +71,77 @@ absl::StatusOr<WrittenShard> WriteTrainingState(
   return WriteShardFile(path, SlicesOf(ranges, &step, rng, rank, &host), metadata);
 }
 
-TrainingStateSnapshot SnapshotTrainingState(ShardedEngine& engine, TrainingStateSnapshot* reuse) {
+LiveTrainingState CaptureTrainingState(ShardedEngine& engine) {
+  LiveTrainingState live;
+  live.state.ranges = engine.SaveRanges();
+  live.state.optimizer_step = engine.optimizer_step();
+  live.state.rng = at::detail::getDefaultCPUGenerator().get_state().contiguous();
+#if TESSERA_WITH_CUDA
+  for (const TensorRange& range : live.state.ranges) {
+    if (!range.data.is_cuda()) continue;
+    // The engine keeps its state on one device: one event on that device's current stream.
+    auto event = std::make_shared<at::cuda::CUDAEvent>();
+    event->record(c10::cuda::getCurrentCUDAStream(range.data.get_device()));
+    live.ready = std::move(event);
+    break;
+  }
+#endif
+  return live;
+}
+
+TrainingStateSnapshot CopyTrainingState(const LiveTrainingState& live,
+                                        TrainingStateSnapshot* reuse) {
   torch::NoGradGuard no_grad;
   TrainingStateSnapshot snapshot;
-  snapshot.ranges = engine.SaveRanges();
+  snapshot.ranges = live.state.ranges;
+  snapshot.optimizer_step = live.state.optimizer_step;
+  snapshot.rng = live.state.rng;
+#if TESSERA_WITH_CUDA
+  // Device ranges are copied on a stream of this thread's own, after the work that wrote them.
+  std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
+  if (live.ready != nullptr) {
+    auto* event = static_cast<at::cuda::CUDAEvent*>(live.ready.get());
+    c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool(
+        /*isHighPriority=*/false, static_cast<c10::DeviceIndex>(event->device_index()));
+    event->block(stream);
+    stream_guard.emplace(stream);
+  }
+#endif
   const bool reusable = reuse != nullptr && reuse->ranges.size() == snapshot.ranges.size();
+  [[maybe_unused]] bool device_copies = false;
   for (size_t i = 0; i < snapshot.ranges.size(); ++i) {
     TensorRange& range = snapshot.ranges[i];
-    const at::Tensor& live = range.data;
-    if (reusable && reuse->ranges[i].data.numel() == live.numel() &&
-        reuse->ranges[i].data.scalar_type() == live.scalar_type()) {
-      at::Tensor copy = std::move(reuse->ranges[i].data);
-      copy.copy_(live.reshape({-1}));
-      range.data = std::move(copy);
-      continue;
+    const at::Tensor live_data = range.data;
+    at::Tensor copy;
+    if (reusable && reuse->ranges[i].data.numel() == live_data.numel() &&
+        reuse->ranges[i].data.scalar_type() == live_data.scalar_type()) {
+      copy = std::move(reuse->ranges[i].data);
+    } else {
+      // Pinned host memory for a device tensor: the copy runs at full DMA speed.
+      copy = at::empty(
+          {live_data.numel()},
+          at::TensorOptions().dtype(live_data.scalar_type()).pinned_memory(live_data.is_cuda()));
     }
-    // Pinned host memory for a device tensor: the copy runs at full DMA speed. Blocking, so the
-    // snapshot is complete when this returns.
-    at::Tensor copy = at::empty(
-        {live.numel()},
-        at::TensorOptions().dtype(live.scalar_type()).pinned_memory(live.is_cuda()));
-    copy.copy_(live.reshape({-1}));
+    if (live_data.is_cuda()) {
+      copy.copy_(live_data.reshape({-1}), /*non_blocking=*/true);
+      device_copies = true;
+    } else if (live_data.is_contiguous()) {
+      // The ranges are views of flat buffers: one memcpy, on this thread only (copy_ would use
+      // the intra-op pool, which the training thread is busy with).
+      std::memcpy(copy.data_ptr(), live_data.data_ptr(), live_data.nbytes());
+    } else {
+      copy.copy_(live_data.reshape({-1}));
+    }
     range.data = std::move(copy);
   }
-  snapshot.optimizer_step = engine.optimizer_step();
-  snapshot.rng = at::detail::getDefaultCPUGenerator().get_state().contiguous();
+#if TESSERA_WITH_CUDA
+  if (device_copies) c10::cuda::getCurrentCUDAStream().synchronize();
+#endif
   return snapshot;
+}
+
+TrainingStateSnapshot SnapshotTrainingState(ShardedEngine& engine, TrainingStateSnapshot* reuse) {
+  return CopyTrainingState(CaptureTrainingState(engine), reuse);
 }
 
 absl::StatusOr<WrittenShard> WriteTrainingStateSnapshot(

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,10 +32,27 @@ struct TrainingStateSnapshot {
   at::Tensor rng;  // the rank's CPU generator state
 };
 
-// Copies this rank's part of the training state (SaveRanges, AdamW's step, the RNG) to host
-// memory (pinned for device tensors), complete when it returns. With `reuse` (an earlier
-// snapshot of the same engine, no longer needed) its buffers are written over instead of
-// allocating new ones: no page faults on fresh memory, so a save blocks training for a copy only.
+// What a snapshot is taken of, captured on the training thread: the live ranges (views of the
+// engine's parameters and moments, not copies), AdamW's step and the RNG state (both copied: the
+// next step changes them). The ranges keep their values until the engine's next Step, which is
+// all the time CopyTrainingState has. With device tensors, `ready` is recorded on the current
+// stream: the copy waits for the work that wrote them.
+struct LiveTrainingState {
+  TrainingStateSnapshot state;  // `ranges` hold live views
+  std::shared_ptr<void> ready;  // a CUDA event; null for host state
+};
+LiveTrainingState CaptureTrainingState(ShardedEngine& engine);
+
+// Copies captured state to host memory (pinned for device tensors), complete when it returns.
+// Any thread may call it while the training thread runs forward and backward (which read the
+// parameters and write gradients only): host ranges are copied with memcpy (no intra-op thread
+// pool on this thread), device ranges on a stream of their own after `ready`. With `reuse` (an
+// earlier snapshot of the same engine, no longer needed) its buffers are written over instead of
+// allocating new ones: no page faults on fresh memory.
+TrainingStateSnapshot CopyTrainingState(const LiveTrainingState& live,
+                                        TrainingStateSnapshot* reuse = nullptr);
+
+// CaptureTrainingState and CopyTrainingState in one call on the calling thread.
 TrainingStateSnapshot SnapshotTrainingState(ShardedEngine& engine,
                                             TrainingStateSnapshot* reuse = nullptr);
 

@@ -37,8 +37,9 @@ constexpr GaugeSpec kStepGauges[] = {
      "RSS on CPU",
      [](const v1::StepMetrics& m) { return static_cast<double>(m.peak_memory_bytes()); }},
     {"tessera_train_checkpoint_blocked_seconds",
-     "Time the newest step waited for a checkpoint save (the snapshot to host memory, or the "
-     "previous asynchronous save still writing); 0 for a step without one",
+     "Time the newest step waited for a checkpoint save (its barrier, the copy of the state to "
+     "host memory if unfinished at the optimizer step, or the previous asynchronous save still "
+     "writing); 0 for a step without one",
      [](const v1::StepMetrics& m) { return m.checkpoint_blocked_seconds(); }},
 };
 
