@@ -382,12 +382,26 @@ absl::Status AsyncCheckpointer::Wait() {
 }
 
 double AsyncCheckpointer::AwaitSnapshot() {
+  if (copy_ == nullptr || copy_->done()) return 0;
   const auto start = std::chrono::steady_clock::now();
-  std::unique_lock lock(mutex_);
-  if (copied_) return 0;
-  copied_cv_.wait(lock, [this] { return copied_; });
+  copy_->Finish();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
+
+namespace {
+
+// The calling thread, and threads it starts, take cores that training leaves idle only: on a CPU
+// trainer every core runs intra-op threads, and another thread at equal priority stalls each
+// parallel region on the thread it preempted.
+void RunAtIdlePriority(const CheckpointContext& context) {
+  sched_param idle{};
+  if (int error = pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle); error != 0) {
+    Log(context, absl::StrCat("checkpoint writer keeps its priority: pthread_setschedparam: ",
+                              std::strerror(error)));
+  }
+}
+
+}  // namespace
 
 absl::Status AsyncCheckpointer::Start(const CheckpointState& state, bool export_safetensors,
                                       std::function<void(const v1::Checkpoint&)> on_committed) {
@@ -396,42 +410,27 @@ absl::Status AsyncCheckpointer::Start(const CheckpointState& state, bool export_
   // and before a second one is in flight.
   RETURN_IF_ERROR(Wait());
   RETURN_IF_ERROR(PrepareSave(context_, state.step));
-  auto live = std::make_shared<LiveTrainingState>(CaptureTrainingState(*context_.engine));
-  {
-    std::lock_guard lock(mutex_);
-    copied_ = false;
-  }
+  // The previous save is done: its snapshot's buffers are written over.
+  auto copy = std::make_shared<StateCopy>(CaptureTrainingState(*context_.engine), spare_.get());
+  copy_ = copy;
   last_blocked_seconds_ =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  thread_ = std::thread([this, state, export_safetensors, start, live,
+  thread_ = std::thread([this, state, export_safetensors, start, copy,
                          on_committed = std::move(on_committed)] {
-    // The previous save is done: its snapshot's buffers are written over. The live views are
-    // dropped as soon as the copy exists.
-    std::shared_ptr<TrainingStateSnapshot> snapshot;
+    // Host state is copied at idle priority too (the training thread finishes the copy if it
+    // needs the state first); a device copy is a DMA this thread only waits for.
+    if (!copy->on_device()) RunAtIdlePriority(context_);
     if (context_.before_copy) context_.before_copy();
-    try {
-      snapshot = std::make_shared<TrainingStateSnapshot>(CopyTrainingState(*live, spare_.get()));
-    } catch (const std::exception& e) {
-      status_ = absl::InternalError(absl::StrCat("checkpoint step ", state.step,
-                                                 ": copying the state: ",
-                                                 c10::GetExceptionString(e)));
+    copy->Run();
+    absl::StatusOr<TrainingStateSnapshot> taken = copy->Take();
+    if (!taken.ok()) {
+      status_ = absl::InternalError(
+          absl::StrCat("checkpoint step ", state.step, ": ", taken.status().message()));
+      return;
     }
-    live->state.ranges.clear();
-    {
-      std::lock_guard lock(mutex_);
-      copied_ = true;
-    }
-    copied_cv_.notify_all();
-    if (snapshot == nullptr) return;
+    auto snapshot = std::make_shared<TrainingStateSnapshot>(*std::move(taken));
     spare_ = snapshot;
-    // The write, its hashing thread and the commit take cores training leaves idle only: on a
-    // CPU trainer every core runs intra-op threads, and a writer sharing them at equal priority
-    // stalls each parallel region on the thread it preempted (a step took twice as long).
-    sched_param idle{};
-    if (int error = pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle); error != 0) {
-      Log(context_, absl::StrCat("checkpoint writer keeps its priority: pthread_setschedparam: ",
-                                 std::strerror(error)));
-    }
+    if (copy->on_device()) RunAtIdlePriority(context_);
     absl::StatusOr<WrittenShard> written = WriteTrainingStateSnapshot(
         ShardPath(context_, state.step), *snapshot, context_.rank,
         ShardMetadata(context_, state.step));

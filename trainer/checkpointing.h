@@ -7,9 +7,7 @@
 #pragma once
 
 #include <functional>
-#include <condition_variable>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -75,8 +73,8 @@ absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
 
 // Saves as SaveCheckpoint does, but training goes on while the shard is written. Start captures
 // this rank's state (CaptureTrainingState: views, no copies) and returns; a thread of its own
-// copies the state to host memory (pinned on CUDA) while the next step's forward and backward
-// run, then writes and hashes the shard, and on rank 0 waits (through the store, not a
+// copies the state to host memory (pinned on CUDA; StateCopy) while the next step's forward and
+// backward run, then writes and hashes the shard, and on rank 0 waits (through the store, not a
 // collective) for every rank's digest, commits the manifest and exports. The training thread
 // calls AwaitSnapshot before anything changes the engine's state (its Step): the only wait a
 // save costs a step is for a copy that has not finished by then. A save interrupted anywhere
@@ -98,7 +96,8 @@ class AsyncCheckpointer {
   absl::Status Start(const CheckpointState& state, bool export_safetensors,
                      std::function<void(const v1::Checkpoint&)> on_committed);
   // Returns once the save in flight (if any) holds its copy of the state, so that the engine may
-  // change it; the seconds it waited.
+  // change it; the seconds it waited. Host state that is not copied yet is copied here, with the
+  // intra-op thread pool.
   double AwaitSnapshot();
   // Waits for the save in flight, if any; its error.
   absl::Status Wait();
@@ -113,10 +112,8 @@ class AsyncCheckpointer {
   std::shared_ptr<TrainingStateSnapshot> spare_;
   absl::Status status_;  // written by thread_, read after joining it
   double last_blocked_seconds_ = 0;
-  // Set by thread_ once its copy of the state is complete (or it gave up).
-  std::mutex mutex_;
-  std::condition_variable copied_cv_;
-  bool copied_ = true;
+  // The copy of the save in flight (or the last one), shared by thread_ and AwaitSnapshot.
+  std::shared_ptr<StateCopy> copy_;
 };
 
 }  // namespace tessera::trainer

@@ -1,6 +1,7 @@
 #include "trainer/training_state.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
 #if TESSERA_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -89,55 +90,125 @@ LiveTrainingState CaptureTrainingState(ShardedEngine& engine) {
   return live;
 }
 
-TrainingStateSnapshot CopyTrainingState(const LiveTrainingState& live,
-                                        TrainingStateSnapshot* reuse) {
-  torch::NoGradGuard no_grad;
-  TrainingStateSnapshot snapshot;
-  snapshot.ranges = live.state.ranges;
-  snapshot.optimizer_step = live.state.optimizer_step;
-  snapshot.rng = live.state.rng;
-#if TESSERA_WITH_CUDA
-  // Device ranges are copied on a stream of this thread's own, after the work that wrote them.
-  std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
-  if (live.ready != nullptr) {
-    auto* event = static_cast<at::cuda::CUDAEvent*>(live.ready.get());
-    c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool(
-        /*isHighPriority=*/false, static_cast<c10::DeviceIndex>(event->device_index()));
-    event->block(stream);
-    stream_guard.emplace(stream);
-  }
-#endif
-  const bool reusable = reuse != nullptr && reuse->ranges.size() == snapshot.ranges.size();
-  [[maybe_unused]] bool device_copies = false;
-  for (size_t i = 0; i < snapshot.ranges.size(); ++i) {
-    TensorRange& range = snapshot.ranges[i];
-    const at::Tensor live_data = range.data;
-    at::Tensor copy;
-    if (reusable && reuse->ranges[i].data.numel() == live_data.numel() &&
-        reuse->ranges[i].data.scalar_type() == live_data.scalar_type()) {
-      copy = std::move(reuse->ranges[i].data);
+StateCopy::StateCopy(const LiveTrainingState& live, TrainingStateSnapshot* reuse)
+    : ready_(live.ready) {
+  snapshot_.ranges = live.state.ranges;
+  snapshot_.optimizer_step = live.state.optimizer_step;
+  snapshot_.rng = live.state.rng;
+  const bool reusable = reuse != nullptr && reuse->ranges.size() == snapshot_.ranges.size();
+  sources_.reserve(snapshot_.ranges.size());
+  for (size_t i = 0; i < snapshot_.ranges.size(); ++i) {
+    TensorRange& range = snapshot_.ranges[i];
+    sources_.push_back(range.data);
+    const at::Tensor& source = sources_.back();
+    on_device_ = on_device_ || source.is_cuda();
+    if (reusable && reuse->ranges[i].data.numel() == source.numel() &&
+        reuse->ranges[i].data.scalar_type() == source.scalar_type()) {
+      range.data = std::move(reuse->ranges[i].data);
     } else {
       // Pinned host memory for a device tensor: the copy runs at full DMA speed.
-      copy = at::empty(
-          {live_data.numel()},
-          at::TensorOptions().dtype(live_data.scalar_type()).pinned_memory(live_data.is_cuda()));
+      range.data = at::empty(
+          {source.numel()},
+          at::TensorOptions().dtype(source.scalar_type()).pinned_memory(source.is_cuda()));
     }
-    if (live_data.is_cuda()) {
-      copy.copy_(live_data.reshape({-1}), /*non_blocking=*/true);
-      device_copies = true;
-    } else if (live_data.is_contiguous()) {
-      // The ranges are views of flat buffers: one memcpy, on this thread only (copy_ would use
-      // the intra-op pool, which the training thread is busy with).
-      std::memcpy(copy.data_ptr(), live_data.data_ptr(), live_data.nbytes());
-    } else {
-      copy.copy_(live_data.reshape({-1}));
-    }
-    range.data = std::move(copy);
   }
+}
+
+void StateCopy::CountDone(size_t ranges) {
+  std::lock_guard lock(mutex_);
+  done_ += ranges;
+  if (done_ == sources_.size()) done_cv_.notify_all();
+}
+
+void StateCopy::CopyRange(size_t i) {
+  const at::Tensor& source = sources_[i];
+  at::Tensor& copy = snapshot_.ranges[i].data;
+  if (source.is_contiguous()) {
+    // The ranges are views of flat buffers: one memcpy, on this thread only (copy_ would start
+    // the intra-op pool's threads).
+    std::memcpy(copy.data_ptr(), source.data_ptr(), source.nbytes());
+  } else {
+    copy.copy_(source.reshape({-1}));
+  }
+}
+
+void StateCopy::Run() {
+  torch::NoGradGuard no_grad;
+  const size_t n = sources_.size();
+  if (!on_device_) {
+    for (size_t i = next_++; i < n; i = next_++) {
+      try {
+        CopyRange(i);
+      } catch (const std::exception& e) {
+        std::lock_guard lock(mutex_);
+        error_ = c10::GetExceptionString(e);
+      }
+      CountDone(1);
+    }
+    return;
+  }
+  // Device ranges: all of them, by this thread.
+  const size_t first = next_.exchange(n);
+  if (first >= n) return;
+  try {
 #if TESSERA_WITH_CUDA
-  if (device_copies) c10::cuda::getCurrentCUDAStream().synchronize();
+    // On a stream of this thread's own, after the work that wrote them.
+    auto* event = static_cast<at::cuda::CUDAEvent*>(ready_.get());
+    const c10::DeviceIndex device = event != nullptr ? event->device_index()
+                                                     : sources_[first].device().index();
+    c10::cuda::CUDAStream stream =
+        c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device);
+    if (event != nullptr) event->block(stream);
+    const c10::cuda::CUDAStreamGuard guard(stream);
+    for (size_t i = first; i < n; ++i) {
+      if (sources_[i].is_cuda()) {
+        snapshot_.ranges[i].data.copy_(sources_[i].reshape({-1}), /*non_blocking=*/true);
+      } else {
+        CopyRange(i);
+      }
+    }
+    stream.synchronize();
+#else
+    for (size_t i = first; i < n; ++i) CopyRange(i);
 #endif
-  return snapshot;
+  } catch (const std::exception& e) {
+    std::lock_guard lock(mutex_);
+    error_ = c10::GetExceptionString(e);
+  }
+  CountDone(n - first);
+}
+
+void StateCopy::Finish() {
+  if (!on_device_ && next_.load() < sources_.size()) {
+    at::parallel_for(0, at::get_num_threads(), 1, [this](int64_t, int64_t) { Run(); });
+  }
+  WaitDone();
+}
+
+void StateCopy::WaitDone() {
+  std::unique_lock lock(mutex_);
+  done_cv_.wait(lock, [this] { return done_ == sources_.size(); });
+}
+
+bool StateCopy::done() {
+  std::lock_guard lock(mutex_);
+  return done_ == sources_.size();
+}
+
+absl::StatusOr<TrainingStateSnapshot> StateCopy::Take() {
+  WaitDone();
+  if (!error_.empty()) return absl::InternalError(absl::StrCat("copying the state: ", error_));
+  // sources_ stays: a thread leaving Run or Finish may still read its size.
+  return std::move(snapshot_);
+}
+
+TrainingStateSnapshot CopyTrainingState(const LiveTrainingState& live,
+                                        TrainingStateSnapshot* reuse) {
+  StateCopy copy(live, reuse);
+  copy.Run();
+  absl::StatusOr<TrainingStateSnapshot> snapshot = copy.Take();
+  TORCH_CHECK(snapshot.ok(), snapshot.status().ToString());
+  return *std::move(snapshot);
 }
 
 TrainingStateSnapshot SnapshotTrainingState(ShardedEngine& engine, TrainingStateSnapshot* reuse) {

@@ -7,8 +7,11 @@
 // save and resume, and the checkpoint benchmark, all go through here.
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -43,12 +46,49 @@ struct LiveTrainingState {
 };
 LiveTrainingState CaptureTrainingState(ShardedEngine& engine);
 
-// Copies captured state to host memory (pinned for device tensors), complete when it returns.
-// Any thread may call it while the training thread runs forward and backward (which read the
-// parameters and write gradients only): host ranges are copied with memcpy (no intra-op thread
-// pool on this thread), device ranges on a stream of their own after `ready`. With `reuse` (an
-// earlier snapshot of the same engine, no longer needed) its buffers are written over instead of
-// allocating new ones: no page faults on fresh memory.
+// The copy of captured state to host memory (pinned for device tensors), which several threads
+// may share. Host ranges are copied with memcpy, each by whichever thread claims it first: the
+// save's thread copies them while the training thread runs forward and backward (which read the
+// parameters and write gradients only), and the training thread joins in with its intra-op pool
+// (Finish) if the copy is not done when it needs to change the state. Device ranges are copied
+// by Run alone, on a stream of its own after `ready`, all at once.
+class StateCopy {
+ public:
+  // Destination buffers: those of `reuse` (an earlier snapshot of the same engine, no longer
+  // needed) where they match, else new ones (pinned for device ranges; not touched yet, so this
+  // is quick).
+  StateCopy(const LiveTrainingState& live, TrainingStateSnapshot* reuse);
+  StateCopy(const StateCopy&) = delete;
+  StateCopy& operator=(const StateCopy&) = delete;
+
+  bool on_device() const { return on_device_; }
+  // Copies ranges that no thread has claimed until none is left, on this thread only.
+  void Run();
+  // Copies what is left with this thread and the intra-op pool's (host ranges), then waits until
+  // every range is copied.
+  void Finish();
+  // Waits until every range is copied.
+  void WaitDone();
+  bool done();
+  // The snapshot, once done; an error when a range could not be copied.
+  absl::StatusOr<TrainingStateSnapshot> Take();
+
+ private:
+  void CopyRange(size_t i);
+  void CountDone(size_t ranges);
+
+  TrainingStateSnapshot snapshot_;  // ranges' data: the destinations
+  std::vector<at::Tensor> sources_;
+  std::shared_ptr<void> ready_;
+  bool on_device_ = false;
+  std::atomic<size_t> next_{0};
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  size_t done_ = 0;
+  std::string error_;
+};
+
+// Copies captured state to host memory on the calling thread, complete when it returns.
 TrainingStateSnapshot CopyTrainingState(const LiveTrainingState& live,
                                         TrainingStateSnapshot* reuse = nullptr);
 
