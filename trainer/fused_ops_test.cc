@@ -19,6 +19,7 @@
 #include "planner/model_config.h"
 #include "trainer/device.h"
 #include "trainer/model.h"
+#include "trainer/test_model_dims.h"
 
 namespace tessera::trainer {
 namespace {
@@ -373,22 +374,7 @@ TEST_F(FusedOpsGpuTest, SwitchedOffRunsTheCompositeBitwise) {
 // Qwen3-shaped (RMSNorm, q/k norms, rotary, SwiGLU) under bf16 autocast, with selective
 // checkpointing (SwiGLU recomputed): loss and gradients with the kernels on track those off.
 TEST_F(FusedOpsGpuTest, ModelTracksTheCompositeUnderAutocast) {
-  v1::ModelSpec spec;
-  v1::ModelDims* dims = spec.mutable_dims();
-  dims->set_architecture(v1::ARCHITECTURE_LLAMA);
-  dims->set_num_layers(2);
-  dims->set_hidden_size(64);
-  dims->set_num_attention_heads(4);
-  dims->set_num_kv_heads(2);
-  dims->set_head_dim(32);
-  dims->set_ffn_hidden_size(160);
-  dims->set_vocab_size(257);
-  dims->set_max_seq_len(64);
-  dims->set_rope_theta(1e6);
-  dims->set_norm_eps(1e-6);
-  dims->set_qk_norm(true);
-  auto summary = planner::ResolveModel(spec, 48);
-  ASSERT_THAT(summary, ::tessera::testing::IsOk());
+  const v1::ModelDims dims = testing::TinyQwenDims(/*ffn_hidden_size=*/160, /*seq_len=*/48);
   const Tensor tokens = torch::randint(257, {2, 49}, torch::kLong).to(torch::kCUDA);
   const Tensor inputs = tokens.narrow(1, 0, 48), targets = tokens.narrow(1, 1, 48);
   for (auto mode : {v1::ACTIVATION_CHECKPOINTING_NONE, v1::ACTIVATION_CHECKPOINTING_SELECTIVE}) {
@@ -398,7 +384,7 @@ TEST_F(FusedOpsGpuTest, ModelTracksTheCompositeUnderAutocast) {
     for (bool fused : {true, false}) {
       SetFusedKernelsEnabled(fused);
       torch::manual_seed(5);
-      CausalLM model(summary->dims(), 0.02);
+      CausalLM model(dims, 0.02);
       model->SetActivationCheckpointing(mode);
       model->to(torch::kCUDA);
       at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);

@@ -19,6 +19,7 @@
 #include "trainer/distributed.h"
 #include "trainer/model.h"
 #include "trainer/tensor_parallel.h"
+#include "trainer/test_model_dims.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -27,13 +28,7 @@ namespace {
 using ::tessera::testing::IsOk;
 using Tensor = torch::Tensor;
 
-v1::ModelDims PresetDims(const std::string& name) {
-  v1::ModelSpec spec;
-  spec.set_preset(name);
-  auto summary = planner::ResolveModel(spec, 16);
-  EXPECT_THAT(summary, IsOk());
-  return summary.ok() ? summary->dims() : v1::ModelDims();
-}
+using testing::PresetDims;
 
 struct LossAndGrads {
   double loss = 0;

@@ -25,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "planner/model_config.h"
 #include "trainer/device.h"
+#include "trainer/test_model_dims.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -33,35 +34,8 @@ namespace {
 using ::tessera::testing::IsOk;
 using Tensor = torch::Tensor;
 
-v1::ModelDims PresetDims(const std::string& name) {
-  v1::ModelSpec spec;
-  spec.set_preset(name);
-  auto summary = planner::ResolveModel(spec, 16);
-  EXPECT_THAT(summary, IsOk());
-  return summary.ok() ? summary->dims() : v1::ModelDims();
-}
-
-// Qwen3-shaped: qk_norm, tied, and head_dim (32) != hidden / heads (16).
-v1::ModelDims TinyQwenDims() {
-  v1::ModelSpec spec;
-  v1::ModelDims* dims = spec.mutable_dims();
-  dims->set_architecture(v1::ARCHITECTURE_LLAMA);
-  dims->set_num_layers(2);
-  dims->set_hidden_size(64);
-  dims->set_num_attention_heads(4);
-  dims->set_num_kv_heads(2);
-  dims->set_head_dim(32);
-  dims->set_ffn_hidden_size(128);
-  dims->set_vocab_size(257);
-  dims->set_max_seq_len(64);
-  dims->set_rope_theta(1e6);
-  dims->set_norm_eps(1e-6);
-  dims->set_tie_embeddings(true);
-  dims->set_qk_norm(true);
-  auto summary = planner::ResolveModel(spec, 16);
-  EXPECT_THAT(summary, IsOk());
-  return summary.ok() ? summary->dims() : v1::ModelDims();
-}
+using testing::PresetDims;
+using testing::TinyQwenDims;
 
 std::vector<std::pair<std::string, v1::ModelDims>> TinyModels() {
   return {{"tiny-gpt2", PresetDims("tiny-gpt2")},

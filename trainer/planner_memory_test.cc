@@ -26,6 +26,7 @@
 #include "trainer/model.h"
 #include "trainer/sharded_engine.h"
 #include "trainer/tensor_parallel.h"
+#include "trainer/test_model_dims.h"
 
 #define USE_C10D_GLOO 1
 #include <thread>
@@ -68,18 +69,14 @@ Allocated TrainOneStep(const v1::ModelDims& dims, int seq, int batch) {
   return out;
 }
 
-v1::ModelDims Resolve(const v1::ModelSpec& spec) {
-  auto summary = planner::ResolveModel(spec, 16);
-  EXPECT_TRUE(summary.ok()) << summary.status();
-  return summary->dims();
-}
+using testing::ResolvedDims;
 
 std::vector<std::pair<std::string, v1::ModelDims>> Shapes() {
   std::vector<std::pair<std::string, v1::ModelDims>> shapes;
   for (const char* preset : {"tiny-gpt2", "tiny-llama"}) {
     v1::ModelSpec spec;
     spec.set_preset(preset);
-    shapes.emplace_back(preset, Resolve(spec));
+    shapes.emplace_back(preset, ResolvedDims(spec));
   }
   v1::ModelSpec qwen_like;  // GQA, qk_norm, untied head
   v1::ModelDims* d = qwen_like.mutable_dims();
@@ -93,7 +90,7 @@ std::vector<std::pair<std::string, v1::ModelDims>> Shapes() {
   d->set_vocab_size(300);
   d->set_max_seq_len(64);
   d->set_qk_norm(true);
-  shapes.emplace_back("llama-gqa-qk_norm-untied", Resolve(qwen_like));
+  shapes.emplace_back("llama-gqa-qk_norm-untied", ResolvedDims(qwen_like));
   v1::ModelSpec gpt2_untied;
   d = gpt2_untied.mutable_dims();
   d->set_architecture(v1::ARCHITECTURE_GPT2);
@@ -103,7 +100,7 @@ std::vector<std::pair<std::string, v1::ModelDims>> Shapes() {
   d->set_vocab_size(257);
   d->set_max_seq_len(32);
   d->set_tie_embeddings(false);
-  shapes.emplace_back("gpt2-untied", Resolve(gpt2_untied));
+  shapes.emplace_back("gpt2-untied", ResolvedDims(gpt2_untied));
   return shapes;
 }
 
@@ -279,17 +276,7 @@ struct RankResult {
   std::string error;
 };
 
-v1::ModelDims PresetDims(const std::string& preset, int num_layers = 0) {
-  v1::ModelSpec spec;
-  spec.set_preset(preset);
-  v1::ModelDims dims = Resolve(spec);
-  if (num_layers == 0) return dims;
-  // A spec names a preset or dims, not both: the preset's dims with a different depth.
-  v1::ModelSpec deeper;
-  *deeper.mutable_dims() = dims;
-  deeper.mutable_dims()->set_num_layers(num_layers);
-  return Resolve(deeper);
-}
+using testing::PresetDims;
 
 std::vector<MeshCase> MeshCases() {
   const v1::ModelDims gpt2 = PresetDims("tiny-gpt2", 4);
