@@ -45,6 +45,7 @@ echo "bench: $TESSERA_BENCH_MACHINE; commit $commit; results in $TESSERA_BENCH_R
 benches=(
   "trainer|$TESSERA_BENCH_PYTHON bench/trainer_bench.py --device=cpu|cpu"
   "trainer-gpu|$TESSERA_BENCH_PYTHON bench/trainer_bench.py --device=cuda|gpu"
+  "fused-ops|$build_dir/bench/fused_ops_bench|gpu"
   "checkpoint|$build_dir/bench/checkpoint_bench|cpu"
   "zero|$TESSERA_BENCH_PYTHON bench/zero_bench.py|cpu"
   "model-parallel|$TESSERA_BENCH_PYTHON bench/model_parallel_bench.py|cpu"

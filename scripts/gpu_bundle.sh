@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # make gpu-bundle: what `make gpu-check` needs on a GPU machine that reaches no package registry,
-# built here. Copies a CUDA build's binaries, the test binaries with GPU cases and the shared
+# built here. Copies a CUDA build's binaries, the test binaries with GPU cases, the fused-kernel
+# benchmark (bench/fused_ops_bench) and the shared
 # libraries they load that such a machine lacks (gRPC, protobuf, Abseil, prometheus-cpp,
 # yaml-cpp, SQLite, xxHash...: the Debian packages of scripts/bootstrap.sh) into one directory.
 # Torch and its CUDA libraries are not copied: the GPU machine's own torch 2.11 provides them
@@ -30,14 +31,17 @@ for node in tree.body:
 PY
 )
 rm -rf "$bundle"
-mkdir -p "$bundle/bin" "$bundle/tests" "$bundle/lib"
+mkdir -p "$bundle/bin" "$bundle/tests" "$bundle/lib" "$bundle/bench"
 cp "$build_dir"/bin/tessera "$build_dir"/bin/tessera-{coordinator,worker,trainer} "$bundle/bin/"
+cp "$build_dir"/bench/fused_ops_bench "$bundle/bench/"
 for t in $tests; do cp "$build_dir/tests/$t" "$bundle/tests/"; done
 
 # Libraries every Linux has (glibc, the GCC runtime, zlib, OpenSSL: the GPU machine's own are
-# newer and its python loads them too), the driver's, and torch's (found there) stay behind.
-skip='/(libc|libm|libdl|librt|libpthread|libutil|libresolv|ld-linux[^/]*|libstdc\+\+|libgcc_s|libz|libssl|libcrypto|libcuda|libnvidia[^/]*)\.so'
-for binary in "$bundle"/bin/* "$bundle"/tests/*; do
+# newer and its python loads them too), the driver's, and torch's (found there) stay behind, and
+# so does the CUDA runtime the fused kernels link (trainer/model.cmake): the one of torch's CUDA
+# wheels serves both there.
+skip='/(libc|libm|libdl|librt|libpthread|libutil|libresolv|ld-linux[^/]*|libstdc\+\+|libgcc_s|libz|libssl|libcrypto|libcuda|libcudart|libnvidia[^/]*)\.so'
+for binary in "$bundle"/bin/* "$bundle"/tests/* "$bundle"/bench/*; do
   ldd "$binary" | awk '/=>/ && $3 ~ /^\// {print $3}'
 done | sort -u | grep -vE "$skip" | grep -v '/site-packages/' | while read -r lib; do
   cp -L "$lib" "$bundle/lib/"

@@ -19,7 +19,9 @@ CUDA build; each is timed and recorded):
                  prediction for the layout it chose, first and last loss, and the NVML series the
                  worker exports on /metrics while the job runs.
   bench          `bench/trainer_bench.py --device=cuda` (what `make bench-gpu` runs) on the same
-                 two models: ours vs PyTorch eager and torch.compile, same weights and data.
+                 two models: ours vs PyTorch eager and torch.compile, same weights and data;
+                 then bench/fused_ops_bench: the fused RMSNorm / rotary / SwiGLU kernels against
+                 ATen's composite, forward + backward, per op at two layer shapes.
 Results: OUT/gpu-check.json (every figure, with commit, machine and date) and
 OUT/gpu-check-summary.md, also printed. Exit 0 when every stage passed, 1 when one failed, 2 when
 there is no GPU (or no CUDA build) to check.
@@ -81,7 +83,8 @@ SMOKE_RUNS = (
 )
 BENCH_CONFIGS = "gpt2-124m,qwen3-0.6b"
 # Stage time limits (seconds); a stage past its limit fails and the next one runs.
-TIMEOUTS = {"gpu-tests": 240, "trainer-check": 120, "cluster-run": 300, "bench": 480}
+TIMEOUTS = {"gpu-tests": 240, "trainer-check": 120, "cluster-run": 300, "bench": 480,
+            "fused-ops-bench": 120}
 # NVML series the worker must export while a GPU job runs (DCGM exporter names).
 NVML_SERIES = ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_POWER_USAGE",
                "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_SM_CLOCK")
@@ -145,6 +148,7 @@ def binaries(build_dir):
     found = [os.path.join(build_dir, "bin", b) for b in
              ("tessera", "tessera-coordinator", "tessera-worker", "tessera-trainer")]
     found += [os.path.join(build_dir, "tests", t) for t, _ in GPU_TESTS]
+    found.append(os.path.join(build_dir, "bench", "fused_ops_bench"))
     return found
 
 
@@ -421,6 +425,23 @@ def stage_bench(ctx):
         bench = json.load(f)
     shutil.copy(os.path.join(results_dir, "trainer-gpu.json"),
                 os.path.join(ctx["out"], "trainer-gpu.json"))
+    # The fused RMSNorm / rotary / SwiGLU kernels against ATen's composite, op by op.
+    fused_log = os.path.join(ctx["out"], "fused-ops-bench.log")
+    fused_argv = [os.path.join(ctx["build_dir"], "bench", "fused_ops_bench"),
+                  f"--rounds={3 if ctx['quick'] else 5}"]
+    with open(fused_log, "w") as f:
+        try:
+            rc = subprocess.run(fused_argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                cwd=REPO_ROOT, timeout=TIMEOUTS["fused-ops-bench"]).returncode
+        except subprocess.TimeoutExpired:
+            raise StageFailed(f"fused_ops_bench did not finish in {TIMEOUTS['fused-ops-bench']} s "
+                              f"(log {fused_log}):\n{tail(fused_log)}") from None
+    if rc != 0:
+        raise StageFailed(f"fused_ops_bench exited {rc} (log {fused_log}):\n{tail(fused_log)}")
+    with open(os.path.join(results_dir, "fused-ops.json")) as f:
+        bench["fused_ops"] = json.load(f)
+    shutil.copy(os.path.join(results_dir, "fused-ops.json"),
+                os.path.join(ctx["out"], "fused-ops.json"))
     return bench
 
 
@@ -471,6 +492,13 @@ def summary_lines(report):
         if "compile" in c:
             line += (f", {c['compile']['ratio_tokens_per_second']:.3f}x torch.compile")
         lines += ["", line]
+    fused = bench.get("fused_ops", {}).get("results", [])
+    if fused:
+        lines += ["", "| fused kernel (forward + backward, bf16) | fused | ATen composite | "
+                  "speedup |", "|---|---|---|---|"]
+        for r in fused:
+            lines.append(f"| {r['shape']}: {r['op']} | {1e6 * r['fused_seconds']:.1f} us | "
+                         f"{1e6 * r['composite_seconds']:.1f} us | {r['speedup']:.2f}x |")
     return lines
 
 

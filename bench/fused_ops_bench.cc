@@ -1,0 +1,215 @@
+// fused_ops_bench: forward + backward of the model's RMSNorm, rotary embedding and SwiGLU as the
+// fused CUDA kernels (trainer/fused_ops.h) against the ATen composite the model runs without them
+// (--fused_kernels=false), in the same process on the same tensors, in bf16 at the shapes of one
+// Qwen3-0.6B and one Llama-3-8B layer (2,048 tokens). Per op and shape: `rounds` rounds, each
+// timing `iterations` forward + backward passes of both paths in alternating order (device
+// synchronised before and after); median per path; speedup = composite / fused. Writes
+// fused-ops.json (scripts/bench.sh, make bench-gpu, make gpu-check).
+//
+//   fused_ops_bench [--rounds=5] [--iterations=20]   needs a GPU (exit 2 without one)
+//   fused_ops_bench --smoke                         tiny shapes on the CPU, where both paths are
+//                                                   the composite: checks the benchmark runs
+
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_format.h"
+#include "bench/bench_env.h"
+#include "common/command_line.h"
+#include "nlohmann/json.hpp"
+#include "trainer/device.h"
+#include "trainer/fused_ops.h"
+#include "trainer/model.h"
+#include "trainer/torch_pch.h"
+
+ABSL_FLAG(int, rounds, 5, "Rounds per op and shape; the figures are medians over rounds.");
+ABSL_FLAG(int, iterations, 20, "Forward + backward passes per path per round.");
+ABSL_FLAG(bool, smoke, false,
+          "Tiny shapes on the CPU (both paths are the composite there): checks that the "
+          "benchmark runs; its times mean nothing.");
+
+namespace tessera::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::ordered_json;
+using Tensor = torch::Tensor;
+
+constexpr char kUsage[] =
+    "fused_ops_bench: fused RMSNorm / rotary / SwiGLU CUDA kernels vs ATen's composite, forward + "
+    "backward, bf16.\n\nUsage: fused_ops_bench [--rounds=N] [--iterations=N] [--smoke]";
+
+struct Shape {
+  std::string name;
+  int64_t tokens, hidden, heads, kv_heads, head_dim, ffn;
+};
+
+// One op's forward: the inputs (leaves that require grad where the op has a gradient) to its
+// output.
+struct Case {
+  std::string op;
+  std::vector<Tensor> inputs;
+  std::function<Tensor(const std::vector<Tensor>&)> forward;
+};
+
+std::vector<Case> CasesFor(const Shape& s, const torch::Device& device) {
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(device);
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  auto leaf = [](Tensor t) { return t.requires_grad_(true); };
+  auto [cos, sin] = trainer::RotaryTables(s.tokens, s.head_dim, 1e6);
+  cos = cos.to(device);
+  sin = sin.to(device);
+  std::vector<Case> cases;
+  // The layer's norms: bf16 activations, float32 weight (as under autocast).
+  cases.push_back({"rms_norm [tokens, hidden]",
+                   {leaf(torch::randn({s.tokens, s.hidden}, bf16)), leaf(torch::ones({s.hidden}, f32))},
+                   [](const std::vector<Tensor>& in) {
+                     return trainer::FusedRmsNorm(in[0], in[1], 1e-6);
+                   }});
+  // Qwen3's per-head q norm.
+  cases.push_back({"rms_norm q heads [1, seq, heads, head_dim]",
+                   {leaf(torch::randn({1, s.tokens, s.heads, s.head_dim}, bf16)),
+                    leaf(torch::ones({s.head_dim}, f32))},
+                   [](const std::vector<Tensor>& in) {
+                     return trainer::FusedRmsNorm(in[0], in[1], 1e-6);
+                   }});
+  // Rotary on q as the model calls it: q [1, seq, heads, head_dim] seen heads first.
+  cases.push_back({"rotary q [1, heads, seq, head_dim] (transposed view)",
+                   {leaf(torch::randn({1, s.tokens, s.heads, s.head_dim}, bf16)), cos, sin},
+                   [](const std::vector<Tensor>& in) {
+                     return trainer::FusedRotary(in[0].transpose(1, 2), in[1], in[2]);
+                   }});
+  cases.push_back({"swiglu [tokens, ffn]",
+                   {leaf(torch::randn({s.tokens, s.ffn}, bf16)),
+                    leaf(torch::randn({s.tokens, s.ffn}, bf16))},
+                   [](const std::vector<Tensor>& in) { return trainer::FusedSwiGlu(in[0], in[1]); }});
+  return cases;
+}
+
+void Synchronize(const torch::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+// Seconds per forward + backward, over `iterations` passes.
+double TimePasses(const Case& c, const Tensor& grad, int iterations, const torch::Device& device) {
+  Synchronize(device);
+  const Clock::time_point start = Clock::now();
+  for (int i = 0; i < iterations; ++i) {
+    // Every pass writes fresh gradients, as a step's first backward does.
+    for (Tensor input : c.inputs) input.mutable_grad() = Tensor();
+    Tensor out = c.forward(c.inputs);
+    out.backward(grad);
+  }
+  Synchronize(device);
+  return std::chrono::duration<double>(Clock::now() - start).count() / iterations;
+}
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
+int Run(bool smoke, int rounds, int iterations) {
+  const bool gpu = trainer::CudaDeviceCount() > 0;
+  if (!gpu && !smoke) {
+    std::cerr << "fused_ops_bench: no CUDA device visible (the fused kernels run on GPUs only; "
+                 "--smoke runs the benchmark's code on the CPU)\n";
+    return 2;
+  }
+  const torch::Device device = gpu && !smoke ? torch::Device(torch::kCUDA, 0) : torch::kCPU;
+  const std::vector<Shape> shapes =
+      smoke ? std::vector<Shape>{{"tiny", 64, 64, 4, 2, 16, 128}}
+            : std::vector<Shape>{{"qwen3-0.6b layer", 2048, 1024, 16, 8, 128, 3072},
+                                 {"llama3-8b layer", 2048, 4096, 32, 8, 128, 14336}};
+  const Provenance provenance = ReadProvenance();
+  Json json;
+  json["benchmark"] = "fused-ops";
+  json["device"] = device.is_cuda() ? "cuda" : "cpu";
+  json["smoke"] = smoke;
+  json["fused_kernels_built"] = trainer::FusedKernelsBuilt();
+  json["commit"] = provenance.commit;
+  json["date"] = provenance.date;
+  json["machine"] = provenance.machine;
+  json["method"] =
+      "Per op and shape, after one untimed round: rounds x (iterations forward + backward passes "
+      "of the fused path and of the composite, in alternating order, device synchronised before "
+      "and after each batch of passes); seconds per pass = batch time / iterations; medians over "
+      "rounds; speedup = composite median / fused median. bf16 activations, float32 norm "
+      "weights, gradients of every input that takes one.";
+  json["rounds"] = rounds;
+  json["iterations"] = iterations;
+  std::cout << absl::StrFormat("fused_ops_bench on %s: %d rounds x %d passes per path\n",
+                               device.str(), rounds, iterations);
+  torch::manual_seed(3);
+  bool fused_ran_everywhere = true;
+  for (const Shape& shape : shapes) {
+    for (const Case& c : CasesFor(shape, device)) {
+      Tensor probe = c.forward(c.inputs);
+      const Tensor grad = torch::randn_like(probe);
+      const std::string node = probe.grad_fn() ? probe.grad_fn()->name() : "";
+      const bool fused_ran = node.find("Function") != std::string::npos;
+      fused_ran_everywhere = fused_ran_everywhere && (fused_ran || !device.is_cuda());
+      probe = Tensor();
+      std::vector<double> fused, composite;
+      for (int round = -1; round < rounds; ++round) {
+        for (bool fused_path : {round % 2 == 0, round % 2 != 0}) {
+          trainer::SetFusedKernelsEnabled(fused_path);
+          const double seconds = TimePasses(c, grad, iterations, device);
+          if (round >= 0) (fused_path ? fused : composite).push_back(seconds);
+        }
+      }
+      trainer::SetFusedKernelsEnabled(true);
+      const double f = Median(fused), ref = Median(composite);
+      json["results"].push_back({{"shape", shape.name},
+                                 {"op", c.op},
+                                 {"fused_node", node},
+                                 {"fused_ran", fused_ran},
+                                 {"fused_seconds", f},
+                                 {"composite_seconds", ref},
+                                 {"speedup", ref / f},
+                                 {"fused_runs", fused},
+                                 {"composite_runs", composite}});
+      std::cout << absl::StrFormat("  %-18s %-52s fused %9.1f us  composite %9.1f us  %.2fx%s\n",
+                                   shape.name, c.op, 1e6 * f, 1e6 * ref, ref / f,
+                                   fused_ran ? "" : " (composite on both sides)");
+    }
+  }
+  // Next to the binary unless scripts/bench.sh says where (TESSERA_BENCH_RESULTS).
+  std::error_code error;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+  const std::string dir = ResultsDir(error ? "results" : (self.parent_path() / "results").string());
+  std::filesystem::create_directories(dir, error);
+  const std::string path = dir + "/fused-ops.json";
+  std::ofstream out(path);
+  out << json.dump(1) << "\n";
+  if (!out) {
+    std::cerr << "fused_ops_bench: cannot write " << path << "\n";
+    return 1;
+  }
+  std::cout << "wrote " << path << "\n";
+  if (!fused_ran_everywhere) {
+    std::cerr << "fused_ops_bench: a CUDA case ran the composite: the fused kernels did not run\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace tessera::bench
+
+int main(int argc, char** argv) {
+  tessera::ParseCommandLine(argc, argv, tessera::bench::kUsage);
+  return tessera::bench::Run(absl::GetFlag(FLAGS_smoke), std::max(1, absl::GetFlag(FLAGS_rounds)),
+                             std::max(1, absl::GetFlag(FLAGS_iterations)));
+}
