@@ -1,7 +1,8 @@
 // The loss under a loss mask (targets of kIgnoreTarget), against references computed another
 // way: CausalLM::Loss and its gradients against log-softmax of forward() picked at the counted
 // targets only; the prompt targets' values do not matter and the response targets' do; an
-// all-masked batch gives loss 0 and zero gradients, never NaN; and the vocab-parallel
+// all-masked batch gives loss 0 and zero gradients, never NaN, and a step of such batches leaves
+// parameters and moments as they were (ShardedEngine::Step without update); and the vocab-parallel
 // cross-entropy on two Gloo ranks (threads sharing a HashStore) against the single-rank one.
 
 #include <cmath>
@@ -18,6 +19,7 @@
 #include "trainer/data_loader.h"
 #include "trainer/distributed.h"
 #include "trainer/model.h"
+#include "trainer/sharded_engine.h"
 #include "trainer/tensor_parallel.h"
 #include "trainer/test_model_dims.h"
 #include "trainer/torch_pch.h"
@@ -122,6 +124,39 @@ TEST_P(LossMaskTest, AllMaskedBatchHasZeroLossAndZeroGradients) {
     ASSERT_TRUE(torch::isfinite(g).all().item<bool>());
     EXPECT_EQ(g.abs().max().item<double>(), 0.0);
   }
+}
+
+// A step whose global batch has no counted target changes nothing when the engine is told not to
+// update, as the trainer tells it: after a real step (moments not zero), AdamW on the zero
+// gradients of an all-masked batch would still move every weight by momentum and decay.
+TEST_P(LossMaskTest, AllMaskedStepLeavesParametersAndMomentsAsTheyWere) {
+  ShardedEngineOptions options;
+  options.weight_decay = 0.1;
+  ShardedEngine engine(model_, options);
+  engine.ForwardBackward(inputs_, Masked(targets_), 1.0, /*last=*/true);
+  engine.Step(1e-2, 1.0);
+  auto state = [&engine] {
+    std::vector<Tensor> values;
+    for (const TensorRange& range : engine.SaveRanges()) values.push_back(range.data.clone());
+    return values;
+  };
+  const std::vector<Tensor> before = state();
+  const int64_t step_before = engine.optimizer_step();
+  const Tensor none = torch::full_like(targets_, kIgnoreTarget);
+  // LossWeight is 0 for every micro-batch of such a step.
+  EXPECT_EQ(engine.ForwardBackward(inputs_, none, 0.0, /*last=*/true).item<double>(), 0.0);
+  EXPECT_EQ(engine.Step(1e-2, 1.0, /*update=*/false), 0.0);
+  const std::vector<Tensor> skipped = state();
+  ASSERT_EQ(skipped.size(), before.size());
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(skipped[i], before[i])) << i;
+  EXPECT_EQ(engine.optimizer_step(), step_before);
+  // Stepping anyway (what the trainer did before) moves the weights.
+  engine.ForwardBackward(inputs_, none, 0.0, /*last=*/true);
+  engine.Step(1e-2, 1.0);
+  const std::vector<Tensor> stepped = state();
+  bool moved = false;
+  for (size_t i = 0; i < before.size(); ++i) moved |= !torch::equal(stepped[i], before[i]);
+  EXPECT_TRUE(moved);
 }
 
 // Micro-batches weighed by LossWeight() sum to the loss of the whole batch at once: what

@@ -508,7 +508,7 @@ void ShardedEngine::BackwardStage(const at::Tensor& output, const at::Tensor& gr
   }
 }
 
-double ShardedEngine::Step(double lr, double clip_norm) {
+double ShardedEngine::Step(double lr, double clip_norm, bool update) {
   FinishAll();
   if (defer_outer_unit()) {
     SumTiedEmbeddingGradients();
@@ -542,6 +542,10 @@ double ShardedEngine::Step(double lr, double clip_norm) {
   if (std::isfinite(clip_norm) && !grads.empty()) {
     const double coef = clip_norm / (norm + 1e-6);
     if (coef < 1) at::_foreach_mul_(grads, coef);
+  }
+  if (!update) {
+    ZeroGradients();
+    return norm;
   }
   optimizer_->Step(lr);
   if ((stage() == 1 || stage() == 2) && options_.dp_size > 1) {

@@ -123,7 +123,10 @@ class ShardedEngine : public LayerHooks {
 
   // Finishes the gradient reduction, clips the global gradient norm to `clip_norm` (infinity:
   // no clipping), steps AdamW at `lr` and zeroes the gradients. Returns the norm before clipping.
-  double Step(double lr, double clip_norm);
+  // With `update` false (a step whose global batch has no counted target) AdamW does not step:
+  // parameters, moments and AdamW's step counter stay as they are; the collectives still run,
+  // so every rank of the job must pass the same `update`.
+  double Step(double lr, double clip_norm, bool update = true);
 
   // The mean loss of a batch without gradients (ZeRO-3 gathers layer by layer as in training).
   at::Tensor EvalLoss(const at::Tensor& inputs, const at::Tensor& targets);

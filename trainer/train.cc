@@ -582,8 +582,17 @@ class Trainer {
     // A save started after the last step may still be copying the state the optimizer changes.
     checkpoint_blocked_seconds_ += checkpointer_->AwaitSnapshot();
     double clip = spec_.optimizer().grad_clip_norm();
-    *grad_norm =
-        engine_->Step(learning_rate, clip > 0 ? clip : std::numeric_limits<double>::infinity());
+    // A global batch without a counted target (every target masked) has nothing to learn from:
+    // AdamW would still move the weights by its momentum and decay. Every rank counts the same
+    // step total from the masks, so all of them skip together.
+    const bool update = micro_batches.empty() || micro_batches.front().step_loss_tokens > 0;
+    if (!update) {
+      Log(absl::StrCat("step ", step_ + 1,
+                       ": no counted target in the global batch (every target masked); "
+                       "the optimizer step is skipped"));
+    }
+    *grad_norm = engine_->Step(
+        learning_rate, clip > 0 ? clip : std::numeric_limits<double>::infinity(), update);
     return loss_value;
   }
 
