@@ -106,11 +106,37 @@ StateCopy::StateCopy(const LiveTrainingState& live, TrainingStateSnapshot* reuse
         reuse->ranges[i].data.scalar_type() == source.scalar_type()) {
       range.data = std::move(reuse->ranges[i].data);
     } else {
-      // Pinned host memory for a device tensor: the copy runs at full DMA speed.
-      range.data = at::empty(
-          {source.numel()},
-          at::TensorOptions().dtype(source.scalar_type()).pinned_memory(source.is_cuda()));
+      range.data = at::Tensor();  // allocated by the first thread that copies (Allocate)
     }
+  }
+}
+
+bool StateCopy::Allocate() {
+  try {
+    std::call_once(allocated_, [this] {
+      for (size_t i = 0; i < sources_.size(); ++i) {
+        at::Tensor& copy = snapshot_.ranges[i].data;
+        if (copy.defined()) continue;
+        // Pinned host memory for a device tensor: the copy runs at full DMA speed. Pinning
+        // takes time in proportion to the bytes: done here, on the save's thread for device
+        // state.
+        const at::Tensor& source = sources_[i];
+        copy = at::empty(
+            {source.numel()},
+            at::TensorOptions().dtype(source.scalar_type()).pinned_memory(source.is_cuda()));
+      }
+    });
+    return true;
+  } catch (const std::exception& e) {
+    // No copy without buffers: every range not yet claimed ends, with the error.
+    {
+      std::lock_guard lock(mutex_);
+      error_ = absl::StrCat("allocating host buffers: ", c10::GetExceptionString(e));
+    }
+    const size_t n = sources_.size();
+    const size_t first = next_.exchange(n);
+    if (first < n) CountDone(n - first);
+    return false;
   }
 }
 
@@ -123,6 +149,7 @@ void StateCopy::CountDone(size_t ranges) {
 void StateCopy::CopyRange(size_t i) {
   const at::Tensor& source = sources_[i];
   at::Tensor& copy = snapshot_.ranges[i].data;
+  if (source.numel() == 0) return;
   if (source.is_contiguous()) {
     // The ranges are views of flat buffers: one memcpy, on this thread only (copy_ would start
     // the intra-op pool's threads).
@@ -134,6 +161,7 @@ void StateCopy::CopyRange(size_t i) {
 
 void StateCopy::Run() {
   torch::NoGradGuard no_grad;
+  if (!Allocate()) return;
   const size_t n = sources_.size();
   if (!on_device_) {
     for (size_t i = next_++; i < n; i = next_++) {
@@ -179,7 +207,7 @@ void StateCopy::Run() {
 }
 
 void StateCopy::Finish() {
-  if (!on_device_ && next_.load() < sources_.size()) {
+  if (!on_device_ && next_.load() < sources_.size() && Allocate()) {
     at::parallel_for(0, at::get_num_threads(), 1, [this](int64_t, int64_t) { Run(); });
   }
   WaitDone();

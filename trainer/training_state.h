@@ -55,8 +55,8 @@ LiveTrainingState CaptureTrainingState(ShardedEngine& engine);
 class StateCopy {
  public:
   // Destination buffers: those of `reuse` (an earlier snapshot of the same engine, no longer
-  // needed) where they match, else new ones (pinned for device ranges; not touched yet, so this
-  // is quick).
+  // needed) where they match; new ones (pinned for device ranges) are allocated by the first
+  // thread that copies, so that pinning memory does not hold up the training thread.
   StateCopy(const LiveTrainingState& live, TrainingStateSnapshot* reuse);
   StateCopy(const StateCopy&) = delete;
   StateCopy& operator=(const StateCopy&) = delete;
@@ -74,6 +74,9 @@ class StateCopy {
   absl::StatusOr<TrainingStateSnapshot> Take();
 
  private:
+  // The buffers reuse did not provide; false (and every unclaimed range ended with the error)
+  // when they cannot be allocated.
+  bool Allocate();
   void CopyRange(size_t i);
   void CountDone(size_t ranges);
 
@@ -81,6 +84,7 @@ class StateCopy {
   std::vector<at::Tensor> sources_;
   std::shared_ptr<void> ready_;
   bool on_device_ = false;
+  std::once_flag allocated_;
   std::atomic<size_t> next_{0};
   std::mutex mutex_;
   std::condition_variable done_cv_;
