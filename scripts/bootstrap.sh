@@ -28,6 +28,7 @@ readonly APT_PACKAGES=(
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
   libyaml-cpp-dev nlohmann-json3-dev libsqlite3-dev libsentencepiece-dev libgloo-dev
   libssl-dev libxxhash-dev python3-venv
+  libjemalloc-dev  # tessera-coordinator's allocator (coordinator/CMakeLists.txt)
   prometheus  # promtool: tests lint the /metrics exposition with it
   # The fuzz build (tests/fuzz): clang, libFuzzer and the sanitizer runtimes
   # (libclang_rt.fuzzer-x86_64.a is in libclang-rt-14-dev), llvm-symbolizer for its reports.
