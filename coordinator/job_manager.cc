@@ -71,7 +71,6 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::s
     if (existing.has_value()) return *existing;
   }
   v1::Job job;
-  ASSIGN_OR_RETURN(*job.mutable_job_id(), store_->NextJobId());
   *job.mutable_spec() = spec;
   *job.mutable_plan() = std::move(plan);
   job.set_owner(owner);
@@ -79,12 +78,13 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::s
   job.set_reason("waiting to be scheduled");
   *job.mutable_create_time() = NowTimestamp();
   JobWrite write;
-  write.job_id = job.job_id();
-  write.job = job;
   write.request_id = owned_request_id;
   write.events.push_back(StateEvent(v1::JOB_STATE_UNSPECIFIED, v1::JOB_STATE_PENDING, "submitted"));
-  RETURN_IF_ERROR(CommitAndNotify(write).status());
-  return job;
+  write.job = std::move(job);
+  // The id is allocated in the submission's own transaction.
+  RETURN_IF_ERROR(store_->CommitNewJob(&write));
+  NotifyWatchers(write.job_id);
+  return *std::move(write.job);
 }
 
 absl::StatusOr<v1::Job> JobManager::Get(const std::string& job_id) {

@@ -910,39 +910,74 @@ absl::StatusOr<std::vector<v1::Node>> Store::ListNodes() {
   return nodes;
 }
 
+absl::StatusOr<std::string> Store::AllocateJobIdLocked() {
+  const std::string operation = "allocate job id";
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+INSERT INTO counters (name, value) VALUES (?1, 1)
+ON CONFLICT (name) DO UPDATE SET value = value + 1
+RETURNING value)sql",
+                                                operation));
+  // Skips ids taken by jobs stored under another scheme (none today).
+  while (true) {
+    int64_t value = 0;
+    {
+      Statement next(db_, stmt, operation);
+      next.BindText(1, kJobIdCounter);
+      ASSIGN_OR_RETURN(bool has_row, next.Step());
+      if (!has_row) return absl::InternalError("store: allocate job id: no counter value");
+      value = next.ColumnInt64(0);
+      // RETURNING rows are produced before the statement completes.
+      RETURN_IF_ERROR(next.Run());
+    }
+    if (value > kMaxJobIdCounter) {
+      return absl::ResourceExhaustedError("store: allocate job id: all 2^32-1 job ids are used");
+    }
+    std::string job_id = absl::StrFormat("job-%08x", value);
+    ASSIGN_OR_RETURN(bool taken, JobExists(job_id));
+    if (!taken) return job_id;
+  }
+}
+
 absl::StatusOr<std::string> Store::NextJobId() {
   std::string job_id;
   QueuedWrite write;
   write.apply = [this, &job_id]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
-    const std::string operation = "allocate job id";
-    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
-INSERT INTO counters (name, value) VALUES (?1, 1)
-ON CONFLICT (name) DO UPDATE SET value = value + 1
-RETURNING value)sql",
-                                                  operation));
-    // Skips ids taken by jobs stored under another scheme (none today).
-    while (true) {
-      int64_t value = 0;
-      {
-        Statement next(db_, stmt, operation);
-        next.BindText(1, kJobIdCounter);
-        ASSIGN_OR_RETURN(bool has_row, next.Step());
-        if (!has_row) return absl::InternalError("store: allocate job id: no counter value");
-        value = next.ColumnInt64(0);
-        // RETURNING rows are produced before the statement completes.
-        RETURN_IF_ERROR(next.Run());
-      }
-      if (value > kMaxJobIdCounter) {
-        return absl::ResourceExhaustedError("store: allocate job id: all 2^32-1 job ids are used");
-      }
-      job_id = absl::StrFormat("job-%08x", value);
-      ASSIGN_OR_RETURN(bool taken, JobExists(job_id));
-      if (!taken) return absl::OkStatus();
-    }
+    ASSIGN_OR_RETURN(job_id, AllocateJobIdLocked());
+    return absl::OkStatus();
   };
   GroupCommit({&write});
   RETURN_IF_ERROR(write.status);
   return job_id;
+}
+
+absl::Status Store::CommitNewJob(JobWrite* write) {
+  if (!write->job_id.empty() || !write->job.has_value() || !write->job->job_id().empty()) {
+    return absl::InvalidArgumentError(
+        "store: a new job's write carries a job and no job_id (the store assigns it)");
+  }
+  for (const v1::JobEvent& event : write->events) {
+    if (!event.job_id().empty()) {
+      return absl::InvalidArgumentError("store: a new job's events cannot name a job_id");
+    }
+  }
+  for (const v1::Checkpoint& checkpoint : write->checkpoints) {
+    if (!checkpoint.job_id().empty()) {
+      return absl::InvalidArgumentError("store: a new job's checkpoints cannot name a job_id");
+    }
+  }
+  std::vector<v1::JobEvent> stored_events;
+  QueuedWrite queued;
+  queued.apply = [this, write, &stored_events]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> absl::Status {
+    ASSIGN_OR_RETURN(write->job_id, AllocateJobIdLocked());
+    write->job->set_job_id(write->job_id);
+    return ApplyWrite(*write, stored_events);
+  };
+  GroupCommit({&queued});
+  if (!queued.status.ok()) {
+    write->job_id.clear();
+    write->job->clear_job_id();
+  }
+  return queued.status;
 }
 
 void Store::SetWriteObserver(std::function<void(double seconds)> observer) {

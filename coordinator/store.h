@@ -6,7 +6,7 @@
 // Commit that returned survives SIGKILL and power loss.
 //
 // Group commit: writes from concurrent callers (Commit, CommitAll, PutNode,
-// DeleteNode, NextJobId) share one SQLite transaction and so one fsync. The
+// DeleteNode, NextJobId, CommitNewJob) share one SQLite transaction and so one fsync. The
 // first caller to find no transaction in progress becomes the leader: it
 // takes every write queued so far, applies each inside its own SAVEPOINT (a
 // write that fails is rolled back alone and only its caller sees the error),
@@ -178,9 +178,17 @@ class Store {
   // already taken by a stored job is skipped. RESOURCE_EXHAUSTED after 2^32-1
   // ids.
   absl::StatusOr<std::string> NextJobId();
+  // A submission's first write, with the job's id allocated in the same transaction (one
+  // commit and one fsync instead of NextJobId's and Commit's). `write` carries the job and no
+  // id: its job_id, job->job_id and every event's and checkpoint's job_id are empty
+  // (INVALID_ARGUMENT otherwise). Once the write is durable, write->job_id and
+  // write->job->job_id hold the id NextJobId would have returned; a write that fails consumes
+  // no id and leaves them empty. The failure injector is not consulted (the id is not known
+  // before the transaction).
+  absl::Status CommitNewJob(JobWrite* write);
 
   // Called with the seconds each committed SQLite transaction took (one
-  // group commit of Commit, CommitAll, PutNode, DeleteNode or NextJobId
+  // group commit of Commit, CommitAll, PutNode, DeleteNode, NextJobId or CommitNewJob
   // writes, including the fsync), for the store-write-latency histogram.
   // Pass nullptr to remove.
   void SetWriteObserver(std::function<void(double seconds)> observer);
@@ -231,6 +239,8 @@ class Store {
   absl::Status ApplyWrite(const JobWrite& write, std::vector<v1::JobEvent>& stored_events)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<bool> JobExists(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // NextJobId's step inside a batch's transaction.
+  absl::StatusOr<std::string> AllocateJobIdLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::vector<v1::Job>> QueryJobs(Statement& statement, absl::string_view operation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReportWrite(double seconds) ABSL_LOCKS_EXCLUDED(mu_);

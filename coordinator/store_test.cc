@@ -459,6 +459,69 @@ TEST(StoreTest, NextJobIdIsUniqueAndMonotonicAcrossReopen) {
   EXPECT_THAT(store->NextJobId(), ::tessera::testing::IsOkAndHolds("job-00000011"));
 }
 
+TEST(StoreTest, CommitNewJobAllocatesTheIdInItsOwnTransaction) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/coordinator.db";
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  auto new_job = [](const std::string& request_id) {
+    JobWrite write;
+    write.job = MakeJob("", v1::JOB_STATE_PENDING, 1);
+    write.request_id = request_id;
+    write.events.push_back(StateEvent(v1::JOB_STATE_UNSPECIFIED, v1::JOB_STATE_PENDING));
+    return write;
+  };
+  JobWrite first = new_job("req-1");
+  ASSERT_THAT(store->CommitNewJob(&first), IsOk());
+  EXPECT_EQ(first.job_id, "job-00000001");
+  EXPECT_EQ(first.job->job_id(), "job-00000001");
+  absl::StatusOr<v1::Job> stored = store->GetJob("job-00000001");
+  ASSERT_THAT(stored, IsOk());
+  EXPECT_EQ(stored->job_id(), "job-00000001");
+  absl::StatusOr<std::vector<v1::JobEvent>> events = store->ReadEvents("job-00000001", 0, 0);
+  ASSERT_THAT(events, IsOk());
+  ASSERT_THAT(*events, SizeIs(1));
+  EXPECT_EQ((*events)[0].job_id(), "job-00000001");
+  EXPECT_THAT(
+      store->FindJobByRequestId("req-1"),
+      IsOkAndHolds(::testing::Optional(::testing::Property(&v1::Job::job_id, "job-00000001"))));
+
+  // Shares the counter with NextJobId.
+  EXPECT_THAT(store->NextJobId(), IsOkAndHolds("job-00000002"));
+  // A write that fails (a request id already taken) consumes no id and leaves the write unnamed.
+  JobWrite duplicate = new_job("req-1");
+  EXPECT_THAT(store->CommitNewJob(&duplicate),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("job-00000003")));
+  EXPECT_EQ(duplicate.job_id, "");
+  EXPECT_EQ(duplicate.job->job_id(), "");
+  EXPECT_THAT(store->GetJob("job-00000003"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("job-00000003")));
+  JobWrite next = new_job("");
+  ASSERT_THAT(store->CommitNewJob(&next), IsOk());
+  EXPECT_EQ(next.job_id, "job-00000003");
+
+  // A write that names a job, or has none, is refused before anything is stored.
+  JobWrite named = new_job("");
+  named.job_id = "job-x";
+  EXPECT_THAT(store->CommitNewJob(&named),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_id")));
+  JobWrite named_event = new_job("");
+  named_event.events[0].set_job_id("job-x");
+  EXPECT_THAT(store->CommitNewJob(&named_event),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_id")));
+  JobWrite no_job;
+  EXPECT_THAT(store->CommitNewJob(&no_job),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_id")));
+
+  // The counter is durable: a reopened store goes on from it.
+  store.reset();
+  store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  JobWrite after_reopen = new_job("");
+  ASSERT_THAT(store->CommitNewJob(&after_reopen), IsOk());
+  EXPECT_EQ(after_reopen.job_id, "job-00000004");
+}
+
 TEST(StoreTest, ReopenKeepsData) {
   tessera::testing::ScopedTempDir dir("store");
   const std::string path = dir.path() + "/coordinator.db";
