@@ -10,6 +10,20 @@ bool IsTaskEnded(v1::TaskState state) {
          state == v1::TASK_STATE_STOPPED;
 }
 
+// Whether `pred(node_id)` holds for the node of every rank. Called on every heartbeat of a running
+// job: walks the ranks (a node's ranks are adjacent, so each node is usually checked once) instead
+// of building the list of nodes.
+template <typename Pred>
+bool EveryRankNode(const std::vector<v1::RankPlacement>& ranks, Pred pred) {
+  const std::string* checked = nullptr;
+  for (const auto& rank : ranks) {
+    if (checked != nullptr && *checked == rank.node_id()) continue;
+    if (!pred(rank.node_id())) return false;
+    checked = &rank.node_id();
+  }
+  return true;
+}
+
 }  // namespace
 
 std::vector<std::string> Allocation::Nodes() const {
@@ -29,18 +43,14 @@ bool Allocation::NodeEnded(const std::string& node_id) const {
 }
 
 bool Allocation::AllNodesEnded() const {
-  for (const auto& node : Nodes()) {
-    if (!NodeEnded(node)) return false;
-  }
-  return true;
+  return EveryRankNode(ranks, [this](const std::string& node) { return NodeEnded(node); });
 }
 
 bool Allocation::AllNodesIn(v1::TaskState state) const {
-  for (const auto& node : Nodes()) {
+  return EveryRankNode(ranks, [this, state](const std::string& node) {
     auto it = task_states.find(node);
-    if (it == task_states.end() || it->second != state) return false;
-  }
-  return true;
+    return it != task_states.end() && it->second == state;
+  });
 }
 
 void Allocation::AddFailure(const v1::TrainerFailure& failure, absl::Time now) {
@@ -61,16 +71,34 @@ Allocation* AllocationLedger::Find(const std::string& job_id) {
 
 Allocation& AllocationLedger::Add(const std::string& job_id, Allocation allocation) {
   if (auto it = allocations_.find(job_id); it != allocations_.end()) Unindex(job_id, it->second);
-  for (const auto& rank : allocation.ranks) jobs_by_node_[rank.node_id()].insert(job_id);
+  for (const auto& rank : allocation.ranks) {
+    jobs_by_node_[rank.node_id()].insert(job_id);
+    if (rank.gpu_index() >= 0) {
+      ++held_gpus_[rank.node_id()][rank.gpu_index()];
+    } else {
+      ++held_cpu_slots_[rank.node_id()];
+    }
+  }
   return allocations_[job_id] = std::move(allocation);
 }
 
 void AllocationLedger::Unindex(const std::string& job_id, const Allocation& allocation) {
   for (const auto& rank : allocation.ranks) {
-    auto it = jobs_by_node_.find(rank.node_id());
-    if (it == jobs_by_node_.end()) continue;
-    it->second.erase(job_id);
-    if (it->second.empty()) jobs_by_node_.erase(it);
+    if (auto it = jobs_by_node_.find(rank.node_id()); it != jobs_by_node_.end()) {
+      it->second.erase(job_id);
+      if (it->second.empty()) jobs_by_node_.erase(it);
+    }
+    // Ranks are not changed once added (all() says so), so each was counted by Add.
+    if (rank.gpu_index() >= 0) {
+      auto node = held_gpus_.find(rank.node_id());
+      if (node == held_gpus_.end()) continue;
+      auto gpu = node->second.find(rank.gpu_index());
+      if (gpu != node->second.end() && --gpu->second == 0) node->second.erase(gpu);
+      if (node->second.empty()) held_gpus_.erase(node);
+    } else {
+      auto node = held_cpu_slots_.find(rank.node_id());
+      if (node != held_cpu_slots_.end() && --node->second == 0) held_cpu_slots_.erase(node);
+    }
   }
 }
 
@@ -97,15 +125,15 @@ size_t AllocationLedger::EraseIf(
 }
 
 UsedResources AllocationLedger::Used() const {
+  // Copied from the counts kept by Add and Unindex, in key order (each insert at the end, so no
+  // lookups): a pass asks for this with thousands of allocations held.
   UsedResources used;
-  for (const auto& [job_id, allocation] : allocations_) {
-    for (const auto& rank : allocation.ranks) {
-      if (rank.gpu_index() >= 0) {
-        used.gpus[rank.node_id()].insert(rank.gpu_index());
-      } else {
-        ++used.cpu_slots[rank.node_id()];
-      }
-    }
+  for (const auto& [node_id, gpus] : held_gpus_) {
+    std::set<int>& held = used.gpus.emplace_hint(used.gpus.end(), node_id, std::set<int>())->second;
+    for (const auto& [gpu, holds] : gpus) held.emplace_hint(held.end(), gpu);
+  }
+  for (const auto& [node_id, slots] : held_cpu_slots_) {
+    used.cpu_slots.emplace_hint(used.cpu_slots.end(), node_id, slots);
   }
   return used;
 }

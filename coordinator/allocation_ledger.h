@@ -80,7 +80,8 @@ class AllocationLedger {
   // Erases the allocations for which `pred(job_id, allocation)` holds; returns how many.
   size_t EraseIf(const std::function<bool(const std::string&, const Allocation&)>& pred);
   // For iteration and changes in place; allocations are added and erased only through the
-  // methods above (they keep the index by node).
+  // methods above, and their ranks are not changed (the index by node and the device counts
+  // behind Used() are kept from them).
   std::map<std::string, Allocation>& all() { return allocations_; }
 
   // Devices held by every allocation, draining ones included.
@@ -97,6 +98,10 @@ class AllocationLedger {
   std::map<std::string, Allocation> allocations_;
   // node_id -> jobs with a rank there.
   std::map<std::string, std::set<std::string>> jobs_by_node_;
+  // node_id -> GPU index -> ranks holding it (more than one only if a placement was doubled), and
+  // node_id -> CPU ranks: what Used reports, kept by Add and Unindex.
+  std::map<std::string, std::map<int, int>> held_gpus_;
+  std::map<std::string, int> held_cpu_slots_;
 };
 
 }  // namespace tessera::coordinator

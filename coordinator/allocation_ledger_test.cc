@@ -1,0 +1,112 @@
+// AllocationLedger's device counts and Allocation's node checks against slow recounts: after random
+// sequences of Add (new and replacing), Erase and EraseIf, Used() must equal the devices the
+// allocations' ranks name, and AllNodesIn / AllNodesEnded must agree with a walk over Nodes()
+// (both are kept or computed without building the node list, on every pass and heartbeat).
+#include "coordinator/allocation_ledger.h"
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace tessera::coordinator {
+namespace {
+
+UsedResources Recount(AllocationLedger& ledger) {
+  UsedResources used;
+  for (const auto& [job_id, allocation] : ledger.all()) {
+    for (const auto& rank : allocation.ranks) {
+      if (rank.gpu_index() >= 0) {
+        used.gpus[rank.node_id()].insert(rank.gpu_index());
+      } else {
+        ++used.cpu_slots[rank.node_id()];
+      }
+    }
+  }
+  return used;
+}
+
+Allocation RandomAllocation(std::mt19937& rng) {
+  Allocation allocation;
+  const int nodes = std::uniform_int_distribution<int>(1, 3)(rng);
+  for (int n = 0; n < nodes; ++n) {
+    const std::string node_id = absl::StrCat("n", std::uniform_int_distribution<int>(0, 5)(rng));
+    const int ranks = std::uniform_int_distribution<int>(1, 3)(rng);
+    for (int r = 0; r < ranks; ++r) {
+      v1::RankPlacement& rank = allocation.ranks.emplace_back();
+      rank.set_rank(static_cast<int>(allocation.ranks.size()) - 1);
+      rank.set_node_id(node_id);
+      // -1: a CPU slot. Indexes repeat across allocations on purpose (a doubled placement must
+      // not free a device the other still holds).
+      rank.set_gpu_index(std::uniform_int_distribution<int>(-1, 3)(rng));
+    }
+  }
+  return allocation;
+}
+
+TEST(AllocationLedgerTest, UsedMatchesTheRanksHeld) {
+  std::mt19937 rng(20261125);
+  AllocationLedger ledger;
+  for (int step = 0; step < 2000; ++step) {
+    const std::string job_id = absl::StrCat("job-", std::uniform_int_distribution<int>(0, 20)(rng));
+    switch (std::uniform_int_distribution<int>(0, 3)(rng)) {
+      case 0:
+      case 1:
+        ledger.Add(job_id, RandomAllocation(rng));
+        break;
+      case 2:
+        ledger.Erase(job_id);
+        break;
+      default: {
+        const int parity = std::uniform_int_distribution<int>(0, 1)(rng);
+        ledger.EraseIf([&](const std::string& id, const Allocation&) {
+          return static_cast<int>(id.size() % 2) == parity;
+        });
+      }
+    }
+    const UsedResources expected = Recount(ledger);
+    const UsedResources used = ledger.Used();
+    ASSERT_EQ(used.gpus, expected.gpus) << "step " << step;
+    ASSERT_EQ(used.cpu_slots, expected.cpu_slots) << "step " << step;
+  }
+  ledger.EraseIf([](const std::string&, const Allocation&) { return true; });
+  EXPECT_TRUE(ledger.Used().gpus.empty());
+  EXPECT_TRUE(ledger.Used().cpu_slots.empty());
+}
+
+TEST(AllocationTest, NodeChecksAgreeWithTheNodeList) {
+  std::mt19937 rng(7);
+  const std::vector<v1::TaskState> states = {v1::TASK_STATE_RUNNING, v1::TASK_STATE_SUCCEEDED,
+                                             v1::TASK_STATE_FAILED, v1::TASK_STATE_STARTING};
+  for (int trial = 0; trial < 500; ++trial) {
+    Allocation allocation = RandomAllocation(rng);
+    // Interleave the nodes' ranks at times: a node's ranks need not be adjacent.
+    if (trial % 3 == 0) std::shuffle(allocation.ranks.begin(), allocation.ranks.end(), rng);
+    for (const std::string& node : allocation.Nodes()) {
+      const int pick = std::uniform_int_distribution<int>(0, 4)(rng);
+      if (pick < 4) allocation.task_states[node] = states[pick];
+      if (std::uniform_int_distribution<int>(0, 9)(rng) == 0) allocation.lost_nodes.insert(node);
+    }
+    for (v1::TaskState state : states) {
+      bool all_in = true;
+      for (const std::string& node : allocation.Nodes()) {
+        auto it = allocation.task_states.find(node);
+        all_in = all_in && it != allocation.task_states.end() && it->second == state;
+      }
+      EXPECT_EQ(allocation.AllNodesIn(state), all_in) << "trial " << trial;
+    }
+    bool all_ended = true;
+    for (const std::string& node : allocation.Nodes()) {
+      all_ended = all_ended && allocation.NodeEnded(node);
+    }
+    EXPECT_EQ(allocation.AllNodesEnded(), all_ended) << "trial " << trial;
+  }
+}
+
+}  // namespace
+}  // namespace tessera::coordinator
