@@ -403,45 +403,42 @@ def stage_cluster(ctx):
 # --- bench-gpu --------------------------------------------------------------------------------
 
 
+def run_bench_program(ctx, name, argv, env, results_dir, result_file):
+    """Runs one benchmark program to completion, its output in OUT/NAME.log; returns the JSON it
+    wrote to results_dir/result_file (also copied to OUT)."""
+    log = os.path.join(ctx["out"], f"{name}.log")
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                timeout=TIMEOUTS[name]).returncode
+        except subprocess.TimeoutExpired:
+            raise StageFailed(f"{name} did not finish in {TIMEOUTS[name]} s "
+                              f"(log {log}):\n{tail(log)}") from None
+    if rc != 0:
+        raise StageFailed(f"{name} exited {rc} (log {log}):\n{tail(log)}")
+    path = os.path.join(results_dir, result_file)
+    shutil.copy(path, os.path.join(ctx["out"], result_file))
+    with open(path) as f:
+        return json.load(f)
+
+
 def stage_bench(ctx):
     results_dir = os.path.join(ctx["workdir"], "bench")
     os.makedirs(results_dir, exist_ok=True)
     env = dict(ctx["env"], TESSERA_BENCH_RESULTS=results_dir, TESSERA_BUILD_DIR=ctx["build_dir"],
                TESSERA_BENCH_PYTHON=ctx["python"], PYTHONUNBUFFERED="1")
-    argv = [ctx["python"], os.path.join(REPO_ROOT, "bench", "trainer_bench.py"),
-            "--device=cuda", f"--configs={BENCH_CONFIGS}", "--baselines=eager,compile",
-            f"--runs={1 if ctx['quick'] else 2}"]
-    log = os.path.join(ctx["out"], "bench.log")
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-                                timeout=TIMEOUTS["bench"]).returncode
-        except subprocess.TimeoutExpired:
-            raise StageFailed(f"trainer_bench did not finish in {TIMEOUTS['bench']} s "
-                              f"(log {log}):\n{tail(log)}") from None
-    if rc != 0:
-        raise StageFailed(f"trainer_bench exited {rc} (log {log}):\n{tail(log)}")
-    with open(os.path.join(results_dir, "trainer-gpu.json")) as f:
-        bench = json.load(f)
-    shutil.copy(os.path.join(results_dir, "trainer-gpu.json"),
-                os.path.join(ctx["out"], "trainer-gpu.json"))
+    bench = run_bench_program(
+        ctx, "bench",
+        [ctx["python"], os.path.join(REPO_ROOT, "bench", "trainer_bench.py"), "--device=cuda",
+         f"--configs={BENCH_CONFIGS}", "--baselines=eager,compile",
+         f"--runs={1 if ctx['quick'] else 2}"],
+        env, results_dir, "trainer-gpu.json")
     # The fused RMSNorm / rotary / SwiGLU kernels against ATen's composite, op by op.
-    fused_log = os.path.join(ctx["out"], "fused-ops-bench.log")
-    fused_argv = [os.path.join(ctx["build_dir"], "bench", "fused_ops_bench"),
-                  f"--rounds={3 if ctx['quick'] else 5}"]
-    with open(fused_log, "w") as f:
-        try:
-            rc = subprocess.run(fused_argv, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                cwd=REPO_ROOT, timeout=TIMEOUTS["fused-ops-bench"]).returncode
-        except subprocess.TimeoutExpired:
-            raise StageFailed(f"fused_ops_bench did not finish in {TIMEOUTS['fused-ops-bench']} s "
-                              f"(log {fused_log}):\n{tail(fused_log)}") from None
-    if rc != 0:
-        raise StageFailed(f"fused_ops_bench exited {rc} (log {fused_log}):\n{tail(fused_log)}")
-    with open(os.path.join(results_dir, "fused-ops.json")) as f:
-        bench["fused_ops"] = json.load(f)
-    shutil.copy(os.path.join(results_dir, "fused-ops.json"),
-                os.path.join(ctx["out"], "fused-ops.json"))
+    bench["fused_ops"] = run_bench_program(
+        ctx, "fused-ops-bench",
+        [os.path.join(ctx["build_dir"], "bench", "fused_ops_bench"),
+         f"--rounds={3 if ctx['quick'] else 5}"],
+        env, results_dir, "fused-ops.json")
     return bench
 
 
