@@ -230,17 +230,12 @@ absl::StatusOr<TrainingStateSnapshot> StateCopy::Take() {
   return std::move(snapshot_);
 }
 
-TrainingStateSnapshot CopyTrainingState(const LiveTrainingState& live,
-                                        TrainingStateSnapshot* reuse) {
-  StateCopy copy(live, reuse);
+TrainingStateSnapshot SnapshotTrainingState(ShardedEngine& engine, TrainingStateSnapshot* reuse) {
+  StateCopy copy(CaptureTrainingState(engine), reuse);
   copy.Run();
   absl::StatusOr<TrainingStateSnapshot> snapshot = copy.Take();
   TORCH_CHECK(snapshot.ok(), snapshot.status().ToString());
   return *std::move(snapshot);
-}
-
-TrainingStateSnapshot SnapshotTrainingState(ShardedEngine& engine, TrainingStateSnapshot* reuse) {
-  return CopyTrainingState(CaptureTrainingState(engine), reuse);
 }
 
 absl::StatusOr<WrittenShard> WriteTrainingStateSnapshot(

@@ -38,7 +38,7 @@ struct TrainingStateSnapshot {
 // What a snapshot is taken of, captured on the training thread: the live ranges (views of the
 // engine's parameters and moments, not copies), AdamW's step and the RNG state (both copied: the
 // next step changes them). The ranges keep their values until the engine's next Step, which is
-// all the time CopyTrainingState has. With device tensors, `ready` is recorded on the current
+// all the time a StateCopy has. With device tensors, `ready` is recorded on the current
 // stream: the copy waits for the work that wrote them.
 struct LiveTrainingState {
   TrainingStateSnapshot state;  // `ranges` hold live views
@@ -92,11 +92,8 @@ class StateCopy {
   std::string error_;
 };
 
-// Copies captured state to host memory on the calling thread, complete when it returns.
-TrainingStateSnapshot CopyTrainingState(const LiveTrainingState& live,
-                                        TrainingStateSnapshot* reuse = nullptr);
-
-// CaptureTrainingState and CopyTrainingState in one call on the calling thread.
+// Captures the state and copies it to host memory (StateCopy) on the calling thread, complete
+// when it returns.
 TrainingStateSnapshot SnapshotTrainingState(ShardedEngine& engine,
                                             TrainingStateSnapshot* reuse = nullptr);
 
