@@ -151,9 +151,15 @@ absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNod
 }
 
 absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequest& request) {
-  // Declared first: the store writes the heartbeat decided run after mu_ is released.
+  // Declared first: the store writes the heartbeat decided run after mu_ is released, on the
+  // follow-up executor when there is one.
   FollowUps follow_ups;
-  absl::Cleanup finish = [&] { FinishFollowUps(follow_ups); };
+  absl::Cleanup finish = [&] {
+    if (follow_ups.running.empty() && follow_ups.succeeded.empty()) return;
+    CallExecutor* executor = follow_up_executor_.load();
+    if (executor == nullptr) return FinishFollowUps(follow_ups);
+    executor->Schedule([this, follow_ups = std::move(follow_ups)] { FinishFollowUps(follow_ups); });
+  };
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(nodes_.CheckKey(request.node_id(), request.node_key()));
   // A placement on this node that a pass is storing is handed out only once it is stored.
@@ -977,6 +983,8 @@ void Cluster::SetAssignmentNotifier(AssignmentNotifier* notifier) {
   absl::MutexLock lock(&mu_);
   notifier_ = notifier;
 }
+
+void Cluster::SetFollowUpExecutor(CallExecutor* executor) { follow_up_executor_ = executor; }
 
 void Cluster::SetSchedulingLatencyObserver(std::function<void(double)> observer) {
   absl::MutexLock lock(&mu_);

@@ -29,6 +29,7 @@
 // that cannot be stored is taken back). pass_mu_ also guards the plan cache.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -42,6 +43,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/daemon/call_executor.h"
 #include "coordinator/allocation_ledger.h"
 #include "coordinator/assignment_notifier.h"
 #include "coordinator/job_manager.h"
@@ -145,6 +147,11 @@ class Cluster {
   // node's own heartbeat is handled go out in that heartbeat's response and are not announced.
   void SetAssignmentNotifier(AssignmentNotifier* notifier);
 
+  // `executor` (may be null; must outlive the cluster's calls) runs the store writes a heartbeat
+  // decides (a job to RUNNING or SUCCEEDED) after the heartbeat returns, so that a heartbeat
+  // never waits for a commit. Null: the heartbeat makes them before it returns (tests).
+  void SetFollowUpExecutor(CallExecutor* executor);
+
   // Seconds from submission to SCHEDULED of each job placed, for metrics.
   void SetSchedulingLatencyObserver(std::function<void(double)> observer);
 
@@ -225,6 +232,7 @@ class Cluster {
   Store* store_;
   JobManager* jobs_;
   const ClusterOptions options_;
+  std::atomic<CallExecutor*> follow_up_executor_{nullptr};
 
   // Serializes Tick: one pass at a time. Taken before mu_.
   absl::Mutex pass_mu_ ABSL_ACQUIRED_BEFORE(mu_);

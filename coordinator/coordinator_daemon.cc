@@ -12,6 +12,10 @@ namespace tessera::coordinator {
 absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
     const CoordinatorOptions& options) {
   std::unique_ptr<CoordinatorDaemon> daemon(new CoordinatorDaemon());
+  if (options.call_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--call_threads ", options.call_threads, ": must be 0 (the default) or more"));
+  }
   // Security first: a daemon with unusable certificates or auth file must not start at all.
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> server_credentials,
                    DaemonServerCredentials("tessera-coordinator", options.listen_address,
@@ -42,13 +46,19 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   RETURN_IF_ERROR(daemon->cluster_->Recover());
   daemon->notifier_ = std::make_unique<AssignmentNotifier>();
   daemon->cluster_->SetAssignmentNotifier(daemon->notifier_.get());
+  const int call_threads = options.call_threads > 0 ? options.call_threads : DefaultCallThreads();
+  daemon->client_calls_ = std::make_unique<CallExecutor>(call_threads, "client-calls", 10);
+  daemon->node_calls_ = std::make_unique<CallExecutor>(call_threads, "node-calls");
   daemon->coordinator_service_ = std::make_unique<CoordinatorService>(
       daemon->jobs_.get(), daemon->cluster_.get(), daemon->authenticator_.get(),
       daemon->limits_.get(),
       WorkerChannelSecurity{.credentials = std::move(worker_credentials),
-                            .tls_server_name = options.worker_tls_server_name});
-  daemon->node_service_ = std::make_unique<NodeService>(
-      daemon->cluster_.get(), daemon->authenticator_.get(), daemon->notifier_.get());
+                            .tls_server_name = options.worker_tls_server_name},
+      daemon->client_calls_.get());
+  daemon->cluster_->SetFollowUpExecutor(daemon->node_calls_.get());
+  daemon->node_service_ =
+      std::make_unique<NodeService>(daemon->cluster_.get(), daemon->authenticator_.get(),
+                                    daemon->notifier_.get(), daemon->node_calls_.get());
 
   // The metrics object needs the exposer's registry, and the gRPC server
   // needs its interceptor: DaemonServers hands over the registry in between.

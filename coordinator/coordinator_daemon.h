@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/daemon/call_executor.h"
 #include "common/daemon/daemon_servers.h"
 #include "common/security/daemon_security.h"
 #include "coordinator/assignment_notifier.h"
@@ -48,6 +49,10 @@ struct CoordinatorOptions {
   ClientLimitsOptions limits;
   // Largest gRPC message accepted, in bytes.
   int max_request_bytes = 64 << 20;
+  // Threads for the work of client calls, and as many again for workers' calls (common/daemon/
+  // call_executor.h); 0: DefaultCallThreads(). Two pools, so that clients whose calls wait on
+  // the store cannot hold up heartbeats.
+  int call_threads = 0;
 };
 
 // Thread safety: Start and servers().Shutdown from one thread; the servers
@@ -81,6 +86,10 @@ class CoordinatorDaemon {
   std::unique_ptr<ClientLimits> limits_;
   std::unique_ptr<CoordinatorService> coordinator_service_;
   std::unique_ptr<NodeService> node_service_;
+  // Where the services' unary calls do their work. Declared after the cluster and the store
+  // they use, before the servers: they outlive every call the servers finish.
+  std::unique_ptr<CallExecutor> client_calls_;
+  std::unique_ptr<CallExecutor> node_calls_;
   // Declared last: stopped (destroyed) before the services it serves.
   std::unique_ptr<DaemonServers> servers_;
 };

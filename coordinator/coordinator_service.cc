@@ -19,13 +19,14 @@ constexpr size_t kMaxIdLength = 128;
 // Events read from the store per batch while a watcher catches up.
 constexpr int kWatchBatch = 256;
 
-grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& status) {
+// Finishes a unary call with `status`; a retry-after hint (ClientLimits) goes out as trailing
+// metadata.
+void FinishCall(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                const absl::Status& status) {
   if (auto retry = status.GetPayload(kRetryAfterPayload); retry.has_value()) {
     context->AddTrailingMetadata("retry-after-ms", std::string(*retry));
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
-  return reactor;
 }
 
 // A stream refused before it began.
@@ -185,6 +186,15 @@ absl::StatusOr<Principal> AdmitCall(Authenticator* authenticator,
   return principal;
 }
 
+template <typename Handle>
+grpc::ServerUnaryReactor* CoordinatorService::Serve(grpc::CallbackServerContext* context,
+                                                    Handle handle) {
+  return HandleOn(executor_, context, std::move(handle),
+                  [context](const absl::Status& status, grpc::ServerUnaryReactor* reactor) {
+                    FinishCall(context, reactor, status);
+                  });
+}
+
 absl::StatusOr<Principal> CoordinatorService::Admit(grpc::CallbackServerContext* context,
                                                     Action action, const std::string& job_id) {
   if (action != Action::kManageJob) return AdmitCall(authenticator_, *context, action);
@@ -206,63 +216,56 @@ absl::StatusOr<std::shared_ptr<void>> CoordinatorService::AdmitStream(
 grpc::ServerUnaryReactor* CoordinatorService::SubmitJob(grpc::CallbackServerContext* context,
                                                         const v1::SubmitJobRequest* request,
                                                         v1::SubmitJobResponse* response) {
-  auto principal = Admit(context, Action::kSubmit);
-  if (!principal.ok()) return Reply(context, principal.status());
-  if (limits_ != nullptr) {
-    if (auto status = limits_->AdmitSubmit(principal->user); !status.ok()) {
-      return Reply(context, status);
-    }
-  }
-  auto job = jobs_->Submit(request->spec(), request->request_id(), principal->user);
-  if (job.ok()) {
+  return Serve(context, [this, context, request, response]() -> absl::Status {
+    ASSIGN_OR_RETURN(Principal principal, Admit(context, Action::kSubmit));
+    if (limits_ != nullptr) RETURN_IF_ERROR(limits_->AdmitSubmit(principal.user));
+    ASSIGN_OR_RETURN(v1::Job job,
+                     jobs_->Submit(request->spec(), request->request_id(), principal.user));
     // The job need not wait for the regular pass; a burst of submissions shares one.
-    if (job->state() == v1::JOB_STATE_PENDING) cluster_->RequestPass();
-    *response->mutable_job() = std::move(*job);
-  }
-  return Reply(context, job.status());
+    if (job.state() == v1::JOB_STATE_PENDING) cluster_->RequestPass();
+    *response->mutable_job() = std::move(job);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::GetJob(grpc::CallbackServerContext* context,
                                                      const v1::GetJobRequest* request,
                                                      v1::GetJobResponse* response) {
-  if (auto principal = Admit(context, Action::kRead); !principal.ok()) {
-    return Reply(context, principal.status());
-  }
-  if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
-  auto job = jobs_->Get(request->job_id());
-  if (job.ok()) {
-    if (auto straggler = cluster_->Straggler(job->job_id())) *job->mutable_straggler() = *straggler;
-    *response->mutable_job() = std::move(*job);
-  }
-  return Reply(context, job.status());
+  return Serve(context, [this, context, request, response]() -> absl::Status {
+    RETURN_IF_ERROR(Admit(context, Action::kRead).status());
+    RETURN_IF_ERROR(CheckJobId(request->job_id()));
+    ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(request->job_id()));
+    if (auto straggler = cluster_->Straggler(job.job_id())) *job.mutable_straggler() = *straggler;
+    *response->mutable_job() = std::move(job);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::ListJobs(grpc::CallbackServerContext* context,
                                                        const v1::ListJobsRequest* request,
                                                        v1::ListJobsResponse* response) {
-  if (auto principal = Admit(context, Action::kRead); !principal.ok()) {
-    return Reply(context, principal.status());
-  }
-  std::vector<v1::JobState> states;
-  for (int state : request->states()) states.push_back(static_cast<v1::JobState>(state));
-  auto page = jobs_->List(states, request->page_size(), request->page_token());
-  if (page.ok()) {
-    for (auto& job : page->jobs) *response->add_jobs() = std::move(job);
-    response->set_next_page_token(page->next_page_token);
-  }
-  return Reply(context, page.status());
+  return Serve(context, [this, context, request, response]() -> absl::Status {
+    RETURN_IF_ERROR(Admit(context, Action::kRead).status());
+    std::vector<v1::JobState> states;
+    for (int state : request->states()) states.push_back(static_cast<v1::JobState>(state));
+    ASSIGN_OR_RETURN(JobPage page,
+                     jobs_->List(states, request->page_size(), request->page_token()));
+    for (auto& job : page.jobs) *response->add_jobs() = std::move(job);
+    response->set_next_page_token(page.next_page_token);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::CancelJob(grpc::CallbackServerContext* context,
                                                         const v1::CancelJobRequest* request,
                                                         v1::CancelJobResponse* response) {
-  if (auto principal = Admit(context, Action::kManageJob, request->job_id()); !principal.ok()) {
-    return Reply(context, principal.status());
-  }
-  if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
-  auto job = jobs_->Cancel(request->job_id(), request->reason());
-  if (job.ok()) *response->mutable_job() = std::move(*job);
-  return Reply(context, job.status());
+  return Serve(context, [this, context, request, response]() -> absl::Status {
+    RETURN_IF_ERROR(Admit(context, Action::kManageJob, request->job_id()).status());
+    RETURN_IF_ERROR(CheckJobId(request->job_id()));
+    ASSIGN_OR_RETURN(*response->mutable_job(),
+                     jobs_->Cancel(request->job_id(), request->reason()));
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerWriteReactor<v1::JobEvent>* CoordinatorService::WatchJob(
@@ -275,40 +278,37 @@ grpc::ServerWriteReactor<v1::JobEvent>* CoordinatorService::WatchJob(
 grpc::ServerUnaryReactor* CoordinatorService::GetMetrics(grpc::CallbackServerContext* context,
                                                          const v1::GetMetricsRequest* request,
                                                          v1::GetMetricsResponse* response) {
-  if (auto principal = Admit(context, Action::kRead); !principal.ok()) {
-    return Reply(context, principal.status());
-  }
-  if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
-  auto metrics = jobs_->Metrics(*request);
-  if (metrics.ok()) *response = std::move(*metrics);
-  return Reply(context, metrics.status());
+  return Serve(context, [this, context, request, response]() -> absl::Status {
+    RETURN_IF_ERROR(Admit(context, Action::kRead).status());
+    RETURN_IF_ERROR(CheckJobId(request->job_id()));
+    ASSIGN_OR_RETURN(*response, jobs_->Metrics(*request));
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::ListCheckpoints(
     grpc::CallbackServerContext* context, const v1::ListCheckpointsRequest* request,
     v1::ListCheckpointsResponse* response) {
-  if (auto principal = Admit(context, Action::kRead); !principal.ok()) {
-    return Reply(context, principal.status());
-  }
-  if (auto status = CheckJobId(request->job_id()); !status.ok()) return Reply(context, status);
-  auto checkpoints = jobs_->Checkpoints(request->job_id());
-  if (checkpoints.ok()) {
-    for (auto& checkpoint : *checkpoints) *response->add_checkpoints() = std::move(checkpoint);
-  }
-  return Reply(context, checkpoints.status());
+  return Serve(context, [this, context, request, response]() -> absl::Status {
+    RETURN_IF_ERROR(Admit(context, Action::kRead).status());
+    RETURN_IF_ERROR(CheckJobId(request->job_id()));
+    ASSIGN_OR_RETURN(auto checkpoints, jobs_->Checkpoints(request->job_id()));
+    for (auto& checkpoint : checkpoints) *response->add_checkpoints() = std::move(checkpoint);
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::ListNodes(grpc::CallbackServerContext* context,
                                                         const v1::ListNodesRequest* request,
                                                         v1::ListNodesResponse* response) {
-  if (auto principal = Admit(context, Action::kRead); !principal.ok()) {
-    return Reply(context, principal.status());
-  }
-  for (auto& node : cluster_->Nodes(request->include_lost())) {
-    node.clear_key_sha256();
-    *response->add_nodes() = std::move(node);
-  }
-  return Reply(context, absl::OkStatus());
+  return Serve(context, [this, context, request, response]() -> absl::Status {
+    RETURN_IF_ERROR(Admit(context, Action::kRead).status());
+    for (auto& node : cluster_->Nodes(request->include_lost())) {
+      node.clear_key_sha256();
+      *response->add_nodes() = std::move(node);
+    }
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerWriteReactor<v1::LogChunk>* CoordinatorService::GetLogs(
@@ -321,12 +321,11 @@ grpc::ServerWriteReactor<v1::LogChunk>* CoordinatorService::GetLogs(
 grpc::ServerUnaryReactor* CoordinatorService::PlanLayout(grpc::CallbackServerContext* context,
                                                          const v1::PlanLayoutRequest* request,
                                                          v1::PlanLayoutResponse* response) {
-  if (auto principal = Admit(context, Action::kRead); !principal.ok()) {
-    return Reply(context, principal.status());
-  }
-  auto planned = PlanLayoutFor(*request, cluster_->Capacity());
-  if (planned.ok()) *response = std::move(*planned);
-  return Reply(context, planned.status());
+  return Serve(context, [this, context, request, response]() -> absl::Status {
+    RETURN_IF_ERROR(Admit(context, Action::kRead).status());
+    ASSIGN_OR_RETURN(*response, PlanLayoutFor(*request, cluster_->Capacity()));
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace tessera::coordinator

@@ -6,6 +6,7 @@
 
 #include <memory>
 
+#include "common/daemon/call_executor.h"
 #include "coordinator/auth.h"
 #include "coordinator/client_limits.h"
 #include "coordinator/cluster.h"
@@ -21,20 +22,23 @@ namespace tessera::coordinator {
 // unauthenticated call gets UNAUTHENTICATED and a call its roles do not allow
 // PERMISSION_DENIED, before any data is read.
 //
-// Thread safety: gRPC calls the handlers from its threads; they share only
-// the manager, the cluster, the authenticator and the limits, which are
-// thread-safe.
+// Thread safety: gRPC calls the handlers from its threads, and unary calls do
+// their work on the executor's; they share only the manager, the cluster, the
+// authenticator and the limits, which are thread-safe.
 class CoordinatorService final : public v1::Coordinator::CallbackService {
  public:
   // `authenticator` and `limits` may be null: open, unlimited (in-process tests).
-  // `worker_security` secures the calls to workers' log service.
+  // `worker_security` secures the calls to workers' log service. Unary calls run on `executor`
+  // (they read and write the store, whose commits wait on the disk); null: on gRPC's threads.
   CoordinatorService(JobManager* jobs, Cluster* cluster, Authenticator* authenticator = nullptr,
-                     ClientLimits* limits = nullptr, WorkerChannelSecurity worker_security = {})
+                     ClientLimits* limits = nullptr, WorkerChannelSecurity worker_security = {},
+                     CallExecutor* executor = nullptr)
       : jobs_(jobs),
         cluster_(cluster),
         authenticator_(authenticator),
         limits_(limits),
-        worker_security_(std::move(worker_security)) {}
+        worker_security_(std::move(worker_security)),
+        executor_(executor) {}
 
   grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* context,
                                       const v1::SubmitJobRequest* request,
@@ -66,6 +70,9 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
                                        v1::PlanLayoutResponse* response) override;
 
  private:
+  // Runs `handle` (absl::Status(), filling the response) on executor_ and finishes the call.
+  template <typename Handle>
+  grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context, Handle handle);
   // The caller, allowed to do `action` (for kManageJob, on `job_id`).
   absl::StatusOr<Principal> Admit(grpc::CallbackServerContext* context, Action action,
                                   const std::string& job_id = "");
@@ -78,6 +85,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   Authenticator* authenticator_;
   ClientLimits* limits_;
   WorkerChannelSecurity worker_security_;
+  CallExecutor* executor_;
 };
 
 // Authenticates a call with `authenticator` (null: open) and checks `action`.

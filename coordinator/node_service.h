@@ -5,6 +5,7 @@
 // AssignmentNotifier, with at most one write in flight and one notice pending.
 #pragma once
 
+#include "common/daemon/call_executor.h"
 #include "coordinator/assignment_notifier.h"
 #include "coordinator/auth.h"
 #include "coordinator/cluster.h"
@@ -12,15 +13,17 @@
 
 namespace tessera::coordinator {
 
-// Thread safety: handlers run on gRPC threads and share only the Cluster, the
-// Authenticator and the AssignmentNotifier, all thread-safe.
+// Thread safety: handlers run on gRPC's threads and the executor's, and share
+// only the Cluster, the Authenticator and the AssignmentNotifier, all thread-safe.
 class NodeService final : public v1::NodeService::CallbackService {
  public:
   // `authenticator` may be null: open (in-process tests). `notifier` may be
   // null: WatchAssignments answers UNIMPLEMENTED and workers rely on heartbeats.
+  // RegisterNode and Report run on `executor`: they wait for store commits.
+  // Heartbeats stay on gRPC's threads. Null: everything on gRPC's threads.
   explicit NodeService(Cluster* cluster, Authenticator* authenticator = nullptr,
-                       AssignmentNotifier* notifier = nullptr)
-      : cluster_(cluster), authenticator_(authenticator), notifier_(notifier) {}
+                       AssignmentNotifier* notifier = nullptr, CallExecutor* executor = nullptr)
+      : cluster_(cluster), authenticator_(authenticator), notifier_(notifier), executor_(executor) {}
 
   grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* context,
                                          const v1::RegisterNodeRequest* request,
@@ -35,9 +38,16 @@ class NodeService final : public v1::NodeService::CallbackService {
       grpc::CallbackServerContext* context, const v1::WatchAssignmentsRequest* request) override;
 
  private:
+  // Admits the caller (node role), then runs `call` (absl::StatusOr<Response>()) on `executor`
+  // (null: inline) and finishes the call with its result.
+  template <typename Response, typename Call>
+  grpc::ServerUnaryReactor* Serve(CallExecutor* executor, grpc::CallbackServerContext* context,
+                                  Response* response, Call call);
+
   Cluster* cluster_;
   Authenticator* authenticator_;
   AssignmentNotifier* notifier_;
+  CallExecutor* executor_;
 };
 
 }  // namespace tessera::coordinator

@@ -3,6 +3,7 @@
 // metrics, bad input, and SIGKILL durability.
 
 #include <signal.h>
+#include <sqlite3.h>
 
 #include <filesystem>
 #include <fstream>
@@ -11,13 +12,16 @@
 #include <regex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/daemon/server.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 #include "tessera/v1/node_service.grpc.pb.h"
@@ -57,7 +61,8 @@ class CoordinatorTest : public ::testing::Test {
     ASSERT_THAT(line, IsOk());
     std::smatch match;
     ASSERT_TRUE(std::regex_search(*line, match, std::regex(R"(serving gRPC on (\S+:\d+))")));
-    stub_ = v1::Coordinator::NewStub(MakeClientChannel(match[1]));
+    channel_ = MakeClientChannel(match[1]);
+    stub_ = v1::Coordinator::NewStub(channel_);
     nodes_ = v1::NodeService::NewStub(MakeClientChannel(match[1]));
   }
 
@@ -147,6 +152,7 @@ class CoordinatorTest : public ::testing::Test {
 
   ScopedTempDir dir_{"coordinator_test"};
   std::optional<Subprocess> process_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   std::unique_ptr<v1::NodeService::Stub> nodes_;
 };
@@ -790,6 +796,75 @@ TEST_F(CoordinatorTest, SubmitGetListCancelWatch) {
   ASSERT_TRUE(stub_->ListJobs(Context().get(), list, &listed).ok());
   ASSERT_EQ(listed.jobs_size(), 1);
   EXPECT_EQ(listed.jobs(0).job_id(), job.job_id());
+}
+
+// gRPC runs callback handlers on a few threads of its own (half the cores, at least 2, at most
+// 16). Calls that wait on the disk do that on the coordinator's executors instead, so that a
+// slow commit does not stall the node's heartbeats. Here the store's database is held locked by
+// another connection while more submissions than gRPC has threads wait for their commits; a
+// heartbeat and a health check must still be answered promptly, and every submission lands
+// once the lock is released.
+TEST_F(CoordinatorTest, HeartbeatsAreAnsweredWhileSubmissionsWaitForTheDisk) {
+  RegisterNode("n1", 0, 4);
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open_v2((dir_.path() + "/state.db").c_str(), &db, SQLITE_OPEN_READWRITE,
+                            nullptr),
+            SQLITE_OK);
+  absl::Cleanup close_db = [db] { sqlite3_close(db); };
+  ASSERT_EQ(sqlite3_busy_timeout(db, 10000), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db, "BEGIN IMMEDIATE", nullptr, nullptr, nullptr), SQLITE_OK)
+      << sqlite3_errmsg(db);
+  bool locked = true;
+  absl::Cleanup unlock = [&] {
+    if (locked) sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
+  };
+
+  constexpr int kSubmissions = 40;  // more than gRPC's threads on any machine
+  std::vector<grpc::Status> statuses(kSubmissions);
+  std::vector<std::string> job_ids(kSubmissions);
+  std::vector<std::thread> submitters;
+  for (int i = 0; i < kSubmissions; ++i) {
+    submitters.emplace_back([&, i] {
+      v1::SubmitJobRequest request;
+      *request.mutable_spec() = ValidSpec(absl::StrCat("waits-", i));
+      v1::SubmitJobResponse response;
+      statuses[i] = stub_->SubmitJob(Context(60).get(), request, &response);
+      job_ids[i] = response.job().job_id();
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(500));  // the submissions reach the coordinator and wait
+
+  const absl::Time start = absl::Now();
+  v1::HeartbeatRequest heartbeat;
+  heartbeat.set_node_id("n1");
+  v1::HeartbeatResponse heartbeat_response;
+  const grpc::Status heartbeat_status =
+      nodes_->Heartbeat(Context(3).get(), heartbeat, &heartbeat_response);
+  EXPECT_TRUE(heartbeat_status.ok()) << heartbeat_status.error_message();
+  EXPECT_FALSE(heartbeat_response.reregister());
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::health::v1::HealthCheckRequest check;
+  grpc::health::v1::HealthCheckResponse checked;
+  const grpc::Status health_status = health->Check(Context(3).get(), check, &checked);
+  EXPECT_TRUE(health_status.ok()) << health_status.error_message();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  // Still waiting: the lock is held, so none of them can have been stored.
+  for (int i = 0; i < kSubmissions; ++i) EXPECT_TRUE(job_ids[i].empty()) << i;
+
+  ASSERT_EQ(sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr), SQLITE_OK);
+  locked = false;
+  for (std::thread& submitter : submitters) submitter.join();
+  std::set<std::string> distinct;
+  for (int i = 0; i < kSubmissions; ++i) {
+    EXPECT_TRUE(statuses[i].ok()) << i << ": " << statuses[i].error_message();
+    distinct.insert(job_ids[i]);
+  }
+  EXPECT_EQ(distinct.size(), static_cast<size_t>(kSubmissions));
+  v1::ListJobsRequest list;
+  list.set_page_size(100);
+  v1::ListJobsResponse listed;
+  ASSERT_TRUE(stub_->ListJobs(Context().get(), list, &listed).ok());
+  EXPECT_EQ(listed.jobs_size(), kSubmissions);
 }
 
 TEST_F(CoordinatorTest, WatchFollowsLiveChanges) {

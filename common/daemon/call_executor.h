@@ -1,0 +1,78 @@
+// CallExecutor: the threads a daemon's gRPC handlers do their blocking work on.
+//
+// gRPC's callback API runs every handler on a small pool of its own
+// ("nexting_thread": half the cores, at least 2 and at most 16). A handler
+// that waits there (a SQLite commit and its fsync, a lock held by a
+// scheduling pass) stalls every other call on the server, heartbeats and
+// health checks included, while the CPU sits idle. Handlers that may wait hand
+// their work to a CallExecutor and return at once; the work finishes the
+// call's reactor from one of the executor's threads.
+#pragma once
+
+#include <deque>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/server_context.h"
+#include "grpcpp/support/server_callback.h"
+
+namespace tessera {
+
+// Thread safety: Schedule may be called from any thread.
+class CallExecutor {
+ public:
+  // Starts `threads` (>= 1) threads named `name` (at most 15 characters show),
+  // each at `nice` (Linux's per-thread nice value, added to the process's):
+  // work that may wait its turn yields the CPU to the rest of the daemon.
+  CallExecutor(int threads, const std::string& name, int nice = 0);
+  // Runs the work already scheduled, then joins the threads. Work scheduled
+  // while it is destroyed is a bug (the gRPC server must be shut down first).
+  ~CallExecutor();
+  CallExecutor(const CallExecutor&) = delete;
+  CallExecutor& operator=(const CallExecutor&) = delete;
+
+  // Runs `work` on one of the threads, in the order scheduled.
+  void Schedule(absl::AnyInvocable<void() &&> work);
+
+  int threads() const { return static_cast<int>(threads_.size()); }
+
+ private:
+  void Loop();
+
+  absl::Mutex mu_;
+  std::deque<absl::AnyInvocable<void() &&>> queue_ ABSL_GUARDED_BY(mu_);
+  absl::CondVar ready_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
+// Default thread count: 4 per core, at least 16. Most of the work waits (on a
+// commit shared with other calls, on a lock), and more calls waiting on one
+// group commit make it cheaper per call.
+int DefaultCallThreads();
+
+// Runs `handle` (absl::Status(), filling the response) on `executor`, or
+// inline when `executor` is null, then `finish` (void(const absl::Status&,
+// grpc::ServerUnaryReactor*)), which must finish the reactor. The request and
+// response stay valid until then: gRPC keeps them until the reactor finishes.
+template <typename Handle, typename Finish>
+grpc::ServerUnaryReactor* HandleOn(CallExecutor* executor, grpc::CallbackServerContext* context,
+                                   Handle handle, Finish finish) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto run = [reactor, handle = std::move(handle), finish = std::move(finish)]() mutable {
+    finish(handle(), reactor);
+  };
+  if (executor == nullptr) {
+    run();
+  } else {
+    executor->Schedule(std::move(run));
+  }
+  return reactor;
+}
+
+}  // namespace tessera
