@@ -220,6 +220,37 @@ class Store::Statement {
   int bind_rc_ = SQLITE_OK;
 };
 
+class Store::ReadLock {
+ public:
+  explicit ReadLock(Store* store) ABSL_NO_THREAD_SAFETY_ANALYSIS
+      : store_(store),
+        mu_(store->reader_ != nullptr ? &store->read_mu_ : &store->mu_) {
+    mu_->Lock();
+  }
+  ~ReadLock() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu_->Unlock(); }
+  ReadLock(const ReadLock&) = delete;
+  ReadLock& operator=(const ReadLock&) = delete;
+
+  sqlite3* db() const { return store_->reader_ != nullptr ? store_->reader_ : store_->db_; }
+
+  absl::StatusOr<sqlite3_stmt*> Prepare(absl::string_view sql, absl::string_view operation)
+      ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (store_->reader_ == nullptr) return store_->Prepare(sql, operation);
+    auto& statements = store_->read_statements_;
+    if (auto it = statements.find(sql); it != statements.end()) return it->second;
+    sqlite3_stmt* stmt = nullptr;
+    const int rc = sqlite3_prepare_v3(store_->reader_, sql.data(), static_cast<int>(sql.size()),
+                                      SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
+    if (rc != SQLITE_OK) return SqliteStatus(store_->reader_, rc, operation);
+    statements.emplace(std::string(sql), stmt);
+    return stmt;
+  }
+
+ private:
+  Store* const store_;
+  absl::Mutex* const mu_;
+};
+
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
   sqlite3* db = nullptr;
   const int rc = sqlite3_open_v2(
@@ -230,15 +261,37 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
     return status;
   }
   std::unique_ptr<Store> store(new Store(db, path));
-  absl::MutexLock lock(&store->mu_);
-  RETURN_IF_ERROR(store->Configure());
-  RETURN_IF_ERROR(store->Migrate());
+  {
+    absl::MutexLock lock(&store->mu_);
+    RETURN_IF_ERROR(store->Configure());
+    RETURN_IF_ERROR(store->Migrate());
+  }
+  if (path != ":memory:") {
+    sqlite3* reader = nullptr;
+    const int read_rc =
+        sqlite3_open_v2(path.c_str(), &reader, SQLITE_OPEN_READONLY | SQLITE_OPEN_NOMUTEX, nullptr);
+    if (read_rc != SQLITE_OK) {
+      absl::Status status =
+          SqliteStatus(reader, read_rc, absl::StrCat("open '", path, "' for reading"));
+      sqlite3_close(reader);
+      return status;
+    }
+    sqlite3_extended_result_codes(reader, 1);
+    sqlite3_busy_timeout(reader, kBusyTimeoutMs);
+    absl::MutexLock lock(&store->read_mu_);
+    store->reader_ = reader;
+  }
   return store;
 }
 
 Store::Store(sqlite3* db, std::string path) : path_(std::move(path)), db_(db) {}
 
 Store::~Store() {
+  {
+    absl::MutexLock lock(&read_mu_);
+    for (auto& [sql, stmt] : read_statements_) sqlite3_finalize(stmt);
+    if (reader_ != nullptr) sqlite3_close(reader_);
+  }
   absl::MutexLock lock(&mu_);
   for (auto& [sql, stmt] : statements_) sqlite3_finalize(stmt);
   sqlite3_close(db_);
@@ -320,7 +373,7 @@ absl::StatusOr<sqlite3_stmt*> Store::Prepare(absl::string_view sql, absl::string
   const int rc = sqlite3_prepare_v3(db_, sql.data(), static_cast<int>(sql.size()),
                                     SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
   if (rc != SQLITE_OK) return SqliteStatus(db_, rc, operation);
-  statements_.emplace(sql, stmt);
+  statements_.emplace(std::string(sql), stmt);
   return stmt;
 }
 
@@ -604,11 +657,11 @@ absl::StatusOr<std::vector<v1::Job>> Store::QueryJobs(Statement& statement,
 }
 
 absl::StatusOr<v1::Job> Store::GetJob(const std::string& job_id) {
-  absl::MutexLock lock(&mu_);
+  ReadLock lock(this);
   const std::string operation = absl::StrCat("get job ", job_id);
   ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
-                   Prepare("SELECT job_id, job FROM jobs WHERE job_id = ?1", operation));
-  Statement select(db_, stmt, operation);
+                   lock.Prepare("SELECT job_id, job FROM jobs WHERE job_id = ?1", operation));
+  Statement select(lock.db(), stmt, operation);
   select.BindText(1, job_id);
   ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, QueryJobs(select, operation));
   if (jobs.empty()) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
@@ -617,11 +670,11 @@ absl::StatusOr<v1::Job> Store::GetJob(const std::string& job_id) {
 
 absl::StatusOr<std::optional<v1::Job>> Store::FindJobByRequestId(const std::string& request_id) {
   if (request_id.empty()) return std::nullopt;
-  absl::MutexLock lock(&mu_);
+  ReadLock lock(this);
   const std::string operation = absl::StrCat("find job by request id '", request_id, "'");
   ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
-                   Prepare("SELECT job_id, job FROM jobs WHERE request_id = ?1", operation));
-  Statement select(db_, stmt, operation);
+                   lock.Prepare("SELECT job_id, job FROM jobs WHERE request_id = ?1", operation));
+  Statement select(lock.db(), stmt, operation);
   select.BindText(1, request_id);
   ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, QueryJobs(select, operation));
   if (jobs.empty()) return std::nullopt;
@@ -648,16 +701,16 @@ absl::StatusOr<JobPage> Store::ListJobs(const std::vector<v1::JobState>& states,
     ASSIGN_OR_RETURN(cursor, DecodePageToken(page_token));
   }
 
-  absl::MutexLock lock(&mu_);
+  ReadLock lock(this);
   const std::string operation = "list jobs";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, lock.Prepare(R"sql(
 SELECT job_id, job, create_time_ns FROM jobs
 WHERE (?1 = 0 OR ((1 << state) & ?1) != 0)
   AND (?2 = 0 OR create_time_ns < ?3 OR (create_time_ns = ?3 AND job_id < ?4))
 ORDER BY create_time_ns DESC, job_id DESC
 LIMIT ?5)sql",
                                                 operation));
-  Statement select(db_, stmt, operation);
+  Statement select(lock.db(), stmt, operation);
   select.Bind(1, state_mask);
   select.Bind(2, page_token.empty() ? 0 : 1);
   select.Bind(3, cursor.create_time_ns);
@@ -690,13 +743,13 @@ constexpr v1::JobState kActiveStates[] = {v1::JOB_STATE_PENDING, v1::JOB_STATE_S
 }  // namespace
 
 absl::StatusOr<std::vector<v1::Job>> Store::ListActiveJobs() {
-  absl::MutexLock lock(&mu_);
+  ReadLock lock(this);
   const std::string operation = "list active jobs";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, lock.Prepare(R"sql(
 SELECT job_id, job FROM jobs WHERE state IN (?1, ?2, ?3, ?4)
 ORDER BY create_time_ns, job_id)sql",
                                                 operation));
-  Statement select(db_, stmt, operation);
+  Statement select(lock.db(), stmt, operation);
   for (int i = 0; i < static_cast<int>(std::size(kActiveStates)); ++i) {
     select.Bind(i + 1, kActiveStates[i]);
   }
@@ -704,13 +757,13 @@ ORDER BY create_time_ns, job_id)sql",
 }
 
 absl::StatusOr<std::vector<Store::JobSummary>> Store::ListActiveJobSummaries() {
-  absl::MutexLock lock(&mu_);
+  ReadLock lock(this);
   const std::string operation = "list active job summaries";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, lock.Prepare(R"sql(
 SELECT job_id, state, create_time_ns FROM jobs WHERE state IN (?1, ?2, ?3, ?4)
 ORDER BY create_time_ns, job_id)sql",
                                                 operation));
-  Statement select(db_, stmt, operation);
+  Statement select(lock.db(), stmt, operation);
   for (int i = 0; i < static_cast<int>(std::size(kActiveStates)); ++i) {
     select.Bind(i + 1, kActiveStates[i]);
   }
@@ -727,25 +780,25 @@ ORDER BY create_time_ns, job_id)sql",
 }
 
 absl::StatusOr<std::vector<v1::Job>> Store::ListWaitingJobs() {
-  absl::MutexLock lock(&mu_);
+  ReadLock lock(this);
   const std::string operation = "list waiting jobs";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, lock.Prepare(R"sql(
 SELECT job_id, job FROM jobs WHERE state IN (?1, ?2)
 ORDER BY create_time_ns, job_id)sql",
                                                 operation));
-  Statement select(db_, stmt, operation);
+  Statement select(lock.db(), stmt, operation);
   select.Bind(1, v1::JOB_STATE_PENDING);
   select.Bind(2, v1::JOB_STATE_RESTARTING);
   return QueryJobs(select, operation);
 }
 
 absl::StatusOr<std::map<v1::JobState, int64_t>> Store::CountEndedJobs() {
-  absl::MutexLock lock(&mu_);
+  ReadLock lock(this);
   const std::string operation = "count ended jobs";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, lock.Prepare(R"sql(
 SELECT state, COUNT(*) FROM jobs WHERE state IN (?1, ?2, ?3) GROUP BY state)sql",
                                                 operation));
-  Statement select(db_, stmt, operation);
+  Statement select(lock.db(), stmt, operation);
   std::map<v1::JobState, int64_t> counts;
   for (v1::JobState state :
        {v1::JOB_STATE_SUCCEEDED, v1::JOB_STATE_FAILED, v1::JOB_STATE_CANCELLED}) {
@@ -762,13 +815,13 @@ SELECT state, COUNT(*) FROM jobs WHERE state IN (?1, ?2, ?3) GROUP BY state)sql"
 
 absl::StatusOr<std::vector<v1::JobEvent>> Store::ReadEvents(const std::string& job_id,
                                                             int64_t after_sequence, int limit) {
-  absl::MutexLock lock(&mu_);
+  ReadLock lock(this);
   const std::string operation = absl::StrCat("read events of ", job_id);
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, lock.Prepare(R"sql(
 SELECT sequence, event FROM job_events WHERE job_id = ?1 AND sequence > ?2
 ORDER BY sequence LIMIT ?3)sql",
                                                 operation));
-  Statement select(db_, stmt, operation);
+  Statement select(lock.db(), stmt, operation);
   select.BindText(1, job_id);
   select.Bind(2, after_sequence);
   select.Bind(3, limit > 0 ? limit : -1);
@@ -785,12 +838,12 @@ ORDER BY sequence LIMIT ?3)sql",
 }
 
 absl::StatusOr<int64_t> Store::LastEventSequence(const std::string& job_id) {
-  absl::MutexLock lock(&mu_);
+  ReadLock lock(this);
   const std::string operation = absl::StrCat("read last event sequence of ", job_id);
   ASSIGN_OR_RETURN(
       sqlite3_stmt * stmt,
-      Prepare("SELECT COALESCE(MAX(sequence), 0) FROM job_events WHERE job_id = ?1", operation));
-  Statement select(db_, stmt, operation);
+      lock.Prepare("SELECT COALESCE(MAX(sequence), 0) FROM job_events WHERE job_id = ?1", operation));
+  Statement select(lock.db(), stmt, operation);
   select.BindText(1, job_id);
   ASSIGN_OR_RETURN(bool has_row, select.Step());
   return has_row ? select.ColumnInt64(0) : 0;
@@ -819,29 +872,27 @@ absl::StatusOr<std::vector<Message>> ReadStepRows(Statement& select, const std::
 absl::StatusOr<std::vector<v1::StepMetrics>> Store::ReadMetrics(const std::string& job_id,
                                                                 int64_t from_step,
                                                                 int64_t to_step) {
-  absl::MutexLock lock(&mu_);
-  return ReadStepRangeLocked<v1::StepMetrics>("step_metrics", job_id, from_step, to_step);
+  return ReadStepRange<v1::StepMetrics>("step_metrics", job_id, from_step, to_step);
 }
 
 absl::StatusOr<std::vector<v1::EvalMetrics>> Store::ReadEvals(const std::string& job_id,
                                                               int64_t from_step, int64_t to_step) {
-  absl::MutexLock lock(&mu_);
-  return ReadStepRangeLocked<v1::EvalMetrics>("eval_metrics", job_id, from_step, to_step);
+  return ReadStepRange<v1::EvalMetrics>("eval_metrics", job_id, from_step, to_step);
 }
 
 template <typename Message>
-absl::StatusOr<std::vector<Message>> Store::ReadStepRangeLocked(const char* table,
-                                                                const std::string& job_id,
-                                                                int64_t from_step,
-                                                                int64_t to_step) {
+absl::StatusOr<std::vector<Message>> Store::ReadStepRange(const char* table,
+                                                          const std::string& job_id,
+                                                          int64_t from_step, int64_t to_step) {
+  ReadLock lock(this);
   const std::string operation = absl::StrCat("read ", table, " of ", job_id);
   // `table` is one of ours, never input: the SQL stays a fixed set of strings.
   ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
-                   Prepare(absl::StrCat("SELECT step, metrics FROM ", table,
+                   lock.Prepare(absl::StrCat("SELECT step, metrics FROM ", table,
                                         " WHERE job_id = ?1 AND step >= ?2 AND step <= ?3 "
                                         "ORDER BY step"),
                            operation));
-  Statement select(db_, stmt, operation);
+  Statement select(lock.db(), stmt, operation);
   select.BindText(1, job_id);
   select.Bind(2, from_step);
   select.Bind(3, to_step == 0 ? std::numeric_limits<int64_t>::max() : to_step);
@@ -849,13 +900,13 @@ absl::StatusOr<std::vector<Message>> Store::ReadStepRangeLocked(const char* tabl
 }
 
 absl::StatusOr<std::vector<v1::Checkpoint>> Store::ListCheckpoints(const std::string& job_id) {
-  absl::MutexLock lock(&mu_);
+  ReadLock lock(this);
   const std::string operation = absl::StrCat("list checkpoints of ", job_id);
   ASSIGN_OR_RETURN(
       sqlite3_stmt * stmt,
-      Prepare("SELECT step, checkpoint FROM checkpoints WHERE job_id = ?1 ORDER BY step DESC",
+      lock.Prepare("SELECT step, checkpoint FROM checkpoints WHERE job_id = ?1 ORDER BY step DESC",
               operation));
-  Statement select(db_, stmt, operation);
+  Statement select(lock.db(), stmt, operation);
   select.BindText(1, job_id);
   return ReadStepRows<v1::Checkpoint>(select, job_id, "checkpoints");
 }
@@ -894,11 +945,11 @@ absl::Status Store::DeleteNode(const std::string& node_id) {
 }
 
 absl::StatusOr<std::vector<v1::Node>> Store::ListNodes() {
-  absl::MutexLock lock(&mu_);
+  ReadLock lock(this);
   const std::string operation = "list nodes";
   ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
-                   Prepare("SELECT node_id, node FROM nodes ORDER BY node_id", operation));
-  Statement select(db_, stmt, operation);
+                   lock.Prepare("SELECT node_id, node FROM nodes ORDER BY node_id", operation));
+  Statement select(lock.db(), stmt, operation);
   std::vector<v1::Node> nodes;
   while (true) {
     ASSIGN_OR_RETURN(bool has_row, select.Step());
@@ -981,19 +1032,19 @@ absl::Status Store::CommitNewJob(JobWrite* write) {
 }
 
 void Store::SetWriteObserver(std::function<void(double seconds)> observer) {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&hooks_mu_);
   write_observer_ = std::move(observer);
 }
 
 void Store::SetWriteFailureInjector(std::function<absl::Status(const std::string&)> injector) {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&hooks_mu_);
   write_failure_injector_ = std::move(injector);
 }
 
 absl::Status Store::InjectedFailure(const std::string& id) {
   std::function<absl::Status(const std::string&)> injector;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&hooks_mu_);
     injector = write_failure_injector_;
   }
   return injector ? injector(id) : absl::OkStatus();
@@ -1002,7 +1053,7 @@ absl::Status Store::InjectedFailure(const std::string& id) {
 void Store::ReportWrite(double seconds) {
   std::function<void(double)> observer;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&hooks_mu_);
     observer = write_observer_;
   }
   if (observer) observer(seconds);

@@ -225,10 +225,8 @@ class Store {
   // Rows of a (job_id, step, metrics) table with from_step <= step <= to_step
   // (0 = no upper bound), in step order.
   template <typename Message>
-  absl::StatusOr<std::vector<Message>> ReadStepRangeLocked(const char* table,
-                                                           const std::string& job_id,
-                                                           int64_t from_step, int64_t to_step)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::vector<Message>> ReadStepRange(const char* table, const std::string& job_id,
+                                                     int64_t from_step, int64_t to_step);
   absl::StatusOr<sqlite3_stmt*> Prepare(absl::string_view sql, absl::string_view operation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Exec(const char* sql, absl::string_view operation)
@@ -241,20 +239,34 @@ class Store {
   absl::StatusOr<bool> JobExists(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // NextJobId's step inside a batch's transaction.
   absl::StatusOr<std::string> AllocateJobIdLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<std::vector<v1::Job>> QueryJobs(Statement& statement, absl::string_view operation)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static absl::StatusOr<std::vector<v1::Job>> QueryJobs(Statement& statement,
+                                                         absl::string_view operation);
   void ReportWrite(double seconds) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The connection a read uses, held for the read: reader_ when there is one, else db_ (under
+  // mu_).
+  class ReadLock;
 
   const std::string path_;
   absl::Mutex mu_;
   sqlite3* const db_;  // Used under mu_ only.
-  absl::flat_hash_map<absl::string_view, sqlite3_stmt*> statements_ ABSL_GUARDED_BY(mu_);
-  std::function<void(double)> write_observer_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, sqlite3_stmt*> statements_ ABSL_GUARDED_BY(mu_);
+  // Reads go through a second, read-only connection (file databases only), so that they never
+  // wait for a group commit and its fsync on db_: in WAL mode it reads the last committed state
+  // while a transaction is open on db_. Null for ":memory:" (reads then use db_).
+  absl::Mutex read_mu_;
+  sqlite3* reader_ = nullptr;  // Used under read_mu_ only; set once by Open.
+  absl::flat_hash_map<std::string, sqlite3_stmt*> read_statements_ ABSL_GUARDED_BY(read_mu_);
+  // The test and metrics hooks have a mutex of their own: every write consults them, and
+  // taking mu_ for that would wait for the commit in progress (its fsync included).
+  absl::Mutex hooks_mu_;
+  std::function<void(double)> write_observer_ ABSL_GUARDED_BY(hooks_mu_);
   absl::Mutex queue_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::CondVar batch_done_;
   std::vector<QueuedWrite*> queued_ ABSL_GUARDED_BY(queue_mu_);
   bool committing_ ABSL_GUARDED_BY(queue_mu_) = false;
-  std::function<absl::Status(const std::string&)> write_failure_injector_ ABSL_GUARDED_BY(mu_);
+  std::function<absl::Status(const std::string&)> write_failure_injector_
+      ABSL_GUARDED_BY(hooks_mu_);
   // The injected failure for a write of `id`, OK when none.
   absl::Status InjectedFailure(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
 };

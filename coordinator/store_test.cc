@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -550,6 +552,54 @@ TEST(StoreTest, ReopenKeepsData) {
   absl::StatusOr<std::vector<v1::JobEvent>> stored = store->Commit(more);
   ASSERT_THAT(stored, IsOk());
   EXPECT_THAT(Sequences(*stored), ElementsAre(4));
+}
+
+// Reads use a connection of their own: while a commit waits for the database (here another
+// connection holds its write lock, as a slow fsync would hold the store), reads answer at once
+// with the last committed state, and a write's effect is visible to the next read.
+TEST(StoreTest, ReadsDoNotWaitForACommitInProgress) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/coordinator.db";
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_PENDING, 1), 1);
+  ASSERT_THAT(store->GetJob("job-a"), IsOk());  // read-your-write
+
+  sqlite3* other = nullptr;
+  ASSERT_EQ(sqlite3_open_v2(path.c_str(), &other, SQLITE_OPEN_READWRITE, nullptr), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(other, "BEGIN IMMEDIATE", nullptr, nullptr, nullptr), SQLITE_OK);
+  absl::Notification committed;
+  absl::Status commit_status;
+  std::thread writer([&] {
+    JobWrite write;
+    write.job_id = "job-a";
+    write.job = MakeJob("job-a", v1::JOB_STATE_SCHEDULED, 1);
+    write.events.push_back(StateEvent(v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED));
+    commit_status = store->Commit(write).status();
+    committed.Notify();
+  });
+  absl::SleepFor(absl::Milliseconds(200));  // the commit now waits for the lock, holding the store
+  EXPECT_FALSE(committed.HasBeenNotified());
+
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::Job> job = store->GetJob("job-a");
+  ASSERT_THAT(job, IsOk());
+  EXPECT_EQ(job->state(), v1::JOB_STATE_PENDING);
+  EXPECT_THAT(store->ListWaitingJobs(), IsOkAndHolds(SizeIs(1)));
+  EXPECT_THAT(store->ReadEvents("job-a", 0, 0), IsOkAndHolds(SizeIs(1)));
+  // The commit waits up to Store::kBusyTimeoutMs (5 s); the reads must not.
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_FALSE(committed.HasBeenNotified());
+
+  ASSERT_EQ(sqlite3_exec(other, "ROLLBACK", nullptr, nullptr, nullptr), SQLITE_OK);
+  sqlite3_close(other);
+  writer.join();
+  ASSERT_THAT(commit_status, IsOk());
+  job = store->GetJob("job-a");
+  ASSERT_THAT(job, IsOk());
+  EXPECT_EQ(job->state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_THAT(store->ListWaitingJobs(), IsOkAndHolds(IsEmpty()));
+  EXPECT_THAT(store->ReadEvents("job-a", 0, 0), IsOkAndHolds(SizeIs(2)));
 }
 
 // The child commits and kills itself with SIGKILL as soon as Commit returns:
