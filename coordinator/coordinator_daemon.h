@@ -49,10 +49,11 @@ struct CoordinatorOptions {
   ClientLimitsOptions limits;
   // Largest gRPC message accepted, in bytes.
   int max_request_bytes = 64 << 20;
-  // Threads for the work of client calls, and as many again for workers' calls (common/daemon/
-  // call_executor.h); 0: DefaultCallThreads(). Two pools, so that clients whose calls wait on
-  // the store cannot hold up heartbeats.
-  int call_threads = 0;
+  // Threads that do the work of client calls and of workers' calls (common/daemon/
+  // call_executor.h); 0: 2 per core, at least 16, and 8 per core, at least 64. Two pools, so
+  // that clients whose calls wait on the store cannot hold up workers' reports.
+  int client_call_threads = 0;
+  int node_call_threads = 0;
 };
 
 // Thread safety: Start and servers().Shutdown from one thread; the servers

@@ -59,10 +59,12 @@ ABSL_FLAG(int, max_submits_per_minute, 60,
 ABSL_FLAG(int, max_streams_per_client, 16,
           "WatchJob and GetLogs streams one user may hold open; 0: unlimited.");
 ABSL_FLAG(int, max_request_bytes, 64 << 20, "Largest gRPC message accepted, in bytes.");
-ABSL_FLAG(int, call_threads, 0,
-          "Threads that do the work of client calls, and as many for workers' calls (they wait "
-          "on the state store's commits and the cluster lock, not on gRPC's own threads); "
-          "0: 4 per core, at least 16.");
+ABSL_FLAG(int, client_call_threads, 0,
+          "Threads that do the work of client calls (they wait on the state store's commits, "
+          "not on gRPC's own threads); 0: 2 per core, at least 16.");
+ABSL_FLAG(int, node_call_threads, 0,
+          "Threads that do the work of workers' registrations and reports, and the store writes "
+          "heartbeats decide; 0: 8 per core, at least 64.");
 
 ABSL_FLAG(std::string, log_format, "text",
           "text: plain lines; json: one JSON object per line (time, component, pid, message; "
@@ -107,7 +109,8 @@ int main(int argc, char** argv) {
   options.limits.submits_per_minute = absl::GetFlag(FLAGS_max_submits_per_minute);
   options.limits.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
-  options.call_threads = absl::GetFlag(FLAGS_call_threads);
+  options.client_call_threads = absl::GetFlag(FLAGS_client_call_threads);
+  options.node_call_threads = absl::GetFlag(FLAGS_node_call_threads);
   auto daemon = tessera::coordinator::CoordinatorDaemon::Start(options);
   if (!daemon.ok()) {
     std::cerr << "tessera-coordinator: " << daemon.status() << "\n";

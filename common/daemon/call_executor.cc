@@ -58,8 +58,4 @@ void CallExecutor::Loop() {
   }
 }
 
-int DefaultCallThreads() {
-  return std::max(16, 4 * static_cast<int>(std::thread::hardware_concurrency()));
-}
-
 }  // namespace tessera

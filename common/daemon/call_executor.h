@@ -51,11 +51,6 @@ class CallExecutor {
   std::vector<std::thread> threads_;
 };
 
-// Default thread count: 4 per core, at least 16. Most of the work waits (on a
-// commit shared with other calls, on a lock), and more calls waiting on one
-// group commit make it cheaper per call.
-int DefaultCallThreads();
-
 // Runs `handle` (absl::Status(), filling the response) on `executor`, or
 // inline when `executor` is null, then `finish` (void(const absl::Status&,
 // grpc::ServerUnaryReactor*)), which must finish the reactor. The request and

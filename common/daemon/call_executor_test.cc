@@ -56,7 +56,5 @@ TEST(CallExecutorTest, AtLeastOneThread) {
   EXPECT_EQ(ran.load(), 1);
 }
 
-TEST(CallExecutorTest, DefaultIsAtLeastSixteen) { EXPECT_GE(DefaultCallThreads(), 16); }
-
 }  // namespace
 }  // namespace tessera
