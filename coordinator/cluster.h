@@ -149,7 +149,8 @@ class Cluster {
 
   // `executor` (may be null; must outlive the cluster's calls) runs the store writes a heartbeat
   // decides (a job to RUNNING or SUCCEEDED) after the heartbeat returns, so that a heartbeat
-  // never waits for a commit. Null: the heartbeat makes them before it returns (tests).
+  // does not wait for the commits it decides. Null: the heartbeat makes them before it returns
+  // (tests).
   void SetFollowUpExecutor(CallExecutor* executor);
 
   // Seconds from submission to SCHEDULED of each job placed, for metrics.
