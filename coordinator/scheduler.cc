@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <tuple>
 #include <utility>
 
@@ -170,6 +171,77 @@ OfferSummary Summarize(const std::vector<Offer>& offers, int group) {
   return summary;
 }
 
+// The offers of one kind of node, bucketed by their slot count, kept up to date as a pass commits
+// gangs and reserves for its head: a placement then costs the nodes it touches, not a rescan of
+// every eligible node, and Pack's tightest and largest nodes are the first of a bucket.
+class OfferIndex {
+ public:
+  // `max_slots`: no offer exceeds it.
+  explicit OfferIndex(int max_slots) : buckets_(max_slots + 1) {}
+
+  void Add(int node, int slots) { buckets_[slots].insert(node); }
+  void Move(int node, int from, int to) {
+    if (from == to) return;
+    buckets_[from].erase(node);
+    buckets_[to].insert(node);
+  }
+
+  // As Summarize over the offers.
+  OfferSummary Summary(int group) const {
+    OfferSummary summary;
+    for (int slots = static_cast<int>(buckets_.size()) - 1; slots >= 0; --slots) {
+      if (buckets_[slots].empty()) continue;
+      if (summary.largest_node == 0) summary.largest_node = slots;
+      summary.gang += static_cast<int>(buckets_[slots].size()) * (slots / group * group);
+    }
+    return summary;
+  }
+
+  // Pack's answer on these offers (the same rule and tie-breaks, see Pack).
+  std::optional<std::vector<Share>> Pack(const GangRequest& request) const {
+    const int group = request.tensor_parallel;
+    int needed = request.world_size / group;
+    if (Summary(group).gang / group < needed) return std::nullopt;
+    const int size = static_cast<int>(buckets_.size());
+    std::vector<int> taken;
+    // The smallest node with `slots` free that the gang does not use yet; -1 when none.
+    auto first = [&](int slots) {
+      for (int node : buckets_[slots]) {
+        if (std::find(taken.begin(), taken.end(), node) == taken.end()) return node;
+      }
+      return -1;
+    };
+    std::vector<Share> shares;
+    while (needed > 0) {
+      // The tightest node that holds the rest: fewest slots, then the smaller index.
+      for (int slots = needed * group; slots < size; ++slots) {
+        if (const int node = first(slots); node >= 0) {
+          shares.push_back({node, needed});
+          return shares;
+        }
+      }
+      // Otherwise the node with the most groups; among equals, the fewest slots, then the
+      // smaller index. The summary above guarantees there is one.
+      int groups = 0;
+      for (int slots = size - 1; slots >= group && groups == 0; --slots) {
+        if (first(slots) >= 0) groups = slots / group;
+      }
+      for (int slots = groups * group; slots < size; ++slots) {
+        if (const int node = first(slots); node >= 0) {
+          shares.push_back({node, groups});
+          taken.push_back(node);
+          needed -= groups;
+          break;
+        }
+      }
+    }
+    return shares;
+  }
+
+ private:
+  std::vector<std::set<int>> buckets_;
+};
+
 // Why Pack failed on offers summarised by `summary` (non-empty eligible nodes), in the terms of
 // `basis`.
 std::string Shortfall(const GangRequest& request, const OfferSummary& summary, Basis basis) {
@@ -269,21 +341,41 @@ ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapaci
     states[i].free_cpu_slots = std::max(0, nodes[i].free_cpu_slots);
   }
 
+  // The most slots any node holds: the offer indexes' bucket range.
+  int max_slots = 0;
+  for (const NodeCapacity& node : nodes) {
+    max_slots = std::max({max_slots, node.total_gpus, node.total_cpu_slots,
+                          static_cast<int>(node.free_gpus.size()), node.free_cpu_slots});
+  }
+
   ScheduleResult result;
   std::optional<GangRequest> head;
-  // Requests asking for the same kind of node share one scan for eligible nodes: a deep queue on
-  // a large cluster otherwise rescans every node for every request.
+  // Requests asking for the same kind of node share one scan for eligible nodes and one index of
+  // their offers: a deep queue on a large cluster otherwise rescans every node for every request.
   struct Candidates {
+    bool gpus = true;
     std::vector<int> nodes;
-    std::vector<Offer> free;
-    std::vector<Offer> unreserved;
-    // Group size -> summaries of (free, unreserved).
-    std::map<int, std::pair<OfferSummary, OfferSummary>> summaries;
-    int64_t version = -1;
+    // By node index: whether eligible, and the free and unreserved slots last indexed.
+    std::vector<char> eligible;
+    std::vector<int> free_slots;
+    std::vector<int> unreserved_slots;
+    OfferIndex free{0};
+    OfferIndex unreserved{0};
   };
   std::map<std::string, Candidates> eligibility;
-  // Bumped whenever a commit or the head's reservation changes what nodes offer.
-  int64_t version = 0;
+  // A commit or the head's reservation changed what `node` offers: re-index it everywhere.
+  auto refresh = [&](int node) {
+    const NodeState& state = states[node];
+    for (auto& [key, candidates] : eligibility) {
+      if (!candidates.eligible[node]) continue;
+      const int free = state.Free(candidates.gpus);
+      const int unreserved = std::max(0, free - state.Reserved(candidates.gpus));
+      candidates.free.Move(node, candidates.free_slots[node], free);
+      candidates.unreserved.Move(node, candidates.unreserved_slots[node], unreserved);
+      candidates.free_slots[node] = free;
+      candidates.unreserved_slots[node] = unreserved;
+    }
+  };
   for (const GangRequest& request : pending) {
     if (auto problem = ShapeProblem(request)) {
       result.pending_reasons[request.job_id] = *problem;
@@ -294,6 +386,21 @@ ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapaci
     if (cached == eligibility.end()) {
       Candidates found;
       (void)NoEligibleNode(request, nodes, /*schedulable_only=*/true, &found.nodes);
+      found.gpus = request.use_gpus;
+      found.eligible.assign(nodes.size(), 0);
+      found.free_slots.assign(nodes.size(), 0);
+      found.unreserved_slots.assign(nodes.size(), 0);
+      found.free = OfferIndex(max_slots);
+      found.unreserved = OfferIndex(max_slots);
+      for (int node : found.nodes) {
+        const NodeState& state = states[node];
+        found.eligible[node] = 1;
+        found.free_slots[node] = state.Free(found.gpus);
+        found.unreserved_slots[node] =
+            std::max(0, state.Free(found.gpus) - state.Reserved(found.gpus));
+        found.free.Add(node, found.free_slots[node]);
+        found.unreserved.Add(node, found.unreserved_slots[node]);
+      }
       cached = eligibility.emplace(key, std::move(found)).first;
     }
     if (cached->second.nodes.empty()) {
@@ -305,39 +412,15 @@ ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapaci
     }
     const std::vector<int>& eligible = cached->second.nodes;
     const bool gpus = request.use_gpus;
-    // The free and unreserved slots of these nodes, and their summaries per group size, change
-    // only when a gang is committed or the head reserves: rebuild them then, not per request.
-    Candidates& candidates = cached->second;
-    if (candidates.version != version) {
-      candidates.free.clear();
-      candidates.unreserved.clear();
-      for (int node : eligible) {
-        const NodeState& state = states[node];
-        candidates.free.push_back({node, state.Free(gpus)});
-        candidates.unreserved.push_back(
-            {node, std::max(0, state.Free(gpus) - state.Reserved(gpus))});
-      }
-      candidates.summaries.clear();
-      candidates.version = version;
-    }
-    const std::vector<Offer>& free = candidates.free;
+    const Candidates& candidates = cached->second;
     const int group = request.tensor_parallel;
-    auto summary = candidates.summaries.find(group);
-    if (summary == candidates.summaries.end()) {
-      summary = candidates.summaries
-                    .emplace(group, std::make_pair(Summarize(free, group),
-                                                   Summarize(candidates.unreserved, group)))
-                    .first;
-    }
-    const OfferSummary& free_summary = summary->second.first;
     // Pack succeeds exactly when the offers hold enough whole groups.
-    if (summary->second.second.gang >= request.world_size) {
-      if (auto shares = Pack(request, candidates.unreserved)) {
-        result.placed.push_back(Commit(request, *shares, nodes, states));
-        ++version;
-        continue;
-      }
+    if (auto shares = candidates.unreserved.Pack(request)) {
+      result.placed.push_back(Commit(request, *shares, nodes, states));
+      for (const Share& share : *shares) refresh(share.node);
+      continue;
     }
+    const OfferSummary free_summary = candidates.free.Summary(group);
     if (!head.has_value()) {
       std::vector<Offer> empty;
       for (int node : eligible) empty.push_back({node, TotalSlots(request, nodes[node])});
@@ -353,8 +436,8 @@ ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapaci
       for (const Share& share : *reservation) {
         (gpus ? states[share.node].reserved_gpus : states[share.node].reserved_cpu_slots) +=
             share.groups * request.tensor_parallel;
+        refresh(share.node);
       }
-      ++version;
       result.pending_reasons[request.job_id] = Shortfall(request, free_summary, Basis::kFree);
       continue;
     }
