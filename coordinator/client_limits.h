@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/daemon/grpc_status.h"
 
 namespace tessera::coordinator {
 
@@ -25,10 +26,9 @@ struct ClientLimitsOptions {
   std::function<absl::Time()> now = [] { return absl::Now(); };
 };
 
-// Payload key of a RESOURCE_EXHAUSTED status carrying the retry delay in
-// milliseconds (decimal text); the service sends it as trailing metadata
+// RESOURCE_EXHAUSTED statuses carry their retry delay under kRetryAfterPayload
+// (common/daemon/grpc_status.h); the service sends it as trailing metadata
 // "retry-after-ms".
-inline constexpr char kRetryAfterPayload[] = "tessera.dev/retry-after-ms";
 
 // Thread safety: all methods may be called from any thread (mu_).
 class ClientLimits {

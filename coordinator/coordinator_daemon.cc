@@ -18,7 +18,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   for (const auto& [flag, value] : {std::pair<const char*, int>{"--client_call_threads",
                                                                   options.client_call_threads},
                                      std::pair<const char*, int>{"--node_call_threads",
-                                                                  options.node_call_threads}}) {
+                                                                  options.node_call_threads},
+                                     std::pair<const char*, int>{"--max_queued_client_calls",
+                                                                  options.max_queued_client_calls}}) {
     if (value < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat(flag, " ", value, ": must be 0 (the default) or more"));
@@ -56,9 +58,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   daemon->cluster_->SetAssignmentNotifier(daemon->notifier_.get());
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   // Client calls at nice 10: under load, waiting submitters yield to heartbeats and the pass.
+  // Beyond max_queued_client_calls waiting, clients are told to retry instead of queued.
   daemon->client_calls_ = std::make_unique<CallExecutor>(
       options.client_call_threads > 0 ? options.client_call_threads : std::max(16, 2 * cores),
-      "client-calls", 10);
+      "client-calls", 10, options.max_queued_client_calls);
   // Node calls mostly wait for group commits, and a commit shared by more of them is cheaper
   // per call: at 10,000 simulated nodes on 2 cores, 64 threads placed 610-636 jobs/s and 16
   // threads 455-509 (docs/performance.md).

@@ -54,6 +54,9 @@ struct CoordinatorOptions {
   // that clients whose calls wait on the store cannot hold up workers' reports.
   int client_call_threads = 0;
   int node_call_threads = 0;
+  // Client calls waiting for a thread beyond which more are refused (RESOURCE_EXHAUSTED, retry
+  // in 1 s) instead of queued in memory; workers' calls are never refused this way.
+  int max_queued_client_calls = 4096;
 };
 
 // Thread safety: Start and servers().Shutdown from one thread; the servers

@@ -62,6 +62,9 @@ ABSL_FLAG(int, max_request_bytes, 64 << 20, "Largest gRPC message accepted, in b
 ABSL_FLAG(int, client_call_threads, 0,
           "Threads that do the work of client calls (they wait on the state store's commits, "
           "not on gRPC's own threads); 0: 2 per core, at least 16.");
+ABSL_FLAG(int, max_queued_client_calls, 4096,
+          "Client calls waiting for a thread beyond which more are refused with "
+          "RESOURCE_EXHAUSTED (retry-after-ms 1000) instead of queued in memory; 0: no limit.");
 ABSL_FLAG(int, node_call_threads, 0,
           "Threads that do the work of workers' registrations and reports, and the store writes "
           "heartbeats decide; 0: 8 per core, at least 64.");
@@ -111,6 +114,7 @@ int main(int argc, char** argv) {
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.client_call_threads = absl::GetFlag(FLAGS_client_call_threads);
   options.node_call_threads = absl::GetFlag(FLAGS_node_call_threads);
+  options.max_queued_client_calls = absl::GetFlag(FLAGS_max_queued_client_calls);
   auto daemon = tessera::coordinator::CoordinatorDaemon::Start(options);
   if (!daemon.ok()) {
     std::cerr << "tessera-coordinator: " << daemon.status() << "\n";

@@ -867,6 +867,81 @@ TEST_F(CoordinatorTest, HeartbeatsAreAnsweredWhileSubmissionsWaitForTheDisk) {
   EXPECT_EQ(listed.jobs_size(), kSubmissions);
 }
 
+// Client calls wait for a thread in a bounded queue: beyond --max_queued_client_calls the
+// coordinator answers RESOURCE_EXHAUSTED with a retry hint at once instead of holding the call
+// in memory, and the calls it accepted still complete.
+class CoordinatorBusyTest : public CoordinatorTest {
+ protected:
+  void SetUp() override { Start({"--client_call_threads=1", "--max_queued_client_calls=2"}); }
+};
+
+TEST_F(CoordinatorBusyTest, ClientCallsBeyondTheQueueAreToldToRetry) {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open_v2((dir_.path() + "/state.db").c_str(), &db, SQLITE_OPEN_READWRITE,
+                            nullptr),
+            SQLITE_OK);
+  absl::Cleanup close_db = [db] { sqlite3_close(db); };
+  ASSERT_EQ(sqlite3_busy_timeout(db, 10000), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db, "BEGIN IMMEDIATE", nullptr, nullptr, nullptr), SQLITE_OK)
+      << sqlite3_errmsg(db);
+  bool locked = true;
+  absl::Cleanup unlock = [&] {
+    if (locked) sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
+  };
+
+  // The first submission takes the one thread and waits for the database; two more wait in the
+  // queue; the other five are refused at once.
+  auto submit = [&](int i, std::string* retry_after) {
+    v1::SubmitJobRequest request;
+    *request.mutable_spec() = ValidSpec(absl::StrCat("busy-", i));
+    v1::SubmitJobResponse response;
+    auto context = Context(60);
+    const grpc::Status status = stub_->SubmitJob(context.get(), request, &response);
+    const auto& trailing = context->GetServerTrailingMetadata();
+    if (auto it = trailing.find("retry-after-ms"); it != trailing.end()) {
+      *retry_after = std::string(it->second.data(), it->second.size());
+    }
+    return status;
+  };
+  std::vector<grpc::Status> statuses(8);
+  std::vector<std::string> retry_after(8);
+  std::vector<absl::Time> answered(8);
+  std::vector<std::thread> submitters;
+  for (int i = 0; i < 8; ++i) {
+    submitters.emplace_back([&, i] {
+      statuses[i] = submit(i, &retry_after[i]);
+      answered[i] = absl::Now();
+    });
+    if (i == 0) absl::SleepFor(absl::Milliseconds(300));  // the first one holds the thread
+  }
+  absl::SleepFor(absl::Milliseconds(700));
+  const absl::Time unlocked = absl::Now();
+  ASSERT_EQ(sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr), SQLITE_OK);
+  locked = false;
+  for (std::thread& submitter : submitters) submitter.join();
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0].error_message();
+  int accepted = 0;
+  int refused = 0;
+  for (int i = 0; i < 8; ++i) {
+    if (statuses[i].ok()) {
+      ++accepted;
+      continue;
+    }
+    ++refused;
+    EXPECT_EQ(statuses[i].error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << i << ": " << statuses[i].error_message();
+    EXPECT_THAT(statuses[i].error_message(), HasSubstr("retry in 1 s"));
+    EXPECT_EQ(retry_after[i], "1000") << i;
+    EXPECT_LT(answered[i], unlocked) << i << ": refused only once the database was free";
+  }
+  EXPECT_EQ(accepted, 3);
+  EXPECT_EQ(refused, 5);
+  v1::ListJobsRequest list;
+  v1::ListJobsResponse listed;
+  ASSERT_TRUE(stub_->ListJobs(Context().get(), list, &listed).ok());
+  EXPECT_EQ(listed.jobs_size(), 3);
+}
+
 TEST_F(CoordinatorTest, WatchFollowsLiveChanges) {
   v1::Job job = Submit(ValidSpec("live"));
   v1::WatchJobRequest request;

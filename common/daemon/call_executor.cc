@@ -7,9 +7,14 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "common/daemon/grpc_status.h"
+
 namespace tessera {
 
-CallExecutor::CallExecutor(int threads, const std::string& name, int nice) {
+CallExecutor::CallExecutor(int threads, const std::string& name, int nice, int max_queued)
+    : name_(name), max_queued_(static_cast<size_t>(std::max(max_queued, 0))) {
   threads = std::max(threads, 1);
   threads_.reserve(threads);
   for (int i = 0; i < threads; ++i) {
@@ -42,6 +47,24 @@ void CallExecutor::Schedule(absl::AnyInvocable<void() &&> work) {
     queue_.push_back(std::move(work));
   }
   ready_.Signal();
+}
+
+bool CallExecutor::TrySchedule(absl::AnyInvocable<void() &&> work) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (max_queued_ > 0 && queue_.size() >= max_queued_) return false;
+    queue_.push_back(std::move(work));
+  }
+  ready_.Signal();
+  return true;
+}
+
+absl::Status ExecutorBusy(const std::string& name, int max_queued) {
+  absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
+      "the server is busy: ", max_queued, " calls already wait for its ", name,
+      " threads; retry in 1 s"));
+  status.SetPayload(kRetryAfterPayload, absl::Cord("1000"));
+  return status;
 }
 
 void CallExecutor::Loop() {

@@ -23,13 +23,14 @@
 
 namespace tessera {
 
-// Thread safety: Schedule may be called from any thread.
+// Thread safety: Schedule and TrySchedule may be called from any thread.
 class CallExecutor {
  public:
   // Starts `threads` (>= 1) threads named `name` (at most 15 characters show),
   // each at `nice` (Linux's per-thread nice value, added to the process's):
   // work that may wait its turn yields the CPU to the rest of the daemon.
-  CallExecutor(int threads, const std::string& name, int nice = 0);
+  // TrySchedule refuses work while `max_queued` (> 0; 0: no limit) wait.
+  CallExecutor(int threads, const std::string& name, int nice = 0, int max_queued = 0);
   // Runs the work already scheduled, then joins the threads. Work scheduled
   // while it is destroyed is a bug (the gRPC server must be shut down first).
   ~CallExecutor();
@@ -38,34 +39,48 @@ class CallExecutor {
 
   // Runs `work` on one of the threads, in the order scheduled.
   void Schedule(absl::AnyInvocable<void() &&> work);
+  // Schedule, unless max_queued pieces of work already wait: then false, and
+  // `work` is dropped unrun.
+  bool TrySchedule(absl::AnyInvocable<void() &&> work);
 
   int threads() const { return static_cast<int>(threads_.size()); }
+  const std::string& name() const { return name_; }
+  int max_queued() const { return static_cast<int>(max_queued_); }
 
  private:
   void Loop();
 
   absl::Mutex mu_;
   std::deque<absl::AnyInvocable<void() &&>> queue_ ABSL_GUARDED_BY(mu_);
+  const std::string name_;
+  const size_t max_queued_;
   absl::CondVar ready_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };
 
+// The status of a call refused because its executor's queue is full:
+// RESOURCE_EXHAUSTED, retry after a second (kRetryAfterPayload, grpc_status.h).
+absl::Status ExecutorBusy(const std::string& name, int max_queued);
+
 // Runs `handle` (absl::Status(), filling the response) on `executor`, or
 // inline when `executor` is null, then `finish` (void(const absl::Status&,
-// grpc::ServerUnaryReactor*)), which must finish the reactor. The request and
-// response stay valid until then: gRPC keeps them until the reactor finishes.
+// grpc::ServerUnaryReactor*)), which must finish the reactor. When the
+// executor's queue is full the call is finished at once with ExecutorBusy.
+// The request and response stay valid until then: gRPC keeps them until the
+// reactor finishes.
 template <typename Handle, typename Finish>
 grpc::ServerUnaryReactor* HandleOn(CallExecutor* executor, grpc::CallbackServerContext* context,
                                    Handle handle, Finish finish) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  Finish refuse = finish;
   auto run = [reactor, handle = std::move(handle), finish = std::move(finish)]() mutable {
     finish(handle(), reactor);
   };
   if (executor == nullptr) {
     run();
-  } else {
-    executor->Schedule(std::move(run));
+  } else if (!executor->TrySchedule(std::move(run))) {
+    refuse(ExecutorBusy(executor->name(), executor->max_queued()), reactor);
   }
   return reactor;
 }

@@ -6,7 +6,9 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/daemon/grpc_status.h"
 #include "gtest/gtest.h"
 
 namespace tessera {
@@ -54,6 +56,44 @@ TEST(CallExecutorTest, AtLeastOneThread) {
     executor.Schedule([&] { ++ran; });
   }
   EXPECT_EQ(ran.load(), 1);
+}
+
+TEST(CallExecutorTest, TryScheduleRefusesWorkBeyondTheQueueLimit) {
+  CallExecutor executor(1, "test-calls", /*nice=*/0, /*max_queued=*/2);
+  EXPECT_EQ(executor.max_queued(), 2);
+  EXPECT_EQ(executor.name(), "test-calls");
+  absl::Notification release, started;
+  std::atomic<int> ran{0};
+  ASSERT_TRUE(executor.TrySchedule([&] {
+    started.Notify();
+    release.WaitForNotification();
+    ++ran;
+  }));
+  ASSERT_TRUE(started.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  // The one thread is busy: two may wait, the third is refused and never runs.
+  EXPECT_TRUE(executor.TrySchedule([&] { ++ran; }));
+  EXPECT_TRUE(executor.TrySchedule([&] { ++ran; }));
+  bool refused_ran = false;
+  EXPECT_FALSE(executor.TrySchedule([&] { refused_ran = true; }));
+  // Schedule is never refused (work that must run, such as a heartbeat's store writes).
+  executor.Schedule([&] { ++ran; });
+  release.Notify();
+  absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (ran.load() < 4 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(ran.load(), 4);
+  EXPECT_FALSE(refused_ran);
+  // Room again once the queue drained.
+  EXPECT_TRUE(executor.TrySchedule([&] { ++ran; }));
+}
+
+TEST(CallExecutorTest, BusyStatusAsksToRetryLater) {
+  const absl::Status busy = ExecutorBusy("client-calls", 4096);
+  EXPECT_EQ(busy.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(busy.message(),
+            "the server is busy: 4096 calls already wait for its client-calls threads; retry in "
+            "1 s");
+  ASSERT_TRUE(busy.GetPayload(kRetryAfterPayload).has_value());
+  EXPECT_EQ(std::string(*busy.GetPayload(kRetryAfterPayload)), "1000");
 }
 
 }  // namespace

@@ -7,6 +7,11 @@
 
 namespace tessera {
 
+// Payload key of a RESOURCE_EXHAUSTED status carrying the retry delay in
+// milliseconds (decimal text); services send it as trailing metadata
+// "retry-after-ms".
+inline constexpr char kRetryAfterPayload[] = "tessera.dev/retry-after-ms";
+
 // absl::Status -> grpc::Status, keeping code and message.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
