@@ -458,12 +458,23 @@ void Store::GroupCommit(const std::vector<QueuedWrite*>& writes) {
   absl::MutexLock lock(&queue_mu_);
   queued_.insert(queued_.end(), writes.begin(), writes.end());
   // Ours are done once the last one is (a batch is finished as a whole).
+  QueuedWrite* const first = writes.front();
   QueuedWrite* const last = writes.back();
-  while (!last->done) {
-    if (committing_) {
-      batch_done_.Wait(&queue_mu_);
-      continue;
+  // Wakes when ours are done, or when no commit is under way and ours head the queue: then this
+  // caller leads the next batch. Only that one caller wakes to lead, and the others only once
+  // their writes are done (a condition variable woke every waiter after every batch).
+  struct Turn {
+    Store* store;
+    QueuedWrite* first;
+    QueuedWrite* last;
+    static bool Ready(Turn* turn) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return turn->last->done || (!turn->store->committing_ && !turn->store->queued_.empty() &&
+                                  turn->store->queued_.front() == turn->first);
     }
+  } turn{this, first, last};
+  while (true) {
+    queue_mu_.Await(absl::Condition(&Turn::Ready, &turn));
+    if (last->done) break;
     committing_ = true;
     std::vector<QueuedWrite*> batch = std::move(queued_);
     queued_.clear();
@@ -475,7 +486,6 @@ void Store::GroupCommit(const std::vector<QueuedWrite*>& writes) {
     queue_mu_.Lock();
     for (QueuedWrite* write : batch) write->done = true;
     committing_ = false;
-    batch_done_.SignalAll();
   }
 }
 

@@ -262,7 +262,6 @@ class Store {
   absl::Mutex hooks_mu_;
   std::function<void(double)> write_observer_ ABSL_GUARDED_BY(hooks_mu_);
   absl::Mutex queue_mu_ ABSL_ACQUIRED_BEFORE(mu_);
-  absl::CondVar batch_done_;
   std::vector<QueuedWrite*> queued_ ABSL_GUARDED_BY(queue_mu_);
   bool committing_ ABSL_GUARDED_BY(queue_mu_) = false;
   std::function<absl::Status(const std::string&)> write_failure_injector_
