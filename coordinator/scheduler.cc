@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <map>
-#include <set>
 #include <tuple>
 #include <utility>
 
@@ -179,11 +178,14 @@ class OfferIndex {
   // `max_slots`: no offer exceeds it.
   explicit OfferIndex(int max_slots) : buckets_(max_slots + 1) {}
 
-  void Add(int node, int slots) { buckets_[slots].insert(node); }
+  // Nodes must be added in ascending order (the eligible list is).
+  void Add(int node, int slots) { buckets_[slots].push_back(node); }
   void Move(int node, int from, int to) {
     if (from == to) return;
-    buckets_[from].erase(node);
-    buckets_[to].insert(node);
+    std::vector<int>& source = buckets_[from];
+    source.erase(std::lower_bound(source.begin(), source.end(), node));
+    std::vector<int>& target = buckets_[to];
+    target.insert(std::lower_bound(target.begin(), target.end(), node), node);
   }
 
   // As Summarize over the offers.
@@ -239,7 +241,9 @@ class OfferIndex {
   }
 
  private:
-  std::vector<std::set<int>> buckets_;
+  // Slot count -> nodes offering that many, ascending. Sorted vectors: a pass builds one per
+  // kind of node over every eligible node, and moves only a few nodes per placement.
+  std::vector<std::vector<int>> buckets_;
 };
 
 // Why Pack failed on offers summarised by `summary` (non-empty eligible nodes), in the terms of
