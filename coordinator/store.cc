@@ -277,7 +277,12 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
       return status;
     }
     sqlite3_extended_result_codes(reader, 1);
-    sqlite3_busy_timeout(reader, kBusyTimeoutMs);
+    if (const int busy_rc = sqlite3_busy_timeout(reader, kBusyTimeoutMs); busy_rc != SQLITE_OK) {
+      absl::Status status =
+          SqliteStatus(reader, busy_rc, absl::StrCat("open '", path, "' for reading"));
+      sqlite3_close(reader);
+      return status;
+    }
     absl::MutexLock lock(&store->read_mu_);
     store->reader_ = reader;
   }
