@@ -151,6 +151,17 @@ absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNod
 }
 
 absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequest& request) {
+  ASSIGN_OR_RETURN(std::optional<v1::HeartbeatResponse> response, HeartbeatImpl(request, true));
+  return std::move(*response);
+}
+
+absl::StatusOr<std::optional<v1::HeartbeatResponse>> Cluster::HeartbeatWithoutWaiting(
+    const v1::HeartbeatRequest& request) {
+  return HeartbeatImpl(request, false);
+}
+
+absl::StatusOr<std::optional<v1::HeartbeatResponse>> Cluster::HeartbeatImpl(
+    const v1::HeartbeatRequest& request, bool wait) {
   // Declared first: the store writes the heartbeat decided run after mu_ is released, on the
   // follow-up executor when there is one.
   FollowUps follow_ups;
@@ -168,6 +179,7 @@ absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequ
     const std::string* node_id;
     static bool Check(NotStoring* self) { return !self->storing->contains(*self->node_id); }
   } not_storing{&storing_nodes_, &request.node_id()};
+  if (!wait && !NotStoring::Check(&not_storing)) return std::nullopt;
   mu_.Await(absl::Condition(&NotStoring::Check, &not_storing));
   heartbeat_node_ = request.node_id();
   absl::Cleanup quiet = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { heartbeat_node_.clear(); };

@@ -119,6 +119,11 @@ class Cluster {
 
   absl::StatusOr<v1::RegisterNodeResponse> Register(const v1::RegisterNodeRequest& request);
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
+  // Heartbeat, unless it would wait for a scheduling pass that is storing a placement on the
+  // node: then nullopt, having changed nothing, so that the caller can make the heartbeat where
+  // waiting blocks nobody else.
+  absl::StatusOr<std::optional<v1::HeartbeatResponse>> HeartbeatWithoutWaiting(
+      const v1::HeartbeatRequest& request);
   absl::StatusOr<v1::ReportResponse> Report(const v1::ReportRequest& request);
   // Whether `node_id` may watch for its assignments: registered, and `node_key` is its key.
   absl::Status CheckWatcher(const std::string& node_id, const std::string& node_key);
@@ -220,6 +225,9 @@ class Cluster {
     std::vector<Running> running;
     std::vector<std::pair<std::string, SuccessRecord>> succeeded;
   };
+  // Heartbeat and HeartbeatWithoutWaiting; nullopt only when !wait.
+  absl::StatusOr<std::optional<v1::HeartbeatResponse>> HeartbeatImpl(
+      const v1::HeartbeatRequest& request, bool wait);
   void OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status,
                           FollowUps* follow_ups) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves jobs to RUNNING and SUCCEEDED as decided; a write that fails is tried again by the next

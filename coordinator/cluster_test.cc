@@ -8,6 +8,7 @@
 #include <set>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -171,6 +172,56 @@ TEST_F(ClusterTest, SilentNodeIsLostAndAskedToRegisterAgain) {
   EXPECT_EQ(stats.nodes[v1::NODE_STATE_LOST], 1);
   EXPECT_TRUE(cluster_->Nodes(false).empty());
   EXPECT_TRUE(Beat("n1", {}).reregister());
+}
+
+// A heartbeat from a node on which a pass is storing a placement must wait for the store (its
+// assignment goes out only once stored); HeartbeatWithoutWaiting says so instead of waiting, so
+// the gRPC service can move that one heartbeat off its threads. Nodes without a placement being
+// stored are answered at once.
+TEST_F(ClusterTest, HeartbeatWithoutWaitingStepsAsideWhileItsNodesPlacementIsStored) {
+  Register("n1", 2);
+  Register("n2", 2);
+  const std::string job_id = Submit(CpuSpec(2, 0));
+  absl::Notification storing, release;
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    if (id == job_id && !storing.HasBeenNotified()) {
+      storing.Notify();
+      release.WaitForNotification();
+    }
+    return absl::OkStatus();
+  });
+  std::thread pass([&] { cluster_->Tick(); });
+  ASSERT_TRUE(storing.WaitForNotificationWithTimeout(absl::Seconds(30)));
+
+  // The gang went to one node (two slots); which one is the packing rule's business.
+  v1::HeartbeatRequest n1;
+  n1.set_node_id("n1");
+  v1::HeartbeatRequest n2;
+  n2.set_node_id("n2");
+  auto first = cluster_->HeartbeatWithoutWaiting(n1);
+  auto second = cluster_->HeartbeatWithoutWaiting(n2);
+  ASSERT_THAT(first.status(), IsOk());
+  ASSERT_THAT(second.status(), IsOk());
+  ASSERT_NE(first->has_value(), second->has_value()) << "exactly one node holds the gang";
+  const v1::HeartbeatRequest& placed = first->has_value() ? n2 : n1;
+  const v1::HeartbeatResponse& other = first->has_value() ? **first : **second;
+  EXPECT_EQ(other.start_size(), 0);
+
+  // The placed node's heartbeat, made where it may wait, gets its assignment once stored.
+  absl::StatusOr<v1::HeartbeatResponse> waited;
+  std::thread beat([&] { waited = cluster_->Heartbeat(placed); });
+  absl::SleepFor(absl::Milliseconds(100));
+  release.Notify();
+  beat.join();
+  pass.join();
+  store_->SetWriteFailureInjector(nullptr);
+  ASSERT_THAT(waited.status(), IsOk());
+  ASSERT_EQ(waited->start_size(), 1);
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
+  // Once stored, nobody steps aside.
+  auto again = cluster_->HeartbeatWithoutWaiting(placed);
+  ASSERT_THAT(again.status(), IsOk());
+  EXPECT_TRUE(again->has_value());
 }
 
 TEST_F(ClusterTest, KilledRankRestartsFromTheCheckpointBlamingTheKilledRank) {

@@ -74,10 +74,14 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
       WorkerChannelSecurity{.credentials = std::move(worker_credentials),
                             .tls_server_name = options.worker_tls_server_name},
       daemon->client_calls_.get());
+  // Heartbeats that would wait for a pass's commit wait here: few at a time, each for one commit,
+  // and each carrying its node's new assignment.
+  daemon->waiting_heartbeats_ = std::make_unique<CallExecutor>(16, "hb-waits");
   daemon->cluster_->SetFollowUpExecutor(daemon->node_calls_.get());
   daemon->node_service_ =
       std::make_unique<NodeService>(daemon->cluster_.get(), daemon->authenticator_.get(),
-                                    daemon->notifier_.get(), daemon->node_calls_.get());
+                                    daemon->notifier_.get(), daemon->node_calls_.get(),
+                                    daemon->waiting_heartbeats_.get());
 
   // The metrics object needs the exposer's registry, and the gRPC server
   // needs its interceptor: DaemonServers hands over the registry in between.

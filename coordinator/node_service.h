@@ -20,10 +20,18 @@ class NodeService final : public v1::NodeService::CallbackService {
   // `authenticator` may be null: open (in-process tests). `notifier` may be
   // null: WatchAssignments answers UNIMPLEMENTED and workers rely on heartbeats.
   // RegisterNode and Report run on `executor`: they wait for store commits.
-  // Heartbeats stay on gRPC's threads. Null: everything on gRPC's threads.
+  // Heartbeats stay on gRPC's threads, unless one would wait for a pass storing
+  // a placement on its node: that one waits on `heartbeat_executor`, kept apart
+  // so that it carries the node's new assignment out without queuing behind
+  // reports. Null: on gRPC's threads.
   explicit NodeService(Cluster* cluster, Authenticator* authenticator = nullptr,
-                       AssignmentNotifier* notifier = nullptr, CallExecutor* executor = nullptr)
-      : cluster_(cluster), authenticator_(authenticator), notifier_(notifier), executor_(executor) {}
+                       AssignmentNotifier* notifier = nullptr, CallExecutor* executor = nullptr,
+                       CallExecutor* heartbeat_executor = nullptr)
+      : cluster_(cluster),
+        authenticator_(authenticator),
+        notifier_(notifier),
+        executor_(executor),
+        heartbeat_executor_(heartbeat_executor) {}
 
   grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* context,
                                          const v1::RegisterNodeRequest* request,
@@ -48,6 +56,7 @@ class NodeService final : public v1::NodeService::CallbackService {
   Authenticator* authenticator_;
   AssignmentNotifier* notifier_;
   CallExecutor* executor_;
+  CallExecutor* heartbeat_executor_;
 };
 
 }  // namespace tessera::coordinator
