@@ -220,6 +220,24 @@ class Store::Statement {
   int bind_rc_ = SQLITE_OK;
 };
 
+namespace {
+
+// `sql` prepared on `db`, from `cache` when it was prepared before (the caller holds the
+// connection's mutex).
+absl::StatusOr<sqlite3_stmt*> PrepareCached(
+    sqlite3* db, absl::flat_hash_map<std::string, sqlite3_stmt*>& cache, absl::string_view sql,
+    absl::string_view operation) {
+  if (auto it = cache.find(sql); it != cache.end()) return it->second;
+  sqlite3_stmt* stmt = nullptr;
+  const int rc = sqlite3_prepare_v3(db, sql.data(), static_cast<int>(sql.size()),
+                                    SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
+  if (rc != SQLITE_OK) return SqliteStatus(db, rc, operation);
+  cache.emplace(std::string(sql), stmt);
+  return stmt;
+}
+
+}  // namespace
+
 class Store::ReadLock {
  public:
   explicit ReadLock(Store* store) ABSL_NO_THREAD_SAFETY_ANALYSIS
@@ -236,14 +254,7 @@ class Store::ReadLock {
   absl::StatusOr<sqlite3_stmt*> Prepare(absl::string_view sql, absl::string_view operation)
       ABSL_NO_THREAD_SAFETY_ANALYSIS {
     if (store_->reader_ == nullptr) return store_->Prepare(sql, operation);
-    auto& statements = store_->read_statements_;
-    if (auto it = statements.find(sql); it != statements.end()) return it->second;
-    sqlite3_stmt* stmt = nullptr;
-    const int rc = sqlite3_prepare_v3(store_->reader_, sql.data(), static_cast<int>(sql.size()),
-                                      SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
-    if (rc != SQLITE_OK) return SqliteStatus(store_->reader_, rc, operation);
-    statements.emplace(std::string(sql), stmt);
-    return stmt;
+    return PrepareCached(store_->reader_, store_->read_statements_, sql, operation);
   }
 
  private:
@@ -373,13 +384,7 @@ absl::Status Store::Migrate() {
 }
 
 absl::StatusOr<sqlite3_stmt*> Store::Prepare(absl::string_view sql, absl::string_view operation) {
-  if (auto it = statements_.find(sql); it != statements_.end()) return it->second;
-  sqlite3_stmt* stmt = nullptr;
-  const int rc = sqlite3_prepare_v3(db_, sql.data(), static_cast<int>(sql.size()),
-                                    SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
-  if (rc != SQLITE_OK) return SqliteStatus(db_, rc, operation);
-  statements_.emplace(std::string(sql), stmt);
-  return stmt;
+  return PrepareCached(db_, statements_, sql, operation);
 }
 
 absl::Status Store::Exec(const char* sql, absl::string_view operation) {
