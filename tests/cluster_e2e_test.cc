@@ -183,6 +183,25 @@ class ClusterTest : public ::testing::Test {
     return false;
   }
 
+  // Waits until the running job has recorded a checkpoint at `step` or later; false after
+  // `seconds` or once the job has stopped running. Saves are asynchronous: a trainer goes on to
+  // later steps before the save it started commits, further on a loaded machine.
+  bool WaitForCheckpoint(const std::string& job_id, int64_t step, int seconds) {
+    absl::Time deadline = absl::Now() + absl::Seconds(seconds);
+    while (absl::Now() < deadline) {
+      v1::Job job = Get(job_id);
+      if (job.state() == v1::JOB_STATE_RUNNING && job.latest_checkpoint().step() >= step) {
+        return true;
+      }
+      if (job.state() != v1::JOB_STATE_RUNNING && job.state() != v1::JOB_STATE_SCHEDULED &&
+          job.state() != v1::JOB_STATE_PENDING) {
+        return false;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return false;
+  }
+
   // Pids of the trainer processes whose task file lies under `dir` (a worker's work dir, a job's
   // attempt directory, one rank's task file...).
   std::vector<pid_t> TrainerPids(const std::string& pattern) {
@@ -428,17 +447,21 @@ TEST_F(ClusterTest, ATrainerFailureFailsTheJobWithItsReason) {
 }
 
 TEST_F(ClusterTest, KilledRankRestartsAndRetrainsTheLostStepsExactly) {
-  v1::JobSpec spec = Spec(40);
+  constexpr int kSteps = 60;
+  v1::JobSpec spec = Spec(kSteps);
   spec.set_max_restarts(2);
   const std::string job_id = Submit(spec);
-  ASSERT_TRUE(WaitForStep(job_id, 15, 120)) << Get(job_id).reason();
+  // The kill waits for a committed checkpoint at step 10 or later. Waiting for step 15 instead
+  // let the kill land, on a loaded machine, before the asynchronous save of step 10 committed,
+  // and the retry began at 0.
+  ASSERT_TRUE(WaitForCheckpoint(job_id, 10, 120)) << Get(job_id).ShortDebugString();
   std::vector<pid_t> rank1 = TrainerPids(RankTask("e2e-node", job_id, 0, 1));
   ASSERT_EQ(rank1.size(), 1u);
   ASSERT_EQ(kill(rank1[0], SIGKILL), 0);
   v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason() << "\n" << worker_->stderr_text();
-  EXPECT_EQ(job.restarts(), 1);
-  ASSERT_EQ(job.attempts_size(), 2);
+  EXPECT_EQ(job.restarts(), 1) << job.ShortDebugString();
+  ASSERT_EQ(job.attempts_size(), 2) << worker_->stderr_text();
   EXPECT_THAT(job.attempts(0).reason(), HasSubstr("rank 1 on e2e-node was killed by signal 9"));
   EXPECT_EQ(job.attempts(0).failure().rank(), 1);
   EXPECT_GE(job.attempts(1).start_step(), 10) << "resumed from a checkpoint";
@@ -446,8 +469,8 @@ TEST_F(ClusterTest, KilledRankRestartsAndRetrainsTheLostStepsExactly) {
 
   // The curve has every step once; the watch stream shows the restart between the attempts.
   std::vector<v1::StepMetrics> curve = Curve(job_id);
-  ASSERT_EQ(curve.size(), 40u);
-  for (int i = 0; i < 40; ++i) EXPECT_EQ(curve[i].step(), i + 1);
+  ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps));
+  for (int i = 0; i < kSteps; ++i) EXPECT_EQ(curve[i].step(), i + 1);
   std::vector<std::string> transitions;
   for (const auto& event : Events(job_id)) {
     if (event.has_state_change()) {
@@ -465,8 +488,8 @@ TEST_F(ClusterTest, KilledRankRestartsAndRetrainsTheLostStepsExactly) {
   v1::Job reference = WaitFor(Submit(spec), v1::JOB_STATE_SUCCEEDED, 240);
   ASSERT_EQ(reference.state(), v1::JOB_STATE_SUCCEEDED) << reference.reason();
   std::vector<v1::StepMetrics> expected = Curve(reference.job_id());
-  ASSERT_EQ(expected.size(), 40u);
-  for (int i = 0; i < 40; ++i) {
+  ASSERT_EQ(expected.size(), static_cast<size_t>(kSteps));
+  for (int i = 0; i < kSteps; ++i) {
     EXPECT_NEAR(curve[i].loss(), expected[i].loss(), 1e-4) << "step " << i + 1;
   }
 }

@@ -32,6 +32,8 @@ namespace {
 constexpr int kRelayBatch = 256;
 // How long an ended task's state waits for its queued reports to be relayed (TaskStatusLocked).
 constexpr absl::Duration kReportDrainTimeout = absl::Seconds(30);
+// How long, beyond the stop grace, an ended task's state waits for its ranks' processes to exit.
+constexpr absl::Duration kRankExitTimeout = absl::Seconds(30);
 
 // Lines of a failed rank's log quoted in its failure message.
 constexpr int kFailureLogLines = 20;
@@ -226,6 +228,23 @@ v1::TaskStatus WorkerAgent::TaskStatusLocked(Task& task, absl::Time now) {
       return status;
     }
   }
+  // Nor does it go out while a rank's process lives (a failed rank's siblings being stopped): the
+  // coordinator frees the task's slots, GPUs and master port on its end, and a restart placed on
+  // them at once found the old rank 0 still listening on the port. A process that outlives its
+  // SIGKILL (stuck in the kernel) holds the end back for kRankExitTimeout after the stop grace.
+  if (IsTerminal(task.state) && !ProcessesGoneLocked(task)) {
+    if (!task.exit_deadline) task.exit_deadline = now + options_.stop_grace + kRankExitTimeout;
+    if (now < *task.exit_deadline) {
+      status.set_state(v1::TASK_STATE_RUNNING);
+      return status;
+    }
+    if (!task.exit_overdue_logged) {
+      task.exit_overdue_logged = true;
+      std::cerr << "tessera-worker: a rank of task " << task.task_id << " is still alive "
+                << absl::FormatDuration(options_.stop_grace + kRankExitTimeout)
+                << " after the task ended; reporting the end anyway" << std::endl;
+    }
+  }
   if (task.state == v1::TASK_STATE_FAILED) *status.mutable_failure() = task.failure;
   for (const auto& rank : task.ranks) {
     if (rank.step_time) *status.add_ranks() = *rank.step_time;
@@ -418,6 +437,15 @@ void WorkerAgent::PollRankLocked(Rank& rank) {
   if (std::optional<ExitStatus> exit = rank.process->Poll()) RecordExitLocked(rank, *exit);
 }
 
+bool WorkerAgent::ProcessesGoneLocked(Task& task) {
+  bool gone = true;
+  for (Rank& rank : task.ranks) {
+    PollRankLocked(rank);
+    gone &= !rank.process || rank.exit.has_value();
+  }
+  return gone;
+}
+
 void WorkerAgent::RecordExitLocked(Rank& rank, ExitStatus exit) {
   if (rank.exit) return;
   rank.exit = exit;
@@ -528,21 +556,28 @@ void WorkerAgent::SuperviseLoop() {
     // thread erases tasks, so the processes stay alive meanwhile.
     for (TrainerProcess* process : to_kill) process->Kill();
     for (TrainerProcess* process : to_stop) process->Stop(options_.stop_grace);
-    absl::MutexLock lock(&mu_);
-    for (auto it = tasks_.begin(); it != tasks_.end();) {
-      Task& task = it->second;
-      bool processes_gone = true;
-      for (auto& rank : task.ranks) {
-        PollRankLocked(rank);
-        processes_gone &= !rank.process || rank.exit.has_value();
-      }
-      if (IsTerminal(task.state) && task.status_sent_after_end && task.unacked.empty() &&
-          processes_gone) {
-        it = tasks_.erase(it);
-      } else {
+    bool announce_end = false;
+    {
+      absl::MutexLock lock(&mu_);
+      for (auto it = tasks_.begin(); it != tasks_.end();) {
+        Task& task = it->second;
+        const bool processes_gone = ProcessesGoneLocked(task);
+        if (IsTerminal(task.state) && task.status_sent_after_end && task.unacked.empty() &&
+            processes_gone) {
+          it = tasks_.erase(it);
+          continue;
+        }
+        // An end that can go out now goes in a heartbeat at once, not at the next interval: the
+        // coordinator restarts or frees on it.
+        if (IsTerminal(task.state) && processes_gone && task.unacked.empty() &&
+            !task.end_announced) {
+          task.end_announced = true;
+          announce_end = true;
+        }
         ++it;
       }
     }
+    if (announce_end) WakeHeartbeat();
   }
 }
 

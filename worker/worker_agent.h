@@ -159,6 +159,11 @@ class WorkerAgent {
     std::optional<absl::Time> first_failure_seen;
     // Until when the end of the task is held back for its unrelayed reports.
     std::optional<absl::Time> drain_deadline;
+    // Until when the end of the task is held back for ranks whose processes have not exited.
+    std::optional<absl::Time> exit_deadline;
+    bool exit_overdue_logged = false;
+    // The heartbeat was woken to carry the end.
+    bool end_announced = false;
   };
 
   // Deadline and credentials of a call to the coordinator.
@@ -179,13 +184,16 @@ class WorkerAgent {
   // Polls a running rank; on its exit records the time and removes its pid file.
   void PollRankLocked(Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RecordExitLocked(Rank& rank, ExitStatus exit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Polls the task's ranks; whether none of their processes is left.
+  bool ProcessesGoneLocked(Task& task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Decides a running task's state from its ranks' exits and heartbeats.
   void JudgeTaskLocked(Task& task, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The failure of a rank that exited non-zero: its own typed report, else
   // the exit status; stamped with when the exit was seen if it has no time.
   v1::TrainerFailure ExitFailureLocked(const Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What heartbeats and registrations say of `task`: RUNNING still for an ended task whose
-  // reports are not all relayed (up to a deadline it sets on first call).
+  // reports are not all relayed, or one of whose ranks' processes has not exited (each up to a
+  // deadline it sets on first call).
   v1::TaskStatus TaskStatusLocked(Task& task, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Task* FindTaskLocked(const std::string& job_id, int attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -37,6 +37,15 @@ bool IsTerminal(v1::TaskState state) {
          state == v1::TASK_STATE_STOPPED;
 }
 
+int CountFiles(const std::string& dir) {
+  int files = 0;
+  std::error_code error;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    ++files;
+  }
+  return files;
+}
+
 // Hands out one task at the first heartbeat, records what the worker sends, and acknowledges
 // every report.
 class FakeCoordinator final : public v1::NodeService::Service {
@@ -64,6 +73,9 @@ class FakeCoordinator final : public v1::NodeService::Service {
     }
     for (const v1::TaskStatus& status : request->tasks()) {
       if (status.task_id() != kTaskId) continue;
+      if (!IsTerminal(last_status_.state()) && IsTerminal(status.state())) {
+        trainers_at_end_ = CountFiles(trainers_dir_);
+      }
       if (!IsTerminal(last_status_.state())) last_status_ = status;
       for (const v1::RankStepTime& rank : status.ranks()) step_times_.push_back(rank);
     }
@@ -102,6 +114,16 @@ class FakeCoordinator final : public v1::NodeService::Service {
     absl::MutexLock lock(&mu_);
     return step_times_;
   }
+  // Where the worker keeps a pid file per live trainer.
+  void set_trainers_dir(std::string dir) {
+    absl::MutexLock lock(&mu_);
+    trainers_dir_ = std::move(dir);
+  }
+  // Pid files there when the first terminal status arrived; -1 before one did.
+  int trainers_at_end() {
+    absl::MutexLock lock(&mu_);
+    return trainers_at_end_;
+  }
 
  private:
   const v1::TaskAssignment assignment_;
@@ -113,6 +135,8 @@ class FakeCoordinator final : public v1::NodeService::Service {
   std::vector<v1::RankStepTime> step_times_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::TrainerReport> relayed_ ABSL_GUARDED_BY(mu_);
   int64_t first_unseen_ ABSL_GUARDED_BY(mu_) = 1;
+  std::string trainers_dir_ ABSL_GUARDED_BY(mu_);
+  int trainers_at_end_ ABSL_GUARDED_BY(mu_) = -1;
 };
 
 // Two CPU ranks of job-1 attempt 0, with the fake's flags per rank.
@@ -144,6 +168,7 @@ class WorkerAgentTest : public ::testing::Test {
     setenv("TESSERA_FAKE_TRAINER_ARGS_RANK0", rank0_flags.c_str(), 1);
     setenv("TESSERA_FAKE_TRAINER_ARGS_RANK1", rank1_flags.c_str(), 1);
     coordinator_ = std::make_unique<FakeCoordinator>(std::move(assignment));
+    coordinator_->set_trainers_dir(work_dir_ + "/trainers");
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -173,12 +198,7 @@ class WorkerAgentTest : public ::testing::Test {
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
     int files = 0;
     do {
-      files = 0;
-      std::error_code error;
-      for ([[maybe_unused]] const auto& entry :
-           std::filesystem::directory_iterator(work_dir_ + "/trainers", error)) {
-        ++files;
-      }
+      files = CountFiles(work_dir_ + "/trainers");
       if (files == 0) break;
       absl::SleepFor(absl::Milliseconds(20));
     } while (absl::Now() < deadline);
@@ -280,6 +300,23 @@ TEST_F(WorkerAgentTest, StopOrderAfterARankFailedOnItsOwnFails) {
   EXPECT_EQ(status.failure().kind(), v1::FAILURE_KIND_PEER_FAILED);
   EXPECT_EQ(status.failure().exit_code(), 1);
   EXPECT_EQ(PidFilesAfterWait(), 0);
+}
+
+TEST_F(WorkerAgentTest, AFailedTaskEndsOnlyOnceEveryRankHasExited) {
+  WorkerAgentOptions options;
+  options.stop_grace = absl::Seconds(2);
+  // Rank 1 fails; rank 0 ignores the SIGTERM that stops it, so only the SIGKILL after the stop
+  // grace ends it. Until then the task holds its slots and rank 0 its master port: the end must
+  // not reach the coordinator, which would place a restart on them.
+  StartCluster(TwoRanks(0), "--heartbeat --ignore_sigterm --sleep=60",
+               "--heartbeat --sleep=0.3 --exit=3", options);
+  const absl::Time started = absl::Now();
+  const v1::TaskStatus status = coordinator_->WaitForEnd(absl::Seconds(30));
+  ASSERT_EQ(status.state(), v1::TASK_STATE_FAILED) << status.ShortDebugString();
+  EXPECT_EQ(status.failure().rank(), 1);
+  EXPECT_EQ(status.failure().exit_code(), 3);
+  EXPECT_EQ(coordinator_->trainers_at_end(), 0) << "a rank was alive when the end went out";
+  EXPECT_GE(absl::Now() - started, options.stop_grace) << "the end came before the SIGKILL";
 }
 
 }  // namespace
