@@ -62,8 +62,8 @@ ABSL_FLAG(int, metric_steps, 10,
 ABSL_FLAG(bool, watch_assignments, false,
           "Each simulated node keeps a NodeService.WatchAssignments stream open and heartbeats "
           "when notified, as workers do by default; false (the default, comparable with the "
-          "figures in docs/performance.md): orders wait for the next heartbeat. At 10,000 nodes "
-          "10,000 open streams cost the coordinator more than the rest of the load (see there).");
+          "figures in most tables of docs/performance.md): orders wait for the next heartbeat. "
+          "The streams cost the coordinator memory and, under overload, placements (see there).");
 ABSL_FLAG(int, max_backlog, 2000,
           "Submissions pause while this many submitted jobs still wait for their ranks.");
 ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(15),
