@@ -659,12 +659,17 @@ INSTANTIATE_TEST_SUITE_P(
 // the global batch or the model (dp, tp's vocab-parallel loss, pp's last stage, and evaluation
 // through them) gives one process's losses. The records' responses differ in length, so
 // micro-batches and ranks hold different numbers of counted targets: a mean of per-rank means
-// would differ from the global mean.
+// would differ from the global mean. Packed documents (prepare --pack, several per sample) add the
+// records' positions, which every stage and rank must apply: without them on pp's second stage
+// the losses differ from one process's by up to 1.6e-4.
 struct MaskedLayoutCase {
   std::string name;
   int dp;
   int tp;
   int pp;
+  // prepare --pack: several records per sample, kept apart by their positions.
+  bool packed = false;
+  bool sequence_parallel = false;
 };
 
 class MaskedTrainingTest : public TrainerTrainingTest,
@@ -672,50 +677,65 @@ class MaskedTrainingTest : public TrainerTrainingTest,
  protected:
   static constexpr int kSteps = 12;
 
-  static const std::string& SftDir() {
-    static const std::string* dir = [] {
-      auto* out = new std::string(MakeTempDir("sft"));
+  static const std::string& SftDir(bool packed) {
+    static const std::string* dirs[2] = {nullptr, nullptr};
+    const std::string*& dir = dirs[packed ? 1 : 0];
+    if (dir == nullptr) {
+      auto* out = new std::string(MakeTempDir(packed ? "sft-packed" : "sft"));
       const std::string jsonl = *out + "/chat.jsonl";
       std::ofstream file(jsonl);
       for (int i = 0; i < 240; ++i) {
         std::string reply;
         for (int j = 0; j < 1 + (i * 7) % 30; ++j) reply += static_cast<char>('a' + (i + j) % 26);
+        if (packed) {
+          // Documents of 4 to 19 tokens with their eos: three or more share a 65-token sample.
+          file << "{\"text\": \"" << reply.substr(0, 3 + i % 16) << "\"}\n";
+          continue;
+        }
         file << "{\"messages\": [{\"role\": \"user\", \"content\": \"echo " << i % 17
              << "\"}, {\"role\": \"assistant\", \"content\": \"" << reply << "\"}]}\n";
       }
       file.close();
-      auto prepared = RunCommand({Trainer(), "prepare", "--input=" + jsonl, "--output_dir=" + *out,
-                                  "--sample_seq_len=64", "--val_fraction=0.1"});
+      std::vector<std::string> args = {Trainer(), "prepare", "--input=" + jsonl,
+                                       "--output_dir=" + *out, "--sample_seq_len=64",
+                                       "--val_fraction=0.1"};
+      if (packed) args.push_back("--pack");
+      auto prepared = RunCommand(args);
       EXPECT_THAT(prepared, IsOk());
       if (prepared.ok()) {
         EXPECT_EQ(prepared->exit.exit_code, 0) << prepared->output;
         EXPECT_THAT(prepared->output, HasSubstr("with a loss mask"));
+        if (packed) EXPECT_THAT(prepared->output, HasSubstr("records packed into samples"));
       }
-      return out;
-    }();
+      dir = out;
+    }
     return *dir;
   }
 
-  static std::vector<std::string> MaskedFlags(const std::string& checkpoint_dir) {
+  static std::vector<std::string> MaskedFlags(const std::string& checkpoint_dir, bool packed) {
     std::vector<std::string> flags = BaseFlags(kSteps, checkpoint_dir);
     for (auto& flag : flags) {
-      if (flag.starts_with("--data=")) flag = "--data=" + SftDir() + "/train-*.bin";
+      if (flag.starts_with("--data=")) flag = "--data=" + SftDir(packed) + "/train-*.bin";
     }
-    flags.push_back("--val_data=" + SftDir() + "/val-*.bin");
+    flags.push_back("--val_data=" + SftDir(packed) + "/val-*.bin");
     flags.push_back("--eval_every=6");
     flags.push_back("--eval_batches=3");
     return flags;
   }
 
-  static const TrainerRun& Reference() {
-    static const TrainerRun* run = new TrainerRun(RunTrainer(MaskedFlags(MakeTempDir("sft-ref"))));
+  static const TrainerRun& Reference(bool packed) {
+    static const TrainerRun* runs[2] = {nullptr, nullptr};
+    const TrainerRun*& run = runs[packed ? 1 : 0];
+    if (run == nullptr) {
+      run = new TrainerRun(RunTrainer(MaskedFlags(MakeTempDir("sft-ref"), packed)));
+    }
     return *run;
   }
 };
 
 TEST_P(MaskedTrainingTest, LossesAndEvaluationMatchOneProcess) {
   const MaskedLayoutCase& c = GetParam();
-  const TrainerRun& reference = Reference();
+  const TrainerRun& reference = Reference(c.packed);
   ASSERT_EQ(reference.exit_code, 0) << reference.output;
   ASSERT_EQ(reference.losses.size(), static_cast<size_t>(kSteps)) << reference.output;
   const std::vector<v1::EvalMetrics> expected_evals = Evals(reference);
@@ -724,9 +744,10 @@ TEST_P(MaskedTrainingTest, LossesAndEvaluationMatchOneProcess) {
   EXPECT_GT(expected_evals[0].tokens(), 0);
   EXPECT_LT(expected_evals[0].tokens(), 3 * 2 * 64);
 
-  std::vector<std::string> flags = MaskedFlags(MakeTempDir("sft-" + c.name));
+  std::vector<std::string> flags = MaskedFlags(MakeTempDir("sft-" + c.name), c.packed);
   flags.push_back(absl::StrCat("--tensor_parallel=", c.tp));
   flags.push_back(absl::StrCat("--pipeline_parallel=", c.pp));
+  if (c.sequence_parallel) flags.push_back("--sequence_parallel");
   const int world = c.dp * c.tp * c.pp;
   std::vector<TrainerRun> runs = RunRanks(flags, world);
   ASSERT_EQ(runs.size(), static_cast<size_t>(world));
@@ -756,7 +777,10 @@ TEST_P(MaskedTrainingTest, LossesAndEvaluationMatchOneProcess) {
 INSTANTIATE_TEST_SUITE_P(Layouts, MaskedTrainingTest,
                          ::testing::Values(MaskedLayoutCase{"dp2", 2, 1, 1},
                                            MaskedLayoutCase{"tp2", 1, 2, 1},
-                                           MaskedLayoutCase{"pp2", 1, 1, 2}),
+                                           MaskedLayoutCase{"pp2", 1, 1, 2},
+                                           MaskedLayoutCase{"packed_dp2", 2, 1, 1, true},
+                                           MaskedLayoutCase{"packed_tp2_sp", 1, 2, 1, true, true},
+                                           MaskedLayoutCase{"packed_pp2", 1, 1, 2, true}),
                          [](const ::testing::TestParamInfo<MaskedLayoutCase>& info) {
                            return info.param.name;
                          });

@@ -91,7 +91,9 @@ absl::StatusOr<TokenDataset> TokenDataset::Open(const std::vector<std::string>& 
           " tokens (prepared with --seq_len=", shard.sample_tokens() - 1, ") but seq_len is ",
           seq_len, "; prepare the data again with --seq_len=", seq_len));
     }
-    dataset.has_loss_mask_ = dataset.has_loss_mask_ || shard.has_loss_mask();
+    dataset.has_loss_mask_ =
+        dataset.has_loss_mask_ || shard.has_loss_mask() || shard.has_record_starts();
+    dataset.has_record_starts_ = dataset.has_record_starts_ || shard.has_record_starts();
     if (dataset.shards_.empty()) {
       dataset.vocab_size_ = shard.vocab_size();
     } else if (shard.vocab_size() != dataset.vocab_size_) {
@@ -152,34 +154,59 @@ void TokenDataset::ReadSample(int64_t index, int64_t* out) const {
   CheckTokens(shards_[shard], offset, out, count, vocab_size_);
 }
 
-int64_t TokenDataset::ReadExample(int64_t index, int64_t* inputs, int64_t* targets) const {
+namespace {
+
+// Which of the seq_len targets of the sample at `offset` count: the loss mask's, less the first
+// tokens of records (nothing before them in their record predicts them). Empty when all count.
+std::vector<uint8_t> CountedTargets(const TokenShard& file, uint64_t offset, int seq_len) {
+  if (!file.has_loss_mask() && !file.has_record_starts()) return {};
+  std::vector<uint8_t> counted(static_cast<size_t>(seq_len));
+  file.ReadLossMask(offset + 1, counted.size(), counted.data());
+  if (file.has_record_starts()) {
+    std::vector<uint8_t> starts(counted.size());
+    file.ReadRecordStarts(offset + 1, starts.size(), starts.data());
+    for (size_t i = 0; i < counted.size(); ++i) {
+      if (starts[i] != 0) counted[i] = 0;
+    }
+  }
+  return counted;
+}
+
+}  // namespace
+
+int64_t TokenDataset::ReadExample(int64_t index, int64_t* inputs, int64_t* targets,
+                                  int64_t* positions) const {
   const auto [shard, offset] = Locate(index);
   const TokenShard& file = shards_[shard];
   file.Read(offset, static_cast<uint64_t>(seq_len_), inputs);
   file.Read(offset + 1, static_cast<uint64_t>(seq_len_), targets);
   CheckTokens(file, offset, inputs, static_cast<uint64_t>(seq_len_), vocab_size_);
   CheckTokens(file, offset + 1, targets, static_cast<uint64_t>(seq_len_), vocab_size_);
-  if (!file.has_loss_mask()) return seq_len_;
-  std::vector<uint8_t> mask(static_cast<size_t>(seq_len_));
-  file.ReadLossMask(offset + 1, mask.size(), mask.data());
-  int64_t counted = 0;
-  for (size_t i = 0; i < mask.size(); ++i) {
-    if (mask[i] != 0) {
-      ++counted;
+  if (positions != nullptr) {
+    std::vector<uint8_t> starts(static_cast<size_t>(seq_len_));
+    file.ReadRecordStarts(offset, starts.size(), starts.data());
+    for (size_t i = 0; i < starts.size(); ++i) {
+      positions[i] = i == 0 || starts[i] != 0 ? 0 : positions[i - 1] + 1;
+    }
+  }
+  const std::vector<uint8_t> counted = CountedTargets(file, offset, seq_len_);
+  if (counted.empty()) return seq_len_;
+  int64_t count = 0;
+  for (size_t i = 0; i < counted.size(); ++i) {
+    if (counted[i] != 0) {
+      ++count;
     } else {
       targets[i] = kIgnoreTarget;
     }
   }
-  return counted;
+  return count;
 }
 
 int64_t TokenDataset::CountLossTargets(int64_t index) const {
   const auto [shard, offset] = Locate(index);
-  const TokenShard& file = shards_[shard];
-  if (!file.has_loss_mask()) return seq_len_;
-  std::vector<uint8_t> mask(static_cast<size_t>(seq_len_));
-  file.ReadLossMask(offset + 1, mask.size(), mask.data());
-  return std::count_if(mask.begin(), mask.end(), [](uint8_t m) { return m != 0; });
+  const std::vector<uint8_t> counted = CountedTargets(shards_[shard], offset, seq_len_);
+  if (counted.empty()) return seq_len_;
+  return std::count_if(counted.begin(), counted.end(), [](uint8_t m) { return m != 0; });
 }
 
 double LossWeight(const MicroBatch& batch) {
@@ -290,12 +317,14 @@ std::vector<MicroBatch> BatchLoader::NextStep() {
     batch.seq_len = seq_len;
     batch.inputs.resize(static_cast<size_t>(micro) * seq_len);
     batch.targets.resize(static_cast<size_t>(micro) * seq_len);
+    if (dataset_->has_record_starts()) batch.positions.resize(batch.inputs.size());
     batch.step_loss_tokens = step_loss_tokens;
     for (int row = 0; row < micro; ++row) {
       const int64_t sample = order[static_cast<size_t>(rank_begin + int64_t{m} * micro + row)];
       const size_t offset = static_cast<size_t>(row) * seq_len;
-      batch.loss_tokens += dataset_->ReadExample(sample, batch.inputs.data() + offset,
-                                                 batch.targets.data() + offset);
+      batch.loss_tokens += dataset_->ReadExample(
+          sample, batch.inputs.data() + offset, batch.targets.data() + offset,
+          batch.positions.empty() ? nullptr : batch.positions.data() + offset);
     }
   }
   samples_in_epoch_ += options_.global_batch_size;

@@ -50,15 +50,22 @@ class TokenDataset {
   int seq_len() const { return seq_len_; }
   uint32_t vocab_size() const { return vocab_size_; }
   const std::vector<TokenShard>& shards() const { return shards_; }
-  // Whether some shard has a loss mask, i.e. some targets may be kIgnoreTarget.
+  // Whether some targets may be kIgnoreTarget: some shard has a loss mask, or record starts (a
+  // record's first token is no target).
   bool has_loss_mask() const { return has_loss_mask_; }
+  // Whether some shard marks where its records begin (prepare --pack): samples then hold several
+  // records, which ReadExample's positions keep apart.
+  bool has_record_starts() const { return has_record_starts_; }
 
   // Writes the seq_len + 1 tokens of sample `index` (< num_samples()) to `out`.
   // CorruptTokenError naming the shard and token when an id is >= vocab_size().
   void ReadSample(int64_t index, int64_t* out) const;
   // Writes the seq_len inputs and seq_len targets of sample `index`, masked targets as
-  // kIgnoreTarget; returns how many targets count. CorruptTokenError as ReadSample.
-  int64_t ReadExample(int64_t index, int64_t* inputs, int64_t* targets) const;
+  // kIgnoreTarget; returns how many targets count. With `positions`, also each input's position
+  // in its record (0 where a record begins, and at the sample's first token). CorruptTokenError
+  // as ReadSample.
+  int64_t ReadExample(int64_t index, int64_t* inputs, int64_t* targets,
+                      int64_t* positions = nullptr) const;
   // How many of sample `index`'s seq_len targets count (seq_len without a mask).
   int64_t CountLossTargets(int64_t index) const;
 
@@ -73,6 +80,7 @@ class TokenDataset {
   int seq_len_ = 0;
   uint32_t vocab_size_ = 0;
   bool has_loss_mask_ = false;
+  bool has_record_starts_ = false;
 };
 
 // The order of epoch `epoch`: a permutation of 0..num_samples-1, by an explicit Fisher-Yates
@@ -86,6 +94,10 @@ struct MicroBatch {
   std::vector<int64_t> inputs;
   // kIgnoreTarget where the loss is not taken.
   std::vector<int64_t> targets;
+  // Empty unless the data marks records (TokenDataset::has_record_starts): each input's position
+  // in its record, row-major like inputs. The model then keeps records apart (see
+  // SequenceLayout in model.h).
+  std::vector<int64_t> positions;
   int batch_size = 0;
   int seq_len = 0;
   // Targets of this micro-batch that count (not kIgnoreTarget).

@@ -418,5 +418,40 @@ TEST(MaskedBatchLoaderTest, IgnoresMaskedTargetsAndCountsTheWholeStepOnEveryRank
   }
 }
 
+// Packed samples: positions restart at every record, a record's first token is no target (and
+// is not counted, also in the step's count), and a sample's first input is position 0.
+TEST(MaskedBatchLoaderTest, RecordStartsGivePositionsAndDropEachRecordsFirstTarget) {
+  const std::string path = TestDir() + "/packed.bin";
+  std::vector<uint32_t> tokens(16);
+  std::iota(tokens.begin(), tokens.end(), 1000);
+  // Two samples of 8: records at 0, 3 and 6, then at 8 (the sample start) and 13.
+  std::vector<uint8_t> starts = {1, 0, 0, 1, 0, 0, 1, 0, 1, 0, 0, 0, 0, 1, 0, 0};
+  ASSERT_THAT(WriteTokenShard(path, tokens, kVocab, {.sample_tokens = 8, .record_starts = starts}),
+              IsOk());
+  absl::StatusOr<TokenDataset> dataset = TokenDataset::Open({path}, 7);
+  ASSERT_THAT(dataset, IsOk());
+  EXPECT_TRUE(dataset->has_record_starts());
+  EXPECT_TRUE(dataset->has_loss_mask()) << "some targets are ignored";
+  std::vector<int64_t> inputs(7), targets(7), positions(7);
+  EXPECT_EQ(dataset->ReadExample(0, inputs.data(), targets.data(), positions.data()), 5);
+  EXPECT_EQ(positions, (std::vector<int64_t>{0, 1, 2, 0, 1, 2, 0}));
+  EXPECT_EQ(targets, (std::vector<int64_t>{1001, 1002, kIgnoreTarget, 1004, 1005, kIgnoreTarget,
+                                           1007}));
+  EXPECT_EQ(dataset->CountLossTargets(0), 5);
+  EXPECT_EQ(dataset->ReadExample(1, inputs.data(), targets.data(), positions.data()), 6);
+  EXPECT_EQ(positions, (std::vector<int64_t>{0, 1, 2, 3, 4, 0, 1}));
+  EXPECT_EQ(dataset->CountLossTargets(1), 6);
+
+  auto loader = BatchLoader::Create(
+      &*dataset, {.global_batch_size = 2, .micro_batch_size = 2, .dp_rank = 0, .dp_size = 1},
+      v1::DataPosition());
+  ASSERT_THAT(loader, IsOk());
+  const std::vector<MicroBatch> step = loader->NextStep();
+  ASSERT_EQ(step.size(), 1u);
+  EXPECT_EQ(step[0].positions.size(), step[0].inputs.size());
+  EXPECT_EQ(step[0].loss_tokens, 11);
+  EXPECT_EQ(step[0].step_loss_tokens, 11);
+}
+
 }  // namespace
 }  // namespace tessera::trainer

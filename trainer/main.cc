@@ -138,7 +138,8 @@ ABSL_FLAG(int, sample_seq_len, 0,
           "prepare: write every record as one sample of N + 1 tokens (truncated, or padded with "
           "eos that does not count); training must then use --seq_len=N. 0: one token stream.");
 ABSL_FLAG(bool, pack, false,
-          "prepare: with --sample_seq_len, put several short records into one sample.");
+          "prepare: with --sample_seq_len, put several short records into one sample; the shards "
+          "mark where each begins, and training keeps them from attending to one another.");
 
 namespace {
 
@@ -279,6 +280,9 @@ int Prepare() {
             << result->train_shards.size() + result->val_shards.size() << " shard(s) under "
             << options.output_dir;
   if (result->loss_mask) std::cout << ", with a loss mask on the prompt tokens";
+  if (result->record_starts) {
+    std::cout << ", records packed into samples and marked (each attends only to itself)";
+  }
   if (result->dropped_records > 0) {
     std::cout << "; " << result->dropped_records
               << " record(s) dropped: no response token left within --sample_seq_len";

@@ -85,6 +85,17 @@ torch::Tensor Project(torch::nn::Linear& linear, const LoraAdapter& lora, const 
   return AddLoraDelta(linear->forward(x), lora, x, linear->is_training());
 }
 
+// Which keys each query sees when samples hold several records: bool [batch, 1, seq, seq] from
+// each token's position in its record, int64 [batch, seq].
+torch::Tensor RecordMask(const torch::Tensor& positions) {
+  const int64_t seq = positions.size(1);
+  const torch::Tensor index = torch::arange(seq, positions.options());
+  // Query i sees keys j with start(i) <= j <= i, start(i) = i - positions[i].
+  const torch::Tensor start = index.unsqueeze(0) - positions;  // [batch, seq]
+  const torch::Tensor keys = index.view({1, 1, seq});
+  return keys.le(index.view({1, seq, 1})).logical_and(keys.ge(start.unsqueeze(-1))).unsqueeze(1);
+}
+
 }  // namespace
 
 bool IsLoraParameter(const std::string& name) {
@@ -152,7 +163,7 @@ AttentionImpl::AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& input, const torch::Tensor& cos,
-                                     const torch::Tensor& sin) {
+                                     const torch::Tensor& sin, const torch::Tensor& mask) {
   const torch::Tensor x = EnterTensorParallel(input, tp_);
   const int64_t batch = x.size(0), seq = x.size(1);
   torch::Tensor q, k, v;
@@ -178,11 +189,11 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& input, const torch::Te
   torch::Tensor out =
       recompute_core_
           ? Checkpoint(
-                [this](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
-                  return {Core(in[0], in[1], in[2])};
+                [this, mask](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
+                  return {Core(in[0], in[1], in[2], mask)};
                 },
                 {q, k, v})[0]
-          : Core(q, k, v);
+          : Core(q, k, v, mask);
   const torch::Tensor merged = out.transpose(1, 2).reshape({batch, seq, heads_ * head_dim_});
   return AddLoraDelta(RowParallelForward(out_, merged, tp_), out_lora_, merged, is_training());
 }
@@ -197,11 +208,13 @@ void AttentionImpl::AddLora(const LoraOptions& options) {
 }
 
 torch::Tensor AttentionImpl::Core(const torch::Tensor& q, const torch::Tensor& k,
-                                  const torch::Tensor& v) const {
+                                  const torch::Tensor& v, const torch::Tensor& mask) const {
   // enable_gqa lets the kernel share each kv head across its query group instead of
-  // materialising repeated k and v.
-  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                          /*is_causal=*/true, /*scale=*/std::nullopt,
+  // materialising repeated k and v. A mask (packed records) already holds causality.
+  return at::scaled_dot_product_attention(q, k, v,
+                                          mask.defined() ? std::optional(mask) : std::nullopt,
+                                          /*dropout_p=*/0.0,
+                                          /*is_causal=*/!mask.defined(), /*scale=*/std::nullopt,
                                           /*enable_gqa=*/kv_heads_ != heads_);
 }
 
@@ -270,8 +283,8 @@ void BlockImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) {
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                 const torch::Tensor& sin) {
-  torch::Tensor h = x + attn_->forward(attn_norm_->forward(x), cos, sin);
+                                 const torch::Tensor& sin, const torch::Tensor& mask) {
+  torch::Tensor h = x + attn_->forward(attn_norm_->forward(x), cos, sin, mask);
   return h + mlp_->forward(mlp_norm_->forward(h));
 }
 
@@ -429,7 +442,7 @@ std::vector<std::string> CausalLMImpl::TrainableParameterNames() const {
   return names;
 }
 
-torch::Tensor CausalLMImpl::Embed(const torch::Tensor& tokens) {
+torch::Tensor CausalLMImpl::Embed(const torch::Tensor& tokens, const torch::Tensor& positions) {
   const TensorParallel& tp = partition_.tp;
   const int64_t seq = tokens.size(1);
   torch::Tensor h;
@@ -448,30 +461,47 @@ torch::Tensor CausalLMImpl::Embed(const torch::Tensor& tokens) {
   if (pos_embed_) {
     const bool split = tp.enabled() && tp.sequence_parallel;
     const int64_t part = split ? seq / tp.size : seq;
-    h = h + pos_embed_->weight.narrow(0, split ? tp.rank * part : 0, part);
+    const int64_t first = split ? tp.rank * part : 0;
+    h = h + (positions.defined() ? pos_embed_->forward(positions.narrow(1, first, part))
+                                 : pos_embed_->weight.narrow(0, first, part));
   }
   return h;
 }
 
-torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h) {
+
+torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h, const torch::Tensor& positions) {
   const TensorParallel& tp = partition_.tp;
   const int64_t seq = h.size(1) * (tp.enabled() && tp.sequence_parallel ? tp.size : 1);
-  torch::Tensor cos, sin;
+  torch::Tensor cos, sin, mask;
+  if (positions.defined()) {
+    TORCH_CHECK(positions.dim() == 2 && positions.size(0) == h.size(0) && positions.size(1) == seq,
+                "positions must be [batch, seq] = [", h.size(0), ", ", seq, "], got ",
+                positions.sizes());
+    mask = RecordMask(positions);
+  }
   if (rope_cos_.defined()) {
-    cos = rope_cos_.narrow(0, 0, seq);
-    sin = rope_sin_.narrow(0, 0, seq);
+    if (positions.defined()) {
+      // [batch, 1, seq, head_dim]: each token's angles from its own record's start.
+      const auto shape = std::vector<int64_t>{positions.size(0), 1, seq, rope_cos_.size(1)};
+      cos = rope_cos_.index_select(0, positions.reshape({-1})).view(shape);
+      sin = rope_sin_.index_select(0, positions.reshape({-1})).view(shape);
+    } else {
+      cos = rope_cos_.narrow(0, 0, seq);
+      sin = rope_sin_.narrow(0, 0, seq);
+    }
   }
   for (int i = 0; i < num_local_layers(); ++i) {
     if (hooks_ != nullptr) hooks_->BeforeLayer(i);
     std::shared_ptr<BlockImpl> block = blocks_[i];
     if (checkpointing_ == v1::ACTIVATION_CHECKPOINTING_FULL) {
       h = Checkpoint(
-          [block, cos, sin](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
-            return {block->forward(in[0], cos, sin)};
+          [block, cos, sin,
+           mask](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
+            return {block->forward(in[0], cos, sin, mask)};
           },
           {h})[0];
     } else {
-      h = block->forward(h, cos, sin);
+      h = block->forward(h, cos, sin, mask);
     }
     if (hooks_ != nullptr) h = hooks_->AfterLayer(i, std::move(h));
   }
@@ -496,7 +526,8 @@ torch::Tensor CausalLMImpl::HeadLoss(const torch::Tensor& hidden, const torch::T
                                    tp);
 }
 
-torch::Tensor CausalLMImpl::StageForward(const torch::Tensor& input, const torch::Tensor& targets) {
+torch::Tensor CausalLMImpl::StageForward(const torch::Tensor& input, const torch::Tensor& targets,
+                                         const torch::Tensor& positions) {
   torch::Tensor h = input;
   if (partition_.embedding) {
     TORCH_CHECK(input.dim() == 2, "tokens must be [batch, seq], got ", input.sizes());
@@ -506,30 +537,31 @@ torch::Tensor CausalLMImpl::StageForward(const torch::Tensor& input, const torch
     TORCH_CHECK(!tp.enabled() || !tp.sequence_parallel || input.size(1) % tp.size == 0,
                 "sequence length ", input.size(1), " is not divisible by tensor_parallel ", tp.size,
                 " (sequence parallelism splits it)");
-    h = Embed(input);
+    h = Embed(input, positions);
   }
-  h = RunLayers(std::move(h));
+  h = RunLayers(std::move(h), positions);
   if (!partition_.head) return h;
   TORCH_CHECK(targets.defined(), "the last stage needs targets");
   return HeadLoss(h, targets);
 }
 
-torch::Tensor CausalLMImpl::forward(const torch::Tensor& tokens) {
+torch::Tensor CausalLMImpl::forward(const torch::Tensor& tokens, const torch::Tensor& positions) {
   TORCH_CHECK(tokens.dim() == 2, "tokens must be [batch, seq], got ", tokens.sizes());
   TORCH_CHECK(partition_.embedding && partition_.head && !partition_.tp.enabled(),
               "forward() needs the whole model on one rank; use StageForward");
   const int64_t seq = tokens.size(1);
   TORCH_CHECK(seq <= dims_.max_seq_len(), "sequence length ", seq, " exceeds max_seq_len ",
               dims_.max_seq_len());
-  torch::Tensor h = final_norm_->forward(RunLayers(Embed(tokens)));
+  torch::Tensor h = final_norm_->forward(RunLayers(Embed(tokens, positions), positions));
   return F::linear(h, lm_head_.defined() ? lm_head_ : embed_->weight);
 }
 
-torch::Tensor CausalLMImpl::Loss(const torch::Tensor& inputs, const torch::Tensor& targets) {
+torch::Tensor CausalLMImpl::Loss(const torch::Tensor& inputs, const torch::Tensor& targets,
+                                 const torch::Tensor& positions) {
   TORCH_CHECK(inputs.sizes() == targets.sizes(), "inputs ", inputs.sizes(), " and targets ",
               targets.sizes(), " differ in shape");
   TORCH_CHECK(partition_.embedding && partition_.head, "Loss() needs every pipeline stage");
-  return StageForward(inputs, targets);
+  return StageForward(inputs, targets, positions);
 }
 
 void CausalLMImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) {

@@ -81,8 +81,11 @@ TORCH_MODULE(Norm);
 class AttentionImpl : public torch::nn::Module {
  public:
   AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp);
-  // x [batch, seq, hidden]; cos/sin [seq, head_dim] (undefined for GPT2).
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  // x [batch, seq, hidden]; cos/sin [seq, head_dim], or [batch, 1, seq, head_dim] for packed
+  // records (undefined for GPT2); mask: undefined for plain causal attention, else which keys
+  // each query sees, bool [batch, 1, seq, seq] (SequenceLayout).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& mask = {});
   // The projection writing into the residual stream (gets the scaled init).
   torch::nn::Linear& output_projection() { return out_; }
   // Recompute scaled_dot_product_attention in backward, keeping only q, k and v for it.
@@ -91,7 +94,8 @@ class AttentionImpl : public torch::nn::Module {
   void AddLora(const LoraOptions& options);
 
  private:
-  torch::Tensor Core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) const;
+  torch::Tensor Core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& mask) const;
 
   bool llama_;
   bool recompute_core_ = false;
@@ -129,7 +133,9 @@ TORCH_MODULE(Mlp);
 class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp);
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  // As AttentionImpl::forward.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& mask = {});
   Attention& attention() { return attn_; }
   Mlp& mlp() { return mlp_; }
   // SELECTIVE recomputation inside the block; NONE and FULL (done by the caller) keep everything.
@@ -185,16 +191,25 @@ class CausalLMImpl : public torch::nn::Module {
   CausalLMImpl(const v1::ModelDims& dims, double init_std, const ModelPartition& partition = {});
   // tokens: int64 [batch, seq] (seq <= max_seq_len) -> logits float [batch, seq, vocab]. The whole
   // model on one rank only.
-  torch::Tensor forward(const torch::Tensor& tokens);
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions = {});
   // Mean next-token cross-entropy over the counted positions: logits of inputs vs targets, both
   // int64 [batch, seq]. Computed in float32. Targets of kIgnoreTarget (-100, data_loader.h) are
   // not counted; with none counted the loss is 0 with zero gradients (never NaN). The whole
   // model (any tp). A caller weighing micro-batches multiplies by the counted targets.
-  torch::Tensor Loss(const torch::Tensor& inputs, const torch::Tensor& targets);
+  // `positions` as StageForward.
+  torch::Tensor Loss(const torch::Tensor& inputs, const torch::Tensor& targets,
+                     const torch::Tensor& positions = {});
   // This rank's stage of the forward: tokens in on the first stage, else the previous stage's
   // activations [batch, seq (/ tp with sequence parallelism), hidden]; out the loss on the last
   // stage (targets are only read there), else the activations for the next stage.
-  torch::Tensor StageForward(const torch::Tensor& input, const torch::Tensor& targets);
+  // `positions`: undefined when every sample is one record; for samples packed with several
+  // records (MicroBatch::positions), each token's position in its record, int64 [batch, seq]
+  // (the whole sequence, also under sequence parallelism) on every stage. Records are then kept
+  // apart: a token attends only to earlier tokens of its own record, and position embeddings /
+  // rotary angles count from the record's start, so that a record's logits are those it gets
+  // alone in a sample.
+  torch::Tensor StageForward(const torch::Tensor& input, const torch::Tensor& targets,
+                             const torch::Tensor& positions = {});
   // Parameters that get weight decay (matrices and embeddings, dim >= 2) and those that do not
   // (biases, norm weights).
   std::vector<torch::Tensor> DecayParameters();
@@ -237,8 +252,8 @@ class CausalLMImpl : public torch::nn::Module {
 
  private:
   void Initialize(double init_std, uint64_t base);
-  torch::Tensor Embed(const torch::Tensor& tokens);
-  torch::Tensor RunLayers(torch::Tensor h);
+  torch::Tensor Embed(const torch::Tensor& tokens, const torch::Tensor& positions);
+  torch::Tensor RunLayers(torch::Tensor h, const torch::Tensor& positions);
   torch::Tensor HeadLoss(const torch::Tensor& h, const torch::Tensor& targets);
 
   v1::ModelDims dims_;

@@ -295,6 +295,8 @@ absl::Status TokenizeInput(const std::string& path, InputFormat format, const To
 struct Corpus {
   std::vector<uint32_t> tokens;
   std::vector<uint8_t> mask;
+  // Packed samples only: 1 where a record begins (see token_shard.h).
+  std::vector<uint8_t> record_starts;
   uint64_t sample_tokens = 0;
   uint64_t dropped = 0;
 };
@@ -321,6 +323,7 @@ Corpus Arrange(std::vector<Example>& examples, const PrepareOptions& options, ui
     if (filled == 0) return;
     corpus.tokens.insert(corpus.tokens.end(), window - filled, pad_id);
     corpus.mask.insert(corpus.mask.end(), window - filled, 0);
+    if (options.pack) corpus.record_starts.insert(corpus.record_starts.end(), window - filled, 0);
     filled = 0;
   };
   for (Example& example : examples) {
@@ -334,6 +337,10 @@ Corpus Arrange(std::vector<Example>& examples, const PrepareOptions& options, ui
                          example.tokens.begin() + static_cast<std::ptrdiff_t>(size));
     corpus.mask.insert(corpus.mask.end(), example.mask.begin(),
                        example.mask.begin() + static_cast<std::ptrdiff_t>(size));
+    if (options.pack) {
+      corpus.record_starts.push_back(1);
+      corpus.record_starts.insert(corpus.record_starts.end(), size - 1, 0);
+    }
     filled += size;
   }
   close_sample();
@@ -341,11 +348,12 @@ Corpus Arrange(std::vector<Example>& examples, const PrepareOptions& options, ui
 }
 
 // Writes `tokens` as <output_dir>/<split>-NNNNN.bin shards of at most tokens_per_shard tokens.
-// With `mask` empty, version-1 shards; else each shard gets its part of the mask. With
-// sample_tokens, tokens_per_shard is a multiple of it.
+// With `mask` and `record_starts` empty, version-1 shards; else each shard gets its part of them.
+// With sample_tokens, tokens_per_shard is a multiple of it.
 absl::Status WriteSplit(const fs::path& output_dir, const char* split,
                         std::span<const uint32_t> tokens, std::span<const uint8_t> mask,
-                        uint64_t sample_tokens, uint64_t tokens_per_shard, uint32_t vocab_size,
+                        std::span<const uint8_t> record_starts, uint64_t sample_tokens,
+                        uint64_t tokens_per_shard, uint32_t vocab_size,
                         std::vector<std::string>& paths) {
   for (uint64_t begin = 0, index = 0; begin < tokens.size(); begin += tokens_per_shard, ++index) {
     const uint64_t count = std::min<uint64_t>(tokens_per_shard, tokens.size() - begin);
@@ -353,6 +361,7 @@ absl::Status WriteSplit(const fs::path& output_dir, const char* split,
     TokenShardExtras extras;
     extras.sample_tokens = sample_tokens;
     if (!mask.empty()) extras.loss_mask = mask.subspan(begin, count);
+    if (!record_starts.empty()) extras.record_starts = record_starts.subspan(begin, count);
     RETURN_IF_ERROR(WriteTokenShard(path, tokens.subspan(begin, count), vocab_size, extras));
     paths.push_back(path);
   }
@@ -470,13 +479,17 @@ absl::StatusOr<PrepareResult> PrepareData(const PrepareOptions& options) {
   result.records = records - corpus.dropped;
   result.dropped_records = corpus.dropped;
   result.loss_mask = masked;
+  result.record_starts = !corpus.record_starts.empty();
   const std::span<const uint32_t> all(tokens);
+  const std::span<const uint8_t> starts(corpus.record_starts);
   RETURN_IF_ERROR(WriteSplit(output_dir, "train", all.first(result.train_tokens),
                              mask.empty() ? mask : mask.first(result.train_tokens),
+                             starts.empty() ? starts : starts.first(result.train_tokens),
                              corpus.sample_tokens, tokens_per_shard, result.vocab_size,
                              result.train_shards));
   RETURN_IF_ERROR(WriteSplit(output_dir, "val", all.subspan(result.train_tokens),
                              mask.empty() ? mask : mask.subspan(result.train_tokens),
+                             starts.empty() ? starts : starts.subspan(result.train_tokens),
                              corpus.sample_tokens, tokens_per_shard, result.vocab_size,
                              result.val_shards));
   RETURN_IF_ERROR(RemoveStaleShards(output_dir, result));

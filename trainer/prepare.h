@@ -37,7 +37,9 @@ struct PrepareOptions {
   // seq_len N. A record with no counted target left after truncation is dropped.
   int seq_len = 0;
   // With seq_len > 0: several records go into one sample while they fit (a record longer than a
-  // sample still takes one of its own, truncated). Records in one sample attend to each other.
+  // sample still takes one of its own, truncated). The shards mark where each record begins, and
+  // training keeps the records of a sample apart: a token attends only to earlier tokens of its
+  // own record, positions restart at each record, and a record's first token is not a target.
   bool pack = false;
   // Where train-00000.bin, train-00001.bin, ..., val-00000.bin, ... are written (created if
   // missing). Shards of an earlier run numbered past this run's are removed.
@@ -65,6 +67,8 @@ struct PrepareResult {
   uint64_t dropped_records = 0;
   // Whether the shards carry a loss mask (some token's loss is not taken).
   bool loss_mask = false;
+  // Whether the shards mark where records begin (pack).
+  bool record_starts = false;
 };
 
 // Tokenizes options.inputs in the order given and writes the shards (token_shard.h: version 1

@@ -133,6 +133,8 @@ struct MaskedShard {
   std::vector<uint32_t> tokens;
   std::vector<uint8_t> mask;
   uint64_t sample_tokens = 0;
+  // Empty when the shard has none.
+  std::vector<uint8_t> record_starts;
 };
 
 MaskedShard ReadMaskedShard(const std::string& path) {
@@ -146,6 +148,10 @@ MaskedShard ReadMaskedShard(const std::string& path) {
   out.mask.resize(shard->size());
   shard->ReadLossMask(0, shard->size(), out.mask.data());
   for (uint64_t i = 0; i < shard->size(); ++i) out.tokens.push_back(shard->token(i));
+  if (shard->has_record_starts()) {
+    out.record_starts.resize(shard->size());
+    shard->ReadRecordStarts(0, shard->size(), out.record_starts.data());
+  }
   return out;
 }
 
@@ -338,8 +344,19 @@ TEST(PrepareTest, PackPutsShortRecordsInOneSample) {
   const MaskedShard shard = ReadMaskedShard(result->train_shards.at(0));
   EXPECT_EQ(shard.tokens, train.tokens);
   EXPECT_EQ(shard.mask, train.mask);
+  // Each record's first token is marked, so that training keeps the records apart.
+  EXPECT_TRUE(result->record_starts);
+  EXPECT_EQ(shard.record_starts, (std::vector<uint8_t>{1, 0, 0, 1, 0, 0, 0, 0}));
   const MaskedShard val = ReadMaskedShard(result->val_shards.at(0));
   EXPECT_EQ(val.mask, (std::vector<uint8_t>{1, 1, 1, 1, 1, 1, 1, 0}));
+  EXPECT_EQ(val.record_starts, (std::vector<uint8_t>{1, 0, 0, 0, 0, 0, 0, 0}));
+  // Without packing a sample is one record, and nothing is marked.
+  options.pack = false;
+  result = PrepareData(options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_FALSE(result->record_starts);
+  EXPECT_TRUE(ReadMaskedShard(result->train_shards.at(0)).record_starts.empty());
+  options.pack = true;
   options.seq_len = 0;
   EXPECT_THAT(PrepareData(options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pack needs seq_len")));

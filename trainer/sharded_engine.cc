@@ -473,14 +473,14 @@ void ShardedEngine::SumTiedEmbeddingGradients() {
 }
 
 at::Tensor ShardedEngine::ForwardBackward(const at::Tensor& inputs, const at::Tensor& targets,
-                                          double scale, bool last) {
+                                          double scale, bool last, const at::Tensor& positions) {
   last_micro_batch_ = last;
   for (Unit& unit : units_) unit.ready = 0;
   if (stage() == 3) EnsureGathered(0);
   at::Tensor loss;
   {
     AutocastScope autocast(options_.bf16);
-    loss = model_->Loss(inputs, targets);
+    loss = model_->Loss(inputs, targets, positions);
   }
   BeginFirstBackward();
   FirstBackwardScope first(this);
@@ -489,10 +489,11 @@ at::Tensor ShardedEngine::ForwardBackward(const at::Tensor& inputs, const at::Te
   return loss.detach();
 }
 
-at::Tensor ShardedEngine::ForwardStage(const at::Tensor& input, const at::Tensor& targets) {
+at::Tensor ShardedEngine::ForwardStage(const at::Tensor& input, const at::Tensor& targets,
+                                       const at::Tensor& positions) {
   TORCH_CHECK(stage() <= 1, "pipeline stages run ZeRO 0 or 1");
   AutocastScope autocast(options_.bf16);
-  return model_->StageForward(input, targets);
+  return model_->StageForward(input, targets, positions);
 }
 
 void ShardedEngine::BackwardStage(const at::Tensor& output, const at::Tensor& grad, double scale,
@@ -582,13 +583,14 @@ void ShardedEngine::ZeroGradients() {
   }
 }
 
-at::Tensor ShardedEngine::EvalLoss(const at::Tensor& inputs, const at::Tensor& targets) {
+at::Tensor ShardedEngine::EvalLoss(const at::Tensor& inputs, const at::Tensor& targets,
+                                   const at::Tensor& positions) {
   torch::NoGradGuard no_grad;
   if (stage() == 3) EnsureGathered(0);
   at::Tensor loss;
   {
     AutocastScope autocast(options_.bf16);
-    loss = model_->Loss(inputs, targets);
+    loss = model_->Loss(inputs, targets, positions);
   }
   if (stage() == 3) Free(0);
   return loss;

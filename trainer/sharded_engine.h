@@ -117,9 +117,10 @@ class ShardedEngine : public LayerHooks {
 
   // Forward and backward of one micro-batch. The gradient is that of loss * `scale` summed over
   // the dp group (pass 1 / (accumulation * dp) for the mean over the global batch). `last` marks
-  // the step's last micro-batch. Returns the unscaled loss, detached.
+  // the step's last micro-batch. Returns the unscaled loss, detached. `positions`: undefined, or
+  // the tokens' positions in their records (CausalLM::StageForward).
   at::Tensor ForwardBackward(const at::Tensor& inputs, const at::Tensor& targets, double scale,
-                             bool last);
+                             bool last, const at::Tensor& positions = {});
 
   // Finishes the gradient reduction, clips the global gradient norm to `clip_norm` (infinity:
   // no clipping), steps AdamW at `lr` and zeroes the gradients. Returns the norm before clipping.
@@ -129,13 +130,15 @@ class ShardedEngine : public LayerHooks {
   double Step(double lr, double clip_norm, bool update = true);
 
   // The mean loss of a batch without gradients (ZeRO-3 gathers layer by layer as in training).
-  at::Tensor EvalLoss(const at::Tensor& inputs, const at::Tensor& targets);
+  at::Tensor EvalLoss(const at::Tensor& inputs, const at::Tensor& targets,
+                      const at::Tensor& positions = {});
 
   // Pipeline stages: the stage's forward of one micro-batch (under the engine's autocast), and
   // the backward from its output: `grad` is the next stage's gradient for it, or undefined on
   // the last stage, whose output is the loss (then loss * scale is differentiated). `last` marks
   // the step's last backward (ZeRO 0/1 reduce then).
-  at::Tensor ForwardStage(const at::Tensor& input, const at::Tensor& targets);
+  at::Tensor ForwardStage(const at::Tensor& input, const at::Tensor& targets,
+                          const at::Tensor& positions = {});
   void BackwardStage(const at::Tensor& output, const at::Tensor& grad, double scale, bool last);
 
   EngineMemory Memory() const;

@@ -90,6 +90,18 @@ absl::Status WriteTokenShard(const std::string& path, std::span<const uint32_t> 
                                                      extras.loss_mask[i], " (expected 0 or 1)"));
     }
   }
+  if (!extras.record_starts.empty() && extras.record_starts.size() != tokens.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": record starts have ",
+                                                   extras.record_starts.size(), " entries for ",
+                                                   tokens.size(), " tokens"));
+  }
+  for (size_t i = 0; i < extras.record_starts.size(); ++i) {
+    if (extras.record_starts[i] > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": record start entry ", i, " is ",
+                                                     extras.record_starts[i],
+                                                     " (expected 0 or 1)"));
+    }
+  }
   if (extras.sample_tokens > 0 && tokens.size() % extras.sample_tokens != 0) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", tokens.size(),
                                                    " tokens are not whole samples of ",
@@ -106,9 +118,11 @@ absl::Status WriteTokenShard(const std::string& path, std::span<const uint32_t> 
   }
   ShardHeader header{};
   std::memcpy(header.magic, kTokenShardMagic, sizeof(header.magic));
-  const bool version2 = !extras.loss_mask.empty() || extras.sample_tokens > 0;
+  const bool version2 =
+      !extras.loss_mask.empty() || !extras.record_starts.empty() || extras.sample_tokens > 0;
   header.version = version2 ? 2 : 1;
-  header.flags = !extras.loss_mask.empty() ? kTokenShardHasLossMask : 0;
+  header.flags = (!extras.loss_mask.empty() ? kTokenShardHasLossMask : 0) |
+                 (!extras.record_starts.empty() ? kTokenShardHasRecordStarts : 0);
   header.sample_tokens = extras.sample_tokens;
   header.token_bytes = TokenBytesForVocab(vocab_size);
   header.num_tokens = tokens.size();
@@ -128,6 +142,9 @@ absl::Status WriteTokenShard(const std::string& path, std::span<const uint32_t> 
   }
   if (status.ok() && !extras.loss_mask.empty()) {
     status = WriteAll(fd, extras.loss_mask.data(), extras.loss_mask.size(), tmp_path);
+  }
+  if (status.ok() && !extras.record_starts.empty()) {
+    status = WriteAll(fd, extras.record_starts.data(), extras.record_starts.size(), tmp_path);
   }
   if (status.ok() && fsync(fd) != 0) {
     status = absl::InternalError(absl::StrCat(tmp_path, ": fsync failed: ", ErrnoMessage(errno)));
@@ -187,11 +204,13 @@ absl::StatusOr<TokenShard> TokenShard::Open(const std::string& path) {
     // Version 1 left these bytes reserved (written as zeros); never read meaning into them.
     header.flags = 0;
     header.sample_tokens = 0;
-  } else if ((header.flags & ~kTokenShardHasLossMask) != 0) {
+  } else if ((header.flags & ~(kTokenShardHasLossMask | kTokenShardHasRecordStarts)) != 0) {
     return absl::DataLossError(
-        absl::StrCat(path, ": unknown token shard flags 0x", absl::Hex(header.flags)));
+        absl::StrCat(path, ": unknown token shard flags 0x", absl::Hex(header.flags),
+                     " (written by a newer build?)"));
   }
   const uint64_t mask_bytes_per_token = (header.flags & kTokenShardHasLossMask) ? 1 : 0;
+  const uint64_t start_bytes_per_token = (header.flags & kTokenShardHasRecordStarts) ? 1 : 0;
   if (header.token_bytes != 2 && header.token_bytes != 4) {
     return absl::DataLossError(
         absl::StrCat(path, ": bad token width ", header.token_bytes, " bytes (expected 2 or 4)"));
@@ -200,13 +219,15 @@ absl::StatusOr<TokenShard> TokenShard::Open(const std::string& path) {
     return absl::DataLossError(absl::StrCat(path, ": token width ", header.token_bytes,
                                             " bytes does not fit vocab_size ", header.vocab_size));
   }
-  const uint64_t bytes_per_token = header.token_bytes + mask_bytes_per_token;
+  const uint64_t bytes_per_token =
+      header.token_bytes + mask_bytes_per_token + start_bytes_per_token;
   const uint64_t max_tokens = (UINT64_MAX - kTokenShardHeaderBytes) / bytes_per_token;
   if (header.num_tokens > max_tokens ||
       kTokenShardHeaderBytes + header.num_tokens * bytes_per_token != file_bytes) {
     return absl::DataLossError(absl::StrCat(
         path, ": truncated: header says ", header.num_tokens, " tokens",
-        mask_bytes_per_token ? " with a loss mask" : "", " (",
+        mask_bytes_per_token ? " with a loss mask" : "",
+        start_bytes_per_token ? " with record starts" : "", " (",
         kTokenShardHeaderBytes + header.num_tokens * bytes_per_token, " bytes) but the file has ",
         file_bytes, " bytes"));
   }
@@ -226,6 +247,10 @@ absl::StatusOr<TokenShard> TokenShard::Open(const std::string& path) {
   if (mask_bytes_per_token) {
     shard.loss_mask_ = shard.tokens_ + header.num_tokens * header.token_bytes;
   }
+  if (start_bytes_per_token) {
+    shard.record_starts_ =
+        shard.tokens_ + header.num_tokens * (header.token_bytes + mask_bytes_per_token);
+  }
   return shard;
 }
 
@@ -239,6 +264,7 @@ TokenShard& TokenShard::operator=(TokenShard&& other) noexcept {
     mapping_bytes_ = std::exchange(other.mapping_bytes_, 0);
     tokens_ = std::exchange(other.tokens_, nullptr);
     loss_mask_ = std::exchange(other.loss_mask_, nullptr);
+    record_starts_ = std::exchange(other.record_starts_, nullptr);
     num_tokens_ = std::exchange(other.num_tokens_, 0);
     vocab_size_ = std::exchange(other.vocab_size_, 0);
     token_bytes_ = std::exchange(other.token_bytes_, 0);
@@ -256,6 +282,7 @@ void TokenShard::Unmap() {
   mapping_bytes_ = 0;
   tokens_ = nullptr;
   loss_mask_ = nullptr;
+  record_starts_ = nullptr;
 }
 
 uint32_t TokenShard::token(uint64_t i) const {
@@ -291,6 +318,15 @@ void TokenShard::ReadLossMask(uint64_t offset, uint64_t count, uint8_t* out) con
     std::memset(out, 1, count);
   } else {
     std::memcpy(out, loss_mask_ + offset, count);
+  }
+}
+
+void TokenShard::ReadRecordStarts(uint64_t offset, uint64_t count, uint8_t* out) const {
+  CheckRange(path_, offset, count, num_tokens_);
+  if (record_starts_ == nullptr) {
+    std::memset(out, 0, count);
+  } else {
+    std::memcpy(out, record_starts_ + offset, count);
   }
 }
 

@@ -4,14 +4,17 @@
 // Format (little-endian): a 64-byte header
 //   char magic[8] = "TSRSHRD1"; uint32 version (1 or 2); uint32 token_bytes (2 or 4);
 //   uint64 num_tokens; uint32 vocab_size;
-//   version 2 only: uint32 flags (bit 0: a loss mask follows the tokens); uint64 sample_tokens;
-//   zeros up to byte 64
+//   version 2 only: uint32 flags (bit 0: a loss mask follows the tokens; bit 1: record starts
+//   follow the tokens and the mask); uint64 sample_tokens; zeros up to byte 64
 // followed by num_tokens tokens of token_bytes each. Tokens are uint16 when vocab_size <= 65536,
 // else uint32. With flag bit 0, num_tokens loss-mask bytes follow the tokens: byte i is 1 when
 // token i counts as a training target (it is predicted from token i - 1 and its loss is taken),
 // 0 when it does not (a prompt or padding token). sample_tokens, when not 0, says the shard is a
 // sequence of fixed samples of that many tokens (seq_len + 1, as `prepare --seq_len` writes them)
-// that a reader must cut at exactly that size. A version-1 shard has neither: every token counts
+// that a reader must cut at exactly that size. With flag bit 1, num_tokens more bytes follow: byte
+// i is 1 when token i begins a record (a document or an example that `prepare --pack` put into a
+// sample with others), else 0; training keeps a record's tokens from attending to other records'
+// and counts positions from each record's start. A version-1 shard has neither: every token counts
 // and windows may be cut anywhere. Writers write version 1 unless a mask or sample size is given,
 // so that older readers keep reading plain corpora.
 #pragma once
@@ -31,6 +34,7 @@ inline constexpr char kTokenShardMagic[8] = {'T', 'S', 'R', 'S', 'H', 'R', 'D', 
 inline constexpr uint32_t kTokenShardVersion = 2;
 inline constexpr size_t kTokenShardHeaderBytes = 64;
 inline constexpr uint32_t kTokenShardHasLossMask = 1u << 0;
+inline constexpr uint32_t kTokenShardHasRecordStarts = 1u << 1;
 
 // Bytes per token in a shard of this vocabulary: 2 up to 65536 ids, else 4.
 uint32_t TokenBytesForVocab(uint32_t vocab_size);
@@ -46,11 +50,13 @@ struct TokenShardExtras {
   std::span<const uint8_t> loss_mask;
   // 0: none. Else num_tokens must be a multiple of it.
   uint64_t sample_tokens = 0;
+  // Empty: none. Else one entry per token, each 0 or 1 (1: the token begins a record).
+  std::span<const uint8_t> record_starts;
 };
 
-// As above, writing version 2 when `extras` holds a mask or a sample size, else version 1.
-// INVALID_ARGUMENT also when the mask's length differs from the tokens', a mask byte is not 0 or
-// 1, or the tokens are not whole samples.
+// As above, writing version 2 when `extras` holds a mask, record starts or a sample size, else
+// version 1. INVALID_ARGUMENT also when the mask's or the record starts' length differs from the
+// tokens', one of their bytes is not 0 or 1, or the tokens are not whole samples.
 absl::Status WriteTokenShard(const std::string& path, std::span<const uint32_t> tokens,
                              uint32_t vocab_size, const TokenShardExtras& extras);
 
@@ -87,6 +93,10 @@ class TokenShard {
   void Read(uint64_t offset, uint64_t count, int64_t* out) const;
   // Copies the loss mask of tokens [offset, offset + count) into `out` (all 1 without a mask).
   void ReadLossMask(uint64_t offset, uint64_t count, uint8_t* out) const;
+  // Whether the shard says where its records begin (version 2 with flag bit 1).
+  bool has_record_starts() const { return record_starts_ != nullptr; }
+  // Copies the record starts of tokens [offset, offset + count) into `out` (all 0 without them).
+  void ReadRecordStarts(uint64_t offset, uint64_t count, uint8_t* out) const;
 
  private:
   TokenShard() = default;
@@ -97,6 +107,7 @@ class TokenShard {
   size_t mapping_bytes_ = 0;
   const unsigned char* tokens_ = nullptr;
   const uint8_t* loss_mask_ = nullptr;
+  const uint8_t* record_starts_ = nullptr;
   uint64_t num_tokens_ = 0;
   uint32_t vocab_size_ = 0;
   uint32_t token_bytes_ = 0;

@@ -173,6 +173,50 @@ TEST(TokenShardTest, LossMaskAndSampleSizeRoundTripAsVersionTwo) {
   EXPECT_EQ(read, std::vector<uint8_t>(mask.begin() + 3, mask.begin() + 8));
 }
 
+TEST(TokenShardTest, RecordStartsRoundTripAfterTheMask) {
+  const std::string path = TestDir() + "/records.bin";
+  const std::vector<uint32_t> tokens = Ramp(8, 257, 31);
+  const std::vector<uint8_t> mask = {1, 1, 1, 0, 1, 1, 1, 0};
+  const std::vector<uint8_t> starts = {1, 0, 0, 1, 0, 0, 0, 0};
+  ASSERT_THAT(WriteTokenShard(path, tokens, 257,
+                              {.loss_mask = mask, .sample_tokens = 8, .record_starts = starts}),
+              IsOk());
+  EXPECT_EQ(fs::file_size(path), 64 + tokens.size() * 2 + 2 * tokens.size());
+  absl::StatusOr<TokenShard> shard = TokenShard::Open(path);
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_EQ(shard->version(), 2u);
+  EXPECT_TRUE(shard->has_loss_mask());
+  EXPECT_TRUE(shard->has_record_starts());
+  std::vector<uint8_t> read(8);
+  shard->ReadLossMask(0, 8, read.data());
+  EXPECT_EQ(read, mask);
+  shard->ReadRecordStarts(0, 8, read.data());
+  EXPECT_EQ(read, starts);
+
+  // Record starts alone make a version-2 shard too; without them every byte reads 0.
+  ASSERT_THAT(WriteTokenShard(path, tokens, 257, {.record_starts = starts}), IsOk());
+  shard = TokenShard::Open(path);
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_EQ(shard->version(), 2u);
+  EXPECT_FALSE(shard->has_loss_mask());
+  shard->ReadRecordStarts(2, 3, read.data());
+  EXPECT_EQ(std::vector<uint8_t>(read.begin(), read.begin() + 3), (std::vector<uint8_t>{0, 1, 0}));
+  ASSERT_THAT(WriteTokenShard(path, tokens, 257, {.loss_mask = mask}), IsOk());
+  shard = TokenShard::Open(path);
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_FALSE(shard->has_record_starts());
+  shard->ReadRecordStarts(0, 8, read.data());
+  EXPECT_EQ(read, std::vector<uint8_t>(8, 0));
+
+  const std::vector<uint8_t> bad = {1, 0, 3, 0, 0, 0, 0, 0};
+  EXPECT_THAT(WriteTokenShard(path, tokens, 257, {.record_starts = bad}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("record start entry 2 is 3")));
+  ASSERT_THAT(WriteTokenShard(path, tokens, 257, {.record_starts = starts}), IsOk());
+  fs::resize_file(path, fs::file_size(path) - 1);
+  EXPECT_THAT(TokenShard::Open(path),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("with record starts")));
+}
+
 TEST(TokenShardTest, BadMaskOrSampleSizeIsRefused) {
   const std::string path = TestDir() + "/bad.bin";
   const std::vector<uint32_t> tokens = Ramp(6, 257, 1);

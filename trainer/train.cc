@@ -518,6 +518,11 @@ class Trainer {
     return torch::from_blob(values.data(), {batch, seq}, torch::kInt64).to(device_, true);
   }
 
+  // The micro-batch's positions in their records on the device; undefined without records.
+  at::Tensor PositionsOf(MicroBatch& mb, int seq) {
+    return mb.positions.empty() ? at::Tensor() : ToDevice(mb.positions, mb.batch_size, seq);
+  }
+
   // One optimizer step; returns the step's loss averaged over ranks.
   absl::StatusOr<double> TrainStep(double learning_rate, double* grad_norm) {
     std::vector<MicroBatch> micro_batches = loader_->NextStep();
@@ -535,7 +540,8 @@ class Trainer {
             MicroBatch& mb = micro_batches[i];
             at::Tensor output = engine_->ForwardStage(
                 pipeline_->first() ? ToDevice(mb.inputs, mb.batch_size, mb.seq_len) : input,
-                pipeline_->last() ? ToDevice(mb.targets, mb.batch_size, mb.seq_len) : at::Tensor());
+                pipeline_->last() ? ToDevice(mb.targets, mb.batch_size, mb.seq_len) : at::Tensor(),
+                PositionsOf(mb, mb.seq_len));
             if (pipeline_->last()) {
               step_loss += output.detach().to(torch::kFloat32) * LossWeight(mb);
             }
@@ -550,8 +556,9 @@ class Trainer {
         at::Tensor inputs = ToDevice(mb.inputs, mb.batch_size, mb.seq_len);
         at::Tensor targets = ToDevice(mb.targets, mb.batch_size, mb.seq_len);
         const double weight = LossWeight(mb);
-        at::Tensor loss =
-            engine_->ForwardBackward(inputs, targets, weight, /*last=*/i == accumulation - 1);
+        at::Tensor loss = engine_->ForwardBackward(inputs, targets, weight,
+                                                   /*last=*/i == accumulation - 1,
+                                                   PositionsOf(mb, mb.seq_len));
         step_loss += loss.to(torch::kFloat32) * weight;
       }
     }
@@ -630,8 +637,11 @@ class Trainer {
         if (index >= available) break;
         mb.inputs.resize(mb.inputs.size() + seq);
         mb.targets.resize(mb.targets.size() + seq);
-        mb.loss_tokens += validation_->ReadExample(index, mb.inputs.data() + mb.inputs.size() - seq,
-                                                   mb.targets.data() + mb.targets.size() - seq);
+        if (validation_->has_record_starts()) mb.positions.resize(mb.inputs.size());
+        mb.loss_tokens += validation_->ReadExample(
+            index, mb.inputs.data() + mb.inputs.size() - seq,
+            mb.targets.data() + mb.targets.size() - seq,
+            mb.positions.empty() ? nullptr : mb.positions.data() + mb.positions.size() - seq);
         ++mb.batch_size;
       }
       if (mb.batch_size == 0) break;
@@ -642,12 +652,13 @@ class Trainer {
         loss = pipeline_->Evaluate([&](int, const at::Tensor& input) {
           return engine_->ForwardStage(
               pipeline_->first() ? ToDevice(mb.inputs, mb.batch_size, seq) : input,
-              pipeline_->last() ? ToDevice(mb.targets, mb.batch_size, seq) : at::Tensor());
+              pipeline_->last() ? ToDevice(mb.targets, mb.batch_size, seq) : at::Tensor(),
+              PositionsOf(mb, seq));
         });
         if (!loss.defined()) continue;  // only the last stage counts
       } else {
         loss = engine_->EvalLoss(ToDevice(mb.inputs, mb.batch_size, seq),
-                                 ToDevice(mb.targets, mb.batch_size, seq));
+                                 ToDevice(mb.targets, mb.batch_size, seq), PositionsOf(mb, seq));
       }
       // Each tp rank holds the same loss: one of them counts it.
       if (mesh_.coord(MeshDim::kTensor) != 0) continue;
