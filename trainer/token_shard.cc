@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/scoped_fd.h"
+#include "common/status_macros.h"
 
 namespace tessera::trainer {
 namespace {
@@ -68,6 +69,23 @@ absl::Status WriteTokens(int fd, std::span<const uint32_t> tokens, const std::st
   return absl::OkStatus();
 }
 
+// A per-token byte array of TokenShardExtras (`what`: "loss mask", "record starts"): empty, or one
+// entry per token, each 0 or 1.
+absl::Status CheckTokenBytes(const std::string& path, absl::string_view what,
+                             std::span<const uint8_t> bytes, size_t tokens) {
+  if (!bytes.empty() && bytes.size() != tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", what, ": ", bytes.size(), " entries for ", tokens, " tokens"));
+  }
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    if (bytes[i] > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", what, ": entry ", i, " is ",
+                                                     bytes[i], " (expected 0 or 1)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 uint32_t TokenBytesForVocab(uint32_t vocab_size) { return vocab_size <= 65536 ? 2 : 4; }
@@ -79,29 +97,8 @@ absl::Status WriteTokenShard(const std::string& path, std::span<const uint32_t> 
 
 absl::Status WriteTokenShard(const std::string& path, std::span<const uint32_t> tokens,
                              uint32_t vocab_size, const TokenShardExtras& extras) {
-  if (!extras.loss_mask.empty() && extras.loss_mask.size() != tokens.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": loss mask has ",
-                                                   extras.loss_mask.size(), " entries for ",
-                                                   tokens.size(), " tokens"));
-  }
-  for (size_t i = 0; i < extras.loss_mask.size(); ++i) {
-    if (extras.loss_mask[i] > 1) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": loss mask entry ", i, " is ",
-                                                     extras.loss_mask[i], " (expected 0 or 1)"));
-    }
-  }
-  if (!extras.record_starts.empty() && extras.record_starts.size() != tokens.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": record starts have ",
-                                                   extras.record_starts.size(), " entries for ",
-                                                   tokens.size(), " tokens"));
-  }
-  for (size_t i = 0; i < extras.record_starts.size(); ++i) {
-    if (extras.record_starts[i] > 1) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": record start entry ", i, " is ",
-                                                     extras.record_starts[i],
-                                                     " (expected 0 or 1)"));
-    }
-  }
+  RETURN_IF_ERROR(CheckTokenBytes(path, "loss mask", extras.loss_mask, tokens.size()));
+  RETURN_IF_ERROR(CheckTokenBytes(path, "record starts", extras.record_starts, tokens.size()));
   if (extras.sample_tokens > 0 && tokens.size() % extras.sample_tokens != 0) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", tokens.size(),
                                                    " tokens are not whole samples of ",

@@ -210,7 +210,7 @@ TEST(TokenShardTest, RecordStartsRoundTripAfterTheMask) {
 
   const std::vector<uint8_t> bad = {1, 0, 3, 0, 0, 0, 0, 0};
   EXPECT_THAT(WriteTokenShard(path, tokens, 257, {.record_starts = bad}),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("record start entry 2 is 3")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("record starts: entry 2 is 3")));
   ASSERT_THAT(WriteTokenShard(path, tokens, 257, {.record_starts = starts}), IsOk());
   fs::resize_file(path, fs::file_size(path) - 1);
   EXPECT_THAT(TokenShard::Open(path),
@@ -222,10 +222,10 @@ TEST(TokenShardTest, BadMaskOrSampleSizeIsRefused) {
   const std::vector<uint32_t> tokens = Ramp(6, 257, 1);
   const std::vector<uint8_t> short_mask = {1, 1};
   EXPECT_THAT(WriteTokenShard(path, tokens, 257, {.loss_mask = short_mask}),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("loss mask has 2 entries")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("loss mask: 2 entries for 6 tokens")));
   const std::vector<uint8_t> bad_mask = {1, 1, 2, 0, 0, 0};
   EXPECT_THAT(WriteTokenShard(path, tokens, 257, {.loss_mask = bad_mask}),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("entry 2 is 2")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("loss mask: entry 2 is 2")));
   TokenShardExtras whole_samples;
   whole_samples.sample_tokens = 4;
   EXPECT_THAT(WriteTokenShard(path, tokens, 257, whole_samples),
