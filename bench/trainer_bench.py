@@ -93,6 +93,19 @@ CPU_CONFIGS = [
         "timed_steps": 12,
         "precision": "fp32",
     },
+    # Host-bound: a model so small (2 layers x 64, seq 64) that a step is mostly dispatch and
+    # bookkeeping, as a GPU step of a small model is when the GPU waits on the host. It compares
+    # what each side does around the kernels, not the kernels.
+    {
+        "name": "tiny-gpt2-host",
+        "model": {"preset": "tiny-gpt2"},
+        "seq_len": 64,
+        "global_batch_size": 8,
+        "micro_batch_size": 4,
+        "untimed_steps": 5,
+        "timed_steps": 60,
+        "precision": "fp32",
+    },
 ]
 
 # GPU configurations: GPT-2 small at its full context, and Qwen3 models of 0.6B (the one `make
