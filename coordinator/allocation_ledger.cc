@@ -138,7 +138,7 @@ UsedResources AllocationLedger::Used() const {
   return used;
 }
 
-int AllocationLedger::FreeMasterPort(const std::string& node_id, int base) const {
+int AllocationLedger::FreeMasterPort(const std::string& node_id, int base, int avoid) const {
   std::set<int> held;
   if (auto jobs = jobs_by_node_.find(node_id); jobs != jobs_by_node_.end()) {
     for (const auto& job_id : jobs->second) {
@@ -146,6 +146,7 @@ int AllocationLedger::FreeMasterPort(const std::string& node_id, int base) const
       if (allocation.master_node == node_id) held.insert(allocation.master_port);
     }
   }
+  if (avoid > 0) held.insert(avoid);
   int port = base;
   while (held.contains(port)) ++port;
   return port;

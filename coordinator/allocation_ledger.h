@@ -86,8 +86,10 @@ class AllocationLedger {
 
   // Devices held by every allocation, draining ones included.
   UsedResources Used() const;
-  // The lowest port from `base` not held by a rank 0 of another allocation on `node_id`.
-  int FreeMasterPort(const std::string& node_id, int base) const;
+  // The lowest port from `base` not held by a rank 0 of another allocation on `node_id`, and not
+  // `avoid` (a restarting job's previous port: whatever held it, maybe not one of ours, may
+  // still).
+  int FreeMasterPort(const std::string& node_id, int base, int avoid = 0) const;
   // Jobs with a rank on `node_id`, in job_id order; from an index, so a heartbeat does not scan
   // every allocation.
   std::vector<std::string> JobsOn(const std::string& node_id) const;

@@ -99,10 +99,12 @@ absl::Status Cluster::Recover() {
     allocation.master_node = job.placements(0).node_id();
     allocation.placed_time = now;
     allocation.start_step = job.current_step();
-    // The port is in the assignments the workers hold; reserve the node's
-    // next one so a new job never reuses it.
+    // The port the workers' assignments hold, stored with the placement. A job placed by an
+    // older coordinator has none stored: reserve the node's next free one for it.
     allocation.master_port =
-        allocations_.FreeMasterPort(allocation.master_node, options_.base_master_port);
+        job.master_port() > 0
+            ? job.master_port()
+            : allocations_.FreeMasterPort(allocation.master_node, options_.base_master_port);
     allocations_.Add(job.job_id(), std::move(allocation));
   }
   return absl::OkStatus();
@@ -570,14 +572,15 @@ std::string Cluster::PlacementReason(const v1::Job& job, const v1::JobSpec& spec
   return reason;
 }
 
-void Cluster::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
-                          const GangPlacement& placement, const v1::LayoutPlan& plan) {
+int Cluster::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
+                         const GangPlacement& placement, const v1::LayoutPlan& plan) {
   Allocation allocation;
   allocation.attempt = job.attempt();
   allocation.ranks = placement.ranks;
   allocation.master_node = placement.ranks.front().node_id();
-  allocation.master_port =
-      allocations_.FreeMasterPort(allocation.master_node, options_.base_master_port);
+  allocation.master_port = allocations_.FreeMasterPort(
+      allocation.master_node, options_.base_master_port, /*avoid=*/job.master_port());
+  const int master_port = allocation.master_port;
   allocation.placed_time = options_.now();
   allocation.start_step = StartStep(job, spec);
   std::map<std::string, int> local_world;
@@ -609,6 +612,7 @@ void Cluster::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
     nodes_.QueueStart(node_id, std::move(assignment));
   }
   allocations_.Add(job.job_id(), std::move(allocation));
+  return master_port;
 }
 
 const absl::StatusOr<v1::LayoutPlan>& Cluster::CachedPlan(
@@ -724,6 +728,7 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
   // that gang waits for the next pass. Only a pass adds or frees allocations, so the other
   // gangs' devices are still free. Their nodes' heartbeats wait until the placements are stored.
   std::vector<const GangPlacement*> admitted;
+  std::map<std::string, int> master_ports;  // of the admitted placements, by job
   {
     TimedLock lock(&mu_, stats);
     for (const auto& placement : result.placed) {
@@ -732,8 +737,9 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
         stale = stale || nodes_.ChangedSince(rank.node_id(), snapshot.generation);
       }
       if (stale || allocations_.Find(placement.job_id) != nullptr) continue;
-      AdmitLocked(*waiting[placement.job_id], specs[placement.job_id], placement,
-                  plans[placement.job_id]);
+      master_ports[placement.job_id] = AdmitLocked(*waiting[placement.job_id],
+                                                   specs[placement.job_id], placement,
+                                                   plans[placement.job_id]);
       for (const auto& rank : placement.ranks) ++storing_nodes_[rank.node_id()];
       admitted.push_back(&placement);
     }
@@ -746,10 +752,11 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
     const v1::LayoutPlan& plan = plans[job_id];
     writes.push_back({job_id, v1::JOB_STATE_SCHEDULED,
                       PlacementReason(*waiting[job_id], specs[job_id], *placement, plan),
-                      [&plan, placement](v1::Job& stored) {
+                      [&plan, placement, port = master_ports[job_id]](v1::Job& stored) {
                         *stored.mutable_plan() = plan;
                         stored.mutable_placements()->Clear();
                         for (const auto& rank : placement->ranks) *stored.add_placements() = rank;
+                        stored.set_master_port(port);
                       }});
   }
   result.pending_reasons.merge(unfit);

@@ -204,9 +204,10 @@ class Cluster {
   // The reason stored with a placement ("placed on n1, n2").
   static std::string PlacementReason(const v1::Job& job, const v1::JobSpec& spec,
                                      const GangPlacement& placement, const v1::LayoutPlan& plan);
-  // Records the allocation of a placement already stored and queues its assignments.
-  void AdmitLocked(const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
-                   const v1::LayoutPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records the allocation of a placement and queues its assignments; returns its master port
+  // (stored with the placement, so that a restarted coordinator reserves the same one).
+  int AdmitLocked(const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
+                  const v1::LayoutPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What RecordSuccess writes of an attempt.
   struct SuccessRecord {
     int32_t attempt = 0;

@@ -287,6 +287,30 @@ TEST_F(ClusterTest, KilledRankRestartsFromTheCheckpointBlamingTheKilledRank) {
                           v1::JOB_STATE_SUCCEEDED));
 }
 
+// A restart's rank 0 rendezvouses on another port than the failed attempt's: whatever held that
+// one (the old rank 0 on its way out, a process that is not ours) may still.
+TEST_F(ClusterTest, ARestartTakesAnotherMasterPortThanTheFailedAttempt) {
+  Register("n1", 2);
+  const std::string job_id = Submit(CpuSpec(2, 1));
+  cluster_->Tick();
+  v1::HeartbeatResponse orders = Beat("n1", {});
+  ASSERT_THAT(orders.start(), SizeIs(1));
+  EXPECT_EQ(orders.start(0).trainers(0).assignment().master_port(), 29500);
+  EXPECT_EQ(Job(job_id).master_port(), 29500) << "stored with the placement";
+  Beat("n1", {Task(job_id, 0, "n1", v1::TASK_STATE_RUNNING)});
+  v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_COLLECTIVE_TIMEOUT, 0, "n1", now_,
+                                      "rendezvous: EADDRINUSE, address already in use");
+  Beat("n1", {failed});
+  cluster_->Tick();
+  ASSERT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
+  orders = Beat("n1", {});
+  ASSERT_THAT(orders.start(), SizeIs(1));
+  EXPECT_EQ(orders.start(0).trainers(0).attempt(), 1);
+  EXPECT_EQ(orders.start(0).trainers(0).assignment().master_port(), 29501);
+  EXPECT_EQ(Job(job_id).master_port(), 29501);
+}
+
 TEST_F(ClusterTest, NextAttemptWaitsUntilEveryTaskOfTheFailedOneStopped) {
   Register("n1", 1);
   Register("n2", 1);
@@ -748,6 +772,59 @@ TEST(ClusterStoreTest, APassStoresItsPlacementsInOneTransactionThatSurvivesARest
   }
   EXPECT_THAT(nodes, SizeIs(4));
   for (const auto& node : cluster.Nodes(true)) EXPECT_EQ(node.free_cpu_slots(), 0);
+}
+
+// Master ports survive a coordinator restart: three jobs on one node hold 29500-29502, the middle
+// one ends, the coordinator restarts. A new job must get 29501, not a port a running job holds
+// (a recovered coordinator used to hand out the lowest ports again in job order, here 29502).
+TEST(ClusterStoreTest, ARestartedCoordinatorKeepsTheMasterPortsInUse) {
+  tessera::testing::ScopedTempDir dir("cluster-ports");
+  const std::string path = dir.path() + "/coordinator.db";
+  std::vector<std::string> job_ids;
+  v1::RegisterNodeRequest node;
+  node.set_node_id("n0");
+  node.set_address("n0:7000");
+  node.mutable_resources()->set_cpu_slots(4);
+  {
+    auto store = Store::Open(path);
+    ASSERT_THAT(store.status(), IsOk());
+    JobManager jobs(store->get());
+    Cluster cluster(store->get(), &jobs, ClusterOptions());
+    ASSERT_THAT(cluster.Register(node).status(), IsOk());
+    for (int j = 0; j < 3; ++j) {
+      auto job = jobs.Submit(CpuSpec(1, 0), "");
+      ASSERT_THAT(job.status(), IsOk());
+      job_ids.push_back(job->job_id());
+    }
+    cluster.Tick();
+    v1::HeartbeatRequest beat;
+    beat.set_node_id("n0");
+    for (int j = 0; j < 3; ++j) {
+      auto job = jobs.Get(job_ids[j]);
+      ASSERT_THAT(job.status(), IsOk());
+      ASSERT_EQ(job->master_port(), 29500 + j);
+      v1::TaskStatus* task = beat.add_tasks();
+      task->set_task_id(absl::StrCat(job_ids[j], "/0/n0"));
+      task->set_job_id(job_ids[j]);
+      task->set_state(j == 1 ? v1::TASK_STATE_SUCCEEDED : v1::TASK_STATE_RUNNING);
+    }
+    ASSERT_THAT(cluster.Heartbeat(beat).status(), IsOk());
+    auto ended = jobs.Get(job_ids[1]);
+    ASSERT_THAT(ended.status(), IsOk());
+    ASSERT_EQ(ended->state(), v1::JOB_STATE_SUCCEEDED);
+  }
+  auto store = Store::Open(path);
+  ASSERT_THAT(store.status(), IsOk());
+  JobManager jobs(store->get());
+  Cluster cluster(store->get(), &jobs, ClusterOptions());
+  ASSERT_THAT(cluster.Recover(), IsOk());
+  auto job = jobs.Submit(CpuSpec(1, 0), "");
+  ASSERT_THAT(job.status(), IsOk());
+  cluster.Tick();
+  auto placed = jobs.Get(job->job_id());
+  ASSERT_THAT(placed.status(), IsOk());
+  ASSERT_EQ(placed->state(), v1::JOB_STATE_SCHEDULED) << placed->reason();
+  EXPECT_EQ(placed->master_port(), 29501);
 }
 
 TEST_F(ClusterTest, RequestPassRunsAPassWithoutWaitingForTheRegularOne) {
