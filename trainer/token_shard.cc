@@ -310,20 +310,20 @@ void CheckRange(const std::string& path, uint64_t offset, uint64_t count, uint64
 }  // namespace
 
 void TokenShard::ReadLossMask(uint64_t offset, uint64_t count, uint8_t* out) const {
-  CheckRange(path_, offset, count, num_tokens_);
-  if (loss_mask_ == nullptr) {
-    std::memset(out, 1, count);
-  } else {
-    std::memcpy(out, loss_mask_ + offset, count);
-  }
+  ReadTokenBytes(loss_mask_, /*absent=*/1, offset, count, out);
 }
 
 void TokenShard::ReadRecordStarts(uint64_t offset, uint64_t count, uint8_t* out) const {
+  ReadTokenBytes(record_starts_, /*absent=*/0, offset, count, out);
+}
+
+void TokenShard::ReadTokenBytes(const uint8_t* section, uint8_t absent, uint64_t offset,
+                                uint64_t count, uint8_t* out) const {
   CheckRange(path_, offset, count, num_tokens_);
-  if (record_starts_ == nullptr) {
-    std::memset(out, 0, count);
+  if (section == nullptr) {
+    std::memset(out, absent, count);
   } else {
-    std::memcpy(out, record_starts_ + offset, count);
+    std::memcpy(out, section + offset, count);
   }
 }
 

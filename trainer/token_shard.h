@@ -101,6 +101,10 @@ class TokenShard {
  private:
   TokenShard() = default;
   void Unmap();
+  // Copies bytes [offset, offset + count) of a per-token section (the loss mask, the record
+  // starts) into `out`, or `absent` for each when the shard has no such section.
+  void ReadTokenBytes(const uint8_t* section, uint8_t absent, uint64_t offset, uint64_t count,
+                      uint8_t* out) const;
 
   std::string path_;
   void* mapping_ = nullptr;
