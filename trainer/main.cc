@@ -279,7 +279,9 @@ int Prepare() {
             << " validation tokens (vocab " << result->vocab_size << ") in "
             << result->train_shards.size() + result->val_shards.size() << " shard(s) under "
             << options.output_dir;
-  if (result->loss_mask) std::cout << ", with a loss mask on the prompt tokens";
+  if (result->loss_mask) {
+    std::cout << ", with a loss mask (prompt and padding tokens do not count)";
+  }
   if (result->record_starts) {
     std::cout << ", records packed into samples and marked (each attends only to itself)";
   }
