@@ -737,9 +737,8 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
         stale = stale || nodes_.ChangedSince(rank.node_id(), snapshot.generation);
       }
       if (stale || allocations_.Find(placement.job_id) != nullptr) continue;
-      master_ports[placement.job_id] = AdmitLocked(*waiting[placement.job_id],
-                                                   specs[placement.job_id], placement,
-                                                   plans[placement.job_id]);
+      master_ports[placement.job_id] = AdmitLocked(
+          *waiting[placement.job_id], specs[placement.job_id], placement, plans[placement.job_id]);
       for (const auto& rank : placement.ranks) ++storing_nodes_[rank.node_id()];
       admitted.push_back(&placement);
     }

@@ -696,8 +696,11 @@ class MaskedTrainingTest : public TrainerTrainingTest,
              << "\"}, {\"role\": \"assistant\", \"content\": \"" << reply << "\"}]}\n";
       }
       file.close();
-      std::vector<std::string> args = {Trainer(), "prepare", "--input=" + jsonl,
-                                       "--output_dir=" + *out, "--sample_seq_len=64",
+      std::vector<std::string> args = {Trainer(),
+                                       "prepare",
+                                       "--input=" + jsonl,
+                                       "--output_dir=" + *out,
+                                       "--sample_seq_len=64",
                                        "--val_fraction=0.1"};
       if (packed) args.push_back("--pack");
       auto prepared = RunCommand(args);

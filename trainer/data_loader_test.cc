@@ -435,8 +435,8 @@ TEST(MaskedBatchLoaderTest, RecordStartsGivePositionsAndDropEachRecordsFirstTarg
   std::vector<int64_t> inputs(7), targets(7), positions(7);
   EXPECT_EQ(dataset->ReadExample(0, inputs.data(), targets.data(), positions.data()), 5);
   EXPECT_EQ(positions, (std::vector<int64_t>{0, 1, 2, 0, 1, 2, 0}));
-  EXPECT_EQ(targets, (std::vector<int64_t>{1001, 1002, kIgnoreTarget, 1004, 1005, kIgnoreTarget,
-                                           1007}));
+  EXPECT_EQ(targets,
+            (std::vector<int64_t>{1001, 1002, kIgnoreTarget, 1004, 1005, kIgnoreTarget, 1007}));
   EXPECT_EQ(dataset->CountLossTargets(0), 5);
   EXPECT_EQ(dataset->ReadExample(1, inputs.data(), targets.data(), positions.data()), 6);
   EXPECT_EQ(positions, (std::vector<int64_t>{0, 1, 2, 3, 4, 0, 1}));

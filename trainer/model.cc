@@ -468,7 +468,6 @@ torch::Tensor CausalLMImpl::Embed(const torch::Tensor& tokens, const torch::Tens
   return h;
 }
 
-
 torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h, const torch::Tensor& positions) {
   const TensorParallel& tp = partition_.tp;
   const int64_t seq = h.size(1) * (tp.enabled() && tp.sequence_parallel ? tp.size : 1);
@@ -495,10 +494,8 @@ torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h, const torch::Tensor& posi
     std::shared_ptr<BlockImpl> block = blocks_[i];
     if (checkpointing_ == v1::ACTIVATION_CHECKPOINTING_FULL) {
       h = Checkpoint(
-          [block, cos, sin,
-           mask](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
-            return {block->forward(in[0], cos, sin, mask)};
-          },
+          [block, cos, sin, mask](const std::vector<torch::Tensor>& in)
+              -> std::vector<torch::Tensor> { return {block->forward(in[0], cos, sin, mask)}; },
           {h})[0];
     } else {
       h = block->forward(h, cos, sin, mask);

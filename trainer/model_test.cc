@@ -284,8 +284,8 @@ TEST(ModelTest, PackedRecordsGetTheLogitsTheyGetAlone) {
             << name << " row " << row << " record " << r << ": max difference "
             << (got - alone).abs().max().item<double>();
         if (offset > 0) {
-          EXPECT_FALSE(torch::allclose(mixed[row].index({Slice(offset, offset + size)}), alone,
-                                       1e-5, 1e-5))
+          EXPECT_FALSE(
+              torch::allclose(mixed[row].index({Slice(offset, offset + size)}), alone, 1e-5, 1e-5))
               << name << " row " << row << " record " << r << ": attending across changed nothing";
         }
         offset += size;
@@ -301,10 +301,10 @@ TEST(ModelCheckpointingTest, PackedRecordsLossAndGradientsEqualUncheckpointed) {
     torch::manual_seed(5);
     const Tensor tokens = RandomTokens(dims, 2, 12);
     const Tensor targets = RandomTokens(dims, 2, 12);
-    const Tensor positions = torch::tensor({0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 0, 1, 2, 3, 4, 5,
-                                            6, 0, 1, 2, 3, 4},
-                                           torch::kLong)
-                                 .view({2, 12});
+    const Tensor positions =
+        torch::tensor({0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4},
+                      torch::kLong)
+            .view({2, 12});
     std::map<std::string, Tensor> reference;
     Tensor reference_loss;
     for (auto mode : {v1::ACTIVATION_CHECKPOINTING_NONE, v1::ACTIVATION_CHECKPOINTING_SELECTIVE,

@@ -79,8 +79,8 @@ absl::Status CheckTokenBytes(const std::string& path, absl::string_view what,
   }
   for (size_t i = 0; i < bytes.size(); ++i) {
     if (bytes[i] > 1) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": ", what, ": entry ", i, " is ",
-                                                     bytes[i], " (expected 0 or 1)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": ", what, ": entry ", i, " is ", bytes[i], " (expected 0 or 1)"));
     }
   }
   return absl::OkStatus();
@@ -202,9 +202,9 @@ absl::StatusOr<TokenShard> TokenShard::Open(const std::string& path) {
     header.flags = 0;
     header.sample_tokens = 0;
   } else if ((header.flags & ~(kTokenShardHasLossMask | kTokenShardHasRecordStarts)) != 0) {
-    return absl::DataLossError(
-        absl::StrCat(path, ": unknown token shard flags 0x", absl::Hex(header.flags),
-                     " (written by a newer build?)"));
+    return absl::DataLossError(absl::StrCat(path, ": unknown token shard flags 0x",
+                                            absl::Hex(header.flags),
+                                            " (written by a newer build?)"));
   }
   const uint64_t mask_bytes_per_token = (header.flags & kTokenShardHasLossMask) ? 1 : 0;
   const uint64_t start_bytes_per_token = (header.flags & kTokenShardHasRecordStarts) ? 1 : 0;
@@ -221,12 +221,12 @@ absl::StatusOr<TokenShard> TokenShard::Open(const std::string& path) {
   const uint64_t max_tokens = (UINT64_MAX - kTokenShardHeaderBytes) / bytes_per_token;
   if (header.num_tokens > max_tokens ||
       kTokenShardHeaderBytes + header.num_tokens * bytes_per_token != file_bytes) {
-    return absl::DataLossError(absl::StrCat(
-        path, ": truncated: header says ", header.num_tokens, " tokens",
-        mask_bytes_per_token ? " with a loss mask" : "",
-        start_bytes_per_token ? " with record starts" : "", " (",
-        kTokenShardHeaderBytes + header.num_tokens * bytes_per_token, " bytes) but the file has ",
-        file_bytes, " bytes"));
+    return absl::DataLossError(
+        absl::StrCat(path, ": truncated: header says ", header.num_tokens, " tokens",
+                     mask_bytes_per_token ? " with a loss mask" : "",
+                     start_bytes_per_token ? " with record starts" : "", " (",
+                     kTokenShardHeaderBytes + header.num_tokens * bytes_per_token,
+                     " bytes) but the file has ", file_bytes, " bytes"));
   }
   if (header.sample_tokens > 0 && header.num_tokens % header.sample_tokens != 0) {
     return absl::DataLossError(absl::StrCat(path, ": ", header.num_tokens,

@@ -209,8 +209,9 @@ TEST(TokenShardTest, RecordStartsRoundTripAfterTheMask) {
   EXPECT_EQ(read, std::vector<uint8_t>(8, 0));
 
   const std::vector<uint8_t> bad = {1, 0, 3, 0, 0, 0, 0, 0};
-  EXPECT_THAT(WriteTokenShard(path, tokens, 257, {.record_starts = bad}),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("record starts: entry 2 is 3")));
+  EXPECT_THAT(
+      WriteTokenShard(path, tokens, 257, {.record_starts = bad}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("record starts: entry 2 is 3")));
   ASSERT_THAT(WriteTokenShard(path, tokens, 257, {.record_starts = starts}), IsOk());
   fs::resize_file(path, fs::file_size(path) - 1);
   EXPECT_THAT(TokenShard::Open(path),
@@ -221,8 +222,9 @@ TEST(TokenShardTest, BadMaskOrSampleSizeIsRefused) {
   const std::string path = TestDir() + "/bad.bin";
   const std::vector<uint32_t> tokens = Ramp(6, 257, 1);
   const std::vector<uint8_t> short_mask = {1, 1};
-  EXPECT_THAT(WriteTokenShard(path, tokens, 257, {.loss_mask = short_mask}),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("loss mask: 2 entries for 6 tokens")));
+  EXPECT_THAT(
+      WriteTokenShard(path, tokens, 257, {.loss_mask = short_mask}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("loss mask: 2 entries for 6 tokens")));
   const std::vector<uint8_t> bad_mask = {1, 1, 2, 0, 0, 0};
   EXPECT_THAT(WriteTokenShard(path, tokens, 257, {.loss_mask = bad_mask}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("loss mask: entry 2 is 2")));

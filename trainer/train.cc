@@ -556,9 +556,9 @@ class Trainer {
         at::Tensor inputs = ToDevice(mb.inputs, mb.batch_size, mb.seq_len);
         at::Tensor targets = ToDevice(mb.targets, mb.batch_size, mb.seq_len);
         const double weight = LossWeight(mb);
-        at::Tensor loss = engine_->ForwardBackward(inputs, targets, weight,
-                                                   /*last=*/i == accumulation - 1,
-                                                   PositionsOf(mb, mb.seq_len));
+        at::Tensor loss =
+            engine_->ForwardBackward(inputs, targets, weight,
+                                     /*last=*/i == accumulation - 1, PositionsOf(mb, mb.seq_len));
         step_loss += loss.to(torch::kFloat32) * weight;
       }
     }
