@@ -11,14 +11,8 @@
 namespace tessera::coordinator {
 namespace {
 
-// Slots (GPUs or CPU slots, whichever the request uses) one node offers one request. `node`
-// indexes the node vector, which Schedule sorts by node_id, so a smaller index is a smaller id.
-struct Offer {
-  int node = 0;
-  int slots = 0;
-};
-
-// Tensor-parallel groups a gang puts on one node.
+// Tensor-parallel groups a gang puts on one node. `node` indexes the node vector, which Schedule
+// sorts by node_id, so a smaller index is a smaller id.
 struct Share {
   int node = 0;
   int groups = 0;
@@ -109,70 +103,16 @@ std::optional<std::string> NoEligibleNode(const GangRequest& request,
                       request.use_gpus ? "GPUs" : "CPU slots", where);
 }
 
-// The packing rule of scheduler.h: fewest nodes, tightest fit, ties to the smaller node index.
-// Greedy largest-first reaches the minimum node count because after taking the j largest nodes the
-// remainder fits one node exactly when the j+1 largest would have covered the gang.
-std::optional<std::vector<Share>> Pack(const GangRequest& request,
-                                       const std::vector<Offer>& all_offers) {
-  const int group = request.tensor_parallel;
-  int needed = request.world_size / group;
-  // Most calls on a busy cluster fail here: count before copying anything.
-  int offered = 0;
-  for (const Offer& offer : all_offers) offered += offer.slots / group;
-  if (offered < needed) return std::nullopt;
-  std::vector<Offer> offers;
-  offers.reserve(all_offers.size());
-  for (const Offer& offer : all_offers) {
-    if (offer.slots >= group) offers.push_back(offer);
-  }
-
-  std::vector<Share> shares;
-  while (needed > 0) {
-    auto tightest = offers.end();
-    for (auto it = offers.begin(); it != offers.end(); ++it) {
-      if (it->slots / group < needed) continue;
-      if (tightest == offers.end() ||
-          std::tie(it->slots, it->node) < std::tie(tightest->slots, tightest->node)) {
-        tightest = it;
-      }
-    }
-    if (tightest != offers.end()) {
-      shares.push_back({tightest->node, needed});
-      break;
-    }
-    auto largest = offers.begin();
-    for (auto it = offers.begin(); it != offers.end(); ++it) {
-      // Most groups first; among equals, the fewest wasted slots, then the smaller index.
-      auto key = std::make_tuple(-(it->slots / group), it->slots, it->node);
-      if (key < std::make_tuple(-(largest->slots / group), largest->slots, largest->node)) {
-        largest = it;
-      }
-    }
-    shares.push_back({largest->node, largest->slots / group});
-    needed -= largest->slots / group;
-    offers.erase(largest);
-  }
-  return shares;
-}
-
 // What a request with tensor-parallel groups of `group` can get from `offers`.
 struct OfferSummary {
   int largest_node = 0;  // most slots on one node
   int gang = 0;          // slots usable in whole groups
 };
 
-OfferSummary Summarize(const std::vector<Offer>& offers, int group) {
-  OfferSummary summary;
-  for (const Offer& offer : offers) {
-    summary.largest_node = std::max(summary.largest_node, offer.slots);
-    summary.gang += offer.slots / group * group;
-  }
-  return summary;
-}
-
-// The offers of one kind of node, bucketed by their slot count, kept up to date as a pass commits
-// gangs and reserves for its head: a placement then costs the nodes it touches, not a rescan of
-// every eligible node, and Pack's tightest and largest nodes are the first of a bucket.
+// The slots (GPUs or CPU slots, whichever the request uses) a set of nodes offers, bucketed by slot
+// count. Schedule keeps one per kind of node up to date as a pass commits gangs and reserves for
+// its head: a placement then costs the nodes it touches, not a rescan of every eligible node, and
+// Pack's tightest and largest nodes are the first of a bucket.
 class OfferIndex {
  public:
   // `max_slots`: no offer exceeds it.
@@ -188,7 +128,7 @@ class OfferIndex {
     target.insert(std::lower_bound(target.begin(), target.end(), node), node);
   }
 
-  // As Summarize over the offers.
+  // What a request with tensor-parallel groups of `group` can get from these offers.
   OfferSummary Summary(int group) const {
     OfferSummary summary;
     for (int slots = static_cast<int>(buckets_.size()) - 1; slots >= 0; --slots) {
@@ -199,7 +139,10 @@ class OfferIndex {
     return summary;
   }
 
-  // Pack's answer on these offers (the same rule and tie-breaks, see Pack).
+  // The packing rule of scheduler.h on these offers: fewest nodes, tightest fit, ties to the
+  // smaller node index. Greedy largest-first reaches the minimum node count because after taking
+  // the j largest nodes the remainder fits one node exactly when the j+1 largest would have
+  // covered the gang. nullopt when the offers hold too few whole groups.
   std::optional<std::vector<Share>> Pack(const GangRequest& request) const {
     const int group = request.tensor_parallel;
     int needed = request.world_size / group;
@@ -245,6 +188,16 @@ class OfferIndex {
   // kind of node over every eligible node, and moves only a few nodes per placement.
   std::vector<std::vector<int>> buckets_;
 };
+
+// What the `eligible` nodes (ascending) offer `request` when empty.
+OfferIndex EmptyOffers(const GangRequest& request, const std::vector<NodeCapacity>& nodes,
+                       const std::vector<int>& eligible) {
+  int max_slots = 0;
+  for (int node : eligible) max_slots = std::max(max_slots, TotalSlots(request, nodes[node]));
+  OfferIndex offers(max_slots);
+  for (int node : eligible) offers.Add(node, TotalSlots(request, nodes[node]));
+  return offers;
+}
 
 // Why Pack failed on offers summarised by `summary` (non-empty eligible nodes), in the terms of
 // `basis`.
@@ -426,14 +379,13 @@ ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapaci
     }
     const OfferSummary free_summary = candidates.free.Summary(group);
     if (!head.has_value()) {
-      std::vector<Offer> empty;
-      for (int node : eligible) empty.push_back({node, TotalSlots(request, nodes[node])});
-      auto reservation = Pack(request, empty);
+      const OfferIndex empty = EmptyOffers(request, nodes, eligible);
+      auto reservation = empty.Pack(request);
       if (!reservation.has_value()) {
         // Reserving for a gang that cannot fit even on empty nodes would idle the cluster for
         // nothing; the next blocked request becomes the head instead.
         result.pending_reasons[request.job_id] =
-            Shortfall(request, Summarize(empty, group), Basis::kEmptySchedulable);
+            Shortfall(request, empty.Summary(group), Basis::kEmptySchedulable);
         continue;
       }
       head = request;
@@ -459,10 +411,9 @@ std::optional<std::string> Unsatisfiable(const GangRequest& request,
   if (auto problem = NoEligibleNode(request, nodes, /*schedulable_only=*/false, &eligible)) {
     return problem;
   }
-  std::vector<Offer> empty;
-  for (int node : eligible) empty.push_back({node, TotalSlots(request, nodes[node])});
-  if (Pack(request, empty).has_value()) return std::nullopt;
-  return Shortfall(request, Summarize(empty, request.tensor_parallel), Basis::kEmptyAll);
+  const OfferIndex empty = EmptyOffers(request, nodes, eligible);
+  if (empty.Pack(request).has_value()) return std::nullopt;
+  return Shortfall(request, empty.Summary(request.tensor_parallel), Basis::kEmptyAll);
 }
 
 }  // namespace tessera::coordinator
