@@ -257,7 +257,7 @@ def stage_trainer_check(ctx):
 
 def write_spec(path, run, shards, steps, gpu):
     spec = {
-        "name": f"gpu-check-{run['name']}",
+        "name": f"gpu-check-{run['name'].replace('.', '-')}",
         "model": run["model"],
         "data": {"train_shards": [shards], "seq_len": run["seq_len"]},
         "batch": {"global_batch_size": run["global_batch_size"],
@@ -554,12 +554,13 @@ def main():
         report["stages"][name] = entry
         print(f"gpu-check: {name} {entry['status']} in {entry['seconds']:.1f} s"
               + (f": {entry['error']}" if entry.get("error") else ""), flush=True)
+        failed = [n for n, s in report["stages"].items() if s["status"] != "passed"]
+        report["verdict"] = "passed" if not failed else f"FAILED ({', '.join(failed)})"
+        # Written after every stage, so that a check cut short keeps what it measured.
+        with open(os.path.join(out, "gpu-check.json"), "w") as f:
+            json.dump(report, f, indent=1)
         if name == "environment" and entry["status"] == "failed":
             break  # without binaries, libraries and a GPU nothing else can run
-    failed = [n for n, s in report["stages"].items() if s["status"] != "passed"]
-    report["verdict"] = "passed" if not failed else f"FAILED ({', '.join(failed)})"
-    with open(os.path.join(out, "gpu-check.json"), "w") as f:
-        json.dump(report, f, indent=1)
     lines = summary_lines(report)
     with open(os.path.join(out, "gpu-check-summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
