@@ -1,5 +1,6 @@
-# fused_ops_bench: the fused RMSNorm / rotary / SwiGLU CUDA kernels (trainer/fused_ops.h) against
-# ATen's composite, forward + backward in bf16 at one Qwen3-0.6B and one Llama-3-8B layer's shapes
+# fused_ops_bench: the fused RMSNorm / rotary / SwiGLU / cross-entropy CUDA kernels
+# (trainer/fused_ops.h) against ATen's composite, forward + backward in bf16 at one Qwen3-0.6B and
+# one Llama-3-8B layer's shapes
 # (make bench-gpu, make gpu-check). Links LibTorch through tessera::trainer.
 
 add_executable(fused_ops_bench fused_ops_bench.cc)

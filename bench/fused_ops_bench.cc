@@ -1,7 +1,7 @@
-// fused_ops_bench: forward + backward of the model's RMSNorm, rotary embedding and SwiGLU as the
-// fused CUDA kernels (trainer/fused_ops.h) against the ATen composite the model runs without them
-// (--fused_kernels=false), in the same process on the same tensors, in bf16 at the shapes of one
-// Qwen3-0.6B and one Llama-3-8B layer (2,048 tokens). Per op and shape: `rounds` rounds, each
+// fused_ops_bench: forward + backward of the model's RMSNorm, rotary embedding, SwiGLU and head +
+// cross-entropy as the fused CUDA kernels (trainer/fused_ops.h) against the ATen composite the
+// model runs without them (--fused_kernels=false), in the same process on the same tensors, in
+// bf16 at the shapes of one Qwen3-0.6B and one Llama-3-8B layer (2,048 tokens, their vocabulary). Per op and shape: `rounds` rounds, each
 // timing `iterations` forward + backward passes of both paths in alternating order (device
 // synchronised before and after); median per path; speedup = composite / fused. Writes
 // fused-ops.json (scripts/bench.sh, make bench-gpu, make gpu-check).
@@ -27,8 +27,10 @@
 #include "bench/bench_env.h"
 #include "common/command_line.h"
 #include "nlohmann/json.hpp"
+#include "trainer/data_loader.h"
 #include "trainer/device.h"
 #include "trainer/fused_ops.h"
+#include "trainer/linear_cross_entropy.h"
 #include "trainer/model.h"
 #include "trainer/torch_pch.h"
 
@@ -51,7 +53,7 @@ constexpr char kUsage[] =
 
 struct Shape {
   std::string name;
-  int64_t tokens, hidden, heads, kv_heads, head_dim, ffn;
+  int64_t tokens, hidden, heads, kv_heads, head_dim, ffn, vocab;
 };
 
 // One op's forward: the inputs (leaves that require grad where the op has a gradient) to its
@@ -60,6 +62,9 @@ struct Case {
   std::string op;
   std::vector<Tensor> inputs;
   std::function<Tensor(const std::vector<Tensor>&)> forward;
+  // Whether the fused path ran, for an op whose autograd node is the same either way; unset:
+  // the output's node is one of the fused autograd Functions.
+  std::function<bool()> fused_ran = nullptr;
 };
 
 std::vector<Case> CasesFor(const Shape& s, const torch::Device& device) {
@@ -93,6 +98,29 @@ std::vector<Case> CasesFor(const Shape& s, const torch::Device& device) {
                    {leaf(torch::randn({s.tokens, s.ffn}, bf16)),
                     leaf(torch::randn({s.tokens, s.ffn}, bf16))},
                    [](const std::vector<Tensor>& in) { return trainer::FusedSwiGlu(in[0], in[1]); }});
+  // The head and its loss (trainer/linear_cross_entropy.h): the fused path is its cross-entropy
+  // kernel, the composite float32 log_softmax and its backward; the chunked matrix products are
+  // the same on both sides. Every eighth target ignored, as a loss mask would.
+  Tensor targets = torch::randint(0, s.vocab, {s.tokens}, torch::kInt64);
+  targets.index_put_({torch::arange(0, s.tokens, 8)}, trainer::kIgnoreTarget);
+  targets = targets.to(device);
+  cases.push_back(
+      {"linear + cross-entropy [tokens, vocab]",
+       {leaf(torch::randn({s.tokens, s.hidden}, bf16)),
+        leaf(torch::randn({s.vocab, s.hidden}, bf16) * 0.02), targets},
+       [](const std::vector<Tensor>& in) {
+         return trainer::LinearCrossEntropy(in[0], in[1], in[2]);
+       },
+       [device] {
+         Tensor probe = torch::zeros({1, 8}, torch::TensorOptions().device(device));
+         const Tensor target = torch::zeros({1}, torch::TensorOptions()
+                                                     .dtype(torch::kInt64)
+                                                     .device(device));
+         return trainer::FusedCrossEntropyRows(probe, target,
+                                               torch::ones({}, probe.options()),
+                                               trainer::kIgnoreTarget, false)
+             .has_value();
+       }});
   return cases;
 }
 
@@ -129,9 +157,9 @@ int Run(bool smoke, int rounds, int iterations) {
   }
   const torch::Device device = gpu && !smoke ? torch::Device(torch::kCUDA, 0) : torch::kCPU;
   const std::vector<Shape> shapes =
-      smoke ? std::vector<Shape>{{"tiny", 64, 64, 4, 2, 16, 128}}
-            : std::vector<Shape>{{"qwen3-0.6b layer", 2048, 1024, 16, 8, 128, 3072},
-                                 {"llama3-8b layer", 2048, 4096, 32, 8, 128, 14336}};
+      smoke ? std::vector<Shape>{{"tiny", 64, 64, 4, 2, 16, 128, 1000}}
+            : std::vector<Shape>{{"qwen3-0.6b layer", 2048, 1024, 16, 8, 128, 3072, 151936},
+                                 {"llama3-8b layer", 2048, 4096, 32, 8, 128, 14336, 128256}};
   const Provenance provenance = ReadProvenance();
   Json json;
   json["benchmark"] = "fused-ops";
@@ -158,7 +186,8 @@ int Run(bool smoke, int rounds, int iterations) {
       Tensor probe = c.forward(c.inputs);
       const Tensor grad = torch::randn_like(probe);
       const std::string node = probe.grad_fn() ? probe.grad_fn()->name() : "";
-      const bool fused_ran = node.find("Function") != std::string::npos;
+      const bool fused_ran =
+          c.fused_ran ? c.fused_ran() : node.find("Function") != std::string::npos;
       fused_ran_everywhere = fused_ran_everywhere && (fused_ran || !device.is_cuda());
       probe = Tensor();
       std::vector<double> fused, composite;

@@ -16,6 +16,11 @@ RUN.json (written by bench/trainer_bench.py) holds:
   precision          "fp32" or "bf16" (bf16 autocast, CUDA only; parameters stay float32)
   threads            intra-op threads
   compile            optional; true: the forward and loss through torch.compile
+  profile_dir        optional; record steps profile_steps = [first, count] (1-based) with
+                     torch.profiler (CPU operators, and CUDA kernels on a GPU) and write the
+                     Chrome trace to profile_dir/trace-pytorch.json, each step marked
+                     "train_step" as the trainer's --profile_dir marks it
+                     (bench/profile_summary.py compares the two)
 
 Prints one JSON object per line on stdout, shaped like the trainer's reports: {"started": ...},
 one {"metrics": ...} per step, {"finished": ...}. Only the standard library and torch are used.
@@ -37,6 +42,7 @@ import glob
 import json
 import math
 import mmap
+import os
 import resource
 import struct
 import sys
@@ -474,15 +480,19 @@ def run(config):
                       "startup_seconds": time.perf_counter() - start}})
 
     steps = config["steps"]
+    profile = StepProfile(config, device)
     loss = 0.0
     for step in range(1, steps + 1):
+        profile.before_step(step)
         # Timed as trainer/train.cc times a step: from choosing the learning rate to the
         # optimizer step and zero_grad, without a device synchronisation at the end.
         step_start = time.perf_counter()
-        lr = learning_rate_at(config["lr"], steps, step)
-        loss, grad_norm = train_step(loss_fn, params, optimizer, loader, device, bf16,
-                                     config["grad_clip"], lr)
+        with torch.profiler.record_function("train_step"):
+            lr = learning_rate_at(config["lr"], steps, step)
+            loss, grad_norm = train_step(loss_fn, params, optimizer, loader, device, bf16,
+                                         config["grad_clip"], lr)
         seconds = time.perf_counter() - step_start
+        profile.after_step(step, step == steps)
         if device.type == "cuda":
             peak_memory = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -493,6 +503,35 @@ def run(config):
                           "tokens_per_second": tokens_per_step / seconds,
                           "peak_memory_bytes": peak_memory}})
     emit({"finished": {"final_step": steps, "final_loss": loss}})
+
+
+class StepProfile:
+    """torch.profiler over config["profile_steps"] = [first, count], as trainer/step_profiler.cc
+    records the trainer's steps; nothing without config["profile_dir"]."""
+
+    def __init__(self, config, device):
+        self.directory = config.get("profile_dir")
+        self.first, self.count = config.get("profile_steps", [3, 3])
+        self.device = device
+        self.profiler = None
+
+    def before_step(self, step):
+        if self.directory and step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def after_step(self, step, last):
+        if self.profiler is None or (step < self.first + self.count - 1 and not last):
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.profiler.__exit__(None, None, None)
+        os.makedirs(self.directory, exist_ok=True)
+        self.profiler.export_chrome_trace(os.path.join(self.directory, "trace-pytorch.json"))
+        self.profiler = None
 
 
 def main():

@@ -2,7 +2,8 @@
 # (trainer_bench.py drives, pytorch_baseline.py is the baseline; scripts/bench.sh
 # runs it). Nothing to build. The test times nothing: it checks that both sides
 # train the same small GPT-2 and Qwen3-shaped models to the same losses at every
-# step, which is what makes the benchmark's ratio a like-for-like comparison.
+# step, which is what makes the benchmark's ratio a like-for-like comparison; and
+# that --profile traces both sides.
 if(TESSERA_BUILD_TESTS)
   add_test(NAME trainer_bench.equivalence
     COMMAND "${TESSERA_PYTHON}" "${CMAKE_CURRENT_SOURCE_DIR}/trainer_bench.py" --check --device=cpu
@@ -11,4 +12,14 @@ if(TESSERA_BUILD_TESTS)
     ENVIRONMENT "TESSERA_BUILD_DIR=${CMAKE_BINARY_DIR}"
     LABELS integration
     TIMEOUT 600)
+  # --profile on CPU: both sides write a Chrome trace of the same 3 steps (the trainer through
+  # --profile_dir, the baseline through torch.profiler) and profile_summary.py reads both.
+  add_test(NAME trainer_bench.profile
+    COMMAND "${TESSERA_PYTHON}" "${CMAKE_CURRENT_SOURCE_DIR}/trainer_bench.py" --device=cpu
+      --configs=tiny-gpt2-host "--profile=${CMAKE_CURRENT_BINARY_DIR}/profile"
+    WORKING_DIRECTORY "${PROJECT_SOURCE_DIR}")
+  set_tests_properties(trainer_bench.profile PROPERTIES
+    ENVIRONMENT "TESSERA_BUILD_DIR=${CMAKE_BINARY_DIR}"
+    LABELS integration
+    TIMEOUT 300)
 endif()

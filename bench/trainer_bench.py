@@ -265,9 +265,10 @@ def summarize_run(reports, config, process, what):
     return run
 
 
-def run_ours(trainer, task_path, config, env, timeout):
+def run_ours(trainer, task_path, config, env, timeout, extra_flags=()):
     what = f"{config['name']}: tessera-trainer"
-    stdout, process = run_checked([trainer, f"--task={task_path}"], env, timeout, what)
+    stdout, process = run_checked([trainer, f"--task={task_path}", *extra_flags], env, timeout,
+                                  what)
     return summarize_run(parse_reports(stdout, what), config, process, what)
 
 
@@ -416,6 +417,44 @@ def check_config(config, args, paths):
                       every_step=True)
 
 
+def profile_config(config, args, paths):
+    """--profile=DIR: one profiled run per side of `config` (3 steps after the untimed ones), the
+    Chrome traces in DIR/NAME/, and bench/profile_summary.py's comparison of them (printed, and
+    DIR/NAME/summary.json). Nothing is timed for the results JSON: the profiler slows both
+    sides."""
+    import profile_summary  # bench/, beside this file
+
+    name = config["name"]
+    task_path, baseline_path, _ = set_up_config(config, args, paths)
+    directory = os.path.join(args.profile, name)
+    first, count = config["untimed_steps"] + 1, min(3, config["timed_steps"])
+    timeout = RUN_TIMEOUT_SECONDS[args.device]
+    run_ours(paths["trainer"], task_path, config, paths["env"], timeout,
+             (f"--profile_dir={directory}", f"--profile_steps={first}:{count}"))
+    with open(baseline_path) as f:
+        baseline = json.load(f)
+    baseline.update(profile_dir=directory, profile_steps=[first, count])
+    profiled_path = baseline_path.replace(".baseline.", ".profiled.")
+    with open(profiled_path, "w") as f:
+        json.dump(baseline, f, indent=1)
+    run_pytorch(paths["python"], profiled_path, config, paths["env"], timeout)
+    traces = [os.path.join(directory, "trace-rank-0.json"),
+              os.path.join(directory, "trace-pytorch.json")]
+    try:
+        summaries = [profile_summary.summarize(path, 15) for path in traces]
+    except (OSError, ValueError) as e:
+        raise BenchError(f"{name}: profile: {e}") from None
+    for path, summary in zip(traces, summaries):
+        if summary["steps"] != count:
+            raise BenchError(f"{name}: {path} holds {summary['steps']} marked steps, not {count}")
+    print(f"== {name}: profile of steps {first}..{first + count - 1}, ours then PyTorch eager")
+    for summary in summaries:
+        profile_summary.print_summary(summary)
+    profile_summary.print_comparison(*summaries)
+    with open(os.path.join(directory, "summary.json"), "w") as f:
+        json.dump(summaries, f, indent=1)
+
+
 def bench_config(config, args, paths):
     """Runs one configuration on both sides; returns its JSON section."""
     name, device = config["name"], args.device
@@ -559,6 +598,10 @@ def main():
     parser.add_argument("--check", action="store_true",
                         help="only check that both sides train the same small models to the "
                              "same losses, once each; no timing, no JSON")
+    parser.add_argument("--profile", default="", metavar="DIR",
+                        help="instead of timing: one run per side under the profiler, Chrome "
+                             "traces and a comparison of their kernels in DIR "
+                             "(bench/profile_summary.py)")
     parser.add_argument("--keep-workdir", action="store_true",
                         help="keep the shards, tasks and initial weights")
     args = parser.parse_args()
@@ -655,6 +698,11 @@ def main():
             for config in configs:
                 check_config(config, args, paths)
             print("trainer_bench: both sides train the same models")
+            return 0
+        if args.profile:
+            args.profile = os.path.abspath(args.profile)
+            for config in configs:
+                profile_config(config, args, paths)
             return 0
         print(f"trainer_bench: {args.device}, {args.threads} thread(s), {args.runs} runs per "
               f"side; {results['machine']}", flush=True)

@@ -262,4 +262,29 @@ torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up) {
   return SwiGluComposite(gate, up);
 }
 
+std::optional<torch::Tensor> FusedCrossEntropyRows(
+    [[maybe_unused]] torch::Tensor& logits, [[maybe_unused]] const torch::Tensor& targets,
+    [[maybe_unused]] const torch::Tensor& count, [[maybe_unused]] int64_t ignore,
+    [[maybe_unused]] bool write_grad) {
+#if TESSERA_WITH_CUDA
+  if (FusedKernelsEnabled() && OnOneCudaDevice(logits, targets) &&
+      OnOneCudaDevice(logits, count) && KernelDtype(logits.scalar_type()) && logits.dim() == 2 &&
+      logits.is_contiguous() && logits.size(1) > 0 && targets.dim() == 1 &&
+      targets.scalar_type() == at::kLong && targets.size(0) == logits.size(0) &&
+      count.numel() == 1 && count.scalar_type() == at::kFloat) {
+    const c10::cuda::CUDAGuard guard(logits.device());
+    const torch::Tensor targets_c = targets.contiguous(), count_c = count.contiguous();
+    torch::Tensor row_loss = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+    CheckLaunch(kernels::LaunchCrossEntropyRows(
+                    logits.mutable_data_ptr(), targets_c.const_data_ptr<int64_t>(),
+                    count_c.const_data_ptr<float>(), row_loss.mutable_data_ptr<float>(),
+                    logits.size(0), logits.size(1), ignore, write_grad, KernelDtypeOf(logits),
+                    c10::cuda::getCurrentCUDAStream()),
+                "CrossEntropyRows");
+    return row_loss;
+  }
+#endif
+  return std::nullopt;
+}
+
 }  // namespace tessera::trainer

@@ -1,6 +1,6 @@
 // Plain CUDA kernels behind trainer/fused_ops.h: RMSNorm, rotary embedding and SwiGLU, forward and
-// backward. Launchers take raw device pointers, element counts and the stream to run on, and
-// return the launch's cudaError_t (cudaGetLastError right after the launch); they never synchronize
+// backward, and the cross-entropy rows of trainer/linear_cross_entropy.cc. Launchers take raw
+// device pointers, element counts and the stream to run on, and return the launch's cudaError_t (cudaGetLastError right after the launch); they never synchronize
 // and never allocate. No LibTorch here, so that nvcc compiles fused_ops_kernels.cu without the
 // LibTorch headers. Every kernel computes in float32 whatever the storage dtype, and uses 64-bit
 // indices throughout.
@@ -73,5 +73,16 @@ cudaError_t LaunchSwiGluForward(const void* gate, const void* up, void* y, int64
 cudaError_t LaunchSwiGluBackward(const void* grad_y, const void* gate, const void* up,
                                  void* grad_gate, void* grad_up, int64_t n, Dtype dtype,
                                  cudaStream_t stream);
+
+// Cross-entropy over rows of logits [rows, vocab] (dtype, contiguous) with int64 targets [rows]:
+// row_loss[row] (float32) = logsumexp(logits[row]) - logits[row, target] for a counted row
+// (target != ignore), 0 for an ignored one, NaN for a target outside [0, vocab). With write_grad
+// the logits are overwritten in place by the gradient of sum(row_loss) / *count (count: one
+// float32 on the device): (softmax(row) - onehot(target)) / count, 0 on ignored rows. Reads the
+// logits twice and writes them once, where log_softmax in float32 and its backward move about
+// six times as many bytes.
+cudaError_t LaunchCrossEntropyRows(void* logits, const int64_t* targets, const float* count,
+                                  float* row_loss, int64_t rows, int64_t vocab, int64_t ignore,
+                                  bool write_grad, Dtype dtype, cudaStream_t stream);
 
 }  // namespace tessera::trainer::kernels

@@ -343,6 +343,26 @@ TEST_F(FusedOpsGpuTest, SwiGluMatchesComposite) {
   EXPECT_FALSE(fused.grads[1].defined());
   ExpectRunClose(fused, RunOp(kReferenceSwiGlu, {gate, up}, {true, false}, grad, transposed),
                  kRtol32, kAtol32, "swiglu transposed");
+  // Views one element into their storage: contiguous but not 16-byte aligned, so every element
+  // takes the one-element kernel instead of the 16-byte packs (8 bf16, 4 float).
+  auto shifted = [](size_t, const Tensor& t) { return t.narrow(0, 1, t.size(0) - 1); };
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const Tensor g = (Randn({4097}) * 4).to(dtype), u = Randn({4097}).to(dtype),
+                 d = Randn({4096}).to(dtype);
+    const OpRun misaligned = RunOp(kFusedSwiGlu, {g, u}, {true, true}, d, shifted);
+    EXPECT_THAT(misaligned.node, HasSubstr("SwiGluFunction"));
+    const OpRun reference =
+        RunOp(kReferenceSwiGlu, {g.to(torch::kFloat32), u.to(torch::kFloat32)}, {true, true},
+              d.to(torch::kFloat32), shifted);
+    const double rtol = dtype == torch::kFloat32 ? kRtol32 : kRtolLow;
+    const double atol = dtype == torch::kFloat32 ? kAtol32 : kAtolLow;
+    ExpectClose(misaligned.output.to(torch::kFloat32), reference.output, rtol, atol, "output");
+    ExpectClose(misaligned.grads[0].to(torch::kFloat32), reference.grads[0], rtol, atol,
+                "grad gate");
+    ExpectClose(misaligned.grads[1].to(torch::kFloat32), reference.grads[1], rtol, atol,
+                "grad up");
+  }
 }
 
 TEST_F(FusedOpsGpuTest, EmptyInputsGiveEmptyResultsAndZeroWeightGradient) {

@@ -4,9 +4,11 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "planner/model_config.h"
 #include "trainer/data_loader.h"
+#include "trainer/fused_ops.h"
 
 namespace tessera::trainer {
 namespace {
@@ -37,28 +39,40 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     for (int64_t begin = 0; begin < rows; begin += chunk_rows) {
       const int64_t n = std::min(chunk_rows, rows - begin);
       const at::Tensor h_chunk = h_c.narrow(0, begin, n);
-      const at::Tensor keep = counted.narrow(0, begin, n);
-      // Ignored rows pick column 0; their loss and gradient are multiplied by 0.
-      const at::Tensor index = targets.narrow(0, begin, n).clamp_min(0).unsqueeze(1);
-      // The same operations as cross_entropy over log_softmax and its backward, in the same
-      // order, so that a single chunk gives bitwise the losses and gradients the unchunked
-      // reference gives.
-      at::Tensor log_probs =
-          at::log_softmax(at::matmul(h_chunk, w_c.t()).to(at::kFloat), /*dim=*/1);
-      const at::Tensor picked = log_probs.gather(1, index).squeeze(1);
-      const at::Tensor weight_of_row = keep.to(at::kFloat);
-      loss.add_((-picked * weight_of_row).sum());
-      if (!grad_h && !grad_w) continue;
-      // d(loss) / d(logits) through the backward kernels cross_entropy's own gradient takes
-      // (nll: -w at the target with w = counted / count; then log_softmax's), so that a single
-      // chunk's gradients are bitwise the reference's.
-      at::Tensor grad_log_probs = at::zeros_like(log_probs);
-      grad_log_probs.scatter_(1, index, -(weight_of_row / count).unsqueeze(1));
-      at::Tensor grad =
-          at::_log_softmax_backward_data(grad_log_probs, log_probs, /*dim=*/1, at::kFloat);
-      grad_log_probs.reset();
-      log_probs.reset();
-      const at::Tensor grad_c = grad.to(compute);
+      at::Tensor logits = at::matmul(h_chunk, w_c.t());
+      at::Tensor grad_c;
+      if (std::optional<at::Tensor> row_loss =
+              FusedCrossEntropyRows(logits, targets.narrow(0, begin, n), count, kIgnoreTarget,
+                                    /*write_grad=*/grad_h || grad_w)) {
+        // On a GPU, one kernel: the rows' losses, and their gradient written over the logits in
+        // the compute dtype (no float32 logits, log-probabilities or gradient in memory).
+        loss.add_(row_loss->sum());
+        if (!grad_h && !grad_w) continue;
+        grad_c = std::move(logits);
+      } else {
+        const at::Tensor keep = counted.narrow(0, begin, n);
+        // Ignored rows pick column 0; their loss and gradient are multiplied by 0.
+        const at::Tensor index = targets.narrow(0, begin, n).clamp_min(0).unsqueeze(1);
+        // The same operations as cross_entropy over log_softmax and its backward, in the same
+        // order, so that a single chunk gives bitwise the losses and gradients the unchunked
+        // reference gives.
+        at::Tensor log_probs = at::log_softmax(logits.to(at::kFloat), /*dim=*/1);
+        logits.reset();
+        const at::Tensor picked = log_probs.gather(1, index).squeeze(1);
+        const at::Tensor weight_of_row = keep.to(at::kFloat);
+        loss.add_((-picked * weight_of_row).sum());
+        if (!grad_h && !grad_w) continue;
+        // d(loss) / d(logits) through the backward kernels cross_entropy's own gradient takes
+        // (nll: -w at the target with w = counted / count; then log_softmax's), so that a
+        // single chunk's gradients are bitwise the reference's.
+        at::Tensor grad_log_probs = at::zeros_like(log_probs);
+        grad_log_probs.scatter_(1, index, -(weight_of_row / count).unsqueeze(1));
+        at::Tensor grad =
+            at::_log_softmax_backward_data(grad_log_probs, log_probs, /*dim=*/1, at::kFloat);
+        grad_log_probs.reset();
+        log_probs.reset();
+        grad_c = grad.to(compute);
+      }
       if (grad_h) dh.narrow(0, begin, n).copy_(at::matmul(grad_c, w_c));
       // (h^T grad)^T, as the backward of h W^T computes it, rather than grad^T h: the same
       // numbers, summed in the same order.

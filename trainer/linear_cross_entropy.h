@@ -8,6 +8,9 @@
 // gives bitwise the unchunked linear + cross_entropy's numbers). Backward then only scales the
 // saved gradients by the incoming one: no logits are kept or recomputed. Per chunk about 12
 // bytes per logit exist at the peak (logits' log-probabilities, their gradient and its input).
+// On a GPU with fused kernels on (fused_ops.h FusedCrossEntropyRows) one kernel replaces the
+// log-softmax and its backward: it reads the chunk's logits twice and writes their gradient over
+// them, in the compute dtype; its numbers match the composite's to float32 rounding, not bitwise.
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,8 @@
 // LinearCrossEntropy against the reference it replaces (ATen's linear, then cross_entropy over
 // the whole float32 logits): the loss and the gradients of h and of the weight, over several
 // chunks, with ignored targets, all targets ignored, a frozen weight, without grad mode, under
-// CPU bf16 autocast, and on a GPU (bf16 autocast) when there is one.
+// CPU bf16 autocast, and on a GPU (bf16 autocast) when there is one, with the fused
+// cross-entropy kernel and without it.
 #include "trainer/linear_cross_entropy.h"
 
 #include <ATen/autocast_mode.h>
@@ -11,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "trainer/data_loader.h"
 #include "trainer/device.h"
+#include "trainer/fused_ops.h"
 
 namespace tessera::trainer {
 namespace {
@@ -134,6 +136,81 @@ TEST(LinearCrossEntropyTest, CudaBf16MatchesTheReference) {
   ExpectClose(fused, reference, 2e-2);
   // Float32 on the GPU: as tight as on the CPU.
   ExpectClose(Fused(c.h, c.w, c.targets, 700), Reference(c.h, c.w, c.targets), 1e-4);
+}
+
+// The fused kernel by itself (fused_ops.h FusedCrossEntropyRows) against log_softmax and its
+// backward, row by row: an odd vocabulary (no row is 16-byte aligned), ignored rows, float32 and
+// bfloat16 logits, with and without the gradient.
+TEST(LinearCrossEntropyTest, CudaFusedRowsMatchLogSoftmaxAndItsBackward) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(5);
+  const int64_t rows = 300, vocab = 5001;
+  const torch::Tensor base = torch::randn({rows, vocab}).mul_(3).to(gpu);
+  torch::Tensor targets = torch::randint(0, vocab, {rows}, torch::kInt64);
+  targets.index_put_({torch::arange(0, rows, 4)}, kIgnoreTarget);
+  targets = targets.to(gpu);
+  const torch::Tensor counted = targets != kIgnoreTarget;
+  const torch::Tensor count = counted.sum().to(torch::kFloat);
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    // The reference from the same rounded logits, in float32. Every tensor here is a copy:
+    // for float32, to(dtype) would return `base` itself, and the kernel writes in place.
+    const torch::Tensor logits32 =
+        base.to(dtype).to(torch::kFloat32).detach().clone().requires_grad_(true);
+    const torch::Tensor per_row = F::cross_entropy(
+        logits32, targets,
+        F::CrossEntropyFuncOptions().reduction(torch::kNone).ignore_index(kIgnoreTarget));
+    (per_row.sum() / count).backward();
+    const double tolerance = dtype == torch::kFloat32 ? 1e-5 : 1e-2;
+
+    torch::Tensor loss_only = base.to(dtype).clone();
+    const torch::Tensor untouched = loss_only.clone();
+    const std::optional<torch::Tensor> losses =
+        FusedCrossEntropyRows(loss_only, targets, count, kIgnoreTarget, /*write_grad=*/false);
+    ASSERT_TRUE(losses.has_value());
+    EXPECT_TRUE(torch::allclose(*losses, per_row.detach(), 1e-5, 1e-5));
+    EXPECT_TRUE(torch::equal(loss_only, untouched)) << "write_grad false changed the logits";
+
+    torch::Tensor logits = base.to(dtype).clone();
+    const std::optional<torch::Tensor> with_grad =
+        FusedCrossEntropyRows(logits, targets, count, kIgnoreTarget, /*write_grad=*/true);
+    ASSERT_TRUE(with_grad.has_value());
+    EXPECT_TRUE(torch::allclose(*with_grad, per_row.detach(), 1e-5, 1e-5));
+    EXPECT_EQ(logits.scalar_type(), dtype);
+    const torch::Tensor grad = logits.to(torch::kFloat32);
+    EXPECT_TRUE(torch::allclose(grad, logits32.grad(), tolerance, tolerance * 1e-3))
+        << "max difference " << (grad - logits32.grad()).abs().max().item<double>();
+    EXPECT_EQ(grad.index({torch::arange(0, rows, 4)}).abs().max().item<double>(), 0.0)
+        << "an ignored row got a gradient";
+  }
+  // Off, or on the CPU, the caller's composite runs.
+  torch::Tensor cpu_logits = base.cpu();
+  EXPECT_FALSE(FusedCrossEntropyRows(cpu_logits, targets.cpu(), count.cpu(), kIgnoreTarget, true)
+                   .has_value());
+  SetFusedKernelsEnabled(false);
+  torch::Tensor logits = base.clone();
+  EXPECT_FALSE(FusedCrossEntropyRows(logits, targets, count, kIgnoreTarget, true).has_value());
+  SetFusedKernelsEnabled(true);
+}
+
+// LinearCrossEntropy on the GPU with the fused kernel and with the composite (--fused_kernels
+// false): both match the reference; no counted target gives zeros on both.
+TEST(LinearCrossEntropyTest, CudaFusedAndCompositeChunksBothMatchTheReference) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
+  const Case c = RandomCase(2000, 128, 5001, torch::Device(torch::kCUDA, 0));
+  const Result reference = Reference(c.h, c.w, c.targets);
+  for (bool fused : {true, false}) {
+    SCOPED_TRACE(fused ? "fused" : "composite");
+    SetFusedKernelsEnabled(fused);
+    ExpectClose(Fused(c.h, c.w, c.targets, 333), reference, 1e-4);
+    const torch::Tensor none = torch::full_like(c.targets, kIgnoreTarget);
+    const Result zero = Fused(c.h, c.w, none, 333);
+    EXPECT_EQ(zero.loss.item<double>(), 0.0);
+    EXPECT_EQ(zero.dh.abs().max().item<double>(), 0.0);
+    EXPECT_EQ(zero.dw.abs().max().item<double>(), 0.0);
+  }
+  SetFusedKernelsEnabled(true);
 }
 
 }  // namespace

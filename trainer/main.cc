@@ -43,6 +43,12 @@ ABSL_FLAG(int, gpu, -1, "CUDA device ordinal for --check and standalone runs; -1
 ABSL_FLAG(bool, fused_kernels, true,
           "Run RMSNorm, rotary embedding and SwiGLU as fused CUDA kernels on a GPU; false runs "
           "ATen's composite ops (as the CPU always does).");
+ABSL_FLAG(std::string, profile_dir, "",
+          "Record a profile of --profile_steps training steps (operators, and on a GPU every "
+          "kernel and copy) and write it to DIR/trace-rank-R.json as a Chrome trace "
+          "(bench/profile_summary.py summarises it); empty: no profile.");
+ABSL_FLAG(std::string, profile_steps, "3:3",
+          "With --profile_dir: FIRST:COUNT, the 1-based first step recorded and how many.");
 // Standalone training (no --task).
 ABSL_FLAG(std::string, preset, "tiny-gpt2", "Standalone: model preset.");
 ABSL_FLAG(std::vector<std::string>, data, {}, "Standalone: training shard paths or globs.");
@@ -542,6 +548,15 @@ int main(int argc, char** argv) {
     }
     std::cerr << "tessera-trainer: fault injection: the checkpoint of step "
               << train_options.kill_in_checkpoint_at_step << " dies half-written\n";
+  }
+  if (!absl::GetFlag(FLAGS_profile_dir).empty()) {
+    train_options.profile.directory = absl::GetFlag(FLAGS_profile_dir);
+    if (absl::Status status = tessera::trainer::ParseProfileSteps(
+            absl::GetFlag(FLAGS_profile_steps), &train_options.profile);
+        !status.ok()) {
+      std::cerr << "tessera-trainer: --profile_steps: " << status.message() << "\n";
+      return 2;
+    }
   }
   auto result = tessera::trainer::RunTraining(task, *reporter, train_options);
   if (!result.ok()) {

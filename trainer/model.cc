@@ -50,11 +50,19 @@ torch::nn::Linear RowLinear(int64_t in, int64_t out, bool bias, const TensorPara
   return MakeLinear(in / tp.size, out, bias);
 }
 
+// x W^T + b through at::linear, as Python's nn.Linear runs it: for activations of more than two
+// dimensions one matrix product with the bias added in its epilogue, where LibTorch's C++
+// Linear::forward (F::linear) runs the product and then a separate in-place add, one more pass
+// over the output forward and a separate node backward.
+torch::Tensor LinearForward(const torch::nn::Linear& linear, const torch::Tensor& x) {
+  return at::linear(x, linear->weight, linear->bias);
+}
+
 // A row-parallel linear's output: the partial products summed over tp (or reduce-scattered along
 // the sequence), then the bias. Without tp exactly the plain linear.
 torch::Tensor RowParallelForward(torch::nn::Linear& linear, const torch::Tensor& x,
                                  const TensorParallel& tp) {
-  if (!tp.enabled()) return linear->forward(x);
+  if (!tp.enabled()) return LinearForward(linear, x);
   torch::Tensor y = ExitTensorParallel(F::linear(x, linear->weight), tp);
   return linear->bias.defined() ? y + linear->bias : y;
 }
@@ -82,7 +90,7 @@ torch::Tensor AddLoraDelta(torch::Tensor y, const LoraAdapter& lora, const torch
 }
 
 torch::Tensor Project(torch::nn::Linear& linear, const LoraAdapter& lora, const torch::Tensor& x) {
-  return AddLoraDelta(linear->forward(x), lora, x, linear->is_training());
+  return AddLoraDelta(LinearForward(linear, x), lora, x, linear->is_training());
 }
 
 // Which keys each query sees when samples hold several records: bool [batch, 1, seq, seq] from
@@ -178,10 +186,13 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& input, const torch::Te
     q = ApplyRotary(q.transpose(1, 2), cos, sin);
     k = ApplyRotary(k.transpose(1, 2), cos, sin);
   } else {
-    // [batch, seq, 3, heads, head_dim] -> three [batch, heads, seq, head_dim].
-    auto qkv = Project(qkv_, qkv_lora_, x)
-                   .view({batch, seq, 3, heads_, head_dim_})
-                   .permute({2, 0, 3, 1, 4});
+    // [batch, seq, 3, heads, head_dim] -> three [batch, heads, seq, head_dim]. unbind, not
+    // three selects: its backward stacks the three gradients in one pass, where each select's
+    // would write a zero-filled gradient of the whole projection and autograd would add them.
+    const std::vector<torch::Tensor> qkv = Project(qkv_, qkv_lora_, x)
+                                               .view({batch, seq, 3, heads_, head_dim_})
+                                               .permute({2, 0, 3, 1, 4})
+                                               .unbind(0);
     q = qkv[0];
     k = qkv[1];
     v = qkv[2];

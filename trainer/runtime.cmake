@@ -7,7 +7,7 @@ find_path(TESSERA_GLOO_INCLUDE_DIR gloo/algorithm.h REQUIRED)
 
 set(TESSERA_RUNTIME_PLAIN_SOURCES heartbeat.cc reporter.cc worker_lifeline.cc)
 target_sources(tessera_trainer PRIVATE adamw.cc checkpointing.cc distributed.cc mesh.cc sharded_engine.cc
-  pipeline.cc train.cc training_state.cc ${TESSERA_RUNTIME_PLAIN_SOURCES})
+  pipeline.cc step_profiler.cc train.cc training_state.cc ${TESSERA_RUNTIME_PLAIN_SOURCES})
 set_source_files_properties(${TESSERA_RUNTIME_PLAIN_SOURCES} PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
 target_include_directories(tessera_trainer SYSTEM PRIVATE "${TESSERA_GLOO_INCLUDE_DIR}")
 
@@ -16,6 +16,8 @@ if(TESSERA_BUILD_TESTS)
     SOURCES heartbeat_test.cc reporter_test.cc worker_lifeline_test.cc
     LIBS tessera::trainer)
   tessera_add_test(NAME adamw_test SOURCES adamw_test.cc LIBS tessera::trainer)
+  tessera_add_test(NAME step_profiler_test SOURCES step_profiler_test.cc LIBS tessera::trainer)
+  target_precompile_headers(step_profiler_test REUSE_FROM tessera_trainer)
   target_precompile_headers(adamw_test REUSE_FROM tessera_trainer)
   tessera_add_test(NAME planner_memory_test SOURCES planner_memory_test.cc LIBS tessera::trainer)
   target_precompile_headers(planner_memory_test REUSE_FROM tessera_trainer)

@@ -33,6 +33,8 @@
 #include "trainer/pipeline.h"
 #include "trainer/sharded_engine.h"
 #include "trainer/torch_pch.h"
+
+#include <ATen/record_function.h>
 #if TESSERA_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -691,12 +693,19 @@ class Trainer {
     // gradients, 2N fewer per token (the planner's LoRA model).
     const double flops_per_token =
         summary_.flops_per_token() - (lora_.has_value() ? 2.0 * summary_.num_parameters() : 0.0);
+    StepProfiler profiler(options_.profile, rank(), device_.is_cuda());
     while (step_ < max_steps) {
+      profiler.BeforeStep(step_ + 1);
       auto start = std::chrono::steady_clock::now();
       const double waited_before = PeerWaitSeconds();
       double lr = planner::LearningRateAt(spec_.optimizer().schedule(), max_steps, step_ + 1);
       double grad_norm = 0;
-      auto loss = TrainStep(lr, &grad_norm);
+      absl::StatusOr<double> loss;
+      {
+        // Marks the step in a profile (--profile_dir); costs nothing without one.
+        RECORD_USER_SCOPE("train_step");
+        loss = TrainStep(lr, &grad_norm);
+      }
       if (!loss.ok()) {
         *kind = v1::FAILURE_KIND_NAN_LOSS;
         return loss.status();
@@ -736,6 +745,14 @@ class Trainer {
       }
       checkpoint_blocked_seconds_ -= blocked_before;
       bool last = step_ == max_steps;
+      // Before evaluation and checkpoints, so that the trace holds training steps only.
+      if (absl::Status status = profiler.AfterStep(step_, last); !status.ok()) {
+        Log(absl::StrCat("profile not written: ", status.message()));
+      } else if (!profiler.written().empty() && !profile_reported_) {
+        profile_reported_ = true;
+        Log(absl::StrCat("profile of steps ", options_.profile.first_step, " to ", step_,
+                         " written to ", profiler.written()));
+      }
       const int64_t eval_interval = spec_.data().eval_interval_steps();
       if (validation_.has_value() && (last || step_ % eval_interval == 0)) Evaluate();
       if (!task_.checkpoint_directory().empty() &&
@@ -821,6 +838,7 @@ class Trainer {
   // Background checkpoint writes (after engine_: destroyed first, waiting for its save).
   std::optional<AsyncCheckpointer> checkpointer_;
   double checkpoint_blocked_seconds_ = 0;
+  bool profile_reported_ = false;  // the profile's path was logged
   // Pipeline parallelism only.
   std::optional<PipelineSchedule> pipeline_;
   int64_t step_ = 0;

@@ -13,6 +13,7 @@
 #include "tessera/v1/trainer.pb.h"
 #include "trainer/heartbeat.h"
 #include "trainer/reporter.h"
+#include "trainer/step_profiler.h"
 
 namespace tessera::trainer {
 
@@ -30,6 +31,8 @@ struct TrainOptions {
   // Fault injection (common/trainer_env.h kFaultKillInCheckpointAtStepEnv): the save of this
   // step dies half-written. 0: off.
   int64_t kill_in_checkpoint_at_step = 0;
+  // --profile_dir / --profile_steps: a Chrome trace of these steps (step_profiler.h).
+  StepProfileOptions profile = {};
 };
 
 struct TrainResult {
