@@ -262,15 +262,28 @@ torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up) {
   return SwiGluComposite(gate, up);
 }
 
-std::optional<torch::Tensor> FusedCrossEntropyRows(
-    [[maybe_unused]] torch::Tensor& logits, [[maybe_unused]] const torch::Tensor& targets,
-    [[maybe_unused]] const torch::Tensor& count, [[maybe_unused]] int64_t ignore,
-    [[maybe_unused]] bool write_grad) {
+bool FusedCrossEntropyApplies([[maybe_unused]] const torch::Tensor& h,
+                              [[maybe_unused]] at::ScalarType compute,
+                              [[maybe_unused]] const torch::Tensor& targets) {
 #if TESSERA_WITH_CUDA
-  if (FusedKernelsEnabled() && OnOneCudaDevice(logits, targets) &&
-      OnOneCudaDevice(logits, count) && KernelDtype(logits.scalar_type()) && logits.dim() == 2 &&
-      logits.is_contiguous() && logits.size(1) > 0 && targets.dim() == 1 &&
-      targets.scalar_type() == at::kLong && targets.size(0) == logits.size(0) &&
+  return FusedKernelsEnabled() && OnOneCudaDevice(h, targets) && KernelDtype(compute).has_value() &&
+         targets.scalar_type() == at::kLong;
+#else
+  return false;
+#endif
+}
+
+std::optional<torch::Tensor> FusedCrossEntropyRows([[maybe_unused]] torch::Tensor& logits,
+                                                   [[maybe_unused]] const torch::Tensor& targets,
+                                                   [[maybe_unused]] const torch::Tensor& count,
+                                                   [[maybe_unused]] int64_t ignore,
+                                                   [[maybe_unused]] bool write_grad,
+                                                   [[maybe_unused]] int64_t vocab) {
+#if TESSERA_WITH_CUDA
+  if (vocab <= 0) vocab = logits.dim() == 2 ? logits.size(1) : 0;
+  if (FusedCrossEntropyApplies(logits, logits.scalar_type(), targets) &&
+      OnOneCudaDevice(logits, count) && logits.dim() == 2 && logits.is_contiguous() && vocab > 0 &&
+      vocab <= logits.size(1) && targets.dim() == 1 && targets.size(0) == logits.size(0) &&
       count.numel() == 1 && count.scalar_type() == at::kFloat) {
     const c10::cuda::CUDAGuard guard(logits.device());
     const torch::Tensor targets_c = targets.contiguous(), count_c = count.contiguous();
@@ -278,8 +291,8 @@ std::optional<torch::Tensor> FusedCrossEntropyRows(
     CheckLaunch(kernels::LaunchCrossEntropyRows(
                     logits.mutable_data_ptr(), targets_c.const_data_ptr<int64_t>(),
                     count_c.const_data_ptr<float>(), row_loss.mutable_data_ptr<float>(),
-                    logits.size(0), logits.size(1), ignore, write_grad, KernelDtypeOf(logits),
-                    c10::cuda::getCurrentCUDAStream()),
+                    logits.size(0), vocab, logits.size(1), ignore, write_grad,
+                    KernelDtypeOf(logits), c10::cuda::getCurrentCUDAStream()),
                 "CrossEntropyRows");
     return row_loss;
   }

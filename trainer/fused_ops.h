@@ -37,17 +37,24 @@ torch::Tensor FusedRotary(const torch::Tensor& x, const torch::Tensor& cos,
 // SwiGLU's activation: silu(gate) * up, elementwise over tensors of one shape.
 torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up);
 
+// Whether FusedCrossEntropyRows runs for LinearCrossEntropy's rows h (and so logits) in the
+// `compute` dtype with these targets: fused kernels on, a CUDA build, h and targets on one CUDA
+// device, compute float32 / bfloat16 / float16, int64 targets.
+bool FusedCrossEntropyApplies(const torch::Tensor& h, at::ScalarType compute,
+                              const torch::Tensor& targets);
+
 // One chunk of LinearCrossEntropy (linear_cross_entropy.h) in one kernel, no autograd: for
-// logits [rows, vocab] (contiguous CUDA, float32 / bfloat16 / float16) and int64 targets [rows]
-// (ignore: the target of a row that does not count), returns each row's loss (float32 [rows]:
-// logsumexp - the target's logit; 0 for an ignored row) and, with write_grad, overwrites the
-// logits with the gradient of sum(losses) / count ((softmax - onehot) / count; 0 on ignored
-// rows), count being a float32 scalar on the device. Returns std::nullopt, touching nothing,
-// where it does not apply (fused kernels off, no CUDA build, a CPU tensor, another dtype): the
-// caller then runs log_softmax and its backward.
+// logits [rows, width] (contiguous CUDA, float32 / bfloat16 / float16) of which the first
+// `vocab` columns count (0: all; the others pad the rows) and int64 targets [rows] (ignore: the
+// target of a row that does not count), returns each row's loss (float32 [rows]: logsumexp -
+// the target's logit; 0 for an ignored row) and, with write_grad, overwrites the logits with the
+// gradient of sum(losses) / count ((softmax - onehot) / count; 0 on ignored rows and in the
+// padding), count being a float32 scalar on the device. Returns std::nullopt, touching nothing,
+// where it does not apply (FusedCrossEntropyApplies false, or another shape): the caller then
+// runs log_softmax and its backward.
 std::optional<torch::Tensor> FusedCrossEntropyRows(torch::Tensor& logits,
                                                    const torch::Tensor& targets,
                                                    const torch::Tensor& count, int64_t ignore,
-                                                   bool write_grad);
+                                                   bool write_grad, int64_t vocab = 0);
 
 }  // namespace tessera::trainer

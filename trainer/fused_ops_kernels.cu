@@ -312,22 +312,24 @@ __device__ __forceinline__ void CombineMaxSum(float m2, float s2, float& m, floa
 
 constexpr int kCrossEntropyThreads = 512;
 
-// One block per row (grid-stride over rows) of logits [rows, vocab]: the row's log-sum-exp in one
-// pass (online softmax), then row_loss = lse - logits[target] for a counted row (target !=
-// ignore, 0 otherwise; NaN for a target outside [0, vocab)), and, with write_grad, the gradient
-// of sum(row_loss) / count with respect to the logits written over them in place:
-// (softmax - onehot(target)) / count for a counted row, 0 for an ignored one. All float32.
+// One block per row (grid-stride over rows) of logits [rows, stride] whose first `vocab` columns
+// count (the rest pad the rows to an aligned length for the matrix products): the row's
+// log-sum-exp in one pass (online softmax), then row_loss = lse - logits[target] for a counted
+// row (target != ignore, 0 otherwise; NaN for a target outside [0, vocab)), and, with
+// write_grad, the gradient of sum(row_loss) / count with respect to the logits written over them
+// in place: (softmax - onehot(target)) / count for a counted row, 0 for an ignored one and in
+// the padding columns. All float32.
 template <typename T>
 __global__ void CrossEntropyRowsKernel(T* __restrict__ logits, const int64_t* __restrict__ targets,
                                        const float* __restrict__ count,
                                        float* __restrict__ row_loss, int64_t rows, int64_t vocab,
-                                       int64_t ignore, bool write_grad) {
+                                       int64_t stride, int64_t ignore, bool write_grad) {
   __shared__ float warp_m[kCrossEntropyThreads / kWarpSize];
   __shared__ float warp_s[kCrossEntropyThreads / kWarpSize];
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int warps = static_cast<int>(blockDim.x) / kWarpSize;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    T* x = logits + row * vocab;
+    T* x = logits + row * stride;
     float m = -INFINITY, s = 0.0f;
     for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) AddToMaxSum(ToFloat(x[j]), m, s);
     for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
@@ -354,9 +356,10 @@ __global__ void CrossEntropyRowsKernel(T* __restrict__ logits, const int64_t* __
     __syncthreads();
     if (write_grad) {
       const float scale = counted ? 1.0f / count[0] : 0.0f;
-      for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-        const float p = expf(ToFloat(x[j]) - lse);
-        x[j] = FromFloat<T>(scale * p - (j == target ? scale : 0.0f));
+      for (int64_t j = threadIdx.x; j < stride; j += blockDim.x) {
+        float g = 0.0f;
+        if (j < vocab) g = scale * expf(ToFloat(x[j]) - lse) - (j == target ? scale : 0.0f);
+        x[j] = FromFloat<T>(g);
       }
     }
     __syncthreads();  // warp_m / warp_s are reused by the next row
@@ -497,14 +500,15 @@ cudaError_t LaunchSwiGluBackward(const void* grad_y, const void* gate, const voi
 }
 
 cudaError_t LaunchCrossEntropyRows(void* logits, const int64_t* targets, const float* count,
-                                  float* row_loss, int64_t rows, int64_t vocab, int64_t ignore,
-                                  bool write_grad, Dtype dtype, cudaStream_t stream) {
+                                   float* row_loss, int64_t rows, int64_t vocab, int64_t stride,
+                                   int64_t ignore, bool write_grad, Dtype dtype,
+                                   cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (vocab <= 0) return cudaErrorInvalidValue;
+  if (vocab <= 0 || stride < vocab) return cudaErrorInvalidValue;
   return DispatchDtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     CrossEntropyRowsKernel<T><<<RowBlocks(rows), kCrossEntropyThreads, 0, stream>>>(
-        static_cast<T*>(logits), targets, count, row_loss, rows, vocab, ignore, write_grad);
+        static_cast<T*>(logits), targets, count, row_loss, rows, vocab, stride, ignore, write_grad);
     return cudaGetLastError();
   });
 }

@@ -74,15 +74,17 @@ cudaError_t LaunchSwiGluBackward(const void* grad_y, const void* gate, const voi
                                  void* grad_gate, void* grad_up, int64_t n, Dtype dtype,
                                  cudaStream_t stream);
 
-// Cross-entropy over rows of logits [rows, vocab] (dtype, contiguous) with int64 targets [rows]:
-// row_loss[row] (float32) = logsumexp(logits[row]) - logits[row, target] for a counted row
-// (target != ignore), 0 for an ignored one, NaN for a target outside [0, vocab). With write_grad
-// the logits are overwritten in place by the gradient of sum(row_loss) / *count (count: one
-// float32 on the device): (softmax(row) - onehot(target)) / count, 0 on ignored rows. Reads the
-// logits twice and writes them once, where log_softmax in float32 and its backward move about
-// six times as many bytes.
+// Cross-entropy over rows of logits [rows, stride] (dtype, contiguous) of which the first `vocab`
+// columns count (stride >= vocab; the rest pad each row), with int64 targets [rows]:
+// row_loss[row] (float32) = logsumexp(logits[row, :vocab]) - logits[row, target] for a counted
+// row (target != ignore), 0 for an ignored one, NaN for a target outside [0, vocab). With
+// write_grad the logits are overwritten in place by the gradient of sum(row_loss) / *count
+// (count: one float32 on the device): (softmax(row) - onehot(target)) / count, 0 on ignored rows
+// and in the padding. Reads the logits twice and writes them once, where log_softmax in float32
+// and its backward move about six times as many bytes.
 cudaError_t LaunchCrossEntropyRows(void* logits, const int64_t* targets, const float* count,
-                                  float* row_loss, int64_t rows, int64_t vocab, int64_t ignore,
-                                  bool write_grad, Dtype dtype, cudaStream_t stream);
+                                   float* row_loss, int64_t rows, int64_t vocab, int64_t stride,
+                                   int64_t ignore, bool write_grad, Dtype dtype,
+                                   cudaStream_t stream);
 
 }  // namespace tessera::trainer::kernels

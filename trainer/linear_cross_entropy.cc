@@ -13,6 +13,9 @@
 namespace tessera::trainer {
 namespace {
 
+// Rows of the weight as the fused path multiplies it (a multiple of this many).
+constexpr int64_t kVocabAlignment = 64;
+
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -27,25 +30,37 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
                                        ? at::autocast::get_autocast_dtype(device)
                                        : h.scalar_type();
     const at::Tensor h_c = h.to(compute);
-    const at::Tensor w_c = weight.to(compute);
     const int64_t rows = h.size(0);
+    const int64_t vocab = weight.size(0);
+    const bool fused = FusedCrossEntropyApplies(h, compute, targets);
+    // On the fused path the weight's rows are padded with zeros to a multiple of 64, so that
+    // the logits' rows are 16-byte aligned: at an odd vocabulary (GPT-2's 50,257) cuBLAS
+    // otherwise falls back to slow unaligned kernels for all three products. The kernel skips
+    // the padding columns and writes 0 into their gradient.
+    const int64_t padded =
+        fused ? (vocab + kVocabAlignment - 1) / kVocabAlignment * kVocabAlignment : vocab;
+    at::Tensor w_c = weight.to(compute);
+    if (padded != vocab) w_c = at::constant_pad_nd(w_c, {0, 0, 0, padded - vocab});
     const at::Tensor counted = targets != kIgnoreTarget;
     // 1 when no target counts: loss 0 and zero gradients rather than 0 / 0.
     const at::Tensor count = counted.sum().clamp_min(1).to(at::kFloat);
     at::Tensor loss = at::zeros({}, h.options().dtype(at::kFloat));
     at::Tensor dh = grad_h ? at::empty_like(h) : at::Tensor();
-    at::Tensor dw = grad_w ? at::zeros(weight.sizes(), weight.options().dtype(at::kFloat))
+    at::Tensor dw = grad_w ? at::zeros({padded, weight.size(1)}, weight.options().dtype(at::kFloat))
                            : at::Tensor();
     for (int64_t begin = 0; begin < rows; begin += chunk_rows) {
       const int64_t n = std::min(chunk_rows, rows - begin);
       const at::Tensor h_chunk = h_c.narrow(0, begin, n);
       at::Tensor logits = at::matmul(h_chunk, w_c.t());
       at::Tensor grad_c;
-      if (std::optional<at::Tensor> row_loss =
-              FusedCrossEntropyRows(logits, targets.narrow(0, begin, n), count, kIgnoreTarget,
-                                    /*write_grad=*/grad_h || grad_w)) {
+      if (fused) {
         // On a GPU, one kernel: the rows' losses, and their gradient written over the logits in
         // the compute dtype (no float32 logits, log-probabilities or gradient in memory).
+        std::optional<at::Tensor> row_loss =
+            FusedCrossEntropyRows(logits, targets.narrow(0, begin, n), count, kIgnoreTarget,
+                                  /*write_grad=*/grad_h || grad_w, vocab);
+        TORCH_CHECK(row_loss.has_value(), "LinearCrossEntropy: the fused kernel did not take ",
+                    logits.sizes(), " ", logits.scalar_type(), " logits");
         loss.add_(row_loss->sum());
         if (!grad_h && !grad_w) continue;
         grad_c = std::move(logits);
@@ -74,10 +89,16 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
         grad_c = grad.to(compute);
       }
       if (grad_h) dh.narrow(0, begin, n).copy_(at::matmul(grad_c, w_c));
-      // (h^T grad)^T, as the backward of h W^T computes it, rather than grad^T h: the same
-      // numbers, summed in the same order.
-      if (grad_w) dw.add_(at::matmul(h_chunk.t(), grad_c).t());
+      if (grad_w) {
+        // Fused: grad^T h, which lands in dW's own [vocab, hidden] layout, so that the
+        // accumulation is a contiguous add. Composite: (h^T grad)^T, as the backward of h W^T
+        // computes it: the same numbers, summed in the same order as the reference.
+        dw.add_(fused ? at::matmul(grad_c.t(), h_chunk) : at::matmul(h_chunk.t(), grad_c).t());
+      }
     }
+    // The padding rows' gradient (zero) is cut off; the first `vocab` rows of a row-major
+    // tensor are contiguous.
+    if (dw.defined() && padded != vocab) dw = dw.narrow(0, 0, vocab);
     ctx->save_for_backward({dh, dw});
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     return loss.div_(count);

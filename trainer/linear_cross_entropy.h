@@ -11,6 +11,9 @@
 // On a GPU with fused kernels on (fused_ops.h FusedCrossEntropyRows) one kernel replaces the
 // log-softmax and its backward: it reads the chunk's logits twice and writes their gradient over
 // them, in the compute dtype; its numbers match the composite's to float32 rounding, not bitwise.
+// There the weight is multiplied padded with zero rows to a multiple of 64, so that the products
+// run aligned whatever the vocabulary (GPT-2's 50,257 is odd), and dW is accumulated as
+// grad^T h, in its own layout.
 #pragma once
 
 #include <cstdint>

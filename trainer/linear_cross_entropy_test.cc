@@ -183,6 +183,18 @@ TEST(LinearCrossEntropyTest, CudaFusedRowsMatchLogSoftmaxAndItsBackward) {
         << "max difference " << (grad - logits32.grad()).abs().max().item<double>();
     EXPECT_EQ(grad.index({torch::arange(0, rows, 4)}).abs().max().item<double>(), 0.0)
         << "an ignored row got a gradient";
+
+    // Rows padded to 5,056 columns (as LinearCrossEntropy pads them), the padding holding
+    // values that would dominate the softmax if it were read: the same losses and gradient,
+    // and a zero gradient in the padding.
+    torch::Tensor padded =
+        torch::cat({base.to(dtype), torch::full({rows, 55}, 1e4, base.options()).to(dtype)}, 1);
+    const std::optional<torch::Tensor> padded_losses = FusedCrossEntropyRows(
+        padded, targets, count, kIgnoreTarget, /*write_grad=*/true, /*vocab=*/vocab);
+    ASSERT_TRUE(padded_losses.has_value());
+    EXPECT_TRUE(torch::allclose(*padded_losses, *with_grad, 1e-6, 1e-6));
+    EXPECT_TRUE(torch::equal(padded.narrow(1, 0, vocab), logits));
+    EXPECT_EQ(padded.narrow(1, vocab, 55).abs().max().item<double>(), 0.0);
   }
   // Off, or on the CPU, the caller's composite runs.
   torch::Tensor cpu_logits = base.cpu();
