@@ -208,14 +208,26 @@ __global__ void RotaryKernel(const T* __restrict__ in, const float* __restrict__
 
 __device__ __forceinline__ float Sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
+// One element of SwiGLU, forward: silu(g) * u.
+__device__ __forceinline__ float SwiGluValue(float g, float u) {
+  const float silu = g / (1.0f + expf(-g));
+  return __fmul_rn(silu, u);
+}
+
+// One element of SwiGLU, backward: d silu(g) / dg = s (1 + g (1 - s)) with s = sigmoid(g), as
+// ATen's silu_backward.
+__device__ __forceinline__ void SwiGluGrads(float dy, float g, float u, float& dg, float& du) {
+  const float s = Sigmoid(g);
+  dg = dy * u * (s * (1.0f + g * (1.0f - s)));
+  du = dy * (g * s);
+}
+
 template <typename T>
 __global__ void SwiGluForwardKernel(const T* __restrict__ gate, const T* __restrict__ up,
                                     T* __restrict__ y, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float g = ToFloat(gate[i]);
-    const float silu = g / (1.0f + expf(-g));
-    y[i] = FromFloat<T>(__fmul_rn(silu, ToFloat(up[i])));
+    y[i] = FromFloat<T>(SwiGluValue(ToFloat(gate[i]), ToFloat(up[i])));
   }
 }
 
@@ -225,12 +237,10 @@ __global__ void SwiGluBackwardKernel(const T* __restrict__ grad_y, const T* __re
                                      T* __restrict__ grad_up, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float dy = ToFloat(grad_y[i]);
-    const float g = ToFloat(gate[i]);
-    const float s = Sigmoid(g);
-    // d silu(g) / dg = s (1 + g (1 - s)), as ATen's silu_backward.
-    grad_gate[i] = FromFloat<T>(dy * ToFloat(up[i]) * (s * (1.0f + g * (1.0f - s))));
-    grad_up[i] = FromFloat<T>(dy * (g * s));
+    float dg, du;
+    SwiGluGrads(ToFloat(grad_y[i]), ToFloat(gate[i]), ToFloat(up[i]), dg, du);
+    grad_gate[i] = FromFloat<T>(dg);
+    grad_up[i] = FromFloat<T>(du);
   }
 }
 
@@ -257,9 +267,7 @@ __global__ void SwiGluForwardVecKernel(const T* __restrict__ gate, const T* __re
     P out;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float gf = ToFloat(g.v[j]);
-      const float silu = gf / (1.0f + expf(-gf));
-      out.v[j] = FromFloat<T>(__fmul_rn(silu, ToFloat(u.v[j])));
+      out.v[j] = FromFloat<T>(SwiGluValue(ToFloat(g.v[j]), ToFloat(u.v[j])));
     }
     reinterpret_cast<P*>(y)[i] = out;
   }
@@ -278,11 +286,10 @@ __global__ void SwiGluBackwardVecKernel(const T* __restrict__ grad_y, const T* _
     P dg, du;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float dyf = ToFloat(dy.v[j]);
-      const float gf = ToFloat(g.v[j]);
-      const float sg = Sigmoid(gf);
-      dg.v[j] = FromFloat<T>(dyf * ToFloat(u.v[j]) * (sg * (1.0f + gf * (1.0f - sg))));
-      du.v[j] = FromFloat<T>(dyf * (gf * sg));
+      float dgf, duf;
+      SwiGluGrads(ToFloat(dy.v[j]), ToFloat(g.v[j]), ToFloat(u.v[j]), dgf, duf);
+      dg.v[j] = FromFloat<T>(dgf);
+      du.v[j] = FromFloat<T>(duf);
     }
     reinterpret_cast<P*>(grad_gate)[i] = dg;
     reinterpret_cast<P*>(grad_up)[i] = du;
