@@ -33,7 +33,7 @@ KINDS = (
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|sm\d+_.*_tn|matmul", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
-    ("softmax / cross-entropy", re.compile(r"softmax|nll|cross_entropy|log_softmax", re.I)),
+    ("softmax / cross-entropy", re.compile(r"softmax|nll|cross_?entropy", re.I)),
     ("normalisation", re.compile(r"layer_norm|layernorm|rms_?norm|RmsNorm|batch_norm", re.I)),
     ("reduction", re.compile(r"reduce|norm_kernel|sum_kernel", re.I)),
     ("elementwise", re.compile(r"elementwise|vectorized|unrolled|SwiGlu|Rotary|fill|copy|"

@@ -20,8 +20,10 @@ CUDA build; each is timed and recorded):
                  worker exports on /metrics while the job runs.
   bench          `bench/trainer_bench.py --device=cuda` (what `make bench-gpu` runs) on the same
                  two models: ours vs PyTorch eager and torch.compile, same weights and data;
-                 then bench/fused_ops_bench: the fused RMSNorm / rotary / SwiGLU kernels against
-                 ATen's composite, forward + backward, per op at two layer shapes.
+                 then bench/fused_ops_bench: the fused RMSNorm / rotary / SwiGLU / cross-entropy
+                 kernels against ATen's composite, forward + backward, per op at two layer
+                 shapes; then one profiled run per side of gpt2-124m (trainer_bench.py
+                 --profile): kernel time per step by kind and the GPU's busy share.
 Results: OUT/gpu-check.json (every figure, with commit, machine and date) and
 OUT/gpu-check-summary.md, also printed. Exit 0 when every stage passed, 1 when one failed, 2 when
 there is no GPU (or no CUDA build) to check.
@@ -84,7 +86,9 @@ SMOKE_RUNS = (
 BENCH_CONFIGS = "gpt2-124m,qwen3-0.6b"
 # Stage time limits (seconds); a stage past its limit fails and the next one runs.
 TIMEOUTS = {"gpu-tests": 240, "trainer-check": 120, "cluster-run": 300, "bench": 480,
-            "fused-ops-bench": 120}
+            "fused-ops-bench": 120, "profile": 180}
+# The model whose step is profiled on both sides in the bench stage (kernel time by kind).
+PROFILE_CONFIG = "gpt2-124m"
 # NVML series the worker must export while a GPU job runs (DCGM exporter names).
 NVML_SERIES = ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_POWER_USAGE",
                "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_SM_CLOCK")
@@ -439,6 +443,14 @@ def stage_bench(ctx):
         [os.path.join(ctx["build_dir"], "bench", "fused_ops_bench"),
          f"--rounds={3 if ctx['quick'] else 5}"],
         env, results_dir, "fused-ops.json")
+    # One profiled run per side of PROFILE_CONFIG: where the step's GPU time goes, ours next to
+    # eager's, for the next change to start from (the traces stay in the work directory).
+    profile_dir = os.path.join(ctx["workdir"], "profile")
+    bench["profile"] = run_bench_program(
+        ctx, "profile",
+        [ctx["python"], os.path.join(REPO_ROOT, "bench", "trainer_bench.py"), "--device=cuda",
+         f"--configs={PROFILE_CONFIG}", f"--profile={profile_dir}"],
+        env, os.path.join(profile_dir, PROFILE_CONFIG), "summary.json")
     return bench
 
 
@@ -489,6 +501,19 @@ def summary_lines(report):
         if "compile" in c:
             line += (f", {c['compile']['ratio_tokens_per_second']:.3f}x torch.compile")
         lines += ["", line]
+    profile = bench.get("profile") or []
+    if len(profile) == 2 and all("kernel_ms_per_step_by_kind" in p for p in profile):
+        ours, eager = profile
+        kinds = list(dict.fromkeys(list(ours["kernel_ms_per_step_by_kind"]) +
+                                   list(eager["kernel_ms_per_step_by_kind"])))
+        lines += ["", f"| profile {PROFILE_CONFIG}, kernel ms per step | ours | PyTorch eager |",
+                  "|---|---|---|"]
+        for k in kinds:
+            lines.append(f"| {k} | {ours['kernel_ms_per_step_by_kind'].get(k, 0.0):.2f} | "
+                         f"{eager['kernel_ms_per_step_by_kind'].get(k, 0.0):.2f} |")
+        lines.append(f"| total (GPU busy share) | {ours['kernel_ms_per_step']:.2f} "
+                     f"({ours['gpu_busy_share']:.0%}) | {eager['kernel_ms_per_step']:.2f} "
+                     f"({eager['gpu_busy_share']:.0%}) |")
     fused = bench.get("fused_ops", {}).get("results", [])
     if fused:
         lines += ["", "| fused kernel (forward + backward, bf16) | fused | ATen composite | "
