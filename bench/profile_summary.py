@@ -81,7 +81,9 @@ def top_level_ops(events):
 def summarize(path, top_n):
     with open(path) as f:
         trace = json.load(f)
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    if not isinstance(trace, dict) or "traceEvents" not in trace:
+        raise ValueError(f"{path}: not a Chrome trace (no traceEvents)")
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     steps = sorted((e for e in events if e.get("name") == STEP and
                     e.get("cat") in ("user_annotation", "cpu_op")), key=lambda e: e["ts"])
     if not steps:
@@ -172,19 +174,26 @@ def print_summary(s):
             print(f"    {k['ms_per_step']:8.3f}  x{k['per_step']:<6.1f} {short(k['name'])}")
 
 
+def kernel_rows(a, b):
+    """[(kind, a's ms per step, b's)] over both GPU summaries' kinds, then ("total", ...); empty
+    unless both are GPU traces."""
+    if not ("kernel_ms_per_step_by_kind" in a and "kernel_ms_per_step_by_kind" in b):
+        return []
+    kinds = dict.fromkeys(list(a["kernel_ms_per_step_by_kind"]) +
+                          list(b["kernel_ms_per_step_by_kind"]))
+    rows = [(k, a["kernel_ms_per_step_by_kind"].get(k, 0.0),
+             b["kernel_ms_per_step_by_kind"].get(k, 0.0)) for k in kinds]
+    return rows + [("total", a["kernel_ms_per_step"], b["kernel_ms_per_step"])]
+
+
 def print_comparison(a, b):
     """Kernel time per step by kind, side by side (GPU traces only)."""
-    if not ("kernel_ms_per_step_by_kind" in a and "kernel_ms_per_step_by_kind" in b):
+    rows = kernel_rows(a, b)
+    if not rows:
         return
-    kinds = list(dict.fromkeys(list(a["kernel_ms_per_step_by_kind"]) +
-                               list(b["kernel_ms_per_step_by_kind"])))
     print(f"== kernel ms per step: {os.path.basename(a['trace'])} vs "
           f"{os.path.basename(b['trace'])}")
-    for k in kinds + ["total"]:
-        x = (a["kernel_ms_per_step"] if k == "total" else
-             a["kernel_ms_per_step_by_kind"].get(k, 0.0))
-        y = (b["kernel_ms_per_step"] if k == "total" else
-             b["kernel_ms_per_step_by_kind"].get(k, 0.0))
+    for k, x, y in rows:
         print(f"  {k:24s} {x:8.2f} {y:8.2f}  ({x - y:+.2f})")
     print(f"  {'GPU busy share':24s} {a['gpu_busy_share']:8.1%} {b['gpu_busy_share']:8.1%}")
 

@@ -51,6 +51,7 @@ import urllib.request
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
+import profile_summary  # noqa: E402
 from bench_common import (CORPUS, BenchError, Cluster, git_commit, machine_line,  # noqa: E402
                           tail, utc_now)
 
@@ -502,18 +503,13 @@ def summary_lines(report):
             line += (f", {c['compile']['ratio_tokens_per_second']:.3f}x torch.compile")
         lines += ["", line]
     profile = bench.get("profile") or []
-    if len(profile) == 2 and all("kernel_ms_per_step_by_kind" in p for p in profile):
-        ours, eager = profile
-        kinds = list(dict.fromkeys(list(ours["kernel_ms_per_step_by_kind"]) +
-                                   list(eager["kernel_ms_per_step_by_kind"])))
+    rows = profile_summary.kernel_rows(*profile) if len(profile) == 2 else []
+    if rows:
         lines += ["", f"| profile {PROFILE_CONFIG}, kernel ms per step | ours | PyTorch eager |",
                   "|---|---|---|"]
-        for k in kinds:
-            lines.append(f"| {k} | {ours['kernel_ms_per_step_by_kind'].get(k, 0.0):.2f} | "
-                         f"{eager['kernel_ms_per_step_by_kind'].get(k, 0.0):.2f} |")
-        lines.append(f"| total (GPU busy share) | {ours['kernel_ms_per_step']:.2f} "
-                     f"({ours['gpu_busy_share']:.0%}) | {eager['kernel_ms_per_step']:.2f} "
-                     f"({eager['gpu_busy_share']:.0%}) |")
+        lines += [f"| {k} | {x:.2f} | {y:.2f} |" for k, x, y in rows]
+        lines.append(f"| GPU busy share | {profile[0]['gpu_busy_share']:.0%} | "
+                     f"{profile[1]['gpu_busy_share']:.0%} |")
     fused = bench.get("fused_ops", {}).get("results", [])
     if fused:
         lines += ["", "| fused kernel (forward + backward, bf16) | fused | ATen composite | "

@@ -59,10 +59,11 @@ void StepProfiler::BeforeStep(int64_t step) {
   recording_ = true;
 }
 
-absl::Status StepProfiler::AfterStep(int64_t step, bool training_ends) {
-  if (!recording_) return absl::OkStatus();
-  if (step < options_.first_step + options_.steps - 1 && !training_ends) return absl::OkStatus();
-  return Stop();
+absl::StatusOr<std::string> StepProfiler::AfterStep(int64_t step, bool training_ends) {
+  if (!recording_) return std::string();
+  if (step < options_.first_step + options_.steps - 1 && !training_ends) return std::string();
+  if (absl::Status status = Stop(); !status.ok()) return status;
+  return written_;
 }
 
 absl::Status StepProfiler::Stop() {

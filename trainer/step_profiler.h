@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace tessera::trainer {
 
@@ -33,8 +34,9 @@ class StepProfiler {
   void BeforeStep(int64_t step);
   // After step `step` finished: at the last profiled step, waits for the device, stops and
   // writes DIRECTORY/trace-rank-R.json. Also called when training ends early (a shorter run
-  // than the range writes what it recorded).
-  absl::Status AfterStep(int64_t step, bool training_ends);
+  // than the range writes what it recorded). Returns the trace's path when this call wrote it,
+  // else an empty string.
+  absl::StatusOr<std::string> AfterStep(int64_t step, bool training_ends);
 
   // The trace's path once written; empty before.
   const std::string& written() const { return written_; }

@@ -746,12 +746,11 @@ class Trainer {
       checkpoint_blocked_seconds_ -= blocked_before;
       bool last = step_ == max_steps;
       // Before evaluation and checkpoints, so that the trace holds training steps only.
-      if (absl::Status status = profiler.AfterStep(step_, last); !status.ok()) {
-        Log(absl::StrCat("profile not written: ", status.message()));
-      } else if (!profiler.written().empty() && !profile_reported_) {
-        profile_reported_ = true;
+      if (absl::StatusOr<std::string> trace = profiler.AfterStep(step_, last); !trace.ok()) {
+        Log(absl::StrCat("profile not written: ", trace.status().message()));
+      } else if (!trace->empty()) {
         Log(absl::StrCat("profile of steps ", options_.profile.first_step, " to ", step_,
-                         " written to ", profiler.written()));
+                         " written to ", *trace));
       }
       const int64_t eval_interval = spec_.data().eval_interval_steps();
       if (validation_.has_value() && (last || step_ % eval_interval == 0)) Evaluate();
@@ -838,7 +837,6 @@ class Trainer {
   // Background checkpoint writes (after engine_: destroyed first, waiting for its save).
   std::optional<AsyncCheckpointer> checkpointer_;
   double checkpoint_blocked_seconds_ = 0;
-  bool profile_reported_ = false;  // the profile's path was logged
   // Pipeline parallelism only.
   std::optional<PipelineSchedule> pipeline_;
   int64_t step_ = 0;
