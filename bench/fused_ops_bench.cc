@@ -1,14 +1,17 @@
 // fused_ops_bench: forward + backward of the model's RMSNorm, rotary embedding, SwiGLU and head +
 // cross-entropy as the fused CUDA kernels (trainer/fused_ops.h) against the ATen composite the
 // model runs without them (--fused_kernels=false), in the same process on the same tensors, in
-// bf16 at the shapes of one Qwen3-0.6B and one Llama-3-8B layer (2,048 tokens, their vocabulary). Per op and shape: `rounds` rounds, each
-// timing `iterations` forward + backward passes of both paths in alternating order (device
-// synchronised before and after); median per path; speedup = composite / fused. Writes
-// fused-ops.json (scripts/bench.sh, make bench-gpu, make gpu-check).
+// bf16 at the shapes of one Qwen3-0.6B and one Llama-3-8B layer (2,048 tokens, their
+// vocabulary); with --cpu, the CPU GELU kernel against ATen's GELU in float32 at GPT-2 MLP
+// shapes. Per op and shape: `rounds` rounds, each timing `iterations` forward + backward passes
+// of both paths in alternating order (device synchronised before and after); median per path;
+// speedup = composite / fused. Writes fused-ops.json (or fused-ops-cpu.json with --cpu;
+// scripts/bench.sh, make bench-gpu, make gpu-check).
 //
 //   fused_ops_bench [--rounds=5] [--iterations=20]   needs a GPU (exit 2 without one)
-//   fused_ops_bench --smoke                         tiny shapes on the CPU, where both paths are
-//                                                   the composite: checks the benchmark runs
+//   fused_ops_bench --cpu                           the CPU kernels, on ATen's intra-op threads
+//   fused_ops_bench --smoke                         tiny shapes on the CPU, every case: checks
+//                                                   the benchmark runs
 
 #include <torch/cuda.h>
 
@@ -39,6 +42,8 @@ ABSL_FLAG(int, iterations, 20, "Forward + backward passes per path per round.");
 ABSL_FLAG(bool, smoke, false,
           "Tiny shapes on the CPU (both paths are the composite there): checks that the "
           "benchmark runs; its times mean nothing.");
+ABSL_FLAG(bool, cpu, false,
+          "Time the CPU kernels (GELU, float32, at GPT-2 MLP shapes) instead of the CUDA ones.");
 
 namespace tessera::bench {
 namespace {
@@ -49,7 +54,8 @@ using Tensor = torch::Tensor;
 
 constexpr char kUsage[] =
     "fused_ops_bench: fused RMSNorm / rotary / SwiGLU CUDA kernels vs ATen's composite, forward + "
-    "backward, bf16.\n\nUsage: fused_ops_bench [--rounds=N] [--iterations=N] [--smoke]";
+    "backward, bf16 (--cpu: the CPU GELU kernel, float32).\n\nUsage: fused_ops_bench "
+    "[--rounds=N] [--iterations=N] [--cpu] [--smoke]";
 
 struct Shape {
   std::string name;
@@ -66,6 +72,13 @@ struct Case {
   // the output's node is one of the fused autograd Functions.
   std::function<bool()> fused_ran = nullptr;
 };
+
+// The CPU kernels' cases: GELU (tanh) on the MLP's float32 activations [tokens, ffn].
+std::vector<Case> CpuCasesFor(const Shape& s) {
+  return {{"gelu [tokens, ffn] float32",
+           {torch::randn({s.tokens, s.ffn}).requires_grad_(true)},
+           [](const std::vector<Tensor>& in) { return trainer::FusedGeluTanh(in[0]); }}};
+}
 
 std::vector<Case> CasesFor(const Shape& s, const torch::Device& device) {
   const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(device);
@@ -148,9 +161,9 @@ double Median(std::vector<double> values) {
   return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
 }
 
-int Run(bool smoke, int rounds, int iterations) {
-  const bool gpu = trainer::CudaDeviceCount() > 0;
-  if (!gpu && !smoke) {
+int Run(bool smoke, bool cpu, int rounds, int iterations) {
+  const bool gpu = !cpu && trainer::CudaDeviceCount() > 0;
+  if (!gpu && !smoke && !cpu) {
     std::cerr << "fused_ops_bench: no CUDA device visible (the fused kernels run on GPUs only; "
                  "--smoke runs the benchmark's code on the CPU)\n";
     return 2;
@@ -158,6 +171,8 @@ int Run(bool smoke, int rounds, int iterations) {
   const torch::Device device = gpu && !smoke ? torch::Device(torch::kCUDA, 0) : torch::kCPU;
   const std::vector<Shape> shapes =
       smoke ? std::vector<Shape>{{"tiny", 64, 64, 4, 2, 16, 128, 1000}}
+      : cpu ? std::vector<Shape>{{"gpt2-char-10m mlp", 1024, 384, 6, 6, 64, 1536, 256},
+                                 {"gpt2-124m mlp", 1024, 768, 12, 12, 64, 3072, 50257}}
             : std::vector<Shape>{{"qwen3-0.6b layer", 2048, 1024, 16, 8, 128, 3072, 151936},
                                  {"llama3-8b layer", 2048, 4096, 32, 8, 128, 14336, 128256}};
   const Provenance provenance = ReadProvenance();
@@ -165,6 +180,7 @@ int Run(bool smoke, int rounds, int iterations) {
   json["benchmark"] = "fused-ops";
   json["device"] = device.is_cuda() ? "cuda" : "cpu";
   json["smoke"] = smoke;
+  json["cpu_threads"] = at::get_num_threads();
   json["fused_kernels_built"] = trainer::FusedKernelsBuilt();
   json["commit"] = provenance.commit;
   json["date"] = provenance.date;
@@ -173,8 +189,8 @@ int Run(bool smoke, int rounds, int iterations) {
       "Per op and shape, after one untimed round: rounds x (iterations forward + backward passes "
       "of the fused path and of the composite, in alternating order, device synchronised before "
       "and after each batch of passes); seconds per pass = batch time / iterations; medians over "
-      "rounds; speedup = composite median / fused median. bf16 activations, float32 norm "
-      "weights, gradients of every input that takes one.";
+      "rounds; speedup = composite median / fused median. CUDA: bf16 activations, float32 norm "
+      "weights; CPU: float32. Gradients of every input that takes one.";
   json["rounds"] = rounds;
   json["iterations"] = iterations;
   std::cout << absl::StrFormat("fused_ops_bench on %s: %d rounds x %d passes per path\n",
@@ -182,7 +198,12 @@ int Run(bool smoke, int rounds, int iterations) {
   torch::manual_seed(3);
   bool fused_ran_everywhere = true;
   for (const Shape& shape : shapes) {
-    for (const Case& c : CasesFor(shape, device)) {
+    std::vector<Case> cases;
+    if (!cpu) cases = CasesFor(shape, device);
+    if (cpu || smoke) {
+      for (Case& c : CpuCasesFor(shape)) cases.push_back(std::move(c));
+    }
+    for (const Case& c : cases) {
       Tensor probe = c.forward(c.inputs);
       const Tensor grad = torch::randn_like(probe);
       const std::string node = probe.grad_fn() ? probe.grad_fn()->name() : "";
@@ -219,7 +240,7 @@ int Run(bool smoke, int rounds, int iterations) {
   const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
   const std::string dir = ResultsDir(error ? "results" : (self.parent_path() / "results").string());
   std::filesystem::create_directories(dir, error);
-  const std::string path = dir + "/fused-ops.json";
+  const std::string path = dir + (cpu ? "/fused-ops-cpu.json" : "/fused-ops.json");
   std::ofstream out(path);
   out << json.dump(1) << "\n";
   if (!out) {
@@ -239,6 +260,7 @@ int Run(bool smoke, int rounds, int iterations) {
 
 int main(int argc, char** argv) {
   tessera::ParseCommandLine(argc, argv, tessera::bench::kUsage);
-  return tessera::bench::Run(absl::GetFlag(FLAGS_smoke), std::max(1, absl::GetFlag(FLAGS_rounds)),
+  return tessera::bench::Run(absl::GetFlag(FLAGS_smoke), absl::GetFlag(FLAGS_cpu),
+                             std::max(1, absl::GetFlag(FLAGS_rounds)),
                              std::max(1, absl::GetFlag(FLAGS_iterations)));
 }

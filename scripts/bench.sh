@@ -46,6 +46,7 @@ benches=(
   "trainer|$TESSERA_BENCH_PYTHON bench/trainer_bench.py --device=cpu|cpu"
   "trainer-gpu|$TESSERA_BENCH_PYTHON bench/trainer_bench.py --device=cuda|gpu"
   "fused-ops|$build_dir/bench/fused_ops_bench|gpu"
+  "fused-ops-cpu|$build_dir/bench/fused_ops_bench --cpu|cpu"
   "checkpoint|$build_dir/bench/checkpoint_bench|cpu"
   "zero|$TESSERA_BENCH_PYTHON bench/zero_bench.py|cpu"
   "model-parallel|$TESSERA_BENCH_PYTHON bench/model_parallel_bench.py|cpu"

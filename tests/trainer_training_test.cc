@@ -172,6 +172,11 @@ class TrainerTrainingTest : public ::testing::Test {
 
   // Largest ||a - b|| / ||b|| (L2 over a tensor's elements) over the tensors; both must hold
   // the same tensors.
+  // Per tensor, the L2 norm of the difference relative to b's. GPT-2's fused qkv bias is
+  // compared without its key third: a bias on the keys shifts every score of a query by the same
+  // amount, which softmax cancels, so its exact gradient is 0 and AdamW (dividing by sqrt(v))
+  // moves it by up to the learning rate per step on rounding noise alone, in whichever direction
+  // the noise of that run's reduction order points.
   static double MaxRelativeDifference(const std::map<std::string, std::vector<float>>& a,
                                       const std::map<std::string, std::vector<float>>& b) {
     EXPECT_EQ(a.size(), b.size());
@@ -180,8 +185,11 @@ class TrainerTrainingTest : public ::testing::Test {
       auto it = b.find(name);
       EXPECT_NE(it, b.end()) << name;
       if (it == b.end() || it->second.size() != values.size()) return 1e9;
+      const bool qkv_bias = absl::EndsWith(name, "attn.qkv.bias") && values.size() % 3 == 0;
+      const size_t key_begin = values.size() / 3, key_end = qkv_bias ? 2 * key_begin : key_begin;
       double difference = 0, norm = 0;
       for (size_t i = 0; i < values.size(); ++i) {
+        if (i >= key_begin && i < key_end) continue;
         const double d = static_cast<double>(values[i]) - it->second[i];
         difference += d * d;
         norm += static_cast<double>(it->second[i]) * it->second[i];
@@ -524,9 +532,8 @@ TEST_P(ShardedTrainingTest, LossesAndWeightsMatchOneProcess) {
                                                ReadExport(*reference_dir_ + export_path));
   std::cout << CaseName({GetParam(), 0}) << ": max relative loss difference " << worst
             << ", max relative weight difference " << weights << "\n";
-  // Per tensor, in L2: Adam divides by sqrt(v), so single elements whose gradients are ~0 can
-  // move by up to the learning rate on reduction-order noise alone; a tensor as a whole cannot.
-  EXPECT_LE(weights, 1e-4);
+  // Per tensor, in L2 (the key bias aside, see MaxRelativeDifference): 2-3e-7 measured.
+  EXPECT_LE(weights, 2e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -637,7 +644,8 @@ TEST_P(ModelParallelTest, LossesAndWeightsMatchOneProcess) {
   const double weights = MaxRelativeDifference(exported, expected);
   std::cout << c.name << ": max relative loss difference " << worst
             << ", max relative weight difference " << weights << "\n";
-  EXPECT_LE(weights, 1e-4);
+  // Tensor parallelism splits the products' sums (2e-6 measured); the key bias aside.
+  EXPECT_LE(weights, 2e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -5,6 +5,8 @@
 #include <atomic>
 #include <optional>
 
+#include "trainer/fused_ops_cpu.h"
+
 #if TESSERA_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -41,10 +43,41 @@ torch::Tensor SwiGluComposite(const torch::Tensor& gate, const torch::Tensor& up
   return torch::silu(gate) * up;
 }
 
-#if TESSERA_WITH_CUDA
-
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+bool FusedGeluCpuApplies(const torch::Tensor& x) {
+  return x.device().is_cpu() && x.scalar_type() == at::kFloat && x.layout() == at::kStrided &&
+         x.numel() > 0;
+}
+
+// GELU of a contiguous float32 CPU tensor by the kernel.
+torch::Tensor GeluTanhCpu(const torch::Tensor& x_c) {
+  torch::Tensor y = at::empty(x_c.sizes(), x_c.options());
+  cpu_kernels::GeluTanhForward(x_c.const_data_ptr<float>(), y.mutable_data_ptr<float>(),
+                               x_c.numel());
+  return y;
+}
+
+struct GeluTanhCpuFunction : torch::autograd::Function<GeluTanhCpuFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x) {
+    const torch::Tensor x_c = x.contiguous();
+    ctx->save_for_backward({x_c});
+    return GeluTanhCpu(x_c);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined() || !ctx->needs_input_grad(0)) return {torch::Tensor()};
+    const torch::Tensor x = ctx->get_saved_variables()[0];
+    const torch::Tensor grad_y = grads[0].to(at::kFloat).contiguous();
+    torch::Tensor grad_x = at::empty(x.sizes(), x.options());
+    cpu_kernels::GeluTanhBackward(grad_y.const_data_ptr<float>(), x.const_data_ptr<float>(),
+                                  grad_x.mutable_data_ptr<float>(), x.numel());
+    return {grad_x};
+  }
+};
+
+#if TESSERA_WITH_CUDA
 
 std::optional<kernels::Dtype> KernelDtype(at::ScalarType type) {
   switch (type) {
@@ -260,6 +293,15 @@ torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up) {
   }
 #endif
   return SwiGluComposite(gate, up);
+}
+
+torch::Tensor FusedGeluTanh(const torch::Tensor& x) {
+  if (FusedKernelsEnabled() && FusedGeluCpuApplies(x)) {
+    // Without autograd (inference, recomputation under no_grad) the kernel runs alone.
+    if (!(x.requires_grad() && torch::GradMode::is_enabled())) return GeluTanhCpu(x.contiguous());
+    return GeluTanhCpuFunction::apply(x);
+  }
+  return torch::gelu(x, "tanh");
 }
 
 bool FusedCrossEntropyApplies([[maybe_unused]] const torch::Tensor& h,

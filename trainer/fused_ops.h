@@ -1,10 +1,11 @@
 // The model's RMSNorm, rotary position embedding and SwiGLU as single CUDA kernels (forward and
-// backward, as autograd Functions) instead of chains of ATen kernels, with ATen's composite as the
-// fallback. The fused path runs when fused kernels are enabled (the default; the trainer's
-// --fused_kernels), the build has CUDA and the operands are CUDA tensors of a supported dtype
-// (float32, bfloat16, float16) and shape; everything else (every CPU tensor included) runs the
-// composite exactly as before, so CPU results are bit-for-bit those of the composite. The fused
-// kernels compute in float32 and round once to the output dtype; their results match the
+// backward, as autograd Functions) instead of chains of ATen kernels, and GELU (tanh) as a CPU
+// kernel, with ATen's composite as the fallback. A fused path runs when fused kernels are enabled
+// (the default; the trainer's --fused_kernels) and the operands suit it: for the CUDA kernels, a
+// build with CUDA and CUDA tensors of a supported dtype (float32, bfloat16, float16) and shape;
+// for GELU, float32 CPU tensors. Everything else runs the composite exactly as before, so with
+// fused kernels off CPU results are bit-for-bit those of the composite (and of eager PyTorch). The
+// fused kernels compute in float32 and round once to the output dtype; their results match the
 // composite's to float32 rounding, not bitwise. Their backward is not itself differentiable
 // (no double backward).
 #pragma once
@@ -36,6 +37,13 @@ torch::Tensor FusedRotary(const torch::Tensor& x, const torch::Tensor& cos,
 
 // SwiGLU's activation: silu(gate) * up, elementwise over tensors of one shape.
 torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up);
+
+// GELU with the tanh approximation (torch::gelu(x, "tanh")). On float32 CPU tensors one pass
+// forward and one backward (cpu_kernels::GeluTanhForward / GeluTanhBackward, fused_ops_cpu.h):
+// ATen's CPU GELU evaluates tanh through a slower path in both directions. It saves x for the
+// backward, as ATen's does. Elsewhere (CUDA, other dtypes) ATen's gelu, whose CUDA kernels are
+// already one pass each way.
+torch::Tensor FusedGeluTanh(const torch::Tensor& x);
 
 // Whether FusedCrossEntropyRows runs for LinearCrossEntropy's rows h (and so logits) in the
 // `compute` dtype with these targets: fused kernels on, a CUDA build, h and targets on one CUDA

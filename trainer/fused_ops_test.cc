@@ -1,5 +1,8 @@
 // FusedRmsNorm, FusedRotary and FusedSwiGlu against ATen's composite, which is copied here as the
 // model ran it before the fused kernels: on the CPU (the fallback) bitwise, forward and gradients;
+// FusedGeluTanh's CPU kernel against GELU in float64 and ATen's float32 GELU, over sizes around
+// the vector width and the per-thread split, extreme inputs, views, one or two threads, and a
+// GPT-2-shaped model with the kernel on and off;
 // on a GPU (when there is one) the CUDA kernels' forward and every gradient against the composite
 // on the same GPU, float32 to float32 rounding and bfloat16 / float16 against the float32 composite
 // of the same (rounded) inputs, over odd sizes, non-contiguous inputs, more than 65535 rows and
@@ -8,8 +11,10 @@
 
 #include <ATen/autocast_mode.h>
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
+#include <numbers>
 #include <string>
 #include <vector>
 
@@ -47,6 +52,20 @@ Tensor ReferenceRmsNorm(const Tensor& x, const Tensor& weight, double eps) {
 }
 
 Tensor ReferenceSwiGlu(const Tensor& gate, const Tensor& up) { return torch::silu(gate) * up; }
+
+// GELU (tanh) and its derivative in float64, from its definition.
+Tensor ReferenceGelu64(const Tensor& x) {
+  const Tensor x64 = x.to(torch::kFloat64);
+  const Tensor t = torch::tanh(std::sqrt(2 / std::numbers::pi) * (x64 + 0.044715 * x64.pow(3)));
+  return 0.5 * x64 * (1 + t);
+}
+
+Tensor ReferenceGeluDerivative64(const Tensor& x) {
+  const Tensor x64 = x.to(torch::kFloat64);
+  const double k = std::sqrt(2 / std::numbers::pi);
+  const Tensor t = torch::tanh(k * (x64 + 0.044715 * x64.pow(3)));
+  return 0.5 * (1 + t) + 0.5 * x64 * (1 - t * t) * k * (1 + 3 * 0.044715 * x64 * x64);
+}
 
 // ---- Running an op: its output, the gradients of its inputs for a given output gradient, and
 // the name of the autograd node that made the output. ----
@@ -183,6 +202,118 @@ TEST(FusedOpsCpuTest, SwitchRoundTrips) {
   EXPECT_FALSE(FusedKernelsEnabled());
   SetFusedKernelsEnabled(true);
   EXPECT_TRUE(FusedKernelsEnabled());
+}
+
+// ---- CPU: the GELU kernel. ----
+
+const Op kFusedGelu = [](const std::vector<Tensor>& in) { return FusedGeluTanh(in[0]); };
+const Op kAtenGelu = [](const std::vector<Tensor>& in) { return torch::gelu(in[0], "tanh"); };
+
+// Normal values spread over GELU's whole shape, with zeros, tiny and huge magnitudes, and the
+// points where its exponential saturates, at the front.
+Tensor GeluInputs(int64_t n) {
+  Tensor x = torch::randn({n}) * 4;
+  const std::vector<float> edges = {0.0f, -0.0f, 1e-30f, -1e-30f, 1e-7f, -3.0f, 3.0f, -6.0f,
+                                    6.0f, -9.5f, 9.5f,   -30.0f,  30.0f, -1e4f, 1e4f};
+  for (size_t i = 0; i < edges.size() && static_cast<int64_t>(i) < n; ++i) x[i] = edges[i];
+  return x;
+}
+
+TEST(FusedOpsCpuTest, GeluMatchesFloat64AndAten) {
+  torch::manual_seed(4);
+  // Around one 16-lane vector, and past the 32768-element task so that two threads share it.
+  for (int64_t n : {1, 15, 16, 17, 33, 1000, 32768 * 2 + 5, 200003}) {
+    SCOPED_TRACE(n);
+    const Tensor x = GeluInputs(n), grad = torch::randn({n});
+    const OpRun fused = RunOp(kFusedGelu, {x}, {true}, grad);
+    EXPECT_THAT(fused.node, HasSubstr("GeluTanhCpuFunction"));
+    const OpRun aten = RunOp(kAtenGelu, {x}, {true}, grad);
+    // Against the float64 definition the kernel is within a few float32 ulps (plus an absolute
+    // term for the results that are near 0 where the function is), as ATen's own GELU is.
+    ExpectClose(fused.output, ReferenceGelu64(x).to(torch::kFloat32), 4e-6, 1e-7, "forward");
+    ExpectClose(fused.grads[0],
+                (grad.to(torch::kFloat64) * ReferenceGeluDerivative64(x)).to(torch::kFloat32), 4e-6,
+                1e-7, "backward");
+    ExpectRunClose(fused, aten, 1e-5, 1e-6, "against ATen");
+  }
+}
+
+TEST(FusedOpsCpuTest, GeluTakesViewsAndDoesNotNeedGrad) {
+  torch::manual_seed(5);
+  const Tensor base = torch::randn({37, 29}) * 3, grad = torch::randn({29, 37});
+  const auto transpose = [](size_t, const Tensor& t) { return t.t(); };
+  const OpRun fused = RunOp(kFusedGelu, {base}, {true}, grad, transpose);
+  ExpectRunClose(fused, RunOp(kAtenGelu, {base}, {true}, grad, transpose), 1e-5, 1e-6, "view");
+  EXPECT_EQ(fused.output.sizes(), (std::vector<int64_t>{29, 37}));
+  // Without autograd: the same values, and no graph.
+  torch::NoGradGuard no_grad;
+  const Tensor plain = FusedGeluTanh(base.t());
+  EXPECT_FALSE(plain.requires_grad());
+  EXPECT_TRUE(torch::equal(plain, fused.output));
+}
+
+TEST(FusedOpsCpuTest, GeluIsTheSameOnOneThreadAsOnTwo) {
+  torch::manual_seed(6);
+  const Tensor x = GeluInputs(150001), grad = torch::randn({150001});
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const OpRun one = RunOp(kFusedGelu, {x}, {true}, grad);
+  at::set_num_threads(2);
+  const OpRun two = RunOp(kFusedGelu, {x}, {true}, grad);
+  at::set_num_threads(threads);
+  ExpectEqual(two, one);
+}
+
+TEST(FusedOpsCpuTest, GeluSwitchedOffOrNotFloat32IsAtenBitwise) {
+  torch::manual_seed(7);
+  const Tensor x = torch::randn({5, 41}), grad = torch::randn({5, 41});
+  SetFusedKernelsEnabled(false);
+  const OpRun off = RunOp(kFusedGelu, {x}, {true}, grad);
+  SetFusedKernelsEnabled(true);
+  EXPECT_THAT(off.node, Not(HasSubstr("GeluTanhCpuFunction")));
+  ExpectEqual(off, RunOp(kAtenGelu, {x}, {true}, grad));
+  for (auto dtype : {torch::kBFloat16, torch::kFloat64}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const OpRun other = RunOp(kFusedGelu, {x.to(dtype)}, {true}, grad.to(dtype));
+    EXPECT_THAT(other.node, Not(HasSubstr("GeluTanhCpuFunction")));
+    ExpectEqual(other, RunOp(kAtenGelu, {x.to(dtype)}, {true}, grad.to(dtype)));
+  }
+}
+
+// GPT-2-shaped, with and without selective checkpointing (GELU recomputed): loss and gradients
+// with the kernel on track those with ATen's GELU to float32 rounding.
+TEST(FusedOpsCpuTest, Gpt2ModelTracksAtenGelu) {
+  const v1::ModelDims dims = testing::PresetDims("tiny-gpt2");
+  ASSERT_GT(dims.num_layers(), 0);
+  torch::manual_seed(8);
+  const Tensor tokens = torch::randint(dims.vocab_size(), {2, 17}, torch::kLong);
+  const Tensor inputs = tokens.narrow(1, 0, 16), targets = tokens.narrow(1, 1, 16);
+  for (auto mode : {v1::ACTIVATION_CHECKPOINTING_NONE, v1::ACTIVATION_CHECKPOINTING_SELECTIVE}) {
+    SCOPED_TRACE(v1::ActivationCheckpointing_Name(mode));
+    std::vector<double> losses;
+    std::vector<std::vector<Tensor>> grads;
+    for (bool fused : {true, false}) {
+      SetFusedKernelsEnabled(fused);
+      torch::manual_seed(9);
+      CausalLM model(dims, 0.02);
+      model->SetActivationCheckpointing(mode);
+      Tensor loss = model->Loss(inputs, targets);
+      loss.backward();
+      losses.push_back(loss.item<double>());
+      auto& g = grads.emplace_back();
+      for (const Tensor& p : model->parameters()) {
+        ASSERT_TRUE(p.grad().defined());
+        g.push_back(p.grad().clone());
+      }
+    }
+    SetFusedKernelsEnabled(true);
+    EXPECT_NEAR(losses[0], losses[1], 1e-5 * std::abs(losses[1]));
+    ASSERT_EQ(grads[0].size(), grads[1].size());
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      const double error = (grads[0][i] - grads[1][i]).norm().item<double>();
+      EXPECT_LE(error, 1e-4 * grads[1][i].norm().item<double>() + 1e-7) << "parameter " << i;
+    }
+  }
 }
 
 // ---- GPU: the kernels against the composite on the same device. ----

@@ -252,7 +252,7 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& input) {
     if (llama_) {
       return down(FusedSwiGlu(Project(gate_, gate_lora_, x), Project(up_, up_lora_, x)));
     }
-    return down(torch::gelu(Project(up_, up_lora_, x), "tanh"));
+    return down(FusedGeluTanh(Project(up_, up_lora_, x)));
   }
   // The down projection saves the activation's output; CheckpointWithoutOutput frees it and
   // recomputes it from the projections' outputs just before the down projection's backward.
@@ -266,7 +266,7 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& input) {
   }
   return CheckpointWithoutOutput(
       [](const std::vector<torch::Tensor>& in) -> std::vector<torch::Tensor> {
-        return {torch::gelu(in[0], "tanh")};
+        return {FusedGeluTanh(in[0])};
       },
       {Project(up_, up_lora_, x)}, down_of_first);
 }

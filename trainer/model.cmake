@@ -1,9 +1,26 @@
 # model part of tessera_trainer: sources and tests (see CMakeLists.txt).
 # hf_weights.cc: Hugging Face import and export of the model's weights; linear_cross_entropy.cc: the
 # head and its loss in chunks, without the whole logits; fused_ops.cc: RMSNorm, rotary and SwiGLU
-# as CUDA kernels (fused_ops_kernels.cu) with ATen's composite as the fallback.
+# as CUDA kernels (fused_ops_kernels.cu) with ATen's composite as the fallback, and GELU as a CPU
+# kernel (fused_ops_cpu.cc).
 target_sources(tessera_trainer PRIVATE activation_checkpoint.cc model.cc tensor_parallel.cc
-  hf_weights.cc linear_cross_entropy.cc fused_ops.cc)
+  hf_weights.cc linear_cross_entropy.cc fused_ops.cc fused_ops_cpu.cc)
+
+# The CPU kernels split their work with at::parallel_for, which runs on OpenMP threads only in a
+# translation unit compiled with -fopenmp. They must share LibTorch's OpenMP runtime (the wheel
+# ships its own libgomp.so.1, which its kernels use; a second runtime would start a second pool of
+# threads on the same cores), so the file is built with -fopenmp only when that runtime is there
+# to link. Without it the kernels run on the calling thread. -fopenmp changes the predefined
+# macros, so the file cannot share the precompiled header.
+find_library(TESSERA_TORCH_OPENMP_LIB NAMES libgomp.so.1
+  PATHS "${TESSERA_TORCH_ROOT}/lib" NO_DEFAULT_PATH)
+set_source_files_properties(fused_ops_cpu.cc PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
+if(TESSERA_TORCH_OPENMP_LIB)
+  set_source_files_properties(fused_ops_cpu.cc PROPERTIES COMPILE_OPTIONS -fopenmp)
+  target_link_libraries(tessera_trainer PUBLIC "${TESSERA_TORCH_OPENMP_LIB}")
+else()
+  message(STATUS "LibTorch has no libgomp.so.1 of its own: the CPU kernels run single-threaded")
+endif()
 
 if(TESSERA_CUDA_ENABLED)
   # The kernels alone, without LibTorch's headers (slow under nvcc) or its usage requirements. The

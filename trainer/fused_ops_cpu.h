@@ -1,0 +1,24 @@
+// CPU kernels of the fused ops (fused_ops.h), on float32 buffers. They split the work over
+// ATen's intra-op threads (at::parallel_for, the OpenMP pool LibTorch's own kernels use, so one
+// pool serves both) when the build links LibTorch's OpenMP runtime, and run on the calling
+// thread otherwise. Each x86-64 kernel has AVX-512, AVX2 and baseline variants, chosen at load
+// time for the CPU at hand.
+#pragma once
+
+#include <cstdint>
+
+namespace tessera::trainer::cpu_kernels {
+
+// y[i] = GELU(x[i]) with the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+// computed as x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) (the same function; no cancellation
+// where tanh is near -1). Within a few float32 ulps of ATen's gelu(x, "tanh") on finite input.
+void GeluTanhForward(const float* x, float* y, int64_t n);
+
+// grad_x[i] = grad_y[i] * GELU'(x[i]), the derivative recomputed from x in the same pass.
+// grad_x may alias grad_y.
+void GeluTanhBackward(const float* grad_y, const float* x, float* grad_x, int64_t n);
+
+// Whether the kernels split their work over threads in this build (see above).
+bool CpuKernelsParallel();
+
+}  // namespace tessera::trainer::cpu_kernels
