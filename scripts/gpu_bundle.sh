@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # make gpu-bundle: what `make gpu-check` needs on a GPU machine that reaches no package registry,
 # built here. Copies a CUDA build's binaries, the test binaries with GPU cases, the fused-kernel
-# benchmark (bench/fused_ops_bench) and the shared
+# benchmark (bench/fused_ops_bench), the control-plane benchmark (bench/control_plane_bench: GPU
+# machines have more cores than the 2 this project's other machines offer it) and the shared
 # libraries they load that such a machine lacks (gRPC, protobuf, Abseil, prometheus-cpp,
 # yaml-cpp, SQLite, xxHash...: the Debian packages of scripts/bootstrap.sh) into one directory.
 # Torch and its CUDA libraries are not copied: the GPU machine's own torch 2.11 provides them
@@ -33,7 +34,7 @@ PY
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/tests" "$bundle/lib" "$bundle/bench"
 cp "$build_dir"/bin/tessera "$build_dir"/bin/tessera-{coordinator,worker,trainer} "$bundle/bin/"
-cp "$build_dir"/bench/fused_ops_bench "$bundle/bench/"
+cp "$build_dir"/bench/fused_ops_bench "$build_dir"/bench/control_plane_bench "$bundle/bench/"
 for t in $tests; do cp "$build_dir/tests/$t" "$bundle/tests/"; done
 
 # Libraries every Linux has (glibc, the GCC runtime, zlib, OpenSSL: the GPU machine's own are
