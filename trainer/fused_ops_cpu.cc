@@ -1,6 +1,6 @@
-// Compiled without the trainer's precompiled header: with TESSERA_CPU_KERNELS_OPENMP this file
-// alone is built with -fopenmp (trainer/model.cmake), which makes ATen/Parallel.h's
-// at::parallel_for run on OpenMP threads instead of the calling thread.
+// Compiled without the trainer's precompiled header and, where LibTorch ships its OpenMP
+// runtime, with -fopenmp (trainer/model.cmake), which makes ATen/Parallel.h's at::parallel_for
+// run on OpenMP threads instead of the calling thread.
 #include "trainer/fused_ops_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -8,13 +8,13 @@
 #include <cstring>
 
 // Vectors of 16 floats are passed between inlined helpers; GCC notes that their ABI differs
-// between the clones, which does not matter for functions that are always inlined.
+// between the variants, which does not matter for functions that are always inlined.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define TESSERA_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define TESSERA_X86_VARIANTS 1
 #else
-#define TESSERA_CPU_CLONES
+#define TESSERA_X86_VARIANTS 0
 #endif
 
 namespace tessera::trainer::cpu_kernels {
@@ -89,7 +89,7 @@ struct GeluParts {
 }
 
 // One thread's range. The tail is computed in a zero-padded vector and only its elements stored.
-TESSERA_CPU_CLONES void GeluForwardRange(const float* x, float* y, int64_t n) {
+[[gnu::always_inline]] inline void GeluForwardRange(const float* x, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const VecF xv = Load(x + i, kLanes);
@@ -101,8 +101,8 @@ TESSERA_CPU_CLONES void GeluForwardRange(const float* x, float* y, int64_t n) {
   }
 }
 
-TESSERA_CPU_CLONES void GeluBackwardRange(const float* grad_y, const float* x, float* grad_x,
-                                          int64_t n) {
+[[gnu::always_inline]] inline void GeluBackwardRange(const float* grad_y, const float* x,
+                                                     float* grad_x, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const VecF xv = Load(x + i, kLanes);
@@ -114,17 +114,89 @@ TESSERA_CPU_CLONES void GeluBackwardRange(const float* grad_y, const float* x, f
   }
 }
 
+// The ranges compiled for each instruction set: the same source, inlined into functions whose
+// target lets the compiler lower the 16-lane vectors to one AVX-512 register, two AVX2 ones or
+// four SSE2 ones. The AVX-512 and AVX2 variants fuse multiplies and adds into FMAs (a third
+// faster), the baseline cannot, so results differ between them in the last bits.
+struct RangeKernels {
+  void (*forward)(const float*, float*, int64_t);
+  void (*backward)(const float*, const float*, float*, int64_t);
+};
+
+#define TESSERA_DEFINE_RANGE_KERNELS(name, attributes)                                            \
+  attributes void name##Forward(const float* x, float* y, int64_t n) {                            \
+    GeluForwardRange(x, y, n);                                                                    \
+  }                                                                                               \
+  attributes void name##Backward(const float* grad_y, const float* x, float* grad_x, int64_t n) { \
+    GeluBackwardRange(grad_y, x, grad_x, n);                                                      \
+  }                                                                                               \
+  constexpr RangeKernels k##name = {name##Forward, name##Backward};
+
+TESSERA_DEFINE_RANGE_KERNELS(Baseline, )
+#if TESSERA_X86_VARIANTS
+TESSERA_DEFINE_RANGE_KERNELS(Avx2, __attribute__((target("avx2,fma"))))
+TESSERA_DEFINE_RANGE_KERNELS(Avx512, __attribute__((target("avx512f"))))
+#endif
+
+bool Supported(Isa isa) {
+  switch (isa) {
+    case Isa::kBaseline:
+      return true;
+#if TESSERA_X86_VARIANTS
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::kAvx512:
+      return __builtin_cpu_supports("avx512f");
+#endif
+    default:
+      return false;
+  }
+}
+
+const RangeKernels& KernelsFor(Isa isa) {
+  switch (isa) {
+#if TESSERA_X86_VARIANTS
+    case Isa::kAvx2:
+      return kAvx2;
+    case Isa::kAvx512:
+      return kAvx512;
+#endif
+    default:
+      return kBaseline;
+  }
+}
+
+Isa Best() {
+  static const Isa best = Supported(Isa::kAvx512) ? Isa::kAvx512
+                          : Supported(Isa::kAvx2) ? Isa::kAvx2
+                                                  : Isa::kBaseline;
+  return best;
+}
+
 }  // namespace
 
-void GeluTanhForward(const float* x, float* y, int64_t n) {
+std::vector<Isa> SupportedIsas() {
+  std::vector<Isa> isas;
+  for (Isa isa : {Isa::kBaseline, Isa::kAvx2, Isa::kAvx512}) {
+    if (Supported(isa)) isas.push_back(isa);
+  }
+  return isas;
+}
+
+Isa BestIsa() { return Best(); }
+
+void GeluTanhForward(const float* x, float* y, int64_t n, std::optional<Isa> isa) {
+  const RangeKernels& kernels = KernelsFor(isa.value_or(Best()));
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    GeluForwardRange(x + begin, y + begin, end - begin);
+    kernels.forward(x + begin, y + begin, end - begin);
   });
 }
 
-void GeluTanhBackward(const float* grad_y, const float* x, float* grad_x, int64_t n) {
+void GeluTanhBackward(const float* grad_y, const float* x, float* grad_x, int64_t n,
+                      std::optional<Isa> isa) {
+  const RangeKernels& kernels = KernelsFor(isa.value_or(Best()));
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    GeluBackwardRange(grad_y + begin, x + begin, grad_x + begin, end - begin);
+    kernels.backward(grad_y + begin, x + begin, grad_x + begin, end - begin);
   });
 }
 

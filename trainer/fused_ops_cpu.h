@@ -1,22 +1,35 @@
 // CPU kernels of the fused ops (fused_ops.h), on float32 buffers. They split the work over
 // ATen's intra-op threads (at::parallel_for, the OpenMP pool LibTorch's own kernels use, so one
 // pool serves both) when the build links LibTorch's OpenMP runtime, and run on the calling
-// thread otherwise. Each x86-64 kernel has AVX-512, AVX2 and baseline variants, chosen at load
-// time for the CPU at hand.
+// thread otherwise. On x86-64 each kernel is built for AVX-512, AVX2 + FMA and the baseline
+// (SSE2), and the best one the CPU supports runs; they agree to float32 rounding (the first two
+// use FMAs).
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 namespace tessera::trainer::cpu_kernels {
+
+// The instruction sets the kernels are built for (AVX2 and AVX-512 on x86-64 only).
+enum class Isa { kBaseline, kAvx2, kAvx512 };
+// Those of the built variants that this CPU runs, kBaseline first; and the one used by default.
+std::vector<Isa> SupportedIsas();
+Isa BestIsa();
+
+// Each kernel runs BestIsa()'s variant unless `isa` names another (tests compare them; an
+// unsupported one must not be named).
 
 // y[i] = GELU(x[i]) with the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
 // computed as x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) (the same function; no cancellation
 // where tanh is near -1). Within a few float32 ulps of ATen's gelu(x, "tanh") on finite input.
-void GeluTanhForward(const float* x, float* y, int64_t n);
+void GeluTanhForward(const float* x, float* y, int64_t n, std::optional<Isa> isa = std::nullopt);
 
 // grad_x[i] = grad_y[i] * GELU'(x[i]), the derivative recomputed from x in the same pass.
 // grad_x may alias grad_y.
-void GeluTanhBackward(const float* grad_y, const float* x, float* grad_x, int64_t n);
+void GeluTanhBackward(const float* grad_y, const float* x, float* grad_x, int64_t n,
+                      std::optional<Isa> isa = std::nullopt);
 
 // Whether the kernels split their work over threads in this build (see above).
 bool CpuKernelsParallel();
