@@ -93,6 +93,22 @@ CPU_CONFIGS = [
         "timed_steps": 12,
         "precision": "fp32",
     },
+    # The same size as a Qwen3-shaped Llama: RMSNorm (with qk_norm), rotary, grouped-query
+    # attention (6 heads, 2 kv heads), SwiGLU, untied head.
+    {
+        "name": "qwen3-char-10m",
+        "model": {"dims": {"architecture": "ARCHITECTURE_LLAMA", "num_layers": 6,
+                           "hidden_size": 384, "num_attention_heads": 6, "num_kv_heads": 2,
+                           "head_dim": 64, "ffn_hidden_size": 1024, "vocab_size": 257,
+                           "max_seq_len": 256, "rope_theta": 1e6, "norm_eps": 1e-6,
+                           "tie_embeddings": False, "qk_norm": True}},
+        "seq_len": 256,
+        "global_batch_size": 8,
+        "micro_batch_size": 4,
+        "untimed_steps": 3,
+        "timed_steps": 12,
+        "precision": "fp32",
+    },
     # Host-bound: a model so small (2 layers x 64, seq 64) that a step is mostly dispatch and
     # bookkeeping, as a GPU step of a small model is when the GPU waits on the host. It compares
     # what each side does around the kernels, not the kernels.

@@ -77,6 +77,76 @@ struct GeluTanhCpuFunction : torch::autograd::Function<GeluTanhCpuFunction> {
   }
 };
 
+bool FloatCpu(const torch::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.layout() == at::kStrided;
+}
+
+bool FusedRmsNormCpuApplies(const torch::Tensor& x, const torch::Tensor& weight) {
+  return FloatCpu(x) && FloatCpu(weight) && x.dim() >= 1 && weight.dim() == 1 &&
+         x.size(-1) == weight.size(0) && x.numel() > 0;
+}
+
+struct RmsNormCpuFunction : torch::autograd::Function<RmsNormCpuFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, double eps) {
+    const torch::Tensor x_c = x.contiguous(), w_c = weight.contiguous();
+    const int64_t hidden = x_c.size(-1), rows = x_c.numel() / hidden;
+    torch::Tensor y = at::empty(x_c.sizes(), x_c.options());
+    torch::Tensor rstd = at::empty({rows}, x_c.options());
+    cpu_kernels::RmsNormForward(x_c.const_data_ptr<float>(), w_c.const_data_ptr<float>(),
+                                y.mutable_data_ptr<float>(), rstd.mutable_data_ptr<float>(), rows,
+                                hidden, static_cast<float>(eps));
+    ctx->save_for_backward({x_c, w_c, rstd});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    torch::Tensor grad_x, grad_weight;
+    if (!grads[0].defined()) return {grad_x, grad_weight, torch::Tensor()};
+    const variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const torch::Tensor grad_y = grads[0].to(at::kFloat).contiguous();
+    const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+    if (ctx->needs_input_grad(0)) grad_x = at::empty(x.sizes(), x.options());
+    if (ctx->needs_input_grad(1)) grad_weight = at::empty({hidden}, weight.options());
+    cpu_kernels::RmsNormBackward(
+        grad_y.const_data_ptr<float>(), x.const_data_ptr<float>(), weight.const_data_ptr<float>(),
+        rstd.const_data_ptr<float>(), grad_x.defined() ? grad_x.mutable_data_ptr<float>() : nullptr,
+        grad_weight.defined() ? grad_weight.mutable_data_ptr<float>() : nullptr, rows, hidden);
+    return {grad_x, grad_weight, torch::Tensor()};
+  }
+};
+
+bool FusedSwiGluCpuApplies(const torch::Tensor& gate, const torch::Tensor& up) {
+  return FloatCpu(gate) && FloatCpu(up) && gate.sizes() == up.sizes() && gate.numel() > 0;
+}
+
+struct SwiGluCpuFunction : torch::autograd::Function<SwiGluCpuFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
+                               const torch::Tensor& up) {
+    const torch::Tensor gate_c = gate.contiguous(), up_c = up.contiguous();
+    torch::Tensor y = at::empty(gate_c.sizes(), gate_c.options());
+    cpu_kernels::SwiGluForward(gate_c.const_data_ptr<float>(), up_c.const_data_ptr<float>(),
+                               y.mutable_data_ptr<float>(), gate_c.numel());
+    ctx->save_for_backward({gate_c, up_c});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
+    const variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &gate = saved[0], &up = saved[1];
+    const torch::Tensor grad_y = grads[0].to(at::kFloat).contiguous();
+    torch::Tensor grad_gate = at::empty(gate.sizes(), gate.options());
+    torch::Tensor grad_up = at::empty(up.sizes(), up.options());
+    cpu_kernels::SwiGluBackward(grad_y.const_data_ptr<float>(), gate.const_data_ptr<float>(),
+                                up.const_data_ptr<float>(), grad_gate.mutable_data_ptr<float>(),
+                                grad_up.mutable_data_ptr<float>(), gate.numel());
+    return {ctx->needs_input_grad(0) ? grad_gate : torch::Tensor(),
+            ctx->needs_input_grad(1) ? grad_up : torch::Tensor()};
+  }
+};
+
 #if TESSERA_WITH_CUDA
 
 std::optional<kernels::Dtype> KernelDtype(at::ScalarType type) {
@@ -268,6 +338,9 @@ bool FusedKernelsEnabled() { return fused_kernels_enabled.load(); }
 bool FusedKernelsBuilt() { return TESSERA_WITH_CUDA != 0; }
 
 torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  if (FusedKernelsEnabled() && FusedRmsNormCpuApplies(x, weight)) {
+    return RmsNormCpuFunction::apply(x, weight, eps);
+  }
 #if TESSERA_WITH_CUDA
   if (FusedKernelsEnabled() && FusedRmsNormApplies(x, weight)) {
     return RmsNormFunction::apply(x, weight, eps);
@@ -287,6 +360,9 @@ torch::Tensor FusedRotary(const torch::Tensor& x, const torch::Tensor& cos,
 }
 
 torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up) {
+  if (FusedKernelsEnabled() && FusedSwiGluCpuApplies(gate, up)) {
+    return SwiGluCpuFunction::apply(gate, up);
+  }
 #if TESSERA_WITH_CUDA
   if (FusedKernelsEnabled() && FusedSwiGluApplies(gate, up)) {
     return SwiGluFunction::apply(gate, up);

@@ -31,6 +31,25 @@ void GeluTanhForward(const float* x, float* y, int64_t n, std::optional<Isa> isa
 void GeluTanhBackward(const float* grad_y, const float* x, float* grad_x, int64_t n,
                       std::optional<Isa> isa = std::nullopt);
 
+// SwiGLU's activation, silu(gate) * up, over n floats; and its backward, both gradients in one
+// pass.
+void SwiGluForward(const float* gate, const float* up, float* y, int64_t n,
+                   std::optional<Isa> isa = std::nullopt);
+void SwiGluBackward(const float* grad_y, const float* gate, const float* up, float* grad_gate,
+                    float* grad_up, int64_t n, std::optional<Isa> isa = std::nullopt);
+
+// RMSNorm of `rows` contiguous rows of `hidden` floats: rstd[r] = 1 / sqrt(mean(x_r^2) + eps),
+// y_r = x_r * rstd[r] * weight.
+void RmsNormForward(const float* x, const float* weight, float* y, float* rstd, int64_t rows,
+                    int64_t hidden, float eps, std::optional<Isa> isa = std::nullopt);
+// Its backward from the forward's rstd: grad_x (null: not computed) and grad_weight (null: not
+// computed; else overwritten). grad_weight sums blocks of kRmsNormBlockRows rows in a fixed
+// order, so it does not depend on the number of threads.
+inline constexpr int64_t kRmsNormBlockRows = 64;
+void RmsNormBackward(const float* grad_y, const float* x, const float* weight, const float* rstd,
+                     float* grad_x, float* grad_weight, int64_t rows, int64_t hidden,
+                     std::optional<Isa> isa = std::nullopt);
+
 // Whether the kernels split their work over threads in this build (see above).
 bool CpuKernelsParallel();
 

@@ -159,16 +159,48 @@ Tensor HeadsFirst(size_t input, const Tensor& t) { return input == 0 ? t.transpo
 
 // ---- CPU: the fallback is the composite, bit for bit. ----
 
-TEST(FusedOpsCpuTest, RmsNormIsTheCompositeBitwise) {
+// float32: the CPU kernel, to float32 rounding of the composite; bfloat16: the composite itself.
+TEST(FusedOpsCpuTest, RmsNormFloat32IsTheKernelOtherDtypesTheComposite) {
   torch::manual_seed(1);
-  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-    SCOPED_TRACE(c10::toString(dtype));
-    const Tensor x = torch::randn({3, 5, 37}).to(dtype), w = torch::randn({37});
-    const Tensor grad = torch::randn({3, 5, 37}).to(dtype);
+  // Widths around the 16-lane vector and more rows than one 64-row block of the weight gradient.
+  for (int64_t hidden : {37, 64, 384}) {
+    SCOPED_TRACE(hidden);
+    const Tensor x = torch::randn({3, 50, hidden}) * 2, w = torch::randn({hidden});
+    const Tensor grad = torch::randn({3, 50, hidden});
     const OpRun fused = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
-    ExpectEqual(fused, RunOp(kReferenceRmsNorm, {x, w}, {true, true}, grad));
-    EXPECT_THAT(fused.node, Not(HasSubstr("RmsNormFunction")));
+    EXPECT_THAT(fused.node, HasSubstr("RmsNormCpuFunction"));
+    ExpectRunClose(fused, RunOp(kReferenceRmsNorm, {x, w}, {true, true}, grad), 1e-5, 1e-6,
+                   "float32");
   }
+  const Tensor x = torch::randn({3, 5, 37}).to(torch::kBFloat16), w = torch::randn({37});
+  const Tensor grad = torch::randn({3, 5, 37}).to(torch::kBFloat16);
+  const OpRun composite = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
+  ExpectEqual(composite, RunOp(kReferenceRmsNorm, {x, w}, {true, true}, grad));
+  EXPECT_THAT(composite.node, Not(HasSubstr("RmsNormCpuFunction")));
+}
+
+TEST(FusedOpsCpuTest, RmsNormFrozenWeightViewsThreadsAndTheSwitch) {
+  torch::manual_seed(11);
+  const Tensor x = torch::randn({300, 96}), w = torch::randn({96}), grad = torch::randn({300, 96});
+  const auto transpose = [](size_t input, const Tensor& t) { return input == 0 ? t.t() : t; };
+  // x as a transposed view; the weight frozen (LoRA): no gradient computed for it.
+  const Tensor xt = x.t().contiguous();
+  const OpRun frozen = RunOp(kFusedRmsNorm, {xt, w}, {true, false}, grad, transpose);
+  EXPECT_FALSE(frozen.grads[1].defined());
+  ExpectRunClose(frozen, RunOp(kReferenceRmsNorm, {xt, w}, {true, false}, grad, transpose), 1e-5,
+                 1e-6, "frozen weight, view");
+  // The weight's gradient sums fixed blocks of rows: one thread and two give the same bits.
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const OpRun one = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
+  at::set_num_threads(2);
+  const OpRun two = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
+  at::set_num_threads(threads);
+  ExpectEqual(two, one);
+  SetFusedKernelsEnabled(false);
+  const OpRun off = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
+  SetFusedKernelsEnabled(true);
+  ExpectEqual(off, RunOp(kReferenceRmsNorm, {x, w}, {true, true}, grad));
 }
 
 TEST(FusedOpsCpuTest, RotaryIsTheCompositeBitwise) {
@@ -185,16 +217,29 @@ TEST(FusedOpsCpuTest, RotaryIsTheCompositeBitwise) {
   }
 }
 
-TEST(FusedOpsCpuTest, SwiGluIsTheCompositeBitwise) {
+TEST(FusedOpsCpuTest, SwiGluFloat32IsTheKernelOtherDtypesTheComposite) {
   torch::manual_seed(3);
-  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-    SCOPED_TRACE(c10::toString(dtype));
-    const Tensor gate = torch::randn({4, 7, 33}).to(dtype), up = torch::randn({4, 7, 33}).to(dtype);
-    const Tensor grad = torch::randn({4, 7, 33}).to(dtype);
-    const OpRun fused = RunOp(kFusedSwiGlu, {gate, up}, {true, true}, grad);
-    ExpectEqual(fused, RunOp(kReferenceSwiGlu, {gate, up}, {true, true}, grad));
-    EXPECT_THAT(fused.node, Not(HasSubstr("SwiGluFunction")));
-  }
+  const Tensor gate = torch::randn({4, 7, 33}) * 4, up = torch::randn({4, 7, 33});
+  const Tensor grad = torch::randn({4, 7, 33});
+  const OpRun fused = RunOp(kFusedSwiGlu, {gate, up}, {true, true}, grad);
+  EXPECT_THAT(fused.node, HasSubstr("SwiGluCpuFunction"));
+  ExpectRunClose(fused, RunOp(kReferenceSwiGlu, {gate, up}, {true, true}, grad), 1e-5, 1e-6,
+                 "float32");
+  // Only one input taking a gradient.
+  const OpRun frozen_up = RunOp(kFusedSwiGlu, {gate, up}, {true, false}, grad);
+  EXPECT_FALSE(frozen_up.grads[1].defined());
+  ExpectRunClose(frozen_up, RunOp(kReferenceSwiGlu, {gate, up}, {true, false}, grad), 1e-5, 1e-6,
+                 "frozen up");
+  const Tensor gate16 = gate.to(torch::kBFloat16), up16 = up.to(torch::kBFloat16);
+  const OpRun composite =
+      RunOp(kFusedSwiGlu, {gate16, up16}, {true, true}, grad.to(torch::kBFloat16));
+  ExpectEqual(composite,
+              RunOp(kReferenceSwiGlu, {gate16, up16}, {true, true}, grad.to(torch::kBFloat16)));
+  EXPECT_THAT(composite.node, Not(HasSubstr("SwiGluCpuFunction")));
+  SetFusedKernelsEnabled(false);
+  const OpRun off = RunOp(kFusedSwiGlu, {gate, up}, {true, true}, grad);
+  SetFusedKernelsEnabled(true);
+  ExpectEqual(off, RunOp(kReferenceSwiGlu, {gate, up}, {true, true}, grad));
 }
 
 TEST(FusedOpsCpuTest, SwitchRoundTrips) {
@@ -298,6 +343,44 @@ TEST(FusedOpsCpuTest, GeluVariantsAgree) {
   }
 }
 
+// The same for SwiGLU and RMSNorm: every variant this CPU runs agrees with the baseline's.
+TEST(FusedOpsCpuTest, SwiGluAndRmsNormVariantsAgree) {
+  const std::vector<cpu_kernels::Isa> isas = cpu_kernels::SupportedIsas();
+  torch::manual_seed(12);
+  for (int64_t hidden : {5, 16, 100}) {
+    SCOPED_TRACE(hidden);
+    const int64_t rows = 70, n = rows * hidden;
+    const Tensor a = torch::randn({rows, hidden}) * 3, b = torch::randn({rows, hidden});
+    const Tensor w = torch::randn({hidden}), grad = torch::randn({rows, hidden});
+    std::vector<std::vector<Tensor>> outputs;
+    for (cpu_kernels::Isa isa : isas) {
+      auto& out = outputs.emplace_back();
+      for (int k = 0; k < 6; ++k) out.push_back(torch::empty({rows, hidden}));
+      Tensor rstd = torch::empty({rows}), grad_w = torch::empty({hidden});
+      cpu_kernels::SwiGluForward(a.data_ptr<float>(), b.data_ptr<float>(), out[0].data_ptr<float>(),
+                                 n, isa);
+      cpu_kernels::SwiGluBackward(grad.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(),
+                                  out[1].data_ptr<float>(), out[2].data_ptr<float>(), n, isa);
+      cpu_kernels::RmsNormForward(a.data_ptr<float>(), w.data_ptr<float>(),
+                                  out[3].data_ptr<float>(), rstd.data_ptr<float>(), rows, hidden,
+                                  1e-6f, isa);
+      cpu_kernels::RmsNormBackward(grad.data_ptr<float>(), a.data_ptr<float>(), w.data_ptr<float>(),
+                                   rstd.data_ptr<float>(), out[4].data_ptr<float>(),
+                                   grad_w.data_ptr<float>(), rows, hidden, isa);
+      out[5] = grad_w;
+    }
+    // The baseline against the composite, then every variant against the baseline.
+    ExpectClose(outputs[0][0], ReferenceSwiGlu(a, b), 1e-5, 1e-6, "swiglu");
+    ExpectClose(outputs[0][3], ReferenceRmsNorm(a, w, 1e-6), 1e-5, 1e-6, "rms_norm");
+    for (size_t i = 1; i < isas.size(); ++i) {
+      SCOPED_TRACE(static_cast<int>(isas[i]));
+      for (size_t k = 0; k < outputs[i].size(); ++k) {
+        ExpectClose(outputs[i][k], outputs[0][k], 1e-5, 1e-6, "output " + std::to_string(k));
+      }
+    }
+  }
+}
+
 TEST(FusedOpsCpuTest, GeluSwitchedOffOrNotFloat32IsAtenBitwise) {
   torch::manual_seed(7);
   const Tensor x = torch::randn({5, 41}), grad = torch::randn({5, 41});
@@ -314,38 +397,42 @@ TEST(FusedOpsCpuTest, GeluSwitchedOffOrNotFloat32IsAtenBitwise) {
   }
 }
 
-// GPT-2-shaped, with and without selective checkpointing (GELU recomputed): loss and gradients
-// with the kernel on track those with ATen's GELU to float32 rounding.
-TEST(FusedOpsCpuTest, Gpt2ModelTracksAtenGelu) {
-  const v1::ModelDims dims = testing::PresetDims("tiny-gpt2");
-  ASSERT_GT(dims.num_layers(), 0);
-  torch::manual_seed(8);
-  const Tensor tokens = torch::randint(dims.vocab_size(), {2, 17}, torch::kLong);
-  const Tensor inputs = tokens.narrow(1, 0, 16), targets = tokens.narrow(1, 1, 16);
-  for (auto mode : {v1::ACTIVATION_CHECKPOINTING_NONE, v1::ACTIVATION_CHECKPOINTING_SELECTIVE}) {
-    SCOPED_TRACE(v1::ActivationCheckpointing_Name(mode));
-    std::vector<double> losses;
-    std::vector<std::vector<Tensor>> grads;
-    for (bool fused : {true, false}) {
-      SetFusedKernelsEnabled(fused);
-      torch::manual_seed(9);
-      CausalLM model(dims, 0.02);
-      model->SetActivationCheckpointing(mode);
-      Tensor loss = model->Loss(inputs, targets);
-      loss.backward();
-      losses.push_back(loss.item<double>());
-      auto& g = grads.emplace_back();
-      for (const Tensor& p : model->parameters()) {
-        ASSERT_TRUE(p.grad().defined());
-        g.push_back(p.grad().clone());
+// GPT-2-shaped (GELU) and Qwen3-shaped (RMSNorm with q/k norms, SwiGLU), with and without
+// selective checkpointing (the activation recomputed): loss and gradients with the CPU kernels
+// track those with ATen's ops to float32 rounding.
+TEST(FusedOpsCpuTest, ModelsTrackAtenOps) {
+  for (const v1::ModelDims& dims :
+       {testing::PresetDims("tiny-gpt2"), testing::TinyQwenDims(/*ffn_hidden_size=*/160)}) {
+    SCOPED_TRACE(dims.ShortDebugString());
+    ASSERT_GT(dims.num_layers(), 0);
+    torch::manual_seed(8);
+    const Tensor tokens = torch::randint(dims.vocab_size(), {2, 17}, torch::kLong);
+    const Tensor inputs = tokens.narrow(1, 0, 16), targets = tokens.narrow(1, 1, 16);
+    for (auto mode : {v1::ACTIVATION_CHECKPOINTING_NONE, v1::ACTIVATION_CHECKPOINTING_SELECTIVE}) {
+      SCOPED_TRACE(v1::ActivationCheckpointing_Name(mode));
+      std::vector<double> losses;
+      std::vector<std::vector<Tensor>> grads;
+      for (bool fused : {true, false}) {
+        SetFusedKernelsEnabled(fused);
+        torch::manual_seed(9);
+        CausalLM model(dims, 0.02);
+        model->SetActivationCheckpointing(mode);
+        Tensor loss = model->Loss(inputs, targets);
+        loss.backward();
+        losses.push_back(loss.item<double>());
+        auto& g = grads.emplace_back();
+        for (const Tensor& p : model->parameters()) {
+          ASSERT_TRUE(p.grad().defined());
+          g.push_back(p.grad().clone());
+        }
       }
-    }
-    SetFusedKernelsEnabled(true);
-    EXPECT_NEAR(losses[0], losses[1], 1e-5 * std::abs(losses[1]));
-    ASSERT_EQ(grads[0].size(), grads[1].size());
-    for (size_t i = 0; i < grads[0].size(); ++i) {
-      const double error = (grads[0][i] - grads[1][i]).norm().item<double>();
-      EXPECT_LE(error, 1e-4 * grads[1][i].norm().item<double>() + 1e-7) << "parameter " << i;
+      SetFusedKernelsEnabled(true);
+      EXPECT_NEAR(losses[0], losses[1], 1e-5 * std::abs(losses[1]));
+      ASSERT_EQ(grads[0].size(), grads[1].size());
+      for (size_t i = 0; i < grads[0].size(); ++i) {
+        const double error = (grads[0][i] - grads[1][i]).norm().item<double>();
+        EXPECT_LE(error, 1e-4 * grads[1][i].norm().item<double>() + 1e-7) << "parameter " << i;
+      }
     }
   }
 }
