@@ -2,11 +2,12 @@
 // cross-entropy as the fused CUDA kernels (trainer/fused_ops.h) against the ATen composite the
 // model runs without them (--fused_kernels=false), in the same process on the same tensors, in
 // bf16 at the shapes of one Qwen3-0.6B and one Llama-3-8B layer (2,048 tokens, their
-// vocabulary); with --cpu, the CPU GELU kernel against ATen's GELU in float32 at GPT-2 MLP
-// shapes. Per op and shape: `rounds` rounds, each timing `iterations` forward + backward passes
-// of both paths in alternating order (device synchronised before and after); median per path;
-// speedup = composite / fused. Writes fused-ops.json (or fused-ops-cpu.json with --cpu;
-// scripts/bench.sh, make bench-gpu, make gpu-check).
+// vocabulary); with --cpu, the CPU GELU, SwiGLU and RMSNorm kernels against ATen's ops in
+// float32 at 1,024 tokens of width 384 and 768 (MLP 4x). Per op and shape: `rounds` rounds, each
+// timing `iterations` forward + backward passes of both paths in alternating order (device
+// synchronised before and after); median per path; speedup = composite / fused. Writes
+// fused-ops.json (or fused-ops-cpu.json with --cpu; scripts/bench.sh, make bench-gpu, make
+// gpu-check).
 //
 //   fused_ops_bench [--rounds=5] [--iterations=20]   needs a GPU (exit 2 without one)
 //   fused_ops_bench --cpu                           the CPU kernels, on ATen's intra-op threads
@@ -43,7 +44,7 @@ ABSL_FLAG(bool, smoke, false,
           "Tiny shapes on the CPU (both paths are the composite there): checks that the "
           "benchmark runs; its times mean nothing.");
 ABSL_FLAG(bool, cpu, false,
-          "Time the CPU kernels (GELU, float32, at GPT-2 MLP shapes) instead of the CUDA ones.");
+          "Time the CPU kernels (GELU, SwiGLU, RMSNorm; float32) instead of the CUDA ones.");
 
 namespace tessera::bench {
 namespace {
@@ -54,7 +55,8 @@ using Tensor = torch::Tensor;
 
 constexpr char kUsage[] =
     "fused_ops_bench: fused RMSNorm / rotary / SwiGLU CUDA kernels vs ATen's composite, forward + "
-    "backward, bf16 (--cpu: the CPU GELU kernel, float32).\n\nUsage: fused_ops_bench "
+    "backward, bf16 (--cpu: the CPU GELU / SwiGLU / RMSNorm kernels, float32).\n\nUsage: "
+    "fused_ops_bench "
     "[--rounds=N] [--iterations=N] [--cpu] [--smoke]";
 
 struct Shape {
@@ -73,11 +75,20 @@ struct Case {
   std::function<bool()> fused_ran = nullptr;
 };
 
-// The CPU kernels' cases: GELU (tanh) on the MLP's float32 activations [tokens, ffn].
+// The CPU kernels' cases, on float32 activations: GELU (tanh) and SwiGLU at [tokens, ffn],
+// RMSNorm at [tokens, hidden].
 std::vector<Case> CpuCasesFor(const Shape& s) {
-  return {{"gelu [tokens, ffn] float32",
-           {torch::randn({s.tokens, s.ffn}).requires_grad_(true)},
-           [](const std::vector<Tensor>& in) { return trainer::FusedGeluTanh(in[0]); }}};
+  auto leaf = [](Tensor t) { return t.requires_grad_(true); };
+  return {
+      {"gelu [tokens, ffn] float32",
+       {leaf(torch::randn({s.tokens, s.ffn}))},
+       [](const std::vector<Tensor>& in) { return trainer::FusedGeluTanh(in[0]); }},
+      {"swiglu [tokens, ffn] float32",
+       {leaf(torch::randn({s.tokens, s.ffn})), leaf(torch::randn({s.tokens, s.ffn}))},
+       [](const std::vector<Tensor>& in) { return trainer::FusedSwiGlu(in[0], in[1]); }},
+      {"rms_norm [tokens, hidden] float32",
+       {leaf(torch::randn({s.tokens, s.hidden})), leaf(torch::ones({s.hidden}))},
+       [](const std::vector<Tensor>& in) { return trainer::FusedRmsNorm(in[0], in[1], 1e-6); }}};
 }
 
 std::vector<Case> CasesFor(const Shape& s, const torch::Device& device) {
@@ -171,8 +182,8 @@ int Run(bool smoke, bool cpu, int rounds, int iterations) {
   const torch::Device device = gpu && !smoke ? torch::Device(torch::kCUDA, 0) : torch::kCPU;
   const std::vector<Shape> shapes =
       smoke ? std::vector<Shape>{{"tiny", 64, 64, 4, 2, 16, 128, 1000}}
-      : cpu ? std::vector<Shape>{{"gpt2-char-10m mlp", 1024, 384, 6, 6, 64, 1536, 256},
-                                 {"gpt2-124m mlp", 1024, 768, 12, 12, 64, 3072, 50257}}
+      : cpu ? std::vector<Shape>{{"width 384", 1024, 384, 6, 6, 64, 1536, 257},
+                                 {"width 768", 1024, 768, 12, 12, 64, 3072, 50257}}
             : std::vector<Shape>{{"qwen3-0.6b layer", 2048, 1024, 16, 8, 128, 3072, 151936},
                                  {"llama3-8b layer", 2048, 4096, 32, 8, 128, 14336, 128256}};
   const Provenance provenance = ReadProvenance();
