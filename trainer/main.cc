@@ -42,8 +42,8 @@ ABSL_FLAG(bool, check, false,
 ABSL_FLAG(int, gpu, -1, "CUDA device ordinal for --check and standalone runs; -1 uses the CPU.");
 ABSL_FLAG(bool, fused_kernels, true,
           "Run RMSNorm, rotary embedding, SwiGLU and the head's cross-entropy as fused CUDA "
-          "kernels on a GPU, and GELU as a fused float32 kernel on the CPU; false runs ATen's "
-          "ops (on the CPU bit for bit as eager PyTorch).");
+          "kernels on a GPU, and RMSNorm, SwiGLU and GELU as fused float32 kernels on the CPU; "
+          "false runs ATen's ops (on the CPU bit for bit as eager PyTorch).");
 ABSL_FLAG(std::string, profile_dir, "",
           "Record a profile of --profile_steps training steps (operators, and on a GPU every "
           "kernel and copy) and write it to DIR/trace-rank-R.json as a Chrome trace "

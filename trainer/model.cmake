@@ -1,8 +1,8 @@
 # model part of tessera_trainer: sources and tests (see CMakeLists.txt).
 # hf_weights.cc: Hugging Face import and export of the model's weights; linear_cross_entropy.cc: the
 # head and its loss in chunks, without the whole logits; fused_ops.cc: RMSNorm, rotary and SwiGLU
-# as CUDA kernels (fused_ops_kernels.cu) with ATen's composite as the fallback, and GELU as a CPU
-# kernel (fused_ops_cpu.cc).
+# as CUDA kernels (fused_ops_kernels.cu) with ATen's composite as the fallback, and RMSNorm,
+# SwiGLU and GELU as CPU kernels (fused_ops_cpu.cc).
 target_sources(tessera_trainer PRIVATE activation_checkpoint.cc model.cc tensor_parallel.cc
   hf_weights.cc linear_cross_entropy.cc fused_ops.cc fused_ops_cpu.cc)
 
