@@ -121,32 +121,6 @@ bool FusedSwiGluCpuApplies(const torch::Tensor& gate, const torch::Tensor& up) {
   return FloatCpu(gate) && FloatCpu(up) && gate.sizes() == up.sizes() && gate.numel() > 0;
 }
 
-struct SwiGluCpuFunction : torch::autograd::Function<SwiGluCpuFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
-                               const torch::Tensor& up) {
-    const torch::Tensor gate_c = gate.contiguous(), up_c = up.contiguous();
-    torch::Tensor y = at::empty(gate_c.sizes(), gate_c.options());
-    cpu_kernels::SwiGluForward(gate_c.const_data_ptr<float>(), up_c.const_data_ptr<float>(),
-                               y.mutable_data_ptr<float>(), gate_c.numel());
-    ctx->save_for_backward({gate_c, up_c});
-    return y;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
-    const variable_list saved = ctx->get_saved_variables();
-    const torch::Tensor &gate = saved[0], &up = saved[1];
-    const torch::Tensor grad_y = grads[0].to(at::kFloat).contiguous();
-    torch::Tensor grad_gate = at::empty(gate.sizes(), gate.options());
-    torch::Tensor grad_up = at::empty(up.sizes(), up.options());
-    cpu_kernels::SwiGluBackward(grad_y.const_data_ptr<float>(), gate.const_data_ptr<float>(),
-                                up.const_data_ptr<float>(), grad_gate.mutable_data_ptr<float>(),
-                                grad_up.mutable_data_ptr<float>(), gate.numel());
-    return {ctx->needs_input_grad(0) ? grad_gate : torch::Tensor(),
-            ctx->needs_input_grad(1) ? grad_up : torch::Tensor()};
-  }
-};
-
 #if TESSERA_WITH_CUDA
 
 std::optional<kernels::Dtype> KernelDtype(at::ScalarType type) {
@@ -295,16 +269,27 @@ bool FusedSwiGluApplies(const torch::Tensor& gate, const torch::Tensor& up) {
          gate.scalar_type() == up.scalar_type() && gate.sizes() == up.sizes() && gate.numel() > 0;
 }
 
+#endif  // TESSERA_WITH_CUDA
+
+// SwiGLU on the CPU kernel (float32) or the CUDA one, by the operands' device.
 struct SwiGluFunction : torch::autograd::Function<SwiGluFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
                                const torch::Tensor& up) {
-    const c10::cuda::CUDAGuard guard(gate.device());
     const torch::Tensor gate_c = gate.contiguous(), up_c = up.contiguous();
     torch::Tensor y = at::empty(gate_c.sizes(), gate_c.options());
-    CheckLaunch(kernels::LaunchSwiGluForward(
-                    gate_c.const_data_ptr(), up_c.const_data_ptr(), y.mutable_data_ptr(),
-                    gate_c.numel(), KernelDtypeOf(gate_c), c10::cuda::getCurrentCUDAStream()),
-                "SwiGluForward");
+#if TESSERA_WITH_CUDA
+    if (gate_c.is_cuda()) {
+      const c10::cuda::CUDAGuard guard(gate_c.device());
+      CheckLaunch(kernels::LaunchSwiGluForward(
+                      gate_c.const_data_ptr(), up_c.const_data_ptr(), y.mutable_data_ptr(),
+                      gate_c.numel(), KernelDtypeOf(gate_c), c10::cuda::getCurrentCUDAStream()),
+                  "SwiGluForward");
+    }
+#endif
+    if (gate_c.device().is_cpu()) {
+      cpu_kernels::SwiGluForward(gate_c.const_data_ptr<float>(), up_c.const_data_ptr<float>(),
+                                 y.mutable_data_ptr<float>(), gate_c.numel());
+    }
     ctx->save_for_backward({gate_c, up_c});
     return y;
   }
@@ -313,21 +298,28 @@ struct SwiGluFunction : torch::autograd::Function<SwiGluFunction> {
     if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
     const variable_list saved = ctx->get_saved_variables();
     const torch::Tensor &gate = saved[0], &up = saved[1];
-    const c10::cuda::CUDAGuard guard(gate.device());
     const torch::Tensor grad_y = grads[0].to(gate.scalar_type()).contiguous();
     torch::Tensor grad_gate = at::empty(gate.sizes(), gate.options());
     torch::Tensor grad_up = at::empty(up.sizes(), up.options());
-    CheckLaunch(kernels::LaunchSwiGluBackward(
-                    grad_y.const_data_ptr(), gate.const_data_ptr(), up.const_data_ptr(),
-                    grad_gate.mutable_data_ptr(), grad_up.mutable_data_ptr(), gate.numel(),
-                    KernelDtypeOf(gate), c10::cuda::getCurrentCUDAStream()),
-                "SwiGluBackward");
+#if TESSERA_WITH_CUDA
+    if (gate.is_cuda()) {
+      const c10::cuda::CUDAGuard guard(gate.device());
+      CheckLaunch(kernels::LaunchSwiGluBackward(
+                      grad_y.const_data_ptr(), gate.const_data_ptr(), up.const_data_ptr(),
+                      grad_gate.mutable_data_ptr(), grad_up.mutable_data_ptr(), gate.numel(),
+                      KernelDtypeOf(gate), c10::cuda::getCurrentCUDAStream()),
+                  "SwiGluBackward");
+    }
+#endif
+    if (gate.device().is_cpu()) {
+      cpu_kernels::SwiGluBackward(grad_y.const_data_ptr<float>(), gate.const_data_ptr<float>(),
+                                  up.const_data_ptr<float>(), grad_gate.mutable_data_ptr<float>(),
+                                  grad_up.mutable_data_ptr<float>(), gate.numel());
+    }
     return {ctx->needs_input_grad(0) ? grad_gate : torch::Tensor(),
             ctx->needs_input_grad(1) ? grad_up : torch::Tensor()};
   }
 };
-
-#endif  // TESSERA_WITH_CUDA
 
 }  // namespace
 
@@ -360,14 +352,11 @@ torch::Tensor FusedRotary(const torch::Tensor& x, const torch::Tensor& cos,
 }
 
 torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up) {
-  if (FusedKernelsEnabled() && FusedSwiGluCpuApplies(gate, up)) {
-    return SwiGluCpuFunction::apply(gate, up);
-  }
+  bool applies = FusedSwiGluCpuApplies(gate, up);
 #if TESSERA_WITH_CUDA
-  if (FusedKernelsEnabled() && FusedSwiGluApplies(gate, up)) {
-    return SwiGluFunction::apply(gate, up);
-  }
+  applies = applies || FusedSwiGluApplies(gate, up);
 #endif
+  if (FusedKernelsEnabled() && applies) return SwiGluFunction::apply(gate, up);
   return SwiGluComposite(gate, up);
 }
 
