@@ -180,9 +180,10 @@ LayerActivations ActivationsPerLayer(const Workload& w, const LayoutChoice& l) {
     scores = a * s * s * b * (w.precision == v1::PRECISION_FP32 ? 4 : 4 + e) / t;
   }
   // MLP intermediates: GPT-2 keeps the fc output (GELU input) and GELU output; SwiGLU keeps gate,
-  // up, silu(gate) and the product.
-  const double mlp_tensors = IsLlama(m) ? 4 : 2;
-  const double mlp_recomputable = IsLlama(m) ? 2 : 1;  // activation function outputs
+  // up and the product (the trainer's fused SwiGLU, on the CPU and on GPUs, keeps no
+  // silu(gate); ATen's composite, with --fused_kernels=false, would add it).
+  const double mlp_tensors = IsLlama(m) ? 3 : 2;
+  const double mlp_recomputable = 1;  // the activation function's output
   const double mlp = mlp_tensors * s * b * f * e / t;
   LayerActivations out;
   out.full = static_cast<int64_t>(norms + attention + scores + mlp);

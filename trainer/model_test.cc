@@ -25,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "planner/model_config.h"
 #include "trainer/device.h"
+#include "trainer/fused_ops.h"
 #include "trainer/test_model_dims.h"
 #include "trainer/torch_pch.h"
 
@@ -659,11 +660,14 @@ TEST(ModelCheckpointingTest, FullKeepsOnlyEachLayersInputAndSelectiveDropsRecomp
     const int64_t layer_input = kBatch * kSeq * dims.hidden_size() * 4;
     // The layer's float32 input and the CPU generator's state the recompute replays.
     EXPECT_EQ(full, layer_input + rng_state_bytes) << name;
-    // SELECTIVE frees the MLP activation outputs (GELU's, or SwiGLU's silu(gate) and product) and
-    // what the attention kernel keeps besides q, k, v (its output stays: the output projection
-    // reads the same storage), and adds two generator states.
-    const int64_t mlp_recomputed = (dims.architecture() == v1::ARCHITECTURE_LLAMA ? 2 : 1) *
-                                   kBatch * kSeq * dims.ffn_hidden_size() * 4;
+    // SELECTIVE frees the MLP activation outputs (GELU's, or SwiGLU's product; ATen's composite
+    // SwiGLU, with fused kernels off, also keeps silu(gate)) and what the attention kernel keeps
+    // besides q, k, v (its output stays: the output projection reads the same storage), and adds
+    // two generator states.
+    const bool composite_swiglu =
+        dims.architecture() == v1::ARCHITECTURE_LLAMA && !FusedKernelsEnabled();
+    const int64_t mlp_recomputed =
+        (composite_swiglu ? 2 : 1) * kBatch * kSeq * dims.ffn_hidden_size() * 4;
     EXPECT_LE(selective, none - mlp_recomputed + 2 * rng_state_bytes) << name;
     EXPECT_GT(selective, full) << name;
     EXPECT_GT(none, 4 * full) << name;
