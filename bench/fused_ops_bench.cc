@@ -34,6 +34,7 @@
 #include "trainer/data_loader.h"
 #include "trainer/device.h"
 #include "trainer/fused_ops.h"
+#include "trainer/fused_ops_cpu.h"
 #include "trainer/linear_cross_entropy.h"
 #include "trainer/model.h"
 #include "trainer/torch_pch.h"
@@ -192,6 +193,20 @@ int Run(bool smoke, bool cpu, int rounds, int iterations) {
   json["device"] = device.is_cuda() ? "cuda" : "cpu";
   json["smoke"] = smoke;
   json["cpu_threads"] = at::get_num_threads();
+  // Whether the CPU kernels split their work over those threads (a build that links LibTorch's
+  // OpenMP runtime), and which instruction set's variant they ran.
+  json["cpu_kernels_parallel"] = trainer::cpu_kernels::CpuKernelsParallel();
+  switch (trainer::cpu_kernels::BestIsa()) {
+    case trainer::cpu_kernels::Isa::kAvx512:
+      json["cpu_kernels_isa"] = "avx512";
+      break;
+    case trainer::cpu_kernels::Isa::kAvx2:
+      json["cpu_kernels_isa"] = "avx2";
+      break;
+    case trainer::cpu_kernels::Isa::kBaseline:
+      json["cpu_kernels_isa"] = "baseline";
+      break;
+  }
   json["fused_kernels_built"] = trainer::FusedKernelsBuilt();
   json["commit"] = provenance.commit;
   json["date"] = provenance.date;

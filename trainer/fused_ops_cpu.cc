@@ -298,13 +298,6 @@ const RangeKernels& KernelsFor(Isa isa) {
   }
 }
 
-Isa Best() {
-  static const Isa best = Supported(Isa::kAvx512) ? Isa::kAvx512
-                          : Supported(Isa::kAvx2) ? Isa::kAvx2
-                                                  : Isa::kBaseline;
-  return best;
-}
-
 }  // namespace
 
 std::vector<Isa> SupportedIsas() {
@@ -315,10 +308,15 @@ std::vector<Isa> SupportedIsas() {
   return isas;
 }
 
-Isa BestIsa() { return Best(); }
+Isa BestIsa() {
+  static const Isa best = Supported(Isa::kAvx512) ? Isa::kAvx512
+                          : Supported(Isa::kAvx2) ? Isa::kAvx2
+                                                  : Isa::kBaseline;
+  return best;
+}
 
 void GeluTanhForward(const float* x, float* y, int64_t n, std::optional<Isa> isa) {
-  const RangeKernels& kernels = KernelsFor(isa.value_or(Best()));
+  const RangeKernels& kernels = KernelsFor(isa.value_or(BestIsa()));
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     kernels.gelu_forward(x + begin, y + begin, end - begin);
   });
@@ -326,7 +324,7 @@ void GeluTanhForward(const float* x, float* y, int64_t n, std::optional<Isa> isa
 
 void GeluTanhBackward(const float* grad_y, const float* x, float* grad_x, int64_t n,
                       std::optional<Isa> isa) {
-  const RangeKernels& kernels = KernelsFor(isa.value_or(Best()));
+  const RangeKernels& kernels = KernelsFor(isa.value_or(BestIsa()));
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     kernels.gelu_backward(grad_y + begin, x + begin, grad_x + begin, end - begin);
   });
@@ -334,7 +332,7 @@ void GeluTanhBackward(const float* grad_y, const float* x, float* grad_x, int64_
 
 void SwiGluForward(const float* gate, const float* up, float* y, int64_t n,
                    std::optional<Isa> isa) {
-  const RangeKernels& kernels = KernelsFor(isa.value_or(Best()));
+  const RangeKernels& kernels = KernelsFor(isa.value_or(BestIsa()));
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     kernels.swiglu_forward(gate + begin, up + begin, y + begin, end - begin);
   });
@@ -342,7 +340,7 @@ void SwiGluForward(const float* gate, const float* up, float* y, int64_t n,
 
 void SwiGluBackward(const float* grad_y, const float* gate, const float* up, float* grad_gate,
                     float* grad_up, int64_t n, std::optional<Isa> isa) {
-  const RangeKernels& kernels = KernelsFor(isa.value_or(Best()));
+  const RangeKernels& kernels = KernelsFor(isa.value_or(BestIsa()));
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     kernels.swiglu_backward(grad_y + begin, gate + begin, up + begin, grad_gate + begin,
                             grad_up + begin, end - begin);
@@ -358,7 +356,7 @@ int64_t RowGrain(int64_t hidden) {
 
 void RmsNormForward(const float* x, const float* weight, float* y, float* rstd, int64_t rows,
                     int64_t hidden, float eps, std::optional<Isa> isa) {
-  const RangeKernels& kernels = KernelsFor(isa.value_or(Best()));
+  const RangeKernels& kernels = KernelsFor(isa.value_or(BestIsa()));
   at::parallel_for(0, rows, RowGrain(hidden), [&](int64_t begin, int64_t end) {
     kernels.rms_norm_forward(x + begin * hidden, weight, y + begin * hidden, rstd + begin,
                              end - begin, hidden, eps);
@@ -368,7 +366,7 @@ void RmsNormForward(const float* x, const float* weight, float* y, float* rstd, 
 void RmsNormBackward(const float* grad_y, const float* x, const float* weight, const float* rstd,
                      float* grad_x, float* grad_weight, int64_t rows, int64_t hidden,
                      std::optional<Isa> isa) {
-  const RangeKernels& kernels = KernelsFor(isa.value_or(Best()));
+  const RangeKernels& kernels = KernelsFor(isa.value_or(BestIsa()));
   // The weight's gradient is summed per block of kRmsNormBlockRows rows, in a fixed order:
   // the same bits whatever the number of threads.
   const int64_t blocks =
