@@ -24,6 +24,12 @@ CUDA build; each is timed and recorded):
                  kernels against ATen's composite, forward + backward, per op at two layer
                  shapes; then one profiled run per side of gpt2-124m (trainer_bench.py
                  --profile): kernel time per step by kind and the GPU's busy share.
+  control-plane  bench/control_plane_bench on the machine's cores (GPU machines have many more
+                 than the 2 of the project's other machines): a real coordinator against 10,000
+                 simulated 8-GPU nodes heartbeating every second, offered 2,500 jobs/s of 1-2 s;
+                 placements/s and heartbeat p50/p99 against issue 18's goals (>= 2,000/s,
+                 p99 < 20 ms while placing at full rate). A measurement: missing a goal does not
+                 fail the stage, an error of the benchmark does.
 Results: OUT/gpu-check.json (every figure, with commit, machine and date) and
 OUT/gpu-check-summary.md, also printed. Exit 0 when every stage passed, 1 when one failed, 2 when
 there is no GPU (or no CUDA build) to check.
@@ -55,7 +61,7 @@ import profile_summary  # noqa: E402
 from bench_common import (CORPUS, BenchError, Cluster, git_commit, machine_line,  # noqa: E402
                           tail, utc_now)
 
-STAGES = ("environment", "gpu-tests", "trainer-check", "cluster", "bench")
+STAGES = ("environment", "gpu-tests", "trainer-check", "cluster", "bench", "control-plane")
 
 # Test binaries (under BUILD/tests) with cases that need a GPU, and the cases to run. The CPU
 # cases of a binary run too where they are quick: the GPU machine is where their CUDA twins are
@@ -87,7 +93,14 @@ SMOKE_RUNS = (
 BENCH_CONFIGS = "gpt2-124m,qwen3-0.6b"
 # Stage time limits (seconds); a stage past its limit fails and the next one runs.
 TIMEOUTS = {"gpu-tests": 240, "trainer-check": 120, "cluster-run": 300, "bench": 480,
-            "fused-ops-bench": 120, "profile": 180}
+            "fused-ops-bench": 120, "profile": 180, "control-plane": 150}
+# The control-plane stage's fleet and load (GPU machine; --cpu-smoke: a small one), and the goals
+# its figures are held against.
+CONTROL_PLANE = {"nodes": 10000, "jobs_per_s": 2500, "duration_s": 12, "warmup_s": 5,
+                 "min_run_time": "1s", "max_run_time": "2s"}
+CONTROL_PLANE_SMOKE = {"nodes": 100, "jobs_per_s": 20, "duration_s": 2, "warmup_s": 1,
+                       "min_run_time": "1s", "max_run_time": "2s"}
+CONTROL_PLANE_GOALS = {"placements_per_s": 2000, "heartbeat_p99_ms": 20}
 # The model whose step is profiled on both sides in the bench stage (kernel time by kind).
 PROFILE_CONFIG = "gpt2-124m"
 # NVML series the worker must export while a GPU job runs (DCGM exporter names).
@@ -153,7 +166,8 @@ def binaries(build_dir):
     found = [os.path.join(build_dir, "bin", b) for b in
              ("tessera", "tessera-coordinator", "tessera-worker", "tessera-trainer")]
     found += [os.path.join(build_dir, "tests", t) for t, _ in GPU_TESTS]
-    found.append(os.path.join(build_dir, "bench", "fused_ops_bench"))
+    found += [os.path.join(build_dir, "bench", b) for b in ("fused_ops_bench",
+                                                             "control_plane_bench")]
     return found
 
 
@@ -455,6 +469,46 @@ def stage_bench(ctx):
     return bench
 
 
+# --- control plane ----------------------------------------------------------------------------
+
+
+def stage_control_plane(ctx):
+    load = CONTROL_PLANE if ctx["gpu"] else CONTROL_PLANE_SMOKE
+    results_dir = os.path.join(ctx["workdir"], "control-plane")
+    os.makedirs(results_dir, exist_ok=True)
+    argv = [os.path.join(ctx["build_dir"], "bench", "control_plane_bench"),
+            f"--coordinator={os.path.join(ctx['build_dir'], 'bin', 'tessera-coordinator')}",
+            f"--work_dir={ctx['workdir']}", f"--results_dir={results_dir}"]
+    argv += [f"--{k}={v}" for k, v in load.items()]
+    report = run_bench_program(ctx, "control-plane", argv, ctx["env"], results_dir,
+                               "control-plane.json")
+    scale = report["scales"][0]
+    heartbeat = scale["heartbeat_latency"]
+    result = {
+        "nodes": scale["nodes"], "jobs_offered_per_second": scale["jobs_offered_per_second"],
+        "jobs_placed_per_second": scale["jobs_placed_per_second"],
+        "heartbeat_p50_ms": heartbeat["p50_ms"], "heartbeat_p99_ms": heartbeat["p99_ms"],
+        "heartbeat_p99_ms_windows": scale["heartbeat_p99_ms_windows"],
+        "heartbeats_per_second": scale["heartbeats_per_second"],
+        "submit_to_all_ranks_delivered_p50_ms":
+            scale["submit_to_all_ranks_delivered_latency"]["p50_ms"],
+        "coordinator_cores": scale["coordinator_cores"],
+        "load_generator_cores": scale["load_generator_cores"],
+        "coordinator_peak_rss_mib": scale["coordinator_peak_rss_mib"],
+        "machine_cores": os.cpu_count(), "load": load, "goals": CONTROL_PLANE_GOALS}
+    result["goals_met"] = {
+        "placements_per_s": result["jobs_placed_per_second"]
+        >= CONTROL_PLANE_GOALS["placements_per_s"],
+        "heartbeat_p99_ms": result["heartbeat_p99_ms"] < CONTROL_PLANE_GOALS["heartbeat_p99_ms"]}
+    if scale["fleet"]["registered"] != scale["nodes"] or scale["jobs"]["first_error"]:
+        raise StageFailed(f"the fleet registered {scale['fleet']['registered']} of "
+                          f"{scale['nodes']} nodes; first job error: "
+                          f"{scale['jobs']['first_error'] or 'none'}", result)
+    if result["jobs_placed_per_second"] <= 0:
+        raise StageFailed("no job was placed", result)
+    return result
+
+
 # --- driver and report ------------------------------------------------------------------------
 
 
@@ -517,6 +571,18 @@ def summary_lines(report):
         for r in fused:
             lines.append(f"| {r['shape']}: {r['op']} | {1e6 * r['fused_seconds']:.1f} us | "
                          f"{1e6 * r['composite_seconds']:.1f} us | {r['speedup']:.2f}x |")
+    control = report["stages"].get("control-plane", {}).get("result") or {}
+    if control:
+        met = control["goals_met"]
+        lines += ["", f"control plane ({control['nodes']:,} nodes, "
+                  f"{control['jobs_offered_per_second']:,.0f} jobs/s offered, "
+                  f"{control['machine_cores']} cores): {control['jobs_placed_per_second']:,.0f} "
+                  f"placed/s (goal >= {control['goals']['placements_per_s']:,}: "
+                  f"{'met' if met['placements_per_s'] else 'not met'}), heartbeat p50 / p99 "
+                  f"{control['heartbeat_p50_ms']:.1f} / {control['heartbeat_p99_ms']:.1f} ms "
+                  f"(goal p99 < {control['goals']['heartbeat_p99_ms']} ms: "
+                  f"{'met' if met['heartbeat_p99_ms'] else 'not met'}), coordinator "
+                  f"{control['coordinator_cores']:.2f} cores"]
     return lines
 
 
@@ -557,7 +623,7 @@ def main():
               "quick": args.quick, "stages": {}}
     runners = {"environment": stage_environment, "gpu-tests": stage_gpu_tests,
                "trainer-check": stage_trainer_check, "cluster": stage_cluster,
-               "bench": stage_bench}
+               "bench": stage_bench, "control-plane": stage_control_plane}
     if "environment" not in stages:
         stages.insert(0, "environment")  # every stage needs its library path
     for name in stages:
