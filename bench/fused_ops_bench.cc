@@ -1,13 +1,13 @@
-// fused_ops_bench: forward + backward of the model's RMSNorm, rotary embedding, SwiGLU and head +
-// cross-entropy as the fused CUDA kernels (trainer/fused_ops.h) against the ATen composite the
-// model runs without them (--fused_kernels=false), in the same process on the same tensors, in
-// bf16 at the shapes of one Qwen3-0.6B and one Llama-3-8B layer (2,048 tokens, their
-// vocabulary); with --cpu, the CPU GELU, SwiGLU and RMSNorm kernels against ATen's ops in
-// float32 at 1,024 tokens of width 384 and 768 (MLP 4x). Per op and shape: `rounds` rounds, each
-// timing `iterations` forward + backward passes of both paths in alternating order (device
-// synchronised before and after); median per path; speedup = composite / fused. Writes
-// fused-ops.json (or fused-ops-cpu.json with --cpu; scripts/bench.sh, make bench-gpu, make
-// gpu-check).
+// fused_ops_bench: forward + backward of the model's RMSNorm, LayerNorm, rotary embedding, SwiGLU
+// and head + cross-entropy as the fused CUDA kernels (trainer/fused_ops.h) against the ATen
+// composite the model runs without them (--fused_kernels=false), in the same process on the same
+// tensors, in bf16 (the norms: float32 residual in, bf16 out) at the shapes of one GPT-2 124M,
+// one Qwen3-0.6B and one Llama-3-8B layer (2,048 tokens, their vocabulary); with --cpu, the CPU
+// GELU, SwiGLU and RMSNorm kernels against ATen's ops in float32 at 1,024 tokens of width 384 and
+// 768 (MLP 4x). Per op and shape: `rounds` rounds, each timing `iterations` forward + backward
+// passes of both paths in alternating order (device synchronised before and after); median per
+// path; speedup = composite / fused. Writes fused-ops.json (or fused-ops-cpu.json with --cpu;
+// scripts/bench.sh, make bench-gpu, make gpu-check).
 //
 //   fused_ops_bench [--rounds=5] [--iterations=20]   needs a GPU (exit 2 without one)
 //   fused_ops_bench --cpu                           the CPU kernels, on ATen's intra-op threads
@@ -55,7 +55,8 @@ using Json = nlohmann::ordered_json;
 using Tensor = torch::Tensor;
 
 constexpr char kUsage[] =
-    "fused_ops_bench: fused RMSNorm / rotary / SwiGLU CUDA kernels vs ATen's composite, forward + "
+    "fused_ops_bench: fused RMSNorm / LayerNorm / rotary / SwiGLU / cross-entropy CUDA kernels vs "
+    "ATen's composite, forward + "
     "backward, bf16 (--cpu: the CPU GELU / SwiGLU / RMSNorm kernels, float32).\n\nUsage: "
     "fused_ops_bench "
     "[--rounds=N] [--iterations=N] [--cpu] [--smoke]";
@@ -100,11 +101,25 @@ std::vector<Case> CasesFor(const Shape& s, const torch::Device& device) {
   cos = cos.to(device);
   sin = sin.to(device);
   std::vector<Case> cases;
-  // The layer's norms: bf16 activations, float32 weight (as under autocast).
+  // A norm of bf16 activations with a float32 weight.
   cases.push_back({"rms_norm [tokens, hidden]",
                    {leaf(torch::randn({s.tokens, s.hidden}, bf16)), leaf(torch::ones({s.hidden}, f32))},
                    [](const std::vector<Tensor>& in) {
                      return trainer::FusedRmsNorm(in[0], in[1], 1e-6);
+                   }});
+  // The block's norms as the model runs them under autocast: the float32 residual stream in,
+  // autocast's bf16 out (NormImpl's autocast_output; the composite casts after the norm).
+  cases.push_back(
+      {"rms_norm float32 -> bf16 [tokens, hidden]",
+       {leaf(torch::randn({s.tokens, s.hidden}, f32)), leaf(torch::ones({s.hidden}, f32))},
+       [](const std::vector<Tensor>& in) {
+         return trainer::FusedRmsNorm(in[0], in[1], 1e-6, torch::kBFloat16);
+       }});
+  cases.push_back({"layer_norm float32 -> bf16 [tokens, hidden]",
+                   {leaf(torch::randn({s.tokens, s.hidden}, f32)),
+                    leaf(torch::ones({s.hidden}, f32)), leaf(torch::zeros({s.hidden}, f32))},
+                   [](const std::vector<Tensor>& in) {
+                     return trainer::FusedLayerNorm(in[0], in[1], in[2], 1e-5, torch::kBFloat16);
                    }});
   // Qwen3's per-head q norm.
   cases.push_back({"rms_norm q heads [1, seq, heads, head_dim]",
@@ -185,7 +200,8 @@ int Run(bool smoke, bool cpu, int rounds, int iterations) {
       smoke ? std::vector<Shape>{{"tiny", 64, 64, 4, 2, 16, 128, 1000}}
       : cpu ? std::vector<Shape>{{"width 384", 1024, 384, 6, 6, 64, 1536, 257},
                                  {"width 768", 1024, 768, 12, 12, 64, 3072, 50257}}
-            : std::vector<Shape>{{"qwen3-0.6b layer", 2048, 1024, 16, 8, 128, 3072, 151936},
+            : std::vector<Shape>{{"gpt2-124m layer", 2048, 768, 12, 12, 64, 3072, 50257},
+                                 {"qwen3-0.6b layer", 2048, 1024, 16, 8, 128, 3072, 151936},
                                  {"llama3-8b layer", 2048, 4096, 32, 8, 128, 14336, 128256}};
   const Provenance provenance = ReadProvenance();
   Json json;

@@ -33,10 +33,17 @@ torch::Tensor RotaryComposite(const torch::Tensor& x, const torch::Tensor& cos,
   return (x32 * cos + RotateHalf(x32) * sin).to(x.scalar_type());
 }
 
-torch::Tensor RmsNormComposite(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+torch::Tensor RmsNormComposite(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                               at::ScalarType out_dtype) {
   torch::Tensor x32 = x.to(torch::kFloat32);
   torch::Tensor normed = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return (normed * weight.to(torch::kFloat32)).to(x.scalar_type());
+  return (normed * weight.to(torch::kFloat32)).to(out_dtype);
+}
+
+torch::Tensor LayerNormComposite(const torch::Tensor& x, const torch::Tensor& weight,
+                                 const torch::Tensor& bias, double eps, at::ScalarType out_dtype) {
+  // Autocast runs layer_norm in float32 on its own; the explicit cast covers CPU and no-autocast.
+  return at::layer_norm(x.to(torch::kFloat32), {weight.size(0)}, weight, bias, eps).to(out_dtype);
 }
 
 torch::Tensor SwiGluComposite(const torch::Tensor& gate, const torch::Tensor& up) {
@@ -150,57 +157,91 @@ bool OnOneCudaDevice(const torch::Tensor& a, const torch::Tensor& b) {
   return a.is_cuda() && b.is_cuda() && a.device() == b.device();
 }
 
-bool FusedRmsNormApplies(const torch::Tensor& x, const torch::Tensor& weight) {
-  return OnOneCudaDevice(x, weight) && KernelDtype(x.scalar_type()) &&
-         KernelDtype(weight.scalar_type()) && x.dim() >= 1 && weight.dim() == 1 &&
-         x.size(-1) == weight.size(0) && x.numel() > 0;
+// The CUDA norm kernels apply to x and a weight (and bias) of supported dtypes on one device,
+// with an output dtype they are built for.
+bool FusedNormApplies(const torch::Tensor& x, const torch::Tensor& weight,
+                      const torch::Tensor& bias, at::ScalarType out_dtype) {
+  const std::optional<kernels::Dtype> x_dtype = KernelDtype(x.scalar_type()),
+                                      y_dtype = KernelDtype(out_dtype);
+  return OnOneCudaDevice(x, weight) && x_dtype && y_dtype &&
+         kernels::NormDtypesSupported(*x_dtype, *y_dtype) && KernelDtype(weight.scalar_type()) &&
+         x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0) && x.numel() > 0 &&
+         (!bias.defined() ||
+          (OnOneCudaDevice(x, bias) && bias.scalar_type() == weight.scalar_type() &&
+           bias.sizes() == weight.sizes()));
 }
 
-struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
+// RMSNorm (bias undefined, rms true) or LayerNorm on the CUDA kernels, the output in out_dtype.
+struct NormFunction : torch::autograd::Function<NormFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& weight, double eps) {
+                               const torch::Tensor& weight, const torch::Tensor& bias, double eps,
+                               bool rms, int64_t out_dtype) {
     const c10::cuda::CUDAGuard guard(x.device());
+    const kernels::NormKind kind = rms ? kernels::NormKind::kRms : kernels::NormKind::kLayer;
+    const auto y_type = static_cast<at::ScalarType>(out_dtype);
     const torch::Tensor x_c = x.contiguous(), w_c = weight.contiguous();
+    const torch::Tensor b_c = bias.defined() ? bias.contiguous() : bias;
     const int64_t hidden = x_c.size(-1), rows = x_c.numel() / hidden;
-    torch::Tensor y = at::empty(x_c.sizes(), x_c.options());
+    torch::Tensor y = at::empty(x_c.sizes(), x_c.options().dtype(y_type));
     torch::Tensor rstd = at::empty({rows}, x_c.options().dtype(at::kFloat));
-    CheckLaunch(kernels::LaunchRmsNormForward(
-                    x_c.const_data_ptr(), w_c.const_data_ptr(), y.mutable_data_ptr(),
+    torch::Tensor mean = rms ? torch::Tensor() : at::empty({rows}, rstd.options());
+    CheckLaunch(kernels::LaunchNormForward(
+                    kind, x_c.const_data_ptr(), w_c.const_data_ptr(),
+                    b_c.defined() ? b_c.const_data_ptr() : nullptr, y.mutable_data_ptr(),
+                    mean.defined() ? mean.mutable_data_ptr<float>() : nullptr,
                     rstd.mutable_data_ptr<float>(), rows, hidden, static_cast<float>(eps),
-                    KernelDtypeOf(x_c), KernelDtypeOf(w_c), c10::cuda::getCurrentCUDAStream()),
-                "RmsNormForward");
-    ctx->save_for_backward({x_c, w_c, rstd});
+                    KernelDtypeOf(x_c), KernelDtypeOf(y), KernelDtypeOf(w_c),
+                    c10::cuda::getCurrentCUDAStream()),
+                "NormForward");
+    ctx->save_for_backward({x_c, w_c, mean, rstd});
+    ctx->saved_data["rms"] = rms;
+    ctx->saved_data["out_dtype"] = out_dtype;
+    ctx->saved_data["has_bias"] = bias.defined();
     return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const torch::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
-    torch::Tensor grad_x, grad_weight;
-    if (!grads[0].defined()) return {grad_x, grad_weight, torch::Tensor()};
+    const torch::Tensor &x = saved[0], &weight = saved[1], &mean = saved[2], &rstd = saved[3];
+    torch::Tensor grad_x, grad_weight, grad_bias;
+    const auto none = [&] {
+      return variable_list{grad_x,          grad_weight,     grad_bias,
+                           torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    };
+    if (!grads[0].defined()) return none();
     const c10::cuda::CUDAGuard guard(x.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    const torch::Tensor grad_y = grads[0].to(x.scalar_type()).contiguous();
+    const bool rms = ctx->saved_data["rms"].toBool();
+    const kernels::NormKind kind = rms ? kernels::NormKind::kRms : kernels::NormKind::kLayer;
+    const auto y_type = static_cast<at::ScalarType>(ctx->saved_data["out_dtype"].toInt());
+    const torch::Tensor grad_y = grads[0].to(y_type).contiguous();
     const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+    const float* mean_data = mean.defined() ? mean.const_data_ptr<float>() : nullptr;
     if (ctx->needs_input_grad(0)) {
       grad_x = at::empty(x.sizes(), x.options());
-      CheckLaunch(kernels::LaunchRmsNormBackward(
-                      grad_y.const_data_ptr(), x.const_data_ptr(), weight.const_data_ptr(),
-                      rstd.const_data_ptr<float>(), grad_x.mutable_data_ptr(), rows, hidden,
-                      KernelDtypeOf(x), KernelDtypeOf(weight), stream),
-                  "RmsNormBackward");
-    }
-    if (ctx->needs_input_grad(1)) {
-      const kernels::RmsNormWeightGradPlan plan = kernels::PlanRmsNormWeightGrad(rows);
-      torch::Tensor partials = at::empty({plan.partitions, hidden}, rstd.options());
       CheckLaunch(
-          kernels::LaunchRmsNormWeightGradPartial(
-              grad_y.const_data_ptr(), x.const_data_ptr(), rstd.const_data_ptr<float>(),
-              partials.mutable_data_ptr<float>(), rows, hidden, plan, KernelDtypeOf(x), stream),
-          "RmsNormWeightGradPartial");
-      grad_weight = partials.sum(0).to(weight.scalar_type());
+          kernels::LaunchNormBackward(
+              kind, grad_y.const_data_ptr(), x.const_data_ptr(), weight.const_data_ptr(), mean_data,
+              rstd.const_data_ptr<float>(), grad_x.mutable_data_ptr(), rows, hidden,
+              KernelDtypeOf(x), KernelDtypeOf(grad_y), KernelDtypeOf(weight), stream),
+          "NormBackward");
     }
-    return {grad_x, grad_weight, torch::Tensor()};
+    const bool want_bias = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
+    if (ctx->needs_input_grad(1) || want_bias) {
+      const kernels::NormWeightGradPlan plan = kernels::PlanNormWeightGrad(rows);
+      torch::Tensor weight_partials = at::empty({plan.partitions, hidden}, rstd.options());
+      torch::Tensor bias_partials =
+          want_bias ? at::empty({plan.partitions, hidden}, rstd.options()) : torch::Tensor();
+      CheckLaunch(kernels::LaunchNormWeightGradPartial(
+                      kind, grad_y.const_data_ptr(), x.const_data_ptr(), mean_data,
+                      rstd.const_data_ptr<float>(), weight_partials.mutable_data_ptr<float>(),
+                      want_bias ? bias_partials.mutable_data_ptr<float>() : nullptr, rows, hidden,
+                      plan, KernelDtypeOf(x), KernelDtypeOf(grad_y), stream),
+                  "NormWeightGradPartial");
+      if (ctx->needs_input_grad(1)) grad_weight = weight_partials.sum(0).to(weight.scalar_type());
+      if (want_bias) grad_bias = bias_partials.sum(0).to(weight.scalar_type());
+    }
+    return none();
   }
 };
 
@@ -329,16 +370,32 @@ bool FusedKernelsEnabled() { return fused_kernels_enabled.load(); }
 
 bool FusedKernelsBuilt() { return TESSERA_WITH_CUDA != 0; }
 
-torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                           std::optional<at::ScalarType> out_dtype) {
+  const at::ScalarType out = out_dtype.value_or(x.scalar_type());
   if (FusedKernelsEnabled() && FusedRmsNormCpuApplies(x, weight)) {
-    return RmsNormCpuFunction::apply(x, weight, eps);
+    const torch::Tensor y = RmsNormCpuFunction::apply(x, weight, eps);
+    return out == at::kFloat ? y : y.to(out);
   }
 #if TESSERA_WITH_CUDA
-  if (FusedKernelsEnabled() && FusedRmsNormApplies(x, weight)) {
-    return RmsNormFunction::apply(x, weight, eps);
+  if (FusedKernelsEnabled() && FusedNormApplies(x, weight, torch::Tensor(), out)) {
+    return NormFunction::apply(x, weight, torch::Tensor(), eps, /*rms=*/true,
+                               static_cast<int64_t>(out));
   }
 #endif
-  return RmsNormComposite(x, weight, eps);
+  return RmsNormComposite(x, weight, eps, out);
+}
+
+torch::Tensor FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& weight,
+                             const torch::Tensor& bias, double eps,
+                             std::optional<at::ScalarType> out_dtype) {
+  const at::ScalarType out = out_dtype.value_or(x.scalar_type());
+#if TESSERA_WITH_CUDA
+  if (FusedKernelsEnabled() && FusedNormApplies(x, weight, bias, out)) {
+    return NormFunction::apply(x, weight, bias, eps, /*rms=*/false, static_cast<int64_t>(out));
+  }
+#endif
+  return LayerNormComposite(x, weight, bias, eps, out);
 }
 
 torch::Tensor FusedRotary(const torch::Tensor& x, const torch::Tensor& cos,

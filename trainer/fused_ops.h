@@ -1,6 +1,7 @@
-// The model's RMSNorm, rotary position embedding and SwiGLU as single CUDA kernels (forward and
-// backward, as autograd Functions) instead of chains of ATen kernels; RMSNorm, SwiGLU and GELU
-// (tanh) as CPU kernels (fused_ops_cpu.h); ATen's composite as the fallback. A fused path runs
+// The model's RMSNorm, LayerNorm, rotary position embedding and SwiGLU as single CUDA kernels
+// (forward and backward, as autograd Functions) instead of chains of ATen kernels; RMSNorm, SwiGLU
+// and GELU (tanh) as CPU kernels (fused_ops_cpu.h); ATen's composite as the fallback. A fused path
+// runs
 // when fused kernels are enabled (the default; the trainer's --fused_kernels) and the operands
 // suit it: for the CUDA kernels, a build with CUDA and CUDA tensors of a supported dtype
 // (float32, bfloat16, float16) and shape; for the CPU kernels, float32 CPU tensors. Everything
@@ -26,8 +27,20 @@ bool FusedKernelsEnabled();
 bool FusedKernelsBuilt();
 
 // RMSNorm over the last dimension: (x * rsqrt(mean(x^2, -1) + eps) * weight) computed in float32
-// and returned in x's dtype. weight is [x.size(-1)], of any floating dtype.
-torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// and returned in out_dtype (default x's dtype). weight is [x.size(-1)], of any floating dtype.
+// An out_dtype other than x's saves the cast after it: under autocast the model asks for the
+// layers' 16-bit dtype straight from its float32 residual stream, and the gradient then comes
+// back in that dtype too (the CUDA kernel takes it so; the composite casts).
+torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                           std::optional<at::ScalarType> out_dtype = std::nullopt);
+
+// LayerNorm over the last dimension (at::layer_norm of x in float32, weight [x.size(-1)], bias
+// [x.size(-1)] or undefined) returned in out_dtype (default x's dtype), as FusedRmsNorm. On CUDA
+// one kernel each way plus a deterministic weight/bias gradient (per-partition column sums);
+// elsewhere ATen's layer_norm, which on the CPU is already one pass.
+torch::Tensor FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& weight,
+                             const torch::Tensor& bias, double eps,
+                             std::optional<at::ScalarType> out_dtype = std::nullopt);
 
 // Rotary embedding of x's last dimension (x cos + rotate_half(x) sin, in float32, returned in x's
 // dtype), with rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2]). cos and sin broadcast against x

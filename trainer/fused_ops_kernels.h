@@ -1,7 +1,8 @@
-// Plain CUDA kernels behind trainer/fused_ops.h: RMSNorm, rotary embedding and SwiGLU, forward and
-// backward, and the cross-entropy rows of trainer/linear_cross_entropy.cc. Launchers take raw
-// device pointers, element counts and the stream to run on, and return the launch's cudaError_t (cudaGetLastError right after the launch); they never synchronize
-// and never allocate. No LibTorch here, so that nvcc compiles fused_ops_kernels.cu without the
+// Plain CUDA kernels behind trainer/fused_ops.h: RMSNorm and LayerNorm, rotary embedding and
+// SwiGLU, forward and backward, and the cross-entropy rows of trainer/linear_cross_entropy.cc.
+// Launchers take raw device pointers, element counts and the stream to run on, and return the
+// launch's cudaError_t (cudaGetLastError right after the launch); they never synchronize and
+// never allocate. No LibTorch here, so that nvcc compiles fused_ops_kernels.cu without the
 // LibTorch headers. Every kernel computes in float32 whatever the storage dtype, and uses 64-bit
 // indices throughout.
 #pragma once
@@ -15,34 +16,52 @@ namespace tessera::trainer::kernels {
 // Storage dtype of a tensor argument.
 enum class Dtype { kFloat32, kBFloat16, kFloat16 };
 
-// y = x * rsqrt(mean(x^2) + eps) * weight over rows of `hidden` contiguous elements, rounded to
-// x's dtype; rstd[row] (float32) receives rsqrt(mean(x^2) + eps). x and y: x_dtype, [rows, hidden];
-// weight: weight_dtype, [hidden].
-cudaError_t LaunchRmsNormForward(const void* x, const void* weight, void* y, float* rstd,
-                                 int64_t rows, int64_t hidden, float eps, Dtype x_dtype,
-                                 Dtype weight_dtype, cudaStream_t stream);
+// Which norm: RMSNorm (Llama) or LayerNorm with an optional bias (GPT-2).
+enum class NormKind { kRms, kLayer };
 
-// grad_x = rstd * (g - n * mean(g * n)) with g = grad_y * weight and n = x * rstd, per row.
-// grad_y and grad_x: x_dtype, [rows, hidden].
-cudaError_t LaunchRmsNormBackward(const void* grad_y, const void* x, const void* weight,
-                                  const float* rstd, void* grad_x, int64_t rows, int64_t hidden,
-                                  Dtype x_dtype, Dtype weight_dtype, cudaStream_t stream);
+// Whether the norm kernels are built for input x_dtype and output y_dtype: the same dtype, or
+// float32 in and any out (a float32 residual stream normalised straight into the 16-bit dtype of
+// the layers after it under autocast).
+bool NormDtypesSupported(Dtype x_dtype, Dtype y_dtype);
 
-// How RmsNormWeightGradPartial splits the rows: partials[p] sums rows
+// Over rows of `hidden` contiguous elements, in float32, rounded once to y_dtype:
+//   kRms:   y = x * rstd * weight,                 rstd = rsqrt(mean(x^2) + eps)
+//   kLayer: y = (x - mean) * rstd * weight + bias, rstd = rsqrt(mean((x - mean)^2) + eps)
+// x: x_dtype and y: y_dtype, [rows, hidden]; weight and bias (kLayer; may be null): weight_dtype,
+// [hidden]. rstd[row] and, for kLayer, mean[row] (float32; mean may be null for kRms) receive the
+// row's statistics.
+cudaError_t LaunchNormForward(NormKind kind, const void* x, const void* weight, const void* bias,
+                              void* y, float* mean, float* rstd, int64_t rows, int64_t hidden,
+                              float eps, Dtype x_dtype, Dtype y_dtype, Dtype weight_dtype,
+                              cudaStream_t stream);
+
+// grad_x of LaunchNormForward, with n = the normalised x ((x - mean) * rstd, or x * rstd) and
+// g = grad_y * weight, per row:
+//   kRms:   grad_x = rstd * (g - n * mean(g n))
+//   kLayer: grad_x = rstd * (g - mean(g) - n * mean(g n)).
+// grad_y: y_dtype, grad_x: x_dtype, [rows, hidden].
+cudaError_t LaunchNormBackward(NormKind kind, const void* grad_y, const void* x, const void* weight,
+                               const float* mean, const float* rstd, void* grad_x, int64_t rows,
+                               int64_t hidden, Dtype x_dtype, Dtype y_dtype, Dtype weight_dtype,
+                               cudaStream_t stream);
+
+// How NormWeightGradPartial splits the rows: partials[p] sums rows
 // [p * rows_per_partition, (p + 1) * rows_per_partition). At most 65535 partitions (one grid
 // column each).
-struct RmsNormWeightGradPlan {
+struct NormWeightGradPlan {
   int64_t rows_per_partition = 0;
   int64_t partitions = 0;
 };
-RmsNormWeightGradPlan PlanRmsNormWeightGrad(int64_t rows);
+NormWeightGradPlan PlanNormWeightGrad(int64_t rows);
 
-// partials[p, j] = sum over the rows of partition p of grad_y[row, j] * x[row, j] * rstd[row]
-// (float32, [plan.partitions, hidden]); the weight's gradient is the sum of partials over p.
-cudaError_t LaunchRmsNormWeightGradPartial(const void* grad_y, const void* x, const float* rstd,
-                                           float* partials, int64_t rows, int64_t hidden,
-                                           const RmsNormWeightGradPlan& plan, Dtype x_dtype,
-                                           cudaStream_t stream);
+// weight_partials[p, j] = sum over the rows of partition p of grad_y[row, j] * n[row, j] and,
+// for kLayer when bias_partials is not null, bias_partials[p, j] = the sum of grad_y[row, j]
+// (float32, [plan.partitions, hidden]); the gradients are the sums of the partials over p.
+cudaError_t LaunchNormWeightGradPartial(NormKind kind, const void* grad_y, const void* x,
+                                        const float* mean, const float* rstd,
+                                        float* weight_partials, float* bias_partials, int64_t rows,
+                                        int64_t hidden, const NormWeightGradPlan& plan,
+                                        Dtype x_dtype, Dtype y_dtype, cudaStream_t stream);
 
 // Element strides of a rotary operand seen as [n0, n1, n2, head_dim]; the last dimension is the
 // one rotated. Tables (cos, sin) are addressed with their own strides, 0 where they broadcast.

@@ -1,12 +1,14 @@
-// FusedRmsNorm, FusedRotary and FusedSwiGlu against ATen's composite, which is copied here as the
-// model ran it before the fused kernels: on the CPU (the fallback) bitwise, forward and gradients;
+// FusedRmsNorm, FusedLayerNorm, FusedRotary and FusedSwiGlu against ATen's composite, which is
+// copied here as the model ran it before the fused kernels: on the CPU (the fallback) bitwise,
+// forward and gradients, and the norms' output in autocast's dtype as the cast of their result;
 // FusedGeluTanh's CPU kernel against GELU in float64 and ATen's float32 GELU, over sizes around
 // the vector width and the per-thread split, extreme inputs, views, one or two threads, and a
 // GPT-2-shaped model with the kernel on and off;
 // on a GPU (when there is one) the CUDA kernels' forward and every gradient against the composite
 // on the same GPU, float32 to float32 rounding and bfloat16 / float16 against the float32 composite
 // of the same (rounded) inputs, over odd sizes, non-contiguous inputs, more than 65535 rows and
-// empty inputs; and a Qwen3-shaped model's loss and gradients with the kernels on and off.
+// empty inputs, the norms straight into 16-bit dtypes; and Qwen3- and GPT-2-shaped models' loss
+// and gradients under autocast with the kernels on and off.
 #include "trainer/fused_ops.h"
 
 #include <ATen/autocast_mode.h>
@@ -50,6 +52,11 @@ Tensor ReferenceRmsNorm(const Tensor& x, const Tensor& weight, double eps) {
   Tensor x32 = x.to(torch::kFloat32);
   Tensor normed = x32 * torch::rsqrt(x32.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return (normed * weight.to(torch::kFloat32)).to(x.scalar_type());
+}
+
+Tensor ReferenceLayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  return at::layer_norm(x.to(torch::kFloat32), {weight.size(0)}, weight, bias, eps)
+      .to(x.scalar_type());
 }
 
 Tensor ReferenceSwiGlu(const Tensor& gate, const Tensor& up) { return torch::silu(gate) * up; }
@@ -143,6 +150,13 @@ const Op kFusedRmsNorm = [](const std::vector<Tensor>& in) {
 const Op kReferenceRmsNorm = [](const std::vector<Tensor>& in) {
   return ReferenceRmsNorm(in[0], in[1], 1e-6);
 };
+// LayerNorm of in[0] with weight in[1] and, when given, bias in[2].
+const Op kFusedLayerNorm = [](const std::vector<Tensor>& in) {
+  return FusedLayerNorm(in[0], in[1], in.size() > 2 ? in[2] : Tensor(), 1e-5);
+};
+const Op kReferenceLayerNorm = [](const std::vector<Tensor>& in) {
+  return ReferenceLayerNorm(in[0], in[1], in.size() > 2 ? in[2] : Tensor(), 1e-5);
+};
 const Op kFusedRotary = [](const std::vector<Tensor>& in) {
   return FusedRotary(in[0], in[1], in[2]);
 };
@@ -201,6 +215,54 @@ TEST(FusedOpsCpuTest, RmsNormFrozenWeightViewsThreadsAndTheSwitch) {
   const OpRun off = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
   SetFusedKernelsEnabled(true);
   ExpectEqual(off, RunOp(kReferenceRmsNorm, {x, w}, {true, true}, grad));
+}
+
+TEST(FusedOpsCpuTest, LayerNormIsTheCompositeBitwise) {
+  // No CPU kernel: ATen's layer_norm, with and without a bias, fused kernels on or off.
+  const Tensor x = torch::randn({3, 7, 40}), w = torch::randn({40}), b = torch::randn({40});
+  const Tensor grad = torch::randn({3, 7, 40});
+  for (bool fused : {true, false}) {
+    SetFusedKernelsEnabled(fused);
+    ExpectEqual(RunOp(kFusedLayerNorm, {x, w, b}, {true, true, true}, grad),
+                RunOp(kReferenceLayerNorm, {x, w, b}, {true, true, true}, grad));
+    ExpectEqual(RunOp(kFusedLayerNorm, {x, w}, {true, true}, grad),
+                RunOp(kReferenceLayerNorm, {x, w}, {true, true}, grad));
+  }
+  SetFusedKernelsEnabled(true);
+}
+
+// A Norm made with autocast_output returns, for a float32 input under autocast, autocast's dtype
+// with exactly the values of casting its float32 result, and the same gradients as the cast
+// would pass back; without autocast (or without autocast_output) it is unchanged.
+TEST(FusedOpsCpuTest, NormsWithAutocastOutputAreTheCastOfTheFloat32Result) {
+  for (bool rms : {true, false}) {
+    SCOPED_TRACE(rms ? "rms" : "layer");
+    torch::manual_seed(3);
+    Norm plain(48, 1e-5, rms), into(48, 1e-5, rms, /*autocast_output=*/true);
+    {
+      torch::NoGradGuard no_grad;
+      for (const Tensor& p : plain->parameters()) p.normal_();
+      auto from = plain->parameters();
+      auto to = into->parameters();
+      for (size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+    }
+    const Tensor x = torch::randn({5, 48});
+    EXPECT_TRUE(torch::equal(into->forward(x), plain->forward(x)));  // autocast off
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    const Tensor xa = x.clone().requires_grad_(true), xb = x.clone().requires_grad_(true);
+    const Tensor out = into->forward(xa);
+    const Tensor expected = plain->forward(xb).to(at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    ASSERT_EQ(out.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(torch::equal(out, expected));
+    const Tensor grad = torch::randn({5, 48}).to(at::kBFloat16);
+    out.backward(grad);
+    expected.backward(grad);
+    EXPECT_TRUE(torch::equal(xa.grad(), xb.grad()));
+    EXPECT_TRUE(torch::equal(into->parameters()[0].grad(), plain->parameters()[0].grad()));
+  }
 }
 
 TEST(FusedOpsCpuTest, RotaryIsTheCompositeBitwise) {
@@ -487,7 +549,7 @@ TEST_F(FusedOpsGpuTest, RmsNormFloat32MatchesComposite) {
     SCOPED_TRACE(hidden);
     const Tensor x = Randn({3, 5, hidden}), w = Randn({hidden}), grad = Randn({3, 5, hidden});
     const OpRun fused = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
-    EXPECT_THAT(fused.node, HasSubstr("RmsNormFunction"));
+    EXPECT_THAT(fused.node, HasSubstr("NormFunction"));
     ExpectRunClose(fused, RunOp(kReferenceRmsNorm, {x, w}, {true, true}, grad), kRtol32, kAtol32,
                    "rms_norm f32");
   }
@@ -502,7 +564,7 @@ TEST_F(FusedOpsGpuTest, RmsNormLowPrecisionMatchesFloat32Composite) {
       const Tensor x = Randn({4, 9, 4096}, dtype), w = Randn({4096}, weight_dtype);
       const Tensor grad = Randn({4, 9, 4096}, dtype);
       const OpRun fused = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
-      EXPECT_THAT(fused.node, HasSubstr("RmsNormFunction"));
+      EXPECT_THAT(fused.node, HasSubstr("NormFunction"));
       ASSERT_EQ(fused.output.scalar_type(), dtype);
       ASSERT_EQ(fused.grads[1].scalar_type(), weight_dtype);
       const OpRun reference =
@@ -530,10 +592,95 @@ TEST_F(FusedOpsGpuTest, RmsNormManyRowsNonContiguousAndFrozenWeight) {
     const Tensor x = Randn({96, 6, 4}), w = Randn({4}), grad = Randn({6, 96, 4});
     auto transposed = [](size_t i, const Tensor& t) { return i == 0 ? t.transpose(0, 1) : t; };
     const OpRun fused = RunOp(kFusedRmsNorm, {x, w}, {true, false}, grad, transposed);
-    EXPECT_THAT(fused.node, HasSubstr("RmsNormFunction"));
+    EXPECT_THAT(fused.node, HasSubstr("NormFunction"));
     EXPECT_FALSE(fused.grads[1].defined());
     ExpectRunClose(fused, RunOp(kReferenceRmsNorm, {x, w}, {true, false}, grad, transposed),
                    kRtol32, kAtol32, "transposed");
+  }
+}
+
+TEST_F(FusedOpsGpuTest, LayerNormFloat32MatchesComposite) {
+  for (int64_t hidden : {768, 1000, 4096, 77, 1}) {
+    SCOPED_TRACE(hidden);
+    const Tensor x = Randn({3, 5, hidden}) * 3 + 1, w = Randn({hidden}), b = Randn({hidden});
+    const Tensor grad = Randn({3, 5, hidden});
+    const OpRun fused = RunOp(kFusedLayerNorm, {x, w, b}, {true, true, true}, grad);
+    EXPECT_THAT(fused.node, HasSubstr("NormFunction"));
+    ExpectRunClose(fused, RunOp(kReferenceLayerNorm, {x, w, b}, {true, true, true}, grad), kRtol32,
+                   kAtol32, "layer_norm f32");
+    // Without a bias.
+    ExpectRunClose(RunOp(kFusedLayerNorm, {x, w}, {true, true}, grad),
+                   RunOp(kReferenceLayerNorm, {x, w}, {true, true}, grad), kRtol32, kAtol32,
+                   "layer_norm f32 without bias");
+  }
+}
+
+TEST_F(FusedOpsGpuTest, LayerNormLowPrecisionManyRowsAndFrozenWeights) {
+  for (auto dtype : {torch::kBFloat16, torch::kFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const Tensor x = Randn({4, 9, 768}, dtype), w = Randn({768}), b = Randn({768});
+    const Tensor grad = Randn({4, 9, 768}, dtype);
+    const OpRun fused = RunOp(kFusedLayerNorm, {x, w, b}, {true, true, true}, grad);
+    EXPECT_THAT(fused.node, HasSubstr("NormFunction"));
+    ASSERT_EQ(fused.output.scalar_type(), dtype);
+    const OpRun reference = RunOp(kReferenceLayerNorm, {x.to(torch::kFloat32), w, b},
+                                  {true, true, true}, grad.to(torch::kFloat32));
+    ExpectClose(fused.output.to(torch::kFloat32), reference.output, kRtolLow, kAtolLow, "output");
+    for (size_t i = 0; i < 3; ++i) {
+      ExpectClose(fused.grads[i].to(torch::kFloat32), reference.grads[i], kRtolLow, kAtolLow,
+                  "grad " + std::to_string(i));
+    }
+  }
+  // More rows than one grid dimension of blocks and than one weight-gradient partition.
+  {
+    const Tensor x = Randn({70001, 64}), w = Randn({64}), b = Randn({64});
+    const Tensor grad = Randn({70001, 64});
+    ExpectRunClose(RunOp(kFusedLayerNorm, {x, w, b}, {true, true, true}, grad),
+                   RunOp(kReferenceLayerNorm, {x, w, b}, {true, true, true}, grad), kRtol32,
+                   kAtol32, "70001 rows");
+  }
+  // A transposed input; weight and bias that take no gradient (frozen under LoRA).
+  {
+    const Tensor x = Randn({96, 6, 40}), w = Randn({40}), b = Randn({40});
+    const Tensor grad = Randn({6, 96, 40});
+    auto transposed = [](size_t i, const Tensor& t) { return i == 0 ? t.transpose(0, 1) : t; };
+    const OpRun fused = RunOp(kFusedLayerNorm, {x, w, b}, {true, false, false}, grad, transposed);
+    EXPECT_FALSE(fused.grads[1].defined());
+    EXPECT_FALSE(fused.grads[2].defined());
+    ExpectRunClose(fused,
+                   RunOp(kReferenceLayerNorm, {x, w, b}, {true, false, false}, grad, transposed),
+                   kRtol32, kAtol32, "transposed");
+  }
+}
+
+// A float32 input normalised straight into bfloat16 / float16 (what the model asks for under
+// autocast) is exactly the kernel's float32 result cast, and a 16-bit output gradient gives
+// exactly the gradients that the same values in float32 give: one rounding, same arithmetic.
+TEST_F(FusedOpsGpuTest, NormsIntoA16BitDtypeAreTheCastOfTheFloat32Result) {
+  for (bool rms : {true, false}) {
+    for (auto dtype : {torch::kBFloat16, torch::kFloat16}) {
+      SCOPED_TRACE(std::string(rms ? "rms " : "layer ") + c10::toString(dtype));
+      const Tensor x = Randn({3, 11, 768}), w = Randn({768}), b = Randn({768});
+      const Tensor grad = Randn({3, 11, 768}, dtype);
+      auto norm = [&](std::optional<at::ScalarType> out) -> Op {
+        return [rms, out](const std::vector<Tensor>& in) {
+          return rms ? FusedRmsNorm(in[0], in[1], 1e-6, out)
+                     : FusedLayerNorm(in[0], in[1], in[2], 1e-5, out);
+        };
+      };
+      const OpRun low = RunOp(norm(dtype), {x, w, b}, {true, true, !rms}, grad);
+      const OpRun wide =
+          RunOp(norm(std::nullopt), {x, w, b}, {true, true, !rms}, grad.to(torch::kFloat32));
+      EXPECT_THAT(low.node, HasSubstr("NormFunction"));
+      ASSERT_EQ(low.output.scalar_type(), dtype);
+      EXPECT_TRUE(torch::equal(low.output, wide.output.to(dtype)));
+      for (size_t i = 0; i < 3; ++i) {
+        ASSERT_EQ(low.grads[i].defined(), wide.grads[i].defined()) << i;
+        if (!low.grads[i].defined()) continue;
+        EXPECT_EQ(low.grads[i].scalar_type(), torch::kFloat32) << i;
+        EXPECT_TRUE(torch::equal(low.grads[i], wide.grads[i])) << "grad " << i;
+      }
+    }
   }
 }
 
@@ -646,6 +793,10 @@ TEST_F(FusedOpsGpuTest, EmptyInputsGiveEmptyResultsAndZeroWeightGradient) {
   EXPECT_EQ(norm.output.sizes(), x.sizes());
   EXPECT_EQ(norm.grads[0].sizes(), x.sizes());
   EXPECT_TRUE(torch::equal(norm.grads[1], torch::zeros_like(w)));
+  const OpRun layer = RunOp(kFusedLayerNorm, {x, w, w}, {true, true, true}, grad);
+  EXPECT_EQ(layer.output.sizes(), x.sizes());
+  EXPECT_TRUE(torch::equal(layer.grads[1], torch::zeros_like(w)));
+  EXPECT_TRUE(torch::equal(layer.grads[2], torch::zeros_like(w)));
   auto [cos, sin] = RotaryTables(/*max_seq_len=*/4, /*head_dim=*/8, 10000);
   const Tensor q = Randn({0, 4, 2, 8});
   const OpRun rotary = RunOp(kFusedRotary, {q, cos.to(torch::kCUDA), sin.to(torch::kCUDA)},
@@ -662,7 +813,7 @@ TEST_F(FusedOpsGpuTest, SwitchedOffRunsTheCompositeBitwise) {
   SetFusedKernelsEnabled(false);
   const OpRun off = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);
   SetFusedKernelsEnabled(true);
-  EXPECT_THAT(off.node, Not(HasSubstr("RmsNormFunction")));
+  EXPECT_THAT(off.node, Not(HasSubstr("NormFunction")));
   ExpectEqual(off, RunOp(kReferenceRmsNorm, {x, w}, {true, true}, grad));
 }
 
@@ -673,6 +824,14 @@ TEST_F(FusedOpsGpuTest, SwitchedOffRunsTheCompositeBitwise) {
 TEST_F(FusedOpsGpuTest, ModelTracksTheCompositeUnderAutocast) {
   const v1::ModelDims dims = testing::TinyQwenDims(/*ffn_hidden_size=*/160, /*seq_len=*/48);
   const Tensor tokens = torch::randint(257, {2, 49}, torch::kLong).to(torch::kCUDA);
+  ExpectModelTracksTheComposite(dims, tokens, /*autocast=*/true, /*loss_tolerance=*/1e-2,
+                                /*grad_tolerance=*/1e-1);
+}
+
+// GPT-2-shaped (LayerNorm with bias, fused qkv, GELU) likewise.
+TEST_F(FusedOpsGpuTest, Gpt2TracksTheCompositeUnderAutocast) {
+  const v1::ModelDims dims = testing::PresetDims("tiny-gpt2");
+  const Tensor tokens = torch::randint(dims.vocab_size(), {2, 33}, torch::kLong).to(torch::kCUDA);
   ExpectModelTracksTheComposite(dims, tokens, /*autocast=*/true, /*loss_tolerance=*/1e-2,
                                 /*grad_tolerance=*/1e-1);
 }

@@ -1,6 +1,7 @@
 #include "trainer/model.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
 
 #include <algorithm>
 #include <cmath>
@@ -130,16 +131,21 @@ torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, doubl
   return FusedRmsNorm(x, weight, eps);
 }
 
-NormImpl::NormImpl(int64_t size, double eps, bool rms) : eps_(eps), rms_(rms) {
+NormImpl::NormImpl(int64_t size, double eps, bool rms, bool autocast_output)
+    : eps_(eps), rms_(rms), autocast_output_(autocast_output) {
   weight_ = register_parameter("weight", torch::ones({size}));
   if (!rms_) bias_ = register_parameter("bias", torch::zeros({size}));
 }
 
 torch::Tensor NormImpl::forward(const torch::Tensor& x) {
-  if (rms_) return RmsNorm(x, weight_, eps_);
-  // Autocast runs layer_norm in float32 on its own; the explicit cast covers CPU and no-autocast.
-  return at::layer_norm(x.to(torch::kFloat32), {weight_.size(0)}, weight_, bias_, eps_)
-      .to(x.scalar_type());
+  std::optional<at::ScalarType> out_dtype;
+  const at::DeviceType device = x.device().type();
+  if (autocast_output_ && x.scalar_type() == at::kFloat &&
+      (device == at::kCUDA || device == at::kCPU) && at::autocast::is_autocast_enabled(device)) {
+    out_dtype = at::autocast::get_autocast_dtype(device);
+  }
+  if (rms_) return FusedRmsNorm(x, weight_, eps_, out_dtype);
+  return FusedLayerNorm(x, weight_, bias_, eps_, out_dtype);
 }
 
 AttentionImpl::AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp)
@@ -281,9 +287,11 @@ void MlpImpl::AddLora(const LoraOptions& options) {
 
 BlockImpl::BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp) {
   const bool rms = IsLlama(dims);
-  attn_norm_ = register_module("attn_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms));
+  attn_norm_ =
+      register_module("attn_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms, !tp.enabled()));
   attn_ = register_module("attn", Attention(dims, tp));
-  mlp_norm_ = register_module("mlp_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms));
+  mlp_norm_ =
+      register_module("mlp_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms, !tp.enabled()));
   mlp_ = register_module("mlp", Mlp(dims, tp));
 }
 
@@ -339,7 +347,7 @@ CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
     blocks_.push_back(block.ptr());
   }
   if (partition_.head) {
-    final_norm_ = register_module("final_norm", Norm(d, dims.norm_eps(), llama));
+    final_norm_ = register_module("final_norm", Norm(d, dims.norm_eps(), llama, !tp.enabled()));
     if (!dims.tie_embeddings()) {
       lm_head_ = register_parameter("lm_head", torch::empty({local_vocab, d}));
     }

@@ -61,15 +61,22 @@ struct LoraAdapter {
 // True for the parameter names of LoRA adapters (".lora_a", ".lora_b").
 bool IsLoraParameter(const std::string& name);
 
-// LayerNorm (GPT2, with bias) or RMSNorm (LLAMA, no bias) over the last dimension.
+// LayerNorm (GPT2, with bias) or RMSNorm (LLAMA, no bias) over the last dimension. With
+// autocast_output, a float32 input on a device where autocast is on is normalised straight into
+// autocast's dtype: the linear layers that take the output would cast it there anyway, and
+// the fused kernel writes the 16-bit result (and reads its 16-bit gradient) in one pass instead
+// of writing float32 for a cast kernel to read. Same values as the cast; the model sets it for
+// the norms that feed linear layers, except under tensor parallelism (whose all-reduce of the
+// input gradient then stays in float32).
 class NormImpl : public torch::nn::Module {
  public:
-  NormImpl(int64_t size, double eps, bool rms);
+  NormImpl(int64_t size, double eps, bool rms, bool autocast_output = false);
   torch::Tensor forward(const torch::Tensor& x);
 
  private:
   double eps_;
   bool rms_;
+  bool autocast_output_;
   torch::Tensor weight_;
   torch::Tensor bias_;  // undefined for RMSNorm
 };
