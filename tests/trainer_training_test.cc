@@ -1005,8 +1005,9 @@ TEST_F(TrainerTrainingTest, GpuZero3Bf16PeakMemoryMatchesThePlanner) {
   // The allocator's peak has no CUDA context or cuBLAS workspace in it: compare without the
   // planner's fixed workspace term.
   const int64_t planned = estimate.total_bytes() - cluster.device.workspace_bytes();
+  // The planner's terms too: when the two part, the log says which term to look at.
   std::cout << "ZeRO-3 bf16 gpt2-124m seq " << seq << " micro " << micro << ": peak " << peak
-            << " bytes, planner " << planned << " bytes\n";
+            << " bytes, planner " << planned << " bytes (" << estimate.ShortDebugString() << ")\n";
   EXPECT_NEAR(static_cast<double>(peak), static_cast<double>(planned), 0.10 * planned);
 }
 
