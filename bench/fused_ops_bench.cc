@@ -44,8 +44,9 @@ ABSL_FLAG(int, iterations, 20, "Forward + backward passes per path per round.");
 ABSL_FLAG(bool, smoke, false,
           "Tiny shapes on the CPU (both paths are the composite there): checks that the "
           "benchmark runs; its times mean nothing.");
-ABSL_FLAG(bool, cpu, false,
-          "Time the CPU kernels (GELU, SwiGLU, RMSNorm; float32) instead of the CUDA ones.");
+ABSL_FLAG(
+    bool, cpu, false,
+    "Time the CPU kernels (GELU, SwiGLU, RMSNorm, rotary; float32) instead of the CUDA ones.");
 
 namespace tessera::bench {
 namespace {
@@ -78,19 +79,24 @@ struct Case {
 };
 
 // The CPU kernels' cases, on float32 activations: GELU (tanh) and SwiGLU at [tokens, ffn],
-// RMSNorm at [tokens, hidden].
+// RMSNorm at [tokens, hidden], rotary on q as the model calls it (4 sequences of tokens / 4).
 std::vector<Case> CpuCasesFor(const Shape& s) {
   auto leaf = [](Tensor t) { return t.requires_grad_(true); };
-  return {
-      {"gelu [tokens, ffn] float32",
-       {leaf(torch::randn({s.tokens, s.ffn}))},
-       [](const std::vector<Tensor>& in) { return trainer::FusedGeluTanh(in[0]); }},
-      {"swiglu [tokens, ffn] float32",
-       {leaf(torch::randn({s.tokens, s.ffn})), leaf(torch::randn({s.tokens, s.ffn}))},
-       [](const std::vector<Tensor>& in) { return trainer::FusedSwiGlu(in[0], in[1]); }},
-      {"rms_norm [tokens, hidden] float32",
-       {leaf(torch::randn({s.tokens, s.hidden})), leaf(torch::ones({s.hidden}))},
-       [](const std::vector<Tensor>& in) { return trainer::FusedRmsNorm(in[0], in[1], 1e-6); }}};
+  auto [cos, sin] = trainer::RotaryTables(s.tokens / 4, s.head_dim, 1e6);
+  return {{"gelu [tokens, ffn] float32",
+           {leaf(torch::randn({s.tokens, s.ffn}))},
+           [](const std::vector<Tensor>& in) { return trainer::FusedGeluTanh(in[0]); }},
+          {"swiglu [tokens, ffn] float32",
+           {leaf(torch::randn({s.tokens, s.ffn})), leaf(torch::randn({s.tokens, s.ffn}))},
+           [](const std::vector<Tensor>& in) { return trainer::FusedSwiGlu(in[0], in[1]); }},
+          {"rms_norm [tokens, hidden] float32",
+           {leaf(torch::randn({s.tokens, s.hidden})), leaf(torch::ones({s.hidden}))},
+           [](const std::vector<Tensor>& in) { return trainer::FusedRmsNorm(in[0], in[1], 1e-6); }},
+          {"rotary q [4, heads, seq, head_dim] (transposed view) float32",
+           {leaf(torch::randn({4, s.tokens / 4, s.heads, s.head_dim})), cos, sin},
+           [](const std::vector<Tensor>& in) {
+             return trainer::FusedRotary(in[0].transpose(1, 2), in[1], in[2]);
+           }}};
 }
 
 std::vector<Case> CasesFor(const Shape& s, const torch::Device& device) {

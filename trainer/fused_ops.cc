@@ -124,6 +124,60 @@ struct RmsNormCpuFunction : torch::autograd::Function<RmsNormCpuFunction> {
   }
 };
 
+bool FusedRotaryCpuApplies(const torch::Tensor& x, const torch::Tensor& cos,
+                           const torch::Tensor& sin) {
+  return FloatCpu(x) && FloatCpu(cos) && FloatCpu(sin) && !cos.requires_grad() &&
+         !sin.requires_grad() && x.dim() >= 2 && x.dim() <= 4 && cos.dim() == 2 &&
+         cos.sizes() == sin.sizes() && cos.size(0) == x.size(-2) && cos.size(1) == x.size(-1) &&
+         x.size(-1) % 2 == 0 && x.numel() > 0;
+}
+
+// Views `t` (2 to 4 dimensions) as 4 by adding leading dimensions of size 1.
+torch::Tensor As4d(torch::Tensor t) {
+  while (t.dim() < 4) t = t.unsqueeze(0);
+  return t;
+}
+
+// The rotation (or its transpose) of a float32 CPU tensor by the kernel: out has in's shape, and
+// its strides where in is dense (the model's transposed q and k), as the composite's would.
+torch::Tensor RotaryCpu(torch::Tensor in, const torch::Tensor& cos, const torch::Tensor& sin,
+                        bool transpose) {
+  if (in.stride(-1) != 1) in = in.contiguous();
+  torch::Tensor out = at::empty_like(in);
+  if (out.stride(-1) != 1) out = at::empty(in.sizes(), in.options());
+  const torch::Tensor in4 = As4d(in), out4 = As4d(out), table = As4d(cos).expand(in4.sizes());
+  cpu_kernels::RotaryRows rows;
+  rows.head_dim = in4.size(3);
+  for (int d = 0; d < 3; ++d) {
+    rows.sizes[d] = in4.size(d);
+    rows.in_strides[d] = in4.stride(d);
+    rows.out_strides[d] = out4.stride(d);
+    rows.table_strides[d] = table.stride(d);
+  }
+  cpu_kernels::Rotary(in.const_data_ptr<float>(), cos.const_data_ptr<float>(),
+                      sin.const_data_ptr<float>(), out.mutable_data_ptr<float>(), rows, transpose);
+  return out;
+}
+
+struct RotaryCpuFunction : torch::autograd::Function<RotaryCpuFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& cos, const torch::Tensor& sin) {
+    // Contiguous tables share their strides, which the kernel assumes; the model's are already.
+    const torch::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
+    ctx->save_for_backward({cos_c, sin_c});
+    return RotaryCpu(x, cos_c, sin_c, /*transpose=*/false);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined() || !ctx->needs_input_grad(0)) {
+      return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
+    const variable_list saved = ctx->get_saved_variables();
+    return {RotaryCpu(grads[0].to(at::kFloat), saved[0], saved[1], /*transpose=*/true),
+            torch::Tensor(), torch::Tensor()};
+  }
+};
+
 bool FusedSwiGluCpuApplies(const torch::Tensor& gate, const torch::Tensor& up) {
   return FloatCpu(gate) && FloatCpu(up) && gate.sizes() == up.sizes() && gate.numel() > 0;
 }
@@ -252,12 +306,6 @@ bool FusedRotaryApplies(const torch::Tensor& x, const torch::Tensor& cos,
          !cos.requires_grad() && !sin.requires_grad() && x.dim() >= 2 && x.dim() <= 4 &&
          cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(-2) &&
          cos.size(1) == x.size(-1) && x.size(-1) % 2 == 0 && x.numel() > 0;
-}
-
-// Views `t` (2 to 4 dimensions) as 4 by adding leading dimensions of size 1.
-torch::Tensor As4d(torch::Tensor t) {
-  while (t.dim() < 4) t = t.unsqueeze(0);
-  return t;
 }
 
 // out = the rotation of `in` (or its transpose), in's shape and dtype; out takes in's strides when
@@ -400,6 +448,12 @@ torch::Tensor FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& weight
 
 torch::Tensor FusedRotary(const torch::Tensor& x, const torch::Tensor& cos,
                           const torch::Tensor& sin) {
+  if (FusedKernelsEnabled() && FusedRotaryCpuApplies(x, cos, sin)) {
+    if (!(x.requires_grad() && torch::GradMode::is_enabled())) {
+      return RotaryCpu(x, cos.contiguous(), sin.contiguous(), /*transpose=*/false);
+    }
+    return RotaryCpuFunction::apply(x, cos, sin);
+  }
 #if TESSERA_WITH_CUDA
   if (FusedKernelsEnabled() && FusedRotaryApplies(x, cos, sin)) {
     return RotaryFunction::apply(x, cos, sin);

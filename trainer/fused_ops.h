@@ -1,15 +1,15 @@
 // The model's RMSNorm, LayerNorm, rotary position embedding and SwiGLU as single CUDA kernels
-// (forward and backward, as autograd Functions) instead of chains of ATen kernels; RMSNorm, SwiGLU
-// and GELU (tanh) as CPU kernels (fused_ops_cpu.h); ATen's composite as the fallback. A fused path
-// runs
-// when fused kernels are enabled (the default; the trainer's --fused_kernels) and the operands
-// suit it: for the CUDA kernels, a build with CUDA and CUDA tensors of a supported dtype
-// (float32, bfloat16, float16) and shape; for the CPU kernels, float32 CPU tensors. Everything
-// else (rotary on the CPU included) runs the composite exactly as before, so with fused kernels
-// off CPU results are bit-for-bit those of the composite (and of eager PyTorch). The fused
-// kernels compute in float32 and round once to the output dtype; their results match the
-// composite's to float32 rounding, not bitwise. Their backward is not itself differentiable
-// (no double backward).
+// (forward and backward, as autograd Functions) instead of chains of ATen kernels; RMSNorm,
+// rotary, SwiGLU and GELU (tanh) as CPU kernels (fused_ops_cpu.h); ATen's composite as the
+// fallback. A fused path runs when fused kernels are enabled (the default; the trainer's
+// --fused_kernels) and the operands suit it: for the CUDA kernels, a build with CUDA and CUDA
+// tensors of a supported dtype (float32, bfloat16, float16) and shape; for the CPU kernels,
+// float32 CPU tensors. Everything else runs the composite exactly as before, so with fused
+// kernels off CPU results are bit-for-bit those of the composite (and of eager PyTorch). The
+// fused kernels compute in float32 and round once to the output dtype; their results match the
+// composite's to float32 rounding, not bitwise (except the CPU rotary kernel, which rounds as the
+// composite does and matches it bitwise). Their backward is not itself differentiable (no double
+// backward).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,5 @@
-// CPU kernels of the fused ops (fused_ops.h), on float32 buffers. They split the work over
+// CPU kernels of the fused ops (fused_ops.h), on float32 buffers (fused_ops_cpu.cc; the rotary
+// one in fused_rotary_cpu.cc). They split the work over
 // ATen's intra-op threads (at::parallel_for, the OpenMP pool LibTorch's own kernels use, so one
 // pool serves both) when the build links LibTorch's OpenMP runtime, and run on the calling
 // thread otherwise. On x86-64 each kernel is built for AVX-512, AVX2 + FMA and the baseline
@@ -49,6 +50,24 @@ inline constexpr int64_t kRmsNormBlockRows = 64;
 void RmsNormBackward(const float* grad_y, const float* x, const float* weight, const float* rstd,
                      float* grad_x, float* grad_weight, int64_t rows, int64_t hidden,
                      std::optional<Isa> isa = std::nullopt);
+
+// Rotary position embedding over rows of head_dim floats, the operand seen as
+// [sizes[0], sizes[1], sizes[2], head_dim] with the last dimension contiguous (stride 1) in the
+// input, the output and the cos / sin tables; the other strides are in elements, the tables' 0
+// where they broadcast (both tables share them). With h = head_dim / 2 (head_dim even), per
+// row: forward (transpose false) out = x cos + rotate_half(x) sin, rotate_half(x) =
+// cat(-x[h:], x[:h]); its transpose, the backward, with transpose true. Each product and sum is
+// rounded once, in the composite's order, so the results are the composite's bit for bit (not a
+// variant per instruction set: the loop is memory-bound). out must not overlap in.
+struct RotaryRows {
+  int64_t sizes[3] = {0, 0, 0};
+  int64_t head_dim = 0;
+  int64_t in_strides[3] = {0, 0, 0};
+  int64_t out_strides[3] = {0, 0, 0};
+  int64_t table_strides[3] = {0, 0, 0};
+};
+void Rotary(const float* in, const float* cos, const float* sin, float* out, const RotaryRows& rows,
+            bool transpose);
 
 // Whether the kernels split their work over threads in this build (see above).
 bool CpuKernelsParallel();

@@ -265,18 +265,69 @@ TEST(FusedOpsCpuTest, NormsWithAutocastOutputAreTheCastOfTheFloat32Result) {
   }
 }
 
-TEST(FusedOpsCpuTest, RotaryIsTheCompositeBitwise) {
+// The CPU rotary kernel rounds each product and sum as the composite does: the same bits
+// forward and backward, on the model's transposed layout, contiguous and odd-strided inputs, 2-D
+// to 4-D shapes, head sizes down to 2, with and without autograd, on one thread or two; other
+// dtypes run the composite.
+TEST(FusedOpsCpuTest, RotaryFloat32IsTheKernelAndTheCompositeBitwise) {
   torch::manual_seed(2);
-  auto [cos, sin] = RotaryTables(/*max_seq_len=*/9, /*head_dim=*/16, 10000);
-  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-    SCOPED_TRACE(c10::toString(dtype));
-    const Tensor x = torch::randn({2, 9, 3, 16}).to(dtype);
-    const Tensor grad = torch::randn({2, 3, 9, 16}).to(dtype);
-    const OpRun fused = RunOp(kFusedRotary, {x, cos, sin}, {true, false, false}, grad, HeadsFirst);
-    ExpectEqual(fused,
-                RunOp(kReferenceRotary, {x, cos, sin}, {true, false, false}, grad, HeadsFirst));
-    EXPECT_THAT(fused.node, Not(HasSubstr("RotaryFunction")));
+  for (int64_t head_dim : {64, 16, 2, 130}) {
+    SCOPED_TRACE(head_dim);
+    auto [cos, sin] = RotaryTables(/*max_seq_len=*/9, head_dim, 10000);
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      SCOPED_TRACE(c10::toString(dtype));
+      const Tensor x = (torch::randn({2, 9, 3, head_dim}) * 5).to(dtype);
+      const Tensor grad = torch::randn({2, 3, 9, head_dim}).to(dtype);
+      const OpRun fused =
+          RunOp(kFusedRotary, {x, cos, sin}, {true, false, false}, grad, HeadsFirst);
+      ExpectEqual(fused,
+                  RunOp(kReferenceRotary, {x, cos, sin}, {true, false, false}, grad, HeadsFirst));
+      if (dtype == torch::kFloat32) {
+        EXPECT_THAT(fused.node, HasSubstr("RotaryCpuFunction"));
+      } else {
+        EXPECT_THAT(fused.node, Not(HasSubstr("Rotary")));
+      }
+    }
   }
+  auto [cos, sin] = RotaryTables(/*max_seq_len=*/40, /*head_dim=*/32, 10000);
+  // Contiguous 4-D, 3-D and 2-D inputs; a last dimension that is not contiguous; two threads
+  // against one (enough rows for a split).
+  for (const std::vector<int64_t>& sizes :
+       std::vector<std::vector<int64_t>>{{4, 6, 40, 32}, {6, 40, 32}, {40, 32}}) {
+    const Tensor x = torch::randn(sizes), grad = torch::randn(sizes);
+    ExpectEqual(RunOp(kFusedRotary, {x, cos, sin}, {true, false, false}, grad),
+                RunOp(kReferenceRotary, {x, cos, sin}, {true, false, false}, grad));
+  }
+  const Tensor wide = torch::randn({5, 40, 64}), grad = torch::randn({5, 40, 32});
+  auto strided = [](size_t i, const Tensor& t) {
+    return i == 0 ? t.slice(/*dim=*/2, 0, 64, /*step=*/2) : t;
+  };
+  ExpectEqual(RunOp(kFusedRotary, {wide, cos, sin}, {true, false, false}, grad, strided),
+              RunOp(kReferenceRotary, {wide, cos, sin}, {true, false, false}, grad, strided));
+  const Tensor big = torch::randn({8, 40, 6, 32}), big_grad = torch::randn({8, 6, 40, 32});
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const OpRun one =
+      RunOp(kFusedRotary, {big, cos, sin}, {true, false, false}, big_grad, HeadsFirst);
+  at::set_num_threads(2);
+  const OpRun two =
+      RunOp(kFusedRotary, {big, cos, sin}, {true, false, false}, big_grad, HeadsFirst);
+  at::set_num_threads(threads);
+  ExpectEqual(one, two);
+  ExpectEqual(two,
+              RunOp(kReferenceRotary, {big, cos, sin}, {true, false, false}, big_grad, HeadsFirst));
+  // Without autograd (inference, or recomputation under no_grad) the kernel runs alone.
+  {
+    torch::NoGradGuard no_grad;
+    const Tensor q = big.transpose(1, 2);
+    EXPECT_TRUE(torch::equal(FusedRotary(q, cos, sin), ReferenceRotary(q, cos, sin)));
+  }
+  // Switched off: the composite.
+  SetFusedKernelsEnabled(false);
+  const OpRun off =
+      RunOp(kFusedRotary, {big, cos, sin}, {true, false, false}, big_grad, HeadsFirst);
+  SetFusedKernelsEnabled(true);
+  EXPECT_THAT(off.node, Not(HasSubstr("Rotary")));
 }
 
 TEST(FusedOpsCpuTest, SwiGluFloat32IsTheKernelOtherDtypesTheComposite) {

@@ -2,9 +2,9 @@
 # hf_weights.cc: Hugging Face import and export of the model's weights; linear_cross_entropy.cc: the
 # head and its loss in chunks, without the whole logits; fused_ops.cc: RMSNorm, rotary and SwiGLU
 # as CUDA kernels (fused_ops_kernels.cu) with ATen's composite as the fallback, and RMSNorm,
-# SwiGLU and GELU as CPU kernels (fused_ops_cpu.cc).
+# SwiGLU and GELU (fused_ops_cpu.cc) and rotary (fused_rotary_cpu.cc) as CPU kernels.
 target_sources(tessera_trainer PRIVATE activation_checkpoint.cc model.cc tensor_parallel.cc
-  hf_weights.cc linear_cross_entropy.cc fused_ops.cc fused_ops_cpu.cc)
+  hf_weights.cc linear_cross_entropy.cc fused_ops.cc fused_ops_cpu.cc fused_rotary_cpu.cc)
 
 # The CPU kernels split their work with at::parallel_for, which runs on OpenMP threads only in a
 # translation unit compiled with -fopenmp. They must share LibTorch's OpenMP runtime (the wheel
@@ -14,13 +14,20 @@ target_sources(tessera_trainer PRIVATE activation_checkpoint.cc model.cc tensor_
 # macros, so the file cannot share the precompiled header.
 find_library(TESSERA_TORCH_OPENMP_LIB NAMES libgomp.so.1
   PATHS "${TESSERA_TORCH_ROOT}/lib" NO_DEFAULT_PATH)
-set_source_files_properties(fused_ops_cpu.cc PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
+# fused_rotary_cpu.cc rounds every product before the add after it (-ffp-contract=off): its
+# results are the composite's bit for bit.
+set_source_files_properties(fused_ops_cpu.cc fused_rotary_cpu.cc
+  PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
+set(TESSERA_ROTARY_CPU_OPTIONS -ffp-contract=off -fopenmp-simd)
 if(TESSERA_TORCH_OPENMP_LIB)
   set_source_files_properties(fused_ops_cpu.cc PROPERTIES COMPILE_OPTIONS -fopenmp)
+  list(APPEND TESSERA_ROTARY_CPU_OPTIONS -fopenmp)
   target_link_libraries(tessera_trainer PUBLIC "${TESSERA_TORCH_OPENMP_LIB}")
 else()
   message(STATUS "LibTorch has no libgomp.so.1 of its own: the CPU kernels run single-threaded")
 endif()
+set_source_files_properties(fused_rotary_cpu.cc PROPERTIES
+  COMPILE_OPTIONS "${TESSERA_ROTARY_CPU_OPTIONS}")
 
 if(TESSERA_CUDA_ENABLED)
   # The kernels alone, without LibTorch's headers (slow under nvcc) or its usage requirements. The
