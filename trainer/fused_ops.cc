@@ -410,6 +410,39 @@ struct SwiGluFunction : torch::autograd::Function<SwiGluFunction> {
   }
 };
 
+// q, k, v as views of the projection; the gradient assembled in one pass.
+struct SplitQkvFunction : torch::autograd::Function<SplitQkvFunction> {
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& qkv, int64_t heads,
+                               int64_t head_dim) {
+    ctx->saved_data["sizes"] = qkv.sizes().vec();
+    return qkv.view({qkv.size(0), qkv.size(1), 3, heads, head_dim})
+        .permute({2, 0, 3, 1, 4})
+        .unbind(0);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const std::vector<int64_t> sizes = ctx->saved_data["sizes"].toIntVector();
+    const torch::Tensor* any = nullptr;
+    for (const torch::Tensor& g : grads) {
+      if (g.defined()) any = &g;
+    }
+    if (any == nullptr) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    // [batch, seq, 3, heads, head_dim], each third written from its [batch, heads, seq,
+    // head_dim] gradient through a transposed view.
+    const int64_t heads = any->size(1), head_dim = any->size(3);
+    torch::Tensor grad = at::empty({sizes[0], sizes[1], 3, heads, head_dim}, any->options());
+    for (int64_t i = 0; i < 3; ++i) {
+      torch::Tensor part = grad.select(2, i);
+      if (grads[i].defined()) {
+        part.copy_(grads[i].transpose(1, 2));
+      } else {
+        part.zero_();
+      }
+    }
+    return {grad.view(sizes), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 void SetFusedKernelsEnabled(bool enabled) { fused_kernels_enabled.store(enabled); }
@@ -478,6 +511,17 @@ torch::Tensor FusedGeluTanh(const torch::Tensor& x) {
     return GeluTanhCpuFunction::apply(x);
   }
   return torch::gelu(x, "tanh");
+}
+
+std::vector<torch::Tensor> SplitQkv(const torch::Tensor& qkv, int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(2) == 3 * heads * head_dim, "SplitQkv: ", qkv.sizes(),
+              " is not [batch, seq, 3 x ", heads, " x ", head_dim, "]");
+  if (!FusedKernelsEnabled() || !(qkv.requires_grad() && torch::GradMode::is_enabled())) {
+    return qkv.view({qkv.size(0), qkv.size(1), 3, heads, head_dim})
+        .permute({2, 0, 3, 1, 4})
+        .unbind(0);
+  }
+  return SplitQkvFunction::apply(qkv, heads, head_dim);
 }
 
 bool FusedCrossEntropyApplies([[maybe_unused]] const torch::Tensor& h,

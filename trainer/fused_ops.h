@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "trainer/torch_pch.h"
 
@@ -58,6 +59,14 @@ torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up);
 // backward, as ATen's does. Elsewhere (CUDA, other dtypes) ATen's gelu, whose CUDA kernels are
 // already one pass each way.
 torch::Tensor FusedGeluTanh(const torch::Tensor& x);
+
+// GPT-2's fused projection qkv [batch, seq, 3 * heads * head_dim] as three views q, k, v
+// [batch, heads, seq, head_dim] (no copy). Its backward writes the three gradients straight into
+// one [batch, seq, 3 * heads * head_dim] gradient, one pass of copies (an undefined one as
+// zeros), where unbind's backward stacks them into [3, batch, heads, seq, head_dim] and the
+// permute and view before it then need a second, reordering copy. The same values either way.
+// With fused kernels off, or without autograd, the view, permute and unbind of before.
+std::vector<torch::Tensor> SplitQkv(const torch::Tensor& qkv, int64_t heads, int64_t head_dim);
 
 // Whether FusedCrossEntropyRows runs for LinearCrossEntropy's rows h (and so logits) in the
 // `compute` dtype with these targets: fused kernels on, a CUDA build, h and targets on one CUDA

@@ -330,6 +330,47 @@ TEST(FusedOpsCpuTest, RotaryFloat32IsTheKernelAndTheCompositeBitwise) {
   EXPECT_THAT(off.node, Not(HasSubstr("Rotary")));
 }
 
+// SplitQkv's views are unbind's, and its one-pass gradient is the stacked-and-reordered one bit
+// for bit, with all three views used, or only some (the others count as zero gradients).
+TEST(FusedOpsCpuTest, SplitQkvIsUnbindWithAOnePassGradient) {
+  torch::manual_seed(4);
+  const int64_t batch = 2, seq = 5, heads = 3, head_dim = 4;
+  auto unbind = [&](const Tensor& qkv) {
+    return qkv.view({batch, seq, 3, heads, head_dim}).permute({2, 0, 3, 1, 4}).unbind(0);
+  };
+  const Tensor value = torch::randn({batch, seq, 3 * heads * head_dim});
+  const std::vector<Tensor> grads = {torch::randn({batch, heads, seq, head_dim}),
+                                     torch::randn({batch, heads, seq, head_dim}),
+                                     torch::randn({batch, heads, seq, head_dim})};
+  for (const std::vector<bool>& used : std::vector<std::vector<bool>>{
+           {true, true, true}, {true, false, true}, {false, true, false}}) {
+    std::vector<Tensor> results;
+    for (bool fused : {true, false}) {
+      SetFusedKernelsEnabled(fused);
+      const Tensor qkv = value.clone().requires_grad_(true);
+      const std::vector<Tensor> parts = SplitQkv(qkv, heads, head_dim);
+      SetFusedKernelsEnabled(true);
+      ASSERT_EQ(parts.size(), 3u);
+      const std::vector<Tensor> expected = unbind(value);
+      Tensor loss = torch::zeros({});
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_TRUE(torch::equal(parts[i], expected[i])) << i;
+        if (fused) {
+          EXPECT_THAT(parts[i].grad_fn()->name(), HasSubstr("SplitQkvFunction"));
+        }
+        if (used[i]) loss = loss + (parts[i] * grads[i]).sum();
+      }
+      loss.backward();
+      results.push_back(qkv.grad());
+    }
+    EXPECT_TRUE(torch::equal(results[0], results[1]));
+  }
+  // Without autograd: plain views.
+  const std::vector<Tensor> plain = SplitQkv(value, heads, head_dim);
+  EXPECT_TRUE(torch::equal(plain[1], unbind(value)[1]));
+  EXPECT_THROW(SplitQkv(value, heads + 1, head_dim), c10::Error);
+}
+
 TEST(FusedOpsCpuTest, SwiGluFloat32IsTheKernelOtherDtypesTheComposite) {
   torch::manual_seed(3);
   const Tensor gate = torch::randn({4, 7, 33}) * 4, up = torch::randn({4, 7, 33});

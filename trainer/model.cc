@@ -192,13 +192,10 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& input, const torch::Te
     q = ApplyRotary(q.transpose(1, 2), cos, sin);
     k = ApplyRotary(k.transpose(1, 2), cos, sin);
   } else {
-    // [batch, seq, 3, heads, head_dim] -> three [batch, heads, seq, head_dim]. unbind, not
-    // three selects: its backward stacks the three gradients in one pass, where each select's
-    // would write a zero-filled gradient of the whole projection and autograd would add them.
-    const std::vector<torch::Tensor> qkv = Project(qkv_, qkv_lora_, x)
-                                               .view({batch, seq, 3, heads_, head_dim_})
-                                               .permute({2, 0, 3, 1, 4})
-                                               .unbind(0);
+    // [batch, seq, 3, heads, head_dim] -> three [batch, heads, seq, head_dim] views, whose
+    // backward writes the projection's gradient in one pass (not three selects, each of which
+    // would write a zero-filled gradient of the whole projection for autograd to add).
+    const std::vector<torch::Tensor> qkv = SplitQkv(Project(qkv_, qkv_lora_, x), heads_, head_dim_);
     q = qkv[0];
     k = qkv[1];
     v = qkv[2];
