@@ -78,8 +78,20 @@ struct Case {
   std::function<bool()> fused_ran = nullptr;
 };
 
+// Whether SplitQkv runs its own autograd Function (the output the cases time is a sum of its
+// three views, whose node is the add's).
+std::function<bool()> SplitQkvRan(const torch::Device& device) {
+  return [device] {
+    const Tensor qkv =
+        torch::zeros({1, 2, 6}, torch::TensorOptions().device(device)).requires_grad_(true);
+    const Tensor q = trainer::SplitQkv(qkv, 1, 2)[0];
+    return q.grad_fn() != nullptr && q.grad_fn()->name().find("SplitQkv") != std::string::npos;
+  };
+}
+
 // The CPU kernels' cases, on float32 activations: GELU (tanh) and SwiGLU at [tokens, ffn],
-// RMSNorm at [tokens, hidden], rotary on q as the model calls it (4 sequences of tokens / 4).
+// RMSNorm at [tokens, hidden], GPT-2's q, k, v split and rotary on q as the model calls them (4
+// sequences of tokens / 4).
 std::vector<Case> CpuCasesFor(const Shape& s) {
   auto leaf = [](Tensor t) { return t.requires_grad_(true); };
   auto [cos, sin] = trainer::RotaryTables(s.tokens / 4, s.head_dim, 1e6);
@@ -92,6 +104,13 @@ std::vector<Case> CpuCasesFor(const Shape& s) {
           {"rms_norm [tokens, hidden] float32",
            {leaf(torch::randn({s.tokens, s.hidden})), leaf(torch::ones({s.hidden}))},
            [](const std::vector<Tensor>& in) { return trainer::FusedRmsNorm(in[0], in[1], 1e-6); }},
+          {"split qkv [4, seq, 3 x hidden] -> q + k + v float32",
+           {leaf(torch::randn({4, s.tokens / 4, 3 * s.heads * s.head_dim}))},
+           [s](const std::vector<Tensor>& in) {
+             const std::vector<Tensor> qkv = trainer::SplitQkv(in[0], s.heads, s.head_dim);
+             return qkv[0] + qkv[1] + qkv[2];
+           },
+           SplitQkvRan(torch::kCPU)},
           {"rotary q [4, heads, seq, head_dim] (transposed view) float32",
            {leaf(torch::randn({4, s.tokens / 4, s.heads, s.head_dim})), cos, sin},
            [](const std::vector<Tensor>& in) {
@@ -140,6 +159,15 @@ std::vector<Case> CasesFor(const Shape& s, const torch::Device& device) {
                    [](const std::vector<Tensor>& in) {
                      return trainer::FusedRotary(in[0].transpose(1, 2), in[1], in[2]);
                    }});
+  // GPT-2's q, k, v out of the fused projection (both sides add the three, forward and
+  // backward alike; the difference is how the projection's gradient is assembled).
+  cases.push_back({"split qkv [1, seq, 3 x hidden] -> q + k + v",
+                   {leaf(torch::randn({1, s.tokens, 3 * s.heads * s.head_dim}, bf16))},
+                   [s](const std::vector<Tensor>& in) {
+                     const std::vector<Tensor> qkv = trainer::SplitQkv(in[0], s.heads, s.head_dim);
+                     return qkv[0] + qkv[1] + qkv[2];
+                   },
+                   SplitQkvRan(device)});
   cases.push_back({"swiglu [tokens, ffn]",
                    {leaf(torch::randn({s.tokens, s.ffn}, bf16)),
                     leaf(torch::randn({s.tokens, s.ffn}, bf16))},
