@@ -159,25 +159,6 @@ torch::Tensor RotaryCpu(torch::Tensor in, const torch::Tensor& cos, const torch:
   return out;
 }
 
-struct RotaryCpuFunction : torch::autograd::Function<RotaryCpuFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& cos, const torch::Tensor& sin) {
-    // Contiguous tables share their strides, which the kernel assumes; the model's are already.
-    const torch::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
-    ctx->save_for_backward({cos_c, sin_c});
-    return RotaryCpu(x, cos_c, sin_c, /*transpose=*/false);
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined() || !ctx->needs_input_grad(0)) {
-      return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
-    }
-    const variable_list saved = ctx->get_saved_variables();
-    return {RotaryCpu(grads[0].to(at::kFloat), saved[0], saved[1], /*transpose=*/true),
-            torch::Tensor(), torch::Tensor()};
-  }
-};
-
 bool FusedSwiGluCpuApplies(const torch::Tensor& gate, const torch::Tensor& up) {
   return FloatCpu(gate) && FloatCpu(up) && gate.sizes() == up.sizes() && gate.numel() > 0;
 }
@@ -332,14 +313,31 @@ torch::Tensor LaunchRotaryOn(const torch::Tensor& in, const torch::Tensor& cos,
   return out;
 }
 
+bool FusedSwiGluApplies(const torch::Tensor& gate, const torch::Tensor& up) {
+  return OnOneCudaDevice(gate, up) && KernelDtype(gate.scalar_type()) &&
+         gate.scalar_type() == up.scalar_type() && gate.sizes() == up.sizes() && gate.numel() > 0;
+}
+
+#endif  // TESSERA_WITH_CUDA
+
+// The rotation (or its transpose) of `in` by the CPU kernel (float32) or the CUDA one, by its
+// device.
+torch::Tensor RotateOn(const torch::Tensor& in, const torch::Tensor& cos, const torch::Tensor& sin,
+                       bool transpose) {
+#if TESSERA_WITH_CUDA
+  if (in.is_cuda()) return LaunchRotaryOn(in, cos, sin, transpose);
+#endif
+  return RotaryCpu(in, cos, sin, transpose);
+}
+
 struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& cos, const torch::Tensor& sin) {
-    // Contiguous tables share their strides, which the kernel assumes; the model's are already.
+    // Contiguous tables share their strides, which the kernels assume; the model's are already.
     const torch::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
     ctx->save_for_backward({cos_c, sin_c});
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
-    return LaunchRotaryOn(x, cos_c, sin_c, /*transpose=*/false);
+    return RotateOn(x, cos_c, sin_c, /*transpose=*/false);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -348,17 +346,10 @@ struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
     }
     const variable_list saved = ctx->get_saved_variables();
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {LaunchRotaryOn(grads[0].to(dtype), saved[0], saved[1], /*transpose=*/true),
-            torch::Tensor(), torch::Tensor()};
+    return {RotateOn(grads[0].to(dtype), saved[0], saved[1], /*transpose=*/true), torch::Tensor(),
+            torch::Tensor()};
   }
 };
-
-bool FusedSwiGluApplies(const torch::Tensor& gate, const torch::Tensor& up) {
-  return OnOneCudaDevice(gate, up) && KernelDtype(gate.scalar_type()) &&
-         gate.scalar_type() == up.scalar_type() && gate.sizes() == up.sizes() && gate.numel() > 0;
-}
-
-#endif  // TESSERA_WITH_CUDA
 
 // SwiGLU on the CPU kernel (float32) or the CUDA one, by the operands' device.
 struct SwiGluFunction : torch::autograd::Function<SwiGluFunction> {
@@ -485,7 +476,7 @@ torch::Tensor FusedRotary(const torch::Tensor& x, const torch::Tensor& cos,
     if (!(x.requires_grad() && torch::GradMode::is_enabled())) {
       return RotaryCpu(x, cos.contiguous(), sin.contiguous(), /*transpose=*/false);
     }
-    return RotaryCpuFunction::apply(x, cos, sin);
+    return RotaryFunction::apply(x, cos, sin);
   }
 #if TESSERA_WITH_CUDA
   if (FusedKernelsEnabled() && FusedRotaryApplies(x, cos, sin)) {

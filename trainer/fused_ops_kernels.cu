@@ -453,6 +453,18 @@ cudaError_t DispatchNormKind(NormKind kind, Fn&& fn) {
   return kind == NormKind::kLayer ? fn(std::true_type{}) : fn(std::false_type{});
 }
 
+// Calls fn(layer, Tag<X>, Tag<Y>, Tag<W>) for a norm's kind and its input, output and weight
+// dtypes.
+template <typename Fn>
+cudaError_t DispatchNorm(NormKind kind, Dtype x_dtype, Dtype y_dtype, Dtype weight_dtype, Fn&& fn) {
+  return DispatchNormKind(kind, [&](auto layer) {
+    return DispatchNormDtypes(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
+      return DispatchDtype(weight_dtype,
+                           [&](auto weight_tag) { return fn(layer, x_tag, y_tag, weight_tag); });
+    });
+  });
+}
+
 }  // namespace
 
 bool NormDtypesSupported(Dtype x_dtype, Dtype y_dtype) {
@@ -465,20 +477,18 @@ cudaError_t LaunchNormForward(NormKind kind, const void* x, const void* weight, 
                               cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return cudaSuccess;
   if (kind == NormKind::kLayer && mean == nullptr) return cudaErrorInvalidValue;
-  return DispatchNormKind(kind, [&](auto layer) {
-    constexpr bool kLayer = decltype(layer)::value;
-    return DispatchNormDtypes(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
-      using X = typename decltype(x_tag)::type;
-      using Y = typename decltype(y_tag)::type;
-      return DispatchDtype(weight_dtype, [&](auto weight_tag) {
-        using W = typename decltype(weight_tag)::type;
-        NormForwardKernel<kLayer, X, Y, W><<<RowBlocks(rows), RowThreads(hidden), 0, stream>>>(
-            static_cast<const X*>(x), static_cast<const W*>(weight), static_cast<const W*>(bias),
-            static_cast<Y*>(y), mean, rstd, rows, hidden, eps);
-        return cudaGetLastError();
-      });
-    });
-  });
+  return DispatchNorm(kind, x_dtype, y_dtype, weight_dtype,
+                      [&](auto layer, auto x_tag, auto y_tag, auto weight_tag) {
+                        using X = typename decltype(x_tag)::type;
+                        using Y = typename decltype(y_tag)::type;
+                        using W = typename decltype(weight_tag)::type;
+                        NormForwardKernel<decltype(layer)::value, X, Y, W>
+                            <<<RowBlocks(rows), RowThreads(hidden), 0, stream>>>(
+                                static_cast<const X*>(x), static_cast<const W*>(weight),
+                                static_cast<const W*>(bias), static_cast<Y*>(y), mean, rstd, rows,
+                                hidden, eps);
+                        return cudaGetLastError();
+                      });
 }
 
 cudaError_t LaunchNormBackward(NormKind kind, const void* grad_y, const void* x, const void* weight,
@@ -487,20 +497,18 @@ cudaError_t LaunchNormBackward(NormKind kind, const void* grad_y, const void* x,
                                cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return cudaSuccess;
   if (kind == NormKind::kLayer && mean == nullptr) return cudaErrorInvalidValue;
-  return DispatchNormKind(kind, [&](auto layer) {
-    constexpr bool kLayer = decltype(layer)::value;
-    return DispatchNormDtypes(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
-      using X = typename decltype(x_tag)::type;
-      using Y = typename decltype(y_tag)::type;
-      return DispatchDtype(weight_dtype, [&](auto weight_tag) {
-        using W = typename decltype(weight_tag)::type;
-        NormBackwardKernel<kLayer, X, Y, W><<<RowBlocks(rows), RowThreads(hidden), 0, stream>>>(
-            static_cast<const Y*>(grad_y), static_cast<const X*>(x), static_cast<const W*>(weight),
-            mean, rstd, static_cast<X*>(grad_x), rows, hidden);
-        return cudaGetLastError();
-      });
-    });
-  });
+  return DispatchNorm(kind, x_dtype, y_dtype, weight_dtype,
+                      [&](auto layer, auto x_tag, auto y_tag, auto weight_tag) {
+                        using X = typename decltype(x_tag)::type;
+                        using Y = typename decltype(y_tag)::type;
+                        using W = typename decltype(weight_tag)::type;
+                        NormBackwardKernel<decltype(layer)::value, X, Y, W>
+                            <<<RowBlocks(rows), RowThreads(hidden), 0, stream>>>(
+                                static_cast<const Y*>(grad_y), static_cast<const X*>(x),
+                                static_cast<const W*>(weight), mean, rstd, static_cast<X*>(grad_x),
+                                rows, hidden);
+                        return cudaGetLastError();
+                      });
 }
 
 NormWeightGradPlan PlanNormWeightGrad(int64_t rows) {
