@@ -427,7 +427,7 @@ def check_config(config, args, paths):
     """--check: one run of each side; losses must agree at every step."""
     task_path, baseline_path, metadata = set_up_config(config, args, paths)
     timeout = RUN_TIMEOUT_SECONDS[args.device]
-    ours = run_ours(paths["trainer"], task_path, config, paths["env"], timeout)
+    ours = run_ours(paths["trainer"], task_path, config, paths["env"], timeout, args.ours_flags)
     theirs = run_pytorch(paths["python"], baseline_path, config, paths["env"], timeout)
     check_equivalence(config, ours, theirs, int(metadata["tessera.num_parameters"]),
                       every_step=True)
@@ -446,7 +446,7 @@ def profile_config(config, args, paths):
     first, count = config["untimed_steps"] + 1, min(3, config["timed_steps"])
     timeout = RUN_TIMEOUT_SECONDS[args.device]
     run_ours(paths["trainer"], task_path, config, paths["env"], timeout,
-             (f"--profile_dir={directory}", f"--profile_steps={first}:{count}"))
+             (*args.ours_flags, f"--profile_dir={directory}", f"--profile_steps={first}:{count}"))
     with open(baseline_path) as f:
         baseline = json.load(f)
     baseline.update(profile_dir=directory, profile_steps=[first, count])
@@ -487,7 +487,7 @@ def bench_config(config, args, paths):
           f"untimed + {config['timed_steps']} timed steps, {args.runs} runs per side", flush=True)
     ours_runs, theirs_runs, compiled_runs, equivalence = [], [], [], None
     for i in range(args.runs):
-        ours = run_ours(trainer, task_path, config, env, timeout)
+        ours = run_ours(trainer, task_path, config, env, timeout, args.ours_flags)
         ours_runs.append(ours)
         theirs = run_pytorch(python, baseline_path, config, env, timeout)
         theirs_runs.append(theirs)
@@ -620,6 +620,9 @@ def main():
                              "(bench/profile_summary.py)")
     parser.add_argument("--keep-workdir", action="store_true",
                         help="keep the shards, tasks and initial weights")
+    parser.add_argument("--ours-flag", action="append", default=[], dest="ours_flags",
+                        metavar="FLAG",
+                        help="a flag for tessera-trainer (repeatable), e.g. --ours-flag=--cuda_graphs")
     args = parser.parse_args()
     if args.runs < 1 or args.threads < 1:
         parser.error("--runs and --threads must be >= 1")
@@ -665,6 +668,7 @@ def main():
         "python": python,
         "torch_version": torch.__version__,
         "trainer": trainer,
+        "ours_flags": args.ours_flags,
         "method": {
             "runs_per_side": args.runs,
             "baselines": sorted(args.baselines),

@@ -20,6 +20,7 @@ CUDA build; each is timed and recorded):
                  worker exports on /metrics while the job runs.
   bench          `bench/trainer_bench.py --device=cuda` (what `make bench-gpu` runs) on the same
                  two models: ours vs PyTorch eager and torch.compile, same weights and data;
+                 gpt2-124m again with ours replaying CUDA graphs (--cuda_graphs);
                  then bench/fused_ops_bench: the fused RMSNorm / rotary / SwiGLU / cross-entropy
                  kernels against ATen's composite, forward + backward, per op at two layer
                  shapes; then one profiled run per side of gpt2-124m (trainer_bench.py
@@ -93,7 +94,8 @@ SMOKE_RUNS = (
 BENCH_CONFIGS = "gpt2-124m,qwen3-0.6b"
 # Stage time limits (seconds); a stage past its limit fails and the next one runs.
 TIMEOUTS = {"gpu-tests": 240, "trainer-check": 120, "cluster-run": 300, "bench": 480,
-            "fused-ops-bench": 120, "profile": 180, "control-plane": 150}
+            "bench-cuda-graphs": 240, "fused-ops-bench": 120, "profile": 180,
+            "control-plane": 150}
 # The control-plane stage's fleet and load (GPU machine; --cpu-smoke: a small one), and the goals
 # its figures are held against.
 CONTROL_PLANE = {"nodes": 10000, "jobs_per_s": 2500, "duration_s": 12, "warmup_s": 5,
@@ -422,9 +424,9 @@ def stage_cluster(ctx):
 # --- bench-gpu --------------------------------------------------------------------------------
 
 
-def run_bench_program(ctx, name, argv, env, results_dir, result_file):
+def run_bench_program(ctx, name, argv, env, results_dir, result_file, out_name=None):
     """Runs one benchmark program to completion, its output in OUT/NAME.log; returns the JSON it
-    wrote to results_dir/result_file (also copied to OUT)."""
+    wrote to results_dir/result_file (also copied to OUT, as out_name when given)."""
     log = os.path.join(ctx["out"], f"{name}.log")
     with open(log, "w") as f:
         try:
@@ -436,7 +438,7 @@ def run_bench_program(ctx, name, argv, env, results_dir, result_file):
     if rc != 0:
         raise StageFailed(f"{name} exited {rc} (log {log}):\n{tail(log)}")
     path = os.path.join(results_dir, result_file)
-    shutil.copy(path, os.path.join(ctx["out"], result_file))
+    shutil.copy(path, os.path.join(ctx["out"], out_name or result_file))
     with open(path) as f:
         return json.load(f)
 
@@ -452,6 +454,22 @@ def stage_bench(ctx):
          f"--configs={BENCH_CONFIGS}", "--baselines=eager,compile",
          f"--runs={1 if ctx['quick'] else 2}"],
         env, results_dir, "trainer-gpu.json")
+    # Ours again with the micro-batches replayed as CUDA graphs (--cuda_graphs), against eager
+    # and torch.compile in the same run.
+    # A failure here is reported with the stage's result after the steps below have run.
+    graphs_dir = os.path.join(results_dir, "cuda-graphs")
+    os.makedirs(graphs_dir, exist_ok=True)
+    graphs_error = None
+    try:
+        bench["cuda_graphs"] = run_bench_program(
+            ctx, "bench-cuda-graphs",
+            [ctx["python"], os.path.join(REPO_ROOT, "bench", "trainer_bench.py"), "--device=cuda",
+             f"--configs={PROFILE_CONFIG}", "--baselines=eager,compile", "--runs=1",
+             "--ours-flag=--cuda_graphs"],
+            dict(env, TESSERA_BENCH_RESULTS=graphs_dir), graphs_dir, "trainer-gpu.json",
+            out_name="trainer-gpu-cuda-graphs.json")
+    except (StageFailed, OSError, ValueError) as e:
+        graphs_error = f"bench-cuda-graphs: {e.args[0] if e.args else e}"
     # The fused RMSNorm / rotary / SwiGLU kernels against ATen's composite, op by op.
     bench["fused_ops"] = run_bench_program(
         ctx, "fused-ops-bench",
@@ -466,6 +484,8 @@ def stage_bench(ctx):
         [ctx["python"], os.path.join(REPO_ROOT, "bench", "trainer_bench.py"), "--device=cuda",
          f"--configs={PROFILE_CONFIG}", f"--profile={profile_dir}"],
         env, os.path.join(profile_dir, PROFILE_CONFIG), "summary.json")
+    if graphs_error:
+        raise StageFailed(graphs_error, bench)
     return bench
 
 
@@ -550,12 +570,14 @@ def summary_lines(report):
                          f"{gib(r['peak_memory_bytes'])} ({gib(r['planned_peak_memory_bytes'])}) "
                          f"| {r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
     bench = report["stages"].get("bench", {}).get("result") or {}
-    for c in bench.get("configs", []):
-        line = (f"bench {c['name']}: ours {c['ours']['tokens_per_second']['median']:,.0f} "
-                f"tokens/s, {c['ratio_tokens_per_second']:.3f}x PyTorch eager")
-        if "compile" in c:
-            line += (f", {c['compile']['ratio_tokens_per_second']:.3f}x torch.compile")
-        lines += ["", line]
+    for label, section in (("bench", bench), ("bench with --cuda_graphs",
+                                               bench.get("cuda_graphs") or {})):
+        for c in section.get("configs", []):
+            line = (f"{label} {c['name']}: ours {c['ours']['tokens_per_second']['median']:,.0f} "
+                    f"tokens/s, {c['ratio_tokens_per_second']:.3f}x PyTorch eager")
+            if "compile" in c:
+                line += (f", {c['compile']['ratio_tokens_per_second']:.3f}x torch.compile")
+            lines += ["", line]
     profile = bench.get("profile") or []
     rows = profile_summary.kernel_rows(*profile) if len(profile) == 2 else []
     if rows:

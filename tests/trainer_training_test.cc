@@ -43,6 +43,7 @@ using ::tessera::testing::PickFreePort;
 using ::tessera::testing::RunCommand;
 using ::tessera::testing::Subprocess;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 struct TrainerRun {
   int exit_code = -1;
@@ -869,6 +870,53 @@ TEST_F(TrainerTrainingTest, GpuDegreeOneLayoutMatchesTheCpuRunInBf16) {
     const double expected = cpu.losses.at(step);
     // bf16 keeps 8 bits of mantissa: a loss near 5 moves by a few hundredths.
     EXPECT_LE(std::abs(gpu[0].losses.at(step) - expected) / expected, 2e-2) << "step " << step;
+  }
+}
+
+// --cuda_graphs on a GPU: after the warm-up the micro-batches replay a captured graph (the log
+// says so, after its first replay matched an eager run), and every step's loss is the eager
+// run's. GPT-2 (LayerNorm, fused qkv, GELU) and Llama (RMSNorm, rotary, SwiGLU) blocks, 4
+// micro-batches per step, so replays accumulate gradients.
+TEST_F(TrainerTrainingTest, GpuCudaGraphsReplayTheEagerSteps) {
+  if (!::torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  constexpr int kSteps = 8;
+  for (const std::string preset : {"tiny-gpt2", "tiny-llama"}) {
+    SCOPED_TRACE(preset);
+    std::vector<std::string> flags = BaseFlags(kSteps);
+    for (auto& flag : flags) {
+      if (flag == "--preset=tiny-gpt2") flag = "--preset=" + preset;
+    }
+    flags.push_back("--gpu=0");
+    std::vector<TrainerRun> eager = RunRanks(flags, 1);
+    flags.push_back("--cuda_graphs");
+    std::vector<TrainerRun> graphs = RunRanks(flags, 1);
+    ASSERT_EQ(eager.size(), 1u);
+    ASSERT_EQ(graphs.size(), 1u);
+    ASSERT_EQ(eager[0].exit_code, 0) << eager[0].output;
+    ASSERT_EQ(graphs[0].exit_code, 0) << graphs[0].output;
+    EXPECT_THAT(graphs[0].output, HasSubstr("CUDA graphs: replaying")) << graphs[0].output;
+    ASSERT_EQ(graphs[0].losses.size(), static_cast<size_t>(kSteps));
+    for (int64_t step = 1; step <= kSteps; ++step) {
+      const double expected = eager[0].losses.at(step);
+      EXPECT_LE(std::abs(graphs[0].losses.at(step) - expected) / expected, 1e-5) << "step " << step;
+    }
+  }
+}
+
+// --cuda_graphs where graphs do not apply (the CPU here): the log says why, and the run is the
+// same run bit for bit.
+TEST_F(TrainerTrainingTest, CudaGraphsOnTheCpuSayWhyNotAndChangeNothing) {
+  std::vector<std::string> flags = BaseFlags(3);
+  TrainerRun plain = RunTrainer(flags);
+  flags.push_back("--cuda_graphs");
+  TrainerRun with_flag = RunTrainer(flags);
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  ASSERT_EQ(with_flag.exit_code, 0) << with_flag.output;
+  EXPECT_THAT(with_flag.output, HasSubstr("CUDA graphs: off: the model is not on a CUDA device"));
+  EXPECT_THAT(plain.output, Not(HasSubstr("CUDA graphs")));
+  ASSERT_EQ(with_flag.losses.size(), 3u);
+  for (int64_t step = 1; step <= 3; ++step) {
+    EXPECT_EQ(with_flag.losses.at(step), plain.losses.at(step)) << "step " << step;
   }
 }
 

@@ -41,9 +41,14 @@ ABSL_FLAG(bool, check, false,
           "one JSON line; exit 0 when the loss falls.");
 ABSL_FLAG(int, gpu, -1, "CUDA device ordinal for --check and standalone runs; -1 uses the CPU.");
 ABSL_FLAG(bool, fused_kernels, true,
-          "Run RMSNorm, rotary embedding, SwiGLU and the head's cross-entropy as fused CUDA "
-          "kernels on a GPU, and RMSNorm, SwiGLU and GELU as fused float32 kernels on the CPU; "
-          "false runs ATen's ops (on the CPU bit for bit as eager PyTorch).");
+          "Run RMSNorm, LayerNorm, rotary embedding, SwiGLU and the head's cross-entropy as fused "
+          "CUDA kernels on a GPU, and RMSNorm, rotary embedding, SwiGLU and GELU as fused float32 "
+          "kernels on the CPU; false runs ATen's ops (on the CPU bit for bit as eager PyTorch).");
+ABSL_FLAG(bool, cuda_graphs, false,
+          "Replay each micro-batch's forward and backward as a CUDA graph: a rank alone on a GPU "
+          "(dp, tp, pp 1), ZeRO 0 or 1, no activation checkpointing. The first capture is checked "
+          "against an eager run of the same micro-batch and dropped if they differ; the log says "
+          "what happened. Elsewhere it changes nothing.");
 ABSL_FLAG(std::string, profile_dir, "",
           "Record a profile of --profile_steps training steps (operators, and on a GPU every "
           "kernel and copy) and write it to DIR/trace-rank-R.json as a Chrome trace "
@@ -550,6 +555,7 @@ int main(int argc, char** argv) {
     std::cerr << "tessera-trainer: fault injection: the checkpoint of step "
               << train_options.kill_in_checkpoint_at_step << " dies half-written\n";
   }
+  train_options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   if (!absl::GetFlag(FLAGS_profile_dir).empty()) {
     train_options.profile.directory = absl::GetFlag(FLAGS_profile_dir);
     if (absl::Status status = tessera::trainer::ParseProfileSteps(

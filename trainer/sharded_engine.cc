@@ -9,6 +9,13 @@
 #include <cstring>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#if TESSERA_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -80,7 +87,44 @@ ShardedEngine::ShardedEngine(CausalLM model, const ShardedEngineOptions& options
   BuildUnits();
   BuildRuns();
   if (stage() == 3) model_->SetLayerHooks(this);
+  if (options_.cuda_graphs) {
+    std::string why;
+    bool cuda = false;
+    for (const Unit& unit : units_) cuda = cuda || (unit.full.defined() && unit.full.is_cuda());
+    if (!TESSERA_WITH_CUDA) {
+      why = "this trainer was built without CUDA";
+    } else if (!cuda) {
+      why = "the model is not on a CUDA device";
+    } else if (stage() > 1) {
+      why = absl::StrCat("ZeRO stage ", stage(), " (graphs run ZeRO 0 and 1)");
+    } else if (options_.dp_size > 1 || options_.pp_size > 1 || options_.tp.enabled()) {
+      why = "more than one rank (graphs run a rank alone: dp, tp and pp 1)";
+    } else if (model_->activation_checkpointing() != v1::ACTIVATION_CHECKPOINTING_NONE) {
+      why = "activation checkpointing";
+    }
+    if (why.empty()) {
+      graph_ = std::make_unique<CudaGraph>();
+      graph_status_ = "warming up";
+    } else {
+      graph_status_ = "off: " + why;
+    }
+  }
 }
+
+// The micro-batch graph of cuda_graphs, and the static tensors it reads and writes.
+struct ShardedEngine::CudaGraph {
+  // Eager micro-batches before the capture, so that lazily created state (cuBLAS handles and
+  // workspaces, the attention kernels' choices) exists before it.
+  static constexpr int kWarmupMicroBatches = 3;
+  int eager_micro_batches = 0;
+  int64_t micro_batches = 0;  // every one seen, for the status
+  bool live = false;
+  bool off = false;
+#if TESSERA_WITH_CUDA
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+#endif
+  at::Tensor inputs, targets, scale, loss;
+};
 
 ShardedEngine::~ShardedEngine() {
   if (stage() == 3) model_->SetLayerHooks(nullptr);
@@ -318,7 +362,39 @@ at::Tensor ShardedEngine::GradientView(const Unit& unit, const Entry& entry) {
   return unit.full_grad.narrow(0, entry.offset, entry.numel).view(entry.shape);
 }
 
+void ShardedEngine::PrepareGradientsForAccumulation() {
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    if (!unit.full_grad.defined()) continue;
+    unit.full_grad.zero_();
+    for (Entry& entry : unit.entries) entry.param.mutable_grad() = GradientView(unit, entry);
+  }
+  gradients_empty_ = false;
+}
+
+std::vector<double> ShardedEngine::GradientSignature() {
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> norms;
+  for (const Unit& unit : units_) {
+    if (!unit.full_grad.defined()) continue;
+    norms.push_back(unit.full_grad.abs().sum().to(at::kDouble));
+    norms.push_back(unit.full_grad.norm().to(at::kDouble));
+  }
+  std::vector<double> values;
+  if (norms.empty()) return values;
+  const at::Tensor all = at::stack(norms).cpu();
+  for (int64_t i = 0; i < all.numel(); ++i) values.push_back(all[i].item<double>());
+  return values;
+}
+
+std::string ShardedEngine::CudaGraphStatus() const { return graph_status_; }
+
 void ShardedEngine::BeginFirstBackward() {
+  if (graph_ != nullptr) {
+    // cuda_graphs: every backward accumulates into the flat gradients, as the graph does.
+    if (gradients_empty_) PrepareGradientsForAccumulation();
+    return;
+  }
   if (stage() > 1 || !gradients_empty_) return;
   // Autograd accumulates into a defined .grad (grad += new) and takes the new gradient over
   // when .grad is undefined: without .grad, the first backward's gradients are copied into
@@ -475,6 +551,120 @@ void ShardedEngine::SumTiedEmbeddingGradients() {
 at::Tensor ShardedEngine::ForwardBackward(const at::Tensor& inputs, const at::Tensor& targets,
                                           double scale, bool last, const at::Tensor& positions) {
   last_micro_batch_ = last;
+  if (graph_ != nullptr) {
+    if (std::optional<at::Tensor> loss = GraphForwardBackward(inputs, targets, scale, positions)) {
+      return *loss;
+    }
+  }
+  return EagerForwardBackward(inputs, targets, scale, positions);
+}
+
+std::optional<at::Tensor> ShardedEngine::GraphForwardBackward(
+    [[maybe_unused]] const at::Tensor& inputs, [[maybe_unused]] const at::Tensor& targets,
+    [[maybe_unused]] double scale, const at::Tensor& positions) {
+#if TESSERA_WITH_CUDA
+  CudaGraph& g = *graph_;
+  ++g.micro_batches;
+  if (g.off || positions.defined()) return std::nullopt;
+  if (g.live) {
+    if (inputs.sizes() != g.inputs.sizes() || targets.sizes() != g.targets.sizes()) {
+      return std::nullopt;  // another shape: eagerly
+    }
+    if (gradients_empty_) PrepareGradientsForAccumulation();
+    for (Unit& unit : units_) unit.ready = 0;
+    torch::NoGradGuard no_grad;
+    g.inputs.copy_(inputs, /*non_blocking=*/true);
+    g.targets.copy_(targets, /*non_blocking=*/true);
+    g.scale.fill_(scale);
+    g.graph->replay();
+    return g.loss.detach().clone();
+  }
+  // Warm up; then capture on the first micro-batch of a step, whose gradients start at zero.
+  if (g.eager_micro_batches < CudaGraph::kWarmupMicroBatches || !gradients_empty_) {
+    ++g.eager_micro_batches;
+    return std::nullopt;
+  }
+  auto zero_gradients = [this] {
+    torch::NoGradGuard no_grad;
+    for (Unit& unit : units_) {
+      if (unit.full_grad.defined()) unit.full_grad.zero_();
+    }
+  };
+  // The micro-batch eagerly, for the check.
+  PrepareGradientsForAccumulation();
+  const double eager_loss = EagerForwardBackward(inputs, targets, scale, {}).item<double>();
+  const std::vector<double> eager_grads = GradientSignature();
+  zero_gradients();
+  std::string why;
+  {
+    torch::NoGradGuard no_grad;
+    g.inputs = inputs.clone();
+    g.targets = targets.clone();
+    g.scale = at::full({}, scale, inputs.options().dtype(at::kFloat));
+  }
+  const at::Device device = inputs.device();
+  c10::cuda::device_synchronize();
+  // Autocast must not cache casts made inside the capture (they would live in its pool).
+  const bool autocast_cache = at::autocast::is_autocast_cache_enabled();
+  at::autocast::set_autocast_cache_enabled(false);
+  try {
+    const c10::cuda::CUDAStreamGuard on_side_stream(
+        c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()));
+    g.graph = std::make_unique<at::cuda::CUDAGraph>();
+    g.graph->capture_begin();
+    try {
+      for (Unit& unit : units_) unit.ready = 0;
+      {
+        AutocastScope autocast(options_.bf16);
+        g.loss = model_->Loss(g.inputs, g.targets);
+      }
+      (g.loss * g.scale).backward();
+    } catch (...) {
+      try {
+        g.graph->capture_end();  // leaves capture mode; fails for an invalidated capture
+      } catch (...) {
+      }
+      throw;
+    }
+    g.graph->capture_end();
+  } catch (const std::exception& e) {
+    why = absl::StrCat("the capture failed: ", e.what());
+  }
+  at::autocast::set_autocast_cache_enabled(autocast_cache);
+  c10::cuda::device_synchronize();
+  if (why.empty()) {
+    g.graph->replay();
+    const double graph_loss = g.loss.item<double>();
+    const std::vector<double> graph_grads = GradientSignature();
+    bool same = std::abs(graph_loss - eager_loss) <= 1e-5 * std::abs(eager_loss) + 1e-7 &&
+                graph_grads.size() == eager_grads.size();
+    for (size_t i = 0; same && i < eager_grads.size(); ++i) {
+      same = std::abs(graph_grads[i] - eager_grads[i]) <= 1e-4 * std::abs(eager_grads[i]) + 1e-12;
+    }
+    if (same) {
+      g.live = true;
+      graph_status_ = absl::StrCat("replaying (captured at micro-batch ", g.micro_batches,
+                                   "; its replay matched the eager run: loss ", graph_loss, " vs ",
+                                   eager_loss, ")");
+      return g.loss.detach().clone();
+    }
+    why = absl::StrCat("the replay differs from the eager run (loss ", graph_loss, " vs ",
+                       eager_loss, ", or the gradient norms)");
+  }
+  // Off for good: this micro-batch again, eagerly.
+  g.off = true;
+  g.graph.reset();
+  g.inputs = g.targets = g.scale = g.loss = at::Tensor();
+  graph_status_ = "off: " + why;
+  zero_gradients();
+  return EagerForwardBackward(inputs, targets, scale, {});
+#else
+  return std::nullopt;
+#endif
+}
+
+at::Tensor ShardedEngine::EagerForwardBackward(const at::Tensor& inputs, const at::Tensor& targets,
+                                               double scale, const at::Tensor& positions) {
   for (Unit& unit : units_) unit.ready = 0;
   if (stage() == 3) EnsureGathered(0);
   at::Tensor loss;

@@ -401,7 +401,8 @@ class Trainer {
                                      .world_group = group_.has_value() ? group_->group : nullptr,
                                      .pp_group = mesh_.group(MeshDim::kPipeline),
                                      .pp_stage = stage,
-                                     .pp_size = stages});
+                                     .pp_size = stages,
+                                     .cuda_graphs = options_.cuda_graphs});
 
     checkpointer_.emplace(Checkpoints());
     v1::DataPosition start;
@@ -710,6 +711,10 @@ class Trainer {
         *kind = v1::FAILURE_KIND_NAN_LOSS;
         return loss.status();
       }
+      if (const std::string graphs = engine_->CudaGraphStatus(); graphs != graph_status_logged_) {
+        Log(absl::StrCat("CUDA graphs: ", graphs));
+        graph_status_logged_ = graphs;
+      }
       ++step_;
       tokens_seen_ += tokens_per_step;
       double seconds =
@@ -834,6 +839,8 @@ class Trainer {
   MeshShape shape_;
   DeviceMesh mesh_;
   std::unique_ptr<ShardedEngine> engine_;
+  // The engine's CudaGraphStatus() as last logged.
+  std::string graph_status_logged_;
   // Background checkpoint writes (after engine_: destroyed first, waiting for its save).
   std::optional<AsyncCheckpointer> checkpointer_;
   double checkpoint_blocked_seconds_ = 0;

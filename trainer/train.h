@@ -33,6 +33,9 @@ struct TrainOptions {
   int64_t kill_in_checkpoint_at_step = 0;
   // --profile_dir / --profile_steps: a Chrome trace of these steps (step_profiler.h).
   StepProfileOptions profile = {};
+  // --cuda_graphs: replay each micro-batch's forward and backward as a CUDA graph where the
+  // layout allows (ShardedEngineOptions::cuda_graphs); the log says whether it does.
+  bool cuda_graphs = false;
 };
 
 struct TrainResult {
