@@ -611,7 +611,10 @@ std::optional<at::Tensor> ShardedEngine::GraphForwardBackward(
     const c10::cuda::CUDAStreamGuard on_side_stream(
         c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()));
     g.graph = std::make_unique<at::cuda::CUDAGraph>();
-    g.graph->capture_begin();
+    // Thread-local: only this thread's calls are checked. A checkpoint's snapshot thread may be
+    // waiting on its device-to-host copy meanwhile, and must not fail (or void the capture) for
+    // it; the autograd engine's thread launches backward into the capturing stream either way.
+    g.graph->capture_begin(/*pool=*/{0, 0}, cudaStreamCaptureModeThreadLocal);
     try {
       for (Unit& unit : units_) unit.ready = 0;
       {
