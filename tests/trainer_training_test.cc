@@ -3,6 +3,8 @@
 // follow the single-process curve, a stopped and resumed run equals an
 // uninterrupted one, and corrupted inputs are refused by name.
 
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <torch/cuda.h>
 #include <torch/serialize.h>
 #include <unistd.h>
@@ -19,9 +21,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/status_matchers.h"
+#include "common/trainer_env.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
-#include "common/trainer_env.h"
 #include "gtest/gtest.h"
 #include "planner/devices.h"
 #include "planner/layout_planner.h"
@@ -717,7 +719,9 @@ class MaskedTrainingTest : public TrainerTrainingTest,
       if (prepared.ok()) {
         EXPECT_EQ(prepared->exit.exit_code, 0) << prepared->output;
         EXPECT_THAT(prepared->output, HasSubstr("with a loss mask"));
-        if (packed) EXPECT_THAT(prepared->output, HasSubstr("records packed into samples"));
+        if (packed) {
+          EXPECT_THAT(prepared->output, HasSubstr("records packed into samples"));
+        }
       }
       dir = out;
     }
@@ -901,6 +905,42 @@ TEST_F(TrainerTrainingTest, GpuCudaGraphsReplayTheEagerSteps) {
       EXPECT_LE(std::abs(graphs[0].losses.at(step) - expected) / expected, 1e-5) << "step " << step;
     }
   }
+}
+
+// Rank 0 finds the master port taken by another process: it fails at once with
+// FAILURE_KIND_RENDEZVOUS and a message that says so (not a collective timeout).
+TEST_F(TrainerTrainingTest, ATakenMasterPortIsARendezvousFailureNamingThePort) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_ANY);
+  address.sin_port = 0;
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(listen(listener, 4), 0);
+  socklen_t length = sizeof(address);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const int port = ntohs(address.sin_port);
+  // Rank 0 of two, alone: it never gets as far as waiting for rank 1.
+  auto process = Subprocess::Start(
+      BaseFlags(2), {.merge_stdout = true,
+                     .extra_env = {"RANK=0", "WORLD_SIZE=2", "LOCAL_RANK=0", "LOCAL_WORLD_SIZE=2",
+                                   "MASTER_ADDR=127.0.0.1", absl::StrCat("MASTER_PORT=", port)}});
+  ASSERT_THAT(process, IsOk());
+  auto exit = process->Wait(absl::Minutes(2));
+  close(listener);
+  ASSERT_THAT(exit, IsOk());
+  TrainerRun run;
+  run.exit_code = exit->exit_code;
+  run.output = process->stderr_text();
+  ParseReports(run);
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_THAT(run.output, HasSubstr(absl::StrCat("cannot listen on the master port ", port)));
+  bool typed = false;
+  for (const auto& report : run.reports) {
+    typed |= report.has_failure() && report.failure().kind() == v1::FAILURE_KIND_RENDEZVOUS;
+  }
+  EXPECT_TRUE(typed) << run.output;
 }
 
 // --cuda_graphs where graphs do not apply (the CPU here): the log says why, and the run is the

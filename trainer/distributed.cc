@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -82,9 +83,19 @@ absl::StatusOr<JoinedGroup> JoinProcessGroup(const v1::RankAssignment& assignmen
     joined.backend = assignment.device_type() == v1::DEVICE_TYPE_CUDA ? "nccl" : "gloo";
     joined.hostname = assignment.master_addr();
   } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (rank == 0 && (absl::StrContains(what, "Address already in use") ||
+                      absl::StrContains(what, "EADDRINUSE"))) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "rendezvous: rank 0 cannot listen on the master port ", assignment.master_port(), " of ",
+          assignment.master_addr(),
+          ": another process holds it (address already in use); a restart of the job takes "
+          "another port. ",
+          what));
+    }
     return absl::UnavailableError(absl::StrCat("rendezvous at ", assignment.master_addr(), ":",
                                                assignment.master_port(), " as rank ", rank, "/",
-                                               size, ": ", e.what_without_backtrace()));
+                                               size, ": ", what));
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("rendezvous at ", assignment.master_addr(), ":",
                                                assignment.master_port(), ": ", e.what()));

@@ -52,7 +52,9 @@ struct ProcessGroupOptions {
 
 // Rendezvous at master_addr:master_port (rank 0 hosts the TCPStore) and join
 // a group on NCCL for DEVICE_TYPE_CUDA, Gloo otherwise. UNAVAILABLE or
-// DEADLINE_EXCEEDED when the rendezvous fails, naming the address.
+// DEADLINE_EXCEEDED when the rendezvous fails, naming the address;
+// ALREADY_EXISTS when rank 0 cannot listen on the master port because another
+// process holds it.
 absl::StatusOr<JoinedGroup> JoinProcessGroup(const v1::RankAssignment& assignment,
                                              const ProcessGroupOptions& options);
 

@@ -324,7 +324,12 @@ class Trainer {
                                    ? absl::Seconds(task_.collective_timeout_seconds())
                                    : options_.collective_timeout;
       auto group = JoinProcessGroup(assignment_, {.timeout = timeout});
-      if (!group.ok()) return Fail(v1::FAILURE_KIND_COLLECTIVE_TIMEOUT, group.status());
+      if (!group.ok()) {
+        // AlreadyExists: rank 0 found the master port taken (distributed.h).
+        return Fail(absl::IsAlreadyExists(group.status()) ? v1::FAILURE_KIND_RENDEZVOUS
+                                                          : v1::FAILURE_KIND_COLLECTIVE_TIMEOUT,
+                    group.status());
+      }
       group_.emplace(std::move(*group));
     }
     auto mesh = DeviceMesh::Create(shape_, rank(), group_.has_value() ? &*group_ : nullptr,
