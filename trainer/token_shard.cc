@@ -320,6 +320,7 @@ void TokenShard::ReadRecordStarts(uint64_t offset, uint64_t count, uint8_t* out)
 void TokenShard::ReadTokenBytes(const uint8_t* section, uint8_t absent, uint64_t offset,
                                 uint64_t count, uint8_t* out) const {
   CheckRange(path_, offset, count, num_tokens_);
+  if (count == 0) return;  // `out` may be null then (an empty vector's data())
   if (section == nullptr) {
     std::memset(out, absent, count);
   } else {
