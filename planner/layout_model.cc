@@ -363,21 +363,31 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     if (last) {
       // Final norm input (float32) and the head's input in compute precision.
       activations += static_cast<int64_t>(s * b * h * (4 + e) / (l.sp ? l.tp : 1));
+      // Without tp the head computes its input's gradient in forward (linear_cross_entropy.h)
+      // and holds it, in the input's dtype, until backward.
+      if (l.tp == 1) activations += static_cast<int64_t>(s * b * h * e);
     }
     mem.set_activations_bytes(activations);
 
     // Logits. Without tp the head and its loss run a chunk of tokens at a time
-    // (trainer/linear_cross_entropy.h): at the peak one chunk's float32 log-probabilities, the
-    // gradient log_softmax's backward takes and the one it gives (12 bytes per element; under
-    // autocast the compute-precision logits before and gradient after need less). Vocab-parallel over tp the whole shard's logits exist at the start of backward:
+    // (trainer/linear_cross_entropy.h). On a GPU the fused kernel writes a chunk's gradient
+    // over its logits in place, in the compute precision (e bytes per element, the weight
+    // padded to kLossVocabAlignment rows); the CPU's composite holds the chunk's float32
+    // log-probabilities and the gradient log_softmax's backward takes and gives (12 bytes).
+    // A trained head also holds its weight's gradient from forward to backward, summed over
+    // the chunks in float32, and one chunk's product in the compute precision while it is
+    // added. Vocab-parallel over tp the whole shard's logits exist at the start of backward:
     // log-softmax output, the loss gradient and the logits gradient in float32 (12 bytes per
     // element), plus a bf16 copy of that gradient under autocast (ceil(vocab / tp) columns per
     // rank, the padded rows' logits included).
     int64_t logits = 0;
     if (last && l.tp == 1) {
-      const int64_t rows =
-          std::min<int64_t>(static_cast<int64_t>(s * b), LossChunkRows(w.dims.vocab_size()));
-      logits = rows * w.dims.vocab_size() * 12;
+      const bool gpu = !IsCpu(c.device);
+      const int64_t vocab = w.dims.vocab_size();
+      const int64_t padded = gpu ? LossPaddedVocab(vocab) : vocab;
+      const int64_t rows = std::min<int64_t>(static_cast<int64_t>(s * b), LossChunkRows(vocab));
+      logits = rows * padded * (gpu ? e : 12);
+      if (w.lora_rank == 0) logits += padded * static_cast<int64_t>(h) * (4 + e);
     } else if (last) {
       logits = static_cast<int64_t>(s * b * CeilDiv(w.dims.vocab_size(), l.tp) *
                                     (12 + (e == 2 ? 2 : 0)));

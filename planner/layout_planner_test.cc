@@ -296,9 +296,10 @@ TEST(LayoutPlannerTest, VocabParallelTablesPadTheVocabularyToAMultipleOfTp) {
   // At tp 1 nothing is padded.
   const v1::MemoryEstimate tp1 = EstimateMemory(llama, {2, 1, 1, 0, 1}, c)[0];
   EXPECT_EQ(tp1.parameters(), CountParameters(llama.dims));
-  // At tp 1 the head's loss runs in chunks: all 64 tokens fit one chunk (12 bytes per logit at
-  // its peak).
-  EXPECT_EQ(tp1.logits_bytes(), int64_t{64} * 257 * 12);
+  // At tp 1 the head's loss runs in chunks: all 64 tokens fit one chunk, on a GPU in bf16 the
+  // fused kernel's (2 bytes per logit, the vocabulary padded to 320 rows), plus the head's
+  // weight gradient (float32, and a chunk's bf16 product).
+  EXPECT_EQ(tp1.logits_bytes(), int64_t{64} * 320 * 2 + int64_t{320} * d * 6);
   // tiny-gpt2 (tied) over tp 2 x pp 2: the first stage holds the padded embedding and the learned
   // positions, the last the final norm and its own padded copy of the tied head. A layer: 3d x d
   // + d x d + 2 x d x 256 matmul weights and the qkv and fc biases split over tp, two norms and two
@@ -322,8 +323,13 @@ TEST(LayoutPlannerTest, LogitsAreOneChunkOfTokensWithoutTensorParallelism) {
   const v1::MemoryEstimate one = EstimateMemory(big, {1, 1, 1, 0, 1}, Cluster("h100-sxm", 1, 8))[0];
   const int64_t vocab = big.dims.vocab_size();
   EXPECT_EQ(LossChunkRows(vocab), kLossChunkBytes / (4 * vocab));
-  EXPECT_EQ(one.logits_bytes(), LossChunkRows(vocab) * vocab * 12);
-  EXPECT_LT(one.logits_bytes(), int64_t{770} << 20);
+  // On a GPU in bf16: one chunk's bf16 logits (the fused kernel writes their gradient in place)
+  // and the head's weight gradient, float32 summed over chunks plus one chunk's bf16 product.
+  const int64_t padded = LossPaddedVocab(vocab), hidden = big.dims.hidden_size();
+  EXPECT_EQ(padded % kLossVocabAlignment, 0);
+  EXPECT_EQ(one.logits_bytes(), LossChunkRows(vocab) * padded * 2 + padded * hidden * 6);
+  // A chunk, not the micro-batch's 16,384 tokens of logits.
+  EXPECT_LT(LossChunkRows(vocab) * padded * 2, int64_t{260} << 20);
 }
 
 TEST(LayoutPlannerTest, RecomputationAndSequenceParallelismShrinkActivations) {

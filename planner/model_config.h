@@ -52,5 +52,11 @@ std::vector<std::string> PresetNames();
 // counts the same chunk.
 inline constexpr int64_t kLossChunkBytes = int64_t{256} << 20;
 int64_t LossChunkRows(int64_t vocab_columns);
+// On a GPU (the fused cross-entropy path) the head's weight is padded with zero rows to a
+// multiple of this, so that the logits' rows are 16-byte aligned for the matrix products.
+inline constexpr int64_t kLossVocabAlignment = 64;
+inline int64_t LossPaddedVocab(int64_t vocab) {
+  return (vocab + kLossVocabAlignment - 1) / kLossVocabAlignment * kLossVocabAlignment;
+}
 
 }  // namespace tessera::planner

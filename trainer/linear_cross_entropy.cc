@@ -13,9 +13,6 @@
 namespace tessera::trainer {
 namespace {
 
-// Rows of the weight as the fused path multiplies it (a multiple of this many).
-constexpr int64_t kVocabAlignment = 64;
-
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -37,8 +34,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     // the logits' rows are 16-byte aligned: at an odd vocabulary (GPT-2's 50,257) cuBLAS
     // otherwise falls back to slow unaligned kernels for all three products. The kernel skips
     // the padding columns and writes 0 into their gradient.
-    const int64_t padded =
-        fused ? (vocab + kVocabAlignment - 1) / kVocabAlignment * kVocabAlignment : vocab;
+    const int64_t padded = fused ? planner::LossPaddedVocab(vocab) : vocab;
     at::Tensor w_c = weight.to(compute);
     if (padded != vocab) w_c = at::constant_pad_nd(w_c, {0, 0, 0, padded - vocab});
     const at::Tensor counted = targets != kIgnoreTarget;
