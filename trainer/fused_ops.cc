@@ -143,8 +143,8 @@ torch::Tensor As4d(torch::Tensor t) {
 torch::Tensor RotaryCpu(torch::Tensor in, const torch::Tensor& cos, const torch::Tensor& sin,
                         bool transpose) {
   if (in.stride(-1) != 1) in = in.contiguous();
+  // in's last dimension is contiguous, so out's is too (its strides, or contiguous).
   torch::Tensor out = at::empty_like(in);
-  if (out.stride(-1) != 1) out = at::empty(in.sizes(), in.options());
   const torch::Tensor in4 = As4d(in), out4 = As4d(out), table = As4d(cos).expand(in4.sizes());
   cpu_kernels::RotaryRows rows;
   rows.head_dim = in4.size(3);

@@ -571,7 +571,6 @@ std::optional<at::Tensor> ShardedEngine::GraphForwardBackward(
       return std::nullopt;  // another shape: eagerly
     }
     if (gradients_empty_) PrepareGradientsForAccumulation();
-    for (Unit& unit : units_) unit.ready = 0;
     torch::NoGradGuard no_grad;
     g.inputs.copy_(inputs, /*non_blocking=*/true);
     g.targets.copy_(targets, /*non_blocking=*/true);
@@ -584,17 +583,11 @@ std::optional<at::Tensor> ShardedEngine::GraphForwardBackward(
     ++g.eager_micro_batches;
     return std::nullopt;
   }
-  auto zero_gradients = [this] {
-    torch::NoGradGuard no_grad;
-    for (Unit& unit : units_) {
-      if (unit.full_grad.defined()) unit.full_grad.zero_();
-    }
-  };
-  // The micro-batch eagerly, for the check.
+  // The micro-batch eagerly, for the check; then zero gradients again for the capture's replay.
   PrepareGradientsForAccumulation();
   const double eager_loss = EagerForwardBackward(inputs, targets, scale, {}).item<double>();
   const std::vector<double> eager_grads = GradientSignature();
-  zero_gradients();
+  PrepareGradientsForAccumulation();
   std::string why;
   {
     torch::NoGradGuard no_grad;
@@ -659,7 +652,7 @@ std::optional<at::Tensor> ShardedEngine::GraphForwardBackward(
   g.graph.reset();
   g.inputs = g.targets = g.scale = g.loss = at::Tensor();
   graph_status_ = "off: " + why;
-  zero_gradients();
+  PrepareGradientsForAccumulation();
   return EagerForwardBackward(inputs, targets, scale, {});
 #else
   return std::nullopt;
