@@ -206,7 +206,12 @@ bool FusedNormApplies(const torch::Tensor& x, const torch::Tensor& weight,
            bias.sizes() == weight.sizes()));
 }
 
-// RMSNorm (bias undefined, rms true) or LayerNorm on the CUDA kernels, the output in out_dtype.
+// NormFunction's bias argument when there is none.
+torch::Tensor NoBias(const torch::Tensor& weight) { return at::empty({0}, weight.options()); }
+
+// RMSNorm (rms true, no bias) or LayerNorm on the CUDA kernels, the output in out_dtype. A
+// missing bias comes as an empty tensor: autograd's apply() takes the device of every tensor
+// argument, and an undefined one has none.
 struct NormFunction : torch::autograd::Function<NormFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, const torch::Tensor& bias, double eps,
@@ -215,7 +220,8 @@ struct NormFunction : torch::autograd::Function<NormFunction> {
     const kernels::NormKind kind = rms ? kernels::NormKind::kRms : kernels::NormKind::kLayer;
     const auto y_type = static_cast<at::ScalarType>(out_dtype);
     const torch::Tensor x_c = x.contiguous(), w_c = weight.contiguous();
-    const torch::Tensor b_c = bias.defined() ? bias.contiguous() : bias;
+    const bool has_bias = bias.numel() > 0;
+    const torch::Tensor b_c = has_bias ? bias.contiguous() : torch::Tensor();
     const int64_t hidden = x_c.size(-1), rows = x_c.numel() / hidden;
     torch::Tensor y = at::empty(x_c.sizes(), x_c.options().dtype(y_type));
     torch::Tensor rstd = at::empty({rows}, x_c.options().dtype(at::kFloat));
@@ -231,7 +237,7 @@ struct NormFunction : torch::autograd::Function<NormFunction> {
     ctx->save_for_backward({x_c, w_c, mean, rstd});
     ctx->saved_data["rms"] = rms;
     ctx->saved_data["out_dtype"] = out_dtype;
-    ctx->saved_data["has_bias"] = bias.defined();
+    ctx->saved_data["has_bias"] = has_bias;
     return y;
   }
 
@@ -451,7 +457,7 @@ torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, 
   }
 #if TESSERA_WITH_CUDA
   if (FusedKernelsEnabled() && FusedNormApplies(x, weight, torch::Tensor(), out)) {
-    return NormFunction::apply(x, weight, torch::Tensor(), eps, /*rms=*/true,
+    return NormFunction::apply(x, weight, NoBias(weight), eps, /*rms=*/true,
                                static_cast<int64_t>(out));
   }
 #endif
@@ -464,7 +470,8 @@ torch::Tensor FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& weight
   const at::ScalarType out = out_dtype.value_or(x.scalar_type());
 #if TESSERA_WITH_CUDA
   if (FusedKernelsEnabled() && FusedNormApplies(x, weight, bias, out)) {
-    return NormFunction::apply(x, weight, bias, eps, /*rms=*/false, static_cast<int64_t>(out));
+    return NormFunction::apply(x, weight, bias.defined() ? bias : NoBias(weight), eps,
+                               /*rms=*/false, static_cast<int64_t>(out));
   }
 #endif
   return LayerNormComposite(x, weight, bias, eps, out);

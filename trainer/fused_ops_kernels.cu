@@ -146,6 +146,8 @@ __global__ void NormForwardKernel(const X* __restrict__ x, const W* __restrict__
 // with n = the normalised x and g = grad_y * weight,
 //   RMSNorm:   grad_x = rstd * (g - n * mean(g n))
 //   LayerNorm: grad_x = rstd * (g - mean(g) - n * mean(g n)).
+// g is rounded the same way in both passes (no FMA contraction of its product into g - mean(g)),
+// so that a row whose g are all equal (hidden 1, say) gets g - mean(g) = 0 exactly.
 template <bool kLayer, typename X, typename Y, typename W>
 __global__ void NormBackwardKernel(const Y* __restrict__ grad_y, const X* __restrict__ x,
                                    const W* __restrict__ weight, const float* __restrict__ mean,
@@ -158,7 +160,7 @@ __global__ void NormBackwardKernel(const Y* __restrict__ grad_y, const X* __rest
     const float mu = kLayer ? mean[row] : 0.0f;
     float dot = 0.0f, sum_g = 0.0f;
     for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x) {
-      const float g = ToFloat(grad_y[base + j]) * ToFloat(weight[j]);
+      const float g = __fmul_rn(ToFloat(grad_y[base + j]), ToFloat(weight[j]));
       const float n = (ToFloat(x[base + j]) - mu) * r;
       dot += g * n;
       if constexpr (kLayer) sum_g += g;
@@ -167,7 +169,7 @@ __global__ void NormBackwardKernel(const Y* __restrict__ grad_y, const X* __rest
     float mean_g = 0.0f;
     if constexpr (kLayer) mean_g = BlockSum(sum_g, scratch) / static_cast<float>(hidden);
     for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x) {
-      const float g = ToFloat(grad_y[base + j]) * ToFloat(weight[j]);
+      const float g = __fmul_rn(ToFloat(grad_y[base + j]), ToFloat(weight[j]));
       const float n = (ToFloat(x[base + j]) - mu) * r;
       grad_x[base + j] = FromFloat<X>(r * (g - mean_g - n * mean_dot));
     }
