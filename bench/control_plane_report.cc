@@ -42,6 +42,13 @@ json LatencyJson(const LatencySummary& summary) {
           {"min_ms", Ms(summary.min)}, {"max_ms", Ms(summary.max)}, {"mean_ms", Ms(summary.mean)}};
 }
 
+// {"phase": ms per pass, ...}.
+json PhasesJson(const std::vector<std::pair<std::string, double>>& phases) {
+  json out = json::object();
+  for (const auto& [phase, seconds] : phases) out[phase] = Ms(seconds);
+  return out;
+}
+
 json SpreadJson(const Spread& spread) {
   return {{"median", spread.median}, {"min", spread.min}, {"max", spread.max}};
 }
@@ -74,6 +81,7 @@ json ScaleJson(const ScaleResult& r) {
         {"scheduler_pass_lock_held_mean_ms", Ms(in.mean_lock_held_seconds)},
         {"scheduler_pass_longest_lock_hold_mean_ms", Ms(in.mean_longest_lock_hold_seconds)},
         {"cluster_lock_share_of_wall", in.lock_duty},
+        {"scheduler_pass_phase_mean_ms", PhasesJson(in.pass_phase_seconds)},
         {"store_writes_per_second", in.store_writes_per_second},
         {"store_write_mean_ms", Ms(in.mean_store_write_seconds)},
         {"server_heartbeat_mean_ms", Ms(in.mean_heartbeat_seconds)},
@@ -241,6 +249,13 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
           in.store_writes_per_second, Ms(in.mean_store_write_seconds),
           Ms(in.mean_heartbeat_seconds), Ms(in.mean_health_seconds), Ms(in.mean_submit_seconds),
           Ms(in.mean_submit_to_scheduled_seconds));
+      if (!in.pass_phase_seconds.empty()) {
+        absl::StrAppend(&out, "  scheduler pass by phase, ms per pass:");
+        for (const auto& [phase, seconds] : in.pass_phase_seconds) {
+          absl::StrAppendFormat(&out, " %s %.2f", phase, Ms(seconds));
+        }
+        absl::StrAppend(&out, "\n");
+      }
     }
     absl::StrAppendFormat(&out,
                           "  load generator used %.2f cores, other processes %.2f cores; "

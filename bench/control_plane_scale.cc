@@ -21,6 +21,9 @@ namespace {
 constexpr char kPassHistogram[] = "tessera_scheduler_pass_duration_seconds";
 constexpr char kPassLockHistogram[] = "tessera_scheduler_pass_lock_held_seconds";
 constexpr char kPassLongestHoldHistogram[] = "tessera_scheduler_pass_longest_lock_hold_seconds";
+constexpr char kPassPhaseHistogram[] = "tessera_scheduler_pass_phase_seconds";
+constexpr const char* kPassPhases[] = {"list",  "settle", "plan", "schedule",
+                                       "admit", "store",  "count"};
 constexpr char kStoreWriteHistogram[] = "tessera_store_write_duration_seconds";
 constexpr char kSchedulingLatencyHistogram[] = "tessera_scheduling_latency_seconds";
 constexpr char kRequestHistogram[] = "tessera_grpc_server_request_duration_seconds";
@@ -73,6 +76,12 @@ CoordinatorInternals InternalsBetween(const MetricSamples& before, const MetricS
     internals.mean_lock_held_seconds = internals.mean_pass_seconds;
     internals.mean_longest_lock_hold_seconds = internals.mean_pass_seconds;
     internals.lock_duty = internals.pass_duty;
+  }
+  for (const char* phase : kPassPhases) {
+    const HistogramTotals spent = delta(kPassPhaseHistogram, absl::StrCat("phase=\"", phase, "\""));
+    if (spent.count > 0 && passes.count > 0) {
+      internals.pass_phase_seconds.emplace_back(phase, spent.sum / passes.count);
+    }
   }
   const HistogramTotals writes = delta(kStoreWriteHistogram);
   internals.store_writes_per_second = writes.count / seconds;

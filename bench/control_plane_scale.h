@@ -58,6 +58,10 @@ struct CoordinatorInternals {
   double mean_lock_held_seconds = 0;
   double mean_longest_lock_hold_seconds = 0;
   double lock_duty = 0;
+  // Seconds per pass (all passes counted) in each of its phases
+  // (tessera_scheduler_pass_phase_seconds), in the pass's order; empty for a
+  // coordinator without that histogram.
+  std::vector<std::pair<std::string, double>> pass_phase_seconds;
   // SQLite write transactions per second and their mean duration.
   double store_writes_per_second = 0;
   double mean_store_write_seconds = 0;

@@ -1,5 +1,7 @@
 #include "coordinator/cluster.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <iostream>
@@ -66,6 +68,22 @@ v1::JobSpec WithDevices(v1::JobSpec spec, int devices) {
 int RequestedDevices(const v1::JobSpec& spec) {
   return spec.resources().gpus() > 0 ? spec.resources().gpus() : spec.resources().cpu_slots();
 }
+
+// Adds the wall time from its construction (or the previous Next) to stats->phase_seconds[phase].
+class PhaseTimer {
+ public:
+  explicit PhaseTimer(ClusterStats* stats)
+      : stats_(stats), start_(std::chrono::steady_clock::now()) {}
+  void Next(const char* phase) {
+    const auto now = std::chrono::steady_clock::now();
+    stats_->phase_seconds[phase] += std::chrono::duration<double>(now - start_).count();
+    start_ = now;
+  }
+
+ private:
+  ClusterStats* stats_;
+  std::chrono::steady_clock::time_point start_;
+};
 
 }  // namespace
 
@@ -153,17 +171,6 @@ absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNod
 }
 
 absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequest& request) {
-  ASSIGN_OR_RETURN(std::optional<v1::HeartbeatResponse> response, HeartbeatImpl(request, true));
-  return std::move(*response);
-}
-
-absl::StatusOr<std::optional<v1::HeartbeatResponse>> Cluster::HeartbeatWithoutWaiting(
-    const v1::HeartbeatRequest& request) {
-  return HeartbeatImpl(request, false);
-}
-
-absl::StatusOr<std::optional<v1::HeartbeatResponse>> Cluster::HeartbeatImpl(
-    const v1::HeartbeatRequest& request, bool wait) {
   // Declared first: the store writes the heartbeat decided run after mu_ is released, on the
   // follow-up executor when there is one.
   FollowUps follow_ups;
@@ -175,14 +182,6 @@ absl::StatusOr<std::optional<v1::HeartbeatResponse>> Cluster::HeartbeatImpl(
   };
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(nodes_.CheckKey(request.node_id(), request.node_key()));
-  // A placement on this node that a pass is storing is handed out only once it is stored.
-  struct NotStoring {
-    const std::map<std::string, int>* storing;
-    const std::string* node_id;
-    static bool Check(NotStoring* self) { return !self->storing->contains(*self->node_id); }
-  } not_storing{&storing_nodes_, &request.node_id()};
-  if (!wait && !NotStoring::Check(&not_storing)) return std::nullopt;
-  mu_.Await(absl::Condition(&NotStoring::Check, &not_storing));
   heartbeat_node_ = request.node_id();
   absl::Cleanup quiet = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { heartbeat_node_.clear(); };
   v1::HeartbeatResponse response;
@@ -609,7 +608,7 @@ int Cluster::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
     ra->set_gpu_index(rank.gpu_index());
   }
   for (auto& [node_id, assignment] : assignments) {
-    nodes_.QueueStart(node_id, std::move(assignment));
+    nodes_.QueueStart(node_id, std::move(assignment), /*held=*/true);
   }
   allocations_.Add(job.job_id(), std::move(allocation));
   return master_port;
@@ -661,6 +660,7 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
     plan_cache_.clear();
     return {};
   }
+  PhaseTimer phase(stats);
   std::vector<NodeCapacity> capacity = NodeRegistry::Subtract(*snapshot.summaries, snapshot.used);
   // Jobs asking for the same kind of device share one look over the nodes.
   std::map<std::string, absl::StatusOr<planner::DeviceTarget>> targets;
@@ -721,12 +721,16 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
   }
   // Plans of jobs that left the queue are not needed again.
   std::erase_if(plan_cache_, [&](const auto& entry) { return !waiting_ids.contains(entry.first); });
+  phase.Next("plan");
   ScheduleResult result;
   if (!requests.empty()) result = Schedule(std::move(requests), std::move(capacity));
-  // The gangs are admitted (allocation made, assignments queued) under one short hold, unless a
-  // node registered again (or was lost) since the snapshot: it may offer other devices now, and
-  // that gang waits for the next pass. Only a pass adds or frees allocations, so the other
-  // gangs' devices are still free. Their nodes' heartbeats wait until the placements are stored.
+  phase.Next("schedule");
+  // The gangs are admitted (allocation made) under one short hold, unless a node registered again
+  // (or was lost) since the snapshot: it may offer other devices now, and that gang waits for the
+  // next pass. Only a pass adds or frees allocations, so the other gangs' devices are still free.
+  // Their assignments are queued held back: they go out to their nodes only once the placements
+  // are stored, so that no worker starts a task the store does not know, and no heartbeat waits
+  // for the store (it leaves without them).
   std::vector<const GangPlacement*> admitted;
   std::map<std::string, int> master_ports;  // of the admitted placements, by job
   {
@@ -739,10 +743,10 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
       if (stale || allocations_.Find(placement.job_id) != nullptr) continue;
       master_ports[placement.job_id] = AdmitLocked(
           *waiting[placement.job_id], specs[placement.job_id], placement, plans[placement.job_id]);
-      for (const auto& rank : placement.ranks) ++storing_nodes_[rank.node_id()];
       admitted.push_back(&placement);
     }
   }
+  phase.Next("admit");
   // Every placement and every changed pending reason of the pass is stored in one transaction
   // (one fsync), without mu_.
   std::vector<JobManager::TransitionRequest> writes;
@@ -770,6 +774,7 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
     }
   }
   const std::vector<absl::StatusOr<v1::Job>> stored = jobs_->TransitionAll(writes);
+  phase.Next("store");
   std::set<std::string> placed;
   std::function<void(double)> latency_observer;
   std::vector<double> latencies;
@@ -779,11 +784,13 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
     for (size_t i = 0; i < admitted.size(); ++i) {
       const GangPlacement& placement = *admitted[i];
       const std::string& job_id = placement.job_id;
-      for (const auto& rank : placement.ranks) {
-        auto storing = storing_nodes_.find(rank.node_id());
-        if (storing != storing_nodes_.end() && --storing->second == 0) storing_nodes_.erase(storing);
-      }
       if (stored[i].ok()) {
+        // Withdrawn meanwhile if the attempt failed (a node registered again without it).
+        if (const Allocation* allocation = allocations_.Find(job_id)) {
+          for (const auto& node : allocation->Nodes()) {
+            nodes_.ReleaseStart(node, TaskId(job_id, allocation->attempt, node));
+          }
+        }
         placed.insert(job_id);
         if (stored[i]->attempt() == 0) {
           latencies.push_back(absl::ToDoubleSeconds(
@@ -793,7 +800,7 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
         continue;
       }
       // Cancelled meanwhile (FAILED_PRECONDITION), or a store error: nothing was delivered (the
-      // nodes' heartbeats waited), so the gang is taken back and the next pass decides.
+      // assignments were held back), so the gang is taken back and the next pass decides.
       if (!absl::IsFailedPrecondition(stored[i].status())) {
         LogRetried(stored[i].status(), absl::StrCat("placing job ", job_id));
       }
@@ -821,12 +828,14 @@ ClusterStats Cluster::Tick(bool count) {
   const absl::Time now = options_.now();
   ClusterStats stats;
   stats.counted = count;
+  PhaseTimer phase(&stats);
   // Read without mu_. Only the waiting jobs are parsed: parsing every running job's blob cost
   // more than the rest of a pass on a busy cluster. Allocations are added only by a pass, so
   // every allocation's job is listed unless it ended since; a job cancelled or finished meanwhile
   // is seen by the next pass.
   absl::StatusOr<std::vector<Store::JobSummary>> active = store_->ListActiveJobSummaries();
   absl::StatusOr<std::vector<v1::Job>> waiting = store_->ListWaitingJobs();
+  phase.Next("list");
   PassSnapshot snapshot;
   bool relist = false;
   {
@@ -863,16 +872,20 @@ ClusterStats Cluster::Tick(bool count) {
       if (!relist && waiting.ok()) snapshot = SnapshotLocked(*waiting);
     }
   }
+  phase.Next("settle");
   if (relist) {
     active = store_->ListActiveJobSummaries();
     waiting = store_->ListWaitingJobs();
+    phase.Next("list");
     if (waiting.ok()) {
       TimedLock lock(&mu_, &stats);
       snapshot = SnapshotLocked(*waiting);
     }
+    phase.Next("settle");
   }
   if (active.ok() && waiting.ok()) {
     const std::set<std::string> placed = SchedulePass(*waiting, snapshot, &stats);
+    phase = PhaseTimer(&stats);
     for (const auto& job : *active) {
       const bool pending = !placed.contains(job.job_id) && job.state == v1::JOB_STATE_PENDING;
       ++stats.jobs[placed.contains(job.job_id) ? v1::JOB_STATE_SCHEDULED : job.state];
@@ -912,6 +925,7 @@ ClusterStats Cluster::Tick(bool count) {
   } else {
     LogRetried(ended.status(), "counting ended jobs");
   }
+  phase.Next("count");
   return stats;
 }
 
@@ -951,6 +965,8 @@ std::vector<v1::Node> Cluster::Nodes(bool include_lost) {
 
 void Cluster::Start(std::function<void(const ClusterStats&, double)> observer) {
   loop_ = std::thread([this, observer = std::move(observer)] {
+    // Named for profiles (perf, top -H): the pass is one thread.
+    pthread_setname_np(pthread_self(), "scheduler");
     absl::Time last_start = absl::Now();
     absl::Time last_counted = last_start;
     while (true) {

@@ -100,6 +100,12 @@ struct ClusterStats {
   // single hold; the planning and the gang scheduler run without it.
   double lock_held_seconds = 0;
   double longest_lock_hold_seconds = 0;
+  // Where the pass's time went, by phase: "list" (reading the active and waiting jobs from the
+  // store), "settle" (liveness, decisions and the capacity snapshot, under the cluster lock),
+  // "plan" (each waiting job's plan and request), "schedule" (the gang scheduler), "admit"
+  // (committing the placements under the lock), "store" (storing them and the pending reasons),
+  // "count" (the cluster-wide figures). Wall time, waits included.
+  std::map<std::string, double> phase_seconds;
   // False for a pass that skipped the node, device, ended-job and straggler figures (Tick's
   // `count`): keep the previous ones.
   bool counted = true;
@@ -118,12 +124,9 @@ class Cluster {
   absl::Status Recover();
 
   absl::StatusOr<v1::RegisterNodeResponse> Register(const v1::RegisterNodeRequest& request);
+  // Never waits for a scheduling pass: a placement's assignments are queued for its nodes only
+  // once the placement is stored.
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
-  // Heartbeat, unless it would wait for a scheduling pass that is storing a placement on the
-  // node: then nullopt, having changed nothing, so that the caller can make the heartbeat where
-  // waiting blocks nobody else.
-  absl::StatusOr<std::optional<v1::HeartbeatResponse>> HeartbeatWithoutWaiting(
-      const v1::HeartbeatRequest& request);
   absl::StatusOr<v1::ReportResponse> Report(const v1::ReportRequest& request);
   // Whether `node_id` may watch for its assignments: registered, and `node_key` is its key.
   absl::Status CheckWatcher(const std::string& node_id, const std::string& node_key);
@@ -204,8 +207,9 @@ class Cluster {
   // The reason stored with a placement ("placed on n1, n2").
   static std::string PlacementReason(const v1::Job& job, const v1::JobSpec& spec,
                                      const GangPlacement& placement, const v1::LayoutPlan& plan);
-  // Records the allocation of a placement and queues its assignments; returns its master port
-  // (stored with the placement, so that a restarted coordinator reserves the same one).
+  // Records the allocation of a placement and queues its assignments, held back from the nodes
+  // until the placement is stored (NodeRegistry::ReleaseStart); returns its master port (stored
+  // with the placement, so that a restarted coordinator reserves the same one).
   int AdmitLocked(const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
                   const v1::LayoutPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What RecordSuccess writes of an attempt.
@@ -226,9 +230,6 @@ class Cluster {
     std::vector<Running> running;
     std::vector<std::pair<std::string, SuccessRecord>> succeeded;
   };
-  // Heartbeat and HeartbeatWithoutWaiting; nullopt only when !wait.
-  absl::StatusOr<std::optional<v1::HeartbeatResponse>> HeartbeatImpl(
-      const v1::HeartbeatRequest& request, bool wait);
   void OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status,
                           FollowUps* follow_ups) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves jobs to RUNNING and SUCCEEDED as decided; a write that fails is tried again by the next
@@ -255,9 +256,6 @@ class Cluster {
     std::optional<absl::StatusOr<v1::LayoutPlan>> plan;
   };
   std::map<std::string, PlanEntry> plan_cache_ ABSL_GUARDED_BY(pass_mu_);
-  // Nodes with placements admitted by the running pass but not yet stored (count per node): their
-  // heartbeats wait, so no assignment reaches a worker before its placement is in the store.
-  std::map<std::string, int> storing_nodes_ ABSL_GUARDED_BY(mu_);
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(mu_);
   AssignmentNotifier* notifier_ ABSL_GUARDED_BY(mu_) = nullptr;
   // The node whose heartbeat is being handled: its new orders leave with the response.

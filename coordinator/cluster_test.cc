@@ -4,9 +4,10 @@
 
 #include "coordinator/cluster.h"
 
+#include <atomic>
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/status_matchers.h"
+#include "coordinator/assignment_notifier.h"
 #include "coordinator/attempt_policy.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/time_util.h"
@@ -174,13 +176,17 @@ TEST_F(ClusterTest, SilentNodeIsLostAndAskedToRegisterAgain) {
   EXPECT_TRUE(Beat("n1", {}).reregister());
 }
 
-// A heartbeat from a node on which a pass is storing a placement must wait for the store (its
-// assignment goes out only once stored); HeartbeatWithoutWaiting says so instead of waiting, so
-// the gRPC service can move that one heartbeat off its threads. Nodes without a placement being
-// stored are answered at once.
-TEST_F(ClusterTest, HeartbeatWithoutWaitingStepsAsideWhileItsNodesPlacementIsStored) {
+// While a pass stores a placement, its assignments are held back: a heartbeat from one of its
+// nodes is answered at once without them (it never waits for the store), and the node gets them
+// with its first heartbeat after the store, the notifier telling it then, not before.
+TEST_F(ClusterTest, APlacementsAssignmentsLeaveOnlyOnceStoredAndNoHeartbeatWaits) {
   Register("n1", 2);
   Register("n2", 2);
+  AssignmentNotifier notifier;
+  cluster_->SetAssignmentNotifier(&notifier);
+  std::atomic<int> notices{0};
+  const AssignmentNotifier::Handle watch1 = notifier.Subscribe("n1", [&] { ++notices; });
+  const AssignmentNotifier::Handle watch2 = notifier.Subscribe("n2", [&] { ++notices; });
   const std::string job_id = Submit(CpuSpec(2, 0));
   absl::Notification storing, release;
   store_->SetWriteFailureInjector([&](const std::string& id) {
@@ -193,35 +199,42 @@ TEST_F(ClusterTest, HeartbeatWithoutWaitingStepsAsideWhileItsNodesPlacementIsSto
   std::thread pass([&] { cluster_->Tick(); });
   ASSERT_TRUE(storing.WaitForNotificationWithTimeout(absl::Seconds(30)));
 
-  // The gang went to one node (two slots); which one is the packing rule's business.
-  v1::HeartbeatRequest n1;
-  n1.set_node_id("n1");
-  v1::HeartbeatRequest n2;
-  n2.set_node_id("n2");
-  auto first = cluster_->HeartbeatWithoutWaiting(n1);
-  auto second = cluster_->HeartbeatWithoutWaiting(n2);
-  ASSERT_THAT(first.status(), IsOk());
-  ASSERT_THAT(second.status(), IsOk());
-  ASSERT_NE(first->has_value(), second->has_value()) << "exactly one node holds the gang";
-  const v1::HeartbeatRequest& placed = first->has_value() ? n2 : n1;
-  const v1::HeartbeatResponse& other = first->has_value() ? **first : **second;
-  EXPECT_EQ(other.start_size(), 0);
+  // Both nodes' heartbeats return while the store is blocked, with no assignment.
+  for (const char* node : {"n1", "n2"}) {
+    v1::HeartbeatRequest beat;
+    beat.set_node_id(node);
+    absl::StatusOr<v1::HeartbeatResponse> response = cluster_->Heartbeat(beat);
+    ASSERT_THAT(response.status(), IsOk()) << node;
+    EXPECT_EQ(response->start_size(), 0) << node;
+  }
+  // The notifier calls back on its own thread within microseconds of a notice.
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(notices.load(), 0) << "no node is told of an assignment that is not stored";
 
-  // The placed node's heartbeat, made where it may wait, gets its assignment once stored.
-  absl::StatusOr<v1::HeartbeatResponse> waited;
-  std::thread beat([&] { waited = cluster_->Heartbeat(placed); });
-  absl::SleepFor(absl::Milliseconds(100));
   release.Notify();
-  beat.join();
   pass.join();
   store_->SetWriteFailureInjector(nullptr);
-  ASSERT_THAT(waited.status(), IsOk());
-  ASSERT_EQ(waited->start_size(), 1);
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
-  // Once stored, nobody steps aside.
-  auto again = cluster_->HeartbeatWithoutWaiting(placed);
-  ASSERT_THAT(again.status(), IsOk());
-  EXPECT_TRUE(again->has_value());
+  // The gang went to one node (two slots); which one is the packing rule's business. That node
+  // is told, and its next heartbeat carries the assignment.
+  for (int i = 0; i < 300 && notices.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(notices.load(), 1);
+  notifier.Unsubscribe(watch1);
+  notifier.Unsubscribe(watch2);
+  cluster_->SetAssignmentNotifier(nullptr);
+  int starts = 0;
+  for (const char* node : {"n1", "n2"}) {
+    v1::HeartbeatRequest beat;
+    beat.set_node_id(node);
+    absl::StatusOr<v1::HeartbeatResponse> response = cluster_->Heartbeat(beat);
+    ASSERT_THAT(response.status(), IsOk()) << node;
+    for (const auto& start : response->start()) {
+      EXPECT_EQ(start.trainers(0).job_id(), job_id);
+      ++starts;
+    }
+  }
+  EXPECT_EQ(starts, 1);
 }
 
 TEST_F(ClusterTest, KilledRankRestartsFromTheCheckpointBlamingTheKilledRank) {

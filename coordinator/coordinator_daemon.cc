@@ -74,14 +74,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
       WorkerChannelSecurity{.credentials = std::move(worker_credentials),
                             .tls_server_name = options.worker_tls_server_name},
       daemon->client_calls_.get());
-  // Heartbeats that would wait for a pass's commit wait here: few at a time, each for one commit,
-  // and each carrying its node's new assignment.
-  daemon->waiting_heartbeats_ = std::make_unique<CallExecutor>(16, "hb-waits");
   daemon->cluster_->SetFollowUpExecutor(daemon->node_calls_.get());
   daemon->node_service_ =
       std::make_unique<NodeService>(daemon->cluster_.get(), daemon->authenticator_.get(),
-                                    daemon->notifier_.get(), daemon->node_calls_.get(),
-                                    daemon->waiting_heartbeats_.get());
+                                    daemon->notifier_.get(), daemon->node_calls_.get());
 
   // The metrics object needs the exposer's registry, and the gRPC server
   // needs its interceptor: DaemonServers hands over the registry in between.
@@ -117,6 +113,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   daemon->cluster_->Start([metrics](const ClusterStats& stats, double seconds) {
     metrics->ObserveSchedulingPass(seconds);
     metrics->ObserveSchedulingPassLock(stats.lock_held_seconds, stats.longest_lock_hold_seconds);
+    metrics->ObserveSchedulingPassPhases(stats.phase_seconds);
     // An early pass (a job was submitted) leaves the cluster-wide figures to the regular ones.
     if (!stats.counted) return;
     metrics->SetJobCounts(stats.jobs);

@@ -94,7 +94,6 @@ class CoordinatorDaemon {
   // they use, before the servers: they outlive every call the servers finish.
   std::unique_ptr<CallExecutor> client_calls_;
   std::unique_ptr<CallExecutor> node_calls_;
-  std::unique_ptr<CallExecutor> waiting_heartbeats_;
   // Declared last: stopped (destroyed) before the services it serves.
   std::unique_ptr<DaemonServers> servers_;
 };

@@ -176,6 +176,11 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                                       "seconds.")
                                 .Register(registry)
                                 .Add({}, FastOperationBuckets())),
+      scheduler_pass_phases_(prometheus::BuildHistogram()
+                                 .Name("tessera_scheduler_pass_phase_seconds")
+                                 .Help("Wall time one scheduler pass spent in each phase, in "
+                                       "seconds (waits included).")
+                                 .Register(registry)),
       grpc_requests_(prometheus::BuildCounter()
                          .Name("tessera_grpc_server_requests_total")
                          .Help("gRPC calls finished by the coordinator, by full method name "
@@ -339,6 +344,18 @@ void CoordinatorMetrics::ObserveSchedulingPassLock(double held_seconds,
                                                    double longest_hold_seconds) {
   scheduler_pass_lock_held_.Observe(held_seconds);
   scheduler_pass_longest_lock_hold_.Observe(longest_hold_seconds);
+}
+
+void CoordinatorMetrics::ObserveSchedulingPassPhases(
+    const std::map<std::string, double>& phase_seconds) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [phase, seconds] : phase_seconds) {
+    prometheus::Histogram*& series = phase_series_[phase];
+    if (series == nullptr) {
+      series = &scheduler_pass_phases_.Add({{"phase", phase}}, FastOperationBuckets());
+    }
+    series->Observe(seconds);
+  }
 }
 
 void CoordinatorMetrics::ObserveStoreWrite(double seconds) {

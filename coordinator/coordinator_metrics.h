@@ -27,6 +27,9 @@
 //                                           the cluster lock (heartbeats wait)
 //   tessera_scheduler_pass_longest_lock_hold_seconds histogram; its longest
 //                                           single hold
+//   tessera_scheduler_pass_phase_seconds{phase} histogram; one pass's wall time
+//                                           in each phase ("list", "settle", "plan",
+//                                           "schedule", "admit", "store", "count")
 //   tessera_store_write_duration_seconds    histogram; one store transaction
 //   tessera_job_restarts_total{kind}        counter; restarts decided, by the
 //                                           blamed failure's kind
@@ -101,6 +104,8 @@ class CoordinatorMetrics {
   void ObserveSchedulingPass(double seconds);
   // Of one pass: the cluster lock held in all and its longest single hold (buckets as above).
   void ObserveSchedulingPassLock(double held_seconds, double longest_hold_seconds);
+  // Of one pass: the wall time of each phase it went through (ClusterStats::phase_seconds).
+  void ObserveSchedulingPassPhases(const std::map<std::string, double>& phase_seconds);
   // Latency of one store transaction (buckets 100 us .. 10 s).
   void ObserveStoreWrite(double seconds);
 
@@ -143,6 +148,7 @@ class CoordinatorMetrics {
   prometheus::Histogram& scheduler_pass_lock_held_;
   prometheus::Histogram& scheduler_pass_longest_lock_hold_;
   prometheus::Histogram& store_write_duration_;
+  prometheus::Family<prometheus::Histogram>& scheduler_pass_phases_;
   prometheus::Family<prometheus::Counter>& grpc_requests_;
   prometheus::Family<prometheus::Histogram>& grpc_request_duration_;
   prometheus::Family<prometheus::Counter>& restarts_;
@@ -157,6 +163,8 @@ class CoordinatorMetrics {
   // job_id -> the rank_step_seconds series set last time, and its skew series.
   std::map<std::string, std::map<int, prometheus::Gauge*>> rank_series_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, prometheus::Gauge*> skew_series_ ABSL_GUARDED_BY(mu_);
+  // phase -> its tessera_scheduler_pass_phase_seconds series.
+  std::map<std::string, prometheus::Histogram*> phase_series_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tessera::coordinator

@@ -125,6 +125,8 @@ TEST_F(CoordinatorMetricsTest, HistogramsCountObservationsIntoTheirBuckets) {
   metrics_.ObserveSchedulingPass(0.003);
   metrics_.ObserveSchedulingPass(0.004);
   metrics_.ObserveStoreWrite(0.00005);  // under the first bucket, 100 us
+  metrics_.ObserveSchedulingPassPhases({{"store", 0.2}, {"plan", 0.003}});
+  metrics_.ObserveSchedulingPassPhases({{"store", 0.0004}});
 
   const std::vector<std::string> lines = ExpositionLines();
   EXPECT_THAT(lines, Contains("# TYPE tessera_scheduling_latency_seconds histogram"));
@@ -143,6 +145,11 @@ TEST_F(CoordinatorMetricsTest, HistogramsCountObservationsIntoTheirBuckets) {
   EXPECT_THAT(lines, Contains("tessera_store_write_duration_seconds_count 1"));
   EXPECT_THAT(lines, Contains("tessera_store_write_duration_seconds_bucket{le=\"0.0001\"} 1"));
   EXPECT_THAT(lines, Contains("tessera_store_write_duration_seconds_bucket{le=\"10\"} 1"));
+  EXPECT_THAT(lines, Contains("tessera_scheduler_pass_phase_seconds_count{phase=\"store\"} 2"));
+  EXPECT_THAT(
+      lines,
+      Contains("tessera_scheduler_pass_phase_seconds_bucket{phase=\"store\",le=\"0.0005\"} 1"));
+  EXPECT_THAT(lines, Contains("tessera_scheduler_pass_phase_seconds_count{phase=\"plan\"} 1"));
 }
 
 // Answers GetNode; ReadLogs keeps the generated UNIMPLEMENTED default.

@@ -32,10 +32,6 @@ bool IsTerminal(v1::JobState state) {
 
 JobManager::JobManager(Store* store) : store_(store) {}
 
-absl::Mutex& JobManager::StripeOf(const std::string& key) {
-  return job_stripes_[std::hash<std::string>{}(key) % kLockStripes];
-}
-
 void JobManager::NotifyWatchers(const std::string& job_id) {
   std::vector<std::function<void()>> to_call;
   {
@@ -62,10 +58,8 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::s
       request_id.empty() ? "" : absl::StrCat(owner, "/", request_id);
   // Only a repeated request id needs the lock: a new job's id is unknown to anyone else until it
   // is returned.
-  std::optional<absl::MutexLock> lock;
-  if (!owned_request_id.empty()) {
-    lock.emplace(&submit_stripes_[std::hash<std::string>{}(owned_request_id) % kLockStripes]);
-  }
+  std::optional<KeyedMutex::Hold> lock;
+  if (!owned_request_id.empty()) lock.emplace(&submit_locks_, owned_request_id);
   if (!owned_request_id.empty()) {
     ASSIGN_OR_RETURN(auto existing, store_->FindJobByRequestId(owned_request_id));
     if (existing.has_value()) return *existing;
@@ -114,7 +108,7 @@ absl::StatusOr<v1::Job> JobManager::Transition(const std::string& job_id, v1::Jo
                                                const std::string& reason,
                                                const std::function<void(v1::Job&)>& mutate,
                                                const std::vector<v1::JobEvent>& preceding_events) {
-  absl::MutexLock lock(&StripeOf(job_id));
+  const KeyedMutex::Hold lock(&job_locks_, job_id);
   ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
   if (IsTerminal(job.state())) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -139,12 +133,9 @@ absl::StatusOr<v1::Job> JobManager::Transition(const std::string& job_id, v1::Jo
 std::vector<absl::StatusOr<v1::Job>> JobManager::TransitionAll(
     const std::vector<TransitionRequest>& requests) {
   std::vector<absl::StatusOr<v1::Job>> results(requests.size(), absl::UnknownError("not stored"));
-  // Every job's stripe, taken in address order so two batches cannot deadlock.
-  std::vector<absl::Mutex*> stripes;
-  for (const auto& request : requests) stripes.push_back(&StripeOf(request.job_id));
-  std::sort(stripes.begin(), stripes.end());
-  stripes.erase(std::unique(stripes.begin(), stripes.end()), stripes.end());
-  for (absl::Mutex* stripe : stripes) stripe->Lock();
+  std::vector<std::string> job_ids;
+  for (const auto& request : requests) job_ids.push_back(request.job_id);
+  std::optional<KeyedMutex::HoldAll> locks(std::in_place, &job_locks_, std::move(job_ids));
   std::vector<JobWrite> writes;
   std::vector<size_t> written;  // request index of each write
   const auto now = NowTimestamp();
@@ -185,7 +176,7 @@ std::vector<absl::StatusOr<v1::Job>> JobManager::TransitionAll(
       results[written[w]] = committed[w].status();
     }
   }
-  for (auto it = stripes.rbegin(); it != stripes.rend(); ++it) (*it)->Unlock();
+  locks.reset();
   for (size_t w = 0; w < writes.size(); ++w) {
     if (committed[w].ok()) NotifyWatchers(writes[w].job_id);
   }
@@ -197,7 +188,7 @@ absl::Status JobManager::RecordReports(const std::string& job_id,
                                        const std::vector<v1::EvalMetrics>& evals,
                                        const std::vector<v1::Checkpoint>& checkpoints) {
   if (metrics.empty() && evals.empty() && checkpoints.empty()) return absl::OkStatus();
-  absl::MutexLock lock(&StripeOf(job_id));
+  const KeyedMutex::Hold lock(&job_locks_, job_id);
   ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
   JobWrite write;
   write.job_id = job_id;

@@ -4,10 +4,10 @@
 // tells watchers when a job has new events.
 //
 // Thread safety: all methods may be called from any thread. Changes to one
-// job are serialized by one of kLockStripes mutexes (picked by a hash of the
-// job id) so that its events are numbered in the order they happen, while
-// changes to different jobs overlap and share the Store's group commits;
-// submissions with the same request id are serialized the same way. Reads go
+// job are serialized by a mutex of its own (KeyedMutex) so that its events
+// are numbered in the order they happen, while changes to different jobs
+// overlap and share the Store's group commits; submissions with the same
+// request id are serialized the same way. Reads go
 // straight to the Store. Watcher callbacks run outside the locks.
 #pragma once
 
@@ -21,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "coordinator/keyed_mutex.h"
 #include "coordinator/store.h"
 #include "tessera/v1/coordinator_service.pb.h"
 
@@ -99,16 +100,13 @@ class JobManager {
   // Commits `write` and wakes the job's watchers.
   absl::StatusOr<std::vector<v1::JobEvent>> CommitAndNotify(const JobWrite& write);
 
-  static constexpr size_t kLockStripes = 64;
-  // The stripe serializing read-modify-write of `key` (a job id or request id).
-  absl::Mutex& StripeOf(const std::string& key);
   void NotifyWatchers(const std::string& job_id);
 
   Store* store_;
-  // Serialize read-modify-write of jobs, by a hash of the job id.
-  absl::Mutex job_stripes_[kLockStripes];
-  // Serialize submissions, by a hash of the request id.
-  absl::Mutex submit_stripes_[kLockStripes];
+  // Serialize read-modify-write of each job, by job id.
+  KeyedMutex job_locks_;
+  // Serialize submissions with the same request id.
+  KeyedMutex submit_locks_;
   std::atomic<bool> closed_{false};
   absl::Mutex listeners_mu_;
   int64_t next_listener_ ABSL_GUARDED_BY(listeners_mu_) = 1;

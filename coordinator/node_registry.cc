@@ -149,11 +149,26 @@ const v1::Node* NodeRegistry::Find(const std::string& node_id) const {
   return it == nodes_.end() ? nullptr : &it->second.node;
 }
 
-void NodeRegistry::QueueStart(const std::string& node_id, v1::TaskAssignment assignment) {
+void NodeRegistry::QueueStart(const std::string& node_id, v1::TaskAssignment assignment,
+                              bool held) {
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return;
-  it->second.to_start.push_back(std::move(assignment));
-  if (orders_listener_) orders_listener_(node_id);
+  it->second.to_start.push_back({std::move(assignment), held});
+  if (!held && orders_listener_) orders_listener_(node_id);
+}
+
+bool NodeRegistry::ReleaseStart(const std::string& node_id, const std::string& task_id) {
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) return false;
+  for (auto& start : it->second.to_start) {
+    if (start.assignment.task_id() != task_id) continue;
+    if (start.held) {
+      start.held = false;
+      if (orders_listener_) orders_listener_(node_id);
+    }
+    return true;
+  }
+  return false;
 }
 
 void NodeRegistry::QueueStop(const std::string& node_id, const std::string& task_id) {
@@ -168,28 +183,28 @@ void NodeRegistry::QueueStop(const std::string& node_id, const std::string& task
 bool NodeRegistry::WithdrawStart(const std::string& node_id, const std::string& task_id) {
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return false;
-  auto& starts = it->second.to_start;
-  auto pending = std::remove_if(starts.begin(), starts.end(), [&](const v1::TaskAssignment& a) {
-    return a.task_id() == task_id;
-  });
-  const bool withdrawn = pending != starts.end();
-  starts.erase(pending, starts.end());
-  return withdrawn;
+  return std::erase_if(it->second.to_start, [&](const Entry::Start& start) {
+           return start.assignment.task_id() == task_id;
+         }) > 0;
 }
 
 bool NodeRegistry::StartQueued(const std::string& node_id, const std::string& task_id) const {
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return false;
-  return std::any_of(it->second.to_start.begin(), it->second.to_start.end(),
-                     [&](const v1::TaskAssignment& a) { return a.task_id() == task_id; });
+  return std::any_of(
+      it->second.to_start.begin(), it->second.to_start.end(),
+      [&](const Entry::Start& start) { return start.assignment.task_id() == task_id; });
 }
 
 void NodeRegistry::TakeOrders(const std::string& node_id, v1::HeartbeatResponse* response) {
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return;
-  for (auto& start : it->second.to_start) *response->add_start() = std::move(start);
+  auto& starts = it->second.to_start;
+  for (auto& start : starts) {
+    if (!start.held) *response->add_start() = std::move(start.assignment);
+  }
+  std::erase_if(starts, [](const Entry::Start& start) { return !start.held; });
   for (auto& stop : it->second.to_stop) response->add_stop(std::move(stop));
-  it->second.to_start.clear();
   it->second.to_stop.clear();
 }
 

@@ -72,13 +72,18 @@ class NodeRegistry {
     orders_listener_ = std::move(listener);
   }
 
-  // Orders delivered with the node's next heartbeat response.
-  void QueueStart(const std::string& node_id, v1::TaskAssignment assignment);
+  // Orders delivered with the node's next heartbeat response. A start queued `held` is queued
+  // (StartQueued, WithdrawStart see it) but neither delivered nor announced to the listener
+  // until ReleaseStart: the scheduler holds a placement's starts back while it stores it.
+  void QueueStart(const std::string& node_id, v1::TaskAssignment assignment, bool held = false);
+  // Lets a held start go out with the next heartbeat, and tells the listener; false when no such
+  // start is queued (withdrawn meanwhile).
+  bool ReleaseStart(const std::string& node_id, const std::string& task_id);
   void QueueStop(const std::string& node_id, const std::string& task_id);
-  // Removes a start not yet delivered; true when there was one.
+  // Removes a start not yet delivered, held or not; true when there was one.
   bool WithdrawStart(const std::string& node_id, const std::string& task_id);
   bool StartQueued(const std::string& node_id, const std::string& task_id) const;
-  // Moves the queued orders into `response`.
+  // Moves the queued orders into `response`, except the held starts.
   void TakeOrders(const std::string& node_id, v1::HeartbeatResponse* response);
 
   // What each node offers, less `used`; LOST nodes are listed but not schedulable. In node_id
@@ -118,7 +123,11 @@ class NodeRegistry {
     // generation_ when `capacity` last changed.
     uint64_t changed = 0;
     absl::Time last_heartbeat;
-    std::vector<v1::TaskAssignment> to_start;
+    struct Start {
+      v1::TaskAssignment assignment;
+      bool held = false;
+    };
+    std::vector<Start> to_start;
     std::vector<std::string> to_stop;
   };
   absl::Status Persist(const std::string& node_id);

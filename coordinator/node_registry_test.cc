@@ -157,3 +157,53 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
 
 }  // namespace
 }  // namespace tessera::coordinator
+
+namespace tessera::coordinator {
+namespace {
+
+v1::TaskAssignment Assignment(const std::string& task_id) {
+  v1::TaskAssignment assignment;
+  assignment.set_task_id(task_id);
+  return assignment;
+}
+
+// A start queued held counts as queued (the coordinator's liveness and re-registration logic see
+// it) but is neither delivered nor announced until released; withdrawing it drops it either way.
+TEST(NodeRegistryTest, HeldStartsLeaveOnlyOnceReleased) {
+  auto store = Store::Open(":memory:");
+  ASSERT_TRUE(store.ok()) << store.status();
+  NodeRegistry registry(store->get(), absl::Seconds(15));
+  v1::RegisterNodeRequest request;
+  request.set_node_id("n1");
+  request.set_address("10.0.0.1:5000");
+  request.mutable_resources()->set_cpu_slots(4);
+  bool returning = false;
+  ASSERT_TRUE(registry.Register(request, absl::FromUnixSeconds(1'000'000), &returning).ok());
+  std::vector<std::string> told;
+  registry.SetOrdersListener([&](const std::string& node_id) { told.push_back(node_id); });
+
+  registry.QueueStart("n1", Assignment("held"), /*held=*/true);
+  registry.QueueStart("n1", Assignment("free"));
+  registry.QueueStart("n1", Assignment("dropped"), /*held=*/true);
+  EXPECT_EQ(told, std::vector<std::string>{"n1"}) << "only the unheld start is announced";
+  EXPECT_TRUE(registry.StartQueued("n1", "held"));
+
+  v1::HeartbeatResponse first;
+  registry.TakeOrders("n1", &first);
+  ASSERT_EQ(first.start_size(), 1);
+  EXPECT_EQ(first.start(0).task_id(), "free");
+  EXPECT_TRUE(registry.StartQueued("n1", "held"));
+
+  EXPECT_TRUE(registry.WithdrawStart("n1", "dropped"));
+  EXPECT_TRUE(registry.ReleaseStart("n1", "held"));
+  EXPECT_FALSE(registry.ReleaseStart("n1", "dropped"));
+  EXPECT_EQ(told, (std::vector<std::string>{"n1", "n1"}));
+  v1::HeartbeatResponse second;
+  registry.TakeOrders("n1", &second);
+  ASSERT_EQ(second.start_size(), 1);
+  EXPECT_EQ(second.start(0).task_id(), "held");
+  EXPECT_FALSE(registry.StartQueued("n1", "held"));
+}
+
+}  // namespace
+}  // namespace tessera::coordinator

@@ -165,32 +165,18 @@ grpc::ServerUnaryReactor* NodeService::RegisterNode(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* NodeService::Heartbeat(grpc::CallbackServerContext* context,
                                                  const v1::HeartbeatRequest* request,
                                                  v1::HeartbeatResponse* response) {
-  // On gRPC's thread: a heartbeat holds the cluster lock briefly and leaves its store writes to
-  // the cluster's follow-up executor (the daemon gives it this service's executor); 10,000
-  // heartbeats a second through a queue cost more than they save. Only a heartbeat that would
-  // wait for a pass storing a placement on its node moves, to an executor of its own.
+  // On gRPC's thread: a heartbeat holds the cluster lock briefly, never waits for the store (a
+  // placement being stored is held back from its nodes until it is), and leaves its store writes
+  // to the cluster's follow-up executor (the daemon gives it this service's executor); 10,000
+  // heartbeats a second through a queue cost more than they save.
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto finish = [reactor, response](absl::StatusOr<v1::HeartbeatResponse> result) {
-    if (result.ok()) *response = std::move(*result);
-    reactor->Finish(ToGrpcStatus(result.status()));
-  };
-  if (absl::Status admitted = AdmitCall(authenticator_, *context, Action::kNode).status();
-      !admitted.ok()) {
-    finish(admitted);
-    return reactor;
+  absl::Status status = AdmitCall(authenticator_, *context, Action::kNode).status();
+  if (status.ok()) {
+    absl::StatusOr<v1::HeartbeatResponse> result = cluster_->Heartbeat(*request);
+    if (result.ok()) *response = *std::move(result);
+    status = result.status();
   }
-  absl::StatusOr<std::optional<v1::HeartbeatResponse>> now =
-      cluster_->HeartbeatWithoutWaiting(*request);
-  if (!now.ok()) {
-    finish(now.status());
-  } else if (now->has_value()) {
-    finish(std::move(**now));
-  } else if (heartbeat_executor_ == nullptr) {
-    finish(cluster_->Heartbeat(*request));
-  } else {
-    heartbeat_executor_->Schedule(
-        [this, request, finish] { finish(cluster_->Heartbeat(*request)); });
-  }
+  reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
 

@@ -19,19 +19,15 @@ class NodeService final : public v1::NodeService::CallbackService {
  public:
   // `authenticator` may be null: open (in-process tests). `notifier` may be
   // null: WatchAssignments answers UNIMPLEMENTED and workers rely on heartbeats.
-  // RegisterNode and Report run on `executor`: they wait for store commits.
-  // Heartbeats stay on gRPC's threads, unless one would wait for a pass storing
-  // a placement on its node: that one waits on `heartbeat_executor`, kept apart
-  // so that it carries the node's new assignment out without queuing behind
-  // reports. Null: on gRPC's threads.
+  // RegisterNode and Report run on `executor` (null: on gRPC's threads): they
+  // wait for store commits. Heartbeats stay on gRPC's threads: they never wait
+  // for the store.
   explicit NodeService(Cluster* cluster, Authenticator* authenticator = nullptr,
-                       AssignmentNotifier* notifier = nullptr, CallExecutor* executor = nullptr,
-                       CallExecutor* heartbeat_executor = nullptr)
+                       AssignmentNotifier* notifier = nullptr, CallExecutor* executor = nullptr)
       : cluster_(cluster),
         authenticator_(authenticator),
         notifier_(notifier),
-        executor_(executor),
-        heartbeat_executor_(heartbeat_executor) {}
+        executor_(executor) {}
 
   grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* context,
                                          const v1::RegisterNodeRequest* request,
@@ -56,7 +52,6 @@ class NodeService final : public v1::NodeService::CallbackService {
   Authenticator* authenticator_;
   AssignmentNotifier* notifier_;
   CallExecutor* executor_;
-  CallExecutor* heartbeat_executor_;
 };
 
 }  // namespace tessera::coordinator
