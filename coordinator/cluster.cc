@@ -7,6 +7,7 @@
 #include <iostream>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
@@ -835,6 +836,12 @@ ClusterStats Cluster::Tick(bool count) {
   // is seen by the next pass.
   absl::StatusOr<std::vector<Store::JobSummary>> active = store_->ListActiveJobSummaries();
   absl::StatusOr<std::vector<v1::Job>> waiting = store_->ListWaitingJobs();
+  // Looked up once per allocation under mu_: built before taking it.
+  absl::flat_hash_set<std::string_view> active_ids;
+  if (active.ok()) {
+    active_ids.reserve(active->size());
+    for (const auto& job : *active) active_ids.insert(job.job_id);
+  }
   phase.Next("list");
   PassSnapshot snapshot;
   bool relist = false;
@@ -844,8 +851,6 @@ ClusterStats Cluster::Tick(bool count) {
     // Liveness is a scan of every node: the regular passes (every tick_interval) do it.
     if (count) ExpireNodesLocked(now);
     if (active.ok()) {
-      std::set<std::string> active_ids;
-      for (const auto& job : *active) active_ids.insert(job.job_id);
       for (auto& [job_id, allocation] : allocations_.all()) {
         if (!active_ids.contains(job_id)) {
           // Cancelled (or ended by a decision already recorded): stop what still runs.
@@ -874,6 +879,7 @@ ClusterStats Cluster::Tick(bool count) {
   }
   phase.Next("settle");
   if (relist) {
+    active_ids.clear();  // views into the listing replaced here
     active = store_->ListActiveJobSummaries();
     waiting = store_->ListWaitingJobs();
     phase.Next("list");
