@@ -125,15 +125,33 @@ size_t AllocationLedger::EraseIf(
 }
 
 UsedResources AllocationLedger::Used() const {
-  // Copied from the counts kept by Add and Unindex, in key order (each insert at the end, so no
-  // lookups): a pass asks for this with thousands of allocations held.
+  // Copied from the counts kept by Add and Unindex, both maps in node_id order, walked together:
+  // a pass asks for this under the cluster lock with thousands of allocations held.
   UsedResources used;
-  for (const auto& [node_id, gpus] : held_gpus_) {
-    std::set<int>& held = used.gpus.emplace_hint(used.gpus.end(), node_id, std::set<int>())->second;
-    for (const auto& [gpu, holds] : gpus) held.emplace_hint(held.end(), gpu);
-  }
-  for (const auto& [node_id, slots] : held_cpu_slots_) {
-    used.cpu_slots.emplace_hint(used.cpu_slots.end(), node_id, slots);
+  used.nodes.reserve(std::max(held_gpus_.size(), held_cpu_slots_.size()));
+  auto gpus = held_gpus_.begin();
+  auto slots = held_cpu_slots_.begin();
+  while (gpus != held_gpus_.end() || slots != held_cpu_slots_.end()) {
+    const bool take_gpus =
+        gpus != held_gpus_.end() && (slots == held_cpu_slots_.end() || gpus->first <= slots->first);
+    const bool take_slots =
+        slots != held_cpu_slots_.end() && (gpus == held_gpus_.end() || slots->first <= gpus->first);
+    UsedResources::Node& node = used.nodes.emplace_back();
+    node.node_id = take_gpus ? gpus->first : slots->first;
+    if (take_gpus) {
+      for (const auto& [gpu, holds] : gpus->second) {
+        if (gpu >= 0 && gpu < 64) {
+          node.gpu_bits |= uint64_t{1} << gpu;
+        } else {
+          node.other_gpus.push_back(gpu);  // ascending: the map is
+        }
+      }
+      ++gpus;
+    }
+    if (take_slots) {
+      node.cpu_slots = slots->second;
+      ++slots;
+    }
   }
   return used;
 }

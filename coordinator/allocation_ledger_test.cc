@@ -18,17 +18,18 @@ namespace tessera::coordinator {
 namespace {
 
 UsedResources Recount(AllocationLedger& ledger) {
-  UsedResources used;
+  std::map<std::string, std::set<int>> gpus;
+  std::map<std::string, int> cpu_slots;
   for (const auto& [job_id, allocation] : ledger.all()) {
     for (const auto& rank : allocation.ranks) {
       if (rank.gpu_index() >= 0) {
-        used.gpus[rank.node_id()].insert(rank.gpu_index());
+        gpus[rank.node_id()].insert(rank.gpu_index());
       } else {
-        ++used.cpu_slots[rank.node_id()];
+        ++cpu_slots[rank.node_id()];
       }
     }
   }
-  return used;
+  return UsedResources::FromMaps(gpus, cpu_slots);
 }
 
 Allocation RandomAllocation(std::mt19937& rng) {
@@ -71,12 +72,15 @@ TEST(AllocationLedgerTest, UsedMatchesTheRanksHeld) {
     }
     const UsedResources expected = Recount(ledger);
     const UsedResources used = ledger.Used();
-    ASSERT_EQ(used.gpus, expected.gpus) << "step " << step;
-    ASSERT_EQ(used.cpu_slots, expected.cpu_slots) << "step " << step;
+    ASSERT_EQ(used.GpuSets(), expected.GpuSets()) << "step " << step;
+    ASSERT_EQ(used.CpuSlotCounts(), expected.CpuSlotCounts()) << "step " << step;
+    ASSERT_EQ(used.nodes.size(), expected.nodes.size()) << "step " << step;
+    for (size_t i = 0; i < used.nodes.size(); ++i) {
+      ASSERT_EQ(used.nodes[i].node_id, expected.nodes[i].node_id) << "step " << step;
+    }
   }
   ledger.EraseIf([](const std::string&, const Allocation&) { return true; });
-  EXPECT_TRUE(ledger.Used().gpus.empty());
-  EXPECT_TRUE(ledger.Used().cpu_slots.empty());
+  EXPECT_TRUE(ledger.Used().nodes.empty());
 }
 
 TEST(AllocationTest, NodeChecksAgreeWithTheNodeList) {

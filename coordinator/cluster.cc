@@ -573,7 +573,8 @@ std::string Cluster::PlacementReason(const v1::Job& job, const v1::JobSpec& spec
 }
 
 int Cluster::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
-                         const GangPlacement& placement, const v1::LayoutPlan& plan) {
+                         const GangPlacement& placement,
+                         std::map<std::string, v1::TaskAssignment> assignments) {
   Allocation allocation;
   allocation.attempt = job.attempt();
   allocation.ranks = placement.ranks;
@@ -583,6 +584,20 @@ int Cluster::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
   const int master_port = allocation.master_port;
   allocation.placed_time = options_.now();
   allocation.start_step = StartStep(job, spec);
+  for (auto& [node_id, assignment] : assignments) {
+    for (v1::TrainerTask& task : *assignment.mutable_trainers()) {
+      task.mutable_assignment()->set_master_port(master_port);
+    }
+    nodes_.QueueStart(node_id, std::move(assignment), /*held=*/true);
+  }
+  allocations_.Add(job.job_id(), std::move(allocation));
+  return master_port;
+}
+
+std::map<std::string, v1::TaskAssignment> Cluster::Assignments(const v1::Job& job,
+                                                               const v1::JobSpec& spec,
+                                                               const GangPlacement& placement,
+                                                               const v1::LayoutPlan& plan) const {
   std::map<std::string, int> local_world;
   for (const auto& rank : placement.ranks) ++local_world[rank.node_id()];
   const std::string checkpoint_dir = spec.checkpoint().directory().empty()
@@ -604,15 +619,10 @@ int Cluster::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
     ra->set_local_rank(rank.local_rank());
     ra->set_local_world_size(local_world[rank.node_id()]);
     ra->set_master_addr(placement.master_addr);
-    ra->set_master_port(allocation.master_port);
     ra->set_device_type(rank.gpu_index() >= 0 ? v1::DEVICE_TYPE_CUDA : v1::DEVICE_TYPE_CPU);
     ra->set_gpu_index(rank.gpu_index());
   }
-  for (auto& [node_id, assignment] : assignments) {
-    nodes_.QueueStart(node_id, std::move(assignment), /*held=*/true);
-  }
-  allocations_.Add(job.job_id(), std::move(allocation));
-  return master_port;
+  return assignments;
 }
 
 const absl::StatusOr<v1::LayoutPlan>& Cluster::CachedPlan(
@@ -734,16 +744,26 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
   // for the store (it leaves without them).
   std::vector<const GangPlacement*> admitted;
   std::map<std::string, int> master_ports;  // of the admitted placements, by job
+  // Each placement's assignments (the spec and plan copied for every node) are made before the
+  // hold; only the master port is filled in under it.
+  std::vector<std::map<std::string, v1::TaskAssignment>> assignments;
+  assignments.reserve(result.placed.size());
+  for (const auto& placement : result.placed) {
+    const std::string& job_id = placement.job_id;
+    assignments.push_back(Assignments(*waiting[job_id], specs[job_id], placement, plans[job_id]));
+  }
   {
     TimedLock lock(&mu_, stats);
-    for (const auto& placement : result.placed) {
+    for (size_t i = 0; i < result.placed.size(); ++i) {
+      const GangPlacement& placement = result.placed[i];
       bool stale = false;
       for (const auto& rank : placement.ranks) {
         stale = stale || nodes_.ChangedSince(rank.node_id(), snapshot.generation);
       }
       if (stale || allocations_.Find(placement.job_id) != nullptr) continue;
-      master_ports[placement.job_id] = AdmitLocked(
-          *waiting[placement.job_id], specs[placement.job_id], placement, plans[placement.job_id]);
+      master_ports[placement.job_id] =
+          AdmitLocked(*waiting[placement.job_id], specs[placement.job_id], placement,
+                      std::move(assignments[i]));
       admitted.push_back(&placement);
     }
   }

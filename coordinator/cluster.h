@@ -210,8 +210,15 @@ class Cluster {
   // Records the allocation of a placement and queues its assignments, held back from the nodes
   // until the placement is stored (NodeRegistry::ReleaseStart); returns its master port (stored
   // with the placement, so that a restarted coordinator reserves the same one).
+  // `assignments` (from Assignments) get the master port chosen here.
   int AdmitLocked(const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
-                  const v1::LayoutPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                  std::map<std::string, v1::TaskAssignment> assignments)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A placement's assignment for each of its nodes, by node id, without the master port (made
+  // without mu_: the spec and plan are copied for every node).
+  std::map<std::string, v1::TaskAssignment> Assignments(const v1::Job& job, const v1::JobSpec& spec,
+                                                        const GangPlacement& placement,
+                                                        const v1::LayoutPlan& plan) const;
   // What RecordSuccess writes of an attempt.
   struct SuccessRecord {
     int32_t attempt = 0;

@@ -144,6 +144,62 @@ bool NodeRegistry::IsLost(const std::string& node_id) const {
   return it == nodes_.end() || it->second.node.state() == v1::NODE_STATE_LOST;
 }
 
+bool UsedResources::Node::HoldsGpu(int index) const {
+  if (index >= 0 && index < 64) return (gpu_bits >> index) & 1;
+  return std::binary_search(other_gpus.begin(), other_gpus.end(), index);
+}
+
+void UsedResources::Append(const std::string& node_id, const std::set<int>& gpus, int cpu_slots) {
+  if (gpus.empty() && cpu_slots == 0) return;
+  Node& node = nodes.emplace_back();
+  node.node_id = node_id;
+  for (int gpu : gpus) {
+    if (gpu >= 0 && gpu < 64) {
+      node.gpu_bits |= uint64_t{1} << gpu;
+    } else {
+      node.other_gpus.push_back(gpu);  // ascending: the set is
+    }
+  }
+  node.cpu_slots = cpu_slots;
+}
+
+UsedResources UsedResources::FromMaps(const std::map<std::string, std::set<int>>& gpus,
+                                      const std::map<std::string, int>& cpu_slots) {
+  std::set<std::string> ids;
+  for (const auto& [node_id, held] : gpus) ids.insert(node_id);
+  for (const auto& [node_id, slots] : cpu_slots) ids.insert(node_id);
+  UsedResources used;
+  const std::set<int> none;
+  for (const auto& node_id : ids) {
+    auto held = gpus.find(node_id);
+    auto slots = cpu_slots.find(node_id);
+    used.Append(node_id, held == gpus.end() ? none : held->second,
+                slots == cpu_slots.end() ? 0 : slots->second);
+  }
+  return used;
+}
+
+std::map<std::string, std::set<int>> UsedResources::GpuSets() const {
+  std::map<std::string, std::set<int>> out;
+  for (const Node& node : nodes) {
+    if (node.gpu_bits == 0 && node.other_gpus.empty()) continue;
+    std::set<int>& held = out[node.node_id];
+    for (int i = 0; i < 64; ++i) {
+      if ((node.gpu_bits >> i) & 1) held.insert(i);
+    }
+    held.insert(node.other_gpus.begin(), node.other_gpus.end());
+  }
+  return out;
+}
+
+std::map<std::string, int> UsedResources::CpuSlotCounts() const {
+  std::map<std::string, int> out;
+  for (const Node& node : nodes) {
+    if (node.cpu_slots != 0) out[node.node_id] = node.cpu_slots;
+  }
+  return out;
+}
+
 const v1::Node* NodeRegistry::Find(const std::string& node_id) const {
   auto it = nodes_.find(node_id);
   return it == nodes_.end() ? nullptr : &it->second.node;
@@ -227,17 +283,13 @@ std::vector<NodeCapacity> NodeRegistry::Subtract(const std::vector<NodeCapacity>
                                                  const UsedResources& used) {
   std::vector<NodeCapacity> capacity = summaries;
   // Both are in node_id order: walk them together instead of a lookup per node.
-  auto used_gpus = used.gpus.begin();
-  auto used_slots = used.cpu_slots.begin();
+  auto held = used.nodes.begin();
   for (NodeCapacity& c : capacity) {
-    while (used_gpus != used.gpus.end() && used_gpus->first < c.node_id) ++used_gpus;
-    if (used_gpus != used.gpus.end() && used_gpus->first == c.node_id) {
-      std::erase_if(c.free_gpus, [&](int gpu) { return used_gpus->second.contains(gpu); });
-    }
-    while (used_slots != used.cpu_slots.end() && used_slots->first < c.node_id) ++used_slots;
-    if (used_slots != used.cpu_slots.end() && used_slots->first == c.node_id) {
-      c.free_cpu_slots = std::max(0, c.total_cpu_slots - used_slots->second);
-    }
+    while (held != used.nodes.end() && held->node_id < c.node_id) ++held;
+    if (held == used.nodes.end()) break;
+    if (held->node_id != c.node_id) continue;
+    std::erase_if(c.free_gpus, [&](int gpu) { return held->HoldsGpu(gpu); });
+    if (held->cpu_slots > 0) c.free_cpu_slots = std::max(0, c.total_cpu_slots - held->cpu_slots);
   }
   return capacity;
 }
@@ -255,16 +307,12 @@ NodeRegistry::Tally NodeRegistry::Count(const UsedResources& used) const {
     tally.cpu_slots_total += entry.capacity.total_cpu_slots;
   }
   // Only devices a node registered count as allocated (a rank on an unknown GPU index does not).
-  for (const auto& [node_id, gpus] : used.gpus) {
-    auto it = nodes_.find(node_id);
+  for (const UsedResources::Node& held : used.nodes) {
+    auto it = nodes_.find(held.node_id);
     if (it == nodes_.end()) continue;
-    for (int gpu : it->second.capacity.free_gpus) tally.gpus_allocated += gpus.contains(gpu);
-  }
-  for (const auto& [node_id, slots] : used.cpu_slots) {
-    auto it = nodes_.find(node_id);
-    if (it == nodes_.end()) continue;
+    for (int gpu : it->second.capacity.free_gpus) tally.gpus_allocated += held.HoldsGpu(gpu);
     const int total = it->second.capacity.total_cpu_slots;
-    tally.cpu_slots_allocated += total - std::max(0, total - slots);
+    tally.cpu_slots_allocated += total - std::max(0, total - held.cpu_slots);
   }
   return tally;
 }

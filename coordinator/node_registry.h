@@ -25,10 +25,26 @@
 
 namespace tessera::coordinator {
 
-// Devices jobs hold on each node, for NodeRegistry::Capacity.
+// Devices jobs hold on each node, for NodeRegistry::Capacity: one flat entry per node, in node_id
+// order. A pass takes this under the cluster lock with every node busy, so it holds no per-node
+// containers for the usual GPU indices (a bit each).
 struct UsedResources {
-  std::map<std::string, std::set<int>> gpus;
-  std::map<std::string, int> cpu_slots;
+  struct Node {
+    std::string node_id;
+    uint64_t gpu_bits = 0;        // GPU index i (0 <= i < 64) is held: bit i
+    std::vector<int> other_gpus;  // held indices outside 0..63, ascending (not expected)
+    int cpu_slots = 0;
+    bool HoldsGpu(int index) const;
+  };
+  std::vector<Node> nodes;  // ascending node_id, each at most once, none holding nothing
+
+  // Adds a node's holdings; calls must come in ascending node_id order.
+  void Append(const std::string& node_id, const std::set<int>& gpus, int cpu_slots);
+  static UsedResources FromMaps(const std::map<std::string, std::set<int>>& gpus,
+                                const std::map<std::string, int>& cpu_slots);
+  // The same as maps (for tests and messages).
+  std::map<std::string, std::set<int>> GpuSets() const;
+  std::map<std::string, int> CpuSlotCounts() const;
 };
 
 class NodeRegistry {

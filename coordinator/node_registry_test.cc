@@ -19,7 +19,9 @@ namespace tessera::coordinator {
 namespace {
 
 // The capacity of `nodes` less `used`, computed the slow way from the protos.
-std::vector<NodeCapacity> Recount(const std::vector<v1::Node>& nodes, const UsedResources& used) {
+std::vector<NodeCapacity> Recount(const std::vector<v1::Node>& nodes,
+                                  const std::map<std::string, std::set<int>>& used_gpus,
+                                  const std::map<std::string, int>& used_slots) {
   std::vector<NodeCapacity> capacity;
   for (const v1::Node& node : nodes) {
     NodeCapacity& c = capacity.emplace_back();
@@ -28,8 +30,8 @@ std::vector<NodeCapacity> Recount(const std::vector<v1::Node>& nodes, const Used
     c.host_memory_bytes = node.resources().memory_bytes();
     c.total_gpus = node.resources().gpus_size();
     for (const auto& gpu : node.resources().gpus()) {
-      auto held = used.gpus.find(node.node_id());
-      if (held == used.gpus.end() || !held->second.contains(gpu.index())) {
+      auto held = used_gpus.find(node.node_id());
+      if (held == used_gpus.end() || !held->second.contains(gpu.index())) {
         c.free_gpus.push_back(gpu.index());
       }
       if (c.gpu_name.empty()) {
@@ -38,9 +40,9 @@ std::vector<NodeCapacity> Recount(const std::vector<v1::Node>& nodes, const Used
       }
     }
     c.total_cpu_slots = node.resources().cpu_slots();
-    auto slots = used.cpu_slots.find(node.node_id());
+    auto slots = used_slots.find(node.node_id());
     c.free_cpu_slots =
-        std::max(0, c.total_cpu_slots - (slots == used.cpu_slots.end() ? 0 : slots->second));
+        std::max(0, c.total_cpu_slots - (slots == used_slots.end() ? 0 : slots->second));
     c.labels.insert(node.labels().begin(), node.labels().end());
     c.schedulable = node.state() == v1::NODE_STATE_READY;
   }
@@ -70,7 +72,8 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
   auto pick = [&](int n) { return static_cast<int>(random() % n); };
   absl::Time now = absl::FromUnixSeconds(1'000'000);
   std::map<std::string, absl::Time> last_seen;
-  UsedResources used;
+  std::map<std::string, std::set<int>> used_gpus;
+  std::map<std::string, int> used_slots;
 
   for (int step = 0; step < 400; ++step) {
     const std::string node_id = absl::StrCat("node-", pick(40));
@@ -108,24 +111,25 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
         break;
       case 3:  // allocate (possibly GPUs the node does not have)
         if (pick(2)) {
-          used.gpus[node_id].insert(pick(10));
+          used_gpus[node_id].insert(pick(5) == 0 ? 60 + pick(10) : pick(10));
         } else {
-          used.cpu_slots[node_id] += 1 + pick(4);
+          used_slots[node_id] += 1 + pick(4);
         }
         break;
       case 4:  // free
         if (pick(2)) {
-          if (auto it = used.gpus.find(node_id); it != used.gpus.end() && !it->second.empty()) {
+          if (auto it = used_gpus.find(node_id); it != used_gpus.end() && !it->second.empty()) {
             it->second.erase(it->second.begin());
-            if (it->second.empty()) used.gpus.erase(it);
+            if (it->second.empty()) used_gpus.erase(it);
           }
         } else {
-          used.cpu_slots.erase(node_id);
+          used_slots.erase(node_id);
         }
         break;
     }
     const std::vector<v1::Node> records = registry.Nodes();
-    const std::vector<NodeCapacity> expected = Recount(records, used);
+    const std::vector<NodeCapacity> expected = Recount(records, used_gpus, used_slots);
+    const UsedResources used = UsedResources::FromMaps(used_gpus, used_slots);
     const std::vector<NodeCapacity> actual = registry.Capacity(used);
     ASSERT_EQ(actual.size(), expected.size());
     for (size_t i = 0; i < actual.size(); ++i) ExpectSame(actual[i], expected[i]);
@@ -160,6 +164,23 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
 
 namespace tessera::coordinator {
 namespace {
+
+TEST(UsedResourcesTest, MapsRoundTripThroughTheFlatFormIncludingIndicesOutsideTheBits) {
+  const std::map<std::string, std::set<int>> gpus = {
+      {"a", {0, 7, 63}}, {"b", {-1, 64, 100}}, {"d", {5}}};
+  const std::map<std::string, int> slots = {{"b", 3}, {"c", 2}};
+  const UsedResources used = UsedResources::FromMaps(gpus, slots);
+  ASSERT_EQ(used.nodes.size(), 4u);
+  EXPECT_EQ(used.nodes[2].node_id, "c");
+  EXPECT_EQ(used.GpuSets(), gpus);
+  EXPECT_EQ(used.CpuSlotCounts(), slots);
+  EXPECT_TRUE(used.nodes[0].HoldsGpu(63));
+  EXPECT_FALSE(used.nodes[0].HoldsGpu(62));
+  EXPECT_TRUE(used.nodes[1].HoldsGpu(-1));
+  EXPECT_TRUE(used.nodes[1].HoldsGpu(100));
+  EXPECT_FALSE(used.nodes[1].HoldsGpu(0));
+  EXPECT_FALSE(used.nodes[1].HoldsGpu(65));
+}
 
 v1::TaskAssignment Assignment(const std::string& task_id) {
   v1::TaskAssignment assignment;
