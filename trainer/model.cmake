@@ -1,7 +1,7 @@
 # model part of tessera_trainer: sources and tests (see CMakeLists.txt).
 # hf_weights.cc: Hugging Face import and export of the model's weights; linear_cross_entropy.cc: the
 # head and its loss in chunks, without the whole logits; fused_ops.cc: RMSNorm, rotary and SwiGLU
-# as CUDA kernels (fused_ops_kernels.cu) with ATen's composite as the fallback, and RMSNorm,
+# as CUDA kernels (norm_kernels.cu, fused_ops_kernels.cu) with ATen's composite as the fallback, and RMSNorm,
 # SwiGLU and GELU (fused_ops_cpu.cc) and rotary (fused_rotary_cpu.cc) as CPU kernels.
 target_sources(tessera_trainer PRIVATE activation_checkpoint.cc model.cc tensor_parallel.cc
   hf_weights.cc linear_cross_entropy.cc fused_ops.cc fused_ops_cpu.cc fused_rotary_cpu.cc)
@@ -34,7 +34,7 @@ if(TESSERA_CUDA_ENABLED)
   # architectures come from TORCH_CUDA_ARCH_LIST: TorchConfig puts its -gencode flags into
   # CMAKE_CUDA_FLAGS (cmake/TesseraTorch.cmake), so CMake adds none (CUDA_ARCHITECTURES OFF). The
   # runtime is the shared libcudart that LibTorch links: kernels and LibTorch share one runtime.
-  add_library(tessera_fused_kernels OBJECT fused_ops_kernels.cu)
+  add_library(tessera_fused_kernels OBJECT fused_ops_kernels.cu norm_kernels.cu)
   target_include_directories(tessera_fused_kernels PRIVATE "${PROJECT_SOURCE_DIR}")
   set_target_properties(tessera_fused_kernels PROPERTIES
     CUDA_STANDARD 17
