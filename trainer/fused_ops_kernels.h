@@ -29,7 +29,10 @@ bool NormDtypesSupported(Dtype x_dtype, Dtype y_dtype);
 //   kLayer: y = (x - mean) * rstd * weight + bias, rstd = rsqrt(mean((x - mean)^2) + eps)
 // x: x_dtype and y: y_dtype, [rows, hidden]; weight and bias (kLayer; may be null): weight_dtype,
 // [hidden]. rstd[row] and, for kLayer, mean[row] (float32; mean may be null for kRms) receive the
-// row's statistics.
+// row's statistics. Rows whose width is a whole number of 16-byte chunks of x, of at most 8,192
+// elements, with x, weight and bias aligned for 16-byte loads, are held in registers (one warp
+// or one block per row) and read once; other rows run one block per row. The choice depends on
+// neither y's dtype nor its alignment, so a 16-bit y is exactly the cast of the float32 one.
 cudaError_t LaunchNormForward(NormKind kind, const void* x, const void* weight, const void* bias,
                               void* y, float* mean, float* rstd, int64_t rows, int64_t hidden,
                               float eps, Dtype x_dtype, Dtype y_dtype, Dtype weight_dtype,

@@ -1,9 +1,13 @@
 // The norm kernels of fused_ops_kernels.h: RMSNorm and LayerNorm, forward and backward, and the
-// partial sums of the weight and bias gradients. One thread block per row (rows taken in a
-// grid-stride loop); all arithmetic float32. Products and sums are written with __fmul_rn /
-// __fadd_rn where ATen's composite computes them as separate rounded operations, so that nvcc
-// does not contract them into fused multiply-adds (this keeps float32 results at or next to
-// ATen's).
+// partial sums of the weight and bias gradients. Two implementations of the forward and the
+// backward: the row kernels (the fast path; rows held in registers, one 16-byte load per chunk of
+// x, read once and written once) where they apply, which is most model widths, and the block
+// kernels (one thread block per row, one-element accesses, rows taken in a grid-stride loop) for
+// the rest. All arithmetic is float32. Products and sums are written with __fmul_rn / __fadd_rn
+// where ATen's composite computes them as separate rounded operations, so that nvcc does not
+// contract them into fused multiply-adds (this keeps float32 results at or next to ATen's); both
+// implementations compute each element with the same operations and differ only in the order in
+// which they add up a row's sums.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -18,14 +22,16 @@
 namespace tessera::trainer::kernels {
 namespace {
 
-constexpr int kMaxRowThreads = 256;
+// ---- The block kernels: the fallback, one block per row. ----
+
+constexpr int kMaxBlockKernelThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 constexpr int64_t kMinRowsPerPartition = 128;
 
-// Threads per row block: a whole number of warps, at most kMaxRowThreads.
-int RowThreads(int64_t hidden) {
+// Threads per block of a block kernel: a whole number of warps, at most kMaxBlockKernelThreads.
+int BlockKernelThreads(int64_t hidden) {
   return static_cast<int>(std::min<int64_t>(
-      kMaxRowThreads, CeilDiv(std::max<int64_t>(hidden, 1), kWarpSize) * kWarpSize));
+      kMaxBlockKernelThreads, CeilDiv(std::max<int64_t>(hidden, 1), kWarpSize) * kWarpSize));
 }
 
 // One block per row (grid-stride over rows) of x [rows, hidden] (X), normalised in float32 and
@@ -39,7 +45,7 @@ __global__ void NormForwardKernel(const X* __restrict__ x, const W* __restrict__
                                   const W* __restrict__ bias, Y* __restrict__ y,
                                   float* __restrict__ mean_out, float* __restrict__ rstd_out,
                                   int64_t rows, int64_t hidden, float eps) {
-  __shared__ float scratch[kMaxRowThreads / kWarpSize];
+  __shared__ float scratch[kMaxBlockKernelThreads / kWarpSize];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const X* x_row = x + row * hidden;
     Y* y_row = y + row * hidden;
@@ -80,7 +86,7 @@ __global__ void NormBackwardKernel(const Y* __restrict__ grad_y, const X* __rest
                                    const W* __restrict__ weight, const float* __restrict__ mean,
                                    const float* __restrict__ rstd, X* __restrict__ grad_x,
                                    int64_t rows, int64_t hidden) {
-  __shared__ float scratch[kMaxRowThreads / kWarpSize];
+  __shared__ float scratch[kMaxBlockKernelThreads / kWarpSize];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t base = row * hidden;
     const float r = rstd[row];
@@ -131,6 +137,295 @@ __global__ void NormWeightGradPartialKernel(const Y* __restrict__ grad_y, const 
   if (kLayer && bias_partials != nullptr) bias_partials[partition * hidden + j] = sum_dy;
 }
 
+// ---- The row kernels: the fast path. ----
+//
+// A row of `hidden` elements is cut into chunks of kVec = 16 / sizeof(X) elements, one 16-byte
+// load of x each. A team of threads (one warp, or a block of up to kRowBlockThreads) holds a row
+// in registers: its thread `rank` holds chunks rank, rank + team size, rank + 2 x team size, ...,
+// at most kChunks of them (a compile-time count, so that the row stays in registers; at most
+// kMaxRowElements elements, which bounds the registers a thread needs). The row is
+// read once and written once; its sums go through warp shuffles (and shared memory between the
+// warps of a team of several). With one warp per row, a block of kRowBlockThreads runs one row
+// per warp and never synchronises the block inside the row loop, so its warps may take different
+// numbers of rows.
+//
+// Whether the row kernels run depends on hidden, x's dtype and the alignment of x, weight and bias
+// only, never on y, grad_y or grad_x (these take one-element accesses where they are not aligned):
+// a float32 result and its 16-bit cast come from the same arithmetic in the same order.
+
+constexpr int kRowBlockThreads = 256;  // also the most threads a team may have
+constexpr int kMaxRowElements = 32;    // per thread: 8 chunks of float32, 4 of a 16-bit dtype
+
+// How the row kernels split a row: threads_per_row 0 when they do not cover it.
+struct RowLayout {
+  int threads_per_row = 0;  // a team: a whole number of warps, at most kRowBlockThreads
+  int chunks = 0;           // chunks per thread: 1, 2, 4, 6 or 8 (DispatchChunks' counts)
+};
+
+// Calls fn(std::integral_constant<int, chunks>{}) for a chunk count that RowLayoutFor<X> gives
+// (1, 2, 4, 6 or 8, at most kMaxRowElements / kVec): only those kernels are compiled.
+template <int kVec, typename Fn>
+cudaError_t DispatchChunks(int chunks, Fn&& fn) {
+  auto call = [&](auto count) -> cudaError_t {
+    if constexpr (decltype(count)::value * kVec <= kMaxRowElements) {
+      return fn(count);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  };
+  switch (chunks) {
+    case 1:
+      return call(std::integral_constant<int, 1>{});
+    case 2:
+      return call(std::integral_constant<int, 2>{});
+    case 4:
+      return call(std::integral_constant<int, 4>{});
+    case 6:
+      return call(std::integral_constant<int, 6>{});
+    case 8:
+      return call(std::integral_constant<int, 8>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// The byte alignment that LoadChunk and StoreChunk's packed accesses need of a pointer to chunks
+// of kVec elements of T (each access is at most 16 bytes).
+template <typename T, int kVec>
+constexpr int kChunkAlignment = sizeof(T) * kVec > 16 ? 16 : static_cast<int>(sizeof(T)) * kVec;
+
+bool Aligned(const void* p, int alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+}
+
+// The team and chunk count for rows of `hidden` elements of X at x with this weight and bias
+// (bias may be null), or threads_per_row 0 when the row kernels do not cover them: a width that
+// is not a whole number of chunks, a pointer not aligned for packed loads, or a row wider than
+// kRowBlockThreads x kMaxRowElements (8,192) elements.
+template <typename X, typename W>
+RowLayout RowLayoutFor(const void* x, const void* weight, const void* bias, int64_t hidden) {
+  constexpr int kVec = kVecOf<X>;
+  if (hidden % kVec != 0 || !Aligned(x, 16) || !Aligned(weight, kChunkAlignment<W, kVec>) ||
+      !Aligned(bias, kChunkAlignment<W, kVec>)) {
+    return {};
+  }
+  constexpr int kMaxChunks = kMaxRowElements / kVec;
+  const int64_t row_chunks = hidden / kVec;
+  const int64_t warps = CeilDiv(row_chunks, static_cast<int64_t>(kWarpSize) * kMaxChunks);
+  if (warps * kWarpSize > kRowBlockThreads) return {};
+  RowLayout layout;
+  layout.threads_per_row = static_cast<int>(warps) * kWarpSize;
+  const int64_t per_thread = CeilDiv(row_chunks, layout.threads_per_row);
+  // Rounded up to a compiled count (per_thread <= kMaxChunks).
+  layout.chunks = per_thread <= 2   ? static_cast<int>(per_thread)
+                  : per_thread <= 4 ? 4
+                  : per_thread <= 6 ? 6
+                                    : 8;
+  return layout;
+}
+
+// Threads per block of a row kernel: kRowBlockThreads (one row per warp) for one-warp teams, else
+// the team (one row per block).
+int RowKernelThreads(const RowLayout& layout) {
+  return layout.threads_per_row == kWarpSize ? kRowBlockThreads : layout.threads_per_row;
+}
+
+// Blocks of a row kernel over `rows` rows: one row per team, at most kMaxRowBlocks (the kernels
+// stride over the rest).
+int RowKernelBlocks(const RowLayout& layout, int64_t rows) {
+  const int64_t teams_per_block = RowKernelThreads(layout) / layout.threads_per_row;
+  return static_cast<int>(std::min(CeilDiv(rows, teams_per_block), kMaxRowBlocks));
+}
+
+// Loads kVec elements of T at p into out (as float32): packed, in accesses of at most 16 bytes
+// (p aligned to kChunkAlignment<T, kVec>), or one element at a time.
+template <int kVec, typename T>
+__device__ __forceinline__ void LoadChunk(const T* __restrict__ p, float (&out)[kVec],
+                                          bool packed = true) {
+  if (packed) {
+    constexpr int kPer = kChunkAlignment<T, kVec> / static_cast<int>(sizeof(T));
+    using P = Pack<T, kPer>;
+#pragma unroll
+    for (int i = 0; i < kVec / kPer; ++i) {
+      const P pack = reinterpret_cast<const P*>(p)[i];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) out[i * kPer + j] = ToFloat(pack.v[j]);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) out[k] = ToFloat(p[k]);
+  }
+}
+
+// Stores kVec values rounded to T at p, as LoadChunk reads them.
+template <int kVec, typename T>
+__device__ __forceinline__ void StoreChunk(T* __restrict__ p, const float (&in)[kVec],
+                                           bool packed) {
+  if (packed) {
+    constexpr int kPer = kChunkAlignment<T, kVec> / static_cast<int>(sizeof(T));
+    using P = Pack<T, kPer>;
+#pragma unroll
+    for (int i = 0; i < kVec / kPer; ++i) {
+      P pack;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) pack.v[j] = FromFloat<T>(in[i * kPer + j]);
+      reinterpret_cast<P*>(p)[i] = pack;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) p[k] = FromFloat<T>(in[k]);
+  }
+}
+
+// The threads of a block that share one row: a warp (threads_per_row 32: the block's warps take
+// rows of their own) or the whole block (blockDim.x == threads_per_row).
+struct RowTeam {
+  int rank;           // this thread's index in the team
+  int64_t first_row;  // the team's first row; it then takes every row_step-th row
+  int64_t row_step;
+  bool whole_block;
+
+  __device__ explicit RowTeam(int threads_per_row) {
+    const int teams = static_cast<int>(blockDim.x) / threads_per_row;
+    rank = static_cast<int>(threadIdx.x) % threads_per_row;
+    first_row = static_cast<int64_t>(blockIdx.x) * teams + threadIdx.x / threads_per_row;
+    row_step = static_cast<int64_t>(gridDim.x) * teams;
+    whole_block = threads_per_row > kWarpSize;
+  }
+
+  // The sum of v over the team, on every thread of it; called by every thread of the team (of
+  // the block, when the team is the block).
+  __device__ float Sum(float v, float* scratch) const {
+    return whole_block ? BlockSum(v, scratch) : WarpSum(v);
+  }
+};
+
+// NormForwardKernel's results (the same arithmetic element by element; the row sums in another
+// order) with a row held in the registers of a team. y_packed: y is aligned for packed stores.
+template <bool kLayer, typename X, typename Y, typename W, int kChunks>
+__global__ void __launch_bounds__(kRowBlockThreads)
+    NormForwardRowKernel(const X* __restrict__ x, const W* __restrict__ weight,
+                         const W* __restrict__ bias, Y* __restrict__ y,
+                         float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows,
+                         int64_t hidden, float eps, int threads_per_row, bool y_packed) {
+  constexpr int kVec = kVecOf<X>;
+  __shared__ float scratch[kRowBlockThreads / kWarpSize];
+  const RowTeam team(threads_per_row);
+  const int64_t row_chunks = hidden / kVec;
+  for (int64_t row = team.first_row; row < rows; row += team.row_step) {
+    const X* x_row = x + row * hidden;
+    float v[kChunks][kVec] = {};
+    // All of the row's loads first, then the arithmetic (the loads stay in flight together).
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = static_cast<int64_t>(c) * threads_per_row + team.rank;
+      if (chunk < row_chunks) LoadChunk<kVec>(x_row + chunk * kVec, v[c]);
+    }
+    float mean = 0.0f;
+    if constexpr (kLayer) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) sum += v[c][k];  // 0 in the chunks past the row
+      }
+      mean = team.Sum(sum, scratch) / static_cast<float>(hidden);
+    }
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (static_cast<int64_t>(c) * threads_per_row + team.rank >= row_chunks) continue;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float d = kLayer ? v[c][k] - mean : v[c][k];
+        sum_sq += d * d;
+      }
+    }
+    const float r = rsqrtf(team.Sum(sum_sq, scratch) / static_cast<float>(hidden) + eps);
+    if (team.rank == 0) {
+      rstd_out[row] = r;
+      if constexpr (kLayer) mean_out[row] = mean;
+    }
+    Y* y_row = y + row * hidden;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = static_cast<int64_t>(c) * threads_per_row + team.rank;
+      if (chunk >= row_chunks) continue;
+      float w[kVec], b[kVec], out[kVec];
+      LoadChunk<kVec>(weight + chunk * kVec, w);
+      if (kLayer && bias != nullptr) LoadChunk<kVec>(bias + chunk * kVec, b);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float centred = kLayer ? __fsub_rn(v[c][k], mean) : v[c][k];
+        out[k] = __fmul_rn(__fmul_rn(centred, r), w[k]);
+        if (kLayer && bias != nullptr) out[k] = __fadd_rn(out[k], b[k]);
+      }
+      StoreChunk<kVec>(y_row + chunk * kVec, out, y_packed);
+    }
+  }
+}
+
+// NormBackwardKernel's grad_x (the same arithmetic element by element; the row sums in another
+// order) with a row held in the registers of a team. grad_y_packed, grad_x_packed: those
+// pointers are aligned for packed accesses.
+template <bool kLayer, typename X, typename Y, typename W, int kChunks>
+__global__ void __launch_bounds__(kRowBlockThreads)
+    NormBackwardRowKernel(const Y* __restrict__ grad_y, const X* __restrict__ x,
+                          const W* __restrict__ weight, const float* __restrict__ mean,
+                          const float* __restrict__ rstd, X* __restrict__ grad_x, int64_t rows,
+                          int64_t hidden, int threads_per_row, bool grad_y_packed,
+                          bool grad_x_packed) {
+  constexpr int kVec = kVecOf<X>;
+  __shared__ float scratch[kRowBlockThreads / kWarpSize];
+  const RowTeam team(threads_per_row);
+  const int64_t row_chunks = hidden / kVec;
+  for (int64_t row = team.first_row; row < rows; row += team.row_step) {
+    const int64_t base = row * hidden;
+    const float r = rstd[row];
+    const float mu = kLayer ? mean[row] : 0.0f;
+    // dy: grad_y; n: x, then the normalised x.
+    float dy[kChunks][kVec] = {}, n[kChunks][kVec] = {};
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = static_cast<int64_t>(c) * threads_per_row + team.rank;
+      if (chunk >= row_chunks) continue;
+      LoadChunk<kVec>(grad_y + base + chunk * kVec, dy[c], grad_y_packed);
+      LoadChunk<kVec>(x + base + chunk * kVec, n[c]);
+    }
+    float dot = 0.0f, sum_g = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = static_cast<int64_t>(c) * threads_per_row + team.rank;
+      if (chunk >= row_chunks) continue;
+      float w[kVec];
+      LoadChunk<kVec>(weight + chunk * kVec, w);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        n[c][k] = __fmul_rn(kLayer ? __fsub_rn(n[c][k], mu) : n[c][k], r);
+        const float g = __fmul_rn(dy[c][k], w[k]);
+        dot += g * n[c][k];
+        if constexpr (kLayer) sum_g += g;
+      }
+    }
+    const float mean_dot = team.Sum(dot, scratch) / static_cast<float>(hidden);
+    float mean_g = 0.0f;
+    if constexpr (kLayer) mean_g = team.Sum(sum_g, scratch) / static_cast<float>(hidden);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = static_cast<int64_t>(c) * threads_per_row + team.rank;
+      if (chunk >= row_chunks) continue;
+      float w[kVec], out[kVec];
+      LoadChunk<kVec>(weight + chunk * kVec, w);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        // g rounded as in the first pass: a row whose g are all equal gets g - mean(g) = 0.
+        const float g = __fmul_rn(dy[c][k], w[k]);
+        out[k] = r * (g - mean_g - n[c][k] * mean_dot);
+      }
+      StoreChunk<kVec>(grad_x + base + chunk * kVec, out, grad_x_packed);
+    }
+  }
+}
+
 // Calls fn(Tag<X>{}, Tag<Y>{}) for a norm's input and output dtypes: the same dtype, or float32
 // in and a 16-bit dtype out (the norm of a float32 residual stream feeding layers under
 // autocast). Other pairs are not built.
@@ -171,18 +466,33 @@ cudaError_t LaunchNormForward(NormKind kind, const void* x, const void* weight, 
                               cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return cudaSuccess;
   if (kind == NormKind::kLayer && mean == nullptr) return cudaErrorInvalidValue;
-  return DispatchNorm(kind, x_dtype, y_dtype, weight_dtype,
-                      [&](auto layer, auto x_tag, auto y_tag, auto weight_tag) {
-                        using X = typename decltype(x_tag)::type;
-                        using Y = typename decltype(y_tag)::type;
-                        using W = typename decltype(weight_tag)::type;
-                        NormForwardKernel<decltype(layer)::value, X, Y, W>
-                            <<<RowBlocks(rows), RowThreads(hidden), 0, stream>>>(
-                                static_cast<const X*>(x), static_cast<const W*>(weight),
-                                static_cast<const W*>(bias), static_cast<Y*>(y), mean, rstd, rows,
-                                hidden, eps);
-                        return cudaGetLastError();
-                      });
+  return DispatchNorm(
+      kind, x_dtype, y_dtype, weight_dtype,
+      [&](auto layer, auto x_tag, auto y_tag, auto weight_tag) {
+        constexpr bool kLayer = decltype(layer)::value;
+        using X = typename decltype(x_tag)::type;
+        using Y = typename decltype(y_tag)::type;
+        using W = typename decltype(weight_tag)::type;
+        const auto* x_t = static_cast<const X*>(x);
+        const auto* w_t = static_cast<const W*>(weight);
+        const auto* b_t = static_cast<const W*>(bias);
+        auto* y_t = static_cast<Y*>(y);
+        const RowLayout layout = RowLayoutFor<X, W>(x, weight, bias, hidden);
+        if (layout.threads_per_row == 0) {
+          NormForwardKernel<kLayer, X, Y, W>
+              <<<RowBlocks(rows), BlockKernelThreads(hidden), 0, stream>>>(x_t, w_t, b_t, y_t, mean,
+                                                                           rstd, rows, hidden, eps);
+          return cudaGetLastError();
+        }
+        const bool y_packed = Aligned(y, kChunkAlignment<Y, kVecOf<X>>);
+        return DispatchChunks<kVecOf<X>>(layout.chunks, [&](auto chunks) {
+          NormForwardRowKernel<kLayer, X, Y, W, decltype(chunks)::value>
+              <<<RowKernelBlocks(layout, rows), RowKernelThreads(layout), 0, stream>>>(
+                  x_t, w_t, b_t, y_t, mean, rstd, rows, hidden, eps, layout.threads_per_row,
+                  y_packed);
+          return cudaGetLastError();
+        });
+      });
 }
 
 cudaError_t LaunchNormBackward(NormKind kind, const void* grad_y, const void* x, const void* weight,
@@ -191,18 +501,35 @@ cudaError_t LaunchNormBackward(NormKind kind, const void* grad_y, const void* x,
                                cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return cudaSuccess;
   if (kind == NormKind::kLayer && mean == nullptr) return cudaErrorInvalidValue;
-  return DispatchNorm(kind, x_dtype, y_dtype, weight_dtype,
-                      [&](auto layer, auto x_tag, auto y_tag, auto weight_tag) {
-                        using X = typename decltype(x_tag)::type;
-                        using Y = typename decltype(y_tag)::type;
-                        using W = typename decltype(weight_tag)::type;
-                        NormBackwardKernel<decltype(layer)::value, X, Y, W>
-                            <<<RowBlocks(rows), RowThreads(hidden), 0, stream>>>(
-                                static_cast<const Y*>(grad_y), static_cast<const X*>(x),
-                                static_cast<const W*>(weight), mean, rstd, static_cast<X*>(grad_x),
-                                rows, hidden);
-                        return cudaGetLastError();
-                      });
+  return DispatchNorm(
+      kind, x_dtype, y_dtype, weight_dtype,
+      [&](auto layer, auto x_tag, auto y_tag, auto weight_tag) {
+        constexpr bool kLayer = decltype(layer)::value;
+        using X = typename decltype(x_tag)::type;
+        using Y = typename decltype(y_tag)::type;
+        using W = typename decltype(weight_tag)::type;
+        const auto* dy_t = static_cast<const Y*>(grad_y);
+        const auto* x_t = static_cast<const X*>(x);
+        const auto* w_t = static_cast<const W*>(weight);
+        auto* dx_t = static_cast<X*>(grad_x);
+        const RowLayout layout = RowLayoutFor<X, W>(x, weight, nullptr, hidden);
+        if (layout.threads_per_row == 0) {
+          NormBackwardKernel<kLayer, X, Y, W>
+              <<<RowBlocks(rows), BlockKernelThreads(hidden), 0, stream>>>(
+                  dy_t, x_t, w_t, mean, rstd, dx_t, rows, hidden);
+          return cudaGetLastError();
+        }
+        constexpr int kVec = kVecOf<X>;
+        const bool grad_y_packed = Aligned(grad_y, kChunkAlignment<Y, kVec>);
+        const bool grad_x_packed = Aligned(grad_x, kChunkAlignment<X, kVec>);
+        return DispatchChunks<kVecOf<X>>(layout.chunks, [&](auto chunks) {
+          NormBackwardRowKernel<kLayer, X, Y, W, decltype(chunks)::value>
+              <<<RowKernelBlocks(layout, rows), RowKernelThreads(layout), 0, stream>>>(
+                  dy_t, x_t, w_t, mean, rstd, dx_t, rows, hidden, layout.threads_per_row,
+                  grad_y_packed, grad_x_packed);
+          return cudaGetLastError();
+        });
+      });
 }
 
 NormWeightGradPlan PlanNormWeightGrad(int64_t rows) {
