@@ -258,30 +258,28 @@ struct NormFunction : torch::autograd::Function<NormFunction> {
     const torch::Tensor grad_y = grads[0].to(y_type).contiguous();
     const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
     const float* mean_data = mean.defined() ? mean.const_data_ptr<float>() : nullptr;
-    if (ctx->needs_input_grad(0)) {
-      grad_x = at::empty(x.sizes(), x.options());
-      CheckLaunch(
-          kernels::LaunchNormBackward(
-              kind, grad_y.const_data_ptr(), x.const_data_ptr(), weight.const_data_ptr(), mean_data,
-              rstd.const_data_ptr<float>(), grad_x.mutable_data_ptr(), rows, hidden,
-              KernelDtypeOf(x), KernelDtypeOf(grad_y), KernelDtypeOf(weight), stream),
-          "NormBackward");
-    }
     const bool want_bias = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
-    if (ctx->needs_input_grad(1) || want_bias) {
-      const kernels::NormWeightGradPlan plan = kernels::PlanNormWeightGrad(rows);
-      torch::Tensor weight_partials = at::empty({plan.partitions, hidden}, rstd.options());
-      torch::Tensor bias_partials =
-          want_bias ? at::empty({plan.partitions, hidden}, rstd.options()) : torch::Tensor();
-      CheckLaunch(kernels::LaunchNormWeightGradPartial(
-                      kind, grad_y.const_data_ptr(), x.const_data_ptr(), mean_data,
-                      rstd.const_data_ptr<float>(), weight_partials.mutable_data_ptr<float>(),
-                      want_bias ? bias_partials.mutable_data_ptr<float>() : nullptr, rows, hidden,
-                      plan, KernelDtypeOf(x), KernelDtypeOf(grad_y), stream),
-                  "NormWeightGradPartial");
-      if (ctx->needs_input_grad(1)) grad_weight = weight_partials.sum(0).to(weight.scalar_type());
-      if (want_bias) grad_bias = bias_partials.sum(0).to(weight.scalar_type());
-    }
+    const bool want_weight = ctx->needs_input_grad(1) || want_bias;  // bias partials need these
+    if (!ctx->needs_input_grad(0) && !want_weight) return none();
+    const kernels::NormBackwardPlan plan =
+        kernels::PlanNormBackward(kind, x.const_data_ptr(), weight.const_data_ptr(), rows, hidden,
+                                  KernelDtypeOf(x), KernelDtypeOf(grad_y), KernelDtypeOf(weight));
+    if (ctx->needs_input_grad(0)) grad_x = at::empty(x.sizes(), x.options());
+    // One pass gives grad_x and the partial column sums of the weight and bias gradients
+    // (deterministic: no atomics); their sums over the partitions are the gradients.
+    torch::Tensor weight_partials, bias_partials;
+    if (want_weight) weight_partials = at::empty({plan.partitions, hidden}, rstd.options());
+    if (want_bias) bias_partials = at::empty({plan.partitions, hidden}, rstd.options());
+    CheckLaunch(kernels::LaunchNormBackward(
+                    kind, plan, grad_y.const_data_ptr(), x.const_data_ptr(),
+                    weight.const_data_ptr(), mean_data, rstd.const_data_ptr<float>(),
+                    grad_x.defined() ? grad_x.mutable_data_ptr() : nullptr,
+                    want_weight ? weight_partials.mutable_data_ptr<float>() : nullptr,
+                    want_bias ? bias_partials.mutable_data_ptr<float>() : nullptr, rows, hidden,
+                    KernelDtypeOf(x), KernelDtypeOf(grad_y), KernelDtypeOf(weight), stream),
+                "NormBackward");
+    if (ctx->needs_input_grad(1)) grad_weight = weight_partials.sum(0).to(weight.scalar_type());
+    if (want_bias) grad_bias = bias_partials.sum(0).to(weight.scalar_type());
     return none();
   }
 };

@@ -38,33 +38,45 @@ cudaError_t LaunchNormForward(NormKind kind, const void* x, const void* weight, 
                               float eps, Dtype x_dtype, Dtype y_dtype, Dtype weight_dtype,
                               cudaStream_t stream);
 
-// grad_x of LaunchNormForward, with n = the normalised x ((x - mean) * rstd, or x * rstd) and
-// g = grad_y * weight, per row:
-//   kRms:   grad_x = rstd * (g - n * mean(g n))
-//   kLayer: grad_x = rstd * (g - mean(g) - n * mean(g n)).
-// grad_y: y_dtype, grad_x: x_dtype, [rows, hidden].
-cudaError_t LaunchNormBackward(NormKind kind, const void* grad_y, const void* x, const void* weight,
-                               const float* mean, const float* rstd, void* grad_x, int64_t rows,
-                               int64_t hidden, Dtype x_dtype, Dtype y_dtype, Dtype weight_dtype,
-                               cudaStream_t stream);
-
-// How NormWeightGradPartial splits the rows: partials[p] sums rows
-// [p * rows_per_partition, (p + 1) * rows_per_partition). At most 65535 partitions (one grid
-// column each).
-struct NormWeightGradPlan {
-  int64_t rows_per_partition = 0;
+// How LaunchNormBackward splits its work, from PlanNormBackward for the operands it will get.
+struct NormBackwardPlan {
+  // Rows of the weight and bias gradients' partial sums (float32 [partitions, hidden]): each
+  // gradient is the sum of its partials over the partitions. 0 for no rows.
   int64_t partitions = 0;
+  // The kernels' geometry, LaunchNormBackward's business: the row kernel's threads per row and
+  // chunks per thread (threads_per_row 0: the block kernels, whose weight gradient takes a
+  // second pass over rows_per_partition rows per partition).
+  int threads_per_row = 0;
+  int chunks = 0;
+  int64_t rows_per_partition = 0;
 };
-NormWeightGradPlan PlanNormWeightGrad(int64_t rows);
 
-// weight_partials[p, j] = sum over the rows of partition p of grad_y[row, j] * n[row, j] and,
-// for kLayer when bias_partials is not null, bias_partials[p, j] = the sum of grad_y[row, j]
-// (float32, [plan.partitions, hidden]); the gradients are the sums of the partials over p.
-cudaError_t LaunchNormWeightGradPartial(NormKind kind, const void* grad_y, const void* x,
-                                        const float* mean, const float* rstd,
-                                        float* weight_partials, float* bias_partials, int64_t rows,
-                                        int64_t hidden, const NormWeightGradPlan& plan,
-                                        Dtype x_dtype, Dtype y_dtype, cudaStream_t stream);
+// The plan of LaunchNormBackward for these operands (x and weight as they will be passed; the
+// plan depends on their alignment). The row kernel (as LaunchNormForward's) computes grad_x and
+// the weight and bias partials in one pass over grad_y and x, with as many partitions as the
+// device runs its blocks at once; otherwise the block kernels compute grad_x and then, in a
+// second pass, partitions of at least 128 rows. Neither choice depends on y_dtype, so a 16-bit
+// grad_y gives bit for bit the gradients that its values in float32 give. Calls the CUDA runtime
+// (the current device's multiprocessor count and the kernel's occupancy), enqueues nothing.
+NormBackwardPlan PlanNormBackward(NormKind kind, const void* x, const void* weight, int64_t rows,
+                                  int64_t hidden, Dtype x_dtype, Dtype y_dtype, Dtype weight_dtype);
+
+// The gradients of LaunchNormForward, with n = the normalised x ((x - mean) * rstd, or x * rstd)
+// and g = grad_y * weight, per row:
+//   kRms:   grad_x = rstd * (g - n * mean(g n))
+//   kLayer: grad_x = rstd * (g - mean(g) - n * mean(g n)),
+// and over rows, in partials: weight_partials[p, j] = the sum of grad_y[row, j] * n[row, j] and,
+// for kLayer, bias_partials[p, j] = the sum of grad_y[row, j] over the rows of partition p. No
+// atomics: the same plan and inputs give the same partials, bit for bit. grad_y: y_dtype, grad_x:
+// x_dtype, [rows, hidden]; weight_partials and bias_partials: float32 [plan.partitions, hidden].
+// grad_x, weight_partials and bias_partials may be null (not wanted); bias_partials only with
+// weight_partials. `plan` comes from PlanNormBackward for the same kind, x, weight, rows, hidden
+// and dtypes (cudaErrorInvalidValue otherwise, where that can be seen).
+cudaError_t LaunchNormBackward(NormKind kind, const NormBackwardPlan& plan, const void* grad_y,
+                               const void* x, const void* weight, const float* mean,
+                               const float* rstd, void* grad_x, float* weight_partials,
+                               float* bias_partials, int64_t rows, int64_t hidden, Dtype x_dtype,
+                               Dtype y_dtype, Dtype weight_dtype, cudaStream_t stream);
 
 // Element strides of a rotary operand seen as [n0, n1, n2, head_dim]; the last dimension is the
 // one rotated. Tables (cos, sin) are addressed with their own strides, 0 where they broadcast.

@@ -236,6 +236,23 @@ int RowKernelBlocks(const RowLayout& layout, int64_t rows) {
   return static_cast<int>(std::min(CeilDiv(rows, teams_per_block), kMaxRowBlocks));
 }
 
+// How many blocks of `threads` threads of `kernel` the current device runs at once (0 if that
+// cannot be found out): the backward row kernel's grid, so that each block takes many rows and
+// writes one row of weight partials.
+template <typename Kernel>
+int64_t ResidentBlocks(Kernel kernel, int threads) {
+  int device = 0, multiprocessors = 0, per_multiprocessor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, threads, 0) !=
+          cudaSuccess) {
+    cudaGetLastError();  // clears the error of the failed query; the caller falls back
+    return 0;
+  }
+  return static_cast<int64_t>(multiprocessors) * per_multiprocessor;
+}
+
 // Loads kVec elements of T at p into out (as float32): packed, in accesses of at most 16 bytes
 // (p aligned to kChunkAlignment<T, kVec>), or one element at a time.
 template <int kVec, typename T>
@@ -364,29 +381,55 @@ __global__ void __launch_bounds__(kRowBlockThreads)
   }
 }
 
+// Threads per block of the backward row kernel with one-warp teams: fewer than the forward's
+// kRowBlockThreads, as its threads hold the row's normalised x and g and their columns' weight
+// and bias sums (ptxas, sm_90: about 160 registers at 24 or 32 elements per thread). Blocks of
+// 128 threads then fill 61,440 of a multiprocessor's 65,536 registers (12 warps); blocks of 256,
+// 40,960 (8 warps).
+constexpr int kBackwardWarpBlockThreads = 128;
+// Columns of a one-warp team's row: the most that its block combines in shared memory.
+constexpr int kMaxWarpRowColumns = kWarpSize * kMaxRowElements;
+
+// Threads per block of the backward row kernel: kBackwardWarpBlockThreads (one row per warp) for
+// one-warp teams, else the team (one row per block).
+int BackwardRowKernelThreads(const RowLayout& layout) {
+  return layout.threads_per_row == kWarpSize ? kBackwardWarpBlockThreads : layout.threads_per_row;
+}
+
 // NormBackwardKernel's grad_x (the same arithmetic element by element; the row sums in another
-// order) with a row held in the registers of a team. grad_y_packed, grad_x_packed: those
-// pointers are aligned for packed accesses.
+// order) with a row held in the registers of a team, and the weight and bias gradients'
+// partials of NormWeightGradPartialKernel fused in: each thread adds grad_y * n (and grad_y) of
+// its columns over the rows its team takes, the teams of a block add theirs up in team order
+// through shared memory, and the block writes row blockIdx.x of weight_partials (and
+// bias_partials) [gridDim.x, hidden]. No atomics: the same launch gives the same sums. grad_x,
+// weight_partials and bias_partials may each be null (not wanted); bias_partials is ignored for
+// RMSNorm. grad_y_packed, grad_x_packed: those pointers are aligned for packed accesses.
 template <bool kLayer, typename X, typename Y, typename W, int kChunks>
 __global__ void __launch_bounds__(kRowBlockThreads)
     NormBackwardRowKernel(const Y* __restrict__ grad_y, const X* __restrict__ x,
                           const W* __restrict__ weight, const float* __restrict__ mean,
-                          const float* __restrict__ rstd, X* __restrict__ grad_x, int64_t rows,
-                          int64_t hidden, int threads_per_row, bool grad_y_packed,
+                          const float* __restrict__ rstd, X* __restrict__ grad_x,
+                          float* __restrict__ weight_partials, float* __restrict__ bias_partials,
+                          int64_t rows, int64_t hidden, int threads_per_row, bool grad_y_packed,
                           bool grad_x_packed) {
   constexpr int kVec = kVecOf<X>;
   __shared__ float scratch[kRowBlockThreads / kWarpSize];
   const RowTeam team(threads_per_row);
-  const int64_t row_chunks = hidden / kVec;
+  const int row_chunks = static_cast<int>(hidden / kVec);  // at most 2,048
+  const bool want_weight = weight_partials != nullptr;
+  const bool want_bias = kLayer && bias_partials != nullptr;
+  // This thread's columns' sums of grad_y * n (weight) and grad_y (bias) over its team's rows.
+  float sum_dy_n[kChunks][kVec] = {}, sum_dy[kChunks][kVec] = {};
   for (int64_t row = team.first_row; row < rows; row += team.row_step) {
     const int64_t base = row * hidden;
     const float r = rstd[row];
     const float mu = kLayer ? mean[row] : 0.0f;
-    // dy: grad_y; n: x, then the normalised x.
-    float dy[kChunks][kVec] = {}, n[kChunks][kVec] = {};
+    // dy: grad_y; n: x, then the normalised x; g: grad_y * weight (dy is dead after it, and the
+    // weight is read once per row).
+    float dy[kChunks][kVec] = {}, n[kChunks][kVec] = {}, g[kChunks][kVec] = {};
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      const int64_t chunk = static_cast<int64_t>(c) * threads_per_row + team.rank;
+      const int chunk = c * threads_per_row + team.rank;
       if (chunk >= row_chunks) continue;
       LoadChunk<kVec>(grad_y + base + chunk * kVec, dy[c], grad_y_packed);
       LoadChunk<kVec>(x + base + chunk * kVec, n[c]);
@@ -394,35 +437,80 @@ __global__ void __launch_bounds__(kRowBlockThreads)
     float dot = 0.0f, sum_g = 0.0f;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      const int64_t chunk = static_cast<int64_t>(c) * threads_per_row + team.rank;
+      const int chunk = c * threads_per_row + team.rank;
       if (chunk >= row_chunks) continue;
       float w[kVec];
       LoadChunk<kVec>(weight + chunk * kVec, w);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         n[c][k] = __fmul_rn(kLayer ? __fsub_rn(n[c][k], mu) : n[c][k], r);
-        const float g = __fmul_rn(dy[c][k], w[k]);
-        dot += g * n[c][k];
-        if constexpr (kLayer) sum_g += g;
+        // Rounded once and used in both sums and in grad_x: a row whose g are all equal gets
+        // g - mean(g) = 0 exactly.
+        g[c][k] = __fmul_rn(dy[c][k], w[k]);
+        dot += g[c][k] * n[c][k];
+        if constexpr (kLayer) sum_g += g[c][k];
+        if (want_weight) sum_dy_n[c][k] += dy[c][k] * n[c][k];
+        if (want_bias) sum_dy[c][k] += dy[c][k];
       }
     }
+    // grad_x is null (not wanted) for the whole block or for none of it.
+    if (grad_x == nullptr) continue;
     const float mean_dot = team.Sum(dot, scratch) / static_cast<float>(hidden);
     float mean_g = 0.0f;
     if constexpr (kLayer) mean_g = team.Sum(sum_g, scratch) / static_cast<float>(hidden);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      const int64_t chunk = static_cast<int64_t>(c) * threads_per_row + team.rank;
+      const int chunk = c * threads_per_row + team.rank;
       if (chunk >= row_chunks) continue;
-      float w[kVec], out[kVec];
-      LoadChunk<kVec>(weight + chunk * kVec, w);
+      float out[kVec];
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        // g rounded as in the first pass: a row whose g are all equal gets g - mean(g) = 0.
-        const float g = __fmul_rn(dy[c][k], w[k]);
-        out[k] = r * (g - mean_g - n[c][k] * mean_dot);
-      }
+      for (int k = 0; k < kVec; ++k) out[k] = r * (g[c][k] - mean_g - n[c][k] * mean_dot);
       StoreChunk<kVec>(grad_x + base + chunk * kVec, out, grad_x_packed);
     }
+  }
+  if (!want_weight && !want_bias) return;  // the same for every thread of the grid
+  float* weight_row = want_weight ? weight_partials + blockIdx.x * hidden : nullptr;
+  float* bias_row = want_bias ? bias_partials + blockIdx.x * hidden : nullptr;
+  if (team.whole_block) {
+    // One team per block: its threads' columns are the block's, each held by one thread.
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int chunk = c * threads_per_row + team.rank;
+      if (chunk >= row_chunks) continue;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        if (want_weight) weight_row[chunk * kVec + k] = sum_dy_n[c][k];
+        if (want_bias) bias_row[chunk * kVec + k] = sum_dy[c][k];
+      }
+    }
+    return;
+  }
+  // One-warp teams (hidden <= kMaxWarpRowColumns): warp 0 writes its sums to shared memory,
+  // warps 1, 2, ... add theirs in turn, then the block copies the totals out. Every thread
+  // reaches each __syncthreads (no thread has returned: the condition above is grid-uniform).
+  __shared__ float block_dy_n[kMaxWarpRowColumns], block_dy[kMaxWarpRowColumns];
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  for (int turn = 0; turn < static_cast<int>(blockDim.x) / kWarpSize; ++turn) {
+    if (warp == turn) {
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const int chunk = c * threads_per_row + team.rank;
+        if (chunk >= row_chunks) continue;
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const int col = chunk * kVec + k;
+          if (want_weight) {
+            block_dy_n[col] = turn == 0 ? sum_dy_n[c][k] : block_dy_n[col] + sum_dy_n[c][k];
+          }
+          if (want_bias) block_dy[col] = turn == 0 ? sum_dy[c][k] : block_dy[col] + sum_dy[c][k];
+        }
+      }
+    }
+    __syncthreads();
+  }
+  for (int64_t col = threadIdx.x; col < hidden; col += blockDim.x) {
+    if (want_weight) weight_row[col] = block_dy_n[col];
+    if (want_bias) bias_row[col] = block_dy[col];
   }
 }
 
@@ -495,12 +583,50 @@ cudaError_t LaunchNormForward(NormKind kind, const void* x, const void* weight, 
       });
 }
 
-cudaError_t LaunchNormBackward(NormKind kind, const void* grad_y, const void* x, const void* weight,
-                               const float* mean, const float* rstd, void* grad_x, int64_t rows,
-                               int64_t hidden, Dtype x_dtype, Dtype y_dtype, Dtype weight_dtype,
-                               cudaStream_t stream) {
+NormBackwardPlan PlanNormBackward(NormKind kind, const void* x, const void* weight, int64_t rows,
+                                  int64_t hidden, Dtype x_dtype, Dtype y_dtype,
+                                  Dtype weight_dtype) {
+  NormBackwardPlan plan;
+  if (rows <= 0 || hidden <= 0) return plan;
+  DispatchNorm(kind, x_dtype, y_dtype, weight_dtype,
+               [&](auto layer, auto x_tag, auto /*y_tag*/, auto weight_tag) {
+                 constexpr bool kLayer = decltype(layer)::value;
+                 using X = typename decltype(x_tag)::type;
+                 using W = typename decltype(weight_tag)::type;
+                 const RowLayout layout = RowLayoutFor<X, W>(x, weight, nullptr, hidden);
+                 if (layout.threads_per_row == 0) return cudaSuccess;
+                 return DispatchChunks<kVecOf<X>>(layout.chunks, [&](auto chunks) {
+                   // The occupancy of the kernel for a y of x's dtype whatever y_dtype is: the
+                   // partitions, and so the order of the gradients' sums, do not depend on it.
+                   const int threads = BackwardRowKernelThreads(layout);
+                   const int64_t resident = ResidentBlocks(
+                       NormBackwardRowKernel<kLayer, X, X, W, decltype(chunks)::value>, threads);
+                   if (resident > 0) {
+                     plan.threads_per_row = layout.threads_per_row;
+                     plan.chunks = layout.chunks;
+                     plan.partitions =
+                         std::min(resident, CeilDiv(rows, threads / layout.threads_per_row));
+                   }
+                   return cudaSuccess;
+                 });
+               });
+  if (plan.threads_per_row == 0) {
+    plan.rows_per_partition = std::max(kMinRowsPerPartition, CeilDiv(rows, kMaxGridY));
+    plan.partitions = CeilDiv(rows, plan.rows_per_partition);
+  }
+  return plan;
+}
+
+cudaError_t LaunchNormBackward(NormKind kind, const NormBackwardPlan& plan, const void* grad_y,
+                               const void* x, const void* weight, const float* mean,
+                               const float* rstd, void* grad_x, float* weight_partials,
+                               float* bias_partials, int64_t rows, int64_t hidden, Dtype x_dtype,
+                               Dtype y_dtype, Dtype weight_dtype, cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return cudaSuccess;
   if (kind == NormKind::kLayer && mean == nullptr) return cudaErrorInvalidValue;
+  if (kind == NormKind::kRms) bias_partials = nullptr;
+  if (bias_partials != nullptr && weight_partials == nullptr) return cudaErrorInvalidValue;
+  if (plan.partitions <= 0) return cudaErrorInvalidValue;
   return DispatchNorm(
       kind, x_dtype, y_dtype, weight_dtype,
       [&](auto layer, auto x_tag, auto y_tag, auto weight_tag) {
@@ -508,62 +634,45 @@ cudaError_t LaunchNormBackward(NormKind kind, const void* grad_y, const void* x,
         using X = typename decltype(x_tag)::type;
         using Y = typename decltype(y_tag)::type;
         using W = typename decltype(weight_tag)::type;
+        constexpr int kVec = kVecOf<X>;
         const auto* dy_t = static_cast<const Y*>(grad_y);
         const auto* x_t = static_cast<const X*>(x);
         const auto* w_t = static_cast<const W*>(weight);
         auto* dx_t = static_cast<X*>(grad_x);
-        const RowLayout layout = RowLayoutFor<X, W>(x, weight, nullptr, hidden);
-        if (layout.threads_per_row == 0) {
-          NormBackwardKernel<kLayer, X, Y, W>
-              <<<RowBlocks(rows), BlockKernelThreads(hidden), 0, stream>>>(
-                  dy_t, x_t, w_t, mean, rstd, dx_t, rows, hidden);
+        if (plan.threads_per_row == 0) {
+          // The block kernels: grad_x, then the weight (and bias) partials in a second pass.
+          if (plan.partitions > kMaxGridY || plan.partitions * plan.rows_per_partition < rows) {
+            return cudaErrorInvalidValue;
+          }
+          if (grad_x != nullptr) {
+            NormBackwardKernel<kLayer, X, Y, W>
+                <<<RowBlocks(rows), BlockKernelThreads(hidden), 0, stream>>>(
+                    dy_t, x_t, w_t, mean, rstd, dx_t, rows, hidden);
+            if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
+          }
+          if (weight_partials == nullptr) return cudaSuccess;
+          const dim3 grid(static_cast<unsigned>(CeilDiv(hidden, kElementwiseThreads)),
+                          static_cast<unsigned>(plan.partitions));
+          NormWeightGradPartialKernel<kLayer, X, Y><<<grid, kElementwiseThreads, 0, stream>>>(
+              dy_t, x_t, mean, rstd, weight_partials, bias_partials, rows, hidden,
+              plan.rows_per_partition);
           return cudaGetLastError();
         }
-        constexpr int kVec = kVecOf<X>;
+        // The plan must be for these operands (it fixes the partitions, so the gradients' sums).
+        const RowLayout layout = RowLayoutFor<X, W>(x, weight, nullptr, hidden);
+        if (layout.threads_per_row != plan.threads_per_row || layout.chunks != plan.chunks) {
+          return cudaErrorInvalidValue;
+        }
         const bool grad_y_packed = Aligned(grad_y, kChunkAlignment<Y, kVec>);
         const bool grad_x_packed = Aligned(grad_x, kChunkAlignment<X, kVec>);
-        return DispatchChunks<kVecOf<X>>(layout.chunks, [&](auto chunks) {
+        return DispatchChunks<kVec>(layout.chunks, [&](auto chunks) {
           NormBackwardRowKernel<kLayer, X, Y, W, decltype(chunks)::value>
-              <<<RowKernelBlocks(layout, rows), RowKernelThreads(layout), 0, stream>>>(
-                  dy_t, x_t, w_t, mean, rstd, dx_t, rows, hidden, layout.threads_per_row,
-                  grad_y_packed, grad_x_packed);
+              <<<static_cast<unsigned>(plan.partitions), BackwardRowKernelThreads(layout), 0,
+                 stream>>>(dy_t, x_t, w_t, mean, rstd, dx_t, weight_partials, bias_partials, rows,
+                           hidden, layout.threads_per_row, grad_y_packed, grad_x_packed);
           return cudaGetLastError();
         });
       });
-}
-
-NormWeightGradPlan PlanNormWeightGrad(int64_t rows) {
-  NormWeightGradPlan plan;
-  if (rows <= 0) return plan;
-  plan.rows_per_partition = std::max(kMinRowsPerPartition, CeilDiv(rows, kMaxGridY));
-  plan.partitions = CeilDiv(rows, plan.rows_per_partition);
-  return plan;
-}
-
-cudaError_t LaunchNormWeightGradPartial(NormKind kind, const void* grad_y, const void* x,
-                                        const float* mean, const float* rstd,
-                                        float* weight_partials, float* bias_partials, int64_t rows,
-                                        int64_t hidden, const NormWeightGradPlan& plan,
-                                        Dtype x_dtype, Dtype y_dtype, cudaStream_t stream) {
-  if (rows <= 0 || hidden <= 0) return cudaSuccess;
-  if (plan.partitions <= 0 || plan.partitions > kMaxGridY ||
-      plan.partitions * plan.rows_per_partition < rows ||
-      (kind == NormKind::kLayer && mean == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
-  return DispatchNormKind(kind, [&](auto layer) {
-    constexpr bool kLayer = decltype(layer)::value;
-    return DispatchNormDtypes(x_dtype, y_dtype, [&](auto x_tag, auto y_tag) {
-      using X = typename decltype(x_tag)::type;
-      using Y = typename decltype(y_tag)::type;
-      const dim3 grid(static_cast<unsigned>(CeilDiv(hidden, kElementwiseThreads)),
-                      static_cast<unsigned>(plan.partitions));
-      NormWeightGradPartialKernel<kLayer, X, Y><<<grid, kElementwiseThreads, 0, stream>>>(
-          static_cast<const Y*>(grad_y), static_cast<const X*>(x), mean, rstd, weight_partials,
-          bias_partials, rows, hidden, plan.rows_per_partition);
-      return cudaGetLastError();
-    });
-  });
 }
 
 }  // namespace tessera::trainer::kernels
