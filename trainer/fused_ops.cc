@@ -322,6 +322,47 @@ bool FusedSwiGluApplies(const torch::Tensor& gate, const torch::Tensor& up) {
          gate.scalar_type() == up.scalar_type() && gate.sizes() == up.sizes() && gate.numel() > 0;
 }
 
+// ResidualAdd's CUDA kernel applies to a float32 residual and a branch of a kernel dtype, of one
+// shape, both dense in the same (contiguous) order, on one device.
+bool FusedResidualAddApplies(const torch::Tensor& residual, const torch::Tensor& branch) {
+  return OnOneCudaDevice(residual, branch) && residual.layout() == at::kStrided &&
+         branch.layout() == at::kStrided && residual.scalar_type() == at::kFloat &&
+         KernelDtype(branch.scalar_type()).has_value() && residual.sizes() == branch.sizes() &&
+         residual.is_contiguous() && branch.is_contiguous() && residual.numel() > 0;
+}
+
+// residual + branch by the kernel, for operands FusedResidualAddApplies takes.
+torch::Tensor ResidualAddCuda(const torch::Tensor& residual, const torch::Tensor& branch) {
+  const c10::cuda::CUDAGuard guard(residual.device());
+  torch::Tensor out = at::empty(residual.sizes(), residual.options());
+  CheckLaunch(kernels::LaunchResidualAdd(residual.const_data_ptr<float>(), branch.const_data_ptr(),
+                                         out.mutable_data_ptr<float>(), residual.numel(),
+                                         KernelDtypeOf(branch), c10::cuda::getCurrentCUDAStream()),
+              "ResidualAdd");
+  return out;
+}
+
+// ResidualAddCuda with ATen's add's gradients: the output gradient itself for the residual, and
+// cast to the branch's dtype for the branch (what autograd's engine does to AddBackward's).
+struct ResidualAddFunction : torch::autograd::Function<ResidualAddFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& residual,
+                               const torch::Tensor& branch) {
+    ctx->saved_data["branch_dtype"] = static_cast<int64_t>(branch.scalar_type());
+    return ResidualAddCuda(residual, branch);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    torch::Tensor grad_residual, grad_branch;
+    if (grads[0].defined()) {
+      const auto branch_dtype =
+          static_cast<at::ScalarType>(ctx->saved_data["branch_dtype"].toInt());
+      if (ctx->needs_input_grad(0)) grad_residual = grads[0];
+      if (ctx->needs_input_grad(1)) grad_branch = grads[0].to(branch_dtype);
+    }
+    return {grad_residual, grad_branch};
+  }
+};
+
 #endif  // TESSERA_WITH_CUDA
 
 // The rotation (or its transpose) of `in` by the CPU kernel (float32) or the CUDA one, by its
@@ -507,6 +548,19 @@ torch::Tensor FusedGeluTanh(const torch::Tensor& x) {
     return GeluTanhCpuFunction::apply(x);
   }
   return torch::gelu(x, "tanh");
+}
+
+torch::Tensor ResidualAdd(const torch::Tensor& residual, const torch::Tensor& branch) {
+#if TESSERA_WITH_CUDA
+  if (FusedKernelsEnabled() && FusedResidualAddApplies(residual, branch)) {
+    // Without autograd (inference, recomputation under no_grad) the kernel runs alone.
+    if (!((residual.requires_grad() || branch.requires_grad()) && torch::GradMode::is_enabled())) {
+      return ResidualAddCuda(residual, branch);
+    }
+    return ResidualAddFunction::apply(residual, branch);
+  }
+#endif
+  return residual + branch;
 }
 
 std::vector<torch::Tensor> SplitQkv(const torch::Tensor& qkv, int64_t heads, int64_t head_dim) {

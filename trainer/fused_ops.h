@@ -1,15 +1,15 @@
-// The model's RMSNorm, LayerNorm, rotary position embedding and SwiGLU as single CUDA kernels
-// (forward and backward, as autograd Functions) instead of chains of ATen kernels; RMSNorm,
-// rotary, SwiGLU and GELU (tanh) as CPU kernels (fused_ops_cpu.h); ATen's composite as the
-// fallback. A fused path runs when fused kernels are enabled (the default; the trainer's
+// The model's RMSNorm, LayerNorm, rotary position embedding, SwiGLU and residual add as single
+// CUDA kernels (forward and backward, as autograd Functions) instead of chains of ATen kernels;
+// RMSNorm, rotary, SwiGLU and GELU (tanh) as CPU kernels (fused_ops_cpu.h); ATen's composite as
+// the fallback. A fused path runs when fused kernels are enabled (the default; the trainer's
 // --fused_kernels) and the operands suit it: for the CUDA kernels, a build with CUDA and CUDA
 // tensors of a supported dtype (float32, bfloat16, float16) and shape; for the CPU kernels,
 // float32 CPU tensors. Everything else runs the composite exactly as before, so with fused
 // kernels off CPU results are bit-for-bit those of the composite (and of eager PyTorch). The
 // fused kernels compute in float32 and round once to the output dtype; their results match the
-// composite's to float32 rounding, not bitwise (except the CPU rotary kernel, which rounds as the
-// composite does and matches it bitwise). Their backward is not itself differentiable (no double
-// backward).
+// composite's to float32 rounding, not bitwise (except the CPU rotary kernel and the residual
+// add, which round as the composite does and match it bitwise). Their backward is not itself
+// differentiable (no double backward).
 #pragma once
 
 #include <cstdint>
@@ -59,6 +59,16 @@ torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up);
 // backward, as ATen's does. Elsewhere (CUDA, other dtypes) ATen's gelu, whose CUDA kernels are
 // already one pass each way.
 torch::Tensor FusedGeluTanh(const torch::Tensor& x);
+
+// residual + branch for the blocks' residual stream: under autocast a float32 residual and the
+// 16-bit output of an attention or MLP branch, whose ATen add takes one element at a time (it
+// casts as it loads). On CUDA with fused kernels on, a float32 residual and a float32, bfloat16
+// or float16 branch of the same shape, both contiguous, on one device: one kernel with 16-byte
+// accesses. The result is float32 and bit for bit ATen's residual + branch (the branch upcast
+// exactly, one float32 add); the gradient flows to the residual as it comes and to the branch
+// cast to the branch's dtype, as autograd does for ATen's add. Anything else is residual +
+// branch itself.
+torch::Tensor ResidualAdd(const torch::Tensor& residual, const torch::Tensor& branch);
 
 // GPT-2's fused projection qkv [batch, seq, 3 * heads * head_dim] as three views q, k, v
 // [batch, heads, seq, head_dim] (no copy). Its backward writes the three gradients straight into

@@ -1,10 +1,11 @@
 // The kernels of fused_ops_kernels.h other than the norms (norm_kernels.cu): rotary embedding,
-// SwiGLU and the cross-entropy rows. Grid-stride elementwise loops (SwiGLU's on 16-byte packs
-// where the tensors are aligned, after gpu-check measured its one-element loads slower than
-// ATen's vectorised composite at Llama-3-8B's shape) and one block per cross-entropy row; all
-// arithmetic is float32. Products and sums are written with __fmul_rn / __fadd_rn where ATen's
-// composite computes them as separate rounded operations, so that nvcc does not contract them
-// into fused multiply-adds (this keeps float32 results at or next to ATen's).
+// SwiGLU, the residual add and the cross-entropy rows. Grid-stride elementwise loops (SwiGLU's on
+// 16-byte packs where the tensors are aligned, after gpu-check measured its one-element loads
+// slower than ATen's vectorised composite at Llama-3-8B's shape; the residual add's likewise) and
+// one block per cross-entropy row; all arithmetic is float32. Products and sums are written with
+// __fmul_rn / __fadd_rn where ATen's composite computes them as separate rounded operations, so
+// that nvcc does not contract them into fused multiply-adds (this keeps float32 results at or next
+// to ATen's).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -133,6 +134,44 @@ __global__ void SwiGluBackwardVecKernel(const T* __restrict__ grad_y, const T* _
     }
     reinterpret_cast<P*>(grad_gate)[i] = dg;
     reinterpret_cast<P*>(grad_up)[i] = du;
+  }
+}
+
+// out = residual + branch, one element at a time: float32 residual and out, branch upcast to
+// float32 (exact) and added once, as ATen's mixed-dtype add computes it.
+template <typename B>
+__global__ void ResidualAddKernel(const float* __restrict__ residual, const B* __restrict__ branch,
+                                  float* __restrict__ out, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = __fadd_rn(residual[i], ToFloat(branch[i]));
+  }
+}
+
+// ResidualAddKernel on whole packs of kVec = 16 / sizeof(B) elements: one 16-byte load of the
+// branch and kVec / 4 16-byte loads and stores of the residual and out per pack (elements
+// [0, packs * kVec); the scalar kernel takes the tail). All three 16-byte aligned.
+template <typename B, int kVec>
+__global__ void ResidualAddVecKernel(const float* __restrict__ residual,
+                                     const B* __restrict__ branch, float* __restrict__ out,
+                                     int64_t packs) {
+  using BranchPack = Pack<B, kVec>;
+  using FloatPack = Pack<float, 4>;
+  constexpr int kFloatPacks = kVec / 4;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < packs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const BranchPack b = reinterpret_cast<const BranchPack*>(branch)[i];
+    FloatPack r[kFloatPacks];
+#pragma unroll
+    for (int j = 0; j < kFloatPacks; ++j) {
+      r[j] = reinterpret_cast<const FloatPack*>(residual)[i * kFloatPacks + j];
+    }
+#pragma unroll
+    for (int j = 0; j < kFloatPacks; ++j) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) r[j].v[k] = __fadd_rn(r[j].v[k], ToFloat(b.v[j * 4 + k]));
+      reinterpret_cast<FloatPack*>(out)[i * kFloatPacks + j] = r[j];
+    }
   }
 }
 
@@ -293,6 +332,27 @@ cudaError_t LaunchSwiGluBackward(const void* grad_y, const void* gate, const voi
     if (done < n) {
       SwiGluBackwardKernel<T><<<ElementwiseBlocks(n - done), kElementwiseThreads, 0, stream>>>(
           dy + done, g + done, u + done, dg + done, du + done, n - done);
+    }
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t LaunchResidualAdd(const float* residual, const void* branch, float* out, int64_t n,
+                              Dtype branch_dtype, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  return DispatchDtype(branch_dtype, [&](auto tag) {
+    using B = typename decltype(tag)::type;
+    constexpr int kVec = kVecOf<B>;
+    const auto* b = static_cast<const B*>(branch);
+    const int64_t packs = AllAligned16(residual, b, out) ? n / kVec : 0;
+    if (packs > 0) {
+      ResidualAddVecKernel<B, kVec>
+          <<<ElementwiseBlocks(packs), kElementwiseThreads, 0, stream>>>(residual, b, out, packs);
+    }
+    const int64_t done = packs * kVec;
+    if (done < n) {
+      ResidualAddKernel<B><<<ElementwiseBlocks(n - done), kElementwiseThreads, 0, stream>>>(
+          residual + done, b + done, out + done, n - done);
     }
     return cudaGetLastError();
   });

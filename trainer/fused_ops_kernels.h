@@ -1,10 +1,10 @@
 // Plain CUDA kernels behind trainer/fused_ops.h: RMSNorm and LayerNorm, rotary embedding and
-// SwiGLU, forward and backward, and the cross-entropy rows of trainer/linear_cross_entropy.cc.
-// Launchers take raw device pointers, element counts and the stream to run on, and return the
-// launch's cudaError_t (cudaGetLastError right after the launch); they never synchronize and
-// never allocate. No LibTorch here, so that nvcc compiles fused_ops_kernels.cu without the
-// LibTorch headers. Every kernel computes in float32 whatever the storage dtype, and uses 64-bit
-// indices throughout.
+// SwiGLU, forward and backward, the residual add, and the cross-entropy rows of
+// trainer/linear_cross_entropy.cc. Launchers take raw device pointers, element counts and the
+// stream to run on, and return the launch's cudaError_t (cudaGetLastError right after the
+// launch); they never synchronize and never allocate. No LibTorch here, so that nvcc compiles
+// fused_ops_kernels.cu and norm_kernels.cu without the LibTorch headers. Every kernel computes in
+// float32 whatever the storage dtype, and indexes with 64 bits wherever a count can pass 2^31.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -107,6 +107,14 @@ cudaError_t LaunchSwiGluForward(const void* gate, const void* up, void* y, int64
 cudaError_t LaunchSwiGluBackward(const void* grad_y, const void* gate, const void* up,
                                  void* grad_gate, void* grad_up, int64_t n, Dtype dtype,
                                  cudaStream_t stream);
+
+// out = residual + branch over n contiguous elements: residual and out float32, branch of
+// branch_dtype upcast to float32 (exactly) and added once, so bit for bit what ATen's
+// residual + branch gives. 16-byte loads and stores where residual, branch and out are 16-byte
+// aligned (ATen's add of a float32 and a 16-bit tensor takes one element at a time). out must
+// not overlap branch.
+cudaError_t LaunchResidualAdd(const float* residual, const void* branch, float* out, int64_t n,
+                              Dtype branch_dtype, cudaStream_t stream);
 
 // Cross-entropy over rows of logits [rows, stride] (dtype, contiguous) of which the first `vocab`
 // columns count (stride >= vocab; the rest pad each row), with int64 targets [rows]:

@@ -300,8 +300,10 @@ void BlockImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) {
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                  const torch::Tensor& sin, const torch::Tensor& mask) {
-  torch::Tensor h = x + attn_->forward(attn_norm_->forward(x), cos, sin, mask);
-  return h + mlp_->forward(mlp_norm_->forward(h));
+  // Under autocast a float32 residual stream plus a 16-bit branch: one vectorised kernel on CUDA
+  // (ResidualAdd), bit for bit ATen's add.
+  torch::Tensor h = ResidualAdd(x, attn_->forward(attn_norm_->forward(x), cos, sin, mask));
+  return ResidualAdd(h, mlp_->forward(mlp_norm_->forward(h)));
 }
 
 CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
