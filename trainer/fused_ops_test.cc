@@ -1,14 +1,15 @@
 // FusedRmsNorm, FusedLayerNorm, FusedRotary and FusedSwiGlu against ATen's composite, which is
-// copied here as the model ran it before the fused kernels: on the CPU (the fallback) bitwise,
-// forward and gradients, and the norms' output in autocast's dtype as the cast of their result;
-// FusedGeluTanh's CPU kernel against GELU in float64 and ATen's float32 GELU, over sizes around
-// the vector width and the per-thread split, extreme inputs, views, one or two threads, and a
-// GPT-2-shaped model with the kernel on and off;
+// copied here as the model ran it before the fused kernels, and ResidualAdd against ATen's add:
+// on the CPU (the fallback) bitwise, forward and gradients, and the norms' output in autocast's
+// dtype as the cast of their result; FusedGeluTanh's CPU kernel against GELU in float64 and
+// ATen's float32 GELU, over sizes around the vector width and the per-thread split, extreme
+// inputs, views, one or two threads, and a GPT-2-shaped model with the kernel on and off;
 // on a GPU (when there is one) the CUDA kernels' forward and every gradient against the composite
 // on the same GPU, float32 to float32 rounding and bfloat16 / float16 against the float32 composite
-// of the same (rounded) inputs, over odd sizes, non-contiguous inputs, more than 65535 rows and
-// empty inputs, the norms straight into 16-bit dtypes; and Qwen3- and GPT-2-shaped models' loss
-// and gradients under autocast with the kernels on and off.
+// of the same (rounded) inputs, over odd sizes, non-contiguous and misaligned inputs, widths of
+// both norm implementations, more than 65535 rows and empty inputs, the norms straight into
+// 16-bit dtypes, the norms' gradients run to run and ResidualAdd bit for bit; and Qwen3- and
+// GPT-2-shaped models' loss and gradients under autocast with the kernels on and off.
 #include "trainer/fused_ops.h"
 
 #include <ATen/autocast_mode.h>
@@ -167,6 +168,22 @@ const Op kFusedSwiGlu = [](const std::vector<Tensor>& in) { return FusedSwiGlu(i
 const Op kReferenceSwiGlu = [](const std::vector<Tensor>& in) {
   return ReferenceSwiGlu(in[0], in[1]);
 };
+
+const Op kResidualAdd = [](const std::vector<Tensor>& in) { return ResidualAdd(in[0], in[1]); };
+const Op kAtenAdd = [](const std::vector<Tensor>& in) { return in[0] + in[1]; };
+
+// ExpectEqual, and the same dtypes.
+void ExpectIdentical(const OpRun& actual, const OpRun& expected) {
+  ASSERT_EQ(actual.output.scalar_type(), expected.output.scalar_type());
+  ASSERT_EQ(actual.grads.size(), expected.grads.size());
+  for (size_t i = 0; i < actual.grads.size(); ++i) {
+    ASSERT_EQ(actual.grads[i].defined(), expected.grads[i].defined()) << "input " << i;
+    if (expected.grads[i].defined()) {
+      ASSERT_EQ(actual.grads[i].scalar_type(), expected.grads[i].scalar_type()) << "input " << i;
+    }
+  }
+  ExpectEqual(actual, expected);
+}
 
 // x [batch, seq, heads, head_dim] seen as [batch, heads, seq, head_dim], as the model calls rotary.
 Tensor HeadsFirst(size_t input, const Tensor& t) { return input == 0 ? t.transpose(1, 2) : t; }
@@ -394,6 +411,23 @@ TEST(FusedOpsCpuTest, SwiGluFloat32IsTheKernelOtherDtypesTheComposite) {
   const OpRun off = RunOp(kFusedSwiGlu, {gate, up}, {true, true}, grad);
   SetFusedKernelsEnabled(true);
   ExpectEqual(off, RunOp(kReferenceSwiGlu, {gate, up}, {true, true}, grad));
+}
+
+// No CPU kernel: ResidualAdd is residual + branch itself, forward and gradients, for a float32 or
+// 16-bit branch, with either input frozen.
+TEST(FusedOpsCpuTest, ResidualAddIsAtenAddBitwise) {
+  torch::manual_seed(5);
+  for (auto dtype : {torch::kBFloat16, torch::kFloat16, torch::kFloat32}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const Tensor residual = torch::randn({3, 7, 40}) * 100;
+    const Tensor branch = torch::randn({3, 7, 40}).to(dtype), grad = torch::randn({3, 7, 40});
+    for (const std::vector<bool>& differentiable :
+         {std::vector<bool>{true, true}, {true, false}, {false, true}}) {
+      const OpRun fused = RunOp(kResidualAdd, {residual, branch}, differentiable, grad);
+      EXPECT_THAT(fused.node, Not(HasSubstr("ResidualAddFunction")));
+      ExpectIdentical(fused, RunOp(kAtenAdd, {residual, branch}, differentiable, grad));
+    }
+  }
 }
 
 TEST(FusedOpsCpuTest, SwitchRoundTrips) {
@@ -748,31 +782,155 @@ TEST_F(FusedOpsGpuTest, LayerNormLowPrecisionManyRowsAndFrozenWeights) {
 // A float32 input normalised straight into bfloat16 / float16 (what the model asks for under
 // autocast) is exactly the kernel's float32 result cast, and a 16-bit output gradient gives
 // exactly the gradients that the same values in float32 give: one rounding, same arithmetic.
+// Widths 768 and 4096 take the row kernels (a warp, a block per row), 77 the block kernels.
 TEST_F(FusedOpsGpuTest, NormsIntoA16BitDtypeAreTheCastOfTheFloat32Result) {
-  for (bool rms : {true, false}) {
-    for (auto dtype : {torch::kBFloat16, torch::kFloat16}) {
-      SCOPED_TRACE(std::string(rms ? "rms " : "layer ") + c10::toString(dtype));
-      const Tensor x = Randn({3, 11, 768}), w = Randn({768}), b = Randn({768});
-      const Tensor grad = Randn({3, 11, 768}, dtype);
-      auto norm = [&](std::optional<at::ScalarType> out) -> Op {
-        return [rms, out](const std::vector<Tensor>& in) {
-          return rms ? FusedRmsNorm(in[0], in[1], 1e-6, out)
-                     : FusedLayerNorm(in[0], in[1], in[2], 1e-5, out);
+  for (int64_t hidden : {768, 4096, 77}) {
+    for (bool rms : {true, false}) {
+      for (auto dtype : {torch::kBFloat16, torch::kFloat16}) {
+        SCOPED_TRACE(std::to_string(hidden) + (rms ? " rms " : " layer ") + c10::toString(dtype));
+        const Tensor x = Randn({3, 11, hidden}), w = Randn({hidden}), b = Randn({hidden});
+        const Tensor grad = Randn({3, 11, hidden}, dtype);
+        auto norm = [&](std::optional<at::ScalarType> out) -> Op {
+          return [rms, out](const std::vector<Tensor>& in) {
+            return rms ? FusedRmsNorm(in[0], in[1], 1e-6, out)
+                       : FusedLayerNorm(in[0], in[1], in[2], 1e-5, out);
+          };
         };
-      };
-      const OpRun low = RunOp(norm(dtype), {x, w, b}, {true, true, !rms}, grad);
-      const OpRun wide =
-          RunOp(norm(std::nullopt), {x, w, b}, {true, true, !rms}, grad.to(torch::kFloat32));
-      EXPECT_THAT(low.node, HasSubstr("NormFunction"));
-      ASSERT_EQ(low.output.scalar_type(), dtype);
-      EXPECT_TRUE(torch::equal(low.output, wide.output.to(dtype)));
-      for (size_t i = 0; i < 3; ++i) {
-        ASSERT_EQ(low.grads[i].defined(), wide.grads[i].defined()) << i;
-        if (!low.grads[i].defined()) continue;
-        EXPECT_EQ(low.grads[i].scalar_type(), torch::kFloat32) << i;
-        EXPECT_TRUE(torch::equal(low.grads[i], wide.grads[i])) << "grad " << i;
+        const OpRun low = RunOp(norm(dtype), {x, w, b}, {true, true, !rms}, grad);
+        const OpRun wide =
+            RunOp(norm(std::nullopt), {x, w, b}, {true, true, !rms}, grad.to(torch::kFloat32));
+        EXPECT_THAT(low.node, HasSubstr("NormFunction"));
+        ASSERT_EQ(low.output.scalar_type(), dtype);
+        EXPECT_TRUE(torch::equal(low.output, wide.output.to(dtype)));
+        for (size_t i = 0; i < 3; ++i) {
+          ASSERT_EQ(low.grads[i].defined(), wide.grads[i].defined()) << i;
+          if (!low.grads[i].defined()) continue;
+          EXPECT_EQ(low.grads[i].scalar_type(), torch::kFloat32) << i;
+          EXPECT_TRUE(torch::equal(low.grads[i], wide.grads[i])) << "grad " << i;
+        }
       }
     }
+  }
+}
+
+// The norms at widths the row kernels take with one warp per row (64, 768, 1000, 1024) and with
+// a block per row (4096, 8192), and at widths they leave to the block kernels (77 and 1: not
+// whole 16-byte chunks of x; 8200: wider than 8192): forward and every gradient against the
+// composite, RMSNorm, LayerNorm with and without a bias, float32 and bfloat16 activations.
+TEST_F(FusedOpsGpuTest, NormsMatchCompositeAtRowAndBlockKernelWidths) {
+  for (int64_t hidden : {64, 768, 1000, 1024, 4096, 8192, 77, 1, 8200}) {
+    SCOPED_TRACE(hidden);
+    // LayerNorm's x off centre; RMSNorm's not (at hidden 1 its grad_x is a cancellation that
+    // grows relative to the rest as |x| does).
+    const Tensor x = Randn({5, 7, hidden}) * 3 + 1, w = Randn({hidden}), b = Randn({hidden});
+    const Tensor x_rms = Randn({5, 7, hidden}), grad = Randn({5, 7, hidden});
+    const OpRun rms = RunOp(kFusedRmsNorm, {x_rms, w}, {true, true}, grad);
+    EXPECT_THAT(rms.node, HasSubstr("NormFunction"));
+    ExpectRunClose(rms, RunOp(kReferenceRmsNorm, {x_rms, w}, {true, true}, grad), kRtol32, kAtol32,
+                   "rms_norm f32");
+    ExpectRunClose(RunOp(kFusedLayerNorm, {x, w, b}, {true, true, true}, grad),
+                   RunOp(kReferenceLayerNorm, {x, w, b}, {true, true, true}, grad), kRtol32,
+                   kAtol32, "layer_norm f32");
+    ExpectRunClose(RunOp(kFusedLayerNorm, {x, w}, {true, true}, grad),
+                   RunOp(kReferenceLayerNorm, {x, w}, {true, true}, grad), kRtol32, kAtol32,
+                   "layer_norm f32 without bias");
+    // bf16 activations (chunks of 8) with a float32 weight, against the float32 composite of the
+    // same rounded values.
+    const Tensor xl = x.to(torch::kBFloat16), gradl = grad.to(torch::kBFloat16);
+    const OpRun low = RunOp(kFusedLayerNorm, {xl, w, b}, {true, true, true}, gradl);
+    const OpRun reference = RunOp(kReferenceLayerNorm, {xl.to(torch::kFloat32), w, b},
+                                  {true, true, true}, gradl.to(torch::kFloat32));
+    ExpectClose(low.output.to(torch::kFloat32), reference.output, kRtolLow, kAtolLow,
+                "layer_norm bf16 output");
+    for (size_t i = 0; i < 3; ++i) {
+      ExpectClose(low.grads[i].to(torch::kFloat32), reference.grads[i], kRtolLow, kAtolLow,
+                  "layer_norm bf16 grad " + std::to_string(i));
+    }
+  }
+}
+
+// The row kernels over more rows than one grid dimension of blocks (65535); operands one element
+// into their storage (contiguous but not 16-byte aligned: x or the weight so sends the rows to
+// the block kernels, grad_y so makes the row kernel load it one element at a time); frozen
+// weight or bias, and an x that takes no gradient (weight and bias gradients alone).
+TEST_F(FusedOpsGpuTest, NormRowKernelsTakeManyRowsMisalignedOperandsAndFrozenParameters) {
+  {
+    const Tensor x = Randn({70001, 768}), w = Randn({768}), b = Randn({768});
+    const Tensor grad = Randn({70001, 768});
+    ExpectRunClose(RunOp(kFusedLayerNorm, {x, w, b}, {true, true, true}, grad),
+                   RunOp(kReferenceLayerNorm, {x, w, b}, {true, true, true}, grad), kRtol32,
+                   kAtol32, "70001 rows x 768");
+    const Tensor x2 = Randn({66000, 2048}), w2 = Randn({2048}), grad2 = Randn({66000, 2048});
+    ExpectRunClose(RunOp(kFusedRmsNorm, {x2, w2}, {true, true}, grad2),
+                   RunOp(kReferenceRmsNorm, {x2, w2}, {true, true}, grad2), kRtol32, kAtol32,
+                   "66000 rows x 2048");
+  }
+  constexpr int64_t kRows = 37, kHidden = 768;
+  // Values one element longer than the operand; the op sees the view past the first element.
+  auto shift = [](const Tensor& t, std::vector<int64_t> sizes) {
+    return t.narrow(0, 1, t.size(0) - 1).view(sizes);
+  };
+  const Tensor x = Randn({kRows * kHidden + 1}), w = Randn({kHidden + 1}), b = Randn({kHidden});
+  const Tensor grad = Randn({kRows, kHidden});
+  const Tensor misaligned_grad = shift(Randn({kRows * kHidden + 1}), {kRows, kHidden});
+  for (bool shift_x : {true, false}) {
+    for (bool shift_w : {true, false}) {
+      SCOPED_TRACE(std::string(shift_x ? "x shifted " : "x aligned ") +
+                   (shift_w ? "weight shifted" : "weight aligned"));
+      auto make_input = [&](size_t i, const Tensor& t) {
+        if (i == 0)
+          return shift_x ? shift(t, {kRows, kHidden})
+                         : t.narrow(0, 0, kRows * kHidden).view({kRows, kHidden});
+        if (i == 1) return shift_w ? shift(t, {kHidden}) : t.narrow(0, 0, kHidden);
+        return t;
+      };
+      for (const Tensor& g : {grad, misaligned_grad}) {
+        ExpectRunClose(RunOp(kFusedLayerNorm, {x, w, b}, {true, true, true}, g, make_input),
+                       RunOp(kReferenceLayerNorm, {x, w, b}, {true, true, true}, g, make_input),
+                       kRtol32, kAtol32, "layer_norm");
+        ExpectRunClose(RunOp(kFusedRmsNorm, {x, w}, {true, true}, g, make_input),
+                       RunOp(kReferenceRmsNorm, {x, w}, {true, true}, g, make_input), kRtol32,
+                       kAtol32, "rms_norm");
+      }
+    }
+  }
+  // Frozen parameters, and no gradient for x (the row kernel writes no grad_x).
+  const Tensor x2 = Randn({kRows, kHidden}), w2 = Randn({kHidden});
+  for (const std::vector<bool>& differentiable : {std::vector<bool>{true, false, false},
+                                                  {true, false, true},
+                                                  {true, true, false},
+                                                  {false, true, true},
+                                                  {false, true, false}}) {
+    SCOPED_TRACE(::testing::PrintToString(differentiable));
+    const OpRun fused = RunOp(kFusedLayerNorm, {x2, w2, b}, differentiable, grad);
+    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(fused.grads[i].defined(), differentiable[i]) << i;
+    ExpectRunClose(fused, RunOp(kReferenceLayerNorm, {x2, w2, b}, differentiable, grad), kRtol32,
+                   kAtol32, "layer_norm frozen");
+    const std::vector<bool> rms_differentiable(differentiable.begin(), differentiable.begin() + 2);
+    if (!rms_differentiable[0] && !rms_differentiable[1]) continue;
+    ExpectRunClose(RunOp(kFusedRmsNorm, {x2, w2}, rms_differentiable, grad),
+                   RunOp(kReferenceRmsNorm, {x2, w2}, rms_differentiable, grad), kRtol32, kAtol32,
+                   "rms_norm frozen");
+  }
+}
+
+// The weight and bias gradients are column sums of per-block partials, in a fixed order: two
+// runs give the same bits (and grad_x too), at the GPT-2 124M step's shape (16,384 rows of 768,
+// float32 in, bf16 out), a block-per-row width and a block-kernel width.
+TEST_F(FusedOpsGpuTest, NormGradientsAreTheSameBitsRunToRun) {
+  for (int64_t hidden : {768, 4096, 77}) {
+    SCOPED_TRACE(hidden);
+    const Tensor x = Randn({16384, hidden}), w = Randn({hidden}), b = Randn({hidden});
+    const Tensor grad = Randn({16384, hidden}, torch::kBFloat16);
+    const Op layer = [](const std::vector<Tensor>& in) {
+      return FusedLayerNorm(in[0], in[1], in[2], 1e-5, torch::kBFloat16);
+    };
+    const Op rms = [](const std::vector<Tensor>& in) {
+      return FusedRmsNorm(in[0], in[1], 1e-6, torch::kBFloat16);
+    };
+    ExpectIdentical(RunOp(layer, {x, w, b}, {true, true, true}, grad),
+                    RunOp(layer, {x, w, b}, {true, true, true}, grad));
+    ExpectIdentical(RunOp(rms, {x, w}, {true, true}, grad), RunOp(rms, {x, w}, {true, true}, grad));
   }
 }
 
@@ -877,6 +1035,70 @@ TEST_F(FusedOpsGpuTest, SwiGluMatchesComposite) {
     ExpectClose(misaligned.grads[1].to(torch::kFloat32), reference.grads[1], rtol, atol,
                 "grad up");
   }
+}
+
+// ResidualAdd's kernel is ATen's add bit for bit, forward and gradients (the residual's as it
+// comes, the branch's cast to its dtype), for bf16, fp16 and float32 branches: over whole 16-byte
+// packs and tails (sizes not a multiple of 8), the GPT-2 124M micro-batch's [16, 1024, 768], views
+// one element into their storage (the one-element kernel), either input frozen, and without
+// autograd. Broadcast, transposed and 16-bit residual operands run ATen's add itself.
+TEST_F(FusedOpsGpuTest, ResidualAddIsAtenAddBitwise) {
+  for (auto dtype : {torch::kBFloat16, torch::kFloat16, torch::kFloat32}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    for (const std::vector<int64_t>& sizes :
+         {std::vector<int64_t>{4, 768}, {7, 1001}, {1, 3}, {16, 1024, 768}}) {
+      SCOPED_TRACE(::testing::PrintToString(sizes));
+      const Tensor residual = Randn(sizes) * 100, branch = Randn(sizes, dtype);
+      const Tensor grad = Randn(sizes);
+      const OpRun fused = RunOp(kResidualAdd, {residual, branch}, {true, true}, grad);
+      EXPECT_THAT(fused.node, HasSubstr("ResidualAddFunction"));
+      ExpectIdentical(fused, RunOp(kAtenAdd, {residual, branch}, {true, true}, grad));
+    }
+    const Tensor residual = Randn({6 * 96 + 1}) * 100, branch = Randn({6 * 96 + 1}, dtype);
+    const Tensor grad = Randn({6, 96});
+    auto shifted = [](size_t, const Tensor& t) {
+      return t.narrow(0, 1, t.size(0) - 1).view({6, 96});
+    };
+    for (const std::vector<bool>& differentiable :
+         {std::vector<bool>{true, true}, {true, false}, {false, true}}) {
+      SCOPED_TRACE(::testing::PrintToString(differentiable));
+      const OpRun misaligned =
+          RunOp(kResidualAdd, {residual, branch}, differentiable, grad, shifted);
+      EXPECT_THAT(misaligned.node, HasSubstr("ResidualAddFunction"));
+      ExpectIdentical(misaligned,
+                      RunOp(kAtenAdd, {residual, branch}, differentiable, grad, shifted));
+    }
+    {
+      torch::NoGradGuard no_grad;
+      const Tensor r = Randn({5, 768}), b = Randn({5, 768}, dtype);
+      const Tensor out = ResidualAdd(r, b);
+      EXPECT_EQ(out.scalar_type(), torch::kFloat32);
+      EXPECT_TRUE(torch::equal(out, r + b));
+    }
+    // Operands the kernel does not take: ATen's add, its node and its bits.
+    const Tensor r = Randn({5, 64}), b = Randn({64, 5}, dtype), row = Randn({64}, dtype);
+    const Tensor grad2 = Randn({5, 64});
+    auto transposed = [](size_t i, const Tensor& t) { return i == 1 ? t.t() : t; };
+    const OpRun strided = RunOp(kResidualAdd, {r, b}, {true, true}, grad2, transposed);
+    EXPECT_THAT(strided.node, Not(HasSubstr("ResidualAddFunction")));
+    ExpectIdentical(strided, RunOp(kAtenAdd, {r, b}, {true, true}, grad2, transposed));
+    const OpRun broadcast = RunOp(kResidualAdd, {r, row}, {true, true}, grad2);
+    EXPECT_THAT(broadcast.node, Not(HasSubstr("ResidualAddFunction")));
+    ExpectIdentical(broadcast, RunOp(kAtenAdd, {r, row}, {true, true}, grad2));
+    if (dtype != torch::kFloat32) {
+      const Tensor low = r.to(dtype);
+      const OpRun low_residual = RunOp(kResidualAdd, {low, low}, {true, true}, grad2.to(dtype));
+      EXPECT_THAT(low_residual.node, Not(HasSubstr("ResidualAddFunction")));
+      ExpectIdentical(low_residual, RunOp(kAtenAdd, {low, low}, {true, true}, grad2.to(dtype)));
+    }
+  }
+  // Fused kernels off: ATen's add.
+  const Tensor r = Randn({4, 768}), b = Randn({4, 768}, torch::kBFloat16), grad = Randn({4, 768});
+  SetFusedKernelsEnabled(false);
+  const OpRun off = RunOp(kResidualAdd, {r, b}, {true, true}, grad);
+  SetFusedKernelsEnabled(true);
+  EXPECT_THAT(off.node, Not(HasSubstr("ResidualAddFunction")));
+  ExpectIdentical(off, RunOp(kAtenAdd, {r, b}, {true, true}, grad));
 }
 
 TEST_F(FusedOpsGpuTest, EmptyInputsGiveEmptyResultsAndZeroWeightGradient) {
