@@ -1,13 +1,15 @@
-// fused_ops_bench: forward + backward of the model's RMSNorm, LayerNorm, rotary embedding, SwiGLU
-// and head + cross-entropy as the fused CUDA kernels (trainer/fused_ops.h) against the ATen
-// composite the model runs without them (--fused_kernels=false), in the same process on the same
-// tensors, in bf16 (the norms: float32 residual in, bf16 out) at the shapes of one GPT-2 124M,
-// one Qwen3-0.6B and one Llama-3-8B layer (2,048 tokens, their vocabulary); with --cpu, the CPU
-// GELU, SwiGLU and RMSNorm kernels against ATen's ops in float32 at 1,024 tokens of width 384 and
-// 768 (MLP 4x). Per op and shape: `rounds` rounds, each timing `iterations` forward + backward
-// passes of both paths in alternating order (device synchronised before and after); median per
-// path; speedup = composite / fused. Writes fused-ops.json (or fused-ops-cpu.json with --cpu;
-// scripts/bench.sh, make bench-gpu, make gpu-check).
+// fused_ops_bench: forward + backward of the model's RMSNorm, LayerNorm, rotary embedding, SwiGLU,
+// residual add and head + cross-entropy as the fused CUDA kernels (trainer/fused_ops.h) against
+// the ATen composite the model runs without them (--fused_kernels=false), in the same process on
+// the same tensors, in bf16 (the norms: float32 residual in, bf16 out; the residual add: float32
+// + bf16) at the shapes of one GPT-2 124M, one Qwen3-0.6B and one Llama-3-8B layer (2,048
+// tokens, their vocabulary), and GPT-2's LayerNorm and residual add at a whole micro-batch of
+// its measured step (16 x 1,024 tokens); with --cpu, the CPU GELU, SwiGLU and RMSNorm kernels
+// against ATen's ops in float32 at 1,024 tokens of width 384 and 768 (MLP 4x). Per op and shape:
+// `rounds` rounds, each timing `iterations` forward + backward passes of both paths in alternating
+// order (device synchronised before and after); median per path; speedup = composite / fused.
+// Writes fused-ops.json (or fused-ops-cpu.json with --cpu; scripts/bench.sh, make bench-gpu, make
+// gpu-check).
 //
 //   fused_ops_bench [--rounds=5] [--iterations=20]   needs a GPU (exit 2 without one)
 //   fused_ops_bench --cpu                           the CPU kernels, on ATen's intra-op threads
@@ -56,7 +58,8 @@ using Json = nlohmann::ordered_json;
 using Tensor = torch::Tensor;
 
 constexpr char kUsage[] =
-    "fused_ops_bench: fused RMSNorm / LayerNorm / rotary / SwiGLU / cross-entropy CUDA kernels vs "
+    "fused_ops_bench: fused RMSNorm / LayerNorm / rotary / SwiGLU / residual add / cross-entropy "
+    "CUDA kernels vs "
     "ATen's composite, forward + "
     "backward, bf16 (--cpu: the CPU GELU / SwiGLU / RMSNorm kernels, float32).\n\nUsage: "
     "fused_ops_bench "
@@ -65,6 +68,9 @@ constexpr char kUsage[] =
 struct Shape {
   std::string name;
   int64_t tokens, hidden, heads, kv_heads, head_dim, ffn, vocab;
+  // Only the ops that a GPT-2 step runs per block at every token (StepCasesFor), at a whole
+  // micro-batch: the shape of a measured step's profile.
+  bool step_ops_only = false;
 };
 
 // One op's forward: the inputs (leaves that require grad where the op has a gradient) to its
@@ -118,6 +124,29 @@ std::vector<Case> CpuCasesFor(const Shape& s) {
            }}};
 }
 
+// The block's residual add under autocast: the float32 residual stream plus a bf16 branch.
+Case ResidualAddCase(const Shape& s, const torch::Device& device) {
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(device);
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  return {"residual add float32 + bf16 [tokens, hidden]",
+          {torch::randn({s.tokens, s.hidden}, f32).requires_grad_(true),
+           torch::randn({s.tokens, s.hidden}, bf16).requires_grad_(true)},
+          [](const std::vector<Tensor>& in) { return trainer::ResidualAdd(in[0], in[1]); }};
+}
+
+// GPT-2's per-block norm (float32 in, bf16 out, weight and bias gradients) and residual add.
+std::vector<Case> StepCasesFor(const Shape& s, const torch::Device& device) {
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  auto leaf = [](Tensor t) { return t.requires_grad_(true); };
+  return {{"layer_norm float32 -> bf16 [tokens, hidden]",
+           {leaf(torch::randn({s.tokens, s.hidden}, f32)), leaf(torch::randn({s.hidden}, f32)),
+            leaf(torch::randn({s.hidden}, f32))},
+           [](const std::vector<Tensor>& in) {
+             return trainer::FusedLayerNorm(in[0], in[1], in[2], 1e-5, torch::kBFloat16);
+           }},
+          ResidualAddCase(s, device)};
+}
+
 std::vector<Case> CasesFor(const Shape& s, const torch::Device& device) {
   const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(device);
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
@@ -168,6 +197,7 @@ std::vector<Case> CasesFor(const Shape& s, const torch::Device& device) {
                      return qkv[0] + qkv[1] + qkv[2];
                    },
                    SplitQkvRan(device)});
+  cases.push_back(ResidualAddCase(s, device));
   cases.push_back({"swiglu [tokens, ffn]",
                    {leaf(torch::randn({s.tokens, s.ffn}, bf16)),
                     leaf(torch::randn({s.tokens, s.ffn}, bf16))},
@@ -231,12 +261,15 @@ int Run(bool smoke, bool cpu, int rounds, int iterations) {
   }
   const torch::Device device = gpu && !smoke ? torch::Device(torch::kCUDA, 0) : torch::kCPU;
   const std::vector<Shape> shapes =
-      smoke ? std::vector<Shape>{{"tiny", 64, 64, 4, 2, 16, 128, 1000}}
+      smoke ? std::vector<Shape>{{"tiny", 64, 64, 4, 2, 16, 128, 1000},
+                                 {"tiny step", 64, 64, 4, 2, 16, 128, 1000, true}}
       : cpu ? std::vector<Shape>{{"width 384", 1024, 384, 6, 6, 64, 1536, 257},
                                  {"width 768", 1024, 768, 12, 12, 64, 3072, 50257}}
-            : std::vector<Shape>{{"gpt2-124m layer", 2048, 768, 12, 12, 64, 3072, 50257},
-                                 {"qwen3-0.6b layer", 2048, 1024, 16, 8, 128, 3072, 151936},
-                                 {"llama3-8b layer", 2048, 4096, 32, 8, 128, 14336, 128256}};
+            : std::vector<Shape>{
+                  {"gpt2-124m layer", 2048, 768, 12, 12, 64, 3072, 50257},
+                  {"qwen3-0.6b layer", 2048, 1024, 16, 8, 128, 3072, 151936},
+                  {"llama3-8b layer", 2048, 4096, 32, 8, 128, 14336, 128256},
+                  {"gpt2-124m micro-batch", 16384, 768, 12, 12, 64, 3072, 50257, true}};
   const Provenance provenance = ReadProvenance();
   Json json;
   json["benchmark"] = "fused-ops";
@@ -275,8 +308,8 @@ int Run(bool smoke, bool cpu, int rounds, int iterations) {
   bool fused_ran_everywhere = true;
   for (const Shape& shape : shapes) {
     std::vector<Case> cases;
-    if (!cpu) cases = CasesFor(shape, device);
-    if (cpu || smoke) {
+    if (!cpu) cases = shape.step_ops_only ? StepCasesFor(shape, device) : CasesFor(shape, device);
+    if ((cpu || smoke) && !shape.step_ops_only) {
       for (Case& c : CpuCasesFor(shape)) cases.push_back(std::move(c));
     }
     for (const Case& c : cases) {
