@@ -660,7 +660,8 @@ cudaError_t LaunchNormBackward(NormKind kind, const NormBackwardPlan& plan, cons
         }
         // The plan must be for these operands (it fixes the partitions, so the gradients' sums).
         const RowLayout layout = RowLayoutFor<X, W>(x, weight, nullptr, hidden);
-        if (layout.threads_per_row != plan.threads_per_row || layout.chunks != plan.chunks) {
+        if (layout.threads_per_row != plan.threads_per_row || layout.chunks != plan.chunks ||
+            plan.partitions > kMaxRowBlocks) {
           return cudaErrorInvalidValue;
         }
         const bool grad_y_packed = Aligned(grad_y, kChunkAlignment<Y, kVec>);
