@@ -2,7 +2,7 @@
 """Summarises Chrome traces of training steps: the trainer's (`tessera-trainer --profile_dir`)
 and the PyTorch baseline's (bench/pytorch_baseline.py "profile_dir"), side by side.
 
-    python3 bench/profile_summary.py TRACE.json [TRACE.json ...] [--json=OUT.json] [--top=15]
+    python3 bench/profile_summary.py TRACE.json [TRACE.json ...] [--json=OUT.json] [--top=60]
 
 Per trace, over the steps marked "train_step":
   step           median wall time of a marked step on the host
@@ -34,11 +34,16 @@ KINDS = (
     ("matmul", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|sm\d+_.*_tn|matmul", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
     ("softmax / cross-entropy", re.compile(r"softmax|nll|cross_?entropy", re.I)),
-    ("normalisation", re.compile(r"layer_norm|layernorm|rms_?norm|RmsNorm|batch_norm", re.I)),
+    # The trainer's own norm kernels are NormForward*/NormBackward*/NormWeightGrad*.
+    ("normalisation", re.compile(r"layer_norm|layernorm|rms_?norm|RmsNorm|batch_norm|"
+                                 r"Norm(Forward|Backward|WeightGrad)", re.I)),
     ("reduction", re.compile(r"reduce|norm_kernel|sum_kernel", re.I)),
-    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|SwiGlu|Rotary|fill|copy|"
-                               r"index|scatter|gather|cat", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|SwiGlu|Rotary|ResidualAdd|"
+                               r"fill|copy|index|scatter|gather|cat", re.I)),
 )
+# Kernels (or operators) printed per trace; the summaries keep more (KEPT_TOP, for the JSON).
+PRINTED_TOP = 15
+KEPT_TOP = 60
 SYNC_CALLS = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpy(HtoD|DtoH)(_v2)?$|"
                         r"cudaStreamWaitEvent|cudaEventSynchronize")
 LAUNCH_CALLS = re.compile(r"LaunchKernel|cuLaunch|cudaLaunchCooperativeKernel")
@@ -166,11 +171,11 @@ def print_summary(s):
         print("  kernel time per step by kind: " +
               ", ".join(f"{k} {v:.2f} ms" for k, v in s["kernel_ms_per_step_by_kind"].items()))
         print("  top kernels (ms per step, calls per step):")
-        for k in s["top_kernels"]:
+        for k in s["top_kernels"][:PRINTED_TOP]:
             print(f"    {k['ms_per_step']:8.3f}  x{k['per_step']:<6.1f} {short(k['name'])}")
     else:
         print("  top-level operators (ms per step, calls per step):")
-        for k in s["top_operators"]:
+        for k in s["top_operators"][:PRINTED_TOP]:
             print(f"    {k['ms_per_step']:8.3f}  x{k['per_step']:<6.1f} {short(k['name'])}")
 
 
@@ -202,7 +207,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", nargs="+")
     parser.add_argument("--json", default="", help="also write the summaries here")
-    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--top", type=int, default=KEPT_TOP,
+                        help=f"kernels kept in --json (the first {PRINTED_TOP} are printed)")
     args = parser.parse_args()
     try:
         summaries = [summarize(path, args.top) for path in args.traces]

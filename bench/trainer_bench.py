@@ -457,7 +457,7 @@ def profile_config(config, args, paths):
     traces = [os.path.join(directory, "trace-rank-0.json"),
               os.path.join(directory, "trace-pytorch.json")]
     try:
-        summaries = [profile_summary.summarize(path, 15) for path in traces]
+        summaries = [profile_summary.summarize(path, profile_summary.KEPT_TOP) for path in traces]
     except (OSError, ValueError) as e:
         raise BenchError(f"{name}: profile: {e}") from None
     for path, summary in zip(traces, summaries):
