@@ -40,7 +40,10 @@ the machine has the Debian packages), or a bundle made on another machine by `ma
 (binaries, GPU test binaries and the shared libraries a machine without a package registry lacks,
 in lib/). Torch's own libraries come from the python that holds torch (scripts/bootstrap.sh
 --print-python: /opt/torch/.venv on the GPU machines), whichever torch 2.11 build is there.
-Standard library only; about 8 minutes on one H100 (--quick: about 4).
+Standard library only. Measured on one H100 (2026-11-26): --quick about 7 minutes (environment 7
+s, GPU tests 30 s, cluster 62 s, bench 303 s, control plane 22 s). The full run takes longer: two
+runs per side in the bench, torch.compile beside the CUDA-graph run and longer cluster runs; about
+11-12 minutes by those figures, not yet measured.
 """
 
 import argparse
@@ -79,8 +82,8 @@ GPU_TESTS = (
 # A skip that is expected on a machine with a GPU: the case checks life without NVML.
 EXPECTED_SKIPS = {"GpuInventoryTest.LoadNvmlWithoutNvmlReturnsNullWithReason"}
 
-# Training runs through the cluster, sized so that the whole check fits about 8 minutes on one
-# H100 (estimates: gpt2-124m ~0.2 s and qwen3-0.6b ~0.5 s per step; not yet measured there).
+# Training runs through the cluster. On one H100 (2026-11-26) gpt2-124m took about 0.09 s and
+# qwen3-0.6b about 0.5 s a step; the --quick stage took 62 s with start-up and checks.
 CLUSTER_RUNS = (
     {"name": "gpt2-124m", "model": {"preset": "gpt2-124m"}, "seq_len": 1024,
      "global_batch_size": 32, "micro_batch_size": 16, "steps": 200, "quick_steps": 60},
