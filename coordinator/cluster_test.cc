@@ -237,6 +237,42 @@ TEST_F(ClusterTest, APlacementsAssignmentsLeaveOnlyOnceStoredAndNoHeartbeatWaits
   EXPECT_EQ(starts, 1);
 }
 
+// Changes to different jobs never wait for each other: a batch of 200 transitions (what a pass
+// stores) completes while another job's change is stuck before its commit. (With the 64 hashed
+// stripes this replaced, one of 200 jobs shared the stuck job's stripe nearly every time.)
+TEST_F(ClusterTest, AJobsStuckChangeHoldsUpNoOtherJob) {
+  const std::string stuck = Submit(CpuSpec(2, 0));
+  std::vector<std::string> others;
+  for (int i = 0; i < 200; ++i) others.push_back(Submit(CpuSpec(2, 0)));
+  absl::Notification entered, release;
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    if (id == stuck) {
+      entered.Notify();
+      release.WaitForNotification();
+    }
+    return absl::OkStatus();
+  });
+  std::thread change([&] {
+    EXPECT_THAT(jobs_->Transition(stuck, v1::JOB_STATE_PENDING, "stuck").status(), IsOk());
+  });
+  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  std::vector<JobManager::TransitionRequest> requests;
+  for (const auto& job_id : others) requests.push_back({job_id, v1::JOB_STATE_PENDING, "batch"});
+  std::atomic<bool> done{false};
+  std::thread batch([&] {
+    for (const auto& result : jobs_->TransitionAll(requests)) EXPECT_THAT(result.status(), IsOk());
+    done = true;
+  });
+  for (int i = 0; i < 1000 && !done; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(done.load()) << "the batch waited for another job's change";
+  release.Notify();
+  change.join();
+  batch.join();
+  store_->SetWriteFailureInjector(nullptr);
+  EXPECT_EQ(Job(others.back()).reason(), "batch");
+  EXPECT_EQ(Job(stuck).reason(), "stuck");
+}
+
 TEST_F(ClusterTest, KilledRankRestartsFromTheCheckpointBlamingTheKilledRank) {
   Register("n1", 2);
   const std::string job_id = Submit(CpuSpec(2, 2));
