@@ -139,13 +139,7 @@ UsedResources AllocationLedger::Used() const {
     UsedResources::Node& node = used.nodes.emplace_back();
     node.node_id = take_gpus ? gpus->first : slots->first;
     if (take_gpus) {
-      for (const auto& [gpu, holds] : gpus->second) {
-        if (gpu >= 0 && gpu < 64) {
-          node.gpu_bits |= uint64_t{1} << gpu;
-        } else {
-          node.other_gpus.push_back(gpu);  // ascending: the map is
-        }
-      }
+      for (const auto& [gpu, holds] : gpus->second) node.AddGpu(gpu);  // ascending: the map is
       ++gpus;
     }
     if (take_slots) {

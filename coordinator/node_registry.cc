@@ -149,17 +149,19 @@ bool UsedResources::Node::HoldsGpu(int index) const {
   return std::binary_search(other_gpus.begin(), other_gpus.end(), index);
 }
 
+void UsedResources::Node::AddGpu(int index) {
+  if (index >= 0 && index < 64) {
+    gpu_bits |= uint64_t{1} << index;
+  } else {
+    other_gpus.push_back(index);
+  }
+}
+
 void UsedResources::Append(const std::string& node_id, const std::set<int>& gpus, int cpu_slots) {
   if (gpus.empty() && cpu_slots == 0) return;
   Node& node = nodes.emplace_back();
   node.node_id = node_id;
-  for (int gpu : gpus) {
-    if (gpu >= 0 && gpu < 64) {
-      node.gpu_bits |= uint64_t{1} << gpu;
-    } else {
-      node.other_gpus.push_back(gpu);  // ascending: the set is
-    }
-  }
+  for (int gpu : gpus) node.AddGpu(gpu);  // ascending: the set is
   node.cpu_slots = cpu_slots;
 }
 

@@ -35,6 +35,8 @@ struct UsedResources {
     std::vector<int> other_gpus;  // held indices outside 0..63, ascending (not expected)
     int cpu_slots = 0;
     bool HoldsGpu(int index) const;
+    // Marks `index` held; indices outside the bits must come in ascending order.
+    void AddGpu(int index);
   };
   std::vector<Node> nodes;  // ascending node_id, each at most once, none holding nothing
 
