@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <iterator>
 #include <limits>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -222,6 +223,13 @@ class Store::Statement {
 
 namespace {
 
+// How many read-only connections a file database gets: one per core, at most 4. SQLite's WAL
+// index has 5 read marks (one for a fully checkpointed database, 4 for snapshots); with at most
+// 4 readers every open read transaction can hold a mark of its own, so none waits for one.
+int ReaderCount() {
+  return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
+}
+
 // `sql` prepared on `db`, from `cache` when it was prepared before (the caller holds the
 // connection's mutex).
 absl::StatusOr<sqlite3_stmt*> PrepareCached(
@@ -238,28 +246,46 @@ absl::StatusOr<sqlite3_stmt*> PrepareCached(
 
 }  // namespace
 
+struct Store::Reader {
+  sqlite3* db = nullptr;
+  absl::flat_hash_map<std::string, sqlite3_stmt*> statements;
+};
+
 class Store::ReadLock {
  public:
-  explicit ReadLock(Store* store) ABSL_NO_THREAD_SAFETY_ANALYSIS
-      : store_(store),
-        mu_(store->reader_ != nullptr ? &store->read_mu_ : &store->mu_) {
-    mu_->Lock();
+  explicit ReadLock(Store* store) ABSL_NO_THREAD_SAFETY_ANALYSIS : store_(store) {
+    if (store->readers_.empty()) {
+      store->mu_.Lock();
+      return;
+    }
+    absl::MutexLock lock(&store->read_mu_);
+    store->read_mu_.Await(absl::Condition(
+        +[](std::vector<Reader*>* idle) { return !idle->empty(); }, &store->idle_readers_));
+    reader_ = store->idle_readers_.back();
+    store->idle_readers_.pop_back();
   }
-  ~ReadLock() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu_->Unlock(); }
+  ~ReadLock() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (reader_ == nullptr) {
+      store_->mu_.Unlock();
+      return;
+    }
+    absl::MutexLock lock(&store_->read_mu_);
+    store_->idle_readers_.push_back(reader_);
+  }
   ReadLock(const ReadLock&) = delete;
   ReadLock& operator=(const ReadLock&) = delete;
 
-  sqlite3* db() const { return store_->reader_ != nullptr ? store_->reader_ : store_->db_; }
+  sqlite3* db() const { return reader_ != nullptr ? reader_->db : store_->db_; }
 
   absl::StatusOr<sqlite3_stmt*> Prepare(absl::string_view sql, absl::string_view operation)
       ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (store_->reader_ == nullptr) return store_->Prepare(sql, operation);
-    return PrepareCached(store_->reader_, store_->read_statements_, sql, operation);
+    if (reader_ == nullptr) return store_->Prepare(sql, operation);
+    return PrepareCached(reader_->db, reader_->statements, sql, operation);
   }
 
  private:
   Store* const store_;
-  absl::Mutex* const mu_;
+  Reader* reader_ = nullptr;  // null: db_, under mu_
 };
 
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
@@ -278,24 +304,23 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
     RETURN_IF_ERROR(store->Migrate());
   }
   if (path != ":memory:") {
-    sqlite3* reader = nullptr;
-    const int read_rc =
-        sqlite3_open_v2(path.c_str(), &reader, SQLITE_OPEN_READONLY | SQLITE_OPEN_NOMUTEX, nullptr);
-    if (read_rc != SQLITE_OK) {
-      absl::Status status =
-          SqliteStatus(reader, read_rc, absl::StrCat("open '", path, "' for reading"));
-      sqlite3_close(reader);
-      return status;
-    }
-    sqlite3_extended_result_codes(reader, 1);
-    if (const int busy_rc = sqlite3_busy_timeout(reader, kBusyTimeoutMs); busy_rc != SQLITE_OK) {
-      absl::Status status =
-          SqliteStatus(reader, busy_rc, absl::StrCat("open '", path, "' for reading"));
-      sqlite3_close(reader);
-      return status;
+    for (int i = 0; i < ReaderCount(); ++i) {
+      auto reader = std::make_unique<Reader>();
+      const int read_rc = sqlite3_open_v2(path.c_str(), &reader->db,
+                                          SQLITE_OPEN_READONLY | SQLITE_OPEN_NOMUTEX, nullptr);
+      // Closed by ~Store (with the others) from here on, whatever follows.
+      store->readers_.push_back(std::move(reader));
+      sqlite3* db = store->readers_.back()->db;
+      if (read_rc != SQLITE_OK) {
+        return SqliteStatus(db, read_rc, absl::StrCat("open '", path, "' for reading"));
+      }
+      sqlite3_extended_result_codes(db, 1);
+      if (const int busy_rc = sqlite3_busy_timeout(db, kBusyTimeoutMs); busy_rc != SQLITE_OK) {
+        return SqliteStatus(db, busy_rc, absl::StrCat("open '", path, "' for reading"));
+      }
     }
     absl::MutexLock lock(&store->read_mu_);
-    store->reader_ = reader;
+    for (auto& reader : store->readers_) store->idle_readers_.push_back(reader.get());
   }
   return store;
 }
@@ -303,10 +328,9 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
 Store::Store(sqlite3* db, std::string path) : path_(std::move(path)), db_(db) {}
 
 Store::~Store() {
-  {
-    absl::MutexLock lock(&read_mu_);
-    for (auto& [sql, stmt] : read_statements_) sqlite3_finalize(stmt);
-    if (reader_ != nullptr) sqlite3_close(reader_);
+  for (auto& reader : readers_) {
+    for (auto& [sql, stmt] : reader->statements) sqlite3_finalize(stmt);
+    sqlite3_close(reader->db);  // a no-op for a null handle
   }
   absl::MutexLock lock(&mu_);
   for (auto& [sql, stmt] : statements_) sqlite3_finalize(stmt);

@@ -19,7 +19,8 @@
 // never a crash.
 //
 // Thread safety: every method may be called from any thread; one absl::Mutex
-// (mu_) serializes use of the single connection, and queue_mu_ guards the
+// (mu_) serializes use of the writing connection, reads share a small pool of
+// read-only connections (one per read at a time), and queue_mu_ guards the
 // queue of writes waiting for the next group commit (taken before mu_, never
 // while holding it). The write observer is called after the mutexes are
 // released, on the thread that led the commit, once per SQLite transaction.
@@ -243,20 +244,24 @@ class Store {
                                                          absl::string_view operation);
   void ReportWrite(double seconds) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The connection a read uses, held for the read: reader_ when there is one, else db_ (under
-  // mu_).
+  // The connection a read uses, held for the read: an idle reader when there are readers (it
+  // waits for one when all are busy), else db_ (under mu_).
   class ReadLock;
+  // A read-only connection and the statements prepared on it: used by one ReadLock at a time.
+  struct Reader;
 
   const std::string path_;
   absl::Mutex mu_;
   sqlite3* const db_;  // Used under mu_ only.
   absl::flat_hash_map<std::string, sqlite3_stmt*> statements_ ABSL_GUARDED_BY(mu_);
-  // Reads go through a second, read-only connection (file databases only), so that they never
-  // wait for a group commit and its fsync on db_: in WAL mode it reads the last committed state
-  // while a transaction is open on db_. Null for ":memory:" (reads then use db_).
+  // Reads go through read-only connections (file databases only), so that they never wait for a
+  // group commit and its fsync on db_: in WAL mode each reads the last committed state while a
+  // transaction is open on db_. There are several, so that readers on different threads (the
+  // scheduler pass's listings, reports, RPCs) do not queue behind one another. Empty for
+  // ":memory:" (reads then use db_). Set once by Open.
+  std::vector<std::unique_ptr<Reader>> readers_;
   absl::Mutex read_mu_;
-  sqlite3* reader_ = nullptr;  // Used under read_mu_ only; set once by Open.
-  absl::flat_hash_map<std::string, sqlite3_stmt*> read_statements_ ABSL_GUARDED_BY(read_mu_);
+  std::vector<Reader*> idle_readers_ ABSL_GUARDED_BY(read_mu_);
   // The test and metrics hooks have a mutex of their own: every write consults them, and
   // taking mu_ for that would wait for the commit in progress (its fsync included).
   absl::Mutex hooks_mu_;

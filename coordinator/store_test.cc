@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <iostream>
@@ -765,6 +766,54 @@ TEST(StoreTest, ConcurrentCommitsKeepSequencesGapFree) {
   ASSERT_THAT(events, IsOk());
   ASSERT_THAT(*events, SizeIs(2 * kThreads * kCommitsPerThread));
   for (size_t i = 0; i < events->size(); ++i) EXPECT_EQ((*events)[i].sequence(), int64_t(i) + 1);
+}
+
+// Reads on many threads share the pool of read-only connections while commits go on. Whichever
+// connection a read gets, it sees every commit that returned before it began: a thread never
+// sees a job go back, and the events read after the job hold at least the job's.
+TEST(StoreTest, ReadsOnManyThreadsNeverSeeAnOlderState) {
+  tessera::testing::ScopedTempDir dir("store");
+  std::unique_ptr<Store> store = OpenOrDie(dir.path() + "/coordinator.db");
+  ASSERT_NE(store, nullptr);
+  v1::Job job = MakeJob("job-a", v1::JOB_STATE_RUNNING, 1);
+  SubmitJob(*store, job, /*events=*/1);
+  constexpr int kCommits = 150;
+  constexpr int kReaders = 6;
+  std::atomic<bool> done = false;
+  std::vector<std::thread> readers;
+  std::atomic<int> reads = 0;
+  for (int t = 0; t < kReaders; ++t) {
+    readers.emplace_back([&] {
+      int64_t last_step = -1;
+      while (!done.load()) {
+        absl::StatusOr<v1::Job> read = store->GetJob("job-a");
+        ASSERT_THAT(read, IsOk());
+        EXPECT_GE(read->current_step(), last_step);
+        last_step = read->current_step();
+        absl::StatusOr<std::vector<v1::JobEvent>> events = store->ReadEvents("job-a", 0, 0);
+        ASSERT_THAT(events, IsOk());
+        // One event from the submit, one per commit.
+        EXPECT_GE(static_cast<int64_t>(events->size()), last_step + 1);
+        reads.fetch_add(1);
+      }
+    });
+  }
+  for (int i = 1; i <= kCommits; ++i) {
+    job.set_current_step(i);
+    JobWrite write;
+    write.job_id = "job-a";
+    write.job = job;
+    write.events.push_back(StateEvent(v1::JOB_STATE_RUNNING, v1::JOB_STATE_RUNNING));
+    ASSERT_THAT(store->Commit(write), IsOk());
+    // Every read that begins now must see step i.
+    absl::StatusOr<v1::Job> read = store->GetJob("job-a");
+    ASSERT_THAT(read, IsOk());
+    EXPECT_EQ(read->current_step(), i);
+  }
+  done = true;
+  for (std::thread& reader : readers) reader.join();
+  EXPECT_GT(reads.load(), kReaders);
+  EXPECT_THAT(store->ReadEvents("job-a", 0, 0), IsOkAndHolds(SizeIs(kCommits + 1)));
 }
 
 TEST(StoreTest, CommitAllStoresEachWriteAtomicallyInOneTransaction) {
