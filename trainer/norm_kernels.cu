@@ -14,6 +14,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "trainer/fused_kernels_common.cuh"
@@ -238,19 +241,31 @@ int RowKernelBlocks(const RowLayout& layout, int64_t rows) {
 
 // How many blocks of `threads` threads of `kernel` the current device runs at once (0 if that
 // cannot be found out): the backward row kernel's grid, so that each block takes many rows and
-// writes one row of weight partials.
+// writes one row of weight partials. The answer depends only on the kernel, the block size and
+// the device, so it is asked of CUDA once per process for each.
 template <typename Kernel>
 int64_t ResidentBlocks(Kernel kernel, int threads) {
-  int device = 0, multiprocessors = 0, per_multiprocessor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) !=
-          cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, threads, 0) !=
-          cudaSuccess) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();  // clears the error of the failed query; the caller falls back
     return 0;
   }
-  return static_cast<int64_t>(multiprocessors) * per_multiprocessor;
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int>, int64_t> known;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, device);
+  std::lock_guard<std::mutex> lock(mu);
+  if (const auto it = known.find(key); it != known.end()) return it->second;
+  int multiprocessors = 0, per_multiprocessor = 0;
+  if (cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel, threads, 0) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return 0;  // not remembered: a later call asks again
+  }
+  const int64_t resident = static_cast<int64_t>(multiprocessors) * per_multiprocessor;
+  known.emplace(key, resident);
+  return resident;
 }
 
 // Loads kVec elements of T at p into out (as float32): packed, in accesses of at most 16 bytes
