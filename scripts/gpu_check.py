@@ -24,7 +24,8 @@ CUDA build; each is timed and recorded):
                  then bench/fused_ops_bench: the fused RMSNorm / rotary / SwiGLU / cross-entropy
                  kernels against ATen's composite, forward + backward, per op at two layer
                  shapes; then one profiled run per side of gpt2-124m (trainer_bench.py
-                 --profile): kernel time per step by kind and the GPU's busy share.
+                 --profile; with --full also qwen3-0.6b; --profile-configs picks): kernel time
+                 per step by kind and the GPU's busy share.
   control-plane  bench/control_plane_bench on the machine's cores (GPU machines have many more
                  than the 2 of the project's other machines): a real coordinator against 10,000
                  simulated 8-GPU nodes heartbeating every second, offered 2,500 jobs/s of 1-2 s;
@@ -108,8 +109,12 @@ CONTROL_PLANE = {"nodes": 10000, "jobs_per_s": 2500, "duration_s": 12, "warmup_s
 CONTROL_PLANE_SMOKE = {"nodes": 100, "jobs_per_s": 20, "duration_s": 2, "warmup_s": 1,
                        "min_run_time": "1s", "max_run_time": "2s"}
 CONTROL_PLANE_GOALS = {"placements_per_s": 2000, "heartbeat_p99_ms": 20}
-# The model whose step is profiled on both sides in the bench stage (kernel time by kind).
-PROFILE_CONFIG = "gpt2-124m"
+# The models whose step is profiled on both sides in the bench stage (kernel time by kind), by
+# default and with --full (--profile-configs picks others).
+PROFILE_CONFIGS = "gpt2-124m"
+# The model benchmarked again with --cuda_graphs.
+CUDA_GRAPHS_CONFIG = "gpt2-124m"
+PROFILE_CONFIGS_FULL = "gpt2-124m,qwen3-0.6b"
 # NVML series the worker must export while a GPU job runs (DCGM exporter names).
 NVML_SERIES = ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_POWER_USAGE",
                "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_SM_CLOCK")
@@ -469,7 +474,7 @@ def stage_bench(ctx):
         bench["cuda_graphs"] = run_bench_program(
             ctx, "bench-cuda-graphs",
             [ctx["python"], os.path.join(REPO_ROOT, "bench", "trainer_bench.py"), "--device=cuda",
-             f"--configs={PROFILE_CONFIG}",
+             f"--configs={CUDA_GRAPHS_CONFIG}",
              f"--baselines={'eager' if ctx['quick'] else 'eager,compile'}", "--runs=1",
              "--ours-flag=--cuda_graphs"],
             dict(env, TESSERA_BENCH_RESULTS=graphs_dir), graphs_dir, "trainer-gpu.json",
@@ -482,14 +487,17 @@ def stage_bench(ctx):
         [os.path.join(ctx["build_dir"], "bench", "fused_ops_bench"),
          f"--rounds={3 if ctx['quick'] else 5}"],
         env, results_dir, "fused-ops.json")
-    # One profiled run per side of PROFILE_CONFIG: where the step's GPU time goes, ours next to
-    # eager's, for the next change to start from (the traces stay in the work directory).
+    # One profiled run per side of each profiled config: where the step's GPU time goes, ours
+    # next to eager's, for the next change to start from (the traces stay in the work directory).
     profile_dir = os.path.join(ctx["workdir"], "profile")
-    bench["profile"] = run_bench_program(
-        ctx, "profile",
-        [ctx["python"], os.path.join(REPO_ROOT, "bench", "trainer_bench.py"), "--device=cuda",
-         f"--configs={PROFILE_CONFIG}", f"--profile={profile_dir}"],
-        env, os.path.join(profile_dir, PROFILE_CONFIG), "summary.json")
+    bench["profiles"] = {}
+    for config in ctx["profile_configs"]:
+        bench["profiles"][config] = run_bench_program(
+            ctx, "profile",
+            [ctx["python"], os.path.join(REPO_ROOT, "bench", "trainer_bench.py"), "--device=cuda",
+             f"--configs={config}", f"--profile={profile_dir}"],
+            env, os.path.join(profile_dir, config), "summary.json",
+            out_name=f"profile-{config}-summary.json")
     if graphs_error:
         raise StageFailed(graphs_error, bench)
     return bench
@@ -584,10 +592,11 @@ def summary_lines(report):
             if "compile" in c:
                 line += (f", {c['compile']['ratio_tokens_per_second']:.3f}x torch.compile")
             lines += ["", line]
-    profile = bench.get("profile") or []
-    rows = profile_summary.kernel_rows(*profile) if len(profile) == 2 else []
-    if rows:
-        lines += ["", f"| profile {PROFILE_CONFIG}, kernel ms per step | ours | PyTorch eager |",
+    for config, profile in (bench.get("profiles") or {}).items():
+        rows = profile_summary.kernel_rows(*profile) if len(profile) == 2 else []
+        if not rows:
+            continue
+        lines += ["", f"| profile {config}, kernel ms per step | ours | PyTorch eager |",
                   "|---|---|---|"]
         lines += [f"| {k} | {x:.2f} | {y:.2f} |" for k, x, y in rows]
         lines.append(f"| GPU busy share | {profile[0]['gpu_busy_share']:.0%} | "
@@ -629,6 +638,9 @@ def main():
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="no GPU: the same orchestration on CPU with a tiny model (what "
                              "`make test` runs so that this script keeps working)")
+    parser.add_argument("--profile-configs", default="", metavar="A,B",
+                        help=f"the models profiled in the bench stage (default {PROFILE_CONFIGS}; "
+                             f"with --full {PROFILE_CONFIGS_FULL})")
     parser.add_argument("--keep-workdir", action="store_true")
     args = parser.parse_args()
     stages = [s for s in args.stages.split(",") if s]
@@ -650,8 +662,10 @@ def main():
     if args.full and args.quick:
         parser.error("--full and --quick contradict each other")
     quick = not args.full
+    profile_configs = args.profile_configs or (PROFILE_CONFIGS if quick else PROFILE_CONFIGS_FULL)
     ctx = {"build_dir": build_dir, "out": out, "workdir": workdir, "gpu": gpu,
-           "quick": quick, "env": dict(os.environ)}
+           "quick": quick, "env": dict(os.environ),
+           "profile_configs": [c for c in profile_configs.split(",") if c]}
     report = {"date": utc_now(), "commit": git_commit(), "machine": machine_line(),
               "build_dir": build_dir, "mode": "gpu" if gpu else "cpu-smoke",
               "quick": quick, "stages": {}}
