@@ -372,22 +372,24 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     // Logits. Without tp the head and its loss run a chunk of tokens at a time
     // (trainer/linear_cross_entropy.h). On a GPU the fused kernel writes a chunk's gradient
     // over its logits in place, in the compute precision (e bytes per element, the weight
-    // padded to kLossVocabAlignment rows); the CPU's composite holds the chunk's float32
-    // log-probabilities and the gradient log_softmax's backward takes and gives (12 bytes).
-    // A trained head also holds its weight's gradient from forward to backward, summed over
-    // the chunks in float32, and one chunk's product in the compute precision while it is
-    // added. Vocab-parallel over tp the whole shard's logits exist at the start of backward:
-    // log-softmax output, the loss gradient and the logits gradient in float32 (12 bytes per
-    // element), plus a bf16 copy of that gradient under autocast (ceil(vocab / tp) columns per
-    // rank, the padded rows' logits included).
+    // padded to kLossVocabAlignment rows, GpuLossChunkRows rows); the CPU's composite holds
+    // the chunk's float32 log-probabilities and the gradient log_softmax's backward takes and
+    // gives (12 bytes, LossChunkRows rows). A trained head also holds its weight's gradient
+    // from forward to backward, summed over the chunks in float32: on a GPU each chunk's
+    // product is summed into it by the product itself, on the CPU one chunk's product in the
+    // compute precision exists while it is added. Vocab-parallel over tp the whole shard's logits
+    // exist at the start of backward: log-softmax output, the loss gradient and the logits gradient
+    // in float32 (12 bytes per element), plus a bf16 copy of that gradient under autocast
+    // (ceil(vocab / tp) columns per rank, the padded rows' logits included).
     int64_t logits = 0;
     if (last && l.tp == 1) {
       const bool gpu = !IsCpu(c.device);
       const int64_t vocab = w.dims.vocab_size();
       const int64_t padded = gpu ? LossPaddedVocab(vocab) : vocab;
-      const int64_t rows = std::min<int64_t>(static_cast<int64_t>(s * b), LossChunkRows(vocab));
+      const int64_t rows = std::min<int64_t>(
+          static_cast<int64_t>(s * b), gpu ? GpuLossChunkRows(vocab, e) : LossChunkRows(vocab));
       logits = rows * padded * (gpu ? e : 12);
-      if (w.lora_rank == 0) logits += padded * static_cast<int64_t>(h) * (4 + e);
+      if (w.lora_rank == 0) logits += padded * static_cast<int64_t>(h) * (gpu ? 4 : 4 + e);
     } else if (last) {
       logits = static_cast<int64_t>(s * b * CeilDiv(w.dims.vocab_size(), l.tp) *
                                     (12 + (e == 2 ? 2 : 0)));

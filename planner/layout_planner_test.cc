@@ -298,8 +298,8 @@ TEST(LayoutPlannerTest, VocabParallelTablesPadTheVocabularyToAMultipleOfTp) {
   EXPECT_EQ(tp1.parameters(), CountParameters(llama.dims));
   // At tp 1 the head's loss runs in chunks: all 64 tokens fit one chunk, on a GPU in bf16 the
   // fused kernel's (2 bytes per logit, the vocabulary padded to 320 rows), plus the head's
-  // weight gradient (float32, and a chunk's bf16 product).
-  EXPECT_EQ(tp1.logits_bytes(), int64_t{64} * 320 * 2 + int64_t{320} * d * 6);
+  // weight gradient (float32; each chunk's product is summed into it by the product itself).
+  EXPECT_EQ(tp1.logits_bytes(), int64_t{64} * 320 * 2 + int64_t{320} * d * 4);
   // tiny-gpt2 (tied) over tp 2 x pp 2: the first stage holds the padded embedding and the learned
   // positions, the last the final norm and its own padded copy of the tied head. A layer: 3d x d
   // + d x d + 2 x d x 256 matmul weights and the qkv and fc biases split over tp, two norms and two
@@ -315,21 +315,26 @@ TEST(LayoutPlannerTest, VocabParallelTablesPadTheVocabularyToAMultipleOfTp) {
   EXPECT_EQ(stages[1].logits_bytes(), int64_t{64} * rows * (12 + 2));
 }
 
-// Without tp the logits are counted for one chunk of LossChunkRows tokens however many tokens a
-// micro-batch holds: llama3-8b at 8 x 2048 tokens would hold 16,384 x 128,256 float32 logits
-// (8 GiB) at once; a chunk is 523 tokens, 256 MiB of float32 logits, 768 MiB at its peak.
+// Without tp the logits are counted for one chunk of tokens however many tokens a micro-batch
+// holds: llama3-8b at 8 x 2048 tokens would hold 16,384 x 128,256 logits (4 GiB in bf16) at
+// once. On a GPU a chunk is GpuLossChunkRows tokens, about 1 GiB of bf16 logits; on a CPU
+// LossChunkRows, 256 MiB of float32 logits.
 TEST(LayoutPlannerTest, LogitsAreOneChunkOfTokensWithoutTensorParallelism) {
   const Workload big = Work(Preset("llama3-8b"), 2048, 8);
-  const v1::MemoryEstimate one = EstimateMemory(big, {1, 1, 1, 0, 1}, Cluster("h100-sxm", 1, 8))[0];
+  const v1::MemoryEstimate one = EstimateMemory(big, {1, 1, 1, 0, 8}, Cluster("h100-sxm", 1, 8))[0];
   const int64_t vocab = big.dims.vocab_size();
   EXPECT_EQ(LossChunkRows(vocab), kLossChunkBytes / (4 * vocab));
   // On a GPU in bf16: one chunk's bf16 logits (the fused kernel writes their gradient in place)
-  // and the head's weight gradient, float32 summed over chunks plus one chunk's bf16 product.
+  // and the head's weight gradient, float32, which each chunk's product adds into.
   const int64_t padded = LossPaddedVocab(vocab), hidden = big.dims.hidden_size();
   EXPECT_EQ(padded % kLossVocabAlignment, 0);
-  EXPECT_EQ(one.logits_bytes(), LossChunkRows(vocab) * padded * 2 + padded * hidden * 6);
+  const int64_t rows = GpuLossChunkRows(vocab, 2);
+  EXPECT_EQ(rows, kGpuLossChunkBytes / (2 * padded));
+  EXPECT_GT(rows, 4 * LossChunkRows(vocab));
+  EXPECT_EQ(one.logits_bytes(), rows * padded * 2 + padded * hidden * 4);
   // A chunk, not the micro-batch's 16,384 tokens of logits.
-  EXPECT_LT(LossChunkRows(vocab) * padded * 2, int64_t{260} << 20);
+  EXPECT_LT(rows, 2048 * 8);
+  EXPECT_LE(rows * padded * 2, kGpuLossChunkBytes);
 }
 
 TEST(LayoutPlannerTest, RecomputationAndSequenceParallelismShrinkActivations) {

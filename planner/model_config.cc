@@ -314,4 +314,10 @@ int64_t LossChunkRows(int64_t vocab_columns) {
   return std::max<int64_t>(1, kLossChunkBytes / (4 * std::max<int64_t>(1, vocab_columns)));
 }
 
+int64_t GpuLossChunkRows(int64_t vocab, int64_t element_bytes) {
+  const int64_t row_bytes =
+      std::max<int64_t>(1, element_bytes) * LossPaddedVocab(std::max<int64_t>(1, vocab));
+  return std::max<int64_t>(1, kGpuLossChunkBytes / row_bytes);
+}
+
 }  // namespace tessera::planner

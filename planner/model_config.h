@@ -52,6 +52,13 @@ std::vector<std::string> PresetNames();
 // counts the same chunk.
 inline constexpr int64_t kLossChunkBytes = int64_t{256} << 20;
 int64_t LossChunkRows(int64_t vocab_columns);
+// On a GPU (the fused cross-entropy path) a chunk holds its logits in the compute precision
+// (`element_bytes` each, over the padded vocabulary), about kGpuLossChunkBytes. The chunks are
+// larger than the CPU's because each one adds its product into the head's float32 weight
+// gradient, a pass over that whole gradient: at qwen3-0.6b's 151,936-entry vocabulary and the
+// CPU's chunk size, 38 passes of 1.2 GB for every 16,384 tokens.
+inline constexpr int64_t kGpuLossChunkBytes = int64_t{1} << 30;
+int64_t GpuLossChunkRows(int64_t vocab, int64_t element_bytes);
 // On a GPU (the fused cross-entropy path) the head's weight is padded with zero rows to a
 // multiple of this, so that the logits' rows are 16-byte aligned for the matrix products.
 inline constexpr int64_t kLossVocabAlignment = 64;

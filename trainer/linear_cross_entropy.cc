@@ -4,6 +4,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <atomic>
+#include <iostream>
 #include <optional>
 
 #include "planner/model_config.h"
@@ -15,6 +17,37 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// Whether this process's LibTorch takes a matrix product of 16-bit operands into a float32
+// output (aten::addmm.dtype_out); cleared, with a warning, the first time it refuses.
+std::atomic<bool> products_into_float32{true};
+
+// out (+)= a b as one product written into `out` (accumulate: out + a b, read and written in
+// out's dtype, float32 or a's), without a separate product in a's dtype and a pass to add or
+// copy it. False where that is not possible (out's dtype neither a's nor float32, or this
+// LibTorch refuses it): the caller then computes the product and adds or copies it.
+bool ProductInto(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  const at::ScalarType dtype = out.scalar_type();
+  if (dtype != a.scalar_type() && dtype != at::kFloat) return false;
+  if (dtype != a.scalar_type() && !products_into_float32.load()) return false;
+  try {
+    if (dtype == a.scalar_type()) {
+      accumulate ? out.addmm_(a, b) : at::mm_out(out, a, b);
+    } else {
+      accumulate ? at::addmm_out(out, out, a, b, dtype) : at::mm_out(out, a, b, dtype);
+    }
+    return true;
+  } catch (const c10::Error& e) {
+    // Refused before any kernel ran (argument checks): out is untouched.
+    if (dtype == a.scalar_type()) throw;
+    if (products_into_float32.exchange(false)) {
+      std::cerr << "tessera-trainer: LinearCrossEntropy: this LibTorch does not take 16-bit "
+                   "products into float32 outputs; adding the products separately ("
+                << e.what_without_backtrace() << ")\n";
+    }
+    return false;
+  }
+}
 
 struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& weight,
@@ -44,6 +77,10 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     at::Tensor dh = grad_h ? at::empty_like(h) : at::Tensor();
     at::Tensor dw = grad_w ? at::zeros({padded, weight.size(1)}, weight.options().dtype(at::kFloat))
                            : at::Tensor();
+    if (chunk_rows <= 0) {
+      chunk_rows = fused ? planner::GpuLossChunkRows(vocab, c10::elementSize(compute))
+                         : planner::LossChunkRows(vocab);
+    }
     for (int64_t begin = 0; begin < rows; begin += chunk_rows) {
       const int64_t n = std::min(chunk_rows, rows - begin);
       const at::Tensor h_chunk = h_c.narrow(0, begin, n);
@@ -84,12 +121,19 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
         log_probs.reset();
         grad_c = grad.to(compute);
       }
-      if (grad_h) dh.narrow(0, begin, n).copy_(at::matmul(grad_c, w_c));
+      if (grad_h) {
+        at::Tensor dh_chunk = dh.narrow(0, begin, n);
+        if (!fused || !ProductInto(dh_chunk, grad_c, w_c, /*accumulate=*/false)) {
+          dh_chunk.copy_(at::matmul(grad_c, w_c));
+        }
+      }
       if (grad_w) {
-        // Fused: grad^T h, which lands in dW's own [vocab, hidden] layout, so that the
-        // accumulation is a contiguous add. Composite: (h^T grad)^T, as the backward of h W^T
+        // Fused: grad^T h, which lands in dW's own [vocab, hidden] layout, summed into the
+        // float32 dW by the product itself. Composite: (h^T grad)^T, as the backward of h W^T
         // computes it: the same numbers, summed in the same order as the reference.
-        dw.add_(fused ? at::matmul(grad_c.t(), h_chunk) : at::matmul(h_chunk.t(), grad_c).t());
+        if (!fused || !ProductInto(dw, grad_c.t(), h_chunk, /*accumulate=*/true)) {
+          dw.add_(fused ? at::matmul(grad_c.t(), h_chunk) : at::matmul(h_chunk.t(), grad_c).t());
+        }
       }
     }
     // The padding rows' gradient (zero) is cut off; the first `vocab` rows of a row-major
@@ -122,11 +166,12 @@ torch::Tensor LinearCrossEntropy(const torch::Tensor& h, const torch::Tensor& we
               " do not multiply");
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == h.size(0), "LinearCrossEntropy: targets ",
               targets.sizes(), " for ", h.size(0), " rows");
-  if (chunk_rows <= 0) chunk_rows = planner::LossChunkRows(weight.size(0));
   const bool grad = at::GradMode::is_enabled();
   return LinearCrossEntropyFunction::apply(h, weight, targets, chunk_rows,
                                            grad && h.requires_grad(),
                                            grad && weight.requires_grad());
 }
+
+bool LinearCrossEntropyProductsIntoFloat32() { return products_into_float32.load(); }
 
 }  // namespace tessera::trainer

@@ -131,9 +131,14 @@ TEST(LinearCrossEntropyTest, CudaBf16MatchesTheReference) {
   at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
   const Result reference = Reference(c.h, c.w, c.targets);
   const Result fused = Fused(c.h, c.w, c.targets, 700);
+  // The default chunk on the GPU: all 3,000 rows in one.
+  const Result one_chunk = Fused(c.h, c.w, c.targets, 0);
   at::autocast::set_autocast_enabled(at::kCUDA, false);
   at::autocast::clear_cache();
   ExpectClose(fused, reference, 2e-2);
+  ExpectClose(one_chunk, reference, 2e-2);
+  // The chunks' products went straight into the float32 dh and dW.
+  EXPECT_TRUE(LinearCrossEntropyProductsIntoFloat32());
   // Float32 on the GPU: as tight as on the CPU.
   ExpectClose(Fused(c.h, c.w, c.targets, 700), Reference(c.h, c.w, c.targets), 1e-4);
 }
