@@ -79,7 +79,7 @@ GPU_TESTS = (
     ("gpu_inventory_test", "*"),          # the worker's NVML inventory and DCGM-named metrics
     ("trainer_training_test", "*Gpu*"),   # bf16 on NCCL vs CPU; ZeRO-3 peak memory vs planner
     ("linear_cross_entropy_test", "*"),   # the chunked head + loss vs linear + cross_entropy
-    ("fused_ops_test", "*"),              # fused RMSNorm / rotary / SwiGLU kernels vs ATen
+    ("fused_ops_gpu_test", "*"),          # fused RMSNorm / rotary / SwiGLU kernels vs ATen
     ("async_checkpoint_test", "*"),       # a save's copy on its own stream, overlapping a step
 )
 # A skip that is expected on a machine with a GPU: the case checks life without NVML.

@@ -65,12 +65,15 @@ if(TESSERA_BUILD_TESTS)
     LIBS tessera::trainer)
   target_precompile_headers(linear_cross_entropy_test REUSE_FROM tessera_trainer)
 
-  # The fused RMSNorm, rotary and SwiGLU against ATen's composite: the CPU fallback bitwise, the
-  # CUDA kernels (forward and gradients) on a GPU when there is one.
-  tessera_add_test(NAME fused_ops_test
-    SOURCES fused_ops_test.cc
-    LIBS tessera::trainer)
-  target_precompile_headers(fused_ops_test REUSE_FROM tessera_trainer)
+  # The fused RMSNorm, rotary and SwiGLU against ATen's composite: the CPU fallback bitwise
+  # (fused_ops_test), the CUDA kernels' forward and gradients on a GPU when there is one
+  # (fused_ops_gpu_test; every case skips without one).
+  foreach(fused_test fused_ops_test fused_ops_gpu_test)
+    tessera_add_test(NAME ${fused_test}
+      SOURCES ${fused_test}.cc
+      LIBS tessera::trainer)
+    target_precompile_headers(${fused_test} REUSE_FROM tessera_trainer)
+  endforeach()
 
   tessera_add_test(NAME activation_checkpoint_test
     SOURCES activation_checkpoint_test.cc
