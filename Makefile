@@ -70,8 +70,13 @@ bench-gpu: build
 	@scripts/bench.sh $(BUILD_DIR) gpu $(BENCH)
 
 # With a bundle from `make gpu-bundle` nothing is built or installed (the machine may reach no
-# package registry); otherwise this builds with CUDA first.
+# package registry); otherwise this builds with CUDA first. A bundle that came as its archive
+# (GPU_BUNDLE.tgz, the smaller thing to copy) is unpacked beside it first.
 gpu-check:
+	@if [ ! -f "$(GPU_BUNDLE)/BUNDLE" ] && [ -f "$(GPU_BUNDLE).tgz" ]; then \
+	  echo "gpu-check: unpacking $(GPU_BUNDLE).tgz"; \
+	  tar -xzf "$(GPU_BUNDLE).tgz" -C "$$(dirname "$(GPU_BUNDLE)")" || exit 1; \
+	fi
 	@if [ -f "$(GPU_BUNDLE)/BUNDLE" ]; then \
 	  echo "gpu-check: binaries from the bundle $(GPU_BUNDLE):"; sed 's/^/  /' "$(GPU_BUNDLE)/BUNDLE"; \
 	  python3 scripts/gpu_check.py --build-dir="$(GPU_BUNDLE)" $(GPU_CHECK_ARGS); \

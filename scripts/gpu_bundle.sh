@@ -10,8 +10,9 @@
 #
 #   scripts/gpu_bundle.sh BUILD_DIR BUNDLE_DIR
 #
-# Then, on the GPU machine, in a copy of the same tree at the same path (the test binaries
-# find the corpus and examples there): make gpu-check GPU_BUNDLE=BUNDLE_DIR
+# Also writes BUNDLE_DIR.tgz, the same in one archive. Then, on the GPU machine, in a copy of the
+# same tree at the same path (the test binaries find the corpus and examples there), with either:
+# make gpu-check GPU_BUNDLE=BUNDLE_DIR
 set -euo pipefail
 build_dir="${1:?usage: gpu_bundle.sh BUILD_DIR BUNDLE_DIR}"
 bundle="${2:?usage: gpu_bundle.sh BUILD_DIR BUNDLE_DIR}"
@@ -57,5 +58,8 @@ built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), $(. /etc/os-release && ech
 source: $root
 torch: $(grep -m1 '^Torch_DIR:' "$build_dir/CMakeCache.txt" | cut -d= -f2-)
 EOF
-echo "gpu-bundle: $(du -sh "$bundle" | cut -f1) in $bundle ($(ls "$bundle/lib" | wc -l) libraries);" \
-  "on the GPU machine: make gpu-check GPU_BUNDLE=$bundle"
+# The same as one gzip archive beside it (about a third of the size: what to copy when the copy's
+# size is limited); `make gpu-check` unpacks it when the directory is not there.
+tar -czf "$bundle.tgz" -C "$(dirname "$bundle")" "$(basename "$bundle")"
+echo "gpu-bundle: $(du -sh "$bundle" | cut -f1) in $bundle ($(ls "$bundle/lib" | wc -l) libraries)," \
+  "$(du -sh "$bundle.tgz" | cut -f1) as $bundle.tgz; on the GPU machine: make gpu-check GPU_BUNDLE=$bundle"
