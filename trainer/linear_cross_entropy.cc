@@ -28,10 +28,10 @@ std::atomic<bool> products_into_float32{true};
 // LibTorch refuses it): the caller then computes the product and adds or copies it.
 bool ProductInto(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
   const at::ScalarType dtype = out.scalar_type();
-  if (dtype != a.scalar_type() && dtype != at::kFloat) return false;
-  if (dtype != a.scalar_type() && !products_into_float32.load()) return false;
+  const bool same = dtype == a.scalar_type();
+  if (!same && (dtype != at::kFloat || !products_into_float32.load())) return false;
   try {
-    if (dtype == a.scalar_type()) {
+    if (same) {
       accumulate ? out.addmm_(a, b) : at::mm_out(out, a, b);
     } else {
       accumulate ? at::addmm_out(out, out, a, b, dtype) : at::mm_out(out, a, b, dtype);
@@ -39,7 +39,7 @@ bool ProductInto(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool
     return true;
   } catch (const c10::Error& e) {
     // Refused before any kernel ran (argument checks): out is untouched.
-    if (dtype == a.scalar_type()) throw;
+    if (same) throw;
     if (products_into_float32.exchange(false)) {
       std::cerr << "tessera-trainer: LinearCrossEntropy: this LibTorch does not take 16-bit "
                    "products into float32 outputs; adding the products separately ("
