@@ -68,6 +68,27 @@ CREATE TABLE counters (
   value INTEGER NOT NULL
 ) WITHOUT ROWID;
 )sql",
+    // v2: jobs in a rowid table. A WITHOUT ROWID table keeps its rows in the primary key's
+    // b-tree, where a row of more than about 1 KB (a serialized Job is 1-3 KB) spills onto
+    // overflow pages, and every rewrite of a job (5-6 in its life) rewrote those. Runs with
+    // foreign keys off (Store::Migrate): dropping the old table then deletes nothing through
+    // the other tables' ON DELETE CASCADE, and their REFERENCES jobs name the new one.
+    R"sql(
+CREATE TABLE jobs_v2 (
+  job_id TEXT PRIMARY KEY NOT NULL,
+  state INTEGER NOT NULL,
+  priority INTEGER NOT NULL,
+  create_time_ns INTEGER NOT NULL,
+  request_id TEXT UNIQUE,
+  job BLOB NOT NULL
+);
+INSERT INTO jobs_v2 (job_id, state, priority, create_time_ns, request_id, job)
+  SELECT job_id, state, priority, create_time_ns, request_id, job FROM jobs;
+DROP TABLE jobs;
+ALTER TABLE jobs_v2 RENAME TO jobs;
+CREATE INDEX jobs_by_create_time ON jobs (create_time_ns, job_id);
+CREATE INDEX jobs_by_state ON jobs (state, create_time_ns, job_id);
+)sql",
 };
 static_assert(std::size(kMigrations) == Store::kSchemaVersion);
 
@@ -301,7 +322,6 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
   {
     absl::MutexLock lock(&store->mu_);
     RETURN_IF_ERROR(store->Configure());
-    RETURN_IF_ERROR(store->Migrate());
   }
   if (path != ":memory:") {
     for (int i = 0; i < ReaderCount(); ++i) {
@@ -345,31 +365,39 @@ absl::Status Store::Configure() {
   }
   // The first statement reads the file: a file that is not a database fails
   // here with SQLITE_NOTADB.
-  ASSIGN_OR_RETURN(sqlite3_stmt * journal_mode_stmt,
-                   Prepare("PRAGMA journal_mode = WAL", operation));
-  Statement journal_mode(db_, journal_mode_stmt, operation);
-  ASSIGN_OR_RETURN(bool has_row, journal_mode.Step());
-  const std::string mode = has_row ? journal_mode.ColumnText(0) : "";
+  std::string mode;
+  {
+    // Reset before Migrate: a table cannot be dropped while a statement is open.
+    ASSIGN_OR_RETURN(sqlite3_stmt * journal_mode_stmt,
+                     Prepare("PRAGMA journal_mode = WAL", operation));
+    Statement journal_mode(db_, journal_mode_stmt, operation);
+    ASSIGN_OR_RETURN(bool has_row, journal_mode.Step());
+    if (has_row) mode = journal_mode.ColumnText(0);
+  }
   if (mode != "wal" && !(mode == "memory" && path_ == ":memory:")) {
     return absl::FailedPreconditionError(
         absl::StrCat("store: ", operation, ": journal_mode is '", mode, "', want 'wal'"));
   }
   RETURN_IF_ERROR(Exec("PRAGMA synchronous = FULL", operation));
-  RETURN_IF_ERROR(Exec("PRAGMA foreign_keys = ON", operation));
   // Pragmas ignore what they do not understand; read the settings back, since
   // durability and referential integrity rest on them.
   constexpr int64_t kSynchronousFull = 2;
-  for (const auto& [pragma, want] :
-       {std::pair<const char*, int64_t>{"PRAGMA synchronous", kSynchronousFull},
-        std::pair<const char*, int64_t>{"PRAGMA foreign_keys", 1}}) {
-    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(pragma, operation));
-    Statement read(db_, stmt, operation);
-    ASSIGN_OR_RETURN(bool has_row, read.Step());
-    const int64_t got = has_row ? read.ColumnInt64(0) : -1;
-    if (got != want) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("store: ", operation, ": ", pragma, " is ", got, ", want ", want));
-    }
+  RETURN_IF_ERROR(ExpectPragma("PRAGMA synchronous", kSynchronousFull, operation));
+  // Foreign keys go on after the migrations (Migrate), which rebuild tables with them off.
+  RETURN_IF_ERROR(Exec("PRAGMA foreign_keys = OFF", operation));
+  RETURN_IF_ERROR(Migrate());
+  RETURN_IF_ERROR(Exec("PRAGMA foreign_keys = ON", operation));
+  return ExpectPragma("PRAGMA foreign_keys", 1, operation);
+}
+
+absl::Status Store::ExpectPragma(const char* pragma, int64_t want, absl::string_view operation) {
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(pragma, operation));
+  Statement read(db_, stmt, operation);
+  ASSIGN_OR_RETURN(bool has_row, read.Step());
+  const int64_t got = has_row ? read.ColumnInt64(0) : -1;
+  if (got != want) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("store: ", operation, ": ", pragma, " is ", got, ", want ", want));
   }
   return absl::OkStatus();
 }
@@ -380,11 +408,15 @@ absl::Status Store::Migrate() {
   absl::Status status = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     RETURN_IF_ERROR(
         Exec("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)", operation));
-    ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
-                     Prepare("SELECT COALESCE(MAX(version), 0) FROM schema_version", operation));
-    Statement select(db_, stmt, operation);
-    ASSIGN_OR_RETURN(bool has_row, select.Step());
-    const int64_t version = has_row ? select.ColumnInt64(0) : 0;
+    int64_t version = 0;
+    {
+      // Reset before the migrations run: a table cannot be dropped while a read is open.
+      ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+                       Prepare("SELECT COALESCE(MAX(version), 0) FROM schema_version", operation));
+      Statement select(db_, stmt, operation);
+      ASSIGN_OR_RETURN(bool has_row, select.Step());
+      if (has_row) version = select.ColumnInt64(0);
+    }
     if (version > kSchemaVersion) {
       return absl::FailedPreconditionError(absl::StrCat("store: '", path_, "' has schema version ",
                                                         version, ", newer than this binary's ",
@@ -395,6 +427,15 @@ absl::Status Store::Migrate() {
           Exec(kMigrations[next - 1], absl::StrCat(operation, " to schema version ", next)));
     }
     if (version != kSchemaVersion) {
+      // The migrations ran with foreign keys off: check what they left before committing it.
+      ASSIGN_OR_RETURN(sqlite3_stmt * check_stmt, Prepare("PRAGMA foreign_key_check", operation));
+      Statement check(db_, check_stmt, operation);
+      ASSIGN_OR_RETURN(bool violated, check.Step());
+      if (violated) {
+        return absl::DataLossError(absl::StrCat("store: ", operation, ": a row of ",
+                                                check.ColumnText(0), " refers to a missing row of ",
+                                                check.ColumnText(2)));
+      }
       RETURN_IF_ERROR(Exec("DELETE FROM schema_version", operation));
       ASSIGN_OR_RETURN(sqlite3_stmt * insert_stmt,
                        Prepare("INSERT INTO schema_version (version) VALUES (?1)", operation));
@@ -417,9 +458,15 @@ absl::Status Store::Exec(const char* sql, absl::string_view operation) {
   return absl::OkStatus();
 }
 
+absl::Status Store::Run(absl::string_view sql, absl::string_view operation) {
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(sql, operation));
+  Statement statement(db_, stmt, operation);
+  return statement.Run();
+}
+
 absl::Status Store::FinishTransaction(absl::Status status, absl::string_view operation) {
   if (status.ok()) {
-    status = Exec("COMMIT", operation);
+    status = Run("COMMIT", operation);
     if (status.ok()) return status;
   }
   // Some errors (SQLITE_FULL, SQLITE_IOERR) roll back by themselves.
@@ -527,16 +574,16 @@ double Store::RunBatch(const std::vector<QueuedWrite*>& batch) {
   absl::MutexLock lock(&mu_);
   const absl::Time start = absl::Now();
   const std::string operation = absl::StrCat("group commit of ", batch.size(), " writes");
-  absl::Status begun = Exec("BEGIN IMMEDIATE", operation);
+  absl::Status begun = Run("BEGIN IMMEDIATE", operation);
   if (!begun.ok()) {
     for (QueuedWrite* write : batch) write->status = begun;
     return 0;
   }
   for (QueuedWrite* write : batch) {
-    absl::Status status = Exec("SAVEPOINT write", operation);
+    absl::Status status = Run("SAVEPOINT write", operation);
     if (status.ok()) status = write->apply();
     if (status.ok()) {
-      status = Exec("RELEASE write", operation);
+      status = Run("RELEASE write", operation);
     } else if (sqlite3_get_autocommit(db_) == 0) {
       sqlite3_exec(db_, "ROLLBACK TO write", nullptr, nullptr, nullptr);
       sqlite3_exec(db_, "RELEASE write", nullptr, nullptr, nullptr);
@@ -562,28 +609,65 @@ double Store::RunBatch(const std::vector<QueuedWrite*>& batch) {
   return absl::ToDoubleSeconds(absl::Now() - start);
 }
 
-absl::Status Store::ApplyWrite(const JobWrite& write, std::vector<v1::JobEvent>& stored_events) {
-  const std::string& job_id = write.job_id;
-  if (write.job.has_value()) {
-    const std::string operation = absl::StrCat("upsert job ", job_id);
-    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+absl::Status Store::UpsertJob(const std::string& job_id, const v1::Job& job,
+                              const std::string& request_id) {
+  const std::string operation = absl::StrCat("upsert job ", job_id);
+  const int64_t create_time_ns = TimestampNanos(job.create_time());
+  // An update names only the columns it may change: SQLite rewrites the index entries of every
+  // column an UPDATE sets, changed or not. A job's create_time is fixed when it is submitted,
+  // so its update leaves create_time_ns (and jobs_by_create_time) alone; the request id is set
+  // only when the write carries one. A write that does change create_time is not updated here
+  // (the WHERE) and takes the full update below.
+  constexpr char kUpsert[] = R"sql(
 INSERT INTO jobs (job_id, state, priority, create_time_ns, request_id, job)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+VALUES (?1, ?2, ?3, ?4, NULL, ?5)
 ON CONFLICT (job_id) DO UPDATE SET
   state = excluded.state,
   priority = excluded.priority,
-  create_time_ns = excluded.create_time_ns,
-  request_id = COALESCE(excluded.request_id, jobs.request_id),
-  job = excluded.job)sql",
-                                                  operation));
-    Statement upsert(db_, stmt, operation);
-    upsert.BindText(1, job_id);
-    upsert.Bind(2, write.job->state());
-    upsert.Bind(3, write.job->spec().priority());
-    upsert.Bind(4, TimestampNanos(write.job->create_time()));
-    upsert.BindTextOrNull(5, write.request_id);
-    upsert.BindMessage(6, *write.job);
-    RETURN_IF_ERROR(upsert.Run());
+  job = excluded.job
+WHERE create_time_ns = excluded.create_time_ns)sql";
+  constexpr char kUpsertWithRequestId[] = R"sql(
+INSERT INTO jobs (job_id, state, priority, create_time_ns, request_id, job)
+VALUES (?1, ?2, ?3, ?4, ?6, ?5)
+ON CONFLICT (job_id) DO UPDATE SET
+  state = excluded.state,
+  priority = excluded.priority,
+  request_id = excluded.request_id,
+  job = excluded.job
+WHERE create_time_ns = excluded.create_time_ns)sql";
+  constexpr char kUpdateAll[] = R"sql(
+UPDATE jobs SET
+  state = ?2,
+  priority = ?3,
+  create_time_ns = ?4,
+  request_id = COALESCE(?6, request_id),
+  job = ?5
+WHERE job_id = ?1)sql";
+  auto run = [&](const char* sql) -> absl::StatusOr<int> {
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(sql, operation));
+    Statement statement(db_, stmt, operation);
+    statement.BindText(1, job_id);
+    statement.Bind(2, job.state());
+    statement.Bind(3, job.spec().priority());
+    statement.Bind(4, create_time_ns);
+    statement.BindMessage(5, job);
+    if (!request_id.empty()) statement.BindText(6, request_id);
+    RETURN_IF_ERROR(statement.Run());
+    return sqlite3_changes(db_);
+  };
+  ASSIGN_OR_RETURN(const int changed, run(request_id.empty() ? kUpsert : kUpsertWithRequestId));
+  if (changed > 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const int updated, run(kUpdateAll));
+  if (updated == 0) {
+    return absl::InternalError(absl::StrCat("store: ", operation, ": the row was not written"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::ApplyWrite(const JobWrite& write, std::vector<v1::JobEvent>& stored_events) {
+  const std::string& job_id = write.job_id;
+  if (write.job.has_value()) {
+    RETURN_IF_ERROR(UpsertJob(job_id, *write.job, write.request_id));
   } else {
     ASSIGN_OR_RETURN(bool exists, JobExists(job_id));
     if (!exists) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));

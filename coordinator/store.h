@@ -94,7 +94,7 @@ struct JobPage {
 class Store {
  public:
   // The schema version this binary writes; kept in the schema_version table.
-  static constexpr int kSchemaVersion = 1;
+  static constexpr int kSchemaVersion = 2;
   // How long a statement waits for a lock held by another connection.
   static constexpr int kBusyTimeoutMs = 5000;
   // ListJobs page size when 0 is asked for, and the largest honoured.
@@ -230,6 +230,16 @@ class Store {
                                                      int64_t from_step, int64_t to_step);
   absl::StatusOr<sqlite3_stmt*> Prepare(absl::string_view sql, absl::string_view operation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs one statement that returns no rows, prepared once (the transaction and savepoint
+  // statements of every group commit).
+  absl::Status Run(absl::string_view sql, absl::string_view operation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION unless `pragma` reads `want`.
+  absl::Status ExpectPragma(const char* pragma, int64_t want, absl::string_view operation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Inserts the job's row, or updates it (JobWrite::job, request_id).
+  absl::Status UpsertJob(const std::string& job_id, const v1::Job& job,
+                         const std::string& request_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Exec(const char* sql, absl::string_view operation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Commits when `status` is OK, else rolls back; returns the first failure.

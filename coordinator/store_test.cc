@@ -678,6 +678,153 @@ void RawExec(const std::string& path, const char* sql) {
   sqlite3_close(db);
 }
 
+// The first column of the first row `sql` returns, read behind the store's back ("" for none).
+std::string RawQuery(const std::string& path, const char* sql) {
+  sqlite3* db = nullptr;
+  EXPECT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  sqlite3_stmt* stmt = nullptr;
+  std::string value;
+  EXPECT_EQ(sqlite3_prepare_v2(db, sql, -1, &stmt, nullptr), SQLITE_OK) << sqlite3_errmsg(db);
+  if (sqlite3_step(stmt) == SQLITE_ROW && sqlite3_column_text(stmt, 0) != nullptr) {
+    value = reinterpret_cast<const char*>(sqlite3_column_text(stmt, 0));
+  }
+  sqlite3_finalize(stmt);
+  sqlite3_close(db);
+  return value;
+}
+
+// Updates write only the columns that may change, except when a write changes what they left
+// alone: a new create_time reorders the job, a request id given later is recorded.
+TEST(StoreTest, UpdatesKeepTheIndexedColumnsInStep) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  JobWrite submit;
+  submit.job_id = "job-a";
+  submit.job = MakeJob("job-a", v1::JOB_STATE_PENDING, 10);
+  submit.request_id = "req-a";
+  ASSERT_THAT(store->Commit(submit), IsOk());
+  SubmitJob(*store, MakeJob("job-b", v1::JOB_STATE_PENDING, 20));
+
+  JobWrite later;  // A create_time moved past job-b's.
+  later.job_id = "job-a";
+  later.job = MakeJob("job-a", v1::JOB_STATE_RUNNING, 30);
+  ASSERT_THAT(store->Commit(later), IsOk());
+  absl::StatusOr<JobPage> page = store->ListJobs({}, 10, "");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_THAT(JobIds(page->jobs), ElementsAre("job-a", "job-b"));
+  page = store->ListJobs({v1::JOB_STATE_RUNNING}, 10, "");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_THAT(JobIds(page->jobs), ElementsAre("job-a"));
+  absl::StatusOr<std::optional<v1::Job>> found = store->FindJobByRequestId("req-a");
+  ASSERT_THAT(found, IsOk());
+  ASSERT_TRUE(found->has_value());
+  EXPECT_EQ((*found)->create_time().seconds(), 30);
+
+  JobWrite keyed;  // A request id recorded by an update, with the create_time unchanged.
+  keyed.job_id = "job-b";
+  keyed.job = MakeJob("job-b", v1::JOB_STATE_SCHEDULED, 20);
+  keyed.request_id = "req-b";
+  ASSERT_THAT(store->Commit(keyed), IsOk());
+  found = store->FindJobByRequestId("req-b");
+  ASSERT_THAT(found, IsOk());
+  ASSERT_TRUE(found->has_value());
+  EXPECT_EQ((*found)->state(), v1::JOB_STATE_SCHEDULED);
+  page = store->ListJobs({v1::JOB_STATE_PENDING}, 10, "");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_THAT(page->jobs, IsEmpty());
+
+  keyed.request_id = "req-a";  // Taken by job-a, on both update paths.
+  EXPECT_THAT(store->Commit(keyed), StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("job-b")));
+  keyed.job = MakeJob("job-b", v1::JOB_STATE_SCHEDULED, 40);
+  EXPECT_THAT(store->Commit(keyed), StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("job-b")));
+  found = store->FindJobByRequestId("req-b");
+  ASSERT_THAT(found, IsOk());
+  ASSERT_TRUE(found->has_value());
+  EXPECT_EQ((*found)->create_time().seconds(), 20);
+}
+
+// A database written by schema version 1 (jobs in a WITHOUT ROWID table) is migrated on open:
+// every job, event, metric point and checkpoint survives (dropping the old jobs table must not
+// cascade into the others), and foreign keys are on again afterwards.
+TEST(StoreTest, MigratesAVersion1Database) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/coordinator.db";
+  {
+    std::unique_ptr<Store> store = OpenOrDie(path);
+    ASSERT_NE(store, nullptr);
+    for (int i = 0; i < 3; ++i) {
+      JobWrite write;
+      write.job_id = absl::StrCat("job-", i);
+      write.job = MakeJob(write.job_id, v1::JOB_STATE_RUNNING, 100 + i);
+      write.request_id = absl::StrCat("req-", i);
+      write.events = {StateEvent(v1::JOB_STATE_PENDING, v1::JOB_STATE_RUNNING),
+                      StateEvent(v1::JOB_STATE_RUNNING, v1::JOB_STATE_RUNNING)};
+      write.metrics = {Metrics(5, 1.5), Metrics(6, 1.25)};
+      v1::Checkpoint checkpoint;
+      checkpoint.set_step(6);
+      write.checkpoints.push_back(checkpoint);
+      ASSERT_THAT(store->Commit(write), IsOk());
+    }
+  }
+  // Back to version 1's layout, as a version 1 binary left it.
+  RawExec(path, R"sql(
+PRAGMA foreign_keys = OFF;
+BEGIN;
+CREATE TABLE jobs_v1 (
+  job_id TEXT PRIMARY KEY NOT NULL,
+  state INTEGER NOT NULL,
+  priority INTEGER NOT NULL,
+  create_time_ns INTEGER NOT NULL,
+  request_id TEXT UNIQUE,
+  job BLOB NOT NULL
+) WITHOUT ROWID;
+INSERT INTO jobs_v1 SELECT job_id, state, priority, create_time_ns, request_id, job FROM jobs;
+DROP TABLE jobs;
+ALTER TABLE jobs_v1 RENAME TO jobs;
+CREATE INDEX jobs_by_create_time ON jobs (create_time_ns, job_id);
+CREATE INDEX jobs_by_state ON jobs (state, create_time_ns, job_id);
+UPDATE schema_version SET version = 1;
+COMMIT;
+)sql");
+  ASSERT_THAT(RawQuery(path, "SELECT sql FROM sqlite_master WHERE name = 'jobs'"),
+              HasSubstr("WITHOUT ROWID"));
+
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(RawQuery(path, "SELECT version FROM schema_version"),
+            std::to_string(Store::kSchemaVersion));
+  EXPECT_THAT(RawQuery(path, "SELECT sql FROM sqlite_master WHERE name = 'jobs'"),
+              ::testing::Not(HasSubstr("WITHOUT ROWID")));
+  EXPECT_EQ(RawQuery(path, "SELECT \"table\" FROM pragma_foreign_key_list('job_events')"), "jobs");
+  EXPECT_EQ(RawQuery(path, "SELECT count(*) FROM pragma_index_list('jobs')"), "4");
+  for (int i = 0; i < 3; ++i) {
+    const std::string job_id = absl::StrCat("job-", i);
+    absl::StatusOr<std::optional<v1::Job>> found =
+        store->FindJobByRequestId(absl::StrCat("req-", i));
+    ASSERT_THAT(found, IsOk());
+    ASSERT_TRUE(found->has_value());
+    EXPECT_EQ((*found)->job_id(), job_id);
+    absl::StatusOr<std::vector<v1::JobEvent>> events = store->ReadEvents(job_id, 0, 0);
+    ASSERT_THAT(events, IsOk());
+    EXPECT_THAT(Sequences(*events), ElementsAre(1, 2));
+    EXPECT_THAT(store->ReadMetrics(job_id, 0, 0), IsOkAndHolds(SizeIs(2)));
+    EXPECT_THAT(store->ListCheckpoints(job_id), IsOkAndHolds(SizeIs(1)));
+  }
+  absl::StatusOr<JobPage> page = store->ListJobs({v1::JOB_STATE_RUNNING}, 10, "");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_THAT(JobIds(page->jobs), ElementsAre("job-2", "job-1", "job-0"));
+
+  // Writing goes on where it stopped.
+  JobWrite next;
+  next.job_id = "job-1";
+  next.job = MakeJob("job-1", v1::JOB_STATE_SUCCEEDED, 101);
+  next.events = {StateEvent(v1::JOB_STATE_RUNNING, v1::JOB_STATE_SUCCEEDED)};
+  absl::StatusOr<std::vector<v1::JobEvent>> stored = store->Commit(next);
+  ASSERT_THAT(stored, IsOk());
+  EXPECT_THAT(Sequences(*stored), ElementsAre(3));
+  EXPECT_THAT(store->ListActiveJobs(), IsOkAndHolds(SizeIs(2)));
+}
+
 TEST(StoreTest, NewerSchemaIsRefused) {
   tessera::testing::ScopedTempDir dir("store");
   const std::string path = dir.path() + "/coordinator.db";
