@@ -93,9 +93,25 @@ bool FusedRmsNormCpuApplies(const torch::Tensor& x, const torch::Tensor& weight)
          x.size(-1) == weight.size(0) && x.numel() > 0;
 }
 
+// The kept input of a norm (NormFunction, RmsNormCpuFunction with keep_input): x returned as a
+// second output for the residual connection around the layer the norm feeds, so that the
+// gradient reaching it arrives in the norm's backward together with grad_y, which adds it to
+// grad_x in its own pass (no separate add of the two by autograd). Its gradient, or undefined.
+torch::Tensor KeptInputGrad(const variable_list& grads, const torch::Tensor& x) {
+  if (grads.size() < 2 || !grads[1].defined()) return {};
+  return grads[1].to(x.scalar_type()).contiguous();
+}
+
+// The norm's outputs: y, and x when it is kept (returned as is: autograd makes it a view of x
+// with this node as its gradient function).
+variable_list NormOutputs(torch::Tensor y, const torch::Tensor& x, bool keep_input) {
+  if (!keep_input) return {std::move(y)};
+  return {std::move(y), x};
+}
+
 struct RmsNormCpuFunction : torch::autograd::Function<RmsNormCpuFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& weight, double eps) {
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, double eps, bool keep_input) {
     const torch::Tensor x_c = x.contiguous(), w_c = weight.contiguous();
     const int64_t hidden = x_c.size(-1), rows = x_c.numel() / hidden;
     torch::Tensor y = at::empty(x_c.sizes(), x_c.options());
@@ -104,14 +120,18 @@ struct RmsNormCpuFunction : torch::autograd::Function<RmsNormCpuFunction> {
                                 y.mutable_data_ptr<float>(), rstd.mutable_data_ptr<float>(), rows,
                                 hidden, static_cast<float>(eps));
     ctx->save_for_backward({x_c, w_c, rstd});
-    return y;
+    // An unused output's gradient stays undefined rather than a tensor of zeros.
+    if (keep_input) ctx->set_materialize_grads(false);
+    return NormOutputs(std::move(y), x, keep_input);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     torch::Tensor grad_x, grad_weight;
-    if (!grads[0].defined()) return {grad_x, grad_weight, torch::Tensor()};
     const variable_list saved = ctx->get_saved_variables();
     const torch::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const torch::Tensor grad_kept =
+        ctx->needs_input_grad(0) ? KeptInputGrad(grads, x) : at::Tensor();
+    if (!grads[0].defined()) return {grad_kept, grad_weight, torch::Tensor(), torch::Tensor()};
     const torch::Tensor grad_y = grads[0].to(at::kFloat).contiguous();
     const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
     if (ctx->needs_input_grad(0)) grad_x = at::empty(x.sizes(), x.options());
@@ -119,8 +139,9 @@ struct RmsNormCpuFunction : torch::autograd::Function<RmsNormCpuFunction> {
     cpu_kernels::RmsNormBackward(
         grad_y.const_data_ptr<float>(), x.const_data_ptr<float>(), weight.const_data_ptr<float>(),
         rstd.const_data_ptr<float>(), grad_x.defined() ? grad_x.mutable_data_ptr<float>() : nullptr,
-        grad_weight.defined() ? grad_weight.mutable_data_ptr<float>() : nullptr, rows, hidden);
-    return {grad_x, grad_weight, torch::Tensor()};
+        grad_weight.defined() ? grad_weight.mutable_data_ptr<float>() : nullptr, rows, hidden,
+        std::nullopt, grad_kept.defined() ? grad_kept.const_data_ptr<float>() : nullptr);
+    return {grad_x, grad_weight, torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -213,9 +234,9 @@ torch::Tensor NoBias(const torch::Tensor& weight) { return at::empty({0}, weight
 // missing bias comes as an empty tensor: autograd's apply() takes the device of every tensor
 // argument, and an undefined one has none.
 struct NormFunction : torch::autograd::Function<NormFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, const torch::Tensor& bias, double eps,
-                               bool rms, int64_t out_dtype) {
+                               bool rms, int64_t out_dtype, bool keep_input) {
     const c10::cuda::CUDAGuard guard(x.device());
     const kernels::NormKind kind = rms ? kernels::NormKind::kRms : kernels::NormKind::kLayer;
     const auto y_type = static_cast<at::ScalarType>(out_dtype);
@@ -238,7 +259,8 @@ struct NormFunction : torch::autograd::Function<NormFunction> {
     ctx->saved_data["rms"] = rms;
     ctx->saved_data["out_dtype"] = out_dtype;
     ctx->saved_data["has_bias"] = has_bias;
-    return y;
+    if (keep_input) ctx->set_materialize_grads(false);
+    return NormOutputs(std::move(y), x, keep_input);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -246,10 +268,15 @@ struct NormFunction : torch::autograd::Function<NormFunction> {
     const torch::Tensor &x = saved[0], &weight = saved[1], &mean = saved[2], &rstd = saved[3];
     torch::Tensor grad_x, grad_weight, grad_bias;
     const auto none = [&] {
-      return variable_list{grad_x,          grad_weight,     grad_bias,
+      return variable_list{grad_x,          grad_weight,     grad_bias,      torch::Tensor(),
                            torch::Tensor(), torch::Tensor(), torch::Tensor()};
     };
-    if (!grads[0].defined()) return none();
+    const torch::Tensor grad_kept =
+        ctx->needs_input_grad(0) ? KeptInputGrad(grads, x) : at::Tensor();
+    if (!grads[0].defined()) {
+      grad_x = grad_kept;
+      return none();
+    }
     const c10::cuda::CUDAGuard guard(x.device());
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const bool rms = ctx->saved_data["rms"].toBool();
@@ -261,6 +288,7 @@ struct NormFunction : torch::autograd::Function<NormFunction> {
     const bool want_bias = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
     const bool want_weight = ctx->needs_input_grad(1) || want_bias;  // bias partials need these
     if (!ctx->needs_input_grad(0) && !want_weight) return none();
+    const bool add_kept = grad_kept.defined() && ctx->needs_input_grad(0);
     const kernels::NormBackwardPlan plan =
         kernels::PlanNormBackward(kind, x.const_data_ptr(), weight.const_data_ptr(), rows, hidden,
                                   KernelDtypeOf(x), KernelDtypeOf(grad_y), KernelDtypeOf(weight));
@@ -273,6 +301,7 @@ struct NormFunction : torch::autograd::Function<NormFunction> {
     CheckLaunch(kernels::LaunchNormBackward(
                     kind, plan, grad_y.const_data_ptr(), x.const_data_ptr(),
                     weight.const_data_ptr(), mean_data, rstd.const_data_ptr<float>(),
+                    add_kept ? grad_kept.const_data_ptr() : nullptr,
                     grad_x.defined() ? grad_x.mutable_data_ptr() : nullptr,
                     want_weight ? weight_partials.mutable_data_ptr<float>() : nullptr,
                     want_bias ? bias_partials.mutable_data_ptr<float>() : nullptr, rows, hidden,
@@ -487,33 +516,65 @@ bool FusedKernelsEnabled() { return fused_kernels_enabled.load(); }
 
 bool FusedKernelsBuilt() { return TESSERA_WITH_CUDA != 0; }
 
-torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
-                           std::optional<at::ScalarType> out_dtype) {
+namespace {
+
+// FusedRmsNorm (keep_input false: x_kept is x itself) or FusedRmsNormKeepingInput.
+NormAndInput RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                     std::optional<at::ScalarType> out_dtype, bool keep_input) {
   const at::ScalarType out = out_dtype.value_or(x.scalar_type());
   if (FusedKernelsEnabled() && FusedRmsNormCpuApplies(x, weight)) {
-    const torch::Tensor y = RmsNormCpuFunction::apply(x, weight, eps);
-    return out == at::kFloat ? y : y.to(out);
+    variable_list outputs = RmsNormCpuFunction::apply(x, weight, eps, keep_input);
+    torch::Tensor y = out == at::kFloat ? outputs[0] : outputs[0].to(out);
+    return {std::move(y), keep_input ? std::move(outputs[1]) : x};
   }
 #if TESSERA_WITH_CUDA
   if (FusedKernelsEnabled() && FusedNormApplies(x, weight, torch::Tensor(), out)) {
-    return NormFunction::apply(x, weight, NoBias(weight), eps, /*rms=*/true,
-                               static_cast<int64_t>(out));
+    variable_list outputs = NormFunction::apply(x, weight, NoBias(weight), eps, /*rms=*/true,
+                                                static_cast<int64_t>(out), keep_input);
+    return {std::move(outputs[0]), keep_input ? std::move(outputs[1]) : x};
   }
 #endif
-  return RmsNormComposite(x, weight, eps, out);
+  return {RmsNormComposite(x, weight, eps, out), x};
+}
+
+NormAndInput LayerNorm(const torch::Tensor& x, const torch::Tensor& weight,
+                       const torch::Tensor& bias, double eps,
+                       std::optional<at::ScalarType> out_dtype, bool keep_input) {
+  const at::ScalarType out = out_dtype.value_or(x.scalar_type());
+#if TESSERA_WITH_CUDA
+  if (FusedKernelsEnabled() && FusedNormApplies(x, weight, bias, out)) {
+    variable_list outputs =
+        NormFunction::apply(x, weight, bias.defined() ? bias : NoBias(weight), eps,
+                            /*rms=*/false, static_cast<int64_t>(out), keep_input);
+    return {std::move(outputs[0]), keep_input ? std::move(outputs[1]) : x};
+  }
+#endif
+  (void)keep_input;
+  return {LayerNormComposite(x, weight, bias, eps, out), x};
+}
+
+}  // namespace
+
+torch::Tensor FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                           std::optional<at::ScalarType> out_dtype) {
+  return RmsNorm(x, weight, eps, out_dtype, /*keep_input=*/false).y;
+}
+
+NormAndInput FusedRmsNormKeepingInput(const torch::Tensor& x, const torch::Tensor& weight,
+                                      double eps, std::optional<at::ScalarType> out_dtype) {
+  return RmsNorm(x, weight, eps, out_dtype, /*keep_input=*/true);
 }
 
 torch::Tensor FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& weight,
                              const torch::Tensor& bias, double eps,
                              std::optional<at::ScalarType> out_dtype) {
-  const at::ScalarType out = out_dtype.value_or(x.scalar_type());
-#if TESSERA_WITH_CUDA
-  if (FusedKernelsEnabled() && FusedNormApplies(x, weight, bias, out)) {
-    return NormFunction::apply(x, weight, bias.defined() ? bias : NoBias(weight), eps,
-                               /*rms=*/false, static_cast<int64_t>(out));
-  }
-#endif
-  return LayerNormComposite(x, weight, bias, eps, out);
+  return LayerNorm(x, weight, bias, eps, out_dtype, /*keep_input=*/false).y;
+}
+
+NormAndInput FusedLayerNormKeepingInput(const torch::Tensor& x, const torch::Tensor& weight,
+                                        const torch::Tensor& bias, double eps,
+                                        std::optional<at::ScalarType> out_dtype) {
+  return LayerNorm(x, weight, bias, eps, out_dtype, /*keep_input=*/true);
 }
 
 torch::Tensor FusedRotary(const torch::Tensor& x, const torch::Tensor& cos,

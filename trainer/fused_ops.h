@@ -43,6 +43,22 @@ torch::Tensor FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& weight
                              const torch::Tensor& bias, double eps,
                              std::optional<at::ScalarType> out_dtype = std::nullopt);
 
+// A norm's output y and its input x for the residual connection around the layer y feeds:
+// x + layer(y). x_kept has x's values (it is x, or a view of it, never a copy). Where the norm
+// runs on a kernel of ours, x_kept's gradient reaches the norm's backward with y's and is added
+// to x's gradient there, in the same pass (bit for bit the separate add autograd would make of
+// the two; fused_ops_test checks it). Elsewhere x_kept is x and autograd adds them.
+struct NormAndInput {
+  torch::Tensor y;
+  torch::Tensor x_kept;
+};
+NormAndInput FusedRmsNormKeepingInput(const torch::Tensor& x, const torch::Tensor& weight,
+                                      double eps,
+                                      std::optional<at::ScalarType> out_dtype = std::nullopt);
+NormAndInput FusedLayerNormKeepingInput(const torch::Tensor& x, const torch::Tensor& weight,
+                                        const torch::Tensor& bias, double eps,
+                                        std::optional<at::ScalarType> out_dtype = std::nullopt);
+
 // Rotary embedding of x's last dimension (x cos + rotate_half(x) sin, in float32, returned in x's
 // dtype), with rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2]). cos and sin broadcast against x
 // (the model's: float32 [seq, head_dim] against x [batch, heads, seq, head_dim], which may be a

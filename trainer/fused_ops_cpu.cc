@@ -192,8 +192,9 @@ template <typename Body>
 // (null: not wanted).
 [[gnu::always_inline]] inline void RmsNormBackwardRows(const float* grad_y, const float* x,
                                                        const float* w, const float* rstd,
-                                                       float* grad_x, float* grad_w_sum,
-                                                       int64_t rows, int64_t hidden) {
+                                                       const float* grad_residual, float* grad_x,
+                                                       float* grad_w_sum, int64_t rows,
+                                                       int64_t hidden) {
   for (int64_t r = 0; r < rows; ++r) {
     const float *xr = x + r * hidden, *gr = grad_y + r * hidden;
     const float inv = rstd[r];
@@ -205,10 +206,13 @@ template <typename Body>
           });
       const float scale = inv * inv * inv * SumLanes(dot) / static_cast<float>(hidden);
       float* dxr = grad_x + r * hidden;
+      const float* rr = grad_residual != nullptr ? grad_residual + r * hidden : nullptr;
       ForLanes(
           hidden, [&](int64_t j, auto count) __attribute__((always_inline)) {
             const VecF gw = Load(gr + j, count) * Load(w + j, count);
-            Store(dxr + j, Splat(inv) * gw - Splat(scale) * Load(xr + j, count), count);
+            const VecF dx = Splat(inv) * gw - Splat(scale) * Load(xr + j, count);
+            // The residual's gradient added to the rounded dx, as a separate add would.
+            Store(dxr + j, rr != nullptr ? dx + Load(rr + j, count) : dx, count);
           });
     }
     if (grad_w_sum != nullptr) {
@@ -233,8 +237,8 @@ struct RangeKernels {
   void (*swiglu_forward)(const float*, const float*, float*, int64_t);
   void (*swiglu_backward)(const float*, const float*, const float*, float*, float*, int64_t);
   void (*rms_norm_forward)(const float*, const float*, float*, float*, int64_t, int64_t, float);
-  void (*rms_norm_backward)(const float*, const float*, const float*, const float*, float*, float*,
-                            int64_t, int64_t);
+  void (*rms_norm_backward)(const float*, const float*, const float*, const float*, const float*,
+                            float*, float*, int64_t, int64_t);
 };
 
 #define TESSERA_DEFINE_RANGE_KERNELS(name, attributes)                                             \
@@ -256,9 +260,9 @@ struct RangeKernels {
     RmsNormForwardRows(x, w, y, rstd, rows, hidden, eps);                                          \
   }                                                                                                \
   attributes void name##RmsNormBackward(const float* dy, const float* x, const float* w,           \
-                                        const float* rstd, float* dx, float* dw_sum, int64_t rows, \
-                                        int64_t hidden) {                                          \
-    RmsNormBackwardRows(dy, x, w, rstd, dx, dw_sum, rows, hidden);                                 \
+                                        const float* rstd, const float* res, float* dx,            \
+                                        float* dw_sum, int64_t rows, int64_t hidden) {             \
+    RmsNormBackwardRows(dy, x, w, rstd, res, dx, dw_sum, rows, hidden);                            \
   }                                                                                                \
   constexpr RangeKernels k##name = {name##GeluForward,    name##GeluBackward,                      \
                                     name##SwiGluForward,  name##SwiGluBackward,                    \
@@ -365,7 +369,7 @@ void RmsNormForward(const float* x, const float* weight, float* y, float* rstd, 
 
 void RmsNormBackward(const float* grad_y, const float* x, const float* weight, const float* rstd,
                      float* grad_x, float* grad_weight, int64_t rows, int64_t hidden,
-                     std::optional<Isa> isa) {
+                     std::optional<Isa> isa, const float* grad_residual) {
   const RangeKernels& kernels = KernelsFor(isa.value_or(BestIsa()));
   // The weight's gradient is summed per block of kRmsNormBlockRows rows, in a fixed order:
   // the same bits whatever the number of threads.
@@ -377,6 +381,7 @@ void RmsNormBackward(const float* grad_y, const float* x, const float* weight, c
     for (int64_t b = begin; b < end; ++b) {
       const int64_t first = b * block_rows, count = std::min(block_rows, rows - first);
       kernels.rms_norm_backward(grad_y + first * hidden, x + first * hidden, weight, rstd + first,
+                                grad_residual != nullptr ? grad_residual + first * hidden : nullptr,
                                 grad_x != nullptr ? grad_x + first * hidden : nullptr,
                                 blocks > 0 ? partial.data() + b * hidden : nullptr, count, hidden);
     }

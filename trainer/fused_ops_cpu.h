@@ -45,11 +45,13 @@ void RmsNormForward(const float* x, const float* weight, float* y, float* rstd, 
                     int64_t hidden, float eps, std::optional<Isa> isa = std::nullopt);
 // Its backward from the forward's rstd: grad_x (null: not computed) and grad_weight (null: not
 // computed; else overwritten). grad_weight sums blocks of kRmsNormBlockRows rows in a fixed
-// order, so it does not depend on the number of threads.
+// order, so it does not depend on the number of threads. grad_residual (null: none), rows x
+// hidden, is added to grad_x after it is rounded: bit for bit grad_x + grad_residual as a
+// separate add gives it (the gradient that x also gets through a residual connection).
 inline constexpr int64_t kRmsNormBlockRows = 64;
 void RmsNormBackward(const float* grad_y, const float* x, const float* weight, const float* rstd,
                      float* grad_x, float* grad_weight, int64_t rows, int64_t hidden,
-                     std::optional<Isa> isa = std::nullopt);
+                     std::optional<Isa> isa = std::nullopt, const float* grad_residual = nullptr);
 
 // Rotary position embedding over rows of head_dim floats, the operand seen as
 // [sizes[0], sizes[1], sizes[2], head_dim] with the last dimension contiguous (stride 1) in the

@@ -479,6 +479,47 @@ TEST_F(FusedOpsGpuTest, ResidualAddIsAtenAddBitwise) {
   ExpectIdentical(off, RunOp(kAtenAdd, {r, b}, {true, true}, grad));
 }
 
+// A norm keeping its input adds the residual connection's gradient to x's in its backward
+// kernel: bit for bit the gradients of x used twice (autograd's add), at widths of the row
+// kernels (one warp a row, a whole block a row) and of the block kernels, float32 and bf16 x, a
+// float32 x normalised into bf16 (the model under autocast), both paths or either alone, the
+// weight (and bias) frozen or not.
+TEST_F(FusedOpsGpuTest, NormKeepingItsInputAddsTheResidualGradientBitwise) {
+  for (int64_t hidden : {768, 1024, 4096, 77}) {
+    for (bool rms : {true, false}) {
+      for (auto [x_dtype, out_dtype] : {std::pair<torch::ScalarType, std::optional<at::ScalarType>>{
+                                            torch::kFloat32, std::nullopt},
+                                        {torch::kFloat32, at::kBFloat16},
+                                        {torch::kBFloat16, std::nullopt}}) {
+        const Tensor x = Randn({4, 33, hidden}, x_dtype) * 2, w = Randn({hidden});
+        const Tensor b = Randn({hidden}), grad = Randn({4, 33, hidden});
+        const std::vector<Tensor> inputs = rms ? std::vector<Tensor>{x, w} : std::vector{x, w, b};
+        for (int uses : {3, 1, 2}) {
+          for (bool parameter_grads : {true, false}) {
+            SCOPED_TRACE(::testing::Message()
+                         << "hidden " << hidden << (rms ? " rms " : " layer ")
+                         << c10::toString(x_dtype) << " out "
+                         << (out_dtype ? c10::toString(*out_dtype) : "x's") << " uses " << uses
+                         << " parameter grads " << parameter_grads);
+            const std::vector<bool> differentiable(inputs.size(), parameter_grads);
+            std::vector<bool> with_x = differentiable;
+            with_x[0] = true;
+            const Tensor g = uses == 2 && out_dtype ? grad.to(*out_dtype) : grad.to(x_dtype);
+            ExpectIdentical(RunOp(NormResidualOp(rms, true, out_dtype, uses), inputs, with_x, g),
+                            RunOp(NormResidualOp(rms, false, out_dtype, uses), inputs, with_x, g));
+          }
+        }
+        const NormAndInput kept =
+            rms ? FusedRmsNormKeepingInput(x.requires_grad_(), w, 1e-6, out_dtype)
+                : FusedLayerNormKeepingInput(x.requires_grad_(), w, b, 1e-5, out_dtype);
+        EXPECT_EQ(kept.x_kept.data_ptr(), x.data_ptr());
+        EXPECT_THAT(KeptInputNode(kept), HasSubstr("NormFunction"));
+        x.requires_grad_(false);
+      }
+    }
+  }
+}
+
 TEST_F(FusedOpsGpuTest, EmptyInputsGiveEmptyResultsAndZeroWeightGradient) {
   const Tensor x = Randn({0, 64}), w = Randn({64}), grad = Randn({0, 64});
   const OpRun norm = RunOp(kFusedRmsNorm, {x, w}, {true, true}, grad);

@@ -70,13 +70,17 @@ NormBackwardPlan PlanNormBackward(NormKind kind, const void* x, const void* weig
 // atomics: the same plan and inputs give the same partials, bit for bit. grad_y: y_dtype, grad_x:
 // x_dtype, [rows, hidden]; weight_partials and bias_partials: float32 [plan.partitions, hidden].
 // grad_x, weight_partials and bias_partials may be null (not wanted); bias_partials only with
-// weight_partials. `plan` comes from PlanNormBackward for the same kind, x, weight, rows, hidden
-// and dtypes (cudaErrorInvalidValue otherwise, where that can be seen).
+// weight_partials. grad_residual (x_dtype, [rows, hidden]; null: none, and only with grad_x) is
+// added to grad_x: bit for bit grad_x + grad_residual as ATen adds them (the gradient x also gets
+// through a residual connection, which autograd would otherwise add in a pass of its own).
+// `plan` comes from PlanNormBackward for the same kind, x, weight, rows, hidden and dtypes
+// (cudaErrorInvalidValue otherwise, where that can be seen).
 cudaError_t LaunchNormBackward(NormKind kind, const NormBackwardPlan& plan, const void* grad_y,
                                const void* x, const void* weight, const float* mean,
-                               const float* rstd, void* grad_x, float* weight_partials,
-                               float* bias_partials, int64_t rows, int64_t hidden, Dtype x_dtype,
-                               Dtype y_dtype, Dtype weight_dtype, cudaStream_t stream);
+                               const float* rstd, const void* grad_residual, void* grad_x,
+                               float* weight_partials, float* bias_partials, int64_t rows,
+                               int64_t hidden, Dtype x_dtype, Dtype y_dtype, Dtype weight_dtype,
+                               cudaStream_t stream);
 
 // Element strides of a rotary operand seen as [n0, n1, n2, head_dim]; the last dimension is the
 // one rotated. Tables (cos, sin) are addressed with their own strides, 0 where they broadcast.

@@ -273,6 +273,44 @@ TEST(FusedOpsCpuTest, ResidualAddIsAtenAddBitwise) {
   }
 }
 
+// The CPU RMSNorm kernel adds the residual connection's gradient to x's in its own backward:
+// the same output and gradients, bit for bit, as autograd adding the two (x used twice), through
+// both paths or either alone, with the weight frozen or not. The kept input is x's storage, not
+// a copy. LayerNorm, other dtypes and the switch off keep x itself.
+TEST(FusedOpsCpuTest, NormKeepingItsInputAddsTheResidualGradientBitwise) {
+  torch::manual_seed(12);
+  for (int64_t hidden : {64, 37}) {
+    const Tensor x = torch::randn({3, 9, hidden}) * 2, w = torch::randn({hidden});
+    const Tensor grad = torch::randn({3, 9, hidden});
+    for (int uses : {3, 1, 2}) {
+      for (bool weight_grad : {true, false}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "hidden " << hidden << " uses " << uses << " weight_grad " << weight_grad);
+        const OpRun kept = RunOp(NormResidualOp(/*rms=*/true, /*keep=*/true, std::nullopt, uses),
+                                 {x, w}, {true, weight_grad}, grad);
+        ExpectIdentical(kept, RunOp(NormResidualOp(true, false, std::nullopt, uses), {x, w},
+                                    {true, weight_grad}, grad));
+      }
+    }
+  }
+  const Tensor x = torch::randn({4, 16}).requires_grad_(), w = torch::randn({16});
+  const NormAndInput rms = FusedRmsNormKeepingInput(x, w, 1e-6);
+  EXPECT_EQ(rms.x_kept.data_ptr(), x.data_ptr());
+  EXPECT_THAT(KeptInputNode(rms), HasSubstr("RmsNormCpuFunction"));
+  EXPECT_TRUE(torch::equal(rms.y, FusedRmsNorm(x, w, 1e-6)));
+  EXPECT_TRUE(FusedLayerNormKeepingInput(x, w, torch::randn({16}), 1e-5).x_kept.is_same(x));
+  const Tensor x64 = x.detach().to(torch::kFloat64).requires_grad_();
+  EXPECT_TRUE(FusedRmsNormKeepingInput(x64, w, 1e-6).x_kept.is_same(x64));
+  SetFusedKernelsEnabled(false);
+  const NormAndInput off = FusedRmsNormKeepingInput(x, w, 1e-6);
+  SetFusedKernelsEnabled(true);
+  EXPECT_TRUE(off.x_kept.is_same(x));
+  ExpectIdentical(RunOp(NormResidualOp(true, true, std::nullopt), {x.detach(), w}, {true, true},
+                        torch::ones({4, 16})),
+                  RunOp(NormResidualOp(true, false, std::nullopt), {x.detach(), w}, {true, true},
+                        torch::ones({4, 16})));
+}
+
 TEST(FusedOpsCpuTest, SwitchRoundTrips) {
   ASSERT_TRUE(FusedKernelsEnabled());
   SetFusedKernelsEnabled(false);

@@ -163,6 +163,35 @@ inline const Op kResidualAdd = [](const std::vector<Tensor>& in) {
 };
 inline const Op kAtenAdd = [](const std::vector<Tensor>& in) { return in[0] + in[1]; };
 
+// A block's residual connection around a norm: x + branch(norm(x)), with the norm keeping its
+// input for the residual (FusedRmsNormKeepingInput / FusedLayerNormKeepingInput) or not (x used
+// twice). in: x, weight and, for LayerNorm, bias; the norm's output in out_dtype (x's when
+// nullopt). `uses`: 3 both paths, 1 the residual only, 2 the branch only.
+inline Op NormResidualOp(bool rms, bool keep, std::optional<at::ScalarType> out_dtype,
+                         int uses = 3) {
+  return [=](const std::vector<Tensor>& in) {
+    const Tensor bias = in.size() > 2 ? in[2] : Tensor();
+    NormAndInput norm;
+    if (keep) {
+      norm = rms ? FusedRmsNormKeepingInput(in[0], in[1], 1e-6, out_dtype)
+                 : FusedLayerNormKeepingInput(in[0], in[1], bias, 1e-5, out_dtype);
+    } else {
+      norm.y = rms ? FusedRmsNorm(in[0], in[1], 1e-6, out_dtype)
+                   : FusedLayerNorm(in[0], in[1], bias, 1e-5, out_dtype);
+      norm.x_kept = in[0];
+    }
+    const Tensor branch = torch::tanh(norm.y) * 3;
+    if (uses == 1) return norm.x_kept * 2;
+    if (uses == 2) return branch;
+    return ResidualAdd(norm.x_kept, branch);
+  };
+}
+
+// The autograd node that made a kept input (its grad_fn's name), or "" for none.
+inline std::string KeptInputNode(const NormAndInput& norm) {
+  return norm.x_kept.grad_fn() ? norm.x_kept.grad_fn()->name() : "";
+}
+
 // ExpectEqual, and the same dtypes.
 inline void ExpectIdentical(const OpRun& actual, const OpRun& expected) {
   ASSERT_EQ(actual.output.scalar_type(), expected.output.scalar_type());

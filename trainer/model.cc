@@ -137,15 +137,23 @@ NormImpl::NormImpl(int64_t size, double eps, bool rms, bool autocast_output)
   if (!rms_) bias_ = register_parameter("bias", torch::zeros({size}));
 }
 
-torch::Tensor NormImpl::forward(const torch::Tensor& x) {
-  std::optional<at::ScalarType> out_dtype;
+std::optional<at::ScalarType> NormImpl::OutputDtype(const torch::Tensor& x) const {
   const at::DeviceType device = x.device().type();
   if (autocast_output_ && x.scalar_type() == at::kFloat &&
       (device == at::kCUDA || device == at::kCPU) && at::autocast::is_autocast_enabled(device)) {
-    out_dtype = at::autocast::get_autocast_dtype(device);
+    return at::autocast::get_autocast_dtype(device);
   }
-  if (rms_) return FusedRmsNorm(x, weight_, eps_, out_dtype);
-  return FusedLayerNorm(x, weight_, bias_, eps_, out_dtype);
+  return std::nullopt;
+}
+
+torch::Tensor NormImpl::forward(const torch::Tensor& x) {
+  if (rms_) return FusedRmsNorm(x, weight_, eps_, OutputDtype(x));
+  return FusedLayerNorm(x, weight_, bias_, eps_, OutputDtype(x));
+}
+
+NormAndInput NormImpl::ForwardKeepingInput(const torch::Tensor& x) {
+  if (rms_) return FusedRmsNormKeepingInput(x, weight_, eps_, OutputDtype(x));
+  return FusedLayerNormKeepingInput(x, weight_, bias_, eps_, OutputDtype(x));
 }
 
 AttentionImpl::AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp)
@@ -301,9 +309,13 @@ void BlockImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) {
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                  const torch::Tensor& sin, const torch::Tensor& mask) {
   // Under autocast a float32 residual stream plus a 16-bit branch: one vectorised kernel on CUDA
-  // (ResidualAdd), bit for bit ATen's add.
-  torch::Tensor h = ResidualAdd(x, attn_->forward(attn_norm_->forward(x), cos, sin, mask));
-  return ResidualAdd(h, mlp_->forward(mlp_norm_->forward(h)));
+  // (ResidualAdd), bit for bit ATen's add. The residual input comes through its norm, whose
+  // backward then adds the gradient arriving through the residual connection to the one through
+  // the branch in its own pass (FusedRmsNormKeepingInput).
+  const NormAndInput attn_in = attn_norm_->ForwardKeepingInput(x);
+  torch::Tensor h = ResidualAdd(attn_in.x_kept, attn_->forward(attn_in.y, cos, sin, mask));
+  const NormAndInput mlp_in = mlp_norm_->ForwardKeepingInput(h);
+  return ResidualAdd(mlp_in.x_kept, mlp_->forward(mlp_in.y));
 }
 
 CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,

@@ -19,6 +19,7 @@
 
 #include "tessera/v1/layout.pb.h"
 #include "tessera/v1/model.pb.h"
+#include "trainer/fused_ops.h"
 #include "trainer/tensor_parallel.h"
 
 namespace tessera::trainer {
@@ -72,8 +73,14 @@ class NormImpl : public torch::nn::Module {
  public:
   NormImpl(int64_t size, double eps, bool rms, bool autocast_output = false);
   torch::Tensor forward(const torch::Tensor& x);
+  // forward(x) and x for the residual connection around the layer the output feeds
+  // (FusedRmsNormKeepingInput).
+  NormAndInput ForwardKeepingInput(const torch::Tensor& x);
 
  private:
+  // The output's dtype: autocast's for a float32 x under autocast_output, else x's (nullopt).
+  std::optional<at::ScalarType> OutputDtype(const torch::Tensor& x) const;
+
   double eps_;
   bool rms_;
   bool autocast_output_;

@@ -25,6 +25,14 @@
 namespace tessera::trainer::kernels {
 namespace {
 
+// grad_x (float32, before rounding to X) plus the gradient x gets through a residual
+// connection, as autograd adds the two: grad_x rounded to X first, then a float32 sum (rounded to
+// X by the caller). __fadd_rn: no contraction with grad_x's last product.
+template <typename X>
+__device__ __forceinline__ float AddResidualGrad(float grad_x, float grad_residual) {
+  return __fadd_rn(ToFloat(FromFloat<X>(grad_x)), grad_residual);
+}
+
 // ---- The block kernels: the fallback, one block per row. ----
 
 constexpr int kMaxBlockKernelThreads = 256;
@@ -83,11 +91,13 @@ __global__ void NormForwardKernel(const X* __restrict__ x, const W* __restrict__
 //   RMSNorm:   grad_x = rstd * (g - n * mean(g n))
 //   LayerNorm: grad_x = rstd * (g - mean(g) - n * mean(g n)).
 // g is rounded the same way in both passes (no FMA contraction of its product into g - mean(g)),
-// so that a row whose g are all equal (hidden 1, say) gets g - mean(g) = 0 exactly.
+// so that a row whose g are all equal (hidden 1, say) gets g - mean(g) = 0 exactly. grad_residual
+// (may be null) is added to grad_x as AddResidualGrad does.
 template <bool kLayer, typename X, typename Y, typename W>
 __global__ void NormBackwardKernel(const Y* __restrict__ grad_y, const X* __restrict__ x,
                                    const W* __restrict__ weight, const float* __restrict__ mean,
-                                   const float* __restrict__ rstd, X* __restrict__ grad_x,
+                                   const float* __restrict__ rstd,
+                                   const X* __restrict__ grad_residual, X* __restrict__ grad_x,
                                    int64_t rows, int64_t hidden) {
   __shared__ float scratch[kMaxBlockKernelThreads / kWarpSize];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -107,7 +117,9 @@ __global__ void NormBackwardKernel(const Y* __restrict__ grad_y, const X* __rest
     for (int64_t j = threadIdx.x; j < hidden; j += blockDim.x) {
       const float g = __fmul_rn(ToFloat(grad_y[base + j]), ToFloat(weight[j]));
       const float n = (ToFloat(x[base + j]) - mu) * r;
-      grad_x[base + j] = FromFloat<X>(r * (g - mean_g - n * mean_dot));
+      const float dx = r * (g - mean_g - n * mean_dot);
+      grad_x[base + j] = FromFloat<X>(
+          grad_residual != nullptr ? AddResidualGrad<X>(dx, ToFloat(grad_residual[base + j])) : dx);
     }
   }
 }
@@ -423,10 +435,11 @@ template <bool kLayer, typename X, typename Y, typename W, int kChunks>
 __global__ void __launch_bounds__(kRowBlockThreads)
     NormBackwardRowKernel(const Y* __restrict__ grad_y, const X* __restrict__ x,
                           const W* __restrict__ weight, const float* __restrict__ mean,
-                          const float* __restrict__ rstd, X* __restrict__ grad_x,
-                          float* __restrict__ weight_partials, float* __restrict__ bias_partials,
-                          int64_t rows, int64_t hidden, int threads_per_row, bool grad_y_packed,
-                          bool grad_x_packed) {
+                          const float* __restrict__ rstd, const X* __restrict__ grad_residual,
+                          X* __restrict__ grad_x, float* __restrict__ weight_partials,
+                          float* __restrict__ bias_partials, int64_t rows, int64_t hidden,
+                          int threads_per_row, bool grad_y_packed, bool grad_x_packed,
+                          bool grad_residual_packed) {
   constexpr int kVec = kVecOf<X>;
   __shared__ float scratch[kRowBlockThreads / kWarpSize];
   const RowTeam team(threads_per_row);
@@ -480,6 +493,12 @@ __global__ void __launch_bounds__(kRowBlockThreads)
       float out[kVec];
 #pragma unroll
       for (int k = 0; k < kVec; ++k) out[k] = r * (g[c][k] - mean_g - n[c][k] * mean_dot);
+      if (grad_residual != nullptr) {
+        float residual[kVec];
+        LoadChunk<kVec>(grad_residual + base + chunk * kVec, residual, grad_residual_packed);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) out[k] = AddResidualGrad<X>(out[k], residual[k]);
+      }
       StoreChunk<kVec>(grad_x + base + chunk * kVec, out, grad_x_packed);
     }
   }
@@ -634,14 +653,16 @@ NormBackwardPlan PlanNormBackward(NormKind kind, const void* x, const void* weig
 
 cudaError_t LaunchNormBackward(NormKind kind, const NormBackwardPlan& plan, const void* grad_y,
                                const void* x, const void* weight, const float* mean,
-                               const float* rstd, void* grad_x, float* weight_partials,
-                               float* bias_partials, int64_t rows, int64_t hidden, Dtype x_dtype,
-                               Dtype y_dtype, Dtype weight_dtype, cudaStream_t stream) {
+                               const float* rstd, const void* grad_residual, void* grad_x,
+                               float* weight_partials, float* bias_partials, int64_t rows,
+                               int64_t hidden, Dtype x_dtype, Dtype y_dtype, Dtype weight_dtype,
+                               cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return cudaSuccess;
   if (kind == NormKind::kLayer && mean == nullptr) return cudaErrorInvalidValue;
   if (kind == NormKind::kRms) bias_partials = nullptr;
   if (bias_partials != nullptr && weight_partials == nullptr) return cudaErrorInvalidValue;
   if (plan.partitions <= 0) return cudaErrorInvalidValue;
+  if (grad_residual != nullptr && grad_x == nullptr) return cudaErrorInvalidValue;
   return DispatchNorm(
       kind, x_dtype, y_dtype, weight_dtype,
       [&](auto layer, auto x_tag, auto y_tag, auto weight_tag) {
@@ -654,6 +675,7 @@ cudaError_t LaunchNormBackward(NormKind kind, const NormBackwardPlan& plan, cons
         const auto* x_t = static_cast<const X*>(x);
         const auto* w_t = static_cast<const W*>(weight);
         auto* dx_t = static_cast<X*>(grad_x);
+        const auto* res_t = static_cast<const X*>(grad_residual);
         if (plan.threads_per_row == 0) {
           // The block kernels: grad_x, then the weight (and bias) partials in a second pass.
           if (plan.partitions > kMaxGridY || plan.partitions * plan.rows_per_partition < rows) {
@@ -662,7 +684,7 @@ cudaError_t LaunchNormBackward(NormKind kind, const NormBackwardPlan& plan, cons
           if (grad_x != nullptr) {
             NormBackwardKernel<kLayer, X, Y, W>
                 <<<RowBlocks(rows), BlockKernelThreads(hidden), 0, stream>>>(
-                    dy_t, x_t, w_t, mean, rstd, dx_t, rows, hidden);
+                    dy_t, x_t, w_t, mean, rstd, res_t, dx_t, rows, hidden);
             if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
           }
           if (weight_partials == nullptr) return cudaSuccess;
@@ -681,11 +703,13 @@ cudaError_t LaunchNormBackward(NormKind kind, const NormBackwardPlan& plan, cons
         }
         const bool grad_y_packed = Aligned(grad_y, kChunkAlignment<Y, kVec>);
         const bool grad_x_packed = Aligned(grad_x, kChunkAlignment<X, kVec>);
+        const bool grad_residual_packed = Aligned(grad_residual, kChunkAlignment<X, kVec>);
         return DispatchChunks<kVec>(layout.chunks, [&](auto chunks) {
           NormBackwardRowKernel<kLayer, X, Y, W, decltype(chunks)::value>
               <<<static_cast<unsigned>(plan.partitions), BackwardRowKernelThreads(layout), 0,
-                 stream>>>(dy_t, x_t, w_t, mean, rstd, dx_t, weight_partials, bias_partials, rows,
-                           hidden, layout.threads_per_row, grad_y_packed, grad_x_packed);
+                 stream>>>(dy_t, x_t, w_t, mean, rstd, res_t, dx_t, weight_partials, bias_partials,
+                           rows, hidden, layout.threads_per_row, grad_y_packed, grad_x_packed,
+                           grad_residual_packed);
           return cudaGetLastError();
         });
       });
