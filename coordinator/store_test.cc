@@ -733,6 +733,27 @@ TEST(StoreTest, UpdatesKeepTheIndexedColumnsInStep) {
   ASSERT_THAT(page, IsOk());
   EXPECT_THAT(page->jobs, IsEmpty());
 
+  // The same state again: the job's other fields change, its create_time only with a full
+  // update.
+  JobWrite same;
+  same.job_id = "job-b";
+  same.job = MakeJob("job-b", v1::JOB_STATE_SCHEDULED, 20);
+  same.job->mutable_spec()->set_name("renamed");
+  ASSERT_THAT(store->Commit(same), IsOk());
+  absl::StatusOr<v1::Job> job = store->GetJob("job-b");
+  ASSERT_THAT(job, IsOk());
+  EXPECT_EQ(job->spec().name(), "renamed");
+  same.job = MakeJob("job-b", v1::JOB_STATE_SCHEDULED, 35);
+  ASSERT_THAT(store->Commit(same), IsOk());
+  page = store->ListJobs({}, 10, "");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_THAT(JobIds(page->jobs), ElementsAre("job-b", "job-a"));
+  page = store->ListJobs({v1::JOB_STATE_SCHEDULED}, 10, "");
+  ASSERT_THAT(page, IsOk());
+  EXPECT_THAT(JobIds(page->jobs), ElementsAre("job-b"));
+  same.job = MakeJob("job-b", v1::JOB_STATE_SCHEDULED, 20);
+  ASSERT_THAT(store->Commit(same), IsOk());
+
   keyed.request_id = "req-a";  // Taken by job-a, on both update paths.
   EXPECT_THAT(store->Commit(keyed), StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("job-b")));
   keyed.job = MakeJob("job-b", v1::JOB_STATE_SCHEDULED, 40);
