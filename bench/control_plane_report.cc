@@ -84,6 +84,8 @@ json ScaleJson(const ScaleResult& r) {
         {"scheduler_pass_phase_mean_ms", PhasesJson(in.pass_phase_seconds)},
         {"store_writes_per_second", in.store_writes_per_second},
         {"store_write_mean_ms", Ms(in.mean_store_write_seconds)},
+        {"store_writer_cores", in.store_writer_cores},
+        {"store_cpu_per_write_us", 1e6 * in.store_cpu_per_write_seconds},
         {"server_heartbeat_mean_ms", Ms(in.mean_heartbeat_seconds)},
         {"server_health_check_mean_ms", Ms(in.mean_health_seconds)},
         {"server_submit_mean_ms", Ms(in.mean_submit_seconds)},
@@ -241,13 +243,15 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
           &out,
           "  coordinator: scheduler pass %.1f/s, mean %.2f ms, holding the cluster lock %.2f ms "
           "(longest hold %.2f ms), %.0f%% of wall under the cluster lock; SQLite writes %.1f/s, "
-          "mean %.2f ms;\n  server-side mean: Heartbeat %.3f ms, "
+          "mean %.2f ms, the writer's CPU %.2f cores (%.0f us a write);\n  server-side mean: "
+          "Heartbeat %.3f ms, "
           "Health/Check %.3f ms, SubmitJob %.2f ms; its own submit->SCHEDULED mean %.0f ms (from "
           "Job.create_time)\n",
           in.passes_per_second, Ms(in.mean_pass_seconds), Ms(in.mean_lock_held_seconds),
-          Ms(in.mean_longest_lock_hold_seconds), 100 * in.lock_duty,
-          in.store_writes_per_second, Ms(in.mean_store_write_seconds),
-          Ms(in.mean_heartbeat_seconds), Ms(in.mean_health_seconds), Ms(in.mean_submit_seconds),
+          Ms(in.mean_longest_lock_hold_seconds), 100 * in.lock_duty, in.store_writes_per_second,
+          Ms(in.mean_store_write_seconds), in.store_writer_cores,
+          1e6 * in.store_cpu_per_write_seconds, Ms(in.mean_heartbeat_seconds),
+          Ms(in.mean_health_seconds), Ms(in.mean_submit_seconds),
           Ms(in.mean_submit_to_scheduled_seconds));
       if (!in.pass_phase_seconds.empty()) {
         absl::StrAppend(&out, "  scheduler pass by phase, ms per pass:");

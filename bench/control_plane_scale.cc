@@ -25,6 +25,8 @@ constexpr char kPassPhaseHistogram[] = "tessera_scheduler_pass_phase_seconds";
 constexpr const char* kPassPhases[] = {"list",  "settle", "plan", "schedule",
                                        "admit", "store",  "count"};
 constexpr char kStoreWriteHistogram[] = "tessera_store_write_duration_seconds";
+constexpr char kStoreWriteCpuCounter[] = "tessera_store_write_cpu_seconds_total";
+constexpr char kStoreWritesCounter[] = "tessera_store_writes_total";
 constexpr char kSchedulingLatencyHistogram[] = "tessera_scheduling_latency_seconds";
 constexpr char kRequestHistogram[] = "tessera_grpc_server_request_duration_seconds";
 constexpr char kHeartbeatMethod[] = R"(method="/tessera.v1.NodeService/Heartbeat")";
@@ -86,6 +88,14 @@ CoordinatorInternals InternalsBetween(const MetricSamples& before, const MetricS
   const HistogramTotals writes = delta(kStoreWriteHistogram);
   internals.store_writes_per_second = writes.count / seconds;
   internals.mean_store_write_seconds = Mean(writes);
+  auto counter_delta = [&](const char* name) {
+    const auto a = after.find(name), b = before.find(name);
+    return (a != after.end() ? a->second : 0) - (b != before.end() ? b->second : 0);
+  };
+  const double writer_cpu = counter_delta(kStoreWriteCpuCounter);
+  const double applied = counter_delta(kStoreWritesCounter);
+  internals.store_writer_cores = writer_cpu / seconds;
+  internals.store_cpu_per_write_seconds = applied > 0 ? writer_cpu / applied : 0;
   internals.mean_heartbeat_seconds = Mean(delta(kRequestHistogram, kHeartbeatMethod));
   internals.mean_health_seconds = Mean(delta(kRequestHistogram, kHealthMethod));
   internals.mean_submit_seconds = Mean(delta(kRequestHistogram, kSubmitMethod));

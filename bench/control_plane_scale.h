@@ -65,6 +65,11 @@ struct CoordinatorInternals {
   // SQLite write transactions per second and their mean duration.
   double store_writes_per_second = 0;
   double mean_store_write_seconds = 0;
+  // The store's writer (tessera_store_write_cpu_seconds_total, tessera_store_writes_total):
+  // its CPU in cores (serial: 1 is all it can do), and its CPU per write; 0 for a coordinator
+  // without those counters.
+  double store_writer_cores = 0;
+  double store_cpu_per_write_seconds = 0;
   // Server-side mean durations (interceptor: call start to status sent).
   double mean_heartbeat_seconds = 0;
   double mean_health_seconds = 0;

@@ -800,7 +800,7 @@ TEST(ClusterStoreTest, APassStoresItsPlacementsInOneTransactionThatSurvivesARest
       job_ids.push_back(job->job_id());
     }
     int transactions = 0;
-    (*store)->SetWriteObserver([&](double) { ++transactions; });
+    (*store)->SetWriteObserver([&](const StoreWriteStats&) { ++transactions; });
     cluster.Tick();
     (*store)->SetWriteObserver(nullptr);
     EXPECT_EQ(transactions, 1) << "four placements, one transaction";

@@ -106,8 +106,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
     daemon->cluster_->Start(nullptr);
     return daemon;
   }
-  daemon->store_->SetWriteObserver(
-      [metrics](double seconds) { metrics->ObserveStoreWrite(seconds); });
+  daemon->store_->SetWriteObserver([metrics](const StoreWriteStats& stats) {
+    metrics->ObserveStoreWrite(stats.seconds, stats.cpu_seconds, stats.writes);
+  });
   daemon->cluster_->SetSchedulingLatencyObserver(
       [metrics](double seconds) { metrics->ObserveSchedulingLatency(seconds); });
   daemon->cluster_->Start([metrics](const ClusterStats& stats, double seconds) {

@@ -1,5 +1,6 @@
 #include "coordinator/coordinator_metrics.h"
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <utility>
@@ -176,6 +177,19 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                                       "seconds.")
                                 .Register(registry)
                                 .Add({}, FastOperationBuckets())),
+      store_write_cpu_seconds_(
+          prometheus::BuildCounter()
+              .Name("tessera_store_write_cpu_seconds_total")
+              .Help("CPU time of the job store's write transactions, in seconds. They run one at "
+                    "a time, so its rate is the share of one core the store's writer uses.")
+              .Register(registry)
+              .Add({})),
+      store_writes_(prometheus::BuildCounter()
+                        .Name("tessera_store_writes_total")
+                        .Help("Writes applied by the job store's transactions (a job's change, "
+                              "a node record, a job id).")
+                        .Register(registry)
+                        .Add({})),
       scheduler_pass_phases_(prometheus::BuildHistogram()
                                  .Name("tessera_scheduler_pass_phase_seconds")
                                  .Help("Wall time one scheduler pass spent in each phase, in "
@@ -358,8 +372,10 @@ void CoordinatorMetrics::ObserveSchedulingPassPhases(
   }
 }
 
-void CoordinatorMetrics::ObserveStoreWrite(double seconds) {
+void CoordinatorMetrics::ObserveStoreWrite(double seconds, double cpu_seconds, int writes) {
   store_write_duration_.Observe(seconds);
+  store_write_cpu_seconds_.Increment(std::max(0.0, cpu_seconds));
+  store_writes_.Increment(std::max(0, writes));
 }
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>

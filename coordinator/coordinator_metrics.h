@@ -31,6 +31,10 @@
 //                                           in each phase ("list", "settle", "plan",
 //                                           "schedule", "admit", "store", "count")
 //   tessera_store_write_duration_seconds    histogram; one store transaction
+//   tessera_store_write_cpu_seconds_total   counter; CPU time of the store's transactions
+//                                           (serial: one at a time; its rate is the
+//                                           share of a core the single writer uses)
+//   tessera_store_writes_total              counter; writes those transactions applied
 //   tessera_job_restarts_total{kind}        counter; restarts decided, by the
 //                                           blamed failure's kind
 //                                           ("process_exit", "node_lost", ...)
@@ -106,8 +110,8 @@ class CoordinatorMetrics {
   void ObserveSchedulingPassLock(double held_seconds, double longest_hold_seconds);
   // Of one pass: the wall time of each phase it went through (ClusterStats::phase_seconds).
   void ObserveSchedulingPassPhases(const std::map<std::string, double>& phase_seconds);
-  // Latency of one store transaction (buckets 100 us .. 10 s).
-  void ObserveStoreWrite(double seconds);
+  // One store transaction: its latency (buckets 100 us .. 10 s), its CPU time and its writes.
+  void ObserveStoreWrite(double seconds, double cpu_seconds, int writes);
 
   // A gRPC server interceptor factory (for
   // ServerBuilder::experimental().SetInterceptorCreators) that counts each
@@ -148,6 +152,8 @@ class CoordinatorMetrics {
   prometheus::Histogram& scheduler_pass_lock_held_;
   prometheus::Histogram& scheduler_pass_longest_lock_hold_;
   prometheus::Histogram& store_write_duration_;
+  prometheus::Counter& store_write_cpu_seconds_;
+  prometheus::Counter& store_writes_;
   prometheus::Family<prometheus::Histogram>& scheduler_pass_phases_;
   prometheus::Family<prometheus::Counter>& grpc_requests_;
   prometheus::Family<prometheus::Histogram>& grpc_request_duration_;

@@ -124,7 +124,8 @@ TEST_F(CoordinatorMetricsTest, HistogramsCountObservationsIntoTheirBuckets) {
   metrics_.ObserveSchedulingLatency(7200.0);  // beyond the last bucket, 1 h
   metrics_.ObserveSchedulingPass(0.003);
   metrics_.ObserveSchedulingPass(0.004);
-  metrics_.ObserveStoreWrite(0.00005);  // under the first bucket, 100 us
+  metrics_.ObserveStoreWrite(0.00005, 0.00004, 3);  // under the first bucket, 100 us
+  metrics_.ObserveStoreWrite(0.02, 0.0005, 2);
   metrics_.ObserveSchedulingPassPhases({{"store", 0.2}, {"plan", 0.003}});
   metrics_.ObserveSchedulingPassPhases({{"store", 0.0004}});
 
@@ -142,9 +143,12 @@ TEST_F(CoordinatorMetricsTest, HistogramsCountObservationsIntoTheirBuckets) {
   EXPECT_THAT(lines, Contains("tessera_scheduler_pass_duration_seconds_bucket{le=\"0.0025\"} 0"));
   EXPECT_THAT(lines, Contains("tessera_scheduler_pass_duration_seconds_bucket{le=\"0.005\"} 2"));
 
-  EXPECT_THAT(lines, Contains("tessera_store_write_duration_seconds_count 1"));
+  EXPECT_THAT(lines, Contains("tessera_store_write_duration_seconds_count 2"));
   EXPECT_THAT(lines, Contains("tessera_store_write_duration_seconds_bucket{le=\"0.0001\"} 1"));
-  EXPECT_THAT(lines, Contains("tessera_store_write_duration_seconds_bucket{le=\"10\"} 1"));
+  EXPECT_THAT(lines, Contains("tessera_store_write_duration_seconds_bucket{le=\"10\"} 2"));
+  EXPECT_THAT(lines, Contains("# TYPE tessera_store_write_cpu_seconds_total counter"));
+  EXPECT_THAT(lines, Contains("tessera_store_write_cpu_seconds_total 0.00054"));
+  EXPECT_THAT(lines, Contains("tessera_store_writes_total 5"));
   EXPECT_THAT(lines, Contains("tessera_scheduler_pass_phase_seconds_count{phase=\"store\"} 2"));
   EXPECT_THAT(
       lines,
@@ -320,7 +324,7 @@ TEST_F(MetricsInterceptorTest, PromtoolFindsNothingToLint) {
   metrics_.SetCpuSlots(4, 0);
   metrics_.ObserveSchedulingLatency(0.5);
   metrics_.ObserveSchedulingPass(0.001);
-  metrics_.ObserveStoreWrite(0.001);
+  metrics_.ObserveStoreWrite(0.001, 0.0002, 1);
   ASSERT_TRUE(CallGetNode().ok());
   ASSERT_EQ(CallReadLogs().error_code(), grpc::StatusCode::UNIMPLEMENTED);
 

@@ -1,6 +1,7 @@
 #include "coordinator/store.h"
 
 #include <sqlite3.h>
+#include <time.h>
 
 #include <algorithm>
 #include <iterator>
@@ -249,6 +250,13 @@ namespace {
 // 4 readers every open read transaction can hold a mark of its own, so none waits for one.
 int ReaderCount() {
   return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
+}
+
+// CPU time of the calling thread, in seconds (0 where the clock cannot be read).
+double ThreadCpuSeconds() {
+  timespec now{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now) != 0) return 0;
+  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
 }
 
 // `sql` prepared on `db`, from `cache` when it was prepared before (the caller holds the
@@ -560,24 +568,25 @@ void Store::GroupCommit(const std::vector<QueuedWrite*>& writes) {
     std::vector<QueuedWrite*> batch = std::move(queued_);
     queued_.clear();
     queue_mu_.Unlock();
-    const double seconds = RunBatch(batch);
+    const StoreWriteStats stats = RunBatch(batch);
     const bool any_applied =
         std::any_of(batch.begin(), batch.end(), [](const QueuedWrite* w) { return w->status.ok(); });
-    if (any_applied) ReportWrite(seconds);
+    if (any_applied) ReportWrite(stats);
     queue_mu_.Lock();
     for (QueuedWrite* write : batch) write->done = true;
     committing_ = false;
   }
 }
 
-double Store::RunBatch(const std::vector<QueuedWrite*>& batch) {
+StoreWriteStats Store::RunBatch(const std::vector<QueuedWrite*>& batch) {
   absl::MutexLock lock(&mu_);
   const absl::Time start = absl::Now();
+  const double cpu_start = ThreadCpuSeconds();
   const std::string operation = absl::StrCat("group commit of ", batch.size(), " writes");
   absl::Status begun = Run("BEGIN IMMEDIATE", operation);
   if (!begun.ok()) {
     for (QueuedWrite* write : batch) write->status = begun;
-    return 0;
+    return {};
   }
   for (QueuedWrite* write : batch) {
     absl::Status status = Run("SAVEPOINT write", operation);
@@ -597,7 +606,7 @@ double Store::RunBatch(const std::vector<QueuedWrite*>& batch) {
                                                                 ": transaction rolled back"))
                              : write->status;
       for (QueuedWrite* other : batch) other->status = lost;
-      return 0;
+      return {};
     }
   }
   absl::Status committed = FinishTransaction(absl::OkStatus(), operation);
@@ -606,7 +615,9 @@ double Store::RunBatch(const std::vector<QueuedWrite*>& batch) {
       if (write->status.ok()) write->status = committed;
     }
   }
-  return absl::ToDoubleSeconds(absl::Now() - start);
+  return {.seconds = absl::ToDoubleSeconds(absl::Now() - start),
+          .cpu_seconds = ThreadCpuSeconds() - cpu_start,
+          .writes = static_cast<int>(batch.size())};
 }
 
 absl::Status Store::UpsertJob(const std::string& job_id, const v1::Job& job,
@@ -1159,7 +1170,7 @@ absl::Status Store::CommitNewJob(JobWrite* write) {
   return queued.status;
 }
 
-void Store::SetWriteObserver(std::function<void(double seconds)> observer) {
+void Store::SetWriteObserver(std::function<void(const StoreWriteStats&)> observer) {
   absl::MutexLock lock(&hooks_mu_);
   write_observer_ = std::move(observer);
 }
@@ -1178,13 +1189,13 @@ absl::Status Store::InjectedFailure(const std::string& id) {
   return injector ? injector(id) : absl::OkStatus();
 }
 
-void Store::ReportWrite(double seconds) {
-  std::function<void(double)> observer;
+void Store::ReportWrite(const StoreWriteStats& stats) {
+  std::function<void(const StoreWriteStats&)> observer;
   {
     absl::MutexLock lock(&hooks_mu_);
     observer = write_observer_;
   }
-  if (observer) observer(seconds);
+  if (observer) observer(stats);
 }
 
 }  // namespace tessera::coordinator

@@ -79,6 +79,13 @@ struct JobWrite {
   std::string request_id;
 };
 
+// One SQLite transaction of the group commit, as the write observer sees it.
+struct StoreWriteStats {
+  double seconds = 0;      // wall time, fsync included
+  double cpu_seconds = 0;  // CPU time of the thread that led it (the writes are serial here)
+  int writes = 0;          // the writes it applied, each in its savepoint (failed ones included)
+};
+
 // One page of ListJobs.
 struct JobPage {
   std::vector<v1::Job> jobs;
@@ -188,11 +195,10 @@ class Store {
   // before the transaction).
   absl::Status CommitNewJob(JobWrite* write);
 
-  // Called with the seconds each committed SQLite transaction took (one
-  // group commit of Commit, CommitAll, PutNode, DeleteNode, NextJobId or CommitNewJob
-  // writes, including the fsync), for the store-write-latency histogram.
-  // Pass nullptr to remove.
-  void SetWriteObserver(std::function<void(double seconds)> observer);
+  // Called for each committed SQLite transaction (one group commit of Commit, CommitAll,
+  // PutNode, DeleteNode, NextJobId or CommitNewJob writes) with its wall time (the fsync
+  // included), its CPU time and its writes: the store-write metrics. Pass nullptr to remove.
+  void SetWriteObserver(std::function<void(const StoreWriteStats&)> observer);
 
   // Fault injection for tests of what sits on the store: before each write
   // (Commit, PutNode) `injector` is called with the write's job or node id; a
@@ -216,8 +222,8 @@ class Store {
   // Queues `writes` (all in the same batch) and returns once they are
   // committed or failed, leading the commit when no other caller is.
   void GroupCommit(const std::vector<QueuedWrite*>& writes) ABSL_LOCKS_EXCLUDED(mu_, queue_mu_);
-  // One transaction over `batch`; returns its duration for the observer.
-  double RunBatch(const std::vector<QueuedWrite*>& batch) ABSL_LOCKS_EXCLUDED(mu_);
+  // One transaction over `batch`; returns its times for the observer.
+  StoreWriteStats RunBatch(const std::vector<QueuedWrite*>& batch) ABSL_LOCKS_EXCLUDED(mu_);
   // The checks Commit makes before queuing a write (ids, the injected failure).
   absl::Status CheckWrite(const JobWrite& write) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -252,7 +258,7 @@ class Store {
   absl::StatusOr<std::string> AllocateJobIdLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::StatusOr<std::vector<v1::Job>> QueryJobs(Statement& statement,
                                                          absl::string_view operation);
-  void ReportWrite(double seconds) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReportWrite(const StoreWriteStats& stats) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The connection a read uses, held for the read: an idle reader when there are readers (it
   // waits for one when all are busy), else db_ (under mu_).
@@ -275,7 +281,7 @@ class Store {
   // The test and metrics hooks have a mutex of their own: every write consults them, and
   // taking mu_ for that would wait for the commit in progress (its fsync included).
   absl::Mutex hooks_mu_;
-  std::function<void(double)> write_observer_ ABSL_GUARDED_BY(hooks_mu_);
+  std::function<void(const StoreWriteStats&)> write_observer_ ABSL_GUARDED_BY(hooks_mu_);
   absl::Mutex queue_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   std::vector<QueuedWrite*> queued_ ABSL_GUARDED_BY(queue_mu_);
   bool committing_ ABSL_GUARDED_BY(queue_mu_) = false;

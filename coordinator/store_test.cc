@@ -418,8 +418,8 @@ TEST(StoreTest, NodesUpsertListDelete) {
 TEST(StoreTest, WriteObserverSeesEveryWrite) {
   std::unique_ptr<Store> store = OpenOrDie(":memory:");
   ASSERT_NE(store, nullptr);
-  std::vector<double> observed;
-  store->SetWriteObserver([&](double seconds) { observed.push_back(seconds); });
+  std::vector<StoreWriteStats> observed;
+  store->SetWriteObserver([&](const StoreWriteStats& stats) { observed.push_back(stats); });
   SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_PENDING, 1), 2);
   v1::Node node;
   node.set_node_id("node-a");
@@ -430,10 +430,26 @@ TEST(StoreTest, WriteObserverSeesEveryWrite) {
   rejected.metrics.push_back(Metrics(1, 1));
   EXPECT_FALSE(store->Commit(rejected).ok());
   ASSERT_THAT(observed, SizeIs(3)) << "failed writes are not observed";
-  for (double seconds : observed) EXPECT_GE(seconds, 0);
+  for (const StoreWriteStats& stats : observed) {
+    EXPECT_GE(stats.seconds, 0);
+    EXPECT_GE(stats.cpu_seconds, 0);
+    EXPECT_EQ(stats.writes, 1);  // one at a time on this thread
+  }
+  // A transaction's CPU time is the leader's: some, and at most its wall time plus the clocks'
+  // granularity.
+  std::vector<JobWrite> writes(50);
+  for (int i = 0; i < 50; ++i) {
+    writes[i].job_id = absl::StrCat("job-many-", i);
+    writes[i].job = MakeJob(writes[i].job_id, v1::JOB_STATE_PENDING, 100 + i);
+  }
+  for (const auto& result : store->CommitAll(writes)) EXPECT_THAT(result, IsOk());
+  ASSERT_THAT(observed, SizeIs(4));
+  EXPECT_EQ(observed.back().writes, 50);
+  EXPECT_GT(observed.back().cpu_seconds, 0);
+  EXPECT_LE(observed.back().cpu_seconds, observed.back().seconds + 0.01);
   store->SetWriteObserver(nullptr);
   ASSERT_THAT(store->PutNode(node), IsOk());
-  EXPECT_THAT(observed, SizeIs(3));
+  EXPECT_THAT(observed, SizeIs(4));
 }
 
 TEST(StoreTest, NextJobIdIsUniqueAndMonotonicAcrossReopen) {
@@ -992,7 +1008,7 @@ TEST(StoreTest, CommitAllStoresEachWriteAtomicallyInOneTransaction) {
     ASSERT_NE(store, nullptr);
     SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_PENDING, 1), 1);
     int transactions = 0;
-    store->SetWriteObserver([&](double) { ++transactions; });
+    store->SetWriteObserver([&](const StoreWriteStats&) { ++transactions; });
     std::vector<JobWrite> writes(3);
     writes[0].job_id = "job-a";
     writes[0].job = MakeJob("job-a", v1::JOB_STATE_SCHEDULED, 1);
