@@ -518,6 +518,7 @@ def stage_control_plane(ctx):
                                "control-plane.json")
     scale = report["scales"][0]
     heartbeat = scale["heartbeat_latency"]
+    internals = scale.get("coordinator_internals") or {}
     result = {
         "nodes": scale["nodes"], "jobs_offered_per_second": scale["jobs_offered_per_second"],
         "jobs_placed_per_second": scale["jobs_placed_per_second"],
@@ -529,6 +530,9 @@ def stage_control_plane(ctx):
         "coordinator_cores": scale["coordinator_cores"],
         "load_generator_cores": scale["load_generator_cores"],
         "coordinator_peak_rss_mib": scale["coordinator_peak_rss_mib"],
+        # The store's single writer: near 1 core, it is what limits placements.
+        "store_writer_cores": internals.get("store_writer_cores"),
+        "store_cpu_per_write_us": internals.get("store_cpu_per_write_us"),
         "machine_cores": os.cpu_count(), "load": load, "goals": CONTROL_PLANE_GOALS}
     result["goals_met"] = {
         "placements_per_s": result["jobs_placed_per_second"]
@@ -620,6 +624,9 @@ def summary_lines(report):
                   f"(goal p99 < {control['goals']['heartbeat_p99_ms']} ms: "
                   f"{'met' if met['heartbeat_p99_ms'] else 'not met'}), coordinator "
                   f"{control['coordinator_cores']:.2f} cores"]
+        if control.get("store_writer_cores") is not None:
+            lines[-1] += (f", the store's writer {control['store_writer_cores']:.2f} cores "
+                          f"({control['store_cpu_per_write_us']:.0f} us a write)")
     return lines
 
 
