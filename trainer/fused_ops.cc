@@ -518,20 +518,27 @@ bool FusedKernelsBuilt() { return TESSERA_WITH_CUDA != 0; }
 
 namespace {
 
+// A norm function's outputs (NormOutputs) as y and the input kept for the residual: the second
+// output when the input was kept, else x itself.
+NormAndInput WithKeptInput(variable_list outputs, const torch::Tensor& x, bool keep_input) {
+  return {std::move(outputs[0]), keep_input ? std::move(outputs[1]) : x};
+}
+
 // FusedRmsNorm (keep_input false: x_kept is x itself) or FusedRmsNormKeepingInput.
 NormAndInput RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                      std::optional<at::ScalarType> out_dtype, bool keep_input) {
   const at::ScalarType out = out_dtype.value_or(x.scalar_type());
   if (FusedKernelsEnabled() && FusedRmsNormCpuApplies(x, weight)) {
-    variable_list outputs = RmsNormCpuFunction::apply(x, weight, eps, keep_input);
-    torch::Tensor y = out == at::kFloat ? outputs[0] : outputs[0].to(out);
-    return {std::move(y), keep_input ? std::move(outputs[1]) : x};
+    NormAndInput norm =
+        WithKeptInput(RmsNormCpuFunction::apply(x, weight, eps, keep_input), x, keep_input);
+    if (out != at::kFloat) norm.y = norm.y.to(out);
+    return norm;
   }
 #if TESSERA_WITH_CUDA
   if (FusedKernelsEnabled() && FusedNormApplies(x, weight, torch::Tensor(), out)) {
-    variable_list outputs = NormFunction::apply(x, weight, NoBias(weight), eps, /*rms=*/true,
-                                                static_cast<int64_t>(out), keep_input);
-    return {std::move(outputs[0]), keep_input ? std::move(outputs[1]) : x};
+    return WithKeptInput(NormFunction::apply(x, weight, NoBias(weight), eps, /*rms=*/true,
+                                             static_cast<int64_t>(out), keep_input),
+                         x, keep_input);
   }
 #endif
   return {RmsNormComposite(x, weight, eps, out), x};
@@ -539,17 +546,16 @@ NormAndInput RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double
 
 NormAndInput LayerNorm(const torch::Tensor& x, const torch::Tensor& weight,
                        const torch::Tensor& bias, double eps,
-                       std::optional<at::ScalarType> out_dtype, bool keep_input) {
+                       std::optional<at::ScalarType> out_dtype,
+                       [[maybe_unused]] bool keep_input) {  // no CPU LayerNorm kernel to keep it
   const at::ScalarType out = out_dtype.value_or(x.scalar_type());
 #if TESSERA_WITH_CUDA
   if (FusedKernelsEnabled() && FusedNormApplies(x, weight, bias, out)) {
-    variable_list outputs =
-        NormFunction::apply(x, weight, bias.defined() ? bias : NoBias(weight), eps,
-                            /*rms=*/false, static_cast<int64_t>(out), keep_input);
-    return {std::move(outputs[0]), keep_input ? std::move(outputs[1]) : x};
+    return WithKeptInput(NormFunction::apply(x, weight, bias.defined() ? bias : NoBias(weight), eps,
+                                             /*rms=*/false, static_cast<int64_t>(out), keep_input),
+                         x, keep_input);
   }
 #endif
-  (void)keep_input;
   return {LayerNormComposite(x, weight, bias, eps, out), x};
 }
 
