@@ -3,6 +3,7 @@
 #include <openssl/evp.h>
 #include <sys/stat.h>
 
+#include <cstdlib>
 #include <iostream>
 #include <utility>
 
@@ -80,9 +81,20 @@ CallCredentials CredentialsOf(const grpc::ServerContextBase& context) {
 }
 
 std::string TokenSha256(absl::string_view token) {
+  // Fetched once: EVP_sha256() makes every EVP_Digest look the algorithm up again, under a lock
+  // that all threads share, and every heartbeat and report checks its node key through here.
+  // Never freed: it lives as long as the process.
+  static EVP_MD* const sha256 = [] {
+    EVP_MD* md = EVP_MD_fetch(nullptr, "SHA256", nullptr);
+    if (md == nullptr) {
+      std::cerr << "tessera: OpenSSL offers no SHA-256\n";
+      std::abort();
+    }
+    return md;
+  }();
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int length = 0;
-  EVP_Digest(token.data(), token.size(), digest, &length, EVP_sha256(), nullptr);
+  EVP_Digest(token.data(), token.size(), digest, &length, sha256, nullptr);
   static constexpr char kHex[] = "0123456789abcdef";
   std::string hex;
   hex.reserve(2 * length);

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "coordinator/attempt_policy.h"
+#include "coordinator/auth.h"
 #include "coordinator/layout_planning.h"
 #include "google/protobuf/util/time_util.h"
 
@@ -181,8 +182,10 @@ absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequ
     if (executor == nullptr) return FinishFollowUps(follow_ups);
     executor->Schedule([this, follow_ups = std::move(follow_ups)] { FinishFollowUps(follow_ups); });
   };
+  // Hashed before the lock: every heartbeat holds it, and the hash was most of a hold.
+  const std::string key_sha256 = TokenSha256(request.node_key());
   absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(nodes_.CheckKey(request.node_id(), request.node_key()));
+  RETURN_IF_ERROR(nodes_.CheckKey(request.node_id(), key_sha256));
   heartbeat_node_ = request.node_id();
   absl::Cleanup quiet = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { heartbeat_node_.clear(); };
   v1::HeartbeatResponse response;
@@ -215,11 +218,12 @@ absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequ
 
 absl::Status Cluster::CheckWatcher(const std::string& node_id, const std::string& node_key) {
   if (node_id.empty()) return absl::InvalidArgumentError("node_id: required");
+  const std::string key_sha256 = TokenSha256(node_key);
   absl::MutexLock lock(&mu_);
   if (!nodes_.Known(node_id)) {
     return absl::NotFoundError(absl::StrCat("node ", node_id, " is not registered"));
   }
-  return nodes_.CheckKey(node_id, node_key);
+  return nodes_.CheckKey(node_id, key_sha256);
 }
 
 void Cluster::OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status,
@@ -333,9 +337,10 @@ absl::StatusOr<v1::ReportResponse> Cluster::Report(const v1::ReportRequest& requ
   // Reports of this batch already stored (the worker resends a batch whose response it lost):
   // skipped, so each report is stored, and each event appended, once.
   int64_t skip = 0;
+  const std::string key_sha256 = TokenSha256(request.node_key());
   {
     absl::MutexLock lock(&mu_);
-    RETURN_IF_ERROR(nodes_.CheckKey(request.node_id(), request.node_key()));
+    RETURN_IF_ERROR(nodes_.CheckKey(request.node_id(), key_sha256));
     // A node speaks only for the attempts placed on it.
     for (const auto& report : request.reports()) {
       const Allocation* placed = allocations_.Find(report.job_id());

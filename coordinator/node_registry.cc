@@ -25,12 +25,28 @@ std::string HostOf(const std::string& address) {
 absl::Status NodeRegistry::Load(absl::Time now) {
   ASSIGN_OR_RETURN(auto nodes, store_->ListNodes());
   for (auto& node : nodes) {
-    Entry& entry = nodes_[node.node_id()];
+    Entry& entry = Insert(node.node_id());
     entry.node = std::move(node);
     entry.last_heartbeat = now;
     Summarize(entry);
   }
   return absl::OkStatus();
+}
+
+NodeRegistry::Entry& NodeRegistry::Insert(const std::string& node_id) {
+  auto [it, inserted] = nodes_.try_emplace(node_id);
+  if (inserted) by_id_.emplace(node_id, &it->second);
+  return it->second;
+}
+
+NodeRegistry::Entry* NodeRegistry::Lookup(const std::string& node_id) {
+  auto it = by_id_.find(node_id);
+  return it == by_id_.end() ? nullptr : it->second;
+}
+
+const NodeRegistry::Entry* NodeRegistry::Lookup(const std::string& node_id) const {
+  auto it = by_id_.find(node_id);
+  return it == by_id_.end() ? nullptr : it->second;
 }
 
 void NodeRegistry::Summarize(Entry& entry) {
@@ -56,7 +72,7 @@ void NodeRegistry::Summarize(Entry& entry) {
 }
 
 absl::Status NodeRegistry::Persist(const std::string& node_id) {
-  absl::Status status = store_->PutNode(nodes_.at(node_id).node);
+  absl::Status status = store_->PutNode(by_id_.at(node_id)->node);
   if (status.ok()) {
     dirty_.erase(node_id);
   } else {
@@ -75,16 +91,17 @@ absl::Status NodeRegistry::Flush() {
 absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl::Time now,
                                     bool* returning) {
   const std::string key_sha256 = TokenSha256(request.node_key());
-  if (auto it = nodes_.find(request.node_id());
-      it != nodes_.end() && it->second.node.state() != v1::NODE_STATE_LOST &&
+  if (const Entry* known = Lookup(request.node_id());
+      known != nullptr && known->node.state() != v1::NODE_STATE_LOST &&
       // A record from before node keys binds to the first key it sees.
-      !it->second.node.key_sha256().empty() && it->second.node.key_sha256() != key_sha256) {
+      !known->node.key_sha256().empty() && known->node.key_sha256() != key_sha256) {
     return absl::AlreadyExistsError(absl::StrCat(
-        "node ", request.node_id(), " is registered by another worker (", it->second.node.address(),
-        ", heard from ", absl::FormatDuration(absl::Trunc(now - it->second.last_heartbeat, absl::Milliseconds(100))),
+        "node ", request.node_id(), " is registered by another worker (", known->node.address(),
+        ", heard from ",
+        absl::FormatDuration(absl::Trunc(now - known->last_heartbeat, absl::Milliseconds(100))),
         " ago) with a different node key; a node id is taken over only once its node is LOST"));
   }
-  Entry& entry = nodes_[request.node_id()];
+  Entry& entry = Insert(request.node_id());
   v1::Node& node = entry.node;
   *returning = !node.node_id().empty();
   node.set_node_id(request.node_id());
@@ -105,9 +122,9 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl
 
 bool NodeRegistry::Touch(const std::string& node_id, absl::Time now,
                          const google::protobuf::RepeatedPtrField<v1::GpuMetrics>& gpu_metrics) {
-  auto it = nodes_.find(node_id);
-  if (it == nodes_.end() || it->second.node.state() == v1::NODE_STATE_LOST) return false;
-  Entry& entry = it->second;
+  auto* const found = Lookup(node_id);
+  if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return false;
+  Entry& entry = *found;
   entry.last_heartbeat = now;
   *entry.node.mutable_last_heartbeat_time() = ToProto(now);
   entry.node.mutable_gpu_metrics()->CopyFrom(gpu_metrics);
@@ -132,17 +149,18 @@ std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire(absl::T
   return lost;
 }
 
-absl::Status NodeRegistry::CheckKey(const std::string& node_id, const std::string& key) const {
-  auto it = nodes_.find(node_id);
-  if (it == nodes_.end() || it->second.node.key_sha256().empty()) return absl::OkStatus();
-  if (it->second.node.key_sha256() == TokenSha256(key)) return absl::OkStatus();
+absl::Status NodeRegistry::CheckKey(const std::string& node_id,
+                                    const std::string& key_sha256) const {
+  auto* const found = Lookup(node_id);
+  if (found == nullptr || found->node.key_sha256().empty()) return absl::OkStatus();
+  if (found->node.key_sha256() == key_sha256) return absl::OkStatus();
   return absl::PermissionDeniedError(
       absl::StrCat("node ", node_id, " registered with another node key"));
 }
 
 bool NodeRegistry::IsLost(const std::string& node_id) const {
-  auto it = nodes_.find(node_id);
-  return it == nodes_.end() || it->second.node.state() == v1::NODE_STATE_LOST;
+  auto* const found = Lookup(node_id);
+  return found == nullptr || found->node.state() == v1::NODE_STATE_LOST;
 }
 
 bool UsedResources::Node::HoldsGpu(int index) const {
@@ -204,22 +222,22 @@ std::map<std::string, int> UsedResources::CpuSlotCounts() const {
 }
 
 const v1::Node* NodeRegistry::Find(const std::string& node_id) const {
-  auto it = nodes_.find(node_id);
-  return it == nodes_.end() ? nullptr : &it->second.node;
+  auto* const found = Lookup(node_id);
+  return found == nullptr ? nullptr : &found->node;
 }
 
 void NodeRegistry::QueueStart(const std::string& node_id, v1::TaskAssignment assignment,
                               bool held) {
-  auto it = nodes_.find(node_id);
-  if (it == nodes_.end()) return;
-  it->second.to_start.push_back({std::move(assignment), held});
+  auto* const found = Lookup(node_id);
+  if (found == nullptr) return;
+  found->to_start.push_back({std::move(assignment), held});
   if (!held && orders_listener_) orders_listener_(node_id);
 }
 
 bool NodeRegistry::ReleaseStart(const std::string& node_id, const std::string& task_id) {
-  auto it = nodes_.find(node_id);
-  if (it == nodes_.end()) return false;
-  for (auto& start : it->second.to_start) {
+  auto* const found = Lookup(node_id);
+  if (found == nullptr) return false;
+  for (auto& start : found->to_start) {
     if (start.assignment.task_id() != task_id) continue;
     if (start.held) {
       start.held = false;
@@ -231,40 +249,40 @@ bool NodeRegistry::ReleaseStart(const std::string& node_id, const std::string& t
 }
 
 void NodeRegistry::QueueStop(const std::string& node_id, const std::string& task_id) {
-  auto it = nodes_.find(node_id);
-  if (it == nodes_.end() || it->second.node.state() == v1::NODE_STATE_LOST) return;
-  auto& stops = it->second.to_stop;
+  auto* const found = Lookup(node_id);
+  if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return;
+  auto& stops = found->to_stop;
   if (std::find(stops.begin(), stops.end(), task_id) != stops.end()) return;
   stops.push_back(task_id);
   if (orders_listener_) orders_listener_(node_id);
 }
 
 bool NodeRegistry::WithdrawStart(const std::string& node_id, const std::string& task_id) {
-  auto it = nodes_.find(node_id);
-  if (it == nodes_.end()) return false;
-  return std::erase_if(it->second.to_start, [&](const Entry::Start& start) {
+  auto* const found = Lookup(node_id);
+  if (found == nullptr) return false;
+  return std::erase_if(found->to_start, [&](const Entry::Start& start) {
            return start.assignment.task_id() == task_id;
          }) > 0;
 }
 
 bool NodeRegistry::StartQueued(const std::string& node_id, const std::string& task_id) const {
-  auto it = nodes_.find(node_id);
-  if (it == nodes_.end()) return false;
+  auto* const found = Lookup(node_id);
+  if (found == nullptr) return false;
   return std::any_of(
-      it->second.to_start.begin(), it->second.to_start.end(),
+      found->to_start.begin(), found->to_start.end(),
       [&](const Entry::Start& start) { return start.assignment.task_id() == task_id; });
 }
 
 void NodeRegistry::TakeOrders(const std::string& node_id, v1::HeartbeatResponse* response) {
-  auto it = nodes_.find(node_id);
-  if (it == nodes_.end()) return;
-  auto& starts = it->second.to_start;
+  auto* const found = Lookup(node_id);
+  if (found == nullptr) return;
+  auto& starts = found->to_start;
   for (auto& start : starts) {
     if (!start.held) *response->add_start() = std::move(start.assignment);
   }
   std::erase_if(starts, [](const Entry::Start& start) { return !start.held; });
-  for (auto& stop : it->second.to_stop) response->add_stop(std::move(stop));
-  it->second.to_stop.clear();
+  for (auto& stop : found->to_stop) response->add_stop(std::move(stop));
+  found->to_stop.clear();
 }
 
 std::vector<NodeCapacity> NodeRegistry::Capacity(const UsedResources& used) const {
@@ -298,8 +316,8 @@ std::vector<NodeCapacity> NodeRegistry::Subtract(const std::vector<NodeCapacity>
 }
 
 bool NodeRegistry::ChangedSince(const std::string& node_id, uint64_t generation) const {
-  auto it = nodes_.find(node_id);
-  return it == nodes_.end() || it->second.changed > generation;
+  auto* const found = Lookup(node_id);
+  return found == nullptr || found->changed > generation;
 }
 
 NodeRegistry::Tally NodeRegistry::Count(const UsedResources& used) const {
