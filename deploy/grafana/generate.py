@@ -190,6 +190,24 @@ def control_plane():
                     "scheduler pass"),
                    (f"histogram_quantile(0.99, sum by (le) (rate(tessera_store_write_duration_seconds_bucket[{RATE}])))",
                     "store write")], unit="s"),
+            panel("Scheduler busy by phase",
+                  [(f"sum by (phase) (rate(tessera_scheduler_pass_phase_seconds_sum[{RATE}]))",
+                    "{{phase}}")], unit="percentunit",
+                  description="Share of wall time the scheduler thread spent in each phase of its "
+                              "passes. Near 100% in all, passes run back to back and placement "
+                              "waits for them."),
+            panel("Store writer busy (share of one core)",
+                  [(f"sum(rate(tessera_store_write_cpu_seconds_total[{RATE}]))", "writer")],
+                  unit="percentunit",
+                  description="The store applies every write on one connection, one transaction "
+                              "at a time, so this CPU is serial whatever the core count. Near "
+                              "100%, the writer limits how fast jobs are placed and reported."),
+            panel("Store writes per second",
+                  [(f"sum(rate(tessera_store_writes_total[{RATE}]))", "writes"),
+                   (f"sum(rate(tessera_store_write_duration_seconds_count[{RATE}]))",
+                    "transactions")], unit="ops",
+                  description="Writes (a job's change, a node record) and the group-commit "
+                              "transactions that carry them."),
         ])
 
 
