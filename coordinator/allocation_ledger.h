@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
 #include "coordinator/node_registry.h"
 #include "tessera/v1/job.pb.h"
@@ -98,8 +99,9 @@ class AllocationLedger {
   void Unindex(const std::string& job_id, const Allocation& allocation);
 
   std::map<std::string, Allocation> allocations_;
-  // node_id -> jobs with a rank there.
-  std::map<std::string, std::set<std::string>> jobs_by_node_;
+  // node_id -> jobs with a rank there. Hashed: every heartbeat looks its node up under the
+  // cluster lock, and nothing walks it in order.
+  absl::flat_hash_map<std::string, std::set<std::string>> jobs_by_node_;
   // node_id -> GPU index -> ranks holding it (more than one only if a placement was doubled), and
   // node_id -> CPU ranks: what Used reports, kept by Add and Unindex.
   std::map<std::string, std::map<int, int>> held_gpus_;

@@ -182,14 +182,19 @@ absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequ
     if (executor == nullptr) return FinishFollowUps(follow_ups);
     executor->Schedule([this, follow_ups = std::move(follow_ups)] { FinishFollowUps(follow_ups); });
   };
-  // Hashed before the lock: every heartbeat holds it, and the hash was most of a hold.
+  // Hashed and copied before the lock: every heartbeat holds it, and the hash was most of a
+  // hold. The metrics are copied into this thread's scratch, which Touch swaps with the node's:
+  // the scratch then holds the node's previous ones, whose messages the next copy reuses, so a
+  // heartbeat allocates nothing for them.
   const std::string key_sha256 = TokenSha256(request.node_key());
+  thread_local google::protobuf::RepeatedPtrField<v1::GpuMetrics> gpu_metrics;
+  gpu_metrics.CopyFrom(request.gpu_metrics());
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(nodes_.CheckKey(request.node_id(), key_sha256));
   heartbeat_node_ = request.node_id();
   absl::Cleanup quiet = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { heartbeat_node_.clear(); };
   v1::HeartbeatResponse response;
-  if (!nodes_.Touch(request.node_id(), options_.now(), request.gpu_metrics())) {
+  if (!nodes_.Touch(request.node_id(), options_.now(), &gpu_metrics)) {
     // Unknown, or declared lost (its work was failed): start over.
     response.set_reregister(true);
     return response;

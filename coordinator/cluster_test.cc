@@ -176,6 +176,44 @@ TEST_F(ClusterTest, SilentNodeIsLostAndAskedToRegisterAgain) {
   EXPECT_TRUE(Beat("n1", {}).reregister());
 }
 
+// A heartbeat's GPU metrics replace the node's (they are copied before the cluster lock and
+// swapped in under it); a heartbeat with a wrong key changes nothing.
+TEST_F(ClusterTest, HeartbeatGpuMetricsReplaceTheNodesLast) {
+  v1::RegisterNodeRequest request;
+  request.set_node_id("n1");
+  request.set_address("n1:7000");
+  request.set_node_key("k1");
+  request.mutable_resources()->set_cpu_slots(2);
+  ASSERT_THAT(cluster_->Register(request).status(), IsOk());
+  auto beat = [&](const std::string& key, std::vector<double> utilization) {
+    v1::HeartbeatRequest heartbeat;
+    heartbeat.set_node_id("n1");
+    heartbeat.set_node_key(key);
+    for (size_t i = 0; i < utilization.size(); ++i) {
+      v1::GpuMetrics* gpu = heartbeat.add_gpu_metrics();
+      gpu->set_index(static_cast<int>(i));
+      gpu->set_utilization_percent(utilization[i]);
+    }
+    return cluster_->Heartbeat(heartbeat).status();
+  };
+  auto utilization = [&] {
+    std::vector<double> out;
+    const std::vector<v1::Node> nodes = cluster_->Nodes(false);
+    for (const auto& gpu : nodes.at(0).gpu_metrics()) {
+      out.push_back(gpu.utilization_percent());
+    }
+    return out;
+  };
+  ASSERT_THAT(beat("k1", {10, 20}), IsOk());
+  EXPECT_EQ(utilization(), (std::vector<double>{10, 20}));
+  ASSERT_THAT(beat("k1", {30}), IsOk());
+  EXPECT_EQ(utilization(), (std::vector<double>{30}));
+  EXPECT_EQ(beat("other", {99, 99}).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(utilization(), (std::vector<double>{30}));
+  ASSERT_THAT(beat("k1", {}), IsOk());
+  EXPECT_TRUE(utilization().empty());
+}
+
 // While a pass stores a placement, its assignments are held back: a heartbeat from one of its
 // nodes is answered at once without them (it never waits for the store), and the node gets them
 // with its first heartbeat after the store, the notifier telling it then, not before.

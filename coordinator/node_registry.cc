@@ -121,13 +121,13 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl
 }
 
 bool NodeRegistry::Touch(const std::string& node_id, absl::Time now,
-                         const google::protobuf::RepeatedPtrField<v1::GpuMetrics>& gpu_metrics) {
+                         google::protobuf::RepeatedPtrField<v1::GpuMetrics>* gpu_metrics) {
   auto* const found = Lookup(node_id);
   if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return false;
   Entry& entry = *found;
   entry.last_heartbeat = now;
   *entry.node.mutable_last_heartbeat_time() = ToProto(now);
-  entry.node.mutable_gpu_metrics()->CopyFrom(gpu_metrics);
+  entry.node.mutable_gpu_metrics()->Swap(gpu_metrics);
   return true;
 }
 

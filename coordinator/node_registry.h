@@ -74,8 +74,10 @@ class NodeRegistry {
   absl::Status CheckKey(const std::string& node_id, const std::string& key_sha256) const;
 
   // A heartbeat from `node_id`: false (and nothing recorded) when the node is unknown or LOST.
+  // The node's GPU metrics are swapped with `gpu_metrics` (so a caller can copy them from the
+  // request before it takes the cluster lock, and free the old ones after).
   bool Touch(const std::string& node_id, absl::Time now,
-             const google::protobuf::RepeatedPtrField<v1::GpuMetrics>& gpu_metrics);
+             google::protobuf::RepeatedPtrField<v1::GpuMetrics>* gpu_metrics);
 
   // Marks every READY node silent for longer than the heartbeat timeout LOST, drops its queued
   // orders and returns (node_id, silence) of each.

@@ -105,7 +105,8 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
       case 2:  // time passes; heartbeats from some nodes; expiry
         now += absl::Seconds(1 + pick(8));
         for (auto& [id, seen] : last_seen) {
-          if (pick(3) && registry.Touch(id, now, {})) seen = now;
+          google::protobuf::RepeatedPtrField<v1::GpuMetrics> no_metrics;
+          if (pick(3) && registry.Touch(id, now, &no_metrics)) seen = now;
         }
         for (const auto& [lost, silence] : registry.Expire(now)) changed.insert(lost);
         break;
