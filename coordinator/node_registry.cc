@@ -27,7 +27,8 @@ absl::Status NodeRegistry::Load(absl::Time now) {
   for (auto& node : nodes) {
     Entry& entry = Insert(node.node_id());
     entry.node = std::move(node);
-    entry.last_heartbeat = now;
+    liveness_[entry.liveness].last_heartbeat = now;
+    liveness_[entry.liveness].lost = entry.node.state() == v1::NODE_STATE_LOST;
     Summarize(entry);
   }
   return absl::OkStatus();
@@ -35,7 +36,11 @@ absl::Status NodeRegistry::Load(absl::Time now) {
 
 NodeRegistry::Entry& NodeRegistry::Insert(const std::string& node_id) {
   auto [it, inserted] = nodes_.try_emplace(node_id);
-  if (inserted) by_id_.emplace(node_id, &it->second);
+  if (inserted) {
+    by_id_.emplace(node_id, &it->second);
+    it->second.liveness = liveness_.size();
+    liveness_.push_back({.entry = &it->second});
+  }
   return it->second;
 }
 
@@ -98,7 +103,8 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl
     return absl::AlreadyExistsError(absl::StrCat(
         "node ", request.node_id(), " is registered by another worker (", known->node.address(),
         ", heard from ",
-        absl::FormatDuration(absl::Trunc(now - known->last_heartbeat, absl::Milliseconds(100))),
+        absl::FormatDuration(
+            absl::Trunc(now - liveness_[known->liveness].last_heartbeat, absl::Milliseconds(100))),
         " ago) with a different node key; a node id is taken over only once its node is LOST"));
   }
   Entry& entry = Insert(request.node_id());
@@ -115,7 +121,8 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl
   node.set_key_sha256(key_sha256);
   if (!*returning) *node.mutable_register_time() = ToProto(now);
   *node.mutable_last_heartbeat_time() = ToProto(now);
-  entry.last_heartbeat = now;
+  liveness_[entry.liveness].last_heartbeat = now;
+  liveness_[entry.liveness].lost = false;
   Summarize(entry);
   return Persist(request.node_id());
 }
@@ -125,7 +132,7 @@ bool NodeRegistry::Touch(const std::string& node_id, absl::Time now,
   auto* const found = Lookup(node_id);
   if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return false;
   Entry& entry = *found;
-  entry.last_heartbeat = now;
+  liveness_[entry.liveness].last_heartbeat = now;
   *entry.node.mutable_last_heartbeat_time() = ToProto(now);
   entry.node.mutable_gpu_metrics()->Swap(gpu_metrics);
   return true;
@@ -133,10 +140,13 @@ bool NodeRegistry::Touch(const std::string& node_id, absl::Time now,
 
 std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire(absl::Time now) {
   std::vector<std::pair<std::string, absl::Duration>> lost;
-  for (auto& [node_id, entry] : nodes_) {
-    if (entry.node.state() == v1::NODE_STATE_LOST) continue;
-    const absl::Duration silence = now - entry.last_heartbeat;
+  for (Liveness& live : liveness_) {
+    if (live.lost) continue;
+    const absl::Duration silence = now - live.last_heartbeat;
     if (silence <= heartbeat_timeout_) continue;
+    live.lost = true;
+    Entry& entry = *live.entry;
+    const std::string& node_id = entry.node.node_id();
     entry.node.set_state(v1::NODE_STATE_LOST);
     entry.capacity.schedulable = false;
     entry.changed = ++generation_;
@@ -146,6 +156,8 @@ std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire(absl::T
     Persist(node_id).IgnoreError();
     lost.emplace_back(node_id, silence);
   }
+  // In node_id order, as a walk of the entries would give them.
+  std::sort(lost.begin(), lost.end());
   return lost;
 }
 

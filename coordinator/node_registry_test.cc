@@ -72,6 +72,7 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
   auto pick = [&](int n) { return static_cast<int>(random() % n); };
   absl::Time now = absl::FromUnixSeconds(1'000'000);
   std::map<std::string, absl::Time> last_seen;
+  std::set<std::string> lost;
   std::map<std::string, std::set<int>> used_gpus;
   std::map<std::string, int> used_slots;
 
@@ -99,6 +100,7 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
         bool returning = false;
         ASSERT_TRUE(registry.Register(request, now, &returning).ok());
         last_seen[node_id] = now;
+        lost.erase(node_id);
         changed.insert(node_id);
         break;
       }
@@ -108,7 +110,21 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
           google::protobuf::RepeatedPtrField<v1::GpuMetrics> no_metrics;
           if (pick(3) && registry.Touch(id, now, &no_metrics)) seen = now;
         }
-        for (const auto& [lost, silence] : registry.Expire(now)) changed.insert(lost);
+        {
+          // Exactly the nodes silent for longer than the timeout and not lost yet, in node_id
+          // order, each with its silence.
+          std::vector<std::string> expected_lost, actual_lost;
+          for (const auto& [id, seen] : last_seen) {
+            if (!lost.contains(id) && now - seen > timeout) expected_lost.push_back(id);
+          }
+          for (const auto& [id, silence] : registry.Expire(now)) {
+            actual_lost.push_back(id);
+            EXPECT_EQ(silence, now - last_seen[id]) << id;
+            changed.insert(id);
+            lost.insert(id);
+          }
+          EXPECT_EQ(actual_lost, expected_lost);
+        }
         break;
       case 3:  // allocate (possibly GPUs the node does not have)
         if (pick(2)) {
