@@ -1,7 +1,6 @@
 #include "coordinator/node_registry.h"
 
 #include <algorithm>
-#include <array>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -74,6 +73,23 @@ void NodeRegistry::Summarize(Entry& entry) {
   c.labels.insert(node.labels().begin(), node.labels().end());
   c.schedulable = node.state() == v1::NODE_STATE_READY;
   entry.changed = ++generation_;
+  Recount(entry);
+}
+
+void NodeRegistry::Recount(Entry& entry) {
+  Entry::Counted& counted = entry.counted;
+  if (counted.counted) {
+    if (--state_counts_[counted.state] == 0) state_counts_.erase(counted.state);
+    gpus_total_ -= counted.gpus;
+    cpu_slots_total_ -= counted.cpu_slots;
+  }
+  counted = {.state = entry.node.state(),
+             .gpus = entry.capacity.total_gpus,
+             .cpu_slots = entry.capacity.total_cpu_slots,
+             .counted = true};
+  ++state_counts_[counted.state];
+  gpus_total_ += counted.gpus;
+  cpu_slots_total_ += counted.cpu_slots;
 }
 
 absl::Status NodeRegistry::Persist(const std::string& node_id) {
@@ -148,6 +164,7 @@ std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire(absl::T
     Entry& entry = *live.entry;
     const std::string& node_id = entry.node.node_id();
     entry.node.set_state(v1::NODE_STATE_LOST);
+    Recount(entry);
     entry.capacity.schedulable = false;
     entry.changed = ++generation_;
     entry.to_start.clear();
@@ -333,30 +350,20 @@ bool NodeRegistry::ChangedSince(const std::string& node_id, uint64_t generation)
 }
 
 NodeRegistry::Tally NodeRegistry::Count(const UsedResources& used) const {
+  // The totals are kept as nodes change (Recount); only the nodes holding something are looked
+  // at. This runs under the cluster lock once a second.
   Tally tally;
-  // Both are in node_id order: walked together (one pass, no lookup per held node), the states
-  // counted in an array. This runs under the cluster lock once a second.
-  std::array<int64_t, v1::NodeState_ARRAYSIZE> by_state{};
-  auto held = used.nodes.begin();
-  for (const auto& [node_id, entry] : nodes_) {
-    const int state = entry.node.state();
-    if (state >= 0 && state < v1::NodeState_ARRAYSIZE) {
-      ++by_state[state];
-    } else {
-      ++tally.nodes[entry.node.state()];  // a value this build does not know
-    }
-    tally.gpus_total += entry.capacity.total_gpus;
-    tally.cpu_slots_total += entry.capacity.total_cpu_slots;
-    while (held != used.nodes.end() && held->node_id < node_id) ++held;
-    if (held == used.nodes.end() || held->node_id != node_id) continue;
+  tally.nodes = state_counts_;
+  tally.gpus_total = gpus_total_;
+  tally.cpu_slots_total = cpu_slots_total_;
+  for (const UsedResources::Node& held : used.nodes) {
+    const Entry* entry = Lookup(held.node_id);
+    if (entry == nullptr) continue;
     // Only devices a node registered count as allocated (a rank on an unknown GPU index does
     // not).
-    for (int gpu : entry.capacity.free_gpus) tally.gpus_allocated += held->HoldsGpu(gpu);
-    const int total = entry.capacity.total_cpu_slots;
-    tally.cpu_slots_allocated += total - std::max(0, total - held->cpu_slots);
-  }
-  for (int state = 0; state < v1::NodeState_ARRAYSIZE; ++state) {
-    if (by_state[state] > 0) tally.nodes[static_cast<v1::NodeState>(state)] += by_state[state];
+    for (int gpu : entry->capacity.free_gpus) tally.gpus_allocated += held.HoldsGpu(gpu);
+    const int total = entry->capacity.total_cpu_slots;
+    tally.cpu_slots_allocated += total - std::max(0, total - held.cpu_slots);
   }
   return tally;
 }

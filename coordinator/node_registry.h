@@ -149,6 +149,12 @@ class NodeRegistry {
     uint64_t changed = 0;
     // This node's slot in liveness_.
     size_t liveness = 0;
+    // What this entry adds to the running totals Count reports (Recount keeps them).
+    struct Counted {
+      v1::NodeState state = v1::NODE_STATE_UNSPECIFIED;
+      int64_t gpus = 0, cpu_slots = 0;
+      bool counted = false;
+    } counted;
     struct Start {
       v1::TaskAssignment assignment;
       bool held = false;
@@ -164,6 +170,8 @@ class NodeRegistry {
   const Entry* Lookup(const std::string& node_id) const;
   // Refreshes entry.capacity from entry.node and stamps it with a new generation.
   void Summarize(Entry& entry);
+  // Moves the entry's share of the running totals to its current state and device counts.
+  void Recount(Entry& entry);
 
   Store* store_;
   const absl::Duration heartbeat_timeout_;
@@ -182,6 +190,10 @@ class NodeRegistry {
     bool lost = false;
   };
   std::vector<Liveness> liveness_;
+  // Running totals over every entry, by Recount: nodes by state, registered GPUs and CPU slots.
+  // Count reports them without a walk of the nodes.
+  std::map<v1::NodeState, int64_t> state_counts_;
+  int64_t gpus_total_ = 0, cpu_slots_total_ = 0;
   std::set<std::string> dirty_;
   std::function<void(const std::string&)> orders_listener_;
   uint64_t generation_ = 0;
