@@ -78,7 +78,7 @@ void NodeRegistry::Summarize(Entry& entry) {
 
 void NodeRegistry::Recount(Entry& entry) {
   Entry::Counted& counted = entry.counted;
-  if (counted.counted) {
+  if (counted.added) {
     if (--state_counts_[counted.state] == 0) state_counts_.erase(counted.state);
     gpus_total_ -= counted.gpus;
     cpu_slots_total_ -= counted.cpu_slots;
@@ -86,7 +86,7 @@ void NodeRegistry::Recount(Entry& entry) {
   counted = {.state = entry.node.state(),
              .gpus = entry.capacity.total_gpus,
              .cpu_slots = entry.capacity.total_cpu_slots,
-             .counted = true};
+             .added = true};
   ++state_counts_[counted.state];
   gpus_total_ += counted.gpus;
   cpu_slots_total_ += counted.cpu_slots;

@@ -153,7 +153,7 @@ class NodeRegistry {
     struct Counted {
       v1::NodeState state = v1::NODE_STATE_UNSPECIFIED;
       int64_t gpus = 0, cpu_slots = 0;
-      bool counted = false;
+      bool added = false;  // whether the totals include it yet
     } counted;
     struct Start {
       v1::TaskAssignment assignment;
