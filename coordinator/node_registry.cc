@@ -27,7 +27,6 @@ absl::Status NodeRegistry::Load(absl::Time now) {
     Entry& entry = Insert(node.node_id());
     entry.node = std::move(node);
     liveness_[entry.liveness].last_heartbeat = now;
-    liveness_[entry.liveness].lost = entry.node.state() == v1::NODE_STATE_LOST;
     Summarize(entry);
   }
   return absl::OkStatus();
@@ -90,6 +89,7 @@ void NodeRegistry::Recount(Entry& entry) {
   ++state_counts_[counted.state];
   gpus_total_ += counted.gpus;
   cpu_slots_total_ += counted.cpu_slots;
+  liveness_[entry.liveness].lost = counted.state == v1::NODE_STATE_LOST;
 }
 
 absl::Status NodeRegistry::Persist(const std::string& node_id) {
@@ -138,7 +138,6 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl
   if (!*returning) *node.mutable_register_time() = ToProto(now);
   *node.mutable_last_heartbeat_time() = ToProto(now);
   liveness_[entry.liveness].last_heartbeat = now;
-  liveness_[entry.liveness].lost = false;
   Summarize(entry);
   return Persist(request.node_id());
 }
@@ -160,7 +159,6 @@ std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire(absl::T
     if (live.lost) continue;
     const absl::Duration silence = now - live.last_heartbeat;
     if (silence <= heartbeat_timeout_) continue;
-    live.lost = true;
     Entry& entry = *live.entry;
     const std::string& node_id = entry.node.node_id();
     entry.node.set_state(v1::NODE_STATE_LOST);

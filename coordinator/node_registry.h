@@ -170,7 +170,8 @@ class NodeRegistry {
   const Entry* Lookup(const std::string& node_id) const;
   // Refreshes entry.capacity from entry.node and stamps it with a new generation.
   void Summarize(Entry& entry);
-  // Moves the entry's share of the running totals to its current state and device counts.
+  // Moves the entry's share of the running totals to its current state and device counts, and
+  // its liveness slot's `lost` to its state. Runs at every change of a node's state or devices.
   void Recount(Entry& entry);
 
   Store* store_;
@@ -186,7 +187,7 @@ class NodeRegistry {
   struct Liveness {
     absl::Time last_heartbeat;
     Entry* entry = nullptr;
-    // entry->node.state() == NODE_STATE_LOST, kept in step by Load, Register and Expire.
+    // entry->node.state() == NODE_STATE_LOST, kept in step by Recount.
     bool lost = false;
   };
   std::vector<Liveness> liveness_;
