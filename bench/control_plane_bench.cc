@@ -65,6 +65,10 @@ ABSL_FLAG(bool, watch_assignments, false,
           "when notified, as workers do by default; false (the default, comparable with the "
           "figures in most tables of docs/performance.md): orders wait for the next heartbeat. "
           "The streams cost the coordinator memory and, under overload, placements (see there).");
+ABSL_FLAG(bool, announce_ends, true,
+          "Each simulated node heartbeats at once when a task ends, as workers do (after rank "
+          "0's last report); false: the end waits for the node's next heartbeat slot, as in the "
+          "figures before 2026-11-28 (devices then stay held up to two periods past the run).");
 ABSL_FLAG(int, max_backlog, 2000,
           "Submissions pause while this many submitted jobs still wait for their ranks.");
 ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(15),
@@ -184,6 +188,7 @@ int Run() {
   base.fleet.max_run_time = std::max(base.fleet.min_run_time, absl::GetFlag(FLAGS_max_run_time));
   base.fleet.metric_steps_per_job = absl::GetFlag(FLAGS_metric_steps);
   base.fleet.watch_assignments = absl::GetFlag(FLAGS_watch_assignments);
+  base.fleet.announce_ends = absl::GetFlag(FLAGS_announce_ends);
   base.jobs.gpu_sizes = *job_gpus;
   base.jobs.weights = *job_weights;
   base.jobs.max_backlog = absl::GetFlag(FLAGS_max_backlog);

@@ -195,6 +195,7 @@ FleetCounters SimulatedFleet::counters() const {
   counters.notices = notices_.load();
   counters.notified_heartbeats = notified_heartbeats_.load();
   counters.watch_failures = watch_failures_.load();
+  counters.end_announcements = end_announcements_.load();
   absl::MutexLock lock(&error_mu_);
   counters.first_error = first_error_;
   return counters;
@@ -273,7 +274,9 @@ void SimulatedFleet::OpenWatch(Node& node) {
   watch->Start(watch);
 }
 
-void SimulatedFleet::OnNotice(Node& node) {
+void SimulatedFleet::OnNotice(Node& node) { BeatSoon(node, &notified_heartbeats_); }
+
+void SimulatedFleet::BeatSoon(Node& node, std::atomic<int64_t>* counter) {
   if (stop_.HasBeenNotified()) return;
   {
     absl::MutexLock lock(&node.mu);
@@ -283,8 +286,28 @@ void SimulatedFleet::OnNotice(Node& node) {
       return;
     }
   }
-  notified_heartbeats_.fetch_add(1);
+  counter->fetch_add(1);
   Beat(node);
+}
+
+void SimulatedFleet::AnnounceEndAt(Node& node, Clock::time_point at) {
+  absl::MutexLock lock(&ends_mu_);
+  due_ends_.emplace(at, &node);
+}
+
+void SimulatedFleet::AnnounceDueEnds(Clock::time_point now) {
+  std::vector<Node*> due;
+  {
+    absl::MutexLock lock(&ends_mu_);
+    while (!due_ends_.empty() && due_ends_.top().first <= now) {
+      due.push_back(due_ends_.top().second);
+      due_ends_.pop();
+    }
+  }
+  for (Node* node : due) {
+    end_announcements_.fetch_add(1);
+    BeatSoon(*node, &notified_heartbeats_);
+  }
 }
 
 void SimulatedFleet::HeartbeatLoop() {
@@ -305,6 +328,7 @@ void SimulatedFleet::HeartbeatLoop() {
   size_t cursor = 0;
   while (!stop_.WaitForNotificationWithTimeout(kPacerTick)) {
     const Clock::time_point now = Clock::now();
+    AnnounceDueEnds(now);
     if (now - round_start >= 2 * period) {
       // More than a period behind: start over rather than burst.
       pacer_resets_.fetch_add(1);
@@ -431,7 +455,9 @@ void SimulatedFleet::OnHeartbeatDone(Node& node, const v1::HeartbeatRequest& req
   };
   std::vector<Delivery> deliveries;
   std::vector<std::pair<std::string, v1::ReportRequest>> started_reports;
+  std::vector<Clock::time_point> ends;  // of the tasks started here
   bool beat_again = false;
+  bool stopped = false;
   {
     absl::MutexLock lock(&node.mu);
     node.heartbeat_in_flight = false;
@@ -476,6 +502,7 @@ void SimulatedFleet::OnHeartbeatDone(Node& node, const v1::HeartbeatRequest& req
         started_reports.emplace_back(start.task_id(), std::move(report));
       }
       deliveries.push_back({task.job_id, start.trainers_size(), first.assignment().world_size()});
+      ends.push_back(task.finish_at);
       node.tasks.emplace(start.task_id(), std::move(task));
       tasks_started_.fetch_add(1);
     }
@@ -484,8 +511,12 @@ void SimulatedFleet::OnHeartbeatDone(Node& node, const v1::HeartbeatRequest& req
       auto it = node.tasks.find(task_id);
       if (it != node.tasks.end() && !IsTerminal(it->second.state)) {
         it->second.state = v1::TASK_STATE_STOPPED;
+        stopped = true;
       }
     }
+  }
+  if (options_.announce_ends) {
+    for (Clock::time_point end : ends) AnnounceEndAt(node, end);
   }
   for (auto& [task_id, report] : started_reports) {
     SendReport(node, task_id, std::move(report), /*finishes_task=*/false);
@@ -494,6 +525,10 @@ void SimulatedFleet::OnHeartbeatDone(Node& node, const v1::HeartbeatRequest& req
     for (const Delivery& delivery : deliveries) {
       on_delivery_(delivery.job_id, delivery.ranks, delivery.world_size, done);
     }
+  }
+  if (options_.announce_ends && stopped) {
+    end_announcements_.fetch_add(1);
+    beat_again = true;
   }
   if (beat_again && !stop_.HasBeenNotified()) {
     notified_heartbeats_.fetch_add(1);
@@ -527,11 +562,19 @@ void SimulatedFleet::SendReport(Node& node, const std::string& task_id, v1::Repo
         }
         if (finishes_task) {
           // The trainer is done whether or not its last report landed.
-          absl::MutexLock lock(&node.mu);
-          auto it = node.tasks.find(task_id);
-          if (it != node.tasks.end() && it->second.state == v1::TASK_STATE_RUNNING) {
-            it->second.state = v1::TASK_STATE_SUCCEEDED;
-            it->second.finishing = false;
+          bool ended = false;
+          {
+            absl::MutexLock lock(&node.mu);
+            auto it = node.tasks.find(task_id);
+            if (it != node.tasks.end() && it->second.state == v1::TASK_STATE_RUNNING) {
+              it->second.state = v1::TASK_STATE_SUCCEEDED;
+              it->second.finishing = false;
+              ended = true;
+            }
+          }
+          if (ended && options_.announce_ends) {
+            end_announcements_.fetch_add(1);
+            BeatSoon(node, &notified_heartbeats_);
           }
         }
         CallDone();

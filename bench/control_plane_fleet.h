@@ -7,9 +7,12 @@
 // metrics) through NodeService.Report. With watch_assignments, like a real
 // worker (--watch_assignments), each registered node keeps a
 // NodeService.WatchAssignments stream open and heartbeats at once when a notice
-// comes, so work starts without waiting for the node's next heartbeat slot. Between the heartbeats, from the same
-// thread and on the same connections, it samples the standard
-// grpc.health.v1.Health/Check as a no-op baseline.
+// comes, so work starts without waiting for the node's next heartbeat slot.
+// Like a worker, it sends a heartbeat at once when a task ends
+// (announce_ends), so the coordinator frees the devices without waiting for
+// the node's next slot. Between the heartbeats, from the same thread and on
+// the same connections, it samples the standard grpc.health.v1.Health/Check
+// as a no-op baseline.
 //
 // Unlike the daemons' clients, it uses gRPC's callback client API: one
 // thread cannot drive ten thousand nodes' sync calls once a second.
@@ -25,6 +28,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <queue>
 #include <string>
 #include <thread>
 #include <utility>
@@ -68,6 +72,10 @@ struct FleetOptions {
   bool watch_assignments = false;
   // Deadline of each watch stream.
   absl::Duration watch_lifetime = absl::Hours(1);
+  // A task's end goes out in a heartbeat at once, as workers send it (after rank 0's last
+  // report has landed); false: at the node's next heartbeat slot, the fleet's behaviour before
+  // 2026-11-28, which held every job's devices up to two periods longer than it ran.
+  bool announce_ends = true;
 };
 
 // Called (on a gRPC thread, with no fleet lock held) when `ranks` ranks of
@@ -94,12 +102,14 @@ struct FleetCounters {
   // Pacer rounds restarted because the heartbeat thread fell a whole period
   // behind (the load generator itself could not keep up).
   int64_t pacer_resets = 0;
-  // WatchAssignments: streams opened, notices received, heartbeats sent because of a notice,
-  // and streams that ended with an error before Stop().
+  // WatchAssignments: streams opened, notices received, heartbeats sent out of the node's slot
+  // (on a notice, or for a task's end), and streams that ended with an error before Stop().
   int64_t watches_opened = 0;
   int64_t notices = 0;
   int64_t notified_heartbeats = 0;
   int64_t watch_failures = 0;
+  // Task ends that asked for a heartbeat at once (announce_ends).
+  int64_t end_announcements = 0;
   // The first error message seen, for the summary.
   std::string first_error;
 };
@@ -182,6 +192,13 @@ class SimulatedFleet {
   void OpenWatch(Node& node);
   // A notice: heartbeat now, or as soon as the one in flight returns.
   void OnNotice(Node& node);
+  // Heartbeats now, or as soon as the one in flight returns; `counter` counts the heartbeats
+  // sent now. Nothing for a node not registered.
+  void BeatSoon(Node& node, std::atomic<int64_t>* counter);
+  // With announce_ends: the node heartbeats once `at` has passed, when a task's run is over.
+  void AnnounceEndAt(Node& node, Clock::time_point at);
+  // On the heartbeat thread: announces the ends that have come due.
+  void AnnounceDueEnds(Clock::time_point now);
   // One grpc.health.v1.Health/Check on `connection`, timed like a heartbeat.
   void CheckHealth(Connection& connection);
   void OnHeartbeatDone(Node& node, const v1::HeartbeatRequest& request,
@@ -228,6 +245,12 @@ class SimulatedFleet {
   std::atomic<int64_t> notices_{0};
   std::atomic<int64_t> notified_heartbeats_{0};
   std::atomic<int64_t> watch_failures_{0};
+  std::atomic<int64_t> end_announcements_{0};
+  // Ends to announce, soonest first (announce_ends).
+  using DueEnd = std::pair<Clock::time_point, Node*>;
+  absl::Mutex ends_mu_;
+  std::priority_queue<DueEnd, std::vector<DueEnd>, std::greater<>> due_ends_
+      ABSL_GUARDED_BY(ends_mu_);
   mutable absl::Mutex error_mu_;
   std::string first_error_ ABSL_GUARDED_BY(error_mu_);
 

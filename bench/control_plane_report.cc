@@ -135,6 +135,14 @@ json ScaleJson(const ScaleResult& r) {
       {"load_generator_cores", r.bench_cores},
       {"other_processes_cores", r.other_cores},
       {"coordinator_internals", internals},
+      {"cluster_occupancy",
+       r.occupancy.samples == 0
+           ? json(nullptr)
+           : json{{"samples", r.occupancy.samples},
+                  {"gpus_allocated_share_mean", r.occupancy.mean_gpus_allocated_share},
+                  {"gpus_allocated_share", SpreadJson(r.occupancy.gpus_allocated_share)},
+                  {"pending_jobs_mean", r.occupancy.mean_pending_jobs},
+                  {"pending_jobs", SpreadJson(r.occupancy.pending_jobs)}}},
       {"windows", windows},
       {"fleet",
        {{"registered", f.registered},
@@ -153,6 +161,7 @@ json ScaleJson(const ScaleResult& r) {
         {"watches_opened", f.watches_opened},
         {"assignment_notices", f.notices},
         {"notified_heartbeats", f.notified_heartbeats},
+        {"end_announcements", f.end_announcements},
         {"watch_failures", f.watch_failures},
         {"first_error", f.first_error}}},
       {"jobs",
@@ -178,12 +187,14 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
       &out,
       "  %d GPUs/node, heartbeat every %s per node over %d connections; measured %s after a "
       "%s warm-up, in %d windows\n  jobs of %s GPUs (weights %s), each running %s-%s; "
-      "health checks %.0f/s as the no-op baseline; nodes %s WatchAssignments\n\n",
+      "health checks %.0f/s as the no-op baseline; nodes %s WatchAssignments and %s\n\n",
       p.fleet.gpus_per_node, absl::FormatDuration(p.fleet.heartbeat_interval), p.fleet.channels,
       absl::FormatDuration(p.duration), absl::FormatDuration(p.warmup), p.windows,
       absl::StrJoin(p.jobs.gpu_sizes, "/"), absl::StrJoin(p.jobs.weights, "/"),
       absl::FormatDuration(p.fleet.min_run_time), absl::FormatDuration(p.fleet.max_run_time),
-      p.fleet.health_checks_per_second, p.fleet.watch_assignments ? "open" : "do not open");
+      p.fleet.health_checks_per_second, p.fleet.watch_assignments ? "open" : "do not open",
+      p.fleet.announce_ends ? "heartbeat at once when a task ends"
+                            : "report a task's end at their next heartbeat slot");
   absl::StrAppendFormat(&out, "%7s | %17s %8s %8s | %8s %7s | %9s %9s | %14s | %5s %8s %8s\n", "",
                         "heartbeats/s", "hb p50", "hb p99", "hc p50", "hb/hc", "sched p50",
                         "sched p99", "jobs placed/s", "cores", "RSS", "HWM");
@@ -261,17 +272,29 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
         absl::StrAppend(&out, "\n");
       }
     }
+    if (const ClusterOccupancy& o = r.occupancy; o.samples > 0) {
+      // Placements wait for free GPUs when the GPUs are nearly all held and jobs queue: then a
+      // faster coordinator would not place more.
+      absl::StrAppendFormat(
+          &out,
+          "  cluster (%d scrapes, 1/s): GPUs allocated %.0f%% mean [%.0f%%..%.0f%%]; "
+          "jobs pending %.0f mean [%.0f..%.0f]\n",
+          o.samples, 100 * o.mean_gpus_allocated_share, 100 * o.gpus_allocated_share.min,
+          100 * o.gpus_allocated_share.max, o.mean_pending_jobs, o.pending_jobs.min,
+          o.pending_jobs.max);
+    }
     absl::StrAppendFormat(&out,
                           "  load generator used %.2f cores, other processes %.2f cores; "
                           "coordinator RSS %.0f MiB after join, %d threads\n",
                           r.bench_cores, r.other_cores,
                           r.coordinator_rss_after_register_bytes / kMiB, r.coordinator_threads);
     const FleetCounters& f = r.fleet;
-    if (f.watches_opened > 0) {
+    if (f.watches_opened > 0 || f.end_announcements > 0) {
       absl::StrAppendFormat(&out,
-                            "  assignment watches: %d streams opened, %d notices, %d heartbeats "
-                            "sent on a notice, %d streams failed\n",
-                            f.watches_opened, f.notices, f.notified_heartbeats, f.watch_failures);
+                            "  out of slot: %d assignment watches opened, %d notices, %d task "
+                            "ends announced, %d heartbeats sent for them; %d streams failed\n",
+                            f.watches_opened, f.notices, f.end_announcements, f.notified_heartbeats,
+                            f.watch_failures);
     }
     if (f.heartbeat_failures + f.heartbeats_skipped + f.reregister_requests + f.register_failures +
             f.report_failures + f.health_failures + f.pacer_resets + r.jobs.submit_failures +
@@ -327,6 +350,7 @@ absl::Status WriteJson(const std::string& path, const RunInfo& info, const Scale
         {"job_run_seconds_max", absl::ToDoubleSeconds(p.fleet.max_run_time)},
         {"metric_steps_per_job", p.fleet.metric_steps_per_job},
         {"watch_assignments", p.fleet.watch_assignments},
+        {"announce_ends", p.fleet.announce_ends},
         {"max_submits_in_flight", p.jobs.max_submits_in_flight},
         {"max_backlog", p.jobs.max_backlog},
         {"warmup_seconds", absl::ToDoubleSeconds(p.warmup)},

@@ -5,9 +5,12 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "bench/control_plane_process.h"
 #include "bench/control_plane_prometheus.h"
 #include "common/daemon/server.h"
@@ -29,6 +32,9 @@ constexpr char kStoreWriteCpuCounter[] = "tessera_store_write_cpu_seconds_total"
 constexpr char kStoreWritesCounter[] = "tessera_store_writes_total";
 constexpr char kSchedulingLatencyHistogram[] = "tessera_scheduling_latency_seconds";
 constexpr char kRequestHistogram[] = "tessera_grpc_server_request_duration_seconds";
+constexpr char kGpusAllocatedGauge[] = "tessera_gpus_allocated";
+constexpr char kGpusCapacityGauge[] = "tessera_gpus_capacity";
+constexpr char kPendingJobsGauge[] = R"(tessera_jobs{state="pending"})";
 constexpr char kHeartbeatMethod[] = R"(method="/tessera.v1.NodeService/Heartbeat")";
 constexpr char kHealthMethod[] = R"(method="/grpc.health.v1.Health/Check")";
 constexpr char kSubmitMethod[] = R"(method="/tessera.v1.Coordinator/SubmitJob")";
@@ -105,6 +111,38 @@ CoordinatorInternals InternalsBetween(const MetricSamples& before, const MetricS
   return internals;
 }
 
+double MeanOf(const std::vector<double>& values) {
+  double sum = 0;
+  for (double value : values) sum += value;
+  return values.empty() ? 0 : sum / static_cast<double>(values.size());
+}
+
+// Scrapes the coordinator's cluster gauges every `period` until `stop` is notified.
+ClusterOccupancy SampleOccupancy(int metrics_port, absl::Duration period,
+                                 absl::Notification* stop) {
+  std::vector<double> shares, pending;
+  do {
+    auto samples = ScrapeMetrics(metrics_port);
+    if (!samples.ok()) continue;
+    const auto allocated = samples->find(kGpusAllocatedGauge);
+    const auto capacity = samples->find(kGpusCapacityGauge);
+    const auto waiting = samples->find(kPendingJobsGauge);
+    if (allocated == samples->end() || capacity == samples->end() || waiting == samples->end() ||
+        capacity->second <= 0) {
+      continue;
+    }
+    shares.push_back(allocated->second / capacity->second);
+    pending.push_back(waiting->second);
+  } while (!stop->WaitForNotificationWithTimeout(period));
+  ClusterOccupancy occupancy;
+  occupancy.samples = static_cast<int>(shares.size());
+  occupancy.mean_gpus_allocated_share = MeanOf(shares);
+  occupancy.mean_pending_jobs = MeanOf(pending);
+  occupancy.gpus_allocated_share = SpreadOf(std::move(shares));
+  occupancy.pending_jobs = SpreadOf(std::move(pending));
+  return occupancy;
+}
+
 // Sleeps until `when`.
 void SleepUntil(Clock::time_point when) {
   const Clock::time_point now = Clock::now();
@@ -167,6 +205,17 @@ absl::StatusOr<ScaleResult> RunScale(const ScaleOptions& options) {
   std::vector<double> machine_busy;
   auto metrics_before = ScrapeMetrics(coordinator->metrics_port());
   const Clock::time_point window_start = Clock::now();
+  // Whether the placements are bounded by free GPUs rather than by the coordinator.
+  absl::Notification stop_sampling;
+  ClusterOccupancy occupancy;
+  std::thread sampler([&] {
+    occupancy = SampleOccupancy(coordinator->metrics_port(), absl::Seconds(1), &stop_sampling);
+  });
+  // Also on an early return from the loop below.
+  auto stop_sampler = absl::MakeCleanup([&] {
+    if (!stop_sampling.HasBeenNotified()) stop_sampling.Notify();
+    sampler.join();
+  });
   for (int w = 0; w <= windows; ++w) {
     SleepUntil(window_start + w * part);
     bounds.push_back(Clock::now());
@@ -177,6 +226,8 @@ absl::StatusOr<ScaleResult> RunScale(const ScaleOptions& options) {
     coordinator_samples.push_back(coordinator_sample);
     bench_samples.push_back(bench_sample);
   }
+  std::move(stop_sampler).Invoke();
+  result.occupancy = occupancy;
   auto metrics_after = ScrapeMetrics(coordinator->metrics_port());
   const Clock::time_point window_end = bounds.back();
   result.window_seconds = SecondsBetween(window_start, window_end);

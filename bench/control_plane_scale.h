@@ -79,6 +79,19 @@ struct CoordinatorInternals {
   double jobs_scheduled_per_second = 0;
 };
 
+// The cluster as the coordinator's gauges said it, scraped about once a second over the
+// measured window (the gauges change once a second, at the pass that counts).
+struct ClusterOccupancy {
+  // Scrapes that had the gauges.
+  int samples = 0;
+  // tessera_gpus_allocated / tessera_gpus_capacity.
+  Spread gpus_allocated_share;
+  double mean_gpus_allocated_share = 0;
+  // tessera_jobs{state="pending"}: submitted jobs not yet placed.
+  Spread pending_jobs;
+  double mean_pending_jobs = 0;
+};
+
 struct ScaleResult {
   int nodes = 0;
   double offered_jobs_per_second = 0;
@@ -110,6 +123,7 @@ struct ScaleResult {
   int coordinator_threads = 0;
   CoordinatorInternals internals;
   bool internals_available = false;
+  ClusterOccupancy occupancy;
   std::vector<WindowFigures> windows;
   FleetCounters fleet;
   JobStreamCounters jobs;
