@@ -20,6 +20,10 @@ namespace {
 constexpr char kConnectionIndexArg[] = "tessera.bench.connection_index";
 // How often the heartbeat pacer wakes to send what has come due.
 constexpr absl::Duration kPacerTick = absl::Milliseconds(1);
+// A node's slot is skipped when it heartbeated out of its slot within this share of a period
+// (a worker's next heartbeat comes a whole period after its last; the margin keeps a slot that
+// is merely late from being skipped).
+constexpr double kSlotCoveredWithin = 0.9;
 // Health checks allowed in flight before the sampler skips one.
 constexpr int64_t kMaxHealthChecksInFlight = 256;
 // Parameters of GPT-2 124M, as a rank-0 trainer would report them.
@@ -183,6 +187,7 @@ FleetCounters SimulatedFleet::counters() const {
   counters.heartbeats_ok = heartbeats_ok_.load();
   counters.heartbeat_failures = heartbeat_failures_.load();
   counters.heartbeats_skipped = heartbeats_skipped_.load();
+  counters.slots_covered = slots_covered_.load();
   counters.reregister_requests = reregister_requests_.load();
   counters.tasks_started = tasks_started_.load();
   counters.tasks_succeeded = tasks_succeeded_.load();
@@ -287,7 +292,7 @@ void SimulatedFleet::BeatSoon(Node& node, std::atomic<int64_t>* counter) {
     }
   }
   counter->fetch_add(1);
-  Beat(node);
+  Beat(node, /*at_slot=*/false);
 }
 
 void SimulatedFleet::AnnounceEndAt(Node& node, Clock::time_point at) {
@@ -341,7 +346,7 @@ void SimulatedFleet::HeartbeatLoop() {
         static_cast<double>((now - round_start).count()) / static_cast<double>(period.count());
     const size_t due = std::min(count, static_cast<size_t>(std::floor(elapsed * count)) + 1);
     for (; cursor < due; ++cursor) {
-      Beat(*nodes_[cursor]);
+      Beat(*nodes_[cursor], /*at_slot=*/true);
       if (health_stride > 0 && ++slot % health_stride == 0)
         CheckHealth(*nodes_[cursor]->connection);
     }
@@ -352,7 +357,7 @@ void SimulatedFleet::HeartbeatLoop() {
   }
 }
 
-void SimulatedFleet::Beat(Node& node) {
+void SimulatedFleet::Beat(Node& node, bool at_slot) {
   struct Call {
     std::unique_ptr<grpc::ClientContext> context;
     v1::HeartbeatRequest request;
@@ -372,7 +377,13 @@ void SimulatedFleet::Beat(Node& node) {
       // A worker's heartbeats are sequential: this slot is lost.
       heartbeats_skipped_.fetch_add(1);
       return;
+    } else if (at_slot &&
+               Clock::now() - node.last_out_of_slot <
+                   kSlotCoveredWithin * absl::ToChronoNanoseconds(options_.heartbeat_interval)) {
+      slots_covered_.fetch_add(1);
+      return;
     } else {
+      if (!at_slot) node.last_out_of_slot = Clock::now();
       node.heartbeat_in_flight = true;
       call->request = HeartbeatLocked(node, &final_reports);
     }
@@ -532,7 +543,7 @@ void SimulatedFleet::OnHeartbeatDone(Node& node, const v1::HeartbeatRequest& req
   }
   if (beat_again && !stop_.HasBeenNotified()) {
     notified_heartbeats_.fetch_add(1);
-    Beat(node);
+    Beat(node, /*at_slot=*/false);
   }
 }
 

@@ -91,6 +91,9 @@ struct FleetCounters {
   int64_t heartbeat_failures = 0;
   // Slots at which the node's previous heartbeat was still in flight.
   int64_t heartbeats_skipped = 0;
+  // Slots skipped because the node had sent a heartbeat out of its slot (a notice, a task's end)
+  // less than a period before.
+  int64_t slots_covered = 0;
   // Heartbeat answers that asked the node to register again.
   int64_t reregister_requests = 0;
   int64_t tasks_started = 0;
@@ -169,6 +172,8 @@ class SimulatedFleet {
     // true from the start so the pacer leaves joining nodes to the loop.
     bool registering ABSL_GUARDED_BY(mu) = true;
     bool heartbeat_in_flight ABSL_GUARDED_BY(mu) = false;
+    // When the last heartbeat out of the node's slot was sent.
+    Clock::time_point last_out_of_slot ABSL_GUARDED_BY(mu);
     std::map<std::string, Task> tasks ABSL_GUARDED_BY(mu);
     // A notice came while a heartbeat was in flight: heartbeat again when it returns.
     bool beat_requested ABSL_GUARDED_BY(mu) = false;
@@ -178,9 +183,11 @@ class SimulatedFleet {
 
   void RegistrationLoop();
   void HeartbeatLoop();
-  // At a node's slot: registers it if it must, else sends its heartbeat
-  // unless the previous one is still in flight.
-  void Beat(Node& node);
+  // Registers the node if it must, else sends its heartbeat unless the
+  // previous one is still in flight. At the node's slot (`at_slot`), a node
+  // that sent one out of its slot less than a period ago skips it, as a
+  // worker's interval restarts at every heartbeat.
+  void Beat(Node& node, bool at_slot);
   // The node's heartbeat: every task's state, finishing those whose run
   // time is over; rank 0's final metric reports, to send first, go to
   // `final_reports` as (task_id, request).
@@ -233,6 +240,7 @@ class SimulatedFleet {
   std::atomic<int64_t> heartbeats_ok_{0};
   std::atomic<int64_t> heartbeat_failures_{0};
   std::atomic<int64_t> heartbeats_skipped_{0};
+  std::atomic<int64_t> slots_covered_{0};
   std::atomic<int64_t> reregister_requests_{0};
   std::atomic<int64_t> tasks_started_{0};
   std::atomic<int64_t> tasks_succeeded_{0};

@@ -96,7 +96,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
                         .listen_address = options.listen_address,
                         .metrics_listen_address = options.metrics_listen_address,
                         .credentials = std::move(server_credentials),
-                        .max_message_bytes = options.max_request_bytes},
+                        .max_message_bytes = options.max_request_bytes,
+                        .async_hosts = {daemon->node_service_.get()}},
                        {{v1::Coordinator::service_full_name(), daemon->coordinator_service_.get()},
                         {v1::NodeService::service_full_name(), daemon->node_service_.get()}},
                        make_interceptors));

@@ -1,95 +1,55 @@
 #include "coordinator/node_service.h"
 
+#include <algorithm>
 #include <memory>
 #include <optional>
+#include <thread>
 
 #include "common/daemon/grpc_status.h"
 #include "common/status_macros.h"
 #include "coordinator/coordinator_service.h"
 
 namespace tessera::coordinator {
-namespace {
 
-// A stream refused before it began.
-class RefusedWatch final : public grpc::ServerWriteReactor<v1::AssignmentsNotice> {
- public:
-  explicit RefusedWatch(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
-  void OnDone() override { delete this; }
-};
-
-// One worker's WatchAssignments stream. It sends a notice when it opens (orders may have been
-// queued while the worker was not watching) and one after each wake-up from the notifier;
-// wake-ups that come while a write is in flight fold into one pending notice, so a slow stream
-// holds one message at most. It ends with UNAVAILABLE when the notifier closes (shutdown), and
-// when the worker goes away.
+// One WatchAssignments call on the asynchronous API, from its request to its end. gRPC hands each
+// operation's tag back on the call's queue; a Tag names the call and the operation. The call
+// deletes itself once gRPC has said the call is over (the done tag) and no write or finish of its
+// own is outstanding.
 //
-// Lifetime: gRPC owns the reactor until OnDone. The notifier's callback holds only the shared
-// State, whose `reactor` OnDone clears (under State::mu) before the reactor is deleted. Finish is
-// called outside State::mu, since it may run OnDone, which takes it.
-class AssignmentsReactor final : public grpc::ServerWriteReactor<v1::AssignmentsNotice> {
+// It sends a notice when it opens (orders may have been queued while the worker was not watching)
+// and one after each wake-up from the notifier; wake-ups that come while a write is in flight fold
+// into one pending notice, so a slow stream holds one message at most. It ends with UNAVAILABLE
+// when the notifier closes (shutdown), and when the worker goes away.
+//
+// Lifetime and locking: every operation is started under State::mu, from the queue's thread or the
+// notifier's. The notifier's callback holds only the shared State, whose `call` is cleared (under
+// State::mu) before the call is deleted.
+class NodeService::WatchCall {
  public:
-  AssignmentsReactor(AssignmentNotifier* notifier, const std::string& node_id)
-      : notifier_(notifier), state_(std::make_shared<State>()) {
-    std::optional<grpc::Status> finish;
-    {
-      absl::MutexLock lock(&state_->mu);
-      state_->reactor = this;
-      std::shared_ptr<State> state = state_;
-      // Its callback waits for State::mu, held until the first notice is under way.
-      handle_ = notifier_->Subscribe(node_id, [state] { state->Wake(); });
-      pending_ = true;
-      finish = handle_ == 0 ? FinishLocked(ShutdownStatus()) : PumpLocked();
-    }
-    if (finish) Finish(*finish);
+  WatchCall(NodeService* service, grpc::ServerCompletionQueue* queue)
+      : service_(service), queue_(queue), writer_(&context_), state_(std::make_shared<State>()) {
+    absl::MutexLock lock(&state_->mu);
+    state_->call = this;
+    context_.AsyncNotifyWhenDone(&done_tag_);
+    service_->RequestWatchAssignments(&context_, &request_, &writer_, queue_, queue_,
+                                      &accepted_tag_);
   }
 
-  void OnWriteDone(bool ok) override {
-    std::optional<grpc::Status> finish;
-    {
-      absl::MutexLock lock(&state_->mu);
-      writing_ = false;
-      finish = ok ? PumpLocked()
-                  : FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the worker went away"));
-    }
-    if (finish) Finish(*finish);
-  }
-
-  void OnCancel() override {
-    std::optional<grpc::Status> finish;
-    {
-      absl::MutexLock lock(&state_->mu);
-      finish = FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled"));
-    }
-    if (finish) Finish(*finish);
-  }
-
-  void OnDone() override {
-    {
-      absl::MutexLock lock(&state_->mu);
-      state_->reactor = nullptr;
-    }
-    if (handle_ != 0) notifier_->Unsubscribe(handle_);
-    delete this;
+  // On the queue's thread: an operation's tag came back.
+  static void Proceed(void* tag, bool ok) {
+    const Tag* done = static_cast<const Tag*>(tag);
+    done->call->OnEvent(done->event, ok);
   }
 
  private:
+  enum class Event { kAccepted, kWritten, kFinished, kDone };
+  struct Tag {
+    WatchCall* call;
+    Event event;
+  };
   struct State {
-    // Called by the notifier's dispatcher.
-    void Wake() {
-      std::optional<grpc::Status> finish;
-      AssignmentsReactor* target = nullptr;
-      {
-        absl::MutexLock lock(&mu);
-        if (reactor == nullptr) return;
-        target = reactor;
-        finish = reactor->WakeLocked();
-      }
-      // Only this call may finish the stream (finished_ was set under mu), so the reactor lives
-      // until Finish returns control to gRPC.
-      if (finish) target->Finish(*finish);
-    }
     absl::Mutex mu;
-    AssignmentsReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;
+    WatchCall* call ABSL_GUARDED_BY(mu) = nullptr;
   };
 
   static grpc::Status ShutdownStatus() {
@@ -97,47 +57,167 @@ class AssignmentsReactor final : public grpc::ServerWriteReactor<v1::Assignments
                         "the coordinator is shutting down; watch again once it is back");
   }
 
-  // Each returns the status to Finish with, once State::mu is released.
-  std::optional<grpc::Status> WakeLocked() {
-    if (finished_) return std::nullopt;
-    if (notifier_->closed()) return FinishLocked(ShutdownStatus());
-    pending_ = true;
-    return PumpLocked();
+  // The notifier's callback.
+  static void Wake(const std::shared_ptr<State>& state) {
+    absl::MutexLock lock(&state->mu);
+    WatchCall* call = state->call;
+    if (call == nullptr || call->finished_) return;
+    if (call->service_->notifier_->closed()) {
+      call->FinishLocked(ShutdownStatus());
+      return;
+    }
+    call->pending_ = true;
+    call->PumpLocked();
   }
-  std::optional<grpc::Status> PumpLocked() {
-    if (finished_ || writing_ || !pending_) return std::nullopt;
+
+  void OnEvent(Event event, bool ok) {
+    if (event == Event::kAccepted && !ok) {
+      // Never started (the server shuts down): gRPC returns no other tag of it.
+      {
+        absl::MutexLock lock(&state_->mu);
+        state_->call = nullptr;
+      }
+      delete this;
+      return;
+    }
+    if (event == Event::kAccepted) service_->AcceptWatch(queue_);  // the next call
+    const absl::Status admitted =
+        event == Event::kAccepted ? service_->AdmitWatch(context_, request_) : absl::OkStatus();
+    bool release = false;
+    {
+      absl::MutexLock lock(&state_->mu);
+      switch (event) {
+        case Event::kAccepted:
+          started_ = true;
+          if (!admitted.ok()) {
+            FinishLocked(ToGrpcStatus(admitted));
+          } else if (!done_) {
+            std::shared_ptr<State> state = state_;
+            // Its callback waits for State::mu, held until the first notice is under way.
+            handle_ = service_->notifier_->Subscribe(request_.node_id(), [state] { Wake(state); });
+            if (handle_ == 0) {
+              FinishLocked(ShutdownStatus());
+            } else {
+              pending_ = true;
+              PumpLocked();
+            }
+          }
+          break;
+        case Event::kWritten:
+          writing_ = false;
+          if (!ok) {
+            // The worker went away; the done tag follows.
+            finished_ = true;
+          } else if (finish_after_write_.has_value()) {
+            StartFinishLocked();
+          } else {
+            PumpLocked();
+          }
+          break;
+        case Event::kFinished:
+          finishing_ = false;
+          break;
+        case Event::kDone:
+          done_ = true;
+          break;
+      }
+      release = started_ && done_ && !writing_ && !finishing_;
+      if (release) state_->call = nullptr;
+    }
+    if (release) {
+      if (handle_ != 0) service_->notifier_->Unsubscribe(handle_);
+      delete this;
+    }
+  }
+
+  void PumpLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+    if (finished_ || done_ || writing_ || !pending_) return;
     pending_ = false;
     writing_ = true;
-    StartWrite(&notice_);
-    return std::nullopt;
+    writer_.Write(notice_, &written_tag_);
   }
-  std::optional<grpc::Status> FinishLocked(grpc::Status status) {
-    if (finished_) return std::nullopt;
+  // A write in flight is let finish first: one operation of each kind at a time.
+  void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+    if (finished_) return;
     finished_ = true;
-    return status;
+    finish_after_write_ = std::move(status);
+    if (!writing_) StartFinishLocked();
+  }
+  void StartFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+    if (done_) return;  // the call is over: nothing to send
+    finishing_ = true;
+    writer_.Finish(*finish_after_write_, &finished_tag_);
+    finish_after_write_.reset();
   }
 
-  AssignmentNotifier* const notifier_;
+  NodeService* const service_;
+  grpc::ServerCompletionQueue* const queue_;
+  grpc::ServerContext context_;
+  v1::WatchAssignmentsRequest request_;
+  grpc::ServerAsyncWriter<v1::AssignmentsNotice> writer_;
   const std::shared_ptr<State> state_;
+  const v1::AssignmentsNotice notice_;
+  Tag accepted_tag_{this, Event::kAccepted};
+  Tag written_tag_{this, Event::kWritten};
+  Tag finished_tag_{this, Event::kFinished};
+  Tag done_tag_{this, Event::kDone};
+  // Set on the queue's thread before any other thread may see the call.
   AssignmentNotifier::Handle handle_ = 0;
   // Guarded by state_->mu.
-  bool writing_ = false;
-  bool pending_ = false;
-  bool finished_ = false;
-  const v1::AssignmentsNotice notice_;
+  bool started_ = false;    // the accepted tag came back
+  bool done_ = false;       // the done tag came back: the call is over
+  bool writing_ = false;    // a write is in flight
+  bool finishing_ = false;  // Finish is in flight
+  bool finished_ = false;   // no more notices: finishing, or the stream broke
+  bool pending_ = false;    // a notice waits for the write in flight
+  std::optional<grpc::Status> finish_after_write_;
 };
 
-}  // namespace
-
-grpc::ServerWriteReactor<v1::AssignmentsNotice>* NodeService::WatchAssignments(
-    grpc::CallbackServerContext* context, const v1::WatchAssignmentsRequest* request) {
-  absl::Status admitted = AdmitCall(authenticator_, *context, Action::kNode).status();
-  if (admitted.ok()) admitted = cluster_->CheckWatcher(request->node_id(), request->node_key());
-  if (admitted.ok() && notifier_ == nullptr) {
-    admitted = absl::UnimplementedError("this coordinator does not announce assignments");
+absl::Status NodeService::AdmitWatch(const grpc::ServerContext& context,
+                                     const v1::WatchAssignmentsRequest& request) {
+  RETURN_IF_ERROR(AdmitCall(authenticator_, context, Action::kNode).status());
+  RETURN_IF_ERROR(cluster_->CheckWatcher(request.node_id(), request.node_key()));
+  if (notifier_ == nullptr) {
+    return absl::UnimplementedError("this coordinator does not announce assignments");
   }
-  if (!admitted.ok()) return new RefusedWatch(admitted);
-  return new AssignmentsReactor(notifier_, request->node_id());
+  return absl::OkStatus();
+}
+
+int NodeService::completion_queues() const {
+  // A stream costs its queue a tag and wakes it once per notice; a few queues keep each one's
+  // list of outstanding tags short.
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  return std::clamp(cores / 4, 1, 4);
+}
+
+void NodeService::StartServing(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues) {
+  watch_queues_ = std::move(queues);
+  for (auto& queue : watch_queues_) {
+    grpc::ServerCompletionQueue* raw = queue.get();
+    AcceptWatch(raw);
+    watch_threads_.emplace_back([raw] {
+      void* tag;
+      bool ok;
+      while (raw->Next(&tag, &ok)) WatchCall::Proceed(tag, ok);
+    });
+  }
+}
+
+void NodeService::StopServing() {
+  {
+    absl::MutexLock lock(&accept_mu_);
+    stopping_ = true;
+  }
+  for (auto& queue : watch_queues_) queue->Shutdown();
+  for (auto& thread : watch_threads_) thread.join();
+  watch_threads_.clear();
+  watch_queues_.clear();
+}
+
+void NodeService::AcceptWatch(grpc::ServerCompletionQueue* queue) {
+  absl::MutexLock lock(&accept_mu_);
+  if (stopping_) return;
+  new WatchCall(this, queue);  // deletes itself
 }
 
 template <typename Response, typename Call>

@@ -4,23 +4,28 @@
 // that starts well within that minute proves the WatchAssignments notice woke the worker. The
 // same holds for stop orders (cancel), after a worker restart and after a coordinator restart
 // (the stream reconnects), and the coordinator still stops at once on SIGTERM with the stream
-// open.
+// open. Many streams at once (open, cancelled, refused, ended by the shutdown) are checked on a
+// bare client.
 
 #include <signal.h>
 
 #include <filesystem>
-#include <iterator>
 #include <fstream>
+#include <iterator>
 #include <regex>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/daemon/server.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tessera/v1/node_service.grpc.pb.h"
 #include "tests/util/http_get.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
@@ -214,6 +219,77 @@ TEST_F(DispatchTest, TheStreamComesBackAfterAWorkerAndACoordinatorRestart) {
   const std::string second = Submit();
   ASSERT_TRUE(WaitUntil(registered + kPrompt, [&] { return TrainerStarted(second); }))
       << Cli("get " + second) << worker_->stderr_text();
+}
+
+// The coordinator serves WatchAssignments streams on completion queues of their own: many at
+// once each get their opening notice, a watcher that goes away is let go while the rest stay open
+// and heartbeats are answered, and on SIGTERM every open stream ends with UNAVAILABLE at once.
+TEST_F(DispatchTest, ManyStreamsOpenEndAndCloseWithTheCoordinator) {
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator());
+  auto nodes = v1::NodeService::NewStub(MakeClientChannel(address_));
+  v1::RegisterNodeRequest registration;
+  registration.set_node_id("watch-1");
+  registration.set_hostname("watch-1");
+  registration.set_address("127.0.0.1:1");
+  registration.set_node_key("key-1");
+  registration.mutable_resources()->set_cpu_slots(1);
+  v1::RegisterNodeResponse registered;
+  grpc::ClientContext register_context;
+  ASSERT_TRUE(nodes->RegisterNode(&register_context, registration, &registered).ok());
+  constexpr int kStreams = 64;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::ClientReader<v1::AssignmentsNotice>>> streams;
+  v1::WatchAssignmentsRequest watch;
+  watch.set_node_id("watch-1");
+  watch.set_node_key("key-1");
+  for (int i = 0; i < kStreams; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    contexts.back()->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+    streams.push_back(nodes->WatchAssignments(contexts.back().get(), watch));
+  }
+  v1::AssignmentsNotice notice;
+  for (int i = 0; i < kStreams; ++i) ASSERT_TRUE(streams[i]->Read(&notice)) << "stream " << i;
+  // Half the watchers go away.
+  for (int i = 0; i < kStreams / 2; ++i) {
+    contexts[i]->TryCancel();
+    EXPECT_EQ(streams[i]->Finish().error_code(), grpc::StatusCode::CANCELLED) << "stream " << i;
+  }
+  // A wrong key is refused on the stream itself.
+  grpc::ClientContext refused_context;
+  v1::WatchAssignmentsRequest wrong = watch;
+  wrong.set_node_key("key-2");
+  auto refused = nodes->WatchAssignments(&refused_context, wrong);
+  EXPECT_FALSE(refused->Read(&notice));
+  EXPECT_EQ(refused->Finish().error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  v1::HeartbeatRequest heartbeat;
+  heartbeat.set_node_id("watch-1");
+  heartbeat.set_node_key("key-1");
+  v1::HeartbeatResponse beat;
+  grpc::ClientContext beat_context;
+  EXPECT_TRUE(nodes->Heartbeat(&beat_context, heartbeat, &beat).ok());
+
+  // The rest are read to their end, as workers read them.
+  std::vector<grpc::Status> ends(kStreams);
+  std::vector<std::thread> readers;
+  for (int i = kStreams / 2; i < kStreams; ++i) {
+    readers.emplace_back([&, i] {
+      v1::AssignmentsNotice more;
+      while (streams[i]->Read(&more)) {
+      }
+      ends[i] = streams[i]->Finish();
+    });
+  }
+  const absl::Time signalled = absl::Now();
+  auto exit = coordinator_->Stop(SIGTERM);
+  ASSERT_THAT(exit, IsOk());
+  EXPECT_EQ(exit->exit_code, 0) << coordinator_->stderr_text();
+  EXPECT_LT(absl::Now() - signalled, absl::Seconds(3)) << "open streams held the shutdown";
+  coordinator_.reset();
+  for (auto& reader : readers) reader.join();
+  for (int i = kStreams / 2; i < kStreams; ++i) {
+    EXPECT_EQ(ends[i].error_code(), grpc::StatusCode::UNAVAILABLE) << "stream " << i;
+    EXPECT_THAT(ends[i].error_message(), HasSubstr("shutting down")) << "stream " << i;
+  }
 }
 
 }  // namespace

@@ -18,10 +18,12 @@ absl::StatusOr<std::unique_ptr<DaemonServers>> DaemonServers::Start(
   }
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   if (make_interceptors) interceptors = make_interceptors(servers->registry());
-  ASSIGN_OR_RETURN(servers->grpc_, GrpcServer::Start({.listen_address = options.listen_address,
-                                                       .max_message_bytes = options.max_message_bytes,
-                                                       .credentials = options.credentials},
-                                                     services, std::move(interceptors)));
+  ASSIGN_OR_RETURN(servers->grpc_,
+                   GrpcServer::Start({.listen_address = options.listen_address,
+                                      .max_message_bytes = options.max_message_bytes,
+                                      .credentials = options.credentials,
+                                      .async_hosts = options.async_hosts},
+                                     services, std::move(interceptors)));
   return servers;
 }
 

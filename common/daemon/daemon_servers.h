@@ -26,6 +26,8 @@ struct DaemonServerOptions {
   std::shared_ptr<grpc::ServerCredentials> credentials;
   // Largest gRPC message accepted or sent, in bytes.
   int max_message_bytes = 64 << 20;
+  // Services with asynchronous methods (GrpcServerOptions::async_hosts).
+  std::vector<AsyncServiceHost*> async_hosts;
 };
 
 // Makes the gRPC interceptors of a daemon once its metrics registry exists

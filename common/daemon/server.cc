@@ -1,5 +1,6 @@
 #include "common/daemon/server.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -46,22 +47,47 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   for (const NamedService& named : services) builder.RegisterService(named.service);
   if (!interceptors.empty()) builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  std::vector<std::vector<std::unique_ptr<grpc::ServerCompletionQueue>>> queues;
+  for (AsyncServiceHost* host : options.async_hosts) {
+    auto& own = queues.emplace_back();
+    for (int i = 0; i < std::max(1, host->completion_queues()); ++i) {
+      own.push_back(builder.AddCompletionQueue());
+    }
+  }
 
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
+    // The queues were never served; a built server is shut down before they are.
+    if (server != nullptr) server->Shutdown(std::chrono::system_clock::now());
+    for (auto& own : queues) {
+      for (auto& queue : own) {
+        queue->Shutdown();
+        void* tag;
+        bool ok;
+        while (queue->Next(&tag, &ok)) {
+        }
+      }
+    }
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen_address,
                                                " (address in use, or not a valid host:port)"));
+  }
+  for (size_t i = 0; i < options.async_hosts.size(); ++i) {
+    options.async_hosts[i]->StartServing(std::move(queues[i]));
   }
   if (auto* health = server->GetHealthCheckService(); health != nullptr) {
     health->SetServingStatus(true);
     for (const NamedService& named : services) health->SetServingStatus(named.name, true);
   }
   return std::unique_ptr<GrpcServer>(
-      new GrpcServer(std::move(server), HostOf(options.listen_address), port));
+      new GrpcServer(std::move(server), HostOf(options.listen_address), port, options.async_hosts));
 }
 
-GrpcServer::GrpcServer(std::unique_ptr<grpc::Server> server, std::string host, int port)
-    : server_(std::move(server)), host_(std::move(host)), port_(port) {}
+GrpcServer::GrpcServer(std::unique_ptr<grpc::Server> server, std::string host, int port,
+                       std::vector<AsyncServiceHost*> async_hosts)
+    : server_(std::move(server)),
+      async_hosts_(std::move(async_hosts)),
+      host_(std::move(host)),
+      port_(port) {}
 
 GrpcServer::~GrpcServer() { Shutdown(absl::ZeroDuration()); }
 
@@ -78,6 +104,8 @@ void GrpcServer::Shutdown(absl::Duration grace) {
   }
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server_->Wait();
+  // Only now: a completion queue must outlive the server's use of it.
+  for (AsyncServiceHost* host : async_hosts_) host->StopServing();
 }
 
 std::shared_ptr<grpc::Channel> MakeClientChannel(

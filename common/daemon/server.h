@@ -14,6 +14,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/server_interceptor.h"
 
@@ -26,6 +27,20 @@ struct NamedService {
   grpc::Service* service;
 };
 
+// A service with methods on gRPC's asynchronous API, served on completion queues of its own
+// (the callback API serves every callback method from one shared queue).
+class AsyncServiceHost {
+ public:
+  virtual ~AsyncServiceHost() = default;
+  // How many completion queues the server adds for it.
+  virtual int completion_queues() const = 0;
+  // The server runs: serve its calls on `queues` (on threads of its own).
+  virtual void StartServing(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues) = 0;
+  // The server has shut down (every call has ended or been cancelled): shut the queues down,
+  // drain them and join the threads. Called once.
+  virtual void StopServing() = 0;
+};
+
 struct GrpcServerOptions {
   // host:port to listen on; port 0 picks a free port.
   std::string listen_address = "127.0.0.1:0";
@@ -33,6 +48,9 @@ struct GrpcServerOptions {
   int max_message_bytes = 64 << 20;
   // Transport security (common/security/tls.h); null: plaintext.
   std::shared_ptr<grpc::ServerCredentials> credentials{};
+  // Services among `services` with asynchronous methods (not owned; they must outlive the
+  // server).
+  std::vector<AsyncServiceHost*> async_hosts{};
 };
 
 // Thread safety: all methods may be called from any thread.
@@ -63,9 +81,11 @@ class GrpcServer {
   void Shutdown(absl::Duration grace = absl::Seconds(5));
 
  private:
-  GrpcServer(std::unique_ptr<grpc::Server> server, std::string host, int port);
+  GrpcServer(std::unique_ptr<grpc::Server> server, std::string host, int port,
+             std::vector<AsyncServiceHost*> async_hosts);
 
   std::unique_ptr<grpc::Server> server_;
+  std::vector<AsyncServiceHost*> async_hosts_;
   std::string host_;
   int port_;
   std::atomic<bool> shut_down_{false};
