@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -188,6 +189,7 @@ FleetCounters SimulatedFleet::counters() const {
   counters.heartbeat_failures = heartbeat_failures_.load();
   counters.heartbeats_skipped = heartbeats_skipped_.load();
   counters.slots_covered = slots_covered_.load();
+  counters.timer_heartbeats = timer_heartbeats_.load();
   counters.reregister_requests = reregister_requests_.load();
   counters.tasks_started = tasks_started_.load();
   counters.tasks_succeeded = tasks_succeeded_.load();
@@ -296,22 +298,30 @@ void SimulatedFleet::BeatSoon(Node& node, std::atomic<int64_t>* counter) {
 }
 
 void SimulatedFleet::AnnounceEndAt(Node& node, Clock::time_point at) {
-  absl::MutexLock lock(&ends_mu_);
-  due_ends_.emplace(at, &node);
+  absl::MutexLock lock(&due_mu_);
+  due_.push({.at = at, .node = &node, .end = true, .after = {}});
 }
 
-void SimulatedFleet::AnnounceDueEnds(Clock::time_point now) {
-  std::vector<Node*> due;
+void SimulatedFleet::BeatWhatIsDue(Clock::time_point now) {
+  std::vector<Due> due;
   {
-    absl::MutexLock lock(&ends_mu_);
-    while (!due_ends_.empty() && due_ends_.top().first <= now) {
-      due.push_back(due_ends_.top().second);
-      due_ends_.pop();
+    absl::MutexLock lock(&due_mu_);
+    while (!due_.empty() && due_.top().at <= now) {
+      due.push_back(due_.top());
+      due_.pop();
     }
   }
-  for (Node* node : due) {
-    end_announcements_.fetch_add(1);
-    BeatSoon(*node, &notified_heartbeats_);
+  for (const Due& item : due) {
+    if (item.end) {
+      end_announcements_.fetch_add(1);
+      BeatSoon(*item.node, &notified_heartbeats_);
+      continue;
+    }
+    {
+      absl::MutexLock lock(&item.node->mu);
+      if (item.node->last_out_of_slot != item.after) continue;  // a later one restarted it
+    }
+    BeatSoon(*item.node, &timer_heartbeats_);
   }
 }
 
@@ -333,7 +343,7 @@ void SimulatedFleet::HeartbeatLoop() {
   size_t cursor = 0;
   while (!stop_.WaitForNotificationWithTimeout(kPacerTick)) {
     const Clock::time_point now = Clock::now();
-    AnnounceDueEnds(now);
+    BeatWhatIsDue(now);
     if (now - round_start >= 2 * period) {
       // More than a period behind: start over rather than burst.
       pacer_resets_.fetch_add(1);
@@ -366,6 +376,7 @@ void SimulatedFleet::Beat(Node& node, bool at_slot) {
   };
   auto call = std::make_shared<Call>();
   std::vector<std::pair<std::string, v1::ReportRequest>> final_reports;
+  std::optional<Clock::time_point> timer_after;  // out of slot: the next is due a period later
   {
     absl::MutexLock lock(&node.mu);
     if (!node.registered) {
@@ -383,10 +394,20 @@ void SimulatedFleet::Beat(Node& node, bool at_slot) {
       slots_covered_.fetch_add(1);
       return;
     } else {
-      if (!at_slot) node.last_out_of_slot = Clock::now();
+      if (!at_slot) {
+        node.last_out_of_slot = Clock::now();
+        timer_after = node.last_out_of_slot;
+      }
       node.heartbeat_in_flight = true;
       call->request = HeartbeatLocked(node, &final_reports);
     }
+  }
+  if (timer_after.has_value()) {
+    absl::MutexLock lock(&due_mu_);
+    due_.push({.at = *timer_after + absl::ToChronoNanoseconds(options_.heartbeat_interval),
+               .node = &node,
+               .end = false,
+               .after = *timer_after});
   }
   if (call->request.node_id().empty()) {
     SendRegister(node);

@@ -92,8 +92,9 @@ struct FleetCounters {
   // Slots at which the node's previous heartbeat was still in flight.
   int64_t heartbeats_skipped = 0;
   // Slots skipped because the node had sent a heartbeat out of its slot (a notice, a task's end)
-  // less than a period before.
+  // less than a period before, and the heartbeats sent instead a period after that one.
   int64_t slots_covered = 0;
+  int64_t timer_heartbeats = 0;
   // Heartbeat answers that asked the node to register again.
   int64_t reregister_requests = 0;
   int64_t tasks_started = 0;
@@ -204,8 +205,10 @@ class SimulatedFleet {
   void BeatSoon(Node& node, std::atomic<int64_t>* counter);
   // With announce_ends: the node heartbeats once `at` has passed, when a task's run is over.
   void AnnounceEndAt(Node& node, Clock::time_point at);
-  // On the heartbeat thread: announces the ends that have come due.
-  void AnnounceDueEnds(Clock::time_point now);
+  // On the heartbeat thread: announces the ends that have come due, and sends the heartbeats
+  // due a period after one out of the node's slot (a worker's interval restarts at every
+  // heartbeat, so its next comes a period later, whatever its slot).
+  void BeatWhatIsDue(Clock::time_point now);
   // One grpc.health.v1.Health/Check on `connection`, timed like a heartbeat.
   void CheckHealth(Connection& connection);
   void OnHeartbeatDone(Node& node, const v1::HeartbeatRequest& request,
@@ -254,11 +257,19 @@ class SimulatedFleet {
   std::atomic<int64_t> notified_heartbeats_{0};
   std::atomic<int64_t> watch_failures_{0};
   std::atomic<int64_t> end_announcements_{0};
-  // Ends to announce, soonest first (announce_ends).
-  using DueEnd = std::pair<Clock::time_point, Node*>;
-  absl::Mutex ends_mu_;
-  std::priority_queue<DueEnd, std::vector<DueEnd>, std::greater<>> due_ends_
-      ABSL_GUARDED_BY(ends_mu_);
+  // Heartbeats due out of the nodes' slots, soonest first.
+  struct Due {
+    Clock::time_point at;
+    Node* node;
+    // True: a task's end to announce. False: the heartbeat a period after the one out of slot
+    // sent at `after`; it lapses if the node has sent another out of slot since.
+    bool end;
+    Clock::time_point after;
+    bool operator>(const Due& other) const { return at > other.at; }
+  };
+  std::atomic<int64_t> timer_heartbeats_{0};
+  absl::Mutex due_mu_;
+  std::priority_queue<Due, std::vector<Due>, std::greater<>> due_ ABSL_GUARDED_BY(due_mu_);
   mutable absl::Mutex error_mu_;
   std::string first_error_ ABSL_GUARDED_BY(error_mu_);
 

@@ -162,6 +162,7 @@ json ScaleJson(const ScaleResult& r) {
         {"assignment_notices", f.notices},
         {"notified_heartbeats", f.notified_heartbeats},
         {"slots_covered", f.slots_covered},
+        {"timer_heartbeats", f.timer_heartbeats},
         {"end_announcements", f.end_announcements},
         {"watch_failures", f.watch_failures},
         {"first_error", f.first_error}}},
@@ -293,10 +294,11 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
     if (f.watches_opened > 0 || f.end_announcements > 0) {
       absl::StrAppendFormat(&out,
                             "  out of slot: %d assignment watches opened, %d notices, %d task "
-                            "ends announced, %d heartbeats sent for them, %d slots then skipped "
-                            "(a worker's interval restarts); %d streams failed\n",
+                            "ends announced, %d heartbeats sent for them; a worker's interval "
+                            "restarts at each, so %d slots were skipped and %d heartbeats sent a "
+                            "period after one out of slot instead; %d streams failed\n",
                             f.watches_opened, f.notices, f.end_announcements, f.notified_heartbeats,
-                            f.slots_covered, f.watch_failures);
+                            f.slots_covered, f.timer_heartbeats, f.watch_failures);
     }
     if (f.heartbeat_failures + f.heartbeats_skipped + f.reregister_requests + f.register_failures +
             f.report_failures + f.health_failures + f.pacer_resets + r.jobs.submit_failures +
