@@ -49,6 +49,12 @@ json PhasesJson(const std::vector<std::pair<std::string, double>>& phases) {
   return out;
 }
 
+// The GPUs were nearly all held while jobs waited for them.
+bool GpuBound(const ClusterOccupancy& occupancy) {
+  return occupancy.samples > 0 && occupancy.mean_gpus_allocated_share >= 0.9 &&
+         occupancy.mean_pending_jobs >= 1;
+}
+
 json SpreadJson(const Spread& spread) {
   return {{"median", spread.median}, {"min", spread.min}, {"max", spread.max}};
 }
@@ -142,6 +148,7 @@ json ScaleJson(const ScaleResult& r) {
                   {"gpus_allocated_share_mean", r.occupancy.mean_gpus_allocated_share},
                   {"gpus_allocated_share", SpreadJson(r.occupancy.gpus_allocated_share)},
                   {"pending_jobs_mean", r.occupancy.mean_pending_jobs},
+                  {"bounded_by_free_gpus", GpuBound(r.occupancy)},
                   {"pending_jobs", SpreadJson(r.occupancy.pending_jobs)}}},
       {"windows", windows},
       {"fleet",
@@ -280,10 +287,11 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
       absl::StrAppendFormat(
           &out,
           "  cluster (%d scrapes, 1/s): GPUs allocated %.0f%% mean [%.0f%%..%.0f%%]; "
-          "jobs pending %.0f mean [%.0f..%.0f]\n",
+          "jobs pending %.0f mean [%.0f..%.0f]%s\n",
           o.samples, 100 * o.mean_gpus_allocated_share, 100 * o.gpus_allocated_share.min,
           100 * o.gpus_allocated_share.max, o.mean_pending_jobs, o.pending_jobs.min,
-          o.pending_jobs.max);
+          o.pending_jobs.max,
+          GpuBound(o) ? ": placements were bounded by free GPUs, not by the coordinator" : "");
     }
     absl::StrAppendFormat(&out,
                           "  load generator used %.2f cores, other processes %.2f cores; "

@@ -10,6 +10,12 @@
 #include "coordinator/coordinator_service.h"
 
 namespace tessera::coordinator {
+namespace {
+
+// WatchAssignments calls requested at once on each of the stream queues.
+constexpr int kWatchRequestsPerQueue = 16;
+
+}  // namespace
 
 // One WatchAssignments call on the asynchronous API, from its request to its end. gRPC hands each
 // operation's tag back on the call's queue; a Tag names the call and the operation. The call
@@ -194,7 +200,9 @@ void NodeService::StartServing(std::vector<std::unique_ptr<grpc::ServerCompletio
   watch_queues_ = std::move(queues);
   for (auto& queue : watch_queues_) {
     grpc::ServerCompletionQueue* raw = queue.get();
-    AcceptWatch(raw);
+    // Several calls requested at once per queue, each taken call requesting the next: a fleet
+    // that reconnects together (a coordinator restart) is taken without waiting on one request.
+    for (int i = 0; i < kWatchRequestsPerQueue; ++i) AcceptWatch(raw);
     watch_threads_.emplace_back([raw] {
       void* tag;
       bool ok;

@@ -549,6 +549,8 @@ def stage_control_plane(ctx):
         "gpus_allocated_share_mean":
             (scale.get("cluster_occupancy") or {}).get("gpus_allocated_share_mean"),
         "pending_jobs_mean": (scale.get("cluster_occupancy") or {}).get("pending_jobs_mean"),
+        "bounded_by_free_gpus":
+            (scale.get("cluster_occupancy") or {}).get("bounded_by_free_gpus"),
         "machine_cores": os.cpu_count(), "load": load, "goals": CONTROL_PLANE_GOALS}
     result["goals_met"] = {
         "placements_per_s": result["jobs_placed_per_second"]
@@ -646,6 +648,8 @@ def summary_lines(report):
         if control.get("gpus_allocated_share_mean") is not None:
             lines[-1] += (f"; GPUs allocated {100 * control['gpus_allocated_share_mean']:.0f}% "
                           f"and {control['pending_jobs_mean']:.0f} jobs pending (means)")
+            if control.get("bounded_by_free_gpus"):
+                lines[-1] += ": placements were bounded by free GPUs, not by the coordinator"
     return lines
 
 
