@@ -114,7 +114,7 @@ class NodeService::WatchCall {
           if (!ok) {
             // The worker went away; the done tag follows.
             finished_ = true;
-          } else if (finish_after_write_.has_value()) {
+          } else if (finish_status_.has_value()) {
             StartFinishLocked();
           } else {
             PumpLocked();
@@ -146,14 +146,14 @@ class NodeService::WatchCall {
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
     if (finished_) return;
     finished_ = true;
-    finish_after_write_ = std::move(status);
+    finish_status_ = std::move(status);
     if (!writing_) StartFinishLocked();
   }
   void StartFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
     if (done_) return;  // the call is over: nothing to send
     finishing_ = true;
-    writer_.Finish(*finish_after_write_, &finished_tag_);
-    finish_after_write_.reset();
+    writer_.Finish(*finish_status_, &finished_tag_);
+    finish_status_.reset();
   }
 
   NodeService* const service_;
@@ -176,7 +176,8 @@ class NodeService::WatchCall {
   bool finishing_ = false;  // Finish is in flight
   bool finished_ = false;   // no more notices: finishing, or the stream broke
   bool pending_ = false;    // a notice waits for the write in flight
-  std::optional<grpc::Status> finish_after_write_;
+  // The status to finish with, set by FinishLocked; held while a write is in flight.
+  std::optional<grpc::Status> finish_status_;
 };
 
 absl::Status NodeService::AdmitWatch(const grpc::ServerContext& context,
