@@ -25,8 +25,9 @@ constexpr char kPassHistogram[] = "tessera_scheduler_pass_duration_seconds";
 constexpr char kPassLockHistogram[] = "tessera_scheduler_pass_lock_held_seconds";
 constexpr char kPassLongestHoldHistogram[] = "tessera_scheduler_pass_longest_lock_hold_seconds";
 constexpr char kPassPhaseHistogram[] = "tessera_scheduler_pass_phase_seconds";
-constexpr const char* kPassPhases[] = {"list",  "settle", "plan", "schedule",
-                                       "admit", "store",  "count"};
+// "store_overlapped": the previous pass's store, run beside this pass (not part of its time).
+constexpr const char* kPassPhases[] = {"list",  "settle", "plan",  "schedule",
+                                       "admit", "store",  "count", "store_overlapped"};
 constexpr char kStoreWriteHistogram[] = "tessera_store_write_duration_seconds";
 constexpr char kStoreWriteCpuCounter[] = "tessera_store_write_cpu_seconds_total";
 constexpr char kStoreWritesCounter[] = "tessera_store_writes_total";

@@ -58,6 +58,10 @@ struct Allocation {
   // Every node reported its tasks RUNNING once and the job was brought to RUNNING (or found past
   // SCHEDULED): later heartbeats need not read the job again.
   bool running_seen = false;
+  // Admitted by a scheduling pass whose store transaction has not finished: the job may still
+  // read PENDING in the store and its assignments are held back. A pass leaves it alone (no
+  // drain, no decision) until the store thread releases or takes it back.
+  bool storing = false;
   // Every node reported SUCCEEDED and a heartbeat is storing the job's success outside the
   // cluster lock: nobody else records it, and the devices stay held until it is stored.
   bool success_pending = false;

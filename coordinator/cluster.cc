@@ -594,6 +594,7 @@ int Cluster::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
   const int master_port = allocation.master_port;
   allocation.placed_time = options_.now();
   allocation.start_step = StartStep(job, spec);
+  allocation.storing = true;
   for (auto& [node_id, assignment] : assignments) {
     for (v1::TrainerTask& task : *assignment.mutable_trainers()) {
       task.mutable_assignment()->set_master_port(master_port);
@@ -667,8 +668,9 @@ Cluster::PassSnapshot Cluster::SnapshotLocked(const std::vector<v1::Job>& waitin
   return snapshot;
 }
 
-std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
-                                            const PassSnapshot& snapshot, ClusterStats* stats) {
+Cluster::PassWrites Cluster::SchedulePass(const std::vector<v1::Job>& active,
+                                          const PassSnapshot& snapshot, ClusterStats* stats,
+                                          std::set<std::string>* admitted_ids) {
   // `active` holds the waiting jobs (ListWaitingJobs).
   std::vector<GangRequest> requests;
   std::map<std::string, const v1::Job*> waiting;
@@ -775,24 +777,28 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
           AdmitLocked(*waiting[placement.job_id], specs[placement.job_id], placement,
                       std::move(assignments[i]));
       admitted.push_back(&placement);
+      admitted_ids->insert(placement.job_id);
     }
   }
   phase.Next("admit");
   // Every placement and every changed pending reason of the pass is stored in one transaction
-  // (one fsync), without mu_.
-  std::vector<JobManager::TransitionRequest> writes;
+  // (one fsync), without mu_. Each write owns what it stores: under Start() it is stored beside
+  // the next pass.
+  PassWrites pass;
   for (const GangPlacement* placement : admitted) {
     const std::string& job_id = placement->job_id;
-    const v1::LayoutPlan& plan = plans[job_id];
-    writes.push_back({job_id, v1::JOB_STATE_SCHEDULED,
-                      PlacementReason(*waiting[job_id], specs[job_id], *placement, plan),
-                      [&plan, placement, port = master_ports[job_id]](v1::Job& stored) {
-                        *stored.mutable_plan() = plan;
-                        stored.mutable_placements()->Clear();
-                        for (const auto& rank : placement->ranks) *stored.add_placements() = rank;
-                        stored.set_master_port(port);
-                      }});
+    pass.writes.push_back(
+        {job_id, v1::JOB_STATE_SCHEDULED,
+         PlacementReason(*waiting[job_id], specs[job_id], *placement, plans[job_id]),
+         [plan = std::move(plans[job_id]), ranks = placement->ranks,
+          port = master_ports[job_id]](v1::Job& stored) {
+           *stored.mutable_plan() = plan;
+           stored.mutable_placements()->Clear();
+           for (const auto& rank : ranks) *stored.add_placements() = rank;
+           stored.set_master_port(port);
+         }});
   }
+  pass.placements = pass.writes.size();
   result.pending_reasons.merge(unfit);
   std::map<std::string, const v1::Job*> by_id;
   for (const auto& job : active) by_id[job.job_id()] = &job;
@@ -801,23 +807,28 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
     if (job == nullptr) continue;
     // A restarting job keeps its state (and the reason it restarts) until it is placed again.
     if (job->state() == v1::JOB_STATE_PENDING && job->reason() != reason) {
-      writes.push_back({job_id, v1::JOB_STATE_PENDING, reason, nullptr});
+      pass.writes.push_back({job_id, v1::JOB_STATE_PENDING, reason, nullptr});
     }
   }
-  const std::vector<absl::StatusOr<v1::Job>> stored = jobs_->TransitionAll(writes);
   phase.Next("store");
+  return pass;
+}
+
+std::set<std::string> Cluster::StorePass(PassWrites pass) {
   std::set<std::string> placed;
+  if (pass.writes.empty()) return placed;
+  const std::vector<absl::StatusOr<v1::Job>> stored = jobs_->TransitionAll(pass.writes);
   std::function<void(double)> latency_observer;
   std::vector<double> latencies;
   {
-    TimedLock lock(&mu_, stats);
+    absl::MutexLock lock(&mu_);
     latency_observer = latency_observer_;
-    for (size_t i = 0; i < admitted.size(); ++i) {
-      const GangPlacement& placement = *admitted[i];
-      const std::string& job_id = placement.job_id;
+    for (size_t i = 0; i < pass.placements; ++i) {
+      const std::string& job_id = pass.writes[i].job_id;
+      Allocation* allocation = allocations_.Find(job_id);
+      if (allocation != nullptr) allocation->storing = false;
       if (stored[i].ok()) {
-        // Withdrawn meanwhile if the attempt failed (a node registered again without it).
-        if (const Allocation* allocation = allocations_.Find(job_id)) {
+        if (allocation != nullptr) {
           for (const auto& node : allocation->Nodes()) {
             nodes_.ReleaseStart(node, TaskId(job_id, allocation->attempt, node));
           }
@@ -831,11 +842,11 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
         continue;
       }
       // Cancelled meanwhile (FAILED_PRECONDITION), or a store error: nothing was delivered (the
-      // assignments were held back), so the gang is taken back and the next pass decides.
+      // assignments were held back), so the gang is taken back and a later pass decides.
       if (!absl::IsFailedPrecondition(stored[i].status())) {
         LogRetried(stored[i].status(), absl::StrCat("placing job ", job_id));
       }
-      if (Allocation* allocation = allocations_.Find(job_id)) {
+      if (allocation != nullptr) {
         for (const auto& node : allocation->Nodes()) {
           nodes_.WithdrawStart(node, TaskId(job_id, allocation->attempt, node));
         }
@@ -846,15 +857,54 @@ std::set<std::string> Cluster::SchedulePass(const std::vector<v1::Job>& active,
   if (latency_observer) {
     for (double seconds : latencies) latency_observer(seconds);
   }
-  for (size_t i = admitted.size(); i < writes.size(); ++i) {
+  for (size_t i = pass.placements; i < pass.writes.size(); ++i) {
     if (!stored[i].ok() && !absl::IsFailedPrecondition(stored[i].status())) {
-      LogRetried(stored[i].status(), absl::StrCat("recording why job ", writes[i].job_id, " waits"));
+      LogRetried(stored[i].status(),
+                 absl::StrCat("recording why job ", pass.writes[i].job_id, " waits"));
     }
   }
   return placed;
 }
 
-ClusterStats Cluster::Tick(bool count) {
+void Cluster::HandOver(PassWrites pass) {
+  absl::MutexLock lock(&store_mu_);
+  store_mu_.Await(absl::Condition(
+      +[](Cluster* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->store_mu_) {
+        return !self->store_next_.has_value() && !self->store_busy_;
+      },
+      this));
+  store_next_ = std::move(pass);
+}
+
+void Cluster::StoreLoop() {
+  while (true) {
+    PassWrites pass;
+    {
+      absl::MutexLock lock(&store_mu_);
+      store_mu_.Await(absl::Condition(
+          +[](Cluster* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->store_mu_) {
+            return self->store_next_.has_value() || self->store_stopping_;
+          },
+          this));
+      // Writes handed over before Stop are stored first.
+      if (!store_next_.has_value()) return;
+      pass = std::move(*store_next_);
+      store_next_.reset();
+      store_busy_ = true;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    StorePass(std::move(pass));
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    absl::MutexLock lock(&store_mu_);
+    store_busy_ = false;
+    store_overlapped_seconds_ += seconds;
+  }
+}
+
+ClusterStats Cluster::Tick(bool count) { return RunPass(count, /*overlap_store=*/false); }
+
+ClusterStats Cluster::RunPass(bool count, bool overlap_store) {
   absl::MutexLock pass_lock(&pass_mu_);
   const absl::Time now = options_.now();
   ClusterStats stats;
@@ -882,6 +932,9 @@ ClusterStats Cluster::Tick(bool count) {
     if (count) ExpireNodesLocked(now);
     if (active.ok()) {
       for (auto& [job_id, allocation] : allocations_.all()) {
+        // Placed by the previous pass and not yet stored (its job may still be listed PENDING, or
+        // already cancelled): the store thread releases or takes it back first.
+        if (allocation.storing) continue;
         if (!active_ids.contains(job_id)) {
           // Cancelled (or ended by a decision already recorded): stop what still runs.
           if (allocation.phase != Allocation::Phase::kDraining) DrainLocked(job_id, allocation);
@@ -900,7 +953,8 @@ ClusterStats Cluster::Tick(bool count) {
       // attempt just ended (it restarts) may be placed again in this pass: list again for it.
       allocations_.EraseIf([&](const std::string& job_id, const Allocation& allocation) {
         const bool ended = allocation.phase == Allocation::Phase::kDraining &&
-                           allocation.AllNodesEnded() && !allocation.success_pending;
+                           allocation.AllNodesEnded() && !allocation.success_pending &&
+                           !allocation.storing;
         relist = relist || (ended && active_ids.contains(job_id));
         return ended;
       });
@@ -920,8 +974,24 @@ ClusterStats Cluster::Tick(bool count) {
     phase.Next("settle");
   }
   if (active.ok() && waiting.ok()) {
-    const std::set<std::string> placed = SchedulePass(*waiting, snapshot, &stats);
+    std::set<std::string> placed;
+    PassWrites pass = SchedulePass(*waiting, snapshot, &stats, &placed);
     phase = PhaseTimer(&stats);
+    if (overlap_store) {
+      // Counted as placed: the store thread takes a placement back only if its job was cancelled
+      // meanwhile (or on a store error), which the next pass's counts show.
+      if (!pass.writes.empty()) HandOver(std::move(pass));
+    } else {
+      placed = StorePass(std::move(pass));
+    }
+    phase.Next("store");
+    {
+      absl::MutexLock lock(&store_mu_);
+      if (store_overlapped_seconds_ > 0) {
+        stats.phase_seconds["store_overlapped"] += store_overlapped_seconds_;
+        store_overlapped_seconds_ = 0;
+      }
+    }
     for (const auto& job : *active) {
       const bool pending = !placed.contains(job.job_id) && job.state == v1::JOB_STATE_PENDING;
       ++stats.jobs[placed.contains(job.job_id) ? v1::JOB_STATE_SCHEDULED : job.state];
@@ -1000,6 +1070,10 @@ std::vector<v1::Node> Cluster::Nodes(bool include_lost) {
 }
 
 void Cluster::Start(std::function<void(const ClusterStats&, double)> observer) {
+  store_loop_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "pass-store");
+    StoreLoop();
+  });
   loop_ = std::thread([this, observer = std::move(observer)] {
     // Named for profiles (perf, top -H): the pass is one thread.
     pthread_setname_np(pthread_self(), "scheduler");
@@ -1025,7 +1099,7 @@ void Cluster::Start(std::function<void(const ClusterStats&, double)> observer) {
       const bool count = last_start - last_counted >= options_.tick_interval;
       if (count) last_counted = last_start;
       auto start = std::chrono::steady_clock::now();
-      ClusterStats stats = Tick(count);
+      ClusterStats stats = RunPass(count, /*overlap_store=*/true);
       double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (observer) observer(stats, seconds);
@@ -1047,6 +1121,11 @@ void Cluster::Stop() {
     wake_cv_.SignalAll();
   }
   if (loop_.joinable()) loop_.join();
+  {
+    absl::MutexLock lock(&store_mu_);
+    store_stopping_ = true;
+  }
+  if (store_loop_.joinable()) store_loop_.join();
 }
 
 void Cluster::SetAssignmentNotifier(AssignmentNotifier* notifier) {

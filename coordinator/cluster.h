@@ -23,10 +23,13 @@
 // and the gang scheduler; then the admission under mu_ of the placements whose nodes did not
 // change since the snapshot (only a Tick adds or frees allocations, and passes are serialized by
 // pass_mu_, so devices free in the snapshot are still free unless the node registered again):
-// allocation made, assignments queued. The pass's placements and changed pending reasons are then
-// stored in ONE store transaction with mu_ released; until then the heartbeats of the admitted
-// nodes wait, so an assignment reaches a worker only once its placement is stored (a placement
-// that cannot be stored is taken back). pass_mu_ also guards the plan cache.
+// allocation made, assignments queued held back. The pass's placements and changed pending
+// reasons are then stored in ONE store transaction with mu_ released; an assignment reaches a
+// worker only once its placement is stored (a placement that cannot be stored is taken back), and
+// no heartbeat waits for that store. Under Start() that transaction runs on a store thread beside
+// the next pass (which waits only if it reaches its own store before the previous one finished);
+// an allocation still being stored is left alone by passes (Allocation::storing). pass_mu_ also
+// guards the plan cache.
 #pragma once
 
 #include <atomic>
@@ -104,7 +107,10 @@ struct ClusterStats {
   // store), "settle" (liveness, decisions and the capacity snapshot, under the cluster lock),
   // "plan" (each waiting job's plan and request), "schedule" (the gang scheduler), "admit"
   // (committing the placements under the lock), "store" (storing them and the pending reasons),
-  // "count" (the cluster-wide figures). Wall time, waits included.
+  // "count" (the cluster-wide figures). Wall time, waits included. Under Start(), "store" is the
+  // wait to hand the placements to the store thread (the previous pass's store still running),
+  // and "store_overlapped" the store thread's time for the previous pass's placements, spent
+  // beside this pass and not part of its wall time.
   std::map<std::string, double> phase_seconds;
   // False for a pass that skipped the node, device, ended-job and straggler figures (Tick's
   // `count`): keep the previous ones.
@@ -140,6 +146,8 @@ class Cluster {
   // loop's early passes, asked for by RequestPass) it skips the scans of every node, liveness and
   // the cluster-wide node, device and ended-job counts, which the regular passes keep current;
   // its statistics then hold only the active job counts and the lock holds.
+  // Tick stores its placements before it returns; the loop of Start() stores them beside the next
+  // pass.
   ClusterStats Tick(bool count = true);
   // Runs Tick() every tick_interval on a thread until Stop(); `observer` (may
   // be null) gets each pass's statistics and duration.
@@ -198,11 +206,26 @@ class Cluster {
   // `waiting`: the PENDING and RESTARTING jobs (Store::ListWaitingJobs).
   PassSnapshot SnapshotLocked(const std::vector<v1::Job>& waiting)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The store writes of one pass: its placements (the first `placements` writes, each owning
+  // what it writes) and its changed pending reasons.
+  struct PassWrites {
+    std::vector<JobManager::TransitionRequest> writes;
+    size_t placements = 0;
+  };
   // One scheduling pass over the jobs waiting for devices (`active`: the PENDING and RESTARTING
-  // jobs), computed without mu_; returns the ids of the jobs it placed.
-  std::set<std::string> SchedulePass(const std::vector<v1::Job>& active,
-                                     const PassSnapshot& snapshot, ClusterStats* stats)
+  // jobs), computed without mu_: admits its placements (ids added to `admitted`) and returns the
+  // writes that store them.
+  PassWrites SchedulePass(const std::vector<v1::Job>& active, const PassSnapshot& snapshot,
+                          ClusterStats* stats, std::set<std::string>* admitted)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  // Stores a pass's writes in one transaction; then, under mu_, releases the assignments of each
+  // placement stored and takes back each one that was not. Returns the ids of the jobs placed.
+  std::set<std::string> StorePass(PassWrites pass) ABSL_LOCKS_EXCLUDED(mu_);
+  // Tick's body; `overlap_store`: hand the writes to the store thread instead of storing them.
+  ClusterStats RunPass(bool count, bool overlap_store) ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives `pass` to the store thread once the previous pass's writes are stored.
+  void HandOver(PassWrites pass) ABSL_LOCKS_EXCLUDED(store_mu_);
+  void StoreLoop() ABSL_LOCKS_EXCLUDED(store_mu_);
   static int64_t StartStep(const v1::Job& job, const v1::JobSpec& spec);
   // The reason stored with a placement ("placed on n1, n2").
   static std::string PlacementReason(const v1::Job& job, const v1::JobSpec& spec,
@@ -275,6 +298,15 @@ class Cluster {
   absl::CondVar wake_cv_;
   bool pass_requested_ ABSL_GUARDED_BY(wake_mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(wake_mu_) = false;
+
+  // The store thread (started by Start): one pass's writes in flight, the next waits its turn.
+  std::thread store_loop_;
+  absl::Mutex store_mu_;
+  std::optional<PassWrites> store_next_ ABSL_GUARDED_BY(store_mu_);
+  bool store_busy_ ABSL_GUARDED_BY(store_mu_) = false;
+  bool store_stopping_ ABSL_GUARDED_BY(store_mu_) = false;
+  // The store thread's seconds not yet reported in a pass's statistics.
+  double store_overlapped_seconds_ ABSL_GUARDED_BY(store_mu_) = 0;
 };
 
 }  // namespace tessera::coordinator

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -158,7 +159,26 @@ class ClusterTest : public ::testing::Test {
     return events.ok() ? *events : std::vector<v1::JobEvent>();
   }
 
+  // The store on a file (its reads on their own connections, not behind a blocked write) and a
+  // cluster whose loop (Start) passes every 10 ms, for the tests of the loop.
+  void UseFileStoreAndFastLoop() {
+    cluster_.reset();
+    jobs_.reset();
+    store_.reset();
+    dir_.emplace("cluster-loop");
+    auto store = Store::Open(dir_->path() + "/coordinator.db");
+    ASSERT_THAT(store.status(), IsOk());
+    store_ = std::move(*store);
+    jobs_ = std::make_unique<JobManager>(store_.get());
+    ClusterOptions options;
+    options.tick_interval = absl::Milliseconds(10);
+    options.min_tick_gap = absl::ZeroDuration();
+    options.now = [this] { return now_; };
+    cluster_ = std::make_unique<Cluster>(store_.get(), jobs_.get(), options);
+  }
+
   absl::Time now_ = absl::FromUnixSeconds(1'800'000'000);
+  std::optional<tessera::testing::ScopedTempDir> dir_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<Cluster> cluster_;
@@ -273,6 +293,100 @@ TEST_F(ClusterTest, APlacementsAssignmentsLeaveOnlyOnceStoredAndNoHeartbeatWaits
     }
   }
   EXPECT_EQ(starts, 1);
+}
+
+// Under Start(), a pass's placements are stored on the store thread while the next pass runs:
+// with the first placement's transaction blocked, a later pass still admits another job, neither
+// placement reaches a node before it is stored, the first is not placed twice or drained while
+// its job still reads PENDING, and both are stored once the transaction goes on.
+TEST_F(ClusterTest, TheLoopStoresAPassBesideTheNextPass) {
+  UseFileStoreAndFastLoop();
+  Register("n1", 2);
+  Register("n2", 2);
+  const std::string first = Submit(CpuSpec(2, 0));
+  absl::Notification storing, release;
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    if (id == first && !storing.HasBeenNotified()) {
+      storing.Notify();
+      release.WaitForNotification();
+    }
+    return absl::OkStatus();
+  });
+  std::atomic<int> passes{0};
+  std::atomic<double> overlapped{0};
+  cluster_->Start([&](const ClusterStats& stats, double) {
+    ++passes;
+    if (auto it = stats.phase_seconds.find("store_overlapped"); it != stats.phase_seconds.end()) {
+      overlapped = overlapped + it->second;
+    }
+  });
+  ASSERT_TRUE(storing.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  // Passes go on while the first placement is being stored; its job still reads PENDING, and it
+  // holds the devices of one node.
+  const int before = passes.load();
+  for (int i = 0; i < 3000 && passes.load() < before + 3; ++i)
+    absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_GE(passes.load(), before + 3) << "the passes waited for the store";
+  EXPECT_EQ(Job(first).state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(FreeSlots("n1") + FreeSlots("n2"), 2) << "placed once, not drained";
+
+  // A job submitted now is admitted by a later pass (its own store waits for the first's).
+  const std::string second = Submit(CpuSpec(2, 0));
+  cluster_->RequestPass();
+  for (int i = 0; i < 3000 && FreeSlots("n1") + FreeSlots("n2") > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(FreeSlots("n1") + FreeSlots("n2"), 0);
+  for (const char* node : {"n1", "n2"}) {
+    EXPECT_EQ(Beat(node, {}).start_size(), 0) << node << ": an assignment left before its store";
+  }
+
+  release.Notify();
+  for (int i = 0; i < 3000 && Job(second).state() != v1::JOB_STATE_SCHEDULED; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(Job(first).state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(Job(second).state(), v1::JOB_STATE_SCHEDULED);
+  cluster_->Stop();
+  store_->SetWriteFailureInjector(nullptr);
+  std::map<std::string, std::string> started;  // job -> node
+  for (const char* node : {"n1", "n2"}) {
+    const v1::HeartbeatResponse orders = Beat(node, {});
+    for (const auto& start : orders.start()) {
+      EXPECT_TRUE(started.emplace(start.trainers(0).job_id(), node).second);
+    }
+  }
+  EXPECT_EQ(started.size(), 2u);
+  EXPECT_TRUE(started.contains(first) && started.contains(second));
+  EXPECT_GT(overlapped.load(), 0) << "the store thread's time is reported as store_overlapped";
+}
+
+// A placement the store thread cannot store is taken back (its devices freed, nothing
+// delivered), and a later pass places the job again.
+TEST_F(ClusterTest, TheLoopTakesBackAPlacementItCouldNotStoreAndPlacesItAgain) {
+  UseFileStoreAndFastLoop();
+  Register("n1", 2);
+  const std::string job_id = Submit(CpuSpec(2, 0));
+  std::atomic<int> failed{0};
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    if (id == job_id && failed.load() == 0) {
+      ++failed;
+      return absl::UnavailableError("injected: disk gone");
+    }
+    return absl::OkStatus();
+  });
+  cluster_->Start(nullptr);
+  for (int i = 0; i < 5000 && Job(job_id).state() != v1::JOB_STATE_SCHEDULED; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  cluster_->Stop();
+  store_->SetWriteFailureInjector(nullptr);
+  EXPECT_EQ(failed.load(), 1);
+  ASSERT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(FreeSlots("n1"), 0);
+  const v1::HeartbeatResponse orders = Beat("n1", {});
+  ASSERT_EQ(orders.start_size(), 1) << "one start: the placement taken back was never delivered";
+  EXPECT_EQ(orders.start(0).trainers(0).job_id(), job_id);
 }
 
 // Changes to different jobs never wait for each other: a batch of 200 transitions (what a pass

@@ -195,7 +195,9 @@ def control_plane():
                     "{{phase}}")], unit="percentunit",
                   description="Share of wall time the scheduler thread spent in each phase of its "
                               "passes. Near 100% in all, passes run back to back and placement "
-                              "waits for them."),
+                              "waits for them. store_overlapped is the store thread's share, "
+                              "storing each pass's placements beside the next pass (not part of "
+                              "the scheduler thread's sum; store is its wait to hand them over)."),
             panel("Store writer busy (share of one core)",
                   [(f"sum(rate(tessera_store_write_cpu_seconds_total[{RATE}]))", "writer")],
                   unit="percentunit",
