@@ -11,7 +11,7 @@ Per trace, over the steps marked "train_step":
                  as a share of the window: well under 100% means the GPU waits on the host
   kernels        number and summed time per step, and by kind (matrix products, attention,
                  elementwise, reductions, softmax and cross-entropy, normalisation, optimizer,
-                 copies, other; from the kernel names)
+                 copies, torch.compile's fused Triton kernels, other; from the kernel names)
   host           CUDA runtime calls per step: kernel launches, and calls that wait for the
                  device (synchronisations, blocking copies) with their time
   top kernels    by time per step; on a CPU trace, the top-level operators instead
@@ -30,8 +30,12 @@ STEP = "train_step"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # Kernel kinds by name, first match wins.
 KINDS = (
+    # torch.compile's generated pointwise, reduction and persistent-reduction kernels: many ops
+    # fused in each (the name lists them), so they get a kind of their own.
+    ("fused by torch.compile", re.compile(r"^triton_(poi|red|per)_")),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
-    ("matmul", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|sm\d+_.*_tn|matmul", re.I)),
+    ("matmul", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|sm\d+_.*_tn|matmul|^triton_tem_",
+                          re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
     ("softmax / cross-entropy", re.compile(r"softmax|nll|cross_?entropy", re.I)),
     # The trainer's own norm kernels are NormForward*/NormBackward*/NormWeightGrad*.

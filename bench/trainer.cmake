@@ -12,11 +12,13 @@ if(TESSERA_BUILD_TESTS)
     ENVIRONMENT "TESSERA_BUILD_DIR=${CMAKE_BINARY_DIR}"
     LABELS integration
     TIMEOUT 600)
-  # --profile on CPU: both sides write a Chrome trace of the same 3 steps (the trainer through
-  # --profile_dir, the baseline through torch.profiler) and profile_summary.py reads both.
+  # --profile on CPU: every side writes a Chrome trace of the same 3 steps (the trainer through
+  # --profile_dir, the baselines, eager and torch.compile, through torch.profiler) and
+  # profile_summary.py reads them.
   add_test(NAME trainer_bench.profile
     COMMAND "${TESSERA_PYTHON}" "${CMAKE_CURRENT_SOURCE_DIR}/trainer_bench.py" --device=cpu
       --configs=tiny-gpt2-host "--profile=${CMAKE_CURRENT_BINARY_DIR}/profile"
+      --baselines=eager,compile
     WORKING_DIRECTORY "${PROJECT_SOURCE_DIR}")
   set_tests_properties(trainer_bench.profile PROPERTIES
     ENVIRONMENT "TESSERA_BUILD_DIR=${CMAKE_BINARY_DIR}"

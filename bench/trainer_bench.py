@@ -435,9 +435,10 @@ def check_config(config, args, paths):
 
 def profile_config(config, args, paths):
     """--profile=DIR: one profiled run per side of `config` (3 steps after the untimed ones), the
-    Chrome traces in DIR/NAME/, and bench/profile_summary.py's comparison of them (printed, and
-    DIR/NAME/summary.json). Nothing is timed for the results JSON: the profiler slows both
-    sides."""
+    Chrome traces in DIR/NAME/ (the torch.compile side's, with --baselines=eager,compile, in
+    DIR/NAME/compile/), and bench/profile_summary.py's comparison of ours with each (printed, and
+    DIR/NAME/summary.json: [ours, eager] or [ours, eager, compile]). Nothing is timed for the
+    results JSON: the profiler slows every side."""
     import profile_summary  # bench/, beside this file
 
     name = config["name"]
@@ -447,15 +448,21 @@ def profile_config(config, args, paths):
     timeout = RUN_TIMEOUT_SECONDS[args.device]
     run_ours(paths["trainer"], task_path, config, paths["env"], timeout,
              (*args.ours_flags, f"--profile_dir={directory}", f"--profile_steps={first}:{count}"))
-    with open(baseline_path) as f:
-        baseline = json.load(f)
-    baseline.update(profile_dir=directory, profile_steps=[first, count])
-    profiled_path = baseline_path.replace(".baseline.", ".profiled.")
-    with open(profiled_path, "w") as f:
-        json.dump(baseline, f, indent=1)
-    run_pytorch(paths["python"], profiled_path, config, paths["env"], timeout)
-    traces = [os.path.join(directory, "trace-rank-0.json"),
-              os.path.join(directory, "trace-pytorch.json")]
+    traces = [os.path.join(directory, "trace-rank-0.json")]
+    # The baselines, each from its configuration file with the profiler's directory and steps.
+    sides = [("eager", baseline_path, directory)]
+    if "compile" in args.baselines:
+        sides.append(("compile", baseline_path.replace(".baseline.", ".compiled."),
+                      os.path.join(directory, "compile")))
+    for _, path, side_directory in sides:
+        with open(path) as f:
+            baseline = json.load(f)
+        baseline.update(profile_dir=side_directory, profile_steps=[first, count])
+        profiled_path = path.replace(".json", ".profiled.json")
+        with open(profiled_path, "w") as f:
+            json.dump(baseline, f, indent=1)
+        run_pytorch(paths["python"], profiled_path, config, paths["env"], timeout)
+        traces.append(os.path.join(side_directory, "trace-pytorch.json"))
     try:
         summaries = [profile_summary.summarize(path, profile_summary.KEPT_TOP) for path in traces]
     except (OSError, ValueError) as e:
@@ -463,10 +470,13 @@ def profile_config(config, args, paths):
     for path, summary in zip(traces, summaries):
         if summary["steps"] != count:
             raise BenchError(f"{name}: {path} holds {summary['steps']} marked steps, not {count}")
-    print(f"== {name}: profile of steps {first}..{first + count - 1}, ours then PyTorch eager")
+    labels = ["ours"] + [("PyTorch eager" if side == "eager" else "torch.compile")
+                         for side, _, _ in sides]
+    print(f"== {name}: profile of steps {first}..{first + count - 1}, {', then '.join(labels)}")
     for summary in summaries:
         profile_summary.print_summary(summary)
-    profile_summary.print_comparison(*summaries)
+    for summary in summaries[1:]:
+        profile_summary.print_comparison(summaries[0], summary)
     with open(os.path.join(directory, "summary.json"), "w") as f:
         json.dump(summaries, f, indent=1)
 
@@ -617,7 +627,8 @@ def main():
     parser.add_argument("--profile", default="", metavar="DIR",
                         help="instead of timing: one run per side under the profiler, Chrome "
                              "traces and a comparison of their kernels in DIR "
-                             "(bench/profile_summary.py)")
+                             "(bench/profile_summary.py); with --baselines=eager,compile the "
+                             "torch.compile side too")
     parser.add_argument("--keep-workdir", action="store_true",
                         help="keep the shards, tasks and initial weights")
     parser.add_argument("--ours-flag", action="append", default=[], dest="ours_flags",

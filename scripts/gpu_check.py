@@ -23,9 +23,13 @@ CUDA build; each is timed and recorded):
                  with --full, gpt2-124m again with ours replaying CUDA graphs (--cuda_graphs);
                  then bench/fused_ops_bench: the fused RMSNorm / rotary / SwiGLU / cross-entropy
                  kernels against ATen's composite, forward + backward, per op at two layer
-                 shapes; then one profiled run per side of gpt2-124m (trainer_bench.py
-                 --profile; with --full also qwen3-0.6b; --profile-configs picks): kernel time
-                 per step by kind and the GPU's busy share.
+                 shapes.
+  profile        one profiled run per side of gpt2-124m (trainer_bench.py --profile; with
+                 --full also qwen3-0.6b; --profile-configs picks): kernel time per step by kind
+                 and the GPU's busy share; with --profile-compile the torch.compile side too
+                 (its compilation included: about 100 s for qwen3-0.6b cold). A stage of its own,
+                 so that another model's profile can be taken without the benchmark
+                 (--stages=profile --profile-configs=qwen3-0.6b --profile-compile).
   control-plane  bench/control_plane_bench on the machine's cores (GPU machines have many more
                  than the 2 of the project's other machines): a real coordinator against 10,000
                  simulated 8-GPU nodes heartbeating every second, each with its
@@ -45,8 +49,8 @@ in lib/). Torch's own libraries come from the python that holds torch (scripts/b
 --print-python: /opt/torch/.venv on the GPU machines), whichever torch 2.11 build is there.
 Standard library only. The default run is meant to fit issue 18's 8 minutes: on one H100 it
 took about 7 on 2026-11-26 and 486.5 s on 2026-11-28 (environment 8 s, GPU tests 37 s, cluster
-64 s, bench 352 s, control plane 22 s), with one benchmark run per side; the CUDA-graph run (29 s
-of that bench) has been --full only since. --full takes longer: two runs per side in the bench,
+64 s, bench and profile 352 s, control plane 22 s), with one benchmark run per side; the
+CUDA-graph run (29 s of that bench) has been --full only since. --full takes longer: two runs per side in the bench,
 the CUDA-graph run against eager and torch.compile, five fused-op rounds and longer cluster runs;
 about 11-12 minutes by those figures, not yet measured. (--quick, the old name of the default,
 is still accepted.)
@@ -71,7 +75,8 @@ import profile_summary  # noqa: E402
 from bench_common import (CORPUS, BenchError, Cluster, git_commit, machine_line,  # noqa: E402
                           tail, utc_now)
 
-STAGES = ("environment", "gpu-tests", "trainer-check", "cluster", "bench", "control-plane")
+STAGES = ("environment", "gpu-tests", "trainer-check", "cluster", "bench", "profile",
+          "control-plane")
 
 # Test binaries (under BUILD/tests) with cases that need a GPU, and the cases to run. The CPU
 # cases of a binary run too where they are quick: the GPU machine is where their CUDA twins are
@@ -119,7 +124,7 @@ CONTROL_PLANE_SMOKE = {"nodes": 100, "jobs_per_s": 20, "duration_s": 2, "warmup_
                        "min_run_time": "1s", "max_run_time": "2s", "watch_assignments": "true",
                        "announce_ends": "true"}
 CONTROL_PLANE_GOALS = {"placements_per_s": 2000, "heartbeat_p99_ms": 20}
-# The models whose step is profiled on both sides in the bench stage (kernel time by kind), by
+# The models whose step is profiled on both sides in the profile stage (kernel time by kind), by
 # default and with --full (--profile-configs picks others).
 PROFILE_CONFIGS = "gpt2-124m"
 # The model benchmarked again with --cuda_graphs.
@@ -499,27 +504,93 @@ def stage_bench(ctx):
         [os.path.join(ctx["build_dir"], "bench", "fused_ops_bench"),
          f"--rounds={3 if ctx['quick'] else 5}"],
         env, results_dir, "fused-ops.json")
-    # One profiled run per side of each profiled config: where the step's GPU time goes, ours
-    # next to eager's, for the next change to start from (the traces stay in the work directory).
-    profile_dir = os.path.join(ctx["workdir"], "profile")
-    bench["profiles"] = {}
-    for config in ctx["profile_configs"]:
-        bench["profiles"][config] = run_bench_program(
-            ctx, "profile",
-            [ctx["python"], os.path.join(REPO_ROOT, "bench", "trainer_bench.py"), "--device=cuda",
-             f"--configs={config}", f"--profile={profile_dir}"],
-            env, os.path.join(profile_dir, config), "summary.json",
-            out_name=f"profile-{config}-summary.json")
     if graphs_error:
         raise StageFailed(graphs_error, bench)
     return bench
 
 
+def stage_profile(ctx):
+    """One profiled run per side of each profiled config: where the step's GPU time goes, ours
+    next to eager's, for the next change to start from (the traces stay in the work directory).
+    Returns {config: [ours, eager] summaries}."""
+    profile_dir = os.path.join(ctx["workdir"], "profile")
+    env = dict(ctx["env"], TESSERA_BUILD_DIR=ctx["build_dir"], TESSERA_BENCH_PYTHON=ctx["python"],
+               PYTHONUNBUFFERED="1")
+    profiles = {}
+    baselines = "eager,compile" if ctx["profile_compile"] else "eager"
+    for config in ctx["profile_configs"]:
+        profiles[config] = run_bench_program(
+            ctx, "profile",
+            [ctx["python"], os.path.join(REPO_ROOT, "bench", "trainer_bench.py"), "--device=cuda",
+             f"--configs={config}", f"--profile={profile_dir}", f"--baselines={baselines}"],
+            env, os.path.join(profile_dir, config), "summary.json",
+            out_name=f"profile-{config}-summary.json")
+    return profiles
+
+
 # --- control plane ----------------------------------------------------------------------------
+
+
+def process_cpu_seconds():
+    """{pid: (name, user + system CPU seconds)} of every process readable in /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        # "pid (name) state ...": the name may hold spaces and parentheses.
+        name = stat[stat.find("(") + 1:stat.rfind(")")]
+        fields = stat[stat.rfind(")") + 2:].split()
+        found[int(entry)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return found
+
+
+def machine_busy_seconds():
+    """CPU seconds the whole machine has spent busy (all but idle and iowait), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)) / os.sysconf(
+        "SC_CLK_TCK")
+
+
+def busy_processes(seconds=1.0, threshold=0.05):
+    """Over `seconds`: the cores the machine was busy and the processes that used at least
+    `threshold` cores (this one excepted; one that started meanwhile counts all it used), as
+    (cores, [{"pid", "name", "cores"}] busiest first)."""
+    before = process_cpu_seconds()
+    machine_before = machine_busy_seconds()
+    time.sleep(seconds)
+    machine = (machine_busy_seconds() - machine_before) / seconds
+    after = process_cpu_seconds()
+    busy = []
+    for pid, (name, cpu) in after.items():
+        cores = (cpu - before.get(pid, (name, 0.0))[1]) / seconds
+        if pid != os.getpid() and cores >= threshold:
+            busy.append({"pid": pid, "name": name, "cores": round(cores, 2)})
+    return machine, sorted(busy, key=lambda p: -p["cores"])
+
+
+def wait_until_quiet(max_seconds=15, max_cores=0.25):
+    """Waits (up to max_seconds) until the machine is busy under max_cores: the control-plane
+    figures are CPU-bound, and the 2026-11-28 run inside the check shared the machine with 0.93
+    cores of something else (heartbeat p50 1.03 ms against 0.36 alone). Returns
+    {"cores", "processes", "waited_s"} of the last look."""
+    start = time.monotonic()
+    while True:
+        cores, busy = busy_processes()
+        if cores < max_cores or time.monotonic() - start >= max_seconds:
+            return {"cores": round(cores, 2), "processes": busy,
+                    "waited_s": round(time.monotonic() - start, 1)}
 
 
 def stage_control_plane(ctx):
     load = CONTROL_PLANE if ctx["gpu"] else CONTROL_PLANE_SMOKE
+    busy_before = wait_until_quiet() if ctx["gpu"] else None
     results_dir = os.path.join(ctx["workdir"], "control-plane")
     os.makedirs(results_dir, exist_ok=True)
     argv = [os.path.join(ctx["build_dir"], "bench", "control_plane_bench"),
@@ -551,7 +622,9 @@ def stage_control_plane(ctx):
         "pending_jobs_mean": (scale.get("cluster_occupancy") or {}).get("pending_jobs_mean"),
         "bounded_by_free_gpus":
             (scale.get("cluster_occupancy") or {}).get("bounded_by_free_gpus"),
-        "machine_cores": os.cpu_count(), "load": load, "goals": CONTROL_PLANE_GOALS}
+        "machine_cores": os.cpu_count(), "load": load, "goals": CONTROL_PLANE_GOALS,
+        # Other processes still busy when the benchmark started (after up to 15 s of waiting).
+        "busy_before": busy_before}
     result["goals_met"] = {
         "placements_per_s": result["jobs_placed_per_second"]
         >= CONTROL_PLANE_GOALS["placements_per_s"],
@@ -614,15 +687,23 @@ def summary_lines(report):
             if "compile" in c:
                 line += (f", {c['compile']['ratio_tokens_per_second']:.3f}x torch.compile")
             lines += ["", line]
-    for config, profile in (bench.get("profiles") or {}).items():
-        rows = profile_summary.kernel_rows(*profile) if len(profile) == 2 else []
-        if not rows:
+    for config, profile in (report["stages"].get("profile", {}).get("result") or {}).items():
+        # [ours, eager] or [ours, eager, compile] (--profile-compile).
+        if len(profile) not in (2, 3) or not profile_summary.kernel_rows(*profile[:2]):
             continue
-        lines += ["", f"| profile {config}, kernel ms per step | ours | PyTorch eager |",
-                  "|---|---|---|"]
-        lines += [f"| {k} | {x:.2f} | {y:.2f} |" for k, x, y in rows]
-        lines.append(f"| GPU busy share | {profile[0]['gpu_busy_share']:.0%} | "
-                     f"{profile[1]['gpu_busy_share']:.0%} |")
+        names = ["ours", "PyTorch eager", "torch.compile"][:len(profile)]
+        table = {}  # kind -> ms per step of each side
+        for i, other in enumerate(profile[1:], start=1):
+            for kind, x, y in profile_summary.kernel_rows(profile[0], other):
+                row = table.setdefault(kind, [0.0] * len(profile))
+                row[0], row[i] = x, y
+        lines += ["", f"| profile {config}, kernel ms per step | " + " | ".join(names) + " |",
+                  "|---" * (len(profile) + 1) + "|"]
+        lines += [f"| {kind} | " + " | ".join(f"{v:.2f}" for v in row) + " |"
+                  for kind, row in table.items() if kind != "total"]
+        lines.append("| total | " + " | ".join(f"{v:.2f}" for v in table["total"]) + " |")
+        lines.append("| GPU busy share | " + " | ".join(f"{p['gpu_busy_share']:.0%}"
+                                                       for p in profile) + " |")
     fused = bench.get("fused_ops", {}).get("results", [])
     if fused:
         lines += ["", "| fused kernel (forward + backward, bf16) | fused | ATen composite | "
@@ -650,6 +731,12 @@ def summary_lines(report):
                           f"and {control['pending_jobs_mean']:.0f} jobs pending (means)")
             if control.get("bounded_by_free_gpus"):
                 lines[-1] += ": placements were bounded by free GPUs, not by the coordinator"
+        busy = control.get("busy_before") or {}
+        if busy.get("cores", 0) >= 0.25:
+            lines += ["", f"the machine was still {busy['cores']:.2f} cores busy when the "
+                      f"control-plane benchmark started (after {busy['waited_s']:.0f} s of "
+                      "waiting): " + (", ".join(f"{p['name']} (pid {p['pid']}) {p['cores']:.2f}"
+                                                for p in busy["processes"][:5]) or "short-lived")]
     return lines
 
 
@@ -669,8 +756,10 @@ def main():
                         help="no GPU: the same orchestration on CPU with a tiny model (what "
                              "`make test` runs so that this script keeps working)")
     parser.add_argument("--profile-configs", default="", metavar="A,B",
-                        help=f"the models profiled in the bench stage (default {PROFILE_CONFIGS}; "
+                        help=f"the models profiled in the profile stage (default {PROFILE_CONFIGS}; "
                              f"with --full {PROFILE_CONFIGS_FULL})")
+    parser.add_argument("--profile-compile", action="store_true",
+                        help="the profile stage profiles the torch.compile side too")
     parser.add_argument("--keep-workdir", action="store_true")
     args = parser.parse_args()
     stages = [s for s in args.stages.split(",") if s]
@@ -678,7 +767,7 @@ def main():
     if unknown:
         parser.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
     if args.cpu_smoke:
-        stages = [s for s in stages if s not in ("gpu-tests", "bench")]
+        stages = [s for s in stages if s not in ("gpu-tests", "bench", "profile")]
     build_dir = os.path.abspath(args.build_dir)
     out = os.path.abspath(args.out or os.path.join(build_dir, "gpu-check"))
     os.makedirs(out, exist_ok=True)
@@ -695,13 +784,15 @@ def main():
     profile_configs = args.profile_configs or (PROFILE_CONFIGS if quick else PROFILE_CONFIGS_FULL)
     ctx = {"build_dir": build_dir, "out": out, "workdir": workdir, "gpu": gpu,
            "quick": quick, "env": dict(os.environ),
-           "profile_configs": [c for c in profile_configs.split(",") if c]}
+           "profile_configs": [c for c in profile_configs.split(",") if c],
+           "profile_compile": args.profile_compile}
     report = {"date": utc_now(), "commit": git_commit(), "machine": machine_line(),
               "build_dir": build_dir, "mode": "gpu" if gpu else "cpu-smoke",
               "quick": quick, "stages": {}}
     runners = {"environment": stage_environment, "gpu-tests": stage_gpu_tests,
                "trainer-check": stage_trainer_check, "cluster": stage_cluster,
-               "bench": stage_bench, "control-plane": stage_control_plane}
+               "bench": stage_bench, "profile": stage_profile,
+               "control-plane": stage_control_plane}
     if "environment" not in stages:
         stages.insert(0, "environment")  # every stage needs its library path
     for name in stages:
