@@ -4,10 +4,12 @@
 
 #include "coordinator/cluster.h"
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <memory>
 #include <optional>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -387,6 +389,101 @@ TEST_F(ClusterTest, TheLoopTakesBackAPlacementItCouldNotStoreAndPlacesItAgain) {
   const v1::HeartbeatResponse orders = Beat("n1", {});
   ASSERT_EQ(orders.start_size(), 1) << "one start: the placement taken back was never delivered";
   EXPECT_EQ(orders.start(0).trainers(0).job_id(), job_id);
+}
+
+// Under Start(), with each pass's placements stored beside the next pass: random submissions,
+// cancellations and heartbeats (a task reported RUNNING, later SUCCEEDED; stopped when told)
+// never deliver a start whose placement is not stored, never deliver a task twice, never hand
+// out more slots than a node has, and every job ends with every slot free again.
+TEST_F(ClusterTest, TheLoopKeepsDeliveriesAndTheStoreInStepUnderRandomChanges) {
+  UseFileStoreAndFastLoop();
+  const std::vector<std::string> nodes = {"n1", "n2", "n3"};
+  constexpr int kSlots = 4;
+  for (const auto& node : nodes) Register(node, kSlots);
+  cluster_->Start(nullptr);
+  std::mt19937 rng(20261128);
+  auto chance = [&](int percent) {
+    return std::uniform_int_distribution<int>(0, 99)(rng) < percent;
+  };
+  std::vector<std::string> jobs;
+  std::set<std::string> delivered;
+  // node -> task_id -> the status the node reports next
+  std::map<std::string, std::map<std::string, v1::TaskStatus>> tasks;
+  int starts = 0, stops = 0, cancels = 0;
+  auto beat = [&](const std::string& node) {
+    std::vector<v1::TaskStatus> listed;
+    for (const auto& [task_id, status] : tasks[node]) listed.push_back(status);
+    const v1::HeartbeatResponse orders = Beat(node, listed);
+    for (auto it = tasks[node].begin(); it != tasks[node].end();) {
+      // A task reported ended is forgotten; a running one may end before the next heartbeat.
+      if (it->second.state() == v1::TASK_STATE_SUCCEEDED) {
+        it = tasks[node].erase(it);
+        continue;
+      }
+      if (chance(30)) it->second.set_state(v1::TASK_STATE_SUCCEEDED);
+      ++it;
+    }
+    for (const auto& task_id : orders.stop()) {
+      stops += static_cast<int>(tasks[node].erase(task_id));
+    }
+    for (const auto& start : orders.start()) {
+      ++starts;
+      const v1::TrainerTask& trainer = start.trainers(0);
+      EXPECT_TRUE(delivered.insert(start.task_id()).second)
+          << start.task_id() << " was delivered twice";
+      // Its placement was stored before it left (a cancellation may have come since).
+      const v1::Job stored = Job(trainer.job_id());
+      EXPECT_NE(stored.state(), v1::JOB_STATE_PENDING) << start.task_id();
+      EXPECT_EQ(stored.attempt(), trainer.attempt()) << start.task_id();
+      EXPECT_TRUE(std::any_of(stored.placements().begin(), stored.placements().end(),
+                              [&](const auto& p) { return p.node_id() == node; }))
+          << start.task_id() << " left for " << node << " without a stored placement there";
+      tasks[node][start.task_id()] =
+          Task(trainer.job_id(), trainer.attempt(), node, v1::TASK_STATE_RUNNING);
+    }
+    const int free = FreeSlots(node);
+    EXPECT_GE(free, 0) << node;
+    EXPECT_LE(free, kSlots) << node;
+  };
+  for (int i = 0; i < 300; ++i) {
+    if (chance(35)) {
+      // 1, 2 or 4 ranks (the spec's global batch of 8 divides among them), on one node or two.
+      jobs.push_back(Submit(CpuSpec(1 << std::uniform_int_distribution<int>(0, 2)(rng), 0)));
+      cluster_->RequestPass();
+    }
+    if (!jobs.empty() && chance(8)) {
+      const std::string& job_id =
+          jobs[std::uniform_int_distribution<size_t>(0, jobs.size() - 1)(rng)];
+      cancels += jobs_->Cancel(job_id, "test").ok() ? 1 : 0;
+    }
+    beat(nodes[std::uniform_int_distribution<size_t>(0, nodes.size() - 1)(rng)]);
+    absl::SleepFor(absl::Microseconds(std::uniform_int_distribution<int>(0, 3000)(rng)));
+  }
+  // No more submissions: every job runs to its end (or was cancelled), and every slot frees.
+  auto all_ended = [&] {
+    for (const auto& job_id : jobs) {
+      if (!IsTerminal(Job(job_id).state())) return false;
+    }
+    for (const auto& node : nodes) {
+      if (FreeSlots(node) != kSlots) return false;
+    }
+    return true;
+  };
+  for (int i = 0; i < 3000 && !all_ended(); ++i) {
+    for (const auto& node : nodes) beat(node);
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  cluster_->Stop();
+  EXPECT_TRUE(all_ended());
+  for (const auto& job_id : jobs) {
+    const v1::JobState state = Job(job_id).state();
+    EXPECT_TRUE(state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_CANCELLED)
+        << job_id << " " << v1::JobState_Name(state);
+  }
+  // The run exercised what it is about.
+  EXPECT_GT(jobs.size(), 60u);
+  EXPECT_GT(starts, 60);
+  EXPECT_GT(cancels, 5);
 }
 
 // Changes to different jobs never wait for each other: a batch of 200 transitions (what a pass
