@@ -583,7 +583,40 @@ StoreWriteStats Store::RunBatch(const std::vector<QueuedWrite*>& batch) {
   const absl::Time start = absl::Now();
   const double cpu_start = ThreadCpuSeconds();
   const std::string operation = absl::StrCat("group commit of ", batch.size(), " writes");
+  const StoreWriteStats done{.writes = static_cast<int>(batch.size())};
+  auto finished = [&] {
+    StoreWriteStats stats = done;
+    stats.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    stats.cpu_seconds = ThreadCpuSeconds() - cpu_start;
+    return stats;
+  };
   absl::Status begun = Run("BEGIN IMMEDIATE", operation);
+  if (!begun.ok()) {
+    for (QueuedWrite* write : batch) write->status = begun;
+    return {};
+  }
+  // First the whole batch without a savepoint per write: nearly every batch applies whole, and
+  // SAVEPOINT + RELEASE for each write were about a tenth of the writer's CPU. When a write fails,
+  // the transaction is rolled back and the batch applied again with a savepoint for each write
+  // (below), so that only the failing write's caller sees its error.
+  absl::Status failed;
+  for (QueuedWrite* write : batch) {
+    failed = write->apply();
+    if (!failed.ok()) break;
+  }
+  if (failed.ok()) {
+    const absl::Status committed = FinishTransaction(absl::OkStatus(), operation);
+    for (QueuedWrite* write : batch) write->status = committed;
+    return committed.ok() ? finished() : StoreWriteStats{};
+  }
+  if (sqlite3_get_autocommit(db_) == 0) {
+    sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
+  }
+  if (batch.size() == 1) {
+    batch.front()->status = std::move(failed);
+    return {};
+  }
+  begun = Run("BEGIN IMMEDIATE", operation);
   if (!begun.ok()) {
     for (QueuedWrite* write : batch) write->status = begun;
     return {};
@@ -615,9 +648,7 @@ StoreWriteStats Store::RunBatch(const std::vector<QueuedWrite*>& batch) {
       if (write->status.ok()) write->status = committed;
     }
   }
-  return {.seconds = absl::ToDoubleSeconds(absl::Now() - start),
-          .cpu_seconds = ThreadCpuSeconds() - cpu_start,
-          .writes = static_cast<int>(batch.size())};
+  return finished();
 }
 
 absl::Status Store::UpsertJob(const std::string& job_id, const v1::Job& job,
@@ -676,6 +707,8 @@ WHERE job_id = ?1)sql";
 }
 
 absl::Status Store::ApplyWrite(const JobWrite& write, std::vector<v1::JobEvent>& stored_events) {
+  // A batch whose other write failed applies this one again (RunBatch).
+  stored_events.clear();
   const std::string& job_id = write.job_id;
   if (write.job.has_value()) {
     RETURN_IF_ERROR(UpsertJob(job_id, *write.job, write.request_id));

@@ -1027,6 +1027,9 @@ TEST(StoreTest, CommitAllStoresEachWriteAtomicallyInOneTransaction) {
     ASSERT_THAT(results[2], IsOk());
     EXPECT_THAT(Sequences(*results[2]), ElementsAre(1));
     EXPECT_EQ(transactions, 1);
+    // Alone, the failing write fails the same way and commits nothing.
+    EXPECT_EQ(store->Commit(writes[1]).status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(transactions, 1);
     store->SetWriteObserver(nullptr);
   }
   // What CommitAll returned is on disk.
