@@ -17,6 +17,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -90,6 +92,13 @@ ALTER TABLE jobs_v2 RENAME TO jobs;
 CREATE INDEX jobs_by_create_time ON jobs (create_time_ns, job_id);
 CREATE INDEX jobs_by_state ON jobs (state, create_time_ns, job_id);
 )sql",
+    // v3: a write's events in one row. last_sequence NULL: the row holds the one event
+    // `sequence` (every row before v3); otherwise it holds the events sequence..last_sequence,
+    // its blob their JobEvents one after another, each prefixed with its size as a varint (a
+    // report of 10 metric points was 10 rows, about 2.5 us of the store's single writer each).
+    R"sql(
+ALTER TABLE job_events ADD COLUMN last_sequence INTEGER;
+)sql",
 };
 static_assert(std::size(kMigrations) == Store::kSchemaVersion);
 
@@ -136,6 +145,36 @@ void SetNow(google::protobuf::Timestamp& time) {
   time.set_seconds(seconds);
   time.set_nanos(
       static_cast<int32_t>(absl::ToInt64Nanoseconds(since_epoch - absl::Seconds(seconds))));
+}
+
+// The blob of a job_events row holding several events (schema v3): each event's size as a
+// varint32, then the event.
+std::string EncodeEvents(const std::vector<v1::JobEvent>& events) {
+  std::string out;
+  {
+    google::protobuf::io::StringOutputStream stream(&out);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    for (const v1::JobEvent& event : events) {
+      coded.WriteVarint32(static_cast<uint32_t>(event.ByteSizeLong()));
+      event.SerializeWithCachedSizes(&coded);
+    }
+  }
+  return out;
+}
+
+// Appends the events of such a blob to `events`; false when it does not parse.
+bool DecodeEvents(const void* data, int size, std::vector<v1::JobEvent>& events) {
+  google::protobuf::io::CodedInputStream in(static_cast<const uint8_t*>(data), size);
+  while (in.CurrentPosition() < size) {
+    uint32_t length = 0;
+    if (!in.ReadVarint32(&length)) return false;
+    const auto limit = in.PushLimit(static_cast<int>(length));
+    if (!events.emplace_back().ParseFromCodedStream(&in) || !in.ConsumedEntireMessage()) {
+      return false;
+    }
+    in.PopLimit(limit);
+  }
+  return true;
 }
 
 std::string EncodePageToken(int64_t create_time_ns, const std::string& job_id) {
@@ -192,6 +231,10 @@ class Store::Statement {
       BindText(index, value);
     }
   }
+  void BindBlob(int index, absl::string_view bytes) {
+    Check(sqlite3_bind_blob(stmt_, index, bytes.data(), static_cast<int>(bytes.size()),
+                            SQLITE_TRANSIENT));
+  }
   void BindMessage(int index, const google::protobuf::MessageLite& message) {
     const std::string bytes = message.SerializeAsString();
     Check(sqlite3_bind_blob(stmt_, index, bytes.data(), static_cast<int>(bytes.size()),
@@ -214,6 +257,13 @@ class Store::Statement {
   }
 
   int64_t ColumnInt64(int column) { return sqlite3_column_int64(stmt_, column); }
+  bool ColumnIsNull(int column) { return sqlite3_column_type(stmt_, column) == SQLITE_NULL; }
+  // `read(data, size)` of the column's bytes, valid during the call; returns what it returns.
+  template <typename Read>
+  bool ColumnBlob(int column, Read read) {
+    const void* data = sqlite3_column_blob(stmt_, column);
+    return read(data, sqlite3_column_bytes(stmt_, column));
+  }
   std::string ColumnText(int column) {
     const unsigned char* text = sqlite3_column_text(stmt_, column);
     return text == nullptr ? std::string()
@@ -727,34 +777,36 @@ absl::Status Store::ApplyWrite(const JobWrite& write, std::vector<v1::JobEvent>&
   }
 
   if (!write.events.empty()) {
-    int64_t sequence = 0;
-    {
-      const std::string operation = absl::StrCat("read last event sequence of ", job_id);
-      ASSIGN_OR_RETURN(
-          sqlite3_stmt * stmt,
-          Prepare("SELECT COALESCE(MAX(sequence), 0) FROM job_events WHERE job_id = ?1",
-                  operation));
-      Statement select(db_, stmt, operation);
-      select.BindText(1, job_id);
-      ASSIGN_OR_RETURN(bool has_row, select.Step());
-      if (has_row) sequence = select.ColumnInt64(0);
-    }
-    const std::string operation = absl::StrCat("insert event for ", job_id);
-    ASSIGN_OR_RETURN(
-        sqlite3_stmt * stmt,
-        Prepare("INSERT INTO job_events (job_id, sequence, event) VALUES (?1, ?2, ?3)", operation));
+    const std::string read = absl::StrCat("read last event sequence of ", job_id);
+    ASSIGN_OR_RETURN(int64_t sequence,
+                     LastSequence(
+                         db_,
+                         [&](absl::string_view sql)
+                             ABSL_NO_THREAD_SAFETY_ANALYSIS { return Prepare(sql, read); },
+                         job_id, read));
+    const int64_t first = sequence + 1;
     stored_events.reserve(write.events.size());
     for (const v1::JobEvent& event : write.events) {
       v1::JobEvent& stored = stored_events.emplace_back(event);
       stored.set_job_id(job_id);
       stored.set_sequence(++sequence);
       if (!stored.has_time()) SetNow(*stored.mutable_time());
-      Statement insert(db_, stmt, operation);
-      insert.BindText(1, job_id);
-      insert.Bind(2, sequence);
-      insert.BindMessage(3, stored);
-      RETURN_IF_ERROR(insert.Run());
     }
+    // One row for the write's events (schema v3).
+    const std::string operation = absl::StrCat("insert events for ", job_id);
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(R"sql(
+INSERT INTO job_events (job_id, sequence, last_sequence, event) VALUES (?1, ?2, ?3, ?4))sql",
+                                                  operation));
+    Statement insert(db_, stmt, operation);
+    insert.BindText(1, job_id);
+    insert.Bind(2, first);
+    if (stored_events.size() == 1) {
+      insert.BindMessage(4, stored_events.front());  // last_sequence NULL: one event
+    } else {
+      insert.Bind(3, sequence);
+      insert.BindBlob(4, EncodeEvents(stored_events));
+    }
+    RETURN_IF_ERROR(insert.Run());
   }
 
   // Metric points, evaluations and checkpoint records are keyed (job_id,
@@ -989,22 +1041,36 @@ absl::StatusOr<std::vector<v1::JobEvent>> Store::ReadEvents(const std::string& j
                                                             int64_t after_sequence, int limit) {
   ReadLock lock(this);
   const std::string operation = absl::StrCat("read events of ", job_id);
+  // From the row that holds event after_sequence + 1 (the last row that starts at or before it).
   ASSIGN_OR_RETURN(sqlite3_stmt * stmt, lock.Prepare(R"sql(
-SELECT sequence, event FROM job_events WHERE job_id = ?1 AND sequence > ?2
-ORDER BY sequence LIMIT ?3)sql",
-                                                operation));
+SELECT sequence, last_sequence, event FROM job_events
+WHERE job_id = ?1 AND sequence >= (
+  SELECT COALESCE(MAX(sequence), 0) FROM job_events WHERE job_id = ?1 AND sequence <= ?2 + 1)
+ORDER BY sequence)sql",
+                                                     operation));
   Statement select(lock.db(), stmt, operation);
   select.BindText(1, job_id);
   select.Bind(2, after_sequence);
-  select.Bind(3, limit > 0 ? limit : -1);
   std::vector<v1::JobEvent> events;
-  while (true) {
+  while (limit <= 0 || static_cast<int>(events.size()) < limit) {
     ASSIGN_OR_RETURN(bool has_row, select.Step());
     if (!has_row) break;
     const int64_t sequence = select.ColumnInt64(0);
-    RETURN_IF_ERROR(select.ColumnMessage(1, events.emplace_back(),
-                                         absl::StrCat(operation, ": event ", sequence, " of job '",
-                                                      job_id, "' in table job_events")));
+    const std::string what =
+        absl::StrCat(operation, ": event ", sequence, " of job '", job_id, "' in table job_events");
+    std::vector<v1::JobEvent> row;
+    if (select.ColumnIsNull(1)) {
+      RETURN_IF_ERROR(select.ColumnMessage(2, row.emplace_back(), what));
+    } else if (!select.ColumnBlob(
+                   2, [&](const void* data, int size) { return DecodeEvents(data, size, row); })) {
+      return absl::DataLossError(absl::StrCat("store: ", what, " (events ", sequence, " to ",
+                                              select.ColumnInt64(1), ") does not parse"));
+    }
+    for (v1::JobEvent& event : row) {
+      if (event.sequence() <= after_sequence) continue;
+      if (limit > 0 && static_cast<int>(events.size()) >= limit) break;
+      events.push_back(std::move(event));
+    }
   }
   return events;
 }
@@ -1012,10 +1078,19 @@ ORDER BY sequence LIMIT ?3)sql",
 absl::StatusOr<int64_t> Store::LastEventSequence(const std::string& job_id) {
   ReadLock lock(this);
   const std::string operation = absl::StrCat("read last event sequence of ", job_id);
-  ASSIGN_OR_RETURN(
-      sqlite3_stmt * stmt,
-      lock.Prepare("SELECT COALESCE(MAX(sequence), 0) FROM job_events WHERE job_id = ?1", operation));
-  Statement select(lock.db(), stmt, operation);
+  return LastSequence(
+      lock.db(), [&](absl::string_view sql) { return lock.Prepare(sql, operation); }, job_id,
+      operation);
+}
+
+absl::StatusOr<int64_t> Store::LastSequence(
+    sqlite3* db, absl::FunctionRef<absl::StatusOr<sqlite3_stmt*>(absl::string_view sql)> prepare,
+    const std::string& job_id, absl::string_view operation) {
+  // The last row's last event (schema v3: a row may hold several).
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, prepare(R"sql(
+SELECT COALESCE(last_sequence, sequence) FROM job_events WHERE job_id = ?1
+ORDER BY sequence DESC LIMIT 1)sql"));
+  Statement select(db, stmt, operation);
   select.BindText(1, job_id);
   ASSIGN_OR_RETURN(bool has_row, select.Step());
   return has_row ? select.ColumnInt64(0) : 0;

@@ -36,6 +36,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -101,7 +102,7 @@ struct JobPage {
 class Store {
  public:
   // The schema version this binary writes; kept in the schema_version table.
-  static constexpr int kSchemaVersion = 2;
+  static constexpr int kSchemaVersion = 3;
   // How long a statement waits for a lock held by another connection.
   static constexpr int kBusyTimeoutMs = 5000;
   // ListJobs page size when 0 is asked for, and the largest honoured.
@@ -207,6 +208,11 @@ class Store {
   void SetWriteFailureInjector(std::function<absl::Status(const std::string& id)> injector);
 
  private:
+  // The last event sequence stored for `job_id` (0 without events), on `db` through `prepare`:
+  // the writer's connection or a reader's.
+  static absl::StatusOr<int64_t> LastSequence(
+      sqlite3* db, absl::FunctionRef<absl::StatusOr<sqlite3_stmt*>(absl::string_view sql)> prepare,
+      const std::string& job_id, absl::string_view operation);
   Store(sqlite3* db, std::string path);
 
   // A cached prepared statement, reset and cleared when the object dies.

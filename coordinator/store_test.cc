@@ -780,7 +780,8 @@ TEST(StoreTest, UpdatesKeepTheIndexedColumnsInStep) {
   EXPECT_EQ((*found)->create_time().seconds(), 20);
 }
 
-// A database written by schema version 1 (jobs in a WITHOUT ROWID table) is migrated on open:
+// A database written by schema version 1 (jobs in a WITHOUT ROWID table, a row per event) is
+// migrated on open, through version 3 (a write's events in one row):
 // every job, event, metric point and checkpoint survives (dropping the old jobs table must not
 // cascade into the others), and foreign keys are on again afterwards.
 TEST(StoreTest, MigratesAVersion1Database) {
@@ -794,13 +795,17 @@ TEST(StoreTest, MigratesAVersion1Database) {
       write.job_id = absl::StrCat("job-", i);
       write.job = MakeJob(write.job_id, v1::JOB_STATE_RUNNING, 100 + i);
       write.request_id = absl::StrCat("req-", i);
-      write.events = {StateEvent(v1::JOB_STATE_PENDING, v1::JOB_STATE_RUNNING),
-                      StateEvent(v1::JOB_STATE_RUNNING, v1::JOB_STATE_RUNNING)};
+      // One event a write: before version 3 every event had a row of its own.
+      write.events = {StateEvent(v1::JOB_STATE_PENDING, v1::JOB_STATE_RUNNING)};
       write.metrics = {Metrics(5, 1.5), Metrics(6, 1.25)};
       v1::Checkpoint checkpoint;
       checkpoint.set_step(6);
       write.checkpoints.push_back(checkpoint);
       ASSERT_THAT(store->Commit(write), IsOk());
+      JobWrite second;
+      second.job_id = write.job_id;
+      second.events = {StateEvent(v1::JOB_STATE_RUNNING, v1::JOB_STATE_RUNNING)};
+      ASSERT_THAT(store->Commit(second), IsOk());
     }
   }
   // Back to version 1's layout, as a version 1 binary left it.
@@ -820,9 +825,11 @@ DROP TABLE jobs;
 ALTER TABLE jobs_v1 RENAME TO jobs;
 CREATE INDEX jobs_by_create_time ON jobs (create_time_ns, job_id);
 CREATE INDEX jobs_by_state ON jobs (state, create_time_ns, job_id);
+ALTER TABLE job_events DROP COLUMN last_sequence;
 UPDATE schema_version SET version = 1;
 COMMIT;
 )sql");
+  ASSERT_EQ(RawQuery(path, "SELECT count(*) FROM pragma_table_info('job_events')"), "3");
   ASSERT_THAT(RawQuery(path, "SELECT sql FROM sqlite_master WHERE name = 'jobs'"),
               HasSubstr("WITHOUT ROWID"));
 
@@ -898,6 +905,51 @@ TEST(StoreTest, FailedCommitRollsBackEverything) {
   EXPECT_THAT(Sequences(*stored), ElementsAre(1));
 }
 
+// A write's events share one row (schema v3); reads give them one by one, from any point of a
+// row, next to rows of one event.
+TEST(StoreTest, AWritesEventsShareARowAndReadBackOneByOne) {
+  tessera::testing::ScopedTempDir dir("store");
+  const std::string path = dir.path() + "/coordinator.db";
+  std::unique_ptr<Store> store = OpenOrDie(path);
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_PENDING, 1), 1);  // event 1, alone
+  JobWrite report;
+  report.job_id = "job-a";
+  for (int step = 1; step <= 10; ++step) {
+    *report.events.emplace_back().mutable_metrics() = Metrics(step, 10.0 / step);
+  }
+  ASSERT_THAT(store->Commit(report), IsOkAndHolds(SizeIs(10)));  // events 2-11, one row
+  JobWrite single;
+  single.job_id = "job-a";
+  single.events.push_back(StateEvent(v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED));
+  absl::StatusOr<std::vector<v1::JobEvent>> stored = store->Commit(single);
+  ASSERT_THAT(stored, IsOk());
+  EXPECT_THAT(Sequences(*stored), ElementsAre(12));
+  EXPECT_THAT(store->LastEventSequence("job-a"), IsOkAndHolds(12));
+
+  absl::StatusOr<std::vector<v1::JobEvent>> all = store->ReadEvents("job-a", 0, 0);
+  ASSERT_THAT(all, IsOk());
+  EXPECT_THAT(Sequences(*all), ElementsAre(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12));
+  for (int i = 1; i <= 10; ++i) {
+    EXPECT_EQ((*all)[i].metrics().step(), i);
+    EXPECT_EQ((*all)[i].job_id(), "job-a");
+  }
+  EXPECT_EQ((*all)[11].state_change().new_state(), v1::JOB_STATE_SCHEDULED);
+  auto read = [&](int64_t after, int limit) {
+    absl::StatusOr<std::vector<v1::JobEvent>> events = store->ReadEvents("job-a", after, limit);
+    EXPECT_THAT(events, IsOk());
+    return events.ok() ? Sequences(*events) : std::vector<int64_t>{-1};
+  };
+  EXPECT_THAT(read(3, 4), ElementsAre(4, 5, 6, 7));
+  EXPECT_THAT(read(1, 1), ElementsAre(2));
+  EXPECT_THAT(read(10, 0), ElementsAre(11, 12));
+  EXPECT_THAT(read(11, 0), ElementsAre(12));
+  EXPECT_THAT(read(12, 0), IsEmpty());
+  // Three rows hold the twelve events.
+  store.reset();
+  EXPECT_EQ(RawQuery(path, "SELECT COUNT(*) FROM job_events"), "3");
+}
+
 TEST(StoreTest, CorruptBlobIsDataLoss) {
   tessera::testing::ScopedTempDir dir("store");
   const std::string path = dir.path() + "/coordinator.db";
@@ -908,6 +960,9 @@ TEST(StoreTest, CorruptBlobIsDataLoss) {
     JobWrite write;
     write.job_id = "job-a";
     write.metrics.push_back(Metrics(1, 1));
+    // Events 2 and 3 in one row.
+    *write.events.emplace_back().mutable_metrics() = Metrics(1, 1);
+    write.events.push_back(StateEvent(v1::JOB_STATE_RUNNING, v1::JOB_STATE_RUNNING));
     ASSERT_THAT(store->Commit(write), IsOk());
   }
   // 0xff is a field header with wire type 7, which no protobuf parser accepts.
@@ -923,6 +978,8 @@ TEST(StoreTest, CorruptBlobIsDataLoss) {
   EXPECT_THAT(store->ListActiveJobs(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("job-a")));
   EXPECT_THAT(store->ReadEvents("job-a", 0, 0),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("job_events")));
+  EXPECT_THAT(store->ReadEvents("job-a", 1, 0),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("events 2 to 3")));
   EXPECT_THAT(store->ReadMetrics("job-a", 0, 0),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("step_metrics")));
 }
