@@ -953,8 +953,7 @@ ClusterStats Cluster::RunPass(bool count, bool overlap_store) {
       // attempt just ended (it restarts) may be placed again in this pass: list again for it.
       allocations_.EraseIf([&](const std::string& job_id, const Allocation& allocation) {
         const bool ended = allocation.phase == Allocation::Phase::kDraining &&
-                           allocation.AllNodesEnded() && !allocation.success_pending &&
-                           !allocation.storing;
+                           allocation.AllNodesEnded() && !allocation.success_pending;
         relist = relist || (ended && active_ids.contains(job_id));
         return ended;
       });

@@ -179,6 +179,18 @@ class ClusterTest : public ::testing::Test {
     cluster_ = std::make_unique<Cluster>(store_.get(), jobs_.get(), options);
   }
 
+  // The store's first write of `job_id` notifies `storing` and then waits for `release`.
+  void BlockFirstWriteOf(const std::string& job_id, absl::Notification& storing,
+                         absl::Notification& release) {
+    store_->SetWriteFailureInjector([job_id, &storing, &release](const std::string& id) {
+      if (id == job_id && !storing.HasBeenNotified()) {
+        storing.Notify();
+        release.WaitForNotification();
+      }
+      return absl::OkStatus();
+    });
+  }
+
   absl::Time now_ = absl::FromUnixSeconds(1'800'000'000);
   std::optional<tessera::testing::ScopedTempDir> dir_;
   std::unique_ptr<Store> store_;
@@ -249,13 +261,7 @@ TEST_F(ClusterTest, APlacementsAssignmentsLeaveOnlyOnceStoredAndNoHeartbeatWaits
   const AssignmentNotifier::Handle watch2 = notifier.Subscribe("n2", [&] { ++notices; });
   const std::string job_id = Submit(CpuSpec(2, 0));
   absl::Notification storing, release;
-  store_->SetWriteFailureInjector([&](const std::string& id) {
-    if (id == job_id && !storing.HasBeenNotified()) {
-      storing.Notify();
-      release.WaitForNotification();
-    }
-    return absl::OkStatus();
-  });
+  BlockFirstWriteOf(job_id, storing, release);
   std::thread pass([&] { cluster_->Tick(); });
   ASSERT_TRUE(storing.WaitForNotificationWithTimeout(absl::Seconds(30)));
 
@@ -307,13 +313,7 @@ TEST_F(ClusterTest, TheLoopStoresAPassBesideTheNextPass) {
   Register("n2", 2);
   const std::string first = Submit(CpuSpec(2, 0));
   absl::Notification storing, release;
-  store_->SetWriteFailureInjector([&](const std::string& id) {
-    if (id == first && !storing.HasBeenNotified()) {
-      storing.Notify();
-      release.WaitForNotification();
-    }
-    return absl::OkStatus();
-  });
+  BlockFirstWriteOf(first, storing, release);
   std::atomic<int> passes{0};
   std::atomic<double> overlapped{0};
   cluster_->Start([&](const ClusterStats& stats, double) {

@@ -163,9 +163,10 @@ std::string EncodeEvents(const std::vector<v1::JobEvent>& events) {
 }
 
 // Appends the events of such a blob to `events`; false when it does not parse.
-bool DecodeEvents(const void* data, int size, std::vector<v1::JobEvent>& events) {
-  google::protobuf::io::CodedInputStream in(static_cast<const uint8_t*>(data), size);
-  while (in.CurrentPosition() < size) {
+bool DecodeEvents(absl::string_view blob, std::vector<v1::JobEvent>& events) {
+  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(blob.data()),
+                                            static_cast<int>(blob.size()));
+  while (in.CurrentPosition() < static_cast<int>(blob.size())) {
     uint32_t length = 0;
     if (!in.ReadVarint32(&length)) return false;
     const auto limit = in.PushLimit(static_cast<int>(length));
@@ -236,9 +237,7 @@ class Store::Statement {
                             SQLITE_TRANSIENT));
   }
   void BindMessage(int index, const google::protobuf::MessageLite& message) {
-    const std::string bytes = message.SerializeAsString();
-    Check(sqlite3_bind_blob(stmt_, index, bytes.data(), static_cast<int>(bytes.size()),
-                            SQLITE_TRANSIENT));
+    BindBlob(index, message.SerializeAsString());
   }
 
   // True when a row is ready, false when done.
@@ -258,11 +257,11 @@ class Store::Statement {
 
   int64_t ColumnInt64(int column) { return sqlite3_column_int64(stmt_, column); }
   bool ColumnIsNull(int column) { return sqlite3_column_type(stmt_, column) == SQLITE_NULL; }
-  // `read(data, size)` of the column's bytes, valid during the call; returns what it returns.
-  template <typename Read>
-  bool ColumnBlob(int column, Read read) {
+  // The column's bytes, valid until the next Step.
+  absl::string_view ColumnBytes(int column) {
     const void* data = sqlite3_column_blob(stmt_, column);
-    return read(data, sqlite3_column_bytes(stmt_, column));
+    return {static_cast<const char*>(data),
+            static_cast<size_t>(sqlite3_column_bytes(stmt_, column))};
   }
   std::string ColumnText(int column) {
     const unsigned char* text = sqlite3_column_text(stmt_, column);
@@ -273,11 +272,10 @@ class Store::Statement {
   // DATA_LOSS naming `what` when the blob does not parse.
   absl::Status ColumnMessage(int column, google::protobuf::MessageLite& message,
                              absl::string_view what) {
-    const void* data = sqlite3_column_blob(stmt_, column);
-    const int size = sqlite3_column_bytes(stmt_, column);
-    if (!message.ParseFromArray(data, size)) {
+    const absl::string_view bytes = ColumnBytes(column);
+    if (!message.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
       return absl::DataLossError(absl::StrCat("store: ", what, ": stored ", message.GetTypeName(),
-                                              " (", size, " bytes) does not parse"));
+                                              " (", bytes.size(), " bytes) does not parse"));
     }
     return absl::OkStatus();
   }
@@ -633,12 +631,10 @@ StoreWriteStats Store::RunBatch(const std::vector<QueuedWrite*>& batch) {
   const absl::Time start = absl::Now();
   const double cpu_start = ThreadCpuSeconds();
   const std::string operation = absl::StrCat("group commit of ", batch.size(), " writes");
-  const StoreWriteStats done{.writes = static_cast<int>(batch.size())};
   auto finished = [&] {
-    StoreWriteStats stats = done;
-    stats.seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    stats.cpu_seconds = ThreadCpuSeconds() - cpu_start;
-    return stats;
+    return StoreWriteStats{.seconds = absl::ToDoubleSeconds(absl::Now() - start),
+                           .cpu_seconds = ThreadCpuSeconds() - cpu_start,
+                           .writes = static_cast<int>(batch.size())};
   };
   absl::Status begun = Run("BEGIN IMMEDIATE", operation);
   if (!begun.ok()) {
@@ -1061,8 +1057,7 @@ ORDER BY sequence)sql",
     std::vector<v1::JobEvent> row;
     if (select.ColumnIsNull(1)) {
       RETURN_IF_ERROR(select.ColumnMessage(2, row.emplace_back(), what));
-    } else if (!select.ColumnBlob(
-                   2, [&](const void* data, int size) { return DecodeEvents(data, size, row); })) {
+    } else if (!DecodeEvents(select.ColumnBytes(2), row)) {
       return absl::DataLossError(absl::StrCat("store: ", what, " (events ", sequence, " to ",
                                               select.ColumnInt64(1), ") does not parse"));
     }

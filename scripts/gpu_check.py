@@ -468,11 +468,16 @@ def run_bench_program(ctx, name, argv, env, results_dir, result_file, out_name=N
         return json.load(f)
 
 
+def bench_env(ctx, **extra):
+    """The environment of the Python benchmarks: this build's binaries and torch's python."""
+    return dict(ctx["env"], TESSERA_BUILD_DIR=ctx["build_dir"], TESSERA_BENCH_PYTHON=ctx["python"],
+                PYTHONUNBUFFERED="1", **extra)
+
+
 def stage_bench(ctx):
     results_dir = os.path.join(ctx["workdir"], "bench")
     os.makedirs(results_dir, exist_ok=True)
-    env = dict(ctx["env"], TESSERA_BENCH_RESULTS=results_dir, TESSERA_BUILD_DIR=ctx["build_dir"],
-               TESSERA_BENCH_PYTHON=ctx["python"], PYTHONUNBUFFERED="1")
+    env = bench_env(ctx, TESSERA_BENCH_RESULTS=results_dir)
     bench = run_bench_program(
         ctx, "bench",
         [ctx["python"], os.path.join(REPO_ROOT, "bench", "trainer_bench.py"), "--device=cuda",
@@ -514,8 +519,7 @@ def stage_profile(ctx):
     next to eager's, for the next change to start from (the traces stay in the work directory).
     Returns {config: [ours, eager] summaries}."""
     profile_dir = os.path.join(ctx["workdir"], "profile")
-    env = dict(ctx["env"], TESSERA_BUILD_DIR=ctx["build_dir"], TESSERA_BENCH_PYTHON=ctx["python"],
-               PYTHONUNBUFFERED="1")
+    env = bench_env(ctx)
     profiles = {}
     baselines = "eager,compile" if ctx["profile_compile"] else "eager"
     for config in ctx["profile_configs"]:
@@ -575,7 +579,12 @@ def busy_processes(seconds=1.0, threshold=0.05):
     return machine, sorted(busy, key=lambda p: -p["cores"])
 
 
-def wait_until_quiet(max_seconds=15, max_cores=0.25):
+# Busier than this (cores, other processes) and the machine is not quiet enough for the
+# control-plane benchmark.
+QUIET_CORES = 0.25
+
+
+def wait_until_quiet(max_seconds=15, max_cores=QUIET_CORES):
     """Waits (up to max_seconds) until the machine is busy under max_cores: the control-plane
     figures are CPU-bound, and the 2026-11-28 run inside the check shared the machine with 0.93
     cores of something else (heartbeat p50 1.03 ms against 0.36 alone). Returns
@@ -732,7 +741,7 @@ def summary_lines(report):
             if control.get("bounded_by_free_gpus"):
                 lines[-1] += ": placements were bounded by free GPUs, not by the coordinator"
         busy = control.get("busy_before") or {}
-        if busy.get("cores", 0) >= 0.25:
+        if busy.get("cores", 0) >= QUIET_CORES:
             lines += ["", f"the machine was still {busy['cores']:.2f} cores busy when the "
                       f"control-plane benchmark started (after {busy['waited_s']:.0f} s of "
                       "waiting): " + (", ".join(f"{p['name']} (pid {p['pid']}) {p['cores']:.2f}"
