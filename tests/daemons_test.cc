@@ -184,6 +184,37 @@ TEST(DaemonsTest, DashedFlagsJsonLogsAndAPromptStopWithAWatcherOpen) {
   EXPECT_TRUE(serving) << log;
 }
 
+// gRPC's shutdown waits for every client connection to answer a ping after its GOAWAY. A client
+// on gRPC's synchronous API polls its connection only during its own calls (and at a backup poll
+// every 5 s, turned off here so the test does not depend on its phase), so an idle one answers
+// nothing: the daemon must close such connections once no call is in flight, not wait out its
+// grace.
+TEST(DaemonsTest, AnIdleClientConnectionDoesNotHoldTheStop) {
+  ScopedTempDir state("daemons_test");
+  auto coordinator = StartDaemon("tessera-coordinator", {"--state=" + state.path() + "/db"});
+  ASSERT_THAT(coordinator, IsOk());
+  // Read when this process initialises gRPC (the first channel); children started later do not
+  // see it.
+  ASSERT_EQ(setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "0", 1), 0);
+  auto stub = v1::Coordinator::NewStub(MakeClientChannel(coordinator->address));
+  grpc::ClientContext context;
+  v1::ListJobsRequest request;
+  v1::ListJobsResponse response;
+  const grpc::Status listed = stub->ListJobs(&context, request, &response);
+  ASSERT_EQ(unsetenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS"), 0);
+  ASSERT_TRUE(listed.ok()) << listed.error_message();
+
+  const absl::Time signalled = absl::Now();
+  auto exit = coordinator->process.Stop(SIGTERM);
+  ASSERT_THAT(exit, IsOk());
+  EXPECT_EQ(exit->exit_code, 0) << coordinator->process.stderr_text();
+  EXPECT_LT(absl::Now() - signalled, absl::Seconds(2)) << "an idle connection held the shutdown";
+  // The channel is still usable: its next call finds the coordinator gone.
+  grpc::ClientContext after;
+  after.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  EXPECT_EQ(stub->ListJobs(&after, request, &response).error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
 TEST(DaemonsTest, WorkerStartsAndStopsCleanly) {
   auto worker = StartDaemon("tessera-worker");
   ASSERT_THAT(worker, IsOk());

@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/notification.h"
+#include "grpc/grpc.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -23,6 +26,35 @@ std::string HostOf(absl::string_view address) {
   if (colon == absl::string_view::npos) return std::string(address);
   return std::string(address.substr(0, colon));
 }
+
+// One per call, made when the call starts and destroyed when it ends: the server's calls in
+// flight, for Shutdown.
+class CallCounter final : public grpc::experimental::Interceptor {
+ public:
+  explicit CallCounter(std::atomic<int64_t>* calls) : calls_(calls) {
+    calls_->fetch_add(1, std::memory_order_relaxed);
+  }
+  ~CallCounter() override { calls_->fetch_sub(1, std::memory_order_relaxed); }
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    methods->Proceed();
+  }
+
+ private:
+  std::atomic<int64_t>* const calls_;
+};
+
+class CallCounterFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit CallCounterFactory(std::shared_ptr<std::atomic<int64_t>> calls)
+      : calls_(std::move(calls)) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo*) override {
+    return new CallCounter(calls_.get());
+  }
+
+ private:
+  const std::shared_ptr<std::atomic<int64_t>> calls_;
+};
 
 }  // namespace
 
@@ -46,7 +78,9 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   for (const NamedService& named : services) builder.RegisterService(named.service);
-  if (!interceptors.empty()) builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  auto calls = std::make_shared<std::atomic<int64_t>>(0);
+  interceptors.push_back(std::make_unique<CallCounterFactory>(calls));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::vector<std::vector<std::unique_ptr<grpc::ServerCompletionQueue>>> queues;
   for (AsyncServiceHost* host : options.async_hosts) {
     auto& own = queues.emplace_back();
@@ -78,13 +112,16 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
     health->SetServingStatus(true);
     for (const NamedService& named : services) health->SetServingStatus(named.name, true);
   }
-  return std::unique_ptr<GrpcServer>(
-      new GrpcServer(std::move(server), HostOf(options.listen_address), port, options.async_hosts));
+  return std::unique_ptr<GrpcServer>(new GrpcServer(std::move(server), std::move(calls),
+                                                    HostOf(options.listen_address), port,
+                                                    options.async_hosts));
 }
 
-GrpcServer::GrpcServer(std::unique_ptr<grpc::Server> server, std::string host, int port,
-                       std::vector<AsyncServiceHost*> async_hosts)
+GrpcServer::GrpcServer(std::unique_ptr<grpc::Server> server,
+                       std::shared_ptr<const std::atomic<int64_t>> calls, std::string host,
+                       int port, std::vector<AsyncServiceHost*> async_hosts)
     : server_(std::move(server)),
+      calls_(std::move(calls)),
       async_hosts_(std::move(async_hosts)),
       host_(std::move(host)),
       port_(port) {}
@@ -102,7 +139,29 @@ void GrpcServer::Shutdown(absl::Duration grace) {
   if (auto* health = server_->GetHealthCheckService(); health != nullptr) {
     health->Shutdown();
   }
+  // gRPC's shutdown lets the calls in flight finish, and also waits for every client connection
+  // to answer a ping after its GOAWAY. A client that polls its connection only while it has a
+  // call of its own (gRPC's synchronous API) answers only when it next makes a call, or at its
+  // backup poll (5 s), so one idle client held the whole grace. Once no call has been in flight
+  // for kQuietBeforeClosing (room for calls the clients sent before the GOAWAY reached them),
+  // what is left is idle connections: they are closed.
+  absl::Notification shut;
+  std::thread closer([this, &shut] {
+    absl::Time quiet_since = absl::InfiniteFuture();
+    while (!shut.WaitForNotificationWithTimeout(absl::Milliseconds(10))) {
+      if (calls_->load(std::memory_order_relaxed) > 0) {
+        quiet_since = absl::InfiniteFuture();
+      } else if (quiet_since == absl::InfiniteFuture()) {
+        quiet_since = absl::Now();
+      } else if (absl::Now() - quiet_since >= kQuietBeforeClosing) {
+        grpc_server_cancel_all_calls(server_->c_server());
+        return;
+      }
+    }
+  });
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  shut.Notify();
+  closer.join();
   server_->Wait();
   // Only now: a completion queue must outlive the server's use of it.
   for (AsyncServiceHost* host : async_hosts_) host->StopServing();

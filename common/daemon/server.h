@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -77,14 +78,20 @@ class GrpcServer {
   std::shared_ptr<grpc::Channel> InProcessChannel() const;
 
   // Marks every service NOT_SERVING, then waits up to `grace` for calls in
-  // flight before cancelling them. Idempotent.
+  // flight before cancelling them; connections with no call in flight are
+  // closed once the server has had none for kQuietBeforeClosing. Idempotent.
   void Shutdown(absl::Duration grace = absl::Seconds(5));
 
+  static constexpr absl::Duration kQuietBeforeClosing = absl::Milliseconds(200);
+
  private:
-  GrpcServer(std::unique_ptr<grpc::Server> server, std::string host, int port,
+  GrpcServer(std::unique_ptr<grpc::Server> server,
+             std::shared_ptr<const std::atomic<int64_t>> calls, std::string host, int port,
              std::vector<AsyncServiceHost*> async_hosts);
 
   std::unique_ptr<grpc::Server> server_;
+  // Calls in flight (an interceptor counts them).
+  std::shared_ptr<const std::atomic<int64_t>> calls_;
   std::vector<AsyncServiceHost*> async_hosts_;
   std::string host_;
   int port_;

@@ -5,8 +5,11 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/daemon/metrics_exposer.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
@@ -46,6 +49,29 @@ class FakeWorkerService final : public v1::Worker::CallbackService {
 
  private:
   std::atomic<int> calls_{0};
+};
+
+// A Worker service whose GetNode answers only when the test says so.
+class HoldingWorkerService final : public v1::Worker::CallbackService {
+ public:
+  grpc::ServerUnaryReactor* GetNode(grpc::CallbackServerContext* context,
+                                    const v1::GetNodeRequest* request,
+                                    v1::GetNodeResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    reactor_ = context->DefaultReactor();
+    received_.Notify();
+    return reactor_;
+  }
+  void WaitForCall() { received_.WaitForNotification(); }
+  void Answer() {
+    absl::MutexLock lock(&mu_);
+    reactor_->Finish(grpc::Status::OK);
+  }
+
+ private:
+  absl::Mutex mu_;
+  grpc::ServerUnaryReactor* reactor_ ABSL_GUARDED_BY(mu_) = nullptr;
+  absl::Notification received_;
 };
 
 class GrpcServerTest : public ::testing::Test {
@@ -147,6 +173,36 @@ TEST(MetricsExposerTest, ServesBuildInfoAndRegisteredMetrics) {
 TEST(MetricsExposerTest, ABadAddressIsUnavailable) {
   auto exposer = MetricsExposer::Start({.listen_address = "256.1.1.1:99999", .component = "t"});
   EXPECT_THAT(exposer, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("cannot serve")));
+}
+
+// Shutdown closes idle connections early (GrpcServer::kQuietBeforeClosing), never a call in
+// flight: that one has the whole grace.
+TEST(GrpcServerShutdownTest, ACallInFlightFinishesWithinTheGrace) {
+  HoldingWorkerService service;
+  auto server = GrpcServer::Start({.listen_address = "127.0.0.1:0"},
+                                  {{v1::Worker::service_full_name(), &service}});
+  ASSERT_THAT(server, IsOk());
+  auto stub = v1::Worker::NewStub(MakeClientChannel((*server)->address()));
+  grpc::Status status;
+  absl::Notification answered;
+  std::thread caller([&] {
+    v1::GetNodeResponse response;
+    status = stub->GetNode(ContextWithDeadline(30).get(), {}, &response);
+    answered.Notify();
+  });
+  service.WaitForCall();
+  absl::Notification shut;
+  std::thread stopper([&] {
+    (*server)->Shutdown(absl::Seconds(20));
+    shut.Notify();
+  });
+  EXPECT_FALSE(answered.WaitForNotificationWithTimeout(5 * GrpcServer::kQuietBeforeClosing));
+  EXPECT_FALSE(shut.HasBeenNotified());
+  service.Answer();
+  caller.join();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(shut.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  stopper.join();
 }
 
 }  // namespace
