@@ -354,11 +354,12 @@ void WorkerAgent::HeartbeatLoop() {
     for (const auto& id : terminal_sent) {
       if (auto it = tasks_.find(id); it != tasks_.end()) it->second.status_sent_after_end = true;
     }
-    for (const auto& assignment : response.start()) LaunchLocked(assignment);
+    // Stops first: a start in the same answer may be held back by a task being stopped.
     for (const auto& id : response.stop()) {
       // The supervise loop decides STOPPED or FAILED, and stops the processes.
       if (auto it = tasks_.find(id); it != tasks_.end()) it->second.stop_requested = true;
     }
+    for (const auto& assignment : response.start()) LaunchLocked(assignment);
   }
 }
 
@@ -370,6 +371,63 @@ void WorkerAgent::LaunchLocked(const v1::TaskAssignment& assignment) {
   task.task_id = assignment.task_id();
   task.job_id = assignment.trainers(0).job_id();
   task.attempt = assignment.trainers(0).attempt();
+  // The coordinator has moved on from an earlier attempt of the job still here (it restarted
+  // since, and its stop order may come later): stop it.
+  for (auto& [id, other] : tasks_) {
+    if (other.job_id == task.job_id && other.attempt < task.attempt && !IsTerminal(other.state)) {
+      other.stop_requested = true;
+    }
+  }
+  if (const std::string holder = HeldBackByLocked(task, assignment); !holder.empty()) {
+    std::cerr << "tessera-worker: task " << task.task_id << " starts once " << holder
+              << " has stopped" << std::endl;
+    task.deferred = assignment;
+    return;
+  }
+  LaunchRanksLocked(task, assignment);
+}
+
+std::string WorkerAgent::HeldBackByLocked(const Task& task, const v1::TaskAssignment& assignment) {
+  for (auto& [id, other] : tasks_) {
+    if (&other == &task) continue;
+    const bool same_job = other.job_id == task.job_id;
+    if (!same_job && !other.stop_requested && !IsTerminal(other.state)) continue;
+    for (Rank& rank : other.ranks) {
+      PollRankLocked(rank);
+      if (!rank.process || rank.exit) continue;
+      if (same_job) return absl::StrCat("task ", id, " (another attempt of the job)");
+      const v1::RankAssignment& held = rank.task.assignment();
+      for (const v1::TrainerTask& trainer : assignment.trainers()) {
+        const v1::RankAssignment& wanted = trainer.assignment();
+        if (wanted.gpu_index() >= 0 && wanted.gpu_index() == rank.gpu) {
+          return absl::StrCat("task ", id, " (on GPU ", rank.gpu, ")");
+        }
+        if (wanted.master_port() > 0 && wanted.master_port() == held.master_port() &&
+            wanted.master_addr() == held.master_addr()) {
+          return absl::StrCat("task ", id, " (master port ", held.master_port(), ")");
+        }
+      }
+    }
+  }
+  return "";
+}
+
+void WorkerAgent::LaunchDeferredLocked() {
+  for (auto& [id, task] : tasks_) {
+    if (!task.deferred) continue;
+    if (task.stop_requested || stop_.HasBeenNotified()) {
+      task.deferred.reset();
+      task.state = v1::TASK_STATE_STOPPED;
+      continue;
+    }
+    if (!HeldBackByLocked(task, *task.deferred).empty()) continue;
+    const v1::TaskAssignment assignment = *std::move(task.deferred);
+    task.deferred.reset();
+    LaunchRanksLocked(task, assignment);
+  }
+}
+
+void WorkerAgent::LaunchRanksLocked(Task& task, const v1::TaskAssignment& assignment) {
   const std::string dir =
       absl::StrCat(options_.work_dir, "/jobs/", task.job_id, "/attempt-", task.attempt);
   std::error_code ignored;
@@ -378,6 +436,7 @@ void WorkerAgent::LaunchLocked(const v1::TaskAssignment& assignment) {
     Rank rank;
     rank.task = trainer;
     const v1::RankAssignment& ra = trainer.assignment();
+    rank.gpu = ra.gpu_index();
     rank.task.set_report_socket(socket_path_);
     rank.task.set_heartbeat_interval_seconds(
         absl::ToDoubleSeconds(options_.trainer_heartbeat_interval));
@@ -538,6 +597,7 @@ void WorkerAgent::SuperviseLoop() {
     std::vector<TrainerProcess*> to_stop;
     {
       absl::MutexLock lock(&mu_);
+      LaunchDeferredLocked();
       const absl::Time now = absl::Now();
       for (auto& [id, task] : tasks_) {
         for (auto& rank : task.ranks) PollRankLocked(rank);

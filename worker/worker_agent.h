@@ -123,6 +123,8 @@ class WorkerAgent {
  private:
   struct Rank {
     v1::TrainerTask task;
+    // The node's GPU the rank runs on (the process sees it as device 0); -1 on the CPU.
+    int gpu = -1;
     std::string log_path;
     std::unique_ptr<TrainerProcess> process;
     absl::Time launched;
@@ -164,6 +166,9 @@ class WorkerAgent {
     bool exit_overdue_logged = false;
     // The heartbeat was woken to carry the end.
     bool end_announced = false;
+    // Not launched yet: ranks of a task being stopped still hold one of its GPUs or its master
+    // port, or another attempt of its job still runs here (HeldBackByLocked).
+    std::optional<v1::TaskAssignment> deferred;
   };
 
   // Deadline and credentials of a call to the coordinator.
@@ -180,7 +185,19 @@ class WorkerAgent {
   void AcceptLoop();
   void ReadReports(int fd);
   absl::Status RegisterNow();
+  // Takes a new task: launches its ranks, or defers them while HeldBackByLocked names a task.
   void LaunchLocked(const v1::TaskAssignment& assignment) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void LaunchRanksLocked(Task& task, const v1::TaskAssignment& assignment)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What keeps `task` (to run `assignment`) from launching now, empty if nothing: a live rank of
+  // another task that is being stopped and holds one of its GPUs or its master port, or of
+  // another attempt of its job. Two trainers on one GPU could both run out of its memory, and two
+  // rendezvous cannot share a port. Only tasks on their way out hold a launch back, so it waits
+  // for the stop grace at most, never for a task the coordinator still wants.
+  std::string HeldBackByLocked(const Task& task, const v1::TaskAssignment& assignment)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Launches deferred tasks that nothing holds back any more (a stopped one ends unlaunched).
+  void LaunchDeferredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Polls a running rank; on its exit records the time and removes its pid file.
   void PollRankLocked(Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RecordExitLocked(Rank& rank, ExitStatus exit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

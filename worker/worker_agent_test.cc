@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -64,13 +65,23 @@ class FakeCoordinator final : public v1::NodeService::Service {
     return grpc::Status::OK;
   }
 
+  // Answers the heartbeats after the first (which carries the assignment) too, under the lock.
+  using Hook = std::function<void(const v1::HeartbeatRequest&, v1::HeartbeatResponse*)>;
+  void OnHeartbeat(Hook hook) {
+    absl::MutexLock lock(&mu_);
+    hook_ = std::move(hook);
+  }
+
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request,
                          v1::HeartbeatResponse* response) override {
     absl::MutexLock lock(&mu_);
     if (!assigned_) {
       *response->add_start() = assignment_;
       assigned_ = true;
+    } else if (hook_) {
+      hook_(*request, response);
     }
+    heartbeats_.push_back({*request, *response});
     for (const v1::TaskStatus& status : request->tasks()) {
       if (status.task_id() != kTaskId) continue;
       if (!IsTerminal(last_status_.state()) && IsTerminal(status.state())) {
@@ -114,6 +125,18 @@ class FakeCoordinator final : public v1::NodeService::Service {
     absl::MutexLock lock(&mu_);
     return step_times_;
   }
+  struct Exchange {
+    v1::HeartbeatRequest request;
+    v1::HeartbeatResponse response;
+  };
+  // Waits up to `timeout` for `done` to hold for the heartbeats so far; returns them.
+  std::vector<Exchange> WaitForHeartbeats(std::function<bool(const std::vector<Exchange>&)> done,
+                                          absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done(heartbeats_); };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+    return heartbeats_;
+  }
   // Where the worker keeps a pid file per live trainer.
   void set_trainers_dir(std::string dir) {
     absl::MutexLock lock(&mu_);
@@ -137,6 +160,8 @@ class FakeCoordinator final : public v1::NodeService::Service {
   int64_t first_unseen_ ABSL_GUARDED_BY(mu_) = 1;
   std::string trainers_dir_ ABSL_GUARDED_BY(mu_);
   int trainers_at_end_ ABSL_GUARDED_BY(mu_) = -1;
+  Hook hook_ ABSL_GUARDED_BY(mu_);
+  std::vector<Exchange> heartbeats_ ABSL_GUARDED_BY(mu_);
 };
 
 // Two CPU ranks of job-1 attempt 0, with the fake's flags per rank.
@@ -159,6 +184,30 @@ v1::TaskAssignment TwoRanks(int hang_timeout_seconds) {
     ra->set_gpu_index(-1);
   }
   return assignment;
+}
+
+// Two ranks of `job_id`'s `attempt` on GPUs `gpu` and `gpu` + 1, their rendezvous on `port`.
+v1::TaskAssignment GpuRanks(const std::string& job_id, int attempt, int gpu, int port) {
+  v1::TaskAssignment assignment = TwoRanks(0);
+  assignment.set_task_id(absl::StrCat(job_id, "/", attempt, "/n1"));
+  for (int rank = 0; rank < 2; ++rank) {
+    v1::TrainerTask* trainer = assignment.mutable_trainers(rank);
+    trainer->set_job_id(job_id);
+    trainer->set_attempt(attempt);
+    v1::RankAssignment* ra = trainer->mutable_assignment();
+    ra->set_master_port(port);
+    ra->set_device_type(v1::DEVICE_TYPE_CUDA);
+    ra->set_gpu_index(gpu + rank);
+  }
+  return assignment;
+}
+
+// The state of `task_id` in a heartbeat; UNSPECIFIED when it is not listed.
+v1::TaskState StateIn(const v1::HeartbeatRequest& request, const std::string& task_id) {
+  for (const v1::TaskStatus& status : request.tasks()) {
+    if (status.task_id() == task_id) return status.state();
+  }
+  return v1::TASK_STATE_UNSPECIFIED;
 }
 
 class WorkerAgentTest : public ::testing::Test {
@@ -317,6 +366,82 @@ TEST_F(WorkerAgentTest, AFailedTaskEndsOnlyOnceEveryRankHasExited) {
   EXPECT_EQ(status.failure().exit_code(), 3);
   EXPECT_EQ(coordinator_->trainers_at_end(), 0) << "a rank was alive when the end went out";
   EXPECT_GE(absl::Now() - started, options.stop_grace) << "the end came before the SIGKILL";
+}
+
+// A coordinator that restarted while an attempt was ending may start the next attempt on the same
+// GPUs, port and node in the answer that stops the old one. The new ranks wait for the old ones
+// to exit (two trainers on a GPU could both run out of its memory; two rendezvous cannot share a
+// port), and so does any task wanting a GPU of a task being stopped; a task on other GPUs starts at
+// once, and one sharing a GPU with a task the coordinator still wants is not held back.
+TEST_F(WorkerAgentTest, ANewTaskWaitsForTheStoppingRanksOnItsGpusAndNoOther) {
+  WorkerAgentOptions options;
+  options.stop_grace = absl::Seconds(1);
+  // Rank 0 of every task ignores SIGTERM: a stopped task's rank 0 lives until the SIGKILL.
+  StartCluster(GpuRanks("job-1", 0, 0, 29500), "--heartbeat --ignore_sigterm --sleep=60",
+               "--heartbeat --sleep=60", options);
+  const std::string old_task = "job-1/0/n1", next_attempt = "job-1/1/n1", other_gpus = "job-2/0/n1",
+                    shared_gpu = "job-3/0/n1";
+  coordinator_->OnHeartbeat([&, ordered = false](const v1::HeartbeatRequest& request,
+                                                 v1::HeartbeatResponse* response) mutable {
+    // Once rank 0 has heartbeated twice: it ignores SIGTERM by then.
+    bool settled = false;
+    for (const v1::TaskStatus& status : request.tasks()) {
+      if (status.task_id() != old_task) continue;
+      for (const v1::RankStepTime& rank : status.ranks()) {
+        settled |= rank.rank() == 0 && rank.step() >= 1;
+      }
+    }
+    if (ordered || !settled) return;
+    ordered = true;
+    response->add_stop(old_task);
+    *response->add_start() = GpuRanks("job-1", 1, 0, 29500);
+    *response->add_start() = GpuRanks("job-2", 0, 2, 29501);
+    // GPU 1 is the stopping task's, GPU 2 job-2's.
+    *response->add_start() = GpuRanks("job-3", 0, 1, 29502);
+  });
+  const auto heartbeats = coordinator_->WaitForHeartbeats(
+      [&](const std::vector<FakeCoordinator::Exchange>& so_far) {
+        return !so_far.empty() &&
+               StateIn(so_far.back().request, next_attempt) == v1::TASK_STATE_RUNNING &&
+               StateIn(so_far.back().request, shared_gpu) == v1::TASK_STATE_RUNNING;
+      },
+      absl::Seconds(30));
+  // Heartbeat indices: the answer with the orders, and the first to report each state.
+  auto first = [&](size_t from, const std::string& task_id, auto predicate) {
+    for (size_t i = from; i < heartbeats.size(); ++i) {
+      if (predicate(StateIn(heartbeats[i].request, task_id))) return i;
+    }
+    return heartbeats.size();
+  };
+  size_t order = heartbeats.size();
+  for (size_t i = 0; i < heartbeats.size(); ++i) {
+    if (heartbeats[i].response.stop_size() > 0) order = std::min(order, i);
+  }
+  ASSERT_LT(order, heartbeats.size()) << "the old task never ran";
+  auto running = [](v1::TaskState state) { return state == v1::TASK_STATE_RUNNING; };
+  const size_t old_ended = first(order + 1, old_task, [](v1::TaskState state) {
+    return IsTerminal(state) || state == v1::TASK_STATE_UNSPECIFIED;
+  });
+  const size_t next_ran = first(order + 1, next_attempt, running);
+  const size_t shared_ran = first(order + 1, shared_gpu, running);
+  const size_t other_ran = first(order + 1, other_gpus, running);
+  ASSERT_LT(next_ran, heartbeats.size()) << "the next attempt never ran";
+  ASSERT_LT(shared_ran, heartbeats.size());
+  EXPECT_EQ(other_ran, order + 1) << "a task on other GPUs waited";
+  EXPECT_LE(old_ended, next_ran) << "the next attempt ran beside the old one";
+  EXPECT_LE(old_ended, shared_ran) << "a task shared a GPU with a stopping one";
+  // The old rank 0 lived until the SIGKILL: the next attempt said STARTING meanwhile.
+  EXPECT_GT(next_ran, order + 5);
+  for (size_t i = order + 1; i < next_ran; ++i) {
+    EXPECT_EQ(StateIn(heartbeats[i].request, next_attempt), v1::TASK_STATE_STARTING) << i;
+  }
+  // Each rank of the next attempt sees only its own GPU.
+  for (int rank = 0; rank < 2; ++rank) {
+    std::ifstream log(absl::StrCat(work_dir_, "/jobs/job-1/attempt-1/rank-", rank, ".log"));
+    std::stringstream text;
+    text << log.rdbuf();
+    EXPECT_THAT(text.str(), HasSubstr(absl::StrCat("CUDA_VISIBLE_DEVICES=", rank, "\n")));
+  }
 }
 
 }  // namespace
