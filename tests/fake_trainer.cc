@@ -170,6 +170,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) std::printf("ARG[%d]=%s\n", i, argv[i]);
   std::fflush(stdout);
 
+  // Before the first heartbeat: a worker may stop a rank as soon as it has heard from it.
+  if (ignore_sigterm) signal(SIGTERM, SIG_IGN);
   ReportChannel channel;
   if (has_task && !channel.Connect(task.report_socket())) {
     std::fprintf(stderr, "cannot connect to %s\n", task.report_socket().c_str());
@@ -197,7 +199,6 @@ int main(int argc, char** argv) {
     }).detach();
   }
 
-  if (ignore_sigterm) signal(SIGTERM, SIG_IGN);
   if (spawn_child) {
     const pid_t child = fork();
     if (child == 0) {

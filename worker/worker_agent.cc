@@ -542,8 +542,11 @@ void WorkerAgent::JudgeTaskLocked(Task& task, absl::Time now) {
     } else if (rank.exit->exit_code != 0) {
       // The process is gone but its socket may still hold its typed failure (the reader thread
       // has not reached the end of the stream): that report, not the bare exit code, tells a
-      // lost peer from a cause.
-      if (!rank.reported_failure && rank.reporting && !rank.reports_ended &&
+      // lost peer from a cause. Also for a rank not heard from yet: one that fails at start
+      // (missing data) sends its report and exits before the reader has read anything, and
+      // blaming "exited with code 1" then lost the reason. A rank that never connects costs the
+      // verdict kExitReportGrace.
+      if (!rank.reported_failure && !rank.reports_ended &&
           now - rank.exit_seen < kExitReportGrace) {
         return;
       }

@@ -383,12 +383,12 @@ TEST_F(WorkerAgentTest, ANewTaskWaitsForTheStoppingRanksOnItsGpusAndNoOther) {
                     shared_gpu = "job-3/0/n1";
   coordinator_->OnHeartbeat([&, ordered = false](const v1::HeartbeatRequest& request,
                                                  v1::HeartbeatResponse* response) mutable {
-    // Once rank 0 has heartbeated twice: it ignores SIGTERM by then.
+    // Once rank 0 has heartbeated: it ignores SIGTERM from before its first heartbeat.
     bool settled = false;
     for (const v1::TaskStatus& status : request.tasks()) {
       if (status.task_id() != old_task) continue;
       for (const v1::RankStepTime& rank : status.ranks()) {
-        settled |= rank.rank() == 0 && rank.step() >= 1;
+        settled |= rank.rank() == 0 && rank.has_heartbeat_time();
       }
     }
     if (ordered || !settled) return;
@@ -435,12 +435,19 @@ TEST_F(WorkerAgentTest, ANewTaskWaitsForTheStoppingRanksOnItsGpusAndNoOther) {
   for (size_t i = order + 1; i < next_ran; ++i) {
     EXPECT_EQ(StateIn(heartbeats[i].request, next_attempt), v1::TASK_STATE_STARTING) << i;
   }
-  // Each rank of the next attempt sees only its own GPU.
+  // Each rank of the next attempt sees only its own GPU (once it has printed its environment).
   for (int rank = 0; rank < 2; ++rank) {
-    std::ifstream log(absl::StrCat(work_dir_, "/jobs/job-1/attempt-1/rank-", rank, ".log"));
-    std::stringstream text;
-    text << log.rdbuf();
-    EXPECT_THAT(text.str(), HasSubstr(absl::StrCat("CUDA_VISIBLE_DEVICES=", rank, "\n")));
+    const std::string wanted = absl::StrCat("CUDA_VISIBLE_DEVICES=", rank, "\n");
+    std::string text;
+    for (const absl::Time deadline = absl::Now() + absl::Seconds(10);
+         text.find(wanted) == std::string::npos && absl::Now() < deadline;
+         absl::SleepFor(absl::Milliseconds(20))) {
+      std::ifstream log(absl::StrCat(work_dir_, "/jobs/job-1/attempt-1/rank-", rank, ".log"));
+      std::stringstream read;
+      read << log.rdbuf();
+      text = read.str();
+    }
+    EXPECT_THAT(text, HasSubstr(wanted));
   }
 }
 
