@@ -387,13 +387,13 @@ void WorkerAgent::LaunchLocked(const v1::TaskAssignment& assignment) {
   LaunchRanksLocked(task, assignment);
 }
 
-std::string WorkerAgent::HeldBackByLocked(const Task& task, const v1::TaskAssignment& assignment) {
-  for (auto& [id, other] : tasks_) {
+std::string WorkerAgent::HeldBackByLocked(const Task& task,
+                                          const v1::TaskAssignment& assignment) const {
+  for (const auto& [id, other] : tasks_) {
     if (&other == &task) continue;
     const bool same_job = other.job_id == task.job_id;
     if (!same_job && !other.stop_requested && !IsTerminal(other.state)) continue;
-    for (Rank& rank : other.ranks) {
-      PollRankLocked(rank);
+    for (const Rank& rank : other.ranks) {
       if (!rank.process || rank.exit) continue;
       if (same_job) return absl::StrCat("task ", id, " (another attempt of the job)");
       const v1::RankAssignment& held = rank.task.assignment();
@@ -600,7 +600,6 @@ void WorkerAgent::SuperviseLoop() {
     std::vector<TrainerProcess*> to_stop;
     {
       absl::MutexLock lock(&mu_);
-      LaunchDeferredLocked();
       const absl::Time now = absl::Now();
       for (auto& [id, task] : tasks_) {
         for (auto& rank : task.ranks) PollRankLocked(rank);
@@ -614,6 +613,8 @@ void WorkerAgent::SuperviseLoop() {
           }
         }
       }
+      // After the polls above: a deferred task starts as soon as the exits it waits for are seen.
+      LaunchDeferredLocked();
     }
     // Stopping waits for up to the grace period: outside the lock. Only this
     // thread erases tasks, so the processes stay alive meanwhile.

@@ -194,7 +194,8 @@ class WorkerAgent {
   // another attempt of its job. Two trainers on one GPU could both run out of its memory, and two
   // rendezvous cannot share a port. Only tasks on their way out hold a launch back, so it waits
   // for the stop grace at most, never for a task the coordinator still wants.
-  std::string HeldBackByLocked(const Task& task, const v1::TaskAssignment& assignment)
+  // Reads the exits as last polled.
+  std::string HeldBackByLocked(const Task& task, const v1::TaskAssignment& assignment) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Launches deferred tasks that nothing holds back any more (a stopped one ends unlaunched).
   void LaunchDeferredLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
