@@ -137,12 +137,14 @@ def first_loss(stdout):
 
 
 def check_sharded_layouts(trainer, tmp, name, model_dir):
-    """Each rank of tp 2 and of pp 2 loads only its part; the first loss equals one process's."""
+    """Each rank of tp 2, pp 2 and ZeRO-3 dp 2 loads only its part; the first loss equals one
+    process's."""
     shards = os.path.join(tmp, "data", "train-*.bin")
     flags = [f"--init_from={model_dir}", f"--data={shards}", "--steps=1", "--seq_len=64",
              "--global_batch=4", "--micro_batch=2", "--warmup=1"]
     reference = first_loss(run(trainer, *flags, f"--job_id=hf-{name}-single").stdout)
-    for layout in ("--tensor_parallel=2", "--pipeline_parallel=2"):
+    # ZeRO-3 reads only the tensors of each rank's shards, into its shards.
+    for layout in ("--tensor_parallel=2", "--pipeline_parallel=2", "--zero_stage=3"):
         port = free_port()
         procs = []
         for rank in (0, 1):
@@ -158,6 +160,16 @@ def check_sharded_layouts(trainer, tmp, name, model_dir):
         loss = first_loss(outputs[0][0] + outputs[1][0])
         print(f"  {name} {layout}: first loss {loss:.6f} vs one process {reference:.6f}")
         assert abs(loss - reference) <= 1e-4 * abs(reference), (layout, loss, reference)
+
+    # ZeRO-3 reads the weights after checking every tensor's name and shape: a truncated file
+    # still fails naming it.
+    truncated = os.path.join(tmp, f"{name}_truncated")
+    make_model(tiny_configs()[name], seed=5).save_pretrained(truncated)
+    path = os.path.join(truncated, "model.safetensors")
+    os.truncate(path, os.path.getsize(path) - 1000)
+    flags[0] = f"--init_from={truncated}"
+    expect_failure(trainer, [*flags, "--zero_stage=3", f"--job_id=hf-{name}-truncated"],
+                   "model.from_pretrained", path)
 
 
 def main():

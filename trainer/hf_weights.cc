@@ -179,21 +179,27 @@ class WeightFiles {
     return absl::StrJoin(paths, ", ");
   }
 
+  // The header entry of the tensor `name` (which Has): its dtype and shape.
+  const SafetensorsEntry& EntryOf(const std::string& name) const {
+    return headers_.at(file_of_.at(name)).tensors.at(name);
+  }
+
+  // INVALID_ARGUMENT naming the file unless the tensor `name` (which Has) has a dtype Read reads.
+  absl::Status CheckDtype(const std::string& name) const {
+    if (DtypeOf(EntryOf(name).dtype).has_value()) return absl::OkStatus();
+    return Invalid(file_of_.at(name),
+                   absl::StrCat("tensor '", name, "' has dtype ", EntryOf(name).dtype,
+                                "; F32, F16, BF16 or F64 weights are read"));
+  }
+
   // The tensor `name` (which Has), whole, as float32 [shape].
   absl::StatusOr<torch::Tensor> Read(const std::string& name) const {
+    RETURN_IF_ERROR(CheckDtype(name));
     const std::string& path = file_of_.at(name);
     const SafetensorsFile& header = headers_.at(path);
     const SafetensorsEntry& entry = header.tensors.at(name);
-    static const std::map<std::string, torch::ScalarType> kDtypes = {{"F32", torch::kFloat32},
-                                                                     {"F16", torch::kFloat16},
-                                                                     {"BF16", torch::kBFloat16},
-                                                                     {"F64", torch::kFloat64}};
-    auto dtype = kDtypes.find(entry.dtype);
-    if (dtype == kDtypes.end()) {
-      return Invalid(path, absl::StrCat("tensor '", name, "' has dtype ", entry.dtype,
-                                        "; F32, F16, BF16 or F64 weights are read"));
-    }
-    torch::Tensor raw = torch::empty(entry.shape, torch::TensorOptions().dtype(dtype->second));
+    torch::Tensor raw =
+        torch::empty(entry.shape, torch::TensorOptions().dtype(*DtypeOf(entry.dtype)));
     const uint64_t nbytes = entry.end - entry.begin;
     if (nbytes != static_cast<uint64_t>(raw.nbytes())) {
       return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "' has ", nbytes,
@@ -210,6 +216,16 @@ class WeightFiles {
   }
 
  private:
+  static std::optional<torch::ScalarType> DtypeOf(const std::string& dtype) {
+    static const std::map<std::string, torch::ScalarType> kDtypes = {{"F32", torch::kFloat32},
+                                                                     {"F16", torch::kFloat16},
+                                                                     {"BF16", torch::kBFloat16},
+                                                                     {"F64", torch::kFloat64}};
+    auto it = kDtypes.find(dtype);
+    if (it == kDtypes.end()) return std::nullopt;
+    return it->second;
+  }
+
   absl::Status OpenFile(const std::string& path) {
     if (headers_.contains(path)) return absl::OkStatus();
     auto header = ReadSafetensorsHeader(path);
@@ -223,39 +239,70 @@ class WeightFiles {
   std::map<std::string, SafetensorsFile> headers_;
 };
 
-// Copies into every parameter `model` holds the tensor `source_name(parameter)` names in `files`.
+// The values of every parameter `model` holds from the tensor `source_name(parameter)` names in
+// `files`: each tensor's presence, shape and dtype are checked here, from the files' headers; a
+// call reads its tensor and cuts this rank's tensor-parallel shard of it.
 template <typename NameFn>
-absl::Status LoadParameters(CausalLMImpl& model, const WeightFiles& files, NameFn source_name) {
+absl::StatusOr<ParameterValues> ValuesIn(const CausalLMImpl& model, WeightFiles files,
+                                         NameFn source_name) {
+  std::map<std::string, HfName> sources;
+  for (const auto& item : model.named_parameters()) {
+    const std::string& name = item.key();
+    std::optional<HfName> source = source_name(name);
+    if (!source.has_value()) {
+      return absl::InternalError(absl::StrCat("parameter '", name, "' has no name in the file"));
+    }
+    // Checkpoints saved from GPT2Model (the original gpt2 upload) lack the "transformer." prefix.
+    if (!files.Has(source->name) && absl::StartsWith(source->name, "transformer.") &&
+        files.Has(source->name.substr(12))) {
+      source->name = source->name.substr(12);
+    }
+    if (!files.Has(source->name)) {
+      return absl::InvalidArgumentError(absl::StrCat(files.Where(), ": no tensor '", source->name,
+                                                     "' (for parameter ", name, ")"));
+    }
+    std::vector<int64_t> expected = model.ShardOf(name).global_shape;
+    if (source->transposed && expected.size() == 2) std::swap(expected[0], expected[1]);
+    const std::vector<int64_t>& stored = files.EntryOf(source->name).shape;
+    if (stored != expected) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(files.Where(), ": tensor '", source->name, "' has shape ",
+                       ShapeString(stored), ", the model's config needs ", ShapeString(expected),
+                       source->transposed ? " (stored [in, out])" : ""));
+    }
+    RETURN_IF_ERROR(files.CheckDtype(source->name));
+    sources.emplace(name, *std::move(source));
+  }
+  std::map<std::string, ParamShard> shards;
+  for (const auto& [name, source] : sources) shards.emplace(name, model.ShardOf(name));
+  return ParameterValues(
+      [files = std::make_shared<const WeightFiles>(std::move(files)), sources = std::move(sources),
+       shards = std::move(shards),
+       tp = model.partition().tp](const std::string& name) -> absl::StatusOr<at::Tensor> {
+        auto source = sources.find(name);
+        if (source == sources.end()) {
+          return absl::InternalError(absl::StrCat("no parameter '", name, "' on this rank"));
+        }
+        try {
+          torch::NoGradGuard no_grad;
+          ASSIGN_OR_RETURN(torch::Tensor full, files->Read(source->second.name));
+          if (source->second.transposed) full = full.t().contiguous();
+          return LocalShardOf(full, shards.at(name), tp.rank, tp.size);
+        } catch (const c10::Error& e) {
+          return absl::InternalError(
+              absl::StrCat("loading weights: LibTorch: ", e.what_without_backtrace()));
+        }
+      });
+}
+
+// Copies into every parameter `model` holds its value from ValuesIn.
+absl::Status CopyValues(CausalLMImpl& model, const absl::StatusOr<ParameterValues>& values) {
+  RETURN_IF_ERROR(values.status());
   try {
     torch::NoGradGuard no_grad;
-    const TensorParallel& tp = model.partition().tp;
     for (const auto& item : model.named_parameters()) {
-      const std::string& name = item.key();
-      std::optional<HfName> source = source_name(name);
-      if (!source.has_value()) {
-        return absl::InternalError(absl::StrCat("parameter '", name, "' has no name in the file"));
-      }
-      // Checkpoints saved from GPT2Model (the original gpt2 upload) lack the "transformer." prefix.
-      if (!files.Has(source->name) && absl::StartsWith(source->name, "transformer.") &&
-          files.Has(source->name.substr(12))) {
-        source->name = source->name.substr(12);
-      }
-      if (!files.Has(source->name)) {
-        return absl::InvalidArgumentError(absl::StrCat(files.Where(), ": no tensor '", source->name,
-                                                       "' (for parameter ", name, ")"));
-      }
-      ASSIGN_OR_RETURN(torch::Tensor full, files.Read(source->name));
-      const ParamShard& shard = model.ShardOf(name);
-      std::vector<int64_t> expected = shard.global_shape;
-      if (source->transposed && expected.size() == 2) std::swap(expected[0], expected[1]);
-      if (full.sizes().vec() != expected) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(files.Where(), ": tensor '", source->name, "' has shape ",
-                         ShapeString(full.sizes().vec()), ", the model's config needs ",
-                         ShapeString(expected), source->transposed ? " (stored [in, out])" : ""));
-      }
-      if (source->transposed) full = full.t().contiguous();
-      item.value().copy_(LocalShardOf(full, shard, tp.rank, tp.size));
+      ASSIGN_OR_RETURN(torch::Tensor value, (*values)(item.key()));
+      item.value().copy_(value);
     }
   } catch (const c10::Error& e) {
     return absl::InternalError(
@@ -445,17 +492,22 @@ absl::Status LoadPeftAdapterWeights(CausalLMImpl& model, const std::string& dir)
   return absl::OkStatus();
 }
 
-absl::Status LoadHfWeights(CausalLMImpl& model, const std::string& dir) {
+absl::StatusOr<ParameterValues> HfWeightValues(const CausalLMImpl& model, const std::string& dir) {
   ASSIGN_OR_RETURN(WeightFiles files, WeightFiles::OpenHfDirectory(dir));
   const v1::ModelDims dims = model.dims();
-  return LoadParameters(model, files,
-                        [&](const std::string& name) { return HfNameOf(name, dims); });
+  return ValuesIn(model, std::move(files),
+                  [&](const std::string& name) { return HfNameOf(name, dims); });
+}
+
+absl::Status LoadHfWeights(CausalLMImpl& model, const std::string& dir) {
+  return CopyValues(model, HfWeightValues(model, dir));
 }
 
 absl::Status LoadTesseraWeights(CausalLMImpl& model, const std::string& file) {
   ASSIGN_OR_RETURN(WeightFiles files, WeightFiles::OpenFileOnly(file));
-  return LoadParameters(
-      model, files, [](const std::string& name) { return std::optional<HfName>(HfName{name}); });
+  return CopyValues(model, ValuesIn(model, std::move(files), [](const std::string& name) {
+                      return std::optional<HfName>(HfName{name});
+                    }));
 }
 
 absl::Status ExportHfModel(CausalLMImpl& model, const std::string& dir,

@@ -32,6 +32,12 @@ inline constexpr char kHfWeightsIndexFileName[] = "model.safetensors.index.json"
 // weights; the reader's DATA_LOSS naming the file for a corrupt or truncated one.
 absl::Status LoadHfWeights(CausalLMImpl& model, const std::string& dir);
 
+// LoadHfWeights' values without the copy, for a ZeRO-3 engine of a ParameterStorage::kDeferred
+// model (ShardedEngine::InitializeShards): the model's parameters are checked against the
+// files' headers here (LoadHfWeights' INVALID_ARGUMENT errors); each call reads one tensor and
+// returns this rank's part of it (DATA_LOSS for a corrupt or truncated file).
+absl::StatusOr<ParameterValues> HfWeightValues(const CausalLMImpl& model, const std::string& dir);
+
 // Copies the weights of a Tessera safetensors export (`--export_safetensors`, `--export_initial`:
 // Tessera's parameter names, whole tensors) into `model`, with LoadHfWeights' errors.
 absl::Status LoadTesseraWeights(CausalLMImpl& model, const std::string& file);

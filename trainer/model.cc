@@ -27,10 +27,6 @@ namespace F = torch::nn::functional;
 
 bool IsLlama(const v1::ModelDims& dims) { return dims.architecture() == v1::ARCHITECTURE_LLAMA; }
 
-torch::nn::Linear MakeLinear(int64_t in, int64_t out, bool bias) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
-}
-
 // 64-bit FNV-1a: a hash of a parameter's name that is the same in every process and build.
 uint64_t NameHash(const std::string& name) {
   uint64_t hash = 1469598103934665603ULL;
@@ -42,34 +38,35 @@ uint64_t NameHash(const std::string& name) {
 }
 
 // Column-parallel output (`tp` splits `out`), or the whole linear.
-torch::nn::Linear ColumnLinear(int64_t in, int64_t out, bool bias, const TensorParallel& tp) {
-  return MakeLinear(in, out / tp.size, bias);
+Dense ColumnLinear(int64_t in, int64_t out, bool bias, const TensorParallel& tp,
+                   const torch::TensorOptions& options) {
+  return Dense(in, out / tp.size, bias, options);
 }
 
 // Row-parallel input (`tp` splits `in`; the bias stays whole).
-torch::nn::Linear RowLinear(int64_t in, int64_t out, bool bias, const TensorParallel& tp) {
-  return MakeLinear(in / tp.size, out, bias);
+Dense RowLinear(int64_t in, int64_t out, bool bias, const TensorParallel& tp,
+                const torch::TensorOptions& options) {
+  return Dense(in / tp.size, out, bias, options);
 }
 
 // x W^T + b through at::linear, as Python's nn.Linear runs it: for activations of more than two
 // dimensions one matrix product with the bias added in its epilogue, where LibTorch's C++
 // Linear::forward (F::linear) runs the product and then a separate in-place add, one more pass
 // over the output forward and a separate node backward.
-torch::Tensor LinearForward(const torch::nn::Linear& linear, const torch::Tensor& x) {
+torch::Tensor LinearForward(const Dense& linear, const torch::Tensor& x) {
   return at::linear(x, linear->weight, linear->bias);
 }
 
 // A row-parallel linear's output: the partial products summed over tp (or reduce-scattered along
 // the sequence), then the bias. Without tp exactly the plain linear.
-torch::Tensor RowParallelForward(torch::nn::Linear& linear, const torch::Tensor& x,
-                                 const TensorParallel& tp) {
+torch::Tensor RowParallelForward(Dense& linear, const torch::Tensor& x, const TensorParallel& tp) {
   if (!tp.enabled()) return LinearForward(linear, x);
   torch::Tensor y = ExitTensorParallel(F::linear(x, linear->weight), tp);
   return linear->bias.defined() ? y + linear->bias : y;
 }
 
 // Registers `linear`'s adapter when `options.targets` names it ("<module>.<child>").
-void AttachLora(const std::string& module, const char* child, torch::nn::Linear& linear,
+void AttachLora(const std::string& module, const char* child, Dense& linear,
                 const LoraOptions& options, LoraAdapter* adapter) {
   if (!linear || !options.targets.contains(absl::StrCat(module, ".", child))) return;
   const int64_t out = linear->weight.size(0), in = linear->weight.size(1);
@@ -90,7 +87,7 @@ torch::Tensor AddLoraDelta(torch::Tensor y, const LoraAdapter& lora, const torch
   return y + F::linear(F::linear(in, lora.a), lora.b) * lora.scale;
 }
 
-torch::Tensor Project(torch::nn::Linear& linear, const LoraAdapter& lora, const torch::Tensor& x) {
+torch::Tensor Project(Dense& linear, const LoraAdapter& lora, const torch::Tensor& x) {
   return AddLoraDelta(LinearForward(linear, x), lora, x, linear->is_training());
 }
 
@@ -131,10 +128,26 @@ torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, doubl
   return FusedRmsNorm(x, weight, eps);
 }
 
-NormImpl::NormImpl(int64_t size, double eps, bool rms, bool autocast_output)
+DenseImpl::DenseImpl(int64_t in, int64_t out, bool with_bias, const torch::TensorOptions& options) {
+  weight = register_parameter("weight", torch::empty({out, in}, options));
+  if (with_bias) bias = register_parameter("bias", torch::empty({out}, options));
+}
+
+EmbeddingTableImpl::EmbeddingTableImpl(int64_t rows, int64_t dim,
+                                       const torch::TensorOptions& options) {
+  weight = register_parameter("weight", torch::empty({rows, dim}, options));
+}
+
+torch::Tensor EmbeddingTableImpl::forward(const torch::Tensor& ids) {
+  return at::embedding(weight, ids);
+}
+
+NormImpl::NormImpl(int64_t size, double eps, bool rms, bool autocast_output,
+                   const torch::TensorOptions& options)
     : eps_(eps), rms_(rms), autocast_output_(autocast_output) {
-  weight_ = register_parameter("weight", torch::ones({size}));
-  if (!rms_) bias_ = register_parameter("bias", torch::zeros({size}));
+  // Ones and zeros: its initial value (on the meta device just the shapes).
+  weight_ = register_parameter("weight", torch::ones({size}, options));
+  if (!rms_) bias_ = register_parameter("bias", torch::zeros({size}, options));
 }
 
 std::optional<at::ScalarType> NormImpl::OutputDtype(const torch::Tensor& x) const {
@@ -156,7 +169,8 @@ NormAndInput NormImpl::ForwardKeepingInput(const torch::Tensor& x) {
   return FusedLayerNormKeepingInput(x, weight_, bias_, eps_, OutputDtype(x));
 }
 
-AttentionImpl::AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp)
+AttentionImpl::AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp,
+                             const torch::TensorOptions& options)
     : llama_(IsLlama(dims)),
       tp_(tp),
       heads_(dims.num_attention_heads() / tp.size),
@@ -169,18 +183,20 @@ AttentionImpl::AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp
   const int64_t q_width = dims.num_attention_heads() * head_dim_,
                 kv_width = dims.num_kv_heads() * head_dim_;
   if (llama_) {
-    q_ = register_module("q", ColumnLinear(d, q_width, false, tp));
-    k_ = register_module("k", ColumnLinear(d, kv_width, false, tp));
-    v_ = register_module("v", ColumnLinear(d, kv_width, false, tp));
-    out_ = register_module("o", RowLinear(q_width, d, false, tp));
+    q_ = register_module("q", ColumnLinear(d, q_width, false, tp, options));
+    k_ = register_module("k", ColumnLinear(d, kv_width, false, tp, options));
+    v_ = register_module("v", ColumnLinear(d, kv_width, false, tp, options));
+    out_ = register_module("o", RowLinear(q_width, d, false, tp, options));
     if (dims.qk_norm()) {
       // One weight of size head_dim shared by all heads, as in Qwen3.
-      q_norm_ = register_module("q_norm", Norm(head_dim_, dims.norm_eps(), /*rms=*/true));
-      k_norm_ = register_module("k_norm", Norm(head_dim_, dims.norm_eps(), /*rms=*/true));
+      q_norm_ =
+          register_module("q_norm", Norm(head_dim_, dims.norm_eps(), /*rms=*/true, false, options));
+      k_norm_ =
+          register_module("k_norm", Norm(head_dim_, dims.norm_eps(), /*rms=*/true, false, options));
     }
   } else {
-    qkv_ = register_module("qkv", ColumnLinear(d, 3 * q_width, true, tp));
-    out_ = register_module("proj", RowLinear(q_width, d, true, tp));
+    qkv_ = register_module("qkv", ColumnLinear(d, 3 * q_width, true, tp, options));
+    out_ = register_module("proj", RowLinear(q_width, d, true, tp, options));
   }
 }
 
@@ -240,17 +256,18 @@ torch::Tensor AttentionImpl::Core(const torch::Tensor& q, const torch::Tensor& k
                                           /*enable_gqa=*/kv_heads_ != heads_);
 }
 
-MlpImpl::MlpImpl(const v1::ModelDims& dims, const TensorParallel& tp)
+MlpImpl::MlpImpl(const v1::ModelDims& dims, const TensorParallel& tp,
+                 const torch::TensorOptions& options)
     : llama_(IsLlama(dims)), tp_(tp) {
   const int64_t d = dims.hidden_size(), f = dims.ffn_hidden_size();
   TORCH_CHECK(f % tp.size == 0, "tensor_parallel ", tp.size, " must divide ffn_hidden_size ", f);
   if (llama_) {
-    gate_ = register_module("gate", ColumnLinear(d, f, false, tp));
-    up_ = register_module("up", ColumnLinear(d, f, false, tp));
-    down_ = register_module("down", RowLinear(f, d, false, tp));
+    gate_ = register_module("gate", ColumnLinear(d, f, false, tp, options));
+    up_ = register_module("up", ColumnLinear(d, f, false, tp, options));
+    down_ = register_module("down", RowLinear(f, d, false, tp, options));
   } else {
-    up_ = register_module("fc", ColumnLinear(d, f, true, tp));
-    down_ = register_module("proj", RowLinear(f, d, true, tp));
+    up_ = register_module("fc", ColumnLinear(d, f, true, tp, options));
+    down_ = register_module("proj", RowLinear(f, d, true, tp, options));
   }
 }
 
@@ -290,14 +307,15 @@ void MlpImpl::AddLora(const LoraOptions& options) {
   AttachLora("mlp", "fc", up_, options, &up_lora_);
 }
 
-BlockImpl::BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp) {
+BlockImpl::BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp,
+                     const torch::TensorOptions& options) {
   const bool rms = IsLlama(dims);
-  attn_norm_ =
-      register_module("attn_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms, !tp.enabled()));
-  attn_ = register_module("attn", Attention(dims, tp));
-  mlp_norm_ =
-      register_module("mlp_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms, !tp.enabled()));
-  mlp_ = register_module("mlp", Mlp(dims, tp));
+  attn_norm_ = register_module(
+      "attn_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms, !tp.enabled(), options));
+  attn_ = register_module("attn", Attention(dims, tp, options));
+  mlp_norm_ = register_module(
+      "mlp_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms, !tp.enabled(), options));
+  mlp_ = register_module("mlp", Mlp(dims, tp, options));
 }
 
 void BlockImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) {
@@ -319,11 +337,12 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& co
 }
 
 CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
-                           const ModelPartition& partition)
-    : dims_(dims), partition_(partition) {
-  // Drawn before any module is built: LibTorch's layers draw their default initialisation from
-  // the same generator, and how much they draw depends on this rank's shapes.
-  const uint64_t init_seed = static_cast<uint64_t>(
+                           const ModelPartition& partition, ParameterStorage storage)
+    : dims_(dims),
+      partition_(partition),
+      storage_(storage),
+      init_std_(init_std > 0 ? init_std : planner::kDefaultInitStd) {
+  init_seed_ = static_cast<uint64_t>(
       torch::randint(0, std::numeric_limits<int64_t>::max(), {1}, torch::kInt64).item<int64_t>());
   TORCH_CHECK(dims.num_layers() > 0 && dims.hidden_size() > 0 && dims.vocab_size() > 0 &&
                   dims.max_seq_len() > 0 && dims.num_attention_heads() > 0 &&
@@ -344,23 +363,27 @@ CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
   const int64_t d = dims.hidden_size();
   const int64_t local_vocab = VocabRowsPerRank(dims.vocab_size(), tp.size);
   const bool llama = IsLlama(dims);
+  const torch::TensorOptions options =
+      torch::TensorOptions(torch::kFloat32)
+          .device(storage == ParameterStorage::kDeferred ? torch::kMeta : torch::kCPU);
   if (partition_.embedding || (partition_.head && dims.tie_embeddings())) {
-    embed_ = register_module("embed", torch::nn::Embedding(local_vocab, d));
+    embed_ = register_module("embed", EmbeddingTable(local_vocab, d, options));
   }
   if (!llama && partition_.embedding) {
-    pos_embed_ = register_module("pos_embed", torch::nn::Embedding(dims.max_seq_len(), d));
+    pos_embed_ = register_module("pos_embed", EmbeddingTable(dims.max_seq_len(), d, options));
   }
   layers_ = register_module("layers", torch::nn::ModuleDict());
   for (int i = 0; i < partition_.num_layers; ++i) {
-    Block block(dims, tp);
+    Block block(dims, tp, options);
     layers_->update(std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>{
         {std::to_string(partition_.first_layer + i), block.ptr()}});
     blocks_.push_back(block.ptr());
   }
   if (partition_.head) {
-    final_norm_ = register_module("final_norm", Norm(d, dims.norm_eps(), llama, !tp.enabled()));
+    final_norm_ =
+        register_module("final_norm", Norm(d, dims.norm_eps(), llama, !tp.enabled(), options));
     if (!dims.tie_embeddings()) {
-      lm_head_ = register_parameter("lm_head", torch::empty({local_vocab, d}));
+      lm_head_ = register_parameter("lm_head", torch::empty({local_vocab, d}, options));
     }
   }
   if (llama) {
@@ -387,13 +410,17 @@ CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
     shard.global_shape = shape;
     shards_.emplace(item.key(), std::move(shard));
   }
-  init_seed_ = init_seed;
-  Initialize(init_std > 0 ? init_std : planner::kDefaultInitStd, init_seed);
+  if (storage_ == ParameterStorage::kInitialized) {
+    torch::NoGradGuard no_grad;
+    for (const auto& item : named_parameters()) item.value().copy_(InitialValue(item.key()));
+  }
 }
 
 void CausalLMImpl::AddLora(const LoraOptions& options) {
   TORCH_CHECK(options.rank > 0, "LoRA rank must be > 0, got ", options.rank);
   TORCH_CHECK(lora_.rank == 0, "LoRA adapters were already added");
+  TORCH_CHECK(storage_ == ParameterStorage::kInitialized,
+              "LoRA adapters need a model built with its parameters (kInitialized)");
   TORCH_CHECK(!partition_.tp.enabled(), "LoRA runs without tensor parallelism");
   TORCH_CHECK(options.dropout >= 0 && options.dropout < 1, "LoRA dropout must be in [0, 1), got ",
               options.dropout);
@@ -413,31 +440,27 @@ void CausalLMImpl::AddLora(const LoraOptions& options) {
   }
 }
 
-void CausalLMImpl::Initialize(double init_std, uint64_t base) {
+torch::Tensor CausalLMImpl::InitialValue(const std::string& name) const {
   torch::NoGradGuard no_grad;
-  // GPT-2's scaling: each block adds two residual branches, so their output projections start
-  // smaller to keep the residual stream's variance independent of depth.
-  const double residual_std = init_std / std::sqrt(2.0 * dims_.num_layers());
-  for (const auto& item : named_parameters()) {
-    const std::string& name = item.key();
-    torch::Tensor param = item.value();
-    const ParamShard& shard = shards_.at(name);
-    if (absl::StrContains(name, "norm.")) {
-      param.fill_(absl::EndsWith(name, ".bias") ? 0.0 : 1.0);
-      continue;
-    }
-    if (absl::EndsWith(name, ".bias")) {
-      param.zero_();
-      continue;
-    }
+  const ParamShard& shard = ShardOf(name);
+  torch::Tensor full;
+  if (absl::StrContains(name, "norm.")) {
+    full = absl::EndsWith(name, ".bias") ? torch::zeros(shard.global_shape)
+                                         : torch::ones(shard.global_shape);
+  } else if (absl::EndsWith(name, ".bias")) {
+    full = torch::zeros(shard.global_shape);
+  } else {
+    // GPT-2's scaling: each block adds two residual branches, so their output projections start
+    // smaller to keep the residual stream's variance independent of depth.
     const bool residual =
         absl::EndsWith(name, ".attn.proj.weight") || absl::EndsWith(name, ".attn.o.weight") ||
         absl::EndsWith(name, ".mlp.proj.weight") || absl::EndsWith(name, ".mlp.down.weight");
-    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(base ^ NameHash(name));
-    torch::Tensor full = torch::empty(shard.global_shape, torch::kFloat32);
-    full.normal_(0.0, residual ? residual_std : init_std, generator);
-    param.copy_(LocalShardOf(full, shard, partition_.tp.rank, partition_.tp.size));
+    const double std = residual ? init_std_ / std::sqrt(2.0 * dims_.num_layers()) : init_std_;
+    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(init_seed_ ^ NameHash(name));
+    full = torch::empty(shard.global_shape, torch::kFloat32);
+    full.normal_(0.0, std, generator);
   }
+  return LocalShardOf(full, shard, partition_.tp.rank, partition_.tp.size);
 }
 
 const ParamShard& CausalLMImpl::ShardOf(const std::string& name) const {

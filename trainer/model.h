@@ -10,6 +10,7 @@
 #include <torch/nn.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -17,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "tessera/v1/layout.pb.h"
 #include "tessera/v1/model.pb.h"
 #include "trainer/fused_ops.h"
@@ -62,6 +64,42 @@ struct LoraAdapter {
 // True for the parameter names of LoRA adapters (".lora_a", ".lora_b").
 bool IsLoraParameter(const std::string& name);
 
+// The whole value of this rank's parameter `name` (its tensor-parallel shard, shaped like the
+// parameter), float32 on any device: CausalLMImpl::InitialValue, or weights read from a file.
+using ParameterValues = std::function<absl::StatusOr<torch::Tensor>(const std::string& name)>;
+
+// How a CausalLM's parameters are created.
+enum class ParameterStorage {
+  // float32 on the CPU, initialised (CausalLMImpl::InitialValue).
+  kInitialized,
+  // On the meta device: shapes only, no memory and no values. For ZeRO-3, whose ShardedEngine
+  // allocates each unit on the training device and fills only the rank's shard (from
+  // InitialValue, Hugging Face weights or a checkpoint), so that no rank ever holds the whole
+  // model. Nothing may run on the model before that.
+  kDeferred,
+};
+
+// A linear layer's parameters under torch::nn::Linear's names: "weight" [out, in] and, with a
+// bias, "bias" [out], created without values (CausalLM initialises every parameter itself, so
+// the default initialisation torch::nn::Linear draws would be thrown away) with `options`.
+class DenseImpl : public torch::nn::Module {
+ public:
+  DenseImpl(int64_t in, int64_t out, bool bias, const torch::TensorOptions& options);
+  torch::Tensor weight;
+  torch::Tensor bias;  // undefined without one
+};
+TORCH_MODULE(Dense);
+
+// An embedding table "weight" [rows, dim], created like DenseImpl's parameters; forward(ids)
+// looks rows up as torch::nn::Embedding does.
+class EmbeddingTableImpl : public torch::nn::Module {
+ public:
+  EmbeddingTableImpl(int64_t rows, int64_t dim, const torch::TensorOptions& options);
+  torch::Tensor forward(const torch::Tensor& ids);
+  torch::Tensor weight;
+};
+TORCH_MODULE(EmbeddingTable);
+
 // LayerNorm (GPT2, with bias) or RMSNorm (LLAMA, no bias) over the last dimension. With
 // autocast_output, a float32 input on a device where autocast is on is normalised straight into
 // autocast's dtype: the linear layers that take the output would cast it there anyway, and
@@ -71,7 +109,8 @@ bool IsLoraParameter(const std::string& name);
 // input gradient then stays in float32).
 class NormImpl : public torch::nn::Module {
  public:
-  NormImpl(int64_t size, double eps, bool rms, bool autocast_output = false);
+  NormImpl(int64_t size, double eps, bool rms, bool autocast_output = false,
+           const torch::TensorOptions& options = torch::kFloat32);
   torch::Tensor forward(const torch::Tensor& x);
   // forward(x) and x for the residual connection around the layer the output feeds
   // (FusedRmsNormKeepingInput).
@@ -94,14 +133,13 @@ TORCH_MODULE(Norm);
 // kv_heads / tp key/value heads (column-parallel projections, row-parallel output).
 class AttentionImpl : public torch::nn::Module {
  public:
-  AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp);
+  AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp,
+                const torch::TensorOptions& options);
   // x [batch, seq, hidden]; cos/sin [seq, head_dim], or [batch, 1, seq, head_dim] for packed
   // records (undefined for GPT2); mask: undefined for plain causal attention, else which keys
   // each query sees, bool [batch, 1, seq, seq] (SequenceLayout).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask = {});
-  // The projection writing into the residual stream (gets the scaled init).
-  torch::nn::Linear& output_projection() { return out_; }
   // Recompute scaled_dot_product_attention in backward, keeping only q, k and v for it.
   void set_recompute_core(bool recompute) { recompute_core_ = recompute; }
   // Adapters on the projections `options.targets` names ("attn.q", ...); no tensor parallelism.
@@ -115,7 +153,7 @@ class AttentionImpl : public torch::nn::Module {
   bool recompute_core_ = false;
   TensorParallel tp_;
   int64_t heads_, kv_heads_, head_dim_;  // this rank's heads
-  torch::nn::Linear qkv_{nullptr}, q_{nullptr}, k_{nullptr}, v_{nullptr}, out_{nullptr};
+  Dense qkv_{nullptr}, q_{nullptr}, k_{nullptr}, v_{nullptr}, out_{nullptr};
   LoraAdapter qkv_lora_, q_lora_, k_lora_, v_lora_, out_lora_;
   Norm q_norm_{nullptr}, k_norm_{nullptr};
 };
@@ -124,10 +162,8 @@ TORCH_MODULE(Attention);
 // GELU MLP (GPT2) or SwiGLU (LLAMA); ffn_hidden_size / tp columns of it under tensor parallelism.
 class MlpImpl : public torch::nn::Module {
  public:
-  MlpImpl(const v1::ModelDims& dims, const TensorParallel& tp);
+  MlpImpl(const v1::ModelDims& dims, const TensorParallel& tp, const torch::TensorOptions& options);
   torch::Tensor forward(const torch::Tensor& x);
-  // The projection writing into the residual stream (gets the scaled init).
-  torch::nn::Linear& output_projection() { return down_; }
   // Recompute the activation function's outputs (GELU's; SwiGLU's silu(gate) and
   // silu(gate) * up) in backward, keeping only their inputs.
   void set_recompute_activation(bool recompute) { recompute_activation_ = recompute; }
@@ -138,7 +174,7 @@ class MlpImpl : public torch::nn::Module {
   bool llama_;
   bool recompute_activation_ = false;
   TensorParallel tp_;
-  torch::nn::Linear up_{nullptr}, gate_{nullptr}, down_{nullptr};
+  Dense up_{nullptr}, gate_{nullptr}, down_{nullptr};
   LoraAdapter up_lora_, gate_lora_, down_lora_;
 };
 TORCH_MODULE(Mlp);
@@ -146,7 +182,9 @@ TORCH_MODULE(Mlp);
 // Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp);
+  // `options`: the parameters' (float32, on the CPU or the meta device).
+  BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp,
+            const torch::TensorOptions& options);
   // As AttentionImpl::forward.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask = {});
@@ -201,8 +239,9 @@ class CausalLMImpl : public torch::nn::Module {
   // planner::kDefaultInitStd. Initialisation is deterministic given torch::manual_seed: one number
   // is drawn from LibTorch's CPU generator, and every parameter is drawn in full from a generator
   // seeded by it and the parameter's name, then cut to this rank's shard. So a parameter's
-  // initial value is the same under every layout.
-  CausalLMImpl(const v1::ModelDims& dims, double init_std, const ModelPartition& partition = {});
+  // initial value is the same under every layout. kDeferred storage: see ParameterStorage.
+  CausalLMImpl(const v1::ModelDims& dims, double init_std, const ModelPartition& partition = {},
+               ParameterStorage storage = ParameterStorage::kInitialized);
   // tokens: int64 [batch, seq] (seq <= max_seq_len) -> logits float [batch, seq, vocab]. The whole
   // model on one rank only.
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions = {});
@@ -250,6 +289,11 @@ class CausalLMImpl : public torch::nn::Module {
   std::vector<std::pair<std::string, torch::Tensor>> LayerParameters(int layer);
   // How a parameter of this rank is split over tp (its global shape included).
   const ParamShard& ShardOf(const std::string& name) const;
+  // The initial value of this rank's parameter `name` (its shard of the whole tensor), float32
+  // on the CPU: what a kInitialized model starts from, and what a ZeRO-3 engine fills a
+  // kDeferred model's shards from. c10::Error for a name this rank does not hold.
+  torch::Tensor InitialValue(const std::string& name) const;
+  ParameterStorage storage() const { return storage_; }
   // Every parameter name of the whole model, whatever this rank holds.
   std::vector<std::string> AllParameterNames() const;
   // Those of AllParameterNames() that train: all of them, or the adapters' with LoRA.
@@ -259,27 +303,29 @@ class CausalLMImpl : public torch::nn::Module {
   // of every block that `options.targets` names. A is drawn uniform in +-1/sqrt(in) (PyTorch's
   // default for a linear layer, as PEFT initialises it) from a generator seeded like the other
   // parameters' (the same under every layout), B is zero. Call once, after loading weights and
-  // before moving the model to its device. Needs rank > 0 and no tensor parallelism.
+  // before moving the model to its device. Needs rank > 0, no tensor parallelism and kInitialized
+  // storage.
   void AddLora(const LoraOptions& options);
   // The options AddLora was given; rank 0 when it was not called.
   const LoraOptions& lora() const { return lora_; }
 
  private:
-  void Initialize(double init_std, uint64_t base);
   torch::Tensor Embed(const torch::Tensor& tokens, const torch::Tensor& positions);
   torch::Tensor RunLayers(torch::Tensor h, const torch::Tensor& positions);
   torch::Tensor HeadLoss(const torch::Tensor& h, const torch::Tensor& targets);
 
   v1::ModelDims dims_;
   ModelPartition partition_;
-  torch::nn::Embedding embed_{nullptr};
-  torch::nn::Embedding pos_embed_{nullptr};  // GPT2 only
-  torch::nn::ModuleDict layers_{nullptr};    // keyed by global layer index
+  EmbeddingTable embed_{nullptr};
+  EmbeddingTable pos_embed_{nullptr};      // GPT2 only
+  torch::nn::ModuleDict layers_{nullptr};  // keyed by global layer index
   std::vector<std::shared_ptr<BlockImpl>> blocks_;
   Norm final_norm_{nullptr};
   torch::Tensor lm_head_;              // undefined when tied: the output reuses embed_'s weight
   torch::Tensor rope_cos_, rope_sin_;  // LLAMA only; buffers, so they follow .to(device)
   std::map<std::string, ParamShard> shards_;
+  ParameterStorage storage_;
+  double init_std_;
   uint64_t init_seed_ = 0;
   LoraOptions lora_;
   v1::ActivationCheckpointing checkpointing_ = v1::ACTIVATION_CHECKPOINTING_NONE;

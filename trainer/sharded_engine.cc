@@ -19,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "trainer/peer_wait.h"
 
 namespace tessera::trainer {
@@ -159,6 +160,9 @@ void ShardedEngine::BuildUnits() {
     units_[UnitOf(item.key(), partition.first_layer)].entries.push_back(std::move(entry));
   }
   const int64_t dp = options_.dp_size;
+  const bool deferred = model_->storage() == ParameterStorage::kDeferred;
+  TORCH_CHECK(!deferred || stage() == 3,
+              "a model without parameter storage (kDeferred) needs ZeRO-3, not stage ", stage());
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = units_[u];
     std::stable_partition(unit.entries.begin(), unit.entries.end(),
@@ -171,14 +175,24 @@ void ShardedEngine::BuildUnits() {
     unit.padded = CeilDiv(unit.numel, dp) * dp;
     unit.shard = unit.padded / dp;
     if (unit.entries.empty()) continue;  // the outer unit of a middle pipeline stage
-    const at::TensorOptions f32 = unit.entries.front().param.options().dtype(at::kFloat);
-    unit.full = at::zeros({unit.padded}, f32);
+    const at::TensorOptions f32 = deferred ? at::TensorOptions(at::kFloat).device(options_.device)
+                                           : unit.entries.front().param.options().dtype(at::kFloat);
+    // Deferred: memory that is freed below before anything reads it.
+    unit.full = deferred ? at::empty({unit.padded}, f32) : at::zeros({unit.padded}, f32);
     for (Entry& entry : unit.entries) {
       at::Tensor view = unit.full.narrow(0, entry.offset, entry.numel).view(entry.shape);
-      view.copy_(entry.param.detach());
       // The parameter keeps its identity (autograd meta, the module's references) and now
-      // shares the unit's storage.
-      entry.param.set_data(view);
+      // shares the unit's storage. set_data refuses to turn a meta tensor into a dense one; a
+      // parameter no autograd graph has used yet (no gradient accumulator to reset) takes the
+      // view's storage and device as set_data would.
+      if (deferred) {
+        TORCH_CHECK(entry.param.is_meta(), "parameter ", entry.name,
+                    " of a kDeferred model has storage");
+        entry.param.unsafeGetTensorImpl()->shallow_copy_from(view.getIntrusivePtr());
+      } else {
+        view.copy_(entry.param.detach());
+        entry.param.set_data(view);
+      }
     }
     if (stage() <= 1) {
       unit.full_grad = at::zeros({unit.padded}, f32);
@@ -191,7 +205,8 @@ void ShardedEngine::BuildUnits() {
       unit.shard_grad = at::zeros({unit.shard}, f32);
     }
     if (stage() == 3) {
-      unit.owned = unit.full.narrow(0, OwnedBegin(unit), unit.shard).clone();
+      unit.owned = deferred ? at::zeros({unit.shard}, f32)
+                            : unit.full.narrow(0, OwnedBegin(unit), unit.shard).clone();
       unit.gather = GatherState::kGathered;
       Free(static_cast<int>(u));
     } else {
@@ -251,6 +266,33 @@ void ShardedEngine::BuildRuns() {
     run.state_index = counts[run.decay ? 0 : 1]++;
     optimizer_->StateFor(run.decay ? 0 : 1, run.state_index);
   }
+}
+
+absl::Status ShardedEngine::InitializeShards(const ParameterValues& values) {
+  if (model_->storage() != ParameterStorage::kDeferred) {
+    return absl::FailedPreconditionError(
+        "InitializeShards fills the shards of a model built without parameter storage "
+        "(kDeferred); this one was initialised when it was built");
+  }
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    const int64_t begin = OwnedBegin(unit), end = begin + unit.shard;
+    for (const Entry& entry : unit.entries) {
+      const int64_t from = std::max(begin, entry.offset),
+                    to = std::min(end, entry.offset + entry.numel);
+      if (from >= to) continue;
+      absl::StatusOr<at::Tensor> value = values(entry.name);
+      if (!value.ok()) return value.status();
+      if (value->sizes().vec() != entry.shape) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "parameter ", entry.name, ": a value of shape [", absl::StrJoin(value->sizes(), ", "),
+            "] for a parameter of shape [", absl::StrJoin(entry.shape, ", "), "]"));
+      }
+      unit.owned.narrow(0, from - begin, to - from)
+          .copy_(value->reshape({-1}).narrow(0, from - entry.offset, to - from));
+    }
+  }
+  return absl::OkStatus();
 }
 
 at::Tensor ShardedEngine::TakeBuffer(int64_t numel, const at::TensorOptions& options) {

@@ -38,6 +38,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "trainer/adamw.h"
 #include "trainer/model.h"
 #include "trainer/tensor_parallel.h"
@@ -85,6 +87,8 @@ struct ShardedEngineOptions {
   // run's (CudaGraphStatus() says what happened). In this mode the flat gradients are zeroed at
   // the start of each step and every backward accumulates into them (no first-backward copy).
   bool cuda_graphs = false;
+  // Where a model of ParameterStorage::kDeferred gets its memory (its parameters carry none).
+  at::Device device = at::kCPU;
 };
 
 // Bytes this rank holds for its shard of the training state (what the planner's memory terms
@@ -119,7 +123,10 @@ struct TensorRange {
 class ShardedEngine : public LayerHooks {
  public:
   // Takes over `model`'s trainable parameters (they become views into the engine's buffers; frozen
-  // ones, requires_grad false, are left alone) and builds the optimizer. Every rank of the dp group must call it on an identically initialised model.
+  // ones, requires_grad false, are left alone) and builds the optimizer. Every rank of the dp
+  // group must call it on an identically initialised model. A model of ParameterStorage::kDeferred
+  // (ZeRO-3 only) gets its buffers on options.device, its owned shards zero until
+  // InitializeShards fills them: no rank holds more than its shards and one unit in full.
   ShardedEngine(CausalLM model, const ShardedEngineOptions& options);
   ~ShardedEngine() override;
   ShardedEngine(const ShardedEngine&) = delete;
@@ -152,6 +159,12 @@ class ShardedEngine : public LayerHooks {
   void BackwardStage(const at::Tensor& output, const at::Tensor& grad, double scale, bool last);
 
   EngineMemory Memory() const;
+
+  // A kDeferred model: fills this rank's owned shard of every unit from `values`, asking only for
+  // the parameters the shard overlaps (about 1/dp of them), one at a time. INVALID_ARGUMENT
+  // naming the parameter when a value has another shape; `values`' own errors as they come.
+  // FAILED_PRECONDITION for a model built with its parameters.
+  absl::Status InitializeShards(const ParameterValues& values);
 
   // What this rank writes to a checkpoint: its owned range of every parameter and of both AdamW
   // moments (under ZeRO 0 too, so that the dp replicas write 1/dp each, not dp copies).

@@ -342,6 +342,8 @@ class Trainer {
     double init_std = spec_.model().init_std() > 0 ? spec_.model().init_std() : 0.02;
     const int stage = mesh_.coord(MeshDim::kPipeline), stages = shape_.pp;
     const int layers_per_stage = summary_.dims().num_layers() / stages;
+    // ZeRO-3 builds the model without memory; the engine gives each rank its shards only.
+    const bool deferred = task_.plan().layout().zero_stage() == 3 && !spec_.has_lora();
     TensorParallel tp{
         .group = mesh_.group(MeshDim::kTensor),
         .rank = mesh_.coord(MeshDim::kTensor),
@@ -352,14 +354,26 @@ class Trainer {
                                      .first_layer = stage * layers_per_stage,
                                      .num_layers = layers_per_stage,
                                      .embedding = stage == 0,
-                                     .head = stage == stages - 1});
+                                     .head = stage == stages - 1},
+                      deferred ? ParameterStorage::kDeferred : ParameterStorage::kInitialized);
+    auto pretrained_error = [](const absl::Status& status) {
+      return absl::Status(status.code(), absl::StrCat("model.from_pretrained: ", status.message()));
+    };
+    // Where the deferred model's shards come from.
+    ParameterValues initial_values = [model = model_](const std::string& name) {
+      return absl::StatusOr<at::Tensor>(model->InitialValue(name));
+    };
     if (spec_.model().has_from_pretrained()) {
       // Every rank reads its own part; a resumed checkpoint then overrides these weights.
-      if (auto status = LoadHfWeights(*model_, spec_.model().from_pretrained()); !status.ok()) {
-        return Fail(
-            v1::FAILURE_KIND_INVALID_SPEC,
-            absl::Status(status.code(), absl::StrCat("model.from_pretrained: ", status.message())));
+      absl::Status status;
+      if (deferred) {
+        auto values = HfWeightValues(*model_, spec_.model().from_pretrained());
+        status = values.status();
+        if (values.ok()) initial_values = *std::move(values);
+      } else {
+        status = LoadHfWeights(*model_, spec_.model().from_pretrained());
       }
+      if (!status.ok()) return Fail(v1::FAILURE_KIND_INVALID_SPEC, pretrained_error(status));
     }
     if (spec_.has_lora()) {
       auto lora = planner::ResolveLora(spec_.lora(), summary_.dims());
@@ -367,7 +381,12 @@ class Trainer {
       lora_ = *std::move(lora);
       model_->AddLora(LoraOptionsOf(*lora_));
     }
-    model_->to(device_);
+    if (deferred) {
+      // The parameters get their memory on the device from the engine.
+      for (auto& buffer : model_->buffers()) buffer.set_data(buffer.to(device_));
+    } else {
+      model_->to(device_);
+    }
     if (lora_.has_value() && bf16_) {
       // The frozen base is only read: held in the compute precision it halves its memory, as the
       // planner's LoRA model assumes. The adapters stay float32 for AdamW.
@@ -377,7 +396,8 @@ class Trainer {
       }
     }
     model_->SetActivationCheckpointing(CheckpointingMode());
-    BroadcastParameters();
+    // Deferred shards are drawn from the same seed (or read from the same files) on every rank.
+    if (!deferred) BroadcastParameters();
     if (stages > 1) {
       const int64_t seq = spec_.data().seq_len() / (tp.sequence_parallel ? tp.size : 1);
       std::vector<int> stage_ranks;
@@ -407,7 +427,15 @@ class Trainer {
                                      .pp_group = mesh_.group(MeshDim::kPipeline),
                                      .pp_stage = stage,
                                      .pp_size = stages,
-                                     .cuda_graphs = options_.cuda_graphs});
+                                     .cuda_graphs = options_.cuda_graphs,
+                                     .device = device_});
+    if (deferred) {
+      if (auto status = engine_->InitializeShards(initial_values); !status.ok()) {
+        return spec_.model().has_from_pretrained()
+                   ? Fail(v1::FAILURE_KIND_INVALID_SPEC, pretrained_error(status))
+                   : Fail(v1::FAILURE_KIND_INTERNAL, status);
+      }
+    }
 
     checkpointer_.emplace(Checkpoints());
     v1::DataPosition start;
