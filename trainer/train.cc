@@ -429,19 +429,21 @@ class Trainer {
                                      .pp_size = stages,
                                      .cuda_graphs = options_.cuda_graphs,
                                      .device = device_});
-    if (deferred) {
-      if (auto status = engine_->InitializeShards(initial_values); !status.ok()) {
-        return spec_.model().has_from_pretrained()
-                   ? Fail(v1::FAILURE_KIND_INVALID_SPEC, pretrained_error(status))
-                   : Fail(v1::FAILURE_KIND_INTERNAL, status);
-      }
-    }
 
     checkpointer_.emplace(Checkpoints());
     v1::DataPosition start;
     start.set_seed(seed_);
     if (auto status = Resume(&start); !status.ok()) {
       return Fail(v1::FAILURE_KIND_CHECKPOINT_ERROR, status);
+    }
+    // A resumed checkpoint covers every element of the shards (ResumeLatest refuses holes), so
+    // the deferred shards are drawn or read only for a fresh start.
+    if (deferred && result_.resumed_from.empty()) {
+      if (auto status = engine_->InitializeShards(initial_values); !status.ok()) {
+        return spec_.model().has_from_pretrained()
+                   ? Fail(v1::FAILURE_KIND_INVALID_SPEC, pretrained_error(status))
+                   : Fail(v1::FAILURE_KIND_INTERNAL, status);
+      }
     }
     if (options_.progress != nullptr) options_.progress->SetStep(step_);
     auto loader = BatchLoader::Create(&*dataset_,
