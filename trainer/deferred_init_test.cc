@@ -14,19 +14,17 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/model_config.h"
+#include "trainer/distributed.h"
 #include "trainer/model.h"
 #include "trainer/sharded_engine.h"
 #include "trainer/test_model_dims.h"
-
-#define USE_C10D_GLOO 1
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 namespace tessera::trainer {
 namespace {
@@ -212,14 +210,11 @@ std::vector<RankRun> TrainZero3(const v1::ModelDims& dims, int dp, ParameterStor
   std::vector<std::thread> ranks;
   for (int rank = 0; rank < dp; ++rank) {
     ranks.emplace_back([&, rank] {
-      auto options = c10d::ProcessGroupGloo::Options::create();
-      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-      auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, dp, options);
-      auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, dp);
-      group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
-      group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+      auto group = NewProcessGroup(store, rank, dp, v1::DEVICE_TYPE_CPU, "127.0.0.1",
+                                   ProcessGroupOptions{.timeout = absl::Minutes(2)});
+      ASSERT_TRUE(group.ok()) << group.status();
       CausalLM model = models[rank];
-      ShardedEngine engine(model, Zero3(group, rank, dp));
+      ShardedEngine engine(model, Zero3(*group, rank, dp));
       if (storage == ParameterStorage::kDeferred) {
         const absl::Status status = engine.InitializeShards([&](const std::string& name) {
           return absl::StatusOr<at::Tensor>(model->InitialValue(name));

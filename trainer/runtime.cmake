@@ -28,7 +28,6 @@ if(TESSERA_BUILD_TESTS)
   # ZeRO-3 from a model built without memory: ranks as threads over Gloo, as above.
   tessera_add_test(NAME deferred_init_test SOURCES deferred_init_test.cc LIBS tessera::trainer)
   target_precompile_headers(deferred_init_test REUSE_FROM tessera_trainer)
-  target_include_directories(deferred_init_test SYSTEM PRIVATE "${TESSERA_GLOO_INCLUDE_DIR}")
 endif()
 if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME mesh_test SOURCES mesh_test.cc LIBS tessera::trainer)
