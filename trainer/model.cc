@@ -189,10 +189,10 @@ AttentionImpl::AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp
     out_ = register_module("o", RowLinear(q_width, d, false, tp, options));
     if (dims.qk_norm()) {
       // One weight of size head_dim shared by all heads, as in Qwen3.
-      q_norm_ =
-          register_module("q_norm", Norm(head_dim_, dims.norm_eps(), /*rms=*/true, false, options));
-      k_norm_ =
-          register_module("k_norm", Norm(head_dim_, dims.norm_eps(), /*rms=*/true, false, options));
+      q_norm_ = register_module("q_norm", Norm(head_dim_, dims.norm_eps(), /*rms=*/true,
+                                               /*autocast_output=*/false, options));
+      k_norm_ = register_module("k_norm", Norm(head_dim_, dims.norm_eps(), /*rms=*/true,
+                                               /*autocast_output=*/false, options));
     }
   } else {
     qkv_ = register_module("qkv", ColumnLinear(d, 3 * q_width, true, tp, options));
