@@ -271,6 +271,21 @@ TEST(DeferredInitTest, ZeroThreeRanksStartFromAndTrainToTheSameShards) {
   }
 }
 
+// The float32 bytes of `model`'s largest unit (a layer, or embeddings + final norm + head) and
+// of its largest parameter: what a deferred rank holds whole beyond its state, at one time.
+std::pair<int64_t, int64_t> LargestUnitAndParameter(CausalLM& model) {
+  int64_t largest_unit = 0, largest_param = 0;
+  for (int layer = -1; layer < model->dims().num_layers(); ++layer) {
+    int64_t unit = 0;
+    for (const auto& [name, param] : model->LayerParameters(layer)) {
+      unit += 4 * param.numel();
+      largest_param = std::max<int64_t>(largest_param, 4 * param.numel());
+    }
+    largest_unit = std::max(largest_unit, unit);
+  }
+  return {largest_unit, largest_param};
+}
+
 // Bytes of the CPU allocations made while building rank `rank` of `dp`'s model and ZeRO-3 engine
 // (and, deferred, filling its shards): the peak, and what the engine says it keeps.
 struct BuildCost {
@@ -310,19 +325,9 @@ BuildCost BuildRank(const v1::ModelDims& dims, int rank, int dp, ParameterStorag
 TEST(DeferredInitTest, ARankAllocatesItsShareOfTheStateAndOneUnitNotTheModel) {
   const v1::ModelDims dims = DeepDims();
   const int64_t model_bytes = 4 * planner::CountParameters(dims);
-  // The largest unit (a layer, or embeddings + final norm + head) and the largest parameter
-  // whole, of this model: what a deferred rank holds beyond its state at most, at one time.
   torch::manual_seed(7);
   CausalLM shapes(dims, 0, ModelPartition{}, ParameterStorage::kDeferred);
-  int64_t largest_unit = 0, largest_param = 0;
-  for (int layer = -1; layer < dims.num_layers(); ++layer) {
-    int64_t unit = 0;
-    for (const auto& [name, param] : shapes->LayerParameters(layer)) {
-      unit += 4 * param.numel();
-      largest_param = std::max<int64_t>(largest_param, 4 * param.numel());
-    }
-    largest_unit = std::max(largest_unit, unit);
-  }
+  const auto [largest_unit, largest_param] = LargestUnitAndParameter(shapes);
   for (int dp : {4, 8}) {
     for (int rank : {0, dp - 1}) {
       SCOPED_TRACE(absl::StrCat("rank ", rank, " of ", dp));
@@ -364,19 +369,10 @@ TEST(DeferredInitTest, GpuARankAllocatesItsShareOfTheStateAndOneUnitNotTheModel)
     c10::cuda::CUDACachingAllocator::resetPeakStats(0);
     torch::manual_seed(7);
     CausalLM model(dims, 0, ModelPartition{}, storage);
-    *largest_unit = 0;
-    for (int layer = -1; layer < dims.num_layers(); ++layer) {
-      int64_t unit = 0;
-      for (const auto& [name, param] : model->LayerParameters(layer)) unit += 4 * param.numel();
-      *largest_unit = std::max(*largest_unit, unit);
-    }
+    *largest_unit = LargestUnitAndParameter(model).first;
     ShardedEngineOptions options = Zero3(group, 3, 8);
     options.device = gpu;
-    if (storage == ParameterStorage::kInitialized) {
-      model->to(gpu);
-    } else {
-      for (auto& buffer : model->buffers()) buffer.set_data(buffer.to(gpu));
-    }
+    model->MoveTo(gpu);
     ShardedEngine engine(model, options);
     if (storage == ParameterStorage::kDeferred) {
       EXPECT_TRUE(engine

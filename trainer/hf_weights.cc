@@ -245,7 +245,8 @@ class WeightFiles {
 template <typename NameFn>
 absl::StatusOr<ParameterValues> ValuesIn(const CausalLMImpl& model, WeightFiles files,
                                          NameFn source_name) {
-  std::map<std::string, HfName> sources;
+  // Each parameter's tensor in the files, and how this rank's part is cut from it.
+  std::map<std::string, std::pair<HfName, ParamShard>> sources;
   for (const auto& item : model.named_parameters()) {
     const std::string& name = item.key();
     std::optional<HfName> source = source_name(name);
@@ -271,23 +272,21 @@ absl::StatusOr<ParameterValues> ValuesIn(const CausalLMImpl& model, WeightFiles 
                        source->transposed ? " (stored [in, out])" : ""));
     }
     RETURN_IF_ERROR(files.CheckDtype(source->name));
-    sources.emplace(name, *std::move(source));
+    sources.emplace(name, std::pair(*std::move(source), model.ShardOf(name)));
   }
-  std::map<std::string, ParamShard> shards;
-  for (const auto& [name, source] : sources) shards.emplace(name, model.ShardOf(name));
   return ParameterValues(
       [files = std::make_shared<const WeightFiles>(std::move(files)), sources = std::move(sources),
-       shards = std::move(shards),
        tp = model.partition().tp](const std::string& name) -> absl::StatusOr<at::Tensor> {
-        auto source = sources.find(name);
-        if (source == sources.end()) {
+        auto it = sources.find(name);
+        if (it == sources.end()) {
           return absl::InternalError(absl::StrCat("no parameter '", name, "' on this rank"));
         }
+        const auto& [source, shard] = it->second;
         try {
           torch::NoGradGuard no_grad;
-          ASSIGN_OR_RETURN(torch::Tensor full, files->Read(source->second.name));
-          if (source->second.transposed) full = full.t().contiguous();
-          return LocalShardOf(full, shards.at(name), tp.rank, tp.size);
+          ASSIGN_OR_RETURN(torch::Tensor full, files->Read(source.name));
+          if (source.transposed) full = full.t().contiguous();
+          return LocalShardOf(full, shard, tp.rank, tp.size);
         } catch (const c10::Error& e) {
           return absl::InternalError(
               absl::StrCat("loading weights: LibTorch: ", e.what_without_backtrace()));

@@ -440,6 +440,11 @@ void CausalLMImpl::AddLora(const LoraOptions& options) {
   }
 }
 
+void CausalLMImpl::MoveTo(torch::Device device) {
+  if (storage_ == ParameterStorage::kInitialized) return to(device);
+  for (auto& buffer : buffers()) buffer.set_data(buffer.to(device));
+}
+
 torch::Tensor CausalLMImpl::InitialValue(const std::string& name) const {
   torch::NoGradGuard no_grad;
   const ParamShard& shard = ShardOf(name);

@@ -294,6 +294,9 @@ class CausalLMImpl : public torch::nn::Module {
   // kDeferred model's shards from. c10::Error for a name this rank does not hold.
   torch::Tensor InitialValue(const std::string& name) const;
   ParameterStorage storage() const { return storage_; }
+  // Moves the model to `device`: the whole module when kInitialized; only the buffers when
+  // kDeferred (its parameters get their memory on the device from the ZeRO-3 engine).
+  void MoveTo(torch::Device device);
   // Every parameter name of the whole model, whatever this rank holds.
   std::vector<std::string> AllParameterNames() const;
   // Those of AllParameterNames() that train: all of them, or the adapters' with LoRA.

@@ -381,12 +381,7 @@ class Trainer {
       lora_ = *std::move(lora);
       model_->AddLora(LoraOptionsOf(*lora_));
     }
-    if (deferred) {
-      // The parameters get their memory on the device from the engine.
-      for (auto& buffer : model_->buffers()) buffer.set_data(buffer.to(device_));
-    } else {
-      model_->to(device_);
-    }
+    model_->MoveTo(device_);
     if (lora_.has_value() && bf16_) {
       // The frozen base is only read: held in the compute precision it halves its memory, as the
       // planner's LoRA model assumes. The adapters stay float32 for AdamW.
