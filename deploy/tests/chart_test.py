@@ -13,12 +13,16 @@
   trainer ports open to workers only under the NetworkPolicy; docs/security.md), and that
   deploy/manifests/tessera.yaml is a fresh render.
 
+- chart_lifecycle.py: an upgrade to a new chart version changes no immutable field and rolls no
+  pod unless the image changes; every name fits 63 characters for any release name.
+- chart_options.py: the escape hatches, worker groups, the work directory, storage and
+  values-kind.yaml, and the schema's refusals of their typos and wrong types.
+
 `--write` regenerates deploy/manifests/tessera.yaml instead (deploy/render.sh). Prints
 "N passed, N failed"; exits 77 (skipped) when the tools are not installed.
 """
 import argparse
 import json
-import pathlib
 import subprocess
 import sys
 import tempfile
@@ -27,15 +31,17 @@ try:
     import jsonschema
     import kubernetes_validate.utils as kv
     import yaml
-    from helm_python.chart import Chart
+    from helm_python.chart import lint
     from helm_python.errors import HelmError
+
+    import chart_lifecycle
+    import chart_options
+    from chart_common import CHART, DEPLOY, Results, by_kind, flag, objects, render
 except ImportError as error:
     print(f"skipped: deploy tools missing ({error}); scripts/bootstrap.sh --print-tools-python "
           "installs them")
     sys.exit(77)
 
-DEPLOY = pathlib.Path(__file__).resolve().parent.parent
-CHART = DEPLOY / "helm" / "tessera"
 MANIFESTS = DEPLOY / "manifests" / "tessera.yaml"
 OPERATOR_SCHEMAS = json.loads((DEPLOY / "tests" / "prometheus_operator_schemas.json").read_text())
 KUBERNETES_VERSIONS = ["1.30.0", kv.latest_version()]
@@ -59,28 +65,14 @@ VALUES_SETS = {
     },
     "existing claim, CPU-only nodes": {
         "sharedStorage": {"existingClaim": "team-nfs"},
-        "worker": {"gpusPerNode": 0, "cpuSlots": 4, "nodeSelector": {}, "tolerations": [],
-                   "hostIPC": False, "labels": {"pool": "cpu", "zone": "a"}},
+        # null drops the default GPU selector ({} would be merged with it).
+        "worker": {"gpusPerNode": 0, "cpuSlots": 4, "nodeSelector": None, "tolerations": [],
+                   "labels": {"pool": "cpu", "zone": "a"}},
         "grafana": {"dashboards": {"enabled": False}},
         "logFormat": "text",
     },
+    **chart_options.VALUES_SETS,
 }
-
-DEFAULT_RELEASE = {"name": "tessera", "namespace": "tessera"}
-
-
-def render(values, release=DEFAULT_RELEASE):
-    with Chart.load(str(CHART)) as chart:
-        chart.validate_schema(values)
-        rendered = chart.render(values=values, **release)
-    return {path: text for path, text in sorted(rendered.items()) if path.endswith(".yaml")}
-
-
-def objects(rendered):
-    for text in rendered.values():
-        for obj in yaml.safe_load_all(text):
-            if obj:
-                yield obj
 
 
 def manifest_text(rendered):
@@ -93,14 +85,6 @@ def manifest_text(rendered):
               "\"tessera\", namespace \"tessera\")\n# by deploy/render.sh. For `kubectl create "
               "namespace tessera && kubectl apply -f` users; edit\n# the chart, not this file.\n")
     return header + "---\n".join(parts)
-
-
-class Results:
-    def __init__(self):
-        self.passed, self.failed = [], []
-
-    def check(self, ok, name, detail=""):
-        (self.passed if ok else self.failed).append(name + (f": {detail}" if detail and not ok else ""))
 
 
 def test_values_set(results, label, values, promtool):
@@ -136,21 +120,11 @@ def test_values_set(results, label, values, promtool):
     return objs
 
 
-def by_kind(objs, kind):
-    return [o for o in objs if o["kind"] == kind]
-
-
 def containers(objs):
     """{"coordinator": (pod spec, container), "worker": ...} of one render."""
     pods = {"coordinator": by_kind(objs, "StatefulSet")[0], "worker": by_kind(objs, "DaemonSet")[0]}
     return {name: (o["spec"]["template"]["spec"], o["spec"]["template"]["spec"]["containers"][0])
             for name, o in pods.items()}
-
-
-def flag(container, name):
-    """The value of --name=VALUE in the container's args (dashes), or None."""
-    values = [a.split("=", 1)[1] for a in container["args"] if a.startswith(f"--{name}=")]
-    return values[0] if values else None
 
 
 def secret_behind(pod, container, path):
@@ -274,9 +248,14 @@ def main():
     worker_container = worker["containers"][0]
     results.check(worker_container["resources"]["limits"].get("nvidia.com/gpu") == 8,
                   "worker: requests the node's GPUs")
-    results.check(worker.get("hostIPC") is True and any(
+    results.check("hostIPC" not in worker and any(
         v.get("emptyDir", {}).get("medium") == "Memory" for v in worker["volumes"]),
-        "worker: hostIPC and a memory-backed /dev/shm for NCCL")
+        "worker: a memory-backed /dev/shm for NCCL, without the host's IPC namespace")
+    results.check(worker_container["livenessProbe"]["grpc"] == {"port": 50052}
+                  and worker_container["readinessProbe"]["grpc"]
+                  == {"port": 50052, "service": "tessera.v1.Worker"},
+                  "worker: live while the process serves, ready once tessera.v1.Worker serves "
+                  "(after registering)", str(worker_container["readinessProbe"]))
     for spec in (pod, worker):
         results.check(spec["securityContext"].get("runAsNonRoot") is True
                       and spec.get("automountServiceAccountToken") is False,
@@ -299,14 +278,28 @@ def main():
     results.check({"TesseraTrainingLossNaN", "TesseraNodeLost", "TesseraCoordinatorDown"} <= alerts,
                   "the PrometheusRule carries the alert rules file", str(alerts))
     cpu = rendered_sets["existing claim, CPU-only nodes"]
-    cpu_worker = by_kind(cpu, "DaemonSet")[0]["spec"]["template"]["spec"]["containers"][0]
+    cpu_pod = by_kind(cpu, "DaemonSet")[0]["spec"]["template"]["spec"]
+    cpu_worker = cpu_pod["containers"][0]
     results.check("nvidia.com/gpu" not in cpu_worker["resources"]["limits"]
+                  and "nodeSelector" not in cpu_pod
                   and "--cpu-slots=4" in cpu_worker["args"]
                   and "--labels=pool=cpu,zone=a" in cpu_worker["args"],
                   "CPU-only workers: no GPU request, CPU slots and labels passed")
     results.check(not by_kind(cpu, "PersistentVolumeClaim"), "an existing claim is not created")
 
     test_security(results, rendered_sets)
+    chart_options.test_hatches(results, rendered_sets["escape hatches"])
+    chart_options.test_groups(results, rendered_sets["worker groups"])
+    chart_options.test_work_dir_and_storage(results, default,
+                                            rendered_sets["kind (values-kind.yaml)"])
+    chart_options.test_refusals(results)
+    chart_lifecycle.test_upgrade(results)
+    chart_lifecycle.test_names(results)
+    for label, values in (("defaults", {}), ("values-kind.yaml", chart_options.KIND_VALUES)):
+        report = lint(str(CHART), values, strict=True, namespace="tessera")
+        problems = report["errors"] + [m for m in report["messages"] if m["severity"] > 1]
+        results.check(not problems, f"helm lint --strict ({label}): no warning or error",
+                      str(problems))
 
     # The values schema refuses mistakes.
     for label, bad, why in (("a typo", {"coordinatr": {"grpcPort": 1}}, "'coordinatr' not allowed"),

@@ -1,24 +1,51 @@
 {{/* Names and labels shared by every object of the chart. */}}
+
+{{/* The prefix of every object's name: at most 39 characters, so that the longest name the chart
+     builds, <fullname>-dashboard-control-plane (24 more), fits Kubernetes' 63, and the
+     coordinator StatefulSet's name (12 more) stays within 52, which its pods'
+     controller-revision-hash label (<name>-<10-character hash>) needs. A longer prefix is cut to
+     32 characters and given 6 of its sha256, so that two long release names that share a
+     beginning still get names of their own. Helm takes release names with dots or a leading
+     digit, which a Service name cannot have: dots become dashes, and such a release is put after
+     the chart's name. */}}
 {{- define "tessera.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
-{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
-{{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- $release := .Release.Name | replace "." "-" -}}
+{{- $name := $release -}}
+{{- if regexMatch "^[0-9]" $release -}}
+{{- $name = printf "%s-%s" .Chart.Name $release -}}
+{{- else if not (contains .Chart.Name $release) -}}
+{{- $name = printf "%s-%s" $release .Chart.Name -}}
 {{- end -}}
+{{- if gt (len $name) 39 -}}
+{{- $name = printf "%s-%s" ($name | trunc 32 | trimSuffix "-") (sha256sum $name | trunc 6) -}}
+{{- end -}}
+{{- $name -}}
 {{- end -}}
 
+{{/* Labels of the objects' own metadata. The version labels change with every chart release, so
+     they are never in a selector, a volumeClaimTemplate or a pod template (tessera.podLabels):
+     the first two are immutable, and a pod template that changed would roll the pods. */}}
 {{- define "tessera.labels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | trunc 63 | trimSuffix "-" | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end -}}
 
+{{/* A component's selector (dict "root" . "component" NAME): the same for the life of a
+     release. */}}
 {{- define "tessera.selector" -}}
 app.kubernetes.io/name: {{ .root.Chart.Name }}
 app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* A pod template's labels (dict "root" . "component" NAME "extra" LABELS): the selector, then
+     the user's podLabels, which cannot replace a selector label. */}}
+{{- define "tessera.podLabels" -}}
+{{- $labels := include "tessera.selector" . | fromYaml -}}
+{{- toYaml (merge $labels (.extra | default dict)) -}}
 {{- end -}}
 
 {{- define "tessera.image" -}}
@@ -42,11 +69,42 @@ app.kubernetes.io/component: {{ .component }}
 {{ include "tessera.fullname" . }}-coordinator.{{ .Release.Namespace }}.svc:{{ .Values.coordinator.grpcPort }}
 {{- end -}}
 
+{{/* A daemon container's security context (dict "add" CAPABILITIES): everything dropped but the
+     capabilities the values add (e.g. IPC_LOCK for RDMA). */}}
 {{- define "tessera.containerSecurityContext" -}}
 allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true
 capabilities:
   drop: [ALL]
+  {{- with .add }}
+  add: {{ toJson . }}
+  {{- end }}
+{{- end -}}
+
+{{/* The pod-level settings both daemons take from values (dict "root" . "v" COMPONENT_VALUES). */}}
+{{- define "tessera.podOptions" -}}
+{{- with .v.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .v.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{/* Where the chart mounts its Secrets (docs/security.md). Whole directories, never subPath, so
@@ -67,14 +125,16 @@ capabilities:
 {{- end -}}
 {{- end -}}
 
-{{/* A probe's handler for a daemon's gRPC port (dict "root" . "port" N). Kubernetes' grpc probe
-     speaks plaintext only, so with TLS on it becomes a TCP connect: it proves the port is open,
-     not that the health service says SERVING. */}}
+{{/* A probe's handler for a daemon's gRPC port (dict "root" . "port" N, and "service" NAME to
+     ask about one service rather than the process). Kubernetes' grpc probe speaks plaintext only,
+     so with TLS on it becomes a TCP connect: it proves the port is open, not that the health
+     service says SERVING. */}}
 {{- define "tessera.grpcProbeHandler" -}}
 {{- if .root.Values.tls.enabled -}}
 tcpSocket: {port: {{ .port }}}
+{{- else if .service -}}
+grpc: {port: {{ .port }}, service: {{ .service }}}
 {{- else -}}
 grpc: {port: {{ .port }}}
 {{- end -}}
 {{- end -}}
-
