@@ -4,6 +4,8 @@
 #
 #   scripts/bootstrap.sh                 install what is missing
 #   scripts/bootstrap.sh --print-python  install, then print the python that holds torch
+#   scripts/bootstrap.sh --image-tools   only the image tools (buildah, debootstrap) that
+#                                        scripts/image.sh needs; opt-in, never by default
 #
 # Environment:
 #   TESSERA_CACHE_DIR   shared cache for the LibTorch venv (default ~/.cache/tessera);
@@ -45,6 +47,11 @@ readonly TOOLS_PACKAGES=(
 )
 readonly TOOLS_TAG="tools-1"
 
+# Opt-in (--image-tools): what scripts/image.sh (make image, make image-test) needs to build and
+# run the container images without a container daemon or registry: buildah builds a Dockerfile
+# and runs in the image (--isolation chroot), debootstrap makes the Debian base image.
+readonly IMAGE_TOOLS_PACKAGES=(buildah debootstrap)
+
 print_python=0
 print_tools_python=0
 [[ "${1:-}" == "--print-python" ]] && print_python=1
@@ -57,9 +64,11 @@ as_root() {
   if [[ $(id -u) == 0 ]]; then "$@"; else sudo "$@"; fi
 }
 
+# Installs the packages named (APT_PACKAGES when none are) that are missing.
 install_apt_packages() {
-  local missing=()
-  for pkg in "${APT_PACKAGES[@]}"; do
+  local wanted=("$@") missing=()
+  [[ $# == 0 ]] && wanted=("${APT_PACKAGES[@]}")
+  for pkg in "${wanted[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
   done
   [[ ${#missing[@]} == 0 ]] && return 0
@@ -144,6 +153,10 @@ find_or_install_tools() {
   return 0
 }
 
+if [[ "${1:-}" == "--image-tools" ]]; then
+  install_apt_packages "${IMAGE_TOOLS_PACKAGES[@]}"
+  exit 0
+fi
 install_apt_packages
 if [[ $print_tools_python == 1 ]]; then
   find_or_install_tools
