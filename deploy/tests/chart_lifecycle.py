@@ -12,7 +12,8 @@
 import re
 import tempfile
 
-from chart_common import by_kind, render_objects, versioned_copy
+from chart_common import CHART, by_kind, render_objects, versioned_copy
+from helm_python.chart import Chart
 
 VERSION_LABELS = ("helm.sh/chart", "app.kubernetes.io/version")
 
@@ -141,6 +142,18 @@ def test_upgrade(results):
                                           for k in workers),
                           f"{label}: the worker pod template changes, in its images only",
                           str(changed))
+
+
+def test_upgrade_notes(results):
+    """After `helm upgrade`, the notes say how to move each node to the new pod template."""
+    with Chart.load(str(CHART)) as chart:
+        notes = {kind: chart.render(values={}, name="tessera", namespace="tessera",
+                                    is_upgrade=kind == "upgrade", is_install=kind == "install")
+                 ["tessera/templates/NOTES.txt"] for kind in ("install", "upgrade")}
+    results.check("tessera nodes drain NODE --checkpoint" in notes["upgrade"]
+                  and "tessera nodes undrain NODE" in notes["upgrade"]
+                  and "nodes drain" not in notes["install"],
+                  "helm upgrade's notes give the node-by-node worker procedure (not install's)")
 
 
 def test_names(results):

@@ -233,6 +233,67 @@ def test_work_dir_and_storage(results, default, kind):
                   str(images))
 
 
+# Pod Security Standards (kubernetes.io/docs/concepts/security/pod-security-standards), the
+# rules a pod of this chart could break; `kubectl label ns tessera
+# pod-security.kubernetes.io/enforce=LEVEL` makes the API server apply them.
+BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL",
+                         "MKNOD", "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID",
+                         "SYS_CHROOT"}
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+
+
+def pod_security_violations(pod, level):
+    """What in a pod spec the Pod Security level ("baseline" or "restricted") refuses."""
+    found = [f"spec.{k}" for k in ("hostNetwork", "hostPID", "hostIPC") if pod.get(k)]
+    found += [f"volume {v['name']}: hostPath" for v in pod.get("volumes", []) if "hostPath" in v]
+    every = pod["containers"] + pod.get("initContainers", [])
+    for c in every:
+        context = c.get("securityContext", {})
+        added = set(context.get("capabilities", {}).get("add", []))
+        if context.get("privileged"):
+            found.append(f"{c['name']}: privileged")
+        if added - BASELINE_CAPABILITIES:
+            found.append(f"{c['name']}: adds {sorted(added - BASELINE_CAPABILITIES)}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            found.append(f"{c['name']}: hostPort")
+    if level == "baseline":
+        return found
+    found += [f"volume {v['name']}: not a restricted type" for v in pod.get("volumes", [])
+              if not set(v) - {"name"} <= RESTRICTED_VOLUMES and "hostPath" not in v]
+    pod_context = pod.get("securityContext", {})
+    if pod_context.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        found.append("seccompProfile")
+    for c in every:
+        context = {**pod_context, **c.get("securityContext", {})}
+        capabilities = context.get("capabilities", {})
+        if context.get("runAsNonRoot") is not True or context.get("runAsUser") == 0:
+            found.append(f"{c['name']}: may run as root")
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{c['name']}: allowPrivilegeEscalation")
+        if "ALL" not in capabilities.get("drop", []) or \
+                set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{c['name']}: capabilities beyond NET_BIND_SERVICE")
+    return found
+
+
+def test_pod_security(results, default):
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in default
+            if o["kind"] in ("StatefulSet", "DaemonSet")}
+    coordinator, worker = pods["tessera-coordinator"], pods["tessera-worker"]
+    results.check(not pod_security_violations(coordinator, "restricted"),
+                  "Pod Security: the coordinator meets \"restricted\"",
+                  str(pod_security_violations(coordinator, "restricted")))
+    results.check(pod_security_violations(worker, "baseline") == ["volume work: hostPath"],
+                  "Pod Security: the default worker breaks \"baseline\" only by its hostPath work "
+                  "directory (no hostIPC)", str(pod_security_violations(worker, "baseline")))
+    plain = render_objects({"worker": {"workDir": {"hostPath": ""}}})
+    worker = by_kind(plain, "DaemonSet")[0]["spec"]["template"]["spec"]
+    results.check(not pod_security_violations(worker, "restricted"),
+                  "Pod Security: with workDir.hostPath \"\" the worker meets \"restricted\"",
+                  str(pod_security_violations(worker, "restricted")))
+
+
 def test_refusals(results):
     for label, bad, why in REFUSED:
         try:

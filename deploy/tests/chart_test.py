@@ -292,8 +292,10 @@ def main():
     chart_options.test_groups(results, rendered_sets["worker groups"])
     chart_options.test_work_dir_and_storage(results, default,
                                             rendered_sets["kind (values-kind.yaml)"])
+    chart_options.test_pod_security(results, default)
     chart_options.test_refusals(results)
     chart_lifecycle.test_upgrade(results)
+    chart_lifecycle.test_upgrade_notes(results)
     chart_lifecycle.test_names(results)
     for label, values in (("defaults", {}), ("values-kind.yaml", chart_options.KIND_VALUES)):
         report = lint(str(CHART), values, strict=True, namespace="tessera")
