@@ -14,6 +14,8 @@
 #                binaries and the libraries they need in GPU_BUNDLE (scripts/gpu_bundle.sh)
 #   make fuzz    build the fuzz targets (tests/fuzz, with clang into build-fuzz/), then run
 #                each for FUZZ_SECONDS (FUZZERS="job_spec ..." picks some)
+#   make image   build the GPU and CPU container images with buildah (scripts/image.sh,
+#                docs/image.md); make image-test builds them unless present, then tests inside
 #
 # `make test` also builds the fuzz targets and runs their ctest: each target for a fixed number
 # of iterations over its seed corpus, and every checked-in regression input.
@@ -105,3 +107,11 @@ format:
 
 clean:
 	@rm -rf $(BUILD_DIR) $(FUZZ_DIR)
+
+# Container images (docs/image.md): buildah, no daemon or registry needed; not part of `make test`.
+.PHONY: image image-test
+image:
+	@scripts/image.sh build
+
+image-test:
+	@scripts/image.sh test
