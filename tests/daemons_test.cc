@@ -20,7 +20,9 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "tessera/v1/node_service.grpc.pb.h"
+#include "tests/util/free_port.h"
 #include "tests/util/http_get.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
@@ -216,12 +218,64 @@ TEST(DaemonsTest, AnIdleClientConnectionDoesNotHoldTheStop) {
 }
 
 TEST(DaemonsTest, WorkerStartsAndStopsCleanly) {
-  auto worker = StartDaemon("tessera-worker");
+  ScopedTempDir work("daemons_test");
+  auto worker = StartDaemon("tessera-worker", {"--work_dir=" + work.path() + "/work"});
   ASSERT_THAT(worker, IsOk());
   auto metrics = HttpGet(worker->metrics_port, "/metrics");
   ASSERT_THAT(metrics, IsOk());
   EXPECT_THAT(metrics->body, HasSubstr("component=\"worker\""));
   auto exit = worker->process.Stop(SIGINT);
+  ASSERT_THAT(exit, IsOk());
+  EXPECT_EQ(exit->exit_code, 0);
+}
+
+// Readiness (the chart's probe): the worker's process serves health at once, but its service
+// tessera.v1.Worker only while it is registered with a coordinator that answers.
+TEST(DaemonsTest, AWorkerIsReadyOnlyWhileRegistered) {
+  ScopedTempDir state("daemons_test");
+  auto port = testing::PickFreePort();
+  ASSERT_THAT(port, IsOk());
+  const std::string coordinator_address = absl::StrCat("127.0.0.1:", *port);
+  auto worker = StartDaemon("tessera-worker", {"--coordinator=" + coordinator_address,
+                                               "--work_dir=" + state.path() + "/work",
+                                               "--node_name=ready-test", "--cpu_slots=1"});
+  ASSERT_THAT(worker, IsOk());
+  auto health = grpc::health::v1::Health::NewStub(MakeClientChannel(worker->address));
+  auto check = [&](const std::string& service) {
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(service);
+    grpc::health::v1::HealthCheckResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    grpc::Status status = health->Check(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response.status();
+  };
+  auto wait_for = [&](grpc::health::v1::HealthCheckResponse::ServingStatus want) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (check("tessera.v1.Worker") != want && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    return check("tessera.v1.Worker");
+  };
+  using grpc::health::v1::HealthCheckResponse;
+  EXPECT_EQ(check(""), HealthCheckResponse::SERVING) << "alive";
+  absl::SleepFor(absl::Seconds(1));  // registration attempts fail meanwhile
+  EXPECT_EQ(check("tessera.v1.Worker"), HealthCheckResponse::NOT_SERVING) << "not registered";
+
+  auto coordinator = Subprocess::Start(
+      {BinDir() + "/tessera-coordinator", "--listen=" + coordinator_address, "--metrics_listen=",
+       "--state=" + state.path() + "/db", "--heartbeat_interval=500ms"});
+  ASSERT_THAT(coordinator, IsOk());
+  ASSERT_THAT(coordinator->WaitForStderrLine("serving gRPC on"), IsOk());
+  EXPECT_EQ(wait_for(HealthCheckResponse::SERVING), HealthCheckResponse::SERVING)
+      << worker->process.stderr_text();
+
+  // The coordinator goes away: the worker is alive but no longer ready.
+  ASSERT_THAT(coordinator->Stop(SIGTERM), IsOk());
+  EXPECT_EQ(wait_for(HealthCheckResponse::NOT_SERVING), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(check(""), HealthCheckResponse::SERVING);
+  auto exit = worker->process.Stop(SIGTERM);
   ASSERT_THAT(exit, IsOk());
   EXPECT_EQ(exit->exit_code, 0);
 }

@@ -55,6 +55,9 @@ class DaemonServers {
     if (metrics_) metrics_->RegisterCollectable(collectable);
   }
 
+  // GrpcServer::SetServing.
+  void SetServing(const std::string& name, bool serving) { grpc_->SetServing(name, serving); }
+
   void Shutdown(absl::Duration grace = absl::Seconds(5)) { grpc_->Shutdown(grace); }
 
  private:

@@ -110,7 +110,9 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
   }
   if (auto* health = server->GetHealthCheckService(); health != nullptr) {
     health->SetServingStatus(true);
-    for (const NamedService& named : services) health->SetServingStatus(named.name, true);
+    for (const NamedService& named : services) {
+      health->SetServingStatus(named.name, named.serving_at_start);
+    }
   }
   return std::unique_ptr<GrpcServer>(new GrpcServer(std::move(server), std::move(calls),
                                                     HostOf(options.listen_address), port,
@@ -132,6 +134,13 @@ std::string GrpcServer::address() const { return absl::StrCat(host_, ":", port_)
 
 std::shared_ptr<grpc::Channel> GrpcServer::InProcessChannel() const {
   return server_->InProcessChannel(grpc::ChannelArguments());
+}
+
+void GrpcServer::SetServing(const std::string& name, bool serving) {
+  if (shut_down_.load()) return;
+  if (auto* health = server_->GetHealthCheckService(); health != nullptr) {
+    health->SetServingStatus(name, serving);
+  }
 }
 
 void GrpcServer::Shutdown(absl::Duration grace) {

@@ -26,6 +26,9 @@ namespace tessera {
 struct NamedService {
   std::string name;
   grpc::Service* service;
+  // What the health service first reports for `name`; false: NOT_SERVING until SetServing (a
+  // worker is not ready before it has registered, although its process is alive).
+  bool serving_at_start = true;
 };
 
 // A service with methods on gRPC's asynchronous API, served on completion queues of its own
@@ -76,6 +79,10 @@ class GrpcServer {
   std::string address() const;
   // A channel to this server that skips the network stack.
   std::shared_ptr<grpc::Channel> InProcessChannel() const;
+
+  // What the health service reports for the service `name` (a readiness probe's service); no-op
+  // after Shutdown, which reports every service NOT_SERVING. Thread-safe.
+  void SetServing(const std::string& name, bool serving);
 
   // Marks every service NOT_SERVING, then waits up to `grace` for calls in
   // flight before cancelling them; connections with no call in flight are
