@@ -139,6 +139,33 @@ absl::StatusOr<std::vector<v1::Node>> CoordinatorClient::Nodes(bool include_lost
   return std::vector<v1::Node>(response.nodes().begin(), response.nodes().end());
 }
 
+absl::StatusOr<v1::DrainNodeResponse> CoordinatorClient::DrainNode(
+    const v1::DrainNodeRequest& request) {
+  v1::DrainNodeResponse response;
+  if (auto s = Annotate(coordinator_->DrainNode(NewContext().get(), request, &response)); !s.ok()) {
+    return s;
+  }
+  return response;
+}
+
+absl::StatusOr<v1::Node> CoordinatorClient::UndrainNode(const std::string& node_id) {
+  v1::UndrainNodeRequest request;
+  request.set_node_id(node_id);
+  v1::UndrainNodeResponse response;
+  if (auto s = Annotate(coordinator_->UndrainNode(NewContext().get(), request, &response));
+      !s.ok()) {
+    return s;
+  }
+  return response.node();
+}
+
+absl::Status CoordinatorClient::RemoveNode(const std::string& node_id) {
+  v1::RemoveNodeRequest request;
+  request.set_node_id(node_id);
+  v1::RemoveNodeResponse response;
+  return Annotate(coordinator_->RemoveNode(NewContext().get(), request, &response));
+}
+
 absl::StatusOr<v1::PlanLayoutResponse> CoordinatorClient::Plan(
     const v1::PlanLayoutRequest& request) {
   v1::PlanLayoutResponse response;

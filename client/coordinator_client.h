@@ -47,6 +47,10 @@ class CoordinatorClient {
   absl::StatusOr<v1::GetMetricsResponse> Metrics(const v1::GetMetricsRequest& request);
   absl::StatusOr<std::vector<v1::Checkpoint>> Checkpoints(const std::string& job_id);
   absl::StatusOr<std::vector<v1::Node>> Nodes(bool include_lost);
+  // Node operations (admin role).
+  absl::StatusOr<v1::DrainNodeResponse> DrainNode(const v1::DrainNodeRequest& request);
+  absl::StatusOr<v1::Node> UndrainNode(const std::string& node_id);
+  absl::Status RemoveNode(const std::string& node_id);
   absl::StatusOr<v1::PlanLayoutResponse> Plan(const v1::PlanLayoutRequest& request);
   // Streams the job's events after `after_sequence` to `on_event` until the
   // job is terminal (OK) or `on_event` returns false (CANCELLED). No deadline.

@@ -52,7 +52,10 @@ ABSL_FLAG(int, rank, -1, "logs: only this rank; -1 for every rank.");
 ABSL_FLAG(bool, follow, false, "logs: keep streaming new output until the job ends.");
 ABSL_FLAG(int, tail, 0, "logs: start with the last N lines per rank; 0 from the start.");
 ABSL_FLAG(int, max_points, 0, "metrics: downsample the curve to at most N points; 0 all.");
-ABSL_FLAG(std::string, reason, "", "cancel: why, recorded in the job.");
+ABSL_FLAG(std::string, reason, "", "cancel, nodes drain: why, recorded in the job or node.");
+ABSL_FLAG(bool, checkpoint, false,
+          "nodes drain: the node's jobs save a checkpoint, stop and are placed on other nodes "
+          "(no failure or restart counted); without it they run on until they end.");
 ABSL_FLAG(std::string, output, "text", "text or json (protobuf JSON) for get, list, nodes, plan.");
 ABSL_FLAG(std::string, format, "csv", "metrics: csv or json.");
 ABSL_FLAG(std::string, o, "", "plot: output SVG file (default <job>.svg).");
@@ -87,6 +90,10 @@ constexpr char kUsage[] =
     "  plot JOB [-o FILE.svg]       loss and throughput curves as an SVG image\n"
     "  checkpoints JOB              retained checkpoints\n"
     "  nodes                        registered nodes and their free capacity\n"
+    "  nodes drain NODE [--checkpoint] [--reason=...]   no new work on NODE (admin); with\n"
+    "                               --checkpoint its jobs checkpoint and move to other nodes\n"
+    "  nodes undrain NODE           NODE takes work again (admin)\n"
+    "  nodes remove NODE            forget a LOST or drained, idle node (admin)\n"
     "  plan [SPEC.yaml] [--model=PRESET --seq_len=S --global_batch=B --micro_batch=M\n"
     "       --precision=bf16 --gpus=N --gpus_per_node=G --device=h100-sxm --gpu_memory=80GiB\n"
     "       --layout=tp=4,pp=2,zero=1,sp=on,ac=selective --lora_rank=R]\n"
@@ -466,6 +473,50 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+  if (command == "nodes" && !arg.empty()) {
+    const std::string node_id = args.size() > 3 ? args[3] : "";
+    if (node_id.empty() || (arg != "drain" && arg != "undrain" && arg != "remove")) {
+      std::cerr << "tessera nodes: expected drain NODE, undrain NODE or remove NODE\n\n"
+                << kUsage;
+      return 2;
+    }
+    if (arg == "remove") {
+      if (auto status = client.RemoveNode(node_id); !status.ok()) return Fail(status);
+      std::cout << "node " << node_id << " removed\n";
+      return 0;
+    }
+    v1::Node node;
+    std::string moving, remaining;
+    if (arg == "drain") {
+      v1::DrainNodeRequest request;
+      request.set_node_id(node_id);
+      request.set_checkpoint(absl::GetFlag(FLAGS_checkpoint));
+      request.set_reason(absl::GetFlag(FLAGS_reason));
+      auto drained = client.DrainNode(request);
+      if (!drained.ok()) return Fail(drained.status());
+      if (json) {
+        std::cout << Json(*drained);
+        return 0;
+      }
+      node = drained->node();
+      moving = absl::StrJoin(drained->moving_job_ids(), ", ");
+      remaining = absl::StrJoin(drained->remaining_job_ids(), ", ");
+    } else {
+      auto undrained = client.UndrainNode(node_id);
+      if (!undrained.ok()) return Fail(undrained.status());
+      node = *undrained;
+      if (json) {
+        std::cout << Json(node);
+        return 0;
+      }
+    }
+    std::cout << "node " << node_id << ": "
+              << v1::NodeState_Name(node.state()).substr(std::string("NODE_STATE_").size())
+              << "\n";
+    if (!moving.empty()) std::cout << "  checkpointing and moving: " << moving << "\n";
+    if (!remaining.empty()) std::cout << "  left to finish here: " << remaining << "\n";
+    return 0;
+  }
   if (command == "nodes") {
     auto nodes = client.Nodes(/*include_lost=*/true);
     if (!nodes.ok()) return Fail(nodes.status());
@@ -480,6 +531,10 @@ int main(int argc, char** argv) {
           "%-20s %-8s gpus %d/%d free  cpu slots %d/%d free  jobs [%s]\n", node.node_id(), state,
           node.free_gpus_size(), node.resources().gpus_size(), node.free_cpu_slots(),
           node.resources().cpu_slots(), absl::StrJoin(node.job_ids(), ","));
+      if (node.drained()) {
+        std::cout << "    drained" << (node.drain_reason().empty() ? "" : ": ")
+                  << node.drain_reason() << "\n";
+      }
       for (const auto& gpu : node.gpu_metrics()) {
         std::cout << absl::StrFormat(
             "    gpu %d  util %3.0f%%  memory %5.1f/%5.1f GiB  %3.0f W  %2.0f C  %4.0f MHz\n",

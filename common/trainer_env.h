@@ -6,6 +6,8 @@
 // dependency-free so both sides include it.
 #pragma once
 
+#include <csignal>
+
 namespace tessera {
 
 // Global rank of the process in its job, in [0, WORLD_SIZE).
@@ -45,5 +47,11 @@ inline constexpr char kFaultNanLossAtStepEnv[] = "TESSERA_FAULT_NAN_LOSS_AT_STEP
 // checkpoint cuts the rank's shard to half its size and the process kills itself with SIGKILL
 // before the commit, as a machine dying in the middle of an asynchronous save would.
 inline constexpr char kFaultKillInCheckpointAtStepEnv[] = "TESSERA_FAULT_KILL_IN_CHECKPOINT_AT_STEP";
+
+// Not an environment variable: the signal a worker sends each rank
+// of a task the coordinator asked to checkpoint and stop (HeartbeatResponse.checkpoint_and_stop,
+// a drained node). The ranks agree on a step, save a checkpoint of it and exit 0; the worker
+// reports the task STOPPED.
+inline constexpr int kCheckpointAndStopSignal = SIGUSR1;
 
 }  // namespace tessera

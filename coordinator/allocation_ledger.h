@@ -33,6 +33,11 @@ struct Allocation {
     kFailing,
     // The attempt is over (decided, succeeded or cancelled); waiting for every node to stop.
     kDraining,
+    // Asked to save a checkpoint and stop, to be placed again elsewhere (a node of it was drained
+    // with checkpoint): once every node has ended, the job goes back to the queue without a
+    // failure or a restart counted (Cluster::SettleMoveLocked). Failures are recorded, not
+    // decided.
+    kMoving,
   };
 
   int32_t attempt = 0;
@@ -65,6 +70,8 @@ struct Allocation {
   // Every node reported SUCCEEDED and a heartbeat is storing the job's success outside the
   // cluster lock: nobody else records it, and the devices stay held until it is stored.
   bool success_pending = false;
+  // kMoving: the drained node the attempt moves off, for the job's history.
+  std::string moving_off;
 
   // The attempt's nodes, in order of their first rank.
   std::vector<std::string> Nodes() const;

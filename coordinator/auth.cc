@@ -314,6 +314,9 @@ absl::Status Authorize(const Principal& principal, Action action, absl::string_v
                                  " (only its owner or an admin)"));
       }
       return deny("may not cancel jobs or read their logs (needs user or admin)");
+    case Action::kAdminister:
+      if (principal.Has(Role::kAdmin)) return absl::OkStatus();
+      return deny("may not drain, undrain or remove nodes (needs admin)");
     case Action::kNode:
       if (principal.Has(Role::kNode)) return absl::OkStatus();
       return deny("is not a node (workers need a join token or certificate of a 'node' user)");

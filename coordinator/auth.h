@@ -130,6 +130,8 @@ enum class Action {
   kManageJob,
   // Worker calls (NodeService).
   kNode,
+  // Operate the cluster: drain, undrain and remove nodes. Administrators only.
+  kAdminister,
 };
 
 // OK when `principal` may do `action` (on a job owned by `job_owner` for

@@ -198,6 +198,12 @@ TEST(AuthorizeTest, RolesAndOwnership) {
   EXPECT_EQ(code(node, Action::kNode), kOk);
   EXPECT_EQ(code(node, Action::kRead), kDenied);
   EXPECT_EQ(code(node, Action::kSubmit), kDenied);
+  // Draining and removing nodes: administrators only.
+  EXPECT_EQ(code(admin, Action::kAdminister), kOk);
+  EXPECT_EQ(code(alice, Action::kAdminister), kDenied);
+  EXPECT_EQ(code(viewer, Action::kAdminister), kDenied);
+  EXPECT_EQ(code(node, Action::kAdminister), kDenied);
+  EXPECT_THAT(Authorize(alice, Action::kAdminister).message(), HasSubstr("needs admin"));
 }
 
 }  // namespace

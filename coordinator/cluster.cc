@@ -210,7 +210,10 @@ absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequ
     Allocation* allocation_found = allocations_.Find(job_id);
     if (allocation_found == nullptr) continue;
     Allocation& allocation = *allocation_found;
-    if (allocation.phase != Allocation::Phase::kDraining) continue;
+    if (allocation.phase != Allocation::Phase::kDraining &&
+        allocation.phase != Allocation::Phase::kMoving) {
+      continue;
+    }
     const std::string task_id = TaskId(job_id, allocation.attempt, request.node_id());
     if (!listed.contains(task_id) && !nodes_.StartQueued(request.node_id(), task_id) &&
         !allocation.NodeEnded(request.node_id())) {
@@ -257,6 +260,12 @@ void Cluster::OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatu
     return;
   }
   if (allocation->phase != Allocation::Phase::kRunning) return;
+  if (status.state() == v1::TASK_STATE_STOPPED) {
+    // Only a move stops a running attempt's task (a cancel or a decision drains it first): one
+    // this coordinator ordered before it restarted. The job moves as it would have.
+    allocation->phase = Allocation::Phase::kMoving;
+    return;
+  }
   if (allocation->AllNodesIn(v1::TASK_STATE_SUCCEEDED)) {
     if (!allocation->success_pending) {
       allocation->success_pending = true;
@@ -519,6 +528,60 @@ void Cluster::DecideLocked(const std::string& job_id, Allocation& allocation, ab
     return;
   }
   if (transitioned.ok()) ++(retry ? restarts_ : failures_)[primary.kind()];
+  DrainLocked(job_id, allocation);
+}
+
+void Cluster::SettleMoveLocked(const std::string& job_id, Allocation& allocation,
+                               absl::Time now) {
+  if (allocation.phase != Allocation::Phase::kMoving) return;
+  if (allocation.AllNodesIn(v1::TASK_STATE_SUCCEEDED)) {
+    // It finished before it could move: recorded as a success.
+    allocation.phase = Allocation::Phase::kRunning;
+    return;
+  }
+  if (!allocation.AllNodesEnded()) return;
+  auto job = store_->GetJob(job_id);
+  if (!job.ok()) {
+    LogRetried(job.status(), absl::StrCat("reading job ", job_id, " to queue it again"));
+    return;
+  }
+  if (IsTerminal(job->state())) {  // cancelled meanwhile
+    DrainLocked(job_id, allocation);
+    return;
+  }
+  const int64_t resume_step =
+      ResumesFromCheckpoints(job->spec()) ? job->latest_checkpoint().step() : 0;
+  const std::string description = absl::StrCat(
+      allocation.moving_off.empty() ? std::string("a node was drained")
+                                    : absl::StrCat("node ", allocation.moving_off, " drained"),
+      ": attempt ", allocation.attempt, " saved a checkpoint and stopped");
+  v1::JobAttempt record;
+  record.set_attempt(allocation.attempt);
+  for (const auto& node : allocation.Nodes()) record.add_node_ids(node);
+  record.set_world_size(static_cast<int>(allocation.ranks.size()));
+  *record.mutable_layout() = job->plan().layout();
+  record.set_start_step(allocation.start_step);
+  record.set_end_step(job->current_step());
+  *record.mutable_start_time() = ToProto(allocation.placed_time);
+  *record.mutable_end_time() = ToProto(now);
+  record.set_reason(description);
+  auto transitioned = jobs_->Transition(
+      job_id, v1::JOB_STATE_RESTARTING,
+      absl::StrCat(description, "; placed again from ",
+                   resume_step > 0 ? absl::StrCat("the checkpoint of step ", resume_step)
+                                   : std::string("the start"),
+                   " (no restart counted)"),
+      [&](v1::Job& stored) {
+        *stored.add_attempts() = record;
+        stored.set_attempt(stored.attempt() + 1);
+        stored.mutable_placements()->Clear();
+        stored.set_current_step(resume_step);
+      });
+  if (!transitioned.ok() && !absl::IsFailedPrecondition(transitioned.status())) {
+    LogRetried(transitioned.status(),
+               absl::StrCat("queueing job ", job_id, " again after its move"));
+    return;
+  }
   DrainLocked(job_id, allocation);
 }
 
@@ -941,6 +1004,7 @@ ClusterStats Cluster::RunPass(bool count, bool overlap_store) {
           continue;
         }
         DecideLocked(job_id, allocation, now);
+        SettleMoveLocked(job_id, allocation, now);
         // A success whose recording failed earlier is recorded now (unless a heartbeat is
         // recording it).
         if (allocation.phase == Allocation::Phase::kRunning && !allocation.success_pending &&
@@ -1066,6 +1130,69 @@ std::vector<v1::Node> Cluster::Nodes(bool include_lost) {
     nodes.push_back(std::move(node));
   }
   return nodes;
+}
+
+v1::Node Cluster::NodeViewLocked(const v1::Node& stored) {
+  v1::Node node = stored;
+  for (const NodeCapacity& capacity : CapacityLocked()) {
+    if (capacity.node_id != node.node_id()) continue;
+    for (int gpu : capacity.free_gpus) node.add_free_gpus(gpu);
+    node.set_free_cpu_slots(capacity.free_cpu_slots);
+  }
+  for (const auto& job_id : allocations_.JobsOn(node.node_id())) node.add_job_ids(job_id);
+  node.clear_key_sha256();
+  return node;
+}
+
+absl::StatusOr<v1::DrainNodeResponse> Cluster::DrainNode(const std::string& node_id,
+                                                         bool checkpoint,
+                                                         const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(nodes_.SetDrained(node_id, true, reason, options_.now()));
+  v1::DrainNodeResponse response;
+  for (const auto& job_id : allocations_.JobsOn(node_id)) {
+    Allocation& allocation = *allocations_.Find(job_id);
+    // Only an attempt that runs as placed moves; one being stored, decided or stopped ends on its
+    // own (a failing one restarts elsewhere: the drained node takes no placement).
+    if (!checkpoint || allocation.storing || allocation.success_pending ||
+        allocation.phase != Allocation::Phase::kRunning) {
+      if (allocation.phase != Allocation::Phase::kDraining) response.add_remaining_job_ids(job_id);
+      continue;
+    }
+    allocation.phase = Allocation::Phase::kMoving;
+    allocation.moving_off = node_id;
+    for (const auto& node : allocation.Nodes()) {
+      if (allocation.NodeEnded(node)) continue;
+      const std::string task_id = TaskId(job_id, allocation.attempt, node);
+      if (nodes_.WithdrawStart(node, task_id)) {
+        allocation.task_states[node] = v1::TASK_STATE_STOPPED;  // never started
+      } else {
+        nodes_.QueueCheckpointAndStop(node, task_id);
+      }
+    }
+    response.add_moving_job_ids(job_id);
+  }
+  *response.mutable_node() = NodeViewLocked(*nodes_.Find(node_id));
+  return response;
+}
+
+absl::StatusOr<v1::Node> Cluster::UndrainNode(const std::string& node_id) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(nodes_.SetDrained(node_id, false, "", options_.now()));
+  return NodeViewLocked(*nodes_.Find(node_id));
+}
+
+absl::Status Cluster::RemoveNode(const std::string& node_id) {
+  absl::MutexLock lock(&mu_);
+  if (!nodes_.Known(node_id)) {
+    return absl::NotFoundError(absl::StrCat("node ", node_id, ": not registered"));
+  }
+  if (const std::vector<std::string> jobs = allocations_.JobsOn(node_id); !jobs.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("node ", node_id, " still holds devices of job(s) ", absl::StrJoin(jobs, ", "),
+                     ": wait until they end or move (drain with checkpoint)"));
+  }
+  return nodes_.Remove(node_id);
 }
 
 void Cluster::Start(std::function<void(const ClusterStats&, double)> observer) {

@@ -139,6 +139,16 @@ class Cluster {
 
   // Nodes with their free GPUs / slots and jobs; LOST ones when include_lost.
   std::vector<v1::Node> Nodes(bool include_lost);
+
+  // Operator actions (Coordinator.DrainNode, UndrainNode, RemoveNode). A drained node gets no
+  // new placements. With `checkpoint`, each running attempt with ranks on it is asked to save a
+  // checkpoint and stop on all its nodes; once they all ended, its job is queued again (resuming
+  // from that checkpoint) without a failure or restart counted. NOT_FOUND for an unknown node.
+  absl::StatusOr<v1::DrainNodeResponse> DrainNode(const std::string& node_id, bool checkpoint,
+                                                  const std::string& reason);
+  absl::StatusOr<v1::Node> UndrainNode(const std::string& node_id);
+  // FAILED_PRECONDITION unless the node is LOST or drained, and no attempt holds devices on it.
+  absl::Status RemoveNode(const std::string& node_id);
   // What every registered node offers now (for planning).
   std::vector<NodeCapacity> Capacity();
 
@@ -189,6 +199,13 @@ class Cluster {
   // withdrawn); the allocation is erased by Tick once all have ended.
   void DrainLocked(const std::string& job_id, Allocation& allocation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A kMoving attempt whose every node has ended: its job back to the queue (RESTARTING, the
+  // attempt recorded, no restart counted) and the attempt drained. A store error leaves it
+  // kMoving for the next tick.
+  void SettleMoveLocked(const std::string& job_id, Allocation& allocation, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One node's view for ListNodes and the node actions: free devices and the jobs on it.
+  v1::Node NodeViewLocked(const v1::Node& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireNodesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `job`'s plan for `target`, computed again only when the target (or the device count, for a
   // job re-planned after losing devices) changed.

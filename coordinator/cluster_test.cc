@@ -1152,3 +1152,121 @@ TEST_F(ClusterTest, RequestPassRunsAPassWithoutWaitingForTheRegularOne) {
 
 }  // namespace
 }  // namespace tessera::coordinator
+
+namespace tessera::coordinator {
+namespace {
+
+// A drained node takes no new placement, runs what it has to its end, and takes work again once
+// undrained.
+TEST_F(ClusterTest, ADrainedNodeGetsNoNewWorkUntilUndrained) {
+  Register("n1", 2);
+  const std::string running = Submit(CpuSpec(2, 0));
+  cluster_->Tick();
+  StartOn(running, 0, "n1");
+  auto drained = cluster_->DrainNode("n1", /*checkpoint=*/false, "kernel upgrade");
+  ASSERT_THAT(drained.status(), IsOk());
+  EXPECT_EQ(drained->node().state(), v1::NODE_STATE_DRAINING);
+  EXPECT_THAT(drained->remaining_job_ids(), ElementsAre(running));
+  EXPECT_TRUE(drained->moving_job_ids().empty());
+  EXPECT_EQ(drained->node().drain_reason(), "kernel upgrade");
+  v1::HeartbeatResponse orders = Beat("n1", {Task(running, 0, "n1", v1::TASK_STATE_RUNNING)});
+  EXPECT_TRUE(orders.stop().empty()) << "a plain drain stops nothing";
+  EXPECT_TRUE(orders.checkpoint_and_stop().empty());
+  Beat("n1", {Task(running, 0, "n1", v1::TASK_STATE_SUCCEEDED)});
+  EXPECT_EQ(Job(running).state(), v1::JOB_STATE_SUCCEEDED);
+
+  const std::string waiting = Submit(CpuSpec(2, 0));
+  cluster_->Tick();
+  EXPECT_EQ(Job(waiting).state(), v1::JOB_STATE_PENDING) << "the only node is drained";
+  EXPECT_TRUE(Beat("n1", {}).start().empty());
+  auto undrained = cluster_->UndrainNode("n1");
+  ASSERT_THAT(undrained.status(), IsOk());
+  EXPECT_EQ(undrained->state(), v1::NODE_STATE_READY);
+  cluster_->Tick();
+  EXPECT_EQ(Job(waiting).state(), v1::JOB_STATE_SCHEDULED);
+  StartOn(waiting, 0, "n1");
+
+  EXPECT_EQ(cluster_->DrainNode("nope", false, "").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cluster_->UndrainNode("nope").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Drain with checkpoint: every node of the attempt is asked to checkpoint and stop (not a plain
+// stop); failures while it stops are not blamed; once all its tasks ended, the job goes back to
+// the queue from the new checkpoint, is placed off the drained node, and counts no restart.
+TEST_F(ClusterTest, DrainWithCheckpointMovesTheJobWithoutCountingARestart) {
+  Register("n1", 1);
+  Register("n2", 1);
+  const std::string job_id = Submit(CpuSpec(2, 0));  // no restarts allowed at all
+  cluster_->Tick();
+  StartOn(job_id, 0, "n1");
+  StartOn(job_id, 0, "n2");
+  ASSERT_THAT(Relay("n1", job_id, 0, 1, {Step(1, 5.0), Step(2, 4.5), CheckpointAt(2), Step(3, 4.0)})
+                  .status(),
+              IsOk());
+  Register("n3", 1);
+
+  auto drained = cluster_->DrainNode("n2", /*checkpoint=*/true, "");
+  ASSERT_THAT(drained.status(), IsOk());
+  EXPECT_THAT(drained->moving_job_ids(), ElementsAre(job_id));
+  for (const std::string node : {"n1", "n2"}) {
+    v1::HeartbeatResponse orders = Beat(node, {Task(job_id, 0, node, v1::TASK_STATE_RUNNING)});
+    EXPECT_THAT(orders.checkpoint_and_stop(), ElementsAre(absl::StrCat(job_id, "/0/", node)))
+        << node;
+    EXPECT_TRUE(orders.stop().empty()) << node;
+  }
+  // The ranks save step 4 and exit; n1's rank 0 reports the checkpoint; a peer's exit seen as a
+  // failure on n2 (it stopped first) is recorded but decides nothing.
+  ASSERT_THAT(Relay("n1", job_id, 0, 5, {Step(4, 3.8), CheckpointAt(4)}).status(), IsOk());
+  v1::TaskStatus peer_gone = Task(job_id, 0, "n2", v1::TASK_STATE_FAILED);
+  *peer_gone.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 1, "n2", now_);
+  Beat("n2", {peer_gone});
+  now_ += absl::Seconds(10);  // past every settle time
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RUNNING) << "n1 has not stopped yet";
+  Beat("n1", {Task(job_id, 0, "n1", v1::TASK_STATE_STOPPED)});
+  cluster_->Tick();
+
+  v1::Job job = Job(job_id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_EQ(job.attempt(), 1);
+  EXPECT_EQ(job.current_step(), 4) << "resumes from the checkpoint saved for the move";
+  ASSERT_THAT(job.attempts(), SizeIs(1));
+  EXPECT_THAT(job.attempts(0).reason(), HasSubstr("node n2 drained"));
+  EXPECT_FALSE(job.attempts(0).has_failure());
+  EXPECT_TRUE(Beat("n2", {}).start().empty()) << "nothing new on the drained node";
+  StartOn(job_id, 1, "n1");
+  StartOn(job_id, 1, "n3");
+
+  // Removing: only a drained or lost node that holds nothing.
+  EXPECT_EQ(cluster_->RemoveNode("n1").code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_THAT(cluster_->DrainNode("n1", false, "").status(), IsOk());
+  absl::Status busy = cluster_->RemoveNode("n1");
+  EXPECT_EQ(busy.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(busy.message(), HasSubstr(job_id));
+  ASSERT_THAT(cluster_->RemoveNode("n2"), IsOk());
+  EXPECT_EQ(cluster_->RemoveNode("n2").code(), absl::StatusCode::kNotFound);
+  ClusterStats stats = cluster_->Tick();
+  EXPECT_EQ(stats.nodes[v1::NODE_STATE_DRAINING], 1);  // n1
+  EXPECT_EQ(stats.nodes[v1::NODE_STATE_READY], 1);     // n3
+  EXPECT_TRUE(Beat("n2", {}).reregister()) << "a removed node's worker registers as a new node";
+}
+
+// A job cancelled while it moves is not queued again.
+TEST_F(ClusterTest, AJobCancelledWhileItMovesStaysCancelled) {
+  Register("n1", 2);
+  Register("n2", 2);
+  const std::string job_id = Submit(CpuSpec(2, 0));
+  cluster_->Tick();
+  const std::string node = Job(job_id).placements(0).node_id();
+  StartOn(job_id, 0, node);
+  ASSERT_THAT(cluster_->DrainNode(node, true, "").status(), IsOk());
+  ASSERT_THAT(jobs_->Cancel(job_id, "test").status(), IsOk());
+  Beat(node, {Task(job_id, 0, node, v1::TASK_STATE_STOPPED)});
+  cluster_->Tick();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(Job(job_id).attempt(), 0);
+}
+
+}  // namespace
+}  // namespace tessera::coordinator

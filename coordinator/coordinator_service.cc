@@ -311,6 +311,54 @@ grpc::ServerUnaryReactor* CoordinatorService::ListNodes(grpc::CallbackServerCont
   });
 }
 
+namespace {
+
+absl::Status CheckNodeId(const std::string& node_id) {
+  if (node_id.empty()) return absl::InvalidArgumentError("node_id: required");
+  if (node_id.size() > 253) return absl::InvalidArgumentError("node_id: longer than 253 bytes");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* CoordinatorService::DrainNode(grpc::CallbackServerContext* context,
+                                                        const v1::DrainNodeRequest* request,
+                                                        v1::DrainNodeResponse* response) {
+  return Serve(context, [this, context, request, response]() -> absl::Status {
+    RETURN_IF_ERROR(Admit(context, Action::kAdminister).status());
+    RETURN_IF_ERROR(CheckNodeId(request->node_id()));
+    if (request->reason().size() > 1024) {
+      return absl::InvalidArgumentError("reason: longer than 1024 bytes");
+    }
+    ASSIGN_OR_RETURN(*response, cluster_->DrainNode(request->node_id(), request->checkpoint(),
+                                                    request->reason()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::UndrainNode(grpc::CallbackServerContext* context,
+                                                          const v1::UndrainNodeRequest* request,
+                                                          v1::UndrainNodeResponse* response) {
+  return Serve(context, [this, context, request, response]() -> absl::Status {
+    RETURN_IF_ERROR(Admit(context, Action::kAdminister).status());
+    RETURN_IF_ERROR(CheckNodeId(request->node_id()));
+    ASSIGN_OR_RETURN(*response->mutable_node(), cluster_->UndrainNode(request->node_id()));
+    // Its devices may let a waiting job start now.
+    cluster_->RequestPass();
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::RemoveNode(grpc::CallbackServerContext* context,
+                                                         const v1::RemoveNodeRequest* request,
+                                                         v1::RemoveNodeResponse* response) {
+  return Serve(context, [this, context, request]() -> absl::Status {
+    RETURN_IF_ERROR(Admit(context, Action::kAdminister).status());
+    RETURN_IF_ERROR(CheckNodeId(request->node_id()));
+    return cluster_->RemoveNode(request->node_id());
+  });
+}
+
 grpc::ServerWriteReactor<v1::LogChunk>* CoordinatorService::GetLogs(
     grpc::CallbackServerContext* context, const v1::GetLogsRequest* request) {
   auto slot = AdmitStream(context, Action::kManageJob, request->job_id());

@@ -63,6 +63,15 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext* context,
                                       const v1::ListNodesRequest* request,
                                       v1::ListNodesResponse* response) override;
+  grpc::ServerUnaryReactor* DrainNode(grpc::CallbackServerContext* context,
+                                      const v1::DrainNodeRequest* request,
+                                      v1::DrainNodeResponse* response) override;
+  grpc::ServerUnaryReactor* UndrainNode(grpc::CallbackServerContext* context,
+                                        const v1::UndrainNodeRequest* request,
+                                        v1::UndrainNodeResponse* response) override;
+  grpc::ServerUnaryReactor* RemoveNode(grpc::CallbackServerContext* context,
+                                       const v1::RemoveNodeRequest* request,
+                                       v1::RemoveNodeResponse* response) override;
   grpc::ServerWriteReactor<v1::LogChunk>* GetLogs(grpc::CallbackServerContext* context,
                                                   const v1::GetLogsRequest* request) override;
   grpc::ServerUnaryReactor* PlanLayout(grpc::CallbackServerContext* context,

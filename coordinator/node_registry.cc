@@ -129,7 +129,7 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl
   node.set_node_id(request.node_id());
   node.set_hostname(request.hostname());
   node.set_address(request.address());
-  node.set_state(v1::NODE_STATE_READY);
+  node.set_state(node.drained() ? v1::NODE_STATE_DRAINING : v1::NODE_STATE_READY);
   *node.mutable_resources() = request.resources();
   node.mutable_labels()->clear();
   for (const auto& [key, value] : request.labels()) (*node.mutable_labels())[key] = value;
@@ -167,6 +167,7 @@ std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire(absl::T
     entry.changed = ++generation_;
     entry.to_start.clear();
     entry.to_stop.clear();
+    entry.to_checkpoint_and_stop.clear();
     // A failed write leaves the record dirty: Flush (every tick) writes it again.
     Persist(node_id).IgnoreError();
     lost.emplace_back(node_id, silence);
@@ -174,6 +175,55 @@ std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire(absl::T
   // In node_id order, as a walk of the entries would give them.
   std::sort(lost.begin(), lost.end());
   return lost;
+}
+
+absl::Status NodeRegistry::SetDrained(const std::string& node_id, bool drained,
+                                      const std::string& reason, absl::Time now) {
+  Entry* const found = Lookup(node_id);
+  if (found == nullptr) return absl::NotFoundError(absl::StrCat("node ", node_id, ": not registered"));
+  v1::Node& node = found->node;
+  node.set_drained(drained);
+  if (drained) {
+    node.set_drain_reason(reason);
+    *node.mutable_drain_time() = ToProto(now);
+  } else {
+    node.clear_drain_reason();
+    node.clear_drain_time();
+  }
+  if (node.state() != v1::NODE_STATE_LOST) {
+    node.set_state(drained ? v1::NODE_STATE_DRAINING : v1::NODE_STATE_READY);
+  }
+  Summarize(*found);
+  return Persist(node_id);
+}
+
+absl::Status NodeRegistry::Remove(const std::string& node_id) {
+  Entry* const found = Lookup(node_id);
+  if (found == nullptr) return absl::NotFoundError(absl::StrCat("node ", node_id, ": not registered"));
+  if (found->node.state() != v1::NODE_STATE_LOST && !found->node.drained()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "node ", node_id, " is ", v1::NodeState_Name(found->node.state()),
+        ": drain it first (tessera nodes drain ", node_id, "), or wait until it is LOST"));
+  }
+  RETURN_IF_ERROR(store_->DeleteNode(node_id));
+  Entry& entry = *found;
+  if (entry.counted.added) {
+    if (--state_counts_[entry.counted.state] == 0) state_counts_.erase(entry.counted.state);
+    gpus_total_ -= entry.counted.gpus;
+    cpu_slots_total_ -= entry.counted.cpu_slots;
+  }
+  // The last liveness slot takes the removed one's place.
+  const size_t slot = entry.liveness;
+  if (slot + 1 != liveness_.size()) {
+    liveness_[slot] = liveness_.back();
+    liveness_[slot].entry->liveness = slot;
+  }
+  liveness_.pop_back();
+  dirty_.erase(node_id);
+  by_id_.erase(node_id);
+  nodes_.erase(node_id);  // `entry` and `found` dangle from here
+  ++generation_;          // Summaries() is rebuilt without it
+  return absl::OkStatus();
 }
 
 absl::Status NodeRegistry::CheckKey(const std::string& node_id,
@@ -284,6 +334,16 @@ void NodeRegistry::QueueStop(const std::string& node_id, const std::string& task
   if (orders_listener_) orders_listener_(node_id);
 }
 
+void NodeRegistry::QueueCheckpointAndStop(const std::string& node_id,
+                                          const std::string& task_id) {
+  auto* const found = Lookup(node_id);
+  if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return;
+  auto& orders = found->to_checkpoint_and_stop;
+  if (std::find(orders.begin(), orders.end(), task_id) != orders.end()) return;
+  orders.push_back(task_id);
+  if (orders_listener_) orders_listener_(node_id);
+}
+
 bool NodeRegistry::WithdrawStart(const std::string& node_id, const std::string& task_id) {
   auto* const found = Lookup(node_id);
   if (found == nullptr) return false;
@@ -310,6 +370,10 @@ void NodeRegistry::TakeOrders(const std::string& node_id, v1::HeartbeatResponse*
   std::erase_if(starts, [](const Entry::Start& start) { return !start.held; });
   for (auto& stop : found->to_stop) response->add_stop(std::move(stop));
   found->to_stop.clear();
+  for (auto& order : found->to_checkpoint_and_stop) {
+    response->add_checkpoint_and_stop(std::move(order));
+  }
+  found->to_checkpoint_and_stop.clear();
 }
 
 std::vector<NodeCapacity> NodeRegistry::Capacity(const UsedResources& used) const {

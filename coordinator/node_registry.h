@@ -62,7 +62,7 @@ class NodeRegistry {
   // Reloads stored nodes; each gets a fresh grace period from `now`.
   absl::Status Load(absl::Time now);
 
-  // Records (or replaces) a node's registration as READY. Returns whether the node was known
+  // Records (or replaces) a node's registration as READY (DRAINING when drained). Returns whether the node was known
   // before. ALREADY_EXISTS when the node is alive (not LOST) under another node key: the id
   // cannot be taken over. Store errors are returned; the node is kept dirty and written again by Flush.
   absl::Status Register(const v1::RegisterNodeRequest& request, absl::Time now, bool* returning);
@@ -82,6 +82,18 @@ class NodeRegistry {
   // Marks every READY node silent for longer than the heartbeat timeout LOST, drops its queued
   // orders and returns (node_id, silence) of each.
   std::vector<std::pair<std::string, absl::Duration>> Expire(absl::Time now);
+
+  // An operator's drain (or undrain, `drained` false): a drained node is not schedulable, and is
+  // DRAINING while alive (LOST stays LOST until it registers again). Kept across registrations
+  // and stored. NOT_FOUND for an unknown node; a store error is returned and the record is kept
+  // dirty (Flush writes it again).
+  absl::Status SetDrained(const std::string& node_id, bool drained, const std::string& reason,
+                          absl::Time now);
+
+  // Forgets a node: its record, queued orders and share of the counts, here and in the store.
+  // NOT_FOUND for an unknown node; FAILED_PRECONDITION unless it is LOST or drained (the caller
+  // checks that no job holds devices on it). A worker that registers later is a new node.
+  absl::Status Remove(const std::string& node_id);
 
   // Writes the records whose last store write failed; returns the first error.
   absl::Status Flush();
@@ -108,6 +120,9 @@ class NodeRegistry {
   // Removes a start not yet delivered, held or not; true when there was one.
   bool WithdrawStart(const std::string& node_id, const std::string& task_id);
   bool StartQueued(const std::string& node_id, const std::string& task_id) const;
+  // Asks the node to have the task's trainers save a checkpoint and exit
+  // (HeartbeatResponse.checkpoint_and_stop); once per task, like QueueStop.
+  void QueueCheckpointAndStop(const std::string& node_id, const std::string& task_id);
   // Moves the queued orders into `response`, except the held starts.
   void TakeOrders(const std::string& node_id, v1::HeartbeatResponse* response);
 
@@ -161,9 +176,10 @@ class NodeRegistry {
     };
     std::vector<Start> to_start;
     std::vector<std::string> to_stop;
+    std::vector<std::string> to_checkpoint_and_stop;
   };
   absl::Status Persist(const std::string& node_id);
-  // The entry of `node_id`, made empty when there is none. Entries are never removed.
+  // The entry of `node_id`, made empty when there is none. Entries leave only through Remove.
   Entry& Insert(const std::string& node_id);
   // The entry of `node_id` through by_id_; nullptr when there is none.
   Entry* Lookup(const std::string& node_id);

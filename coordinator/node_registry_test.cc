@@ -1,6 +1,6 @@
 // NodeRegistry's capacity summary against a recount from the node records: after random sequences
-// of registrations (new and returning, with changed resources and labels), expiries and
-// allocations, Capacity and Count must equal what the records and the used devices say, and
+// of registrations (new and returning, with changed resources and labels), expiries, drains,
+// undrains, removals and allocations, Capacity and Count must equal what the records and the used devices say, and
 // ChangedSince must name exactly the nodes that registered or were lost (what the coordinator's
 // commit of a pass computed without its lock relies on).
 #include "coordinator/node_registry.h"
@@ -80,7 +80,7 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
     const std::string node_id = absl::StrCat("node-", pick(40));
     const uint64_t generation = registry.generation();
     std::set<std::string> changed;
-    switch (pick(5)) {
+    switch (pick(7)) {
       case 0:
       case 1: {  // (re)register, possibly with other resources and labels
         v1::RegisterNodeRequest request;
@@ -98,7 +98,9 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
         request.mutable_resources()->set_memory_bytes(int64_t{pick(512)} << 30);
         if (pick(2)) (*request.mutable_labels())["zone"] = absl::StrCat("z", pick(3));
         bool returning = false;
+        const bool known = last_seen.contains(node_id);
         ASSERT_TRUE(registry.Register(request, now, &returning).ok());
+        EXPECT_EQ(returning, known) << node_id;
         last_seen[node_id] = now;
         lost.erase(node_id);
         changed.insert(node_id);
@@ -143,6 +145,38 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
           used_slots.erase(node_id);
         }
         break;
+      case 5: {  // drain or undrain
+        const bool drain = pick(2) == 0;
+        const absl::Status status = registry.SetDrained(node_id, drain, "test", now);
+        if (!last_seen.contains(node_id)) {
+          EXPECT_TRUE(absl::IsNotFound(status)) << status;
+          break;
+        }
+        ASSERT_TRUE(status.ok()) << status;
+        const v1::Node* node = registry.Find(node_id);
+        EXPECT_EQ(node->drained(), drain);
+        EXPECT_EQ(node->state(), lost.contains(node_id) ? v1::NODE_STATE_LOST
+                                 : drain                ? v1::NODE_STATE_DRAINING
+                                                        : v1::NODE_STATE_READY);
+        changed.insert(node_id);
+        break;
+      }
+      case 6: {  // remove: only a LOST or drained node
+        const v1::Node* node = registry.Find(node_id);
+        const bool removable = node != nullptr && (lost.contains(node_id) || node->drained());
+        const absl::Status status = registry.Remove(node_id);
+        if (node == nullptr) {
+          EXPECT_TRUE(absl::IsNotFound(status)) << status;
+        } else if (!removable) {
+          EXPECT_TRUE(absl::IsFailedPrecondition(status)) << status;
+        } else {
+          ASSERT_TRUE(status.ok()) << status;
+          EXPECT_FALSE(registry.Known(node_id));
+          last_seen.erase(node_id);
+          lost.erase(node_id);
+        }
+        break;
+      }
     }
     const std::vector<v1::Node> records = registry.Nodes();
     const std::vector<NodeCapacity> expected = Recount(records, used_gpus, used_slots);
@@ -172,8 +206,110 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
     EXPECT_EQ(tally.gpus_allocated, gpus_allocated);
     EXPECT_EQ(tally.cpu_slots_total, slots_total);
     EXPECT_EQ(tally.cpu_slots_allocated, slots_allocated);
+    // The store holds exactly the registry's records (removals included).
+    auto stored = (*store)->ListNodes();
+    ASSERT_TRUE(stored.ok()) << stored.status();
+    ASSERT_EQ(stored->size(), records.size());
+    for (size_t i = 0; i < records.size(); ++i) {
+      EXPECT_EQ((*stored)[i].node_id(), records[i].node_id());
+      EXPECT_EQ((*stored)[i].drained(), records[i].drained()) << records[i].node_id();
+    }
     if (HasFailure()) FAIL() << "after step " << step;
   }
+}
+
+v1::RegisterNodeRequest CpuNode(const std::string& node_id, const std::string& key = "key") {
+  v1::RegisterNodeRequest request;
+  request.set_node_id(node_id);
+  request.set_node_key(key);
+  request.set_address("10.0.0.1:5000");
+  request.mutable_resources()->set_cpu_slots(4);
+  return request;
+}
+
+// A drain is the operator's intent: it survives the worker registering again, the node being
+// lost and coming back, and a coordinator restart (a registry loaded from the store).
+TEST(NodeRegistryTest, ADrainOutlivesRegistrationsLossAndARestart) {
+  auto store = Store::Open(":memory:");
+  ASSERT_TRUE(store.ok()) << store.status();
+  absl::Time now = absl::FromUnixSeconds(1'000'000);
+  bool returning = false;
+  {
+    NodeRegistry registry(store->get(), absl::Seconds(15));
+    ASSERT_TRUE(registry.Register(CpuNode("n1"), now, &returning).ok());
+    ASSERT_TRUE(registry.Register(CpuNode("n2"), now, &returning).ok());
+    ASSERT_TRUE(registry.SetDrained("n1", true, "kernel upgrade", now).ok());
+    const std::vector<NodeCapacity> capacity = registry.Capacity(UsedResources());
+    ASSERT_EQ(capacity.size(), 2u);
+    EXPECT_FALSE(capacity[0].schedulable) << "a drained node takes no placement";
+    EXPECT_TRUE(capacity[1].schedulable);
+    EXPECT_EQ(registry.Find("n1")->drain_reason(), "kernel upgrade");
+
+    ASSERT_TRUE(registry.Register(CpuNode("n1"), now, &returning).ok());
+    EXPECT_EQ(registry.Find("n1")->state(), v1::NODE_STATE_DRAINING) << "kept on re-registering";
+    now += absl::Seconds(20);
+    EXPECT_EQ(registry.Expire(now).size(), 2u) << "a drained node is lost like any other";
+    EXPECT_EQ(registry.Find("n1")->state(), v1::NODE_STATE_LOST);
+    EXPECT_TRUE(registry.Find("n1")->drained());
+  }
+  NodeRegistry restarted(store->get(), absl::Seconds(15));
+  ASSERT_TRUE(restarted.Load(now).ok());
+  ASSERT_TRUE(restarted.Register(CpuNode("n1"), now, &returning).ok());
+  EXPECT_TRUE(returning);
+  EXPECT_EQ(restarted.Find("n1")->state(), v1::NODE_STATE_DRAINING);
+  ASSERT_TRUE(restarted.SetDrained("n1", false, "", now).ok());
+  EXPECT_EQ(restarted.Find("n1")->state(), v1::NODE_STATE_READY);
+  EXPECT_TRUE(restarted.Find("n1")->drain_reason().empty());
+  EXPECT_TRUE(restarted.Capacity(UsedResources())[0].schedulable);
+  EXPECT_TRUE(absl::IsNotFound(restarted.SetDrained("n9", true, "", now)));
+}
+
+// Removing forgets the node everywhere: its count (the alert on LOST nodes reads it), its record
+// in the store, its queued orders; a worker that comes back later is a new node, under any key.
+TEST(NodeRegistryTest, RemovedNodesLeaveTheCountsAndTheStore) {
+  auto store = Store::Open(":memory:");
+  ASSERT_TRUE(store.ok()) << store.status();
+  NodeRegistry registry(store->get(), absl::Seconds(15));
+  absl::Time now = absl::FromUnixSeconds(1'000'000);
+  bool returning = false;
+  for (const char* id : {"a", "b", "c"}) {
+    ASSERT_TRUE(registry.Register(CpuNode(id), now, &returning).ok());
+  }
+  EXPECT_TRUE(absl::IsFailedPrecondition(registry.Remove("b"))) << "READY: drain it first";
+  EXPECT_TRUE(absl::IsNotFound(registry.Remove("zz")));
+  now += absl::Seconds(10);
+  google::protobuf::RepeatedPtrField<v1::GpuMetrics> no_metrics;
+  ASSERT_TRUE(registry.Touch("b", now, &no_metrics));
+  ASSERT_TRUE(registry.Touch("c", now, &no_metrics));
+  now += absl::Seconds(10);
+  ASSERT_EQ(registry.Expire(now).size(), 1u);  // a
+  ASSERT_TRUE(registry.SetDrained("c", true, "", now).ok());
+  registry.QueueStop("c", "t1");
+  EXPECT_EQ(registry.Count(UsedResources()).nodes.at(v1::NODE_STATE_LOST), 1);
+
+  ASSERT_TRUE(registry.Remove("a").ok());
+  ASSERT_TRUE(registry.Remove("c").ok());
+  const NodeRegistry::Tally tally = registry.Count(UsedResources());
+  EXPECT_EQ(tally.nodes, (std::map<v1::NodeState, int64_t>{{v1::NODE_STATE_READY, 1}}));
+  EXPECT_EQ(tally.cpu_slots_total, 4);
+  ASSERT_EQ(registry.Capacity(UsedResources()).size(), 1u);
+  EXPECT_EQ(registry.Nodes().at(0).node_id(), "b");
+  auto stored = (*store)->ListNodes();
+  ASSERT_TRUE(stored.ok());
+  ASSERT_EQ(stored->size(), 1u);
+  EXPECT_EQ(stored->at(0).node_id(), "b");
+  // b's liveness slot moved when a's was freed: it still expires on time, and only it.
+  now += absl::Seconds(16);
+  auto expired = registry.Expire(now);
+  ASSERT_EQ(expired.size(), 1u);
+  EXPECT_EQ(expired[0].first, "b");
+
+  ASSERT_TRUE(registry.Register(CpuNode("c", "another-key"), now, &returning).ok());
+  EXPECT_FALSE(returning) << "a removed node comes back as a new one";
+  EXPECT_FALSE(registry.Find("c")->drained());
+  v1::HeartbeatResponse orders;
+  registry.TakeOrders("c", &orders);
+  EXPECT_EQ(orders.stop_size(), 0) << "the removed node's orders went with it";
 }
 
 }  // namespace

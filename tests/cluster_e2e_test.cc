@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <optional>
 #include <regex>
 #include <set>
@@ -82,21 +83,12 @@ class ClusterTest : public ::testing::Test {
     ASSERT_THAT(coordinator, IsOk());
     coordinator_.emplace(std::move(*coordinator));
     address_ = Address(*coordinator_);
-    // One worker with two slots, or (SecondWorker) two with one slot each.
-    const int workers = second_worker_ ? 2 : 1;
+    // One worker with two slots, or (second_worker_, third_worker_) two or three with one slot
+    // each.
+    const int workers = third_worker_ ? 3 : second_worker_ ? 2 : 1;
     for (int w = 0; w < workers; ++w) {
-      std::string name = w == 0 ? "e2e-node" : "e2e-node-2";
-      auto worker =
-          Subprocess::Start({BinDir() + "/tessera-worker", "--coordinator=" + address_,
-                             "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
-                             "--node_name=" + name, absl::StrCat("--cpu_slots=", 2 / workers),
-                             "--work_dir=" + dir_.path() + "/" + name, "--stop_grace=2s"},
-                            {.merge_stdout = false, .extra_env = worker_env_});
-      ASSERT_THAT(worker, IsOk());
-      (w == 0 ? worker_ : worker2_).emplace(std::move(*worker));
-      ASSERT_FALSE(Address(*(w == 0 ? worker_ : worker2_),
-                           w == 0 ? &worker_metrics_port_ : &worker2_metrics_port_)
-                       .empty());
+      StartWorker(w, workers);
+      if (HasFatalFailure()) return;
     }
     stub_ = v1::Coordinator::NewStub(MakeClientChannel(address_));
     // The workers register within their first heartbeat.
@@ -110,7 +102,33 @@ class ClusterTest : public ::testing::Test {
     FAIL() << "the workers did not register";
   }
 
+  static std::string WorkerName(int w) {
+    return w == 0 ? "e2e-node" : absl::StrCat("e2e-node-", w + 1);
+  }
+
+  // Starts worker `w` (0, 1 or 2) of `workers`, as SetUp does; again after a restart.
+  void StartWorker(int w, int workers) {
+    const std::string name = WorkerName(w);
+    auto worker =
+        Subprocess::Start({BinDir() + "/tessera-worker", "--coordinator=" + address_,
+                           "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
+                           "--node_name=" + name, absl::StrCat("--cpu_slots=", workers == 1 ? 2 : 1),
+                           "--work_dir=" + dir_.path() + "/" + name, "--stop_grace=2s"},
+                          {.merge_stdout = false, .extra_env = worker_env_});
+    ASSERT_THAT(worker, IsOk());
+    std::optional<Subprocess>& slot = w == 0 ? worker_ : w == 1 ? worker2_ : worker3_;
+    slot.emplace(std::move(*worker));
+    int unused_port = 0;
+    ASSERT_FALSE(Address(*slot, w == 0   ? &worker_metrics_port_
+                                : w == 1 ? &worker2_metrics_port_
+                                         : &unused_port)
+                     .empty());
+  }
+
   void TearDown() override {
+    if (worker3_) {
+      EXPECT_THAT(worker3_->Stop(SIGTERM), IsOk());
+    }
     if (worker2_) {
       EXPECT_THAT(worker2_->Stop(SIGTERM), IsOk());
     }
@@ -247,6 +265,8 @@ class ClusterTest : public ::testing::Test {
   std::string address_;
   int worker_metrics_port_ = 0;
   bool second_worker_ = false;
+  bool third_worker_ = false;
+  std::optional<Subprocess> worker3_;
   // NAME=VALUE added to the workers' environment (their trainers inherit it).
   std::vector<std::string> worker_env_;
   std::optional<Subprocess> worker2_;
@@ -820,6 +840,125 @@ TEST(LocalTest, TesseraLocalRunsAJobAndStopsCleanly) {
   auto left = RunCommand({"/bin/sh", "-c", "pgrep -f '[t]essera-.*" + dir.path() + "' || true"});
   ASSERT_THAT(left, IsOk());
   EXPECT_EQ(left->output, "");
+}
+
+}  // namespace
+}  // namespace tessera
+
+namespace tessera {
+namespace {
+
+class ThreeWorkerClusterTest : public ClusterTest {
+ protected:
+  void SetUp() override {
+    third_worker_ = true;
+    ClusterTest::SetUp();
+  }
+
+  v1::Node NodeNamed(const std::string& node_id) {
+    v1::ListNodesRequest request;
+    request.set_include_lost(true);
+    v1::ListNodesResponse response;
+    EXPECT_TRUE(stub_->ListNodes(Context().get(), request, &response).ok());
+    for (const auto& node : response.nodes()) {
+      if (node.node_id() == node_id) return node;
+    }
+    return v1::Node();
+  }
+};
+
+// The rolling upgrade of docs/operations.md with the real binaries: a node of a running 2-node
+// job is drained with --checkpoint; the job saves a checkpoint, stops and goes on on the other
+// two nodes; the drained worker is restarted (the upgrade) and comes back still drained, then is
+// undrained. The job, which may not restart at all (max_restarts 0), succeeds with no restart
+// counted and the losses of an uninterrupted run.
+TEST_F(ThreeWorkerClusterTest, ADrainedNodesJobCheckpointsMovesAndLosesNoStep) {
+  constexpr int kSteps = 60;
+  v1::JobSpec spec = Spec(kSteps);
+  spec.set_max_restarts(0);
+  const std::string job_id = Submit(spec);
+  ASSERT_TRUE(WaitForStep(job_id, 5, 120)) << Get(job_id).ShortDebugString();
+  v1::Job job = Get(job_id);
+  ASSERT_EQ(job.placements_size(), 2);
+  const std::string drained = job.placements(1).node_id();
+  const int drained_index = drained == "e2e-node" ? 0 : drained == "e2e-node-2" ? 1 : 2;
+
+  // Not an admin action a READY node allows.
+  v1::RemoveNodeRequest remove;
+  remove.set_node_id(drained);
+  v1::RemoveNodeResponse removed;
+  EXPECT_EQ(stub_->RemoveNode(Context().get(), remove, &removed).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+
+  v1::DrainNodeRequest drain;
+  drain.set_node_id(drained);
+  drain.set_checkpoint(true);
+  drain.set_reason("worker upgrade");
+  v1::DrainNodeResponse drain_response;
+  grpc::Status status = stub_->DrainNode(Context().get(), drain, &drain_response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(drain_response.node().state(), v1::NODE_STATE_DRAINING);
+  ASSERT_EQ(drain_response.moving_job_ids_size(), 1);
+  EXPECT_EQ(drain_response.moving_job_ids(0), job_id);
+
+  // The job moves: attempt 1 runs on the two other nodes.
+  absl::Time deadline = absl::Now() + absl::Seconds(120);
+  while (absl::Now() < deadline) {
+    job = Get(job_id);
+    if (job.attempt() == 1 && job.state() == v1::JOB_STATE_RUNNING) break;
+    ASSERT_NE(job.state(), v1::JOB_STATE_FAILED) << job.reason();
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ASSERT_EQ(job.attempt(), 1) << job.ShortDebugString();
+  for (const auto& rank : job.placements()) EXPECT_NE(rank.node_id(), drained);
+  EXPECT_TRUE(TrainerPids(dir_.path() + "/" + drained + "/").empty());
+
+  // The upgrade: the drained node's worker stops and starts again (a new binary would), and
+  // registers again still drained.
+  std::optional<Subprocess>& worker =
+      drained_index == 0 ? worker_ : drained_index == 1 ? worker2_ : worker3_;
+  ASSERT_THAT(worker->Stop(SIGTERM), IsOk());
+  worker.reset();
+  StartWorker(drained_index, 3);
+  ASSERT_FALSE(HasFatalFailure());
+  deadline = absl::Now() + absl::Seconds(30);
+  while (NodeNamed(drained).state() != v1::NODE_STATE_DRAINING && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  v1::Node node = NodeNamed(drained);
+  EXPECT_EQ(node.state(), v1::NODE_STATE_DRAINING);
+  EXPECT_TRUE(node.drained());
+  EXPECT_EQ(node.drain_reason(), "worker upgrade");
+  v1::UndrainNodeRequest undrain;
+  undrain.set_node_id(drained);
+  v1::UndrainNodeResponse undrain_response;
+  ASSERT_TRUE(stub_->UndrainNode(Context().get(), undrain, &undrain_response).ok());
+  EXPECT_EQ(undrain_response.node().state(), v1::NODE_STATE_READY);
+
+  job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  EXPECT_EQ(job.restarts(), 0);
+  ASSERT_EQ(job.attempts_size(), 2);
+  EXPECT_THAT(job.attempts(0).reason(), HasSubstr("node " + drained + " drained"));
+  EXPECT_FALSE(job.attempts(0).has_failure());
+  EXPECT_GE(job.attempts(1).start_step(), 5) << "resumed from the checkpoint saved for the move";
+  // That checkpoint is of the last step trained before the move: no step is trained twice.
+  EXPECT_EQ(job.attempts(1).start_step(), job.attempts(0).end_step());
+  std::cout << "moved off " << drained << " after step " << job.attempts(0).end_step() << "\n";
+  std::vector<v1::StepMetrics> curve = Curve(job_id);
+  ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps));
+
+  // The same job, uninterrupted: every step's loss is the same.
+  spec.set_name("uninterrupted");
+  spec.mutable_checkpoint()->set_directory(dir_.path() + "/uninterrupted");
+  v1::Job reference = WaitFor(Submit(spec), v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(reference.state(), v1::JOB_STATE_SUCCEEDED) << reference.reason();
+  std::vector<v1::StepMetrics> expected = Curve(reference.job_id());
+  ASSERT_EQ(expected.size(), static_cast<size_t>(kSteps));
+  for (int i = 0; i < kSteps; ++i) {
+    EXPECT_EQ(curve[i].step(), i + 1);
+    EXPECT_NEAR(curve[i].loss(), expected[i].loss(), 1e-4) << "step " << i + 1;
+  }
 }
 
 }  // namespace

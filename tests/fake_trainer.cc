@@ -11,6 +11,9 @@
 //                      heartbeat_interval_seconds from a thread, as the real trainer does;
 //   --stop_after_heartbeats=N  with --heartbeat: SIGSTOPs itself after N heartbeats (a hung rank);
 //   --ignore_sigterm   ignores SIGTERM (a grandchild inherits that);
+//   --checkpoint_on_signal=S  on the checkpoint-and-stop signal (kCheckpointAndStopSignal) takes
+//                      S seconds "saving", prints CHECKPOINTED and exits 0, as the trainer does;
+//                      without it the signal is ignored (a rank too busy to answer);
 //   --spawn_child      forks a grandchild that sleeps for the --sleep time (or an hour) and prints
 //                      CHILD_PID=<pid>;
 //   --lines=N          prints N lines "line <i>" to stderr;
@@ -38,6 +41,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/trainer_env.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "tessera/v1/trainer.pb.h"
@@ -50,6 +54,22 @@ void SleepSeconds(double seconds) {
   remaining.tv_nsec = static_cast<long>((seconds - static_cast<double>(remaining.tv_sec)) * 1e9);
   while (nanosleep(&remaining, &remaining) != 0) {
   }
+}
+
+// --checkpoint_on_signal's time; read by the handler.
+double checkpoint_seconds = 0;
+
+void CheckpointAndExit(int) {
+  // Only async-signal-safe calls.
+  timespec saving;
+  saving.tv_sec = static_cast<time_t>(checkpoint_seconds);
+  saving.tv_nsec =
+      static_cast<long>((checkpoint_seconds - static_cast<double>(saving.tv_sec)) * 1e9);
+  while (nanosleep(&saving, &saving) != 0) {
+  }
+  static const char kLine[] = "CHECKPOINTED\n";
+  [[maybe_unused]] ssize_t written = write(STDOUT_FILENO, kLine, sizeof(kLine) - 1);
+  _exit(0);
 }
 
 void PrintEnv(const char* name) {
@@ -133,6 +153,7 @@ int main(int argc, char** argv) {
     }
   }
   bool heartbeat = false;
+  bool checkpoint_on_signal = false;
   int stop_after_heartbeats = -1;
   int report_failure = -1;
   for (const std::string& arg : args) {
@@ -149,6 +170,9 @@ int main(int argc, char** argv) {
       sleep_seconds = std::atof(value.c_str());
     } else if (FlagValue(arg, "lines", &value)) {
       lines = std::atoi(value.c_str());
+    } else if (FlagValue(arg, "checkpoint_on_signal", &value)) {
+      checkpoint_on_signal = true;
+      checkpoint_seconds = std::atof(value.c_str());
     } else if (arg == "--ignore_sigterm") {
       ignore_sigterm = true;
     } else if (arg == "--spawn_child") {
@@ -172,6 +196,7 @@ int main(int argc, char** argv) {
 
   // Before the first heartbeat: a worker may stop a rank as soon as it has heard from it.
   if (ignore_sigterm) signal(SIGTERM, SIG_IGN);
+  signal(tessera::kCheckpointAndStopSignal, checkpoint_on_signal ? CheckpointAndExit : SIG_IGN);
   ReportChannel channel;
   if (has_task && !channel.Connect(task.report_socket())) {
     std::fprintf(stderr, "cannot connect to %s\n", task.report_socket().c_str());

@@ -339,6 +339,34 @@ TEST_F(SecurityTest, EveryRpcTimesEveryCallerGetsTheExpectedCode) {
     for (const auto& node : response.nodes()) EXPECT_TRUE(node.key_sha256().empty());
     return status;
   };
+  // Node operations: administrators only. n1 is drained and undrained (RegisterNode runs first); RemoveNode names a node that never registered, so that an admin gets NOT_FOUND
+  // (authorization comes before the lookup) and the node calls below still find n1.
+  rpcs["DrainNode"] = [&](const Caller& caller) {
+    v1::DrainNodeRequest request;
+    request.set_node_id("n1");
+    v1::DrainNodeResponse response;
+    grpc::Status status = coordinator(caller)->DrainNode(Context(caller).get(), request, &response);
+    if (status.ok()) {
+      // Undrained again at once: the calls after this one (PlanLayout) need n1's capacity.
+      v1::UndrainNodeRequest undrain;
+      undrain.set_node_id("n1");
+      v1::UndrainNodeResponse undrained;
+      EXPECT_TRUE(coordinator(caller)->UndrainNode(Context(caller).get(), undrain, &undrained).ok());
+    }
+    return status;
+  };
+  rpcs["UndrainNode"] = [&](const Caller& caller) {
+    v1::UndrainNodeRequest request;
+    request.set_node_id("n1");
+    v1::UndrainNodeResponse response;
+    return coordinator(caller)->UndrainNode(Context(caller).get(), request, &response);
+  };
+  rpcs["RemoveNode"] = [&](const Caller& caller) {
+    v1::RemoveNodeRequest request;
+    request.set_node_id("never-registered");
+    v1::RemoveNodeResponse response;
+    return coordinator(caller)->RemoveNode(Context(caller).get(), request, &response);
+  };
   rpcs["PlanLayout"] = [&](const Caller& caller) {
     v1::PlanLayoutRequest request;
     *request.mutable_spec() = Spec("plan");
@@ -418,6 +446,13 @@ TEST_F(SecurityTest, EveryRpcTimesEveryCallerGetsTheExpectedCode) {
                            {"admin (certificate)", kOk}, {"node", kDenied}}},
       {"ListNodes", {{"viewer", kOk}, {"alice (owner)", kOk}, {"bob (not owner)", kOk},
                      {"admin (certificate)", kOk}, {"node", kDenied}}},
+      {"DrainNode", {{"viewer", kDenied}, {"alice (owner)", kDenied}, {"bob (not owner)", kDenied},
+                     {"admin (certificate)", kOk}, {"node", kDenied}}},
+      {"UndrainNode", {{"viewer", kDenied}, {"alice (owner)", kDenied},
+                       {"bob (not owner)", kDenied}, {"admin (certificate)", kOk},
+                       {"node", kDenied}}},
+      {"RemoveNode", {{"viewer", kDenied}, {"alice (owner)", kDenied}, {"bob (not owner)", kDenied},
+                      {"admin (certificate)", Code::NOT_FOUND}, {"node", kDenied}}},
       {"PlanLayout", {{"viewer", kOk}, {"alice (owner)", kOk}, {"bob (not owner)", kOk},
                       {"admin (certificate)", kOk}, {"node", kDenied}}},
       {"CancelJob", {{"viewer", kDenied}, {"alice (owner)", kOk}, {"bob (not owner)", kDenied},

@@ -1,5 +1,7 @@
 // tessera-trainer: the process that trains one rank of a job. Launched by a
 // worker with a task file, or run standalone from flags.
+#include <atomic>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -461,6 +463,13 @@ int RunModelTool(const tessera::v1::TrainerTask& task) {
 
 }  // namespace
 
+namespace {
+// Set by kCheckpointAndStopSignal (common/trainer_env.h): a lock-free atomic, safe to store from
+// a signal handler.
+std::atomic<bool> checkpoint_and_stop{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
+}  // namespace
+
 int main(int argc, char** argv) {
   // Before anything else: a trainer whose worker is already gone must not start training.
   if (const char* worker_pid = std::getenv(tessera::kWorkerPidEnv); worker_pid != nullptr) {
@@ -536,7 +545,16 @@ int main(int argc, char** argv) {
                                            .rank = task.assignment().rank(),
                                            .interval = tessera::trainer::HeartbeatInterval(task)});
   }
-  tessera::trainer::TrainOptions train_options{.log = &std::cerr, .progress = &progress};
+  tessera::trainer::TrainOptions train_options{.log = &std::cerr,
+                                               .progress = &progress,
+                                               .stop_requested = &checkpoint_and_stop};
+  // Installed here, not at start: a signal before the loop (setup) ends the process, and the
+  // worker then stops the task as asked, without a checkpoint.
+  struct sigaction on_signal {};
+  on_signal.sa_handler = [](int) { checkpoint_and_stop.store(true, std::memory_order_relaxed); };
+  sigemptyset(&on_signal.sa_mask);
+  on_signal.sa_flags = SA_RESTART;
+  sigaction(tessera::kCheckpointAndStopSignal, &on_signal, nullptr);
   if (const char* step = std::getenv(tessera::kFaultNanLossAtStepEnv); step != nullptr) {
     if (!absl::SimpleAtoi(step, &train_options.nan_loss_from_step)) {
       std::cerr << "tessera-trainer: " << tessera::kFaultNanLossAtStepEnv

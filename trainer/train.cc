@@ -111,6 +111,11 @@ class Trainer {
       ReportFailure(kind, status);
       return status;
     }
+    if (result_.stopped) {
+      Log(absl::StrCat("stopped at step ", result_.final_step,
+                       " after its checkpoint, as the worker asked (the job moves to other nodes)"));
+      return result_;
+    }
     v1::TrainerReport report = NewReport();
     report.mutable_finished()->set_final_step(result_.final_step);
     report.mutable_finished()->set_final_loss(result_.final_loss);
@@ -789,21 +794,47 @@ class Trainer {
       }
       const int64_t eval_interval = spec_.data().eval_interval_steps();
       if (validation_.has_value() && (last || step_ % eval_interval == 0)) Evaluate();
-      if (!task_.checkpoint_directory().empty() &&
-          (last || (interval > 0 && step_ % interval == 0))) {
+      const bool periodic = interval > 0 && step_ % interval == 0;
+      if (!task_.checkpoint_directory().empty() && (last || periodic)) {
         if (auto status = SaveCheckpoint(last); !status.ok()) {
           *kind = v1::FAILURE_KIND_CHECKPOINT_ERROR;
           return status;
         }
+      }
+      if (!last && StopAgreed()) {
+        // This step's checkpoint, committed before the exit: the job resumes from it elsewhere.
+        if (!task_.checkpoint_directory().empty()) {
+          absl::Status saved =
+              periodic ? checkpointer_->Wait() : SaveCheckpoint(/*last=*/false, /*wait=*/true);
+          if (!saved.ok()) {
+            *kind = v1::FAILURE_KIND_CHECKPOINT_ERROR;
+            return saved;
+          }
+        }
+        result_.stopped = true;
+        break;
       }
     }
     result_.final_step = step_;
     return absl::OkStatus();
   }
 
-  // Starts the checkpoint of this step in the background (AsyncCheckpointer); the last one is
-  // waited for, so the job ends with it committed (and, with LoRA, its PEFT adapter written).
-  absl::Status SaveCheckpoint(bool last) {
+  // Whether any rank was asked to checkpoint and stop (TrainOptions::stop_requested): every
+  // rank takes part after every step, so that all stop after the same one.
+  bool StopAgreed() {
+    if (options_.stop_requested == nullptr) return false;
+    const bool asked = options_.stop_requested->load(std::memory_order_relaxed);
+    if (!group_.has_value()) return asked;
+    // On the CPU (Gloo, also beside NCCL): no device synchronisation for one flag.
+    std::vector<at::Tensor> flag{torch::full({1}, asked ? 1 : 0, torch::kInt32)};
+    group_->group->allreduce(flag)->wait();
+    return flag[0].item<int32_t>() > 0;
+  }
+
+  // Starts the checkpoint of this step in the background (AsyncCheckpointer); the last one (and
+  // one asked to `wait`) is waited for, so the job ends with it committed (and, with LoRA, the
+  // last one's PEFT adapter written).
+  absl::Status SaveCheckpoint(bool last, bool wait = false) {
     CheckpointState state{.step = step_,
                           .tokens_seen = tokens_seen_,
                           .layout = task_.plan().layout(),
@@ -816,9 +847,9 @@ class Trainer {
     const auto start = std::chrono::steady_clock::now();
     RETURN_IF_ERROR(checkpointer_->Start(
         state, last && spec_.checkpoint().export_safetensors(),
-        [this, last, committed](const v1::Checkpoint& checkpoint) {
-          // Rank 0's background thread; the last checkpoint is reported after the wait below.
-          if (last) {
+        [this, wait = last || wait, committed](const v1::Checkpoint& checkpoint) {
+          // Rank 0's background thread; a waited-for checkpoint is reported after the wait below.
+          if (wait) {
             *committed = checkpoint;
             return;
           }
@@ -826,7 +857,7 @@ class Trainer {
           *report.mutable_checkpoint() = checkpoint;
           Send(report);
         }));
-    if (!last) {
+    if (!last && !wait) {
       checkpoint_blocked_seconds_ += checkpointer_->last_blocked_seconds();
       return absl::OkStatus();
     }
@@ -834,7 +865,7 @@ class Trainer {
     checkpoint_blocked_seconds_ +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (rank() != 0) return absl::OkStatus();
-    if (lora_.has_value()) {
+    if (last && lora_.has_value()) {
       // Rank 0 holds every adapter (LoRA runs without tensor or pipeline splits).
       const std::string dir = absl::StrCat(committed->path(), "/adapter");
       RETURN_IF_ERROR(ExportPeftAdapter(*model_, *lora_, dir, spec_.model().from_pretrained()));

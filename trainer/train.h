@@ -5,6 +5,8 @@
 // accumulation micro-steps), checkpoints, and reports every step.
 #pragma once
 
+#include <atomic>
+
 #include <cstdint>
 #include <ostream>
 
@@ -36,6 +38,11 @@ struct TrainOptions {
   // --cuda_graphs: replay each micro-batch's forward and backward as a CUDA graph where the
   // layout allows (ShardedEngineOptions::cuda_graphs); the log says whether it does.
   bool cuda_graphs = false;
+  // Set (by a signal handler: kCheckpointAndStopSignal) when the worker asks this rank to save a
+  // checkpoint and stop. After each step the ranks agree whether any was asked (a one-element
+  // all-reduce); then they save that step's checkpoint, wait for its commit and return early,
+  // TrainResult::stopped set. May be null (never asked).
+  const std::atomic<bool>* stop_requested = nullptr;
 };
 
 struct TrainResult {
@@ -43,6 +50,9 @@ struct TrainResult {
   int64_t final_step = 0;
   double final_loss = 0;
   std::string resumed_from;
+  // Stopped before max_steps as asked (TrainOptions::stop_requested), after the checkpoint of
+  // final_step was committed.
+  bool stopped = false;
 };
 
 // Runs the task to max_steps. Every failure is also sent to `reporter` as a

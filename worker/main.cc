@@ -27,12 +27,18 @@ ABSL_FLAG(std::string, advertise_host, "",
           "hostname when listening on 0.0.0.0.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9465",
           "Prometheus /metrics listen address (host:port); empty disables it.");
-ABSL_FLAG(std::string, work_dir, "tessera-work",
-          "Directory for task files, per-rank logs and the trainers' report socket.");
+ABSL_FLAG(std::string, work_dir, "",
+          "Directory for the node key, task files, per-rank logs and the trainers' report socket; "
+          "empty: $XDG_STATE_HOME/tessera/worker/NODE (~/.local/state/tessera/worker/NODE), "
+          "never the current directory. Keep it across restarts: the node key in it is the "
+          "node's identity to the coordinator.");
 ABSL_FLAG(int, cpu_slots, 0, "Trainer ranks this node runs on CPU (for nodes without GPUs).");
 ABSL_FLAG(std::string, trainer, "",
           "Path of tessera-trainer; empty means the tessera-trainer beside this binary.");
 ABSL_FLAG(std::vector<std::string>, labels, {}, "Node labels as key=value,key=value.");
+ABSL_FLAG(absl::Duration, checkpoint_grace, absl::Minutes(10),
+          "Time the ranks of a task asked to checkpoint and stop (its node drained with "
+          "--checkpoint) get to save the checkpoint and exit before they are stopped.");
 ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
           "Time between SIGTERM and SIGKILL when stopping trainers.");
 ABSL_FLAG(std::string, tls_cert, "",
@@ -69,6 +75,29 @@ ABSL_FLAG(bool, watch_assignments, true,
 // Join token of the worker when --join_token_file is not given.
 constexpr char kJoinTokenEnv[] = "TESSERA_JOIN_TOKEN";
 
+namespace {
+
+// Base of the default work directory (XDG Base Directory: state that persists across restarts).
+constexpr char kStateHomeEnv[] = "XDG_STATE_HOME";
+// Home directory, for ~/.local/state when XDG_STATE_HOME is unset.
+constexpr char kHomeEnv[] = "HOME";
+
+// The work directory when --work_dir is empty: per node name, so that several workers on one
+// machine (tests, the demo) never share a node key, and outside any source tree.
+std::filesystem::path DefaultWorkDir(const std::string& node_id) {
+  std::filesystem::path state;
+  if (const char* xdg = std::getenv(kStateHomeEnv); xdg != nullptr && xdg[0] == '/') {
+    state = xdg;
+  } else if (const char* home = std::getenv(kHomeEnv); home != nullptr && home[0] != '\0') {
+    state = std::filesystem::path(home) / ".local" / "state";
+  } else {
+    state = std::filesystem::temp_directory_path();
+  }
+  return state / "tessera" / "worker" / node_id;
+}
+
+}  // namespace
+
 constexpr char kUsage[] =
     "Usage: tessera-worker --coordinator=HOST:PORT [--node_name=NAME] [--cpu_slots=N]\n"
     "                      [--listen=HOST:PORT] [--metrics_listen=HOST:PORT] [--work_dir=DIR]\n\n"
@@ -102,7 +131,10 @@ int main(int argc, char** argv) {
     gethostname(name, sizeof(name) - 1);
     agent.node_id = name;
   }
-  agent.work_dir = std::filesystem::absolute(absl::GetFlag(FLAGS_work_dir)).string();
+  const std::string work_dir = absl::GetFlag(FLAGS_work_dir);
+  agent.work_dir = std::filesystem::absolute(work_dir.empty() ? DefaultWorkDir(agent.node_id)
+                                                              : std::filesystem::path(work_dir))
+                       .string();
   agent.cpu_slots = absl::GetFlag(FLAGS_cpu_slots);
   agent.trainer_path = absl::GetFlag(FLAGS_trainer);
   if (agent.trainer_path.empty()) {
@@ -115,6 +147,7 @@ int main(int argc, char** argv) {
     agent.labels[kv.first] = kv.second;
   }
   agent.stop_grace = absl::GetFlag(FLAGS_stop_grace);
+  agent.checkpoint_grace = absl::GetFlag(FLAGS_checkpoint_grace);
   agent.trainer_threads = absl::GetFlag(FLAGS_trainer_threads);
   agent.watch_assignments = absl::GetFlag(FLAGS_watch_assignments);
 

@@ -3,6 +3,8 @@ target_sources(tessera_worker PRIVATE trainer_process.cc log_reader.cc orphans.c
 if(TESSERA_BUILD_TESTS)
   add_executable(fake_trainer ${PROJECT_SOURCE_DIR}/tests/fake_trainer.cc)
   target_link_libraries(fake_trainer PRIVATE tessera::proto)
+  # common/trainer_env.h only (header-only): the signal the worker sends.
+  target_include_directories(fake_trainer PRIVATE "${PROJECT_SOURCE_DIR}")
   set_target_properties(fake_trainer PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${CMAKE_BINARY_DIR}/tests")
   tessera_add_test(NAME trainer_process_test SOURCES trainer_process_test.cc log_reader_test.cc LIBS tessera::worker tessera::test_util)
   target_compile_definitions(trainer_process_test PRIVATE TESSERA_FAKE_TRAINER="$<TARGET_FILE:fake_trainer>")

@@ -230,6 +230,12 @@ ExitStatus TrainerProcess::Stop(absl::Duration grace) {
   }
 }
 
+void TrainerProcess::Signal(int signal) {
+  absl::MutexLock lock(&mu_);
+  // While the child is not reaped its pid cannot be reused: the signal reaches the trainer.
+  if (!exit_status_.has_value()) kill(pid_, signal);
+}
+
 ExitStatus TrainerProcess::Kill() {
   absl::MutexLock lock(&mu_);
   if (exit_status_.has_value()) return *exit_status_;

@@ -80,6 +80,10 @@ class TrainerProcess {
   // same status without signalling anything.
   ExitStatus Stop(absl::Duration grace);
 
+  // Sends `signal` to the trainer process alone (not its group: helpers it started keep their
+  // default dispositions); a no-op once it has exited.
+  void Signal(int signal);
+
   // SIGKILL to the group at once, then reaps; for a hung rank, which a SIGTERM may never reach (a
   // stopped process only queues it). Idempotent like Stop.
   ExitStatus Kill();

@@ -113,8 +113,13 @@ void WorkerAgent::SetReportObserver(std::function<void(const v1::TrainerReport&)
   report_observer_ = std::move(observer);
 }
 
+void WorkerAgent::SetRegistrationObserver(std::function<void(bool registered)> observer) {
+  registration_observer_ = std::move(observer);
+}
+
 absl::Status WorkerAgent::Start(const std::string& advertise_address) {
   advertise_address_ = advertise_address;
+  if (options_.work_dir.empty()) return absl::InvalidArgumentError("--work_dir: empty");
   std::error_code error;
   std::filesystem::create_directories(options_.work_dir, error);
   if (error) {
@@ -288,12 +293,17 @@ absl::Status WorkerAgent::RegisterNow() {
 void WorkerAgent::HeartbeatLoop() {
   absl::Duration wait = absl::ZeroDuration();
   std::string last_error;
+  std::optional<bool> registration_told;
   while (WaitForHeartbeat(wait)) {
     bool registered;
     {
       absl::MutexLock lock(&mu_);
       registered = registered_;
       wait = heartbeat_interval_;
+    }
+    if (registration_observer_ && registration_told != registered) {
+      registration_observer_(registered);
+      registration_told = registered;
     }
     if (!registered) {
       if (auto status = RegisterNow(); !status.ok()) {
@@ -358,6 +368,18 @@ void WorkerAgent::HeartbeatLoop() {
     for (const auto& id : response.stop()) {
       // The supervise loop decides STOPPED or FAILED, and stops the processes.
       if (auto it = tasks_.find(id); it != tasks_.end()) it->second.stop_requested = true;
+    }
+    for (const auto& id : response.checkpoint_and_stop()) {
+      auto it = tasks_.find(id);
+      if (it == tasks_.end() || it->second.stop_requested || IsTerminal(it->second.state)) continue;
+      Task& task = it->second;
+      task.stop_requested = true;
+      task.checkpoint_deadline = absl::Now() + options_.checkpoint_grace;
+      for (Rank& rank : task.ranks) {
+        if (rank.process && !rank.exit) rank.process->Signal(kCheckpointAndStopSignal);
+      }
+      std::cerr << "tessera-worker: task " << id << ": asked its ranks to save a checkpoint and "
+                << "stop (up to " << options_.checkpoint_grace << ")" << std::endl;
     }
     for (const auto& assignment : response.start()) LaunchLocked(assignment);
   }
@@ -570,8 +592,13 @@ void WorkerAgent::JudgeTaskLocked(Task& task, absl::Time now) {
       return;
     }
   } else if (task.stop_requested) {
-    task.state = v1::TASK_STATE_STOPPED;
-    return;
+    // Asked for a checkpoint first: the ranks exit on their own once it is saved.
+    const bool checkpointing =
+        task.checkpoint_deadline.has_value() && rank_running && now < *task.checkpoint_deadline;
+    if (!checkpointing) {
+      task.state = v1::TASK_STATE_STOPPED;
+      return;
+    }
   } else if (!rank_running) {
     task.state = v1::TASK_STATE_SUCCEEDED;
     return;

@@ -52,8 +52,9 @@ struct WorkerAgentOptions {
   std::string coordinator_address = "127.0.0.1:50051";
   // Node identity in the cluster.
   std::string node_id;
-  // Task files, logs and the report socket live here.
-  std::string work_dir = "tessera-work";
+  // Task files, logs and the report socket live here (required; main.cc picks a default outside
+  // the current directory).
+  std::string work_dir;
   // Trainer ranks a node without GPUs runs at once.
   int cpu_slots = 0;
   // Intra-op threads of each trainer (OMP_NUM_THREADS, MKL_NUM_THREADS); 0: the cores this
@@ -65,6 +66,9 @@ struct WorkerAgentOptions {
   std::map<std::string, std::string> labels;
   // SIGTERM-to-SIGKILL grace when stopping trainers.
   absl::Duration stop_grace = absl::Seconds(10);
+  // How long the ranks of a task asked to checkpoint and stop (a drained node) get to save their
+  // checkpoint and exit before they are stopped as for a plain stop order.
+  absl::Duration checkpoint_grace = absl::Minutes(10);
   // Period of the supervision and relay loops.
   absl::Duration poll_interval = absl::Milliseconds(200);
   // Written into each TrainerTask: how often its rank sends a RankHeartbeat.
@@ -104,6 +108,10 @@ class WorkerAgent {
       std::function<void(const std::vector<v1::GpuDevice>&, const std::vector<GpuSample>&)>
           observer);
   void SetReportObserver(std::function<void(const v1::TrainerReport&)> observer);
+  // Called with true once the node has registered with the coordinator, and with false when the
+  // coordinator stops answering or asks for a new registration (readiness). Runs on the
+  // heartbeat thread, outside the agent's lock.
+  void SetRegistrationObserver(std::function<void(bool registered)> observer);
 
   // Opens the report socket and starts the loops; the coordinator reaches
   // this worker's own service at `advertise_address` (host:port).
@@ -157,6 +165,9 @@ class WorkerAgent {
     // The coordinator ordered the task stopped; the supervise loop decides
     // between STOPPED and FAILED (a rank that had already failed on its own).
     bool stop_requested = false;
+    // The coordinator asked for a checkpoint before the stop: the ranks were signalled and get
+    // until then to save it and exit on their own.
+    std::optional<absl::Time> checkpoint_deadline;
     // When a failed rank was first seen, for the peer-failure grace.
     std::optional<absl::Time> first_failure_seen;
     // Until when the end of the task is held back for its unrelayed reports.
@@ -228,6 +239,7 @@ class WorkerAgent {
   std::function<void(const std::vector<v1::GpuDevice>&, const std::vector<GpuSample>&)>
       gpu_observer_;
   std::function<void(const v1::TrainerReport&)> report_observer_;
+  std::function<void(bool)> registration_observer_;
   int listen_fd_ = -1;
 
   absl::Mutex mu_;

@@ -453,3 +453,60 @@ TEST_F(WorkerAgentTest, ANewTaskWaitsForTheStoppingRanksOnItsGpusAndNoOther) {
 
 }  // namespace
 }  // namespace tessera::worker
+
+namespace tessera::worker {
+namespace {
+
+// The coordinator's checkpoint_and_stop for kTaskId, in every heartbeat once both ranks run.
+void AskForACheckpointOnceRunning(FakeCoordinator& coordinator) {
+  coordinator.OnHeartbeat([](const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response) {
+    if (StateIn(request, kTaskId) == v1::TASK_STATE_RUNNING) {
+      response->add_checkpoint_and_stop(kTaskId);
+    }
+  });
+}
+
+std::string RankLog(const std::string& work_dir, int rank) {
+  std::ifstream in(absl::StrCat(work_dir, "/jobs/job-1/attempt-0/rank-", rank, ".log"));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Asked to checkpoint and stop, the worker signals the ranks instead of SIGTERM and waits while
+// they save: ranks that ignore SIGTERM still end at once, on their own, and the task is STOPPED.
+TEST_F(WorkerAgentTest, CheckpointAndStopSignalsTheRanksAndWaitsForThemToExit) {
+  WorkerAgentOptions options;
+  options.stop_grace = absl::Seconds(30);  // a SIGTERM would cost the whole grace
+  options.checkpoint_grace = absl::Seconds(60);
+  const std::string flags = "--heartbeat --ignore_sigterm --checkpoint_on_signal=0.5 --sleep=120";
+  StartCluster(TwoRanks(0), flags, flags, options);
+  AskForACheckpointOnceRunning(*coordinator_);
+  const absl::Time started = absl::Now();
+  const v1::TaskStatus status = coordinator_->WaitForEnd(absl::Seconds(20));
+  ASSERT_EQ(status.state(), v1::TASK_STATE_STOPPED) << status.ShortDebugString();
+  EXPECT_LT(absl::Now() - started, absl::Seconds(15)) << "the ranks were not stopped by the save";
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_THAT(RankLog(work_dir_, rank), HasSubstr("CHECKPOINTED")) << "rank " << rank;
+  }
+  EXPECT_EQ(coordinator_->trainers_at_end(), 0) << "the end went out before the ranks exited";
+}
+
+// Ranks that do not answer within the checkpoint grace are stopped as for a plain stop order.
+TEST_F(WorkerAgentTest, CheckpointAndStopFallsBackToAStopAfterTheGrace) {
+  WorkerAgentOptions options;
+  options.stop_grace = absl::Seconds(2);
+  options.checkpoint_grace = absl::Seconds(1);
+  const std::string flags = "--heartbeat --sleep=120";  // the signal is ignored
+  StartCluster(TwoRanks(0), flags, flags, options);
+  AskForACheckpointOnceRunning(*coordinator_);
+  const v1::TaskStatus status = coordinator_->WaitForEnd(absl::Seconds(30));
+  ASSERT_EQ(status.state(), v1::TASK_STATE_STOPPED) << status.ShortDebugString();
+  EXPECT_EQ(PidFilesAfterWait(), 0);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_THAT(RankLog(work_dir_, rank), ::testing::Not(HasSubstr("CHECKPOINTED")));
+  }
+}
+
+}  // namespace
+}  // namespace tessera::worker

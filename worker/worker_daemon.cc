@@ -29,7 +29,14 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOp
                             .listen_address = options.listen_address,
                             .metrics_listen_address = options.metrics_listen_address,
                             .credentials = std::move(server_credentials)},
-                           {{v1::Worker::service_full_name(), daemon->worker_service_.get()}}));
+                           {{.name = v1::Worker::service_full_name(),
+                             .service = daemon->worker_service_.get(),
+                             .serving_at_start = false}}));
+  // Readiness (the chart's probe asks for this service): serving once registered.
+  DaemonServers* servers = daemon->servers_.get();
+  daemon->agent_->SetRegistrationObserver([servers](bool registered) {
+    servers->SetServing(v1::Worker::service_full_name(), registered);
+  });
   if (prometheus::Registry* registry = daemon->servers_->registry(); registry != nullptr) {
     char name[256] = {};
     gethostname(name, sizeof(name) - 1);
