@@ -9,15 +9,28 @@ fail() { echo "image-test-cpu: FAIL: $*" >&2; exit 1; }
 step() { echo "image-test-cpu: $*"; }
 
 [[ $(id -u) == 10001 ]] || fail "runs as uid $(id -u), not 10001"
+for object in /usr/local/bin/tessera* /usr/local/lib/libtessera_sentencepiece.so; do
+  listing=$(/lib64/ld-linux-x86-64.so.2 --list "$object" 2>&1) || fail "$object: $listing"
+  ! grep 'not found' <<<"$listing" || fail "$object does not resolve"
+done
 for binary in /usr/local/bin/tessera*; do
-  listing=$(/lib64/ld-linux-x86-64.so.2 --list "$binary" 2>&1) || fail "$binary: $listing"
-  ! grep 'not found' <<<"$listing" || fail "$binary does not resolve"
   "$binary" --version >/dev/null || fail "$binary --version"
 done
 tessera-trainer --version
 tessera-trainer --version | grep -q 'CUDA off' || fail "the trainer is not the CPU build"
 corpus=/usr/local/share/tessera/corpus/kjv-genesis-ruth.txt
 [[ -f "$corpus" ]] || fail "no bundled corpus at $corpus"
+
+# The trainer dlmopen()s the SentencePiece shim from ../lib beside it: a file that is no model
+# must get as far as SentencePiece's own parser.
+echo "not a model" >/tmp/junk.model
+spm=$(tessera-trainer prepare --input="$corpus" --output_dir=/tmp/spm --tokenizer=/tmp/junk.model \
+        2>&1 || true)
+if grep -q 'cannot load the SentencePiece library' <<<"$spm" || ! grep -qi 'junk.model' <<<"$spm"; then
+  echo "$spm" >&2
+  fail "the SentencePiece shim does not load"
+fi
+step "SentencePiece shim loads (a junk model is refused by SentencePiece: $(tail -n 1 <<<"$spm" | cut -c1-100))"
 
 step "tessera-trainer --check"
 start=$SECONDS

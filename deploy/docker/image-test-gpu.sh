@@ -17,7 +17,7 @@ for dir in "$lib"/nvidia/*/lib; do
   [[ ":$LD_LIBRARY_PATH:" == *":$dir:"* ]] || fail "LD_LIBRARY_PATH lacks $dir"
 done
 
-objects=(/usr/local/bin/tessera* "$lib"/*.so* "$lib"/torch/lib/*.so* "$lib"/nvidia/*/lib/*.so*
+objects=(/usr/local/bin/tessera* /usr/local/lib/libtessera_sentencepiece.so "$lib"/*.so* "$lib"/torch/lib/*.so* "$lib"/nvidia/*/lib/*.so*
          /usr/lib/x86_64-linux-gnu/libibverbs/*.so /usr/lib/x86_64-linux-gnu/libibverbs.so.1
          /usr/lib/x86_64-linux-gnu/librdmacm.so.1)
 checked=0 skipped=0 bad=0
