@@ -45,11 +45,12 @@ for object in "$@"; do
     fi
     [[ -n "${seen[$soname]:-}" ]] && continue
     seen[$soname]=1
-    # Through libtorch's RPATH a path reads torch/lib/../../nvidia/...: classify the real one.
+    # Through libtorch's RPATH a path reads torch/lib/../../nvidia/...: classify the real one,
+    # nvidia first (the build's venv is /opt/torch/lib/python3.*/...).
     real=$(readlink -f "$path")
     case "$real" in
-      */torch/lib/*) origin="torch" ;;
       */nvidia/*/lib/*) origin="nvidia/$(echo "$real" | sed 's|.*/nvidia/\([^/]*\)/lib/.*|\1|')" ;;
+      */torch/lib/*) origin="torch" ;;
       *) origin=$(owner_of "$path") || { echo "collect-libs: no package owns $path" >&2; exit 1; } ;;
     esac
     bytes=$(stat -L -c %s "$path")
