@@ -57,8 +57,10 @@ start=$SECONDS
 step "a coordinator, a worker (2 CPU slots) and a 2-rank job, in $work"
 tessera-trainer prepare --input="$corpus" --output_dir="$work/data" >"$work/prepare.log" 2>&1 ||
   { cat "$work/prepare.log" >&2; fail "prepare"; }
+# buildah's chroot isolation shares the host's network: a master port off the default 29500
+# keeps clear of the host's own jobs and tests.
 tessera-coordinator --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
-  --state="$work/coordinator.db" --checkpoint_root="$work/checkpoints" 2>"$work/coordinator.log" &
+  --master_port_base=$((20000 + RANDOM % 20000)) --state="$work/coordinator.db" --checkpoint_root="$work/checkpoints" 2>"$work/coordinator.log" &
 pids+=($!)
 wait_for_line "$work/coordinator.log" "serving gRPC on"
 address=$(sed -n 's/.*serving gRPC on \([^,]*\).*/\1/p' "$work/coordinator.log")
