@@ -87,6 +87,22 @@ class PhaseTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
+// The history entry of `allocation`'s attempt of `job`, ended at `now` for `reason`.
+v1::JobAttempt EndedAttempt(const Allocation& allocation, const v1::Job& job, absl::Time now,
+                            const std::string& reason) {
+  v1::JobAttempt record;
+  record.set_attempt(allocation.attempt);
+  for (const auto& node : allocation.Nodes()) record.add_node_ids(node);
+  record.set_world_size(static_cast<int>(allocation.ranks.size()));
+  *record.mutable_layout() = job.plan().layout();
+  record.set_start_step(allocation.start_step);
+  record.set_end_step(job.current_step());
+  *record.mutable_start_time() = ToProto(allocation.placed_time);
+  *record.mutable_end_time() = ToProto(now);
+  record.set_reason(reason);
+  return record;
+}
+
 }  // namespace
 
 Cluster::Cluster(Store* store, JobManager* jobs, ClusterOptions options)
@@ -490,16 +506,7 @@ void Cluster::DecideLocked(const std::string& job_id, Allocation& allocation, ab
   } else {
     reason = description;
   }
-  v1::JobAttempt record;
-  record.set_attempt(allocation.attempt);
-  for (const auto& node : allocation.Nodes()) record.add_node_ids(node);
-  record.set_world_size(static_cast<int>(allocation.ranks.size()));
-  *record.mutable_layout() = job->plan().layout();
-  record.set_start_step(allocation.start_step);
-  record.set_end_step(job->current_step());
-  *record.mutable_start_time() = ToProto(allocation.placed_time);
-  *record.mutable_end_time() = ToProto(now);
-  record.set_reason(description);
+  v1::JobAttempt record = EndedAttempt(allocation, *job, now, description);
   *record.mutable_failure() = primary;
   std::vector<v1::JobEvent> events;
   *events.emplace_back().mutable_failure() = primary;
@@ -555,16 +562,7 @@ void Cluster::SettleMoveLocked(const std::string& job_id, Allocation& allocation
       allocation.moving_off.empty() ? std::string("a node was drained")
                                     : absl::StrCat("node ", allocation.moving_off, " drained"),
       ": attempt ", allocation.attempt, " saved a checkpoint and stopped");
-  v1::JobAttempt record;
-  record.set_attempt(allocation.attempt);
-  for (const auto& node : allocation.Nodes()) record.add_node_ids(node);
-  record.set_world_size(static_cast<int>(allocation.ranks.size()));
-  *record.mutable_layout() = job->plan().layout();
-  record.set_start_step(allocation.start_step);
-  record.set_end_step(job->current_step());
-  *record.mutable_start_time() = ToProto(allocation.placed_time);
-  *record.mutable_end_time() = ToProto(now);
-  record.set_reason(description);
+  v1::JobAttempt record = EndedAttempt(allocation, *job, now, description);
   auto transitioned = jobs_->Transition(
       job_id, v1::JOB_STATE_RESTARTING,
       absl::StrCat(description, "; placed again from ",

@@ -247,6 +247,21 @@ class ClusterTest : public ::testing::Test {
     return {curve.points().begin(), curve.points().end()};
   }
 
+  // Runs `spec` again without interruption (its own checkpoint directory) and expects `curve`'s
+  // losses, step by step.
+  void ExpectTheLossesOfAnUninterruptedRun(v1::JobSpec spec,
+                                           const std::vector<v1::StepMetrics>& curve) {
+    spec.set_name("uninterrupted");
+    spec.mutable_checkpoint()->set_directory(dir_.path() + "/uninterrupted");
+    v1::Job reference = WaitFor(Submit(spec), v1::JOB_STATE_SUCCEEDED, 240);
+    ASSERT_EQ(reference.state(), v1::JOB_STATE_SUCCEEDED) << reference.reason();
+    std::vector<v1::StepMetrics> expected = Curve(reference.job_id());
+    ASSERT_EQ(expected.size(), curve.size());
+    for (size_t i = 0; i < curve.size(); ++i) {
+      EXPECT_NEAR(curve[i].loss(), expected[i].loss(), 1e-4) << "step " << i + 1;
+    }
+  }
+
   std::vector<v1::JobEvent> Events(const std::string& job_id) {
     v1::WatchJobRequest request;
     request.set_job_id(job_id);
@@ -503,15 +518,7 @@ TEST_F(ClusterTest, KilledRankRestartsAndRetrainsTheLostStepsExactly) {
                                                   "JOB_STATE_SUCCEEDED"));
 
   // The same job without the failure: the retrained steps have the same losses.
-  spec.set_name("uninterrupted");
-  spec.mutable_checkpoint()->set_directory(dir_.path() + "/uninterrupted");
-  v1::Job reference = WaitFor(Submit(spec), v1::JOB_STATE_SUCCEEDED, 240);
-  ASSERT_EQ(reference.state(), v1::JOB_STATE_SUCCEEDED) << reference.reason();
-  std::vector<v1::StepMetrics> expected = Curve(reference.job_id());
-  ASSERT_EQ(expected.size(), static_cast<size_t>(kSteps));
-  for (int i = 0; i < kSteps; ++i) {
-    EXPECT_NEAR(curve[i].loss(), expected[i].loss(), 1e-4) << "step " << i + 1;
-  }
+  ExpectTheLossesOfAnUninterruptedRun(spec, curve);
 }
 
 TEST_F(ClusterTest, WithoutRestartsTheKilledRankIsBlamedNotItsPeer) {
@@ -948,17 +955,8 @@ TEST_F(ThreeWorkerClusterTest, ADrainedNodesJobCheckpointsMovesAndLosesNoStep) {
   std::vector<v1::StepMetrics> curve = Curve(job_id);
   ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps));
 
-  // The same job, uninterrupted: every step's loss is the same.
-  spec.set_name("uninterrupted");
-  spec.mutable_checkpoint()->set_directory(dir_.path() + "/uninterrupted");
-  v1::Job reference = WaitFor(Submit(spec), v1::JOB_STATE_SUCCEEDED, 240);
-  ASSERT_EQ(reference.state(), v1::JOB_STATE_SUCCEEDED) << reference.reason();
-  std::vector<v1::StepMetrics> expected = Curve(reference.job_id());
-  ASSERT_EQ(expected.size(), static_cast<size_t>(kSteps));
-  for (int i = 0; i < kSteps; ++i) {
-    EXPECT_EQ(curve[i].step(), i + 1);
-    EXPECT_NEAR(curve[i].loss(), expected[i].loss(), 1e-4) << "step " << i + 1;
-  }
+  for (int i = 0; i < kSteps; ++i) EXPECT_EQ(curve[i].step(), i + 1);
+  ExpectTheLossesOfAnUninterruptedRun(spec, curve);
 }
 
 }  // namespace

@@ -471,6 +471,14 @@ static_assert(std::atomic<bool>::is_always_lock_free);
 }  // namespace
 
 int main(int argc, char** argv) {
+  // First: the worker signals a rank only once it has reported (worker_agent.cc), but the
+  // signal's default action would end a process that has no handler yet. One asked during setup
+  // stops after its first step.
+  struct sigaction on_signal {};
+  on_signal.sa_handler = [](int) { checkpoint_and_stop.store(true, std::memory_order_relaxed); };
+  sigemptyset(&on_signal.sa_mask);
+  on_signal.sa_flags = SA_RESTART;
+  sigaction(tessera::kCheckpointAndStopSignal, &on_signal, nullptr);
   // Before anything else: a trainer whose worker is already gone must not start training.
   if (const char* worker_pid = std::getenv(tessera::kWorkerPidEnv); worker_pid != nullptr) {
     if (absl::Status status = tessera::trainer::DieWithWorker(worker_pid); !status.ok()) {
@@ -548,13 +556,6 @@ int main(int argc, char** argv) {
   tessera::trainer::TrainOptions train_options{.log = &std::cerr,
                                                .progress = &progress,
                                                .stop_requested = &checkpoint_and_stop};
-  // Installed here, not at start: a signal before the loop (setup) ends the process, and the
-  // worker then stops the task as asked, without a checkpoint.
-  struct sigaction on_signal {};
-  on_signal.sa_handler = [](int) { checkpoint_and_stop.store(true, std::memory_order_relaxed); };
-  sigemptyset(&on_signal.sa_mask);
-  on_signal.sa_flags = SA_RESTART;
-  sigaction(tessera::kCheckpointAndStopSignal, &on_signal, nullptr);
   if (const char* step = std::getenv(tessera::kFaultNanLossAtStepEnv); step != nullptr) {
     if (!absl::SimpleAtoi(step, &train_options.nan_loss_from_step)) {
       std::cerr << "tessera-trainer: " << tessera::kFaultNanLossAtStepEnv

@@ -375,9 +375,7 @@ void WorkerAgent::HeartbeatLoop() {
       Task& task = it->second;
       task.stop_requested = true;
       task.checkpoint_deadline = absl::Now() + options_.checkpoint_grace;
-      for (Rank& rank : task.ranks) {
-        if (rank.process && !rank.exit) rank.process->Signal(kCheckpointAndStopSignal);
-      }
+      SignalCheckpointLocked(task);
       std::cerr << "tessera-worker: task " << id << ": asked its ranks to save a checkpoint and "
                 << "stop (up to " << options_.checkpoint_grace << ")" << std::endl;
     }
@@ -621,6 +619,17 @@ void WorkerAgent::JudgeTaskLocked(Task& task, absl::Time now) {
   }
 }
 
+void WorkerAgent::SignalCheckpointLocked(Task& task) {
+  for (Rank& rank : task.ranks) {
+    if (!rank.process || rank.exit || rank.checkpoint_signalled) continue;
+    // A rank not heard from yet may still be loading: the signal would kill it. The next
+    // supervise poll signals it once it has reported.
+    if (!rank.reporting && !rank.last_heartbeat) continue;
+    rank.process->Signal(kCheckpointAndStopSignal);
+    rank.checkpoint_signalled = true;
+  }
+}
+
 void WorkerAgent::SuperviseLoop() {
   while (!stop_.WaitForNotificationWithTimeout(options_.poll_interval)) {
     std::vector<TrainerProcess*> to_kill;
@@ -630,6 +639,7 @@ void WorkerAgent::SuperviseLoop() {
       const absl::Time now = absl::Now();
       for (auto& [id, task] : tasks_) {
         for (auto& rank : task.ranks) PollRankLocked(rank);
+        if (task.checkpoint_deadline && !IsTerminal(task.state)) SignalCheckpointLocked(task);
         if (task.state == v1::TASK_STATE_RUNNING) JudgeTaskLocked(task, now);
         if (IsTerminal(task.state)) {
           // A failed rank's siblings would hang in their next collective: stop them too. A hung

@@ -149,6 +149,9 @@ class WorkerAgent {
     // stream has since ended (the reader saw end of file).
     bool reporting = false;
     bool reports_ended = false;
+    // Sent kCheckpointAndStopSignal (only once the rank has reported: the trainer installs its
+    // handler before it connects, and the signal's default action would kill it).
+    bool checkpoint_signalled = false;
   };
   struct Task {
     std::string task_id;
@@ -217,6 +220,9 @@ class WorkerAgent {
   bool ProcessesGoneLocked(Task& task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Decides a running task's state from its ranks' exits and heartbeats.
   void JudgeTaskLocked(Task& task, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends kCheckpointAndStopSignal to each running rank of a task asked to checkpoint and stop
+  // that has reported and was not signalled yet.
+  void SignalCheckpointLocked(Task& task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The failure of a rank that exited non-zero: its own typed report, else
   // the exit status; stamped with when the exit was seen if it has no time.
   v1::TrainerFailure ExitFailureLocked(const Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
