@@ -77,6 +77,17 @@ ensure_wheels() {
 build_one() {  # target
   local target="$1" args=()
   args+=(--build-arg "BASE_IMAGE=$base" --build-arg "RUNTIME_IMAGE=$base")
+  # What --version reports: the build context has no .git.
+  local commit=""
+  if [[ -n "${IMAGE_CONTEXT:-}" ]]; then
+    commit=$(git -C "$repo" rev-parse --short=12 "$IMAGE_CONTEXT" 2>/dev/null || true)
+  else
+    commit=$(git -C "$repo" rev-parse --short=12 HEAD 2>/dev/null || true)
+    if [[ -n "$commit" ]] && ! git -C "$repo" diff --quiet HEAD 2>/dev/null; then
+      commit="$commit-dirty"
+    fi
+  fi
+  args+=(--build-arg "GIT_COMMIT=$commit")
   if [[ "${IMAGE_PIP:-wheels}" == pypi ]]; then
     args+=(-v "$(readlink -f /etc/ssl/certs/ca-certificates.crt):/run/host-ca.pem:ro"
            --build-arg "PIP_INSTALL_ARGS=--cert /run/host-ca.pem")
