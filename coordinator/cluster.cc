@@ -471,15 +471,8 @@ void Cluster::DecideLocked(const std::string& job_id, Allocation& allocation, ab
       !(cause_known && waited >= options_.blame_grace)) {
     return;
   }
-  auto job = store_->GetJob(job_id);
-  if (!job.ok()) {
-    LogRetried(job.status(), absl::StrCat("reading job ", job_id, " to settle its failure"));
-    return;
-  }
-  if (IsTerminal(job->state())) {  // cancelled meanwhile
-    DrainLocked(job_id, allocation);
-    return;
-  }
+  std::optional<v1::Job> job = JobToEndLocked(job_id, allocation, "to settle its failure");
+  if (!job) return;
   const size_t blamed = BlameIndex(allocation.failures);
   v1::TrainerFailure primary = allocation.failures[blamed];
   if (primary.step() == 0) {
@@ -538,6 +531,20 @@ void Cluster::DecideLocked(const std::string& job_id, Allocation& allocation, ab
   DrainLocked(job_id, allocation);
 }
 
+std::optional<v1::Job> Cluster::JobToEndLocked(const std::string& job_id, Allocation& allocation,
+                                               const char* why) {
+  absl::StatusOr<v1::Job> job = store_->GetJob(job_id);
+  if (!job.ok()) {
+    LogRetried(job.status(), absl::StrCat("reading job ", job_id, " ", why));
+    return std::nullopt;
+  }
+  if (IsTerminal(job->state())) {  // cancelled meanwhile
+    DrainLocked(job_id, allocation);
+    return std::nullopt;
+  }
+  return *std::move(job);
+}
+
 void Cluster::SettleMoveLocked(const std::string& job_id, Allocation& allocation,
                                absl::Time now) {
   if (allocation.phase != Allocation::Phase::kMoving) return;
@@ -547,15 +554,8 @@ void Cluster::SettleMoveLocked(const std::string& job_id, Allocation& allocation
     return;
   }
   if (!allocation.AllNodesEnded()) return;
-  auto job = store_->GetJob(job_id);
-  if (!job.ok()) {
-    LogRetried(job.status(), absl::StrCat("reading job ", job_id, " to queue it again"));
-    return;
-  }
-  if (IsTerminal(job->state())) {  // cancelled meanwhile
-    DrainLocked(job_id, allocation);
-    return;
-  }
+  std::optional<v1::Job> job = JobToEndLocked(job_id, allocation, "to queue it again");
+  if (!job) return;
   const int64_t resume_step =
       ResumesFromCheckpoints(job->spec()) ? job->latest_checkpoint().step() : 0;
   const std::string description = absl::StrCat(

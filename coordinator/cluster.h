@@ -199,6 +199,11 @@ class Cluster {
   // withdrawn); the allocation is erased by Tick once all have ended.
   void DrainLocked(const std::string& job_id, Allocation& allocation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job of an attempt about to end (a decided failure, a move), read from the store; nullopt
+  // when the read failed (logged; the next tick retries) or the job was cancelled meanwhile (the
+  // attempt is drained).
+  std::optional<v1::Job> JobToEndLocked(const std::string& job_id, Allocation& allocation,
+                                        const char* why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A kMoving attempt whose every node has ended: its job back to the queue (RESTARTING, the
   // attempt recorded, no restart counted) and the attempt drained. A store error leaves it
   // kMoving for the next tick.
