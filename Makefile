@@ -12,6 +12,9 @@
 #                and worker, and bench-gpu; one JSON + a summary (scripts/gpu_check.py)
 #   make gpu-bundle  here, for a GPU machine without a package registry: a CUDA build's
 #                binaries and the libraries they need in GPU_BUNDLE (scripts/gpu_bundle.sh)
+#   make thread-safety  build the control plane and the trainer's plain-C++ libraries with
+#                clang-14, -Wthread-safety -Werror (into build-tsa/): every ABSL_GUARDED_BY and
+#                lock annotation checked, every dropped absl::Status an error (.ci/run runs it)
 #   make fuzz    build the fuzz targets (tests/fuzz, with clang into build-fuzz/), then run
 #                each for FUZZ_SECONDS (FUZZERS="job_spec ..." picks some)
 #   make image   build the GPU and CPU container images with buildah (scripts/image.sh,
@@ -31,6 +34,7 @@ WITH_CUDA  ?= AUTO
 JOBS       ?= $(shell nproc)
 CTEST_ARGS ?=
 FUZZ_DIR   ?= build-fuzz
+TSA_DIR    ?= build-tsa
 FUZZ_SECONDS ?= 60
 FUZZ_CTEST_ARGS ?=
 FUZZERS    ?=
@@ -38,6 +42,7 @@ GPU_BUNDLE ?= .gpu-bundle
 GPU_CHECK_ARGS ?=
 
 .PHONY: all bootstrap configure build test demo bench bench-gpu gpu-check gpu-bundle fuzz-build fuzz \
+  thread-safety \
   format clean
 
 all: build
@@ -99,6 +104,18 @@ fuzz-build: bootstrap
 	  || { cat $(FUZZ_DIR)/configure.log; exit 1; }
 	@cmake --build $(FUZZ_DIR) -j $(JOBS)
 
+# Clang's thread-safety analysis over everything that carries lock annotations and needs no
+# LibTorch; under clang, absl::Status is [[nodiscard]] too, so -Werror also stops a dropped Status.
+thread-safety: bootstrap
+	@mkdir -p $(TSA_DIR)
+	@cmake -S . -B $(TSA_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 \
+	  -DCMAKE_CXX_FLAGS="-Wthread-safety -Werror" \
+	  -DTESSERA_WITH_TORCH=OFF -DTESSERA_BUILD_TESTS=OFF -DTESSERA_BUILD_BENCH=OFF \
+	  > $(TSA_DIR)/configure.log 2>&1 || { cat $(TSA_DIR)/configure.log; exit 1; }
+	@cmake --build $(TSA_DIR) -j $(JOBS)
+	@echo "thread-safety: clang -Wthread-safety -Werror build passed"
+
 fuzz: fuzz-build
 	@tests/fuzz/run_fuzzers.sh $(FUZZ_DIR) $(FUZZ_SECONDS) $(FUZZERS)
 
@@ -106,7 +123,7 @@ format:
 	@git ls-files '*.cc' '*.h' | xargs clang-format -i
 
 clean:
-	@rm -rf $(BUILD_DIR) $(FUZZ_DIR)
+	@rm -rf $(BUILD_DIR) $(FUZZ_DIR) $(TSA_DIR)
 
 # Container images (docs/image.md): buildah, no daemon or registry needed; not part of `make test`.
 .PHONY: image image-test

@@ -6,7 +6,7 @@
 
 add_executable(checkpoint_bench checkpoint_bench.cc checkpoint_bench_files.cc)
 target_link_libraries(checkpoint_bench PRIVATE tessera::trainer tessera_bench_env absl::flags absl::time)
-target_precompile_headers(checkpoint_bench REUSE_FROM tessera_trainer)
+tessera_use_torch_pch(checkpoint_bench)
 # No LibTorch in the file helpers: they skip the LibTorch precompiled header.
 set_source_files_properties(checkpoint_bench_files.cc PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
 set_target_properties(checkpoint_bench PROPERTIES

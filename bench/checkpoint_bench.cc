@@ -2,7 +2,7 @@
 // about 1 GB of model weights and AdamW state, next to a plain sequential
 // write and read of the same bytes in the same directory, measured in the same
 // run and interleaved (ours, plain, ours, plain, ...). "Ours" is the trainer's
-// own path (trainer/checkpointing.cc): PrepareStaging, WriteTrainingState's
+// own path (trainer/engine/checkpointing.cc): PrepareStaging, WriteTrainingState's
 // safetensors shard of slices and CommitCheckpoint for a save;
 // ResumeLatest (the digest verified on a thread beside the slices' reads) for a
 // load. Both sides are durable (fsync)
@@ -43,15 +43,15 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "planner/model_config.h"
-#include "trainer/adamw.h"
-#include "trainer/checkpoint.h"
-#include "trainer/checkpointing.h"
-#include "trainer/model.h"
-#include "trainer/xxh3.h"
-#include "trainer/shard_file.h"
-#include "trainer/sharded_engine.h"
+#include "trainer/engine/adamw.h"
+#include "trainer/io/checkpoint.h"
+#include "trainer/engine/checkpointing.h"
+#include "trainer/model/model.h"
+#include "trainer/io/xxh3.h"
+#include "trainer/io/shard_file.h"
+#include "trainer/engine/sharded_engine.h"
 #include "trainer/torch_pch.h"
-#include "trainer/training_state.h"
+#include "trainer/engine/training_state.h"
 
 ABSL_FLAG(std::string, dir, "",
           "Directory in which to create the scratch directory (both sides write there); "
@@ -120,7 +120,7 @@ double Median(std::vector<double> values) {
 // Ours: the trainer's checkpoint code on a trainer-shaped model and optimizer.
 
 // What a rank holds between steps: the model and the trainer's step engine (ZeRO 0, one rank)
-// with its AdamW moments populated, built as trainer/train.cc builds them.
+// with its AdamW moments populated, built as trainer/runtime/train.cc builds them.
 struct TrainerState {
   v1::ModelSummary summary;
   trainer::CausalLM model{nullptr};
@@ -156,7 +156,7 @@ absl::StatusOr<TrainerState> BuildTrainerState(const BenchOptions& options) {
   return state;
 }
 
-// SaveCheckpoint of trainer/checkpointing.cc on rank 0 of a one-rank job, call for call. Phases:
+// SaveCheckpoint of trainer/engine/checkpointing.cc on rank 0 of a one-rank job, call for call. Phases:
 // prepare_staging, serialize_write (WriteTrainingState: the slices copied to host memory and
 // written as a safetensors shard through WriteHashedFile, XXH3-128 on the way, no fsync), commit
 // (CommitCheckpoint with the digest: fsync of the shard, manifest.pb/.json written and fsynced,
@@ -188,7 +188,7 @@ absl::StatusOr<PhaseTimes> SaveOurs(TrainerState& state, const std::string& root
   }
 }
 
-// trainer/checkpointing.cc ResumeLatest as the one rank of a single-process job, the call the
+// trainer/engine/checkpointing.cc ResumeLatest as the one rank of a single-process job, the call the
 // trainer makes: the newest checkpoint whose manifest and shard sizes check, its digest computed
 // on a thread beside the reads of its slices into the engine (the checkpoint read once), the RNG
 // state. One phase, resume. With `verify_then_load` (--verify_then_load), the load as it was
@@ -340,7 +340,7 @@ absl::StatusOr<double> SerializeToMemoryMbPerSecond(TrainerState& state) {
 // file about to be read is dropped from the page cache, and as much memory as
 // the operation will allocate is prefaulted (PrefaultFreeMemory), so both
 // sides start from the same state.
-// An asynchronous save during training, as trainer/train.cc runs one: Start after a step, then
+// An asynchronous save during training, as trainer/runtime/train.cc runs one: Start after a step, then
 // the next step's forward and backward, AwaitSnapshot, and its optimizer step. Each round times a
 // step with a save and a step without one, in alternating order, on the bench's model (one
 // sequence of 256 tokens); the save's write is waited for outside the clock before the next
@@ -653,7 +653,7 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
        "prefaulting, whichever side went second paid that: plain's 1.1 GB write took 0.3-0.6 s "
        "going first and 1.7-2.5 s going second."},
       {"save_ours",
-       "trainer/checkpointing.cc SaveCheckpoint for rank 0 of one rank: PrepareStaging; "
+       "trainer/engine/checkpointing.cc SaveCheckpoint for rank 0 of one rank: PrepareStaging; "
        "WriteTrainingState (every parameter and AdamW moment slice and the CPU RNG state as a "
        "safetensors shard, through WriteHashedFile: XXH3-128 computed while writing); "
        "CommitCheckpoint (world_size 1, "
@@ -666,7 +666,7 @@ Json ResultsJson(const BenchOptions& options, const Results& results) {
       {"durability",
        "Both sides fsync all they wrote, and the directories, before the clock stops."},
       {"load_ours",
-       "trainer/checkpointing.cc ResumeLatest for the one rank of a single-process job: "
+       "trainer/engine/checkpointing.cc ResumeLatest for the one rank of a single-process job: "
        "FindLatestCheckpoint without digests (lists the root, parses manifest.pb, checks the "
        "shard's size), ShardedCheckpointReader::Open, then ReadTrainingState (pread of every "
        "slice straight into the engine's tensors on up to 4 threads, RNG set_state) while "

@@ -1,11 +1,11 @@
 # fused_ops_bench: the fused RMSNorm / rotary / SwiGLU / cross-entropy CUDA kernels
-# (trainer/fused_ops.h) against ATen's composite, forward + backward in bf16 at one Qwen3-0.6B and
+# (trainer/kernels/fused_ops.h) against ATen's composite, forward + backward in bf16 at one Qwen3-0.6B and
 # one Llama-3-8B layer's shapes
 # (make bench-gpu, make gpu-check). Links LibTorch through tessera::trainer.
 
 add_executable(fused_ops_bench fused_ops_bench.cc)
 target_link_libraries(fused_ops_bench PRIVATE tessera::trainer tessera_bench_env absl::flags)
-target_precompile_headers(fused_ops_bench REUSE_FROM tessera_trainer)
+tessera_use_torch_pch(fused_ops_bench)
 set_target_properties(fused_ops_bench PROPERTIES
   RUNTIME_OUTPUT_DIRECTORY "${CMAKE_BINARY_DIR}/bench")
 

@@ -1,5 +1,5 @@
 // fused_ops_bench: forward + backward of the model's RMSNorm, LayerNorm, rotary embedding, SwiGLU,
-// residual add and head + cross-entropy as the fused CUDA kernels (trainer/fused_ops.h) against
+// residual add and head + cross-entropy as the fused CUDA kernels (trainer/kernels/fused_ops.h) against
 // the ATen composite the model runs without them (--fused_kernels=false), in the same process on
 // the same tensors, in bf16 (the norms: float32 residual in, bf16 out; the residual add: float32
 // + bf16) at the shapes of one GPT-2 124M, one Qwen3-0.6B and one Llama-3-8B layer (2,048
@@ -33,12 +33,12 @@
 #include "bench/bench_env.h"
 #include "common/command_line.h"
 #include "nlohmann/json.hpp"
-#include "trainer/data_loader.h"
-#include "trainer/device.h"
-#include "trainer/fused_ops.h"
-#include "trainer/fused_ops_cpu.h"
-#include "trainer/linear_cross_entropy.h"
-#include "trainer/model.h"
+#include "trainer/data/data_loader.h"
+#include "trainer/runtime/device.h"
+#include "trainer/kernels/fused_ops.h"
+#include "trainer/kernels/fused_ops_cpu.h"
+#include "trainer/model/linear_cross_entropy.h"
+#include "trainer/model/model.h"
 #include "trainer/torch_pch.h"
 
 ABSL_FLAG(int, rounds, 5, "Rounds per op and shape; the figures are medians over rounds.");
@@ -202,7 +202,7 @@ std::vector<Case> CasesFor(const Shape& s, const torch::Device& device) {
                    {leaf(torch::randn({s.tokens, s.ffn}, bf16)),
                     leaf(torch::randn({s.tokens, s.ffn}, bf16))},
                    [](const std::vector<Tensor>& in) { return trainer::FusedSwiGlu(in[0], in[1]); }});
-  // The head and its loss (trainer/linear_cross_entropy.h): the fused path is its cross-entropy
+  // The head and its loss (trainer/model/linear_cross_entropy.h): the fused path is its cross-entropy
   // kernel, the composite float32 log_softmax and its backward; the chunked matrix products are
   // the same on both sides. Every eighth target ignored, as a loss mask would.
   Tensor targets = torch::randint(0, s.vocab, {s.tokens}, torch::kInt64);

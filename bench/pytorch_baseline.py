@@ -8,7 +8,7 @@ order, with the same optimizer, schedule, clipping and precision, and times its 
 RUN.json (written by bench/trainer_bench.py) holds:
   init               safetensors file from `tessera-trainer --export_initial`: the initial weights,
                      and in its metadata the resolved model ("tessera.dims") and its size
-  train_shards       token shard paths or globs (trainer/token_shard.h)
+  train_shards       token shard paths or globs (trainer/data/token_shard.h)
   seq_len, global_batch_size, micro_batch_size, steps, seed
   lr                 {peak, warmup_steps, min_lr_ratio, decay_steps} (planner/lr_schedule.cc)
   weight_decay, beta1, beta2, eps, grad_clip
@@ -26,15 +26,15 @@ Prints one JSON object per line on stdout, shaped like the trainer's reports: {"
 one {"metrics": ...} per step, {"finished": ...}. Only the standard library and torch are used.
 
 What mirrors which part of the trainer:
-  CausalLM            trainer/model.cc (GPT-2 and Llama/Qwen3 blocks; parameter names match, so
+  CausalLM            trainer/model/model.cc (GPT-2 and Llama/Qwen3 blocks; parameter names match, so
                       the exported weights load with strict=True)
   TokenSamples, BatchLoader, epoch_permutation
-                      trainer/data_loader.cc (windows of seq_len + 1 tokens, the seeded
+                      trainer/data/data_loader.cc (windows of seq_len + 1 tokens, the seeded
                       Fisher-Yates order over std::mt19937_64, steps of global_batch_size samples)
   learning_rate_at    planner/lr_schedule.cc
-  train_step          trainer/train.cc TrainStep: micro-batches with gradient accumulation, loss
+  train_step          trainer/runtime/train.cc TrainStep: micro-batches with gradient accumulation, loss
                       in float32, clip_grad_norm_, fused AdamW with decay on tensors of dim >= 2
-                      (trainer/adamw.cc), gradients set to None
+                      (trainer/engine/adamw.cc), gradients set to None
 """
 
 import argparse
@@ -95,7 +95,7 @@ def read_safetensors(path):
     return tensors, metadata
 
 
-# --- model (trainer/model.cc) -----------------------------------------------------------------
+# --- model (trainer/model/model.cc) -----------------------------------------------------------------
 
 
 def rotary_tables(max_seq_len, head_dim, theta):
@@ -248,7 +248,7 @@ class CausalLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
-# --- data (trainer/token_shard.h, trainer/data_loader.cc) -------------------------------------
+# --- data (trainer/data/token_shard.h, trainer/data/data_loader.cc) -------------------------------------
 
 _SHARD_MAGIC = b"TSRSHRD1"
 _SHARD_HEADER_BYTES = 64
@@ -339,7 +339,7 @@ def _mix64(x):
 
 
 def epoch_permutation(num_samples, seed, epoch):
-    """The sample order of an epoch, as trainer/data_loader.cc's EpochPermutation computes it."""
+    """The sample order of an epoch, as trainer/data/data_loader.cc's EpochPermutation computes it."""
     generator = Mt19937_64(_mix64(seed ^ _mix64(epoch & _MASK64)))
     order = list(range(num_samples))
     for i in range(num_samples, 1, -1):
@@ -354,7 +354,7 @@ def epoch_permutation(num_samples, seed, epoch):
 
 
 class BatchLoader:
-    """One process's view of trainer/data_loader.cc's BatchLoader (dp_size 1): each step takes the
+    """One process's view of trainer/data/data_loader.cc's BatchLoader (dp_size 1): each step takes the
     next global_batch_size samples of the epoch's order, cut into micro-batches; an epoch that
     cannot fill a whole step is left for the next."""
 
@@ -484,7 +484,7 @@ def run(config):
     loss = 0.0
     for step in range(1, steps + 1):
         profile.before_step(step)
-        # Timed as trainer/train.cc times a step: from choosing the learning rate to the
+        # Timed as trainer/runtime/train.cc times a step: from choosing the learning rate to the
         # optimizer step and zero_grad, without a device synchronisation at the end.
         step_start = time.perf_counter()
         with torch.profiler.record_function("train_step"):
@@ -506,7 +506,7 @@ def run(config):
 
 
 class StepProfile:
-    """torch.profiler over config["profile_steps"] = [first, count], as trainer/step_profiler.cc
+    """torch.profiler over config["profile_steps"] = [first, count], as trainer/runtime/step_profiler.cc
     records the trainer's steps; nothing without config["profile_dir"]."""
 
     def __init__(self, config, device):

@@ -1,6 +1,6 @@
 // The environment contract between a worker and the trainer processes it launches: the names of
 // the variables the worker sets for each rank (worker/worker_agent.cc) and the trainer reads
-// (trainer/distributed.cc's ResolveRankAssignment), in torchrun's spelling so that a trainer
+// (trainer/parallel/distributed.cc's ResolveRankAssignment), in torchrun's spelling so that a trainer
 // started by torchrun joins the same way. Values are decimal integers unless said otherwise; in
 // the trainer they override the matching RankAssignment fields of its task file. Header-only and
 // dependency-free so both sides include it.

@@ -370,7 +370,7 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     mem.set_activations_bytes(activations);
 
     // Logits. Without tp the head and its loss run a chunk of tokens at a time
-    // (trainer/linear_cross_entropy.h). On a GPU the fused kernel writes a chunk's gradient
+    // (trainer/model/linear_cross_entropy.h). On a GPU the fused kernel writes a chunk's gradient
     // over its logits in place, in the compute precision (e bytes per element, the weight
     // padded to kLossVocabAlignment rows, GpuLossChunkRows rows); the CPU's composite holds
     // the chunk's float32 log-probabilities and the gradient log_softmax's backward takes and

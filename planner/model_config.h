@@ -47,7 +47,7 @@ double FlopsPerToken(const v1::ModelDims& dims, int seq_len);
 std::vector<std::string> PresetNames();
 
 // The trainer's language-model head computes its logits and cross-entropy this many rows
-// (tokens) at a time (trainer/linear_cross_entropy.h), so that one chunk's float32 logits,
+// (tokens) at a time (trainer/model/linear_cross_entropy.h), so that one chunk's float32 logits,
 // about kLossChunkBytes, exist at once however many tokens a micro-batch holds. The planner
 // counts the same chunk.
 inline constexpr int64_t kLossChunkBytes = int64_t{256} << 20;

@@ -31,8 +31,8 @@
 #include "tessera/v1/trainer.pb.h"
 #include "tests/util/free_port.h"
 #include "tests/util/subprocess.h"
-#include "trainer/model.h"
-#include "trainer/safetensors.h"
+#include "trainer/model/model.h"
+#include "trainer/io/safetensors.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera {

@@ -3,7 +3,7 @@
 // pid is never mistaken for the trainer), removes the file once it has reaped the process, and at
 // start kills whatever trainers a predecessor (a crashed or SIGKILLed worker) left running
 // before it registers. This is the backstop for trainers the kernel's parent-death signal and the
-// closed report socket did not already end (see common/trainer_env.h, trainer/reporter.h).
+// closed report socket did not already end (see common/trainer_env.h, trainer/report/reporter.h).
 //
 // Thread safety: free functions over files that each name one pid; concurrent calls for
 // different pids are safe, and the worker calls KillOrphanedTrainers before it starts launching.

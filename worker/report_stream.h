@@ -1,4 +1,4 @@
-// The reading side of a trainer's report channel (trainer/reporter.h writes it): a stream of
+// The reading side of a trainer's report channel (trainer/report/reporter.h writes it): a stream of
 // tessera.v1.TrainerReport messages, each prefixed with its size in bytes as a varint32. The
 // bytes come from a trainer process, i.e. from the job's code and data, so the reader trusts
 // nothing in them: a frame is bounded, and a malformed one ends the stream.

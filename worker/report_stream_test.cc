@@ -10,7 +10,7 @@
 namespace tessera::worker {
 namespace {
 
-// A frame as SocketReporter::Send writes it (trainer/reporter.cc).
+// A frame as SocketReporter::Send writes it (trainer/report/reporter.cc).
 std::string Frame(const v1::TrainerReport& report) {
   std::string frame;
   google::protobuf::io::StringOutputStream stream(&frame);

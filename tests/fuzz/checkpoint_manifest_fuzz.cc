@@ -1,5 +1,5 @@
-// Fuzz target: the checkpoint manifest reader (trainer/checkpoint.h VerifyCheckpoint) and what a
-// resuming trainer does with the manifest it returns (trainer/shard_file.h ShardedCheckpointReader,
+// Fuzz target: the checkpoint manifest reader (trainer/io/checkpoint.h VerifyCheckpoint) and what a
+// resuming trainer does with the manifest it returns (trainer/io/shard_file.h ShardedCheckpointReader,
 // CheckManifestSlices). Inputs are manifest.pb files of a checkpoint directory whose shard files
 // are fixed (WriteFixtureShards); the seeds list them with their true sizes and SHA-256, so the
 // fuzzer starts from manifests that verify. Ranks other than 0 read the manifest without
@@ -12,7 +12,7 @@
 
 #include "tests/fuzz/fuzz_support.h"
 #include "tests/fuzz/protobuf_logs.h"
-#include "trainer/checkpoint.h"
+#include "trainer/io/checkpoint.h"
 
 namespace {
 

@@ -13,10 +13,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "tests/fuzz/contract.h"
-#include "trainer/checkpoint.h"
-#include "trainer/safetensors.h"
-#include "trainer/shard_file.h"
-#include "trainer/tensor_box.h"
+#include "trainer/io/checkpoint.h"
+#include "trainer/io/safetensors.h"
+#include "trainer/io/shard_file.h"
+#include "trainer/io/tensor_box.h"
 
 namespace tessera::fuzz {
 namespace {

@@ -49,7 +49,7 @@ absl::Status WriteFixtureShards(const std::string& dir);
 // The world size of that checkpoint.
 inline constexpr int kFixtureWorldSize = 2;
 
-// What a resuming trainer does with a checkpoint (trainer/checkpointing.cc): opens a
+// What a resuming trainer does with a checkpoint (trainer/engine/checkpointing.cc): opens a
 // ShardedCheckpointReader on `manifest` and reads every tensor, whole and as a box of its rows
 // but the first, then checks the slices as CheckpointManifest commits do (CheckManifestSlices).
 // Skips tensors of more than 1 MiB and checkpoints whose slices cover more than a few million

@@ -18,10 +18,10 @@
 #include "google/protobuf/util/json_util.h"
 #include "tessera/v1/trainer.pb.h"
 #include "tests/fuzz/fuzz_support.h"
-#include "trainer/checkpoint.h"
-#include "trainer/safetensors.h"
-#include "trainer/shard_file.h"
-#include "trainer/token_shard.h"
+#include "trainer/io/checkpoint.h"
+#include "trainer/io/safetensors.h"
+#include "trainer/io/shard_file.h"
+#include "trainer/data/token_shard.h"
 
 namespace tessera::fuzz {
 namespace {
@@ -47,7 +47,7 @@ void WriteSeed(const fs::path& dir, const std::string& name, const std::string& 
   WriteFileOrDie((dir / name).string(), bytes.data(), bytes.size());
 }
 
-// A frame as trainer/reporter.cc SocketReporter::Send writes it.
+// A frame as trainer/report/reporter.cc SocketReporter::Send writes it.
 std::string Frame(const v1::TrainerReport& report) {
   std::string frame;
   {

@@ -1,5 +1,5 @@
-// Fuzz target: the safetensors header reader (trainer/safetensors.h) and, on the same bytes, the
-// checkpoint shard file reader built on it (trainer/shard_file.h); a valid shard file is then read
+// Fuzz target: the safetensors header reader (trainer/io/safetensors.h) and, on the same bytes, the
+// checkpoint shard file reader built on it (trainer/io/shard_file.h); a valid shard file is then read
 // through a ShardedCheckpointReader as a one-shard checkpoint. Inputs are whole files, written
 // to an in-memory file first (the readers take a path).
 #include <cstddef>
@@ -11,9 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "tests/fuzz/contract.h"
 #include "tests/fuzz/fuzz_support.h"
-#include "trainer/safetensors.h"
-#include "trainer/shard_file.h"
-#include "trainer/tensor_box.h"
+#include "trainer/io/safetensors.h"
+#include "trainer/io/shard_file.h"
+#include "trainer/io/tensor_box.h"
 
 namespace {
 

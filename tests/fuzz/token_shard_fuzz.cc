@@ -1,4 +1,4 @@
-// Fuzz target: the token shard reader (trainer/token_shard.h). Inputs are whole shard files; the
+// Fuzz target: the token shard reader (trainer/data/token_shard.h). Inputs are whole shard files; the
 // reader maps the file, so each input is written to an in-memory file first.
 #include <cstddef>
 #include <cstdint>
@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "tests/fuzz/contract.h"
 #include "tests/fuzz/fuzz_support.h"
-#include "trainer/token_shard.h"
+#include "trainer/data/token_shard.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static auto* file = new tessera::fuzz::MemoryFile();

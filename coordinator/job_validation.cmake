@@ -1,5 +1,0 @@
-target_sources(tessera_coordinator PRIVATE job_validation.cc)
-target_link_libraries(tessera_coordinator PUBLIC tessera::planner)
-if(TESSERA_BUILD_TESTS)
-  tessera_add_test(NAME job_validation_test SOURCES job_validation_test.cc LIBS tessera::coordinator)
-endif()

@@ -1,0 +1,339 @@
+// The decoder-only transformer a trainer rank trains: GPT-2 (LayerNorm, GELU, learned positions,
+// biases) or Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention, optional Qwen3 qk_norm) as
+// picked by ModelDims.architecture. Parameters are float32; the caller applies bf16 autocast, and
+// the numerically sensitive parts (norms, rotary, loss) compute in float32 regardless. Built from
+// dimensions that planner::ResolveModel has validated and filled in; errors surface as c10::Error.
+// Activation checkpointing (v1::ActivationCheckpointing) trades recompute for activation memory,
+// and LayerHooks let a sharded engine (ZeRO-3) act around each transformer layer.
+#pragma once
+
+#include <torch/nn.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tessera/v1/layout.pb.h"
+#include "tessera/v1/model.pb.h"
+#include "trainer/kernels/fused_ops.h"
+#include "trainer/parallel/tensor_parallel.h"
+
+namespace tessera::trainer {
+
+// Rotary cos and sin tables for positions [0, max_seq_len), each float32 [max_seq_len, head_dim],
+// in the rotate-half layout (frequency i at columns i and i + head_dim / 2). Computed in double so
+// long contexts keep precise angles.
+std::pair<torch::Tensor, torch::Tensor> RotaryTables(int64_t max_seq_len, int64_t head_dim,
+                                                     double theta);
+
+// Rotates x [..., seq, head_dim] by the tables' rows [seq, head_dim] for its positions, in float32,
+// and returns x's dtype (one fused kernel on a GPU: trainer/kernels/fused_ops.h).
+torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos,
+                          const torch::Tensor& sin);
+
+// x * rsqrt(mean(x^2) + eps) * weight over the last dimension, in float32; returns x's dtype (one
+// fused kernel on a GPU: trainer/kernels/fused_ops.h).
+torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+// LoRA (job.proto's LoraSpec), resolved: adapters of rank `rank` on the linear layers named in
+// `targets` by their Tessera suffix after "layers.N." ("attn.q", "attn.qkv", "mlp.down", ...).
+struct LoraOptions {
+  int rank = 0;
+  // Adapters add scale * B A dropout(x): scale = alpha / rank.
+  double scale = 1;
+  double dropout = 0;
+  std::set<std::string> targets;
+};
+
+// One linear layer's adapter: parameters "lora_a" [rank, in] and "lora_b" [out, rank] registered
+// on the linear module, so their names are "layers.N.attn.q.lora_a" and so on. Undefined
+// tensors: the layer has none.
+struct LoraAdapter {
+  torch::Tensor a;
+  torch::Tensor b;
+  double scale = 0;
+  double dropout = 0;
+};
+
+// True for the parameter names of LoRA adapters (".lora_a", ".lora_b").
+bool IsLoraParameter(const std::string& name);
+
+// The whole value of this rank's parameter `name` (its tensor-parallel shard, shaped like the
+// parameter), float32 on any device: CausalLMImpl::InitialValue, or weights read from a file.
+using ParameterValues = std::function<absl::StatusOr<torch::Tensor>(const std::string& name)>;
+
+// How a CausalLM's parameters are created.
+enum class ParameterStorage {
+  // float32 on the CPU, initialised (CausalLMImpl::InitialValue).
+  kInitialized,
+  // On the meta device: shapes only, no memory and no values. For ZeRO-3, whose ShardedEngine
+  // allocates each unit on the training device and fills only the rank's shard (from
+  // InitialValue, Hugging Face weights or a checkpoint), so that no rank ever holds the whole
+  // model. Nothing may run on the model before that.
+  kDeferred,
+};
+
+// A linear layer's parameters under torch::nn::Linear's names: "weight" [out, in] and, with a
+// bias, "bias" [out], created without values (CausalLM initialises every parameter itself, so
+// the default initialisation torch::nn::Linear draws would be thrown away) with `options`.
+class DenseImpl : public torch::nn::Module {
+ public:
+  DenseImpl(int64_t in, int64_t out, bool bias, const torch::TensorOptions& options);
+  torch::Tensor weight;
+  torch::Tensor bias;  // undefined without one
+};
+TORCH_MODULE(Dense);
+
+// An embedding table "weight" [rows, dim], created like DenseImpl's parameters; forward(ids)
+// looks rows up as torch::nn::Embedding does.
+class EmbeddingTableImpl : public torch::nn::Module {
+ public:
+  EmbeddingTableImpl(int64_t rows, int64_t dim, const torch::TensorOptions& options);
+  torch::Tensor forward(const torch::Tensor& ids);
+  torch::Tensor weight;
+};
+TORCH_MODULE(EmbeddingTable);
+
+// LayerNorm (GPT2, with bias) or RMSNorm (LLAMA, no bias) over the last dimension. With
+// autocast_output, a float32 input on a device where autocast is on is normalised straight into
+// autocast's dtype: the linear layers that take the output would cast it there anyway, and
+// the fused kernel writes the 16-bit result (and reads its 16-bit gradient) in one pass instead
+// of writing float32 for a cast kernel to read. Same values as the cast; the model sets it for
+// the norms that feed linear layers, except under tensor parallelism (whose all-reduce of the
+// input gradient then stays in float32).
+class NormImpl : public torch::nn::Module {
+ public:
+  NormImpl(int64_t size, double eps, bool rms, bool autocast_output = false,
+           const torch::TensorOptions& options = torch::kFloat32);
+  torch::Tensor forward(const torch::Tensor& x);
+  // forward(x) and x for the residual connection around the layer the output feeds
+  // (FusedRmsNormKeepingInput).
+  NormAndInput ForwardKeepingInput(const torch::Tensor& x);
+
+ private:
+  // The output's dtype: autocast's for a float32 x under autocast_output, else x's (nullopt).
+  std::optional<at::ScalarType> OutputDtype(const torch::Tensor& x) const;
+
+  double eps_;
+  bool rms_;
+  bool autocast_output_;
+  torch::Tensor weight_;
+  torch::Tensor bias_;  // undefined for RMSNorm
+};
+TORCH_MODULE(Norm);
+
+// Causal self-attention of one block: fused qkv for GPT2, separate q/k/v with RoPE and
+// grouped-query attention for LLAMA. Under tensor parallelism it holds heads / tp query heads and
+// kv_heads / tp key/value heads (column-parallel projections, row-parallel output).
+class AttentionImpl : public torch::nn::Module {
+ public:
+  AttentionImpl(const v1::ModelDims& dims, const TensorParallel& tp,
+                const torch::TensorOptions& options);
+  // x [batch, seq, hidden]; cos/sin [seq, head_dim], or [batch, 1, seq, head_dim] for packed
+  // records (undefined for GPT2); mask: undefined for plain causal attention, else which keys
+  // each query sees, bool [batch, 1, seq, seq] (SequenceLayout).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& mask = {});
+  // Recompute scaled_dot_product_attention in backward, keeping only q, k and v for it.
+  void set_recompute_core(bool recompute) { recompute_core_ = recompute; }
+  // Adapters on the projections `options.targets` names ("attn.q", ...); no tensor parallelism.
+  void AddLora(const LoraOptions& options);
+
+ private:
+  torch::Tensor Core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& mask) const;
+
+  bool llama_;
+  bool recompute_core_ = false;
+  TensorParallel tp_;
+  int64_t heads_, kv_heads_, head_dim_;  // this rank's heads
+  Dense qkv_{nullptr}, q_{nullptr}, k_{nullptr}, v_{nullptr}, out_{nullptr};
+  LoraAdapter qkv_lora_, q_lora_, k_lora_, v_lora_, out_lora_;
+  Norm q_norm_{nullptr}, k_norm_{nullptr};
+};
+TORCH_MODULE(Attention);
+
+// GELU MLP (GPT2) or SwiGLU (LLAMA); ffn_hidden_size / tp columns of it under tensor parallelism.
+class MlpImpl : public torch::nn::Module {
+ public:
+  MlpImpl(const v1::ModelDims& dims, const TensorParallel& tp, const torch::TensorOptions& options);
+  torch::Tensor forward(const torch::Tensor& x);
+  // Recompute the activation function's outputs (GELU's; SwiGLU's silu(gate) and
+  // silu(gate) * up) in backward, keeping only their inputs.
+  void set_recompute_activation(bool recompute) { recompute_activation_ = recompute; }
+  // Adapters on the projections `options.targets` names ("mlp.up", ...); no tensor parallelism.
+  void AddLora(const LoraOptions& options);
+
+ private:
+  bool llama_;
+  bool recompute_activation_ = false;
+  TensorParallel tp_;
+  Dense up_{nullptr}, gate_{nullptr}, down_{nullptr};
+  LoraAdapter up_lora_, gate_lora_, down_lora_;
+};
+TORCH_MODULE(Mlp);
+
+// Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
+class BlockImpl : public torch::nn::Module {
+ public:
+  // `options`: the parameters' (float32, on the CPU or the meta device).
+  BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp,
+            const torch::TensorOptions& options);
+  // As AttentionImpl::forward.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& mask = {});
+  Attention& attention() { return attn_; }
+  Mlp& mlp() { return mlp_; }
+  // SELECTIVE recomputation inside the block; NONE and FULL (done by the caller) keep everything.
+  void SetActivationCheckpointing(v1::ActivationCheckpointing mode);
+  void AddLora(const LoraOptions& options) {
+    attn_->AddLora(options);
+    mlp_->AddLora(options);
+  }
+
+ private:
+  Norm attn_norm_{nullptr}, mlp_norm_{nullptr};
+  Attention attn_{nullptr};
+  Mlp mlp_{nullptr};
+};
+TORCH_MODULE(Block);
+
+// Called around each transformer layer's forward (ZeRO-3 gathers a layer's parameters before it
+// and frees them after). Runs on the thread calling forward, once per layer and forward call in
+// layer order; never during backward, also not when FULL checkpointing recomputes a layer there.
+// With FULL, layer i's recompute is the first thing backward does after the gradient of its output
+// arrives, so autograd hooks registered in AfterLayer run before it (the place to gather the
+// layer's parameters again). SELECTIVE's recomputes use no parameters.
+class LayerHooks {
+ public:
+  virtual ~LayerHooks() = default;
+  virtual void BeforeLayer(int layer) = 0;
+  // Returns the layer's output (may register autograd hooks on it).
+  virtual torch::Tensor AfterLayer(int layer, torch::Tensor output) = 0;
+};
+
+// Which part of the model a rank holds: its tensor-parallel split and, under pipeline
+// parallelism, its stage's layers. Parameter names stay those of the whole model
+// ("layers.<global index>.", "embed.weight"), so checkpoints do not depend on the layout.
+struct ModelPartition {
+  TensorParallel tp;
+  int first_layer = 0;
+  int num_layers = -1;  // -1: every layer from first_layer on
+  // The first stage holds the embeddings; the last the final norm, the LM head and the loss.
+  // With tied embeddings the last stage of a pipeline holds its own copy of embed.weight as the
+  // head (the engine keeps the two copies' gradients summed).
+  bool embedding = true;
+  bool head = true;
+};
+
+// A decoder-only transformer (GPT2 or LLAMA family per dims.architecture), in float32 parameters.
+class CausalLMImpl : public torch::nn::Module {
+ public:
+  // dims must be resolved (planner::ResolveModel output); init_std 0 means
+  // planner::kDefaultInitStd. Initialisation is deterministic given torch::manual_seed: one number
+  // is drawn from LibTorch's CPU generator, and every parameter is drawn in full from a generator
+  // seeded by it and the parameter's name, then cut to this rank's shard. So a parameter's
+  // initial value is the same under every layout. kDeferred storage: see ParameterStorage.
+  CausalLMImpl(const v1::ModelDims& dims, double init_std, const ModelPartition& partition = {},
+               ParameterStorage storage = ParameterStorage::kInitialized);
+  // tokens: int64 [batch, seq] (seq <= max_seq_len) -> logits float [batch, seq, vocab]. The whole
+  // model on one rank only.
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions = {});
+  // Mean next-token cross-entropy over the counted positions: logits of inputs vs targets, both
+  // int64 [batch, seq]. Computed in float32. Targets of kIgnoreTarget (-100, data_loader.h) are
+  // not counted; with none counted the loss is 0 with zero gradients (never NaN). The whole
+  // model (any tp). A caller weighing micro-batches multiplies by the counted targets.
+  // `positions` as StageForward.
+  torch::Tensor Loss(const torch::Tensor& inputs, const torch::Tensor& targets,
+                     const torch::Tensor& positions = {});
+  // This rank's stage of the forward: tokens in on the first stage, else the previous stage's
+  // activations [batch, seq (/ tp with sequence parallelism), hidden]; out the loss on the last
+  // stage (targets are only read there), else the activations for the next stage.
+  // `positions`: undefined when every sample is one record; for samples packed with several
+  // records (MicroBatch::positions), each token's position in its record, int64 [batch, seq]
+  // (the whole sequence, also under sequence parallelism) on every stage. Records are then kept
+  // apart: a token attends only to earlier tokens of its own record, and position embeddings /
+  // rotary angles count from the record's start, so that a record's logits are those it gets
+  // alone in a sample.
+  torch::Tensor StageForward(const torch::Tensor& input, const torch::Tensor& targets,
+                             const torch::Tensor& positions = {});
+  // Parameters that get weight decay (matrices and embeddings, dim >= 2) and those that do not
+  // (biases, norm weights).
+  std::vector<torch::Tensor> DecayParameters();
+  std::vector<torch::Tensor> NoDecayParameters();
+  const v1::ModelDims& dims() const { return dims_; }
+  const ModelPartition& partition() const { return partition_; }
+
+  // What forward keeps for backward: UNSPECIFIED and NONE keep everything; SELECTIVE recomputes
+  // each layer's attention core and MLP activation function (planner::ActivationsPerLayer's
+  // model); FULL keeps only each layer's input and recomputes the layer. Losses and gradients are
+  // unchanged (bitwise on CPU). Set between steps, not during one.
+  void SetActivationCheckpointing(v1::ActivationCheckpointing mode);
+  v1::ActivationCheckpointing activation_checkpointing() const { return checkpointing_; }
+  // nullptr = none; not owned, must outlive the forward calls that use it. Hooks get the layer's
+  // local index (0 is this rank's first layer).
+  void SetLayerHooks(LayerHooks* hooks) { hooks_ = hooks; }
+
+  // This rank's transformer blocks, in order.
+  int num_local_layers() const { return static_cast<int>(blocks_.size()); }
+  // named_parameters() entries, in its order, whose name starts with "layers.<layer>." (a global
+  // index of a layer this rank holds); for layer -1 all the others (embeddings, final norm,
+  // lm_head). Names are full ("layers.3.attn.qkv.weight", "embed.weight"). c10::Error for a
+  // layer this rank does not hold.
+  std::vector<std::pair<std::string, torch::Tensor>> LayerParameters(int layer);
+  // How a parameter of this rank is split over tp (its global shape included).
+  const ParamShard& ShardOf(const std::string& name) const;
+  // The initial value of this rank's parameter `name` (its shard of the whole tensor), float32
+  // on the CPU: what a kInitialized model starts from, and what a ZeRO-3 engine fills a
+  // kDeferred model's shards from. c10::Error for a name this rank does not hold.
+  torch::Tensor InitialValue(const std::string& name) const;
+  ParameterStorage storage() const { return storage_; }
+  // Moves the model to `device`: the whole module when kInitialized; only the buffers when
+  // kDeferred (its parameters get their memory on the device from the ZeRO-3 engine).
+  void MoveTo(torch::Device device);
+  // Every parameter name of the whole model, whatever this rank holds.
+  std::vector<std::string> AllParameterNames() const;
+  // Those of AllParameterNames() that train: all of them, or the adapters' with LoRA.
+  std::vector<std::string> TrainableParameterNames() const;
+
+  // LoRA: freezes every parameter (requires_grad false) and adds an adapter to each linear layer
+  // of every block that `options.targets` names. A is drawn uniform in +-1/sqrt(in) (PyTorch's
+  // default for a linear layer, as PEFT initialises it) from a generator seeded like the other
+  // parameters' (the same under every layout), B is zero. Call once, after loading weights and
+  // before moving the model to its device. Needs rank > 0, no tensor parallelism and kInitialized
+  // storage.
+  void AddLora(const LoraOptions& options);
+  // The options AddLora was given; rank 0 when it was not called.
+  const LoraOptions& lora() const { return lora_; }
+
+ private:
+  torch::Tensor Embed(const torch::Tensor& tokens, const torch::Tensor& positions);
+  torch::Tensor RunLayers(torch::Tensor h, const torch::Tensor& positions);
+  torch::Tensor HeadLoss(const torch::Tensor& h, const torch::Tensor& targets);
+
+  v1::ModelDims dims_;
+  ModelPartition partition_;
+  EmbeddingTable embed_{nullptr};
+  EmbeddingTable pos_embed_{nullptr};      // GPT2 only
+  torch::nn::ModuleDict layers_{nullptr};  // keyed by global layer index
+  std::vector<std::shared_ptr<BlockImpl>> blocks_;
+  Norm final_norm_{nullptr};
+  torch::Tensor lm_head_;              // undefined when tied: the output reuses embed_'s weight
+  torch::Tensor rope_cos_, rope_sin_;  // LLAMA only; buffers, so they follow .to(device)
+  std::map<std::string, ParamShard> shards_;
+  ParameterStorage storage_;
+  double init_std_;
+  uint64_t init_seed_ = 0;
+  LoraOptions lora_;
+  v1::ActivationCheckpointing checkpointing_ = v1::ACTIVATION_CHECKPOINTING_NONE;
+  LayerHooks* hooks_ = nullptr;
+};
+TORCH_MODULE(CausalLM);
+
+}  // namespace tessera::trainer

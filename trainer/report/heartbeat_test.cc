@@ -1,0 +1,112 @@
+#include "trainer/report/heartbeat.h"
+
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "trainer/parallel/peer_wait.h"
+
+namespace tessera::trainer {
+namespace {
+
+class RecordingReporter final : public Reporter {
+ public:
+  absl::Status Send(const v1::TrainerReport& report) override {
+    absl::MutexLock lock(&mu_);
+    reports_.push_back(report);
+    return absl::OkStatus();
+  }
+  std::vector<v1::TrainerReport> reports() {
+    absl::MutexLock lock(&mu_);
+    return reports_;
+  }
+  // Waits (up to 10 s) until at least `count` reports arrived.
+  bool WaitFor(size_t count) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return reports_.size() >= count; };
+    return mu_.AwaitWithTimeout(absl::Condition(&enough), absl::Seconds(10));
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<v1::TrainerReport> reports_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST(RankProgressTest, HeartbeatCarriesMeansSincePreviousOne) {
+  RankProgress progress;
+  progress.SetStep(40);  // resumed
+  v1::RankHeartbeat idle = progress.TakeHeartbeat();
+  EXPECT_EQ(idle.step(), 40);
+  EXPECT_EQ(idle.step_seconds(), 0);
+  EXPECT_EQ(idle.busy_seconds(), 0);
+
+  progress.StepFinished(41, 2.0, 1.5);
+  progress.StepFinished(42, 4.0, 0.5);
+  v1::RankHeartbeat first = progress.TakeHeartbeat();
+  EXPECT_EQ(first.step(), 42);
+  EXPECT_DOUBLE_EQ(first.step_seconds(), 3.0);
+  EXPECT_DOUBLE_EQ(first.busy_seconds(), 1.0);
+
+  // The next interval starts empty: a rank between steps reports no step time.
+  v1::RankHeartbeat second = progress.TakeHeartbeat();
+  EXPECT_EQ(second.step(), 42);
+  EXPECT_EQ(second.step_seconds(), 0);
+  progress.StepFinished(43, 1.0, 1.0);
+  EXPECT_DOUBLE_EQ(progress.TakeHeartbeat().step_seconds(), 1.0);
+}
+
+TEST(HeartbeatSenderTest, SendsAtOnceAndThenEveryInterval) {
+  RecordingReporter reporter;
+  RankProgress progress;
+  progress.StepFinished(7, 0.25, 0.2);
+  const absl::Time start = absl::Now();
+  {
+    HeartbeatSender sender(
+        reporter, progress,
+        {.job_id = "job-9", .attempt = 2, .rank = 3, .interval = absl::Milliseconds(50)});
+    ASSERT_TRUE(reporter.WaitFor(4));
+  }
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(150)) << "4 heartbeats need 3 intervals";
+  const std::vector<v1::TrainerReport> reports = reporter.reports();
+  const size_t sent = reports.size();
+  ASSERT_GE(sent, 4u);
+  for (const v1::TrainerReport& report : reports) {
+    ASSERT_TRUE(report.has_heartbeat());
+    EXPECT_EQ(report.job_id(), "job-9");
+    EXPECT_EQ(report.attempt(), 2);
+    EXPECT_EQ(report.rank(), 3);
+    EXPECT_GT(report.time().seconds(), 0);
+    EXPECT_EQ(report.heartbeat().step(), 7);
+  }
+  EXPECT_DOUBLE_EQ(reports[0].heartbeat().step_seconds(), 0.25);
+  EXPECT_DOUBLE_EQ(reports[0].heartbeat().busy_seconds(), 0.2);
+  EXPECT_EQ(reports[1].heartbeat().step_seconds(), 0);
+  // Destruction stops the thread: nothing more arrives.
+  absl::SleepFor(absl::Milliseconds(120));
+  EXPECT_EQ(reporter.reports().size(), sent);
+}
+
+TEST(HeartbeatIntervalTest, ZeroMeansOneSecond) {
+  v1::TrainerTask task;
+  EXPECT_EQ(HeartbeatInterval(task), absl::Seconds(1));
+  task.set_heartbeat_interval_seconds(0.25);
+  EXPECT_EQ(HeartbeatInterval(task), absl::Milliseconds(250));
+}
+
+struct FakeWork {
+  absl::Duration blocks;
+  void wait() const { absl::SleepFor(blocks); }
+};
+
+TEST(PeerWaitTest, CountsTimeBlockedInWait) {
+  const double before = PeerWaitSeconds();
+  FakeWork work{absl::Milliseconds(60)};
+  WaitForPeers(&work);
+  const double waited = PeerWaitSeconds() - before;
+  EXPECT_GE(waited, 0.055);
+  EXPECT_LT(waited, 5.0);
+}
+
+}  // namespace
+}  // namespace tessera::trainer
