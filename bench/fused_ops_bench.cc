@@ -34,7 +34,7 @@
 #include "common/command_line.h"
 #include "nlohmann/json.hpp"
 #include "trainer/data/data_loader.h"
-#include "trainer/runtime/device.h"
+#include "trainer/kernels/device.h"
 #include "trainer/kernels/fused_ops.h"
 #include "trainer/kernels/fused_ops_cpu.h"
 #include "trainer/model/linear_cross_entropy.h"

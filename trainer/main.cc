@@ -22,7 +22,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "planner/lora.h"
 #include "planner/model_config.h"
-#include "trainer/runtime/device.h"
+#include "trainer/kernels/device.h"
 #include "trainer/parallel/distributed.h"
 #include "trainer/kernels/fused_ops.h"
 #include "trainer/report/heartbeat.h"

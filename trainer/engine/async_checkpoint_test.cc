@@ -16,7 +16,7 @@
 #include "tessera/v1/trainer.pb.h"
 #include "tests/util/temp_dir.h"
 #include "trainer/engine/checkpointing.h"
-#include "trainer/runtime/device.h"
+#include "trainer/kernels/device.h"
 #include "trainer/model/model.h"
 #include "trainer/engine/sharded_engine.h"
 #include "trainer/torch_pch.h"

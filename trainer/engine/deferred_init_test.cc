@@ -25,7 +25,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/model_config.h"
-#include "trainer/runtime/device.h"
+#include "trainer/kernels/device.h"
 #include "trainer/parallel/distributed.h"
 #include "trainer/model/model.h"
 #include "trainer/engine/sharded_engine.h"

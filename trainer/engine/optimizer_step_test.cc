@@ -6,7 +6,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "trainer/runtime/device.h"
+#include "trainer/kernels/device.h"
 #include "trainer/runtime/self_check.h"
 #include "trainer/torch_pch.h"
 

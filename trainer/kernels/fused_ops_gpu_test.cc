@@ -17,7 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/model_config.h"
-#include "trainer/runtime/device.h"
+#include "trainer/kernels/device.h"
 #include "trainer/kernels/fused_ops.h"
 #include "trainer/kernels/fused_ops_test_util.h"
 #include "trainer/model/model.h"

@@ -11,7 +11,7 @@
 
 #include "gtest/gtest.h"
 #include "trainer/data/data_loader.h"
-#include "trainer/runtime/device.h"
+#include "trainer/kernels/device.h"
 #include "trainer/kernels/fused_ops.h"
 
 namespace tessera::trainer {

@@ -24,7 +24,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/model_config.h"
-#include "trainer/runtime/device.h"
+#include "trainer/kernels/device.h"
 #include "trainer/kernels/fused_ops.h"
 #include "trainer/model/test_model_dims.h"
 #include "trainer/torch_pch.h"

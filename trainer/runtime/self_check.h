@@ -7,7 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "trainer/runtime/device.h"
+#include "trainer/kernels/device.h"
 
 namespace tessera::trainer {
 

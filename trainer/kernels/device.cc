@@ -1,4 +1,4 @@
-#include "trainer/runtime/device.h"
+#include "trainer/kernels/device.h"
 
 #include <malloc.h>
 
