@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <iostream>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -55,7 +56,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorProcess>> CoordinatorProcess::Start(
   return process;
 }
 
-CoordinatorProcess::~CoordinatorProcess() { (void)Stop(); }
+CoordinatorProcess::~CoordinatorProcess() {
+  if (const absl::Status status = Stop(); !status.ok()) {
+    std::cerr << "control_plane_bench: stopping the coordinator: " << status << "\n";
+  }
+}
 
 absl::Status CoordinatorProcess::Stop() {
   if (pid_ <= 0) return absl::OkStatus();

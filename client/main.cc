@@ -140,7 +140,13 @@ std::string Json(const google::protobuf::Message& message) {
   google::protobuf::util::JsonPrintOptions options;
   options.add_whitespace = true;
   options.preserve_proto_field_names = true;
-  (void)google::protobuf::util::MessageToJsonString(message, &out, options);
+  // Printing a message we hold fails only on a protobuf bug: say so on stderr.
+  if (const auto status = google::protobuf::util::MessageToJsonString(message, &out, options);
+      !status.ok()) {
+    std::cerr << "tessera: cannot print " << message.GetTypeName() << " as JSON: " << status
+              << "\n";
+    return "{}";
+  }
   return out;
 }
 

@@ -67,7 +67,10 @@ class NodeService::WatchCall {
   static void Wake(const std::shared_ptr<State>& state) {
     absl::MutexLock lock(&state->mu);
     WatchCall* call = state->call;
-    if (call == nullptr || call->finished_) return;
+    if (call == nullptr) return;
+    // The same mutex as state->mu, which the analysis cannot see through call->state_.
+    call->state_->mu.AssertHeld();
+    if (call->finished_) return;
     if (call->service_->notifier_->closed()) {
       call->FinishLocked(ShutdownStatus());
       return;

@@ -731,7 +731,7 @@ UPDATE jobs SET
   request_id = COALESCE(?6, request_id),
   job = ?5
 WHERE job_id = ?1)sql";
-  auto run = [&](const char* sql) -> absl::StatusOr<int> {
+  auto run = [&](const char* sql) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<int> {
     ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(sql, operation));
     Statement statement(db_, stmt, operation);
     statement.BindText(1, job_id);
@@ -808,7 +808,8 @@ INSERT INTO job_events (job_id, sequence, last_sequence, event) VALUES (?1, ?2, 
   // Metric points, evaluations and checkpoint records are keyed (job_id,
   // step); a resent step replaces the old row.
   auto upsert_by_step = [&](const char* sql, const char* what, const auto& items,
-                            const auto& to_store) -> absl::Status {
+                            const auto& to_store) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_)
+                            -> absl::Status {
     if (items.empty()) return absl::OkStatus();
     const std::string operation = absl::StrCat("upsert ", what, " for ", job_id);
     ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(sql, operation));
