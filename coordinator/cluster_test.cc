@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "common/clock.h"
 #include "common/status_matchers.h"
 #include "coordinator/assignment_notifier.h"
 #include "coordinator/attempt_policy.h"
@@ -66,7 +67,7 @@ class ClusterTest : public ::testing::Test {
     options.failure_settle = absl::Seconds(5);
     options.blame_grace = absl::Seconds(1);
     options.checkpoint_root = "/ckpt";
-    options.now = [this] { return now_; };
+    options.clock = &clock_;
     cluster_ = std::make_unique<Cluster>(store_.get(), jobs_.get(), options);
   }
 
@@ -175,7 +176,7 @@ class ClusterTest : public ::testing::Test {
     ClusterOptions options;
     options.tick_interval = absl::Milliseconds(10);
     options.min_tick_gap = absl::ZeroDuration();
-    options.now = [this] { return now_; };
+    options.clock = &clock_;
     cluster_ = std::make_unique<Cluster>(store_.get(), jobs_.get(), options);
   }
 
@@ -191,7 +192,9 @@ class ClusterTest : public ::testing::Test {
     });
   }
 
-  absl::Time now_ = absl::FromUnixSeconds(1'800'000'000);
+  absl::Time Now() const { return clock_.Now(); }
+
+  SimulatedClock clock_{absl::FromUnixSeconds(1'800'000'000)};
   std::optional<tessera::testing::ScopedTempDir> dir_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<JobManager> jobs_;
@@ -200,10 +203,10 @@ class ClusterTest : public ::testing::Test {
 
 TEST_F(ClusterTest, SilentNodeIsLostAndAskedToRegisterAgain) {
   Register("n1", 2);
-  now_ += absl::Seconds(9);
+  clock_.Advance(absl::Seconds(9));
   cluster_->Tick();
   EXPECT_EQ(cluster_->Nodes(false).size(), 1u);
-  now_ += absl::Seconds(2);  // 11 s since the last heartbeat, timeout 10 s
+  clock_.Advance(absl::Seconds(2));  // 11 s since the last heartbeat, timeout 10 s
   ClusterStats stats = cluster_->Tick();
   EXPECT_EQ(stats.nodes[v1::NODE_STATE_LOST], 1);
   EXPECT_TRUE(cluster_->Nodes(false).empty());
@@ -535,11 +538,11 @@ TEST_F(ClusterTest, KilledRankRestartsFromTheCheckpointBlamingTheKilledRank) {
   // happened earlier, and is a cause, not a consequence.
   v1::TrainerReport peer;
   *peer.mutable_failure() =
-      Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", now_, "Connection closed by peer");
+      Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", Now(), "Connection closed by peer");
   ASSERT_THAT(Relay("n1", job_id, 0, 5, {peer}).status(), IsOk());
   v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
   *failed.mutable_failure() = Failure(v1::FAILURE_KIND_PROCESS_EXIT, 1, "n1",
-                                      now_ - absl::Milliseconds(50), "killed by signal 9");
+                                      Now() - absl::Milliseconds(50), "killed by signal 9");
   failed.mutable_failure()->set_signal(9);
   Beat("n1", {failed});
   cluster_->Tick();  // every node ended: decided at once
@@ -597,7 +600,7 @@ TEST_F(ClusterTest, ARestartTakesAnotherMasterPortThanTheFailedAttempt) {
   EXPECT_EQ(Job(job_id).master_port(), 29500) << "stored with the placement";
   Beat("n1", {Task(job_id, 0, "n1", v1::TASK_STATE_RUNNING)});
   v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
-  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_COLLECTIVE_TIMEOUT, 0, "n1", now_,
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_COLLECTIVE_TIMEOUT, 0, "n1", Now(),
                                       "rendezvous: EADDRINUSE, address already in use");
   Beat("n1", {failed});
   cluster_->Tick();
@@ -617,9 +620,9 @@ TEST_F(ClusterTest, NextAttemptWaitsUntilEveryTaskOfTheFailedOneStopped) {
   StartOn(job_id, 0, "n1");
   StartOn(job_id, 0, "n2");
   v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
-  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_OUT_OF_MEMORY, 0, "n1", now_);
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_OUT_OF_MEMORY, 0, "n1", Now());
   Beat("n1", {failed});
-  now_ += absl::Seconds(1);  // the blame grace: the cause is known
+  clock_.Advance(absl::Seconds(1));  // the blame grace: the cause is known
   cluster_->Tick();
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RESTARTING);
   v1::HeartbeatResponse orders = Beat("n2", {Task(job_id, 0, "n2", v1::TASK_STATE_RUNNING)});
@@ -642,14 +645,14 @@ TEST_F(ClusterTest, CauseReportedByAnotherNodeWithinTheGraceIsBlamed) {
   StartOn(job_id, 0, "n2");
   // n1's rank reports its peer gone; n2's worker reports the killed rank a heartbeat later.
   v1::TaskStatus consequence = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
-  *consequence.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", now_);
+  *consequence.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", Now());
   Beat("n1", {consequence});
-  now_ += absl::Seconds(3);
+  clock_.Advance(absl::Seconds(3));
   cluster_->Tick();
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RUNNING) << "only a consequence so far";
   v1::TaskStatus cause = Task(job_id, 0, "n2", v1::TASK_STATE_FAILED);
   *cause.mutable_failure() = Failure(v1::FAILURE_KIND_PROCESS_EXIT, 1, "n2",
-                                     now_ - absl::Seconds(3), "killed by signal 9");
+                                     Now() - absl::Seconds(3), "killed by signal 9");
   cause.mutable_failure()->set_signal(9);
   Beat("n2", {cause});
   cluster_->Tick();
@@ -668,12 +671,12 @@ TEST_F(ClusterTest, OnlyConsequencesAreBlamedAfterTheSettleTime) {
   cluster_->Tick();
   StartOn(job_id, 0, "n1");
   v1::TrainerReport peer;
-  *peer.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", now_, "peer lost");
+  *peer.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", Now(), "peer lost");
   ASSERT_THAT(Relay("n1", job_id, 0, 1, {peer}).status(), IsOk());
-  now_ += absl::Seconds(4);
+  clock_.Advance(absl::Seconds(4));
   cluster_->Tick();
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RUNNING);
-  now_ += absl::Seconds(1);
+  clock_.Advance(absl::Seconds(1));
   cluster_->Tick();
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(Job(job_id).failure().kind(), v1::FAILURE_KIND_PEER_FAILED);
@@ -685,7 +688,7 @@ TEST_F(ClusterTest, NonRetryableFailureEndsTheJobWithRestartsLeft) {
   cluster_->Tick();
   StartOn(job_id, 0, "n1");
   v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
-  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_DATA_ERROR, 0, "n1", now_, "bad shard");
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_DATA_ERROR, 0, "n1", Now(), "bad shard");
   Beat("n1", {failed});
   cluster_->Tick();
   v1::Job job = Job(job_id);
@@ -702,7 +705,7 @@ TEST_F(ClusterTest, JobFailingEveryAttemptStopsAfterMaxRestartsWithEveryReason) 
     StartOn(job_id, attempt, "n1");
     v1::TaskStatus failed = Task(job_id, attempt, "n1", v1::TASK_STATE_FAILED);
     *failed.mutable_failure() =
-        Failure(v1::FAILURE_KIND_NAN_LOSS, 0, "n1", now_, absl::StrCat("nan #", attempt));
+        Failure(v1::FAILURE_KIND_NAN_LOSS, 0, "n1", Now(), absl::StrCat("nan #", attempt));
     Beat("n1", {failed});
     cluster_->Tick();
   }
@@ -728,7 +731,7 @@ TEST_F(ClusterTest, StoreFailuresAreRetriedAndNoAllocationLeaks) {
                                        : absl::OkStatus();
   });
   v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
-  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_OUT_OF_MEMORY, 1, "n1", now_);
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_OUT_OF_MEMORY, 1, "n1", Now());
   Beat("n1", {failed});
   cluster_->Tick();
   cluster_->Tick();
@@ -752,13 +755,99 @@ TEST_F(ClusterTest, StoreFailuresAreRetriedAndNoAllocationLeaks) {
   EXPECT_EQ(FreeSlots("n1"), 2);
 }
 
+// No store write is made under the cluster lock. Every write (placements, a job to RUNNING, a
+// restart decided, a success recorded by a heartbeat and one retried by a pass, a move, node
+// records of registrations, drains and lost nodes) checks, while it runs, that a heartbeat from
+// another node still completes: a write made under the lock would hold that heartbeat until it
+// returned.
+TEST_F(ClusterTest, NoStoreWriteHoldsTheClusterLock) {
+  Register("watch", 1);
+  Register("n1", 2);
+  Register("n2", 2);
+  absl::Mutex mu;
+  int writes = 0;
+  std::set<std::string> written;        // ids of the writes checked
+  std::vector<std::string> held;        // ids of the writes a heartbeat waited for
+  std::vector<std::thread> heartbeats;  // joined at the end (one held waits for its write)
+  std::string fail_once;                // a write of this id fails once
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    auto done = std::make_shared<absl::Notification>();
+    std::thread beat([this, done] {
+      v1::HeartbeatRequest request;
+      request.set_node_id("watch");
+      EXPECT_THAT(cluster_->Heartbeat(request).status(), IsOk());
+      done->Notify();
+    });
+    const bool completed = done->WaitForNotificationWithTimeout(absl::Seconds(2));
+    absl::MutexLock lock(&mu);
+    ++writes;
+    written.insert(id);
+    if (!completed) held.push_back(id);
+    heartbeats.push_back(std::move(beat));
+    if (id == fail_once) {
+      fail_once.clear();
+      return absl::UnavailableError("injected");
+    }
+    return absl::OkStatus();
+  });
+  auto placed_on = [&](const std::string& job_id) { return Job(job_id).placements(0).node_id(); };
+
+  // Placed, RUNNING, failed, restarted (decided by a pass), placed again.
+  const std::string restarted = Submit(CpuSpec(2, 1));
+  cluster_->Tick();
+  std::string node = placed_on(restarted);
+  StartOn(restarted, 0, node);
+  v1::TaskStatus failed = Task(restarted, 0, node, v1::TASK_STATE_FAILED);
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_OUT_OF_MEMORY, 0, node, Now());
+  Beat(node, {failed});
+  cluster_->Tick();
+  ASSERT_EQ(Job(restarted).restarts(), 1);
+  ASSERT_EQ(Job(restarted).state(), v1::JOB_STATE_SCHEDULED);
+  // Its success cannot be recorded by the heartbeat; the next pass records it.
+  node = placed_on(restarted);
+  StartOn(restarted, 1, node);
+  {
+    absl::MutexLock lock(&mu);
+    fail_once = restarted;
+  }
+  Beat(node, {Task(restarted, 1, node, v1::TASK_STATE_SUCCEEDED)});
+  cluster_->Tick();
+  ASSERT_EQ(Job(restarted).state(), v1::JOB_STATE_SUCCEEDED);
+
+  // A drain with checkpoint moves a job; undrained afterwards.
+  const std::string moved = Submit(CpuSpec(2, 0));
+  cluster_->Tick();
+  node = placed_on(moved);
+  StartOn(moved, 0, node);
+  ASSERT_THAT(cluster_->DrainNode(node, /*checkpoint=*/true, "test").status(), IsOk());
+  Beat(node, {Task(moved, 0, node, v1::TASK_STATE_STOPPED)});
+  cluster_->Tick();
+  ASSERT_EQ(Job(moved).attempt(), 1);
+  ASSERT_THAT(cluster_->UndrainNode(node).status(), IsOk());
+
+  // Every node goes silent and is lost; one registers again.
+  clock_.Advance(absl::Seconds(11));
+  cluster_->Tick();
+  Register("n1", 2);
+
+  store_->SetWriteFailureInjector(nullptr);
+  absl::MutexLock lock(&mu);
+  for (auto& heartbeat : heartbeats) heartbeat.join();
+  EXPECT_THAT(held, ::testing::IsEmpty()) << "writes made under the cluster lock";
+  for (const std::string id : {"watch", "n1", "n2"}) {
+    EXPECT_TRUE(written.contains(id)) << "node record " << id << " not checked";
+  }
+  EXPECT_TRUE(written.contains(restarted) && written.contains(moved));
+  EXPECT_GE(writes, 15);
+}
+
 TEST_F(ClusterTest, NodeRecordWriteFailureIsRetried) {
   Register("n1", 2);
   bool fail = true;
   store_->SetWriteFailureInjector([&](const std::string& id) {
     return fail && id == "n1" ? absl::UnavailableError("injected") : absl::OkStatus();
   });
-  now_ += absl::Seconds(11);
+  clock_.Advance(absl::Seconds(11));
   cluster_->Tick();  // n1 lost; its record cannot be written
   fail = false;
   cluster_->Tick();
@@ -803,12 +892,12 @@ TEST_F(ClusterTest, LostNodeRestartsAnAutomaticLayoutOnWhatIsLeft) {
   StartOn(job_id, 0, "n2");
   // n2 goes silent; n1's rank loses its peer.
   for (int i = 0; i < 6; ++i) {
-    now_ += absl::Seconds(2);
+    clock_.Advance(absl::Seconds(2));
     Beat("n1", {Task(job_id, 0, "n1", v1::TASK_STATE_RUNNING)});
     cluster_->Tick();
   }
   v1::TaskStatus consequence = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
-  *consequence.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", now_);
+  *consequence.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", Now());
   Beat("n1", {consequence});
   cluster_->Tick();
   v1::Job job = Job(job_id);
@@ -1218,9 +1307,9 @@ TEST_F(ClusterTest, DrainWithCheckpointMovesTheJobWithoutCountingARestart) {
   // failure on n2 (it stopped first) is recorded but decides nothing.
   ASSERT_THAT(Relay("n1", job_id, 0, 5, {Step(4, 3.8), CheckpointAt(4)}).status(), IsOk());
   v1::TaskStatus peer_gone = Task(job_id, 0, "n2", v1::TASK_STATE_FAILED);
-  *peer_gone.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 1, "n2", now_);
+  *peer_gone.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 1, "n2", Now());
   Beat("n2", {peer_gone});
-  now_ += absl::Seconds(10);  // past every settle time
+  clock_.Advance(absl::Seconds(10));  // past every settle time
   cluster_->Tick();
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RUNNING) << "n1 has not stopped yet";
   Beat("n1", {Task(job_id, 0, "n1", v1::TASK_STATE_STOPPED)});

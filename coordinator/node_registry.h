@@ -7,7 +7,7 @@
 // changed records (TakeWrites) and stores them after releasing its lock, so that no fsync holds
 // it (see ClusterState::WriteNodes).
 //
-// Not thread-safe: Cluster owns it and calls it under its own mutex. Time comes in as arguments,
+// Not thread-safe: ClusterState holds it; it is used under the cluster lock. Time comes in as arguments,
 // so tests drive it without sleeping.
 #pragma once
 
