@@ -194,7 +194,52 @@ class ClusterTest : public ::testing::Test {
 
   absl::Time Now() const { return clock_.Now(); }
 
+  // Returns once `notifier` has made every call noticed before this one: its dispatcher calls
+  // the subscribers one at a time, in the order their notices came.
+  static void Flush(AssignmentNotifier& notifier) {
+    absl::Notification flushed;
+    const AssignmentNotifier::Handle handle =
+        notifier.Subscribe("flush-barrier", [&flushed] { flushed.Notify(); });
+    notifier.Notify("flush-barrier");
+    EXPECT_TRUE(flushed.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    notifier.Unsubscribe(handle);
+  }
+
+  // Cluster::Start with `observer` (may be null), counting the loop's passes for the waits below.
+  void StartLoop(std::function<void(const ClusterStats&, double)> observer = nullptr) {
+    cluster_->Start(
+        [this, observer = std::move(observer)](const ClusterStats& stats, double seconds) {
+          if (observer) observer(stats, seconds);
+          absl::MutexLock lock(&passes_mu_);
+          ++passes_;
+        });
+  }
+  int Passes() {
+    absl::MutexLock lock(&passes_mu_);
+    return passes_;
+  }
+  // Waits (at most `timeout`) until the loop has made `passes` passes in all.
+  bool AwaitPasses(int passes, absl::Duration timeout = absl::Seconds(30)) {
+    absl::MutexLock lock(&passes_mu_);
+    const auto reached = [this, passes]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(passes_mu_) {
+      return passes_ >= passes;
+    };
+    return passes_mu_.AwaitWithTimeout(absl::Condition(&reached), timeout);
+  }
+  // Waits (at most `timeout`) until `done` holds, checking it after each pass of the loop.
+  bool AwaitAfterPasses(const std::function<bool()>& done,
+                        absl::Duration timeout = absl::Seconds(30)) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (!done()) {
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration() || !AwaitPasses(Passes() + 1, left)) return done();
+    }
+    return true;
+  }
+
   SimulatedClock clock_{absl::FromUnixSeconds(1'800'000'000)};
+  absl::Mutex passes_mu_;
+  int passes_ ABSL_GUARDED_BY(passes_mu_) = 0;
   std::optional<tessera::testing::ScopedTempDir> dir_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<JobManager> jobs_;
@@ -276,8 +321,9 @@ TEST_F(ClusterTest, APlacementsAssignmentsLeaveOnlyOnceStoredAndNoHeartbeatWaits
     ASSERT_THAT(response.status(), IsOk()) << node;
     EXPECT_EQ(response->start_size(), 0) << node;
   }
-  // The notifier calls back on its own thread within microseconds of a notice.
-  absl::SleepFor(absl::Milliseconds(200));
+  // The notifier calls back on its own thread: every notice given so far has been delivered once
+  // it flushed.
+  Flush(notifier);
   EXPECT_EQ(notices.load(), 0) << "no node is told of an assignment that is not stored";
 
   release.Notify();
@@ -286,8 +332,7 @@ TEST_F(ClusterTest, APlacementsAssignmentsLeaveOnlyOnceStoredAndNoHeartbeatWaits
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
   // The gang went to one node (two slots); which one is the packing rule's business. That node
   // is told, and its next heartbeat carries the assignment.
-  for (int i = 0; i < 300 && notices.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
-  absl::SleepFor(absl::Milliseconds(100));
+  Flush(notifier);
   EXPECT_EQ(notices.load(), 1);
   notifier.Unsubscribe(watch1);
   notifier.Unsubscribe(watch2);
@@ -317,10 +362,8 @@ TEST_F(ClusterTest, TheLoopStoresAPassBesideTheNextPass) {
   const std::string first = Submit(CpuSpec(2, 0));
   absl::Notification storing, release;
   BlockFirstWriteOf(first, storing, release);
-  std::atomic<int> passes{0};
   std::atomic<double> overlapped{0};
-  cluster_->Start([&](const ClusterStats& stats, double) {
-    ++passes;
+  StartLoop([&](const ClusterStats& stats, double) {
     if (auto it = stats.phase_seconds.find("store_overlapped"); it != stats.phase_seconds.end()) {
       overlapped = overlapped + it->second;
     }
@@ -328,28 +371,20 @@ TEST_F(ClusterTest, TheLoopStoresAPassBesideTheNextPass) {
   ASSERT_TRUE(storing.WaitForNotificationWithTimeout(absl::Seconds(30)));
   // Passes go on while the first placement is being stored; its job still reads PENDING, and it
   // holds the devices of one node.
-  const int before = passes.load();
-  for (int i = 0; i < 3000 && passes.load() < before + 3; ++i)
-    absl::SleepFor(absl::Milliseconds(1));
-  EXPECT_GE(passes.load(), before + 3) << "the passes waited for the store";
+  EXPECT_TRUE(AwaitPasses(Passes() + 3)) << "the passes waited for the store";
   EXPECT_EQ(Job(first).state(), v1::JOB_STATE_PENDING);
   EXPECT_EQ(FreeSlots("n1") + FreeSlots("n2"), 2) << "placed once, not drained";
 
   // A job submitted now is admitted by a later pass (its own store waits for the first's).
   const std::string second = Submit(CpuSpec(2, 0));
   cluster_->RequestPass();
-  for (int i = 0; i < 3000 && FreeSlots("n1") + FreeSlots("n2") > 0; ++i) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  EXPECT_EQ(FreeSlots("n1") + FreeSlots("n2"), 0);
+  EXPECT_TRUE(AwaitAfterPasses([&] { return FreeSlots("n1") + FreeSlots("n2") == 0; }));
   for (const char* node : {"n1", "n2"}) {
     EXPECT_EQ(Beat(node, {}).start_size(), 0) << node << ": an assignment left before its store";
   }
 
   release.Notify();
-  for (int i = 0; i < 3000 && Job(second).state() != v1::JOB_STATE_SCHEDULED; ++i) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
+  EXPECT_TRUE(AwaitAfterPasses([&] { return Job(second).state() == v1::JOB_STATE_SCHEDULED; }));
   EXPECT_EQ(Job(first).state(), v1::JOB_STATE_SCHEDULED);
   EXPECT_EQ(Job(second).state(), v1::JOB_STATE_SCHEDULED);
   cluster_->Stop();
@@ -380,10 +415,8 @@ TEST_F(ClusterTest, TheLoopTakesBackAPlacementItCouldNotStoreAndPlacesItAgain) {
     }
     return absl::OkStatus();
   });
-  cluster_->Start(nullptr);
-  for (int i = 0; i < 5000 && Job(job_id).state() != v1::JOB_STATE_SCHEDULED; ++i) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
+  StartLoop();
+  AwaitAfterPasses([&] { return Job(job_id).state() == v1::JOB_STATE_SCHEDULED; });
   cluster_->Stop();
   store_->SetWriteFailureInjector(nullptr);
   EXPECT_EQ(failed.load(), 1);
@@ -403,7 +436,7 @@ TEST_F(ClusterTest, TheLoopKeepsDeliveriesAndTheStoreInStepUnderRandomChanges) {
   const std::vector<std::string> nodes = {"n1", "n2", "n3"};
   constexpr int kSlots = 4;
   for (const auto& node : nodes) Register(node, kSlots);
-  cluster_->Start(nullptr);
+  StartLoop();
   std::mt19937 rng(20261128);
   auto chance = [&](int percent) {
     return std::uniform_int_distribution<int>(0, 99)(rng) < percent;
@@ -474,7 +507,8 @@ TEST_F(ClusterTest, TheLoopKeepsDeliveriesAndTheStoreInStepUnderRandomChanges) {
   };
   for (int i = 0; i < 3000 && !all_ended(); ++i) {
     for (const auto& node : nodes) beat(node);
-    absl::SleepFor(absl::Milliseconds(2));
+    cluster_->RequestPass();
+    AwaitPasses(Passes() + 1);
   }
   cluster_->Stop();
   EXPECT_TRUE(all_ended());
@@ -510,13 +544,13 @@ TEST_F(ClusterTest, AJobsStuckChangeHoldsUpNoOtherJob) {
   ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(30)));
   std::vector<JobManager::TransitionRequest> requests;
   for (const auto& job_id : others) requests.push_back({job_id, v1::JOB_STATE_PENDING, "batch"});
-  std::atomic<bool> done{false};
+  absl::Notification done;
   std::thread batch([&] {
     for (const auto& result : jobs_->TransitionAll(requests)) EXPECT_THAT(result.status(), IsOk());
-    done = true;
+    done.Notify();
   });
-  for (int i = 0; i < 1000 && !done; ++i) absl::SleepFor(absl::Milliseconds(10));
-  EXPECT_TRUE(done.load()) << "the batch waited for another job's change";
+  EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)))
+      << "the batch waited for another job's change";
   release.Notify();
   change.join();
   batch.join();
@@ -1032,14 +1066,10 @@ TEST_F(ClusterTest, OrdersAreAnnouncedToTheirNodeOnly) {
   }
   // The dispatcher runs on its own thread: wait (bounded) for the count to settle.
   auto count = [&](const std::string& node, int want) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (true) {
-      {
-        absl::MutexLock lock(&mu);
-        if (notices[node] == want || absl::Now() > deadline) return notices[node];
-      }
-      absl::SleepFor(absl::Milliseconds(1));
-    }
+    absl::MutexLock lock(&mu);
+    const auto settled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return notices[node] == want; };
+    mu.AwaitWithTimeout(absl::Condition(&settled), absl::Seconds(10));
+    return notices[node];
   };
   Register("n1", 2);
   Register("n2", 2);
@@ -1061,6 +1091,7 @@ TEST_F(ClusterTest, OrdersAreAnnouncedToTheirNodeOnly) {
   ASSERT_THAT(jobs_->Cancel(job_id, "test").status(), IsOk());
   cluster_->Tick();
   EXPECT_EQ(count(node, 2), 2);
+  Flush(notifier);  // every notice given so far delivered
   EXPECT_EQ(count(other, 0), 0);
   cluster_->SetAssignmentNotifier(nullptr);
 }
