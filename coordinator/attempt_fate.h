@@ -34,6 +34,10 @@ class AttemptFate {
   // `state` and `jobs` must outlive the fate.
   AttemptFate(ClusterState* state, JobManager* jobs) : state_(state), jobs_(jobs) {}
 
+  // Tells the thread-safety analysis (and debug builds) that the caller holds the cluster lock
+  // under the name it knows this fate's by: callers reach it through their own ClusterState*.
+  void AssertLockHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK(state_->mu) { state_->mu.AssertHeld(); }
+
   // Records a failure of the job's current attempt (one of an earlier attempt is dropped); a
   // running attempt enters kFailing.
   void AddFailureLocked(const std::string& job_id, int32_t attempt,

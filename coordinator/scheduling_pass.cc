@@ -445,23 +445,7 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
   std::vector<AttemptFate::Ending> endings;
   {
     TimedLock lock(&state_->mu, &stats);
-    // Liveness is a scan of every node: the regular passes (every tick_interval) do it.
-    if (count) fate_->ExpireNodesLocked(now);
-    if (active.ok()) {
-      for (auto& [job_id, allocation] : state_->allocations.all()) {
-        // Placed by the previous pass and not yet stored (its job may still be listed PENDING, or
-        // already cancelled): the store thread releases or takes it back first.
-        if (allocation.storing) continue;
-        if (!active_ids.contains(job_id)) {
-          // Cancelled (or ended by a decision already recorded): stop what still runs.
-          if (allocation.phase != Allocation::Phase::kDraining) {
-            fate_->DrainLocked(job_id, allocation);
-          }
-          continue;
-        }
-        fate_->PrepareLocked(job_id, allocation, now, &endings);
-      }
-    }
+    endings = SettleLocked(count, now, active.ok() ? &active_ids : nullptr);
   }
   // The node records changed (registrations, nodes lost; a write that failed before) and the
   // attempts' ends are stored with the lock released: heartbeats go on meanwhile. An ending
@@ -472,18 +456,8 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
   bool relist = false;
   {
     TimedLock lock(&state_->mu, &stats);
-    fate_->FinishLocked(endings);
-    if (active.ok()) {
-      // Attempts whose every task has ended give their devices back. A job still active whose
-      // attempt just ended (it restarts) may be placed again in this pass: list again for it.
-      state_->allocations.EraseIf([&](const std::string& job_id, const Allocation& allocation) {
-        const bool ended = allocation.phase == Allocation::Phase::kDraining &&
-                           allocation.AllNodesEnded() && !allocation.success_pending;
-        relist = relist || (ended && active_ids.contains(job_id));
-        return ended;
-      });
-      if (!relist && waiting.ok()) snapshot = SnapshotLocked(*waiting);
-    }
+    relist = FreeEndedLocked(endings, active.ok() ? &active_ids : nullptr);
+    if (active.ok() && !relist && waiting.ok()) snapshot = SnapshotLocked(*waiting);
   }
   phase.Next("settle");
   if (relist) {
@@ -543,6 +517,44 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
   return stats;
 }
 
+std::vector<AttemptFate::Ending> SchedulingPass::SettleLocked(
+    bool count, absl::Time now, const absl::flat_hash_set<std::string_view>* active_ids) {
+  fate_->AssertLockHeld();
+  std::vector<AttemptFate::Ending> endings;
+  // Liveness is a scan of every node: the regular passes (every tick_interval) do it.
+  if (count) fate_->ExpireNodesLocked(now);
+  if (active_ids == nullptr) return endings;
+  for (auto& [job_id, allocation] : state_->allocations.all()) {
+    // Placed by the previous pass and not yet stored (its job may still be listed PENDING, or
+    // already cancelled): the store thread releases or takes it back first.
+    if (allocation.storing) continue;
+    if (!active_ids->contains(job_id)) {
+      // Cancelled (or ended by a decision already recorded): stop what still runs.
+      if (allocation.phase != Allocation::Phase::kDraining) fate_->DrainLocked(job_id, allocation);
+      continue;
+    }
+    fate_->PrepareLocked(job_id, allocation, now, &endings);
+  }
+  return endings;
+}
+
+bool SchedulingPass::FreeEndedLocked(const std::vector<AttemptFate::Ending>& endings,
+                                     const absl::flat_hash_set<std::string_view>* active_ids) {
+  fate_->AssertLockHeld();
+  fate_->FinishLocked(endings);
+  if (active_ids == nullptr) return false;
+  // Attempts whose every task has ended give their devices back. A job still active whose
+  // attempt just ended (it restarts) may be placed again in this pass: list again for it.
+  bool relist = false;
+  state_->allocations.EraseIf([&](const std::string& job_id, const Allocation& allocation) {
+    const bool ended = allocation.phase == Allocation::Phase::kDraining &&
+                       allocation.AllNodesEnded() && !allocation.success_pending;
+    relist = relist || (ended && active_ids->contains(job_id));
+    return ended;
+  });
+  return relist;
+}
+
 void SchedulingPass::CountLocked(ClusterStats* stats) {
   // Counted in place: copying every node record (or capacity) here cost more than the pass.
   NodeRegistry::Tally tally = state_->nodes.Count(state_->allocations.Used());
@@ -551,6 +563,7 @@ void SchedulingPass::CountLocked(ClusterStats* stats) {
   stats->gpus_allocated = tally.gpus_allocated;
   stats->cpu_slots_total = tally.cpu_slots_total;
   stats->cpu_slots_allocated = tally.cpu_slots_allocated;
+  fate_->AssertLockHeld();
   stats->restarts = fate_->restarts();
   stats->failures = fate_->failures();
   for (auto& [job_id, allocation] : state_->allocations.all()) {

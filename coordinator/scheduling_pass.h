@@ -28,10 +28,12 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "coordinator/attempt_fate.h"
@@ -97,6 +99,17 @@ class SchedulingPass {
   // Gives `pass` to the store thread once the previous pass's writes are stored.
   void HandOver(Writes pass) ABSL_LOCKS_EXCLUDED(store_mu_);
   void StoreLoop() ABSL_LOCKS_EXCLUDED(store_mu_);
+  // Settling, under the lock: liveness (when `count`), the attempts of jobs no longer active
+  // (`active_ids`; null when the listing failed) drained, and the attempts whose end is due.
+  std::vector<AttemptFate::Ending> SettleLocked(
+      bool count, absl::Time now, const absl::flat_hash_set<std::string_view>* active_ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  // Under the lock, once the ends are stored: applies them, and frees the devices of the attempts
+  // whose every task has ended. Returns whether one of them belongs to a job still active (it
+  // restarts: the waiting jobs are listed again, so that it can be placed in this pass).
+  bool FreeEndedLocked(const std::vector<AttemptFate::Ending>& endings,
+                       const absl::flat_hash_set<std::string_view>* active_ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   // The cluster-wide figures of a counted pass.
   void CountLocked(ClusterStats* stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
 

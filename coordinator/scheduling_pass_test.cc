@@ -205,6 +205,7 @@ TEST_F(SchedulingPassTest, AFailedAttemptIsRestartedOnceItsEndIsStored) {
     failure.set_kind(v1::FAILURE_KIND_OUT_OF_MEMORY);
     failure.set_rank(0);
     failure.set_node_id("n1");
+    fate_->AssertLockHeld();
     fate_->AddFailureLocked(job_id, 0, failure);
     state_->allocations.Find(job_id)->task_states["n1"] = v1::TASK_STATE_FAILED;
   }

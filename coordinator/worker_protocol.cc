@@ -59,6 +59,7 @@ absl::Status WorkerProtocol::RegisterLocked(const v1::RegisterNodeRequest& reque
     failure.set_node_id(request.node_id());
     failure.set_message("the worker restarted and no longer runs the job's trainers");
     *failure.mutable_time() = ToProto(now);
+    fate_->AssertLockHeld();
     fate_->AddFailureLocked(job_id, allocation.attempt, failure);
   }
   for (const auto& task : request.running_tasks()) {
@@ -152,6 +153,7 @@ void WorkerProtocol::OnTaskStatusLocked(const std::string& node_id, const v1::Ta
     v1::TrainerFailure failure = status.failure();
     if (failure.node_id().empty()) failure.set_node_id(node_id);
     if (!failure.has_time()) *failure.mutable_time() = ToProto(state_->Now());
+    fate_->AssertLockHeld();
     fate_->AddFailureLocked(job_id, status.attempt(), failure);
     return;
   }
@@ -272,6 +274,7 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
         v1::TrainerFailure failure = report.failure();
         if (failure.node_id().empty()) failure.set_node_id(request.node_id());
         if (!failure.has_time()) *failure.mutable_time() = report.time();
+        fate_->AssertLockHeld();
         fate_->AddFailureLocked(job_id, report.attempt(), failure);
         break;
       }
