@@ -8,9 +8,9 @@
 // of the cluster, and the small helpers the parts share.
 //
 // Thread safety: `mu` guards the registry, the ledger, the notifier and heartbeat_node. Code that
-// holds `mu` never writes to the store (JobManager and Store calls made under it, reads only,
-// never call back). Node record writes are serialized by node_write_mu (taken before mu): a
-// record taken later is stored later, so an older copy never overwrites a newer one.
+// holds `mu` makes no store write and, but for Cluster::Recover's reads at startup, no store call
+// at all. Node record writes are serialized by node_write_mu (taken before mu): a record taken
+// later is stored later, so an older copy never overwrites a newer one.
 #pragma once
 
 #include <cstdint>
@@ -79,7 +79,8 @@ struct ClusterStats {
   double lock_held_seconds = 0;
   double longest_lock_hold_seconds = 0;
   // Where the pass's time went, by phase: "list" (reading the active and waiting jobs from the
-  // store), "settle" (liveness, decisions and the capacity snapshot, under the cluster lock),
+  // store), "settle" (liveness, decisions and the capacity snapshot under the cluster lock, and
+  // between those holds the node records and the attempts' ends stored without it),
   // "plan" (each waiting job's plan and request), "schedule" (the gang scheduler), "admit"
   // (committing the placements under the lock), "store" (storing them and the pending reasons),
   // "count" (the cluster-wide figures). Wall time, waits included. Under Start(), "store" is the
