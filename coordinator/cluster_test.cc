@@ -61,7 +61,7 @@ class ClusterTest : public ::testing::Test {
     auto store = Store::Open(":memory:");
     ASSERT_THAT(store.status(), IsOk());
     store_ = std::move(*store);
-    jobs_ = std::make_unique<JobManager>(store_.get());
+    jobs_ = std::make_unique<JobManager>(store_.get(), &clock_);
     ClusterOptions options;
     options.heartbeat_timeout = absl::Seconds(10);
     options.failure_settle = absl::Seconds(5);
@@ -172,7 +172,7 @@ class ClusterTest : public ::testing::Test {
     auto store = Store::Open(dir_->path() + "/coordinator.db");
     ASSERT_THAT(store.status(), IsOk());
     store_ = std::move(*store);
-    jobs_ = std::make_unique<JobManager>(store_.get());
+    jobs_ = std::make_unique<JobManager>(store_.get(), &clock_);
     ClusterOptions options;
     options.tick_interval = absl::Milliseconds(10);
     options.min_tick_gap = absl::ZeroDuration();
@@ -226,13 +226,16 @@ class ClusterTest : public ::testing::Test {
     };
     return passes_mu_.AwaitWithTimeout(absl::Condition(&reached), timeout);
   }
-  // Waits (at most `timeout`) until `done` holds, checking it after each pass of the loop.
+  // Waits (at most `timeout`) until `done` holds, checking it after each pass of the loop, and at
+  // least every 10 ms: a pass may change what `done` reads and then block (its store waits for
+  // the previous one's), so its end is not always the moment to look.
   bool AwaitAfterPasses(const std::function<bool()>& done,
                         absl::Duration timeout = absl::Seconds(30)) {
     const absl::Time deadline = absl::Now() + timeout;
     while (!done()) {
       const absl::Duration left = deadline - absl::Now();
-      if (left <= absl::ZeroDuration() || !AwaitPasses(Passes() + 1, left)) return done();
+      if (left <= absl::ZeroDuration()) return false;
+      AwaitPasses(Passes() + 1, std::min(left, absl::Milliseconds(10)));
     }
     return true;
   }
@@ -873,6 +876,22 @@ TEST_F(ClusterTest, NoStoreWriteHoldsTheClusterLock) {
   }
   EXPECT_TRUE(written.contains(restarted) && written.contains(moved));
   EXPECT_GE(writes, 15);
+}
+
+// The scheduling latency and the oldest pending job's age are measured on the cluster's clock
+// (the job manager stamps submissions with the same one).
+TEST_F(ClusterTest, LatencyAndPendingAgeComeFromTheClock) {
+  std::vector<double> latencies;
+  cluster_->SetSchedulingLatencyObserver([&](double seconds) { latencies.push_back(seconds); });
+  const std::string job_id = Submit(CpuSpec(2, 0));
+  clock_.Advance(absl::Seconds(3));
+  EXPECT_EQ(cluster_->Tick().oldest_pending_seconds, 3.0) << "no node yet";
+  Register("n1", 2);
+  clock_.Advance(absl::Seconds(2));
+  const ClusterStats stats = cluster_->Tick();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(stats.oldest_pending_seconds, 0.0);
+  EXPECT_THAT(latencies, ElementsAre(5.0));
 }
 
 TEST_F(ClusterTest, NodeRecordWriteFailureIsRetried) {
