@@ -6,7 +6,7 @@
 // report sequence acknowledged per node (so a resent batch is stored once) and each rank's latest
 // step time.
 //
-// Not thread-safe: Cluster owns it and calls it under its own mutex.
+// Not thread-safe: ClusterState holds it; it is used under the cluster lock.
 #pragma once
 
 #include <cstdint>
@@ -29,13 +29,13 @@ struct Allocation {
   enum class Phase {
     // Ranks starting or training.
     kRunning,
-    // A failure came in; more may follow before one is blamed (see Cluster::DecideLocked).
+    // A failure came in; more may follow before one is blamed (see AttemptFate::PrepareLocked).
     kFailing,
     // The attempt is over (decided, succeeded or cancelled); waiting for every node to stop.
     kDraining,
     // Asked to save a checkpoint and stop, to be placed again elsewhere (a node of it was drained
     // with checkpoint): once every node has ended, the job goes back to the queue without a
-    // failure or a restart counted (Cluster::SettleMoveLocked). Failures are recorded, not
+    // failure or a restart counted (AttemptFate, Ending::Kind::kMove). Failures are recorded, not
     // decided.
     kMoving,
   };

@@ -1,15 +1,13 @@
-// In-process tests of the coordinator's control loop (Cluster with its NodeRegistry and
-// AllocationLedger) and of the attempt policy: an in-memory store, a clock the test moves, and
-// workers played by the test through Register / Heartbeat / Report. No processes, no sleeps.
+// In-process tests of Cluster's dealings with workers and attempts: registrations, heartbeats and
+// reports (WorkerProtocol), failures, blame, restarts, moves and successes (AttemptFate, and the
+// attempt policy), lost and drained nodes. The fixture is in cluster_test_fixture.h; placements,
+// the loop and the cluster lock are tested in cluster_pass_test.cc.
 
 #include "coordinator/cluster.h"
 
-#include <algorithm>
 #include <atomic>
 #include <map>
 #include <memory>
-#include <optional>
-#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -20,10 +18,10 @@
 #include "common/status_matchers.h"
 #include "coordinator/assignment_notifier.h"
 #include "coordinator/attempt_policy.h"
+#include "coordinator/cluster_test_fixture.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/time_util.h"
 #include "gtest/gtest.h"
-#include "tests/util/job_specs.h"
 #include "tests/util/temp_dir.h"
 
 namespace tessera::coordinator {
@@ -35,175 +33,12 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::SizeIs;
 
-google::protobuf::Timestamp At(absl::Time time) {
-  return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(time));
-}
-
-v1::JobSpec CpuSpec(int slots, int max_restarts) {
-  return testing::TinyCpuJobSpec("restartable", slots, max_restarts);
-}
-
-v1::TrainerFailure Failure(v1::FailureKind kind, int rank, const std::string& node, absl::Time time,
-                           const std::string& message = "") {
-  v1::TrainerFailure failure;
-  failure.set_kind(kind);
-  failure.set_rank(rank);
-  failure.set_node_id(node);
-  failure.set_message(message);
-  *failure.mutable_time() = At(time);
-  return failure;
-}
-
-class ClusterTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    auto store = Store::Open(":memory:");
-    ASSERT_THAT(store.status(), IsOk());
-    store_ = std::move(*store);
-    jobs_ = std::make_unique<JobManager>(store_.get());
-    ClusterOptions options;
-    options.heartbeat_timeout = absl::Seconds(10);
-    options.failure_settle = absl::Seconds(5);
-    options.blame_grace = absl::Seconds(1);
-    options.checkpoint_root = "/ckpt";
-    options.now = [this] { return now_; };
-    cluster_ = std::make_unique<Cluster>(store_.get(), jobs_.get(), options);
-  }
-
-  void Register(const std::string& node, int slots) {
-    v1::RegisterNodeRequest request;
-    request.set_node_id(node);
-    request.set_address(node + ":7000");
-    request.mutable_resources()->set_cpu_slots(slots);
-    ASSERT_THAT(cluster_->Register(request).status(), IsOk());
-  }
-
-  std::string Submit(const v1::JobSpec& spec) {
-    auto job = jobs_->Submit(spec, "");
-    EXPECT_THAT(job.status(), IsOk());
-    return job.ok() ? job->job_id() : "";
-  }
-
-  // A heartbeat from `node` with the given task states; returns the orders it gets back.
-  v1::HeartbeatResponse Beat(const std::string& node, const std::vector<v1::TaskStatus>& tasks) {
-    v1::HeartbeatRequest request;
-    request.set_node_id(node);
-    for (const auto& task : tasks) *request.add_tasks() = task;
-    auto response = cluster_->Heartbeat(request);
-    EXPECT_THAT(response.status(), IsOk());
-    return response.ok() ? *response : v1::HeartbeatResponse();
-  }
-
-  static v1::TaskStatus Task(const std::string& job_id, int attempt, const std::string& node,
-                             v1::TaskState state) {
-    v1::TaskStatus status;
-    status.set_task_id(absl::StrCat(job_id, "/", attempt, "/", node));
-    status.set_job_id(job_id);
-    status.set_attempt(attempt);
-    status.set_state(state);
-    return status;
-  }
-
-  v1::Job Job(const std::string& job_id) {
-    auto job = jobs_->Get(job_id);
-    EXPECT_THAT(job.status(), IsOk());
-    return job.ok() ? *job : v1::Job();
-  }
-
-  int FreeSlots(const std::string& node) {
-    for (const auto& n : cluster_->Nodes(true)) {
-      if (n.node_id() == node) return n.free_cpu_slots();
-    }
-    return -1;
-  }
-
-  // Reports of one relayed batch from `node`, sequence numbers from `first`.
-  absl::StatusOr<v1::ReportResponse> Relay(const std::string& node, const std::string& job_id,
-                                           int attempt, int64_t first,
-                                           const std::vector<v1::TrainerReport>& reports) {
-    v1::ReportRequest request;
-    request.set_node_id(node);
-    request.set_task_id(absl::StrCat(job_id, "/", attempt, "/", node));
-    request.set_first_sequence(first);
-    for (auto report : reports) {
-      report.set_job_id(job_id);
-      report.set_attempt(attempt);
-      *request.add_reports() = report;
-    }
-    return cluster_->Report(request);
-  }
-
-  static v1::TrainerReport Step(int64_t step, double loss) {
-    v1::TrainerReport report;
-    report.mutable_metrics()->set_step(step);
-    report.mutable_metrics()->set_loss(loss);
-    return report;
-  }
-
-  static v1::TrainerReport CheckpointAt(int64_t step) {
-    v1::TrainerReport report;
-    report.mutable_checkpoint()->set_step(step);
-    report.mutable_checkpoint()->set_path(absl::StrCat("/ckpt/step-", step));
-    return report;
-  }
-
-  // Runs the job's attempt `attempt` on `node` up to RUNNING.
-  void StartOn(const std::string& job_id, int attempt, const std::string& node) {
-    v1::HeartbeatResponse orders = Beat(node, {});
-    ASSERT_THAT(orders.start(), SizeIs(1));
-    EXPECT_EQ(orders.start(0).task_id(), absl::StrCat(job_id, "/", attempt, "/", node));
-    Beat(node, {Task(job_id, attempt, node, v1::TASK_STATE_RUNNING)});
-  }
-
-  std::vector<v1::JobEvent> Events(const std::string& job_id) {
-    auto events = jobs_->Events(job_id, 0, 0);
-    EXPECT_THAT(events.status(), IsOk());
-    return events.ok() ? *events : std::vector<v1::JobEvent>();
-  }
-
-  // The store on a file (its reads on their own connections, not behind a blocked write) and a
-  // cluster whose loop (Start) passes every 10 ms, for the tests of the loop.
-  void UseFileStoreAndFastLoop() {
-    cluster_.reset();
-    jobs_.reset();
-    store_.reset();
-    dir_.emplace("cluster-loop");
-    auto store = Store::Open(dir_->path() + "/coordinator.db");
-    ASSERT_THAT(store.status(), IsOk());
-    store_ = std::move(*store);
-    jobs_ = std::make_unique<JobManager>(store_.get());
-    ClusterOptions options;
-    options.tick_interval = absl::Milliseconds(10);
-    options.min_tick_gap = absl::ZeroDuration();
-    options.now = [this] { return now_; };
-    cluster_ = std::make_unique<Cluster>(store_.get(), jobs_.get(), options);
-  }
-
-  // The store's first write of `job_id` notifies `storing` and then waits for `release`.
-  void BlockFirstWriteOf(const std::string& job_id, absl::Notification& storing,
-                         absl::Notification& release) {
-    store_->SetWriteFailureInjector([job_id, &storing, &release](const std::string& id) {
-      if (id == job_id && !storing.HasBeenNotified()) {
-        storing.Notify();
-        release.WaitForNotification();
-      }
-      return absl::OkStatus();
-    });
-  }
-
-  absl::Time now_ = absl::FromUnixSeconds(1'800'000'000);
-  std::optional<tessera::testing::ScopedTempDir> dir_;
-  std::unique_ptr<Store> store_;
-  std::unique_ptr<JobManager> jobs_;
-  std::unique_ptr<Cluster> cluster_;
-};
-
 TEST_F(ClusterTest, SilentNodeIsLostAndAskedToRegisterAgain) {
   Register("n1", 2);
-  now_ += absl::Seconds(9);
+  clock_.Advance(absl::Seconds(9));
   cluster_->Tick();
   EXPECT_EQ(cluster_->Nodes(false).size(), 1u);
-  now_ += absl::Seconds(2);  // 11 s since the last heartbeat, timeout 10 s
+  clock_.Advance(absl::Seconds(2));  // 11 s since the last heartbeat, timeout 10 s
   ClusterStats stats = cluster_->Tick();
   EXPECT_EQ(stats.nodes[v1::NODE_STATE_LOST], 1);
   EXPECT_TRUE(cluster_->Nodes(false).empty());
@@ -248,280 +83,6 @@ TEST_F(ClusterTest, HeartbeatGpuMetricsReplaceTheNodesLast) {
   EXPECT_TRUE(utilization().empty());
 }
 
-// While a pass stores a placement, its assignments are held back: a heartbeat from one of its
-// nodes is answered at once without them (it never waits for the store), and the node gets them
-// with its first heartbeat after the store, the notifier telling it then, not before.
-TEST_F(ClusterTest, APlacementsAssignmentsLeaveOnlyOnceStoredAndNoHeartbeatWaits) {
-  Register("n1", 2);
-  Register("n2", 2);
-  AssignmentNotifier notifier;
-  cluster_->SetAssignmentNotifier(&notifier);
-  std::atomic<int> notices{0};
-  const AssignmentNotifier::Handle watch1 = notifier.Subscribe("n1", [&] { ++notices; });
-  const AssignmentNotifier::Handle watch2 = notifier.Subscribe("n2", [&] { ++notices; });
-  const std::string job_id = Submit(CpuSpec(2, 0));
-  absl::Notification storing, release;
-  BlockFirstWriteOf(job_id, storing, release);
-  std::thread pass([&] { cluster_->Tick(); });
-  ASSERT_TRUE(storing.WaitForNotificationWithTimeout(absl::Seconds(30)));
-
-  // Both nodes' heartbeats return while the store is blocked, with no assignment.
-  for (const char* node : {"n1", "n2"}) {
-    v1::HeartbeatRequest beat;
-    beat.set_node_id(node);
-    absl::StatusOr<v1::HeartbeatResponse> response = cluster_->Heartbeat(beat);
-    ASSERT_THAT(response.status(), IsOk()) << node;
-    EXPECT_EQ(response->start_size(), 0) << node;
-  }
-  // The notifier calls back on its own thread within microseconds of a notice.
-  absl::SleepFor(absl::Milliseconds(200));
-  EXPECT_EQ(notices.load(), 0) << "no node is told of an assignment that is not stored";
-
-  release.Notify();
-  pass.join();
-  store_->SetWriteFailureInjector(nullptr);
-  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
-  // The gang went to one node (two slots); which one is the packing rule's business. That node
-  // is told, and its next heartbeat carries the assignment.
-  for (int i = 0; i < 300 && notices.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
-  absl::SleepFor(absl::Milliseconds(100));
-  EXPECT_EQ(notices.load(), 1);
-  notifier.Unsubscribe(watch1);
-  notifier.Unsubscribe(watch2);
-  cluster_->SetAssignmentNotifier(nullptr);
-  int starts = 0;
-  for (const char* node : {"n1", "n2"}) {
-    v1::HeartbeatRequest beat;
-    beat.set_node_id(node);
-    absl::StatusOr<v1::HeartbeatResponse> response = cluster_->Heartbeat(beat);
-    ASSERT_THAT(response.status(), IsOk()) << node;
-    for (const auto& start : response->start()) {
-      EXPECT_EQ(start.trainers(0).job_id(), job_id);
-      ++starts;
-    }
-  }
-  EXPECT_EQ(starts, 1);
-}
-
-// Under Start(), a pass's placements are stored on the store thread while the next pass runs:
-// with the first placement's transaction blocked, a later pass still admits another job, neither
-// placement reaches a node before it is stored, the first is not placed twice or drained while
-// its job still reads PENDING, and both are stored once the transaction goes on.
-TEST_F(ClusterTest, TheLoopStoresAPassBesideTheNextPass) {
-  UseFileStoreAndFastLoop();
-  Register("n1", 2);
-  Register("n2", 2);
-  const std::string first = Submit(CpuSpec(2, 0));
-  absl::Notification storing, release;
-  BlockFirstWriteOf(first, storing, release);
-  std::atomic<int> passes{0};
-  std::atomic<double> overlapped{0};
-  cluster_->Start([&](const ClusterStats& stats, double) {
-    ++passes;
-    if (auto it = stats.phase_seconds.find("store_overlapped"); it != stats.phase_seconds.end()) {
-      overlapped = overlapped + it->second;
-    }
-  });
-  ASSERT_TRUE(storing.WaitForNotificationWithTimeout(absl::Seconds(30)));
-  // Passes go on while the first placement is being stored; its job still reads PENDING, and it
-  // holds the devices of one node.
-  const int before = passes.load();
-  for (int i = 0; i < 3000 && passes.load() < before + 3; ++i)
-    absl::SleepFor(absl::Milliseconds(1));
-  EXPECT_GE(passes.load(), before + 3) << "the passes waited for the store";
-  EXPECT_EQ(Job(first).state(), v1::JOB_STATE_PENDING);
-  EXPECT_EQ(FreeSlots("n1") + FreeSlots("n2"), 2) << "placed once, not drained";
-
-  // A job submitted now is admitted by a later pass (its own store waits for the first's).
-  const std::string second = Submit(CpuSpec(2, 0));
-  cluster_->RequestPass();
-  for (int i = 0; i < 3000 && FreeSlots("n1") + FreeSlots("n2") > 0; ++i) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  EXPECT_EQ(FreeSlots("n1") + FreeSlots("n2"), 0);
-  for (const char* node : {"n1", "n2"}) {
-    EXPECT_EQ(Beat(node, {}).start_size(), 0) << node << ": an assignment left before its store";
-  }
-
-  release.Notify();
-  for (int i = 0; i < 3000 && Job(second).state() != v1::JOB_STATE_SCHEDULED; ++i) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  EXPECT_EQ(Job(first).state(), v1::JOB_STATE_SCHEDULED);
-  EXPECT_EQ(Job(second).state(), v1::JOB_STATE_SCHEDULED);
-  cluster_->Stop();
-  store_->SetWriteFailureInjector(nullptr);
-  std::map<std::string, std::string> started;  // job -> node
-  for (const char* node : {"n1", "n2"}) {
-    const v1::HeartbeatResponse orders = Beat(node, {});
-    for (const auto& start : orders.start()) {
-      EXPECT_TRUE(started.emplace(start.trainers(0).job_id(), node).second);
-    }
-  }
-  EXPECT_EQ(started.size(), 2u);
-  EXPECT_TRUE(started.contains(first) && started.contains(second));
-  EXPECT_GT(overlapped.load(), 0) << "the store thread's time is reported as store_overlapped";
-}
-
-// A placement the store thread cannot store is taken back (its devices freed, nothing
-// delivered), and a later pass places the job again.
-TEST_F(ClusterTest, TheLoopTakesBackAPlacementItCouldNotStoreAndPlacesItAgain) {
-  UseFileStoreAndFastLoop();
-  Register("n1", 2);
-  const std::string job_id = Submit(CpuSpec(2, 0));
-  std::atomic<int> failed{0};
-  store_->SetWriteFailureInjector([&](const std::string& id) {
-    if (id == job_id && failed.load() == 0) {
-      ++failed;
-      return absl::UnavailableError("injected: disk gone");
-    }
-    return absl::OkStatus();
-  });
-  cluster_->Start(nullptr);
-  for (int i = 0; i < 5000 && Job(job_id).state() != v1::JOB_STATE_SCHEDULED; ++i) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  cluster_->Stop();
-  store_->SetWriteFailureInjector(nullptr);
-  EXPECT_EQ(failed.load(), 1);
-  ASSERT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
-  EXPECT_EQ(FreeSlots("n1"), 0);
-  const v1::HeartbeatResponse orders = Beat("n1", {});
-  ASSERT_EQ(orders.start_size(), 1) << "one start: the placement taken back was never delivered";
-  EXPECT_EQ(orders.start(0).trainers(0).job_id(), job_id);
-}
-
-// Under Start(), with each pass's placements stored beside the next pass: random submissions,
-// cancellations and heartbeats (a task reported RUNNING, later SUCCEEDED; stopped when told)
-// never deliver a start whose placement is not stored, never deliver a task twice, never hand
-// out more slots than a node has, and every job ends with every slot free again.
-TEST_F(ClusterTest, TheLoopKeepsDeliveriesAndTheStoreInStepUnderRandomChanges) {
-  UseFileStoreAndFastLoop();
-  const std::vector<std::string> nodes = {"n1", "n2", "n3"};
-  constexpr int kSlots = 4;
-  for (const auto& node : nodes) Register(node, kSlots);
-  cluster_->Start(nullptr);
-  std::mt19937 rng(20261128);
-  auto chance = [&](int percent) {
-    return std::uniform_int_distribution<int>(0, 99)(rng) < percent;
-  };
-  std::vector<std::string> jobs;
-  std::set<std::string> delivered;
-  // node -> task_id -> the status the node reports next
-  std::map<std::string, std::map<std::string, v1::TaskStatus>> tasks;
-  int starts = 0, stops = 0, cancels = 0;
-  auto beat = [&](const std::string& node) {
-    std::vector<v1::TaskStatus> listed;
-    for (const auto& [task_id, status] : tasks[node]) listed.push_back(status);
-    const v1::HeartbeatResponse orders = Beat(node, listed);
-    for (auto it = tasks[node].begin(); it != tasks[node].end();) {
-      // A task reported ended is forgotten; a running one may end before the next heartbeat.
-      if (it->second.state() == v1::TASK_STATE_SUCCEEDED) {
-        it = tasks[node].erase(it);
-        continue;
-      }
-      if (chance(30)) it->second.set_state(v1::TASK_STATE_SUCCEEDED);
-      ++it;
-    }
-    for (const auto& task_id : orders.stop()) {
-      stops += static_cast<int>(tasks[node].erase(task_id));
-    }
-    for (const auto& start : orders.start()) {
-      ++starts;
-      const v1::TrainerTask& trainer = start.trainers(0);
-      EXPECT_TRUE(delivered.insert(start.task_id()).second)
-          << start.task_id() << " was delivered twice";
-      // Its placement was stored before it left (a cancellation may have come since).
-      const v1::Job stored = Job(trainer.job_id());
-      EXPECT_NE(stored.state(), v1::JOB_STATE_PENDING) << start.task_id();
-      EXPECT_EQ(stored.attempt(), trainer.attempt()) << start.task_id();
-      EXPECT_TRUE(std::any_of(stored.placements().begin(), stored.placements().end(),
-                              [&](const auto& p) { return p.node_id() == node; }))
-          << start.task_id() << " left for " << node << " without a stored placement there";
-      tasks[node][start.task_id()] =
-          Task(trainer.job_id(), trainer.attempt(), node, v1::TASK_STATE_RUNNING);
-    }
-    const int free = FreeSlots(node);
-    EXPECT_GE(free, 0) << node;
-    EXPECT_LE(free, kSlots) << node;
-  };
-  for (int i = 0; i < 300; ++i) {
-    if (chance(35)) {
-      // 1, 2 or 4 ranks (the spec's global batch of 8 divides among them), on one node or two.
-      jobs.push_back(Submit(CpuSpec(1 << std::uniform_int_distribution<int>(0, 2)(rng), 0)));
-      cluster_->RequestPass();
-    }
-    if (!jobs.empty() && chance(8)) {
-      const std::string& job_id =
-          jobs[std::uniform_int_distribution<size_t>(0, jobs.size() - 1)(rng)];
-      cancels += jobs_->Cancel(job_id, "test").ok() ? 1 : 0;
-    }
-    beat(nodes[std::uniform_int_distribution<size_t>(0, nodes.size() - 1)(rng)]);
-    absl::SleepFor(absl::Microseconds(std::uniform_int_distribution<int>(0, 3000)(rng)));
-  }
-  // No more submissions: every job runs to its end (or was cancelled), and every slot frees.
-  auto all_ended = [&] {
-    for (const auto& job_id : jobs) {
-      if (!IsTerminal(Job(job_id).state())) return false;
-    }
-    for (const auto& node : nodes) {
-      if (FreeSlots(node) != kSlots) return false;
-    }
-    return true;
-  };
-  for (int i = 0; i < 3000 && !all_ended(); ++i) {
-    for (const auto& node : nodes) beat(node);
-    absl::SleepFor(absl::Milliseconds(2));
-  }
-  cluster_->Stop();
-  EXPECT_TRUE(all_ended());
-  for (const auto& job_id : jobs) {
-    const v1::JobState state = Job(job_id).state();
-    EXPECT_TRUE(state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_CANCELLED)
-        << job_id << " " << v1::JobState_Name(state);
-  }
-  // The run exercised what it is about.
-  EXPECT_GT(jobs.size(), 60u);
-  EXPECT_GT(starts, 60);
-  EXPECT_GT(cancels, 5);
-}
-
-// Changes to different jobs never wait for each other: a batch of 200 transitions (what a pass
-// stores) completes while another job's change is stuck before its commit. (With the 64 hashed
-// stripes this replaced, one of 200 jobs shared the stuck job's stripe nearly every time.)
-TEST_F(ClusterTest, AJobsStuckChangeHoldsUpNoOtherJob) {
-  const std::string stuck = Submit(CpuSpec(2, 0));
-  std::vector<std::string> others;
-  for (int i = 0; i < 200; ++i) others.push_back(Submit(CpuSpec(2, 0)));
-  absl::Notification entered, release;
-  store_->SetWriteFailureInjector([&](const std::string& id) {
-    if (id == stuck) {
-      entered.Notify();
-      release.WaitForNotification();
-    }
-    return absl::OkStatus();
-  });
-  std::thread change([&] {
-    EXPECT_THAT(jobs_->Transition(stuck, v1::JOB_STATE_PENDING, "stuck").status(), IsOk());
-  });
-  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(30)));
-  std::vector<JobManager::TransitionRequest> requests;
-  for (const auto& job_id : others) requests.push_back({job_id, v1::JOB_STATE_PENDING, "batch"});
-  std::atomic<bool> done{false};
-  std::thread batch([&] {
-    for (const auto& result : jobs_->TransitionAll(requests)) EXPECT_THAT(result.status(), IsOk());
-    done = true;
-  });
-  for (int i = 0; i < 1000 && !done; ++i) absl::SleepFor(absl::Milliseconds(10));
-  EXPECT_TRUE(done.load()) << "the batch waited for another job's change";
-  release.Notify();
-  change.join();
-  batch.join();
-  store_->SetWriteFailureInjector(nullptr);
-  EXPECT_EQ(Job(others.back()).reason(), "batch");
-  EXPECT_EQ(Job(stuck).reason(), "stuck");
-}
-
 TEST_F(ClusterTest, KilledRankRestartsFromTheCheckpointBlamingTheKilledRank) {
   Register("n1", 2);
   const std::string job_id = Submit(CpuSpec(2, 2));
@@ -535,11 +96,11 @@ TEST_F(ClusterTest, KilledRankRestartsFromTheCheckpointBlamingTheKilledRank) {
   // happened earlier, and is a cause, not a consequence.
   v1::TrainerReport peer;
   *peer.mutable_failure() =
-      Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", now_, "Connection closed by peer");
+      Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", Now(), "Connection closed by peer");
   ASSERT_THAT(Relay("n1", job_id, 0, 5, {peer}).status(), IsOk());
   v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
   *failed.mutable_failure() = Failure(v1::FAILURE_KIND_PROCESS_EXIT, 1, "n1",
-                                      now_ - absl::Milliseconds(50), "killed by signal 9");
+                                      Now() - absl::Milliseconds(50), "killed by signal 9");
   failed.mutable_failure()->set_signal(9);
   Beat("n1", {failed});
   cluster_->Tick();  // every node ended: decided at once
@@ -597,7 +158,7 @@ TEST_F(ClusterTest, ARestartTakesAnotherMasterPortThanTheFailedAttempt) {
   EXPECT_EQ(Job(job_id).master_port(), 29500) << "stored with the placement";
   Beat("n1", {Task(job_id, 0, "n1", v1::TASK_STATE_RUNNING)});
   v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
-  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_COLLECTIVE_TIMEOUT, 0, "n1", now_,
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_COLLECTIVE_TIMEOUT, 0, "n1", Now(),
                                       "rendezvous: EADDRINUSE, address already in use");
   Beat("n1", {failed});
   cluster_->Tick();
@@ -617,9 +178,9 @@ TEST_F(ClusterTest, NextAttemptWaitsUntilEveryTaskOfTheFailedOneStopped) {
   StartOn(job_id, 0, "n1");
   StartOn(job_id, 0, "n2");
   v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
-  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_OUT_OF_MEMORY, 0, "n1", now_);
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_OUT_OF_MEMORY, 0, "n1", Now());
   Beat("n1", {failed});
-  now_ += absl::Seconds(1);  // the blame grace: the cause is known
+  clock_.Advance(absl::Seconds(1));  // the blame grace: the cause is known
   cluster_->Tick();
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RESTARTING);
   v1::HeartbeatResponse orders = Beat("n2", {Task(job_id, 0, "n2", v1::TASK_STATE_RUNNING)});
@@ -642,14 +203,14 @@ TEST_F(ClusterTest, CauseReportedByAnotherNodeWithinTheGraceIsBlamed) {
   StartOn(job_id, 0, "n2");
   // n1's rank reports its peer gone; n2's worker reports the killed rank a heartbeat later.
   v1::TaskStatus consequence = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
-  *consequence.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", now_);
+  *consequence.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", Now());
   Beat("n1", {consequence});
-  now_ += absl::Seconds(3);
+  clock_.Advance(absl::Seconds(3));
   cluster_->Tick();
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RUNNING) << "only a consequence so far";
   v1::TaskStatus cause = Task(job_id, 0, "n2", v1::TASK_STATE_FAILED);
   *cause.mutable_failure() = Failure(v1::FAILURE_KIND_PROCESS_EXIT, 1, "n2",
-                                     now_ - absl::Seconds(3), "killed by signal 9");
+                                     Now() - absl::Seconds(3), "killed by signal 9");
   cause.mutable_failure()->set_signal(9);
   Beat("n2", {cause});
   cluster_->Tick();
@@ -668,12 +229,12 @@ TEST_F(ClusterTest, OnlyConsequencesAreBlamedAfterTheSettleTime) {
   cluster_->Tick();
   StartOn(job_id, 0, "n1");
   v1::TrainerReport peer;
-  *peer.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", now_, "peer lost");
+  *peer.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", Now(), "peer lost");
   ASSERT_THAT(Relay("n1", job_id, 0, 1, {peer}).status(), IsOk());
-  now_ += absl::Seconds(4);
+  clock_.Advance(absl::Seconds(4));
   cluster_->Tick();
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RUNNING);
-  now_ += absl::Seconds(1);
+  clock_.Advance(absl::Seconds(1));
   cluster_->Tick();
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(Job(job_id).failure().kind(), v1::FAILURE_KIND_PEER_FAILED);
@@ -685,7 +246,7 @@ TEST_F(ClusterTest, NonRetryableFailureEndsTheJobWithRestartsLeft) {
   cluster_->Tick();
   StartOn(job_id, 0, "n1");
   v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
-  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_DATA_ERROR, 0, "n1", now_, "bad shard");
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_DATA_ERROR, 0, "n1", Now(), "bad shard");
   Beat("n1", {failed});
   cluster_->Tick();
   v1::Job job = Job(job_id);
@@ -702,7 +263,7 @@ TEST_F(ClusterTest, JobFailingEveryAttemptStopsAfterMaxRestartsWithEveryReason) 
     StartOn(job_id, attempt, "n1");
     v1::TaskStatus failed = Task(job_id, attempt, "n1", v1::TASK_STATE_FAILED);
     *failed.mutable_failure() =
-        Failure(v1::FAILURE_KIND_NAN_LOSS, 0, "n1", now_, absl::StrCat("nan #", attempt));
+        Failure(v1::FAILURE_KIND_NAN_LOSS, 0, "n1", Now(), absl::StrCat("nan #", attempt));
     Beat("n1", {failed});
     cluster_->Tick();
   }
@@ -728,7 +289,7 @@ TEST_F(ClusterTest, StoreFailuresAreRetriedAndNoAllocationLeaks) {
                                        : absl::OkStatus();
   });
   v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
-  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_OUT_OF_MEMORY, 1, "n1", now_);
+  *failed.mutable_failure() = Failure(v1::FAILURE_KIND_OUT_OF_MEMORY, 1, "n1", Now());
   Beat("n1", {failed});
   cluster_->Tick();
   cluster_->Tick();
@@ -758,7 +319,7 @@ TEST_F(ClusterTest, NodeRecordWriteFailureIsRetried) {
   store_->SetWriteFailureInjector([&](const std::string& id) {
     return fail && id == "n1" ? absl::UnavailableError("injected") : absl::OkStatus();
   });
-  now_ += absl::Seconds(11);
+  clock_.Advance(absl::Seconds(11));
   cluster_->Tick();  // n1 lost; its record cannot be written
   fail = false;
   cluster_->Tick();
@@ -803,12 +364,12 @@ TEST_F(ClusterTest, LostNodeRestartsAnAutomaticLayoutOnWhatIsLeft) {
   StartOn(job_id, 0, "n2");
   // n2 goes silent; n1's rank loses its peer.
   for (int i = 0; i < 6; ++i) {
-    now_ += absl::Seconds(2);
+    clock_.Advance(absl::Seconds(2));
     Beat("n1", {Task(job_id, 0, "n1", v1::TASK_STATE_RUNNING)});
     cluster_->Tick();
   }
   v1::TaskStatus consequence = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
-  *consequence.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", now_);
+  *consequence.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 0, "n1", Now());
   Beat("n1", {consequence});
   cluster_->Tick();
   v1::Job job = Job(job_id);
@@ -927,235 +488,6 @@ TEST_F(ClusterTest, NodesReportOnlyForTheirOwnAttemptsWithTheirKey) {
   EXPECT_EQ(cluster_->Heartbeat(beat).status().code(), absl::StatusCode::kPermissionDenied);
 }
 
-// The scheduler's decisions reach the notifier for the nodes concerned (so their workers
-// heartbeat at once); an order queued while the node's own heartbeat is handled leaves with that
-// heartbeat's response and is not announced (else a worker would heartbeat again and again).
-TEST_F(ClusterTest, OrdersAreAnnouncedToTheirNodeOnly) {
-  AssignmentNotifier notifier;
-  cluster_->SetAssignmentNotifier(&notifier);
-  absl::Mutex mu;
-  std::map<std::string, int> notices;
-  for (const std::string node : {"n1", "n2"}) {
-    notifier.Subscribe(node, [&mu, &notices, node] {
-      absl::MutexLock lock(&mu);
-      ++notices[node];
-    });
-  }
-  // The dispatcher runs on its own thread: wait (bounded) for the count to settle.
-  auto count = [&](const std::string& node, int want) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (true) {
-      {
-        absl::MutexLock lock(&mu);
-        if (notices[node] == want || absl::Now() > deadline) return notices[node];
-      }
-      absl::SleepFor(absl::Milliseconds(1));
-    }
-  };
-  Register("n1", 2);
-  Register("n2", 2);
-  const std::string job_id = Submit(CpuSpec(2, 0));
-  cluster_->Tick();
-  ASSERT_EQ(Job(job_id).placements_size(), 2);
-  const std::string node = Job(job_id).placements(0).node_id();
-  const std::string other = node == "n1" ? "n2" : "n1";
-  EXPECT_EQ(count(node, 1), 1);
-
-  // The start goes out with the next heartbeat; a stale task it reports gets a stop order in the
-  // same response, unannounced.
-  v1::HeartbeatResponse orders = Beat(node, {Task("old-job", 0, node, v1::TASK_STATE_RUNNING)});
-  EXPECT_THAT(orders.start(), SizeIs(1));
-  EXPECT_THAT(orders.stop(), ElementsAre("old-job/0/" + node));
-  Beat(node, {Task(job_id, 0, node, v1::TASK_STATE_RUNNING)});
-
-  // Cancelling drains the attempt: the stop order is announced.
-  ASSERT_THAT(jobs_->Cancel(job_id, "test").status(), IsOk());
-  cluster_->Tick();
-  EXPECT_EQ(count(node, 2), 2);
-  EXPECT_EQ(count(other, 0), 0);
-  cluster_->SetAssignmentNotifier(nullptr);
-}
-
-TEST_F(ClusterTest, ANodeRegisteringAgainWhileItsPlacementIsStoredIsNotDoubleBooked) {
-  Register("n1", 2);
-  const std::string first = Submit(CpuSpec(2, 0));
-  // The pass stores its placements without the cluster lock; n1's worker restarts and registers
-  // again in between (the injector runs as the placement is about to be written).
-  bool registered_again = false;
-  store_->SetWriteFailureInjector([&](const std::string& id) {
-    if (id == first && !registered_again) {
-      registered_again = true;
-      Register("n1", 2);
-    }
-    return absl::OkStatus();
-  });
-  cluster_->Tick();
-  store_->SetWriteFailureInjector(nullptr);
-  ASSERT_TRUE(registered_again);
-  EXPECT_EQ(Job(first).state(), v1::JOB_STATE_SCHEDULED);
-  EXPECT_EQ(FreeSlots("n1"), 0) << "the placement still holds both slots";
-  // A second job does not get the same slots.
-  const std::string second = Submit(CpuSpec(2, 0));
-  cluster_->Tick();
-  EXPECT_EQ(Job(second).state(), v1::JOB_STATE_PENDING);
-  // The first job's assignment is handed out once, to the node as it registered again.
-  v1::HeartbeatResponse orders = Beat("n1", {});
-  ASSERT_THAT(orders.start(), SizeIs(1));
-  EXPECT_EQ(orders.start(0).task_id(), absl::StrCat(first, "/0/n1"));
-  EXPECT_THAT(Beat("n1", {Task(first, 0, "n1", v1::TASK_STATE_RUNNING)}).start(), SizeIs(0));
-}
-
-TEST_F(ClusterTest, APlacementThatCannotBeStoredIsTakenBack) {
-  Register("n1", 2);
-  Register("n2", 2);
-  const std::string failing = Submit(CpuSpec(2, 0));
-  const std::string other = Submit(CpuSpec(2, 0));
-  bool fail = true;
-  store_->SetWriteFailureInjector([&](const std::string& id) {
-    return fail && id == failing ? absl::UnavailableError("injected: disk full") : absl::OkStatus();
-  });
-  cluster_->Tick();
-  EXPECT_EQ(Job(failing).state(), v1::JOB_STATE_PENDING);
-  EXPECT_EQ(Job(other).state(), v1::JOB_STATE_SCHEDULED) << "one failed write spares the others";
-  const std::string other_node = Job(other).placements(0).node_id();
-  const std::string free_node = other_node == "n1" ? "n2" : "n1";
-  EXPECT_EQ(FreeSlots(free_node), 2) << "the failed placement holds nothing";
-  EXPECT_THAT(Beat(free_node, {}).start(), SizeIs(0)) << "nothing unstored is handed out";
-  fail = false;
-  cluster_->Tick();
-  EXPECT_EQ(Job(failing).state(), v1::JOB_STATE_SCHEDULED);
-  EXPECT_THAT(Beat(free_node, {}).start(), SizeIs(1));
-}
-
-TEST(ClusterStoreTest, APassStoresItsPlacementsInOneTransactionThatSurvivesARestart) {
-  tessera::testing::ScopedTempDir dir("cluster");
-  const std::string path = dir.path() + "/coordinator.db";
-  std::vector<std::string> job_ids;
-  {
-    auto store = Store::Open(path);
-    ASSERT_THAT(store.status(), IsOk());
-    JobManager jobs(store->get());
-    Cluster cluster(store->get(), &jobs, ClusterOptions());
-    for (int n = 0; n < 4; ++n) {
-      v1::RegisterNodeRequest request;
-      request.set_node_id(absl::StrCat("n", n));
-      request.set_address(absl::StrCat("n", n, ":7000"));
-      request.mutable_resources()->set_cpu_slots(2);
-      ASSERT_THAT(cluster.Register(request).status(), IsOk());
-    }
-    for (int j = 0; j < 4; ++j) {
-      auto job = jobs.Submit(CpuSpec(2, 0), "");
-      ASSERT_THAT(job.status(), IsOk());
-      job_ids.push_back(job->job_id());
-    }
-    int transactions = 0;
-    (*store)->SetWriteObserver([&](const StoreWriteStats&) { ++transactions; });
-    cluster.Tick();
-    (*store)->SetWriteObserver(nullptr);
-    EXPECT_EQ(transactions, 1) << "four placements, one transaction";
-  }
-  // A coordinator started again on the file finds every placement and holds its devices.
-  auto store = Store::Open(path);
-  ASSERT_THAT(store.status(), IsOk());
-  JobManager jobs(store->get());
-  Cluster cluster(store->get(), &jobs, ClusterOptions());
-  ASSERT_THAT(cluster.Recover(), IsOk());
-  std::set<std::string> nodes;
-  for (const auto& job_id : job_ids) {
-    auto job = jobs.Get(job_id);
-    ASSERT_THAT(job.status(), IsOk());
-    EXPECT_EQ(job->state(), v1::JOB_STATE_SCHEDULED);
-    ASSERT_THAT(job->placements(), SizeIs(2));
-    nodes.insert(job->placements(0).node_id());
-  }
-  EXPECT_THAT(nodes, SizeIs(4));
-  for (const auto& node : cluster.Nodes(true)) EXPECT_EQ(node.free_cpu_slots(), 0);
-}
-
-// Master ports survive a coordinator restart: three jobs on one node hold 29500-29502, the middle
-// one ends, the coordinator restarts. A new job must get 29501, not a port a running job holds
-// (a recovered coordinator used to hand out the lowest ports again in job order, here 29502).
-TEST(ClusterStoreTest, ARestartedCoordinatorKeepsTheMasterPortsInUse) {
-  tessera::testing::ScopedTempDir dir("cluster-ports");
-  const std::string path = dir.path() + "/coordinator.db";
-  std::vector<std::string> job_ids;
-  v1::RegisterNodeRequest node;
-  node.set_node_id("n0");
-  node.set_address("n0:7000");
-  node.mutable_resources()->set_cpu_slots(4);
-  {
-    auto store = Store::Open(path);
-    ASSERT_THAT(store.status(), IsOk());
-    JobManager jobs(store->get());
-    Cluster cluster(store->get(), &jobs, ClusterOptions());
-    ASSERT_THAT(cluster.Register(node).status(), IsOk());
-    for (int j = 0; j < 3; ++j) {
-      auto job = jobs.Submit(CpuSpec(1, 0), "");
-      ASSERT_THAT(job.status(), IsOk());
-      job_ids.push_back(job->job_id());
-    }
-    cluster.Tick();
-    v1::HeartbeatRequest beat;
-    beat.set_node_id("n0");
-    for (int j = 0; j < 3; ++j) {
-      auto job = jobs.Get(job_ids[j]);
-      ASSERT_THAT(job.status(), IsOk());
-      ASSERT_EQ(job->master_port(), 29500 + j);
-      v1::TaskStatus* task = beat.add_tasks();
-      task->set_task_id(absl::StrCat(job_ids[j], "/0/n0"));
-      task->set_job_id(job_ids[j]);
-      task->set_state(j == 1 ? v1::TASK_STATE_SUCCEEDED : v1::TASK_STATE_RUNNING);
-    }
-    ASSERT_THAT(cluster.Heartbeat(beat).status(), IsOk());
-    auto ended = jobs.Get(job_ids[1]);
-    ASSERT_THAT(ended.status(), IsOk());
-    ASSERT_EQ(ended->state(), v1::JOB_STATE_SUCCEEDED);
-  }
-  auto store = Store::Open(path);
-  ASSERT_THAT(store.status(), IsOk());
-  JobManager jobs(store->get());
-  Cluster cluster(store->get(), &jobs, ClusterOptions());
-  ASSERT_THAT(cluster.Recover(), IsOk());
-  auto job = jobs.Submit(CpuSpec(1, 0), "");
-  ASSERT_THAT(job.status(), IsOk());
-  cluster.Tick();
-  auto placed = jobs.Get(job->job_id());
-  ASSERT_THAT(placed.status(), IsOk());
-  ASSERT_EQ(placed->state(), v1::JOB_STATE_SCHEDULED) << placed->reason();
-  EXPECT_EQ(placed->master_port(), 29501);
-}
-
-TEST_F(ClusterTest, RequestPassRunsAPassWithoutWaitingForTheRegularOne) {
-  ClusterOptions options;
-  options.tick_interval = absl::Hours(1);
-  options.min_tick_gap = absl::ZeroDuration();
-  Cluster cluster(store_.get(), jobs_.get(), options);
-  v1::RegisterNodeRequest request;
-  request.set_node_id("n9");
-  request.set_address("n9:7000");
-  request.mutable_resources()->set_cpu_slots(2);
-  ASSERT_THAT(cluster.Register(request).status(), IsOk());
-  const std::string job_id = Submit(CpuSpec(2, 0));
-  absl::Notification placed;
-  cluster.Start([&](const ClusterStats& stats, double) {
-    auto scheduled = stats.jobs.find(v1::JOB_STATE_SCHEDULED);
-    if (scheduled != stats.jobs.end() && scheduled->second > 0 && !placed.HasBeenNotified()) {
-      placed.Notify();
-    }
-  });
-  cluster.RequestPass();
-  // Without the request, the first pass would come an hour from now.
-  placed.WaitForNotification();
-  cluster.Stop();
-  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
-}
-
-}  // namespace
-}  // namespace tessera::coordinator
-
-namespace tessera::coordinator {
-namespace {
-
 // A drained node takes no new placement, runs what it has to its end, and takes work again once
 // undrained.
 TEST_F(ClusterTest, ADrainedNodeGetsNoNewWorkUntilUndrained) {
@@ -1218,9 +550,9 @@ TEST_F(ClusterTest, DrainWithCheckpointMovesTheJobWithoutCountingARestart) {
   // failure on n2 (it stopped first) is recorded but decides nothing.
   ASSERT_THAT(Relay("n1", job_id, 0, 5, {Step(4, 3.8), CheckpointAt(4)}).status(), IsOk());
   v1::TaskStatus peer_gone = Task(job_id, 0, "n2", v1::TASK_STATE_FAILED);
-  *peer_gone.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 1, "n2", now_);
+  *peer_gone.mutable_failure() = Failure(v1::FAILURE_KIND_PEER_FAILED, 1, "n2", Now());
   Beat("n2", {peer_gone});
-  now_ += absl::Seconds(10);  // past every settle time
+  clock_.Advance(absl::Seconds(10));  // past every settle time
   cluster_->Tick();
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RUNNING) << "n1 has not stopped yet";
   Beat("n1", {Task(job_id, 0, "n1", v1::TASK_STATE_STOPPED)});

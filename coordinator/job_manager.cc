@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "common/timestamp.h"
+#include "common/clock.h"
 #include "coordinator/job_validation.h"
 #include "google/protobuf/util/time_util.h"
 
@@ -30,7 +30,11 @@ bool IsTerminal(v1::JobState state) {
          state == v1::JOB_STATE_CANCELLED;
 }
 
-JobManager::JobManager(Store* store) : store_(store) {}
+JobManager::JobManager(Store* store, Clock* clock) : store_(store), clock_(clock) {}
+
+google::protobuf::Timestamp JobManager::NowTimestamp() const {
+  return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(clock_->Now()));
+}
 
 void JobManager::NotifyWatchers(const std::string& job_id) {
   std::vector<std::function<void()>> to_call;

@@ -21,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/clock.h"
 #include "coordinator/keyed_mutex.h"
 #include "coordinator/store.h"
 #include "tessera/v1/coordinator_service.pb.h"
@@ -32,8 +33,9 @@ bool IsTerminal(v1::JobState state);
 
 class JobManager {
  public:
-  // `store` must outlive the manager.
-  explicit JobManager(Store* store);
+  // `store` must outlive the manager. `clock` (must outlive it) stamps create, start and end
+  // times.
+  explicit JobManager(Store* store, Clock* clock = Clock::Real());
 
   // Validates (INVALID_ARGUMENT naming the field), plans, and stores a new
   // PENDING job owned by `owner`. A request_id `owner` used before returns
@@ -101,8 +103,10 @@ class JobManager {
   absl::StatusOr<std::vector<v1::JobEvent>> CommitAndNotify(const JobWrite& write);
 
   void NotifyWatchers(const std::string& job_id);
+  google::protobuf::Timestamp NowTimestamp() const;
 
   Store* store_;
+  Clock* const clock_;
   // Serialize read-modify-write of each job, by job id.
   KeyedMutex job_locks_;
   // Serialize submissions with the same request id.

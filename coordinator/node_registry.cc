@@ -93,6 +93,10 @@ void NodeRegistry::Recount(Entry& entry) {
 }
 
 absl::Status NodeRegistry::Persist(const std::string& node_id) {
+  if (write_behind_) {
+    dirty_.insert(node_id);
+    return absl::OkStatus();
+  }
   absl::Status status = store_->PutNode(by_id_.at(node_id)->node);
   if (status.ok()) {
     dirty_.erase(node_id);
@@ -103,6 +107,7 @@ absl::Status NodeRegistry::Persist(const std::string& node_id) {
 }
 
 absl::Status NodeRegistry::Flush() {
+  if (write_behind_) return absl::OkStatus();
   absl::Status first;
   const std::set<std::string> dirty = dirty_;
   for (const auto& node_id : dirty) first.Update(Persist(node_id));
@@ -197,15 +202,38 @@ absl::Status NodeRegistry::SetDrained(const std::string& node_id, bool drained,
   return Persist(node_id);
 }
 
-absl::Status NodeRegistry::Remove(const std::string& node_id) {
-  Entry* const found = Lookup(node_id);
+std::vector<v1::Node> NodeRegistry::TakeWrites() {
+  std::vector<v1::Node> writes;
+  writes.reserve(dirty_.size());
+  for (const auto& node_id : dirty_) writes.push_back(by_id_.at(node_id)->node);
+  dirty_.clear();
+  return writes;
+}
+
+void NodeRegistry::WriteFailed(const std::string& node_id) {
+  if (Known(node_id)) dirty_.insert(node_id);
+}
+
+absl::Status NodeRegistry::CheckRemovable(const std::string& node_id) const {
+  const Entry* const found = Lookup(node_id);
   if (found == nullptr) return absl::NotFoundError(absl::StrCat("node ", node_id, ": not registered"));
   if (found->node.state() != v1::NODE_STATE_LOST && !found->node.drained()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "node ", node_id, " is ", v1::NodeState_Name(found->node.state()),
         ": drain it first (tessera nodes drain ", node_id, "), or wait until it is LOST"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status NodeRegistry::Remove(const std::string& node_id) {
+  RETURN_IF_ERROR(CheckRemovable(node_id));
   RETURN_IF_ERROR(store_->DeleteNode(node_id));
+  return Forget(node_id);
+}
+
+absl::Status NodeRegistry::Forget(const std::string& node_id) {
+  Entry* const found = Lookup(node_id);
+  if (found == nullptr) return absl::NotFoundError(absl::StrCat("node ", node_id, ": not registered"));
   Entry& entry = *found;
   if (entry.counted.added) {
     if (--state_counts_[entry.counted.state] == 0) state_counts_.erase(entry.counted.state);

@@ -2,9 +2,12 @@
 // node registered (address, GPUs, CPU slots, labels), refreshes it on every heartbeat, declares a
 // node LOST once it has been silent for the heartbeat timeout, and holds the orders (tasks to
 // start, tasks to stop) that go out in the node's next heartbeat response. Store writes of node
-// records that fail are kept as dirty and retried, never dropped.
+// records that fail are kept as dirty and retried, never dropped. Written through (each change
+// stored before the call returns), or, with `write_behind`, only marked dirty: the owner takes the
+// changed records (TakeWrites) and stores them after releasing its lock, so that no fsync holds
+// it (see ClusterState::WriteNodes).
 //
-// Not thread-safe: Cluster owns it and calls it under its own mutex. Time comes in as arguments,
+// Not thread-safe: ClusterState holds it; it is used under the cluster lock. Time comes in as arguments,
 // so tests drive it without sleeping.
 #pragma once
 
@@ -52,9 +55,10 @@ struct UsedResources {
 
 class NodeRegistry {
  public:
-  // `store` (must outlive the registry) persists node records.
-  NodeRegistry(Store* store, absl::Duration heartbeat_timeout)
-      : store_(store), heartbeat_timeout_(heartbeat_timeout) {}
+  // `store` (must outlive the registry) persists node records; with `write_behind`, only through
+  // the owner (TakeWrites), and Remove is replaced by CheckRemovable + DeleteNode + Forget.
+  NodeRegistry(Store* store, absl::Duration heartbeat_timeout, bool write_behind = false)
+      : store_(store), heartbeat_timeout_(heartbeat_timeout), write_behind_(write_behind) {}
   // by_id_ points into nodes_.
   NodeRegistry(const NodeRegistry&) = delete;
   NodeRegistry& operator=(const NodeRegistry&) = delete;
@@ -95,8 +99,21 @@ class NodeRegistry {
   // checks that no job holds devices on it). A worker that registers later is a new node.
   absl::Status Remove(const std::string& node_id);
 
-  // Writes the records whose last store write failed; returns the first error.
+  // Writes the records whose last store write failed; returns the first error. Write-behind: a
+  // no-op (the owner's TakeWrites takes them).
   absl::Status Flush();
+
+  // Write-behind: copies of the records changed (or whose write failed) since the last call, in
+  // node_id order; they are no longer dirty. The owner stores them, in the order it took them,
+  // and hands each one that could not be stored back with WriteFailed.
+  std::vector<v1::Node> TakeWrites();
+  // Marks `node_id`'s record dirty again (its write failed), unless it was removed meanwhile.
+  void WriteFailed(const std::string& node_id);
+  // Remove's checks (NOT_FOUND, FAILED_PRECONDITION), without removing anything.
+  absl::Status CheckRemovable(const std::string& node_id) const;
+  // Remove without the store delete (the owner deleted the record): the node, its orders and its
+  // share of the counts leave the registry. NOT_FOUND for an unknown node.
+  absl::Status Forget(const std::string& node_id);
 
   bool Known(const std::string& node_id) const { return by_id_.contains(node_id); }
   bool IsLost(const std::string& node_id) const;
@@ -192,6 +209,7 @@ class NodeRegistry {
 
   Store* store_;
   const absl::Duration heartbeat_timeout_;
+  const bool write_behind_;
   // In node_id order, for the walks beside UsedResources (Count, Summaries); looked up through
   // by_id_, since every heartbeat looks its node up several times under the cluster lock, and
   // a lookup in a map of 10,000 ids is about 14 string compares, most of them cache misses.

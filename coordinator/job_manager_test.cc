@@ -1,0 +1,164 @@
+// JobManager in-process: an in-memory store and a SimulatedClock, so the times it stores (create,
+// start, end) are checked exactly.
+
+#include "coordinator/job_manager.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/time_util.h"
+#include "gtest/gtest.h"
+#include "tests/util/job_specs.h"
+
+namespace tessera::coordinator {
+namespace {
+
+using ::google::protobuf::util::TimeUtil;
+using ::tessera::testing::IsOk;
+using ::testing::SizeIs;
+
+absl::Time FromProto(const google::protobuf::Timestamp& timestamp) {
+  return absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(timestamp));
+}
+
+v1::StepMetrics Point(int64_t step, double loss) {
+  v1::StepMetrics point;
+  point.set_step(step);
+  point.set_loss(loss);
+  return point;
+}
+
+class JobManagerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto store = Store::Open(":memory:");
+    ASSERT_THAT(store.status(), IsOk());
+    store_ = std::move(*store);
+    jobs_ = std::make_unique<JobManager>(store_.get(), &clock_);
+  }
+
+  std::string Submit(const std::string& request_id = "", const std::string& owner = "alice") {
+    auto job = jobs_->Submit(testing::TinyCpuJobSpec("job", 2, 0), request_id, owner);
+    EXPECT_THAT(job.status(), IsOk());
+    return job.ok() ? job->job_id() : "";
+  }
+
+  v1::Job Job(const std::string& job_id) {
+    auto job = jobs_->Get(job_id);
+    EXPECT_THAT(job.status(), IsOk());
+    return job.ok() ? *job : v1::Job();
+  }
+
+  SimulatedClock clock_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<JobManager> jobs_;
+};
+
+// The create, start and end times are the clock's at submission, at the first RUNNING and at the
+// end; a terminal job moves no more.
+TEST_F(JobManagerTest, StoredTimesComeFromTheClock) {
+  const absl::Time submitted = clock_.Now();
+  const std::string job_id = Submit();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(FromProto(Job(job_id).create_time()), submitted);
+
+  clock_.Advance(absl::Seconds(5));
+  ASSERT_THAT(jobs_->Transition(job_id, v1::JOB_STATE_RUNNING, "up").status(), IsOk());
+  EXPECT_EQ(FromProto(Job(job_id).start_time()), submitted + absl::Seconds(5));
+  clock_.Advance(absl::Seconds(5));
+  ASSERT_THAT(jobs_->Transition(job_id, v1::JOB_STATE_RUNNING, "still up").status(), IsOk());
+  EXPECT_EQ(FromProto(Job(job_id).start_time()), submitted + absl::Seconds(5))
+      << "the first RUNNING is the start";
+  EXPECT_FALSE(Job(job_id).has_end_time());
+
+  clock_.Advance(absl::Seconds(1));
+  ASSERT_THAT(jobs_->Cancel(job_id, "test").status(), IsOk());
+  const v1::Job cancelled = Job(job_id);
+  EXPECT_EQ(cancelled.state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(FromProto(cancelled.end_time()), submitted + absl::Seconds(11));
+  EXPECT_TRUE(absl::IsFailedPrecondition(
+      jobs_->Transition(job_id, v1::JOB_STATE_RUNNING, "again").status()));
+  auto again = jobs_->Cancel(job_id, "twice");
+  ASSERT_THAT(again.status(), IsOk());
+  EXPECT_EQ(FromProto(again->end_time()), submitted + absl::Seconds(11)) << "returned unchanged";
+}
+
+// A request id returns its owner's job again, never another owner's.
+TEST_F(JobManagerTest, RequestIdsArePerOwner) {
+  const std::string first = Submit("r1", "alice");
+  EXPECT_EQ(Submit("r1", "alice"), first);
+  EXPECT_NE(Submit("r1", "bob"), first);
+  EXPECT_NE(Submit("", "alice"), first);
+}
+
+// A batch stores every transition it can; a terminal job's fails alone, and every transition of
+// the batch carries the same time.
+TEST_F(JobManagerTest, TransitionAllStoresWhatItCanAtOneTime) {
+  const std::string a = Submit(), b = Submit(), c = Submit();
+  ASSERT_THAT(jobs_->Cancel(b, "test").status(), IsOk());
+  clock_.Advance(absl::Minutes(1));
+  const std::vector<absl::StatusOr<v1::Job>> results = jobs_->TransitionAll(
+      {{a, v1::JOB_STATE_RUNNING, "a runs", nullptr},
+       {b, v1::JOB_STATE_RUNNING, "b runs", nullptr},
+       {c, v1::JOB_STATE_FAILED, "c fails", [](v1::Job& job) { job.set_restarts(7); }}});
+  ASSERT_THAT(results, SizeIs(3));
+  EXPECT_THAT(results[0].status(), IsOk());
+  EXPECT_TRUE(absl::IsFailedPrecondition(results[1].status()));
+  EXPECT_THAT(results[2].status(), IsOk());
+  EXPECT_EQ(Job(a).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(b).state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(Job(c).state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(Job(c).restarts(), 7);
+  EXPECT_EQ(FromProto(Job(a).start_time()), clock_.Now());
+  EXPECT_EQ(FromProto(Job(c).end_time()), clock_.Now());
+}
+
+// Metric points at or below the current step (resent, or trained again after a restart) add no
+// event; checkpoints move latest_checkpoint forward only.
+TEST_F(JobManagerTest, RecordReportsAddsEachStepsEventOnce) {
+  const std::string job_id = Submit();
+  auto events = [&] {
+    auto read = jobs_->Events(job_id, 0, 0);
+    EXPECT_THAT(read.status(), IsOk());
+    return read.ok() ? read->size() : 0u;
+  };
+  const size_t before = events();
+  v1::Checkpoint newer, older;
+  newer.set_step(2);
+  older.set_step(1);
+  ASSERT_THAT(jobs_->RecordReports(job_id, {Point(1, 3.0), Point(2, 2.5)}, {}, {newer}), IsOk());
+  EXPECT_EQ(events(), before + 3);
+  ASSERT_THAT(jobs_->RecordReports(job_id, {Point(2, 2.5)}, {}, {older}), IsOk());
+  EXPECT_EQ(events(), before + 4) << "the resent step adds none; the checkpoint one";
+  const v1::Job job = Job(job_id);
+  EXPECT_EQ(job.current_step(), 2);
+  EXPECT_EQ(job.latest_checkpoint().step(), 2);
+  EXPECT_THAT(jobs_->RecordReports(job_id, {}, {}, {}), IsOk());
+  EXPECT_EQ(events(), before + 4);
+}
+
+// Watchers hear of their job's changes only, until they unsubscribe; CloseWatches calls each
+// once more.
+TEST_F(JobManagerTest, WatchersHearOfTheirJobUntilUnsubscribed) {
+  const std::string watched = Submit(), other = Submit();
+  int calls = 0;
+  const int64_t handle = jobs_->Subscribe(watched, [&] { ++calls; });
+  ASSERT_THAT(jobs_->Transition(other, v1::JOB_STATE_RUNNING, "x").status(), IsOk());
+  EXPECT_EQ(calls, 0);
+  ASSERT_THAT(jobs_->Transition(watched, v1::JOB_STATE_RUNNING, "x").status(), IsOk());
+  EXPECT_EQ(calls, 1);
+  EXPECT_FALSE(jobs_->closed());
+  jobs_->CloseWatches();
+  EXPECT_TRUE(jobs_->closed());
+  EXPECT_EQ(calls, 2);
+  jobs_->Unsubscribe(handle);
+  ASSERT_THAT(jobs_->Cancel(watched, "x").status(), IsOk());
+  EXPECT_EQ(calls, 2);
+}
+
+}  // namespace
+}  // namespace tessera::coordinator

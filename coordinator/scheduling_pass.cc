@@ -1,0 +1,606 @@
+#include "coordinator/scheduling_pass.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string_view>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "coordinator/attempt_policy.h"
+#include "coordinator/layout_planning.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace tessera::coordinator {
+namespace {
+
+using google::protobuf::util::TimeUtil;
+
+// Holds a mutex for one phase of a pass and adds the time held to the pass's statistics.
+class ABSL_SCOPED_LOCKABLE TimedLock {
+ public:
+  TimedLock(absl::Mutex* mu, ClusterStats* stats) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu)
+      : lock_(mu), stats_(stats), start_(std::chrono::steady_clock::now()) {}
+  ~TimedLock() ABSL_UNLOCK_FUNCTION() {
+    const double held =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    stats_->lock_held_seconds += held;
+    stats_->longest_lock_hold_seconds = std::max(stats_->longest_lock_hold_seconds, held);
+  }
+
+ private:
+  absl::MutexLock lock_;
+  ClusterStats* stats_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+bool ResumesFromCheckpoints(const v1::JobSpec& spec) {
+  return !spec.checkpoint().has_resume() || spec.checkpoint().resume();
+}
+
+bool AutomaticLayout(const v1::JobSpec& spec) { return !spec.parallelism().has_layout(); }
+
+// `spec` asking for `devices` devices of the kind it runs on.
+v1::JobSpec WithDevices(v1::JobSpec spec, int devices) {
+  if (spec.resources().gpus() > 0) {
+    spec.mutable_resources()->set_gpus(devices);
+  } else {
+    spec.mutable_resources()->set_cpu_slots(devices);
+  }
+  return spec;
+}
+
+int RequestedDevices(const v1::JobSpec& spec) {
+  return spec.resources().gpus() > 0 ? spec.resources().gpus() : spec.resources().cpu_slots();
+}
+
+// Adds the wall time from its construction (or the previous Next) to stats->phase_seconds[phase].
+class PhaseTimer {
+ public:
+  explicit PhaseTimer(ClusterStats* stats)
+      : stats_(stats), start_(std::chrono::steady_clock::now()) {}
+  void Next(const char* phase) {
+    const auto now = std::chrono::steady_clock::now();
+    stats_->phase_seconds[phase] += std::chrono::duration<double>(now - start_).count();
+    start_ = now;
+  }
+
+ private:
+  ClusterStats* stats_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace
+
+int64_t SchedulingPass::StartStep(const v1::Job& job, const v1::JobSpec& spec) {
+  return ResumesFromCheckpoints(spec) ? job.latest_checkpoint().step() : 0;
+}
+
+std::string SchedulingPass::PlacementReason(const v1::Job& job, const v1::JobSpec& spec,
+                                            const GangPlacement& placement,
+                                            const v1::LayoutPlan& plan) {
+  std::vector<std::string> node_order;
+  for (const auto& rank : placement.ranks) {
+    if (std::find(node_order.begin(), node_order.end(), rank.node_id()) == node_order.end()) {
+      node_order.push_back(rank.node_id());
+    }
+  }
+  std::string reason = absl::StrCat("placed on ", absl::StrJoin(node_order, ", "));
+  if (job.attempt() > 0) {
+    const int64_t start_step = StartStep(job, spec);
+    reason = absl::StrCat("attempt ", job.attempt(), " ", reason, ", resuming from ",
+                          start_step > 0 ? absl::StrCat("the checkpoint of step ", start_step)
+                                         : std::string("the start"));
+    if (static_cast<int>(placement.ranks.size()) != RequestedDevices(job.spec())) {
+      absl::StrAppend(&reason, "; re-planned for ", placement.ranks.size(), " of the ",
+                      RequestedDevices(job.spec()), " devices asked for (",
+                      plan.explanation().substr(0, plan.explanation().find('.')), ")");
+    }
+  }
+  return reason;
+}
+
+int SchedulingPass::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
+                                const GangPlacement& placement,
+                                std::map<std::string, v1::TaskAssignment> assignments) {
+  Allocation allocation;
+  allocation.attempt = job.attempt();
+  allocation.ranks = placement.ranks;
+  allocation.master_node = placement.ranks.front().node_id();
+  allocation.master_port = state_->allocations.FreeMasterPort(
+      allocation.master_node, state_->options.base_master_port, /*avoid=*/job.master_port());
+  const int master_port = allocation.master_port;
+  allocation.placed_time = state_->Now();
+  allocation.start_step = StartStep(job, spec);
+  allocation.storing = true;
+  for (auto& [node_id, assignment] : assignments) {
+    for (v1::TrainerTask& task : *assignment.mutable_trainers()) {
+      task.mutable_assignment()->set_master_port(master_port);
+    }
+    state_->nodes.QueueStart(node_id, std::move(assignment), /*held=*/true);
+  }
+  state_->allocations.Add(job.job_id(), std::move(allocation));
+  return master_port;
+}
+
+std::map<std::string, v1::TaskAssignment> SchedulingPass::Assignments(
+    const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
+    const v1::LayoutPlan& plan) const {
+  std::map<std::string, int> local_world;
+  for (const auto& rank : placement.ranks) ++local_world[rank.node_id()];
+  const std::string checkpoint_dir =
+      spec.checkpoint().directory().empty()
+          ? absl::StrCat(state_->options.checkpoint_root, "/", job.job_id())
+          : spec.checkpoint().directory();
+  std::map<std::string, v1::TaskAssignment> assignments;
+  for (const auto& rank : placement.ranks) {
+    v1::TaskAssignment& assignment = assignments[rank.node_id()];
+    assignment.set_task_id(TaskId(job.job_id(), job.attempt(), rank.node_id()));
+    v1::TrainerTask* task = assignment.add_trainers();
+    task->set_job_id(job.job_id());
+    task->set_attempt(job.attempt());
+    *task->mutable_spec() = spec;
+    *task->mutable_plan() = plan;
+    task->set_checkpoint_directory(checkpoint_dir);
+    v1::RankAssignment* ra = task->mutable_assignment();
+    ra->set_rank(rank.rank());
+    ra->set_world_size(static_cast<int>(placement.ranks.size()));
+    ra->set_local_rank(rank.local_rank());
+    ra->set_local_world_size(local_world[rank.node_id()]);
+    ra->set_master_addr(placement.master_addr);
+    ra->set_device_type(rank.gpu_index() >= 0 ? v1::DEVICE_TYPE_CUDA : v1::DEVICE_TYPE_CPU);
+    ra->set_gpu_index(rank.gpu_index());
+  }
+  return assignments;
+}
+
+const absl::StatusOr<v1::LayoutPlan>& SchedulingPass::CachedPlan(
+    const v1::Job& job, const v1::JobSpec& spec,
+    const absl::StatusOr<planner::DeviceTarget>& target) {
+  // A job's spec never changes, so its plan changes only with the device it is planned for (or
+  // the devices it is given after losing some).
+  const std::string fingerprint =
+      target.ok() ? absl::StrCat(target->device.SerializeAsString(), "|", target->devices_per_node,
+                                 "|", target->gpu_name, "|", RequestedDevices(spec))
+                  : target.status().ToString();
+  PlanEntry& cached = plan_cache_[job.job_id()];
+  if (!cached.plan.has_value() || cached.fingerprint != fingerprint) {
+    cached.fingerprint = fingerprint;
+    cached.plan = PlanForTarget(spec, target);
+  }
+  return *cached.plan;
+}
+
+SchedulingPass::Snapshot SchedulingPass::SnapshotLocked(const std::vector<v1::Job>& waiting) {
+  Snapshot snapshot;
+  for (const auto& job : waiting) {
+    // A restarting job is listed while its failed attempt still drains.
+    if (state_->allocations.Find(job.job_id()) == nullptr) {
+      snapshot.waiting.insert(job.job_id());
+    }
+  }
+  if (snapshot.waiting.empty()) return snapshot;
+  snapshot.summaries = state_->nodes.Summaries();
+  snapshot.used = state_->allocations.Used();
+  snapshot.generation = state_->nodes.generation();
+  return snapshot;
+}
+
+SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& active,
+                                                    const Snapshot& snapshot, ClusterStats* stats,
+                                                    std::set<std::string>* admitted_ids) {
+  // `active` holds the waiting jobs (ListWaitingJobs).
+  std::vector<GangRequest> requests;
+  std::map<std::string, const v1::Job*> waiting;
+  // The spec and plan each waiting job starts with, fitted to the devices registered now.
+  std::map<std::string, v1::JobSpec> specs;
+  std::map<std::string, v1::LayoutPlan> plans;
+  std::map<std::string, std::string> unfit;
+  const std::set<std::string>& waiting_ids = snapshot.waiting;
+  if (waiting_ids.empty()) {
+    plan_cache_.clear();
+    return {};
+  }
+  PhaseTimer phase(stats);
+  std::vector<NodeCapacity> capacity = NodeRegistry::Subtract(*snapshot.summaries, snapshot.used);
+  // Jobs asking for the same kind of device share one look over the nodes.
+  std::map<std::string, absl::StatusOr<planner::DeviceTarget>> targets;
+  for (const auto& job : active) {
+    if (!waiting_ids.contains(job.job_id())) continue;
+    const v1::ResourceRequest& resources = job.spec().resources();
+    GangRequest request;
+    request.job_id = job.job_id();
+    request.priority = job.spec().priority();
+    request.submit_order = TimeUtil::TimestampToNanoseconds(job.create_time());
+    request.use_gpus = resources.gpus() > 0;
+    request.gpu_type = resources.gpu_type();
+    request.node_selector.insert(resources.node_selector().begin(),
+                                 resources.node_selector().end());
+    const std::string key = NodeKindKey(request);
+    auto target = targets.find(key);
+    if (target == targets.end()) {
+      target = targets.emplace(key, TargetFromNodes(job.spec(), capacity)).first;
+    }
+    // A restarting job with an automatic layout that lost devices (a node is gone) runs on what
+    // is free rather than waiting for the node: fewer data-parallel replicas, the same global
+    // batch through more accumulation. Its checkpoint is resharded on load.
+    v1::JobSpec& spec = specs[job.job_id()] = job.spec();
+    if (job.state() == v1::JOB_STATE_RESTARTING && AutomaticLayout(spec)) {
+      int free = 0;
+      for (const auto& node : capacity) {
+        if (!node.schedulable) continue;
+        if (!Unsatisfiable(request, {node}).has_value()) {
+          free += request.use_gpus ? static_cast<int>(node.free_gpus.size()) : node.free_cpu_slots;
+        }
+      }
+      const int asked = RequestedDevices(spec);
+      for (int devices = std::min(free, asked); devices >= 1 && devices < asked; --devices) {
+        const v1::JobSpec smaller = WithDevices(job.spec(), devices);
+        if (auto plan = PlanForTarget(smaller, target->second); plan.ok() && plan->fits()) {
+          spec = smaller;
+          break;
+        }
+      }
+    }
+    // Automatic layouts are chosen for the devices the job would get; explicit ones are checked
+    // against them. A job that cannot be planned here (no matching node yet, a GPU without a
+    // device model) keeps its provisional plan and the scheduler says why it waits.
+    v1::LayoutPlan& plan = plans[job.job_id()];
+    plan = job.plan();
+    const absl::StatusOr<v1::LayoutPlan>& fitted = CachedPlan(job, spec, target->second);
+    if (fitted.ok()) {
+      if (!fitted->fits()) {
+        unfit[job.job_id()] = fitted->explanation();
+        continue;
+      }
+      plan = *fitted;
+    }
+    waiting[job.job_id()] = &job;
+    request.world_size = std::max(1, plan.world_size());
+    request.tensor_parallel = std::max(1, plan.layout().tensor_parallel());
+    requests.push_back(std::move(request));
+  }
+  // Plans of jobs that left the queue are not needed again.
+  std::erase_if(plan_cache_, [&](const auto& entry) { return !waiting_ids.contains(entry.first); });
+  phase.Next("plan");
+  ScheduleResult result;
+  if (!requests.empty()) result = Schedule(std::move(requests), std::move(capacity));
+  phase.Next("schedule");
+  // The gangs are admitted (allocation made) under one short hold, unless a node registered again
+  // (or was lost) since the snapshot: it may offer other devices now, and that gang waits for the
+  // next pass. Only a pass adds or frees allocations, so the other gangs' devices are still free.
+  // Their assignments are queued held back: they go out to their nodes only once the placements
+  // are stored, so that no worker starts a task the store does not know, and no heartbeat waits
+  // for the store (it leaves without them).
+  std::vector<const GangPlacement*> admitted;
+  std::map<std::string, int> master_ports;  // of the admitted placements, by job
+  // Each placement's assignments (the spec and plan copied for every node) are made before the
+  // hold; only the master port is filled in under it.
+  std::vector<std::map<std::string, v1::TaskAssignment>> assignments;
+  assignments.reserve(result.placed.size());
+  for (const auto& placement : result.placed) {
+    const std::string& job_id = placement.job_id;
+    assignments.push_back(Assignments(*waiting[job_id], specs[job_id], placement, plans[job_id]));
+  }
+  {
+    TimedLock lock(&state_->mu, stats);
+    for (size_t i = 0; i < result.placed.size(); ++i) {
+      const GangPlacement& placement = result.placed[i];
+      bool stale = false;
+      for (const auto& rank : placement.ranks) {
+        stale = stale || state_->nodes.ChangedSince(rank.node_id(), snapshot.generation);
+      }
+      if (stale || state_->allocations.Find(placement.job_id) != nullptr) continue;
+      master_ports[placement.job_id] =
+          AdmitLocked(*waiting[placement.job_id], specs[placement.job_id], placement,
+                      std::move(assignments[i]));
+      admitted.push_back(&placement);
+      admitted_ids->insert(placement.job_id);
+    }
+  }
+  phase.Next("admit");
+  // Every placement and every changed pending reason of the pass is stored in one transaction
+  // (one fsync), without the lock. Each write owns what it stores: under Start() it is stored
+  // beside the next pass.
+  Writes pass;
+  for (const GangPlacement* placement : admitted) {
+    const std::string& job_id = placement->job_id;
+    pass.writes.push_back(
+        {job_id, v1::JOB_STATE_SCHEDULED,
+         PlacementReason(*waiting[job_id], specs[job_id], *placement, plans[job_id]),
+         [plan = std::move(plans[job_id]), ranks = placement->ranks,
+          port = master_ports[job_id]](v1::Job& stored) {
+           *stored.mutable_plan() = plan;
+           stored.mutable_placements()->Clear();
+           for (const auto& rank : ranks) *stored.add_placements() = rank;
+           stored.set_master_port(port);
+         }});
+  }
+  pass.placements = pass.writes.size();
+  result.pending_reasons.merge(unfit);
+  std::map<std::string, const v1::Job*> by_id;
+  for (const auto& job : active) by_id[job.job_id()] = &job;
+  for (const auto& [job_id, reason] : result.pending_reasons) {
+    const v1::Job* job = by_id[job_id];
+    if (job == nullptr) continue;
+    // A restarting job keeps its state (and the reason it restarts) until it is placed again.
+    if (job->state() == v1::JOB_STATE_PENDING && job->reason() != reason) {
+      pass.writes.push_back({job_id, v1::JOB_STATE_PENDING, reason, nullptr});
+    }
+  }
+  phase.Next("store");
+  return pass;
+}
+
+std::set<std::string> SchedulingPass::StoreWrites(Writes pass) {
+  std::set<std::string> placed;
+  if (pass.writes.empty()) return placed;
+  const std::vector<absl::StatusOr<v1::Job>> stored = jobs_->TransitionAll(pass.writes);
+  std::function<void(double)> latency_observer;
+  std::vector<double> latencies;
+  {
+    absl::MutexLock lock(&state_->mu);
+    latency_observer = latency_observer_;
+    for (size_t i = 0; i < pass.placements; ++i) {
+      const std::string& job_id = pass.writes[i].job_id;
+      Allocation* allocation = state_->allocations.Find(job_id);
+      if (allocation != nullptr) allocation->storing = false;
+      if (stored[i].ok()) {
+        if (allocation != nullptr) {
+          for (const auto& node : allocation->Nodes()) {
+            state_->nodes.ReleaseStart(node, TaskId(job_id, allocation->attempt, node));
+          }
+        }
+        placed.insert(job_id);
+        if (stored[i]->attempt() == 0) {
+          latencies.push_back(absl::ToDoubleSeconds(
+              state_->Now() -
+              absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(stored[i]->create_time()))));
+        }
+        continue;
+      }
+      // Cancelled meanwhile (FAILED_PRECONDITION), or a store error: nothing was delivered (the
+      // assignments were held back), so the gang is taken back and a later pass decides.
+      if (!absl::IsFailedPrecondition(stored[i].status())) {
+        LogRetried(stored[i].status(), absl::StrCat("placing job ", job_id));
+      }
+      if (allocation != nullptr) {
+        for (const auto& node : allocation->Nodes()) {
+          state_->nodes.WithdrawStart(node, TaskId(job_id, allocation->attempt, node));
+        }
+        state_->allocations.Erase(job_id);
+      }
+    }
+  }
+  if (latency_observer) {
+    for (double seconds : latencies) latency_observer(seconds);
+  }
+  for (size_t i = pass.placements; i < pass.writes.size(); ++i) {
+    if (!stored[i].ok() && !absl::IsFailedPrecondition(stored[i].status())) {
+      LogRetried(stored[i].status(),
+                 absl::StrCat("recording why job ", pass.writes[i].job_id, " waits"));
+    }
+  }
+  return placed;
+}
+
+void SchedulingPass::HandOver(Writes pass) {
+  absl::MutexLock lock(&store_mu_);
+  store_mu_.Await(absl::Condition(
+      +[](SchedulingPass* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->store_mu_) {
+        return !self->store_next_.has_value() && !self->store_busy_;
+      },
+      this));
+  store_next_ = std::move(pass);
+}
+
+void SchedulingPass::StoreLoop() {
+  while (true) {
+    Writes pass;
+    {
+      absl::MutexLock lock(&store_mu_);
+      store_mu_.Await(absl::Condition(
+          +[](SchedulingPass* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->store_mu_) {
+            return self->store_next_.has_value() || self->store_stopping_;
+          },
+          this));
+      // Writes handed over before Stop are stored first.
+      if (!store_next_.has_value()) return;
+      pass = std::move(*store_next_);
+      store_next_.reset();
+      store_busy_ = true;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    StoreWrites(std::move(pass));
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    absl::MutexLock lock(&store_mu_);
+    store_busy_ = false;
+    store_overlapped_seconds_ += seconds;
+  }
+}
+
+ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
+  absl::MutexLock pass_lock(&pass_mu_);
+  const absl::Time now = state_->Now();
+  ClusterStats stats;
+  stats.counted = count;
+  PhaseTimer phase(&stats);
+  // Read without the lock. Only the waiting jobs are parsed: parsing every running job's blob
+  // cost more than the rest of a pass on a busy cluster. Allocations are added only by a pass, so
+  // every allocation's job is listed unless it ended since; a job cancelled or finished meanwhile
+  // is seen by the next pass.
+  absl::StatusOr<std::vector<Store::JobSummary>> active = state_->store->ListActiveJobSummaries();
+  absl::StatusOr<std::vector<v1::Job>> waiting = state_->store->ListWaitingJobs();
+  // Looked up once per allocation under the lock: built before taking it.
+  absl::flat_hash_set<std::string_view> active_ids;
+  if (active.ok()) {
+    active_ids.reserve(active->size());
+    for (const auto& job : *active) active_ids.insert(job.job_id);
+  }
+  phase.Next("list");
+  std::vector<AttemptFate::Ending> endings;
+  {
+    TimedLock lock(&state_->mu, &stats);
+    endings = SettleLocked(count, now, active.ok() ? &active_ids : nullptr);
+  }
+  // The node records changed (registrations, nodes lost; a write that failed before) and the
+  // attempts' ends are stored with the lock released: heartbeats go on meanwhile. An ending
+  // attempt keeps its devices until then.
+  LogRetried(state_->WriteNodes(), "writing node records");
+  fate_->StoreEndings(endings, now);
+  Snapshot snapshot;
+  bool relist = false;
+  {
+    TimedLock lock(&state_->mu, &stats);
+    relist = FreeEndedLocked(endings, active.ok() ? &active_ids : nullptr);
+    if (active.ok() && !relist && waiting.ok()) snapshot = SnapshotLocked(*waiting);
+  }
+  phase.Next("settle");
+  if (relist) {
+    active_ids.clear();  // views into the listing replaced here
+    active = state_->store->ListActiveJobSummaries();
+    waiting = state_->store->ListWaitingJobs();
+    phase.Next("list");
+    if (waiting.ok()) {
+      TimedLock lock(&state_->mu, &stats);
+      snapshot = SnapshotLocked(*waiting);
+    }
+    phase.Next("settle");
+  }
+  if (active.ok() && waiting.ok()) {
+    std::set<std::string> placed;
+    Writes pass = PlanAndAdmit(*waiting, snapshot, &stats, &placed);
+    phase = PhaseTimer(&stats);
+    if (overlap_store) {
+      // Counted as placed: the store thread takes a placement back only if its job was cancelled
+      // meanwhile (or on a store error), which the next pass's counts show.
+      if (!pass.writes.empty()) HandOver(std::move(pass));
+    } else {
+      placed = StoreWrites(std::move(pass));
+    }
+    phase.Next("store");
+    {
+      absl::MutexLock lock(&store_mu_);
+      if (store_overlapped_seconds_ > 0) {
+        stats.phase_seconds["store_overlapped"] += store_overlapped_seconds_;
+        store_overlapped_seconds_ = 0;
+      }
+    }
+    for (const auto& job : *active) {
+      const bool pending = !placed.contains(job.job_id) && job.state == v1::JOB_STATE_PENDING;
+      ++stats.jobs[placed.contains(job.job_id) ? v1::JOB_STATE_SCHEDULED : job.state];
+      if (pending) {
+        stats.oldest_pending_seconds =
+            std::max(stats.oldest_pending_seconds,
+                     absl::ToDoubleSeconds(now - absl::FromUnixNanos(job.create_time_ns)));
+      }
+    }
+  } else {
+    LogRetried(active.ok() ? waiting.status() : active.status(), "listing active jobs");
+  }
+  if (!count) return stats;
+  {
+    TimedLock lock(&state_->mu, &stats);
+    CountLocked(&stats);
+  }
+  // Ended jobs are counted by the store (the active ones above, as this pass left them).
+  if (auto ended = state_->store->CountEndedJobs(); ended.ok()) {
+    for (const auto& [state, count] : *ended) stats.jobs[state] = count;
+  } else {
+    LogRetried(ended.status(), "counting ended jobs");
+  }
+  phase.Next("count");
+  return stats;
+}
+
+std::vector<AttemptFate::Ending> SchedulingPass::SettleLocked(
+    bool count, absl::Time now, const absl::flat_hash_set<std::string_view>* active_ids) {
+  fate_->AssertLockHeld();
+  std::vector<AttemptFate::Ending> endings;
+  // Liveness is a scan of every node: the regular passes (every tick_interval) do it.
+  if (count) fate_->ExpireNodesLocked(now);
+  if (active_ids == nullptr) return endings;
+  for (auto& [job_id, allocation] : state_->allocations.all()) {
+    // Placed by the previous pass and not yet stored (its job may still be listed PENDING, or
+    // already cancelled): the store thread releases or takes it back first.
+    if (allocation.storing) continue;
+    if (!active_ids->contains(job_id)) {
+      // Cancelled (or ended by a decision already recorded): stop what still runs.
+      if (allocation.phase != Allocation::Phase::kDraining) fate_->DrainLocked(job_id, allocation);
+      continue;
+    }
+    fate_->PrepareLocked(job_id, allocation, now, &endings);
+  }
+  return endings;
+}
+
+bool SchedulingPass::FreeEndedLocked(const std::vector<AttemptFate::Ending>& endings,
+                                     const absl::flat_hash_set<std::string_view>* active_ids) {
+  fate_->AssertLockHeld();
+  fate_->FinishLocked(endings);
+  if (active_ids == nullptr) return false;
+  // Attempts whose every task has ended give their devices back. A job still active whose
+  // attempt just ended (it restarts) may be placed again in this pass: list again for it.
+  bool relist = false;
+  state_->allocations.EraseIf([&](const std::string& job_id, const Allocation& allocation) {
+    const bool ended = allocation.phase == Allocation::Phase::kDraining &&
+                       allocation.AllNodesEnded() && !allocation.success_pending;
+    relist = relist || (ended && active_ids->contains(job_id));
+    return ended;
+  });
+  return relist;
+}
+
+void SchedulingPass::CountLocked(ClusterStats* stats) {
+  // Counted in place: copying every node record (or capacity) here cost more than the pass.
+  NodeRegistry::Tally tally = state_->nodes.Count(state_->allocations.Used());
+  stats->nodes = std::move(tally.nodes);
+  stats->gpus_total = tally.gpus_total;
+  stats->gpus_allocated = tally.gpus_allocated;
+  stats->cpu_slots_total = tally.cpu_slots_total;
+  stats->cpu_slots_allocated = tally.cpu_slots_allocated;
+  fate_->AssertLockHeld();
+  stats->restarts = fate_->restarts();
+  stats->failures = fate_->failures();
+  for (auto& [job_id, allocation] : state_->allocations.all()) {
+    if (allocation.phase != Allocation::Phase::kRunning || allocation.rank_times.empty()) {
+      continue;
+    }
+    std::vector<v1::RankStepTime> ranks;
+    for (const auto& [rank, time] : allocation.rank_times) ranks.push_back(time);
+    stats->stragglers[job_id] =
+        ComputeStraggler(std::move(ranks), state_->options.straggler_threshold);
+  }
+}
+
+void SchedulingPass::StartStoreThread() {
+  {
+    absl::MutexLock lock(&store_mu_);
+    store_stopping_ = false;
+  }
+  store_loop_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "pass-store");
+    StoreLoop();
+  });
+}
+
+void SchedulingPass::StopStoreThread() {
+  {
+    absl::MutexLock lock(&store_mu_);
+    store_stopping_ = true;
+  }
+  if (store_loop_.joinable()) store_loop_.join();
+}
+
+SchedulingPass::~SchedulingPass() { StopStoreThread(); }
+
+void SchedulingPass::SetSchedulingLatencyObserver(std::function<void(double)> observer) {
+  absl::MutexLock lock(&state_->mu);
+  latency_observer_ = std::move(observer);
+}
+
+}  // namespace tessera::coordinator

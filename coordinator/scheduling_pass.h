@@ -1,0 +1,162 @@
+// SchedulingPass: one pass of the coordinator's control loop, as a pipeline: list the active and
+// waiting jobs (store reads); settle (under the cluster lock: node liveness, the attempts whose
+// end is due, the devices of ended attempts freed); store the ends decided (AttemptFate, lock
+// released) and the node records changed; snapshot the free devices; plan each waiting job for
+// the devices it would get (plans cached per job until their target changes) and run the gang
+// scheduler, both without the lock; admit the placements (under the lock: allocations made,
+// assignments queued held back); store the placements and the changed pending reasons in ONE
+// store transaction (lock released); announce each stored placement to its nodes (its held
+// assignments released) and take back each one that could not be stored. With the store thread
+// started, that transaction runs beside the next pass, which waits only if it reaches its own
+// store before the previous one finished; an allocation still being stored is left alone
+// (Allocation::storing). Finally the pass's statistics.
+//
+// Only a pass adds or frees allocations and passes are serialized, so devices free in the
+// snapshot are still free at admission unless their node registered again (or was lost), which
+// NodeRegistry::ChangedSince tells: that gang waits for the next pass.
+//
+// Thread safety: Run may be called from any thread; passes are serialized by pass_mu_ (taken
+// before the cluster lock ClusterState::mu), which also guards the plan cache. The cluster lock is
+// held only for short phases and never across a store write. store_mu_ guards the hand-over to the
+// store thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/attempt_fate.h"
+#include "coordinator/cluster_state.h"
+#include "coordinator/job_manager.h"
+#include "coordinator/scheduler.h"
+#include "planner/job_plan.h"
+
+namespace tessera::coordinator {
+
+class SchedulingPass {
+ public:
+  // `state`, `jobs` and `fate` must outlive the pass.
+  SchedulingPass(ClusterState* state, JobManager* jobs, AttemptFate* fate)
+      : state_(state), jobs_(jobs), fate_(fate) {}
+  // Stops the store thread (after storing what it was handed).
+  ~SchedulingPass();
+  SchedulingPass(const SchedulingPass&) = delete;
+  SchedulingPass& operator=(const SchedulingPass&) = delete;
+
+  // One pass (see Cluster::Tick for `count`). With `overlap_store`, its placements are handed to
+  // the store thread (StartStoreThread first) instead of being stored before it returns.
+  ClusterStats Run(bool count, bool overlap_store)
+      ABSL_LOCKS_EXCLUDED(pass_mu_, state_->mu, store_mu_);
+
+  // The thread that stores the placements of passes run with `overlap_store`. Stop stores what
+  // was handed over before it returns.
+  void StartStoreThread() ABSL_LOCKS_EXCLUDED(store_mu_);
+  void StopStoreThread() ABSL_LOCKS_EXCLUDED(store_mu_);
+
+  // Seconds from submission to SCHEDULED of each job placed, for metrics. Called without locks.
+  void SetSchedulingLatencyObserver(std::function<void(double)> observer)
+      ABSL_LOCKS_EXCLUDED(state_->mu);
+
+ private:
+  // What the scheduling part of a pass starts from, taken under the cluster lock.
+  struct Snapshot {
+    // Jobs PENDING or RESTARTING without an allocation.
+    std::set<std::string> waiting;
+    std::shared_ptr<const std::vector<NodeCapacity>> summaries;
+    UsedResources used;
+    uint64_t generation = 0;
+  };
+  // The store writes of one pass: its placements (the first `placements` writes, each owning
+  // what it writes) and its changed pending reasons.
+  struct Writes {
+    std::vector<JobManager::TransitionRequest> writes;
+    size_t placements = 0;
+  };
+
+  // `waiting`: the PENDING and RESTARTING jobs (Store::ListWaitingJobs).
+  Snapshot SnapshotLocked(const std::vector<v1::Job>& waiting)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  // Plans, schedules and admits the waiting jobs (`waiting`, from ListWaitingJobs) without the
+  // lock but for the admission; returns the writes that store the placements (ids added to
+  // `admitted`) and the changed pending reasons.
+  Writes PlanAndAdmit(const std::vector<v1::Job>& waiting, const Snapshot& snapshot,
+                      ClusterStats* stats, std::set<std::string>* admitted)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_) ABSL_LOCKS_EXCLUDED(state_->mu);
+  // Stores a pass's writes in one transaction; then, under the lock, releases the assignments of
+  // each placement stored and takes back each one that was not. Returns the ids of the jobs placed.
+  std::set<std::string> StoreWrites(Writes pass) ABSL_LOCKS_EXCLUDED(state_->mu);
+  // Gives `pass` to the store thread once the previous pass's writes are stored.
+  void HandOver(Writes pass) ABSL_LOCKS_EXCLUDED(store_mu_);
+  void StoreLoop() ABSL_LOCKS_EXCLUDED(store_mu_);
+  // Settling, under the lock: liveness (when `count`), the attempts of jobs no longer active
+  // (`active_ids`; null when the listing failed) drained, and the attempts whose end is due.
+  std::vector<AttemptFate::Ending> SettleLocked(
+      bool count, absl::Time now, const absl::flat_hash_set<std::string_view>* active_ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  // Under the lock, once the ends are stored: applies them, and frees the devices of the attempts
+  // whose every task has ended. Returns whether one of them belongs to a job still active (it
+  // restarts: the waiting jobs are listed again, so that it can be placed in this pass).
+  bool FreeEndedLocked(const std::vector<AttemptFate::Ending>& endings,
+                       const absl::flat_hash_set<std::string_view>* active_ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  // The cluster-wide figures of a counted pass.
+  void CountLocked(ClusterStats* stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+
+  // `job`'s plan for `target`, computed again only when the target (or the device count, for a
+  // job re-planned after losing devices) changed.
+  const absl::StatusOr<v1::LayoutPlan>& CachedPlan(
+      const v1::Job& job, const v1::JobSpec& spec,
+      const absl::StatusOr<planner::DeviceTarget>& target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_);
+  static int64_t StartStep(const v1::Job& job, const v1::JobSpec& spec);
+  // The reason stored with a placement ("placed on n1, n2").
+  static std::string PlacementReason(const v1::Job& job, const v1::JobSpec& spec,
+                                     const GangPlacement& placement, const v1::LayoutPlan& plan);
+  // Records the allocation of a placement and queues its assignments, held back from the nodes
+  // until the placement is stored (NodeRegistry::ReleaseStart); returns its master port (stored
+  // with the placement, so that a restarted coordinator reserves the same one).
+  // `assignments` (from Assignments) get the master port chosen here.
+  int AdmitLocked(const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
+                  std::map<std::string, v1::TaskAssignment> assignments)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  // A placement's assignment for each of its nodes, by node id, without the master port (made
+  // without the lock: the spec and plan are copied for every node).
+  std::map<std::string, v1::TaskAssignment> Assignments(const v1::Job& job, const v1::JobSpec& spec,
+                                                        const GangPlacement& placement,
+                                                        const v1::LayoutPlan& plan) const;
+
+  ClusterState* const state_;
+  JobManager* const jobs_;
+  AttemptFate* const fate_;
+
+  // Serializes Run: one pass at a time. Taken before the cluster lock.
+  absl::Mutex pass_mu_;
+  // Waiting jobs' plans (PlanForTarget), keyed by job_id, with the target they were made for.
+  struct PlanEntry {
+    std::string fingerprint;
+    std::optional<absl::StatusOr<v1::LayoutPlan>> plan;
+  };
+  std::map<std::string, PlanEntry> plan_cache_ ABSL_GUARDED_BY(pass_mu_);
+  std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(state_->mu);
+
+  // The store thread: one pass's writes in flight, the next waits its turn.
+  std::thread store_loop_;
+  absl::Mutex store_mu_;
+  std::optional<Writes> store_next_ ABSL_GUARDED_BY(store_mu_);
+  bool store_busy_ ABSL_GUARDED_BY(store_mu_) = false;
+  bool store_stopping_ ABSL_GUARDED_BY(store_mu_) = false;
+  // The store thread's seconds not yet reported in a pass's statistics.
+  double store_overlapped_seconds_ ABSL_GUARDED_BY(store_mu_) = 0;
+};
+
+}  // namespace tessera::coordinator

@@ -1,0 +1,238 @@
+// SchedulingPass on its own, without Cluster: a ClusterState whose nodes the test registers
+// directly, an in-memory store, a simulated clock. Each test runs passes and checks what the
+// pipeline left in the store, the ledger and the nodes' queued orders.
+
+#include "coordinator/scheduling_pass.h"
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "common/clock.h"
+#include "common/status_matchers.h"
+#include "coordinator/attempt_fate.h"
+#include "coordinator/cluster_state.h"
+#include "coordinator/job_manager.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/util/job_specs.h"
+
+namespace tessera::coordinator {
+namespace {
+
+using ::tessera::testing::IsOk;
+using ::testing::HasSubstr;
+using ::testing::SizeIs;
+
+class SchedulingPassTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto store = Store::Open(":memory:");
+    ASSERT_THAT(store.status(), IsOk());
+    store_ = std::move(*store);
+    jobs_ = std::make_unique<JobManager>(store_.get(), &clock_);
+    ClusterOptions options;
+    options.clock = &clock_;
+    options.failure_settle = absl::Seconds(5);
+    options.blame_grace = absl::Seconds(1);
+    state_ = std::make_unique<ClusterState>(store_.get(), options);
+    fate_ = std::make_unique<AttemptFate>(state_.get(), jobs_.get());
+    pass_ = std::make_unique<SchedulingPass>(state_.get(), jobs_.get(), fate_.get());
+  }
+
+  void Register(const std::string& node, int slots) {
+    v1::RegisterNodeRequest request;
+    request.set_node_id(node);
+    request.set_address(node + ":7000");
+    request.mutable_resources()->set_cpu_slots(slots);
+    absl::MutexLock lock(&state_->mu);
+    bool returning = false;
+    ASSERT_THAT(state_->nodes.Register(request, clock_.Now(), &returning), IsOk());
+  }
+
+  std::string Submit(int slots, int max_restarts = 0) {
+    auto job = jobs_->Submit(testing::TinyCpuJobSpec("pass", slots, max_restarts), "");
+    EXPECT_THAT(job.status(), IsOk());
+    return job.ok() ? job->job_id() : "";
+  }
+
+  v1::Job Job(const std::string& job_id) {
+    auto job = jobs_->Get(job_id);
+    EXPECT_THAT(job.status(), IsOk());
+    return job.ok() ? *job : v1::Job();
+  }
+
+  // The orders a heartbeat from `node` would carry now.
+  v1::HeartbeatResponse Orders(const std::string& node) {
+    absl::MutexLock lock(&state_->mu);
+    v1::HeartbeatResponse response;
+    state_->nodes.TakeOrders(node, &response);
+    return response;
+  }
+
+  // Whether `job_id` holds devices, and whether its placement is still being stored.
+  bool Allocated(const std::string& job_id, bool* storing = nullptr) {
+    absl::MutexLock lock(&state_->mu);
+    const Allocation* allocation = state_->allocations.Find(job_id);
+    if (allocation != nullptr && storing != nullptr) *storing = allocation->storing;
+    return allocation != nullptr;
+  }
+
+  SimulatedClock clock_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<ClusterState> state_;
+  std::unique_ptr<AttemptFate> fate_;
+  std::unique_ptr<SchedulingPass> pass_;
+};
+
+// A pass places a waiting job: the placement is stored (SCHEDULED, with its ranks and master
+// port), the devices are held, and the assignment is released to the node once stored.
+TEST_F(SchedulingPassTest, PlacesAWaitingJobAndReleasesItsAssignmentOnceStored) {
+  Register("n1", 2);
+  const std::string job_id = Submit(2);
+  const ClusterStats stats = pass_->Run(/*count=*/true, /*overlap_store=*/false);
+
+  const v1::Job job = Job(job_id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_THAT(job.placements(), SizeIs(2));
+  EXPECT_GT(job.master_port(), 0);
+  EXPECT_THAT(job.reason(), HasSubstr("placed on n1"));
+  bool storing = true;
+  ASSERT_TRUE(Allocated(job_id, &storing));
+  EXPECT_FALSE(storing);
+  const v1::HeartbeatResponse orders = Orders("n1");
+  ASSERT_THAT(orders.start(), SizeIs(1));
+  EXPECT_EQ(orders.start(0).task_id(), TaskId(job_id, 0, "n1"));
+  EXPECT_EQ(orders.start(0).trainers(0).assignment().master_port(), job.master_port());
+
+  EXPECT_EQ(stats.jobs.at(v1::JOB_STATE_SCHEDULED), 1);
+  EXPECT_EQ(stats.cpu_slots_total, 2);
+  EXPECT_EQ(stats.cpu_slots_allocated, 2);
+  for (const char* phase : {"list", "settle", "plan", "schedule", "admit", "store", "count"}) {
+    EXPECT_TRUE(stats.phase_seconds.contains(phase)) << phase;
+  }
+}
+
+// A placement the store refuses is taken back: no devices held, nothing delivered, the job still
+// PENDING; the next pass places it.
+TEST_F(SchedulingPassTest, APlacementThatCannotBeStoredIsTakenBack) {
+  Register("n1", 2);
+  const std::string job_id = Submit(2);
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    return id == job_id ? absl::UnavailableError("injected") : absl::OkStatus();
+  });
+  pass_->Run(true, false);
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_PENDING);
+  EXPECT_FALSE(Allocated(job_id));
+  EXPECT_THAT(Orders("n1").start(), SizeIs(0));
+
+  store_->SetWriteFailureInjector(nullptr);
+  pass_->Run(true, false);
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_THAT(Orders("n1").start(), SizeIs(1));
+}
+
+// With the store thread, a pass returns once it handed its placements over: until they are
+// stored the devices are held (storing), the job reads PENDING and nothing is delivered.
+TEST_F(SchedulingPassTest, TheStoreThreadReleasesAssignmentsOnlyOnceStored) {
+  Register("n1", 2);
+  const std::string job_id = Submit(2);
+  absl::Notification storing_started, release;
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    if (id == job_id && !storing_started.HasBeenNotified()) {
+      storing_started.Notify();
+      release.WaitForNotification();
+    }
+    return absl::OkStatus();
+  });
+  pass_->StartStoreThread();
+  const ClusterStats stats = pass_->Run(true, /*overlap_store=*/true);
+  EXPECT_EQ(stats.jobs.at(v1::JOB_STATE_SCHEDULED), 1) << "counted as placed";
+  ASSERT_TRUE(storing_started.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  bool storing = false;
+  ASSERT_TRUE(Allocated(job_id, &storing));
+  EXPECT_TRUE(storing);
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_PENDING);
+  EXPECT_THAT(Orders("n1").start(), SizeIs(0));
+  // A pass meanwhile leaves the placement alone: not placed twice, not drained.
+  pass_->Run(true, false);
+  ASSERT_TRUE(Allocated(job_id, &storing));
+  EXPECT_TRUE(storing);
+
+  release.Notify();
+  pass_->StopStoreThread();  // stores what was handed over first
+  store_->SetWriteFailureInjector(nullptr);
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
+  ASSERT_TRUE(Allocated(job_id, &storing));
+  EXPECT_FALSE(storing);
+  EXPECT_THAT(Orders("n1").start(), SizeIs(1));
+}
+
+// A job that fits nowhere gets its pending reason stored once, not again by every pass.
+TEST_F(SchedulingPassTest, APendingReasonIsStoredOnlyWhenItChanges) {
+  Register("n1", 1);
+  const std::string job_id = Submit(2);
+  int writes = 0;
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    writes += id == job_id ? 1 : 0;
+    return absl::OkStatus();
+  });
+  pass_->Run(true, false);
+  const v1::Job waiting = Job(job_id);
+  EXPECT_EQ(waiting.state(), v1::JOB_STATE_PENDING);
+  EXPECT_FALSE(waiting.reason().empty());
+  EXPECT_EQ(writes, 1);
+  pass_->Run(true, false);
+  pass_->Run(true, false);
+  EXPECT_EQ(writes, 1) << "an unchanged reason is not stored again";
+  store_->SetWriteFailureInjector(nullptr);
+}
+
+// A failed attempt's end goes through the pass: once the blame grace has passed, the restart is
+// stored, the attempt drained and its devices freed once its task ended, and the next attempt
+// placed in the same pass. While its end cannot be stored, it keeps its devices.
+TEST_F(SchedulingPassTest, AFailedAttemptIsRestartedOnceItsEndIsStored) {
+  Register("n1", 2);
+  const std::string job_id = Submit(2, /*max_restarts=*/1);
+  pass_->Run(true, false);
+  ASSERT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
+  ASSERT_THAT(Orders("n1").start(), SizeIs(1));  // delivered; then the task fails
+  {
+    absl::MutexLock lock(&state_->mu);
+    v1::TrainerFailure failure;
+    failure.set_kind(v1::FAILURE_KIND_OUT_OF_MEMORY);
+    failure.set_rank(0);
+    failure.set_node_id("n1");
+    fate_->AssertLockHeld();
+    fate_->AddFailureLocked(job_id, 0, failure);
+    state_->allocations.Find(job_id)->task_states["n1"] = v1::TASK_STATE_FAILED;
+  }
+  bool fail = true;
+  store_->SetWriteFailureInjector([&](const std::string& id) {
+    return fail && id == job_id ? absl::UnavailableError("injected") : absl::OkStatus();
+  });
+  pass_->Run(true, false);
+  EXPECT_EQ(Job(job_id).restarts(), 0);
+  ASSERT_TRUE(Allocated(job_id));
+  {
+    absl::MutexLock lock(&state_->mu);
+    EXPECT_EQ(state_->allocations.Find(job_id)->phase, Allocation::Phase::kFailing);
+  }
+
+  fail = false;
+  const ClusterStats stats = pass_->Run(true, false);
+  store_->SetWriteFailureInjector(nullptr);
+  const v1::Job job = Job(job_id);
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.attempt(), 1);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
+  EXPECT_EQ(stats.restarts.at(v1::FAILURE_KIND_OUT_OF_MEMORY), 1);
+  const v1::HeartbeatResponse orders = Orders("n1");
+  ASSERT_THAT(orders.start(), SizeIs(1));
+  EXPECT_EQ(orders.start(0).task_id(), TaskId(job_id, 1, "n1"));
+}
+
+}  // namespace
+}  // namespace tessera::coordinator
