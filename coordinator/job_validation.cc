@@ -13,6 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "planner/job_plan.h"
+#include "planner/layout_rules.h"
 #include "planner/lr_schedule.h"
 #include "planner/lora.h"
 #include "planner/model_config.h"
@@ -192,25 +193,9 @@ absl::Status ValidateExplicitLayout(const v1::Layout& layout, const v1::Resource
                      " = ", world, " != ", WorldSizeSource(resources)));
   }
   const int tp = layout.tensor_parallel();
-  if (dims.num_attention_heads() % tp != 0) {
-    return Invalid("parallelism.layout.tensor_parallel",
-                   absl::StrCat(tp, " does not divide the model's num_attention_heads ",
-                                dims.num_attention_heads()));
-  }
-  if (dims.num_kv_heads() % tp != 0) {
-    return Invalid(
-        "parallelism.layout.tensor_parallel",
-        absl::StrCat(tp, " does not divide the model's num_kv_heads ", dims.num_kv_heads()));
-  }
-  if (dims.ffn_hidden_size() % tp != 0) {
-    return Invalid(
-        "parallelism.layout.tensor_parallel",
-        absl::StrCat(tp, " does not divide the model's ffn_hidden_size ", dims.ffn_hidden_size()));
-  }
-  if (dims.num_layers() % layout.pipeline_parallel() != 0) {
-    return Invalid("parallelism.layout.pipeline_parallel",
-                   absl::StrCat(layout.pipeline_parallel(),
-                                " does not divide the model's num_layers ", dims.num_layers()));
+  if (const auto violation =
+          planner::CheckModelDivisibility(dims, tp, layout.pipeline_parallel())) {
+    return Invalid(violation->field, violation->problem);
   }
   if (layout.sequence_parallel() && tp == 1) {
     return Invalid("parallelism.layout.sequence_parallel",

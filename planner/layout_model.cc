@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "planner/devices.h"
 #include "planner/layout_planner.h"
+#include "planner/layout_rules.h"
 #include "planner/model_config.h"
 
 namespace tessera::planner {
@@ -260,24 +261,10 @@ std::optional<std::string> InvalidReason(const Workload& w, const LayoutChoice& 
     return absl::StrCat("dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", l.world(),
                         " != ", c.gpus, " devices");
   }
-  if (m.num_attention_heads() % l.tp != 0) {
-    return absl::StrCat("tensor_parallel ", l.tp, " does not divide ", m.num_attention_heads(),
-                        " attention heads");
-  }
-  if (m.num_kv_heads() % l.tp != 0) {
-    return absl::StrCat("tensor_parallel ", l.tp, " does not divide ", m.num_kv_heads(),
-                        " key/value heads");
-  }
-  if (m.ffn_hidden_size() % l.tp != 0) {
-    return absl::StrCat("tensor_parallel ", l.tp, " does not divide ffn_hidden_size ",
-                        m.ffn_hidden_size());
-  }
+  if (const auto violation = CheckModelDivisibility(m, l.tp, l.pp)) return violation->ToString();
   if (l.tp > c.gpus_per_node) {
     return absl::StrCat("tensor_parallel ", l.tp, " exceeds the ", c.gpus_per_node,
                         " devices of a node (tensor-parallel groups stay inside a node)");
-  }
-  if (m.num_layers() % l.pp != 0) {
-    return absl::StrCat("pipeline_parallel ", l.pp, " does not divide ", m.num_layers(), " layers");
   }
   // zero_stage > 0 at data_parallel 1 shards over one rank: valid, and the same as zero_stage 0
   // in memory (NeMo's distributed optimizer accepts it too).

@@ -147,14 +147,14 @@ TEST(LayoutPlannerTest, StructuralRulesAreRejectedWithTheReason) {
   // llama3-8b has 32 layers: pp 3 does not divide them.
   const ClusterShape c12 = Cluster("h100-sxm", 12, 8);
   EXPECT_EQ(InvalidReason(w, {4, 1, 3, 0, 1}, c12).value_or(""),
-            "pipeline_parallel 3 does not divide 32 layers");
+            "parallelism.layout.pipeline_parallel: 3 does not divide the model's num_layers 32");
   EXPECT_EQ(InvalidReason(w, {4, 3, 1, 0, 1}, c12).value_or(""),
-            "tensor_parallel 3 does not divide 32 attention heads");
-  EXPECT_EQ(reason({1, 16, 1, 0, 1}), "tensor_parallel 16 does not divide 8 key/value heads");
+            "parallelism.layout.tensor_parallel: 3 does not divide the model's num_attention_heads 32");
+  EXPECT_EQ(reason({1, 16, 1, 0, 1}), "parallelism.layout.tensor_parallel: 16 does not divide the model's num_kv_heads 8");
   const ClusterShape c32 = Cluster("h100-sxm", 32, 8);
   const Workload w32 = Work(Preset("qwen3-32b"), 2048, 64);  // 64 heads, 8 kv heads
   EXPECT_THAT(InvalidReason(w32, {2, 16, 1, 0, 1}, c32).value_or(""),
-              HasSubstr("divide 8 key/value heads"));
+              HasSubstr("divide the model's num_kv_heads 8"));
   EXPECT_THAT(
       InvalidReason(Work(Preset("gpt3-175b"), 2048, 64), {1, 16, 2, 0, 1}, c32).value_or(""),
       HasSubstr("exceeds the 8 devices of a node"));
@@ -162,7 +162,7 @@ TEST(LayoutPlannerTest, StructuralRulesAreRejectedWithTheReason) {
   v1::ModelDims odd_ffn = Llama7b();
   odd_ffn.set_ffn_hidden_size(11004);
   EXPECT_EQ(InvalidReason(Work(odd_ffn, 2048, 64), {2, 8, 1, 0, 1}, c).value_or(""),
-            "tensor_parallel 8 does not divide ffn_hidden_size 11004");
+            "parallelism.layout.tensor_parallel: 8 does not divide the model's ffn_hidden_size 11004");
   EXPECT_EQ(InvalidReason(Work(odd_ffn, 2048, 64), {4, 4, 1, 0, 1}, c).value_or(""), "");
   EXPECT_EQ(reason({16, 1, 1, 0, 3}),
             "global batch 64 is not divisible by micro_batch 3 x data_parallel 16 (= 48)");

@@ -1,0 +1,35 @@
+// The layout rules that depend on the model alone, in one place: which tensor- and
+// pipeline-parallel degrees its dimensions allow, and the seed a spec that names none gets. The
+// coordinator's validation, the layout search and the trainer all ask here, so a rule (and its
+// message) changes once.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "tessera/v1/model.pb.h"
+
+namespace tessera::planner {
+
+// A rule a layout breaks: the spec field at fault and what is wrong with it.
+struct LayoutRuleViolation {
+  std::string field;    // e.g. "parallelism.layout.tensor_parallel"
+  std::string problem;  // e.g. "3 does not divide the model's num_attention_heads 32"
+
+  // "<field>: <problem>", the form of every validation error.
+  std::string ToString() const { return field + ": " + problem; }
+};
+
+// Tensor parallelism splits attention heads, key/value heads and the MLP's hidden width, so
+// `tensor_parallel` must divide each; pipeline parallelism gives each stage whole layers, so
+// `pipeline_parallel` must divide num_layers. Degrees must be >= 1 (checked by the caller).
+std::optional<LayoutRuleViolation> CheckModelDivisibility(const v1::ModelDims& dims,
+                                                          int tensor_parallel,
+                                                          int pipeline_parallel);
+
+// The seed of initialisation and data order when a spec leaves JobSpec.seed at 0.
+inline constexpr uint64_t kDefaultSeed = 1234;
+inline uint64_t EffectiveSeed(uint64_t seed) { return seed != 0 ? seed : kDefaultSeed; }
+
+}  // namespace tessera::planner
