@@ -12,8 +12,9 @@ namespace {
 using P = TaskPhase;
 using E = TaskEvent;
 
-constexpr P kAllPhases[] = {P::kPending,  P::kStopBeforeLaunch, P::kRunning,      P::kCheckpointing,
-                            P::kStopping, P::kEnded,            P::kEndAnnounced, P::kEndSent};
+constexpr P kAllPhases[] = {P::kPending,       P::kStopBeforeLaunch, P::kRunning,
+                            P::kCheckpointing, P::kStopping,         P::kEnded,
+                            P::kEndAnnounced,  P::kEndSent};
 constexpr E kAllEvents[] = {E::kLaunched, E::kStopOrdered, E::kCheckpointOrdered,
                             E::kJudged,   E::kEndReady,    E::kEndSent};
 

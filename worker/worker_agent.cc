@@ -479,10 +479,10 @@ void WorkerAgent::LaunchRanksLocked(Task& task, const v1::TaskAssignment& assign
     absl::Status status = WriteMessageFile(task_file, rank.task);
     if (status.ok()) {
       auto process = options_.launcher->Launch({.binary = options_.trainer_path,
-                                             .args = {"--task=" + task_file},
-                                             .env = env,
-                                             .log_path = rank.log_path,
-                                             .working_dir = dir});
+                                                .args = {"--task=" + task_file},
+                                                .env = env,
+                                                .log_path = rank.log_path,
+                                                .working_dir = dir});
       if (process.ok()) {
         rank.process = std::move(*process);
         rank.launched = clock_->Now();

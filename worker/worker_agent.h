@@ -18,6 +18,7 @@
 // Each task moves through a TaskLifecycle (worker/task_lifecycle.h); its ranks keep their own
 // facts (exit, heartbeats, signals sent). Time comes from options.clock and trainers from
 // options.launcher, so tests run the agent in-process on a simulated clock with fake trainers.
+// The report path (socket readers, relay loop) is in worker_agent_reports.cc.
 //
 // Thread safety: public methods may be called from any thread. One
 // absl::Mutex guards the tasks and the report queues; the heartbeat, the
@@ -184,8 +185,9 @@ class WorkerAgent {
     std::optional<absl::Time> exit_deadline;
     // Whether the end going out past exit_deadline was logged.
     bool exit_overdue_logged = false;
-    // Not launched yet: ranks of a task being stopped still hold one of its GPUs or its master
-    // port, or another attempt of its job still runs here (HeldBackByLocked).
+    // The assignment of a task not launched yet (lifecycle kPending or kStopBeforeLaunch): ranks
+    // of a task being stopped still hold one of its GPUs or its master port, or another attempt
+    // of its job still runs here (HeldBackByLocked).
     std::optional<v1::TaskAssignment> deferred;
   };
 

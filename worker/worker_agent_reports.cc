@@ -2,8 +2,6 @@
 // which keeps rank heartbeats to the agent and queues the other reports, and the relay loop that
 // sends the queued reports to the coordinator in batches. The supervision, launching and
 // heartbeating live in worker_agent.cc.
-#include "worker/worker_agent.h"
-
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -17,6 +15,7 @@
 #include "grpcpp/client_context.h"
 #include "worker/failure_policy.h"
 #include "worker/report_stream.h"
+#include "worker/worker_agent.h"
 
 namespace tessera::worker {
 namespace {

@@ -62,8 +62,8 @@ class SteppedClock final : public Clock {
     clock_.SleepUntil(deadline);
     Unpark(id);
   }
-  bool AwaitWithDeadline(absl::Mutex* mu, const absl::Condition& condition,
-                         absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) override {
+  bool AwaitWithDeadline(absl::Mutex* mu, const absl::Condition& condition, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) override {
     const int id = Park(deadline);
     const bool held = clock_.AwaitWithDeadline(mu, condition, deadline);
     Unpark(id);
@@ -200,7 +200,9 @@ class FakeTrainer final : public TrainerHandle {
   ExitStatus Stop(absl::Duration grace) override { return rank_->Stop(grace); }
   void Signal(int signal) override { rank_->Signal(signal); }
   ExitStatus Kill() override { return rank_->Kill(); }
-  std::string LogTail(int) const override { return absl::StrCat("log of fake rank ", rank_->rank()); }
+  std::string LogTail(int) const override {
+    return absl::StrCat("log of fake rank ", rank_->rank());
+  }
 
  private:
   const std::shared_ptr<FakeRank> rank_;
@@ -376,8 +378,8 @@ TEST_F(WorkerAgentSimTest, RanksThatExitZeroSucceedAndTheEndGoesOutAtOnce) {
     EXPECT_THAT(What(rank->events()), IsEmpty()) << "rank " << rank->rank() << " was signalled";
   }
   // Forgotten after the heartbeat that carried the end.
-  ASSERT_TRUE(RunUntil(
-      [&] { return LastHeartbeatState() == v1::TASK_STATE_UNSPECIFIED; }, absl::Minutes(1)));
+  ASSERT_TRUE(RunUntil([&] { return LastHeartbeatState() == v1::TASK_STATE_UNSPECIFIED; },
+                       absl::Minutes(1)));
   EXPECT_EQ(agent_->NodeView().job_ids_size(), 0);
 }
 
@@ -431,9 +433,10 @@ TEST_F(WorkerAgentSimTest, AStopOrderKillsARankThatIgnoresSigtermAfterTheGrace) 
   launcher_.Behave(0, {.ignore_sigterm = true});
   Start(TwoRanks(0), options);
   ASSERT_TRUE(RunUntil([&] { return Running(); }, absl::Minutes(1)));
-  coordinator_->OnHeartbeat([](const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response) {
-    if (StateIn(request, kTaskId) == v1::TASK_STATE_RUNNING) response->add_stop(kTaskId);
-  });
+  coordinator_->OnHeartbeat(
+      [](const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response) {
+        if (StateIn(request, kTaskId) == v1::TASK_STATE_RUNNING) response->add_stop(kTaskId);
+      });
   ASSERT_TRUE(RunUntil([&] { return Ended(); }, absl::Minutes(5)));
   EXPECT_EQ(coordinator_->last_status().state(), v1::TASK_STATE_STOPPED);
 
@@ -489,7 +492,8 @@ TEST_F(CheckpointSimTest, RanksThatDoNotSaveAreStoppedAfterTheCheckpointGrace) {
   EXPECT_EQ(coordinator_->last_status().state(), v1::TASK_STATE_STOPPED);
   for (const auto& rank : launcher_.ranks()) {
     const std::vector<Event> events = rank->events();
-    ASSERT_THAT(What(events), ElementsAre(checkpoint_signal_, "SIGTERM")) << "rank " << rank->rank();
+    ASSERT_THAT(What(events), ElementsAre(checkpoint_signal_, "SIGTERM"))
+        << "rank " << rank->rank();
     EXPECT_GE(events[1].at - events[0].at, kCheckpointGrace);
     EXPECT_LE(events[1].at - events[0].at, kCheckpointGrace + 2 * kStep);
   }
