@@ -70,6 +70,8 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend>
   socket_path_ = absl::StrCat(options_.work_dir, "/reports.sock");
   pid_dir_ = absl::StrCat(options_.work_dir, "/trainers");
   if (options_.watch_assignments) {
+    AssignmentWatchOptions watch_options = options_.watch;
+    watch_options.clock = clock_;
     watch_ = std::make_unique<AssignmentWatch>(
         coordinator_.get(),
         [this](grpc::ClientContext& context) { Authorize(context); },
@@ -81,7 +83,7 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend>
           request.set_node_key(options_.node_key);
           return request;
         },
-        [this] { WakeHeartbeat(); }, options_.watch);
+        [this] { WakeHeartbeat(); }, watch_options);
   }
 }
 

@@ -97,8 +97,9 @@ struct WorkerAgentOptions {
   bool watch_assignments = true;
   // Reconnection of the watch stream.
   AssignmentWatchOptions watch;
-  // Time of every deadline, timeout and timestamp the agent keeps (not the gRPC deadlines, which
-  // gRPC measures on the wall clock). Not owned; outlives the agent.
+  // Time of every deadline, timeout and timestamp the agent keeps, its assignment watch's backoff
+  // included (not the gRPC deadlines, which gRPC measures on the wall clock). Not owned; outlives
+  // the agent.
   Clock* clock = Clock::Real();
   // Starts the trainer ranks. Not owned; outlives the agent.
   TrainerLauncher* launcher = ProcessLauncher();
