@@ -316,6 +316,13 @@ class WorkerAgentSimTest : public ::testing::Test {
 
   // Sends a RankHeartbeat of `rank` of job-1 attempt 0 on the report socket, as its trainer does.
   void SendHeartbeat(int rank, int64_t step) {
+    v1::TrainerReport report;
+    report.mutable_heartbeat()->set_step(step);
+    report.mutable_heartbeat()->set_step_seconds(0.5);
+    SendReport(rank, std::move(report));
+  }
+  // Sends `report` as rank `rank` of job-1 attempt 0, on that rank's own connection.
+  void SendReport(int rank, v1::TrainerReport report) {
     auto [it, added] = report_fds_.try_emplace(rank, -1);
     if (added) {
       it->second = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -326,12 +333,9 @@ class WorkerAgentSimTest : public ::testing::Test {
       ASSERT_EQ(connect(it->second, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0)
           << std::strerror(errno);
     }
-    v1::TrainerReport report;
     report.set_job_id("job-1");
     report.set_attempt(0);
     report.set_rank(rank);
-    report.mutable_heartbeat()->set_step(step);
-    report.mutable_heartbeat()->set_step_seconds(0.5);
     std::string frame;
     {
       google::protobuf::io::StringOutputStream stream(&frame);
@@ -454,6 +458,63 @@ TEST_F(WorkerAgentSimTest, AStopOrderKillsARankThatIgnoresSigtermAfterTheGrace) 
     if (exchange.at >= killed) break;
     EXPECT_FALSE(IsTerminal(StateIn(exchange.request, kTaskId))) << "at " << exchange.at;
   }
+}
+
+class PeerFailureSimTest : public WorkerAgentSimTest {
+ protected:
+  static constexpr absl::Duration kPeerGrace = absl::Seconds(5);
+
+  // Starts two ranks; rank 0 reports a lost peer, which the coordinator receives, then exits 1.
+  // Returns when it exited.
+  absl::Time StartAndFailRank0WithALostPeer() {
+    WorkerAgentOptions options;
+    options.peer_failure_grace = kPeerGrace;
+    Start(TwoRanks(/*hang_timeout_seconds=*/3600), options);
+    EXPECT_TRUE(RunUntil([&] { return Running(); }, absl::Minutes(1)));
+    v1::TrainerReport report;
+    report.mutable_failure()->set_kind(v1::FAILURE_KIND_PEER_FAILED);
+    report.mutable_failure()->set_message("lost rank 1");
+    SendReport(0, std::move(report));
+    // Relayed, so read: the verdict sees the typed failure, not only the exit code.
+    EXPECT_TRUE(RunUntil(
+        [&] {
+          for (const v1::TrainerReport& relayed : coordinator_->relayed()) {
+            if (relayed.has_failure()) return true;
+          }
+          return false;
+        },
+        absl::Minutes(1)));
+    launcher_.ranks()[0]->Exit(1);
+    return clock_.Now();
+  }
+};
+
+// A rank that lost its peer fails first; the task waits (on simulated time) for the cause.
+TEST_F(PeerFailureSimTest, TheCauseThatFailsWithinTheGraceIsBlamed) {
+  const absl::Time lost = StartAndFailRank0WithALostPeer();
+  ASSERT_FALSE(RunUntil([&] { return Ended(); }, kPeerGrace - 2 * kStep));
+  launcher_.ranks()[1]->Exit(3);
+  ASSERT_TRUE(RunUntil([&] { return Ended(); }, absl::Minutes(1)));
+  const v1::TaskStatus status = coordinator_->last_status();
+  ASSERT_EQ(status.state(), v1::TASK_STATE_FAILED) << status.ShortDebugString();
+  EXPECT_EQ(status.failure().rank(), 1);
+  EXPECT_EQ(status.failure().kind(), v1::FAILURE_KIND_PROCESS_EXIT);
+  EXPECT_THAT(status.failure().message(), HasSubstr("exited with code 3"));
+  // Rank 1 never reported: its bare exit status waits kExitReportGrace for a report first.
+  EXPECT_GE(EndArrival() - lost, kPeerGrace - 2 * kStep + kExitReportGrace);
+}
+
+// No cause within the grace: the lost peer is blamed after all, and the other rank is stopped.
+TEST_F(PeerFailureSimTest, WithoutACauseTheLostPeerIsBlamedAfterTheGrace) {
+  const absl::Time lost = StartAndFailRank0WithALostPeer();
+  ASSERT_TRUE(RunUntil([&] { return Ended(); }, absl::Minutes(1)));
+  const v1::TaskStatus status = coordinator_->last_status();
+  ASSERT_EQ(status.state(), v1::TASK_STATE_FAILED) << status.ShortDebugString();
+  EXPECT_EQ(status.failure().rank(), 0);
+  EXPECT_EQ(status.failure().kind(), v1::FAILURE_KIND_PEER_FAILED);
+  EXPECT_GE(EndArrival() - lost, kPeerGrace);
+  EXPECT_LE(EndArrival() - lost, kPeerGrace + 3 * kStep);
+  EXPECT_THAT(What(launcher_.ranks()[1]->events()), ElementsAre("SIGTERM"));
 }
 
 class CheckpointSimTest : public WorkerAgentSimTest {
