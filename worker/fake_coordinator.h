@@ -19,7 +19,7 @@
 #include "common/clock.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 
-namespace tessera::worker {
+namespace tessera::worker::agent_test {
 
 inline constexpr char kTaskId[] = "job-1/0/n1";
 
@@ -221,4 +221,4 @@ inline v1::TaskState StateIn(const v1::HeartbeatRequest& request, const std::str
   return v1::TASK_STATE_UNSPECIFIED;
 }
 
-}  // namespace tessera::worker
+}  // namespace tessera::worker::agent_test

@@ -586,7 +586,7 @@ void WorkerAgent::JudgeTaskLocked(Task& task, absl::Time now) {
     // stop order does not wait: the coordinator already acts on a failure.
     const bool stop_ordered = task.lifecycle.phase() != TaskPhase::kRunning;
     if (stop_ordered || !AwaitCause(failures, rank_running, *task.first_failure_seen, now,
-                                           options_.peer_failure_grace)) {
+                                    options_.peer_failure_grace)) {
       task.lifecycle.Judged(v1::TASK_STATE_FAILED);
       task.failure = *BlameFailure(failures);
       for (const Rank& rank : task.ranks) {

@@ -35,6 +35,11 @@
 namespace tessera::worker {
 namespace {
 
+using agent_test::FakeCoordinator;
+using agent_test::IsTerminal;
+using agent_test::kTaskId;
+using agent_test::StateIn;
+using agent_test::TwoRanks;
 using ::tessera::testing::IsOk;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
