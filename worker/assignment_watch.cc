@@ -119,7 +119,9 @@ void AssignmentWatch::Loop() {
     const absl::Duration wait = backoff * absl::Uniform(random, 0.5, 1.0);
     backoff = std::min(backoff * 2, options_.max_backoff);
     absl::MutexLock lock(&mu_);
-    if (mu_.AwaitWithTimeout(absl::Condition(&stopping_or_kicked), wait) && kicked_) {
+    if (options_.clock->AwaitWithDeadline(&mu_, absl::Condition(&stopping_or_kicked),
+                                          options_.clock->Now() + wait) &&
+        kicked_) {
       backoff = options_.initial_backoff;
     }
   }

@@ -21,6 +21,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "grpcpp/client_context.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 
@@ -32,6 +33,9 @@ struct AssignmentWatchOptions {
   absl::Duration max_backoff = absl::Seconds(30);
   // Deadline of each stream: a healthy one is reopened after this long.
   absl::Duration stream_lifetime = absl::Minutes(10);
+  // Times the backoff waits (the stream deadline stays on the wall clock, which gRPC measures it
+  // on). Not owned; outlives the watch. WorkerAgent sets its own clock here.
+  Clock* clock = Clock::Real();
 };
 
 class AssignmentWatch {

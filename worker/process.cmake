@@ -19,4 +19,8 @@ if(TESSERA_BUILD_TESTS)
     LABEL integration)
   target_compile_definitions(worker_agent_test PRIVATE TESSERA_FAKE_TRAINER="$<TARGET_FILE:fake_trainer>")
   add_dependencies(worker_agent_test fake_trainer)
+  # The agent in-process on a simulated clock, with fake trainers behind TrainerLauncher.
+  tessera_add_test(NAME worker_agent_sim_test
+    SOURCES worker_agent_sim_test.cc
+    LIBS tessera::worker tessera::test_util)
 endif()

@@ -255,6 +255,19 @@ std::string TrainerProcess::LogTail(int lines) const {
   return tail;
 }
 
+TrainerLauncher* ProcessLauncher() {
+  class Launcher final : public TrainerLauncher {
+   public:
+    absl::StatusOr<std::unique_ptr<TrainerHandle>> Launch(const LaunchSpec& spec) override {
+      absl::StatusOr<std::unique_ptr<TrainerProcess>> process = TrainerProcess::Launch(spec);
+      if (!process.ok()) return process.status();
+      return std::unique_ptr<TrainerHandle>(std::move(*process));
+    }
+  };
+  static TrainerLauncher* const launcher = new Launcher();
+  return launcher;
+}
+
 absl::Status BecomeChildSubreaper() {
   if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0) {
     return ErrnoToStatus(errno, "prctl(PR_SET_CHILD_SUBREAPER)");

@@ -2,7 +2,8 @@
 // stops it. The child runs in a process group of its own, so stopping it also stops whatever it
 // spawned (data-loader workers, compilers); once the child has exited, by itself or by Stop, the
 // rest of its group is killed too, so a trainer never leaves an orphan behind. Its stdout and
-// stderr are appended to one log file, which LogTail and LogReader read.
+// stderr are appended to one log file, which LogTail and LogReader read. It is the real
+// TrainerHandle behind the worker's TrainerLauncher seam (worker/trainer_launcher.h).
 #pragma once
 
 #include <sys/types.h>
@@ -20,31 +21,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "google/protobuf/message.h"
+#include "worker/trainer_launcher.h"
 
 namespace tessera::worker {
-
-// What to start and where its output goes.
-struct LaunchSpec {
-  // Path of tessera-trainer (or a test's fake); a name without '/' is looked up in $PATH. A
-  // relative path is resolved against the worker's directory, not `working_dir`.
-  std::string binary;
-  // Arguments after argv[0], e.g. {"--task=/work/x/rank-0.task.pb"}.
-  std::vector<std::string> args;
-  // Added to (or replacing in) the worker's environment: RANK, WORLD_SIZE, CUDA_VISIBLE_DEVICES...
-  std::map<std::string, std::string> env;
-  // stdout and stderr are both appended here; the file and its parents are created.
-  std::string log_path;
-  // The child's working directory; "" inherits the worker's.
-  std::string working_dir;
-};
-
-// How a process ended.
-struct ExitStatus {
-  // The exit code when the process exited, -1 when a signal killed it.
-  int exit_code = -1;
-  // The signal that killed it, 0 when it exited.
-  int signal = 0;
-};
 
 // How long, after the group leader has gone, Poll/Stop/the destructor wait for the rest of its
 // group (already sent SIGKILL) to disappear.
@@ -56,7 +35,7 @@ inline constexpr size_t kMaxLogTailBytes = 64 * 1024;
 // One trainer process, from launch to reaping. Destruction of a process still running kills its
 // group with SIGKILL and reaps it. Thread-safe: the exit status is guarded by `mu_`, which is never
 // held while Stop waits out the grace period, so Poll stays non-blocking during a Stop.
-class TrainerProcess {
+class TrainerProcess final : public TrainerHandle {
  public:
   // Starts `spec.binary`. NOT_FOUND naming the binary (or the working directory) when it cannot
   // be started; INVALID_ARGUMENT for an empty binary or a malformed environment name; the errno
@@ -65,32 +44,32 @@ class TrainerProcess {
 
   TrainerProcess(const TrainerProcess&) = delete;
   TrainerProcess& operator=(const TrainerProcess&) = delete;
-  ~TrainerProcess();
+  ~TrainerProcess() override;
 
   // The child's pid, which is also its process-group id.
-  pid_t pid() const { return pid_; }
+  pid_t pid() const override { return pid_; }
   const std::string& log_path() const { return log_path_; }
 
   // Non-blocking (but for draining a killed group, see kGroupDrainTimeout): the exit status once
   // the process has exited, reaping it and killing what is left of its group; else nullopt.
-  std::optional<ExitStatus> Poll();
+  std::optional<ExitStatus> Poll() override;
 
   // SIGTERM to the group, then SIGKILL to the group after `grace` if the child is still alive;
   // returns the exit status. Idempotent: later calls (and calls after Poll saw the exit) return the
   // same status without signalling anything.
-  ExitStatus Stop(absl::Duration grace);
+  ExitStatus Stop(absl::Duration grace) override;
 
   // Sends `signal` to the trainer process alone (not its group: helpers it started keep their
   // default dispositions); a no-op once it has exited.
-  void Signal(int signal);
+  void Signal(int signal) override;
 
   // SIGKILL to the group at once, then reaps; for a hung rank, which a SIGTERM may never reach (a
   // stopped process only queues it). Idempotent like Stop.
-  ExitStatus Kill();
+  ExitStatus Kill() override;
 
   // The last `lines` lines of the log (at most kMaxLogTailBytes), for failure messages; "" when
   // the log cannot be read.
-  std::string LogTail(int lines) const;
+  std::string LogTail(int lines) const override;
 
  private:
   TrainerProcess(pid_t pid, std::string log_path) : pid_(pid), log_path_(std::move(log_path)) {}
@@ -106,6 +85,9 @@ class TrainerProcess {
   mutable absl::Mutex mu_;
   std::optional<ExitStatus> exit_status_ ABSL_GUARDED_BY(mu_);
 };
+
+// The launcher that starts TrainerProcesses; lives forever.
+TrainerLauncher* ProcessLauncher();
 
 // Makes the calling process a child subreaper (Linux PR_SET_CHILD_SUBREAPER), so that descendants
 // orphaned by a trainer's exit are re-parented to it rather than to init, and TrainerProcess reaps

@@ -52,8 +52,8 @@ prometheus::ClientMetric Sample(const std::pair<std::string, int>& key, double v
 
 }  // namespace
 
-TrainingMetrics::TrainingMetrics(absl::Duration retention, std::function<absl::Time()> now)
-    : retention_(retention), now_(std::move(now)) {}
+TrainingMetrics::TrainingMetrics(absl::Duration retention, Clock* clock)
+    : retention_(retention), clock_(clock) {}
 
 void TrainingMetrics::Record(const v1::TrainerReport& report) {
   if (!report.has_metrics() && !report.has_eval()) return;
@@ -61,12 +61,12 @@ void TrainingMetrics::Record(const v1::TrainerReport& report) {
   Series& series = series_[{report.job_id(), report.rank()}];
   if (report.has_metrics()) series.step = report.metrics();
   if (report.has_eval()) series.eval_loss = report.eval().loss();
-  series.updated = now_();
+  series.updated = clock_->Now();
 }
 
 std::vector<prometheus::MetricFamily> TrainingMetrics::Collect() const {
   absl::MutexLock lock(&mu_);
-  const absl::Time cutoff = now_() - retention_;
+  const absl::Time cutoff = clock_->Now() - retention_;
   std::erase_if(series_, [cutoff](const auto& entry) { return entry.second.updated < cutoff; });
   std::vector<prometheus::MetricFamily> families;
   for (const GaugeSpec& spec : kStepGauges) {

@@ -13,7 +13,6 @@
 // series.
 #pragma once
 
-#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -21,8 +20,8 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "tessera/v1/trainer.pb.h"
@@ -34,8 +33,9 @@ inline constexpr absl::Duration kTrainingSeriesRetention = absl::Minutes(10);
 
 class TrainingMetrics final : public prometheus::Collectable {
  public:
+  // `clock` (not owned) outlives the metrics.
   explicit TrainingMetrics(absl::Duration retention = kTrainingSeriesRetention,
-                           std::function<absl::Time()> now = [] { return absl::Now(); });
+                           Clock* clock = Clock::Real());
 
   // Takes a StepMetrics or EvalMetrics report; ignores other reports.
   void Record(const v1::TrainerReport& report);
@@ -50,7 +50,7 @@ class TrainingMetrics final : public prometheus::Collectable {
     absl::Time updated;
   };
   const absl::Duration retention_;
-  const std::function<absl::Time()> now_;
+  Clock* const clock_;
   mutable absl::Mutex mu_;
   // (job_id, rank) -> the newest values.
   mutable std::map<std::pair<std::string, int>, Series> series_ ABSL_GUARDED_BY(mu_);

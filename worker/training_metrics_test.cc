@@ -5,6 +5,7 @@
 #include <map>
 #include <string>
 
+#include "common/clock.h"
 #include "gtest/gtest.h"
 
 namespace tessera::worker {
@@ -69,12 +70,12 @@ TEST(TrainingMetricsTest, ADivergedStepReadsNaN) {
 }
 
 TEST(TrainingMetricsTest, AJobsSeriesExpireAfterItsLastReport) {
-  absl::Time now = absl::FromUnixSeconds(1000);
-  TrainingMetrics metrics(absl::Minutes(10), [&now] { return now; });
+  SimulatedClock clock;
+  TrainingMetrics metrics(absl::Minutes(10), &clock);
   metrics.Record(StepReport("old", 1, 3.0));
-  now += absl::Minutes(6);
+  clock.Advance(absl::Minutes(6));
   metrics.Record(StepReport("new", 1, 3.0));
-  now += absl::Minutes(5);  // "old" last reported 11 minutes ago, "new" 5
+  clock.Advance(absl::Minutes(5));  // "old" last reported 11 minutes ago, "new" 5
   auto values = Scrape(metrics);
   EXPECT_FALSE(values["tessera_train_loss"].contains("old"));
   EXPECT_TRUE(values["tessera_train_loss"].contains("new"));

@@ -1,6 +1,5 @@
 #include "worker/worker_agent.h"
 
-#include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -18,18 +17,14 @@
 #include "common/daemon/server.h"
 #include "common/trainer_env.h"
 #include "common/version.h"
-#include "google/protobuf/io/zero_copy_stream_impl.h"
 #include "grpcpp/client_context.h"
 #include "worker/failure_policy.h"
 #include "worker/orphans.h"
 #include "worker/proc_stat.h"
-#include "worker/report_stream.h"
 
 namespace tessera::worker {
 namespace {
 
-// Most reports relayed in one Report call.
-constexpr int kRelayBatch = 256;
 // How long an ended task's state waits for its queued reports to be relayed (TaskStatusLocked).
 constexpr absl::Duration kReportDrainTimeout = absl::Seconds(30);
 // How long, beyond the stop grace, an ended task's state waits for its ranks' processes to exit.
@@ -65,7 +60,7 @@ int TrainerThreads(int requested, int usable_cores, int slots) {
 }
 
 WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend> gpus)
-    : options_(std::move(options)), gpus_(std::move(gpus)) {
+    : options_(std::move(options)), clock_(options_.clock), gpus_(std::move(gpus)) {
   if (gpus_) devices_ = gpus_->Devices();
   trainer_threads_ = TrainerThreads(
       options_.trainer_threads, UsableCores(),
@@ -75,6 +70,8 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend>
   socket_path_ = absl::StrCat(options_.work_dir, "/reports.sock");
   pid_dir_ = absl::StrCat(options_.work_dir, "/trainers");
   if (options_.watch_assignments) {
+    AssignmentWatchOptions watch_options = options_.watch;
+    watch_options.clock = clock_;
     watch_ = std::make_unique<AssignmentWatch>(
         coordinator_.get(),
         [this](grpc::ClientContext& context) { Authorize(context); },
@@ -86,11 +83,12 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend>
           request.set_node_key(options_.node_key);
           return request;
         },
-        [this] { WakeHeartbeat(); }, options_.watch);
+        [this] { WakeHeartbeat(); }, watch_options);
   }
 }
 
 void WorkerAgent::PrepareCall(grpc::ClientContext& context) const {
+  // gRPC measures deadlines on the wall clock, whatever options_.clock is.
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
   Authorize(context);
 }
@@ -175,9 +173,14 @@ bool WorkerAgent::WaitForHeartbeat(absl::Duration wait) {
   auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(wake_mu_) {
     return heartbeat_now_ || stopping_;
   };
-  wake_mu_.AwaitWithTimeout(absl::Condition(&woken), wait);
+  clock_->AwaitWithDeadline(&wake_mu_, absl::Condition(&woken), clock_->Now() + wait);
   heartbeat_now_ = false;
   return !stopping_;
+}
+
+bool WorkerAgent::WaitForStop(absl::Duration wait) {
+  absl::MutexLock lock(&wake_mu_);
+  return clock_->AwaitWithDeadline(&wake_mu_, absl::Condition(&stopping_), clock_->Now() + wait);
 }
 
 void WorkerAgent::WakeHeartbeat() {
@@ -222,11 +225,11 @@ v1::TaskStatus WorkerAgent::TaskStatusLocked(Task& task, absl::Time now) {
   status.set_task_id(task.task_id);
   status.set_job_id(task.job_id);
   status.set_attempt(task.attempt);
-  status.set_state(task.state);
+  status.set_state(task.lifecycle.state());
   // The end of a task goes out after its last reports, so that the coordinator has every step
   // when it records the end (reports queue up while it is unreachable); a coordinator that keeps
   // refusing them delays the end by kReportDrainTimeout at most.
-  if (IsTerminal(task.state) && !task.unacked.empty()) {
+  if (task.lifecycle.ended() && !task.unacked.empty()) {
     if (!task.drain_deadline) task.drain_deadline = now + kReportDrainTimeout;
     if (now < *task.drain_deadline) {
       status.set_state(v1::TASK_STATE_RUNNING);
@@ -237,7 +240,7 @@ v1::TaskStatus WorkerAgent::TaskStatusLocked(Task& task, absl::Time now) {
   // coordinator frees the task's slots, GPUs and master port on its end, and a restart placed on
   // them at once found the old rank 0 still listening on the port. A process that outlives its
   // SIGKILL (stuck in the kernel) holds the end back for kRankExitTimeout after the stop grace.
-  if (IsTerminal(task.state) && !ProcessesGoneLocked(task)) {
+  if (task.lifecycle.ended() && !ProcessesGoneLocked(task)) {
     if (!task.exit_deadline) task.exit_deadline = now + options_.stop_grace + kRankExitTimeout;
     if (now < *task.exit_deadline) {
       status.set_state(v1::TASK_STATE_RUNNING);
@@ -250,7 +253,7 @@ v1::TaskStatus WorkerAgent::TaskStatusLocked(Task& task, absl::Time now) {
                 << " after the task ended; reporting the end anyway" << std::endl;
     }
   }
-  if (task.state == v1::TASK_STATE_FAILED) *status.mutable_failure() = task.failure;
+  if (task.lifecycle.state() == v1::TASK_STATE_FAILED) *status.mutable_failure() = task.failure;
   for (const auto& rank : task.ranks) {
     if (rank.step_time) *status.add_ranks() = *rank.step_time;
   }
@@ -273,7 +276,7 @@ absl::Status WorkerAgent::RegisterNow() {
     absl::MutexLock lock(&mu_);
     // Ended tasks too: one that ended while the coordinator was away is not lost.
     for (auto& [id, task] : tasks_) {
-      *request.add_running_tasks() = TaskStatusLocked(task, absl::Now());
+      *request.add_running_tasks() = TaskStatusLocked(task, clock_->Now());
     }
   }
   request.set_node_key(options_.node_key);
@@ -335,7 +338,7 @@ void WorkerAgent::HeartbeatLoop() {
     {
       absl::MutexLock lock(&mu_);
       for (const auto& metrics : last_gpu_metrics_) *request.add_gpu_metrics() = metrics;
-      const absl::Time now = absl::Now();
+      const absl::Time now = clock_->Now();
       for (auto& [id, task] : tasks_) {
         v1::TaskStatus* status = request.add_tasks();
         *status = TaskStatusLocked(task, now);
@@ -362,19 +365,19 @@ void WorkerAgent::HeartbeatLoop() {
       continue;
     }
     for (const auto& id : terminal_sent) {
-      if (auto it = tasks_.find(id); it != tasks_.end()) it->second.status_sent_after_end = true;
+      if (auto it = tasks_.find(id); it != tasks_.end()) it->second.lifecycle.EndSent();
     }
     // Stops first: a start in the same answer may be held back by a task being stopped.
     for (const auto& id : response.stop()) {
       // The supervise loop decides STOPPED or FAILED, and stops the processes.
-      if (auto it = tasks_.find(id); it != tasks_.end()) it->second.stop_requested = true;
+      if (auto it = tasks_.find(id); it != tasks_.end()) it->second.lifecycle.StopOrdered();
     }
     for (const auto& id : response.checkpoint_and_stop()) {
       auto it = tasks_.find(id);
-      if (it == tasks_.end() || it->second.stop_requested || IsTerminal(it->second.state)) continue;
+      if (it == tasks_.end()) continue;
       Task& task = it->second;
-      task.stop_requested = true;
-      task.checkpoint_deadline = absl::Now() + options_.checkpoint_grace;
+      // Only for a task neither stopping nor ended (an unlaunched one is simply stopped).
+      if (!task.lifecycle.CheckpointOrdered(clock_->Now() + options_.checkpoint_grace)) continue;
       SignalCheckpointLocked(task);
       std::cerr << "tessera-worker: task " << id << ": asked its ranks to save a checkpoint and "
                 << "stop (up to " << options_.checkpoint_grace << ")" << std::endl;
@@ -394,9 +397,7 @@ void WorkerAgent::LaunchLocked(const v1::TaskAssignment& assignment) {
   // The coordinator has moved on from an earlier attempt of the job still here (it restarted
   // since, and its stop order may come later): stop it.
   for (auto& [id, other] : tasks_) {
-    if (other.job_id == task.job_id && other.attempt < task.attempt && !IsTerminal(other.state)) {
-      other.stop_requested = true;
-    }
+    if (other.job_id == task.job_id && other.attempt < task.attempt) other.lifecycle.StopOrdered();
   }
   if (const std::string holder = HeldBackByLocked(task, assignment); !holder.empty()) {
     std::cerr << "tessera-worker: task " << task.task_id << " starts once " << holder
@@ -412,7 +413,7 @@ std::string WorkerAgent::HeldBackByLocked(const Task& task,
   for (const auto& [id, other] : tasks_) {
     if (&other == &task) continue;
     const bool same_job = other.job_id == task.job_id;
-    if (!same_job && !other.stop_requested && !IsTerminal(other.state)) continue;
+    if (!same_job && !other.lifecycle.on_its_way_out()) continue;
     for (const Rank& rank : other.ranks) {
       if (!rank.process || rank.exit) continue;
       if (same_job) return absl::StrCat("task ", id, " (another attempt of the job)");
@@ -435,9 +436,9 @@ std::string WorkerAgent::HeldBackByLocked(const Task& task,
 void WorkerAgent::LaunchDeferredLocked() {
   for (auto& [id, task] : tasks_) {
     if (!task.deferred) continue;
-    if (task.stop_requested || stop_.HasBeenNotified()) {
+    if (task.lifecycle.phase() == TaskPhase::kStopBeforeLaunch || stop_.HasBeenNotified()) {
       task.deferred.reset();
-      task.state = v1::TASK_STATE_STOPPED;
+      task.lifecycle.Judged(v1::TASK_STATE_STOPPED);
       continue;
     }
     if (!HeldBackByLocked(task, *task.deferred).empty()) continue;
@@ -452,6 +453,8 @@ void WorkerAgent::LaunchRanksLocked(Task& task, const v1::TaskAssignment& assign
       absl::StrCat(options_.work_dir, "/jobs/", task.job_id, "/attempt-", task.attempt);
   std::error_code ignored;
   std::filesystem::create_directories(dir, ignored);
+  // A rank that cannot start fails the task, and the supervise loop stops the others.
+  bool launch_failed = false;
   for (const auto& trainer : assignment.trainers()) {
     Rank rank;
     rank.task = trainer;
@@ -477,14 +480,14 @@ void WorkerAgent::LaunchRanksLocked(Task& task, const v1::TaskAssignment& assign
     rank.log_path = absl::StrCat(dir, "/rank-", ra.rank(), ".log");
     absl::Status status = WriteMessageFile(task_file, rank.task);
     if (status.ok()) {
-      auto process = TrainerProcess::Launch({.binary = options_.trainer_path,
-                                             .args = {"--task=" + task_file},
-                                             .env = env,
-                                             .log_path = rank.log_path,
-                                             .working_dir = dir});
+      auto process = options_.launcher->Launch({.binary = options_.trainer_path,
+                                                .args = {"--task=" + task_file},
+                                                .env = env,
+                                                .log_path = rank.log_path,
+                                                .working_dir = dir});
       if (process.ok()) {
         rank.process = std::move(*process);
-        rank.launched = absl::Now();
+        rank.launched = clock_->Now();
         // Without its record a successor worker could not find the trainer if this worker
         // died; the trainer's parent-death signal and socket watch still end it.
         if (absl::Status recorded =
@@ -498,17 +501,21 @@ void WorkerAgent::LaunchRanksLocked(Task& task, const v1::TaskAssignment& assign
       }
     }
     if (!status.ok()) {
-      task.state = v1::TASK_STATE_FAILED;
+      launch_failed = true;
       task.failure.set_kind(v1::FAILURE_KIND_PROCESS_EXIT);
       task.failure.set_rank(ra.rank());
       task.failure.set_node_id(options_.node_id);
       task.failure.set_message(
           absl::StrCat("cannot start rank ", ra.rank(), ": ", status.message()));
-      *task.failure.mutable_time() = ToTimestamp(absl::Now());
+      *task.failure.mutable_time() = ToTimestamp(clock_->Now());
     }
     task.ranks.push_back(std::move(rank));
   }
-  if (task.state == v1::TASK_STATE_STARTING) task.state = v1::TASK_STATE_RUNNING;
+  if (launch_failed) {
+    task.lifecycle.Judged(v1::TASK_STATE_FAILED);
+  } else {
+    task.lifecycle.Launched();
+  }
 }
 
 void WorkerAgent::PollRankLocked(Rank& rank) {
@@ -528,7 +535,7 @@ bool WorkerAgent::ProcessesGoneLocked(Task& task) {
 void WorkerAgent::RecordExitLocked(Rank& rank, ExitStatus exit) {
   if (rank.exit) return;
   rank.exit = exit;
-  rank.exit_seen = absl::Now();
+  rank.exit_seen = clock_->Now();
   if (absl::Status status = RemovePidFile(pid_dir_, rank.process->pid()); !status.ok()) {
     // A stale file is harmless: its start time no longer matches any process.
     std::cerr << "tessera-worker: " << status << std::endl;
@@ -577,9 +584,10 @@ void WorkerAgent::JudgeTaskLocked(Task& task, absl::Time now) {
     if (!task.first_failure_seen) task.first_failure_seen = now;
     // A rank that lost its peer fails first; hold on briefly for the rank that caused it. A
     // stop order does not wait: the coordinator already acts on a failure.
-    if (task.stop_requested || !AwaitCause(failures, rank_running, *task.first_failure_seen, now,
-                                           options_.peer_failure_grace)) {
-      task.state = v1::TASK_STATE_FAILED;
+    const bool stop_ordered = task.lifecycle.phase() != TaskPhase::kRunning;
+    if (stop_ordered || !AwaitCause(failures, rank_running, *task.first_failure_seen, now,
+                                    options_.peer_failure_grace)) {
+      task.lifecycle.Judged(v1::TASK_STATE_FAILED);
       task.failure = *BlameFailure(failures);
       for (const Rank& rank : task.ranks) {
         if (rank.task.assignment().rank() != task.failure.rank()) continue;
@@ -589,16 +597,16 @@ void WorkerAgent::JudgeTaskLocked(Task& task, absl::Time now) {
       }
       return;
     }
-  } else if (task.stop_requested) {
+  } else if (task.lifecycle.phase() != TaskPhase::kRunning) {
     // Asked for a checkpoint first: the ranks exit on their own once it is saved.
-    const bool checkpointing =
-        task.checkpoint_deadline.has_value() && rank_running && now < *task.checkpoint_deadline;
+    const std::optional<absl::Time> checkpoint_deadline = task.lifecycle.checkpoint_deadline();
+    const bool checkpointing = checkpoint_deadline && rank_running && now < *checkpoint_deadline;
     if (!checkpointing) {
-      task.state = v1::TASK_STATE_STOPPED;
+      task.lifecycle.Judged(v1::TASK_STATE_STOPPED);
       return;
     }
   } else if (!rank_running) {
-    task.state = v1::TASK_STATE_SUCCEEDED;
+    task.lifecycle.Judged(v1::TASK_STATE_SUCCEEDED);
     return;
   }
   // The hang watchdog: a running rank silent for its job's hang timeout is frozen (stopped,
@@ -609,7 +617,7 @@ void WorkerAgent::JudgeTaskLocked(Task& task, absl::Time now) {
     if (silence < HangTimeout(rank.task.spec())) continue;
     absl::StatusOr<ProcStat> stat = ReadProcStat(rank.process->pid());
     rank.hung = true;
-    task.state = v1::TASK_STATE_FAILED;
+    task.lifecycle.Judged(v1::TASK_STATE_FAILED);
     task.failure = HungRankFailure(rank.task.assignment().rank(), options_.node_id,
                                    rank.step_time ? rank.step_time->step() : 0, silence,
                                    stat.ok() ? stat->state : '?', now);
@@ -631,17 +639,17 @@ void WorkerAgent::SignalCheckpointLocked(Task& task) {
 }
 
 void WorkerAgent::SuperviseLoop() {
-  while (!stop_.WaitForNotificationWithTimeout(options_.poll_interval)) {
-    std::vector<TrainerProcess*> to_kill;
-    std::vector<TrainerProcess*> to_stop;
+  while (!WaitForStop(options_.poll_interval)) {
+    std::vector<TrainerHandle*> to_kill;
+    std::vector<TrainerHandle*> to_stop;
     {
       absl::MutexLock lock(&mu_);
-      const absl::Time now = absl::Now();
+      const absl::Time now = clock_->Now();
       for (auto& [id, task] : tasks_) {
         for (auto& rank : task.ranks) PollRankLocked(rank);
-        if (task.checkpoint_deadline && !IsTerminal(task.state)) SignalCheckpointLocked(task);
-        if (task.state == v1::TASK_STATE_RUNNING) JudgeTaskLocked(task, now);
-        if (IsTerminal(task.state)) {
+        if (task.lifecycle.phase() == TaskPhase::kCheckpointing) SignalCheckpointLocked(task);
+        if (task.lifecycle.judging()) JudgeTaskLocked(task, now);
+        if (task.lifecycle.ended()) {
           // A failed rank's siblings would hang in their next collective: stop them too. A hung
           // rank gets SIGKILL, which (unlike SIGTERM) reaches a stopped process.
           for (auto& rank : task.ranks) {
@@ -655,24 +663,22 @@ void WorkerAgent::SuperviseLoop() {
     }
     // Stopping waits for up to the grace period: outside the lock. Only this
     // thread erases tasks, so the processes stay alive meanwhile.
-    for (TrainerProcess* process : to_kill) process->Kill();
-    for (TrainerProcess* process : to_stop) process->Stop(options_.stop_grace);
+    for (TrainerHandle* process : to_kill) process->Kill();
+    for (TrainerHandle* process : to_stop) process->Stop(options_.stop_grace);
     bool announce_end = false;
     {
       absl::MutexLock lock(&mu_);
       for (auto it = tasks_.begin(); it != tasks_.end();) {
         Task& task = it->second;
         const bool processes_gone = ProcessesGoneLocked(task);
-        if (IsTerminal(task.state) && task.status_sent_after_end && task.unacked.empty() &&
+        if (task.lifecycle.phase() == TaskPhase::kEndSent && task.unacked.empty() &&
             processes_gone) {
           it = tasks_.erase(it);
           continue;
         }
         // An end that can go out now goes in a heartbeat at once, not at the next interval: the
         // coordinator restarts or frees on it.
-        if (IsTerminal(task.state) && processes_gone && task.unacked.empty() &&
-            !task.end_announced) {
-          task.end_announced = true;
+        if (processes_gone && task.unacked.empty() && task.lifecycle.EndReady()) {
           announce_end = true;
         }
         ++it;
@@ -687,119 +693,6 @@ WorkerAgent::Task* WorkerAgent::FindTaskLocked(const std::string& job_id, int at
     if (task.job_id == job_id && task.attempt == attempt) return &task;
   }
   return nullptr;
-}
-
-void WorkerAgent::AcceptLoop() {
-  std::vector<std::thread> readers;
-  while (!stop_.HasBeenNotified()) {
-    pollfd pfd{listen_fd_, POLLIN, 0};
-    if (poll(&pfd, 1, 200) <= 0) continue;
-    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    readers.emplace_back([this, fd] { ReadReports(fd); });
-  }
-  for (auto& reader : readers) reader.join();
-}
-
-void WorkerAgent::ReadReports(int fd) {
-  {
-    absl::MutexLock lock(&mu_);
-    reader_fds_.insert(fd);
-    if (stop_.HasBeenNotified()) shutdown(fd, SHUT_RDWR);
-  }
-  {
-    // Blocking reads; Stop() shuts the socket down to end them.
-    google::protobuf::io::FileInputStream stream(fd);
-    // The connection's rank, once a report named it: its end of stream tells the supervise
-    // loop that no typed failure report of that rank is still on its way.
-    std::optional<v1::TrainerReport> sender;
-    while (true) {
-      v1::TrainerReport report;
-      // The trainer closed its end, or wrote a malformed frame: either way the stream is done.
-      if (!ReadTrainerReport(&stream, &report).ok()) break;
-      if (report_observer_) report_observer_(report);
-      absl::MutexLock lock(&mu_);
-      Task* task = FindTaskLocked(report.job_id(), report.attempt());
-      if (task == nullptr) continue;
-      if (!sender) {
-        sender.emplace();
-        sender->set_job_id(report.job_id());
-        sender->set_attempt(report.attempt());
-        sender->set_rank(report.rank());
-      }
-      if (report.has_heartbeat()) {
-        // Consumed here (hang watchdog, node heartbeat), never relayed: one per rank per
-        // interval would swamp the report queue and the coordinator's log.
-        for (auto& rank : task->ranks) {
-          if (rank.task.assignment().rank() != report.rank()) continue;
-          rank.reporting = true;
-          rank.last_heartbeat = absl::Now();
-          v1::RankStepTime& step_time = rank.step_time.emplace();
-          step_time.set_rank(report.rank());
-          step_time.set_node_id(options_.node_id);
-          step_time.set_step(report.heartbeat().step());
-          step_time.set_step_seconds(report.heartbeat().step_seconds());
-          step_time.set_busy_seconds(report.heartbeat().busy_seconds());
-          *step_time.mutable_heartbeat_time() = ToTimestamp(*rank.last_heartbeat);
-        }
-        continue;
-      }
-      if (report.has_failure()) {
-        for (auto& rank : task->ranks) {
-          if (rank.task.assignment().rank() == report.rank()) {
-            rank.reporting = true;
-            rank.reported_failure = report.failure();
-          }
-        }
-      }
-      task->unacked.push_back(std::move(report));
-      ++task->next_sequence;
-    }
-    absl::MutexLock lock(&mu_);
-    Task* task = sender ? FindTaskLocked(sender->job_id(), sender->attempt()) : nullptr;
-    if (task != nullptr) {
-      for (auto& rank : task->ranks) {
-        if (rank.task.assignment().rank() == sender->rank()) rank.reports_ended = true;
-      }
-    }
-  }
-  absl::MutexLock lock(&mu_);
-  reader_fds_.erase(fd);
-  close(fd);
-}
-
-void WorkerAgent::RelayLoop() {
-  while (!stop_.WaitForNotificationWithTimeout(options_.poll_interval)) {
-    std::vector<v1::ReportRequest> batches;
-    {
-      absl::MutexLock lock(&mu_);
-      for (auto& [id, task] : tasks_) {
-        if (task.unacked.empty()) continue;
-        v1::ReportRequest& request = batches.emplace_back();
-        request.set_node_id(options_.node_id);
-        request.set_task_id(id);
-        request.set_node_key(options_.node_key);
-        request.set_first_sequence(task.first_unacked);
-        int count = std::min<int>(kRelayBatch, static_cast<int>(task.unacked.size()));
-        for (int i = 0; i < count; ++i) *request.add_reports() = task.unacked[i];
-      }
-    }
-    for (const auto& request : batches) {
-      grpc::ClientContext context;
-      PrepareCall(context);
-      v1::ReportResponse response;
-      // Unreachable coordinator: the reports stay queued for the next round.
-      if (!coordinator_->Report(&context, request, &response).ok()) break;
-      absl::MutexLock lock(&mu_);
-      auto it = tasks_.find(request.task_id());
-      if (it == tasks_.end()) continue;
-      Task& task = it->second;
-      int64_t acked = response.acked_sequence() - task.first_unacked + 1;
-      acked = std::clamp<int64_t>(acked, 0, static_cast<int64_t>(task.unacked.size()));
-      task.unacked.erase(task.unacked.begin(), task.unacked.begin() + acked);
-      task.first_unacked += acked;
-    }
-  }
 }
 
 absl::StatusOr<std::string> WorkerAgent::LogPath(const std::string& job_id, int attempt, int rank) {
@@ -837,7 +730,7 @@ std::vector<int> WorkerAgent::Ranks(const std::string& job_id, int attempt, int 
 bool WorkerAgent::Running(const std::string& job_id, int attempt) {
   absl::MutexLock lock(&mu_);
   Task* task = FindTaskLocked(job_id, attempt);
-  return task != nullptr && !IsTerminal(task->state);
+  return task != nullptr && !task->lifecycle.ended();
 }
 
 v1::Node WorkerAgent::NodeView() {

@@ -15,6 +15,11 @@
 // each notice from the coordinator wakes the heartbeat loop at once, so new
 // tasks start (and stop orders land) without waiting for the heartbeat period.
 //
+// Each task moves through a TaskLifecycle (worker/task_lifecycle.h); its ranks keep their own
+// facts (exit, heartbeats, signals sent). Time comes from options.clock and trainers from
+// options.launcher, so tests run the agent in-process on a simulated clock with fake trainers.
+// The report path (socket readers, relay loop) is in worker_agent_reports.cc.
+//
 // Thread safety: public methods may be called from any thread. One
 // absl::Mutex guards the tasks and the report queues; the heartbeat, the
 // supervision and the relay loops and the socket readers each run on their
@@ -27,7 +32,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -38,11 +42,14 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/security/credentials.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 #include "worker/assignment_watch.h"
 #include "worker/gpu_inventory.h"
+#include "worker/task_lifecycle.h"
+#include "worker/trainer_launcher.h"
 #include "worker/trainer_process.h"
 
 namespace tessera::worker {
@@ -90,6 +97,12 @@ struct WorkerAgentOptions {
   bool watch_assignments = true;
   // Reconnection of the watch stream.
   AssignmentWatchOptions watch;
+  // Time of every deadline, timeout and timestamp the agent keeps, its assignment watch's backoff
+  // included (not the gRPC deadlines, which gRPC measures on the wall clock). Not owned; outlives
+  // the agent.
+  Clock* clock = Clock::Real();
+  // Starts the trainer ranks. Not owned; outlives the agent.
+  TrainerLauncher* launcher = ProcessLauncher();
 };
 
 // Intra-op threads per trainer: `requested` when positive, else `usable_cores` / `slots` (at
@@ -134,7 +147,7 @@ class WorkerAgent {
     // The node's GPU the rank runs on (the process sees it as device 0); -1 on the CPU.
     int gpu = -1;
     std::string log_path;
-    std::unique_ptr<TrainerProcess> process;
+    std::unique_ptr<TrainerHandle> process;
     absl::Time launched;
     std::optional<ExitStatus> exit;
     // When the supervise loop first saw the exit.
@@ -157,31 +170,25 @@ class WorkerAgent {
     std::string task_id;
     std::string job_id;
     int attempt = 0;
-    v1::TaskState state = v1::TASK_STATE_STARTING;
+    TaskLifecycle lifecycle;
+    // Set when the lifecycle ends FAILED.
     v1::TrainerFailure failure;
     std::vector<Rank> ranks;
     // Reports not yet acknowledged; sequence of the first one.
     std::vector<v1::TrainerReport> unacked;
     int64_t next_sequence = 1;
     int64_t first_unacked = 1;
-    bool status_sent_after_end = false;
-    // The coordinator ordered the task stopped; the supervise loop decides
-    // between STOPPED and FAILED (a rank that had already failed on its own).
-    bool stop_requested = false;
-    // The coordinator asked for a checkpoint before the stop: the ranks were signalled and get
-    // until then to save it and exit on their own.
-    std::optional<absl::Time> checkpoint_deadline;
     // When a failed rank was first seen, for the peer-failure grace.
     std::optional<absl::Time> first_failure_seen;
     // Until when the end of the task is held back for its unrelayed reports.
     std::optional<absl::Time> drain_deadline;
     // Until when the end of the task is held back for ranks whose processes have not exited.
     std::optional<absl::Time> exit_deadline;
+    // Whether the end going out past exit_deadline was logged.
     bool exit_overdue_logged = false;
-    // The heartbeat was woken to carry the end.
-    bool end_announced = false;
-    // Not launched yet: ranks of a task being stopped still hold one of its GPUs or its master
-    // port, or another attempt of its job still runs here (HeldBackByLocked).
+    // The assignment of a task not launched yet (lifecycle kPending or kStopBeforeLaunch): ranks
+    // of a task being stopped still hold one of its GPUs or its master port, or another attempt
+    // of its job still runs here (HeldBackByLocked).
     std::optional<v1::TaskAssignment> deferred;
   };
 
@@ -194,6 +201,8 @@ class WorkerAgent {
   bool WaitForHeartbeat(absl::Duration wait);
   // Makes the heartbeat loop heartbeat now (a notice from the coordinator).
   void WakeHeartbeat();
+  // Waits `wait` on the clock; true once Stop() began (the supervise and relay loops' period).
+  bool WaitForStop(absl::Duration wait);
   void SuperviseLoop();
   void RelayLoop();
   void AcceptLoop();
@@ -233,6 +242,7 @@ class WorkerAgent {
   Task* FindTaskLocked(const std::string& job_id, int attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const WorkerAgentOptions options_;
+  Clock* const clock_;
   std::unique_ptr<GpuBackend> gpus_;
   std::vector<v1::GpuDevice> devices_;
   std::unique_ptr<v1::NodeService::Stub> coordinator_;
@@ -257,7 +267,7 @@ class WorkerAgent {
   std::set<int> reader_fds_ ABSL_GUARDED_BY(mu_);
 
   absl::Notification stop_;
-  // Wakes the heartbeat loop early (WaitForHeartbeat); a leaf mutex.
+  // Wakes the heartbeat loop early (WaitForHeartbeat) and ends the loops' waits; a leaf mutex.
   absl::Mutex wake_mu_;
   bool heartbeat_now_ ABSL_GUARDED_BY(wake_mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(wake_mu_) = false;

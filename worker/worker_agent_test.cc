@@ -1,6 +1,8 @@
 // WorkerAgent against an in-process fake coordinator (NodeService on 127.0.0.1, port 0) and
 // tests/fake_trainer ranks that speak the report socket: which failure a task blames, the hang
-// watchdog, stop orders after a failure, and that heartbeats are consumed, not relayed.
+// watchdog, stop orders after a failure, and that heartbeats are consumed, not relayed. The
+// end-to-end check of the agent with real processes and the real clock; worker_agent_sim_test.cc
+// drives the same lifecycle in-process on simulated time.
 #include "worker/worker_agent.h"
 
 #include <unistd.h>
@@ -23,193 +25,21 @@
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
+#include "worker/fake_coordinator.h"
 
 namespace tessera::worker {
 namespace {
 
+using agent_test::FakeCoordinator;
+using agent_test::GpuRanks;
+using agent_test::IsTerminal;
+using agent_test::kTaskId;
+using agent_test::StateIn;
+using agent_test::TwoRanks;
 using ::tessera::testing::IsOk;
 using ::testing::HasSubstr;
 
 constexpr char kFakeTrainer[] = TESSERA_FAKE_TRAINER;
-constexpr char kTaskId[] = "job-1/0/n1";
-
-bool IsTerminal(v1::TaskState state) {
-  return state == v1::TASK_STATE_SUCCEEDED || state == v1::TASK_STATE_FAILED ||
-         state == v1::TASK_STATE_STOPPED;
-}
-
-int CountFiles(const std::string& dir) {
-  int files = 0;
-  std::error_code error;
-  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator(dir, error)) {
-    ++files;
-  }
-  return files;
-}
-
-// Hands out one task at the first heartbeat, records what the worker sends, and acknowledges
-// every report.
-class FakeCoordinator final : public v1::NodeService::Service {
- public:
-  explicit FakeCoordinator(v1::TaskAssignment assignment) : assignment_(std::move(assignment)) {}
-
-  // Answer heartbeats with a stop order for the task once a failure report arrived.
-  void StopOnFailureReport() {
-    absl::MutexLock lock(&mu_);
-    stop_on_failure_report_ = true;
-  }
-
-  grpc::Status RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest*,
-                            v1::RegisterNodeResponse* response) override {
-    response->set_heartbeat_interval_seconds(0.1);
-    return grpc::Status::OK;
-  }
-
-  // Answers the heartbeats after the first (which carries the assignment) too, under the lock.
-  using Hook = std::function<void(const v1::HeartbeatRequest&, v1::HeartbeatResponse*)>;
-  void OnHeartbeat(Hook hook) {
-    absl::MutexLock lock(&mu_);
-    hook_ = std::move(hook);
-  }
-
-  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request,
-                         v1::HeartbeatResponse* response) override {
-    absl::MutexLock lock(&mu_);
-    if (!assigned_) {
-      *response->add_start() = assignment_;
-      assigned_ = true;
-    } else if (hook_) {
-      hook_(*request, response);
-    }
-    heartbeats_.push_back({*request, *response});
-    for (const v1::TaskStatus& status : request->tasks()) {
-      if (status.task_id() != kTaskId) continue;
-      if (!IsTerminal(last_status_.state()) && IsTerminal(status.state())) {
-        trainers_at_end_ = CountFiles(trainers_dir_);
-      }
-      if (!IsTerminal(last_status_.state())) last_status_ = status;
-      for (const v1::RankStepTime& rank : status.ranks()) step_times_.push_back(rank);
-    }
-    if (stop_on_failure_report_ && failure_reported_) response->add_stop(kTaskId);
-    return grpc::Status::OK;
-  }
-
-  grpc::Status Report(grpc::ServerContext*, const v1::ReportRequest* request,
-                      v1::ReportResponse* response) override {
-    absl::MutexLock lock(&mu_);
-    const int64_t expected = first_unseen_;
-    for (int i = 0; i < request->reports_size(); ++i) {
-      if (request->first_sequence() + i < expected) continue;  // a resend
-      relayed_.push_back(request->reports(i));
-      failure_reported_ |= request->reports(i).has_failure();
-      ++first_unseen_;
-    }
-    response->set_acked_sequence(first_unseen_ - 1);
-    return grpc::Status::OK;
-  }
-
-  // The task's first terminal status (waiting up to `timeout`), or the last one seen.
-  v1::TaskStatus WaitForEnd(absl::Duration timeout) {
-    absl::MutexLock lock(&mu_);
-    auto ended = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return IsTerminal(last_status_.state());
-    };
-    mu_.AwaitWithTimeout(absl::Condition(&ended), timeout);
-    return last_status_;
-  }
-  std::vector<v1::TrainerReport> relayed() {
-    absl::MutexLock lock(&mu_);
-    return relayed_;
-  }
-  std::vector<v1::RankStepTime> step_times() {
-    absl::MutexLock lock(&mu_);
-    return step_times_;
-  }
-  struct Exchange {
-    v1::HeartbeatRequest request;
-    v1::HeartbeatResponse response;
-  };
-  // Waits up to `timeout` for `done` to hold for the heartbeats so far; returns them.
-  std::vector<Exchange> WaitForHeartbeats(std::function<bool(const std::vector<Exchange>&)> done,
-                                          absl::Duration timeout) {
-    absl::MutexLock lock(&mu_);
-    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done(heartbeats_); };
-    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
-    return heartbeats_;
-  }
-  // Where the worker keeps a pid file per live trainer.
-  void set_trainers_dir(std::string dir) {
-    absl::MutexLock lock(&mu_);
-    trainers_dir_ = std::move(dir);
-  }
-  // Pid files there when the first terminal status arrived; -1 before one did.
-  int trainers_at_end() {
-    absl::MutexLock lock(&mu_);
-    return trainers_at_end_;
-  }
-
- private:
-  const v1::TaskAssignment assignment_;
-  absl::Mutex mu_;
-  bool assigned_ ABSL_GUARDED_BY(mu_) = false;
-  bool stop_on_failure_report_ ABSL_GUARDED_BY(mu_) = false;
-  bool failure_reported_ ABSL_GUARDED_BY(mu_) = false;
-  v1::TaskStatus last_status_ ABSL_GUARDED_BY(mu_);
-  std::vector<v1::RankStepTime> step_times_ ABSL_GUARDED_BY(mu_);
-  std::vector<v1::TrainerReport> relayed_ ABSL_GUARDED_BY(mu_);
-  int64_t first_unseen_ ABSL_GUARDED_BY(mu_) = 1;
-  std::string trainers_dir_ ABSL_GUARDED_BY(mu_);
-  int trainers_at_end_ ABSL_GUARDED_BY(mu_) = -1;
-  Hook hook_ ABSL_GUARDED_BY(mu_);
-  std::vector<Exchange> heartbeats_ ABSL_GUARDED_BY(mu_);
-};
-
-// Two CPU ranks of job-1 attempt 0, with the fake's flags per rank.
-v1::TaskAssignment TwoRanks(int hang_timeout_seconds) {
-  v1::TaskAssignment assignment;
-  assignment.set_task_id(kTaskId);
-  for (int rank = 0; rank < 2; ++rank) {
-    v1::TrainerTask* trainer = assignment.add_trainers();
-    trainer->set_job_id("job-1");
-    trainer->set_attempt(0);
-    trainer->mutable_spec()->set_hang_timeout_seconds(hang_timeout_seconds);
-    v1::RankAssignment* ra = trainer->mutable_assignment();
-    ra->set_rank(rank);
-    ra->set_world_size(2);
-    ra->set_local_rank(rank);
-    ra->set_local_world_size(2);
-    ra->set_master_addr("127.0.0.1");
-    ra->set_master_port(29500);
-    ra->set_device_type(v1::DEVICE_TYPE_CPU);
-    ra->set_gpu_index(-1);
-  }
-  return assignment;
-}
-
-// Two ranks of `job_id`'s `attempt` on GPUs `gpu` and `gpu` + 1, their rendezvous on `port`.
-v1::TaskAssignment GpuRanks(const std::string& job_id, int attempt, int gpu, int port) {
-  v1::TaskAssignment assignment = TwoRanks(0);
-  assignment.set_task_id(absl::StrCat(job_id, "/", attempt, "/n1"));
-  for (int rank = 0; rank < 2; ++rank) {
-    v1::TrainerTask* trainer = assignment.mutable_trainers(rank);
-    trainer->set_job_id(job_id);
-    trainer->set_attempt(attempt);
-    v1::RankAssignment* ra = trainer->mutable_assignment();
-    ra->set_master_port(port);
-    ra->set_device_type(v1::DEVICE_TYPE_CUDA);
-    ra->set_gpu_index(gpu + rank);
-  }
-  return assignment;
-}
-
-// The state of `task_id` in a heartbeat; UNSPECIFIED when it is not listed.
-v1::TaskState StateIn(const v1::HeartbeatRequest& request, const std::string& task_id) {
-  for (const v1::TaskStatus& status : request.tasks()) {
-    if (status.task_id() == task_id) return status.state();
-  }
-  return v1::TASK_STATE_UNSPECIFIED;
-}
-
 class WorkerAgentTest : public ::testing::Test {
  protected:
   void StartCluster(v1::TaskAssignment assignment, const std::string& rank0_flags,
@@ -240,18 +70,6 @@ class WorkerAgentTest : public ::testing::Test {
     if (server_) server_->Shutdown();
     unsetenv("TESSERA_FAKE_TRAINER_ARGS_RANK0");
     unsetenv("TESSERA_FAKE_TRAINER_ARGS_RANK1");
-  }
-
-  // Pid files left under <work_dir>/trainers, after waiting up to 10 s for them to go.
-  int PidFilesAfterWait() {
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    int files = 0;
-    do {
-      files = CountFiles(work_dir_ + "/trainers");
-      if (files == 0) break;
-      absl::SleepFor(absl::Milliseconds(20));
-    } while (absl::Now() < deadline);
-    return files;
   }
 
   void ExpectNoHeartbeatRelayed() {
@@ -289,7 +107,7 @@ TEST_F(WorkerAgentTest, BlamesTheCauseNotTheRankThatLostItsPeerFirst) {
   EXPECT_THAT(status.failure().message(), HasSubstr("exited with code 3"));
   EXPECT_EQ(status.failure().node_id(), "n1");
   EXPECT_GT(status.failure().time().seconds(), 0);
-  EXPECT_EQ(PidFilesAfterWait(), 0);
+  EXPECT_EQ(coordinator_->trainers_at_end(), 0) << "a rank was alive when the end went out";
 
   // The worker passed its pid, and kept the ranks' heartbeats to itself.
   std::ifstream log(work_dir_ + "/jobs/job-1/attempt-0/rank-0.log");
@@ -321,9 +139,7 @@ TEST_F(WorkerAgentTest, HungRankIsKilledAndBlamed) {
   EXPECT_THAT(status.failure().message(), HasSubstr("rank 0 on n1 hung: no heartbeat for"));
   EXPECT_THAT(status.failure().message(), HasSubstr("(process state: stopped)"));
   EXPECT_GT(status.failure().time().seconds(), 0);
-  const absl::Time ended = absl::Now();
-  EXPECT_EQ(PidFilesAfterWait(), 0) << "the ranks were not reaped";
-  EXPECT_LT(absl::Now() - ended, absl::Seconds(10));
+  EXPECT_EQ(coordinator_->trainers_at_end(), 0) << "the ranks were not reaped by the end";
 
   // Step times reached the coordinator in the node heartbeat, and only there.
   bool rank1_progress = false;
@@ -348,7 +164,7 @@ TEST_F(WorkerAgentTest, StopOrderAfterARankFailedOnItsOwnFails) {
   EXPECT_EQ(status.failure().rank(), 0);
   EXPECT_EQ(status.failure().kind(), v1::FAILURE_KIND_PEER_FAILED);
   EXPECT_EQ(status.failure().exit_code(), 1);
-  EXPECT_EQ(PidFilesAfterWait(), 0);
+  EXPECT_EQ(coordinator_->trainers_at_end(), 0) << "a rank was alive when the end went out";
 }
 
 TEST_F(WorkerAgentTest, AFailedTaskEndsOnlyOnceEveryRankHasExited) {
@@ -435,19 +251,24 @@ TEST_F(WorkerAgentTest, ANewTaskWaitsForTheStoppingRanksOnItsGpusAndNoOther) {
   for (size_t i = order + 1; i < next_ran; ++i) {
     EXPECT_EQ(StateIn(heartbeats[i].request, next_attempt), v1::TASK_STATE_STARTING) << i;
   }
-  // Each rank of the next attempt sees only its own GPU (once it has printed its environment).
+  // Each rank of the next attempt sees only its own GPU: it prints its environment before its
+  // first heartbeat, which the worker passes on in its own.
+  coordinator_->WaitForHeartbeats(
+      [&](const std::vector<FakeCoordinator::Exchange>& so_far) {
+        if (so_far.empty()) return false;
+        int heard = 0;
+        for (const v1::TaskStatus& status : so_far.back().request.tasks()) {
+          if (status.task_id() != next_attempt) continue;
+          for (const v1::RankStepTime& rank : status.ranks()) heard += rank.has_heartbeat_time();
+        }
+        return heard == 2;
+      },
+      absl::Seconds(10));
   for (int rank = 0; rank < 2; ++rank) {
-    const std::string wanted = absl::StrCat("CUDA_VISIBLE_DEVICES=", rank, "\n");
-    std::string text;
-    for (const absl::Time deadline = absl::Now() + absl::Seconds(10);
-         text.find(wanted) == std::string::npos && absl::Now() < deadline;
-         absl::SleepFor(absl::Milliseconds(20))) {
-      std::ifstream log(absl::StrCat(work_dir_, "/jobs/job-1/attempt-1/rank-", rank, ".log"));
-      std::stringstream read;
-      read << log.rdbuf();
-      text = read.str();
-    }
-    EXPECT_THAT(text, HasSubstr(wanted));
+    std::ifstream log(absl::StrCat(work_dir_, "/jobs/job-1/attempt-1/rank-", rank, ".log"));
+    std::stringstream text;
+    text << log.rdbuf();
+    EXPECT_THAT(text.str(), HasSubstr(absl::StrCat("CUDA_VISIBLE_DEVICES=", rank, "\n")));
   }
 }
 
@@ -502,7 +323,7 @@ TEST_F(WorkerAgentTest, CheckpointAndStopFallsBackToAStopAfterTheGrace) {
   AskForACheckpointOnceRunning(*coordinator_);
   const v1::TaskStatus status = coordinator_->WaitForEnd(absl::Seconds(30));
   ASSERT_EQ(status.state(), v1::TASK_STATE_STOPPED) << status.ShortDebugString();
-  EXPECT_EQ(PidFilesAfterWait(), 0);
+  EXPECT_EQ(coordinator_->trainers_at_end(), 0) << "a rank was alive when the end went out";
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_THAT(RankLog(work_dir_, rank), ::testing::Not(HasSubstr("CHECKPOINTED")));
   }

@@ -1,0 +1,583 @@
+// WorkerAgent in-process on a simulated clock, with fake trainers (a TrainerLauncher whose ranks
+// exit, ignore SIGTERM, save a checkpoint or stay silent as a test says) and the fake coordinator
+// on 127.0.0.1: a task from launch to its reported end, the hang watchdog, the stop grace and the
+// checkpoint grace, each timed on simulated time, with no trainer process and no sleep.
+// worker_agent_test.cc checks the same agent end to end with real processes.
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "common/status_matchers.h"
+#include "common/trainer_env.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "grpcpp/server_builder.h"
+#include "gtest/gtest.h"
+#include "tests/util/temp_dir.h"
+#include "worker/failure_policy.h"
+#include "worker/fake_coordinator.h"
+#include "worker/trainer_launcher.h"
+#include "worker/worker_agent.h"
+
+namespace tessera::worker {
+namespace {
+
+using agent_test::FakeCoordinator;
+using agent_test::IsTerminal;
+using agent_test::kTaskId;
+using agent_test::StateIn;
+using agent_test::TwoRanks;
+using ::tessera::testing::IsOk;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+// The agent's poll interval and the step the tests move time by.
+constexpr absl::Duration kStep = absl::Seconds(1);
+// The node heartbeat period the fake coordinator hands out: longer than a step, so a heartbeat
+// that comes sooner was woken.
+constexpr double kHeartbeatSeconds = 10;
+// Threads of the agent that wait on its clock: the heartbeat, supervise and relay loops.
+constexpr int kClockedThreads = 3;
+// Fake pids lie above the kernel's PID_MAX_LIMIT: no pid file is written and no real process is
+// ever named.
+constexpr pid_t kFakePidBase = 1 << 23;
+
+// A SimulatedClock that also keeps the deadline of every thread waiting on it, so that a test
+// can wait until each of those threads waits for a deadline still ahead: whatever the current
+// time asked of them is done.
+class SteppedClock final : public Clock {
+ public:
+  absl::Time Now() const override { return clock_.Now(); }
+  void SleepUntil(absl::Time deadline) override {
+    const int id = Park(deadline);
+    clock_.SleepUntil(deadline);
+    Unpark(id);
+  }
+  bool AwaitWithDeadline(absl::Mutex* mu, const absl::Condition& condition, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) override {
+    const int id = Park(deadline);
+    const bool held = clock_.AwaitWithDeadline(mu, condition, deadline);
+    Unpark(id);
+    return held;
+  }
+  // Only the test's thread moves time.
+  void Advance(absl::Duration duration) { clock_.Advance(duration); }
+
+  // Waits, up to `timeout` of real time, until exactly `threads` threads wait on deadlines after
+  // Now(); false on timeout.
+  bool Settle(int threads, absl::Duration timeout) {
+    const absl::Time now = clock_.Now();
+    absl::MutexLock lock(&mu_);
+    auto parked = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (static_cast<int>(deadlines_.size()) != threads) return false;
+      for (const auto& [id, deadline] : deadlines_) {
+        if (deadline <= now) return false;
+      }
+      return true;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&parked), timeout);
+  }
+
+ private:
+  int Park(absl::Time deadline) {
+    absl::MutexLock lock(&mu_);
+    deadlines_[next_id_] = deadline;
+    return next_id_++;
+  }
+  void Unpark(int id) {
+    absl::MutexLock lock(&mu_);
+    deadlines_.erase(id);
+  }
+
+  SimulatedClock clock_;
+  absl::Mutex mu_;
+  int next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<int, absl::Time> deadlines_ ABSL_GUARDED_BY(mu_);
+};
+
+// How a fake rank answers the worker.
+struct Behaviour {
+  // SIGTERM does nothing: only the SIGKILL after the stop grace ends it.
+  bool ignore_sigterm = false;
+  // kCheckpointAndStopSignal makes it exit 0 at once (the save took no time); else ignored.
+  bool exit_on_checkpoint = false;
+};
+
+// What the worker did to a fake rank, and when (simulated time).
+struct Event {
+  std::string what;  // "SIGTERM", "SIGKILL" or "signal <n>"
+  absl::Time at;
+};
+
+// One fake rank: its exit status, and the signals the worker sent it. Thread-safe.
+class FakeRank {
+ public:
+  FakeRank(int rank, pid_t pid, Behaviour behaviour, Clock* clock)
+      : rank_(rank), pid_(pid), behaviour_(behaviour), clock_(clock), launched_(clock->Now()) {}
+
+  int rank() const { return rank_; }
+  pid_t pid() const { return pid_; }
+  absl::Time launched() const { return launched_; }
+
+  // The rank exits by itself with `code` (a no-op once it has exited).
+  void Exit(int code) {
+    absl::MutexLock lock(&mu_);
+    if (!exit_) exit_ = ExitStatus{.exit_code = code, .signal = 0};
+  }
+  std::vector<Event> events() {
+    absl::MutexLock lock(&mu_);
+    return events_;
+  }
+  std::optional<absl::Duration> stop_grace() {
+    absl::MutexLock lock(&mu_);
+    return stop_grace_;
+  }
+
+  std::optional<ExitStatus> Poll() {
+    absl::MutexLock lock(&mu_);
+    return exit_;
+  }
+  ExitStatus Stop(absl::Duration grace) {
+    absl::MutexLock lock(&mu_);
+    if (exit_) return *exit_;
+    stop_grace_ = grace;
+    events_.push_back({"SIGTERM", clock_->Now()});
+    if (!behaviour_.ignore_sigterm) {
+      exit_ = ExitStatus{.exit_code = -1, .signal = SIGTERM};
+      return *exit_;
+    }
+    auto exited = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return exit_.has_value(); };
+    clock_->AwaitWithDeadline(&mu_, absl::Condition(&exited), clock_->Now() + grace);
+    return KillLocked();
+  }
+  void Signal(int signal) {
+    absl::MutexLock lock(&mu_);
+    if (exit_) return;
+    events_.push_back({absl::StrCat("signal ", signal), clock_->Now()});
+    if (signal == kCheckpointAndStopSignal && behaviour_.exit_on_checkpoint) {
+      exit_ = ExitStatus{.exit_code = 0, .signal = 0};
+    }
+  }
+  ExitStatus Kill() {
+    absl::MutexLock lock(&mu_);
+    return KillLocked();
+  }
+
+ private:
+  ExitStatus KillLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (exit_) return *exit_;
+    events_.push_back({"SIGKILL", clock_->Now()});
+    exit_ = ExitStatus{.exit_code = -1, .signal = SIGKILL};
+    return *exit_;
+  }
+
+  const int rank_;
+  const pid_t pid_;
+  const Behaviour behaviour_;
+  Clock* const clock_;
+  const absl::Time launched_;
+  absl::Mutex mu_;
+  std::optional<ExitStatus> exit_ ABSL_GUARDED_BY(mu_);
+  std::vector<Event> events_ ABSL_GUARDED_BY(mu_);
+  std::optional<absl::Duration> stop_grace_ ABSL_GUARDED_BY(mu_);
+};
+
+// The worker's handle on a FakeRank; the rank outlives it, for the test to inspect.
+class FakeTrainer final : public TrainerHandle {
+ public:
+  explicit FakeTrainer(std::shared_ptr<FakeRank> rank) : rank_(std::move(rank)) {}
+  pid_t pid() const override { return rank_->pid(); }
+  std::optional<ExitStatus> Poll() override { return rank_->Poll(); }
+  ExitStatus Stop(absl::Duration grace) override { return rank_->Stop(grace); }
+  void Signal(int signal) override { rank_->Signal(signal); }
+  ExitStatus Kill() override { return rank_->Kill(); }
+  std::string LogTail(int) const override {
+    return absl::StrCat("log of fake rank ", rank_->rank());
+  }
+
+ private:
+  const std::shared_ptr<FakeRank> rank_;
+};
+
+// Launches FakeRanks, each with the behaviour set for its RANK. Thread-safe.
+class FakeLauncher final : public TrainerLauncher {
+ public:
+  explicit FakeLauncher(Clock* clock) : clock_(clock) {}
+
+  void Behave(int rank, Behaviour behaviour) {
+    absl::MutexLock lock(&mu_);
+    behaviours_[rank] = behaviour;
+  }
+
+  absl::StatusOr<std::unique_ptr<TrainerHandle>> Launch(const LaunchSpec& spec) override {
+    absl::MutexLock lock(&mu_);
+    const int rank = std::stoi(spec.env.at(kRankEnv));
+    auto launched = std::make_shared<FakeRank>(
+        rank, kFakePidBase + static_cast<pid_t>(ranks_.size()), behaviours_[rank], clock_);
+    ranks_.push_back(launched);
+    return std::make_unique<FakeTrainer>(std::move(launched));
+  }
+
+  // In launch order.
+  std::vector<std::shared_ptr<FakeRank>> ranks() {
+    absl::MutexLock lock(&mu_);
+    return ranks_;
+  }
+  // Every rank still running exits 0 (before the agent stops: its Stop would wait for the stop
+  // grace on a clock nobody moves).
+  void ExitAll() {
+    for (const auto& rank : ranks()) rank->Exit(0);
+  }
+
+ private:
+  Clock* const clock_;
+  absl::Mutex mu_;
+  std::map<int, Behaviour> behaviours_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<FakeRank>> ranks_ ABSL_GUARDED_BY(mu_);
+};
+
+std::vector<std::string> What(const std::vector<Event>& events) {
+  std::vector<std::string> what;
+  for (const Event& event : events) what.push_back(event.what);
+  return what;
+}
+
+class WorkerAgentSimTest : public ::testing::Test {
+ protected:
+  void Start(v1::TaskAssignment assignment, WorkerAgentOptions options) {
+    coordinator_ = std::make_unique<FakeCoordinator>(std::move(assignment), &clock_);
+    coordinator_->set_heartbeat_interval_seconds(kHeartbeatSeconds);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(coordinator_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    options.coordinator_address = absl::StrCat("127.0.0.1:", port);
+    options.node_id = "n1";
+    options.work_dir = work_dir_;
+    options.cpu_slots = 2;
+    options.trainer_path = "fake-trainer";
+    options.poll_interval = kStep;
+    options.watch_assignments = false;
+    options.clock = &clock_;
+    options.launcher = &launcher_;
+    agent_ = std::make_unique<WorkerAgent>(options, nullptr);
+    ASSERT_THAT(agent_->Start("127.0.0.1:1"), IsOk());
+  }
+
+  void TearDown() override {
+    launcher_.ExitAll();
+    if (agent_) agent_->Stop();
+    for (const auto& [rank, fd] : report_fds_) close(fd);
+    if (server_) server_->Shutdown();
+  }
+
+  // Moves time a step at a time, letting the agent's loops settle after each, until `done`
+  // holds (true) or `limit` of simulated time has passed (false).
+  bool RunUntil(const std::function<bool()>& done, absl::Duration limit) {
+    const absl::Time end = clock_.Now() + limit;
+    while (true) {
+      if (!clock_.Settle(kClockedThreads, absl::Seconds(30))) {
+        ADD_FAILURE() << "the agent's loops did not settle";
+        return false;
+      }
+      if (done()) return true;
+      if (clock_.Now() >= end) return false;
+      clock_.Advance(kStep);
+    }
+  }
+
+  v1::TaskState LastHeartbeatState() {
+    const std::vector<FakeCoordinator::Exchange> heartbeats = coordinator_->heartbeats();
+    return heartbeats.empty() ? v1::TASK_STATE_UNSPECIFIED
+                              : StateIn(heartbeats.back().request, kTaskId);
+  }
+  bool Running() {
+    return launcher_.ranks().size() == 2 && LastHeartbeatState() == v1::TASK_STATE_RUNNING;
+  }
+  bool Ended() { return IsTerminal(coordinator_->last_status().state()); }
+  // When the first heartbeat carrying the task's end arrived.
+  absl::Time EndArrival() {
+    for (const FakeCoordinator::Exchange& exchange : coordinator_->heartbeats()) {
+      if (IsTerminal(StateIn(exchange.request, kTaskId))) return exchange.at;
+    }
+    return absl::InfiniteFuture();
+  }
+
+  // Sends a RankHeartbeat of `rank` of job-1 attempt 0 on the report socket, as its trainer does.
+  void SendHeartbeat(int rank, int64_t step) {
+    v1::TrainerReport report;
+    report.mutable_heartbeat()->set_step(step);
+    report.mutable_heartbeat()->set_step_seconds(0.5);
+    SendReport(rank, std::move(report));
+  }
+  // Sends `report` as rank `rank` of job-1 attempt 0, on that rank's own connection.
+  void SendReport(int rank, v1::TrainerReport report) {
+    auto [it, added] = report_fds_.try_emplace(rank, -1);
+    if (added) {
+      it->second = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      const std::string path = work_dir_ + "/reports.sock";
+      std::memcpy(addr.sun_path, path.data(), path.size());
+      ASSERT_EQ(connect(it->second, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0)
+          << std::strerror(errno);
+    }
+    report.set_job_id("job-1");
+    report.set_attempt(0);
+    report.set_rank(rank);
+    std::string frame;
+    {
+      google::protobuf::io::StringOutputStream stream(&frame);
+      google::protobuf::io::CodedOutputStream out(&stream);
+      out.WriteVarint32(static_cast<uint32_t>(report.ByteSizeLong()));
+      report.SerializeWithCachedSizes(&out);
+    }
+    ASSERT_EQ(write(it->second, frame.data(), frame.size()), static_cast<ssize_t>(frame.size()));
+  }
+  // Whether the last heartbeat carried a step time of both ranks (their reports were read).
+  bool BothRanksHeard() {
+    const std::vector<FakeCoordinator::Exchange> heartbeats = coordinator_->heartbeats();
+    if (heartbeats.empty()) return false;
+    for (const v1::TaskStatus& status : heartbeats.back().request.tasks()) {
+      if (status.task_id() == kTaskId) return status.ranks_size() == 2;
+    }
+    return false;
+  }
+
+  const std::string work_dir_ = ::tessera::testing::TestDir() + "/w";
+  SteppedClock clock_;
+  FakeLauncher launcher_{&clock_};
+  std::unique_ptr<FakeCoordinator> coordinator_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<WorkerAgent> agent_;
+  std::map<int, int> report_fds_;
+};
+
+// Launch -> running -> every rank exits 0 -> SUCCEEDED, sent at once (the supervise loop wakes the
+// heartbeat), and the task forgotten once the coordinator has it.
+TEST_F(WorkerAgentSimTest, RanksThatExitZeroSucceedAndTheEndGoesOutAtOnce) {
+  Start(TwoRanks(0), WorkerAgentOptions());
+  ASSERT_TRUE(RunUntil([&] { return Running(); }, absl::Minutes(1)));
+  // Right after a heartbeat: the next periodic one is kHeartbeatSeconds away.
+  const size_t seen = coordinator_->heartbeats().size();
+  ASSERT_TRUE(RunUntil([&] { return coordinator_->heartbeats().size() > seen; }, absl::Minutes(1)));
+  const absl::Time exited = clock_.Now();
+  for (const auto& rank : launcher_.ranks()) rank->Exit(0);
+
+  ASSERT_TRUE(RunUntil([&] { return Ended(); }, absl::Minutes(1)));
+  EXPECT_EQ(coordinator_->last_status().state(), v1::TASK_STATE_SUCCEEDED);
+  EXPECT_LE(EndArrival() - exited, 3 * kStep) << "the end waited for the periodic heartbeat";
+  for (const auto& rank : launcher_.ranks()) {
+    EXPECT_THAT(What(rank->events()), IsEmpty()) << "rank " << rank->rank() << " was signalled";
+  }
+  // Forgotten after the heartbeat that carried the end.
+  ASSERT_TRUE(RunUntil([&] { return LastHeartbeatState() == v1::TASK_STATE_UNSPECIFIED; },
+                       absl::Minutes(1)));
+  EXPECT_EQ(agent_->NodeView().job_ids_size(), 0);
+}
+
+// A rank silent for its job's hang timeout is condemned then, not before; it gets SIGKILL (a
+// stopped process only queues a SIGTERM) and its sibling the ordinary stop.
+TEST_F(WorkerAgentSimTest, ARankThatNeverHeartbeatsIsHungAfterTheTimeoutAndKilled) {
+  constexpr absl::Duration kHang = absl::Seconds(60);
+  WorkerAgentOptions options;
+  options.stop_grace = absl::Seconds(30);
+  Start(TwoRanks(absl::ToInt64Seconds(kHang)), options);
+  ASSERT_TRUE(RunUntil([&] { return launcher_.ranks().size() == 2; }, absl::Minutes(1)));
+  const std::shared_ptr<FakeRank> silent = launcher_.ranks()[0];
+  const std::shared_ptr<FakeRank> alive = launcher_.ranks()[1];
+  ASSERT_EQ(silent->rank(), 0);
+  int64_t step = 0;
+  // Rank 1 heartbeats every step; rank 0 never does.
+  ASSERT_TRUE(RunUntil(
+      [&] {
+        SendHeartbeat(1, ++step);
+        return clock_.Now() >= silent->launched() + kHang - kStep;
+      },
+      absl::Minutes(2)));
+  EXPECT_FALSE(Ended()) << coordinator_->last_status().ShortDebugString();
+  EXPECT_THAT(What(silent->events()), IsEmpty()) << "condemned before its hang timeout";
+
+  ASSERT_TRUE(RunUntil(
+      [&] {
+        SendHeartbeat(1, ++step);
+        return Ended();
+      },
+      absl::Minutes(1)));
+  const v1::TaskStatus status = coordinator_->last_status();
+  ASSERT_EQ(status.state(), v1::TASK_STATE_FAILED) << status.ShortDebugString();
+  EXPECT_EQ(status.failure().kind(), v1::FAILURE_KIND_COLLECTIVE_TIMEOUT);
+  EXPECT_EQ(status.failure().rank(), 0);
+  EXPECT_THAT(status.failure().message(), HasSubstr("rank 0 on n1 hung: no heartbeat for"));
+  EXPECT_THAT(status.failure().message(), HasSubstr("log of fake rank 0"));
+  const absl::Duration silence = FromTimestamp(status.failure().time()) - silent->launched();
+  EXPECT_GE(silence, kHang);
+  EXPECT_LE(silence, kHang + 3 * kStep);
+  EXPECT_THAT(What(silent->events()), ElementsAre("SIGKILL"));
+  EXPECT_THAT(What(alive->events()), ElementsAre("SIGTERM"));
+  EXPECT_EQ(alive->stop_grace(), options.stop_grace);
+}
+
+// A stop order: SIGTERM, and SIGKILL after the stop grace for a rank that ignores it; the end
+// goes out only once that rank is gone.
+TEST_F(WorkerAgentSimTest, AStopOrderKillsARankThatIgnoresSigtermAfterTheGrace) {
+  WorkerAgentOptions options;
+  options.stop_grace = absl::Seconds(30);
+  launcher_.Behave(0, {.ignore_sigterm = true});
+  Start(TwoRanks(0), options);
+  ASSERT_TRUE(RunUntil([&] { return Running(); }, absl::Minutes(1)));
+  coordinator_->OnHeartbeat(
+      [](const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response) {
+        if (StateIn(request, kTaskId) == v1::TASK_STATE_RUNNING) response->add_stop(kTaskId);
+      });
+  ASSERT_TRUE(RunUntil([&] { return Ended(); }, absl::Minutes(5)));
+  EXPECT_EQ(coordinator_->last_status().state(), v1::TASK_STATE_STOPPED);
+
+  const std::shared_ptr<FakeRank> stubborn = launcher_.ranks()[0];
+  const std::vector<Event> events = stubborn->events();
+  ASSERT_THAT(What(events), ElementsAre("SIGTERM", "SIGKILL"));
+  EXPECT_EQ(stubborn->stop_grace(), options.stop_grace);
+  EXPECT_GE(events[1].at - events[0].at, options.stop_grace);
+  EXPECT_LE(events[1].at - events[0].at, options.stop_grace + 2 * kStep);
+  EXPECT_THAT(What(launcher_.ranks()[1]->events()), ElementsAre("SIGTERM"));
+  // Heartbeats said RUNNING through the grace: the end waited for the SIGKILL.
+  const absl::Time killed = events[1].at;
+  EXPECT_GE(EndArrival(), killed);
+  for (const FakeCoordinator::Exchange& exchange : coordinator_->heartbeats()) {
+    if (exchange.at >= killed) break;
+    EXPECT_FALSE(IsTerminal(StateIn(exchange.request, kTaskId))) << "at " << exchange.at;
+  }
+}
+
+class PeerFailureSimTest : public WorkerAgentSimTest {
+ protected:
+  static constexpr absl::Duration kPeerGrace = absl::Seconds(5);
+
+  // Starts two ranks; rank 0 reports a lost peer, which the coordinator receives, then exits 1.
+  // Returns when it exited.
+  absl::Time StartAndFailRank0WithALostPeer() {
+    WorkerAgentOptions options;
+    options.peer_failure_grace = kPeerGrace;
+    Start(TwoRanks(/*hang_timeout_seconds=*/3600), options);
+    EXPECT_TRUE(RunUntil([&] { return Running(); }, absl::Minutes(1)));
+    v1::TrainerReport report;
+    report.mutable_failure()->set_kind(v1::FAILURE_KIND_PEER_FAILED);
+    report.mutable_failure()->set_message("lost rank 1");
+    SendReport(0, std::move(report));
+    // Relayed, so read: the verdict sees the typed failure, not only the exit code.
+    EXPECT_TRUE(RunUntil(
+        [&] {
+          for (const v1::TrainerReport& relayed : coordinator_->relayed()) {
+            if (relayed.has_failure()) return true;
+          }
+          return false;
+        },
+        absl::Minutes(1)));
+    launcher_.ranks()[0]->Exit(1);
+    return clock_.Now();
+  }
+};
+
+// A rank that lost its peer fails first; the task waits (on simulated time) for the cause.
+TEST_F(PeerFailureSimTest, TheCauseThatFailsWithinTheGraceIsBlamed) {
+  const absl::Time lost = StartAndFailRank0WithALostPeer();
+  ASSERT_FALSE(RunUntil([&] { return Ended(); }, kPeerGrace - 2 * kStep));
+  launcher_.ranks()[1]->Exit(3);
+  ASSERT_TRUE(RunUntil([&] { return Ended(); }, absl::Minutes(1)));
+  const v1::TaskStatus status = coordinator_->last_status();
+  ASSERT_EQ(status.state(), v1::TASK_STATE_FAILED) << status.ShortDebugString();
+  EXPECT_EQ(status.failure().rank(), 1);
+  EXPECT_EQ(status.failure().kind(), v1::FAILURE_KIND_PROCESS_EXIT);
+  EXPECT_THAT(status.failure().message(), HasSubstr("exited with code 3"));
+  // Rank 1 never reported: its bare exit status waits kExitReportGrace for a report first.
+  EXPECT_GE(EndArrival() - lost, kPeerGrace - 2 * kStep + kExitReportGrace);
+}
+
+// No cause within the grace: the lost peer is blamed after all, and the other rank is stopped.
+TEST_F(PeerFailureSimTest, WithoutACauseTheLostPeerIsBlamedAfterTheGrace) {
+  const absl::Time lost = StartAndFailRank0WithALostPeer();
+  ASSERT_TRUE(RunUntil([&] { return Ended(); }, absl::Minutes(1)));
+  const v1::TaskStatus status = coordinator_->last_status();
+  ASSERT_EQ(status.state(), v1::TASK_STATE_FAILED) << status.ShortDebugString();
+  EXPECT_EQ(status.failure().rank(), 0);
+  EXPECT_EQ(status.failure().kind(), v1::FAILURE_KIND_PEER_FAILED);
+  EXPECT_GE(EndArrival() - lost, kPeerGrace);
+  EXPECT_LE(EndArrival() - lost, kPeerGrace + 3 * kStep);
+  EXPECT_THAT(What(launcher_.ranks()[1]->events()), ElementsAre("SIGTERM"));
+}
+
+class CheckpointSimTest : public WorkerAgentSimTest {
+ protected:
+  static constexpr absl::Duration kCheckpointGrace = absl::Minutes(10);
+
+  // Starts two ranks that have reported (a rank is signalled only then), then has the
+  // coordinator ask for a checkpoint and a stop; returns when it asked.
+  absl::Time StartAndAskForACheckpoint() {
+    WorkerAgentOptions options;
+    options.stop_grace = absl::Seconds(30);
+    options.checkpoint_grace = kCheckpointGrace;
+    Start(TwoRanks(/*hang_timeout_seconds=*/3600), options);
+    EXPECT_TRUE(RunUntil([&] { return Running(); }, absl::Minutes(1)));
+    SendHeartbeat(0, 1);
+    SendHeartbeat(1, 1);
+    EXPECT_TRUE(RunUntil([&] { return BothRanksHeard(); }, absl::Minutes(1)));
+    const absl::Time asked = clock_.Now();
+    coordinator_->OnHeartbeat(
+        [](const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response) {
+          if (StateIn(request, kTaskId) == v1::TASK_STATE_RUNNING) {
+            response->add_checkpoint_and_stop(kTaskId);
+          }
+        });
+    return asked;
+  }
+
+  const std::string checkpoint_signal_ = absl::StrCat("signal ", kCheckpointAndStopSignal);
+};
+
+// Ranks that ignore the checkpoint signal keep running for the whole checkpoint grace, then are
+// stopped as for a plain stop order.
+TEST_F(CheckpointSimTest, RanksThatDoNotSaveAreStoppedAfterTheCheckpointGrace) {
+  StartAndAskForACheckpoint();
+  ASSERT_TRUE(RunUntil([&] { return Ended(); }, 2 * kCheckpointGrace));
+  EXPECT_EQ(coordinator_->last_status().state(), v1::TASK_STATE_STOPPED);
+  for (const auto& rank : launcher_.ranks()) {
+    const std::vector<Event> events = rank->events();
+    ASSERT_THAT(What(events), ElementsAre(checkpoint_signal_, "SIGTERM"))
+        << "rank " << rank->rank();
+    EXPECT_GE(events[1].at - events[0].at, kCheckpointGrace);
+    EXPECT_LE(events[1].at - events[0].at, kCheckpointGrace + 2 * kStep);
+  }
+}
+
+// Ranks that save and exit end the task STOPPED at once, never sent a SIGTERM.
+TEST_F(CheckpointSimTest, RanksThatSaveEndTheTaskWithoutASigterm) {
+  launcher_.Behave(0, {.exit_on_checkpoint = true});
+  launcher_.Behave(1, {.exit_on_checkpoint = true});
+  const absl::Time asked = StartAndAskForACheckpoint();
+  ASSERT_TRUE(RunUntil([&] { return Ended(); }, 2 * kCheckpointGrace));
+  EXPECT_EQ(coordinator_->last_status().state(), v1::TASK_STATE_STOPPED);
+  for (const auto& rank : launcher_.ranks()) {
+    EXPECT_THAT(What(rank->events()), ElementsAre(checkpoint_signal_)) << "rank " << rank->rank();
+  }
+  // The next heartbeat carried the order (kHeartbeatSeconds); the end followed within steps.
+  EXPECT_LE(EndArrival() - asked, absl::Seconds(kHeartbeatSeconds) + 3 * kStep);
+}
+
+}  // namespace
+}  // namespace tessera::worker
