@@ -111,7 +111,7 @@ thread-safety: bootstrap
 	@cmake -S . -B $(TSA_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release \
 	  -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 \
 	  -DCMAKE_CXX_FLAGS="-Wthread-safety -Werror" \
-	  -DTESSERA_WITH_TORCH=OFF -DTESSERA_BUILD_TESTS=OFF -DTESSERA_BUILD_BENCH=OFF \
+	  -DTESSERA_WITH_TORCH=OFF \
 	  > $(TSA_DIR)/configure.log 2>&1 || { cat $(TSA_DIR)/configure.log; exit 1; }
 	@cmake --build $(TSA_DIR) -j $(JOBS)
 	@echo "thread-safety: clang -Wthread-safety -Werror build passed"

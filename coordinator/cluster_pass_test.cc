@@ -280,7 +280,9 @@ TEST_F(ClusterTest, AJobsStuckChangeHoldsUpNoOtherJob) {
   });
   ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(30)));
   std::vector<JobManager::TransitionRequest> requests;
-  for (const auto& job_id : others) requests.push_back({job_id, v1::JOB_STATE_PENDING, "batch"});
+  for (const auto& job_id : others) {
+    requests.push_back({.job_id = job_id, .state = v1::JOB_STATE_PENDING, .reason = "batch"});
+  }
   absl::Notification done;
   std::thread batch([&] {
     for (const auto& result : jobs_->TransitionAll(requests)) EXPECT_THAT(result.status(), IsOk());
