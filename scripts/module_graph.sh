@@ -15,10 +15,10 @@ set(GRAPHVIZ_GRAPH_NAME "tessera")
 set(GRAPHVIZ_EXECUTABLES OFF)
 set(GRAPHVIZ_GENERATE_PER_TARGET OFF)
 set(GRAPHVIZ_GENERATE_DEPENDERS OFF)
-set(GRAPHVIZ_IGNORE_TARGETS "^absl::" "^GTest::" "^protobuf::" "^tessera_(fused_kernels|torch_pch|sentencepiece|test_util|bench_env)$" "^Threads::" "^PkgConfig::" "^OpenSSL::" "^nlohmann" "^yaml-cpp" "^gRPC::(grpc|gpr|upb|address_sorting)$" "^c10" "^torch_" "^CUDA::" "^caffe2" "^/" "^-")
+set(GRAPHVIZ_IGNORE_TARGETS "^absl::" "^GTest::" "^protobuf::" "^tessera_(fused_kernels|torch_pch|sentencepiece|test_util|bench_env)$" "^Threads::" "^PkgConfig::" "^OpenSSL::" "^nlohmann" "^yaml-cpp" "^gRPC::(grpc|gpr|upb|address_sorting)$" "^c10" "^torch" "^CUDA::" "^caffe2" "^/" "^-" "^(dl|m|rt|headeronly)$" "^re2::" "^ZLIB::" "^c-ares::" "^gRPC::grpc\\+\\+_reflection$")
 OPTIONS
 cp "$work/CMakeGraphVizOptions.cmake" "$build/CMakeGraphVizOptions.cmake"
-cmake "$build" --graphviz="$work/graph.dot" > /dev/null
+cmake "$build" --graphviz="$work/graph.dot" > "$work/cmake.log" 2>&1 || { cat "$work/cmake.log" >&2; exit 1; }
 rm -f "$build/CMakeGraphVizOptions.cmake"
 mkdir -p docs
 {
