@@ -6,7 +6,7 @@
 // step: the gradient reductions and ZeRO parameter gathers of trainer/engine/sharded_engine.cc (and its
 // gradient-norm all-reduce), the pipeline's activation and gradient sends and receives
 // (trainer/parallel/pipeline.cc), the tensor-parallel collectives (trainer/parallel/tensor_parallel.cc) and the
-// loss all-reduce of trainer/train.cc. Not counted: checkpoint and evaluation collectives, which
+// loss all-reduce of trainer/runtime/train_loop.cc. Not counted: checkpoint and evaluation collectives, which
 // fall outside a step's busy time anyway. On NCCL, wait() only orders the CUDA stream, so the
 // host sees little of the wait and busy time reads high on every rank alike.
 //

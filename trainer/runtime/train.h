@@ -1,8 +1,8 @@
-// The training loop of one rank: builds the model, data loader and optimizer
-// for a TrainerTask, joins the job's process group, resumes from the newest
-// complete checkpoint, trains with data-parallel gradient all-reduce
-// (c10d's Reducer: bucketed and overlapped with backward, skipped on
-// accumulation micro-steps), checkpoints, and reports every step.
+// One rank's training, end to end: RunTraining builds a TrainingRun from a TrainerTask
+// (run_builder.h: the device, the data, the job's process group and mesh, the model with each
+// parallelism applied, the ZeRO engine, the resumed checkpoint), trains it with the loop
+// (train_loop.h: steps, evaluations, asynchronous checkpoints, a report every step), and turns
+// every failure on the way into one typed report.
 #pragma once
 
 #include <atomic>

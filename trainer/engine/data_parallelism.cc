@@ -1,0 +1,34 @@
+#include "trainer/engine/data_parallelism.h"
+
+#include <utility>
+#include <vector>
+
+namespace tessera::trainer {
+
+void BroadcastFromFirstDataRank(CausalLMImpl& model, const DeviceMesh& mesh) {
+  const auto& dp_group = mesh.group(MeshDim::kData);
+  if (!dp_group) return;
+  // Every rank initialises from the same seed; the broadcast makes dp rank 0's weights
+  // authoritative anyway, as DDP does (the ranks of a dp group hold the same shard).
+  for (auto& param : model.parameters()) {
+    // Frozen weights (LoRA's base) are the same everywhere: loaded from one source or drawn
+    // from one seed.
+    if (!param.requires_grad()) continue;
+    std::vector<at::Tensor> tensors{param.data()};
+    dp_group->broadcast(tensors)->wait();
+  }
+}
+
+std::unique_ptr<ShardedEngine> ApplyDataParallel(CausalLM model, const DeviceMesh& mesh,
+                                                 ShardedEngineOptions options) {
+  options.dp_group = mesh.group(MeshDim::kData);
+  options.dp_rank = mesh.coord(MeshDim::kData);
+  options.dp_size = mesh.size(MeshDim::kData);
+  options.pp_group = mesh.group(MeshDim::kPipeline);
+  options.pp_stage = mesh.coord(MeshDim::kPipeline);
+  options.pp_size = mesh.size(MeshDim::kPipeline);
+  options.sharded_collectives_as_all_reduce = !options.device.is_cuda();
+  return std::make_unique<ShardedEngine>(std::move(model), options);
+}
+
+}  // namespace tessera::trainer

@@ -1,0 +1,42 @@
+// What one rank of a run says: reports to its worker (report/reporter.h), stamped with the job,
+// attempt, rank and time, and progress lines to the log. Shared by the run's builder and its loop.
+//
+// Thread safety: no state of its own beyond its references. Send is also called from the
+// checkpointer's background thread (rank 0's report of a commit nobody waits for), so the
+// Reporter underneath sees the calls of two threads.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+
+#include "absl/status/status.h"
+#include "tessera/v1/trainer.pb.h"
+#include "trainer/report/reporter.h"
+
+namespace tessera::trainer {
+
+class RunReporter {
+ public:
+  // `log` may be null (no progress lines); `task` and `reporter` must outlive this.
+  RunReporter(const v1::TrainerTask& task, Reporter& reporter, std::ostream* log);
+
+  int rank() const { return task_.assignment().rank(); }
+
+  // "[rank N] <line>" to the log.
+  void Log(const std::string& line) const;
+  // A report with the job, attempt, rank and the time now filled in.
+  v1::TrainerReport NewReport() const;
+  // Sends `report`; a report that cannot be delivered is logged, not returned.
+  void Send(const v1::TrainerReport& report) const;
+  // Reports the failure of this rank at `step` (stamped with the time it was reported, by which
+  // the worker blames the first failure of a task) and logs it.
+  void ReportFailure(v1::FailureKind kind, int64_t step, const absl::Status& status) const;
+
+ private:
+  const v1::TrainerTask& task_;
+  Reporter& reporter_;
+  std::ostream* log_;
+};
+
+}  // namespace tessera::trainer
