@@ -40,7 +40,7 @@ for t in $tests; do cp "$build_dir/tests/$t" "$bundle/tests/"; done
 
 # Libraries every Linux has (glibc, the GCC runtime, zlib, OpenSSL: the GPU machine's own are
 # newer and its python loads them too), the driver's, and torch's (found there) stay behind, and
-# so does the CUDA runtime the fused kernels link (trainer/model.cmake): the one of torch's CUDA
+# so does the CUDA runtime the fused kernels link (trainer/kernels/CMakeLists.txt): the one of torch's CUDA
 # wheels serves both there.
 skip='/(libc|libm|libdl|librt|libpthread|libutil|libresolv|ld-linux[^/]*|libstdc\+\+|libgcc_s|libz|libssl|libcrypto|libcuda|libcudart|libnvidia[^/]*)\.so'
 for binary in "$bundle"/bin/* "$bundle"/tests/* "$bundle"/bench/*; do

@@ -20,6 +20,7 @@
 #include "common/trainer_env.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
+#include "planner/layout_rules.h"
 #include "planner/lora.h"
 #include "planner/model_config.h"
 #include "trainer/kernels/device.h"
@@ -74,7 +75,8 @@ ABSL_FLAG(int64_t, decay_steps, 0, "Standalone: step where cosine decay ends; 0 
 ABSL_FLAG(double, min_lr_ratio, 0.1, "Standalone: floor of the cosine decay, fraction of peak.");
 ABSL_FLAG(double, weight_decay, 0.1, "Standalone: AdamW weight decay.");
 ABSL_FLAG(double, grad_clip, 1.0, "Standalone: global gradient-norm clip; 0 disables.");
-ABSL_FLAG(uint64_t, seed, 1234, "Standalone: seed of initialisation and data order.");
+ABSL_FLAG(uint64_t, seed, tessera::planner::kDefaultSeed,
+          "Standalone: seed of initialisation and data order.");
 ABSL_FLAG(std::string, checkpoint_dir, "", "Standalone: checkpoint directory; empty: none.");
 ABSL_FLAG(int64_t, checkpoint_every, 0, "Standalone: checkpoint interval in steps.");
 ABSL_FLAG(int, keep_last, 0, "Standalone: checkpoints kept; 0 keeps all.");
@@ -319,10 +321,10 @@ int Check() {
   return 0;
 }
 
-// Contract with Trainer::Setup (train.cc): a fresh run seeds LibTorch's CPU generator with the
-// job seed (0 means 1234) and builds the model on the CPU before anything else draws from it, so
-// the same steps here give bit-identical weights. A change there that breaks this shows up as a
-// first-step loss mismatch in bench/trainer_bench.py.
+// Contract with the run builder (runtime/run_builder.cc): a fresh run seeds LibTorch's CPU
+// generator with the job seed (0 means planner::kDefaultSeed) and builds the model on the CPU
+// before anything else draws from it, so the same steps here give bit-identical weights. A change
+// there that breaks this shows up as a first-step loss mismatch in bench/trainer_bench.py.
 int ExportInitialWeights(const tessera::v1::TrainerTask& task, const std::string& path) {
   const tessera::v1::JobSpec& spec = task.spec();
   auto summary = tessera::planner::ResolveModel(spec.model(), spec.data().seq_len());
@@ -340,7 +342,7 @@ int ExportInitialWeights(const tessera::v1::TrainerTask& task, const std::string
     return 1;
   }
   try {
-    torch::manual_seed(spec.seed() != 0 ? spec.seed() : 1234);
+    torch::manual_seed(tessera::planner::EffectiveSeed(spec.seed()));
     tessera::trainer::CausalLM model(summary->dims(), spec.model().init_std());
     std::vector<tessera::trainer::TensorView> views;
     for (const auto& item : model->named_parameters()) {
@@ -398,7 +400,7 @@ int RunModelTool(const tessera::v1::TrainerTask& task) {
     return 2;
   }
   try {
-    torch::manual_seed(spec.seed() != 0 ? spec.seed() : 1234);
+    torch::manual_seed(tessera::planner::EffectiveSeed(spec.seed()));
     tessera::trainer::CausalLM model(summary->dims(), spec.model().init_std());
     absl::Status status;
     if (!absl::GetFlag(FLAGS_weights).empty()) {

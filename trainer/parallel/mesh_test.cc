@@ -4,14 +4,12 @@
 #include "trainer/parallel/mesh.h"
 
 #include <array>
-#include <cstdlib>
-#include <thread>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <vector>
 
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "trainer/parallel/mesh_threads.h"
 
 namespace tessera::trainer {
 namespace {
@@ -29,44 +27,25 @@ struct RankResult {
 };
 
 std::vector<RankResult> RunMesh(const MeshShape& shape) {
-  // c10d's FlightRecorder is one per process and races (crashes inserting into its map) when
-  // several process groups of one process record collectives at once, as threads-as-ranks do;
-  // a trainer has one rank per process. Off for this test, before the first group exists.
-  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1);
-  auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<RankResult> results(shape.world());
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < shape.world(); ++rank) {
-    threads.emplace_back([&, rank] {
-      JoinedGroup world;
-      world.store = store;
-      world.backend = "gloo";
-      world.hostname = "127.0.0.1";
-      auto group = NewProcessGroup(store, rank, shape.world(), v1::DEVICE_TYPE_CPU, "127.0.0.1",
-                                   ProcessGroupOptions{});
-      ASSERT_THAT(group, IsOk());
-      world.group = *group;
-      auto mesh = DeviceMesh::Create(shape, rank, &world, ProcessGroupOptions{});
-      ASSERT_THAT(mesh, IsOk());
-      RankResult& result = results[rank];
-      for (int d = 0; d < kMeshDims; ++d) {
-        const MeshDim dim = static_cast<MeshDim>(d);
-        result.coords[d] = mesh->coord(dim);
-        if (mesh->size(dim) == 1) {
-          EXPECT_FALSE(mesh->group(dim)) << MeshDimName(dim);
-          result.sums[d] = rank;
-          continue;
-        }
-        ASSERT_TRUE(mesh->group(dim)) << MeshDimName(dim);
-        EXPECT_EQ(mesh->group(dim)->getSize(), mesh->size(dim));
-        result.world_group_reused |= mesh->group(dim).get() == world.group.get();
-        std::vector<at::Tensor> tensors{at::full({1}, rank, at::kLong)};
-        mesh->group(dim)->allreduce(tensors)->wait();
-        result.sums[d] = tensors[0].item<int64_t>();
+  testing::RunMeshThreads(shape, [&](int rank, const JoinedGroup& world, const DeviceMesh& mesh) {
+    RankResult& result = results[rank];
+    for (int d = 0; d < kMeshDims; ++d) {
+      const MeshDim dim = static_cast<MeshDim>(d);
+      result.coords[d] = mesh.coord(dim);
+      if (mesh.size(dim) == 1) {
+        EXPECT_FALSE(mesh.group(dim)) << MeshDimName(dim);
+        result.sums[d] = rank;
+        continue;
       }
-    });
-  }
-  for (auto& thread : threads) thread.join();
+      ASSERT_TRUE(mesh.group(dim)) << MeshDimName(dim);
+      EXPECT_EQ(mesh.group(dim)->getSize(), mesh.size(dim));
+      result.world_group_reused |= mesh.group(dim).get() == world.group.get();
+      std::vector<at::Tensor> tensors{at::full({1}, rank, at::kLong)};
+      mesh.group(dim)->allreduce(tensors)->wait();
+      result.sums[d] = tensors[0].item<int64_t>();
+    }
+  });
   return results;
 }
 

@@ -3,12 +3,13 @@
 // takes the slowest rank's wall time, but only the slowest spends little of it waiting.
 //
 // What is counted: the host time spent in Work::wait() of the blocking collectives of a training
-// step: the gradient reductions and ZeRO parameter gathers of trainer/engine/sharded_engine.cc (and its
-// gradient-norm all-reduce), the pipeline's activation and gradient sends and receives
-// (trainer/parallel/pipeline.cc), the tensor-parallel collectives (trainer/parallel/tensor_parallel.cc) and the
-// loss all-reduce of trainer/runtime/train_loop.cc. Not counted: checkpoint and evaluation collectives, which
-// fall outside a step's busy time anyway. On NCCL, wait() only orders the CUDA stream, so the
-// host sees little of the wait and busy time reads high on every rank alike.
+// step: the gradient reductions and ZeRO parameter gathers of trainer/engine/sharded_engine.cc
+// (and its gradient-norm all-reduce), the pipeline's activation and gradient sends and receives
+// (trainer/parallel/pipeline.cc), the tensor-parallel collectives
+// (trainer/parallel/tensor_parallel.cc) and the loss all-reduce of trainer/runtime/train_loop.cc.
+// Not counted: checkpoint and evaluation collectives, which fall outside a step's busy time
+// anyway. On NCCL, wait() only orders the CUDA stream, so the host sees little of the wait and
+// busy time reads high on every rank alike.
 //
 // Thread safety: the counter is one process-wide atomic; any thread may add to or read it.
 #pragma once

@@ -3,14 +3,14 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "planner/layout_rules.h"
 
 namespace tessera::trainer {
 
 absl::Status CheckPipelineSplits(const v1::ModelDims& dims, int pp) {
-  if (dims.num_layers() % pp != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("parallelism.layout.pipeline_parallel: ", pp,
-                                                   " does not divide the model's ",
-                                                   dims.num_layers(), " layers"));
+  // The rule and its message are the coordinator's (planner/layout_rules.h); tp 1 divides all.
+  if (const auto violation = planner::CheckModelDivisibility(dims, /*tensor_parallel=*/1, pp)) {
+    return absl::InvalidArgumentError(violation->ToString());
   }
   return absl::OkStatus();
 }

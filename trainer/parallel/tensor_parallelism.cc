@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "planner/layout_rules.h"
 
 namespace tessera::trainer {
 namespace {
@@ -14,15 +15,9 @@ absl::Status Refuse(const std::string& field, const std::string& problem) {
 }  // namespace
 
 absl::Status CheckTensorParallelSplits(const v1::ModelDims& dims, int tp) {
-  if (dims.num_attention_heads() % tp != 0 || dims.num_kv_heads() % tp != 0) {
-    return Refuse("tensor_parallel",
-                  absl::StrCat(tp, " does not divide the model's ", dims.num_attention_heads(),
-                               " attention heads and ", dims.num_kv_heads(),
-                               " key/value heads (key/value heads are split, not replicated)"));
-  }
-  if (dims.ffn_hidden_size() % tp != 0) {
-    return Refuse("tensor_parallel",
-                  absl::StrCat(tp, " does not divide ffn_hidden_size ", dims.ffn_hidden_size()));
+  // The rule and its message are the coordinator's (planner/layout_rules.h); pp 1 divides all.
+  if (const auto violation = planner::CheckModelDivisibility(dims, tp, /*pipeline_parallel=*/1)) {
+    return absl::InvalidArgumentError(violation->ToString());
   }
   return absl::OkStatus();
 }

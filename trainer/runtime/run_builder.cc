@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
+#include "planner/layout_rules.h"
 #include "planner/job_plan.h"
 #include "planner/lora.h"
 #include "planner/lr_schedule.h"
@@ -233,7 +234,7 @@ absl::StatusOr<RunSettings> ResolveRunSettings(const v1::JobSpec& spec, bool cud
   const v1::OptimizerSpec& opt = spec.optimizer();
   const double clip = opt.grad_clip_norm();
   return RunSettings{
-      .seed = spec.seed() != 0 ? spec.seed() : 1234,
+      .seed = planner::EffectiveSeed(spec.seed()),
       .init_std = spec.model().init_std() > 0 ? spec.model().init_std() : planner::kDefaultInitStd,
       .adamw = {.beta1 = opt.beta1() > 0 ? opt.beta1() : 0.9,
                 .beta2 = opt.beta2() > 0 ? opt.beta2() : 0.95,

@@ -24,6 +24,7 @@
 #include "trainer/engine/data_parallelism.h"
 #include "trainer/model/build_model.h"
 #include "trainer/model/test_model_dims.h"
+#include "trainer/parallel/mesh_threads.h"
 #include "trainer/parallel/pipeline_parallelism.h"
 #include "trainer/parallel/tensor_parallelism.h"
 
@@ -122,11 +123,11 @@ TEST(RunBuilderTest, ValidateSplitsNamesEachParallelismsField) {
                        HasSubstr("parallelism.layout.tensor_parallel: 4 does not divide")));
   EXPECT_THAT(ValidateSplits(testing::TinyQwenDims(/*ffn_hidden_size=*/99), {.tp = 2}, task),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("tensor_parallel: 2 does not divide ffn_hidden_size 99")));
+                       HasSubstr("tensor_parallel: 2 does not divide the model's ffn_hidden_size 99")));
   EXPECT_THAT(ValidateSplits(dims, {.pp = 3}, task),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("parallelism.layout.pipeline_parallel: 3 does not divide the "
-                                 "model's 2 layers")));
+                                 "model's num_layers 2")));
   task.mutable_plan()->mutable_layout()->set_sequence_parallel(true);
   task.mutable_spec()->mutable_data()->set_seq_len(15);
   EXPECT_THAT(ValidateSplits(dims, {.tp = 2}, task),
@@ -342,40 +343,23 @@ TEST(RunTrainingTest, TrainsTheBuiltRunAndReportsEveryStep) {
 // Threads as the ranks of a pp 2 x tp 2 mesh on in-process Gloo: each rank's tensor split and
 // pipeline stage follow its mesh coordinates, and the pipeline's schedule is built for it.
 TEST(RunBuilderTest, ParallelismsGiveEachRankItsSplitAndStage) {
-  // c10d's FlightRecorder races when several groups of one process record at once (mesh_test).
-  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1);
   const MeshShape shape{.pp = 2, .dp = 1, .tp = 2};
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < shape.world(); ++rank) {
-    threads.emplace_back([&, rank] {
-      JoinedGroup world;
-      world.store = store;
-      world.backend = "gloo";
-      world.hostname = "127.0.0.1";
-      auto group = NewProcessGroup(store, rank, shape.world(), v1::DEVICE_TYPE_CPU, "127.0.0.1",
-                                   ProcessGroupOptions{});
-      ASSERT_THAT(group, IsOk());
-      world.group = *group;
-      auto mesh = DeviceMesh::Create(shape, rank, &world, ProcessGroupOptions{});
-      ASSERT_THAT(mesh, IsOk());
-      const TensorParallel tp = TensorParallelOf(*mesh, /*sequence_parallel=*/true);
-      EXPECT_EQ(tp.size, 2);
-      EXPECT_EQ(tp.rank, rank % 2);
-      EXPECT_TRUE(tp.sequence_parallel);
-      EXPECT_TRUE(tp.group);
-      const PipelineStage stage = PipelineStageOf(*mesh, /*num_layers=*/6);
-      EXPECT_EQ(stage.stage, rank / 2);
-      EXPECT_EQ(stage.stages, 2);
-      EXPECT_EQ(stage.first_layer, 3 * (rank / 2));
-      EXPECT_EQ(stage.num_layers, 3);
-      auto schedule = MakePipelineSchedule(*mesh, {2, 8, 4}, torch::kCPU);
-      ASSERT_TRUE(schedule.has_value());
-      EXPECT_EQ(schedule->first(), rank / 2 == 0);
-      EXPECT_EQ(schedule->last(), rank / 2 == 1);
-    });
-  }
-  for (auto& thread : threads) thread.join();
+  testing::RunMeshThreads(shape, [&](int rank, const JoinedGroup&, const DeviceMesh& mesh) {
+    const TensorParallel tp = TensorParallelOf(mesh, /*sequence_parallel=*/true);
+    EXPECT_EQ(tp.size, 2);
+    EXPECT_EQ(tp.rank, rank % 2);
+    EXPECT_TRUE(tp.sequence_parallel);
+    EXPECT_TRUE(tp.group);
+    const PipelineStage stage = PipelineStageOf(mesh, /*num_layers=*/6);
+    EXPECT_EQ(stage.stage, rank / 2);
+    EXPECT_EQ(stage.stages, 2);
+    EXPECT_EQ(stage.first_layer, 3 * (rank / 2));
+    EXPECT_EQ(stage.num_layers, 3);
+    auto schedule = MakePipelineSchedule(mesh, {2, 8, 4}, torch::kCPU);
+    ASSERT_TRUE(schedule.has_value());
+    EXPECT_EQ(schedule->first(), rank / 2 == 0);
+    EXPECT_EQ(schedule->last(), rank / 2 == 1);
+  });
 }
 
 TEST(RunBuilderTest, OneRankHasNoSplitStageOrSchedule) {
