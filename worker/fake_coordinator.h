@@ -7,6 +7,7 @@
 #pragma once
 
 #include <filesystem>
+#include <memory>
 #include <functional>
 #include <string>
 #include <system_error>
@@ -17,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "grpcpp/server_builder.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 
 namespace tessera::worker::agent_test {
@@ -219,6 +221,19 @@ inline v1::TaskState StateIn(const v1::HeartbeatRequest& request, const std::str
     if (status.task_id() == task_id) return status.state();
   }
   return v1::TASK_STATE_UNSPECIFIED;
+}
+
+// Serves `coordinator` on 127.0.0.1 at a free port; sets `*address` to "127.0.0.1:<port>". Null
+// when the server cannot start.
+inline std::unique_ptr<grpc::Server> ServeOnLoopback(FakeCoordinator* coordinator,
+                                                     std::string* address) {
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(coordinator);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  *address = absl::StrCat("127.0.0.1:", port);
+  return server;
 }
 
 }  // namespace tessera::worker::agent_test

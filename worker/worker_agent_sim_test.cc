@@ -38,6 +38,7 @@ namespace {
 using agent_test::FakeCoordinator;
 using agent_test::IsTerminal;
 using agent_test::kTaskId;
+using agent_test::ServeOnLoopback;
 using agent_test::StateIn;
 using agent_test::TwoRanks;
 using ::tessera::testing::IsOk;
@@ -261,13 +262,8 @@ class WorkerAgentSimTest : public ::testing::Test {
   void Start(v1::TaskAssignment assignment, WorkerAgentOptions options) {
     coordinator_ = std::make_unique<FakeCoordinator>(std::move(assignment), &clock_);
     coordinator_->set_heartbeat_interval_seconds(kHeartbeatSeconds);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(coordinator_.get());
-    server_ = builder.BuildAndStart();
+    server_ = ServeOnLoopback(coordinator_.get(), &options.coordinator_address);
     ASSERT_NE(server_, nullptr);
-    options.coordinator_address = absl::StrCat("127.0.0.1:", port);
     options.node_id = "n1";
     options.work_dir = work_dir_;
     options.cpu_slots = 2;

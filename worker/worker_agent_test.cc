@@ -33,6 +33,7 @@ namespace {
 using agent_test::FakeCoordinator;
 using agent_test::GpuRanks;
 using agent_test::IsTerminal;
+using agent_test::ServeOnLoopback;
 using agent_test::kTaskId;
 using agent_test::StateIn;
 using agent_test::TwoRanks;
@@ -48,13 +49,8 @@ class WorkerAgentTest : public ::testing::Test {
     setenv("TESSERA_FAKE_TRAINER_ARGS_RANK1", rank1_flags.c_str(), 1);
     coordinator_ = std::make_unique<FakeCoordinator>(std::move(assignment));
     coordinator_->set_trainers_dir(work_dir_ + "/trainers");
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(coordinator_.get());
-    server_ = builder.BuildAndStart();
+    server_ = ServeOnLoopback(coordinator_.get(), &options.coordinator_address);
     ASSERT_NE(server_, nullptr);
-    options.coordinator_address = absl::StrCat("127.0.0.1:", port);
     options.node_id = "n1";
     options.work_dir = work_dir_;
     options.cpu_slots = 2;
