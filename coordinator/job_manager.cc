@@ -55,9 +55,10 @@ absl::StatusOr<std::vector<v1::JobEvent>> JobManager::CommitAndNotify(const JobW
 
 absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::string& request_id,
                                            const std::string& owner) {
-  RETURN_IF_ERROR(ValidateJobSpec(spec));
+  // The spec is validated and resolved once, here; the plan records what it resolved to.
+  ASSIGN_OR_RETURN(const ResolvedJob resolved, ResolveJob(spec));
   RETURN_IF_ERROR(ValidateTrainerRuns(spec));
-  ASSIGN_OR_RETURN(v1::LayoutPlan plan, PlanJob(spec));
+  v1::LayoutPlan plan = PlanJob(spec, resolved);
   const std::string owned_request_id =
       request_id.empty() ? "" : absl::StrCat(owner, "/", request_id);
   // Only a repeated request id needs the lock: a new job's id is unknown to anyone else until it

@@ -17,6 +17,7 @@
 #include "planner/lr_schedule.h"
 #include "planner/lora.h"
 #include "planner/model_config.h"
+#include "planner/training_settings.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -298,7 +299,7 @@ absl::Status ValidateLabels(const google::protobuf::Map<std::string, std::string
 
 }  // namespace
 
-absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+absl::StatusOr<ResolvedJob> ResolveJob(const v1::JobSpec& spec) {
   if (const size_t bytes = spec.ByteSizeLong(); bytes > kMaxSpecBytes) {
     return Invalid("spec", absl::StrCat(bytes, " bytes encoded; at most ", kMaxSpecBytes));
   }
@@ -342,8 +343,17 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   RETURN_IF_ERROR(CheckNonNegative("max_restarts", spec.max_restarts()));
   RETURN_IF_ERROR(CheckNonNegative("hang_timeout_seconds", spec.hang_timeout_seconds()));
   RETURN_IF_ERROR(ValidateLabels(spec.labels()));
-  return absl::OkStatus();
+  ResolvedJob resolved;
+  // ValidateData accepted data.seq_len for these dimensions.
+  ASSIGN_OR_RETURN(resolved.model, planner::ModelForSeqLen(model, spec.data().seq_len()));
+  resolved.settings = planner::ResolveTrainingSettings(spec);
+  resolved.precision = planner::ResolvePrecision(spec.precision(), spec.resources().gpus() > 0);
+  // ValidateResources accepted the resources, so the world size is known.
+  resolved.world_size = *WorldSize(spec.resources());
+  return resolved;
 }
+
+absl::Status ValidateJobSpec(const v1::JobSpec& spec) { return ResolveJob(spec).status(); }
 
 absl::Status ValidateTrainerRuns(const v1::JobSpec& spec) {
   // An automatic layout is chosen among what the trainer runs when the job is scheduled.
@@ -352,13 +362,12 @@ absl::Status ValidateTrainerRuns(const v1::JobSpec& spec) {
   return planner::CheckTrainerRuns(spec.parallelism().layout());
 }
 
-absl::StatusOr<v1::LayoutPlan> PlanJob(const v1::JobSpec& spec) {
-  RETURN_IF_ERROR(ValidateJobSpec(spec));
+v1::LayoutPlan PlanJob(const v1::JobSpec& spec, const ResolvedJob& resolved) {
   v1::LayoutPlan plan;
-  ASSIGN_OR_RETURN(*plan.mutable_model(),
-                   planner::ResolveModel(spec.model(), spec.data().seq_len()));
-  // ValidateJobSpec accepted the resources, so the world size is known.
-  const int world = *WorldSize(spec.resources());
+  *plan.mutable_model() = resolved.model;
+  *plan.mutable_settings() = resolved.settings;
+  plan.set_precision(resolved.precision);
+  const int world = resolved.world_size;
   const char* device = spec.resources().gpus() > 0 ? "GPUs" : "CPU slots";
   v1::Layout& layout = *plan.mutable_layout();
   if (HasExplicitLayout(spec)) {
@@ -388,6 +397,11 @@ absl::StatusOr<v1::LayoutPlan> PlanJob(const v1::JobSpec& spec) {
                            (int64_t{spec.batch().micro_batch_size()} * layout.data_parallel())));
   plan.set_fits(true);
   return plan;
+}
+
+absl::StatusOr<v1::LayoutPlan> PlanJob(const v1::JobSpec& spec) {
+  ASSIGN_OR_RETURN(const ResolvedJob resolved, ResolveJob(spec));
+  return PlanJob(spec, resolved);
 }
 
 }  // namespace tessera::coordinator

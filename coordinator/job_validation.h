@@ -26,6 +26,25 @@ inline constexpr int kMaxPriority = 1000;
 // ZeRO stages are 0 (none) to 3 (parameters sharded).
 inline constexpr int kMaxZeroStage = 3;
 
+// A spec resolved once, at submission: what the plan records (LayoutPlan.model, .settings,
+// .precision, .world_size) and the scheduler and the trainer then read, instead of each resolving
+// the spec again.
+struct ResolvedJob {
+  // The model at data.seq_len (planner::ResolveModel; a from_pretrained config.json is read here,
+  // once).
+  v1::ModelSummary model;
+  // Every default the spec leaves open (planner::ResolveTrainingSettings).
+  v1::TrainingSettings settings;
+  // The precision it trains in (planner::ResolvePrecision for the resources it asks for).
+  v1::Precision precision = v1::PRECISION_UNSPECIFIED;
+  // resources.gpus, or resources.cpu_slots when gpus is 0.
+  int world_size = 0;
+};
+
+// Validates `spec` (ValidateJobSpec's rules and errors) and resolves it. Pure function;
+// thread-safe.
+absl::StatusOr<ResolvedJob> ResolveJob(const v1::JobSpec& spec);
+
 // OK when the spec can run; otherwise INVALID_ARGUMENT for the first problem in the proto's field
 // order (name, model, data, batch, parallelism, optimizer, precision, max_steps, checkpoint,
 // resources, priority, max_restarts, labels). The message starts with the field path, states the
@@ -43,12 +62,15 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 // thread-safe.
 absl::Status ValidateTrainerRuns(const v1::JobSpec& spec);
 
-// The plan for a spec that ValidateJobSpec accepts (its error otherwise). World size is
-// resources.gpus, or resources.cpu_slots when gpus is 0. An explicit layout is used as given; an
-// automatic one (or unset parallelism) becomes data_parallel = world size, tensor and pipeline
-// parallel 1, ZeRO stage 0, until the scheduler plans it (`explanation` says which). `model` is
-// the resolved ModelSummary at data.seq_len. `fits` is true and `memory` and `step_time` are left
-// empty until then. Pure function; thread-safe.
+// The provisional plan of `spec` as `resolved` (ResolveJob(spec)). An explicit layout is used as
+// given; an automatic one (or unset parallelism) becomes data_parallel = world size, tensor and
+// pipeline parallel 1, ZeRO stage 0, until the scheduler plans it (`explanation` says which).
+// `model`, `settings`, `precision` and `world_size` are the resolved ones; `fits` is true and
+// `memory` and `step_time` are left empty until then. Pure function; thread-safe.
+v1::LayoutPlan PlanJob(const v1::JobSpec& spec, const ResolvedJob& resolved);
+
+// ResolveJob, then PlanJob: the plan for a spec that ValidateJobSpec accepts (its error
+// otherwise).
 absl::StatusOr<v1::LayoutPlan> PlanJob(const v1::JobSpec& spec);
 
 }  // namespace tessera::coordinator

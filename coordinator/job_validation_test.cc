@@ -565,6 +565,41 @@ TEST(JobValidationPlanTest, AutoLayoutIsDataParallelOverEveryCpuSlot) {
   EXPECT_DOUBLE_EQ(plan->model().flops_per_token(), 6.0 * params + 12.0 * 2 * 64 * 64);
 }
 
+// The spec is resolved once, at submission, and the plan records it: the trainer reads the
+// model, the defaults and the precision from the plan rather than resolving the spec again.
+TEST(JobValidationPlanTest, ThePlanRecordsWhatTheSpecResolvedTo) {
+  v1::JobSpec spec = MinimalSpec();
+  spec.mutable_optimizer()->set_beta2(0.99);
+  absl::StatusOr<ResolvedJob> resolved = ResolveJob(spec);
+  ASSERT_THAT(resolved, IsOk());
+  EXPECT_EQ(resolved->model.preset(), "tiny-gpt2");
+  EXPECT_EQ(resolved->world_size, spec.resources().cpu_slots());
+  EXPECT_EQ(resolved->precision, v1::PRECISION_FP32);  // CPU slots, precision unset
+  EXPECT_EQ(resolved->settings.seed(), 1234u);
+  EXPECT_EQ(resolved->settings.adam_beta1(), 0.9);
+  EXPECT_EQ(resolved->settings.adam_beta2(), 0.99);
+  EXPECT_EQ(resolved->settings.eval_batches(), 20);
+
+  const v1::LayoutPlan plan = PlanJob(spec, *resolved);
+  EXPECT_EQ(plan.model().SerializeAsString(), resolved->model.SerializeAsString());
+  EXPECT_EQ(plan.settings().SerializeAsString(), resolved->settings.SerializeAsString());
+  EXPECT_EQ(plan.precision(), v1::PRECISION_FP32);
+  EXPECT_EQ(plan.world_size(), resolved->world_size);
+
+  // On GPUs an unset precision is bf16.
+  spec.mutable_resources()->set_gpus(8);
+  spec.mutable_batch()->set_global_batch_size(64);
+  resolved = ResolveJob(spec);
+  ASSERT_THAT(resolved, IsOk());
+  EXPECT_EQ(resolved->precision, v1::PRECISION_BF16);
+  EXPECT_EQ(resolved->world_size, 8);
+
+  // A spec ResolveJob refuses is refused with ValidateJobSpec's error.
+  spec.mutable_optimizer()->set_beta2(-1);
+  EXPECT_EQ(ResolveJob(spec).status(), ValidateJobSpec(spec));
+  EXPECT_FALSE(ValidateJobSpec(spec).ok());
+}
+
 TEST(JobValidationPlanTest, ExplicitLayoutIsTakenAsGiven) {
   v1::JobSpec spec = MinimalSpec();
   spec.mutable_resources()->set_gpus(8);

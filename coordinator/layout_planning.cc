@@ -76,13 +76,17 @@ absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutFor(const v1::PlanLayoutRequest
 }
 
 absl::StatusOr<v1::LayoutPlan> PlanForTarget(const v1::JobSpec& spec,
+                                             const v1::LayoutPlan& submitted,
                                              const absl::StatusOr<planner::DeviceTarget>& target) {
   if (!target.ok()) return target.status();
   planner::JobPlanOptions options;
   options.device = target->device;
   options.devices_per_node = std::max(1, target->devices_per_node);
   options.runnable_only = true;
+  // Plans stored before the model was resolved at submission have no dimensions.
+  if (submitted.model().dims().hidden_size() > 0) options.model = submitted.model();
   ASSIGN_OR_RETURN(planner::JobPlan plan, planner::PlanJobSpec(spec, options));
+  if (submitted.has_settings()) *plan.plan.mutable_settings() = submitted.settings();
   if (!target->gpu_name.empty()) {
     plan.plan.set_explanation(
         absl::StrCat(plan.plan.explanation(), " Planned for ", target->gpu_name, "."));

@@ -30,8 +30,11 @@ absl::StatusOr<v1::PlanLayoutResponse> PlanLayoutFor(const v1::PlanLayoutRequest
 // automatic layout is chosen among those the trainer runs, an explicit one is checked. The
 // result's `fits` is false (and its explanation is the pending reason) when nothing fits; an error
 // when the job cannot be planned there at all (no matching node, unknown GPU model; `target`'s
-// error is returned as is) - the caller then keeps the job's provisional plan.
+// error is returned as is) - the caller then keeps the job's provisional plan. `submitted` is the
+// plan made at submission (JobManager, PlanJob): its resolved model is planned for rather than
+// resolving the spec again, and its training settings are carried into the result.
 absl::StatusOr<v1::LayoutPlan> PlanForTarget(const v1::JobSpec& spec,
+                                             const v1::LayoutPlan& submitted,
                                              const absl::StatusOr<planner::DeviceTarget>& target);
 
 }  // namespace tessera::coordinator

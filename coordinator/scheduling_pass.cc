@@ -169,7 +169,7 @@ const absl::StatusOr<v1::LayoutPlan>& SchedulingPass::CachedPlan(
   PlanEntry& cached = plan_cache_[job.job_id()];
   if (!cached.plan.has_value() || cached.fingerprint != fingerprint) {
     cached.fingerprint = fingerprint;
-    cached.plan = PlanForTarget(spec, target);
+    cached.plan = PlanForTarget(spec, job.plan(), target);
   }
   return *cached.plan;
 }
@@ -239,7 +239,8 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
       const int asked = RequestedDevices(spec);
       for (int devices = std::min(free, asked); devices >= 1 && devices < asked; --devices) {
         const v1::JobSpec smaller = WithDevices(job.spec(), devices);
-        if (auto plan = PlanForTarget(smaller, target->second); plan.ok() && plan->fits()) {
+        if (auto plan = PlanForTarget(smaller, job.plan(), target->second);
+            plan.ok() && plan->fits()) {
           spec = smaller;
           break;
         }

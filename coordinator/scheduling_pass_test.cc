@@ -4,6 +4,8 @@
 
 #include "coordinator/scheduling_pass.h"
 
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -17,12 +19,14 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/util/job_specs.h"
+#include "tests/util/temp_dir.h"
 
 namespace tessera::coordinator {
 namespace {
 
 using ::tessera::testing::IsOk;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::SizeIs;
 
 class SchedulingPassTest : public ::testing::Test {
@@ -113,6 +117,48 @@ TEST_F(SchedulingPassTest, PlacesAWaitingJobAndReleasesItsAssignmentOnceStored) 
   for (const char* phase : {"list", "settle", "plan", "schedule", "admit", "store", "count"}) {
     EXPECT_TRUE(stats.phase_seconds.contains(phase)) << phase;
   }
+}
+
+// The spec is resolved once, at submission: the pass plans for the model the submission resolved
+// (a from_pretrained config.json is not read again; here it is gone by then), keeps a preset's
+// name, and carries the resolved settings into the plan every trainer gets.
+TEST_F(SchedulingPassTest, PlansForTheModelResolvedAtSubmission) {
+  Register("n1", 4);
+  ::tessera::testing::ScopedTempDir dir("pass-pretrained");
+  const std::string config = dir.path() + "/config.json";
+  std::ofstream(config) << R"({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_head": 2, "n_layer": 2,
+                               "n_positions": 128, "vocab_size": 257})";
+  v1::JobSpec spec = testing::TinyCpuJobSpec("pretrained", 2);
+  spec.mutable_model()->set_from_pretrained(dir.path());
+  spec.mutable_optimizer()->set_beta1(0.8);
+  auto pretrained = jobs_->Submit(spec, "");
+  ASSERT_THAT(pretrained.status(), IsOk());
+  EXPECT_EQ(pretrained->plan().model().dims().hidden_size(), 64);
+  std::filesystem::remove(config);
+  const std::string preset = Submit(2);
+
+  pass_->Run(/*count=*/false, /*overlap_store=*/false);
+  const v1::Job placed = Job(pretrained->job_id());
+  ASSERT_EQ(placed.state(), v1::JOB_STATE_SCHEDULED) << placed.reason();
+  // Planned by the layout planner (with estimates), not left with the provisional plan that a
+  // failure to resolve the spec again would have kept.
+  EXPECT_TRUE(placed.plan().has_memory());
+  EXPECT_THAT(placed.plan().explanation(), Not(HasSubstr("Provisional")));
+  EXPECT_EQ(placed.plan().model().dims().hidden_size(), 64);
+  EXPECT_EQ(placed.plan().model().dims().num_layers(), 2);
+  EXPECT_EQ(placed.plan().settings().adam_beta1(), 0.8);
+  EXPECT_EQ(placed.plan().settings().seed(), 1234u);
+  EXPECT_EQ(placed.plan().precision(), v1::PRECISION_FP32);
+  EXPECT_EQ(Job(preset).plan().model().preset(), "tiny-gpt2");
+  // What the trainers are sent is that plan.
+  const v1::HeartbeatResponse orders = Orders("n1");
+  bool sent = false;
+  for (const auto& start : orders.start()) {
+    if (start.trainers(0).job_id() != placed.job_id()) continue;
+    sent = true;
+    EXPECT_EQ(start.trainers(0).plan().SerializeAsString(), placed.plan().SerializeAsString());
+  }
+  EXPECT_TRUE(sent);
 }
 
 // A placement the store refuses is taken back: no devices held, nothing delivered, the job still

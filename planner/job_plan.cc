@@ -12,6 +12,7 @@
 #include "planner/devices.h"
 #include "planner/lora.h"
 #include "planner/model_config.h"
+#include "planner/training_settings.h"
 
 namespace tessera::planner {
 namespace {
@@ -95,7 +96,12 @@ absl::Status CheckTrainerRunsLora(const v1::Layout& layout) {
 
 absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOptions& options) {
   RETURN_IF_ERROR(ValidateDeviceModel(options.device));
-  ASSIGN_OR_RETURN(const v1::ModelSummary model, ResolveModel(spec.model(), spec.data().seq_len()));
+  v1::ModelSummary model;
+  if (options.model.has_value()) {
+    model = *options.model;
+  } else {
+    ASSIGN_OR_RETURN(model, ResolveModel(spec.model(), spec.data().seq_len()));
+  }
   Workload w;
   w.dims = model.dims();
   w.seq_len = spec.data().seq_len();
@@ -120,11 +126,9 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
   const bool cpu = IsCpu(options.device);
   switch (spec.precision()) {
     case v1::PRECISION_UNSPECIFIED:
-      w.precision = cpu ? v1::PRECISION_FP32 : v1::PRECISION_BF16;
-      break;
     case v1::PRECISION_FP32:
     case v1::PRECISION_BF16:
-      w.precision = spec.precision();
+      w.precision = ResolvePrecision(spec.precision(), /*gpus=*/!cpu);
       break;
     default:
       return Invalid("precision", absl::StrCat("unknown value ", spec.precision()));
@@ -207,6 +211,8 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
     }
     out.candidates = std::move(result.candidates);
   }
+  // The resolved model, its preset name included.
+  *out.plan.mutable_model() = model;
   return out;
 }
 

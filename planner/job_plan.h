@@ -5,6 +5,7 @@
 // `tessera plan`. Pure; thread-safe.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,9 @@ struct JobPlanOptions {
   int lora_rank = 0;
   // Restrict automatic layouts to what the trainer runs (TrainerCapabilities()).
   bool runnable_only = false;
+  // The spec's model as resolved at submission for its data.seq_len (LayoutPlan.model); unset
+  // resolves spec.model here (ResolveModel, which reads a from_pretrained config.json).
+  std::optional<v1::ModelSummary> model;
 };
 
 struct JobPlan {

@@ -1,7 +1,7 @@
 // The layout rules that depend on the model alone, in one place: which tensor- and
-// pipeline-parallel degrees its dimensions allow, and the seed a spec that names none gets. The
-// coordinator's validation, the layout search and the trainer all ask here, so a rule (and its
-// message) changes once.
+// pipeline-parallel degrees its dimensions allow. The coordinator's validation, the layout search
+// and the trainer all ask here, so a rule (and its message) changes once. (The defaults a spec
+// leaves open are training_settings.h's.)
 #pragma once
 
 #include <cstdint>
@@ -27,9 +27,5 @@ struct LayoutRuleViolation {
 std::optional<LayoutRuleViolation> CheckModelDivisibility(const v1::ModelDims& dims,
                                                           int tensor_parallel,
                                                           int pipeline_parallel);
-
-// The seed of initialisation and data order when a spec leaves JobSpec.seed at 0.
-inline constexpr uint64_t kDefaultSeed = 1234;
-inline uint64_t EffectiveSeed(uint64_t seed) { return seed != 0 ? seed : kDefaultSeed; }
 
 }  // namespace tessera::planner

@@ -43,10 +43,5 @@ TEST(LayoutRulesTest, EachBrokenRuleNamesItsFieldAndDimension) {
             "parallelism.layout.tensor_parallel");
 }
 
-TEST(LayoutRulesTest, ASpecWithoutASeedGetsTheDefaultOne) {
-  EXPECT_EQ(EffectiveSeed(0), kDefaultSeed);
-  EXPECT_EQ(EffectiveSeed(7), 7u);
-}
-
 }  // namespace
 }  // namespace tessera::planner

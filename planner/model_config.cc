@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -292,21 +293,25 @@ absl::StatusOr<v1::ModelSummary> ResolveModel(const v1::ModelSpec& spec, int seq
       return Invalid("model", "set one of preset or dims, or from_pretrained");
   }
   if (auto s = CheckNonNegative("model.init_std", spec.init_std()); !s.ok()) return s;
-
-  if (auto s = CheckSeqLen(summary.dims(), seq_len); !s.ok()) return s;
-  // Rotary positions extend past the preset's context: the trainer sizes its rotary tables from
-  // max_seq_len, so it must cover the training sequence.
-  if (seq_len > summary.dims().max_seq_len()) summary.mutable_dims()->set_max_seq_len(seq_len);
-  const v1::ModelDims& dims = summary.dims();
-  // 2^62 leaves headroom for the sums in CountParameters; no trainable model comes near it.
-  if (ApproximateParameters(dims) > static_cast<long double>(int64_t{1} << 62)) {
+  // 2^62 leaves headroom for the sums in CountParameters; no trainable model comes near it. (A
+  // longer max_seq_len, below, adds no parameters: only learned position embeddings have rows,
+  // and those are never extended.)
+  if (ApproximateParameters(summary.dims()) > static_cast<long double>(int64_t{1} << 62)) {
     return Invalid(spec.has_dims()     ? "model.dims"
                    : spec.has_preset() ? "model.preset"
                                        : "model.from_pretrained",
                    "parameter count overflows int64");
   }
-  summary.set_num_parameters(CountParameters(dims));
-  summary.set_flops_per_token(FlopsPerToken(dims, seq_len));
+  return ModelForSeqLen(std::move(summary), seq_len);
+}
+
+absl::StatusOr<v1::ModelSummary> ModelForSeqLen(v1::ModelSummary summary, int seq_len) {
+  if (auto s = CheckSeqLen(summary.dims(), seq_len); !s.ok()) return s;
+  // Rotary positions extend past the preset's context: the trainer sizes its rotary tables from
+  // max_seq_len, so it must cover the training sequence.
+  if (seq_len > summary.dims().max_seq_len()) summary.mutable_dims()->set_max_seq_len(seq_len);
+  summary.set_num_parameters(CountParameters(summary.dims()));
+  summary.set_flops_per_token(FlopsPerToken(summary.dims(), seq_len));
   return summary;
 }
 

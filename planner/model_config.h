@@ -27,6 +27,12 @@ inline constexpr double kDefaultInitStd = 0.02;
 // trainer builds its rotary tables from dims.max_seq_len.
 absl::StatusOr<v1::ModelSummary> ResolveModel(const v1::ModelSpec& spec, int seq_len);
 
+// A model resolved (ResolveModel) at some sequence length, for sequences of `seq_len` instead:
+// CheckSeqLen, the Llama family's max_seq_len raised to seq_len when it is shorter, and
+// flops_per_token recomputed. Reads nothing (a from_pretrained config.json is read once, by
+// ResolveModel).
+absl::StatusOr<v1::ModelSummary> ModelForSeqLen(v1::ModelSummary summary, int seq_len);
+
 // Whether a model of resolved `dims` trains at `seq_len`: > 0, and for GPT-2 (learned position
 // embeddings, one row per position) <= max_seq_len ("data.seq_len: 2048 exceeds model max_seq_len
 // 1024 (...)"); rotary (ARCHITECTURE_LLAMA) models take any length. INVALID_ARGUMENT otherwise.

@@ -168,6 +168,26 @@ TEST(ModelConfigTest, SeqLenMustFitTheModel) {
   EXPECT_THAT(ResolveModel(PresetSpec("gpt2-124m"), 1024), IsOk());
 }
 
+TEST(ModelConfigTest, AResolvedModelIsMovedToAnotherSeqLenWithoutResolvingAgain) {
+  // What the coordinator does at submission: the model's fields are checked first (at seq_len 1),
+  // then moved to the spec's seq_len once that is known to be valid.
+  for (const char* preset : {"gpt2-124m", "llama3-8b"}) {
+    for (int seq_len : {512, 1024, 32768}) {
+      const absl::StatusOr<v1::ModelSummary> direct = ResolveModel(PresetSpec(preset), seq_len);
+      const absl::StatusOr<v1::ModelSummary> moved = ModelForSeqLen(Resolve(preset, 1), seq_len);
+      ASSERT_EQ(direct.ok(), moved.ok()) << preset << " " << seq_len;
+      if (!direct.ok()) {
+        EXPECT_EQ(direct.status(), moved.status());
+        continue;
+      }
+      EXPECT_EQ(moved->SerializeAsString(), direct->SerializeAsString()) << preset << " " << seq_len;
+    }
+  }
+  EXPECT_THAT(ModelForSeqLen(Resolve("gpt2-124m", 1), 2048),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("data.seq_len: 2048 exceeds model max_seq_len 1024")));
+}
+
 TEST(ModelConfigTest, RotaryModelsTrainPastTheirMaxSeqLen) {
   // Long-context extension: the resolved max_seq_len grows to the training length, since the
   // trainer sizes its rotary tables from it; nothing else about the model changes.

@@ -12,11 +12,11 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
-#include "planner/layout_rules.h"
 #include "planner/job_plan.h"
 #include "planner/lora.h"
 #include "planner/lr_schedule.h"
 #include "planner/model_config.h"
+#include "planner/training_settings.h"
 #include "trainer/engine/data_parallelism.h"
 #include "trainer/model/build_model.h"
 #include "trainer/parallel/pipeline_parallelism.h"
@@ -79,10 +79,10 @@ absl::Status PrepareRun(const v1::TrainerTask& task, const RunReporter& reporter
   const v1::JobSpec& spec = task.spec();
   *kind = v1::FAILURE_KIND_INVALID_SPEC;
   ASSIGN_OR_RETURN(*shape, ValidateLayout(task));
-  ASSIGN_OR_RETURN(run.summary, ResolveModelSummary(spec));
+  ASSIGN_OR_RETURN(run.summary, ResolveModelSummary(task));
   RETURN_IF_ERROR(ValidateSplits(run.summary.dims(), *shape, task));
   ASSIGN_OR_RETURN(run.device, ResolveDevice(task.assignment()));
-  ASSIGN_OR_RETURN(run.settings, ResolveRunSettings(spec, run.device.device.is_cuda()));
+  ASSIGN_OR_RETURN(run.settings, ResolveRunSettings(task, run.device.device.is_cuda()));
   run.checkpointing = CheckpointingMode(task.plan().layout());
 
   *kind = v1::FAILURE_KIND_DATA_ERROR;
@@ -193,8 +193,9 @@ absl::StatusOr<MeshShape> ValidateLayout(const v1::TrainerTask& task) {
   return shape;
 }
 
-absl::StatusOr<v1::ModelSummary> ResolveModelSummary(const v1::JobSpec& spec) {
-  return planner::ResolveModel(spec.model(), spec.data().seq_len());
+absl::StatusOr<v1::ModelSummary> ResolveModelSummary(const v1::TrainerTask& task) {
+  if (task.plan().model().dims().hidden_size() > 0) return task.plan().model();
+  return planner::ResolveModel(task.spec().model(), task.spec().data().seq_len());
 }
 
 absl::Status ValidateSplits(const v1::ModelDims& dims, const MeshShape& shape,
@@ -223,25 +224,28 @@ absl::StatusOr<RunDevice> ResolveDevice(const v1::RankAssignment& assignment) {
 #endif
 }
 
-absl::StatusOr<RunSettings> ResolveRunSettings(const v1::JobSpec& spec, bool cuda) {
-  v1::Precision precision = spec.precision();
-  if (precision == v1::PRECISION_UNSPECIFIED) {
-    precision = cuda ? v1::PRECISION_BF16 : v1::PRECISION_FP32;
-  }
+absl::StatusOr<RunSettings> ResolveRunSettings(const v1::TrainerTask& task, bool cuda) {
+  const v1::LayoutPlan& plan = task.plan();
+  const v1::TrainingSettings settings = planner::HasTrainingSettings(plan)
+                                            ? plan.settings()
+                                            : planner::ResolveTrainingSettings(task.spec());
+  const v1::Precision precision =
+      plan.precision() != v1::PRECISION_UNSPECIFIED
+          ? plan.precision()
+          : planner::ResolvePrecision(task.spec().precision(), /*gpus=*/cuda);
   if (precision == v1::PRECISION_BF16 && !cuda) {
     return absl::InvalidArgumentError("precision: BF16 needs a CUDA device; use FP32 on CPU");
   }
-  const v1::OptimizerSpec& opt = spec.optimizer();
-  const double clip = opt.grad_clip_norm();
+  const double clip = settings.grad_clip_norm();
   return RunSettings{
-      .seed = planner::EffectiveSeed(spec.seed()),
-      .init_std = spec.model().init_std() > 0 ? spec.model().init_std() : planner::kDefaultInitStd,
-      .adamw = {.beta1 = opt.beta1() > 0 ? opt.beta1() : 0.9,
-                .beta2 = opt.beta2() > 0 ? opt.beta2() : 0.95,
-                .eps = opt.epsilon() > 0 ? opt.epsilon() : 1e-8},
-      .weight_decay = opt.weight_decay(),
+      .seed = settings.seed(),
+      .init_std = settings.init_std(),
+      .adamw = {.beta1 = settings.adam_beta1(),
+                .beta2 = settings.adam_beta2(),
+                .eps = settings.adam_epsilon()},
+      .weight_decay = settings.weight_decay(),
       .clip_norm = clip > 0 ? clip : std::numeric_limits<double>::infinity(),
-      .eval_batches = spec.data().eval_batches() > 0 ? spec.data().eval_batches() : 20,
+      .eval_batches = settings.eval_batches(),
       .bf16 = precision == v1::PRECISION_BF16};
 }
 

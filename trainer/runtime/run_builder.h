@@ -3,7 +3,8 @@
 // torchtitan's parallelize and pipeline functions:
 //
 //   validate    ValidateLayout, ResolveModelSummary, ValidateSplits
-//   device      ResolveDevice, ResolveRunSettings (every default the spec leaves open)
+//   device      ResolveDevice, ResolveRunSettings (every default the spec leaves open, as the
+//               coordinator resolved them)
 //   data        OpenTrainingData, CheckVocabulary, ResolveMaxSteps, OpenValidationData
 //   mesh        JoinWorld, then DeviceMesh::Create (trainer/parallel/mesh.h)
 //   model       BuildModel (trainer/model/build_model.h) for the partition that tensor and
@@ -44,8 +45,10 @@ namespace tessera::trainer {
 // guards direct launches. The mesh shape of the task's world; errors name the layout field.
 absl::StatusOr<MeshShape> ValidateLayout(const v1::TrainerTask& task);
 
-// The model of the spec resolved for its sequence length (planner::ResolveModel).
-absl::StatusOr<v1::ModelSummary> ResolveModelSummary(const v1::JobSpec& spec);
+// The task's model: the one the coordinator resolved at submission (its plan's `model`), or, for
+// a task that does not carry one (written by hand, or planned before models were resolved at
+// submission), the spec's resolved for its sequence length (planner::ResolveModel).
+absl::StatusOr<v1::ModelSummary> ResolveModelSummary(const v1::TrainerTask& task);
 
 // What the model's dimensions must allow for the mesh's splits (the planner's rules): each
 // parallelism's check, in the order tensor, pipeline, sequence.
@@ -56,9 +59,11 @@ absl::Status ValidateSplits(const v1::ModelDims& dims, const MeshShape& shape,
 // CPU. FAILED_PRECONDITION when CUDA is asked for and not there.
 absl::StatusOr<RunDevice> ResolveDevice(const v1::RankAssignment& assignment);
 
-// The spec's settings with the trainer's defaults filled in (RunSettings). INVALID_ARGUMENT for
-// bf16 without CUDA.
-absl::StatusOr<RunSettings> ResolveRunSettings(const v1::JobSpec& spec, bool cuda);
+// The task's settings (RunSettings): its plan's `settings` and `precision` as the coordinator
+// resolved them, or for a task that does not carry them the spec's with the same defaults
+// (planner::ResolveTrainingSettings, ResolvePrecision for this device). INVALID_ARGUMENT for bf16
+// without CUDA.
+absl::StatusOr<RunSettings> ResolveRunSettings(const v1::TrainerTask& task, bool cuda);
 
 // The layout's activation checkpointing (the older boolean maps to FULL or NONE).
 v1::ActivationCheckpointing CheckpointingMode(const v1::Layout& layout);

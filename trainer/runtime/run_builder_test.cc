@@ -19,6 +19,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/model_config.h"
+#include "planner/training_settings.h"
 #include "tests/util/temp_dir.h"
 #include "trainer/data/token_shard.h"
 #include "trainer/engine/data_parallelism.h"
@@ -135,9 +136,12 @@ TEST(RunBuilderTest, ValidateSplitsNamesEachParallelismsField) {
                        HasSubstr("parallelism.layout.sequence_parallel: data.seq_len 15")));
 }
 
+// A task without resolved settings (written by hand, or planned before the coordinator resolved
+// them) gets the same defaults the coordinator fills in (planner/training_settings.h).
 TEST(RunBuilderTest, SettingsFillTheDefaultsTheSpecLeavesOpen) {
-  v1::JobSpec spec;
-  auto settings = ResolveRunSettings(spec, /*cuda=*/false);
+  v1::TrainerTask task;
+  v1::JobSpec& spec = *task.mutable_spec();
+  auto settings = ResolveRunSettings(task, /*cuda=*/false);
   ASSERT_THAT(settings, IsOk());
   EXPECT_EQ(settings->seed, 1234u);
   EXPECT_EQ(settings->init_std, planner::kDefaultInitStd);
@@ -147,7 +151,7 @@ TEST(RunBuilderTest, SettingsFillTheDefaultsTheSpecLeavesOpen) {
   EXPECT_EQ(settings->clip_norm, std::numeric_limits<double>::infinity());
   EXPECT_EQ(settings->eval_batches, 20);
   EXPECT_FALSE(settings->bf16);
-  auto on_gpu = ResolveRunSettings(spec, /*cuda=*/true);
+  auto on_gpu = ResolveRunSettings(task, /*cuda=*/true);
   ASSERT_THAT(on_gpu, IsOk());
   EXPECT_TRUE(on_gpu->bf16);
 
@@ -156,7 +160,7 @@ TEST(RunBuilderTest, SettingsFillTheDefaultsTheSpecLeavesOpen) {
   spec.mutable_optimizer()->set_beta2(0.99);
   spec.mutable_optimizer()->set_grad_clip_norm(1.5);
   spec.mutable_data()->set_eval_batches(3);
-  settings = ResolveRunSettings(spec, /*cuda=*/false);
+  settings = ResolveRunSettings(task, /*cuda=*/false);
   ASSERT_THAT(settings, IsOk());
   EXPECT_EQ(settings->seed, 5u);
   EXPECT_EQ(settings->init_std, 0.01);
@@ -166,8 +170,34 @@ TEST(RunBuilderTest, SettingsFillTheDefaultsTheSpecLeavesOpen) {
   EXPECT_EQ(settings->eval_batches, 3);
 
   spec.set_precision(v1::PRECISION_BF16);
-  EXPECT_THAT(ResolveRunSettings(spec, /*cuda=*/false),
+  EXPECT_THAT(ResolveRunSettings(task, /*cuda=*/false),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("precision: BF16")));
+}
+
+// A task from the coordinator carries what the spec resolved to at submission (LayoutPlan.model,
+// .settings, .precision); the trainer takes it rather than resolving the spec again.
+TEST(RunBuilderTest, TheTaskTakesWhatTheCoordinatorResolved) {
+  v1::TrainerTask task = TinyTask("unused");
+  // The spec alone resolves to tiny-gpt2 with the default seed and betas.
+  auto from_spec = ResolveModelSummary(task);
+  ASSERT_THAT(from_spec, IsOk());
+  EXPECT_EQ(from_spec->preset(), "tiny-gpt2");
+
+  v1::LayoutPlan& plan = *task.mutable_plan();
+  *plan.mutable_model() = *from_spec;
+  plan.mutable_model()->set_num_parameters(42);  // marks the plan's copy
+  *plan.mutable_settings() = planner::ResolveTrainingSettings(task.spec());
+  plan.mutable_settings()->set_seed(99);
+  plan.mutable_settings()->set_adam_beta2(0.5);
+  plan.set_precision(v1::PRECISION_FP32);
+  auto model = ResolveModelSummary(task);
+  ASSERT_THAT(model, IsOk());
+  EXPECT_EQ(model->num_parameters(), 42);
+  auto settings = ResolveRunSettings(task, /*cuda=*/true);
+  ASSERT_THAT(settings, IsOk());
+  EXPECT_EQ(settings->seed, 99u);
+  EXPECT_EQ(settings->adamw.beta2, 0.5);
+  EXPECT_FALSE(settings->bf16);  // the plan's FP32, though a CUDA device would default to bf16
 }
 
 TEST(RunBuilderTest, DataStepDealsMicroBatchesOfTheSpecsShape) {

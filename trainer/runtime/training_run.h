@@ -26,8 +26,8 @@
 
 namespace tessera::trainer {
 
-// What the job spec leaves unset, filled with the trainer's defaults (ResolveRunSettings): the one
-// place they are chosen.
+// The settings the run trains with (ResolveRunSettings): the coordinator's resolution of what the
+// job spec leaves unset (LayoutPlan.settings; planner/training_settings.h chooses the defaults).
 struct RunSettings {
   // JobSpec.seed, else 1234: the model's initialisation and the data order.
   uint64_t seed = 0;
@@ -58,7 +58,7 @@ struct TrainingRun {
   // ResolveDevice, ResolveRunSettings.
   RunDevice device;
   RunSettings settings;
-  // ResolveModelSummary: the model's resolved dimensions and counts.
+  // ResolveModelSummary: the model's resolved dimensions and counts (the plan's).
   v1::ModelSummary summary;
   v1::ActivationCheckpointing checkpointing = v1::ACTIVATION_CHECKPOINTING_NONE;
   // OpenTrainingData, ResolveMaxSteps.
