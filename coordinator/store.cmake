@@ -17,6 +17,10 @@ target_link_libraries(tessera_store PUBLIC tessera::common tessera::proto SQLite
   absl::synchronization absl::time)
 
 if(TESSERA_BUILD_TESTS)
-  tessera_add_test(NAME store_test SOURCES "${CMAKE_CURRENT_LIST_DIR}/store_test.cc"
-    LIBS tessera::store tessera::test_util)
+  # One binary per concern; store_test_util.h holds what they share.
+  foreach(_store_test IN ITEMS store_commit_test store_database_test store_events_test
+      store_jobs_test store_metrics_test store_migration_test store_nodes_test)
+    tessera_add_test(NAME ${_store_test} SOURCES "${CMAKE_CURRENT_LIST_DIR}/${_store_test}.cc"
+      LIBS tessera::store tessera::test_util)
+  endforeach()
 endif()
