@@ -45,7 +45,6 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "tessera/v1/checkpoint.pb.h"
 #include "tessera/v1/job.pb.h"
