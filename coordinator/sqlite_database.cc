@@ -82,8 +82,7 @@ absl::Status SqliteConnection::Run(absl::string_view sql, absl::string_view oper
   return statement.Run();
 }
 
-absl::Status SqliteConnection::FinishTransaction(absl::Status status,
-                                                 absl::string_view operation) {
+absl::Status SqliteConnection::FinishTransaction(absl::Status status, absl::string_view operation) {
   if (status.ok()) {
     status = Run("COMMIT", operation);
     if (status.ok()) return status;
@@ -240,8 +239,8 @@ void SqliteDatabase::GroupCommit(const std::vector<QueuedWrite*>& writes) {
     queued_.clear();
     queue_mu_.Unlock();
     const SqliteCommitStats stats = RunBatch(batch);
-    const bool any_applied =
-        std::any_of(batch.begin(), batch.end(), [](const QueuedWrite* w) { return w->status.ok(); });
+    const bool any_applied = std::any_of(batch.begin(), batch.end(),
+                                         [](const QueuedWrite* w) { return w->status.ok(); });
     if (any_applied) ReportCommit(stats);
     queue_mu_.Lock();
     for (QueuedWrite* write : batch) write->done = true;
@@ -305,9 +304,9 @@ SqliteCommitStats SqliteDatabase::RunBatch(const std::vector<QueuedWrite*>& batc
       // SQLite rolled the whole transaction back (SQLITE_FULL, SQLITE_IOERR): nothing of the
       // batch is stored, and the writes after this one were never tried.
       const absl::Status lost =
-          write->status.ok() ? absl::InternalError(absl::StrCat("store: ", operation,
-                                                                ": transaction rolled back"))
-                             : write->status;
+          write->status.ok()
+              ? absl::InternalError(absl::StrCat("store: ", operation, ": transaction rolled back"))
+              : write->status;
       for (QueuedWrite* other : batch) other->status = lost;
       return {};
     }

@@ -146,12 +146,10 @@ void Store::SetWriteObserver(std::function<void(const StoreWriteStats&)> observe
     database_->SetCommitObserver(nullptr);
     return;
   }
-  database_->SetCommitObserver(
-      [observer = std::move(observer)](const SqliteCommitStats& commit) {
-        observer(StoreWriteStats{.seconds = commit.seconds,
-                                 .cpu_seconds = commit.cpu_seconds,
-                                 .writes = commit.writes});
-      });
+  database_->SetCommitObserver([observer = std::move(observer)](const SqliteCommitStats& commit) {
+    observer(StoreWriteStats{
+        .seconds = commit.seconds, .cpu_seconds = commit.cpu_seconds, .writes = commit.writes});
+  });
 }
 
 void Store::SetWriteFailureInjector(std::function<absl::Status(const std::string&)> injector) {

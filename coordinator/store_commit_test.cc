@@ -4,8 +4,6 @@
 //
 // Thread safety: each test owns its store; the threads a test starts use it as the
 // coordinator's threads do.
-#include "coordinator/store.h"
-
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_matchers.h"
+#include "coordinator/store.h"
 #include "coordinator/store_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

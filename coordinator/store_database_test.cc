@@ -4,8 +4,6 @@
 //
 // Thread safety: each test owns its store; the threads a test starts use it as the
 // coordinator's threads do.
-#include "coordinator/store.h"
-
 #include <sqlite3.h>
 
 #include <atomic>
@@ -18,6 +16,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/status_matchers.h"
+#include "coordinator/store.h"
 #include "coordinator/store_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -3,8 +3,6 @@
 //
 // Thread safety: each test owns its store; the threads a test starts use it as the
 // coordinator's threads do.
-#include "coordinator/store.h"
-
 #include <memory>
 #include <optional>
 #include <set>
@@ -13,6 +11,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/status_matchers.h"
+#include "coordinator/store.h"
 #include "coordinator/store_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -126,8 +126,9 @@ absl::StatusOr<std::vector<v1::Checkpoint>> Store::ListCheckpoints(const std::st
   const std::string operation = absl::StrCat("list checkpoints of ", job_id);
   ASSIGN_OR_RETURN(
       sqlite3_stmt * stmt,
-      reader.Prepare("SELECT step, checkpoint FROM checkpoints WHERE job_id = ?1 ORDER BY step DESC",
-                     operation));
+      reader.Prepare(
+          "SELECT step, checkpoint FROM checkpoints WHERE job_id = ?1 ORDER BY step DESC",
+          operation));
   SqliteStatement select(reader.db(), stmt, operation);
   select.BindText(1, job_id);
   return ReadStepRows<v1::Checkpoint>(select, job_id, "checkpoints");

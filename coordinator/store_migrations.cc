@@ -1,6 +1,7 @@
 // The Store's schema and its migrations (store_tables.h: MigrateSchema), run by
 // SqliteDatabase::Open on the writer before any other use of the database.
 #include <iterator>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -94,8 +95,8 @@ absl::Status MigrateSchema(SqliteConnection& writer, const std::string& path) {
   const std::string operation = absl::StrCat("migrate '", path, "'");
   RETURN_IF_ERROR(writer.Exec("BEGIN IMMEDIATE", operation));
   absl::Status status = [&]() -> absl::Status {
-    RETURN_IF_ERROR(writer.Exec("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)",
-                                operation));
+    RETURN_IF_ERROR(writer.Exec(
+        "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)", operation));
     int64_t version = 0;
     {
       // Reset before the migrations run: a table cannot be dropped while a read is open.
@@ -112,8 +113,8 @@ absl::Status MigrateSchema(SqliteConnection& writer, const std::string& path) {
                                                         Store::kSchemaVersion));
     }
     for (int64_t next = version + 1; next <= Store::kSchemaVersion; ++next) {
-      RETURN_IF_ERROR(writer.Exec(kMigrations[next - 1],
-                                  absl::StrCat(operation, " to schema version ", next)));
+      RETURN_IF_ERROR(
+          writer.Exec(kMigrations[next - 1], absl::StrCat(operation, " to schema version ", next)));
     }
     if (version != Store::kSchemaVersion) {
       // The migrations ran with foreign keys off: check what they left before committing it.
@@ -127,8 +128,9 @@ absl::Status MigrateSchema(SqliteConnection& writer, const std::string& path) {
                                                 check.ColumnText(2)));
       }
       RETURN_IF_ERROR(writer.Exec("DELETE FROM schema_version", operation));
-      ASSIGN_OR_RETURN(sqlite3_stmt * insert_stmt,
-                       writer.Prepare("INSERT INTO schema_version (version) VALUES (?1)", operation));
+      ASSIGN_OR_RETURN(
+          sqlite3_stmt * insert_stmt,
+          writer.Prepare("INSERT INTO schema_version (version) VALUES (?1)", operation));
       SqliteStatement insert(writer.db(), insert_stmt, operation);
       insert.Bind(1, Store::kSchemaVersion);
       RETURN_IF_ERROR(insert.Run());
