@@ -18,12 +18,20 @@
 // filter and order on. A blob that does not parse is reported as DATA_LOSS,
 // never a crash.
 //
-// Thread safety: every method may be called from any thread; one absl::Mutex
-// (mu_) serializes use of the writing connection, reads share a small pool of
-// read-only connections (one per read at a time), and queue_mu_ guards the
-// queue of writes waiting for the next group commit (taken before mu_, never
-// while holding it). The write observer is called after the mutexes are
-// released, on the thread that led the commit, once per SQLite transaction.
+// Where it lives: the SQLite plumbing (connections, statement caches, the
+// readers' pool, the group commit) is SqliteDatabase (sqlite_database.h), which
+// knows no table. The tables are the store's: the schema and its migrations in
+// store_migrations.cc, and each family's SQL beside the Store methods that use
+// it (store_jobs.cc, store_events.cc, store_metrics.cc, store_nodes.cc;
+// store_tables.h declares what store.cc composes into one JobWrite).
+//
+// Thread safety: every method may be called from any thread; the database
+// serializes use of the writing connection under one mutex, reads share a
+// small pool of read-only connections (one per read at a time), and the queue
+// of writes waiting for the next group commit has a mutex of its own (taken
+// before the writer's, never while holding it). The write observer is called
+// after the mutexes are released, on the thread that led the commit, once per
+// SQLite transaction.
 #pragma once
 
 #include <cstdint>
@@ -35,21 +43,17 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
-#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "tessera/v1/checkpoint.pb.h"
 #include "tessera/v1/job.pb.h"
 #include "tessera/v1/metrics.pb.h"
 #include "tessera/v1/node.pb.h"
 
-struct sqlite3;
-struct sqlite3_stmt;
-
 namespace tessera::coordinator {
+
+class SqliteDatabase;
 
 // Everything one committed change of a job writes, applied in ONE SQLite
 // transaction, in this order: job upsert, events, metrics, evals, checkpoint
@@ -208,93 +212,20 @@ class Store {
   void SetWriteFailureInjector(std::function<absl::Status(const std::string& id)> injector);
 
  private:
-  // The last event sequence stored for `job_id` (0 without events), on `db` through `prepare`:
-  // the writer's connection or a reader's.
-  static absl::StatusOr<int64_t> LastSequence(
-      sqlite3* db, absl::FunctionRef<absl::StatusOr<sqlite3_stmt*>(absl::string_view sql)> prepare,
-      const std::string& job_id, absl::string_view operation);
-  Store(sqlite3* db, std::string path);
+  explicit Store(std::unique_ptr<SqliteDatabase> database);
 
-  // A cached prepared statement, reset and cleared when the object dies.
-  class Statement;
-  // One write waiting for a group commit: `apply` runs under mu_ inside the
-  // batch's transaction; `status` and `done` are set by the leader.
-  struct QueuedWrite {
-    std::function<absl::Status()> apply;
-    absl::Status status;
-    bool done = false;
-  };
-
-  // Queues `writes` (all in the same batch) and returns once they are
-  // committed or failed, leading the commit when no other caller is.
-  void GroupCommit(const std::vector<QueuedWrite*>& writes) ABSL_LOCKS_EXCLUDED(mu_, queue_mu_);
-  // One transaction over `batch`; returns its times for the observer.
-  StoreWriteStats RunBatch(const std::vector<QueuedWrite*>& batch) ABSL_LOCKS_EXCLUDED(mu_);
   // The checks Commit makes before queuing a write (ids, the injected failure).
-  absl::Status CheckWrite(const JobWrite& write) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status CheckWrite(const JobWrite& write) ABSL_LOCKS_EXCLUDED(hooks_mu_);
+  // The injected failure for a write of `id`, OK when none.
+  absl::Status InjectedFailure(const std::string& id) ABSL_LOCKS_EXCLUDED(hooks_mu_);
 
-  absl::Status Configure() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status Migrate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Rows of a (job_id, step, metrics) table with from_step <= step <= to_step
-  // (0 = no upper bound), in step order.
-  template <typename Message>
-  absl::StatusOr<std::vector<Message>> ReadStepRange(const char* table, const std::string& job_id,
-                                                     int64_t from_step, int64_t to_step);
-  absl::StatusOr<sqlite3_stmt*> Prepare(absl::string_view sql, absl::string_view operation)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Runs one statement that returns no rows, prepared once (the transaction and savepoint
-  // statements of every group commit).
-  absl::Status Run(absl::string_view sql, absl::string_view operation)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // FAILED_PRECONDITION unless `pragma` reads `want`.
-  absl::Status ExpectPragma(const char* pragma, int64_t want, absl::string_view operation)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Inserts the job's row, or updates it (JobWrite::job, request_id).
-  absl::Status UpsertJob(const std::string& job_id, const v1::Job& job,
-                         const std::string& request_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status Exec(const char* sql, absl::string_view operation)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Commits when `status` is OK, else rolls back; returns the first failure.
-  absl::Status FinishTransaction(absl::Status status, absl::string_view operation)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ApplyWrite(const JobWrite& write, std::vector<v1::JobEvent>& stored_events)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<bool> JobExists(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // NextJobId's step inside a batch's transaction.
-  absl::StatusOr<std::string> AllocateJobIdLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static absl::StatusOr<std::vector<v1::Job>> QueryJobs(Statement& statement,
-                                                         absl::string_view operation);
-  void ReportWrite(const StoreWriteStats& stats) ABSL_LOCKS_EXCLUDED(mu_);
-
-  // The connection a read uses, held for the read: an idle reader when there are readers (it
-  // waits for one when all are busy), else db_ (under mu_).
-  class ReadLock;
-  // A read-only connection and the statements prepared on it: used by one ReadLock at a time.
-  struct Reader;
-
-  const std::string path_;
-  absl::Mutex mu_;
-  sqlite3* const db_;  // Used under mu_ only.
-  absl::flat_hash_map<std::string, sqlite3_stmt*> statements_ ABSL_GUARDED_BY(mu_);
-  // Reads go through read-only connections (file databases only), so that they never wait for a
-  // group commit and its fsync on db_: in WAL mode each reads the last committed state while a
-  // transaction is open on db_. There are several, so that readers on different threads (the
-  // scheduler pass's listings, reports, RPCs) do not queue behind one another. Empty for
-  // ":memory:" (reads then use db_). Set once by Open.
-  std::vector<std::unique_ptr<Reader>> readers_;
-  absl::Mutex read_mu_;
-  std::vector<Reader*> idle_readers_ ABSL_GUARDED_BY(read_mu_);
-  // The test and metrics hooks have a mutex of their own: every write consults them, and
-  // taking mu_ for that would wait for the commit in progress (its fsync included).
+  // The connections and the group commit; thread-safe on its own.
+  const std::unique_ptr<SqliteDatabase> database_;
+  // The failure injector has a mutex of its own: every write consults it before it is queued,
+  // and waiting for the database's writer (a commit and its fsync) for that would be wasted.
   absl::Mutex hooks_mu_;
-  std::function<void(const StoreWriteStats&)> write_observer_ ABSL_GUARDED_BY(hooks_mu_);
-  absl::Mutex queue_mu_ ABSL_ACQUIRED_BEFORE(mu_);
-  std::vector<QueuedWrite*> queued_ ABSL_GUARDED_BY(queue_mu_);
-  bool committing_ ABSL_GUARDED_BY(queue_mu_) = false;
   std::function<absl::Status(const std::string&)> write_failure_injector_
       ABSL_GUARDED_BY(hooks_mu_);
-  // The injected failure for a write of `id`, OK when none.
-  absl::Status InjectedFailure(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
 };
 
 }  // namespace tessera::coordinator

@@ -1,0 +1,137 @@
+// The Store's rows keyed (job_id, step): metric points (`step_metrics`), evaluations
+// (`eval_metrics`) and checkpoint records (`checkpoints`); a resent step replaces the old row.
+// Store's reads run under a SqliteDatabase::ReadLock; WriteStepRecords (store_tables.h) runs on
+// the writer in a group commit.
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "coordinator/sqlite_database.h"
+#include "coordinator/store.h"
+#include "coordinator/store_tables.h"
+
+namespace tessera::coordinator {
+namespace {
+
+// Reads (step, blob) rows into messages, naming `table` on a bad blob.
+template <typename Message>
+absl::StatusOr<std::vector<Message>> ReadStepRows(SqliteStatement& select,
+                                                  const std::string& job_id,
+                                                  absl::string_view table) {
+  std::vector<Message> rows;
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (!has_row) break;
+    const int64_t step = select.ColumnInt64(0);
+    RETURN_IF_ERROR(select.ColumnMessage(
+        1, rows.emplace_back(),
+        absl::StrCat("step ", step, " of job '", job_id, "' in table ", table)));
+  }
+  return rows;
+}
+
+// Rows of a (job_id, step, metrics) table with from_step <= step <= to_step (0 = no upper
+// bound), in step order.
+template <typename Message>
+absl::StatusOr<std::vector<Message>> ReadStepRange(SqliteDatabase& database, const char* table,
+                                                   const std::string& job_id, int64_t from_step,
+                                                   int64_t to_step) {
+  SqliteDatabase::ReadLock lock(database);
+  SqliteConnection& reader = lock.connection();
+  const std::string operation = absl::StrCat("read ", table, " of ", job_id);
+  // `table` is one of ours, never input: the SQL stays a fixed set of strings.
+  ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+                   reader.Prepare(absl::StrCat("SELECT step, metrics FROM ", table,
+                                               " WHERE job_id = ?1 AND step >= ?2 AND step <= ?3 "
+                                               "ORDER BY step"),
+                                  operation));
+  SqliteStatement select(reader.db(), stmt, operation);
+  select.BindText(1, job_id);
+  select.Bind(2, from_step);
+  select.Bind(3, to_step == 0 ? std::numeric_limits<int64_t>::max() : to_step);
+  return ReadStepRows<Message>(select, job_id, table);
+}
+
+}  // namespace
+
+namespace store_internal {
+
+absl::Status WriteStepRecords(SqliteConnection& writer, const JobWrite& write) {
+  const std::string& job_id = write.job_id;
+  auto upsert_by_step = [&](const char* sql, const char* what, const auto& items,
+                            const auto& to_store) -> absl::Status {
+    if (items.empty()) return absl::OkStatus();
+    const std::string operation = absl::StrCat("upsert ", what, " for ", job_id);
+    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, writer.Prepare(sql, operation));
+    for (const auto& item : items) {
+      const auto stored = to_store(item);
+      SqliteStatement upsert(writer.db(), stmt, operation);
+      upsert.BindText(1, job_id);
+      upsert.Bind(2, stored.step());
+      upsert.BindMessage(3, stored);
+      RETURN_IF_ERROR(upsert.Run());
+    }
+    return absl::OkStatus();
+  };
+  auto as_is = [](const auto& item) { return item; };
+  RETURN_IF_ERROR(upsert_by_step(R"sql(
+INSERT INTO step_metrics (job_id, step, metrics) VALUES (?1, ?2, ?3)
+ON CONFLICT (job_id, step) DO UPDATE SET metrics = excluded.metrics)sql",
+                                 "step metrics", write.metrics, as_is));
+  RETURN_IF_ERROR(upsert_by_step(R"sql(
+INSERT INTO eval_metrics (job_id, step, metrics) VALUES (?1, ?2, ?3)
+ON CONFLICT (job_id, step) DO UPDATE SET metrics = excluded.metrics)sql",
+                                 "eval metrics", write.evals, as_is));
+  RETURN_IF_ERROR(upsert_by_step(R"sql(
+INSERT INTO checkpoints (job_id, step, checkpoint) VALUES (?1, ?2, ?3)
+ON CONFLICT (job_id, step) DO UPDATE SET checkpoint = excluded.checkpoint)sql",
+                                 "checkpoint", write.checkpoints,
+                                 [&](const v1::Checkpoint& checkpoint) {
+                                   v1::Checkpoint stored = checkpoint;
+                                   stored.set_job_id(job_id);
+                                   return stored;
+                                 }));
+
+  if (!write.deleted_checkpoint_steps.empty()) {
+    const std::string operation = absl::StrCat("delete checkpoint of ", job_id);
+    ASSIGN_OR_RETURN(
+        sqlite3_stmt * stmt,
+        writer.Prepare("DELETE FROM checkpoints WHERE job_id = ?1 AND step = ?2", operation));
+    for (int64_t step : write.deleted_checkpoint_steps) {
+      SqliteStatement remove(writer.db(), stmt, operation);
+      remove.BindText(1, job_id);
+      remove.Bind(2, step);
+      RETURN_IF_ERROR(remove.Run());
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace store_internal
+
+absl::StatusOr<std::vector<v1::StepMetrics>> Store::ReadMetrics(const std::string& job_id,
+                                                                int64_t from_step,
+                                                                int64_t to_step) {
+  return ReadStepRange<v1::StepMetrics>(*database_, "step_metrics", job_id, from_step, to_step);
+}
+
+absl::StatusOr<std::vector<v1::EvalMetrics>> Store::ReadEvals(const std::string& job_id,
+                                                              int64_t from_step, int64_t to_step) {
+  return ReadStepRange<v1::EvalMetrics>(*database_, "eval_metrics", job_id, from_step, to_step);
+}
+
+absl::StatusOr<std::vector<v1::Checkpoint>> Store::ListCheckpoints(const std::string& job_id) {
+  SqliteDatabase::ReadLock lock(*database_);
+  SqliteConnection& reader = lock.connection();
+  const std::string operation = absl::StrCat("list checkpoints of ", job_id);
+  ASSIGN_OR_RETURN(
+      sqlite3_stmt * stmt,
+      reader.Prepare(
+          "SELECT step, checkpoint FROM checkpoints WHERE job_id = ?1 ORDER BY step DESC",
+          operation));
+  SqliteStatement select(reader.db(), stmt, operation);
+  select.BindText(1, job_id);
+  return ReadStepRows<v1::Checkpoint>(select, job_id, "checkpoints");
+}
+
+}  // namespace tessera::coordinator

@@ -1,0 +1,111 @@
+// The Store's rows keyed by step (store_metrics.cc): metric points and evaluations, checkpoint
+// records and their retention.
+//
+// Thread safety: each test owns its store; the threads a test starts use it as the
+// coordinator's threads do.
+#include <memory>
+#include <vector>
+
+#include "common/status_matchers.h"
+#include "coordinator/store.h"
+#include "coordinator/store_test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace tessera::coordinator {
+namespace {
+
+using ::tessera::testing::IsOk;
+using ::testing::IsEmpty;
+using ::testing::SizeIs;
+
+TEST(StoreTest, MetricPointsAreKeyedByStep) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
+  SubmitJob(*store, MakeJob("job-b", v1::JOB_STATE_RUNNING, 2));
+
+  JobWrite write;
+  write.job_id = "job-a";
+  for (int step = 1; step <= 5; ++step) write.metrics.push_back(Metrics(step, 10.0 - step));
+  ASSERT_THAT(store->Commit(write), IsOk());
+  // The same batch relayed again, with step 3 revised: still one point per step.
+  write.metrics[2].set_loss(1.5);
+  ASSERT_THAT(store->Commit(write), IsOk());
+  JobWrite other;
+  other.job_id = "job-b";
+  other.metrics.push_back(Metrics(3, 99));
+  ASSERT_THAT(store->Commit(other), IsOk());
+
+  absl::StatusOr<std::vector<v1::StepMetrics>> all = store->ReadMetrics("job-a", 0, 0);
+  ASSERT_THAT(all, IsOk());
+  ASSERT_THAT(*all, SizeIs(5));
+  for (int i = 0; i < 5; ++i) EXPECT_EQ((*all)[i].step(), i + 1);
+  EXPECT_DOUBLE_EQ((*all)[2].loss(), 1.5);
+  EXPECT_DOUBLE_EQ((*all)[4].loss(), 5.0);
+
+  absl::StatusOr<std::vector<v1::StepMetrics>> range = store->ReadMetrics("job-a", 2, 4);
+  ASSERT_THAT(range, IsOk());
+  ASSERT_THAT(*range, SizeIs(3));
+  EXPECT_EQ(range->front().step(), 2);
+  EXPECT_EQ(range->back().step(), 4);
+
+  JobWrite evals;
+  evals.job_id = "job-a";
+  for (int step : {10, 20, 10}) {
+    v1::EvalMetrics eval;
+    eval.set_step(step);
+    eval.set_loss(step / 10.0);
+    evals.evals.push_back(eval);
+  }
+  ASSERT_THAT(store->Commit(evals), IsOk());
+  absl::StatusOr<std::vector<v1::EvalMetrics>> read_evals = store->ReadEvals("job-a", 15, 0);
+  ASSERT_THAT(read_evals, IsOk());
+  ASSERT_THAT(*read_evals, SizeIs(1));
+  EXPECT_EQ(read_evals->front().step(), 20);
+  read_evals = store->ReadEvals("job-a", 0, 0);
+  ASSERT_THAT(read_evals, IsOk());
+  EXPECT_THAT(*read_evals, SizeIs(2));
+}
+
+TEST(StoreTest, CheckpointsNewestFirstAndRetention) {
+  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
+  JobWrite write;
+  write.job_id = "job-a";
+  for (int step : {100, 300, 200}) {
+    v1::Checkpoint checkpoint;
+    checkpoint.set_step(step);
+    checkpoint.set_path("/ckpt/job-a/step-" + std::to_string(step));
+    write.checkpoints.push_back(checkpoint);
+  }
+  ASSERT_THAT(store->Commit(write), IsOk());
+
+  absl::StatusOr<std::vector<v1::Checkpoint>> checkpoints = store->ListCheckpoints("job-a");
+  ASSERT_THAT(checkpoints, IsOk());
+  ASSERT_THAT(*checkpoints, SizeIs(3));
+  EXPECT_EQ((*checkpoints)[0].step(), 300);
+  EXPECT_EQ((*checkpoints)[1].step(), 200);
+  EXPECT_EQ((*checkpoints)[2].step(), 100);
+  EXPECT_EQ((*checkpoints)[0].job_id(), "job-a");
+  EXPECT_EQ((*checkpoints)[0].path(), "/ckpt/job-a/step-300");
+
+  // A new checkpoint and the retention of the two oldest, in one write.
+  JobWrite retain;
+  retain.job_id = "job-a";
+  retain.checkpoints.emplace_back().set_step(400);
+  retain.deleted_checkpoint_steps = {100, 200};
+  ASSERT_THAT(store->Commit(retain), IsOk());
+  checkpoints = store->ListCheckpoints("job-a");
+  ASSERT_THAT(checkpoints, IsOk());
+  ASSERT_THAT(*checkpoints, SizeIs(2));
+  EXPECT_EQ((*checkpoints)[0].step(), 400);
+  EXPECT_EQ((*checkpoints)[1].step(), 300);
+  checkpoints = store->ListCheckpoints("job-other");
+  ASSERT_THAT(checkpoints, IsOk());
+  EXPECT_THAT(*checkpoints, IsEmpty());
+}
+
+}  // namespace
+}  // namespace tessera::coordinator

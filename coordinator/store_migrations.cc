@@ -1,0 +1,143 @@
+// The Store's schema and its migrations (store_tables.h: MigrateSchema), run by
+// SqliteDatabase::Open on the writer before any other use of the database.
+#include <iterator>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "coordinator/store_tables.h"
+
+namespace tessera::coordinator::store_internal {
+namespace {
+
+// Schema migrations: kMigrations[v - 1] takes the schema from version v - 1 to
+// v. Append only; never edit a migration that has shipped.
+constexpr const char* kMigrations[] = {
+    // v1.
+    R"sql(
+CREATE TABLE jobs (
+  job_id TEXT PRIMARY KEY NOT NULL,
+  state INTEGER NOT NULL,
+  priority INTEGER NOT NULL,
+  create_time_ns INTEGER NOT NULL,
+  request_id TEXT UNIQUE,
+  job BLOB NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX jobs_by_create_time ON jobs (create_time_ns, job_id);
+CREATE INDEX jobs_by_state ON jobs (state, create_time_ns, job_id);
+CREATE TABLE job_events (
+  job_id TEXT NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
+  sequence INTEGER NOT NULL,
+  event BLOB NOT NULL,
+  PRIMARY KEY (job_id, sequence)
+) WITHOUT ROWID;
+CREATE TABLE step_metrics (
+  job_id TEXT NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
+  step INTEGER NOT NULL,
+  metrics BLOB NOT NULL,
+  PRIMARY KEY (job_id, step)
+) WITHOUT ROWID;
+CREATE TABLE eval_metrics (
+  job_id TEXT NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
+  step INTEGER NOT NULL,
+  metrics BLOB NOT NULL,
+  PRIMARY KEY (job_id, step)
+) WITHOUT ROWID;
+CREATE TABLE checkpoints (
+  job_id TEXT NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
+  step INTEGER NOT NULL,
+  checkpoint BLOB NOT NULL,
+  PRIMARY KEY (job_id, step)
+) WITHOUT ROWID;
+CREATE TABLE nodes (
+  node_id TEXT PRIMARY KEY NOT NULL,
+  node BLOB NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE counters (
+  name TEXT PRIMARY KEY NOT NULL,
+  value INTEGER NOT NULL
+) WITHOUT ROWID;
+)sql",
+    // v2: jobs in a rowid table. A WITHOUT ROWID table keeps its rows in the primary key's
+    // b-tree, where a row of more than about 1 KB (a serialized Job is 1-3 KB) spills onto
+    // overflow pages, and every rewrite of a job (5-6 in its life) rewrote those. Runs with
+    // foreign keys off (SqliteDatabase::Open): dropping the old table then deletes nothing
+    // through the other tables' ON DELETE CASCADE, and their REFERENCES jobs name the new one.
+    R"sql(
+CREATE TABLE jobs_v2 (
+  job_id TEXT PRIMARY KEY NOT NULL,
+  state INTEGER NOT NULL,
+  priority INTEGER NOT NULL,
+  create_time_ns INTEGER NOT NULL,
+  request_id TEXT UNIQUE,
+  job BLOB NOT NULL
+);
+INSERT INTO jobs_v2 (job_id, state, priority, create_time_ns, request_id, job)
+  SELECT job_id, state, priority, create_time_ns, request_id, job FROM jobs;
+DROP TABLE jobs;
+ALTER TABLE jobs_v2 RENAME TO jobs;
+CREATE INDEX jobs_by_create_time ON jobs (create_time_ns, job_id);
+CREATE INDEX jobs_by_state ON jobs (state, create_time_ns, job_id);
+)sql",
+    // v3: a write's events in one row. last_sequence NULL: the row holds the one event
+    // `sequence` (every row before v3); otherwise it holds the events sequence..last_sequence,
+    // its blob their JobEvents one after another, each prefixed with its size as a varint (a
+    // report of 10 metric points was 10 rows, about 2.5 us of the store's single writer each).
+    R"sql(
+ALTER TABLE job_events ADD COLUMN last_sequence INTEGER;
+)sql",
+};
+static_assert(std::size(kMigrations) == Store::kSchemaVersion);
+
+}  // namespace
+
+absl::Status MigrateSchema(SqliteConnection& writer, const std::string& path) {
+  const std::string operation = absl::StrCat("migrate '", path, "'");
+  RETURN_IF_ERROR(writer.Exec("BEGIN IMMEDIATE", operation));
+  absl::Status status = [&]() -> absl::Status {
+    RETURN_IF_ERROR(writer.Exec(
+        "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)", operation));
+    int64_t version = 0;
+    {
+      // Reset before the migrations run: a table cannot be dropped while a read is open.
+      ASSIGN_OR_RETURN(
+          sqlite3_stmt * stmt,
+          writer.Prepare("SELECT COALESCE(MAX(version), 0) FROM schema_version", operation));
+      SqliteStatement select(writer.db(), stmt, operation);
+      ASSIGN_OR_RETURN(bool has_row, select.Step());
+      if (has_row) version = select.ColumnInt64(0);
+    }
+    if (version > Store::kSchemaVersion) {
+      return absl::FailedPreconditionError(absl::StrCat("store: '", path, "' has schema version ",
+                                                        version, ", newer than this binary's ",
+                                                        Store::kSchemaVersion));
+    }
+    for (int64_t next = version + 1; next <= Store::kSchemaVersion; ++next) {
+      RETURN_IF_ERROR(
+          writer.Exec(kMigrations[next - 1], absl::StrCat(operation, " to schema version ", next)));
+    }
+    if (version != Store::kSchemaVersion) {
+      // The migrations ran with foreign keys off: check what they left before committing it.
+      ASSIGN_OR_RETURN(sqlite3_stmt * check_stmt,
+                       writer.Prepare("PRAGMA foreign_key_check", operation));
+      SqliteStatement check(writer.db(), check_stmt, operation);
+      ASSIGN_OR_RETURN(bool violated, check.Step());
+      if (violated) {
+        return absl::DataLossError(absl::StrCat("store: ", operation, ": a row of ",
+                                                check.ColumnText(0), " refers to a missing row of ",
+                                                check.ColumnText(2)));
+      }
+      RETURN_IF_ERROR(writer.Exec("DELETE FROM schema_version", operation));
+      ASSIGN_OR_RETURN(
+          sqlite3_stmt * insert_stmt,
+          writer.Prepare("INSERT INTO schema_version (version) VALUES (?1)", operation));
+      SqliteStatement insert(writer.db(), insert_stmt, operation);
+      insert.Bind(1, Store::kSchemaVersion);
+      RETURN_IF_ERROR(insert.Run());
+    }
+    return absl::OkStatus();
+  }();
+  return writer.FinishTransaction(std::move(status), operation);
+}
+
+}  // namespace tessera::coordinator::store_internal
