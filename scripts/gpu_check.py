@@ -85,7 +85,7 @@ GPU_TESTS = (
     ("model_test", "*"),                  # CUDA vs CPU forward/backward, autocast + recompute
     ("trainer_test", "*"),                # DeviceTest: the trainer runs on the GPU
     ("gpu_inventory_test", "*"),          # the worker's NVML inventory and DCGM-named metrics
-    ("trainer_training_test", "*Gpu*"),   # bf16 on NCCL vs CPU; ZeRO-3 peak memory vs planner
+    ("trainer_gpu_test", "*Gpu*"),        # bf16 on NCCL vs CPU; ZeRO-3 peak memory vs planner
     ("linear_cross_entropy_test", "*"),   # the chunked head + loss vs linear + cross_entropy
     ("fused_ops_gpu_test", "*"),          # fused RMSNorm / rotary / SwiGLU kernels vs ATen
     ("async_checkpoint_test", "*"),       # a save's copy on its own stream, overlapping a step

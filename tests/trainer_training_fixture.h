@@ -1,0 +1,189 @@
+// What the trainer's end-to-end tests share: real tessera-trainer processes on the bundled corpus
+// (CPU, Gloo over loopback), one or several ranks, their JSON reports parsed, and the comparison
+// of safetensors exports. The fixture prepares the corpus's token shards once per test suite.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+#include "tessera/v1/trainer.pb.h"
+#include "tests/util/free_port.h"
+#include "tests/util/subprocess.h"
+#include "trainer/io/safetensors.h"
+
+namespace tessera::testing {
+
+struct TrainerRun {
+  int exit_code = -1;
+  std::string output;
+  std::vector<v1::TrainerReport> reports;
+  // step -> loss, from the metrics reports.
+  std::map<int64_t, double> losses;
+};
+
+inline void ParseReports(TrainerRun& run) {
+  for (absl::string_view line : absl::StrSplit(run.output, '\n')) {
+    if (!absl::StartsWith(line, "{")) continue;
+    v1::TrainerReport report;
+    if (!google::protobuf::util::JsonStringToMessage(std::string(line), &report).ok()) continue;
+    if (report.has_metrics()) run.losses[report.metrics().step()] = report.metrics().loss();
+    run.reports.push_back(std::move(report));
+  }
+}
+
+// The evaluations a run reported, in order.
+inline std::vector<v1::EvalMetrics> Evals(const TrainerRun& run) {
+  std::vector<v1::EvalMetrics> evals;
+  for (const auto& report : run.reports) {
+    if (report.has_eval()) evals.push_back(report.eval());
+  }
+  return evals;
+}
+
+class TrainerTrainingTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    data_dir_ = new std::string(MakeTempDir("data"));
+    auto prepared = RunCommand({Trainer(), "prepare", "--input=" + CorpusPath(),
+                                "--output_dir=" + *data_dir_, "--val_fraction=0.05"});
+    ASSERT_THAT(prepared, IsOk());
+    ASSERT_EQ(prepared->exit.exit_code, 0) << prepared->output;
+  }
+
+  static std::string Trainer() { return BinDir() + "/tessera-trainer"; }
+  static std::string CorpusPath() { return TESSERA_CORPUS_FILE; }
+
+  static std::string MakeTempDir(const std::string& name) {
+    std::string pattern = absl::StrCat(::testing::TempDir(), "tessera-", name, "-XXXXXX");
+    std::vector<char> buffer(pattern.begin(), pattern.end());
+    buffer.push_back('\0');
+    char* dir = mkdtemp(buffer.data());
+    EXPECT_NE(dir, nullptr);
+    return dir;
+  }
+
+  // decay_steps pins the schedule, so a run of fewer steps follows the same
+  // learning-rate curve as a longer one (stop/resume compares the two).
+  static std::vector<std::string> BaseFlags(int steps, const std::string& checkpoint_dir = "",
+                                            int decay_steps = 0) {
+    std::vector<std::string> flags = {Trainer(),
+                                      "--data=" + *data_dir_ + "/train-*.bin",
+                                      "--preset=tiny-gpt2",
+                                      "--seq_len=64",
+                                      "--global_batch=8",
+                                      "--micro_batch=2",
+                                      "--lr=3e-3",
+                                      "--warmup=5",
+                                      absl::StrCat("--steps=", steps),
+                                      absl::StrCat("--decay_steps=", decay_steps),
+                                      "--seed=7"};
+    if (!checkpoint_dir.empty()) flags.push_back("--checkpoint_dir=" + checkpoint_dir);
+    return flags;
+  }
+
+  static TrainerRun RunTrainer(const std::vector<std::string>& argv) {
+    TrainerRun run;
+    auto result = RunCommand(argv, absl::Minutes(5));
+    EXPECT_THAT(result, IsOk());
+    if (!result.ok()) return run;
+    run.exit_code = result->exit.exit_code;
+    run.output = result->output;
+    ParseReports(run);
+    return run;
+  }
+
+  // `world` real processes on Gloo over loopback, each with `flags` plus its torchrun
+  // environment; returns every rank's run (rank 0 reports the all-reduced loss of each step).
+  static std::vector<TrainerRun> RunRanks(const std::vector<std::string>& flags, int world) {
+    const absl::StatusOr<int> port = PickFreePort();
+    EXPECT_THAT(port, IsOk());
+    if (!port.ok()) return {};
+    std::vector<Subprocess> ranks;
+    for (int rank = 0; rank < world; ++rank) {
+      auto process = Subprocess::Start(
+          flags, {.merge_stdout = true,
+                  .extra_env = {absl::StrCat("RANK=", rank), absl::StrCat("WORLD_SIZE=", world),
+                                absl::StrCat("LOCAL_RANK=", rank),
+                                absl::StrCat("LOCAL_WORLD_SIZE=", world), "MASTER_ADDR=127.0.0.1",
+                                absl::StrCat("MASTER_PORT=", *port)}});
+      EXPECT_THAT(process, IsOk());
+      if (!process.ok()) return {};
+      ranks.push_back(std::move(*process));
+    }
+    std::vector<TrainerRun> runs(world);
+    for (int rank = 0; rank < world; ++rank) {
+      auto exit = ranks[rank].Wait(absl::Minutes(5));
+      EXPECT_THAT(exit, IsOk());
+      if (!exit.ok()) continue;
+      runs[rank].exit_code = exit->exit_code;
+      runs[rank].output = ranks[rank].stderr_text();
+      ParseReports(runs[rank]);
+    }
+    return runs;
+  }
+
+  // The float32 tensors of a safetensors export, by name.
+  static std::map<std::string, std::vector<float>> ReadExport(const std::string& path) {
+    std::map<std::string, std::vector<float>> out;
+    auto header = trainer::ReadSafetensorsHeader(path);
+    EXPECT_THAT(header, IsOk()) << path;
+    if (!header.ok()) return out;
+    std::ifstream in(path, std::ios::binary);
+    for (const auto& [name, entry] : header->tensors) {
+      std::vector<float>& values = out[name];
+      values.resize((entry.end - entry.begin) / sizeof(float));
+      in.seekg(static_cast<std::streamoff>(header->data_offset + entry.begin));
+      in.read(reinterpret_cast<char*>(values.data()),
+              static_cast<std::streamsize>(entry.end - entry.begin));
+    }
+    return out;
+  }
+
+  // Largest ||a - b|| / ||b|| (L2 over a tensor's elements) over the tensors; both must hold
+  // the same tensors.
+  // Per tensor, the L2 norm of the difference relative to b's. GPT-2's fused qkv bias is
+  // compared without its key third: a bias on the keys shifts every score of a query by the same
+  // amount, which softmax cancels, so its exact gradient is 0 and AdamW (dividing by sqrt(v))
+  // moves it by up to the learning rate per step on rounding noise alone, in whichever direction
+  // the noise of that run's reduction order points.
+  static double MaxRelativeDifference(const std::map<std::string, std::vector<float>>& a,
+                                      const std::map<std::string, std::vector<float>>& b) {
+    EXPECT_EQ(a.size(), b.size());
+    double worst = 0;
+    for (const auto& [name, values] : a) {
+      auto it = b.find(name);
+      EXPECT_NE(it, b.end()) << name;
+      if (it == b.end() || it->second.size() != values.size()) return 1e9;
+      const bool qkv_bias = absl::EndsWith(name, "attn.qkv.bias") && values.size() % 3 == 0;
+      const size_t key_begin = values.size() / 3, key_end = qkv_bias ? 2 * key_begin : key_begin;
+      double difference = 0, norm = 0;
+      for (size_t i = 0; i < values.size(); ++i) {
+        if (i >= key_begin && i < key_end) continue;
+        const double d = static_cast<double>(values[i]) - it->second[i];
+        difference += d * d;
+        norm += static_cast<double>(it->second[i]) * it->second[i];
+      }
+      worst = std::max(worst, std::sqrt(difference / std::max(norm, 1e-30)));
+    }
+    return worst;
+  }
+
+  static inline std::string* data_dir_ = nullptr;
+};
+
+}  // namespace tessera::testing
