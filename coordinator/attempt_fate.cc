@@ -42,7 +42,7 @@ void AttemptFate::AddFailureLocked(const std::string& job_id, int32_t attempt,
 }
 
 void AttemptFate::ExpireNodesLocked(absl::Time now) {
-  for (const auto& [node_id, silence] : state_->nodes.Expire(now)) {
+  for (const auto& [node_id, silence] : state_->nodes.Expire()) {
     const std::string reason = absl::StrCat("no heartbeat for ", absl::FormatDuration(silence));
     for (const auto& job_id : state_->allocations.JobsOn(node_id)) {
       Allocation& allocation = *state_->allocations.Find(job_id);

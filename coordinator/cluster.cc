@@ -24,7 +24,7 @@ Cluster::~Cluster() { Stop(); }
 absl::Status Cluster::Recover() {
   absl::MutexLock lock(&state_.mu);
   const absl::Time now = state_.Now();
-  RETURN_IF_ERROR(state_.nodes.Load(now));
+  RETURN_IF_ERROR(state_.nodes.Load());
   ASSIGN_OR_RETURN(auto active, state_.store->ListActiveJobs());
   for (const auto& job : active) {
     if (job.placements().empty()) continue;
@@ -97,7 +97,7 @@ absl::StatusOr<v1::DrainNodeResponse> Cluster::DrainNode(const std::string& node
   v1::DrainNodeResponse response;
   {
     absl::MutexLock lock(&state_.mu);
-    RETURN_IF_ERROR(state_.nodes.SetDrained(node_id, true, reason, state_.Now()));
+    RETURN_IF_ERROR(state_.nodes.SetDrained(node_id, true, reason));
     DrainLockedMoves(node_id, checkpoint, &response);
     *response.mutable_node() = NodeViewLocked(*state_.nodes.Find(node_id));
   }
@@ -136,7 +136,7 @@ absl::StatusOr<v1::Node> Cluster::UndrainNode(const std::string& node_id) {
   v1::Node node;
   {
     absl::MutexLock lock(&state_.mu);
-    RETURN_IF_ERROR(state_.nodes.SetDrained(node_id, false, "", state_.Now()));
+    RETURN_IF_ERROR(state_.nodes.SetDrained(node_id, false, ""));
     node = NodeViewLocked(*state_.nodes.Find(node_id));
   }
   RETURN_IF_ERROR(state_.WriteNodes(node_id));

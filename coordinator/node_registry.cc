@@ -21,7 +21,8 @@ std::string HostOf(const std::string& address) {
 
 }  // namespace
 
-absl::Status NodeRegistry::Load(absl::Time now) {
+absl::Status NodeRegistry::Load() {
+  const absl::Time now = clock_->Now();
   ASSIGN_OR_RETURN(auto nodes, store_->ListNodes());
   for (auto& node : nodes) {
     Entry& entry = Insert(node.node_id());
@@ -114,8 +115,8 @@ absl::Status NodeRegistry::Flush() {
   return first;
 }
 
-absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl::Time now,
-                                    bool* returning) {
+absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, bool* returning) {
+  const absl::Time now = clock_->Now();
   const std::string key_sha256 = TokenSha256(request.node_key());
   if (const Entry* known = Lookup(request.node_id());
       known != nullptr && known->node.state() != v1::NODE_STATE_LOST &&
@@ -147,8 +148,9 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, absl
   return Persist(request.node_id());
 }
 
-bool NodeRegistry::Touch(const std::string& node_id, absl::Time now,
+bool NodeRegistry::Touch(const std::string& node_id,
                          google::protobuf::RepeatedPtrField<v1::GpuMetrics>* gpu_metrics) {
+  const absl::Time now = clock_->Now();
   auto* const found = Lookup(node_id);
   if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return false;
   Entry& entry = *found;
@@ -158,7 +160,8 @@ bool NodeRegistry::Touch(const std::string& node_id, absl::Time now,
   return true;
 }
 
-std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire(absl::Time now) {
+std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire() {
+  const absl::Time now = clock_->Now();
   std::vector<std::pair<std::string, absl::Duration>> lost;
   for (Liveness& live : liveness_) {
     if (live.lost) continue;
@@ -183,14 +186,14 @@ std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire(absl::T
 }
 
 absl::Status NodeRegistry::SetDrained(const std::string& node_id, bool drained,
-                                      const std::string& reason, absl::Time now) {
+                                      const std::string& reason) {
   Entry* const found = Lookup(node_id);
   if (found == nullptr) return absl::NotFoundError(absl::StrCat("node ", node_id, ": not registered"));
   v1::Node& node = found->node;
   node.set_drained(drained);
   if (drained) {
     node.set_drain_reason(reason);
-    *node.mutable_drain_time() = ToProto(now);
+    *node.mutable_drain_time() = ToProto(clock_->Now());
   } else {
     node.clear_drain_reason();
     node.clear_drain_time();

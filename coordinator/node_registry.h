@@ -7,8 +7,8 @@
 // changed records (TakeWrites) and stores them after releasing its lock, so that no fsync holds
 // it (see ClusterState::WriteNodes).
 //
-// Not thread-safe: ClusterState holds it; it is used under the cluster lock. Time comes in as arguments,
-// so tests drive it without sleeping.
+// Not thread-safe: ClusterState holds it; it is used under the cluster lock. Time comes from the
+// injected Clock (the cluster's), so tests drive liveness with a SimulatedClock, not sleeps.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +23,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/store.h"
 #include "tessera/v1/node_service.pb.h"
@@ -57,19 +58,24 @@ class NodeRegistry {
  public:
   // `store` (must outlive the registry) persists node records; with `write_behind`, only through
   // the owner (TakeWrites), and Remove is replaced by CheckRemovable + DeleteNode + Forget.
-  NodeRegistry(Store* store, absl::Duration heartbeat_timeout, bool write_behind = false)
-      : store_(store), heartbeat_timeout_(heartbeat_timeout), write_behind_(write_behind) {}
+  // `clock` (must outlive the registry) times heartbeats, registrations, drains and expiry.
+  NodeRegistry(Store* store, absl::Duration heartbeat_timeout, bool write_behind = false,
+               Clock* clock = Clock::Real())
+      : store_(store),
+        clock_(clock),
+        heartbeat_timeout_(heartbeat_timeout),
+        write_behind_(write_behind) {}
   // by_id_ points into nodes_.
   NodeRegistry(const NodeRegistry&) = delete;
   NodeRegistry& operator=(const NodeRegistry&) = delete;
 
-  // Reloads stored nodes; each gets a fresh grace period from `now`.
-  absl::Status Load(absl::Time now);
+  // Reloads stored nodes; each gets a fresh grace period from now.
+  absl::Status Load();
 
   // Records (or replaces) a node's registration as READY (DRAINING when drained). Returns whether the node was known
   // before. ALREADY_EXISTS when the node is alive (not LOST) under another node key: the id
   // cannot be taken over. Store errors are returned; the node is kept dirty and written again by Flush.
-  absl::Status Register(const v1::RegisterNodeRequest& request, absl::Time now, bool* returning);
+  absl::Status Register(const v1::RegisterNodeRequest& request, bool* returning);
 
   // OK when `key_sha256` (TokenSha256 of the key a call carries) is that of the key `node_id`
   // registered with (or the node is unknown); PERMISSION_DENIED otherwise: heartbeats and
@@ -80,19 +86,18 @@ class NodeRegistry {
   // A heartbeat from `node_id`: false (and nothing recorded) when the node is unknown or LOST.
   // The node's GPU metrics are swapped with `gpu_metrics` (so a caller can copy them from the
   // request before it takes the cluster lock, and free the old ones after).
-  bool Touch(const std::string& node_id, absl::Time now,
+  bool Touch(const std::string& node_id,
              google::protobuf::RepeatedPtrField<v1::GpuMetrics>* gpu_metrics);
 
   // Marks every READY node silent for longer than the heartbeat timeout LOST, drops its queued
   // orders and returns (node_id, silence) of each.
-  std::vector<std::pair<std::string, absl::Duration>> Expire(absl::Time now);
+  std::vector<std::pair<std::string, absl::Duration>> Expire();
 
   // An operator's drain (or undrain, `drained` false): a drained node is not schedulable, and is
   // DRAINING while alive (LOST stays LOST until it registers again). Kept across registrations
   // and stored. NOT_FOUND for an unknown node; a store error is returned and the record is kept
   // dirty (Flush writes it again).
-  absl::Status SetDrained(const std::string& node_id, bool drained, const std::string& reason,
-                          absl::Time now);
+  absl::Status SetDrained(const std::string& node_id, bool drained, const std::string& reason);
 
   // Forgets a node: its record, queued orders and share of the counts, here and in the store.
   // NOT_FOUND for an unknown node; FAILED_PRECONDITION unless it is LOST or drained (the caller
@@ -208,6 +213,7 @@ class NodeRegistry {
   void Recount(Entry& entry);
 
   Store* store_;
+  Clock* const clock_;
   const absl::Duration heartbeat_timeout_;
   const bool write_behind_;
   // In node_id order, for the walks beside UsedResources (Count, Summaries); looked up through

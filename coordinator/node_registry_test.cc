@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "gtest/gtest.h"
 
 namespace tessera::coordinator {
@@ -67,10 +68,10 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
   auto store = Store::Open(":memory:");
   ASSERT_TRUE(store.ok()) << store.status();
   const absl::Duration timeout = absl::Seconds(15);
-  NodeRegistry registry(store->get(), timeout);
+  SimulatedClock clock(absl::FromUnixSeconds(1'000'000));
+  NodeRegistry registry(store->get(), timeout, /*write_behind=*/false, &clock);
   std::mt19937 random(20261125);
   auto pick = [&](int n) { return static_cast<int>(random() % n); };
-  absl::Time now = absl::FromUnixSeconds(1'000'000);
   std::map<std::string, absl::Time> last_seen;
   std::set<std::string> lost;
   std::map<std::string, std::set<int>> used_gpus;
@@ -99,29 +100,29 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
         if (pick(2)) (*request.mutable_labels())["zone"] = absl::StrCat("z", pick(3));
         bool returning = false;
         const bool known = last_seen.contains(node_id);
-        ASSERT_TRUE(registry.Register(request, now, &returning).ok());
+        ASSERT_TRUE(registry.Register(request, &returning).ok());
         EXPECT_EQ(returning, known) << node_id;
-        last_seen[node_id] = now;
+        last_seen[node_id] = clock.Now();
         lost.erase(node_id);
         changed.insert(node_id);
         break;
       }
       case 2:  // time passes; heartbeats from some nodes; expiry
-        now += absl::Seconds(1 + pick(8));
+        clock.Advance(absl::Seconds(1 + pick(8)));
         for (auto& [id, seen] : last_seen) {
           google::protobuf::RepeatedPtrField<v1::GpuMetrics> no_metrics;
-          if (pick(3) && registry.Touch(id, now, &no_metrics)) seen = now;
+          if (pick(3) && registry.Touch(id, &no_metrics)) seen = clock.Now();
         }
         {
           // Exactly the nodes silent for longer than the timeout and not lost yet, in node_id
           // order, each with its silence.
           std::vector<std::string> expected_lost, actual_lost;
           for (const auto& [id, seen] : last_seen) {
-            if (!lost.contains(id) && now - seen > timeout) expected_lost.push_back(id);
+            if (!lost.contains(id) && clock.Now() - seen > timeout) expected_lost.push_back(id);
           }
-          for (const auto& [id, silence] : registry.Expire(now)) {
+          for (const auto& [id, silence] : registry.Expire()) {
             actual_lost.push_back(id);
-            EXPECT_EQ(silence, now - last_seen[id]) << id;
+            EXPECT_EQ(silence, clock.Now() - last_seen[id]) << id;
             changed.insert(id);
             lost.insert(id);
           }
@@ -147,7 +148,7 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
         break;
       case 5: {  // drain or undrain
         const bool drain = pick(2) == 0;
-        const absl::Status status = registry.SetDrained(node_id, drain, "test", now);
+        const absl::Status status = registry.SetDrained(node_id, drain, "test");
         if (!last_seen.contains(node_id)) {
           EXPECT_TRUE(absl::IsNotFound(status)) << status;
           break;
@@ -227,41 +228,84 @@ v1::RegisterNodeRequest CpuNode(const std::string& node_id, const std::string& k
   return request;
 }
 
+// Liveness on the registry's clock: a node is LOST only once its silence exceeds the heartbeat
+// timeout (exactly the timeout is still alive), a heartbeat restarts the count, and a LOST node's
+// heartbeats are refused until it registers again. Simulated time: nothing sleeps.
+TEST(NodeRegistryTest, ASilentNodeExpiresAfterTheHeartbeatTimeoutOnTheClock) {
+  auto store = Store::Open(":memory:");
+  ASSERT_TRUE(store.ok()) << store.status();
+  SimulatedClock clock(absl::FromUnixSeconds(1'000'000));
+  NodeRegistry registry(store->get(), absl::Seconds(15), /*write_behind=*/false, &clock);
+  bool returning = false;
+  ASSERT_TRUE(registry.Register(CpuNode("quiet"), &returning).ok());
+  ASSERT_TRUE(registry.Register(CpuNode("chatty"), &returning).ok());
+  EXPECT_EQ(registry.Find("quiet")->last_heartbeat_time().seconds(), 1'000'000);
+
+  google::protobuf::RepeatedPtrField<v1::GpuMetrics> no_metrics;
+  clock.Advance(absl::Seconds(10));
+  ASSERT_TRUE(registry.Touch("chatty", &no_metrics));
+  EXPECT_EQ(registry.Find("chatty")->last_heartbeat_time().seconds(), 1'000'010);
+  clock.Advance(absl::Seconds(5));
+  EXPECT_TRUE(registry.Expire().empty()) << "silent for exactly the timeout: still alive";
+  clock.Advance(absl::Milliseconds(1));
+  auto expired = registry.Expire();
+  ASSERT_EQ(expired.size(), 1u);
+  EXPECT_EQ(expired[0].first, "quiet");
+  EXPECT_EQ(expired[0].second, absl::Seconds(15) + absl::Milliseconds(1));
+  EXPECT_TRUE(registry.IsLost("quiet"));
+  EXPECT_FALSE(registry.IsLost("chatty")) << "heard from 5 s ago";
+  EXPECT_TRUE(registry.Expire().empty()) << "a node is lost once";
+  EXPECT_FALSE(registry.Touch("quiet", &no_metrics)) << "a LOST node must register again";
+
+  clock.Advance(absl::Seconds(11));
+  expired = registry.Expire();
+  ASSERT_EQ(expired.size(), 1u);
+  EXPECT_EQ(expired[0].first, "chatty");
+  EXPECT_EQ(expired[0].second, absl::Seconds(16) + absl::Milliseconds(1));
+
+  ASSERT_TRUE(registry.Register(CpuNode("quiet"), &returning).ok());
+  EXPECT_TRUE(returning);
+  EXPECT_FALSE(registry.IsLost("quiet"));
+  EXPECT_TRUE(registry.Touch("quiet", &no_metrics));
+  clock.Advance(absl::Seconds(15));
+  EXPECT_TRUE(registry.Expire().empty()) << "registering restarted the count";
+}
+
 // A drain is the operator's intent: it survives the worker registering again, the node being
 // lost and coming back, and a coordinator restart (a registry loaded from the store).
 TEST(NodeRegistryTest, ADrainOutlivesRegistrationsLossAndARestart) {
   auto store = Store::Open(":memory:");
   ASSERT_TRUE(store.ok()) << store.status();
-  absl::Time now = absl::FromUnixSeconds(1'000'000);
+  SimulatedClock clock(absl::FromUnixSeconds(1'000'000));
   bool returning = false;
   {
-    NodeRegistry registry(store->get(), absl::Seconds(15));
-    ASSERT_TRUE(registry.Register(CpuNode("n1"), now, &returning).ok());
-    ASSERT_TRUE(registry.Register(CpuNode("n2"), now, &returning).ok());
-    ASSERT_TRUE(registry.SetDrained("n1", true, "kernel upgrade", now).ok());
+    NodeRegistry registry(store->get(), absl::Seconds(15), /*write_behind=*/false, &clock);
+    ASSERT_TRUE(registry.Register(CpuNode("n1"), &returning).ok());
+    ASSERT_TRUE(registry.Register(CpuNode("n2"), &returning).ok());
+    ASSERT_TRUE(registry.SetDrained("n1", true, "kernel upgrade").ok());
     const std::vector<NodeCapacity> capacity = registry.Capacity(UsedResources());
     ASSERT_EQ(capacity.size(), 2u);
     EXPECT_FALSE(capacity[0].schedulable) << "a drained node takes no placement";
     EXPECT_TRUE(capacity[1].schedulable);
     EXPECT_EQ(registry.Find("n1")->drain_reason(), "kernel upgrade");
 
-    ASSERT_TRUE(registry.Register(CpuNode("n1"), now, &returning).ok());
+    ASSERT_TRUE(registry.Register(CpuNode("n1"), &returning).ok());
     EXPECT_EQ(registry.Find("n1")->state(), v1::NODE_STATE_DRAINING) << "kept on re-registering";
-    now += absl::Seconds(20);
-    EXPECT_EQ(registry.Expire(now).size(), 2u) << "a drained node is lost like any other";
+    clock.Advance(absl::Seconds(20));
+    EXPECT_EQ(registry.Expire().size(), 2u) << "a drained node is lost like any other";
     EXPECT_EQ(registry.Find("n1")->state(), v1::NODE_STATE_LOST);
     EXPECT_TRUE(registry.Find("n1")->drained());
   }
-  NodeRegistry restarted(store->get(), absl::Seconds(15));
-  ASSERT_TRUE(restarted.Load(now).ok());
-  ASSERT_TRUE(restarted.Register(CpuNode("n1"), now, &returning).ok());
+  NodeRegistry restarted(store->get(), absl::Seconds(15), /*write_behind=*/false, &clock);
+  ASSERT_TRUE(restarted.Load().ok());
+  ASSERT_TRUE(restarted.Register(CpuNode("n1"), &returning).ok());
   EXPECT_TRUE(returning);
   EXPECT_EQ(restarted.Find("n1")->state(), v1::NODE_STATE_DRAINING);
-  ASSERT_TRUE(restarted.SetDrained("n1", false, "", now).ok());
+  ASSERT_TRUE(restarted.SetDrained("n1", false, "").ok());
   EXPECT_EQ(restarted.Find("n1")->state(), v1::NODE_STATE_READY);
   EXPECT_TRUE(restarted.Find("n1")->drain_reason().empty());
   EXPECT_TRUE(restarted.Capacity(UsedResources())[0].schedulable);
-  EXPECT_TRUE(absl::IsNotFound(restarted.SetDrained("n9", true, "", now)));
+  EXPECT_TRUE(absl::IsNotFound(restarted.SetDrained("n9", true, "")));
 }
 
 // Removing forgets the node everywhere: its count (the alert on LOST nodes reads it), its record
@@ -269,21 +313,21 @@ TEST(NodeRegistryTest, ADrainOutlivesRegistrationsLossAndARestart) {
 TEST(NodeRegistryTest, RemovedNodesLeaveTheCountsAndTheStore) {
   auto store = Store::Open(":memory:");
   ASSERT_TRUE(store.ok()) << store.status();
-  NodeRegistry registry(store->get(), absl::Seconds(15));
-  absl::Time now = absl::FromUnixSeconds(1'000'000);
+  SimulatedClock clock(absl::FromUnixSeconds(1'000'000));
+  NodeRegistry registry(store->get(), absl::Seconds(15), /*write_behind=*/false, &clock);
   bool returning = false;
   for (const char* id : {"a", "b", "c"}) {
-    ASSERT_TRUE(registry.Register(CpuNode(id), now, &returning).ok());
+    ASSERT_TRUE(registry.Register(CpuNode(id), &returning).ok());
   }
   EXPECT_TRUE(absl::IsFailedPrecondition(registry.Remove("b"))) << "READY: drain it first";
   EXPECT_TRUE(absl::IsNotFound(registry.Remove("zz")));
-  now += absl::Seconds(10);
+  clock.Advance(absl::Seconds(10));
   google::protobuf::RepeatedPtrField<v1::GpuMetrics> no_metrics;
-  ASSERT_TRUE(registry.Touch("b", now, &no_metrics));
-  ASSERT_TRUE(registry.Touch("c", now, &no_metrics));
-  now += absl::Seconds(10);
-  ASSERT_EQ(registry.Expire(now).size(), 1u);  // a
-  ASSERT_TRUE(registry.SetDrained("c", true, "", now).ok());
+  ASSERT_TRUE(registry.Touch("b", &no_metrics));
+  ASSERT_TRUE(registry.Touch("c", &no_metrics));
+  clock.Advance(absl::Seconds(10));
+  ASSERT_EQ(registry.Expire().size(), 1u);  // a
+  ASSERT_TRUE(registry.SetDrained("c", true, "").ok());
   registry.QueueStop("c", "t1");
   EXPECT_EQ(registry.Count(UsedResources()).nodes.at(v1::NODE_STATE_LOST), 1);
 
@@ -299,12 +343,12 @@ TEST(NodeRegistryTest, RemovedNodesLeaveTheCountsAndTheStore) {
   ASSERT_EQ(stored->size(), 1u);
   EXPECT_EQ(stored->at(0).node_id(), "b");
   // b's liveness slot moved when a's was freed: it still expires on time, and only it.
-  now += absl::Seconds(16);
-  auto expired = registry.Expire(now);
+  clock.Advance(absl::Seconds(16));
+  auto expired = registry.Expire();
   ASSERT_EQ(expired.size(), 1u);
   EXPECT_EQ(expired[0].first, "b");
 
-  ASSERT_TRUE(registry.Register(CpuNode("c", "another-key"), now, &returning).ok());
+  ASSERT_TRUE(registry.Register(CpuNode("c", "another-key"), &returning).ok());
   EXPECT_FALSE(returning) << "a removed node comes back as a new one";
   EXPECT_FALSE(registry.Find("c")->drained());
   v1::HeartbeatResponse orders;
@@ -346,13 +390,14 @@ v1::TaskAssignment Assignment(const std::string& task_id) {
 TEST(NodeRegistryTest, HeldStartsLeaveOnlyOnceReleased) {
   auto store = Store::Open(":memory:");
   ASSERT_TRUE(store.ok()) << store.status();
-  NodeRegistry registry(store->get(), absl::Seconds(15));
+  SimulatedClock clock(absl::FromUnixSeconds(1'000'000));
+  NodeRegistry registry(store->get(), absl::Seconds(15), /*write_behind=*/false, &clock);
   v1::RegisterNodeRequest request;
   request.set_node_id("n1");
   request.set_address("10.0.0.1:5000");
   request.mutable_resources()->set_cpu_slots(4);
   bool returning = false;
-  ASSERT_TRUE(registry.Register(request, absl::FromUnixSeconds(1'000'000), &returning).ok());
+  ASSERT_TRUE(registry.Register(request, &returning).ok());
   std::vector<std::string> told;
   registry.SetOrdersListener([&](const std::string& node_id) { told.push_back(node_id); });
 

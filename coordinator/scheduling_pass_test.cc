@@ -52,7 +52,7 @@ class SchedulingPassTest : public ::testing::Test {
     request.mutable_resources()->set_cpu_slots(slots);
     absl::MutexLock lock(&state_->mu);
     bool returning = false;
-    ASSERT_THAT(state_->nodes.Register(request, clock_.Now(), &returning), IsOk());
+    ASSERT_THAT(state_->nodes.Register(request, &returning), IsOk());
   }
 
   std::string Submit(int slots, int max_restarts = 0) {

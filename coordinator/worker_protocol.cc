@@ -38,7 +38,7 @@ absl::Status WorkerProtocol::RegisterLocked(const v1::RegisterNodeRequest& reque
                                             FollowUps* follow_ups) {
   const absl::Time now = state_->Now();
   bool returning = false;
-  RETURN_IF_ERROR(state_->nodes.Register(request, now, &returning));
+  RETURN_IF_ERROR(state_->nodes.Register(request, &returning));
   // A worker that registers again without a task it was given has lost it
   // (the worker restarted): that attempt cannot go on.
   std::set<std::string> reported;
@@ -91,7 +91,7 @@ absl::StatusOr<v1::HeartbeatResponse> WorkerProtocol::Heartbeat(
   state_->heartbeat_node = request.node_id();
   absl::Cleanup quiet = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { state_->heartbeat_node.clear(); };
   v1::HeartbeatResponse response;
-  if (!state_->nodes.Touch(request.node_id(), state_->Now(), &gpu_metrics)) {
+  if (!state_->nodes.Touch(request.node_id(), &gpu_metrics)) {
     // Unknown, or declared lost (its work was failed): start over.
     response.set_reregister(true);
     return response;

@@ -26,6 +26,7 @@
 #include "tests/util/http_get.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
+#include "tests/util/wait.h"
 
 namespace tessera {
 namespace {
@@ -96,12 +97,14 @@ TEST(DaemonsTest, CoordinatorServesHealthMetricsAndTheContract) {
   ASSERT_GT(coordinator->metrics_port, 0);
   // The cluster loop publishes its gauges within a pass (200 ms).
   absl::StatusOr<testing::HttpResponse> metrics;
-  for (int i = 0; i < 50; ++i) {
-    metrics = HttpGet(coordinator->metrics_port, "/metrics");
-    ASSERT_THAT(metrics, IsOk());
-    if (absl::StrContains(metrics->body, "tessera_scheduler_pass_duration_seconds_count")) break;
-    absl::SleepFor(absl::Milliseconds(100));
-  }
+  testing::WaitUntil(
+      [&] {
+        metrics = HttpGet(coordinator->metrics_port, "/metrics");
+        return !metrics.ok() ||
+               absl::StrContains(metrics->body, "tessera_scheduler_pass_duration_seconds_count");
+      },
+      absl::Seconds(10), absl::Milliseconds(100));
+  ASSERT_THAT(metrics, IsOk());
   EXPECT_THAT(metrics->body, HasSubstr("tessera_build_info{component=\"coordinator\""));
   EXPECT_THAT(metrics->body, HasSubstr("tessera_jobs{state=\"pending\"} 0"));
   EXPECT_THAT(metrics->body, HasSubstr("tessera_scheduler_pass_duration_seconds_count"));
@@ -149,12 +152,14 @@ TEST(DaemonsTest, DashedFlagsJsonLogsAndAPromptStopWithAWatcherOpen) {
   ASSERT_THAT(watcher->WaitForStderrLine("[PENDING]"), IsOk());
 
   absl::StatusOr<testing::HttpResponse> metrics;
-  for (int i = 0; i < 50; ++i) {
-    metrics = HttpGet(coordinator->metrics_port, "/metrics");
-    ASSERT_THAT(metrics, IsOk());
-    if (absl::StrContains(metrics->body, "tessera_jobs{state=\"pending\"} 1")) break;
-    absl::SleepFor(absl::Milliseconds(100));
-  }
+  testing::WaitUntil(
+      [&] {
+        metrics = HttpGet(coordinator->metrics_port, "/metrics");
+        return !metrics.ok() ||
+               absl::StrContains(metrics->body, "tessera_jobs{state=\"pending\"} 1");
+      },
+      absl::Seconds(10), absl::Milliseconds(100));
+  ASSERT_THAT(metrics, IsOk());
   EXPECT_THAT(metrics->body, HasSubstr("tessera_jobs{state=\"pending\"} 1"));
   EXPECT_THAT(metrics->body, HasSubstr("tessera_jobs{state=\"succeeded\"} 0"));
   EXPECT_THAT(metrics->body, HasSubstr("tessera_jobs{state=\"failed\"} 0"));
@@ -252,15 +257,14 @@ TEST(DaemonsTest, AWorkerIsReadyOnlyWhileRegistered) {
     return response.status();
   };
   auto wait_for = [&](grpc::health::v1::HealthCheckResponse::ServingStatus want) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    while (check("tessera.v1.Worker") != want && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(100));
-    }
+    testing::WaitUntil([&] { return check("tessera.v1.Worker") == want; }, absl::Seconds(20),
+                       absl::Milliseconds(100));
     return check("tessera.v1.Worker");
   };
   using grpc::health::v1::HealthCheckResponse;
   EXPECT_EQ(check(""), HealthCheckResponse::SERVING) << "alive";
-  absl::SleepFor(absl::Seconds(1));  // registration attempts fail meanwhile
+  // A registration attempt has failed (nothing listens at the coordinator's address yet).
+  ASSERT_THAT(worker->process.WaitForStderrLine("cannot register with"), IsOk());
   EXPECT_EQ(check("tessera.v1.Worker"), HealthCheckResponse::NOT_SERVING) << "not registered";
 
   auto coordinator = Subprocess::Start(

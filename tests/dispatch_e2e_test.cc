@@ -14,6 +14,7 @@
 #include <iterator>
 #include <regex>
 #include <sstream>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +30,7 @@
 #include "tests/util/http_get.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
+#include "tests/util/wait.h"
 
 namespace tessera {
 namespace {
@@ -54,13 +56,8 @@ std::string ReadFile(const std::string& path) {
 }
 
 // Polls `done` every 50 ms until it holds or `deadline` passes.
-template <typename F>
-bool WaitUntil(absl::Time deadline, F done) {
-  while (!done()) {
-    if (absl::Now() > deadline) return false;
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  return true;
+bool WaitUntil(absl::Time deadline, const std::function<bool()>& done) {
+  return testing::WaitUntil(done, deadline - absl::Now(), absl::Milliseconds(50));
 }
 
 class DispatchTest : public ::testing::Test {
@@ -168,7 +165,8 @@ TEST_F(DispatchTest, AssignmentsReachTheWorkerLongBeforeItsNextHeartbeat) {
   EXPECT_THAT(Cli("get " + job_id), HasSubstr("SCHEDULED"));
 
   // Notices lead to heartbeats, not to a storm of them: registration, the stream's opening notice
-  // and the placement make three at most, and a running job adds none.
+  // and the placement make three at most, and a running job adds none. A check that something
+  // does not happen: the second is the time it is given to happen.
   absl::SleepFor(absl::Seconds(1));
   const int heartbeats = Heartbeats();
   EXPECT_GE(heartbeats, 2);

@@ -1,0 +1,153 @@
+// The whole system when a node goes, end to end on loopback: a killed worker leaves no trainer and
+// its job goes on with one node; a drained node's job checkpoints, moves and loses no step while
+// the drained worker is restarted (the rolling upgrade of docs/operations.md).
+
+
+#include <signal.h>
+
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/cluster_e2e_fixture.h"
+
+namespace tessera {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST_F(TwoWorkerClusterTest, KilledWorkerLeavesNoTrainerAndTheJobGoesOnWithOneNode) {
+  v1::JobSpec spec = Spec(60);
+  spec.set_max_restarts(1);
+  const std::string job_id = Submit(spec);
+  ASSERT_TRUE(WaitForStep(job_id, 12, 120)) << Get(job_id).reason();
+  const std::string node2_tasks = dir_.path() + "/e2e-node-2/";
+  ASSERT_EQ(TrainerPids(node2_tasks).size(), 1u);
+  ASSERT_THAT(worker2_->Stop(SIGKILL), IsOk());
+  worker2_.reset();
+  const absl::Time killed = absl::Now();
+  testing::WaitUntil([&] { return TrainerPids(node2_tasks).empty(); }, absl::Seconds(5),
+                     absl::Milliseconds(50));
+  EXPECT_TRUE(TrainerPids(node2_tasks).empty()) << "a trainer outlived its worker";
+  EXPECT_LE(absl::Now() - killed, absl::Seconds(2));
+
+  v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason() << "\n" << worker_->stderr_text();
+  ASSERT_EQ(job.attempts_size(), 2);
+  EXPECT_THAT(job.attempts(0).reason(), HasSubstr("node e2e-node-2 was lost"));
+  EXPECT_EQ(job.attempts(1).world_size(), 1);
+  EXPECT_EQ(job.attempts(1).node_ids(0), "e2e-node");
+  EXPECT_EQ(job.plan().layout().data_parallel(), 1);
+  std::vector<v1::StepMetrics> curve = Curve(job_id);
+  ASSERT_EQ(curve.size(), 60u);
+  for (int i = 0; i < 60; ++i) EXPECT_EQ(curve[i].step(), i + 1);
+}
+
+class ThreeWorkerClusterTest : public ClusterTest {
+ protected:
+  void SetUp() override {
+    third_worker_ = true;
+    ClusterTest::SetUp();
+  }
+
+  v1::Node NodeNamed(const std::string& node_id) {
+    v1::ListNodesRequest request;
+    request.set_include_lost(true);
+    v1::ListNodesResponse response;
+    EXPECT_TRUE(stub_->ListNodes(Context().get(), request, &response).ok());
+    for (const auto& node : response.nodes()) {
+      if (node.node_id() == node_id) return node;
+    }
+    return v1::Node();
+  }
+};
+
+// The rolling upgrade of docs/operations.md with the real binaries: a node of a running 2-node
+// job is drained with --checkpoint; the job saves a checkpoint, stops and goes on on the other
+// two nodes; the drained worker is restarted (the upgrade) and comes back still drained, then is
+// undrained. The job, which may not restart at all (max_restarts 0), succeeds with no restart
+// counted and the losses of an uninterrupted run.
+TEST_F(ThreeWorkerClusterTest, ADrainedNodesJobCheckpointsMovesAndLosesNoStep) {
+  constexpr int kSteps = 60;
+  v1::JobSpec spec = Spec(kSteps);
+  spec.set_max_restarts(0);
+  const std::string job_id = Submit(spec);
+  ASSERT_TRUE(WaitForStep(job_id, 5, 120)) << Get(job_id).ShortDebugString();
+  v1::Job job = Get(job_id);
+  ASSERT_EQ(job.placements_size(), 2);
+  const std::string drained = job.placements(1).node_id();
+  const int drained_index = drained == "e2e-node" ? 0 : drained == "e2e-node-2" ? 1 : 2;
+
+  // Not an admin action a READY node allows.
+  v1::RemoveNodeRequest remove;
+  remove.set_node_id(drained);
+  v1::RemoveNodeResponse removed;
+  EXPECT_EQ(stub_->RemoveNode(Context().get(), remove, &removed).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+
+  v1::DrainNodeRequest drain;
+  drain.set_node_id(drained);
+  drain.set_checkpoint(true);
+  drain.set_reason("worker upgrade");
+  v1::DrainNodeResponse drain_response;
+  grpc::Status status = stub_->DrainNode(Context().get(), drain, &drain_response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(drain_response.node().state(), v1::NODE_STATE_DRAINING);
+  ASSERT_EQ(drain_response.moving_job_ids_size(), 1);
+  EXPECT_EQ(drain_response.moving_job_ids(0), job_id);
+
+  // The job moves: attempt 1 runs on the two other nodes.
+  testing::WaitUntil(
+      [&] {
+        job = Get(job_id);
+        return (job.attempt() == 1 && job.state() == v1::JOB_STATE_RUNNING) ||
+               job.state() == v1::JOB_STATE_FAILED;
+      },
+      absl::Seconds(120), absl::Milliseconds(100));
+  ASSERT_NE(job.state(), v1::JOB_STATE_FAILED) << job.reason();
+  ASSERT_EQ(job.attempt(), 1) << job.ShortDebugString();
+  for (const auto& rank : job.placements()) EXPECT_NE(rank.node_id(), drained);
+  EXPECT_TRUE(TrainerPids(dir_.path() + "/" + drained + "/").empty());
+
+  // The upgrade: the drained node's worker stops and starts again (a new binary would), and
+  // registers again still drained.
+  std::optional<Subprocess>& worker =
+      drained_index == 0 ? worker_ : drained_index == 1 ? worker2_ : worker3_;
+  ASSERT_THAT(worker->Stop(SIGTERM), IsOk());
+  worker.reset();
+  StartWorker(drained_index, 3);
+  ASSERT_FALSE(HasFatalFailure());
+  testing::WaitUntil([&] { return NodeNamed(drained).state() == v1::NODE_STATE_DRAINING; },
+                     absl::Seconds(30), absl::Milliseconds(100));
+  v1::Node node = NodeNamed(drained);
+  EXPECT_EQ(node.state(), v1::NODE_STATE_DRAINING);
+  EXPECT_TRUE(node.drained());
+  EXPECT_EQ(node.drain_reason(), "worker upgrade");
+  v1::UndrainNodeRequest undrain;
+  undrain.set_node_id(drained);
+  v1::UndrainNodeResponse undrain_response;
+  ASSERT_TRUE(stub_->UndrainNode(Context().get(), undrain, &undrain_response).ok());
+  EXPECT_EQ(undrain_response.node().state(), v1::NODE_STATE_READY);
+
+  job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  EXPECT_EQ(job.restarts(), 0);
+  ASSERT_EQ(job.attempts_size(), 2);
+  EXPECT_THAT(job.attempts(0).reason(), HasSubstr("node " + drained + " drained"));
+  EXPECT_FALSE(job.attempts(0).has_failure());
+  EXPECT_GE(job.attempts(1).start_step(), 5) << "resumed from the checkpoint saved for the move";
+  // That checkpoint is of the last step trained before the move: no step is trained twice.
+  EXPECT_EQ(job.attempts(1).start_step(), job.attempts(0).end_step());
+  std::cout << "moved off " << drained << " after step " << job.attempts(0).end_step() << "\n";
+  std::vector<v1::StepMetrics> curve = Curve(job_id);
+  ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps));
+
+  for (int i = 0; i < kSteps; ++i) EXPECT_EQ(curve[i].step(), i + 1);
+  ExpectTheLossesOfAnUninterruptedRun(spec, curve);
+}
+
+}  // namespace
+}  // namespace tessera

@@ -1,0 +1,344 @@
+// The real tessera-coordinator's job API over gRPC: submit, get, list, cancel and watch, paging,
+// idempotent and bad or oversized submissions, stop orders, logs relayed from a worker, and what
+// survives a SIGKILL of the coordinator.
+
+
+#include <signal.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tessera/v1/worker_service.grpc.pb.h"
+#include "tests/coordinator_test_fixture.h"
+
+namespace tessera {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST_F(CoordinatorTest, SubmitGetListCancelWatch) {
+  v1::Job job = Submit(ValidSpec("first"));
+  ASSERT_FALSE(job.job_id().empty());
+  EXPECT_EQ(job.state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(job.plan().world_size(), 2);
+  EXPECT_EQ(job.plan().gradient_accumulation_steps(), 2);  // 8 / (2 x dp 2)
+
+  v1::Job fetched;
+  ASSERT_TRUE(Get(job.job_id(), &fetched).ok());
+  EXPECT_EQ(fetched.spec().name(), "first");
+
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(job.job_id());
+  cancel.set_reason("test");
+  v1::CancelJobResponse cancelled;
+  ASSERT_TRUE(stub_->CancelJob(Context().get(), cancel, &cancelled).ok());
+  EXPECT_EQ(cancelled.job().state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_THAT(cancelled.job().reason(), HasSubstr("test"));
+  // Cancelling again changes nothing.
+  ASSERT_TRUE(stub_->CancelJob(Context().get(), cancel, &cancelled).ok());
+  EXPECT_EQ(cancelled.job().state(), v1::JOB_STATE_CANCELLED);
+
+  // The whole history, then the stream ends because the job is terminal.
+  auto events = Watch(job.job_id(), 0);
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].sequence(), 1);
+  EXPECT_EQ(events[0].state_change().new_state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(events[1].sequence(), 2);
+  EXPECT_EQ(events[1].state_change().new_state(), v1::JOB_STATE_CANCELLED);
+  // Reconnecting after sequence 1 misses nothing and repeats nothing.
+  auto rest = Watch(job.job_id(), 1);
+  ASSERT_EQ(rest.size(), 1u);
+  EXPECT_EQ(rest[0].sequence(), 2);
+
+  v1::ListJobsRequest list;
+  list.add_states(v1::JOB_STATE_CANCELLED);
+  v1::ListJobsResponse listed;
+  ASSERT_TRUE(stub_->ListJobs(Context().get(), list, &listed).ok());
+  ASSERT_EQ(listed.jobs_size(), 1);
+  EXPECT_EQ(listed.jobs(0).job_id(), job.job_id());
+}
+
+TEST_F(CoordinatorTest, WatchFollowsLiveChanges) {
+  v1::Job job = Submit(ValidSpec("live"));
+  v1::WatchJobRequest request;
+  request.set_job_id(job.job_id());
+  auto context = Context(30);
+  auto reader = stub_->WatchJob(context.get(), request);
+  v1::JobEvent event;
+  ASSERT_TRUE(reader->Read(&event));
+  EXPECT_EQ(event.state_change().new_state(), v1::JOB_STATE_PENDING);
+  // The stream stays open until something happens.
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(job.job_id());
+  v1::CancelJobResponse cancelled;
+  ASSERT_TRUE(stub_->CancelJob(Context().get(), cancel, &cancelled).ok());
+  ASSERT_TRUE(reader->Read(&event));
+  EXPECT_EQ(event.state_change().new_state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_FALSE(reader->Read(&event));
+  EXPECT_TRUE(reader->Finish().ok());
+}
+
+TEST_F(CoordinatorTest, PaginationVisitsEveryJobOnce) {
+  std::set<std::string> submitted;
+  for (int i = 0; i < 7; ++i) submitted.insert(Submit(ValidSpec(absl::StrCat("job-", i))).job_id());
+  std::set<std::string> seen;
+  std::string token;
+  int pages = 0;
+  do {
+    v1::ListJobsRequest request;
+    request.set_page_size(3);
+    request.set_page_token(token);
+    v1::ListJobsResponse response;
+    ASSERT_TRUE(stub_->ListJobs(Context().get(), request, &response).ok());
+    for (const auto& job : response.jobs()) EXPECT_TRUE(seen.insert(job.job_id()).second);
+    token = response.next_page_token();
+    ++pages;
+  } while (!token.empty() && pages < 10);
+  EXPECT_EQ(seen, submitted);
+  EXPECT_EQ(pages, 3);
+}
+
+TEST_F(CoordinatorTest, IdempotentSubmission) {
+  v1::Job a = Submit(ValidSpec("same"), "request-42");
+  v1::Job b = Submit(ValidSpec("same"), "request-42");
+  EXPECT_EQ(a.job_id(), b.job_id());
+}
+
+TEST_F(CoordinatorTest, BadInputGetsTheRightCode) {
+  v1::SubmitJobRequest bad;
+  *bad.mutable_spec() = ValidSpec("bad");
+  bad.mutable_spec()->mutable_batch()->set_global_batch_size(7);
+  v1::SubmitJobResponse response;
+  grpc::Status status = stub_->SubmitJob(Context().get(), bad, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("batch.global_batch_size"));
+
+  *bad.mutable_spec() = ValidSpec("bad");
+  bad.mutable_spec()->mutable_model()->set_preset("gpt5");
+  status = stub_->SubmitJob(Context().get(), bad, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("model.preset"));
+
+  v1::Job job;
+  EXPECT_EQ(Get("job-ffffffff", &job).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Get("", &job).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  v1::WatchJobRequest watch;
+  watch.set_job_id("job-ffffffff");
+  auto context = Context();
+  auto reader = stub_->WatchJob(context.get(), watch);
+  v1::JobEvent event;
+  EXPECT_FALSE(reader->Read(&event));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+
+  v1::GetMetricsRequest metrics;
+  metrics.set_job_id("job-ffffffff");
+  v1::GetMetricsResponse metrics_response;
+  EXPECT_EQ(stub_->GetMetrics(Context().get(), metrics, &metrics_response).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(CoordinatorTest, OversizedRequestsAreRefused) {
+  v1::SubmitJobRequest huge;
+  *huge.mutable_spec() = ValidSpec("huge");
+  (*huge.mutable_spec()->mutable_labels())["blob"] = std::string(65 << 20, 'x');
+  v1::SubmitJobResponse response;
+  grpc::Status status = stub_->SubmitJob(Context(30).get(), huge, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  // The daemon is unharmed.
+  v1::Job job = Submit(ValidSpec("after-huge"));
+  EXPECT_FALSE(job.job_id().empty());
+}
+
+TEST_F(CoordinatorTest, CancelStopsTheTasks) {
+  RegisterNode("cpu-node", 0, 2);
+  v1::Job job = Submit(ValidSpec("to-cancel"));
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED);
+  v1::HeartbeatResponse started = Heartbeat("cpu-node");
+  ASSERT_EQ(started.start_size(), 1);
+  EXPECT_EQ(started.start(0).trainers(0).assignment().device_type(), v1::DEVICE_TYPE_CPU);
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(job.job_id());
+  v1::CancelJobResponse cancelled;
+  ASSERT_TRUE(stub_->CancelJob(Context().get(), cancel, &cancelled).ok());
+  // The next heartbeats carry the stop order.
+  const bool stopped = testing::WaitUntil(
+      [&] {
+        v1::HeartbeatResponse response =
+            Heartbeat("cpu-node", {Task(started.start(0), v1::TASK_STATE_RUNNING)});
+        for (const auto& task : response.stop()) {
+          if (task == started.start(0).task_id()) return true;
+        }
+        return false;
+      },
+      absl::Seconds(10), absl::Milliseconds(50));
+  EXPECT_TRUE(stopped);
+}
+
+// A worker whose ReadLogs answers with two chunks naming what it was asked.
+class FakeLogWorker final : public v1::Worker::Service {
+ public:
+  grpc::Status ReadLogs(grpc::ServerContext*, const v1::ReadLogsRequest* request,
+                        grpc::ServerWriter<v1::LogChunk>* writer) override {
+    for (int i = 0; i < 2; ++i) {
+      v1::LogChunk chunk;
+      chunk.set_job_id(request->job_id());
+      chunk.set_attempt(request->attempt());
+      chunk.set_rank(i);
+      chunk.set_data(absl::StrCat("line ", i, " of ", request->job_id(), "\n"));
+      writer->Write(chunk);
+    }
+    return grpc::Status::OK;
+  }
+};
+
+TEST_F(CoordinatorTest, GetLogsRelaysFromTheWorkers) {
+  FakeLogWorker worker;
+  auto server = GrpcServer::Start({.listen_address = "127.0.0.1:0"},
+                                  {{v1::Worker::service_full_name(), &worker}});
+  ASSERT_THAT(server, IsOk());
+  v1::RegisterNodeRequest node;
+  node.set_node_id("logs-node");
+  node.set_address((*server)->address());
+  node.mutable_resources()->set_cpu_slots(2);
+  v1::RegisterNodeResponse registered;
+  ASSERT_TRUE(nodes_->RegisterNode(Context().get(), node, &registered).ok());
+
+  v1::Job pending = Submit(GpuSpec("never-placed", 64, 64, 1));
+  v1::GetLogsRequest request;
+  request.set_job_id(pending.job_id());
+  request.set_rank(-1);
+  request.set_attempt(-1);
+  {
+    auto context = Context();
+    auto reader = stub_->GetLogs(context.get(), request);
+    v1::LogChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    grpc::Status status = reader->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(status.error_message(), HasSubstr("no trainer has been placed"));
+  }
+
+  v1::Job job = Submit(ValidSpec("with-logs"));
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED);
+  request.set_job_id(job.job_id());
+  auto context = Context();
+  auto reader = stub_->GetLogs(context.get(), request);
+  std::vector<v1::LogChunk> chunks;
+  v1::LogChunk chunk;
+  while (reader->Read(&chunk)) chunks.push_back(chunk);
+  grpc::Status status = reader->Finish();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(chunks[0].data(), absl::StrCat("line 0 of ", job.job_id(), "\n"));
+  EXPECT_EQ(chunks[1].node_id(), "logs-node");
+
+  // A worker that is gone is named in the error.
+  (*server)->Shutdown(absl::ZeroDuration());
+  auto context2 = Context();
+  auto reader2 = stub_->GetLogs(context2.get(), request);
+  EXPECT_FALSE(reader2->Read(&chunk));
+  status = reader2->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(status.error_message(), HasSubstr("worker logs-node"));
+}
+
+TEST_F(CoordinatorTest, EverythingSurvivesSigkill) {
+  std::vector<std::string> ids;
+  for (int i = 0; i < 3; ++i)
+    ids.push_back(Submit(ValidSpec(absl::StrCat("durable-", i))).job_id());
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(ids[1]);
+  v1::CancelJobResponse cancelled;
+  ASSERT_TRUE(stub_->CancelJob(Context().get(), cancel, &cancelled).ok());
+
+  auto exit = process_->Stop(SIGKILL);
+  ASSERT_THAT(exit, IsOk());
+  EXPECT_EQ(exit->signal, SIGKILL);
+  process_.reset();
+  Start();
+
+  for (int i = 0; i < 3; ++i) {
+    v1::Job job;
+    ASSERT_TRUE(Get(ids[i], &job).ok()) << ids[i];
+    EXPECT_EQ(job.spec().name(), absl::StrCat("durable-", i));
+    EXPECT_EQ(job.state(), i == 1 ? v1::JOB_STATE_CANCELLED : v1::JOB_STATE_PENDING);
+  }
+  EXPECT_EQ(Watch(ids[1], 0).size(), 2u);
+  // New ids keep counting after the restart: no reuse.
+  v1::Job next = Submit(ValidSpec("after-restart"));
+  for (const auto& id : ids) EXPECT_NE(next.job_id(), id);
+}
+
+TEST_F(CoordinatorTest, SigkillMidTrainingLosesNothingAndReconciles) {
+  RegisterNode("node-a", 0, 2);
+  v1::Job job = Submit(ValidSpec("mid-training"));
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED);
+  v1::TaskAssignment assignment = Heartbeat("node-a").start(0);
+  Heartbeat("node-a", {Task(assignment, v1::TASK_STATE_RUNNING)});
+  job =
+      WaitForJob(job.job_id(), [](const v1::Job& j) { return j.state() == v1::JOB_STATE_RUNNING; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  v1::ReportRequest report;
+  report.set_node_id("node-a");
+  report.set_task_id(assignment.task_id());
+  report.set_first_sequence(1);
+  for (int step = 1; step <= 5; ++step) {
+    auto* r = report.add_reports();
+    r->set_job_id(job.job_id());
+    r->mutable_metrics()->set_step(step);
+    r->mutable_metrics()->set_loss(6.0 - step);
+  }
+  auto* checkpoint = report.add_reports();
+  checkpoint->set_job_id(job.job_id());
+  checkpoint->mutable_checkpoint()->set_job_id(job.job_id());
+  checkpoint->mutable_checkpoint()->set_step(5);
+  checkpoint->mutable_checkpoint()->set_path("/ckpt/step-00000005");
+  v1::ReportResponse acked;
+  ASSERT_TRUE(nodes_->Report(Context().get(), report, &acked).ok());
+
+  auto exit = process_->Stop(SIGKILL);
+  ASSERT_THAT(exit, IsOk());
+  process_.reset();
+  Start();
+
+  // Everything is still there.
+  ASSERT_TRUE(Get(job.job_id(), &job).ok());
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(job.current_step(), 5);
+  v1::GetMetricsRequest metrics;
+  metrics.set_job_id(job.job_id());
+  v1::GetMetricsResponse curve;
+  ASSERT_TRUE(stub_->GetMetrics(Context().get(), metrics, &curve).ok());
+  EXPECT_EQ(curve.points_size(), 5);
+  v1::ListCheckpointsRequest list;
+  list.set_job_id(job.job_id());
+  v1::ListCheckpointsResponse checkpoints;
+  ASSERT_TRUE(stub_->ListCheckpoints(Context().get(), list, &checkpoints).ok());
+  ASSERT_EQ(checkpoints.checkpoints_size(), 1);
+  EXPECT_EQ(checkpoints.checkpoints(0).path(), "/ckpt/step-00000005");
+
+  // The worker's next heartbeat reconciles: the task keeps running, nothing
+  // is started twice, and the job then finishes normally.
+  v1::HeartbeatResponse again = Heartbeat("node-a", {Task(assignment, v1::TASK_STATE_RUNNING)});
+  EXPECT_FALSE(again.reregister());
+  EXPECT_EQ(again.start_size(), 0);
+  EXPECT_EQ(again.stop_size(), 0);
+  Heartbeat("node-a", {Task(assignment, v1::TASK_STATE_SUCCEEDED)});
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SUCCEEDED; });
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+}  // namespace
+}  // namespace tessera
