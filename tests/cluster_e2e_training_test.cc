@@ -264,7 +264,9 @@ TEST(LocalTest, TesseraLocalRunsAJobAndStopsCleanly) {
       {"/bin/sh", "-c",
        "cd " + std::string(TESSERA_SOURCE_DIR) + " && " + BinDir() +
            "/tessera submit examples/tiny-gpt.yaml --watch"},
-      exports, /*columns=*/80, /*rows=*/24, absl::Minutes(4));
+      // 200 steps take about a minute on a quiet 2-core machine; the budget is for a loaded one
+      // (the ctest timeout is 10 minutes).
+      exports, /*columns=*/80, /*rows=*/24, absl::Minutes(7));
   ASSERT_THAT(watched, IsOk());
   ASSERT_EQ(watched->exit.exit_code, 0) << watched->output;
   EXPECT_THAT(watched->output, HasSubstr("[SUCCEEDED]"));
