@@ -37,7 +37,10 @@
 // Each request held back gets a reason a person can read, e.g.
 // "queue research: 56 of 64 GPUs in use, needs 16; cohort lab has 4 GPUs unused to lend".
 //
-// Cost: O(Q + R log R) per pass for Q queues and R requests.
+// Cost: O((Q + R) log(Q + R)) per pass for Q queues and R requests.
+//
+// Thread safety: AdmitByQuota and QuotaUnsatisfiable are pure functions; a QuotaLedger is a
+// plain value (not for concurrent use).
 #pragma once
 
 #include <cstdint>

@@ -355,12 +355,12 @@ absl::Status ValidateQueueConfig(const QueueConfig& config) {
             absl::StrCat(at, ".default_for.users"),
             absl::StrCat("user '", user, "' is already defaulted to queue ", it->second));
       }
-      if (!queue.submitters.users.empty() || !queue.submitters.groups.empty()) {
-        if (!Contains(queue.submitters.users, user)) {
-          return Invalid(absl::StrCat(at, ".default_for.users"),
-                         absl::StrCat("user '", user,
-                                      "' is defaulted here but not listed in submitters.users"));
-        }
+      // With submitter groups the user may be a member: only the daemon knows groups.
+      if (!queue.submitters.users.empty() && queue.submitters.groups.empty() &&
+          !Contains(queue.submitters.users, user)) {
+        return Invalid(
+            absl::StrCat(at, ".default_for.users"),
+            absl::StrCat("user '", user, "' is defaulted here but not listed in submitters.users"));
       }
     }
     for (const std::string& group : queue.default_for.groups) {
@@ -451,11 +451,16 @@ absl::StatusOr<std::string> QueueFor(const QueueConfig& config, const Submission
                      "; name one"));
   }
   if (!MaySubmit(*chosen, submission)) {
+    std::vector<std::string> allowed;
+    if (!chosen->submitters.users.empty()) {
+      allowed.push_back(absl::StrCat("users ", absl::StrJoin(chosen->submitters.users, ", ")));
+    }
+    if (!chosen->submitters.groups.empty()) {
+      allowed.push_back(absl::StrCat("groups ", absl::StrJoin(chosen->submitters.groups, ", ")));
+    }
     return absl::PermissionDeniedError(
         absl::StrCat("user ", submission.owner, " may not submit to queue ", chosen->name, " (",
-                     how, "; submitters: ", absl::StrJoin(chosen->submitters.users, ", "),
-                     chosen->submitters.groups.empty() ? "" : "; groups ",
-                     absl::StrJoin(chosen->submitters.groups, ", "), ")"));
+                     how, "; open to ", absl::StrJoin(allowed, " and "), ")"));
   }
   return chosen->name;
 }

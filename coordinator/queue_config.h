@@ -33,6 +33,9 @@
 //
 // Without any queue (no file, or a file with no queues) every job goes to one implicit queue,
 // kImplicitQueue, without quota: admission is then the gang scheduler's alone, as before queues.
+//
+// Thread safety: plain values and pure functions. A QueueConfig is not changed once validated;
+// the daemon can swap a shared_ptr<const QueueConfig> on reload and read it from any thread.
 #pragma once
 
 #include <cstdint>

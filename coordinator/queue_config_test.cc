@@ -110,6 +110,10 @@ TEST(ParseQueueConfigTest, RefusesBadFilesNamingEntryAndField) {
        "queues[1] (b).default_for.labels: labels {t=x} already default to queue a"},
       {"queues: [{name: a, submitters: {users: [bob]}, default_for: {users: [alice]}}]",
        "queues[0] (a).default_for.users: user 'alice' is defaulted here but not listed"},
+      {"queues: [{name: a, submitters: {users: [bob], groups: [g]}, default_for: {users: "
+       "[alice]}}, "
+       "{name: b, weight: 0}]",
+       "queues[1] (b).weight"},  // alice may be in group g: accepted, the next error shows
       {"queues: [{name: a, submitters: {labels: {t: x}}}]",
        "queues[0] (a).submitters: unknown key 'labels' (users, groups)"},
       {"queues: [{name: a, submitters: {users: alice}}]",
@@ -152,7 +156,8 @@ TEST(QueueForTest, NamedQueueNeedsPermission) {
   EXPECT_THAT(QueueFor(config, Job("carol", "nlp", {"nlp-team"})), IsOkAndHolds("nlp"));
   EXPECT_THAT(QueueFor(config, Job("carol", "nlp", {"other"})),
               StatusIs(absl::StatusCode::kPermissionDenied,
-                       HasSubstr("user carol may not submit to queue nlp")));
+                       HasSubstr("user carol may not submit to queue nlp (named; open to users "
+                                 "alice, bob and groups nlp-team)")));
   // Labels route, they never grant.
   EXPECT_THAT(QueueFor(config, Job("carol", "nlp", {}, {{"team", "nlp"}})),
               StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("queue nlp")));

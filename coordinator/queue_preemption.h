@@ -22,6 +22,8 @@
 // Preemption frees quota; whether the gang then fits on the freed nodes (topology, gpu_type,
 // node_selector) is the gang scheduler's question: the caller should check Schedule() against
 // the capacity the victims would leave before acting.
+//
+// Thread safety: a pure function.
 #pragma once
 
 #include <cstdint>

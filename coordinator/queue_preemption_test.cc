@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -119,6 +120,41 @@ TEST(SelectPreemptionTest, ABorrowingQueueDoesNotReclaim) {
   const PreemptionDecision decision = SelectPreemption(Config(), running, Waiting("nlp", 8, 9));
   EXPECT_THAT(decision.victims, IsEmpty());
   EXPECT_THAT(decision.reason, HasSubstr("nothing to preempt"));
+}
+
+// The whole cycle: vision borrows nlp's idle quota, nlp's demand returns and waits with a reason,
+// preemption picks the borrowers, and once they stop nlp is admitted.
+TEST(SelectPreemptionTest, BorrowThenReclaimThenAdmit) {
+  const QueueConfig config = Config();
+  std::vector<RunningJob> running = {Job("s", "speech", 16, 0, absl::Minutes(1))};
+  std::map<std::string, Resources> in_use = {{"speech", {.gpus = 16}}};
+  std::vector<QueuedRequest> vision_jobs;
+  for (int i = 0; i < 6; ++i) {
+    vision_jobs.push_back({.job_id = absl::StrCat("v", i), .queue = "vision", .submit_order = i,
+                           .devices = 8});
+  }
+  QuotaAdmission admission = AdmitByQuota(config, in_use, {}, vision_jobs);
+  // 16 within vision's nominal, then 32 borrowed from idle nlp: the cohort is full.
+  ASSERT_THAT(admission.admitted, ElementsAre("v0", "v1", "v2", "v3", "v4", "v5"));
+  EXPECT_EQ(admission.borrowing.size(), 4u);
+  for (int i = 0; i < 6; ++i) {
+    running.push_back(Job(absl::StrCat("v", i), "vision", 8, 0, absl::Minutes(10 * (6 - i))));
+  }
+  in_use["vision"].gpus = 48;
+
+  const QueuedRequest nlp = Waiting("nlp", 16);
+  admission = AdmitByQuota(config, in_use, {}, {nlp});
+  EXPECT_THAT(admission.admitted, IsEmpty());
+  EXPECT_EQ(admission.held.at("waiting"),
+            "queue nlp: 0 of 32 GPUs in use, needs 16, but cohort lab has lent its quota out: 64 "
+            "of 64 GPUs in use there (waits for borrowed GPUs to come back)");
+
+  const PreemptionDecision decision = SelectPreemption(config, running, nlp);
+  // Least progress lost first: v5 and v4 checkpointed most recently.
+  ASSERT_THAT(Ids(decision), ElementsAre("v5", "v4"));
+  in_use["vision"].gpus -= 16;
+  admission = AdmitByQuota(config, in_use, {}, {nlp});
+  EXPECT_THAT(admission.admitted, ElementsAre("waiting"));
 }
 
 }  // namespace
