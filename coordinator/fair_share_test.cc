@@ -88,18 +88,18 @@ TEST(FairShareTrackerTest, RestorePutsSavedUsageBack) {
 // ended jobs free their devices and a pass admits what the quotas allow. The cluster holds exactly
 // the cohort's quota, so every admitted job starts.
 struct SimQueue {
-  std::string name;
+  std::string name{};
   int64_t gpus_per_job = 1;
-  absl::Duration duration;
+  absl::Duration duration{};
   double weight = 1;
   int64_t nominal = 8;
 };
 
 struct SimResult {
-  std::map<std::string, double> device_seconds;
-  std::map<std::string, int64_t> most_held;
+  std::map<std::string, double> device_seconds{};
+  std::map<std::string, int64_t> most_held{};
   // Longest any queue's first waiting job waited.
-  std::map<std::string, absl::Duration> longest_wait;
+  std::map<std::string, absl::Duration> longest_wait{};
   int64_t most_in_cohort = 0;
   double total() const {
     double sum = 0;

@@ -56,9 +56,9 @@ namespace tessera::coordinator {
 
 // One waiting job as quota admission sees it (the pass builds it beside its GangRequest).
 struct QueuedRequest {
-  std::string job_id;
+  std::string job_id{};
   // As QueueFor chose it at submission.
-  std::string queue;
+  std::string queue{};
   // Higher first.
   int priority = 0;
   // Smaller = older.
@@ -116,12 +116,12 @@ std::optional<std::string> QuotaUnsatisfiable(const QueueConfig& config,
 
 struct QuotaAdmission {
   // Job ids allowed to try placement this pass, in the order admission took them.
-  std::vector<std::string> admitted;
+  std::vector<std::string> admitted{};
   // Of those, the ones that take their queue beyond its nominal quota (they borrow, and may be
   // reclaimed later).
-  std::set<std::string> borrowing;
+  std::set<std::string> borrowing{};
   // Every request not admitted, keyed by job_id: why.
-  std::map<std::string, std::string> held;
+  std::map<std::string, std::string> held{};
 };
 
 // One pass of quota admission, by the policy above. `in_use`: what each queue's running jobs

@@ -87,30 +87,30 @@ absl::string_view ResourceName(ResourceKind kind);
 
 // Who may submit into a queue (any match grants); both empty = anyone.
 struct Submitters {
-  std::vector<std::string> users;
-  std::vector<std::string> groups;
+  std::vector<std::string> users{};
+  std::vector<std::string> groups{};
 };
 
 // Which jobs that name no queue go to this one (see Routing above).
 struct DefaultFor {
-  std::vector<std::string> users;
-  std::vector<std::string> groups;
+  std::vector<std::string> users{};
+  std::vector<std::string> groups{};
   // All must be carried by the job; empty = matches no job.
-  std::map<std::string, std::string> labels;
+  std::map<std::string, std::string> labels{};
 };
 
 struct QueueSpec {
-  std::string name;
+  std::string name{};
   // "" = none.
-  std::string cohort;
-  Resources nominal;
+  std::string cohort{};
+  Resources nominal{};
   // Per resource: how much above nominal the queue may use; nullopt = only the cohort's unused
   // quota bounds it.
-  std::optional<int64_t> borrowing_limit_gpus;
-  std::optional<int64_t> borrowing_limit_cpu_slots;
+  std::optional<int64_t> borrowing_limit_gpus{};
+  std::optional<int64_t> borrowing_limit_cpu_slots{};
   double weight = 1.0;
-  Submitters submitters;
-  DefaultFor default_for;
+  Submitters submitters{};
+  DefaultFor default_for{};
 
   std::optional<int64_t> BorrowingLimit(ResourceKind kind) const {
     return kind == ResourceKind::kGpus ? borrowing_limit_gpus : borrowing_limit_cpu_slots;
@@ -120,10 +120,10 @@ struct QueueSpec {
 // A validated configuration. Build it with ParseQueueConfig (or by hand in tests, then
 // ValidateQueueConfig).
 struct QueueConfig {
-  std::vector<std::string> cohorts;
-  std::vector<QueueSpec> queues;
+  std::vector<std::string> cohorts{};
+  std::vector<QueueSpec> queues{};
   // "" = none.
-  std::string default_queue;
+  std::string default_queue{};
   absl::Duration fair_share_half_life = kDefaultFairShareHalfLife;
 
   // True when the file defines no queue: one implicit queue without quota.
@@ -148,11 +148,11 @@ absl::StatusOr<absl::Duration> ParseHalfLife(absl::string_view text);
 
 // Who submits a job, and what it asks for.
 struct Submission {
-  std::string owner;
-  std::vector<std::string> groups;
-  std::map<std::string, std::string> labels;
+  std::string owner{};
+  std::vector<std::string> groups{};
+  std::map<std::string, std::string> labels{};
   // The queue the job names; "" = none.
-  std::string requested_queue;
+  std::string requested_queue{};
 };
 
 // The queue the job goes to, by the routing rule above. NOT_FOUND for a queue the file does not

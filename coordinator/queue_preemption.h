@@ -38,28 +38,28 @@ namespace tessera::coordinator {
 
 // One running job as preemption sees it.
 struct RunningJob {
-  std::string job_id;
-  std::string queue;
+  std::string job_id{};
+  std::string queue{};
   int priority = 0;
   bool use_gpus = true;
   // Devices it holds (world_size).
   int64_t devices = 0;
   // Progress lost if it stops now: the time since its last checkpoint (or since it started).
-  absl::Duration since_checkpoint;
+  absl::Duration since_checkpoint{};
 };
 
 struct Victim {
-  std::string job_id;
+  std::string job_id{};
   // Why this job, e.g. "reclaimed for queue nlp (below its nominal 32 GPUs): queue vision
   // borrows 8 GPUs".
-  std::string reason;
+  std::string reason{};
 };
 
 struct PreemptionDecision {
   // In the order they were chosen; empty: preempt nothing.
-  std::vector<Victim> victims;
+  std::vector<Victim> victims{};
   // Why these victims, or why none.
-  std::string reason;
+  std::string reason{};
 };
 
 // The victims that let `waiting` start under its quota, by the policy above. `running` must hold
