@@ -130,8 +130,8 @@ TEST(SelectPreemptionTest, BorrowThenReclaimThenAdmit) {
   std::map<std::string, Resources> in_use = {{"speech", {.gpus = 16}}};
   std::vector<QueuedRequest> vision_jobs;
   for (int i = 0; i < 6; ++i) {
-    vision_jobs.push_back({.job_id = absl::StrCat("v", i), .queue = "vision", .submit_order = i,
-                           .devices = 8});
+    vision_jobs.push_back(
+        {.job_id = absl::StrCat("v", i), .queue = "vision", .submit_order = i, .devices = 8});
   }
   QuotaAdmission admission = AdmitByQuota(config, in_use, {}, vision_jobs);
   // 16 within vision's nominal, then 32 borrowed from idle nlp: the cohort is full.
