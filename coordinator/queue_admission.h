@@ -24,8 +24,8 @@
 //   but not the cohort's unused quota reserves what it needs (like the scheduler's backfill
 //   reservation): later borrowers may use only what is unused beyond it, so a large gang of a
 //   low-share queue is not starved by a stream of small ones. One such reservation per cohort
-//   and resource and pass; since the reserving queue's share only falls relative to the others
-//   while it waits, it keeps the reservation on later passes until it fits.
+//   and resource and pass. While it waits its usage decays and the borrowers' grows, so it stays
+//   first in line on later passes unless another queue's share falls lower still.
 // * Admitted requests count at once against their queue and cohort, so a pass never admits
 //   more than the quotas allow together. A request admitted here that the scheduler then cannot
 //   place (no free node fits it) only ends its pass unplaced; the next pass recounts from what
