@@ -172,8 +172,10 @@ void PrintJob(const v1::Job& job) {
   std::cout << "\n";
 }
 
-// `get`: restarts, why each ended attempt ended, and the slowest rank when one holds the job back.
+// `get`: the queue, restarts, why each ended attempt ended, and the slowest rank when one holds
+// the job back.
 void PrintAttempts(const v1::Job& job) {
+  if (!job.queue().empty()) std::cout << "  queue: " << job.queue() << "\n";
   if (job.restarts() > 0 || job.spec().max_restarts() > 0) {
     std::cout << absl::StrFormat("  restarts: %d of %d\n", job.restarts(),
                                  job.spec().max_restarts());

@@ -1,6 +1,7 @@
 #include "common/read_file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -34,6 +35,13 @@ absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
       path, size_t{64} << 10, [&](const char* data, size_t size) { out.append(data, size); });
   if (!status.ok()) return status;
   return out;
+}
+
+absl::StatusOr<std::string> FileIdentity(const std::string& path) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) return ErrnoToStatus(errno, absl::StrCat(path, ": stat"));
+  return absl::StrCat(info.st_ino, ":", info.st_size, ":", info.st_mtim.tv_sec, ".",
+                      info.st_mtim.tv_nsec);
 }
 
 }  // namespace tessera

@@ -1,4 +1,4 @@
-// Reading whole files in chunks, with errors that name the file.
+// Reading whole files in chunks, and telling when a file changed, with errors that name the file.
 #pragma once
 
 #include <cstddef>
@@ -18,5 +18,11 @@ absl::Status ReadFileChunks(const std::string& path, size_t chunk_bytes,
 
 // The whole file at `path` (errors as ReadFileChunks).
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path);
+
+// The identity of the file at `path` as it is now: inode, size and modification time. A
+// Kubernetes Secret or ConfigMap update swaps a symlink, an editor rewrites in place; either
+// changes it, so a daemon re-reads a configuration file only when its identity changed. Errors
+// as ErrnoToStatus, naming the path.
+absl::StatusOr<std::string> FileIdentity(const std::string& path);
 
 }  // namespace tessera

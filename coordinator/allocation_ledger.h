@@ -41,6 +41,8 @@ struct Allocation {
   };
 
   int32_t attempt = 0;
+  // The job's queue (Job.queue), whose quota the ranks' devices count against.
+  std::string queue;
   std::vector<v1::RankPlacement> ranks;
   std::string master_node;
   int master_port = 0;

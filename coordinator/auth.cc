@@ -1,7 +1,6 @@
 #include "coordinator/auth.h"
 
 #include <openssl/evp.h>
-#include <sys/stat.h>
 
 #include <cstdlib>
 #include <iostream>
@@ -36,17 +35,6 @@ std::string RoleNames(uint32_t roles) {
   if (roles & static_cast<uint32_t>(Role::kAdmin)) names.push_back("admin");
   if (roles & static_cast<uint32_t>(Role::kNode)) names.push_back("node");
   return names.empty() ? "no role" : absl::StrJoin(names, ", ");
-}
-
-// Inode, size and modification time: a Kubernetes Secret update swaps a
-// symlink, an editor rewrites in place; either changes one of them.
-absl::StatusOr<std::string> FileIdentity(const std::string& path) {
-  struct stat info {};
-  if (stat(path.c_str(), &info) != 0) {
-    return absl::NotFoundError(absl::StrCat("--auth_file ", path, ": cannot stat"));
-  }
-  return absl::StrCat(info.st_ino, ":", info.st_size, ":", info.st_mtim.tv_sec, ".",
-                      info.st_mtim.tv_nsec);
 }
 
 }  // namespace

@@ -30,6 +30,7 @@ absl::Status Cluster::Recover() {
     if (job.placements().empty()) continue;
     Allocation allocation;
     allocation.attempt = job.attempt();
+    allocation.queue = job.queue();
     allocation.ranks.assign(job.placements().begin(), job.placements().end());
     allocation.master_node = job.placements(0).node_id();
     allocation.placed_time = now;

@@ -23,6 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "coordinator/queue_file.h"
 #include "coordinator/allocation_ledger.h"
 #include "coordinator/assignment_notifier.h"
 #include "coordinator/node_registry.h"
@@ -58,6 +59,9 @@ struct ClusterOptions {
   // The clock of liveness, settle times and the history's times (must outlive the cluster);
   // tests pass a SimulatedClock. The loop of Cluster::Start paces itself on the wall clock.
   Clock* clock = Clock::Real();
+  // Queues and quotas (--queue_file); null: one implicit queue, no quotas. Must outlive the
+  // cluster.
+  QueueFile* queues = nullptr;
 };
 
 // Counters for metrics, computed by Tick().

@@ -40,8 +40,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   }
   daemon->limits_ = std::make_unique<ClientLimits>(options.limits);
   ASSIGN_OR_RETURN(daemon->store_, Store::Open(options.state_path));
-  daemon->jobs_ = std::make_unique<JobManager>(daemon->store_.get());
+  // A bad queue file stops the daemon here; later versions that are bad are refused and logged.
+  ASSIGN_OR_RETURN(daemon->queues_, QueueFile::Create({.path = options.queue_file,
+                                                       .clock = options.cluster.clock}));
+  daemon->jobs_ = std::make_unique<JobManager>(daemon->store_.get(), options.cluster.clock,
+                                               daemon->queues_.get());
   ClusterOptions cluster = options.cluster;
+  cluster.queues = daemon->queues_.get();
   // Each attempt's trainers run in a directory of their own: a relative root would give every
   // attempt a checkpoint directory of its own and hide earlier checkpoints from a restart.
   std::error_code error;

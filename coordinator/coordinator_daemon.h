@@ -23,6 +23,7 @@
 #include "coordinator/coordinator_service.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/node_service.h"
+#include "coordinator/queue_file.h"
 #include "coordinator/store.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 #include "tessera/v1/node_service.grpc.pb.h"
@@ -45,6 +46,8 @@ struct CoordinatorOptions {
   std::string worker_tls_server_name;
   // Users, roles and token hashes (auth.h); empty: no authentication.
   std::string auth_file;
+  // Queues, quotas and fair share (queue_config.h); empty: one queue, no quotas.
+  std::string queue_file;
   // Per-user submit rate and open streams.
   ClientLimitsOptions limits;
   // Largest gRPC message accepted, in bytes.
@@ -87,6 +90,7 @@ class CoordinatorDaemon {
   std::unique_ptr<AssignmentNotifier> notifier_;
   std::unique_ptr<Cluster> cluster_;
   std::unique_ptr<Authenticator> authenticator_;
+  std::unique_ptr<QueueFile> queues_;
   std::unique_ptr<ClientLimits> limits_;
   std::unique_ptr<CoordinatorService> coordinator_service_;
   std::unique_ptr<NodeService> node_service_;

@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <functional>
+#include <memory>
 #include <optional>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/clock.h"
 #include "coordinator/job_validation.h"
+#include "coordinator/queue_admission.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace tessera::coordinator {
@@ -30,7 +33,31 @@ bool IsTerminal(v1::JobState state) {
          state == v1::JOB_STATE_CANCELLED;
 }
 
-JobManager::JobManager(Store* store, Clock* clock) : store_(store), clock_(clock) {}
+JobManager::JobManager(Store* store, Clock* clock, QueueFile* queues)
+    : store_(store), clock_(clock), queues_(queues) {}
+
+absl::StatusOr<std::string> JobManager::RouteToQueue(const v1::JobSpec& spec,
+                                                     const std::string& owner,
+                                                     int world_size) const {
+  const std::shared_ptr<const QueueConfig> config =
+      queues_ != nullptr ? queues_->Current() : std::make_shared<const QueueConfig>();
+  Submission submission;
+  submission.owner = owner;
+  submission.labels.insert(spec.labels().begin(), spec.labels().end());
+  submission.requested_queue = spec.queue();
+  auto queue = QueueFor(*config, submission);
+  if (!queue.ok()) {
+    return absl::Status(queue.status().code(), absl::StrCat("queue: ", queue.status().message()));
+  }
+  QueuedRequest request;
+  request.queue = *queue;
+  request.use_gpus = spec.resources().gpus() > 0;
+  request.devices = world_size;
+  if (std::optional<std::string> never = QuotaUnsatisfiable(*config, request)) {
+    return absl::FailedPreconditionError(absl::StrCat("queue: ", *never));
+  }
+  return queue;
+}
 
 google::protobuf::Timestamp JobManager::NowTimestamp() const {
   return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(clock_->Now()));
@@ -58,6 +85,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::s
   // The spec is validated and resolved once, here; the plan records what it resolved to.
   ASSIGN_OR_RETURN(const ResolvedJob resolved, ResolveJob(spec));
   RETURN_IF_ERROR(ValidateTrainerRuns(spec));
+  ASSIGN_OR_RETURN(std::string queue, RouteToQueue(spec, owner, resolved.world_size));
   v1::LayoutPlan plan = PlanJob(spec, resolved);
   const std::string owned_request_id =
       request_id.empty() ? "" : absl::StrCat(owner, "/", request_id);
@@ -73,6 +101,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::s
   *job.mutable_spec() = spec;
   *job.mutable_plan() = std::move(plan);
   job.set_owner(owner);
+  job.set_queue(std::move(queue));
   job.set_state(v1::JOB_STATE_PENDING);
   job.set_reason("waiting to be scheduled");
   *job.mutable_create_time() = NowTimestamp();

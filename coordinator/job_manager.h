@@ -23,6 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "coordinator/keyed_mutex.h"
+#include "coordinator/queue_file.h"
 #include "coordinator/store.h"
 #include "tessera/v1/coordinator_service.pb.h"
 
@@ -34,13 +35,14 @@ bool IsTerminal(v1::JobState state);
 class JobManager {
  public:
   // `store` must outlive the manager. `clock` (must outlive it) stamps create, start and end
-  // times.
-  explicit JobManager(Store* store, Clock* clock = Clock::Real());
+  // times. `queues` (may be null: one implicit queue; must outlive it) routes submissions.
+  explicit JobManager(Store* store, Clock* clock = Clock::Real(), QueueFile* queues = nullptr);
 
-  // Validates (INVALID_ARGUMENT naming the field), plans, and stores a new
-  // PENDING job owned by `owner`. A request_id `owner` used before returns
-  // that job instead (request ids are per owner: another user's id never
-  // returns someone else's job).
+  // Validates (INVALID_ARGUMENT naming the field), plans, routes to a queue (Job.queue; NOT_FOUND
+  // for an unknown queue, PERMISSION_DENIED for one `owner` may not submit into,
+  // FAILED_PRECONDITION for a gang its queue's quota can never hold) and stores a new PENDING job
+  // owned by `owner`. A request_id `owner` used before returns that job instead (request ids are
+  // per owner: another user's id never returns someone else's job).
   absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec, const std::string& request_id,
                                  const std::string& owner = "anonymous");
   // NOT_FOUND for an unknown id.
@@ -105,8 +107,13 @@ class JobManager {
   void NotifyWatchers(const std::string& job_id);
   google::protobuf::Timestamp NowTimestamp() const;
 
+  // The queue a submission goes to (QueueFor) when its quota can ever hold its gang.
+  absl::StatusOr<std::string> RouteToQueue(const v1::JobSpec& spec, const std::string& owner,
+                                           int world_size) const;
+
   Store* store_;
   Clock* const clock_;
+  QueueFile* const queues_;
   // Serialize read-modify-write of each job, by job id.
   KeyedMutex job_locks_;
   // Serialize submissions with the same request id.

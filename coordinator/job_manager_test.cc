@@ -3,6 +3,7 @@
 
 #include "coordinator/job_manager.h"
 
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,12 +14,15 @@
 #include "google/protobuf/util/time_util.h"
 #include "gtest/gtest.h"
 #include "tests/util/job_specs.h"
+#include "tests/util/temp_dir.h"
 
 namespace tessera::coordinator {
 namespace {
 
 using ::google::protobuf::util::TimeUtil;
 using ::tessera::testing::IsOk;
+using ::tessera::testing::StatusIs;
+using ::testing::HasSubstr;
 using ::testing::SizeIs;
 
 absl::Time FromProto(const google::protobuf::Timestamp& timestamp) {
@@ -158,6 +162,59 @@ TEST_F(JobManagerTest, WatchersHearOfTheirJobUntilUnsubscribed) {
   jobs_->Unsubscribe(handle);
   ASSERT_THAT(jobs_->Cancel(watched, "x").status(), IsOk());
   EXPECT_EQ(calls, 2);
+}
+
+// Each job goes to a queue at submission: the one it names if its owner may submit there, else
+// its owner's default; an unknown queue, a queue the owner may not use and a gang the quota can
+// never hold are refused with the status that fits. Without a queue file everything goes to the
+// implicit queue.
+TEST_F(JobManagerTest, SubmissionsAreRoutedToTheirQueue) {
+  EXPECT_EQ(Job(Submit()).queue(), "default");
+
+  ::tessera::testing::ScopedTempDir dir("job-manager-queues");
+  const std::string path = dir.path() + "/queues.yaml";
+  std::ofstream(path) << R"(
+cohorts:
+  - name: lab
+queues:
+  - name: nlp
+    cohort: lab
+    nominal: {cpu_slots: 4}
+    borrowing_limit: {cpu_slots: 0}
+    submitters: {users: [alice]}
+    default_for: {users: [alice]}
+  - name: shared
+    cohort: lab
+    nominal: {cpu_slots: 2}
+default_queue: shared
+)";
+  auto queues = QueueFile::Create({.path = path, .clock = &clock_});
+  ASSERT_THAT(queues.status(), IsOk());
+  JobManager jobs(store_.get(), &clock_, queues->get());
+  auto submit = [&](const std::string& owner, const std::string& queue, int slots) {
+    v1::JobSpec spec = testing::TinyCpuJobSpec("queued", slots, 0);
+    spec.set_queue(queue);
+    spec.mutable_batch()->set_global_batch_size(4 * slots);
+    return jobs.Submit(spec, "", owner);
+  };
+  auto alice = submit("alice", "", 2);
+  ASSERT_THAT(alice.status(), IsOk());
+  EXPECT_EQ(alice->queue(), "nlp");
+  EXPECT_EQ(Job(alice->job_id()).queue(), "nlp");
+  auto bob = submit("bob", "", 2);
+  ASSERT_THAT(bob.status(), IsOk());
+  EXPECT_EQ(bob->queue(), "shared");
+  auto named = submit("alice", "shared", 2);
+  ASSERT_THAT(named.status(), IsOk());
+  EXPECT_EQ(named->queue(), "shared");
+
+  EXPECT_THAT(submit("alice", "robotics", 2).status(),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("queue: queue 'robotics'")));
+  EXPECT_THAT(submit("bob", "nlp", 2).status(),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("queue: ")));
+  // nlp may use 4 CPU slots and borrow none: a gang of 8 could never start.
+  EXPECT_THAT(submit("alice", "nlp", 8).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("queue: needs 8")));
 }
 
 }  // namespace

@@ -54,6 +54,10 @@ ABSL_FLAG(std::string, auth_file, "",
           "YAML file of users: name, roles (viewer, user, admin, node), token_sha256 (see "
           "docs/security.md); re-read when it changes. Empty: no authentication, every caller is "
           "an admin.");
+ABSL_FLAG(std::string, queue_file, "",
+          "YAML file of queues: nominal GPU and CPU-slot quotas, cohorts that lend unused quota, "
+          "who submits where, fair share (see docs/coordinator.md); re-read when it changes, a "
+          "bad version refused and the previous one kept. Empty: one queue without quotas.");
 ABSL_FLAG(int, max_submits_per_minute, 60,
           "Jobs one user may submit per minute (bursts up to as many); 0: unlimited.");
 ABSL_FLAG(int, max_streams_per_client, 16,
@@ -109,6 +113,7 @@ int main(int argc, char** argv) {
   options.security.insecure = absl::GetFlag(FLAGS_insecure);
   options.worker_tls_server_name = absl::GetFlag(FLAGS_worker_tls_name);
   options.auth_file = absl::GetFlag(FLAGS_auth_file);
+  options.queue_file = absl::GetFlag(FLAGS_queue_file);
   options.limits.submits_per_minute = absl::GetFlag(FLAGS_max_submits_per_minute);
   options.limits.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);

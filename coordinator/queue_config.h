@@ -1,5 +1,5 @@
-// Queues and quotas for a shared cluster: the configuration (a YAML file the coordinator will
-// re-read on change, like the auth file), its validation, and which queue a job goes to. Pure
+// Queues and quotas for a shared cluster: the configuration (a YAML file the coordinator re-reads
+// on change, queue_file.h), its validation, and which queue a job goes to. Pure
 // logic: no gRPC, store, threads or clock. Admission against the quotas is queue_admission.h,
 // fair share is fair_share.h, preemption selection is queue_preemption.h.
 //

@@ -1,7 +1,8 @@
 # tessera_queues: queues, quotas, fair share and preemption selection for shared clusters
 # (queue_config.h, queue_admission.h, fair_share.h, queue_preemption.h). Pure logic over the
 # queue file (yaml-cpp) and Abseil: no gRPC, SQLite, Prometheus or LibTorch (the layering check
-# enforces it). Not yet wired into the scheduling pass. Included by coordinator/CMakeLists.txt,
+# enforces it). The coordinator reads the file (queue_file.h) and applies these at submission
+# (JobManager) and in each scheduling pass (SchedulingPass). Included by coordinator/CMakeLists.txt,
 # hence the absolute source paths.
 
 find_package(yaml-cpp REQUIRED)

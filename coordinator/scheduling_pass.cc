@@ -73,6 +73,17 @@ class PhaseTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
+// The queue a job counts against: its own, or for one submitted before queues were configured
+// (Job.queue empty or the implicit one) the file's default_queue when it names one. A queue the
+// file no longer defines stays as it is: quota admission holds its jobs and says why.
+std::string EffectiveQueue(const std::string& queue, const QueueConfig& config) {
+  if ((queue.empty() || queue == kImplicitQueue) && config.Find(kImplicitQueue) == nullptr &&
+      !config.default_queue.empty()) {
+    return config.default_queue;
+  }
+  return queue.empty() ? std::string(kImplicitQueue) : queue;
+}
+
 }  // namespace
 
 int64_t SchedulingPass::StartStep(const v1::Job& job, const v1::JobSpec& spec) {
@@ -108,6 +119,7 @@ int SchedulingPass::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
                                 std::map<std::string, v1::TaskAssignment> assignments) {
   Allocation allocation;
   allocation.attempt = job.attempt();
+  allocation.queue = job.queue();
   allocation.ranks = placement.ranks;
   allocation.master_node = placement.ranks.front().node_id();
   allocation.master_port = state_->allocations.FreeMasterPort(
@@ -174,8 +186,42 @@ const absl::StatusOr<v1::LayoutPlan>& SchedulingPass::CachedPlan(
   return *cached.plan;
 }
 
-SchedulingPass::Snapshot SchedulingPass::SnapshotLocked(const std::vector<v1::Job>& waiting) {
+void SchedulingPass::AdmitByQueues(const Snapshot& snapshot,
+                                   const std::map<std::string, const v1::Job*>& waiting,
+                                   std::vector<GangRequest>* requests,
+                                   std::map<std::string, std::string>* held) {
+  if (snapshot.queues == nullptr || requests->empty()) return;
+  const QueueConfig& config = *snapshot.queues;
+  std::vector<QueuedRequest> queued;
+  queued.reserve(requests->size());
+  for (const GangRequest& request : *requests) {
+    queued.push_back({.job_id = request.job_id,
+                      .queue = EffectiveQueue(waiting.at(request.job_id)->queue(), config),
+                      .priority = request.priority,
+                      .submit_order = request.submit_order,
+                      .use_gpus = request.use_gpus,
+                      .devices = request.world_size});
+  }
+  QuotaAdmission admission = AdmitByQuota(config, snapshot.queue_use,
+                                          fair_share_->Shares(config), std::move(queued));
+  std::erase_if(*requests,
+                [&](const GangRequest& request) { return admission.held.contains(request.job_id); });
+  *held = std::move(admission.held);
+}
+
+SchedulingPass::Snapshot SchedulingPass::SnapshotLocked(const std::vector<v1::Job>& waiting,
+                                                        std::shared_ptr<const QueueConfig> queues) {
   Snapshot snapshot;
+  if (queues != nullptr && !queues->implicit()) {
+    // Every allocation, draining ones included, holds its devices against its queue.
+    for (const auto& [job_id, allocation] : state_->allocations.all()) {
+      Resources& held = snapshot.queue_use[EffectiveQueue(allocation.queue, *queues)];
+      for (const v1::RankPlacement& rank : allocation.ranks) {
+        ++(rank.gpu_index() >= 0 ? held.gpus : held.cpu_slots);
+      }
+    }
+    snapshot.queues = std::move(queues);
+  }
   for (const auto& job : waiting) {
     // A restarting job is listed while its failed attempt still drains.
     if (state_->allocations.Find(job.job_id()) == nullptr) {
@@ -200,6 +246,13 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   std::map<std::string, v1::LayoutPlan> plans;
   std::map<std::string, std::string> unfit;
   const std::set<std::string>& waiting_ids = snapshot.waiting;
+  if (snapshot.queues != nullptr) {
+    // What each queue held since the previous pass counts towards its fair share.
+    if (!fair_share_.has_value()) fair_share_.emplace(snapshot.queues->fair_share_half_life,
+                                                      state_->Now());
+    fair_share_->set_half_life(snapshot.queues->fair_share_half_life);
+    fair_share_->Accrue(state_->Now(), snapshot.queue_use);
+  }
   if (waiting_ids.empty()) {
     plan_cache_.clear();
     return {};
@@ -266,9 +319,13 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   }
   // Plans of jobs that left the queue are not needed again.
   std::erase_if(plan_cache_, [&](const auto& entry) { return !waiting_ids.contains(entry.first); });
+  // Only what the queues' quotas admit tries placement.
+  std::map<std::string, std::string> quota_held;
+  AdmitByQueues(snapshot, waiting, &requests, &quota_held);
   phase.Next("plan");
   ScheduleResult result;
   if (!requests.empty()) result = Schedule(std::move(requests), std::move(capacity));
+  result.pending_reasons.merge(quota_held);
   phase.Next("schedule");
   // The gangs are admitted (allocation made) under one short hold, unless a node registered again
   // (or was lost) since the snapshot: it may offer other devices now, and that gang waits for the
@@ -427,6 +484,9 @@ void SchedulingPass::StoreLoop() {
 ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
   absl::MutexLock pass_lock(&pass_mu_);
   const absl::Time now = state_->Now();
+  // Read (and re-read when the file changed) before any lock is taken.
+  std::shared_ptr<const QueueConfig> queues =
+      state_->options.queues != nullptr ? state_->options.queues->Current() : nullptr;
   ClusterStats stats;
   stats.counted = count;
   PhaseTimer phase(&stats);
@@ -458,7 +518,7 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
   {
     TimedLock lock(&state_->mu, &stats);
     relist = FreeEndedLocked(endings, active.ok() ? &active_ids : nullptr);
-    if (active.ok() && !relist && waiting.ok()) snapshot = SnapshotLocked(*waiting);
+    if (active.ok() && !relist && waiting.ok()) snapshot = SnapshotLocked(*waiting, queues);
   }
   phase.Next("settle");
   if (relist) {
@@ -468,7 +528,7 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
     phase.Next("list");
     if (waiting.ok()) {
       TimedLock lock(&state_->mu, &stats);
-      snapshot = SnapshotLocked(*waiting);
+      snapshot = SnapshotLocked(*waiting, queues);
     }
     phase.Next("settle");
   }

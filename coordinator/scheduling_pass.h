@@ -38,7 +38,9 @@
 #include "absl/synchronization/mutex.h"
 #include "coordinator/attempt_fate.h"
 #include "coordinator/cluster_state.h"
+#include "coordinator/fair_share.h"
 #include "coordinator/job_manager.h"
+#include "coordinator/queue_admission.h"
 #include "coordinator/scheduler.h"
 #include "planner/job_plan.h"
 
@@ -76,6 +78,10 @@ class SchedulingPass {
     std::shared_ptr<const std::vector<NodeCapacity>> summaries;
     UsedResources used;
     uint64_t generation = 0;
+    // The queues in force for this pass, and the devices each queue's allocations hold
+    // (filled only when queues are configured).
+    std::shared_ptr<const QueueConfig> queues;
+    std::map<std::string, Resources> queue_use;
   };
   // The store writes of one pass: its placements (the first `placements` writes, each owning
   // what it writes) and its changed pending reasons.
@@ -85,8 +91,17 @@ class SchedulingPass {
   };
 
   // `waiting`: the PENDING and RESTARTING jobs (Store::ListWaitingJobs).
-  Snapshot SnapshotLocked(const std::vector<v1::Job>& waiting)
+  // `queues`: the configuration for this pass (QueueFile::Current, read before the lock).
+  Snapshot SnapshotLocked(const std::vector<v1::Job>& waiting,
+                          std::shared_ptr<const QueueConfig> queues)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  // Quota admission (queue_admission.h) of this pass's `requests`: those their queues' quotas
+  // hold back are removed, with why in `held`; fair share accrues what the queues held since the
+  // previous pass. Nothing changes without configured queues.
+  void AdmitByQueues(const Snapshot& snapshot,
+                     const std::map<std::string, const v1::Job*>& waiting,
+                     std::vector<GangRequest>* requests, std::map<std::string, std::string>* held)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_);
   // Plans, schedules and admits the waiting jobs (`waiting`, from ListWaitingJobs) without the
   // lock but for the admission; returns the writes that store the placements (ids added to
   // `admitted`) and the changed pending reasons.
@@ -147,6 +162,8 @@ class SchedulingPass {
     std::optional<absl::StatusOr<v1::LayoutPlan>> plan;
   };
   std::map<std::string, PlanEntry> plan_cache_ ABSL_GUARDED_BY(pass_mu_);
+  // Each queue's decayed usage (fair_share.h), from the first pass with queues configured.
+  std::optional<FairShareTracker> fair_share_ ABSL_GUARDED_BY(pass_mu_);
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(state_->mu);
 
   // The store thread: one pass's writes in flight, the next waits its turn.

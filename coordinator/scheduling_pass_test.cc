@@ -280,5 +280,88 @@ TEST_F(SchedulingPassTest, AFailedAttemptIsRestartedOnceItsEndIsStored) {
   EXPECT_EQ(orders.start(0).task_id(), TaskId(job_id, 1, "n1"));
 }
 
+// With a queue file, a pass admits only what the queues' quotas allow: a job whose queue has used
+// its quota waits with the reason, though the node has room, while another queue's job within its
+// quota is placed; once the first queue's job ends, the waiting one is placed.
+TEST(SchedulingPassQueuesTest, AQueueBeyondItsQuotaWaitsWhileAnotherIsPlaced) {
+  ::tessera::testing::ScopedTempDir dir("pass-queues");
+  const std::string path = dir.path() + "/queues.yaml";
+  std::ofstream(path) << R"(
+cohorts:
+  - name: lab
+queues:
+  - name: nlp
+    cohort: lab
+    nominal: {cpu_slots: 4}
+    borrowing_limit: {cpu_slots: 0}
+    default_for: {users: [alice]}
+  - name: vision
+    cohort: lab
+    nominal: {cpu_slots: 4}
+    default_for: {users: [bob]}
+)";
+  SimulatedClock clock;
+  auto queues = QueueFile::Create({.path = path, .clock = &clock});
+  ASSERT_THAT(queues.status(), IsOk());
+  auto store = Store::Open(":memory:");
+  ASSERT_THAT(store.status(), IsOk());
+  JobManager jobs(store->get(), &clock, queues->get());
+  ClusterOptions options;
+  options.clock = &clock;
+  options.queues = queues->get();
+  ClusterState state(store->get(), options);
+  AttemptFate fate(&state, &jobs);
+  SchedulingPass pass(&state, &jobs, &fate);
+  {
+    v1::RegisterNodeRequest request;
+    request.set_node_id("n1");
+    request.set_address("n1:7000");
+    request.mutable_resources()->set_cpu_slots(8);
+    absl::MutexLock lock(&state.mu);
+    bool returning = false;
+    ASSERT_THAT(state.nodes.Register(request, &returning), IsOk());
+  }
+  auto submit = [&](const std::string& owner, int slots) {
+    auto job = jobs.Submit(testing::TinyCpuJobSpec(owner, slots), "", owner);
+    EXPECT_THAT(job.status(), IsOk());
+    return job.ok() ? job->job_id() : "";
+  };
+  auto get = [&](const std::string& job_id) {
+    auto job = jobs.Get(job_id);
+    EXPECT_THAT(job.status(), IsOk());
+    return job.ok() ? *job : v1::Job();
+  };
+
+  const std::string first = submit("alice", 4);
+  pass.Run(/*count=*/false, /*overlap_store=*/false);
+  EXPECT_EQ(get(first).state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(get(first).queue(), "nlp");
+
+  const std::string second = submit("alice", 2);
+  const std::string other = submit("bob", 4);
+  clock.Advance(absl::Minutes(1));
+  pass.Run(/*count=*/false, /*overlap_store=*/false);
+  const v1::Job held = get(second);
+  EXPECT_EQ(held.state(), v1::JOB_STATE_PENDING);
+  EXPECT_THAT(held.reason(), HasSubstr("queue nlp: 4 of 4 CPU slots in use, needs 2"));
+  EXPECT_EQ(get(other).state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(get(other).queue(), "vision");
+
+  // The first job ends: its slots come back to nlp, and the second is placed.
+  ASSERT_THAT(jobs.Cancel(first, "done with it").status(), IsOk());
+  {
+    absl::MutexLock lock(&state.mu);
+    Allocation* allocation = state.allocations.Find(first);
+    ASSERT_NE(allocation, nullptr);
+    allocation->task_states["n1"] = v1::TASK_STATE_STOPPED;
+  }
+  // (Passes without the liveness scan: the test's node sends no heartbeats.)
+  for (int i = 0; i < 3 && get(second).state() == v1::JOB_STATE_PENDING; ++i) {
+    clock.Advance(absl::Seconds(10));
+    pass.Run(/*count=*/false, /*overlap_store=*/false);
+  }
+  EXPECT_EQ(get(second).state(), v1::JOB_STATE_SCHEDULED) << get(second).reason();
+}
+
 }  // namespace
 }  // namespace tessera::coordinator

@@ -1,14 +1,17 @@
 // The real tessera-coordinator's job API over gRPC: submit, get, list, cancel and watch, paging,
-// idempotent and bad or oversized submissions, stop orders, logs relayed from a worker, and what
-// survives a SIGKILL of the coordinator.
+// idempotent and bad or oversized submissions, stop orders, logs relayed from a worker, what
+// survives a SIGKILL of the coordinator, and queues with quotas (--queue_file).
 
 
 #include <signal.h>
 
+#include <filesystem>
+#include <fstream>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -338,6 +341,92 @@ TEST_F(CoordinatorTest, SigkillMidTrainingLosesNothingAndReconciles) {
   job = WaitForJob(job.job_id(),
                    [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SUCCEEDED; });
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+// The coordinator with a queue file: jobs go to their queue, a job beyond its queue's quota waits
+// with the reason though a node has room, an unknown queue is NOT_FOUND, and a bad new version of
+// the file is refused while the previous one stays in force.
+class CoordinatorQueuesTest : public CoordinatorTest {
+ protected:
+  static constexpr char kQueues[] = R"(
+queues:
+  - name: nlp
+    nominal: {cpu_slots: 2}
+  - name: vision
+    nominal: {cpu_slots: 2}
+default_queue: nlp
+)";
+
+  void SetUp() override {
+    Write(kQueues);
+    Start({"--queue_file=" + path_});
+  }
+  // Replaces the file (a new inode), as an editor or a ConfigMap update does.
+  void Write(const std::string& text) {
+    std::ofstream(path_ + ".next") << text;
+    std::filesystem::rename(path_ + ".next", path_);
+  }
+
+  const std::string path_ = dir_.path() + "/queues.yaml";
+};
+
+TEST_F(CoordinatorQueuesTest, AJobBeyondItsQueuesQuotaWaitsWithTheReason) {
+  RegisterNode("n1", 0, 8);
+  const v1::Job first = Submit(ValidSpec("first"));
+  EXPECT_EQ(first.queue(), "nlp");
+  v1::Job job = WaitForJob(first.job_id(), [](const v1::Job& j) {
+    return j.state() == v1::JOB_STATE_SCHEDULED;
+  });
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
+
+  const v1::Job second = Submit(ValidSpec("second"));
+  job = WaitForJob(second.job_id(), [](const v1::Job& j) {
+    return absl::StrContains(j.reason(), "queue nlp");
+  });
+  EXPECT_EQ(job.state(), v1::JOB_STATE_PENDING);
+  EXPECT_THAT(job.reason(), HasSubstr("queue nlp: 2 of 2 CPU slots in use, needs 2"));
+
+  v1::JobSpec other = ValidSpec("other");
+  other.set_queue("vision");
+  const v1::Job third = Submit(other);
+  EXPECT_EQ(third.queue(), "vision");
+  job = WaitForJob(third.job_id(), [](const v1::Job& j) {
+    return j.state() == v1::JOB_STATE_SCHEDULED;
+  });
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
+
+  v1::SubmitJobRequest unknown;
+  *unknown.mutable_spec() = ValidSpec("unknown");
+  unknown.mutable_spec()->set_queue("robotics");
+  v1::SubmitJobResponse response;
+  const grpc::Status status = stub_->SubmitJob(Context().get(), unknown, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(status.error_message(), HasSubstr("queue 'robotics' does not exist"));
+}
+
+TEST_F(CoordinatorQueuesTest, ABadNewVersionIsRefusedAndThePreviousOneStays) {
+  Write("queues:\n  - name: nlp\n    nominal: {cpu_slots: -1}\n");
+  ASSERT_THAT(process_->WaitForStderrLine("keeping the previous queues", absl::Seconds(30)),
+              testing::IsOk());
+  EXPECT_THAT(process_->stderr_text(), HasSubstr("nominal.cpu_slots: must be >= 0, got -1"));
+  v1::JobSpec spec = ValidSpec("still-routed");
+  spec.set_queue("vision");
+  EXPECT_EQ(Submit(spec).queue(), "vision");
+}
+
+TEST(CoordinatorQueueFileTest, ABadFileStopsTheStartNamingTheField) {
+  ScopedTempDir dir("coordinator_queues");
+  const std::string path = dir.path() + "/queues.yaml";
+  std::ofstream(path) << "queues:\n  - name: nlp\n    nominal: {gpus: 4}\n    colour: blue\n";
+  auto process = Subprocess::Start({BinDir() + "/tessera-coordinator", "--listen=127.0.0.1:0",
+                                    "--metrics_listen=", "--state=" + dir.path() + "/state.db",
+                                    "--queue_file=" + path});
+  ASSERT_THAT(process, testing::IsOk());
+  auto exit = process->Wait(absl::Seconds(30));
+  ASSERT_THAT(exit, testing::IsOk());
+  EXPECT_NE(exit->exit_code, 0);
+  EXPECT_THAT(process->stderr_text(), HasSubstr("--queue_file " + path));
+  EXPECT_THAT(process->stderr_text(), HasSubstr("colour"));
 }
 
 }  // namespace
