@@ -23,6 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "coordinator/queue_config.h"
 #include "coordinator/queue_file.h"
 #include "coordinator/allocation_ledger.h"
 #include "coordinator/assignment_notifier.h"
@@ -78,6 +79,18 @@ struct ClusterStats {
   double oldest_pending_seconds = 0;
   // Running jobs' straggler figures, by job_id.
   std::map<std::string, v1::StragglerReport> stragglers;
+  // Each configured queue's quota, holdings and waiting jobs (empty without a queue file).
+  struct QueueFigures {
+    Resources nominal;
+    Resources used;
+    // Used beyond nominal.
+    Resources borrowed;
+    // PENDING or RESTARTING jobs waiting for devices.
+    int64_t waiting_jobs = 0;
+    // FairShareTracker::Share: decayed dominant-resource usage over weight.
+    double fair_share = 0;
+  };
+  std::map<std::string, QueueFigures> queues;
   // How long the pass held the cluster lock in all (heartbeats wait on it), and its longest
   // single hold; the planning and the gang scheduler run without it.
   double lock_held_seconds = 0;

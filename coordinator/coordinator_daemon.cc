@@ -131,6 +131,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
     metrics->SetFailures(stats.failures);
     metrics->SetOldestPendingSeconds(stats.oldest_pending_seconds);
     metrics->SetStragglers(stats.stragglers);
+    metrics->SetQueues(stats.queues);
   });
   return daemon;
 }

@@ -232,6 +232,25 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                           .Help("A running job's slowest rank's busy seconds per step over the "
                                 "median rank's (1 = even).")
                           .Register(registry)) {
+  const std::array<std::pair<const char*, const char*>, kQueueFamilies> queue_families = {{
+      {"tessera_queue_nominal_gpus", "A queue's nominal (guaranteed) GPU quota."},
+      {"tessera_queue_nominal_cpu_slots", "A queue's nominal (guaranteed) CPU-slot quota."},
+      {"tessera_queue_used_gpus", "GPUs a queue's jobs hold."},
+      {"tessera_queue_used_cpu_slots", "CPU slots a queue's jobs hold."},
+      {"tessera_queue_borrowed_gpus", "GPUs a queue's jobs hold beyond its nominal quota."},
+      {"tessera_queue_borrowed_cpu_slots",
+       "CPU slots a queue's jobs hold beyond its nominal quota."},
+      {"tessera_queue_waiting_jobs", "A queue's jobs waiting for devices."},
+      {"tessera_queue_fair_share",
+       "A queue's decayed dominant-resource usage over its weight; within a cohort the lowest "
+       "borrows first."},
+  }};
+  for (int i = 0; i < kQueueFamilies; ++i) {
+    queue_families_[i] = &prometheus::BuildGauge()
+                              .Name(queue_families[i].first)
+                              .Help(queue_families[i].second)
+                              .Register(registry);
+  }
   auto& jobs = prometheus::BuildGauge()
                    .Name("tessera_jobs")
                    .Help("Jobs known to the coordinator, by state.")
@@ -316,6 +335,33 @@ void CoordinatorMetrics::SetFailures(const std::map<v1::FailureKind, int64_t>& f
 }
 
 void CoordinatorMetrics::SetOldestPendingSeconds(double seconds) { oldest_pending_.Set(seconds); }
+
+void CoordinatorMetrics::SetQueues(
+    const std::map<std::string, ClusterStats::QueueFigures>& queues) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = queue_series_.begin(); it != queue_series_.end();) {
+    if (queues.contains(it->first)) {
+      ++it;
+      continue;
+    }
+    for (int i = 0; i < kQueueFamilies; ++i) queue_families_[i]->Remove(it->second[i]);
+    it = queue_series_.erase(it);
+  }
+  for (const auto& [queue, figures] : queues) {
+    auto [it, added] = queue_series_.try_emplace(queue);
+    if (added) {
+      for (int i = 0; i < kQueueFamilies; ++i) {
+        it->second[i] = &queue_families_[i]->Add({{"queue", queue}});
+      }
+    }
+    const std::array<double, kQueueFamilies> values = {
+        static_cast<double>(figures.nominal.gpus),   static_cast<double>(figures.nominal.cpu_slots),
+        static_cast<double>(figures.used.gpus),      static_cast<double>(figures.used.cpu_slots),
+        static_cast<double>(figures.borrowed.gpus),  static_cast<double>(figures.borrowed.cpu_slots),
+        static_cast<double>(figures.waiting_jobs),   figures.fair_share};
+    for (int i = 0; i < kQueueFamilies; ++i) it->second[i]->Set(values[i]);
+  }
+}
 
 void CoordinatorMetrics::SetStragglers(
     const std::map<std::string, v1::StragglerReport>& stragglers) {

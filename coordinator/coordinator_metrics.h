@@ -42,6 +42,16 @@
 //                                           busy (non-waiting) seconds per step
 //   tessera_job_straggler_skew{job_id}      gauge; slowest rank's busy time
 //                                           over the median (1 = even)
+//   tessera_queue_nominal_gpus{queue}, tessera_queue_nominal_cpu_slots{queue}
+//                                           gauge; a configured queue's quota
+//   tessera_queue_used_gpus{queue}, tessera_queue_used_cpu_slots{queue}
+//                                           gauge; devices its jobs hold
+//   tessera_queue_borrowed_gpus{queue}, tessera_queue_borrowed_cpu_slots{queue}
+//                                           gauge; held beyond its quota
+//   tessera_queue_waiting_jobs{queue}       gauge; its jobs waiting for devices
+//   tessera_queue_fair_share{queue}         gauge; decayed dominant-resource
+//                                           usage over weight (lowest borrows
+//                                           first)
 //   tessera_grpc_server_requests_total{method,code}
 //                                           counter; finished RPCs by full
 //                                           method name ("/tessera.v1.
@@ -63,6 +73,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "coordinator/cluster_state.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -100,6 +111,9 @@ class CoordinatorMetrics {
   // The running jobs' per-rank step times and skew; series of jobs no longer
   // listed are removed.
   void SetStragglers(const std::map<std::string, v1::StragglerReport>& stragglers);
+  // The configured queues' figures; series of queues no longer listed are
+  // removed (none exist without a queue file).
+  void SetQueues(const std::map<std::string, ClusterStats::QueueFigures>& queues);
 
   // Histograms, in seconds.
   // Submission -> SCHEDULED of one job (buckets 1 ms .. 1 h).
@@ -171,6 +185,11 @@ class CoordinatorMetrics {
   std::map<std::string, prometheus::Gauge*> skew_series_ ABSL_GUARDED_BY(mu_);
   // phase -> its tessera_scheduler_pass_phase_seconds series.
   std::map<std::string, prometheus::Histogram*> phase_series_ ABSL_GUARDED_BY(mu_);
+  // The tessera_queue_* families, in QueueSeries order, and each queue's series.
+  static constexpr int kQueueFamilies = 8;
+  std::array<prometheus::Family<prometheus::Gauge>*, kQueueFamilies> queue_families_{};
+  std::map<std::string, std::array<prometheus::Gauge*, kQueueFamilies>> queue_series_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tessera::coordinator

@@ -118,6 +118,34 @@ TEST_F(CoordinatorMetricsTest, GpusAndCpuSlotsAreCapacityAndAllocatedGauges) {
   EXPECT_THAT(lines, Contains("tessera_cpu_slots_allocated 3"));
 }
 
+TEST_F(CoordinatorMetricsTest, QueuesHaveSeriesOfTheirOwnUntilTheyAreGone) {
+  EXPECT_THAT(Exposition(registry_), Not(HasSubstr("tessera_queue_used_gpus{")));
+  ClusterStats::QueueFigures nlp;
+  nlp.nominal = {.gpus = 8, .cpu_slots = 0};
+  nlp.used = {.gpus = 12, .cpu_slots = 0};
+  nlp.borrowed = {.gpus = 4, .cpu_slots = 0};
+  nlp.waiting_jobs = 3;
+  nlp.fair_share = 0.25;
+  ClusterStats::QueueFigures vision;
+  vision.nominal = {.gpus = 8, .cpu_slots = 2};
+  metrics_.SetQueues({{"nlp", nlp}, {"vision", vision}});
+  std::vector<std::string> lines = ExpositionLines();
+  EXPECT_THAT(lines, Contains("# TYPE tessera_queue_used_gpus gauge"));
+  EXPECT_THAT(lines, Contains("tessera_queue_nominal_gpus{queue=\"nlp\"} 8"));
+  EXPECT_THAT(lines, Contains("tessera_queue_used_gpus{queue=\"nlp\"} 12"));
+  EXPECT_THAT(lines, Contains("tessera_queue_borrowed_gpus{queue=\"nlp\"} 4"));
+  EXPECT_THAT(lines, Contains("tessera_queue_waiting_jobs{queue=\"nlp\"} 3"));
+  EXPECT_THAT(lines, Contains("tessera_queue_fair_share{queue=\"nlp\"} 0.25"));
+  EXPECT_THAT(lines, Contains("tessera_queue_nominal_cpu_slots{queue=\"vision\"} 2"));
+  EXPECT_THAT(lines, Contains("tessera_queue_used_gpus{queue=\"vision\"} 0"));
+
+  // A queue removed from the file loses its series.
+  metrics_.SetQueues({{"nlp", nlp}});
+  lines = ExpositionLines();
+  EXPECT_THAT(lines, Contains("tessera_queue_used_gpus{queue=\"nlp\"} 12"));
+  EXPECT_THAT(Exposition(registry_), Not(HasSubstr("vision")));
+}
+
 TEST_F(CoordinatorMetricsTest, HistogramsCountObservationsIntoTheirBuckets) {
   metrics_.ObserveSchedulingLatency(0.0005);  // under the first bucket, 1 ms
   metrics_.ObserveSchedulingLatency(2.0);
@@ -325,6 +353,9 @@ TEST_F(MetricsInterceptorTest, PromtoolFindsNothingToLint) {
   metrics_.ObserveSchedulingLatency(0.5);
   metrics_.ObserveSchedulingPass(0.001);
   metrics_.ObserveStoreWrite(0.001, 0.0002, 1);
+  ClusterStats::QueueFigures queue;
+  queue.nominal.gpus = 8;
+  metrics_.SetQueues({{"nlp", queue}});
   ASSERT_TRUE(CallGetNode().ok());
   ASSERT_EQ(CallReadLogs().error_code(), grpc::StatusCode::UNIMPLEMENTED);
 

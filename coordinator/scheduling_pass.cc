@@ -186,6 +186,26 @@ const absl::StatusOr<v1::LayoutPlan>& SchedulingPass::CachedPlan(
   return *cached.plan;
 }
 
+void SchedulingPass::CountQueues(const QueueConfig& config, const Snapshot& snapshot,
+                                 const std::vector<v1::Job>& waiting, ClusterStats* stats) {
+  for (const QueueSpec& queue : config.queues) {
+    ClusterStats::QueueFigures& figures = stats->queues[queue.name];
+    figures.nominal = queue.nominal;
+    if (auto it = snapshot.queue_use.find(queue.name); it != snapshot.queue_use.end()) {
+      figures.used = it->second;
+    }
+    figures.borrowed.gpus = std::max<int64_t>(0, figures.used.gpus - queue.nominal.gpus);
+    figures.borrowed.cpu_slots =
+        std::max<int64_t>(0, figures.used.cpu_slots - queue.nominal.cpu_slots);
+    figures.fair_share = fair_share_->Share(config, queue.name);
+  }
+  for (const v1::Job& job : waiting) {
+    if (!snapshot.waiting.contains(job.job_id())) continue;
+    auto it = stats->queues.find(EffectiveQueue(job.queue(), config));
+    if (it != stats->queues.end()) ++it->second.waiting_jobs;
+  }
+}
+
 void SchedulingPass::AdmitByQueues(const Snapshot& snapshot,
                                    const std::map<std::string, const v1::Job*>& waiting,
                                    std::vector<GangRequest>* requests,
@@ -252,6 +272,7 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
                                                       state_->Now());
     fair_share_->set_half_life(snapshot.queues->fair_share_half_life);
     fair_share_->Accrue(state_->Now(), snapshot.queue_use);
+    CountQueues(*snapshot.queues, snapshot, active, stats);
   }
   if (waiting_ids.empty()) {
     plan_cache_.clear();

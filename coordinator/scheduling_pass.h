@@ -98,6 +98,10 @@ class SchedulingPass {
   // Quota admission (queue_admission.h) of this pass's `requests`: those their queues' quotas
   // hold back are removed, with why in `held`; fair share accrues what the queues held since the
   // previous pass. Nothing changes without configured queues.
+  // Each configured queue's figures for the pass's statistics (ClusterStats::queues).
+  void CountQueues(const QueueConfig& config, const Snapshot& snapshot,
+                   const std::vector<v1::Job>& waiting, ClusterStats* stats)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_);
   void AdmitByQueues(const Snapshot& snapshot,
                      const std::map<std::string, const v1::Job*>& waiting,
                      std::vector<GangRequest>* requests, std::map<std::string, std::string>* held)
