@@ -63,6 +63,13 @@ VALUES_SETS = {
         "tls": {"enabled": True, "secretName": "tessera-tls"},
         "auth": {"secretName": "tessera-auth"},
     },
+    "queues": {
+        "queues": {"cohorts": [{"name": "lab"}],
+                   "queues": [{"name": "nlp", "cohort": "lab", "nominal": {"gpus": 8},
+                               "default_for": {"users": ["alice"]}},
+                              {"name": "vision", "cohort": "lab", "nominal": {"gpus": 8}}],
+                   "default_queue": "vision"},
+    },
     "existing claim, CPU-only nodes": {
         "sharedStorage": {"existingClaim": "team-nfs"},
         # null drops the default GPU selector ({} would be merged with it).
@@ -137,6 +144,16 @@ def secret_behind(pod, container, path):
     return (volumes[0]["secret"]["secretName"], key) if volumes and "secret" in volumes[0] else None
 
 
+def configmap_behind(pod, container, path):
+    """The ConfigMap (and key) a file path reads, when it lies in a read-only whole-map mount."""
+    directory, key = path.rsplit("/", 1)
+    mounts = [m for m in container.get("volumeMounts", []) if m["mountPath"] == directory]
+    if len(mounts) != 1 or mounts[0].get("readOnly") is not True or "subPath" in mounts[0]:
+        return None  # a subPath mount would never see an updated file
+    volumes = [v for v in pod["volumes"] if v["name"] == mounts[0]["name"]]
+    return (volumes[0]["configMap"]["name"], key) if volumes and "configMap" in volumes[0] else None
+
+
 def test_security(results, rendered_sets):
     tls_flags = ("tls-cert", "tls-key", "tls-ca")
     for label, objs in rendered_sets.items():
@@ -190,6 +207,17 @@ def test_security(results, rendered_sets):
                           "read-only", str(join))
         else:
             results.check(join is None, f"{label}: no --join-token-file without auth.joinTokenSecret")
+        queue_file = flag(coordinator, "queue-file")
+        if values.get("queues"):
+            configmaps = {o["metadata"]["name"]: o for o in by_kind(objs, "ConfigMap")}
+            behind = configmap_behind(coordinator_pod, coordinator, queue_file or "/")
+            text = (configmaps.get(behind[0], {}).get("data", {}).get(behind[1])
+                    if behind else None)
+            results.check(text is not None and yaml.safe_load(text) == values["queues"],
+                          f"{label}: --queue-file reads the values' queues from a read-only "
+                          "ConfigMap mount", str(queue_file))
+        else:
+            results.check(queue_file is None, f"{label}: no --queue-file without queues")
         results.check(flag(worker, "auth-file") is None and flag(coordinator, "join-token-file") is None
                       and not any(v["name"] == "auth" for v in worker_pod["volumes"]),
                       f"{label}: the auth file stays on the coordinator, the join token on workers")

@@ -112,6 +112,7 @@ affinity:
 {{- define "tessera.tlsDir" -}}/etc/tessera/tls{{- end -}}
 {{- define "tessera.authDir" -}}/etc/tessera/auth{{- end -}}
 {{- define "tessera.joinDir" -}}/etc/tessera/join{{- end -}}
+{{- define "tessera.queuesDir" -}}/etc/tessera/queues{{- end -}}
 
 {{/* gRPC transport flags of both daemons: TLS from the mounted Secret, else plaintext, which a
      daemon refuses on 0.0.0.0 unless told --insecure. */}}
