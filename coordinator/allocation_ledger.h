@@ -41,8 +41,10 @@ struct Allocation {
   };
 
   int32_t attempt = 0;
-  // The job's queue (Job.queue), whose quota the ranks' devices count against.
+  // The job's queue (Job.queue), whose quota the ranks' devices count against, and its
+  // priority (JobSpec.priority), which preemption weighs.
   std::string queue;
+  int priority = 0;
   std::vector<v1::RankPlacement> ranks;
   std::string master_node;
   int master_port = 0;
@@ -74,6 +76,8 @@ struct Allocation {
   bool success_pending = false;
   // kMoving: the drained node the attempt moves off, for the job's history.
   std::string moving_off;
+  // kMoving by preemption: why ("preempted for job-... of queue nlp: ..."), for its history.
+  std::string preempted;
 
   // The attempt's nodes, in order of their first rank.
   std::vector<std::string> Nodes() const;

@@ -72,6 +72,19 @@ void AttemptFate::DrainLocked(const std::string& job_id, Allocation& allocation)
   }
 }
 
+void AttemptFate::MoveLocked(const std::string& job_id, Allocation& allocation) {
+  allocation.phase = Allocation::Phase::kMoving;
+  for (const auto& node : allocation.Nodes()) {
+    if (allocation.NodeEnded(node)) continue;
+    const std::string task_id = TaskId(job_id, allocation.attempt, node);
+    if (state_->nodes.WithdrawStart(node, task_id)) {
+      allocation.task_states[node] = v1::TASK_STATE_STOPPED;  // never started
+    } else {
+      state_->nodes.QueueCheckpointAndStop(node, task_id);
+    }
+  }
+}
+
 void AttemptFate::PrepareLocked(const std::string& job_id, Allocation& allocation, absl::Time now,
                                 std::vector<Ending>* endings) {
   auto add = [&](Ending::Kind kind) {
@@ -231,8 +244,10 @@ void AttemptFate::StoreMove(Ending* ending, absl::Time now) {
   const int64_t resume_step =
       ResumesFromCheckpoints(job->spec()) ? job->latest_checkpoint().step() : 0;
   const std::string description = absl::StrCat(
-      allocation.moving_off.empty() ? std::string("a node was drained")
-                                    : absl::StrCat("node ", allocation.moving_off, " drained"),
+      !allocation.preempted.empty() ? allocation.preempted
+      : allocation.moving_off.empty()
+          ? std::string("a node was drained")
+          : absl::StrCat("node ", allocation.moving_off, " drained"),
       ": attempt ", allocation.attempt, " saved a checkpoint and stopped");
   v1::JobAttempt record = EndedAttempt(allocation, *job, now, description);
   auto transitioned = jobs_->Transition(

@@ -50,6 +50,11 @@ class AttemptFate {
   // withdrawn); the allocation is erased by a pass once all have ended.
   void DrainLocked(const std::string& job_id, Allocation& allocation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  // Asks every task of the allocation that has not ended to save a checkpoint and stop (a start
+  // not yet delivered is withdrawn): the attempt moves (kMoving) and its job is queued again once
+  // all have ended, no restart counted.
+  void MoveLocked(const std::string& job_id, Allocation& allocation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
 
   // An attempt whose end is to be stored, as PrepareLocked found it.
   struct Ending {

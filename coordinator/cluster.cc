@@ -31,6 +31,7 @@ absl::Status Cluster::Recover() {
     Allocation allocation;
     allocation.attempt = job.attempt();
     allocation.queue = job.queue();
+    allocation.priority = job.spec().priority();
     allocation.ranks.assign(job.placements().begin(), job.placements().end());
     allocation.master_node = job.placements(0).node_id();
     allocation.placed_time = now;
@@ -118,17 +119,9 @@ void Cluster::DrainLockedMoves(const std::string& node_id, bool checkpoint,
       if (allocation.phase != Allocation::Phase::kDraining) response->add_remaining_job_ids(job_id);
       continue;
     }
-    allocation.phase = Allocation::Phase::kMoving;
     allocation.moving_off = node_id;
-    for (const auto& node : allocation.Nodes()) {
-      if (allocation.NodeEnded(node)) continue;
-      const std::string task_id = TaskId(job_id, allocation.attempt, node);
-      if (state_.nodes.WithdrawStart(node, task_id)) {
-        allocation.task_states[node] = v1::TASK_STATE_STOPPED;  // never started
-      } else {
-        state_.nodes.QueueCheckpointAndStop(node, task_id);
-      }
-    }
+    fate_.AssertLockHeld();
+    fate_.MoveLocked(job_id, allocation);
     response->add_moving_job_ids(job_id);
   }
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <string_view>
+#include <tuple>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -120,6 +121,7 @@ int SchedulingPass::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
   Allocation allocation;
   allocation.attempt = job.attempt();
   allocation.queue = job.queue();
+  allocation.priority = spec.priority();
   allocation.ranks = placement.ranks;
   allocation.master_node = placement.ranks.front().node_id();
   allocation.master_port = state_->allocations.FreeMasterPort(
@@ -209,7 +211,8 @@ void SchedulingPass::CountQueues(const QueueConfig& config, const Snapshot& snap
 void SchedulingPass::AdmitByQueues(const Snapshot& snapshot,
                                    const std::map<std::string, const v1::Job*>& waiting,
                                    std::vector<GangRequest>* requests,
-                                   std::map<std::string, std::string>* held) {
+                                   std::map<std::string, std::string>* held,
+                                   std::vector<QueuedRequest>* held_requests) {
   if (snapshot.queues == nullptr || requests->empty()) return;
   const QueueConfig& config = *snapshot.queues;
   std::vector<QueuedRequest> queued;
@@ -222,11 +225,60 @@ void SchedulingPass::AdmitByQueues(const Snapshot& snapshot,
                       .use_gpus = request.use_gpus,
                       .devices = request.world_size});
   }
-  QuotaAdmission admission = AdmitByQuota(config, snapshot.queue_use,
-                                          fair_share_->Shares(config), std::move(queued));
+  QuotaAdmission admission =
+      AdmitByQuota(config, snapshot.queue_use, fair_share_->Shares(config), queued);
+  for (QueuedRequest& request : queued) {
+    if (admission.held.contains(request.job_id)) held_requests->push_back(std::move(request));
+  }
   std::erase_if(*requests,
                 [&](const GangRequest& request) { return admission.held.contains(request.job_id); });
   *held = std::move(admission.held);
+}
+
+void SchedulingPass::PreemptLocked(const Snapshot& snapshot,
+                                   std::vector<QueuedRequest> held_requests,
+                                   std::map<std::string, std::string>* reasons) {
+  if (snapshot.queues == nullptr) return;
+  const QueueConfig& config = *snapshot.queues;
+  const absl::Time now = state_->Now();
+  std::vector<RunningJob> running;
+  for (const auto& [job_id, allocation] : state_->allocations.all()) {
+    // Victims still saving their checkpoint free nothing yet: decide again once they have.
+    if (!allocation.preempted.empty() && allocation.phase == Allocation::Phase::kMoving) return;
+    if (allocation.phase != Allocation::Phase::kRunning || allocation.storing ||
+        allocation.success_pending || allocation.ranks.empty()) {
+      continue;
+    }
+    running.push_back({.job_id = job_id,
+                       .queue = EffectiveQueue(allocation.queue, config),
+                       .priority = allocation.priority,
+                       .use_gpus = allocation.ranks.front().gpu_index() >= 0,
+                       .devices = static_cast<int64_t>(allocation.ranks.size()),
+                       .since_checkpoint = now - allocation.placed_time});
+  }
+  std::sort(held_requests.begin(), held_requests.end(),
+            [](const QueuedRequest& a, const QueuedRequest& b) {
+              return std::tie(b.priority, a.submit_order, a.job_id) <
+                     std::tie(a.priority, b.submit_order, b.job_id);
+            });
+  for (const QueuedRequest& request : held_requests) {
+    const PreemptionDecision decision = SelectPreemption(config, running, request);
+    if (decision.victims.empty()) continue;
+    std::vector<std::string> names;
+    for (const Victim& victim : decision.victims) {
+      Allocation* allocation = state_->allocations.Find(victim.job_id);
+      if (allocation == nullptr) continue;
+      allocation->preempted = absl::StrCat("preempted for ", request.job_id, " of queue ",
+                                           request.queue, " (", victim.reason, ")");
+      fate_->AssertLockHeld();
+      fate_->MoveLocked(victim.job_id, *allocation);
+      names.push_back(victim.job_id);
+    }
+    (*reasons)[request.job_id] =
+        absl::StrCat("waiting for ", absl::StrJoin(names, ", "),
+                     " to save a checkpoint and stop (", decision.reason, ")");
+    return;
+  }
 }
 
 SchedulingPass::Snapshot SchedulingPass::SnapshotLocked(const std::vector<v1::Job>& waiting,
@@ -342,7 +394,8 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   std::erase_if(plan_cache_, [&](const auto& entry) { return !waiting_ids.contains(entry.first); });
   // Only what the queues' quotas admit tries placement.
   std::map<std::string, std::string> quota_held;
-  AdmitByQueues(snapshot, waiting, &requests, &quota_held);
+  std::vector<QueuedRequest> held_requests;
+  AdmitByQueues(snapshot, waiting, &requests, &quota_held, &held_requests);
   phase.Next("plan");
   ScheduleResult result;
   if (!requests.empty()) result = Schedule(std::move(requests), std::move(capacity));
@@ -378,6 +431,9 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
                       std::move(assignments[i]));
       admitted.push_back(&placement);
       admitted_ids->insert(placement.job_id);
+    }
+    if (!held_requests.empty()) {
+      PreemptLocked(snapshot, std::move(held_requests), &result.pending_reasons);
     }
   }
   phase.Next("admit");

@@ -41,6 +41,7 @@
 #include "coordinator/fair_share.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/queue_admission.h"
+#include "coordinator/queue_preemption.h"
 #include "coordinator/scheduler.h"
 #include "planner/job_plan.h"
 
@@ -104,8 +105,17 @@ class SchedulingPass {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_);
   void AdmitByQueues(const Snapshot& snapshot,
                      const std::map<std::string, const v1::Job*>& waiting,
-                     std::vector<GangRequest>* requests, std::map<std::string, std::string>* held)
+                     std::vector<GangRequest>* requests, std::map<std::string, std::string>* held,
+                     std::vector<QueuedRequest>* held_requests)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_);
+  // Preemption (queue_preemption.h), under the lock: for the first job its quota holds back
+  // (by priority, then age) that preemption would let start, the victims are asked to save a
+  // checkpoint and stop (AttemptFate::MoveLocked) and queued again once stopped, no restart
+  // counted; the job's reason says what it waits for. One decision per pass, none while an
+  // earlier preemption is still stopping its victims.
+  void PreemptLocked(const Snapshot& snapshot, std::vector<QueuedRequest> held_requests,
+                     std::map<std::string, std::string>* reasons)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_, state_->mu);
   // Plans, schedules and admits the waiting jobs (`waiting`, from ListWaitingJobs) without the
   // lock but for the admission; returns the writes that store the placements (ids added to
   // `admitted`) and the changed pending reasons.

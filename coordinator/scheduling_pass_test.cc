@@ -363,5 +363,102 @@ queues:
   EXPECT_EQ(get(second).state(), v1::JOB_STATE_SCHEDULED) << get(second).reason();
 }
 
+// A queue whose quota is lent out reclaims it: the borrowing job is asked to save a checkpoint
+// and stop, the waiting job says so, and once the victim has stopped it is queued again (no
+// restart counted) and the waiting job is placed.
+TEST(SchedulingPassQueuesTest, LentQuotaIsReclaimedByCheckpointAndStop) {
+  ::tessera::testing::ScopedTempDir dir("pass-preempt");
+  const std::string path = dir.path() + "/queues.yaml";
+  std::ofstream(path) << R"(
+cohorts:
+  - name: lab
+queues:
+  - name: nlp
+    cohort: lab
+    nominal: {cpu_slots: 4}
+    default_for: {users: [alice]}
+  - name: vision
+    cohort: lab
+    nominal: {cpu_slots: 4}
+    default_for: {users: [bob]}
+)";
+  SimulatedClock clock;
+  auto queues = QueueFile::Create({.path = path, .clock = &clock});
+  ASSERT_THAT(queues.status(), IsOk());
+  auto store = Store::Open(":memory:");
+  ASSERT_THAT(store.status(), IsOk());
+  JobManager jobs(store->get(), &clock, queues->get());
+  ClusterOptions options;
+  options.clock = &clock;
+  options.queues = queues->get();
+  ClusterState state(store->get(), options);
+  AttemptFate fate(&state, &jobs);
+  SchedulingPass pass(&state, &jobs, &fate);
+  {
+    v1::RegisterNodeRequest request;
+    request.set_node_id("n1");
+    request.set_address("n1:7000");
+    request.mutable_resources()->set_cpu_slots(8);
+    absl::MutexLock lock(&state.mu);
+    bool returning = false;
+    ASSERT_THAT(state.nodes.Register(request, &returning), IsOk());
+  }
+  auto submit = [&](const std::string& owner, int slots) {
+    auto job = jobs.Submit(testing::TinyCpuJobSpec(owner, slots), "", owner);
+    EXPECT_THAT(job.status(), IsOk());
+    return job.ok() ? job->job_id() : "";
+  };
+  auto get = [&](const std::string& job_id) {
+    auto job = jobs.Get(job_id);
+    EXPECT_THAT(job.status(), IsOk());
+    return job.ok() ? *job : v1::Job();
+  };
+  auto run = [&] {
+    clock.Advance(absl::Seconds(10));
+    pass.Run(/*count=*/false, /*overlap_store=*/false);
+  };
+
+  // vision uses its own 4 slots, then borrows nlp's idle 4.
+  const std::string own = submit("bob", 4);
+  run();
+  const std::string borrowing = submit("bob", 4);
+  run();
+  ASSERT_EQ(get(own).state(), v1::JOB_STATE_SCHEDULED);
+  ASSERT_EQ(get(borrowing).state(), v1::JOB_STATE_SCHEDULED);
+  {
+    absl::MutexLock lock(&state.mu);
+    v1::HeartbeatResponse orders;
+    state.nodes.TakeOrders("n1", &orders);  // the two starts, delivered
+  }
+
+  // nlp wants its quota back: the borrowing job is asked to checkpoint and stop.
+  const std::string reclaiming = submit("alice", 4);
+  run();
+  v1::Job waiting = get(reclaiming);
+  EXPECT_EQ(waiting.state(), v1::JOB_STATE_PENDING);
+  EXPECT_THAT(waiting.reason(), HasSubstr("waiting for " + borrowing +
+                                          " to save a checkpoint and stop"));
+  {
+    absl::MutexLock lock(&state.mu);
+    v1::HeartbeatResponse orders;
+    state.nodes.TakeOrders("n1", &orders);
+    ASSERT_THAT(orders.checkpoint_and_stop(), SizeIs(1));
+    EXPECT_EQ(orders.checkpoint_and_stop(0), TaskId(borrowing, 0, "n1"));
+    Allocation* victim = state.allocations.Find(borrowing);
+    ASSERT_NE(victim, nullptr);
+    EXPECT_EQ(victim->phase, Allocation::Phase::kMoving);
+    // Not preempted twice while the victim saves its checkpoint.
+    EXPECT_EQ(state.allocations.Find(own)->phase, Allocation::Phase::kRunning);
+    victim->task_states["n1"] = v1::TASK_STATE_STOPPED;
+  }
+  for (int i = 0; i < 3 && get(reclaiming).state() == v1::JOB_STATE_PENDING; ++i) run();
+  EXPECT_EQ(get(reclaiming).state(), v1::JOB_STATE_SCHEDULED) << get(reclaiming).reason();
+  const v1::Job victim = get(borrowing);
+  EXPECT_EQ(victim.restarts(), 0);
+  ASSERT_THAT(victim.attempts(), SizeIs(1));
+  EXPECT_THAT(victim.attempts(0).reason(), HasSubstr("preempted for " + reclaiming));
+  EXPECT_EQ(get(own).state(), v1::JOB_STATE_SCHEDULED);
+}
+
 }  // namespace
 }  // namespace tessera::coordinator

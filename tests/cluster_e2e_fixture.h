@@ -66,7 +66,8 @@ class ClusterTest : public ::testing::Test {
                            // Test processes run side by side: each coordinator hands out its
                            // own rendezvous ports.
                            absl::StrCat("--master_port_base=", 40000 + (getpid() % 2000) * 10),
-                           "--heartbeat_interval=500ms", "--heartbeat_timeout=3s"});
+                           "--heartbeat_interval=500ms", "--heartbeat_timeout=3s",
+                           coordinator_flag_});
     ASSERT_THAT(coordinator, IsOk());
     coordinator_.emplace(std::move(*coordinator));
     address_ = Address(*coordinator_);
@@ -280,6 +281,8 @@ class ClusterTest : public ::testing::Test {
   int worker_metrics_port_ = 0;
   bool second_worker_ = false;
   bool third_worker_ = false;
+  // One more coordinator flag (a subclass's, set before SetUp); a repeated harmless one otherwise.
+  std::string coordinator_flag_ = "--heartbeat_timeout=3s";
   std::optional<Subprocess> worker3_;
   // NAME=VALUE added to the workers' environment (their trainers inherit it).
   std::vector<std::string> worker_env_;

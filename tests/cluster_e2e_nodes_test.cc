@@ -1,10 +1,12 @@
 // The whole system when a node goes, end to end on loopback: a killed worker leaves no trainer and
 // its job goes on with one node; a drained node's job checkpoints, moves and loses no step while
-// the drained worker is restarted (the rolling upgrade of docs/operations.md).
+// the drained worker is restarted (the rolling upgrade of docs/operations.md); a job borrowing
+// another queue's quota is preempted, checkpoints and resumes losing no step.
 
 
 #include <signal.h>
 
+#include <fstream>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -145,6 +147,57 @@ TEST_F(ThreeWorkerClusterTest, ADrainedNodesJobCheckpointsMovesAndLosesNoStep) {
   std::vector<v1::StepMetrics> curve = Curve(job_id);
   ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps));
 
+  for (int i = 0; i < kSteps; ++i) EXPECT_EQ(curve[i].step(), i + 1);
+  ExpectTheLossesOfAnUninterruptedRun(spec, curve);
+}
+
+// Preemption with the real binaries: a 2-rank job of queue vision borrows nlp's idle slot; a job
+// of nlp reclaims it. The borrower saves a checkpoint and stops, waits while the nlp job runs,
+// then resumes from that checkpoint with no restart counted and the losses of an uninterrupted
+// run.
+class QueuedClusterTest : public ClusterTest {
+ protected:
+  void SetUp() override {
+    std::ofstream(dir_.path() + "/queues.yaml") << R"(
+cohorts:
+  - name: lab
+queues:
+  - {name: nlp, cohort: lab, nominal: {cpu_slots: 1}}
+  - {name: vision, cohort: lab, nominal: {cpu_slots: 1}}
+)";
+    coordinator_flag_ = "--queue_file=" + dir_.path() + "/queues.yaml";
+    ClusterTest::SetUp();
+  }
+};
+
+TEST_F(QueuedClusterTest, ABorrowerIsPreemptedCheckpointsAndResumesWithNoStepLost) {
+  constexpr int kSteps = 60;
+  v1::JobSpec spec = Spec(kSteps);
+  spec.set_queue("vision");
+  spec.set_max_restarts(0);
+  const std::string borrower = Submit(spec);
+  ASSERT_TRUE(WaitForStep(borrower, 5, 120)) << Get(borrower).ShortDebugString();
+
+  v1::JobSpec small = Spec(5);
+  small.set_name("reclaims");
+  small.set_queue("nlp");
+  small.mutable_resources()->set_cpu_slots(1);
+  small.mutable_checkpoint()->set_directory(dir_.path() + "/reclaims");
+  const std::string reclaimer = Submit(small);
+  v1::Job job = WaitFor(reclaimer, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+
+  job = WaitFor(borrower, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  EXPECT_EQ(job.restarts(), 0);
+  ASSERT_EQ(job.attempts_size(), 2) << job.ShortDebugString();
+  EXPECT_THAT(job.attempts(0).reason(), HasSubstr("preempted for " + reclaimer + " of queue nlp"));
+  EXPECT_FALSE(job.attempts(0).has_failure());
+  EXPECT_GE(job.attempts(1).start_step(), 5) << "resumed from the checkpoint saved when preempted";
+  EXPECT_EQ(job.attempts(1).start_step(), job.attempts(0).end_step());
+  std::cout << "preempted after step " << job.attempts(0).end_step() << "\n";
+  std::vector<v1::StepMetrics> curve = Curve(borrower);
+  ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps));
   for (int i = 0; i < kSteps; ++i) EXPECT_EQ(curve[i].step(), i + 1);
   ExpectTheLossesOfAnUninterruptedRun(spec, curve);
 }
