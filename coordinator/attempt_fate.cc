@@ -61,26 +61,25 @@ void AttemptFate::ExpireNodesLocked(absl::Time now) {
 
 void AttemptFate::DrainLocked(const std::string& job_id, Allocation& allocation) {
   allocation.phase = Allocation::Phase::kDraining;
-  for (const auto& node : allocation.Nodes()) {
-    if (allocation.NodeEnded(node)) continue;
-    const std::string task_id = TaskId(job_id, allocation.attempt, node);
-    if (state_->nodes.WithdrawStart(node, task_id)) {
-      allocation.task_states[node] = v1::TASK_STATE_STOPPED;  // never started
-    } else {
-      state_->nodes.QueueStop(node, task_id);
-    }
-  }
+  StopTasksLocked(job_id, allocation, /*checkpoint=*/false);
 }
 
 void AttemptFate::MoveLocked(const std::string& job_id, Allocation& allocation) {
   allocation.phase = Allocation::Phase::kMoving;
+  StopTasksLocked(job_id, allocation, /*checkpoint=*/true);
+}
+
+void AttemptFate::StopTasksLocked(const std::string& job_id, Allocation& allocation,
+                                  bool checkpoint) {
   for (const auto& node : allocation.Nodes()) {
     if (allocation.NodeEnded(node)) continue;
     const std::string task_id = TaskId(job_id, allocation.attempt, node);
     if (state_->nodes.WithdrawStart(node, task_id)) {
       allocation.task_states[node] = v1::TASK_STATE_STOPPED;  // never started
-    } else {
+    } else if (checkpoint) {
       state_->nodes.QueueCheckpointAndStop(node, task_id);
+    } else {
+      state_->nodes.QueueStop(node, task_id);
     }
   }
 }

@@ -106,6 +106,10 @@ class AttemptFate {
   }
 
  private:
+  // Stops each task of the allocation that has not ended: a start not yet delivered is withdrawn,
+  // a delivered one is ordered to stop (to save a checkpoint first with `checkpoint`).
+  void StopTasksLocked(const std::string& job_id, Allocation& allocation, bool checkpoint)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   // The job of an ending attempt, read from the store; nullopt when the read failed (logged; the
   // next pass retries) or the job ended meanwhile (`ending->drain` set).
   std::optional<v1::Job> JobToEnd(Ending* ending, const char* why);

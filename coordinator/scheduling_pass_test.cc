@@ -280,6 +280,53 @@ TEST_F(SchedulingPassTest, AFailedAttemptIsRestartedOnceItsEndIsStored) {
   EXPECT_EQ(orders.start(0).task_id(), TaskId(job_id, 1, "n1"));
 }
 
+// A scheduling pass over one 8-slot node "n1" with a queue file, on simulated time.
+struct QueuedPass {
+  // Reads the queue file at `path` and builds the pass (fatal failures on error).
+  void Init(const std::string& path) {
+    auto file = QueueFile::Create({.path = path, .clock = &clock});
+    ASSERT_THAT(file.status(), IsOk());
+    queues = std::move(*file);
+    auto opened = Store::Open(":memory:");
+    ASSERT_THAT(opened.status(), IsOk());
+    store = std::move(*opened);
+    jobs = std::make_unique<JobManager>(store.get(), &clock, queues.get());
+    ClusterOptions options;
+    options.clock = &clock;
+    options.queues = queues.get();
+    state = std::make_unique<ClusterState>(store.get(), options);
+    fate = std::make_unique<AttemptFate>(state.get(), jobs.get());
+    pass = std::make_unique<SchedulingPass>(state.get(), jobs.get(), fate.get());
+    v1::RegisterNodeRequest request;
+    request.set_node_id("n1");
+    request.set_address("n1:7000");
+    request.mutable_resources()->set_cpu_slots(8);
+    absl::MutexLock lock(&state->mu);
+    bool returning = false;
+    ASSERT_THAT(state->nodes.Register(request, &returning), IsOk());
+  }
+
+  // A tiny CPU job of `owner` on `slots` slots, routed to the owner's default queue.
+  std::string Submit(const std::string& owner, int slots) {
+    auto job = jobs->Submit(testing::TinyCpuJobSpec(owner, slots), "", owner);
+    EXPECT_THAT(job.status(), IsOk());
+    return job.ok() ? job->job_id() : "";
+  }
+  v1::Job Get(const std::string& job_id) {
+    auto job = jobs->Get(job_id);
+    EXPECT_THAT(job.status(), IsOk());
+    return job.ok() ? *job : v1::Job();
+  }
+
+  SimulatedClock clock;
+  std::unique_ptr<QueueFile> queues;
+  std::unique_ptr<Store> store;
+  std::unique_ptr<JobManager> jobs;
+  std::unique_ptr<ClusterState> state;
+  std::unique_ptr<AttemptFate> fate;
+  std::unique_ptr<SchedulingPass> pass;
+};
+
 // With a queue file, a pass admits only what the queues' quotas allow: a job whose queue has used
 // its quota waits with the reason, though the node has room, while another queue's job within its
 // quota is placed; once the first queue's job ends, the waiting one is placed.
@@ -300,37 +347,14 @@ queues:
     nominal: {cpu_slots: 4}
     default_for: {users: [bob]}
 )";
-  SimulatedClock clock;
-  auto queues = QueueFile::Create({.path = path, .clock = &clock});
-  ASSERT_THAT(queues.status(), IsOk());
-  auto store = Store::Open(":memory:");
-  ASSERT_THAT(store.status(), IsOk());
-  JobManager jobs(store->get(), &clock, queues->get());
-  ClusterOptions options;
-  options.clock = &clock;
-  options.queues = queues->get();
-  ClusterState state(store->get(), options);
-  AttemptFate fate(&state, &jobs);
-  SchedulingPass pass(&state, &jobs, &fate);
-  {
-    v1::RegisterNodeRequest request;
-    request.set_node_id("n1");
-    request.set_address("n1:7000");
-    request.mutable_resources()->set_cpu_slots(8);
-    absl::MutexLock lock(&state.mu);
-    bool returning = false;
-    ASSERT_THAT(state.nodes.Register(request, &returning), IsOk());
-  }
-  auto submit = [&](const std::string& owner, int slots) {
-    auto job = jobs.Submit(testing::TinyCpuJobSpec(owner, slots), "", owner);
-    EXPECT_THAT(job.status(), IsOk());
-    return job.ok() ? job->job_id() : "";
-  };
-  auto get = [&](const std::string& job_id) {
-    auto job = jobs.Get(job_id);
-    EXPECT_THAT(job.status(), IsOk());
-    return job.ok() ? *job : v1::Job();
-  };
+  QueuedPass queued;
+  ASSERT_NO_FATAL_FAILURE(queued.Init(path));
+  SimulatedClock& clock = queued.clock;
+  ClusterState& state = *queued.state;
+  JobManager& jobs = *queued.jobs;
+  SchedulingPass& pass = *queued.pass;
+  auto submit = [&](const std::string& owner, int slots) { return queued.Submit(owner, slots); };
+  auto get = [&](const std::string& job_id) { return queued.Get(job_id); };
 
   const std::string first = submit("alice", 4);
   pass.Run(/*count=*/false, /*overlap_store=*/false);
@@ -382,37 +406,13 @@ queues:
     nominal: {cpu_slots: 4}
     default_for: {users: [bob]}
 )";
-  SimulatedClock clock;
-  auto queues = QueueFile::Create({.path = path, .clock = &clock});
-  ASSERT_THAT(queues.status(), IsOk());
-  auto store = Store::Open(":memory:");
-  ASSERT_THAT(store.status(), IsOk());
-  JobManager jobs(store->get(), &clock, queues->get());
-  ClusterOptions options;
-  options.clock = &clock;
-  options.queues = queues->get();
-  ClusterState state(store->get(), options);
-  AttemptFate fate(&state, &jobs);
-  SchedulingPass pass(&state, &jobs, &fate);
-  {
-    v1::RegisterNodeRequest request;
-    request.set_node_id("n1");
-    request.set_address("n1:7000");
-    request.mutable_resources()->set_cpu_slots(8);
-    absl::MutexLock lock(&state.mu);
-    bool returning = false;
-    ASSERT_THAT(state.nodes.Register(request, &returning), IsOk());
-  }
-  auto submit = [&](const std::string& owner, int slots) {
-    auto job = jobs.Submit(testing::TinyCpuJobSpec(owner, slots), "", owner);
-    EXPECT_THAT(job.status(), IsOk());
-    return job.ok() ? job->job_id() : "";
-  };
-  auto get = [&](const std::string& job_id) {
-    auto job = jobs.Get(job_id);
-    EXPECT_THAT(job.status(), IsOk());
-    return job.ok() ? *job : v1::Job();
-  };
+  QueuedPass queued;
+  ASSERT_NO_FATAL_FAILURE(queued.Init(path));
+  SimulatedClock& clock = queued.clock;
+  ClusterState& state = *queued.state;
+  SchedulingPass& pass = *queued.pass;
+  auto submit = [&](const std::string& owner, int slots) { return queued.Submit(owner, slots); };
+  auto get = [&](const std::string& job_id) { return queued.Get(job_id); };
   auto run = [&] {
     clock.Advance(absl::Seconds(10));
     pass.Run(/*count=*/false, /*overlap_store=*/false);

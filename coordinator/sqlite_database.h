@@ -92,11 +92,7 @@ class SqliteStatement {
     return SqliteStatus(db_, rc, operation_);
   }
   // Steps a statement that returns no rows.
-  absl::Status Run() {
-    ASSIGN_OR_RETURN(bool row, Step());
-    (void)row;
-    return absl::OkStatus();
-  }
+  absl::Status Run() { return Step().status(); }
 
   int64_t ColumnInt64(int column) { return sqlite3_column_int64(stmt_, column); }
   bool ColumnIsNull(int column) { return sqlite3_column_type(stmt_, column) == SQLITE_NULL; }
