@@ -47,6 +47,9 @@ inline constexpr char kFaultNanLossAtStepEnv[] = "TESSERA_FAULT_NAN_LOSS_AT_STEP
 // checkpoint cuts the rank's shard to half its size and the process kills itself with SIGKILL
 // before the commit, as a machine dying in the middle of an asynchronous save would.
 inline constexpr char kFaultKillInCheckpointAtStepEnv[] = "TESSERA_FAULT_KILL_IN_CHECKPOINT_AT_STEP";
+// Fault injection, never set in production: "1" makes the trainer ignore kCheckpointAndStopSignal,
+// as a hung or old trainer would; the worker stops it once the order's deadline has passed.
+inline constexpr char kFaultIgnoreCheckpointSignalEnv[] = "TESSERA_FAULT_IGNORE_CHECKPOINT_SIGNAL";
 
 // Not an environment variable: the signal a worker sends each rank
 // of a task the coordinator asked to checkpoint and stop (HeartbeatResponse.checkpoint_and_stop,

@@ -76,8 +76,11 @@ struct Allocation {
   bool success_pending = false;
   // kMoving: the drained node the attempt moves off, for the job's history.
   std::string moving_off;
-  // kMoving by preemption: why ("preempted for job-... of queue nlp: ..."), for its history.
+  // kMoving by preemption: why ("preempted by job-... of queue nlp (...)"), for its history;
+  // when the ranks were asked to save a checkpoint, and how long they were given.
   std::string preempted;
+  absl::Time preempted_time;
+  absl::Duration preemption_deadline;
 
   // The attempt's nodes, in order of their first rank.
   std::vector<std::string> Nodes() const;

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "coordinator/attempt_policy.h"
 
 namespace tessera::coordinator {
@@ -77,7 +78,9 @@ void AttemptFate::StopTasksLocked(const std::string& job_id, Allocation& allocat
     if (state_->nodes.WithdrawStart(node, task_id)) {
       allocation.task_states[node] = v1::TASK_STATE_STOPPED;  // never started
     } else if (checkpoint) {
-      state_->nodes.QueueCheckpointAndStop(node, task_id);
+      std::optional<absl::Duration> deadline;
+      if (!allocation.preempted.empty()) deadline = allocation.preemption_deadline;
+      state_->nodes.QueueCheckpointAndStop(node, task_id, deadline);
     } else {
       state_->nodes.QueueStop(node, task_id);
     }
@@ -242,25 +245,50 @@ void AttemptFate::StoreMove(Ending* ending, absl::Time now) {
   if (!job) return;
   const int64_t resume_step =
       ResumesFromCheckpoints(job->spec()) ? job->latest_checkpoint().step() : 0;
-  const std::string description = absl::StrCat(
-      !allocation.preempted.empty() ? allocation.preempted
-      : allocation.moving_off.empty()
-          ? std::string("a node was drained")
-          : absl::StrCat("node ", allocation.moving_off, " drained"),
-      ": attempt ", allocation.attempt, " saved a checkpoint and stopped");
+  const std::string resume_from = absl::StrCat(
+      "placed again from ",
+      resume_step > 0 ? absl::StrCat("the checkpoint of step ", resume_step)
+                      : std::string("the start"),
+      " (no restart counted)");
+  std::string description;
+  std::string reason;
+  v1::JobState next = v1::JOB_STATE_RESTARTING;
+  if (!allocation.preempted.empty()) {
+    // Preempted: back to PENDING, saying whether the ranks saved as asked. They did when the
+    // newest checkpoint came after the order and is of the step they stopped at; ranks that
+    // ignored the order trained on past their last periodic checkpoint until the worker stopped
+    // them at the deadline.
+    const v1::Checkpoint& latest = job->latest_checkpoint();
+    const bool saved = latest.step() > 0 && latest.step() >= job->current_step() &&
+                       latest.has_create_time() &&
+                       FromProto(latest.create_time()) >= allocation.preempted_time;
+    const std::string outcome =
+        saved ? absl::StrCat("checkpoint step ", latest.step(), " saved in ",
+                             absl::StrFormat("%.1f s", absl::ToDoubleSeconds(
+                                                           FromProto(latest.create_time()) -
+                                                           allocation.preempted_time)))
+              : absl::StrCat("no checkpoint of step ", job->current_step(),
+                             " saved within the deadline (",
+                             absl::FormatDuration(allocation.preemption_deadline),
+                             "): the ranks were stopped");
+    description = absl::StrCat(allocation.preempted, ", ", outcome);
+    reason = absl::StrCat(description, "; waits to be ", resume_from);
+    next = v1::JOB_STATE_PENDING;
+  } else {
+    description = absl::StrCat(allocation.moving_off.empty()
+                                   ? std::string("a node was drained")
+                                   : absl::StrCat("node ", allocation.moving_off, " drained"),
+                               ": attempt ", allocation.attempt,
+                               " saved a checkpoint and stopped");
+    reason = absl::StrCat(description, "; ", resume_from);
+  }
   v1::JobAttempt record = EndedAttempt(allocation, *job, now, description);
-  auto transitioned = jobs_->Transition(
-      job_id, v1::JOB_STATE_RESTARTING,
-      absl::StrCat(description, "; placed again from ",
-                   resume_step > 0 ? absl::StrCat("the checkpoint of step ", resume_step)
-                                   : std::string("the start"),
-                   " (no restart counted)"),
-      [&](v1::Job& stored) {
-        *stored.add_attempts() = record;
-        stored.set_attempt(stored.attempt() + 1);
-        stored.mutable_placements()->Clear();
-        stored.set_current_step(resume_step);
-      });
+  auto transitioned = jobs_->Transition(job_id, next, reason, [&](v1::Job& stored) {
+    *stored.add_attempts() = record;
+    stored.set_attempt(stored.attempt() + 1);
+    stored.mutable_placements()->Clear();
+    stored.set_current_step(resume_step);
+  });
   if (!transitioned.ok() && !absl::IsFailedPrecondition(transitioned.status())) {
     LogRetried(transitioned.status(),
                absl::StrCat("queueing job ", job_id, " again after its move"));

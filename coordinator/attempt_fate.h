@@ -52,7 +52,8 @@ class AttemptFate {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   // Asks every task of the allocation that has not ended to save a checkpoint and stop (a start
   // not yet delivered is withdrawn): the attempt moves (kMoving) and its job is queued again once
-  // all have ended, no restart counted.
+  // all have ended, no restart counted. A preempted allocation (`preempted` set) gives its ranks
+  // its preemption_deadline; a drained one the workers' checkpoint grace.
   void MoveLocked(const std::string& job_id, Allocation& allocation)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
 

@@ -42,6 +42,17 @@ absl::Status Cluster::Recover() {
                                  ? job.master_port()
                                  : state_.allocations.FreeMasterPort(
                                        allocation.master_node, state_.options.base_master_port);
+    if (job.state() == v1::JOB_STATE_PREEMPTED) {
+      // Preempted before the restart: its ranks are asked again to save and stop (a worker
+      // already stopping them ignores the repeat), with the default deadline from now.
+      allocation.preempted = job.reason().substr(0, job.reason().find(": saving a checkpoint"));
+      allocation.preempted_time = now;
+      allocation.preemption_deadline = kDefaultPreemptionCheckpointDeadline;
+      Allocation& added = state_.allocations.Add(job.job_id(), std::move(allocation));
+      fate_.AssertLockHeld();
+      fate_.MoveLocked(job.job_id(), added);
+      continue;
+    }
     state_.allocations.Add(job.job_id(), std::move(allocation));
   }
   return absl::OkStatus();

@@ -19,6 +19,10 @@ google::protobuf::Timestamp ToProto(absl::Time time) {
   return google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(time));
 }
 
+absl::Time FromProto(const google::protobuf::Timestamp& time) {
+  return absl::FromUnixNanos(google::protobuf::util::TimeUtil::TimestampToNanoseconds(time));
+}
+
 void LogRetried(const absl::Status& status, const std::string& what) {
   if (!status.ok()) {
     std::cerr << "tessera-coordinator: " << what << ": " << status << " (retried next tick)"

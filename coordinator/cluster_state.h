@@ -89,6 +89,8 @@ struct ClusterStats {
     int64_t waiting_jobs = 0;
     // FairShareTracker::Share: decayed dominant-resource usage over weight.
     double fair_share = 0;
+    // Its jobs preempted since the coordinator started, by reason ("reclaim", "priority").
+    std::map<std::string, int64_t> preemptions;
   };
   std::map<std::string, QueueFigures> queues;
   // How long the pass held the cluster lock in all (heartbeats wait on it), and its longest
@@ -113,6 +115,7 @@ struct ClusterStats {
 // The task id of `job_id`'s attempt `attempt` on `node`.
 std::string TaskId(const std::string& job_id, int32_t attempt, const std::string& node);
 google::protobuf::Timestamp ToProto(absl::Time time);
+absl::Time FromProto(const google::protobuf::Timestamp& time);
 // A store write whose failure the next tick repairs: worth a log line, not a crash or a lost job.
 void LogRetried(const absl::Status& status, const std::string& what);
 

@@ -186,6 +186,12 @@ std::vector<absl::StatusOr<v1::Job>> JobManager::TransitionAll(
                        " and cannot change state"));
       continue;
     }
+    if (request.precondition) {
+      if (absl::Status status = request.precondition(*job); !status.ok()) {
+        results[i] = status;
+        continue;
+      }
+    }
     const v1::JobState previous = job->state();
     job->set_state(request.state);
     job->set_reason(request.reason);

@@ -65,6 +65,9 @@ class JobManager {
     v1::JobState state = v1::JOB_STATE_UNSPECIFIED;
     std::string reason;
     std::function<void(v1::Job&)> mutate;
+    // Checked on the stored job under its lock before anything changes; an error is the
+    // request's result and nothing of it is stored (e.g. the job moved on meanwhile).
+    std::function<absl::Status(const v1::Job&)> precondition;
   };
   // Transition for every request, all stored in ONE store transaction (one
   // fsync): result i is what Transition(requests[i]) would return, and a

@@ -176,6 +176,7 @@ std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire() {
     entry.to_start.clear();
     entry.to_stop.clear();
     entry.to_checkpoint_and_stop.clear();
+    entry.checkpoint_deadlines.clear();
     // A failed write leaves the record dirty: Flush (every tick) writes it again.
     Persist(node_id).IgnoreError();
     lost.emplace_back(node_id, silence);
@@ -365,13 +366,14 @@ void NodeRegistry::QueueStop(const std::string& node_id, const std::string& task
   if (orders_listener_) orders_listener_(node_id);
 }
 
-void NodeRegistry::QueueCheckpointAndStop(const std::string& node_id,
-                                          const std::string& task_id) {
+void NodeRegistry::QueueCheckpointAndStop(const std::string& node_id, const std::string& task_id,
+                                          std::optional<absl::Duration> deadline) {
   auto* const found = Lookup(node_id);
   if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return;
   auto& orders = found->to_checkpoint_and_stop;
   if (std::find(orders.begin(), orders.end(), task_id) != orders.end()) return;
   orders.push_back(task_id);
+  if (deadline) found->checkpoint_deadlines[task_id] = *deadline;
   if (orders_listener_) orders_listener_(node_id);
 }
 
@@ -404,7 +406,11 @@ void NodeRegistry::TakeOrders(const std::string& node_id, v1::HeartbeatResponse*
   for (auto& order : found->to_checkpoint_and_stop) {
     response->add_checkpoint_and_stop(std::move(order));
   }
+  for (const auto& [task_id, deadline] : found->checkpoint_deadlines) {
+    (*response->mutable_checkpoint_deadline_seconds())[task_id] = absl::ToDoubleSeconds(deadline);
+  }
   found->to_checkpoint_and_stop.clear();
+  found->checkpoint_deadlines.clear();
 }
 
 std::vector<NodeCapacity> NodeRegistry::Capacity(const UsedResources& used) const {

@@ -15,6 +15,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -143,8 +144,11 @@ class NodeRegistry {
   bool WithdrawStart(const std::string& node_id, const std::string& task_id);
   bool StartQueued(const std::string& node_id, const std::string& task_id) const;
   // Asks the node to have the task's trainers save a checkpoint and exit
-  // (HeartbeatResponse.checkpoint_and_stop); once per task, like QueueStop.
-  void QueueCheckpointAndStop(const std::string& node_id, const std::string& task_id);
+  // (HeartbeatResponse.checkpoint_and_stop); once per task, like QueueStop. With a deadline, the
+  // ranks still running that long after the order are stopped; without, the worker's own
+  // checkpoint grace applies.
+  void QueueCheckpointAndStop(const std::string& node_id, const std::string& task_id,
+                              std::optional<absl::Duration> deadline = std::nullopt);
   // Moves the queued orders into `response`, except the held starts.
   void TakeOrders(const std::string& node_id, v1::HeartbeatResponse* response);
 
@@ -199,6 +203,8 @@ class NodeRegistry {
     std::vector<Start> to_start;
     std::vector<std::string> to_stop;
     std::vector<std::string> to_checkpoint_and_stop;
+    // Deadlines of some of to_checkpoint_and_stop (the others get the worker's grace).
+    std::map<std::string, absl::Duration> checkpoint_deadlines;
   };
   absl::Status Persist(const std::string& node_id);
   // The entry of `node_id`, made empty when there is none. Entries leave only through Remove.

@@ -209,7 +209,7 @@ Resources QueueConfig::CohortNominal(const QueueSpec& queue) const {
   return total;
 }
 
-absl::StatusOr<absl::Duration> ParseHalfLife(absl::string_view text) {
+absl::StatusOr<absl::Duration> ParseConfigDuration(absl::string_view text) {
   text = absl::StripAsciiWhitespace(text);
   const absl::Status invalid = absl::InvalidArgumentError(absl::StrCat(
       "expected a positive duration with a unit s, m, h or d (e.g. 7d), got '", text, "'"));
@@ -250,8 +250,8 @@ absl::StatusOr<QueueConfig> ParseQueueConfig(absl::string_view yaml) {
   // An empty file: no queues, the implicit one.
   if (root.IsNull()) return config;
   try {
-    RETURN_IF_ERROR(
-        CheckKeys(root, "top level", {"cohorts", "queues", "default_queue", "fair_share"}));
+    RETURN_IF_ERROR(CheckKeys(root, "top level",
+                              {"cohorts", "queues", "default_queue", "fair_share", "preemption"}));
     if (root["cohorts"]) {
       const YAML::Node list = root["cohorts"];
       if (!list.IsSequence()) return Invalid("cohorts", "expected a list");
@@ -281,9 +281,22 @@ absl::StatusOr<QueueConfig> ParseQueueConfig(absl::string_view yaml) {
       if (fair_share["half_life"]) {
         ASSIGN_OR_RETURN(std::string text,
                          ReadString(fair_share["half_life"], "fair_share.half_life"));
-        auto half_life = ParseHalfLife(text);
+        auto half_life = ParseConfigDuration(text);
         if (!half_life.ok()) return Invalid("fair_share.half_life", half_life.status().message());
         config.fair_share_half_life = *half_life;
+      }
+    }
+    if (root["preemption"]) {
+      const YAML::Node preemption = root["preemption"];
+      RETURN_IF_ERROR(CheckKeys(preemption, "preemption", {"checkpoint_deadline"}));
+      if (preemption["checkpoint_deadline"]) {
+        ASSIGN_OR_RETURN(std::string text, ReadString(preemption["checkpoint_deadline"],
+                                                      "preemption.checkpoint_deadline"));
+        auto deadline = ParseConfigDuration(text);
+        if (!deadline.ok()) {
+          return Invalid("preemption.checkpoint_deadline", deadline.status().message());
+        }
+        config.preemption_checkpoint_deadline = *deadline;
       }
     }
   } catch (const YAML::Exception& error) {
@@ -392,6 +405,9 @@ absl::Status ValidateQueueConfig(const QueueConfig& config) {
   }
   if (config.fair_share_half_life <= absl::ZeroDuration()) {
     return Invalid("fair_share.half_life", "must be > 0");
+  }
+  if (config.preemption_checkpoint_deadline <= absl::ZeroDuration()) {
+    return Invalid("preemption.checkpoint_deadline", "must be > 0");
   }
   return absl::OkStatus();
 }

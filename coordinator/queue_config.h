@@ -17,6 +17,7 @@
 //       default_for: {users: [alice], groups: [nlp-team], labels: {team: nlp}}
 //   default_queue: shared         # optional: for jobs that name no queue and match no default_for
 //   fair_share: {half_life: 7d}   # s, m, h or d; default 7d
+//   preemption: {checkpoint_deadline: 2m}  # s, m, h or d; default 120s (see below)
 //
 // Quota. A queue's nominal quota is guaranteed to it. Within a cohort, quota a queue does not use
 // is lent to the others: a queue may use more than its nominal (borrow) up to its borrowing limit,
@@ -30,6 +31,10 @@
 // whose default_for labels are all carried by the job; else default_queue. Submission rights are
 // granted by submitters (user or group) only: labels route, they never grant, since a submitter
 // chooses its job's labels.
+//
+// Preemption (queue_preemption.h). A preempted job's ranks are asked to save a checkpoint and
+// exit; those still running checkpoint_deadline later are stopped (SIGTERM, then SIGKILL after
+// the worker's stop grace), and the job resumes from its last periodic checkpoint instead.
 //
 // Without any queue (no file, or a file with no queues) every job goes to one implicit queue,
 // kImplicitQueue, without quota: admission is then the gang scheduler's alone, as before queues.
@@ -55,6 +60,9 @@ inline constexpr absl::string_view kImplicitQueue = "default";
 
 // The fair-share half-life when the file sets none.
 inline constexpr absl::Duration kDefaultFairShareHalfLife = absl::Hours(7 * 24);
+
+// How long a preempted job's ranks have to save a checkpoint when the file sets nothing.
+inline constexpr absl::Duration kDefaultPreemptionCheckpointDeadline = absl::Seconds(120);
 
 // An amount of each schedulable resource.
 struct Resources {
@@ -125,6 +133,7 @@ struct QueueConfig {
   // "" = none.
   std::string default_queue{};
   absl::Duration fair_share_half_life = kDefaultFairShareHalfLife;
+  absl::Duration preemption_checkpoint_deadline = kDefaultPreemptionCheckpointDeadline;
 
   // True when the file defines no queue: one implicit queue without quota.
   bool implicit() const { return queues.empty(); }
@@ -144,7 +153,7 @@ absl::StatusOr<QueueConfig> ParseQueueConfig(absl::string_view yaml);
 absl::Status ValidateQueueConfig(const QueueConfig& config);
 
 // "90s", "30m", "12h", "7d" (a positive whole or decimal number and one unit).
-absl::StatusOr<absl::Duration> ParseHalfLife(absl::string_view text);
+absl::StatusOr<absl::Duration> ParseConfigDuration(absl::string_view text);
 
 // Who submits a job, and what it asks for.
 struct Submission {

@@ -33,6 +33,7 @@ queues:
     nominal: {gpus: 8, cpu_slots: 64}
 default_queue: shared
 fair_share: {half_life: 12h}
+preemption: {checkpoint_deadline: 90s}
 )";
 
 QueueConfig Parsed() {
@@ -59,6 +60,7 @@ TEST(ParseQueueConfigTest, ReadsEveryField) {
   EXPECT_EQ(config.queues[1].nominal, (Resources{.gpus = 32, .cpu_slots = 0}));
   EXPECT_EQ(config.default_queue, "shared");
   EXPECT_EQ(config.fair_share_half_life, absl::Hours(12));
+  EXPECT_EQ(config.preemption_checkpoint_deadline, absl::Seconds(90));
   EXPECT_EQ(config.CohortNominal(nlp), (Resources{.gpus = 64, .cpu_slots = 4}));
   EXPECT_EQ(config.CohortNominal(config.queues[2]), (Resources{.gpus = 8, .cpu_slots = 64}));
 }
@@ -68,6 +70,7 @@ TEST(ParseQueueConfigTest, EmptyFileMeansTheImplicitQueue) {
   ASSERT_THAT(config, IsOk());
   EXPECT_TRUE(config->implicit());
   EXPECT_EQ(config->fair_share_half_life, kDefaultFairShareHalfLife);
+  EXPECT_EQ(config->preemption_checkpoint_deadline, kDefaultPreemptionCheckpointDeadline);
 }
 
 struct BadCase {
@@ -122,6 +125,10 @@ TEST(ParseQueueConfigTest, RefusesBadFilesNamingEntryAndField) {
       {"queues: [{name: a}]\nfair_share: {half_life: 7 days}",
        "fair_share.half_life: expected a positive duration"},
       {"queues: [{name: a}]\nfair_share: {half_life: -2h}", "fair_share.half_life"},
+      {"queues: [{name: a}]\npreemption: {checkpoint_deadline: soon}",
+       "preemption.checkpoint_deadline"},
+      {"queues: [{name: a}]\npreemption: {deadline: 2m}",
+       "preemption: unknown key 'deadline' (checkpoint_deadline)"},
       {"queues: {name: a}", "queues: expected a list"},
       {"queues: [a, b", "not YAML"},
   };
@@ -132,14 +139,14 @@ TEST(ParseQueueConfigTest, RefusesBadFilesNamingEntryAndField) {
   }
 }
 
-TEST(ParseHalfLifeTest, AcceptsEachUnit) {
-  EXPECT_THAT(ParseHalfLife("90s"), IsOkAndHolds(absl::Seconds(90)));
-  EXPECT_THAT(ParseHalfLife("30m"), IsOkAndHolds(absl::Minutes(30)));
-  EXPECT_THAT(ParseHalfLife("1.5h"), IsOkAndHolds(absl::Minutes(90)));
-  EXPECT_THAT(ParseHalfLife("7d"), IsOkAndHolds(absl::Hours(168)));
-  EXPECT_THAT(ParseHalfLife("0d"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'0d'")));
-  EXPECT_THAT(ParseHalfLife("7"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unit")));
-  EXPECT_THAT(ParseHalfLife("d"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'d'")));
+TEST(ParseConfigDurationTest, AcceptsEachUnit) {
+  EXPECT_THAT(ParseConfigDuration("90s"), IsOkAndHolds(absl::Seconds(90)));
+  EXPECT_THAT(ParseConfigDuration("30m"), IsOkAndHolds(absl::Minutes(30)));
+  EXPECT_THAT(ParseConfigDuration("1.5h"), IsOkAndHolds(absl::Minutes(90)));
+  EXPECT_THAT(ParseConfigDuration("7d"), IsOkAndHolds(absl::Hours(168)));
+  EXPECT_THAT(ParseConfigDuration("0d"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'0d'")));
+  EXPECT_THAT(ParseConfigDuration("7"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unit")));
+  EXPECT_THAT(ParseConfigDuration("d"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'d'")));
 }
 
 Submission Job(std::string owner, std::string queue = "", std::vector<std::string> groups = {},

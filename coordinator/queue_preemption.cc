@@ -67,7 +67,7 @@ PreemptionDecision SelectPreemption(const QueueConfig& config,
       const int64_t borrowed = ledger.Borrowed(*owner, kind);
       if (borrowed <= 0) continue;
       victims.push_back(
-          {job->job_id,
+          {job->job_id, PreemptionKind::kReclaim,
            absl::StrCat("reclaimed for queue ", queue->name, " (below its nominal ", nominal, " ",
                         unit, ", ", waiting.job_id, " needs ", waiting.devices, "): queue ",
                         owner->name, " borrows ", borrowed, " ", unit, "; ", Describe(*job))});
@@ -89,7 +89,8 @@ PreemptionDecision SelectPreemption(const QueueConfig& config,
   for (const RunningJob* job : same_kind) {
     if (!ledger.WhyNotFit(*queue, kind, waiting.devices).has_value()) break;
     if (job->queue != queue->name || job->priority >= waiting.priority) continue;
-    victims.push_back({job->job_id, absl::StrCat("preempted by higher-priority ", waiting.job_id,
+    victims.push_back({job->job_id, PreemptionKind::kPriority,
+                       absl::StrCat("preempted by higher-priority ", waiting.job_id,
                                                  " (priority ", waiting.priority, ") in queue ",
                                                  queue->name, "; ", Describe(*job))});
     ledger.Add(*queue, kind, -job->devices);
@@ -106,6 +107,10 @@ PreemptionDecision SelectPreemption(const QueueConfig& config,
       "): ", reclaim_failure.empty() ? "" : absl::StrCat(reclaim_failure, ", and "),
       "preempting every lower-priority job of queue ", queue->name, " would not free enough");
   return decision;
+}
+
+const char* PreemptionKindName(PreemptionKind kind) {
+  return kind == PreemptionKind::kReclaim ? "reclaim" : "priority";
 }
 
 }  // namespace tessera::coordinator

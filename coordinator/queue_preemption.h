@@ -48,8 +48,16 @@ struct RunningJob {
   absl::Duration since_checkpoint{};
 };
 
+// Why a job is preempted: its queue borrows quota another queue of its cohort reclaims, or a
+// job of higher priority in its own queue needs its devices.
+enum class PreemptionKind { kReclaim, kPriority };
+
+// "reclaim" or "priority": the reason label of the preemption metrics.
+const char* PreemptionKindName(PreemptionKind kind);
+
 struct Victim {
   std::string job_id{};
+  PreemptionKind kind = PreemptionKind::kReclaim;
   // Why this job, e.g. "reclaimed for queue nlp (below its nominal 32 GPUs): queue vision
   // borrows 8 GPUs".
   std::string reason{};

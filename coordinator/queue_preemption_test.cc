@@ -62,6 +62,8 @@ TEST(SelectPreemptionTest, ReclaimsFromBorrowersLowestPriorityThenLeastProgressL
   EXPECT_THAT(decision.victims[0].reason,
               HasSubstr("reclaimed for queue nlp (below its nominal 32 GPUs, waiting needs 16): "
                         "queue vision borrows 24 GPUs"));
+  EXPECT_EQ(decision.victims[0].kind, PreemptionKind::kReclaim);
+  EXPECT_STREQ(PreemptionKindName(decision.victims[0].kind), "reclaim");
   EXPECT_THAT(decision.reason, HasSubstr("reclaim 1 job(s) borrowing from cohort lab"));
 
   // 24: v-low, then among priority 1 the one with less progress to lose.
@@ -86,6 +88,8 @@ TEST(SelectPreemptionTest, HigherPriorityPreemptsLowerInTheSameQueue) {
   EXPECT_THAT(Ids(decision), ElementsAre("n-low-new"));
   EXPECT_THAT(decision.victims[0].reason,
               HasSubstr("preempted by higher-priority waiting (priority 5) in queue nlp"));
+  EXPECT_EQ(decision.victims[0].kind, PreemptionKind::kPriority);
+  EXPECT_STREQ(PreemptionKindName(decision.victims[0].kind), "priority");
   // Needing 32 takes every lower-priority job, never other queues' jobs within their quota.
   decision = SelectPreemption(Config(), running, Waiting("nlp", 32, 5));
   EXPECT_THAT(Ids(decision), ElementsAre("n-low-new", "n-low-old", "n-mid"));

@@ -200,6 +200,9 @@ void SchedulingPass::CountQueues(const QueueConfig& config, const Snapshot& snap
     figures.borrowed.cpu_slots =
         std::max<int64_t>(0, figures.used.cpu_slots - queue.nominal.cpu_slots);
     figures.fair_share = fair_share_->Share(config, queue.name);
+    if (auto it = preemptions_.find(queue.name); it != preemptions_.end()) {
+      figures.preemptions = it->second;
+    }
   }
   for (const v1::Job& job : waiting) {
     if (!snapshot.waiting.contains(job.job_id())) continue;
@@ -237,7 +240,8 @@ void SchedulingPass::AdmitByQueues(const Snapshot& snapshot,
 
 void SchedulingPass::PreemptLocked(const Snapshot& snapshot,
                                    std::vector<QueuedRequest> held_requests,
-                                   std::map<std::string, std::string>* reasons) {
+                                   std::map<std::string, std::string>* reasons,
+                                   std::vector<JobManager::TransitionRequest>* writes) {
   if (snapshot.queues == nullptr) return;
   const QueueConfig& config = *snapshot.queues;
   const absl::Time now = state_->Now();
@@ -268,11 +272,29 @@ void SchedulingPass::PreemptLocked(const Snapshot& snapshot,
     for (const Victim& victim : decision.victims) {
       Allocation* allocation = state_->allocations.Find(victim.job_id);
       if (allocation == nullptr) continue;
-      allocation->preempted = absl::StrCat("preempted for ", request.job_id, " of queue ",
+      allocation->preempted = absl::StrCat("preempted by ", request.job_id, " of queue ",
                                            request.queue, " (", victim.reason, ")");
+      allocation->preempted_time = now;
+      allocation->preemption_deadline = config.preemption_checkpoint_deadline;
       fate_->AssertLockHeld();
       fate_->MoveLocked(victim.job_id, *allocation);
       names.push_back(victim.job_id);
+      ++preemptions_[EffectiveQueue(allocation->queue, config)][PreemptionKindName(victim.kind)];
+      // RUNNING (or SCHEDULED) -> PREEMPTED, unless the attempt ended meanwhile: its end, stored
+      // by AttemptFate, decides then.
+      writes->push_back(
+          {victim.job_id, v1::JOB_STATE_PREEMPTED,
+           absl::StrCat(allocation->preempted, ": saving a checkpoint (deadline ",
+                        absl::FormatDuration(allocation->preemption_deadline), ")"),
+           nullptr,
+           [attempt = allocation->attempt, job_id = victim.job_id](const v1::Job& job) {
+             if (job.attempt() == attempt && (job.state() == v1::JOB_STATE_SCHEDULED ||
+                                              job.state() == v1::JOB_STATE_RUNNING)) {
+               return absl::OkStatus();
+             }
+             return absl::FailedPreconditionError(
+                 absl::StrCat("job ", job_id, " no longer runs attempt ", attempt));
+           }});
     }
     (*reasons)[request.job_id] =
         absl::StrCat("waiting for ", absl::StrJoin(names, ", "),
@@ -409,6 +431,7 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   // for the store (it leaves without them).
   std::vector<const GangPlacement*> admitted;
   std::map<std::string, int> master_ports;  // of the admitted placements, by job
+  std::vector<JobManager::TransitionRequest> preempted;  // the victims' moves to PREEMPTED
   // Each placement's assignments (the spec and plan copied for every node) are made before the
   // hold; only the master port is filled in under it.
   std::vector<std::map<std::string, v1::TaskAssignment>> assignments;
@@ -433,7 +456,7 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
       admitted_ids->insert(placement.job_id);
     }
     if (!held_requests.empty()) {
-      PreemptLocked(snapshot, std::move(held_requests), &result.pending_reasons);
+      PreemptLocked(snapshot, std::move(held_requests), &result.pending_reasons, &preempted);
     }
   }
   phase.Next("admit");
@@ -466,6 +489,7 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
       pass.writes.push_back({job_id, v1::JOB_STATE_PENDING, reason, nullptr});
     }
   }
+  for (auto& write : preempted) pass.writes.push_back(std::move(write));
   phase.Next("store");
   return pass;
 }

@@ -112,9 +112,11 @@ class SchedulingPass {
   // (by priority, then age) that preemption would let start, the victims are asked to save a
   // checkpoint and stop (AttemptFate::MoveLocked) and queued again once stopped, no restart
   // counted; the job's reason says what it waits for. One decision per pass, none while an
-  // earlier preemption is still stopping its victims.
+  // earlier preemption is still stopping its victims. Each victim's move to PREEMPTED is added
+  // to `writes` (stored with the pass, only while the job still runs that attempt).
   void PreemptLocked(const Snapshot& snapshot, std::vector<QueuedRequest> held_requests,
-                     std::map<std::string, std::string>* reasons)
+                     std::map<std::string, std::string>* reasons,
+                     std::vector<JobManager::TransitionRequest>* writes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_, state_->mu);
   // Plans, schedules and admits the waiting jobs (`waiting`, from ListWaitingJobs) without the
   // lock but for the admission; returns the writes that store the placements (ids added to
@@ -178,6 +180,8 @@ class SchedulingPass {
   std::map<std::string, PlanEntry> plan_cache_ ABSL_GUARDED_BY(pass_mu_);
   // Each queue's decayed usage (fair_share.h), from the first pass with queues configured.
   std::optional<FairShareTracker> fair_share_ ABSL_GUARDED_BY(pass_mu_);
+  // Jobs preempted since start, by victim queue, then reason (PreemptionKindName).
+  std::map<std::string, std::map<std::string, int64_t>> preemptions_ ABSL_GUARDED_BY(pass_mu_);
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(state_->mu);
 
   // The store thread: one pass's writes in flight, the next waits its turn.

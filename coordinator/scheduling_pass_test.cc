@@ -25,8 +25,10 @@ namespace tessera::coordinator {
 namespace {
 
 using ::tessera::testing::IsOk;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
+using ::testing::Pair;
 using ::testing::SizeIs;
 
 class SchedulingPassTest : public ::testing::Test {
@@ -438,26 +440,130 @@ queues:
   EXPECT_EQ(waiting.state(), v1::JOB_STATE_PENDING);
   EXPECT_THAT(waiting.reason(), HasSubstr("waiting for " + borrowing +
                                           " to save a checkpoint and stop"));
+  const std::string task = TaskId(borrowing, 0, "n1");
   {
     absl::MutexLock lock(&state.mu);
     v1::HeartbeatResponse orders;
     state.nodes.TakeOrders("n1", &orders);
     ASSERT_THAT(orders.checkpoint_and_stop(), SizeIs(1));
-    EXPECT_EQ(orders.checkpoint_and_stop(0), TaskId(borrowing, 0, "n1"));
+    EXPECT_EQ(orders.checkpoint_and_stop(0), task);
+    // The ranks get the queue file's deadline (the default, 120 s), not the worker's grace.
+    ASSERT_TRUE(orders.checkpoint_deadline_seconds().contains(task));
+    EXPECT_DOUBLE_EQ(orders.checkpoint_deadline_seconds().at(task), 120);
     Allocation* victim = state.allocations.Find(borrowing);
     ASSERT_NE(victim, nullptr);
     EXPECT_EQ(victim->phase, Allocation::Phase::kMoving);
     // Not preempted twice while the victim saves its checkpoint.
     EXPECT_EQ(state.allocations.Find(own)->phase, Allocation::Phase::kRunning);
-    victim->task_states["n1"] = v1::TASK_STATE_STOPPED;
+  }
+  v1::Job victim = get(borrowing);
+  EXPECT_EQ(victim.state(), v1::JOB_STATE_PREEMPTED);
+  EXPECT_THAT(victim.reason(), HasSubstr("preempted by " + reclaiming + " of queue nlp"));
+  EXPECT_THAT(victim.reason(), HasSubstr("saving a checkpoint (deadline 2m)"));
+
+  // The victim saves a checkpoint 3 s after it was asked, and stops.
+  const absl::Time asked = clock.Now();
+  clock.Advance(absl::Seconds(3));
+  v1::Checkpoint checkpoint;
+  checkpoint.set_job_id(borrowing);
+  checkpoint.set_step(40);
+  checkpoint.set_path(dir.path() + "/step-40");
+  *checkpoint.mutable_create_time() = ToProto(asked + absl::Seconds(3));
+  ASSERT_THAT(queued.jobs->RecordReports(borrowing, {}, {}, {checkpoint}), IsOk());
+  {
+    absl::MutexLock lock(&state.mu);
+    state.allocations.Find(borrowing)->task_states["n1"] = v1::TASK_STATE_STOPPED;
   }
   for (int i = 0; i < 3 && get(reclaiming).state() == v1::JOB_STATE_PENDING; ++i) run();
   EXPECT_EQ(get(reclaiming).state(), v1::JOB_STATE_SCHEDULED) << get(reclaiming).reason();
-  const v1::Job victim = get(borrowing);
+  victim = get(borrowing);
+  // PREEMPTED -> PENDING, waiting for quota again; not a failure, no restart counted.
+  EXPECT_EQ(victim.state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(victim.restarts(), 0);
+  EXPECT_EQ(victim.current_step(), 40);
+  ASSERT_THAT(victim.attempts(), SizeIs(1));
+  EXPECT_THAT(victim.attempts(0).reason(), HasSubstr("preempted by " + reclaiming));
+  EXPECT_THAT(victim.attempts(0).reason(), HasSubstr("checkpoint step 40 saved in 3.0 s"));
+  EXPECT_EQ(get(own).state(), v1::JOB_STATE_SCHEDULED);
+  // The watch stream tells the story: SCHEDULED -> PREEMPTED -> PENDING.
+  auto events = queued.store->ReadEvents(borrowing, 0, 0);
+  ASSERT_THAT(events.status(), IsOk());
+  std::vector<v1::JobState> states;
+  for (const auto& event : *events) {
+    if (event.has_state_change()) states.push_back(event.state_change().new_state());
+  }
+  EXPECT_THAT(states, ElementsAre(v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED,
+                                  v1::JOB_STATE_PREEMPTED, v1::JOB_STATE_PENDING));
+  // Counted by queue and reason for the metrics.
+  const ClusterStats stats = pass.Run(/*count=*/false, /*overlap_store=*/false);
+  ASSERT_TRUE(stats.queues.contains("vision"));
+  EXPECT_THAT(stats.queues.at("vision").preemptions, ElementsAre(Pair("reclaim", 1)));
+}
+
+// A preempted job whose ranks ignore the order is stopped by the worker at the deadline; its job
+// resumes from its last periodic checkpoint and its history says no checkpoint came in time.
+TEST(SchedulingPassQueuesTest, APreemptedJobWithoutANewCheckpointSaysSo) {
+  ::tessera::testing::ScopedTempDir dir("pass-preempt-late");
+  const std::string path = dir.path() + "/queues.yaml";
+  std::ofstream(path) << R"(
+cohorts:
+  - name: lab
+queues:
+  - name: nlp
+    cohort: lab
+    nominal: {cpu_slots: 4}
+    default_for: {users: [alice]}
+  - name: vision
+    cohort: lab
+    nominal: {cpu_slots: 4}
+    default_for: {users: [bob]}
+preemption: {checkpoint_deadline: 30s}
+)";
+  QueuedPass queued;
+  ASSERT_NO_FATAL_FAILURE(queued.Init(path));
+  auto run = [&] {
+    queued.clock.Advance(absl::Seconds(10));
+    queued.pass->Run(/*count=*/false, /*overlap_store=*/false);
+  };
+  queued.Submit("bob", 4);
+  run();
+  const std::string borrowing = queued.Submit("bob", 4);
+  run();
+  ASSERT_EQ(queued.Get(borrowing).state(), v1::JOB_STATE_SCHEDULED);
+  {
+    absl::MutexLock lock(&queued.state->mu);
+    v1::HeartbeatResponse orders;
+    queued.state->nodes.TakeOrders("n1", &orders);  // the two starts, delivered
+  }
+  const std::string reclaiming = queued.Submit("alice", 4);
+  run();
+  EXPECT_EQ(queued.Get(borrowing).state(), v1::JOB_STATE_PREEMPTED);
+  {
+    absl::MutexLock lock(&queued.state->mu);
+    v1::HeartbeatResponse orders;
+    queued.state->nodes.TakeOrders("n1", &orders);
+    EXPECT_DOUBLE_EQ(orders.checkpoint_deadline_seconds().at(TaskId(borrowing, 0, "n1")), 30);
+    queued.state->allocations.Find(borrowing)->task_states["n1"] = v1::TASK_STATE_STOPPED;
+  }
+  for (int i = 0; i < 3 && queued.Get(reclaiming).state() == v1::JOB_STATE_PENDING; ++i) run();
+  const v1::Job victim = queued.Get(borrowing);
+  EXPECT_EQ(victim.state(), v1::JOB_STATE_PENDING);
   EXPECT_EQ(victim.restarts(), 0);
   ASSERT_THAT(victim.attempts(), SizeIs(1));
-  EXPECT_THAT(victim.attempts(0).reason(), HasSubstr("preempted for " + reclaiming));
-  EXPECT_EQ(get(own).state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_THAT(victim.attempts(0).reason(),
+              HasSubstr("no checkpoint of step 0 saved within the deadline (30s): the ranks were "
+                        "stopped"));
+  // The move to PENDING says where it resumes (its reason is now why it waits).
+  auto events = queued.store->ReadEvents(borrowing, 0, 0);
+  ASSERT_THAT(events.status(), IsOk());
+  std::string requeued;
+  for (const auto& event : *events) {
+    if (event.has_state_change() &&
+        event.state_change().previous_state() == v1::JOB_STATE_PREEMPTED) {
+      requeued = event.state_change().reason();
+    }
+  }
+  EXPECT_THAT(requeued, HasSubstr("waits to be placed again from the start"));
 }
 
 }  // namespace

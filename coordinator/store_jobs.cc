@@ -26,7 +26,8 @@ constexpr int64_t kMaxJobIdCounter = 0xffffffffLL;
 
 // The non-terminal states, bound as ?1..?4 of the active-job queries.
 constexpr v1::JobState kActiveStates[] = {v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED,
-                                          v1::JOB_STATE_RUNNING, v1::JOB_STATE_RESTARTING};
+                                          v1::JOB_STATE_RUNNING, v1::JOB_STATE_RESTARTING,
+                                          v1::JOB_STATE_PREEMPTED};
 
 // Nanoseconds since the Unix epoch, saturated; ordering key of jobs.
 int64_t TimestampNanos(const google::protobuf::Timestamp& time) {
@@ -273,7 +274,7 @@ absl::StatusOr<std::vector<v1::Job>> Store::ListActiveJobs() {
   SqliteConnection& reader = lock.connection();
   const std::string operation = "list active jobs";
   ASSIGN_OR_RETURN(sqlite3_stmt * stmt, reader.Prepare(R"sql(
-SELECT job_id, job FROM jobs WHERE state IN (?1, ?2, ?3, ?4)
+SELECT job_id, job FROM jobs WHERE state IN (?1, ?2, ?3, ?4, ?5)
 ORDER BY create_time_ns, job_id)sql",
                                                        operation));
   SqliteStatement select(reader.db(), stmt, operation);
@@ -288,7 +289,7 @@ absl::StatusOr<std::vector<Store::JobSummary>> Store::ListActiveJobSummaries() {
   SqliteConnection& reader = lock.connection();
   const std::string operation = "list active job summaries";
   ASSIGN_OR_RETURN(sqlite3_stmt * stmt, reader.Prepare(R"sql(
-SELECT job_id, state, create_time_ns FROM jobs WHERE state IN (?1, ?2, ?3, ?4)
+SELECT job_id, state, create_time_ns FROM jobs WHERE state IN (?1, ?2, ?3, ?4, ?5)
 ORDER BY create_time_ns, job_id)sql",
                                                        operation));
   SqliteStatement select(reader.db(), stmt, operation);

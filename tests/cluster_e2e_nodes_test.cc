@@ -1,17 +1,20 @@
 // The whole system when a node goes, end to end on loopback: a killed worker leaves no trainer and
 // its job goes on with one node; a drained node's job checkpoints, moves and loses no step while
 // the drained worker is restarted (the rolling upgrade of docs/operations.md); a job borrowing
-// another queue's quota is preempted, checkpoints and resumes losing no step.
+// another queue's quota is preempted, checkpoints and resumes losing no step, and one whose
+// trainers ignore the request is stopped at the deadline and resumes from its last checkpoint.
 
 
 #include <signal.h>
 
+#include <algorithm>
 #include <fstream>
 #include <iostream>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "common/trainer_env.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/cluster_e2e_fixture.h"
@@ -191,7 +194,10 @@ TEST_F(QueuedClusterTest, ABorrowerIsPreemptedCheckpointsAndResumesWithNoStepLos
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
   EXPECT_EQ(job.restarts(), 0);
   ASSERT_EQ(job.attempts_size(), 2) << job.ShortDebugString();
-  EXPECT_THAT(job.attempts(0).reason(), HasSubstr("preempted for " + reclaimer + " of queue nlp"));
+  EXPECT_THAT(job.attempts(0).reason(), HasSubstr("preempted by " + reclaimer + " of queue nlp"));
+  EXPECT_THAT(job.attempts(0).reason(), HasSubstr(absl::StrCat(
+                                            "checkpoint step ", job.attempts(0).end_step(),
+                                            " saved in ")));
   EXPECT_FALSE(job.attempts(0).has_failure());
   EXPECT_GE(job.attempts(1).start_step(), 5) << "resumed from the checkpoint saved when preempted";
   EXPECT_EQ(job.attempts(1).start_step(), job.attempts(0).end_step());
@@ -200,6 +206,83 @@ TEST_F(QueuedClusterTest, ABorrowerIsPreemptedCheckpointsAndResumesWithNoStepLos
   ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps));
   for (int i = 0; i < kSteps; ++i) EXPECT_EQ(curve[i].step(), i + 1);
   ExpectTheLossesOfAnUninterruptedRun(spec, curve);
+}
+
+// A borrower whose trainers ignore the checkpoint request: the worker stops them at the queue
+// file's deadline, and the job, PREEMPTED then PENDING, resumes from its last periodic checkpoint
+// with no restart counted and every step trained once in its final curve.
+class IgnoredPreemptionTest : public ClusterTest {
+ protected:
+  void SetUp() override {
+    std::ofstream(dir_.path() + "/queues.yaml") << R"(
+cohorts:
+  - name: lab
+queues:
+  - {name: nlp, cohort: lab, nominal: {cpu_slots: 1}}
+  - {name: vision, cohort: lab, nominal: {cpu_slots: 1}}
+preemption: {checkpoint_deadline: 2s}
+)";
+    coordinator_flag_ = "--queue_file=" + dir_.path() + "/queues.yaml";
+    worker_env_ = {std::string(kFaultIgnoreCheckpointSignalEnv) + "=1"};
+    ClusterTest::SetUp();
+  }
+};
+
+TEST_F(IgnoredPreemptionTest, TheTrainerIsStoppedAtTheDeadlineAndResumesFromItsLastCheckpoint) {
+  // Long enough not to finish within the deadline however fast the machine (the trainer runs
+  // 15-70 steps a second here); the ranks keep training and saving periodic checkpoints (every
+  // 100 steps) until they are stopped.
+  constexpr int kSteps = 400;
+  v1::JobSpec spec = Spec(kSteps);
+  spec.set_queue("vision");
+  spec.set_max_restarts(0);
+  spec.mutable_checkpoint()->set_interval_steps(100);
+  const std::string borrower = Submit(spec);
+  ASSERT_TRUE(WaitForStep(borrower, 102, 180)) << Get(borrower).ShortDebugString();
+
+  v1::JobSpec small = Spec(3);
+  small.set_name("reclaims");
+  small.set_queue("nlp");
+  small.mutable_resources()->set_cpu_slots(1);
+  small.mutable_checkpoint()->set_directory(dir_.path() + "/reclaims");
+  const absl::Time submitted = absl::Now();
+  const std::string reclaimer = Submit(small);
+  v1::Job job = WaitFor(reclaimer, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  // Not before the deadline: the borrower's ranks held the slot until they were stopped.
+  EXPECT_GE(absl::FromUnixNanos(job.start_time().seconds() * 1'000'000'000LL +
+                                job.start_time().nanos()) -
+                submitted,
+            absl::Seconds(2));
+
+  job = WaitFor(borrower, v1::JOB_STATE_SUCCEEDED, 300);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  EXPECT_EQ(job.restarts(), 0);
+  ASSERT_EQ(job.attempts_size(), 2) << job.ShortDebugString();
+  EXPECT_THAT(job.attempts(0).reason(), HasSubstr("preempted by " + reclaimer));
+  EXPECT_THAT(job.attempts(0).reason(),
+              HasSubstr(absl::StrCat("no checkpoint of step ", job.attempts(0).end_step(),
+                                     " saved within the deadline (2s): the ranks were stopped")));
+  EXPECT_FALSE(job.attempts(0).has_failure());
+  const int64_t resumed = job.attempts(1).start_step();
+  EXPECT_GE(resumed, 100);
+  EXPECT_EQ(resumed % 100, 0) << "resumed from its last periodic checkpoint";
+  EXPECT_GT(job.attempts(0).end_step(), resumed) << "it trained on until it was stopped";
+  std::cout << "stopped after step " << job.attempts(0).end_step() << ", resumed from "
+            << resumed << "\n";
+  // The state changes on the watch stream: ... RUNNING, PREEMPTED, PENDING, SCHEDULED, ...
+  std::vector<v1::JobState> states;
+  for (const v1::JobEvent& event : Events(borrower)) {
+    if (event.has_state_change()) states.push_back(event.state_change().new_state());
+  }
+  EXPECT_THAT(states, ::testing::Contains(v1::JOB_STATE_PREEMPTED));
+  auto preempted = std::find(states.begin(), states.end(), v1::JOB_STATE_PREEMPTED);
+  ASSERT_NE(preempted, states.end());
+  ASSERT_NE(preempted + 1, states.end());
+  EXPECT_EQ(*(preempted + 1), v1::JOB_STATE_PENDING);
+  std::vector<v1::StepMetrics> curve = Curve(borrower);
+  ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps));
+  for (int i = 0; i < kSteps; ++i) EXPECT_EQ(curve[i].step(), i + 1);
 }
 
 }  // namespace

@@ -405,6 +405,19 @@ TEST_F(CoordinatorQueuesTest, AJobBeyondItsQueuesQuotaWaitsWithTheReason) {
 }
 
 TEST_F(CoordinatorQueuesTest, ABadNewVersionIsRefusedAndThePreviousOneStays) {
+  // A job runs when the bad version arrives.
+  RegisterNode("n1", 0, 8);
+  const v1::Job running = Submit(ValidSpec("running"));
+  v1::Job job = WaitForJob(running.job_id(), [](const v1::Job& j) {
+    return j.state() == v1::JOB_STATE_SCHEDULED;
+  });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
+  v1::HeartbeatResponse orders = Heartbeat("n1");
+  ASSERT_EQ(orders.start_size(), 1);
+  const v1::TaskAssignment assignment = orders.start(0);
+  Heartbeat("n1", {Task(assignment, v1::TASK_STATE_RUNNING)});
+
+  // A bad new version: a negative quota.
   Write("queues:\n  - name: nlp\n    nominal: {cpu_slots: -1}\n");
   ASSERT_THAT(process_->WaitForStderrLine("keeping the previous queues", absl::Seconds(30)),
               testing::IsOk());
@@ -412,6 +425,19 @@ TEST_F(CoordinatorQueuesTest, ABadNewVersionIsRefusedAndThePreviousOneStays) {
   v1::JobSpec spec = ValidSpec("still-routed");
   spec.set_queue("vision");
   EXPECT_EQ(Submit(spec).queue(), "vision");
+
+  // Nothing running was disturbed: no stop, no checkpoint order, the same attempt.
+  for (int i = 0; i < 3; ++i) {
+    orders = Heartbeat("n1", {Task(assignment, v1::TASK_STATE_RUNNING)});
+    EXPECT_EQ(orders.stop_size(), 0);
+    EXPECT_EQ(orders.checkpoint_and_stop_size(), 0);
+    absl::SleepFor(absl::Milliseconds(300));
+  }
+  ASSERT_TRUE(Get(running.job_id(), &job).ok());
+  EXPECT_EQ(job.attempt(), 0);
+  EXPECT_NE(job.state(), v1::JOB_STATE_PREEMPTED);
+  EXPECT_TRUE(job.state() == v1::JOB_STATE_SCHEDULED || job.state() == v1::JOB_STATE_RUNNING)
+      << v1::JobState_Name(job.state());
 }
 
 TEST(CoordinatorQueueFileTest, ABadFileStopsTheStartNamingTheField) {

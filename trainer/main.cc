@@ -576,6 +576,11 @@ int main(int argc, char** argv) {
     std::cerr << "tessera-trainer: fault injection: the checkpoint of step "
               << train_options.kill_in_checkpoint_at_step << " dies half-written\n";
   }
+  if (const char* ignore = std::getenv(tessera::kFaultIgnoreCheckpointSignalEnv);
+      ignore != nullptr && std::string(ignore) == "1") {
+    signal(tessera::kCheckpointAndStopSignal, SIG_IGN);
+    std::cerr << "tessera-trainer: fault injection: the checkpoint-and-stop signal is ignored\n";
+  }
   train_options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   if (!absl::GetFlag(FLAGS_profile_dir).empty()) {
     train_options.profile.directory = absl::GetFlag(FLAGS_profile_dir);

@@ -376,11 +376,17 @@ void WorkerAgent::HeartbeatLoop() {
       auto it = tasks_.find(id);
       if (it == tasks_.end()) continue;
       Task& task = it->second;
+      // The coordinator's deadline (a preemption's) where it sets one, else the worker's grace.
+      absl::Duration grace = options_.checkpoint_grace;
+      if (auto deadline = response.checkpoint_deadline_seconds().find(id);
+          deadline != response.checkpoint_deadline_seconds().end() && deadline->second > 0) {
+        grace = absl::Seconds(deadline->second);
+      }
       // Only for a task neither stopping nor ended (an unlaunched one is simply stopped).
-      if (!task.lifecycle.CheckpointOrdered(clock_->Now() + options_.checkpoint_grace)) continue;
+      if (!task.lifecycle.CheckpointOrdered(clock_->Now() + grace)) continue;
       SignalCheckpointLocked(task);
       std::cerr << "tessera-worker: task " << id << ": asked its ranks to save a checkpoint and "
-                << "stop (up to " << options_.checkpoint_grace << ")" << std::endl;
+                << "stop (up to " << grace << ")" << std::endl;
     }
     for (const auto& assignment : response.start()) LaunchLocked(assignment);
   }

@@ -524,7 +524,7 @@ class CheckpointSimTest : public WorkerAgentSimTest {
 
   // Starts two ranks that have reported (a rank is signalled only then), then has the
   // coordinator ask for a checkpoint and a stop; returns when it asked.
-  absl::Time StartAndAskForACheckpoint() {
+  absl::Time StartAndAskForACheckpoint(std::optional<absl::Duration> deadline = std::nullopt) {
     WorkerAgentOptions options;
     options.stop_grace = absl::Seconds(30);
     options.checkpoint_grace = kCheckpointGrace;
@@ -535,9 +535,13 @@ class CheckpointSimTest : public WorkerAgentSimTest {
     EXPECT_TRUE(RunUntil([&] { return BothRanksHeard(); }, absl::Minutes(1)));
     const absl::Time asked = clock_.Now();
     coordinator_->OnHeartbeat(
-        [](const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response) {
+        [deadline](const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response) {
           if (StateIn(request, kTaskId) == v1::TASK_STATE_RUNNING) {
             response->add_checkpoint_and_stop(kTaskId);
+            if (deadline) {
+              (*response->mutable_checkpoint_deadline_seconds())[kTaskId] =
+                  absl::ToDoubleSeconds(*deadline);
+            }
           }
         });
     return asked;
@@ -558,6 +562,21 @@ TEST_F(CheckpointSimTest, RanksThatDoNotSaveAreStoppedAfterTheCheckpointGrace) {
         << "rank " << rank->rank();
     EXPECT_GE(events[1].at - events[0].at, kCheckpointGrace);
     EXPECT_LE(events[1].at - events[0].at, kCheckpointGrace + 2 * kStep);
+  }
+}
+
+// A deadline the coordinator sets (a preemption's) replaces the worker's checkpoint grace.
+TEST_F(CheckpointSimTest, TheCoordinatorsDeadlineReplacesTheCheckpointGrace) {
+  constexpr absl::Duration kDeadline = absl::Minutes(2);
+  StartAndAskForACheckpoint(kDeadline);
+  ASSERT_TRUE(RunUntil([&] { return Ended(); }, 2 * kCheckpointGrace));
+  EXPECT_EQ(coordinator_->last_status().state(), v1::TASK_STATE_STOPPED);
+  for (const auto& rank : launcher_.ranks()) {
+    const std::vector<Event> events = rank->events();
+    ASSERT_THAT(What(events), ElementsAre(checkpoint_signal_, "SIGTERM"))
+        << "rank " << rank->rank();
+    EXPECT_GE(events[1].at - events[0].at, kDeadline);
+    EXPECT_LE(events[1].at - events[0].at, kDeadline + 2 * kStep);
   }
 }
 
