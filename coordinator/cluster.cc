@@ -200,6 +200,8 @@ void Cluster::Stop() {
   }
   if (loop_.joinable()) loop_.join();
   pass_.StopStoreThread();
+  // The usage since the last periodic save, for the next coordinator on this store.
+  pass_.SaveFairShare();
 }
 
 absl::StatusOr<v1::RegisterNodeResponse> Cluster::Register(const v1::RegisterNodeRequest& request) {

@@ -99,6 +99,8 @@ class Cluster {
   // a job just submitted need not wait for the regular one. Requests made before that pass
   // starts are served by it. Never blocks on a pass.
   void RequestPass();
+  // Stops the loop (after the pass in progress and its store writes) and saves the queues'
+  // fair-share usage. Also run by the destructor; calling it again is harmless.
   void Stop();
 
   // `notifier` (may be null; must outlive the cluster) hears of each node that has new orders

@@ -341,11 +341,14 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   std::map<std::string, std::string> unfit;
   const std::set<std::string>& waiting_ids = snapshot.waiting;
   if (snapshot.queues != nullptr) {
-    // What each queue held since the previous pass counts towards its fair share.
-    if (!fair_share_.has_value()) fair_share_.emplace(snapshot.queues->fair_share_half_life,
-                                                      state_->Now());
+    // What each queue held since the previous pass counts towards its fair share, on top of
+    // what it used before a restart (restored once). Saved here, with the cluster lock released.
+    const absl::Time now = state_->Now();
+    if (!fair_share_.has_value()) fair_share_.emplace(snapshot.queues->fair_share_half_life, now);
     fair_share_->set_half_life(snapshot.queues->fair_share_half_life);
-    fair_share_->Accrue(state_->Now(), snapshot.queue_use);
+    fair_share_saver_.RestoreInto(&*fair_share_);
+    fair_share_->Accrue(now, snapshot.queue_use);
+    fair_share_saver_.MaybeSave(now, *fair_share_);
     CountQueues(*snapshot.queues, snapshot, active, stats);
   }
   if (waiting_ids.empty()) {
@@ -759,6 +762,11 @@ void SchedulingPass::StopStoreThread() {
 }
 
 SchedulingPass::~SchedulingPass() { StopStoreThread(); }
+
+void SchedulingPass::SaveFairShare() {
+  absl::MutexLock lock(&pass_mu_);
+  if (fair_share_.has_value()) fair_share_saver_.Save(*fair_share_);
+}
 
 void SchedulingPass::SetSchedulingLatencyObserver(std::function<void(double)> observer) {
   absl::MutexLock lock(&state_->mu);

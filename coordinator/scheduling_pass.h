@@ -39,6 +39,7 @@
 #include "coordinator/attempt_fate.h"
 #include "coordinator/cluster_state.h"
 #include "coordinator/fair_share.h"
+#include "coordinator/fair_share_saver.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/queue_admission.h"
 #include "coordinator/queue_preemption.h"
@@ -51,7 +52,7 @@ class SchedulingPass {
  public:
   // `state`, `jobs` and `fate` must outlive the pass.
   SchedulingPass(ClusterState* state, JobManager* jobs, AttemptFate* fate)
-      : state_(state), jobs_(jobs), fate_(fate) {}
+      : state_(state), jobs_(jobs), fate_(fate), fair_share_saver_(state->store) {}
   // Stops the store thread (after storing what it was handed).
   ~SchedulingPass();
   SchedulingPass(const SchedulingPass&) = delete;
@@ -66,6 +67,10 @@ class SchedulingPass {
   // was handed over before it returns.
   void StartStoreThread() ABSL_LOCKS_EXCLUDED(store_mu_);
   void StopStoreThread() ABSL_LOCKS_EXCLUDED(store_mu_);
+
+  // Saves the queues' fair-share usage now (fair_share_saver.h), as the coordinator stops;
+  // nothing before the first pass with queues. A pass saves it every kSaveInterval on its own.
+  void SaveFairShare() ABSL_LOCKS_EXCLUDED(pass_mu_);
 
   // Seconds from submission to SCHEDULED of each job placed, for metrics. Called without locks.
   void SetSchedulingLatencyObserver(std::function<void(double)> observer)
@@ -180,6 +185,8 @@ class SchedulingPass {
   std::map<std::string, PlanEntry> plan_cache_ ABSL_GUARDED_BY(pass_mu_);
   // Each queue's decayed usage (fair_share.h), from the first pass with queues configured.
   std::optional<FairShareTracker> fair_share_ ABSL_GUARDED_BY(pass_mu_);
+  // Restores fair_share_ from the store when it is created and saves it now and then.
+  FairShareSaver fair_share_saver_ ABSL_GUARDED_BY(pass_mu_);
   // Jobs preempted since start, by victim queue, then reason (PreemptionKindName).
   std::map<std::string, std::map<std::string, int64_t>> preemptions_ ABSL_GUARDED_BY(pass_mu_);
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(state_->mu);

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -15,7 +16,9 @@
 #include "common/status_matchers.h"
 #include "coordinator/attempt_fate.h"
 #include "coordinator/cluster_state.h"
+#include "coordinator/fair_share_saver.h"
 #include "coordinator/job_manager.h"
+#include "coordinator/store_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/util/job_specs.h"
@@ -564,6 +567,161 @@ preemption: {checkpoint_deadline: 30s}
     }
   }
   EXPECT_THAT(requeued, HasSubstr("waits to be placed again from the start"));
+}
+
+// Fair share survives a coordinator restart: a queue that used the whole node before the restart
+// still has the higher share after it, its usage decayed over the downtime by the half-life, while
+// a queue that used nothing stays at zero. The second SchedulingPass and ClusterState stand for
+// the restarted coordinator over the same store (the first one saved on its passes).
+TEST(SchedulingPassQueuesTest, FairShareUsageSurvivesARestart) {
+  ::tessera::testing::ScopedTempDir dir("pass-fair-share");
+  const std::string path = dir.path() + "/queues.yaml";
+  std::ofstream(path) << R"(
+cohorts:
+  - name: lab
+queues:
+  - name: nlp
+    cohort: lab
+    nominal: {cpu_slots: 4}
+    default_for: {users: [alice]}
+  - name: vision
+    cohort: lab
+    nominal: {cpu_slots: 4}
+    default_for: {users: [bob]}
+fair_share: {half_life: 1h}
+)";
+  QueuedPass queued;
+  ASSERT_NO_FATAL_FAILURE(queued.Init(path));
+  SimulatedClock& clock = queued.clock;
+  auto run = [&](SchedulingPass& pass) {
+    return pass.Run(/*count=*/false, /*overlap_store=*/false);
+  };
+
+  // vision holds all 8 slots (4 borrowed) for two hours.
+  const std::string own = queued.Submit("bob", 4);
+  const std::string borrowing = queued.Submit("bob", 4);
+  run(*queued.pass);
+  ASSERT_EQ(queued.Get(own).state(), v1::JOB_STATE_SCHEDULED);
+  ASSERT_EQ(queued.Get(borrowing).state(), v1::JOB_STATE_SCHEDULED);
+  ClusterStats before;
+  for (int i = 0; i < 12; ++i) {
+    clock.Advance(absl::Minutes(10));
+    before = run(*queued.pass);
+  }
+  const double vision_before = before.queues["vision"].fair_share;
+  ASSERT_GT(vision_before, 0);
+  EXPECT_EQ(before.queues["nlp"].fair_share, 0);
+
+  // The coordinator stops (its passes saved the usage; no Cluster::Stop here) and comes back
+  // one half-life later, with nothing allocated: only the decay over the downtime applies.
+  queued.pass.reset();
+  queued.fate.reset();
+  queued.state.reset();
+  clock.Advance(absl::Hours(1));
+  ClusterOptions options;
+  options.clock = &clock;
+  options.queues = queued.queues.get();
+  ClusterState state(queued.store.get(), options);
+  AttemptFate fate(&state, queued.jobs.get());
+  SchedulingPass restarted(&state, queued.jobs.get(), &fate);
+  ClusterStats after = run(restarted);
+  EXPECT_NEAR(after.queues["vision"].fair_share, vision_before / 2, vision_before * 1e-9);
+  EXPECT_EQ(after.queues["nlp"].fair_share, 0);
+
+  // A coordinator without the saved usage would have started vision at zero: the store is what
+  // kept it.
+  ASSERT_THAT(queued.store->SaveQueueUsage(SavedQueueUsage{}), IsOk());
+  SchedulingPass forgetful(&state, queued.jobs.get(), &fate);
+  EXPECT_EQ(run(forgetful).queues["vision"].fair_share, 0);
+}
+
+// The usage is saved on the first pass with queues and then at most once every kSaveInterval of
+// the cluster's clock, not on every pass; SaveFairShare (the coordinator stopping) saves at once.
+TEST(SchedulingPassQueuesTest, FairShareUsageIsSavedPeriodically) {
+  ::tessera::testing::ScopedTempDir dir("pass-fair-share-save");
+  const std::string path = dir.path() + "/queues.yaml";
+  std::ofstream(path) << R"(
+queues:
+  - name: nlp
+    nominal: {cpu_slots: 8}
+    default_for: {users: [alice]}
+)";
+  QueuedPass queued;
+  ASSERT_NO_FATAL_FAILURE(queued.Init(path));
+  SimulatedClock& clock = queued.clock;
+  SchedulingPass& pass = *queued.pass;
+  auto saved_as_of = [&]() -> std::optional<absl::Time> {
+    absl::StatusOr<std::optional<SavedQueueUsage>> saved = queued.store->LoadQueueUsage();
+    EXPECT_THAT(saved.status(), IsOk());
+    if (!saved.ok() || !saved->has_value()) return std::nullopt;
+    return (*saved)->as_of;
+  };
+
+  queued.Submit("alice", 4);
+  const absl::Time first = clock.Now();
+  pass.Run(/*count=*/false, /*overlap_store=*/false);
+  // Nothing held before the first pass: nothing to save yet.
+  EXPECT_EQ(saved_as_of(), std::nullopt);
+
+  clock.Advance(absl::Seconds(10));
+  pass.Run(/*count=*/false, /*overlap_store=*/false);
+  // Not saved again within kSaveInterval of the first save.
+  EXPECT_EQ(saved_as_of(), std::nullopt);
+
+  clock.Advance(FairShareSaver::kSaveInterval);
+  pass.Run(/*count=*/false, /*overlap_store=*/false);
+  EXPECT_EQ(saved_as_of(), first + absl::Seconds(10) + FairShareSaver::kSaveInterval);
+
+  clock.Advance(absl::Seconds(10));
+  const absl::Time last = clock.Now();
+  pass.Run(/*count=*/false, /*overlap_store=*/false);
+  EXPECT_EQ(saved_as_of(), last - absl::Seconds(10));
+  pass.SaveFairShare();
+  EXPECT_EQ(saved_as_of(), last);
+}
+
+// A load that fails (here: the table hidden behind the store's back) is tried again on the next
+// restore, and nothing is saved meanwhile, so the saved usage is not overwritten by a fresh start;
+// once a load succeeds, the saved usage, decayed to the tracker's last observation, is added to
+// what the tracker accrued meanwhile.
+TEST(FairShareSaverTest, AFailedLoadIsRetriedAndMergedWithoutOverwritingTheSave) {
+  ::tessera::testing::ScopedTempDir dir("fair-share-saver");
+  const std::string path = dir.path() + "/coordinator.db";
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(path);
+  ASSERT_THAT(store.status(), IsOk());
+  const absl::Time start = absl::FromUnixSeconds(1'700'000'000);
+  SavedQueueUsage saved;
+  saved.as_of = start;
+  saved.queues["nlp"] = {.gpu_seconds = 1000};
+  ASSERT_THAT((*store)->SaveQueueUsage(saved), IsOk());
+
+  RawExec(path, "ALTER TABLE queue_usage RENAME TO queue_usage_hidden");
+  FairShareSaver saver(store->get());
+  FairShareTracker tracker(absl::Hours(1), start + absl::Hours(1));
+  saver.RestoreInto(&tracker);
+  EXPECT_FALSE(saver.restored());
+  tracker.Accrue(start + absl::Hours(2), {{"nlp", Resources{.gpus = 1}}});
+  const double accrued = tracker.Usage("nlp").gpu_seconds;
+  ASSERT_GT(accrued, 0);
+  saver.MaybeSave(start + absl::Hours(2), tracker);
+  saver.Save(tracker);
+  RawExec(path, "ALTER TABLE queue_usage_hidden RENAME TO queue_usage");
+  absl::StatusOr<std::optional<SavedQueueUsage>> loaded = (*store)->LoadQueueUsage();
+  ASSERT_THAT(loaded.status(), IsOk());
+  ASSERT_TRUE(loaded->has_value());
+  EXPECT_EQ((*loaded)->as_of, start);  // not overwritten
+
+  saver.RestoreInto(&tracker);
+  EXPECT_TRUE(saver.restored());
+  EXPECT_EQ(tracker.last_observation(), start + absl::Hours(2));
+  // Two half-lives from the save to the tracker's last observation.
+  EXPECT_NEAR(tracker.Usage("nlp").gpu_seconds, 1000.0 / 4 + accrued, 1e-9);
+  saver.MaybeSave(start + absl::Hours(2), tracker);
+  loaded = (*store)->LoadQueueUsage();
+  ASSERT_THAT(loaded.status(), IsOk());
+  ASSERT_TRUE(loaded->has_value());
+  EXPECT_EQ((*loaded)->as_of, start + absl::Hours(2));
+  EXPECT_NEAR((*loaded)->queues["nlp"].gpu_seconds, 1000.0 / 4 + accrued, 1e-9);
 }
 
 }  // namespace

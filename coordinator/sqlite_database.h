@@ -63,6 +63,7 @@ class SqliteStatement {
 
   // Parameters are numbered from 1. A failed bind is reported by Step.
   void Bind(int index, int64_t value) { Check(sqlite3_bind_int64(stmt_, index, value)); }
+  void BindDouble(int index, double value) { Check(sqlite3_bind_double(stmt_, index, value)); }
   void BindText(int index, absl::string_view value) {
     Check(sqlite3_bind_text(stmt_, index, value.data(), static_cast<int>(value.size()),
                             SQLITE_TRANSIENT));
@@ -95,6 +96,7 @@ class SqliteStatement {
   absl::Status Run() { return Step().status(); }
 
   int64_t ColumnInt64(int column) { return sqlite3_column_int64(stmt_, column); }
+  double ColumnDouble(int column) { return sqlite3_column_double(stmt_, column); }
   bool ColumnIsNull(int column) { return sqlite3_column_type(stmt_, column) == SQLITE_NULL; }
   // The column's bytes, valid until the next Step.
   absl::string_view ColumnBytes(int column) {

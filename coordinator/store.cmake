@@ -1,6 +1,7 @@
-# tessera_store: the coordinator's durable state in SQLite (store.h): jobs, their events, nodes
-# and checkpoints; the SQLite plumbing under it in sqlite_database.h. Protobuf messages, Abseil
-# and SQLite: no gRPC (the layering check enforces it).
+# tessera_store: the coordinator's durable state in SQLite (store.h): jobs, their events, nodes,
+# checkpoints and the queues' fair-share usage; the SQLite plumbing under it in
+# sqlite_database.h. Protobuf messages, Abseil and SQLite: no gRPC (the layering check enforces
+# it).
 
 find_package(SQLite3 REQUIRED)
 add_library(tessera_store STATIC
@@ -10,7 +11,8 @@ add_library(tessera_store STATIC
   "${CMAKE_CURRENT_LIST_DIR}/store_jobs.cc"
   "${CMAKE_CURRENT_LIST_DIR}/store_metrics.cc"
   "${CMAKE_CURRENT_LIST_DIR}/store_migrations.cc"
-  "${CMAKE_CURRENT_LIST_DIR}/store_nodes.cc")
+  "${CMAKE_CURRENT_LIST_DIR}/store_nodes.cc"
+  "${CMAKE_CURRENT_LIST_DIR}/store_queue_usage.cc")
 add_library(tessera::store ALIAS tessera_store)
 target_link_libraries(tessera_store PUBLIC tessera::common tessera::proto SQLite::SQLite3
   absl::flat_hash_map absl::status absl::statusor absl::strings absl::str_format
@@ -19,7 +21,8 @@ target_link_libraries(tessera_store PUBLIC tessera::common tessera::proto SQLite
 if(TESSERA_BUILD_TESTS)
   # One binary per concern; store_test_util.h holds what they share.
   foreach(_store_test IN ITEMS store_commit_test store_database_test store_events_test
-      store_jobs_test store_metrics_test store_migration_test store_nodes_test)
+      store_jobs_test store_metrics_test store_migration_test store_nodes_test
+      store_queue_usage_test)
     tessera_add_test(NAME ${_store_test} SOURCES "${CMAKE_CURRENT_LIST_DIR}/${_store_test}.cc"
       LIBS tessera::store tessera::test_util)
   endforeach()

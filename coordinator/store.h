@@ -1,14 +1,15 @@
 // Store: the coordinator's durable state in one SQLite database: jobs, their
-// numbered events, step and eval metric points, checkpoints, nodes and the job
-// id counter. Everything one committed change of a job writes goes in one
-// transaction (JobWrite), so a coordinator restarted after a crash reloads a
-// consistent picture. The database runs in WAL mode with synchronous=FULL: a
-// Commit that returned survives SIGKILL and power loss.
+// numbered events, step and eval metric points, checkpoints, nodes, the
+// queues' fair-share usage and the job id counter. Everything one committed
+// change of a job writes goes in one transaction (JobWrite), so a coordinator
+// restarted after a crash reloads a consistent picture. The database runs in
+// WAL mode with synchronous=FULL: a Commit that returned survives SIGKILL and
+// power loss.
 //
 // Group commit: writes from concurrent callers (Commit, CommitAll, PutNode,
-// DeleteNode, NextJobId, CommitNewJob) share one SQLite transaction and so one fsync. The
-// first caller to find no transaction in progress becomes the leader: it
-// takes every write queued so far, applies each inside its own SAVEPOINT (a
+// DeleteNode, SaveQueueUsage, NextJobId, CommitNewJob) share one SQLite
+// transaction and so one fsync. The first caller to find no transaction in
+// progress becomes the leader: it takes every write queued so far, applies each inside its own SAVEPOINT (a
 // write that fails is rolled back alone and only its caller sees the error),
 // commits, and wakes the others; writes that arrive meanwhile form the next
 // batch. Every caller still returns only once its write is durable (or has
@@ -22,8 +23,9 @@
 // readers' pool, the group commit) is SqliteDatabase (sqlite_database.h), which
 // knows no table. The tables are the store's: the schema and its migrations in
 // store_migrations.cc, and each family's SQL beside the Store methods that use
-// it (store_jobs.cc, store_events.cc, store_metrics.cc, store_nodes.cc;
-// store_tables.h declares what store.cc composes into one JobWrite).
+// it (store_jobs.cc, store_events.cc, store_metrics.cc, store_nodes.cc,
+// store_queue_usage.cc; store_tables.h declares what store.cc composes into
+// one JobWrite).
 //
 // Thread safety: every method may be called from any thread; the database
 // serializes use of the writing connection under one mutex, reads share a
@@ -46,6 +48,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "tessera/v1/checkpoint.pb.h"
 #include "tessera/v1/job.pb.h"
 #include "tessera/v1/metrics.pb.h"
@@ -91,6 +94,17 @@ struct StoreWriteStats {
   int writes = 0;          // the writes it applied, each in its savepoint (failed ones included)
 };
 
+// The queues' decayed fair-share usage (FairShareTracker::usage, fair_share.h) as saved across
+// coordinator restarts: device-seconds per queue as of one time.
+struct SavedQueueUsage {
+  struct Usage {
+    double gpu_seconds = 0;
+    double cpu_slot_seconds = 0;
+  };
+  absl::Time as_of = absl::UnixEpoch();
+  std::map<std::string, Usage> queues;
+};
+
 // One page of ListJobs.
 struct JobPage {
   std::vector<v1::Job> jobs;
@@ -106,7 +120,7 @@ struct JobPage {
 class Store {
  public:
   // The schema version this binary writes; kept in the schema_version table.
-  static constexpr int kSchemaVersion = 3;
+  static constexpr int kSchemaVersion = 4;
   // How long a statement waits for a lock held by another connection.
   static constexpr int kBusyTimeoutMs = 5000;
   // ListJobs page size when 0 is asked for, and the largest honoured.
@@ -185,6 +199,12 @@ class Store {
   absl::Status DeleteNode(const std::string& node_id);
   // Ordered by node_id.
   absl::StatusOr<std::vector<v1::Node>> ListNodes();
+
+  // Replaces the saved queue usage with `usage`, in one transaction: a queue absent from it is
+  // forgotten. INVALID_ARGUMENT for an empty queue name.
+  absl::Status SaveQueueUsage(const SavedQueueUsage& usage);
+  // What SaveQueueUsage saved last; nullopt when nothing was (or only an empty map).
+  absl::StatusOr<std::optional<SavedQueueUsage>> LoadQueueUsage();
 
   // The next job id, durable and monotonic across restarts: "job-" + 8
   // lower-case hex digits of a counter kept in the database (from 1). An id

@@ -86,6 +86,16 @@ CREATE INDEX jobs_by_state ON jobs (state, create_time_ns, job_id);
     R"sql(
 ALTER TABLE job_events ADD COLUMN last_sequence INTEGER;
 )sql",
+    // v4: each queue's decayed fair-share usage (Store::SaveQueueUsage), so that a restarted
+    // coordinator goes on from it. Every row of one save has the same as_of_ns.
+    R"sql(
+CREATE TABLE queue_usage (
+  queue TEXT PRIMARY KEY NOT NULL,
+  gpu_seconds REAL NOT NULL,
+  cpu_slot_seconds REAL NOT NULL,
+  as_of_ns INTEGER NOT NULL
+) WITHOUT ROWID;
+)sql",
 };
 static_assert(std::size(kMigrations) == Store::kSchemaVersion);
 

@@ -1,18 +1,23 @@
 // The real tessera-coordinator's job API over gRPC: submit, get, list, cancel and watch, paging,
 // idempotent and bad or oversized submissions, stop orders, logs relayed from a worker, what
-// survives a SIGKILL of the coordinator, and queues with quotas (--queue_file).
+// survives a SIGKILL of the coordinator, and queues with quotas (--queue_file) and their
+// fair-share usage kept across a restart.
 
 
 #include <signal.h>
+#include <sqlite3.h>
 
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tessera/v1/worker_service.grpc.pb.h"
@@ -438,6 +443,71 @@ TEST_F(CoordinatorQueuesTest, ABadNewVersionIsRefusedAndThePreviousOneStays) {
   EXPECT_NE(job.state(), v1::JOB_STATE_PREEMPTED);
   EXPECT_TRUE(job.state() == v1::JOB_STATE_SCHEDULED || job.state() == v1::JOB_STATE_RUNNING)
       << v1::JobState_Name(job.state());
+}
+
+// A queue's saved fair-share usage (the queue_usage table of --state) as (cpu_slot_seconds,
+// as_of_ns), read behind the coordinator's back; nullopt without a row.
+std::optional<std::pair<double, int64_t>> SavedCpuUsage(const std::string& state,
+                                                        const std::string& queue) {
+  sqlite3* db = nullptr;
+  std::optional<std::pair<double, int64_t>> usage;
+  if (sqlite3_open_v2(state.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) == SQLITE_OK) {
+    sqlite3_busy_timeout(db, 10000);
+    sqlite3_stmt* stmt = nullptr;
+    if (sqlite3_prepare_v2(db,
+                           "SELECT cpu_slot_seconds, as_of_ns FROM queue_usage WHERE queue = ?1",
+                           -1, &stmt, nullptr) == SQLITE_OK) {
+      sqlite3_bind_text(stmt, 1, queue.c_str(), -1, SQLITE_TRANSIENT);
+      if (sqlite3_step(stmt) == SQLITE_ROW) {
+        usage.emplace(sqlite3_column_double(stmt, 0), sqlite3_column_int64(stmt, 1));
+      }
+    }
+    sqlite3_finalize(stmt);
+  }
+  sqlite3_close(db);
+  return usage;
+}
+
+// The queues' fair-share usage survives a restart of the real coordinator: saved when it stops
+// on SIGTERM, restored by the next one, which goes on from it (decayed over the downtime by the
+// 7-day default half-life, i.e. not measurably) instead of from zero.
+TEST_F(CoordinatorQueuesTest, FairShareUsageSurvivesARestart) {
+  const std::string state = dir_.path() + "/state.db";
+  RegisterNode("n1", 0, 8);
+  v1::JobSpec spec = ValidSpec("busy");
+  spec.set_queue("vision");
+  const v1::Job busy = Submit(spec);
+  v1::Job job = WaitForJob(busy.job_id(),
+                           [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
+  // Its 2 slots held for a second or so of the coordinator's (real) clock.
+  absl::SleepFor(absl::Seconds(1));
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(busy.job_id());
+  v1::CancelJobResponse cancelled;
+  ASSERT_TRUE(stub_->CancelJob(Context().get(), cancel, &cancelled).ok());
+
+  auto exit = process_->Stop(SIGTERM);
+  ASSERT_THAT(exit, testing::IsOk());
+  process_.reset();
+  const std::optional<std::pair<double, int64_t>> saved = SavedCpuUsage(state, "vision");
+  ASSERT_TRUE(saved.has_value());
+  EXPECT_GT(saved->first, 1.0);  // 2 slots x about 1 s, decayed by nothing to speak of
+  EXPECT_FALSE(SavedCpuUsage(state, "nlp").has_value());
+
+  // The restarted coordinator saves on its first pass: what it restored, nothing held since
+  // (the job was cancelled, so nothing is recovered).
+  ASSERT_NO_FATAL_FAILURE(Start({"--queue_file=" + path_}));
+  std::optional<std::pair<double, int64_t>> restored;
+  testing::WaitUntil(
+      [&] {
+        restored = SavedCpuUsage(state, "vision");
+        return restored.has_value() && restored->second > saved->second;
+      },
+      absl::Seconds(10), absl::Milliseconds(50));
+  ASSERT_TRUE(restored.has_value()) << "the restarted coordinator forgot vision's usage";
+  ASSERT_GT(restored->second, saved->second) << "no save after the restart";
+  EXPECT_NEAR(restored->first, saved->first, saved->first * 1e-3);
 }
 
 TEST(CoordinatorQueueFileTest, ABadFileStopsTheStartNamingTheField) {
