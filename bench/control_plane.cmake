@@ -10,6 +10,7 @@ add_executable(control_plane_bench
   control_plane_jobs.cc
   control_plane_process.cc
   control_plane_prometheus.cc
+  control_plane_queues.cc
   control_plane_report.cc
   control_plane_scale.cc
   control_plane_stats.cc)
@@ -31,3 +32,10 @@ set_target_properties(control_plane_bench PROPERTIES
   RUNTIME_OUTPUT_DIRECTORY "${CMAKE_BINARY_DIR}/bench")
 # It starts the real coordinator.
 add_dependencies(control_plane_bench tessera-coordinator)
+
+if(TESSERA_BUILD_TESTS)
+  # The queues scenario's file (parsed as the coordinator does) and its comparison.
+  tessera_add_test(NAME control_plane_queues_test
+    SOURCES control_plane_queues_test.cc control_plane_queues.cc
+    LIBS tessera::queues tessera::daemon tessera::proto absl::str_format absl::synchronization)
+endif()
