@@ -38,4 +38,13 @@ if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME control_plane_queues_test
     SOURCES control_plane_queues_test.cc control_plane_queues.cc
     LIBS tessera::queues tessera::daemon tessera::proto absl::str_format absl::synchronization)
+  # The benchmark end to end at a small size, both scenarios (~10 s): the real coordinator takes
+  # the queue file, jobs flow, the comparison is printed.
+  add_test(NAME control_plane_bench_smoke
+    COMMAND control_plane_bench --coordinator=$<TARGET_FILE:tessera-coordinator> --nodes=40
+      --jobs_per_s=10 --job_gpus=1,8 --job_weights=1,1 --queues=5 --queue_cohorts=2
+      --warmup_s=1 --duration_s=2 --windows=1
+      --results_dir=${CMAKE_CURRENT_BINARY_DIR}/control_plane_bench_smoke)
+  set_tests_properties(control_plane_bench_smoke PROPERTIES LABELS integration TIMEOUT 120
+    PASS_REGULAR_EXPRESSION "40 nodes, queues against the single pool")
 endif()
