@@ -10,6 +10,7 @@ add_executable(control_plane_bench
   control_plane_jobs.cc
   control_plane_process.cc
   control_plane_prometheus.cc
+  control_plane_queues.cc
   control_plane_report.cc
   control_plane_scale.cc
   control_plane_stats.cc)
@@ -31,3 +32,19 @@ set_target_properties(control_plane_bench PROPERTIES
   RUNTIME_OUTPUT_DIRECTORY "${CMAKE_BINARY_DIR}/bench")
 # It starts the real coordinator.
 add_dependencies(control_plane_bench tessera-coordinator)
+
+if(TESSERA_BUILD_TESTS)
+  # The queues scenario's file (parsed as the coordinator does) and its comparison.
+  tessera_add_test(NAME control_plane_queues_test
+    SOURCES control_plane_queues_test.cc control_plane_queues.cc
+    LIBS tessera::queues tessera::daemon tessera::proto absl::str_format absl::synchronization)
+  # The benchmark end to end at a small size, both scenarios (~10 s): the real coordinator takes
+  # the queue file, jobs flow, the comparison is printed.
+  add_test(NAME control_plane_bench_smoke
+    COMMAND control_plane_bench --coordinator=$<TARGET_FILE:tessera-coordinator> --nodes=40
+      --jobs_per_s=10 --job_gpus=1,8 --job_weights=1,1 --queues=5 --queue_cohorts=2
+      --warmup_s=1 --duration_s=2 --windows=1
+      --results_dir=${CMAKE_CURRENT_BINARY_DIR}/control_plane_bench_smoke)
+  set_tests_properties(control_plane_bench_smoke PROPERTIES LABELS integration TIMEOUT 120
+    PASS_REGULAR_EXPRESSION "40 nodes, queues against the single pool")
+endif()

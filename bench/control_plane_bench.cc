@@ -4,6 +4,9 @@
 // steady stream of mixed-size jobs, and measures heartbeat latency against a
 // no-op gRPC health check on the same connections, submission-to-placement
 // latency, placements per second, and the coordinator's CPU and memory.
+// With --queues, each fleet size is also run with that many queues and quotas
+// (control_plane_queues.h), alternated with the single pool --repeats times,
+// and the medians of both are compared.
 // Prints a table and writes $TESSERA_BENCH_RESULTS/control-plane.json.
 #include <sys/statfs.h>
 #include <unistd.h>
@@ -24,6 +27,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "bench/bench_env.h"
+#include "bench/control_plane_queues.h"
 #include "bench/control_plane_report.h"
 #include "bench/control_plane_scale.h"
 #include "common/command_line.h"
@@ -75,6 +79,15 @@ ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(15),
           "The coordinator's --heartbeat_timeout.");
 ABSL_FLAG(absl::Duration, register_timeout, absl::Seconds(120),
           "How long a fleet may take to register before measuring anyway.");
+ABSL_FLAG(int, queues, 0,
+          "With N > 0, each fleet size is also run as the queues scenario: the same fleet and "
+          "jobs, the coordinator given N queues (nominal GPU quotas summing to the fleet, in "
+          "--queue_cohorts cohorts, every other queue with a borrowing limit) and each job "
+          "submitted to one of them; the summary compares it with the single pool.");
+ABSL_FLAG(int, queue_cohorts, 10, "Cohorts the --queues are dealt into.");
+ABSL_FLAG(int, repeats, 1,
+          "Runs of each scenario at each fleet size, alternated (single pool, then queues); the "
+          "comparison reports medians.");
 ABSL_FLAG(std::string, work_dir, "",
           "Where each coordinator's state directory is made; default $TMPDIR, else /tmp.");
 ABSL_FLAG(bool, keep_state, false, "Keep each coordinator's SQLite file and log.");
@@ -202,25 +215,45 @@ int Run() {
   std::string results_dir = absl::GetFlag(FLAGS_results_dir);
   if (results_dir.empty()) results_dir = ResultsDir(".");
 
+  const QueueScenarioOptions queue_scenario{
+      .queues = std::max(0, absl::GetFlag(FLAGS_queues)),
+      .cohorts = std::max(1, absl::GetFlag(FLAGS_queue_cohorts))};
+  std::vector<const char*> scenarios = {kSinglePoolScenario};
+  if (queue_scenario.queues > 0) scenarios.push_back(kQueuesScenario);
+  const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
+
   std::vector<ScaleResult> results;
   int failures = 0;
   for (size_t i = 0; i < nodes->size(); ++i) {
-    ScaleOptions options = base;
-    options.fleet.nodes = (*nodes)[i];
-    options.jobs.jobs_per_second = (*rates)[std::min(i, rates->size() - 1)];
-    std::cerr << "control_plane_bench: " << options.fleet.nodes << " nodes, "
-              << options.jobs.jobs_per_second << " jobs/s offered..." << std::endl;
-    auto result = RunScale(options);
-    if (!result.ok()) {
-      std::cerr << "control_plane_bench: " << options.fleet.nodes << " nodes: " << result.status()
-                << std::endl;
-      ++failures;
-      continue;
+    for (int repeat = 0; repeat < repeats; ++repeat) {
+      for (const char* scenario : scenarios) {
+        ScaleOptions options = base;
+        options.scenario = scenario;
+        options.fleet.nodes = (*nodes)[i];
+        options.jobs.jobs_per_second = (*rates)[std::min(i, rates->size() - 1)];
+        if (options.scenario == kQueuesScenario) {
+          options.queue_file_yaml = QueueFileYaml(
+              queue_scenario, int64_t{options.fleet.nodes} * options.fleet.gpus_per_node);
+          options.jobs.queues = QueueNames(queue_scenario);
+          options.jobs.queue_weights = QueueDemandWeights(queue_scenario);
+        }
+        std::cerr << "control_plane_bench: " << options.fleet.nodes << " nodes, " << scenario
+                  << ", run " << repeat + 1 << " of " << repeats << ", "
+                  << options.jobs.jobs_per_second << " jobs/s offered..." << std::endl;
+        auto result = RunScale(options);
+        if (!result.ok()) {
+          std::cerr << "control_plane_bench: " << options.fleet.nodes << " nodes, " << scenario
+                    << ": " << result.status() << std::endl;
+          ++failures;
+          continue;
+        }
+        results.push_back(std::move(*result));
+      }
     }
-    results.push_back(std::move(*result));
   }
 
-  std::cout << FormatSummary(info, base, results) << std::flush;
+  std::cout << FormatSummary(info, base, results) << FormatComparisons(CompareScenarios(results))
+            << std::flush;
   std::error_code error;
   std::filesystem::create_directories(results_dir, error);
   const std::string path = absl::StrCat(results_dir, "/", kResultsFile);

@@ -15,7 +15,7 @@ constexpr int kGradientAccumulation = 2;
 
 }  // namespace
 
-v1::JobSpec BenchJobSpec(int gpus, int64_t sequence) {
+v1::JobSpec BenchJobSpec(int gpus, int64_t sequence, const std::string& queue) {
   v1::JobSpec spec;
   spec.set_name(absl::StrCat("bench-", gpus, "gpu-", sequence));
   spec.mutable_model()->set_preset("gpt2-124m");
@@ -40,6 +40,7 @@ v1::JobSpec BenchJobSpec(int gpus, int64_t sequence) {
   spec.mutable_resources()->set_gpus(gpus);
   spec.mutable_resources()->set_gpu_type("H100");
   (*spec.mutable_labels())["bench"] = "control-plane";
+  if (!queue.empty()) spec.set_queue(queue);
   return spec;
 }
 
@@ -83,6 +84,9 @@ JobStreamCounters JobStream::counters() const {
 void JobStream::SubmitLoop() {
   std::mt19937_64 random(options_.seed);
   std::discrete_distribution<size_t> pick_size(options_.weights.begin(), options_.weights.end());
+  std::mt19937_64 queue_random(options_.seed + 1);
+  std::discrete_distribution<size_t> pick_queue(options_.queue_weights.begin(),
+                                                options_.queue_weights.end());
   const std::chrono::nanoseconds period =
       absl::ToChronoNanoseconds(absl::Seconds(1) / options_.jobs_per_second);
   Clock::time_point next = Clock::now();
@@ -91,6 +95,10 @@ void JobStream::SubmitLoop() {
       std::max(absl::ZeroDuration(), absl::FromChrono(next - Clock::now())))) {
     next += period;
     const int gpus = options_.gpu_sizes[pick_size(random) % options_.gpu_sizes.size()];
+    const std::string queue =
+        options_.queues.empty()
+            ? std::string()
+            : options_.queues[pick_queue(queue_random) % options_.queues.size()];
     if (in_flight_.load() >= options_.max_submits_in_flight) {
       skipped_in_flight_.fetch_add(1);
       continue;
@@ -104,11 +112,11 @@ void JobStream::SubmitLoop() {
       skipped_backlog_.fetch_add(1);
       continue;
     }
-    Submit(gpus, ++sequence);
+    Submit(gpus, ++sequence, queue);
   }
 }
 
-void JobStream::Submit(int gpus, int64_t sequence) {
+void JobStream::Submit(int gpus, int64_t sequence, const std::string& queue) {
   struct Call {
     grpc::ClientContext context;
     v1::SubmitJobRequest request;
@@ -117,7 +125,7 @@ void JobStream::Submit(int gpus, int64_t sequence) {
   };
   auto call = std::make_shared<Call>();
   call->context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
-  *call->request.mutable_spec() = BenchJobSpec(gpus, sequence);
+  *call->request.mutable_spec() = BenchJobSpec(gpus, sequence, queue);
   call->sent = Clock::now();
   in_flight_.fetch_add(1);
   stub_->async()->SubmitJob(

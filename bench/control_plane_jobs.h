@@ -44,6 +44,10 @@ struct JobStreamOptions {
   absl::Duration rpc_timeout = absl::Seconds(10);
   // Seed of the size mix, so runs submit the same sequence.
   uint64_t seed = 1;
+  // Queues the jobs are submitted to (JobSpec.queue), each job's drawn by `queue_weights` from
+  // a generator of its own, so the sizes are the same with and without queues. Empty: none named.
+  std::vector<std::string> queues;
+  std::vector<double> queue_weights;
 };
 
 // Running totals since Start().
@@ -60,8 +64,9 @@ struct JobStreamCounters {
   std::string first_error;
 };
 
-// A valid spec for a GPT-2 124M job on `gpus` H100s, data parallel only.
-v1::JobSpec BenchJobSpec(int gpus, int64_t sequence);
+// A valid spec for a GPT-2 124M job on `gpus` H100s, data parallel only, in `queue` (empty: the
+// submitter's default).
+v1::JobSpec BenchJobSpec(int gpus, int64_t sequence, const std::string& queue = "");
 
 class JobStream {
  public:
@@ -97,7 +102,7 @@ class JobStream {
   };
 
   void SubmitLoop();
-  void Submit(int gpus, int64_t sequence);
+  void Submit(int gpus, int64_t sequence, const std::string& queue);
   // Records the job's latency and forgets it once it is both submitted and
   // fully delivered. Caller holds mu_.
   void SettleLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

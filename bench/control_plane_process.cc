@@ -47,6 +47,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorProcess>> CoordinatorProcess::Start(
       // per-user submission limit would cap it at 1 job/s and measure the limiter, not the
       // scheduler.
       "--max_submits_per_minute=0"};
+  if (!options.queue_file.empty()) {
+    argv.push_back(absl::StrCat("--queue_file=", options.queue_file));
+  }
   // Its own process group: a Ctrl-C on the benchmark reaches us, and our destructor stops the
   // coordinator.
   ASSIGN_OR_RETURN(ServingDaemon daemon, StartDaemon(argv, log_path, kCoordinatorStartTimeout));

@@ -27,6 +27,8 @@ struct CoordinatorProcessOptions {
   std::string dir;
   // Passed as --heartbeat_timeout.
   absl::Duration heartbeat_timeout = absl::Seconds(15);
+  // Passed as --queue_file unless empty.
+  std::string queue_file;
 };
 
 // Thread safety: one thread.

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "bench/control_plane_queues.h"
 #include "common/errno_status.h"
 #include "nlohmann/json.hpp"
 
@@ -55,6 +56,12 @@ bool GpuBound(const ClusterOccupancy& occupancy) {
          occupancy.mean_pending_jobs >= 1;
 }
 
+// "10000", or "10000 queues" for a run of a scenario other than the single pool.
+std::string ScaleLabel(const ScaleResult& r) {
+  return r.scenario.empty() || r.scenario == "single-pool" ? absl::StrCat(r.nodes)
+                                                           : absl::StrCat(r.nodes, " ", r.scenario);
+}
+
 json SpreadJson(const Spread& spread) {
   return {{"median", spread.median}, {"min", spread.min}, {"max", spread.max}};
 }
@@ -102,6 +109,7 @@ json ScaleJson(const ScaleResult& r) {
   const FleetCounters& f = r.fleet;
   const JobStreamCounters& j = r.jobs;
   return {
+      {"scenario", r.scenario},
       {"nodes", r.nodes},
       {"window_seconds", r.window_seconds},
       {"registration",
@@ -204,21 +212,22 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
       p.fleet.health_checks_per_second, p.fleet.watch_assignments ? "open" : "do not open",
       p.fleet.announce_ends ? "heartbeat at once when a task ends"
                             : "report a task's end at their next heartbeat slot");
-  absl::StrAppendFormat(&out, "%7s | %17s %8s %8s | %8s %7s | %9s %9s | %14s | %5s %8s %8s\n", "",
+  absl::StrAppendFormat(&out, "%13s | %17s %8s %8s | %8s %7s | %9s %9s | %14s | %5s %8s %8s\n", "",
                         "heartbeats/s", "hb p50", "hb p99", "hc p50", "hb/hc", "sched p50",
                         "sched p99", "jobs placed/s", "cores", "RSS", "HWM");
-  absl::StrAppendFormat(&out, "%7s | %17s %8s %8s | %8s %7s | %9s %9s | %14s | %5s %8s %8s\n",
+  absl::StrAppendFormat(&out, "%13s | %17s %8s %8s | %8s %7s | %9s %9s | %14s | %5s %8s %8s\n",
                         "nodes", "achieved/expected", "ms", "ms", "ms", "ratio", "ms", "ms",
                         "(offered)", "coord", "MiB", "MiB");
   for (const ScaleResult& r : results) {
     absl::StrAppendFormat(
         &out,
-        "%7d | %8.0f/%-8.0f %8.2f %8.2f | %8.2f %6.1fx | %9.0f %9.0f | %6.1f (%5.1f) | %5.2f "
+        "%13s | %8.0f/%-8.0f %8.2f %8.2f | %8.2f %6.1fx | %9.0f %9.0f | %6.1f (%5.1f) | %5.2f "
         "%8.0f %8.0f\n",
-        r.nodes, r.heartbeats_per_second, r.heartbeats_expected_per_second, Ms(r.heartbeat.p50),
-        Ms(r.heartbeat.p99), Ms(r.health.p50), HeartbeatToHealthRatio(r), Ms(r.scheduling.p50),
-        Ms(r.scheduling.p99), r.jobs_placed_per_second, r.offered_jobs_per_second,
-        r.coordinator_cores, r.coordinator_rss_bytes / kMiB, r.coordinator_peak_rss_bytes / kMiB);
+        ScaleLabel(r), r.heartbeats_per_second, r.heartbeats_expected_per_second,
+        Ms(r.heartbeat.p50), Ms(r.heartbeat.p99), Ms(r.health.p50), HeartbeatToHealthRatio(r),
+        Ms(r.scheduling.p50), Ms(r.scheduling.p99), r.jobs_placed_per_second,
+        r.offered_jobs_per_second, r.coordinator_cores, r.coordinator_rss_bytes / kMiB,
+        r.coordinator_peak_rss_bytes / kMiB);
   }
   absl::StrAppend(&out,
                   "\n  hb = NodeService/Heartbeat, hc = grpc.health.v1.Health/Check (no-op), both "
@@ -228,7 +237,9 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
                   "period later).\n");
 
   for (const ScaleResult& r : results) {
-    absl::StrAppendFormat(&out, "\n%d nodes:\n", r.nodes);
+    absl::StrAppendFormat(
+        &out, "\n%d nodes%s:\n", r.nodes,
+        ScaleLabel(r) == absl::StrCat(r.nodes) ? "" : absl::StrCat(", ", r.scenario));
     absl::StrAppendFormat(
         &out, "  per-heartbeat logic costs %.1fx a no-op RPC (p50 %.2f ms vs %.2f ms)\n",
         HeartbeatToHealthRatio(r), Ms(r.heartbeat.p50), Ms(r.health.p50));
@@ -339,6 +350,25 @@ absl::Status WriteJson(const std::string& path, const RunInfo& info, const Scale
     scale["gpus"] = result.nodes * p.fleet.gpus_per_node;
     scales.push_back(std::move(scale));
   }
+  // The queues scenario against the single pool, where both ran (control_plane_queues.h).
+  json comparisons = json::array();
+  for (const ScenarioComparison& c : CompareScenarios(results)) {
+    auto side = [](const ScenarioComparison::Side& s) {
+      return json{{"runs", s.runs},
+                  {"median_mean_pass_ms", Ms(s.pass_seconds)},
+                  {"median_jobs_placed_per_second", s.placed_per_second},
+                  {"median_mean_pending_jobs", s.pending_jobs},
+                  {"median_coordinator_cores", s.coordinator_cores}};
+    };
+    auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+    comparisons.push_back({{"nodes", c.nodes},
+                           {"single_pool", side(c.single_pool)},
+                           {"queues", side(c.queues)},
+                           {"pass_ratio_queues_over_single_pool",
+                            ratio(c.queues.pass_seconds, c.single_pool.pass_seconds)},
+                           {"placed_ratio_queues_over_single_pool",
+                            ratio(c.queues.placed_per_second, c.single_pool.placed_per_second)}});
+  }
   json document = {
       {"benchmark", "control-plane"},
       {"commit", info.commit},
@@ -372,6 +402,7 @@ absl::Status WriteJson(const std::string& path, const RunInfo& info, const Scale
          absl::ToDoubleSeconds(p.coordinator_heartbeat_timeout)},
         {"coordinator_state_filesystem", info.state_filesystem}}},
       {"scales", scales},
+      {"comparisons", comparisons},
   };
   std::ofstream out(path);
   if (!out) return ErrnoToStatus(errno, path);

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -154,6 +155,7 @@ void SleepUntil(Clock::time_point when) {
 
 absl::StatusOr<ScaleResult> RunScale(const ScaleOptions& options) {
   ScaleResult result;
+  result.scenario = options.scenario;
   result.nodes = options.fleet.nodes;
   result.offered_jobs_per_second = options.jobs.jobs_per_second;
   result.heartbeats_expected_per_second =
@@ -164,11 +166,20 @@ absl::StatusOr<ScaleResult> RunScale(const ScaleOptions& options) {
       MakeTempDir(options.work_dir, absl::StrCat("tessera-control-plane-", options.fleet.nodes)));
   DirectoryCleanup cleanup(dir, options.keep_state);
   if (options.keep_state) result.notes.push_back(absl::StrCat("state kept in ", dir));
+  std::string queue_file;
+  if (!options.queue_file_yaml.empty()) {
+    queue_file = absl::StrCat(dir, "/queues.yaml");
+    std::ofstream out(queue_file);
+    out << options.queue_file_yaml;
+    out.close();
+    if (!out) return ErrnoToStatus(errno, queue_file);
+  }
   ASSIGN_OR_RETURN(
       auto coordinator,
       CoordinatorProcess::Start({.binary = options.coordinator_binary,
                                  .dir = dir,
-                                 .heartbeat_timeout = options.coordinator_heartbeat_timeout}));
+                                 .heartbeat_timeout = options.coordinator_heartbeat_timeout,
+                                 .queue_file = queue_file}));
 
   JobStream jobs(MakeClientChannel(coordinator->address()), options.jobs);
   SimulatedFleet fleet(

@@ -17,6 +17,10 @@
 namespace tessera::bench {
 
 struct ScaleOptions {
+  // What the run is called in the results (control_plane_queues.h's scenarios).
+  std::string scenario = "single-pool";
+  // The coordinator's queue file (written to its state directory); empty: none, one pool.
+  std::string queue_file_yaml;
   // Path of tessera-coordinator.
   std::string coordinator_binary;
   // A fresh directory for the coordinator's state is made under it.
@@ -93,6 +97,7 @@ struct ClusterOccupancy {
 };
 
 struct ScaleResult {
+  std::string scenario;
   int nodes = 0;
   double offered_jobs_per_second = 0;
   double window_seconds = 0;

@@ -71,18 +71,29 @@ Allocation* AllocationLedger::Find(const std::string& job_id) {
 
 Allocation& AllocationLedger::Add(const std::string& job_id, Allocation allocation) {
   if (auto it = allocations_.find(job_id); it != allocations_.end()) Unindex(job_id, it->second);
+  QueueHold& queue = held_by_queue_[allocation.queue];
+  ++queue.allocations;
   for (const auto& rank : allocation.ranks) {
     jobs_by_node_[rank.node_id()].insert(job_id);
     if (rank.gpu_index() >= 0) {
       ++held_gpus_[rank.node_id()][rank.gpu_index()];
+      ++queue.held.gpus;
     } else {
       ++held_cpu_slots_[rank.node_id()];
+      ++queue.held.cpu_slots;
     }
   }
   return allocations_[job_id] = std::move(allocation);
 }
 
 void AllocationLedger::Unindex(const std::string& job_id, const Allocation& allocation) {
+  // The queue and ranks are not changed once added (all() says so), so Add counted these.
+  if (auto queue = held_by_queue_.find(allocation.queue); queue != held_by_queue_.end()) {
+    for (const auto& rank : allocation.ranks) {
+      --(rank.gpu_index() >= 0 ? queue->second.held.gpus : queue->second.held.cpu_slots);
+    }
+    if (--queue->second.allocations == 0) held_by_queue_.erase(queue);
+  }
   for (const auto& rank : allocation.ranks) {
     if (auto it = jobs_by_node_.find(rank.node_id()); it != jobs_by_node_.end()) {
       it->second.erase(job_id);

@@ -20,6 +20,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
 #include "coordinator/node_registry.h"
+#include "coordinator/queue_config.h"
 #include "tessera/v1/job.pb.h"
 #include "tessera/v1/node_service.pb.h"
 
@@ -101,8 +102,8 @@ class AllocationLedger {
   // Erases the allocations for which `pred(job_id, allocation)` holds; returns how many.
   size_t EraseIf(const std::function<bool(const std::string&, const Allocation&)>& pred);
   // For iteration and changes in place; allocations are added and erased only through the
-  // methods above, and their ranks are not changed (the index by node and the device counts
-  // behind Used() are kept from them).
+  // methods above, and their ranks and queue are not changed (the index by node, the device
+  // counts behind Used() and the queues' holds are kept from them).
   std::map<std::string, Allocation>& all() { return allocations_; }
 
   // Devices held by every allocation, draining ones included.
@@ -115,6 +116,17 @@ class AllocationLedger {
   // every allocation.
   std::vector<std::string> JobsOn(const std::string& node_id) const;
 
+  // What the allocations of one queue hold, draining ones included.
+  struct QueueHold {
+    // Allocations counted (an entry is kept while this is > 0, even if they hold nothing).
+    int64_t allocations = 0;
+    Resources held;
+  };
+  // Allocation::queue as stored (the job's raw queue name, possibly empty) -> its hold, kept by
+  // Add and Erase: a pass maps these to the queues in force (which a reloaded file may change)
+  // in O(queues), without walking every allocation.
+  const std::map<std::string, QueueHold>& HeldByQueue() const { return held_by_queue_; }
+
  private:
   void Unindex(const std::string& job_id, const Allocation& allocation);
 
@@ -126,6 +138,7 @@ class AllocationLedger {
   // node_id -> CPU ranks: what Used reports, kept by Add and Unindex.
   std::map<std::string, std::map<int, int>> held_gpus_;
   std::map<std::string, int> held_cpu_slots_;
+  std::map<std::string, QueueHold> held_by_queue_;
 };
 
 }  // namespace tessera::coordinator

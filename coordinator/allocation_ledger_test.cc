@@ -1,7 +1,8 @@
 // AllocationLedger's device counts and Allocation's node checks against slow recounts: after random
 // sequences of Add (new and replacing), Erase and EraseIf, Used() must equal the devices the
-// allocations' ranks name, and AllNodesIn / AllNodesEnded must agree with a walk over Nodes()
-// (both are kept or computed without building the node list, on every pass and heartbeat).
+// allocations' ranks name, HeldByQueue() the devices each queue's allocations hold, and
+// AllNodesIn / AllNodesEnded must agree with a walk over Nodes() (all are kept or computed
+// without walking every allocation or building the node list, on every pass and heartbeat).
 #include "coordinator/allocation_ledger.h"
 
 #include <algorithm>
@@ -81,6 +82,61 @@ TEST(AllocationLedgerTest, UsedMatchesTheRanksHeld) {
   }
   ledger.EraseIf([](const std::string&, const Allocation&) { return true; });
   EXPECT_TRUE(ledger.Used().nodes.empty());
+}
+
+// Allocation::queue -> (allocations, devices held), walking every allocation.
+std::map<std::string, std::pair<int64_t, Resources>> RecountQueues(AllocationLedger& ledger) {
+  std::map<std::string, std::pair<int64_t, Resources>> held;
+  for (const auto& [job_id, allocation] : ledger.all()) {
+    auto& [allocations, resources] = held[allocation.queue];
+    ++allocations;
+    for (const auto& rank : allocation.ranks) {
+      ++(rank.gpu_index() >= 0 ? resources.gpus : resources.cpu_slots);
+    }
+  }
+  return held;
+}
+
+TEST(AllocationLedgerTest, QueueHoldsMatchARecount) {
+  std::mt19937 rng(20261129);
+  // "" is a job stored before queues existed; "default" the implicit queue.
+  const std::vector<std::string> queues = {"", "default", "nlp", "vision", "a-very-long-queue"};
+  AllocationLedger ledger;
+  for (int step = 0; step < 3000; ++step) {
+    const std::string job_id = absl::StrCat("job-", std::uniform_int_distribution<int>(0, 30)(rng));
+    switch (std::uniform_int_distribution<int>(0, 4)(rng)) {
+      case 0:
+      case 1:
+      case 2: {
+        // Replacing an allocation may move the job to another queue.
+        Allocation allocation = RandomAllocation(rng);
+        allocation.queue = queues[std::uniform_int_distribution<size_t>(0, queues.size() - 1)(rng)];
+        if (std::uniform_int_distribution<int>(0, 19)(rng) == 0) allocation.ranks.clear();
+        ledger.Add(job_id, std::move(allocation));
+        break;
+      }
+      case 3:
+        ledger.Erase(job_id);
+        break;
+      default: {
+        const int modulus = std::uniform_int_distribution<int>(2, 5)(rng);
+        ledger.EraseIf([&](const std::string& id, const Allocation&) {
+          return static_cast<int>(id.size() + id.back()) % modulus == 0;
+        });
+      }
+    }
+    const auto expected = RecountQueues(ledger);
+    const auto& held = ledger.HeldByQueue();
+    ASSERT_EQ(held.size(), expected.size()) << "step " << step;
+    for (const auto& [queue, hold] : held) {
+      auto it = expected.find(queue);
+      ASSERT_NE(it, expected.end()) << "step " << step << ", queue '" << queue << "'";
+      EXPECT_EQ(hold.allocations, it->second.first) << "step " << step << ", queue " << queue;
+      EXPECT_EQ(hold.held, it->second.second) << "step " << step << ", queue " << queue;
+    }
+  }
+  ledger.EraseIf([](const std::string&, const Allocation&) { return true; });
+  EXPECT_TRUE(ledger.HeldByQueue().empty());
 }
 
 TEST(AllocationTest, NodeChecksAgreeWithTheNodeList) {
