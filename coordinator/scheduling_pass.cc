@@ -477,7 +477,7 @@ std::set<std::string> SchedulingPass::StoreWrites(Writes pass) {
   std::function<void(double)> latency_observer;
   std::vector<double> latencies;
   std::function<void(const std::string&, double)> queue_wait_observer;
-  // Each job placed: its queue and how long it waited there (QueueWait).
+  // Each job placed: its queue and the seconds it waited there, for queue_wait_observer.
   std::vector<std::pair<std::string, double>> queue_waits;
   std::shared_ptr<const QueueConfig> queues =
       pass.placements > 0 && state_->options.queues != nullptr ? state_->options.queues->Current()
