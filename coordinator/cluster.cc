@@ -260,7 +260,8 @@ v1::ListQueuesResponse Cluster::ListQueues() {
     absl::MutexLock lock(&queues_mu_);
     figures = queue_figures_;
   }
-  return QueueStatuses(config != nullptr ? *config : QueueConfig{}, figures,
+  if (config == nullptr) config = std::make_shared<const QueueConfig>();
+  return QueueStatuses(*config, figures,
                        state_.options.queues != nullptr ? state_.options.queues->path() : "");
 }
 
