@@ -139,6 +139,14 @@ absl::StatusOr<std::vector<v1::Node>> CoordinatorClient::Nodes(bool include_lost
   return std::vector<v1::Node>(response.nodes().begin(), response.nodes().end());
 }
 
+absl::StatusOr<v1::ListQueuesResponse> CoordinatorClient::Queues() {
+  v1::ListQueuesResponse response;
+  if (auto s = Annotate(coordinator_->ListQueues(NewContext().get(), {}, &response)); !s.ok()) {
+    return s;
+  }
+  return response;
+}
+
 absl::StatusOr<v1::DrainNodeResponse> CoordinatorClient::DrainNode(
     const v1::DrainNodeRequest& request) {
   v1::DrainNodeResponse response;

@@ -47,6 +47,7 @@ class CoordinatorClient {
   absl::StatusOr<v1::GetMetricsResponse> Metrics(const v1::GetMetricsRequest& request);
   absl::StatusOr<std::vector<v1::Checkpoint>> Checkpoints(const std::string& job_id);
   absl::StatusOr<std::vector<v1::Node>> Nodes(bool include_lost);
+  absl::StatusOr<v1::ListQueuesResponse> Queues();
   // Node operations (admin role).
   absl::StatusOr<v1::DrainNodeResponse> DrainNode(const v1::DrainNodeRequest& request);
   absl::StatusOr<v1::Node> UndrainNode(const std::string& node_id);

@@ -28,6 +28,7 @@
 #include "client/plan_command.h"
 #include "client/plot.h"
 #include "client/progress_line.h"
+#include "client/queues_command.h"
 #include "client/text_format.h"
 #include "common/command_line.h"
 #include "common/daemon/failure_text.h"
@@ -56,7 +57,8 @@ ABSL_FLAG(std::string, reason, "", "cancel, nodes drain: why, recorded in the jo
 ABSL_FLAG(bool, checkpoint, false,
           "nodes drain: the node's jobs save a checkpoint, stop and are placed on other nodes "
           "(no failure or restart counted); without it they run on until they end.");
-ABSL_FLAG(std::string, output, "text", "text or json (protobuf JSON) for get, list, nodes, plan.");
+ABSL_FLAG(std::string, output, "text",
+          "text or json (protobuf JSON) for get, list, nodes, queues, plan.");
 ABSL_FLAG(std::string, format, "csv", "metrics: csv or json.");
 ABSL_FLAG(std::string, o, "", "plot: output SVG file (default <job>.svg).");
 ABSL_FLAG(int, workers, 1, "local: workers to start.");
@@ -94,6 +96,8 @@ constexpr char kUsage[] =
     "                               --checkpoint its jobs checkpoint and move to other nodes\n"
     "  nodes undrain NODE           NODE takes work again (admin)\n"
     "  nodes remove NODE            forget a LOST or drained, idle node (admin)\n"
+    "  queues                       queues: quota, use, borrowing, waiting and placed jobs,\n"
+    "                               fair share, preemptions\n"
     "  plan [SPEC.yaml] [--model=PRESET --seq_len=S --global_batch=B --micro_batch=M\n"
     "       --precision=bf16 --gpus=N --gpus_per_node=G --device=h100-sxm --gpu_memory=80GiB\n"
     "       --layout=tp=4,pp=2,zero=1,sp=on,ac=selective --lora_rank=R]\n"
@@ -523,6 +527,12 @@ int main(int argc, char** argv) {
               << "\n";
     if (!moving.empty()) std::cout << "  checkpointing and moving: " << moving << "\n";
     if (!remaining.empty()) std::cout << "  left to finish here: " << remaining << "\n";
+    return 0;
+  }
+  if (command == "queues") {
+    auto queues = client.Queues();
+    if (!queues.ok()) return Fail(queues.status());
+    std::cout << (json ? Json(*queues) : tessera::client::QueuesTable(*queues));
     return 0;
   }
   if (command == "nodes") {

@@ -122,7 +122,7 @@ class Authenticator {
 
 // What a call wants to do.
 enum class Action {
-  // Read jobs, metrics, checkpoints, nodes; plan layouts.
+  // Read jobs, metrics, checkpoints, nodes, queues; plan layouts.
   kRead,
   // Submit a job.
   kSubmit,

@@ -178,6 +178,7 @@ void Cluster::Start(std::function<void(const ClusterStats&, double)> observer) {
       if (count) last_counted = last_start;
       auto start = std::chrono::steady_clock::now();
       ClusterStats stats = pass_.Run(count, /*overlap_store=*/true);
+      RecordQueues(&stats);
       double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (observer) observer(stats, seconds);
@@ -220,7 +221,62 @@ absl::Status Cluster::CheckWatcher(const std::string& node_id, const std::string
   return protocol_.CheckWatcher(node_id, node_key);
 }
 
-ClusterStats Cluster::Tick(bool count) { return pass_.Run(count, /*overlap_store=*/false); }
+ClusterStats Cluster::Tick(bool count) {
+  ClusterStats stats = pass_.Run(count, /*overlap_store=*/false);
+  RecordQueues(&stats);
+  return stats;
+}
+
+void Cluster::RecordQueues(ClusterStats* stats) {
+  std::shared_ptr<const QueueConfig> config =
+      state_.options.queues != nullptr ? state_.options.queues->Current() : nullptr;
+  const bool implicit = config == nullptr || config->implicit();
+  // A pass that could not list the jobs counted no queue: the previous figures stay.
+  if (!implicit && stats->queues.empty()) return;
+  std::map<std::string, ClusterStats::QueueFigures> figures;
+  ClusterStats::QueueFigures& implicit_queue = figures[std::string(kImplicitQueue)];
+  {
+    absl::MutexLock lock(&state_.mu);
+    for (const auto& [job_id, allocation] : state_.allocations.all()) {
+      const bool placed = allocation.phase != Allocation::Phase::kDraining;
+      if (!implicit) {
+        auto it = stats->queues.find(CountingQueue(allocation.queue, *config));
+        if (placed && it != stats->queues.end()) ++it->second.running_jobs;
+        continue;
+      }
+      // Without quotas the pass counts nothing per queue: every allocation is the implicit
+      // queue's, draining ones holding their devices as in SchedulingPass.
+      if (placed) ++implicit_queue.running_jobs;
+      for (const v1::RankPlacement& rank : allocation.ranks) {
+        ++(rank.gpu_index() >= 0 ? implicit_queue.used.gpus : implicit_queue.used.cpu_slots);
+      }
+    }
+  }
+  if (implicit) {
+    for (v1::JobState state : {v1::JOB_STATE_PENDING, v1::JOB_STATE_RESTARTING}) {
+      if (auto it = stats->jobs.find(state); it != stats->jobs.end()) {
+        implicit_queue.waiting_jobs += it->second;
+      }
+    }
+  } else {
+    figures = stats->queues;
+  }
+  absl::MutexLock lock(&queues_mu_);
+  queue_figures_ = std::move(figures);
+}
+
+v1::ListQueuesResponse Cluster::ListQueues() {
+  std::shared_ptr<const QueueConfig> config =
+      state_.options.queues != nullptr ? state_.options.queues->Current() : nullptr;
+  std::map<std::string, ClusterStats::QueueFigures> figures;
+  {
+    absl::MutexLock lock(&queues_mu_);
+    figures = queue_figures_;
+  }
+  if (config == nullptr) config = std::make_shared<const QueueConfig>();
+  return QueueStatuses(*config, figures,
+                       state_.options.queues != nullptr ? state_.options.queues->path() : "");
+}
 
 void Cluster::SetAssignmentNotifier(AssignmentNotifier* notifier) {
   absl::MutexLock lock(&state_.mu);
@@ -233,6 +289,11 @@ void Cluster::SetFollowUpExecutor(CallExecutor* executor) {
 
 void Cluster::SetSchedulingLatencyObserver(std::function<void(double)> observer) {
   pass_.SetSchedulingLatencyObserver(std::move(observer));
+}
+
+void Cluster::SetQueueWaitObserver(
+    std::function<void(const std::string& queue, double seconds)> observer) {
+  pass_.SetQueueWaitObserver(std::move(observer));
 }
 
 }  // namespace tessera::coordinator

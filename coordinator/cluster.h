@@ -42,10 +42,12 @@
 #include "coordinator/cluster_state.h"
 #include "coordinator/job_manager.h"
 #include "coordinator/node_registry.h"
+#include "coordinator/queue_status.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/scheduling_pass.h"
 #include "coordinator/store.h"
 #include "coordinator/worker_protocol.h"
+#include "tessera/v1/coordinator_service.pb.h"
 #include "tessera/v1/node_service.pb.h"
 
 namespace tessera::coordinator {
@@ -116,6 +118,11 @@ class Cluster {
 
   // Seconds from submission to SCHEDULED of each job placed, for metrics.
   void SetSchedulingLatencyObserver(std::function<void(double)> observer);
+  // Seconds each placed job waited in its queue (SchedulingPass::SetQueueWaitObserver).
+  void SetQueueWaitObserver(std::function<void(const std::string& queue, double seconds)> observer);
+
+  // Coordinator.ListQueues: the queues in force with the latest pass's figures (queue_status.h).
+  v1::ListQueuesResponse ListQueues();
 
   // The straggler figures of `job_id`'s running attempt, if any rank reported step times.
   std::optional<v1::StragglerReport> Straggler(const std::string& job_id);
@@ -127,6 +134,9 @@ class Cluster {
   // save a checkpoint and stop (kMoving); the others are listed as remaining.
   void DrainLockedMoves(const std::string& node_id, bool checkpoint,
                         v1::DrainNodeResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
+  // After each pass: each queue's running jobs into stats->queues (without a queue file, the
+  // implicit queue's devices and jobs), kept for ListQueues.
+  void RecordQueues(ClusterStats* stats) ABSL_LOCKS_EXCLUDED(state_.mu, queues_mu_);
 
   ClusterState state_;
   AttemptFate fate_;
@@ -138,6 +148,10 @@ class Cluster {
   absl::CondVar wake_cv_;
   bool pass_requested_ ABSL_GUARDED_BY(wake_mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(wake_mu_) = false;
+
+  // The latest pass's queue figures (RecordQueues). Never taken with state_.mu held.
+  absl::Mutex queues_mu_;
+  std::map<std::string, ClusterStats::QueueFigures> queue_figures_ ABSL_GUARDED_BY(queues_mu_);
 };
 
 }  // namespace tessera::coordinator

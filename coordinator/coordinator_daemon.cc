@@ -117,6 +117,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   });
   daemon->cluster_->SetSchedulingLatencyObserver(
       [metrics](double seconds) { metrics->ObserveSchedulingLatency(seconds); });
+  daemon->cluster_->SetQueueWaitObserver([metrics](const std::string& queue, double seconds) {
+    metrics->ObserveQueueWait(queue, seconds);
+  });
   daemon->cluster_->Start([metrics](const ClusterStats& stats, double seconds) {
     metrics->ObserveSchedulingPass(seconds);
     metrics->ObserveSchedulingPassLock(stats.lock_held_seconds, stats.longest_lock_hold_seconds);

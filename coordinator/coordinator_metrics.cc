@@ -26,6 +26,12 @@ Buckets SchedulingLatencyBuckets() {
           5,     10,     30,    60,   120,   300,  600, 1200, 1800, 3600};
 }
 
+// A job's wait in its queue: an idle cluster's fraction of a second to a week behind a busy quota.
+Buckets QueueWaitBuckets() {
+  return {0.1,  0.5,  1,     5,     15,    30,    60,     300,    600,   1800,
+          3600, 7200, 14400, 28800, 57600, 86400, 172800, 345600, 604800};
+}
+
 // In-process work (a scheduler pass, a SQLite transaction): 100 us to 10 s.
 Buckets FastOperationBuckets() {
   return {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
@@ -244,6 +250,8 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
       {"tessera_queue_fair_share",
        "A queue's decayed dominant-resource usage over its weight; within a cohort the lowest "
        "borrows first."},
+      {"tessera_queue_running_jobs",
+       "A queue's jobs placed on devices (scheduled, running or being preempted)."},
   }};
   for (int i = 0; i < kQueueFamilies; ++i) {
     queue_families_[i] = &prometheus::BuildGauge()
@@ -251,6 +259,19 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                               .Help(queue_families[i].second)
                               .Register(registry);
   }
+  queue_preemptions_ = &prometheus::BuildCounter()
+                            .Name("tessera_queue_preemptions_total")
+                            .Help(
+                                "A queue's jobs preempted (asked to save a checkpoint and stop) "
+                                "since the coordinator started, by reason: \"reclaim\" (a "
+                                "queue took back its lent quota) or \"priority\".")
+                            .Register(registry);
+  queue_wait_ = &prometheus::BuildHistogram()
+                     .Name("tessera_queue_wait_seconds")
+                     .Help(
+                         "Seconds a job waited in its queue until it was SCHEDULED: from its "
+                         "submission, or for a later attempt from the previous one's end.")
+                     .Register(registry);
   auto& jobs = prometheus::BuildGauge()
                    .Name("tessera_jobs")
                    .Help("Jobs known to the coordinator, by state.")
@@ -345,6 +366,17 @@ void CoordinatorMetrics::SetQueues(
       continue;
     }
     for (int i = 0; i < kQueueFamilies; ++i) queue_families_[i]->Remove(it->second[i]);
+    // Its counters and wait histogram go too; preemptions_seen_ stays, so that a queue listed
+    // again counts on from its cumulative figure (Prometheus reads the new series as a reset).
+    for (const auto& [key, total] : preemptions_seen_) {
+      if (key.first != it->first) continue;
+      queue_preemptions_->Remove(
+          &queue_preemptions_->Add({{"queue", key.first}, {"reason", key.second}}));
+    }
+    if (auto wait = queue_wait_series_.find(it->first); wait != queue_wait_series_.end()) {
+      queue_wait_->Remove(wait->second);
+      queue_wait_series_.erase(wait);
+    }
     it = queue_series_.erase(it);
   }
   for (const auto& [queue, figures] : queues) {
@@ -355,12 +387,42 @@ void CoordinatorMetrics::SetQueues(
       }
     }
     const std::array<double, kQueueFamilies> values = {
-        static_cast<double>(figures.nominal.gpus),   static_cast<double>(figures.nominal.cpu_slots),
-        static_cast<double>(figures.used.gpus),      static_cast<double>(figures.used.cpu_slots),
-        static_cast<double>(figures.borrowed.gpus),  static_cast<double>(figures.borrowed.cpu_slots),
-        static_cast<double>(figures.waiting_jobs),   figures.fair_share};
+        static_cast<double>(figures.nominal.gpus),  static_cast<double>(figures.nominal.cpu_slots),
+        static_cast<double>(figures.used.gpus),     static_cast<double>(figures.used.cpu_slots),
+        static_cast<double>(figures.borrowed.gpus), static_cast<double>(figures.borrowed.cpu_slots),
+        static_cast<double>(figures.waiting_jobs),  figures.fair_share,
+        static_cast<double>(figures.running_jobs)};
     for (int i = 0; i < kQueueFamilies; ++i) it->second[i]->Set(values[i]);
+    if (added) {
+      // From 0, so that increase() and rate() see the first preemption and the first wait.
+      for (const char* reason : kPreemptionReasons) {
+        preemptions_seen_.try_emplace({queue, reason}, 0);
+        queue_preemptions_->Add({{"queue", queue}, {"reason", reason}});
+      }
+      prometheus::Histogram*& wait = queue_wait_series_[queue];
+      if (wait == nullptr) wait = &queue_wait_->Add({{"queue", queue}}, QueueWaitBuckets());
+    }
+    for (const auto& [reason, total] : figures.preemptions) {
+      int64_t& previous = preemptions_seen_[{queue, reason}];
+      if (total <= previous) continue;
+      queue_preemptions_->Add({{"queue", queue}, {"reason", reason}})
+          .Increment(static_cast<double>(total - previous));
+      previous = total;
+    }
   }
+}
+
+void CoordinatorMetrics::ObserveQueueWait(const std::string& queue, double seconds) {
+  prometheus::Histogram* series = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    // A queue's series is made with its other figures; one without them (no queue file, a job
+    // of a queue no longer configured) gets one at its first wait.
+    prometheus::Histogram*& found = queue_wait_series_[queue];
+    if (found == nullptr) found = &queue_wait_->Add({{"queue", queue}}, QueueWaitBuckets());
+    series = found;
+  }
+  series->Observe(seconds);
 }
 
 void CoordinatorMetrics::SetStragglers(

@@ -49,6 +49,14 @@
 //   tessera_queue_borrowed_gpus{queue}, tessera_queue_borrowed_cpu_slots{queue}
 //                                           gauge; held beyond its quota
 //   tessera_queue_waiting_jobs{queue}       gauge; its jobs waiting for devices
+//   tessera_queue_running_jobs{queue}       gauge; its jobs placed (scheduled,
+//                                           running or being preempted)
+//   tessera_queue_preemptions_total{queue,reason}
+//                                           counter; its jobs preempted, by
+//                                           reason ("reclaim", "priority")
+//   tessera_queue_wait_seconds{queue}       histogram; entering the queue
+//                                           (submission, or the previous
+//                                           attempt's end) -> SCHEDULED
 //   tessera_queue_fair_share{queue}         gauge; decayed dominant-resource
 //                                           usage over weight (lowest borrows
 //                                           first)
@@ -69,6 +77,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -111,13 +120,17 @@ class CoordinatorMetrics {
   // The running jobs' per-rank step times and skew; series of jobs no longer
   // listed are removed.
   void SetStragglers(const std::map<std::string, v1::StragglerReport>& stragglers);
-  // The configured queues' figures; series of queues no longer listed are
-  // removed (none exist without a queue file).
+  // The configured queues' figures; gauge series of queues no longer listed are
+  // removed (none exist without a queue file). Preemptions are cumulative: the
+  // counters advance by the difference to the previous call, and start at 0 for
+  // each reason of kPreemptionReasons.
   void SetQueues(const std::map<std::string, ClusterStats::QueueFigures>& queues);
 
   // Histograms, in seconds.
   // Submission -> SCHEDULED of one job (buckets 1 ms .. 1 h).
   void ObserveSchedulingLatency(double seconds);
+  // One placed job's wait in `queue` (SchedulingPass::SetQueueWaitObserver; buckets 0.1 s .. 7 d).
+  void ObserveQueueWait(const std::string& queue, double seconds);
   // Duration of one scheduler pass (buckets 100 us .. 10 s).
   void ObserveSchedulingPass(double seconds);
   // Of one pass: the cluster lock held in all and its longest single hold (buckets as above).
@@ -138,6 +151,9 @@ class CoordinatorMetrics {
   // (clients may send any) is counted as method="other" (the value
   // gRPC's OpenTelemetry metrics, gRFC A66, use), so the series stay bounded.
   std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeInterceptorFactory();
+
+  // The reasons of QueueFigures::preemptions, whose counters exist from a queue's first figures.
+  static constexpr std::array<const char*, 2> kPreemptionReasons = {"reclaim", "priority"};
 
   // The `method` label value of calls to methods no compiled-in service declares.
   static constexpr char kOtherMethod[] = "other";
@@ -186,10 +202,16 @@ class CoordinatorMetrics {
   // phase -> its tessera_scheduler_pass_phase_seconds series.
   std::map<std::string, prometheus::Histogram*> phase_series_ ABSL_GUARDED_BY(mu_);
   // The tessera_queue_* families, in QueueSeries order, and each queue's series.
-  static constexpr int kQueueFamilies = 8;
+  static constexpr int kQueueFamilies = 9;
   std::array<prometheus::Family<prometheus::Gauge>*, kQueueFamilies> queue_families_{};
   std::map<std::string, std::array<prometheus::Gauge*, kQueueFamilies>> queue_series_
       ABSL_GUARDED_BY(mu_);
+  prometheus::Family<prometheus::Counter>* queue_preemptions_ = nullptr;
+  // (queue, reason) -> the cumulative count of the previous SetQueues.
+  std::map<std::pair<std::string, std::string>, int64_t> preemptions_seen_ ABSL_GUARDED_BY(mu_);
+  prometheus::Family<prometheus::Histogram>* queue_wait_ = nullptr;
+  // queue -> its tessera_queue_wait_seconds series.
+  std::map<std::string, prometheus::Histogram*> queue_wait_series_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tessera::coordinator

@@ -146,6 +146,51 @@ TEST_F(CoordinatorMetricsTest, QueuesHaveSeriesOfTheirOwnUntilTheyAreGone) {
   EXPECT_THAT(Exposition(registry_), Not(HasSubstr("vision")));
 }
 
+TEST_F(CoordinatorMetricsTest, QueuePreemptionsAdvanceByTheDifferenceAndRunningJobsAreAGauge) {
+  ClusterStats::QueueFigures nlp;
+  nlp.running_jobs = 4;
+  metrics_.SetQueues({{"nlp", nlp}});
+  std::vector<std::string> lines = ExpositionLines();
+  EXPECT_THAT(lines, Contains("tessera_queue_running_jobs{queue=\"nlp\"} 4"));
+  EXPECT_THAT(lines, Contains("# TYPE tessera_queue_preemptions_total counter"));
+  // Every reason's counter exists at 0 from the queue's first figures.
+  EXPECT_THAT(lines,
+              Contains("tessera_queue_preemptions_total{queue=\"nlp\",reason=\"reclaim\"} 0"));
+  EXPECT_THAT(lines,
+              Contains("tessera_queue_preemptions_total{queue=\"nlp\",reason=\"priority\"} 0"));
+  EXPECT_THAT(lines, Contains("tessera_queue_wait_seconds_count{queue=\"nlp\"} 0"));
+
+  // Cumulative figures: the counters follow them, and a repeated figure adds nothing.
+  nlp.preemptions = {{"reclaim", 2}};
+  nlp.running_jobs = 1;
+  metrics_.SetQueues({{"nlp", nlp}});
+  nlp.preemptions = {{"reclaim", 3}, {"priority", 1}};
+  metrics_.SetQueues({{"nlp", nlp}});
+  metrics_.SetQueues({{"nlp", nlp}});
+  lines = ExpositionLines();
+  EXPECT_THAT(lines,
+              Contains("tessera_queue_preemptions_total{queue=\"nlp\",reason=\"reclaim\"} 3"));
+  EXPECT_THAT(lines,
+              Contains("tessera_queue_preemptions_total{queue=\"nlp\",reason=\"priority\"} 1"));
+  EXPECT_THAT(lines, Contains("tessera_queue_running_jobs{queue=\"nlp\"} 1"));
+}
+
+TEST_F(CoordinatorMetricsTest, QueueWaitsAreAHistogramPerQueueFromSecondsToDays) {
+  metrics_.ObserveQueueWait("nlp", 0.05);
+  metrics_.ObserveQueueWait("nlp", 90);
+  metrics_.ObserveQueueWait("nlp", 2 * 86400.0);
+  metrics_.ObserveQueueWait("vision", 3);
+  const std::vector<std::string> lines = ExpositionLines();
+  EXPECT_THAT(lines, Contains("# TYPE tessera_queue_wait_seconds histogram"));
+  EXPECT_THAT(lines, Contains("tessera_queue_wait_seconds_count{queue=\"nlp\"} 3"));
+  EXPECT_THAT(lines, Contains("tessera_queue_wait_seconds_bucket{queue=\"nlp\",le=\"0.1\"} 1"));
+  EXPECT_THAT(lines, Contains("tessera_queue_wait_seconds_bucket{queue=\"nlp\",le=\"60\"} 1"));
+  EXPECT_THAT(lines, Contains("tessera_queue_wait_seconds_bucket{queue=\"nlp\",le=\"300\"} 2"));
+  EXPECT_THAT(lines, Contains("tessera_queue_wait_seconds_bucket{queue=\"nlp\",le=\"172800\"} 3"));
+  EXPECT_THAT(lines, Contains("tessera_queue_wait_seconds_bucket{queue=\"nlp\",le=\"86400\"} 2"));
+  EXPECT_THAT(lines, Contains("tessera_queue_wait_seconds_count{queue=\"vision\"} 1"));
+}
+
 TEST_F(CoordinatorMetricsTest, HistogramsCountObservationsIntoTheirBuckets) {
   metrics_.ObserveSchedulingLatency(0.0005);  // under the first bucket, 1 ms
   metrics_.ObserveSchedulingLatency(2.0);
@@ -355,7 +400,9 @@ TEST_F(MetricsInterceptorTest, PromtoolFindsNothingToLint) {
   metrics_.ObserveStoreWrite(0.001, 0.0002, 1);
   ClusterStats::QueueFigures queue;
   queue.nominal.gpus = 8;
+  queue.preemptions = {{"reclaim", 1}};
   metrics_.SetQueues({{"nlp", queue}});
+  metrics_.ObserveQueueWait("nlp", 12);
   ASSERT_TRUE(CallGetNode().ok());
   ASSERT_EQ(CallReadLogs().error_code(), grpc::StatusCode::UNIMPLEMENTED);
 

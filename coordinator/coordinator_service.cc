@@ -311,6 +311,16 @@ grpc::ServerUnaryReactor* CoordinatorService::ListNodes(grpc::CallbackServerCont
   });
 }
 
+grpc::ServerUnaryReactor* CoordinatorService::ListQueues(grpc::CallbackServerContext* context,
+                                                         const v1::ListQueuesRequest* /*request*/,
+                                                         v1::ListQueuesResponse* response) {
+  return Serve(context, [this, context, response]() -> absl::Status {
+    RETURN_IF_ERROR(Admit(context, Action::kRead).status());
+    *response = cluster_->ListQueues();
+    return absl::OkStatus();
+  });
+}
+
 namespace {
 
 absl::Status CheckNodeId(const std::string& node_id) {

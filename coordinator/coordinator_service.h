@@ -63,6 +63,9 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext* context,
                                       const v1::ListNodesRequest* request,
                                       v1::ListNodesResponse* response) override;
+  grpc::ServerUnaryReactor* ListQueues(grpc::CallbackServerContext* context,
+                                       const v1::ListQueuesRequest* request,
+                                       v1::ListQueuesResponse* response) override;
   grpc::ServerUnaryReactor* DrainNode(grpc::CallbackServerContext* context,
                                       const v1::DrainNodeRequest* request,
                                       v1::DrainNodeResponse* response) override;

@@ -200,6 +200,14 @@ const QueueSpec* QueueConfig::Find(absl::string_view queue) const {
   return nullptr;
 }
 
+std::string CountingQueue(const std::string& job_queue, const QueueConfig& config) {
+  if ((job_queue.empty() || job_queue == kImplicitQueue) &&
+      config.Find(kImplicitQueue) == nullptr && !config.default_queue.empty()) {
+    return config.default_queue;
+  }
+  return job_queue.empty() ? std::string(kImplicitQueue) : job_queue;
+}
+
 Resources QueueConfig::CohortNominal(const QueueSpec& queue) const {
   if (queue.cohort.empty()) return queue.nominal;
   Resources total;

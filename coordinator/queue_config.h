@@ -144,6 +144,11 @@ struct QueueConfig {
   Resources CohortNominal(const QueueSpec& queue) const;
 };
 
+// The queue a job counts against: `job_queue` (Job.queue), or for one submitted before queues were
+// configured (empty or the implicit queue) the file's default_queue when it names one. A queue the
+// file no longer defines stays as it is. (SchedulingPass still has a private copy.)
+std::string CountingQueue(const std::string& job_queue, const QueueConfig& config);
+
 // Parses and validates the file's text. INVALID_ARGUMENT naming the entry and field at fault,
 // e.g. "queues[2] (nlp).nominal.gpus: must be >= 0, got -4".
 absl::StatusOr<QueueConfig> ParseQueueConfig(absl::string_view yaml);

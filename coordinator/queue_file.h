@@ -46,6 +46,9 @@ class QueueFile {
   // Versions read so far, the first included (for logs and tests).
   int reloads() const;
 
+  // The file's path; empty without one.
+  const std::string& path() const { return options_.path; }
+
  private:
   explicit QueueFile(QueueFileOptions options) : options_(std::move(options)) {}
   absl::Status LoadLocked(const std::string& identity) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

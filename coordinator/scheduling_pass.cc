@@ -502,9 +502,16 @@ std::set<std::string> SchedulingPass::StoreWrites(Writes pass) {
   const std::vector<absl::StatusOr<v1::Job>> stored = jobs_->TransitionAll(pass.writes);
   std::function<void(double)> latency_observer;
   std::vector<double> latencies;
+  std::function<void(const std::string&, double)> queue_wait_observer;
+  // Each job placed: its queue and the seconds it waited there, for queue_wait_observer.
+  std::vector<std::pair<std::string, double>> queue_waits;
+  std::shared_ptr<const QueueConfig> queues =
+      pass.placements > 0 && state_->options.queues != nullptr ? state_->options.queues->Current()
+                                                               : nullptr;
   {
     absl::MutexLock lock(&state_->mu);
     latency_observer = latency_observer_;
+    queue_wait_observer = queue_wait_observer_;
     for (size_t i = 0; i < pass.placements; ++i) {
       const std::string& job_id = pass.writes[i].job_id;
       Allocation* allocation = state_->allocations.Find(job_id);
@@ -520,6 +527,18 @@ std::set<std::string> SchedulingPass::StoreWrites(Writes pass) {
           latencies.push_back(absl::ToDoubleSeconds(
               state_->Now() -
               absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(stored[i]->create_time()))));
+        }
+        if (queue_wait_observer) {
+          // Attempt 0 entered its queue at submission, a later one when the previous ended.
+          const google::protobuf::Timestamp& entered =
+              stored[i]->attempts().empty() ? stored[i]->create_time()
+                                            : stored[i]->attempts().rbegin()->end_time();
+          queue_waits.emplace_back(
+              queues != nullptr ? CountingQueue(stored[i]->queue(), *queues)
+                                : std::string(kImplicitQueue),
+              std::max(0.0, absl::ToDoubleSeconds(
+                                state_->Now() -
+                                absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(entered)))));
         }
         continue;
       }
@@ -539,6 +558,7 @@ std::set<std::string> SchedulingPass::StoreWrites(Writes pass) {
   if (latency_observer) {
     for (double seconds : latencies) latency_observer(seconds);
   }
+  for (const auto& [queue, seconds] : queue_waits) queue_wait_observer(queue, seconds);
   for (size_t i = pass.placements; i < pass.writes.size(); ++i) {
     if (!stored[i].ok() && !absl::IsFailedPrecondition(stored[i].status())) {
       LogRetried(stored[i].status(),
@@ -770,6 +790,12 @@ void SchedulingPass::SaveFairShare() {
 void SchedulingPass::SetSchedulingLatencyObserver(std::function<void(double)> observer) {
   absl::MutexLock lock(&state_->mu);
   latency_observer_ = std::move(observer);
+}
+
+void SchedulingPass::SetQueueWaitObserver(
+    std::function<void(const std::string& queue, double seconds)> observer) {
+  absl::MutexLock lock(&state_->mu);
+  queue_wait_observer_ = std::move(observer);
 }
 
 }  // namespace tessera::coordinator

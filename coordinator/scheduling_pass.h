@@ -75,6 +75,11 @@ class SchedulingPass {
   // Seconds from submission to SCHEDULED of each job placed, for metrics. Called without locks.
   void SetSchedulingLatencyObserver(std::function<void(double)> observer)
       ABSL_LOCKS_EXCLUDED(state_->mu);
+  // For each job placed, its queue (Job.queue as it counts, queue_config.h CountingQueue) and the
+  // seconds it waited there: since its submission for attempt 0, since its previous attempt
+  // ended for a later one. Called without locks.
+  void SetQueueWaitObserver(std::function<void(const std::string& queue, double seconds)> observer)
+      ABSL_LOCKS_EXCLUDED(state_->mu);
 
  private:
   // What the scheduling part of a pass starts from, taken under the cluster lock.
@@ -190,6 +195,7 @@ class SchedulingPass {
   // Jobs preempted since start, by victim queue, then reason (PreemptionKindName).
   std::map<std::string, std::map<std::string, int64_t>> preemptions_ ABSL_GUARDED_BY(pass_mu_);
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(state_->mu);
+  std::function<void(const std::string&, double)> queue_wait_observer_ ABSL_GUARDED_BY(state_->mu);
 
   // The store thread: one pass's writes in flight, the next waits its turn.
   std::thread store_loop_;

@@ -510,6 +510,47 @@ TEST_F(CoordinatorQueuesTest, FairShareUsageSurvivesARestart) {
   EXPECT_NEAR(restored->first, saved->first, saved->first * 1e-3);
 }
 
+// ListQueues and `tessera queues` show each queue's quota, use and jobs as the passes count them.
+TEST_F(CoordinatorQueuesTest, ListQueuesAndTheCliShowQuotaUseAndJobs) {
+  RegisterNode("n1", 0, 8);
+  const v1::Job first = Submit(ValidSpec("first"));
+  const v1::Job second = Submit(ValidSpec("second"));
+  WaitForJob(second.job_id(),
+             [](const v1::Job& j) { return absl::StrContains(j.reason(), "queue nlp"); });
+  v1::ListQueuesResponse response;
+  testing::WaitUntil(
+      [&] {
+        response.Clear();
+        return stub_->ListQueues(Context().get(), {}, &response).ok() &&
+               response.queues_size() == 2 && response.queues(0).running_jobs() == 1 &&
+               response.queues(0).pending_jobs() == 1;
+      },
+      absl::Seconds(10), absl::Milliseconds(50));
+  EXPECT_EQ(response.queue_file(), path_);
+  ASSERT_EQ(response.queues_size(), 2);
+  const v1::QueueStatus& nlp = response.queues(0);
+  EXPECT_EQ(nlp.name(), "nlp");
+  EXPECT_EQ(nlp.nominal().cpu_slots(), 2);
+  EXPECT_EQ(nlp.used().cpu_slots(), 2);
+  EXPECT_EQ(nlp.running_jobs(), 1);
+  EXPECT_EQ(nlp.pending_jobs(), 1);
+  EXPECT_EQ(nlp.weight(), 1.0);
+  EXPECT_EQ(response.queues(1).name(), "vision");
+  EXPECT_EQ(response.queues(1).used().cpu_slots(), 0);
+
+  auto cli = testing::RunCommand({BinDir() + "/tessera", "--coordinator=" + address_, "queues"});
+  ASSERT_THAT(cli, IsOk());
+  EXPECT_EQ(cli->exit.exit_code, 0) << cli->output;
+  EXPECT_THAT(cli->output, HasSubstr("NAME"));
+  EXPECT_THAT(cli->output, ::testing::ContainsRegex("nlp +- +0/0 +- +2/2 +1 +1 "));
+  EXPECT_THAT(cli->output, HasSubstr("queue file: " + path_));
+  auto json = testing::RunCommand(
+      {BinDir() + "/tessera", "--coordinator=" + address_, "--output=json", "queues"});
+  ASSERT_THAT(json, IsOk());
+  EXPECT_EQ(json->exit.exit_code, 0) << json->output;
+  EXPECT_THAT(json->output, HasSubstr("\"running_jobs\": 1"));
+}
+
 TEST(CoordinatorQueueFileTest, ABadFileStopsTheStartNamingTheField) {
   ScopedTempDir dir("coordinator_queues");
   const std::string path = dir.path() + "/queues.yaml";

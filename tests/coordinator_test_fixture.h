@@ -51,7 +51,8 @@ class CoordinatorTest : public ::testing::Test {
     ASSERT_THAT(line, IsOk());
     std::smatch match;
     ASSERT_TRUE(std::regex_search(*line, match, std::regex(R"(serving gRPC on (\S+:\d+))")));
-    channel_ = MakeClientChannel(match[1]);
+    address_ = match[1];
+    channel_ = MakeClientChannel(address_);
     stub_ = v1::Coordinator::NewStub(channel_);
     nodes_ = v1::NodeService::NewStub(MakeClientChannel(match[1]));
   }
@@ -138,6 +139,8 @@ class CoordinatorTest : public ::testing::Test {
   }
 
   ScopedTempDir dir_{"coordinator_test"};
+  // host:port the coordinator serves on.
+  std::string address_;
   std::optional<Subprocess> process_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;

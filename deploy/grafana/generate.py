@@ -50,15 +50,24 @@ def panel(title, targets, unit="short", kind="timeseries", description="", width
     }
 
 
+def row(title):
+    """A full-width row header; the panels after it, up to the next row, belong to it."""
+    return {"type": "row", "title": title, "collapsed": False, "panels": [], "_width": 24,
+            "_height": 1}
+
+
 def dashboard(uid, title, description, variables, panels):
     x = y = 0
+    line_height = 0
     laid = []
     for i, p in enumerate(panels, start=1):
         width = p.pop("_width")
-        if x + width > 24:
-            x, y = 0, y + 8
-        laid.append({"id": i, "gridPos": {"x": x, "y": y, "w": width, "h": 8}, **p})
+        height = p.pop("_height", 8)
+        if x + width > 24 or (p["type"] == "row" and x > 0):
+            x, y, line_height = 0, y + line_height, 0
+        laid.append({"id": i, "gridPos": {"x": x, "y": y, "w": width, "h": height}, **p})
         x += width
+        line_height = max(line_height, height)
     return {
         "uid": uid, "title": title, "description": description, "tags": ["tessera"],
         "editable": True, "schemaVersion": 39, "version": 1, "refresh": "30s",
@@ -153,7 +162,8 @@ def control_plane():
     return dashboard(
         "tessera-control-plane", "Tessera / Control plane",
         "The coordinator: jobs and nodes by state, capacity, scheduling latency, heartbeats, "
-        "RPC rates and errors, scheduler and store timings.",
+        "RPC rates and errors, scheduler and store timings; queues (quota, use, borrowing, "
+        "waiting jobs, fair share, preemptions, wait times).",
         [datasource_variable()],
         [
             panel("Jobs by state", [("sum by (state) (tessera_jobs)", "{{state}}")]),
@@ -210,7 +220,46 @@ def control_plane():
                     "transactions")], unit="ops",
                   description="Writes (a job's change, a node record) and the group-commit "
                               "transactions that carry them."),
-        ])
+        ] + queues())
+
+
+def queues():
+    """The Queues row of the control-plane dashboard (series only with a --queue_file)."""
+    wait = "tessera_queue_wait_seconds_bucket"
+    return [
+        row("Queues"),
+        panel("GPUs used vs nominal, by queue",
+              [("sum by (queue) (tessera_queue_used_gpus)", "{{queue}} used"),
+               ("sum by (queue) (tessera_queue_nominal_gpus)", "{{queue}} nominal")],
+              description="Devices each queue's jobs hold against its guaranteed quota; above "
+                          "it, the queue borrows its cohort's unused quota."),
+        panel("CPU slots used vs nominal, by queue",
+              [("sum by (queue) (tessera_queue_used_cpu_slots)", "{{queue}} used"),
+               ("sum by (queue) (tessera_queue_nominal_cpu_slots)", "{{queue}} nominal")]),
+        panel("Borrowed GPUs and CPU slots, by queue",
+              [("sum by (queue) (tessera_queue_borrowed_gpus)", "{{queue}} GPUs"),
+               ("sum by (queue) (tessera_queue_borrowed_cpu_slots)", "{{queue}} CPU slots")],
+              description="Held beyond the nominal quota: what a lending queue can reclaim by "
+                          "preemption."),
+        panel("Jobs waiting and placed, by queue",
+              [("sum by (queue) (tessera_queue_waiting_jobs)", "{{queue}} waiting"),
+               ("sum by (queue) (tessera_queue_running_jobs)", "{{queue}} placed")],
+              description="Waiting: PENDING or RESTARTING without devices (`tessera get` says "
+                          "why). Placed: scheduled, running or being preempted."),
+        panel("Fair share, by queue", [("max by (queue) (tessera_queue_fair_share)", "{{queue}}")],
+              description="Decayed dominant-resource usage over weight; within a cohort the "
+                          "lowest borrows first. 0 outside a cohort."),
+        panel("Preemptions per second, by queue and reason",
+              [(f"sum by (queue, reason) (rate(tessera_queue_preemptions_total[{RATE}]))",
+                "{{queue}} {{reason}}")], unit="ops",
+              description="Jobs asked to save a checkpoint and stop: reclaim (a queue took back "
+                          "its lent quota) or priority (a higher priority in the same queue)."),
+        panel("Queue wait p50 and p95 (entering the queue to SCHEDULED)",
+              [(f"histogram_quantile({q}, sum by (queue, le) (rate({wait}[{RATE}])))",
+                f"{{{{queue}}}} p{int(q * 100)}") for q in (0.5, 0.95)], unit="s", width=24,
+              description="From submission, or for a restarted or preempted job from the end of "
+                          "its previous attempt."),
+    ]
 
 
 DASHBOARDS = {"training.json": training, "gpus.json": gpus, "control-plane.json": control_plane}
@@ -229,6 +278,8 @@ def lint(name, board):
     defined = {v["name"] for v in board["templating"]["list"]}
     builtin = {"__rate_interval", "__range", "__interval"}
     for p in board["panels"]:
+        if p["type"] == "row":
+            continue
         if p.get("datasource") != DATASOURCE:
             problems.append(f"{name}: panel '{p['title']}' does not use ${{datasource}}")
         if not p.get("targets"):

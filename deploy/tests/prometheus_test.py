@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The dashboards and alert rules against a real Prometheus server and a real cluster.
 
-Starts a coordinator and two workers (tessera binaries from --bin_dir) on loopback, a Prometheus
-server (Debian's) scraping them every second with deploy's alert rules loaded, trains one job on
-CPU and one whose loss turns NaN (TESSERA_FAULT_NAN_LOSS_AT_STEP on its worker), then:
+Starts a coordinator (one queue in a queue file) and two workers (tessera binaries from --bin_dir)
+on loopback, a Prometheus server (Debian's) scraping them every second with deploy's alert rules
+loaded, trains one job on CPU and one whose loss turns NaN (TESSERA_FAULT_NAN_LOSS_AT_STEP on its
+worker), then:
   - runs every query of every dashboard panel through Prometheus' HTTP API: each must return
     data (the GPU dashboard's DCGM queries are only checked to be valid on a machine without
     GPUs, and reported as skipped);
@@ -115,7 +116,7 @@ def panel_queries():
     for path in sorted(DASHBOARDS.glob("*.json")):
         board = json.loads(path.read_text())
         for panel in board["panels"]:
-            for target in panel["targets"]:
+            for target in panel.get("targets", []):
                 yield path.stem, panel["title"], target["expr"]
 
 
@@ -148,11 +149,16 @@ def main():
     try:
         subprocess.run([f"{args.bin_dir}/tessera-trainer", "prepare", f"--input={args.corpus}",
                         f"--output_dir={work}/data"], check=True, capture_output=True, timeout=120)
+        # One queue holding both workers' slots: the Queues row's series exist (only with a
+        # queue file), and both jobs are admitted as before.
+        (work / "queues.yaml").write_text(
+            "queues:\n  - name: research\n    nominal: {cpu_slots: 3}\ndefault_queue: research\n")
         cluster.start("coordinator", [
             f"{args.bin_dir}/tessera-coordinator", "--listen=127.0.0.1:0",
             "--metrics-listen=127.0.0.1:0", f"--state={work}/state.db",
             f"--checkpoint-root={work}/checkpoints", f"--master-port-base={free_port()}",
-            "--heartbeat-interval=500ms", "--heartbeat-timeout=5s", "--failure-settle=2s"])
+            "--heartbeat-interval=500ms", "--heartbeat-timeout=5s", "--failure-settle=2s",
+            f"--queue-file={work}/queues.yaml"])
         match = cluster.wait_for_line("coordinator", r"serving gRPC on (\S+:\d+), metrics on port (\d+)")
         coordinator, coordinator_metrics = match.group(1), int(match.group(2))
         worker_metrics = []
