@@ -99,20 +99,29 @@ TEST_F(JobManagerTest, RequestIdsArePerOwner) {
   EXPECT_NE(Submit("", "alice"), first);
 }
 
-// A batch stores every transition it can; a terminal job's fails alone, and every transition of
-// the batch carries the same time.
+// A batch stores every transition it can; a terminal job's fails alone, as does one whose
+// precondition does not hold, and every transition of the batch carries the same time.
 TEST_F(JobManagerTest, TransitionAllStoresWhatItCanAtOneTime) {
-  const std::string a = Submit(), b = Submit(), c = Submit();
+  const std::string a = Submit(), b = Submit(), c = Submit(), d = Submit();
   ASSERT_THAT(jobs_->Cancel(b, "test").status(), IsOk());
   clock_.Advance(absl::Minutes(1));
+  auto attempt_is = [](int attempt) {
+    return [attempt](const v1::Job& job) {
+      return job.attempt() == attempt ? absl::OkStatus()
+                                      : absl::FailedPreconditionError("another attempt");
+    };
+  };
   const std::vector<absl::StatusOr<v1::Job>> results = jobs_->TransitionAll(
-      {{a, v1::JOB_STATE_RUNNING, "a runs", nullptr},
-       {b, v1::JOB_STATE_RUNNING, "b runs", nullptr},
-       {c, v1::JOB_STATE_FAILED, "c fails", [](v1::Job& job) { job.set_restarts(7); }}});
-  ASSERT_THAT(results, SizeIs(3));
+      {{a, v1::JOB_STATE_RUNNING, "a runs", nullptr, attempt_is(0)},
+       {b, v1::JOB_STATE_RUNNING, "b runs", nullptr, nullptr},
+       {c, v1::JOB_STATE_FAILED, "c fails", [](v1::Job& job) { job.set_restarts(7); }, nullptr},
+       {d, v1::JOB_STATE_PREEMPTED, "d yields", nullptr, attempt_is(3)}});
+  ASSERT_THAT(results, SizeIs(4));
   EXPECT_THAT(results[0].status(), IsOk());
   EXPECT_TRUE(absl::IsFailedPrecondition(results[1].status()));
   EXPECT_THAT(results[2].status(), IsOk());
+  EXPECT_TRUE(absl::IsFailedPrecondition(results[3].status()));
+  EXPECT_EQ(Job(d).state(), v1::JOB_STATE_PENDING) << "nothing of it was stored";
   EXPECT_EQ(Job(a).state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(Job(b).state(), v1::JOB_STATE_CANCELLED);
   EXPECT_EQ(Job(c).state(), v1::JOB_STATE_FAILED);

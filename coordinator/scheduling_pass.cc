@@ -9,8 +9,10 @@
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "coordinator/attempt_policy.h"
 #include "coordinator/layout_planning.h"
 #include "google/protobuf/util/time_util.h"
@@ -74,15 +76,24 @@ class PhaseTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
-// The queue a job counts against: its own, or for one submitted before queues were configured
-// (Job.queue empty or the implicit one) the file's default_queue when it names one. A queue the
-// file no longer defines stays as it is: quota admission holds its jobs and says why.
-std::string EffectiveQueue(const std::string& queue, const QueueConfig& config) {
-  if ((queue.empty() || queue == kImplicitQueue) && config.Find(kImplicitQueue) == nullptr &&
-      !config.default_queue.empty()) {
-    return config.default_queue;
+// `reason` with every number (a run of digits, with any decimal point inside) replaced by '#':
+// two reasons of one shape differ only in figures ("56 of 64 GPUs in use" and "60 of 64 ...").
+std::string ReasonShape(absl::string_view reason) {
+  std::string shape;
+  shape.reserve(reason.size());
+  for (size_t i = 0; i < reason.size();) {
+    if (!absl::ascii_isdigit(reason[i])) {
+      shape.push_back(reason[i++]);
+      continue;
+    }
+    while (i < reason.size() &&
+           (absl::ascii_isdigit(reason[i]) ||
+            (reason[i] == '.' && i + 1 < reason.size() && absl::ascii_isdigit(reason[i + 1])))) {
+      ++i;
+    }
+    shape.push_back('#');
   }
-  return queue.empty() ? std::string(kImplicitQueue) : queue;
+  return shape;
 }
 
 }  // namespace
@@ -206,7 +217,7 @@ void SchedulingPass::CountQueues(const QueueConfig& config, const Snapshot& snap
   }
   for (const v1::Job& job : waiting) {
     if (!snapshot.waiting.contains(job.job_id())) continue;
-    auto it = stats->queues.find(EffectiveQueue(job.queue(), config));
+    auto it = stats->queues.find(CountingQueue(job.queue(), config));
     if (it != stats->queues.end()) ++it->second.waiting_jobs;
   }
 }
@@ -222,7 +233,7 @@ void SchedulingPass::AdmitByQueues(const Snapshot& snapshot,
   queued.reserve(requests->size());
   for (const GangRequest& request : *requests) {
     queued.push_back({.job_id = request.job_id,
-                      .queue = EffectiveQueue(waiting.at(request.job_id)->queue(), config),
+                      .queue = CountingQueue(waiting.at(request.job_id)->queue(), config),
                       .priority = request.priority,
                       .submit_order = request.submit_order,
                       .use_gpus = request.use_gpus,
@@ -254,7 +265,7 @@ void SchedulingPass::PreemptLocked(const Snapshot& snapshot,
       continue;
     }
     running.push_back({.job_id = job_id,
-                       .queue = EffectiveQueue(allocation.queue, config),
+                       .queue = CountingQueue(allocation.queue, config),
                        .priority = allocation.priority,
                        .use_gpus = allocation.ranks.front().gpu_index() >= 0,
                        .devices = static_cast<int64_t>(allocation.ranks.size()),
@@ -265,7 +276,14 @@ void SchedulingPass::PreemptLocked(const Snapshot& snapshot,
               return std::tie(b.priority, a.submit_order, a.job_id) <
                      std::tie(a.priority, b.submit_order, b.job_id);
             });
+  // Only each queue's head (per resource) may preempt: the later requests of a queue wait
+  // behind it anyway (queue_admission.h). So a pass makes at most one search per queue and
+  // resource, however many jobs wait: O(queues x running), not O(waiting x running).
+  std::set<std::pair<std::string, bool>> heads_tried;
   for (const QueuedRequest& request : held_requests) {
+    // A request that can never start under its quota holds nothing back: the next one is head.
+    if (QuotaUnsatisfiable(config, request).has_value()) continue;
+    if (!heads_tried.emplace(request.queue, request.use_gpus).second) continue;
     const PreemptionDecision decision = SelectPreemption(config, running, request);
     if (decision.victims.empty()) continue;
     std::vector<std::string> names;
@@ -279,7 +297,7 @@ void SchedulingPass::PreemptLocked(const Snapshot& snapshot,
       fate_->AssertLockHeld();
       fate_->MoveLocked(victim.job_id, *allocation);
       names.push_back(victim.job_id);
-      ++preemptions_[EffectiveQueue(allocation->queue, config)][PreemptionKindName(victim.kind)];
+      ++preemptions_[CountingQueue(allocation->queue, config)][PreemptionKindName(victim.kind)];
       // RUNNING (or SCHEDULED) -> PREEMPTED, unless the attempt ended meanwhile: its end, stored
       // by AttemptFate, decides then.
       writes->push_back(
@@ -311,7 +329,7 @@ SchedulingPass::Snapshot SchedulingPass::SnapshotLocked(const std::vector<v1::Jo
     // ledger keeps the holds by the queue name the jobs were stored with; mapped here to the
     // queues in force, in O(queues) rather than O(allocations).
     for (const auto& [queue, hold] : state_->allocations.HeldByQueue()) {
-      snapshot.queue_use[EffectiveQueue(queue, *queues)] += hold.held;
+      snapshot.queue_use[CountingQueue(queue, *queues)] += hold.held;
     }
     snapshot.queues = std::move(queues);
   }
@@ -352,6 +370,7 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   }
   if (waiting_ids.empty()) {
     plan_cache_.clear();
+    reason_written_.clear();
     return {};
   }
   PhaseTimer phase(stats);
@@ -414,8 +433,10 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
     request.tensor_parallel = std::max(1, plan.layout().tensor_parallel());
     requests.push_back(std::move(request));
   }
-  // Plans of jobs that left the queue are not needed again.
+  // Plans (and reason times) of jobs that left the queue are not needed again.
   std::erase_if(plan_cache_, [&](const auto& entry) { return !waiting_ids.contains(entry.first); });
+  std::erase_if(reason_written_,
+                [&](const auto& entry) { return !waiting_ids.contains(entry.first); });
   // Only what the queues' quotas admit tries placement.
   std::map<std::string, std::string> quota_held;
   std::vector<QueuedRequest> held_requests;
@@ -477,7 +498,8 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
            stored.mutable_placements()->Clear();
            for (const auto& rank : ranks) *stored.add_placements() = rank;
            stored.set_master_port(port);
-         }});
+         },
+         nullptr});
   }
   pass.placements = pass.writes.size();
   result.pending_reasons.merge(unfit);
@@ -487,9 +509,18 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
     const v1::Job* job = by_id[job_id];
     if (job == nullptr) continue;
     // A restarting job keeps its state (and the reason it restarts) until it is placed again.
-    if (job->state() == v1::JOB_STATE_PENDING && job->reason() != reason) {
-      pass.writes.push_back({job_id, v1::JOB_STATE_PENDING, reason, nullptr});
+    if (job->state() != v1::JOB_STATE_PENDING || job->reason() == reason) continue;
+    // A reason whose figures alone changed (use, fair share, a job it waits behind) is stored
+    // at most every kReasonRefresh: in a busy cluster they change with every start and end, and
+    // rewriting thousands of waiting jobs each pass would cost more than the pass itself.
+    const absl::Time now = state_->Now();
+    auto written = reason_written_.find(job_id);
+    if (written != reason_written_.end() && now - written->second < kReasonRefresh &&
+        ReasonShape(job->reason()) == ReasonShape(reason)) {
+      continue;
     }
+    reason_written_[job_id] = now;
+    pass.writes.push_back({job_id, v1::JOB_STATE_PENDING, reason, nullptr, nullptr});
   }
   for (auto& write : preempted) pass.writes.push_back(std::move(write));
   phase.Next("store");

@@ -188,6 +188,10 @@ class SchedulingPass {
     std::optional<absl::StatusOr<v1::LayoutPlan>> plan;
   };
   std::map<std::string, PlanEntry> plan_cache_ ABSL_GUARDED_BY(pass_mu_);
+  // When each waiting job's pending reason was last stored by this process: a reason that
+  // changes only in its figures is stored again after kReasonRefresh, not every pass.
+  static constexpr absl::Duration kReasonRefresh = absl::Seconds(30);
+  std::map<std::string, absl::Time> reason_written_ ABSL_GUARDED_BY(pass_mu_);
   // Each queue's decayed usage (fair_share.h), from the first pass with queues configured.
   std::optional<FairShareTracker> fair_share_ ABSL_GUARDED_BY(pass_mu_);
   // Restores fair_share_ from the store when it is created and saves it now and then.

@@ -392,6 +392,56 @@ queues:
   EXPECT_EQ(get(second).state(), v1::JOB_STATE_SCHEDULED) << get(second).reason();
 }
 
+// A pending reason whose figures alone change is stored again only after 30 s; one that says
+// something else is stored at once.
+TEST(SchedulingPassQueuesTest, AReasonWhoseFiguresAloneChangeIsStoredAtMostEvery30s) {
+  ::tessera::testing::ScopedTempDir dir("pass-reasons");
+  const std::string path = dir.path() + "/queues.yaml";
+  std::ofstream(path) << R"(
+queues:
+  - name: nlp
+    nominal: {cpu_slots: 4}
+    default_for: {users: [alice]}
+)";
+  QueuedPass queued;
+  ASSERT_NO_FATAL_FAILURE(queued.Init(path));
+  auto run = [&](absl::Duration after) {
+    queued.clock.Advance(after);
+    queued.pass->Run(/*count=*/false, /*overlap_store=*/false);
+  };
+  const std::string first = queued.Submit("alice", 1);
+  const std::string second = queued.Submit("alice", 1);
+  run(absl::Seconds(1));
+  const std::string big = queued.Submit("alice", 4);
+  run(absl::Seconds(1));
+  EXPECT_THAT(queued.Get(big).reason(), HasSubstr("queue nlp: 2 of 4 CPU slots in use, needs 4"));
+
+  // One of the two ends: the reason's figures change, nothing else.
+  ASSERT_THAT(queued.jobs->Cancel(first, "done").status(), IsOk());
+  {
+    absl::MutexLock lock(&queued.state->mu);
+    queued.state->allocations.Find(first)->task_states["n1"] = v1::TASK_STATE_STOPPED;
+  }
+  run(absl::Seconds(1));
+  run(absl::Seconds(1));
+  EXPECT_THAT(queued.Get(big).reason(), HasSubstr("2 of 4 CPU slots in use"))
+      << "not rewritten within 30 s for a figure";
+  run(absl::Seconds(30));
+  EXPECT_THAT(queued.Get(big).reason(), HasSubstr("queue nlp: 1 of 4 CPU slots in use, needs 4"));
+
+  // A reason of another shape is stored at once.
+  std::ofstream(path + ".next") << R"(
+queues:
+  - name: nlp
+    nominal: {cpu_slots: 2}
+    default_for: {users: [alice]}
+)";
+  std::filesystem::rename(path + ".next", path);
+  run(absl::Seconds(2));
+  EXPECT_THAT(queued.Get(big).reason(), Not(HasSubstr("1 of 4 CPU slots in use")));
+  EXPECT_EQ(queued.Get(second).state(), v1::JOB_STATE_SCHEDULED);
+}
+
 // A queue whose quota is lent out reclaims it: the borrowing job is asked to save a checkpoint
 // and stop, the waiting job says so, and once the victim has stopped it is queued again (no
 // restart counted) and the waiting job is placed.
