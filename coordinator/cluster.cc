@@ -236,20 +236,19 @@ void Cluster::RecordQueues(ClusterStats* stats) {
   std::map<std::string, ClusterStats::QueueFigures> figures;
   ClusterStats::QueueFigures& implicit_queue = figures[std::string(kImplicitQueue)];
   {
+    // The ledger keeps each queue's allocations and devices as they are added and erased:
+    // O(queues) here, not O(jobs).
     absl::MutexLock lock(&state_.mu);
-    for (const auto& [job_id, allocation] : state_.allocations.all()) {
-      const bool placed = allocation.phase != Allocation::Phase::kDraining;
+    for (const auto& [queue, hold] : state_.allocations.HeldByQueue()) {
       if (!implicit) {
-        auto it = stats->queues.find(CountingQueue(allocation.queue, *config));
-        if (placed && it != stats->queues.end()) ++it->second.running_jobs;
+        auto it = stats->queues.find(CountingQueue(queue, *config));
+        if (it != stats->queues.end()) it->second.running_jobs += hold.allocations;
         continue;
       }
       // Without quotas the pass counts nothing per queue: every allocation is the implicit
-      // queue's, draining ones holding their devices as in SchedulingPass.
-      if (placed) ++implicit_queue.running_jobs;
-      for (const v1::RankPlacement& rank : allocation.ranks) {
-        ++(rank.gpu_index() >= 0 ? implicit_queue.used.gpus : implicit_queue.used.cpu_slots);
-      }
+      // queue's, stopping ones holding their devices as in SchedulingPass.
+      implicit_queue.running_jobs += hold.allocations;
+      implicit_queue.used += hold.held;
     }
   }
   if (implicit) {

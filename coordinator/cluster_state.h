@@ -85,9 +85,10 @@ struct ClusterStats {
     Resources used;
     // Used beyond nominal.
     Resources borrowed;
-    // Jobs placed and not ending: an allocation running, failing or moving (SCHEDULED, RUNNING,
-    // PREEMPTED). Counted by Cluster after the pass, so it includes the pass's placements, which
-    // used and waiting_jobs (counted before them) show from the next pass on.
+    // Jobs holding devices: every allocation (SCHEDULED, RUNNING, PREEMPTED, and attempts whose
+    // ranks are still stopping). Counted by Cluster after the pass from the ledger's per-queue
+    // holds, so it includes the pass's placements, which used and waiting_jobs (counted before
+    // them) show from the next pass on.
     int64_t running_jobs = 0;
     // PENDING or RESTARTING jobs waiting for devices.
     int64_t waiting_jobs = 0;
