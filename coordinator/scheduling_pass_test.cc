@@ -285,6 +285,21 @@ TEST_F(SchedulingPassTest, AFailedAttemptIsRestartedOnceItsEndIsStored) {
   EXPECT_EQ(orders.start(0).task_id(), TaskId(job_id, 1, "n1"));
 }
 
+// Two queues of one cohort, 4 CPU slots each: alice's jobs go to nlp, bob's to vision.
+constexpr char kLabQueues[] = R"(
+cohorts:
+  - name: lab
+queues:
+  - name: nlp
+    cohort: lab
+    nominal: {cpu_slots: 4}
+    default_for: {users: [alice]}
+  - name: vision
+    cohort: lab
+    nominal: {cpu_slots: 4}
+    default_for: {users: [bob]}
+)";
+
 // A scheduling pass over one 8-slot node "n1" with a queue file, on simulated time.
 struct QueuedPass {
   // Reads the queue file at `path` and builds the pass (fatal failures on error).
@@ -321,6 +336,23 @@ struct QueuedPass {
     auto job = jobs->Get(job_id);
     EXPECT_THAT(job.status(), IsOk());
     return job.ok() ? *job : v1::Job();
+  }
+  // Takes n1's queued orders, as its heartbeat would (starts delivered, stops sent).
+  v1::HeartbeatResponse TakeOrders() {
+    absl::MutexLock lock(&state->mu);
+    v1::HeartbeatResponse orders;
+    state->nodes.TakeOrders("n1", &orders);
+    return orders;
+  }
+  // The job's state changes, in order, from its watch stream.
+  std::vector<v1::StateChange> StateChanges(const std::string& job_id) {
+    auto events = store->ReadEvents(job_id, 0, 0);
+    EXPECT_THAT(events.status(), IsOk());
+    std::vector<v1::StateChange> changes;
+    for (const auto& event : events.ok() ? *events : std::vector<v1::JobEvent>{}) {
+      if (event.has_state_change()) changes.push_back(event.state_change());
+    }
+    return changes;
   }
 
   SimulatedClock clock;
@@ -448,19 +480,7 @@ queues:
 TEST(SchedulingPassQueuesTest, LentQuotaIsReclaimedByCheckpointAndStop) {
   ::tessera::testing::ScopedTempDir dir("pass-preempt");
   const std::string path = dir.path() + "/queues.yaml";
-  std::ofstream(path) << R"(
-cohorts:
-  - name: lab
-queues:
-  - name: nlp
-    cohort: lab
-    nominal: {cpu_slots: 4}
-    default_for: {users: [alice]}
-  - name: vision
-    cohort: lab
-    nominal: {cpu_slots: 4}
-    default_for: {users: [bob]}
-)";
+  std::ofstream(path) << kLabQueues;
   QueuedPass queued;
   ASSERT_NO_FATAL_FAILURE(queued.Init(path));
   SimulatedClock& clock = queued.clock;
@@ -480,11 +500,7 @@ queues:
   run();
   ASSERT_EQ(get(own).state(), v1::JOB_STATE_SCHEDULED);
   ASSERT_EQ(get(borrowing).state(), v1::JOB_STATE_SCHEDULED);
-  {
-    absl::MutexLock lock(&state.mu);
-    v1::HeartbeatResponse orders;
-    state.nodes.TakeOrders("n1", &orders);  // the two starts, delivered
-  }
+  queued.TakeOrders();  // the two starts, delivered
 
   // nlp wants its quota back: the borrowing job is asked to checkpoint and stop.
   const std::string reclaiming = submit("alice", 4);
@@ -539,12 +555,8 @@ queues:
   EXPECT_THAT(victim.attempts(0).reason(), HasSubstr("checkpoint step 40 saved in 3.0 s"));
   EXPECT_EQ(get(own).state(), v1::JOB_STATE_SCHEDULED);
   // The watch stream tells the story: SCHEDULED -> PREEMPTED -> PENDING.
-  auto events = queued.store->ReadEvents(borrowing, 0, 0);
-  ASSERT_THAT(events.status(), IsOk());
   std::vector<v1::JobState> states;
-  for (const auto& event : *events) {
-    if (event.has_state_change()) states.push_back(event.state_change().new_state());
-  }
+  for (const auto& change : queued.StateChanges(borrowing)) states.push_back(change.new_state());
   EXPECT_THAT(states, ElementsAre(v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED,
                                   v1::JOB_STATE_PREEMPTED, v1::JOB_STATE_PENDING));
   // Counted by queue and reason for the metrics.
@@ -558,20 +570,7 @@ queues:
 TEST(SchedulingPassQueuesTest, APreemptedJobWithoutANewCheckpointSaysSo) {
   ::tessera::testing::ScopedTempDir dir("pass-preempt-late");
   const std::string path = dir.path() + "/queues.yaml";
-  std::ofstream(path) << R"(
-cohorts:
-  - name: lab
-queues:
-  - name: nlp
-    cohort: lab
-    nominal: {cpu_slots: 4}
-    default_for: {users: [alice]}
-  - name: vision
-    cohort: lab
-    nominal: {cpu_slots: 4}
-    default_for: {users: [bob]}
-preemption: {checkpoint_deadline: 30s}
-)";
+  std::ofstream(path) << kLabQueues << "preemption: {checkpoint_deadline: 30s}\n";
   QueuedPass queued;
   ASSERT_NO_FATAL_FAILURE(queued.Init(path));
   auto run = [&] {
@@ -583,11 +582,7 @@ preemption: {checkpoint_deadline: 30s}
   const std::string borrowing = queued.Submit("bob", 4);
   run();
   ASSERT_EQ(queued.Get(borrowing).state(), v1::JOB_STATE_SCHEDULED);
-  {
-    absl::MutexLock lock(&queued.state->mu);
-    v1::HeartbeatResponse orders;
-    queued.state->nodes.TakeOrders("n1", &orders);  // the two starts, delivered
-  }
+  queued.TakeOrders();  // the two starts, delivered
   const std::string reclaiming = queued.Submit("alice", 4);
   run();
   EXPECT_EQ(queued.Get(borrowing).state(), v1::JOB_STATE_PREEMPTED);
@@ -607,14 +602,9 @@ preemption: {checkpoint_deadline: 30s}
               HasSubstr("no checkpoint of step 0 saved within the deadline (30s): the ranks were "
                         "stopped"));
   // The move to PENDING says where it resumes (its reason is now why it waits).
-  auto events = queued.store->ReadEvents(borrowing, 0, 0);
-  ASSERT_THAT(events.status(), IsOk());
   std::string requeued;
-  for (const auto& event : *events) {
-    if (event.has_state_change() &&
-        event.state_change().previous_state() == v1::JOB_STATE_PREEMPTED) {
-      requeued = event.state_change().reason();
-    }
+  for (const auto& change : queued.StateChanges(borrowing)) {
+    if (change.previous_state() == v1::JOB_STATE_PREEMPTED) requeued = change.reason();
   }
   EXPECT_THAT(requeued, HasSubstr("waits to be placed again from the start"));
 }
@@ -626,20 +616,7 @@ preemption: {checkpoint_deadline: 30s}
 TEST(SchedulingPassQueuesTest, FairShareUsageSurvivesARestart) {
   ::tessera::testing::ScopedTempDir dir("pass-fair-share");
   const std::string path = dir.path() + "/queues.yaml";
-  std::ofstream(path) << R"(
-cohorts:
-  - name: lab
-queues:
-  - name: nlp
-    cohort: lab
-    nominal: {cpu_slots: 4}
-    default_for: {users: [alice]}
-  - name: vision
-    cohort: lab
-    nominal: {cpu_slots: 4}
-    default_for: {users: [bob]}
-fair_share: {half_life: 1h}
-)";
+  std::ofstream(path) << kLabQueues << "fair_share: {half_life: 1h}\n";
   QueuedPass queued;
   ASSERT_NO_FATAL_FAILURE(queued.Init(path));
   SimulatedClock& clock = queued.clock;
