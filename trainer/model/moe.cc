@@ -1,0 +1,216 @@
+#include "trainer/model/moe.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "trainer/kernels/fused_ops.h"
+#include "trainer/torch_pch.h"
+
+namespace tessera::trainer {
+namespace {
+
+// A parameter-only child module, so that the layer's names read "experts.gate" and so on
+// (register_parameter takes no dots).
+std::shared_ptr<torch::nn::Module> Holder(torch::nn::Module& parent, const std::string& name) {
+  return parent.register_module(name, std::make_shared<torch::nn::Module>());
+}
+
+torch::Tensor NewParameter(torch::nn::Module& owner, const std::string& name, at::IntArrayRef shape,
+                           const torch::TensorOptions& options, double std) {
+  torch::Tensor value = torch::empty(shape, options);
+  if (!value.is_meta()) {
+    const torch::NoGradGuard no_grad;
+    value.normal_(0.0, std);
+  }
+  return owner.register_parameter(name, value);
+}
+
+// down (silu(gate x) * up x) for x [n, in] and weights in nn.Linear's [out, in] layout.
+torch::Tensor SwiGlu(const torch::Tensor& x, const torch::Tensor& gate, const torch::Tensor& up,
+                     const torch::Tensor& down) {
+  return at::linear(FusedSwiGlu(at::linear(x, gate), at::linear(x, up)), down);
+}
+
+int64_t SharedWidth(const MoeOptions& options) {
+  return options.num_shared_experts * options.shared_intermediate_size;
+}
+
+}  // namespace
+
+absl::Status ValidateMoeOptions(const MoeOptions& options) {
+  auto positive = [](int64_t value, const char* field) {
+    return value > 0 ? absl::OkStatus()
+                     : absl::InvalidArgumentError(
+                           absl::StrCat("moe.", field, " must be positive, got ", value));
+  };
+  for (absl::Status status :
+       {positive(options.hidden_size, "hidden_size"), positive(options.num_experts, "num_experts"),
+        positive(options.top_k, "top_k"),
+        positive(options.expert_intermediate_size, "expert_intermediate_size")}) {
+    if (!status.ok()) return status;
+  }
+  if (options.top_k > options.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "moe.top_k ", options.top_k, " exceeds moe.num_experts ", options.num_experts));
+  }
+  if (options.num_shared_experts < 0 || options.shared_intermediate_size < 0 ||
+      (options.num_shared_experts > 0) != (options.shared_intermediate_size > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("moe.num_shared_experts (", options.num_shared_experts,
+                     ") and moe.shared_intermediate_size (", options.shared_intermediate_size,
+                     ") must both be positive or both be 0"));
+  }
+  if (!(options.aux_loss_coef >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("moe.aux_loss_coef must be >= 0, got ", options.aux_loss_coef));
+  }
+  if (!(options.init_std >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("moe.init_std must be >= 0, got ", options.init_std));
+  }
+  return absl::OkStatus();
+}
+
+MoeLayerImpl::MoeLayerImpl(const MoeOptions& options, const torch::TensorOptions& tensor_options)
+    : options_(options) {
+  const absl::Status valid = ValidateMoeOptions(options);
+  TORCH_CHECK(valid.ok(), valid.ToString());
+  const int64_t h = options.hidden_size, e = options.num_experts,
+                f = options.expert_intermediate_size;
+  const double std = options.init_std;
+  router_weight_ = NewParameter(*Holder(*this, "router"), "weight", {e, h}, tensor_options, std);
+  auto experts = Holder(*this, "experts");
+  expert_gate_ = NewParameter(*experts, "gate", {e, f, h}, tensor_options, std);
+  expert_up_ = NewParameter(*experts, "up", {e, f, h}, tensor_options, std);
+  expert_down_ = NewParameter(*experts, "down", {e, h, f}, tensor_options, std);
+  if (options.num_shared_experts > 0) {
+    const int64_t s = SharedWidth(options);
+    auto shared = Holder(*this, "shared");
+    shared_gate_ = NewParameter(*shared, "gate", {s, h}, tensor_options, std);
+    shared_up_ = NewParameter(*shared, "up", {s, h}, tensor_options, std);
+    shared_down_ = NewParameter(*shared, "down", {h, s}, tensor_options, std);
+    if (options.shared_expert_gate) {
+      shared_sigmoid_gate_ = NewParameter(*shared, "sigmoid_gate", {1, h}, tensor_options, std);
+    }
+  }
+}
+
+MoeRouting MoeLayerImpl::Route(const torch::Tensor& tokens) const {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) == options_.hidden_size,
+              "MoE router: tokens must be [T, ", options_.hidden_size, "], got ", tokens.sizes());
+  const torch::Tensor logits = at::linear(tokens, router_weight_);
+  MoeRouting routing;
+  // As HF: softmax in (at least) float32 over all experts, then the top k of the probabilities.
+  routing.probs = at::softmax(logits, -1, at::promote_types(logits.scalar_type(), at::kFloat));
+  auto [top_probs, indices] = routing.probs.topk(options_.top_k, /*dim=*/-1);
+  if (options_.norm_topk_prob) top_probs = top_probs / top_probs.sum(-1, /*keepdim=*/true);
+  routing.indices = indices;
+  routing.weights = top_probs.to(tokens.scalar_type());
+  return routing;
+}
+
+torch::Tensor MoeLayerImpl::RoutedExperts(const torch::Tensor& tokens, const MoeRouting& routing,
+                                          const torch::Tensor& counts) const {
+  const int64_t k = options_.top_k;
+  // Slot s = t * k + j is token t's j-th choice. A stable sort by expert groups the slots by
+  // expert and keeps each group in token order.
+  const torch::Tensor slot_experts = routing.indices.reshape(-1);
+  const torch::Tensor order =
+      std::get<1>(slot_experts.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const torch::Tensor slot_tokens = at::div(order, k, /*rounding_mode=*/"floor");
+  const torch::Tensor slot_weights = routing.weights.reshape(-1).index_select(0, order);
+
+  const torch::Tensor host_counts = counts.to(torch::kCPU);
+  const std::vector<int64_t> sizes(host_counts.data_ptr<int64_t>(),
+                                   host_counts.data_ptr<int64_t>() + host_counts.numel());
+  const std::vector<torch::Tensor> groups =
+      tokens.index_select(0, slot_tokens).split_with_sizes(sizes);
+  std::vector<torch::Tensor> outputs;
+  outputs.reserve(groups.size());
+  for (int64_t e = 0; e < options_.num_experts; ++e) {
+    if (sizes[e] == 0) continue;  // its weights get a zero gradient through the others' slices
+    outputs.push_back(SwiGlu(groups[e], expert_gate_[e], expert_up_[e], expert_down_[e]));
+  }
+  const torch::Tensor slot_outputs = torch::cat(outputs) * slot_weights.unsqueeze(1);
+  return torch::zeros_like(tokens).index_add(0, slot_tokens, slot_outputs);
+}
+
+torch::Tensor MoeLayerImpl::SharedExperts(const torch::Tensor& tokens) const {
+  torch::Tensor out = SwiGlu(tokens, shared_gate_, shared_up_, shared_down_);
+  if (shared_sigmoid_gate_.defined()) {
+    out = at::sigmoid(at::linear(tokens, shared_sigmoid_gate_)) * out;
+  }
+  return out;
+}
+
+MoeOutput MoeLayerImpl::forward(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options_.hidden_size, "MoE layer: x must be [..., ",
+              options_.hidden_size, "], got ", x.sizes());
+  const torch::Tensor tokens = x.reshape({-1, options_.hidden_size});
+  const int64_t num_tokens = tokens.size(0);
+  TORCH_CHECK(num_tokens > 0, "MoE layer: x has no tokens");
+  const MoeRouting routing = Route(tokens);
+
+  MoeOutput out;
+  out.expert_indices = routing.indices;
+  out.tokens_per_expert =
+      torch::bincount(routing.indices.reshape(-1), /*weights=*/{}, options_.num_experts);
+  torch::Tensor y = RoutedExperts(tokens, routing, out.tokens_per_expert);
+  if (shared_gate_.defined()) y = y + SharedExperts(tokens);
+  out.output = y.reshape(x.sizes());
+
+  out.router_prob_mean = routing.probs.mean(0);
+  const torch::Tensor token_fraction =
+      out.tokens_per_expert.to(routing.probs.scalar_type()) / static_cast<double>(num_tokens);
+  out.aux_loss =
+      (token_fraction * out.router_prob_mean).sum() * static_cast<double>(options_.num_experts);
+  out.weighted_aux_loss = out.aux_loss * options_.aux_loss_coef;
+  return out;
+}
+
+std::string HfMoeBlockName(HfMoeFamily family) {
+  return family == HfMoeFamily::kMixtral ? "block_sparse_moe" : "mlp";
+}
+
+absl::StatusOr<std::vector<HfMoeTensor>> HfMoeParameterNames(const MoeOptions& options,
+                                                             HfMoeFamily family) {
+  if (absl::Status valid = ValidateMoeOptions(options); !valid.ok()) return valid;
+  const bool mixtral = family == HfMoeFamily::kMixtral;
+  if (options.num_shared_experts > 0) {
+    if (mixtral) {
+      return absl::InvalidArgumentError(
+          "moe.num_shared_experts: Mixtral checkpoints have no shared experts");
+    }
+    if (options.num_shared_experts != 1 || !options.shared_expert_gate) {
+      return absl::InvalidArgumentError(
+          "moe.num_shared_experts: Qwen2-MoE checkpoints hold exactly one shared expert, gated "
+          "(shared_expert_gate)");
+    }
+  }
+  auto per_expert = [&](const char* projection) {
+    std::vector<std::string> names;
+    names.reserve(options.num_experts);
+    for (int64_t e = 0; e < options.num_experts; ++e) {
+      names.push_back(absl::StrCat("experts.", e, ".", projection, ".weight"));
+    }
+    return names;
+  };
+  std::vector<HfMoeTensor> tensors = {
+      {"router.weight", {"gate.weight"}},
+      {"experts.gate", per_expert(mixtral ? "w1" : "gate_proj"), /*stacked=*/true},
+      {"experts.up", per_expert(mixtral ? "w3" : "up_proj"), /*stacked=*/true},
+      {"experts.down", per_expert(mixtral ? "w2" : "down_proj"), /*stacked=*/true},
+  };
+  if (options.num_shared_experts > 0) {
+    tensors.push_back({"shared.gate", {"shared_expert.gate_proj.weight"}});
+    tensors.push_back({"shared.up", {"shared_expert.up_proj.weight"}});
+    tensors.push_back({"shared.down", {"shared_expert.down_proj.weight"}});
+    tensors.push_back({"shared.sigmoid_gate", {"shared_expert_gate.weight"}});
+  }
+  return tensors;
+}
+
+}  // namespace tessera::trainer
