@@ -2,8 +2,10 @@
 // QLoRA's normal-float construction (Phi^-1 through torch::special::ndtri), codes of exact
 // code-times-absmax weights, the nibble order, the rounding-error bound derived from both maps'
 // gaps, the paper's bits per parameter, and Nf4Linear against a dense linear over the
-// dequantized weight, with a LoRA adapter trained on top of a frozen NF4 base. No bitsandbytes
-// comparison: the package is not importable on the build machines.
+// dequantized weight, with a LoRA adapter trained on top of a frozen NF4 base; and against
+// bitsandbytes' quantize_4bit and dequantize_4bit themselves through a fixture that
+// nf4_bitsandbytes_golden.py wrote where bitsandbytes runs (it is not installed on the build
+// machines).
 #include "trainer/model/nf4.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -13,11 +15,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <iterator>
 #include <limits>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
+#include "trainer/model/nf4_bitsandbytes_golden.h"
 
 namespace tessera::trainer {
 namespace {
@@ -258,6 +263,76 @@ TEST(Nf4Test, RoundTripErrorWithinTheDerivedBound) {
   // Another dtype is the float32 result cast.
   EXPECT_TRUE(
       torch::equal(DequantizeNf4(*q, torch::kBFloat16), DequantizeNf4(*q).to(torch::kBFloat16)));
+}
+
+// nf4_bitsandbytes_golden.py's weight, from the same integer arithmetic.
+torch::Tensor GoldenWeight() {
+  uint64_t state = 42;
+  std::vector<float> values;
+  for (int64_t i = 0; i < nf4_golden::kRows * nf4_golden::kCols; ++i) {
+    int64_t k = 0;
+    for (int draw = 0; draw < 4; ++draw) {
+      state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+      k += static_cast<int64_t>((state >> 33) % 501) - 250;
+    }
+    if (i % 487 == 0) k *= 8;
+    values.push_back(std::ldexp(static_cast<float>(k), -12));
+  }
+  return torch::tensor(values).view({nf4_golden::kRows, nf4_golden::kCols});
+}
+
+uint64_t Fnv1a(const torch::Tensor& t) {
+  const torch::Tensor bytes = t.contiguous().view(torch::kUInt8).flatten();
+  uint64_t hash = 0xCBF29CE484222325ULL;
+  for (int64_t i = 0; i < bytes.numel(); ++i) {
+    hash = (hash ^ bytes.data_ptr<uint8_t>()[i]) * 0x100000001B3ULL;
+  }
+  return hash;
+}
+
+TEST(Nf4Test, MatchesBitsandbytesQuantize4bit) {
+  absl::StatusOr<Nf4Tensor> q = QuantizeNf4(GoldenWeight());
+  ASSERT_TRUE(q.ok()) << q.status();
+  for (int i = 0; i < 32; ++i) {
+    EXPECT_EQ(q->codes[i].item<int>(), nf4_golden::kCodesHead[i]) << "byte " << i;
+  }
+  EXPECT_EQ(Fnv1a(q->codes), nf4_golden::kCodesFnv1a);
+  absl::StatusOr<Nf4Tensor> bf16 = QuantizeNf4(GoldenWeight().to(torch::kBFloat16));
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  EXPECT_EQ(Fnv1a(bf16->codes), nf4_golden::kCodesBf16Fnv1a);
+  // The 8-bit absmax codes: bitsandbytes' CPU quantize_blockwise (0.50.2) takes the nearest
+  // value only up to ~1.3e-5 (normalised) around each midpoint (188 of 200001 points of a grid
+  // over [-1, 1] go to the farther neighbour); this weight has one absmax there, block 29, where
+  // the nearest (ours, and its CUDA kernel's rule) is the other neighbour.
+  const std::array<float, 256>& map = DynamicMap8Bit();
+  const int64_t blocks = std::size(nf4_golden::kAbsmaxCodes);
+  ASSERT_EQ(q->absmax_codes.numel(), blocks);
+  const torch::Tensor absmax = GoldenWeight().flatten().view({blocks, 64}).abs().amax(1);
+  const torch::Tensor normalized =
+      (absmax - q->absmax_offset) *
+      q->absmax_scales.reciprocal().repeat_interleave(kNf4AbsmaxBlockSize).slice(0, 0, blocks);
+  int disagreements = 0;
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int ours = q->absmax_codes[i].item<int>(), theirs = nf4_golden::kAbsmaxCodes[i];
+    if (ours == theirs) continue;
+    ++disagreements;
+    const float x = normalized[i].item<float>();
+    EXPECT_EQ(std::abs(ours - theirs), 1) << "block " << i;
+    EXPECT_LT(std::abs(x - map[ours]), std::abs(x - map[theirs])) << "block " << i;
+    EXPECT_LT(std::abs(x - (map[ours] + map[theirs]) / 2), 2e-5) << "block " << i;
+  }
+  EXPECT_EQ(disagreements, 1);
+  ASSERT_EQ(q->absmax_scales.numel(), std::size(nf4_golden::kAbsmaxScales));
+  for (int64_t i = 0; i < q->absmax_scales.numel(); ++i) {
+    EXPECT_EQ(q->absmax_scales[i].item<float>(), nf4_golden::kAbsmaxScales[i]) << "scale " << i;
+  }
+  EXPECT_EQ(q->absmax_offset.item<float>(), nf4_golden::kAbsmaxOffset);
+  // Dequantization from bitsandbytes' state gives its dequantize_4bit's bytes.
+  Nf4Tensor theirs = *q;
+  theirs.absmax_codes = torch::tensor(std::vector<uint8_t>(std::begin(nf4_golden::kAbsmaxCodes),
+                                                           std::end(nf4_golden::kAbsmaxCodes)),
+                                      torch::kUInt8);
+  EXPECT_EQ(Fnv1a(DequantizeNf4(theirs)), nf4_golden::kDequantizedFnv1a);
 }
 
 TEST(Nf4Test, ZeroBlockDequantizesToZeros) {
