@@ -139,8 +139,9 @@ class RingHop {
       : outgoing_{outgoing}, incoming_{incoming} {
     const int rank = group->getRank(), size = group->getSize();
     const int next = (rank + 1) % size, prev = (rank - 1 + size) % size;
+    // Only NCCL coalesces; asking a Gloo-only group for its CUDA backend would throw.
     const bool coalesce =
-        outgoing.is_cuda() && group->getBackend(c10::DeviceType::CUDA)->supportsCoalescing();
+        outgoing.is_cuda() && group->getBackendType() == c10d::ProcessGroup::BackendType::NCCL;
     if (coalesce) group->startCoalescing(c10::DeviceType::CUDA);
     works_.push_back(group->send(outgoing_, next, tag));
     works_.push_back(group->recv(incoming_, prev, tag));

@@ -43,8 +43,9 @@ struct Case {
   int64_t batch = 2, heads = 4, kv_heads = 4, chunk = 3, head_dim = 8;
   double tolerance = 1e-9;
   std::string Name() const {
-    return "cp" + std::to_string(cp) + (dtype == torch::kDouble ? "_f64" : "_f32") + "_heads" +
-           std::to_string(heads) + "_kv" + std::to_string(kv_heads);
+    const char* type = dtype == torch::kDouble ? "_f64" : dtype == torch::kFloat ? "_f32" : "_bf16";
+    return "cp" + std::to_string(cp) + type + "_heads" + std::to_string(heads) + "_kv" +
+           std::to_string(kv_heads);
   }
 };
 
@@ -58,18 +59,21 @@ struct Inputs {
 Inputs MakeInputs(const Case& c) {
   torch::manual_seed(1234);
   const int64_t seq = 2 * c.cp * c.chunk;
-  const auto options = torch::TensorOptions().dtype(c.dtype);
-  return {torch::randn({c.batch, c.heads, seq, c.head_dim}, options),
-          torch::randn({c.batch, c.kv_heads, seq, c.head_dim}, options),
-          torch::randn({c.batch, c.kv_heads, seq, c.head_dim}, options),
-          torch::randn({c.batch, c.heads, seq, c.head_dim}, options)};
+  const auto options = torch::TensorOptions().dtype(torch::kDouble);
+  return {torch::randn({c.batch, c.heads, seq, c.head_dim}, options).to(c.dtype),
+          torch::randn({c.batch, c.kv_heads, seq, c.head_dim}, options).to(c.dtype),
+          torch::randn({c.batch, c.kv_heads, seq, c.head_dim}, options).to(c.dtype),
+          torch::randn({c.batch, c.heads, seq, c.head_dim}, options).to(c.dtype)};
 }
 
+// In float64 whatever the inputs' dtype, so that lower precisions are measured against the
+// exact result of their (rounded) inputs.
 Attention RunReference(const Inputs& in) {
-  torch::Tensor q = in.q.clone().requires_grad_(), k = in.k.clone().requires_grad_(),
-                v = in.v.clone().requires_grad_();
+  torch::Tensor q = in.q.to(torch::kDouble).clone().requires_grad_(),
+                k = in.k.to(torch::kDouble).clone().requires_grad_(),
+                v = in.v.to(torch::kDouble).clone().requires_grad_();
   torch::Tensor out = ReferenceAttention(q, k, v);
-  out.backward(in.grad);
+  out.backward(in.grad.to(torch::kDouble));
   return {out.detach(), q.grad(), k.grad(), v.grad()};
 }
 
@@ -109,7 +113,7 @@ Attention RunRing(const Inputs& in, int cp) {
 
 double MaxDiff(const torch::Tensor& a, const torch::Tensor& b) {
   EXPECT_EQ(a.sizes(), b.sizes());
-  return (a - b).abs().max().item<double>();
+  return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
 }
 
 class RingAttentionTest : public ::testing::TestWithParam<Case> {};
@@ -125,21 +129,23 @@ TEST_P(RingAttentionTest, OutputAndGradientsEqualFullCausalAttention) {
   EXPECT_LT(MaxDiff(actual.dv, expected.dv), c.tolerance);
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, RingAttentionTest,
-                         ::testing::Values(Case{.cp = 1},  // no ring: the block math alone
-                                           Case{.cp = 2}, Case{.cp = 4},
-                                           Case{.cp = 2, .heads = 4, .kv_heads = 2},
-                                           Case{.cp = 4, .heads = 6, .kv_heads = 2, .chunk = 2},
-                                           Case{.cp = 2, .dtype = torch::kFloat, .tolerance = 1e-5},
-                                           Case{.cp = 4,
-                                                .dtype = torch::kFloat,
-                                                .heads = 4,
-                                                .kv_heads = 1,
-                                                .chunk = 4,
-                                                .tolerance = 1e-5}),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return info.param.Name();
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, RingAttentionTest,
+    ::testing::Values(
+        Case{.cp = 1},  // no ring: the block math alone
+        Case{.cp = 2}, Case{.cp = 4}, Case{.cp = 2, .heads = 4, .kv_heads = 2},
+        Case{.cp = 4, .heads = 6, .kv_heads = 2, .chunk = 2},
+        Case{.cp = 2, .dtype = torch::kFloat, .tolerance = 1e-5},
+        Case{.cp = 4,
+             .dtype = torch::kFloat,
+             .heads = 4,
+             .kv_heads = 1,
+             .chunk = 4,
+             .tolerance = 1e-5},
+        // bf16 in and out, accumulated in float32: the error
+        // of rounding results of up to ~4 to bf16, no more.
+        Case{.cp = 4, .dtype = torch::kBFloat16, .heads = 4, .kv_heads = 2, .tolerance = 3e-2}),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.Name(); });
 
 TEST(RingAttentionReferenceTest, ReferenceEqualsScaledDotProductAttention) {
   // The explicit reference against LibTorch's own causal attention, so the ring is not merely
