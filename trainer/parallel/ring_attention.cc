@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -134,17 +135,20 @@ std::pair<at::Tensor, at::Tensor> BackwardBlock(const at::Tensor& q, const at::T
 // deadlock); Gloo posts both and waits for each.
 class RingHop {
  public:
+  // `what` names the payload in errors ("K/V", "dK/dV").
   RingHop(c10d::ProcessGroup* group, const at::Tensor& outgoing, const at::Tensor& incoming,
-          int tag)
-      : outgoing_{outgoing}, incoming_{incoming} {
-    const int rank = group->getRank(), size = group->getSize();
-    const int next = (rank + 1) % size, prev = (rank - 1 + size) % size;
+          int tag, const char* what)
+      : what_(what), outgoing_{outgoing}, incoming_{incoming} {
+    const int size = group->getSize();
+    rank_ = group->getRank();
+    next_ = (rank_ + 1) % size;
+    prev_ = (rank_ - 1 + size) % size;
     // Only NCCL coalesces; asking a Gloo-only group for its CUDA backend would throw.
     const bool coalesce =
         outgoing.is_cuda() && group->getBackendType() == c10d::ProcessGroup::BackendType::NCCL;
     if (coalesce) group->startCoalescing(c10::DeviceType::CUDA);
-    works_.push_back(group->send(outgoing_, next, tag));
-    works_.push_back(group->recv(incoming_, prev, tag));
+    works_.push_back(group->send(outgoing_, next_, tag));
+    works_.push_back(group->recv(incoming_, prev_, tag));
     if (coalesce) {
       works_.clear();
       works_.push_back(group->endCoalescing(c10::DeviceType::CUDA));
@@ -153,14 +157,25 @@ class RingHop {
   RingHop(const RingHop&) = delete;
   RingHop& operator=(const RingHop&) = delete;
 
+  // Throws std::runtime_error naming both peers when the transfer fails.
   void Wait() {
-    for (auto& work : works_) {
-      if (work) WaitForPeers(work);
+    try {
+      for (auto& work : works_) {
+        if (work) WaitForPeers(work);
+      }
+    } catch (const std::exception& e) {
+      throw std::runtime_error(absl::StrCat(
+          "context-parallel peer lost: cp rank ", rank_, " could not send ", what_, " to cp rank ",
+          next_, " or receive them from cp rank ", prev_, ": ", c10::GetExceptionString(e)));
     }
     works_.clear();
   }
 
  private:
+  const char* what_;
+  int rank_ = 0;
+  int next_ = 0;
+  int prev_ = 0;
   // Kept alive until the transfer completes.
   std::vector<at::Tensor> outgoing_;
   std::vector<at::Tensor> incoming_;
@@ -186,7 +201,7 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
       at::Tensor arriving;
       if (step + 1 < size) {
         arriving = at::empty_like(held);
-        hop.emplace(group, held, arriving, kForwardKvTag);
+        hop.emplace(group, held, arriving, kForwardKvTag, "K/V");
       }
       const int64_t source = (rank - step + size) % size;
       const std::array<int64_t, 2> key_chunks = ContextParallelChunks(source, size);
@@ -248,7 +263,7 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
       at::Tensor arriving;
       if (step + 1 < size) {
         arriving = at::empty_like(held);
-        kv_hop.emplace(group, held, arriving, kBackwardKvTag);
+        kv_hop.emplace(group, held, arriving, kBackwardKvTag, "K/V");
       }
       const int64_t source = (rank - step + size) % size;
       const std::array<int64_t, 2> key_chunks = ContextParallelChunks(source, size);
@@ -280,7 +295,7 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
       if (size > 1) {
         // After the last step this hop brings each rank its own block's complete gradient.
         grad_arriving = at::empty_like(held_grad);
-        grad_hop.emplace(group, held_grad, grad_arriving, kBackwardGradTag);
+        grad_hop.emplace(group, held_grad, grad_arriving, kBackwardGradTag, "dK/dV");
       }
       if (kv_hop) {
         kv_hop->Wait();

@@ -22,18 +22,23 @@
 // Backward (exact, recomputing per block from the saved output and log-sum-exp as
 // FlashAttention does): the keys and values go around the ring again together with the
 // gradient accumulated for them; each rank adds its queries' contribution to the visiting
-// block's dK/dV and passes the accumulator on. After cp steps and one last hop each rank holds
-// the complete dK/dV of its own block; dQ never leaves the rank.
+// block's dK/dV and passes the accumulator on. Per step s the rank posts the K/V hop for step
+// s+1, computes, waits for the dK/dV accumulator of its current block (from rank r-1, sent at
+// step s-1), adds its contribution, posts that accumulator to rank r+1, then waits for the K/V
+// hop: cp-1 K/V hops and cp dK/dV hops in all. The last dK/dV hop brings each rank the complete
+// gradient of its own block; dQ never leaves the rank.
 //
 // Memory per rank beyond the inputs: forward holds two K/V blocks (the one in use and the one in
 // flight) and the output accumulator and log-sum-exp in float32 or wider, plus one block of
 // attention scores [batch, heads, local_seq/2, local_seq] at a time (explicit attention; a fused
 // kernel that returns the log-sum-exp is the performance follow-up). Saved for backward: q, k, v,
-// the output and the log-sum-exp. Backward holds two K/V blocks and two dK/dV accumulators.
+// the output and the log-sum-exp. Backward holds two K/V blocks, up to three dK/dV buffers (the
+// one being summed, the one in flight out, the one arriving) and two score-sized blocks.
 //
 // Threading: collectives are issued on the calling thread (forward) or autograd's (backward) and
 // waited for before returning; every cp rank must call with the same shapes in the same order.
-// The process group must outlive the backward pass.
+// The process group must outlive the backward pass, and no other point-to-point traffic on it
+// may use tags 41 to 43 meanwhile.
 #pragma once
 
 #include <array>
