@@ -42,10 +42,13 @@ struct Case {
   torch::ScalarType dtype = torch::kDouble;
   int64_t batch = 2, heads = 4, kv_heads = 4, chunk = 3, head_dim = 8;
   double tolerance = 1e-9;
+  // Inputs as the model makes them: [batch, seq, heads, head_dim] leaves seen through
+  // transpose(1, 2), so q, k and v reach the ring non-contiguous.
+  bool model_layout = false;
   std::string Name() const {
     const char* type = dtype == torch::kDouble ? "_f64" : dtype == torch::kFloat ? "_f32" : "_bf16";
     return "cp" + std::to_string(cp) + type + "_heads" + std::to_string(heads) + "_kv" +
-           std::to_string(kv_heads);
+           std::to_string(kv_heads) + (model_layout ? "_transposed" : "");
   }
 };
 
@@ -78,18 +81,26 @@ Attention RunReference(const Inputs& in) {
 }
 
 // Every rank's ring attention on its chunks, gathered back into global order.
-Attention RunRing(const Inputs& in, int cp) {
+Attention RunRing(const Inputs& in, int cp, bool model_layout) {
   std::vector<Attention> per_rank(cp);
   auto run_rank = [&](int rank, const ContextParallel& context) {
     auto shard = [&](const torch::Tensor& full) {
       return ShardForContextParallel(full, rank, cp, /*seq_dim=*/2);
     };
-    torch::Tensor q = shard(in.q).requires_grad_(), k = shard(in.k).requires_grad_(),
-                  v = shard(in.v).requires_grad_();
-    torch::Tensor out = RingAttention(q, k, v, context);
+    // The leaf a rank differentiates, and the [batch, heads, seq, head_dim] view of it.
+    auto leaf = [&](const torch::Tensor& full) {
+      return model_layout ? ShardForContextParallel(full.transpose(1, 2), rank, cp, /*seq_dim=*/1)
+                                .requires_grad_()
+                          : shard(full).requires_grad_();
+    };
+    auto heads_view = [&](const torch::Tensor& t) { return model_layout ? t.transpose(1, 2) : t; };
+    torch::Tensor q = leaf(in.q), k = leaf(in.k), v = leaf(in.v);
+    EXPECT_EQ(heads_view(q).is_contiguous(), !model_layout);
+    torch::Tensor out = RingAttention(heads_view(q), heads_view(k), heads_view(v), context);
     EXPECT_EQ(out.scalar_type(), in.q.scalar_type());
     out.backward(shard(in.grad));
-    per_rank[rank] = {out.detach(), q.grad(), k.grad(), v.grad()};
+    per_rank[rank] = {out.detach(), heads_view(q.grad()), heads_view(k.grad()),
+                      heads_view(v.grad())};
   };
   if (cp == 1) {
     run_rank(0, ContextParallel{});
@@ -122,7 +133,7 @@ TEST_P(RingAttentionTest, OutputAndGradientsEqualFullCausalAttention) {
   const Case& c = GetParam();
   const Inputs inputs = MakeInputs(c);
   const Attention expected = RunReference(inputs);
-  const Attention actual = RunRing(inputs, c.cp);
+  const Attention actual = RunRing(inputs, c.cp, c.model_layout);
   EXPECT_LT(MaxDiff(actual.out, expected.out), c.tolerance);
   EXPECT_LT(MaxDiff(actual.dq, expected.dq), c.tolerance);
   EXPECT_LT(MaxDiff(actual.dk, expected.dk), c.tolerance);
@@ -142,9 +153,10 @@ INSTANTIATE_TEST_SUITE_P(
              .kv_heads = 1,
              .chunk = 4,
              .tolerance = 1e-5},
-        // bf16 in and out, accumulated in float32: the error
-        // of rounding results of up to ~4 to bf16, no more.
-        Case{.cp = 4, .dtype = torch::kBFloat16, .heads = 4, .kv_heads = 2, .tolerance = 3e-2}),
+        // bf16 in and out, accumulated in float32: the error of rounding results of up to ~6
+        // to bf16, no more (measured 1.5e-2 on dV).
+        Case{.cp = 4, .dtype = torch::kBFloat16, .heads = 4, .kv_heads = 2, .tolerance = 3e-2},
+        Case{.cp = 2, .heads = 4, .kv_heads = 2, .model_layout = true}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.Name(); });
 
 TEST(RingAttentionReferenceTest, ReferenceEqualsScaledDotProductAttention) {
