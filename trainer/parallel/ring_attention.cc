@@ -88,11 +88,29 @@ at::Tensor Scores(const at::Tensor& q, const at::Tensor& k, bool causal, double 
   return scores;
 }
 
+// k or v [batch, kv_heads, n, d] with each kv head repeated for its query heads, as LibTorch's
+// flash kernel wants them (it has no grouped-query form).
+at::Tensor RepeatKvHeads(const at::Tensor& t, int64_t heads) {
+  const int64_t group = heads / t.size(1);
+  return group == 1 ? t.contiguous() : t.repeat_interleave(group, 1);
+}
+
+// Whether blocks run LibTorch's CPU flash-attention kernel (which returns the log-sum-exp and
+// takes it back in its backward) instead of explicit attention.
+bool UseFlashCpu(const at::Tensor& q, bool fused_kernel) { return fused_kernel && q.is_cpu(); }
+
 // Softmax attention of one block: the normalized output [batch, heads, m, d] and the log-sum-exp
 // of the scores [batch, heads, m]. Every query row sees at least one key (the diagonal is never
 // masked), so the log-sum-exp is finite.
 std::pair<at::Tensor, at::Tensor> AttendBlock(const at::Tensor& q, const at::Tensor& k,
-                                              const at::Tensor& v, bool causal, double scale) {
+                                              const at::Tensor& v, bool causal, double scale,
+                                              bool fused_kernel) {
+  if (UseFlashCpu(q, fused_kernel)) {
+    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+        q.contiguous(), RepeatKvHeads(k, q.size(1)), RepeatKvHeads(v, q.size(1)),
+        /*dropout_p=*/0.0, causal, /*attn_mask=*/std::nullopt, scale);
+    return {out.to(q.scalar_type()), lse.to(q.scalar_type())};
+  }
   at::Tensor scores = Scores(q, k, causal, scale);
   at::Tensor lse = scores.logsumexp(-1);
   at::Tensor probs = scores.sub_(lse.unsqueeze(-1)).exp_();
@@ -111,13 +129,24 @@ void MergeBlock(at::Tensor out, at::Tensor lse, const at::Tensor& block_out,
 }
 
 // One block's backward: adds the queries' gradient into dq and returns the block's (dk, dv)
-// contributions [batch, kv_heads, n, d]. `lse` and `delta` (rowsum(dO * O)) are the final ones
-// of the whole attention, so exp(scores - lse) is the block's share of the full softmax.
+// contributions [batch, kv_heads, n, d]. `out`, `lse` and `delta` (rowsum(dO * out)) are the
+// final ones of the whole attention, so exp(scores - lse) is the block's share of the full
+// softmax (the flash kernel computes delta from `out` itself).
 std::pair<at::Tensor, at::Tensor> BackwardBlock(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, const at::Tensor& grad_out,
-                                                const at::Tensor& lse, const at::Tensor& delta,
-                                                at::Tensor dq, bool causal, double scale) {
+                                                const at::Tensor& out, const at::Tensor& lse,
+                                                const at::Tensor& delta, at::Tensor dq, bool causal,
+                                                double scale, bool fused_kernel) {
   const int64_t kv_heads = k.size(1), group = q.size(1) / kv_heads;
+  if (UseFlashCpu(q, fused_kernel)) {
+    auto [block_dq, block_dk, block_dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.contiguous(), q.contiguous(), RepeatKvHeads(k, q.size(1)),
+        RepeatKvHeads(v, q.size(1)), out.contiguous(), lse.contiguous(), /*dropout_p=*/0.0, causal,
+        /*attn_mask=*/std::nullopt, scale);
+    dq.add_(block_dq);
+    return {block_dk.unflatten(1, {kv_heads, group}).sum(2),
+            block_dv.unflatten(1, {kv_heads, group}).sum(2)};
+  }
   at::Tensor probs =
       Scores(q, k, causal, scale).sub_(lse.unflatten(1, {kv_heads, group}).unsqueeze(-1)).exp_();
   at::Tensor grad_grouped = grad_out.unflatten(1, {kv_heads, group});
@@ -185,7 +214,7 @@ class RingHop {
 struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, int64_t group_handle, int64_t rank, int64_t size,
-                            double scale) {
+                            double scale, bool fused_kernel) {
     auto* group = reinterpret_cast<c10d::ProcessGroup*>(group_handle);
     const at::ScalarType acc = AccumulateType(q);
     const int64_t chunk = q.size(2) / 2;
@@ -212,15 +241,15 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
         at::Tensor out_half = out.narrow(2, half * chunk, chunk);
         at::Tensor lse_half = lse.narrow(2, half * chunk, chunk);
         if (plan.full_length > 0) {
-          auto [block_out, block_lse] =
-              AttendBlock(q_half, keys.narrow(2, plan.full_begin, plan.full_length),
-                          values.narrow(2, plan.full_begin, plan.full_length), false, scale);
+          auto [block_out, block_lse] = AttendBlock(
+              q_half, keys.narrow(2, plan.full_begin, plan.full_length),
+              values.narrow(2, plan.full_begin, plan.full_length), false, scale, fused_kernel);
           MergeBlock(out_half, lse_half, block_out, block_lse);
         }
         if (plan.causal_half >= 0) {
-          auto [block_out, block_lse] =
-              AttendBlock(q_half, keys.narrow(2, plan.causal_half * chunk, chunk),
-                          values.narrow(2, plan.causal_half * chunk, chunk), true, scale);
+          auto [block_out, block_lse] = AttendBlock(
+              q_half, keys.narrow(2, plan.causal_half * chunk, chunk),
+              values.narrow(2, plan.causal_half * chunk, chunk), true, scale, fused_kernel);
           MergeBlock(out_half, lse_half, block_out, block_lse);
         }
       }
@@ -234,6 +263,7 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
     ctx->saved_data["rank"] = rank;
     ctx->saved_data["size"] = size;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["fused_kernel"] = fused_kernel;
     return out.to(q.scalar_type());
   }
 
@@ -244,6 +274,7 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
     const int64_t rank = ctx->saved_data["rank"].toInt();
     const int64_t size = ctx->saved_data["size"].toInt();
     const double scale = ctx->saved_data["scale"].toDouble();
+    const bool fused_kernel = ctx->saved_data["fused_kernel"].toBool();
     const at::ScalarType acc = out.scalar_type();
     const int64_t chunk = q.size(2) / 2;
     const std::array<int64_t, 2> query_chunks = ContextParallelChunks(rank, size);
@@ -273,13 +304,14 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
         const HalfPlan plan = PlanHalf(query_chunks[half], key_chunks, chunk);
         const at::Tensor q_half = q_acc.narrow(2, half * chunk, chunk);
         const at::Tensor grad_half = grad_out.narrow(2, half * chunk, chunk);
+        const at::Tensor out_half = out.narrow(2, half * chunk, chunk);
         const at::Tensor lse_half = lse.narrow(2, half * chunk, chunk);
         const at::Tensor delta_half = delta.narrow(2, half * chunk, chunk);
         at::Tensor dq_half = dq.narrow(2, half * chunk, chunk);
         auto add_block = [&](int64_t begin, int64_t length, bool causal) {
-          auto [dk, dv] =
-              BackwardBlock(q_half, keys.narrow(2, begin, length), values.narrow(2, begin, length),
-                            grad_half, lse_half, delta_half, dq_half, causal, scale);
+          auto [dk, dv] = BackwardBlock(q_half, keys.narrow(2, begin, length),
+                                        values.narrow(2, begin, length), grad_half, out_half,
+                                        lse_half, delta_half, dq_half, causal, scale, fused_kernel);
           block_grad[0].narrow(2, begin, length).add_(dk);
           block_grad[1].narrow(2, begin, length).add_(dv);
         };
@@ -309,6 +341,7 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
     return {dq.to(q.scalar_type()),
             held_grad[0].to(k.scalar_type()),
             held_grad[1].to(v.scalar_type()),
+            at::Tensor(),
             at::Tensor(),
             at::Tensor(),
             at::Tensor(),
@@ -377,7 +410,7 @@ torch::Tensor GatherFromContextParallel(const std::vector<torch::Tensor>& shards
 }
 
 torch::Tensor RingAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const ContextParallel& cp, std::optional<double> scale) {
+                            const ContextParallel& cp, const RingAttentionOptions& options) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "ring attention takes [batch, heads, local_seq, head_dim] tensors, got q ", q.sizes(),
               ", k ", k.sizes(), ", v ", v.sizes());
@@ -400,7 +433,8 @@ torch::Tensor RingAttention(const torch::Tensor& q, const torch::Tensor& k, cons
   return RingAttentionFunction::apply(
       q, k, v, reinterpret_cast<int64_t>(cp.group.get()), static_cast<int64_t>(cp.rank),
       static_cast<int64_t>(cp.size),
-      scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3)))));
+      options.scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3)))),
+      options.fused_kernel);
 }
 
 }  // namespace tessera::trainer

@@ -29,11 +29,12 @@
 // gradient of its own block; dQ never leaves the rank.
 //
 // Memory per rank beyond the inputs: forward holds two K/V blocks (the one in use and the one in
-// flight) and the output accumulator and log-sum-exp in float32 or wider, plus one block of
-// attention scores [batch, heads, local_seq/2, local_seq] at a time (explicit attention; a fused
-// kernel that returns the log-sum-exp is the performance follow-up). Saved for backward: q, k, v,
-// the output and the log-sum-exp. Backward holds two K/V blocks, up to three dK/dV buffers (the
-// one being summed, the one in flight out, the one arriving) and two score-sized blocks.
+// flight) and the output accumulator and log-sum-exp in float32 or wider, plus, per block, either
+// the kv heads repeated for the CPU flash kernel or (explicit attention, other devices) one block
+// of scores [batch, heads, local_seq/2, local_seq]; a CUDA flash kernel is the follow-up. Saved for
+// backward: q, k, v, the output and the log-sum-exp. Backward holds two K/V blocks, up to three
+// dK/dV buffers (the one being summed, the one in flight out, the one arriving) and two score-sized
+// blocks when explicit.
 //
 // Threading: collectives are issued on the calling thread (forward) or autograd's (backward) and
 // waited for before returning; every cp rank must call with the same shapes in the same order.
@@ -80,15 +81,24 @@ torch::Tensor ShardForContextParallel(const torch::Tensor& full, int rank, int c
 torch::Tensor GatherFromContextParallel(const std::vector<torch::Tensor>& shards,
                                         int64_t seq_dim = 1);
 
+struct RingAttentionOptions {
+  // Softmax scale; 1/sqrt(head_dim) when unset.
+  std::optional<double> scale;
+  // Blocks on CPU run LibTorch's flash-attention kernel (returns the log-sum-exp, recomputes in
+  // its backward), repeating kv heads for it; otherwise, and on other devices for now, explicit
+  // attention that materializes one block of scores. Both are exact; tests run both.
+  bool fused_kernel = true;
+};
+
 // Causal attention of this rank's queries over the whole sequence's keys and values.
 // q: [batch, heads, local_seq, head_dim]; k, v: [batch, kv_heads, local_seq, head_dim] with
 // kv_heads dividing heads (grouped-query attention: query head h uses kv head h / (heads /
 // kv_heads), as scaled_dot_product_attention's enable_gqa). local_seq holds the rank's two
-// chunks as ShardForContextParallel lays them out. `scale` defaults to 1/sqrt(head_dim).
+// chunks as ShardForContextParallel lays them out.
 // Returns [batch, heads, local_seq, head_dim] in q's dtype; differentiable in q, k and v. With cp
 // of size 1 it is plain causal attention and communicates nothing. Throws c10::Error on shapes
 // that do not fit (odd local_seq, kv_heads not dividing heads, ...).
 torch::Tensor RingAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const ContextParallel& cp, std::optional<double> scale = std::nullopt);
+                            const ContextParallel& cp, const RingAttentionOptions& options = {});
 
 }  // namespace tessera::trainer

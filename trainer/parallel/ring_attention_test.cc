@@ -45,10 +45,13 @@ struct Case {
   // Inputs as the model makes them: [batch, seq, heads, head_dim] leaves seen through
   // transpose(1, 2), so q, k and v reach the ring non-contiguous.
   bool model_layout = false;
+  // RingAttentionOptions::fused_kernel: LibTorch's CPU flash kernel per block, or explicit.
+  bool fused_kernel = true;
   std::string Name() const {
     const char* type = dtype == torch::kDouble ? "_f64" : dtype == torch::kFloat ? "_f32" : "_bf16";
     return "cp" + std::to_string(cp) + type + "_heads" + std::to_string(heads) + "_kv" +
-           std::to_string(kv_heads) + (model_layout ? "_transposed" : "");
+           std::to_string(kv_heads) + (model_layout ? "_transposed" : "") +
+           (fused_kernel ? "" : "_explicit");
   }
 };
 
@@ -81,7 +84,7 @@ Attention RunReference(const Inputs& in) {
 }
 
 // Every rank's ring attention on its chunks, gathered back into global order.
-Attention RunRing(const Inputs& in, int cp, bool model_layout) {
+Attention RunRing(const Inputs& in, int cp, bool model_layout, bool fused_kernel) {
   std::vector<Attention> per_rank(cp);
   auto run_rank = [&](int rank, const ContextParallel& context) {
     auto shard = [&](const torch::Tensor& full) {
@@ -96,7 +99,9 @@ Attention RunRing(const Inputs& in, int cp, bool model_layout) {
     auto heads_view = [&](const torch::Tensor& t) { return model_layout ? t.transpose(1, 2) : t; };
     torch::Tensor q = leaf(in.q), k = leaf(in.k), v = leaf(in.v);
     EXPECT_EQ(heads_view(q).is_contiguous(), !model_layout);
-    torch::Tensor out = RingAttention(heads_view(q), heads_view(k), heads_view(v), context);
+    torch::Tensor out =
+        RingAttention(heads_view(q), heads_view(k), heads_view(v), context,
+                      RingAttentionOptions{.scale = std::nullopt, .fused_kernel = fused_kernel});
     EXPECT_EQ(out.scalar_type(), in.q.scalar_type());
     out.backward(shard(in.grad));
     per_rank[rank] = {out.detach(), heads_view(q.grad()), heads_view(k.grad()),
@@ -133,7 +138,7 @@ TEST_P(RingAttentionTest, OutputAndGradientsEqualFullCausalAttention) {
   const Case& c = GetParam();
   const Inputs inputs = MakeInputs(c);
   const Attention expected = RunReference(inputs);
-  const Attention actual = RunRing(inputs, c.cp, c.model_layout);
+  const Attention actual = RunRing(inputs, c.cp, c.model_layout, c.fused_kernel);
   EXPECT_LT(MaxDiff(actual.out, expected.out), c.tolerance);
   EXPECT_LT(MaxDiff(actual.dq, expected.dq), c.tolerance);
   EXPECT_LT(MaxDiff(actual.dk, expected.dk), c.tolerance);
@@ -156,7 +161,24 @@ INSTANTIATE_TEST_SUITE_P(
         // bf16 in and out, accumulated in float32: the error of rounding results of up to ~6
         // to bf16, no more (measured 1.5e-2 on dV).
         Case{.cp = 4, .dtype = torch::kBFloat16, .heads = 4, .kv_heads = 2, .tolerance = 3e-2},
-        Case{.cp = 2, .heads = 4, .kv_heads = 2, .model_layout = true}),
+        Case{.cp = 2, .heads = 4, .kv_heads = 2, .model_layout = true},
+        // The explicit block kernel (what other devices run for now).
+        Case{.cp = 1, .fused_kernel = false},
+        Case{.cp = 4, .heads = 6, .kv_heads = 2, .chunk = 2, .fused_kernel = false},
+        Case{.cp = 2, .heads = 4, .kv_heads = 2, .model_layout = true, .fused_kernel = false},
+        Case{.cp = 4,
+             .dtype = torch::kFloat,
+             .heads = 4,
+             .kv_heads = 1,
+             .chunk = 4,
+             .tolerance = 1e-5,
+             .fused_kernel = false},
+        Case{.cp = 4,
+             .dtype = torch::kBFloat16,
+             .heads = 4,
+             .kv_heads = 2,
+             .tolerance = 3e-2,
+             .fused_kernel = false}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.Name(); });
 
 TEST(RingAttentionReferenceTest, ReferenceEqualsScaledDotProductAttention) {
