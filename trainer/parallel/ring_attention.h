@@ -83,7 +83,7 @@ torch::Tensor GatherFromContextParallel(const std::vector<torch::Tensor>& shards
 
 struct RingAttentionOptions {
   // Softmax scale; 1/sqrt(head_dim) when unset.
-  std::optional<double> scale;
+  std::optional<double> scale = std::nullopt;
   // Blocks on CPU run LibTorch's flash-attention kernel (returns the log-sum-exp, recomputes in
   // its backward), repeating kv heads for it; otherwise, and on other devices for now, explicit
   // attention that materializes one block of scores. Both are exact; tests run both.

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -24,10 +25,12 @@ using ::testing::HasSubstr;
 
 // Full causal attention, written out: the reference the ring must equal.
 torch::Tensor ReferenceAttention(const torch::Tensor& q, const torch::Tensor& k,
-                                 const torch::Tensor& v) {
+                                 const torch::Tensor& v,
+                                 std::optional<double> scale = std::nullopt) {
   const int64_t group = q.size(1) / k.size(1), seq = q.size(2);
   const torch::Tensor keys = k.repeat_interleave(group, 1), values = v.repeat_interleave(group, 1);
-  torch::Tensor scores = torch::matmul(q, keys.transpose(-1, -2)) / std::sqrt(q.size(3));
+  torch::Tensor scores =
+      torch::matmul(q, keys.transpose(-1, -2)) * scale.value_or(1.0 / std::sqrt(q.size(3)));
   const torch::Tensor later = torch::ones({seq, seq}, torch::kBool).triu(1);
   scores = scores.masked_fill(later, -std::numeric_limits<double>::infinity());
   return torch::matmul(torch::softmax(scores, -1), values);
@@ -47,11 +50,12 @@ struct Case {
   bool model_layout = false;
   // RingAttentionOptions::fused_kernel: LibTorch's CPU flash kernel per block, or explicit.
   bool fused_kernel = true;
+  std::optional<double> scale = std::nullopt;
   std::string Name() const {
     const char* type = dtype == torch::kDouble ? "_f64" : dtype == torch::kFloat ? "_f32" : "_bf16";
     return "cp" + std::to_string(cp) + type + "_heads" + std::to_string(heads) + "_kv" +
            std::to_string(kv_heads) + (model_layout ? "_transposed" : "") +
-           (fused_kernel ? "" : "_explicit");
+           (fused_kernel ? "" : "_explicit") + (scale ? "_scaled" : "");
   }
 };
 
@@ -74,17 +78,18 @@ Inputs MakeInputs(const Case& c) {
 
 // In float64 whatever the inputs' dtype, so that lower precisions are measured against the
 // exact result of their (rounded) inputs.
-Attention RunReference(const Inputs& in) {
+Attention RunReference(const Inputs& in, std::optional<double> scale) {
   torch::Tensor q = in.q.to(torch::kDouble).clone().requires_grad_(),
                 k = in.k.to(torch::kDouble).clone().requires_grad_(),
                 v = in.v.to(torch::kDouble).clone().requires_grad_();
-  torch::Tensor out = ReferenceAttention(q, k, v);
+  torch::Tensor out = ReferenceAttention(q, k, v, scale);
   out.backward(in.grad.to(torch::kDouble));
   return {out.detach(), q.grad(), k.grad(), v.grad()};
 }
 
 // Every rank's ring attention on its chunks, gathered back into global order.
-Attention RunRing(const Inputs& in, int cp, bool model_layout, bool fused_kernel) {
+Attention RunRing(const Inputs& in, int cp, bool model_layout, bool fused_kernel,
+                  std::optional<double> scale) {
   std::vector<Attention> per_rank(cp);
   auto run_rank = [&](int rank, const ContextParallel& context) {
     auto shard = [&](const torch::Tensor& full) {
@@ -101,7 +106,7 @@ Attention RunRing(const Inputs& in, int cp, bool model_layout, bool fused_kernel
     EXPECT_EQ(heads_view(q).is_contiguous(), !model_layout);
     torch::Tensor out =
         RingAttention(heads_view(q), heads_view(k), heads_view(v), context,
-                      RingAttentionOptions{.scale = std::nullopt, .fused_kernel = fused_kernel});
+                      RingAttentionOptions{.scale = scale, .fused_kernel = fused_kernel});
     EXPECT_EQ(out.scalar_type(), in.q.scalar_type());
     out.backward(shard(in.grad));
     per_rank[rank] = {out.detach(), heads_view(q.grad()), heads_view(k.grad()),
@@ -137,8 +142,8 @@ class RingAttentionTest : public ::testing::TestWithParam<Case> {};
 TEST_P(RingAttentionTest, OutputAndGradientsEqualFullCausalAttention) {
   const Case& c = GetParam();
   const Inputs inputs = MakeInputs(c);
-  const Attention expected = RunReference(inputs);
-  const Attention actual = RunRing(inputs, c.cp, c.model_layout, c.fused_kernel);
+  const Attention expected = RunReference(inputs, c.scale);
+  const Attention actual = RunRing(inputs, c.cp, c.model_layout, c.fused_kernel, c.scale);
   EXPECT_LT(MaxDiff(actual.out, expected.out), c.tolerance);
   EXPECT_LT(MaxDiff(actual.dq, expected.dq), c.tolerance);
   EXPECT_LT(MaxDiff(actual.dk, expected.dk), c.tolerance);
@@ -161,7 +166,7 @@ INSTANTIATE_TEST_SUITE_P(
         // bf16 in and out, accumulated in float32: the error of rounding results of up to ~6
         // to bf16, no more (measured 1.5e-2 on dV).
         Case{.cp = 4, .dtype = torch::kBFloat16, .heads = 4, .kv_heads = 2, .tolerance = 3e-2},
-        Case{.cp = 2, .heads = 4, .kv_heads = 2, .model_layout = true},
+        Case{.cp = 2, .heads = 4, .kv_heads = 2, .model_layout = true}, Case{.cp = 2, .scale = 0.3},
         // The explicit block kernel (what other devices run for now).
         Case{.cp = 1, .fused_kernel = false},
         Case{.cp = 4, .heads = 6, .kv_heads = 2, .chunk = 2, .fused_kernel = false},
@@ -178,7 +183,8 @@ INSTANTIATE_TEST_SUITE_P(
              .heads = 4,
              .kv_heads = 2,
              .tolerance = 3e-2,
-             .fused_kernel = false}),
+             .fused_kernel = false},
+        Case{.cp = 2, .fused_kernel = false, .scale = 0.3}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.Name(); });
 
 TEST(RingAttentionReferenceTest, ReferenceEqualsScaledDotProductAttention) {
