@@ -28,13 +28,14 @@
 // hop: cp-1 K/V hops and cp dK/dV hops in all. The last dK/dV hop brings each rank the complete
 // gradient of its own block; dQ never leaves the rank.
 //
-// Memory per rank beyond the inputs: forward holds two K/V blocks (the one in use and the one in
-// flight) and the output accumulator and log-sum-exp in float32 or wider, plus, per block, either
-// the kv heads repeated for the CPU flash kernel or (explicit attention, other devices) one block
-// of scores [batch, heads, local_seq/2, local_seq]; a CUDA flash kernel is the follow-up. Saved for
-// backward: q, k, v, the output and the log-sum-exp. Backward holds two K/V blocks, up to three
-// dK/dV buffers (the one being summed, the one in flight out, the one arriving) and two score-sized
-// blocks when explicit.
+// Blocks compute in float32 or wider: bf16 inputs are upcast once per call, and the result is
+// cast back. Memory per rank beyond the inputs: forward holds two K/V blocks (the one in use and
+// the one in flight) and the output accumulator and log-sum-exp in float32 or wider, plus, per
+// block, either the kv heads repeated for the CPU flash kernel or (explicit attention, other
+// devices) one block of scores [batch, heads, local_seq/2, local_seq]; a CUDA flash kernel is the
+// follow-up. Saved for backward: q, k, v, the output and the log-sum-exp. Backward holds two K/V
+// blocks, up to three dK/dV buffers (the one being summed, the one in flight out, the one arriving)
+// and two score-sized blocks when explicit.
 //
 // Threading: collectives are issued on the calling thread (forward) or autograd's (backward) and
 // waited for before returning; every cp rank must call with the same shapes in the same order.
