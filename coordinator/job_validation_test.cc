@@ -188,6 +188,35 @@ std::vector<BadSpecCase> BadSpecCases() {
        },
        kInvalid,
        "parallelism.layout.tensor_parallel: 4 does not divide the model's ffn_hidden_size 250"},
+      {"MoeTopKAboveExperts",
+       [](S& s) {
+         v1::ModelDims* dims = s.mutable_model()->mutable_dims();
+         dims->set_architecture(v1::ARCHITECTURE_LLAMA);
+         dims->set_num_layers(2);
+         dims->set_hidden_size(64);
+         dims->set_num_attention_heads(4);
+         dims->set_vocab_size(257);
+         dims->set_max_seq_len(256);
+         dims->set_num_experts(4);
+         dims->set_num_experts_per_token(5);
+       },
+       kInvalid, "model.dims.num_experts_per_token: must be in [1, num_experts 4], got 5"},
+      {"MoeWithTensorParallel",
+       [](S& s) {
+         v1::ModelDims* dims = s.mutable_model()->mutable_dims();
+         dims->set_architecture(v1::ARCHITECTURE_LLAMA);
+         dims->set_num_layers(2);
+         dims->set_hidden_size(64);
+         dims->set_num_attention_heads(4);
+         dims->set_vocab_size(257);
+         dims->set_max_seq_len(256);
+         dims->set_num_experts(4);
+         dims->set_num_experts_per_token(2);
+         SetLayout(s, 1, 2, 1);
+       },
+       kInvalid,
+       "parallelism.layout.tensor_parallel: 2 with a mixture-of-experts model (num_experts 4): "
+       "not supported yet, use 1"},
       {"LayoutPipelineParallelVsLayers",
        [](S& s) {
          s.mutable_resources()->set_cpu_slots(3);

@@ -126,6 +126,50 @@ absl::StatusOr<v1::ModelDims> LlamaFamilyDims(const ConfigReader& config, bool q
   return dims;
 }
 
+// The mixture-of-experts fields of Qwen3MoeForCausalLM (MoE in every layer: decoder_sparse_step
+// 1, no mlp_only_layers) and MixtralForCausalLM (experts as wide as intermediate_size, top-k
+// weights always renormalised), added to LlamaFamilyDims' `dims`.
+absl::Status AddMoeDims(const Json& json, const ConfigReader& config, bool mixtral,
+                        v1::ModelDims& dims) {
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_num_experts,
+                             config.Int(mixtral ? "num_local_experts" : "num_experts")));
+  RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_num_experts_per_token,
+                             config.Int("num_experts_per_tok")));
+  if (mixtral) {
+    dims.set_moe_intermediate_size(dims.ffn_hidden_size());
+    dims.set_norm_topk_prob(true);
+    if (config.Has("sliding_window")) {
+      return config.Error("sliding_window", "is not supported (null only)");
+    }
+    if (config.Has("router_jitter_noise") &&
+        (!json["router_jitter_noise"].is_number() || json["router_jitter_noise"] != 0)) {
+      return config.Error("router_jitter_noise", "is not supported (0 only)");
+    }
+  } else {
+    RETURN_IF_ERROR(config.Set(dims, &v1::ModelDims::set_moe_intermediate_size,
+                               config.Int("moe_intermediate_size")));
+    RETURN_IF_ERROR(
+        config.Set(dims, &v1::ModelDims::set_norm_topk_prob, config.Bool("norm_topk_prob", false)));
+    if (config.Int("decoder_sparse_step", 1).value_or(0) != 1) {
+      return config.Error("decoder_sparse_step", "must be 1 (experts in every layer)");
+    }
+    if (config.Has("mlp_only_layers") &&
+        (!json["mlp_only_layers"].is_array() || !json["mlp_only_layers"].empty())) {
+      return config.Error("mlp_only_layers", "must be empty (experts in every layer)");
+    }
+  }
+  if (config.Has("router_aux_loss_coef")) {
+    const Json& coef = json["router_aux_loss_coef"];
+    if (!coef.is_number() || !std::isfinite(coef.get<double>()) || coef.get<double>() < 0) {
+      return config.Error("router_aux_loss_coef", "must be a finite number >= 0");
+    }
+    dims.set_router_aux_loss_coef(coef.get<double>());
+  } else {
+    dims.set_router_aux_loss_coef(0.001);  // transformers' default for both families
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::ModelDims> Gpt2Dims(const ConfigReader& config) {
   v1::ModelDims dims;
   dims.set_architecture(v1::ARCHITECTURE_GPT2);
@@ -167,10 +211,12 @@ absl::StatusOr<v1::ModelDims> ParseHfConfig(absl::string_view text, absl::string
     return config.Error("architectures", "must list exactly one architecture");
   }
   const std::string arch = json["architectures"][0].get<std::string>();
-  if (arch != kHfLlama && arch != kHfQwen3 && arch != kHfGpt2) {
-    return config.Error("architectures",
-                        absl::StrCat("'", arch, "' is not supported; supported: ",
-                                     absl::StrJoin({kHfLlama, kHfQwen3, kHfGpt2}, ", ")));
+  if (arch != kHfLlama && arch != kHfQwen3 && arch != kHfGpt2 && arch != kHfQwen3Moe &&
+      arch != kHfMixtral) {
+    return config.Error(
+        "architectures",
+        absl::StrCat("'", arch, "' is not supported; supported: ",
+                     absl::StrJoin({kHfLlama, kHfQwen3, kHfQwen3Moe, kHfMixtral, kHfGpt2}, ", ")));
   }
   if (config.Has("rope_scaling")) {
     const Json& scaling = json["rope_scaling"];
@@ -187,7 +233,11 @@ absl::StatusOr<v1::ModelDims> ParseHfConfig(absl::string_view text, absl::string
     }
   }
   if (arch == kHfGpt2) return Gpt2Dims(config);
-  return LlamaFamilyDims(config, arch == kHfQwen3);
+  const bool qwen3 = arch == kHfQwen3 || arch == kHfQwen3Moe;
+  auto dims = LlamaFamilyDims(config, qwen3);
+  if (!dims.ok() || (arch != kHfQwen3Moe && arch != kHfMixtral)) return dims;
+  RETURN_IF_ERROR(AddMoeDims(json, config, arch == kHfMixtral, *dims));
+  return dims;
 }
 
 absl::StatusOr<v1::ModelDims> ReadHfConfig(const std::string& dir) {
@@ -204,10 +254,15 @@ absl::StatusOr<v1::ModelDims> ReadHfConfig(const std::string& dir) {
 
 std::string HfArchitectureOf(const v1::ModelDims& dims) {
   if (dims.architecture() == v1::ARCHITECTURE_GPT2) return kHfGpt2;
+  if (dims.num_experts() > 0) return dims.qk_norm() ? kHfQwen3Moe : kHfMixtral;
   return dims.qk_norm() ? kHfQwen3 : kHfLlama;
 }
 
 absl::StatusOr<std::string> HfConfigJson(const v1::ModelDims& dims, absl::string_view base_json) {
+  if (dims.num_experts() > 0) {
+    return absl::UnimplementedError(
+        "export of a mixture-of-experts model to Hugging Face is not supported yet");
+  }
   Json config = Json::object();
   if (!base_json.empty()) {
     config = Json::parse(base_json.begin(), base_json.end(), nullptr, false);

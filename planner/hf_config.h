@@ -1,10 +1,11 @@
 // Hugging Face model configs: reads a transformers `config.json` (LlamaForCausalLM, including
-// Llama 3; Qwen3ForCausalLM; GPT2LMHeadModel) into tessera.v1.ModelDims, and writes one back for
-// an export, so a spec `model: {from_pretrained: DIR}` resolves without LibTorch and an exported
-// directory loads in `transformers.AutoModelForCausalLM.from_pretrained`. Only configs whose
-// forward pass Tessera's model computes exactly are accepted: anything else (other architectures,
-// rope_scaling, biases on Llama projections, sliding windows, other activations) is refused
-// rather than approximated. Plain C++: no LibTorch here.
+// Llama 3; Qwen3ForCausalLM; Qwen3MoeForCausalLM; MixtralForCausalLM; GPT2LMHeadModel) into
+// tessera.v1.ModelDims, and writes one back for an export, so a spec `model: {from_pretrained:
+// DIR}` resolves without LibTorch and an exported directory loads in
+// `transformers.AutoModelForCausalLM.from_pretrained`. Only configs whose forward pass Tessera's
+// model computes exactly are accepted: anything else (other architectures, rope_scaling, biases on
+// Llama projections, sliding windows, other activations) is refused rather than approximated. Plain
+// C++: no LibTorch here.
 #pragma once
 
 #include <string>
@@ -22,6 +23,9 @@ inline constexpr char kHfConfigFileName[] = "config.json";
 inline constexpr char kHfLlama[] = "LlamaForCausalLM";
 inline constexpr char kHfQwen3[] = "Qwen3ForCausalLM";
 inline constexpr char kHfGpt2[] = "GPT2LMHeadModel";
+// Mixture of experts, with experts in every layer (read only; export is not supported yet).
+inline constexpr char kHfQwen3Moe[] = "Qwen3MoeForCausalLM";
+inline constexpr char kHfMixtral[] = "MixtralForCausalLM";
 
 // Parses config.json text into dimensions as the config states them (ResolveModel fills the
 // remaining defaults and validates). `source` names the file in messages. INVALID_ARGUMENT naming
@@ -33,13 +37,15 @@ absl::StatusOr<v1::ModelDims> ParseHfConfig(absl::string_view json, absl::string
 // ParseHfConfig of `dir`/config.json; INVALID_ARGUMENT naming the file when it cannot be read.
 absl::StatusOr<v1::ModelDims> ReadHfConfig(const std::string& dir);
 
-// The `architectures` entry of resolved `dims`: GPT2LMHeadModel for ARCHITECTURE_GPT2,
-// Qwen3ForCausalLM for ARCHITECTURE_LLAMA with qk_norm, else LlamaForCausalLM.
+// The `architectures` entry of resolved `dims`: GPT2LMHeadModel for ARCHITECTURE_GPT2; with
+// experts Qwen3MoeForCausalLM when qk_norm, else MixtralForCausalLM; Qwen3ForCausalLM for
+// ARCHITECTURE_LLAMA with qk_norm, else LlamaForCausalLM.
 std::string HfArchitectureOf(const v1::ModelDims& dims);
 
 // config.json text for resolved `dims` with float32 weights. `base_json`, when not empty, is the
 // config the model was imported from: its other fields (token ids, ...) are kept and the
-// dimensions overwritten. INVALID_ARGUMENT when `base_json` is not a JSON object.
+// dimensions overwritten. INVALID_ARGUMENT when `base_json` is not a JSON object; UNIMPLEMENTED
+// for a mixture-of-experts model.
 absl::StatusOr<std::string> HfConfigJson(const v1::ModelDims& dims, absl::string_view base_json);
 
 }  // namespace tessera::planner

@@ -128,6 +128,84 @@ TEST(HfConfigTest, RefusesWhatTesseraDoesNotCompute) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("c.json: not a JSON object")));
 }
 
+// Qwen3-30B-A3B's and Mixtral-8x7B-v0.1's config.json as published (token ids and fields
+// Tessera ignores trimmed).
+constexpr char kQwen3_30bA3b[] = R"({
+  "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false, "decoder_sparse_step": 1,
+  "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144,
+  "max_position_embeddings": 40960, "mlp_only_layers": [], "model_type": "qwen3_moe",
+  "moe_intermediate_size": 768, "norm_topk_prob": true, "num_attention_heads": 32,
+  "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+  "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": null,
+  "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "tie_word_embeddings": false,
+  "use_sliding_window": false, "vocab_size": 151936})";
+constexpr char kMixtral8x7b[] = R"({
+  "architectures": ["MixtralForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+  "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+  "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+  "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": false,
+  "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+  "sliding_window": null, "tie_word_embeddings": false, "vocab_size": 32000})";
+
+TEST(HfConfigTest, MixtureOfExpertsConfigsGiveTheirExperts) {
+  auto qwen = ParseHfConfig(kQwen3_30bA3b, "q.json");
+  ASSERT_THAT(qwen, IsOk());
+  EXPECT_TRUE(qwen->qk_norm());
+  EXPECT_EQ(qwen->num_experts(), 128);
+  EXPECT_EQ(qwen->num_experts_per_token(), 8);
+  EXPECT_EQ(qwen->moe_intermediate_size(), 768);
+  EXPECT_TRUE(qwen->norm_topk_prob());
+  EXPECT_DOUBLE_EQ(qwen->router_aux_loss_coef(), 0.001);
+  EXPECT_EQ(HfArchitectureOf(*qwen), kHfQwen3Moe);
+  v1::ModelSpec spec;
+  *spec.mutable_dims() = *qwen;
+  auto summary = ResolveModel(spec, 4096);
+  ASSERT_THAT(summary, IsOk());
+  // Qwen's model card: 30.5B parameters, 3.3B activated (summed by hand: 30,532,122,624 and
+  // 3,353,032,704).
+  EXPECT_EQ(summary->num_parameters(), 30'532'122'624);
+  EXPECT_EQ(summary->num_active_parameters(), 3'353'032'704);
+
+  auto mixtral = ParseHfConfig(kMixtral8x7b, "m.json");
+  ASSERT_THAT(mixtral, IsOk());
+  EXPECT_FALSE(mixtral->qk_norm());
+  EXPECT_EQ(mixtral->num_experts(), 8);
+  EXPECT_EQ(mixtral->num_experts_per_token(), 2);
+  EXPECT_EQ(mixtral->moe_intermediate_size(), 14336);
+  EXPECT_TRUE(mixtral->norm_topk_prob());
+  EXPECT_EQ(HfArchitectureOf(*mixtral), kHfMixtral);
+  *spec.mutable_dims() = *mixtral;
+  summary = ResolveModel(spec, 4096);
+  ASSERT_THAT(summary, IsOk());
+  // Mistral's figures: 46.7B parameters, 12.9B active (by hand: 46,702,792,704 and
+  // 12,879,925,248).
+  EXPECT_EQ(summary->num_parameters(), 46'702'792'704);
+  EXPECT_EQ(summary->num_active_parameters(), 12'879'925'248);
+  // Export of experts is not written yet.
+  EXPECT_THAT(HfConfigJson(summary->dims(), ""),
+              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("mixture-of-experts")));
+}
+
+TEST(HfConfigTest, MixtureOfExpertsWithDenseLayersIsRefused) {
+  auto with = [](std::string json, const std::string& from, const std::string& to) {
+    json.replace(json.find(from), from.size(), to);
+    return json;
+  };
+  EXPECT_THAT(
+      ParseHfConfig(with(kQwen3_30bA3b, "\"decoder_sparse_step\": 1", "\"decoder_sparse_step\": 2"),
+                    "q.json"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("q.json: decoder_sparse_step: must be 1")));
+  EXPECT_THAT(
+      ParseHfConfig(with(kQwen3_30bA3b, "\"mlp_only_layers\": []", "\"mlp_only_layers\": [0]"),
+                    "q.json"),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("q.json: mlp_only_layers")));
+  EXPECT_THAT(
+      ParseHfConfig(with(kMixtral8x7b, "\"sliding_window\": null", "\"sliding_window\": 4096"),
+                    "m.json"),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("m.json: sliding_window")));
+}
+
 TEST(HfConfigTest, ResolveModelReadsFromPretrained) {
   const std::string dir = ::testing::TempDir() + "/hf_config_test_qwen3";
   std::filesystem::create_directories(dir);

@@ -9,6 +9,17 @@ std::optional<LayoutRuleViolation> CheckModelDivisibility(const v1::ModelDims& d
                                                           int pipeline_parallel) {
   constexpr char kTensorParallel[] = "parallelism.layout.tensor_parallel";
   const int tp = tensor_parallel;
+  if (dims.num_experts() > 0 && tp > 1) {
+    return LayoutRuleViolation{kTensorParallel,
+                               absl::StrCat(tp, " with a mixture-of-experts model (num_experts ",
+                                            dims.num_experts(), "): not supported yet, use 1")};
+  }
+  if (dims.num_experts() > 0 && pipeline_parallel > 1) {
+    return LayoutRuleViolation{
+        "parallelism.layout.pipeline_parallel",
+        absl::StrCat(pipeline_parallel, " with a mixture-of-experts model (num_experts ",
+                     dims.num_experts(), "): not supported yet, use 1")};
+  }
   const struct {
     const char* name;
     int64_t value;

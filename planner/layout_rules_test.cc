@@ -43,5 +43,18 @@ TEST(LayoutRulesTest, EachBrokenRuleNamesItsFieldAndDimension) {
             "parallelism.layout.tensor_parallel");
 }
 
+TEST(LayoutRulesTest, MixtureOfExpertsTrainsWithoutTensorOrPipelineSplits) {
+  v1::ModelDims dims = Dims(32, 8, 14336, 32);
+  dims.set_num_experts(8);
+  EXPECT_FALSE(CheckModelDivisibility(dims, 1, 1).has_value());
+  const auto tp = CheckModelDivisibility(dims, 2, 1);
+  ASSERT_TRUE(tp.has_value());
+  EXPECT_EQ(tp->field, "parallelism.layout.tensor_parallel");
+  EXPECT_NE(tp->problem.find("mixture-of-experts"), std::string::npos) << tp->problem;
+  const auto pp = CheckModelDivisibility(dims, 1, 2);
+  ASSERT_TRUE(pp.has_value());
+  EXPECT_EQ(pp->field, "parallelism.layout.pipeline_parallel");
+}
+
 }  // namespace
 }  // namespace tessera::planner

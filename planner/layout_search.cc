@@ -129,6 +129,7 @@ v1::LayoutCandidate EvaluateLayout(const Workload& w, const LayoutChoice& l,
   plan.set_gradient_accumulation_steps(static_cast<int32_t>(GradientAccumulation(w, l)));
   *plan.mutable_model()->mutable_dims() = w.dims;
   plan.mutable_model()->set_num_parameters(CountParameters(w.dims));
+  plan.mutable_model()->set_num_active_parameters(CountActiveParameters(w.dims));
   plan.mutable_model()->set_flops_per_token(FlopsPerToken(w.dims, w.seq_len));
   *plan.mutable_device() = c.device;
   plan.set_devices_per_node(c.gpus_per_node);

@@ -36,10 +36,16 @@ std::vector<LoraTarget> LoraCandidates(const v1::ModelDims& dims) {
   }
   const int64_t q = int64_t{dims.num_attention_heads()} * dims.head_dim();
   const int64_t kv = int64_t{dims.num_kv_heads()} * dims.head_dim();
-  return {{"attn.q", "self_attn.q_proj", d, q},   {"attn.k", "self_attn.k_proj", d, kv},
-          {"attn.v", "self_attn.v_proj", d, kv},  {"attn.o", "self_attn.o_proj", q, d},
-          {"mlp.gate", "mlp.gate_proj", d, f},    {"mlp.up", "mlp.up_proj", d, f},
-          {"mlp.down", "mlp.down_proj", f, d}};
+  std::vector<LoraTarget> targets = {{"attn.q", "self_attn.q_proj", d, q},
+                                     {"attn.k", "self_attn.k_proj", d, kv},
+                                     {"attn.v", "self_attn.v_proj", d, kv},
+                                     {"attn.o", "self_attn.o_proj", q, d}};
+  // Adapters on an MoE layer's experts are not supported yet: attention only.
+  if (dims.num_experts() > 0) return targets;
+  targets.insert(targets.end(), {{"mlp.gate", "mlp.gate_proj", d, f},
+                                 {"mlp.up", "mlp.up_proj", d, f},
+                                 {"mlp.down", "mlp.down_proj", f, d}});
+  return targets;
 }
 
 absl::StatusOr<ResolvedLora> ResolveLora(const v1::LoraSpec& spec, const v1::ModelDims& dims) {

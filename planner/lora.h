@@ -37,7 +37,8 @@ struct ResolvedLora {
   int64_t parameters_per_layer = 0;
 };
 
-// Every linear layer of a block of `dims`' architecture, in the block's order.
+// Every linear layer of a block of `dims` architecture that LoRA can adapt, in the block order
+// (attention only for a mixture-of-experts model: adapters on experts are not supported yet).
 std::vector<LoraTarget> LoraCandidates(const v1::ModelDims& dims);
 
 // INVALID_ARGUMENT naming the field ("lora.rank: must be > 0", "lora.target_modules: 'x' is not

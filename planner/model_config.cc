@@ -124,6 +124,49 @@ int64_t DefaultLlamaFfn(int64_t hidden) {
   return (two_thirds + 255) / 256 * 256;
 }
 
+// The mixture-of-experts fields: all unset for a dense model; else a Llama-family model with
+// top-k in [1, num_experts]. Fills moe_intermediate_size's default (ffn_hidden_size, already
+// filled). `field` maps a field name to its path for messages.
+template <typename FieldPath>
+absl::Status ValidateMoe(v1::ModelDims& dims, const FieldPath& field) {
+  if (dims.num_experts() < 0) {
+    return Invalid(field("num_experts"), absl::StrCat("must be >= 0, got ", dims.num_experts()));
+  }
+  if (dims.num_experts() == 0) {
+    const std::pair<const char*, bool> moe_only[] = {
+        {"num_experts_per_token", dims.num_experts_per_token() != 0},
+        {"moe_intermediate_size", dims.moe_intermediate_size() != 0},
+        {"norm_topk_prob", dims.norm_topk_prob()},
+        {"shared_expert_intermediate_size", dims.shared_expert_intermediate_size() != 0},
+        {"router_aux_loss_coef", dims.router_aux_loss_coef() != 0},
+    };
+    for (const auto& [name, set] : moe_only) {
+      if (set) return Invalid(field(name), "is set but num_experts is 0 (a dense model)");
+    }
+    return absl::OkStatus();
+  }
+  if (dims.architecture() != ARCHITECTURE_LLAMA) {
+    return Invalid(field("num_experts"), "mixture of experts needs ARCHITECTURE_LLAMA");
+  }
+  if (dims.num_experts_per_token() < 1 || dims.num_experts_per_token() > dims.num_experts()) {
+    return Invalid(field("num_experts_per_token"),
+                   absl::StrCat("must be in [1, num_experts ", dims.num_experts(), "], got ",
+                                dims.num_experts_per_token()));
+  }
+  if (dims.moe_intermediate_size() < 0) {
+    return Invalid(field("moe_intermediate_size"), "must be >= 0");
+  }
+  if (dims.shared_expert_intermediate_size() < 0) {
+    return Invalid(field("shared_expert_intermediate_size"), "must be >= 0");
+  }
+  if (auto s = CheckNonNegative(field("router_aux_loss_coef"), dims.router_aux_loss_coef());
+      !s.ok()) {
+    return s;
+  }
+  if (dims.moe_intermediate_size() == 0) dims.set_moe_intermediate_size(dims.ffn_hidden_size());
+  return absl::OkStatus();
+}
+
 // Fills defaults into `dims` and checks it; `prefix` is the field path for messages.
 absl::Status FillAndValidate(v1::ModelDims& dims, absl::string_view prefix) {
   auto field = [&](absl::string_view name) { return absl::StrCat(prefix, ".", name); };
@@ -174,6 +217,8 @@ absl::Status FillAndValidate(v1::ModelDims& dims, absl::string_view prefix) {
   if (dims.rope_theta() == 0) dims.set_rope_theta(10000);
   if (dims.norm_eps() == 0) dims.set_norm_eps(1e-5);
 
+  if (auto s = ValidateMoe(dims, field); !s.ok()) return s;
+
   if (llama) {
     // Rotate-half RoPE pairs the two halves of each head.
     if (dims.head_dim() % 2 != 0) {
@@ -205,14 +250,28 @@ long double ApproximateParameters(const v1::ModelDims& dims) {
   const long double d = dims.hidden_size(), f = dims.ffn_hidden_size(), v = dims.vocab_size();
   const long double q = static_cast<long double>(dims.num_attention_heads()) * dims.head_dim();
   const long double kv = static_cast<long double>(dims.num_kv_heads()) * dims.head_dim();
-  const long double per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 8 * (d + f + q);
+  const long double experts = dims.num_experts(), m = dims.moe_intermediate_size();
+  const long double mlp =
+      experts > 0 ? experts * (d + 3 * d * m) + 3 * d * dims.shared_expert_intermediate_size()
+                  : 3 * d * f;
+  const long double per_layer = d * (q + 2 * kv) + q * d + mlp + 8 * (d + f + q);
   return dims.num_layers() * per_layer + 2 * v * d +
          static_cast<long double>(dims.max_seq_len()) * d;
 }
 
-}  // namespace
+// One block's MLP parameters: the dense SwiGLU, or the router, `experts` routed experts and the
+// gated shared expert.
+int64_t LlamaMlpParameters(const v1::ModelDims& dims, int64_t experts) {
+  const int64_t d = dims.hidden_size();
+  if (dims.num_experts() == 0) return 3 * d * dims.ffn_hidden_size();
+  const int64_t shared = dims.shared_expert_intermediate_size();
+  return dims.num_experts() * d                            // router
+         + experts * 3 * d * dims.moe_intermediate_size()  // routed experts
+         + (shared > 0 ? 3 * d * shared + d : 0);          // shared expert and its gate
+}
 
-int64_t CountParameters(const v1::ModelDims& dims) {
+// CountParameters with `experts` of each MoE layer's routed experts.
+int64_t CountParametersWithExperts(const v1::ModelDims& dims, int64_t experts) {
   const int64_t d = dims.hidden_size(), f = dims.ffn_hidden_size(), v = dims.vocab_size();
   const int64_t layers = dims.num_layers();
   const int64_t untied_head = dims.tie_embeddings() ? 0 : v * d;
@@ -231,8 +290,18 @@ int64_t CountParameters(const v1::ModelDims& dims) {
                             + d * q + 2 * d * kv + q * d     // q, k, v, o
                             + (dims.qk_norm() ? 2 * hd : 0)  // q_norm, k_norm
                             + d                              // mlp norm
-                            + 3 * d * f;                     // gate, up, down
+                            + LlamaMlpParameters(dims, experts);
   return v * d + layers * per_layer + d + untied_head;
+}
+
+}  // namespace
+
+int64_t CountParameters(const v1::ModelDims& dims) {
+  return CountParametersWithExperts(dims, dims.num_experts());
+}
+
+int64_t CountActiveParameters(const v1::ModelDims& dims) {
+  return CountParametersWithExperts(dims, dims.num_experts_per_token());
 }
 
 double AttentionFlopsPerToken(const v1::ModelDims& dims, int seq_len) {
@@ -240,7 +309,8 @@ double AttentionFlopsPerToken(const v1::ModelDims& dims, int seq_len) {
 }
 
 double FlopsPerToken(const v1::ModelDims& dims, int seq_len) {
-  return 6.0 * static_cast<double>(CountParameters(dims)) + AttentionFlopsPerToken(dims, seq_len);
+  return 6.0 * static_cast<double>(CountActiveParameters(dims)) +
+         AttentionFlopsPerToken(dims, seq_len);
 }
 
 std::vector<std::string> PresetNames() {
@@ -311,6 +381,7 @@ absl::StatusOr<v1::ModelSummary> ModelForSeqLen(v1::ModelSummary summary, int se
   // max_seq_len, so it must cover the training sequence.
   if (seq_len > summary.dims().max_seq_len()) summary.mutable_dims()->set_max_seq_len(seq_len);
   summary.set_num_parameters(CountParameters(summary.dims()));
+  summary.set_num_active_parameters(CountActiveParameters(summary.dims()));
   summary.set_flops_per_token(FlopsPerToken(summary.dims(), seq_len));
   return summary;
 }

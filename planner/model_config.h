@@ -38,15 +38,19 @@ absl::StatusOr<v1::ModelSummary> ModelForSeqLen(v1::ModelSummary summary, int se
 // 1024 (...)"); rotary (ARCHITECTURE_LLAMA) models take any length. INVALID_ARGUMENT otherwise.
 absl::Status CheckSeqLen(const v1::ModelDims& dims, int seq_len);
 
-// Exact parameter count of resolved dims (tied embeddings counted once).
+// Exact parameter count of resolved dims (tied embeddings counted once; every expert).
 int64_t CountParameters(const v1::ModelDims& dims);
+
+// Parameters one token's forward uses: CountParameters, but of each MoE layer's routed experts
+// only num_experts_per_token.
+int64_t CountActiveParameters(const v1::ModelDims& dims);
 
 // FLOPs of the attention score and value matmuls per token, forward and backward, at `seq_len`:
 // 12 x layers x hidden x seq_len (the term MFU adds to 6 x parameters).
 double AttentionFlopsPerToken(const v1::ModelDims& dims, int seq_len);
 
-// Model FLOPs per trained token: 6 x parameters + AttentionFlopsPerToken (the PaLM convention
-// MFU uses).
+// Model FLOPs per trained token: 6 x active parameters + AttentionFlopsPerToken (the PaLM
+// convention MFU uses).
 double FlopsPerToken(const v1::ModelDims& dims, int seq_len);
 
 // Names of all presets, sorted.

@@ -293,5 +293,83 @@ TEST(ModelConfigTest, ExplicitDimsKeepWhatIsSet) {
   EXPECT_EQ(summary->num_parameters(), 2 * 1000LL * 4096 + 2 * layer + 4096);
 }
 
+// A small mixture of experts: LlamaSpec's attention, 8 experts of width 512, 2 per token.
+v1::ModelSpec MoeSpec() {
+  v1::ModelSpec spec = LlamaSpec();
+  v1::ModelDims* dims = spec.mutable_dims();
+  dims->set_hidden_size(256);
+  dims->set_num_attention_heads(4);
+  dims->set_num_experts(8);
+  dims->set_num_experts_per_token(2);
+  dims->set_moe_intermediate_size(512);
+  dims->set_router_aux_loss_coef(0.01);
+  return spec;
+}
+
+TEST(ModelConfigTest, MoeCountsEveryExpertAndActivatesTopK) {
+  auto summary = ResolveModel(MoeSpec(), 128);
+  ASSERT_THAT(summary, IsOk());
+  const int64_t d = 256, attention = 2 * d + 4 * d * d;  // two norms; q, k, v, o
+  const int64_t router = 8 * d, expert = 3 * d * 512;
+  const int64_t outside = 2 * 1000LL * d + d;  // embeddings, lm_head, final norm
+  EXPECT_EQ(summary->num_parameters(), outside + 2 * (attention + router + 8 * expert));
+  EXPECT_EQ(summary->num_active_parameters(), outside + 2 * (attention + router + 2 * expert));
+  EXPECT_DOUBLE_EQ(summary->flops_per_token(),
+                   6.0 * summary->num_active_parameters() + 12.0 * 2 * d * 128);
+  // A dense model's active parameters are all of them.
+  const v1::ModelSummary dense = Resolve("tiny-llama");
+  EXPECT_EQ(dense.num_active_parameters(), dense.num_parameters());
+}
+
+TEST(ModelConfigTest, MoeSharedExpertAndDefaultWidth) {
+  v1::ModelSpec spec = MoeSpec();
+  spec.mutable_dims()->set_moe_intermediate_size(0);
+  spec.mutable_dims()->set_ffn_hidden_size(384);
+  spec.mutable_dims()->set_shared_expert_intermediate_size(128);
+  auto summary = ResolveModel(spec, 128);
+  ASSERT_THAT(summary, IsOk());
+  EXPECT_EQ(summary->dims().moe_intermediate_size(), 384);
+  const int64_t d = 256, shared = 3 * d * 128 + d;  // and its sigmoid gate [1, hidden]
+  EXPECT_EQ(summary->num_parameters() - summary->num_active_parameters(),
+            2 * (8 - 2) * 3 * d * 384);
+  spec.mutable_dims()->set_shared_expert_intermediate_size(0);
+  auto without = ResolveModel(spec, 128);
+  ASSERT_THAT(without, IsOk());
+  EXPECT_EQ(summary->num_parameters() - without->num_parameters(), 2 * shared);
+}
+
+TEST(ModelConfigTest, MoeFieldsAreValidatedByName) {
+  v1::ModelSpec spec = MoeSpec();
+  spec.mutable_dims()->set_num_experts_per_token(9);
+  EXPECT_THAT(ResolveModel(spec, 128),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("model.dims.num_experts_per_token: must be in [1, num_experts "
+                                 "8], got 9")));
+  spec = MoeSpec();
+  spec.mutable_dims()->set_num_experts_per_token(0);
+  EXPECT_THAT(ResolveModel(spec, 128), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                HasSubstr("model.dims.num_experts_per_token")));
+  spec = MoeSpec();
+  spec.mutable_dims()->set_router_aux_loss_coef(-1);
+  EXPECT_THAT(ResolveModel(spec, 128), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                HasSubstr("model.dims.router_aux_loss_coef")));
+  spec = MoeSpec();
+  spec.mutable_dims()->set_num_experts(-2);
+  EXPECT_THAT(ResolveModel(spec, 128),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model.dims.num_experts")));
+  spec = MoeSpec();
+  spec.mutable_dims()->set_num_experts(0);
+  EXPECT_THAT(ResolveModel(spec, 128),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("model.dims.num_experts_per_token: is set but num_experts is 0")));
+  spec = MoeSpec();
+  spec.mutable_dims()->set_architecture(v1::ARCHITECTURE_GPT2);
+  spec.mutable_dims()->set_max_seq_len(128);
+  EXPECT_THAT(ResolveModel(spec, 128),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("model.dims.num_experts: mixture of experts needs "
+                                 "ARCHITECTURE_LLAMA")));
+}
+
 }  // namespace
 }  // namespace tessera::planner

@@ -24,6 +24,22 @@ def tiny_configs():
     }
 
 
+def tiny_moe_configs():
+    """A tiny Qwen3-MoE (experts in every layer, normalised top-k) and Mixtral, by name: 4
+    experts, 2 per token, untied."""
+    common = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, num_experts_per_tok=2, tie_word_embeddings=False,
+                  router_aux_loss_coef=0.01)
+    return {
+        "qwen3_moe": transformers.Qwen3MoeConfig(**common, head_dim=32, intermediate_size=96,
+                                                 moe_intermediate_size=48, num_experts=4,
+                                                 norm_topk_prob=True),
+        "mixtral": transformers.MixtralConfig(**common, intermediate_size=48,
+                                              num_local_experts=4),
+    }
+
+
 def make_model(config, seed):
     """A float32 model of `config` in eval mode. Norm weights and biases start at 1 and 0;
     everything is perturbed so that each tensor's mapping (and GPT-2's transposes) shows in the

@@ -19,6 +19,7 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "planner/hf_config.h"
+#include "planner/model_config.h"
 #include "trainer/io/safetensors.h"
 #include "trainer/torch_pch.h"
 
@@ -28,9 +29,14 @@ namespace {
 using Json = nlohmann::json;
 
 // A tensor as a Hugging Face file names it; `transposed`: stored [in, out] (GPT-2's Conv1D).
+// `stacked`, when not empty: the parameter is torch.stack of these tensors along a new dim 0 (an
+// MoE layer's experts), and `name` is the first of them.
 struct HfName {
+  explicit HfName(std::string name, bool transposed = false)
+      : name(std::move(name)), transposed(transposed) {}
   std::string name;
   bool transposed = false;
+  std::vector<std::string> stacked;
 };
 
 // Per-layer names: Tessera's suffix after "layers.N.", transformers' after its layer prefix.
@@ -106,6 +112,25 @@ std::optional<HfName> HfNameOf(const std::string& name, const v1::ModelDims& dim
     }
     return std::nullopt;
   };
+  if (absl::string_view moe_suffix = suffix;
+      dims.num_experts() > 0 && absl::ConsumePrefix(&moe_suffix, "mlp.")) {
+    // The mixture-of-experts block: Qwen3-MoE's when the model has qk_norm, else Mixtral's
+    // (planner::HfArchitectureOf).
+    const HfMoeFamily family = dims.qk_norm() ? HfMoeFamily::kQwenMoe : HfMoeFamily::kMixtral;
+    auto tensors = HfMoeParameterNames(MoeOptionsOf(dims, planner::kDefaultInitStd), family);
+    if (!tensors.ok()) return std::nullopt;
+    const std::string prefix =
+        absl::StrCat("model.layers.", layer, ".", HfMoeBlockName(family), ".");
+    for (const HfMoeTensor& tensor : *tensors) {
+      if (moe_suffix != tensor.name) continue;
+      HfName hf{absl::StrCat(prefix, tensor.hf_names[0])};
+      if (tensor.stacked) {
+        for (const std::string& part : tensor.hf_names) hf.stacked.push_back(prefix + part);
+      }
+      return hf;
+    }
+    return std::nullopt;
+  }
   return gpt2 ? find(kGpt2Layer, "transformer.h.") : find(kLlamaLayer, "model.layers.");
 }
 
@@ -264,6 +289,29 @@ absl::StatusOr<ParameterValues> ValuesIn(const CausalLMImpl& model, WeightFiles 
     }
     std::vector<int64_t> expected = model.ShardOf(name).global_shape;
     if (source->transposed && expected.size() == 2) std::swap(expected[0], expected[1]);
+    if (!source->stacked.empty()) {
+      // Each expert's tensor is one row of dim 0.
+      const std::vector<int64_t> row(expected.begin() + 1, expected.end());
+      if (static_cast<int64_t>(source->stacked.size()) != expected[0]) {
+        return absl::InternalError(absl::StrCat("parameter '", name, "' stacks ", expected[0],
+                                                " tensors, not ", source->stacked.size()));
+      }
+      for (const std::string& part : source->stacked) {
+        if (!files.Has(part)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(files.Where(), ": no tensor '", part, "' (for parameter ", name, ")"));
+        }
+        if (files.EntryOf(part).shape != row) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(files.Where(), ": tensor '", part, "' has shape ",
+                           ShapeString(files.EntryOf(part).shape), ", the model's config needs ",
+                           ShapeString(row)));
+        }
+        RETURN_IF_ERROR(files.CheckDtype(part));
+      }
+      sources.emplace(name, std::pair(*std::move(source), model.ShardOf(name)));
+      continue;
+    }
     const std::vector<int64_t>& stored = files.EntryOf(source->name).shape;
     if (stored != expected) {
       return absl::InvalidArgumentError(
@@ -284,7 +332,17 @@ absl::StatusOr<ParameterValues> ValuesIn(const CausalLMImpl& model, WeightFiles 
         const auto& [source, shard] = it->second;
         try {
           torch::NoGradGuard no_grad;
-          ASSIGN_OR_RETURN(torch::Tensor full, files->Read(source.name));
+          torch::Tensor full;
+          if (source.stacked.empty()) {
+            ASSIGN_OR_RETURN(full, files->Read(source.name));
+          } else {
+            std::vector<torch::Tensor> parts;
+            for (const std::string& part : source.stacked) {
+              ASSIGN_OR_RETURN(torch::Tensor value, files->Read(part));
+              parts.push_back(std::move(value));
+            }
+            full = torch::stack(parts);
+          }
           if (source.transposed) full = full.t().contiguous();
           return LocalShardOf(full, shard, tp.rank, tp.size);
         } catch (const c10::Error& e) {

@@ -307,6 +307,20 @@ void MlpImpl::AddLora(const LoraOptions& options) {
   AttachLora("mlp", "fc", up_, options, &up_lora_);
 }
 
+MoeOptions MoeOptionsOf(const v1::ModelDims& dims, double init_std) {
+  const int64_t shared = dims.shared_expert_intermediate_size();
+  return MoeOptions{.hidden_size = dims.hidden_size(),
+                    .num_experts = dims.num_experts(),
+                    .top_k = dims.num_experts_per_token(),
+                    .expert_intermediate_size = dims.moe_intermediate_size(),
+                    .norm_topk_prob = dims.norm_topk_prob(),
+                    .num_shared_experts = shared > 0 ? 1 : 0,
+                    .shared_intermediate_size = shared,
+                    .shared_expert_gate = true,
+                    .aux_loss_coef = dims.router_aux_loss_coef(),
+                    .init_std = init_std};
+}
+
 BlockImpl::BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp,
                      const torch::TensorOptions& options) {
   const bool rms = IsLlama(dims);
@@ -315,13 +329,31 @@ BlockImpl::BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp,
   attn_ = register_module("attn", Attention(dims, tp, options));
   mlp_norm_ = register_module(
       "mlp_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms, !tp.enabled(), options));
-  mlp_ = register_module("mlp", Mlp(dims, tp, options));
+  if (dims.num_experts() > 0) {
+    TORCH_CHECK(!tp.enabled(), "a mixture-of-experts model runs without tensor parallelism");
+    // The model draws every parameter itself (CausalLMImpl::InitialValue).
+    moe_ = register_module("mlp", MoeLayer(MoeOptionsOf(dims, planner::kDefaultInitStd), options));
+  } else {
+    mlp_ = register_module("mlp", Mlp(dims, tp, options));
+  }
 }
 
 void BlockImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) {
   const bool selective = mode == v1::ACTIVATION_CHECKPOINTING_SELECTIVE;
   attn_->set_recompute_core(selective);
-  mlp_->set_recompute_activation(selective);
+  if (mlp_) mlp_->set_recompute_activation(selective);  // an MoE layer keeps its activations
+}
+
+void BlockImpl::AddLora(const LoraOptions& options) {
+  attn_->AddLora(options);
+  if (mlp_) {
+    mlp_->AddLora(options);
+    return;
+  }
+  for (const std::string& target : options.targets) {
+    TORCH_CHECK(!absl::StartsWith(target, "mlp."), "LoRA target ", target,
+                ": adapters on a mixture-of-experts layer are not supported yet");
+  }
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
@@ -333,7 +365,11 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& co
   const NormAndInput attn_in = attn_norm_->ForwardKeepingInput(x);
   torch::Tensor h = ResidualAdd(attn_in.x_kept, attn_->forward(attn_in.y, cos, sin, mask));
   const NormAndInput mlp_in = mlp_norm_->ForwardKeepingInput(h);
-  return ResidualAdd(mlp_in.x_kept, mlp_->forward(mlp_in.y));
+  if (mlp_) return ResidualAdd(mlp_in.x_kept, mlp_->forward(mlp_in.y));
+  MoeOutput moe = moe_->forward(mlp_in.y);
+  last_router_ = RouterStats{.tokens_per_expert = moe.tokens_per_expert,
+                             .router_prob_mean = moe.router_prob_mean};
+  return ResidualAdd(mlp_in.x_kept, moe.output);
 }
 
 CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
@@ -459,7 +495,8 @@ torch::Tensor CausalLMImpl::InitialValue(const std::string& name) const {
     // smaller to keep the residual stream's variance independent of depth.
     const bool residual =
         absl::EndsWith(name, ".attn.proj.weight") || absl::EndsWith(name, ".attn.o.weight") ||
-        absl::EndsWith(name, ".mlp.proj.weight") || absl::EndsWith(name, ".mlp.down.weight");
+        absl::EndsWith(name, ".mlp.proj.weight") || absl::EndsWith(name, ".mlp.down.weight") ||
+        absl::EndsWith(name, ".mlp.experts.down") || absl::EndsWith(name, ".mlp.shared.down");
     const double std = residual ? init_std_ / std::sqrt(2.0 * dims_.num_layers()) : init_std_;
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(init_seed_ ^ NameHash(name));
     full = torch::empty(shard.global_shape, torch::kFloat32);
@@ -547,20 +584,53 @@ torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h, const torch::Tensor& posi
       sin = rope_sin_.narrow(0, 0, seq);
     }
   }
+  router_stats_.clear();
   for (int i = 0; i < num_local_layers(); ++i) {
     if (hooks_ != nullptr) hooks_->BeforeLayer(i);
     std::shared_ptr<BlockImpl> block = blocks_[i];
     if (checkpointing_ == v1::ACTIVATION_CHECKPOINTING_FULL) {
-      h = Checkpoint(
-          [block, cos, sin, mask](const std::vector<torch::Tensor>& in)
-              -> std::vector<torch::Tensor> { return {block->forward(in[0], cos, sin, mask)}; },
-          {h})[0];
+      // An MoE block's router probabilities leave the checkpoint as a second output, so that the
+      // load-balancing loss backpropagates through the recomputed router.
+      std::vector<torch::Tensor> out = Checkpoint(
+          [block, cos, sin, mask](const std::vector<torch::Tensor>& in) {
+            std::vector<torch::Tensor> result = {block->forward(in[0], cos, sin, mask)};
+            if (block->is_moe()) result.push_back(block->last_router().router_prob_mean);
+            return result;
+          },
+          {h});
+      h = out[0];
+      if (block->is_moe()) {
+        router_stats_.push_back(
+            RouterStats{.tokens_per_expert = block->last_router().tokens_per_expert,
+                        .router_prob_mean = out[1]});
+      }
     } else {
       h = block->forward(h, cos, sin, mask);
+      if (block->is_moe()) router_stats_.push_back(block->last_router());
     }
     if (hooks_ != nullptr) h = hooks_->AfterLayer(i, std::move(h));
   }
   return h;
+}
+
+torch::Tensor CausalLMImpl::RouterAuxLoss() {
+  // Every layer routes the same tokens, so f_e over all layers' slots is the summed counts over
+  // layers * tokens, and P_e the mean of the layers' means.
+  std::vector<torch::Tensor> counts, probs;
+  for (const RouterStats& stats : router_stats_) {
+    counts.push_back(stats.tokens_per_expert);
+    probs.push_back(stats.router_prob_mean);
+  }
+  const torch::Tensor per_layer = torch::stack(counts);  // [layers, experts]
+  const torch::Tensor prob_mean = torch::stack(probs).mean(0);
+  const torch::Tensor slots = per_layer.sum().to(prob_mean.scalar_type());
+  const double top_k = dims_.num_experts_per_token();
+  // f_e sums to top_k: a share of the tokens (slots / top_k), not of the slots.
+  const torch::Tensor fraction = per_layer.sum(0).to(prob_mean.scalar_type()) * top_k / slots;
+  torch::Tensor aux = static_cast<double>(dims_.num_experts()) * (fraction * prob_mean).sum();
+  last_router_aux_loss_ = aux.detach();
+  last_tokens_per_expert_ = per_layer;
+  return aux;
 }
 
 torch::Tensor CausalLMImpl::HeadLoss(const torch::Tensor& hidden, const torch::Tensor& targets) {
@@ -597,7 +667,12 @@ torch::Tensor CausalLMImpl::StageForward(const torch::Tensor& input, const torch
   h = RunLayers(std::move(h), positions);
   if (!partition_.head) return h;
   TORCH_CHECK(targets.defined(), "the last stage needs targets");
-  return HeadLoss(h, targets);
+  torch::Tensor loss = HeadLoss(h, targets);
+  if (router_stats_.empty()) return loss;
+  TORCH_CHECK(partition_.embedding, "a mixture-of-experts model runs without pipeline stages");
+  torch::Tensor aux = RouterAuxLoss();
+  if (!is_training() || dims_.router_aux_loss_coef() == 0) return loss;
+  return loss + dims_.router_aux_loss_coef() * aux.to(loss.scalar_type());
 }
 
 torch::Tensor CausalLMImpl::forward(const torch::Tensor& tokens, const torch::Tensor& positions) {
@@ -608,6 +683,7 @@ torch::Tensor CausalLMImpl::forward(const torch::Tensor& tokens, const torch::Te
   TORCH_CHECK(seq <= dims_.max_seq_len(), "sequence length ", seq, " exceeds max_seq_len ",
               dims_.max_seq_len());
   torch::Tensor h = final_norm_->forward(RunLayers(Embed(tokens, positions), positions));
+  if (!router_stats_.empty()) RouterAuxLoss();
   return F::linear(h, lm_head_.defined() ? lm_head_ : embed_->weight);
 }
 

@@ -3,6 +3,8 @@
 // picked by ModelDims.architecture. Parameters are float32; the caller applies bf16 autocast, and
 // the numerically sensitive parts (norms, rotary, loss) compute in float32 regardless. Built from
 // dimensions that planner::ResolveModel has validated and filled in; errors surface as c10::Error.
+// With dims.num_experts > 0 every block's MLP is a mixture of experts (moe.h) and the training
+// loss adds the routers' load-balancing loss.
 // Activation checkpointing (v1::ActivationCheckpointing) trades recompute for activation memory,
 // and LayerHooks let a sharded engine (ZeRO-3) act around each transformer layer.
 #pragma once
@@ -22,6 +24,7 @@
 #include "tessera/v1/layout.pb.h"
 #include "tessera/v1/model.pb.h"
 #include "trainer/kernels/fused_ops.h"
+#include "trainer/model/moe.h"
 #include "trainer/parallel/tensor_parallel.h"
 
 namespace tessera::trainer {
@@ -179,7 +182,20 @@ class MlpImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-// Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
+// The MoE layer of resolved `dims` (num_experts > 0), parameters drawn with `init_std`.
+MoeOptions MoeOptionsOf(const v1::ModelDims& dims, double init_std);
+
+// What an MoE block's router decided in its last forward call (both undefined for a dense block).
+struct RouterStats {
+  // Token slots routed to each expert, int64 [num_experts] (MoeOutput::tokens_per_expert).
+  torch::Tensor tokens_per_expert;
+  // Mean router probability of each expert, differentiable, [num_experts].
+  torch::Tensor router_prob_mean;
+};
+
+// Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is an MoE layer
+// when dims.num_experts > 0 (registered as "mlp" too, so its parameters read
+// "layers.N.mlp.router.weight", "layers.N.mlp.experts.gate", ...).
 class BlockImpl : public torch::nn::Module {
  public:
   // `options`: the parameters' (float32, on the CPU or the meta device).
@@ -189,18 +205,21 @@ class BlockImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask = {});
   Attention& attention() { return attn_; }
-  Mlp& mlp() { return mlp_; }
+  Mlp& mlp() { return mlp_; }  // null for an MoE block
+  bool is_moe() const { return !moe_.is_empty(); }
+  // The MoE layer's routing in the last forward call (not thread-safe, as the module).
+  const RouterStats& last_router() const { return last_router_; }
   // SELECTIVE recomputation inside the block; NONE and FULL (done by the caller) keep everything.
   void SetActivationCheckpointing(v1::ActivationCheckpointing mode);
-  void AddLora(const LoraOptions& options) {
-    attn_->AddLora(options);
-    mlp_->AddLora(options);
-  }
+  // LoRA on an MoE block's experts is not supported yet (c10::Error when targets name "mlp.").
+  void AddLora(const LoraOptions& options);
 
  private:
   Norm attn_norm_{nullptr}, mlp_norm_{nullptr};
   Attention attn_{nullptr};
   Mlp mlp_{nullptr};
+  MoeLayer moe_{nullptr};
+  RouterStats last_router_;
 };
 TORCH_MODULE(Block);
 
@@ -263,6 +282,17 @@ class CausalLMImpl : public torch::nn::Module {
   // alone in a sample.
   torch::Tensor StageForward(const torch::Tensor& input, const torch::Tensor& targets,
                              const torch::Tensor& positions = {});
+  // Mixture-of-experts models: the routers' load-balancing loss of the last forward call (on this
+  // rank's layers), detached: transformers' load_balancing_loss_func over every layer's routing at
+  // once, num_experts * sum_e f_e P_e with f_e the share of token slots routed to expert e and P_e
+  // its mean router probability over all layers' tokens. In training mode (is_training()) the
+  // loss StageForward and Loss return adds router_aux_loss_coef times it (differentiable through
+  // P), as transformers' MoE models do. Undefined for a dense model or before a forward.
+  torch::Tensor last_router_aux_loss() const { return last_router_aux_loss_; }
+  // Token slots routed to each expert by each of this rank's layers in the last forward call,
+  // int64 [local layers, num_experts]; undefined for a dense model.
+  torch::Tensor last_tokens_per_expert() const { return last_tokens_per_expert_; }
+
   // Parameters that get weight decay (matrices and embeddings, dim >= 2) and those that do not
   // (biases, norm weights).
   std::vector<torch::Tensor> DecayParameters();
@@ -316,6 +346,9 @@ class CausalLMImpl : public torch::nn::Module {
   torch::Tensor Embed(const torch::Tensor& tokens, const torch::Tensor& positions);
   torch::Tensor RunLayers(torch::Tensor h, const torch::Tensor& positions);
   torch::Tensor HeadLoss(const torch::Tensor& h, const torch::Tensor& targets);
+  // The load-balancing loss of the routing RunLayers collected (differentiable); sets the
+  // last_router_* members.
+  torch::Tensor RouterAuxLoss();
 
   v1::ModelDims dims_;
   ModelPartition partition_;
@@ -333,6 +366,8 @@ class CausalLMImpl : public torch::nn::Module {
   LoraOptions lora_;
   v1::ActivationCheckpointing checkpointing_ = v1::ACTIVATION_CHECKPOINTING_NONE;
   LayerHooks* hooks_ = nullptr;
+  std::vector<RouterStats> router_stats_;  // RunLayers' last call, one per MoE layer
+  torch::Tensor last_router_aux_loss_, last_tokens_per_expert_;
 };
 TORCH_MODULE(CausalLM);
 

@@ -43,7 +43,7 @@ TrainLoop::TrainLoop(const v1::TrainerTask& task, const TrainOptions& options,
       // With LoRA the frozen base computes no weight gradients: 2N fewer per token (the
       // planner's LoRA model).
       flops_per_token_(run.summary.flops_per_token() -
-                       (run.lora.has_value() ? 2.0 * run.summary.num_parameters() : 0.0)) {
+                       (run.lora.has_value() ? 2.0 * run.summary.num_active_parameters() : 0.0)) {
   result_.start_step = run.start_step;
   result_.resumed_from = run.resumed_from;
 }
@@ -241,6 +241,9 @@ void TrainLoop::ReportStep(double loss, double grad_norm, double learning_rate, 
     m->set_tokens_seen(tokens_seen_);
     m->set_max_steps(run_.max_steps);
     m->set_checkpoint_blocked_seconds(checkpoint_blocked_seconds_);
+    if (const at::Tensor aux = run_.model->last_router_aux_loss(); aux.defined()) {
+      m->set_router_aux_loss(aux.item<double>());
+    }
     m->set_epoch(static_cast<double>(step_) * spec_.batch().global_batch_size() /
                  static_cast<double>(run_.samples_per_epoch));
     *m->mutable_time() = report.time();
