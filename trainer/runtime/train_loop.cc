@@ -40,10 +40,15 @@ TrainLoop::TrainLoop(const v1::TrainerTask& task, const TrainOptions& options,
       step_(run.start_step),
       tokens_seen_(run.tokens_seen),
       peak_flops_(PeakFlopsForDevice(run.device.name)),
-      // With LoRA the frozen base computes no weight gradients: 2N fewer per token (the
-      // planner's LoRA model).
+      // With LoRA the frozen base computes no weight gradients: 2N fewer per token, N the
+      // parameters active per token (the planner's LoRA model). A plan stored before MoE has no
+      // active count: every parameter is active there.
       flops_per_token_(run.summary.flops_per_token() -
-                       (run.lora.has_value() ? 2.0 * run.summary.num_active_parameters() : 0.0)) {
+                       (run.lora.has_value()
+                            ? 2.0 * static_cast<double>(run.summary.num_active_parameters() > 0
+                                                            ? run.summary.num_active_parameters()
+                                                            : run.summary.num_parameters())
+                            : 0.0)) {
   result_.start_step = run.start_step;
   result_.resumed_from = run.resumed_from;
 }
