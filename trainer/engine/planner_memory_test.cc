@@ -425,7 +425,7 @@ TEST(PlannerMemoryTest, TensorAndPipelineShardsMatchThePlannerPerRank) {
       const RankResult& r = results[rank];
       ASSERT_EQ(r.error, "");
       // The trainer's world layout: pipeline outermost, tensor innermost.
-      EXPECT_EQ(DeviceMesh::RankAt(shape, {r.stage, r.dp_rank, r.tp_rank}), rank);
+      EXPECT_EQ(DeviceMesh::RankAt(shape, {.pp = r.stage, .dp = r.dp_rank, .tp = r.tp_rank}), rank);
       const v1::MemoryEstimate& estimate = estimates.at(r.stage);
       const EngineMemory& m = r.memory;
       std::cout << c.name << " rank " << rank << " (pp " << r.stage << ", dp " << r.dp_rank

@@ -31,8 +31,9 @@ std::optional<PipelineSchedule> MakePipelineSchedule(const DeviceMesh& mesh,
   if (stages <= 1) return std::nullopt;
   std::vector<int> stage_ranks;
   for (int s = 0; s < stages; ++s) {
-    stage_ranks.push_back(DeviceMesh::RankAt(
-        mesh.shape(), {s, mesh.coord(MeshDim::kData), mesh.coord(MeshDim::kTensor)}));
+    MeshCoords coords = mesh.coords();
+    coords.pp = s;
+    stage_ranks.push_back(DeviceMesh::RankAt(mesh.shape(), coords));
   }
   return std::make_optional<PipelineSchedule>(
       mesh.group(MeshDim::kPipeline), mesh.coord(MeshDim::kPipeline), std::move(stage_ranks),
