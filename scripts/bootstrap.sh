@@ -23,6 +23,8 @@ readonly TORCH_SERIES="2.11."
 # comes with transformers).
 readonly TRANSFORMERS_PIN="transformers==4.57.1"
 readonly PEFT_PIN="peft==0.17.1"
+# tests/tensorboard_test.py reads the trainer's event files with tensorboard's own reader.
+readonly TENSORBOARD_PIN="tensorboard==2.20.0"
 
 readonly APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
@@ -30,6 +32,7 @@ readonly APT_PACKAGES=(
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
   libyaml-cpp-dev nlohmann-json3-dev libsqlite3-dev libsentencepiece-dev libgloo-dev
   libssl-dev libxxhash-dev python3-venv
+  libisal-dev  # CRC32C of TensorBoard's event files (trainer/report/tensorboard_writer.cc)
   libjemalloc-dev  # tessera-coordinator's allocator (coordinator/CMakeLists.txt)
   prometheus  # promtool: tests lint the /metrics exposition with it
   # The fuzz build (tests/fuzz): clang, libFuzzer and the sanitizer runtimes
@@ -121,7 +124,7 @@ find_or_install_torch() {
     fi
     # Once per pin, also into a venv made before it; never touches torch (a failure only logs:
     # the test that needs it skips).
-    for pin in "$TRANSFORMERS_PIN" "$PEFT_PIN"; do
+    for pin in "$TRANSFORMERS_PIN" "$PEFT_PIN" "$TENSORBOARD_PIN"; do
       if [[ ! -f "$venv/.$pin" ]]; then
         log "installing $pin into $venv (once)"
         "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir "$pin" >&2 &&

@@ -2,11 +2,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/timestamp.h"
+#include "trainer/report/tensorboard_reports.h"
 
 namespace tessera::trainer {
 
-RunReporter::RunReporter(const v1::TrainerTask& task, Reporter& reporter, std::ostream* log)
-    : task_(task), reporter_(reporter), log_(log) {}
+RunReporter::RunReporter(const v1::TrainerTask& task, Reporter& reporter, std::ostream* log,
+                         TensorBoardWriter* tensorboard)
+    : task_(task), reporter_(reporter), log_(log), tensorboard_(tensorboard) {}
 
 void RunReporter::Log(const std::string& line) const {
   if (log_ != nullptr) *log_ << "[rank " << rank() << "] " << line << std::endl;
@@ -24,6 +26,14 @@ v1::TrainerReport RunReporter::NewReport() const {
 void RunReporter::Send(const v1::TrainerReport& report) const {
   if (auto status = reporter_.Send(report); !status.ok()) {
     Log(absl::StrCat("report not delivered: ", status.ToString()));
+  }
+  if (tensorboard_ == nullptr) return;
+  WriteToTensorBoard(report, *tensorboard_);
+  if (report.has_finished() || report.has_failure()) {
+    // The writer keeps its first error and returns it from every flush: logged once, here.
+    if (auto status = tensorboard_->Flush(); !status.ok()) {
+      Log(absl::StrCat("TensorBoard events not written: ", status.ToString()));
+    }
   }
 }
 

@@ -13,13 +13,17 @@
 #include "absl/status/status.h"
 #include "tessera/v1/trainer.pb.h"
 #include "trainer/report/reporter.h"
+#include "trainer/report/tensorboard_writer.h"
 
 namespace tessera::trainer {
 
 class RunReporter {
  public:
-  // `log` may be null (no progress lines); `task` and `reporter` must outlive this.
-  RunReporter(const v1::TrainerTask& task, Reporter& reporter, std::ostream* log);
+  // `log` may be null (no progress lines); `tensorboard` may be null (no event files): when set,
+  // every report sent also goes there (tensorboard_reports.h). `task`, `reporter` and
+  // `tensorboard` must outlive this.
+  RunReporter(const v1::TrainerTask& task, Reporter& reporter, std::ostream* log,
+              TensorBoardWriter* tensorboard = nullptr);
 
   int rank() const { return task_.assignment().rank(); }
 
@@ -27,7 +31,8 @@ class RunReporter {
   void Log(const std::string& line) const;
   // A report with the job, attempt, rank and the time now filled in.
   v1::TrainerReport NewReport() const;
-  // Sends `report`; a report that cannot be delivered is logged, not returned.
+  // Sends `report` (and writes it to TensorBoard; a finished or failed run's events are flushed
+  // there); a report that cannot be delivered or written is logged, not returned.
   void Send(const v1::TrainerReport& report) const;
   // Reports the failure of this rank at `step` (stamped with the time it was reported, by which
   // the worker blames the first failure of a task) and logs it.
@@ -37,6 +42,7 @@ class RunReporter {
   const v1::TrainerTask& task_;
   Reporter& reporter_;
   std::ostream* log_;
+  TensorBoardWriter* tensorboard_;
 };
 
 }  // namespace tessera::trainer

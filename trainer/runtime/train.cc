@@ -1,5 +1,6 @@
 #include "trainer/runtime/train.h"
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "planner/devices.h"
+#include "trainer/report/tensorboard_reports.h"
 #include "trainer/runtime/run_builder.h"
 #include "trainer/runtime/run_reporter.h"
 #include "trainer/runtime/train_loop.h"
@@ -75,6 +77,20 @@ absl::Status BuildAndTrain(const v1::TrainerTask& task, const TrainOptions& opti
   return loop->Run(kind);
 }
 
+// Rank 0's TensorBoard event file under <checkpoint directory>/tensorboard, with the spec and the
+// plan as text; null for other ranks, without a checkpoint directory, or when it cannot be made
+// (logged: TensorBoard is not worth failing a job for).
+std::unique_ptr<TensorBoardWriter> OpenTensorBoard(const v1::TrainerTask& task, std::ostream* log) {
+  if (task.assignment().rank() != 0 || task.checkpoint_directory().empty()) return nullptr;
+  auto writer = TensorBoardWriter::Open(task.checkpoint_directory() + "/tensorboard");
+  if (!writer.ok()) {
+    if (log != nullptr) *log << "[rank 0] no TensorBoard events: " << writer.status() << std::endl;
+    return nullptr;
+  }
+  WriteTaskText(task, 0, **writer);
+  return *std::move(writer);
+}
+
 }  // namespace
 
 double PeakFlopsForDevice(const std::string& device_name) {
@@ -87,7 +103,8 @@ absl::StatusOr<TrainResult> RunTraining(const v1::TrainerTask& task, Reporter& r
                                         const TrainOptions& options) {
   // Declared in this order so that each outlives what refers to it: the run's checkpointer
   // reports through `run_reporter` while it finishes a save, and the loop reads the run.
-  const RunReporter run_reporter(task, reporter, options.log);
+  std::unique_ptr<TensorBoardWriter> tensorboard = OpenTensorBoard(task, options.log);
+  const RunReporter run_reporter(task, reporter, options.log, tensorboard.get());
   TrainingRun run;
   std::optional<TrainLoop> loop;
   absl::Status status;
