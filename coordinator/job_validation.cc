@@ -6,6 +6,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -164,7 +165,7 @@ absl::Status ValidateBatch(const v1::JobSpec& spec) {
 }
 
 absl::Status ValidateExplicitLayout(const v1::Layout& layout, const v1::ResourceRequest& resources,
-                                    const v1::ModelDims& dims) {
+                                    const v1::ModelDims& dims, int seq_len) {
   const struct {
     const char* name;
     int value;
@@ -183,19 +184,42 @@ absl::Status ValidateExplicitLayout(const v1::Layout& layout, const v1::Resource
     return Invalid("parallelism.layout.zero_stage",
                    absl::StrCat("must be in 0..", kMaxZeroStage, ", got ", layout.zero_stage()));
   }
-  const int64_t world =
-      int64_t{layout.data_parallel()} * layout.tensor_parallel() * layout.pipeline_parallel();
+  // Context parallelism multiplies the ranks (each sequence is split over cp of them); expert
+  // parallelism does not (its ranks are data-parallel ranks).
+  const int cp = std::max(1, layout.context_parallel());
+  for (const auto& [name, value] : {std::pair<const char*, int>{"context_parallel",
+                                                                layout.context_parallel()},
+                                    {"expert_parallel", layout.expert_parallel()},
+                                    {"pipeline_virtual_stages",
+                                     layout.pipeline_virtual_stages()}}) {
+    if (value < 0) {
+      return Invalid(absl::StrCat("parallelism.layout.", name),
+                     absl::StrCat("must be >= 0 (0 means 1), got ", value));
+    }
+  }
+  const int64_t world = int64_t{layout.data_parallel()} * layout.tensor_parallel() *
+                        layout.pipeline_parallel() * cp;
   if (std::optional<int> requested = WorldSize(resources);
       requested.has_value() && world != *requested) {
     return Invalid(
         "parallelism.layout",
         absl::StrCat("data_parallel ", layout.data_parallel(), " x tensor_parallel ",
                      layout.tensor_parallel(), " x pipeline_parallel ", layout.pipeline_parallel(),
-                     " = ", world, " != ", WorldSizeSource(resources)));
+                     cp > 1 ? absl::StrCat(" x context_parallel ", cp) : "", " = ", world,
+                     " != ", WorldSizeSource(resources)));
   }
   const int tp = layout.tensor_parallel();
   if (const auto violation =
           planner::CheckModelDivisibility(dims, tp, layout.pipeline_parallel())) {
+    return Invalid(violation->field, violation->problem);
+  }
+  if (const auto violation = planner::CheckSplitRules(
+          dims, seq_len,
+          {.data_parallel = layout.data_parallel(),
+           .pipeline_parallel = layout.pipeline_parallel(),
+           .context_parallel = layout.context_parallel(),
+           .expert_parallel = layout.expert_parallel(),
+           .pipeline_virtual_stages = layout.pipeline_virtual_stages()})) {
     return Invalid(violation->field, violation->problem);
   }
   if (layout.sequence_parallel() && tp == 1) {
@@ -222,6 +246,12 @@ absl::Status ValidateAutoLayout(const v1::AutoLayoutSpec& auto_layout) {
     return Invalid("parallelism.auto_layout.memory_headroom_fraction",
                    absl::StrCat("must be in [0, 1] (0 for the default 0.9), got ", headroom));
   }
+  RETURN_IF_ERROR(CheckNonNegative("parallelism.auto_layout.max_context_parallel",
+                                   auto_layout.max_context_parallel()));
+  RETURN_IF_ERROR(CheckNonNegative("parallelism.auto_layout.max_expert_parallel",
+                                   auto_layout.max_expert_parallel()));
+  RETURN_IF_ERROR(CheckNonNegative("parallelism.auto_layout.max_pipeline_virtual_stages",
+                                   auto_layout.max_pipeline_virtual_stages()));
   return absl::OkStatus();
 }
 
@@ -311,7 +341,8 @@ absl::StatusOr<ResolvedJob> ResolveJob(const v1::JobSpec& spec) {
   RETURN_IF_ERROR(ValidateBatch(spec));
   if (HasExplicitLayout(spec)) {
     RETURN_IF_ERROR(
-        ValidateExplicitLayout(spec.parallelism().layout(), spec.resources(), model.dims()));
+        ValidateExplicitLayout(spec.parallelism().layout(), spec.resources(), model.dims(),
+                               spec.data().seq_len()));
   } else {
     RETURN_IF_ERROR(ValidateAutoLayout(spec.parallelism().auto_layout()));
   }
@@ -372,10 +403,21 @@ v1::LayoutPlan PlanJob(const v1::JobSpec& spec, const ResolvedJob& resolved) {
   v1::Layout& layout = *plan.mutable_layout();
   if (HasExplicitLayout(spec)) {
     layout = spec.parallelism().layout();
+    // The newer degrees are named only when used, so plain layouts read as before.
+    std::string split;
+    if (layout.context_parallel() > 1) {
+      absl::StrAppend(&split, " x context_parallel ", layout.context_parallel());
+    }
+    if (layout.expert_parallel() > 1) {
+      absl::StrAppend(&split, ", expert_parallel ", layout.expert_parallel());
+    }
+    if (layout.pipeline_virtual_stages() > 1) {
+      absl::StrAppend(&split, ", pipeline_virtual_stages ", layout.pipeline_virtual_stages());
+    }
     plan.set_explanation(absl::StrCat("Explicit layout from the job spec: data_parallel ",
                                       layout.data_parallel(), " x tensor_parallel ",
                                       layout.tensor_parallel(), " x pipeline_parallel ",
-                                      layout.pipeline_parallel(), ", ZeRO stage ",
+                                      layout.pipeline_parallel(), split, ", ZeRO stage ",
                                       layout.zero_stage(), ", over ", world, " ", device,
                                       ". The planner checks it against the devices the job "
                                       "gets when it is scheduled."));

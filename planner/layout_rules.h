@@ -31,4 +31,28 @@ std::optional<LayoutRuleViolation> CheckModelDivisibility(const v1::ModelDims& d
                                                           int tensor_parallel,
                                                           int pipeline_parallel);
 
+// The degrees of context, expert and interleaved pipeline parallelism next to the data and
+// pipeline degrees they depend on, as a Layout states them (0 means 1 for cp, ep and v).
+struct SplitDegrees {
+  int data_parallel = 1;
+  int pipeline_parallel = 1;
+  int context_parallel = 0;
+  int expert_parallel = 0;
+  int pipeline_virtual_stages = 0;
+};
+
+// The rules of context, expert and interleaved pipeline parallelism, for a model of `dims` trained
+// on sequences of `seq_len` tokens:
+//   * context_parallel, expert_parallel and pipeline_virtual_stages are >= 0 (0 means 1);
+//   * context parallelism splits each sequence into 2 x cp load-balanced causal chunks, so 2 x cp
+//     must divide seq_len;
+//   * expert parallelism splits the routed experts over ep ranks of the data-parallel group: the
+//     model must be a mixture of experts, and ep must divide num_experts and data_parallel;
+//   * interleaving gives each pipeline rank v chunks of whole layers: v > 1 needs
+//     pipeline_parallel > 1, and v must divide num_layers / pipeline_parallel.
+// data_parallel and pipeline_parallel must be >= 1 and pipeline_parallel must divide num_layers
+// (CheckModelDivisibility); the first violation in the order above is returned.
+std::optional<LayoutRuleViolation> CheckSplitRules(const v1::ModelDims& dims, int seq_len,
+                                                   const SplitDegrees& degrees);
+
 }  // namespace tessera::planner
