@@ -66,17 +66,26 @@ absl::Status CheckTrainerRuns(const v1::Layout& layout) {
                   "set sequence_parallel to false");
   }
   const int zero = layout.zero_stage();
-  if ((tp > 1 || pp > 1) && zero > runs.max_zero_with_model_parallel) {
+  // Context and expert parallelism split the data-parallel state differently (gradients reduced
+  // over dp x cp, experts sharded over dp / ep): they take the model-parallel ZeRO cap too.
+  const int cp = layout.context_parallel(), ep = layout.expert_parallel();
+  if ((tp > 1 || pp > 1 || cp > 1 || ep > 1) && zero > runs.max_zero_with_model_parallel) {
     std::vector<std::string> with;
     if (tp > 1) with.push_back(absl::StrCat("tensor_parallel ", tp));
     if (pp > 1) with.push_back(absl::StrCat("pipeline_parallel ", pp));
+    if (cp > 1) with.push_back(absl::StrCat("context_parallel ", cp));
+    if (ep > 1) with.push_back(absl::StrCat("expert_parallel ", ep));
     return refuse(
         "zero_stage", absl::StrCat(zero, " with ", absl::StrJoin(with, " and ")),
-        absl::StrCat("ZeRO ", zero, " together with tensor or pipeline parallelism"),
+        absl::StrCat("ZeRO ", zero, " together with ",
+                     cp > 1 || ep > 1 ? "tensor, pipeline, context or expert parallelism"
+                                      : "tensor or pipeline parallelism"),
         absl::StrCat("set zero_stage to ", runs.max_zero_with_model_parallel,
-                     " (optimizer states sharded over data_parallel), or tensor_parallel and "
-                     "pipeline_parallel to 1 to keep ZeRO ",
-                     zero));
+                     " (optimizer states sharded over data_parallel), or ",
+                     cp > 1 || ep > 1 ? "tensor_parallel, pipeline_parallel, context_parallel "
+                                        "and expert_parallel"
+                                      : "tensor_parallel and pipeline_parallel",
+                     " to 1 to keep ZeRO ", zero));
   }
   return absl::OkStatus();
 }

@@ -422,7 +422,11 @@ TEST(LayoutPlannerTest, StepCountersArePerRunOfEachUnit) {
 TEST(LayoutPlannerTest, SearchRanksFittingLayoutsByTokensPerSecond) {
   const Workload w = Work(Preset("llama3-8b"), 4096, 64);
   const ClusterShape c = Cluster("h100-sxm", 16, 8);
-  const SearchResult result = SearchLayouts(w, c, SearchLimits{});
+  // The dp x tp x pp layouts (context parallelism and interleaving are layout_split_test.cc's).
+  SearchLimits plain;
+  plain.max_cp = 1;
+  plain.max_v = 1;
+  const SearchResult result = SearchLayouts(w, c, plain);
   ASSERT_GT(result.fitting, 10);
   ASSERT_GT(result.candidates.size(), static_cast<size_t>(result.fitting));
   double previous = 1e30;
@@ -460,6 +464,7 @@ TEST(LayoutPlannerTest, LimitsRestrictTheSearchAndNothingFittingIsExplained) {
   data_parallel_only.max_zero = 0;
   data_parallel_only.allow_activation_checkpointing = false;
   data_parallel_only.micro_batch = 1;
+  data_parallel_only.max_cp = 1;
   const SearchResult result = SearchLayouts(w, c, data_parallel_only);
   ASSERT_EQ(result.candidates.size(), 1u);
   EXPECT_EQ(result.fitting, 0);
@@ -471,7 +476,7 @@ TEST(LayoutPlannerTest, LimitsRestrictTheSearchAndNothingFittingIsExplained) {
 
 // What `parallelism: auto` picks among the layouts the trainer runs (TrainerCapabilities).
 bool ModelParallel(const v1::Layout& l) {
-  return l.tensor_parallel() > 1 || l.pipeline_parallel() > 1;
+  return l.tensor_parallel() > 1 || l.pipeline_parallel() > 1 || l.context_parallel() > 1;
 }
 
 TEST(LayoutPlannerTest, TrainerRunsEveryLayoutButZeroTwoAndThreeWithModelParallelism) {
@@ -642,6 +647,8 @@ TEST(LayoutPlannerTest, MaxZeroWithModelParallelLimitsOnlyModelParallelLayouts) 
   limits.micro_batch = 1;
   limits.allow_activation_checkpointing = false;
   limits.allow_sequence_parallel = false;
+  limits.max_cp = 1;
+  limits.max_v = 1;
   auto zero_stages = [&](int tp, int pp) {
     std::vector<int> stages;
     for (const v1::LayoutCandidate& x : SearchLayouts(w, c, limits).candidates) {
