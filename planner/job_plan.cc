@@ -36,6 +36,11 @@ SearchLimits TrainerCapabilities() {
   limits.max_zero_with_model_parallel = 1;
   limits.allow_activation_checkpointing = true;
   limits.allow_sequence_parallel = true;
+  // Context and expert parallelism and interleaved stages at any degree the rules allow
+  // (layout_rules.h), under the model-parallel ZeRO cap.
+  limits.max_cp = 0;
+  limits.max_ep = 0;
+  limits.max_v = 0;
   return limits;
 }
 
@@ -162,6 +167,18 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
     const v1::AutoLayoutSpec& auto_layout = spec.parallelism().auto_layout();
     limits.max_tp = auto_layout.max_tensor_parallel();
     limits.max_pp = auto_layout.max_pipeline_parallel();
+    limits.max_cp = auto_layout.max_context_parallel();
+    limits.max_ep = auto_layout.max_expert_parallel();
+    limits.max_v = auto_layout.max_pipeline_virtual_stages();
+    for (const auto& [name, value] :
+         {std::pair<const char*, int>{"max_context_parallel", limits.max_cp},
+          {"max_expert_parallel", limits.max_ep},
+          {"max_pipeline_virtual_stages", limits.max_v}}) {
+      if (value < 0) {
+        return Invalid(absl::StrCat("parallelism.auto_layout.", name),
+                       absl::StrCat("must be >= 0, got ", value));
+      }
+    }
     if (auto_layout.has_max_zero_stage()) limits.max_zero = auto_layout.max_zero_stage();
     if (auto_layout.has_allow_activation_checkpointing()) {
       limits.allow_activation_checkpointing = auto_layout.allow_activation_checkpointing();
@@ -181,6 +198,9 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
       };
       limits.max_tp = cap(limits.max_tp, runnable.max_tp);
       limits.max_pp = cap(limits.max_pp, runnable.max_pp);
+      limits.max_cp = cap(limits.max_cp, runnable.max_cp);
+      limits.max_ep = cap(limits.max_ep, runnable.max_ep);
+      limits.max_v = cap(limits.max_v, runnable.max_v);
       limits.max_zero = std::min(limits.max_zero, runnable.max_zero);
       limits.max_zero_with_model_parallel =
           std::min(limits.max_zero_with_model_parallel, runnable.max_zero_with_model_parallel);
@@ -191,6 +211,8 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
       // The trainer runs LoRA under data parallelism with ZeRO 0 or 1 (CheckTrainerRunsLora).
       limits.max_tp = 1;
       limits.max_pp = 1;
+      limits.max_cp = 1;
+      limits.max_ep = 1;
       limits.max_zero = std::min(limits.max_zero, 1);
     }
   }
@@ -198,6 +220,16 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
   JobPlan out;
   if (explicit_layout) {
     const v1::Layout& layout = spec.parallelism().layout();
+    // FromProto reads 0 as 1 for these degrees; a negative one is an error, not a default.
+    for (const auto& [name, value] :
+         {std::pair<const char*, int>{"context_parallel", layout.context_parallel()},
+          {"expert_parallel", layout.expert_parallel()},
+          {"pipeline_virtual_stages", layout.pipeline_virtual_stages()}}) {
+      if (value < 0) {
+        return Invalid(absl::StrCat("parallelism.layout.", name),
+                       absl::StrCat("must be >= 0 (0 means 1), got ", value));
+      }
+    }
     const std::vector<int> micro_batches =
         micro > 0 ? std::vector<int>{micro}
                   : MicroBatchChoices(w.global_batch / std::max(1, layout.data_parallel()));

@@ -136,11 +136,14 @@ void AppendSplitReasons(const SearchResult& result, const LayoutChoice& l,
                       ": without it no layout fits (closest: ", other_layout, " ",
                       without->rejected_reason(), ").");
     } else if (chosen_speed > 0) {
-      absl::StrAppendFormat(&explanation, " %s %d: %.1f%% faster than the fastest layout without "
-                            "it (%s at %.0f tokens/s).",
-                            split.name, split.degree,
-                            100 * (chosen_speed / other.step_time().tokens_per_second() - 1),
-                            other_layout, other.step_time().tokens_per_second());
+      // Slower happens when a simpler layout of the split's shape was preferred to its fastest.
+      const double gain = chosen_speed / other.step_time().tokens_per_second() - 1;
+      absl::StrAppendFormat(&explanation,
+                            " %s %d: %.1f%% %s than the fastest layout without it (%s at %.0f "
+                            "tokens/s).",
+                            split.name, split.degree, 100 * std::abs(gain),
+                            gain >= 0 ? "faster" : "slower", other_layout,
+                            other.step_time().tokens_per_second());
     }
   }
 }

@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/devices.h"
+#include "planner/job_plan.h"
 #include "planner/layout_planner.h"
 #include "planner/model_config.h"
 
@@ -238,6 +239,46 @@ TEST(LayoutSplitTest, SearchInterleavesWhenItShrinksTheBubble) {
               (plan.layout().pipeline_parallel() - 1.0) / (v * m), 1e-12);
   EXPECT_THAT(plan.explanation(), HasSubstr(absl::StrCat("pipeline_virtual_stages ", v, ": ")));
   EXPECT_THAT(plan.explanation(), HasSubstr("faster than the fastest layout without it"));
+}
+
+TEST(LayoutSplitTest, JobSpecLimitsAndTheTrainersZeroCapApply) {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_preset("qwen3-14b");
+  spec.mutable_data()->set_seq_len(262144);
+  spec.mutable_batch()->set_global_batch_size(8);
+  spec.mutable_resources()->set_gpus(8);
+  JobPlanOptions options;
+  options.device = *DevicePreset("h200");
+  options.devices_per_node = 8;
+  options.runnable_only = true;
+  // What the trainer runs: cp next to ZeRO 0 or 1 only.
+  absl::StatusOr<JobPlan> planned = PlanJobSpec(spec, options);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  for (const v1::LayoutCandidate& x : planned->candidates) {
+    if (x.plan().layout().context_parallel() > 1) EXPECT_LE(x.plan().layout().zero_stage(), 1);
+  }
+  EXPECT_TRUE(CheckTrainerRuns(planned->plan.layout()).ok());
+  // max_context_parallel 1 keeps every candidate unsplit.
+  spec.mutable_parallelism()->mutable_auto_layout()->set_max_context_parallel(1);
+  planned = PlanJobSpec(spec, options);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  EXPECT_FALSE(planned->plan.fits());
+  for (const v1::LayoutCandidate& x : planned->candidates) {
+    EXPECT_LE(x.plan().layout().context_parallel(), 1);
+  }
+  spec.mutable_parallelism()->mutable_auto_layout()->set_max_expert_parallel(-1);
+  EXPECT_EQ(PlanJobSpec(spec, options).status().code(), absl::StatusCode::kInvalidArgument);
+  // An explicit ZeRO-2 layout with cp is refused as the trainer's limit, naming the degree.
+  v1::Layout layout;
+  layout.set_data_parallel(4);
+  layout.set_tensor_parallel(1);
+  layout.set_pipeline_parallel(1);
+  layout.set_context_parallel(2);
+  layout.set_zero_stage(2);
+  const absl::Status refused = CheckTrainerRuns(layout);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(refused.message()),
+              HasSubstr("parallelism.layout.zero_stage: 2 with context_parallel 2"));
 }
 
 }  // namespace
