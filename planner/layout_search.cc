@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "planner/devices.h"
@@ -81,15 +82,14 @@ std::string PeakLabel(const v1::MemoryEstimate& memory) {
 
 // Evaluates `l` into `result`. A structural problem is the same for every zero/sp/ac/micro-batch
 // variant of a shape: keep one of them so the list says why, not how many times.
+// `structural` holds the reasons kept so far (a set: searches over hundreds of devices evaluate
+// tens of thousands of layouts).
 void AddCandidate(const Workload& w, const LayoutChoice& l, const ClusterShape& c,
-                  SearchResult& result) {
+                  absl::flat_hash_set<std::string>& structural, SearchResult& result) {
   v1::LayoutCandidate candidate = EvaluateLayout(w, l, c);
-  if (!candidate.rejected_reason().empty() && !candidate.plan().has_memory()) {
-    const bool seen = std::any_of(result.candidates.begin(), result.candidates.end(),
-                                  [&](const v1::LayoutCandidate& other) {
-                                    return other.rejected_reason() == candidate.rejected_reason();
-                                  });
-    if (seen) return;
+  if (!candidate.rejected_reason().empty() && !candidate.plan().has_memory() &&
+      !structural.insert(candidate.rejected_reason()).second) {
+    return;
   }
   result.candidates.push_back(std::move(candidate));
 }
@@ -293,6 +293,7 @@ SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const Searc
     recompute.push_back(kFull);
   }
   SearchResult result;
+  absl::flat_hash_set<std::string> structural;
   const bool moe = w.dims.num_experts() > 0;
   auto within = [](int degree, int limit) { return limit <= 0 || degree <= limit; };
   for (int cp : Divisors(c.gpus)) {
@@ -343,7 +344,7 @@ SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const Searc
                   if (sp && (tp == 1 || !limits.allow_sequence_parallel)) continue;
                   for (v1::ActivationCheckpointing ac : recompute) {
                     LayoutChoice l{dp, tp, pp, zero, micro, sp, ac, cp, ep, v};
-                    AddCandidate(w, l, c, result);
+                    AddCandidate(w, l, c, structural, result);
                   }
                 }
               }
