@@ -90,6 +90,14 @@ std::optional<int64_t> DataParallel(const v1::JobSpec& spec) {
   return WorldSize(spec.resources());
 }
 
+// Micro-batches per step per data-parallel rank, once ValidateBatch accepted the batch; else 0.
+int64_t MicroBatchesPerStep(const v1::JobSpec& spec) {
+  const std::optional<int64_t> dp = DataParallel(spec);
+  const int64_t per_pass = int64_t{spec.batch().micro_batch_size()} * dp.value_or(0);
+  if (per_pass <= 0 || spec.batch().global_batch_size() % per_pass != 0) return 0;
+  return spec.batch().global_batch_size() / per_pass;
+}
+
 absl::Status ValidateName(const std::string& name) {
   if (name.empty() || name.size() > kMaxNameLength) {
     return Invalid("name",
@@ -164,8 +172,10 @@ absl::Status ValidateBatch(const v1::JobSpec& spec) {
   return absl::OkStatus();
 }
 
+// `micro_batches_per_step` is the batch's per data-parallel rank (0 while the batch is invalid).
 absl::Status ValidateExplicitLayout(const v1::Layout& layout, const v1::ResourceRequest& resources,
-                                    const v1::ModelDims& dims, int seq_len) {
+                                    const v1::ModelDims& dims, int seq_len,
+                                    int64_t micro_batches_per_step) {
   const struct {
     const char* name;
     int value;
@@ -219,7 +229,10 @@ absl::Status ValidateExplicitLayout(const v1::Layout& layout, const v1::Resource
            .pipeline_parallel = layout.pipeline_parallel(),
            .context_parallel = layout.context_parallel(),
            .expert_parallel = layout.expert_parallel(),
-           .pipeline_virtual_stages = layout.pipeline_virtual_stages()})) {
+           .pipeline_virtual_stages = layout.pipeline_virtual_stages(),
+           .tensor_parallel = tp,
+           .sequence_parallel = layout.sequence_parallel(),
+           .micro_batches_per_step = micro_batches_per_step})) {
     return Invalid(violation->field, violation->problem);
   }
   if (layout.sequence_parallel() && tp == 1) {
@@ -342,7 +355,7 @@ absl::StatusOr<ResolvedJob> ResolveJob(const v1::JobSpec& spec) {
   if (HasExplicitLayout(spec)) {
     RETURN_IF_ERROR(
         ValidateExplicitLayout(spec.parallelism().layout(), spec.resources(), model.dims(),
-                               spec.data().seq_len()));
+                               spec.data().seq_len(), MicroBatchesPerStep(spec)));
   } else {
     RETURN_IF_ERROR(ValidateAutoLayout(spec.parallelism().auto_layout()));
   }

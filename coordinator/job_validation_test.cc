@@ -321,6 +321,21 @@ std::vector<BadSpecCase> BadSpecCases() {
        kInvalid,
        "parallelism.layout.pipeline_virtual_stages: 2 does not divide the 1 layers of each "
        "pipeline stage (num_layers 2 / pipeline_parallel 2)"},
+      {"LayoutVirtualStagesVsMicroBatches",
+       [](S& s) {
+         // 4 layers over pp 2 in v 2 chunks, but a global batch of 8 in micro-batches of 8 is
+         // one micro-batch per step, not a multiple of pp 2.
+         SetTinyMoe(s, /*experts=*/4);
+         s.mutable_model()->mutable_dims()->clear_num_experts();
+         s.mutable_model()->mutable_dims()->clear_num_experts_per_token();
+         s.mutable_model()->mutable_dims()->set_num_layers(4);
+         s.mutable_batch()->set_micro_batch_size(8);
+         SetLayout(s, 1, 1, 2);
+         s.mutable_parallelism()->mutable_layout()->set_pipeline_virtual_stages(2);
+       },
+       kInvalid,
+       "parallelism.layout.pipeline_virtual_stages: 2 needs the micro-batches per step (1 = "
+       "global batch / (micro-batch x data_parallel)) to be a multiple of pipeline_parallel 2"},
       {"LayoutSequenceParallelWithoutTensorParallel",
        [](S& s) {
          SetLayout(s, 2, 1, 1);

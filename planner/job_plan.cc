@@ -37,10 +37,12 @@ SearchLimits TrainerCapabilities() {
   limits.allow_activation_checkpointing = true;
   limits.allow_sequence_parallel = true;
   // Context and expert parallelism and interleaved stages at any degree the rules allow
-  // (layout_rules.h), under the model-parallel ZeRO cap.
+  // (layout_rules.h); ep under the model-parallel ZeRO cap. The trainer refuses a mixture of
+  // experts with context parallelism.
   limits.max_cp = 0;
   limits.max_ep = 0;
   limits.max_v = 0;
+  limits.context_parallel_with_experts = false;
   return limits;
 }
 
@@ -71,25 +73,24 @@ absl::Status CheckTrainerRuns(const v1::Layout& layout) {
                   "set sequence_parallel to false");
   }
   const int zero = layout.zero_stage();
-  // Context and expert parallelism split the data-parallel state differently (gradients reduced
-  // over dp x cp, experts sharded over dp / ep): they take the model-parallel ZeRO cap too.
-  const int cp = layout.context_parallel(), ep = layout.expert_parallel();
-  if ((tp > 1 || pp > 1 || cp > 1 || ep > 1) && zero > runs.max_zero_with_model_parallel) {
+  // Expert parallelism shards the routed experts over the dp / ep ranks holding the same ones, a
+  // second ZeRO group: it takes the model-parallel ZeRO cap too. (Context-parallel ranks shard with
+  // the data-parallel ones, over dp x cp, like plain data parallelism.)
+  const int ep = layout.expert_parallel();
+  if ((tp > 1 || pp > 1 || ep > 1) && zero > runs.max_zero_with_model_parallel) {
     std::vector<std::string> with;
     if (tp > 1) with.push_back(absl::StrCat("tensor_parallel ", tp));
     if (pp > 1) with.push_back(absl::StrCat("pipeline_parallel ", pp));
-    if (cp > 1) with.push_back(absl::StrCat("context_parallel ", cp));
     if (ep > 1) with.push_back(absl::StrCat("expert_parallel ", ep));
     return refuse(
         "zero_stage", absl::StrCat(zero, " with ", absl::StrJoin(with, " and ")),
         absl::StrCat("ZeRO ", zero, " together with ",
-                     cp > 1 || ep > 1 ? "tensor, pipeline, context or expert parallelism"
-                                      : "tensor or pipeline parallelism"),
+                     ep > 1 ? "tensor, pipeline or expert parallelism"
+                            : "tensor or pipeline parallelism"),
         absl::StrCat("set zero_stage to ", runs.max_zero_with_model_parallel,
                      " (optimizer states sharded over data_parallel), or ",
-                     cp > 1 || ep > 1 ? "tensor_parallel, pipeline_parallel, context_parallel "
-                                        "and expert_parallel"
-                                      : "tensor_parallel and pipeline_parallel",
+                     ep > 1 ? "tensor_parallel, pipeline_parallel and expert_parallel"
+                            : "tensor_parallel and pipeline_parallel",
                      " to 1 to keep ZeRO ", zero));
   }
   return absl::OkStatus();
@@ -206,6 +207,7 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
           std::min(limits.max_zero_with_model_parallel, runnable.max_zero_with_model_parallel);
       limits.allow_activation_checkpointing &= runnable.allow_activation_checkpointing;
       limits.allow_sequence_parallel &= runnable.allow_sequence_parallel;
+      limits.context_parallel_with_experts &= runnable.context_parallel_with_experts;
     }
     if (lora && options.runnable_only) {
       // The trainer runs LoRA under data parallelism with ZeRO 0 or 1 (CheckTrainerRunsLora).

@@ -339,7 +339,11 @@ std::optional<std::string> InvalidReason(const Workload& w, const LayoutChoice& 
                                               .pipeline_parallel = l.pp,
                                               .context_parallel = l.cp,
                                               .expert_parallel = l.ep,
-                                              .pipeline_virtual_stages = l.v})) {
+                                              .pipeline_virtual_stages = l.v,
+                                              .tensor_parallel = l.tp,
+                                              .sequence_parallel = l.sp,
+                                              .micro_batches_per_step =
+                                                  GradientAccumulation(w, l)})) {
     return violation->ToString();
   }
   if (l.tp > c.gpus_per_node) {

@@ -167,6 +167,8 @@ struct SearchLimits {
   int max_cp = 0;
   int max_ep = 0;
   int max_v = 0;
+  // Whether a mixture-of-experts model may be split with context parallelism.
+  bool context_parallel_with_experts = true;
 };
 
 struct SearchResult {

@@ -476,7 +476,7 @@ TEST(LayoutPlannerTest, LimitsRestrictTheSearchAndNothingFittingIsExplained) {
 
 // What `parallelism: auto` picks among the layouts the trainer runs (TrainerCapabilities).
 bool ModelParallel(const v1::Layout& l) {
-  return l.tensor_parallel() > 1 || l.pipeline_parallel() > 1 || l.context_parallel() > 1;
+  return l.tensor_parallel() > 1 || l.pipeline_parallel() > 1;
 }
 
 TEST(LayoutPlannerTest, TrainerRunsEveryLayoutButZeroTwoAndThreeWithModelParallelism) {
@@ -525,6 +525,7 @@ TEST(LayoutPlannerTest, RunnableSearchKeepsPlainDataParallelWhenItFits) {
   const ClusterShape c = Cluster("h100-sxm", 8, 8);
   SearchLimits runnable = TrainerCapabilities();
   runnable.micro_batch = 8;
+  runnable.max_cp = 1;  // dp against tp and pp here; cp is layout_split_test.cc's
   const SearchResult result = SearchLayouts(w, c, runnable);
   const v1::LayoutPlan plan = ChoosePlan(result, c);
   EXPECT_TRUE(plan.fits());
@@ -584,7 +585,9 @@ TEST(LayoutPlannerTest, RunnableSearchUsesModelParallelismWhenDataParallelFitsWo
   // loss runs in chunks of tokens and the logits no longer scale with the micro-batch.)
   const Workload w = Work(Preset("llama3-8b"), 16384, 64);
   const ClusterShape c = Cluster("h100-sxm", 8, 8);
-  const SearchResult result = SearchLayouts(w, c, TrainerCapabilities());
+  SearchLimits runnable = TrainerCapabilities();
+  runnable.max_cp = 1;  // dp against tp and pp here; cp is layout_split_test.cc's
+  const SearchResult result = SearchLayouts(w, c, runnable);
   ASSERT_GT(result.fitting, 0);
   for (int i = 0; i < result.fitting; ++i) {
     const v1::Layout& l = result.candidates[i].plan().layout();
@@ -604,6 +607,7 @@ TEST(LayoutPlannerTest, RunnableSearchUsesModelParallelismWhenDataParallelFitsWo
   SearchLimits data_parallel_only = TrainerCapabilities();
   data_parallel_only.max_tp = 1;
   data_parallel_only.max_pp = 1;
+  data_parallel_only.max_cp = 1;
   const SearchResult dp = SearchLayouts(w, c, data_parallel_only);
   ASSERT_GT(dp.fitting, 0);
   EXPECT_GE(dp.candidates[0].plan().layout().zero_stage(), 2);

@@ -71,6 +71,14 @@ std::optional<LayoutRuleViolation> CheckSplitRules(const v1::ModelDims& dims, in
                                ") does not divide data.seq_len ", seq_len,
                                " (each sequence is split into 2 x cp causal chunks)")};
   }
+  if (cp > 1 && degrees.sequence_parallel && degrees.tensor_parallel > 1 &&
+      (seq_len / cp) % degrees.tensor_parallel != 0) {
+    return LayoutRuleViolation{
+        "parallelism.layout.sequence_parallel",
+        absl::StrCat("tensor_parallel ", degrees.tensor_parallel, " does not divide the ",
+                     seq_len / cp, " tokens of each context-parallel rank (data.seq_len ", seq_len,
+                     " / context_parallel ", cp, ")")};
+  }
   if (ep > 1) {
     if (dims.num_experts() == 0) {
       return LayoutRuleViolation{
@@ -100,6 +108,14 @@ std::optional<LayoutRuleViolation> CheckSplitRules(const v1::ModelDims& dims, in
           kVirtual, absl::StrCat(v, " does not divide the ", layers_per_stage,
                                  " layers of each pipeline stage (num_layers ", dims.num_layers(),
                                  " / pipeline_parallel ", pp, ")")};
+    }
+    const int64_t m = degrees.micro_batches_per_step;
+    if (m > 0 && m % pp != 0) {
+      return LayoutRuleViolation{
+          kVirtual, absl::StrCat(v, " needs the micro-batches per step (", m,
+                                 " = global batch / (micro-batch x data_parallel)) to be a "
+                                 "multiple of pipeline_parallel ",
+                                 pp)};
     }
   }
   return std::nullopt;

@@ -39,6 +39,11 @@ struct SplitDegrees {
   int context_parallel = 0;
   int expert_parallel = 0;
   int pipeline_virtual_stages = 0;
+  int tensor_parallel = 1;
+  bool sequence_parallel = false;
+  // Micro-batches per optimizer step per data-parallel rank (global batch / (micro-batch x dp));
+  // 0 when not known yet.
+  int64_t micro_batches_per_step = 0;
 };
 
 // The rules of context, expert and interleaved pipeline parallelism, for a model of `dims` trained
@@ -48,8 +53,12 @@ struct SplitDegrees {
 //     must divide seq_len;
 //   * expert parallelism splits the routed experts over ep ranks of the data-parallel group: the
 //     model must be a mixture of experts, and ep must divide num_experts and data_parallel;
+//   * with sequence parallelism next to cp, tensor_parallel must divide seq_len / cp (each rank's
+//     chunk of the sequence is split again over tp);
 //   * interleaving gives each pipeline rank v chunks of whole layers: v > 1 needs
-//     pipeline_parallel > 1, and v must divide num_layers / pipeline_parallel.
+//     pipeline_parallel > 1, v must divide num_layers / pipeline_parallel, and the micro-batches
+//     per step must be a multiple of pipeline_parallel (the interleaved schedule runs them in
+//     groups of pp, as Megatron-Core's does).
 // data_parallel and pipeline_parallel must be >= 1 and pipeline_parallel must divide num_layers
 // (CheckModelDivisibility); the first violation in the order above is returned.
 std::optional<LayoutRuleViolation> CheckSplitRules(const v1::ModelDims& dims, int seq_len,

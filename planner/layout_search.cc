@@ -300,6 +300,7 @@ SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const Searc
     // Context parallelism splits each sequence into 2 x cp chunks: degrees that cannot are not
     // layouts of this workload at all.
     if (!within(cp, limits.max_cp) || (cp > 1 && w.seq_len % (2 * cp) != 0)) continue;
+    if (cp > 1 && moe && !limits.context_parallel_with_experts) continue;
     for (int tp : Divisors(c.gpus / cp)) {
       if (!within(tp, limits.max_tp)) continue;
       for (int pp : Divisors(c.gpus / cp / tp)) {
@@ -328,8 +329,9 @@ SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const Searc
           micro_batches = MicroBatchChoices(w.global_batch / dp);
         }
         // ZeRO over one data-parallel rank shards nothing: only stage 0 is a distinct layout.
-        // (Context and expert parallelism count as model parallelism for the ZeRO cap.)
-        const bool model_parallel = tp > 1 || pp > 1 || cp > 1;
+        // Context-parallel ranks hold whole layers and shard with the data-parallel ones (over
+        // dp x cp), so only tp and pp (and ep, below) take the model-parallel ZeRO cap.
+        const bool model_parallel = tp > 1 || pp > 1;
         const int max_zero =
             dp * cp > 1 ? std::min({3, limits.max_zero,
                                model_parallel ? limits.max_zero_with_model_parallel : 3})

@@ -241,7 +241,7 @@ TEST(LayoutSplitTest, SearchInterleavesWhenItShrinksTheBubble) {
   EXPECT_THAT(plan.explanation(), HasSubstr("faster than the fastest layout without it"));
 }
 
-TEST(LayoutSplitTest, JobSpecLimitsAndTheTrainersZeroCapApply) {
+TEST(LayoutSplitTest, JobSpecLimitsAndWhatTheTrainerRunsApply) {
   v1::JobSpec spec;
   spec.mutable_model()->set_preset("qwen3-14b");
   spec.mutable_data()->set_seq_len(262144);
@@ -251,14 +251,14 @@ TEST(LayoutSplitTest, JobSpecLimitsAndTheTrainersZeroCapApply) {
   options.device = *DevicePreset("h200");
   options.devices_per_node = 8;
   options.runnable_only = true;
-  // What the trainer runs: cp next to ZeRO 0 or 1 only.
+  // Context-parallel ranks shard with the data-parallel ones, so the trainer's layouts include
+  // cp with ZeRO 3, and the long sequence fits.
   absl::StatusOr<JobPlan> planned = PlanJobSpec(spec, options);
   ASSERT_TRUE(planned.ok()) << planned.status();
-  for (const v1::LayoutCandidate& x : planned->candidates) {
-    if (x.plan().layout().context_parallel() > 1) EXPECT_LE(x.plan().layout().zero_stage(), 1);
-  }
+  ASSERT_TRUE(planned->plan.fits()) << planned->plan.explanation();
+  EXPECT_GT(planned->plan.layout().context_parallel(), 1);
   EXPECT_TRUE(CheckTrainerRuns(planned->plan.layout()).ok());
-  // max_context_parallel 1 keeps every candidate unsplit.
+  // max_context_parallel 1 keeps every candidate unsplit, and then nothing fits.
   spec.mutable_parallelism()->mutable_auto_layout()->set_max_context_parallel(1);
   planned = PlanJobSpec(spec, options);
   ASSERT_TRUE(planned.ok()) << planned.status();
@@ -268,17 +268,36 @@ TEST(LayoutSplitTest, JobSpecLimitsAndTheTrainersZeroCapApply) {
   }
   spec.mutable_parallelism()->mutable_auto_layout()->set_max_expert_parallel(-1);
   EXPECT_EQ(PlanJobSpec(spec, options).status().code(), absl::StatusCode::kInvalidArgument);
-  // An explicit ZeRO-2 layout with cp is refused as the trainer's limit, naming the degree.
+
+  // A mixture of experts: never context-parallel in what the trainer runs, and ep next to ZeRO 0
+  // or 1 only.
+  v1::JobSpec moe;
+  moe.mutable_model()->set_preset("qwen3-30b-a3b");
+  moe.mutable_data()->set_seq_len(4096);
+  moe.mutable_batch()->set_global_batch_size(64);
+  moe.mutable_resources()->set_gpus(8);
+  planned = PlanJobSpec(moe, options);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  EXPECT_TRUE(planned->plan.fits()) << planned->plan.explanation();
+  for (const v1::LayoutCandidate& x : planned->candidates) {
+    const v1::Layout& l = x.plan().layout();
+    EXPECT_LE(l.context_parallel(), 1) << x.ShortDebugString();
+    if (l.expert_parallel() > 1) EXPECT_LE(l.zero_stage(), 1) << x.ShortDebugString();
+  }
   v1::Layout layout;
-  layout.set_data_parallel(4);
+  layout.set_data_parallel(8);
   layout.set_tensor_parallel(1);
   layout.set_pipeline_parallel(1);
-  layout.set_context_parallel(2);
+  layout.set_expert_parallel(2);
   layout.set_zero_stage(2);
   const absl::Status refused = CheckTrainerRuns(layout);
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(refused.message()),
-              HasSubstr("parallelism.layout.zero_stage: 2 with context_parallel 2"));
+              HasSubstr("parallelism.layout.zero_stage: 2 with expert_parallel 2"));
+  layout.set_expert_parallel(1);
+  layout.set_context_parallel(2);
+  layout.set_data_parallel(4);
+  EXPECT_TRUE(CheckTrainerRuns(layout).ok());
 }
 
 }  // namespace
