@@ -175,8 +175,8 @@ absl::StatusOr<v1::Layout> ParseLayout(const std::string& text) {
     const std::string value = absl::AsciiStrToLower(absl::StripAsciiWhitespace(kv[1]));
     int number = 0;
     const bool numeric = absl::SimpleAtoi(value, &number);
-    if (key == "dp" || key == "tp" || key == "pp" || key == "zero" || key == "cp" ||
-        key == "ep" || key == "v") {
+    if (key == "dp" || key == "tp" || key == "pp" || key == "zero" || key == "cp" || key == "ep" ||
+        key == "v") {
       if (!numeric || number < (key == "zero" ? 0 : 1)) {
         return absl::InvalidArgumentError(
             absl::StrCat(key, "=", value, ": must be an integer >= ", key == "zero" ? 0 : 1));
@@ -385,9 +385,9 @@ std::string PlanTable(const v1::PlanLayoutRequest& request,
         &out, "%3d %4d %3d %3d %3d %3d %2d %4d %4d %5d %3s %-9s %10s %4s %9s %6s %8s  %s\n",
         ++index, l.data_parallel(), l.tensor_parallel(), l.pipeline_parallel(),
         std::max(1, l.context_parallel()), std::max(1, l.expert_parallel()),
-        std::max(1, l.pipeline_virtual_stages()), l.zero_stage(),
-        p.micro_batch_size(), p.gradient_accumulation_steps(), l.sequence_parallel() ? "on" : "off",
-        AcName(l), estimated ? FormatBytes(p.memory().total_bytes()) : "-", p.fits() ? "yes" : "no",
+        std::max(1, l.pipeline_virtual_stages()), l.zero_stage(), p.micro_batch_size(),
+        p.gradient_accumulation_steps(), l.sequence_parallel() ? "on" : "off", AcName(l),
+        estimated ? FormatBytes(p.memory().total_bytes()) : "-", p.fits() ? "yes" : "no",
         estimated ? FormatRate(p.step_time().tokens_per_second()) : "-",
         estimated ? absl::StrFormat("%.1f%%", 100 * p.step_time().mfu()) : "-",
         estimated ? absl::StrFormat("%.3fs", p.step_time().step_seconds()) : "-",
@@ -430,8 +430,8 @@ std::string PlanTable(const v1::PlanLayoutRequest& request,
                                        t.expert_all_to_all_seconds()));
     }
     if (t.context_ring_seconds() > 0) {
-      splits.push_back(absl::StrFormat("context ring %.3fs per step before overlap",
-                                       t.context_ring_seconds()));
+      splits.push_back(
+          absl::StrFormat("context ring %.3fs per step before overlap", t.context_ring_seconds()));
     }
     if (t.pipeline_bubble_fraction() > 0) {
       splits.push_back(absl::StrFormat(

@@ -197,18 +197,17 @@ absl::Status ValidateExplicitLayout(const v1::Layout& layout, const v1::Resource
   // Context parallelism multiplies the ranks (each sequence is split over cp of them); expert
   // parallelism does not (its ranks are data-parallel ranks).
   const int cp = std::max(1, layout.context_parallel());
-  for (const auto& [name, value] : {std::pair<const char*, int>{"context_parallel",
-                                                                layout.context_parallel()},
-                                    {"expert_parallel", layout.expert_parallel()},
-                                    {"pipeline_virtual_stages",
-                                     layout.pipeline_virtual_stages()}}) {
+  for (const auto& [name, value] :
+       {std::pair<const char*, int>{"context_parallel", layout.context_parallel()},
+        {"expert_parallel", layout.expert_parallel()},
+        {"pipeline_virtual_stages", layout.pipeline_virtual_stages()}}) {
     if (value < 0) {
       return Invalid(absl::StrCat("parallelism.layout.", name),
                      absl::StrCat("must be >= 0 (0 means 1), got ", value));
     }
   }
-  const int64_t world = int64_t{layout.data_parallel()} * layout.tensor_parallel() *
-                        layout.pipeline_parallel() * cp;
+  const int64_t world =
+      int64_t{layout.data_parallel()} * layout.tensor_parallel() * layout.pipeline_parallel() * cp;
   if (std::optional<int> requested = WorldSize(resources);
       requested.has_value() && world != *requested) {
     return Invalid(
@@ -223,16 +222,16 @@ absl::Status ValidateExplicitLayout(const v1::Layout& layout, const v1::Resource
           planner::CheckModelDivisibility(dims, tp, layout.pipeline_parallel())) {
     return Invalid(violation->field, violation->problem);
   }
-  if (const auto violation = planner::CheckSplitRules(
-          dims, seq_len,
-          {.data_parallel = layout.data_parallel(),
-           .pipeline_parallel = layout.pipeline_parallel(),
-           .context_parallel = layout.context_parallel(),
-           .expert_parallel = layout.expert_parallel(),
-           .pipeline_virtual_stages = layout.pipeline_virtual_stages(),
-           .tensor_parallel = tp,
-           .sequence_parallel = layout.sequence_parallel(),
-           .micro_batches_per_step = micro_batches_per_step})) {
+  if (const auto violation =
+          planner::CheckSplitRules(dims, seq_len,
+                                   {.data_parallel = layout.data_parallel(),
+                                    .pipeline_parallel = layout.pipeline_parallel(),
+                                    .context_parallel = layout.context_parallel(),
+                                    .expert_parallel = layout.expert_parallel(),
+                                    .pipeline_virtual_stages = layout.pipeline_virtual_stages(),
+                                    .tensor_parallel = tp,
+                                    .sequence_parallel = layout.sequence_parallel(),
+                                    .micro_batches_per_step = micro_batches_per_step})) {
     return Invalid(violation->field, violation->problem);
   }
   if (layout.sequence_parallel() && tp == 1) {
@@ -353,9 +352,9 @@ absl::StatusOr<ResolvedJob> ResolveJob(const v1::JobSpec& spec) {
   RETURN_IF_ERROR(ValidateData(spec.data(), model.dims()));
   RETURN_IF_ERROR(ValidateBatch(spec));
   if (HasExplicitLayout(spec)) {
-    RETURN_IF_ERROR(
-        ValidateExplicitLayout(spec.parallelism().layout(), spec.resources(), model.dims(),
-                               spec.data().seq_len(), MicroBatchesPerStep(spec)));
+    RETURN_IF_ERROR(ValidateExplicitLayout(spec.parallelism().layout(), spec.resources(),
+                                           model.dims(), spec.data().seq_len(),
+                                           MicroBatchesPerStep(spec)));
   } else {
     RETURN_IF_ERROR(ValidateAutoLayout(spec.parallelism().auto_layout()));
   }

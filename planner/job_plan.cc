@@ -82,16 +82,15 @@ absl::Status CheckTrainerRuns(const v1::Layout& layout) {
     if (tp > 1) with.push_back(absl::StrCat("tensor_parallel ", tp));
     if (pp > 1) with.push_back(absl::StrCat("pipeline_parallel ", pp));
     if (ep > 1) with.push_back(absl::StrCat("expert_parallel ", ep));
-    return refuse(
-        "zero_stage", absl::StrCat(zero, " with ", absl::StrJoin(with, " and ")),
-        absl::StrCat("ZeRO ", zero, " together with ",
-                     ep > 1 ? "tensor, pipeline or expert parallelism"
-                            : "tensor or pipeline parallelism"),
-        absl::StrCat("set zero_stage to ", runs.max_zero_with_model_parallel,
-                     " (optimizer states sharded over data_parallel), or ",
-                     ep > 1 ? "tensor_parallel, pipeline_parallel and expert_parallel"
-                            : "tensor_parallel and pipeline_parallel",
-                     " to 1 to keep ZeRO ", zero));
+    return refuse("zero_stage", absl::StrCat(zero, " with ", absl::StrJoin(with, " and ")),
+                  absl::StrCat("ZeRO ", zero, " together with ",
+                               ep > 1 ? "tensor, pipeline or expert parallelism"
+                                      : "tensor or pipeline parallelism"),
+                  absl::StrCat("set zero_stage to ", runs.max_zero_with_model_parallel,
+                               " (optimizer states sharded over data_parallel), or ",
+                               ep > 1 ? "tensor_parallel, pipeline_parallel and expert_parallel"
+                                      : "tensor_parallel and pipeline_parallel",
+                               " to 1 to keep ZeRO ", zero));
   }
   return absl::OkStatus();
 }

@@ -64,8 +64,8 @@ ParameterSplit SplitParameters(const Workload& w, int tp, int ep) {
     // A MoE layer's MLP: the router and the shared expert (with its gate) are replicated over
     // the expert-parallel ranks; the routed experts are split over them.
     const int64_t shared = m.shared_expert_intermediate_size();
-    const int64_t mlp = IsMoe(m) ? m.num_experts() * d + (shared > 0 ? 3 * d * shared + d : 0)
-                                 : 3 * d * f;
+    const int64_t mlp =
+        IsMoe(m) ? m.num_experts() * d + (shared > 0 ? 3 * d * shared + d : 0) : 3 * d * f;
     p.layer_matmul = CeilDiv(d * q + 2 * d * kv + q * d + mlp, tp);
     if (IsMoe(m)) {
       p.layer_expert = m.num_experts() / ep * 3 * d * int64_t{m.moe_intermediate_size()};
@@ -184,10 +184,10 @@ LayerActivations ActivationsPerLayer(const Workload& w, const LayoutChoice& l) {
   const double s = static_cast<double>(w.seq_len) / l.cp, b = l.micro_batch;
   const double h = m.hidden_size();
   // The MLP's inner width per token: a MoE layer runs top_k routed experts and the shared one.
-  const double f = IsMoe(m) ? static_cast<double>(m.num_experts_per_token()) *
-                                      m.moe_intermediate_size() +
-                                  m.shared_expert_intermediate_size()
-                            : m.ffn_hidden_size();
+  const double f =
+      IsMoe(m) ? static_cast<double>(m.num_experts_per_token()) * m.moe_intermediate_size() +
+                     m.shared_expert_intermediate_size()
+               : m.ffn_hidden_size();
   const double t = l.tp, a = m.num_attention_heads();
   const double q = a * m.head_dim(), kv = static_cast<double>(m.num_kv_heads()) * m.head_dim();
   const double e = ActivationBytes(w);  // matmul inputs, attention tensors, MLP intermediates
@@ -219,8 +219,7 @@ LayerActivations ActivationsPerLayer(const Workload& w, const LayoutChoice& l) {
   // and each token's top_k copies of its input permuted to the experts and of the experts'
   // outputs before they are combined.
   const double routing =
-      IsMoe(m) ? s * b * (2.0 * m.num_experts() * 4 + 2.0 * m.num_experts_per_token() * h * e)
-               : 0;
+      IsMoe(m) ? s * b * (2.0 * m.num_experts() * 4 + 2.0 * m.num_experts_per_token() * h * e) : 0;
   const double mlp = mlp_tensors * s * b * f * e / t + routing;
   LayerActivations out;
   out.full = static_cast<int64_t>(norms + attention + scores + mlp);
@@ -330,20 +329,20 @@ std::optional<std::string> InvalidReason(const Workload& w, const LayoutChoice& 
   }
   if (l.world() != c.gpus) {
     return absl::StrCat("dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp,
-                        l.cp > 1 ? absl::StrCat(" x cp ", l.cp) : "", " = ", l.world(), " != ",
-                        c.gpus, " devices");
+                        l.cp > 1 ? absl::StrCat(" x cp ", l.cp) : "", " = ", l.world(),
+                        " != ", c.gpus, " devices");
   }
   if (const auto violation = CheckModelDivisibility(m, l.tp, l.pp)) return violation->ToString();
-  if (const auto violation = CheckSplitRules(m, w.seq_len,
-                                             {.data_parallel = l.dp,
-                                              .pipeline_parallel = l.pp,
-                                              .context_parallel = l.cp,
-                                              .expert_parallel = l.ep,
-                                              .pipeline_virtual_stages = l.v,
-                                              .tensor_parallel = l.tp,
-                                              .sequence_parallel = l.sp,
-                                              .micro_batches_per_step =
-                                                  GradientAccumulation(w, l)})) {
+  if (const auto violation =
+          CheckSplitRules(m, w.seq_len,
+                          {.data_parallel = l.dp,
+                           .pipeline_parallel = l.pp,
+                           .context_parallel = l.cp,
+                           .expert_parallel = l.ep,
+                           .pipeline_virtual_stages = l.v,
+                           .tensor_parallel = l.tp,
+                           .sequence_parallel = l.sp,
+                           .micro_batches_per_step = GradientAccumulation(w, l)})) {
     return violation->ToString();
   }
   if (l.tp > c.gpus_per_node) {
@@ -411,8 +410,7 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     const int64_t weights = shard(4 * trainable, 3) + shard(e * p.frozen, 3);
     const int64_t grads = shard(4 * trainable, 2);
     const int64_t optimizer =
-        (l.zero >= 1 ? CeilDiv(8 * trainable, shard_ranks) : 8 * p.trainable) +
-        4 * p.step_counters;
+        (l.zero >= 1 ? CeilDiv(8 * trainable, shard_ranks) : 8 * p.trainable) + 4 * p.step_counters;
     const int64_t embedding_state =
         w.lora_rank > 0
             ? shard(e * p.embedding, 3)
@@ -592,8 +590,8 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& lay
     const double bandwidth = ContextParallelInsideNode(l, c) ? c.device.intra_node_bandwidth()
                                                              : c.device.inter_node_bandwidth();
     const double passes = 3 + (full_recompute ? 1 : 0);
-    micro_ring = layers * passes * (l.cp - 1) *
-                 (RingBlockBytes(w, l) / bandwidth + kCollectiveLatency);
+    micro_ring =
+        layers * passes * (l.cp - 1) * (RingBlockBytes(w, l) / bandwidth + kCollectiveLatency);
     const double attention_compute =
         (attention + (full_recompute ? attention / 3 : 0)) * micro_tokens / (l.tp * l.pp) / rate;
     micro_ring_exposed = std::max(0.0, micro_ring - kOverlapEfficiency * attention_compute);
@@ -673,8 +671,7 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& lay
   // AdamW reads weight, gradient and both moments and writes three of them back (28 bytes per
   // parameter it owns), plus the gradient-norm pass over the gradients the rank holds (4 bytes).
   const double experts = w.lora_rank == 0 ? static_cast<double>(stage.experts) : 0;
-  const double trainable =
-      static_cast<double>(stage.trainable) + experts;
+  const double trainable = static_cast<double>(stage.trainable) + experts;
   const double owned = static_cast<double>(stage.trainable) / (l.zero >= 1 ? reduce_ranks : 1) +
                        experts / (l.zero >= 1 ? expert_ranks : 1);
   const double optimizer =

@@ -67,9 +67,9 @@ std::optional<LayoutRuleViolation> CheckSplitRules(const v1::ModelDims& dims, in
   // share of the causal attention's work.
   if (cp > 1 && seq_len % (2 * cp) != 0) {
     return LayoutRuleViolation{
-        kContext, absl::StrCat(cp, ": 2 x context_parallel (", 2 * cp,
-                               ") does not divide data.seq_len ", seq_len,
-                               " (each sequence is split into 2 x cp causal chunks)")};
+        kContext,
+        absl::StrCat(cp, ": 2 x context_parallel (", 2 * cp, ") does not divide data.seq_len ",
+                     seq_len, " (each sequence is split into 2 x cp causal chunks)")};
   }
   if (cp > 1 && degrees.sequence_parallel && degrees.tensor_parallel > 1 &&
       (seq_len / cp) % degrees.tensor_parallel != 0) {
@@ -82,12 +82,14 @@ std::optional<LayoutRuleViolation> CheckSplitRules(const v1::ModelDims& dims, in
   if (ep > 1) {
     if (dims.num_experts() == 0) {
       return LayoutRuleViolation{
-          kExpert, absl::StrCat(ep, " with a dense model (num_experts 0): expert parallelism "
-                                    "splits a mixture of experts; use 1")};
+          kExpert, absl::StrCat(ep,
+                                " with a dense model (num_experts 0): expert parallelism "
+                                "splits a mixture of experts; use 1")};
     }
     if (dims.num_experts() % ep != 0) {
-      return LayoutRuleViolation{kExpert, absl::StrCat(ep, " does not divide the model's "
-                                                           "num_experts ",
+      return LayoutRuleViolation{kExpert, absl::StrCat(ep,
+                                                       " does not divide the model's "
+                                                       "num_experts ",
                                                        dims.num_experts())};
     }
     if (degrees.data_parallel % ep != 0) {

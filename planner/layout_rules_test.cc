@@ -108,24 +108,26 @@ TEST(LayoutRulesTest, EachBrokenSplitRuleNamesItsField) {
             "parallelism.layout.pipeline_virtual_stages: 3 does not divide the 8 layers of each "
             "pipeline stage (num_layers 32 / pipeline_parallel 4)");
   // Sequence parallelism splits each context-parallel rank's 4100 / 2 = 2050 tokens over tp.
-  EXPECT_EQ(SplitText(dense, 4100, {.context_parallel = 2, .tensor_parallel = 2,
-                                    .sequence_parallel = true}),
+  EXPECT_EQ(SplitText(dense, 4100,
+                      {.context_parallel = 2, .tensor_parallel = 2, .sequence_parallel = true}),
             "ok");
-  EXPECT_EQ(SplitText(dense, 4100, {.context_parallel = 2, .tensor_parallel = 4,
-                                    .sequence_parallel = true}),
+  EXPECT_EQ(SplitText(dense, 4100,
+                      {.context_parallel = 2, .tensor_parallel = 4, .sequence_parallel = true}),
             "parallelism.layout.sequence_parallel: tensor_parallel 4 does not divide the 2050 "
             "tokens of each context-parallel rank (data.seq_len 4100 / context_parallel 2)");
   // The interleaved schedule runs micro-batches in groups of pp.
-  EXPECT_EQ(SplitText(dense, 4096, {.pipeline_parallel = 4,
-                                    .pipeline_virtual_stages = 2,
-                                    .micro_batches_per_step = 8}),
-            "ok");
-  EXPECT_EQ(SplitText(dense, 4096, {.pipeline_parallel = 4,
-                                    .pipeline_virtual_stages = 2,
-                                    .micro_batches_per_step = 6}),
-            "parallelism.layout.pipeline_virtual_stages: 2 needs the micro-batches per step (6 = "
-            "global batch / (micro-batch x data_parallel)) to be a multiple of pipeline_parallel "
-            "4");
+  EXPECT_EQ(
+      SplitText(
+          dense, 4096,
+          {.pipeline_parallel = 4, .pipeline_virtual_stages = 2, .micro_batches_per_step = 8}),
+      "ok");
+  EXPECT_EQ(
+      SplitText(
+          dense, 4096,
+          {.pipeline_parallel = 4, .pipeline_virtual_stages = 2, .micro_batches_per_step = 6}),
+      "parallelism.layout.pipeline_virtual_stages: 2 needs the micro-batches per step (6 = "
+      "global batch / (micro-batch x data_parallel)) to be a multiple of pipeline_parallel "
+      "4");
 }
 
 }  // namespace

@@ -31,11 +31,10 @@ constexpr double kSimplerLayoutMargin = 0.10;
 // Orders layouts from the simplest: lexicographic in ZeRO stage, recomputation, sp, pp, tp, then
 // the newer splits (cp, virtual stages, ep; 0 and 1 alike mean none).
 std::tuple<int, int, bool, int, int, int, int, int> Complexity(const v1::Layout& l) {
-  return std::make_tuple(l.zero_stage(), static_cast<int>(l.activation_checkpointing_mode()),
-                         l.sequence_parallel(), l.pipeline_parallel(), l.tensor_parallel(),
-                         std::max(1, l.context_parallel()),
-                         std::max(1, l.pipeline_virtual_stages()),
-                         std::max(1, l.expert_parallel()));
+  return std::make_tuple(
+      l.zero_stage(), static_cast<int>(l.activation_checkpointing_mode()), l.sequence_parallel(),
+      l.pipeline_parallel(), l.tensor_parallel(), std::max(1, l.context_parallel()),
+      std::max(1, l.pipeline_virtual_stages()), std::max(1, l.expert_parallel()));
 }
 
 // Whether two layouts split the model and the sequence the same way (all but ZeRO, recomputation
@@ -94,8 +93,8 @@ void AddCandidate(const Workload& w, const LayoutChoice& l, const ClusterShape& 
   result.candidates.push_back(std::move(candidate));
 }
 
-// Why the chosen layout `l` uses context parallelism, expert parallelism or virtual stages: for each
-// degree above 1, how the fastest fitting layout without it compares, or that nothing fits
+// Why the chosen layout `l` uses context parallelism, expert parallelism or virtual stages: for
+// each degree above 1, how the fastest fitting layout without it compares, or that nothing fits
 // without it (with the closest miss).
 void AppendSplitReasons(const SearchResult& result, const LayoutChoice& l,
                         std::string& explanation) {
@@ -118,19 +117,17 @@ void AppendSplitReasons(const SearchResult& result, const LayoutChoice& l,
     if (split.degree <= 1) continue;
     // Candidates are ranked: the first one without the split is the best of them (fastest
     // fitting, or the closest miss when none fits).
-    const auto without =
-        std::find_if(result.candidates.begin(), result.candidates.end(),
-                     [&](const v1::LayoutCandidate& x) {
-                       return x.plan().has_memory() && (x.plan().layout().*split.field)() <= 1;
-                     });
+    const auto without = std::find_if(
+        result.candidates.begin(), result.candidates.end(), [&](const v1::LayoutCandidate& x) {
+          return x.plan().has_memory() && (x.plan().layout().*split.field)() <= 1;
+        });
     if (without == result.candidates.end()) {
       absl::StrAppend(&explanation, " ", split.name, " ", split.degree,
                       ": no layout without it was considered.");
       continue;
     }
     const v1::LayoutPlan& other = without->plan();
-    const std::string other_layout =
-        Describe(FromProto(other.layout(), other.micro_batch_size()));
+    const std::string other_layout = Describe(FromProto(other.layout(), other.micro_batch_size()));
     if (!other.fits()) {
       absl::StrAppend(&explanation, " ", split.name, " ", split.degree,
                       ": without it no layout fits (closest: ", other_layout, " ",
@@ -171,9 +168,9 @@ std::string FormatBytes(int64_t bytes) {
 }
 
 std::string Describe(const LayoutChoice& l) {
-  std::string out = absl::StrCat("dp=", l.dp, " tp=", l.tp, " pp=", l.pp, " zero=", l.zero,
-                                 " mb=", l.micro_batch, " sp=", l.sp ? "on" : "off",
-                                 " ac=", ActivationCheckpointingName(l.ac));
+  std::string out =
+      absl::StrCat("dp=", l.dp, " tp=", l.tp, " pp=", l.pp, " zero=", l.zero, " mb=", l.micro_batch,
+                   " sp=", l.sp ? "on" : "off", " ac=", ActivationCheckpointingName(l.ac));
   if (l.cp > 1) absl::StrAppend(&out, " cp=", l.cp);
   if (l.ep > 1) absl::StrAppend(&out, " ep=", l.ep);
   if (l.v > 1) absl::StrAppend(&out, " v=", l.v);
@@ -334,8 +331,8 @@ SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const Searc
         const bool model_parallel = tp > 1 || pp > 1;
         const int max_zero =
             dp * cp > 1 ? std::min({3, limits.max_zero,
-                               model_parallel ? limits.max_zero_with_model_parallel : 3})
-                   : 0;
+                                    model_parallel ? limits.max_zero_with_model_parallel : 3})
+                        : 0;
         for (int ep : eps) {
           const int max_zero_here =
               ep > 1 ? std::min(max_zero, limits.max_zero_with_model_parallel) : max_zero;

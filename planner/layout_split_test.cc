@@ -45,11 +45,10 @@ Workload Work(v1::ModelDims dims, int seq, int64_t batch) {
 
 // Whether a layout of context-parallel degree `cp` is among the fitting candidates of `result`.
 bool AnyFits(const SearchResult& result, int cp) {
-  return std::any_of(result.candidates.begin(), result.candidates.end(),
-                     [&](const v1::LayoutCandidate& x) {
-                       return x.plan().fits() &&
-                              std::max(1, x.plan().layout().context_parallel()) == cp;
-                     });
+  return std::any_of(
+      result.candidates.begin(), result.candidates.end(), [&](const v1::LayoutCandidate& x) {
+        return x.plan().fits() && std::max(1, x.plan().layout().context_parallel()) == cp;
+      });
 }
 
 TEST(LayoutSplitTest, LongSequencesFitOnlyWhenContextParallel) {
@@ -182,10 +181,10 @@ TEST(LayoutSplitTest, MixtureOfExpertsChoosesExpertParallelismAndSavesTheExpertS
   EXPECT_GE(whole.total_bytes() - split.total_bytes(),
             whole.expert_state_bytes() - split.expert_state_bytes());
   // Compute follows the 3.35B active parameters, not the 30.5B.
-  EXPECT_NEAR(EstimateStepTime(w, chosen, c).model_flops(),
-              (6.0 * CountActiveParameters(w.dims) + AttentionFlopsPerToken(w.dims, 4096)) *
-                  4096 * 64,
-              1e3);
+  EXPECT_NEAR(
+      EstimateStepTime(w, chosen, c).model_flops(),
+      (6.0 * CountActiveParameters(w.dims) + AttentionFlopsPerToken(w.dims, 4096)) * 4096 * 64,
+      1e3);
 }
 
 TEST(LayoutSplitTest, InterleavingShrinksTheBubbleToPpMinusOneOverVm) {

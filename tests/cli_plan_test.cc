@@ -38,9 +38,8 @@ TEST(CliPlanTest, OfflineJsonListsLayoutsWithEveryTerm) {
   bool saw_rejected = false;
   double previous = 1e30;
   for (const auto& layout : layouts) {
-    for (const char* key :
-         {"dp", "tp", "pp", "cp", "ep", "v", "zero", "micro_batch", "grad_accum", "sp", "ac",
-          "fits"}) {
+    for (const char* key : {"dp", "tp", "pp", "cp", "ep", "v", "zero", "micro_batch", "grad_accum",
+                            "sp", "ac", "fits"}) {
       ASSERT_TRUE(layout.contains(key)) << key << " in " << layout.dump();
     }
     if (layout["fits"].get<bool>()) {

@@ -392,8 +392,7 @@ TEST_F(CoordinatorTest, SubmitChecksContextExpertAndVirtualStageDegrees) {
        "parallelism.layout: data_parallel 8 x tensor_parallel 1 x pipeline_parallel 1 x "
        "context_parallel 2 = 16 != resources.gpus 8"},
       {dense, "parallelism.layout.expert_parallel: 2 with a dense model (num_experts 0)"},
-      {no_pipeline,
-       "parallelism.layout.pipeline_virtual_stages: 2 needs pipeline_parallel > 1"},
+      {no_pipeline, "parallelism.layout.pipeline_virtual_stages: 2 needs pipeline_parallel > 1"},
       {negative, "parallelism.layout.expert_parallel: must be >= 0 (0 means 1), got -1"}};
   for (const auto& [spec, message] : cases) {
     v1::SubmitJobRequest request;
