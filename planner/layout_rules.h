@@ -1,7 +1,8 @@
-// The layout rules that depend on the model alone, in one place: which tensor- and
-// pipeline-parallel degrees its dimensions allow. The coordinator's validation, the layout search
-// and the trainer all ask here, so a rule (and its message) changes once. (The defaults a spec
-// leaves open are training_settings.h's.)
+// The layout rules that depend on the model and the data alone, in one place: which tensor-,
+// pipeline-, context- and expert-parallel degrees and virtual pipeline stages its dimensions and
+// sequence length allow. The coordinator's validation, the layout search and the trainer all ask
+// here, so a rule (and its message) changes once. (The defaults a spec leaves open are
+// training_settings.h's.)
 #pragma once
 
 #include <cstdint>
