@@ -1,5 +1,6 @@
 #include "client/plan_command.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdint>
@@ -76,6 +77,9 @@ json MemoryJson(const v1::MemoryEstimate& m) {
               {"in_flight_micro_batches", m.in_flight_micro_batches()},
               {"logits_bytes", m.logits_bytes()},
               {"communication_bytes", m.communication_bytes()},
+              {"expert_all_to_all_bytes", m.expert_all_to_all_bytes()},
+              {"context_ring_bytes", m.context_ring_bytes()},
+              {"expert_state_bytes", m.expert_state_bytes()},
               {"overhead_bytes", m.overhead_bytes()},
               {"peak_bytes", m.total_bytes()},
               {"usable_bytes", m.usable_bytes()},
@@ -88,6 +92,9 @@ json CandidateJson(const v1::LayoutCandidate& candidate) {
   json out{{"dp", l.data_parallel()},
            {"tp", l.tensor_parallel()},
            {"pp", l.pipeline_parallel()},
+           {"cp", std::max(1, l.context_parallel())},
+           {"ep", std::max(1, l.expert_parallel())},
+           {"v", std::max(1, l.pipeline_virtual_stages())},
            {"zero", l.zero_stage()},
            {"micro_batch", p.micro_batch_size()},
            {"grad_accum", p.gradient_accumulation_steps()},
@@ -109,6 +116,9 @@ json CandidateJson(const v1::LayoutCandidate& candidate) {
     out["step_time"] = json{{"compute_s", t.compute_seconds()},
                             {"tensor_parallel_s", t.tensor_parallel_seconds()},
                             {"pipeline_bubble_s", t.pipeline_bubble_seconds()},
+                            {"pipeline_bubble_fraction", t.pipeline_bubble_fraction()},
+                            {"expert_all_to_all_s", t.expert_all_to_all_seconds()},
+                            {"context_ring_s", t.context_ring_seconds()},
                             {"pipeline_transfer_s", t.pipeline_transfer_seconds()},
                             {"data_parallel_s", t.data_parallel_seconds()},
                             {"exposed_communication_s", t.exposed_communication_seconds()},
@@ -165,7 +175,8 @@ absl::StatusOr<v1::Layout> ParseLayout(const std::string& text) {
     const std::string value = absl::AsciiStrToLower(absl::StripAsciiWhitespace(kv[1]));
     int number = 0;
     const bool numeric = absl::SimpleAtoi(value, &number);
-    if (key == "dp" || key == "tp" || key == "pp" || key == "zero") {
+    if (key == "dp" || key == "tp" || key == "pp" || key == "zero" || key == "cp" || key == "ep" ||
+        key == "v") {
       if (!numeric || number < (key == "zero" ? 0 : 1)) {
         return absl::InvalidArgumentError(
             absl::StrCat(key, "=", value, ": must be an integer >= ", key == "zero" ? 0 : 1));
@@ -174,6 +185,9 @@ absl::StatusOr<v1::Layout> ParseLayout(const std::string& text) {
       if (key == "tp") layout.set_tensor_parallel(number);
       if (key == "pp") layout.set_pipeline_parallel(number);
       if (key == "zero") layout.set_zero_stage(number);
+      if (key == "cp") layout.set_context_parallel(number);
+      if (key == "ep") layout.set_expert_parallel(number);
+      if (key == "v") layout.set_pipeline_virtual_stages(number);
     } else if (key == "sp") {
       if (value != "on" && value != "off" && value != "true" && value != "false") {
         return absl::InvalidArgumentError(absl::StrCat("sp=", value, ": must be on or off"));
@@ -192,7 +206,7 @@ absl::StatusOr<v1::Layout> ParseLayout(const std::string& text) {
       }
     } else {
       return absl::InvalidArgumentError(
-          absl::StrCat("unknown key '", key, "'; use dp, tp, pp, zero, sp, ac"));
+          absl::StrCat("unknown key '", key, "'; use dp, tp, pp, cp, ep, v, zero, sp, ac"));
     }
   }
   return layout;
@@ -297,10 +311,12 @@ absl::StatusOr<v1::PlanLayoutRequest> PlanRequestFromFlags(const std::string& sp
     auto layout = ParseLayout(text);
     if (!layout.ok()) return BadFlag("layout", std::string(layout.status().message()));
     if (layout->data_parallel() == 0) {
-      const int model_parallel = layout->tensor_parallel() * layout->pipeline_parallel();
+      // Context-parallel ranks multiply the world like tp and pp (ep's are data-parallel ranks).
+      const int model_parallel = layout->tensor_parallel() * layout->pipeline_parallel() *
+                                 std::max(1, layout->context_parallel());
       if (devices % model_parallel != 0) {
-        return BadFlag("layout", absl::StrCat("tp x pp = ", model_parallel, " does not divide the ",
-                                              devices, " devices"));
+        return BadFlag("layout", absl::StrCat("tp x pp x cp = ", model_parallel,
+                                              " does not divide the ", devices, " devices"));
       }
       layout->set_data_parallel(devices / model_parallel);
     }
@@ -356,19 +372,22 @@ std::string PlanTable(const v1::PlanLayoutRequest& request,
       plan.lora_rank() > 0 ? absl::StrCat("LoRA rank ", plan.lora_rank()) : "full training",
       plan.world_size(), plan.device().name(), FormatBytes(plan.device().memory_bytes()),
       plan.devices_per_node());
-  absl::StrAppendFormat(&out, "%3s %4s %3s %3s %4s %4s %5s %3s %-9s %10s %4s %9s %6s %8s  %s\n",
-                        "#", "dp", "tp", "pp", "zero", "mb", "accum", "sp", "ac", "peak/dev",
-                        "fits", "tokens/s", "MFU", "step", "reason");
+  absl::StrAppendFormat(
+      &out, "%3s %4s %3s %3s %3s %3s %2s %4s %4s %5s %3s %-9s %10s %4s %9s %6s %8s  %s\n", "#",
+      "dp", "tp", "pp", "cp", "ep", "v", "zero", "mb", "accum", "sp", "ac", "peak/dev", "fits",
+      "tokens/s", "MFU", "step", "reason");
   int index = 0;
   for (const auto& candidate : response.candidates()) {
     const v1::LayoutPlan& p = candidate.plan();
     const v1::Layout& l = p.layout();
     const bool estimated = p.has_memory();
     absl::StrAppendFormat(
-        &out, "%3d %4d %3d %3d %4d %4d %5d %3s %-9s %10s %4s %9s %6s %8s  %s\n", ++index,
-        l.data_parallel(), l.tensor_parallel(), l.pipeline_parallel(), l.zero_stage(),
-        p.micro_batch_size(), p.gradient_accumulation_steps(), l.sequence_parallel() ? "on" : "off",
-        AcName(l), estimated ? FormatBytes(p.memory().total_bytes()) : "-", p.fits() ? "yes" : "no",
+        &out, "%3d %4d %3d %3d %3d %3d %2d %4d %4d %5d %3s %-9s %10s %4s %9s %6s %8s  %s\n",
+        ++index, l.data_parallel(), l.tensor_parallel(), l.pipeline_parallel(),
+        std::max(1, l.context_parallel()), std::max(1, l.expert_parallel()),
+        std::max(1, l.pipeline_virtual_stages()), l.zero_stage(), p.micro_batch_size(),
+        p.gradient_accumulation_steps(), l.sequence_parallel() ? "on" : "off", AcName(l),
+        estimated ? FormatBytes(p.memory().total_bytes()) : "-", p.fits() ? "yes" : "no",
         estimated ? FormatRate(p.step_time().tokens_per_second()) : "-",
         estimated ? absl::StrFormat("%.1f%%", 100 * p.step_time().mfu()) : "-",
         estimated ? absl::StrFormat("%.3fs", p.step_time().step_seconds()) : "-",
@@ -392,6 +411,36 @@ std::string PlanTable(const v1::PlanLayoutRequest& request,
         m.in_flight_micro_batches(), FormatBytes(m.logits_bytes()),
         FormatBytes(m.communication_bytes()), FormatBytes(m.overhead_bytes()),
         FormatBytes(m.total_bytes()), FormatBytes(m.usable_bytes()));
+    // The terms of expert, context and interleaved pipeline parallelism, when the layout has them.
+    std::vector<std::string> splits;
+    if (m.expert_state_bytes() > 0) {
+      splits.push_back(absl::StrCat("routed experts' state ", FormatBytes(m.expert_state_bytes()),
+                                    " (of weights, gradients and optimizer)"));
+    }
+    if (m.expert_all_to_all_bytes() > 0) {
+      splits.push_back(
+          absl::StrCat("all-to-all buffers ", FormatBytes(m.expert_all_to_all_bytes())));
+    }
+    if (m.context_ring_bytes() > 0) {
+      splits.push_back(absl::StrCat("ring buffers ", FormatBytes(m.context_ring_bytes())));
+    }
+    const v1::StepTimeEstimate& t = plan.step_time();
+    if (t.expert_all_to_all_seconds() > 0) {
+      splits.push_back(absl::StrFormat("expert all-to-all %.3fs per step (not overlapped)",
+                                       t.expert_all_to_all_seconds()));
+    }
+    if (t.context_ring_seconds() > 0) {
+      splits.push_back(
+          absl::StrFormat("context ring %.3fs per step before overlap", t.context_ring_seconds()));
+    }
+    if (t.pipeline_bubble_fraction() > 0) {
+      splits.push_back(absl::StrFormat(
+          "pipeline bubble %.1f%% of the micro-batches' time ((pp-1)/(v x m) = %d/(%d x %d))",
+          100 * t.pipeline_bubble_fraction(), plan.layout().pipeline_parallel() - 1,
+          std::max(1, plan.layout().pipeline_virtual_stages()),
+          plan.gradient_accumulation_steps()));
+    }
+    if (!splits.empty()) absl::StrAppend(&out, "Of these: ", absl::StrJoin(splits, "; "), ".\n");
   }
   return out;
 }

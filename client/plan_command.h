@@ -33,7 +33,8 @@ absl::StatusOr<int64_t> ParseBytes(const std::string& text);
 absl::Status ParseDeviceOverrides(const std::string& text, v1::DeviceModel* device);
 
 // "tp=4,pp=2,dp=1,zero=1,sp=on,ac=selective" -> Layout (unnamed degrees: tp, pp 1, zero 0, sp off,
-// ac none; dp: what remains of the GPUs, filled in by the planner's checks).
+// ac none; cp, ep and v (virtual pipeline stages) unset, i.e. 1; dp: what remains of the GPUs,
+// filled in by the planner's checks).
 absl::StatusOr<v1::Layout> ParseLayout(const std::string& text);
 
 // The JSON document `plan --output json` prints.

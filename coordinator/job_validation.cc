@@ -6,6 +6,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -89,6 +90,14 @@ std::optional<int64_t> DataParallel(const v1::JobSpec& spec) {
   return WorldSize(spec.resources());
 }
 
+// Micro-batches per step per data-parallel rank, once ValidateBatch accepted the batch; else 0.
+int64_t MicroBatchesPerStep(const v1::JobSpec& spec) {
+  const std::optional<int64_t> dp = DataParallel(spec);
+  const int64_t per_pass = int64_t{spec.batch().micro_batch_size()} * dp.value_or(0);
+  if (per_pass <= 0 || spec.batch().global_batch_size() % per_pass != 0) return 0;
+  return spec.batch().global_batch_size() / per_pass;
+}
+
 absl::Status ValidateName(const std::string& name) {
   if (name.empty() || name.size() > kMaxNameLength) {
     return Invalid("name",
@@ -163,8 +172,10 @@ absl::Status ValidateBatch(const v1::JobSpec& spec) {
   return absl::OkStatus();
 }
 
+// `micro_batches_per_step` is the batch's per data-parallel rank (0 while the batch is invalid).
 absl::Status ValidateExplicitLayout(const v1::Layout& layout, const v1::ResourceRequest& resources,
-                                    const v1::ModelDims& dims) {
+                                    const v1::ModelDims& dims, int seq_len,
+                                    int64_t micro_batches_per_step) {
   const struct {
     const char* name;
     int value;
@@ -183,19 +194,44 @@ absl::Status ValidateExplicitLayout(const v1::Layout& layout, const v1::Resource
     return Invalid("parallelism.layout.zero_stage",
                    absl::StrCat("must be in 0..", kMaxZeroStage, ", got ", layout.zero_stage()));
   }
+  // Context parallelism multiplies the ranks (each sequence is split over cp of them); expert
+  // parallelism does not (its ranks are data-parallel ranks).
+  const int cp = std::max(1, layout.context_parallel());
+  for (const auto& [name, value] :
+       {std::pair<const char*, int>{"context_parallel", layout.context_parallel()},
+        {"expert_parallel", layout.expert_parallel()},
+        {"pipeline_virtual_stages", layout.pipeline_virtual_stages()}}) {
+    if (value < 0) {
+      return Invalid(absl::StrCat("parallelism.layout.", name),
+                     absl::StrCat("must be >= 0 (0 means 1), got ", value));
+    }
+  }
   const int64_t world =
-      int64_t{layout.data_parallel()} * layout.tensor_parallel() * layout.pipeline_parallel();
+      int64_t{layout.data_parallel()} * layout.tensor_parallel() * layout.pipeline_parallel() * cp;
   if (std::optional<int> requested = WorldSize(resources);
       requested.has_value() && world != *requested) {
     return Invalid(
         "parallelism.layout",
         absl::StrCat("data_parallel ", layout.data_parallel(), " x tensor_parallel ",
                      layout.tensor_parallel(), " x pipeline_parallel ", layout.pipeline_parallel(),
-                     " = ", world, " != ", WorldSizeSource(resources)));
+                     cp > 1 ? absl::StrCat(" x context_parallel ", cp) : "", " = ", world,
+                     " != ", WorldSizeSource(resources)));
   }
   const int tp = layout.tensor_parallel();
   if (const auto violation =
           planner::CheckModelDivisibility(dims, tp, layout.pipeline_parallel())) {
+    return Invalid(violation->field, violation->problem);
+  }
+  if (const auto violation =
+          planner::CheckSplitRules(dims, seq_len,
+                                   {.data_parallel = layout.data_parallel(),
+                                    .pipeline_parallel = layout.pipeline_parallel(),
+                                    .context_parallel = layout.context_parallel(),
+                                    .expert_parallel = layout.expert_parallel(),
+                                    .pipeline_virtual_stages = layout.pipeline_virtual_stages(),
+                                    .tensor_parallel = tp,
+                                    .sequence_parallel = layout.sequence_parallel(),
+                                    .micro_batches_per_step = micro_batches_per_step})) {
     return Invalid(violation->field, violation->problem);
   }
   if (layout.sequence_parallel() && tp == 1) {
@@ -222,6 +258,12 @@ absl::Status ValidateAutoLayout(const v1::AutoLayoutSpec& auto_layout) {
     return Invalid("parallelism.auto_layout.memory_headroom_fraction",
                    absl::StrCat("must be in [0, 1] (0 for the default 0.9), got ", headroom));
   }
+  RETURN_IF_ERROR(CheckNonNegative("parallelism.auto_layout.max_context_parallel",
+                                   auto_layout.max_context_parallel()));
+  RETURN_IF_ERROR(CheckNonNegative("parallelism.auto_layout.max_expert_parallel",
+                                   auto_layout.max_expert_parallel()));
+  RETURN_IF_ERROR(CheckNonNegative("parallelism.auto_layout.max_pipeline_virtual_stages",
+                                   auto_layout.max_pipeline_virtual_stages()));
   return absl::OkStatus();
 }
 
@@ -310,8 +352,9 @@ absl::StatusOr<ResolvedJob> ResolveJob(const v1::JobSpec& spec) {
   RETURN_IF_ERROR(ValidateData(spec.data(), model.dims()));
   RETURN_IF_ERROR(ValidateBatch(spec));
   if (HasExplicitLayout(spec)) {
-    RETURN_IF_ERROR(
-        ValidateExplicitLayout(spec.parallelism().layout(), spec.resources(), model.dims()));
+    RETURN_IF_ERROR(ValidateExplicitLayout(spec.parallelism().layout(), spec.resources(),
+                                           model.dims(), spec.data().seq_len(),
+                                           MicroBatchesPerStep(spec)));
   } else {
     RETURN_IF_ERROR(ValidateAutoLayout(spec.parallelism().auto_layout()));
   }
@@ -372,10 +415,21 @@ v1::LayoutPlan PlanJob(const v1::JobSpec& spec, const ResolvedJob& resolved) {
   v1::Layout& layout = *plan.mutable_layout();
   if (HasExplicitLayout(spec)) {
     layout = spec.parallelism().layout();
+    // The newer degrees are named only when used, so plain layouts read as before.
+    std::string split;
+    if (layout.context_parallel() > 1) {
+      absl::StrAppend(&split, " x context_parallel ", layout.context_parallel());
+    }
+    if (layout.expert_parallel() > 1) {
+      absl::StrAppend(&split, ", expert_parallel ", layout.expert_parallel());
+    }
+    if (layout.pipeline_virtual_stages() > 1) {
+      absl::StrAppend(&split, ", pipeline_virtual_stages ", layout.pipeline_virtual_stages());
+    }
     plan.set_explanation(absl::StrCat("Explicit layout from the job spec: data_parallel ",
                                       layout.data_parallel(), " x tensor_parallel ",
                                       layout.tensor_parallel(), " x pipeline_parallel ",
-                                      layout.pipeline_parallel(), ", ZeRO stage ",
+                                      layout.pipeline_parallel(), split, ", ZeRO stage ",
                                       layout.zero_stage(), ", over ", world, " ", device,
                                       ". The planner checks it against the devices the job "
                                       "gets when it is scheduled."));

@@ -50,6 +50,19 @@ void SetLayout(v1::JobSpec& spec, int dp, int tp, int pp) {
   layout->set_pipeline_parallel(pp);
 }
 
+// A 2-layer Llama mixture of `experts` experts, top-2, small enough for CPU slots.
+void SetTinyMoe(v1::JobSpec& spec, int experts) {
+  v1::ModelDims* dims = spec.mutable_model()->mutable_dims();
+  dims->set_architecture(v1::ARCHITECTURE_LLAMA);
+  dims->set_num_layers(2);
+  dims->set_hidden_size(64);
+  dims->set_num_attention_heads(4);
+  dims->set_vocab_size(257);
+  dims->set_max_seq_len(256);
+  dims->set_num_experts(experts);
+  dims->set_num_experts_per_token(2);
+}
+
 struct BadSpecCase {
   std::string name;  // gtest parameter name: [A-Za-z0-9_]
   std::function<void(v1::JobSpec&)> mutate;
@@ -224,6 +237,105 @@ std::vector<BadSpecCase> BadSpecCases() {
        },
        kInvalid,
        "parallelism.layout.pipeline_parallel: 3 does not divide the model's num_layers 2"},
+      // Context, expert and interleaved pipeline parallelism (planner::CheckSplitRules).
+      {"LayoutNegativeContextParallel",
+       [](S& s) {
+         SetLayout(s, 2, 1, 1);
+         s.mutable_parallelism()->mutable_layout()->set_context_parallel(-1);
+       },
+       kInvalid, "parallelism.layout.context_parallel: must be >= 0 (0 means 1), got -1"},
+      {"LayoutNegativeExpertParallel",
+       [](S& s) {
+         SetLayout(s, 2, 1, 1);
+         s.mutable_parallelism()->mutable_layout()->set_expert_parallel(-2);
+       },
+       kInvalid, "parallelism.layout.expert_parallel: must be >= 0 (0 means 1), got -2"},
+      {"LayoutNegativeVirtualStages",
+       [](S& s) {
+         SetLayout(s, 2, 1, 1);
+         s.mutable_parallelism()->mutable_layout()->set_pipeline_virtual_stages(-1);
+       },
+       kInvalid, "parallelism.layout.pipeline_virtual_stages: must be >= 0 (0 means 1), got -1"},
+      {"LayoutWorldCountsContextParallel",
+       [](S& s) {
+         // dp 2 x cp 2 is 4 ranks, not the 2 slots asked for.
+         SetLayout(s, 2, 1, 1);
+         s.mutable_parallelism()->mutable_layout()->set_context_parallel(2);
+       },
+       kInvalid,
+       "parallelism.layout: data_parallel 2 x tensor_parallel 1 x pipeline_parallel 1 x "
+       "context_parallel 2 = 4 != resources.cpu_slots 2"},
+      {"LayoutContextParallelVsSeqLen",
+       [](S& s) {
+         // seq_len 60 splits into 4 chunks (cp 2) but not 8 (cp 4).
+         s.mutable_data()->set_seq_len(60);
+         s.mutable_batch()->set_global_batch_size(2);
+         s.mutable_batch()->set_micro_batch_size(1);
+         s.mutable_resources()->set_cpu_slots(4);
+         SetLayout(s, 1, 1, 1);
+         s.mutable_parallelism()->mutable_layout()->set_context_parallel(4);
+       },
+       kInvalid,
+       "parallelism.layout.context_parallel: 4: 2 x context_parallel (8) does not divide "
+       "data.seq_len 60"},
+      {"LayoutExpertParallelOnDenseModel",
+       [](S& s) {
+         SetLayout(s, 2, 1, 1);
+         s.mutable_parallelism()->mutable_layout()->set_expert_parallel(2);
+       },
+       kInvalid,
+       "parallelism.layout.expert_parallel: 2 with a dense model (num_experts 0): expert "
+       "parallelism splits a mixture of experts; use 1"},
+      {"LayoutExpertParallelVsExperts",
+       [](S& s) {
+         SetTinyMoe(s, /*experts=*/6);
+         s.mutable_resources()->set_cpu_slots(4);
+         SetLayout(s, 4, 1, 1);
+         s.mutable_parallelism()->mutable_layout()->set_expert_parallel(4);
+       },
+       kInvalid, "parallelism.layout.expert_parallel: 4 does not divide the model's num_experts 6"},
+      {"LayoutExpertParallelVsDataParallel",
+       [](S& s) {
+         SetTinyMoe(s, /*experts=*/8);
+         s.mutable_resources()->set_cpu_slots(2);
+         SetLayout(s, 2, 1, 1);
+         s.mutable_parallelism()->mutable_layout()->set_expert_parallel(4);
+       },
+       kInvalid,
+       "parallelism.layout.expert_parallel: 4 does not divide data_parallel 2 (experts are "
+       "split inside the data-parallel group)"},
+      {"LayoutVirtualStagesWithoutPipeline",
+       [](S& s) {
+         SetLayout(s, 2, 1, 1);
+         s.mutable_parallelism()->mutable_layout()->set_pipeline_virtual_stages(2);
+       },
+       kInvalid,
+       "parallelism.layout.pipeline_virtual_stages: 2 needs pipeline_parallel > 1, got "
+       "pipeline_parallel 1"},
+      {"LayoutVirtualStagesVsLayersPerStage",
+       [](S& s) {
+         // tiny-gpt2's 2 layers over 2 stages leave one layer per stage: nothing to interleave.
+         SetLayout(s, 1, 1, 2);
+         s.mutable_parallelism()->mutable_layout()->set_pipeline_virtual_stages(2);
+       },
+       kInvalid,
+       "parallelism.layout.pipeline_virtual_stages: 2 does not divide the 1 layers of each "
+       "pipeline stage (num_layers 2 / pipeline_parallel 2)"},
+      {"LayoutVirtualStagesVsMicroBatches",
+       [](S& s) {
+         // 4 layers over pp 2 in v 2 chunks, but a global batch of 8 in micro-batches of 8 is
+         // one micro-batch per step, not a multiple of pp 2.
+         SetTinyMoe(s, /*experts=*/4);
+         s.mutable_model()->mutable_dims()->clear_num_experts();
+         s.mutable_model()->mutable_dims()->clear_num_experts_per_token();
+         s.mutable_model()->mutable_dims()->set_num_layers(4);
+         s.mutable_batch()->set_micro_batch_size(8);
+         SetLayout(s, 1, 1, 2);
+         s.mutable_parallelism()->mutable_layout()->set_pipeline_virtual_stages(2);
+       },
+       kInvalid,
+       "parallelism.layout.pipeline_virtual_stages: 2 needs the micro-batches per step (1 = "
+       "global batch / (micro-batch x data_parallel)) to be a multiple of pipeline_parallel 2"},
       {"LayoutSequenceParallelWithoutTensorParallel",
        [](S& s) {
          SetLayout(s, 2, 1, 1);
@@ -250,6 +362,17 @@ std::vector<BadSpecCase> BadSpecCases() {
          s.mutable_parallelism()->mutable_auto_layout()->set_memory_headroom_fraction(kNaN);
        },
        kInvalid, "parallelism.auto_layout.memory_headroom_fraction: must be a finite number"},
+      {"AutoLayoutNegativeMaxContextParallel",
+       [](S& s) { s.mutable_parallelism()->mutable_auto_layout()->set_max_context_parallel(-1); },
+       kInvalid, "parallelism.auto_layout.max_context_parallel: must be >= 0, got -1"},
+      {"AutoLayoutNegativeMaxExpertParallel",
+       [](S& s) { s.mutable_parallelism()->mutable_auto_layout()->set_max_expert_parallel(-1); },
+       kInvalid, "parallelism.auto_layout.max_expert_parallel: must be >= 0, got -1"},
+      {"AutoLayoutNegativeMaxVirtualStages",
+       [](S& s) {
+         s.mutable_parallelism()->mutable_auto_layout()->set_max_pipeline_virtual_stages(-4);
+       },
+       kInvalid, "parallelism.auto_layout.max_pipeline_virtual_stages: must be >= 0, got -4"},
       // optimizer
       {"ScheduleNoPeak", [](S& s) { s.mutable_optimizer()->clear_schedule(); }, kInvalid,
        "optimizer.schedule.peak_learning_rate: must be > 0"},
@@ -407,6 +530,53 @@ TEST(JobValidationTest, FullExplicitGpuSpecIsValid) {
   spec.set_priority(-1000);
   (*spec.mutable_labels())["team.ml_infra-2"] = "any value: spaces/slashes ok";
   EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+}
+
+TEST(JobValidationTest, ContextAndExpertParallelLayoutsAreValid) {
+  // dp 2 x cp 2 = 4 slots; the 4 experts split over ep 2 of the 2 data-parallel ranks.
+  v1::JobSpec spec = MinimalSpec();
+  SetTinyMoe(spec, /*experts=*/4);
+  spec.mutable_resources()->set_cpu_slots(4);
+  SetLayout(spec, 2, 1, 1);
+  v1::Layout* layout = spec.mutable_parallelism()->mutable_layout();
+  layout->set_context_parallel(2);
+  layout->set_expert_parallel(2);
+  ASSERT_THAT(ValidateJobSpec(spec), IsOk());
+  const absl::StatusOr<v1::LayoutPlan> plan = PlanJob(spec);
+  ASSERT_THAT(plan.status(), IsOk());
+  EXPECT_EQ(plan->world_size(), 4);
+  EXPECT_EQ(plan->layout().context_parallel(), 2);
+  EXPECT_EQ(plan->layout().expert_parallel(), 2);
+  // Accumulation is over the data-parallel ranks only: 8 / (2 x 2).
+  EXPECT_EQ(plan->gradient_accumulation_steps(), 2);
+  EXPECT_THAT(plan->explanation(), HasSubstr("pipeline_parallel 1 x context_parallel 2"));
+  EXPECT_THAT(plan->explanation(), HasSubstr("expert_parallel 2"));
+}
+
+TEST(JobValidationTest, InterleavedPipelineWithContextParallelIsValid) {
+  // pp 2 x cp 2 = 4 slots; each stage's 2 layers run as v 2 chunks of one.
+  v1::JobSpec spec = MinimalSpec();
+  SetTinyMoe(spec, /*experts=*/4);
+  spec.mutable_model()->mutable_dims()->clear_num_experts();
+  spec.mutable_model()->mutable_dims()->clear_num_experts_per_token();
+  spec.mutable_model()->mutable_dims()->set_num_layers(4);
+  spec.mutable_resources()->set_cpu_slots(4);
+  SetLayout(spec, 1, 1, 2);
+  v1::Layout* layout = spec.mutable_parallelism()->mutable_layout();
+  layout->set_context_parallel(2);
+  layout->set_pipeline_virtual_stages(2);
+  ASSERT_THAT(ValidateJobSpec(spec), IsOk());
+  const absl::StatusOr<v1::LayoutPlan> plan = PlanJob(spec);
+  ASSERT_THAT(plan.status(), IsOk());
+  EXPECT_EQ(plan->world_size(), 4);
+  EXPECT_EQ(plan->layout().pipeline_virtual_stages(), 2);
+  EXPECT_THAT(plan->explanation(), HasSubstr("pipeline_virtual_stages 2"));
+  // Three layers per stage cannot be cut into two chunks.
+  spec.mutable_model()->mutable_dims()->set_num_layers(6);
+  EXPECT_THAT(ValidateJobSpec(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("parallelism.layout.pipeline_virtual_stages: 2 does not divide "
+                                 "the 3 layers of each pipeline stage")));
 }
 
 TEST(JobValidationTest, TrainerRunsModelParallelismWithZeroAtMostOne) {

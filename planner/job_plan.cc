@@ -36,6 +36,13 @@ SearchLimits TrainerCapabilities() {
   limits.max_zero_with_model_parallel = 1;
   limits.allow_activation_checkpointing = true;
   limits.allow_sequence_parallel = true;
+  // Context and expert parallelism and interleaved stages at any degree the rules allow
+  // (layout_rules.h); ep under the model-parallel ZeRO cap. The trainer refuses a mixture of
+  // experts with context parallelism.
+  limits.max_cp = 0;
+  limits.max_ep = 0;
+  limits.max_v = 0;
+  limits.context_parallel_with_experts = false;
   return limits;
 }
 
@@ -66,17 +73,24 @@ absl::Status CheckTrainerRuns(const v1::Layout& layout) {
                   "set sequence_parallel to false");
   }
   const int zero = layout.zero_stage();
-  if ((tp > 1 || pp > 1) && zero > runs.max_zero_with_model_parallel) {
+  // Expert parallelism shards the routed experts over the dp / ep ranks holding the same ones, a
+  // second ZeRO group: it takes the model-parallel ZeRO cap too. (Context-parallel ranks shard with
+  // the data-parallel ones, over dp x cp, like plain data parallelism.)
+  const int ep = layout.expert_parallel();
+  if ((tp > 1 || pp > 1 || ep > 1) && zero > runs.max_zero_with_model_parallel) {
     std::vector<std::string> with;
     if (tp > 1) with.push_back(absl::StrCat("tensor_parallel ", tp));
     if (pp > 1) with.push_back(absl::StrCat("pipeline_parallel ", pp));
-    return refuse(
-        "zero_stage", absl::StrCat(zero, " with ", absl::StrJoin(with, " and ")),
-        absl::StrCat("ZeRO ", zero, " together with tensor or pipeline parallelism"),
-        absl::StrCat("set zero_stage to ", runs.max_zero_with_model_parallel,
-                     " (optimizer states sharded over data_parallel), or tensor_parallel and "
-                     "pipeline_parallel to 1 to keep ZeRO ",
-                     zero));
+    if (ep > 1) with.push_back(absl::StrCat("expert_parallel ", ep));
+    return refuse("zero_stage", absl::StrCat(zero, " with ", absl::StrJoin(with, " and ")),
+                  absl::StrCat("ZeRO ", zero, " together with ",
+                               ep > 1 ? "tensor, pipeline or expert parallelism"
+                                      : "tensor or pipeline parallelism"),
+                  absl::StrCat("set zero_stage to ", runs.max_zero_with_model_parallel,
+                               " (optimizer states sharded over data_parallel), or ",
+                               ep > 1 ? "tensor_parallel, pipeline_parallel and expert_parallel"
+                                      : "tensor_parallel and pipeline_parallel",
+                               " to 1 to keep ZeRO ", zero));
   }
   return absl::OkStatus();
 }
@@ -153,6 +167,18 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
     const v1::AutoLayoutSpec& auto_layout = spec.parallelism().auto_layout();
     limits.max_tp = auto_layout.max_tensor_parallel();
     limits.max_pp = auto_layout.max_pipeline_parallel();
+    limits.max_cp = auto_layout.max_context_parallel();
+    limits.max_ep = auto_layout.max_expert_parallel();
+    limits.max_v = auto_layout.max_pipeline_virtual_stages();
+    for (const auto& [name, value] :
+         {std::pair<const char*, int>{"max_context_parallel", limits.max_cp},
+          {"max_expert_parallel", limits.max_ep},
+          {"max_pipeline_virtual_stages", limits.max_v}}) {
+      if (value < 0) {
+        return Invalid(absl::StrCat("parallelism.auto_layout.", name),
+                       absl::StrCat("must be >= 0, got ", value));
+      }
+    }
     if (auto_layout.has_max_zero_stage()) limits.max_zero = auto_layout.max_zero_stage();
     if (auto_layout.has_allow_activation_checkpointing()) {
       limits.allow_activation_checkpointing = auto_layout.allow_activation_checkpointing();
@@ -172,16 +198,22 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
       };
       limits.max_tp = cap(limits.max_tp, runnable.max_tp);
       limits.max_pp = cap(limits.max_pp, runnable.max_pp);
+      limits.max_cp = cap(limits.max_cp, runnable.max_cp);
+      limits.max_ep = cap(limits.max_ep, runnable.max_ep);
+      limits.max_v = cap(limits.max_v, runnable.max_v);
       limits.max_zero = std::min(limits.max_zero, runnable.max_zero);
       limits.max_zero_with_model_parallel =
           std::min(limits.max_zero_with_model_parallel, runnable.max_zero_with_model_parallel);
       limits.allow_activation_checkpointing &= runnable.allow_activation_checkpointing;
       limits.allow_sequence_parallel &= runnable.allow_sequence_parallel;
+      limits.context_parallel_with_experts &= runnable.context_parallel_with_experts;
     }
     if (lora && options.runnable_only) {
       // The trainer runs LoRA under data parallelism with ZeRO 0 or 1 (CheckTrainerRunsLora).
       limits.max_tp = 1;
       limits.max_pp = 1;
+      limits.max_cp = 1;
+      limits.max_ep = 1;
       limits.max_zero = std::min(limits.max_zero, 1);
     }
   }
@@ -189,6 +221,16 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
   JobPlan out;
   if (explicit_layout) {
     const v1::Layout& layout = spec.parallelism().layout();
+    // FromProto reads 0 as 1 for these degrees; a negative one is an error, not a default.
+    for (const auto& [name, value] :
+         {std::pair<const char*, int>{"context_parallel", layout.context_parallel()},
+          {"expert_parallel", layout.expert_parallel()},
+          {"pipeline_virtual_stages", layout.pipeline_virtual_stages()}}) {
+      if (value < 0) {
+        return Invalid(absl::StrCat("parallelism.layout.", name),
+                       absl::StrCat("must be >= 0 (0 means 1), got ", value));
+      }
+    }
     const std::vector<int> micro_batches =
         micro > 0 ? std::vector<int>{micro}
                   : MicroBatchChoices(w.global_batch / std::max(1, layout.data_parallel()));

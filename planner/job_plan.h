@@ -23,7 +23,9 @@ namespace tessera::planner {
 // sequence parallelism (which needs tensor_parallel > 1) and activation checkpointing (none,
 // selective, full); ZeRO stages 0-3 when tensor_parallel and pipeline_parallel are 1, ZeRO 0 or 1
 // otherwise (max_zero_with_model_parallel). `parallelism: auto` chooses among these when
-// scheduling; the planner (and `tessera plan`) can still estimate every layout.
+// scheduling; the planner (and `tessera plan`) can still estimate every layout. Context and
+// expert parallelism and interleaved stages are searched at any degree layout_rules.h allows; ep
+// takes the same ZeRO 0-1 cap as tp and pp; a mixture of experts is not context-parallel.
 SearchLimits TrainerCapabilities();
 
 // OK when the trainer runs an explicit `layout` (TrainerCapabilities()); otherwise UNIMPLEMENTED

@@ -30,6 +30,8 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool IsLlama(const v1::ModelDims& dims) { return dims.architecture() == v1::ARCHITECTURE_LLAMA; }
 
+bool IsMoe(const v1::ModelDims& dims) { return dims.num_experts() > 0; }
+
 // Parameters of one device, split by where they live. Counts are per tensor-parallel rank.
 struct ParameterSplit {
   // One transformer layer: matmul weights (and column-parallel biases) split over tp.
@@ -40,6 +42,9 @@ struct ParameterSplit {
   int64_t layer_matmul = 0;
   // One layer: LoRA adapter parameters (rank r on every block matmul), per tp rank.
   int64_t layer_lora = 0;
+  // One MoE layer: the routed experts this rank holds (num_experts / ep of them), not part of
+  // the counts above: their state is sharded over the dp / ep ranks that hold the same experts.
+  int64_t layer_expert = 0;
   // Token embedding (vocab-parallel) and, for GPT-2, learned positions (replicated).
   int64_t token_embedding = 0;
   int64_t position_embedding = 0;
@@ -48,7 +53,7 @@ struct ParameterSplit {
   int64_t lm_head = 0;
 };
 
-ParameterSplit SplitParameters(const Workload& w, int tp) {
+ParameterSplit SplitParameters(const Workload& w, int tp, int ep) {
   const v1::ModelDims& m = w.dims;
   const int64_t d = m.hidden_size(), f = m.ffn_hidden_size(), v = m.vocab_size();
   const int64_t r = w.lora_rank;
@@ -56,7 +61,15 @@ ParameterSplit SplitParameters(const Workload& w, int tp) {
   if (IsLlama(m)) {
     const int64_t hd = m.head_dim();
     const int64_t q = m.num_attention_heads() * hd, kv = m.num_kv_heads() * hd;
-    p.layer_matmul = CeilDiv(d * q + 2 * d * kv + q * d + 3 * d * f, tp);
+    // A MoE layer's MLP: the router and the shared expert (with its gate) are replicated over
+    // the expert-parallel ranks; the routed experts are split over them.
+    const int64_t shared = m.shared_expert_intermediate_size();
+    const int64_t mlp =
+        IsMoe(m) ? m.num_experts() * d + (shared > 0 ? 3 * d * shared + d : 0) : 3 * d * f;
+    p.layer_matmul = CeilDiv(d * q + 2 * d * kv + q * d + mlp, tp);
+    if (IsMoe(m)) {
+      p.layer_expert = m.num_experts() / ep * 3 * d * int64_t{m.moe_intermediate_size()};
+    }
     p.layer_sharded = p.layer_matmul;
     p.layer_replicated = 2 * d + (m.qk_norm() ? 2 * hd : 0);
     p.layer_lora = CeilDiv(r * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d)), tp);
@@ -92,6 +105,11 @@ struct StageParameters {
   int64_t layer_frozen = 0;     // one layer's frozen (LoRA base) parameters
   int64_t rest_trainable = 0;   // the non-layer unit's
   int64_t rest_frozen = 0;
+  // Routed expert parameters of the stage's MoE layers on this rank (ParameterSplit::layer_expert
+  // per layer); counted in `all` and `matmul`, not in `trainable` or `frozen`. Trained unless
+  // LoRA freezes the base.
+  int64_t experts = 0;
+  int64_t layer_experts = 0;
   // AdamW step counters (one float32 each) of the worst dp rank. Within a unit the trainer orders
   // the trainable decay parameters (matrices, embeddings, head: dim >= 2) before the no-decay ones
   // (biases, norms), and its fused AdamW keeps one counter per contiguous run of either kind that a
@@ -102,7 +120,7 @@ struct StageParameters {
 };
 
 StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int stage) {
-  const ParameterSplit p = SplitParameters(w, l.tp);
+  const ParameterSplit p = SplitParameters(w, l.tp, l.ep);
   const int64_t layers = w.dims.num_layers() / l.pp;
   const bool first = stage == 0, last = stage == l.pp - 1;
   StageParameters s;
@@ -142,7 +160,10 @@ StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int 
     s.step_counters = layers * kinds(p.layer_matmul, layer_all - p.layer_matmul) +
                       kinds(s.embedding, last ? p.final_norm : 0);
   }
-  s.all = s.frozen + s.trainable;
+  s.layer_experts = p.layer_expert;
+  s.experts = layers * p.layer_expert;
+  if (w.lora_rank == 0) s.matmul += s.experts;
+  s.all = s.frozen + s.trainable + s.experts;
   s.rest_trainable = s.trainable - layers * s.layer_trainable;
   s.rest_frozen = s.frozen - layers * s.layer_frozen;
   return s;
@@ -159,7 +180,14 @@ struct LayerActivations {
 
 LayerActivations ActivationsPerLayer(const Workload& w, const LayoutChoice& l) {
   const v1::ModelDims& m = w.dims;
-  const double s = w.seq_len, b = l.micro_batch, h = m.hidden_size(), f = m.ffn_hidden_size();
+  // Context parallelism: each rank holds seq_len / cp tokens of every sequence.
+  const double s = static_cast<double>(w.seq_len) / l.cp, b = l.micro_batch;
+  const double h = m.hidden_size();
+  // The MLP's inner width per token: a MoE layer runs top_k routed experts and the shared one.
+  const double f =
+      IsMoe(m) ? static_cast<double>(m.num_experts_per_token()) * m.moe_intermediate_size() +
+                     m.shared_expert_intermediate_size()
+               : m.ffn_hidden_size();
   const double t = l.tp, a = m.num_attention_heads();
   const double q = a * m.head_dim(), kv = static_cast<double>(m.num_kv_heads()) * m.head_dim();
   const double e = ActivationBytes(w);  // matmul inputs, attention tensors, MLP intermediates
@@ -187,7 +215,12 @@ LayerActivations ActivationsPerLayer(const Workload& w, const LayoutChoice& l) {
   // and three would predict 22.92: something else is under-counted, not yet found.
   const double mlp_tensors = IsLlama(m) ? 4 : 2;
   const double mlp_recomputable = IsLlama(m) ? 2 : 1;  // activation function outputs
-  const double mlp = mlp_tensors * s * b * f * e / t;
+  // A MoE layer also keeps the float32 router logits and probabilities (num_experts per token),
+  // and each token's top_k copies of its input permuted to the experts and of the experts'
+  // outputs before they are combined.
+  const double routing =
+      IsMoe(m) ? s * b * (2.0 * m.num_experts() * 4 + 2.0 * m.num_experts_per_token() * h * e) : 0;
+  const double mlp = mlp_tensors * s * b * f * e / t + routing;
   LayerActivations out;
   out.full = static_cast<int64_t>(norms + attention + scores + mlp);
   switch (l.ac) {
@@ -195,7 +228,7 @@ LayerActivations ActivationsPerLayer(const Workload& w, const LayoutChoice& l) {
       out.kept = static_cast<int64_t>(s * b * h * r / split);
       break;
     case v1::ACTIVATION_CHECKPOINTING_SELECTIVE:
-      out.kept = static_cast<int64_t>(norms + attention +
+      out.kept = static_cast<int64_t>(norms + attention + routing +
                                       (mlp_tensors - mlp_recomputable) * s * b * f * e / t);
       break;
     default:
@@ -208,10 +241,19 @@ int InFlightMicroBatches(const LayoutChoice& l, int64_t accumulation, int stage)
   return static_cast<int>(std::min<int64_t>(l.pp - stage, accumulation));
 }
 
+// Interleaved 1F1B: chunk micro-batches (each num_layers / (pp x v) layers) whose activations a
+// stage holds at its peak: Megatron's warm-up count 2 x (pp - stage - 1) + (v - 1) x pp, plus the
+// one in its steady state, at most every chunk micro-batch of the step (v x m). On the first
+// stage that is the pp x (1 + (pp - 1) / (pp x v)) micro-batches' worth of Korthikanti et al.
+int64_t InFlightChunks(const LayoutChoice& l, int64_t accumulation, int stage) {
+  const int64_t warmup = 2 * int64_t{l.pp - stage - 1} + int64_t{l.v - 1} * l.pp;
+  return std::min<int64_t>(warmup + 1, int64_t{l.v} * accumulation);
+}
+
 // Size factor of matmul efficiency: small GEMMs (few tokens per micro-batch, narrow tp shards)
 // reach less of the peak. 1 for large shapes.
 double GemmEfficiency(const Workload& w, const LayoutChoice& l) {
-  const double tokens = static_cast<double>(w.seq_len) * l.micro_batch;
+  const double tokens = static_cast<double>(w.seq_len) / l.cp * l.micro_batch;
   const double width = static_cast<double>(w.dims.hidden_size()) / l.tp;
   return tokens / (tokens + 512) * width / (width + 256);
 }
@@ -230,20 +272,46 @@ double HalfRingSeconds(double bytes, int n, double bandwidth) {
          kCollectiveLatency * std::ceil(bytes / kBucketBytes);
 }
 
-// Whether a data-parallel group (ranks tp apart, tp fastest) stays inside a node.
+// The mesh orders ranks pp, dp, cp, tp (tp fastest; trainer/parallel/mesh.h), and an
+// expert-parallel group is ep neighbouring ranks of a data-parallel group.
+// Whether a data-parallel group (and the dp x cp group gradients are reduced over) stays inside a
+// node.
 bool DataParallelInsideNode(const LayoutChoice& l, const ClusterShape& c) {
-  return int64_t{l.tp} * l.dp <= c.gpus_per_node;
+  return int64_t{l.tp} * l.cp * l.dp <= c.gpus_per_node;
 }
 
 bool PipelineInsideNode(const LayoutChoice& l, const ClusterShape& c) {
-  return int64_t{l.tp} * l.dp * l.pp <= c.gpus_per_node;
+  return int64_t{l.tp} * l.cp * l.dp * l.pp <= c.gpus_per_node;
 }
 
-// What the trainer does for `l`: ZeRO over a single data-parallel rank shards nothing and
-// gathers nothing, so it runs as ZeRO-0.
+bool ContextParallelInsideNode(const LayoutChoice& l, const ClusterShape& c) {
+  return int64_t{l.tp} * l.cp <= c.gpus_per_node;
+}
+
+bool ExpertParallelInsideNode(const LayoutChoice& l, const ClusterShape& c) {
+  return int64_t{l.tp} * l.cp * l.ep <= c.gpus_per_node;
+}
+
+// What the trainer does for `l`: ZeRO over a single data-parallel rank (and no context-parallel
+// peers) shards nothing and gathers nothing, so it runs as ZeRO-0.
 LayoutChoice Effective(LayoutChoice l) {
-  if (l.dp == 1) l.zero = 0;
+  if (l.dp * l.cp == 1) l.zero = 0;
   return l;
+}
+
+// One key/value block of ring attention: 2 x kv_heads x head_dim x seq/cp x micro-batch elements.
+double RingBlockBytes(const Workload& w, const LayoutChoice& l) {
+  const v1::ModelDims& m = w.dims;
+  return 2.0 * m.num_kv_heads() * m.head_dim() * (static_cast<double>(w.seq_len) / l.cp) *
+         l.micro_batch * ActivationBytes(w) / l.tp;
+}
+
+// One all-to-all's share of a rank's tokens that leaves it: tokens x top_k x hidden x (ep-1)/ep.
+double AllToAllBytes(const Workload& w, const LayoutChoice& l) {
+  if (!IsMoe(w.dims) || l.ep <= 1) return 0;
+  const double tokens = static_cast<double>(w.seq_len) / l.cp * l.micro_batch;
+  return tokens * w.dims.num_experts_per_token() * w.dims.hidden_size() * ActivationBytes(w) *
+         (l.ep - 1) / l.ep;
 }
 
 }  // namespace
@@ -256,12 +324,27 @@ int64_t GradientAccumulation(const Workload& w, const LayoutChoice& l) {
 std::optional<std::string> InvalidReason(const Workload& w, const LayoutChoice& l,
                                          const ClusterShape& c) {
   const v1::ModelDims& m = w.dims;
-  if (l.dp < 1 || l.tp < 1 || l.pp < 1) return "every degree must be >= 1";
+  if (l.dp < 1 || l.tp < 1 || l.pp < 1 || l.cp < 1 || l.ep < 1 || l.v < 1) {
+    return "every degree must be >= 1";
+  }
   if (l.world() != c.gpus) {
-    return absl::StrCat("dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", l.world(),
+    return absl::StrCat("dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp,
+                        l.cp > 1 ? absl::StrCat(" x cp ", l.cp) : "", " = ", l.world(),
                         " != ", c.gpus, " devices");
   }
   if (const auto violation = CheckModelDivisibility(m, l.tp, l.pp)) return violation->ToString();
+  if (const auto violation =
+          CheckSplitRules(m, w.seq_len,
+                          {.data_parallel = l.dp,
+                           .pipeline_parallel = l.pp,
+                           .context_parallel = l.cp,
+                           .expert_parallel = l.ep,
+                           .pipeline_virtual_stages = l.v,
+                           .tensor_parallel = l.tp,
+                           .sequence_parallel = l.sp,
+                           .micro_batches_per_step = GradientAccumulation(w, l)})) {
+    return violation->ToString();
+  }
   if (l.tp > c.gpus_per_node) {
     return absl::StrCat("tensor_parallel ", l.tp, " exceeds the ", c.gpus_per_node,
                         " devices of a node (tensor-parallel groups stay inside a node)");
@@ -289,7 +372,15 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
   const int64_t e = ActivationBytes(w);
   const LayerActivations layer = ActivationsPerLayer(w, l);
   const int64_t layers = w.dims.num_layers() / l.pp;
-  const double s = w.seq_len, b = l.micro_batch, h = w.dims.hidden_size();
+  // Tokens of a sequence on this rank (context parallelism splits it over cp ranks).
+  const double s = static_cast<double>(w.seq_len) / l.cp, b = l.micro_batch;
+  const double h = w.dims.hidden_size();
+  // Ranks holding the same experts: ZeRO shards the routed experts' state over them.
+  // ZeRO shards over the dp x cp ranks that hold the same weights (Megatron-Core's distributed
+  // optimizer and torchtitan's FSDP do the same); the routed experts over the (dp / ep) x cp that
+  // hold the same experts.
+  const int shard_ranks = l.dp * l.cp;
+  const int expert_dp = std::max(1, l.dp / l.ep) * l.cp;
   const int64_t usable =
       static_cast<int64_t>(static_cast<double>(std::max<int64_t>(
                                0, c.device.memory_bytes() - c.device.reserved_bytes())) *
@@ -304,7 +395,7 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     // The trainer's flat buffers: one per unit, padded to a multiple of dp so that each rank owns
     // an equal 1/dp shard of it. Weights are float32 for what is trained (and for the frozen base
     // in fp32 runs), the compute precision for LoRA's frozen base.
-    auto padded = [&](int64_t n) { return CeilDiv(n, l.dp) * l.dp; };
+    auto padded = [&](int64_t n) { return CeilDiv(n, shard_ranks) * shard_ranks; };
     const int64_t trainable = p.layers * padded(p.layer_trainable) + padded(p.rest_trainable);
     const int64_t layer_weights = 4 * p.layer_trainable + e * p.layer_frozen;
     const int64_t rest_weights = 4 * p.rest_trainable + e * p.rest_frozen;
@@ -314,26 +405,37 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     // 0 and 1 keep full flat buffers that .grad views into), the weights from stage 3. Plus
     // AdamW's float32 step counter per run it steps (StageParameters::step_counters).
     auto shard = [&](int64_t bytes, int from_stage) {
-      return l.zero >= from_stage ? CeilDiv(bytes, l.dp) : bytes;
+      return l.zero >= from_stage ? CeilDiv(bytes, shard_ranks) : bytes;
     };
     const int64_t weights = shard(4 * trainable, 3) + shard(e * p.frozen, 3);
     const int64_t grads = shard(4 * trainable, 2);
     const int64_t optimizer =
-        (l.zero >= 1 ? CeilDiv(8 * trainable, l.dp) : 8 * p.trainable) + 4 * p.step_counters;
+        (l.zero >= 1 ? CeilDiv(8 * trainable, shard_ranks) : 8 * p.trainable) + 4 * p.step_counters;
     const int64_t embedding_state =
         w.lora_rank > 0
             ? shard(e * p.embedding, 3)
             : shard(4 * p.embedding, 3) + shard(4 * p.embedding, 2) + shard(8 * p.embedding, 1);
-    mem.set_weights_bytes(weights);
-    mem.set_gradients_bytes(grads);
-    mem.set_optimizer_bytes(optimizer);
+    // The routed experts: trained in float32 like the rest (or frozen in the compute precision
+    // under LoRA), sharded by ZeRO over the dp / ep ranks that hold the same experts.
+    auto expert_shard = [&](int64_t bytes, int from_stage) {
+      return l.zero >= from_stage ? CeilDiv(bytes, expert_dp) : bytes;
+    };
+    const bool experts_trained = w.lora_rank == 0;
+    const int64_t expert_weights = expert_shard((experts_trained ? 4 : e) * p.experts, 3);
+    const int64_t expert_grads = experts_trained ? expert_shard(4 * p.experts, 2) : 0;
+    const int64_t expert_optimizer = experts_trained ? expert_shard(8 * p.experts, 1) : 0;
+    mem.set_expert_state_bytes(expert_weights + expert_grads + expert_optimizer);
+    mem.set_weights_bytes(weights + expert_weights);
+    mem.set_gradients_bytes(grads + expert_grads);
+    mem.set_optimizer_bytes(optimizer + expert_optimizer);
     mem.set_embedding_state_bytes(embedding_state);
 
     // bf16 autocast keeps a copy of every matmul weight it cast in forward until backward; with
     // full recomputation only the layer being recomputed and the head hold theirs at the peak.
     int64_t cast = 0;
     if (e == 2 && p.matmul > 0) {
-      const int64_t per_layer = SplitParameters(w, l.tp).layer_matmul;
+      const ParameterSplit split = SplitParameters(w, l.tp, l.ep);
+      const int64_t per_layer = split.layer_matmul + (experts_trained ? split.layer_expert : 0);
       // ZeRO-3 gathers (and casts) a layer at a time and frees it after use: the layer in use and
       // the one prefetched.
       cast = 2 * (l.ac == v1::ACTIVATION_CHECKPOINTING_FULL || l.zero >= 3
@@ -342,10 +444,15 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     }
     mem.set_cast_weights_bytes(cast);
 
-    const int in_flight = InFlightMicroBatches(l, accumulation, stage);
+    // Interleaved: chunk micro-batches of layers / v layers each; reported as whole micro-batches
+    // (rounded up).
+    const int64_t chunks = l.v > 1 ? InFlightChunks(l, accumulation, stage) : 0;
+    const int in_flight = l.v > 1 ? static_cast<int>(CeilDiv(chunks, l.v))
+                                  : InFlightMicroBatches(l, accumulation, stage);
     mem.set_in_flight_micro_batches(in_flight);
     mem.set_activations_per_layer_bytes(layer.kept);
-    int64_t activations = layers * layer.kept * in_flight;
+    int64_t activations =
+        l.v > 1 ? chunks * (layers / l.v) * layer.kept : layers * layer.kept * in_flight;
     if (l.ac == v1::ACTIVATION_CHECKPOINTING_FULL) activations += layer.full;  // the recompute
     if (last) {
       // Final norm input (float32) and the head's input in compute precision.
@@ -391,11 +498,23 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     // also gathers weights in full: the non-layer unit for the whole forward and backward, and two
     // layers (the one in use and the one prefetched).
     int64_t comm = 0;
-    if (l.dp > 1 && l.zero >= 2) {
+    if (shard_ranks > 1 && l.zero >= 2) {
       comm += 4 * (p.rest_trainable + 2 * p.layer_trainable);
       if (l.zero >= 3) comm += rest_weights + 2 * layer_weights;
     }
     if (l.pp > 1) comm += static_cast<int64_t>(4 * s * b * h * e / (l.sp ? l.tp : 1));
+    // Expert parallelism: the dispatched tokens' send and receive buffers (top_k copies of each
+    // token's hidden state, each way), alive through one all-to-all at a time.
+    const int64_t all_to_all =
+        IsMoe(w.dims) && l.ep > 1
+            ? static_cast<int64_t>(2 * s * b * w.dims.num_experts_per_token() * h * e)
+            : 0;
+    // Ring attention's backward passes keys and values and their gradients: a send and a receive
+    // buffer of each block.
+    const int64_t ring = l.cp > 1 ? static_cast<int64_t>(4 * RingBlockBytes(w, l)) : 0;
+    mem.set_expert_all_to_all_bytes(all_to_all);
+    mem.set_context_ring_bytes(ring);
+    comm += all_to_all + ring;
     mem.set_communication_bytes(comm);
 
     const int64_t overhead = (IsCpu(c.device) ? 0 : c.device.workspace_bytes()) +
@@ -405,8 +524,8 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
 
     // The flat gradient buffers (or shards) are allocated once and live through every step, next
     // to the activations.
-    mem.set_total_bytes(weights + optimizer + cast + comm + overhead + grads + activations +
-                        logits);
+    mem.set_total_bytes(mem.weights_bytes() + mem.optimizer_bytes() + cast + comm + overhead +
+                        mem.gradients_bytes() + activations + logits);
     mem.set_device_capacity_bytes(c.device.memory_bytes());
     mem.set_usable_bytes(usable);
     stages.push_back(std::move(mem));
@@ -420,7 +539,9 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& lay
   const v1::ModelDims& m = w.dims;
   const int64_t accumulation = std::max<int64_t>(1, GradientAccumulation(w, l));
   const double tokens = static_cast<double>(w.seq_len) * static_cast<double>(w.global_batch);
-  const double params = static_cast<double>(CountParameters(w.dims));
+  // A mixture of experts computes with its active parameters (top_k experts per token); with
+  // balanced routing every expert-parallel rank does the same share.
+  const double params = static_cast<double>(CountActiveParameters(w.dims));
   const double attention = AttentionFlopsPerToken(m, w.seq_len);
   // Per token: forward 2N, backward 4N (2N with LoRA: no weight gradients of the frozen base).
   const double model_per_token = (w.lora_rank > 0 ? 4.0 : 6.0) * params + attention;
@@ -432,7 +553,9 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& lay
   }
   const double peak = PeakFlops(c.device, w.precision);
   const double rate = peak * c.device.achievable_flops_fraction() * GemmEfficiency(w, l);
-  const double micro_tokens = static_cast<double>(w.seq_len) * l.micro_batch;
+  // A rank's tokens of one micro-batch: context parallelism splits each sequence over cp ranks
+  // (load-balanced causal chunks, so the attention FLOPs split evenly too).
+  const double micro_tokens = static_cast<double>(w.seq_len) / l.cp * l.micro_batch;
   // One micro-batch's forward + backward on one device of a stage.
   const double micro_compute = hardware_per_token * micro_tokens / (l.tp * l.pp) / rate;
 
@@ -444,22 +567,61 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& lay
   const int tp_collectives = 4 + (l.ac == v1::ACTIVATION_CHECKPOINTING_FULL ? 2 : 0);
   const double micro_tp =
       layers * tp_collectives * AllReduceSeconds(tp_bytes, l.tp, c.device.intra_node_bandwidth());
-  const double micro_time = micro_compute + micro_tp;
+  const bool full_recompute = l.ac == v1::ACTIVATION_CHECKPOINTING_FULL;
+
+  // Expert parallelism: every MoE layer dispatches its tokens to their experts and combines the
+  // results, two all-to-alls forward and two backward (two more in a full recompute), with
+  // nothing to overlap them with (the experts wait for their tokens).
+  double micro_all_to_all = 0;
+  if (const double bytes = AllToAllBytes(w, l); bytes > 0) {
+    const double bandwidth = ExpertParallelInsideNode(l, c) ? c.device.intra_node_bandwidth()
+                                                            : c.device.inter_node_bandwidth();
+    micro_all_to_all =
+        layers * (4 + (full_recompute ? 2 : 0)) * (bytes / bandwidth + kCollectiveLatency);
+  }
+
+  // Context parallelism: ring attention passes each key/value block cp - 1 hops per layer in
+  // forward and twice as much in backward (keys and values again, then their gradients), one
+  // more pass in a full recompute. Each hop overlaps with the attention on the block in hand, so
+  // only what the attention compute cannot cover is exposed.
+  double micro_ring = 0;
+  double micro_ring_exposed = 0;
+  if (l.cp > 1) {
+    const double bandwidth = ContextParallelInsideNode(l, c) ? c.device.intra_node_bandwidth()
+                                                             : c.device.inter_node_bandwidth();
+    const double passes = 3 + (full_recompute ? 1 : 0);
+    micro_ring =
+        layers * passes * (l.cp - 1) * (RingBlockBytes(w, l) / bandwidth + kCollectiveLatency);
+    const double attention_compute =
+        (attention + (full_recompute ? attention / 3 : 0)) * micro_tokens / (l.tp * l.pp) / rate;
+    micro_ring_exposed = std::max(0.0, micro_ring - kOverlapEfficiency * attention_compute);
+  }
+  const double micro_time = micro_compute + micro_tp + micro_all_to_all + micro_ring_exposed;
 
   // Pipeline: 1F1B runs m micro-batches plus (pp - 1) of fill and drain; each boundary sends
-  // activations forward and gradients back.
+  // activations forward and gradients back. Interleaving v chunks per rank makes the fill and
+  // drain v times shorter ((pp - 1) / (v x m) of the step's micro-batch time) and crosses v
+  // times as many boundaries.
   double transfer = 0;
   double bubble = 0;
+  double bubble_fraction = 0;
   if (l.pp > 1) {
     const double bandwidth = PipelineInsideNode(l, c) ? c.device.intra_node_bandwidth()
                                                       : c.device.inter_node_bandwidth();
     const double p2p = tp_bytes / (l.sp ? l.tp : 1) / bandwidth + kCollectiveLatency;
-    transfer = 2.0 * static_cast<double>(accumulation + l.pp - 1) * p2p;
-    bubble = (l.pp - 1) * micro_time;
+    transfer = 2.0 * l.v * static_cast<double>(accumulation + l.pp - 1) * p2p;
+    bubble_fraction = static_cast<double>(l.pp - 1) / (l.v * static_cast<double>(accumulation));
+    bubble = bubble_fraction * micro_time * static_cast<double>(accumulation);
   }
 
-  // Data parallel over the stage's trainable parameters, float32 gradients.
+  // Data parallel over the stage's trainable parameters, float32 gradients, reduced over the
+  // dp x cp ranks (context-parallel ranks hold the same weights and see different tokens).
+  // The routed experts' gradients are reduced over the (dp / ep) x cp ranks holding the same
+  // experts, alongside the layers'.
   const StageParameters stage = ParametersOfStage(w, l, 0);
+  const int reduce_ranks = l.dp * l.cp;
+  const int expert_ranks = std::max(1, l.dp / l.ep) * l.cp;
+  const double expert_bytes = w.lora_rank == 0 ? 4.0 * static_cast<double>(stage.experts) : 0;
   const double grad_bytes = 4.0 * static_cast<double>(stage.trainable);
   const double dp_bandwidth = DataParallelInsideNode(l, c) ? c.device.intra_node_bandwidth()
                                                            : c.device.inter_node_bandwidth();
@@ -474,8 +636,9 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& lay
   const double micro_backward = micro_compute * 2 / 3;
   if (l.zero == 0) {
     // Each unit's flat gradient all-reduced in place in the last micro-batch's backward.
-    const double tail = AllReduceSeconds(rest_bytes, l.dp, dp_bandwidth);
-    const double hidden = AllReduceSeconds(layer_bytes, l.dp, dp_bandwidth);
+    const double tail = AllReduceSeconds(rest_bytes, reduce_ranks, dp_bandwidth);
+    const double hidden = AllReduceSeconds(layer_bytes, reduce_ranks, dp_bandwidth) +
+                          AllReduceSeconds(expert_bytes, expert_ranks, dp_bandwidth);
     dp_seconds = tail + hidden;
     exposed_dp = tail + std::max(0.0, hidden - kOverlapEfficiency * micro_backward);
   } else if (l.zero < 3) {
@@ -483,9 +646,11 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& lay
     // every micro-batch for ZeRO-2 (only the shard is kept). Then the updated shards are
     // all-gathered into the full weights after the optimizer step, with no compute left to hide
     // behind.
-    const double tail = HalfRingSeconds(rest_bytes, l.dp, dp_bandwidth);
-    const double hidden = HalfRingSeconds(layer_bytes, l.dp, dp_bandwidth);
-    const double gather = HalfRingSeconds(grad_bytes, l.dp, dp_bandwidth);
+    const double tail = HalfRingSeconds(rest_bytes, reduce_ranks, dp_bandwidth);
+    const double hidden = HalfRingSeconds(layer_bytes, reduce_ranks, dp_bandwidth) +
+                          HalfRingSeconds(expert_bytes, expert_ranks, dp_bandwidth);
+    const double gather = HalfRingSeconds(grad_bytes, reduce_ranks, dp_bandwidth) +
+                          HalfRingSeconds(expert_bytes, expert_ranks, dp_bandwidth);
     const double scatters = l.zero == 1 ? 1.0 : static_cast<double>(accumulation);
     dp_seconds = scatters * (tail + hidden) + gather;
     exposed_dp =
@@ -494,8 +659,9 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& lay
     // Every micro-batch: the non-layer unit gathered once (before forward) and reduce-scattered
     // once (after backward), exposed; each layer gathered for forward and again for backward and
     // reduce-scattered, prefetched behind all of the step's compute.
-    const double tail = 2 * HalfRingSeconds(rest_bytes, l.dp, dp_bandwidth);
-    const double hidden = 3 * HalfRingSeconds(layer_bytes, l.dp, dp_bandwidth);
+    const double tail = 2 * HalfRingSeconds(rest_bytes, reduce_ranks, dp_bandwidth);
+    const double hidden = 3 * (HalfRingSeconds(layer_bytes, reduce_ranks, dp_bandwidth) +
+                               HalfRingSeconds(expert_bytes, expert_ranks, dp_bandwidth));
     const double micro_batches = static_cast<double>(accumulation);
     dp_seconds = micro_batches * (tail + hidden);
     exposed_dp =
@@ -504,8 +670,10 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& lay
 
   // AdamW reads weight, gradient and both moments and writes three of them back (28 bytes per
   // parameter it owns), plus the gradient-norm pass over the gradients the rank holds (4 bytes).
-  const double trainable = static_cast<double>(stage.trainable);
-  const double owned = trainable / (l.zero >= 1 ? l.dp : 1);
+  const double experts = w.lora_rank == 0 ? static_cast<double>(stage.experts) : 0;
+  const double trainable = static_cast<double>(stage.trainable) + experts;
+  const double owned = static_cast<double>(stage.trainable) / (l.zero >= 1 ? reduce_ranks : 1) +
+                       experts / (l.zero >= 1 ? expert_ranks : 1);
   const double optimizer =
       (28.0 * owned + 4.0 * (l.zero >= 2 ? owned : trainable)) / c.device.memory_bandwidth();
 
@@ -513,10 +681,15 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& lay
   est.set_compute_seconds(micro_compute * static_cast<double>(accumulation));
   est.set_tensor_parallel_seconds(micro_tp * static_cast<double>(accumulation));
   est.set_pipeline_bubble_seconds(bubble);
+  est.set_pipeline_bubble_fraction(bubble_fraction);
+  est.set_expert_all_to_all_seconds(micro_all_to_all * static_cast<double>(accumulation));
+  est.set_context_ring_seconds(micro_ring * static_cast<double>(accumulation));
   est.set_pipeline_transfer_seconds(transfer);
   est.set_data_parallel_seconds(dp_seconds);
   est.set_optimizer_seconds(optimizer);
-  est.set_exposed_communication_seconds(est.tensor_parallel_seconds() + transfer + exposed_dp);
+  est.set_exposed_communication_seconds(
+      est.tensor_parallel_seconds() + est.expert_all_to_all_seconds() +
+      micro_ring_exposed * static_cast<double>(accumulation) + transfer + exposed_dp);
   const double step =
       micro_time * static_cast<double>(accumulation) + bubble + transfer + exposed_dp + optimizer;
   est.set_step_seconds(step);

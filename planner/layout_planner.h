@@ -44,6 +44,24 @@
 // with all compute; and the optimizer's memory-bound update of the state the rank owns. Gives
 // step time, tokens/s and MFU.
 //
+// Expert, context and interleaved pipeline parallelism (docs/planner.md):
+//   * expert parallelism (ep, MoE only) splits each MoE layer's routed experts over ep ranks of the
+//     data-parallel group: their weights, gradients and AdamW state are divided by ep (and sharded
+//     by ZeRO over the dp/ep ranks that hold the same experts), the router and shared expert stay
+//     replicated; compute follows the active parameters; each MoE layer runs two all-to-alls
+//     forward (dispatch, combine) and two backward of tokens x top_k x hidden x (ep-1)/ep bytes,
+//     not overlapped, over intra- or inter-node links, with send and receive buffers of that size.
+//   * context parallelism (cp) splits each sequence over cp ranks: activations, logits and
+//     attention FLOPs per rank are divided by cp; ring attention passes keys and values (cp-1)
+//     hops per layer, 2 x kv_heads x head_dim x seq/cp elements each, once forward and twice
+//     backward, hidden behind the attention compute as far as it lasts; gradients are reduced
+//     and ZeRO shards over the dp x cp ranks, which hold the same weights (as Megatron-Core's
+//     distributed optimizer and torchtitan's FSDP do).
+//   * interleaved 1F1B (v virtual stages) shrinks the bubble to (pp-1)/(v x m) micro-batch
+//     times, sends v times as many pipeline messages, and holds Megatron's warm-up count of chunk
+//     micro-batches: 2 x (pp - stage - 1) + (v - 1) x pp + 1 chunks of num_layers / (pp x v)
+//     layers (at most v x m).
+//
 // Plain C++: no LibTorch. Pure functions; thread-safe.
 #pragma once
 
@@ -88,8 +106,14 @@ struct LayoutChoice {
   bool sp = false;
   // NONE, SELECTIVE or FULL (never UNSPECIFIED here).
   v1::ActivationCheckpointing ac = v1::ACTIVATION_CHECKPOINTING_NONE;
+  // Context-parallel degree (ranks a sequence is split over; they multiply the world).
+  int cp = 1;
+  // Expert-parallel degree: ranks of the data-parallel group the routed experts are split over.
+  int ep = 1;
+  // Virtual pipeline stages (interleaved 1F1B chunks per pipeline rank).
+  int v = 1;
 
-  int world() const { return dp * tp * pp; }
+  int world() const { return dp * tp * pp * cp; }
   friend bool operator==(const LayoutChoice&, const LayoutChoice&) = default;
 };
 
@@ -138,6 +162,13 @@ struct SearchLimits {
   bool allow_sequence_parallel = true;
   // Fixed micro-batch; 0 searches powers of two (and the per-rank batch itself).
   int micro_batch = 0;
+  // Largest context-parallel degree, expert-parallel degree (mixtures of experts only) and number
+  // of virtual pipeline stages (pp > 1 only); 0 means no limit beyond the cluster and the model.
+  int max_cp = 0;
+  int max_ep = 0;
+  int max_v = 0;
+  // Whether a mixture-of-experts model may be split with context parallelism.
+  bool context_parallel_with_experts = true;
 };
 
 struct SearchResult {
@@ -175,7 +206,8 @@ v1::LayoutPlan ChoosePlan(const SearchResult& result, const ClusterShape& cluste
 LayoutChoice FromProto(const v1::Layout& layout, int micro_batch);
 v1::Layout ToProto(const LayoutChoice& layout);
 
-// "dp=8 tp=1 pp=1 zero=1 mb=4 sp=off ac=none".
+// "dp=8 tp=1 pp=1 zero=1 mb=4 sp=off ac=none", followed by " cp=2", " ep=4", " v=2" for those
+// degrees above 1.
 std::string Describe(const LayoutChoice& layout);
 // "none", "selective", "full".
 std::string ActivationCheckpointingName(v1::ActivationCheckpointing ac);

@@ -422,7 +422,11 @@ TEST(LayoutPlannerTest, StepCountersArePerRunOfEachUnit) {
 TEST(LayoutPlannerTest, SearchRanksFittingLayoutsByTokensPerSecond) {
   const Workload w = Work(Preset("llama3-8b"), 4096, 64);
   const ClusterShape c = Cluster("h100-sxm", 16, 8);
-  const SearchResult result = SearchLayouts(w, c, SearchLimits{});
+  // The dp x tp x pp layouts (context parallelism and interleaving are layout_split_test.cc's).
+  SearchLimits plain;
+  plain.max_cp = 1;
+  plain.max_v = 1;
+  const SearchResult result = SearchLayouts(w, c, plain);
   ASSERT_GT(result.fitting, 10);
   ASSERT_GT(result.candidates.size(), static_cast<size_t>(result.fitting));
   double previous = 1e30;
@@ -460,6 +464,7 @@ TEST(LayoutPlannerTest, LimitsRestrictTheSearchAndNothingFittingIsExplained) {
   data_parallel_only.max_zero = 0;
   data_parallel_only.allow_activation_checkpointing = false;
   data_parallel_only.micro_batch = 1;
+  data_parallel_only.max_cp = 1;
   const SearchResult result = SearchLayouts(w, c, data_parallel_only);
   ASSERT_EQ(result.candidates.size(), 1u);
   EXPECT_EQ(result.fitting, 0);
@@ -520,6 +525,7 @@ TEST(LayoutPlannerTest, RunnableSearchKeepsPlainDataParallelWhenItFits) {
   const ClusterShape c = Cluster("h100-sxm", 8, 8);
   SearchLimits runnable = TrainerCapabilities();
   runnable.micro_batch = 8;
+  runnable.max_cp = 1;  // dp against tp and pp here; cp is layout_split_test.cc's
   const SearchResult result = SearchLayouts(w, c, runnable);
   const v1::LayoutPlan plan = ChoosePlan(result, c);
   EXPECT_TRUE(plan.fits());
@@ -579,7 +585,9 @@ TEST(LayoutPlannerTest, RunnableSearchUsesModelParallelismWhenDataParallelFitsWo
   // loss runs in chunks of tokens and the logits no longer scale with the micro-batch.)
   const Workload w = Work(Preset("llama3-8b"), 16384, 64);
   const ClusterShape c = Cluster("h100-sxm", 8, 8);
-  const SearchResult result = SearchLayouts(w, c, TrainerCapabilities());
+  SearchLimits runnable = TrainerCapabilities();
+  runnable.max_cp = 1;  // dp against tp and pp here; cp is layout_split_test.cc's
+  const SearchResult result = SearchLayouts(w, c, runnable);
   ASSERT_GT(result.fitting, 0);
   for (int i = 0; i < result.fitting; ++i) {
     const v1::Layout& l = result.candidates[i].plan().layout();
@@ -599,6 +607,7 @@ TEST(LayoutPlannerTest, RunnableSearchUsesModelParallelismWhenDataParallelFitsWo
   SearchLimits data_parallel_only = TrainerCapabilities();
   data_parallel_only.max_tp = 1;
   data_parallel_only.max_pp = 1;
+  data_parallel_only.max_cp = 1;
   const SearchResult dp = SearchLayouts(w, c, data_parallel_only);
   ASSERT_GT(dp.fitting, 0);
   EXPECT_GE(dp.candidates[0].plan().layout().zero_stage(), 2);
@@ -642,6 +651,8 @@ TEST(LayoutPlannerTest, MaxZeroWithModelParallelLimitsOnlyModelParallelLayouts) 
   limits.micro_batch = 1;
   limits.allow_activation_checkpointing = false;
   limits.allow_sequence_parallel = false;
+  limits.max_cp = 1;
+  limits.max_v = 1;
   auto zero_stages = [&](int tp, int pp) {
     std::vector<int> stages;
     for (const v1::LayoutCandidate& x : SearchLayouts(w, c, limits).candidates) {

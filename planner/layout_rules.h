@@ -1,7 +1,8 @@
-// The layout rules that depend on the model alone, in one place: which tensor- and
-// pipeline-parallel degrees its dimensions allow. The coordinator's validation, the layout search
-// and the trainer all ask here, so a rule (and its message) changes once. (The defaults a spec
-// leaves open are training_settings.h's.)
+// The layout rules that depend on the model and the data alone, in one place: which tensor-,
+// pipeline-, context- and expert-parallel degrees and virtual pipeline stages its dimensions and
+// sequence length allow. The coordinator's validation, the layout search and the trainer all ask
+// here, so a rule (and its message) changes once. (The defaults a spec leaves open are
+// training_settings.h's.)
 #pragma once
 
 #include <cstdint>
@@ -30,5 +31,38 @@ struct LayoutRuleViolation {
 std::optional<LayoutRuleViolation> CheckModelDivisibility(const v1::ModelDims& dims,
                                                           int tensor_parallel,
                                                           int pipeline_parallel);
+
+// The degrees of context, expert and interleaved pipeline parallelism next to the data and
+// pipeline degrees they depend on, as a Layout states them (0 means 1 for cp, ep and v).
+struct SplitDegrees {
+  int data_parallel = 1;
+  int pipeline_parallel = 1;
+  int context_parallel = 0;
+  int expert_parallel = 0;
+  int pipeline_virtual_stages = 0;
+  int tensor_parallel = 1;
+  bool sequence_parallel = false;
+  // Micro-batches per optimizer step per data-parallel rank (global batch / (micro-batch x dp));
+  // 0 when not known yet.
+  int64_t micro_batches_per_step = 0;
+};
+
+// The rules of context, expert and interleaved pipeline parallelism, for a model of `dims` trained
+// on sequences of `seq_len` tokens:
+//   * context_parallel, expert_parallel and pipeline_virtual_stages are >= 0 (0 means 1);
+//   * context parallelism splits each sequence into 2 x cp load-balanced causal chunks, so 2 x cp
+//     must divide seq_len;
+//   * expert parallelism splits the routed experts over ep ranks of the data-parallel group: the
+//     model must be a mixture of experts, and ep must divide num_experts and data_parallel;
+//   * with sequence parallelism next to cp, tensor_parallel must divide seq_len / cp (each rank's
+//     chunk of the sequence is split again over tp);
+//   * interleaving gives each pipeline rank v chunks of whole layers: v > 1 needs
+//     pipeline_parallel > 1, v must divide num_layers / pipeline_parallel, and the micro-batches
+//     per step must be a multiple of pipeline_parallel (the interleaved schedule runs them in
+//     groups of pp, as Megatron-Core's does).
+// data_parallel and pipeline_parallel must be >= 1 and pipeline_parallel must divide num_layers
+// (CheckModelDivisibility); the first violation in the order above is returned.
+std::optional<LayoutRuleViolation> CheckSplitRules(const v1::ModelDims& dims, int seq_len,
+                                                   const SplitDegrees& degrees);
 
 }  // namespace tessera::planner

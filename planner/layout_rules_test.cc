@@ -1,5 +1,7 @@
 #include "planner/layout_rules.h"
 
+#include <string>
+
 #include "gtest/gtest.h"
 
 namespace tessera::planner {
@@ -54,6 +56,78 @@ TEST(LayoutRulesTest, MixtureOfExpertsTrainsWithoutTensorOrPipelineSplits) {
   const auto pp = CheckModelDivisibility(dims, 1, 2);
   ASSERT_TRUE(pp.has_value());
   EXPECT_EQ(pp->field, "parallelism.layout.pipeline_parallel");
+}
+
+std::string SplitText(const v1::ModelDims& dims, int seq_len, SplitDegrees degrees) {
+  const auto violation = CheckSplitRules(dims, seq_len, degrees);
+  return violation ? violation->ToString() : std::string("ok");
+}
+
+TEST(LayoutRulesTest, ContextExpertAndVirtualStageDegreesThatFitPass) {
+  v1::ModelDims moe = Dims(32, 8, 14336, 32);
+  moe.set_num_experts(64);
+  // Unset degrees mean 1; cp 4 splits 4096 tokens into 8 chunks of 512; ep 8 of dp 16 holds 8
+  // experts per rank; v 4 gives each of 2 stages 4 chunks of 4 layers.
+  EXPECT_EQ(SplitText(moe, 4096, {.data_parallel = 16, .pipeline_parallel = 1}), "ok");
+  EXPECT_EQ(SplitText(moe, 4096,
+                      {.data_parallel = 16,
+                       .pipeline_parallel = 2,
+                       .context_parallel = 4,
+                       .expert_parallel = 8,
+                       .pipeline_virtual_stages = 4}),
+            "ok");
+}
+
+TEST(LayoutRulesTest, EachBrokenSplitRuleNamesItsField) {
+  const v1::ModelDims dense = Dims(32, 8, 14336, 32);
+  v1::ModelDims moe = dense;
+  moe.set_num_experts(12);
+  EXPECT_EQ(SplitText(dense, 4096, {.context_parallel = -1}),
+            "parallelism.layout.context_parallel: must be >= 0 (0 means 1), got -1");
+  EXPECT_EQ(SplitText(dense, 4096, {.expert_parallel = -2}),
+            "parallelism.layout.expert_parallel: must be >= 0 (0 means 1), got -2");
+  EXPECT_EQ(SplitText(dense, 4096, {.pipeline_virtual_stages = -3}),
+            "parallelism.layout.pipeline_virtual_stages: must be >= 0 (0 means 1), got -3");
+  // seq_len 4100 = 4 x 1025: divisible by cp 2 but not by 2 x cp.
+  EXPECT_EQ(SplitText(dense, 4100, {.context_parallel = 2}), "ok");
+  EXPECT_EQ(SplitText(dense, 4100, {.context_parallel = 4}),
+            "parallelism.layout.context_parallel: 4: 2 x context_parallel (8) does not divide "
+            "data.seq_len 4100 (each sequence is split into 2 x cp causal chunks)");
+  EXPECT_EQ(SplitText(dense, 4096, {.data_parallel = 4, .expert_parallel = 2}),
+            "parallelism.layout.expert_parallel: 2 with a dense model (num_experts 0): expert "
+            "parallelism splits a mixture of experts; use 1");
+  EXPECT_EQ(SplitText(moe, 4096, {.data_parallel = 8, .expert_parallel = 8}),
+            "parallelism.layout.expert_parallel: 8 does not divide the model's num_experts 12");
+  EXPECT_EQ(SplitText(moe, 4096, {.data_parallel = 6, .expert_parallel = 4}),
+            "parallelism.layout.expert_parallel: 4 does not divide data_parallel 6 (experts are "
+            "split inside the data-parallel group)");
+  EXPECT_EQ(SplitText(dense, 4096, {.pipeline_parallel = 1, .pipeline_virtual_stages = 2}),
+            "parallelism.layout.pipeline_virtual_stages: 2 needs pipeline_parallel > 1, got "
+            "pipeline_parallel 1");
+  EXPECT_EQ(SplitText(dense, 4096, {.pipeline_parallel = 4, .pipeline_virtual_stages = 3}),
+            "parallelism.layout.pipeline_virtual_stages: 3 does not divide the 8 layers of each "
+            "pipeline stage (num_layers 32 / pipeline_parallel 4)");
+  // Sequence parallelism splits each context-parallel rank's 4100 / 2 = 2050 tokens over tp.
+  EXPECT_EQ(SplitText(dense, 4100,
+                      {.context_parallel = 2, .tensor_parallel = 2, .sequence_parallel = true}),
+            "ok");
+  EXPECT_EQ(SplitText(dense, 4100,
+                      {.context_parallel = 2, .tensor_parallel = 4, .sequence_parallel = true}),
+            "parallelism.layout.sequence_parallel: tensor_parallel 4 does not divide the 2050 "
+            "tokens of each context-parallel rank (data.seq_len 4100 / context_parallel 2)");
+  // The interleaved schedule runs micro-batches in groups of pp.
+  EXPECT_EQ(
+      SplitText(
+          dense, 4096,
+          {.pipeline_parallel = 4, .pipeline_virtual_stages = 2, .micro_batches_per_step = 8}),
+      "ok");
+  EXPECT_EQ(
+      SplitText(
+          dense, 4096,
+          {.pipeline_parallel = 4, .pipeline_virtual_stages = 2, .micro_batches_per_step = 6}),
+      "parallelism.layout.pipeline_virtual_stages: 2 needs the micro-batches per step (6 = "
+      "global batch / (micro-batch x data_parallel)) to be a multiple of pipeline_parallel "
+      "4");
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "planner/devices.h"
@@ -27,10 +28,24 @@ constexpr v1::ActivationCheckpointing kFull = v1::ACTIVATION_CHECKPOINTING_FULL;
 // collectives.
 constexpr double kSimplerLayoutMargin = 0.10;
 
-// Orders layouts from the simplest: lexicographic in ZeRO stage, recomputation, sp, pp, tp.
-std::tuple<int, int, bool, int, int> Complexity(const v1::Layout& l) {
-  return std::make_tuple(l.zero_stage(), static_cast<int>(l.activation_checkpointing_mode()),
-                         l.sequence_parallel(), l.pipeline_parallel(), l.tensor_parallel());
+// Orders layouts from the simplest: lexicographic in ZeRO stage, recomputation, sp, pp, tp, then
+// the newer splits (cp, virtual stages, ep; 0 and 1 alike mean none).
+std::tuple<int, int, bool, int, int, int, int, int> Complexity(const v1::Layout& l) {
+  return std::make_tuple(
+      l.zero_stage(), static_cast<int>(l.activation_checkpointing_mode()), l.sequence_parallel(),
+      l.pipeline_parallel(), l.tensor_parallel(), std::max(1, l.context_parallel()),
+      std::max(1, l.pipeline_virtual_stages()), std::max(1, l.expert_parallel()));
+}
+
+// Whether two layouts split the model and the sequence the same way (all but ZeRO, recomputation
+// and the micro-batch).
+bool SameShape(const v1::Layout& a, const v1::Layout& b) {
+  return a.tensor_parallel() == b.tensor_parallel() &&
+         a.pipeline_parallel() == b.pipeline_parallel() &&
+         a.sequence_parallel() == b.sequence_parallel() &&
+         std::max(1, a.context_parallel()) == std::max(1, b.context_parallel()) &&
+         std::max(1, a.expert_parallel()) == std::max(1, b.expert_parallel()) &&
+         std::max(1, a.pipeline_virtual_stages()) == std::max(1, b.pipeline_virtual_stages());
 }
 
 std::vector<int> Divisors(int n) {
@@ -64,6 +79,72 @@ std::string PeakLabel(const v1::MemoryEstimate& memory) {
                       FormatBytes(memory.usable_bytes()), " usable per device");
 }
 
+// Evaluates `l` into `result`. A structural problem is the same for every zero/sp/ac/micro-batch
+// variant of a shape: keep one of them so the list says why, not how many times.
+// `structural` holds the reasons kept so far (a set: searches over hundreds of devices evaluate
+// tens of thousands of layouts).
+void AddCandidate(const Workload& w, const LayoutChoice& l, const ClusterShape& c,
+                  absl::flat_hash_set<std::string>& structural, SearchResult& result) {
+  v1::LayoutCandidate candidate = EvaluateLayout(w, l, c);
+  if (!candidate.rejected_reason().empty() && !candidate.plan().has_memory() &&
+      !structural.insert(candidate.rejected_reason()).second) {
+    return;
+  }
+  result.candidates.push_back(std::move(candidate));
+}
+
+// Why the chosen layout `l` uses context parallelism, expert parallelism or virtual stages: for
+// each degree above 1, how the fastest fitting layout without it compares, or that nothing fits
+// without it (with the closest miss).
+void AppendSplitReasons(const SearchResult& result, const LayoutChoice& l,
+                        std::string& explanation) {
+  const struct {
+    const char* name;
+    int degree;
+    int (v1::Layout::*field)() const;
+  } splits[] = {{"context_parallel", l.cp, &v1::Layout::context_parallel},
+                {"expert_parallel", l.ep, &v1::Layout::expert_parallel},
+                {"pipeline_virtual_stages", l.v, &v1::Layout::pipeline_virtual_stages}};
+  const double chosen_speed = [&] {
+    for (const v1::LayoutCandidate& x : result.candidates) {
+      if (x.plan().fits() && FromProto(x.plan().layout(), x.plan().micro_batch_size()) == l) {
+        return x.plan().step_time().tokens_per_second();
+      }
+    }
+    return 0.0;
+  }();
+  for (const auto& split : splits) {
+    if (split.degree <= 1) continue;
+    // Candidates are ranked: the first one without the split is the best of them (fastest
+    // fitting, or the closest miss when none fits).
+    const auto without = std::find_if(
+        result.candidates.begin(), result.candidates.end(), [&](const v1::LayoutCandidate& x) {
+          return x.plan().has_memory() && (x.plan().layout().*split.field)() <= 1;
+        });
+    if (without == result.candidates.end()) {
+      absl::StrAppend(&explanation, " ", split.name, " ", split.degree,
+                      ": no layout without it was considered.");
+      continue;
+    }
+    const v1::LayoutPlan& other = without->plan();
+    const std::string other_layout = Describe(FromProto(other.layout(), other.micro_batch_size()));
+    if (!other.fits()) {
+      absl::StrAppend(&explanation, " ", split.name, " ", split.degree,
+                      ": without it no layout fits (closest: ", other_layout, " ",
+                      without->rejected_reason(), ").");
+    } else if (chosen_speed > 0) {
+      // Slower happens when a simpler layout of the split's shape was preferred to its fastest.
+      const double gain = chosen_speed / other.step_time().tokens_per_second() - 1;
+      absl::StrAppendFormat(&explanation,
+                            " %s %d: %.1f%% %s than the fastest layout without it (%s at %.0f "
+                            "tokens/s).",
+                            split.name, split.degree, 100 * std::abs(gain),
+                            gain >= 0 ? "faster" : "slower", other_layout,
+                            other.step_time().tokens_per_second());
+    }
+  }
+}
+
 }  // namespace
 
 std::string ActivationCheckpointingName(v1::ActivationCheckpointing ac) {
@@ -87,9 +168,13 @@ std::string FormatBytes(int64_t bytes) {
 }
 
 std::string Describe(const LayoutChoice& l) {
-  return absl::StrCat("dp=", l.dp, " tp=", l.tp, " pp=", l.pp, " zero=", l.zero,
-                      " mb=", l.micro_batch, " sp=", l.sp ? "on" : "off",
-                      " ac=", ActivationCheckpointingName(l.ac));
+  std::string out =
+      absl::StrCat("dp=", l.dp, " tp=", l.tp, " pp=", l.pp, " zero=", l.zero, " mb=", l.micro_batch,
+                   " sp=", l.sp ? "on" : "off", " ac=", ActivationCheckpointingName(l.ac));
+  if (l.cp > 1) absl::StrAppend(&out, " cp=", l.cp);
+  if (l.ep > 1) absl::StrAppend(&out, " ep=", l.ep);
+  if (l.v > 1) absl::StrAppend(&out, " v=", l.v);
+  return out;
 }
 
 LayoutChoice FromProto(const v1::Layout& layout, int micro_batch) {
@@ -100,6 +185,9 @@ LayoutChoice FromProto(const v1::Layout& layout, int micro_batch) {
   l.zero = layout.zero_stage();
   l.sp = layout.sequence_parallel();
   l.micro_batch = micro_batch;
+  l.cp = std::max(1, layout.context_parallel());
+  l.ep = std::max(1, layout.expert_parallel());
+  l.v = std::max(1, layout.pipeline_virtual_stages());
   l.ac = layout.activation_checkpointing_mode();
   if (l.ac == v1::ACTIVATION_CHECKPOINTING_UNSPECIFIED) {
     l.ac = layout.activation_checkpointing() ? kFull : kNone;
@@ -116,6 +204,10 @@ v1::Layout ToProto(const LayoutChoice& l) {
   layout.set_sequence_parallel(l.sp);
   layout.set_activation_checkpointing_mode(l.ac);
   layout.set_activation_checkpointing(l.ac == kFull);
+  // Left unset at 1 (0 means 1), so plain layouts are stored as before.
+  if (l.cp > 1) layout.set_context_parallel(l.cp);
+  if (l.ep > 1) layout.set_expert_parallel(l.ep);
+  if (l.v > 1) layout.set_pipeline_virtual_stages(l.v);
   return layout;
 }
 
@@ -198,41 +290,63 @@ SearchResult SearchLayouts(const Workload& w, const ClusterShape& c, const Searc
     recompute.push_back(kFull);
   }
   SearchResult result;
-  for (int tp : Divisors(c.gpus)) {
-    if (limits.max_tp > 0 && tp > limits.max_tp) continue;
-    for (int pp : Divisors(c.gpus / tp)) {
-      if (limits.max_pp > 0 && pp > limits.max_pp) continue;
-      const int dp = c.gpus / tp / pp;
-      std::vector<int> micro_batches;
-      if (limits.micro_batch > 0) {
-        micro_batches.push_back(limits.micro_batch);
-      } else {
-        micro_batches = MicroBatchChoices(w.global_batch / dp);
-      }
-      // ZeRO over one data-parallel rank shards nothing: only stage 0 is a distinct layout.
-      const bool model_parallel = tp > 1 || pp > 1;
-      const int max_zero =
-          dp > 1 ? std::min({3, limits.max_zero,
-                             model_parallel ? limits.max_zero_with_model_parallel : 3})
-                 : 0;
-      for (int micro : micro_batches) {
-        for (int zero = 0; zero <= max_zero; ++zero) {
-          for (bool sp : {false, true}) {
-            if (sp && (tp == 1 || !limits.allow_sequence_parallel)) continue;
-            for (v1::ActivationCheckpointing ac : recompute) {
-              LayoutChoice l{dp, tp, pp, zero, micro, sp, ac};
-              v1::LayoutCandidate candidate = EvaluateLayout(w, l, c);
-              // A structural problem is the same for every zero/sp/ac/micro-batch variant of a
-              // (tp, pp) pair: keep one of them so the list says why, not how many times.
-              if (!candidate.rejected_reason().empty() && !candidate.plan().has_memory()) {
-                const bool seen =
-                    std::any_of(result.candidates.begin(), result.candidates.end(),
-                                [&](const v1::LayoutCandidate& other) {
-                                  return other.rejected_reason() == candidate.rejected_reason();
-                                });
-                if (seen) continue;
+  absl::flat_hash_set<std::string> structural;
+  const bool moe = w.dims.num_experts() > 0;
+  auto within = [](int degree, int limit) { return limit <= 0 || degree <= limit; };
+  for (int cp : Divisors(c.gpus)) {
+    // Context parallelism splits each sequence into 2 x cp chunks: degrees that cannot are not
+    // layouts of this workload at all.
+    if (!within(cp, limits.max_cp) || (cp > 1 && w.seq_len % (2 * cp) != 0)) continue;
+    if (cp > 1 && moe && !limits.context_parallel_with_experts) continue;
+    for (int tp : Divisors(c.gpus / cp)) {
+      if (!within(tp, limits.max_tp)) continue;
+      for (int pp : Divisors(c.gpus / cp / tp)) {
+        if (!within(pp, limits.max_pp)) continue;
+        const int dp = c.gpus / cp / tp / pp;
+        // Expert parallelism for a mixture of experts only, at degrees that split both its experts
+        // and the data-parallel group; virtual stages only in a pipeline, dividing its layers.
+        std::vector<int> eps{1};
+        if (moe) {
+          for (int ep : Divisors(dp)) {
+            if (ep > 1 && within(ep, limits.max_ep) && w.dims.num_experts() % ep == 0) {
+              eps.push_back(ep);
+            }
+          }
+        }
+        std::vector<int> virtual_stages{1};
+        if (pp > 1 && w.dims.num_layers() % pp == 0) {
+          for (int v : Divisors(w.dims.num_layers() / pp)) {
+            if (v > 1 && within(v, limits.max_v)) virtual_stages.push_back(v);
+          }
+        }
+        std::vector<int> micro_batches;
+        if (limits.micro_batch > 0) {
+          micro_batches.push_back(limits.micro_batch);
+        } else {
+          micro_batches = MicroBatchChoices(w.global_batch / dp);
+        }
+        // ZeRO over one data-parallel rank shards nothing: only stage 0 is a distinct layout.
+        // Context-parallel ranks hold whole layers and shard with the data-parallel ones (over
+        // dp x cp), so only tp and pp (and ep, below) take the model-parallel ZeRO cap.
+        const bool model_parallel = tp > 1 || pp > 1;
+        const int max_zero =
+            dp * cp > 1 ? std::min({3, limits.max_zero,
+                                    model_parallel ? limits.max_zero_with_model_parallel : 3})
+                        : 0;
+        for (int ep : eps) {
+          const int max_zero_here =
+              ep > 1 ? std::min(max_zero, limits.max_zero_with_model_parallel) : max_zero;
+          for (int v : virtual_stages) {
+            for (int micro : micro_batches) {
+              for (int zero = 0; zero <= max_zero_here; ++zero) {
+                for (bool sp : {false, true}) {
+                  if (sp && (tp == 1 || !limits.allow_sequence_parallel)) continue;
+                  for (v1::ActivationCheckpointing ac : recompute) {
+                    LayoutChoice l{dp, tp, pp, zero, micro, sp, ac, cp, ep, v};
+                    AddCandidate(w, l, c, structural, result);
+                  }
+                }
               }
-              result.candidates.push_back(std::move(candidate));
             }
           }
         }
@@ -261,11 +375,7 @@ v1::LayoutPlan ChoosePlan(const SearchResult& result, const ClusterShape& c) {
       const v1::LayoutPlan& p = result.candidates[i].plan();
       if (p.step_time().tokens_per_second() < floor) break;
       const v1::Layout& l = p.layout();
-      if (l.tensor_parallel() != shape.tensor_parallel() ||
-          l.pipeline_parallel() != shape.pipeline_parallel() ||
-          l.sequence_parallel() != shape.sequence_parallel()) {
-        continue;
-      }
+      if (!SameShape(l, shape)) continue;
       if (Complexity(l) < Complexity(result.candidates[chosen].plan().layout())) chosen = i;
     }
   }
@@ -300,6 +410,7 @@ v1::LayoutPlan ChoosePlan(const SearchResult& result, const ClusterShape& c) {
           next.step_time().tokens_per_second(), 100 * std::abs(1 - ratio),
           chosen != 0 ? "faster in estimate: too little for the added machinery" : "slower");
     }
+    AppendSplitReasons(result, l, explanation);
     plan.set_explanation(explanation);
   } else if (plan.has_memory()) {
     plan.set_explanation(absl::StrCat("No layout fits (", considered, " considered). Closest: ",

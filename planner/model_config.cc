@@ -65,6 +65,24 @@ v1::ModelDims Qwen3Dims(int layers, int hidden, int heads, int ffn, bool tied) {
   return dims;
 }
 
+// Qwen3-30B-A3B (its config.json): 48 layers of 32 query and 4 key/value heads, every MLP a
+// mixture of 128 experts 768 wide, 8 per token (norm_topk_prob), no shared expert; 30.5B
+// parameters of which 3.3B active.
+v1::ModelDims Qwen3MoeDims() {
+  v1::ModelDims dims =
+      LlamaDims(/*layers=*/48, /*hidden=*/2048, /*heads=*/32, /*kv_heads=*/4, /*ffn=*/6144,
+                /*vocab=*/151936, /*max_seq_len=*/40960, /*rope_theta=*/1e6, /*norm_eps=*/1e-6,
+                /*tied=*/false);
+  dims.set_head_dim(128);
+  dims.set_qk_norm(true);
+  dims.set_num_experts(128);
+  dims.set_num_experts_per_token(8);
+  dims.set_moe_intermediate_size(768);
+  dims.set_norm_topk_prob(true);
+  dims.set_router_aux_loss_coef(0.001);
+  return dims;
+}
+
 // Sorted by name, so PresetNames() and the error listing need no sort.
 const std::vector<Preset>& Presets() {
   static const auto* presets = [] {
@@ -79,6 +97,7 @@ const std::vector<Preset>& Presets() {
         {"qwen3-0.6b", Qwen3Dims(28, 1024, 16, 3072, true)},
         {"qwen3-1.7b", Qwen3Dims(28, 2048, 16, 6144, true)},
         {"qwen3-14b", Qwen3Dims(40, 5120, 40, 17408, false)},
+        {"qwen3-30b-a3b", Qwen3MoeDims()},
         {"qwen3-32b", Qwen3Dims(64, 5120, 64, 25600, false)},
         {"qwen3-8b", Qwen3Dims(36, 4096, 32, 12288, false)},
     };

@@ -60,6 +60,8 @@ constexpr PresetCount kPresetCounts[] = {
     {"llama3-70b", 70'553'706'496}, {"qwen3-0.6b", 596'049'920},    {"qwen3-1.7b", 1'720'574'976},
     {"qwen3-8b", 8'190'735'360},    {"qwen3-14b", 14'768'307'200},  {"qwen3-32b", 32'762'123'264},
     {"tiny-gpt2", 132'928},         {"tiny-llama", 156'096},
+    // Qwen3-30B-A3B: 30.53B as its model card states (3.35B active, below).
+    {"qwen3-30b-a3b", 30'532'122'624},
 };
 
 TEST(ModelConfigTest, PresetParameterCountsMatchPublishedFigures) {
@@ -69,6 +71,15 @@ TEST(ModelConfigTest, PresetParameterCountsMatchPublishedFigures) {
     EXPECT_EQ(CountParameters(summary.dims()), expected.parameters) << expected.name;
     EXPECT_EQ(summary.preset(), expected.name);
   }
+}
+
+TEST(ModelConfigTest, Qwen3MoePresetCountsItsActiveParameters) {
+  // Per layer: attention 18,874,368 + norms and qk_norm 4,352 + router 262,144, and 8 of the 128
+  // experts (3 x 2048 x 768 each); plus the untied embedding and head and the final norm.
+  const int64_t layer = 18'874'368 + 4'352 + 262'144 + 8 * 3 * 2048 * 768;
+  const v1::ModelSummary summary = Resolve("qwen3-30b-a3b");
+  EXPECT_EQ(summary.num_active_parameters(), 48 * layer + 2 * 151'936 * 2048 + 2048);
+  EXPECT_EQ(summary.num_active_parameters(), 3'353'032'704);
 }
 
 TEST(ModelConfigTest, PresetNamesAreSortedAndAllCovered) {

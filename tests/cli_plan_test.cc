@@ -26,7 +26,7 @@ RunResult Plan(std::vector<std::string> args) {
 TEST(CliPlanTest, OfflineJsonListsLayoutsWithEveryTerm) {
   RunResult run = Plan({"--model", "llama3-8b", "--seq-len", "4096", "--global-batch", "64",
                         "--precision", "bf16", "--gpus", "16", "--gpus-per-node", "8",
-                        "--gpu-memory", "80GiB", "--max-candidates", "5000", "--output", "json"});
+                        "--gpu-memory", "80GiB", "--max-candidates", "20000", "--output", "json"});
   ASSERT_EQ(run.exit.exit_code, 0) << run.output;
   const nlohmann::json doc = nlohmann::json::parse(run.output);
   EXPECT_TRUE(doc["fits"].get<bool>());
@@ -38,8 +38,8 @@ TEST(CliPlanTest, OfflineJsonListsLayoutsWithEveryTerm) {
   bool saw_rejected = false;
   double previous = 1e30;
   for (const auto& layout : layouts) {
-    for (const char* key :
-         {"dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "sp", "ac", "fits"}) {
+    for (const char* key : {"dp", "tp", "pp", "cp", "ep", "v", "zero", "micro_batch", "grad_accum",
+                            "sp", "ac", "fits"}) {
       ASSERT_TRUE(layout.contains(key)) << key << " in " << layout.dump();
     }
     if (layout["fits"].get<bool>()) {
@@ -126,6 +126,35 @@ TEST(CliPlanTest, ExampleSpecAndAnExplicitLayout) {
   ASSERT_GE(pp_doc["layouts"].size(), 1u);
   EXPECT_EQ(pp_doc["layouts"][0]["pp"].get<int>(), 2);
   EXPECT_EQ(pp_doc["layouts"][0]["memory"]["stages"].size(), 2u);
+}
+
+TEST(CliPlanTest, ContextExpertAndInterleavedTermsAreShown) {
+  // An explicit context-parallel, interleaved layout: dp is what remains of 8 GPUs after
+  // tp 1 x pp 2 x cp 2.
+  RunResult run = Plan({"--model=qwen3-8b", "--seq_len=32768", "--global_batch=16", "--gpus=8",
+                        "--device=h200", "--layout=pp=2,cp=2,v=3,ac=full", "--output=json"});
+  ASSERT_EQ(run.exit.exit_code, 0) << run.output;
+  const nlohmann::json doc = nlohmann::json::parse(run.output);
+  ASSERT_GE(doc["layouts"].size(), 1u);
+  const auto& layout = doc["layouts"][0];
+  EXPECT_EQ(layout["dp"].get<int>(), 2);
+  EXPECT_EQ(layout["cp"].get<int>(), 2);
+  EXPECT_EQ(layout["ep"].get<int>(), 1);
+  EXPECT_EQ(layout["v"].get<int>(), 3);
+  EXPECT_GT(layout["memory"]["context_ring_bytes"].get<int64_t>(), 0);
+  EXPECT_GT(layout["step_time"]["context_ring_s"].get<double>(), 0);
+  // m = 16 / (mb x dp 2) micro-batches: the bubble is (pp-1)/(v x m).
+  const double m = layout["grad_accum"].get<double>();
+  EXPECT_NEAR(layout["step_time"]["pipeline_bubble_fraction"].get<double>(), 1.0 / (3 * m), 1e-9);
+  // The table names the new columns and terms; an MoE preset plans with expert parallelism.
+  run = Plan({"--model=qwen3-30b-a3b", "--seq_len=4096", "--global_batch=64", "--gpus=8",
+              "--device=h200", "--layout=dp=8,ep=8,zero=1,ac=full"});
+  ASSERT_EQ(run.exit.exit_code, 0) << run.output;
+  EXPECT_THAT(run.output, HasSubstr(" cp  ep  v "));
+  EXPECT_THAT(run.output, HasSubstr("ep=8"));
+  EXPECT_THAT(run.output, HasSubstr("routed experts' state"));
+  EXPECT_THAT(run.output, HasSubstr("all-to-all buffers"));
+  EXPECT_THAT(run.output, HasSubstr("expert all-to-all"));
 }
 
 TEST(CliPlanTest, DeviceFieldsCanBeOverridden) {

@@ -363,6 +363,51 @@ TEST_F(CoordinatorTest, SubmitAcceptsTensorPipelineAndSequenceParallelLayouts) {
   }
 }
 
+TEST_F(CoordinatorTest, SubmitChecksContextExpertAndVirtualStageDegrees) {
+  // dp 4 x cp 2 on 8 GPUs: context-parallel ranks count in the world size.
+  v1::JobSpec context = GpuSpec("cp-ok", 8, 4, 1);
+  context.mutable_data()->set_seq_len(64);
+  context.mutable_parallelism()->mutable_layout()->set_context_parallel(2);
+  const v1::Job job = Submit(context);
+  ASSERT_FALSE(job.job_id().empty());
+  EXPECT_EQ(job.plan().layout().context_parallel(), 2);
+  EXPECT_EQ(job.plan().world_size(), 8);
+
+  v1::JobSpec seq_len = GpuSpec("cp-seq", 8, 2, 1);
+  seq_len.mutable_data()->set_seq_len(60);
+  seq_len.mutable_parallelism()->mutable_layout()->set_context_parallel(4);
+  v1::JobSpec world = GpuSpec("cp-world", 8, 8, 1);
+  world.mutable_parallelism()->mutable_layout()->set_context_parallel(2);
+  v1::JobSpec dense = GpuSpec("ep-dense", 8, 8, 1);
+  dense.mutable_parallelism()->mutable_layout()->set_expert_parallel(2);
+  v1::JobSpec no_pipeline = GpuSpec("v-no-pp", 8, 8, 1);
+  no_pipeline.mutable_parallelism()->mutable_layout()->set_pipeline_virtual_stages(2);
+  v1::JobSpec negative = GpuSpec("ep-negative", 8, 8, 1);
+  negative.mutable_parallelism()->mutable_layout()->set_expert_parallel(-1);
+  const std::vector<std::pair<v1::JobSpec, std::string>> cases = {
+      {seq_len,
+       "parallelism.layout.context_parallel: 4: 2 x context_parallel (8) does not divide "
+       "data.seq_len 60"},
+      {world,
+       "parallelism.layout: data_parallel 8 x tensor_parallel 1 x pipeline_parallel 1 x "
+       "context_parallel 2 = 16 != resources.gpus 8"},
+      {dense, "parallelism.layout.expert_parallel: 2 with a dense model (num_experts 0)"},
+      {no_pipeline, "parallelism.layout.pipeline_virtual_stages: 2 needs pipeline_parallel > 1"},
+      {negative, "parallelism.layout.expert_parallel: must be >= 0 (0 means 1), got -1"}};
+  for (const auto& [spec, message] : cases) {
+    v1::SubmitJobRequest request;
+    *request.mutable_spec() = spec;
+    v1::SubmitJobResponse response;
+    grpc::Status status = stub_->SubmitJob(Context().get(), request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << spec.name();
+    EXPECT_THAT(status.error_message(), HasSubstr(message)) << spec.name();
+  }
+  // Only the valid job was admitted.
+  v1::ListJobsResponse listed;
+  ASSERT_TRUE(stub_->ListJobs(Context().get(), {}, &listed).ok());
+  EXPECT_EQ(listed.jobs_size(), 1);
+}
+
 TEST_F(CoordinatorTest, RotaryModelsMayTrainPastTheirPresetsMaxSeqLen) {
   // tiny-llama's preset context is 256 tokens; rotary positions extend, and the plan's model
   // (which the trainer builds from) covers the training length.
