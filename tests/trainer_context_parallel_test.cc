@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <ostream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -75,9 +76,9 @@ class ContextParallelTest : public TrainerTrainingTest,
              << "\"}, {\"role\": \"assistant\", \"content\": \"" << reply << "\"}]}\n";
       }
       file.close();
-      auto prepared = RunCommand({Trainer(), "prepare", "--input=" + *dir + "/chat.jsonl",
-                                  "--output_dir=" + *dir, "--sample_seq_len=64",
-                                  "--val_fraction=0.1"});
+      auto prepared =
+          RunCommand({Trainer(), "prepare", "--input=" + *dir + "/chat.jsonl",
+                      "--output_dir=" + *dir, "--sample_seq_len=64", "--val_fraction=0.1"});
       EXPECT_THAT(prepared, IsOk());
       if (prepared.ok()) {
         EXPECT_EQ(prepared->exit.exit_code, 0) << prepared->output;
@@ -118,7 +119,19 @@ class ContextParallelTest : public TrainerTrainingTest,
   }
 };
 
+// step -> the gradient norm rank 0 reported.
+std::map<int64_t, double> GradNorms(const TrainerRun& run) {
+  std::map<int64_t, double> norms;
+  for (const auto& report : run.reports) {
+    if (report.has_metrics()) norms[report.metrics().step()] = report.metrics().grad_norm();
+  }
+  return norms;
+}
+
 std::string CaseName(const ::testing::TestParamInfo<ContextCase>& info) { return info.param.name; }
+
+// Names the case in test listings (ctest's) instead of dumping its bytes.
+void PrintTo(const ContextCase& c, std::ostream* os) { *os << c.name; }
 
 TEST_P(ContextParallelTest, LossesEvaluationAndWeightsMatchOneProcess) {
   const ContextCase& c = GetParam();
@@ -151,6 +164,13 @@ TEST_P(ContextParallelTest, LossesEvaluationAndWeightsMatchOneProcess) {
     EXPECT_LE(relative, 1e-4) << "step " << step;
     worst = std::max(worst, relative);
   }
+  // The gradient norm counts each element once: not once per cp rank holding its replica.
+  const std::map<int64_t, double> norms = GradNorms(runs[0]), expected_norms = GradNorms(reference);
+  ASSERT_EQ(norms.size(), static_cast<size_t>(kSteps));
+  for (const auto& [step, norm] : norms) {
+    EXPECT_LE(std::abs(norm - expected_norms.at(step)) / expected_norms.at(step), 1e-4)
+        << "step " << step;
+  }
   // eval_batches are per dp rank: with dp 1 the cp ranks together evaluate the reference's
   // samples, each of its tokens counted once.
   const std::vector<v1::EvalMetrics> evals = Evals(runs[0]), expected_evals = Evals(reference);
@@ -163,8 +183,8 @@ TEST_P(ContextParallelTest, LossesEvaluationAndWeightsMatchOneProcess) {
   }
   const std::string export_path =
       absl::StrCat("/step-", std::string(6, '0'), kSteps, "/model.safetensors");
-  const double weights = MaxRelativeDifference(ReadExport(dir + export_path),
-                                               ReadExport(reference_dir + export_path));
+  const double weights =
+      MaxRelativeDifference(ReadExport(dir + export_path), ReadExport(reference_dir + export_path));
   std::cout << c.name << ": max relative loss difference " << worst
             << ", max relative weight difference " << weights << "\n";
   EXPECT_LE(weights, 1e-4);
@@ -179,15 +199,19 @@ INSTANTIATE_TEST_SUITE_P(
         ContextCase{.name = "llama_cp4", .preset = "tiny-llama", .cp = 4},
         ContextCase{.name = "llama_cp2_tp2", .preset = "tiny-llama", .cp = 2, .tp = 2},
         ContextCase{.name = "gpt2_cp2_tp2_sp", .preset = "tiny-gpt2", .cp = 2, .tp = 2, .sp = true},
-        ContextCase{.name = "gpt2_cp2_dp2_zero1", .preset = "tiny-gpt2", .cp = 2, .dp = 2,
-                    .zero = 1},
-        ContextCase{.name = "llama_cp2_dp2_zero3", .preset = "tiny-llama", .cp = 2, .dp = 2,
-                    .zero = 3},
+        ContextCase{
+            .name = "gpt2_cp2_dp2_zero1", .preset = "tiny-gpt2", .cp = 2, .dp = 2, .zero = 1},
+        ContextCase{
+            .name = "llama_cp2_dp2_zero3", .preset = "tiny-llama", .cp = 2, .dp = 2, .zero = 3},
         ContextCase{.name = "gpt2_cp2_pp2", .preset = "tiny-gpt2", .cp = 2, .pp = 2},
         ContextCase{.name = "llama_cp2_pp2", .preset = "tiny-llama", .cp = 2, .pp = 2},
-        ContextCase{.name = "llama_cp2_full_recompute", .preset = "tiny-llama", .cp = 2,
+        ContextCase{.name = "llama_cp2_full_recompute",
+                    .preset = "tiny-llama",
+                    .cp = 2,
                     .recompute = "full"},
-        ContextCase{.name = "gpt2_cp2_selective_recompute", .preset = "tiny-gpt2", .cp = 2,
+        ContextCase{.name = "gpt2_cp2_selective_recompute",
+                    .preset = "tiny-gpt2",
+                    .cp = 2,
                     .recompute = "selective"},
         ContextCase{.name = "llama_cp2_masked", .preset = "tiny-llama", .cp = 2, .masked = true}),
     CaseName);
@@ -212,9 +236,9 @@ TEST_F(TrainerTrainingTest, CheckpointSavedAtContextParallelTwoResumesAtOne) {
   ASSERT_EQ(first.size(), 2u);
   for (const TrainerRun& run : first) ASSERT_EQ(run.exit_code, 0) << run.output;
   for (int64_t step = 1; step <= kSteps / 2; ++step) {
-    EXPECT_LE(std::abs(first[0].losses.at(step) - straight.losses.at(step)) /
-                  straight.losses.at(step),
-              1e-4)
+    EXPECT_LE(
+        std::abs(first[0].losses.at(step) - straight.losses.at(step)) / straight.losses.at(step),
+        1e-4)
         << "step " << step;
   }
 
@@ -224,9 +248,9 @@ TEST_F(TrainerTrainingTest, CheckpointSavedAtContextParallelTwoResumesAtOne) {
               HasSubstr(absl::StrCat("resumed from ", dir, "/step-0000000", kSteps / 2)));
   ASSERT_EQ(resumed.losses.size(), static_cast<size_t>(kSteps / 2)) << resumed.output;
   for (int64_t step = kSteps / 2 + 1; step <= kSteps; ++step) {
-    EXPECT_LE(std::abs(resumed.losses.at(step) - straight.losses.at(step)) /
-                  straight.losses.at(step),
-              1e-4)
+    EXPECT_LE(
+        std::abs(resumed.losses.at(step) - straight.losses.at(step)) / straight.losses.at(step),
+        1e-4)
         << "step " << step;
   }
 }

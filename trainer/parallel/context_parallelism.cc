@@ -13,17 +13,17 @@ absl::Status CheckContextParallelSplits(const v1::ModelDims& dims, const v1::Lay
   }
   if (dims.num_experts() > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "parallelism.layout.context_parallel: ", cp,
-        " with a mixture-of-experts model (", dims.num_experts(),
+        "parallelism.layout.context_parallel: ", cp, " with a mixture-of-experts model (",
+        dims.num_experts(),
         " experts) is not supported: the routers' load-balancing loss would count only a rank's "
         "part of each sequence; use context_parallel 1"));
   }
   const int64_t local = seq_len / cp;
   if (layout.sequence_parallel() && tp > 1 && local % tp != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parallelism.layout.sequence_parallel: a context-parallel rank's ", local,
-        " tokens (data.seq_len ", seq_len, " / context_parallel ", cp,
-        ") are not divisible by tensor_parallel ", tp));
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallelism.layout.sequence_parallel: a context-parallel rank's ", local,
+                     " tokens (data.seq_len ", seq_len, " / context_parallel ", cp,
+                     ") are not divisible by tensor_parallel ", tp));
   }
   return absl::OkStatus();
 }

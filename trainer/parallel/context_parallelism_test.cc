@@ -68,8 +68,8 @@ TEST(ShardRowsForContextParallelTest, EqualsRingAttentionsSplitOfTheSameRows) {
   for (int cp : {1, 2, 4}) {
     std::vector<torch::Tensor> parts;
     for (int rank = 0; rank < cp; ++rank) {
-      const std::vector<int64_t> mine =
-          ShardRowsForContextParallel(rows, seq, ContextParallel{.group = nullptr, .rank = rank, .size = cp});
+      const std::vector<int64_t> mine = ShardRowsForContextParallel(
+          rows, seq, ContextParallel{.group = nullptr, .rank = rank, .size = cp});
       ASSERT_EQ(mine.size(), rows.size() / cp);
       const torch::Tensor local = torch::tensor(mine).view({batch, seq / cp});
       EXPECT_TRUE(torch::equal(local, ShardForContextParallel(full, rank, cp)))
@@ -79,8 +79,8 @@ TEST(ShardRowsForContextParallelTest, EqualsRingAttentionsSplitOfTheSameRows) {
     EXPECT_TRUE(torch::equal(GatherFromContextParallel(parts), full)) << "cp " << cp;
   }
   // Rank 1 of cp 2 holds chunks 1 and 2 of 4: tokens 4..11 of each row.
-  const std::vector<int64_t> mine =
-      ShardRowsForContextParallel(rows, seq, ContextParallel{.group = nullptr, .rank = 1, .size = 2});
+  const std::vector<int64_t> mine = ShardRowsForContextParallel(
+      rows, seq, ContextParallel{.group = nullptr, .rank = 1, .size = 2});
   EXPECT_EQ(mine.front(), rows[4]);
   EXPECT_EQ(mine[7], rows[11]);
   EXPECT_EQ(mine[8], rows[seq + 4]);
@@ -88,7 +88,8 @@ TEST(ShardRowsForContextParallelTest, EqualsRingAttentionsSplitOfTheSameRows) {
 
 TEST(ShardRowsForContextParallelTest, RefusesRowsThatDoNotSplit) {
   const std::vector<int64_t> rows(30, 1);
-  EXPECT_THROW(ShardRowsForContextParallel(rows, 15, ContextParallel{.group = nullptr, .rank = 0, .size = 2}),
+  EXPECT_THROW(ShardRowsForContextParallel(rows, 15,
+                                           ContextParallel{.group = nullptr, .rank = 0, .size = 2}),
                c10::Error);
 }
 

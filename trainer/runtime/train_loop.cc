@@ -35,7 +35,9 @@ void KeepContextParallelPart(MicroBatch& mb, const ContextParallel& cp) {
   if (!cp.enabled() || mb.batch_size == 0) return;
   mb.inputs = ShardRowsForContextParallel(mb.inputs, mb.seq_len, cp);
   mb.targets = ShardRowsForContextParallel(mb.targets, mb.seq_len, cp);
-  if (!mb.positions.empty()) mb.positions = ShardRowsForContextParallel(mb.positions, mb.seq_len, cp);
+  if (!mb.positions.empty()) {
+    mb.positions = ShardRowsForContextParallel(mb.positions, mb.seq_len, cp);
+  }
   mb.seq_len /= cp.size;
   mb.loss_tokens = std::count_if(mb.targets.begin(), mb.targets.end(),
                                  [](int64_t target) { return target != kIgnoreTarget; });
