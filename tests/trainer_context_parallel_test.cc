@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -216,9 +217,10 @@ INSTANTIATE_TEST_SUITE_P(
         ContextCase{.name = "llama_cp2_masked", .preset = "tiny-llama", .cp = 2, .masked = true}),
     CaseName);
 
-// A checkpoint is layout-free: 6 steps at cp 2, then on at cp 1 from its checkpoint, equal the
-// 12 steps of one uninterrupted process (the schedule pinned to 12 steps in both halves).
-TEST_F(TrainerTrainingTest, CheckpointSavedAtContextParallelTwoResumesAtOne) {
+// A checkpoint is layout-free: 6 steps at cp 2, then on at cp 1 (and, from a copy, at dp 2) from
+// its checkpoint, equal the 12 steps of one uninterrupted process (the schedule pinned to 12
+// steps in both halves).
+TEST_F(TrainerTrainingTest, CheckpointSavedAtContextParallelTwoResumesAtOneAndAtDataTwo) {
   auto llama = [](std::vector<std::string> flags) {
     for (auto& flag : flags) {
       if (flag == "--preset=tiny-gpt2") flag = "--preset=tiny-llama";
@@ -242,16 +244,30 @@ TEST_F(TrainerTrainingTest, CheckpointSavedAtContextParallelTwoResumesAtOne) {
         << "step " << step;
   }
 
-  const TrainerRun resumed = RunTrainer(llama(BaseFlags(kSteps, dir, kSteps)));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  // The same checkpoint resumed at dp 2 too, from a copy (a resume saves into its directory).
+  const std::string dp_dir = MakeTempDir("cp-resume-dp");
+  std::filesystem::copy(
+      dir, dp_dir,
+      std::filesystem::copy_options::recursive | std::filesystem::copy_options::overwrite_existing);
+  TrainerRun resumed = RunTrainer(llama(BaseFlags(kSteps, dir, kSteps)));
+  std::vector<TrainerRun> resumed_dp = RunRanks(llama(BaseFlags(kSteps, dp_dir, kSteps)), 2);
+  ASSERT_EQ(resumed_dp.size(), 2u);
   EXPECT_THAT(resumed.output,
               HasSubstr(absl::StrCat("resumed from ", dir, "/step-0000000", kSteps / 2)));
-  ASSERT_EQ(resumed.losses.size(), static_cast<size_t>(kSteps / 2)) << resumed.output;
-  for (int64_t step = kSteps / 2 + 1; step <= kSteps; ++step) {
-    EXPECT_LE(
-        std::abs(resumed.losses.at(step) - straight.losses.at(step)) / straight.losses.at(step),
-        1e-4)
-        << "step " << step;
+  EXPECT_THAT(resumed_dp[0].output,
+              HasSubstr(absl::StrCat("resumed from ", dp_dir, "/step-0000000", kSteps / 2)));
+  EXPECT_THAT(resumed_dp[0].output, HasSubstr("dp 0/2"));
+  for (const TrainerRun* run : {&resumed, &resumed_dp[0], &resumed_dp[1]}) {
+    ASSERT_EQ(run->exit_code, 0) << run->output;
+  }
+  for (const TrainerRun* run : {&resumed, &resumed_dp[0]}) {
+    ASSERT_EQ(run->losses.size(), static_cast<size_t>(kSteps / 2)) << run->output;
+    for (int64_t step = kSteps / 2 + 1; step <= kSteps; ++step) {
+      EXPECT_LE(
+          std::abs(run->losses.at(step) - straight.losses.at(step)) / straight.losses.at(step),
+          1e-4)
+          << "step " << step;
+    }
   }
 }
 
