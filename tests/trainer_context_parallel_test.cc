@@ -4,7 +4,8 @@
 // the evaluations and the exported weights agree with the single process to float32 reduction
 // noise. Covered: GPT-2 (learned positions) and Llama (rotary, grouped-query attention) at cp 2
 // and 4, with tensor (and sequence) parallelism, data parallelism and ZeRO, pipeline stages,
-// recomputation, loss-masked data; a checkpoint saved at cp 2 resumed at cp 1; and the refusals.
+// recomputation, loss-masked data, LoRA; a checkpoint saved at cp 2 resumed at cp 1 and at dp 2;
+// and the refusals.
 
 #include <cmath>
 #include <cstdint>
@@ -58,6 +59,7 @@ struct ContextCase {
   int zero = 0;
   std::string recompute = "none";
   bool masked = false;  // instruction data with a loss mask instead of the plain corpus
+  int lora_rank = 0;    // LoRA adapters on a frozen base (the reference has them too)
 };
 
 class ContextParallelTest : public TrainerTrainingTest,
@@ -90,7 +92,7 @@ class ContextParallelTest : public TrainerTrainingTest,
   }
 
   static std::vector<std::string> Flags(const std::string& dir, const std::string& preset,
-                                        bool masked) {
+                                        bool masked, int lora_rank) {
     std::vector<std::string> flags = BaseFlags(kSteps, dir);
     const std::string data = masked ? MaskedDataDir() : *data_dir_;
     for (auto& flag : flags) {
@@ -101,18 +103,20 @@ class ContextParallelTest : public TrainerTrainingTest,
     flags.push_back("--val_data=" + data + "/val-*.bin");
     flags.push_back("--eval_every=6");
     flags.push_back("--eval_batches=3");
+    if (lora_rank > 0) flags.push_back(absl::StrCat("--lora_rank=", lora_rank));
     return flags;
   }
 
   // One process of the model, once per model and data for the suite; `dir` gets its checkpoints.
-  static const TrainerRun& Reference(const std::string& preset, bool masked, std::string* dir) {
+  static const TrainerRun& Reference(const std::string& preset, bool masked, int lora_rank,
+                                     std::string* dir) {
     static auto* runs = new std::map<std::string, std::pair<std::string, TrainerRun>>;
-    const std::string key = absl::StrCat(preset, masked ? "/masked" : "");
+    const std::string key = absl::StrCat(preset, masked ? "/masked" : "", "/lora", lora_rank);
     auto it = runs->find(key);
     if (it == runs->end()) {
       const std::string reference_dir = MakeTempDir("cp-reference");
-      it = runs->emplace(key, std::make_pair(reference_dir,
-                                             RunTrainer(Flags(reference_dir, preset, masked))))
+      it = runs->emplace(key, std::make_pair(reference_dir, RunTrainer(Flags(reference_dir, preset,
+                                                                             masked, lora_rank))))
                .first;
     }
     *dir = it->second.first;
@@ -137,12 +141,12 @@ void PrintTo(const ContextCase& c, std::ostream* os) { *os << c.name; }
 TEST_P(ContextParallelTest, LossesEvaluationAndWeightsMatchOneProcess) {
   const ContextCase& c = GetParam();
   std::string reference_dir;
-  const TrainerRun& reference = Reference(c.preset, c.masked, &reference_dir);
+  const TrainerRun& reference = Reference(c.preset, c.masked, c.lora_rank, &reference_dir);
   ASSERT_EQ(reference.exit_code, 0) << reference.output;
   ASSERT_EQ(reference.losses.size(), static_cast<size_t>(kSteps)) << reference.output;
 
   const std::string dir = MakeTempDir("cp-" + c.name);
-  std::vector<std::string> flags = Flags(dir, c.preset, c.masked);
+  std::vector<std::string> flags = Flags(dir, c.preset, c.masked, c.lora_rank);
   flags.push_back(absl::StrCat("--context_parallel=", c.cp));
   flags.push_back(absl::StrCat("--tensor_parallel=", c.tp));
   flags.push_back(absl::StrCat("--pipeline_parallel=", c.pp));
@@ -214,7 +218,8 @@ INSTANTIATE_TEST_SUITE_P(
                     .preset = "tiny-gpt2",
                     .cp = 2,
                     .recompute = "selective"},
-        ContextCase{.name = "llama_cp2_masked", .preset = "tiny-llama", .cp = 2, .masked = true}),
+        ContextCase{.name = "llama_cp2_masked", .preset = "tiny-llama", .cp = 2, .masked = true},
+        ContextCase{.name = "llama_cp2_lora", .preset = "tiny-llama", .cp = 2, .lora_rank = 4}),
     CaseName);
 
 // A checkpoint is layout-free: 6 steps at cp 2, then on at cp 1 (and, from a copy, at dp 2) from
