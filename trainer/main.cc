@@ -92,6 +92,9 @@ ABSL_FLAG(int, tensor_parallel, 1,
 ABSL_FLAG(bool, sequence_parallel, false,
           "Standalone: split norms and activations between tensor-parallel regions along the "
           "sequence (needs --tensor_parallel > 1).");
+ABSL_FLAG(int, context_parallel, 1,
+          "Standalone: context-parallel degree (ring attention over the sequence; 2 x it must "
+          "divide --seq_len).");
 ABSL_FLAG(int, pipeline_parallel, 1,
           "Standalone: pipeline stages (1F1B; must divide the layers). Data parallelism is the "
           "rest of the world size.");
@@ -259,6 +262,7 @@ tessera::v1::TrainerTask TaskFromFlags() {
   layout->set_zero_stage(absl::GetFlag(FLAGS_zero_stage));
   layout->set_tensor_parallel(absl::GetFlag(FLAGS_tensor_parallel));
   layout->set_pipeline_parallel(absl::GetFlag(FLAGS_pipeline_parallel));
+  layout->set_context_parallel(absl::GetFlag(FLAGS_context_parallel));
   layout->set_sequence_parallel(absl::GetFlag(FLAGS_sequence_parallel));
   const std::string recompute =
       absl::AsciiStrToUpper(absl::GetFlag(FLAGS_activation_checkpointing));

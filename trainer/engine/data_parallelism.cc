@@ -6,7 +6,8 @@
 namespace tessera::trainer {
 
 void BroadcastFromFirstDataRank(CausalLMImpl& model, const DeviceMesh& mesh) {
-  const auto& dp_group = mesh.group(MeshDim::kData);
+  // dcp: with context parallelism the cp ranks of a replica hold the same weights too.
+  const auto& dp_group = mesh.group(MeshDim::kDataContext);
   if (!dp_group) return;
   // Every rank initialises from the same seed; the broadcast makes dp rank 0's weights
   // authoritative anyway, as DDP does (the ranks of a dp group hold the same shard).
@@ -21,9 +22,12 @@ void BroadcastFromFirstDataRank(CausalLMImpl& model, const DeviceMesh& mesh) {
 
 std::unique_ptr<ShardedEngine> ApplyDataParallel(CausalLM model, const DeviceMesh& mesh,
                                                  ShardedEngineOptions options) {
-  options.dp_group = mesh.group(MeshDim::kData);
-  options.dp_rank = mesh.coord(MeshDim::kData);
-  options.dp_size = mesh.size(MeshDim::kData);
+  // The ranks holding the same dense parameters: dp x cp (each cp rank's gradient is that of its
+  // part of the sequences, weighed by its share of the counted targets, so the sum over dcp is
+  // the global batch's). The data is still dealt by the dp coordinate (MakeLoader).
+  options.dp_group = mesh.group(MeshDim::kDataContext);
+  options.dp_rank = mesh.coord(MeshDim::kDataContext);
+  options.dp_size = mesh.size(MeshDim::kDataContext);
   options.pp_group = mesh.group(MeshDim::kPipeline);
   options.pp_stage = mesh.coord(MeshDim::kPipeline);
   options.pp_size = mesh.size(MeshDim::kPipeline);

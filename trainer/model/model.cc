@@ -247,6 +247,11 @@ void AttentionImpl::AddLora(const LoraOptions& options) {
 
 torch::Tensor AttentionImpl::Core(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, const torch::Tensor& mask) const {
+  if (cp_.enabled()) {
+    // The keys of the whole sequence are spread over the cp ranks: the ring brings them here.
+    TORCH_CHECK(!mask.defined(), "context parallelism runs plain causal attention only");
+    return RingAttention(q, k, v, cp_);
+  }
   // enable_gqa lets the kernel share each kv head across its query group instead of
   // materialising repeated k and v. A mask (packed records) already holds causality.
   return at::scaled_dot_product_attention(q, k, v,
@@ -411,6 +416,7 @@ CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
   layers_ = register_module("layers", torch::nn::ModuleDict());
   for (int i = 0; i < partition_.num_layers; ++i) {
     Block block(dims, tp, options);
+    block->attention()->set_context_parallel(partition_.cp);
     layers_->update(std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>{
         {std::to_string(partition_.first_layer + i), block.ptr()}});
     blocks_.push_back(block.ptr());
@@ -557,10 +563,23 @@ torch::Tensor CausalLMImpl::Embed(const torch::Tensor& tokens, const torch::Tens
     const bool split = tp.enabled() && tp.sequence_parallel;
     const int64_t part = split ? seq / tp.size : seq;
     const int64_t first = split ? tp.rank * part : 0;
-    h = h + (positions.defined() ? pos_embed_->forward(positions.narrow(1, first, part))
-                                 : pos_embed_->weight.narrow(0, first, part));
+    if (partition_.cp.enabled()) {
+      // The cp rank's tokens sit at global positions of two chunks, not at 0 .. seq.
+      TORCH_CHECK(!positions.defined(), "context parallelism runs without packed records");
+      h = h + pos_embed_->forward(ContextPositions(seq).narrow(0, first, part));
+    } else {
+      h = h + (positions.defined() ? pos_embed_->forward(positions.narrow(1, first, part))
+                                   : pos_embed_->weight.narrow(0, first, part));
+    }
   }
   return h;
+}
+
+torch::Tensor CausalLMImpl::ContextPositions(int64_t local_seq) const {
+  const ContextParallel& cp = partition_.cp;
+  const torch::Device device =
+      rope_cos_.defined() ? rope_cos_.device() : pos_embed_->weight.device();
+  return ContextParallelPositions(local_seq * cp.size, cp.rank, cp.size).to(device);
 }
 
 torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h, const torch::Tensor& positions) {
@@ -571,6 +590,7 @@ torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h, const torch::Tensor& posi
     TORCH_CHECK(positions.dim() == 2 && positions.size(0) == h.size(0) && positions.size(1) == seq,
                 "positions must be [batch, seq] = [", h.size(0), ", ", seq, "], got ",
                 positions.sizes());
+    TORCH_CHECK(!partition_.cp.enabled(), "context parallelism runs without packed records");
     mask = RecordMask(positions);
   }
   if (rope_cos_.defined()) {
@@ -579,6 +599,10 @@ torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h, const torch::Tensor& posi
       const auto shape = std::vector<int64_t>{positions.size(0), 1, seq, rope_cos_.size(1)};
       cos = rope_cos_.index_select(0, positions.reshape({-1})).view(shape);
       sin = rope_sin_.index_select(0, positions.reshape({-1})).view(shape);
+    } else if (partition_.cp.enabled()) {
+      const torch::Tensor global = ContextPositions(seq);
+      cos = rope_cos_.index_select(0, global);
+      sin = rope_sin_.index_select(0, global);
     } else {
       cos = rope_cos_.narrow(0, 0, seq);
       sin = rope_sin_.narrow(0, 0, seq);
@@ -656,7 +680,8 @@ torch::Tensor CausalLMImpl::StageForward(const torch::Tensor& input, const torch
   torch::Tensor h = input;
   if (partition_.embedding) {
     TORCH_CHECK(input.dim() == 2, "tokens must be [batch, seq], got ", input.sizes());
-    TORCH_CHECK(input.size(1) <= dims_.max_seq_len(), "sequence length ", input.size(1),
+    const int64_t global_seq = input.size(1) * partition_.cp.size;
+    TORCH_CHECK(global_seq <= dims_.max_seq_len(), "sequence length ", global_seq,
                 " exceeds max_seq_len ", dims_.max_seq_len());
     const TensorParallel& tp = partition_.tp;
     TORCH_CHECK(!tp.enabled() || !tp.sequence_parallel || input.size(1) % tp.size == 0,

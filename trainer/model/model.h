@@ -25,6 +25,7 @@
 #include "tessera/v1/model.pb.h"
 #include "trainer/kernels/fused_ops.h"
 #include "trainer/model/moe.h"
+#include "trainer/parallel/ring_attention.h"
 #include "trainer/parallel/tensor_parallel.h"
 
 namespace tessera::trainer {
@@ -147,6 +148,9 @@ class AttentionImpl : public torch::nn::Module {
   void set_recompute_core(bool recompute) { recompute_core_ = recompute; }
   // Adapters on the projections `options.targets` names ("attn.q", ...); no tensor parallelism.
   void AddLora(const LoraOptions& options);
+  // With cp enabled, x holds a cp rank's part of each sequence (ShardForContextParallel) and the
+  // core is RingAttention over cp's group; plain causal masks only (no packed records).
+  void set_context_parallel(const ContextParallel& cp) { cp_ = cp; }
 
  private:
   torch::Tensor Core(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -155,6 +159,7 @@ class AttentionImpl : public torch::nn::Module {
   bool llama_;
   bool recompute_core_ = false;
   TensorParallel tp_;
+  ContextParallel cp_;
   int64_t heads_, kv_heads_, head_dim_;  // this rank's heads
   Dense qkv_{nullptr}, q_{nullptr}, k_{nullptr}, v_{nullptr}, out_{nullptr};
   LoraAdapter qkv_lora_, q_lora_, k_lora_, v_lora_, out_lora_;
@@ -249,6 +254,9 @@ struct ModelPartition {
   // head (the engine keeps the two copies' gradients summed).
   bool embedding = true;
   bool head = true;
+  // Context parallelism: every stage's input holds this cp rank's two chunks of each sequence
+  // (ring_attention.h); positions and attention are the whole sequence's. Disabled by default.
+  ContextParallel cp;
 };
 
 // A decoder-only transformer (GPT2 or LLAMA family per dims.architecture), in float32 parameters.
@@ -345,6 +353,8 @@ class CausalLMImpl : public torch::nn::Module {
  private:
   torch::Tensor Embed(const torch::Tensor& tokens, const torch::Tensor& positions);
   torch::Tensor RunLayers(torch::Tensor h, const torch::Tensor& positions);
+  // The global positions (int64, on the model's device) of a cp rank's `local_seq` tokens.
+  torch::Tensor ContextPositions(int64_t local_seq) const;
   torch::Tensor HeadLoss(const torch::Tensor& h, const torch::Tensor& targets);
   // The load-balancing loss of the routing RunLayers collected (differentiable); sets the
   // last_router_* members.

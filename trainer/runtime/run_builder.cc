@@ -19,6 +19,7 @@
 #include "planner/training_settings.h"
 #include "trainer/engine/data_parallelism.h"
 #include "trainer/model/build_model.h"
+#include "trainer/parallel/context_parallelism.h"
 #include "trainer/parallel/pipeline_parallelism.h"
 #include "trainer/parallel/tensor_parallelism.h"
 
@@ -38,7 +39,8 @@ bool DeferredInit(const v1::TrainerTask& task) {
 // The model step's options: the partition tensor and pipeline parallelism give this rank, and
 // what is applied to the built model.
 ModelBuildOptions ModelOptionsFor(const v1::TrainerTask& task, const TrainingRun& run,
-                                  const TensorParallel& tp, const PipelineStage& stage) {
+                                  const TensorParallel& tp, const PipelineStage& stage,
+                                  const ContextParallel& cp) {
   const v1::JobSpec& spec = task.spec();
   return ModelBuildOptions{.dims = run.summary.dims(),
                            .init_std = run.settings.init_std,
@@ -47,7 +49,8 @@ ModelBuildOptions ModelOptionsFor(const v1::TrainerTask& task, const TrainingRun
                                                        .first_layer = stage.first_layer,
                                                        .num_layers = stage.num_layers,
                                                        .embedding = stage.first(),
-                                                       .head = stage.last()},
+                                                       .head = stage.last(),
+                                                       .cp = cp},
                            .deferred = DeferredInit(task),
                            .from_pretrained = spec.model().has_from_pretrained()
                                                   ? spec.model().from_pretrained()
@@ -91,6 +94,7 @@ absl::Status PrepareRun(const v1::TrainerTask& task, const RunReporter& reporter
   run.dataset.emplace(*std::move(dataset));
   *kind = v1::FAILURE_KIND_INVALID_SPEC;
   RETURN_IF_ERROR(CheckVocabulary(*run.dataset, run.summary.dims()));
+  RETURN_IF_ERROR(CheckContextParallelData(run.dataset->has_record_starts(), shape->cp));
   run.samples_per_epoch = run.dataset->num_samples();
   ASSIGN_OR_RETURN(run.max_steps, ResolveMaxSteps(spec, run.samples_per_epoch, reporter));
   RETURN_IF_ERROR(planner::ValidateSchedule(spec.optimizer().schedule(), run.max_steps));
@@ -129,12 +133,16 @@ absl::StatusOr<ParameterValues> ParallelizeRun(const v1::TrainerTask& task,
   const TensorParallel tp = TensorParallelOf(run.mesh, layout.sequence_parallel());
   const PipelineStage stage = PipelineStageOf(run.mesh, dims.num_layers());
   *kind = v1::FAILURE_KIND_INVALID_SPEC;
-  ASSIGN_OR_RETURN(BuiltModel built, BuildModel(ModelOptionsFor(task, run, tp, stage)));
+  const ContextParallel cp = ContextParallelOf(run.mesh);
+  ASSIGN_OR_RETURN(BuiltModel built, BuildModel(ModelOptionsFor(task, run, tp, stage, cp)));
   run.model = built.model;
   run.lora = std::move(built.lora);
   // Deferred shards are drawn from the same seed (or read from the same files) on every rank.
   if (!DeferredInit(task)) BroadcastFromFirstDataRank(*run.model, run.mesh);
-  const int64_t seq = task.spec().data().seq_len() / (tp.sequence_parallel ? tp.size : 1);
+  // Activations between stages hold a cp rank's part of the sequence (and a tp rank's part of
+  // that with sequence parallelism).
+  const int64_t seq =
+      task.spec().data().seq_len() / cp.size / (tp.sequence_parallel ? tp.size : 1);
   run.pipeline = MakePipelineSchedule(
       run.mesh, {task.spec().batch().micro_batch_size(), seq, dims.hidden_size()},
       run.device.device);
@@ -202,6 +210,8 @@ absl::Status ValidateSplits(const v1::ModelDims& dims, const MeshShape& shape,
                             const v1::TrainerTask& task) {
   RETURN_IF_ERROR(CheckTensorParallelSplits(dims, shape.tp));
   RETURN_IF_ERROR(CheckPipelineSplits(dims, shape.pp));
+  RETURN_IF_ERROR(CheckContextParallelSplits(dims, task.plan().layout(),
+                                             task.spec().data().seq_len(), shape.cp, shape.tp));
   return CheckSequenceParallelSplit(task.plan().layout().sequence_parallel(),
                                     task.spec().data().seq_len(), shape.tp);
 }

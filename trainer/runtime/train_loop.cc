@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "planner/lr_schedule.h"
 #include "trainer/model/hf_weights.h"
+#include "trainer/parallel/context_parallelism.h"
 #include "trainer/parallel/peer_wait.h"
 #include "trainer/runtime/step_profiler.h"
 #if TESSERA_WITH_CUDA
@@ -26,6 +27,20 @@ int64_t PeakHostMemoryBytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+}
+
+// Keeps the cp rank's two chunks of every row of `mb` (context_parallelism.h) and recounts its
+// targets, so that LossWeight(mb) is this rank's share of the step's counted targets.
+void KeepContextParallelPart(MicroBatch& mb, const ContextParallel& cp) {
+  if (!cp.enabled() || mb.batch_size == 0) return;
+  mb.inputs = ShardRowsForContextParallel(mb.inputs, mb.seq_len, cp);
+  mb.targets = ShardRowsForContextParallel(mb.targets, mb.seq_len, cp);
+  if (!mb.positions.empty()) {
+    mb.positions = ShardRowsForContextParallel(mb.positions, mb.seq_len, cp);
+  }
+  mb.seq_len /= cp.size;
+  mb.loss_tokens = std::count_if(mb.targets.begin(), mb.targets.end(),
+                                 [](int64_t target) { return target != kIgnoreTarget; });
 }
 
 }  // namespace
@@ -103,6 +118,8 @@ at::Tensor TrainLoop::ForwardBackward(std::vector<MicroBatch>& micro_batches) {
 
 absl::StatusOr<double> TrainLoop::TrainStep(double learning_rate, double* grad_norm) {
   std::vector<MicroBatch> micro_batches = run_.loader->NextStep();
+  const ContextParallel cp = ContextParallelOf(run_.mesh);
+  for (MicroBatch& mb : micro_batches) KeepContextParallelPart(mb, cp);
   at::Tensor step_loss = ForwardBackward(micro_batches);
   if (run_.group.has_value()) {
     // The last pipeline stage's ranks hold the weighted losses, every tp rank the same value;
@@ -177,6 +194,7 @@ MicroBatch TrainLoop::ValidationBatch(int index) const {
         mb.positions.empty() ? nullptr : mb.positions.data() + mb.positions.size() - seq);
     ++mb.batch_size;
   }
+  KeepContextParallelPart(mb, ContextParallelOf(run_.mesh));
   return mb;
 }
 
@@ -184,11 +202,11 @@ void TrainLoop::Evaluate() {
   torch::NoGradGuard no_grad;
   run_.model->eval();
   const int micro = spec_.batch().micro_batch_size();
-  const int seq = spec_.data().seq_len();
   at::Tensor totals = torch::zeros({2}, torch::TensorOptions().dtype(torch::kFloat64));
   for (int b = 0; b < run_.settings.eval_batches; ++b) {
     MicroBatch mb = ValidationBatch(b);
     if (mb.batch_size == 0) break;
+    const int seq = mb.seq_len;  // a cp rank's part of the sequence
     at::Tensor loss;
     if (run_.pipeline.has_value()) {
       PipelineSchedule& pipeline = *run_.pipeline;

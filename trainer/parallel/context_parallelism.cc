@@ -1,0 +1,64 @@
+#include "trainer/parallel/context_parallelism.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace tessera::trainer {
+
+absl::Status CheckContextParallelSplits(const v1::ModelDims& dims, const v1::Layout& layout,
+                                        int64_t seq_len, int cp, int tp) {
+  if (cp <= 1) return absl::OkStatus();
+  if (absl::Status status = CheckContextParallelSequence(seq_len, cp); !status.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data.seq_len / parallelism.layout.context_parallel: ", status.message()));
+  }
+  if (dims.num_experts() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parallelism.layout.context_parallel: ", cp, " with a mixture-of-experts model (",
+        dims.num_experts(),
+        " experts) is not supported: the routers' load-balancing loss would count only a rank's "
+        "part of each sequence; use context_parallel 1"));
+  }
+  const int64_t local = seq_len / cp;
+  if (layout.sequence_parallel() && tp > 1 && local % tp != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallelism.layout.sequence_parallel: a context-parallel rank's ", local,
+                     " tokens (data.seq_len ", seq_len, " / context_parallel ", cp,
+                     ") are not divisible by tensor_parallel ", tp));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckContextParallelData(bool packed_records, int cp) {
+  if (cp <= 1 || !packed_records) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "data.train_shards: the shards pack several records per sample (prepare --pack), which "
+      "parallelism.layout.context_parallel ",
+      cp, " does not support: ring attention is plainly causal over the whole sample"));
+}
+
+ContextParallel ContextParallelOf(const DeviceMesh& mesh) {
+  return ContextParallel{.group = mesh.group(MeshDim::kContext),
+                         .rank = mesh.coord(MeshDim::kContext),
+                         .size = mesh.size(MeshDim::kContext)};
+}
+
+std::vector<int64_t> ShardRowsForContextParallel(const std::vector<int64_t>& rows, int64_t seq_len,
+                                                 const ContextParallel& cp) {
+  if (!cp.enabled()) return rows;
+  const int64_t chunk = seq_len / (2 * cp.size);
+  TORCH_CHECK(seq_len % (2 * cp.size) == 0 && static_cast<int64_t>(rows.size()) % seq_len == 0,
+              "rows of ", rows.size(), " values do not split into sequences of ", seq_len,
+              " over context_parallel ", cp.size);
+  const std::array<int64_t, 2> chunks = ContextParallelChunks(cp.rank, cp.size);
+  std::vector<int64_t> out;
+  out.reserve(rows.size() / cp.size);
+  for (size_t row = 0; row < rows.size(); row += seq_len) {
+    for (int64_t c : chunks) {
+      const auto begin = rows.begin() + static_cast<std::ptrdiff_t>(row + c * chunk);
+      out.insert(out.end(), begin, begin + chunk);
+    }
+  }
+  return out;
+}
+
+}  // namespace tessera::trainer
