@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "planner/devices.h"
 #include "planner/layout_planner.h"
+#include "planner/lora.h"
 #include "planner/layout_rules.h"
 #include "planner/model_config.h"
 
@@ -90,6 +91,9 @@ struct StageParameters {
   int64_t layers = 0;
   int64_t layer_trainable = 0;  // one layer's trainable parameters
   int64_t layer_frozen = 0;     // one layer's frozen (LoRA base) parameters
+  // QLoRA: of layer_frozen, the linear weights held in NF4, and their bytes.
+  int64_t layer_nf4_weights = 0;
+  int64_t layer_nf4_bytes = 0;
   int64_t rest_trainable = 0;   // the non-layer unit's
   int64_t rest_frozen = 0;
   // AdamW step counters (one float32 each) of the worst dp rank. Within a unit the trainer orders
@@ -132,6 +136,10 @@ StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int 
     s.matmul = 0;  // the frozen base is stored in the compute precision already
     s.layer_trainable = p.layer_lora;
     s.layer_frozen = layer_all;
+    if (w.lora_base_nf4) {
+      s.layer_nf4_weights = p.layer_matmul;
+      s.layer_nf4_bytes = Nf4LayerBytes(w.dims);
+    }
     // Only the adapters train, and they are matrices: one decay run per layer, none outside.
     s.step_counters = layers * kinds(p.layer_lora, 0);
   } else {
@@ -306,7 +314,12 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     // in fp32 runs), the compute precision for LoRA's frozen base.
     auto padded = [&](int64_t n) { return CeilDiv(n, l.dp) * l.dp; };
     const int64_t trainable = p.layers * padded(p.layer_trainable) + padded(p.rest_trainable);
-    const int64_t layer_weights = 4 * p.layer_trainable + e * p.layer_frozen;
+    // The frozen base in the compute precision, less QLoRA's NF4 weights at their own bytes.
+    const int64_t layer_frozen_bytes =
+        e * (p.layer_frozen - p.layer_nf4_weights) + p.layer_nf4_bytes;
+    const int64_t frozen_bytes = e * p.frozen - p.layers * (e * p.layer_nf4_weights -
+                                                            p.layer_nf4_bytes);
+    const int64_t layer_weights = 4 * p.layer_trainable + layer_frozen_bytes;
     const int64_t rest_weights = 4 * p.rest_trainable + e * p.rest_frozen;
     // ZeRO stage z shards the first z of (optimizer, gradients, weights) over dp: AdamW's exp_avg
     // and exp_avg_sq (8 bytes) for the elements the rank steps from stage 1 (at most its padded
@@ -316,7 +329,7 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     auto shard = [&](int64_t bytes, int from_stage) {
       return l.zero >= from_stage ? CeilDiv(bytes, l.dp) : bytes;
     };
-    const int64_t weights = shard(4 * trainable, 3) + shard(e * p.frozen, 3);
+    const int64_t weights = shard(4 * trainable, 3) + shard(frozen_bytes, 3);
     const int64_t grads = shard(4 * trainable, 2);
     const int64_t optimizer =
         (l.zero >= 1 ? CeilDiv(8 * trainable, l.dp) : 8 * p.trainable) + 4 * p.step_counters;
