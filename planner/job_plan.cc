@@ -136,6 +136,7 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
     ASSIGN_OR_RETURN(const ResolvedLora resolved, ResolveLora(spec.lora(), model.dims()));
     w.lora_rank = resolved.rank;
     w.lora_layer_parameters = resolved.parameters_per_layer;
+    w.lora_base_nf4 = resolved.base_nf4;
   }
   const bool cpu = IsCpu(options.device);
   switch (spec.precision()) {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "planner/devices.h"
 #include "planner/layout_planner.h"
+#include "planner/lora.h"
 #include "planner/layout_rules.h"
 #include "planner/model_config.h"
 
@@ -103,6 +104,9 @@ struct StageParameters {
   int64_t layers = 0;
   int64_t layer_trainable = 0;  // one layer's trainable parameters
   int64_t layer_frozen = 0;     // one layer's frozen (LoRA base) parameters
+  // QLoRA: of layer_frozen, the linear weights held in NF4, and their bytes.
+  int64_t layer_nf4_weights = 0;
+  int64_t layer_nf4_bytes = 0;
   int64_t rest_trainable = 0;   // the non-layer unit's
   int64_t rest_frozen = 0;
   // Routed expert parameters of the stage's MoE layers on this rank (ParameterSplit::layer_expert
@@ -150,6 +154,10 @@ StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int 
     s.matmul = 0;  // the frozen base is stored in the compute precision already
     s.layer_trainable = p.layer_lora;
     s.layer_frozen = layer_all;
+    if (w.lora_base_nf4) {
+      s.layer_nf4_weights = p.layer_matmul;
+      s.layer_nf4_bytes = Nf4LayerBytes(w.dims);
+    }
     // Only the adapters train, and they are matrices: one decay run per layer, none outside.
     s.step_counters = layers * kinds(p.layer_lora, 0);
   } else {
@@ -397,7 +405,12 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     // in fp32 runs), the compute precision for LoRA's frozen base.
     auto padded = [&](int64_t n) { return CeilDiv(n, shard_ranks) * shard_ranks; };
     const int64_t trainable = p.layers * padded(p.layer_trainable) + padded(p.rest_trainable);
-    const int64_t layer_weights = 4 * p.layer_trainable + e * p.layer_frozen;
+    // The frozen base in the compute precision, less QLoRA's NF4 weights at their own bytes.
+    const int64_t layer_frozen_bytes =
+        e * (p.layer_frozen - p.layer_nf4_weights) + p.layer_nf4_bytes;
+    const int64_t frozen_bytes = e * p.frozen - p.layers * (e * p.layer_nf4_weights -
+                                                            p.layer_nf4_bytes);
+    const int64_t layer_weights = 4 * p.layer_trainable + layer_frozen_bytes;
     const int64_t rest_weights = 4 * p.rest_trainable + e * p.rest_frozen;
     // ZeRO stage z shards the first z of (optimizer, gradients, weights) over dp: AdamW's exp_avg
     // and exp_avg_sq (8 bytes) for the elements the rank steps from stage 1 (at most its padded
@@ -407,7 +420,7 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
     auto shard = [&](int64_t bytes, int from_stage) {
       return l.zero >= from_stage ? CeilDiv(bytes, shard_ranks) : bytes;
     };
-    const int64_t weights = shard(4 * trainable, 3) + shard(e * p.frozen, 3);
+    const int64_t weights = shard(4 * trainable, 3) + shard(frozen_bytes, 3);
     const int64_t grads = shard(4 * trainable, 2);
     const int64_t optimizer =
         (l.zero >= 1 ? CeilDiv(8 * trainable, shard_ranks) : 8 * p.trainable) + 4 * p.step_counters;

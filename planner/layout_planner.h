@@ -91,6 +91,8 @@ struct Workload {
   // With LoRA: adapter parameters per transformer layer (ResolvedLora::parameters_per_layer);
   // 0 means adapters on every linear layer of the block.
   int64_t lora_layer_parameters = 0;
+  // With LoRA: the frozen base's block linear weights in NF4 (QLoRA; planner::Nf4LayerBytes).
+  bool lora_base_nf4 = false;
   // Attention through a fused kernel that keeps O(seq) state (the trainer's
   // scaled_dot_product_attention picks one on CUDA and CPU alike).
   bool flash_attention = true;

@@ -48,8 +48,37 @@ std::vector<LoraTarget> LoraCandidates(const v1::ModelDims& dims) {
   return targets;
 }
 
+int64_t Nf4WeightBytes(int64_t numel) {
+  // trainer/model/nf4.h's block sizes.
+  constexpr int64_t kBlock = 64, kAbsmaxBlock = 256;
+  const int64_t blocks = (numel + kBlock - 1) / kBlock;
+  return (numel + 1) / 2 + blocks + 4 * ((blocks + kAbsmaxBlock - 1) / kAbsmaxBlock) + 4;
+}
+
+int64_t Nf4LayerBytes(const v1::ModelDims& dims) {
+  int64_t bytes = 0;
+  for (const LoraTarget& target : LoraCandidates(dims)) bytes += Nf4WeightBytes(target.in * target.out);
+  return bytes;
+}
+
 absl::StatusOr<ResolvedLora> ResolveLora(const v1::LoraSpec& spec, const v1::ModelDims& dims) {
   ResolvedLora out;
+  if (!v1::LoraBaseQuantization_IsValid(spec.base_quantization())) {
+    return Invalid("base_quantization",
+                   absl::StrCat("unknown value ", static_cast<int>(spec.base_quantization())));
+  }
+  out.base_nf4 = spec.base_quantization() == v1::LORA_BASE_QUANTIZATION_NF4;
+  if (out.base_nf4 && spec.rank() <= 0) {
+    return Invalid("base_quantization",
+                   absl::StrCat("NF4 quantizes the frozen base under LoRA adapters and needs "
+                                "lora.rank > 0, got ",
+                                spec.rank()));
+  }
+  if (out.base_nf4 && dims.num_experts() > 0) {
+    return Invalid("base_quantization",
+                   "NF4 on a mixture-of-experts model is not supported (its experts would stay in "
+                   "full precision); use LORA_BASE_QUANTIZATION_NONE");
+  }
   if (spec.rank() <= 0) return Invalid("rank", absl::StrCat("must be > 0, got ", spec.rank()));
   if (!std::isfinite(spec.alpha()) || spec.alpha() < 0) {
     return Invalid("alpha", absl::StrCat("must be >= 0 (0 for 2 * rank), got ", spec.alpha()));

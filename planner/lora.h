@@ -35,13 +35,26 @@ struct ResolvedLora {
   std::vector<std::string> peft_target_modules;
   // Adapter parameters of one transformer layer: sum of rank * (in + out) over the targets.
   int64_t parameters_per_layer = 0;
+  // QLoRA (base_quantization NF4): every linear weight of the blocks is held in NF4.
+  bool base_nf4 = false;
 };
+
+// Bytes of a weight of `numel` values in NF4 with double quantization as the trainer holds it
+// (trainer/model/nf4.h): 4-bit codes (ceil(numel / 2) bytes), one 8-bit absmax per block of 64
+// values, one float32 scale per 256 absmaxes and one float32 offset: about 0.5 + 1/64 + 4/16384
+// bytes per weight, QLoRA's 4.127 bits.
+int64_t Nf4WeightBytes(int64_t numel);
+
+// Bytes of one transformer layer's linear weights in NF4 (each weight quantized on its own), for a
+// dense model of resolved `dims`.
+int64_t Nf4LayerBytes(const v1::ModelDims& dims);
 
 // Every linear layer of a block of `dims` architecture that LoRA can adapt, in the block order
 // (attention only for a mixture-of-experts model: adapters on experts are not supported yet).
 std::vector<LoraTarget> LoraCandidates(const v1::ModelDims& dims);
 
-// INVALID_ARGUMENT naming the field ("lora.rank: must be > 0", "lora.target_modules: 'x' is not
+// INVALID_ARGUMENT naming the field ("lora.rank: must be > 0", "lora.base_quantization: ...
+// needs lora.rank > 0" for NF4 without adapters or on a mixture-of-experts model, "lora.target_modules: 'x' is not
 // a linear layer of a llama block; known: q_proj, ...") for a spec that cannot be trained.
 // `dims` must be resolved (ResolveModel). An empty target list means every linear layer.
 absl::StatusOr<ResolvedLora> ResolveLora(const v1::LoraSpec& spec, const v1::ModelDims& dims);

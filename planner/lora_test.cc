@@ -105,6 +105,72 @@ TEST(LoraTest, BadSpecsNameTheField) {
                                  "Llama block; known: q_proj")));
 }
 
+TEST(LoraTest, Nf4BaseNeedsAdaptersAndADenseModel) {
+  const v1::ModelDims llama = Dims("tiny-llama");
+  v1::LoraSpec spec;
+  spec.set_base_quantization(v1::LORA_BASE_QUANTIZATION_NF4);
+  EXPECT_THAT(ResolveLora(spec, llama),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("lora.base_quantization: NF4 quantizes the frozen base under "
+                                 "LoRA adapters and needs lora.rank > 0, got 0")));
+  spec.set_base_quantization(static_cast<v1::LoraBaseQuantization>(7));
+  spec.set_rank(4);
+  EXPECT_THAT(ResolveLora(spec, llama),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("lora.base_quantization: unknown value 7")));
+  spec.set_base_quantization(v1::LORA_BASE_QUANTIZATION_NF4);
+  auto lora = ResolveLora(spec, llama);
+  ASSERT_THAT(lora, IsOk());
+  EXPECT_TRUE(lora->base_nf4);
+  v1::ModelDims moe = llama;
+  moe.set_num_experts(4);
+  moe.set_num_experts_per_token(2);
+  moe.set_moe_intermediate_size(llama.ffn_hidden_size());
+  EXPECT_THAT(ResolveLora(spec, moe),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("lora.base_quantization: NF4 on a mixture-of-experts model")));
+}
+
+TEST(LoraTest, Nf4BytesAreFourBitsPlusDoubleQuantizedScales) {
+  // 4096 x 4096: 8 MiB of codes, 262144 8-bit absmaxes, 1024 float32 scales, one offset.
+  EXPECT_EQ(Nf4WeightBytes(int64_t{4096} * 4096), 8388608 + 262144 + 4 * 1024 + 4);
+  // Partial blocks round up: 100 values are 50 bytes, 2 blocks, 1 scale, 1 offset.
+  EXPECT_EQ(Nf4WeightBytes(100), 50 + 2 + 4 + 4);
+  EXPECT_EQ(Nf4WeightBytes(7), 4 + 1 + 4 + 4);
+  // QLoRA's 4.127 bits per weight on a 7B-sized layer.
+  const v1::ModelDims llama = Dims("llama3-8b");
+  int64_t weights = 0;
+  for (const LoraTarget& t : LoraCandidates(llama)) weights += t.in * t.out;
+  const double bits = 8.0 * Nf4LayerBytes(llama) / weights;
+  EXPECT_NEAR(bits, 4.127, 0.001);
+}
+
+TEST(LoraTest, PlannerCountsTheNf4BaseAtItsBytes) {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_preset("llama3-8b");
+  spec.mutable_data()->set_seq_len(2048);
+  spec.mutable_batch()->set_global_batch_size(16);
+  spec.mutable_batch()->set_micro_batch_size(2);
+  spec.set_precision(v1::PRECISION_BF16);
+  spec.mutable_resources()->set_gpus(1);
+  spec.mutable_lora()->set_rank(16);
+  JobPlanOptions options;
+  options.device = *DevicePreset("h100-sxm");
+  options.devices_per_node = 8;
+  options.runnable_only = true;
+  auto lora = PlanJobSpec(spec, options);
+  ASSERT_THAT(lora, IsOk());
+  spec.mutable_lora()->set_base_quantization(v1::LORA_BASE_QUANTIZATION_NF4);
+  auto qlora = PlanJobSpec(spec, options);
+  ASSERT_THAT(qlora, IsOk());
+  const v1::ModelDims dims = Dims("llama3-8b");
+  int64_t weights = 0;
+  for (const LoraTarget& t : LoraCandidates(dims)) weights += t.in * t.out;
+  // bf16's 2 bytes per block linear weight become NF4's bytes; the rest stays.
+  EXPECT_EQ(lora->plan.memory().weights_bytes() - qlora->plan.memory().weights_bytes(),
+            dims.num_layers() * (2 * weights - Nf4LayerBytes(dims)));
+}
+
 TEST(LoraTest, PlannerCountsOnlyTheTargetedAdaptersAndRunsDataParallel) {
   v1::JobSpec spec;
   spec.mutable_model()->set_preset("llama3-8b");

@@ -129,6 +129,9 @@ ABSL_FLAG(double, lora_dropout, 0, "Standalone: dropout on the LoRA adapters' in
 ABSL_FLAG(std::vector<std::string>, lora_targets, {},
           "Standalone: the linear layers that get adapters (q_proj, v_proj, ..., c_attn, ...); "
           "empty: all-linear.");
+ABSL_FLAG(bool, lora_nf4, false,
+          "Standalone: QLoRA, the frozen base's block linear weights held in NF4 (the spec's "
+          "lora.base_quantization = LORA_BASE_QUANTIZATION_NF4); needs --lora_rank.");
 ABSL_FLAG(std::string, lora_adapter, "",
           "With --export_hf / --logits_out: a PEFT LoRA adapter directory (adapter_config.json, "
           "adapter_model.safetensors; a LoRA job's final checkpoint holds one in adapter/) to "
@@ -241,8 +244,11 @@ tessera::v1::TrainerTask TaskFromFlags() {
   spec->mutable_optimizer()->set_grad_clip_norm(absl::GetFlag(FLAGS_grad_clip));
   spec->set_max_steps(absl::GetFlag(FLAGS_epochs) > 0 ? 0 : absl::GetFlag(FLAGS_steps));
   spec->set_epochs(absl::GetFlag(FLAGS_epochs));
-  if (absl::GetFlag(FLAGS_lora_rank) != 0) {
+  if (absl::GetFlag(FLAGS_lora_rank) != 0 || absl::GetFlag(FLAGS_lora_nf4)) {
     tessera::v1::LoraSpec* lora = spec->mutable_lora();
+    if (absl::GetFlag(FLAGS_lora_nf4)) {
+      lora->set_base_quantization(tessera::v1::LORA_BASE_QUANTIZATION_NF4);
+    }
     lora->set_rank(absl::GetFlag(FLAGS_lora_rank));
     lora->set_alpha(absl::GetFlag(FLAGS_lora_alpha));
     lora->set_dropout(absl::GetFlag(FLAGS_lora_dropout));

@@ -53,8 +53,8 @@ Dense RowLinear(int64_t in, int64_t out, bool bias, const TensorParallel& tp,
 // dimensions one matrix product with the bias added in its epilogue, where LibTorch's C++
 // Linear::forward (F::linear) runs the product and then a separate in-place add, one more pass
 // over the output forward and a separate node backward.
-torch::Tensor LinearForward(const Dense& linear, const torch::Tensor& x) {
-  return at::linear(x, linear->weight, linear->bias);
+torch::Tensor LinearForward(Dense& linear, const torch::Tensor& x) {
+  return linear->Forward(x);
 }
 
 // A row-parallel linear's output: the partial products summed over tp (or reduce-scattered along
@@ -131,6 +131,11 @@ torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, doubl
 DenseImpl::DenseImpl(int64_t in, int64_t out, bool with_bias, const torch::TensorOptions& options) {
   weight = register_parameter("weight", torch::empty({out, in}, options));
   if (with_bias) bias = register_parameter("bias", torch::empty({out}, options));
+}
+
+torch::Tensor DenseImpl::Forward(const torch::Tensor& x) {
+  if (is_nf4()) return Nf4Forward(x);
+  return at::linear(x, weight, bias);
 }
 
 EmbeddingTableImpl::EmbeddingTableImpl(int64_t rows, int64_t dim,
@@ -480,6 +485,13 @@ void CausalLMImpl::AddLora(const LoraOptions& options) {
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(init_seed_ ^ NameHash(name));
     param.uniform_(-bound, bound, generator);
   }
+}
+
+void CausalLMImpl::SetMaterialized() {
+  for (const auto& param : parameters()) {
+    TORCH_CHECK(!param.is_meta(), "a parameter of the model has no memory yet");
+  }
+  storage_ = ParameterStorage::kInitialized;
 }
 
 void CausalLMImpl::MoveTo(torch::Device device) {

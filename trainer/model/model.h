@@ -25,6 +25,7 @@
 #include "tessera/v1/model.pb.h"
 #include "trainer/kernels/fused_ops.h"
 #include "trainer/model/moe.h"
+#include "trainer/model/nf4.h"
 #include "trainer/parallel/ring_attention.h"
 #include "trainer/parallel/tensor_parallel.h"
 
@@ -89,8 +90,24 @@ enum class ParameterStorage {
 class DenseImpl : public torch::nn::Module {
  public:
   DenseImpl(int64_t in, int64_t out, bool bias, const torch::TensorOptions& options);
+  // x W^T + b: through at::linear, or for an NF4 weight dequantized on the fly (qlora.cc).
+  torch::Tensor Forward(const torch::Tensor& x);
+  // QLoRA (qlora.h): stores `value` [out, in] as the frozen weight in NF4 in place of the
+  // "weight" parameter, as the frozen parameters "weight_nf4_codes", "weight_nf4_absmax_codes"
+  // (uint8), "weight_nf4_absmax_scales" and "weight_nf4_absmax_offset" (float32), so device
+  // moves carry them and the engine counts them as frozen bytes; `weight` keeps only the shape
+  // (a meta tensor). Defined in qlora.cc.
+  void QuantizeWeightNf4(const torch::Tensor& value);
+  bool is_nf4() const { return nf4_.has_value(); }
+  // The NF4 weight (tensors shared with the module's parameters); set when is_nf4().
+  const std::optional<Nf4Tensor>& nf4_weight() const { return nf4_; }
   torch::Tensor weight;
   torch::Tensor bias;  // undefined without one
+
+ private:
+  // Forward for an NF4 weight, in autocast's dtype where autocast is on (qlora.cc).
+  torch::Tensor Nf4Forward(const torch::Tensor& x);
+  std::optional<Nf4Tensor> nf4_;
 };
 TORCH_MODULE(Dense);
 
@@ -332,6 +349,9 @@ class CausalLMImpl : public torch::nn::Module {
   // kDeferred model's shards from. c10::Error for a name this rank does not hold.
   torch::Tensor InitialValue(const std::string& name) const;
   ParameterStorage storage() const { return storage_; }
+  // A kDeferred model whose every parameter the caller has since given memory and values on the
+  // CPU (QLoRA's MaterializeNf4Base) is kInitialized from then on.
+  void SetMaterialized();
   // Moves the model to `device`: the whole module when kInitialized; only the buffers when
   // kDeferred (its parameters get their memory on the device from the ZeRO-3 engine).
   void MoveTo(torch::Device device);

@@ -295,10 +295,18 @@ Nf4Tensor Nf4LinearImpl::weight() const {
           shape_, block_size_,   absmax_block_size_};
 }
 
+torch::Tensor Nf4LinearForward(const torch::Tensor& x, const Nf4Tensor& weight,
+                               const torch::Tensor& bias) {
+  TORCH_CHECK(weight.shape.size() == 2, "an NF4 linear weight is 2-D, got ", weight.shape.size(),
+              " dims");
+  torch::Tensor y = Nf4Matmul::apply(x, weight.codes, weight.absmax_codes, weight.absmax_scales,
+                                     weight.absmax_offset, weight.shape, weight.block_size,
+                                     weight.absmax_block_size);
+  return bias.defined() ? y + bias.to(y.scalar_type()) : y;
+}
+
 torch::Tensor Nf4LinearImpl::forward(const torch::Tensor& x) {
-  torch::Tensor y = Nf4Matmul::apply(x.to(compute_dtype_), codes_, absmax_codes_, absmax_scales_,
-                                     absmax_offset_, shape_, block_size_, absmax_block_size_);
-  return bias_.defined() ? y + bias_.to(compute_dtype_) : y;
+  return Nf4LinearForward(x.to(compute_dtype_), weight(), bias_);
 }
 
 absl::StatusOr<Nf4Linear> MakeNf4Linear(const torch::Tensor& weight, const torch::Tensor& bias,

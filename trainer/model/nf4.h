@@ -98,6 +98,12 @@ torch::Tensor DequantizeAbsmax(const Nf4Tensor& tensor);
 // The weight rebuilt in `dtype` (computed in float32, then cast), shaped like the original.
 torch::Tensor DequantizeNf4(const Nf4Tensor& tensor, torch::ScalarType dtype = torch::kFloat32);
 
+// y = x W^T + b for an NF4 weight W [out, in], computed in x's dtype (W dequantized to it, the
+// bias, if defined, cast to it). The gradient flows to x only, through W dequantized again in
+// backward: between forward and backward nothing but the 4-bit state is held.
+torch::Tensor Nf4LinearForward(const torch::Tensor& x, const Nf4Tensor& weight,
+                               const torch::Tensor& bias);
+
 // A frozen linear layer y = x W^T + b whose W [out, in] is stored in NF4 and the optional bias
 // [out] in float32. The state is registered as buffers ("weight_codes", "weight_absmax_codes",
 // "weight_absmax_scales", "weight_absmax_offset", "bias"), so module state dicts and device moves

@@ -386,9 +386,10 @@ void ReportStarted(const v1::TrainerTask& task, const TrainingRun& run,
   const int64_t trainable = lora.parameters_per_layer * run.summary.dims().num_layers();
   reporter.Log(absl::StrFormat(
       "LoRA rank %d, alpha %g, dropout %g on %s: %d trainable parameters (%.3f%%), %.1f MiB "
-      "of frozen weights",
+      "of frozen weights%s",
       lora.rank, lora.alpha, lora.dropout, absl::StrJoin(lora.peft_target_modules, ", "), trainable,
-      100.0 * trainable / run.summary.num_parameters(), memory.frozen_bytes / 1048576.0));
+      100.0 * trainable / run.summary.num_parameters(), memory.frozen_bytes / 1048576.0,
+      lora.base_nf4 ? " (block linear weights in NF4)" : ""));
 }
 
 absl::Status BuildTrainingRun(const v1::TrainerTask& task, const TrainOptions& options,

@@ -1,0 +1,40 @@
+// QLoRA in the trainer (Dettmers et al. 2023; LoraSpec.base_quantization = NF4): the frozen base's
+// linear layers of every transformer block (attention and MLP projections; not the embeddings,
+// norms, biases or the LM head, as QLoRA keeps them) hold their weights in NF4 with double
+// quantization (nf4.h), dequantized on the fly in forward and again in backward; the LoRA
+// adapters above them train in the job's precision. The base is quantized one tensor at a time as
+// its values are read (Hugging Face files or the seeded initialisation), so its full-precision
+// weights are never resident at once, and the same values always give the same NF4 state: a
+// resumed job rebuilds an identical base (its checkpoints hold only the adapters).
+//
+// Thread safety: plain functions over a model that one thread builds.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "trainer/model/model.h"
+
+namespace tessera::trainer {
+
+// True for the names of the frozen NF4 parameters DenseImpl::QuantizeWeightNf4 registers
+// ("layers.0.attn.q.weight_nf4_codes", ...).
+bool IsNf4Parameter(const std::string& name);
+
+// True for a parameter QLoRA stores in NF4: the weight of a transformer block's linear layer
+// ("layers.N.attn.q.weight", "layers.N.mlp.fc.weight"; not the norms' weights).
+bool IsNf4QuantizedWeight(const std::string& name);
+
+// Gives every parameter of `model` (built ParameterStorage::kDeferred, no tensor parallelism, no
+// mixture of experts) its value from `values`, one parameter at a time: a block linear weight
+// goes straight into NF4 (its float32 value freed before the next is read), every other
+// parameter is kept in float32 on the CPU. The model is kInitialized afterwards, ready for
+// AddLora. FAILED_PRECONDITION for a model that is not so built; `values`' errors pass through;
+// LibTorch's errors become INTERNAL.
+absl::Status MaterializeNf4Base(CausalLMImpl& model, const ParameterValues& values);
+
+// Bytes of the model's NF4 state (codes, 8-bit absmaxes, their scales and offsets).
+int64_t Nf4BaseBytes(CausalLMImpl& model);
+
+}  // namespace tessera::trainer
