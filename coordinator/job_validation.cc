@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
+#include "planner/hf_config.h"
 #include "planner/job_plan.h"
 #include "planner/layout_rules.h"
 #include "planner/lr_schedule.h"
@@ -378,6 +379,7 @@ absl::StatusOr<ResolvedJob> ResolveJob(const v1::JobSpec& spec) {
   RETURN_IF_ERROR(
       CheckNonNegative("checkpoint.interval_steps", spec.checkpoint().interval_steps()));
   RETURN_IF_ERROR(CheckNonNegative("checkpoint.keep_last", spec.checkpoint().keep_last()));
+  RETURN_IF_ERROR(planner::CheckExportPolicy(spec, model.dims()));
   RETURN_IF_ERROR(ValidateResources(spec.resources()));
   if (spec.priority() < kMinPriority || spec.priority() > kMaxPriority) {
     return Invalid("priority", absl::StrCat("must be in [", kMinPriority, ", ", kMaxPriority,

@@ -849,5 +849,31 @@ TEST(JobValidationPlanTest, LayoutMustMatchGpusNotCpuSlotsWhenBothAreSet) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("= 2 != resources.gpus 4")));
 }
 
+// The final export's fields are checked at submission (planner::CheckExportPolicy), naming them.
+TEST(JobValidationTest, HuggingFaceExportIsRefusedForModelsWithoutAnHfForm) {
+  v1::JobSpec spec = MinimalSpec();
+  spec.mutable_checkpoint()->set_export_format(v1::EXPORT_FORMAT_HF);
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+  spec.mutable_model()->clear_preset();
+  v1::ModelDims* dims = spec.mutable_model()->mutable_dims();
+  dims->set_architecture(v1::ARCHITECTURE_LLAMA);
+  dims->set_num_layers(2);
+  dims->set_hidden_size(64);
+  dims->set_num_attention_heads(4);
+  dims->set_vocab_size(257);
+  dims->set_max_seq_len(256);
+  dims->set_num_experts(4);
+  dims->set_num_experts_per_token(2);
+  dims->set_qk_norm(true);
+  dims->set_shared_expert_intermediate_size(32);
+  EXPECT_THAT(ValidateJobSpec(spec),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("checkpoint.export_format: EXPORT_FORMAT_HF cannot write")));
+  spec = MinimalSpec();
+  spec.mutable_checkpoint()->set_export_merged(true);
+  EXPECT_THAT(ValidateJobSpec(spec), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("checkpoint.export_merged")));
+}
+
 }  // namespace
 }  // namespace tessera::coordinator

@@ -198,7 +198,78 @@ absl::StatusOr<v1::ModelDims> Gpt2Dims(const ConfigReader& config) {
   return dims;
 }
 
+// The width of each routed expert of resolved `dims` (0 in the spec means ffn_hidden_size).
+int64_t ExpertWidth(const v1::ModelDims& dims) {
+  return dims.moe_intermediate_size() > 0 ? dims.moe_intermediate_size() : dims.ffn_hidden_size();
+}
+
+// The mixture-of-experts fields AddMoeDims reads, written for `arch` (kHfQwen3Moe or kHfMixtral)
+// over the dense fields already in `config`. Every layer is sparse, so Qwen3-MoE's
+// intermediate_size (the width of a dense layer) is kept as the spec's ffn_hidden_size; Mixtral's
+// experts are intermediate_size wide.
+void AddMoeConfig(const v1::ModelDims& dims, const std::string& arch, Json& config) {
+  config["num_experts_per_tok"] = dims.num_experts_per_token();
+  config["router_aux_loss_coef"] = dims.router_aux_loss_coef();
+  config["output_router_logits"] = false;
+  if (arch == kHfMixtral) {
+    config["model_type"] = "mixtral";
+    config["num_local_experts"] = dims.num_experts();
+    config["intermediate_size"] = ExpertWidth(dims);
+    config["sliding_window"] = nullptr;
+    config["router_jitter_noise"] = 0.0;
+    config.erase("mlp_bias");
+  } else {
+    config["model_type"] = "qwen3_moe";
+    config["num_experts"] = dims.num_experts();
+    config["moe_intermediate_size"] = ExpertWidth(dims);
+    config["norm_topk_prob"] = dims.norm_topk_prob();
+    config["decoder_sparse_step"] = 1;
+    config["mlp_only_layers"] = Json::array();
+    config["use_sliding_window"] = false;
+    config.erase("mlp_bias");
+  }
+}
+
 }  // namespace
+
+absl::Status CheckHfExportable(const v1::ModelDims& dims) {
+  if (dims.num_experts() == 0) return absl::OkStatus();
+  if (dims.shared_expert_intermediate_size() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.shared_expert_intermediate_size ", dims.shared_expert_intermediate_size(),
+        ": a shared expert has no Hugging Face export (Qwen3MoeForCausalLM and "
+        "MixtralForCausalLM have none)"));
+  }
+  if (!dims.qk_norm() && !dims.norm_topk_prob()) {
+    return absl::InvalidArgumentError(
+        "model.norm_topk_prob false without qk_norm: MixtralForCausalLM, the export of a "
+        "mixture of experts without qk_norm, always renormalises the top-k weights");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckExportPolicy(const v1::JobSpec& spec, const v1::ModelDims& dims) {
+  const v1::CheckpointPolicy& policy = spec.checkpoint();
+  const bool hf = policy.export_format() == v1::EXPORT_FORMAT_HF;
+  if (policy.export_merged() && (!hf || !spec.has_lora())) {
+    return absl::InvalidArgumentError(
+        "checkpoint.export_merged: needs checkpoint.export_format EXPORT_FORMAT_HF and lora "
+        "(it writes the base model with the adapters merged in)");
+  }
+  if (!hf) return absl::OkStatus();
+  if (const absl::Status exportable = CheckHfExportable(dims); !exportable.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint.export_format: EXPORT_FORMAT_HF cannot write this model: ",
+        exportable.message()));
+  }
+  if (spec.has_lora() && spec.parallelism().layout().expert_parallel() > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint.export_format: EXPORT_FORMAT_HF with lora needs every expert on each rank "
+        "(parallelism.layout.expert_parallel 1, got ",
+        spec.parallelism().layout().expert_parallel(), ")"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<v1::ModelDims> ParseHfConfig(absl::string_view text, absl::string_view source) {
   Json json = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
@@ -259,10 +330,7 @@ std::string HfArchitectureOf(const v1::ModelDims& dims) {
 }
 
 absl::StatusOr<std::string> HfConfigJson(const v1::ModelDims& dims, absl::string_view base_json) {
-  if (dims.num_experts() > 0) {
-    return absl::UnimplementedError(
-        "export of a mixture-of-experts model to Hugging Face is not supported yet");
-  }
+  RETURN_IF_ERROR(CheckHfExportable(dims));
   Json config = Json::object();
   if (!base_json.empty()) {
     config = Json::parse(base_json.begin(), base_json.end(), nullptr, false);
@@ -305,6 +373,7 @@ absl::StatusOr<std::string> HfConfigJson(const v1::ModelDims& dims, absl::string
     } else {
       config["mlp_bias"] = false;
     }
+    if (dims.num_experts() > 0) AddMoeConfig(dims, arch, config);
   }
   return config.dump(2) + "\n";
 }

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "tessera/v1/job.pb.h"
 #include "tessera/v1/model.pb.h"
 
 namespace tessera::planner {
@@ -23,7 +24,7 @@ inline constexpr char kHfConfigFileName[] = "config.json";
 inline constexpr char kHfLlama[] = "LlamaForCausalLM";
 inline constexpr char kHfQwen3[] = "Qwen3ForCausalLM";
 inline constexpr char kHfGpt2[] = "GPT2LMHeadModel";
-// Mixture of experts, with experts in every layer (read only; export is not supported yet).
+// Mixture of experts, with experts in every layer.
 inline constexpr char kHfQwen3Moe[] = "Qwen3MoeForCausalLM";
 inline constexpr char kHfMixtral[] = "MixtralForCausalLM";
 
@@ -42,10 +43,22 @@ absl::StatusOr<v1::ModelDims> ReadHfConfig(const std::string& dir);
 // ARCHITECTURE_LLAMA with qk_norm, else LlamaForCausalLM.
 std::string HfArchitectureOf(const v1::ModelDims& dims);
 
+// OK when resolved `dims` has a Hugging Face export (HfArchitectureOf computes the same model);
+// INVALID_ARGUMENT naming the model field at fault otherwise: a shared expert, or a mixture of
+// experts without qk_norm (exported as Mixtral) whose top-k weights are not renormalised.
+absl::Status CheckHfExportable(const v1::ModelDims& dims);
+
+// The final-export fields of `spec`.checkpoint against resolved `dims`, at submission and in the
+// trainer before it trains: OK, or INVALID_ARGUMENT naming the field. checkpoint.export_format
+// EXPORT_FORMAT_HF needs a model CheckHfExportable accepts and, with LoRA, every expert on each
+// rank (expert_parallel 1: the adapter is written from rank 0's model); checkpoint.export_merged
+// needs EXPORT_FORMAT_HF and LoRA (without adapters there is nothing to merge).
+absl::Status CheckExportPolicy(const v1::JobSpec& spec, const v1::ModelDims& dims);
+
 // config.json text for resolved `dims` with float32 weights. `base_json`, when not empty, is the
 // config the model was imported from: its other fields (token ids, ...) are kept and the
-// dimensions overwritten. INVALID_ARGUMENT when `base_json` is not a JSON object; UNIMPLEMENTED
-// for a mixture-of-experts model.
+// dimensions overwritten. INVALID_ARGUMENT when `base_json` is not a JSON object or
+// CheckHfExportable refuses `dims`.
 absl::StatusOr<std::string> HfConfigJson(const v1::ModelDims& dims, absl::string_view base_json);
 
 }  // namespace tessera::planner

@@ -181,9 +181,44 @@ TEST(HfConfigTest, MixtureOfExpertsConfigsGiveTheirExperts) {
   // 12,879,925,248).
   EXPECT_EQ(summary->num_parameters(), 46'702'792'704);
   EXPECT_EQ(summary->num_active_parameters(), 12'879'925'248);
-  // Export of experts is not written yet.
-  EXPECT_THAT(HfConfigJson(summary->dims(), ""),
-              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("mixture-of-experts")));
+}
+
+// The exported config.json of each MoE family reads back to the same dimensions.
+TEST(HfConfigTest, MixtureOfExpertsConfigsRoundTrip) {
+  for (const char* json : {kQwen3_30bA3b, kMixtral8x7b}) {
+    auto dims = ParseHfConfig(json, "in.json");
+    ASSERT_THAT(dims, IsOk());
+    v1::ModelSpec spec;
+    *spec.mutable_dims() = *dims;
+    auto summary = ResolveModel(spec, 4096);
+    ASSERT_THAT(summary, IsOk());
+    auto exported = HfConfigJson(summary->dims(), "");
+    ASSERT_THAT(exported, IsOk());
+    auto back = ParseHfConfig(*exported, "out.json");
+    ASSERT_THAT(back, IsOk()) << *exported;
+    EXPECT_EQ(HfArchitectureOf(*back), HfArchitectureOf(*dims));
+    EXPECT_EQ(back->num_experts(), dims->num_experts());
+    EXPECT_EQ(back->num_experts_per_token(), dims->num_experts_per_token());
+    EXPECT_EQ(back->moe_intermediate_size(), dims->moe_intermediate_size());
+    EXPECT_EQ(back->norm_topk_prob(), dims->norm_topk_prob());
+    EXPECT_DOUBLE_EQ(back->router_aux_loss_coef(), dims->router_aux_loss_coef());
+    EXPECT_EQ(back->hidden_size(), dims->hidden_size());
+  }
+}
+
+TEST(HfConfigTest, MixtureOfExpertsWithoutAnExportIsRefused) {
+  auto mixtral = ParseHfConfig(kMixtral8x7b, "m.json");
+  ASSERT_THAT(mixtral, IsOk());
+  v1::ModelDims dims = *mixtral;
+  dims.set_norm_topk_prob(false);
+  EXPECT_THAT(HfConfigJson(dims, ""),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model.norm_topk_prob")));
+  dims = *mixtral;
+  dims.set_qk_norm(true);
+  dims.set_shared_expert_intermediate_size(256);
+  EXPECT_THAT(CheckHfExportable(dims),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("model.shared_expert_intermediate_size")));
 }
 
 TEST(HfConfigTest, MixtureOfExpertsWithDenseLayersIsRefused) {
@@ -222,6 +257,37 @@ TEST(HfConfigTest, ResolveModelReadsFromPretrained) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("model.from_pretrained"),
                              HasSubstr("missing/config.json: cannot open"))));
+}
+
+TEST(HfConfigTest, ExportPolicyNamesTheFieldItRefuses) {
+  auto mixtral = ParseHfConfig(kMixtral8x7b, "m.json");
+  ASSERT_THAT(mixtral, IsOk());
+  v1::JobSpec spec;
+  spec.mutable_checkpoint()->set_export_format(v1::EXPORT_FORMAT_HF);
+  EXPECT_THAT(CheckExportPolicy(spec, *mixtral), IsOk());
+  v1::ModelDims shared = *mixtral;
+  shared.set_qk_norm(true);
+  shared.set_shared_expert_intermediate_size(256);
+  EXPECT_THAT(CheckExportPolicy(spec, shared),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("checkpoint.export_format"),
+                             HasSubstr("model.shared_expert_intermediate_size"))));
+  // Nothing to merge without adapters, and no merged directory without the HF format.
+  spec.mutable_checkpoint()->set_export_merged(true);
+  EXPECT_THAT(CheckExportPolicy(spec, *mixtral),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("checkpoint.export_merged")));
+  spec.mutable_lora()->set_rank(4);
+  EXPECT_THAT(CheckExportPolicy(spec, *mixtral), IsOk());
+  spec.mutable_checkpoint()->set_export_format(v1::EXPORT_FORMAT_TESSERA);
+  EXPECT_THAT(CheckExportPolicy(spec, *mixtral),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("checkpoint.export_merged")));
+  // The adapter is written from rank 0's model, which holds every expert only without ep.
+  spec.mutable_checkpoint()->set_export_format(v1::EXPORT_FORMAT_HF);
+  spec.mutable_parallelism()->mutable_layout()->set_expert_parallel(2);
+  EXPECT_THAT(CheckExportPolicy(spec, *mixtral),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("checkpoint.export_format"),
+                             HasSubstr("expert_parallel 1, got 2"))));
 }
 
 }  // namespace

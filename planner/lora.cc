@@ -40,8 +40,19 @@ std::vector<LoraTarget> LoraCandidates(const v1::ModelDims& dims) {
                                      {"attn.k", "self_attn.k_proj", d, kv},
                                      {"attn.v", "self_attn.v_proj", d, kv},
                                      {"attn.o", "self_attn.o_proj", q, d}};
-  // Adapters on an MoE layer's experts are not supported yet: attention only.
-  if (dims.num_experts() > 0) return targets;
+  if (dims.num_experts() > 0) {
+    // Every expert gets its own adapters, under transformers' per-expert modules (Mixtral's
+    // w1/w3/w2 are gate/up/down). The router is no target.
+    const int64_t e = dims.num_experts();
+    const int64_t w = dims.moe_intermediate_size() > 0 ? dims.moe_intermediate_size() : f;
+    const bool mixtral = !dims.qk_norm();
+    const std::string block = mixtral ? "block_sparse_moe.experts." : "mlp.experts.";
+    targets.insert(targets.end(),
+                   {{"mlp.experts.gate", block + (mixtral ? "w1" : "gate_proj"), d, w, e},
+                    {"mlp.experts.up", block + (mixtral ? "w3" : "up_proj"), d, w, e},
+                    {"mlp.experts.down", block + (mixtral ? "w2" : "down_proj"), w, d, e}});
+    return targets;
+  }
   targets.insert(targets.end(), {{"mlp.gate", "mlp.gate_proj", d, f},
                                  {"mlp.up", "mlp.up_proj", d, f},
                                  {"mlp.down", "mlp.down_proj", f, d}});
@@ -120,7 +131,7 @@ absl::StatusOr<ResolvedLora> ResolveLora(const v1::LoraSpec& spec, const v1::Mod
   for (const LoraTarget& target : candidates) {
     if (!all && !chosen.contains(target.module)) continue;
     out.targets.push_back(target);
-    out.parameters_per_layer += int64_t{out.rank} * (target.in + target.out);
+    out.parameters_per_layer += int64_t{out.rank} * (target.in + target.out) * target.experts;
     // PEFT matches a target_modules entry against the end of a module's path; GPT-2's two
     // c_proj need their parent to tell them apart.
     out.peft_target_modules.push_back(IsGpt2(dims) ? target.hf_module : NamesOf(target)[2]);

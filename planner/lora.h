@@ -22,6 +22,10 @@ struct LoraTarget {
   std::string hf_module;
   int64_t in = 0;
   int64_t out = 0;
+  // An MoE layer's expert projection ("mlp.experts.gate", hf_module
+  // "mlp.experts.gate_proj" standing for every "mlp.experts.E.gate_proj"): one adapter per
+  // expert, `experts` of them. 1 for an ordinary layer.
+  int64_t experts = 1;
 };
 
 struct ResolvedLora {
@@ -33,7 +37,8 @@ struct ResolvedLora {
   // target_modules as PEFT's adapter_config.json lists them (transformers' leaf names, or
   // "attn.c_proj" / "mlp.c_proj" for GPT-2's two c_proj).
   std::vector<std::string> peft_target_modules;
-  // Adapter parameters of one transformer layer: sum of rank * (in + out) over the targets.
+  // Adapter parameters of one transformer layer: sum of rank * (in + out) * experts over the
+  // targets.
   int64_t parameters_per_layer = 0;
   // QLoRA (base_quantization NF4): every linear weight of the blocks is held in NF4.
   bool base_nf4 = false;
@@ -50,7 +55,8 @@ int64_t Nf4WeightBytes(int64_t numel);
 int64_t Nf4LayerBytes(const v1::ModelDims& dims);
 
 // Every linear layer of a block of `dims` architecture that LoRA can adapt, in the block order
-// (attention only for a mixture-of-experts model: adapters on experts are not supported yet).
+// (for a mixture-of-experts model the experts' projections, each adapter per expert; not the
+// router).
 std::vector<LoraTarget> LoraCandidates(const v1::ModelDims& dims);
 
 // INVALID_ARGUMENT naming the field ("lora.rank: must be > 0", "lora.base_quantization: ...

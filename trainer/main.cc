@@ -82,6 +82,13 @@ ABSL_FLAG(int64_t, checkpoint_every, 0, "Standalone: checkpoint interval in step
 ABSL_FLAG(int, keep_last, 0, "Standalone: checkpoints kept; 0 keeps all.");
 ABSL_FLAG(bool, resume, true, "Standalone: resume from the newest complete checkpoint.");
 ABSL_FLAG(bool, export_safetensors, false, "Standalone: export the final weights.");
+ABSL_FLAG(std::string, export_format, "",
+          "Standalone: the final export's format (checkpoint.export_format): tessera, or hf for a "
+          "Hugging Face directory under <checkpoint_dir>/export/hf (the PEFT adapter with LoRA); "
+          "empty: tessera when --export_safetensors.");
+ABSL_FLAG(bool, export_merged, false,
+          "Standalone: with --export_format=hf and LoRA, also write the base with the adapters "
+          "merged in under <checkpoint_dir>/export/hf-merged.");
 ABSL_FLAG(int, zero_stage, 0,
           "Standalone: ZeRO stage over the data-parallel ranks (0 none, 1 optimizer state, 2 + "
           "gradients, 3 + parameters).");
@@ -263,6 +270,23 @@ tessera::v1::TrainerTask TaskFromFlags() {
   checkpoint->set_keep_last(absl::GetFlag(FLAGS_keep_last));
   checkpoint->set_resume(absl::GetFlag(FLAGS_resume));
   checkpoint->set_export_safetensors(absl::GetFlag(FLAGS_export_safetensors));
+  if (const std::string format = absl::GetFlag(FLAGS_export_format); !format.empty()) {
+    tessera::v1::ExportFormat value = tessera::v1::EXPORT_FORMAT_UNSPECIFIED;
+    if (!tessera::v1::ExportFormat_Parse("EXPORT_FORMAT_" + absl::AsciiStrToUpper(format),
+                                         &value) ||
+        value == tessera::v1::EXPORT_FORMAT_UNSPECIFIED) {
+      std::cerr << "tessera-trainer: --export_format must be tessera or hf, got '" << format
+                << "'\n";
+      std::exit(2);
+    }
+    if (absl::GetFlag(FLAGS_checkpoint_dir).empty()) {
+      std::cerr << "tessera-trainer: --export_format needs --checkpoint_dir (the export is "
+                   "written under it)\n";
+      std::exit(2);
+    }
+    checkpoint->set_export_format(value);
+  }
+  checkpoint->set_export_merged(absl::GetFlag(FLAGS_export_merged));
   task.set_checkpoint_directory(absl::GetFlag(FLAGS_checkpoint_dir));
   tessera::v1::Layout* layout = task.mutable_plan()->mutable_layout();
   layout->set_zero_stage(absl::GetFlag(FLAGS_zero_stage));

@@ -409,8 +409,12 @@ struct HostTensors {
   }
 };
 
-// PEFT's name of the adapter tensor `name` ("layers.3.attn.q.lora_a"); nullopt for others.
-std::optional<std::string> PeftNameOf(const std::string& name, const v1::ModelDims& dims) {
+// PEFT's name of the adapter tensor `name` ("layers.3.attn.q.lora_a"); nullopt for others. An
+// MoE expert projection's stacked adapter ("layers.3.mlp.experts.gate.lora_a", [E, ...]) is
+// `stacked`: one PEFT tensor per expert ("...mlp.experts.{e}.gate_proj.lora_A.weight"), for the
+// `num_local` experts the parameter holds.
+std::optional<HfName> PeftNameOf(const std::string& name, const v1::ModelDims& dims,
+                                 int64_t num_local = 0) {
   const std::optional<LayerPart> part = SplitLayerName(name);
   if (!part.has_value()) return std::nullopt;
   const int layer = part->layer;
@@ -420,10 +424,22 @@ std::optional<std::string> PeftNameOf(const std::string& name, const v1::ModelDi
                                                                  : nullptr;
   if (matrix == nullptr) return std::nullopt;
   const bool gpt2 = dims.architecture() == v1::ARCHITECTURE_GPT2;
+  const std::string prefix =
+      absl::StrCat("base_model.model.", gpt2 ? "transformer.h." : "model.layers.", layer, ".");
   for (const planner::LoraTarget& target : planner::LoraCandidates(dims)) {
     if (target.module != module) continue;
-    return absl::StrCat("base_model.model.", gpt2 ? "transformer.h." : "model.layers.", layer, ".",
-                        target.hf_module, ".", matrix, ".weight");
+    if (target.experts == 1) {
+      return HfName{absl::StrCat(prefix, target.hf_module, ".", matrix, ".weight")};
+    }
+    // "mlp.experts.gate_proj" stands for "mlp.experts.{e}.gate_proj".
+    const size_t leaf = target.hf_module.rfind('.');
+    HfName hf{""};
+    for (int64_t e = 0; e < num_local; ++e) {
+      hf.stacked.push_back(absl::StrCat(prefix, target.hf_module.substr(0, leaf + 1), e,
+                                        target.hf_module.substr(leaf), ".", matrix, ".weight"));
+    }
+    if (!hf.stacked.empty()) hf.name = hf.stacked.front();
+    return hf;
   }
   return std::nullopt;
 }
@@ -447,11 +463,17 @@ absl::Status ExportPeftAdapter(CausalLMImpl& model, const planner::ResolvedLora&
     torch::NoGradGuard no_grad;
     for (const auto& item : model.named_parameters()) {
       if (!IsLoraParameter(item.key())) continue;
-      std::optional<std::string> peft = PeftNameOf(item.key(), model.dims());
+      std::optional<HfName> peft = PeftNameOf(item.key(), model.dims(), item.value().size(0));
       if (!peft.has_value()) {
         return absl::InternalError(absl::StrCat("adapter '", item.key(), "' has no PEFT name"));
       }
-      tensors.Add(*peft, item.value().detach().to(torch::kCPU, torch::kFloat32));
+      torch::Tensor value = item.value().detach().to(torch::kCPU, torch::kFloat32);
+      if (peft->stacked.empty()) {
+        tensors.Add(peft->name, value);
+        continue;
+      }
+      const std::vector<torch::Tensor> experts = value.unbind(0);
+      for (size_t e = 0; e < experts.size(); ++e) tensors.Add(peft->stacked[e], experts[e]);
     }
   } catch (const c10::Error& e) {
     return absl::InternalError(absl::StrCat("PEFT export: LibTorch: ", e.what_without_backtrace()));
@@ -528,17 +550,27 @@ absl::Status LoadPeftAdapterWeights(CausalLMImpl& model, const std::string& dir)
     torch::NoGradGuard no_grad;
     for (const auto& item : model.named_parameters()) {
       if (!IsLoraParameter(item.key())) continue;
-      std::optional<std::string> peft = PeftNameOf(item.key(), model.dims());
-      if (!peft.has_value() || !files.Has(*peft)) {
-        return absl::InvalidArgumentError(absl::StrCat(files.Where(), ": no tensor '",
-                                                       peft.value_or(item.key()),
-                                                       "' (for adapter ", item.key(), ")"));
+      std::optional<HfName> peft = PeftNameOf(item.key(), model.dims(), item.value().size(0));
+      if (!peft.has_value()) {
+        return absl::InternalError(absl::StrCat("adapter '", item.key(), "' has no PEFT name"));
       }
-      ASSIGN_OR_RETURN(torch::Tensor value, files.Read(*peft));
+      std::vector<std::string> names = peft->stacked;
+      if (names.empty()) names.push_back(peft->name);
+      std::vector<torch::Tensor> parts;
+      for (const std::string& part : names) {
+        if (!files.Has(part)) {
+          return absl::InvalidArgumentError(absl::StrCat(files.Where(), ": no tensor '", part,
+                                                         "' (for adapter ", item.key(), ")"));
+        }
+        ASSIGN_OR_RETURN(torch::Tensor value, files.Read(part));
+        parts.push_back(std::move(value));
+      }
+      torch::Tensor value = peft->stacked.empty() ? parts.front() : torch::stack(parts);
       if (value.sizes() != item.value().sizes()) {
         return absl::InvalidArgumentError(absl::StrCat(
-            files.Where(), ": tensor '", *peft, "' has shape ", ShapeString(value.sizes().vec()),
-            ", the adapter needs ", ShapeString(item.value().sizes().vec())));
+            files.Where(), ": tensor '", names.front(), "' has shape ",
+            ShapeString(value.sizes().vec()), ", the adapter needs ",
+            ShapeString(item.value().sizes().vec())));
       }
       item.value().copy_(value);
     }
@@ -565,6 +597,23 @@ absl::Status LoadTesseraWeights(CausalLMImpl& model, const std::string& file) {
   return CopyValues(model, ValuesIn(model, std::move(files), [](const std::string& name) {
                       return std::optional<HfName>(HfName{name});
                     }));
+}
+
+absl::Status CopyHfSourceFiles(const std::string& source_dir, const std::string& dir) {
+  if (source_dir.empty()) return absl::OkStatus();
+  RETURN_IF_ERROR(MakeDirectory(dir));
+  std::error_code error;
+  for (const char* file : kCopiedFiles) {
+    const std::filesystem::path from = std::filesystem::path(source_dir) / file;
+    if (!std::filesystem::exists(from)) continue;
+    std::filesystem::copy_file(from, std::filesystem::path(dir) / file,
+                               std::filesystem::copy_options::overwrite_existing, error);
+    if (error) {
+      return absl::InternalError(
+          absl::StrCat(from.string(), ": cannot copy to ", dir, ": ", error.message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ExportHfModel(CausalLMImpl& model, const std::string& dir,
@@ -596,16 +645,27 @@ absl::Status ExportHfModel(CausalLMImpl& model, const std::string& dir,
             absl::StrCat("parameter '", item.key(), "' has no Hugging Face name"));
       }
       torch::Tensor value = item.value().detach().to(torch::kCPU, torch::kFloat32);
-      // A layer with an adapter exports W + scale * B A.
-      absl::string_view layer = item.key();
-      if (absl::ConsumeSuffix(&layer, ".weight")) {
-        const torch::Tensor* a = params.find(absl::StrCat(layer, ".lora_a"));
-        const torch::Tensor* b = params.find(absl::StrCat(layer, ".lora_b"));
-        if (a != nullptr && b != nullptr) {
-          value = value + torch::matmul(b->detach().to(torch::kCPU, torch::kFloat32),
-                                        a->detach().to(torch::kCPU, torch::kFloat32)) *
-                              model.lora().scale;
+      // A layer with an adapter exports W + scale * B A (adapters hang under the linear module,
+      // "<layer>.lora_a" beside "<layer>.weight", or under a stacked expert weight "<layer>",
+      // where the product is per expert).
+      const absl::string_view layer = absl::StripSuffix(item.key(), ".weight");
+      const torch::Tensor* a = params.find(absl::StrCat(layer, ".lora_a"));
+      const torch::Tensor* b = params.find(absl::StrCat(layer, ".lora_b"));
+      if (a != nullptr && b != nullptr) {
+        value = value + torch::matmul(b->detach().to(torch::kCPU, torch::kFloat32),
+                                      a->detach().to(torch::kCPU, torch::kFloat32)) *
+                            model.lora().scale;
+      }
+      if (!hf->stacked.empty()) {
+        // An MoE layer's experts: one HF tensor per expert, expert e at index e of dim 0.
+        const std::vector<torch::Tensor> experts = value.unbind(0);
+        if (experts.size() != hf->stacked.size()) {
+          return absl::InternalError(absl::StrCat("parameter '", item.key(), "' holds ",
+                                                  experts.size(), " experts, the config ",
+                                                  hf->stacked.size()));
         }
+        for (size_t e = 0; e < experts.size(); ++e) tensors.Add(hf->stacked[e], experts[e]);
+        continue;
       }
       tensors.Add(hf->name, hf->transposed ? value.t() : value);
     }
@@ -617,22 +677,8 @@ absl::Status ExportHfModel(CausalLMImpl& model, const std::string& dir,
       WriteSafetensors(absl::StrCat(dir, "/", kHfWeightsFileName), tensors.views,
                        {{"format", "pt"}}));
   RETURN_IF_ERROR(WriteText(absl::StrCat(dir, "/", planner::kHfConfigFileName), config));
-  bool copied_generation_config = false;
-  std::error_code error;
-  if (!source_dir.empty()) {
-    for (const char* file : kCopiedFiles) {
-      const std::filesystem::path from = std::filesystem::path(source_dir) / file;
-      if (!std::filesystem::exists(from)) continue;
-      std::filesystem::copy_file(from, std::filesystem::path(dir) / file,
-                                 std::filesystem::copy_options::overwrite_existing, error);
-      if (error) {
-        return absl::InternalError(
-            absl::StrCat(from.string(), ": cannot copy to ", dir, ": ", error.message()));
-      }
-      copied_generation_config |= std::string(file) == "generation_config.json";
-    }
-  }
-  if (!copied_generation_config) {
+  RETURN_IF_ERROR(CopyHfSourceFiles(source_dir, dir));
+  if (!std::filesystem::exists(std::filesystem::path(dir) / "generation_config.json")) {
     RETURN_IF_ERROR(WriteText(absl::StrCat(dir, "/generation_config.json"),
                               "{\n  \"_from_model_config\": true\n}\n"));
   }

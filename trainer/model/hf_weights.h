@@ -67,12 +67,21 @@ absl::StatusOr<v1::LoraSpec> ReadPeftAdapterConfig(const std::string& dir);
 // when one is missing or has another shape.
 absl::Status LoadPeftAdapterWeights(CausalLMImpl& model, const std::string& dir);
 
-// Writes `model` (the whole model on this rank: no tensor or pipeline split) to `dir` as a
-// Hugging Face directory (LoRA adapters, if any, merged into their layers' weights): config.json (float32), model.safetensors under transformers' names,
+// Copies the tokenizer and generation files of the Hugging Face directory `source_dir`
+// (generation_config.json, tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+// tokenizer.model, vocab.json, merges.txt, added_tokens.json: those present) into `dir`, created
+// if needed; nothing when `source_dir` is empty. INTERNAL naming the file that cannot be copied.
+absl::Status CopyHfSourceFiles(const std::string& source_dir, const std::string& dir);
+
+// Writes `model` (the whole model on this rank: no tensor, pipeline or expert split) to `dir` as
+// a Hugging Face directory (LoRA adapters, if any, merged into their layers' weights):
+// config.json (float32), model.safetensors under transformers' names (an MoE layer's stacked
+// experts as one tensor per expert: Qwen3MoeForCausalLM, MixtralForCausalLM),
 // generation_config.json. `source_dir`, when not empty, is the directory the model was imported
 // from: its config.json's other fields (token ids, ...) are kept, and its generation config and
-// tokenizer files are copied. FAILED_PRECONDITION for a partial model; INTERNAL naming the file
-// when it cannot be written.
+// tokenizer files are copied. FAILED_PRECONDITION for a partial model; planner::CheckHfExportable's
+// INVALID_ARGUMENT for a model with no Hugging Face form; INTERNAL naming the file when it cannot
+// be written.
 absl::Status ExportHfModel(CausalLMImpl& model, const std::string& dir,
                            const std::string& source_dir = "");
 

@@ -360,10 +360,7 @@ void BlockImpl::AddLora(const LoraOptions& options) {
     mlp_->AddLora(options);
     return;
   }
-  for (const std::string& target : options.targets) {
-    TORCH_CHECK(!absl::StartsWith(target, "mlp."), "LoRA target ", target,
-                ": adapters on a mixture-of-experts layer are not supported yet");
-  }
+  moe_->AddLora(options.rank, options.scale, options.dropout, options.targets);
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
@@ -481,7 +478,9 @@ void CausalLMImpl::AddLora(const LoraOptions& options) {
     torch::Tensor param = item.value();
     shards_[name] = ParamShard{.global_shape = param.sizes().vec()};
     if (absl::EndsWith(name, ".lora_b")) continue;  // zero: the model starts as the base
-    const double bound = 1.0 / std::sqrt(static_cast<double>(param.size(1)));
+    // PEFT's kaiming_uniform(a=sqrt(5)) bound over the input width (the last dim; an MoE layer's
+    // adapters are stacked [experts, rank, in]).
+    const double bound = 1.0 / std::sqrt(static_cast<double>(param.size(-1)));
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(init_seed_ ^ NameHash(name));
     param.uniform_(-bound, bound, generator);
   }

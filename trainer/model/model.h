@@ -233,7 +233,8 @@ class BlockImpl : public torch::nn::Module {
   const RouterStats& last_router() const { return last_router_; }
   // SELECTIVE recomputation inside the block; NONE and FULL (done by the caller) keep everything.
   void SetActivationCheckpointing(v1::ActivationCheckpointing mode);
-  // LoRA on an MoE block's experts is not supported yet (c10::Error when targets name "mlp.").
+  // On an MoE block the "mlp." targets adapt every expert (moe_lora.h; c10::Error for the
+  // router or shared experts).
   void AddLora(const LoraOptions& options);
 
  private:

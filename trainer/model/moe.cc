@@ -132,10 +132,19 @@ torch::Tensor MoeLayerImpl::RoutedExperts(const torch::Tensor& tokens, const Moe
   outputs.reserve(groups.size());
   for (int64_t e = 0; e < options_.num_experts; ++e) {
     if (sizes[e] == 0) continue;  // its weights get a zero gradient through the others' slices
-    outputs.push_back(SwiGlu(groups[e], expert_gate_[e], expert_up_[e], expert_down_[e]));
+    outputs.push_back(expert_lora_.enabled()
+                          ? ExpertSwiGluWithLora(groups[e], e, expert_gate_, expert_up_,
+                                                 expert_down_, expert_lora_, is_training())
+                          : SwiGlu(groups[e], expert_gate_[e], expert_up_[e], expert_down_[e]));
   }
   const torch::Tensor slot_outputs = torch::cat(outputs) * slot_weights.unsqueeze(1);
   return torch::zeros_like(tokens).index_add(0, slot_tokens, slot_outputs);
+}
+
+void MoeLayerImpl::AddLora(int rank, double scale, double dropout,
+                           const std::set<std::string>& targets) {
+  expert_lora_ = AttachMoeExpertLora(*named_children()["experts"], expert_gate_, expert_up_,
+                                     expert_down_, rank, scale, dropout, targets);
 }
 
 torch::Tensor MoeLayerImpl::SharedExperts(const torch::Tensor& tokens) const {

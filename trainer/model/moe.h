@@ -13,11 +13,13 @@
 #include <torch/nn.h>
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "trainer/model/moe_lora.h"
 
 namespace tessera::trainer {
 
@@ -112,6 +114,9 @@ class MoeLayerImpl : public torch::nn::Module {
 
   const MoeOptions& options() const { return options_; }
 
+  // Per-expert LoRA adapters on the expert projections `targets` names (moe_lora.h).
+  void AddLora(int rank, double scale, double dropout, const std::set<std::string>& targets);
+
  private:
   // sum over each token's slots of weight * expert(token), [T, hidden]; counts [num_experts].
   torch::Tensor RoutedExperts(const torch::Tensor& tokens, const MoeRouting& routing,
@@ -122,6 +127,7 @@ class MoeLayerImpl : public torch::nn::Module {
   torch::Tensor router_weight_;
   torch::Tensor expert_gate_, expert_up_, expert_down_;
   torch::Tensor shared_gate_, shared_up_, shared_down_, shared_sigmoid_gate_;  // undefined: none
+  MoeExpertLora expert_lora_;
 };
 TORCH_MODULE(MoeLayer);
 

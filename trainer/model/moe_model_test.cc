@@ -4,6 +4,7 @@
 // checkpointing keeps the loss and every gradient (the router's through the load-balancing loss
 // included) of the uncheckpointed model.
 
+#include <cmath>
 #include <map>
 #include <string>
 #include <vector>
@@ -106,10 +107,23 @@ TEST(MoeModelTest, FullCheckpointingKeepsLossAndEveryGradient) {
                                expected["layers.0.mlp.router.weight"].grad(), 1e-5, 1e-7));
 }
 
-TEST(MoeModelTest, LoraOnExpertsIsRefused) {
-  CausalLM model = MakeModel(TinyMoeDims());
+TEST(MoeModelTest, LoraOnAnMoeBlockAdaptsTheExpertsOnly) {
+  // A dense MLP's target names no module of an MoE block.
+  CausalLM dense_names = MakeModel(TinyMoeDims());
   LoraOptions options{.rank = 4, .scale = 1, .dropout = 0, .targets = {"attn.q", "mlp.up"}};
-  EXPECT_THROW(model->AddLora(options), c10::Error);
+  EXPECT_THROW(dense_names->AddLora(options), c10::Error);
+  CausalLM model = MakeModel(TinyMoeDims());
+  options.targets = {"attn.q", "mlp.experts.up"};
+  model->AddLora(options);
+  const auto params = model->named_parameters();
+  EXPECT_TRUE(params.contains("layers.0.mlp.experts.up.lora_a"));
+  EXPECT_TRUE(params.contains("layers.0.mlp.experts.up.lora_b"));
+  EXPECT_FALSE(params.contains("layers.0.mlp.experts.gate.lora_a"));
+  // AddLora draws A over every expert's input width and leaves B zero.
+  const torch::Tensor a = params["layers.0.mlp.experts.up.lora_a"];
+  EXPECT_GT(a.abs().min().item<double>(), 0);
+  EXPECT_LE(a.abs().max().item<double>(), 1.0 / std::sqrt(static_cast<double>(a.size(-1))));
+  EXPECT_EQ(params["layers.0.mlp.experts.up.lora_b"].abs().max().item<double>(), 0);
 }
 
 }  // namespace

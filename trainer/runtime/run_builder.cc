@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
+#include "planner/hf_config.h"
 #include "planner/job_plan.h"
 #include "planner/lora.h"
 #include "planner/lr_schedule.h"
@@ -84,6 +85,8 @@ absl::Status PrepareRun(const v1::TrainerTask& task, const RunReporter& reporter
   ASSIGN_OR_RETURN(*shape, ValidateLayout(task));
   ASSIGN_OR_RETURN(run.summary, ResolveModelSummary(task));
   RETURN_IF_ERROR(ValidateSplits(run.summary.dims(), *shape, task));
+  // Refused before training rather than after it (the export runs once the job is done).
+  RETURN_IF_ERROR(planner::CheckExportPolicy(spec, run.summary.dims()));
   ASSIGN_OR_RETURN(run.device, ResolveDevice(task.assignment()));
   ASSIGN_OR_RETURN(run.settings, ResolveRunSettings(task, run.device.device.is_cuda()));
   run.checkpointing = CheckpointingMode(task.plan().layout());

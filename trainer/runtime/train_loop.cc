@@ -15,6 +15,7 @@
 #include "trainer/model/hf_weights.h"
 #include "trainer/parallel/context_parallelism.h"
 #include "trainer/parallel/peer_wait.h"
+#include "trainer/runtime/final_export.h"
 #include "trainer/runtime/step_profiler.h"
 #if TESSERA_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -370,7 +371,7 @@ absl::Status TrainLoop::SaveCheckpoint(bool last, bool wait) {
   const auto start = std::chrono::steady_clock::now();
   AsyncCheckpointer& checkpointer = *run_.checkpointer;
   RETURN_IF_ERROR(checkpointer.Start(
-      state, last && spec_.checkpoint().export_safetensors(),
+      state, last && FinalExportNeedsTesseraFile(spec_),
       // The reporter, not the loop: the run's checkpointer (and so this callback) may outlive it.
       [reporter = &reporter_, wait = last || wait, committed](const v1::Checkpoint& checkpoint) {
         // Rank 0's background thread; a waited-for checkpoint is reported after the wait below.
@@ -396,6 +397,17 @@ absl::Status TrainLoop::SaveCheckpoint(bool last, bool wait) {
     RETURN_IF_ERROR(
         ExportPeftAdapter(*run_.model, *run_.lora, dir, spec_.model().from_pretrained()));
     reporter_.Log(absl::StrCat("LoRA adapter in PEFT's layout: ", dir));
+  }
+  if (last) {
+    ASSIGN_OR_RETURN(const std::vector<std::string> exported,
+                     WriteFinalHfExport({.task = &task_,
+                                         .summary = &run_.summary,
+                                         .checkpoint_path = committed->path(),
+                                         .model = run_.model.get(),
+                                         .lora = run_.lora.has_value() ? &*run_.lora : nullptr}));
+    for (const std::string& dir : exported) {
+      reporter_.Log(absl::StrCat("Hugging Face export: ", dir));
+    }
   }
   v1::TrainerReport report = reporter_.NewReport();
   *report.mutable_checkpoint() = *committed;

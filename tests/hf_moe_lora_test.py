@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""LoRA on mixture-of-experts experts in tessera-trainer, checked against Hugging Face PEFT.
+
+For tiny random Qwen3MoeForCausalLM and MixtralForCausalLM models (4 experts, top-2) written by
+save_pretrained, tessera-trainer fine-tunes adapters on the experts' projections (gate_proj /
+up_proj / down_proj; Mixtral's w1 / w3 / w2) and on q_proj, with --export_format=hf
+--export_merged, and then:
+  * the PEFT adapter holds an A and a B for every expert of every layer and projection (each
+    expert its own: a known failure of tools that adapt only a fused or a first expert), and
+    every expert's B has trained away from its zero start;
+  * only the adapters train: the final checkpoint holds adapters (and their moments) alone, and
+    every tensor of the merged export without an adapter (router, norms, k/v/o, embeddings) is
+    the base's, bit for bit;
+  * peft.PeftModel.from_pretrained loads the adapter onto the transformers base and its logits
+    equal the trainer's own (--lora_adapter --logits_out) to 1e-4 and differ from the base's;
+  * the merged export (export/hf-merged) loads in transformers with the same logits.
+LoRA on the router is refused, naming lora.target_modules.
+
+Exit code 77 (ctest's skip) when transformers or peft is not installed. No downloads.
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+
+try:
+    import peft
+    import torch
+    import transformers
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from hf_tiny_models import TOKENS, logits_of, make_model, run, tiny_moe_configs
+except ImportError as error:  # pragma: no cover - depends on the venv
+    print(f"SKIP: {error} (scripts/bootstrap.sh installs transformers and peft into the torch "
+          "venv)")
+    sys.exit(77)
+
+TOLERANCE = 1e-4
+# model: (MoE block name, expert projection names, the spec's target_modules)
+CASES = {
+    "qwen3_moe": ("mlp", ["gate_proj", "up_proj", "down_proj"],
+                  ["q_proj", "gate_proj", "up_proj", "down_proj"]),
+    "mixtral": ("block_sparse_moe", ["w1", "w3", "w2"], ["q_proj", "w1", "w3", "w2"]),
+}
+
+
+def check_model(trainer, tmp, name, config, seed, shards, failures):
+    block, projections, targets = CASES[name]
+    model = make_model(config, seed)
+    model_dir = os.path.join(tmp, name)
+    model.save_pretrained(model_dir)
+    ckpt = os.path.join(tmp, f"{name}_ckpt")
+    run(trainer, f"--init_from={model_dir}", f"--data={shards}", "--steps=8", "--seq_len=64",
+        "--global_batch=4", "--micro_batch=2", "--lr=5e-3", "--warmup=1", "--lora_rank=4",
+        "--lora_alpha=16", "--lora_targets=" + ",".join(targets), f"--checkpoint_dir={ckpt}",
+        "--export_format=hf", "--export_merged", f"--job_id=moe-lora-{name}")
+
+    # Only adapters (and their moments) are checkpointed: the base is frozen.
+    final = sorted(glob.glob(os.path.join(ckpt, "step-*")))[-1]
+    with safe_open(os.path.join(final, "rank-00000.safetensors"), "pt") as f:
+        names = [n for n in f.keys() if n.startswith(("model/", "exp_avg/", "exp_avg_sq/"))]
+    frozen = [n for n in names if not n.endswith((".lora_a", ".lora_b"))]
+    assert names and not frozen, f"checkpoint holds non-adapter tensors: {frozen[:5]}"
+    assert any(".mlp.experts." in n for n in names), names[:10]
+
+    # An A and a B per expert, layer and projection, each B trained away from zero.
+    adapter = os.path.join(ckpt, "export", "hf")
+    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        assert sorted(json.load(f)["target_modules"]) == sorted(targets)
+    untrained = []
+    for layer in range(config.num_hidden_layers):
+        for expert in range(len(getattr(model.model.layers[0], block).experts)):
+            for projection in projections:
+                stem = (f"base_model.model.model.layers.{layer}.{block}.experts.{expert}."
+                        f"{projection}")
+                for matrix in ("lora_A", "lora_B"):
+                    assert f"{stem}.{matrix}.weight" in tensors, f"{stem}.{matrix} missing"
+                if not tensors[f"{stem}.lora_B.weight"].abs().max().item() > 0:
+                    untrained.append(stem)
+    experts = [n for n in tensors if ".experts." in n]
+    print(f"{name}: {len(experts)} expert adapter tensors "
+          f"({config.num_hidden_layers} layers x {len(projections)} projections x A, B per "
+          f"expert); untrained: {len(untrained)}")
+    if untrained:
+        failures.append(f"{name}: adapters that did not train: {untrained[:4]}")
+
+    peft_model = peft.PeftModel.from_pretrained(model, adapter).eval()
+    peft_logits = logits_of(peft_model)
+    ours = os.path.join(tmp, f"{name}_lora.logits")
+    run(trainer, f"--init_from={model_dir}", f"--lora_adapter={adapter}",
+        "--logits_tokens=" + ",".join(map(str, TOKENS)), f"--logits_out={ours}")
+    tessera_logits = load_file(ours)["logits"]
+    diff = (tessera_logits - peft_logits).abs().max().item()
+    with peft_model.disable_adapter():
+        moved = (logits_of(peft_model) - peft_logits).abs().max().item()
+    print(f"{name}: Tessera vs PEFT max |logit diff| = {diff:.3g} (the adapters move the logits "
+          f"by up to {moved:.3g})")
+    if not diff <= TOLERANCE:
+        failures.append(f"{name}: PEFT logits differ from Tessera's by {diff}")
+    if not moved > 10 * TOLERANCE:
+        failures.append(f"{name}: the trained adapters do not change the logits ({moved})")
+
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.join(ckpt, "export", "hf-merged")).eval()
+    diff = (logits_of(merged) - peft_logits).abs().max().item()
+    print(f"{name}: merged export vs PEFT max |logit diff| = {diff:.3g}")
+    if not diff <= TOLERANCE:
+        failures.append(f"{name}: merged export's logits differ from PEFT's by {diff}")
+    base_state = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    merged_state = merged.state_dict()
+    adapted = [f"{p}.weight" for p in projections] + ["q_proj.weight"]
+    kept = [key for key in base_state if not any(key.endswith(a) for a in adapted)]
+    changed = [key for key in kept if not torch.equal(base_state[key], merged_state[key])]
+    moved_experts = [key for key in base_state if ".experts." in key
+                     and not torch.equal(base_state[key], merged_state[key])]
+    print(f"{name}: {len(kept) - len(changed)} of {len(kept)} tensors without an adapter are the "
+          f"base's, bit for bit; {len(moved_experts)} expert weights merged")
+    if changed or not any(".gate.weight" in key for key in kept):
+        failures.append(f"{name}: tensors without an adapter changed: {changed[:5]}")
+    if not moved_experts:
+        failures.append(f"{name}: no expert weight changed in the merged export")
+    return model_dir
+
+
+def check_refusal(trainer, model_dir, shards):
+    result = run(trainer, f"--init_from={model_dir}", f"--data={shards}", "--seq_len=64",
+                 "--global_batch=4", "--micro_batch=2", "--steps=1", "--lora_rank=4",
+                 "--lora_targets=gate", expect_ok=False)
+    assert result.returncode != 0 and "lora.target_modules: 'gate'" in result.stderr, (
+        result.stderr)
+    print("  router refused as expected:", result.stderr.strip().splitlines()[-1][:160])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", required=True)
+    parser.add_argument("--corpus", required=True)
+    args = parser.parse_args()
+    print(f"transformers {transformers.__version__}, peft {peft.__version__}")
+    failures = []
+    with tempfile.TemporaryDirectory(prefix="moe_lora_") as tmp:
+        data = os.path.join(tmp, "data")
+        run(args.trainer, "prepare", f"--input={args.corpus}", f"--output_dir={data}")
+        shards = os.path.join(data, "train-*.bin")
+        dirs = [check_model(args.trainer, tmp, name, config, seed, shards, failures)
+                for seed, (name, config) in enumerate(tiny_moe_configs().items(), start=20)]
+        check_refusal(args.trainer, dirs[0], shards)
+    if failures:
+        print("FAILED:\n  " + "\n  ".join(failures))
+        return 1
+    print("PASSED")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
