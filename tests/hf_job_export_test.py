@@ -13,6 +13,8 @@ tokenizer files beside them), tessera-trainer trains a few steps with --export_f
   * with LoRA (and --export_merged), export/hf is the PEFT adapter, which peft.PeftModel loads
     onto the base with the trainer's logits, and export/hf-merged is the merged model with the
     same logits;
+  * with QLoRA (--lora_nf4), export/hf-merged is the NF4 base dequantized plus the adapters:
+    PEFT's logits on the float32 base up to NF4's rounding, embeddings and norms untouched;
   * --export_merged without LoRA is refused before training, naming checkpoint.export_merged.
 
 Exit code 77 (ctest's skip) when transformers or peft is not installed. No downloads.
@@ -139,6 +141,32 @@ def check_lora_export(trainer, tmp, name, source, model, shards, failures):
         failures.append(f"{name}: the adapter changed nothing (moved {moved})")
 
 
+def check_qlora_export(trainer, tmp, name, source, shards, failures):
+    """QLoRA's merged export: the NF4 base dequantized, plus the adapters. Its logits equal PEFT's
+    on the full-precision base up to NF4's rounding (relative L2 below the bound qlora_test uses),
+    and every tensor NF4 leaves alone (embeddings, norms) is the base's bit for bit."""
+    ckpt = os.path.join(tmp, f"{name}_qlora_ckpt")
+    run(trainer, *train_flags(source, shards, ckpt, f"export-qlora-{name}"), "--lora_rank=4",
+        "--lora_alpha=16", "--lora_nf4", "--export_merged")
+    adapter = os.path.join(ckpt, "export", "hf")
+    base = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    peft_logits = logits_of(peft.PeftModel.from_pretrained(base, adapter).eval())
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.join(ckpt, "export", "hf-merged")).eval()
+    merged_logits = logits_of(merged)
+    relative = ((merged_logits - peft_logits).norm() / peft_logits.norm()).item()
+    print(f"{name}: QLoRA export/hf-merged vs PEFT on the float32 base: relative L2 "
+          f"{relative:.3g} (NF4 rounding)")
+    if not 0 < relative < 0.3:
+        failures.append(f"{name}: QLoRA merged export's logits are {relative} from PEFT's")
+    base_state = transformers.AutoModelForCausalLM.from_pretrained(source).state_dict()
+    merged_state = merged.state_dict()
+    untouched = [k for k in base_state if "norm" in k or "embed" in k]
+    changed = [k for k in untouched if not torch.equal(base_state[k], merged_state[k])]
+    if not untouched or changed:
+        failures.append(f"{name}: QLoRA merged export changed tensors NF4 leaves alone: {changed}")
+
+
 def check_refusal(trainer, tmp, source, shards):
     result = run(trainer, *train_flags(source, shards, os.path.join(tmp, "refused"), "refused"),
                  "--export_merged", expect_ok=False)
@@ -166,6 +194,7 @@ def main():
                           two_ranks=True)
         check_full_export(args.trainer, tmp, "qwen3_moe", moe, moe_model, shards, failures)
         check_lora_export(args.trainer, tmp, "qwen3", qwen3, qwen3_model, shards, failures)
+        check_qlora_export(args.trainer, tmp, "qwen3", qwen3, shards, failures)
         check_refusal(args.trainer, tmp, qwen3, shards)
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))

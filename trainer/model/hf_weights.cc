@@ -21,6 +21,8 @@
 #include "planner/hf_config.h"
 #include "planner/model_config.h"
 #include "trainer/io/safetensors.h"
+#include "trainer/model/nf4.h"
+#include "trainer/model/qlora.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -637,18 +639,30 @@ absl::Status ExportHfModel(CausalLMImpl& model, const std::string& dir,
   try {
     torch::NoGradGuard no_grad;
     const auto params = model.named_parameters();
+    // The weights to export by their Tessera names: the parameters, and (QLoRA) the NF4 base's
+    // weights dequantized, which are not parameters of their own.
+    std::vector<std::pair<std::string, torch::Tensor>> weights;
     for (const auto& item : params) {
-      if (IsLoraParameter(item.key())) continue;
-      std::optional<HfName> hf = HfNameOf(item.key(), dims);
-      if (!hf.has_value()) {
-        return absl::InternalError(
-            absl::StrCat("parameter '", item.key(), "' has no Hugging Face name"));
+      if (IsLoraParameter(item.key()) || IsNf4Parameter(item.key())) continue;
+      weights.emplace_back(item.key(), item.value());
+    }
+    for (const auto& item : model.named_modules()) {
+      const auto* dense = item.value()->as<DenseImpl>();
+      if (dense != nullptr && dense->is_nf4()) {
+        weights.emplace_back(absl::StrCat(item.key(), ".weight"),
+                             DequantizeNf4(*dense->nf4_weight()));
       }
-      torch::Tensor value = item.value().detach().to(torch::kCPU, torch::kFloat32);
+    }
+    for (const auto& [key, weight] : weights) {
+      std::optional<HfName> hf = HfNameOf(key, dims);
+      if (!hf.has_value()) {
+        return absl::InternalError(absl::StrCat("parameter '", key, "' has no Hugging Face name"));
+      }
+      torch::Tensor value = weight.detach().to(torch::kCPU, torch::kFloat32);
       // A layer with an adapter exports W + scale * B A (adapters hang under the linear module,
       // "<layer>.lora_a" beside "<layer>.weight", or under a stacked expert weight "<layer>",
       // where the product is per expert).
-      const absl::string_view layer = absl::StripSuffix(item.key(), ".weight");
+      const absl::string_view layer = absl::StripSuffix(key, ".weight");
       const torch::Tensor* a = params.find(absl::StrCat(layer, ".lora_a"));
       const torch::Tensor* b = params.find(absl::StrCat(layer, ".lora_b"));
       if (a != nullptr && b != nullptr) {
@@ -660,7 +674,7 @@ absl::Status ExportHfModel(CausalLMImpl& model, const std::string& dir,
         // An MoE layer's experts: one HF tensor per expert, expert e at index e of dim 0.
         const std::vector<torch::Tensor> experts = value.unbind(0);
         if (experts.size() != hf->stacked.size()) {
-          return absl::InternalError(absl::StrCat("parameter '", item.key(), "' holds ",
+          return absl::InternalError(absl::StrCat("parameter '", key, "' holds ",
                                                   experts.size(), " experts, the config ",
                                                   hf->stacked.size()));
         }
