@@ -160,8 +160,7 @@ TEST_F(InterleavedPipelineTest, CheckpointResumesWithoutVirtualStages) {
   }
   for (int64_t step = n + 1; step <= 2 * n; ++step) {
     const double expected = straight.losses.at(step);
-    EXPECT_LE(std::abs(resumed[0].losses.at(step) - expected) / expected, 1e-5)
-        << "step " << step;
+    EXPECT_LE(std::abs(resumed[0].losses.at(step) - expected) / expected, 1e-5) << "step " << step;
   }
 }
 
@@ -174,12 +173,16 @@ TEST_F(InterleavedPipelineTest, LayoutsTheScheduleCannotRunAreRefused) {
   };
   const std::vector<Refusal> refusals = {
       // pp 1: nothing to interleave.
-      {1, {"--pipeline_virtual_stages=2"}, "pipeline_virtual_stages: 2 needs pipeline_parallel > 1"},
+      {1,
+       {"--pipeline_virtual_stages=2"},
+       "pipeline_virtual_stages: 2 needs pipeline_parallel > 1"},
       // 4 layers over pp 2: 2 per stage, not 3 chunks.
-      {2, {"--pipeline_parallel=2", "--pipeline_virtual_stages=3"},
+      {2,
+       {"--pipeline_parallel=2", "--pipeline_virtual_stages=3"},
        "pipeline_virtual_stages: 3 does not divide the 2 layers"},
       // 6 sequences of 2: 3 micro-batches, not a multiple of pp 2.
-      {2, {"--pipeline_parallel=2", "--pipeline_virtual_stages=2", "--global_batch=6"},
+      {2,
+       {"--pipeline_parallel=2", "--pipeline_virtual_stages=2", "--global_batch=6"},
        "but a step has 3 per pipeline"},
   };
   for (const Refusal& refusal : refusals) {

@@ -391,8 +391,8 @@ CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
               " of ", tp.size);
   TORCH_CHECK(dims.vocab_size() >= tp.size, "tensor_parallel ", tp.size, " exceeds the vocabulary");
   if (partition_.num_layers < 0) partition_.num_layers = dims.num_layers() - partition_.first_layer;
-  TORCH_CHECK(partition_.chunks >= 1 && (partition_.chunks == 1 ||
-                                         partition_.chunk_stride >= partition_.num_layers),
+  TORCH_CHECK(partition_.chunks >= 1 &&
+                  (partition_.chunks == 1 || partition_.chunk_stride >= partition_.num_layers),
               partition_.chunks, " chunks ", partition_.chunk_stride,
               " layers apart overlap chunks of ", partition_.num_layers, " layers");
   const int last_chunk_end = partition_.first_layer +
@@ -673,8 +673,7 @@ torch::Tensor CausalLMImpl::HeadLoss(const torch::Tensor& hidden, const torch::T
 
 torch::Tensor CausalLMImpl::StageForward(const torch::Tensor& input, const torch::Tensor& targets,
                                          const torch::Tensor& positions, int chunk) {
-  TORCH_CHECK(chunk >= 0 && chunk < partition_.chunks, "chunk ", chunk, " of ",
-              partition_.chunks);
+  TORCH_CHECK(chunk >= 0 && chunk < partition_.chunks, "chunk ", chunk, " of ", partition_.chunks);
   const bool embeds = partition_.embedding && chunk == 0;
   const bool heads = partition_.head && chunk == partition_.chunks - 1;
   torch::Tensor h = input;
@@ -729,9 +728,9 @@ void CausalLMImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) 
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> CausalLMImpl::LayerParameters(int layer) {
-  TORCH_CHECK(layer == -1 || LocalLayerIndex(layer) >= 0, "layer ", layer,
-              " is not held here (", partition_.chunks, " chunks of ", partition_.num_layers,
-              " layers from ", partition_.first_layer, ", ", partition_.chunk_stride, " apart)");
+  TORCH_CHECK(layer == -1 || LocalLayerIndex(layer) >= 0, "layer ", layer, " is not held here (",
+              partition_.chunks, " chunks of ", partition_.num_layers, " layers from ",
+              partition_.first_layer, ", ", partition_.chunk_stride, " apart)");
   const std::string layer_prefix = "layers.";
   const std::string prefix = layer_prefix + std::to_string(layer) + ".";
   std::vector<std::pair<std::string, torch::Tensor>> out;

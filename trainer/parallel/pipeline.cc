@@ -39,8 +39,8 @@ const char* KindName(PipelineOp::Kind kind) {
 
 std::string PipelineOp::ToString() const {
   return peer < 0 ? absl::StrCat(KindName(kind), "(chunk ", chunk, ", mb ", micro_batch, ")")
-                  : absl::StrCat(KindName(kind), "(chunk ", chunk, ", mb ", micro_batch,
-                                 ", stage ", peer, ")");
+                  : absl::StrCat(KindName(kind), "(chunk ", chunk, ", mb ", micro_batch, ", stage ",
+                                 peer, ")");
 }
 
 absl::Status CheckInterleavedMicroBatches(int stages, int chunks, int micro_batches) {

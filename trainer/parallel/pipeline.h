@@ -71,8 +71,7 @@ std::vector<PipelineOp> InterleavedPipelineOps(int stages, int stage, int chunks
 
 class PipelineSchedule {
  public:
-  using Forward =
-      std::function<at::Tensor(int chunk, int micro_batch, const at::Tensor& input)>;
+  using Forward = std::function<at::Tensor(int chunk, int micro_batch, const at::Tensor& input)>;
   // `last` marks the chunk's last backward of the step.
   using Backward = std::function<void(int chunk, int micro_batch, const at::Tensor& output,
                                       const at::Tensor& grad, bool last)>;
@@ -104,8 +103,7 @@ class PipelineSchedule {
 
  private:
   // Train with chunks > 1: runs InterleavedPipelineOps.
-  at::Tensor TrainInterleaved(int micro_batches, const Forward& forward,
-                              const Backward& backward);
+  at::Tensor TrainInterleaved(int micro_batches, const Forward& forward, const Backward& backward);
   // Posts a send that the step waits for later (FinishSends); keeps the sent copy alive.
   void PostSend(const at::Tensor& tensor, int to, int tag);
   void FinishSends();

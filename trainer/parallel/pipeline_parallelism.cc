@@ -28,10 +28,10 @@ absl::Status CheckPipelineSplits(const v1::ModelDims& dims, int pp, int virtual_
   }
   const int layers_per_stage = dims.num_layers() / pp;
   if (layers_per_stage % virtual_stages != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parallelism.layout.pipeline_virtual_stages: ", virtual_stages,
-        " does not divide the ", layers_per_stage, " layers of each of the ", pp,
-        " pipeline stages (num_layers ", dims.num_layers(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallelism.layout.pipeline_virtual_stages: ", virtual_stages,
+                     " does not divide the ", layers_per_stage, " layers of each of the ", pp,
+                     " pipeline stages (num_layers ", dims.num_layers(), ")"));
   }
   return absl::OkStatus();
 }

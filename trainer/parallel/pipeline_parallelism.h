@@ -1,8 +1,8 @@
 // Pipeline parallelism applied to a run: what the model's depth must allow for a pp split, which
 // layers this rank's stage holds (one contiguous block, or with v virtual stages the v chunks
 // s, s + pp, ... of the pp * v equal chunks, as Megatron-Core assigns them), and the 1F1B or
-// interleaved 1F1B schedule (pipeline.h) that connects the stages. The model is built with the stage's layers (ModelPartition); the training
-// loop drives the schedule.
+// interleaved 1F1B schedule (pipeline.h) that connects the stages. The model is built with the
+// stage's layers (ModelPartition); the training loop drives the schedule.
 //
 // Thread safety: plain functions of their arguments.
 #pragma once

@@ -83,10 +83,10 @@ TEST(InterleavedPipelineOpsTest, TwoStagesTwoChunksOrder) {
 // receive blocks until its peer's matching send ran.
 struct Simulation {
   bool finished = false;
-  std::string stuck;            // the operations the stages were blocked at, when not finished
-  int makespan = 0;             // time units until the last stage finished
-  std::vector<int> idle;        // per stage: makespan - its busy units
-  std::vector<int> in_flight;   // per stage: most forwards whose backward had not run yet
+  std::string stuck;           // the operations the stages were blocked at, when not finished
+  int makespan = 0;            // time units until the last stage finished
+  std::vector<int> idle;       // per stage: makespan - its busy units
+  std::vector<int> in_flight;  // per stage: most forwards whose backward had not run yet
   std::vector<std::string> errors;
 };
 

@@ -35,8 +35,7 @@ namespace {
 // is left to its own message.
 absl::Status CheckInterleavedSchedule(const v1::TrainerTask& task, const MeshShape& shape) {
   const int virtual_stages = VirtualStagesOf(task.plan().layout());
-  const int64_t per_pipeline =
-      int64_t{task.spec().batch().micro_batch_size()} * shape.dp;
+  const int64_t per_pipeline = int64_t{task.spec().batch().micro_batch_size()} * shape.dp;
   if (virtual_stages <= 1 || per_pipeline <= 0) return absl::OkStatus();
   return CheckInterleavedMicroBatches(
       shape.pp, virtual_stages,
@@ -142,8 +141,7 @@ absl::StatusOr<ParameterValues> ParallelizeRun(const v1::TrainerTask& task,
   const v1::Layout& layout = task.plan().layout();
   const v1::ModelDims& dims = run.summary.dims();
   const TensorParallel tp = TensorParallelOf(run.mesh, layout.sequence_parallel());
-  const PipelineStage stage =
-      PipelineStageOf(run.mesh, dims.num_layers(), VirtualStagesOf(layout));
+  const PipelineStage stage = PipelineStageOf(run.mesh, dims.num_layers(), VirtualStagesOf(layout));
   *kind = v1::FAILURE_KIND_INVALID_SPEC;
   ASSIGN_OR_RETURN(BuiltModel built, BuildModel(ModelOptionsFor(task, run, tp, stage)));
   run.model = built.model;
@@ -217,8 +215,7 @@ absl::StatusOr<v1::ModelSummary> ResolveModelSummary(const v1::TrainerTask& task
 absl::Status ValidateSplits(const v1::ModelDims& dims, const MeshShape& shape,
                             const v1::TrainerTask& task) {
   RETURN_IF_ERROR(CheckTensorParallelSplits(dims, shape.tp));
-  RETURN_IF_ERROR(
-      CheckPipelineSplits(dims, shape.pp, VirtualStagesOf(task.plan().layout())));
+  RETURN_IF_ERROR(CheckPipelineSplits(dims, shape.pp, VirtualStagesOf(task.plan().layout())));
   RETURN_IF_ERROR(CheckInterleavedSchedule(task, shape));
   return CheckSequenceParallelSplit(task.plan().layout().sequence_parallel(),
                                     task.spec().data().seq_len(), shape.tp);
