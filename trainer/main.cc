@@ -105,6 +105,10 @@ ABSL_FLAG(int, context_parallel, 1,
 ABSL_FLAG(int, pipeline_parallel, 1,
           "Standalone: pipeline stages (1F1B; must divide the layers). Data parallelism is the "
           "rest of the world size.");
+ABSL_FLAG(int, pipeline_virtual_stages, 1,
+          "Standalone: model chunks per pipeline stage (interleaved 1F1B when > 1; must divide "
+          "each stage's layers, and the micro-batches per step must be a multiple of "
+          "--pipeline_parallel).");
 ABSL_FLAG(std::string, activation_checkpointing, "none",
           "Standalone: activation recomputation: none, selective or full.");
 ABSL_FLAG(std::string, job_id, "standalone", "Standalone: job id in reports and checkpoints.");
@@ -293,6 +297,7 @@ tessera::v1::TrainerTask TaskFromFlags() {
   layout->set_tensor_parallel(absl::GetFlag(FLAGS_tensor_parallel));
   layout->set_pipeline_parallel(absl::GetFlag(FLAGS_pipeline_parallel));
   layout->set_context_parallel(absl::GetFlag(FLAGS_context_parallel));
+  layout->set_pipeline_virtual_stages(absl::GetFlag(FLAGS_pipeline_virtual_stages));
   layout->set_sequence_parallel(absl::GetFlag(FLAGS_sequence_parallel));
   const std::string recompute =
       absl::AsciiStrToUpper(absl::GetFlag(FLAGS_activation_checkpointing));

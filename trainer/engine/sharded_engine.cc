@@ -33,14 +33,17 @@ class GradientReadyHook final : public torch::autograd::PostAccumulateGradHook {
   int entry_;
 };
 
-// The unit of a parameter by its name: 1 + i for "layers.<first_layer + i>.*", 0 otherwise.
-int UnitOf(const std::string& name, int first_layer) {
+// The unit of a parameter by its name: 1 + the model's local index of the layer of
+// "layers.<layer>.*" (chunk by chunk under interleaved pipeline stages), 0 otherwise.
+int UnitOf(const std::string& name, const CausalLMImpl& model) {
   if (!absl::StartsWith(name, "layers.")) return 0;
   const size_t dot = name.find('.', 7);
   int layer = 0;
   TORCH_CHECK(dot != std::string::npos && absl::SimpleAtoi(name.substr(7, dot - 7), &layer),
               "parameter name ", name, " does not name its layer");
-  return 1 + layer - first_layer;
+  const int local = model.LocalLayerIndex(layer);
+  TORCH_CHECK(local >= 0, "parameter ", name, " of a layer this rank does not hold");
+  return 1 + local;
 }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -117,7 +120,7 @@ void ShardedEngine::BuildUnits() {
     const bool tied_copy = item.key() == "embed.weight" && !partition.embedding;
     entry.saved = !tied_copy && (!entry.replicated || options_.tp.rank == 0);
     entry.norm_share = tied_copy ? 0.0 : (entry.replicated ? 1.0 / tp : 1.0);
-    units_[UnitOf(item.key(), partition.first_layer)].entries.push_back(std::move(entry));
+    units_[UnitOf(item.key(), *model_)].entries.push_back(std::move(entry));
   }
   const int64_t dp = options_.dp_size;
   const bool deferred = model_->storage() == ParameterStorage::kDeferred;

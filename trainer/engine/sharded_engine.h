@@ -153,9 +153,11 @@ class ShardedEngine : public LayerHooks {
   // Pipeline stages: the stage's forward of one micro-batch (under the engine's autocast), and
   // the backward from its output: `grad` is the next stage's gradient for it, or undefined on
   // the last stage, whose output is the loss (then loss * scale is differentiated). `last` marks
-  // the step's last backward (ZeRO 0/1 reduce then).
+  // the step's last backward through the layers it reaches (ZeRO 0/1 reduce them then): with
+  // interleaved stages, the last backward of each of the stage's chunks. `chunk`: the model's
+  // chunk the forward runs (CausalLMImpl::StageForward).
   at::Tensor ForwardStage(const at::Tensor& input, const at::Tensor& targets,
-                          const at::Tensor& positions = {});
+                          const at::Tensor& positions = {}, int chunk = 0);
   void BackwardStage(const at::Tensor& output, const at::Tensor& grad, double scale, bool last);
 
   EngineMemory Memory() const;

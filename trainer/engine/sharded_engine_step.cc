@@ -41,10 +41,10 @@ at::Tensor ShardedEngine::EagerForwardBackward(const at::Tensor& inputs, const a
 }
 
 at::Tensor ShardedEngine::ForwardStage(const at::Tensor& input, const at::Tensor& targets,
-                                       const at::Tensor& positions) {
+                                       const at::Tensor& positions, int chunk) {
   TORCH_CHECK(stage() <= 1, "pipeline stages run ZeRO 0 or 1");
   AutocastScope autocast(options_.bf16);
-  return model_->StageForward(input, targets, positions);
+  return model_->StageForward(input, targets, positions, chunk);
 }
 
 void ShardedEngine::BackwardStage(const at::Tensor& output, const at::Tensor& grad, double scale,

@@ -398,10 +398,16 @@ CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
               " of ", tp.size);
   TORCH_CHECK(dims.vocab_size() >= tp.size, "tensor_parallel ", tp.size, " exceeds the vocabulary");
   if (partition_.num_layers < 0) partition_.num_layers = dims.num_layers() - partition_.first_layer;
+  TORCH_CHECK(partition_.chunks >= 1 &&
+                  (partition_.chunks == 1 || partition_.chunk_stride >= partition_.num_layers),
+              partition_.chunks, " chunks ", partition_.chunk_stride,
+              " layers apart overlap chunks of ", partition_.num_layers, " layers");
+  const int last_chunk_end = partition_.first_layer +
+                             (partition_.chunks - 1) * partition_.chunk_stride +
+                             partition_.num_layers;
   TORCH_CHECK(partition_.first_layer >= 0 && partition_.num_layers >= 0 &&
-                  partition_.first_layer + partition_.num_layers <= dims.num_layers(),
-              "layers [", partition_.first_layer, ", ",
-              partition_.first_layer + partition_.num_layers, ") outside the model's ",
+                  last_chunk_end <= dims.num_layers(),
+              "layers [", partition_.first_layer, ", ", last_chunk_end, ") outside the model's ",
               dims.num_layers());
   const int64_t d = dims.hidden_size();
   const int64_t local_vocab = VocabRowsPerRank(dims.vocab_size(), tp.size);
@@ -416,12 +422,15 @@ CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
     pos_embed_ = register_module("pos_embed", EmbeddingTable(dims.max_seq_len(), d, options));
   }
   layers_ = register_module("layers", torch::nn::ModuleDict());
-  for (int i = 0; i < partition_.num_layers; ++i) {
-    Block block(dims, tp, options);
-    block->attention()->set_context_parallel(partition_.cp);
-    layers_->update(std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>{
-        {std::to_string(partition_.first_layer + i), block.ptr()}});
-    blocks_.push_back(block.ptr());
+  for (int chunk = 0; chunk < partition_.chunks; ++chunk) {
+    for (int i = 0; i < partition_.num_layers; ++i) {
+      Block block(dims, tp, options);
+      block->attention()->set_context_parallel(partition_.cp);
+      const int layer = partition_.first_layer + chunk * partition_.chunk_stride + i;
+      layers_->update(std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>{
+          {std::to_string(layer), block.ptr()}});
+      blocks_.push_back(block.ptr());
+    }
   }
   if (partition_.head) {
     final_norm_ =
@@ -593,7 +602,18 @@ torch::Tensor CausalLMImpl::ContextPositions(int64_t local_seq) const {
   return ContextParallelPositions(local_seq * cp.size, cp.rank, cp.size).to(device);
 }
 
-torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h, const torch::Tensor& positions) {
+int CausalLMImpl::LocalLayerIndex(int layer) const {
+  const int offset = layer - partition_.first_layer;
+  if (offset < 0) return -1;
+  const int chunk = partition_.chunks == 1 ? 0 : offset / partition_.chunk_stride;
+  const int within = offset - chunk * partition_.chunk_stride;
+  if (chunk >= partition_.chunks || within >= partition_.num_layers) return -1;
+  return chunk * partition_.num_layers + within;
+}
+
+torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h, const torch::Tensor& positions, int begin,
+                                      int end) {
+  if (end < 0) end = num_local_layers();
   const TensorParallel& tp = partition_.tp;
   const int64_t seq = h.size(1) * (tp.enabled() && tp.sequence_parallel ? tp.size : 1);
   torch::Tensor cos, sin, mask;
@@ -620,7 +640,7 @@ torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h, const torch::Tensor& posi
     }
   }
   router_stats_.clear();
-  for (int i = 0; i < num_local_layers(); ++i) {
+  for (int i = begin; i < end; ++i) {
     if (hooks_ != nullptr) hooks_->BeforeLayer(i);
     std::shared_ptr<BlockImpl> block = blocks_[i];
     if (checkpointing_ == v1::ACTIVATION_CHECKPOINTING_FULL) {
@@ -687,9 +707,12 @@ torch::Tensor CausalLMImpl::HeadLoss(const torch::Tensor& hidden, const torch::T
 }
 
 torch::Tensor CausalLMImpl::StageForward(const torch::Tensor& input, const torch::Tensor& targets,
-                                         const torch::Tensor& positions) {
+                                         const torch::Tensor& positions, int chunk) {
+  TORCH_CHECK(chunk >= 0 && chunk < partition_.chunks, "chunk ", chunk, " of ", partition_.chunks);
+  const bool embeds = partition_.embedding && chunk == 0;
+  const bool heads = partition_.head && chunk == partition_.chunks - 1;
   torch::Tensor h = input;
-  if (partition_.embedding) {
+  if (embeds) {
     TORCH_CHECK(input.dim() == 2, "tokens must be [batch, seq], got ", input.sizes());
     const int64_t global_seq = input.size(1) * partition_.cp.size;
     TORCH_CHECK(global_seq <= dims_.max_seq_len(), "sequence length ", global_seq,
@@ -700,8 +723,9 @@ torch::Tensor CausalLMImpl::StageForward(const torch::Tensor& input, const torch
                 " (sequence parallelism splits it)");
     h = Embed(input, positions);
   }
-  h = RunLayers(std::move(h), positions);
-  if (!partition_.head) return h;
+  h = RunLayers(std::move(h), positions, chunk * partition_.num_layers,
+                (chunk + 1) * partition_.num_layers);
+  if (!heads) return h;
   TORCH_CHECK(targets.defined(), "the last stage needs targets");
   torch::Tensor loss = HeadLoss(h, targets);
   if (router_stats_.empty()) return loss;
@@ -740,10 +764,9 @@ void CausalLMImpl::SetActivationCheckpointing(v1::ActivationCheckpointing mode) 
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> CausalLMImpl::LayerParameters(int layer) {
-  TORCH_CHECK(layer == -1 || (layer >= partition_.first_layer &&
-                              layer < partition_.first_layer + partition_.num_layers),
-              "layer ", layer, " is not held here (layers [", partition_.first_layer, ", ",
-              partition_.first_layer + partition_.num_layers, "))");
+  TORCH_CHECK(layer == -1 || LocalLayerIndex(layer) >= 0, "layer ", layer, " is not held here (",
+              partition_.chunks, " chunks of ", partition_.num_layers, " layers from ",
+              partition_.first_layer, ", ", partition_.chunk_stride, " apart)");
   const std::string layer_prefix = "layers.";
   const std::string prefix = layer_prefix + std::to_string(layer) + ".";
   std::vector<std::pair<std::string, torch::Tensor>> out;

@@ -266,7 +266,11 @@ class LayerHooks {
 struct ModelPartition {
   TensorParallel tp;
   int first_layer = 0;
-  int num_layers = -1;  // -1: every layer from first_layer on
+  int num_layers = -1;  // per chunk; -1: every layer from first_layer on (one chunk)
+  // Interleaved pipeline stages hold `chunks` blocks of num_layers consecutive layers, chunk j
+  // from first_layer + j * chunk_stride; StageForward runs one chunk at a time.
+  int chunks = 1;
+  int chunk_stride = 0;
   // The first stage holds the embeddings; the last the final norm, the LM head and the loss.
   // With tied embeddings the last stage of a pipeline holds its own copy of embed.weight as the
   // head (the engine keeps the two copies' gradients summed).
@@ -306,8 +310,10 @@ class CausalLMImpl : public torch::nn::Module {
   // apart: a token attends only to earlier tokens of its own record, and position embeddings /
   // rotary angles count from the record's start, so that a record's logits are those it gets
   // alone in a sample.
+  // `chunk`: which of the partition's chunks runs; the embeddings go with the first, the head
+  // and the loss with the last.
   torch::Tensor StageForward(const torch::Tensor& input, const torch::Tensor& targets,
-                             const torch::Tensor& positions = {});
+                             const torch::Tensor& positions = {}, int chunk = 0);
   // Mixture-of-experts models: the routers' load-balancing loss of the last forward call (on this
   // rank's layers), detached: transformers' load_balancing_loss_func over every layer's routing at
   // once, num_experts * sum_e f_e P_e with f_e the share of token slots routed to expert e and P_e
@@ -336,8 +342,10 @@ class CausalLMImpl : public torch::nn::Module {
   // local index (0 is this rank's first layer).
   void SetLayerHooks(LayerHooks* hooks) { hooks_ = hooks; }
 
-  // This rank's transformer blocks, in order.
+  // This rank's transformer blocks, in order (chunk by chunk).
   int num_local_layers() const { return static_cast<int>(blocks_.size()); }
+  // The local index (0 .. num_local_layers() - 1) of global layer `layer`; -1 when not held.
+  int LocalLayerIndex(int layer) const;
   // named_parameters() entries, in its order, whose name starts with "layers.<layer>." (a global
   // index of a layer this rank holds); for layer -1 all the others (embeddings, final norm,
   // lm_head). Names are full ("layers.3.attn.qkv.weight", "embed.weight"). c10::Error for a
@@ -373,9 +381,11 @@ class CausalLMImpl : public torch::nn::Module {
 
  private:
   torch::Tensor Embed(const torch::Tensor& tokens, const torch::Tensor& positions);
-  torch::Tensor RunLayers(torch::Tensor h, const torch::Tensor& positions);
   // The global positions (int64, on the model's device) of a cp rank's `local_seq` tokens.
   torch::Tensor ContextPositions(int64_t local_seq) const;
+  // Runs the local blocks [begin, end) (all of them when end is -1).
+  torch::Tensor RunLayers(torch::Tensor h, const torch::Tensor& positions, int begin = 0,
+                          int end = -1);
   torch::Tensor HeadLoss(const torch::Tensor& h, const torch::Tensor& targets);
   // The load-balancing loss of the routing RunLayers collected (differentiable); sets the
   // last_router_* members.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -16,24 +17,156 @@ namespace {
 constexpr int kActivationTag = 1;
 constexpr int kGradientTag = 2;
 
+const char* KindName(PipelineOp::Kind kind) {
+  switch (kind) {
+    case PipelineOp::Kind::kReceiveActivation:
+      return "receive-activation";
+    case PipelineOp::Kind::kForward:
+      return "forward";
+    case PipelineOp::Kind::kSendActivation:
+      return "send-activation";
+    case PipelineOp::Kind::kReceiveGradient:
+      return "receive-gradient";
+    case PipelineOp::Kind::kBackward:
+      return "backward";
+    case PipelineOp::Kind::kSendGradient:
+      return "send-gradient";
+  }
+  return "?";
+}
+
 }  // namespace
+
+std::string PipelineOp::ToString() const {
+  return peer < 0 ? absl::StrCat(KindName(kind), "(chunk ", chunk, ", mb ", micro_batch, ")")
+                  : absl::StrCat(KindName(kind), "(chunk ", chunk, ", mb ", micro_batch, ", stage ",
+                                 peer, ")");
+}
+
+absl::Status CheckInterleavedMicroBatches(int stages, int chunks, int micro_batches) {
+  if (chunks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parallelism.layout.pipeline_virtual_stages: ", chunks, " is not a chunk count >= 1"));
+  }
+  if (chunks > 1 && (micro_batches < 1 || micro_batches % stages != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parallelism.layout.pipeline_virtual_stages: ", chunks,
+        " (interleaved 1F1B) takes the micro-batches of a step in groups of pipeline_parallel ",
+        stages, ", but a step has ", micro_batches,
+        " per pipeline (batch.global_batch_size / (batch.micro_batch_size x data-parallel "
+        "ranks)); make it a multiple of ",
+        stages, " or use pipeline_virtual_stages 1"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<PipelineOp> InterleavedPipelineOps(int stages, int stage, int chunks,
+                                               int micro_batches) {
+  const int p = stages, v = chunks, group = stages * chunks;
+  const int total = micro_batches * chunks;
+  const int next = (stage + 1) % p, prev = (stage + p - 1) % p;
+  std::vector<PipelineOp> ops;
+  ops.reserve(6 * total);
+  // The model's chunk index of the stage's local chunk c is c * p + stage: the first takes the
+  // tokens, the last computes the loss, and the others talk to the neighbouring stages (across
+  // the wrap from the last stage to stage 0 between chunks).
+  auto model_chunk = [&](int chunk) { return chunk * p + stage; };
+  auto micro_batch_of = [&](int k) { return (k / group) * p + k % p; };
+  auto add_forward = [&](int k) {
+    const int chunk = (k % group) / p, mb = micro_batch_of(k);
+    using Kind = PipelineOp::Kind;
+    if (model_chunk(chunk) > 0) ops.push_back({Kind::kReceiveActivation, chunk, mb, prev});
+    ops.push_back({Kind::kForward, chunk, mb, -1});
+    if (model_chunk(chunk) < group - 1) ops.push_back({Kind::kSendActivation, chunk, mb, next});
+  };
+  auto add_backward = [&](int k) {
+    const int chunk = v - 1 - (k % group) / p, mb = micro_batch_of(k);
+    using Kind = PipelineOp::Kind;
+    if (model_chunk(chunk) < group - 1) ops.push_back({Kind::kReceiveGradient, chunk, mb, next});
+    ops.push_back({Kind::kBackward, chunk, mb, -1});
+    if (model_chunk(chunk) > 0) ops.push_back({Kind::kSendGradient, chunk, mb, prev});
+  };
+  // Stage s starts its first backward once the first micro-batch group has gone through the
+  // chunks after its first: (v - 1) * p forwards of the earlier chunks plus the p - s - 1 the
+  // plain 1F1B warm-up keeps in flight. Megatron doubles the second term because its sends and
+  // receives pair up synchronously; posted sends need no such slack (the test's simulation gets
+  // the ideal (p - 1) / (v m) bubble without it).
+  const int warmup = std::min((p - stage - 1) + (v - 1) * p, total);
+  for (int k = 0; k < warmup; ++k) add_forward(k);
+  for (int k = 0; k < total - warmup; ++k) {
+    add_forward(k + warmup);
+    add_backward(k);
+  }
+  for (int k = total - warmup; k < total; ++k) add_backward(k);
+  return ops;
+}
 
 PipelineSchedule::PipelineSchedule(c10::intrusive_ptr<c10d::ProcessGroup> group, int stage,
                                    std::vector<int> stage_ranks,
-                                   std::vector<int64_t> activation_shape, at::Device device)
+                                   std::vector<int64_t> activation_shape, at::Device device,
+                                   int chunks)
     : group_(std::move(group)),
       stage_(stage),
       stages_(static_cast<int>(stage_ranks.size())),
       stage_ranks_(std::move(stage_ranks)),
       activation_shape_(std::move(activation_shape)),
-      device_(device) {
+      device_(device),
+      chunks_(chunks) {
   TORCH_CHECK(stages_ >= 1 && stage_ >= 0 && stage_ < stages_, "pipeline stage ", stage_, " of ",
               stages_);
+  TORCH_CHECK(chunks_ >= 1, "pipeline stage with ", chunks_, " chunks");
   TORCH_CHECK(stages_ == 1 || group_, "a pipeline of ", stages_, " stages needs a process group");
 }
 
 at::Tensor PipelineSchedule::EmptyActivation() const {
   return at::empty(activation_shape_, at::TensorOptions().dtype(at::kFloat).device(device_));
+}
+
+void PipelineSchedule::ThrowPeerLost(const std::vector<int>& stages,
+                                     const std::exception& e) const {
+  std::string peers;
+  for (int peer : stages) {
+    if (peer < 0 || peers.find(std::to_string(stage_ranks_[peer]) + ")") != std::string::npos) {
+      continue;
+    }
+    peers += absl::StrCat(peers.empty() ? "" : " and ", "stage ", peer, " (rank ",
+                          stage_ranks_[peer], ")");
+  }
+  throw std::runtime_error(absl::StrCat("pipeline peer lost: stage ", stage_, " (rank ",
+                                        stage_ranks_[stage_],
+                                        ") could not exchange activations or gradients with ",
+                                        peers, ": ", c10::GetExceptionString(e)));
+}
+
+void PipelineSchedule::PostSend(const at::Tensor& tensor, int to, int tag) {
+  std::vector<at::Tensor> outgoing{tensor.detach().to(at::kFloat).contiguous()};
+  sends_.emplace_back(group_->send(outgoing, to, tag), to);
+  sent_.push_back(outgoing[0]);
+}
+
+void PipelineSchedule::FinishSends() {
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, int>> sends = std::move(sends_);
+  sends_.clear();
+  for (auto& [work, peer] : sends) {
+    try {
+      WaitForPeers(work);
+    } catch (const std::exception& e) {
+      sent_.clear();
+      ThrowPeerLost({peer}, e);
+    }
+  }
+  sent_.clear();
+}
+
+at::Tensor PipelineSchedule::Receive(int from, int tag, bool requires_grad) {
+  std::vector<at::Tensor> incoming{EmptyActivation()};
+  auto work = group_->recv(incoming, from, tag);
+  try {
+    WaitForPeers(work);
+  } catch (const std::exception& e) {
+    ThrowPeerLost({from}, e);
+  }
+  return incoming[0].requires_grad_(requires_grad);
 }
 
 at::Tensor PipelineSchedule::Exchange(const at::Tensor& send, int send_to, int send_tag,
@@ -52,18 +185,7 @@ at::Tensor PipelineSchedule::Exchange(const at::Tensor& send, int send_to, int s
   try {
     for (auto& work : works) WaitForPeers(work);
   } catch (const std::exception& e) {
-    std::string peers;
-    for (int peer : {send.defined() ? send_to : -1, receive ? receive_from : -1}) {
-      if (peer < 0 || peers.find(std::to_string(stage_ranks_[peer]) + ")") != std::string::npos) {
-        continue;
-      }
-      peers += absl::StrCat(peers.empty() ? "" : " and ", "stage ", peer, " (rank ",
-                            stage_ranks_[peer], ")");
-    }
-    throw std::runtime_error(absl::StrCat("pipeline peer lost: stage ", stage_, " (rank ",
-                                          stage_ranks_[stage_],
-                                          ") could not exchange activations or gradients with ",
-                                          peers, ": ", c10::GetExceptionString(e)));
+    ThrowPeerLost({send.defined() ? send_to : -1, receive ? receive_from : -1}, e);
   }
   if (!receive) return at::Tensor();
   return incoming[0].requires_grad_(requires_grad);
@@ -71,6 +193,7 @@ at::Tensor PipelineSchedule::Exchange(const at::Tensor& send, int send_to, int s
 
 at::Tensor PipelineSchedule::Train(int micro_batches, const Forward& forward,
                                    const Backward& backward) {
+  if (chunks_ > 1) return TrainInterleaved(micro_batches, forward, backward);
   const int m = micro_batches;
   const int warmup = std::min(stages_ - stage_ - 1, m);
   const int remaining = m - warmup;
@@ -84,7 +207,7 @@ at::Tensor PipelineSchedule::Train(int micro_batches, const Forward& forward,
                    : Exchange({}, 0, 0, true, prev, kActivationTag, /*requires_grad=*/true);
   };
   auto run_forward = [&](const at::Tensor& input) {
-    at::Tensor output = forward(forwards++, input);
+    at::Tensor output = forward(0, forwards++, input);
     if (last()) {
       at::Tensor loss = output.detach().to(at::kFloat);
       loss_sum = loss_sum.defined() ? loss_sum + loss : loss;
@@ -96,7 +219,7 @@ at::Tensor PipelineSchedule::Train(int micro_batches, const Forward& forward,
   auto run_backward = [&](const at::Tensor& grad) {
     auto [input, output] = std::move(in_flight.front());
     in_flight.pop_front();
-    backward(backwards, output, grad, backwards == m - 1);
+    backward(0, backwards, output, grad, backwards == m - 1);
     ++backwards;
     if (first()) return at::Tensor();
     return input.grad().defined() ? input.grad() : at::zeros_like(input);
@@ -137,12 +260,85 @@ at::Tensor PipelineSchedule::Train(int micro_batches, const Forward& forward,
 }
 
 at::Tensor PipelineSchedule::Evaluate(const Forward& forward) {
+  if (chunks_ > 1) {
+    // The micro-batch goes around the stages once per chunk; posted sends let stage 0 move on
+    // to receive the wrapped activations of its next chunk.
+    sends_.clear();
+    at::Tensor loss;
+    for (int chunk = 0; chunk < chunks_; ++chunk) {
+      at::Tensor input = first(chunk) ? at::Tensor()
+                                      : Receive((stage_ + stages_ - 1) % stages_, kActivationTag,
+                                                /*requires_grad=*/false);
+      at::Tensor output = forward(chunk, 0, input);
+      if (last(chunk)) {
+        loss = output;
+      } else {
+        PostSend(output, (stage_ + 1) % stages_, kActivationTag);
+      }
+    }
+    FinishSends();
+    return loss;
+  }
   at::Tensor input =
       first() ? at::Tensor() : Exchange({}, 0, 0, true, stage_ - 1, kActivationTag, false);
-  at::Tensor output = forward(0, input);
+  at::Tensor output = forward(0, 0, input);
   if (last()) return output;
   Exchange(output, stage_ + 1, kActivationTag, false, 0, 0, false);
   return at::Tensor();
+}
+
+at::Tensor PipelineSchedule::TrainInterleaved(int micro_batches, const Forward& forward,
+                                              const Backward& backward) {
+  const absl::Status check = CheckInterleavedMicroBatches(stages_, chunks_, micro_batches);
+  TORCH_CHECK(check.ok(), check.ToString());
+  sends_.clear();
+  sent_.clear();
+  // Per (chunk, micro-batch): the received input (with its gradient after the backward), the
+  // output kept for the backward, and the gradient received for it.
+  std::map<std::pair<int, int>, at::Tensor> inputs, outputs, grads;
+  at::Tensor loss_sum;
+  using Kind = PipelineOp::Kind;
+  for (const PipelineOp& op : InterleavedPipelineOps(stages_, stage_, chunks_, micro_batches)) {
+    const std::pair<int, int> key{op.chunk, op.micro_batch};
+    switch (op.kind) {
+      case Kind::kReceiveActivation:
+        inputs[key] = Receive(op.peer, kActivationTag, /*requires_grad=*/true);
+        break;
+      case Kind::kForward: {
+        at::Tensor output = forward(op.chunk, op.micro_batch, inputs[key]);
+        if (last(op.chunk)) {
+          at::Tensor loss = output.detach().to(at::kFloat);
+          loss_sum = loss_sum.defined() ? loss_sum + loss : loss;
+        }
+        outputs[key] = std::move(output);
+        break;
+      }
+      case Kind::kSendActivation:
+        PostSend(outputs.at(key), op.peer, kActivationTag);
+        break;
+      case Kind::kReceiveGradient:
+        grads[key] = Receive(op.peer, kGradientTag, /*requires_grad=*/false);
+        break;
+      case Kind::kBackward: {
+        // Backward order takes a chunk's micro-batches in increasing order.
+        backward(op.chunk, op.micro_batch, outputs.at(key), grads[key],
+                 op.micro_batch == micro_batches - 1);
+        outputs.erase(key);
+        grads.erase(key);
+        if (first(op.chunk)) inputs.erase(key);
+        break;
+      }
+      case Kind::kSendGradient: {
+        at::Tensor input = inputs.at(key);
+        inputs.erase(key);
+        PostSend(input.grad().defined() ? input.grad() : at::zeros_like(input), op.peer,
+                 kGradientTag);
+        break;
+      }
+    }
+  }
+  FinishSends();
+  return loss_sum;
 }
 
 }  // namespace tessera::trainer

@@ -1,7 +1,8 @@
 // Pipeline parallelism applied to a run: what the model's depth must allow for a pp split, which
-// contiguous block of layers this rank's stage holds, and the 1F1B schedule (pipeline.h) that
-// connects the stages. The model is built with the stage's layers (ModelPartition); the training
-// loop drives the schedule.
+// layers this rank's stage holds (one contiguous block, or with v virtual stages the v chunks
+// s, s + pp, ... of the pp * v equal chunks, as Megatron-Core assigns them), and the 1F1B or
+// interleaved 1F1B schedule (pipeline.h) that connects the stages. The model is built with the
+// stage's layers (ModelPartition); the training loop drives the schedule.
 //
 // Thread safety: plain functions of their arguments.
 #pragma once
@@ -17,28 +18,37 @@
 
 namespace tessera::trainer {
 
-// This rank's pipeline stage and the layers it holds (global indices).
+// This rank's pipeline stage and the layers it holds (global indices): `chunks` blocks of
+// `num_layers` consecutive layers, chunk j from first_layer + j * chunk_stride.
 struct PipelineStage {
   int stage = 0;
   int stages = 1;
   int first_layer = 0;
   int num_layers = 0;
+  int chunks = 1;
+  int chunk_stride = 0;
   // The first stage holds the embeddings, the last the final norm, the head and the loss.
   bool first() const { return stage == 0; }
   bool last() const { return stage == stages - 1; }
 };
 
+// The layout's virtual stages per pipeline stage (pipeline_virtual_stages; 0 means 1).
+int VirtualStagesOf(const v1::Layout& layout);
+
 // INVALID_ARGUMENT naming parallelism.layout.pipeline_parallel when `pp` does not divide the
-// model's layers.
-absl::Status CheckPipelineSplits(const v1::ModelDims& dims, int pp);
+// model's layers, and parallelism.layout.pipeline_virtual_stages when `virtual_stages` is
+// negative, above 1 without pipeline parallelism, or does not divide a stage's layers.
+absl::Status CheckPipelineSplits(const v1::ModelDims& dims, int pp, int virtual_stages = 1);
 
-// The stage of this rank on `mesh`: num_layers / pp consecutive layers per stage.
-PipelineStage PipelineStageOf(const DeviceMesh& mesh, int num_layers);
+// The stage of this rank on `mesh`: num_layers / pp layers per stage, in `virtual_stages` chunks
+// of num_layers / (pp * virtual_stages) (CheckPipelineSplits must accept the split).
+PipelineStage PipelineStageOf(const DeviceMesh& mesh, int num_layers, int virtual_stages = 1);
 
-// The 1F1B schedule of this rank's stage, sending activations of `activation_shape` on `device`
-// between the stages of its (dp, tp) line; std::nullopt without pipeline parallelism.
+// The 1F1B schedule of this rank's stage (interleaved over `virtual_stages` chunks when above 1),
+// sending activations of `activation_shape` on `device` between the stages of its (dp, tp)
+// line; std::nullopt without pipeline parallelism.
 std::optional<PipelineSchedule> MakePipelineSchedule(const DeviceMesh& mesh,
                                                      std::vector<int64_t> activation_shape,
-                                                     at::Device device);
+                                                     at::Device device, int virtual_stages = 1);
 
 }  // namespace tessera::trainer

@@ -32,6 +32,18 @@
 namespace tessera::trainer {
 namespace {
 
+// Interleaved 1F1B takes a step's micro-batches in groups of pp (pipeline.h); the loader gives
+// each pipeline global_batch_size / (micro_batch_size x dp) of them. A batch the loader refuses
+// is left to its own message.
+absl::Status CheckInterleavedSchedule(const v1::TrainerTask& task, const MeshShape& shape) {
+  const int virtual_stages = VirtualStagesOf(task.plan().layout());
+  const int64_t per_pipeline = int64_t{task.spec().batch().micro_batch_size()} * shape.dp;
+  if (virtual_stages <= 1 || per_pipeline <= 0) return absl::OkStatus();
+  return CheckInterleavedMicroBatches(
+      shape.pp, virtual_stages,
+      static_cast<int>(task.spec().batch().global_batch_size() / per_pipeline));
+}
+
 // ZeRO-3 builds the model without memory; the engine gives each rank its shards only.
 bool DeferredInit(const v1::TrainerTask& task) {
   return task.plan().layout().zero_stage() == 3 && !task.spec().has_lora();
@@ -49,6 +61,8 @@ ModelBuildOptions ModelOptionsFor(const v1::TrainerTask& task, const TrainingRun
                            .partition = ModelPartition{.tp = tp,
                                                        .first_layer = stage.first_layer,
                                                        .num_layers = stage.num_layers,
+                                                       .chunks = stage.chunks,
+                                                       .chunk_stride = stage.chunk_stride,
                                                        .embedding = stage.first(),
                                                        .head = stage.last(),
                                                        .cp = cp},
@@ -134,7 +148,7 @@ absl::StatusOr<ParameterValues> ParallelizeRun(const v1::TrainerTask& task,
   const v1::Layout& layout = task.plan().layout();
   const v1::ModelDims& dims = run.summary.dims();
   const TensorParallel tp = TensorParallelOf(run.mesh, layout.sequence_parallel());
-  const PipelineStage stage = PipelineStageOf(run.mesh, dims.num_layers());
+  const PipelineStage stage = PipelineStageOf(run.mesh, dims.num_layers(), VirtualStagesOf(layout));
   *kind = v1::FAILURE_KIND_INVALID_SPEC;
   const ContextParallel cp = ContextParallelOf(run.mesh);
   ASSIGN_OR_RETURN(BuiltModel built, BuildModel(ModelOptionsFor(task, run, tp, stage, cp)));
@@ -148,7 +162,7 @@ absl::StatusOr<ParameterValues> ParallelizeRun(const v1::TrainerTask& task,
       task.spec().data().seq_len() / cp.size / (tp.sequence_parallel ? tp.size : 1);
   run.pipeline = MakePipelineSchedule(
       run.mesh, {task.spec().batch().micro_batch_size(), seq, dims.hidden_size()},
-      run.device.device);
+      run.device.device, stage.chunks);
   run.engine = ApplyDataParallel(run.model, run.mesh, EngineOptionsFor(task, options, run, tp));
   return std::move(built.initial_values);
 }
@@ -215,6 +229,8 @@ absl::Status ValidateSplits(const v1::ModelDims& dims, const MeshShape& shape,
   RETURN_IF_ERROR(CheckPipelineSplits(dims, shape.pp));
   RETURN_IF_ERROR(CheckContextParallelSplits(dims, task.plan().layout(),
                                              task.spec().data().seq_len(), shape.cp, shape.tp));
+  RETURN_IF_ERROR(CheckPipelineSplits(dims, shape.pp, VirtualStagesOf(task.plan().layout())));
+  RETURN_IF_ERROR(CheckInterleavedSchedule(task, shape));
   return CheckSequenceParallelSplit(task.plan().layout().sequence_parallel(),
                                     task.spec().data().seq_len(), shape.tp);
 }
@@ -384,6 +400,14 @@ void ReportStarted(const v1::TrainerTask& task, const TrainingRun& run,
       run.loader->accumulation_steps(), memory.parameter_bytes / 1048576.0,
       memory.gradient_bytes / 1048576.0,
       (memory.moment_bytes + memory.step_counter_bytes) / 1048576.0));
+  if (run.pipeline.has_value() && run.pipeline->chunks() > 1) {
+    const ModelPartition& partition = run.model->partition();
+    reporter.Log(absl::StrFormat(
+        "interleaved 1F1B: %d virtual stages per pipeline stage; this stage runs %d chunk(s) of "
+        "%d layer(s) from layer %d, %d layers apart",
+        partition.chunks, partition.chunks, partition.num_layers, partition.first_layer,
+        partition.chunk_stride));
+  }
   if (!run.lora.has_value()) return;
   const planner::ResolvedLora& lora = *run.lora;
   const int64_t trainable = lora.parameters_per_layer * run.summary.dims().num_layers();

@@ -90,16 +90,19 @@ at::Tensor TrainLoop::ForwardBackward(std::vector<MicroBatch>& micro_batches) {
     PipelineSchedule& pipeline = *run_.pipeline;
     pipeline.Train(
         accumulation,
-        [&](int i, const at::Tensor& input) {
+        [&](int chunk, int i, const at::Tensor& input) {
           MicroBatch& mb = micro_batches[i];
           at::Tensor output = engine.ForwardStage(
-              pipeline.first() ? ToDevice(mb.inputs, mb.batch_size, mb.seq_len) : input,
-              pipeline.last() ? ToDevice(mb.targets, mb.batch_size, mb.seq_len) : at::Tensor(),
-              PositionsOf(mb, mb.seq_len));
-          if (pipeline.last()) step_loss += output.detach().to(torch::kFloat32) * LossWeight(mb);
+              pipeline.first(chunk) ? ToDevice(mb.inputs, mb.batch_size, mb.seq_len) : input,
+              pipeline.last(chunk) ? ToDevice(mb.targets, mb.batch_size, mb.seq_len)
+                                   : at::Tensor(),
+              PositionsOf(mb, mb.seq_len), chunk);
+          if (pipeline.last(chunk)) {
+            step_loss += output.detach().to(torch::kFloat32) * LossWeight(mb);
+          }
           return output;
         },
-        [&](int i, const at::Tensor& output, const at::Tensor& grad, bool last) {
+        [&](int, int i, const at::Tensor& output, const at::Tensor& grad, bool last) {
           engine.BackwardStage(output, grad, LossWeight(micro_batches[i]), last);
         });
     return step_loss;
@@ -213,11 +216,11 @@ void TrainLoop::Evaluate() {
       PipelineSchedule& pipeline = *run_.pipeline;
       // Evaluation batches may be smaller than a micro-batch: fixed-shape sends need full ones.
       if (mb.batch_size != micro) break;
-      loss = pipeline.Evaluate([&](int, const at::Tensor& input) {
+      loss = pipeline.Evaluate([&](int chunk, int, const at::Tensor& input) {
         return run_.engine->ForwardStage(
-            pipeline.first() ? ToDevice(mb.inputs, mb.batch_size, seq) : input,
-            pipeline.last() ? ToDevice(mb.targets, mb.batch_size, seq) : at::Tensor(),
-            PositionsOf(mb, seq));
+            pipeline.first(chunk) ? ToDevice(mb.inputs, mb.batch_size, seq) : input,
+            pipeline.last(chunk) ? ToDevice(mb.targets, mb.batch_size, seq) : at::Tensor(),
+            PositionsOf(mb, seq), chunk);
       });
       if (!loss.defined()) continue;  // only the last stage counts
     } else {
