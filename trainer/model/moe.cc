@@ -176,8 +176,8 @@ torch::Tensor MoeLayerImpl::DispatchToExperts(const torch::Tensor& slot_rows,
   // The received rows run by source rank, then local expert: regroup them by local expert (each
   // source's rows in source order) for the grouped products, and back afterwards.
   std::vector<int64_t> group_order;
-  group_order.reserve(static_cast<size_t>(
-      std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0})));
+  group_order.reserve(
+      static_cast<size_t>(std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0})));
   std::vector<int64_t> chunk_begin(static_cast<size_t>(ep_.size * local));
   for (int64_t begin = 0, i = 0; i < ep_.size * local; ++i) {
     chunk_begin[i] = begin;
@@ -244,9 +244,9 @@ MoeOutput MoeLayerImpl::forward(const torch::Tensor& x) {
   const torch::Tensor token_fraction =
       out.tokens_per_expert.to(routing.probs.scalar_type()) / static_cast<double>(num_tokens);
   // Over the ep group both are means of equal-sized ranks' values: those of the union.
-  out.aux_loss = (MeanOverExperts(token_fraction, ep_) * MeanOverExperts(out.router_prob_mean, ep_))
-                     .sum() *
-                 static_cast<double>(options_.num_experts);
+  out.aux_loss =
+      (MeanOverExperts(token_fraction, ep_) * MeanOverExperts(out.router_prob_mean, ep_)).sum() *
+      static_cast<double>(options_.num_experts);
   out.weighted_aux_loss = out.aux_loss * options_.aux_loss_coef;
   return out;
 }

@@ -55,8 +55,8 @@ TEST_P(MoeExpertParallelTest, MatchesOneLayerOverTheUnionOfTokens) {
   const MoeOptions options = Options(c.shared);
   torch::manual_seed(7);
   MoeLayer reference(options, torch::kFloat64);
-  torch::Tensor all_tokens = torch::randn({c.ep * kTokensPerRank, options.hidden_size},
-                                          torch::kFloat64);
+  torch::Tensor all_tokens =
+      torch::randn({c.ep * kTokensPerRank, options.hidden_size}, torch::kFloat64);
   if (c.skewed) {
     const torch::NoGradGuard no_grad;
     torch::Tensor router = reference->named_parameters()["router.weight"];
@@ -138,16 +138,14 @@ TEST_P(MoeExpertParallelTest, MatchesOneLayerOverTheUnionOfTokens) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Degrees, MoeExpertParallelTest,
-                         ::testing::Values(Case{.ep = 2}, Case{.ep = 4},
-                                           Case{.ep = 2, .shared = true},
-                                           Case{.ep = 4, .shared = true},
-                                           Case{.ep = 4, .skewed = true}),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           const Case& c = info.param;
-                           return "Ep" + std::to_string(c.ep) + (c.shared ? "Shared" : "") +
-                                  (c.skewed ? "Skewed" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Degrees, MoeExpertParallelTest,
+    ::testing::Values(Case{.ep = 2}, Case{.ep = 4}, Case{.ep = 2, .shared = true},
+                      Case{.ep = 4, .shared = true}, Case{.ep = 4, .skewed = true}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      const Case& c = info.param;
+      return "Ep" + std::to_string(c.ep) + (c.shared ? "Shared" : "") + (c.skewed ? "Skewed" : "");
+    });
 
 TEST(MoeExpertParallelInitTest, ShardIsTheSliceOfTheUnshardedDraw) {
   const MoeOptions options = Options(/*shared=*/false);

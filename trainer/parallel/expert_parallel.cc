@@ -4,6 +4,7 @@
 
 #include <numeric>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "trainer/parallel/peer_wait.h"
 
@@ -60,11 +61,27 @@ struct MeanOverExpertsFunction : torch::autograd::Function<MeanOverExpertsFuncti
   }
 };
 
-int64_t GroupHandle(const ExpertParallel& ep) {
-  return reinterpret_cast<int64_t>(ep.group.get());
-}
+int64_t GroupHandle(const ExpertParallel& ep) { return reinterpret_cast<int64_t>(ep.group.get()); }
 
 }  // namespace
+
+bool IsExpertParameter(const std::string& name) {
+  for (const char* tensor : {"experts.gate", "experts.up", "experts.down"}) {
+    if (name == tensor || absl::EndsWith(name, absl::StrCat(".mlp.", tensor))) return true;
+  }
+  return false;
+}
+
+ShardPiece ExpertShardPiece(const std::vector<int64_t>& global_shape, const ExpertParallel& ep) {
+  ShardPiece piece;
+  piece.box_shape = global_shape;
+  piece.box_shape[0] = ep.LocalExperts(global_shape[0]);
+  piece.box_offset.assign(global_shape.size(), 0);
+  piece.box_offset[0] = ep.FirstExpert(global_shape[0]);
+  piece.numel = 1;
+  for (int64_t size : piece.box_shape) piece.numel *= size;
+  return piece;
+}
 
 ExpertParallel ExpertParallelOf(const DeviceMesh& mesh) {
   ExpertParallel ep;
@@ -77,14 +94,14 @@ ExpertParallel ExpertParallelOf(const DeviceMesh& mesh) {
 absl::Status CheckExpertParallelSplit(const v1::ModelDims& dims, int ep) {
   if (ep <= 1) return absl::OkStatus();
   if (dims.num_experts() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parallelism.layout.expert_parallel ", ep,
-        " needs a mixture-of-experts model (model.dims.num_experts is 0), use 1"));
-  }
-  if (dims.num_experts() % ep != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("parallelism.layout.expert_parallel ", ep,
-                     " does not divide model.dims.num_experts ", dims.num_experts()));
+                     " needs a mixture-of-experts model (model.dims.num_experts is 0), use 1"));
+  }
+  if (dims.num_experts() % ep != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("parallelism.layout.expert_parallel ", ep,
+                                                   " does not divide model.dims.num_experts ",
+                                                   dims.num_experts()));
   }
   return absl::OkStatus();
 }

@@ -11,12 +11,14 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "tessera/v1/model.pb.h"
 #include "trainer/parallel/mesh.h"
+#include "trainer/parallel/tensor_parallel.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -31,6 +33,15 @@ struct ExpertParallel {
   int64_t LocalExperts(int64_t num_experts) const { return num_experts / size; }
   int64_t FirstExpert(int64_t num_experts) const { return rank * LocalExperts(num_experts); }
 };
+
+// Whether a model parameter is a routed expert tensor, split along dim 0 over ep
+// ("layers.N.mlp.experts.gate", ".up", ".down", or the layer's own "experts.gate", ...); the
+// router, the shared experts and any adapter tensors are not.
+bool IsExpertParameter(const std::string& name);
+
+// Where this rank's shard of an expert tensor of logical shape `global_shape` lies: one piece,
+// the local tensor whole, a box of num_experts / ep rows at row FirstExpert.
+ShardPiece ExpertShardPiece(const std::vector<int64_t>& global_shape, const ExpertParallel& ep);
 
 // This rank's expert-parallel split on the mesh (the kExpert group, coordinate and size).
 ExpertParallel ExpertParallelOf(const DeviceMesh& mesh);
