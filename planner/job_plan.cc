@@ -96,6 +96,14 @@ absl::Status CheckTrainerRuns(const v1::Layout& layout) {
 }
 
 absl::Status CheckTrainerRunsLora(const v1::Layout& layout) {
+  if (layout.expert_parallel() > 1) {
+    // Adapters on the experts would be sharded like the experts, which the engine and the PEFT
+    // export do not do yet.
+    return absl::UnimplementedError(absl::StrCat(
+        "parallelism.layout.expert_parallel: ", layout.expert_parallel(),
+        " with lora: this trainer runs LoRA with every expert on each rank; set expert_parallel "
+        "to 1"));
+  }
   if (layout.tensor_parallel() > 1 || layout.pipeline_parallel() > 1 || layout.zero_stage() > 1) {
     return absl::UnimplementedError(absl::StrCat(
         "parallelism.layout: tensor_parallel ", std::max(1, layout.tensor_parallel()),

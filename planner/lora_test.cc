@@ -213,6 +213,10 @@ TEST(LoraTest, PlannerCountsOnlyTheTargetedAdaptersAndRunsDataParallel) {
   layout.set_tensor_parallel(1);
   layout.set_zero_stage(1);
   EXPECT_THAT(CheckTrainerRunsLora(layout), IsOk());
+  layout.set_expert_parallel(2);
+  EXPECT_THAT(CheckTrainerRunsLora(layout),
+              StatusIs(absl::StatusCode::kUnimplemented,
+                       HasSubstr("parallelism.layout.expert_parallel: 2 with lora")));
 }
 
 }  // namespace

@@ -109,6 +109,14 @@ ABSL_FLAG(int, pipeline_virtual_stages, 1,
           "Standalone: model chunks per pipeline stage (interleaved 1F1B when > 1; must divide "
           "each stage's layers, and the micro-batches per step must be a multiple of "
           "--pipeline_parallel).");
+// Expert parallelism, and a mixture-of-experts variant of a Llama-family preset to use it on.
+ABSL_FLAG(int, expert_parallel, 1,
+          "Standalone: expert-parallel degree (blocks of consecutive data-parallel ranks split each "
+          "layer's experts; must divide the data-parallel degree and --num_experts).");
+ABSL_FLAG(int, num_experts, 0,
+          "Standalone: make every block of a Llama-family preset a mixture of this many experts "
+          "(0 keeps the preset's).");
+ABSL_FLAG(int, experts_per_token, 2, "Standalone: with --num_experts, the experts each token uses.");
 ABSL_FLAG(std::string, activation_checkpointing, "none",
           "Standalone: activation recomputation: none, selective or full.");
 ABSL_FLAG(std::string, job_id, "standalone", "Standalone: job id in reports and checkpoints.");
@@ -226,7 +234,7 @@ tessera::v1::TrainerTask TaskFromFlags() {
     }
     spec->mutable_model()->set_from_pretrained(absl::GetFlag(FLAGS_init_from));
   }
-  if (absl::GetFlag(FLAGS_num_layers) > 0) {
+  if (absl::GetFlag(FLAGS_num_layers) > 0 || absl::GetFlag(FLAGS_num_experts) > 0) {
     // A spec names a preset or dimensions, not both: spell out the preset's, with the override.
     auto preset = tessera::planner::ResolveModel(spec->model(), absl::GetFlag(FLAGS_seq_len));
     if (!preset.ok()) {
@@ -235,7 +243,12 @@ tessera::v1::TrainerTask TaskFromFlags() {
     }
     spec->mutable_model()->clear_preset();
     *spec->mutable_model()->mutable_dims() = preset->dims();
-    spec->mutable_model()->mutable_dims()->set_num_layers(absl::GetFlag(FLAGS_num_layers));
+    tessera::v1::ModelDims* dims = spec->mutable_model()->mutable_dims();
+    if (absl::GetFlag(FLAGS_num_layers) > 0) dims->set_num_layers(absl::GetFlag(FLAGS_num_layers));
+    if (absl::GetFlag(FLAGS_num_experts) > 0) {
+      dims->set_num_experts(absl::GetFlag(FLAGS_num_experts));
+      dims->set_num_experts_per_token(absl::GetFlag(FLAGS_experts_per_token));
+    }
   }
   for (const auto& shard : absl::GetFlag(FLAGS_data)) spec->mutable_data()->add_train_shards(shard);
   spec->mutable_data()->set_seq_len(absl::GetFlag(FLAGS_seq_len));
@@ -298,6 +311,7 @@ tessera::v1::TrainerTask TaskFromFlags() {
   layout->set_pipeline_parallel(absl::GetFlag(FLAGS_pipeline_parallel));
   layout->set_context_parallel(absl::GetFlag(FLAGS_context_parallel));
   layout->set_pipeline_virtual_stages(absl::GetFlag(FLAGS_pipeline_virtual_stages));
+  layout->set_expert_parallel(absl::GetFlag(FLAGS_expert_parallel));
   layout->set_sequence_parallel(absl::GetFlag(FLAGS_sequence_parallel));
   const std::string recompute =
       absl::AsciiStrToUpper(absl::GetFlag(FLAGS_activation_checkpointing));

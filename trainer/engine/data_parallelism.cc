@@ -6,17 +6,22 @@
 namespace tessera::trainer {
 
 void BroadcastFromFirstDataRank(CausalLMImpl& model, const DeviceMesh& mesh) {
-  // dcp: with context parallelism the cp ranks of a replica hold the same weights too.
-  const auto& dp_group = mesh.group(MeshDim::kDataContext);
-  if (!dp_group) return;
+  const bool expert_parallel = model.partition().ep.enabled();
   // Every rank initialises from the same seed; the broadcast makes dp rank 0's weights
-  // authoritative anyway, as DDP does (the ranks of a dp group hold the same shard).
-  for (auto& param : model.parameters()) {
+  // authoritative anyway, as DDP does (the ranks of a dp group hold the same shard). Expert
+  // shards differ along ep: they come from the first rank of their edp group. Dense weights go
+  // over dcp: with context parallelism the cp ranks of a replica hold the same weights too (a
+  // mixture-of-experts model runs without cp, so edp needs no cp).
+  for (const auto& item : model.named_parameters()) {
     // Frozen weights (LoRA's base) are the same everywhere: loaded from one source or drawn
     // from one seed.
-    if (!param.requires_grad()) continue;
-    std::vector<at::Tensor> tensors{param.data()};
-    dp_group->broadcast(tensors)->wait();
+    if (!item.value().requires_grad()) continue;
+    const auto& group = mesh.group(expert_parallel && IsExpertParameter(item.key())
+                                       ? MeshDim::kExpertData
+                                       : MeshDim::kDataContext);
+    if (!group) continue;
+    std::vector<at::Tensor> tensors{item.value().data()};
+    group->broadcast(tensors)->wait();
   }
 }
 
@@ -31,6 +36,10 @@ std::unique_ptr<ShardedEngine> ApplyDataParallel(CausalLM model, const DeviceMes
   options.pp_group = mesh.group(MeshDim::kPipeline);
   options.pp_stage = mesh.coord(MeshDim::kPipeline);
   options.pp_size = mesh.size(MeshDim::kPipeline);
+  options.ep = model->partition().ep;
+  options.edp_group = mesh.group(MeshDim::kExpertData);
+  options.edp_rank = mesh.coord(MeshDim::kExpertData);
+  options.edp_size = mesh.size(MeshDim::kExpertData);
   options.sharded_collectives_as_all_reduce = !options.device.is_cuda();
   return std::make_unique<ShardedEngine>(std::move(model), options);
 }

@@ -60,6 +60,14 @@ ShardedEngine::ShardedEngine(CausalLM model, const ShardedEngineOptions& options
               " needs a process group");
   TORCH_CHECK(options_.tp.size == model_->partition().tp.size,
               "the engine's tensor parallelism differs from the model's");
+  TORCH_CHECK(options_.ep.size == model_->partition().ep.size,
+              "the engine's expert parallelism differs from the model's");
+  // The trainer refuses these with INVALID_ARGUMENT (run_builder.cc's ValidateLayout).
+  TORCH_CHECK(!options_.ep.enabled() || options_.zero_stage <= 1, "expert_parallel ",
+              options_.ep.size, " runs ZeRO 0 and 1, not stage ", options_.zero_stage);
+  TORCH_CHECK(options_.edp_size >= 1 && options_.edp_rank >= 0 &&
+                  options_.edp_rank < options_.edp_size && (options_.edp_size == 1 || options_.edp_group),
+              "edp rank ", options_.edp_rank, " of ", options_.edp_size);
   TORCH_CHECK(options_.pp_size == 1 || options_.pp_group, "pp ", options_.pp_size,
               " needs a process group");
   for (const std::string& name : model_->TrainableParameterNames()) names_.insert(name);
@@ -101,7 +109,15 @@ ShardedEngine::~ShardedEngine() {
 
 void ShardedEngine::BuildUnits() {
   torch::NoGradGuard no_grad;
-  units_.assign(1 + model_->num_local_layers(), Unit{});
+  const int layers = model_->num_local_layers();
+  const bool expert_units = options_.ep.enabled();
+  units_.assign(1 + layers * (expert_units ? 2 : 1), Unit{});
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const bool experts = u > static_cast<size_t>(layers);
+    units_[u].group = experts ? options_.edp_group : options_.dp_group;
+    units_[u].rank = experts ? options_.edp_rank : options_.dp_rank;
+    units_[u].size = experts ? options_.edp_size : options_.dp_size;
+  }
   const ModelPartition& partition = model_->partition();
   const int tp = options_.tp.size;
   for (const auto& item : model_->named_parameters()) {
@@ -120,9 +136,14 @@ void ShardedEngine::BuildUnits() {
     const bool tied_copy = item.key() == "embed.weight" && !partition.embedding;
     entry.saved = !tied_copy && (!entry.replicated || options_.tp.rank == 0);
     entry.norm_share = tied_copy ? 0.0 : (entry.replicated ? 1.0 / tp : 1.0);
-    units_[UnitOf(item.key(), *model_)].entries.push_back(std::move(entry));
+    int unit = UnitOf(item.key(), *model_);
+    if (expert_units && IsExpertParameter(item.key())) {
+      // The experts' own unit; their elements are a box of the logical tensor.
+      unit += layers;
+      entry.pieces = {ExpertShardPiece(shard.global_shape, options_.ep)};
+    }
+    units_[unit].entries.push_back(std::move(entry));
   }
-  const int64_t dp = options_.dp_size;
   const bool deferred = model_->storage() == ParameterStorage::kDeferred;
   TORCH_CHECK(!deferred || stage() == 3,
               "a model without parameter storage (kDeferred) needs ZeRO-3, not stage ", stage());
@@ -135,8 +156,8 @@ void ShardedEngine::BuildUnits() {
       unit.numel += entry.numel;
       if (entry.decay) unit.decay_end = unit.numel;
     }
-    unit.padded = CeilDiv(unit.numel, dp) * dp;
-    unit.shard = unit.padded / dp;
+    unit.padded = CeilDiv(unit.numel, unit.size) * unit.size;
+    unit.shard = unit.padded / unit.size;
     if (unit.entries.empty()) continue;  // the outer unit of a middle pipeline stage
     const at::TensorOptions f32 = deferred ? at::TensorOptions(at::kFloat).device(options_.device)
                                            : unit.entries.front().param.options().dtype(at::kFloat);
@@ -210,7 +231,7 @@ void ShardedEngine::BuildRuns() {
                                      : unit.shard_grad.narrow(0, from - owned_begin, to - from);
       groups[decay ? 0 : 1].params.push_back(run.param);
       // Under ZeRO 0 every dp replica holds the whole gradient.
-      const double replicas = stage() == 0 ? options_.dp_size : 1;
+      const double replicas = stage() == 0 ? unit.size : 1;
       for (const Entry& entry : unit.entries) {
         const int64_t a = std::max(from, entry.offset),
                       b = std::min(to, entry.offset + entry.numel);

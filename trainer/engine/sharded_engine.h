@@ -3,7 +3,9 @@
 // group (Gloo on CPU, NCCL on CUDA), or alone when dp is 1.
 //
 // Parameters live in flat float32 buffers, one per unit: each transformer layer is a unit, and
-// everything else (embeddings, final norm, head) is the "outer" unit. A unit's buffer is padded to
+// everything else (embeddings, final norm, head) is the "outer" unit. With expert parallelism each
+// layer's routed experts form one more unit, after the layers, over the edp group instead of dp
+// (a unit's group, rank and size below mean dp for the others). A unit's buffer is padded to
 // a multiple of dp and split into dp equal shards; rank r owns shard r. The model's parameters are
 // views into the buffers, ordered within a unit by decay group (matrices, then biases and norms),
 // so a shard holds at most two optimizer runs. As in FSDP and DeepSpeed, collectives move whole
@@ -42,6 +44,7 @@
 #include "absl/status/statusor.h"
 #include "trainer/engine/adamw.h"
 #include "trainer/model/model.h"
+#include "trainer/parallel/expert_parallel.h"
 #include "trainer/parallel/tensor_parallel.h"
 #include "trainer/torch_pch.h"
 
@@ -89,6 +92,14 @@ struct ShardedEngineOptions {
   bool cuda_graphs = false;
   // Where a model of ParameterStorage::kDeferred gets its memory (its parameters carry none).
   at::Device device = at::kCPU;
+  // Expert parallelism (the model's ModelPartition::ep): each layer's routed expert tensors
+  // (IsExpertParameter) are this rank's ep shard and go into a unit of their own, reduced and
+  // sharded over the edp group (the dp ranks holding the same experts) instead of dp. ZeRO 0
+  // and 1 only.
+  ExpertParallel ep;
+  c10::intrusive_ptr<c10d::ProcessGroup> edp_group;  // null when edp_size is 1
+  int edp_rank = 0;
+  int edp_size = 1;
 };
 
 // Bytes this rank holds for its shard of the training state (what the planner's memory terms
@@ -224,9 +235,14 @@ class ShardedEngine : public LayerHooks {
   enum class GatherState { kFreed, kGathering, kGathered };
   struct Unit {
     std::vector<Entry> entries;
+    // The ranks the unit's gradients are reduced over and its shards split between: dp, or edp
+    // for an expert unit. Null group when size is 1.
+    c10::intrusive_ptr<c10d::ProcessGroup> group;
+    int rank = 0;
+    int size = 1;
     int64_t numel = 0;
     int64_t padded = 0;
-    int64_t shard = 0;      // padded / dp
+    int64_t shard = 0;      // padded / size
     int64_t decay_end = 0;  // entries [0, decay_end) decay
     at::Tensor full;        // [padded]: the parameters' storage (freed between uses in ZeRO-3)
     at::Tensor owned;       // [shard]: the owned parameters (a view of full below ZeRO-3)
@@ -244,7 +260,7 @@ class ShardedEngine : public LayerHooks {
   };
 
   int stage() const { return options_.zero_stage; }
-  int64_t OwnedBegin(const Unit& unit) const { return options_.dp_rank * unit.shard; }
+  int64_t OwnedBegin(const Unit& unit) const { return unit.rank * unit.shard; }
   void BuildUnits();
   void BuildRuns();
   void AllocateFull(Unit& unit);

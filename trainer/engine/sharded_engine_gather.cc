@@ -39,7 +39,7 @@ void ShardedEngine::StartGather(int u) {
   Unit& unit = units_[u];
   if (unit.gather != GatherState::kFreed || unit.entries.empty()) return;
   AllocateFull(unit);
-  if (options_.dp_size == 1) {
+  if (unit.size == 1) {
     torch::NoGradGuard no_grad;
     unit.full.copy_(unit.owned);
     unit.gather = GatherState::kGathered;
@@ -52,7 +52,7 @@ void ShardedEngine::StartGather(int u) {
 c10::intrusive_ptr<c10d::Work> ShardedEngine::GatherInto(Unit& unit, const at::Tensor& shard) {
   if (!options_.sharded_collectives_as_all_reduce) {
     at::Tensor input = shard;
-    return options_.dp_group->_allgather_base(unit.full, input);
+    return unit.group->_allgather_base(unit.full, input);
   }
   // Every rank contributes its shard in place and zeros elsewhere; the sum is the gather.
   torch::NoGradGuard no_grad;
@@ -62,7 +62,7 @@ c10::intrusive_ptr<c10d::Work> ShardedEngine::GatherInto(Unit& unit, const at::T
   unit.full.narrow(0, 0, begin).zero_();
   unit.full.narrow(0, begin + unit.shard, unit.padded - begin - unit.shard).zero_();
   std::vector<at::Tensor> tensors{unit.full};
-  return options_.dp_group->allreduce(tensors);
+  return unit.group->allreduce(tensors);
 }
 
 void ShardedEngine::EnsureGathered(int u) {

@@ -87,7 +87,7 @@ void ShardedEngine::ReduceUnit(int u) {
     if (unit.padded > unit.numel) input.narrow(0, unit.numel, unit.padded - unit.numel).zero_();
     for (Entry& entry : unit.entries) entry.param.mutable_grad().reset();
   }
-  if (options_.dp_size == 1) {
+  if (unit.size == 1) {
     if (stage() >= 2) {
       unit.shard_grad.add_(input);
       GiveBuffer(std::move(input));
@@ -100,10 +100,10 @@ void ShardedEngine::ReduceUnit(int u) {
   pending.input = input;
   if (stage() == 0 || options_.sharded_collectives_as_all_reduce) {
     std::vector<at::Tensor> tensors{input};
-    pending.work = options_.dp_group->allreduce(tensors);
+    pending.work = unit.group->allreduce(tensors);
   } else {
     pending.output = TakeBuffer(unit.shard, input.options());
-    pending.work = options_.dp_group->_reduce_scatter_base(pending.output, pending.input);
+    pending.work = unit.group->_reduce_scatter_base(pending.output, pending.input);
   }
   pending_.push_back(std::move(pending));
 }

@@ -100,11 +100,11 @@ double ShardedEngine::Step(double lr, double clip_norm, bool update) {
     return norm;
   }
   optimizer_->Step(lr);
-  if ((stage() == 1 || stage() == 2) && options_.dp_size > 1) {
+  if (stage() == 1 || stage() == 2) {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<at::Tensor> inputs;
     for (Unit& unit : units_) {
-      if (unit.entries.empty()) continue;
+      if (unit.entries.empty() || unit.size == 1) continue;
       if (options_.sharded_collectives_as_all_reduce) {
         works.push_back(GatherInto(unit, unit.owned));
         continue;

@@ -326,7 +326,8 @@ absl::StatusOr<ParameterValues> ValuesIn(const CausalLMImpl& model, WeightFiles 
   }
   return ParameterValues(
       [files = std::make_shared<const WeightFiles>(std::move(files)), sources = std::move(sources),
-       tp = model.partition().tp](const std::string& name) -> absl::StatusOr<at::Tensor> {
+       tp = model.partition().tp,
+       ep = model.partition().ep](const std::string& name) -> absl::StatusOr<at::Tensor> {
         auto it = sources.find(name);
         if (it == sources.end()) {
           return absl::InternalError(absl::StrCat("no parameter '", name, "' on this rank"));
@@ -346,6 +347,11 @@ absl::StatusOr<ParameterValues> ValuesIn(const CausalLMImpl& model, WeightFiles 
             full = torch::stack(parts);
           }
           if (source.transposed) full = full.t().contiguous();
+          if (ep.enabled() && IsExpertParameter(name)) {
+            // This rank's experts of the stacked tensor (expert_parallel.h).
+            return full.narrow(0, ep.FirstExpert(full.size(0)), ep.LocalExperts(full.size(0)))
+                .contiguous();
+          }
           return LocalShardOf(full, shard, tp.rank, tp.size);
         } catch (const c10::Error& e) {
           return absl::InternalError(

@@ -332,7 +332,7 @@ MoeOptions MoeOptionsOf(const v1::ModelDims& dims, double init_std) {
 }
 
 BlockImpl::BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp,
-                     const torch::TensorOptions& options) {
+                     const torch::TensorOptions& options, const ExpertParallel& ep) {
   const bool rms = IsLlama(dims);
   attn_norm_ = register_module(
       "attn_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms, !tp.enabled(), options));
@@ -342,7 +342,8 @@ BlockImpl::BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp,
   if (dims.num_experts() > 0) {
     TORCH_CHECK(!tp.enabled(), "a mixture-of-experts model runs without tensor parallelism");
     // The model draws every parameter itself (CausalLMImpl::InitialValue).
-    moe_ = register_module("mlp", MoeLayer(MoeOptionsOf(dims, planner::kDefaultInitStd), options));
+    moe_ = register_module("mlp",
+                           MoeLayer(MoeOptionsOf(dims, planner::kDefaultInitStd), options, ep));
   } else {
     mlp_ = register_module("mlp", Mlp(dims, tp, options));
   }
@@ -424,7 +425,7 @@ CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
   layers_ = register_module("layers", torch::nn::ModuleDict());
   for (int chunk = 0; chunk < partition_.chunks; ++chunk) {
     for (int i = 0; i < partition_.num_layers; ++i) {
-      Block block(dims, tp, options);
+      Block block(dims, tp, options, partition_.ep);
       block->attention()->set_context_parallel(partition_.cp);
       const int layer = partition_.first_layer + chunk * partition_.chunk_stride + i;
       layers_->update(std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>{
@@ -460,6 +461,7 @@ CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
         shape[0] = dims.vocab_size();
         break;
     }
+    if (IsExpertParameter(item.key())) shape[0] *= partition_.ep.size;
     shard.global_shape = shape;
     shards_.emplace(item.key(), std::move(shard));
   }
@@ -527,6 +529,11 @@ torch::Tensor CausalLMImpl::InitialValue(const std::string& name) const {
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(init_seed_ ^ NameHash(name));
     full = torch::empty(shard.global_shape, torch::kFloat32);
     full.normal_(0.0, std, generator);
+  }
+  if (IsExpertParameter(name) && partition_.ep.enabled()) {
+    const int64_t experts = shard.global_shape[0];
+    return full.narrow(0, partition_.ep.FirstExpert(experts), partition_.ep.LocalExperts(experts))
+        .clone();
   }
   return LocalShardOf(full, shard, partition_.tp.rank, partition_.tp.size);
 }

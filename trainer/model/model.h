@@ -222,7 +222,7 @@ class BlockImpl : public torch::nn::Module {
  public:
   // `options`: the parameters' (float32, on the CPU or the meta device).
   BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp,
-            const torch::TensorOptions& options);
+            const torch::TensorOptions& options, const ExpertParallel& ep = {});
   // As AttentionImpl::forward.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask = {});
@@ -265,6 +265,9 @@ class LayerHooks {
 // ("layers.<global index>.", "embed.weight"), so checkpoints do not depend on the layout.
 struct ModelPartition {
   TensorParallel tp;
+  // Mixture-of-experts models: this rank holds its ep shard of each layer's routed experts
+  // (moe.h); their ShardOf global shape is the logical [num_experts, ...].
+  ExpertParallel ep;
   int first_layer = 0;
   int num_layers = -1;  // per chunk; -1: every layer from first_layer on (one chunk)
   // Interleaved pipeline stages hold `chunks` blocks of num_layers consecutive layers, chunk j

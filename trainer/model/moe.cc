@@ -1,6 +1,7 @@
 #include "trainer/model/moe.h"
 
 #include <memory>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,6 +25,23 @@ torch::Tensor NewParameter(torch::nn::Module& owner, const std::string& name, at
   if (!value.is_meta()) {
     const torch::NoGradGuard no_grad;
     value.normal_(0.0, std);
+  }
+  return owner.register_parameter(name, value);
+}
+
+// An expert tensor of logical shape [num_experts, ...] of which this rank holds rows [first,
+// first + local): drawn whole and sliced, so that the initial weights do not depend on ep.
+torch::Tensor NewExpertParameter(torch::nn::Module& owner, const std::string& name,
+                                 std::vector<int64_t> shape, const ExpertParallel& ep,
+                                 const torch::TensorOptions& options, double std) {
+  const int64_t num_experts = shape[0];
+  torch::Tensor value = torch::empty(shape, options);
+  if (!value.is_meta()) {
+    const torch::NoGradGuard no_grad;
+    value.normal_(0.0, std);
+  }
+  if (ep.enabled()) {
+    value = value.narrow(0, ep.FirstExpert(num_experts), ep.LocalExperts(num_experts)).clone();
   }
   return owner.register_parameter(name, value);
 }
@@ -74,18 +92,21 @@ absl::Status ValidateMoeOptions(const MoeOptions& options) {
   return absl::OkStatus();
 }
 
-MoeLayerImpl::MoeLayerImpl(const MoeOptions& options, const torch::TensorOptions& tensor_options)
-    : options_(options) {
+MoeLayerImpl::MoeLayerImpl(const MoeOptions& options, const torch::TensorOptions& tensor_options,
+                           ExpertParallel ep)
+    : options_(options), ep_(std::move(ep)) {
   const absl::Status valid = ValidateMoeOptions(options);
   TORCH_CHECK(valid.ok(), valid.ToString());
+  TORCH_CHECK(ep_.size >= 1 && options.num_experts % ep_.size == 0, "expert_parallel ", ep_.size,
+              " does not divide moe.num_experts ", options.num_experts);
   const int64_t h = options.hidden_size, e = options.num_experts,
                 f = options.expert_intermediate_size;
   const double std = options.init_std;
   router_weight_ = NewParameter(*Holder(*this, "router"), "weight", {e, h}, tensor_options, std);
   auto experts = Holder(*this, "experts");
-  expert_gate_ = NewParameter(*experts, "gate", {e, f, h}, tensor_options, std);
-  expert_up_ = NewParameter(*experts, "up", {e, f, h}, tensor_options, std);
-  expert_down_ = NewParameter(*experts, "down", {e, h, f}, tensor_options, std);
+  expert_gate_ = NewExpertParameter(*experts, "gate", {e, f, h}, ep_, tensor_options, std);
+  expert_up_ = NewExpertParameter(*experts, "up", {e, f, h}, ep_, tensor_options, std);
+  expert_down_ = NewExpertParameter(*experts, "down", {e, h, f}, ep_, tensor_options, std);
   if (options.num_shared_experts > 0) {
     const int64_t s = SharedWidth(options);
     auto shared = Holder(*this, "shared");
@@ -112,6 +133,77 @@ MoeRouting MoeLayerImpl::Route(const torch::Tensor& tokens) const {
   return routing;
 }
 
+torch::Tensor MoeLayerImpl::GroupedExperts(const torch::Tensor& rows,
+                                           const std::vector<int64_t>& sizes,
+                                           const torch::Tensor& gate, const torch::Tensor& up,
+                                           const torch::Tensor& down) const {
+  const std::vector<torch::Tensor> groups = rows.split_with_sizes(sizes);
+  std::vector<torch::Tensor> outputs;
+  outputs.reserve(groups.size());
+  for (size_t e = 0; e < groups.size(); ++e) {
+    if (sizes[e] == 0) continue;  // its weights get a zero gradient through the others' slices
+    const auto i = static_cast<int64_t>(e);
+    outputs.push_back(expert_lora_.enabled()
+                          ? ExpertSwiGluWithLora(groups[e], i, gate, up, down, expert_lora_,
+                                                 is_training())
+                          : SwiGlu(groups[e], gate[i], up[i], down[i]));
+  }
+  // No rows at all (an ep rank whose experts no token chose): an empty product still ties the
+  // weights into the graph, so that their gradient is a defined zero like the other ranks'.
+  if (outputs.empty()) {
+    return expert_lora_.enabled()
+               ? ExpertSwiGluWithLora(rows, 0, gate, up, down, expert_lora_, is_training())
+               : SwiGlu(rows, gate[0], up[0], down[0]);
+  }
+  return torch::cat(outputs);
+}
+
+torch::Tensor MoeLayerImpl::DispatchToExperts(const torch::Tensor& slot_rows,
+                                              const std::vector<int64_t>& sizes) const {
+  if (!ep_.enabled()) {
+    return GroupedExperts(slot_rows, sizes, expert_gate_, expert_up_, expert_down_);
+  }
+  const int64_t local = ep_.LocalExperts(options_.num_experts);
+  // Slots sorted by global expert are already in destination-rank order.
+  std::vector<int64_t> send_rows(ep_.size, 0);
+  for (int64_t e = 0; e < options_.num_experts; ++e) send_rows[e / local] += sizes[e];
+  // The counts travel on the rows' device (NCCL exchanges device tensors only).
+  const torch::Tensor recv_counts =
+      ExchangeExpertCounts(torch::tensor(sizes, torch::kInt64).to(slot_rows.device()), ep_)
+          .to(torch::kCPU)
+          .contiguous();
+  const int64_t* from = recv_counts.data_ptr<int64_t>();  // [source rank][local expert]
+  std::vector<int64_t> recv_rows(ep_.size, 0), local_sizes(local, 0);
+  for (int s = 0; s < ep_.size; ++s) {
+    for (int64_t l = 0; l < local; ++l) {
+      recv_rows[s] += from[s * local + l];
+      local_sizes[l] += from[s * local + l];
+    }
+  }
+  // The received rows run by source rank, then local expert: regroup them by local expert (each
+  // source's rows in source order) for the grouped products, and back afterwards.
+  std::vector<int64_t> group_order;
+  group_order.reserve(
+      static_cast<size_t>(std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0})));
+  std::vector<int64_t> chunk_begin(static_cast<size_t>(ep_.size * local));
+  for (int64_t begin = 0, i = 0; i < ep_.size * local; ++i) {
+    chunk_begin[i] = begin;
+    begin += from[i];
+  }
+  for (int64_t l = 0; l < local; ++l) {
+    for (int s = 0; s < ep_.size; ++s) {
+      const int64_t chunk = s * local + l;
+      for (int64_t r = 0; r < from[chunk]; ++r) group_order.push_back(chunk_begin[chunk] + r);
+    }
+  }
+  const torch::Tensor order = torch::tensor(group_order, torch::kInt64).to(slot_rows.device());
+  const torch::Tensor received = ExchangeRows(slot_rows, send_rows, recv_rows, ep_);
+  const torch::Tensor computed = GroupedExperts(received.index_select(0, order), local_sizes,
+                                                expert_gate_, expert_up_, expert_down_);
+  const torch::Tensor unordered = torch::zeros_like(computed).index_copy(0, order, computed);
+  return ExchangeRows(unordered, recv_rows, send_rows, ep_);
+}
+
 torch::Tensor MoeLayerImpl::RoutedExperts(const torch::Tensor& tokens, const MoeRouting& routing,
                                           const torch::Tensor& counts) const {
   const int64_t k = options_.top_k;
@@ -126,18 +218,8 @@ torch::Tensor MoeLayerImpl::RoutedExperts(const torch::Tensor& tokens, const Moe
   const torch::Tensor host_counts = counts.to(torch::kCPU);
   const std::vector<int64_t> sizes(host_counts.data_ptr<int64_t>(),
                                    host_counts.data_ptr<int64_t>() + host_counts.numel());
-  const std::vector<torch::Tensor> groups =
-      tokens.index_select(0, slot_tokens).split_with_sizes(sizes);
-  std::vector<torch::Tensor> outputs;
-  outputs.reserve(groups.size());
-  for (int64_t e = 0; e < options_.num_experts; ++e) {
-    if (sizes[e] == 0) continue;  // its weights get a zero gradient through the others' slices
-    outputs.push_back(expert_lora_.enabled()
-                          ? ExpertSwiGluWithLora(groups[e], e, expert_gate_, expert_up_,
-                                                 expert_down_, expert_lora_, is_training())
-                          : SwiGlu(groups[e], expert_gate_[e], expert_up_[e], expert_down_[e]));
-  }
-  const torch::Tensor slot_outputs = torch::cat(outputs) * slot_weights.unsqueeze(1);
+  const torch::Tensor slot_outputs =
+      DispatchToExperts(tokens.index_select(0, slot_tokens), sizes) * slot_weights.unsqueeze(1);
   return torch::zeros_like(tokens).index_add(0, slot_tokens, slot_outputs);
 }
 
@@ -174,8 +256,10 @@ MoeOutput MoeLayerImpl::forward(const torch::Tensor& x) {
   out.router_prob_mean = routing.probs.mean(0);
   const torch::Tensor token_fraction =
       out.tokens_per_expert.to(routing.probs.scalar_type()) / static_cast<double>(num_tokens);
+  // Over the ep group both are means of equal-sized ranks' values: those of the union.
   out.aux_loss =
-      (token_fraction * out.router_prob_mean).sum() * static_cast<double>(options_.num_experts);
+      (MeanOverExperts(token_fraction, ep_) * MeanOverExperts(out.router_prob_mean, ep_)).sum() *
+      static_cast<double>(options_.num_experts);
   out.weighted_aux_loss = out.aux_loss * options_.aux_loss_coef;
   return out;
 }

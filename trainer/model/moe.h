@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "trainer/model/moe_lora.h"
+#include "trainer/parallel/expert_parallel.h"
 
 namespace tessera::trainer {
 
@@ -73,11 +74,14 @@ struct MoeOutput {
   // HF's load_balancing_loss_func for this layer alone: num_experts * sum_e f_e * P_e, where f_e
   // is the fraction of tokens that chose expert e among their top_k (sum_e f_e = top_k) and P_e
   // the mean router probability of e; top_k when perfectly balanced. A scalar in probs' dtype,
-  // differentiable through P (f is a count). Reported as a metric.
+  // differentiable through P (f is a count). Reported as a metric. With expert parallelism, f
+  // and P are over the union of the ep ranks' tokens (ranks hold equally many), and P's gradient
+  // reaches each rank's own router probabilities only (MeanOverExperts).
   torch::Tensor aux_loss;
   // aux_loss_coef * aux_loss: the term the training loss adds.
   torch::Tensor weighted_aux_loss;
-  // Token slots routed to each expert, int64 [num_experts], on x's device (sums to T * top_k).
+  // Token slots of x routed to each expert, int64 [num_experts], on x's device (sums to T *
+  // top_k); this rank's tokens only, with or without expert parallelism (as router_prob_mean).
   torch::Tensor tokens_per_expert;
   // P above, [num_experts], differentiable. HF's model-level loss concatenates every layer's
   // router logits before taking f and P (not a mean of per-layer losses); a model that wants it
@@ -98,12 +102,23 @@ struct MoeOutput {
 //   shared.down          [hidden, shared]
 //   shared.sigmoid_gate  [1, hidden]         (only with shared_expert_gate)
 // Expert e computes down_e (silu(gate_e x) * up_e x).
+//
+// With expert parallelism (ep.size > 1) the layer holds only experts [FirstExpert, FirstExpert +
+// num_experts / ep) of its ep rank: experts.{gate,up,down} are [num_experts / ep, ...], rows
+// FirstExpert.. of the logical [num_experts, ...] tensors (the model names their place for
+// checkpoints). The router and the shared experts stay whole on every rank. Each rank routes its
+// own tokens, sends every slot to its expert's rank (ExchangeRows), the experts run grouped there
+// and the outputs come back by the reverse exchange; the gradients of a rank's experts then hold
+// the contributions of every ep rank's tokens (summed, not averaged: a caller that averages
+// losses over ranks scales them alike).
 class MoeLayerImpl : public torch::nn::Module {
  public:
-  // CHECKs ValidateMoeOptions. Parameters are created with `tensor_options` and, unless on the
-  // meta device, drawn from N(0, init_std^2).
+  // CHECKs ValidateMoeOptions and that ep.size divides num_experts. Parameters are created with
+  // `tensor_options` and, unless on the meta device, drawn from N(0, init_std^2); a sharded
+  // expert tensor is drawn whole and sliced, so that every layout starts from the same weights.
   explicit MoeLayerImpl(const MoeOptions& options,
-                        const torch::TensorOptions& tensor_options = torch::kFloat32);
+                        const torch::TensorOptions& tensor_options = torch::kFloat32,
+                        ExpertParallel ep = {});
 
   // x [..., hidden]. Computes on x's device; on a GPU it waits once for the per-expert counts
   // (the split sizes of the grouped products).
@@ -113,6 +128,15 @@ class MoeLayerImpl : public torch::nn::Module {
   MoeRouting Route(const torch::Tensor& tokens) const;
 
   const MoeOptions& options() const { return options_; }
+  const ExpertParallel& expert_parallel() const { return ep_; }
+
+  // The routed experts over `rows` [n, hidden] grouped by this rank's local expert, sizes[l] rows
+  // for local expert l, with the stacked weights gate, up [local, f, hidden], down [local,
+  // hidden, f]: [n, hidden], rows in the same order. Every expert computation goes through here,
+  // with the experts' LoRA adapters when AddLora gave them (sized like the local experts).
+  torch::Tensor GroupedExperts(const torch::Tensor& rows, const std::vector<int64_t>& sizes,
+                               const torch::Tensor& gate, const torch::Tensor& up,
+                               const torch::Tensor& down) const;
 
   // Per-expert LoRA adapters on the expert projections `targets` names (moe_lora.h).
   void AddLora(int rank, double scale, double dropout, const std::set<std::string>& targets);
@@ -121,9 +145,14 @@ class MoeLayerImpl : public torch::nn::Module {
   // sum over each token's slots of weight * expert(token), [T, hidden]; counts [num_experts].
   torch::Tensor RoutedExperts(const torch::Tensor& tokens, const MoeRouting& routing,
                               const torch::Tensor& counts) const;
+  // The expert outputs of `slot_rows` [n, hidden], grouped by global expert with `sizes`
+  // [num_experts] rows each, computed on the experts' ranks; the same rows' order.
+  torch::Tensor DispatchToExperts(const torch::Tensor& slot_rows,
+                                  const std::vector<int64_t>& sizes) const;
   torch::Tensor SharedExperts(const torch::Tensor& tokens) const;
 
   MoeOptions options_;
+  ExpertParallel ep_;
   torch::Tensor router_weight_;
   torch::Tensor expert_gate_, expert_up_, expert_down_;
   torch::Tensor shared_gate_, shared_up_, shared_down_, shared_sigmoid_gate_;  // undefined: none

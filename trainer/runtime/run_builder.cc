@@ -21,6 +21,7 @@
 #include "trainer/engine/data_parallelism.h"
 #include "trainer/model/build_model.h"
 #include "trainer/parallel/context_parallelism.h"
+#include "trainer/parallel/expert_parallel.h"
 #include "trainer/parallel/pipeline_parallelism.h"
 #include "trainer/parallel/tensor_parallelism.h"
 
@@ -59,6 +60,7 @@ ModelBuildOptions ModelOptionsFor(const v1::TrainerTask& task, const TrainingRun
                            .init_std = run.settings.init_std,
                            .seed = run.settings.seed,
                            .partition = ModelPartition{.tp = tp,
+                                                       .ep = ExpertParallelOf(run.mesh),
                                                        .first_layer = stage.first_layer,
                                                        .num_layers = stage.num_layers,
                                                        .chunks = stage.chunks,
@@ -210,6 +212,13 @@ absl::StatusOr<MeshShape> ValidateLayout(const v1::TrainerTask& task) {
         "this trainer runs ZeRO 2 and 3 under data parallelism alone; use zero_stage 0 or 1",
         layout.zero_stage(), shape.tp, shape.pp));
   }
+  if (layout.zero_stage() > 1 && shape.ep > 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "parallelism.layout.zero_stage: %d with expert_parallel %d: expert parallelism runs ZeRO "
+        "0 and 1 (the experts' gradients and optimizer state are split over their own group); "
+        "use zero_stage 0 or 1",
+        layout.zero_stage(), shape.ep));
+  }
   if (task.spec().has_lora()) RETURN_IF_ERROR(planner::CheckTrainerRunsLora(layout));
   if (layout.sequence_parallel() && shape.tp == 1) {
     return absl::InvalidArgumentError(
@@ -231,6 +240,7 @@ absl::Status ValidateSplits(const v1::ModelDims& dims, const MeshShape& shape,
                                              task.spec().data().seq_len(), shape.cp, shape.tp));
   RETURN_IF_ERROR(CheckPipelineSplits(dims, shape.pp, VirtualStagesOf(task.plan().layout())));
   RETURN_IF_ERROR(CheckInterleavedSchedule(task, shape));
+  RETURN_IF_ERROR(CheckExpertParallelSplit(dims, shape.ep));
   return CheckSequenceParallelSplit(task.plan().layout().sequence_parallel(),
                                     task.spec().data().seq_len(), shape.tp);
 }
