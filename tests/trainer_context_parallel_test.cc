@@ -178,18 +178,9 @@ TEST_P(ContextParallelTest, LossesEvaluationAndWeightsMatchOneProcess) {
   }
   // eval_batches are per dp rank: with dp 1 the cp ranks together evaluate the reference's
   // samples, each of its tokens counted once.
-  const std::vector<v1::EvalMetrics> evals = Evals(runs[0]), expected_evals = Evals(reference);
-  ASSERT_EQ(evals.size(), 2u) << runs[0].output;
-  ASSERT_EQ(expected_evals.size(), 2u) << reference.output;
-  for (size_t i = 0; i < evals.size() && c.dp == 1; ++i) {
-    EXPECT_EQ(evals[i].tokens(), expected_evals[i].tokens());
-    EXPECT_LE(std::abs(evals[i].loss() - expected_evals[i].loss()) / expected_evals[i].loss(),
-              1e-4);
-  }
-  const std::string export_path =
-      absl::StrCat("/step-", std::string(6, '0'), kSteps, "/model.safetensors");
+  if (c.dp == 1) ExpectEvalsMatch(runs[0], reference, 2, 1e-4);
   const double weights =
-      MaxRelativeDifference(ReadExport(dir + export_path), ReadExport(reference_dir + export_path));
+      MaxRelativeDifference(ReadStepExport(dir, kSteps), ReadStepExport(reference_dir, kSteps));
   std::cout << c.name << ": max relative loss difference " << worst
             << ", max relative weight difference " << weights << "\n";
   EXPECT_LE(weights, 1e-4);

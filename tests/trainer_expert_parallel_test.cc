@@ -111,10 +111,8 @@ TEST_P(ExpertParallelTrainingTest, LossesAndWeightsMatchOneProcess) {
     EXPECT_LE(relative, 1e-4) << "step " << step;
     worst = std::max(worst, relative);
   }
-  const std::string export_path =
-      absl::StrCat("/step-", std::string(6, '0'), kSteps, "/model.safetensors");
-  const auto weights = ReadExport(dir + export_path);
-  const auto expected_weights = ReadExport(*reference_dir_ + export_path);
+  const auto weights = ReadStepExport(dir, kSteps);
+  const auto expected_weights = ReadStepExport(*reference_dir_, kSteps);
   ASSERT_TRUE(expected_weights.contains("layers.0.mlp.experts.gate"));
   const double weight_difference = MaxRelativeDifference(weights, expected_weights);
   std::cout << CaseName({c, 0}) << ": max relative loss difference " << worst

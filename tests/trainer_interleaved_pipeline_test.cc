@@ -103,20 +103,9 @@ TEST_P(InterleavedPipelineTest, LossesAndWeightsMatchOneProcess) {
   }
   // Evaluation goes around the stages once per chunk; eval_batches are per dp rank, so only
   // dp 1 evaluates the reference's samples.
-  const std::vector<v1::EvalMetrics> evals = Evals(runs[0]), expected_evals = Evals(reference);
-  ASSERT_EQ(evals.size(), 2u) << runs[0].output;
-  ASSERT_EQ(expected_evals.size(), 2u);
-  for (size_t i = 0; i < evals.size() && c.dp == 1; ++i) {
-    EXPECT_EQ(evals[i].tokens(), expected_evals[i].tokens());
-    EXPECT_LE(std::abs(evals[i].loss() - expected_evals[i].loss()) / expected_evals[i].loss(),
-              1e-5);
-  }
-  const std::string export_path =
-      absl::StrCat("/step-", std::string(6, '0'), kSteps, "/model.safetensors");
-  const auto exported = ReadExport(dir + export_path);
-  const auto expected = ReadExport(reference_dir + export_path);
-  ASSERT_EQ(exported.size(), expected.size());
-  const double weights = MaxRelativeDifference(exported, expected);
+  if (c.dp == 1) ExpectEvalsMatch(runs[0], reference, 2, 1e-5);
+  const double weights =
+      MaxRelativeDifference(ReadStepExport(dir, kSteps), ReadStepExport(reference_dir, kSteps));
   std::cout << c.name << ": max relative loss difference " << worst
             << ", max relative weight difference " << weights << "\n";
   EXPECT_LE(weights, 2e-5);

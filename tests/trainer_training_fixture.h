@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/status_matchers.h"
@@ -135,6 +136,26 @@ class TrainerTrainingTest : public ::testing::Test {
       ParseReports(runs[rank]);
     }
     return runs;
+  }
+
+  // The export of the checkpoint a run with `checkpoint_dir` wrote at `step`.
+  static std::map<std::string, std::vector<float>> ReadStepExport(
+      const std::string& checkpoint_dir, int64_t step) {
+    return ReadExport(absl::StrFormat("%s/step-%08d/model.safetensors", checkpoint_dir, step));
+  }
+
+  // `run`'s evaluations against `reference`'s, for a layout whose evaluation covers the
+  // reference's samples: `count` of each, the same tokens, losses within `tolerance` relative.
+  static void ExpectEvalsMatch(const TrainerRun& run, const TrainerRun& reference, size_t count,
+                               double tolerance) {
+    const std::vector<v1::EvalMetrics> evals = Evals(run), expected = Evals(reference);
+    ASSERT_EQ(evals.size(), count) << run.output;
+    ASSERT_EQ(expected.size(), count) << reference.output;
+    for (size_t i = 0; i < count; ++i) {
+      EXPECT_EQ(evals[i].tokens(), expected[i].tokens());
+      EXPECT_LE(std::abs(evals[i].loss() - expected[i].loss()) / expected[i].loss(), tolerance)
+          << "evaluation " << i;
+    }
   }
 
   // The float32 tensors of a safetensors export, by name.
