@@ -1,7 +1,9 @@
 // Test support: the ranks of a device mesh as threads of one process, on real Gloo groups over a
 // shared in-memory HashStore (c10d's own way of testing several ranks). RunMeshThreads builds
 // each rank's world group and DeviceMesh, runs `body` on every rank's thread and joins them; a
-// failure to build a rank's group or mesh fails the test. Header-only, for tests.
+// failure to build a rank's group or mesh fails the test. The ranks meet in a world barrier once
+// their mesh is built and again after `body`, so that none tears its groups down while a peer is
+// still connecting or communicating. Header-only, for tests.
 #pragma once
 
 #include <cstdlib>
@@ -38,7 +40,12 @@ inline void RunMeshThreads(
       world.group = *group;
       auto mesh = DeviceMesh::Create(shape, rank, &world, ProcessGroupOptions{});
       ASSERT_THAT(mesh, ::tessera::testing::IsOk());
+      // A rank whose groups are connected may otherwise run a body without collectives, return
+      // and close its sockets while a slower peer still accepts that connection; the peer then
+      // reads "connection closed by peer". Every rank passes both barriers before any leaves.
+      ASSERT_THAT(Barrier(world), ::tessera::testing::IsOk());
       body(rank, world, *mesh);
+      EXPECT_THAT(Barrier(world), ::tessera::testing::IsOk());
     });
   }
   for (auto& thread : threads) thread.join();
