@@ -3,12 +3,22 @@ thresholds and disabled alerts rendered into the PrometheusRule, their schema re
 metrics.gpuSource (the worker's DCGM series dropped and the dashboards' scrape job variable
 pointed at dcgm-exporter). Called by chart_test.py.
 """
+import json
 import re
 
 from helm_python.errors import HelmError
 
 from chart_common import DEPLOY, by_kind, render, render_objects
 
+# Rendered and validated strictly by chart_test.py with its other values sets.
+VALUES_SETS = {
+    "GPUs from dcgm-exporter, alerts routed": {
+        "metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True},
+                    "prometheusRule": {"enabled": True}, "gpuSource": "dcgm"},
+        "alerts": {"owner": "gpu-infra", "labels": {"queue": "research"},
+                   "disabled": ["TesseraLossSpike"], "thresholds": {"gpuTempCelsius": 80}},
+    },
+}
 RUNBOOKS = DEPLOY.parent / "docs" / "runbooks.md"
 MONITORING = {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True},
               "prometheusRule": {"enabled": True}}
@@ -102,5 +112,49 @@ def test_alert_values(results):
             results.check(why in str(error), f"values schema refuses {label}, naming it", str(error))
 
 
+def scrape_job_defaults(objs):
+    """{dashboard file: the `job` variable's default} of the rendered dashboards that have one."""
+    defaults = {}
+    for configmap in by_kind(objs, "ConfigMap"):
+        for key, text in configmap.get("data", {}).items():
+            if key.endswith(".json"):
+                for variable in json.loads(text)["templating"]["list"]:
+                    if variable["name"] == "job":
+                        defaults[key] = variable["current"]["value"]
+    return defaults
+
+
+def test_gpu_source(results):
+    for source, job in (("worker", "tessera-worker"), ("dcgm", "dcgm-exporter")):
+        objs = render_objects({"metrics": {**MONITORING, "gpuSource": source,
+                                           "dcgmJob": "dcgm-exporter"}})
+        endpoint = by_kind(objs, "PodMonitor")[0]["spec"]["podMetricsEndpoints"][0]
+        drops = [r for r in endpoint.get("metricRelabelings", [])
+                 if r.get("action") == "drop" and r.get("sourceLabels") == ["__name__"]]
+        dropped = [n for n in ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+                               "tessera_task_gpu_info", "tessera_gpu_xid_errors_total",
+                               "tessera_train_loss")
+                   if any(re.fullmatch(r["regex"], n) for r in drops)]
+        want = ["DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"] if source == "dcgm" else []
+        results.check(dropped == want,
+                      f"gpuSource={source}: the worker PodMonitor drops {want or 'nothing'}",
+                      str(dropped))
+        defaults = scrape_job_defaults(objs)
+        results.check(defaults == {"tessera-training.json": job, "tessera-gpus.json": job},
+                      f"gpuSource={source}: the training and GPU dashboards' job variable "
+                      f"defaults to {job}", str(defaults))
+        boards = {k: json.loads(v) for c in by_kind(objs, "ConfigMap")
+                  for k, v in c.get("data", {}).items() if k.endswith(".json")}
+        results.check(len(boards) == 3 and all(b["panels"] for b in boards.values()),
+                      f"gpuSource={source}: three dashboards, each with panels")
+    try:
+        render({"metrics": {"gpuSource": "nvml"}})
+        results.check(False, "values schema refuses gpuSource=nvml", "rendered")
+    except HelmError as error:
+        results.check("/metrics/gpuSource" in str(error),
+                      "values schema refuses gpuSource=nvml, naming it", str(error))
+
+
 def test_monitoring(results):
     test_alert_values(results)
+    test_gpu_source(results)

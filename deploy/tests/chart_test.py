@@ -82,6 +82,7 @@ VALUES_SETS = {
         "logFormat": "text",
     },
     **chart_options.VALUES_SETS,
+    **chart_monitoring.VALUES_SETS,
 }
 
 
