@@ -78,7 +78,19 @@ def row(title):
             "_height": 1}
 
 
-def dashboard(uid, title, description, variables, panels):
+def annotation(name, expr, text, color):
+    """Events drawn across every panel: a point wherever `expr` has a value."""
+    return {"name": name, "datasource": DATASOURCE, "enable": True, "iconColor": color,
+            "expr": expr, "step": "1m", "titleFormat": name, "textFormat": text,
+            "useValueForTime": False}
+
+
+# On every dashboard: a dropdown of the other Tessera dashboards, keeping the time range.
+LINKS = [{"type": "dashboards", "tags": ["tessera"], "asDropdown": True, "keepTime": True,
+          "includeVars": False, "title": "Tessera dashboards"}]
+
+
+def dashboard(uid, title, description, variables, panels, annotations=()):
     x = y = 0
     line_height = 0
     laid = []
@@ -94,7 +106,8 @@ def dashboard(uid, title, description, variables, panels):
         "uid": uid, "title": title, "description": description, "tags": ["tessera"],
         "editable": True, "schemaVersion": 39, "version": 1, "refresh": "30s",
         "time": {"from": "now-6h", "to": "now"}, "timezone": "browser",
-        "templating": {"list": variables}, "annotations": {"list": []}, "panels": laid,
+        "templating": {"list": variables}, "annotations": {"list": list(annotations)},
+        "links": LINKS, "panels": laid,
     }
 
 
@@ -154,7 +167,17 @@ def training():
             panel("Failed jobs by cause (range)",
                   [(f"sum by (kind) (increase(tessera_job_failures_total[$__range]))", "{{kind}}")],
                   kind="stat", width=8),
-        ] + where_the_time_goes() + job_gpus())
+        ] + where_the_time_goes() + job_gpus(),
+        annotations=[
+            annotation("Restarts", "sum by (kind) (increase(tessera_job_restarts_total[1m])) > 0",
+                       "{{kind}}", "orange"),
+            annotation("Checkpoints",
+                       f"changes(tessera_job_last_checkpoint_timestamp_seconds{{{JOB}}}[1m]) > 0",
+                       "{{job_id}}", "green"),
+            annotation("Preemptions",
+                       "sum by (queue, reason) (increase(tessera_queue_preemptions_total[1m])) > 0",
+                       "{{queue}} {{reason}}", "red"),
+        ])
 
 
 def where_the_time_goes():
@@ -300,7 +323,8 @@ def control_plane():
         "RPC rates and errors, scheduler and store timings; queues (quota, use, borrowing, "
         "waiting jobs, fair share, preemptions, wait times).",
         [datasource_variable()],
-        [
+        overview() + [
+            row("Scheduling and RPCs"),
             panel("Jobs by state", [("sum by (state) (tessera_jobs)", "{{state}}")]),
             panel("Nodes by state", [("sum by (state) (tessera_nodes)", "{{state}}")]),
             panel("GPUs and CPU slots: capacity vs allocated",
@@ -358,6 +382,26 @@ def control_plane():
         ] + queues())
 
 
+def overview():
+    """The control-plane dashboard's first row: the cluster at a glance."""
+    return [
+        row("Overview"),
+        panel("Jobs running", [('sum(tessera_jobs{state="running"})', "running")], kind="stat",
+              width=6),
+        panel("Jobs pending", [('sum(tessera_jobs{state="pending"})', "pending")], kind="stat",
+              width=6),
+        panel("GPUs in use", [("sum(tessera_gpus_allocated) / (sum(tessera_gpus_capacity) > 0) or "
+                               "sum(tessera_cpu_slots_allocated) / sum(tessera_cpu_slots_capacity)",
+                               "in use")],
+              unit="percentunit", kind="stat", width=6,
+              description="Allocated over capacity: GPUs, or CPU slots on a cluster without "
+                          "GPUs."),
+        panel("Tokens per second, all jobs",
+              [(f"sum(rate(tessera_train_tokens_total[{RATE}]))", "tokens/s")], kind="stat",
+              width=6),
+    ]
+
+
 def queues():
     """The Queues row of the control-plane dashboard (series only with a --queue_file)."""
     wait = "tessera_queue_wait_seconds_bucket"
@@ -412,6 +456,10 @@ def lint(name, board):
         problems.append(f"{name}: duplicate panel ids")
     defined = {v["name"] for v in board["templating"]["list"]}
     builtin = {"__rate_interval", "__range", "__interval"}
+    for a in board["annotations"]["list"]:
+        for used in re.findall(r"\$\{?(\w+)", a["expr"]):
+            if used not in defined and used not in builtin:
+                problems.append(f"{name}: annotation '{a['name']}' uses undefined ${used}")
     for p in board["panels"]:
         if p["type"] == "row":
             continue

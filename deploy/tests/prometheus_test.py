@@ -359,6 +359,16 @@ def main():
             else:
                 failed.append(f"{name}: no data (or only NaN)")
 
+        # Every annotation's query is valid (restarts, checkpoints and preemptions are events:
+        # their queries have data only around one).
+        for path in sorted(DASHBOARDS.glob("*.json")):
+            for note in json.loads(path.read_text())["annotations"]["list"]:
+                resolved = substitute(note["expr"], training)
+                answer = query(prometheus, resolved)
+                (passed if answer.get("status") == "success" else failed).append(
+                    f"{path.stem} / annotation {note['name']}: {resolved} "
+                    f"{answer.get('error', '')}".rstrip())
+
         # The NaN-loss and failed-job alerts fire for the diverged job.
         for alert, label, value in (("TesseraTrainingLossNaN", "job_id", diverging),
                                     ("TesseraJobFailed", "kind", "nan_loss")):
