@@ -78,7 +78,8 @@ def test_alert_values(results):
                   == "https://wiki.example.com/tessera/runbooks#tesserajobstalled",
                   "alerts.runbookBaseUrl prefixes runbook_url",
                   stalled["annotations"]["runbook_url"])
-    results.check("> 7 * 60" in stalled["expr"] and "7 minutes" in stalled["annotations"]["description"],
+    results.check("> 7 * 60" in stalled["expr"] and "[7m:1m]) >= 7" in stalled["expr"]
+                  and "7 minutes" in stalled["annotations"]["description"],
                   "jobStalledMinutes reaches the stalled rule and its description", stalled["expr"])
     checkpoint = custom["TesseraNoCheckpoint"]["expr"]
     results.check("> 2 * 3600" in checkpoint and "[2h:10m]" in checkpoint and ">= 12" in checkpoint,
@@ -93,6 +94,16 @@ def test_alert_values(results):
     claim = rules_of({"sharedStorage": {"existingClaim": "team-nfs"}})["TesseraVolumeNearlyFull"]
     results.check("|team-nfs\"" in claim["expr"], "the volume rule follows an existing claim",
                   claim["expr"])
+
+    try:
+        rules_of({"alerts": {"disabled": ["TesseraGpuHott"]}})
+        results.check(False, "alerts.disabled naming no alert is refused", "rendered")
+    except HelmError as error:
+        results.check('alerts.disabled: no alert is named "TesseraGpuHott"' in str(error),
+                      "alerts.disabled naming no alert is refused, naming it", str(error))
+    stalled_default = rules["TesseraJobStalled"]["expr"]
+    results.check("[15m:1m]) >= 15" in stalled_default and "> 15 * 60" in stalled_default,
+                  "the stalled rule covers jobs with and without a first step", stalled_default)
 
     for label, bad, why in (
             ("a typo in alerts.thresholds", {"alerts": {"thresholds": {"gpuTemp": 80}}},

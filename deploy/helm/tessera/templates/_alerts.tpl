@@ -12,6 +12,13 @@ anchor of a heading is the heading in lower case). Output: YAML {groups: [...]}.
 {{- if hasKey $parsed "Error" -}}
 {{- fail (printf "files/alerts.rules.tpl.yaml does not render to YAML: %s" $parsed.Error) -}}
 {{- end -}}
+{{- $names := list -}}
+{{- range $parsed.groups -}}{{- range .rules -}}{{- $names = append $names .alert -}}{{- end -}}{{- end -}}
+{{- range ($alerts.disabled | default list) -}}
+{{- if not (has . $names) -}}
+{{- fail (printf "alerts.disabled: no alert is named %q (the alerts: %s)" . (join ", " $names)) -}}
+{{- end -}}
+{{- end -}}
 {{- $groups := list -}}
 {{- range $parsed.groups -}}
 {{- $rules := list -}}
