@@ -381,11 +381,19 @@ def main():
                 if not firing:
                     time.sleep(1)
             (passed if firing else failed).append(f"alert {alert} fires for {label}={value}")
-        # And nothing fires for the healthy job.
+        # And nothing fires for the healthy job. Pending alerts do not count: a rule's `for`
+        # exists to ride out what a loaded 2-core machine shows now and then (rank skew
+        # passing 1.3 for a few seconds), and the rules without one (NaN loss, stalled, no
+        # checkpoint, GPU errors) fire at once, so they are checked all the same.
         alerts = http_json(f"http://{prometheus}/api/v1/alerts")["data"]["alerts"]
         healthy = [a["labels"]["alertname"] for a in alerts
-                   if a["labels"].get("job_id") == training]
-        (failed if healthy else passed).append(f"no alert for the healthy job {training}: {healthy}")
+                   if a["labels"].get("job_id") == training and a["state"] == "firing"]
+        pending = [a["labels"]["alertname"] for a in alerts
+                   if a["labels"].get("job_id") == training and a["state"] != "firing"]
+        if pending:
+            print(f"pending (not firing) for the healthy job: {pending}")
+        (failed if healthy else passed).append(f"no alert fires for the healthy job {training}: "
+                                               f"{healthy}")
         cli(["cancel", training], args.bin_dir, coordinator)
     except Exception as error:  # the cluster's logs say why
         failed.append(f"setup: {error}")
