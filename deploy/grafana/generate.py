@@ -18,8 +18,17 @@ import sys
 OUT = pathlib.Path(__file__).resolve().parent.parent / "helm" / "tessera" / "files" / "dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 JOB = 'job_id=~"$job_id"'
-GPU = 'Hostname=~"$Hostname", gpu=~"$gpu"'
+# The scrape job whose DCGM_* series the GPU panels read: the workers' (tessera-worker) or
+# dcgm-exporter's. The chart's metrics.gpuSource=dcgm sets its default to metrics.dcgmJob.
+SCRAPE = 'job=~"$job"'
+GPU = f'{SCRAPE}, Hostname=~"$Hostname", gpu=~"$gpu"'
 RATE = "$__rate_interval"
+# Joins any per-GPU series to the job and rank holding that GPU (the worker's
+# tessera_task_gpu_info{job_id,rank,node,gpu,UUID} 1 of every running task).
+TO_JOB = f"* on (UUID) group_left (job_id, rank) tessera_task_gpu_info{{{JOB}}}"
+PHASES = "tessera_train_phase_seconds_total"
+COLLECTIVES = "tessera_train_collective_seconds_total"
+RANK_STEPS = "tessera_train_rank_steps_total"
 
 
 def datasource_variable():
@@ -34,17 +43,30 @@ def query_variable(name, label, query, multi=True):
             "current": {}, "sort": 1, "hide": 0}
 
 
+def scrape_job_variable():
+    """`job`: which scrape job's GPU series to draw, so that a cluster running dcgm-exporter beside
+    the workers draws each GPU once."""
+    return {"name": "job", "label": "GPU metrics from", "type": "query", "datasource": DATASOURCE,
+            "definition": "label_values(DCGM_FI_DEV_GPU_TEMP, job)",
+            "query": {"query": "label_values(DCGM_FI_DEV_GPU_TEMP, job)", "refId": "job"},
+            "refresh": 2, "includeAll": False, "multi": False,
+            "current": {"text": "tessera-worker", "value": "tessera-worker"}, "sort": 1, "hide": 0}
+
+
 def target(expr, legend, ref):
     return {"refId": ref, "expr": expr, "legendFormat": legend, "datasource": DATASOURCE}
 
 
 def panel(title, targets, unit="short", kind="timeseries", description="", width=12,
-          overrides=None):
+          overrides=None, stacked=False):
     """A panel; `targets` is a list of (expr, legend)."""
+    defaults = {"unit": unit}
+    if stacked:
+        defaults["custom"] = {"stacking": {"mode": "normal", "group": "A"}, "fillOpacity": 60}
     return {
         "type": kind, "title": title, "description": description, "datasource": DATASOURCE,
         "targets": [target(e, l, chr(ord("A") + i)) for i, (e, l) in enumerate(targets)],
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": overrides or []},
+        "fieldConfig": {"defaults": defaults, "overrides": overrides or []},
         "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
         "_width": width,
     }
@@ -56,7 +78,19 @@ def row(title):
             "_height": 1}
 
 
-def dashboard(uid, title, description, variables, panels):
+def annotation(name, expr, text, color):
+    """Events drawn across every panel: a point wherever `expr` has a value."""
+    return {"name": name, "datasource": DATASOURCE, "enable": True, "iconColor": color,
+            "expr": expr, "step": "1m", "titleFormat": name, "textFormat": text,
+            "useValueForTime": False}
+
+
+# On every dashboard: a dropdown of the other Tessera dashboards, keeping the time range.
+LINKS = [{"type": "dashboards", "tags": ["tessera"], "asDropdown": True, "keepTime": True,
+          "includeVars": False, "title": "Tessera dashboards"}]
+
+
+def dashboard(uid, title, description, variables, panels, annotations=()):
     x = y = 0
     line_height = 0
     laid = []
@@ -72,7 +106,8 @@ def dashboard(uid, title, description, variables, panels):
         "uid": uid, "title": title, "description": description, "tags": ["tessera"],
         "editable": True, "schemaVersion": 39, "version": 1, "refresh": "30s",
         "time": {"from": "now-6h", "to": "now"}, "timezone": "browser",
-        "templating": {"list": variables}, "annotations": {"list": []}, "panels": laid,
+        "templating": {"list": variables}, "annotations": {"list": list(annotations)},
+        "links": LINKS, "panels": laid,
     }
 
 
@@ -86,7 +121,8 @@ def training():
         "rate, peak memory, checkpoint stalls, per-rank step time and skew, restarts and "
         "failures.",
         [datasource_variable(),
-         query_variable("job_id", "Job", "label_values(tessera_train_step, job_id)")],
+         query_variable("job_id", "Job", "label_values(tessera_train_step, job_id)"),
+         scrape_job_variable()],
         [
             panel("Loss (train, eval as points)",
                   [(f"tessera_train_loss{{{JOB}}}", "{{job_id}} train"),
@@ -98,8 +134,9 @@ def training():
             panel("MFU", [(f"tessera_train_mfu_ratio{{{JOB}}}", "{{job_id}}")],
                   unit="percentunit",
                   description="6 x parameters x tokens/s over the GPUs' dense bf16 peak; 0 on CPU."),
-            panel("Step time", [(f"tessera_train_step_time_seconds{{{JOB}}}", "{{job_id}}")],
-                  unit="s"),
+            panel("Step time per rank",
+                  [(f"tessera_train_step_time_seconds{{{JOB}}}", "{{job_id}} rank {{rank}}")],
+                  unit="s", description="Each rank's newest step, wall time."),
             panel("Gradient norm", [(f"tessera_train_grad_norm{{{JOB}}}", "{{job_id}}")]),
             panel("Learning rate", [(f"tessera_train_learning_rate{{{JOB}}}", "{{job_id}}")],
                   unit="sci"),
@@ -130,7 +167,107 @@ def training():
             panel("Failed jobs by cause (range)",
                   [(f"sum by (kind) (increase(tessera_job_failures_total[$__range]))", "{{kind}}")],
                   kind="stat", width=8),
+        ] + where_the_time_goes() + job_gpus(),
+        annotations=[
+            annotation("Restarts", "sum by (kind) (increase(tessera_job_restarts_total[1m])) > 0",
+                       "{{kind}}", "orange"),
+            annotation("Checkpoints",
+                       f"changes(tessera_job_last_checkpoint_timestamp_seconds{{{JOB}}}[1m]) > 0",
+                       "{{job_id}}", "green"),
+            annotation("Preemptions",
+                       "sum by (queue, reason) (increase(tessera_queue_preemptions_total[1m])) > 0",
+                       "{{queue}} {{reason}}", "red"),
         ])
+
+
+def where_the_time_goes():
+    """The training dashboard's breakdown of step time (issue 43): the trainers' per-phase and
+    per-collective counters, summed over ranks, per step or as shares of wall time."""
+    per_step = f"sum by (job_id) (rate({RANK_STEPS}{{{JOB}}}[{RATE}]))"
+    return [
+        row("Where the time goes"),
+        panel("Share of step time by phase",
+              [(f"sum by (job_id, phase) (rate({PHASES}{{{JOB}}}[{RATE}])) / ignoring (phase) "
+                f"group_left sum by (job_id) (rate({PHASES}{{{JOB}}}[{RATE}]))",
+                "{{job_id}} {{phase}}")],
+              unit="percentunit", stacked=True,
+              description="Forward, backward, optimizer, data wait, checkpoint blocked and the "
+                          "rest, as shares of all ranks' step time: a growing data_wait is a slow "
+                          "loader or storage, checkpoint_blocked a save holding the step."),
+        panel("Seconds per step by phase",
+              [(f"sum by (job_id, phase) (rate({PHASES}{{{JOB}}}[{RATE}])) / ignoring (phase) "
+                f"group_left {per_step}", "{{job_id}} {{phase}}")],
+              unit="s", stacked=True,
+              description="Each phase's time per step, averaged over ranks; the stack is the "
+                          "step time."),
+        panel("Collective time per step by kind and dimension",
+              [(f"sum by (job_id, kind, dim) (rate({COLLECTIVES}{{{JOB}}}[{RATE}])) / "
+                f"ignoring (kind, dim) group_left {per_step}", "{{job_id}} {{kind}} {{dim}}")],
+              unit="s",
+              description="Seconds per step, averaged over ranks, in each collective (all_reduce, "
+                          "reduce_scatter, all_gather, all_to_all, broadcast, send_recv) of each "
+                          "process-group dimension (dp, tp, pp, cp, ep, edp, dcp)."),
+        panel("Collective bandwidth by kind and dimension",
+              [(f"sum by (job_id, kind, dim) (rate(tessera_train_collective_bytes_total{{{JOB}}}"
+                f"[{RATE}])) / sum by (job_id, kind, dim) (rate({COLLECTIVES}{{{JOB}}}[{RATE}]))",
+                "{{job_id}} {{kind}} {{dim}}")],
+              unit="Bps",
+              description="Bytes moved per second spent in the collective (algorithm "
+                          "bandwidth): far under the link's speed means latency-bound messages or "
+                          "a slow peer."),
+        panel("Data wait per rank (seconds per step)",
+              [(f'sum by (job_id, rank) (rate({PHASES}{{{JOB}, phase="data_wait"}}[{RATE}])) / '
+                f"sum by (job_id, rank) (rate({RANK_STEPS}{{{JOB}}}[{RATE}]))",
+                "{{job_id}} rank {{rank}}")],
+              unit="s", description="A rank waiting on its loader longer than the others slows "
+                                    "every rank at the next collective."),
+        panel("Seconds since the newest step (stalled)",
+              [(f"time() - max by (job_id) (tessera_job_last_step_timestamp_seconds{{{JOB}}})",
+                "{{job_id}}")],
+              unit="s", kind="stat", width=8,
+              description="Kept by the coordinator for every RUNNING job while its ranks are "
+                          "silent; TesseraJobStalled fires past alerts.thresholds.jobStalledMinutes."),
+        panel("Since the newest checkpoint",
+              [(f"time() - max by (job_id) (tessera_job_last_checkpoint_timestamp_seconds{{{JOB}}})",
+                "{{job_id}}")],
+              unit="s", kind="stat", width=8,
+              description="Work a restart would lose; TesseraNoCheckpoint fires past "
+                          "alerts.thresholds.noCheckpointHours."),
+        panel("ETA",
+              [(f"(max by (job_id) (tessera_train_max_steps{{{JOB}}}) - max by (job_id) "
+                f"(tessera_train_steps_total{{{JOB}}})) / max by (job_id) "
+                f"(rate(tessera_train_steps_total{{{JOB}}}[{RATE}]))", "{{job_id}}")],
+              unit="s", kind="stat", width=8,
+              description="Steps left over the recent step rate."),
+    ]
+
+
+def job_gpus():
+    """The job's GPUs: any DCGM-named series of the `job` scrape job joined to the job and rank
+    through tessera_task_gpu_info."""
+    legend = "{{job_id}} rank {{rank}} ({{Hostname}} GPU {{gpu}})"
+
+    def joined(title, metric, unit, description=""):
+        return panel(title, [(f"{metric}{{{SCRAPE}}} {TO_JOB}", legend)], unit=unit,
+                     description=description)
+    return [
+        row("GPUs of the job"),
+        joined("GPU utilization by rank", "DCGM_FI_DEV_GPU_UTIL", "percent"),
+        joined("GPU temperature by rank", "DCGM_FI_DEV_GPU_TEMP", "celsius",
+               "TesseraGpuHot fires above alerts.thresholds.gpuTempCelsius."),
+        joined("Clock throttle reasons by rank", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "short",
+               "NVML's bitmask: 1 idle, 2 application clocks, 4 power cap, 8 hardware slowdown, "
+               "16 sync boost, 32 software thermal, 64 hardware thermal, 128 power brake."),
+        panel("ECC and Xid errors of the job's GPUs (range)",
+              [(f"increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{SCRAPE}}}[$__range]) {TO_JOB}",
+                f"{legend} uncorrectable ECC"),
+               (f"increase(DCGM_FI_DEV_ECC_SBE_VOL_TOTAL{{{SCRAPE}}}[$__range]) {TO_JOB}",
+                f"{legend} corrected ECC"),
+               (f"increase(tessera_gpu_xid_errors_total[$__range]) {TO_JOB}", f"{legend} Xid")],
+              kind="stat",
+              description="Any uncorrectable ECC error or Xid on a job's GPU is worth a look: "
+                          "docs/runbooks.md, TesseraGpuEccErrors and TesseraGpuXid."),
+    ]
 
 
 def gpus():
@@ -140,9 +277,10 @@ def gpus():
     return dashboard(
         "tessera-gpus", "Tessera / GPUs",
         "Every GPU the workers export, under dcgm-exporter's metric names.",
-        [datasource_variable(),
-         query_variable("Hostname", "Node", "label_values(DCGM_FI_DEV_GPU_UTIL, Hostname)"),
-         query_variable("gpu", "GPU", 'label_values(DCGM_FI_DEV_GPU_UTIL{Hostname=~"$Hostname"}, gpu)')],
+        [datasource_variable(), scrape_job_variable(),
+         query_variable("Hostname", "Node", f"label_values(DCGM_FI_DEV_GPU_UTIL{{{SCRAPE}}}, Hostname)"),
+         query_variable("gpu", "GPU",
+                        f'label_values(DCGM_FI_DEV_GPU_UTIL{{{SCRAPE}, Hostname=~"$Hostname"}}, gpu)')],
         [
             gpu_panel("Utilization", "DCGM_FI_DEV_GPU_UTIL", "percent"),
             gpu_panel("Memory copy utilization", "DCGM_FI_DEV_MEM_COPY_UTIL", "percent"),
@@ -154,6 +292,26 @@ def gpus():
                       "MHz as NVML reports it; a drop under load means throttling."),
             gpu_panel("XID errors", "DCGM_FI_DEV_XID_ERRORS", "short",
                       "The last XID error code (0: none)."),
+            panel("ECC errors (range)",
+                  [(f"increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{GPU}}}[$__range])",
+                    "{{Hostname}} GPU {{gpu}} uncorrectable"),
+                   (f"increase(DCGM_FI_DEV_ECC_SBE_VOL_TOTAL{{{GPU}}}[$__range])",
+                    "{{Hostname}} GPU {{gpu}} corrected")],
+                  kind="stat", description="Volatile ECC error counts over the dashboard's range."),
+            panel("Xid errors (range)",
+                  [('increase(tessera_gpu_xid_errors_total{Hostname=~"$Hostname", gpu=~"$gpu"}'
+                    "[$__range])", "{{Hostname}} GPU {{gpu}}")],
+                  kind="stat",
+                  description="Xid critical errors the worker counted from NVML events (the "
+                              "code of the newest is in XID errors above)."),
+            gpu_panel("Clock throttle reasons", "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "short",
+                      "NVML's bitmask: 1 idle, 2 application clocks, 4 power cap, 8 hardware "
+                      "slowdown, 16 sync boost, 32 software thermal, 64 hardware thermal, "
+                      "128 power brake."),
+            panel("Which job holds each GPU",
+                  [('tessera_task_gpu_info{gpu=~"$gpu"}', "{{node}} GPU {{gpu}}: {{job_id}} rank {{rank}}")],
+                  kind="table",
+                  description="From the workers: one series per GPU a running task holds."),
         ])
 
 
@@ -165,7 +323,8 @@ def control_plane():
         "RPC rates and errors, scheduler and store timings; queues (quota, use, borrowing, "
         "waiting jobs, fair share, preemptions, wait times).",
         [datasource_variable()],
-        [
+        overview() + [
+            row("Scheduling and RPCs"),
             panel("Jobs by state", [("sum by (state) (tessera_jobs)", "{{state}}")]),
             panel("Nodes by state", [("sum by (state) (tessera_nodes)", "{{state}}")]),
             panel("GPUs and CPU slots: capacity vs allocated",
@@ -223,6 +382,26 @@ def control_plane():
         ] + queues())
 
 
+def overview():
+    """The control-plane dashboard's first row: the cluster at a glance."""
+    return [
+        row("Overview"),
+        panel("Jobs running", [('sum(tessera_jobs{state="running"})', "running")], kind="stat",
+              width=6),
+        panel("Jobs pending", [('sum(tessera_jobs{state="pending"})', "pending")], kind="stat",
+              width=6),
+        panel("GPUs in use", [("sum(tessera_gpus_allocated) / (sum(tessera_gpus_capacity) > 0) or "
+                               "sum(tessera_cpu_slots_allocated) / sum(tessera_cpu_slots_capacity)",
+                               "in use")],
+              unit="percentunit", kind="stat", width=6,
+              description="Allocated over capacity: GPUs, or CPU slots on a cluster without "
+                          "GPUs."),
+        panel("Tokens per second, all jobs",
+              [(f"sum(rate(tessera_train_tokens_total[{RATE}]))", "tokens/s")], kind="stat",
+              width=6),
+    ]
+
+
 def queues():
     """The Queues row of the control-plane dashboard (series only with a --queue_file)."""
     wait = "tessera_queue_wait_seconds_bucket"
@@ -277,6 +456,10 @@ def lint(name, board):
         problems.append(f"{name}: duplicate panel ids")
     defined = {v["name"] for v in board["templating"]["list"]}
     builtin = {"__rate_interval", "__range", "__interval"}
+    for a in board["annotations"]["list"]:
+        for used in re.findall(r"\$\{?(\w+)", a["expr"]):
+            if used not in defined and used not in builtin:
+                problems.append(f"{name}: annotation '{a['name']}' uses undefined ${used}")
     for p in board["panels"]:
         if p["type"] == "row":
             continue

@@ -35,14 +35,17 @@ try:
     from helm_python.errors import HelmError
 
     import chart_lifecycle
+    import chart_monitoring
     import chart_options
-    from chart_common import CHART, DEPLOY, Results, by_kind, flag, objects, render
+    from chart_common import (CHART, DEPLOY, Results, by_kind, flag, objects, render,
+                              render_objects)
 except ImportError as error:
     print(f"skipped: deploy tools missing ({error}); scripts/bootstrap.sh --print-tools-python "
           "installs them")
     sys.exit(77)
 
 MANIFESTS = DEPLOY / "manifests" / "tessera.yaml"
+RULES = CHART / "files" / "alerts.rules.yaml"
 OPERATOR_SCHEMAS = json.loads((DEPLOY / "tests" / "prometheus_operator_schemas.json").read_text())
 KUBERNETES_VERSIONS = ["1.30.0", kv.latest_version()]
 
@@ -79,6 +82,7 @@ VALUES_SETS = {
         "logFormat": "text",
     },
     **chart_options.VALUES_SETS,
+    **chart_monitoring.VALUES_SETS,
 }
 
 
@@ -92,6 +96,30 @@ def manifest_text(rendered):
               "\"tessera\", namespace \"tessera\")\n# by deploy/render.sh. For `kubectl create "
               "namespace tessera && kubectl apply -f` users; edit\n# the chart, not this file.\n")
     return header + "---\n".join(parts)
+
+
+def rules_text():
+    """files/alerts.rules.yaml: the PrometheusRule's groups rendered with the default values."""
+    objs = render_objects({"metrics": {"prometheusRule": {"enabled": True}}})
+    groups = by_kind(objs, "PrometheusRule")[0]["spec"]["groups"]
+    header = ("# Tessera's Prometheus alert rules, rendered from files/alerts.rules.tpl.yaml with "
+              "the chart's\n# default values (release \"tessera\", namespace \"tessera\") by "
+              "deploy/render.sh: edit the template,\n# not this file. For `rule_files:` in "
+              "prometheus.yml; tested by deploy/prometheus/alerts_test.yaml.\n")
+    order = ("alert", "expr", "for", "labels", "annotations")
+    groups = [{"name": g["name"], "rules": [{k: r[k] for k in order if k in r} for r in g["rules"]]}
+              for g in groups]
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper, value):  # expressions over several lines stay readable as blocks
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value,
+                                       style="|" if "\n" in value else None)
+
+    Dumper.add_representer(str, text)
+    return header + yaml.dump({"groups": groups}, Dumper=Dumper, sort_keys=False, width=100,
+                              allow_unicode=True)
 
 
 def test_values_set(results, label, values, promtool):
@@ -255,6 +283,8 @@ def main():
         MANIFESTS.parent.mkdir(parents=True, exist_ok=True)
         MANIFESTS.write_text(manifest_text(render({})))
         print(f"wrote {MANIFESTS}")
+        RULES.write_text(rules_text())
+        print(f"wrote {RULES}")
         return 0
 
     results = Results()
@@ -360,6 +390,10 @@ def main():
     fresh = manifest_text(render({}))
     results.check(MANIFESTS.exists() and MANIFESTS.read_text() == fresh,
                   f"{MANIFESTS.name} equals a fresh render (deploy/render.sh)")
+
+    results.check(RULES.exists() and RULES.read_text() == rules_text(),
+                  f"{RULES.name} equals a fresh render of the rules template (deploy/render.sh)")
+    chart_monitoring.test_monitoring(results)
 
     for name in results.passed:
         print(f"PASS {name}")
