@@ -270,6 +270,41 @@ TEST_F(WorkerAgentTest, ANewTaskWaitsForTheStoppingRanksOnItsGpusAndNoOther) {
   }
 }
 
+// Each rank's step time breakdown reaches the coordinator in the worker's heartbeat, while the
+// per-step rank reports stay on the worker (for its metrics), as heartbeats do.
+TEST_F(WorkerAgentTest, RankBreakdownsGoOutInHeartbeatsAndRankStepsAreNotRelayed) {
+  StartCluster(TwoRanks(0), "--heartbeat --rank_steps --sleep=60",
+               "--heartbeat --rank_steps --sleep=60", WorkerAgentOptions());
+  const auto heartbeats = coordinator_->WaitForHeartbeats(
+      [](const std::vector<FakeCoordinator::Exchange>& so_far) {
+        if (so_far.empty()) return false;
+        int with_breakdown = 0;
+        for (const v1::TaskStatus& status : so_far.back().request.tasks()) {
+          for (const v1::RankStepTime& rank : status.ranks()) {
+            with_breakdown += rank.breakdown().forward_seconds() == 0.25 &&
+                              rank.breakdown().collectives_size() == 1 &&
+                              rank.breakdown().collectives(0).kind() == "all_reduce";
+          }
+        }
+        return with_breakdown == 2;
+      },
+      absl::Seconds(30));
+  ASSERT_FALSE(heartbeats.empty());
+  int with_breakdown = 0;
+  for (const v1::TaskStatus& status : heartbeats.back().request.tasks()) {
+    for (const v1::RankStepTime& rank : status.ranks()) {
+      with_breakdown += rank.breakdown().forward_seconds() == 0.25;
+    }
+  }
+  EXPECT_EQ(with_breakdown, 2) << "no heartbeat carried both ranks' breakdowns";
+  // Several relay rounds (poll_interval 50 ms) after rank steps arrived.
+  absl::SleepFor(absl::Milliseconds(400));
+  for (const v1::TrainerReport& report : coordinator_->relayed()) {
+    EXPECT_FALSE(report.has_rank_step()) << "relayed: " << report.ShortDebugString();
+  }
+  ExpectNoHeartbeatRelayed();
+}
+
 // A GPU inventory of fixed devices, sampled as idle.
 class FixedGpus final : public GpuBackend {
  public:
