@@ -282,8 +282,8 @@ class NvmlBackend final : public GpuBackend {
     }
     bool any = false;
     for (const auto& [index, handle] : Handles()) {
-      any |= api_.register_events(handle, kNvmlEventTypeXidCriticalError, event_set_) ==
-             kNvmlSuccess;
+      any |=
+          api_.register_events(handle, kNvmlEventTypeXidCriticalError, event_set_) == kNvmlSuccess;
     }
     if (any) xid_thread_ = std::thread([this] { XidLoop(); });
   }

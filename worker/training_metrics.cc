@@ -40,7 +40,8 @@ constexpr GaugeSpec kStepGauges[] = {
      "host memory if unfinished at the optimizer step, or the previous asynchronous save still "
      "writing); 0 for a step without one",
      [](const v1::StepMetrics& m) { return m.checkpoint_blocked_seconds(); }},
-    {"tessera_train_max_steps", "The run's last optimizer step (max_steps, or what its epochs "
+    {"tessera_train_max_steps",
+     "The run's last optimizer step (max_steps, or what its epochs "
      "come to)",
      [](const v1::StepMetrics& m) { return static_cast<double>(m.max_steps()); }},
 };
@@ -80,8 +81,7 @@ constexpr Phase kPhases[] = {
 // A deque, so that the references AddFamily returns stay valid while more families are added.
 using Families = std::deque<prometheus::MetricFamily>;
 
-prometheus::MetricFamily& AddFamily(Families& families,
-                                    const char* name, const char* help,
+prometheus::MetricFamily& AddFamily(Families& families, const char* name, const char* help,
                                     prometheus::MetricType type) {
   prometheus::MetricFamily& family = families.emplace_back();
   family.name = name;
@@ -162,17 +162,17 @@ std::vector<prometheus::MetricFamily> TrainingMetrics::Collect() const {
       if (series.step) AddSample(family, key, spec.value(*series.step));
     }
   }
-  auto& eval = AddFamily(families, "tessera_eval_loss",
-                         "Validation loss (nats per token) of the newest evaluation",
-                         MetricType::Gauge);
+  auto& eval =
+      AddFamily(families, "tessera_eval_loss",
+                "Validation loss (nats per token) of the newest evaluation", MetricType::Gauge);
   for (const auto& [key, series] : series_) {
     if (series.eval_loss) AddSample(eval, key, *series.eval_loss);
   }
 
   // Per rank: its own RankStepMetrics, else (a trainer that sends none) rank 0's StepMetrics.
-  auto& step_time = AddFamily(families, "tessera_train_step_time_seconds",
-                              "Wall time of the newest optimizer step on this rank",
-                              MetricType::Gauge);
+  auto& step_time =
+      AddFamily(families, "tessera_train_step_time_seconds",
+                "Wall time of the newest optimizer step on this rank", MetricType::Gauge);
   auto& peak_memory = AddFamily(
       families, "tessera_train_peak_memory_bytes",
       "Peak memory of the newest step on this rank: GPU memory allocated, or the process's peak "
@@ -224,9 +224,9 @@ std::vector<prometheus::MetricFamily> TrainingMetrics::Collect() const {
     AddSample(last_report, key, absl::ToDoubleSeconds(series.updated - absl::UnixEpoch()));
   }
 
-  auto& gpu_info = AddFamily(families, "tessera_task_gpu_info",
-                             "1 for each GPU a running rank of a job holds on this node",
-                             MetricType::Gauge);
+  auto& gpu_info =
+      AddFamily(families, "tessera_task_gpu_info",
+                "1 for each GPU a running rank of a job holds on this node", MetricType::Gauge);
   for (const RunningRank& rank : running) {
     if (rank.gpu < 0) continue;
     AddSample(gpu_info, {rank.job_id, rank.rank}, 1.0,

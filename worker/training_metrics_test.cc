@@ -40,8 +40,8 @@ v1::TrainerReport StepReport(const std::string& job_id, int64_t step, double los
   return report;
 }
 
-v1::TrainerReport RankStepReport(const std::string& job_id, int rank, int64_t step,
-                                 double forward, int64_t peak_memory) {
+v1::TrainerReport RankStepReport(const std::string& job_id, int rank, int64_t step, double forward,
+                                 int64_t peak_memory) {
   v1::TrainerReport report;
   report.set_job_id(job_id);
   report.set_rank(rank);
@@ -150,8 +150,7 @@ TEST(TrainingMetricsTest, RankStepsAccumulatePerRankPhaseAndCollective) {
   EXPECT_THAT(lines, Contains(phase + labelled("job-1", 1, "phase=\"backward\"") + " 2"));
   EXPECT_THAT(lines, Contains(phase + labelled("job-1", 1, "phase=\"optimizer\"") + " 0.5"));
   EXPECT_THAT(lines, Contains(phase + labelled("job-1", 1, "phase=\"data_wait\"") + " 0.25"));
-  EXPECT_THAT(lines,
-              Contains(phase + labelled("job-1", 1, "phase=\"checkpoint_blocked\"") + " 0"));
+  EXPECT_THAT(lines, Contains(phase + labelled("job-1", 1, "phase=\"checkpoint_blocked\"") + " 0"));
   EXPECT_THAT(lines, Contains(phase + labelled("job-1", 1, "phase=\"other\"") + " 0.25"));
   EXPECT_THAT(lines, Contains(phase + labelled("job-1", 0, "phase=\"forward\"") + " 2"));
   EXPECT_THAT(lines, Contains("tessera_train_collective_seconds_total" +
@@ -198,8 +197,7 @@ TEST(TrainingMetricsTest, AStalledJobStaysWhileItRunsAndGoesRetentionAfterItEnds
   metrics.Record(StepReport("stalled", 3, 2.5));
   metrics.Record(RankStepReport("stalled", 1, 3, 1.0, 100));
   const std::string last_report = "tessera_train_last_report_timestamp_seconds";
-  const std::string report_time =
-      " " + std::to_string(absl::ToUnixSeconds(start));
+  const std::string report_time = " " + std::to_string(absl::ToUnixSeconds(start));
   EXPECT_THAT(Lines(metrics), Contains(last_report + Rank("stalled", 1) + report_time));
 
   // No report for an hour, scraped every minute, but its ranks still run: all stays.

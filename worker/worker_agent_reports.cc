@@ -1,7 +1,7 @@
 // WorkerAgent's report path: the trainers' report socket (one reader thread per connection),
-// which keeps rank heartbeats and rank step reports to the agent and queues the other reports, and the relay loop that
-// sends the queued reports to the coordinator in batches. The supervision, launching and
-// heartbeating live in worker_agent.cc.
+// which keeps rank heartbeats and rank step reports to the agent and queues the other reports, and
+// the relay loop that sends the queued reports to the coordinator in batches. The supervision,
+// launching and heartbeating live in worker_agent.cc.
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>

@@ -107,14 +107,12 @@ std::vector<prometheus::MetricFamily> ProcessMetrics::Collect() const {
   if (!sample.ok()) return {};
   std::vector<prometheus::MetricFamily> families;
   families.push_back(Family("process_cpu_seconds_total",
-                            "Total user and system CPU time spent in seconds.",
-                            MetricType::Counter, sample->cpu_seconds));
+                            "Total user and system CPU time spent in seconds.", MetricType::Counter,
+                            sample->cpu_seconds));
   families.push_back(Family("process_resident_memory_bytes", "Resident memory size in bytes.",
-                            MetricType::Gauge,
-                            static_cast<double>(sample->resident_memory_bytes)));
+                            MetricType::Gauge, static_cast<double>(sample->resident_memory_bytes)));
   families.push_back(Family("process_virtual_memory_bytes", "Virtual memory size in bytes.",
-                            MetricType::Gauge,
-                            static_cast<double>(sample->virtual_memory_bytes)));
+                            MetricType::Gauge, static_cast<double>(sample->virtual_memory_bytes)));
   families.push_back(Family("process_open_fds", "Number of open file descriptors.",
                             MetricType::Gauge, static_cast<double>(sample->open_fds)));
   families.push_back(Family("process_start_time_seconds",
