@@ -82,6 +82,17 @@ TEST_F(ClusterTest, TwoRankJobTrainsThroughCoordinatorAndWorker) {
   EXPECT_THAT(metrics_page->body,
               HasSubstr(absl::StrCat("tessera_train_loss{job_id=\"", job_id, "\",rank=\"0\"}")));
   EXPECT_THAT(metrics_page->body, HasSubstr("tessera_train_tokens_per_second{"));
+  // Issue 43: the job's totals are counters (rate() works), the last report is timestamped, and
+  // the worker serves its own process metrics.
+  const std::string rank0 = absl::StrCat("{job_id=\"", job_id, "\",rank=\"0\"}");
+  EXPECT_THAT(metrics_page->body, HasSubstr("# TYPE tessera_train_steps_total counter\n"));
+  EXPECT_THAT(metrics_page->body, HasSubstr("tessera_train_steps_total" + rank0 + " 30\n"));
+  EXPECT_THAT(metrics_page->body, HasSubstr("tessera_train_max_steps" + rank0 + " 30\n"));
+  EXPECT_THAT(metrics_page->body, HasSubstr("tessera_train_tokens_total" + rank0 + " "));
+  EXPECT_THAT(metrics_page->body,
+              HasSubstr("tessera_train_last_report_timestamp_seconds" + rank0 + " "));
+  EXPECT_THAT(metrics_page->body, HasSubstr("# TYPE process_cpu_seconds_total counter\n"));
+  EXPECT_THAT(metrics_page->body, HasSubstr("process_resident_memory_bytes "));
 }
 
 // Instruction records in Alpaca's format for a task a small model can pick up in two epochs:

@@ -10,6 +10,9 @@
 //   --heartbeat        with a task: sends a RankHeartbeat (step = heartbeats sent so far) every
 //                      heartbeat_interval_seconds from a thread, as the real trainer does;
 //   --stop_after_heartbeats=N  with --heartbeat: SIGSTOPs itself after N heartbeats (a hung rank);
+//   --rank_steps       with --heartbeat: each heartbeat carries a step time breakdown (forward
+//                      0.25 s, a dp all_reduce of 0.125 s), and a RankStepMetrics of one more
+//                      step with the same breakdown follows it;
 //   --ignore_sigterm   ignores SIGTERM (a grandchild inherits that);
 //   --checkpoint_on_signal=S  on the checkpoint-and-stop signal (kCheckpointAndStopSignal) takes
 //                      S seconds "saving", prints CHECKPOINTED and exits 0, as the trainer does;
@@ -153,6 +156,7 @@ int main(int argc, char** argv) {
     }
   }
   bool heartbeat = false;
+  bool rank_steps = false;
   bool checkpoint_on_signal = false;
   int stop_after_heartbeats = -1;
   int report_failure = -1;
@@ -160,6 +164,8 @@ int main(int argc, char** argv) {
     std::string value;
     if (arg == "--heartbeat") {
       heartbeat = true;
+    } else if (arg == "--rank_steps") {
+      rank_steps = true;
     } else if (FlagValue(arg, "stop_after_heartbeats", &value)) {
       stop_after_heartbeats = std::atoi(value.c_str());
     } else if (FlagValue(arg, "report_failure", &value)) {
@@ -213,12 +219,26 @@ int main(int argc, char** argv) {
   if (has_task && heartbeat) {
     const double interval =
         task.heartbeat_interval_seconds() > 0 ? task.heartbeat_interval_seconds() : 1.0;
-    std::thread([&channel, report, interval, stop_after_heartbeats] {
+    std::thread([&channel, report, interval, stop_after_heartbeats, rank_steps] {
+      tessera::v1::StepTimeBreakdown breakdown;
+      breakdown.set_forward_seconds(0.25);
+      tessera::v1::CollectiveTime* all_reduce = breakdown.add_collectives();
+      all_reduce->set_kind("all_reduce");
+      all_reduce->set_dim("dp");
+      all_reduce->set_seconds(0.125);
+      all_reduce->set_calls(1);
       for (int sent = 0;; ++sent) {
         if (sent == stop_after_heartbeats) raise(SIGSTOP);
         tessera::v1::TrainerReport beat = report();
         beat.mutable_heartbeat()->set_step(sent);
+        if (rank_steps) *beat.mutable_heartbeat()->mutable_breakdown() = breakdown;
         channel.Send(beat);
+        if (rank_steps) {
+          tessera::v1::TrainerReport step = report();
+          step.mutable_rank_step()->set_step(sent + 1);
+          *step.mutable_rank_step()->mutable_breakdown() = breakdown;
+          channel.Send(step);
+        }
         SleepSeconds(interval);
       }
     }).detach();

@@ -4,11 +4,13 @@
 
 #include <cstring>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "planner/devices.h"
@@ -23,10 +25,24 @@ using nvmlDevice_t = struct nvmlDevice_st*;
 constexpr nvmlReturn_t kNvmlSuccess = 0;
 constexpr int kNvmlTemperatureGpu = 0;            // nvmlTemperatureSensors_t NVML_TEMPERATURE_GPU
 constexpr int kNvmlClockSm = 1;                   // nvmlClockType_t NVML_CLOCK_SM
+constexpr nvmlReturn_t kNvmlErrorTimeout = 10;    // NVML_ERROR_TIMEOUT
+constexpr int kNvmlMemoryErrorCorrected = 0;      // nvmlMemoryErrorType_t
 constexpr int kNvmlMemoryErrorUncorrected = 1;    // nvmlMemoryErrorType_t
 constexpr int kNvmlVolatileEcc = 0;               // nvmlEccCounterType_t
 constexpr unsigned int kNvmlNameBufferSize = 96;  // NVML_DEVICE_NAME_V2_BUFFER_SIZE
 constexpr unsigned int kNvmlUuidBufferSize = 96;  // NVML_DEVICE_UUID_V2_BUFFER_SIZE
+
+// nvmlEventTypeXidCriticalError: the event's data is the Xid.
+constexpr unsigned long long kNvmlEventTypeXidCriticalError = 0x8;  // NOLINT(runtime/int)
+using nvmlEventSet_t = struct nvmlEventSet_st*;
+
+struct nvmlEventData_t {
+  nvmlDevice_t device;
+  unsigned long long event_type;  // NOLINT(runtime/int): NVML's declared type.
+  unsigned long long event_data;  // NOLINT(runtime/int)
+  unsigned int gpu_instance_id;
+  unsigned int compute_instance_id;
+};
 
 struct nvmlMemory_t {
   unsigned long long total;  // NOLINT(runtime/int): NVML's declared type.
@@ -67,6 +83,15 @@ struct NvmlApi {
   nvmlReturn_t (*get_clock_info)(nvmlDevice_t, int, unsigned int*);
   // Optional. NOLINTNEXTLINE(runtime/int): NVML's declared type.
   nvmlReturn_t (*get_total_ecc_errors)(nvmlDevice_t, int, int, unsigned long long*);
+  // Optional: nvmlDeviceGetCurrentClocksEventReasons (R535 on), else the older
+  // nvmlDeviceGetCurrentClocksThrottleReasons. NOLINTNEXTLINE(runtime/int)
+  nvmlReturn_t (*get_clock_reasons)(nvmlDevice_t, unsigned long long*);
+  // Optional, all four or none: Xid events.
+  nvmlReturn_t (*event_set_create)(nvmlEventSet_t*);
+  // NOLINTNEXTLINE(runtime/int): NVML's declared type.
+  nvmlReturn_t (*register_events)(nvmlDevice_t, unsigned long long, nvmlEventSet_t);
+  nvmlReturn_t (*event_set_wait)(nvmlEventSet_t, nvmlEventData_t*, unsigned int);
+  nvmlReturn_t (*event_set_free)(nvmlEventSet_t);
 };
 
 // Resolves `name` into `*fn`; false if it is missing.
@@ -105,6 +130,14 @@ std::string ResolveApi(void* library, NvmlApi& api) {
   Resolve(library, "nvmlErrorString", &api.error_string);
   Resolve(library, "nvmlDeviceGetPciInfo_v3", &api.get_pci_info);
   Resolve(library, "nvmlDeviceGetTotalEccErrors", &api.get_total_ecc_errors);
+  if (!Resolve(library, "nvmlDeviceGetCurrentClocksEventReasons", &api.get_clock_reasons)) {
+    Resolve(library, "nvmlDeviceGetCurrentClocksThrottleReasons", &api.get_clock_reasons);
+  }
+  const bool events = Resolve(library, "nvmlEventSetCreate", &api.event_set_create) &
+                      Resolve(library, "nvmlDeviceRegisterEvents", &api.register_events) &
+                      Resolve(library, "nvmlEventSetWait_v2", &api.event_set_wait) &
+                      Resolve(library, "nvmlEventSetFree", &api.event_set_free);
+  if (!events) api.event_set_create = nullptr;
   for (const Required& symbol : required) {
     if (!symbol.found) return symbol.name;
   }
@@ -118,12 +151,18 @@ std::string FromBuffer(const char* buffer, size_t size) {
 
 class NvmlBackend final : public GpuBackend {
  public:
-  // Takes ownership of `library`, on which NVML has been initialised.
-  NvmlBackend(void* library, const NvmlApi& api) : library_(library), api_(api) {}
+  // Takes ownership of `library`, on which NVML has been initialised; starts watching for Xid
+  // events where the driver can deliver them.
+  NvmlBackend(void* library, const NvmlApi& api) : library_(library), api_(api) {
+    WatchXidEvents();
+  }
   NvmlBackend(const NvmlBackend&) = delete;
   NvmlBackend& operator=(const NvmlBackend&) = delete;
 
   ~NvmlBackend() override {
+    stop_.Notify();
+    if (xid_thread_.joinable()) xid_thread_.join();
+    if (event_set_ != nullptr) api_.event_set_free(event_set_);
     api_.shutdown();
     dlclose(library_);
   }
@@ -190,7 +229,24 @@ class NvmlBackend final : public GpuBackend {
       if (api_.get_total_ecc_errors != nullptr &&
           api_.get_total_ecc_errors(handle, kNvmlMemoryErrorUncorrected, kNvmlVolatileEcc, &ecc) ==
               kNvmlSuccess) {
-        sample.ecc_uncorrected = static_cast<int64_t>(ecc);
+        metrics.set_ecc_uncorrected_errors(static_cast<int64_t>(ecc));
+      }
+      if (api_.get_total_ecc_errors != nullptr &&
+          api_.get_total_ecc_errors(handle, kNvmlMemoryErrorCorrected, kNvmlVolatileEcc, &ecc) ==
+              kNvmlSuccess) {
+        metrics.set_ecc_corrected_errors(static_cast<int64_t>(ecc));
+      }
+      unsigned long long reasons = 0;  // NOLINT(runtime/int): NVML's declared type.
+      if (api_.get_clock_reasons != nullptr &&
+          api_.get_clock_reasons(handle, &reasons) == kNvmlSuccess) {
+        metrics.set_clock_throttle_reasons(reasons);
+      }
+      {
+        absl::MutexLock lock(&xid_mu_);
+        if (auto xid = xids_.find(handle); xid != xids_.end()) {
+          metrics.set_xid_errors(xid->second.count);
+          metrics.set_last_xid(xid->second.last);
+        }
       }
       const absl::Time now = absl::Now();
       const int64_t seconds = absl::ToUnixSeconds(now);
@@ -217,16 +273,61 @@ class NvmlBackend final : public GpuBackend {
     return handles;
   }
 
+  // Registers every GPU that supports them for Xid critical-error events and starts the thread
+  // that counts them. A driver without events, or GPUs that refuse them, only leave the counts 0.
+  void WatchXidEvents() {
+    if (api_.event_set_create == nullptr || api_.event_set_create(&event_set_) != kNvmlSuccess) {
+      event_set_ = nullptr;
+      return;
+    }
+    bool any = false;
+    for (const auto& [index, handle] : Handles()) {
+      any |=
+          api_.register_events(handle, kNvmlEventTypeXidCriticalError, event_set_) == kNvmlSuccess;
+    }
+    if (any) xid_thread_ = std::thread([this] { XidLoop(); });
+  }
+
+  void XidLoop() {
+    const auto wait_ms = static_cast<unsigned int>(absl::ToInt64Milliseconds(kXidEventWait));
+    while (!stop_.HasBeenNotified()) {
+      nvmlEventData_t event = {};
+      const nvmlReturn_t status = api_.event_set_wait(event_set_, &event, wait_ms);
+      if (status == kNvmlErrorTimeout) continue;
+      if (status != kNvmlSuccess) {
+        // A lost GPU can make every wait fail at once: do not spin.
+        stop_.WaitForNotificationWithTimeout(kXidEventWait);
+        continue;
+      }
+      if ((event.event_type & kNvmlEventTypeXidCriticalError) == 0) continue;
+      absl::MutexLock lock(&xid_mu_);
+      XidCount& xid = xids_[event.device];
+      ++xid.count;
+      xid.last = static_cast<int32_t>(event.event_data);
+    }
+  }
+
+  struct XidCount {
+    int64_t count = 0;
+    int32_t last = 0;
+  };
+
   void* const library_;
   const NvmlApi api_;
+  nvmlEventSet_t event_set_ = nullptr;
+  absl::Notification stop_;
+  std::thread xid_thread_;
+  absl::Mutex xid_mu_;
+  // Xid events by the device NVML named in them.
+  std::map<nvmlDevice_t, XidCount> xids_ ABSL_GUARDED_BY(xid_mu_);
 };
 
-// Families in the order of DcgmExporter's gauge arrays, with dcgm-exporter's help texts.
+// Families in the order of DcgmExporter's arrays, with dcgm-exporter's help texts.
 struct Field {
   const char* name;
   const char* help;
 };
-constexpr Field kFields[] = {
+constexpr Field kGauges[] = {
     {"DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %)."},
     {"DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %)."},
     {"DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB)."},
@@ -234,8 +335,14 @@ constexpr Field kFields[] = {
     {"DCGM_FI_DEV_POWER_USAGE", "Power draw (in W)."},
     {"DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C)."},
     {"DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz)."},
-    {"DCGM_FI_DEV_XID_ERRORS", "Number of XID errors."},
+    {"DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered."},
+    {"DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "Current clock throttle reasons."},
+};
+constexpr Field kCounters[] = {
+    {"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors."},
     {"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors."},
+    {"tessera_gpu_xid_errors_total",
+     "Xid critical-error events NVML delivered since the worker started watching the GPU."},
 };
 
 // Whole MiB, as dcgm-exporter reports framebuffer memory.
@@ -280,10 +387,17 @@ std::unique_ptr<GpuBackend> LoadNvml(std::string* error) {
 
 DcgmExporter::DcgmExporter(prometheus::Registry& registry, std::string hostname)
     : hostname_(std::move(hostname)) {
-  static_assert(std::size(kFields) == kNumFields);
-  for (int i = 0; i < kNumFields; ++i) {
-    families_[i] =
-        &prometheus::BuildGauge().Name(kFields[i].name).Help(kFields[i].help).Register(registry);
+  static_assert(std::size(kGauges) == kNumGauges);
+  static_assert(std::size(kCounters) == kNumCounters);
+  for (int i = 0; i < kNumGauges; ++i) {
+    gauge_families_[i] =
+        &prometheus::BuildGauge().Name(kGauges[i].name).Help(kGauges[i].help).Register(registry);
+  }
+  for (int i = 0; i < kNumCounters; ++i) {
+    counter_families_[i] = &prometheus::BuildCounter()
+                                .Name(kCounters[i].name)
+                                .Help(kCounters[i].help)
+                                .Register(registry);
   }
 }
 
@@ -303,10 +417,14 @@ void DcgmExporter::Update(const std::vector<v1::GpuDevice>& devices,
                                  {"Hostname", hostname_},
                                  {"modelName", device->second->name()}};
     auto [it, inserted] = series_.try_emplace(labels);
+    Series& series = it->second;
     if (inserted) {
-      for (int i = 0; i < kNumFields; ++i) it->second[i] = &families_[i]->Add(labels);
+      for (int i = 0; i < kNumGauges; ++i) series.gauges[i] = &gauge_families_[i]->Add(labels);
+      for (int i = 0; i < kNumCounters; ++i) {
+        series.counters[i] = &counter_families_[i]->Add(labels);
+      }
     }
-    const double values[kNumFields] = {
+    const double gauges[kNumGauges] = {
         m.utilization_percent(),
         m.memory_utilization_percent(),
         WholeMib(m.memory_used_bytes()),
@@ -314,10 +432,27 @@ void DcgmExporter::Update(const std::vector<v1::GpuDevice>& devices,
         m.power_watts(),
         m.temperature_celsius(),
         m.sm_clock_mhz(),
-        static_cast<double>(sample.xid_errors),
-        static_cast<double>(sample.ecc_uncorrected),
+        static_cast<double>(m.last_xid()),
+        static_cast<double>(m.clock_throttle_reasons()),
     };
-    for (int i = 0; i < kNumFields; ++i) it->second[i]->Set(values[i]);
+    for (int i = 0; i < kNumGauges; ++i) series.gauges[i]->Set(gauges[i]);
+    const double totals[kNumCounters] = {
+        static_cast<double>(m.ecc_corrected_errors()),
+        static_cast<double>(m.ecc_uncorrected_errors()),
+        static_cast<double>(m.xid_errors()),
+    };
+    for (int i = 0; i < kNumCounters; ++i) {
+      const double increase = totals[i] - series.counters[i]->Value();
+      if (increase < 0) {
+        // The total went down (the driver reloaded and reset its volatile counts): a new
+        // series, which Prometheus's rate() reads as a counter reset.
+        counter_families_[i]->Remove(series.counters[i]);
+        series.counters[i] = &counter_families_[i]->Add(labels);
+        series.counters[i]->Increment(totals[i]);
+      } else {
+        series.counters[i]->Increment(increase);
+      }
+    }
     current.insert(std::move(labels));
   }
   for (auto it = series_.begin(); it != series_.end();) {
@@ -325,7 +460,8 @@ void DcgmExporter::Update(const std::vector<v1::GpuDevice>& devices,
       ++it;
       continue;
     }
-    for (int i = 0; i < kNumFields; ++i) families_[i]->Remove(it->second[i]);
+    for (int i = 0; i < kNumGauges; ++i) gauge_families_[i]->Remove(it->second.gauges[i]);
+    for (int i = 0; i < kNumCounters; ++i) counter_families_[i]->Remove(it->second.counters[i]);
     it = series_.erase(it);
   }
 }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
@@ -106,7 +107,15 @@ TEST(GpuInventoryTest, LoadNvmlWithNvmlListsAndSamplesDevices) {
     EXPECT_EQ(samples[i].metrics.memory_total_bytes(), devices[i].memory_bytes());
     EXPECT_GT(samples[i].metrics.power_watts(), 0);
     EXPECT_GT(samples[i].metrics.time().seconds(), 0);
+    // No Xid is expected on a healthy machine; a count without a newest Xid would be a bug.
+    EXPECT_EQ(samples[i].metrics.xid_errors() == 0, samples[i].metrics.last_xid() == 0);
+    EXPECT_GE(samples[i].metrics.ecc_corrected_errors(), 0);
+    EXPECT_GE(samples[i].metrics.ecc_uncorrected_errors(), 0);
   }
+  // Destroying the backend stops its Xid event thread within one wait.
+  const absl::Time start = absl::Now();
+  backend.reset();
+  EXPECT_LT(absl::Now() - start, kXidEventWait + absl::Seconds(2));
 }
 
 TEST(GpuInventoryTest, PeakBf16FlopsByName) {
@@ -124,8 +133,12 @@ TEST(GpuInventoryTest, ExportsSamplesUnderDcgmNames) {
   FakeGpuBackend backend({Device(0, "GPU-aaaa", "NVIDIA H100 80GB HBM3"),
                           Device(1, "GPU-bbbb", "NVIDIA H100 80GB HBM3")});
   GpuSample first = Sample(0, 97, 70 * kGib + 5 * kMib + 123, 612.5);
-  first.xid_errors = 2;
-  first.ecc_uncorrected = 1;
+  first.metrics.set_xid_errors(2);
+  first.metrics.set_last_xid(79);
+  first.metrics.set_ecc_uncorrected_errors(1);
+  first.metrics.set_ecc_corrected_errors(12);
+  // SW power cap (0x4) and HW slowdown (0x8).
+  first.metrics.set_clock_throttle_reasons(0xC);
   backend.SetSamples({first, Sample(1, 12, 0, 71.25)});
   prometheus::Registry registry;
   DcgmExporter exporter(registry, "node-7");
@@ -148,9 +161,49 @@ TEST(GpuInventoryTest, ExportsSamplesUnderDcgmNames) {
   EXPECT_THAT(lines, Contains("DCGM_FI_DEV_POWER_USAGE" + gpu1 + " 71.25"));
   EXPECT_THAT(lines, Contains("DCGM_FI_DEV_GPU_TEMP" + gpu0 + " 61"));
   EXPECT_THAT(lines, Contains("DCGM_FI_DEV_SM_CLOCK" + gpu0 + " 1980"));
-  EXPECT_THAT(lines, Contains("DCGM_FI_DEV_XID_ERRORS" + gpu0 + " 2"));
+  // dcgm-exporter's Xid gauge holds the newest Xid; the count is a counter of our own.
+  EXPECT_THAT(lines, Contains("# TYPE DCGM_FI_DEV_XID_ERRORS gauge"));
+  EXPECT_THAT(lines, Contains("DCGM_FI_DEV_XID_ERRORS" + gpu0 + " 79"));
   EXPECT_THAT(lines, Contains("DCGM_FI_DEV_XID_ERRORS" + gpu1 + " 0"));
+  EXPECT_THAT(lines, Contains("# TYPE tessera_gpu_xid_errors_total counter"));
+  EXPECT_THAT(lines, Contains("tessera_gpu_xid_errors_total" + gpu0 + " 2"));
+  EXPECT_THAT(lines, Contains("tessera_gpu_xid_errors_total" + gpu1 + " 0"));
+  EXPECT_THAT(lines, Contains("# TYPE DCGM_FI_DEV_ECC_DBE_VOL_TOTAL counter"));
+  EXPECT_THAT(lines, Contains("# TYPE DCGM_FI_DEV_ECC_SBE_VOL_TOTAL counter"));
   EXPECT_THAT(lines, Contains("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL" + gpu0 + " 1"));
+  EXPECT_THAT(lines, Contains("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL" + gpu0 + " 12"));
+  EXPECT_THAT(lines, Contains("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL" + gpu1 + " 0"));
+  EXPECT_THAT(lines, Contains("# TYPE DCGM_FI_DEV_CLOCK_THROTTLE_REASONS gauge"));
+  EXPECT_THAT(lines, Contains("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS" + gpu0 + " 12"));
+  EXPECT_THAT(lines, Contains("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS" + gpu1 + " 0"));
+}
+
+// Counters follow the samples' totals, and a total that went down (the driver reloaded, resetting
+// its volatile counts) starts again from the new total rather than sticking at the old one.
+TEST(GpuInventoryTest, ErrorCountersFollowTheTotalsAndRestartWhenTheyFall) {
+  const std::vector<v1::GpuDevice> devices = {Device(0, "GPU-aaaa", "NVIDIA H200")};
+  prometheus::Registry registry;
+  DcgmExporter exporter(registry, "node-7");
+  auto update = [&](int64_t corrected, int64_t xids, int32_t last_xid) {
+    GpuSample sample = Sample(0, 50, kGib, 100);
+    sample.metrics.set_ecc_corrected_errors(corrected);
+    sample.metrics.set_xid_errors(xids);
+    sample.metrics.set_last_xid(last_xid);
+    exporter.Update(devices, {sample});
+    return Lines(registry);
+  };
+  const std::string gpu0 = Labels(0, "GPU-aaaa", "NVIDIA H200");
+  EXPECT_THAT(update(3, 0, 0), Contains("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL" + gpu0 + " 3"));
+  auto lines = update(10, 1, 48);
+  EXPECT_THAT(lines, Contains("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL" + gpu0 + " 10"));
+  EXPECT_THAT(lines, Contains("tessera_gpu_xid_errors_total" + gpu0 + " 1"));
+  EXPECT_THAT(lines, Contains("DCGM_FI_DEV_XID_ERRORS" + gpu0 + " 48"));
+  lines = update(10, 3, 63);
+  EXPECT_THAT(lines, Contains("tessera_gpu_xid_errors_total" + gpu0 + " 3"));
+  EXPECT_THAT(lines, Contains("DCGM_FI_DEV_XID_ERRORS" + gpu0 + " 63"));
+  lines = update(2, 3, 63);
+  EXPECT_THAT(lines, Contains("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL" + gpu0 + " 2"));
+  EXPECT_THAT(lines, Not(Contains("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL" + gpu0 + " 10")));
 }
 
 TEST(GpuInventoryTest, SecondUpdateReplacesValuesAndDropsVanishedGpus) {

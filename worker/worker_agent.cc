@@ -739,6 +739,25 @@ bool WorkerAgent::Running(const std::string& job_id, int attempt) {
   return task != nullptr && !task->lifecycle.ended();
 }
 
+std::vector<RunningRank> WorkerAgent::RunningRanks() {
+  std::map<int, std::string> uuids;
+  for (const auto& device : devices_) uuids[device.index()] = device.uuid();
+  std::vector<RunningRank> running;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, task] : tasks_) {
+    if (task.lifecycle.ended()) continue;
+    for (const Rank& rank : task.ranks) {
+      if (rank.exit) continue;
+      const auto uuid = uuids.find(rank.gpu);
+      running.push_back({.job_id = task.job_id,
+                         .rank = rank.task.assignment().rank(),
+                         .gpu = rank.gpu,
+                         .gpu_uuid = uuid != uuids.end() ? uuid->second : ""});
+    }
+  }
+  return running;
+}
+
 v1::Node WorkerAgent::NodeView() {
   v1::Node node;
   node.set_node_id(options_.node_id);

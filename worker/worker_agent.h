@@ -50,6 +50,7 @@
 #include "worker/gpu_inventory.h"
 #include "worker/task_lifecycle.h"
 #include "worker/trainer_launcher.h"
+#include "worker/training_metrics.h"
 #include "worker/trainer_process.h"
 
 namespace tessera::worker {
@@ -138,6 +139,9 @@ class WorkerAgent {
   std::vector<int> Ranks(const std::string& job_id, int attempt, int rank);
   // Whether any rank of the attempt is still running.
   bool Running(const std::string& job_id, int attempt);
+  // The ranks of unended tasks whose processes have not exited, each with the node's GPU it holds
+  // and that GPU's UUID from the inventory (for TrainingMetrics).
+  std::vector<RunningRank> RunningRanks();
   // The node as this worker sees it.
   v1::Node NodeView();
 

@@ -1,7 +1,7 @@
 // WorkerAgent's report path: the trainers' report socket (one reader thread per connection),
-// which keeps rank heartbeats to the agent and queues the other reports, and the relay loop that
-// sends the queued reports to the coordinator in batches. The supervision, launching and
-// heartbeating live in worker_agent.cc.
+// which keeps rank heartbeats and rank step reports to the agent and queues the other reports, and
+// the relay loop that sends the queued reports to the coordinator in batches. The supervision,
+// launching and heartbeating live in worker_agent.cc.
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -76,10 +76,17 @@ void WorkerAgent::ReadReports(int fd) {
           step_time.set_step(report.heartbeat().step());
           step_time.set_step_seconds(report.heartbeat().step_seconds());
           step_time.set_busy_seconds(report.heartbeat().busy_seconds());
+          if (report.heartbeat().has_breakdown()) {
+            *step_time.mutable_breakdown() = report.heartbeat().breakdown();
+          }
           *step_time.mutable_heartbeat_time() = ToTimestamp(*rank.last_heartbeat);
         }
         continue;
       }
+      // Every rank's per-step figures feed the worker's metrics (the observer above) and reach
+      // the coordinator as the heartbeat's mean breakdown; relayed one per rank per step they
+      // would swamp the report queue as heartbeats would.
+      if (report.has_rank_step()) continue;
       if (report.has_failure()) {
         for (auto& rank : task->ranks) {
           if (rank.task.assignment().rank() == report.rank()) {

@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -44,7 +45,8 @@ constexpr char kFakeTrainer[] = TESSERA_FAKE_TRAINER;
 class WorkerAgentTest : public ::testing::Test {
  protected:
   void StartCluster(v1::TaskAssignment assignment, const std::string& rank0_flags,
-                    const std::string& rank1_flags, WorkerAgentOptions options) {
+                    const std::string& rank1_flags, WorkerAgentOptions options,
+                    std::unique_ptr<GpuBackend> gpus = nullptr) {
     setenv("TESSERA_FAKE_TRAINER_ARGS_RANK0", rank0_flags.c_str(), 1);
     setenv("TESSERA_FAKE_TRAINER_ARGS_RANK1", rank1_flags.c_str(), 1);
     coordinator_ = std::make_unique<FakeCoordinator>(std::move(assignment));
@@ -57,7 +59,7 @@ class WorkerAgentTest : public ::testing::Test {
     options.trainer_path = kFakeTrainer;
     options.poll_interval = absl::Milliseconds(50);
     options.trainer_heartbeat_interval = absl::Milliseconds(100);
-    agent_ = std::make_unique<WorkerAgent>(options, nullptr);
+    agent_ = std::make_unique<WorkerAgent>(options, std::move(gpus));
     ASSERT_THAT(agent_->Start("127.0.0.1:1"), IsOk());
   }
 
@@ -266,6 +268,81 @@ TEST_F(WorkerAgentTest, ANewTaskWaitsForTheStoppingRanksOnItsGpusAndNoOther) {
     text << log.rdbuf();
     EXPECT_THAT(text.str(), HasSubstr(absl::StrCat("CUDA_VISIBLE_DEVICES=", rank, "\n")));
   }
+}
+
+// Each rank's step time breakdown reaches the coordinator in the worker's heartbeat, while the
+// per-step rank reports stay on the worker (for its metrics), as heartbeats do.
+TEST_F(WorkerAgentTest, RankBreakdownsGoOutInHeartbeatsAndRankStepsAreNotRelayed) {
+  StartCluster(TwoRanks(0), "--heartbeat --rank_steps --sleep=60",
+               "--heartbeat --rank_steps --sleep=60", WorkerAgentOptions());
+  const auto heartbeats = coordinator_->WaitForHeartbeats(
+      [](const std::vector<FakeCoordinator::Exchange>& so_far) {
+        if (so_far.empty()) return false;
+        int with_breakdown = 0;
+        for (const v1::TaskStatus& status : so_far.back().request.tasks()) {
+          for (const v1::RankStepTime& rank : status.ranks()) {
+            with_breakdown += rank.breakdown().forward_seconds() == 0.25 &&
+                              rank.breakdown().collectives_size() == 1 &&
+                              rank.breakdown().collectives(0).kind() == "all_reduce";
+          }
+        }
+        return with_breakdown == 2;
+      },
+      absl::Seconds(30));
+  ASSERT_FALSE(heartbeats.empty());
+  int with_breakdown = 0;
+  for (const v1::TaskStatus& status : heartbeats.back().request.tasks()) {
+    for (const v1::RankStepTime& rank : status.ranks()) {
+      with_breakdown += rank.breakdown().forward_seconds() == 0.25;
+    }
+  }
+  EXPECT_EQ(with_breakdown, 2) << "no heartbeat carried both ranks' breakdowns";
+  // Several relay rounds (poll_interval 50 ms) after rank steps arrived.
+  absl::SleepFor(absl::Milliseconds(400));
+  for (const v1::TrainerReport& report : coordinator_->relayed()) {
+    EXPECT_FALSE(report.has_rank_step()) << "relayed: " << report.ShortDebugString();
+  }
+  ExpectNoHeartbeatRelayed();
+}
+
+// A GPU inventory of fixed devices, sampled as idle.
+class FixedGpus final : public GpuBackend {
+ public:
+  std::vector<v1::GpuDevice> Devices() override {
+    std::vector<v1::GpuDevice> devices;
+    for (int index = 0; index < 4; ++index) {
+      v1::GpuDevice& device = devices.emplace_back();
+      device.set_index(index);
+      device.set_uuid(absl::StrCat("GPU-fake-", index));
+    }
+    return devices;
+  }
+  std::vector<GpuSample> Sample() override { return {}; }
+};
+
+// The ranks a running task holds, for TrainingMetrics' tessera_task_gpu_info: the GPU of the
+// assignment (not the device 0 the process sees) with the inventory's UUID, until the task ends.
+TEST_F(WorkerAgentTest, RunningRanksNameTheirGpusUntilTheTaskEnds) {
+  WorkerAgentOptions options;
+  options.stop_grace = absl::Seconds(1);
+  StartCluster(GpuRanks("job-1", 0, 2, 29500), "--heartbeat --sleep=60", "--heartbeat --sleep=60",
+               options, std::make_unique<FixedGpus>());
+  std::vector<RunningRank> running;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while ((running = agent_->RunningRanks()).size() < 2 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_EQ(running.size(), 2u);
+  std::sort(running.begin(), running.end(),
+            [](const RunningRank& a, const RunningRank& b) { return a.rank < b.rank; });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(running[rank].job_id, "job-1");
+    EXPECT_EQ(running[rank].rank, rank);
+    EXPECT_EQ(running[rank].gpu, 2 + rank);
+    EXPECT_EQ(running[rank].gpu_uuid, absl::StrCat("GPU-fake-", 2 + rank));
+  }
+  agent_->Stop();
+  EXPECT_TRUE(agent_->RunningRanks().empty());
 }
 
 }  // namespace

@@ -42,7 +42,13 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOp
     gethostname(name, sizeof(name) - 1);
     daemon->dcgm_ = std::make_unique<DcgmExporter>(*registry, name);
     daemon->training_ = std::make_shared<TrainingMetrics>();
+    // Set before the first scrape can call Collect.
+    WorkerAgent* agent = daemon->agent_.get();
+    daemon->training_->SetRunningRanks(options.agent.node_id,
+                                       [agent] { return agent->RunningRanks(); });
     daemon->servers_->RegisterCollectable(daemon->training_);
+    daemon->process_ = std::make_shared<ProcessMetrics>();
+    daemon->servers_->RegisterCollectable(daemon->process_);
     DcgmExporter* dcgm = daemon->dcgm_.get();
     TrainingMetrics* training = daemon->training_.get();
     daemon->agent_->SetGpuObserver(
