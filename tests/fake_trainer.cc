@@ -8,7 +8,8 @@
 //                      $TESSERA_FAKE_TRAINER_ARGS_RANK<rank> (space-separated), and connects to
 //                      the task's report socket;
 //   --heartbeat        with a task: sends a RankHeartbeat (step = heartbeats sent so far) every
-//                      heartbeat_interval_seconds from a thread, as the real trainer does;
+//                      heartbeat_interval_seconds from a thread, as the real trainer does,
+//                      with a breakdown of forward_seconds 0.25;
 //   --stop_after_heartbeats=N  with --heartbeat: SIGSTOPs itself after N heartbeats (a hung rank);
 //   --ignore_sigterm   ignores SIGTERM (a grandchild inherits that);
 //   --checkpoint_on_signal=S  on the checkpoint-and-stop signal (kCheckpointAndStopSignal) takes
@@ -218,6 +219,8 @@ int main(int argc, char** argv) {
         if (sent == stop_after_heartbeats) raise(SIGSTOP);
         tessera::v1::TrainerReport beat = report();
         beat.mutable_heartbeat()->set_step(sent);
+        // A fixed breakdown, so tests see it carried through to the coordinator.
+        beat.mutable_heartbeat()->mutable_breakdown()->set_forward_seconds(0.25);
         channel.Send(beat);
         SleepSeconds(interval);
       }

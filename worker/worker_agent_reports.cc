@@ -76,6 +76,9 @@ void WorkerAgent::ReadReports(int fd) {
           step_time.set_step(report.heartbeat().step());
           step_time.set_step_seconds(report.heartbeat().step_seconds());
           step_time.set_busy_seconds(report.heartbeat().busy_seconds());
+          if (report.heartbeat().has_breakdown()) {
+            *step_time.mutable_breakdown() = report.heartbeat().breakdown();
+          }
           *step_time.mutable_heartbeat_time() = ToTimestamp(*rank.last_heartbeat);
         }
         continue;
