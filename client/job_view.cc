@@ -72,8 +72,8 @@ std::string TimeBreakdownBlock(const v1::StepMetrics& metrics) {
   const v1::StepTimeBreakdown& b = metrics.breakdown();
   if (!HasBreakdown(b)) return "";
   const double step = StepSeconds(metrics.step_time_seconds(), b);
-  std::string out = absl::StrFormat("  Where the time goes (rank 0, step %d, %.3f s):\n",
-                                    metrics.step(), step);
+  std::string out =
+      absl::StrFormat("  Where the time goes (rank 0, step %d, %.3f s):\n", metrics.step(), step);
   for (const Phase& phase : Phases(b)) {
     absl::StrAppendFormat(&out, "    %-20s %8.3f s %6.1f%%\n", phase.name, phase.seconds,
                           Percent(phase.seconds, step));
@@ -108,9 +108,8 @@ std::string RankBreakdownTable(const v1::StragglerReport& straggler) {
   if (!any) return "";
   const int width = static_cast<int>(node_width);
   std::string out = "  ranks (mean per step since each rank's last heartbeat):\n";
-  absl::StrAppendFormat(&out, "    %4s  %-*s  %8s %8s %6s %6s %6s %6s  %s\n", "rank", width,
-                        "node", "step s", "busy s", "fwd%", "bwd%", "opt%", "data%",
-                        "top collective");
+  absl::StrAppendFormat(&out, "    %4s  %-*s  %8s %8s %6s %6s %6s %6s  %s\n", "rank", width, "node",
+                        "step s", "busy s", "fwd%", "bwd%", "opt%", "data%", "top collective");
   for (const v1::RankStepTime& rank : straggler.ranks()) {
     const v1::StepTimeBreakdown& b = rank.breakdown();
     absl::StrAppendFormat(&out, "    %4d  %-*s  %8.3f %8.3f", rank.rank(), width, rank.node_id(),
@@ -176,9 +175,8 @@ std::string GpuTable(const v1::Job& job, const std::vector<v1::Node>& nodes) {
   for (const v1::RankPlacement& p : job.placements()) {
     if (p.gpu_index() < 0) continue;
     const auto it = devices.find({p.node_id(), p.gpu_index()});
-    const std::string uuid = it == devices.end() || it->second->uuid().empty()
-                                 ? std::string("?")
-                                 : it->second->uuid();
+    const std::string uuid =
+        it == devices.end() || it->second->uuid().empty() ? std::string("?") : it->second->uuid();
     absl::StrAppendFormat(&out, "    %4d  %-*s  %3d  %s", p.rank(), width, p.node_id(),
                           p.gpu_index(), uuid);
     if (it != devices.end() && !it->second->name().empty()) {

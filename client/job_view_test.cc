@@ -136,7 +136,8 @@ TEST(JobViewTest, RankTableShowsEachRanksShares) {
 TEST(JobViewTest, WatchSummaryIsOneCompactLine) {
   v1::StepMetrics m = Step(3, 0.5);
   *m.mutable_breakdown() = HalfSecondBreakdown();
-  EXPECT_EQ(BreakdownSummary(m), "fwd 20% bwd 40% opt 10% data 5% other 25% | top all_reduce/dp 30%");
+  EXPECT_EQ(BreakdownSummary(m),
+            "fwd 20% bwd 40% opt 10% data 5% other 25% | top all_reduce/dp 30%");
   // Checkpoint blocking shows on the steps it hits.
   m.mutable_breakdown()->set_checkpoint_blocked_seconds(0.05);
   m.mutable_breakdown()->set_other_seconds(0.075);

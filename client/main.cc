@@ -398,8 +398,8 @@ int main(int argc, char** argv) {
         // The UUIDs are in the nodes' inventories; without them the indices still show.
         auto nodes = client.Nodes(/*include_lost=*/true);
         if (!nodes.ok()) {
-          std::cerr << "tessera: cannot list nodes for the GPUs' UUIDs: " << nodes.status().message()
-                    << "\n";
+          std::cerr << "tessera: cannot list nodes for the GPUs' UUIDs: "
+                    << nodes.status().message() << "\n";
         }
         std::cout << tessera::client::GpuTable(*job, nodes.ok() ? *nodes : std::vector<v1::Node>{});
       }
