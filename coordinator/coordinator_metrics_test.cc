@@ -512,12 +512,14 @@ TEST_F(MetricsInterceptorTest, PromtoolFindsNothingToLint) {
   queue.preemptions = {{"reclaim", 1}};
   metrics_.SetQueues({{"nlp", queue}});
   metrics_.ObserveQueueWait("nlp", 12);
+  metrics_.ObserveJob(RunningJob("job-1", 1700000000, 1700000000));
   ASSERT_TRUE(CallGetNode().ok());
   ASSERT_EQ(CallReadLogs().error_code(), grpc::StatusCode::UNIMPLEMENTED);
 
   const std::string text = Exposition(registry_);
   ASSERT_THAT(text, AllOf(HasSubstr("tessera_grpc_server_requests_total{"),
-                          HasSubstr("tessera_jobs{"), HasSubstr("tessera_gpus_capacity 8")));
+                          HasSubstr("tessera_jobs{"), HasSubstr("tessera_gpus_capacity 8"),
+                          HasSubstr("tessera_job_last_checkpoint_timestamp_seconds{")));
   testing::ScopedTempDir dir("coordinator_metrics");
   const std::string file = dir.path() + "/metrics.txt";
   {
