@@ -24,6 +24,7 @@
 #include "client/client_config.h"
 #include "client/coordinator_client.h"
 #include "client/job_spec_file.h"
+#include "client/job_view.h"
 #include "client/local_cluster.h"
 #include "client/plan_command.h"
 #include "client/plot.h"
@@ -231,15 +232,25 @@ int Watch(CoordinatorClient& client, const std::string& job_id) {
                 << std::endl;
     } else if (event.has_metrics()) {
       progress.Add(event.metrics());
+      // Empty for a trainer that sends no breakdown: its lines stay as they were.
+      const std::string breakdown = tessera::client::BreakdownSummary(event.metrics());
       if (tty) {
         // One live line on a terminal, redrawn in place: narrower than the terminal (after the
         // two-space indent, and short of the last column, where some terminals wrap), or each
-        // redraw would leave a wrapped half line behind.
-        std::cout << "\r  " << progress.Render(TerminalColumns() - 3) << "\033[K" << std::flush;
+        // redraw would leave a wrapped half line behind. The breakdown joins it where it fits.
+        const int columns = TerminalColumns() - 3;
+        std::string line = progress.Render(columns);
+        if (!breakdown.empty() &&
+            tessera::client::DisplayWidth(line) + 2 + tessera::client::DisplayWidth(breakdown) <=
+                columns) {
+          line += "  " + breakdown;
+        }
+        std::cout << "\r  " << line << "\033[K" << std::flush;
         progress_shown = true;
       } else {
         // A log, one line per step: no chart.
         std::cout << "  " << progress.Render(1 << 20, /*chart=*/false) << std::endl;
+        if (!breakdown.empty()) std::cout << "    time: " << breakdown << std::endl;
       }
       return true;
     } else if (event.has_checkpoint()) {
@@ -381,6 +392,17 @@ int main(int argc, char** argv) {
         std::cout << "  plan: " << job->plan().explanation() << "\n";
       }
       PrintAttempts(*job);
+      std::cout << tessera::client::TimeBreakdownBlock(job->latest_metrics())
+                << tessera::client::RankBreakdownTable(job->straggler());
+      if (tessera::client::HoldsGpus(*job)) {
+        // The UUIDs are in the nodes' inventories; without them the indices still show.
+        auto nodes = client.Nodes(/*include_lost=*/true);
+        if (!nodes.ok()) {
+          std::cerr << "tessera: cannot list nodes for the GPUs' UUIDs: "
+                    << nodes.status().message() << "\n";
+        }
+        std::cout << tessera::client::GpuTable(*job, nodes.ok() ? *nodes : std::vector<v1::Node>{});
+      }
     }
     return 0;
   }

@@ -6,11 +6,32 @@
 #include <system_error>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace tessera::coordinator {
+namespace {
+
+// Keeps the per-job series of `metrics` (tessera_job_running, the last step and checkpoint
+// timestamps) in step with the jobs' commits, and seeds them with the jobs already RUNNING: a
+// stalled job reports nothing after a coordinator restart and must still show. The observer goes
+// in first, so a commit racing the list is not lost (SeedRunningJobs skips the older copy).
+absl::Status WatchRunningJobs(JobManager& jobs, CoordinatorMetrics& metrics) {
+  jobs.SetCommitObserver([&metrics](const v1::Job& job) { metrics.ObserveJob(job); });
+  std::vector<v1::Job> running;
+  std::string page_token;
+  do {
+    ASSIGN_OR_RETURN(JobPage page, jobs.List({v1::JOB_STATE_RUNNING}, 0, page_token));
+    for (v1::Job& job : page.jobs) running.push_back(std::move(job));
+    page_token = page.next_page_token;
+  } while (!page_token.empty());
+  metrics.SeedRunningJobs(running);
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
     const CoordinatorOptions& options) {
@@ -112,6 +133,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
     daemon->cluster_->Start(nullptr);
     return daemon;
   }
+  RETURN_IF_ERROR(WatchRunningJobs(*daemon->jobs_, *metrics));
   daemon->store_->SetWriteObserver([metrics](const StoreWriteStats& stats) {
     metrics->ObserveStoreWrite(stats.seconds, stats.cpu_seconds, stats.writes);
   });

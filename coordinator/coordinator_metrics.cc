@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -237,7 +238,21 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                           .Name("tessera_job_straggler_skew")
                           .Help("A running job's slowest rank's busy seconds per step over the "
                                 "median rank's (1 = even).")
-                          .Register(registry)) {
+                          .Register(registry)),
+      job_running_(prometheus::BuildGauge()
+                       .Name("tessera_job_running")
+                       .Help("1 for each RUNNING job (no series for a job in another state).")
+                       .Register(registry)),
+      job_last_step_(prometheus::BuildGauge()
+                         .Name("tessera_job_last_step_timestamp_seconds")
+                         .Help("Unix time of a RUNNING job's newest step metric point (kept "
+                               "while the job is stalled).")
+                         .Register(registry)),
+      job_last_checkpoint_(prometheus::BuildGauge()
+                               .Name("tessera_job_last_checkpoint_timestamp_seconds")
+                               .Help("Unix time of a RUNNING job's newest committed checkpoint "
+                                     "(no series before its first).")
+                               .Register(registry)) {
   const std::array<std::pair<const char*, const char*>, kQueueFamilies> queue_families = {{
       {"tessera_queue_nominal_gpus", "A queue's nominal (guaranteed) GPU quota."},
       {"tessera_queue_nominal_cpu_slots", "A queue's nominal (guaranteed) CPU-slot quota."},
@@ -452,6 +467,71 @@ void CoordinatorMetrics::SetStragglers(
     if (skew == nullptr) skew = &straggler_skew_.Add({{"job_id", job_id}});
     skew->Set(report.skew());
   }
+}
+
+namespace {
+
+// Seconds since the epoch; nullopt for an unset timestamp (a report that carried none).
+std::optional<double> UnixSeconds(const google::protobuf::Timestamp& time) {
+  if (time.seconds() <= 0 && time.nanos() <= 0) return std::nullopt;
+  return static_cast<double>(time.seconds()) + static_cast<double>(time.nanos()) * 1e-9;
+}
+
+}  // namespace
+
+void CoordinatorMetrics::RemoveJobSeriesLocked(const std::string& job_id) {
+  const auto it = job_series_.find(job_id);
+  if (it == job_series_.end()) return;
+  if (it->second.running != nullptr) job_running_.Remove(it->second.running);
+  if (it->second.last_step != nullptr) job_last_step_.Remove(it->second.last_step);
+  if (it->second.last_checkpoint != nullptr) {
+    job_last_checkpoint_.Remove(it->second.last_checkpoint);
+  }
+  job_series_.erase(it);
+}
+
+void CoordinatorMetrics::ApplyJobLocked(const v1::Job& job) {
+  const std::string& job_id = job.job_id();
+  if (job.state() != v1::JOB_STATE_RUNNING) {
+    RemoveJobSeriesLocked(job_id);
+    return;
+  }
+  JobSeries& series = job_series_[job_id];
+  if (series.running == nullptr) {
+    series.running = &job_running_.Add({{"job_id", job_id}});
+    series.running->Set(1);
+  }
+  // A gauge is created with its first value and then only moves: a job that has reported no step
+  // (or no checkpoint) yet has no series, rather than one at 1970.
+  auto set = [&](prometheus::Family<prometheus::Gauge>& family, prometheus::Gauge*& gauge,
+                 std::optional<double> value) {
+    if (!value.has_value()) return;
+    if (gauge == nullptr) gauge = &family.Add({{"job_id", job_id}});
+    gauge->Set(*value);
+  };
+  if (job.has_latest_metrics()) {
+    set(job_last_step_, series.last_step, UnixSeconds(job.latest_metrics().time()));
+  }
+  if (job.has_latest_checkpoint() && !job.latest_checkpoint().path().empty()) {
+    set(job_last_checkpoint_, series.last_checkpoint,
+        UnixSeconds(job.latest_checkpoint().create_time()));
+  }
+}
+
+void CoordinatorMetrics::ObserveJob(const v1::Job& job) {
+  absl::MutexLock lock(&mu_);
+  if (!seeded_) observed_before_seed_.insert(job.job_id());
+  ApplyJobLocked(job);
+}
+
+void CoordinatorMetrics::SeedRunningJobs(const std::vector<v1::Job>& running) {
+  absl::MutexLock lock(&mu_);
+  for (const v1::Job& job : running) {
+    // A commit observed since the list was read is newer than the listed copy.
+    if (!observed_before_seed_.contains(job.job_id())) ApplyJobLocked(job);
+  }
+  seeded_ = true;
+  observed_before_seed_.clear();
 }
 
 void CoordinatorMetrics::ObserveSchedulingLatency(double seconds) {

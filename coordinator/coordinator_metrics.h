@@ -42,6 +42,17 @@
 //                                           busy (non-waiting) seconds per step
 //   tessera_job_straggler_skew{job_id}      gauge; slowest rank's busy time
 //                                           over the median (1 = even)
+//   tessera_job_running{job_id}             gauge; 1 for each RUNNING job
+//   tessera_job_last_step_timestamp_seconds{job_id}
+//                                           gauge; unix time of a RUNNING job's
+//                                           newest step metric point
+//   tessera_job_last_checkpoint_timestamp_seconds{job_id}
+//                                           gauge; unix time of its newest
+//                                           committed checkpoint (absent
+//                                           before the first)
+//     These three are kept while a job stays RUNNING, stalled or not, so that
+//     "no step for N minutes" can be alerted on, and removed when it leaves
+//     RUNNING. They follow the job's commits (ObserveJob), not a store scan.
 //   tessera_queue_nominal_gpus{queue}, tessera_queue_nominal_cpu_slots{queue}
 //                                           gauge; a configured queue's quota
 //   tessera_queue_used_gpus{queue}, tessera_queue_used_cpu_slots{queue}
@@ -76,8 +87,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -125,6 +138,16 @@ class CoordinatorMetrics {
   // counters advance by the difference to the previous call, and start at 0 for
   // each reason of kPreemptionReasons.
   void SetQueues(const std::map<std::string, ClusterStats::QueueFigures>& queues);
+
+  // A job as just committed (JobManager::SetCommitObserver): while it is RUNNING it has
+  // tessera_job_running, and the step and checkpoint timestamps of its latest_metrics.time and
+  // latest_checkpoint.create_time once it has them; any other state removes its series. One
+  // job's calls must come in commit order.
+  void ObserveJob(const v1::Job& job);
+  // Once, at start, the jobs the store lists RUNNING (they may report nothing for a while, e.g.
+  // stalled ones). A job ObserveJob saw since this object was made is skipped: its commit is
+  // newer than the list.
+  void SeedRunningJobs(const std::vector<v1::Job>& running);
 
   // Histograms, in seconds.
   // Submission -> SCHEDULED of one job (buckets 1 ms .. 1 h).
@@ -192,6 +215,9 @@ class CoordinatorMetrics {
   prometheus::Gauge& oldest_pending_;
   prometheus::Family<prometheus::Gauge>& rank_step_seconds_;
   prometheus::Family<prometheus::Gauge>& straggler_skew_;
+  prometheus::Family<prometheus::Gauge>& job_running_;
+  prometheus::Family<prometheus::Gauge>& job_last_step_;
+  prometheus::Family<prometheus::Gauge>& job_last_checkpoint_;
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, MethodSeries> methods_ ABSL_GUARDED_BY(mu_);
   std::map<v1::FailureKind, int64_t> restarts_seen_ ABSL_GUARDED_BY(mu_);
@@ -199,6 +225,18 @@ class CoordinatorMetrics {
   // job_id -> the rank_step_seconds series set last time, and its skew series.
   std::map<std::string, std::map<int, prometheus::Gauge*>> rank_series_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, prometheus::Gauge*> skew_series_ ABSL_GUARDED_BY(mu_);
+  // A RUNNING job's series; null until it has a value.
+  struct JobSeries {
+    prometheus::Gauge* running = nullptr;
+    prometheus::Gauge* last_step = nullptr;
+    prometheus::Gauge* last_checkpoint = nullptr;
+  };
+  std::map<std::string, JobSeries> job_series_ ABSL_GUARDED_BY(mu_);
+  // Until SeedRunningJobs: the jobs ObserveJob has seen, whose listed copies are older.
+  bool seeded_ ABSL_GUARDED_BY(mu_) = false;
+  std::set<std::string> observed_before_seed_ ABSL_GUARDED_BY(mu_);
+  void ApplyJobLocked(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveJobSeriesLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // phase -> its tessera_scheduler_pass_phase_seconds series.
   std::map<std::string, prometheus::Histogram*> phase_series_ ABSL_GUARDED_BY(mu_);
   // The tessera_queue_* families, in QueueSeries order, and each queue's series.

@@ -16,7 +16,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
+#include "common/clock.h"
 #include "common/status_matchers.h"
+#include "coordinator/job_manager.h"
+#include "coordinator/store.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
@@ -31,6 +34,7 @@
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
 #include "tessera/v1/worker_service.grpc.pb.h"
+#include "tests/util/job_specs.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
 
@@ -189,6 +193,111 @@ TEST_F(CoordinatorMetricsTest, QueueWaitsAreAHistogramPerQueueFromSecondsToDays)
   EXPECT_THAT(lines, Contains("tessera_queue_wait_seconds_bucket{queue=\"nlp\",le=\"172800\"} 3"));
   EXPECT_THAT(lines, Contains("tessera_queue_wait_seconds_bucket{queue=\"nlp\",le=\"86400\"} 2"));
   EXPECT_THAT(lines, Contains("tessera_queue_wait_seconds_count{queue=\"vision\"} 1"));
+}
+
+v1::Job RunningJob(const std::string& job_id, int64_t step_seconds, int64_t checkpoint_seconds) {
+  v1::Job job;
+  job.set_job_id(job_id);
+  job.set_state(v1::JOB_STATE_RUNNING);
+  if (step_seconds > 0) {
+    job.mutable_latest_metrics()->set_step(10);
+    job.mutable_latest_metrics()->mutable_time()->set_seconds(step_seconds);
+    job.mutable_latest_metrics()->mutable_time()->set_nanos(500000000);
+  }
+  if (checkpoint_seconds > 0) {
+    job.mutable_latest_checkpoint()->set_path("/ckpt/step-10");
+    job.mutable_latest_checkpoint()->mutable_create_time()->set_seconds(checkpoint_seconds);
+  }
+  return job;
+}
+
+TEST_F(CoordinatorMetricsTest, RunningJobsHaveTheirSeriesUntilTheyLeaveRunning) {
+  EXPECT_THAT(Exposition(registry_), Not(HasSubstr("tessera_job_running{")));
+  metrics_.ObserveJob(RunningJob("job-a", 1700000000, 1699990000));
+  // Running, but no step and no checkpoint yet: only the running series.
+  metrics_.ObserveJob(RunningJob("job-b", 0, 0));
+  std::vector<std::string> lines = ExpositionLines();
+  EXPECT_THAT(lines, Contains("# TYPE tessera_job_running gauge"));
+  EXPECT_THAT(lines, Contains("tessera_job_running{job_id=\"job-a\"} 1"));
+  EXPECT_THAT(lines, Contains("tessera_job_running{job_id=\"job-b\"} 1"));
+  EXPECT_THAT(lines,
+              Contains("tessera_job_last_step_timestamp_seconds{job_id=\"job-a\"} 1700000000.5"));
+  EXPECT_THAT(lines, Contains("tessera_job_last_checkpoint_timestamp_seconds{job_id=\"job-a\"} "
+                              "1699990000"));
+  EXPECT_THAT(Exposition(registry_),
+              Not(HasSubstr("tessera_job_last_step_timestamp_seconds{job_id=\"job-b\"}")));
+  EXPECT_THAT(Exposition(registry_),
+              Not(HasSubstr("tessera_job_last_checkpoint_timestamp_seconds{job_id=\"job-b\"}")));
+
+  // A newer step moves the gauge; the checkpoint's stays.
+  metrics_.ObserveJob(RunningJob("job-a", 1700000060, 1699990000));
+  lines = ExpositionLines();
+  EXPECT_THAT(lines,
+              Contains("tessera_job_last_step_timestamp_seconds{job_id=\"job-a\"} 1700000060.5"));
+  EXPECT_THAT(lines, Contains("tessera_job_last_checkpoint_timestamp_seconds{job_id=\"job-a\"} "
+                              "1699990000"));
+
+  // job-a restarts: every series of it goes; job-b's stay.
+  v1::Job restarting = RunningJob("job-a", 1700000060, 1699990000);
+  restarting.set_state(v1::JOB_STATE_RESTARTING);
+  metrics_.ObserveJob(restarting);
+  const std::string text = Exposition(registry_);
+  EXPECT_THAT(text, Not(HasSubstr("job-a")));
+  EXPECT_THAT(Lines(text), Contains("tessera_job_running{job_id=\"job-b\"} 1"));
+  // Back to RUNNING: back with its figures.
+  metrics_.ObserveJob(RunningJob("job-a", 1700000060, 1699990000));
+  EXPECT_THAT(ExpositionLines(), Contains("tessera_job_running{job_id=\"job-a\"} 1"));
+}
+
+TEST_F(CoordinatorMetricsTest, SeededJobsShowUnlessACommitWasSeenSince) {
+  // Committed after the metrics were made (so after the list the seed comes from may have been
+  // read): the listed RUNNING copy of job-a is older and must not bring it back.
+  v1::Job ended = RunningJob("job-a", 1700000000, 0);
+  ended.set_state(v1::JOB_STATE_FAILED);
+  metrics_.ObserveJob(ended);
+  metrics_.SeedRunningJobs(
+      {RunningJob("job-a", 1700000000, 0), RunningJob("job-s", 1600000000, 0)});
+  std::string text = Exposition(registry_);
+  EXPECT_THAT(text, Not(HasSubstr("job-a")));
+  // A stalled job that reports nothing after the restart still shows.
+  EXPECT_THAT(Lines(text),
+              Contains("tessera_job_last_step_timestamp_seconds{job_id=\"job-s\"} 1600000000.5"));
+  // After the seed, commits apply as before.
+  metrics_.ObserveJob(RunningJob("job-a", 1700000100, 0));
+  EXPECT_THAT(ExpositionLines(), Contains("tessera_job_running{job_id=\"job-a\"} 1"));
+}
+
+// The series follow a JobManager's commits: RUNNING adds the job, its reports move the
+// timestamps, its end removes it; no store read per scrape.
+TEST_F(CoordinatorMetricsTest, JobSeriesFollowTheJobManagersCommits) {
+  auto store = Store::Open(":memory:");
+  ASSERT_THAT(store.status(), IsOk());
+  SimulatedClock clock;
+  JobManager jobs(store->get(), &clock);
+  jobs.SetCommitObserver([this](const v1::Job& job) { metrics_.ObserveJob(job); });
+  auto submitted = jobs.Submit(testing::TinyCpuJobSpec("job", 1, 0), "", "alice");
+  ASSERT_THAT(submitted.status(), IsOk());
+  const std::string id = submitted->job_id();
+  EXPECT_THAT(Exposition(registry_), Not(HasSubstr(id))) << "PENDING has no series";
+  ASSERT_THAT(jobs.Transition(id, v1::JOB_STATE_RUNNING, "up").status(), IsOk());
+  EXPECT_THAT(ExpositionLines(),
+              Contains(absl::StrCat("tessera_job_running{job_id=\"", id, "\"} 1")));
+  v1::StepMetrics point;
+  point.set_step(1);
+  point.mutable_time()->set_seconds(1700000123);
+  v1::Checkpoint checkpoint;
+  checkpoint.set_step(1);
+  checkpoint.set_path("/ckpt/1");
+  checkpoint.mutable_create_time()->set_seconds(1700000124);
+  ASSERT_THAT(jobs.RecordReports(id, {point}, {}, {checkpoint}), IsOk());
+  std::vector<std::string> lines = ExpositionLines();
+  EXPECT_THAT(lines, Contains(absl::StrCat("tessera_job_last_step_timestamp_seconds{job_id=\"", id,
+                                           "\"} 1700000123")));
+  EXPECT_THAT(lines,
+              Contains(absl::StrCat("tessera_job_last_checkpoint_timestamp_seconds{job_id=\"", id,
+                                    "\"} 1700000124")));
+  ASSERT_THAT(jobs.Transition(id, v1::JOB_STATE_SUCCEEDED, "done").status(), IsOk());
+  EXPECT_THAT(Exposition(registry_), Not(HasSubstr(id)));
 }
 
 TEST_F(CoordinatorMetricsTest, HistogramsCountObservationsIntoTheirBuckets) {
@@ -403,12 +512,14 @@ TEST_F(MetricsInterceptorTest, PromtoolFindsNothingToLint) {
   queue.preemptions = {{"reclaim", 1}};
   metrics_.SetQueues({{"nlp", queue}});
   metrics_.ObserveQueueWait("nlp", 12);
+  metrics_.ObserveJob(RunningJob("job-1", 1700000000, 1700000000));
   ASSERT_TRUE(CallGetNode().ok());
   ASSERT_EQ(CallReadLogs().error_code(), grpc::StatusCode::UNIMPLEMENTED);
 
   const std::string text = Exposition(registry_);
   ASSERT_THAT(text, AllOf(HasSubstr("tessera_grpc_server_requests_total{"),
-                          HasSubstr("tessera_jobs{"), HasSubstr("tessera_gpus_capacity 8")));
+                          HasSubstr("tessera_jobs{"), HasSubstr("tessera_gpus_capacity 8"),
+                          HasSubstr("tessera_job_last_checkpoint_timestamp_seconds{")));
   testing::ScopedTempDir dir("coordinator_metrics");
   const std::string file = dir.path() + "/metrics.txt";
   {

@@ -74,8 +74,23 @@ void JobManager::NotifyWatchers(const std::string& job_id) {
   for (auto& listener : to_call) listener();
 }
 
+void JobManager::SetCommitObserver(std::function<void(const v1::Job&)> observer) {
+  absl::MutexLock lock(&listeners_mu_);
+  commit_observer_ = std::move(observer);
+}
+
+void JobManager::ObserveCommit(const v1::Job& job) {
+  std::function<void(const v1::Job&)> observer;
+  {
+    absl::MutexLock lock(&listeners_mu_);
+    observer = commit_observer_;
+  }
+  if (observer) observer(job);
+}
+
 absl::StatusOr<std::vector<v1::JobEvent>> JobManager::CommitAndNotify(const JobWrite& write) {
   ASSIGN_OR_RETURN(auto events, store_->Commit(write));
+  if (write.job.has_value()) ObserveCommit(*write.job);
   NotifyWatchers(write.job_id);
   return events;
 }
@@ -111,6 +126,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, const std::s
   write.job = std::move(job);
   // The id is allocated in the submission's own transaction.
   RETURN_IF_ERROR(store_->CommitNewJob(&write));
+  ObserveCommit(*write.job);
   NotifyWatchers(write.job_id);
   return *std::move(write.job);
 }
@@ -211,6 +227,8 @@ std::vector<absl::StatusOr<v1::Job>> JobManager::TransitionAll(
   std::vector<absl::StatusOr<std::vector<v1::JobEvent>>> committed = store_->CommitAll(writes);
   for (size_t w = 0; w < writes.size(); ++w) {
     if (committed[w].ok()) {
+      // Still under the jobs' locks: the observer sees each job's changes in commit order.
+      ObserveCommit(*writes[w].job);
       results[written[w]] = std::move(*writes[w].job);
     } else {
       results[written[w]] = committed[w].status();

@@ -97,6 +97,12 @@ class JobManager {
   int64_t Subscribe(const std::string& job_id, std::function<void()> listener);
   void Unsubscribe(int64_t handle);
 
+  // Calls `observer` with a job as stored each time a change of it commits (submission, state
+  // change, reports), from the committing thread while the job's own lock is held, so one job's
+  // calls come in commit order. For figures kept up to date without reading the store (the
+  // coordinator's per-job metrics). One observer; may be set at any time; null removes it.
+  void SetCommitObserver(std::function<void(const v1::Job&)> observer);
+
   // Shutdown: from now on closed() is true, and every listener is called once so that the
   // streams following events end (a watcher resumes on the next coordinator) instead of holding
   // the gRPC server's shutdown for its whole grace period.
@@ -104,7 +110,7 @@ class JobManager {
   bool closed() const { return closed_.load(); }
 
  private:
-  // Commits `write` and wakes the job's watchers.
+  // Commits `write`, tells the commit observer and wakes the job's watchers.
   absl::StatusOr<std::vector<v1::JobEvent>> CommitAndNotify(const JobWrite& write);
 
   void NotifyWatchers(const std::string& job_id);
@@ -126,6 +132,10 @@ class JobManager {
   int64_t next_listener_ ABSL_GUARDED_BY(listeners_mu_) = 1;
   std::map<int64_t, std::pair<std::string, std::function<void()>>> listeners_
       ABSL_GUARDED_BY(listeners_mu_);
+  std::function<void(const v1::Job&)> commit_observer_ ABSL_GUARDED_BY(listeners_mu_);
+
+  // Calls the commit observer, if any, with `job` (after it committed).
+  void ObserveCommit(const v1::Job& job);
 };
 
 // Downsamples step metrics to at most `max_points` (see JobManager::Metrics).

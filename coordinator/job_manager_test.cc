@@ -154,6 +154,31 @@ TEST_F(JobManagerTest, RecordReportsAddsEachStepsEventOnce) {
   EXPECT_EQ(events(), before + 4);
 }
 
+// The commit observer sees every committed change, as stored, in commit order: submission,
+// single and batched transitions, reports; a refused change is not seen.
+TEST_F(JobManagerTest, CommitObserverSeesEachCommittedChangeAsStored) {
+  std::vector<v1::Job> seen;
+  jobs_->SetCommitObserver([&](const v1::Job& job) { seen.push_back(job); });
+  const std::string job_id = Submit();
+  ASSERT_THAT(jobs_->Transition(job_id, v1::JOB_STATE_RUNNING, "up").status(), IsOk());
+  v1::Checkpoint checkpoint;
+  checkpoint.set_step(1);
+  ASSERT_THAT(jobs_->RecordReports(job_id, {Point(1, 3.0)}, {}, {checkpoint}), IsOk());
+  const auto batch = jobs_->TransitionAll({{job_id, v1::JOB_STATE_SUCCEEDED, "done"}});
+  ASSERT_THAT(batch[0].status(), IsOk());
+  EXPECT_FALSE(jobs_->Transition(job_id, v1::JOB_STATE_RUNNING, "again").ok());
+  ASSERT_THAT(seen, SizeIs(4));
+  EXPECT_EQ(seen[0].job_id(), job_id);
+  EXPECT_EQ(seen[0].state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(seen[1].state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(seen[2].current_step(), 1);
+  EXPECT_EQ(seen[2].latest_checkpoint().step(), 1);
+  EXPECT_EQ(seen[3].state(), v1::JOB_STATE_SUCCEEDED);
+  jobs_->SetCommitObserver(nullptr);
+  Submit();
+  EXPECT_THAT(seen, SizeIs(4)) << "a removed observer hears nothing";
+}
+
 // Watchers hear of their job's changes only, until they unsubscribe; CloseWatches calls each
 // once more.
 TEST_F(JobManagerTest, WatchersHearOfTheirJobUntilUnsubscribed) {

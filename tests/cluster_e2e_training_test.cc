@@ -31,6 +31,7 @@ namespace tessera {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 TEST_F(ClusterTest, TwoRankJobTrainsThroughCoordinatorAndWorker) {
   const std::string job_id = Submit(Spec(30));
@@ -229,6 +230,17 @@ TEST_F(ClusterTest, TheCliSubmitsWatchesAndReads) {
   ASSERT_THAT(text_status, IsOk());
   EXPECT_THAT(text_status->output, HasSubstr("plan: dp=2 tp=1 pp=1"));
   EXPECT_THAT(text_status->output, HasSubstr("on 2 x cpu ("));
+  // Where the time goes (issue 43): shown when the trainer's metrics carry a breakdown, and
+  // nothing extra when they do not (a trainer from before it).
+  if (absl::StrContains(status->output, "\"breakdown\"")) {
+    EXPECT_THAT(text_status->output, HasSubstr("Where the time goes (rank 0, step 25,"));
+    EXPECT_THAT(submitted->output, HasSubstr("\n    time: fwd "));
+  } else {
+    EXPECT_THAT(text_status->output, Not(HasSubstr("Where the time goes")));
+    EXPECT_THAT(submitted->output, Not(HasSubstr("time: fwd")));
+  }
+  // A CPU job holds no GPU: no GPU table.
+  EXPECT_THAT(text_status->output, Not(HasSubstr("gpus:")));
 
   // `plan` with no device named asks the coordinator, which plans for its live cluster.
   auto plan = run("plan " + spec);
@@ -327,6 +339,9 @@ TEST(LocalTest, TesseraLocalRunsAJobAndStopsCleanly) {
   auto coordinator_page = testing::HttpGet(ports[0], "/metrics");
   ASSERT_THAT(coordinator_page, IsOk());
   EXPECT_THAT(coordinator_page->body, HasSubstr("tessera_nodes{state=\"ready\"} 2"));
+  // The finished job has no per-job series left on the coordinator.
+  EXPECT_THAT(coordinator_page->body,
+              Not(HasSubstr("tessera_job_running{job_id=\"" + job_id + "\"}")));
   bool training_series = false;
   for (int i = 1; i < 3; ++i) {
     auto page = testing::HttpGet(ports[i], "/metrics");
@@ -353,9 +368,22 @@ TEST(LocalTest, TesseraLocalRunsAJobAndStopsCleanly) {
       },
       absl::Seconds(60), absl::Milliseconds(100));
   ASSERT_TRUE(running);
+  // While it runs, the coordinator exports it as running with its newest step's time (issue 43);
+  // cancelling removes both at once.
+  auto running_page = testing::HttpGet(ports[0], "/metrics");
+  ASSERT_THAT(running_page, IsOk());
+  EXPECT_THAT(running_page->body, HasSubstr("tessera_job_running{job_id=\"" + second_id + "\"} 1"));
+  EXPECT_THAT(running_page->body,
+              HasSubstr("tessera_job_last_step_timestamp_seconds{job_id=\"" + second_id + "\"} "));
   auto cancelled = tessera("cancel " + second_id);
   ASSERT_THAT(cancelled, IsOk());
   EXPECT_THAT(cancelled->output, HasSubstr("CANCELLED"));
+  auto cancelled_page = testing::HttpGet(ports[0], "/metrics");
+  ASSERT_THAT(cancelled_page, IsOk());
+  EXPECT_THAT(cancelled_page->body,
+              Not(HasSubstr("tessera_job_running{job_id=\"" + second_id + "\"}")));
+  EXPECT_THAT(cancelled_page->body,
+              Not(HasSubstr("tessera_job_last_step_timestamp_seconds{job_id=\"" + second_id)));
   const bool gone = testing::WaitUntil(
       [&] {
         auto left = RunCommand({"/bin/sh", "-c", "pgrep -f '[t]ask=" + dir.path() + "' || true"});

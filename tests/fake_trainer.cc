@@ -8,11 +8,11 @@
 //                      $TESSERA_FAKE_TRAINER_ARGS_RANK<rank> (space-separated), and connects to
 //                      the task's report socket;
 //   --heartbeat        with a task: sends a RankHeartbeat (step = heartbeats sent so far) every
-//                      heartbeat_interval_seconds from a thread, as the real trainer does;
+//                      heartbeat_interval_seconds from a thread, as the real trainer does,
+//                      with a breakdown (forward 0.25 s, a dp all_reduce of 0.125 s);
 //   --stop_after_heartbeats=N  with --heartbeat: SIGSTOPs itself after N heartbeats (a hung rank);
-//   --rank_steps       with --heartbeat: each heartbeat carries a step time breakdown (forward
-//                      0.25 s, a dp all_reduce of 0.125 s), and a RankStepMetrics of one more
-//                      step with the same breakdown follows it;
+//   --rank_steps       with --heartbeat: a RankStepMetrics of one more step with the same
+//                      breakdown follows each heartbeat;
 //   --ignore_sigterm   ignores SIGTERM (a grandchild inherits that);
 //   --checkpoint_on_signal=S  on the checkpoint-and-stop signal (kCheckpointAndStopSignal) takes
 //                      S seconds "saving", prints CHECKPOINTED and exits 0, as the trainer does;
@@ -231,7 +231,8 @@ int main(int argc, char** argv) {
         if (sent == stop_after_heartbeats) raise(SIGSTOP);
         tessera::v1::TrainerReport beat = report();
         beat.mutable_heartbeat()->set_step(sent);
-        if (rank_steps) *beat.mutable_heartbeat()->mutable_breakdown() = breakdown;
+        // A fixed breakdown, so tests see it carried through to the worker and coordinator.
+        *beat.mutable_heartbeat()->mutable_breakdown() = breakdown;
         channel.Send(beat);
         if (rank_steps) {
           tessera::v1::TrainerReport step = report();

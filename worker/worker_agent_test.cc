@@ -145,6 +145,8 @@ TEST_F(WorkerAgentTest, HungRankIsKilledAndBlamed) {
     EXPECT_EQ(step_time.node_id(), "n1");
     EXPECT_GT(step_time.heartbeat_time().seconds(), 0);
     rank1_progress |= step_time.rank() == 1 && step_time.step() > 0;
+    // The heartbeat's breakdown rides along (fake_trainer sends forward_seconds 0.25).
+    EXPECT_DOUBLE_EQ(step_time.breakdown().forward_seconds(), 0.25);
   }
   EXPECT_TRUE(rank1_progress);
   ExpectNoHeartbeatRelayed();

@@ -1,0 +1,47 @@
+// The parts of `tessera get` and `tessera watch` that show where a job's step time goes and which
+// GPUs it holds: rank 0's newest StepMetrics.breakdown as a block of phases and top collectives,
+// every rank's heartbeat breakdown (StragglerReport) as a table, a one-line summary per step for
+// `watch`, and each rank's GPU joined with its node's inventory. Each function returns the text to
+// print, or "" when the job has nothing of the kind (a trainer that sends no breakdown, a CPU job),
+// so that the output of such jobs stays as it was.
+//
+// Thread safety: pure functions.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "tessera/v1/job.pb.h"
+#include "tessera/v1/metrics.pb.h"
+#include "tessera/v1/node.pb.h"
+
+namespace tessera::client {
+
+// Collectives listed in the "where the time goes" block; the rest are counted in one line.
+inline constexpr int kTopCollectives = 5;
+
+// Whether `breakdown` holds any measured time (an older trainer leaves it unset, all zero).
+bool HasBreakdown(const v1::StepTimeBreakdown& breakdown);
+
+// "  Where the time goes (rank 0, step N, S s):" then one line per phase (seconds and % of the
+// step) and the top collectives by kind/dim (seconds, % of the step, calls, bytes). Percentages are
+// of step_time_seconds, or of the phases' sum when the step time is missing.
+std::string TimeBreakdownBlock(const v1::StepMetrics& metrics);
+
+// One line per rank of the straggler report: rank, node, step s, busy s, forward / backward /
+// optimizer / data-wait % of the step, and its top collective. "" when no rank sent a breakdown.
+std::string RankBreakdownTable(const v1::StragglerReport& straggler);
+
+// `watch`'s compact summary of one step: "fwd 29% bwd 49% opt 7% data 2% other 13% | top
+// all_reduce/dp 36%" (ckpt only when blocked). "" without a breakdown.
+std::string BreakdownSummary(const v1::StepMetrics& metrics);
+
+// One line per GPU rank: rank, node, GPU index, and the UUID and product name from that node's
+// inventory in `nodes` ("?" when the node or its GPU is not listed, e.g. a removed node). "" for a
+// job holding no GPU.
+std::string GpuTable(const v1::Job& job, const std::vector<v1::Node>& nodes);
+
+// Whether any rank of `job` holds a GPU (`get` asks the coordinator for its nodes only then).
+bool HoldsGpus(const v1::Job& job);
+
+}  // namespace tessera::client
