@@ -47,8 +47,6 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOp
     daemon->training_->SetRunningRanks(options.agent.node_id,
                                        [agent] { return agent->RunningRanks(); });
     daemon->servers_->RegisterCollectable(daemon->training_);
-    daemon->process_ = std::make_shared<ProcessMetrics>();
-    daemon->servers_->RegisterCollectable(daemon->process_);
     DcgmExporter* dcgm = daemon->dcgm_.get();
     TrainingMetrics* training = daemon->training_.get();
     daemon->agent_->SetGpuObserver(

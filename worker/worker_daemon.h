@@ -9,7 +9,6 @@
 
 #include "absl/status/statusor.h"
 #include "common/daemon/daemon_servers.h"
-#include "common/daemon/process_metrics.h"
 #include "common/security/daemon_security.h"
 #include "worker/gpu_inventory.h"
 #include "worker/training_metrics.h"
@@ -53,7 +52,6 @@ class WorkerDaemon {
   // into them, so they outlive it.
   std::unique_ptr<DcgmExporter> dcgm_;
   std::shared_ptr<TrainingMetrics> training_;
-  std::shared_ptr<ProcessMetrics> process_;
   std::unique_ptr<WorkerAgent> agent_;
   std::unique_ptr<WorkerService> worker_service_;
   // Declared last: stopped (destroyed) before the service it serves.

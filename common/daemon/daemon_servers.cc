@@ -15,6 +15,9 @@ absl::StatusOr<std::unique_ptr<DaemonServers>> DaemonServers::Start(
     ASSIGN_OR_RETURN(servers->metrics_,
                      MetricsExposer::Start({.listen_address = options.metrics_listen_address,
                                             .component = options.component}));
+    // Every daemon serves its own process's CPU, memory, descriptors and start time.
+    servers->process_ = std::make_shared<ProcessMetrics>();
+    servers->metrics_->RegisterCollectable(servers->process_);
   }
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   if (make_interceptors) interceptors = make_interceptors(servers->registry());

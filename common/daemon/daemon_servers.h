@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/daemon/metrics_exposer.h"
+#include "common/daemon/process_metrics.h"
 #include "common/daemon/server.h"
 
 namespace tessera {
@@ -64,6 +65,7 @@ class DaemonServers {
   DaemonServers() = default;
 
   std::unique_ptr<MetricsExposer> metrics_;
+  std::shared_ptr<ProcessMetrics> process_;
   std::unique_ptr<GrpcServer> grpc_;
 };
 
