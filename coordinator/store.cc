@@ -16,9 +16,9 @@ namespace {
 
 // Applies one JobWrite on the writer, in JobWrite's order: the job row, events, metric points,
 // evaluations, checkpoint upserts, checkpoint deletions.
-absl::Status ApplyWrite(SqliteConnection& writer, const JobWrite& write,
+absl::Status ApplyWrite(DbConnection& writer, const JobWrite& write,
                         std::vector<v1::JobEvent>& stored_events) {
-  // A batch whose other write failed applies this one again (SqliteDatabase::RunBatch).
+  // A batch whose other write failed applies this one again (Database::RunBatch).
   stored_events.clear();
   const std::string& job_id = write.job_id;
   if (write.job.has_value()) {
@@ -41,14 +41,14 @@ absl::Status ApplyWrite(SqliteConnection& writer, const JobWrite& write,
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
   SqliteDatabase::Options options;
   options.busy_timeout_ms = kBusyTimeoutMs;
-  options.migrate = [&path](SqliteConnection& writer) {
+  options.migrate = [&path](DbConnection& writer) {
     return store_internal::MigrateSchema(writer, path);
   };
   ASSIGN_OR_RETURN(std::unique_ptr<SqliteDatabase> database, SqliteDatabase::Open(path, options));
   return std::unique_ptr<Store>(new Store(std::move(database)));
 }
 
-Store::Store(std::unique_ptr<SqliteDatabase> database) : database_(std::move(database)) {}
+Store::Store(std::unique_ptr<Database> database) : database_(std::move(database)) {}
 
 Store::~Store() = default;
 
@@ -87,14 +87,14 @@ std::vector<absl::StatusOr<std::vector<v1::JobEvent>>> Store::CommitAll(
     const std::vector<JobWrite>& writes) {
   std::vector<absl::StatusOr<std::vector<v1::JobEvent>>> results(writes.size());
   std::vector<std::vector<v1::JobEvent>> stored_events(writes.size());
-  std::vector<SqliteDatabase::QueuedWrite> queued(writes.size());
-  std::vector<SqliteDatabase::QueuedWrite*> to_commit;
+  std::vector<Database::QueuedWrite> queued(writes.size());
+  std::vector<Database::QueuedWrite*> to_commit;
   for (size_t i = 0; i < writes.size(); ++i) {
     if (absl::Status checked = CheckWrite(writes[i]); !checked.ok()) {
       results[i] = std::move(checked);
       continue;
     }
-    queued[i].apply = [&write = writes[i], &events = stored_events[i]](SqliteConnection& writer) {
+    queued[i].apply = [&write = writes[i], &events = stored_events[i]](DbConnection& writer) {
       return ApplyWrite(writer, write, events);
     };
     to_commit.push_back(&queued[i]);
@@ -127,8 +127,8 @@ absl::Status Store::CommitNewJob(JobWrite* write) {
     }
   }
   std::vector<v1::JobEvent> stored_events;
-  SqliteDatabase::QueuedWrite queued;
-  queued.apply = [write, &stored_events](SqliteConnection& writer) -> absl::Status {
+  Database::QueuedWrite queued;
+  queued.apply = [write, &stored_events](DbConnection& writer) -> absl::Status {
     ASSIGN_OR_RETURN(write->job_id, store_internal::AllocateJobId(writer));
     write->job->set_job_id(write->job_id);
     return ApplyWrite(writer, *write, stored_events);
@@ -146,7 +146,7 @@ void Store::SetWriteObserver(std::function<void(const StoreWriteStats&)> observe
     database_->SetCommitObserver(nullptr);
     return;
   }
-  database_->SetCommitObserver([observer = std::move(observer)](const SqliteCommitStats& commit) {
+  database_->SetCommitObserver([observer = std::move(observer)](const DatabaseCommitStats& commit) {
     observer(StoreWriteStats{
         .seconds = commit.seconds, .cpu_seconds = commit.cpu_seconds, .writes = commit.writes});
   });

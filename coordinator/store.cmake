@@ -7,6 +7,7 @@ find_package(SQLite3 REQUIRED)
 add_library(tessera_store STATIC
   "${CMAKE_CURRENT_LIST_DIR}/sqlite_database.cc"
   "${CMAKE_CURRENT_LIST_DIR}/store.cc"
+  "${CMAKE_CURRENT_LIST_DIR}/store_database.cc"
   "${CMAKE_CURRENT_LIST_DIR}/store_events.cc"
   "${CMAKE_CURRENT_LIST_DIR}/store_jobs.cc"
   "${CMAKE_CURRENT_LIST_DIR}/store_metrics.cc"

@@ -56,7 +56,7 @@
 
 namespace tessera::coordinator {
 
-class SqliteDatabase;
+class Database;
 
 // Everything one committed change of a job writes, applied in ONE SQLite
 // transaction, in this order: job upsert, events, metrics, evals, checkpoint
@@ -232,7 +232,7 @@ class Store {
   void SetWriteFailureInjector(std::function<absl::Status(const std::string& id)> injector);
 
  private:
-  explicit Store(std::unique_ptr<SqliteDatabase> database);
+  explicit Store(std::unique_ptr<Database> database);
 
   // The checks Commit makes before queuing a write (ids, the injected failure).
   absl::Status CheckWrite(const JobWrite& write) ABSL_LOCKS_EXCLUDED(hooks_mu_);
@@ -240,7 +240,7 @@ class Store {
   absl::Status InjectedFailure(const std::string& id) ABSL_LOCKS_EXCLUDED(hooks_mu_);
 
   // The connections and the group commit; thread-safe on its own.
-  const std::unique_ptr<SqliteDatabase> database_;
+  const std::unique_ptr<Database> database_;
   // The failure injector has a mutex of its own: every write consults it before it is queued,
   // and waiting for the database's writer (a commit and its fsync) for that would be wasted.
   absl::Mutex hooks_mu_;
