@@ -1,13 +1,16 @@
 // Store (store.h): opening the database, the checks on a write, and a JobWrite composed from
 // each table's part (store_tables.h) into one write of the group commit. The tables' reads are
-// in store_jobs.cc, store_events.cc, store_metrics.cc and store_nodes.cc; the SQLite plumbing in
-// sqlite_database.cc. Thread safety as store.h says.
+// in store_jobs.cc, store_events.cc, store_metrics.cc and store_nodes.cc; the engines' plumbing in
+// sqlite_database.cc and postgres_database.cc. Thread safety as store.h says.
 #include "coordinator/store.h"
 
+#include <fstream>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "coordinator/postgres_database.h"
 #include "coordinator/sqlite_database.h"
 #include "coordinator/store_tables.h"
 
@@ -36,15 +39,54 @@ absl::Status ApplyWrite(DbConnection& writer, const JobWrite& write,
   return store_internal::WriteStepRecords(writer, write);
 }
 
+// The first line of `path`, without its line end.
+absl::StatusOr<std::string> ReadPasswordFile(const std::string& path) {
+  std::ifstream file(path);
+  std::string password;
+  if (!file || !std::getline(file, password)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("store: database password file '", path, "' cannot be read"));
+  }
+  if (!password.empty() && password.back() == '\r') password.pop_back();
+  if (password.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("store: database password file '", path, "' is empty"));
+  }
+  return password;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
-  SqliteDatabase::Options options;
-  options.busy_timeout_ms = kBusyTimeoutMs;
-  options.migrate = [&path](DbConnection& writer) {
-    return store_internal::MigrateSchema(writer, path);
+  return Open(path, StoreOptions{});
+}
+
+bool Store::IsPostgresUrl(const std::string& location) {
+  return absl::StartsWith(location, "postgresql://") || absl::StartsWith(location, "postgres://");
+}
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& location,
+                                                   const StoreOptions& options) {
+  if (IsPostgresUrl(location)) {
+    PostgresDatabase::Options postgres;
+    postgres.url = location;
+    if (!options.password_file.empty()) {
+      ASSIGN_OR_RETURN(postgres.password, ReadPasswordFile(options.password_file));
+    }
+    const std::string name = RedactPostgresUrl(location);
+    postgres.migrate = [&name](DbConnection& writer) {
+      return store_internal::MigrateSchema(writer, name);
+    };
+    ASSIGN_OR_RETURN(std::unique_ptr<PostgresDatabase> database, PostgresDatabase::Open(postgres));
+    return std::unique_ptr<Store>(new Store(std::move(database)));
+  }
+  SqliteDatabase::Options sqlite;
+  sqlite.busy_timeout_ms = kBusyTimeoutMs;
+  sqlite.migrate = [&location](DbConnection& writer) {
+    return store_internal::MigrateSchema(writer, location);
   };
-  ASSIGN_OR_RETURN(std::unique_ptr<SqliteDatabase> database, SqliteDatabase::Open(path, options));
+  ASSIGN_OR_RETURN(std::unique_ptr<SqliteDatabase> database,
+                   SqliteDatabase::Open(location, sqlite));
   return std::unique_ptr<Store>(new Store(std::move(database)));
 }
 
