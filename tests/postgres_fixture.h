@@ -96,6 +96,12 @@ class PostgresCluster {
     }
     port_ = port_text;
     std::atexit(+[] { Shared().Stop(); });
+    // A test process killed by its timeout runs no atexit hook: a watchdog in the background
+    // stops the server and removes the directory once this process is gone.
+    Run(absl::StrCat("(while kill -0 ", getpid(), " 2>/dev/null; do sleep 1; done; ", as_user_,
+                     Quoted(bin_ + "/pg_ctl"), " -D ", Quoted(dir_ + "/data"),
+                     " -m immediate -w stop; rm -rf ", Quoted(dir_),
+                     ") > /dev/null 2>&1 < /dev/null &"));
   }
 
   // initdb takes seconds and every test case is a process of its own (gtest_discover_tests):
