@@ -60,7 +60,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
               << options.listen_address << " may submit, cancel and register nodes\n";
   }
   daemon->limits_ = std::make_unique<ClientLimits>(options.limits);
-  ASSIGN_OR_RETURN(daemon->store_, Store::Open(options.state_path));
+  ASSIGN_OR_RETURN(daemon->store_,
+                   Store::Open(options.state_path,
+                               StoreOptions{.password_file = options.database_password_file}));
   // A bad queue file stops the daemon here; later versions that are bad are refused and logged.
   ASSIGN_OR_RETURN(daemon->queues_, QueueFile::Create({.path = options.queue_file,
                                                        .clock = options.cluster.clock}));

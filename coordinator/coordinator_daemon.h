@@ -35,8 +35,11 @@ struct CoordinatorOptions {
   std::string listen_address = "127.0.0.1:50051";
   // Prometheus /metrics listen address; empty disables the endpoint.
   std::string metrics_listen_address = "127.0.0.1:9464";
-  // SQLite file holding jobs, events, metrics, checkpoints and nodes.
+  // SQLite file holding jobs, events, metrics, checkpoints and nodes, or a postgresql:// URL of
+  // a database holding them (Store::Open).
   std::string state_path = "tessera-coordinator.db";
+  // The PostgreSQL password's file (StoreOptions::password_file); empty: libpq's environment.
+  std::string database_password_file;
   // Registry, liveness and scheduling settings.
   ClusterOptions cluster;
   // TLS of the gRPC port and of the calls to workers' log service.

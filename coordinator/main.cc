@@ -14,8 +14,13 @@
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "gRPC listen address (host:port) for clients and workers; port 0 picks one.");
 ABSL_FLAG(std::string, state, "tessera-coordinator.db",
-          "SQLite file of the coordinator's state (jobs, events, metrics, checkpoints, nodes); "
-          "created if missing. Put it on a persistent volume.");
+          "Where the coordinator's state lives (jobs, events, metrics, checkpoints, nodes): a "
+          "SQLite file, created if missing (put it on a persistent volume), or a "
+          "postgresql://USER@HOST:PORT/DBNAME URL (no password in it: see "
+          "--database_password_file).");
+ABSL_FLAG(std::string, database_password_file, "",
+          "File whose first line is the PostgreSQL password of --state; empty: libpq's "
+          "PGPASSWORD or PGPASSFILE (~/.pgpass).");
 ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(15),
           "A worker silent this long is LOST and its jobs fail, e.g. 15s.");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(2),
@@ -79,7 +84,7 @@ ABSL_FLAG(std::string, log_format, "text",
 
 constexpr char kUsage[] =
     "Usage: tessera-coordinator [--listen=HOST:PORT] [--metrics_listen=HOST:PORT] "
-    "[--state=FILE]\n\n"
+    "[--state=FILE|postgresql://USER@HOST/DB]\n\n"
     "The Tessera coordinator: takes training jobs over gRPC (tessera.v1.Coordinator),\n"
     "plans and gang-schedules them onto workers (tessera.v1.NodeService).\n";
 
@@ -100,6 +105,7 @@ int main(int argc, char** argv) {
   options.listen_address = absl::GetFlag(FLAGS_listen);
   options.metrics_listen_address = absl::GetFlag(FLAGS_metrics_listen);
   options.state_path = absl::GetFlag(FLAGS_state);
+  options.database_password_file = absl::GetFlag(FLAGS_database_password_file);
   options.cluster.heartbeat_timeout = absl::GetFlag(FLAGS_heartbeat_timeout);
   options.cluster.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.cluster.failure_settle = absl::GetFlag(FLAGS_failure_settle);

@@ -1,8 +1,6 @@
 // SqliteDatabase (sqlite_database.h): opening and checking the connections, the readers' pool
-// and the group commit. Thread safety as the header says.
+// and the transaction of each group commit. Thread safety as the header says.
 #include "coordinator/sqlite_database.h"
-
-#include <time.h>
 
 #include <algorithm>
 #include <thread>
@@ -10,6 +8,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/status_macros.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -19,13 +18,6 @@ namespace {
 // 4 readers every open read transaction can hold a mark of its own, so none waits for one.
 int ReaderCount() {
   return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 4u));
-}
-
-// CPU time of the calling thread, in seconds (0 where the clock cannot be read).
-double ThreadCpuSeconds() {
-  timespec now{};
-  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now) != 0) return 0;
-  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
 }
 
 }  // namespace
@@ -54,31 +46,45 @@ absl::Status SqliteStatus(sqlite3* db, int rc, absl::string_view operation) {
   }
 }
 
+absl::StatusOr<bool> SqliteStatement::Step() {
+  if (bind_rc_ != SQLITE_OK) return SqliteStatus(db_, bind_rc_, operation());
+  const int rc = sqlite3_step(stmt_);
+  if (rc == SQLITE_ROW) return true;
+  if (rc == SQLITE_DONE) return false;
+  return SqliteStatus(db_, rc, operation());
+}
+
 SqliteConnection::~SqliteConnection() {
-  for (auto& [sql, stmt] : statements_) sqlite3_finalize(stmt);
-  sqlite3_close(db_);  // a no-op for a null handle
+  statements_.clear();  // finalized before the connection closes
+  sqlite3_close(db_);   // a no-op for a null handle
 }
 
-absl::StatusOr<sqlite3_stmt*> SqliteConnection::Prepare(absl::string_view sql,
-                                                        absl::string_view operation) {
-  if (auto it = statements_.find(sql); it != statements_.end()) return it->second;
-  sqlite3_stmt* stmt = nullptr;
-  const int rc = sqlite3_prepare_v3(db_, sql.data(), static_cast<int>(sql.size()),
-                                    SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
-  if (rc != SQLITE_OK) return SqliteStatus(db_, rc, operation);
-  statements_.emplace(std::string(sql), stmt);
-  return stmt;
+absl::StatusOr<Statement> SqliteConnection::Prepare(absl::string_view sql,
+                                                    absl::string_view operation) {
+  auto it = statements_.find(sql);
+  if (it == statements_.end()) {
+    sqlite3_stmt* stmt = nullptr;
+    const int rc = sqlite3_prepare_v3(db_, sql.data(), static_cast<int>(sql.size()),
+                                      SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
+    if (rc != SQLITE_OK) return SqliteStatus(db_, rc, operation);
+    it = statements_.emplace(std::string(sql), std::make_unique<SqliteStatement>(db_, stmt)).first;
+  }
+  it->second->set_operation(operation);
+  return Statement(it->second.get());
 }
 
-absl::Status SqliteConnection::Exec(const char* sql, absl::string_view operation) {
-  const int rc = sqlite3_exec(db_, sql, nullptr, nullptr, nullptr);
+absl::Status SqliteConnection::Exec(absl::string_view sql, absl::string_view operation) {
+  const int rc = sqlite3_exec(db_, std::string(sql).c_str(), nullptr, nullptr, nullptr);
   if (rc != SQLITE_OK) return SqliteStatus(db_, rc, operation);
   return absl::OkStatus();
 }
 
+absl::Status SqliteConnection::Begin(absl::string_view operation) {
+  return Run("BEGIN IMMEDIATE", operation);
+}
+
 absl::Status SqliteConnection::Run(absl::string_view sql, absl::string_view operation) {
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, Prepare(sql, operation));
-  SqliteStatement statement(db_, stmt, operation);
+  ASSIGN_OR_RETURN(Statement statement, Prepare(sql, operation));
   return statement.Run();
 }
 
@@ -94,29 +100,26 @@ absl::Status SqliteConnection::FinishTransaction(absl::Status status, absl::stri
   return status;
 }
 
-SqliteDatabase::ReadLock::ReadLock(SqliteDatabase& database) ABSL_NO_THREAD_SAFETY_ANALYSIS
-    : database_(database) {
-  if (database.readers_.empty()) {
-    database.mu_.Lock();
-    connection_ = &database.writer_;
-    is_writer_ = true;
-    return;
+DbConnection* SqliteDatabase::AcquireReader() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (readers_.empty()) {
+    mu_.Lock();  // released by ReleaseReader
+    return &writer_;
   }
-  absl::MutexLock lock(&database.read_mu_);
-  database.read_mu_.Await(absl::Condition(
-      +[](std::vector<SqliteConnection*>* idle) { return !idle->empty(); },
-      &database.idle_readers_));
-  connection_ = database.idle_readers_.back();
-  database.idle_readers_.pop_back();
+  absl::MutexLock lock(&read_mu_);
+  read_mu_.Await(absl::Condition(
+      +[](std::vector<SqliteConnection*>* idle) { return !idle->empty(); }, &idle_readers_));
+  SqliteConnection* reader = idle_readers_.back();
+  idle_readers_.pop_back();
+  return reader;
 }
 
-SqliteDatabase::ReadLock::~ReadLock() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  if (is_writer_) {
-    database_.mu_.Unlock();
+void SqliteDatabase::ReleaseReader(DbConnection* connection) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (connection == &writer_) {
+    mu_.Unlock();
     return;
   }
-  absl::MutexLock lock(&database_.read_mu_);
-  database_.idle_readers_.push_back(connection_);
+  absl::MutexLock lock(&read_mu_);
+  idle_readers_.push_back(static_cast<SqliteConnection*>(connection));
 }
 
 absl::StatusOr<std::unique_ptr<SqliteDatabase>> SqliteDatabase::Open(const std::string& path,
@@ -176,9 +179,8 @@ absl::Status SqliteDatabase::Configure(const Options& options) {
   std::string mode;
   {
     // Reset before the migration: a table cannot be dropped while a statement is open.
-    ASSIGN_OR_RETURN(sqlite3_stmt * journal_mode_stmt,
+    ASSIGN_OR_RETURN(Statement journal_mode,
                      writer_.Prepare("PRAGMA journal_mode = WAL", operation));
-    SqliteStatement journal_mode(db, journal_mode_stmt, operation);
     ASSIGN_OR_RETURN(bool has_row, journal_mode.Step());
     if (has_row) mode = journal_mode.ColumnText(0);
   }
@@ -200,8 +202,7 @@ absl::Status SqliteDatabase::Configure(const Options& options) {
 
 absl::Status SqliteDatabase::ExpectPragma(const char* pragma, int64_t want,
                                           absl::string_view operation) {
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, writer_.Prepare(pragma, operation));
-  SqliteStatement read(writer_.db(), stmt, operation);
+  ASSIGN_OR_RETURN(Statement read, writer_.Prepare(pragma, operation));
   ASSIGN_OR_RETURN(bool has_row, read.Step());
   const int64_t got = has_row ? read.ColumnInt64(0) : -1;
   if (got != want) {
@@ -211,53 +212,16 @@ absl::Status SqliteDatabase::ExpectPragma(const char* pragma, int64_t want,
   return absl::OkStatus();
 }
 
-void SqliteDatabase::GroupCommit(const std::vector<QueuedWrite*>& writes) {
-  if (writes.empty()) return;
-  absl::MutexLock lock(&queue_mu_);
-  queued_.insert(queued_.end(), writes.begin(), writes.end());
-  // Ours are done once the last one is (a batch is finished as a whole).
-  QueuedWrite* const first = writes.front();
-  QueuedWrite* const last = writes.back();
-  // Wakes when ours are done, or when no commit is under way and ours head the queue: then this
-  // caller leads the next batch. Only that one caller wakes to lead, and the others only once
-  // their writes are done (a condition variable woke every waiter after every batch).
-  struct Turn {
-    SqliteDatabase* database;
-    QueuedWrite* first;
-    QueuedWrite* last;
-    static bool Ready(Turn* turn) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      return turn->last->done ||
-             (!turn->database->committing_ && !turn->database->queued_.empty() &&
-              turn->database->queued_.front() == turn->first);
-    }
-  } turn{this, first, last};
-  while (true) {
-    queue_mu_.Await(absl::Condition(&Turn::Ready, &turn));
-    if (last->done) break;
-    committing_ = true;
-    std::vector<QueuedWrite*> batch = std::move(queued_);
-    queued_.clear();
-    queue_mu_.Unlock();
-    const SqliteCommitStats stats = RunBatch(batch);
-    const bool any_applied = std::any_of(batch.begin(), batch.end(),
-                                         [](const QueuedWrite* w) { return w->status.ok(); });
-    if (any_applied) ReportCommit(stats);
-    queue_mu_.Lock();
-    for (QueuedWrite* write : batch) write->done = true;
-    committing_ = false;
-  }
-}
-
-SqliteCommitStats SqliteDatabase::RunBatch(const std::vector<QueuedWrite*>& batch) {
+DatabaseCommitStats SqliteDatabase::RunBatch(const std::vector<QueuedWrite*>& batch) {
   absl::MutexLock lock(&mu_);
   sqlite3* const db = writer_.db();
   const absl::Time start = absl::Now();
   const double cpu_start = ThreadCpuSeconds();
   const std::string operation = absl::StrCat("group commit of ", batch.size(), " writes");
   auto finished = [&] {
-    return SqliteCommitStats{.seconds = absl::ToDoubleSeconds(absl::Now() - start),
-                             .cpu_seconds = ThreadCpuSeconds() - cpu_start,
-                             .writes = static_cast<int>(batch.size())};
+    return DatabaseCommitStats{.seconds = absl::ToDoubleSeconds(absl::Now() - start),
+                               .cpu_seconds = ThreadCpuSeconds() - cpu_start,
+                               .writes = static_cast<int>(batch.size())};
   };
   absl::Status begun = writer_.Run("BEGIN IMMEDIATE", operation);
   if (!begun.ok()) {
@@ -276,7 +240,7 @@ SqliteCommitStats SqliteDatabase::RunBatch(const std::vector<QueuedWrite*>& batc
   if (failed.ok()) {
     const absl::Status committed = writer_.FinishTransaction(absl::OkStatus(), operation);
     for (QueuedWrite* write : batch) write->status = committed;
-    return committed.ok() ? finished() : SqliteCommitStats{};
+    return committed.ok() ? finished() : DatabaseCommitStats{};
   }
   if (sqlite3_get_autocommit(db) == 0) {
     sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
@@ -318,20 +282,6 @@ SqliteCommitStats SqliteDatabase::RunBatch(const std::vector<QueuedWrite*>& batc
     }
   }
   return finished();
-}
-
-void SqliteDatabase::SetCommitObserver(std::function<void(const SqliteCommitStats&)> observer) {
-  absl::MutexLock lock(&observer_mu_);
-  commit_observer_ = std::move(observer);
-}
-
-void SqliteDatabase::ReportCommit(const SqliteCommitStats& stats) {
-  std::function<void(const SqliteCommitStats&)> observer;
-  {
-    absl::MutexLock lock(&observer_mu_);
-    observer = commit_observer_;
-  }
-  if (observer) observer(stats);
 }
 
 }  // namespace tessera::coordinator

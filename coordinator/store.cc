@@ -1,13 +1,16 @@
 // Store (store.h): opening the database, the checks on a write, and a JobWrite composed from
 // each table's part (store_tables.h) into one write of the group commit. The tables' reads are
-// in store_jobs.cc, store_events.cc, store_metrics.cc and store_nodes.cc; the SQLite plumbing in
-// sqlite_database.cc. Thread safety as store.h says.
+// in store_jobs.cc, store_events.cc, store_metrics.cc and store_nodes.cc; the engines' plumbing in
+// sqlite_database.cc and postgres_database.cc. Thread safety as store.h says.
 #include "coordinator/store.h"
 
+#include <fstream>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "coordinator/postgres_database.h"
 #include "coordinator/sqlite_database.h"
 #include "coordinator/store_tables.h"
 
@@ -16,9 +19,9 @@ namespace {
 
 // Applies one JobWrite on the writer, in JobWrite's order: the job row, events, metric points,
 // evaluations, checkpoint upserts, checkpoint deletions.
-absl::Status ApplyWrite(SqliteConnection& writer, const JobWrite& write,
+absl::Status ApplyWrite(DbConnection& writer, const JobWrite& write,
                         std::vector<v1::JobEvent>& stored_events) {
-  // A batch whose other write failed applies this one again (SqliteDatabase::RunBatch).
+  // A batch whose other write failed applies this one again (Database::RunBatch).
   stored_events.clear();
   const std::string& job_id = write.job_id;
   if (write.job.has_value()) {
@@ -36,19 +39,58 @@ absl::Status ApplyWrite(SqliteConnection& writer, const JobWrite& write,
   return store_internal::WriteStepRecords(writer, write);
 }
 
+// The first line of `path`, without its line end.
+absl::StatusOr<std::string> ReadPasswordFile(const std::string& path) {
+  std::ifstream file(path);
+  std::string password;
+  if (!file || !std::getline(file, password)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("store: database password file '", path, "' cannot be read"));
+  }
+  if (!password.empty() && password.back() == '\r') password.pop_back();
+  if (password.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("store: database password file '", path, "' is empty"));
+  }
+  return password;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& path) {
-  SqliteDatabase::Options options;
-  options.busy_timeout_ms = kBusyTimeoutMs;
-  options.migrate = [&path](SqliteConnection& writer) {
-    return store_internal::MigrateSchema(writer, path);
+  return Open(path, StoreOptions{});
+}
+
+bool Store::IsPostgresUrl(const std::string& location) {
+  return absl::StartsWith(location, "postgresql://") || absl::StartsWith(location, "postgres://");
+}
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& location,
+                                                   const StoreOptions& options) {
+  if (IsPostgresUrl(location)) {
+    PostgresDatabase::Options postgres;
+    postgres.url = location;
+    if (!options.password_file.empty()) {
+      ASSIGN_OR_RETURN(postgres.password, ReadPasswordFile(options.password_file));
+    }
+    const std::string name = RedactPostgresUrl(location);
+    postgres.migrate = [&name](DbConnection& writer) {
+      return store_internal::MigrateSchema(writer, name);
+    };
+    ASSIGN_OR_RETURN(std::unique_ptr<PostgresDatabase> database, PostgresDatabase::Open(postgres));
+    return std::unique_ptr<Store>(new Store(std::move(database)));
+  }
+  SqliteDatabase::Options sqlite;
+  sqlite.busy_timeout_ms = kBusyTimeoutMs;
+  sqlite.migrate = [&location](DbConnection& writer) {
+    return store_internal::MigrateSchema(writer, location);
   };
-  ASSIGN_OR_RETURN(std::unique_ptr<SqliteDatabase> database, SqliteDatabase::Open(path, options));
+  ASSIGN_OR_RETURN(std::unique_ptr<SqliteDatabase> database,
+                   SqliteDatabase::Open(location, sqlite));
   return std::unique_ptr<Store>(new Store(std::move(database)));
 }
 
-Store::Store(std::unique_ptr<SqliteDatabase> database) : database_(std::move(database)) {}
+Store::Store(std::unique_ptr<Database> database) : database_(std::move(database)) {}
 
 Store::~Store() = default;
 
@@ -87,14 +129,14 @@ std::vector<absl::StatusOr<std::vector<v1::JobEvent>>> Store::CommitAll(
     const std::vector<JobWrite>& writes) {
   std::vector<absl::StatusOr<std::vector<v1::JobEvent>>> results(writes.size());
   std::vector<std::vector<v1::JobEvent>> stored_events(writes.size());
-  std::vector<SqliteDatabase::QueuedWrite> queued(writes.size());
-  std::vector<SqliteDatabase::QueuedWrite*> to_commit;
+  std::vector<Database::QueuedWrite> queued(writes.size());
+  std::vector<Database::QueuedWrite*> to_commit;
   for (size_t i = 0; i < writes.size(); ++i) {
     if (absl::Status checked = CheckWrite(writes[i]); !checked.ok()) {
       results[i] = std::move(checked);
       continue;
     }
-    queued[i].apply = [&write = writes[i], &events = stored_events[i]](SqliteConnection& writer) {
+    queued[i].apply = [&write = writes[i], &events = stored_events[i]](DbConnection& writer) {
       return ApplyWrite(writer, write, events);
     };
     to_commit.push_back(&queued[i]);
@@ -127,8 +169,8 @@ absl::Status Store::CommitNewJob(JobWrite* write) {
     }
   }
   std::vector<v1::JobEvent> stored_events;
-  SqliteDatabase::QueuedWrite queued;
-  queued.apply = [write, &stored_events](SqliteConnection& writer) -> absl::Status {
+  Database::QueuedWrite queued;
+  queued.apply = [write, &stored_events](DbConnection& writer) -> absl::Status {
     ASSIGN_OR_RETURN(write->job_id, store_internal::AllocateJobId(writer));
     write->job->set_job_id(write->job_id);
     return ApplyWrite(writer, *write, stored_events);
@@ -146,7 +188,7 @@ void Store::SetWriteObserver(std::function<void(const StoreWriteStats&)> observe
     database_->SetCommitObserver(nullptr);
     return;
   }
-  database_->SetCommitObserver([observer = std::move(observer)](const SqliteCommitStats& commit) {
+  database_->SetCommitObserver([observer = std::move(observer)](const DatabaseCommitStats& commit) {
     observer(StoreWriteStats{
         .seconds = commit.seconds, .cpu_seconds = commit.cpu_seconds, .writes = commit.writes});
   });

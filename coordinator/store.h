@@ -1,4 +1,5 @@
-// Store: the coordinator's durable state in one SQLite database: jobs, their
+// Store: the coordinator's durable state in one database, SQLite (the default, a local file) or
+// PostgreSQL (a postgresql:// URL; see docs/coordinator.md): jobs, their
 // numbered events, step and eval metric points, checkpoints, nodes, the
 // queues' fair-share usage and the job id counter. Everything one committed
 // change of a job writes goes in one transaction (JobWrite), so a coordinator
@@ -9,19 +10,20 @@
 // Group commit: writes from concurrent callers (Commit, CommitAll, PutNode,
 // DeleteNode, SaveQueueUsage, NextJobId, CommitNewJob) share one SQLite
 // transaction and so one fsync. The first caller to find no transaction in
-// progress becomes the leader: it takes every write queued so far, applies each inside its own SAVEPOINT (a
-// write that fails is rolled back alone and only its caller sees the error),
-// commits, and wakes the others; writes that arrive meanwhile form the next
-// batch. Every caller still returns only once its write is durable (or has
-// failed), so the guarantee above is unchanged; what is shared is the wait.
+// progress becomes the leader: it takes every write queued so far, applies each inside its own
+// SAVEPOINT (a write that fails is rolled back alone and only its caller sees the error), commits,
+// and wakes the others; writes that arrive meanwhile form the next batch. Every caller still
+// returns only once its write is durable (or has failed), so the guarantee above is unchanged; what
+// is shared is the wait.
 //
 // Protobufs are stored as serialized blobs, next to the columns that queries
 // filter and order on. A blob that does not parse is reported as DATA_LOSS,
 // never a crash.
 //
-// Where it lives: the SQLite plumbing (connections, statement caches, the
-// readers' pool, the group commit) is SqliteDatabase (sqlite_database.h), which
-// knows no table. The tables are the store's: the schema and its migrations in
+// Where it lives: the plumbing (connections, statement caches, the readers'
+// pool, the group commit) is a Database (store_database.h): SqliteDatabase
+// (sqlite_database.h) or PostgresDatabase (postgres_database.h), neither of
+// which knows a table. The tables are the store's: the schema and its migrations in
 // store_migrations.cc, and each family's SQL beside the Store methods that use
 // it (store_jobs.cc, store_events.cc, store_metrics.cc, store_nodes.cc,
 // store_queue_usage.cc; store_tables.h declares what store.cc composes into
@@ -56,7 +58,7 @@
 
 namespace tessera::coordinator {
 
-class SqliteDatabase;
+class Database;
 
 // Everything one committed change of a job writes, applied in ONE SQLite
 // transaction, in this order: job upsert, events, metrics, evals, checkpoint
@@ -105,6 +107,13 @@ struct SavedQueueUsage {
   std::map<std::string, Usage> queues;
 };
 
+// How Store::Open reaches a PostgreSQL database (a SQLite file needs nothing).
+struct StoreOptions {
+  // A file whose first line is the PostgreSQL password (a mounted Secret); empty: libpq's own
+  // PGPASSWORD or PGPASSFILE (~/.pgpass). Never put the password in the URL.
+  std::string password_file;
+};
+
 // One page of ListJobs.
 struct JobPage {
   std::vector<v1::Job> jobs;
@@ -133,6 +142,13 @@ class Store {
   // whose schema is newer than kSchemaVersion: FAILED_PRECONDITION naming the
   // path.
   static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& path);
+  // As above, or, when `location` is a postgresql:// (or postgres://) URL, the same store in
+  // that PostgreSQL database (postgres_database.h); migrated alike. Errors name the URL with its
+  // password removed. A password file that cannot be read: FAILED_PRECONDITION naming it.
+  static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& location,
+                                                     const StoreOptions& options);
+  // Whether Open(location) selects PostgreSQL.
+  static bool IsPostgresUrl(const std::string& location);
 
   ~Store();
   Store(const Store&) = delete;
@@ -232,7 +248,7 @@ class Store {
   void SetWriteFailureInjector(std::function<absl::Status(const std::string& id)> injector);
 
  private:
-  explicit Store(std::unique_ptr<SqliteDatabase> database);
+  explicit Store(std::unique_ptr<Database> database);
 
   // The checks Commit makes before queuing a write (ids, the injected failure).
   absl::Status CheckWrite(const JobWrite& write) ABSL_LOCKS_EXCLUDED(hooks_mu_);
@@ -240,7 +256,7 @@ class Store {
   absl::Status InjectedFailure(const std::string& id) ABSL_LOCKS_EXCLUDED(hooks_mu_);
 
   // The connections and the group commit; thread-safe on its own.
-  const std::unique_ptr<SqliteDatabase> database_;
+  const std::unique_ptr<Database> database_;
   // The failure injector has a mutex of its own: every write consults it before it is queued,
   // and waiting for the database's writer (a commit and its fsync) for that would be wasted.
   absl::Mutex hooks_mu_;

@@ -1,6 +1,7 @@
-// Writing to the Store (store.cc, sqlite_database.cc): the checks on a write, a failed write
-// rolled back whole, the group commit (CommitAll, concurrent writers, the write observer) and
-// durability (a commit survives SIGKILL; the single-commit rate).
+// Writing to the Store (store.cc, the engines' group commit): the checks on a write, a failed
+// write rolled back whole, the group commit (CommitAll, concurrent writers, the write observer,
+// events and metric points exactly once) and durability (a commit survives SIGKILL; the
+// single-commit rate). Most run on SQLite and on PostgreSQL (StoreBackendTest).
 //
 // Thread safety: each test owns its store; the threads a test starts use it as the
 // coordinator's threads do.
@@ -36,8 +37,8 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::SizeIs;
 
-TEST(StoreTest, CommitRejectsBadWrites) {
-  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+TEST_P(StoreBackendTest, CommitRejectsBadWrites) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
 
   JobWrite no_id;
@@ -94,8 +95,8 @@ TEST(StoreTest, FailedCommitRollsBackEverything) {
   EXPECT_THAT(Sequences(*stored), ElementsAre(1));
 }
 
-TEST(StoreTest, WriteObserverSeesEveryWrite) {
-  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+TEST_P(StoreBackendTest, WriteObserverSeesEveryWrite) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
   std::vector<StoreWriteStats> observed;
   store->SetWriteObserver([&](const StoreWriteStats& stats) { observed.push_back(stats); });
@@ -131,9 +132,8 @@ TEST(StoreTest, WriteObserverSeesEveryWrite) {
   EXPECT_THAT(observed, SizeIs(4));
 }
 
-TEST(StoreTest, CommitAllStoresEachWriteAtomicallyInOneTransaction) {
-  tessera::testing::ScopedTempDir dir("store");
-  const std::string path = dir.path() + "/coordinator.db";
+TEST_P(StoreBackendTest, CommitAllStoresEachWriteAtomicallyInOneTransaction) {
+  const std::string& path = location();
   {
     std::unique_ptr<Store> store = OpenOrDie(path);
     ASSERT_NE(store, nullptr);
@@ -175,9 +175,8 @@ TEST(StoreTest, CommitAllStoresEachWriteAtomicallyInOneTransaction) {
   EXPECT_THAT(store->ReadEvents("job-missing", 0, 0), IsOkAndHolds(SizeIs(0)));
 }
 
-TEST(StoreTest, ConcurrentWritersShareCommitsAndEveryWriteIsDurable) {
-  tessera::testing::ScopedTempDir dir("store");
-  const std::string path = dir.path() + "/coordinator.db";
+TEST_P(StoreBackendTest, ConcurrentWritersShareCommitsAndEveryWriteIsDurable) {
+  const std::string& path = location();
   constexpr int kThreads = 8;
   constexpr int kWritesPerThread = 25;
   std::set<std::string> ids;
@@ -219,6 +218,61 @@ TEST(StoreTest, ConcurrentWritersShareCommitsAndEveryWriteIsDurable) {
   EXPECT_THAT(store->ListNodes(), IsOkAndHolds(SizeIs(kThreads)));
   EXPECT_THAT(store->NextJobId(),
               IsOkAndHolds(absl::StrFormat("job-%08x", kThreads * kWritesPerThread + 1)));
+}
+
+// Reporters of several jobs and a shared one commit events and metric points at once, so that
+// their writes share group commits, and each resends some steps (a relayed batch sent again):
+// every event is stored once with gap-free sequences, and every step has one point, the last
+// sent.
+TEST_P(StoreBackendTest, ConcurrentGroupCommitsStoreEventsAndMetricPointsExactlyOnce) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
+  ASSERT_NE(store, nullptr);
+  constexpr int kThreads = 6;
+  constexpr int kSteps = 30;
+  for (int t = 0; t < kThreads; ++t) {
+    SubmitJob(*store, MakeJob(absl::StrCat("job-", t), v1::JOB_STATE_RUNNING, t));
+  }
+  SubmitJob(*store, MakeJob("job-shared", v1::JOB_STATE_RUNNING, 100));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const std::string job_id = absl::StrCat("job-", t);
+      for (int step = 1; step <= kSteps; ++step) {
+        JobWrite own;
+        own.job_id = job_id;
+        own.metrics.push_back(Metrics(step, t + 1.0 / step));
+        // Every third step is resent, with the same point.
+        if (step % 3 == 0) own.metrics.push_back(Metrics(step - 1, t + 1.0 / (step - 1)));
+        *own.events.emplace_back().mutable_metrics() = own.metrics.front();
+        JobWrite shared;
+        shared.job_id = "job-shared";
+        shared.events.push_back(StateEvent(v1::JOB_STATE_RUNNING, v1::JOB_STATE_RUNNING));
+        for (const auto& result : store->CommitAll({own, shared})) EXPECT_THAT(result, IsOk());
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (int t = 0; t < kThreads; ++t) {
+    const std::string job_id = absl::StrCat("job-", t);
+    absl::StatusOr<std::vector<v1::StepMetrics>> metrics = store->ReadMetrics(job_id, 0, 0);
+    ASSERT_THAT(metrics, IsOk());
+    ASSERT_THAT(*metrics, SizeIs(kSteps)) << job_id;
+    for (int i = 0; i < kSteps; ++i) {
+      EXPECT_EQ((*metrics)[i].step(), i + 1);
+      EXPECT_DOUBLE_EQ((*metrics)[i].loss(), t + 1.0 / (i + 1));
+    }
+    absl::StatusOr<std::vector<v1::JobEvent>> events = store->ReadEvents(job_id, 0, 0);
+    ASSERT_THAT(events, IsOk());
+    ASSERT_THAT(*events, SizeIs(kSteps));
+    for (int i = 0; i < kSteps; ++i) {
+      EXPECT_EQ((*events)[i].sequence(), i + 1);
+      EXPECT_EQ((*events)[i].metrics().step(), i + 1) << "in commit order";
+    }
+  }
+  absl::StatusOr<std::vector<v1::JobEvent>> shared = store->ReadEvents("job-shared", 0, 0);
+  ASSERT_THAT(shared, IsOk());
+  ASSERT_THAT(*shared, SizeIs(kThreads * kSteps));
+  for (size_t i = 0; i < shared->size(); ++i) EXPECT_EQ((*shared)[i].sequence(), int64_t(i) + 1);
 }
 
 // The child commits and kills itself with SIGKILL as soon as Commit returns:
@@ -274,9 +328,8 @@ TEST(StoreTest, CommitSurvivesSigkill) {
 }
 
 // Each Commit is a durable transaction (an fsync of the WAL); prints the rate.
-TEST(StoreTest, ThousandEventCommitLoop) {
-  tessera::testing::ScopedTempDir dir("store");
-  std::unique_ptr<Store> store = OpenOrDie(dir.path() + "/coordinator.db");
+TEST_P(StoreBackendTest, ThousandEventCommitLoop) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
   SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
   constexpr int kCommits = 1000;
@@ -299,6 +352,8 @@ TEST(StoreTest, ThousandEventCommitLoop) {
   ASSERT_THAT(metrics, IsOk());
   EXPECT_THAT(*metrics, SizeIs(kCommits));
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, StoreBackendTest, kStoreBackends, StoreBackendName);
 
 }  // namespace
 }  // namespace tessera::coordinator

@@ -1,14 +1,14 @@
 // The Store's job events: the `job_events` table, numbered 1, 2, 3... per job without gaps, a
 // write's events in one row since schema version 3. Store's reads run under a
-// SqliteDatabase::ReadLock; AppendEvents (store_tables.h) runs on the writer in a group commit.
+// Database::ReadLock; AppendEvents (store_tables.h) runs on the writer in a group commit.
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
-#include "coordinator/sqlite_database.h"
 #include "coordinator/store.h"
+#include "coordinator/store_database.h"
 #include "coordinator/store_tables.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -59,20 +59,19 @@ bool DecodeEvents(absl::string_view blob, std::vector<v1::JobEvent>& events) {
 
 namespace store_internal {
 
-absl::StatusOr<int64_t> LastEventSequence(SqliteConnection& connection, const std::string& job_id,
+absl::StatusOr<int64_t> LastEventSequence(DbConnection& connection, const std::string& job_id,
                                           absl::string_view operation) {
   // The last row's last event (schema v3: a row may hold several).
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, connection.Prepare(R"sql(
+  ASSIGN_OR_RETURN(Statement select, connection.Prepare(R"sql(
 SELECT COALESCE(last_sequence, sequence) FROM job_events WHERE job_id = ?1
 ORDER BY sequence DESC LIMIT 1)sql",
-                                                           operation));
-  SqliteStatement select(connection.db(), stmt, operation);
+                                                        operation));
   select.BindText(1, job_id);
   ASSIGN_OR_RETURN(bool has_row, select.Step());
   return has_row ? select.ColumnInt64(0) : 0;
 }
 
-absl::Status AppendEvents(SqliteConnection& writer, const std::string& job_id,
+absl::Status AppendEvents(DbConnection& writer, const std::string& job_id,
                           const std::vector<v1::JobEvent>& events,
                           std::vector<v1::JobEvent>& stored_events) {
   const std::string read = absl::StrCat("read last event sequence of ", job_id);
@@ -87,10 +86,9 @@ absl::Status AppendEvents(SqliteConnection& writer, const std::string& job_id,
   }
   // One row for the write's events (schema v3).
   const std::string operation = absl::StrCat("insert events for ", job_id);
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, writer.Prepare(R"sql(
+  ASSIGN_OR_RETURN(Statement insert, writer.Prepare(R"sql(
 INSERT INTO job_events (job_id, sequence, last_sequence, event) VALUES (?1, ?2, ?3, ?4))sql",
-                                                       operation));
-  SqliteStatement insert(writer.db(), stmt, operation);
+                                                    operation));
   insert.BindText(1, job_id);
   insert.Bind(2, first);
   if (stored_events.size() == 1) {
@@ -106,17 +104,16 @@ INSERT INTO job_events (job_id, sequence, last_sequence, event) VALUES (?1, ?2, 
 
 absl::StatusOr<std::vector<v1::JobEvent>> Store::ReadEvents(const std::string& job_id,
                                                             int64_t after_sequence, int limit) {
-  SqliteDatabase::ReadLock lock(*database_);
-  SqliteConnection& reader = lock.connection();
+  Database::ReadLock lock(*database_);
+  DbConnection& reader = lock.connection();
   const std::string operation = absl::StrCat("read events of ", job_id);
   // From the row that holds event after_sequence + 1 (the last row that starts at or before it).
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, reader.Prepare(R"sql(
+  ASSIGN_OR_RETURN(Statement select, reader.Prepare(R"sql(
 SELECT sequence, last_sequence, event FROM job_events
 WHERE job_id = ?1 AND sequence >= (
   SELECT COALESCE(MAX(sequence), 0) FROM job_events WHERE job_id = ?1 AND sequence <= ?2 + 1)
 ORDER BY sequence)sql",
-                                                       operation));
-  SqliteStatement select(reader.db(), stmt, operation);
+                                                    operation));
   select.BindText(1, job_id);
   select.Bind(2, after_sequence);
   std::vector<v1::JobEvent> events;
@@ -143,7 +140,7 @@ ORDER BY sequence)sql",
 }
 
 absl::StatusOr<int64_t> Store::LastEventSequence(const std::string& job_id) {
-  SqliteDatabase::ReadLock lock(*database_);
+  Database::ReadLock lock(*database_);
   const std::string operation = absl::StrCat("read last event sequence of ", job_id);
   return store_internal::LastEventSequence(lock.connection(), job_id, operation);
 }

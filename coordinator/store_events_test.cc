@@ -24,8 +24,8 @@ using ::testing::ElementsAre;
 using ::testing::IsEmpty;
 using ::testing::SizeIs;
 
-TEST(StoreTest, EventSequencesAreGapFreePerJob) {
-  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+TEST_P(StoreBackendTest, EventSequencesAreGapFreePerJob) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
 
   JobWrite first;
@@ -64,8 +64,8 @@ TEST(StoreTest, EventSequencesAreGapFreePerJob) {
   EXPECT_EQ((*all)[2].state_change().new_state(), v1::JOB_STATE_RUNNING);
 }
 
-TEST(StoreTest, ReadEventsAfterSequenceWithLimit) {
-  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+TEST_P(StoreBackendTest, ReadEventsAfterSequenceWithLimit) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
   SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_PENDING, 1), 10);
 
@@ -84,9 +84,8 @@ TEST(StoreTest, ReadEventsAfterSequenceWithLimit) {
 
 // A write's events share one row (schema v3); reads give them one by one, from any point of a
 // row, next to rows of one event.
-TEST(StoreTest, AWritesEventsShareARowAndReadBackOneByOne) {
-  tessera::testing::ScopedTempDir dir("store");
-  const std::string path = dir.path() + "/coordinator.db";
+TEST_P(StoreBackendTest, AWritesEventsShareARowAndReadBackOneByOne) {
+  const std::string& path = location();
   std::unique_ptr<Store> store = OpenOrDie(path);
   ASSERT_NE(store, nullptr);
   SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_PENDING, 1), 1);  // event 1, alone
@@ -124,11 +123,11 @@ TEST(StoreTest, AWritesEventsShareARowAndReadBackOneByOne) {
   EXPECT_THAT(read(12, 0), IsEmpty());
   // Three rows hold the twelve events.
   store.reset();
-  EXPECT_EQ(RawQuery(path, "SELECT COUNT(*) FROM job_events"), "3");
+  EXPECT_EQ(QueryValue("SELECT COUNT(*) FROM job_events"), "3");
 }
 
-TEST(StoreTest, ConcurrentCommitsKeepSequencesGapFree) {
-  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+TEST_P(StoreBackendTest, ConcurrentCommitsKeepSequencesGapFree) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
   SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
   constexpr int kThreads = 4;
@@ -151,6 +150,8 @@ TEST(StoreTest, ConcurrentCommitsKeepSequencesGapFree) {
   ASSERT_THAT(*events, SizeIs(2 * kThreads * kCommitsPerThread));
   for (size_t i = 0; i < events->size(); ++i) EXPECT_EQ((*events)[i].sequence(), int64_t(i) + 1);
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, StoreBackendTest, kStoreBackends, StoreBackendName);
 
 }  // namespace
 }  // namespace tessera::coordinator

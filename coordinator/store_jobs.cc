@@ -1,8 +1,6 @@
 // The Store's jobs: the `jobs` table (the job rows, their request ids, the listings and the
 // ListJobs page tokens) and the `counters` table of job ids. Store's reads run under a
-// SqliteDatabase::ReadLock; the writes (store_tables.h) run on the writer inside a group commit.
-#include <sqlite3.h>
-
+// Database::ReadLock; the writes (store_tables.h) run on the writer inside a group commit.
 #include <iterator>
 #include <limits>
 #include <utility>
@@ -13,8 +11,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
-#include "coordinator/sqlite_database.h"
 #include "coordinator/store.h"
+#include "coordinator/store_database.h"
 #include "coordinator/store_tables.h"
 
 namespace tessera::coordinator {
@@ -64,8 +62,7 @@ absl::StatusOr<PageCursor> DecodePageToken(const std::string& token) {
 }
 
 // The jobs of (job_id, job) rows, naming the job of a blob that does not parse.
-absl::StatusOr<std::vector<v1::Job>> QueryJobs(SqliteStatement& statement,
-                                               absl::string_view operation) {
+absl::StatusOr<std::vector<v1::Job>> QueryJobs(Statement& statement, absl::string_view operation) {
   std::vector<v1::Job> jobs;
   while (true) {
     ASSIGN_OR_RETURN(bool has_row, statement.Step());
@@ -81,7 +78,7 @@ absl::StatusOr<std::vector<v1::Job>> QueryJobs(SqliteStatement& statement,
 
 namespace store_internal {
 
-absl::Status UpsertJob(SqliteConnection& writer, const std::string& job_id, const v1::Job& job,
+absl::Status UpsertJob(DbConnection& writer, const std::string& job_id, const v1::Job& job,
                        const std::string& request_id) {
   const std::string operation = absl::StrCat("upsert job ", job_id);
   const int64_t create_time_ns = TimestampNanos(job.create_time());
@@ -97,7 +94,7 @@ ON CONFLICT (job_id) DO UPDATE SET
   state = excluded.state,
   priority = excluded.priority,
   job = excluded.job
-WHERE create_time_ns = excluded.create_time_ns)sql";
+WHERE jobs.create_time_ns = excluded.create_time_ns)sql";
   constexpr char kUpsertWithRequestId[] = R"sql(
 INSERT INTO jobs (job_id, state, priority, create_time_ns, request_id, job)
 VALUES (?1, ?2, ?3, ?4, ?6, ?5)
@@ -106,7 +103,7 @@ ON CONFLICT (job_id) DO UPDATE SET
   priority = excluded.priority,
   request_id = excluded.request_id,
   job = excluded.job
-WHERE create_time_ns = excluded.create_time_ns)sql";
+WHERE jobs.create_time_ns = excluded.create_time_ns)sql";
   constexpr char kUpdateAll[] = R"sql(
 UPDATE jobs SET
   state = ?2,
@@ -115,9 +112,8 @@ UPDATE jobs SET
   request_id = COALESCE(?6, request_id),
   job = ?5
 WHERE job_id = ?1)sql";
-  auto run = [&](const char* sql) -> absl::StatusOr<int> {
-    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, writer.Prepare(sql, operation));
-    SqliteStatement statement(writer.db(), stmt, operation);
+  auto run = [&](const char* sql) -> absl::StatusOr<int64_t> {
+    ASSIGN_OR_RETURN(Statement statement, writer.Prepare(sql, operation));
     statement.BindText(1, job_id);
     statement.Bind(2, job.state());
     statement.Bind(3, job.spec().priority());
@@ -125,49 +121,47 @@ WHERE job_id = ?1)sql";
     statement.BindMessage(5, job);
     if (!request_id.empty()) statement.BindText(6, request_id);
     RETURN_IF_ERROR(statement.Run());
-    return sqlite3_changes(writer.db());
+    return statement.Changes();
   };
-  ASSIGN_OR_RETURN(const int changed, run(request_id.empty() ? kUpsert : kUpsertWithRequestId));
+  ASSIGN_OR_RETURN(const int64_t changed, run(request_id.empty() ? kUpsert : kUpsertWithRequestId));
   if (changed > 0) return absl::OkStatus();
-  ASSIGN_OR_RETURN(const int updated, run(kUpdateAll));
+  ASSIGN_OR_RETURN(const int64_t updated, run(kUpdateAll));
   if (updated == 0) {
     return absl::InternalError(absl::StrCat("store: ", operation, ": the row was not written"));
   }
   return absl::OkStatus();
 }
 
-absl::Status RecordRequestId(SqliteConnection& writer, const std::string& job_id,
+absl::Status RecordRequestId(DbConnection& writer, const std::string& job_id,
                              const std::string& request_id) {
   const std::string operation = absl::StrCat("record request id of ", job_id);
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+  ASSIGN_OR_RETURN(Statement update,
                    writer.Prepare("UPDATE jobs SET request_id = ?2 WHERE job_id = ?1", operation));
-  SqliteStatement update(writer.db(), stmt, operation);
   update.BindText(1, job_id);
   update.BindText(2, request_id);
   return update.Run();
 }
 
-absl::StatusOr<bool> JobExists(SqliteConnection& connection, const std::string& job_id) {
+absl::StatusOr<bool> JobExists(DbConnection& connection, const std::string& job_id) {
   const std::string operation = absl::StrCat("look up job ", job_id);
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+  ASSIGN_OR_RETURN(Statement select,
                    connection.Prepare("SELECT 1 FROM jobs WHERE job_id = ?1", operation));
-  SqliteStatement select(connection.db(), stmt, operation);
   select.BindText(1, job_id);
   return select.Step();
 }
 
-absl::StatusOr<std::string> AllocateJobId(SqliteConnection& writer) {
+absl::StatusOr<std::string> AllocateJobId(DbConnection& writer) {
   const std::string operation = "allocate job id";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, writer.Prepare(R"sql(
+  // counters.value, not value: PostgreSQL finds the bare name ambiguous with excluded.value.
+  constexpr char kNextValue[] = R"sql(
 INSERT INTO counters (name, value) VALUES (?1, 1)
-ON CONFLICT (name) DO UPDATE SET value = value + 1
-RETURNING value)sql",
-                                                       operation));
+ON CONFLICT (name) DO UPDATE SET value = counters.value + 1
+RETURNING value)sql";
   // Skips ids taken by jobs stored under another scheme (none today).
   while (true) {
     int64_t value = 0;
     {
-      SqliteStatement next(writer.db(), stmt, operation);
+      ASSIGN_OR_RETURN(Statement next, writer.Prepare(kNextValue, operation));
       next.BindText(1, kJobIdCounter);
       ASSIGN_OR_RETURN(bool has_row, next.Step());
       if (!has_row) return absl::InternalError("store: allocate job id: no counter value");
@@ -187,12 +181,11 @@ RETURNING value)sql",
 }  // namespace store_internal
 
 absl::StatusOr<v1::Job> Store::GetJob(const std::string& job_id) {
-  SqliteDatabase::ReadLock lock(*database_);
-  SqliteConnection& reader = lock.connection();
+  Database::ReadLock lock(*database_);
+  DbConnection& reader = lock.connection();
   const std::string operation = absl::StrCat("get job ", job_id);
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+  ASSIGN_OR_RETURN(Statement select,
                    reader.Prepare("SELECT job_id, job FROM jobs WHERE job_id = ?1", operation));
-  SqliteStatement select(reader.db(), stmt, operation);
   select.BindText(1, job_id);
   ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, QueryJobs(select, operation));
   if (jobs.empty()) return absl::NotFoundError(absl::StrCat("job '", job_id, "' not found"));
@@ -201,12 +194,11 @@ absl::StatusOr<v1::Job> Store::GetJob(const std::string& job_id) {
 
 absl::StatusOr<std::optional<v1::Job>> Store::FindJobByRequestId(const std::string& request_id) {
   if (request_id.empty()) return std::nullopt;
-  SqliteDatabase::ReadLock lock(*database_);
-  SqliteConnection& reader = lock.connection();
+  Database::ReadLock lock(*database_);
+  DbConnection& reader = lock.connection();
   const std::string operation = absl::StrCat("find job by request id '", request_id, "'");
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+  ASSIGN_OR_RETURN(Statement select,
                    reader.Prepare("SELECT job_id, job FROM jobs WHERE request_id = ?1", operation));
-  SqliteStatement select(reader.db(), stmt, operation);
   select.BindText(1, request_id);
   ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, QueryJobs(select, operation));
   if (jobs.empty()) return std::nullopt;
@@ -233,17 +225,16 @@ absl::StatusOr<JobPage> Store::ListJobs(const std::vector<v1::JobState>& states,
     ASSIGN_OR_RETURN(cursor, DecodePageToken(page_token));
   }
 
-  SqliteDatabase::ReadLock lock(*database_);
-  SqliteConnection& reader = lock.connection();
+  Database::ReadLock lock(*database_);
+  DbConnection& reader = lock.connection();
   const std::string operation = "list jobs";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, reader.Prepare(R"sql(
+  ASSIGN_OR_RETURN(Statement select, reader.Prepare(R"sql(
 SELECT job_id, job, create_time_ns FROM jobs
-WHERE (?1 = 0 OR ((1 << state) & ?1) != 0)
+WHERE (?1 = 0 OR ((CAST(1 AS BIGINT) << CAST(state AS INTEGER)) & ?1) != 0)
   AND (?2 = 0 OR create_time_ns < ?3 OR (create_time_ns = ?3 AND job_id < ?4))
 ORDER BY create_time_ns DESC, job_id DESC
 LIMIT ?5)sql",
-                                                       operation));
-  SqliteStatement select(reader.db(), stmt, operation);
+                                                    operation));
   select.Bind(1, state_mask);
   select.Bind(2, page_token.empty() ? 0 : 1);
   select.Bind(3, cursor.create_time_ns);
@@ -270,14 +261,13 @@ LIMIT ?5)sql",
 }
 
 absl::StatusOr<std::vector<v1::Job>> Store::ListActiveJobs() {
-  SqliteDatabase::ReadLock lock(*database_);
-  SqliteConnection& reader = lock.connection();
+  Database::ReadLock lock(*database_);
+  DbConnection& reader = lock.connection();
   const std::string operation = "list active jobs";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, reader.Prepare(R"sql(
+  ASSIGN_OR_RETURN(Statement select, reader.Prepare(R"sql(
 SELECT job_id, job FROM jobs WHERE state IN (?1, ?2, ?3, ?4, ?5)
 ORDER BY create_time_ns, job_id)sql",
-                                                       operation));
-  SqliteStatement select(reader.db(), stmt, operation);
+                                                    operation));
   for (int i = 0; i < static_cast<int>(std::size(kActiveStates)); ++i) {
     select.Bind(i + 1, kActiveStates[i]);
   }
@@ -285,14 +275,13 @@ ORDER BY create_time_ns, job_id)sql",
 }
 
 absl::StatusOr<std::vector<Store::JobSummary>> Store::ListActiveJobSummaries() {
-  SqliteDatabase::ReadLock lock(*database_);
-  SqliteConnection& reader = lock.connection();
+  Database::ReadLock lock(*database_);
+  DbConnection& reader = lock.connection();
   const std::string operation = "list active job summaries";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, reader.Prepare(R"sql(
+  ASSIGN_OR_RETURN(Statement select, reader.Prepare(R"sql(
 SELECT job_id, state, create_time_ns FROM jobs WHERE state IN (?1, ?2, ?3, ?4, ?5)
 ORDER BY create_time_ns, job_id)sql",
-                                                       operation));
-  SqliteStatement select(reader.db(), stmt, operation);
+                                                    operation));
   for (int i = 0; i < static_cast<int>(std::size(kActiveStates)); ++i) {
     select.Bind(i + 1, kActiveStates[i]);
   }
@@ -309,27 +298,25 @@ ORDER BY create_time_ns, job_id)sql",
 }
 
 absl::StatusOr<std::vector<v1::Job>> Store::ListWaitingJobs() {
-  SqliteDatabase::ReadLock lock(*database_);
-  SqliteConnection& reader = lock.connection();
+  Database::ReadLock lock(*database_);
+  DbConnection& reader = lock.connection();
   const std::string operation = "list waiting jobs";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, reader.Prepare(R"sql(
+  ASSIGN_OR_RETURN(Statement select, reader.Prepare(R"sql(
 SELECT job_id, job FROM jobs WHERE state IN (?1, ?2)
 ORDER BY create_time_ns, job_id)sql",
-                                                       operation));
-  SqliteStatement select(reader.db(), stmt, operation);
+                                                    operation));
   select.Bind(1, v1::JOB_STATE_PENDING);
   select.Bind(2, v1::JOB_STATE_RESTARTING);
   return QueryJobs(select, operation);
 }
 
 absl::StatusOr<std::map<v1::JobState, int64_t>> Store::CountEndedJobs() {
-  SqliteDatabase::ReadLock lock(*database_);
-  SqliteConnection& reader = lock.connection();
+  Database::ReadLock lock(*database_);
+  DbConnection& reader = lock.connection();
   const std::string operation = "count ended jobs";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt, reader.Prepare(R"sql(
+  ASSIGN_OR_RETURN(Statement select, reader.Prepare(R"sql(
 SELECT state, COUNT(*) FROM jobs WHERE state IN (?1, ?2, ?3) GROUP BY state)sql",
-                                                       operation));
-  SqliteStatement select(reader.db(), stmt, operation);
+                                                    operation));
   std::map<v1::JobState, int64_t> counts;
   for (v1::JobState state :
        {v1::JOB_STATE_SUCCEEDED, v1::JOB_STATE_FAILED, v1::JOB_STATE_CANCELLED}) {
@@ -346,8 +333,8 @@ SELECT state, COUNT(*) FROM jobs WHERE state IN (?1, ?2, ?3) GROUP BY state)sql"
 
 absl::StatusOr<std::string> Store::NextJobId() {
   std::string job_id;
-  SqliteDatabase::QueuedWrite write;
-  write.apply = [&job_id](SqliteConnection& writer) -> absl::Status {
+  Database::QueuedWrite write;
+  write.apply = [&job_id](DbConnection& writer) -> absl::Status {
     ASSIGN_OR_RETURN(job_id, store_internal::AllocateJobId(writer));
     return absl::OkStatus();
   };

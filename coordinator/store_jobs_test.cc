@@ -28,8 +28,8 @@ using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::SizeIs;
 
-TEST(StoreTest, ListJobsPaginatesNewestFirst) {
-  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+TEST_P(StoreBackendTest, ListJobsPaginatesNewestFirst) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
   // 25 jobs; jobs 20..24 share one create_time, so the job_id tie-break counts.
   std::vector<std::string> newest_first;
@@ -83,8 +83,8 @@ TEST(StoreTest, ListJobsPaginatesNewestFirst) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("page_token")));
 }
 
-TEST(StoreTest, ListActiveJobsOldestFirst) {
-  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+TEST_P(StoreBackendTest, ListActiveJobsOldestFirst) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
   SubmitJob(*store, MakeJob("job-run", v1::JOB_STATE_RUNNING, 30));
   SubmitJob(*store, MakeJob("job-done", v1::JOB_STATE_SUCCEEDED, 5));
@@ -108,8 +108,8 @@ TEST(StoreTest, ListActiveJobsOldestFirst) {
   EXPECT_THAT(JobIds(*active), ElementsAre("job-pend", "job-restart", "job-sched"));
 }
 
-TEST(StoreTest, FindsJobByRequestId) {
-  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+TEST_P(StoreBackendTest, FindsJobByRequestId) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
   JobWrite submit;
   submit.job_id = "job-a";
@@ -150,8 +150,8 @@ TEST(StoreTest, FindsJobByRequestId) {
 
 // Updates write only the columns that may change, except when a write changes what they left
 // alone: a new create_time reorders the job, a request id given later is recorded.
-TEST(StoreTest, UpdatesKeepTheIndexedColumnsInStep) {
-  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+TEST_P(StoreBackendTest, UpdatesKeepTheIndexedColumnsInStep) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
   JobWrite submit;
   submit.job_id = "job-a";
@@ -219,9 +219,8 @@ TEST(StoreTest, UpdatesKeepTheIndexedColumnsInStep) {
   EXPECT_EQ((*found)->create_time().seconds(), 20);
 }
 
-TEST(StoreTest, NextJobIdIsUniqueAndMonotonicAcrossReopen) {
-  tessera::testing::ScopedTempDir dir("store");
-  const std::string path = dir.path() + "/coordinator.db";
+TEST_P(StoreBackendTest, NextJobIdIsUniqueAndMonotonicAcrossReopen) {
+  const std::string& path = location();
   std::vector<std::string> ids;
   for (int round = 0; round < 3; ++round) {
     std::unique_ptr<Store> store = OpenOrDie(path);
@@ -245,9 +244,8 @@ TEST(StoreTest, NextJobIdIsUniqueAndMonotonicAcrossReopen) {
   EXPECT_THAT(store->NextJobId(), ::tessera::testing::IsOkAndHolds("job-00000011"));
 }
 
-TEST(StoreTest, CommitNewJobAllocatesTheIdInItsOwnTransaction) {
-  tessera::testing::ScopedTempDir dir("store");
-  const std::string path = dir.path() + "/coordinator.db";
+TEST_P(StoreBackendTest, CommitNewJobAllocatesTheIdInItsOwnTransaction) {
+  const std::string& path = location();
   std::unique_ptr<Store> store = OpenOrDie(path);
   ASSERT_NE(store, nullptr);
   auto new_job = [](const std::string& request_id) {
@@ -307,6 +305,8 @@ TEST(StoreTest, CommitNewJobAllocatesTheIdInItsOwnTransaction) {
   ASSERT_THAT(store->CommitNewJob(&after_reopen), IsOk());
   EXPECT_EQ(after_reopen.job_id, "job-00000004");
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, StoreBackendTest, kStoreBackends, StoreBackendName);
 
 }  // namespace
 }  // namespace tessera::coordinator

@@ -1,13 +1,13 @@
 // The Store's rows keyed (job_id, step): metric points (`step_metrics`), evaluations
 // (`eval_metrics`) and checkpoint records (`checkpoints`); a resent step replaces the old row.
-// Store's reads run under a SqliteDatabase::ReadLock; WriteStepRecords (store_tables.h) runs on
+// Store's reads run under a Database::ReadLock; WriteStepRecords (store_tables.h) runs on
 // the writer in a group commit.
 #include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "coordinator/sqlite_database.h"
 #include "coordinator/store.h"
+#include "coordinator/store_database.h"
 #include "coordinator/store_tables.h"
 
 namespace tessera::coordinator {
@@ -15,8 +15,7 @@ namespace {
 
 // Reads (step, blob) rows into messages, naming `table` on a bad blob.
 template <typename Message>
-absl::StatusOr<std::vector<Message>> ReadStepRows(SqliteStatement& select,
-                                                  const std::string& job_id,
+absl::StatusOr<std::vector<Message>> ReadStepRows(Statement& select, const std::string& job_id,
                                                   absl::string_view table) {
   std::vector<Message> rows;
   while (true) {
@@ -33,19 +32,18 @@ absl::StatusOr<std::vector<Message>> ReadStepRows(SqliteStatement& select,
 // Rows of a (job_id, step, metrics) table with from_step <= step <= to_step (0 = no upper
 // bound), in step order.
 template <typename Message>
-absl::StatusOr<std::vector<Message>> ReadStepRange(SqliteDatabase& database, const char* table,
+absl::StatusOr<std::vector<Message>> ReadStepRange(Database& database, const char* table,
                                                    const std::string& job_id, int64_t from_step,
                                                    int64_t to_step) {
-  SqliteDatabase::ReadLock lock(database);
-  SqliteConnection& reader = lock.connection();
+  Database::ReadLock lock(database);
+  DbConnection& reader = lock.connection();
   const std::string operation = absl::StrCat("read ", table, " of ", job_id);
   // `table` is one of ours, never input: the SQL stays a fixed set of strings.
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+  ASSIGN_OR_RETURN(Statement select,
                    reader.Prepare(absl::StrCat("SELECT step, metrics FROM ", table,
                                                " WHERE job_id = ?1 AND step >= ?2 AND step <= ?3 "
                                                "ORDER BY step"),
                                   operation));
-  SqliteStatement select(reader.db(), stmt, operation);
   select.BindText(1, job_id);
   select.Bind(2, from_step);
   select.Bind(3, to_step == 0 ? std::numeric_limits<int64_t>::max() : to_step);
@@ -56,16 +54,15 @@ absl::StatusOr<std::vector<Message>> ReadStepRange(SqliteDatabase& database, con
 
 namespace store_internal {
 
-absl::Status WriteStepRecords(SqliteConnection& writer, const JobWrite& write) {
+absl::Status WriteStepRecords(DbConnection& writer, const JobWrite& write) {
   const std::string& job_id = write.job_id;
   auto upsert_by_step = [&](const char* sql, const char* what, const auto& items,
                             const auto& to_store) -> absl::Status {
     if (items.empty()) return absl::OkStatus();
     const std::string operation = absl::StrCat("upsert ", what, " for ", job_id);
-    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, writer.Prepare(sql, operation));
     for (const auto& item : items) {
       const auto stored = to_store(item);
-      SqliteStatement upsert(writer.db(), stmt, operation);
+      ASSIGN_OR_RETURN(Statement upsert, writer.Prepare(sql, operation));
       upsert.BindText(1, job_id);
       upsert.Bind(2, stored.step());
       upsert.BindMessage(3, stored);
@@ -94,11 +91,10 @@ ON CONFLICT (job_id, step) DO UPDATE SET checkpoint = excluded.checkpoint)sql",
 
   if (!write.deleted_checkpoint_steps.empty()) {
     const std::string operation = absl::StrCat("delete checkpoint of ", job_id);
-    ASSIGN_OR_RETURN(
-        sqlite3_stmt * stmt,
-        writer.Prepare("DELETE FROM checkpoints WHERE job_id = ?1 AND step = ?2", operation));
     for (int64_t step : write.deleted_checkpoint_steps) {
-      SqliteStatement remove(writer.db(), stmt, operation);
+      ASSIGN_OR_RETURN(
+          Statement remove,
+          writer.Prepare("DELETE FROM checkpoints WHERE job_id = ?1 AND step = ?2", operation));
       remove.BindText(1, job_id);
       remove.Bind(2, step);
       RETURN_IF_ERROR(remove.Run());
@@ -121,15 +117,14 @@ absl::StatusOr<std::vector<v1::EvalMetrics>> Store::ReadEvals(const std::string&
 }
 
 absl::StatusOr<std::vector<v1::Checkpoint>> Store::ListCheckpoints(const std::string& job_id) {
-  SqliteDatabase::ReadLock lock(*database_);
-  SqliteConnection& reader = lock.connection();
+  Database::ReadLock lock(*database_);
+  DbConnection& reader = lock.connection();
   const std::string operation = absl::StrCat("list checkpoints of ", job_id);
   ASSIGN_OR_RETURN(
-      sqlite3_stmt * stmt,
+      Statement select,
       reader.Prepare(
           "SELECT step, checkpoint FROM checkpoints WHERE job_id = ?1 ORDER BY step DESC",
           operation));
-  SqliteStatement select(reader.db(), stmt, operation);
   select.BindText(1, job_id);
   return ReadStepRows<v1::Checkpoint>(select, job_id, "checkpoints");
 }

@@ -19,8 +19,8 @@ using ::tessera::testing::IsOk;
 using ::testing::IsEmpty;
 using ::testing::SizeIs;
 
-TEST(StoreTest, MetricPointsAreKeyedByStep) {
-  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+TEST_P(StoreBackendTest, MetricPointsAreKeyedByStep) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
   SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
   SubmitJob(*store, MakeJob("job-b", v1::JOB_STATE_RUNNING, 2));
@@ -68,8 +68,8 @@ TEST(StoreTest, MetricPointsAreKeyedByStep) {
   EXPECT_THAT(*read_evals, SizeIs(2));
 }
 
-TEST(StoreTest, CheckpointsNewestFirstAndRetention) {
-  std::unique_ptr<Store> store = OpenOrDie(":memory:");
+TEST_P(StoreBackendTest, CheckpointsNewestFirstAndRetention) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
   SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
   JobWrite write;
@@ -106,6 +106,8 @@ TEST(StoreTest, CheckpointsNewestFirstAndRetention) {
   ASSERT_THAT(checkpoints, IsOk());
   EXPECT_THAT(*checkpoints, IsEmpty());
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, StoreBackendTest, kStoreBackends, StoreBackendName);
 
 }  // namespace
 }  // namespace tessera::coordinator

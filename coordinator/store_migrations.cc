@@ -1,5 +1,8 @@
-// The Store's schema and its migrations (store_tables.h: MigrateSchema), run by
-// SqliteDatabase::Open on the writer before any other use of the database.
+// The Store's schema and its migrations (store_tables.h: MigrateSchema), run by the database's
+// Open (SQLite or PostgreSQL) on the writer before any other use of the database. The same
+// versions on both engines: each migration is written once in the common dialect
+// (store_database.h), with a PostgreSQL text of its own only where SQLite's needs no
+// counterpart there.
 #include <iterator>
 #include <utility>
 
@@ -10,11 +13,22 @@
 namespace tessera::coordinator::store_internal {
 namespace {
 
+// The PostgreSQL advisory lock a migration holds for its transaction, so that coordinators
+// opening one database at once migrate it one after the other (the second finds it done).
+// Any constant unlikely to collide with another application's locks in the same database.
+constexpr int64_t kMigrationLockKey = 0x7465737365726131;  // "tessera1"
+
 // Schema migrations: kMigrations[v - 1] takes the schema from version v - 1 to
 // v. Append only; never edit a migration that has shipped.
-constexpr const char* kMigrations[] = {
+struct Migration {
+  const char* sql;
+  // What PostgreSQL runs instead of `sql`; nullptr: `sql` itself (Exec rewrites its types).
+  const char* postgres = nullptr;
+};
+
+constexpr Migration kMigrations[] = {
     // v1.
-    R"sql(
+    {R"sql(
 CREATE TABLE jobs (
   job_id TEXT PRIMARY KEY NOT NULL,
   state INTEGER NOT NULL,
@@ -57,13 +71,13 @@ CREATE TABLE counters (
   name TEXT PRIMARY KEY NOT NULL,
   value INTEGER NOT NULL
 ) WITHOUT ROWID;
-)sql",
+)sql"},
     // v2: jobs in a rowid table. A WITHOUT ROWID table keeps its rows in the primary key's
     // b-tree, where a row of more than about 1 KB (a serialized Job is 1-3 KB) spills onto
     // overflow pages, and every rewrite of a job (5-6 in its life) rewrote those. Runs with
     // foreign keys off (SqliteDatabase::Open): dropping the old table then deletes nothing
     // through the other tables' ON DELETE CASCADE, and their REFERENCES jobs name the new one.
-    R"sql(
+    {R"sql(
 CREATE TABLE jobs_v2 (
   job_id TEXT PRIMARY KEY NOT NULL,
   state INTEGER NOT NULL,
@@ -79,41 +93,51 @@ ALTER TABLE jobs_v2 RENAME TO jobs;
 CREATE INDEX jobs_by_create_time ON jobs (create_time_ns, job_id);
 CREATE INDEX jobs_by_state ON jobs (state, create_time_ns, job_id);
 )sql",
+     // PostgreSQL: nothing to do. Its tables are heaps whatever their key, so v1 already gave
+     // it the jobs table v2 gives SQLite; and a table that others reference cannot be dropped
+     // there without dropping their foreign keys.
+     ""},
     // v3: a write's events in one row. last_sequence NULL: the row holds the one event
     // `sequence` (every row before v3); otherwise it holds the events sequence..last_sequence,
     // its blob their JobEvents one after another, each prefixed with its size as a varint (a
     // report of 10 metric points was 10 rows, about 2.5 us of the store's single writer each).
-    R"sql(
+    {R"sql(
 ALTER TABLE job_events ADD COLUMN last_sequence INTEGER;
-)sql",
+)sql"},
     // v4: each queue's decayed fair-share usage (Store::SaveQueueUsage), so that a restarted
     // coordinator goes on from it. Every row of one save has the same as_of_ns.
-    R"sql(
+    {R"sql(
 CREATE TABLE queue_usage (
   queue TEXT PRIMARY KEY NOT NULL,
   gpu_seconds REAL NOT NULL,
   cpu_slot_seconds REAL NOT NULL,
   as_of_ns INTEGER NOT NULL
 ) WITHOUT ROWID;
-)sql",
+)sql"},
 };
 static_assert(std::size(kMigrations) == Store::kSchemaVersion);
 
 }  // namespace
 
-absl::Status MigrateSchema(SqliteConnection& writer, const std::string& path) {
+absl::Status MigrateSchema(DbConnection& writer, const std::string& path) {
   const std::string operation = absl::StrCat("migrate '", path, "'");
-  RETURN_IF_ERROR(writer.Exec("BEGIN IMMEDIATE", operation));
+  const bool postgres = writer.dialect() == SqlDialect::kPostgres;
+  RETURN_IF_ERROR(writer.Begin(operation));
   absl::Status status = [&]() -> absl::Status {
+    if (postgres) {
+      ASSIGN_OR_RETURN(Statement lock,
+                       writer.Prepare("SELECT pg_advisory_xact_lock(?1)", operation));
+      lock.Bind(1, kMigrationLockKey);
+      RETURN_IF_ERROR(lock.Step().status());
+    }
     RETURN_IF_ERROR(writer.Exec(
         "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)", operation));
     int64_t version = 0;
     {
       // Reset before the migrations run: a table cannot be dropped while a read is open.
       ASSIGN_OR_RETURN(
-          sqlite3_stmt * stmt,
+          Statement select,
           writer.Prepare("SELECT COALESCE(MAX(version), 0) FROM schema_version", operation));
-      SqliteStatement select(writer.db(), stmt, operation);
       ASSIGN_OR_RETURN(bool has_row, select.Step());
       if (has_row) version = select.ColumnInt64(0);
     }
@@ -123,25 +147,28 @@ absl::Status MigrateSchema(SqliteConnection& writer, const std::string& path) {
                                                         Store::kSchemaVersion));
     }
     for (int64_t next = version + 1; next <= Store::kSchemaVersion; ++next) {
-      RETURN_IF_ERROR(
-          writer.Exec(kMigrations[next - 1], absl::StrCat(operation, " to schema version ", next)));
+      const Migration& migration = kMigrations[next - 1];
+      const char* sql =
+          postgres && migration.postgres != nullptr ? migration.postgres : migration.sql;
+      if (*sql == '\0') continue;
+      RETURN_IF_ERROR(writer.Exec(sql, absl::StrCat(operation, " to schema version ", next)));
     }
     if (version != Store::kSchemaVersion) {
-      // The migrations ran with foreign keys off: check what they left before committing it.
-      ASSIGN_OR_RETURN(sqlite3_stmt * check_stmt,
-                       writer.Prepare("PRAGMA foreign_key_check", operation));
-      SqliteStatement check(writer.db(), check_stmt, operation);
-      ASSIGN_OR_RETURN(bool violated, check.Step());
-      if (violated) {
-        return absl::DataLossError(absl::StrCat("store: ", operation, ": a row of ",
-                                                check.ColumnText(0), " refers to a missing row of ",
-                                                check.ColumnText(2)));
+      // SQLite's migrations ran with foreign keys off: check what they left before committing
+      // it. PostgreSQL checks every foreign key as it goes.
+      if (!postgres) {
+        ASSIGN_OR_RETURN(Statement check, writer.Prepare("PRAGMA foreign_key_check", operation));
+        ASSIGN_OR_RETURN(bool violated, check.Step());
+        if (violated) {
+          return absl::DataLossError(
+              absl::StrCat("store: ", operation, ": a row of ", check.ColumnText(0),
+                           " refers to a missing row of ", check.ColumnText(2)));
+        }
       }
       RETURN_IF_ERROR(writer.Exec("DELETE FROM schema_version", operation));
       ASSIGN_OR_RETURN(
-          sqlite3_stmt * insert_stmt,
+          Statement insert,
           writer.Prepare("INSERT INTO schema_version (version) VALUES (?1)", operation));
-      SqliteStatement insert(writer.db(), insert_stmt, operation);
       insert.Bind(1, Store::kSchemaVersion);
       RETURN_IF_ERROR(insert.Run());
     }

@@ -1,23 +1,22 @@
 // The Store's worker nodes: the `nodes` table, one row per node_id. Writes go through the group
-// commit (on the writer); ListNodes runs under a SqliteDatabase::ReadLock.
+// commit (on the writer); ListNodes runs under a Database::ReadLock.
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "coordinator/sqlite_database.h"
 #include "coordinator/store.h"
+#include "coordinator/store_database.h"
 
 namespace tessera::coordinator {
 
 absl::Status Store::PutNode(const v1::Node& node) {
   if (node.node_id().empty()) return absl::InvalidArgumentError("store: node.node_id is empty");
   RETURN_IF_ERROR(InjectedFailure(node.node_id()));
-  SqliteDatabase::QueuedWrite write;
-  write.apply = [&node](SqliteConnection& writer) -> absl::Status {
+  Database::QueuedWrite write;
+  write.apply = [&node](DbConnection& writer) -> absl::Status {
     const std::string operation = absl::StrCat("put node ", node.node_id());
-    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, writer.Prepare(R"sql(
+    ASSIGN_OR_RETURN(Statement upsert, writer.Prepare(R"sql(
 INSERT INTO nodes (node_id, node) VALUES (?1, ?2)
 ON CONFLICT (node_id) DO UPDATE SET node = excluded.node)sql",
-                                                         operation));
-    SqliteStatement upsert(writer.db(), stmt, operation);
+                                                      operation));
     upsert.BindText(1, node.node_id());
     upsert.BindMessage(2, node);
     return upsert.Run();
@@ -27,12 +26,11 @@ ON CONFLICT (node_id) DO UPDATE SET node = excluded.node)sql",
 }
 
 absl::Status Store::DeleteNode(const std::string& node_id) {
-  SqliteDatabase::QueuedWrite write;
-  write.apply = [&node_id](SqliteConnection& writer) -> absl::Status {
+  Database::QueuedWrite write;
+  write.apply = [&node_id](DbConnection& writer) -> absl::Status {
     const std::string operation = absl::StrCat("delete node ", node_id);
-    ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+    ASSIGN_OR_RETURN(Statement remove,
                      writer.Prepare("DELETE FROM nodes WHERE node_id = ?1", operation));
-    SqliteStatement remove(writer.db(), stmt, operation);
     remove.BindText(1, node_id);
     return remove.Run();
   };
@@ -41,12 +39,11 @@ absl::Status Store::DeleteNode(const std::string& node_id) {
 }
 
 absl::StatusOr<std::vector<v1::Node>> Store::ListNodes() {
-  SqliteDatabase::ReadLock lock(*database_);
-  SqliteConnection& reader = lock.connection();
+  Database::ReadLock lock(*database_);
+  DbConnection& reader = lock.connection();
   const std::string operation = "list nodes";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+  ASSIGN_OR_RETURN(Statement select,
                    reader.Prepare("SELECT node_id, node FROM nodes ORDER BY node_id", operation));
-  SqliteStatement select(reader.db(), stmt, operation);
   std::vector<v1::Node> nodes;
   while (true) {
     ASSIGN_OR_RETURN(bool has_row, select.Step());

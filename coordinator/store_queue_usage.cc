@@ -1,12 +1,12 @@
 // The Store's saved fair-share usage: the `queue_usage` table, one row per queue, replaced whole
 // by each save (through the group commit, on the writer); LoadQueueUsage runs under a
-// SqliteDatabase::ReadLock.
+// Database::ReadLock.
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "coordinator/sqlite_database.h"
 #include "coordinator/store.h"
+#include "coordinator/store_database.h"
 
 namespace tessera::coordinator {
 
@@ -14,18 +14,17 @@ absl::Status Store::SaveQueueUsage(const SavedQueueUsage& usage) {
   for (const auto& [queue, unused] : usage.queues) {
     if (queue.empty()) return absl::InvalidArgumentError("store: queue usage: empty queue name");
   }
-  SqliteDatabase::QueuedWrite write;
-  write.apply = [&usage](SqliteConnection& writer) -> absl::Status {
+  Database::QueuedWrite write;
+  write.apply = [&usage](DbConnection& writer) -> absl::Status {
     const std::string operation = "save queue usage";
     RETURN_IF_ERROR(writer.Exec("DELETE FROM queue_usage", operation));
-    ASSIGN_OR_RETURN(sqlite3_stmt * stmt, writer.Prepare(R"sql(
+    constexpr char kInsert[] = R"sql(
 INSERT INTO queue_usage (queue, gpu_seconds, cpu_slot_seconds, as_of_ns) VALUES (?1, ?2, ?3, ?4)
-)sql",
-                                                         operation));
+)sql";
     const int64_t as_of_ns = absl::ToUnixNanos(usage.as_of);
     for (const auto& [queue, queue_usage] : usage.queues) {
       const std::string row_operation = absl::StrCat(operation, " of queue ", queue);
-      SqliteStatement insert(writer.db(), stmt, row_operation);
+      ASSIGN_OR_RETURN(Statement insert, writer.Prepare(kInsert, row_operation));
       insert.BindText(1, queue);
       insert.BindDouble(2, queue_usage.gpu_seconds);
       insert.BindDouble(3, queue_usage.cpu_slot_seconds);
@@ -39,14 +38,13 @@ INSERT INTO queue_usage (queue, gpu_seconds, cpu_slot_seconds, as_of_ns) VALUES 
 }
 
 absl::StatusOr<std::optional<SavedQueueUsage>> Store::LoadQueueUsage() {
-  SqliteDatabase::ReadLock lock(*database_);
-  SqliteConnection& reader = lock.connection();
+  Database::ReadLock lock(*database_);
+  DbConnection& reader = lock.connection();
   const std::string operation = "load queue usage";
-  ASSIGN_OR_RETURN(sqlite3_stmt * stmt,
+  ASSIGN_OR_RETURN(Statement select,
                    reader.Prepare("SELECT queue, gpu_seconds, cpu_slot_seconds, as_of_ns "
                                   "FROM queue_usage ORDER BY queue",
                                   operation));
-  SqliteStatement select(reader.db(), stmt, operation);
   std::optional<SavedQueueUsage> usage;
   while (true) {
     ASSIGN_OR_RETURN(bool has_row, select.Step());

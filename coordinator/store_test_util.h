@@ -1,11 +1,13 @@
 // Helpers shared by the Store's tests (store_*_test.cc): jobs, events and metric points to
 // write, a store opened or the test failed, a submitted job, the ids and sequences of what was
-// read, and raw SQL on a database file behind the store's back.
+// read, raw SQL on a database file behind the store's back, and StoreBackendTest, which runs a
+// test on SQLite and on PostgreSQL.
 //
 // Thread safety: plain functions; each test uses them from its own threads as it would the
 // Store (the raw SQL opens a connection of its own per call).
 #pragma once
 
+#include <libpq-fe.h>
 #include <sqlite3.h>
 
 #include <cstdint>
@@ -17,6 +19,8 @@
 #include "coordinator/store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/postgres_fixture.h"
+#include "tests/util/temp_dir.h"
 
 namespace tessera::coordinator {
 
@@ -98,5 +102,57 @@ inline std::string RawQuery(const std::string& path, const char* sql) {
   sqlite3_close(db);
   return value;
 }
+
+// The store's backends, for suites that run against both (StoreBackendTest).
+enum class StoreBackend { kSqlite, kPostgres };
+
+inline std::string StoreBackendName(const ::testing::TestParamInfo<StoreBackend>& info) {
+  return info.param == StoreBackend::kSqlite ? "Sqlite" : "Postgres";
+}
+
+// A test of the Store run once per backend: location() is a fresh SQLite file, or a fresh
+// database of the private PostgreSQL cluster (tests/postgres_fixture.h); the PostgreSQL run
+// skips, saying why, when that cluster cannot start. Instantiate it in each binary with
+// INSTANTIATE_TEST_SUITE_P(Backends, StoreBackendTest, kStoreBackends, StoreBackendName).
+class StoreBackendTest : public ::testing::TestWithParam<StoreBackend> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == StoreBackend::kSqlite) {
+      location_ = dir_.path() + "/coordinator.db";
+      return;
+    }
+    tessera::testing::PostgresCluster& cluster = tessera::testing::PostgresCluster::Shared();
+    location_ = cluster.NewDatabase();
+    if (location_.empty()) GTEST_SKIP() << "no PostgreSQL server: " << cluster.Reason();
+  }
+
+  // What Store::Open takes: a file path or a postgresql:// URL.
+  const std::string& location() const { return location_; }
+  bool postgres() const { return GetParam() == StoreBackend::kPostgres; }
+
+  // The first column of the first row `sql` returns, read behind the store's back ("" for
+  // none), on either backend.
+  std::string QueryValue(const char* sql) {
+    if (!postgres()) return RawQuery(location_, sql);
+    PGconn* conn = PQconnectdb(location_.c_str());
+    std::string value;
+    EXPECT_EQ(PQstatus(conn), CONNECTION_OK) << PQerrorMessage(conn);
+    PGresult* result = PQexec(conn, sql);
+    EXPECT_EQ(PQresultStatus(result), PGRES_TUPLES_OK) << PQresultErrorMessage(result);
+    if (PQresultStatus(result) == PGRES_TUPLES_OK && PQntuples(result) > 0) {
+      value = PQgetvalue(result, 0, 0);
+    }
+    PQclear(result);
+    PQfinish(conn);
+    return value;
+  }
+
+ private:
+  tessera::testing::ScopedTempDir dir_{"store"};
+  std::string location_;
+};
+
+inline const auto kStoreBackends =
+    ::testing::Values(StoreBackend::kSqlite, StoreBackend::kPostgres);
 
 }  // namespace tessera::coordinator
