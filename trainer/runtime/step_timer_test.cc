@@ -3,6 +3,8 @@
 #include "trainer/runtime/step_timer.h"
 
 #include <chrono>
+#include <iostream>
+#include <string>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -69,6 +71,31 @@ TEST(StepTimerTest, PhasesAndOtherAddUpToTheWallTime) {
   EXPECT_EQ(next.forward_seconds(), 0);
   EXPECT_EQ(next.collectives_size(), 0);
   EXPECT_DOUBLE_EQ(next.other_seconds(), 0.001);
+}
+
+// What the timer adds per collective and per phase mark (docs/performance.md turns it into a
+// share of a step). Loose bounds: a loaded machine slows it, never by 100x.
+TEST(StepTimerTest, CostsLittlePerCollectiveAndPhase) {
+  constexpr int kCalls = 100000;
+  StepTimer timer(/*enabled=*/true);
+  timer.StartStep();
+  Clock::time_point start = Clock::now();
+  for (int i = 0; i < kCalls; ++i) {
+    RecordCollective(IssueCollective(CollectiveKind::kAllReduce, nullptr, 8, false));
+  }
+  const double per_collective = SecondsSince(start) / kCalls;
+  start = Clock::now();
+  for (int i = 0; i < kCalls; ++i) StepTimer::Scope scope(timer, StepPhase::kForward);
+  const double per_scope = SecondsSince(start) / kCalls;
+  std::cout << "per collective " << per_collective * 1e9 << " ns, per phase mark "
+            << per_scope * 1e9 << " ns\n";
+  RecordProperty("ns_per_collective", std::to_string(per_collective * 1e9));
+  RecordProperty("ns_per_phase_mark", std::to_string(per_scope * 1e9));
+  EXPECT_LT(per_collective, 20e-6);
+  EXPECT_LT(per_scope, 20e-6);
+  const v1::StepTimeBreakdown b = timer.FinishStep(1.0, 0);
+  ASSERT_EQ(b.collectives_size(), 1);
+  EXPECT_EQ(b.collectives(0).calls(), kCalls);
 }
 
 TEST(StepTimerTest, DisabledMeasuresNothing) {
