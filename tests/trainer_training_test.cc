@@ -22,6 +22,45 @@ namespace {
 using ::tessera::testing::TrainerRun;
 using ::tessera::testing::TrainerTrainingTest;
 
+// Every rank reports each step's RankStepMetrics with where its time went (issue 43): forward and
+// backward measured, the gradient all-reduce over dp counted, and the phases plus other adding up
+// to the step's wall time.
+void ExpectRankStepBreakdowns(const TrainerRun& run, int rank, int64_t steps) {
+  int64_t reported = 0;
+  for (const v1::TrainerReport& report : run.reports) {
+    if (!report.has_rank_step()) continue;
+    ++reported;
+    const v1::RankStepMetrics& r = report.rank_step();
+    EXPECT_EQ(report.rank(), rank);
+    EXPECT_EQ(r.step(), reported);
+    EXPECT_GT(r.step_time_seconds(), 0);
+    EXPECT_GT(r.peak_memory_bytes(), 0);
+    const v1::StepTimeBreakdown& b = r.breakdown();
+    EXPECT_GT(b.forward_seconds(), 0) << "rank " << rank << " step " << r.step();
+    EXPECT_GT(b.backward_seconds(), 0) << "rank " << rank << " step " << r.step();
+    EXPECT_GT(b.optimizer_seconds(), 0) << "rank " << rank << " step " << r.step();
+    const double sum = b.forward_seconds() + b.backward_seconds() + b.optimizer_seconds() +
+                       b.data_wait_seconds() + b.checkpoint_blocked_seconds() + b.other_seconds();
+    EXPECT_NEAR(sum, r.step_time_seconds(), 0.01 * r.step_time_seconds())
+        << "rank " << rank << " step " << r.step();
+    bool dp_all_reduce = false;
+    for (const v1::CollectiveTime& c : b.collectives()) {
+      EXPECT_GT(c.calls(), 0);
+      if (c.kind() == "all_reduce" && c.dim() == "dp") {
+        dp_all_reduce = true;
+        EXPECT_GT(c.seconds(), 0);
+        EXPECT_GT(c.bytes(), 0);
+        // The gradient buckets' all-reduces overlap (several in flight), each counting from its
+        // issue: their sum may exceed the step's wall time, never the calls times it.
+        EXPECT_LE(c.seconds(), static_cast<double>(c.calls()) * r.step_time_seconds());
+      }
+    }
+    EXPECT_TRUE(dp_all_reduce) << "rank " << rank << " step " << r.step() << ": "
+                               << b.ShortDebugString();
+  }
+  EXPECT_EQ(reported, steps) << "rank " << rank;
+}
+
 TEST_F(TrainerTrainingTest, LossFallsWellBelowUniform) {
   TrainerRun run = RunTrainer(BaseFlags(300));
   ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -59,6 +98,12 @@ TEST_F(TrainerTrainingTest, TwoDataParallelProcessesMatchOneProcess) {
     max_difference =
         std::max(max_difference, std::abs(runs[0].losses.at(step) - single.losses.at(step)));
   }
+  for (int rank = 0; rank < 2; ++rank) ExpectRankStepBreakdowns(runs[rank], rank, steps);
+  // Rank 0's job metrics carry its breakdown too, and its log the summary.
+  for (const v1::TrainerReport& report : runs[0].reports) {
+    if (report.has_metrics()) EXPECT_TRUE(report.metrics().has_breakdown());
+  }
+  EXPECT_THAT(runs[0].output, ::testing::HasSubstr("| all_reduce/dp "));
   RecordProperty("max_loss_difference", std::to_string(max_difference));
   std::cout << "dp=2 vs dp=1: max |loss difference| over " << steps << " steps = " << max_difference
             << "\n";

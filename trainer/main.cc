@@ -52,6 +52,10 @@ ABSL_FLAG(bool, cuda_graphs, false,
           "(dp, tp, pp 1), ZeRO 0 or 1, no activation checkpointing. The first capture is checked "
           "against an eager run of the same micro-batch and dropped if they differ; the log says "
           "what happened. Elsewhere it changes nothing.");
+ABSL_FLAG(bool, step_breakdown, true,
+          "Measure where each step's time goes (forward, backward, optimizer, data wait, "
+          "checkpoint, collectives by kind and mesh dimension), report it with every rank's step "
+          "and log its summary; false measures nothing.");
 ABSL_FLAG(std::string, profile_dir, "",
           "Record a profile of --profile_steps training steps (operators, and on a GPU every "
           "kernel and copy) and write it to DIR/trace-rank-R.json as a Chrome trace "
@@ -635,6 +639,7 @@ int main(int argc, char** argv) {
     std::cerr << "tessera-trainer: fault injection: the checkpoint-and-stop signal is ignored\n";
   }
   train_options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+  train_options.step_breakdown = absl::GetFlag(FLAGS_step_breakdown);
   if (!absl::GetFlag(FLAGS_profile_dir).empty()) {
     train_options.profile.directory = absl::GetFlag(FLAGS_profile_dir);
     if (absl::Status status = tessera::trainer::ParseProfileSteps(

@@ -3,6 +3,8 @@
 #include <utility>
 #include <vector>
 
+#include "trainer/parallel/collective_timer.h"
+
 namespace tessera::trainer {
 
 void BroadcastFromFirstDataRank(CausalLMImpl& model, const DeviceMesh& mesh) {
@@ -21,7 +23,11 @@ void BroadcastFromFirstDataRank(CausalLMImpl& model, const DeviceMesh& mesh) {
                                        : MeshDim::kDataContext);
     if (!group) continue;
     std::vector<at::Tensor> tensors{item.value().data()};
+    // At setup, outside any step: timed for the totals, waited for as before.
+    const CollectiveIssue issue = IssueCollective(CollectiveKind::kBroadcast, group.get(),
+                                                  TensorBytes(tensors), tensors[0].is_cuda());
     group->broadcast(tensors)->wait();
+    RecordCollective(issue);
   }
 }
 

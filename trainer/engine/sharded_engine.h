@@ -44,6 +44,7 @@
 #include "absl/status/statusor.h"
 #include "trainer/engine/adamw.h"
 #include "trainer/model/model.h"
+#include "trainer/parallel/collective_timer.h"
 #include "trainer/parallel/expert_parallel.h"
 #include "trainer/parallel/tensor_parallel.h"
 #include "trainer/torch_pch.h"
@@ -149,6 +150,9 @@ class ShardedEngine : public LayerHooks {
   // the tokens' positions in their records (CausalLM::StageForward).
   at::Tensor ForwardBackward(const at::Tensor& inputs, const at::Tensor& targets, double scale,
                              bool last, const at::Tensor& positions = {});
+  // Host seconds the last ForwardBackward spent in its forward (the loss included), for the step
+  // timer to split it from the backward; 0 after a CUDA graph replay, which runs both as one.
+  double last_forward_seconds() const { return last_forward_seconds_; }
 
   // Finishes the gradient reduction, clips the global gradient norm to `clip_norm` (infinity:
   // no clipping), steps AdamW at `lr` and zeroes the gradients. Returns the norm before clipping.
@@ -251,10 +255,12 @@ class ShardedEngine : public LayerHooks {
     int ready = 0;          // parameters whose gradient arrived this backward
     GatherState gather = GatherState::kFreed;
     c10::intrusive_ptr<c10d::Work> gather_work;
+    CollectiveIssue gather_issue;
   };
   struct Pending {
     int unit = 0;
     c10::intrusive_ptr<c10d::Work> work;
+    CollectiveIssue issue;
     at::Tensor input;   // kept alive until the collective finishes
     at::Tensor output;  // reduce-scatter result to accumulate into the unit's shard gradient
   };
@@ -265,8 +271,10 @@ class ShardedEngine : public LayerHooks {
   void BuildRuns();
   void AllocateFull(Unit& unit);
   void StartGather(int unit);
-  // Gathers every rank's `shard` of `unit` into unit.full (asynchronously).
-  c10::intrusive_ptr<c10d::Work> GatherInto(Unit& unit, const at::Tensor& shard);
+  // Gathers every rank's `shard` of `unit` into unit.full (asynchronously); `*issue` marks the
+  // collective for its wait (collective_timer.h).
+  c10::intrusive_ptr<c10d::Work> GatherInto(Unit& unit, const at::Tensor& shard,
+                                            CollectiveIssue* issue);
   void EnsureGathered(int unit);
   void Free(int unit);
   void ReduceUnit(int unit);
@@ -340,6 +348,7 @@ class ShardedEngine : public LayerHooks {
   // Per unit, the L1 and L2 norms of the flat gradients (the capture's check).
   std::vector<double> GradientSignature();
   bool last_micro_batch_ = true;
+  double last_forward_seconds_ = 0;
   // ZeRO 0/1: the flat gradients hold nothing since the last step (the buffers start zeroed).
   bool gradients_empty_ = false;
   // ZeRO 0/1: inside the first backward after ZeroGradients().

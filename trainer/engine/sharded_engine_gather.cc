@@ -45,13 +45,16 @@ void ShardedEngine::StartGather(int u) {
     unit.gather = GatherState::kGathered;
     return;
   }
-  unit.gather_work = GatherInto(unit, unit.owned);
+  unit.gather_work = GatherInto(unit, unit.owned, &unit.gather_issue);
   unit.gather = GatherState::kGathering;
 }
 
-c10::intrusive_ptr<c10d::Work> ShardedEngine::GatherInto(Unit& unit, const at::Tensor& shard) {
+c10::intrusive_ptr<c10d::Work> ShardedEngine::GatherInto(Unit& unit, const at::Tensor& shard,
+                                                         CollectiveIssue* issue) {
   if (!options_.sharded_collectives_as_all_reduce) {
     at::Tensor input = shard;
+    *issue = IssueCollective(CollectiveKind::kAllGather, unit.group.get(),
+                             TensorBytes(std::vector{input}), input.is_cuda());
     return unit.group->_allgather_base(unit.full, input);
   }
   // Every rank contributes its shard in place and zeros elsewhere; the sum is the gather.
@@ -62,6 +65,8 @@ c10::intrusive_ptr<c10d::Work> ShardedEngine::GatherInto(Unit& unit, const at::T
   unit.full.narrow(0, 0, begin).zero_();
   unit.full.narrow(0, begin + unit.shard, unit.padded - begin - unit.shard).zero_();
   std::vector<at::Tensor> tensors{unit.full};
+  *issue = IssueCollective(CollectiveKind::kAllReduce, unit.group.get(), TensorBytes(tensors),
+                           unit.full.is_cuda());
   return unit.group->allreduce(tensors);
 }
 
@@ -69,7 +74,7 @@ void ShardedEngine::EnsureGathered(int u) {
   Unit& unit = units_[u];
   StartGather(u);
   if (unit.gather == GatherState::kGathering) {
-    WaitForPeers(unit.gather_work);
+    WaitForPeers(unit.gather_work, unit.gather_issue);
     unit.gather_work.reset();
     unit.gather = GatherState::kGathered;
   }
@@ -78,7 +83,7 @@ void ShardedEngine::EnsureGathered(int u) {
 void ShardedEngine::Free(int u) {
   Unit& unit = units_[u];
   if (unit.gather == GatherState::kFreed || unit.entries.empty()) return;
-  if (unit.gather == GatherState::kGathering) WaitForPeers(unit.gather_work);
+  if (unit.gather == GatherState::kGathering) WaitForPeers(unit.gather_work, unit.gather_issue);
   unit.gather_work.reset();
   // Release the storage the parameters view, keeping the tensors (and whatever autograd saved
   // of them); the next gather puts fresh memory under the same storage.

@@ -100,9 +100,13 @@ void ShardedEngine::ReduceUnit(int u) {
   pending.input = input;
   if (stage() == 0 || options_.sharded_collectives_as_all_reduce) {
     std::vector<at::Tensor> tensors{input};
+    pending.issue = IssueCollective(CollectiveKind::kAllReduce, unit.group.get(),
+                                    TensorBytes(tensors), input.is_cuda());
     pending.work = unit.group->allreduce(tensors);
   } else {
     pending.output = TakeBuffer(unit.shard, input.options());
+    pending.issue = IssueCollective(CollectiveKind::kReduceScatter, unit.group.get(),
+                                    TensorBytes(std::vector{input}), input.is_cuda());
     pending.work = unit.group->_reduce_scatter_base(pending.output, pending.input);
   }
   pending_.push_back(std::move(pending));
@@ -111,7 +115,7 @@ void ShardedEngine::ReduceUnit(int u) {
 void ShardedEngine::FinishOldest() {
   Pending pending = std::move(pending_.front());
   pending_.pop_front();
-  WaitForPeers(pending.work);
+  WaitForPeers(pending.work, pending.issue);
   torch::NoGradGuard no_grad;
   Unit& unit = units_[pending.unit];
   if (options_.sharded_collectives_as_all_reduce && stage() >= 2) {

@@ -1,6 +1,7 @@
 // ShardedEngine's entry points of a step: forward and backward of a micro-batch (eagerly, or
 // through the CUDA graph) or of a pipeline stage, the optimizer step (the global gradient norm,
 // clipping, AdamW, the all-gather of the updated shards under ZeRO 1/2), and evaluation.
+#include <chrono>
 #include <cmath>
 #include <optional>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -16,6 +17,7 @@ using sharded_engine_internal::AutocastScope;
 at::Tensor ShardedEngine::ForwardBackward(const at::Tensor& inputs, const at::Tensor& targets,
                                           double scale, bool last, const at::Tensor& positions) {
   last_micro_batch_ = last;
+  last_forward_seconds_ = 0;
   if (graph_ != nullptr) {
     if (std::optional<at::Tensor> loss = GraphForwardBackward(inputs, targets, scale, positions)) {
       return *loss;
@@ -29,10 +31,13 @@ at::Tensor ShardedEngine::EagerForwardBackward(const at::Tensor& inputs, const a
   for (Unit& unit : units_) unit.ready = 0;
   if (stage() == 3) EnsureGathered(0);
   at::Tensor loss;
+  const auto forward_start = std::chrono::steady_clock::now();
   {
     AutocastScope autocast(options_.bf16);
     loss = model_->Loss(inputs, targets, positions);
   }
+  last_forward_seconds_ =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - forward_start).count();
   BeginFirstBackward();
   FirstBackwardScope first(this);
   (loss * scale).backward();
@@ -85,10 +90,16 @@ double ShardedEngine::Step(double lr, double clip_norm, bool update) {
   }
   if (options_.world_group) {
     std::vector<at::Tensor> tensors{squares};
-    WaitForPeers(options_.world_group->allreduce(tensors));
+    const CollectiveIssue issue =
+        IssueCollective(CollectiveKind::kAllReduce, options_.world_group.get(),
+                        TensorBytes(tensors), squares.is_cuda());
+    WaitForPeers(options_.world_group->allreduce(tensors), issue);
   } else if (options_.dp_size > 1) {
     std::vector<at::Tensor> tensors{squares};
-    WaitForPeers(options_.dp_group->allreduce(tensors));
+    const CollectiveIssue issue =
+        IssueCollective(CollectiveKind::kAllReduce, options_.dp_group.get(), TensorBytes(tensors),
+                        squares.is_cuda());
+    WaitForPeers(options_.dp_group->allreduce(tensors), issue);
   }
   const double norm = std::sqrt(squares.item<double>());
   if (std::isfinite(clip_norm) && !grads.empty()) {
@@ -102,20 +113,22 @@ double ShardedEngine::Step(double lr, double clip_norm, bool update) {
   optimizer_->Step(lr);
   if (stage() == 1 || stage() == 2) {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<CollectiveIssue> issues;
     std::vector<at::Tensor> inputs;
     for (Unit& unit : units_) {
       if (unit.entries.empty() || unit.size == 1) continue;
+      issues.emplace_back();
       if (options_.sharded_collectives_as_all_reduce) {
-        works.push_back(GatherInto(unit, unit.owned));
+        works.push_back(GatherInto(unit, unit.owned, &issues.back()));
         continue;
       }
       // A copy of the shard: c10d's all-gather does not promise to accept an input that aliases
       // its output on every backend.
       inputs.push_back(TakeBuffer(unit.shard, unit.owned.options()));
       inputs.back().copy_(unit.owned);
-      works.push_back(GatherInto(unit, inputs.back()));
+      works.push_back(GatherInto(unit, inputs.back(), &issues.back()));
     }
-    for (auto& work : works) WaitForPeers(work);
+    for (size_t i = 0; i < works.size(); ++i) WaitForPeers(works[i], issues[i]);
     for (at::Tensor& input : inputs) GiveBuffer(std::move(input));
   }
   ZeroGradients();

@@ -29,7 +29,9 @@ at::Tensor AllToAll(c10d::ProcessGroup* group, const at::Tensor& input,
   std::vector<int64_t> shape = in.sizes().vec();
   shape[0] = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
   at::Tensor out = at::empty(shape, in.options());
-  WaitForPeers(group->alltoall_base(out, in, recv_rows, send_rows));
+  const CollectiveIssue issue =
+      IssueCollective(CollectiveKind::kAllToAll, group, TensorBytes(std::vector{in}), in.is_cuda());
+  WaitForPeers(group->alltoall_base(out, in, recv_rows, send_rows), issue);
   return out;
 }
 
@@ -53,7 +55,9 @@ struct MeanOverExpertsFunction : torch::autograd::Function<MeanOverExpertsFuncti
   static at::Tensor forward(AutogradContext* /*ctx*/, const at::Tensor& x, int64_t group) {
     auto* pg = reinterpret_cast<c10d::ProcessGroup*>(group);
     std::vector<at::Tensor> tensors{x.clone()};
-    WaitForPeers(pg->allreduce(tensors));
+    const CollectiveIssue issue =
+        IssueCollective(CollectiveKind::kAllReduce, pg, TensorBytes(tensors), x.is_cuda());
+    WaitForPeers(pg->allreduce(tensors), issue);
     return tensors[0] / static_cast<double>(pg->getSize());
   }
   static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) {

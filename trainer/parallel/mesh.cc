@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "trainer/parallel/collective_timer.h"
 
 namespace tessera::trainer {
 
@@ -211,6 +212,7 @@ absl::StatusOr<DeviceMesh> DeviceMesh::Create(const MeshShape& shape, int rank,
           absl::StrCat("mesh group ", prefix, ": ", e.what_without_backtrace()));
     }
   }
+  RegisterMeshCollectiveGroups(mesh, world != nullptr ? world->group.get() : nullptr);
   return mesh;
 }
 

@@ -11,12 +11,17 @@
 // anyway. On NCCL, wait() only orders the CUDA stream, so the host sees little of the wait and
 // busy time reads high on every rank alike.
 //
+// The same waits, given the CollectiveIssue taken when their collective was issued, also record
+// the collective's kind, dimension, bytes and time (trainer/parallel/collective_timer.h).
+//
 // Thread safety: the counter is one process-wide atomic; any thread may add to or read it.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+
+#include "trainer/parallel/collective_timer.h"
 
 namespace tessera::trainer {
 
@@ -53,6 +58,14 @@ template <typename WorkPtr>
 void WaitForPeers(const WorkPtr& work) {
   ScopedPeerWait counted;
   work->wait();
+}
+
+// WaitForPeers(work), then records the collective `issue` marked (IssueCollective, taken right
+// before the collective was issued). A wait that throws records nothing.
+template <typename WorkPtr>
+void WaitForPeers(const WorkPtr& work, const CollectiveIssue& issue) {
+  WaitForPeers(work);
+  RecordCollective(issue);
 }
 
 }  // namespace tessera::trainer

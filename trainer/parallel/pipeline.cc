@@ -140,16 +140,18 @@ void PipelineSchedule::ThrowPeerLost(const std::vector<int>& stages,
 
 void PipelineSchedule::PostSend(const at::Tensor& tensor, int to, int tag) {
   std::vector<at::Tensor> outgoing{tensor.detach().to(at::kFloat).contiguous()};
-  sends_.emplace_back(group_->send(outgoing, to, tag), to);
+  const CollectiveIssue issue = IssueCollective(CollectiveKind::kSendRecv, group_.get(),
+                                                TensorBytes(outgoing), outgoing[0].is_cuda());
+  sends_.push_back({group_->send(outgoing, to, tag), to, issue});
   sent_.push_back(outgoing[0]);
 }
 
 void PipelineSchedule::FinishSends() {
-  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, int>> sends = std::move(sends_);
+  std::vector<PostedSend> sends = std::move(sends_);
   sends_.clear();
-  for (auto& [work, peer] : sends) {
+  for (auto& [work, peer, issue] : sends) {
     try {
-      WaitForPeers(work);
+      WaitForPeers(work, issue);
     } catch (const std::exception& e) {
       sent_.clear();
       ThrowPeerLost({peer}, e);
@@ -160,9 +162,11 @@ void PipelineSchedule::FinishSends() {
 
 at::Tensor PipelineSchedule::Receive(int from, int tag, bool requires_grad) {
   std::vector<at::Tensor> incoming{EmptyActivation()};
+  const CollectiveIssue issue = IssueCollective(CollectiveKind::kSendRecv, group_.get(),
+                                                TensorBytes(incoming), incoming[0].is_cuda());
   auto work = group_->recv(incoming, from, tag);
   try {
-    WaitForPeers(work);
+    WaitForPeers(work, issue);
   } catch (const std::exception& e) {
     ThrowPeerLost({from}, e);
   }
@@ -174,16 +178,17 @@ at::Tensor PipelineSchedule::Exchange(const at::Tensor& send, int send_to, int s
                                       bool requires_grad) {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> outgoing, incoming;
-  if (send.defined()) {
-    outgoing.push_back(send.detach().to(at::kFloat).contiguous());
-    works.push_back(group_->send(outgoing, send_to, send_tag));
-  }
-  if (receive) {
-    incoming.push_back(EmptyActivation());
-    works.push_back(group_->recv(incoming, receive_from, receive_tag));
-  }
+  if (send.defined()) outgoing.push_back(send.detach().to(at::kFloat).contiguous());
+  if (receive) incoming.push_back(EmptyActivation());
+  // The exchange as one send_recv: its bytes are this rank's send and receive.
+  const CollectiveIssue issue =
+      IssueCollective(CollectiveKind::kSendRecv, group_.get(),
+                      TensorBytes(outgoing) + TensorBytes(incoming), device_.is_cuda());
+  if (send.defined()) works.push_back(group_->send(outgoing, send_to, send_tag));
+  if (receive) works.push_back(group_->recv(incoming, receive_from, receive_tag));
   try {
     for (auto& work : works) WaitForPeers(work);
+    RecordCollective(issue);
   } catch (const std::exception& e) {
     ThrowPeerLost({send.defined() ? send_to : -1, receive ? receive_from : -1}, e);
   }

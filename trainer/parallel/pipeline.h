@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "trainer/parallel/collective_timer.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -123,8 +124,13 @@ class PipelineSchedule {
   std::vector<int64_t> activation_shape_;
   at::Device device_;
   int chunks_;
-  // Posted sends and their peers, waited for by FinishSends.
-  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, int>> sends_;
+  // A posted send, waited for by FinishSends.
+  struct PostedSend {
+    c10::intrusive_ptr<c10d::Work> work;
+    int peer;
+    CollectiveIssue issue;
+  };
+  std::vector<PostedSend> sends_;
   std::vector<at::Tensor> sent_;
 };
 

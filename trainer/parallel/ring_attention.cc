@@ -175,6 +175,9 @@ class RingHop {
     // Only NCCL coalesces; asking a Gloo-only group for its CUDA backend would throw.
     const bool coalesce =
         outgoing.is_cuda() && group->getBackendType() == c10d::ProcessGroup::BackendType::NCCL;
+    // One hop is one send_recv: this rank's outgoing and incoming bytes.
+    issue_ = IssueCollective(CollectiveKind::kSendRecv, group,
+                             TensorBytes(outgoing_) + TensorBytes(incoming_), outgoing.is_cuda());
     if (coalesce) group->startCoalescing(c10::DeviceType::CUDA);
     works_.push_back(group->send(outgoing_, next_, tag));
     works_.push_back(group->recv(incoming_, prev_, tag));
@@ -192,6 +195,7 @@ class RingHop {
       for (auto& work : works_) {
         if (work) WaitForPeers(work);
       }
+      RecordCollective(std::exchange(issue_, CollectiveIssue{}));
     } catch (const std::exception& e) {
       throw std::runtime_error(absl::StrCat(
           "context-parallel peer lost: cp rank ", rank_, " could not send ", what_, " to cp rank ",
@@ -209,6 +213,7 @@ class RingHop {
   std::vector<at::Tensor> outgoing_;
   std::vector<at::Tensor> incoming_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  CollectiveIssue issue_;
 };
 
 struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> {

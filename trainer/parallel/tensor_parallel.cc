@@ -26,7 +26,9 @@ void AllReduceIn(c10d::ProcessGroup* group, at::Tensor& tensor,
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp(op);
   std::vector<at::Tensor> tensors{tensor};
-  WaitForPeers(group->allreduce(tensors, options));
+  const CollectiveIssue issue =
+      IssueCollective(CollectiveKind::kAllReduce, group, TensorBytes(tensors), tensor.is_cuda());
+  WaitForPeers(group->allreduce(tensors, options), issue);
 }
 
 // [batch, s, d] on each rank -> [batch, size * s, d], rank order along the sequence.
@@ -38,13 +40,17 @@ at::Tensor AllGatherSequence(c10d::ProcessGroup* group, const at::Tensor& x) {
     std::vector<int64_t> shape = local.sizes().vec();
     shape[0] *= size;
     gathered = at::empty(shape, local.options());
-    WaitForPeers(group->_allgather_base(gathered, local));
+    const CollectiveIssue issue =
+        IssueCollective(CollectiveKind::kAllGather, group, TensorBytes(std::vector{local}), true);
+    WaitForPeers(group->_allgather_base(gathered, local), issue);
   } else {
     // Gloo: the list form (its flat all-gather is not implemented for every dtype).
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int r = 0; r < size; ++r) outputs[0].push_back(at::empty_like(local));
     std::vector<at::Tensor> inputs{local};
-    WaitForPeers(group->allgather(outputs, inputs));
+    const CollectiveIssue issue =
+        IssueCollective(CollectiveKind::kAllGather, group, TensorBytes(inputs), false);
+    WaitForPeers(group->allgather(outputs, inputs), issue);
     gathered = at::cat(outputs[0], 0);
   }
   return gathered.transpose(0, 1).contiguous();
@@ -62,7 +68,9 @@ at::Tensor ReduceScatterSequence(c10d::ProcessGroup* group, const at::Tensor& x)
     std::vector<int64_t> shape = full.sizes().vec();
     shape[0] = part;
     mine = at::empty(shape, full.options());
-    WaitForPeers(group->_reduce_scatter_base(mine, full));
+    const CollectiveIssue issue = IssueCollective(CollectiveKind::kReduceScatter, group,
+                                                  TensorBytes(std::vector{full}), true);
+    WaitForPeers(group->_reduce_scatter_base(mine, full), issue);
   } else {
     // Gloo: an all-reduce keeping this rank's block.
     AllReduceIn(group, full);

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "common/timestamp.h"
+#include "trainer/report/step_breakdown.h"
 
 namespace tessera::trainer {
 
@@ -17,12 +18,17 @@ void RankProgress::SetStep(int64_t step) {
   step_ = step;
 }
 
-void RankProgress::StepFinished(int64_t step, double wall_seconds, double busy_seconds) {
+void RankProgress::StepFinished(int64_t step, double wall_seconds, double busy_seconds,
+                                const v1::StepTimeBreakdown* breakdown) {
   absl::MutexLock lock(&mu_);
   step_ = step;
   ++steps_in_interval_;
   wall_seconds_ += wall_seconds;
   busy_seconds_ += busy_seconds;
+  if (breakdown != nullptr) {
+    ++breakdowns_in_interval_;
+    AddBreakdown(*breakdown, &breakdown_sum_);
+  }
 }
 
 v1::RankHeartbeat RankProgress::TakeHeartbeat() {
@@ -33,6 +39,11 @@ v1::RankHeartbeat RankProgress::TakeHeartbeat() {
     heartbeat.set_step_seconds(wall_seconds_ / static_cast<double>(steps_in_interval_));
     heartbeat.set_busy_seconds(busy_seconds_ / static_cast<double>(steps_in_interval_));
   }
+  if (breakdowns_in_interval_ > 0) {
+    *heartbeat.mutable_breakdown() = MeanBreakdown(breakdown_sum_, breakdowns_in_interval_);
+  }
+  breakdowns_in_interval_ = 0;
+  breakdown_sum_.Clear();
   steps_in_interval_ = 0;
   wall_seconds_ = 0;
   busy_seconds_ = 0;

@@ -3,7 +3,8 @@
 // collectives, so a rank whose heartbeats stop is frozen (stopped, wedged in the kernel or a
 // driver), not merely slow. Each heartbeat carries the optimizer steps completed and the mean
 // wall and busy time of the steps since the previous one (busy = not waiting for peers, see
-// trainer/parallel/peer_wait.h), from which the coordinator names stragglers.
+// trainer/parallel/peer_wait.h), from which the coordinator names stragglers, and the mean of
+// their StepTimeBreakdown.
 //
 // Thread safety: RankProgress is guarded by a mutex (the training loop records, the heartbeat
 // thread takes); HeartbeatSender is constructed and destroyed by one thread.
@@ -33,10 +34,12 @@ class RankProgress {
   // Steps completed before this process started (a resumed checkpoint's step).
   void SetStep(int64_t step);
   // An optimizer step finished: `step` steps completed in all; it took `wall_seconds`, of which
-  // `busy_seconds` were not spent waiting for peers.
-  void StepFinished(int64_t step, double wall_seconds, double busy_seconds);
+  // `busy_seconds` were not spent waiting for peers. `breakdown` (may be null: not measured) is
+  // where its time went.
+  void StepFinished(int64_t step, double wall_seconds, double busy_seconds,
+                    const v1::StepTimeBreakdown* breakdown = nullptr);
   // Steps completed, and the means over the steps finished since the previous call (0 when
-  // none); starts the next interval.
+  // none), the breakdown's among them (over the steps that had one); starts the next interval.
   v1::RankHeartbeat TakeHeartbeat();
 
  private:
@@ -45,6 +48,8 @@ class RankProgress {
   int64_t steps_in_interval_ ABSL_GUARDED_BY(mu_) = 0;
   double wall_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double busy_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t breakdowns_in_interval_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::StepTimeBreakdown breakdown_sum_ ABSL_GUARDED_BY(mu_);
 };
 
 struct HeartbeatOptions {

@@ -15,6 +15,21 @@ std::string AsCodeBlock(const google::protobuf::Message& message) {
   return absl::StrCat("```\n", text, "```");
 }
 
+// Rank 0's step breakdown (StepMetrics.breakdown): one scalar per phase and per collective
+// kind and dimension.
+void WriteBreakdown(const v1::StepTimeBreakdown& b, int64_t step, TensorBoardWriter& writer) {
+  writer.AddScalar("breakdown/forward_seconds", step, b.forward_seconds());
+  writer.AddScalar("breakdown/backward_seconds", step, b.backward_seconds());
+  writer.AddScalar("breakdown/optimizer_seconds", step, b.optimizer_seconds());
+  writer.AddScalar("breakdown/data_wait_seconds", step, b.data_wait_seconds());
+  writer.AddScalar("breakdown/checkpoint_blocked_seconds", step, b.checkpoint_blocked_seconds());
+  writer.AddScalar("breakdown/other_seconds", step, b.other_seconds());
+  for (const v1::CollectiveTime& c : b.collectives()) {
+    writer.AddScalar(absl::StrCat("breakdown/collective/", c.kind(), "_", c.dim(), "_seconds"),
+                     step, c.seconds());
+  }
+}
+
 }  // namespace
 
 void WriteToTensorBoard(const v1::TrainerReport& report, TensorBoardWriter& writer) {
@@ -38,6 +53,7 @@ void WriteToTensorBoard(const v1::TrainerReport& report, TensorBoardWriter& writ
     }
     if (m.router_aux_loss() > 0) writer.AddScalar("train/router_aux_loss", step, m.router_aux_loss());
     if (m.epoch() > 0) writer.AddScalar("train/epoch", step, m.epoch());
+    if (m.has_breakdown()) WriteBreakdown(m.breakdown(), step, writer);
   }
   if (report.has_eval()) {
     const v1::EvalMetrics& e = report.eval();

@@ -1,4 +1,5 @@
-// What of a rank's reports goes to TensorBoard, under which tags: the step metrics as train/*,
+// What of a rank's reports goes to TensorBoard, under which tags: the step metrics as train/*
+// (their step time breakdown as breakdown/*_seconds and breakdown/collective/<kind>_<dim>_seconds),
 // evaluations as eval/*, checkpoint writes as checkpoint/*, and the job's spec and plan as text.
 #pragma once
 

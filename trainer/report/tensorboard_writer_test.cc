@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "trainer/report/tensorboard_event.pb.h"
+#include "trainer/report/tensorboard_reports.h"
 
 namespace tessera::trainer {
 namespace {
@@ -106,6 +108,40 @@ TEST_F(TensorBoardWriterTest, WritesTheVersionScalarsAndTextItReadsBack) {
   EXPECT_EQ(text.tensor().dtype(), tensorboard::DT_STRING);
   ASSERT_EQ(text.tensor().string_val_size(), 1);
   EXPECT_EQ(text.tensor().string_val(0), "name: tiny");
+}
+
+TEST_F(TensorBoardWriterTest, WritesRankZerosStepBreakdownAsScalars) {
+  auto writer = TensorBoardWriter::Open(dir_ + "/breakdown", TensorBoardWriterOptions{});
+  ASSERT_THAT(writer, IsOk());
+  v1::TrainerReport report;
+  v1::StepMetrics* m = report.mutable_metrics();
+  m->set_step(7);
+  m->set_loss(2.5);
+  v1::StepTimeBreakdown* b = m->mutable_breakdown();
+  b->set_forward_seconds(0.25);
+  b->set_backward_seconds(0.5);
+  b->set_other_seconds(0.125);
+  v1::CollectiveTime* c = b->add_collectives();
+  c->set_kind("reduce_scatter");
+  c->set_dim("dp");
+  c->set_seconds(0.0625);
+  WriteToTensorBoard(report, **writer);
+  ASSERT_THAT((*writer)->Close(), IsOk());
+  std::map<std::string, float> scalars;
+  for (const tensorboard::Event& event : ReadEvents((*writer)->path())) {
+    for (const tensorboard::Summary::Value& value : event.summary().value()) {
+      EXPECT_EQ(event.step(), 7);
+      scalars[value.tag()] = value.simple_value();
+    }
+  }
+  EXPECT_FLOAT_EQ(scalars.at("breakdown/forward_seconds"), 0.25f);
+  EXPECT_FLOAT_EQ(scalars.at("breakdown/backward_seconds"), 0.5f);
+  EXPECT_FLOAT_EQ(scalars.at("breakdown/optimizer_seconds"), 0.0f);
+  EXPECT_FLOAT_EQ(scalars.at("breakdown/data_wait_seconds"), 0.0f);
+  EXPECT_FLOAT_EQ(scalars.at("breakdown/checkpoint_blocked_seconds"), 0.0f);
+  EXPECT_FLOAT_EQ(scalars.at("breakdown/other_seconds"), 0.125f);
+  EXPECT_FLOAT_EQ(scalars.at("breakdown/collective/reduce_scatter_dp_seconds"), 0.0625f);
+  EXPECT_FLOAT_EQ(scalars.at("train/loss"), 2.5f);
 }
 
 TEST_F(TensorBoardWriterTest, BuffersUntilTheFlushIntervalOrAnExplicitFlush) {

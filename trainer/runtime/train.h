@@ -38,6 +38,9 @@ struct TrainOptions {
   // --cuda_graphs: replay each micro-batch's forward and backward as a CUDA graph where the
   // layout allows (ShardedEngineOptions::cuda_graphs); the log says whether it does.
   bool cuda_graphs = false;
+  // --step_breakdown: measure where each step's time goes (trainer/runtime/step_timer.h) and
+  // report it; off, the steps' reports carry no breakdown and no collective is timed.
+  bool step_breakdown = true;
   // Set (by a signal handler: kCheckpointAndStopSignal) when the worker asks this rank to save a
   // checkpoint and stop. After each step the ranks agree whether any was asked (a one-element
   // all-reduce); then they save that step's checkpoint, wait for its commit and return early,

@@ -10,11 +10,13 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/status_macros.h"
 #include "planner/lr_schedule.h"
 #include "trainer/model/hf_weights.h"
 #include "trainer/parallel/context_parallelism.h"
 #include "trainer/parallel/peer_wait.h"
+#include "trainer/report/step_breakdown.h"
 #include "trainer/runtime/final_export.h"
 #include "trainer/runtime/step_profiler.h"
 #if TESSERA_WITH_CUDA
@@ -23,6 +25,9 @@
 
 namespace tessera::trainer {
 namespace {
+
+// Rank 0 logs the step's breakdown after the first step, the last, and every this many.
+constexpr int64_t kBreakdownLogInterval = 10;
 
 int64_t PeakHostMemoryBytes() {
   rusage usage{};
@@ -54,6 +59,7 @@ TrainLoop::TrainLoop(const v1::TrainerTask& task, const TrainOptions& options,
       reporter_(reporter),
       run_(run),
       step_(run.start_step),
+      timer_(options.step_breakdown),
       tokens_seen_(run.tokens_seen),
       peak_flops_(PeakFlopsForDevice(run.device.name)),
       // With LoRA the frozen base computes no weight gradients: 2N fewer per token, N the
@@ -91,6 +97,7 @@ at::Tensor TrainLoop::ForwardBackward(std::vector<MicroBatch>& micro_batches) {
     pipeline.Train(
         accumulation,
         [&](int chunk, int i, const at::Tensor& input) {
+          StepTimer::Scope forward(timer_, StepPhase::kForward);
           MicroBatch& mb = micro_batches[i];
           at::Tensor output = engine.ForwardStage(
               pipeline.first(chunk) ? ToDevice(mb.inputs, mb.batch_size, mb.seq_len) : input,
@@ -103,6 +110,7 @@ at::Tensor TrainLoop::ForwardBackward(std::vector<MicroBatch>& micro_batches) {
           return output;
         },
         [&](int, int i, const at::Tensor& output, const at::Tensor& grad, bool last) {
+          StepTimer::Scope backward(timer_, StepPhase::kBackward);
           engine.BackwardStage(output, grad, LossWeight(micro_batches[i]), last);
         });
     return step_loss;
@@ -112,16 +120,28 @@ at::Tensor TrainLoop::ForwardBackward(std::vector<MicroBatch>& micro_batches) {
     at::Tensor inputs = ToDevice(mb.inputs, mb.batch_size, mb.seq_len);
     at::Tensor targets = ToDevice(mb.targets, mb.batch_size, mb.seq_len);
     const double weight = LossWeight(mb);
-    at::Tensor loss =
-        engine.ForwardBackward(inputs, targets, weight,
-                               /*last=*/i == accumulation - 1, PositionsOf(mb, mb.seq_len));
+    at::Tensor loss;
+    {
+      // The engine runs both passes: it times its forward, the rest is the backward's.
+      StepTimer::Scope backward(timer_, StepPhase::kBackward);
+      loss = engine.ForwardBackward(inputs, targets, weight,
+                                    /*last=*/i == accumulation - 1, PositionsOf(mb, mb.seq_len));
+    }
+    if (timer_.enabled()) {
+      timer_.Add(StepPhase::kForward, engine.last_forward_seconds());
+      timer_.Add(StepPhase::kBackward, -engine.last_forward_seconds());
+    }
     step_loss += loss.to(torch::kFloat32) * weight;
   }
   return step_loss;
 }
 
 absl::StatusOr<double> TrainLoop::TrainStep(double learning_rate, double* grad_norm) {
-  std::vector<MicroBatch> micro_batches = run_.loader->NextStep();
+  std::vector<MicroBatch> micro_batches;
+  {
+    StepTimer::Scope data_wait(timer_, StepPhase::kDataWait);
+    micro_batches = run_.loader->NextStep();
+  }
   const ContextParallel cp = ContextParallelOf(run_.mesh);
   for (MicroBatch& mb : micro_batches) KeepContextParallelPart(mb, cp);
   at::Tensor step_loss = ForwardBackward(micro_batches);
@@ -129,7 +149,10 @@ absl::StatusOr<double> TrainLoop::TrainStep(double learning_rate, double* grad_n
     // The last pipeline stage's ranks hold the weighted losses, every tp rank the same value;
     // the weights already divide by the dp group's counted targets.
     std::vector<at::Tensor> tensors{step_loss};
-    WaitForPeers(run_.group->group->allreduce(tensors));
+    const CollectiveIssue issue =
+        IssueCollective(CollectiveKind::kAllReduce, run_.group->group.get(), TensorBytes(tensors),
+                        step_loss.is_cuda());
+    WaitForPeers(run_.group->group->allreduce(tensors), issue);
     step_loss = tensors[0] / run_.mesh.size(MeshDim::kTensor);
   }
   double loss_value = step_loss.item<double>();
@@ -150,7 +173,8 @@ absl::StatusOr<double> TrainLoop::TrainStep(double learning_rate, double* grad_n
     return absl::InternalError(absl::StrCat("loss is ", loss_value, " at step ", step_ + 1));
   }
   // A save started after the last step may still be copying the state the optimizer changes.
-  checkpoint_blocked_seconds_ += run_.checkpointer->AwaitSnapshot();
+  step_checkpoint_blocked_seconds_ = run_.checkpointer->AwaitSnapshot();
+  checkpoint_blocked_seconds_ += step_checkpoint_blocked_seconds_;
   // A global batch without a counted target (every target masked) has nothing to learn from:
   // AdamW would still move the weights by its momentum and decay. Every rank counts the same
   // step total from the masks, so all of them skip together.
@@ -160,6 +184,7 @@ absl::StatusOr<double> TrainLoop::TrainStep(double learning_rate, double* grad_n
                                ": no counted target in the global batch (every target masked); "
                                "the optimizer step is skipped"));
   }
+  StepTimer::Scope optimizer(timer_, StepPhase::kOptimizer);
   *grad_norm = run_.engine->Step(learning_rate, run_.settings.clip_norm, update);
   return loss_value;
 }
@@ -249,8 +274,20 @@ void TrainLoop::Evaluate() {
   reporter_.Send(report);
 }
 
-void TrainLoop::ReportStep(double loss, double grad_norm, double learning_rate, double seconds) {
+void TrainLoop::ReportStep(double loss, double grad_norm, double learning_rate, double seconds,
+                           const v1::StepTimeBreakdown& breakdown) {
   const int64_t tokens_per_step = spec_.batch().global_batch_size() * spec_.data().seq_len();
+  const int64_t peak_memory = PeakMemoryBytes();
+  {
+    v1::TrainerReport report = reporter_.NewReport();
+    v1::RankStepMetrics* r = report.mutable_rank_step();
+    r->set_step(step_);
+    r->set_step_time_seconds(seconds);
+    r->set_peak_memory_bytes(peak_memory);
+    if (timer_.enabled()) *r->mutable_breakdown() = breakdown;
+    *r->mutable_time() = report.time();
+    reporter_.Send(report);
+  }
   if (reporter_.rank() == 0) {
     v1::TrainerReport report = reporter_.NewReport();
     v1::StepMetrics* m = report.mutable_metrics();
@@ -264,7 +301,7 @@ void TrainLoop::ReportStep(double loss, double grad_norm, double learning_rate, 
     m->set_mfu(peak_flops_ > 0 ? flops_per_token_ * (tokens_per_step / seconds) /
                                      (task_.assignment().world_size() * peak_flops_)
                                : 0.0);
-    m->set_peak_memory_bytes(PeakMemoryBytes());
+    m->set_peak_memory_bytes(peak_memory);
     m->set_tokens_seen(tokens_seen_);
     m->set_max_steps(run_.max_steps);
     m->set_checkpoint_blocked_seconds(checkpoint_blocked_seconds_);
@@ -273,8 +310,14 @@ void TrainLoop::ReportStep(double loss, double grad_norm, double learning_rate, 
     }
     m->set_epoch(static_cast<double>(step_) * spec_.batch().global_batch_size() /
                  static_cast<double>(run_.samples_per_epoch));
+    if (timer_.enabled()) *m->mutable_breakdown() = breakdown;
     *m->mutable_time() = report.time();
     reporter_.Send(report);
+    if (timer_.enabled() && (step_ % kBreakdownLogInterval == 0 ||
+                             step_ == result_.start_step + 1 || step_ == run_.max_steps)) {
+      reporter_.Log(absl::StrFormat("step %d: loss %.4f, %.3f s: %s", step_, loss, seconds,
+                                    BreakdownSummary(breakdown, seconds)));
+    }
   }
   // Reported with this step, then counted afresh.
   checkpoint_blocked_seconds_ = 0;
@@ -305,6 +348,8 @@ absl::Status TrainLoop::Run(v1::FailureKind* kind) {
   while (step_ < run_.max_steps) {
     profiler.BeforeStep(step_ + 1);
     auto start = std::chrono::steady_clock::now();
+    timer_.StartStep();
+    step_checkpoint_blocked_seconds_ = 0;
     const double waited_before = PeerWaitSeconds();
     double lr = planner::LearningRateAt(spec_.optimizer().schedule(), run_.max_steps, step_ + 1);
     double grad_norm = 0;
@@ -326,12 +371,15 @@ absl::Status TrainLoop::Run(v1::FailureKind* kind) {
     tokens_seen_ += tokens_per_step;
     double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const v1::StepTimeBreakdown breakdown =
+        timer_.FinishStep(seconds, step_checkpoint_blocked_seconds_);
     if (options_.progress != nullptr) {
       const double busy = std::max(0.0, seconds - (PeerWaitSeconds() - waited_before));
-      options_.progress->StepFinished(step_, seconds, busy);
+      options_.progress->StepFinished(step_, seconds, busy,
+                                      timer_.enabled() ? &breakdown : nullptr);
     }
     result_.final_loss = *loss;
-    ReportStep(*loss, grad_norm, lr, seconds);
+    ReportStep(*loss, grad_norm, lr, seconds, breakdown);
     // Before evaluation and checkpoints, so that the trace holds training steps only.
     const bool last = step_ == run_.max_steps;
     if (absl::StatusOr<std::string> trace = profiler.AfterStep(step_, last); !trace.ok()) {

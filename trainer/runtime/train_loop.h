@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "tessera/v1/trainer.pb.h"
 #include "trainer/runtime/run_reporter.h"
+#include "trainer/runtime/step_timer.h"
 #include "trainer/runtime/train.h"
 #include "trainer/runtime/training_run.h"
 
@@ -42,8 +43,10 @@ class TrainLoop {
   // Forward and backward of the step's micro-batches; returns this rank's share of the step's
   // loss (each micro-batch's mean loss times its LossWeight).
   at::Tensor ForwardBackward(std::vector<MicroBatch>& micro_batches);
-  // Rank 0's metrics of step_.
-  void ReportStep(double loss, double grad_norm, double learning_rate, double seconds);
+  // Every rank's RankStepMetrics of step_, and rank 0's StepMetrics (with `breakdown` too); logs
+  // rank 0's breakdown every kBreakdownLogInterval steps.
+  void ReportStep(double loss, double grad_norm, double learning_rate, double seconds,
+                  const v1::StepTimeBreakdown& breakdown);
   // After step_: the profile, evaluation, checkpoints, and whether to stop (`*stop`).
   absl::Status FinishStep(bool* stop, v1::FailureKind* kind);
   // Mean loss over the counted targets of the first eval_batches x micro_batch x ranks validation
@@ -74,6 +77,9 @@ class TrainLoop {
   int64_t tokens_seen_ = 0;
   // Seconds the training thread waited for checkpoints since the last step report.
   double checkpoint_blocked_seconds_ = 0;
+  // The part of it inside the current step's wall time (waiting for a snapshot to finish).
+  double step_checkpoint_blocked_seconds_ = 0;
+  StepTimer timer_;
   // MFU's denominator per rank (0: unknown) and numerator per token.
   const double peak_flops_;
   const double flops_per_token_;

@@ -1,0 +1,120 @@
+// The collective table on real Gloo groups, ranks as threads (mesh_threads.h): a tensor-parallel
+// all-reduce issued by the model's own code path lands in all_reduce/tp with its bytes, a dp
+// all-reduce in all_reduce/dp, and nothing elsewhere; a dp-only job's dp group, which is also
+// the world group, reads "dp"; timing switched off records nothing.
+#include "trainer/parallel/collective_timer.h"
+
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "trainer/parallel/mesh_threads.h"
+#include "trainer/parallel/peer_wait.h"
+#include "trainer/parallel/tensor_parallel.h"
+
+namespace tessera::trainer {
+namespace {
+
+// The table's growth since `before`.
+CollectiveTable Since(const CollectiveTable& before) {
+  CollectiveTable now = CollectiveSnapshot();
+  for (size_t i = 0; i < now.size(); ++i) {
+    now[i].nanos -= before[i].nanos;
+    now[i].calls -= before[i].calls;
+    now[i].bytes -= before[i].bytes;
+  }
+  return now;
+}
+
+int Dim(MeshDim dim) { return static_cast<int>(dim); }
+
+TEST(CollectiveTimerTest, NamesKindsAndDimensions) {
+  EXPECT_STREQ(CollectiveKindName(CollectiveKind::kAllReduce), "all_reduce");
+  EXPECT_STREQ(CollectiveKindName(CollectiveKind::kReduceScatter), "reduce_scatter");
+  EXPECT_STREQ(CollectiveKindName(CollectiveKind::kSendRecv), "send_recv");
+  EXPECT_STREQ(CollectiveDimName(Dim(MeshDim::kTensor)), "tp");
+  EXPECT_STREQ(CollectiveDimName(Dim(MeshDim::kDataContext)), "dcp");
+  EXPECT_STREQ(CollectiveDimName(kWorldCollectiveDim), "world");
+}
+
+TEST(CollectiveTimerTest, AttributesAllReducesToTheirMeshDimension) {
+  SetCollectiveTimingEnabled(true);
+  const CollectiveTable before = CollectiveSnapshot();
+  constexpr int64_t kBatch = 2, kSeq = 3, kHidden = 8, kDpElements = 16;
+  testing::RunMeshThreads(MeshShape{.dp = 2, .tp = 2}, [&](int rank, const JoinedGroup&,
+                                                           const DeviceMesh& mesh) {
+    // The row-parallel exit of a tensor-parallel region: one all-reduce over tp.
+    TensorParallel tp{
+        .group = mesh.group(MeshDim::kTensor), .rank = mesh.coord(MeshDim::kTensor), .size = 2};
+    at::Tensor x = torch::full({kBatch, kSeq, kHidden}, static_cast<float>(rank + 1));
+    at::Tensor summed = ExitTensorParallel(x, tp);
+    // The tp partner holds rank ^ 1 (tp is the innermost dimension).
+    EXPECT_FLOAT_EQ(summed[0][0][0].item<float>(), static_cast<float>(rank + 1 + (rank ^ 1) + 1));
+    // A dp all-reduce through the same seam as the engine's.
+    std::vector<at::Tensor> tensors{torch::ones({kDpElements}, torch::kFloat64)};
+    const auto& dp = mesh.group(MeshDim::kData);
+    const CollectiveIssue issue =
+        IssueCollective(CollectiveKind::kAllReduce, dp.get(), TensorBytes(tensors), false);
+    WaitForPeers(dp->allreduce(tensors), issue);
+    EXPECT_DOUBLE_EQ(tensors[0][0].item<double>(), 2.0);
+  });
+  const CollectiveTable grown = Since(before);
+  // Four ranks (threads) share the process's table.
+  const CollectiveTotals& tp =
+      grown[CollectiveIndex(CollectiveKind::kAllReduce, Dim(MeshDim::kTensor))];
+  EXPECT_EQ(tp.calls, 4);
+  EXPECT_EQ(tp.bytes, 4 * kBatch * kSeq * kHidden * 4);
+  EXPECT_GT(tp.nanos, 0);
+  const CollectiveTotals& dp =
+      grown[CollectiveIndex(CollectiveKind::kAllReduce, Dim(MeshDim::kData))];
+  EXPECT_EQ(dp.calls, 4);
+  EXPECT_EQ(dp.bytes, 4 * kDpElements * 8);
+  EXPECT_GT(dp.nanos, 0);
+  int64_t other_calls = 0;
+  for (size_t i = 0; i < grown.size(); ++i) other_calls += grown[i].calls;
+  EXPECT_EQ(other_calls, tp.calls + dp.calls) << "collectives recorded under another kind or dim";
+}
+
+TEST(CollectiveTimerTest, AWorldSizedDataParallelGroupReadsDp) {
+  testing::RunMeshThreads(MeshShape{.dp = 2},
+                          [&](int, const JoinedGroup& world, const DeviceMesh& mesh) {
+                            EXPECT_EQ(mesh.group(MeshDim::kData).get(), world.group.get());
+                            EXPECT_EQ(CollectiveDimOf(world.group.get()), Dim(MeshDim::kData));
+                          });
+  testing::RunMeshThreads(
+      MeshShape{.pp = 2, .dp = 2}, [&](int, const JoinedGroup& world, const DeviceMesh& mesh) {
+        EXPECT_EQ(CollectiveDimOf(mesh.group(MeshDim::kPipeline).get()), Dim(MeshDim::kPipeline));
+        EXPECT_EQ(CollectiveDimOf(mesh.group(MeshDim::kData).get()), Dim(MeshDim::kData));
+        EXPECT_EQ(CollectiveDimOf(world.group.get()), kWorldCollectiveDim);
+      });
+}
+
+TEST(CollectiveTimerTest, TimesFromIssueToTheEndOfTheWait) {
+  SetCollectiveTimingEnabled(true);
+  const CollectiveTable before = CollectiveSnapshot();
+  const CollectiveIssue issue = IssueCollective(CollectiveKind::kBroadcast, nullptr, 100, false);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  RecordCollective(issue);
+  const CollectiveTotals grown =
+      Since(before)[CollectiveIndex(CollectiveKind::kBroadcast, kWorldCollectiveDim)];
+  EXPECT_EQ(grown.calls, 1);
+  EXPECT_EQ(grown.bytes, 100);
+  EXPECT_GE(grown.nanos, 20'000'000);
+  EXPECT_LT(grown.nanos, 2'000'000'000);
+}
+
+TEST(CollectiveTimerTest, SwitchedOffRecordsNothing) {
+  SetCollectiveTimingEnabled(false);
+  const CollectiveTable before = CollectiveSnapshot();
+  const CollectiveIssue issue = IssueCollective(CollectiveKind::kAllToAll, nullptr, 64, false);
+  EXPECT_LT(issue.kind, 0);
+  RecordCollective(issue);
+  SetCollectiveTimingEnabled(true);
+  const CollectiveTable grown = Since(before);
+  for (const CollectiveTotals& totals : grown) EXPECT_EQ(totals.calls, 0);
+}
+
+}  // namespace
+}  // namespace tessera::trainer
