@@ -335,6 +335,8 @@ class CausalLMImpl : public torch::nn::Module {
   void set_aux_loss_scale(double scale) { aux_loss_scale_->value = scale; }
   // Sums last_router_aux_loss over `pipeline` (every stage calls it after the same forward
   // calls), so that each stage holds the whole model's value for the report. A collective.
+  // With interleaved stages (chunks > 1) a stage's value is its last chunk's only, so the sum
+  // reports part of the model's router loss (the training loss and gradients hold all of it).
   void SumRouterAuxLossOver(c10d::ProcessGroup& pipeline);
   // Token slots routed to each expert by each of this rank's layers in the last forward call,
   // int64 [local layers, num_experts]; undefined for a dense model.
