@@ -16,12 +16,6 @@ std::optional<LayoutRuleViolation> CheckModelDivisibility(const v1::ModelDims& d
                                absl::StrCat(tp, " with a mixture-of-experts model (num_experts ",
                                             dims.num_experts(), "): not supported yet, use 1")};
   }
-  if (dims.num_experts() > 0 && pipeline_parallel > 1) {
-    return LayoutRuleViolation{
-        "parallelism.layout.pipeline_parallel",
-        absl::StrCat(pipeline_parallel, " with a mixture-of-experts model (num_experts ",
-                     dims.num_experts(), "): not supported yet, use 1")};
-  }
   const struct {
     const char* name;
     int64_t value;

@@ -45,7 +45,7 @@ TEST(LayoutRulesTest, EachBrokenRuleNamesItsFieldAndDimension) {
             "parallelism.layout.tensor_parallel");
 }
 
-TEST(LayoutRulesTest, MixtureOfExpertsTrainsWithoutTensorOrPipelineSplits) {
+TEST(LayoutRulesTest, MixtureOfExpertsTrainsWithPipelineButNotTensorSplits) {
   v1::ModelDims dims = Dims(32, 8, 14336, 32);
   dims.set_num_experts(8);
   EXPECT_FALSE(CheckModelDivisibility(dims, 1, 1).has_value());
@@ -53,7 +53,10 @@ TEST(LayoutRulesTest, MixtureOfExpertsTrainsWithoutTensorOrPipelineSplits) {
   ASSERT_TRUE(tp.has_value());
   EXPECT_EQ(tp->field, "parallelism.layout.tensor_parallel");
   EXPECT_NE(tp->problem.find("mixture-of-experts"), std::string::npos) << tp->problem;
-  const auto pp = CheckModelDivisibility(dims, 1, 2);
+  // Every stage holds MoE blocks and its layers' share of the router loss.
+  EXPECT_FALSE(CheckModelDivisibility(dims, 1, 2).has_value());
+  // The pipeline split of the layers still applies.
+  const auto pp = CheckModelDivisibility(dims, 1, 3);
   ASSERT_TRUE(pp.has_value());
   EXPECT_EQ(pp->field, "parallelism.layout.pipeline_parallel");
 }

@@ -135,13 +135,23 @@ TEST(LayoutSplitTest, ContextParallelDividesActivationsAndAddsRingTraffic) {
 }
 
 TEST(LayoutSplitTest, MixtureOfExpertsChoosesExpertParallelismAndSavesTheExpertShare) {
-  // qwen3-30b-a3b on 8 x H200 with ZeRO at most 1 (what the trainer runs next to model splits):
-  // 30.5B parameters of float32 weights and gradients are 244 GB per replica, but 29.0B of them
-  // are routed experts, which ep splits.
+  // qwen3-30b-a3b on 8 x H200 with ZeRO at most 1 (what the trainer runs next to model splits)
+  // and no pipeline stages: 30.5B parameters of float32 weights and gradients are 244 GB per
+  // replica, but 29.0B of them are routed experts, which ep splits.
   const Workload w = Work(Preset("qwen3-30b-a3b"), 4096, 64);
   const ClusterShape c = Cluster("h200", 8, 8);
   SearchLimits limits;
   limits.max_zero = 1;
+  // Pipeline stages split the experts too (each stage holds its layers' experts): without ep a
+  // layout fits with pp, which the search may then prefer.
+  SearchLimits staged_limits = limits;
+  staged_limits.max_ep = 1;
+  const v1::LayoutPlan staged = ChoosePlan(SearchLayouts(w, c, staged_limits), c);
+  ASSERT_TRUE(staged.fits()) << staged.explanation();
+  EXPECT_GT(staged.layout().pipeline_parallel(), 1);
+  EXPECT_GT(staged.memory().expert_state_bytes(), 0);
+  // Without pipeline stages, ep is what makes it fit.
+  limits.max_pp = 1;
   SearchLimits no_ep = limits;
   no_ep.max_ep = 1;
   EXPECT_EQ(SearchLayouts(w, c, no_ep).fitting, 0);

@@ -4,8 +4,8 @@
 // loss and the exported weights (the logical [num_experts, ...] tensors, gathered from the ep
 // shards by the export) agree to float32 reduction-order noise. A checkpoint written at ep 2
 // resumes at ep 1 and at ep 4 with the uninterrupted run's losses. The routers' aux loss is off
-// (router_aux_loss_coef 0): each dp rank's aux term covers its own tokens, as under data
-// parallelism alone, which one process of the whole batch does not reproduce.
+// here (router_aux_loss_coef 0); tests/trainer_moe_layouts_test.cc checks it on at dp2 x ep2,
+// where each rank's per-micro-batch term equals one process's for the same micro-batch.
 
 #include <algorithm>
 #include <cmath>

@@ -121,6 +121,9 @@ ABSL_FLAG(int, num_experts, 0,
           "Standalone: make every block of a Llama-family preset a mixture of this many experts "
           "(0 keeps the preset's).");
 ABSL_FLAG(int, experts_per_token, 2, "Standalone: with --num_experts, the experts each token uses.");
+ABSL_FLAG(double, router_aux_loss_coef, 0,
+          "Standalone: with --num_experts, the weight of the routers' load-balancing loss in the "
+          "training loss.");
 ABSL_FLAG(std::string, activation_checkpointing, "none",
           "Standalone: activation recomputation: none, selective or full.");
 ABSL_FLAG(std::string, job_id, "standalone", "Standalone: job id in reports and checkpoints.");
@@ -252,6 +255,7 @@ tessera::v1::TrainerTask TaskFromFlags() {
     if (absl::GetFlag(FLAGS_num_experts) > 0) {
       dims->set_num_experts(absl::GetFlag(FLAGS_num_experts));
       dims->set_num_experts_per_token(absl::GetFlag(FLAGS_experts_per_token));
+      dims->set_router_aux_loss_coef(absl::GetFlag(FLAGS_router_aux_loss_coef));
     }
   }
   for (const auto& shard : absl::GetFlag(FLAGS_data)) spec->mutable_data()->add_train_shards(shard);

@@ -59,6 +59,9 @@ void ShardedEngine::BackwardStage(const at::Tensor& output, const at::Tensor& gr
   BeginFirstBackward();
   FirstBackwardScope first(this);
   if (grad.defined()) {
+    // A mixture-of-experts stage's own router loss joins this backward with the micro-batch's
+    // weight (AttachAuxLoss).
+    model_->set_aux_loss_scale(scale);
     output.backward(grad);
   } else {
     (output * scale).backward();

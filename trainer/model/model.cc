@@ -18,6 +18,7 @@
 #include "trainer/data/data_loader.h"
 #include "trainer/kernels/fused_ops.h"
 #include "trainer/model/linear_cross_entropy.h"
+#include "trainer/parallel/peer_wait.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -676,23 +677,32 @@ torch::Tensor CausalLMImpl::RunLayers(torch::Tensor h, const torch::Tensor& posi
 }
 
 torch::Tensor CausalLMImpl::RouterAuxLoss() {
-  // Every layer routes the same tokens, so f_e over all layers' slots is the summed counts over
-  // layers * tokens, and P_e the mean of the layers' means.
   std::vector<torch::Tensor> counts, probs;
   for (const RouterStats& stats : router_stats_) {
     counts.push_back(stats.tokens_per_expert);
     probs.push_back(stats.router_prob_mean);
   }
   const torch::Tensor per_layer = torch::stack(counts);  // [layers, experts]
-  const torch::Tensor prob_mean = torch::stack(probs).mean(0);
-  const torch::Tensor slots = per_layer.sum().to(prob_mean.scalar_type());
-  const double top_k = dims_.num_experts_per_token();
-  // f_e sums to top_k: a share of the tokens (slots / top_k), not of the slots.
-  const torch::Tensor fraction = per_layer.sum(0).to(prob_mean.scalar_type()) * top_k / slots;
-  torch::Tensor aux = static_cast<double>(dims_.num_experts()) * (fraction * prob_mean).sum();
+  const torch::Tensor prob_mean = torch::stack(probs);   // [layers, experts]
+  // f_le sums to top_k over e: a share of the layer's tokens (its slots / top_k), not of its
+  // slots. Every layer of a forward call routes the same tokens.
+  const torch::Tensor tokens =
+      per_layer.sum(1, /*keepdim=*/true).to(prob_mean.scalar_type()) /
+      static_cast<double>(dims_.num_experts_per_token());
+  const torch::Tensor fraction = per_layer.to(prob_mean.scalar_type()) / tokens;
+  // This call's layers' share of the mean over all the model's layers (see the header).
+  torch::Tensor aux = static_cast<double>(dims_.num_experts()) * (fraction * prob_mean).sum() /
+                      static_cast<double>(dims_.num_layers());
   last_router_aux_loss_ = aux.detach();
   last_tokens_per_expert_ = per_layer;
   return aux;
+}
+
+void CausalLMImpl::SumRouterAuxLossOver(c10d::ProcessGroup& pipeline) {
+  if (!last_router_aux_loss_.defined()) return;
+  std::vector<torch::Tensor> tensors{last_router_aux_loss_.clone()};
+  WaitForPeers(pipeline.allreduce(tensors));
+  last_router_aux_loss_ = tensors[0];
 }
 
 torch::Tensor CausalLMImpl::HeadLoss(const torch::Tensor& hidden, const torch::Tensor& targets) {
@@ -732,13 +742,19 @@ torch::Tensor CausalLMImpl::StageForward(const torch::Tensor& input, const torch
   }
   h = RunLayers(std::move(h), positions, chunk * partition_.num_layers,
                 (chunk + 1) * partition_.num_layers);
-  if (!heads) return h;
+  // A stage's router loss covers its own layers (RouterAuxLoss): the gradient of each layer's
+  // term flows in the stage that routed with it, and the stages' terms add up to the model's.
+  torch::Tensor aux;
+  if (!router_stats_.empty()) aux = RouterAuxLoss();
+  const bool adds_aux =
+      aux.defined() && is_training() && dims_.router_aux_loss_coef() != 0;
+  if (!heads) {
+    return adds_aux ? AttachAuxLoss(h, dims_.router_aux_loss_coef() * aux, aux_loss_scale_.get())
+                    : h;
+  }
   TORCH_CHECK(targets.defined(), "the last stage needs targets");
   torch::Tensor loss = HeadLoss(h, targets);
-  if (router_stats_.empty()) return loss;
-  TORCH_CHECK(partition_.embedding, "a mixture-of-experts model runs without pipeline stages");
-  torch::Tensor aux = RouterAuxLoss();
-  if (!is_training() || dims_.router_aux_loss_coef() == 0) return loss;
+  if (!adds_aux) return loss;
   return loss + dims_.router_aux_loss_coef() * aux.to(loss.scalar_type());
 }
 

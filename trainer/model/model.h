@@ -317,13 +317,27 @@ class CausalLMImpl : public torch::nn::Module {
   // and the loss with the last.
   torch::Tensor StageForward(const torch::Tensor& input, const torch::Tensor& targets,
                              const torch::Tensor& positions = {}, int chunk = 0);
-  // Mixture-of-experts models: the routers' load-balancing loss of the last forward call (on this
-  // rank's layers), detached: transformers' load_balancing_loss_func over every layer's routing at
-  // once, num_experts * sum_e f_e P_e with f_e the share of token slots routed to expert e and P_e
-  // its mean router probability over all layers' tokens. In training mode (is_training()) the
-  // loss StageForward and Loss return adds router_aux_loss_coef times it (differentiable through
-  // P), as transformers' MoE models do. Undefined for a dense model or before a forward.
+  // Mixture-of-experts models: the routers' load-balancing loss of the last forward call on this
+  // rank's layers, detached. Each layer's loss is transformers' load_balancing_loss_func on that
+  // layer's routing alone, num_experts * sum_e f_e P_e (f_e the share of the layer's tokens
+  // routed to expert e, P_e its mean router probability); the model's loss is their mean over
+  // the model's num_layers, as Megatron-Core averages per-layer losses (transformers instead
+  // pools every layer's routing before taking f and P, which no pipeline stage could compute on
+  // its own layers). A stage's value is its layers' sum / num_layers, so the stages' values add
+  // up to the model's (SumRouterAuxLossOver). In training mode (is_training()) the loss
+  // StageForward and Loss return adds router_aux_loss_coef times it (differentiable through P);
+  // a stage that is not the last joins its term to the backward through its output
+  // (AttachAuxLoss, scaled by set_aux_loss_scale). Undefined for a dense model or before a
+  // forward.
   torch::Tensor last_router_aux_loss() const { return last_router_aux_loss_; }
+  // The loss weight of the micro-batch whose stage backward runs next (AuxLossScale); the engine
+  // sets it before each backward of a pipeline stage.
+  void set_aux_loss_scale(double scale) { aux_loss_scale_->value = scale; }
+  // Sums last_router_aux_loss over `pipeline` (every stage calls it after the same forward
+  // calls), so that each stage holds the whole model's value for the report. A collective.
+  // With interleaved stages (chunks > 1) a stage's value is its last chunk's only, so the sum
+  // reports part of the model's router loss (the training loss and gradients hold all of it).
+  void SumRouterAuxLossOver(c10d::ProcessGroup& pipeline);
   // Token slots routed to each expert by each of this rank's layers in the last forward call,
   // int64 [local layers, num_experts]; undefined for a dense model.
   torch::Tensor last_tokens_per_expert() const { return last_tokens_per_expert_; }
@@ -412,6 +426,8 @@ class CausalLMImpl : public torch::nn::Module {
   LayerHooks* hooks_ = nullptr;
   std::vector<RouterStats> router_stats_;  // RunLayers' last call, one per MoE layer
   torch::Tensor last_router_aux_loss_, last_tokens_per_expert_;
+  // Heap-held so that the address AttachAuxLoss nodes keep survives moves of the module.
+  std::unique_ptr<AuxLossScale> aux_loss_scale_ = std::make_unique<AuxLossScale>();
 };
 TORCH_MODULE(CausalLM);
 

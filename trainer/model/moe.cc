@@ -1,5 +1,7 @@
 #include "trainer/model/moe.h"
 
+#include <torch/csrc/autograd/custom_function.h>
+
 #include <memory>
 #include <numeric>
 #include <string>
@@ -55,6 +57,25 @@ torch::Tensor SwiGlu(const torch::Tensor& x, const torch::Tensor& gate, const to
 int64_t SharedWidth(const MoeOptions& options) {
   return options.num_shared_experts * options.shared_intermediate_size;
 }
+
+// AttachAuxLoss's node. The scale is read when the backward runs, not when the forward did: in a
+// 1F1B schedule the backwards of a stage's micro-batches come later and in their own order.
+struct AttachAuxLossFunction : torch::autograd::Function<AttachAuxLossFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& aux, int64_t scale) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["aux_dtype"] = static_cast<int64_t>(aux.scalar_type());
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto* scale =
+        reinterpret_cast<const AuxLossScale*>(ctx->saved_data["scale"].toInt());
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["aux_dtype"].toInt());
+    return {grads[0], torch::full({}, scale->value, grads[0].options().dtype(dtype)),
+            torch::Tensor()};
+  }
+};
 
 }  // namespace
 
@@ -262,6 +283,13 @@ MoeOutput MoeLayerImpl::forward(const torch::Tensor& x) {
       static_cast<double>(options_.num_experts);
   out.weighted_aux_loss = out.aux_loss * options_.aux_loss_coef;
   return out;
+}
+
+torch::Tensor AttachAuxLoss(const torch::Tensor& x, const torch::Tensor& aux,
+                            const AuxLossScale* scale) {
+  TORCH_CHECK(aux.dim() == 0, "the router loss must be a scalar, got ", aux.sizes());
+  TORCH_CHECK(scale != nullptr, "AttachAuxLoss needs a scale");
+  return AttachAuxLossFunction::apply(x, aux, reinterpret_cast<int64_t>(scale));
 }
 
 std::string HfMoeBlockName(HfMoeFamily family) {

@@ -160,6 +160,24 @@ class MoeLayerImpl : public torch::nn::Module {
 };
 TORCH_MODULE(MoeLayer);
 
+// The gradient scale of a pipeline stage's router loss (Megatron-Core's MoEAuxLossAutoScaler):
+// the loss weight of the micro-batch whose backward runs next. A middle stage's backward starts
+// from the gradient its successor sends, which carries the cross-entropy's weight but not the
+// stage's own router term, so the engine says the weight here before each stage backward.
+// Shared by the model and the AttachAuxLoss nodes of its forward calls; single-threaded, as the
+// module.
+struct AuxLossScale {
+  double value = 1.0;
+};
+
+// x itself in forward (a new tensor with x's values); in backward x's gradient passes through and
+// `aux` (a scalar, already multiplied by router_aux_loss_coef) receives scale->value as its
+// gradient, as if the stage's output were the loss plus `aux`. A pipeline stage that is not the
+// last joins its layers' router loss to the backward through its output this way.
+// `scale` must outlive the autograd graph (the model owns it).
+torch::Tensor AttachAuxLoss(const torch::Tensor& x, const torch::Tensor& aux,
+                            const AuxLossScale* scale);
+
 // The Hugging Face families whose MoE blocks this layer reads and writes.
 enum class HfMoeFamily {
   // Qwen3MoeForCausalLM, and Qwen2MoeForCausalLM for the shared expert: the block is

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -104,6 +105,64 @@ TEST(MoeModelTest, FullCheckpointingKeepsLossAndEveryGradient) {
   CausalLM unweighted = MakeModel(TinyMoeDims(0.0));
   unweighted->Loss(tokens, targets).backward();
   EXPECT_FALSE(torch::allclose(unweighted->named_parameters()["layers.0.mlp.router.weight"].grad(),
+                               expected["layers.0.mlp.router.weight"].grad(), 1e-5, 1e-7));
+}
+
+// Two pipeline stages in one process, one layer each, against the whole model: the stages'
+// router losses add up to the whole model's, and with the first stage's term joined to its
+// backward through its output (AttachAuxLoss, at the micro-batch's loss weight) every gradient,
+// the first layer's router included, is the whole model's.
+TEST(MoeModelTest, PipelineStagesSplitTheRouterLossAndItsGradients) {
+  const v1::ModelDims dims = TinyMoeDims(0.5);
+  ASSERT_EQ(dims.num_layers(), 2);
+  torch::manual_seed(5);
+  const torch::Tensor tokens = torch::randint(dims.vocab_size(), {2, 16}, torch::kLong);
+  const torch::Tensor targets = torch::randint(dims.vocab_size(), {2, 16}, torch::kLong);
+  const double weight = 0.25;  // the micro-batch's loss weight
+  CausalLM whole = MakeModel(dims);
+  const torch::Tensor whole_loss = whole->Loss(tokens, targets);
+  (whole_loss * weight).backward();
+
+  torch::manual_seed(11);
+  CausalLM first(dims, 0.02, ModelPartition{.first_layer = 0, .num_layers = 1, .head = false});
+  torch::manual_seed(11);
+  CausalLM last(dims, 0.02, ModelPartition{.first_layer = 1, .num_layers = 1, .embedding = false});
+  const torch::Tensor sent = first->StageForward(tokens, {});
+  const torch::Tensor received = sent.detach().requires_grad_();
+  const torch::Tensor last_loss = last->StageForward(received, targets);
+  (last_loss * weight).backward();
+  first->set_aux_loss_scale(weight);
+  sent.backward(received.grad());
+
+  const double first_aux = first->last_router_aux_loss().item<double>();
+  const double last_aux = last->last_router_aux_loss().item<double>();
+  EXPECT_GT(first_aux, 0);
+  EXPECT_NEAR(first_aux + last_aux, whole->last_router_aux_loss().item<double>(), 1e-6);
+  // The step's loss: the last stage's output plus the earlier stages' weighted router losses.
+  EXPECT_NEAR(last_loss.item<double>() + 0.5 * first_aux, whole_loss.item<double>(), 1e-6);
+  const auto expected = whole->named_parameters();
+  // Tied embeddings: each end stage holds a copy, whose gradients the engine sums.
+  ASSERT_TRUE(dims.tie_embeddings());
+  const torch::Tensor embed_grad = first->named_parameters()["embed.weight"].grad() +
+                                   last->named_parameters()["embed.weight"].grad();
+  EXPECT_TRUE(torch::allclose(embed_grad, expected["embed.weight"].grad(), 1e-5, 1e-7));
+  std::set<std::string> compared;
+  for (CausalLM* stage : {&first, &last}) {
+    for (const auto& item : (*stage)->named_parameters()) {
+      if (item.key() == "embed.weight") continue;
+      const torch::Tensor want = expected[item.key()].grad();
+      ASSERT_TRUE(want.defined() && item.value().grad().defined()) << item.key();
+      EXPECT_TRUE(torch::allclose(item.value().grad(), want, 1e-5, 1e-7)) << item.key();
+      compared.insert(item.key());
+    }
+  }
+  EXPECT_EQ(compared.size() + 1, expected.size());
+  // Without the scale the first router's gradient misses its load-balancing term.
+  torch::manual_seed(11);
+  CausalLM unscaled(dims, 0.02, ModelPartition{.first_layer = 0, .num_layers = 1, .head = false});
+  unscaled->set_aux_loss_scale(0);
+  unscaled->StageForward(tokens, {}).backward(received.grad());
+  EXPECT_FALSE(torch::allclose(unscaled->named_parameters()["layers.0.mlp.router.weight"].grad(),
                                expected["layers.0.mlp.router.weight"].grad(), 1e-5, 1e-7));
 }
 

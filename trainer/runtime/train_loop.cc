@@ -83,6 +83,15 @@ at::Tensor TrainLoop::PositionsOf(MicroBatch& mb, int seq) {
   return mb.positions.empty() ? at::Tensor() : ToDevice(mb.positions, mb.batch_size, seq);
 }
 
+void TrainLoop::AddStageRouterLoss(at::Tensor& step_loss, double weight) {
+  // A mixture-of-experts stage before the last adds its layers' weighted router loss to the
+  // step's loss, as the last stage's output holds its own; the step's all-reduce sums them.
+  const double coef = run_.model->dims().router_aux_loss_coef();
+  const at::Tensor aux = run_.model->last_router_aux_loss();
+  if (coef == 0 || !aux.defined()) return;
+  step_loss += aux.to(step_loss.device(), torch::kFloat32) * (coef * weight);
+}
+
 at::Tensor TrainLoop::ForwardBackward(std::vector<MicroBatch>& micro_batches) {
   const int accumulation = static_cast<int>(micro_batches.size());
   ShardedEngine& engine = *run_.engine;
@@ -106,6 +115,8 @@ at::Tensor TrainLoop::ForwardBackward(std::vector<MicroBatch>& micro_batches) {
               PositionsOf(mb, mb.seq_len), chunk);
           if (pipeline.last(chunk)) {
             step_loss += output.detach().to(torch::kFloat32) * LossWeight(mb);
+          } else {
+            AddStageRouterLoss(step_loss, LossWeight(mb));
           }
           return output;
         },
@@ -145,6 +156,10 @@ absl::StatusOr<double> TrainLoop::TrainStep(double learning_rate, double* grad_n
   const ContextParallel cp = ContextParallelOf(run_.mesh);
   for (MicroBatch& mb : micro_batches) KeepContextParallelPart(mb, cp);
   at::Tensor step_loss = ForwardBackward(micro_batches);
+  if (run_.pipeline.has_value() && run_.model->dims().num_experts() > 0) {
+    // Each stage reported its own layers' share of the router loss; the report shows the model's.
+    run_.model->SumRouterAuxLossOver(*run_.mesh.group(MeshDim::kPipeline));
+  }
   if (run_.group.has_value()) {
     // The last pipeline stage's ranks hold the weighted losses, every tp rank the same value;
     // the weights already divide by the dp group's counted targets.

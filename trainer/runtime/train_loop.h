@@ -43,6 +43,9 @@ class TrainLoop {
   // Forward and backward of the step's micro-batches; returns this rank's share of the step's
   // loss (each micro-batch's mean loss times its LossWeight).
   at::Tensor ForwardBackward(std::vector<MicroBatch>& micro_batches);
+  // Under pipeline parallelism, on a stage's forward that is not the last: adds the stage's
+  // router loss times router_aux_loss_coef and `weight` (mixture-of-experts models only).
+  void AddStageRouterLoss(at::Tensor& step_loss, double weight);
   // Every rank's RankStepMetrics of step_, and rank 0's StepMetrics (with `breakdown` too); logs
   // rank 0's breakdown every kBreakdownLogInterval steps.
   void ReportStep(double loss, double grad_norm, double learning_rate, double seconds,
