@@ -701,7 +701,9 @@ torch::Tensor CausalLMImpl::RouterAuxLoss() {
 void CausalLMImpl::SumRouterAuxLossOver(c10d::ProcessGroup& pipeline) {
   if (!last_router_aux_loss_.defined()) return;
   std::vector<torch::Tensor> tensors{last_router_aux_loss_.clone()};
-  WaitForPeers(pipeline.allreduce(tensors));
+  const CollectiveIssue issue = IssueCollective(CollectiveKind::kAllReduce, &pipeline,
+                                                TensorBytes(tensors), tensors[0].is_cuda());
+  WaitForPeers(pipeline.allreduce(tensors), issue);
   last_router_aux_loss_ = tensors[0];
 }
 
