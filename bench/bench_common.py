@@ -217,7 +217,7 @@ def tail(path, lines=15):
 
 
 def run_ranks(trainer, task_path, world, threads, workdir, label, timeout, poll_seconds,
-              on_poll=None):
+              on_poll=None, args=()):
     """Starts `world` ranks of one job and waits for all of them, looking every poll_seconds.
     Returns the 1-minute load average before the launch and, per rank, a dict: rank, the paths of
     its stdout and stderr (out, err), what the kernel counted for its process (rusage, from
@@ -225,7 +225,7 @@ def run_ranks(trainer, task_path, world, threads, workdir, label, timeout, poll_
     given, is called at every look before the ranks are waited on; a rank's dict has "rusage"
     once it has ended, "popen" throughout, and keeps what on_poll stores in it. BenchError with
     the failing rank's output on a failure, or after `timeout` seconds (the other ranks are
-    killed: they would wait on the dead one)."""
+    killed: they would wait on the dead one). `args`: more trainer flags, for every rank."""
     port = free_port()
     load_before = os.getloadavg()[0]
     procs = []
@@ -235,7 +235,7 @@ def run_ranks(trainer, task_path, world, threads, workdir, label, timeout, poll_
             err = os.path.join(workdir, f"{label}.rank{rank}.err")
             with open(out, "w") as out_f, open(err, "w") as err_f:
                 procs.append({"rank": rank, "out": out, "err": err, "popen": subprocess.Popen(
-                    [trainer, f"--task={task_path}"], stdout=out_f, stderr=err_f,
+                    [trainer, f"--task={task_path}", *args], stdout=out_f, stderr=err_f,
                     env=rank_env(threads, rank, world, port), cwd=REPO_ROOT)})
         start = time.perf_counter()
         while any("rusage" not in p for p in procs):

@@ -164,7 +164,8 @@ TEST_F(JobManagerTest, CommitObserverSeesEachCommittedChangeAsStored) {
   v1::Checkpoint checkpoint;
   checkpoint.set_step(1);
   ASSERT_THAT(jobs_->RecordReports(job_id, {Point(1, 3.0)}, {}, {checkpoint}), IsOk());
-  const auto batch = jobs_->TransitionAll({{job_id, v1::JOB_STATE_SUCCEEDED, "done"}});
+  const auto batch =
+      jobs_->TransitionAll({{job_id, v1::JOB_STATE_SUCCEEDED, "done", nullptr, nullptr}});
   ASSERT_THAT(batch[0].status(), IsOk());
   EXPECT_FALSE(jobs_->Transition(job_id, v1::JOB_STATE_RUNNING, "again").ok());
   ASSERT_THAT(seen, SizeIs(4));

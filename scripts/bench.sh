@@ -53,6 +53,7 @@ benches=(
   "fault|$TESSERA_BENCH_PYTHON bench/fault_bench.py|cpu"
   "lora|$TESSERA_BENCH_PYTHON bench/lora_bench.py|cpu"
   "moe|$TESSERA_BENCH_PYTHON bench/moe_bench.py|cpu"
+  "breakdown|$TESSERA_BENCH_PYTHON bench/breakdown_bench.py|cpu"
   "control-plane|$build_dir/bench/control_plane_bench --coordinator=$build_dir/bin/tessera-coordinator|cpu"
 )
 status=0

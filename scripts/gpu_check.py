@@ -90,6 +90,7 @@ GPU_TESTS = (
     ("fused_ops_gpu_test", "*"),          # fused RMSNorm / rotary / SwiGLU kernels vs ATen
     ("async_checkpoint_test", "*"),       # a save's copy on its own stream, overlapping a step
     ("deferred_init_test", "*Gpu*"),      # a ZeRO-3 rank allocates its shards, not the model
+    ("collective_timer_test", "*Gpu*"),   # collectives timed with CUDA events, never waiting
 )
 # A skip that is expected on a machine with a GPU: the case checks life without NVML.
 EXPECTED_SKIPS = {"GpuInventoryTest.LoadNvmlWithoutNvmlReturnsNullWithReason"}

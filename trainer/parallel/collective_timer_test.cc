@@ -1,12 +1,18 @@
 // The collective table on real Gloo groups, ranks as threads (mesh_threads.h): a tensor-parallel
 // all-reduce issued by the model's own code path lands in all_reduce/tp with its bytes, a dp
 // all-reduce in all_reduce/dp, and nothing elsewhere; a dp-only job's dp group, which is also
-// the world group, reads "dp"; timing switched off records nothing.
+// the world group, reads "dp"; timing switched off records nothing. On a GPU (skipped without
+// one): a collective on CUDA tensors is timed by events read a step later, never by waiting.
 #include "trainer/parallel/collective_timer.h"
 
 #include <chrono>
 #include <thread>
 #include <vector>
+
+#if TESSERA_WITH_CUDA
+#include <ATen/cuda/Sleep.h>
+#include <torch/cuda.h>
+#endif
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -114,6 +120,38 @@ TEST(CollectiveTimerTest, SwitchedOffRecordsNothing) {
   SetCollectiveTimingEnabled(true);
   const CollectiveTable grown = Since(before);
   for (const CollectiveTotals& totals : grown) EXPECT_EQ(totals.calls, 0);
+}
+
+// The stream is held busy (a spinning kernel) across the collective's window: recording and
+// polling return at once and add nothing while the events have not completed; once the stream
+// has drained, a poll adds the call with the GPU time between the events.
+TEST(CollectiveTimerTest, GpuTimesWithEventsReadAStepLaterWithoutWaiting) {
+#if TESSERA_WITH_CUDA
+  if (torch::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device visible";
+  SetCollectiveTimingEnabled(true);
+  PollCollectiveEvents();
+  const CollectiveTable before = CollectiveSnapshot();
+  const auto host_start = std::chrono::steady_clock::now();
+  const CollectiveIssue issue = IssueCollective(CollectiveKind::kAllReduce, nullptr, 4096, true);
+  EXPECT_GE(issue.cuda_event, 0);
+  at::cuda::sleep(int64_t{1} << 30);  // about half a second on a recent GPU
+  RecordCollective(issue);
+  PollCollectiveEvents();
+  const double host_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - host_start).count();
+  const int index = CollectiveIndex(CollectiveKind::kAllReduce, kWorldCollectiveDim);
+  EXPECT_EQ(Since(before)[index].calls, 0) << "polled before the stream drained";
+  torch::cuda::synchronize();
+  PollCollectiveEvents();
+  const CollectiveTotals grown = Since(before)[index];
+  EXPECT_EQ(grown.calls, 1);
+  EXPECT_EQ(grown.bytes, 4096);
+  const double gpu_seconds = static_cast<double>(grown.nanos) * 1e-9;
+  EXPECT_GT(gpu_seconds, 0.05);
+  EXPECT_LT(host_seconds, gpu_seconds / 2) << "recording or polling waited for the GPU";
+#else
+  GTEST_SKIP() << "built without CUDA";
+#endif
 }
 
 }  // namespace
