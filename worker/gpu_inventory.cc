@@ -133,10 +133,15 @@ std::string ResolveApi(void* library, NvmlApi& api) {
   if (!Resolve(library, "nvmlDeviceGetCurrentClocksEventReasons", &api.get_clock_reasons)) {
     Resolve(library, "nvmlDeviceGetCurrentClocksThrottleReasons", &api.get_clock_reasons);
   }
-  const bool events = Resolve(library, "nvmlEventSetCreate", &api.event_set_create) &
-                      Resolve(library, "nvmlDeviceRegisterEvents", &api.register_events) &
-                      Resolve(library, "nvmlEventSetWait_v2", &api.event_set_wait) &
-                      Resolve(library, "nvmlEventSetFree", &api.event_set_free);
+  // Every one resolved (no short circuit); Xid events need all four.
+  bool events = true;
+  for (const bool resolved :
+       {Resolve(library, "nvmlEventSetCreate", &api.event_set_create),
+        Resolve(library, "nvmlDeviceRegisterEvents", &api.register_events),
+        Resolve(library, "nvmlEventSetWait_v2", &api.event_set_wait),
+        Resolve(library, "nvmlEventSetFree", &api.event_set_free)}) {
+    events = events && resolved;
+  }
   if (!events) api.event_set_create = nullptr;
   for (const Required& symbol : required) {
     if (!symbol.found) return symbol.name;

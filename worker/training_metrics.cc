@@ -145,11 +145,11 @@ std::vector<prometheus::MetricFamily> TrainingMetrics::Collect() const {
   for (const RunningRank& rank : running) seen_running_[rank.job_id] = now;
   const absl::Time cutoff = now - retention_;
   std::erase_if(seen_running_, [cutoff](const auto& entry) { return entry.second < cutoff; });
-  // Under mu_; the lambda's body is not seen by the thread-safety analysis as holding it.
-  const std::map<std::string, absl::Time>& seen_running = seen_running_;
-  std::erase_if(series_, [&](const auto& entry) {
-    return entry.second.updated < cutoff && !seen_running.contains(entry.first.first);
-  });
+  // A loop rather than erase_if: the thread-safety analysis does not see a lambda hold mu_.
+  for (auto it = series_.begin(); it != series_.end();) {
+    const bool stale = it->second.updated < cutoff && !seen_running_.contains(it->first.first);
+    it = stale ? series_.erase(it) : std::next(it);
+  }
 
   Families families;
   for (const GaugeSpec& spec : kStepGauges) {

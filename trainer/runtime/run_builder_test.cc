@@ -358,16 +358,22 @@ TEST(RunTrainingTest, TrainsTheBuiltRunAndReportsEveryStep) {
   EXPECT_EQ(result->start_step, 0);
   EXPECT_EQ(result->final_step, 2);
   const std::vector<v1::TrainerReport> reports = sink.reports();
-  ASSERT_EQ(reports.size(), 4u);
+  // Started; per step this rank's RankStepMetrics, then (rank 0) the job's StepMetrics; finished.
+  ASSERT_EQ(reports.size(), 6u);
   EXPECT_TRUE(reports[0].has_started());
   for (int step = 1; step <= 2; ++step) {
-    ASSERT_TRUE(reports[step].has_metrics());
-    EXPECT_EQ(reports[step].metrics().step(), step);
-    EXPECT_GT(reports[step].metrics().loss(), 0);
+    const v1::TrainerReport& rank_step = reports[2 * step - 1];
+    ASSERT_TRUE(rank_step.has_rank_step());
+    EXPECT_EQ(rank_step.rank_step().step(), step);
+    EXPECT_GT(rank_step.rank_step().breakdown().forward_seconds(), 0);
+    const v1::TrainerReport& metrics = reports[2 * step];
+    ASSERT_TRUE(metrics.has_metrics());
+    EXPECT_EQ(metrics.metrics().step(), step);
+    EXPECT_GT(metrics.metrics().loss(), 0);
   }
-  ASSERT_TRUE(reports[3].has_finished());
-  EXPECT_EQ(reports[3].finished().final_loss(), result->final_loss);
-  EXPECT_EQ(reports[3].finished().final_loss(), reports[2].metrics().loss());
+  ASSERT_TRUE(reports[5].has_finished());
+  EXPECT_EQ(reports[5].finished().final_loss(), result->final_loss);
+  EXPECT_EQ(reports[5].finished().final_loss(), reports[4].metrics().loss());
 }
 
 // Threads as the ranks of a pp 2 x tp 2 mesh on in-process Gloo: each rank's tensor split and
