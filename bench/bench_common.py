@@ -399,3 +399,58 @@ def in_workdir(bench_name, workdir, keep_workdir, measure):
             print(f"{bench_name}: work directory kept: {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --- one-process runs from a Hugging Face model against PyTorch (moe_bench, lora_bench) -------
+
+
+def run_init_from(trainer, config, model_dir, shards, job, extra_args=(), timeout=900):
+    """One standalone tessera-trainer run from the save_pretrained model in model_dir: config's
+    untimed + timed steps of batch x seq_len in one micro-batch, AdamW (lr, weight decay 0.1, clip
+    1.0). Returns its step times and the largest peak memory it reported (peak RSS on CPU)."""
+    steps = config["untimed_steps"] + config["timed_steps"]
+    args = [trainer, f"--init_from={model_dir}", f"--data={shards}", f"--steps={steps}",
+            f"--seq_len={config['seq_len']}", f"--global_batch={config['batch']}",
+            f"--micro_batch={config['batch']}", f"--lr={config['lr']}", "--warmup=1",
+            "--weight_decay=0.1", "--grad_clip=1.0", f"--job_id={job}", *extra_args]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise BenchError(f"{job}: tessera-trainer failed:\n{result.stderr[-2000:]}")
+    metrics = [r["metrics"] for r in parse_reports(result.stdout, job) if "metrics" in r]
+    return {"step_times": [float(m["step_time_seconds"]) for m in metrics],
+            "peak_rss_bytes": max(int(m.get("peak_memory_bytes", 0)) for m in metrics)}
+
+
+def timed_tokens_per_second(run, config):
+    """Tokens of a run's timed steps (after config's untimed ones) over their summed time."""
+    timed = run["step_times"][config["untimed_steps"]:]
+    return config["batch"] * config["seq_len"] * len(timed) / sum(timed)
+
+
+def report_sides(bench_name, config, figures, ratios_of, trainer, started):
+    """Prints each side's median tokens/s and peak RSS over its runs (figures: side -> runs) and
+    the ratios ratios_of(medians) names, and writes them with every run's spread to
+    $TESSERA_BENCH_RESULTS/<bench_name>.json (else build/bench/results)."""
+    medians = {side: statistics.median(r["tokens_per_second"] for r in runs)
+               for side, runs in figures.items()}
+    memory = {side: statistics.median(r["peak_rss_bytes"] for r in runs)
+              for side, runs in figures.items()}
+    ratios = ratios_of(medians)
+    print(f"{bench_name}: median tokens/s: " +
+          ", ".join(f"{s} {medians[s]:.0f}" for s in figures))
+    print(f"{bench_name}: median peak RSS MiB: " +
+          ", ".join(f"{s} {memory[s] / 2**20:.0f}" for s in figures))
+    for name, value in ratios.items():
+        print(f"{bench_name}: {name} = {value:.3f}")
+    results = {
+        "benchmark": bench_name, "config": config, "ratios": ratios,
+        "tokens_per_second": {s: spread([r["tokens_per_second"] for r in runs])
+                              for s, runs in figures.items()},
+        "peak_rss_bytes": {s: spread([r["peak_rss_bytes"] for r in runs])
+                           for s, runs in figures.items()},
+        "wall_seconds": time.time() - started,
+        **provenance(trainer, trainer),
+    }
+    results_dir = os.environ.get(RESULTS_ENV) or os.path.join(REPO_ROOT, "build", "bench",
+                                                              "results")
+    write_results(results, results_dir, f"{bench_name}.json", bench_name)

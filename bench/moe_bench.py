@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,21 +89,6 @@ def run_eager_side(model_dir):
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 
 
-def run_tessera(trainer, model_dir, shards, job):
-    steps = CONFIG["untimed_steps"] + CONFIG["timed_steps"]
-    args = [trainer, f"--init_from={model_dir}", f"--data={shards}", f"--steps={steps}",
-            f"--seq_len={CONFIG['seq_len']}", f"--global_batch={CONFIG['batch']}",
-            f"--micro_batch={CONFIG['batch']}", f"--lr={CONFIG['lr']}", "--warmup=1",
-            "--weight_decay=0.1", "--grad_clip=1.0", f"--job_id={job}"]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=900)
-    if result.returncode != 0:
-        raise bench_common.BenchError(f"{job}: tessera-trainer failed:\n{result.stderr[-2000:]}")
-    reports = bench_common.parse_reports(result.stdout, job)
-    metrics = [r["metrics"] for r in reports if "metrics" in r]
-    return {"step_times": [float(m["step_time_seconds"]) for m in metrics],
-            "peak_rss_bytes": max(int(m.get("peak_memory_bytes", 0)) for m in metrics)}
-
-
 def run_eager(model_dir, job):
     result = subprocess.run([sys.executable, os.path.abspath(__file__), "--side", "eager",
                              "--model_dir", model_dir, f"--timed_steps={CONFIG['timed_steps']}",
@@ -113,11 +97,6 @@ def run_eager(model_dir, job):
     if result.returncode != 0:
         raise bench_common.BenchError(f"{job}: failed:\n{result.stderr[-2000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def tokens_per_second(run):
-    timed = run["step_times"][CONFIG["untimed_steps"]:]
-    return CONFIG["batch"] * CONFIG["seq_len"] * len(timed) / sum(timed)
 
 
 def main():
@@ -153,33 +132,17 @@ def main():
             for side in SIDES:
                 job = f"moe-{side}-{run}"
                 if side == "tessera":
-                    result = run_tessera(trainer, model_dir, shards, job)
+                    result = bench_common.run_init_from(trainer, CONFIG, model_dir, shards, job)
                 else:
                     result = run_eager(model_dir, job)
-                result["tokens_per_second"] = tokens_per_second(result)
+                result["tokens_per_second"] = bench_common.timed_tokens_per_second(result, CONFIG)
                 figures[side].append(result)
                 print(f"  run {run}: {side:8s} {result['tokens_per_second']:8.0f} tokens/s, "
                       f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB", flush=True)
-    medians = {side: statistics.median(r["tokens_per_second"] for r in figures[side])
-               for side in SIDES}
-    memory = {side: statistics.median(r["peak_rss_bytes"] for r in figures[side])
-              for side in SIDES}
-    ratio = medians["tessera"] / medians["eager"]
-    print("moe: median tokens/s: " + ", ".join(f"{s} {medians[s]:.0f}" for s in SIDES))
-    print("moe: median peak RSS MiB: " + ", ".join(f"{s} {memory[s] / 2**20:.0f}" for s in SIDES))
-    print(f"moe: tessera_vs_eager = {ratio:.3f}")
-    results = {
-        "benchmark": "moe", "config": CONFIG, "ratios": {"tessera_vs_eager": ratio},
-        "tokens_per_second": {s: bench_common.spread([r["tokens_per_second"] for r in figures[s]])
-                              for s in SIDES},
-        "peak_rss_bytes": {s: bench_common.spread([r["peak_rss_bytes"] for r in figures[s]])
-                           for s in SIDES},
-        "wall_seconds": time.time() - started,
-        **bench_common.provenance(trainer, trainer),
-    }
-    results_dir = os.environ.get(bench_common.RESULTS_ENV) or os.path.join(
-        bench_common.REPO_ROOT, "build", "bench", "results")
-    bench_common.write_results(results, results_dir, "moe.json", "moe")
+    bench_common.report_sides(
+        "moe", CONFIG, figures,
+        lambda medians: {"tessera_vs_eager": medians["tessera"] / medians["eager"]}, trainer,
+        started)
     return 0
 
 

@@ -30,15 +30,14 @@ try:
     import peft
     import torch
     import transformers
-    from safetensors import safe_open
     from safetensors.torch import load_file
-    from hf_tiny_models import TOKENS, logits_of, make_model, run, tiny_moe_configs
+    from hf_tiny_models import (assert_adapter_only_checkpoint, check_merged_export,
+                                check_peft_logits, make_model, run, tiny_moe_configs)
 except ImportError as error:  # pragma: no cover - depends on the venv
     print(f"SKIP: {error} (scripts/bootstrap.sh installs transformers and peft into the torch "
           "venv)")
     sys.exit(77)
 
-TOLERANCE = 1e-4
 # model: (MoE block name, expert projection names, the spec's target_modules)
 CASES = {
     "qwen3_moe": ("mlp", ["gate_proj", "up_proj", "down_proj"],
@@ -59,11 +58,7 @@ def check_model(trainer, tmp, name, config, seed, shards, failures):
         "--export_format=hf", "--export_merged", f"--job_id=moe-lora-{name}")
 
     # Only adapters (and their moments) are checkpointed: the base is frozen.
-    final = sorted(glob.glob(os.path.join(ckpt, "step-*")))[-1]
-    with safe_open(os.path.join(final, "rank-00000.safetensors"), "pt") as f:
-        names = [n for n in f.keys() if n.startswith(("model/", "exp_avg/", "exp_avg_sq/"))]
-    frozen = [n for n in names if not n.endswith((".lora_a", ".lora_b"))]
-    assert names and not frozen, f"checkpoint holds non-adapter tensors: {frozen[:5]}"
+    names = assert_adapter_only_checkpoint(sorted(glob.glob(os.path.join(ckpt, "step-*")))[-1])
     assert any(".mlp.experts." in n for n in names), names[:10]
 
     # An A and a B per expert, layer and projection, each B trained away from zero.
@@ -88,32 +83,10 @@ def check_model(trainer, tmp, name, config, seed, shards, failures):
     if untrained:
         failures.append(f"{name}: adapters that did not train: {untrained[:4]}")
 
-    peft_model = peft.PeftModel.from_pretrained(model, adapter).eval()
-    peft_logits = logits_of(peft_model)
-    ours = os.path.join(tmp, f"{name}_lora.logits")
-    run(trainer, f"--init_from={model_dir}", f"--lora_adapter={adapter}",
-        "--logits_tokens=" + ",".join(map(str, TOKENS)), f"--logits_out={ours}")
-    tessera_logits = load_file(ours)["logits"]
-    diff = (tessera_logits - peft_logits).abs().max().item()
-    with peft_model.disable_adapter():
-        moved = (logits_of(peft_model) - peft_logits).abs().max().item()
-    print(f"{name}: Tessera vs PEFT max |logit diff| = {diff:.3g} (the adapters move the logits "
-          f"by up to {moved:.3g})")
-    if not diff <= TOLERANCE:
-        failures.append(f"{name}: PEFT logits differ from Tessera's by {diff}")
-    if not moved > 10 * TOLERANCE:
-        failures.append(f"{name}: the trained adapters do not change the logits ({moved})")
-
-    merged = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.join(ckpt, "export", "hf-merged")).eval()
-    diff = (logits_of(merged) - peft_logits).abs().max().item()
-    print(f"{name}: merged export vs PEFT max |logit diff| = {diff:.3g}")
-    if not diff <= TOLERANCE:
-        failures.append(f"{name}: merged export's logits differ from PEFT's by {diff}")
-    base_state = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    merged_state = merged.state_dict()
+    peft_logits = check_peft_logits(trainer, tmp, name, model, model_dir, adapter, failures)
     adapted = [f"{p}.weight" for p in projections] + ["q_proj.weight"]
-    kept = [key for key in base_state if not any(key.endswith(a) for a in adapted)]
+    base_state, merged_state, kept = check_merged_export(
+        name, os.path.join(ckpt, "export", "hf-merged"), model_dir, peft_logits, adapted, failures)
     changed = [key for key in kept if not torch.equal(base_state[key], merged_state[key])]
     moved_experts = [key for key in base_state if ".experts." in key
                      and not torch.equal(base_state[key], merged_state[key])]

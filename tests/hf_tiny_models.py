@@ -1,7 +1,9 @@
-"""Tiny random Hugging Face models and a tessera-trainer runner, shared by the Python interop
-tests (hf_interop_test.py, lora_peft_test.py). Importing it needs torch and transformers; the
-tests catch the ImportError and skip (exit 77)."""
+"""Tiny random Hugging Face models, a tessera-trainer runner and the LoRA checks against PEFT,
+shared by the Python interop tests (hf_interop_test.py, lora_peft_test.py, hf_moe_lora_test.py,
+hf_job_export_test.py). Importing it needs torch and transformers; the tests catch the
+ImportError and skip (exit 77). The PEFT checks import peft and safetensors when called."""
 
+import os
 import subprocess
 
 import torch
@@ -67,3 +69,56 @@ def run(trainer, *args, expect_ok=True, env=None):
         raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n"
                              f"{result.stdout}\n{result.stderr}")
     return result
+
+
+# Largest |logit| difference the LoRA checks accept between Tessera and transformers / PEFT.
+LORA_TOLERANCE = 1e-4
+
+
+def assert_adapter_only_checkpoint(step_dir):
+    """Asserts that a LoRA run's checkpoint step directory holds only adapters and their AdamW
+    moments (the base is frozen); returns the names of those tensors."""
+    from safetensors import safe_open
+    with safe_open(os.path.join(step_dir, "rank-00000.safetensors"), "pt") as f:
+        names = [n for n in f.keys() if n.startswith(("model/", "exp_avg/", "exp_avg_sq/"))]
+    frozen = [n for n in names if not n.endswith((".lora_a", ".lora_b"))]
+    assert names and not frozen, f"checkpoint holds non-adapter tensors: {frozen[:5]}"
+    return names
+
+
+def check_peft_logits(trainer, tmp, name, model, model_dir, adapter, failures):
+    """Loads `adapter` with peft.PeftModel onto `model` (the transformers base saved in
+    model_dir): its logits must equal the trainer's own with --lora_adapter to LORA_TOLERANCE,
+    and the adapters must move them. Appends to `failures`; returns PEFT's logits."""
+    import peft
+    from safetensors.torch import load_file
+    peft_model = peft.PeftModel.from_pretrained(model, adapter).eval()
+    peft_logits = logits_of(peft_model)
+    ours = os.path.join(tmp, f"{name}_lora.logits")
+    run(trainer, f"--init_from={model_dir}", f"--lora_adapter={adapter}",
+        "--logits_tokens=" + ",".join(map(str, TOKENS)), f"--logits_out={ours}")
+    diff = (load_file(ours)["logits"] - peft_logits).abs().max().item()
+    with peft_model.disable_adapter():
+        moved = (logits_of(peft_model) - peft_logits).abs().max().item()
+    print(f"{name}: Tessera vs PEFT max |logit diff| = {diff:.3g} (the adapters move the logits "
+          f"by up to {moved:.3g})")
+    if not diff <= LORA_TOLERANCE:
+        failures.append(f"{name}: PEFT logits differ from Tessera's by {diff}")
+    if not moved > 10 * LORA_TOLERANCE:
+        failures.append(f"{name}: the trained adapters do not change the logits ({moved})")
+    return peft_logits
+
+
+def check_merged_export(name, merged_dir, model_dir, peft_logits, adapted, failures):
+    """A merged LoRA export in merged_dir: transformers' logits must equal PEFT's to
+    LORA_TOLERANCE (appended to `failures`). Returns the base's and the merged model's state
+    dicts and the keys of the base's tensors that no adapter touches (none of their names ends
+    in one of `adapted`), for the caller's checks of what the merge kept."""
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    diff = (logits_of(merged) - peft_logits).abs().max().item()
+    print(f"{name}: merged export vs PEFT max |logit diff| = {diff:.3g}")
+    if not diff <= LORA_TOLERANCE:
+        failures.append(f"{name}: merged export's logits differ from PEFT's by {diff}")
+    base_state = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    kept = [key for key in base_state if not any(key.endswith(a) for a in adapted)]
+    return base_state, merged.state_dict(), kept

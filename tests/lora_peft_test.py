@@ -27,15 +27,12 @@ try:
     import peft
     import torch
     import transformers
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-    from hf_tiny_models import TOKENS, logits_of, make_model, run, tiny_configs
+    from hf_tiny_models import (assert_adapter_only_checkpoint, check_merged_export,
+                                check_peft_logits, make_model, run, tiny_configs)
 except ImportError as error:  # pragma: no cover - depends on the venv
     print(f"SKIP: {error} (scripts/bootstrap.sh installs transformers and peft into the torch "
           "venv)")
     sys.exit(77)
-
-TOLERANCE = 1e-4
 
 # model: (target modules as the spec names them, the weights they adapt in transformers' names)
 CASES = {
@@ -75,45 +72,21 @@ def check_model(trainer, tmp, name, model, model_dir, shards, failures):
 
     # Only adapters (and their moments) are checkpointed: the base is frozen.
     final = os.path.join(ckpt, "step-00000008")
-    with safe_open(os.path.join(final, "rank-00000.safetensors"), "pt") as f:
-        names = list(f.keys())
-    tensors = [n for n in names if n.startswith(("model/", "exp_avg/", "exp_avg_sq/"))]
-    frozen = [n for n in tensors if not (n.endswith(".lora_a") or n.endswith(".lora_b"))]
-    assert tensors and not frozen, f"checkpoint holds non-adapter tensors: {frozen[:5]}"
+    assert_adapter_only_checkpoint(final)
 
     # PEFT loads the adapter onto transformers' base model and gives Tessera's logits.
     adapter = os.path.join(final, "adapter")
     with open(os.path.join(adapter, "adapter_config.json")) as f:
         config = json.load(f)
     assert config["r"] == 4 and config["lora_alpha"] == 16, config
-    peft_model = peft.PeftModel.from_pretrained(model, adapter).eval()
-    peft_logits = logits_of(peft_model)
-    ours = os.path.join(tmp, f"{name}_lora.logits")
-    run(trainer, f"--init_from={model_dir}", f"--lora_adapter={adapter}",
-        "--logits_tokens=" + ",".join(map(str, TOKENS)), f"--logits_out={ours}")
-    tessera_logits = load_file(ours)["logits"]
-    diff = (tessera_logits - peft_logits).abs().max().item()
-    with peft_model.disable_adapter():
-        moved = (logits_of(peft_model) - peft_logits).abs().max().item()
-    print(f"{name}: Tessera vs PEFT max |logit diff| = {diff:.3g} (the adapter moves the logits "
-          f"by up to {moved:.3g})")
-    if not diff <= TOLERANCE:
-        failures.append(f"{name}: PEFT logits differ from Tessera's by {diff}")
-    if not moved > 10 * TOLERANCE:
-        failures.append(f"{name}: the trained adapter does not change the logits ({moved})")
+    peft_logits = check_peft_logits(trainer, tmp, name, model, model_dir, adapter, failures)
 
     # Merged export: transformers' logits equal PEFT's; layers without adapters are the base's.
     merged_dir = os.path.join(tmp, f"{name}_merged")
     run(trainer, f"--init_from={model_dir}", f"--lora_adapter={adapter}",
         f"--export_hf={merged_dir}")
-    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()
-    diff = (logits_of(merged) - peft_logits).abs().max().item()
-    print(f"{name}: merged export vs PEFT max |logit diff| = {diff:.3g}")
-    if not diff <= TOLERANCE:
-        failures.append(f"{name}: merged export's logits differ from PEFT's by {diff}")
-    base_state = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    merged_state = merged.state_dict()
-    kept = [key for key in base_state if not any(key.endswith(t) for t in adapted)]
+    base_state, merged_state, kept = check_merged_export(name, merged_dir, model_dir,
+                                                         peft_logits, adapted, failures)
     changed = [key for key in kept if not torch.equal(base_state[key], merged_state[key])]
     print(f"{name}: {len(kept) - len(changed)} of {len(kept)} tensors without an adapter are the "
           "base's, bit for bit")
