@@ -1,4 +1,4 @@
-"""Several coordinators on PostgreSQL (coordinator.replicas, database.*; docs/deploy.md, "HA
+"""Several coordinators on PostgreSQL (coordinator.replicas, database.*; deploy/README.md, "HA
 control plane"): chart_test.py renders and validates the values sets here, then runs these checks.
 """
 from chart_common import by_kind, flag, render_objects
