@@ -1,8 +1,9 @@
 """Several coordinators on PostgreSQL (coordinator.replicas, database.*; deploy/README.md, "HA
 control plane"): chart_test.py renders and validates the values sets here, then runs these checks.
 """
-from chart_common import by_kind, flag, render_objects
+from chart_common import CHART, DEFAULT_RELEASE, by_kind, flag, render_objects
 from chart_options import pod_security_violations
+from helm_python.chart import Chart
 from helm_python.errors import HelmError
 
 URL = "postgresql://app@tessera-pg-rw.db.svc:5432/app?sslmode=require"
@@ -174,6 +175,15 @@ def test_ha(results, rendered_sets):
                                                            "leader-lease-seconds"))
                   and "affinity" not in pod and not by_kind(default, "PodDisruptionBudget"),
                   "SQLite: one coordinator in a StatefulSet on its claim, no PostgreSQL flags")
+    for label, values, expected in (("HA: three coordinators on PostgreSQL", None, True),
+                                    ("defaults", {}, False)):
+        with Chart.load(str(CHART)) as chart:
+            rendered = chart.render(values=VALUES_SETS.get(label, values), **DEFAULT_RELEASE)
+        notes = [text for path, text in rendered.items() if path.endswith("NOTES.txt")]
+        results.check(len(notes) == 1 and ("3 coordinators on PostgreSQL: one leads" in notes[0])
+                      == expected,
+                      f"{label}: the install notes {'explain' if expected else 'omit'} the "
+                      "standbys that are never Ready")
     for label, bad, why in REFUSED:
         try:
             render_objects(bad)
