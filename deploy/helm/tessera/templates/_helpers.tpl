@@ -168,7 +168,7 @@ true
 {{- define "tessera.coordinatorAntiAffinity" -}}
 {{- $term := dict "labelSelector" (dict "matchLabels" (include "tessera.selector" (dict "root" . "component" "coordinator") | fromYaml)) "topologyKey" "kubernetes.io/hostname" -}}
 podAntiAffinity:
-{{- if eq .Values.coordinator.podAntiAffinity "required" }}
+{{- if eq (.Values.coordinator.podAntiAffinity | default "preferred") "required" }}
   requiredDuringSchedulingIgnoredDuringExecution:
     {{- toYaml (list $term) | nindent 4 }}
 {{- else }}
