@@ -42,7 +42,8 @@ using InterceptorMaker = std::function<
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>(
         prometheus::Registry* registry)>;
 
-// Thread safety: Start and Shutdown from one thread; registry() from any.
+// Thread safety: Start and Shutdown from one thread; registry() and SetServing
+// from any.
 class DaemonServers {
  public:
   // Starts metrics first, so the daemon is observable from its first call.
@@ -88,7 +89,8 @@ class DaemonServers {
   std::unique_ptr<HealthListener> health_;
 };
 
-// Logs "<binary>: serving gRPC on HOST:PORT[, metrics on port N]" to stderr
+// Logs "<binary>: serving gRPC on HOST:PORT[, metrics on port N][, health on
+// port N]" to stderr
 // (tests and scripts read the bound ports from it), waits for SIGINT or
 // SIGTERM, shuts the servers down and returns main()'s exit code. Call
 // BlockShutdownSignals() first thing in main().
