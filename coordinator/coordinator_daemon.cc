@@ -123,6 +123,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
                        {.component = "coordinator",
                         .listen_address = options.listen_address,
                         .metrics_listen_address = options.metrics_listen_address,
+                        .health_listen_address = options.health_listen_address,
                         .credentials = std::move(server_credentials),
                         .max_message_bytes = options.max_request_bytes,
                         .async_hosts = {daemon->node_service_.get()}},

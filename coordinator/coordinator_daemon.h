@@ -35,6 +35,8 @@ struct CoordinatorOptions {
   std::string listen_address = "127.0.0.1:50051";
   // Prometheus /metrics listen address; empty disables the endpoint.
   std::string metrics_listen_address = "127.0.0.1:9464";
+  // Plaintext port serving only the health service (DaemonServerOptions); empty: none.
+  std::string health_listen_address;
   // SQLite file holding jobs, events, metrics, checkpoints and nodes, or a postgresql:// URL of
   // a database holding them (Store::Open).
   std::string state_path = "tessera-coordinator.db";

@@ -13,6 +13,9 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "gRPC listen address (host:port) for clients and workers; port 0 picks one.");
+ABSL_FLAG(std::string, health_listen, "",
+          "Plaintext gRPC port serving only grpc.health.v1 (for probes that cannot speak TLS); "
+          "empty: none.");
 ABSL_FLAG(std::string, state, "tessera-coordinator.db",
           "Where the coordinator's state lives (jobs, events, metrics, checkpoints, nodes): a "
           "SQLite file, created if missing (put it on a persistent volume), or a "
@@ -104,6 +107,7 @@ int main(int argc, char** argv) {
   tessera::coordinator::CoordinatorOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen);
   options.metrics_listen_address = absl::GetFlag(FLAGS_metrics_listen);
+  options.health_listen_address = absl::GetFlag(FLAGS_health_listen);
   options.state_path = absl::GetFlag(FLAGS_state);
   options.database_password_file = absl::GetFlag(FLAGS_database_password_file);
   options.cluster.heartbeat_timeout = absl::GetFlag(FLAGS_heartbeat_timeout);

@@ -27,6 +27,9 @@ ABSL_FLAG(std::string, advertise_host, "",
           "hostname when listening on 0.0.0.0.");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9465",
           "Prometheus /metrics listen address (host:port); empty disables it.");
+ABSL_FLAG(std::string, health_listen, "",
+          "Plaintext gRPC port serving only grpc.health.v1 (for probes that cannot speak TLS); "
+          "empty: none.");
 ABSL_FLAG(std::string, work_dir, "",
           "Directory for the node key, task files, per-rank logs and the trainers' report socket; "
           "empty: $XDG_STATE_HOME/tessera/worker/NODE (~/.local/state/tessera/worker/NODE), "
@@ -122,6 +125,7 @@ int main(int argc, char** argv) {
   tessera::worker::WorkerOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen);
   options.metrics_listen_address = absl::GetFlag(FLAGS_metrics_listen);
+  options.health_listen_address = absl::GetFlag(FLAGS_health_listen);
   options.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   auto& agent = options.agent;
   agent.coordinator_address = absl::GetFlag(FLAGS_coordinator);

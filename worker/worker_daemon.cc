@@ -28,6 +28,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOp
       DaemonServers::Start({.component = "worker",
                             .listen_address = options.listen_address,
                             .metrics_listen_address = options.metrics_listen_address,
+                            .health_listen_address = options.health_listen_address,
                             .credentials = std::move(server_credentials)},
                            {{.name = v1::Worker::service_full_name(),
                              .service = daemon->worker_service_.get(),

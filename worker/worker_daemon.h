@@ -22,6 +22,8 @@ struct WorkerOptions {
   std::string listen_address = "127.0.0.1:50052";
   // Prometheus /metrics listen address; empty disables the endpoint.
   std::string metrics_listen_address = "127.0.0.1:9465";
+  // Plaintext port serving only the health service (DaemonServerOptions); empty: none.
+  std::string health_listen_address;
   // Host the coordinator uses to reach this worker; empty means the listen
   // host (or the hostname when listening on all interfaces).
   std::string advertise_host;

@@ -1,6 +1,7 @@
-// DaemonServers: the two listeners every Tessera daemon runs (gRPC with
-// health and reflection, Prometheus /metrics), started and stopped together,
-// and ServeUntilSignal, the body of a daemon's main().
+// DaemonServers: the listeners every Tessera daemon runs (gRPC with health and
+// reflection, Prometheus /metrics, and optionally a plaintext port that serves
+// only the health service), started and stopped together, and
+// ServeUntilSignal, the body of a daemon's main().
 #pragma once
 
 #include <functional>
@@ -23,6 +24,10 @@ struct DaemonServerOptions {
   std::string listen_address;
   // Prometheus listen address (host:port); empty disables the endpoint.
   std::string metrics_listen_address;
+  // A plaintext gRPC port serving grpc.health.v1 and nothing else, with the
+  // statuses of the main port (host:port; empty: none). Kubernetes' grpc probe
+  // cannot speak TLS, so with TLS on the main port a probe asks this one.
+  std::string health_listen_address;
   // gRPC transport security; null: plaintext.
   std::shared_ptr<grpc::ServerCredentials> credentials;
   // Largest gRPC message accepted or sent, in bytes.
@@ -37,7 +42,8 @@ using InterceptorMaker = std::function<
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>(
         prometheus::Registry* registry)>;
 
-// Thread safety: Start and Shutdown from one thread; registry() from any.
+// Thread safety: Start and Shutdown from one thread; registry() and SetServing
+// from any.
 class DaemonServers {
  public:
   // Starts metrics first, so the daemon is observable from its first call.
@@ -47,6 +53,8 @@ class DaemonServers {
 
   // gRPC address with the bound port.
   std::string address() const { return grpc_->address(); }
+  // Bound health-only port; 0 when disabled.
+  int health_port() const;
   // Bound metrics port; 0 when disabled.
   int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
   // Where the daemon registers its metrics; null when metrics are disabled.
@@ -56,20 +64,33 @@ class DaemonServers {
     if (metrics_) metrics_->RegisterCollectable(collectable);
   }
 
-  // GrpcServer::SetServing.
-  void SetServing(const std::string& name, bool serving) { grpc_->SetServing(name, serving); }
+  // GrpcServer::SetServing, on the main port and the health-only port alike.
+  void SetServing(const std::string& name, bool serving);
 
-  void Shutdown(absl::Duration grace = absl::Seconds(5)) { grpc_->Shutdown(grace); }
+  // Reports NOT_SERVING on the health-only port first (a readiness probe then
+  // takes the pod out of its Services while the main port drains), then shuts
+  // both down.
+  void Shutdown(absl::Duration grace = absl::Seconds(5));
+
+  ~DaemonServers();
 
  private:
+  // The health-only listener: its own grpc::Server with the default health
+  // service, no reflection and no other service.
+  struct HealthListener;
+
   DaemonServers() = default;
+  static absl::StatusOr<std::unique_ptr<HealthListener>> StartHealthListener(
+      const std::string& listen_address, const std::vector<NamedService>& services);
 
   std::unique_ptr<MetricsExposer> metrics_;
   std::shared_ptr<ProcessMetrics> process_;
   std::unique_ptr<GrpcServer> grpc_;
+  std::unique_ptr<HealthListener> health_;
 };
 
-// Logs "<binary>: serving gRPC on HOST:PORT[, metrics on port N]" to stderr
+// Logs "<binary>: serving gRPC on HOST:PORT[, metrics on port N][, health on
+// port N]" to stderr
 // (tests and scripts read the bound ports from it), waits for SIGINT or
 // SIGTERM, shuts the servers down and returns main()'s exit code. Call
 // BlockShutdownSignals() first thing in main().

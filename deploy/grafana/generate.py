@@ -320,7 +320,8 @@ def control_plane():
     return dashboard(
         "tessera-control-plane", "Tessera / Control plane",
         "The coordinator: jobs and nodes by state, capacity, scheduling latency, heartbeats, "
-        "RPC rates and errors, scheduler and store timings; queues (quota, use, borrowing, "
+        "RPC rates and errors, scheduler and store timings; leadership (leader, epoch, "
+        "takeovers); queues (quota, use, borrowing, "
         "waiting jobs, fair share, preemptions, wait times).",
         [datasource_variable()],
         overview() + [
@@ -379,7 +380,7 @@ def control_plane():
                     "transactions")], unit="ops",
                   description="Writes (a job's change, a node record) and the group-commit "
                               "transactions that carry them."),
-        ] + queues())
+        ] + leadership() + queues())
 
 
 def overview():
@@ -399,6 +400,31 @@ def overview():
         panel("Tokens per second, all jobs",
               [(f"sum(rate(tessera_train_tokens_total[{RATE}]))", "tokens/s")], kind="stat",
               width=6),
+    ]
+
+
+def leadership():
+    """The Leadership row of the control-plane dashboard: which coordinator leads (several run on
+    PostgreSQL state; one on SQLite always leads) and the epoch, one more per takeover."""
+    epoch = "max(tessera_coordinator_leader_epoch)"
+    return [
+        row("Leadership"),
+        panel("Coordinators leading", [("sum(tessera_coordinator_leader)", "leading"),
+                                       ("count(tessera_coordinator_leader)", "running")],
+              kind="stat", width=6,
+              description="1 leading in a healthy control plane; 0 during a failover "
+                          "(TesseraNoLeader after a minute). Running counts the standbys too."),
+        panel("Leadership epoch", [(epoch, "epoch")], kind="stat", width=6,
+              description="Grows by one per takeover; the coordinators' log lines \"lost "
+                          "leadership (epoch N, now M at ADDRESS)\" name the changes."),
+        panel("Takeovers in the last hour",
+              [(f"max_over_time({epoch}[1h:1m]) - min_over_time({epoch}[1h:1m])", "takeovers")],
+              kind="stat", width=12,
+              description="TesseraLeaderFlapping fires at alerts.thresholds.leaderChangesPerHour."),
+        panel("Leader by coordinator",
+              [("max by (instance) (tessera_coordinator_leader)", "{{instance}}")], width=24,
+              description="1 while a coordinator leads, 0 while it stands by; a pod replaced "
+                          "shows as a new instance."),
     ]
 
 

@@ -9,12 +9,15 @@
 - Checks that values.schema.json refuses a typo and a wrong type, the properties a deployment
   relies on (gRPC probes, GPUs requested, non-root, no service account token, dashboards
   labelled for Grafana's sidecar), the security settings (TLS, auth file and join token flags
-  pointing into read-only Secret mounts, --insecure exactly when TLS is off, TCP probes under TLS,
+  pointing into read-only Secret mounts, --insecure exactly when TLS is off, gRPC probes on the
+  plaintext health-only port under TLS,
   trainer ports open to workers only under the NetworkPolicy; docs/security.md), and that
   deploy/manifests/tessera.yaml is a fresh render.
 
 - chart_lifecycle.py: an upgrade to a new chart version changes no immutable field and rolls no
   pod unless the image changes; every name fits 63 characters for any release name.
+- chart_ha.py: several coordinators on PostgreSQL (Deployment, password Secret, advertise
+  address, anti-affinity, PodDisruptionBudget, leader-only readiness) and the refusals.
 - chart_options.py: the escape hatches, worker groups, the work directory, storage and
   values-kind.yaml, and the schema's refusals of their typos and wrong types.
 
@@ -34,6 +37,7 @@ try:
     from helm_python.chart import lint
     from helm_python.errors import HelmError
 
+    import chart_ha
     import chart_lifecycle
     import chart_monitoring
     import chart_options
@@ -83,6 +87,7 @@ VALUES_SETS = {
     },
     **chart_options.VALUES_SETS,
     **chart_monitoring.VALUES_SETS,
+    **chart_ha.VALUES_SETS,
 }
 
 
@@ -157,7 +162,7 @@ def test_values_set(results, label, values, promtool):
 
 def containers(objs):
     """{"coordinator": (pod spec, container), "worker": ...} of one render."""
-    pods = {"coordinator": by_kind(objs, "StatefulSet")[0], "worker": by_kind(objs, "DaemonSet")[0]}
+    pods = {"coordinator": chart_ha.coordinator_of(objs)[0], "worker": by_kind(objs, "DaemonSet")[0]}
     return {name: (o["spec"]["template"]["spec"], o["spec"]["template"]["spec"]["containers"][0])
             for name, o in pods.items()}
 
@@ -205,10 +210,12 @@ def test_security(results, rendered_sets):
                                       "tls-ca": ("tessera-tls", "ca.crt")},
                           f"{where}: --tls-cert/--tls-key/--tls-ca read the kubernetes.io/tls "
                           "Secret's keys from a read-only mount", str(secrets))
-            results.check(probes and all(set(p) & {"grpc", "tcpSocket"} == {"tcpSocket"}
-                                         for p in probes),
-                          f"{where}: TCP probes under TLS (the grpc probe cannot do TLS)",
-                          str(probes))
+            health = [p["containerPort"] for p in container["ports"] if p["name"] == "health"]
+            results.check(probes and health and all(
+                p.get("grpc", {}).get("port") == health[0] for p in probes)
+                and flag(container, "health-listen") == f"0.0.0.0:{health[0]}",
+                f"{where}: gRPC probes under TLS, on the plaintext health-only port "
+                "(--health-listen; the grpc probe cannot do TLS)", str(probes))
         (coordinator_pod, coordinator), (worker_pod, worker) = containers(objs).values()
         if tls:
             # Workers are dialled by pod IP: their shared certificate is checked for the
@@ -299,6 +306,12 @@ def main():
     results.check(coordinator["replicas"] == 1, "coordinator: one replica (single-writer SQLite)")
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
         results.check("grpc" in container.get(probe, {}), f"coordinator: {probe} is a gRPC probe")
+    results.check(container["livenessProbe"]["grpc"] == {"port": 50053}
+                  and container["readinessProbe"]["grpc"]
+                  == {"port": 50053, "service": "tessera.v1.Coordinator"}
+                  and "--health-listen=0.0.0.0:50053" in container["args"],
+                  "coordinator: live while the process serves, ready while tessera.v1.Coordinator "
+                  "serves (the leader), on the health-only port", str(container["readinessProbe"]))
     results.check(coordinator["volumeClaimTemplates"][0]["spec"]["accessModes"] == ["ReadWriteOnce"],
                   "coordinator: state on its own PVC")
     results.check("--log-format=json" in container["args"], "coordinator: JSON logs by default")
@@ -309,9 +322,10 @@ def main():
     results.check("hostIPC" not in worker and any(
         v.get("emptyDir", {}).get("medium") == "Memory" for v in worker["volumes"]),
         "worker: a memory-backed /dev/shm for NCCL, without the host's IPC namespace")
-    results.check(worker_container["livenessProbe"]["grpc"] == {"port": 50052}
+    results.check(worker_container["livenessProbe"]["grpc"] == {"port": 50054}
                   and worker_container["readinessProbe"]["grpc"]
-                  == {"port": 50052, "service": "tessera.v1.Worker"},
+                  == {"port": 50054, "service": "tessera.v1.Worker"}
+                  and "--health-listen=0.0.0.0:50054" in worker_container["args"],
                   "worker: live while the process serves, ready once tessera.v1.Worker serves "
                   "(after registering)", str(worker_container["readinessProbe"]))
     for spec in (pod, worker):
@@ -394,6 +408,7 @@ def main():
     results.check(RULES.exists() and RULES.read_text() == rules_text(),
                   f"{RULES.name} equals a fresh render of the rules template (deploy/render.sh)")
     chart_monitoring.test_monitoring(results)
+    chart_ha.test_ha(results, rendered_sets)
 
     for name in results.passed:
         print(f"PASS {name}")

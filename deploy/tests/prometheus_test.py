@@ -113,6 +113,9 @@ def contract_series(job_id):
         "tessera_task_gpu_info": ("gauge", [
             ({**ranks[i], "node": "worker-a", "gpu": str(i), "UUID": uuid}, const(1))
             for i, uuid in enumerate(GPU_UUIDS)]),
+        # One coordinator on SQLite leads at epoch 0 (HA contract, issue 44).
+        "tessera_coordinator_leader": ("gauge", [({}, const(1))]),
+        "tessera_coordinator_leader_epoch": ("gauge", [({}, const(0))]),
         "tessera_gpu_xid_errors_total": ("counter", [
             ({"gpu": str(i), "UUID": uuid, "Hostname": "worker-a"}, const(0))
             for i, uuid in enumerate(GPU_UUIDS)]),

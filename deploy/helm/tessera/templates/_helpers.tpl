@@ -113,6 +113,7 @@ affinity:
 {{- define "tessera.authDir" -}}/etc/tessera/auth{{- end -}}
 {{- define "tessera.joinDir" -}}/etc/tessera/join{{- end -}}
 {{- define "tessera.queuesDir" -}}/etc/tessera/queues{{- end -}}
+{{- define "tessera.databaseDir" -}}/etc/tessera/database{{- end -}}
 
 {{/* gRPC transport flags of both daemons: TLS from the mounted Secret, else plaintext, which a
      daemon refuses on 0.0.0.0 unless told --insecure. */}}
@@ -126,16 +127,52 @@ affinity:
 {{- end -}}
 {{- end -}}
 
-{{/* A probe's handler for a daemon's gRPC port (dict "root" . "port" N, and "service" NAME to
-     ask about one service rather than the process). Kubernetes' grpc probe speaks plaintext only,
-     so with TLS on it becomes a TCP connect: it proves the port is open, not that the health
-     service says SERVING. */}}
+{{/* A probe's handler (dict "port" N, and "service" NAME to ask about one service rather than the
+     process): Kubernetes' grpc probe on a daemon's health-only port (--health-listen), which is
+     plaintext whether or not the main port speaks TLS, so the probe always reads the health
+     service's statuses. */}}
 {{- define "tessera.grpcProbeHandler" -}}
-{{- if .root.Values.tls.enabled -}}
-tcpSocket: {port: {{ .port }}}
-{{- else if .service -}}
+{{- if .service -}}
 grpc: {port: {{ .port }}, service: {{ .service }}}
 {{- else -}}
 grpc: {port: {{ .port }}}
 {{- end -}}
+{{- end -}}
+
+{{/* "true" when the coordinator keeps its state in PostgreSQL (database.url), else "". Fails
+     with the value at fault when several coordinators are asked for without PostgreSQL, or when
+     the database settings are incomplete or carry a password in the URL. */}}
+{{- define "tessera.coordinatorOnPostgres" -}}
+{{- $db := .Values.database | default dict -}}
+{{- $url := $db.url | default "" -}}
+{{- $replicas := int (.Values.coordinator.replicas | default 1) -}}
+{{- if and (gt $replicas 1) (not $url) -}}
+{{- fail (printf "coordinator.replicas is %d, but several coordinators need their state in PostgreSQL: set database.url (postgresql://USER@HOST/DB) and database.existingSecret; SQLite state on a volume has a single writer" $replicas) -}}
+{{- end -}}
+{{- if $url -}}
+{{- if regexMatch "^postgres(ql)?://[^/@?]*:[^/@?]*@" $url -}}
+{{- fail "database.url carries a password: give it without one (postgresql://USER@HOST/DB) and put the password in the Secret database.existingSecret" -}}
+{{- end -}}
+{{- if regexMatch "[?&]password=" $url -}}
+{{- fail "database.url carries a password parameter: drop it and put the password in the Secret database.existingSecret" -}}
+{{- end -}}
+{{- if not $db.existingSecret -}}
+{{- fail "database.url is set but database.existingSecret is empty: name the Secret holding the database user's password (key database.passwordKey), e.g. CloudNativePG's <cluster>-app" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The coordinators' spread over nodes when several run (coordinator.podAntiAffinity): a node's
+     loss then takes at most one of them. */}}
+{{- define "tessera.coordinatorAntiAffinity" -}}
+{{- $term := dict "labelSelector" (dict "matchLabels" (include "tessera.selector" (dict "root" . "component" "coordinator") | fromYaml)) "topologyKey" "kubernetes.io/hostname" -}}
+podAntiAffinity:
+{{- if eq (.Values.coordinator.podAntiAffinity | default "preferred") "required" }}
+  requiredDuringSchedulingIgnoredDuringExecution:
+    {{- toYaml (list $term) | nindent 4 }}
+{{- else }}
+  preferredDuringSchedulingIgnoredDuringExecution:
+    {{- toYaml (list (dict "weight" 100 "podAffinityTerm" $term)) | nindent 4 }}
+{{- end }}
 {{- end -}}
