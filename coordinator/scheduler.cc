@@ -244,6 +244,7 @@ GangPlacement Commit(const GangRequest& request, const std::vector<Share>& share
   int rank = 0;
   for (const Share& share : shares) {
     NodeState& state = states[share.node];
+    placement.node_hosts[nodes[share.node].node_id] = nodes[share.node].host;
     const int count = share.groups * request.tensor_parallel;
     for (int local_rank = 0; local_rank < count; ++local_rank) {
       v1::RankPlacement& placed = placement.ranks.emplace_back();

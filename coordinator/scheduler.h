@@ -96,6 +96,8 @@ struct GangPlacement {
   std::vector<v1::RankPlacement> ranks;
   // Host of rank 0's node.
   std::string master_addr;
+  // node_id -> host of every node of the gang (where its ranks' peers reach them).
+  std::map<std::string, std::string> node_hosts;
 };
 
 struct ScheduleResult {

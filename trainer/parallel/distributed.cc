@@ -1,5 +1,6 @@
 #include "trainer/parallel/distributed.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/status/status.h"
@@ -75,13 +76,16 @@ absl::StatusOr<JoinedGroup> JoinProcessGroup(const v1::RankAssignment& assignmen
     store_options.isServer = rank == 0;
     store_options.numWorkers = size;
     store_options.waitWorkers = true;
-    store_options.timeout = timeout;
+    store_options.timeout = std::chrono::milliseconds(
+        absl::ToInt64Milliseconds(std::max(options.rendezvous_timeout, options.timeout)));
     joined.store = c10::make_intrusive<c10d::TCPStore>(assignment.master_addr(), store_options);
-    ASSIGN_OR_RETURN(joined.group,
-                     NewProcessGroup(joined.store, rank, size, assignment.device_type(),
-                                     assignment.master_addr(), options));
+    // Gloo binds to this rank's own address: rank 0's would not be local on any other host.
+    joined.hostname =
+        assignment.node_addr().empty() ? assignment.master_addr() : assignment.node_addr();
+    ASSIGN_OR_RETURN(joined.group, NewProcessGroup(joined.store, rank, size,
+                                                   assignment.device_type(), joined.hostname,
+                                                   options));
     joined.backend = assignment.device_type() == v1::DEVICE_TYPE_CUDA ? "nccl" : "gloo";
-    joined.hostname = assignment.master_addr();
   } catch (const c10::Error& e) {
     const std::string what = e.what_without_backtrace();
     if (rank == 0 && (absl::StrContains(what, "Address already in use") ||

@@ -41,13 +41,17 @@ struct JoinedGroup {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   // "gloo" or "nccl".
   std::string backend;
-  // The address Gloo's devices bind to (the rendezvous host); sub-groups use it too.
+  // The address Gloo's devices bind to (this rank's node address, RankAssignment.node_addr);
+  // sub-groups use it too.
   std::string hostname;
 };
 
 struct ProcessGroupOptions {
-  // Longest a rendezvous or collective may block.
+  // Longest a collective (and the group's connection set-up) may block.
   absl::Duration timeout = absl::Minutes(10);
+  // Longest the rendezvous may wait for every rank to reach rank 0's store: ranks of a job start
+  // on several nodes, some of them slow to launch, so this is not bounded by `timeout`.
+  absl::Duration rendezvous_timeout = absl::Minutes(10);
 };
 
 // Rendezvous at master_addr:master_port (rank 0 hosts the TCPStore) and join
