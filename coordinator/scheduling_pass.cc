@@ -20,6 +20,9 @@
 namespace tessera::coordinator {
 namespace {
 
+// JobSpec.hang_timeout_seconds when 0.
+constexpr int kDefaultHangTimeoutSeconds = 300;
+
 using google::protobuf::util::TimeUtil;
 
 // Holds a mutex for one phase of a pass and adds the time held to the pass's statistics.
@@ -170,12 +173,20 @@ std::map<std::string, v1::TaskAssignment> SchedulingPass::Assignments(
     *task->mutable_spec() = spec;
     *task->mutable_plan() = plan;
     task->set_checkpoint_directory(checkpoint_dir);
+    // A collective blocked on a peer that cannot be reached (a partition: its heartbeats go on)
+    // fails after the job's hang timeout, as a rank whose heartbeat stops does.
+    task->set_collective_timeout_seconds(spec.hang_timeout_seconds() > 0
+                                             ? spec.hang_timeout_seconds()
+                                             : kDefaultHangTimeoutSeconds);
     v1::RankAssignment* ra = task->mutable_assignment();
     ra->set_rank(rank.rank());
     ra->set_world_size(static_cast<int>(placement.ranks.size()));
     ra->set_local_rank(rank.local_rank());
     ra->set_local_world_size(local_world[rank.node_id()]);
     ra->set_master_addr(placement.master_addr);
+    if (auto host = placement.node_hosts.find(rank.node_id()); host != placement.node_hosts.end()) {
+      ra->set_node_addr(host->second);
+    }
     ra->set_device_type(rank.gpu_index() >= 0 ? v1::DEVICE_TYPE_CUDA : v1::DEVICE_TYPE_CPU);
     ra->set_gpu_index(rank.gpu_index());
   }

@@ -21,6 +21,7 @@
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 #include "tests/util/grpc_context.h"
 #include "tests/util/http_get.h"
+#include "tests/util/netns.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
 #include "tests/util/wait.h"
@@ -60,14 +61,15 @@ class ClusterTest : public ::testing::Test {
     ASSERT_EQ(prepared->exit.exit_code, 0) << prepared->output;
 
     auto coordinator =
-        Subprocess::Start({BinDir() + "/tessera-coordinator", "--listen=127.0.0.1:0",
+        Subprocess::Start(OnHost(0, {BinDir() + "/tessera-coordinator",
+                                     "--listen=" + HostIp(0) + ":0",
                            "--metrics_listen=", "--state=" + dir_.path() + "/state.db",
                            "--checkpoint_root=" + dir_.path() + "/ckpt",
                            // Test processes run side by side: each coordinator hands out its
                            // own rendezvous ports.
                            absl::StrCat("--master_port_base=", 40000 + (getpid() % 2000) * 10),
                            "--heartbeat_interval=500ms", "--heartbeat_timeout=3s",
-                           coordinator_flag_});
+                           coordinator_flag_}));
     ASSERT_THAT(coordinator, IsOk());
     coordinator_.emplace(std::move(*coordinator));
     address_ = Address(*coordinator_);
@@ -98,10 +100,11 @@ class ClusterTest : public ::testing::Test {
   void StartWorker(int w, int workers) {
     const std::string name = WorkerName(w);
     auto worker =
-        Subprocess::Start({BinDir() + "/tessera-worker", "--coordinator=" + address_,
-                           "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
+        Subprocess::Start(OnHost(w + 1, {BinDir() + "/tessera-worker", "--coordinator=" + address_,
+                           "--listen=" + HostIp(w + 1) + ":0",
+                           "--metrics_listen=" + HostIp(w + 1) + ":0",
                            "--node_name=" + name, absl::StrCat("--cpu_slots=", workers == 1 ? 2 : 1),
-                           "--work_dir=" + dir_.path() + "/" + name, "--stop_grace=2s"},
+                           "--work_dir=" + dir_.path() + "/" + name, "--stop_grace=2s"}),
                           {.merge_stdout = false, .extra_env = worker_env_});
     ASSERT_THAT(worker, IsOk());
     std::optional<Subprocess>& slot = w == 0 ? worker_ : w == 1 ? worker2_ : worker3_;
@@ -274,7 +277,19 @@ class ClusterTest : public ::testing::Test {
     return events;
   }
 
+  // Host 0 runs the coordinator, host w + 1 worker w: on loopback, or on the hosts of lab_ (a
+  // subclass's network of namespaces, made before SetUp).
+  // Off loopback the daemons serve plaintext only when told to (--insecure).
+  std::vector<std::string> OnHost(int host, std::vector<std::string> argv) const {
+    if (!lab_) return argv;
+    argv.push_back("--insecure");
+    return lab_->On(host, argv);
+  }
+  std::string HostIp(int host) const { return lab_ ? lab_->Ip(host) : "127.0.0.1"; }
+
   ScopedTempDir dir_{"cluster_e2e"};
+  // Declared before the processes: they stop before their network goes.
+  std::unique_ptr<testing::NetnsLab> lab_;
   std::optional<Subprocess> coordinator_;
   std::optional<Subprocess> worker_;
   std::string address_;

@@ -344,10 +344,13 @@ absl::StatusOr<std::optional<TokenDataset>> OpenValidationData(const v1::DataSpe
 absl::StatusOr<std::optional<JoinedGroup>> JoinWorld(const v1::TrainerTask& task,
                                                      absl::Duration timeout) {
   if (task.assignment().world_size() <= 1) return std::optional<JoinedGroup>();
+  const absl::Duration rendezvous = timeout;
   if (task.collective_timeout_seconds() > 0) {
     timeout = absl::Seconds(task.collective_timeout_seconds());
   }
-  ASSIGN_OR_RETURN(JoinedGroup group, JoinProcessGroup(task.assignment(), {.timeout = timeout}));
+  ASSIGN_OR_RETURN(JoinedGroup group, JoinProcessGroup(task.assignment(),
+                                                       {.timeout = timeout,
+                                                        .rendezvous_timeout = rendezvous}));
   return std::optional<JoinedGroup>(std::move(group));
 }
 

@@ -1,0 +1,80 @@
+// NetnsLab: a small network of "hosts" on this machine for partition and chaos tests. Each host
+// is a Linux network namespace with one interface, eth0, addressed 10.<net>.0.<host + 1>/24 and
+// cabled by a veth pair to a bridge that lives in a namespace of its own (the lab's switch), so
+// the machine's own network is untouched but for one more veth: the test process itself, in the
+// machine's namespace, reaches every host at its address through it (its own end is
+// 10.<net>.0.254, and the route to the lab's /24 is the only route added). A process started on a host sees only that host's
+// interfaces: a coordinator and two workers on three hosts talk over the bridge exactly as they
+// would over a data-centre network, and the lab cuts, slows or drops that traffic:
+//   - Partition(a, b): packets between hosts a and b are dropped both ways (iptables in both
+//     namespaces), while each still reaches every other host; Heal(a, b) undoes it.
+//   - Isolate(a): host a's cable is unplugged (its veth set down); Reconnect(a).
+//   - SetLoss(a, 0.02): a random 2% of a's packets dropped each way (iptables' statistic match);
+//     SetLoss(a, 0) removes it.
+//   - LimitRate(a, "1mbit"): a's outgoing traffic shaped by tc's token bucket; "" removes it.
+//   - Delay(a, "50ms 10ms"): tc netem, where the kernel has it (this project's CI machines do
+//     not: FAILED_PRECONDITION says so, and tests that need latency skip).
+// The lab needs root (CAP_NET_ADMIN) and the ip, iptables and tc commands; Create says why when
+// it cannot build the network, and tests skip with that reason.
+//
+// Namespaces are named "<prefix>-sw" and "<prefix>-h<i>" with a prefix unique to the process, and
+// removed by the destructor (the processes on them must be stopped first; a leftover lab of a
+// killed test is removed by the next lab with the same prefix, which is keyed by pid).
+//
+// Thread safety: one thread at a time.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace tessera::testing {
+
+class NetnsLab {
+ public:
+  // Builds `hosts` hosts on a 10.<net>.0.0/24 subnet that no interface of this machine uses yet
+  // (chosen from the process id, so that labs of concurrent tests differ).
+  static absl::StatusOr<std::unique_ptr<NetnsLab>> Create(int hosts);
+
+  ~NetnsLab();
+  NetnsLab(const NetnsLab&) = delete;
+  NetnsLab& operator=(const NetnsLab&) = delete;
+
+  int hosts() const { return static_cast<int>(names_.size()); }
+  // The namespace's name (for `ip netns exec`).
+  const std::string& Namespace(int host) const { return names_[host]; }
+  // The host's address, e.g. "10.77.0.2".
+  std::string Ip(int host) const;
+  // `argv` prefixed so that it runs on the host: {"ip", "netns", "exec", <ns>, argv...}. `ip netns
+  // exec` replaces itself with the command, so a Subprocess started with it has the command's pid.
+  std::vector<std::string> On(int host, const std::vector<std::string>& argv) const;
+
+  absl::Status Partition(int a, int b);
+  absl::Status Heal(int a, int b);
+  absl::Status Isolate(int host);
+  absl::Status Reconnect(int host);
+  absl::Status SetLoss(int host, double fraction);
+  absl::Status LimitRate(int host, const std::string& rate);
+  absl::Status Delay(int host, const std::string& netem_delay);
+
+ private:
+  NetnsLab(std::string prefix, int net) : prefix_(std::move(prefix)), net_(net) {}
+  absl::Status Build(int hosts);
+  // Adds (`flag` "-I") or deletes ("-D") the rules that drop a's traffic with b, on a's side.
+  absl::Status DropRules(int a, int b, const std::string& flag);
+  void Remove();
+
+  std::string prefix_;
+  int net_;
+  std::vector<std::string> names_;
+  // Per host: the loss rules in place (their probability), to delete them again.
+  std::vector<std::string> loss_;
+};
+
+// Runs `command` with /bin/sh; INTERNAL naming it and its output when it fails.
+absl::Status Shell(const std::string& command);
+
+}  // namespace tessera::testing
