@@ -134,6 +134,11 @@ LeaderElection::~LeaderElection() {
 
 absl::StatusOr<std::vector<std::vector<std::string>>> LeaderElection::Query(
     const std::string& sql, const std::vector<std::string>& parameters) {
+  // As the store's connections (postgres_database.cc): find a server's restart before the query.
+  if (PQstatus(conn_) == CONNECTION_OK && PQtransactionStatus(conn_) == PQTRANS_IDLE) {
+    for (int i = 0; i < 2 && PQconsumeInput(conn_) == 1; ++i) {
+    }
+  }
   if (PQstatus(conn_) != CONNECTION_OK) PQreset(conn_);
   if (PQstatus(conn_) != CONNECTION_OK) {
     return absl::UnavailableError(absl::StrCat("leader election: reconnect to ",

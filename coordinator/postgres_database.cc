@@ -393,7 +393,15 @@ class PostgresConnection final : public DbConnection {
 
   // Re-establishes a broken connection (its prepared statements are gone with it). A reader
   // that stays broken needs no status from here: its read's first statement fails UNAVAILABLE.
+  // An idle connection whose server went away (a restart) still says CONNECTION_OK until it
+  // reads: PQconsumeInput reads what is waiting without blocking, so the break is found here
+  // rather than by the next read or batch. Twice: the first call may read only the server's
+  // farewell message (taken as a notice while idle), the second finds the end of the stream.
   void ReconnectIfBroken() {
+    if (PQstatus(conn_) == CONNECTION_OK && !InTransaction()) {
+      for (int i = 0; i < 2 && PQconsumeInput(conn_) == 1; ++i) {
+      }
+    }
     if (PQstatus(conn_) == CONNECTION_OK) return;
     statements_.clear();
     PQreset(conn_);
