@@ -51,6 +51,10 @@ constexpr char kRenew[] =
     "  expires_at = now() + make_interval(secs => $3::double precision)"
     " WHERE id = 1 AND holder = $1 AND epoch = $2::bigint RETURNING epoch";
 
+constexpr char kRelease[] =
+    "UPDATE tessera_leader_lease SET expires_at = '-infinity'"
+    " WHERE id = 1 AND holder = $1 AND epoch = $2::bigint";
+
 constexpr char kCurrent[] =
     "SELECT epoch, holder, address, expires_at > now() FROM tessera_leader_lease WHERE id = 1";
 
@@ -122,12 +126,31 @@ absl::StatusOr<std::unique_ptr<LeaderElection>> LeaderElection::Connect(
   return election;
 }
 
-LeaderElection::~LeaderElection() {
+void LeaderElection::StopRenewing() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
   if (renewer_.joinable()) renewer_.join();
+}
+
+absl::Status LeaderElection::Release() {
+  StopRenewing();
+  int64_t ours = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    ours = epoch_;
+    // Whatever comes now (a write after all) is refused and reported by no one.
+    lost_ = true;
+    on_lost_ = nullptr;
+  }
+  if (ours == 0) return absl::OkStatus();
+  absl::MutexLock lock(&conn_mu_);
+  return Query(kRelease, {options_.holder, absl::StrCat(ours)}).status();
+}
+
+LeaderElection::~LeaderElection() {
+  StopRenewing();
   absl::MutexLock lock(&conn_mu_);
   if (conn_ != nullptr) PQfinish(conn_);
 }

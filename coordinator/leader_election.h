@@ -76,8 +76,8 @@ class LeaderElection {
   // cannot be reached (the URL named with its password removed).
   static absl::StatusOr<std::unique_ptr<LeaderElection>> Connect(
       const LeaderElectionOptions& options);
-  // Stops the renewal thread; the lease is left to expire (a successor takes over after the
-  // TTL, as after a crash: a clean hand-over would need the store's writes drained first).
+  // Stops the renewal thread; unless Release() ran, the lease is left to expire (a successor
+  // takes over after the TTL, as after a crash).
   ~LeaderElection();
   LeaderElection(const LeaderElection&) = delete;
   LeaderElection& operator=(const LeaderElection&) = delete;
@@ -105,6 +105,11 @@ class LeaderElection {
   // in the writer's transaction.
   absl::Status Fence(DbConnection& writer) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Ends our leadership now, for a clean shutdown once the store has made its last write: stops
+  // renewing (without calling the loss callback) and expires the lease if it is still ours, so
+  // that a standby takes over at its next poll instead of after the lease.
+  absl::Status Release() ABSL_LOCKS_EXCLUDED(conn_mu_, mu_);
+
   // Renews every renew_interval on a thread of its own; `on_lost` is called once with
   // "lost leadership (epoch N, now M at ADDRESS)" (or "..., not renewed for D)") when a renewal
   // finds a newer epoch, when no renewal succeeded for the lease, or when the fence refused a
@@ -124,6 +129,8 @@ class LeaderElection {
   // Calls the loss callback (once) with "lost leadership (epoch N, <detail>)".
   void Lose(const std::string& detail) ABSL_LOCKS_EXCLUDED(mu_);
   void RenewLoop();
+  // Ends the renewal thread (idempotent).
+  void StopRenewing() ABSL_LOCKS_EXCLUDED(mu_);
 
   const LeaderElectionOptions options_;
   absl::Mutex conn_mu_;

@@ -118,8 +118,15 @@ int RunElectedCoordinator(CoordinatorOptions options, const ElectionOptions& ele
             << (*election)->advertise_address() << "; loading the state" << std::endl;
   auto daemon = CoordinatorDaemon::Start(options);
   if (!daemon.ok()) return fail(daemon.status());
-  return ServeUntilSignal(kBinary, (*daemon)->servers(),
-                          [&daemon] { (*daemon)->PrepareShutdown(); });
+  const int code = ServeUntilSignal(kBinary, (*daemon)->servers(),
+                                    [&daemon] { (*daemon)->PrepareShutdown(); });
+  // The daemon's last write is done once it is gone; then the lease can go to a standby now
+  // rather than after it expires.
+  daemon->reset();
+  if (absl::Status released = (*election)->Release(); !released.ok()) {
+    std::cerr << kBinary << ": releasing the leader lease: " << released.message() << std::endl;
+  }
+  return code;
 }
 
 }  // namespace tessera::coordinator

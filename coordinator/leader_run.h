@@ -5,7 +5,9 @@
 // CoordinatorDaemon on the same ports (which loads the state from the store and reconciles with
 // the workers' re-registrations, as after a restart) and serves until a signal. A leader that
 // loses leadership logs "tessera-coordinator: lost leadership (epoch N, now M at ADDRESS)" and
-// exits with kLostLeadershipExitCode at once: its supervisor restarts it, as a standby.
+// exits with kLostLeadershipExitCode at once: its supervisor restarts it, as a standby. A leader
+// stopped by a signal releases the lease once its daemon is gone, so that a standby takes over at
+// its next poll.
 //
 // Thread safety: called once, from main's thread, with SIGINT and SIGTERM blocked.
 #pragma once
