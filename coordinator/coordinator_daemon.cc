@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "coordinator/leader_guard.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -117,9 +118,14 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   // The metrics object needs the exposer's registry, and the gRPC server
   // needs its interceptor: DaemonServers hands over the registry in between.
   CoordinatorDaemon* raw = daemon.get();
-  auto make_interceptors = [raw, epoch](prometheus::Registry* registry) {
+  LeaderElection* const election = options.election;
+  auto make_interceptors = [raw, epoch, election](prometheus::Registry* registry) {
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
         interceptors;
+    if (election != nullptr) {
+      interceptors.push_back(MakeLeadershipInterceptorFactory(
+          [election] { return election->Valid(); }, election->advertise_address()));
+    }
     if (registry == nullptr) return interceptors;
     raw->metrics_ = std::make_unique<CoordinatorMetrics>(*registry);
     raw->leadership_ = std::make_unique<LeadershipGauges>(*registry);
