@@ -97,9 +97,9 @@ absl::StatusOr<std::unique_ptr<LeaderElection>> LeaderElection::Connect(
   // A takeover must not block behind a paused leader's transaction for ever, nor a renewal
   // hang on a cut network: both time out below the lease and are tried again.
   const int64_t lease_ms = absl::ToInt64Milliseconds(options.lease);
-  const std::string server_options =
-      absl::StrCat("-c client_min_messages=warning -c lock_timeout=", std::max<int64_t>(lease_ms / 2, 1),
-                   " -c statement_timeout=", std::max<int64_t>(lease_ms, 1));
+  const std::string server_options = absl::StrCat(
+      "-c client_min_messages=warning -c lock_timeout=", std::max<int64_t>(lease_ms / 2, 1),
+      " -c statement_timeout=", std::max<int64_t>(lease_ms, 1));
   std::vector<const char*> keys = {"dbname", "connect_timeout", "application_name", "options"};
   std::vector<const char*> values = {options.url.c_str(), timeout.c_str(),
                                      "tessera-coordinator-election", server_options.c_str()};
@@ -281,14 +281,14 @@ absl::Status LeaderElection::Fence(DbConnection& writer) {
   // The database first: a newer epoch is the more telling reason.
   if (stored != ours) {
     Lose(absl::StrCat("now ", stored, " at ", address));
-    return absl::FailedPreconditionError(absl::StrCat(
-        "store: fenced: leadership epoch ", ours, " was superseded by ", stored));
+    return absl::FailedPreconditionError(
+        absl::StrCat("store: fenced: leadership epoch ", ours, " was superseded by ", stored));
   }
   if (!Valid()) {
     Lose(absl::StrCat("not renewed for ", absl::FormatDuration(options_.lease)));
-    return absl::FailedPreconditionError(
-        absl::StrCat("store: fenced: leadership epoch ", ours, " was not renewed for ",
-                     absl::FormatDuration(options_.lease)));
+    return absl::FailedPreconditionError(absl::StrCat("store: fenced: leadership epoch ", ours,
+                                                      " was not renewed for ",
+                                                      absl::FormatDuration(options_.lease)));
   }
   return absl::OkStatus();
 }

@@ -69,7 +69,8 @@ int RunElectedCoordinator(CoordinatorOptions options, const ElectionOptions& ele
                                        .credentials = *credentials});
   if (!standby.ok()) return fail(standby.status());
   std::cerr << kBinary << ": standby serving gRPC on " << (*standby)->address();
-  if ((*standby)->metrics_port() > 0) std::cerr << ", metrics on port " << (*standby)->metrics_port();
+  if ((*standby)->metrics_port() > 0)
+    std::cerr << ", metrics on port " << (*standby)->metrics_port();
   std::cerr << " as " << (*standby)->advertise_address() << std::endl;
 
   auto password = ReadPassword(options.database_password_file);
@@ -118,8 +119,8 @@ int RunElectedCoordinator(CoordinatorOptions options, const ElectionOptions& ele
             << (*election)->advertise_address() << "; loading the state" << std::endl;
   auto daemon = CoordinatorDaemon::Start(options);
   if (!daemon.ok()) return fail(daemon.status());
-  const int code = ServeUntilSignal(kBinary, (*daemon)->servers(),
-                                    [&daemon] { (*daemon)->PrepareShutdown(); });
+  const int code =
+      ServeUntilSignal(kBinary, (*daemon)->servers(), [&daemon] { (*daemon)->PrepareShutdown(); });
   // The daemon's last write is done once it is gone; then the lease can go to a standby now
   // rather than after it expires.
   daemon->reset();

@@ -252,7 +252,8 @@ grpc::ServerUnaryReactor* NodeService::RegisterNode(grpc::CallbackServerContext*
                                                     v1::RegisterNodeResponse* response) {
   return Serve(executor_, context, response,
                [this, request]() -> absl::StatusOr<v1::RegisterNodeResponse> {
-                 ASSIGN_OR_RETURN(v1::RegisterNodeResponse registered, cluster_->Register(*request));
+                 ASSIGN_OR_RETURN(v1::RegisterNodeResponse registered,
+                                  cluster_->Register(*request));
                  registered.set_leader_epoch(leader_epoch_);
                  return registered;
                });

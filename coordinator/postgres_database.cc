@@ -433,8 +433,9 @@ absl::StatusOr<std::unique_ptr<PostgresConnection>> Connect(
   // in one): the server ends it, releasing the leader lease's row lock (leader_election.h) so
   // that a standby's takeover is not held up by a deposed leader.
   std::vector<const char*> keys = {"dbname", "connect_timeout", "application_name", "options"};
-  std::vector<const char*> values = {options.url.c_str(), timeout.c_str(), "tessera-coordinator",
-                                     "-c client_min_messages=warning -c idle_in_transaction_session_timeout=5000"};
+  std::vector<const char*> values = {
+      options.url.c_str(), timeout.c_str(), "tessera-coordinator",
+      "-c client_min_messages=warning -c idle_in_transaction_session_timeout=5000"};
   if (!options.password.empty()) {
     keys.push_back("password");
     values.push_back(options.password.c_str());

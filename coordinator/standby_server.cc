@@ -49,8 +49,8 @@ class StandbyServer::Handler final : public grpc::CallbackGenericService {
  public:
   explicit Handler(StandbyServer* server) : server_(server) {}
 
-  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context)
-      override {
+  grpc::ServerGenericBidiReactor* CreateReactor(
+      grpc::GenericCallbackServerContext* context) override {
     class Refusal final : public grpc::ServerGenericBidiReactor {
      public:
       Refusal(grpc::GenericCallbackServerContext* context, const grpc::Status& status,
@@ -84,10 +84,10 @@ absl::StatusOr<std::unique_ptr<StandbyServer>> StandbyServer::Start(
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   server->handler_ = std::make_unique<Handler>(server.get());
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address,
-                           options.credentials != nullptr ? options.credentials
-                                                          : grpc::InsecureServerCredentials(),
-                           &server->port_);
+  builder.AddListeningPort(
+      options.listen_address,
+      options.credentials != nullptr ? options.credentials : grpc::InsecureServerCredentials(),
+      &server->port_);
   // One owner per port (as GrpcServer): the leader's server binds it after this one is gone.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterCallbackGenericService(server->handler_.get());

@@ -29,9 +29,9 @@ target_link_libraries(tessera_store PUBLIC tessera::common tessera::proto SQLite
 
 if(TESSERA_BUILD_TESTS)
   # One binary per concern; store_test_util.h holds what they share.
-  foreach(_store_test IN ITEMS leader_election_test store_commit_test store_database_test store_events_test
-      store_jobs_test store_metrics_test store_migration_test store_nodes_test store_postgres_test
-      store_queue_usage_test)
+  foreach(_store_test IN ITEMS leader_election_test store_commit_test store_database_test
+      store_events_test store_jobs_test store_metrics_test store_migration_test store_nodes_test
+      store_postgres_test store_queue_usage_test)
     tessera_add_test(NAME ${_store_test} SOURCES "${CMAKE_CURRENT_LIST_DIR}/${_store_test}.cc"
       LIBS tessera::store tessera::test_util)
   endforeach()

@@ -15,8 +15,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <iterator>
 #include <chrono>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
@@ -25,9 +25,8 @@
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
-
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/daemon/server.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
@@ -97,8 +96,8 @@ class CoordinatorFailoverTest : public ::testing::Test {
                 IsOk());
   }
 
-  static grpc::health::v1::HealthCheckResponse::ServingStatus Health(
-      const Coordinator& coordinator, const std::string& service) {
+  static grpc::health::v1::HealthCheckResponse::ServingStatus Health(const Coordinator& coordinator,
+                                                                     const std::string& service) {
     auto health = grpc::health::v1::Health::NewStub(MakeClientChannel(coordinator.address));
     grpc::health::v1::HealthCheckRequest request;
     request.set_service(service);
@@ -184,9 +183,8 @@ TEST_F(CoordinatorFailoverTest, OneLeadsAndTheStandbyNamesIt) {
       },
       absl::Seconds(10), absl::Milliseconds(100));
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_EQ(refused.error_message(),
-            absl::StrCat("coordinator ", b_.address, " is a standby; the leader is at ",
-                         a_.address));
+  EXPECT_EQ(refused.error_message(), absl::StrCat("coordinator ", b_.address,
+                                                  " is a standby; the leader is at ", a_.address));
   ASSERT_EQ(trailers.count("tessera-leader"), 1u);
   EXPECT_EQ(trailers.find("tessera-leader")->second, a_.address);
 
