@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "coordinator/leader_guard.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -63,6 +64,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   ASSIGN_OR_RETURN(daemon->store_,
                    Store::Open(options.state_path,
                                StoreOptions{.password_file = options.database_password_file}));
+  if (LeaderElection* election = options.election; election != nullptr) {
+    // Before the first write (Recover may write): a deposed leader stores nothing.
+    daemon->store_->SetWriteFence(
+        [election](DbConnection& writer) { return election->Fence(writer); });
+  }
   // A bad queue file stops the daemon here; later versions that are bad are refused and logged.
   ASSIGN_OR_RETURN(daemon->queues_, QueueFile::Create({.path = options.queue_file,
                                                        .clock = options.cluster.clock}));
@@ -106,15 +112,24 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
   daemon->node_service_ =
       std::make_unique<NodeService>(daemon->cluster_.get(), daemon->authenticator_.get(),
                                     daemon->notifier_.get(), daemon->node_calls_.get());
+  const int64_t epoch = options.election != nullptr ? options.election->epoch() : 0;
+  daemon->node_service_->set_leader_epoch(epoch);
 
   // The metrics object needs the exposer's registry, and the gRPC server
   // needs its interceptor: DaemonServers hands over the registry in between.
   CoordinatorDaemon* raw = daemon.get();
-  auto make_interceptors = [raw](prometheus::Registry* registry) {
+  LeaderElection* const election = options.election;
+  auto make_interceptors = [raw, epoch, election](prometheus::Registry* registry) {
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
         interceptors;
+    if (election != nullptr) {
+      interceptors.push_back(MakeLeadershipInterceptorFactory(
+          [election] { return election->Valid(); }, election->advertise_address()));
+    }
     if (registry == nullptr) return interceptors;
     raw->metrics_ = std::make_unique<CoordinatorMetrics>(*registry);
+    raw->leadership_ = std::make_unique<LeadershipGauges>(*registry);
+    raw->leadership_->Set(true, epoch);
     interceptors.push_back(raw->metrics_->MakeInterceptorFactory());
     return interceptors;
   };

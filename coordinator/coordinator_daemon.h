@@ -22,8 +22,10 @@
 #include "coordinator/coordinator_metrics.h"
 #include "coordinator/coordinator_service.h"
 #include "coordinator/job_manager.h"
+#include "coordinator/leader_election.h"
 #include "coordinator/node_service.h"
 #include "coordinator/queue_file.h"
+#include "coordinator/standby_server.h"
 #include "coordinator/store.h"
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 #include "tessera/v1/node_service.grpc.pb.h"
@@ -65,6 +67,10 @@ struct CoordinatorOptions {
   // Client calls waiting for a thread beyond which more are refused (RESOURCE_EXHAUSTED, retry
   // in 1 s) instead of queued in memory; workers' calls are never refused this way.
   int max_queued_client_calls = 4096;
+  // The election this coordinator won (not owned; it outlives the daemon); null: no election
+  // (SQLite), the one coordinator leads with epoch 0. Its fence guards every store write, its
+  // epoch goes into workers' responses and the tessera_coordinator_leader_epoch gauge.
+  LeaderElection* election = nullptr;
 };
 
 // Thread safety: Start and servers().Shutdown from one thread; the servers
@@ -89,6 +95,7 @@ class CoordinatorDaemon {
   // Null when metrics are disabled. Declared first: destroyed last, after
   // everything that reports to it.
   std::unique_ptr<CoordinatorMetrics> metrics_;
+  std::unique_ptr<LeadershipGauges> leadership_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<JobManager> jobs_;
   // Outlives the cluster, which notifies it, and the node service's streams.

@@ -10,6 +10,8 @@
 #include "common/daemon/shutdown_signal.h"
 #include "common/version.h"
 #include "coordinator/coordinator_daemon.h"
+#include "coordinator/leader_run.h"
+#include "coordinator/store.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "gRPC listen address (host:port) for clients and workers; port 0 picks one.");
@@ -24,6 +26,16 @@ ABSL_FLAG(std::string, state, "tessera-coordinator.db",
 ABSL_FLAG(std::string, database_password_file, "",
           "File whose first line is the PostgreSQL password of --state; empty: libpq's "
           "PGPASSWORD or PGPASSFILE (~/.pgpass).");
+ABSL_FLAG(std::string, advertise_address, "",
+          "With a postgresql:// --state: the address (host:port) other coordinators name as "
+          "this one's when it leads, which clients and workers dial (on Kubernetes the pod IP); "
+          "empty: the bound --listen address.");
+ABSL_FLAG(double, leader_lease_seconds, 5,
+          "With a postgresql:// --state: the leader lease's time to live; the leader renews it "
+          "every fifth of it, and a standby takes over once it was not renewed for this long "
+          "(by the database's clock).");
+ABSL_FLAG(double, standby_poll_seconds, 1,
+          "With a postgresql:// --state: how often a standby tries to take the lease.");
 ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(15),
           "A worker silent this long is LOST and its jobs fail, e.g. 15s.");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(2),
@@ -130,6 +142,20 @@ int main(int argc, char** argv) {
   options.client_call_threads = absl::GetFlag(FLAGS_client_call_threads);
   options.node_call_threads = absl::GetFlag(FLAGS_node_call_threads);
   options.max_queued_client_calls = absl::GetFlag(FLAGS_max_queued_client_calls);
+  if (tessera::coordinator::Store::IsPostgresUrl(options.state_path)) {
+    // Several coordinators may share the database: one leads, the others stand by.
+    const double lease = absl::GetFlag(FLAGS_leader_lease_seconds);
+    const double poll = absl::GetFlag(FLAGS_standby_poll_seconds);
+    if (!(lease > 0) || !(poll > 0)) {
+      std::cerr << "tessera-coordinator: --leader_lease_seconds and --standby_poll_seconds must "
+                   "be more than 0\n";
+      return 2;
+    }
+    return tessera::coordinator::RunElectedCoordinator(
+        options, {.advertise_address = absl::GetFlag(FLAGS_advertise_address),
+                  .lease = absl::Seconds(lease),
+                  .standby_poll = absl::Seconds(poll)});
+  }
   auto daemon = tessera::coordinator::CoordinatorDaemon::Start(options);
   if (!daemon.ok()) {
     std::cerr << "tessera-coordinator: " << daemon.status() << "\n";

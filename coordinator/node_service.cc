@@ -251,7 +251,12 @@ grpc::ServerUnaryReactor* NodeService::RegisterNode(grpc::CallbackServerContext*
                                                     const v1::RegisterNodeRequest* request,
                                                     v1::RegisterNodeResponse* response) {
   return Serve(executor_, context, response,
-               [this, request] { return cluster_->Register(*request); });
+               [this, request]() -> absl::StatusOr<v1::RegisterNodeResponse> {
+                 ASSIGN_OR_RETURN(v1::RegisterNodeResponse registered,
+                                  cluster_->Register(*request));
+                 registered.set_leader_epoch(leader_epoch_);
+                 return registered;
+               });
 }
 
 grpc::ServerUnaryReactor* NodeService::Heartbeat(grpc::CallbackServerContext* context,
@@ -265,7 +270,10 @@ grpc::ServerUnaryReactor* NodeService::Heartbeat(grpc::CallbackServerContext* co
   absl::Status status = AdmitCall(authenticator_, *context, Action::kNode).status();
   if (status.ok()) {
     absl::StatusOr<v1::HeartbeatResponse> result = cluster_->Heartbeat(*request);
-    if (result.ok()) *response = *std::move(result);
+    if (result.ok()) {
+      *response = *std::move(result);
+      response->set_leader_epoch(leader_epoch_);
+    }
     status = result.status();
   }
   reactor->Finish(ToGrpcStatus(status));

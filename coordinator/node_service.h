@@ -60,6 +60,10 @@ class NodeService final : public NodeServiceBase, public AsyncServiceHost {
                                    const v1::ReportRequest* request,
                                    v1::ReportResponse* response) override;
 
+  // The leadership epoch RegisterNode and Heartbeat responses carry (leader_epoch; 0 without an
+  // election). Set before the server starts.
+  void set_leader_epoch(int64_t epoch) { leader_epoch_ = epoch; }
+
   // AsyncServiceHost: WatchAssignments, one thread per queue.
   int completion_queues() const override;
   void StartServing(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues) override;
@@ -80,6 +84,7 @@ class NodeService final : public NodeServiceBase, public AsyncServiceHost {
                                   Response* response, Call call);
 
   Cluster* cluster_;
+  int64_t leader_epoch_ = 0;
   Authenticator* authenticator_;
   AssignmentNotifier* notifier_;
   CallExecutor* executor_;

@@ -393,7 +393,15 @@ class PostgresConnection final : public DbConnection {
 
   // Re-establishes a broken connection (its prepared statements are gone with it). A reader
   // that stays broken needs no status from here: its read's first statement fails UNAVAILABLE.
+  // An idle connection whose server went away (a restart) still says CONNECTION_OK until it
+  // reads: PQconsumeInput reads what is waiting without blocking, so the break is found here
+  // rather than by the next read or batch. Twice: the first call may read only the server's
+  // farewell message (taken as a notice while idle), the second finds the end of the stream.
   void ReconnectIfBroken() {
+    if (PQstatus(conn_) == CONNECTION_OK && !InTransaction()) {
+      for (int i = 0; i < 2 && PQconsumeInput(conn_) == 1; ++i) {
+      }
+    }
     if (PQstatus(conn_) == CONNECTION_OK) return;
     statements_.clear();
     PQreset(conn_);
@@ -420,10 +428,14 @@ namespace {
 absl::StatusOr<std::unique_ptr<PostgresConnection>> Connect(
     const PostgresDatabase::Options& options, const std::string& redacted) {
   const std::string timeout = absl::StrCat(options.connect_timeout_seconds);
-  // NOTICEs (CREATE TABLE IF NOT EXISTS of a table that exists) would go to stderr.
+  // NOTICEs (CREATE TABLE IF NOT EXISTS of a table that exists) would go to stderr. A
+  // transaction left open for 5 s is a paused or hung coordinator (a group commit never waits
+  // in one): the server ends it, releasing the leader lease's row lock (leader_election.h) so
+  // that a standby's takeover is not held up by a deposed leader.
   std::vector<const char*> keys = {"dbname", "connect_timeout", "application_name", "options"};
-  std::vector<const char*> values = {options.url.c_str(), timeout.c_str(), "tessera-coordinator",
-                                     "-c client_min_messages=warning"};
+  std::vector<const char*> values = {
+      options.url.c_str(), timeout.c_str(), "tessera-coordinator",
+      "-c client_min_messages=warning -c idle_in_transaction_session_timeout=5000"};
   if (!options.password.empty()) {
     keys.push_back("password");
     values.push_back(options.password.c_str());
@@ -521,7 +533,11 @@ DatabaseCommitStats PostgresDatabase::RunBatch(const std::vector<QueuedWrite*>& 
     return fail_all(connected);
   }
   absl::Status begun = writer_->Begin(operation);
-  if (!begun.ok()) return fail_all(begun);
+  if (begun.ok()) begun = CheckFence(*writer_);
+  if (!begun.ok()) {
+    // A refused fence leaves the transaction open (and maybe failed): end it, store nothing.
+    return fail_all(writer_->FinishTransaction(std::move(begun), operation));
+  }
   // First the whole batch without savepoints, as SQLite's: nearly every batch applies whole.
   absl::Status failed;
   for (QueuedWrite* write : batch) {
@@ -554,6 +570,10 @@ DatabaseCommitStats PostgresDatabase::RunBatch(const std::vector<QueuedWrite*>& 
 absl::Status PostgresDatabase::ApplyWithSavepoints(const std::vector<QueuedWrite*>& batch,
                                                    absl::string_view operation) {
   RETURN_IF_ERROR(writer_->Begin(operation));
+  if (absl::Status fenced = CheckFence(*writer_); !fenced.ok()) {
+    for (QueuedWrite* write : batch) write->status = fenced;
+    return writer_->FinishTransaction(std::move(fenced), operation);
+  }
   for (QueuedWrite* write : batch) {
     absl::Status status = writer_->Exec("SAVEPOINT write", operation);
     if (status.ok()) status = write->apply(*writer_);

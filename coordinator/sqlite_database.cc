@@ -224,7 +224,9 @@ DatabaseCommitStats SqliteDatabase::RunBatch(const std::vector<QueuedWrite*>& ba
                                .writes = static_cast<int>(batch.size())};
   };
   absl::Status begun = writer_.Run("BEGIN IMMEDIATE", operation);
+  if (begun.ok()) begun = CheckFence(writer_);  // none is set on SQLite (store_database.h)
   if (!begun.ok()) {
+    if (sqlite3_get_autocommit(db) == 0) sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
     for (QueuedWrite* write : batch) write->status = begun;
     return {};
   }

@@ -194,6 +194,10 @@ void Store::SetWriteObserver(std::function<void(const StoreWriteStats&)> observe
   });
 }
 
+void Store::SetWriteFence(std::function<absl::Status(DbConnection& writer)> fence) {
+  database_->SetFence(std::move(fence));
+}
+
 void Store::SetWriteFailureInjector(std::function<absl::Status(const std::string&)> injector) {
   absl::MutexLock lock(&hooks_mu_);
   write_failure_injector_ = std::move(injector);

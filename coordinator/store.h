@@ -59,6 +59,7 @@
 namespace tessera::coordinator {
 
 class Database;
+class DbConnection;
 
 // Everything one committed change of a job writes, applied in ONE SQLite
 // transaction, in this order: job upsert, events, metrics, evals, checkpoint
@@ -240,6 +241,11 @@ class Store {
   // PutNode, DeleteNode, NextJobId or CommitNewJob writes) with its wall time (the fsync
   // included), its CPU time and its writes: the store-write metrics. Pass nullptr to remove.
   void SetWriteObserver(std::function<void(const StoreWriteStats&)> observer);
+
+  // The leader's fence (Database::SetFence, leader_election.h): checked at the start of every
+  // write transaction; while it fails, every write fails with its status and nothing is stored.
+  // Pass nullptr to remove.
+  void SetWriteFence(std::function<absl::Status(DbConnection& writer)> fence);
 
   // Fault injection for tests of what sits on the store: before each write
   // (Commit, PutNode) `injector` is called with the write's job or node id; a

@@ -56,6 +56,20 @@ void Database::SetCommitObserver(std::function<void(const DatabaseCommitStats&)>
   commit_observer_ = std::move(observer);
 }
 
+void Database::SetFence(Fence fence) {
+  absl::MutexLock lock(&fence_mu_);
+  fence_ = std::move(fence);
+}
+
+absl::Status Database::CheckFence(DbConnection& writer) {
+  Fence fence;
+  {
+    absl::MutexLock lock(&fence_mu_);
+    fence = fence_;
+  }
+  return fence ? fence(writer) : absl::OkStatus();
+}
+
 void Database::ReportCommit(const DatabaseCommitStats& stats) {
   std::function<void(const DatabaseCommitStats&)> observer;
   {

@@ -199,6 +199,15 @@ class Database {
   void SetCommitObserver(std::function<void(const DatabaseCommitStats&)> observer)
       ABSL_LOCKS_EXCLUDED(observer_mu_);
 
+  // The leader's fence (coordinator/leader_election.h): run on the writer at the start of every
+  // write transaction, before any write of the batch; a failure refuses the whole batch (every
+  // write gets that status, nothing is stored). With PostgreSQL it locks the lease row, so that
+  // a takeover waits for the transaction and the transaction sees a takeover committed before
+  // it. SQLite has no election: its RunBatch runs the fence too, but nothing sets one there.
+  // Pass nullptr to remove.
+  using Fence = std::function<absl::Status(DbConnection& writer)>;
+  void SetFence(Fence fence) ABSL_LOCKS_EXCLUDED(fence_mu_);
+
  protected:
   Database() = default;
 
@@ -208,6 +217,8 @@ class Database {
   // A connection for one read, never null; blocks until one is idle.
   virtual DbConnection* AcquireReader() = 0;
   virtual void ReleaseReader(DbConnection* connection) = 0;
+  // Runs the fence (OK when none is set); RunBatch calls it after BEGIN.
+  absl::Status CheckFence(DbConnection& writer) ABSL_LOCKS_EXCLUDED(fence_mu_);
 
  private:
   void ReportCommit(const DatabaseCommitStats& stats) ABSL_LOCKS_EXCLUDED(observer_mu_);
@@ -215,6 +226,9 @@ class Database {
   // The observer has a mutex of its own: a commit in progress never waits for it.
   absl::Mutex observer_mu_;
   std::function<void(const DatabaseCommitStats&)> commit_observer_ ABSL_GUARDED_BY(observer_mu_);
+  // Set once before the leader serves; its own mutex, as the observer's.
+  absl::Mutex fence_mu_;
+  Fence fence_ ABSL_GUARDED_BY(fence_mu_);
   absl::Mutex queue_mu_;
   std::vector<QueuedWrite*> queued_ ABSL_GUARDED_BY(queue_mu_);
   bool committing_ ABSL_GUARDED_BY(queue_mu_) = false;

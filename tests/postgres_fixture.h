@@ -43,6 +43,16 @@ class PostgresCluster {
   bool ok() const { return !port_.empty(); }
   const std::string& Reason() const { return reason_; }
 
+  // Restarts the server (pg_ctl restart -m fast, same port and settings): every connection is
+  // dropped and refused until it is back. For tests of reconnecting; false when it did not
+  // come back.
+  bool Restart() {
+    if (!ok()) return false;
+    return Run(absl::StrCat(as_user_, Quoted(bin_ + "/pg_ctl"), " -D ", Quoted(dir_ + "/data"),
+                            " -l ", Quoted(dir_ + "/server.log"),
+                            " -w -t 60 -m fast restart > /dev/null"));
+  }
+
   // A database of its own for one test: "postgresql://tessera@127.0.0.1:<port>/<name>", or ""
   // (see Reason()) when the cluster is not running or createdb fails.
   std::string NewDatabase() {
