@@ -18,7 +18,9 @@
 #include "worker/trainer_process.h"
 #include "worker/worker_daemon.h"
 
-ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "Coordinator gRPC address (host:port).");
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051",
+          "Coordinator gRPC address (host:port), or several, comma-separated, of coordinators of "
+          "which one leads (HA): calls follow the leader, and a standby's answer names it.");
 ABSL_FLAG(std::string, node_name, "", "Node identity in the cluster; empty means the hostname.");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50052",
           "gRPC listen address (host:port) of the worker's own service (logs); port 0 picks one.");
@@ -99,7 +101,8 @@ std::filesystem::path DefaultWorkDir(const std::string& node_id) {
 }  // namespace
 
 constexpr char kUsage[] =
-    "Usage: tessera-worker --coordinator=HOST:PORT [--node_name=NAME] [--cpu_slots=N]\n"
+    "Usage: tessera-worker --coordinator=HOST:PORT[,HOST:PORT...] [--node_name=NAME]\n"
+    "                      [--cpu_slots=N] [--coordinator_grace=DURATION]\n"
     "                      [--listen=HOST:PORT] [--metrics_listen=HOST:PORT] [--work_dir=DIR]\n\n"
     "The Tessera worker: one per node; registers the node's GPUs (NVML) or CPU slots with the\n"
     "coordinator, launches and supervises trainer processes, and relays their reports.\n";

@@ -43,6 +43,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/daemon/leader_channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/security/credentials.h"
 #include "tessera/v1/node_service.grpc.pb.h"
@@ -56,7 +57,8 @@
 namespace tessera::worker {
 
 struct WorkerAgentOptions {
-  // Coordinator gRPC address.
+  // Coordinator gRPC addresses, comma-separated (host:port[,host:port...]): calls follow the one
+  // that leads (common/daemon/leader_channel.h).
   std::string coordinator_address = "127.0.0.1:50051";
   // Node identity in the cluster.
   std::string node_id;
@@ -196,8 +198,10 @@ class WorkerAgent {
     std::optional<v1::TaskAssignment> deferred;
   };
 
-  // Deadline and credentials of a call to the coordinator.
-  void PrepareCall(grpc::ClientContext& context) const;
+  // One unary call to the leading coordinator, with failover (LeaderChannel) within
+  // options_.rpc_timeout; `call` gets a stub of the address being tried and a prepared context.
+  grpc::Status CallLeader(
+      const std::function<grpc::Status(v1::NodeService::Stub&, grpc::ClientContext&)>& call);
   // Credentials of a call to the coordinator (the watch stream has no fixed deadline).
   void Authorize(grpc::ClientContext& context) const;
   void HeartbeatLoop();
@@ -249,7 +253,10 @@ class WorkerAgent {
   Clock* const clock_;
   std::unique_ptr<GpuBackend> gpus_;
   std::vector<v1::GpuDevice> devices_;
-  std::unique_ptr<v1::NodeService::Stub> coordinator_;
+  // The coordinators, and which of them leads.
+  std::unique_ptr<LeaderChannel> leader_;
+  // Why options_.coordinator_address cannot be used; Start() returns it.
+  absl::Status address_error_;
   std::string socket_path_;
   // Pid files of launched trainers (worker/orphans.h).
   std::string pid_dir_;
