@@ -41,6 +41,10 @@ ABSL_FLAG(std::vector<std::string>, labels, {}, "Node labels as key=value,key=va
 ABSL_FLAG(absl::Duration, checkpoint_grace, absl::Minutes(10),
           "Time the ranks of a task asked to checkpoint and stop (its node drained with "
           "--checkpoint) get to save the checkpoint and exit before they are stopped.");
+ABSL_FLAG(absl::Duration, coordinator_grace, absl::Minutes(5),
+          "How long trainers keep running while no coordinator answers as leader (their reports "
+          "are kept); past it the worker asks them to save a checkpoint and stop "
+          "(--checkpoint_grace), and reports their end when a leader answers again.");
 ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
           "Time between SIGTERM and SIGKILL when stopping trainers.");
 ABSL_FLAG(std::string, tls_cert, "",
@@ -151,6 +155,7 @@ int main(int argc, char** argv) {
   }
   agent.stop_grace = absl::GetFlag(FLAGS_stop_grace);
   agent.checkpoint_grace = absl::GetFlag(FLAGS_checkpoint_grace);
+  agent.coordinator_grace = absl::GetFlag(FLAGS_coordinator_grace);
   agent.trainer_threads = absl::GetFlag(FLAGS_trainer_threads);
   agent.watch_assignments = absl::GetFlag(FLAGS_watch_assignments);
 

@@ -176,6 +176,10 @@ absl::Status WorkerAgent::Start(const std::string& advertise_address) {
     return absl::UnavailableError(
         absl::StrCat("report socket ", socket_path_, ": ", std::strerror(errno)));
   }
+  {
+    absl::MutexLock lock(&mu_);
+    leader_answered_ = clock_->Now();
+  }
   threads_.emplace_back([this] { AcceptLoop(); });
   threads_.emplace_back([this] { HeartbeatLoop(); });
   threads_.emplace_back([this] { SuperviseLoop(); });
@@ -300,11 +304,15 @@ absl::Status WorkerAgent::RegisterNow() {
   request.set_node_key(options_.node_key);
   v1::RegisterNodeResponse response;
   grpc::Status status = CallLeader([&](v1::NodeService::Stub& stub, grpc::ClientContext& context) {
-    return stub.RegisterNode(&context, request, &response);
+    grpc::Status answer = stub.RegisterNode(&context, request, &response);
+    if (!answer.ok()) return answer;
+    return RefuseDeposedLeader(response.leader_epoch(), leader_->leader(), "");
   });
-  if (!status.ok()) return FromGrpcStatus(status);
   absl::MutexLock lock(&mu_);
+  LeaderAnsweredLocked(status.ok());
+  if (!status.ok()) return FromGrpcStatus(status);
   registered_ = true;
+  leader_epoch_ = std::max(leader_epoch_.value_or(response.leader_epoch()), response.leader_epoch());
   if (response.heartbeat_interval_seconds() > 0) {
     heartbeat_interval_ = absl::Seconds(response.heartbeat_interval_seconds());
   }
@@ -367,17 +375,32 @@ void WorkerAgent::HeartbeatLoop() {
     v1::HeartbeatResponse response;
     grpc::Status status =
         CallLeader([&](v1::NodeService::Stub& stub, grpc::ClientContext& context) {
-          return stub.Heartbeat(&context, request, &response);
+          grpc::Status answer = stub.Heartbeat(&context, request, &response);
+          if (!answer.ok()) return answer;
+          return RefuseDeposedLeader(response.leader_epoch(), leader_->leader(),
+                                     DescribeLeaderOrders(response));
         });
     if (!status.ok()) {
-      // The coordinator may be restarting: keep the tasks and reports, and
-      // register again once it answers.
+      // The coordinator may be restarting (or another one taking over): keep the tasks and
+      // reports, and register again once the leader answers.
       absl::MutexLock lock(&mu_);
+      LeaderAnsweredLocked(false);
       registered_ = status.error_code() != grpc::StatusCode::UNAVAILABLE;
       wait = absl::Seconds(1);
       continue;
     }
     absl::MutexLock lock(&mu_);
+    LeaderAnsweredLocked(true);
+    // A newer leader took over (its epoch is above the one that registered us): its orders stand,
+    // and it learns of the running tasks by a registration, as after a coordinator restart.
+    if (leader_epoch_ && response.leader_epoch() > *leader_epoch_) {
+      std::cerr << "tessera-worker: a new leader (epoch " << response.leader_epoch() << ", was "
+                << *leader_epoch_ << ") answers at " << leader_->leader()
+                << "; registering again with the running tasks" << std::endl;
+      registered_ = false;
+      wait = absl::ZeroDuration();
+    }
+    leader_epoch_ = std::max(leader_epoch_.value_or(0), response.leader_epoch());
     if (response.reregister()) {
       registered_ = false;
       wait = absl::ZeroDuration();
@@ -670,6 +693,7 @@ void WorkerAgent::SuperviseLoop() {
     {
       absl::MutexLock lock(&mu_);
       const absl::Time now = clock_->Now();
+      EnforceCoordinatorGraceLocked(now);
       for (auto& [id, task] : tasks_) {
         for (auto& rank : task.ranks) PollRankLocked(rank);
         if (task.lifecycle.phase() == TaskPhase::kCheckpointing) SignalCheckpointLocked(task);
