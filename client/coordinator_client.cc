@@ -111,11 +111,10 @@ absl::StatusOr<v1::Job> CoordinatorClient::Submit(const v1::JobSpec& spec,
   *request.mutable_spec() = spec;
   request.set_request_id(request_id);
   v1::SubmitJobResponse response;
-  if (auto s = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
-        return stub.SubmitJob(&context, request, &response);
-      }); !s.ok()) {
-    return s;
-  }
+  absl::Status status = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
+    return stub.SubmitJob(&context, request, &response);
+  });
+  if (!status.ok()) return status;
   return response.job();
 }
 
@@ -123,21 +122,19 @@ absl::StatusOr<v1::Job> CoordinatorClient::Get(const std::string& job_id) {
   v1::GetJobRequest request;
   request.set_job_id(job_id);
   v1::GetJobResponse response;
-  if (auto s = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
-        return stub.GetJob(&context, request, &response);
-      }); !s.ok()) {
-    return s;
-  }
+  absl::Status status = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
+    return stub.GetJob(&context, request, &response);
+  });
+  if (!status.ok()) return status;
   return response.job();
 }
 
 absl::StatusOr<v1::ListJobsResponse> CoordinatorClient::List(const v1::ListJobsRequest& request) {
   v1::ListJobsResponse response;
-  if (auto s = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
-        return stub.ListJobs(&context, request, &response);
-      }); !s.ok()) {
-    return s;
-  }
+  absl::Status status = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
+    return stub.ListJobs(&context, request, &response);
+  });
+  if (!status.ok()) return status;
   return response;
 }
 
@@ -147,23 +144,20 @@ absl::StatusOr<v1::Job> CoordinatorClient::Cancel(const std::string& job_id,
   request.set_job_id(job_id);
   request.set_reason(reason);
   v1::CancelJobResponse response;
-  if (auto s = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
-        return stub.CancelJob(&context, request, &response);
-      }); !s.ok()) {
-    return s;
-  }
+  absl::Status status = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
+    return stub.CancelJob(&context, request, &response);
+  });
+  if (!status.ok()) return status;
   return response.job();
 }
 
 absl::StatusOr<v1::GetMetricsResponse> CoordinatorClient::Metrics(
     const v1::GetMetricsRequest& request) {
   v1::GetMetricsResponse response;
-  if (auto s = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
-        return stub.GetMetrics(&context, request, &response);
-      });
-      !s.ok()) {
-    return s;
-  }
+  absl::Status status = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
+    return stub.GetMetrics(&context, request, &response);
+  });
+  if (!status.ok()) return status;
   return response;
 }
 
@@ -172,12 +166,10 @@ absl::StatusOr<std::vector<v1::Checkpoint>> CoordinatorClient::Checkpoints(
   v1::ListCheckpointsRequest request;
   request.set_job_id(job_id);
   v1::ListCheckpointsResponse response;
-  if (auto s = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
-        return stub.ListCheckpoints(&context, request, &response);
-      });
-      !s.ok()) {
-    return s;
-  }
+  absl::Status status = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
+    return stub.ListCheckpoints(&context, request, &response);
+  });
+  if (!status.ok()) return status;
   return std::vector<v1::Checkpoint>(response.checkpoints().begin(), response.checkpoints().end());
 }
 
@@ -185,32 +177,29 @@ absl::StatusOr<std::vector<v1::Node>> CoordinatorClient::Nodes(bool include_lost
   v1::ListNodesRequest request;
   request.set_include_lost(include_lost);
   v1::ListNodesResponse response;
-  if (auto s = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
-        return stub.ListNodes(&context, request, &response);
-      }); !s.ok()) {
-    return s;
-  }
+  absl::Status status = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
+    return stub.ListNodes(&context, request, &response);
+  });
+  if (!status.ok()) return status;
   return std::vector<v1::Node>(response.nodes().begin(), response.nodes().end());
 }
 
 absl::StatusOr<v1::ListQueuesResponse> CoordinatorClient::Queues() {
   v1::ListQueuesResponse response;
-  if (auto s = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
-        return stub.ListQueues(&context, v1::ListQueuesRequest(), &response);
-      }); !s.ok()) {
-    return s;
-  }
+  absl::Status status = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
+    return stub.ListQueues(&context, v1::ListQueuesRequest(), &response);
+  });
+  if (!status.ok()) return status;
   return response;
 }
 
 absl::StatusOr<v1::DrainNodeResponse> CoordinatorClient::DrainNode(
     const v1::DrainNodeRequest& request) {
   v1::DrainNodeResponse response;
-  if (auto s = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
-        return stub.DrainNode(&context, request, &response);
-      }); !s.ok()) {
-    return s;
-  }
+  absl::Status status = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
+    return stub.DrainNode(&context, request, &response);
+  });
+  if (!status.ok()) return status;
   return response;
 }
 
@@ -218,12 +207,10 @@ absl::StatusOr<v1::Node> CoordinatorClient::UndrainNode(const std::string& node_
   v1::UndrainNodeRequest request;
   request.set_node_id(node_id);
   v1::UndrainNodeResponse response;
-  if (auto s = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
-        return stub.UndrainNode(&context, request, &response);
-      });
-      !s.ok()) {
-    return s;
-  }
+  absl::Status status = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
+    return stub.UndrainNode(&context, request, &response);
+  });
+  if (!status.ok()) return status;
   return response.node();
 }
 
@@ -232,19 +219,17 @@ absl::Status CoordinatorClient::RemoveNode(const std::string& node_id) {
   request.set_node_id(node_id);
   v1::RemoveNodeResponse response;
   return Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
-        return stub.RemoveNode(&context, request, &response);
-      });
+    return stub.RemoveNode(&context, request, &response);
+  });
 }
 
 absl::StatusOr<v1::PlanLayoutResponse> CoordinatorClient::Plan(
     const v1::PlanLayoutRequest& request) {
   v1::PlanLayoutResponse response;
-  if (auto s = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
-        return stub.PlanLayout(&context, request, &response);
-      });
-      !s.ok()) {
-    return s;
-  }
+  absl::Status status = Unary([&](v1::Coordinator::Stub& stub, grpc::ClientContext& context) {
+    return stub.PlanLayout(&context, request, &response);
+  });
+  if (!status.ok()) return status;
   return response;
 }
 

@@ -107,10 +107,10 @@ class FakeCoordinator final : public v1::Coordinator::Service {
  private:
   grpc::Status StandbyLocked(grpc::ServerContext* context) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!leader_.empty()) context->AddTrailingMetadata(kLeaderMetadataKey, leader_);
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        absl::StrCat("coordinator ", address_, " is a standby; ",
-                                     leader_.empty() ? "no leader is elected yet"
-                                                     : "the leader is at " + leader_));
+    return grpc::Status(
+        grpc::StatusCode::UNAVAILABLE,
+        absl::StrCat("coordinator ", address_, " is a standby; ",
+                     leader_.empty() ? "no leader is elected yet" : "the leader is at " + leader_));
   }
 
   std::unique_ptr<grpc::Server> server_;
@@ -125,8 +125,7 @@ class FakeCoordinator final : public v1::Coordinator::Service {
 };
 
 // The sequences Watch delivered, in order.
-std::vector<int64_t> WatchAll(CoordinatorClient& client, absl::Status* status,
-                              int64_t after = 0) {
+std::vector<int64_t> WatchAll(CoordinatorClient& client, absl::Status* status, int64_t after = 0) {
   std::vector<int64_t> seen;
   *status = client.Watch("job-1", after, [&](const v1::JobEvent& event) {
     seen.push_back(event.sequence());
@@ -154,8 +153,8 @@ TEST(CoordinatorClientTest, NoLeaderNamesEveryAddress) {
   FakeCoordinator a, b;
   a.StandBy("");
   b.StandBy("");
-  CoordinatorClient client({.address = absl::StrCat(a.address(), ",", b.address()),
-                            .timeout = absl::Milliseconds(400)});
+  CoordinatorClient client(
+      {.address = absl::StrCat(a.address(), ",", b.address()), .timeout = absl::Milliseconds(400)});
   auto job = client.Get("job-1");
   EXPECT_EQ(job.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(job.status().message(), HasSubstr(a.address()));
@@ -185,8 +184,8 @@ TEST(CoordinatorClientTest, WatchResumesOnTheNewLeaderAfterTheLastEventSeen) {
   new_leader.StandBy(old_leader.address());
   // The old leader steps down mid-stream and names the new one.
   old_leader.DropAfter(3, new_leader.address());
-  CoordinatorClient client({.address = absl::StrCat(old_leader.address(), ",",
-                                                    new_leader.address())});
+  CoordinatorClient client(
+      {.address = absl::StrCat(old_leader.address(), ",", new_leader.address())});
   new_leader.Lead();
   absl::Status status;
   EXPECT_THAT(WatchAll(client, &status, 2), ElementsAreArray(Range(3, kEvents)));

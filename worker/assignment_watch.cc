@@ -52,6 +52,7 @@ int AssignmentWatch::notices() const {
 
 bool AssignmentWatch::RunStream(const v1::WatchAssignmentsRequest& request) {
   bool delivered = false;
+  bool lifetime_ended = false;
   const absl::Time deadline = absl::Now() + options_.stream_lifetime;
   // A deadline already past: one stream (or two, when a standby names the leader); the loop's
   // backoff paces the reconnections.
@@ -87,9 +88,15 @@ bool AssignmentWatch::RunStream(const v1::WatchAssignmentsRequest& request) {
         grpc::Status finished = reader->Finish();
         absl::MutexLock lock(&mu_);
         context_ = nullptr;
+        // A healthy stream reaching its lifetime is no sign of a hung coordinator: the leader
+        // stays where it is (LeaderChannel moves on after a deadline).
+        if (delivered && finished.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+          lifetime_ended = true;
+          return grpc::Status::OK;
+        }
         return finished;
       });
-  const bool renewed = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+  const bool renewed = lifetime_ended || status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
   connected_before_ = delivered && renewed;
   {
     absl::MutexLock lock(&mu_);

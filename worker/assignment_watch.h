@@ -46,8 +46,7 @@ class AssignmentWatch {
   // `leader` must outlive the watch. `authorize` adds the call's credentials (metadata) to a
   // context. `request` gives the node's id and key, or nullopt while the node is not registered
   // (the watch then waits for Kick or a backoff period). `on_notice` is called for each notice.
-  AssignmentWatch(LeaderChannel* leader,
-                  std::function<void(grpc::ClientContext&)> authorize,
+  AssignmentWatch(LeaderChannel* leader, std::function<void(grpc::ClientContext&)> authorize,
                   std::function<std::optional<v1::WatchAssignmentsRequest>()> request,
                   std::function<void()> on_notice, AssignmentWatchOptions options = {});
   ~AssignmentWatch();

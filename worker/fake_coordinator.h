@@ -9,8 +9,8 @@
 #pragma once
 
 #include <filesystem>
-#include <memory>
 #include <functional>
+#include <memory>
 #include <string>
 #include <system_error>
 #include <utility>

@@ -69,8 +69,8 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend>
       ParseCoordinatorAddresses(options_.coordinator_address, "--coordinator");
   if (!addresses.ok()) address_error_ = addresses.status();
   leader_ = std::make_unique<LeaderChannel>(LeaderChannelOptions{
-      .addresses = addresses.ok() ? *addresses
-                                  : std::vector<std::string>{options_.coordinator_address},
+      .addresses =
+          addresses.ok() ? *addresses : std::vector<std::string>{options_.coordinator_address},
       .credentials = options_.coordinator_credentials});
   socket_path_ = absl::StrCat(options_.work_dir, "/reports.sock");
   pid_dir_ = absl::StrCat(options_.work_dir, "/trainers");
@@ -312,7 +312,8 @@ absl::Status WorkerAgent::RegisterNow() {
   LeaderAnsweredLocked(status.ok());
   if (!status.ok()) return FromGrpcStatus(status);
   registered_ = true;
-  leader_epoch_ = std::max(leader_epoch_.value_or(response.leader_epoch()), response.leader_epoch());
+  // Epochs start at 0 (SQLite state: always 0).
+  leader_epoch_ = std::max(leader_epoch_.value_or(0), response.leader_epoch());
   if (response.heartbeat_interval_seconds() > 0) {
     heartbeat_interval_ = absl::Seconds(response.heartbeat_interval_seconds());
   }
@@ -337,8 +338,8 @@ void WorkerAgent::HeartbeatLoop() {
     if (!registered) {
       if (auto status = RegisterNow(); !status.ok()) {
         if (status.ToString() != last_error) {
-          std::cerr << "tessera-worker: cannot register with " << leader_->leader()
-                    << ": " << status << " (retrying)" << std::endl;
+          std::cerr << "tessera-worker: cannot register with " << leader_->leader() << ": "
+                    << status << " (retrying)" << std::endl;
           last_error = status.ToString();
         }
         wait = absl::Seconds(1);

@@ -52,8 +52,8 @@
 #include "worker/gpu_inventory.h"
 #include "worker/task_lifecycle.h"
 #include "worker/trainer_launcher.h"
-#include "worker/training_metrics.h"
 #include "worker/trainer_process.h"
+#include "worker/training_metrics.h"
 
 namespace tessera::worker {
 

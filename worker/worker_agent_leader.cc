@@ -28,9 +28,9 @@ grpc::Status WorkerAgent::RefuseDeposedLeader(int64_t epoch, const std::string& 
                                               const std::string& orders) {
   absl::MutexLock lock(&mu_);
   if (!leader_epoch_ || epoch >= *leader_epoch_) return grpc::Status::OK;
-  const std::string why = absl::StrCat("coordinator at ", address, " answered with leader epoch ",
-                                       epoch, ", below the highest seen (", *leader_epoch_,
-                                       "): a deposed leader");
+  const std::string why =
+      absl::StrCat("coordinator at ", address, " answered with leader epoch ", epoch,
+                   ", below the highest seen (", *leader_epoch_, "): a deposed leader");
   if (!orders.empty()) {
     std::cerr << "tessera-worker: ignoring the orders of " << why << ": " << orders << std::endl;
   }
@@ -40,9 +40,8 @@ grpc::Status WorkerAgent::RefuseDeposedLeader(int64_t epoch, const std::string& 
 void WorkerAgent::LeaderAnsweredLocked(bool answered) {
   if (answered) {
     if (!leader_answering_ && clock_->Now() - leader_answered_ >= options_.coordinator_grace) {
-      std::cerr << "tessera-worker: the leader answers again at " << leader_->leader()
-                << " after " << absl::FormatDuration(clock_->Now() - leader_answered_)
-                << std::endl;
+      std::cerr << "tessera-worker: the leader answers again at " << leader_->leader() << " after "
+                << absl::FormatDuration(clock_->Now() - leader_answered_) << std::endl;
     }
     leader_answered_ = clock_->Now();
   }

@@ -25,6 +25,7 @@
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
+#include "worker/contact_metrics.h"
 #include "worker/fake_coordinator.h"
 #include "worker/sim_fakes.h"
 #include "worker/worker_agent.h"
@@ -189,8 +190,7 @@ TEST_F(WorkerFailoverTest, FollowsTheNewLeaderAndRegistersTheRunningTasks) {
   coordinator(1).StandBy("");
   coordinator(0).set_leader_epoch(2);
   coordinator(0).Lead();
-  ASSERT_TRUE(RunUntil([&] { return RunningAt(0); }, absl::Minutes(1),
-                       [&] { RanksHeartbeat(); }));
+  ASSERT_TRUE(RunUntil([&] { return RunningAt(0); }, absl::Minutes(1), [&] { RanksHeartbeat(); }));
   EXPECT_TRUE(RegisteredTask(0, v1::TASK_STATE_RUNNING))
       << "the new leader was not told of the running task";
   EXPECT_EQ(agent_->Contact().leader_epoch, 2);
@@ -238,8 +238,7 @@ TEST_F(WorkerFailoverTest, PastTheGraceWithoutALeaderTrainersCheckpointAndStop) 
   launcher_.Behave(0, Behaviour{.exit_on_checkpoint = true});
   launcher_.Behave(1, Behaviour{.exit_on_checkpoint = true});
   Start({0}, options);
-  ASSERT_TRUE(RunUntil([&] { return RunningAt(0); }, absl::Minutes(1),
-                       [&] { RanksHeartbeat(); }));
+  ASSERT_TRUE(RunUntil([&] { return RunningAt(0); }, absl::Minutes(1), [&] { RanksHeartbeat(); }));
   RanksHeartbeat();
   ASSERT_TRUE(RunUntil([&] { return agent_->Contact().reachable; }, absl::Minutes(1)));
 
@@ -252,11 +251,19 @@ TEST_F(WorkerFailoverTest, PastTheGraceWithoutALeaderTrainersCheckpointAndStop) 
   kept.mutable_metrics()->set_step(42);
   SendReport(0, kept);
 
-  ASSERT_FALSE(RunUntil([&] { return !What(*launcher_.ranks()[0]).empty(); },
-                        kGrace - 5 * kStep, [&] { RanksHeartbeat(); }))
+  ASSERT_FALSE(RunUntil([&] { return !What(*launcher_.ranks()[0]).empty(); }, kGrace - 5 * kStep,
+                        [&] { RanksHeartbeat(); }))
       << "signalled within the grace";
   EXPECT_GE(agent_->Contact().without, kGrace - 8 * kStep);
   EXPECT_FALSE(agent_->Contact().reachable);
+  // What /metrics says meanwhile.
+  const CoordinatorContactMetrics metrics([this] { return agent_->Contact(); });
+  const std::vector<prometheus::MetricFamily> families = metrics.Collect();
+  ASSERT_EQ(families.size(), 2u);
+  EXPECT_EQ(families[0].name, "tessera_worker_coordinator_reachable");
+  EXPECT_EQ(families[0].metric.at(0).gauge.value, 0);
+  EXPECT_EQ(families[1].name, "tessera_worker_seconds_without_coordinator");
+  EXPECT_GE(families[1].metric.at(0).gauge.value, absl::ToDoubleSeconds(kGrace - 8 * kStep));
 
   ASSERT_TRUE(RunUntil(
       [&] {
@@ -268,18 +275,19 @@ TEST_F(WorkerFailoverTest, PastTheGraceWithoutALeaderTrainersCheckpointAndStop) 
       absl::Minutes(1), [&] { RanksHeartbeat(); }));
   EXPECT_GE(clock_.Now() - lost, kGrace - 3 * kStep);
   for (const auto& rank : launcher_.ranks()) {
-    EXPECT_THAT(What(*rank), ::testing::ElementsAre(absl::StrCat("signal ",
-                                                                  kCheckpointAndStopSignal)))
+    EXPECT_THAT(What(*rank),
+                ::testing::ElementsAre(absl::StrCat("signal ", kCheckpointAndStopSignal)))
         << "rank " << rank->rank() << " was not asked for a checkpoint only";
   }
   EXPECT_FALSE(IsTerminal(coordinator(0).last_status().state()));
 
   coordinator(0).Lead();
-  ASSERT_TRUE(RunUntil([&] { return IsTerminal(coordinator(0).last_status().state()); },
-                       absl::Minutes(2)));
+  ASSERT_TRUE(
+      RunUntil([&] { return IsTerminal(coordinator(0).last_status().state()); }, absl::Minutes(2)));
   EXPECT_EQ(coordinator(0).last_status().state(), v1::TASK_STATE_STOPPED);
   EXPECT_TRUE(agent_->Contact().reachable);
   EXPECT_EQ(agent_->Contact().without, absl::ZeroDuration());
+  EXPECT_EQ(metrics.Collect()[0].metric.at(0).gauge.value, 1);
   ASSERT_GE(coordinator(0).registrations().size(), 2u) << "no registration once it led again";
   bool relayed = false;
   for (const v1::TrainerReport& report : coordinator(0).relayed()) {

@@ -53,7 +53,12 @@ std::shared_ptr<grpc::Channel> LeaderChannel::ChannelLocked(const std::string& a
 
 void LeaderChannel::Observe(const std::string& address, const grpc::ClientContext& context,
                             const grpc::Status& status) {
-  if (status.error_code() != grpc::StatusCode::UNAVAILABLE) return;
+  // A deadline that passed with several addresses: the coordinator may be paused or its node
+  // gone (a connection that hangs rather than being refused); the next call tries the next
+  // address, whose standby names the leader if this one still leads.
+  const bool hung =
+      status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && options_.addresses.size() > 1;
+  if (status.error_code() != grpc::StatusCode::UNAVAILABLE && !hung) return;
   std::string hint;
   const auto& trailers = context.GetServerTrailingMetadata();
   if (auto it = trailers.find(kLeaderMetadataKey); it != trailers.end()) {
@@ -105,14 +110,14 @@ grpc::Status LeaderChannel::Call(const std::function<absl::Time()>& deadline,
     grpc::ClientContext context;
     prepare(context);
     status = attempt(context, channel, address);
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) break;
     Observe(address, context, status);
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) break;
     auto entry = std::find_if(tried.begin(), tried.end(),
                               [&](const auto& said) { return said.first == address; });
     if (entry == tried.end()) entry = tried.insert(tried.end(), {address, ""});
     entry->second = status.error_message();
-    const bool hinted = leader() != address && context.GetServerTrailingMetadata().count(
-                                                   kLeaderMetadataKey) > 0;
+    const bool hinted =
+        leader() != address && context.GetServerTrailingMetadata().count(kLeaderMetadataKey) > 0;
     if (hinted && ++hints_in_a_row <= max_hints_in_a_row) continue;
     hints_in_a_row = 0;
     if (++failures_in_round < round) {
@@ -140,7 +145,8 @@ grpc::Status LeaderChannel::Call(const std::function<absl::Time()>& deadline,
     return status;
   }
   std::vector<std::string> said;
-  for (const auto& [address, message] : tried) said.push_back(absl::StrCat(address, " (", message, ")"));
+  for (const auto& [address, message] : tried)
+    said.push_back(absl::StrCat(address, " (", message, ")"));
   return grpc::Status(status.error_code(),
                       absl::StrCat("no coordinator answered as leader before the deadline; tried ",
                                    absl::StrJoin(said, ", ")));

@@ -5,7 +5,9 @@
 // list); an UNAVAILABLE without it (refused, no leader elected yet, a dropped stream) moves to the
 // next address of the list; after a whole round of failed attempts the caller backs off (100 ms,
 // doubling up to 2 s) until its deadline. Any other status (OK, an error the leader answered with,
-// CANCELLED, DEADLINE_EXCEEDED) ends the call. The worker (NodeService) and the `tessera` CLI
+// CANCELLED, DEADLINE_EXCEEDED) ends the call; a DEADLINE_EXCEEDED with several addresses also
+// moves the next call to the next address (a paused coordinator, or one whose node is gone, hangs
+// rather than refusing). The worker (NodeService) and the `tessera` CLI
 // (Coordinator) share it; streams reconnect through Call too, with a deadline that moves with their
 // progress.
 //
@@ -78,7 +80,8 @@ class LeaderChannel {
   void Shutdown();
 
  private:
-  // Learns from an attempt's end: on UNAVAILABLE, moves to the hinted leader or the next address.
+  // Learns from an attempt's end: on UNAVAILABLE, moves to the hinted leader or the next address;
+  // on DEADLINE_EXCEEDED (several addresses), to the next address.
   void Observe(const std::string& address, const grpc::ClientContext& context,
                const grpc::Status& status);
   std::shared_ptr<grpc::Channel> ChannelLocked(const std::string& address)

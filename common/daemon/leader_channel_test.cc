@@ -3,6 +3,11 @@
 // none is elected), the leader answers.
 #include "common/daemon/leader_channel.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <memory>
 #include <string>
 #include <thread>
@@ -59,10 +64,10 @@ class FakeCoordinator final : public v1::NodeService::Service {
       return grpc::Status::OK;
     }
     if (!leader_.empty()) context->AddTrailingMetadata(kLeaderMetadataKey, leader_);
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        "coordinator " + address_ + " is a standby; " +
-                            (leader_.empty() ? "no leader is elected yet"
-                                             : "the leader is at " + leader_));
+    return grpc::Status(
+        grpc::StatusCode::UNAVAILABLE,
+        "coordinator " + address_ + " is a standby; " +
+            (leader_.empty() ? "no leader is elected yet" : "the leader is at " + leader_));
   }
 
  private:
@@ -98,8 +103,7 @@ Answer Register(LeaderChannel& channel, absl::Duration timeout = absl::Seconds(5
       [&](grpc::ClientContext& context, const std::shared_ptr<grpc::Channel>& ch,
           const std::string& address) {
         v1::RegisterNodeResponse response;
-        grpc::Status status =
-            v1::NodeService::NewStub(ch)->RegisterNode(&context, {}, &response);
+        grpc::Status status = v1::NodeService::NewStub(ch)->RegisterNode(&context, {}, &response);
         answer.epoch = response.leader_epoch();
         answer.address = address;
         return status;
@@ -195,6 +199,43 @@ TEST(LeaderChannelTest, NoLeaderUntilTheDeadlineNamesEveryAddressAndBacksOff) {
   // Backoff of 100, 200, 400 ms between rounds: a few rounds, not a busy loop.
   EXPECT_GE(a.calls(), 2);
   EXPECT_LE(a.calls(), 5);
+}
+
+// A coordinator that accepts connections and never answers (paused with SIGSTOP, say): the
+// kernel completes the TCP handshake on the listening socket, nothing speaks HTTP/2.
+class HungCoordinator {
+ public:
+  HungCoordinator() {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t size = sizeof(addr);
+    if (bind(fd_, reinterpret_cast<sockaddr*>(&addr), size) != 0 || listen(fd_, 16) != 0 ||
+        getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &size) != 0) {
+      ADD_FAILURE() << "cannot listen on loopback";
+    }
+    address_ = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+  }
+  ~HungCoordinator() { close(fd_); }
+  const std::string& address() const { return address_; }
+
+ private:
+  int fd_ = -1;
+  std::string address_;
+};
+
+TEST(LeaderChannelTest, AHungCoordinatorCostsOneCallThenTheNextAddressIsTried) {
+  HungCoordinator hung;
+  FakeCoordinator leader;
+  leader.Lead(4);
+  LeaderChannel channel({.addresses = {hung.address(), leader.address()}});
+  Answer stuck = Register(channel, absl::Milliseconds(500));
+  EXPECT_EQ(stuck.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(channel.leader(), leader.address());
+  Answer next = Register(channel);
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(next.epoch, 4);
 }
 
 TEST(LeaderChannelTest, OneAddressMakesOneAttemptAsBefore) {
