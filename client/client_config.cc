@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/read_file.h"
 #include "yaml-cpp/yaml.h"
 
@@ -37,6 +38,13 @@ absl::StatusOr<ClientConfig> ParseClientConfig(const std::string& yaml) {
   try {
     for (const auto& entry : root) {
       const std::string key = entry.first.as<std::string>();
+      // Several coordinators (HA) may be a YAML list as well as "a:1,b:2".
+      if (key == "coordinator" && entry.second.IsSequence()) {
+        std::vector<std::string> addresses;
+        for (const auto& address : entry.second) addresses.push_back(address.as<std::string>());
+        config.coordinator = absl::StrJoin(addresses, ",");
+        continue;
+      }
       const std::string value = entry.second.as<std::string>();
       if (key == "coordinator") {
         config.coordinator = value;

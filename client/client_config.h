@@ -4,6 +4,7 @@
 // ~/.config/tessera/config.yaml), in that order of precedence.
 //
 //   coordinator: tessera.example.com:50051
+//   # or several (HA): "a:50051,b:50051", or a YAML list [a:50051, b:50051]
 //   token: 3f1c...            # or leave it to TESSERA_TOKEN
 //   tls_ca: /etc/tessera/ca.crt
 //   tls_cert: ~/.config/tessera/alice.crt   # client certificate, optional
@@ -18,6 +19,7 @@
 namespace tessera::client {
 
 struct ClientConfig {
+  // One address, or several comma-separated (a YAML list is joined so).
   std::string coordinator;
   std::string token;
   std::string tls_ca;

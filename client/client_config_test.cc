@@ -35,6 +35,15 @@ TEST(ClientConfigTest, ParsesEveryKeyAndRefusesUnknownOnes) {
   EXPECT_THAT(ParseClientConfig(""), IsOk());
 }
 
+TEST(ClientConfigTest, SeveralCoordinatorsAsAListOrCommaSeparated) {
+  auto list = ParseClientConfig("coordinator: [a.example.com:50051, b.example.com:50051]\n");
+  ASSERT_THAT(list, IsOk());
+  EXPECT_EQ(list->coordinator, "a.example.com:50051,b.example.com:50051");
+  auto joined = ParseClientConfig("coordinator: a:1,b:2\n");
+  ASSERT_THAT(joined, IsOk());
+  EXPECT_EQ(joined->coordinator, "a:1,b:2");
+}
+
 TEST(ClientConfigTest, FlagThenEnvironmentThenDefaultPath) {
   ScopedTempDir dir;
   setenv("HOME", dir.path().c_str(), 1);

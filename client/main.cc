@@ -37,7 +37,8 @@
 #include "google/protobuf/util/json_util.h"
 
 ABSL_FLAG(std::string, coordinator, "",
-          "Coordinator gRPC address (host:port); empty: $TESSERA_COORDINATOR, else "
+          "Coordinator gRPC address (host:port), or several, comma-separated (HA: calls go to the "
+          "leader; watch resumes across a failover); empty: $TESSERA_COORDINATOR, else "
           "127.0.0.1:50051.");
 ABSL_FLAG(std::string, config, "",
           "Config file (YAML: coordinator, token, tls_ca, tls_cert, tls_key); empty: "
@@ -79,7 +80,7 @@ constexpr char kCoordinatorEnv[] = "TESSERA_COORDINATOR";
 constexpr char kTokenEnv[] = "TESSERA_TOKEN";
 
 constexpr char kUsage[] =
-    "Usage: tessera [--coordinator=HOST:PORT] COMMAND [ARGS]\n\n"
+    "Usage: tessera [--coordinator=HOST:PORT[,HOST:PORT...]] COMMAND [ARGS]\n\n"
     "The Tessera command-line client.\n\n"
     "Commands:\n"
     "  submit SPEC.yaml [--watch]   submit a job (YAML or JSON JobSpec); print its id\n"

@@ -9,10 +9,10 @@
 namespace tessera::worker {
 
 AssignmentWatch::AssignmentWatch(
-    v1::NodeService::StubInterface* stub, std::function<void(grpc::ClientContext&)> authorize,
+    LeaderChannel* leader, std::function<void(grpc::ClientContext&)> authorize,
     std::function<std::optional<v1::WatchAssignmentsRequest>()> request,
     std::function<void()> on_notice, AssignmentWatchOptions options)
-    : stub_(stub),
+    : leader_(leader),
       authorize_(std::move(authorize)),
       request_(std::move(request)),
       on_notice_(std::move(on_notice)),
@@ -51,36 +51,55 @@ int AssignmentWatch::notices() const {
 }
 
 bool AssignmentWatch::RunStream(const v1::WatchAssignmentsRequest& request) {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.stream_lifetime));
-  authorize_(context);
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return false;
-    context_ = &context;
-    ++streams_opened_;
-  }
-  std::unique_ptr<grpc::ClientReaderInterface<v1::AssignmentsNotice>> reader =
-      stub_->WatchAssignments(&context, request);
   bool delivered = false;
-  v1::AssignmentsNotice notice;
-  while (reader->Read(&notice)) {
-    if (!delivered && !connected_before_) {
-      std::cerr << "tessera-worker: watching the coordinator for assignments" << std::endl;
-    }
-    delivered = true;
-    {
-      absl::MutexLock lock(&mu_);
-      ++notices_;
-    }
-    on_notice_();
-  }
-  grpc::Status status = reader->Finish();
-  const bool renewed = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+  bool lifetime_ended = false;
+  const absl::Time deadline = absl::Now() + options_.stream_lifetime;
+  // A deadline already past: one stream (or two, when a standby names the leader); the loop's
+  // backoff paces the reconnections.
+  grpc::Status status = leader_->Call(
+      absl::InfinitePast(),
+      [&](grpc::ClientContext& context) {
+        context.set_deadline(absl::ToChronoTime(deadline));
+        authorize_(context);
+      },
+      [&](grpc::ClientContext& context, const std::shared_ptr<grpc::Channel>& channel,
+          const std::string&) {
+        {
+          absl::MutexLock lock(&mu_);
+          if (stopping_) return grpc::Status(grpc::StatusCode::CANCELLED, "stopping");
+          context_ = &context;
+          ++streams_opened_;
+        }
+        std::unique_ptr<v1::NodeService::Stub> stub = v1::NodeService::NewStub(channel);
+        std::unique_ptr<grpc::ClientReader<v1::AssignmentsNotice>> reader =
+            stub->WatchAssignments(&context, request);
+        v1::AssignmentsNotice notice;
+        while (reader->Read(&notice)) {
+          if (!delivered && !connected_before_) {
+            std::cerr << "tessera-worker: watching the coordinator for assignments" << std::endl;
+          }
+          delivered = true;
+          {
+            absl::MutexLock lock(&mu_);
+            ++notices_;
+          }
+          on_notice_();
+        }
+        grpc::Status finished = reader->Finish();
+        absl::MutexLock lock(&mu_);
+        context_ = nullptr;
+        // A healthy stream reaching its lifetime is no sign of a hung coordinator: the leader
+        // stays where it is (LeaderChannel moves on after a deadline).
+        if (delivered && finished.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+          lifetime_ended = true;
+          return grpc::Status::OK;
+        }
+        return finished;
+      });
+  const bool renewed = lifetime_ended || status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
   connected_before_ = delivered && renewed;
   {
     absl::MutexLock lock(&mu_);
-    context_ = nullptr;
     if (stopping_) return delivered;
   }
   // A stream that broke may mean a coordinator that restarted or forgot the node: a heartbeat

@@ -7,7 +7,9 @@
 // A stream that breaks is opened again after a backoff (doubling from initial_backoff up to
 // max_backoff, with jitter); the backoff resets once a stream delivers a notice (the coordinator
 // sends one when a stream opens) and on Kick(), which the worker calls after (re)registering.
-// A healthy stream is reopened every stream_lifetime: each call carries a deadline.
+// A healthy stream is reopened every stream_lifetime: each call carries a deadline. Each stream
+// goes to the coordinator that leads (LeaderChannel): a standby's hint is followed at once, any
+// other refusal moves the next stream to the next address.
 //
 // Thread safety: one thread runs the stream; Start, Kick and Stop may be called from any thread.
 // `request` and `on_notice` run on the watch thread, without the watch's lock, and must not block.
@@ -22,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/daemon/leader_channel.h"
 #include "grpcpp/client_context.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 
@@ -40,11 +43,10 @@ struct AssignmentWatchOptions {
 
 class AssignmentWatch {
  public:
-  // `stub` must outlive the watch. `authorize` adds the call's credentials (metadata) to a
+  // `leader` must outlive the watch. `authorize` adds the call's credentials (metadata) to a
   // context. `request` gives the node's id and key, or nullopt while the node is not registered
   // (the watch then waits for Kick or a backoff period). `on_notice` is called for each notice.
-  AssignmentWatch(v1::NodeService::StubInterface* stub,
-                  std::function<void(grpc::ClientContext&)> authorize,
+  AssignmentWatch(LeaderChannel* leader, std::function<void(grpc::ClientContext&)> authorize,
                   std::function<std::optional<v1::WatchAssignmentsRequest>()> request,
                   std::function<void()> on_notice, AssignmentWatchOptions options = {});
   ~AssignmentWatch();
@@ -65,7 +67,7 @@ class AssignmentWatch {
   // Runs one stream until it ends; returns whether it delivered a notice.
   bool RunStream(const v1::WatchAssignmentsRequest& request);
 
-  v1::NodeService::StubInterface* const stub_;
+  LeaderChannel* const leader_;
   const std::function<void(grpc::ClientContext&)> authorize_;
   const std::function<std::optional<v1::WatchAssignmentsRequest>()> request_;
   const std::function<void()> on_notice_;

@@ -1,14 +1,16 @@
 // Test-only fakes for WorkerAgent's tests (worker_agent_test.cc with real trainer processes,
 // worker_agent_sim_test.cc in-process on a simulated clock): a coordinator's NodeService that
-// hands out one task and records what the worker says, and the assignments it hands out.
+// hands out one task and records what the worker says, and the assignments it hands out. It may
+// also stand by (every call UNAVAILABLE, naming the leader in `tessera-leader` as the HA contract
+// says) and answer with a leader epoch.
 //
 // Thread safety: FakeCoordinator's methods may be called from any thread (gRPC's and the test's);
 // one absl::Mutex guards what it records.
 #pragma once
 
 #include <filesystem>
-#include <memory>
 #include <functional>
+#include <memory>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -18,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/daemon/leader_channel.h"
 #include "grpcpp/server_builder.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 
@@ -58,10 +61,34 @@ class FakeCoordinator final : public v1::NodeService::Service {
     stop_on_failure_report_ = true;
   }
 
-  grpc::Status RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest*,
+  // The leader epoch every answer carries (0 unless set).
+  void set_leader_epoch(int64_t epoch) {
+    absl::MutexLock lock(&mu_);
+    leader_epoch_ = epoch;
+  }
+  // Stands by: every call fails UNAVAILABLE, with `leader` in the trailing metadata unless empty
+  // (no leader elected yet). Lead() answers again.
+  void StandBy(std::string leader) {
+    absl::MutexLock lock(&mu_);
+    standby_ = true;
+    leader_ = std::move(leader);
+  }
+  void Lead() {
+    absl::MutexLock lock(&mu_);
+    standby_ = false;
+  }
+  std::vector<v1::RegisterNodeRequest> registrations() {
+    absl::MutexLock lock(&mu_);
+    return registrations_;
+  }
+
+  grpc::Status RegisterNode(grpc::ServerContext* context, const v1::RegisterNodeRequest* request,
                             v1::RegisterNodeResponse* response) override {
     absl::MutexLock lock(&mu_);
+    if (standby_) return StandbyLocked(context);
+    registrations_.push_back(*request);
     response->set_heartbeat_interval_seconds(heartbeat_interval_seconds_);
+    response->set_leader_epoch(leader_epoch_);
     return grpc::Status::OK;
   }
 
@@ -72,9 +99,11 @@ class FakeCoordinator final : public v1::NodeService::Service {
     hook_ = std::move(hook);
   }
 
-  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request,
+  grpc::Status Heartbeat(grpc::ServerContext* context, const v1::HeartbeatRequest* request,
                          v1::HeartbeatResponse* response) override {
     absl::MutexLock lock(&mu_);
+    if (standby_) return StandbyLocked(context);
+    response->set_leader_epoch(leader_epoch_);
     if (!assigned_) {
       *response->add_start() = assignment_;
       assigned_ = true;
@@ -94,9 +123,10 @@ class FakeCoordinator final : public v1::NodeService::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Report(grpc::ServerContext*, const v1::ReportRequest* request,
+  grpc::Status Report(grpc::ServerContext* context, const v1::ReportRequest* request,
                       v1::ReportResponse* response) override {
     absl::MutexLock lock(&mu_);
+    if (standby_) return StandbyLocked(context);
     const int64_t expected = first_unseen_;
     for (int i = 0; i < request->reports_size(); ++i) {
       if (request->first_sequence() + i < expected) continue;  // a resend
@@ -160,6 +190,13 @@ class FakeCoordinator final : public v1::NodeService::Service {
   }
 
  private:
+  grpc::Status StandbyLocked(grpc::ServerContext* context) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!leader_.empty()) context->AddTrailingMetadata(kLeaderMetadataKey, leader_);
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        leader_.empty() ? "a standby; no leader is elected yet"
+                                        : "a standby; the leader is at " + leader_);
+  }
+
   const v1::TaskAssignment assignment_;
   Clock* const clock_;
   absl::Mutex mu_;
@@ -175,6 +212,10 @@ class FakeCoordinator final : public v1::NodeService::Service {
   int trainers_at_end_ ABSL_GUARDED_BY(mu_) = -1;
   Hook hook_ ABSL_GUARDED_BY(mu_);
   std::vector<Exchange> heartbeats_ ABSL_GUARDED_BY(mu_);
+  int64_t leader_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  bool standby_ ABSL_GUARDED_BY(mu_) = false;
+  std::string leader_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::RegisterNodeRequest> registrations_ ABSL_GUARDED_BY(mu_);
 };
 
 // Two CPU ranks of job-1 attempt 0, with the fake's flags per rank.

@@ -18,7 +18,9 @@
 #include "worker/trainer_process.h"
 #include "worker/worker_daemon.h"
 
-ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "Coordinator gRPC address (host:port).");
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051",
+          "Coordinator gRPC address (host:port), or several, comma-separated, of coordinators of "
+          "which one leads (HA): calls follow the leader, and a standby's answer names it.");
 ABSL_FLAG(std::string, node_name, "", "Node identity in the cluster; empty means the hostname.");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50052",
           "gRPC listen address (host:port) of the worker's own service (logs); port 0 picks one.");
@@ -42,6 +44,10 @@ ABSL_FLAG(std::vector<std::string>, labels, {}, "Node labels as key=value,key=va
 ABSL_FLAG(absl::Duration, checkpoint_grace, absl::Minutes(10),
           "Time the ranks of a task asked to checkpoint and stop (its node drained with "
           "--checkpoint) get to save the checkpoint and exit before they are stopped.");
+ABSL_FLAG(absl::Duration, coordinator_grace, absl::Minutes(5),
+          "How long trainers keep running while no coordinator answers as leader (their reports "
+          "are kept); past it the worker asks them to save a checkpoint and stop "
+          "(--checkpoint_grace), and reports their end when a leader answers again.");
 ABSL_FLAG(absl::Duration, stop_grace, absl::Seconds(10),
           "Time between SIGTERM and SIGKILL when stopping trainers.");
 ABSL_FLAG(std::string, tls_cert, "",
@@ -102,7 +108,8 @@ std::filesystem::path DefaultWorkDir(const std::string& node_id) {
 }  // namespace
 
 constexpr char kUsage[] =
-    "Usage: tessera-worker --coordinator=HOST:PORT [--node_name=NAME] [--cpu_slots=N]\n"
+    "Usage: tessera-worker --coordinator=HOST:PORT[,HOST:PORT...] [--node_name=NAME]\n"
+    "                      [--cpu_slots=N] [--coordinator_grace=DURATION]\n"
     "                      [--listen=HOST:PORT] [--metrics_listen=HOST:PORT] [--work_dir=DIR]\n\n"
     "The Tessera worker: one per node; registers the node's GPUs (NVML) or CPU slots with the\n"
     "coordinator, launches and supervises trainer processes, and relays their reports.\n";
@@ -152,6 +159,7 @@ int main(int argc, char** argv) {
   }
   agent.stop_grace = absl::GetFlag(FLAGS_stop_grace);
   agent.checkpoint_grace = absl::GetFlag(FLAGS_checkpoint_grace);
+  agent.coordinator_grace = absl::GetFlag(FLAGS_coordinator_grace);
   agent.trainer_threads = absl::GetFlag(FLAGS_trainer_threads);
   agent.watch_assignments = absl::GetFlag(FLAGS_watch_assignments);
 

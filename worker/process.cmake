@@ -23,4 +23,8 @@ if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME worker_agent_sim_test
     SOURCES worker_agent_sim_test.cc
     LIBS tessera::worker tessera::test_util)
+  # The agent and coordinators that fail over, and its coordinator grace (simulated clock).
+  tessera_add_test(NAME worker_failover_test
+    SOURCES worker_failover_test.cc
+    LIBS tessera::worker tessera::test_util)
 endif()

@@ -65,16 +65,20 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend>
   trainer_threads_ = TrainerThreads(
       options_.trainer_threads, UsableCores(),
       options_.cpu_slots > 0 ? options_.cpu_slots : static_cast<int>(devices_.size()));
-  coordinator_ = v1::NodeService::NewStub(
-      MakeClientChannel(options_.coordinator_address, options_.coordinator_credentials));
+  absl::StatusOr<std::vector<std::string>> addresses =
+      ParseCoordinatorAddresses(options_.coordinator_address, "--coordinator");
+  if (!addresses.ok()) address_error_ = addresses.status();
+  leader_ = std::make_unique<LeaderChannel>(LeaderChannelOptions{
+      .addresses =
+          addresses.ok() ? *addresses : std::vector<std::string>{options_.coordinator_address},
+      .credentials = options_.coordinator_credentials});
   socket_path_ = absl::StrCat(options_.work_dir, "/reports.sock");
   pid_dir_ = absl::StrCat(options_.work_dir, "/trainers");
   if (options_.watch_assignments) {
     AssignmentWatchOptions watch_options = options_.watch;
     watch_options.clock = clock_;
     watch_ = std::make_unique<AssignmentWatch>(
-        coordinator_.get(),
-        [this](grpc::ClientContext& context) { Authorize(context); },
+        leader_.get(), [this](grpc::ClientContext& context) { Authorize(context); },
         [this]() -> std::optional<v1::WatchAssignmentsRequest> {
           absl::MutexLock lock(&mu_);
           if (!registered_) return std::nullopt;
@@ -87,10 +91,21 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, std::unique_ptr<GpuBackend>
   }
 }
 
-void WorkerAgent::PrepareCall(grpc::ClientContext& context) const {
+grpc::Status WorkerAgent::CallLeader(
+    const std::function<grpc::Status(v1::NodeService::Stub&, grpc::ClientContext&)>& call) {
   // gRPC measures deadlines on the wall clock, whatever options_.clock is.
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
-  Authorize(context);
+  const absl::Time deadline = absl::Now() + options_.rpc_timeout;
+  return leader_->Call(
+      deadline,
+      [&](grpc::ClientContext& context) {
+        context.set_deadline(absl::ToChronoTime(deadline));
+        Authorize(context);
+      },
+      [&](grpc::ClientContext& context, const std::shared_ptr<grpc::Channel>& channel,
+          const std::string&) {
+        std::unique_ptr<v1::NodeService::Stub> stub = v1::NodeService::NewStub(channel);
+        return call(*stub, context);
+      });
 }
 
 void WorkerAgent::Authorize(grpc::ClientContext& context) const {
@@ -117,6 +132,7 @@ void WorkerAgent::SetRegistrationObserver(std::function<void(bool registered)> o
 
 absl::Status WorkerAgent::Start(const std::string& advertise_address) {
   advertise_address_ = advertise_address;
+  if (!address_error_.ok()) return address_error_;
   if (options_.work_dir.empty()) return absl::InvalidArgumentError("--work_dir: empty");
   std::error_code error;
   std::filesystem::create_directories(options_.work_dir, error);
@@ -160,6 +176,10 @@ absl::Status WorkerAgent::Start(const std::string& advertise_address) {
     return absl::UnavailableError(
         absl::StrCat("report socket ", socket_path_, ": ", std::strerror(errno)));
   }
+  {
+    absl::MutexLock lock(&mu_);
+    leader_answered_ = clock_->Now();
+  }
   threads_.emplace_back([this] { AcceptLoop(); });
   threads_.emplace_back([this] { HeartbeatLoop(); });
   threads_.emplace_back([this] { SuperviseLoop(); });
@@ -196,6 +216,8 @@ void WorkerAgent::Stop() {
     stopping_ = true;
   }
   if (watch_) watch_->Stop();
+  // A call waiting between rounds of failover returns now.
+  leader_->Shutdown();
   // The trainers first, while their report sockets are open and the thread that spawned them
   // lives: either closing would SIGKILL them at once, with no SIGTERM grace.
   {
@@ -280,13 +302,18 @@ absl::Status WorkerAgent::RegisterNow() {
     }
   }
   request.set_node_key(options_.node_key);
-  grpc::ClientContext context;
-  PrepareCall(context);
   v1::RegisterNodeResponse response;
-  grpc::Status status = coordinator_->RegisterNode(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  grpc::Status status = CallLeader([&](v1::NodeService::Stub& stub, grpc::ClientContext& context) {
+    grpc::Status answer = stub.RegisterNode(&context, request, &response);
+    if (!answer.ok()) return answer;
+    return RefuseDeposedLeader(response.leader_epoch(), leader_->leader(), "");
+  });
   absl::MutexLock lock(&mu_);
+  LeaderAnsweredLocked(status.ok());
+  if (!status.ok()) return FromGrpcStatus(status);
   registered_ = true;
+  // Epochs start at 0 (SQLite state: always 0).
+  leader_epoch_ = std::max(leader_epoch_.value_or(0), response.leader_epoch());
   if (response.heartbeat_interval_seconds() > 0) {
     heartbeat_interval_ = absl::Seconds(response.heartbeat_interval_seconds());
   }
@@ -311,13 +338,13 @@ void WorkerAgent::HeartbeatLoop() {
     if (!registered) {
       if (auto status = RegisterNow(); !status.ok()) {
         if (status.ToString() != last_error) {
-          std::cerr << "tessera-worker: cannot register with " << options_.coordinator_address
-                    << ": " << status << " (retrying)" << std::endl;
+          std::cerr << "tessera-worker: cannot register with " << leader_->leader() << ": "
+                    << status << " (retrying)" << std::endl;
           last_error = status.ToString();
         }
         wait = absl::Seconds(1);
       } else {
-        std::cerr << "tessera-worker: registered with " << options_.coordinator_address << " as "
+        std::cerr << "tessera-worker: registered with " << leader_->leader() << " as "
                   << options_.node_id << std::endl;
         if (watch_) watch_->Kick();
         last_error.clear();
@@ -346,19 +373,35 @@ void WorkerAgent::HeartbeatLoop() {
       }
     }
     request.set_node_key(options_.node_key);
-    grpc::ClientContext context;
-    PrepareCall(context);
     v1::HeartbeatResponse response;
-    grpc::Status status = coordinator_->Heartbeat(&context, request, &response);
+    grpc::Status status =
+        CallLeader([&](v1::NodeService::Stub& stub, grpc::ClientContext& context) {
+          grpc::Status answer = stub.Heartbeat(&context, request, &response);
+          if (!answer.ok()) return answer;
+          return RefuseDeposedLeader(response.leader_epoch(), leader_->leader(),
+                                     DescribeLeaderOrders(response));
+        });
     if (!status.ok()) {
-      // The coordinator may be restarting: keep the tasks and reports, and
-      // register again once it answers.
+      // The coordinator may be restarting (or another one taking over): keep the tasks and
+      // reports, and register again once the leader answers.
       absl::MutexLock lock(&mu_);
+      LeaderAnsweredLocked(false);
       registered_ = status.error_code() != grpc::StatusCode::UNAVAILABLE;
       wait = absl::Seconds(1);
       continue;
     }
     absl::MutexLock lock(&mu_);
+    LeaderAnsweredLocked(true);
+    // A newer leader took over (its epoch is above the one that registered us): its orders stand,
+    // and it learns of the running tasks by a registration, as after a coordinator restart.
+    if (leader_epoch_ && response.leader_epoch() > *leader_epoch_) {
+      std::cerr << "tessera-worker: a new leader (epoch " << response.leader_epoch() << ", was "
+                << *leader_epoch_ << ") answers at " << leader_->leader()
+                << "; registering again with the running tasks" << std::endl;
+      registered_ = false;
+      wait = absl::ZeroDuration();
+    }
+    leader_epoch_ = std::max(leader_epoch_.value_or(0), response.leader_epoch());
     if (response.reregister()) {
       registered_ = false;
       wait = absl::ZeroDuration();
@@ -651,6 +694,7 @@ void WorkerAgent::SuperviseLoop() {
     {
       absl::MutexLock lock(&mu_);
       const absl::Time now = clock_->Now();
+      EnforceCoordinatorGraceLocked(now);
       for (auto& [id, task] : tasks_) {
         for (auto& rank : task.ranks) PollRankLocked(rank);
         if (task.lifecycle.phase() == TaskPhase::kCheckpointing) SignalCheckpointLocked(task);

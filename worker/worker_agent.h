@@ -18,7 +18,8 @@
 // Each task moves through a TaskLifecycle (worker/task_lifecycle.h); its ranks keep their own
 // facts (exit, heartbeats, signals sent). Time comes from options.clock and trainers from
 // options.launcher, so tests run the agent in-process on a simulated clock with fake trainers.
-// The report path (socket readers, relay loop) is in worker_agent_reports.cc.
+// The report path (socket readers, relay loop) is in worker_agent_reports.cc; leader epochs and the
+// coordinator grace in worker_agent_leader.cc.
 //
 // Thread safety: public methods may be called from any thread. One
 // absl::Mutex guards the tasks and the report queues; the heartbeat, the
@@ -43,6 +44,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/daemon/leader_channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/security/credentials.h"
 #include "tessera/v1/node_service.grpc.pb.h"
@@ -50,13 +52,14 @@
 #include "worker/gpu_inventory.h"
 #include "worker/task_lifecycle.h"
 #include "worker/trainer_launcher.h"
-#include "worker/training_metrics.h"
 #include "worker/trainer_process.h"
+#include "worker/training_metrics.h"
 
 namespace tessera::worker {
 
 struct WorkerAgentOptions {
-  // Coordinator gRPC address.
+  // Coordinator gRPC addresses, comma-separated (host:port[,host:port...]): calls follow the one
+  // that leads (common/daemon/leader_channel.h).
   std::string coordinator_address = "127.0.0.1:50051";
   // Node identity in the cluster.
   std::string node_id;
@@ -77,6 +80,10 @@ struct WorkerAgentOptions {
   // How long the ranks of a task asked to checkpoint and stop (a drained node) get to save their
   // checkpoint and exit before they are stopped as for a plain stop order.
   absl::Duration checkpoint_grace = absl::Minutes(10);
+  // How long the trainers keep running while no coordinator answers as leader (its reports are
+  // kept meanwhile); past it, each task's ranks are asked to save a checkpoint and stop (given
+  // checkpoint_grace, as for a drained node) and the ends are reported once a leader answers.
+  absl::Duration coordinator_grace = absl::Minutes(5);
   // Period of the supervision and relay loops.
   absl::Duration poll_interval = absl::Milliseconds(200);
   // Written into each TrainerTask: how often its rank sends a RankHeartbeat.
@@ -105,6 +112,20 @@ struct WorkerAgentOptions {
   // Starts the trainer ranks. Not owned; outlives the agent.
   TrainerLauncher* launcher = ProcessLauncher();
 };
+
+// Whether a leading coordinator answers the worker (its /metrics and tests).
+struct CoordinatorContact {
+  // The last registration or heartbeat was answered by the leader.
+  bool reachable = false;
+  // Since the leader last answered (since Start() before any answer); zero while reachable.
+  absl::Duration without = absl::ZeroDuration();
+  // The highest leader epoch seen (RegisterNodeResponse/HeartbeatResponse.leader_epoch); -1: none.
+  int64_t leader_epoch = -1;
+};
+
+// The orders a heartbeat answer carries ("stop T, start U"), for the log line of an ignored one;
+// empty when none.
+std::string DescribeLeaderOrders(const v1::HeartbeatResponse& response);
 
 // Intra-op threads per trainer: `requested` when positive, else `usable_cores` / `slots` (at
 // least 1 each).
@@ -144,6 +165,8 @@ class WorkerAgent {
   std::vector<RunningRank> RunningRanks();
   // The node as this worker sees it.
   v1::Node NodeView();
+  // Whether the leader answers, and for how long it has not (on options.clock).
+  CoordinatorContact Contact();
 
  private:
   struct Rank {
@@ -196,8 +219,10 @@ class WorkerAgent {
     std::optional<v1::TaskAssignment> deferred;
   };
 
-  // Deadline and credentials of a call to the coordinator.
-  void PrepareCall(grpc::ClientContext& context) const;
+  // One unary call to the leading coordinator, with failover (LeaderChannel) within
+  // options_.rpc_timeout; `call` gets a stub of the address being tried and a prepared context.
+  grpc::Status CallLeader(
+      const std::function<grpc::Status(v1::NodeService::Stub&, grpc::ClientContext&)>& call);
   // Credentials of a call to the coordinator (the watch stream has no fixed deadline).
   void Authorize(grpc::ClientContext& context) const;
   void HeartbeatLoop();
@@ -244,12 +269,25 @@ class WorkerAgent {
   // deadline it sets on first call).
   v1::TaskStatus TaskStatusLocked(Task& task, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Task* FindTaskLocked(const std::string& job_id, int attempt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // UNAVAILABLE (so that the call fails over) when `epoch`, that of the coordinator at `address`
+  // which answered, is below the highest epoch seen: a deposed leader, whose `orders` (a
+  // description, empty when none) are logged and ignored.
+  grpc::Status RefuseDeposedLeader(int64_t epoch, const std::string& address,
+                                   const std::string& orders) ABSL_LOCKS_EXCLUDED(mu_);
+  // Records whether the leader answered the latest registration or heartbeat.
+  void LeaderAnsweredLocked(bool answered) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Past options_.coordinator_grace without a leader: asks the running tasks' ranks to checkpoint
+  // and stop (once per task), and stops the tasks not launched yet.
+  void EnforceCoordinatorGraceLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const WorkerAgentOptions options_;
   Clock* const clock_;
   std::unique_ptr<GpuBackend> gpus_;
   std::vector<v1::GpuDevice> devices_;
-  std::unique_ptr<v1::NodeService::Stub> coordinator_;
+  // The coordinators, and which of them leads.
+  std::unique_ptr<LeaderChannel> leader_;
+  // Why options_.coordinator_address cannot be used; Start() returns it.
+  absl::Status address_error_;
   std::string socket_path_;
   // Pid files of launched trainers (worker/orphans.h).
   std::string pid_dir_;
@@ -267,6 +305,12 @@ class WorkerAgent {
   std::vector<v1::GpuMetrics> last_gpu_metrics_ ABSL_GUARDED_BY(mu_);
   absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_) = absl::Seconds(2);
   bool registered_ ABSL_GUARDED_BY(mu_) = false;
+  // The highest leader epoch any answer carried: orders of a lower one are ignored.
+  std::optional<int64_t> leader_epoch_ ABSL_GUARDED_BY(mu_);
+  // Whether the leader answered the latest registration or heartbeat, and when it last did
+  // (Start() before the first answer).
+  bool leader_answering_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time leader_answered_ ABSL_GUARDED_BY(mu_);
   // Connected trainers' report sockets, shut down by Stop().
   std::set<int> reader_fds_ ABSL_GUARDED_BY(mu_);
 

@@ -128,11 +128,13 @@ void WorkerAgent::RelayLoop() {
       }
     }
     for (const auto& request : batches) {
-      grpc::ClientContext context;
-      PrepareCall(context);
       v1::ReportResponse response;
       // Unreachable coordinator: the reports stay queued for the next round.
-      if (!coordinator_->Report(&context, request, &response).ok()) break;
+      if (!CallLeader([&](v1::NodeService::Stub& stub, grpc::ClientContext& context) {
+             return stub.Report(&context, request, &response);
+           }).ok()) {
+        break;
+      }
       absl::MutexLock lock(&mu_);
       auto it = tasks_.find(request.task_id());
       if (it == tasks_.end()) continue;

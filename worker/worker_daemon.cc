@@ -48,6 +48,9 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOp
     daemon->training_->SetRunningRanks(options.agent.node_id,
                                        [agent] { return agent->RunningRanks(); });
     daemon->servers_->RegisterCollectable(daemon->training_);
+    daemon->contact_ =
+        std::make_shared<CoordinatorContactMetrics>([agent] { return agent->Contact(); });
+    daemon->servers_->RegisterCollectable(daemon->contact_);
     DcgmExporter* dcgm = daemon->dcgm_.get();
     TrainingMetrics* training = daemon->training_.get();
     daemon->agent_->SetGpuObserver(

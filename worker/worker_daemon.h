@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "common/daemon/daemon_servers.h"
 #include "common/security/daemon_security.h"
+#include "worker/contact_metrics.h"
 #include "worker/gpu_inventory.h"
 #include "worker/training_metrics.h"
 #include "worker/worker_agent.h"
@@ -54,6 +55,7 @@ class WorkerDaemon {
   // into them, so they outlive it.
   std::unique_ptr<DcgmExporter> dcgm_;
   std::shared_ptr<TrainingMetrics> training_;
+  std::shared_ptr<CoordinatorContactMetrics> contact_;
   std::unique_ptr<WorkerAgent> agent_;
   std::unique_ptr<WorkerService> worker_service_;
   // Declared last: stopped (destroyed) before the service it serves.
