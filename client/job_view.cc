@@ -187,4 +187,29 @@ std::string GpuTable(const v1::Job& job, const std::vector<v1::Node>& nodes) {
   return out;
 }
 
+std::string RollbackLine(const v1::Rollback& rollback) {
+  const v1::LossSpike& spike = rollback.spike();
+  // Without rank 0's report (it did not reach the coordinator) only the step and cause are known.
+  const std::string figures =
+      spike.loss() != 0 || spike.loss_median() != 0
+          ? absl::StrFormat(" (loss %.4g, window median %.4g)", spike.loss(), spike.loss_median())
+          : std::string();
+  return absl::StrFormat(
+      "rollback after step %d%s: resumes from step %d, skips %d global batch(es) at step %d: %s",
+      spike.step(), figures, rollback.resume_step(), rollback.skipped().batches(),
+      rollback.skipped().step(), spike.cause());
+}
+
+std::string RollbackBlock(const v1::Job& job) {
+  if (!job.spec().has_guard()) return "";
+  const int max_rollbacks =
+      job.spec().guard().max_rollbacks() > 0 ? job.spec().guard().max_rollbacks() : 3;
+  std::string block =
+      absl::StrFormat("  rollbacks: %d of %d\n", job.rollbacks_size(), max_rollbacks);
+  for (const v1::Rollback& rollback : job.rollbacks()) {
+    absl::StrAppend(&block, "    ", RollbackLine(rollback), "\n");
+  }
+  return block;
+}
+
 }  // namespace tessera::client

@@ -44,4 +44,12 @@ std::string GpuTable(const v1::Job& job, const std::vector<v1::Node>& nodes);
 // Whether any rank of `job` holds a GPU (`get` asks the coordinator for its nodes only then).
 bool HoldsGpus(const v1::Job& job);
 
+// One line of a loss-spike rollback (JobEvent.rollback, `watch`): "rollback after step 12 (loss
+// 310.2, window median 2.41): resumes from step 10, skips 1 global batch(es) at step 12: <cause>".
+std::string RollbackLine(const v1::Rollback& rollback);
+
+// `get`'s block of a guarded job: "  rollbacks: N of M" and one RollbackLine per rollback; "" for a
+// job without a guard.
+std::string RollbackBlock(const v1::Job& job);
+
 }  // namespace tessera::client

@@ -181,5 +181,31 @@ TEST(JobViewTest, GpuTableJoinsPlacementsWithTheNodesInventory) {
   EXPECT_THAT(LineStartingWith(table, "3  gone"), HasSubstr("3  ?"));
 }
 
+TEST(JobViewTest, RollbacksShowTheSpikeTheResumeAndTheSkippedData) {
+  v1::Job job;
+  EXPECT_EQ(RollbackBlock(job), "") << "no guard, no block";
+  job.mutable_spec()->mutable_guard()->set_max_rollbacks(2);
+  EXPECT_EQ(RollbackBlock(job), "  rollbacks: 0 of 2\n");
+  v1::Rollback* rollback = job.add_rollbacks();
+  rollback->mutable_spike()->set_step(12);
+  rollback->mutable_spike()->set_loss(310.2);
+  rollback->mutable_spike()->set_loss_median(2.41);
+  rollback->mutable_spike()->set_cause("loss 310.2 at step 12 > 3 x median 2.41");
+  rollback->set_resume_step(10);
+  rollback->mutable_skipped()->set_step(12);
+  rollback->mutable_skipped()->set_batches(4);
+  EXPECT_EQ(RollbackLine(*rollback),
+            "rollback after step 12 (loss 310.2, window median 2.41): resumes from step 10, "
+            "skips 4 global batch(es) at step 12: loss 310.2 at step 12 > 3 x median 2.41");
+  v1::Rollback* bare = job.add_rollbacks();
+  bare->mutable_spike()->set_step(20);
+  bare->mutable_spike()->set_cause("loss spike at step 20");
+  bare->mutable_skipped()->set_step(20);
+  bare->mutable_skipped()->set_batches(1);
+  const std::string block = RollbackBlock(job);
+  EXPECT_THAT(block, HasSubstr("  rollbacks: 2 of 2\n    rollback after step 12 (loss"));
+  EXPECT_THAT(block, HasSubstr("    rollback after step 20: resumes from step 0, skips 1"));
+}
+
 }  // namespace
 }  // namespace tessera::client

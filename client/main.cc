@@ -263,6 +263,8 @@ int Watch(CoordinatorClient& client, const std::string& job_id) {
                 << std::endl;
     } else if (event.has_failure()) {
       std::cout << "  failure: " << DescribeFailure(event.failure()) << std::endl;
+    } else if (event.has_rollback()) {
+      std::cout << "  " << tessera::client::RollbackLine(event.rollback()) << std::endl;
     }
     return true;
   });
@@ -393,6 +395,7 @@ int main(int argc, char** argv) {
         std::cout << "  plan: " << job->plan().explanation() << "\n";
       }
       PrintAttempts(*job);
+      std::cout << tessera::client::RollbackBlock(*job);
       std::cout << tessera::client::TimeBreakdownBlock(job->latest_metrics())
                 << tessera::client::RankBreakdownTable(job->straggler());
       if (tessera::client::HoldsGpus(*job)) {

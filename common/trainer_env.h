@@ -43,6 +43,11 @@ inline constexpr char kWorkerPidEnv[] = "TESSERA_WORKER_PID";
 // and fails with FAILURE_KIND_NAN_LOSS as a diverged run would. Trainers inherit it from their
 // worker's environment.
 inline constexpr char kFaultNanLossAtStepEnv[] = "TESSERA_FAULT_NAN_LOSS_AT_STEP";
+// Fault injection for tests of the loss-spike guard (JobSpec.guard), never set in production: a
+// global batch number N (from 1: the batch step N draws when no data is skipped); the loss of the
+// step that trains that batch reads 1000 times its value, as if the batch were poisoned. A
+// rollback that skips the batch therefore gets past it, and one that does not meets it again.
+inline constexpr char kFaultLossSpikeAtBatchEnv[] = "TESSERA_FAULT_LOSS_SPIKE_AT_BATCH";
 // Fault injection, never set in production: a step number N; the background write of step N's
 // checkpoint cuts the rank's shard to half its size and the process kills itself with SIGKILL
 // before the commit, as a machine dying in the middle of an asynchronous save would.

@@ -42,6 +42,13 @@ void AttemptFate::AddFailureLocked(const std::string& job_id, int32_t attempt,
   }
 }
 
+void AttemptFate::AddLossSpikeLocked(const std::string& job_id, int32_t attempt,
+                                     const v1::LossSpike& spike) {
+  const Allocation* allocation = state_->allocations.Find(job_id);
+  if (allocation == nullptr || allocation->attempt != attempt) return;
+  spikes_[job_id] = {attempt, spike};
+}
+
 void AttemptFate::ExpireNodesLocked(absl::Time now) {
   for (const auto& [node_id, silence] : state_->nodes.Expire()) {
     const std::string reason = absl::StrCat("no heartbeat for ", absl::FormatDuration(silence));
@@ -101,9 +108,20 @@ void AttemptFate::PrepareLocked(const std::string& job_id, Allocation& allocatio
     const bool cause_known = std::any_of(allocation.failures.begin(), allocation.failures.end(),
                                          [](const auto& f) { return !IsConsequence(f); });
     const absl::Duration waited = now - allocation.first_failure_time;
-    if (allocation.AllNodesEnded() || waited >= state_->options.failure_settle ||
+    // Rank 0's spike report travels in the report stream while the ranks' ends come with the
+    // heartbeat: a spike's attempt waits blame_grace for it, so that its rollback records the
+    // figures (it is decided without them after that).
+    const auto spike = spikes_.find(job_id);
+    const bool spike_known = spike != spikes_.end() && spike->second.first == allocation.attempt;
+    const bool spike_report_due =
+        !spike_known &&
+        std::any_of(allocation.failures.begin(), allocation.failures.end(),
+                    [](const auto& f) { return f.kind() == v1::FAILURE_KIND_LOSS_SPIKE; });
+    if ((allocation.AllNodesEnded() && !spike_report_due) ||
+        waited >= state_->options.failure_settle ||
         (cause_known && waited >= state_->options.blame_grace)) {
       add(Ending::Kind::kFailure);
+      if (spike_known) endings->back().spike = spike->second.second;
     }
     return;
   }
@@ -155,7 +173,10 @@ void AttemptFate::FinishLocked(const std::vector<Ending>& endings) {
       continue;
     }
     if (ending.counted.has_value()) ++(ending.restart ? restarts_ : failures_)[*ending.counted];
-    if (ending.drain) DrainLocked(ending.job_id, *allocation);
+    if (ending.drain) {
+      spikes_.erase(ending.job_id);
+      DrainLocked(ending.job_id, *allocation);
+    }
   }
 }
 
@@ -183,6 +204,10 @@ void AttemptFate::StoreFailure(Ending* ending, absl::Time now) {
     auto rank = allocation.rank_times.find(primary.rank());
     primary.set_step(rank != allocation.rank_times.end() ? rank->second.step()
                                                          : job->current_step());
+  }
+  if (primary.kind() == v1::FAILURE_KIND_LOSS_SPIKE && job->spec().has_guard()) {
+    StoreSpike(ending, *job, primary, blamed, now);
+    return;
   }
   const std::string description = DescribeFailure(primary);
   const int32_t max_restarts = job->spec().max_restarts();
@@ -234,6 +259,53 @@ void AttemptFate::StoreFailure(Ending* ending, absl::Time now) {
   if (transitioned.ok()) {
     ending->counted = primary.kind();
     ending->restart = retry;
+  }
+  ending->drain = true;
+}
+
+void AttemptFate::StoreSpike(Ending* ending, const v1::Job& job, const v1::TrainerFailure& primary,
+                             size_t blamed, absl::Time now) {
+  const std::string& job_id = ending->job_id;
+  const Allocation& allocation = ending->attempt;
+  // The spike's step never committed a checkpoint (the trainer stops before saving it), so the
+  // newest checkpoint is of a good step.
+  const int64_t resume_step =
+      ResumesFromCheckpoints(job.spec()) ? job.latest_checkpoint().step() : 0;
+  const SpikeDecision decision =
+      DecideSpike(job, allocation.attempt, primary, ending->spike, resume_step);
+  const bool rollback = decision.rollback.has_value();
+  v1::JobAttempt record = EndedAttempt(allocation, job, now, DescribeFailure(primary));
+  *record.mutable_failure() = primary;
+  std::vector<v1::JobEvent> events;
+  *events.emplace_back().mutable_failure() = primary;
+  for (size_t i = 0; i < allocation.failures.size(); ++i) {
+    if (i == blamed) continue;
+    *record.add_consequences() = allocation.failures[i];
+    *events.emplace_back().mutable_failure() = allocation.failures[i];
+  }
+  if (rollback) *events.emplace_back().mutable_rollback() = *decision.rollback;
+  auto transitioned = jobs_->Transition(
+      job_id, rollback ? v1::JOB_STATE_RESTARTING : v1::JOB_STATE_FAILED, decision.reason,
+      [&](v1::Job& stored) {
+        *stored.mutable_failure() = primary;
+        *stored.add_attempts() = record;
+        if (!rollback) return;
+        // Counted against guard.max_rollbacks, not max_restarts: the job did not fault, its data
+        // did.
+        *stored.add_rollbacks() = *decision.rollback;
+        stored.set_attempt(stored.attempt() + 1);
+        stored.mutable_placements()->Clear();
+        stored.set_current_step(resume_step);
+      },
+      events);
+  if (!transitioned.ok() && !absl::IsFailedPrecondition(transitioned.status())) {
+    LogRetried(transitioned.status(),
+               absl::StrCat("rolling back attempt ", allocation.attempt, " of job ", job_id));
+    return;
+  }
+  if (transitioned.ok()) {
+    ending->counted = primary.kind();
+    ending->restart = rollback;
   }
   ending->drain = true;
 }

@@ -19,6 +19,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -42,6 +43,12 @@ class AttemptFate {
   // running attempt enters kFailing.
   void AddFailureLocked(const std::string& job_id, int32_t attempt,
                         const v1::TrainerFailure& failure)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  // Keeps rank 0's report of a loss spike of the job's current attempt (TrainerReport.loss_spike)
+  // for the attempt's ending, which records it in the Rollback event; one of an earlier attempt
+  // is dropped. Kept in memory only: a coordinator restarted meanwhile records the spike's step
+  // and cause from the failure instead.
+  void AddLossSpikeLocked(const std::string& job_id, int32_t attempt, const v1::LossSpike& spike)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   // Marks the nodes silent for longer than the heartbeat timeout LOST and fails the attempts
   // that had ranks there (their record writes are left to ClusterState::WriteNodes).
@@ -72,6 +79,8 @@ class AttemptFate {
     bool drain = false;
     std::optional<v1::FailureKind> counted;
     bool restart = false;
+    // A kFailure's loss spike as rank 0 reported it (AddLossSpikeLocked), if it did.
+    std::optional<v1::LossSpike> spike;
   };
   // Under the lock, for each allocation of an active job not being stored: a kMoving attempt
   // whose nodes all succeeded goes back to kRunning (a success); an attempt whose end is due is
@@ -115,12 +124,18 @@ class AttemptFate {
   // next pass retries) or the job ended meanwhile (`ending->drain` set).
   std::optional<v1::Job> JobToEnd(Ending* ending, const char* why);
   void StoreFailure(Ending* ending, absl::Time now);
+  // StoreFailure's path for a guarded job's loss spike: a rollback (no restart counted) or, past
+  // guard.max_rollbacks, the job's failure naming the spikes' steps.
+  void StoreSpike(Ending* ending, const v1::Job& job, const v1::TrainerFailure& primary,
+                  size_t blamed, absl::Time now);
   void StoreMove(Ending* ending, absl::Time now);
 
   ClusterState* const state_;
   JobManager* const jobs_;
   std::map<v1::FailureKind, int64_t> restarts_ ABSL_GUARDED_BY(state_->mu);
   std::map<v1::FailureKind, int64_t> failures_ ABSL_GUARDED_BY(state_->mu);
+  // AddLossSpikeLocked's reports by job: the attempt and its spike.
+  std::map<std::string, std::pair<int32_t, v1::LossSpike>> spikes_ ABSL_GUARDED_BY(state_->mu);
 };
 
 }  // namespace tessera::coordinator

@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace tessera::coordinator {
@@ -35,6 +38,56 @@ size_t BlameIndex(const std::vector<v1::TrainerFailure>& failures) {
     if (TimeKey(failures[i]) < TimeKey(failures[best])) best = i;
   }
   return best;
+}
+
+int GuardMaxRollbacks(const v1::GuardSpec& guard) {
+  return guard.max_rollbacks() > 0 ? guard.max_rollbacks() : 3;
+}
+
+int64_t GuardSkipBatches(const v1::GuardSpec& guard) {
+  return guard.skip_batches() > 0 ? guard.skip_batches() : 1;
+}
+
+SpikeDecision DecideSpike(const v1::Job& job, int32_t attempt, const v1::TrainerFailure& blamed,
+                          const std::optional<v1::LossSpike>& spike, int64_t resume_step) {
+  v1::LossSpike seen;
+  if (spike.has_value()) {
+    seen = *spike;
+  } else {
+    seen.set_step(blamed.step() + 1);
+    seen.set_cause(blamed.message());
+  }
+  const v1::GuardSpec& guard = job.spec().guard();
+  const int max_rollbacks = GuardMaxRollbacks(guard);
+  SpikeDecision decision;
+  if (job.rollbacks_size() >= max_rollbacks) {
+    std::vector<int64_t> steps;
+    for (const v1::Rollback& earlier : job.rollbacks()) steps.push_back(earlier.spike().step());
+    steps.push_back(seen.step());
+    decision.reason = absl::StrCat("loss spikes at steps ", absl::StrJoin(steps, ", "),
+                                   ": no rollbacks left (guard.max_rollbacks ", max_rollbacks,
+                                   "); the last: ", seen.cause());
+    return decision;
+  }
+  v1::Rollback& rollback = decision.rollback.emplace();
+  *rollback.mutable_spike() = seen;
+  rollback.set_attempt(attempt);
+  rollback.set_resume_step(resume_step);
+  rollback.mutable_skipped()->set_step(seen.step());
+  rollback.mutable_skipped()->set_batches(GuardSkipBatches(guard));
+  decision.reason = absl::StrCat(
+      "loss spike: ", seen.cause(), "; rolling back to ",
+      resume_step > 0 ? absl::StrCat("the checkpoint of step ", resume_step)
+                      : std::string("the start"),
+      " and skipping ", rollback.skipped().batches(), " global batch(es) at step ", seen.step(),
+      " (rollback ", job.rollbacks_size() + 1, " of ", max_rollbacks, ")");
+  return decision;
+}
+
+void AddRollbackSkips(const v1::Job& job, v1::JobSpec* spec) {
+  for (const v1::Rollback& rollback : job.rollbacks()) {
+    *spec->mutable_guard()->add_skipped() = rollback.skipped();
+  }
 }
 
 v1::StragglerReport ComputeStraggler(std::vector<v1::RankStepTime> ranks, double threshold) {

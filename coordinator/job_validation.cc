@@ -340,6 +340,30 @@ absl::Status ValidateLabels(const google::protobuf::Map<std::string, std::string
   return absl::OkStatus();
 }
 
+// The loss-spike guard: factors are off (0) or > 1, since a factor <= 1 would call half of all
+// steps (the median's upper half) spikes; a window of one step has no median worth the name.
+absl::Status ValidateGuard(const v1::GuardSpec& guard) {
+  const auto check_factor = [](absl::string_view field, double factor) -> absl::Status {
+    RETURN_IF_ERROR(CheckFinite(field, factor));
+    if (factor == 0 || factor > 1) return absl::OkStatus();
+    return Invalid(field, absl::StrCat("must be > 1 (or 0: off), got ", factor));
+  };
+  RETURN_IF_ERROR(check_factor("guard.loss_spike_factor", guard.loss_spike_factor()));
+  RETURN_IF_ERROR(check_factor("guard.grad_norm_spike_factor", guard.grad_norm_spike_factor()));
+  if (guard.window() != 0 && guard.window() < 2) {
+    return Invalid("guard.window", absl::StrCat("must be >= 2 (or 0: 20), got ", guard.window()));
+  }
+  RETURN_IF_ERROR(CheckNonNegative("guard.max_rollbacks", guard.max_rollbacks()));
+  RETURN_IF_ERROR(CheckNonNegative("guard.skip_batches", guard.skip_batches()));
+  for (int i = 0; i < guard.skipped_size(); ++i) {
+    RETURN_IF_ERROR(
+        CheckPositive(absl::StrCat("guard.skipped[", i, "].step"), guard.skipped(i).step()));
+    RETURN_IF_ERROR(
+        CheckPositive(absl::StrCat("guard.skipped[", i, "].batches"), guard.skipped(i).batches()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ResolvedJob> ResolveJob(const v1::JobSpec& spec) {
@@ -388,6 +412,7 @@ absl::StatusOr<ResolvedJob> ResolveJob(const v1::JobSpec& spec) {
   RETURN_IF_ERROR(CheckNonNegative("max_restarts", spec.max_restarts()));
   RETURN_IF_ERROR(CheckNonNegative("hang_timeout_seconds", spec.hang_timeout_seconds()));
   RETURN_IF_ERROR(ValidateLabels(spec.labels()));
+  if (spec.has_guard()) RETURN_IF_ERROR(ValidateGuard(spec.guard()));
   ResolvedJob resolved;
   // ValidateData accepted data.seq_len for these dimensions.
   ASSIGN_OR_RETURN(resolved.model, planner::ModelForSeqLen(model, spec.data().seq_len()));

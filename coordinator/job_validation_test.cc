@@ -875,5 +875,49 @@ TEST(JobValidationTest, HuggingFaceExportIsRefusedForModelsWithoutAnHfForm) {
                                               HasSubstr("checkpoint.export_merged")));
 }
 
+// The loss-spike guard: each bad field is refused by name; a guard with every field at 0 (NaN/Inf
+// only, the defaults otherwise) and one with hand-skipped batches are valid.
+TEST(JobValidationTest, GuardFieldsAreCheckedByName) {
+  struct Case {
+    std::function<void(v1::GuardSpec&)> mutate;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](v1::GuardSpec& g) { g.set_loss_spike_factor(1.0); },
+       "guard.loss_spike_factor: must be > 1 (or 0: off), got 1"},
+      {[](v1::GuardSpec& g) { g.set_loss_spike_factor(-3); }, "guard.loss_spike_factor: must be"},
+      {[](v1::GuardSpec& g) { g.set_loss_spike_factor(std::nan("")); },
+       "guard.loss_spike_factor: must be a finite number"},
+      {[](v1::GuardSpec& g) { g.set_grad_norm_spike_factor(0.5); },
+       "guard.grad_norm_spike_factor: must be > 1"},
+      {[](v1::GuardSpec& g) { g.set_window(1); }, "guard.window: must be >= 2 (or 0: 20), got 1"},
+      {[](v1::GuardSpec& g) { g.set_window(-4); }, "guard.window: must be >= 2"},
+      {[](v1::GuardSpec& g) { g.set_max_rollbacks(-1); }, "guard.max_rollbacks: must be >= 0"},
+      {[](v1::GuardSpec& g) { g.set_skip_batches(-2); }, "guard.skip_batches: must be >= 0"},
+      {[](v1::GuardSpec& g) { g.add_skipped()->set_batches(1); },
+       "guard.skipped[0].step: must be > 0, got 0"},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec spec = MinimalSpec();
+    c.mutate(*spec.mutable_guard());
+    EXPECT_THAT(ValidateJobSpec(spec),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)))
+        << c.message;
+  }
+  v1::JobSpec spec = MinimalSpec();
+  spec.mutable_guard();
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+  v1::GuardSpec* guard = spec.mutable_guard();
+  guard->set_loss_spike_factor(3);
+  guard->set_window(2);
+  guard->set_grad_norm_spike_factor(10);
+  guard->set_max_rollbacks(0);
+  guard->set_skip_batches(0);
+  v1::SkippedBatches* skipped = guard->add_skipped();
+  skipped->set_step(7);
+  skipped->set_batches(2);
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+}
+
 }  // namespace
 }  // namespace tessera::coordinator

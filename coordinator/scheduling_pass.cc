@@ -171,6 +171,7 @@ std::map<std::string, v1::TaskAssignment> SchedulingPass::Assignments(
     task->set_job_id(job.job_id());
     task->set_attempt(job.attempt());
     *task->mutable_spec() = spec;
+    AddRollbackSkips(job, task->mutable_spec());
     *task->mutable_plan() = plan;
     task->set_checkpoint_directory(checkpoint_dir);
     // A collective blocked on a peer that cannot be reached (a partition: its heartbeats go on)

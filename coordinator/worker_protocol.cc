@@ -242,6 +242,9 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
   std::map<std::string, std::vector<v1::StepMetrics>> metrics;
   std::map<std::string, std::vector<v1::EvalMetrics>> evals;
   std::map<std::string, std::vector<v1::Checkpoint>> checkpoints;
+  // Loss spikes are kept only once this batch's checkpoints are stored: the rollback they let
+  // the next pass decide resumes from the newest of them.
+  std::vector<const v1::TrainerReport*> spikes;
   for (int i = static_cast<int>(skip); i < request.reports_size(); ++i) {
     const v1::TrainerReport& report = request.reports(i);
     const std::string& job_id = report.job_id();
@@ -278,6 +281,9 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
         fate_->AddFailureLocked(job_id, report.attempt(), failure);
         break;
       }
+      case v1::TrainerReport::kLossSpike:
+        spikes.push_back(&report);
+        break;
       default:
         break;
     }
@@ -288,6 +294,13 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
   for (const auto& [id, _] : checkpoints) job_ids.insert(id);
   for (const auto& id : job_ids) {
     RETURN_IF_ERROR(jobs_->RecordReports(id, metrics[id], evals[id], checkpoints[id]));
+  }
+  if (!spikes.empty()) {
+    absl::MutexLock lock(&state_->mu);
+    fate_->AssertLockHeld();
+    for (const v1::TrainerReport* spike : spikes) {
+      fate_->AddLossSpikeLocked(spike->job_id(), spike->attempt(), spike->loss_spike());
+    }
   }
   {
     absl::MutexLock lock(&state_->mu);

@@ -148,6 +148,9 @@ ABSL_FLAG(std::string, export_hf, "",
 ABSL_FLAG(double, epochs, 0,
           "Standalone: passes over the training data to train instead of --steps (the spec's "
           "epochs); 0 uses --steps.");
+ABSL_FLAG(std::string, guard, "",
+          "Standalone: the loss-spike guard, a GuardSpec in protobuf text format, e.g. "
+          "'loss_spike_factor: 5 window: 8 skipped { step: 120 batches: 2 }'; empty: none.");
 ABSL_FLAG(int, lora_rank, 0,
           "Standalone: LoRA adapter rank (the spec's lora.rank); 0 trains every weight.");
 ABSL_FLAG(double, lora_alpha, 0, "Standalone: LoRA alpha; 0 means 2 * rank.");
@@ -286,6 +289,12 @@ tessera::v1::TrainerTask TaskFromFlags() {
     lora->set_dropout(absl::GetFlag(FLAGS_lora_dropout));
     for (const std::string& target : absl::GetFlag(FLAGS_lora_targets)) {
       lora->add_target_modules(target);
+    }
+  }
+  if (const std::string guard = absl::GetFlag(FLAGS_guard); !guard.empty()) {
+    if (!google::protobuf::TextFormat::ParseFromString(guard, spec->mutable_guard())) {
+      std::cerr << "tessera-trainer: --guard: not a GuardSpec in text format: '" << guard << "'\n";
+      std::exit(2);
     }
   }
   spec->set_seed(absl::GetFlag(FLAGS_seed));
@@ -627,6 +636,15 @@ int main(int argc, char** argv) {
     }
     std::cerr << "tessera-trainer: fault injection: loss reads NaN from step "
               << train_options.nan_loss_from_step << "\n";
+  }
+  if (const char* batch = std::getenv(tessera::kFaultLossSpikeAtBatchEnv); batch != nullptr) {
+    if (!absl::SimpleAtoi(batch, &train_options.loss_spike_at_batch)) {
+      std::cerr << "tessera-trainer: " << tessera::kFaultLossSpikeAtBatchEnv
+                << " must be a batch number, not '" << batch << "'\n";
+      return 2;
+    }
+    std::cerr << "tessera-trainer: fault injection: the loss of global batch "
+              << train_options.loss_spike_at_batch << " reads 1000x\n";
   }
   if (const char* step = std::getenv(tessera::kFaultKillInCheckpointAtStepEnv); step != nullptr) {
     if (!absl::SimpleAtoi(step, &train_options.kill_in_checkpoint_at_step)) {

@@ -115,11 +115,15 @@ void TrainingMetrics::SetRunningRanks(std::string node_id,
 }
 
 void TrainingMetrics::Record(const v1::TrainerReport& report) {
-  if (!report.has_metrics() && !report.has_eval() && !report.has_rank_step()) return;
+  if (!report.has_metrics() && !report.has_eval() && !report.has_rank_step() &&
+      !report.has_loss_spike()) {
+    return;
+  }
   absl::MutexLock lock(&mu_);
   Series& series = series_[{report.job_id(), report.rank()}];
   if (report.has_metrics()) series.step = report.metrics();
   if (report.has_eval()) series.eval_loss = report.eval().loss();
+  if (report.has_loss_spike()) series.loss_spikes += 1;
   if (report.has_rank_step()) {
     const v1::RankStepMetrics& rank_step = report.rank_step();
     series.rank_step = rank_step;
@@ -224,6 +228,14 @@ std::vector<prometheus::MetricFamily> TrainingMetrics::Collect() const {
                                 MetricType::Gauge);
   for (const auto& [key, series] : series_) {
     AddSample(last_report, key, absl::ToDoubleSeconds(series.updated - absl::UnixEpoch()));
+  }
+
+  auto& rollbacks = AddFamily(
+      families, "tessera_job_rollbacks_total",
+      "Loss spikes the job's guard caught (each rolls the job back to its last checkpoint)",
+      MetricType::Counter);
+  for (const auto& [key, series] : series_) {
+    if (series.loss_spikes > 0) AddSample(rollbacks, key, series.loss_spikes);
   }
 
   auto& gpu_info =

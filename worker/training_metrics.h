@@ -12,6 +12,8 @@
 //   tessera_train_rank_steps_total, _phase_seconds_total{phase}, _collective_seconds_total and
 //   _collective_bytes_total{kind,dim}, accumulated over the rank's reports;
 // - tessera_train_last_report_timestamp_seconds: unix time the newest report of a rank arrived;
+// - tessera_job_rollbacks_total: loss spikes rank 0 reported (TrainerReport.loss_spike), each of
+//   which rolls the job back to its last checkpoint (or fails it past guard.max_rollbacks);
 // - tessera_task_gpu_info{job_id,rank,node,gpu,UUID} 1 for each GPU a running rank holds.
 //
 // A job's series stay while a rank of it runs on this worker, however long ago it last reported
@@ -64,7 +66,7 @@ class TrainingMetrics final : public prometheus::Collectable {
   // Collect. Without it no job counts as running.
   void SetRunningRanks(std::string node_id, std::function<std::vector<RunningRank>()> running);
 
-  // Takes StepMetrics, RankStepMetrics and EvalMetrics reports; ignores the others.
+  // Takes StepMetrics, RankStepMetrics, EvalMetrics and LossSpike reports; ignores the others.
   void Record(const v1::TrainerReport& report);
 
   // The families above; drops expired jobs first.
@@ -82,6 +84,8 @@ class TrainingMetrics final : public prometheus::Collectable {
     std::optional<double> eval_loss;
     // Accumulated over the rank's RankStepMetrics.
     double rank_steps = 0;
+    // LossSpike reports of the rank (rank 0 sends them).
+    double loss_spikes = 0;
     std::map<std::string, double> phase_seconds;
     std::map<std::pair<std::string, std::string>, CollectiveTotals> collectives;
     // Arrival of the newest report.

@@ -102,7 +102,7 @@ TEST(TrainingMetricsTest, NewestStepAndEvaluationPerJobLabelledJobId) {
   EXPECT_THAT(lines, Contains("tessera_train_peak_memory_bytes" + r0 + " 1048576"));
   EXPECT_THAT(lines, Contains("tessera_train_step_time_seconds" + r0 + " 0.3"));
   // Every family is served, with its help, even the empty ones.
-  EXPECT_EQ(metrics.Collect().size(), 21u);
+  EXPECT_EQ(metrics.Collect().size(), 22u);
 }
 
 TEST(TrainingMetricsTest, JobTotalsAreCountersOfTheNewestStep) {
@@ -120,6 +120,21 @@ TEST(TrainingMetricsTest, JobTotalsAreCountersOfTheNewestStep) {
   EXPECT_THAT(lines, Contains("tessera_train_steps_total" + r0 + " 7"));
   EXPECT_THAT(lines, Contains("# TYPE tessera_train_max_steps gauge"));
   EXPECT_THAT(lines, Contains("tessera_train_max_steps" + r0 + " 100"));
+}
+
+TEST(TrainingMetricsTest, EachLossSpikeCountsARollback) {
+  TrainingMetrics metrics;
+  metrics.Record(StepReport("job-1", 3, 4.0));
+  EXPECT_THAT(Lines(metrics), Not(Contains(::testing::StartsWith("tessera_job_rollbacks_total{"))));
+  v1::TrainerReport spike;
+  spike.set_job_id("job-1");
+  spike.set_rank(0);
+  spike.mutable_loss_spike()->set_step(4);
+  metrics.Record(spike);
+  metrics.Record(spike);
+  const auto lines = Lines(metrics);
+  EXPECT_THAT(lines, Contains("# TYPE tessera_job_rollbacks_total counter"));
+  EXPECT_THAT(lines, Contains("tessera_job_rollbacks_total" + Rank("job-1", 0) + " 2"));
 }
 
 TEST(TrainingMetricsTest, RankStepsAccumulatePerRankPhaseAndCollective) {

@@ -32,6 +32,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -158,8 +159,11 @@ class ShardedEngine : public LayerHooks {
   // no clipping), steps AdamW at `lr` and zeroes the gradients. Returns the norm before clipping.
   // With `update` false (a step whose global batch has no counted target) AdamW does not step:
   // parameters, moments and AdamW's step counter stay as they are; the collectives still run,
-  // so every rank of the job must pass the same `update`.
-  double Step(double lr, double clip_norm, bool update = true);
+  // so every rank of the job must pass the same `update`. `accept`, when set, sees the norm before
+  // anything is applied and may withhold the update (the loss-spike guard); it must answer the
+  // same on every rank (it may run a collective to agree).
+  double Step(double lr, double clip_norm, bool update = true,
+              const std::function<bool(double norm)>& accept = {});
 
   // The mean loss of a batch without gradients (ZeRO-3 gathers layer by layer as in training).
   at::Tensor EvalLoss(const at::Tensor& inputs, const at::Tensor& targets,

@@ -68,7 +68,8 @@ void ShardedEngine::BackwardStage(const at::Tensor& output, const at::Tensor& gr
   }
 }
 
-double ShardedEngine::Step(double lr, double clip_norm, bool update) {
+double ShardedEngine::Step(double lr, double clip_norm, bool update,
+                           const std::function<bool(double norm)>& accept) {
   FinishAll();
   if (defer_outer_unit()) {
     SumTiedEmbeddingGradients();
@@ -105,6 +106,7 @@ double ShardedEngine::Step(double lr, double clip_norm, bool update) {
     WaitForPeers(options_.dp_group->allreduce(tensors), issue);
   }
   const double norm = std::sqrt(squares.item<double>());
+  if (update && accept && !accept(norm)) update = false;
   if (std::isfinite(clip_norm) && !grads.empty()) {
     const double coef = clip_norm / (norm + 1e-6);
     if (coef < 1) at::_foreach_mul_(grads, coef);

@@ -30,6 +30,9 @@ struct TrainOptions {
   // Fault injection (common/trainer_env.h kFaultNanLossAtStepEnv): from this step on the loss
   // reads NaN. 0: off.
   int64_t nan_loss_from_step = 0;
+  // Fault injection (common/trainer_env.h kFaultLossSpikeAtBatchEnv): the step that trains this
+  // global batch (from 1) sees its loss 1000 times higher. 0: off.
+  int64_t loss_spike_at_batch = 0;
   // Fault injection (common/trainer_env.h kFaultKillInCheckpointAtStepEnv): the save of this
   // step dies half-written. 0: off.
   int64_t kill_in_checkpoint_at_step = 0;

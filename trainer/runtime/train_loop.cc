@@ -73,6 +73,7 @@ TrainLoop::TrainLoop(const v1::TrainerTask& task, const TrainOptions& options,
                             : 0.0)) {
   result_.start_step = run.start_step;
   result_.resumed_from = run.resumed_from;
+  if (spec_.has_guard()) guard_.emplace(spec_.guard());
 }
 
 at::Tensor TrainLoop::ToDevice(std::vector<int64_t>& values, int batch, int seq) {
@@ -151,7 +152,7 @@ absl::StatusOr<double> TrainLoop::TrainStep(double learning_rate, double* grad_n
   std::vector<MicroBatch> micro_batches;
   {
     StepTimer::Scope data_wait(timer_, StepPhase::kDataWait);
-    micro_batches = run_.loader->NextStep();
+    micro_batches = NextMicroBatches();
   }
   const ContextParallel cp = ContextParallelOf(run_.mesh);
   for (MicroBatch& mb : micro_batches) KeepContextParallelPart(mb, cp);
@@ -174,7 +175,12 @@ absl::StatusOr<double> TrainLoop::TrainStep(double learning_rate, double* grad_n
   if (options_.nan_loss_from_step > 0 && step_ + 1 >= options_.nan_loss_from_step) {
     loss_value = std::numeric_limits<double>::quiet_NaN();
   }
-  if (!std::isfinite(loss_value)) {
+  if (options_.loss_spike_at_batch > 0 &&
+      BatchIndexOfStep(spec_.guard(), step_ + 1) + 1 == options_.loss_spike_at_batch) {
+    loss_value *= 1000;
+  }
+  // A guarded job judges a non-finite loss with the gradient norm, below: a spike to roll back.
+  if (!guard_.has_value() && !std::isfinite(loss_value)) {
     // The step is reported (its loss gauge reads NaN, for dashboards and alerts), never applied.
     if (reporter_.rank() == 0) {
       v1::TrainerReport report = reporter_.NewReport();
@@ -200,8 +206,53 @@ absl::StatusOr<double> TrainLoop::TrainStep(double learning_rate, double* grad_n
                                "the optimizer step is skipped"));
   }
   StepTimer::Scope optimizer(timer_, StepPhase::kOptimizer);
-  *grad_norm = run_.engine->Step(learning_rate, run_.settings.clip_norm, update);
+  if (!guard_.has_value()) {
+    *grad_norm = run_.engine->Step(learning_rate, run_.settings.clip_norm, update);
+    return loss_value;
+  }
+  *grad_norm = run_.engine->Step(learning_rate, run_.settings.clip_norm, update,
+                                 [&](double norm) { return GuardAccepts(loss_value, norm); });
   return loss_value;
+}
+
+std::vector<MicroBatch> TrainLoop::NextMicroBatches() {
+  if (guard_.has_value()) {
+    // Skipped batches are drawn and dropped, so that the loader's position (and every checkpoint
+    // taken after) is past them, as if the run had trained on them.
+    const int64_t skipped = BatchesSkippedAt(spec_.guard(), step_ + 1);
+    for (int64_t i = 0; i < skipped; ++i) run_.loader->NextStep();
+    if (skipped > 0) {
+      reporter_.Log(absl::StrCat("step ", step_ + 1, ": ", skipped,
+                                 " global batch(es) skipped (guard.skipped)"));
+    }
+  }
+  return run_.loader->NextStep();
+}
+
+bool TrainLoop::GuardAccepts(double loss, double grad_norm) {
+  std::optional<v1::LossSpike> spike = guard_->Check(step_ + 1, loss, grad_norm);
+  bool spiked = spike.has_value();
+  if (run_.group.has_value()) {
+    // On the CPU (Gloo, also beside NCCL), as StopAgreed: one flag.
+    std::vector<at::Tensor> flag{torch::full({1}, spiked ? 1 : 0, torch::kInt32)};
+    run_.group->group->allreduce(flag)->wait();
+    spiked = flag[0].item<int32_t>() > 0;
+  }
+  if (!spiked) {
+    guard_->Accept(loss, grad_norm);
+    return true;
+  }
+  if (!spike.has_value()) {
+    // Every rank sees the same all-reduced loss and norm; this covers a disagreement anyway.
+    spike.emplace();
+    spike->set_step(step_ + 1);
+    spike->set_loss(loss);
+    spike->set_grad_norm(grad_norm);
+    spike->set_cause(absl::StrCat("another rank judged step ", step_ + 1, " a spike"));
+  }
+  spike->set_batch_index(BatchIndexOfStep(spec_.guard(), step_ + 1));
+  spike_ = std::move(spike);
+  return false;
 }
 
 int64_t TrainLoop::PeakMemoryBytes() {
@@ -377,6 +428,24 @@ absl::Status TrainLoop::Run(v1::FailureKind* kind) {
     if (!loss.ok()) {
       *kind = v1::FAILURE_KIND_NAN_LOSS;
       return loss.status();
+    }
+    if (spike_.has_value()) {
+      // A good step's checkpoint still being written is the one the job rolls back to: every
+      // rank finishes it (the spike's own step never starts one), and its commit is reported
+      // before the spike, which the coordinator decides the rollback on.
+      if (absl::Status saved = run_.checkpointer->Wait(); !saved.ok()) {
+        reporter_.Log(
+            absl::StrCat("the checkpoint in flight at the spike failed: ", saved.message()));
+      }
+      if (reporter_.rank() == 0) {
+        v1::TrainerReport report = reporter_.NewReport();
+        *report.mutable_loss_spike() = *spike_;
+        reporter_.Send(report);
+      }
+      *kind = v1::FAILURE_KIND_LOSS_SPIKE;
+      return absl::AbortedError(absl::StrCat(
+          "loss spike: ", spike_->cause(), "; its update was not applied (global batch ",
+          spike_->batch_index() + 1, "): the job rolls back to its last checkpoint"));
     }
     if (const std::string graphs = run_.engine->CudaGraphStatus(); graphs != graph_status_logged_) {
       reporter_.Log(absl::StrCat("CUDA graphs: ", graphs));

@@ -9,12 +9,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tessera/v1/trainer.pb.h"
+#include "trainer/runtime/loss_guard.h"
 #include "trainer/runtime/run_reporter.h"
 #include "trainer/runtime/step_timer.h"
 #include "trainer/runtime/train.h"
@@ -30,7 +32,9 @@ class TrainLoop {
 
   // Trains from run.start_step to run.max_steps, or to the step after which the ranks agreed to
   // stop (TrainOptions::stop_requested; that step's checkpoint committed first). On failure
-  // `*kind` is the TrainerFailure kind to report.
+  // `*kind` is the TrainerFailure kind to report. With JobSpec.guard, a step that the ranks agree
+  // is a loss spike is not applied and ends the run with FAILURE_KIND_LOSS_SPIKE (no checkpoint
+  // of it is started), after rank 0 reported the spike (TrainerReport.loss_spike).
   absl::Status Run(v1::FailureKind* kind);
 
   // The last step finished (run.start_step before the first).
@@ -38,8 +42,15 @@ class TrainLoop {
   const TrainResult& result() const { return result_; }
 
  private:
-  // One optimizer step; returns the step's loss averaged over ranks.
+  // One optimizer step; returns the step's loss averaged over ranks. A guarded step the ranks
+  // judge a spike sets spike_ and is not applied.
   absl::StatusOr<double> TrainStep(double learning_rate, double* grad_norm);
+  // The step's micro-batches, after the batches the guard skips at this step (GuardSpec.skipped).
+  std::vector<MicroBatch> NextMicroBatches();
+  // The guard's verdict on the step about to be applied (grad_norm before clipping): whether to
+  // apply it. Every rank takes part (a one-element all-reduce), so that all withhold the same
+  // step even if one judged otherwise.
+  bool GuardAccepts(double loss, double grad_norm);
   // Forward and backward of the step's micro-batches; returns this rank's share of the step's
   // loss (each micro-batch's mean loss times its LossWeight).
   at::Tensor ForwardBackward(std::vector<MicroBatch>& micro_batches);
@@ -89,6 +100,9 @@ class TrainLoop {
   // The engine's CudaGraphStatus() as last logged.
   std::string graph_status_logged_;
   TrainResult result_;
+  // Set with JobSpec.guard; spike_ once a step was judged a spike.
+  std::optional<LossGuard> guard_;
+  std::optional<v1::LossSpike> spike_;
 };
 
 }  // namespace tessera::trainer
