@@ -225,11 +225,12 @@ std::vector<BadSpecCase> BadSpecCases() {
          dims->set_max_seq_len(256);
          dims->set_num_experts(4);
          dims->set_num_experts_per_token(2);
+         dims->set_moe_intermediate_size(33);
          SetLayout(s, 1, 2, 1);
        },
        kInvalid,
-       "parallelism.layout.tensor_parallel: 2 with a mixture-of-experts model (num_experts 4): "
-       "not supported yet, use 1"},
+       "parallelism.layout.tensor_parallel: 2 does not divide the model's moe_intermediate_size "
+       "33"},
       {"LayoutPipelineParallelVsLayers",
        [](S& s) {
          s.mutable_resources()->set_cpu_slots(3);

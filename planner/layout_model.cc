@@ -63,13 +63,16 @@ ParameterSplit SplitParameters(const Workload& w, int tp, int ep) {
     const int64_t hd = m.head_dim();
     const int64_t q = m.num_attention_heads() * hd, kv = m.num_kv_heads() * hd;
     // A MoE layer's MLP: the router and the shared expert (with its gate) are replicated over
-    // the expert-parallel ranks; the routed experts are split over them.
+    // the expert-parallel ranks; the routed experts are split over them. Over tp the shared
+    // expert and every routed expert split their width like the dense MLP (expert tensor
+    // parallelism), while the router and the shared expert's sigmoid gate stay whole.
     const int64_t shared = m.shared_expert_intermediate_size();
-    const int64_t mlp =
-        IsMoe(m) ? m.num_experts() * d + (shared > 0 ? 3 * d * shared + d : 0) : 3 * d * f;
-    p.layer_matmul = CeilDiv(d * q + 2 * d * kv + q * d + mlp, tp);
+    const int64_t mlp = IsMoe(m) ? 3 * d * shared : 3 * d * f;
+    const int64_t mlp_replicated = IsMoe(m) ? m.num_experts() * d + (shared > 0 ? d : 0) : 0;
+    p.layer_matmul = CeilDiv(d * q + 2 * d * kv + q * d + mlp, tp) + mlp_replicated;
     if (IsMoe(m)) {
-      p.layer_expert = m.num_experts() / ep * 3 * d * int64_t{m.moe_intermediate_size()};
+      p.layer_expert =
+          CeilDiv(m.num_experts() / ep * 3 * d * int64_t{m.moe_intermediate_size()}, tp);
     }
     p.layer_sharded = p.layer_matmul;
     p.layer_replicated = 2 * d + (m.qk_norm() ? 2 * hd : 0);

@@ -11,17 +11,19 @@ std::optional<LayoutRuleViolation> CheckModelDivisibility(const v1::ModelDims& d
                                                           int pipeline_parallel) {
   constexpr char kTensorParallel[] = "parallelism.layout.tensor_parallel";
   const int tp = tensor_parallel;
-  if (dims.num_experts() > 0 && tp > 1) {
-    return LayoutRuleViolation{kTensorParallel,
-                               absl::StrCat(tp, " with a mixture-of-experts model (num_experts ",
-                                            dims.num_experts(), "): not supported yet, use 1")};
-  }
+  // A mixture of experts splits each expert's (and the shared expert's) SwiGLU width over tp, as
+  // a dense model its MLP's; ffn_hidden_size is then only moe_intermediate_size's default.
+  const bool moe = dims.num_experts() > 0;
+  const int64_t expert_width =
+      dims.moe_intermediate_size() > 0 ? dims.moe_intermediate_size() : dims.ffn_hidden_size();
   const struct {
     const char* name;
     int64_t value;
   } split_by_tp[] = {{"num_attention_heads", dims.num_attention_heads()},
                      {"num_kv_heads", dims.num_kv_heads()},
-                     {"ffn_hidden_size", dims.ffn_hidden_size()}};
+                     {moe ? "moe_intermediate_size" : "ffn_hidden_size",
+                      moe ? expert_width : dims.ffn_hidden_size()},
+                     {"shared_expert_intermediate_size", dims.shared_expert_intermediate_size()}};
   for (const auto& dim : split_by_tp) {
     if (dim.value % tp != 0) {
       return LayoutRuleViolation{

@@ -24,10 +24,10 @@ struct LayoutRuleViolation {
 
 // Tensor parallelism splits attention heads, key/value heads and the MLP's hidden width, so
 // `tensor_parallel` must divide each; pipeline parallelism gives each stage whole layers, so
-// `pipeline_parallel` must divide num_layers. A mixture-of-experts model (num_experts > 0) trains
-// with data parallelism only for now: tensor_parallel and pipeline_parallel must be 1 (its router
-// loss is not yet carried across stages, nor its experts split across tensor ranks). Degrees must
-// be >= 1 (checked by the caller).
+// `pipeline_parallel` must divide num_layers. A mixture-of-experts model (num_experts > 0) splits
+// each routed expert's width (moe_intermediate_size, ffn_hidden_size when 0) and the shared
+// expert's (shared_expert_intermediate_size) over tp instead of ffn_hidden_size (Megatron-Core's
+// expert tensor parallelism at size tp). Degrees must be >= 1 (checked by the caller).
 std::optional<LayoutRuleViolation> CheckModelDivisibility(const v1::ModelDims& dims,
                                                           int tensor_parallel,
                                                           int pipeline_parallel);

@@ -45,14 +45,31 @@ TEST(LayoutRulesTest, EachBrokenRuleNamesItsFieldAndDimension) {
             "parallelism.layout.tensor_parallel");
 }
 
-TEST(LayoutRulesTest, MixtureOfExpertsTrainsWithPipelineButNotTensorSplits) {
+TEST(LayoutRulesTest, MixtureOfExpertsSplitsItsExpertsOverTensorRanks) {
   v1::ModelDims dims = Dims(32, 8, 14336, 32);
   dims.set_num_experts(8);
   EXPECT_FALSE(CheckModelDivisibility(dims, 1, 1).has_value());
-  const auto tp = CheckModelDivisibility(dims, 2, 1);
+  // moe_intermediate_size 0 stands for ffn_hidden_size.
+  EXPECT_FALSE(CheckModelDivisibility(dims, 2, 1).has_value());
+  EXPECT_FALSE(CheckModelDivisibility(dims, 8, 2).has_value());
+  // The experts' width is what tp splits, not the (unused) dense ffn_hidden_size.
+  dims.set_ffn_hidden_size(11003);
+  dims.set_moe_intermediate_size(768);
+  EXPECT_FALSE(CheckModelDivisibility(dims, 8, 1).has_value());
+  dims.set_moe_intermediate_size(1001);
+  auto tp = CheckModelDivisibility(dims, 2, 1);
   ASSERT_TRUE(tp.has_value());
-  EXPECT_EQ(tp->field, "parallelism.layout.tensor_parallel");
-  EXPECT_NE(tp->problem.find("mixture-of-experts"), std::string::npos) << tp->problem;
+  EXPECT_EQ(tp->ToString(),
+            "parallelism.layout.tensor_parallel: 2 does not divide the model's "
+            "moe_intermediate_size 1001");
+  dims.set_moe_intermediate_size(768);
+  dims.set_shared_expert_intermediate_size(1004);
+  EXPECT_FALSE(CheckModelDivisibility(dims, 4, 1).has_value());
+  tp = CheckModelDivisibility(dims, 8, 1);
+  ASSERT_TRUE(tp.has_value());
+  EXPECT_EQ(tp->ToString(),
+            "parallelism.layout.tensor_parallel: 8 does not divide the model's "
+            "shared_expert_intermediate_size 1004");
   // Every stage holds MoE blocks and its layers' share of the router loss.
   EXPECT_FALSE(CheckModelDivisibility(dims, 1, 2).has_value());
   // The pipeline split of the layers still applies.

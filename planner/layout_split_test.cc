@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -150,8 +151,10 @@ TEST(LayoutSplitTest, MixtureOfExpertsChoosesExpertParallelismAndSavesTheExpertS
   ASSERT_TRUE(staged.fits()) << staged.explanation();
   EXPECT_GT(staged.layout().pipeline_parallel(), 1);
   EXPECT_GT(staged.memory().expert_state_bytes(), 0);
-  // Without pipeline stages, ep is what makes it fit.
+  // Without pipeline stages (and tensor splits, which also divide the experts:
+  // MixtureOfExpertsSplitsItsExpertsOverEpTimesTp), ep is what makes it fit.
   limits.max_pp = 1;
+  limits.max_tp = 1;
   SearchLimits no_ep = limits;
   no_ep.max_ep = 1;
   EXPECT_EQ(SearchLayouts(w, c, no_ep).fitting, 0);
@@ -195,6 +198,53 @@ TEST(LayoutSplitTest, MixtureOfExpertsChoosesExpertParallelismAndSavesTheExpertS
       EstimateStepTime(w, chosen, c).model_flops(),
       (6.0 * CountActiveParameters(w.dims) + AttentionFlopsPerToken(w.dims, 4096)) * 4096 * 64,
       1e3);
+}
+
+TEST(LayoutSplitTest, MixtureOfExpertsSplitsItsExpertsOverEpTimesTp) {
+  const Workload w = Work(Preset("qwen3-30b-a3b"), 4096, 64);
+  const ClusterShape c = Cluster("h200", 8, 8);
+  // Each rank holds num_experts / ep experts of moe_intermediate_size / tp width: the expert
+  // parameters per rank are the model's / (ep x tp), in every combination.
+  const int64_t expert_parameters = int64_t{48} * 128 * 3 * 2048 * 768;
+  const LayoutChoice base{.dp = 4, .tp = 2, .zero = 1, .micro_batch = 1, .ep = 2};
+  for (const auto& [tp, ep] :
+       {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}, std::pair{4, 2}, std::pair{8, 1}}) {
+    SCOPED_TRACE(absl::StrCat("tp ", tp, " ep ", ep));
+    LayoutChoice l = base;
+    l.tp = tp;
+    l.ep = ep;
+    l.dp = 8 / tp;
+    if (l.dp % ep != 0) continue;
+    const v1::MemoryEstimate mem = EstimateMemory(w, l, c)[0];
+    // Float32 weights and gradients (8 bytes) plus AdamW moments (8 bytes) sharded by ZeRO-1 over
+    // the dp / ep ranks holding the same experts.
+    const int64_t local = expert_parameters / (ep * tp);
+    const int64_t holders = l.dp / ep;
+    EXPECT_EQ(mem.expert_state_bytes(), 8 * local + (8 * local + holders - 1) / holders);
+  }
+  // The router stays whole on every tp rank; the attention and the shared parts split.
+  LayoutChoice one = base, two = base;
+  one.tp = 1;
+  one.dp = 8;
+  two.dp = 4;
+  const int64_t router = int64_t{48} * 128 * 2048;
+  const int64_t whole = EstimateMemory(w, one, c)[0].parameters();
+  const int64_t split = EstimateMemory(w, two, c)[0].parameters();
+  EXPECT_GT(split, (whole - router) / 2 + router - 1e6);
+  EXPECT_LT(split, (whole - router) / 2 + router + 1e6);
+
+  // `parallelism: auto` may split a mixture of experts over tp: without ep and pipeline stages,
+  // tp is what makes qwen3-30b-a3b fit on 8 x H200 with ZeRO at most 1.
+  SearchLimits limits;
+  limits.max_zero = 1;
+  limits.max_pp = 1;
+  limits.max_ep = 1;
+  SearchLimits no_tp = limits;
+  no_tp.max_tp = 1;
+  EXPECT_EQ(SearchLayouts(w, c, no_tp).fitting, 0);
+  const v1::LayoutPlan plan = ChoosePlan(SearchLayouts(w, c, limits), c);
+  ASSERT_TRUE(plan.fits()) << plan.explanation();
+  EXPECT_GT(plan.layout().tensor_parallel(), 1);
 }
 
 TEST(LayoutSplitTest, InterleavingShrinksTheBubbleToPpMinusOneOverVm) {

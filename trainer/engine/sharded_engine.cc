@@ -140,7 +140,7 @@ void ShardedEngine::BuildUnits() {
     if (expert_units && IsExpertParameter(item.key())) {
       // The experts' own unit; their elements are a box of the logical tensor.
       unit += layers;
-      entry.pieces = {ExpertShardPiece(shard.global_shape, options_.ep)};
+      entry.pieces = {ExpertShardPiece(shard, options_.ep, options_.tp)};
     }
     units_[unit].entries.push_back(std::move(entry));
   }

@@ -347,10 +347,9 @@ absl::StatusOr<ParameterValues> ValuesIn(const CausalLMImpl& model, WeightFiles 
             full = torch::stack(parts);
           }
           if (source.transposed) full = full.t().contiguous();
-          if (ep.enabled() && IsExpertParameter(name)) {
-            // This rank's experts of the stacked tensor (expert_parallel.h).
-            return full.narrow(0, ep.FirstExpert(full.size(0)), ep.LocalExperts(full.size(0)))
-                .contiguous();
+          if (IsExpertParameter(name)) {
+            // This rank's experts of the stacked tensor and its tp slice (expert_parallel.h).
+            return LocalExpertShardOf(full, shard, ep, tp);
           }
           return LocalShardOf(full, shard, tp.rank, tp.size);
         } catch (const c10::Error& e) {

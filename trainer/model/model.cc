@@ -341,10 +341,9 @@ BlockImpl::BlockImpl(const v1::ModelDims& dims, const TensorParallel& tp,
   mlp_norm_ = register_module(
       "mlp_norm", Norm(dims.hidden_size(), dims.norm_eps(), rms, !tp.enabled(), options));
   if (dims.num_experts() > 0) {
-    TORCH_CHECK(!tp.enabled(), "a mixture-of-experts model runs without tensor parallelism");
     // The model draws every parameter itself (CausalLMImpl::InitialValue).
     moe_ = register_module("mlp",
-                           MoeLayer(MoeOptionsOf(dims, planner::kDefaultInitStd), options, ep));
+                           MoeLayer(MoeOptionsOf(dims, planner::kDefaultInitStd), options, ep, tp));
   } else {
     mlp_ = register_module("mlp", Mlp(dims, tp, options));
   }
@@ -461,6 +460,12 @@ CausalLMImpl::CausalLMImpl(const v1::ModelDims& dims, double init_std,
       case ParamShard::Kind::kVocab:
         shape[0] = dims.vocab_size();
         break;
+      case ParamShard::Kind::kExpertColumn:
+        shape[1] *= tp.size;
+        break;
+      case ParamShard::Kind::kExpertRow:
+        shape[2] *= tp.size;
+        break;
     }
     if (IsExpertParameter(item.key())) shape[0] *= partition_.ep.size;
     shard.global_shape = shape;
@@ -531,11 +536,7 @@ torch::Tensor CausalLMImpl::InitialValue(const std::string& name) const {
     full = torch::empty(shard.global_shape, torch::kFloat32);
     full.normal_(0.0, std, generator);
   }
-  if (IsExpertParameter(name) && partition_.ep.enabled()) {
-    const int64_t experts = shard.global_shape[0];
-    return full.narrow(0, partition_.ep.FirstExpert(experts), partition_.ep.LocalExperts(experts))
-        .clone();
-  }
+  if (IsExpertParameter(name)) return LocalExpertShardOf(full, shard, partition_.ep, partition_.tp);
   return LocalShardOf(full, shard, partition_.tp.rank, partition_.tp.size);
 }
 

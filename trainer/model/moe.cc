@@ -21,29 +21,25 @@ std::shared_ptr<torch::nn::Module> Holder(torch::nn::Module& parent, const std::
   return parent.register_module(name, std::make_shared<torch::nn::Module>());
 }
 
-torch::Tensor NewParameter(torch::nn::Module& owner, const std::string& name, at::IntArrayRef shape,
-                           const torch::TensorOptions& options, double std) {
+// A parameter of logical shape `shape` of which this rank holds its ep experts (an expert
+// tensor, dim 0) and its tp slice (`kind`, tensor_parallel.h): drawn whole and sliced, so that the
+// initial weights do not depend on the layout.
+torch::Tensor NewParameter(torch::nn::Module& owner, const std::string& name,
+                           std::vector<int64_t> shape, const torch::TensorOptions& options,
+                           double std, ParamShard::Kind kind = ParamShard::Kind::kReplicated,
+                           const TensorParallel& tp = {}, const ExpertParallel& ep = {}) {
   torch::Tensor value = torch::empty(shape, options);
   if (!value.is_meta()) {
     const torch::NoGradGuard no_grad;
     value.normal_(0.0, std);
   }
-  return owner.register_parameter(name, value);
-}
-
-// An expert tensor of logical shape [num_experts, ...] of which this rank holds rows [first,
-// first + local): drawn whole and sliced, so that the initial weights do not depend on ep.
-torch::Tensor NewExpertParameter(torch::nn::Module& owner, const std::string& name,
-                                 std::vector<int64_t> shape, const ExpertParallel& ep,
-                                 const torch::TensorOptions& options, double std) {
-  const int64_t num_experts = shape[0];
-  torch::Tensor value = torch::empty(shape, options);
-  if (!value.is_meta()) {
-    const torch::NoGradGuard no_grad;
-    value.normal_(0.0, std);
-  }
-  if (ep.enabled()) {
-    value = value.narrow(0, ep.FirstExpert(num_experts), ep.LocalExperts(num_experts)).clone();
+  const ParamShard shard{.kind = kind, .global_shape = std::move(shape)};
+  const bool expert =
+      kind == ParamShard::Kind::kExpertColumn || kind == ParamShard::Kind::kExpertRow;
+  if (expert) {
+    value = LocalExpertShardOf(value, shard, ep, tp);
+  } else if (tp.enabled()) {
+    value = LocalShardOf(value, shard, tp.rank, tp.size).clone(at::MemoryFormat::Contiguous);
   }
   return owner.register_parameter(name, value);
 }
@@ -114,36 +110,50 @@ absl::Status ValidateMoeOptions(const MoeOptions& options) {
 }
 
 MoeLayerImpl::MoeLayerImpl(const MoeOptions& options, const torch::TensorOptions& tensor_options,
-                           ExpertParallel ep)
-    : options_(options), ep_(std::move(ep)) {
+                           ExpertParallel ep, TensorParallel tp)
+    : options_(options), ep_(std::move(ep)), tp_(std::move(tp)) {
   const absl::Status valid = ValidateMoeOptions(options);
   TORCH_CHECK(valid.ok(), valid.ToString());
   TORCH_CHECK(ep_.size >= 1 && options.num_experts % ep_.size == 0, "expert_parallel ", ep_.size,
               " does not divide moe.num_experts ", options.num_experts);
+  TORCH_CHECK(tp_.size >= 1 && options.expert_intermediate_size % tp_.size == 0 &&
+                  SharedWidth(options) % tp_.size == 0,
+              "tensor_parallel ", tp_.size, " does not divide moe.expert_intermediate_size ",
+              options.expert_intermediate_size, " and the shared experts' width ",
+              SharedWidth(options));
+  using Kind = ParamShard::Kind;
   const int64_t h = options.hidden_size, e = options.num_experts,
                 f = options.expert_intermediate_size;
   const double std = options.init_std;
   router_weight_ = NewParameter(*Holder(*this, "router"), "weight", {e, h}, tensor_options, std);
   auto experts = Holder(*this, "experts");
-  expert_gate_ = NewExpertParameter(*experts, "gate", {e, f, h}, ep_, tensor_options, std);
-  expert_up_ = NewExpertParameter(*experts, "up", {e, f, h}, ep_, tensor_options, std);
-  expert_down_ = NewExpertParameter(*experts, "down", {e, h, f}, ep_, tensor_options, std);
+  expert_gate_ =
+      NewParameter(*experts, "gate", {e, f, h}, tensor_options, std, Kind::kExpertColumn, tp_, ep_);
+  expert_up_ =
+      NewParameter(*experts, "up", {e, f, h}, tensor_options, std, Kind::kExpertColumn, tp_, ep_);
+  expert_down_ =
+      NewParameter(*experts, "down", {e, h, f}, tensor_options, std, Kind::kExpertRow, tp_, ep_);
   if (options.num_shared_experts > 0) {
     const int64_t s = SharedWidth(options);
     auto shared = Holder(*this, "shared");
-    shared_gate_ = NewParameter(*shared, "gate", {s, h}, tensor_options, std);
-    shared_up_ = NewParameter(*shared, "up", {s, h}, tensor_options, std);
-    shared_down_ = NewParameter(*shared, "down", {h, s}, tensor_options, std);
+    shared_gate_ = NewParameter(*shared, "gate", {s, h}, tensor_options, std, Kind::kColumn, tp_);
+    shared_up_ = NewParameter(*shared, "up", {s, h}, tensor_options, std, Kind::kColumn, tp_);
+    shared_down_ = NewParameter(*shared, "down", {h, s}, tensor_options, std, Kind::kRow, tp_);
     if (options.shared_expert_gate) {
       shared_sigmoid_gate_ = NewParameter(*shared, "sigmoid_gate", {1, h}, tensor_options, std);
     }
   }
 }
 
+torch::Tensor MoeLayerImpl::ReplicatedWeight(const torch::Tensor& weight) const {
+  // Under sequence parallelism the engine sums the replicated parameters' gradients over tp.
+  return tp_.sequence_parallel ? weight : SumGradientOverTensorParallel(weight, tp_);
+}
+
 MoeRouting MoeLayerImpl::Route(const torch::Tensor& tokens) const {
   TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) == options_.hidden_size,
               "MoE router: tokens must be [T, ", options_.hidden_size, "], got ", tokens.sizes());
-  const torch::Tensor logits = at::linear(tokens, router_weight_);
+  const torch::Tensor logits = at::linear(tokens, ReplicatedWeight(router_weight_));
   MoeRouting routing;
   // As HF: softmax in (at least) float32 over all experts, then the top k of the probabilities.
   routing.probs = at::softmax(logits, -1, at::promote_types(logits.scalar_type(), at::kFloat));
@@ -253,14 +263,16 @@ void MoeLayerImpl::AddLora(int rank, double scale, double dropout,
 torch::Tensor MoeLayerImpl::SharedExperts(const torch::Tensor& tokens) const {
   torch::Tensor out = SwiGlu(tokens, shared_gate_, shared_up_, shared_down_);
   if (shared_sigmoid_gate_.defined()) {
-    out = at::sigmoid(at::linear(tokens, shared_sigmoid_gate_)) * out;
+    out = at::sigmoid(at::linear(tokens, ReplicatedWeight(shared_sigmoid_gate_))) * out;
   }
   return out;
 }
 
-MoeOutput MoeLayerImpl::forward(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == options_.hidden_size, "MoE layer: x must be [..., ",
-              options_.hidden_size, "], got ", x.sizes());
+MoeOutput MoeLayerImpl::forward(const torch::Tensor& input) {
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options_.hidden_size,
+              "MoE layer: x must be [..., ", options_.hidden_size, "], got ", input.sizes());
+  // Under sequence parallelism the whole sequence, so that routing sees every token.
+  const torch::Tensor x = EnterTensorParallel(input, tp_);
   const torch::Tensor tokens = x.reshape({-1, options_.hidden_size});
   const int64_t num_tokens = tokens.size(0);
   TORCH_CHECK(num_tokens > 0, "MoE layer: x has no tokens");
@@ -270,11 +282,12 @@ MoeOutput MoeLayerImpl::forward(const torch::Tensor& x) {
   out.expert_indices = routing.indices;
   out.tokens_per_expert =
       torch::bincount(routing.indices.reshape(-1), /*weights=*/{}, options_.num_experts);
+  // With tp, this rank's partial sum over its slice of every expert (and of the shared expert).
   torch::Tensor y = RoutedExperts(tokens, routing, out.tokens_per_expert);
   if (shared_gate_.defined()) y = y + SharedExperts(tokens);
-  out.output = y.reshape(x.sizes());
+  out.output = ExitTensorParallel(y.reshape(x.sizes()), tp_);
 
-  out.router_prob_mean = routing.probs.mean(0);
+  out.router_prob_mean = ScaleGradient(routing.probs.mean(0), 1.0 / tp_.size);
   const torch::Tensor token_fraction =
       out.tokens_per_expert.to(routing.probs.scalar_type()) / static_cast<double>(num_tokens);
   // Over the ep group both are means of equal-sized ranks' values: those of the union.

@@ -83,9 +83,10 @@ struct MoeOutput {
   // Token slots of x routed to each expert, int64 [num_experts], on x's device (sums to T *
   // top_k); this rank's tokens only, with or without expert parallelism (as router_prob_mean).
   torch::Tensor tokens_per_expert;
-  // P above, [num_experts], differentiable. HF's model-level loss concatenates every layer's
-  // router logits before taking f and P (not a mean of per-layer losses); a model that wants it
-  // exactly combines tokens_per_expert and router_prob_mean over layers.
+  // P above, [num_experts], differentiable (with tp, its gradient reaches the router times
+  // 1 / tp: every tp rank adds the same loss of it). HF's model-level loss concatenates every
+  // layer's router logits before taking f and P (not a mean of per-layer losses); a model that
+  // wants it exactly combines tokens_per_expert and router_prob_mean over layers.
   torch::Tensor router_prob_mean;
   // The router's choice for x's tokens flattened to [T, top_k] (MoeRouting::indices).
   torch::Tensor expert_indices;
@@ -111,17 +112,34 @@ struct MoeOutput {
 // and the outputs come back by the reverse exchange; the gradients of a rank's experts then hold
 // the contributions of every ep rank's tokens (summed, not averaged: a caller that averages
 // losses over ranks scales them alike).
+//
+// With tensor parallelism (tp.size > 1; Megatron-Core's expert tensor parallelism at size tp)
+// every expert is split like the dense SwiGLU MLP: experts.{gate,up} hold this tp rank's
+// expert_intermediate / tp rows of each expert ([local experts, f / tp, hidden]), experts.down
+// the matching columns ([local experts, hidden, f / tp]), and the shared expert likewise. The
+// layer is a tensor-parallel region (tensor_parallel.h): x enters it (all-gathered along the
+// sequence under sequence parallelism, so that the router sees every token of the sequence), the
+// router runs on the whole tokens, replicated over tp, every tp rank dispatches the same slots to
+// the ep ranks of its own tp coordinate, and each rank's partial sum over its slice of f, weighted
+// by the combine weights, leaves the region by the all-reduce (reduce-scatter under sequence
+// parallelism) the dense row-parallel down uses. So every gradient behind the exit is this rank's
+// part of the whole one, and the entry sums x's over tp: the router weight's (and the shared
+// expert's sigmoid gate's) gradient is summed over tp here without sequence parallelism (the
+// engine sums the replicated parameters' under it), and the router loss's gradient enters each
+// rank's probabilities times 1 / tp (router_prob_mean), since every tp rank adds the same loss.
 class MoeLayerImpl : public torch::nn::Module {
  public:
-  // CHECKs ValidateMoeOptions and that ep.size divides num_experts. Parameters are created with
-  // `tensor_options` and, unless on the meta device, drawn from N(0, init_std^2); a sharded
-  // expert tensor is drawn whole and sliced, so that every layout starts from the same weights.
+  // CHECKs ValidateMoeOptions, that ep.size divides num_experts and that tp.size divides the
+  // expert and shared widths. Parameters are created with `tensor_options` and, unless on the
+  // meta device, drawn from N(0, init_std^2); a sharded expert tensor is drawn whole and sliced,
+  // so that every layout starts from the same weights.
   explicit MoeLayerImpl(const MoeOptions& options,
                         const torch::TensorOptions& tensor_options = torch::kFloat32,
-                        ExpertParallel ep = {});
+                        ExpertParallel ep = {}, TensorParallel tp = {});
 
-  // x [..., hidden]. Computes on x's device; on a GPU it waits once for the per-expert counts
-  // (the split sizes of the grouped products).
+  // x [..., hidden] ([batch, seq / tp, hidden] under sequence parallelism). Computes on x's
+  // device; on a GPU it waits once for the per-expert counts (the split sizes of the grouped
+  // products).
   MoeOutput forward(const torch::Tensor& x);
 
   // The router alone, for tokens [T, hidden].
@@ -129,6 +147,7 @@ class MoeLayerImpl : public torch::nn::Module {
 
   const MoeOptions& options() const { return options_; }
   const ExpertParallel& expert_parallel() const { return ep_; }
+  const TensorParallel& tensor_parallel() const { return tp_; }
 
   // The routed experts over `rows` [n, hidden] grouped by this rank's local expert, sizes[l] rows
   // for local expert l, with the stacked weights gate, up [local, f, hidden], down [local,
@@ -150,9 +169,14 @@ class MoeLayerImpl : public torch::nn::Module {
   torch::Tensor DispatchToExperts(const torch::Tensor& slot_rows,
                                   const std::vector<int64_t>& sizes) const;
   torch::Tensor SharedExperts(const torch::Tensor& tokens) const;
+  // A replicated parameter (the router, the shared expert's sigmoid gate) as the forward uses it:
+  // with tp, its gradient summed over tp (each rank computes its part) unless sequence
+  // parallelism has the engine sum it.
+  torch::Tensor ReplicatedWeight(const torch::Tensor& weight) const;
 
   MoeOptions options_;
   ExpertParallel ep_;
+  TensorParallel tp_;
   torch::Tensor router_weight_;
   torch::Tensor expert_gate_, expert_up_, expert_down_;
   torch::Tensor shared_gate_, shared_up_, shared_down_, shared_sigmoid_gate_;  // undefined: none

@@ -76,15 +76,32 @@ bool IsExpertParameter(const std::string& name) {
   return false;
 }
 
-ShardPiece ExpertShardPiece(const std::vector<int64_t>& global_shape, const ExpertParallel& ep) {
-  ShardPiece piece;
-  piece.box_shape = global_shape;
+ShardPiece ExpertShardPiece(const ParamShard& shard, const ExpertParallel& ep,
+                            const TensorParallel& tp) {
+  const std::vector<int64_t>& global_shape = shard.global_shape;
+  const std::vector<ShardPiece> tp_pieces = ShardPieces(shard, tp.rank, tp.size);
+  TORCH_CHECK(tp_pieces.size() == 1, "an expert tensor's tp shard is one box");
+  ShardPiece piece = tp_pieces[0];
+  // Without tp (or replicated) ShardPieces leaves the box empty: the whole tensor.
+  if (piece.box_shape.empty()) {
+    piece.box_shape = global_shape;
+    piece.box_offset.assign(global_shape.size(), 0);
+  }
   piece.box_shape[0] = ep.LocalExperts(global_shape[0]);
-  piece.box_offset.assign(global_shape.size(), 0);
   piece.box_offset[0] = ep.FirstExpert(global_shape[0]);
   piece.numel = 1;
   for (int64_t size : piece.box_shape) piece.numel *= size;
   return piece;
+}
+
+torch::Tensor LocalExpertShardOf(const torch::Tensor& full, const ParamShard& shard,
+                                 const ExpertParallel& ep, const TensorParallel& tp) {
+  torch::Tensor local = full;
+  if (ep.enabled()) {
+    local = local.narrow(0, ep.FirstExpert(full.size(0)), ep.LocalExperts(full.size(0)));
+  }
+  local = LocalShardOf(local, shard, tp.rank, tp.size);
+  return local.is_same(full) ? full : local.clone(at::MemoryFormat::Contiguous);
 }
 
 ExpertParallel ExpertParallelOf(const DeviceMesh& mesh) {

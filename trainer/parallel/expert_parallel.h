@@ -39,9 +39,17 @@ struct ExpertParallel {
 // router, the shared experts and any adapter tensors are not.
 bool IsExpertParameter(const std::string& name);
 
-// Where this rank's shard of an expert tensor of logical shape `global_shape` lies: one piece,
-// the local tensor whole, a box of num_experts / ep rows at row FirstExpert.
-ShardPiece ExpertShardPiece(const std::vector<int64_t>& global_shape, const ExpertParallel& ep);
+// Where this rank's shard of an expert tensor lies (`shard` holds its logical shape and its tp
+// split, ShardOfParameter's kExpertColumn / kExpertRow): one piece, the local tensor whole, a box
+// of num_experts / ep experts from FirstExpert and, with tp, this tp rank's slice of the split
+// dim (ShardPieces).
+ShardPiece ExpertShardPiece(const ParamShard& shard, const ExpertParallel& ep,
+                            const TensorParallel& tp);
+
+// This rank's shard of the whole stacked expert tensor `full` (logical shape): its ep experts,
+// then its tp slice. Contiguous, sharing no storage with `full` when anything was cut.
+torch::Tensor LocalExpertShardOf(const torch::Tensor& full, const ParamShard& shard,
+                                 const ExpertParallel& ep, const TensorParallel& tp);
 
 // This rank's expert-parallel split on the mesh (the kExpert group, coordinate and size).
 ExpertParallel ExpertParallelOf(const DeviceMesh& mesh);

@@ -124,6 +124,16 @@ struct ScatterToSequence : torch::autograd::Function<ScatterToSequence> {
   }
 };
 
+struct ScaleGradientFunction : torch::autograd::Function<ScaleGradientFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, double scale) {
+    ctx->saved_data["scale"] = scale;
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0] * ctx->saved_data["scale"].toDouble(), at::Tensor()};
+  }
+};
+
 struct VocabParallelCE : torch::autograd::Function<VocabParallelCE> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& targets, int64_t vocab_begin, int64_t valid,
@@ -166,6 +176,12 @@ struct VocabParallelCE : torch::autograd::Function<VocabParallelCE> {
   }
 };
 
+// The dim of a stacked expert tensor [experts, out, in] that tp splits: out for gate and up
+// (column), in for down (row).
+size_t ExpertSplitDim(ParamShard::Kind kind) {
+  return kind == ParamShard::Kind::kExpertColumn ? 1 : 2;
+}
+
 int64_t Product(const std::vector<int64_t>& shape, size_t from = 0) {
   int64_t n = 1;
   for (size_t i = from; i < shape.size(); ++i) n *= shape[i];
@@ -186,11 +202,17 @@ ParamShard ShardOfParameter(const std::string& name, const std::vector<int64_t>&
   } else if (absl::EndsWith(name, ".attn.q.weight") || absl::EndsWith(name, ".attn.k.weight") ||
              absl::EndsWith(name, ".attn.v.weight") || absl::EndsWith(name, ".mlp.fc.weight") ||
              absl::EndsWith(name, ".mlp.fc.bias") || absl::EndsWith(name, ".mlp.gate.weight") ||
-             absl::EndsWith(name, ".mlp.up.weight")) {
+             absl::EndsWith(name, ".mlp.up.weight") || absl::EndsWith(name, ".mlp.shared.gate") ||
+             absl::EndsWith(name, ".mlp.shared.up")) {
     shard.kind = Kind::kColumn;
   } else if (absl::EndsWith(name, ".attn.proj.weight") || absl::EndsWith(name, ".attn.o.weight") ||
-             absl::EndsWith(name, ".mlp.proj.weight") || absl::EndsWith(name, ".mlp.down.weight")) {
+             absl::EndsWith(name, ".mlp.proj.weight") || absl::EndsWith(name, ".mlp.down.weight") ||
+             absl::EndsWith(name, ".mlp.shared.down")) {
     shard.kind = Kind::kRow;
+  } else if (absl::EndsWith(name, ".mlp.experts.gate") || absl::EndsWith(name, ".mlp.experts.up")) {
+    shard.kind = Kind::kExpertColumn;
+  } else if (absl::EndsWith(name, ".mlp.experts.down")) {
+    shard.kind = Kind::kExpertRow;
   }
   return shard;
 }
@@ -215,6 +237,15 @@ std::vector<int64_t> LocalShape(const ParamShard& shard, int size) {
     case ParamShard::Kind::kVocab:
       shape[0] = VocabRowsPerRank(shape[0], size);
       break;
+    case ParamShard::Kind::kExpertColumn:
+    case ParamShard::Kind::kExpertRow: {
+      const size_t dim = ExpertSplitDim(shard.kind);
+      TORCH_CHECK(shape.size() == 3 && shape[dim] % size == 0, "expert dimension ",
+                  shape.size() == 3 ? shape[dim] : -1, " does not split into ", size,
+                  " equal parts");
+      shape[dim] /= size;
+      break;
+    }
   }
   return shape;
 }
@@ -264,6 +295,20 @@ std::vector<ShardPiece> ShardPieces(const ParamShard& shard, int rank, int size)
       pieces.push_back(std::move(piece));
       break;
     }
+    case ParamShard::Kind::kExpertColumn:
+    case ParamShard::Kind::kExpertRow: {
+      // One box: every expert's slice of the split dim, in the local tensor's own order.
+      const size_t dim = ExpertSplitDim(shard.kind);
+      const int64_t local = shape[dim] / size;
+      ShardPiece piece{.local_begin = 0,
+                       .numel = Product(shape) / size,
+                       .box_offset = zeros,
+                       .box_shape = shape};
+      piece.box_offset[dim] = rank * local;
+      piece.box_shape[dim] = local;
+      pieces.push_back(std::move(piece));
+      break;
+    }
   }
   return pieces;
 }
@@ -290,6 +335,11 @@ torch::Tensor LocalShardOf(const torch::Tensor& full, const ParamShard& shard, i
       if (rows > 0) out.narrow(0, 0, rows).copy_(full.narrow(0, rank * local_shape[0], rows));
       return out;
     }
+    case ParamShard::Kind::kExpertColumn:
+    case ParamShard::Kind::kExpertRow: {
+      const auto dim = static_cast<int64_t>(ExpertSplitDim(shard.kind));
+      return full.narrow(dim, rank * local_shape[dim], local_shape[dim]);
+    }
   }
   return full;
 }
@@ -312,6 +362,16 @@ torch::Tensor VocabParallelCrossEntropy(const torch::Tensor& logits, const torch
   TORCH_CHECK(valid >= 1, "tensor-parallel rank ", tp.rank, " holds no vocabulary rows");
   return VocabParallelCE::apply(logits.to(torch::kFloat32), targets, vocab_begin, valid,
                                 GroupHandle(tp));
+}
+
+torch::Tensor SumGradientOverTensorParallel(const torch::Tensor& x, const TensorParallel& tp) {
+  if (!tp.enabled()) return x;
+  return CopyToRegion::apply(x, GroupHandle(tp));
+}
+
+torch::Tensor ScaleGradient(const torch::Tensor& x, double scale) {
+  if (scale == 1.0) return x;
+  return ScaleGradientFunction::apply(x, scale);
 }
 
 void AllReduceSum(const c10::intrusive_ptr<c10d::ProcessGroup>& group, torch::Tensor& tensor) {

@@ -9,7 +9,12 @@
 //     attention output, MLP down/proj;
 //   vocab-parallel: token embedding and LM head rows, ceil(vocab / tp) per rank, the last rank's
 //     tail padded with zero rows that no token selects and the loss masks;
-//   replicated: norms, position embeddings, row-parallel biases.
+//   replicated: norms, position embeddings, row-parallel biases, an MoE layer's router and its
+//     shared expert's sigmoid gate;
+//   expert column/row-parallel (Megatron's expert tensor parallelism at size tp): the stacked
+//     routed-expert tensors [experts, out, in] of trainer/model/moe.h split like the dense SwiGLU,
+//     gate and up on their output dim (1), down on its input dim (2); the shared expert's
+//     gate/up/down split as the dense MLP's.
 // Without sequence parallelism a region is entered by f (identity forward, all-reduce of the
 // gradient) and left by g (all-reduce forward, identity backward); with it, activations outside
 // the regions are split along the sequence, a region is entered by an all-gather along the
@@ -40,7 +45,7 @@ struct TensorParallel {
 
 // How one parameter is split over the tp ranks.
 struct ParamShard {
-  enum class Kind { kReplicated, kColumn, kRow, kVocab };
+  enum class Kind { kReplicated, kColumn, kRow, kVocab, kExpertColumn, kExpertRow };
   Kind kind = Kind::kReplicated;
   // Column-parallel weights made of several equal blocks of rows split alike (GPT-2's qkv: 3).
   int blocks = 1;
@@ -83,6 +88,14 @@ torch::Tensor ExitTensorParallel(const torch::Tensor& x, const TensorParallel& t
 torch::Tensor VocabParallelCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
                                         int64_t vocab_begin, int64_t valid,
                                         const TensorParallel& tp);
+
+// Identity forward; in backward the gradient is summed over the tp ranks (f, applied to a
+// replicated parameter whose gradient each rank computes only a part of: an MoE layer's router
+// without sequence parallelism). Identity when tp is off.
+torch::Tensor SumGradientOverTensorParallel(const torch::Tensor& x, const TensorParallel& tp);
+
+// Identity forward; the gradient times `scale` in backward.
+torch::Tensor ScaleGradient(const torch::Tensor& x, double scale);
 
 // In-place sum over `group` (no-op when null).
 void AllReduceSum(const c10::intrusive_ptr<c10d::ProcessGroup>& group, torch::Tensor& tensor);
