@@ -121,7 +121,9 @@ def check_expert_parallel(trainer, tmp, name, config, seed, model_dir, shards, f
             f"--checkpoint_dir={ckpt}", "--export_format=hf", f"--job_id=moe-lora-{name}-ep2"]
     port = free_port()
     ranks = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
+                              # One intra-op thread each: two ranks share a small machine.
+                              env={**os.environ, "OMP_NUM_THREADS": "1",
+                                   "RANK": str(r), "WORLD_SIZE": "2",
                                    "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
              for r in range(2)]
