@@ -96,14 +96,7 @@ absl::Status CheckTrainerRuns(const v1::Layout& layout) {
 }
 
 absl::Status CheckTrainerRunsLora(const v1::Layout& layout) {
-  if (layout.expert_parallel() > 1) {
-    // Adapters on the experts would be sharded like the experts, which the engine and the PEFT
-    // export do not do yet.
-    return absl::UnimplementedError(absl::StrCat(
-        "parallelism.layout.expert_parallel: ", layout.expert_parallel(),
-        " with lora: this trainer runs LoRA with every expert on each rank; set expert_parallel "
-        "to 1"));
-  }
+  // Expert parallelism is allowed: the experts' adapters are sharded with the experts.
   if (layout.tensor_parallel() > 1 || layout.pipeline_parallel() > 1 || layout.zero_stage() > 1) {
     return absl::UnimplementedError(absl::StrCat(
         "parallelism.layout: tensor_parallel ", std::max(1, layout.tensor_parallel()),
@@ -144,6 +137,7 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
     ASSIGN_OR_RETURN(const ResolvedLora resolved, ResolveLora(spec.lora(), model.dims()));
     w.lora_rank = resolved.rank;
     w.lora_layer_parameters = resolved.parameters_per_layer;
+    w.lora_expert_layer_parameters = ExpertLoraLayerParameters(resolved);
     w.lora_base_nf4 = resolved.base_nf4;
   }
   const bool cpu = IsCpu(options.device);
@@ -218,11 +212,11 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
       limits.context_parallel_with_experts &= runnable.context_parallel_with_experts;
     }
     if (lora && options.runnable_only) {
-      // The trainer runs LoRA under data parallelism with ZeRO 0 or 1 (CheckTrainerRunsLora).
+      // The trainer runs LoRA under data (and expert) parallelism with ZeRO 0 or 1
+      // (CheckTrainerRunsLora).
       limits.max_tp = 1;
       limits.max_pp = 1;
       limits.max_cp = 1;
-      limits.max_ep = 1;
       limits.max_zero = std::min(limits.max_zero, 1);
     }
   }

@@ -46,6 +46,9 @@ struct ParameterSplit {
   // One MoE layer: the routed experts this rank holds (num_experts / ep of them), not part of
   // the counts above: their state is sharded over the dp / ep ranks that hold the same experts.
   int64_t layer_expert = 0;
+  // One MoE layer under LoRA: the adapters of the routed experts this rank holds, not part of
+  // layer_lora: like the experts, their state is sharded over the ranks holding the same experts.
+  int64_t layer_expert_lora = 0;
   // Token embedding (vocab-parallel) and, for GPT-2, learned positions (replicated).
   int64_t token_embedding = 0;
   int64_t position_embedding = 0;
@@ -86,7 +89,12 @@ ParameterSplit SplitParameters(const Workload& w, int tp, int ep) {
     p.position_embedding = int64_t{m.max_seq_len()} * d;
     p.final_norm = 2 * d;
   }
-  if (w.lora_layer_parameters > 0) p.layer_lora = CeilDiv(w.lora_layer_parameters, tp);
+  if (w.lora_layer_parameters > 0) {
+    // The experts' adapters are split over ep with their experts.
+    const int64_t experts = w.lora_expert_layer_parameters;
+    p.layer_lora = CeilDiv(w.lora_layer_parameters - experts, tp);
+    p.layer_expert_lora = experts / ep;
+  }
   // Vocab-parallel: the trainer pads the vocabulary to a multiple of tp, so each rank holds
   // ceil(v / tp) whole rows of the embedding and of the head.
   p.token_embedding = CeilDiv(v, tp) * d;
@@ -117,6 +125,10 @@ struct StageParameters {
   // LoRA freezes the base.
   int64_t experts = 0;
   int64_t layer_experts = 0;
+  // QLoRA: one layer's routed experts on this rank in NF4, bytes (0: not in NF4).
+  int64_t layer_expert_nf4_bytes = 0;
+  // LoRA: the adapters of the routed experts on this rank (trained, in float32).
+  int64_t expert_lora = 0;
   // AdamW step counters (one float32 each) of the worst dp rank. Within a unit the trainer orders
   // the trainable decay parameters (matrices, embeddings, head: dim >= 2) before the no-decay ones
   // (biases, norms), and its fused AdamW keeps one counter per contiguous run of either kind that a
@@ -158,11 +170,15 @@ StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int 
     s.layer_trainable = p.layer_lora;
     s.layer_frozen = layer_all;
     if (w.lora_base_nf4) {
-      s.layer_nf4_weights = p.layer_matmul;
+      // A mixture-of-experts layer's router and shared experts stay in float32.
+      s.layer_nf4_weights = IsMoe(w.dims) ? Nf4LayerWeights(w.dims) : p.layer_matmul;
       s.layer_nf4_bytes = Nf4LayerBytes(w.dims);
+      s.layer_expert_nf4_bytes = Nf4ExpertLayerBytes(w.dims, l.ep);
     }
     // Only the adapters train, and they are matrices: one decay run per layer, none outside.
-    s.step_counters = layers * kinds(p.layer_lora, 0);
+    // The experts' adapters form a unit of their own per layer (the engine's expert units).
+    s.step_counters = layers * (kinds(p.layer_lora, 0) + kinds(p.layer_expert_lora, 0));
+    s.expert_lora = layers * p.layer_expert_lora;
   } else {
     s.trainable = base;
     s.layer_trainable = layer_all;
@@ -174,7 +190,7 @@ StageParameters ParametersOfStage(const Workload& w, const LayoutChoice& l, int 
   s.layer_experts = p.layer_expert;
   s.experts = layers * p.layer_expert;
   if (w.lora_rank == 0) s.matmul += s.experts;
-  s.all = s.frozen + s.trainable + s.experts;
+  s.all = s.frozen + s.trainable + s.experts + s.expert_lora;
   s.rest_trainable = s.trainable - layers * s.layer_trainable;
   s.rest_frozen = s.frozen - layers * s.layer_frozen;
   return s;
@@ -437,13 +453,21 @@ std::vector<v1::MemoryEstimate> EstimateMemory(const Workload& w, const LayoutCh
       return l.zero >= from_stage ? CeilDiv(bytes, expert_dp) : bytes;
     };
     const bool experts_trained = w.lora_rank == 0;
-    const int64_t expert_weights = expert_shard((experts_trained ? 4 : e) * p.experts, 3);
+    const int64_t expert_weights =
+        p.layer_expert_nf4_bytes > 0
+            ? expert_shard(p.layers * p.layer_expert_nf4_bytes, 3)
+            : expert_shard((experts_trained ? 4 : e) * p.experts, 3);
     const int64_t expert_grads = experts_trained ? expert_shard(4 * p.experts, 2) : 0;
     const int64_t expert_optimizer = experts_trained ? expert_shard(8 * p.experts, 1) : 0;
-    mem.set_expert_state_bytes(expert_weights + expert_grads + expert_optimizer);
-    mem.set_weights_bytes(weights + expert_weights);
-    mem.set_gradients_bytes(grads + expert_grads);
-    mem.set_optimizer_bytes(optimizer + expert_optimizer);
+    // Under LoRA the experts' adapters train instead, in float32, sharded alike.
+    const int64_t expert_adapters = expert_shard(4 * p.expert_lora, 3) +
+                                    expert_shard(4 * p.expert_lora, 2) +
+                                    expert_shard(8 * p.expert_lora, 1);
+    mem.set_expert_state_bytes(expert_weights + expert_grads + expert_optimizer +
+                               expert_adapters);
+    mem.set_weights_bytes(weights + expert_weights + expert_shard(4 * p.expert_lora, 3));
+    mem.set_gradients_bytes(grads + expert_grads + expert_shard(4 * p.expert_lora, 2));
+    mem.set_optimizer_bytes(optimizer + expert_optimizer + expert_shard(8 * p.expert_lora, 1));
     mem.set_embedding_state_bytes(embedding_state);
 
     // bf16 autocast keeps a copy of every matmul weight it cast in forward until backward; with
@@ -637,7 +661,9 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& lay
   const StageParameters stage = ParametersOfStage(w, l, 0);
   const int reduce_ranks = l.dp * l.cp;
   const int expert_ranks = std::max(1, l.dp / l.ep) * l.cp;
-  const double expert_bytes = w.lora_rank == 0 ? 4.0 * static_cast<double>(stage.experts) : 0;
+  // Under LoRA the experts' adapters are what trains of them.
+  const double expert_bytes = 4.0 * static_cast<double>(w.lora_rank == 0 ? stage.experts
+                                                                          : stage.expert_lora);
   const double grad_bytes = 4.0 * static_cast<double>(stage.trainable);
   const double dp_bandwidth = DataParallelInsideNode(l, c) ? c.device.intra_node_bandwidth()
                                                            : c.device.inter_node_bandwidth();
@@ -686,7 +712,8 @@ v1::StepTimeEstimate EstimateStepTime(const Workload& w, const LayoutChoice& lay
 
   // AdamW reads weight, gradient and both moments and writes three of them back (28 bytes per
   // parameter it owns), plus the gradient-norm pass over the gradients the rank holds (4 bytes).
-  const double experts = w.lora_rank == 0 ? static_cast<double>(stage.experts) : 0;
+  const double experts =
+      static_cast<double>(w.lora_rank == 0 ? stage.experts : stage.expert_lora);
   const double trainable = static_cast<double>(stage.trainable) + experts;
   const double owned = static_cast<double>(stage.trainable) / (l.zero >= 1 ? reduce_ranks : 1) +
                        experts / (l.zero >= 1 ? expert_ranks : 1);

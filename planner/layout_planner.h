@@ -91,6 +91,9 @@ struct Workload {
   // With LoRA: adapter parameters per transformer layer (ResolvedLora::parameters_per_layer);
   // 0 means adapters on every linear layer of the block.
   int64_t lora_layer_parameters = 0;
+  // Of lora_layer_parameters, the routed experts' adapters, which expert parallelism shards like
+  // the experts (planner::ExpertLoraLayerParameters).
+  int64_t lora_expert_layer_parameters = 0;
   // With LoRA: the frozen base's block linear weights in NF4 (QLoRA; planner::Nf4LayerBytes).
   bool lora_base_nf4 = false;
   // Attention through a fused kernel that keeps O(seq) state (the trainer's

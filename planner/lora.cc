@@ -1,5 +1,6 @@
 #include "planner/lora.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -68,8 +69,38 @@ int64_t Nf4WeightBytes(int64_t numel) {
 
 int64_t Nf4LayerBytes(const v1::ModelDims& dims) {
   int64_t bytes = 0;
-  for (const LoraTarget& target : LoraCandidates(dims)) bytes += Nf4WeightBytes(target.in * target.out);
+  for (const LoraTarget& target : LoraCandidates(dims)) {
+    if (target.experts == 1) bytes += Nf4WeightBytes(target.in * target.out);
+  }
   return bytes;
+}
+
+int64_t Nf4LayerWeights(const v1::ModelDims& dims) {
+  int64_t weights = 0;
+  for (const LoraTarget& target : LoraCandidates(dims)) {
+    if (target.experts == 1) weights += target.in * target.out;
+  }
+  return weights;
+}
+
+int64_t Nf4ExpertLayerBytes(const v1::ModelDims& dims, int ep) {
+  int64_t bytes = 0;
+  for (const LoraTarget& target : LoraCandidates(dims)) {
+    // Each expert's projection is quantized on its own (trainer/model/moe_lora.h).
+    if (target.experts > 1) {
+      bytes += target.experts / std::max(ep, 1) * Nf4WeightBytes(target.in * target.out);
+    }
+  }
+  return bytes;
+}
+
+int64_t ExpertLoraLayerParameters(const ResolvedLora& lora) {
+  int64_t parameters = 0;
+  for (const LoraTarget& target : lora.targets) {
+    if (target.experts == 1) continue;
+    parameters += int64_t{lora.rank} * (target.in + target.out) * target.experts;
+  }
+  return parameters;
 }
 
 absl::StatusOr<ResolvedLora> ResolveLora(const v1::LoraSpec& spec, const v1::ModelDims& dims) {
@@ -84,11 +115,6 @@ absl::StatusOr<ResolvedLora> ResolveLora(const v1::LoraSpec& spec, const v1::Mod
                    absl::StrCat("NF4 quantizes the frozen base under LoRA adapters and needs "
                                 "lora.rank > 0, got ",
                                 spec.rank()));
-  }
-  if (out.base_nf4 && dims.num_experts() > 0) {
-    return Invalid("base_quantization",
-                   "NF4 on a mixture-of-experts model is not supported (its experts would stay in "
-                   "full precision); use LORA_BASE_QUANTIZATION_NONE");
   }
   if (spec.rank() <= 0) return Invalid("rank", absl::StrCat("must be > 0, got ", spec.rank()));
   if (!std::isfinite(spec.alpha()) || spec.alpha() < 0) {

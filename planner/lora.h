@@ -40,7 +40,8 @@ struct ResolvedLora {
   // Adapter parameters of one transformer layer: sum of rank * (in + out) * experts over the
   // targets.
   int64_t parameters_per_layer = 0;
-  // QLoRA (base_quantization NF4): every linear weight of the blocks is held in NF4.
+  // QLoRA (base_quantization NF4): every linear weight of the blocks is held in NF4 (in a
+  // mixture-of-experts block the attention and the routed experts; not the router).
   bool base_nf4 = false;
 };
 
@@ -51,8 +52,22 @@ struct ResolvedLora {
 int64_t Nf4WeightBytes(int64_t numel);
 
 // Bytes of one transformer layer's linear weights in NF4 (each weight quantized on its own), for a
-// dense model of resolved `dims`.
+// model of resolved `dims`: every block linear weight of a dense model; the attention's of a
+// mixture-of-experts model (its router and shared experts stay in float32, its routed experts are
+// Nf4ExpertLayerBytes').
 int64_t Nf4LayerBytes(const v1::ModelDims& dims);
+
+// How many weights Nf4LayerBytes covers.
+int64_t Nf4LayerWeights(const v1::ModelDims& dims);
+
+// Bytes of one mixture-of-experts layer's routed experts in NF4 on one of `ep` expert-parallel
+// ranks (num_experts / ep experts, each projection of each expert quantized on its own); 0 for a
+// dense model.
+int64_t Nf4ExpertLayerBytes(const v1::ModelDims& dims, int ep);
+
+// Of `lora`.parameters_per_layer, the routed experts' adapters (sharded over expert parallelism
+// like the experts).
+int64_t ExpertLoraLayerParameters(const ResolvedLora& lora);
 
 // Every linear layer of a block of `dims` architecture that LoRA can adapt, in the block order
 // (for a mixture-of-experts model the experts' projections, each adapter per expert; not the
@@ -60,7 +75,7 @@ int64_t Nf4LayerBytes(const v1::ModelDims& dims);
 std::vector<LoraTarget> LoraCandidates(const v1::ModelDims& dims);
 
 // INVALID_ARGUMENT naming the field ("lora.rank: must be > 0", "lora.base_quantization: ...
-// needs lora.rank > 0" for NF4 without adapters or on a mixture-of-experts model, "lora.target_modules: 'x' is not
+// needs lora.rank > 0" for NF4 without adapters, "lora.target_modules: 'x' is not
 // a linear layer of a llama block; known: q_proj, ...") for a spec that cannot be trained.
 // `dims` must be resolved (ResolveModel). An empty target list means every linear layer.
 absl::StatusOr<ResolvedLora> ResolveLora(const v1::LoraSpec& spec, const v1::ModelDims& dims);

@@ -105,7 +105,7 @@ TEST(LoraTest, BadSpecsNameTheField) {
                                  "Llama block; known: q_proj")));
 }
 
-TEST(LoraTest, Nf4BaseNeedsAdaptersAndADenseModel) {
+TEST(LoraTest, Nf4BaseNeedsAdapters) {
   const v1::ModelDims llama = Dims("tiny-llama");
   v1::LoraSpec spec;
   spec.set_base_quantization(v1::LORA_BASE_QUANTIZATION_NF4);
@@ -126,9 +126,67 @@ TEST(LoraTest, Nf4BaseNeedsAdaptersAndADenseModel) {
   moe.set_num_experts(4);
   moe.set_num_experts_per_token(2);
   moe.set_moe_intermediate_size(llama.ffn_hidden_size());
-  EXPECT_THAT(ResolveLora(spec, moe),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("lora.base_quantization: NF4 on a mixture-of-experts model")));
+  // The experts are quantized too (each expert's projections on their own).
+  auto moe_lora = ResolveLora(spec, moe);
+  ASSERT_THAT(moe_lora, IsOk());
+  EXPECT_TRUE(moe_lora->base_nf4);
+  EXPECT_EQ(Nf4ExpertLayerBytes(moe, 2),
+            2 * 3 * Nf4WeightBytes(llama.hidden_size() * llama.ffn_hidden_size()));
+  EXPECT_EQ(Nf4ExpertLayerBytes(llama, 1), 0);
+}
+
+// qwen3-30b-a3b under QLoRA at dp8 x ep8: each rank holds 16 of the 128 experts of each layer, in
+// NF4 (4.127 bits a weight instead of bf16's 16), and 1/8 of the experts' adapters.
+TEST(LoraTest, PlannerCountsNf4ExpertsAndShardedExpertAdapters) {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_preset("qwen3-30b-a3b");
+  spec.mutable_data()->set_seq_len(2048);
+  spec.mutable_batch()->set_global_batch_size(16);
+  spec.mutable_batch()->set_micro_batch_size(1);
+  spec.set_precision(v1::PRECISION_BF16);
+  spec.mutable_resources()->set_gpus(8);
+  spec.mutable_lora()->set_rank(8);
+  v1::Layout* layout = spec.mutable_parallelism()->mutable_layout();
+  layout->set_data_parallel(8);
+  layout->set_expert_parallel(8);
+  layout->set_zero_stage(1);
+  JobPlanOptions options;
+  options.device = *DevicePreset("h200");
+  options.devices_per_node = 8;
+  auto lora = PlanJobSpec(spec, options);
+  ASSERT_THAT(lora, IsOk());
+  spec.mutable_lora()->set_base_quantization(v1::LORA_BASE_QUANTIZATION_NF4);
+  auto qlora = PlanJobSpec(spec, options);
+  ASSERT_THAT(qlora, IsOk());
+  const v1::ModelDims dims = Dims("qwen3-30b-a3b");
+  const int64_t layers = dims.num_layers(), d = dims.hidden_size();
+  const int64_t w = dims.moe_intermediate_size(), local = dims.num_experts() / 8;
+  auto resolved = ResolveLora(spec.lora(), dims);
+  ASSERT_THAT(resolved, IsOk());
+  const int64_t expert_adapters = ExpertLoraLayerParameters(*resolved);
+  EXPECT_EQ(expert_adapters, int64_t{8} * 3 * (d + w) * dims.num_experts());
+  // The routed experts' frozen state (bf16 under LoRA, NF4 under QLoRA) and their adapters' 1/8
+  // (float32 weight, gradient and two moments, over edp 1).
+  const int64_t adapter_state = 16 * layers * expert_adapters / 8;
+  EXPECT_EQ(lora->plan.memory().expert_state_bytes(),
+            layers * local * 3 * d * w * 2 + adapter_state);
+  EXPECT_EQ(qlora->plan.memory().expert_state_bytes(),
+            layers * local * 3 * Nf4WeightBytes(d * w) + adapter_state);
+  // The attention's weights go to NF4 as well; the router stays in bf16.
+  int64_t attention = 0;
+  for (const LoraTarget& t : LoraCandidates(dims)) {
+    if (t.experts == 1) attention += t.in * t.out;
+  }
+  EXPECT_EQ(Nf4LayerWeights(dims), attention);
+  EXPECT_EQ(lora->plan.memory().weights_bytes() - qlora->plan.memory().weights_bytes(),
+            layers * (2 * attention - Nf4LayerBytes(dims)) +
+                layers * (local * 3 * d * w * 2 - local * 3 * Nf4WeightBytes(d * w)));
+  // AdamW's moments: ZeRO 1 splits the attention's adapters over dp 8; this rank's experts'
+  // adapters (1/8 of them) are its alone (edp 1). Plus a step counter or two per unit.
+  const int64_t dense_adapters = resolved->parameters_per_layer - expert_adapters;
+  const int64_t moments = layers * 8 * (dense_adapters / 8 + expert_adapters / 8);
+  EXPECT_GE(lora->plan.memory().optimizer_bytes(), moments);
+  EXPECT_LT(lora->plan.memory().optimizer_bytes(), moments + 1024 * layers);
 }
 
 TEST(LoraTest, Nf4BytesAreFourBitsPlusDoubleQuantizedScales) {
@@ -213,10 +271,13 @@ TEST(LoraTest, PlannerCountsOnlyTheTargetedAdaptersAndRunsDataParallel) {
   layout.set_tensor_parallel(1);
   layout.set_zero_stage(1);
   EXPECT_THAT(CheckTrainerRunsLora(layout), IsOk());
+  // The experts' adapters are sharded with the experts.
   layout.set_expert_parallel(2);
+  EXPECT_THAT(CheckTrainerRunsLora(layout), IsOk());
+  layout.set_pipeline_parallel(2);
   EXPECT_THAT(CheckTrainerRunsLora(layout),
               StatusIs(absl::StatusCode::kUnimplemented,
-                       HasSubstr("parallelism.layout.expert_parallel: 2 with lora")));
+                       HasSubstr("this trainer runs LoRA under data parallelism alone")));
 }
 
 }  // namespace

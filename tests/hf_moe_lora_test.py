@@ -14,7 +14,9 @@ up_proj / down_proj; Mixtral's w1 / w3 / w2) and on q_proj, with --export_format
   * peft.PeftModel.from_pretrained loads the adapter onto the transformers base and its logits
     equal the trainer's own (--lora_adapter --logits_out) to 1e-4 and differ from the base's;
   * the merged export (export/hf-merged) loads in transformers with the same logits.
-LoRA on the router is refused, naming lora.target_modules.
+The first model is fine-tuned again as two processes at expert_parallel 2: the PEFT export,
+gathered from both ranks' experts, holds every expert's trained A and B and loads in PEFT with the
+trainer's logits. LoRA on the router is refused, naming lora.target_modules.
 
 Exit code 77 (ctest's skip) when transformers or peft is not installed. No downloads.
 """
@@ -23,6 +25,8 @@ import argparse
 import glob
 import json
 import os
+import socket
+import subprocess
 import sys
 import tempfile
 
@@ -99,6 +103,54 @@ def check_model(trainer, tmp, name, config, seed, shards, failures):
     return model_dir
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_expert_parallel(trainer, tmp, name, config, seed, model_dir, shards, failures):
+    """The same fine-tuning as two processes at expert_parallel 2, each holding half the experts
+    and their adapters: the job's PEFT export, gathered from both ranks, still holds an A and a B
+    for every expert (each trained), and PEFT's logits with it equal the trainer's."""
+    block, projections, targets = CASES[name]
+    ckpt = os.path.join(tmp, f"{name}_ep2_ckpt")
+    args = [trainer, f"--init_from={model_dir}", f"--data={shards}", "--steps=8", "--seq_len=64",
+            "--global_batch=4", "--micro_batch=2", "--lr=5e-3", "--warmup=1", "--lora_rank=4",
+            "--lora_alpha=16", "--lora_targets=" + ",".join(targets), "--expert_parallel=2",
+            f"--checkpoint_dir={ckpt}", "--export_format=hf", f"--job_id=moe-lora-{name}-ep2"]
+    port = free_port()
+    ranks = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              # One intra-op thread each: two ranks share a small machine.
+                              env={**os.environ, "OMP_NUM_THREADS": "1",
+                                   "RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(2)]
+    for r, process in enumerate(ranks):
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, f"ep2 rank {r} failed:\n{err}"
+    adapter = os.path.join(ckpt, "export", "hf")
+    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    missing, untrained = [], []
+    for layer in range(config.num_hidden_layers):
+        for expert in range(config.num_local_experts if name == "mixtral" else config.num_experts):
+            for projection in projections:
+                stem = (f"base_model.model.model.layers.{layer}.{block}.experts.{expert}."
+                        f"{projection}")
+                missing += [m for m in ("lora_A", "lora_B") if f"{stem}.{m}.weight" not in tensors]
+                if f"{stem}.lora_B.weight" in tensors and \
+                        not tensors[f"{stem}.lora_B.weight"].abs().max().item() > 0:
+                    untrained.append(stem)
+    print(f"{name} at expert_parallel 2: {len([n for n in tensors if '.experts.' in n])} expert "
+          f"adapter tensors gathered from 2 ranks; missing {len(missing)}, untrained "
+          f"{len(untrained)}")
+    if missing or untrained:
+        failures.append(f"{name} ep2: adapters missing {missing[:4]} or untrained {untrained[:4]}")
+    check_peft_logits(trainer, tmp, f"{name}_ep2", make_model(config, seed), model_dir, adapter,
+                      failures)
+
+
 def check_refusal(trainer, model_dir, shards):
     result = run(trainer, f"--init_from={model_dir}", f"--data={shards}", "--seq_len=64",
                  "--global_batch=4", "--micro_batch=2", "--steps=1", "--lora_rank=4",
@@ -121,6 +173,8 @@ def main():
         shards = os.path.join(data, "train-*.bin")
         dirs = [check_model(args.trainer, tmp, name, config, seed, shards, failures)
                 for seed, (name, config) in enumerate(tiny_moe_configs().items(), start=20)]
+        name, config = next(iter(tiny_moe_configs().items()))
+        check_expert_parallel(args.trainer, tmp, name, config, 20, dirs[0], shards, failures)
         check_refusal(args.trainer, dirs[0], shards)
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))

@@ -18,7 +18,7 @@ void BroadcastFromFirstDataRank(CausalLMImpl& model, const DeviceMesh& mesh) {
     // Frozen weights (LoRA's base) are the same everywhere: loaded from one source or drawn
     // from one seed.
     if (!item.value().requires_grad()) continue;
-    const auto& group = mesh.group(expert_parallel && IsExpertParameter(item.key())
+    const auto& group = mesh.group(expert_parallel && IsExpertShardedParameter(item.key())
                                        ? MeshDim::kExpertData
                                        : MeshDim::kDataContext);
     if (!group) continue;

@@ -137,8 +137,9 @@ void ShardedEngine::BuildUnits() {
     entry.saved = !tied_copy && (!entry.replicated || options_.tp.rank == 0);
     entry.norm_share = tied_copy ? 0.0 : (entry.replicated ? 1.0 / tp : 1.0);
     int unit = UnitOf(item.key(), *model_);
-    if (expert_units && IsExpertParameter(item.key())) {
-      // The experts' own unit; their elements are a box of the logical tensor.
+    if (expert_units && IsExpertShardedParameter(item.key())) {
+      // The experts' own unit (their LoRA adapters' too); their elements are a box of the
+      // logical tensor.
       unit += layers;
       entry.pieces = {ExpertShardPiece(shard, options_.ep, options_.tp)};
     }

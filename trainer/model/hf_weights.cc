@@ -459,22 +459,50 @@ LoraOptions LoraOptionsOf(const planner::ResolvedLora& lora) {
   return options;
 }
 
+absl::StatusOr<LoraAdapterValues> GatherLoraAdapters(CausalLMImpl& model) {
+  LoraAdapterValues values;
+  try {
+    torch::NoGradGuard no_grad;
+    // named_parameters' order is the same on every rank, so the ep ranks gather alike.
+    for (const auto& item : model.named_parameters()) {
+      if (!IsLoraParameter(item.key())) continue;
+      torch::Tensor value = item.value().detach();
+      if (IsExpertLoraParameter(item.key())) {
+        value = GatherExpertShards(value, model.partition().ep);
+      }
+      values.emplace(item.key(), value.to(torch::kCPU, torch::kFloat32));
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        absl::StrCat("gathering the LoRA adapters: LibTorch: ", e.what_without_backtrace()));
+  }
+  return values;
+}
+
 absl::Status ExportPeftAdapter(CausalLMImpl& model, const planner::ResolvedLora& lora,
-                               const std::string& dir, const std::string& base_model) {
+                               const std::string& dir, const std::string& base_model,
+                               const LoraAdapterValues* gathered) {
   if (model.lora().rank == 0) {
     return absl::FailedPreconditionError("PEFT export: the model has no LoRA adapters");
+  }
+  LoraAdapterValues own;
+  if (gathered == nullptr) {
+    if (model.partition().ep.enabled()) {
+      return absl::FailedPreconditionError(
+          "PEFT export: this rank holds only its experts' adapters; pass GatherLoraAdapters'");
+    }
+    ASSIGN_OR_RETURN(own, GatherLoraAdapters(model));
+    gathered = &own;
   }
   RETURN_IF_ERROR(MakeDirectory(dir));
   HostTensors tensors;
   try {
     torch::NoGradGuard no_grad;
-    for (const auto& item : model.named_parameters()) {
-      if (!IsLoraParameter(item.key())) continue;
-      std::optional<HfName> peft = PeftNameOf(item.key(), model.dims(), item.value().size(0));
+    for (const auto& [name, value] : *gathered) {
+      std::optional<HfName> peft = PeftNameOf(name, model.dims(), value.size(0));
       if (!peft.has_value()) {
-        return absl::InternalError(absl::StrCat("adapter '", item.key(), "' has no PEFT name"));
+        return absl::InternalError(absl::StrCat("adapter '", name, "' has no PEFT name"));
       }
-      torch::Tensor value = item.value().detach().to(torch::kCPU, torch::kFloat32);
       if (peft->stacked.empty()) {
         tensors.Add(peft->name, value);
         continue;
@@ -557,9 +585,18 @@ absl::Status LoadPeftAdapterWeights(CausalLMImpl& model, const std::string& dir)
     torch::NoGradGuard no_grad;
     for (const auto& item : model.named_parameters()) {
       if (!IsLoraParameter(item.key())) continue;
-      std::optional<HfName> peft = PeftNameOf(item.key(), model.dims(), item.value().size(0));
+      // Under expert parallelism an expert adapter holds this rank's rows of every expert's.
+      const ExpertParallel& ep = model.partition().ep;
+      const bool sharded = ep.enabled() && IsExpertLoraParameter(item.key());
+      const int64_t rows = item.value().size(0) * (sharded ? ep.size : 1);
+      std::optional<HfName> peft = PeftNameOf(item.key(), model.dims(), rows);
       if (!peft.has_value()) {
         return absl::InternalError(absl::StrCat("adapter '", item.key(), "' has no PEFT name"));
+      }
+      if (sharded) {
+        const int64_t first = ep.FirstExpert(rows), local = ep.LocalExperts(rows);
+        peft->stacked = std::vector<std::string>(peft->stacked.begin() + first,
+                                                 peft->stacked.begin() + first + local);
       }
       std::vector<std::string> names = peft->stacked;
       if (names.empty()) names.push_back(peft->name);

@@ -10,6 +10,7 @@
 // errors are caught here and returned as statuses.
 #pragma once
 
+#include <map>
 #include <string>
 
 #include "absl/status/status.h"
@@ -49,21 +50,32 @@ inline constexpr char kPeftWeightsFileName[] = "adapter_model.safetensors";
 // Options for a model with LoRA adapters (CausalLMImpl::AddLora) from a resolved spec.
 LoraOptions LoraOptionsOf(const planner::ResolvedLora& lora);
 
-// Writes the LoRA adapters of `model` (whole on this rank) to `dir` in PEFT's layout:
+// Every LoRA adapter of `model` by its Tessera name, each the whole logical tensor on the CPU in
+// float32: an expert adapter sharded over expert parallelism is all-gathered over the ep group
+// (GatherExpertShards), so with ep > 1 every rank of the model's ep group must call this at the
+// same point (a collective); without ep it only copies. INTERNAL for LibTorch's errors.
+using LoraAdapterValues = std::map<std::string, torch::Tensor>;
+absl::StatusOr<LoraAdapterValues> GatherLoraAdapters(CausalLMImpl& model);
+
+// Writes the LoRA adapters of `model` (`gathered` from GatherLoraAdapters, or, when null, the
+// model's own, which must then be whole on this rank: FAILED_PRECONDITION under expert
+// parallelism) to `dir` in PEFT's layout:
 // adapter_config.json (peft_type LORA, task_type CAUSAL_LM, r, lora_alpha, lora_dropout,
 // target_modules, base_model_name_or_path = `base_model`) and adapter_model.safetensors with
 // PEFT's names ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", float32), which
 // peft.PeftModel.from_pretrained loads onto the base model. FAILED_PRECONDITION when the model
 // has no adapters; INTERNAL naming the file when it cannot be written.
 absl::Status ExportPeftAdapter(CausalLMImpl& model, const planner::ResolvedLora& lora,
-                               const std::string& dir, const std::string& base_model);
+                               const std::string& dir, const std::string& base_model,
+                               const LoraAdapterValues* gathered = nullptr);
 
 // The LoraSpec of a PEFT adapter directory's adapter_config.json (LoRA only: r, lora_alpha,
 // lora_dropout, target_modules). NOT_FOUND / INVALID_ARGUMENT naming the file and field.
 absl::StatusOr<v1::LoraSpec> ReadPeftAdapterConfig(const std::string& dir);
 
 // Copies a PEFT adapter directory's adapter_model.safetensors into `model`'s adapters (added
-// with AddLora from ReadPeftAdapterConfig's spec). INVALID_ARGUMENT naming the file and tensor
+// with AddLora from ReadPeftAdapterConfig's spec); under expert parallelism each rank takes its
+// experts' adapters. INVALID_ARGUMENT naming the file and tensor
 // when one is missing or has another shape.
 absl::Status LoadPeftAdapterWeights(CausalLMImpl& model, const std::string& dir);
 

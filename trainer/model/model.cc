@@ -494,12 +494,24 @@ void CausalLMImpl::AddLora(const LoraOptions& options) {
     if (!IsLoraParameter(name)) continue;
     torch::Tensor param = item.value();
     shards_[name] = ParamShard{.global_shape = param.sizes().vec()};
+    // An expert adapter is this ep rank's rows of the logical [num_experts, ...] stack.
+    const bool sharded = IsExpertLoraParameter(name) && partition_.ep.enabled();
+    if (sharded) shards_[name].global_shape[0] *= partition_.ep.size;
     if (absl::EndsWith(name, ".lora_b")) continue;  // zero: the model starts as the base
     // PEFT's kaiming_uniform(a=sqrt(5)) bound over the input width (the last dim; an MoE layer's
-    // adapters are stacked [experts, rank, in]).
+    // adapters are stacked [experts, rank, in]). Drawn whole and sliced, so that every ep split
+    // starts from the same adapters.
     const double bound = 1.0 / std::sqrt(static_cast<double>(param.size(-1)));
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(init_seed_ ^ NameHash(name));
-    param.uniform_(-bound, bound, generator);
+    if (!sharded) {
+      param.uniform_(-bound, bound, generator);
+      continue;
+    }
+    const int64_t experts = shards_[name].global_shape[0];
+    torch::Tensor full = torch::empty(shards_[name].global_shape, param.options());
+    full.uniform_(-bound, bound, generator);
+    param.copy_(full.narrow(0, partition_.ep.FirstExpert(experts),
+                            partition_.ep.LocalExperts(experts)));
   }
 }
 

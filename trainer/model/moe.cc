@@ -174,7 +174,7 @@ torch::Tensor MoeLayerImpl::GroupedExperts(const torch::Tensor& rows,
   for (size_t e = 0; e < groups.size(); ++e) {
     if (sizes[e] == 0) continue;  // its weights get a zero gradient through the others' slices
     const auto i = static_cast<int64_t>(e);
-    outputs.push_back(expert_lora_.enabled()
+    outputs.push_back(expert_lora_.enabled() || expert_lora_.nf4()
                           ? ExpertSwiGluWithLora(groups[e], i, gate, up, down, expert_lora_,
                                                  is_training())
                           : SwiGlu(groups[e], gate[i], up[i], down[i]));
@@ -182,7 +182,7 @@ torch::Tensor MoeLayerImpl::GroupedExperts(const torch::Tensor& rows,
   // No rows at all (an ep rank whose experts no token chose): an empty product still ties the
   // weights into the graph, so that their gradient is a defined zero like the other ranks'.
   if (outputs.empty()) {
-    return expert_lora_.enabled()
+    return expert_lora_.enabled() || expert_lora_.nf4()
                ? ExpertSwiGluWithLora(rows, 0, gate, up, down, expert_lora_, is_training())
                : SwiGlu(rows, gate[0], up[0], down[0]);
   }
@@ -256,8 +256,44 @@ torch::Tensor MoeLayerImpl::RoutedExperts(const torch::Tensor& tokens, const Moe
 
 void MoeLayerImpl::AddLora(int rank, double scale, double dropout,
                            const std::set<std::string>& targets) {
-  expert_lora_ = AttachMoeExpertLora(*named_children()["experts"], expert_gate_, expert_up_,
-                                     expert_down_, rank, scale, dropout, targets);
+  MoeExpertLora lora = AttachMoeExpertLora(*named_children()["experts"], expert_gate_, expert_up_,
+                                           expert_down_, rank, scale, dropout, targets);
+  // The NF4 base QuantizeExpertsNf4 made stays.
+  lora.gate_nf4 = std::move(expert_lora_.gate_nf4);
+  lora.up_nf4 = std::move(expert_lora_.up_nf4);
+  lora.down_nf4 = std::move(expert_lora_.down_nf4);
+  expert_lora_ = std::move(lora);
+}
+
+void MoeLayerImpl::QuantizeExpertsNf4(const std::string& projection, const torch::Tensor& value) {
+  torch::Tensor* weight = projection == "gate" ? &expert_gate_
+                          : projection == "up" ? &expert_up_
+                          : projection == "down" ? &expert_down_
+                                                 : nullptr;
+  TORCH_CHECK(weight != nullptr, "no expert projection '", projection, "'");
+  TORCH_CHECK(value.sizes() == weight->sizes(), "NF4 value ", value.sizes(), " for experts.",
+              projection, " of ", weight->sizes());
+  // A module cannot drop a parameter, so "experts" is rebuilt without this one: the same
+  // tensors and children otherwise, plus a child holding the projection's NF4 state.
+  std::shared_ptr<torch::nn::Module> old = named_children()["experts"];
+  auto experts = std::make_shared<torch::nn::Module>();
+  for (const auto& item : old->named_parameters(/*recurse=*/false)) {
+    if (item.key() != projection) {
+      experts->register_parameter(item.key(), item.value(), item.value().requires_grad());
+    }
+  }
+  for (const auto& child : old->named_children()) {
+    experts->register_module(child.key(), child.value());
+  }
+  auto holder = experts->register_module(projection, std::make_shared<torch::nn::Module>());
+  StackedNf4Weight nf4 = QuantizeStackedNf4(*holder, value);
+  replace_module("experts", experts);
+  // The float weight leaves the module; a meta tensor keeps its shape for the adapters.
+  *weight =
+      torch::empty(weight->sizes(), torch::TensorOptions(torch::kFloat32).device(torch::kMeta));
+  (projection == "gate" ? expert_lora_.gate_nf4
+   : projection == "up" ? expert_lora_.up_nf4
+                        : expert_lora_.down_nf4) = std::move(nf4);
 }
 
 torch::Tensor MoeLayerImpl::SharedExperts(const torch::Tensor& tokens) const {

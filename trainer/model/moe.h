@@ -160,6 +160,11 @@ class MoeLayerImpl : public torch::nn::Module {
   // Per-expert LoRA adapters on the expert projections `targets` names (moe_lora.h).
   void AddLora(int rank, double scale, double dropout, const std::set<std::string>& targets);
 
+  // QLoRA: holds the stacked expert weight `projection` ("gate", "up" or "down") in NF4 from
+  // `value` (this rank's experts, the parameter's shape), expert by expert (QuantizeStackedNf4);
+  // the float parameter leaves the module. Call before AddLora.
+  void QuantizeExpertsNf4(const std::string& projection, const torch::Tensor& value);
+
  private:
   // sum over each token's slots of weight * expert(token), [T, hidden]; counts [num_experts].
   torch::Tensor RoutedExperts(const torch::Tensor& tokens, const MoeRouting& routing,

@@ -1,6 +1,7 @@
 // Per-expert LoRA on MoeLayerImpl: the adapters' shapes and names, the layer's output against the
 // same layer with each expert's adapted weights merged (W_e + scale B_e A_e, computed another
-// way), and that only the adapters receive gradients once the base is frozen.
+// way), that only the adapters receive gradients once the base is frozen, and QLoRA's experts in
+// NF4 against their dequantized weights.
 #include "trainer/model/moe_lora.h"
 
 #include <gmock/gmock.h>
@@ -9,8 +10,10 @@
 #include <set>
 #include <string>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "trainer/model/moe.h"
+#include "trainer/model/nf4.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -116,6 +119,85 @@ TEST(MoeLoraTest, OnlyTheAdaptersTrainWhenTheBaseIsFrozen) {
       }
     }
   }
+}
+
+// QLoRA on the experts: the layer with its stacked expert weights in NF4 computes, in forward and
+// backward, what the same layer computes with each expert's weight replaced by its dequantized
+// NF4 value (quantized expert by expert here, another way than the layer's stacked path).
+TEST(MoeLoraTest, Nf4ExpertsComputeWithTheirDequantizedWeights) {
+  MoeOptions options = SmallOptions();
+  options.hidden_size = 16;
+  options.expert_intermediate_size = 12;  // 192 values an expert: three 64-value blocks
+  torch::manual_seed(4);
+  MoeLayer quantized(options);
+  torch::manual_seed(4);
+  MoeLayer reference(options);
+  torch::manual_seed(4);
+  MoeLayer original(options);
+  auto reference_params = reference->named_parameters();
+  {
+    torch::NoGradGuard no_grad;
+    for (const std::string name : {"gate", "up", "down"}) {
+      torch::Tensor stacked = reference_params["experts." + name];
+      quantized->QuantizeExpertsNf4(name, stacked.clone());
+      for (int64_t e = 0; e < options.num_experts; ++e) {
+        absl::StatusOr<Nf4Tensor> expert = QuantizeNf4(stacked[e]);
+        ASSERT_TRUE(expert.ok()) << expert.status();
+        stacked[e].copy_(DequantizeNf4(*expert));
+      }
+    }
+  }
+  auto params = quantized->named_parameters();
+  EXPECT_FALSE(params.contains("experts.gate"));
+  ASSERT_TRUE(params.contains("experts.down.weight_nf4_codes"));
+  // 4 experts of 192 values, two to a byte; one 8-bit absmax per block.
+  EXPECT_EQ(params["experts.down.weight_nf4_codes"].sizes(), (std::vector<int64_t>{4, 96}));
+  EXPECT_EQ(params["experts.down.weight_nf4_absmax_codes"].sizes(), (std::vector<int64_t>{4, 3}));
+  EXPECT_FALSE(params["experts.down.weight_nf4_codes"].requires_grad());
+
+  quantized->AddLora(3, 1.5, 0, kAllExperts);
+  reference->AddLora(3, 1.5, 0, kAllExperts);
+  params = quantized->named_parameters();
+  reference_params = reference->named_parameters();
+  EXPECT_EQ(params["experts.gate.lora_a"].sizes(), (std::vector<int64_t>{4, 3, 16}));
+  EXPECT_EQ(params["experts.gate.lora_a"].device().type(), torch::kCPU);
+  {
+    torch::NoGradGuard no_grad;
+    for (const std::string name : {"gate", "up", "down"}) {
+      for (const char* matrix : {".lora_a", ".lora_b"}) {
+        const std::string key = "experts." + name + matrix;
+        params[key].normal_(0, 0.3);
+        reference_params[key].copy_(params[key]);
+      }
+    }
+  }
+  for (const auto& item : params) {
+    if (absl::StrContains(item.key(), ".lora_")) item.value().requires_grad_(true);
+  }
+  const torch::Tensor x = torch::randn({64, 16});
+  const torch::Tensor x_quantized = x.clone().requires_grad_(true);
+  const torch::Tensor x_reference = x.clone().requires_grad_(true);
+  const torch::Tensor ours = quantized->forward(x_quantized).output;
+  const torch::Tensor expected = reference->forward(x_reference).output;
+  EXPECT_TRUE(torch::allclose(ours, expected, 1e-5, 1e-5));
+  ours.pow(2).sum().backward();
+  expected.pow(2).sum().backward();
+  EXPECT_TRUE(torch::allclose(x_quantized.grad(), x_reference.grad(), 1e-4, 1e-5));
+  for (const std::string name : {"gate", "up", "down"}) {
+    const std::string key = "experts." + name + ".lora_b";
+    EXPECT_TRUE(torch::allclose(params[key].grad(), reference_params[key].grad(), 1e-4, 1e-5))
+        << key;
+  }
+  // The quantization is in effect: the unquantized experts compute something else.
+  original->AddLora(3, 1.5, 0, kAllExperts);
+  auto original_params = original->named_parameters();
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& item : params) {
+      if (absl::StrContains(item.key(), ".lora_")) original_params[item.key()].copy_(item.value());
+    }
+  }
+  EXPECT_FALSE(torch::allclose(ours, original->forward(x).output, 1e-4, 1e-4));
 }
 
 TEST(MoeLoraTest, RouterTargetsAreRefused) {

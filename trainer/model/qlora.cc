@@ -76,17 +76,19 @@ torch::Tensor DenseImpl::Nf4Forward(const torch::Tensor& x) {
 }
 
 absl::Status MaterializeNf4Base(CausalLMImpl& model, const ParameterValues& values) {
-  if (model.storage() != ParameterStorage::kDeferred || model.partition().tp.enabled() ||
-      model.dims().num_experts() > 0) {
+  if (model.storage() != ParameterStorage::kDeferred || model.partition().tp.enabled()) {
     return absl::FailedPreconditionError(
-        "an NF4 base is built from a kDeferred dense model without tensor parallelism");
+        "an NF4 base is built from a kDeferred model without tensor parallelism");
   }
   try {
     torch::NoGradGuard no_grad;
     std::map<std::string, std::shared_ptr<DenseImpl>> dense;
+    std::map<std::string, std::shared_ptr<MoeLayerImpl>> moe;
     for (const auto& item : model.named_modules()) {
       if (auto linear = std::dynamic_pointer_cast<DenseImpl>(item.value())) {
         dense.emplace(item.key(), std::move(linear));
+      } else if (auto layer = std::dynamic_pointer_cast<MoeLayerImpl>(item.value())) {
+        moe.emplace(item.key(), std::move(layer));
       }
     }
     // A copy of the list: quantizing replaces parameters.
@@ -94,6 +96,16 @@ absl::Status MaterializeNf4Base(CausalLMImpl& model, const ParameterValues& valu
     for (const auto& item : params) {
       const std::string& name = item.key();
       ASSIGN_OR_RETURN(torch::Tensor value, values(name));
+      if (IsExpertParameter(name)) {
+        // "layers.N.mlp.experts.gate": this rank's experts of the layer "layers.N.mlp", each
+        // quantized on its own.
+        const size_t experts = name.rfind(".experts.");
+        auto it = moe.find(name.substr(0, experts));
+        if (it == moe.end()) return absl::InternalError(absl::StrCat("no MoE layer of ", name));
+        it->second->QuantizeExpertsNf4(name.substr(experts + std::string(".experts.").size()),
+                                       value.to(torch::kCPU, torch::kFloat32));
+        continue;
+      }
       if (IsNf4QuantizedWeight(name)) {
         auto it = dense.find(name.substr(0, name.size() - std::string(".weight").size()));
         if (it == dense.end()) return absl::InternalError(absl::StrCat("no linear layer of ", name));

@@ -2,10 +2,14 @@
 // linear layers of every transformer block (attention and MLP projections; not the embeddings,
 // norms, biases or the LM head, as QLoRA keeps them) hold their weights in NF4 with double
 // quantization (nf4.h), dequantized on the fly in forward and again in backward; the LoRA
-// adapters above them train in the job's precision. The base is quantized one tensor at a time as
-// its values are read (Hugging Face files or the seeded initialisation), so its full-precision
-// weights are never resident at once, and the same values always give the same NF4 state: a
-// resumed job rebuilds an identical base (its checkpoints hold only the adapters).
+// adapters above them train in the job's precision. In a mixture-of-experts block the routed
+// experts' stacked weights are quantized expert by expert (each its own 64-value blocks, as a
+// dense weight; moe_lora.h QuantizeStackedNf4); the router and any shared experts stay in float32
+// (the router is small, and rounding it could change which experts tokens pick). The base is
+// quantized one tensor at a time as its values are read (Hugging Face files or the seeded
+// initialisation), so its full-precision weights are never resident at once, and the same values
+// always give the same NF4 state: a resumed job rebuilds an identical base (its checkpoints hold
+// only the adapters).
 //
 // Thread safety: plain functions over a model that one thread builds.
 #pragma once
@@ -26,9 +30,10 @@ bool IsNf4Parameter(const std::string& name);
 // ("layers.N.attn.q.weight", "layers.N.mlp.fc.weight"; not the norms' weights).
 bool IsNf4QuantizedWeight(const std::string& name);
 
-// Gives every parameter of `model` (built ParameterStorage::kDeferred, no tensor parallelism, no
-// mixture of experts) its value from `values`, one parameter at a time: a block linear weight
-// goes straight into NF4 (its float32 value freed before the next is read), every other
+// Gives every parameter of `model` (built ParameterStorage::kDeferred, no tensor parallelism) its
+// value from `values`, one parameter at a time: a block linear weight or a stacked expert weight
+// (this rank's experts under expert parallelism) goes straight into NF4 (its float32 value freed
+// before the next is read), every other
 // parameter is kept in float32 on the CPU. The model is kInitialized afterwards, ready for
 // AddLora. FAILED_PRECONDITION for a model that is not so built; `values`' errors pass through;
 // LibTorch's errors become INTERNAL.

@@ -39,7 +39,8 @@ absl::StatusOr<std::vector<std::string>> WriteFinalHfExport(const FinalExportInp
   RETURN_IF_ERROR(ClearDirectory(dir));
   try {
     if (inputs.lora != nullptr) {
-      RETURN_IF_ERROR(ExportPeftAdapter(*inputs.model, *inputs.lora, dir, source));
+      RETURN_IF_ERROR(
+          ExportPeftAdapter(*inputs.model, *inputs.lora, dir, source, inputs.lora_adapters));
       RETURN_IF_ERROR(CopyHfSourceFiles(source, dir));
       written.push_back(dir);
       if (spec.checkpoint().export_merged()) {

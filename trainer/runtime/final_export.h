@@ -10,7 +10,8 @@
 // which FinalExportNeedsTesseraFile asks the checkpointer for), so every layout exports: no rank
 // need hold the whole model. That costs rank 0 one float32 copy of the model in host memory while
 // it writes. With LoRA the base is replicated (planner::CheckTrainerRunsLora) and rank 0's model is
-// written directly.
+// written directly; under expert parallelism its adapters come gathered from every ep rank, and
+// the merged export (which would need every expert's base weights) is refused at submission.
 #pragma once
 
 #include <string>
@@ -20,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "planner/lora.h"
 #include "tessera/v1/trainer.pb.h"
+#include "trainer/model/hf_weights.h"
 #include "trainer/model/model.h"
 
 namespace tessera::trainer {
@@ -43,6 +45,9 @@ struct FinalExportInputs {
   // Rank 0's model and, with LoRA, its resolved spec.
   CausalLMImpl* model = nullptr;
   const planner::ResolvedLora* lora = nullptr;
+  // With LoRA, every adapter whole (GatherLoraAdapters, which every rank joined); null: rank 0's
+  // model's own, whole only without expert parallelism.
+  const LoraAdapterValues* lora_adapters = nullptr;
 };
 
 // Writes the directories above for a task whose spec asks for EXPORT_FORMAT_HF (OK and nothing

@@ -525,12 +525,17 @@ absl::Status TrainLoop::SaveCheckpoint(bool last, bool wait) {
   RETURN_IF_ERROR(checkpointer.Wait());
   checkpoint_blocked_seconds_ +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // LoRA runs without tensor or pipeline splits, but under expert parallelism each rank holds
+  // only its experts' adapters: every rank joins the gather, then rank 0 writes them.
+  LoraAdapterValues adapters;
+  if (last && run_.lora.has_value()) {
+    ASSIGN_OR_RETURN(adapters, GatherLoraAdapters(*run_.model));
+  }
   if (reporter_.rank() != 0) return absl::OkStatus();
   if (last && run_.lora.has_value()) {
-    // Rank 0 holds every adapter (LoRA runs without tensor or pipeline splits).
     const std::string dir = absl::StrCat(committed->path(), "/adapter");
-    RETURN_IF_ERROR(
-        ExportPeftAdapter(*run_.model, *run_.lora, dir, spec_.model().from_pretrained()));
+    RETURN_IF_ERROR(ExportPeftAdapter(*run_.model, *run_.lora, dir,
+                                      spec_.model().from_pretrained(), &adapters));
     reporter_.Log(absl::StrCat("LoRA adapter in PEFT's layout: ", dir));
   }
   if (last) {
@@ -539,7 +544,8 @@ absl::Status TrainLoop::SaveCheckpoint(bool last, bool wait) {
                                          .summary = &run_.summary,
                                          .checkpoint_path = committed->path(),
                                          .model = run_.model.get(),
-                                         .lora = run_.lora.has_value() ? &*run_.lora : nullptr}));
+                                         .lora = run_.lora.has_value() ? &*run_.lora : nullptr,
+                                         .lora_adapters = &adapters}));
     for (const std::string& dir : exported) {
       reporter_.Log(absl::StrCat("Hugging Face export: ", dir));
     }
