@@ -66,7 +66,8 @@ int RunElectedCoordinator(CoordinatorOptions options, const ElectionOptions& ele
   auto standby = StandbyServer::Start({.listen_address = options.listen_address,
                                        .metrics_listen_address = options.metrics_listen_address,
                                        .advertise_address = election_options.advertise_address,
-                                       .credentials = *credentials});
+                                       .credentials = *credentials,
+                                       .health_listen_address = options.health_listen_address});
   if (!standby.ok()) return fail(standby.status());
   std::cerr << kBinary << ": standby serving gRPC on " << (*standby)->address();
   if ((*standby)->metrics_port() > 0)

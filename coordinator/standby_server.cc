@@ -80,6 +80,17 @@ absl::StatusOr<std::unique_ptr<StandbyServer>> StandbyServer::Start(
     server->gauges_ = std::make_unique<LeadershipGauges>(server->metrics_->registry());
     server->gauges_->Set(false, 0);
   }
+  if (!options.health_listen_address.empty()) {
+    ASSIGN_OR_RETURN(server->health_,
+                     DaemonServers::StartHealthListener(
+                         options.health_listen_address,
+                         {{.name = v1::Coordinator::service_full_name(),
+                           .service = nullptr,
+                           .serving_at_start = false},
+                          {.name = v1::NodeService::service_full_name(),
+                           .service = nullptr,
+                           .serving_at_start = false}}));
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   server->handler_ = std::make_unique<Handler>(server.get());
@@ -146,6 +157,7 @@ void StandbyServer::Shutdown() {
     server_->Wait();
     server_.reset();
   }
+  health_.reset();
   gauges_.reset();
   metrics_.reset();
 }

@@ -22,6 +22,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/daemon/daemon_servers.h"
+#include "common/daemon/leader_channel.h"  // kLeaderMetadataKey
 #include "common/daemon/metrics_exposer.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/security/server_credentials.h"
@@ -30,9 +32,6 @@
 #include "prometheus/registry.h"
 
 namespace tessera::coordinator {
-
-// The trailing metadata key that names the leader's advertise address (ha.md).
-inline constexpr char kLeaderMetadataKey[] = "tessera-leader";
 
 // tessera_coordinator_leader (1 leading, 0 standby) and tessera_coordinator_leader_epoch (the
 // epoch this coordinator leads with, or the current leader's as a standby last saw it).
@@ -54,6 +53,9 @@ struct StandbyServerOptions {
   std::string advertise_address;
   // Transport security of the gRPC port; null: plaintext.
   std::shared_ptr<grpc::ServerCredentials> credentials;
+  // The plaintext health-only port for kubelets' probes (--health_listen); empty: none. It says
+  // what the main port's health service says: alive, not ready.
+  std::string health_listen_address;
 };
 
 class StandbyServer {
@@ -88,6 +90,7 @@ class StandbyServer {
   std::unique_ptr<Handler> handler_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsExposer> metrics_;
+  std::unique_ptr<DaemonServers::HealthListener> health_;
   std::unique_ptr<LeadershipGauges> gauges_;
   std::string host_;
   int port_ = 0;

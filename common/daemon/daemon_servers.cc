@@ -31,33 +31,6 @@ class WithoutPlugins final : public grpc::ServerBuilderOption {
 
 }  // namespace
 
-struct DaemonServers::HealthListener {
-  ~HealthListener() { Stop(); }
-
-  // Idempotent; the server first, then the queue it may still post to.
-  void Stop() {
-    if (server != nullptr) {
-      server->Shutdown(std::chrono::system_clock::now());
-      server->Wait();
-    }
-    if (queue != nullptr && poller.joinable()) {
-      queue->Shutdown();
-      poller.join();
-    }
-  }
-
-  std::unique_ptr<grpc::Server> server;
-  // gRPC builds no server without a polled completion queue unless a registered service has
-  // callback methods, and the default health service is added only after that check. Nothing
-  // is ever queued on it.
-  std::unique_ptr<grpc::ServerCompletionQueue> queue;
-  std::thread poller;
-  int port = 0;
-  // Set once the health service has reported NOT_SERVING for good; later SetServing calls are
-  // no-ops, as on GrpcServer.
-  std::atomic<bool> shut_down{false};
-};
-
 absl::StatusOr<std::unique_ptr<DaemonServers::HealthListener>>
 DaemonServers::StartHealthListener(const std::string& listen_address,
                                    const std::vector<NamedService>& services) {

@@ -4,9 +4,12 @@
 // ServeUntilSignal, the body of a daemon's main().
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -14,6 +17,7 @@
 #include "common/daemon/metrics_exposer.h"
 #include "common/daemon/process_metrics.h"
 #include "common/daemon/server.h"
+#include "grpcpp/server.h"
 
 namespace tessera {
 
@@ -74,19 +78,47 @@ class DaemonServers {
 
   ~DaemonServers();
 
- private:
-  // The health-only listener: its own grpc::Server with the default health
-  // service, no reflection and no other service.
+  // A health-only listener: its own plaintext grpc::Server with the default health service, no
+  // reflection and no other service; "" SERVING and each of `services` as it says at start.
+  // Also what a standby coordinator (coordinator/standby_server.h) serves for its probes.
   struct HealthListener;
-
-  DaemonServers() = default;
   static absl::StatusOr<std::unique_ptr<HealthListener>> StartHealthListener(
       const std::string& listen_address, const std::vector<NamedService>& services);
+
+ private:
+  DaemonServers() = default;
 
   std::unique_ptr<MetricsExposer> metrics_;
   std::shared_ptr<ProcessMetrics> process_;
   std::unique_ptr<GrpcServer> grpc_;
   std::unique_ptr<HealthListener> health_;
+};
+
+struct DaemonServers::HealthListener {
+  ~HealthListener() { Stop(); }
+
+  // Idempotent; the server first, then the queue it may still post to.
+  void Stop() {
+    if (server != nullptr) {
+      server->Shutdown(std::chrono::system_clock::now());
+      server->Wait();
+    }
+    if (queue != nullptr && poller.joinable()) {
+      queue->Shutdown();
+      poller.join();
+    }
+  }
+
+  std::unique_ptr<grpc::Server> server;
+  // gRPC builds no server without a polled completion queue unless a registered service has
+  // callback methods, and the default health service is added only after that check. Nothing
+  // is ever queued on it.
+  std::unique_ptr<grpc::ServerCompletionQueue> queue;
+  std::thread poller;
+  int port = 0;
+  // Set once the health service has reported NOT_SERVING for good; later SetServing calls are
+  // no-ops, as on GrpcServer.
+  std::atomic<bool> shut_down{false};
 };
 
 // Logs "<binary>: serving gRPC on HOST:PORT[, metrics on port N][, health on
