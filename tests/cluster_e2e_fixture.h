@@ -60,19 +60,8 @@ class ClusterTest : public ::testing::Test {
     ASSERT_THAT(prepared, IsOk());
     ASSERT_EQ(prepared->exit.exit_code, 0) << prepared->output;
 
-    auto coordinator =
-        Subprocess::Start(OnHost(0, {BinDir() + "/tessera-coordinator",
-                                     "--listen=" + HostIp(0) + ":0",
-                           "--metrics_listen=", "--state=" + dir_.path() + "/state.db",
-                           "--checkpoint_root=" + dir_.path() + "/ckpt",
-                           // Test processes run side by side: each coordinator hands out its
-                           // own rendezvous ports.
-                           absl::StrCat("--master_port_base=", 40000 + (getpid() % 2000) * 10),
-                           "--heartbeat_interval=500ms", "--heartbeat_timeout=3s",
-                           coordinator_flag_}));
-    ASSERT_THAT(coordinator, IsOk());
-    coordinator_.emplace(std::move(*coordinator));
-    address_ = Address(*coordinator_);
+    StartCoordinator();
+    if (HasFatalFailure()) return;
     // One worker with two slots, or (second_worker_, third_worker_) two or three with one slot
     // each.
     const int workers = third_worker_ ? 3 : second_worker_ ? 2 : 1;
@@ -92,6 +81,23 @@ class ClusterTest : public ::testing::Test {
     if (!registered) FAIL() << "the workers did not register";
   }
 
+  // Starts the coordinator (on SQLite state) and sets address_; a subclass may start others.
+  virtual void StartCoordinator() {
+    auto coordinator =
+        Subprocess::Start(OnHost(0, {BinDir() + "/tessera-coordinator",
+                                     "--listen=" + HostIp(0) + ":0",
+                           "--metrics_listen=", "--state=" + dir_.path() + "/state.db",
+                           "--checkpoint_root=" + dir_.path() + "/ckpt",
+                           // Test processes run side by side: each coordinator hands out its
+                           // own rendezvous ports.
+                           absl::StrCat("--master_port_base=", 40000 + (getpid() % 2000) * 10),
+                           "--heartbeat_interval=500ms", "--heartbeat_timeout=3s",
+                           coordinator_flag_}));
+    ASSERT_THAT(coordinator, IsOk());
+    coordinator_.emplace(std::move(*coordinator));
+    address_ = Address(*coordinator_);
+  }
+
   static std::string WorkerName(int w) {
     return w == 0 ? "e2e-node" : absl::StrCat("e2e-node-", w + 1);
   }
@@ -100,7 +106,9 @@ class ClusterTest : public ::testing::Test {
   void StartWorker(int w, int workers) {
     const std::string name = WorkerName(w);
     auto worker =
-        Subprocess::Start(OnHost(w + 1, {BinDir() + "/tessera-worker", "--coordinator=" + address_,
+        Subprocess::Start(OnHost(w + 1, {BinDir() + "/tessera-worker",
+                           "--coordinator=" + (worker_coordinators_.empty() ? address_
+                                                                          : worker_coordinators_),
                            "--listen=" + HostIp(w + 1) + ":0",
                            "--metrics_listen=" + HostIp(w + 1) + ":0",
                            "--node_name=" + name, absl::StrCat("--cpu_slots=", workers == 1 ? 2 : 1),
@@ -293,6 +301,8 @@ class ClusterTest : public ::testing::Test {
   std::optional<Subprocess> coordinator_;
   std::optional<Subprocess> worker_;
   std::string address_;
+  // The workers' --coordinator when not address_ (several coordinators).
+  std::string worker_coordinators_;
   int worker_metrics_port_ = 0;
   bool second_worker_ = false;
   bool third_worker_ = false;
