@@ -170,10 +170,11 @@ TEST(DaemonsTest, DashedFlagsJsonLogsAndAPromptStopWithAWatcherOpen) {
   ASSERT_THAT(exit, IsOk());
   EXPECT_EQ(exit->exit_code, 0);
   EXPECT_LT(absl::Now() - signalled, absl::Seconds(3)) << "waited out the gRPC grace";
-  auto watch_exit = watcher->Wait(absl::Seconds(10));
-  ASSERT_THAT(watch_exit, IsOk());
-  EXPECT_EQ(watch_exit->exit_code, 1);
-  EXPECT_THAT(watcher->stderr_text(), HasSubstr("shutting down; watch again"));
+  // The watch outlives the coordinator: it waits to resume after the last event it printed, on
+  // this coordinator back or on another that leads (client/coordinator_client.h), until it is
+  // stopped or a minute passes without one.
+  auto watch_exit = watcher->Wait(absl::Seconds(2));
+  EXPECT_FALSE(watch_exit.ok()) << "the watch gave up as soon as the coordinator stopped";
 
   // Every line of the log is a JSON object naming the component, the startup line among them.
   const std::string log = coordinator->process.stderr_text();
