@@ -37,6 +37,8 @@ readonly APT_PACKAGES=(
   prometheus  # promtool: tests lint the /metrics exposition with it
   libpq-dev  # the coordinator's PostgreSQL store (coordinator/postgres_database.cc)
   postgresql  # initdb/pg_ctl: the store's tests start a private server (tests/postgres_fixture.h)
+  # ip netns, veth, tc (tbf) and iptables: the partition tests' isolated hosts (tests/util/netns.cc)
+  iproute2 iptables
   # The fuzz build (tests/fuzz): clang, libFuzzer and the sanitizer runtimes
   # (libclang_rt.fuzzer-x86_64.a is in libclang-rt-14-dev), llvm-symbolizer for its reports.
   clang-14 libclang-rt-14-dev llvm-14
