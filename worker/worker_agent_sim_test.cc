@@ -3,8 +3,6 @@
 // on 127.0.0.1: a task from launch to its reported end, the hang watchdog, the stop grace and the
 // checkpoint grace, each timed on simulated time, with no trainer process and no sleep.
 // worker_agent_test.cc checks the same agent end to end with real processes.
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -22,13 +20,12 @@
 #include "common/status_matchers.h"
 #include "common/trainer_env.h"
 #include "gmock/gmock.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
 #include "worker/failure_policy.h"
 #include "worker/fake_coordinator.h"
+#include "worker/agent_sim_fixture.h"
 #include "worker/sim_fakes.h"
 #include "worker/trainer_launcher.h"
 #include "worker/worker_agent.h"
@@ -52,58 +49,28 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 
-// The agent's poll interval and the step the tests move time by.
-constexpr absl::Duration kStep = absl::Seconds(1);
 // The node heartbeat period the fake coordinator hands out: longer than a step, so a heartbeat
 // that comes sooner was woken.
 constexpr double kHeartbeatSeconds = 10;
-// Threads of the agent that wait on its clock: the heartbeat, supervise and relay loops.
-constexpr int kClockedThreads = 3;
 std::vector<std::string> What(const std::vector<Event>& events) {
   std::vector<std::string> what;
   for (const Event& event : events) what.push_back(event.what);
   return what;
 }
 
-class WorkerAgentSimTest : public ::testing::Test {
+class WorkerAgentSimTest : public agent_test::AgentSimFixture {
  protected:
   void Start(v1::TaskAssignment assignment, WorkerAgentOptions options) {
     coordinator_ = std::make_unique<FakeCoordinator>(std::move(assignment), &clock_);
     coordinator_->set_heartbeat_interval_seconds(kHeartbeatSeconds);
     server_ = ServeOnLoopback(coordinator_.get(), &options.coordinator_address);
     ASSERT_NE(server_, nullptr);
-    options.node_id = "n1";
-    options.work_dir = work_dir_;
-    options.cpu_slots = 2;
-    options.trainer_path = "fake-trainer";
-    options.poll_interval = kStep;
-    options.watch_assignments = false;
-    options.clock = &clock_;
-    options.launcher = &launcher_;
-    agent_ = std::make_unique<WorkerAgent>(options, nullptr);
-    ASSERT_THAT(agent_->Start("127.0.0.1:1"), IsOk());
+    StartAgent(std::move(options));
   }
 
   void TearDown() override {
-    launcher_.ExitAll();
-    if (agent_) agent_->Stop();
-    for (const auto& [rank, fd] : report_fds_) close(fd);
+    StopAgent();
     if (server_) server_->Shutdown();
-  }
-
-  // Moves time a step at a time, letting the agent's loops settle after each, until `done`
-  // holds (true) or `limit` of simulated time has passed (false).
-  bool RunUntil(const std::function<bool()>& done, absl::Duration limit) {
-    const absl::Time end = clock_.Now() + limit;
-    while (true) {
-      if (!clock_.Settle(kClockedThreads, absl::Seconds(30))) {
-        ADD_FAILURE() << "the agent's loops did not settle";
-        return false;
-      }
-      if (done()) return true;
-      if (clock_.Now() >= end) return false;
-      clock_.Advance(kStep);
-    }
   }
 
   v1::TaskState LastHeartbeatState() {
@@ -123,37 +90,6 @@ class WorkerAgentSimTest : public ::testing::Test {
     return absl::InfiniteFuture();
   }
 
-  // Sends a RankHeartbeat of `rank` of job-1 attempt 0 on the report socket, as its trainer does.
-  void SendHeartbeat(int rank, int64_t step) {
-    v1::TrainerReport report;
-    report.mutable_heartbeat()->set_step(step);
-    report.mutable_heartbeat()->set_step_seconds(0.5);
-    SendReport(rank, std::move(report));
-  }
-  // Sends `report` as rank `rank` of job-1 attempt 0, on that rank's own connection.
-  void SendReport(int rank, v1::TrainerReport report) {
-    auto [it, added] = report_fds_.try_emplace(rank, -1);
-    if (added) {
-      it->second = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      sockaddr_un addr{};
-      addr.sun_family = AF_UNIX;
-      const std::string path = work_dir_ + "/reports.sock";
-      std::memcpy(addr.sun_path, path.data(), path.size());
-      ASSERT_EQ(connect(it->second, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0)
-          << std::strerror(errno);
-    }
-    report.set_job_id("job-1");
-    report.set_attempt(0);
-    report.set_rank(rank);
-    std::string frame;
-    {
-      google::protobuf::io::StringOutputStream stream(&frame);
-      google::protobuf::io::CodedOutputStream out(&stream);
-      out.WriteVarint32(static_cast<uint32_t>(report.ByteSizeLong()));
-      report.SerializeWithCachedSizes(&out);
-    }
-    ASSERT_EQ(write(it->second, frame.data(), frame.size()), static_cast<ssize_t>(frame.size()));
-  }
   // Whether the last heartbeat carried a step time of both ranks (their reports were read).
   bool BothRanksHeard() {
     const std::vector<FakeCoordinator::Exchange> heartbeats = coordinator_->heartbeats();
@@ -164,13 +100,8 @@ class WorkerAgentSimTest : public ::testing::Test {
     return false;
   }
 
-  const std::string work_dir_ = ::tessera::testing::TestDir() + "/w";
-  SteppedClock clock_;
-  FakeLauncher launcher_{&clock_};
   std::unique_ptr<FakeCoordinator> coordinator_;
   std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<WorkerAgent> agent_;
-  std::map<int, int> report_fds_;
 };
 
 // Launch -> running -> every rank exits 0 -> SUCCEEDED, sent at once (the supervise loop wakes the

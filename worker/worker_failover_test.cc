@@ -4,8 +4,6 @@
 // it, ignores the orders of a deposed leader's lower epoch, keeps its trainers and their reports
 // while no leader answers, and past its coordinator grace asks them to checkpoint and stop and
 // reports their end when a leader answers again.
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -21,12 +19,11 @@
 #include "common/status_matchers.h"
 #include "common/trainer_env.h"
 #include "gmock/gmock.h"
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
 #include "worker/contact_metrics.h"
 #include "worker/fake_coordinator.h"
+#include "worker/agent_sim_fixture.h"
 #include "worker/sim_fakes.h"
 #include "worker/worker_agent.h"
 
@@ -46,10 +43,6 @@ using agent_test::TwoRanks;
 using ::tessera::testing::IsOk;
 using ::testing::IsEmpty;
 
-constexpr absl::Duration kStep = absl::Seconds(1);
-// The heartbeat, supervise and relay loops wait on the agent's clock.
-constexpr int kClockedThreads = 3;
-
 // Signals and kills a fake rank received (its events' names).
 std::vector<std::string> What(FakeRank& rank) {
   std::vector<std::string> what;
@@ -57,7 +50,7 @@ std::vector<std::string> What(FakeRank& rank) {
   return what;
 }
 
-class WorkerFailoverTest : public ::testing::Test {
+class WorkerFailoverTest : public agent_test::AgentSimFixture {
  protected:
   // One fake coordinator per entry of `epochs` (its leader epoch), each handing out the same task;
   // the worker lists them in that order.
@@ -73,42 +66,14 @@ class WorkerFailoverTest : public ::testing::Test {
     }
     options.coordinator_address = absl::StrJoin(addresses, ",");
     addresses_ = addresses;
-    options.node_id = "n1";
-    options.work_dir = work_dir_;
-    options.cpu_slots = 2;
-    options.trainer_path = "fake-trainer";
-    options.poll_interval = kStep;
-    options.watch_assignments = false;
-    options.clock = &clock_;
-    options.launcher = &launcher_;
     // A leader that never comes back fails a call in a moment, not after 10 s of real time.
     options.rpc_timeout = absl::Seconds(2);
-    agent_ = std::make_unique<WorkerAgent>(options, nullptr);
-    ASSERT_THAT(agent_->Start("127.0.0.1:1"), IsOk());
+    StartAgent(std::move(options));
   }
 
   void TearDown() override {
-    launcher_.ExitAll();
-    if (agent_) agent_->Stop();
-    for (const auto& [rank, fd] : report_fds_) close(fd);
+    StopAgent();
     for (auto& server : servers_) server->Shutdown();
-  }
-
-  // Moves time a step at a time, letting the loops settle after each and running `each_step`
-  // (e.g. the ranks' heartbeats), until `done` holds or `limit` has passed.
-  bool RunUntil(const std::function<bool()>& done, absl::Duration limit,
-                const std::function<void()>& each_step = nullptr) {
-    const absl::Time end = clock_.Now() + limit;
-    while (true) {
-      if (!clock_.Settle(kClockedThreads, absl::Seconds(30))) {
-        ADD_FAILURE() << "the agent's loops did not settle";
-        return false;
-      }
-      if (done()) return true;
-      if (clock_.Now() >= end) return false;
-      if (each_step) each_step();
-      clock_.Advance(kStep);
-    }
   }
 
   FakeCoordinator& coordinator(int i) { return *coordinators_[i]; }
@@ -123,37 +88,7 @@ class WorkerFailoverTest : public ::testing::Test {
   // Both ranks heartbeat (step `step`), so they count as reporting and are not hung.
   void RanksHeartbeat() {
     ++step_;
-    for (int rank = 0; rank < 2; ++rank) {
-      v1::TrainerReport report;
-      report.mutable_heartbeat()->set_step(step_);
-      report.mutable_heartbeat()->set_step_seconds(0.5);
-      SendReport(rank, std::move(report));
-    }
-  }
-
-  // Sends `report` as rank `rank` of job-1 attempt 0 on that rank's own connection.
-  void SendReport(int rank, v1::TrainerReport report) {
-    auto [it, added] = report_fds_.try_emplace(rank, -1);
-    if (added) {
-      it->second = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      sockaddr_un addr{};
-      addr.sun_family = AF_UNIX;
-      const std::string path = work_dir_ + "/reports.sock";
-      std::memcpy(addr.sun_path, path.data(), path.size());
-      ASSERT_EQ(connect(it->second, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0)
-          << std::strerror(errno);
-    }
-    report.set_job_id("job-1");
-    report.set_attempt(0);
-    report.set_rank(rank);
-    std::string frame;
-    {
-      google::protobuf::io::StringOutputStream stream(&frame);
-      google::protobuf::io::CodedOutputStream out(&stream);
-      out.WriteVarint32(static_cast<uint32_t>(report.ByteSizeLong()));
-      report.SerializeWithCachedSizes(&out);
-    }
-    ASSERT_EQ(write(it->second, frame.data(), frame.size()), static_cast<ssize_t>(frame.size()));
+    for (int rank = 0; rank < 2; ++rank) SendHeartbeat(rank, step_);
   }
 
   // Whether a registration with coordinator `i` listed the task in `state`.
@@ -166,14 +101,9 @@ class WorkerFailoverTest : public ::testing::Test {
     return false;
   }
 
-  const std::string work_dir_ = ::tessera::testing::TestDir() + "/w";
-  SteppedClock clock_;
-  FakeLauncher launcher_{&clock_};
   std::vector<std::unique_ptr<FakeCoordinator>> coordinators_;
   std::vector<std::unique_ptr<grpc::Server>> servers_;
   std::vector<std::string> addresses_;
-  std::unique_ptr<WorkerAgent> agent_;
-  std::map<int, int> report_fds_;
   int64_t step_ = 0;
 };
 
