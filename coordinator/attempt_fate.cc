@@ -194,7 +194,6 @@ std::optional<v1::Job> AttemptFate::JobToEnd(Ending* ending, const char* why) {
 }
 
 void AttemptFate::StoreFailure(Ending* ending, absl::Time now) {
-  const std::string& job_id = ending->job_id;
   const Allocation& allocation = ending->attempt;
   std::optional<v1::Job> job = JobToEnd(ending, "to settle its failure");
   if (!job) return;
@@ -228,44 +227,13 @@ void AttemptFate::StoreFailure(Ending* ending, absl::Time now) {
   } else {
     reason = description;
   }
-  v1::JobAttempt record = EndedAttempt(allocation, *job, now, description);
-  *record.mutable_failure() = primary;
-  std::vector<v1::JobEvent> events;
-  *events.emplace_back().mutable_failure() = primary;
-  for (size_t i = 0; i < allocation.failures.size(); ++i) {
-    if (i == blamed) continue;
-    *record.add_consequences() = allocation.failures[i];
-    *events.emplace_back().mutable_failure() = allocation.failures[i];
-  }
-  auto transitioned = jobs_->Transition(
-      job_id, retry ? v1::JOB_STATE_RESTARTING : v1::JOB_STATE_FAILED, reason,
-      [&](v1::Job& stored) {
-        *stored.mutable_failure() = primary;
-        *stored.add_attempts() = record;
-        if (!retry) return;
-        stored.set_restarts(stored.restarts() + 1);
-        stored.set_attempt(stored.attempt() + 1);
-        stored.mutable_placements()->Clear();
-        // Steps after the checkpoint are trained again: their metrics (and events) are those of
-        // the new attempt.
-        stored.set_current_step(resume_step);
-      },
-      events);
-  if (!transitioned.ok() && !absl::IsFailedPrecondition(transitioned.status())) {
-    LogRetried(transitioned.status(),
-               absl::StrCat("ending attempt ", allocation.attempt, " of job ", job_id));
-    return;
-  }
-  if (transitioned.ok()) {
-    ending->counted = primary.kind();
-    ending->restart = retry;
-  }
-  ending->drain = true;
+  StoreAttemptEnd(
+      ending, *job, primary, blamed, now, retry, reason, resume_step, std::nullopt,
+      [](v1::Job& stored) { stored.set_restarts(stored.restarts() + 1); }, "ending");
 }
 
 void AttemptFate::StoreSpike(Ending* ending, const v1::Job& job, const v1::TrainerFailure& primary,
                              size_t blamed, absl::Time now) {
-  const std::string& job_id = ending->job_id;
   const Allocation& allocation = ending->attempt;
   // The spike's step never committed a checkpoint (the trainer stops before saving it), so the
   // newest checkpoint is of a good step.
@@ -274,6 +242,26 @@ void AttemptFate::StoreSpike(Ending* ending, const v1::Job& job, const v1::Train
   const SpikeDecision decision =
       DecideSpike(job, allocation.attempt, primary, ending->spike, resume_step);
   const bool rollback = decision.rollback.has_value();
+  std::optional<v1::JobEvent> event;
+  if (rollback) *event.emplace().mutable_rollback() = *decision.rollback;
+  StoreAttemptEnd(
+      ending, job, primary, blamed, now, rollback, decision.reason, resume_step, event,
+      [&](v1::Job& stored) {
+        // Counted against guard.max_rollbacks, not max_restarts: the job did not fault, its data
+        // did.
+        *stored.add_rollbacks() = *decision.rollback;
+      },
+      "rolling back");
+}
+
+void AttemptFate::StoreAttemptEnd(Ending* ending, const v1::Job& job,
+                                  const v1::TrainerFailure& primary, size_t blamed, absl::Time now,
+                                  bool restart, const std::string& reason, int64_t resume_step,
+                                  const std::optional<v1::JobEvent>& extra_event,
+                                  absl::FunctionRef<void(v1::Job&)> on_restart,
+                                  absl::string_view doing) {
+  const std::string& job_id = ending->job_id;
+  const Allocation& allocation = ending->attempt;
   v1::JobAttempt record = EndedAttempt(allocation, job, now, DescribeFailure(primary));
   *record.mutable_failure() = primary;
   std::vector<v1::JobEvent> events;
@@ -283,29 +271,29 @@ void AttemptFate::StoreSpike(Ending* ending, const v1::Job& job, const v1::Train
     *record.add_consequences() = allocation.failures[i];
     *events.emplace_back().mutable_failure() = allocation.failures[i];
   }
-  if (rollback) *events.emplace_back().mutable_rollback() = *decision.rollback;
+  if (extra_event) events.push_back(*extra_event);
   auto transitioned = jobs_->Transition(
-      job_id, rollback ? v1::JOB_STATE_RESTARTING : v1::JOB_STATE_FAILED, decision.reason,
+      job_id, restart ? v1::JOB_STATE_RESTARTING : v1::JOB_STATE_FAILED, reason,
       [&](v1::Job& stored) {
         *stored.mutable_failure() = primary;
         *stored.add_attempts() = record;
-        if (!rollback) return;
-        // Counted against guard.max_rollbacks, not max_restarts: the job did not fault, its data
-        // did.
-        *stored.add_rollbacks() = *decision.rollback;
+        if (!restart) return;
+        on_restart(stored);
         stored.set_attempt(stored.attempt() + 1);
         stored.mutable_placements()->Clear();
+        // Steps after the checkpoint are trained again: their metrics (and events) are those of
+        // the new attempt.
         stored.set_current_step(resume_step);
       },
       events);
   if (!transitioned.ok() && !absl::IsFailedPrecondition(transitioned.status())) {
     LogRetried(transitioned.status(),
-               absl::StrCat("rolling back attempt ", allocation.attempt, " of job ", job_id));
+               absl::StrCat(doing, " attempt ", allocation.attempt, " of job ", job_id));
     return;
   }
   if (transitioned.ok()) {
     ending->counted = primary.kind();
-    ending->restart = rollback;
+    ending->restart = restart;
   }
   ending->drain = true;
 }

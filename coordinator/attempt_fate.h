@@ -23,6 +23,8 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "coordinator/allocation_ledger.h"
 #include "coordinator/cluster_state.h"
@@ -129,6 +131,15 @@ class AttemptFate {
   void StoreSpike(Ending* ending, const v1::Job& job, const v1::TrainerFailure& primary,
                   size_t blamed, absl::Time now);
   void StoreMove(Ending* ending, absl::Time now);
+  // What StoreFailure and StoreSpike share: stores the attempt's record (the blamed failure and
+  // the others as consequences, each also an event, then `extra_event` if set) and the job in
+  // RESTARTING when `restart` (the attempt advanced, placements cleared, trained from
+  // `resume_step`, then `on_restart` applied) or FAILED, with `reason`; `doing` names the change
+  // in the log when the store fails.
+  void StoreAttemptEnd(Ending* ending, const v1::Job& job, const v1::TrainerFailure& primary,
+                       size_t blamed, absl::Time now, bool restart, const std::string& reason,
+                       int64_t resume_step, const std::optional<v1::JobEvent>& extra_event,
+                       absl::FunctionRef<void(v1::Job&)> on_restart, absl::string_view doing);
 
   ClusterState* const state_;
   JobManager* const jobs_;
