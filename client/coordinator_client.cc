@@ -50,17 +50,8 @@ absl::Status CoordinatorClient::Unary(
     const std::function<grpc::Status(v1::Coordinator::Stub&, grpc::ClientContext&)>& call) {
   if (!setup_error_.ok()) return setup_error_;
   const absl::Time deadline = absl::Now() + options_.timeout;
-  return Annotate(leader_->Call(
-      deadline,
-      [&](grpc::ClientContext& context) {
-        context.set_deadline(absl::ToChronoTime(deadline));
-        Authorize(context);
-      },
-      [&](grpc::ClientContext& context, const std::shared_ptr<grpc::Channel>& channel,
-          const std::string&) {
-        std::unique_ptr<v1::Coordinator::Stub> stub = v1::Coordinator::NewStub(channel);
-        return call(*stub, context);
-      }));
+  return Annotate(leader_->CallService<v1::Coordinator>(
+      deadline, [&](grpc::ClientContext& context) { Authorize(context); }, call));
 }
 
 absl::Status CoordinatorClient::Annotate(const grpc::Status& status) const {

@@ -95,17 +95,8 @@ grpc::Status WorkerAgent::CallLeader(
     const std::function<grpc::Status(v1::NodeService::Stub&, grpc::ClientContext&)>& call) {
   // gRPC measures deadlines on the wall clock, whatever options_.clock is.
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
-  return leader_->Call(
-      deadline,
-      [&](grpc::ClientContext& context) {
-        context.set_deadline(absl::ToChronoTime(deadline));
-        Authorize(context);
-      },
-      [&](grpc::ClientContext& context, const std::shared_ptr<grpc::Channel>& channel,
-          const std::string&) {
-        std::unique_ptr<v1::NodeService::Stub> stub = v1::NodeService::NewStub(channel);
-        return call(*stub, context);
-      });
+  return leader_->CallService<v1::NodeService>(
+      deadline, [&](grpc::ClientContext& context) { Authorize(context); }, call);
 }
 
 void WorkerAgent::Authorize(grpc::ClientContext& context) const {

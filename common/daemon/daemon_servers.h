@@ -37,7 +37,7 @@ struct DaemonServerOptions {
   // Largest gRPC message accepted or sent, in bytes.
   int max_message_bytes = 64 << 20;
   // Services with asynchronous methods (GrpcServerOptions::async_hosts).
-  std::vector<AsyncServiceHost*> async_hosts;
+  std::vector<AsyncServiceHost*> async_hosts{};
 };
 
 // Makes the gRPC interceptors of a daemon once its metrics registry exists

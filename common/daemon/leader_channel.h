@@ -71,6 +71,24 @@ class LeaderChannel {
                     const Attempt& attempt);
   grpc::Status Call(absl::Time deadline, const std::function<void(grpc::ClientContext&)>& prepare,
                     const Attempt& attempt);
+  // Call for one method of a generated gRPC `Service`: every attempt's context gets `deadline`
+  // and then `authorize`'s metadata, and `call` runs on a stub of the attempt's channel.
+  template <typename Service>
+  grpc::Status CallService(
+      absl::Time deadline, const std::function<void(grpc::ClientContext&)>& authorize,
+      const std::function<grpc::Status(typename Service::Stub&, grpc::ClientContext&)>& call) {
+    return Call(
+        deadline,
+        [&](grpc::ClientContext& context) {
+          context.set_deadline(absl::ToChronoTime(deadline));
+          authorize(context);
+        },
+        [&](grpc::ClientContext& context, const std::shared_ptr<grpc::Channel>& channel,
+            const std::string&) {
+          std::unique_ptr<typename Service::Stub> stub = Service::NewStub(channel);
+          return call(*stub, context);
+        });
+  }
 
   // The address calls go to now (the last one that answered as leader, or the next to try).
   std::string leader() const;
