@@ -72,6 +72,8 @@ int RunElectedCoordinator(CoordinatorOptions options, const ElectionOptions& ele
   std::cerr << kBinary << ": standby serving gRPC on " << (*standby)->address();
   if ((*standby)->metrics_port() > 0)
     std::cerr << ", metrics on port " << (*standby)->metrics_port();
+  if ((*standby)->health_port() > 0)
+    std::cerr << ", health on port " << (*standby)->health_port();
   std::cerr << " as " << (*standby)->advertise_address() << std::endl;
 
   auto password = ReadPassword(options.database_password_file);
@@ -113,6 +115,10 @@ int RunElectedCoordinator(CoordinatorOptions options, const ElectionOptions& ele
   if ((*standby)->metrics_port() > 0) {
     options.metrics_listen_address =
         WithPort(options.metrics_listen_address, (*standby)->metrics_port());
+  }
+  if ((*standby)->health_port() > 0) {
+    options.health_listen_address =
+        WithPort(options.health_listen_address, (*standby)->health_port());
   }
   (*standby)->Shutdown();
   options.election = election->get();

@@ -70,6 +70,8 @@ class StandbyServer {
   std::string address() const;
   int port() const { return port_; }
   int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
+  // The health-only port bound (0: none), for the leader to take over after the standby.
+  int health_port() const { return health_ ? health_->port : 0; }
   // advertise_address, or address() when it was empty.
   const std::string& advertise_address() const { return advertise_; }
 

@@ -58,6 +58,8 @@ struct Coordinator {
   std::optional<Subprocess> process;
   std::string address;
   int metrics_port = 0;
+  // The plaintext health-only port (--health_listen), which the leader keeps from its standby.
+  int health_port = 0;
   std::unique_ptr<v1::Coordinator::Stub> stub;
 };
 
@@ -71,7 +73,8 @@ class CoordinatorFailoverTest : public ::testing::Test {
   // Starts a coordinator and waits until it serves its port (as a standby at first).
   void Start(Coordinator& coordinator, const std::string& lease = kLease) {
     auto process = Subprocess::Start({BinDir() + "/tessera-coordinator", "--listen=127.0.0.1:0",
-                                      "--metrics_listen=127.0.0.1:0", "--state=" + url_, lease,
+                                      "--metrics_listen=127.0.0.1:0",
+                                      "--health_listen=127.0.0.1:0", "--state=" + url_, lease,
                                       kPoll, "--max_submits_per_minute=0"});
     ASSERT_THAT(process, IsOk());
     coordinator.process.emplace(std::move(*process));
@@ -79,9 +82,11 @@ class CoordinatorFailoverTest : public ::testing::Test {
     ASSERT_THAT(line, IsOk());
     std::smatch match;
     ASSERT_TRUE(std::regex_search(
-        *line, match, std::regex(R"(serving gRPC on (\S+:\d+), metrics on port (\d+))")));
+        *line, match,
+        std::regex(R"(serving gRPC on (\S+:\d+), metrics on port (\d+), health on port (\d+))")));
     coordinator.address = match[1];
     coordinator.metrics_port = std::stoi(match[2]);
+    coordinator.health_port = std::stoi(match[3]);
     coordinator.stub = v1::Coordinator::NewStub(MakeClientChannel(coordinator.address));
   }
 
@@ -94,11 +99,23 @@ class CoordinatorFailoverTest : public ::testing::Test {
     ASSERT_THAT(coordinator.process->WaitForStderrLine(
                     absl::StrCat("serving gRPC on ", coordinator.address), timeout),
                 IsOk());
+    // Probes keep asking the standby's health port: the leader serves it, and is ready there
+    // once its state is loaded.
+    EXPECT_TRUE(testing::WaitUntil(
+        [&] {
+          return Health(coordinator, "tessera.v1.Coordinator", coordinator.health_port) ==
+                 grpc::health::v1::HealthCheckResponse::SERVING;
+        },
+        timeout, absl::Milliseconds(100)))
+        << "the leader is not ready on health port " << coordinator.health_port;
   }
 
+  // The health of `service` on the coordinator's main port, or on `port` of its host.
   static grpc::health::v1::HealthCheckResponse::ServingStatus Health(const Coordinator& coordinator,
-                                                                     const std::string& service) {
-    auto health = grpc::health::v1::Health::NewStub(MakeClientChannel(coordinator.address));
+                                                                     const std::string& service,
+                                                                     int port = 0) {
+    auto health = grpc::health::v1::Health::NewStub(MakeClientChannel(
+        port == 0 ? coordinator.address : absl::StrCat("127.0.0.1:", port)));
     grpc::health::v1::HealthCheckRequest request;
     request.set_service(service);
     grpc::health::v1::HealthCheckResponse response;
