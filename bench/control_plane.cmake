@@ -5,6 +5,7 @@
 find_package(nlohmann_json REQUIRED)
 
 add_executable(control_plane_bench
+  control_plane_backends.cc
   control_plane_bench.cc
   control_plane_fleet.cc
   control_plane_jobs.cc
@@ -15,7 +16,7 @@ add_executable(control_plane_bench
   control_plane_scale.cc
   control_plane_stats.cc)
 target_link_libraries(control_plane_bench PRIVATE
-  tessera::daemon tessera::proto tessera_bench_env
+  tessera::daemon tessera::postgres_cluster tessera::proto tessera_bench_env
   absl::flags absl::str_format absl::synchronization absl::time
   nlohmann_json::nlohmann_json Threads::Threads)
 # The load generator shares the machine with the coordinator it measures, so it should take as

@@ -23,8 +23,12 @@ inline constexpr absl::Duration kCoordinatorStopTimeout = absl::Seconds(15);
 struct CoordinatorProcessOptions {
   // Path of tessera-coordinator.
   std::string binary;
-  // Holds the SQLite state file and the log; must exist.
+  // Holds the log (and the SQLite state file when `state` is empty); must exist.
   std::string dir;
+  // Passed as --state: a postgresql:// URL (no password in it); empty: <dir>/state.db.
+  std::string state;
+  // Passed as --database_password_file unless empty.
+  std::string database_password_file;
   // Passed as --heartbeat_timeout.
   absl::Duration heartbeat_timeout = absl::Seconds(15);
   // Passed as --queue_file unless empty.

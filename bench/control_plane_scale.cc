@@ -17,6 +17,9 @@
 #include "common/daemon/server.h"
 #include "common/errno_status.h"
 #include "common/status_macros.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/client_context.h"
+#include "tessera/v1/node_service.grpc.pb.h"
 
 namespace tessera::bench {
 namespace {
@@ -151,11 +154,36 @@ void SleepUntil(Clock::time_point when) {
   if (when > now) absl::SleepFor(absl::FromChrono(when - now));
 }
 
+// Waits until the coordinator leads: on PostgreSQL it starts as a standby (NodeService
+// NOT_SERVING, RegisterNode refused) until it wins the election, which must not count as the
+// fleet's join time. On SQLite it leads from the start.
+absl::Status WaitUntilLeading(const std::string& address, absl::Duration timeout) {
+  auto health = grpc::health::v1::Health::NewStub(MakeClientChannel(address));
+  const absl::Time deadline = absl::Now() + timeout;
+  grpc::Status last;
+  while (absl::Now() < deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(v1::NodeService::service_full_name());
+    grpc::health::v1::HealthCheckResponse response;
+    last = health->Check(&context, request, &response);
+    if (last.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+      return absl::OkStatus();
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return absl::UnavailableError(absl::StrCat("the coordinator at ", address,
+                                             " did not lead within ", absl::FormatDuration(timeout),
+                                             " (last health check: ", last.error_message(), ")"));
+}
+
 }  // namespace
 
 absl::StatusOr<ScaleResult> RunScale(const ScaleOptions& options) {
   ScaleResult result;
   result.scenario = options.scenario;
+  result.backend = options.backend;
   result.nodes = options.fleet.nodes;
   result.offered_jobs_per_second = options.jobs.jobs_per_second;
   result.heartbeats_expected_per_second =
@@ -178,8 +206,12 @@ absl::StatusOr<ScaleResult> RunScale(const ScaleOptions& options) {
       auto coordinator,
       CoordinatorProcess::Start({.binary = options.coordinator_binary,
                                  .dir = dir,
+                                 .state = options.state_url,
+                                 .database_password_file = options.database_password_file,
                                  .heartbeat_timeout = options.coordinator_heartbeat_timeout,
                                  .queue_file = queue_file}));
+
+  RETURN_IF_ERROR(WaitUntilLeading(coordinator->address(), kCoordinatorStartTimeout));
 
   JobStream jobs(MakeClientChannel(coordinator->address()), options.jobs);
   SimulatedFleet fleet(
