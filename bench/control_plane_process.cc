@@ -103,6 +103,7 @@ absl::StatusOr<ProcessSample> SampleProcess(pid_t pid) {
   sample.cpu_seconds =
       static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
   sample.threads = static_cast<int>(threads);
+  sample.exited = !fields.empty() && (fields[0] == "Z" || fields[0] == "X");
   sample.rss_bytes = StatusFieldBytes(*status, "VmRSS:");
   sample.peak_rss_bytes = StatusFieldBytes(*status, "VmHWM:");
   return sample;

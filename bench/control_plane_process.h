@@ -75,6 +75,8 @@ struct ProcessSample {
   int64_t rss_bytes = 0;
   int64_t peak_rss_bytes = 0;
   int threads = 0;
+  // It has exited and waits to be reaped (state Z): the sample's figures are not a live one's.
+  bool exited = false;
 };
 
 // Reads /proc/<pid>/stat and /proc/<pid>/status; pid 0 reads /proc/self.

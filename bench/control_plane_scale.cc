@@ -16,6 +16,7 @@
 #include "bench/control_plane_prometheus.h"
 #include "common/daemon/server.h"
 #include "common/errno_status.h"
+#include "common/read_file.h"
 #include "common/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/client_context.h"
@@ -281,6 +282,15 @@ absl::StatusOr<ScaleResult> RunScale(const ScaleOptions& options) {
   result.fleet = fleet.counters();
   result.jobs = jobs.counters();
   ASSIGN_OR_RETURN(ProcessSample final_sample, SampleProcess(coordinator->pid()));
+  if (final_sample.exited) {
+    // E.g. a leader on PostgreSQL whose lease renewal was starved steps down and exits: the
+    // run measured an outage, not the coordinator; it must not count among the medians.
+    auto log = ReadWholeFile(coordinator->log_path());
+    std::string tail = log.ok() ? *log : std::string(log.status().message());
+    if (tail.size() > 600) tail = "..." + tail.substr(tail.size() - 600);
+    return absl::UnavailableError(
+        absl::StrCat("the coordinator exited during the run; the end of its log:\n", tail));
+  }
   result.coordinator_rss_bytes = coordinator_samples.back().rss_bytes;
   result.coordinator_peak_rss_bytes = final_sample.peak_rss_bytes;
   result.coordinator_threads = coordinator_samples.back().threads;
