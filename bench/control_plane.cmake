@@ -5,6 +5,7 @@
 find_package(nlohmann_json REQUIRED)
 
 add_executable(control_plane_bench
+  control_plane_backends.cc
   control_plane_bench.cc
   control_plane_fleet.cc
   control_plane_jobs.cc
@@ -15,7 +16,7 @@ add_executable(control_plane_bench
   control_plane_scale.cc
   control_plane_stats.cc)
 target_link_libraries(control_plane_bench PRIVATE
-  tessera::daemon tessera::proto tessera_bench_env
+  tessera::daemon tessera::postgres_cluster tessera::proto tessera_bench_env
   absl::flags absl::str_format absl::synchronization absl::time
   nlohmann_json::nlohmann_json Threads::Threads)
 # The load generator shares the machine with the coordinator it measures, so it should take as
@@ -38,8 +39,15 @@ if(TESSERA_BUILD_TESTS)
   tessera_add_test(NAME control_plane_queues_test
     SOURCES control_plane_queues_test.cc control_plane_queues.cc
     LIBS tessera::queues tessera::daemon tessera::proto absl::str_format absl::synchronization)
-  # The benchmark end to end at a small size, both scenarios (~10 s): the real coordinator takes
-  # the queue file, jobs flow, the comparison is printed.
+  # --backends and the PostgreSQL / SQLite comparison.
+  tessera_add_test(NAME control_plane_backends_test
+    SOURCES control_plane_backends_test.cc control_plane_backends.cc control_plane_queues.cc
+      control_plane_stats.cc
+    LIBS tessera::postgres_cluster tessera::queues tessera::daemon tessera::proto
+      tessera::test_util absl::str_format absl::synchronization)
+  # The benchmark end to end at a small size, both scenarios, on SQLite and (when its binaries
+  # are there) PostgreSQL (~30 s): the real coordinator takes the queue file, jobs flow, the
+  # comparisons are printed.
   add_test(NAME control_plane_bench_smoke
     COMMAND control_plane_bench --coordinator=$<TARGET_FILE:tessera-coordinator> --nodes=40
       --jobs_per_s=10 --job_gpus=1,8 --job_weights=1,1 --queues=5 --queue_cohorts=2

@@ -27,6 +27,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "bench/bench_env.h"
+#include "bench/control_plane_backends.h"
 #include "bench/control_plane_queues.h"
 #include "bench/control_plane_report.h"
 #include "bench/control_plane_scale.h"
@@ -88,9 +89,15 @@ ABSL_FLAG(int, queue_cohorts, 10, "Cohorts the --queues are dealt into.");
 ABSL_FLAG(int, repeats, 1,
           "Runs of each scenario at each fleet size, alternated (single pool, then queues); the "
           "comparison reports medians.");
+ABSL_FLAG(std::vector<std::string>, backends, {},
+          "The coordinator's store in each run: sqlite, postgresql, or both (alternated, each "
+          "run against a fresh database of a private PostgreSQL server started for this "
+          "benchmark), compared side by side. Default: both when the PostgreSQL server binaries "
+          "are found ($TESSERA_PG_BIN, else /usr/lib/postgresql/15/bin), else sqlite alone.");
 ABSL_FLAG(std::string, work_dir, "",
           "Where each coordinator's state directory is made; default $TMPDIR, else /tmp.");
-ABSL_FLAG(bool, keep_state, false, "Keep each coordinator's SQLite file and log.");
+ABSL_FLAG(bool, keep_state, false,
+          "Keep each coordinator's SQLite file and log (a PostgreSQL server is removed anyway).");
 ABSL_FLAG(std::string, results_dir, "",
           "Directory for control-plane.json; default $TESSERA_BENCH_RESULTS, else the current "
           "directory.");
@@ -222,38 +229,67 @@ int Run() {
   if (queue_scenario.queues > 0) scenarios.push_back(kQueuesScenario);
   const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
 
+  auto backends = ChooseBackends(absl::GetFlag(FLAGS_backends),
+                                 EnvOr(kPostgresBinDirEnv, kDefaultPostgresBinDir));
+  if (!backends.ok()) {
+    std::cerr << "control_plane_bench: " << backends.status().message() << "\n";
+    return 2;
+  }
+  if (!backends->skipped.empty()) std::cout << "control_plane_bench: " << backends->skipped << "\n";
+  std::unique_ptr<PostgresBackend> postgres;
+  if (std::find(backends->backends.begin(), backends->backends.end(), kPostgresBackend) !=
+      backends->backends.end()) {
+    auto started =
+        PostgresBackend::Start(EnvOr(kPostgresBinDirEnv, kDefaultPostgresBinDir), base.work_dir);
+    if (!started.ok()) {
+      std::cerr << "control_plane_bench: starting PostgreSQL: " << started.status() << std::endl;
+      return 1;
+    }
+    postgres = std::move(started).value();
+  }
+
   std::vector<ScaleResult> results;
   int failures = 0;
   for (size_t i = 0; i < nodes->size(); ++i) {
     for (int repeat = 0; repeat < repeats; ++repeat) {
       for (const char* scenario : scenarios) {
-        ScaleOptions options = base;
-        options.scenario = scenario;
-        options.fleet.nodes = (*nodes)[i];
-        options.jobs.jobs_per_second = (*rates)[std::min(i, rates->size() - 1)];
-        if (options.scenario == kQueuesScenario) {
-          options.queue_file_yaml = QueueFileYaml(
-              queue_scenario, int64_t{options.fleet.nodes} * options.fleet.gpus_per_node);
-          options.jobs.queues = QueueNames(queue_scenario);
-          options.jobs.queue_weights = QueueDemandWeights(queue_scenario);
-        }
-        std::cerr << "control_plane_bench: " << options.fleet.nodes << " nodes, " << scenario
-                  << ", run " << repeat + 1 << " of " << repeats << ", "
-                  << options.jobs.jobs_per_second << " jobs/s offered..." << std::endl;
-        auto result = RunScale(options);
-        if (!result.ok()) {
+        for (const std::string& backend : backends->backends) {
+          ScaleOptions options = base;
+          options.scenario = scenario;
+          options.backend = backend;
+          if (backend == kPostgresBackend) {
+            if (absl::Status prepared = postgres->Prepare(options); !prepared.ok()) {
+              std::cerr << "control_plane_bench: " << prepared << std::endl;
+              ++failures;
+              continue;
+            }
+          }
+          options.fleet.nodes = (*nodes)[i];
+          options.jobs.jobs_per_second = (*rates)[std::min(i, rates->size() - 1)];
+          if (options.scenario == kQueuesScenario) {
+            options.queue_file_yaml = QueueFileYaml(
+                queue_scenario, int64_t{options.fleet.nodes} * options.fleet.gpus_per_node);
+            options.jobs.queues = QueueNames(queue_scenario);
+            options.jobs.queue_weights = QueueDemandWeights(queue_scenario);
+          }
           std::cerr << "control_plane_bench: " << options.fleet.nodes << " nodes, " << scenario
-                    << ": " << result.status() << std::endl;
-          ++failures;
-          continue;
+                    << " on " << backend << ", run " << repeat + 1 << " of " << repeats << ", "
+                    << options.jobs.jobs_per_second << " jobs/s offered..." << std::endl;
+          auto result = RunScale(options);
+          if (!result.ok()) {
+            std::cerr << "control_plane_bench: " << options.fleet.nodes << " nodes, " << scenario
+                      << " on " << backend << ": " << result.status() << std::endl;
+            ++failures;
+            continue;
+          }
+          results.push_back(std::move(*result));
         }
-        results.push_back(std::move(*result));
       }
     }
   }
 
   std::cout << FormatSummary(info, base, results) << FormatComparisons(CompareScenarios(results))
-            << std::flush;
+            << FormatBackendComparisons(CompareBackends(results)) << std::flush;
   std::error_code error;
   std::filesystem::create_directories(results_dir, error);
   const std::string path = absl::StrCat(results_dir, "/", kResultsFile);

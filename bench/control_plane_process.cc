@@ -40,13 +40,17 @@ absl::StatusOr<std::unique_ptr<CoordinatorProcess>> CoordinatorProcess::Start(
       options.binary,
       "--listen=127.0.0.1:0",
       "--metrics_listen=127.0.0.1:0",
-      absl::StrCat("--state=", options.dir, "/state.db"),
+      absl::StrCat("--state=",
+                   options.state.empty() ? absl::StrCat(options.dir, "/state.db") : options.state),
       absl::StrCat("--checkpoint_root=", options.dir, "/checkpoints"),
       absl::StrCat("--heartbeat_timeout=", absl::FormatDuration(options.heartbeat_timeout)),
       // The load generator is one anonymous user offering a whole organisation's jobs: the
       // per-user submission limit would cap it at 1 job/s and measure the limiter, not the
       // scheduler.
       "--max_submits_per_minute=0"};
+  if (!options.database_password_file.empty()) {
+    argv.push_back(absl::StrCat("--database_password_file=", options.database_password_file));
+  }
   if (!options.queue_file.empty()) {
     argv.push_back(absl::StrCat("--queue_file=", options.queue_file));
   }
@@ -99,6 +103,7 @@ absl::StatusOr<ProcessSample> SampleProcess(pid_t pid) {
   sample.cpu_seconds =
       static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
   sample.threads = static_cast<int>(threads);
+  sample.exited = !fields.empty() && (fields[0] == "Z" || fields[0] == "X");
   sample.rss_bytes = StatusFieldBytes(*status, "VmRSS:");
   sample.peak_rss_bytes = StatusFieldBytes(*status, "VmHWM:");
   return sample;

@@ -23,8 +23,12 @@ inline constexpr absl::Duration kCoordinatorStopTimeout = absl::Seconds(15);
 struct CoordinatorProcessOptions {
   // Path of tessera-coordinator.
   std::string binary;
-  // Holds the SQLite state file and the log; must exist.
+  // Holds the log (and the SQLite state file when `state` is empty); must exist.
   std::string dir;
+  // Passed as --state: a postgresql:// URL (no password in it); empty: <dir>/state.db.
+  std::string state;
+  // Passed as --database_password_file unless empty.
+  std::string database_password_file;
   // Passed as --heartbeat_timeout.
   absl::Duration heartbeat_timeout = absl::Seconds(15);
   // Passed as --queue_file unless empty.
@@ -71,6 +75,8 @@ struct ProcessSample {
   int64_t rss_bytes = 0;
   int64_t peak_rss_bytes = 0;
   int threads = 0;
+  // It has exited and waits to be reaped (state Z): the sample's figures are not a live one's.
+  bool exited = false;
 };
 
 // Reads /proc/<pid>/stat and /proc/<pid>/status; pid 0 reads /proc/self.

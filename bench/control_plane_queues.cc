@@ -90,18 +90,21 @@ std::string QueueFileYaml(const QueueScenarioOptions& options, int64_t fleet_gpu
 }
 
 std::vector<ScenarioComparison> CompareScenarios(const std::vector<ScaleResult>& results) {
-  std::vector<int> order;
-  std::map<int, std::map<std::string, std::vector<const ScaleResult*>>> by_nodes;
+  using Key = std::pair<int, std::string>;  // nodes, backend
+  std::vector<Key> order;
+  std::map<Key, std::map<std::string, std::vector<const ScaleResult*>>> by_nodes;
   for (const ScaleResult& result : results) {
-    if (!by_nodes.contains(result.nodes)) order.push_back(result.nodes);
-    by_nodes[result.nodes][result.scenario].push_back(&result);
+    const Key key{result.nodes, result.backend};
+    if (!by_nodes.contains(key)) order.push_back(key);
+    by_nodes[key][result.scenario].push_back(&result);
   }
   std::vector<ScenarioComparison> comparisons;
-  for (int nodes : order) {
-    auto& scenarios = by_nodes[nodes];
+  for (const Key& key : order) {
+    auto& scenarios = by_nodes[key];
     if (!scenarios.contains(kSinglePoolScenario) || !scenarios.contains(kQueuesScenario)) continue;
     ScenarioComparison& comparison = comparisons.emplace_back();
-    comparison.nodes = nodes;
+    comparison.nodes = key.first;
+    comparison.backend = key.second;
     comparison.single_pool = Summarize(scenarios[kSinglePoolScenario]);
     comparison.queues = Summarize(scenarios[kQueuesScenario]);
   }
@@ -114,8 +117,9 @@ std::string FormatComparisons(const std::vector<ScenarioComparison>& comparisons
     absl::StrAppendFormat(
         &out,
         "\n%d nodes, queues against the single pool (medians of %d / %d runs, same fleet and "
-        "jobs):\n",
-        c.nodes, c.queues.runs, c.single_pool.runs);
+        "jobs%s):\n",
+        c.nodes, c.queues.runs, c.single_pool.runs,
+        c.backend.empty() || c.backend == "sqlite" ? "" : absl::StrCat(", on ", c.backend));
     absl::StrAppendFormat(&out, "  %-28s %12s %12s %8s\n", "", "single-pool", "queues", "ratio");
     auto row = [&out](const char* name, double single, double queues, int digits) {
       absl::StrAppendFormat(&out, "  %-28s %12.*f %12.*f %7.2fx\n", name, digits, single, digits,

@@ -36,6 +36,8 @@ std::string QueueFileYaml(const QueueScenarioOptions& options, int64_t fleet_gpu
 // The two scenarios at one fleet size, medians over their runs.
 struct ScenarioComparison {
   int nodes = 0;
+  // The store's backend both ran on (ScaleResult::backend).
+  std::string backend;
   struct Side {
     int runs = 0;
     // The coordinator's mean scheduler pass (ScaleResult::internals), jobs placed per second
@@ -49,7 +51,8 @@ struct ScenarioComparison {
   Side queues;
 };
 
-// One comparison per fleet size that has runs of both scenarios, in order of first appearance.
+// One comparison per fleet size and backend that has runs of both scenarios, in order of first
+// appearance.
 std::vector<ScenarioComparison> CompareScenarios(const std::vector<ScaleResult>& results);
 // The comparison as text for the summary.
 std::string FormatComparisons(const std::vector<ScenarioComparison>& comparisons);

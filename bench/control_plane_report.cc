@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "bench/control_plane_backends.h"
 #include "bench/control_plane_queues.h"
 #include "common/errno_status.h"
 #include "nlohmann/json.hpp"
@@ -57,9 +58,11 @@ bool GpuBound(const ClusterOccupancy& occupancy) {
 }
 
 // "10000", or "10000 queues" for a run of a scenario other than the single pool.
+// With " pg" after it for a run on PostgreSQL.
 std::string ScaleLabel(const ScaleResult& r) {
-  return r.scenario.empty() || r.scenario == "single-pool" ? absl::StrCat(r.nodes)
-                                                           : absl::StrCat(r.nodes, " ", r.scenario);
+  return absl::StrCat(r.nodes,
+                      r.scenario.empty() || r.scenario == "single-pool" ? "" : " " + r.scenario,
+                      r.backend == kPostgresBackend ? " pg" : "");
 }
 
 json SpreadJson(const Spread& spread) {
@@ -110,6 +113,7 @@ json ScaleJson(const ScaleResult& r) {
   const JobStreamCounters& j = r.jobs;
   return {
       {"scenario", r.scenario},
+      {"backend", r.backend},
       {"nodes", r.nodes},
       {"window_seconds", r.window_seconds},
       {"registration",
@@ -237,9 +241,10 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
                   "period later).\n");
 
   for (const ScaleResult& r : results) {
-    absl::StrAppendFormat(
-        &out, "\n%d nodes%s:\n", r.nodes,
-        ScaleLabel(r) == absl::StrCat(r.nodes) ? "" : absl::StrCat(", ", r.scenario));
+    absl::StrAppendFormat(&out, "\n%d nodes%s:\n", r.nodes,
+                          ScaleLabel(r) == absl::StrCat(r.nodes)
+                              ? ""
+                              : absl::StrCat(", ", r.scenario, ", ", r.backend));
     absl::StrAppendFormat(
         &out, "  per-heartbeat logic costs %.1fx a no-op RPC (p50 %.2f ms vs %.2f ms)\n",
         HeartbeatToHealthRatio(r), Ms(r.heartbeat.p50), Ms(r.health.p50));
@@ -273,7 +278,7 @@ std::string FormatSummary(const RunInfo& info, const ScaleOptions& p,
       absl::StrAppendFormat(
           &out,
           "  coordinator: scheduler pass %.1f/s, mean %.2f ms, holding the cluster lock %.2f ms "
-          "(longest hold %.2f ms), %.0f%% of wall under the cluster lock; SQLite writes %.1f/s, "
+          "(longest hold %.2f ms), %.0f%% of wall under the cluster lock; store writes %.1f/s, "
           "mean %.2f ms, the writer's CPU %.2f cores (%.0f us a write);\n  server-side mean: "
           "Heartbeat %.3f ms, "
           "Health/Check %.3f ms, SubmitJob %.2f ms; its own submit->SCHEDULED mean %.0f ms (from "
@@ -350,6 +355,34 @@ absl::Status WriteJson(const std::string& path, const RunInfo& info, const Scale
     scale["gpus"] = result.nodes * p.fleet.gpus_per_node;
     scales.push_back(std::move(scale));
   }
+  // PostgreSQL against SQLite, where both ran (control_plane_backends.h).
+  json backend_comparisons = json::array();
+  for (const BackendComparison& c : CompareBackends(results)) {
+    auto side = [](const BackendComparison::Side& s) {
+      return json{{"runs", s.runs},
+                  {"median_heartbeat_p50_ms", Ms(s.heartbeat_p50_seconds)},
+                  {"median_heartbeat_p99_ms", Ms(s.heartbeat_p99_seconds)},
+                  {"median_jobs_placed_per_second", s.placed_per_second},
+                  {"median_scheduling_p50_ms", Ms(s.scheduling_p50_seconds)},
+                  {"median_scheduling_p99_ms", Ms(s.scheduling_p99_seconds)},
+                  {"median_submit_p99_ms", Ms(s.submit_p99_seconds)},
+                  {"median_register_seconds", s.register_seconds},
+                  {"median_store_writes_per_second", s.store_writes_per_second},
+                  {"median_store_write_mean_ms", Ms(s.store_write_mean_seconds)},
+                  {"median_store_writer_cores", s.store_writer_cores},
+                  {"median_coordinator_cores", s.coordinator_cores}};
+    };
+    auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+    backend_comparisons.push_back(
+        {{"nodes", c.nodes},
+         {"scenario", c.scenario},
+         {"sqlite", side(c.sqlite)},
+         {"postgresql", side(c.postgresql)},
+         {"heartbeat_p99_ratio_postgresql_over_sqlite",
+          ratio(c.postgresql.heartbeat_p99_seconds, c.sqlite.heartbeat_p99_seconds)},
+         {"placed_ratio_postgresql_over_sqlite",
+          ratio(c.postgresql.placed_per_second, c.sqlite.placed_per_second)}});
+  }
   // The queues scenario against the single pool, where both ran (control_plane_queues.h).
   json comparisons = json::array();
   for (const ScenarioComparison& c : CompareScenarios(results)) {
@@ -362,6 +395,7 @@ absl::Status WriteJson(const std::string& path, const RunInfo& info, const Scale
     };
     auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
     comparisons.push_back({{"nodes", c.nodes},
+                           {"backend", c.backend},
                            {"single_pool", side(c.single_pool)},
                            {"queues", side(c.queues)},
                            {"pass_ratio_queues_over_single_pool",
@@ -403,6 +437,7 @@ absl::Status WriteJson(const std::string& path, const RunInfo& info, const Scale
         {"coordinator_state_filesystem", info.state_filesystem}}},
       {"scales", scales},
       {"comparisons", comparisons},
+      {"backend_comparisons", backend_comparisons},
   };
   std::ofstream out(path);
   if (!out) return ErrnoToStatus(errno, path);

@@ -16,7 +16,11 @@
 #include "bench/control_plane_prometheus.h"
 #include "common/daemon/server.h"
 #include "common/errno_status.h"
+#include "common/read_file.h"
 #include "common/status_macros.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/client_context.h"
+#include "tessera/v1/node_service.grpc.pb.h"
 
 namespace tessera::bench {
 namespace {
@@ -151,11 +155,36 @@ void SleepUntil(Clock::time_point when) {
   if (when > now) absl::SleepFor(absl::FromChrono(when - now));
 }
 
+// Waits until the coordinator leads: on PostgreSQL it starts as a standby (NodeService
+// NOT_SERVING, RegisterNode refused) until it wins the election, which must not count as the
+// fleet's join time. On SQLite it leads from the start.
+absl::Status WaitUntilLeading(const std::string& address, absl::Duration timeout) {
+  auto health = grpc::health::v1::Health::NewStub(MakeClientChannel(address));
+  const absl::Time deadline = absl::Now() + timeout;
+  grpc::Status last;
+  while (absl::Now() < deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(v1::NodeService::service_full_name());
+    grpc::health::v1::HealthCheckResponse response;
+    last = health->Check(&context, request, &response);
+    if (last.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+      return absl::OkStatus();
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return absl::UnavailableError(absl::StrCat("the coordinator at ", address,
+                                             " did not lead within ", absl::FormatDuration(timeout),
+                                             " (last health check: ", last.error_message(), ")"));
+}
+
 }  // namespace
 
 absl::StatusOr<ScaleResult> RunScale(const ScaleOptions& options) {
   ScaleResult result;
   result.scenario = options.scenario;
+  result.backend = options.backend;
   result.nodes = options.fleet.nodes;
   result.offered_jobs_per_second = options.jobs.jobs_per_second;
   result.heartbeats_expected_per_second =
@@ -178,8 +207,12 @@ absl::StatusOr<ScaleResult> RunScale(const ScaleOptions& options) {
       auto coordinator,
       CoordinatorProcess::Start({.binary = options.coordinator_binary,
                                  .dir = dir,
+                                 .state = options.state_url,
+                                 .database_password_file = options.database_password_file,
                                  .heartbeat_timeout = options.coordinator_heartbeat_timeout,
                                  .queue_file = queue_file}));
+
+  RETURN_IF_ERROR(WaitUntilLeading(coordinator->address(), kCoordinatorStartTimeout));
 
   JobStream jobs(MakeClientChannel(coordinator->address()), options.jobs);
   SimulatedFleet fleet(
@@ -249,6 +282,15 @@ absl::StatusOr<ScaleResult> RunScale(const ScaleOptions& options) {
   result.fleet = fleet.counters();
   result.jobs = jobs.counters();
   ASSIGN_OR_RETURN(ProcessSample final_sample, SampleProcess(coordinator->pid()));
+  if (final_sample.exited) {
+    // E.g. a leader on PostgreSQL whose lease renewal was starved steps down and exits: the
+    // run measured an outage, not the coordinator; it must not count among the medians.
+    auto log = ReadWholeFile(coordinator->log_path());
+    std::string tail = log.ok() ? *log : std::string(log.status().message());
+    if (tail.size() > 600) tail = "..." + tail.substr(tail.size() - 600);
+    return absl::UnavailableError(
+        absl::StrCat("the coordinator exited during the run; the end of its log:\n", tail));
+  }
   result.coordinator_rss_bytes = coordinator_samples.back().rss_bytes;
   result.coordinator_peak_rss_bytes = final_sample.peak_rss_bytes;
   result.coordinator_threads = coordinator_samples.back().threads;

@@ -21,6 +21,12 @@ struct ScaleOptions {
   std::string scenario = "single-pool";
   // The coordinator's queue file (written to its state directory); empty: none, one pool.
   std::string queue_file_yaml;
+  // The store's backend, kSqliteBackend or kPostgresBackend (control_plane_backends.h).
+  std::string backend = "sqlite";
+  // The coordinator's --state for PostgreSQL (a fresh database) and its password file; empty:
+  // a SQLite file in the run's state directory.
+  std::string state_url;
+  std::string database_password_file;
   // Path of tessera-coordinator.
   std::string coordinator_binary;
   // A fresh directory for the coordinator's state is made under it.
@@ -98,6 +104,8 @@ struct ClusterOccupancy {
 
 struct ScaleResult {
   std::string scenario;
+  // ScaleOptions::backend.
+  std::string backend = "sqlite";
   int nodes = 0;
   double offered_jobs_per_second = 0;
   double window_seconds = 0;

@@ -432,10 +432,19 @@ absl::StatusOr<std::unique_ptr<PostgresConnection>> Connect(
   // transaction left open for 5 s is a paused or hung coordinator (a group commit never waits
   // in one): the server ends it, releasing the leader lease's row lock (leader_election.h) so
   // that a standby's takeover is not held up by a deposed leader.
+  //
+  // Every execution of a prepared statement is planned for its values (force_custom_plan).
+  // After five executions PostgreSQL may switch to a generic plan, and for the scheduler's
+  // `state IN (?1, ...)` listings that plan assumes each parameter matches an even share of the
+  // states seen, so once autovacuum has analyzed a history of ended jobs it scans the whole jobs
+  // table, every pass: 2.4 ms at 2,000 jobs and growing with the history, against 0.07 ms through
+  // jobs_by_state with the values known (docs/performance.md). Planning the store's small
+  // statements each time costs tens of microseconds.
   std::vector<const char*> keys = {"dbname", "connect_timeout", "application_name", "options"};
   std::vector<const char*> values = {
       options.url.c_str(), timeout.c_str(), "tessera-coordinator",
-      "-c client_min_messages=warning -c idle_in_transaction_session_timeout=5000"};
+      "-c client_min_messages=warning -c idle_in_transaction_session_timeout=5000 "
+      "-c plan_cache_mode=force_custom_plan"};
   if (!options.password.empty()) {
     keys.push_back("password");
     values.push_back(options.password.c_str());

@@ -1,5 +1,7 @@
-// The Store's schema migrations (store_migrations.cc): a file of every earlier version migrated
-// on open, a newer schema refused.
+// The Store's schema migrations (store_migrations.cc): a database of every earlier version
+// migrated on open, on SQLite and on a private PostgreSQL (tests/postgres_fixture.h; those cases
+// skip, saying why, when it cannot start), and a newer schema refused (on PostgreSQL:
+// store_postgres_test).
 //
 // Thread safety: each test owns its store; the threads a test starts use it as the
 // coordinator's threads do.
@@ -7,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -27,13 +30,18 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::SizeIs;
 
-// Takes a database of the current schema back to `version`'s layout, as a binary of that version
-// left it: each step undoes one migration (store_migrations.cc), newest first.
-void Downgrade(const std::string& path, int version) {
-  // kUndo[v - 1] takes the schema from version v + 1 back to v.
-  constexpr const char* kUndo[] = {
-      // To 1: jobs in a WITHOUT ROWID table.
-      R"sql(
+// Undoes one migration (store_migrations.cc) on each backend: `postgres` is what PostgreSQL
+// runs instead of `sqlite` (nullptr: the same text; "": nothing, as the migration did nothing
+// there).
+struct Undo {
+  const char* sqlite;
+  const char* postgres = nullptr;
+};
+
+// kUndo[v - 1] takes the schema from version v + 1 back to v.
+constexpr Undo kUndo[] = {
+    // To 1: jobs in a WITHOUT ROWID table. PostgreSQL's v2 did nothing (its tables are heaps).
+    {R"sql(
 CREATE TABLE jobs_v1 (
   job_id TEXT PRIMARY KEY NOT NULL,
   state INTEGER NOT NULL,
@@ -48,32 +56,72 @@ ALTER TABLE jobs_v1 RENAME TO jobs;
 CREATE INDEX jobs_by_create_time ON jobs (create_time_ns, job_id);
 CREATE INDEX jobs_by_state ON jobs (state, create_time_ns, job_id);
 )sql",
-      // To 2: a row per event.
-      "ALTER TABLE job_events DROP COLUMN last_sequence;",
-      // To 3: no saved queue usage.
-      "DROP TABLE queue_usage;",
-  };
-  static_assert(std::size(kUndo) == Store::kSchemaVersion - 1);
-  std::string sql = "PRAGMA foreign_keys = OFF;\nBEGIN;\n";
-  for (int to = Store::kSchemaVersion - 1; to >= version; --to)
-    absl::StrAppend(&sql, kUndo[to - 1]);
-  absl::StrAppend(&sql, "UPDATE schema_version SET version = ", version, ";\nCOMMIT;\n");
-  RawExec(path, sql.c_str());
-}
+     ""},
+    // To 2: a row per event.
+    {"ALTER TABLE job_events DROP COLUMN last_sequence;"},
+    // To 3: no saved queue usage.
+    {"DROP TABLE queue_usage;"},
+};
+static_assert(std::size(kUndo) == Store::kSchemaVersion - 1);
 
-class StoreMigrationTest : public ::testing::TestWithParam<int> {};
+// The migrations run against each backend from each earlier version: (backend, version).
+using MigrationCase = std::tuple<StoreBackend, int>;
 
-// A database written by each earlier schema version is migrated on open to the current one:
-// from version 1 (jobs in a WITHOUT ROWID table, a row per event), through version 3 (a write's
-// events in one row) and version 4 (the queues' saved fair-share usage). Every job, event,
-// metric point and checkpoint survives (dropping the old jobs table must not cascade into the
-// others), foreign keys are on again afterwards, and what each later version added works.
+class StoreMigrationTest : public ::testing::TestWithParam<MigrationCase> {
+ protected:
+  void SetUp() override {
+    if (!postgres()) {
+      location_ = dir_.path() + "/coordinator.db";
+      return;
+    }
+    tessera::testing::PostgresCluster& cluster = tessera::testing::PostgresCluster::Shared();
+    location_ = cluster.NewDatabase();
+    if (location_.empty()) GTEST_SKIP() << "no PostgreSQL server: " << cluster.Reason();
+  }
+
+  bool postgres() const { return std::get<0>(GetParam()) == StoreBackend::kPostgres; }
+  int from_version() const { return std::get<1>(GetParam()); }
+  const std::string& location() const { return location_; }
+
+  // The first column of the first row of `sql`, behind the store's back.
+  std::string Query(const char* sql) {
+    return postgres() ? RawPostgresQuery(location_, sql) : RawQuery(location_, sql);
+  }
+  // `sqlite` on SQLite, `postgres` on PostgreSQL: the catalogs differ.
+  std::string Query(const char* sqlite, const char* postgres) {
+    return Query(this->postgres() ? postgres : sqlite);
+  }
+
+  // Takes a database of the current schema back to `version`'s layout, as a binary of that
+  // version left it: each step undoes one migration, newest first, in one transaction.
+  void Downgrade(int version) {
+    std::string sql = postgres() ? "BEGIN;\n" : "PRAGMA foreign_keys = OFF;\nBEGIN;\n";
+    for (int to = Store::kSchemaVersion - 1; to >= version; --to) {
+      const Undo& undo = kUndo[to - 1];
+      absl::StrAppend(&sql, postgres() && undo.postgres != nullptr ? undo.postgres : undo.sqlite);
+    }
+    absl::StrAppend(&sql, "UPDATE schema_version SET version = ", version, ";\nCOMMIT;\n");
+    if (postgres()) {
+      RawPostgresExec(location_, sql.c_str());
+    } else {
+      RawExec(location_, sql.c_str());
+    }
+  }
+
+ private:
+  tessera::testing::ScopedTempDir dir_{"store"};
+  std::string location_;
+};
+
+// A database written by each earlier schema version is migrated on open to the current one, on
+// SQLite and on PostgreSQL: from version 1 (jobs in a WITHOUT ROWID table on SQLite, a row per
+// event), through version 3 (a write's events in one row) and version 4 (the queues' saved
+// fair-share usage). Every job, event, metric point and checkpoint survives (dropping SQLite's
+// old jobs table must not cascade into the others), the foreign keys hold afterwards, and what
+// each later version added works.
 TEST_P(StoreMigrationTest, MigratesAnOlderDatabase) {
-  const int from_version = GetParam();
-  tessera::testing::ScopedTempDir dir("store");
-  const std::string path = dir.path() + "/coordinator.db";
   {
-    std::unique_ptr<Store> store = OpenOrDie(path);
+    std::unique_ptr<Store> store = OpenOrDie(location());
     ASSERT_NE(store, nullptr);
     for (int i = 0; i < 3; ++i) {
       JobWrite write;
@@ -93,25 +141,39 @@ TEST_P(StoreMigrationTest, MigratesAnOlderDatabase) {
       ASSERT_THAT(store->Commit(second), IsOk());
     }
   }
-  Downgrade(path, from_version);
-  ASSERT_EQ(RawQuery(path, "SELECT version FROM schema_version"), std::to_string(from_version));
-  ASSERT_EQ(RawQuery(path, "SELECT count(*) FROM sqlite_master WHERE name = 'queue_usage'"), "0");
-  if (from_version < 3) {
-    ASSERT_EQ(RawQuery(path, "SELECT count(*) FROM pragma_table_info('job_events')"), "3");
-  }
-  if (from_version < 2) {
-    ASSERT_THAT(RawQuery(path, "SELECT sql FROM sqlite_master WHERE name = 'jobs'"),
+  Downgrade(from_version());
+  ASSERT_EQ(Query("SELECT version FROM schema_version"), std::to_string(from_version()));
+  constexpr char kQueueUsageTables[] =
+      "SELECT count(*) FROM sqlite_master WHERE name = 'queue_usage'";
+  constexpr char kPostgresQueueUsageTables[] =
+      "SELECT count(*) FROM pg_tables WHERE tablename = 'queue_usage'";
+  ASSERT_EQ(Query(kQueueUsageTables, kPostgresQueueUsageTables), "0");
+  constexpr char kEventColumns[] = "SELECT count(*) FROM pragma_table_info('job_events')";
+  constexpr char kPostgresEventColumns[] =
+      "SELECT count(*) FROM information_schema.columns WHERE table_name = 'job_events'";
+  ASSERT_EQ(Query(kEventColumns, kPostgresEventColumns), from_version() < 3 ? "3" : "4");
+  if (from_version() < 2 && !postgres()) {
+    ASSERT_THAT(Query("SELECT sql FROM sqlite_master WHERE name = 'jobs'"),
                 HasSubstr("WITHOUT ROWID"));
   }
 
-  std::unique_ptr<Store> store = OpenOrDie(path);
+  std::unique_ptr<Store> store = OpenOrDie(location());
   ASSERT_NE(store, nullptr);
-  EXPECT_EQ(RawQuery(path, "SELECT version FROM schema_version"),
-            std::to_string(Store::kSchemaVersion));
-  EXPECT_THAT(RawQuery(path, "SELECT sql FROM sqlite_master WHERE name = 'jobs'"),
-              ::testing::Not(HasSubstr("WITHOUT ROWID")));
-  EXPECT_EQ(RawQuery(path, "SELECT \"table\" FROM pragma_foreign_key_list('job_events')"), "jobs");
-  EXPECT_EQ(RawQuery(path, "SELECT count(*) FROM pragma_index_list('jobs')"), "4");
+  EXPECT_EQ(Query("SELECT version FROM schema_version"), std::to_string(Store::kSchemaVersion));
+  EXPECT_EQ(Query(kEventColumns, kPostgresEventColumns), "4");
+  EXPECT_EQ(Query(kQueueUsageTables, kPostgresQueueUsageTables), "1");
+  if (!postgres()) {
+    EXPECT_THAT(Query("SELECT sql FROM sqlite_master WHERE name = 'jobs'"),
+                ::testing::Not(HasSubstr("WITHOUT ROWID")));
+  }
+  EXPECT_EQ(Query("SELECT \"table\" FROM pragma_foreign_key_list('job_events')",
+                  "SELECT confrelid::regclass::text FROM pg_constraint "
+                  "WHERE conrelid = 'job_events'::regclass AND contype = 'f'"),
+            "jobs");
+  // The primary key, the request id's uniqueness, by create time and by state.
+  EXPECT_EQ(Query("SELECT count(*) FROM pragma_index_list('jobs')",
+                  "SELECT count(*) FROM pg_indexes WHERE tablename = 'jobs'"),
+            "4");
   for (int i = 0; i < 3; ++i) {
     const std::string job_id = absl::StrCat("job-", i);
     absl::StatusOr<std::optional<v1::Job>> found =
@@ -152,11 +214,13 @@ TEST_P(StoreMigrationTest, MigratesAnOlderDatabase) {
   EXPECT_EQ((*loaded)->queues["nlp"].cpu_slot_seconds, 8);
 }
 
-INSTANTIATE_TEST_SUITE_P(EveryEarlierVersion, StoreMigrationTest,
-                         ::testing::Range(1, Store::kSchemaVersion),
-                         [](const ::testing::TestParamInfo<int>& info) {
-                           return absl::StrCat("FromVersion", info.param);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    EveryEarlierVersion, StoreMigrationTest,
+    ::testing::Combine(kStoreBackends, ::testing::Range(1, Store::kSchemaVersion)),
+    [](const ::testing::TestParamInfo<MigrationCase>& info) {
+      return absl::StrCat(std::get<0>(info.param) == StoreBackend::kSqlite ? "Sqlite" : "Postgres",
+                          "FromVersion", std::get<1>(info.param));
+    });
 
 TEST(StoreTest, NewerSchemaIsRefused) {
   tessera::testing::ScopedTempDir dir("store");

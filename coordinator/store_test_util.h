@@ -103,6 +103,32 @@ inline std::string RawQuery(const std::string& path, const char* sql) {
   return value;
 }
 
+// Runs `sql` on a PostgreSQL database behind the store's back (its own connection).
+inline void RawPostgresExec(const std::string& url, const char* sql) {
+  PGconn* conn = PQconnectdb(url.c_str());
+  ASSERT_EQ(PQstatus(conn), CONNECTION_OK) << PQerrorMessage(conn);
+  PGresult* result = PQexec(conn, sql);
+  EXPECT_EQ(PQresultStatus(result), PGRES_COMMAND_OK) << PQresultErrorMessage(result);
+  PQclear(result);
+  PQfinish(conn);
+}
+
+// The first column of the first row `sql` returns from a PostgreSQL database, read behind the
+// store's back ("" for none).
+inline std::string RawPostgresQuery(const std::string& url, const char* sql) {
+  PGconn* conn = PQconnectdb(url.c_str());
+  std::string value;
+  EXPECT_EQ(PQstatus(conn), CONNECTION_OK) << PQerrorMessage(conn);
+  PGresult* result = PQexec(conn, sql);
+  EXPECT_EQ(PQresultStatus(result), PGRES_TUPLES_OK) << PQresultErrorMessage(result);
+  if (PQresultStatus(result) == PGRES_TUPLES_OK && PQntuples(result) > 0) {
+    value = PQgetvalue(result, 0, 0);
+  }
+  PQclear(result);
+  PQfinish(conn);
+  return value;
+}
+
 // The store's backends, for suites that run against both (StoreBackendTest).
 enum class StoreBackend { kSqlite, kPostgres };
 
@@ -133,18 +159,7 @@ class StoreBackendTest : public ::testing::TestWithParam<StoreBackend> {
   // The first column of the first row `sql` returns, read behind the store's back ("" for
   // none), on either backend.
   std::string QueryValue(const char* sql) {
-    if (!postgres()) return RawQuery(location_, sql);
-    PGconn* conn = PQconnectdb(location_.c_str());
-    std::string value;
-    EXPECT_EQ(PQstatus(conn), CONNECTION_OK) << PQerrorMessage(conn);
-    PGresult* result = PQexec(conn, sql);
-    EXPECT_EQ(PQresultStatus(result), PGRES_TUPLES_OK) << PQresultErrorMessage(result);
-    if (PQresultStatus(result) == PGRES_TUPLES_OK && PQntuples(result) > 0) {
-      value = PQgetvalue(result, 0, 0);
-    }
-    PQclear(result);
-    PQfinish(conn);
-    return value;
+    return postgres() ? RawPostgresQuery(location_, sql) : RawQuery(location_, sql);
   }
 
  private:
