@@ -37,15 +37,21 @@ constexpr char kCreateTable[] =
     "  ON CONFLICT (id) DO NOTHING;"
     "COMMIT;";
 
-// Takes an expired lease with the next epoch, or refreshes our own.
+// Takes an expired lease with the next epoch, or refreshes our own. The row is locked FOR UPDATE
+// first: that waits for every write transaction in flight (each holds the row FOR KEY SHARE, see
+// kFence), so a write fenced under the old epoch commits before the new epoch exists.
 constexpr char kAcquire[] =
-    "UPDATE tessera_leader_lease SET"
+    "WITH locked AS (SELECT id FROM tessera_leader_lease WHERE id = 1 FOR UPDATE)"
+    " UPDATE tessera_leader_lease SET"
     "  epoch = CASE WHEN holder = $1 AND epoch = $4::bigint THEN epoch ELSE epoch + 1 END,"
     "  holder = $1, address = $2, renewed_at = now(),"
     "  expires_at = now() + make_interval(secs => $3::double precision)"
-    " WHERE id = 1 AND (expires_at <= now() OR (holder = $1 AND epoch = $4::bigint))"
+    " WHERE id = (SELECT id FROM locked)"
+    "  AND (expires_at <= now() OR (holder = $1 AND epoch = $4::bigint))"
     " RETURNING epoch";
 
+// Renewal and release change no key column, so their row lock (FOR NO KEY UPDATE) does not wait
+// for the leader's own write transactions: a slow group commit cannot starve the renewal.
 constexpr char kRenew[] =
     "UPDATE tessera_leader_lease SET renewed_at = now(),"
     "  expires_at = now() + make_interval(secs => $3::double precision)"
@@ -58,9 +64,12 @@ constexpr char kRelease[] =
 constexpr char kCurrent[] =
     "SELECT epoch, holder, address, expires_at > now() FROM tessera_leader_lease WHERE id = 1";
 
-// In the writer's transaction: a takeover's UPDATE waits for this lock, and this waits for a
-// takeover in progress (and then reads the row it committed).
-constexpr char kFence[] = "SELECT epoch, address FROM tessera_leader_lease WHERE id = 1 FOR SHARE";
+// In the writer's transaction: a takeover's FOR UPDATE waits for this lock, and this waits for a
+// takeover in progress (and then reads the row it committed). FOR KEY SHARE, not FOR SHARE: the
+// leader's renewal (an UPDATE of no key column) must not queue behind its own writes, or a
+// commit slower than half the lease makes the leader lose its lease to itself.
+constexpr char kFence[] =
+    "SELECT epoch, address FROM tessera_leader_lease WHERE id = 1 FOR KEY SHARE";
 
 std::string Trimmed(const char* message) {
   std::string text = message != nullptr ? message : "";

@@ -165,6 +165,78 @@ TEST_F(LeaderElectionTest, TheDeposedLeadersWritesAreRefusedAndNothingOfThemIsSt
   EXPECT_THAT((*store_b)->CommitNewJob(&next), IsOk());
 }
 
+// A write transaction that holds the fence longer than the lease (a slow group commit on a loaded
+// database) does not stop the leader's renewals: it keeps the lease.
+TEST_F(LeaderElectionTest, ASlowFencedWriteDoesNotStarveTheRenewal) {
+  auto a = Elector("a:1");
+  ASSERT_THAT(a->TryAcquire(), IsOkAndHolds(true));
+  absl::Mutex mu;
+  std::string lost;
+  a->StartRenewing([&](const std::string& message) {
+    absl::MutexLock lock(&mu);
+    lost = message;
+  });
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(url_);
+  ASSERT_THAT(store.status(), IsOk());
+  LeaderElection* elector = a.get();
+  (*store)->SetWriteFence([elector](DbConnection& writer) {
+    absl::Status fenced = elector->Fence(writer);
+    // The transaction goes on holding the lease row for 1.5 leases.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    return fenced;
+  });
+  SubmitJob(**store, MakeJob("job-00000001", v1::JOB_STATE_PENDING, 1));
+  EXPECT_TRUE(a->Valid()) << "the renewal waited for the leader's own write";
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(lost, "");
+}
+
+// A standby cannot take over while a write fenced under the old epoch is in flight: its takeover
+// waits until that write has committed.
+TEST_F(LeaderElectionTest, ATakeoverWaitsForTheOldLeadersFencedWrite) {
+  // The leader never renews: its lease runs out while its write holds the fence.
+  auto a = Elector("a:1", absl::Seconds(1), absl::Seconds(600));
+  auto b = Elector("b:1");
+  ASSERT_THAT(a->TryAcquire(), IsOkAndHolds(true));
+  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(url_);
+  ASSERT_THAT(store.status(), IsOk());
+  LeaderElection* elector = a.get();
+  absl::Mutex mu;
+  bool passed = false;
+  std::chrono::steady_clock::time_point released;
+  (*store)->SetWriteFence([&, elector](DbConnection& writer) {
+    absl::Status fenced = elector->Fence(writer);
+    {
+      absl::MutexLock lock(&mu);
+      passed = fenced.ok();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    absl::MutexLock lock(&mu);
+    released = std::chrono::steady_clock::now();
+    return fenced;
+  });
+  std::thread writer([&] { SubmitJob(**store, MakeJob("job-00000001", v1::JOB_STATE_PENDING, 1)); });
+  {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(&passed));
+  }
+  absl::StatusOr<bool> taken = b->TryAcquire();
+  while (!taken.ok() || !*taken) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    taken = b->TryAcquire();
+  }
+  const auto taken_at = std::chrono::steady_clock::now();
+  writer.join();
+  EXPECT_EQ(b->epoch(), 2);
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_GT(taken_at, released) << "the standby took over under a write in flight";
+  }
+  absl::StatusOr<JobPage> jobs = (*store)->ListJobs({}, 0, "");
+  ASSERT_THAT(jobs.status(), IsOk());
+  EXPECT_THAT(JobIds(jobs->jobs), ::testing::ElementsAre("job-00000001"));
+}
+
 TEST_F(LeaderElectionTest, ALeaderThatStopsRenewingStepsDownByItsOwnClock) {
   auto a = Elector("a:1", absl::Milliseconds(600), absl::Milliseconds(900));
   ASSERT_THAT(a->TryAcquire(), IsOkAndHolds(true));
