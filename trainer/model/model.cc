@@ -723,9 +723,9 @@ void CausalLMImpl::SumRouterAuxLossOver(c10d::ProcessGroup& pipeline) {
   // collectives; a dense model's stages skip them all alike.
   if (!aux.defined()) return;
   // Each stage fills the rows of its own layers; the sum over the stages holds every layer's.
-  torch::Tensor counts = torch::zeros(
-      {dims_.num_layers(), dims_.num_experts()},
-      torch::TensorOptions().dtype(torch::kInt64).device(aux.device()));
+  torch::Tensor counts =
+      torch::zeros({dims_.num_layers(), dims_.num_experts()},
+                   torch::TensorOptions().dtype(torch::kInt64).device(aux.device()));
   for (const ChunkRouting* chunk : routed) {
     for (size_t i = 0; i < chunk->moe_layers.size(); ++i) {
       counts[chunk->moe_layers[i]].copy_(chunk->tokens_per_expert[static_cast<int64_t>(i)]);
@@ -734,8 +734,8 @@ void CausalLMImpl::SumRouterAuxLossOver(c10d::ProcessGroup& pipeline) {
   std::vector<torch::Tensor> tensors{aux.reshape({1}), counts};
   for (torch::Tensor& tensor : tensors) {
     std::vector<torch::Tensor> one{tensor};
-    const CollectiveIssue issue = IssueCollective(CollectiveKind::kAllReduce, &pipeline,
-                                                  TensorBytes(one), tensor.is_cuda());
+    const CollectiveIssue issue =
+        IssueCollective(CollectiveKind::kAllReduce, &pipeline, TensorBytes(one), tensor.is_cuda());
     WaitForPeers(pipeline.allreduce(one), issue);
   }
   last_router_aux_loss_ = tensors[0].reshape({});

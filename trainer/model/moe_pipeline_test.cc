@@ -92,8 +92,9 @@ TEST(MoePipelineTest, InterleavedStagesReportEveryChunksRouterLoss) {
   for (int stage = 0; stage < kStages; ++stage) {
     EXPECT_NEAR(reported[stage], whole_aux, 1e-6 * whole_aux) << "stage " << stage;
     ASSERT_TRUE(counts[stage].defined()) << "stage " << stage;
-    EXPECT_TRUE(torch::equal(counts[stage], whole_counts))
-        << "stage " << stage << ":\n" << counts[stage] << "\nwant\n" << whole_counts;
+    EXPECT_TRUE(torch::equal(counts[stage], whole_counts)) << "stage " << stage << ":\n"
+                                                           << counts[stage] << "\nwant\n"
+                                                           << whole_counts;
   }
 }
 
