@@ -54,6 +54,7 @@ benches=(
   "failover|$TESSERA_BENCH_PYTHON bench/failover_bench.py|cpu"
   "lora|$TESSERA_BENCH_PYTHON bench/lora_bench.py|cpu"
   "moe|$TESSERA_BENCH_PYTHON bench/moe_bench.py|cpu"
+  "planner-fit|$TESSERA_BENCH_PYTHON bench/planner_fit_bench.py|cpu"
   "breakdown|$TESSERA_BENCH_PYTHON bench/breakdown_bench.py|cpu"
   "control-plane|$build_dir/bench/control_plane_bench --coordinator=$build_dir/bin/tessera-coordinator|cpu"
 )

@@ -712,12 +712,34 @@ torch::Tensor CausalLMImpl::RouterAuxLoss() {
 }
 
 void CausalLMImpl::SumRouterAuxLossOver(c10d::ProcessGroup& pipeline) {
-  if (!last_router_aux_loss_.defined()) return;
-  std::vector<torch::Tensor> tensors{last_router_aux_loss_.clone()};
-  const CollectiveIssue issue = IssueCollective(CollectiveKind::kAllReduce, &pipeline,
-                                                TensorBytes(tensors), tensors[0].is_cuda());
-  WaitForPeers(pipeline.allreduce(tensors), issue);
-  last_router_aux_loss_ = tensors[0];
+  torch::Tensor aux;
+  std::vector<const ChunkRouting*> routed;
+  for (const ChunkRouting& chunk : chunk_routing_) {
+    if (!chunk.aux_loss.defined()) continue;
+    aux = aux.defined() ? aux + chunk.aux_loss : chunk.aux_loss.clone();
+    routed.push_back(&chunk);
+  }
+  // Every stage of an MoE model routes in each of its layers, so each one joins both
+  // collectives; a dense model's stages skip them all alike.
+  if (!aux.defined()) return;
+  // Each stage fills the rows of its own layers; the sum over the stages holds every layer's.
+  torch::Tensor counts =
+      torch::zeros({dims_.num_layers(), dims_.num_experts()},
+                   torch::TensorOptions().dtype(torch::kInt64).device(aux.device()));
+  for (const ChunkRouting* chunk : routed) {
+    for (size_t i = 0; i < chunk->moe_layers.size(); ++i) {
+      counts[chunk->moe_layers[i]].copy_(chunk->tokens_per_expert[static_cast<int64_t>(i)]);
+    }
+  }
+  std::vector<torch::Tensor> tensors{aux.reshape({1}), counts};
+  for (torch::Tensor& tensor : tensors) {
+    std::vector<torch::Tensor> one{tensor};
+    const CollectiveIssue issue =
+        IssueCollective(CollectiveKind::kAllReduce, &pipeline, TensorBytes(one), tensor.is_cuda());
+    WaitForPeers(pipeline.allreduce(one), issue);
+  }
+  last_router_aux_loss_ = tensors[0].reshape({});
+  last_tokens_per_expert_ = tensors[1];
 }
 
 torch::Tensor CausalLMImpl::HeadLoss(const torch::Tensor& hidden, const torch::Tensor& targets) {
@@ -760,7 +782,23 @@ torch::Tensor CausalLMImpl::StageForward(const torch::Tensor& input, const torch
   // A stage's router loss covers its own layers (RouterAuxLoss): the gradient of each layer's
   // term flows in the stage that routed with it, and the stages' terms add up to the model's.
   torch::Tensor aux;
-  if (!router_stats_.empty()) aux = RouterAuxLoss();
+  if (!router_stats_.empty()) {
+    aux = RouterAuxLoss();
+    // Kept per chunk for the step's report (SumRouterAuxLossOver): an interleaved stage runs
+    // its chunks one after another, and last_router_aux_loss then holds the last one's only.
+    if (chunk_routing_.size() < static_cast<size_t>(partition_.chunks)) {
+      chunk_routing_.resize(partition_.chunks);
+    }
+    ChunkRouting& routing = chunk_routing_[chunk];
+    routing.aux_loss = last_router_aux_loss_;
+    routing.tokens_per_expert = last_tokens_per_expert_;
+    routing.moe_layers.clear();
+    for (int i = 0; i < partition_.num_layers; ++i) {
+      if (blocks_[chunk * partition_.num_layers + i]->is_moe()) {
+        routing.moe_layers.push_back(partition_.first_layer + chunk * partition_.chunk_stride + i);
+      }
+    }
+  }
   const bool adds_aux =
       aux.defined() && is_training() && dims_.router_aux_loss_coef() != 0;
   if (!heads) {

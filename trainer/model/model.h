@@ -333,13 +333,16 @@ class CausalLMImpl : public torch::nn::Module {
   // The loss weight of the micro-batch whose stage backward runs next (AuxLossScale); the engine
   // sets it before each backward of a pipeline stage.
   void set_aux_loss_scale(double scale) { aux_loss_scale_->value = scale; }
-  // Sums last_router_aux_loss over `pipeline` (every stage calls it after the same forward
-  // calls), so that each stage holds the whole model's value for the report. A collective.
-  // With interleaved stages (chunks > 1) a stage's value is its last chunk's only, so the sum
-  // reports part of the model's router loss (the training loss and gradients hold all of it).
+  // For the report after a pipelined step (every stage calls it after the same forward calls,
+  // each chunk's last one being the step's last micro-batch): sets last_router_aux_loss to the
+  // whole model's router loss of that micro-batch, the sum over every chunk of this stage and
+  // over the stages of `pipeline`, and last_tokens_per_expert to every MoE layer's counts of it,
+  // int64 [the model's MoE layers, num_experts] in layer order. So an interleaved stage reports
+  // all of its chunks, not the one that ran last. Collectives over `pipeline`.
   void SumRouterAuxLossOver(c10d::ProcessGroup& pipeline);
   // Token slots routed to each expert by each of this rank's layers in the last forward call,
-  // int64 [local layers, num_experts]; undefined for a dense model.
+  // int64 [layers of that call, num_experts]; undefined for a dense model. After
+  // SumRouterAuxLossOver, the whole model's (see there).
   torch::Tensor last_tokens_per_expert() const { return last_tokens_per_expert_; }
 
   // Parameters that get weight decay (matrices and embeddings, dim >= 2) and those that do not
@@ -426,6 +429,13 @@ class CausalLMImpl : public torch::nn::Module {
   LayerHooks* hooks_ = nullptr;
   std::vector<RouterStats> router_stats_;  // RunLayers' last call, one per MoE layer
   torch::Tensor last_router_aux_loss_, last_tokens_per_expert_;
+  // Per chunk, StageForward's last call's router loss and counts (undefined for a chunk without
+  // an MoE layer or not run yet), and the global index of each of the chunk's MoE layers.
+  struct ChunkRouting {
+    torch::Tensor aux_loss, tokens_per_expert;
+    std::vector<int> moe_layers;
+  };
+  std::vector<ChunkRouting> chunk_routing_;
   // Heap-held so that the address AttachAuxLoss nodes keep survives moves of the module.
   std::unique_ptr<AuxLossScale> aux_loss_scale_ = std::make_unique<AuxLossScale>();
 };
