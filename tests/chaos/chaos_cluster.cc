@@ -60,6 +60,8 @@ absl::StatusOr<std::unique_ptr<ChaosCluster>> ChaosCluster::Start(const ClusterO
     cluster->coordinator_addresses_.push_back(absl::StrCat(cluster->lab_->MachineIp(), ":", port));
     cluster->coordinators_.emplace_back();
     cluster->coordinator_logs_.emplace_back();
+    cluster->log_read_.push_back(0);
+    cluster->epochs_.push_back(-1);
     cluster->stubs_.push_back(
         v1::Coordinator::NewStub(MakeClientChannel(cluster->coordinator_addresses_.back())));
   }
@@ -116,6 +118,8 @@ absl::Status ChaosCluster::StartCoordinator(int c) {
                              "--standby_poll_seconds=0.2"});
   }
   coordinator_logs_[c] = LogPath(absl::StrCat("coordinator-", c));
+  log_read_[c] = 0;
+  epochs_[c] = -1;
   ASSIGN_OR_RETURN(Subprocess process, Subprocess::Start(Logged(argv, coordinator_logs_[c])));
   coordinators_[c].emplace(std::move(process));
   return absl::OkStatus();
@@ -128,21 +132,26 @@ absl::Status ChaosCluster::KillCoordinator(int c) {
   return stopped.status();
 }
 
-int ChaosCluster::Leader() const {
+int ChaosCluster::Leader() {
+  static const std::regex kLeading(R"(leading with epoch (\d+))");
   int leader = -1;
   int64_t newest_epoch = -1;
-  static const std::regex kLeading(R"(leading with epoch (\d+))");
   for (int c = 0; c < coordinators(); ++c) {
     if (!coordinators_[c]) continue;
     if (!ha()) return c;
-    const std::string log = ReadFile(coordinator_logs_[c]);
-    for (auto it = std::sregex_iterator(log.begin(), log.end(), kLeading);
-         it != std::sregex_iterator(); ++it) {
-      const int64_t epoch = std::stoll((*it)[1]);
-      if (epoch > newest_epoch) {
-        newest_epoch = epoch;
-        leader = c;
-      }
+    // Only what the log gained since the last look: it is read on every call to a coordinator.
+    std::ifstream in(coordinator_logs_[c]);
+    in.seekg(static_cast<std::streamoff>(log_read_[c]));
+    std::string line;
+    while (std::getline(in, line)) {
+      if (in.eof()) break;  // a line still being written: read it whole next time
+      log_read_[c] += line.size() + 1;
+      std::smatch match;
+      if (std::regex_search(line, match, kLeading)) epochs_[c] = std::stoll(match[1]);
+    }
+    if (epochs_[c] > newest_epoch) {
+      newest_epoch = epochs_[c];
+      leader = c;
     }
   }
   return leader;

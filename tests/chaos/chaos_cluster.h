@@ -65,8 +65,9 @@ class ChaosCluster {
   absl::Status StartWorker(int w);
 
   bool CoordinatorUp(int c) const { return coordinators_[c].has_value(); }
-  // The coordinator whose current log says it leads (with one coordinator, it); -1 when none.
-  int Leader() const;
+  // The up coordinator whose current log names the newest leader epoch (with one coordinator,
+  // it); -1 when none.
+  int Leader();
   absl::Status KillCoordinator(int c);
   absl::Status StartCoordinator(int c);
 
@@ -101,6 +102,10 @@ class ChaosCluster {
   std::vector<std::string> coordinator_addresses_;
   std::vector<std::optional<testing::Subprocess>> coordinators_;
   std::vector<std::string> coordinator_logs_;
+  // Per coordinator: bytes of its current log read so far, and the newest epoch it said it leads
+  // with (-1: none).
+  std::vector<size_t> log_read_;
+  std::vector<int64_t> epochs_;
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
   std::vector<std::optional<testing::Subprocess>> workers_;
   int incarnation_ = 0;

@@ -26,7 +26,7 @@ ABSL_FLAG(bool, ha, true,
           "Two coordinators on a private PostgreSQL (when installed), and kill -9 of the leader "
           "among the faults.");
 ABSL_FLAG(int, jobs_in_flight, 2, "Jobs kept submitted and unfinished at a time.");
-ABSL_FLAG(double, fault_interval, 8, "Mean seconds between two faults.");
+ABSL_FLAG(double, fault_interval, 6, "Mean seconds between two faults.");
 ABSL_FLAG(int, loss_checks, 3, "SUCCEEDED jobs rerun fault-free to compare their losses.");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Minutes(6),
           "How long the jobs may take to end after the faults stop before they count as lost.");

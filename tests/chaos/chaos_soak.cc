@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "tests/chaos/chaos_cluster.h"
 #include "tests/postgres_fixture.h"
@@ -85,6 +86,7 @@ class Soak {
   nlohmann::json CheckOrphans();
   nlohmann::json CheckCheckpoints();
   nlohmann::json CheckLosses();
+  nlohmann::json CheckCurves();
 
   const SoakOptions& options_;
   ChaosCluster& cluster_;
@@ -110,7 +112,8 @@ v1::JobSpec Soak::NextSpec() {
   spec.mutable_batch()->set_micro_batch_size(2);
   spec.mutable_optimizer()->mutable_schedule()->set_peak_learning_rate(3e-3);
   spec.mutable_optimizer()->mutable_schedule()->set_warmup_steps(5);
-  spec.set_max_steps(60 + 10 * Pick(11));
+  // 10 to 30 s of training on this machine's tiny model: long enough that faults land mid-job.
+  spec.set_max_steps(200 + 50 * Pick(7));
   spec.mutable_checkpoint()->set_interval_steps(10);
   // One rank, or two that (one slot per worker) sit on two hosts and talk over the lab network.
   spec.mutable_resources()->set_cpu_slots(1 + Pick(2));
@@ -274,10 +277,15 @@ bool Soak::Inject(const std::string& kind) {
   return true;
 }
 
+const std::vector<std::string>& FaultKinds() {
+  static const auto* kinds = new std::vector<std::string>{
+      "kill_trainer",          "kill_worker",       "kill_coordinator",
+      "partition_coordinator", "partition_workers", "packet_loss"};
+  return *kinds;
+}
+
 bool Soak::InjectFault() {
-  static const std::vector<std::string> kKinds = {"kill_trainer",          "kill_worker",
-                                                  "kill_coordinator",      "partition_coordinator",
-                                                  "partition_workers",     "packet_loss"};
+  const std::vector<std::string>& kKinds = FaultKinds();
   // A few draws: a kind impossible right now (nothing to kill, already cut) gives way to another.
   for (int attempt = 0; attempt < 6; ++attempt) {
     if (Inject(kKinds[Pick(static_cast<int>(kKinds.size()))])) return true;
@@ -324,8 +332,15 @@ nlohmann::json Soak::CountJobs() {
   int succeeded = 0, failed_named = 0, restarts = 0;
   nlohmann::json causes = nlohmann::json::object();
   nlohmann::json lost = nlohmann::json::array();
+  // How the restarts were blamed: each ended attempt's failure kind.
+  nlohmann::json blamed = nlohmann::json::object();
   for (const auto& [id, job] : jobs_) {
     restarts += job.last.restarts();
+    for (const v1::JobAttempt& attempt : job.last.attempts()) {
+      if (!attempt.has_failure()) continue;
+      const std::string kind = v1::FailureKind_Name(attempt.failure().kind());
+      blamed[kind] = blamed.value(kind, 0) + 1;
+    }
     if (job.last.state() == v1::JOB_STATE_SUCCEEDED) {
       ++succeeded;
     } else if (job.last.state() == v1::JOB_STATE_FAILED && !job.last.reason().empty()) {
@@ -340,7 +355,7 @@ nlohmann::json Soak::CountJobs() {
   }
   return {{"submitted", jobs_.size()}, {"succeeded", succeeded}, {"failed_named", failed_named},
           {"lost", lost.size()},       {"lost_jobs", lost},      {"failure_causes", causes},
-          {"restarts", restarts}};
+          {"restarts", restarts},      {"attempt_failures", blamed}};
 }
 
 nlohmann::json Soak::CheckOrphans() {
@@ -367,7 +382,11 @@ nlohmann::json Soak::CheckOrphans() {
 nlohmann::json Soak::CheckCheckpoints() {
   int verified = 0, staging_left = 0;
   nlohmann::json corrupt = nlohmann::json::array();
+  // What the coordinators recorded must be there and whole too (retention keeps every one), and
+  // a SUCCEEDED job's last step is always saved.
+  nlohmann::json missing = nlohmann::json::array();
   for (const auto& [id, job] : jobs_) {
+    std::set<std::string> whole;
     std::error_code error;
     for (const auto& entry :
          std::filesystem::directory_iterator(cluster_.CheckpointDir(id), error)) {
@@ -378,14 +397,37 @@ nlohmann::json Soak::CheckCheckpoints() {
           trainer::VerifyCheckpoint(entry.path().string(), trainer::DigestCheck::kAll);
       if (manifest.ok()) {
         ++verified;
+        whole.insert(entry.path().lexically_normal().string());
       } else {
         corrupt.push_back(std::string(manifest.status().message()));
       }
+    }
+    v1::ListCheckpointsRequest request;
+    request.set_job_id(id);
+    v1::ListCheckpointsResponse recorded;
+    if (!cluster_.OnLeader([&](v1::Coordinator::Stub& stub) {
+          return stub.ListCheckpoints(Deadline(10).get(), request, &recorded);
+        }).ok()) {
+      missing.push_back(id + ": ListCheckpoints failed");
+      continue;
+    }
+    for (const v1::Checkpoint& checkpoint : recorded.checkpoints()) {
+      const std::string path = std::filesystem::path(checkpoint.path()).lexically_normal().string();
+      if (!whole.count(path)) missing.push_back(absl::StrCat(id, ": recorded ", path));
+    }
+    const std::string last = std::filesystem::path(cluster_.CheckpointDir(id) + "/" +
+                                                   trainer::CheckpointDirName(job.spec.max_steps()))
+                                 .lexically_normal()
+                                 .string();
+    if (job.last.state() == v1::JOB_STATE_SUCCEEDED && !whole.count(last)) {
+      missing.push_back(absl::StrCat(id, ": final ", last));
     }
   }
   return {{"verified", verified},
           {"corrupt", corrupt.size()},
           {"corrupt_errors", corrupt},
+          {"missing", missing.size()},
+          {"missing_checkpoints", missing},
           {"staging_dirs_left", staging_left}};
 }
 
@@ -399,6 +441,34 @@ std::vector<v1::StepMetrics> Soak::Curve(const std::string& job_id) {
     return {};
   }
   return {response.points().begin(), response.points().end()};
+}
+
+nlohmann::json Soak::CheckCurves() {
+  // A SUCCEEDED job trained every step from 1 to max_steps: the coordinator should hold each
+  // step's metrics once. A step missing is a report lost on its way (trained and checkpointed,
+  // but never recorded).
+  int64_t missing_total = 0;
+  nlohmann::json incomplete = nlohmann::json::array();
+  for (const auto& [id, job] : jobs_) {
+    if (job.last.state() != v1::JOB_STATE_SUCCEEDED) continue;
+    std::set<int64_t> steps;
+    for (const v1::StepMetrics& point : Curve(id)) steps.insert(point.step());
+    std::vector<std::string> gaps;
+    int64_t missing = 0;
+    for (int64_t step = 1; step <= job.spec.max_steps(); ++step) {
+      if (steps.count(step)) continue;
+      int64_t last = step;
+      while (last + 1 <= job.spec.max_steps() && !steps.count(last + 1)) ++last;
+      gaps.push_back(last == step ? absl::StrCat(step) : absl::StrCat(step, "-", last));
+      missing += last - step + 1;
+      step = last;
+    }
+    if (missing == 0) continue;
+    missing_total += missing;
+    incomplete.push_back({{"job_id", id}, {"missing_steps", gaps}, {"restarts", job.last.restarts()}});
+    Log(absl::StrCat(id, ": the coordinator has no metrics for steps ", absl::StrJoin(gaps, ",")));
+  }
+  return {{"steps_missing", missing_total}, {"jobs", incomplete}};
 }
 
 nlohmann::json Soak::CheckLosses() {
@@ -436,21 +506,33 @@ nlohmann::json Soak::CheckLosses() {
                        absl::Minutes(8), absl::Seconds(1));
     const std::vector<v1::StepMetrics> expected = Curve(rerun);
     const std::vector<v1::StepMetrics> actual = Curve(faulted);
+    // Step by step, on the steps the faulted run has: a step it lacks is counted by
+    // CheckCurves, and must not hide that the others are equal.
+    std::map<int64_t, double> rerun_loss;
+    for (const v1::StepMetrics& point : expected) rerun_loss[point.step()] = point.loss();
     double max_diff = 0;
-    bool equal = done.state() == v1::JOB_STATE_SUCCEEDED && !actual.empty() &&
-                 actual.size() == expected.size();
-    for (size_t i = 0; equal && i < actual.size(); ++i) {
-      equal = actual[i].step() == expected[i].step();
-      max_diff = std::max(max_diff, std::abs(actual[i].loss() - expected[i].loss()));
+    int64_t steps_without_rerun = 0;
+    for (const v1::StepMetrics& point : actual) {
+      auto it = rerun_loss.find(point.step());
+      if (it == rerun_loss.end()) {
+        ++steps_without_rerun;
+        continue;
+      }
+      max_diff = std::max(max_diff, std::abs(point.loss() - it->second));
     }
-    equal = equal && max_diff <= kLossTolerance;
+    const bool rerun_whole = done.state() == v1::JOB_STATE_SUCCEEDED &&
+                             static_cast<int64_t>(expected.size()) ==
+                                 jobs_[faulted].spec.max_steps();
+    const bool equal =
+        rerun_whole && !actual.empty() && steps_without_rerun == 0 && max_diff <= kLossTolerance;
     unequal += equal ? 0 : 1;
     Log(absl::StrCat("losses of ", faulted, " vs its fault-free rerun ", rerun, ": ",
-                     equal ? "equal" : "UNEQUAL", " (", actual.size(), " vs ", expected.size(),
-                     " steps, max |diff| ", max_diff, ")"));
+                     equal ? "equal" : "UNEQUAL", " at the ", actual.size(),
+                     " steps it reported (rerun: ", expected.size(), " steps), max |diff| ",
+                     max_diff));
     checks.push_back({{"job_id", faulted},
                       {"restarts", jobs_[faulted].last.restarts()},
-                      {"steps", actual.size()},
+                      {"steps_compared", actual.size()},
                       {"rerun_steps", expected.size()},
                       {"rerun_state", v1::JobState_Name(done.state())},
                       {"max_abs_loss_diff", max_diff},
@@ -460,6 +542,7 @@ nlohmann::json Soak::CheckLosses() {
 }
 
 nlohmann::json Soak::Run() {
+  for (const std::string& kind : FaultKinds()) faults_[kind] = 0;
   absl::Time next_fault = absl::Now() + absl::Seconds(Uniform(5, 10));
   const absl::Time end = start_ + options_.duration;
   while (absl::Now() < end) {
@@ -482,10 +565,13 @@ nlohmann::json Soak::Run() {
   result["jobs"] = CountJobs();
   result["trainers"] = CheckOrphans();
   result["checkpoints"] = CheckCheckpoints();
+  result["metrics"] = CheckCurves();
   result["loss_checks"] = CheckLosses();
   result["passed"] = result["jobs"]["lost"] == 0 &&
                      result["trainers"]["orphaned_trainers"] == 0 &&
                      result["checkpoints"]["corrupt"] == 0 &&
+                     result["checkpoints"]["missing"] == 0 &&
+                     result["metrics"]["steps_missing"] == 0 &&
                      result["loss_checks"]["unequal"] == 0 && fault_errors_.empty();
   return result;
 }

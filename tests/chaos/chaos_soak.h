@@ -11,9 +11,11 @@
 // When the time is up the network heals, every daemon comes back, and the soak waits for every
 // job to end, then checks what the issue asks: every job SUCCEEDED or FAILED with its cause named
 // (anything else is "lost"); no trainer process left on any host; every committed checkpoint
-// verifies (manifest, sizes and XXH3 digests); and for a sample of the SUCCEEDED jobs (those that
-// were restarted first), the losses of a fault-free rerun with the same spec and seed equal the
-// faulted run's at every step.
+// verifies (manifest, sizes and XXH3 digests), and every checkpoint the coordinator recorded is
+// among them; every SUCCEEDED job's metrics hold each step from 1 to max_steps (a step missing
+// is a report lost); and for a sample of the SUCCEEDED jobs (those restarted most first), the
+// losses of a fault-free rerun with the same spec and seed equal the faulted run's at every step
+// it reported.
 //
 // Thread safety: RunChaosSoak runs on the calling thread and starts none of its own.
 #pragma once
@@ -43,7 +45,7 @@ struct SoakOptions {
   // Jobs kept submitted and unfinished at a time.
   int jobs_in_flight = 2;
   // Mean seconds between two faults (drawn uniformly from [0.5, 1.5] times it).
-  double mean_fault_interval_s = 8;
+  double mean_fault_interval_s = 6;
   // SUCCEEDED jobs rerun fault-free to compare losses.
   int loss_checks = 3;
   // How long the drain may take before unfinished jobs count as lost.
