@@ -13,9 +13,9 @@
 // (anything else is "lost"); no trainer process left on any host; every committed checkpoint
 // verifies (manifest, sizes and XXH3 digests), and every checkpoint the coordinator recorded is
 // among them; every SUCCEEDED job's metrics hold each step from 1 to max_steps (a step missing
-// is a report lost); and for a sample of the SUCCEEDED jobs (those restarted most first), the
-// losses of a fault-free rerun with the same spec and seed equal the faulted run's at every step
-// it reported.
+// is a report lost); and for a sample of the SUCCEEDED jobs that trained at their spec's world
+// size throughout (those restarted most first), the losses of a fault-free rerun with the same
+// spec and seed equal the faulted run's at every step it reported.
 //
 // Thread safety: RunChaosSoak runs on the calling thread and starts none of its own.
 #pragma once
