@@ -27,8 +27,8 @@ using testing::Subprocess;
 std::vector<std::string> Logged(const std::vector<std::string>& argv, const std::string& log) {
   std::vector<std::string> quoted;
   for (const std::string& arg : argv) quoted.push_back(absl::StrCat("'", arg, "'"));
-  return {"/bin/sh", "-c", absl::StrCat("exec ", absl::StrJoin(quoted, " "), " >> '", log,
-                                        "' 2>&1 < /dev/null")};
+  return {"/bin/sh", "-c",
+          absl::StrCat("exec ", absl::StrJoin(quoted, " "), " >> '", log, "' 2>&1 < /dev/null")};
 }
 
 std::string ReadFile(const std::string& path) {
@@ -45,10 +45,11 @@ absl::StatusOr<std::unique_ptr<ChaosCluster>> ChaosCluster::Start(const ClusterO
   ASSIGN_OR_RETURN(cluster->lab_, testing::NetnsLab::Create(options.workers));
   std::filesystem::create_directories(options.dir + "/logs");
 
-  ASSIGN_OR_RETURN(testing::RunResult prepared,
-                   RunCommand({options.bin_dir + "/tessera-trainer", "prepare",
-                               "--input=" + options.corpus, "--output_dir=" + options.dir + "/data"},
-                              absl::Minutes(2)));
+  ASSIGN_OR_RETURN(
+      testing::RunResult prepared,
+      RunCommand({options.bin_dir + "/tessera-trainer", "prepare", "--input=" + options.corpus,
+                  "--output_dir=" + options.dir + "/data"},
+                 absl::Minutes(2)));
   if (prepared.exit.exit_code != 0) {
     return absl::InternalError(absl::StrCat("tessera-trainer prepare failed: ", prepared.output));
   }
@@ -68,11 +69,10 @@ absl::StatusOr<std::unique_ptr<ChaosCluster>> ChaosCluster::Start(const ClusterO
   for (int c = 0; c < coordinators; ++c) {
     RETURN_IF_ERROR(cluster->StartCoordinator(c));
     // The first leads; the second then stands by.
-    if (c == 0 &&
-        !testing::WaitUntil([&] { return cluster->Leader() == 0; }, absl::Seconds(60),
-                            absl::Milliseconds(100))) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "the first coordinator did not lead: ", ReadFile(cluster->coordinator_logs_[0])));
+    if (c == 0 && !testing::WaitUntil([&] { return cluster->Leader() == 0; }, absl::Seconds(60),
+                                      absl::Milliseconds(100))) {
+      return absl::DeadlineExceededError(absl::StrCat("the first coordinator did not lead: ",
+                                                      ReadFile(cluster->coordinator_logs_[0])));
     }
   }
   cluster->workers_.resize(options.workers);
@@ -161,14 +161,17 @@ absl::Status ChaosCluster::StartWorker(int w) {
   if (workers_[w]) return absl::FailedPreconditionError("worker already up");
   const std::string name = absl::StrCat("chaos-w", w);
   const std::string ip = lab_->Ip(w);
-  std::vector<std::string> argv = {
-      options_.bin_dir + "/tessera-worker",
-      "--coordinator=" + absl::StrJoin(coordinator_addresses_, ","),
-      "--listen=" + ip + ":0", "--metrics_listen=" + ip + ":0", "--insecure",
-      "--node_name=" + name, absl::StrCat("--cpu_slots=", options_.cpu_slots),
-      "--work_dir=" + options_.dir + "/" + name, "--stop_grace=2s", "--trainer_threads=1"};
-  ASSIGN_OR_RETURN(Subprocess process,
-                   Subprocess::Start(lab_->On(w, Logged(argv, LogPath(name)))));
+  std::vector<std::string> argv = {options_.bin_dir + "/tessera-worker",
+                                   "--coordinator=" + absl::StrJoin(coordinator_addresses_, ","),
+                                   "--listen=" + ip + ":0",
+                                   "--metrics_listen=" + ip + ":0",
+                                   "--insecure",
+                                   "--node_name=" + name,
+                                   absl::StrCat("--cpu_slots=", options_.cpu_slots),
+                                   "--work_dir=" + options_.dir + "/" + name,
+                                   "--stop_grace=2s",
+                                   "--trainer_threads=1"};
+  ASSIGN_OR_RETURN(Subprocess process, Subprocess::Start(lab_->On(w, Logged(argv, LogPath(name)))));
   workers_[w].emplace(std::move(process));
   return absl::OkStatus();
 }

@@ -129,8 +129,9 @@ grpc::Status Soak::GetJob(const std::string& job_id, v1::Job* job) {
   v1::GetJobRequest request;
   request.set_job_id(job_id);
   v1::GetJobResponse response;
-  grpc::Status status = cluster_.OnLeader(
-      [&](v1::Coordinator::Stub& stub) { return stub.GetJob(Deadline().get(), request, &response); });
+  grpc::Status status = cluster_.OnLeader([&](v1::Coordinator::Stub& stub) {
+    return stub.GetJob(Deadline().get(), request, &response);
+  });
   if (status.ok()) *job = response.job();
   return status;
 }
@@ -182,7 +183,8 @@ void Soak::RunDueUndos(bool all) {
       continue;
     }
     absl::Status done = undo.action();
-    Log(absl::StrCat("undo: ", undo.what, done.ok() ? "" : absl::StrCat(" FAILED: ", done.message())));
+    Log(absl::StrCat("undo: ", undo.what,
+                     done.ok() ? "" : absl::StrCat(" FAILED: ", done.message())));
     if (!done.ok()) fault_errors_.push_back(absl::StrCat(undo.what, ": ", done.message()));
   }
   undos_ = std::move(pending);
@@ -223,8 +225,8 @@ bool Soak::Inject(const std::string& kind) {
     const int w = Pick(workers);
     if (cut_from_coordinator_.count(w)) return false;
     const absl::Duration length = absl::Seconds(Uniform(2, 20));
-    what = absl::StrCat("cut worker ", w, " from the coordinators for ",
-                        absl::FormatDuration(length));
+    what =
+        absl::StrCat("cut worker ", w, " from the coordinators for ", absl::FormatDuration(length));
     injected = cluster_.lab().PartitionFromMachine(w);
     if (injected.ok()) {
       cut_from_coordinator_.insert(w);
@@ -278,9 +280,9 @@ bool Soak::Inject(const std::string& kind) {
 }
 
 const std::vector<std::string>& FaultKinds() {
-  static const auto* kinds = new std::vector<std::string>{
-      "kill_trainer",          "kill_worker",       "kill_coordinator",
-      "partition_coordinator", "partition_workers", "packet_loss"};
+  static const auto* kinds =
+      new std::vector<std::string>{"kill_trainer",          "kill_worker",       "kill_coordinator",
+                                   "partition_coordinator", "partition_workers", "packet_loss"};
   return *kinds;
 }
 
@@ -301,7 +303,8 @@ void Soak::Drain() {
   for (int w = 0; w < cluster_.workers(); ++w) {
     if (!cluster_.WorkerUp(w)) {
       absl::Status started = cluster_.StartWorker(w);
-      if (!started.ok()) fault_errors_.push_back(absl::StrCat("restart worker: ", started.message()));
+      if (!started.ok())
+        fault_errors_.push_back(absl::StrCat("restart worker: ", started.message()));
     }
   }
   Log("faults stopped; waiting for every job to end");
@@ -318,11 +321,13 @@ void Soak::Drain() {
 nlohmann::json Soak::CountJobs() {
   // Jobs whose submission answer was lost are still the coordinator's: count them too.
   v1::ListJobsResponse listed;
-  if (cluster_.OnLeader([&](v1::Coordinator::Stub& stub) {
-        v1::ListJobsRequest request;
-        request.set_page_size(1000);
-        return stub.ListJobs(Deadline(10).get(), request, &listed);
-      }).ok()) {
+  if (cluster_
+          .OnLeader([&](v1::Coordinator::Stub& stub) {
+            v1::ListJobsRequest request;
+            request.set_page_size(1000);
+            return stub.ListJobs(Deadline(10).get(), request, &listed);
+          })
+          .ok()) {
     for (const v1::Job& job : listed.jobs()) {
       if (!absl::StartsWith(job.spec().name(), "chaos-") || jobs_.count(job.job_id())) continue;
       v1::Job full;
@@ -353,8 +358,8 @@ nlohmann::json Soak::CountJobs() {
                       {"step", job.last.current_step()}});
     }
   }
-  return {{"submitted", jobs_.size()}, {"succeeded", succeeded}, {"failed_named", failed_named},
-          {"lost", lost.size()},       {"lost_jobs", lost},      {"failure_causes", causes},
+  return {{"submitted", jobs_.size()}, {"succeeded", succeeded},    {"failed_named", failed_named},
+          {"lost", lost.size()},       {"lost_jobs", lost},         {"failure_causes", causes},
           {"restarts", restarts},      {"attempt_failures", blamed}};
 }
 
@@ -370,8 +375,8 @@ nlohmann::json Soak::CheckOrphans() {
       absl::Seconds(30), absl::Milliseconds(500));
   nlohmann::json commands = nlohmann::json::array();
   for (pid_t pid : pids) {
-    absl::StatusOr<testing::RunResult> ps = testing::RunCommand(
-        {"ps", "-o", "args=", "-p", absl::StrCat(pid)}, absl::Seconds(5));
+    absl::StatusOr<testing::RunResult> ps =
+        testing::RunCommand({"ps", "-o", "args=", "-p", absl::StrCat(pid)}, absl::Seconds(5));
     commands.push_back(ps.ok() ? ps->output : absl::StrCat(pid));
     // Ours to end: the soak started them (through its workers), one by one by pid.
     kill(pid, SIGKILL);
@@ -405,9 +410,11 @@ nlohmann::json Soak::CheckCheckpoints() {
     v1::ListCheckpointsRequest request;
     request.set_job_id(id);
     v1::ListCheckpointsResponse recorded;
-    if (!cluster_.OnLeader([&](v1::Coordinator::Stub& stub) {
-          return stub.ListCheckpoints(Deadline(10).get(), request, &recorded);
-        }).ok()) {
+    if (!cluster_
+             .OnLeader([&](v1::Coordinator::Stub& stub) {
+               return stub.ListCheckpoints(Deadline(10).get(), request, &recorded);
+             })
+             .ok()) {
       missing.push_back(id + ": ListCheckpoints failed");
       continue;
     }
@@ -423,21 +430,20 @@ nlohmann::json Soak::CheckCheckpoints() {
       missing.push_back(absl::StrCat(id, ": final ", last));
     }
   }
-  return {{"verified", verified},
-          {"corrupt", corrupt.size()},
-          {"corrupt_errors", corrupt},
-          {"missing", missing.size()},
-          {"missing_checkpoints", missing},
-          {"staging_dirs_left", staging_left}};
+  return {{"verified", verified},           {"corrupt", corrupt.size()},
+          {"corrupt_errors", corrupt},      {"missing", missing.size()},
+          {"missing_checkpoints", missing}, {"staging_dirs_left", staging_left}};
 }
 
 std::vector<v1::StepMetrics> Soak::Curve(const std::string& job_id) {
   v1::GetMetricsRequest request;
   request.set_job_id(job_id);
   v1::GetMetricsResponse response;
-  if (!cluster_.OnLeader([&](v1::Coordinator::Stub& stub) {
-        return stub.GetMetrics(Deadline(10).get(), request, &response);
-      }).ok()) {
+  if (!cluster_
+           .OnLeader([&](v1::Coordinator::Stub& stub) {
+             return stub.GetMetrics(Deadline(10).get(), request, &response);
+           })
+           .ok()) {
     return {};
   }
   return {response.points().begin(), response.points().end()};
@@ -465,7 +471,8 @@ nlohmann::json Soak::CheckCurves() {
     }
     if (missing == 0) continue;
     missing_total += missing;
-    incomplete.push_back({{"job_id", id}, {"missing_steps", gaps}, {"restarts", job.last.restarts()}});
+    incomplete.push_back(
+        {{"job_id", id}, {"missing_steps", gaps}, {"restarts", job.last.restarts()}});
     Log(absl::StrCat(id, ": the coordinator has no metrics for steps ", absl::StrJoin(gaps, ",")));
   }
   return {{"steps_missing", missing_total}, {"jobs", incomplete}};
@@ -483,9 +490,9 @@ nlohmann::json Soak::CheckLosses() {
     if (entry.second.last.state() != v1::JOB_STATE_SUCCEEDED) continue;
     bool same_layout = true;
     for (const v1::JobAttempt& attempt : entry.second.last.attempts()) {
-      same_layout = same_layout && (attempt.world_size() == 0 ||
-                                    attempt.world_size() ==
-                                        entry.second.spec.resources().cpu_slots());
+      same_layout =
+          same_layout && (attempt.world_size() == 0 ||
+                          attempt.world_size() == entry.second.spec.resources().cpu_slots());
     }
     if (same_layout) {
       succeeded.push_back(&entry);
@@ -508,9 +515,11 @@ nlohmann::json Soak::CheckLosses() {
     request.mutable_spec()->mutable_checkpoint()->set_directory(
         absl::StrCat(cluster_.dir(), "/rerun/", entry->first));
     v1::SubmitJobResponse response;
-    if (cluster_.OnLeader([&](v1::Coordinator::Stub& stub) {
-          return stub.SubmitJob(Deadline(10).get(), request, &response);
-        }).ok()) {
+    if (cluster_
+            .OnLeader([&](v1::Coordinator::Stub& stub) {
+              return stub.SubmitJob(Deadline(10).get(), request, &response);
+            })
+            .ok()) {
       reruns.push_back({entry->first, response.job().job_id()});
     }
   }
@@ -536,9 +545,9 @@ nlohmann::json Soak::CheckLosses() {
       }
       max_diff = std::max(max_diff, std::abs(point.loss() - it->second));
     }
-    const bool rerun_whole = done.state() == v1::JOB_STATE_SUCCEEDED &&
-                             static_cast<int64_t>(expected.size()) ==
-                                 jobs_[faulted].spec.max_steps();
+    const bool rerun_whole =
+        done.state() == v1::JOB_STATE_SUCCEEDED &&
+        static_cast<int64_t>(expected.size()) == jobs_[faulted].spec.max_steps();
     const bool equal =
         rerun_whole && !actual.empty() && steps_without_rerun == 0 && max_diff <= kLossTolerance;
     unequal += equal ? 0 : 1;
@@ -586,8 +595,7 @@ nlohmann::json Soak::Run() {
   result["checkpoints"] = CheckCheckpoints();
   result["metrics"] = CheckCurves();
   result["loss_checks"] = CheckLosses();
-  result["passed"] = result["jobs"]["lost"] == 0 &&
-                     result["trainers"]["orphaned_trainers"] == 0 &&
+  result["passed"] = result["jobs"]["lost"] == 0 && result["trainers"]["orphaned_trainers"] == 0 &&
                      result["checkpoints"]["corrupt"] == 0 &&
                      result["checkpoints"]["missing"] == 0 &&
                      result["metrics"]["steps_missing"] == 0 &&
@@ -624,7 +632,14 @@ absl::StatusOr<nlohmann::json> RunChaosSoak(const SoakOptions& options) {
   }
   std::cout << "chaos soak: " << options.workers << " workers, coordinators: " << ha_note
             << ", files in " << dir << std::endl;
-  ASSIGN_OR_RETURN(std::unique_ptr<ChaosCluster> cluster, ChaosCluster::Start(cluster_options));
+  absl::StatusOr<std::unique_ptr<ChaosCluster>> started_cluster =
+      ChaosCluster::Start(cluster_options);
+  if (!started_cluster.ok()) {
+    std::error_code ignored;
+    if (options.dir.empty()) std::filesystem::remove_all(dir, ignored);
+    return started_cluster.status();
+  }
+  std::unique_ptr<ChaosCluster> cluster = std::move(*started_cluster);
 
   const absl::Time started = absl::Now();
   Soak soak(options, *cluster, seed);
