@@ -17,6 +17,9 @@
 #                lock annotation checked, every dropped absl::Status an error (.ci/run runs it)
 #   make fuzz    build the fuzz targets (tests/fuzz, with clang into build-fuzz/), then run
 #                each for FUZZ_SECONDS (FUZZERS="job_spec ..." picks some)
+#   make chaos   build, then run the chaos soak (tests/chaos, as root): kills and partitions at
+#                random while jobs train, for CHAOS_DURATION (15m); CHAOS_SEED replays a run
+#                (0: a new seed, printed); counts as JSON in CHAOS_RESULTS. Not part of `make test`
 #   make image   build the GPU and CPU container images with buildah (scripts/image.sh,
 #                docs/image.md); make image-test builds them unless present, then tests inside
 #
@@ -40,6 +43,10 @@ FUZZ_CTEST_ARGS ?=
 FUZZERS    ?=
 GPU_BUNDLE ?= .gpu-bundle
 GPU_CHECK_ARGS ?=
+CHAOS_DURATION ?= 15m
+CHAOS_SEED ?= 0
+CHAOS_RESULTS ?= $(BUILD_DIR)/chaos-results.json
+CHAOS_ARGS ?=
 
 .PHONY: all bootstrap configure build test demo bench bench-gpu gpu-check gpu-bundle fuzz-build fuzz \
   thread-safety \
@@ -132,3 +139,10 @@ image:
 
 image-test:
 	@scripts/image.sh test
+
+# The chaos soak (tests/chaos/chaos_soak.h): needs root for its network namespaces.
+.PHONY: chaos
+chaos: configure
+	@cmake --build $(BUILD_DIR) -j $(JOBS) --target tessera-chaos-soak
+	@$(BUILD_DIR)/tests/tessera-chaos-soak --duration=$(CHAOS_DURATION) --seed=$(CHAOS_SEED) \
+	  --results=$(CHAOS_RESULTS) $(CHAOS_ARGS)

@@ -108,6 +108,20 @@ absl::Status NetnsLab::Heal(int a, int b) {
   return DropRules(b, a, "-D");
 }
 
+std::string NetnsLab::MachineIp() const { return absl::StrCat("10.", net_, ".0.254"); }
+
+absl::Status NetnsLab::PartitionFromMachine(int host) {
+  const std::string exec = absl::StrCat("ip netns exec ", names_[host], " iptables -w ");
+  return Shell(absl::StrCat(exec, "-I INPUT -s ", MachineIp(), " -j DROP && ", exec,
+                            "-I OUTPUT -d ", MachineIp(), " -j DROP"));
+}
+
+absl::Status NetnsLab::HealFromMachine(int host) {
+  const std::string exec = absl::StrCat("ip netns exec ", names_[host], " iptables -w ");
+  return Shell(absl::StrCat(exec, "-D INPUT -s ", MachineIp(), " -j DROP && ", exec,
+                            "-D OUTPUT -d ", MachineIp(), " -j DROP"));
+}
+
 absl::Status NetnsLab::Isolate(int host) {
   return Shell(absl::StrCat("ip -n ", names_[host], " link set eth0 down"));
 }

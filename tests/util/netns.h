@@ -54,6 +54,13 @@ class NetnsLab {
 
   absl::Status Partition(int a, int b);
   absl::Status Heal(int a, int b);
+  // This machine's own address on the lab's network (10.<net>.0.254): daemons that stay in the
+  // machine's namespace (e.g. coordinators next to a database on loopback) listen there.
+  std::string MachineIp() const;
+  // Like Partition(host, <this machine>): the host's packets to and from MachineIp() are dropped
+  // (rules in the host's namespace only), while it still reaches every other host.
+  absl::Status PartitionFromMachine(int host);
+  absl::Status HealFromMachine(int host);
   absl::Status Isolate(int host);
   absl::Status Reconnect(int host);
   absl::Status SetLoss(int host, double fraction);
