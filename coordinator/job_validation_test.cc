@@ -695,9 +695,13 @@ TEST(JobValidationTest, LoraIsCheckedAgainstTheModelAndRunsDataParallelOnly) {
   spec.mutable_batch()->set_global_batch_size(16);
   SetLayout(spec, 4, 2, 1);
   EXPECT_THAT(ValidateJobSpec(spec), IsOk());
+  // Adapters split like their base layers under tensor parallelism; no pipeline stages.
+  EXPECT_THAT(ValidateTrainerRuns(spec), IsOk());
+  SetLayout(spec, 4, 1, 2);
+  EXPECT_THAT(ValidateJobSpec(spec), IsOk());
   EXPECT_THAT(ValidateTrainerRuns(spec),
               StatusIs(absl::StatusCode::kUnimplemented,
-                       HasSubstr("this trainer runs LoRA under data parallelism alone")));
+                       HasSubstr("pipeline_parallel 2, zero_stage 0 with lora")));
   SetLayout(spec, 8, 1, 1);
   spec.mutable_parallelism()->mutable_layout()->set_zero_stage(1);
   EXPECT_THAT(ValidateTrainerRuns(spec), IsOk());

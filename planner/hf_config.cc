@@ -262,13 +262,6 @@ absl::Status CheckExportPolicy(const v1::JobSpec& spec, const v1::ModelDims& dim
         "checkpoint.export_format: EXPORT_FORMAT_HF cannot write this model: ",
         exportable.message()));
   }
-  if (policy.export_merged() && spec.parallelism().layout().expert_parallel() > 1) {
-    // The adapters are gathered from the ep ranks for the export; the base experts are not.
-    return absl::InvalidArgumentError(absl::StrCat(
-        "checkpoint.export_merged: needs every expert on each rank "
-        "(parallelism.layout.expert_parallel 1, got ",
-        spec.parallelism().layout().expert_parallel(), ")"));
-  }
   return absl::OkStatus();
 }
 

@@ -51,8 +51,8 @@ absl::Status CheckHfExportable(const v1::ModelDims& dims);
 // The final-export fields of `spec`.checkpoint against resolved `dims`, at submission and in the
 // trainer before it trains: OK, or INVALID_ARGUMENT naming the field. checkpoint.export_format
 // EXPORT_FORMAT_HF needs a model CheckHfExportable accepts; checkpoint.export_merged needs
-// EXPORT_FORMAT_HF and LoRA (without adapters there is nothing to merge) and every expert on each
-// rank (expert_parallel 1: the merged base is written from rank 0's model).
+// EXPORT_FORMAT_HF and LoRA (without adapters there is nothing to merge); under tensor or expert
+// parallelism the trainer gathers the whole model for it.
 absl::Status CheckExportPolicy(const v1::JobSpec& spec, const v1::ModelDims& dims);
 
 // config.json text for resolved `dims` with float32 weights. `base_json`, when not empty, is the

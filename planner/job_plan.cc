@@ -96,15 +96,15 @@ absl::Status CheckTrainerRuns(const v1::Layout& layout) {
 }
 
 absl::Status CheckTrainerRunsLora(const v1::Layout& layout) {
-  // Expert parallelism is allowed: the experts' adapters are sharded with the experts.
-  if (layout.tensor_parallel() > 1 || layout.pipeline_parallel() > 1 || layout.zero_stage() > 1) {
+  // Expert parallelism is allowed (the experts' adapters are sharded with the experts), and so is
+  // tensor parallelism (adapters split like their base layers, trainer/model/lora.h).
+  if (layout.pipeline_parallel() > 1 || layout.zero_stage() > 1) {
     return absl::UnimplementedError(absl::StrCat(
-        "parallelism.layout: tensor_parallel ", std::max(1, layout.tensor_parallel()),
-        ", pipeline_parallel ", std::max(1, layout.pipeline_parallel()), ", zero_stage ",
+        "parallelism.layout: pipeline_parallel ", layout.pipeline_parallel(), ", zero_stage ",
         layout.zero_stage(),
-        " with lora: this trainer runs LoRA under data parallelism alone with ZeRO 0 or 1 (the "
-        "frozen base is replicated); set tensor_parallel and pipeline_parallel to 1 and "
-        "zero_stage to 0 or 1, or use parallelism: auto"));
+        " with lora: this trainer runs LoRA under data, tensor and expert parallelism with ZeRO 0 "
+        "or 1 (no pipeline stages); set pipeline_parallel to 1 and zero_stage to 0 or 1, or use "
+        "parallelism: auto"));
   }
   return absl::OkStatus();
 }
@@ -212,9 +212,8 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
       limits.context_parallel_with_experts &= runnable.context_parallel_with_experts;
     }
     if (lora && options.runnable_only) {
-      // The trainer runs LoRA under data (and expert) parallelism with ZeRO 0 or 1
+      // The trainer runs LoRA under data, tensor and expert parallelism with ZeRO 0 or 1
       // (CheckTrainerRunsLora).
-      limits.max_tp = 1;
       limits.max_pp = 1;
       limits.max_cp = 1;
       limits.max_zero = std::min(limits.max_zero, 1);

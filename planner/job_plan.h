@@ -37,9 +37,10 @@ SearchLimits TrainerCapabilities();
 // structural rules are ValidateJobSpec's and InvalidReason's.
 absl::Status CheckTrainerRuns(const v1::Layout& layout);
 
-// OK when the trainer runs LoRA (JobSpec.lora) on an explicit `layout`: data parallelism, with
-// expert parallelism folded into it (the experts' adapters sharded like the experts), ZeRO 0 or
-// 1; UNIMPLEMENTED naming the fields otherwise.
+// OK when the trainer runs LoRA (JobSpec.lora) on an explicit `layout`: data and tensor
+// parallelism (adapters split like their base layers), with expert parallelism folded into data
+// parallelism (the experts' adapters sharded like the experts), ZeRO 0 or 1, no pipeline stages;
+// UNIMPLEMENTED naming the fields otherwise.
 absl::Status CheckTrainerRunsLora(const v1::Layout& layout);
 
 struct JobPlanOptions {

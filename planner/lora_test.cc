@@ -265,9 +265,11 @@ TEST(LoraTest, PlannerCountsOnlyTheTargetedAdaptersAndRunsDataParallel) {
   v1::Layout layout;
   layout.set_data_parallel(2);
   layout.set_tensor_parallel(2);
+  // Adapters split like their base layers.
+  EXPECT_THAT(CheckTrainerRunsLora(layout), IsOk());
+  layout.set_zero_stage(2);
   EXPECT_THAT(CheckTrainerRunsLora(layout),
-              StatusIs(absl::StatusCode::kUnimplemented,
-                       HasSubstr("this trainer runs LoRA under data parallelism alone")));
+              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("zero_stage 2 with lora")));
   layout.set_tensor_parallel(1);
   layout.set_zero_stage(1);
   EXPECT_THAT(CheckTrainerRunsLora(layout), IsOk());
@@ -277,7 +279,8 @@ TEST(LoraTest, PlannerCountsOnlyTheTargetedAdaptersAndRunsDataParallel) {
   layout.set_pipeline_parallel(2);
   EXPECT_THAT(CheckTrainerRunsLora(layout),
               StatusIs(absl::StatusCode::kUnimplemented,
-                       HasSubstr("this trainer runs LoRA under data parallelism alone")));
+                       HasSubstr("pipeline_parallel 2, zero_stage 1 with lora: this trainer runs "
+                                 "LoRA under data, tensor and expert parallelism")));
 }
 
 }  // namespace

@@ -466,11 +466,10 @@ absl::StatusOr<LoraAdapterValues> GatherLoraAdapters(CausalLMImpl& model) {
     // named_parameters' order is the same on every rank, so the ep ranks gather alike.
     for (const auto& item : model.named_parameters()) {
       if (!IsLoraParameter(item.key())) continue;
-      torch::Tensor value = item.value().detach();
-      if (IsExpertLoraParameter(item.key())) {
-        value = GatherExpertShards(value, model.partition().ep);
-      }
-      values.emplace(item.key(), value.to(torch::kCPU, torch::kFloat32));
+      // Whole over tp and, for an expert adapter, over ep (lora.h).
+      values.emplace(item.key(),
+                     GatherWholeTensor(item.key(), item.value(), model.ShardOf(item.key()),
+                                       model.partition().tp, model.partition().ep));
     }
   } catch (const c10::Error& e) {
     return absl::InternalError(
@@ -487,9 +486,9 @@ absl::Status ExportPeftAdapter(CausalLMImpl& model, const planner::ResolvedLora&
   }
   LoraAdapterValues own;
   if (gathered == nullptr) {
-    if (model.partition().ep.enabled()) {
+    if (model.partition().ep.enabled() || model.partition().tp.enabled()) {
       return absl::FailedPreconditionError(
-          "PEFT export: this rank holds only its experts' adapters; pass GatherLoraAdapters'");
+          "PEFT export: this rank holds only its part of the adapters; pass GatherLoraAdapters'");
     }
     ASSIGN_OR_RETURN(own, GatherLoraAdapters(model));
     gathered = &own;
@@ -610,6 +609,9 @@ absl::Status LoadPeftAdapterWeights(CausalLMImpl& model, const std::string& dir)
         parts.push_back(std::move(value));
       }
       torch::Tensor value = peft->stacked.empty() ? parts.front() : torch::stack(parts);
+      // Under tp this rank's part of it (lora.h).
+      value = LocalShardOf(value, model.ShardOf(item.key()), model.partition().tp.rank,
+                           model.partition().tp.size);
       if (value.sizes() != item.value().sizes()) {
         return absl::InvalidArgumentError(absl::StrCat(
             files.Where(), ": tensor '", names.front(), "' has shape ",

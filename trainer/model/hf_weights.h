@@ -51,9 +51,10 @@ inline constexpr char kPeftWeightsFileName[] = "adapter_model.safetensors";
 LoraOptions LoraOptionsOf(const planner::ResolvedLora& lora);
 
 // Every LoRA adapter of `model` by its Tessera name, each the whole logical tensor on the CPU in
-// float32: an expert adapter sharded over expert parallelism is all-gathered over the ep group
-// (GatherExpertShards), so with ep > 1 every rank of the model's ep group must call this at the
-// same point (a collective); without ep it only copies. INTERNAL for LibTorch's errors.
+// float32: an adapter split over tensor parallelism is all-gathered over the tp group and an
+// expert adapter sharded over expert parallelism over the ep group (GatherWholeTensor), so with
+// tp or ep > 1 every rank of those groups must call this at the same point (a collective);
+// without them it only copies. INTERNAL for LibTorch's errors.
 using LoraAdapterValues = std::map<std::string, torch::Tensor>;
 absl::StatusOr<LoraAdapterValues> GatherLoraAdapters(CausalLMImpl& model);
 
@@ -75,7 +76,7 @@ absl::StatusOr<v1::LoraSpec> ReadPeftAdapterConfig(const std::string& dir);
 
 // Copies a PEFT adapter directory's adapter_model.safetensors into `model`'s adapters (added
 // with AddLora from ReadPeftAdapterConfig's spec); under expert parallelism each rank takes its
-// experts' adapters. INVALID_ARGUMENT naming the file and tensor
+// experts' adapters, and under tensor parallelism its part of each (lora.h). INVALID_ARGUMENT naming the file and tensor
 // when one is missing or has another shape.
 absl::Status LoadPeftAdapterWeights(CausalLMImpl& model, const std::string& dir);
 

@@ -18,6 +18,7 @@
 #include "trainer/data/data_loader.h"
 #include "trainer/kernels/fused_ops.h"
 #include "trainer/model/linear_cross_entropy.h"
+#include "trainer/model/qlora.h"
 #include "trainer/parallel/peer_wait.h"
 #include "trainer/torch_pch.h"
 
@@ -62,30 +63,17 @@ torch::Tensor LinearForward(Dense& linear, const torch::Tensor& x) {
 // the sequence), then the bias. Without tp exactly the plain linear.
 torch::Tensor RowParallelForward(Dense& linear, const torch::Tensor& x, const TensorParallel& tp) {
   if (!tp.enabled()) return LinearForward(linear, x);
-  torch::Tensor y = ExitTensorParallel(F::linear(x, linear->weight), tp);
+  torch::Tensor y = ExitTensorParallel(
+      linear->is_nf4() ? Nf4ProductWithoutBias(*linear, x) : F::linear(x, linear->weight), tp);
   return linear->bias.defined() ? y + linear->bias : y;
 }
 
 // Registers `linear`'s adapter when `options.targets` names it ("<module>.<child>").
 void AttachLora(const std::string& module, const char* child, Dense& linear,
-                const LoraOptions& options, LoraAdapter* adapter) {
+                const LoraOptions& options, LinearSplit split, const TensorParallel& tp,
+                LoraAdapter* adapter) {
   if (!linear || !options.targets.contains(absl::StrCat(module, ".", child))) return;
-  const int64_t out = linear->weight.size(0), in = linear->weight.size(1);
-  adapter->a = linear->register_parameter("lora_a", torch::zeros({options.rank, in}));
-  adapter->b = linear->register_parameter("lora_b", torch::zeros({out, options.rank}));
-  adapter->scale = options.scale;
-  adapter->dropout = options.dropout;
-}
-
-// The adapter's scale * B A dropout(x) added to y, the linear layer's output for x.
-torch::Tensor AddLoraDelta(torch::Tensor y, const LoraAdapter& lora, const torch::Tensor& x,
-                           bool training) {
-  if (!lora.a.defined()) return y;
-  const torch::Tensor in =
-      lora.dropout > 0
-          ? F::dropout(x, F::DropoutFuncOptions().p(lora.dropout).training(training))
-          : x;
-  return y + F::linear(F::linear(in, lora.a), lora.b) * lora.scale;
+  *adapter = AttachLoraAdapter(*linear, linear->weight, options, split, tp);
 }
 
 torch::Tensor Project(Dense& linear, const LoraAdapter& lora, const torch::Tensor& x) {
@@ -104,10 +92,6 @@ torch::Tensor RecordMask(const torch::Tensor& positions) {
 }
 
 }  // namespace
-
-bool IsLoraParameter(const std::string& name) {
-  return absl::EndsWith(name, ".lora_a") || absl::EndsWith(name, ".lora_b");
-}
 
 std::pair<torch::Tensor, torch::Tensor> RotaryTables(int64_t max_seq_len, int64_t head_dim,
                                                      double theta) {
@@ -243,12 +227,12 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& input, const torch::Te
 }
 
 void AttentionImpl::AddLora(const LoraOptions& options) {
-  TORCH_CHECK(!tp_.enabled(), "LoRA runs without tensor parallelism");
-  AttachLora("attn", "qkv", qkv_, options, &qkv_lora_);
-  AttachLora("attn", "q", q_, options, &q_lora_);
-  AttachLora("attn", "k", k_, options, &k_lora_);
-  AttachLora("attn", "v", v_, options, &v_lora_);
-  AttachLora("attn", llama_ ? "o" : "proj", out_, options, &out_lora_);
+  using enum LinearSplit;
+  AttachLora("attn", "qkv", qkv_, options, kColumn, tp_, &qkv_lora_);
+  AttachLora("attn", "q", q_, options, kColumn, tp_, &q_lora_);
+  AttachLora("attn", "k", k_, options, kColumn, tp_, &k_lora_);
+  AttachLora("attn", "v", v_, options, kColumn, tp_, &v_lora_);
+  AttachLora("attn", llama_ ? "o" : "proj", out_, options, kRow, tp_, &out_lora_);
 }
 
 torch::Tensor AttentionImpl::Core(const torch::Tensor& q, const torch::Tensor& k,
@@ -311,11 +295,11 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& input) {
 }
 
 void MlpImpl::AddLora(const LoraOptions& options) {
-  TORCH_CHECK(!tp_.enabled(), "LoRA runs without tensor parallelism");
-  AttachLora("mlp", "gate", gate_, options, &gate_lora_);
-  AttachLora("mlp", "up", up_, options, &up_lora_);
-  AttachLora("mlp", llama_ ? "down" : "proj", down_, options, &down_lora_);
-  AttachLora("mlp", "fc", up_, options, &up_lora_);
+  using enum LinearSplit;
+  AttachLora("mlp", "gate", gate_, options, kColumn, tp_, &gate_lora_);
+  AttachLora("mlp", "up", up_, options, kColumn, tp_, &up_lora_);
+  AttachLora("mlp", llama_ ? "down" : "proj", down_, options, kRow, tp_, &down_lora_);
+  AttachLora("mlp", "fc", up_, options, kColumn, tp_, &up_lora_);
 }
 
 MoeOptions MoeOptionsOf(const v1::ModelDims& dims, double init_std) {
@@ -482,7 +466,6 @@ void CausalLMImpl::AddLora(const LoraOptions& options) {
   TORCH_CHECK(lora_.rank == 0, "LoRA adapters were already added");
   TORCH_CHECK(storage_ == ParameterStorage::kInitialized,
               "LoRA adapters need a model built with its parameters (kInitialized)");
-  TORCH_CHECK(!partition_.tp.enabled(), "LoRA runs without tensor parallelism");
   TORCH_CHECK(options.dropout >= 0 && options.dropout < 1, "LoRA dropout must be in [0, 1), got ",
               options.dropout);
   for (auto& param : parameters()) param.requires_grad_(false);
@@ -493,25 +476,20 @@ void CausalLMImpl::AddLora(const LoraOptions& options) {
     const std::string& name = item.key();
     if (!IsLoraParameter(name)) continue;
     torch::Tensor param = item.value();
-    shards_[name] = ParamShard{.global_shape = param.sizes().vec()};
-    // An expert adapter is this ep rank's rows of the logical [num_experts, ...] stack.
-    const bool sharded = IsExpertLoraParameter(name) && partition_.ep.enabled();
-    if (sharded) shards_[name].global_shape[0] *= partition_.ep.size;
+    const bool expert = IsExpertLoraParameter(name);
+    const ParamShard& shard = shards_[name] =
+        LoraShardOf(name, param.sizes().vec(), ShardOf(LoraBaseParameterName(name)),
+                    partition_.tp.size, expert ? partition_.ep.size : 1);
     if (absl::EndsWith(name, ".lora_b")) continue;  // zero: the model starts as the base
-    // PEFT's kaiming_uniform(a=sqrt(5)) bound over the input width (the last dim; an MoE layer's
-    // adapters are stacked [experts, rank, in]). Drawn whole and sliced, so that every ep split
-    // starts from the same adapters.
-    const double bound = 1.0 / std::sqrt(static_cast<double>(param.size(-1)));
+    // PEFT's kaiming_uniform(a=sqrt(5)) bound over the whole input width (the last dim; an MoE
+    // layer's adapters are stacked [experts, rank, in]). Drawn whole and cut to this rank's part,
+    // so that every tp and ep split starts from the same adapters.
+    const double bound = 1.0 / std::sqrt(static_cast<double>(shard.global_shape.back()));
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(init_seed_ ^ NameHash(name));
-    if (!sharded) {
-      param.uniform_(-bound, bound, generator);
-      continue;
-    }
-    const int64_t experts = shards_[name].global_shape[0];
-    torch::Tensor full = torch::empty(shards_[name].global_shape, param.options());
+    torch::Tensor full = torch::empty(shard.global_shape, param.options());
     full.uniform_(-bound, bound, generator);
-    param.copy_(full.narrow(0, partition_.ep.FirstExpert(experts),
-                            partition_.ep.LocalExperts(experts)));
+    param.copy_(expert ? LocalExpertShardOf(full, shard, partition_.ep, partition_.tp)
+                       : LocalShardOf(full, shard, partition_.tp.rank, partition_.tp.size));
   }
 }
 

@@ -24,6 +24,7 @@
 #include "tessera/v1/layout.pb.h"
 #include "tessera/v1/model.pb.h"
 #include "trainer/kernels/fused_ops.h"
+#include "trainer/model/lora.h"
 #include "trainer/model/moe.h"
 #include "trainer/model/nf4.h"
 #include "trainer/parallel/ring_attention.h"
@@ -45,29 +46,6 @@ torch::Tensor ApplyRotary(const torch::Tensor& x, const torch::Tensor& cos,
 // x * rsqrt(mean(x^2) + eps) * weight over the last dimension, in float32; returns x's dtype (one
 // fused kernel on a GPU: trainer/kernels/fused_ops.h).
 torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-
-// LoRA (job.proto's LoraSpec), resolved: adapters of rank `rank` on the linear layers named in
-// `targets` by their Tessera suffix after "layers.N." ("attn.q", "attn.qkv", "mlp.down", ...).
-struct LoraOptions {
-  int rank = 0;
-  // Adapters add scale * B A dropout(x): scale = alpha / rank.
-  double scale = 1;
-  double dropout = 0;
-  std::set<std::string> targets;
-};
-
-// One linear layer's adapter: parameters "lora_a" [rank, in] and "lora_b" [out, rank] registered
-// on the linear module, so their names are "layers.N.attn.q.lora_a" and so on. Undefined
-// tensors: the layer has none.
-struct LoraAdapter {
-  torch::Tensor a;
-  torch::Tensor b;
-  double scale = 0;
-  double dropout = 0;
-};
-
-// True for the parameter names of LoRA adapters (".lora_a", ".lora_b").
-bool IsLoraParameter(const std::string& name);
 
 // The whole value of this rank's parameter `name` (its tensor-parallel shard, shaped like the
 // parameter), float32 on any device: CausalLMImpl::InitialValue, or weights read from a file.
@@ -163,7 +141,8 @@ class AttentionImpl : public torch::nn::Module {
                         const torch::Tensor& mask = {});
   // Recompute scaled_dot_product_attention in backward, keeping only q, k and v for it.
   void set_recompute_core(bool recompute) { recompute_core_ = recompute; }
-  // Adapters on the projections `options.targets` names ("attn.q", ...); no tensor parallelism.
+  // Adapters on the projections `options.targets` names ("attn.q", ...), split over tp as the
+  // projections are (lora.h).
   void AddLora(const LoraOptions& options);
   // With cp enabled, x holds a cp rank's part of each sequence (ShardForContextParallel) and the
   // core is RingAttention over cp's group; plain causal masks only (no packed records).
@@ -192,7 +171,8 @@ class MlpImpl : public torch::nn::Module {
   // Recompute the activation function's outputs (GELU's; SwiGLU's silu(gate) and
   // silu(gate) * up) in backward, keeping only their inputs.
   void set_recompute_activation(bool recompute) { recompute_activation_ = recompute; }
-  // Adapters on the projections `options.targets` names ("mlp.up", ...); no tensor parallelism.
+  // Adapters on the projections `options.targets` names ("mlp.up", ...), split over tp as the
+  // projections are (lora.h).
   void AddLora(const LoraOptions& options);
 
  private:
@@ -393,8 +373,8 @@ class CausalLMImpl : public torch::nn::Module {
   // of every block that `options.targets` names. A is drawn uniform in +-1/sqrt(in) (PyTorch's
   // default for a linear layer, as PEFT initialises it) from a generator seeded like the other
   // parameters' (the same under every layout), B is zero. Call once, after loading weights and
-  // before moving the model to its device. Needs rank > 0, no tensor parallelism and kInitialized
-  // storage.
+  // before moving the model to its device. Needs rank > 0 and kInitialized storage. Under tensor
+  // parallelism each adapter is split as lora.h says (ShardOf gives its split and whole shape).
   void AddLora(const LoraOptions& options);
   // The options AddLora was given; rank 0 when it was not called.
   const LoraOptions& lora() const { return lora_; }

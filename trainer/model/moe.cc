@@ -169,13 +169,14 @@ torch::Tensor MoeLayerImpl::GroupedExperts(const torch::Tensor& rows,
                                            const torch::Tensor& gate, const torch::Tensor& up,
                                            const torch::Tensor& down) const {
   const std::vector<torch::Tensor> groups = rows.split_with_sizes(sizes);
+  const MoeExpertLora lora = ForTensorParallelForward(expert_lora_, tp_);
   std::vector<torch::Tensor> outputs;
   outputs.reserve(groups.size());
   for (size_t e = 0; e < groups.size(); ++e) {
     if (sizes[e] == 0) continue;  // its weights get a zero gradient through the others' slices
     const auto i = static_cast<int64_t>(e);
     outputs.push_back(expert_lora_.enabled() || expert_lora_.nf4()
-                          ? ExpertSwiGluWithLora(groups[e], i, gate, up, down, expert_lora_,
+                          ? ExpertSwiGluWithLora(groups[e], i, gate, up, down, lora,
                                                  is_training())
                           : SwiGlu(groups[e], gate[i], up[i], down[i]));
   }
@@ -183,7 +184,7 @@ torch::Tensor MoeLayerImpl::GroupedExperts(const torch::Tensor& rows,
   // weights into the graph, so that their gradient is a defined zero like the other ranks'.
   if (outputs.empty()) {
     return expert_lora_.enabled() || expert_lora_.nf4()
-               ? ExpertSwiGluWithLora(rows, 0, gate, up, down, expert_lora_, is_training())
+               ? ExpertSwiGluWithLora(rows, 0, gate, up, down, lora, is_training())
                : SwiGlu(rows, gate[0], up[0], down[0]);
   }
   return torch::cat(outputs);

@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "trainer/kernels/fused_ops.h"
+#include "trainer/model/lora.h"
 #include "trainer/parallel/collective_timer.h"
 #include "trainer/torch_pch.h"
 
@@ -95,6 +96,18 @@ MoeExpertLora AttachMoeExpertLora(torch::nn::Module& experts, const torch::Tenso
   if (targets.contains(kMoeLoraUp)) lora.up = Attach(experts, "up", up, rank);
   if (targets.contains(kMoeLoraDown)) lora.down = Attach(experts, "down", down, rank);
   return lora;
+}
+
+MoeExpertLora ForTensorParallelForward(const MoeExpertLora& lora, const TensorParallel& tp) {
+  if (!tp.enabled() || tp.sequence_parallel) return lora;
+  MoeExpertLora view = lora;
+  // Column-parallel gate and up: A replicated, B split by output rows. Row-parallel down: A split
+  // by input columns, B replicated; its partial products join the layer's partial output.
+  for (StackedLoraAdapter* column : {&view.gate, &view.up}) {
+    if (column->a.defined()) column->a = PartialGradientOverTensorParallel(column->a, tp);
+  }
+  if (view.down.b.defined()) view.down.b = PartialGradientOverTensorParallel(view.down.b, tp);
+  return view;
 }
 
 torch::Tensor ExpertSwiGluWithLora(const torch::Tensor& x, int64_t e, const torch::Tensor& gate,

@@ -20,6 +20,7 @@
 
 #include "trainer/model/nf4.h"
 #include "trainer/parallel/expert_parallel.h"
+#include "trainer/parallel/tensor_parallel.h"
 
 namespace tessera::trainer {
 
@@ -88,6 +89,12 @@ MoeExpertLora AttachMoeExpertLora(torch::nn::Module& experts, const torch::Tenso
                                   const torch::Tensor& up, const torch::Tensor& down, int rank,
                                   double scale, double dropout,
                                   const std::set<std::string>& targets);
+
+// `lora` as one forward call reads it under tensor parallelism (lora.h): the replicated adapter
+// matrices whose gradients each tp rank computes only part of (gate's and up's A, down's B) with
+// their gradients summed over tp (PartialGradientOverTensorParallel), once for every expert of the
+// layer rather than per expert. `lora` itself without tp.
+MoeExpertLora ForTensorParallelForward(const MoeExpertLora& lora, const TensorParallel& tp);
 
 // Expert `e`'s SwiGLU down(silu(gate x) * up x) of its tokens x [n, hidden] with its adapters
 // added to each adapted projection; dropout on an adapter's input only in `training`. A

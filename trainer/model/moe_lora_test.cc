@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "trainer/model/lora.h"
 #include "trainer/model/moe.h"
 #include "trainer/model/nf4.h"
 #include "trainer/torch_pch.h"
@@ -33,6 +34,42 @@ MoeOptions SmallOptions() {
 
 const std::set<std::string> kAllExperts = {kMoeLoraGate, kMoeLoraUp, kMoeLoraDown};
 
+// Each adapter's split under tp follows its base's (lora.h): a column-parallel base splits B's
+// rows (GPT-2's qkv in three blocks), a row-parallel one A's columns; the other matrix is
+// replicated. Expert adapters' logical expert count is the local one times ep.
+TEST(LoraShardTest, AdaptersSplitLikeTheirBase) {
+  using Kind = ParamShard::Kind;
+  const ParamShard qkv{.kind = Kind::kColumn, .blocks = 3, .global_shape = {48, 16}};
+  const ParamShard qkv_a = LoraShardOf("layers.0.attn.qkv.lora_a", {4, 16}, qkv, 2, 1);
+  EXPECT_EQ(qkv_a.kind, Kind::kReplicated);
+  EXPECT_EQ(qkv_a.global_shape, (std::vector<int64_t>{4, 16}));
+  const ParamShard qkv_b = LoraShardOf("layers.0.attn.qkv.lora_b", {24, 4}, qkv, 2, 1);
+  EXPECT_EQ(qkv_b.kind, Kind::kColumn);
+  EXPECT_EQ(qkv_b.blocks, 3);
+  EXPECT_EQ(qkv_b.global_shape, (std::vector<int64_t>{48, 4}));
+
+  const ParamShard proj{.kind = Kind::kRow, .blocks = 1, .global_shape = {16, 16}};
+  const ParamShard proj_a = LoraShardOf("layers.0.attn.proj.lora_a", {4, 8}, proj, 2, 1);
+  EXPECT_EQ(proj_a.kind, Kind::kRow);
+  EXPECT_EQ(proj_a.global_shape, (std::vector<int64_t>{4, 16}));
+  EXPECT_EQ(LoraShardOf("layers.0.attn.proj.lora_b", {16, 4}, proj, 2, 1).kind, Kind::kReplicated);
+
+  const ParamShard down{.kind = Kind::kExpertRow, .blocks = 1, .global_shape = {8, 16, 12}};
+  const ParamShard down_a = LoraShardOf("layers.0.mlp.experts.down.lora_a", {4, 4, 6}, down, 2, 2);
+  EXPECT_EQ(down_a.kind, Kind::kExpertRow);
+  EXPECT_EQ(down_a.global_shape, (std::vector<int64_t>{8, 4, 12}));
+  const ParamShard down_b = LoraShardOf("layers.0.mlp.experts.down.lora_b", {4, 16, 4}, down, 2, 2);
+  EXPECT_EQ(down_b.kind, Kind::kReplicated);
+  EXPECT_EQ(down_b.global_shape, (std::vector<int64_t>{8, 16, 4}));
+  const ParamShard gate{.kind = Kind::kExpertColumn, .blocks = 1, .global_shape = {8, 12, 16}};
+  const ParamShard gate_b = LoraShardOf("layers.0.mlp.experts.gate.lora_b", {4, 6, 4}, gate, 2, 2);
+  EXPECT_EQ(gate_b.kind, Kind::kExpertColumn);
+  EXPECT_EQ(gate_b.global_shape, (std::vector<int64_t>{8, 12, 4}));
+
+  EXPECT_EQ(LoraBaseParameterName("layers.0.attn.q.lora_a"), "layers.0.attn.q.weight");
+  EXPECT_EQ(LoraBaseParameterName("layers.0.mlp.experts.up.lora_b"), "layers.0.mlp.experts.up");
+}
+
 TEST(MoeLoraTest, EveryExpertGetsItsOwnAdapters) {
   torch::manual_seed(1);
   MoeLayer layer(SmallOptions(), torch::kFloat64);
@@ -52,8 +89,7 @@ TEST(MoeLoraTest, AdaptersAreSizedFromTheStackedWeightNotTheExpertCount) {
   // An expert-parallel rank holds a slice of the experts: 2 of the layer's 4 here.
   torch::nn::Module experts;
   const torch::Tensor gate = torch::zeros({2, 6, 8}), down = torch::zeros({2, 8, 6});
-  const MoeExpertLora lora =
-      AttachMoeExpertLora(experts, gate, gate, down, 3, 1.0, 0, kAllExperts);
+  const MoeExpertLora lora = AttachMoeExpertLora(experts, gate, gate, down, 3, 1.0, 0, kAllExperts);
   EXPECT_EQ(lora.up.a.sizes(), (std::vector<int64_t>{2, 3, 8}));
   EXPECT_EQ(lora.down.b.sizes(), (std::vector<int64_t>{2, 8, 3}));
 }
@@ -109,8 +145,8 @@ TEST(MoeLoraTest, OnlyTheAdaptersTrainWhenTheBaseIsFrozen) {
   ASSERT_EQ(out.tokens_per_expert.min().item<int64_t>() > 0, true);
   out.output.pow(2).sum().backward();
   for (const auto& item : layer->named_parameters()) {
-    const bool adapter = absl::EndsWith(item.key(), ".lora_a") ||
-                         absl::EndsWith(item.key(), ".lora_b");
+    const bool adapter =
+        absl::EndsWith(item.key(), ".lora_a") || absl::EndsWith(item.key(), ".lora_b");
     EXPECT_EQ(item.value().grad().defined(), adapter) << item.key();
     if (absl::EndsWith(item.key(), ".lora_b")) {
       // Every expert's B gets a gradient of its own.

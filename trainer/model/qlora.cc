@@ -64,21 +64,33 @@ void DenseImpl::QuantizeWeightNf4(const torch::Tensor& value) {
   nf4_ = *std::move(quantized);
 }
 
-torch::Tensor DenseImpl::Nf4Forward(const torch::Tensor& x) {
-  // The custom autograd function is below autocast, so it computes in autocast's dtype here as
-  // at::linear would under autocast.
+namespace {
+
+// x in the dtype at::linear would compute in: autocast's where it is on. The custom autograd
+// function is below autocast, so it is cast here.
+torch::Tensor InComputeDtype(const torch::Tensor& x) {
   const at::DeviceType device = x.device().type();
   at::ScalarType dtype = x.scalar_type();
   if ((device == at::kCUDA || device == at::kCPU) && at::autocast::is_autocast_enabled(device)) {
     dtype = at::autocast::get_autocast_dtype(device);
   }
-  return Nf4LinearForward(x.to(dtype), *nf4_, bias);
+  return x.to(dtype);
+}
+
+}  // namespace
+
+torch::Tensor DenseImpl::Nf4Forward(const torch::Tensor& x) {
+  return Nf4LinearForward(InComputeDtype(x), *nf4_, bias);
+}
+
+torch::Tensor Nf4ProductWithoutBias(DenseImpl& linear, const torch::Tensor& x) {
+  TORCH_CHECK(linear.is_nf4(), "the linear layer's weight is not in NF4");
+  return Nf4LinearForward(InComputeDtype(x), *linear.nf4_weight(), torch::Tensor());
 }
 
 absl::Status MaterializeNf4Base(CausalLMImpl& model, const ParameterValues& values) {
-  if (model.storage() != ParameterStorage::kDeferred || model.partition().tp.enabled()) {
-    return absl::FailedPreconditionError(
-        "an NF4 base is built from a kDeferred model without tensor parallelism");
+  if (model.storage() != ParameterStorage::kDeferred) {
+    return absl::FailedPreconditionError("an NF4 base is built from a kDeferred model");
   }
   try {
     torch::NoGradGuard no_grad;

@@ -30,14 +30,20 @@ bool IsNf4Parameter(const std::string& name);
 // ("layers.N.attn.q.weight", "layers.N.mlp.fc.weight"; not the norms' weights).
 bool IsNf4QuantizedWeight(const std::string& name);
 
-// Gives every parameter of `model` (built ParameterStorage::kDeferred, no tensor parallelism) its
-// value from `values`, one parameter at a time: a block linear weight or a stacked expert weight
-// (this rank's experts under expert parallelism) goes straight into NF4 (its float32 value freed
+// Gives every parameter of `model` (built ParameterStorage::kDeferred) its value from `values`,
+// one parameter at a time: a block linear weight or a stacked expert weight (this rank's experts
+// under expert parallelism, this rank's shard under tensor parallelism: a shard is quantized on
+// its own, so its 64-value blocks are not the whole weight's where tp splits rows' columns, a
+// difference within NF4's error) goes straight into NF4 (its float32 value freed
 // before the next is read), every other
 // parameter is kept in float32 on the CPU. The model is kInitialized afterwards, ready for
 // AddLora. FAILED_PRECONDITION for a model that is not so built; `values`' errors pass through;
 // LibTorch's errors become INTERNAL.
 absl::Status MaterializeNf4Base(CausalLMImpl& model, const ParameterValues& values);
+
+// x W^T for `linear`'s NF4 weight W, without its bias: a row-parallel layer's partial product,
+// whose bias is added once after the tp reduction. In autocast's dtype where autocast is on.
+torch::Tensor Nf4ProductWithoutBias(DenseImpl& linear, const torch::Tensor& x);
 
 // Bytes of the model's NF4 state (codes, 8-bit absmaxes, their scales and offsets).
 int64_t Nf4BaseBytes(CausalLMImpl& model);

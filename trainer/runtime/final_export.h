@@ -9,9 +9,10 @@
 // Without LoRA the weights come from the committed checkpoint's Tessera export (model.safetensors,
 // which FinalExportNeedsTesseraFile asks the checkpointer for), so every layout exports: no rank
 // need hold the whole model. That costs rank 0 one float32 copy of the model in host memory while
-// it writes. With LoRA the base is replicated (planner::CheckTrainerRunsLora) and rank 0's model is
-// written directly; under expert parallelism its adapters come gathered from every ep rank, and
-// the merged export (which would need every expert's base weights) is refused at submission.
+// it writes. With LoRA rank 0's model is written directly when it is whole; under tensor or expert
+// parallelism its adapters come gathered from every tp and ep rank (GatherLoraAdapters), and the
+// merged export from a whole copy of the model that every rank helped gather
+// (GatherMergedExportModel): base weights, an NF4 base dequantized, and adapters.
 #pragma once
 
 #include <string>
@@ -48,7 +49,20 @@ struct FinalExportInputs {
   // With LoRA, every adapter whole (GatherLoraAdapters, which every rank joined); null: rank 0's
   // model's own, whole only without expert parallelism.
   const LoraAdapterValues* lora_adapters = nullptr;
+  // With LoRA and export_merged under tp or ep > 1, the whole model GatherMergedExportModel made;
+  // null: `model` is whole.
+  CausalLMImpl* merged_model = nullptr;
 };
+
+// For a spec whose final export writes the merged model (EXPORT_FORMAT_HF, LoRA, export_merged)
+// when `model` is not whole on this rank (tensor or expert parallelism; LoRA runs without
+// pipeline stages): every base weight (an NF4 one dequantized to float32) gathered whole over tp
+// and ep, and `adapters` (GatherLoraAdapters'), in a new CausalLM on the CPU without a partition,
+// with `model`'s LoRA options. A collective: every rank calls it at the same point; ranks with
+// `keep` false join the gathers and get a null model, as do all ranks when nothing needs it.
+// INTERNAL for LibTorch's errors or a parameter with no gathered value.
+absl::StatusOr<CausalLM> GatherMergedExportModel(const v1::JobSpec& spec, CausalLMImpl& model,
+                                                 const LoraAdapterValues& adapters, bool keep);
 
 // Writes the directories above for a task whose spec asks for EXPORT_FORMAT_HF (OK and nothing
 // written otherwise) and returns the directories written. The spec was checked by

@@ -525,11 +525,15 @@ absl::Status TrainLoop::SaveCheckpoint(bool last, bool wait) {
   RETURN_IF_ERROR(checkpointer.Wait());
   checkpoint_blocked_seconds_ +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  // LoRA runs without tensor or pipeline splits, but under expert parallelism each rank holds
-  // only its experts' adapters: every rank joins the gather, then rank 0 writes them.
+  // LoRA runs without pipeline splits, but under tensor or expert parallelism each rank holds only
+  // its part of the adapters (and of the base the merged export needs): every rank joins the
+  // gathers, then rank 0 writes them.
   LoraAdapterValues adapters;
+  CausalLM merged{nullptr};
   if (last && run_.lora.has_value()) {
     ASSIGN_OR_RETURN(adapters, GatherLoraAdapters(*run_.model));
+    ASSIGN_OR_RETURN(merged, GatherMergedExportModel(spec_, *run_.model, adapters,
+                                                     /*keep=*/reporter_.rank() == 0));
   }
   if (reporter_.rank() != 0) return absl::OkStatus();
   if (last && run_.lora.has_value()) {
@@ -545,7 +549,8 @@ absl::Status TrainLoop::SaveCheckpoint(bool last, bool wait) {
                                          .checkpoint_path = committed->path(),
                                          .model = run_.model.get(),
                                          .lora = run_.lora.has_value() ? &*run_.lora : nullptr,
-                                         .lora_adapters = &adapters}));
+                                         .lora_adapters = &adapters,
+                                         .merged_model = merged ? merged.get() : nullptr}));
     for (const std::string& dir : exported) {
       reporter_.Log(absl::StrCat("Hugging Face export: ", dir));
     }

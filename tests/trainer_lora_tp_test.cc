@@ -1,0 +1,265 @@
+// Real tessera-trainer processes fine-tuning LoRA adapters under tensor parallelism (adapters split
+// like their base layers, trainer/model/lora.h) against one process of the same job: tiny-gpt2
+// (GPT-2's fused qkv, whose B splits in three blocks, and the row-parallel projections) at tp 2,
+// tp 2 with sequence parallelism and dp 2 x tp 2, and tiny-llama with 8 experts (each expert's
+// adapters split like the expert's slice) at tp 2 and ep 2 x tp 2. Every step's loss and the final
+// PEFT adapter (gathered over tp and ep into PEFT's whole tensors) agree with one process to
+// float32 reduction-order noise. An adapter checkpoint written at tp 2 resumes in one process with
+// the uninterrupted run's losses. The merged Hugging Face export (the base with the adapters
+// merged in) written at ep 2 and at tp 2 equals the one-process export.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/trainer_training_fixture.h"
+
+namespace tessera {
+namespace {
+
+using ::tessera::testing::TrainerRun;
+using ::tessera::testing::TrainerTrainingTest;
+using ::testing::HasSubstr;
+
+constexpr int kSteps = 8;
+constexpr int kExperts = 8;
+
+// A layout of the test and the model it trains.
+struct TpCase {
+  const char* name;
+  bool moe;
+  int dp;  // processes, as the fixture counts them (data x tensor x expert)
+  int tp;
+  int ep;
+  bool sequence_parallel;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<TpCase>& info) { return info.param.name; }
+
+class LoraTensorParallelTest : public TrainerTrainingTest {
+ protected:
+  // One intra-op thread per trainer, as the worker pins them: four processes share two cores.
+  static void SetUpTestSuite() {
+    setenv("OMP_NUM_THREADS", "1", /*overwrite=*/1);
+    TrainerTrainingTest::SetUpTestSuite();
+  }
+
+  static std::vector<std::string> Flags(bool moe, int steps, const std::string& dir, int tp, int ep,
+                                        bool sequence_parallel, int decay_steps = 0) {
+    std::vector<std::string> flags = BaseFlags(steps, dir, decay_steps);
+    if (moe) {
+      for (std::string& flag : flags) {
+        if (flag == "--preset=tiny-gpt2") flag = "--preset=tiny-llama";
+      }
+      flags.push_back(absl::StrCat("--num_experts=", kExperts));
+      flags.push_back("--experts_per_token=2");
+      flags.push_back(absl::StrCat("--expert_parallel=", ep));
+      // The default targets: every attention projection and every expert's gate, up and down.
+    } else {
+      // GPT-2's every linear layer: the fused qkv and fc (column-parallel), both c_proj (row).
+      flags.push_back("--lora_targets=c_attn,c_proj,c_fc");
+    }
+    flags.push_back(absl::StrCat("--tensor_parallel=", tp));
+    if (sequence_parallel) flags.push_back("--sequence_parallel");
+    flags.push_back("--lora_rank=4");
+    return flags;
+  }
+
+  // The PEFT adapter of the final checkpoint of a run with `dir`.
+  static std::map<std::string, std::vector<float>> Adapter(const std::string& dir, int step) {
+    return ReadExport(absl::StrFormat("%s/step-%08d/adapter/adapter_model.safetensors", dir, step));
+  }
+
+  // One process of the dense or the MoE job, once for the suite.
+  static const TrainerRun& Reference(bool moe) {
+    static std::map<bool, TrainerRun>* runs = new std::map<bool, TrainerRun>;
+    if (!runs->contains(moe)) {
+      reference_dir(moe) = MakeTempDir(moe ? "lora-tp-moe-reference" : "lora-tp-reference");
+      (*runs)[moe] = RunTrainer(Flags(moe, kSteps, reference_dir(moe), 1, 1, false));
+    }
+    return runs->at(moe);
+  }
+  static std::string& reference_dir(bool moe) {
+    static std::map<bool, std::string>* dirs = new std::map<bool, std::string>;
+    return (*dirs)[moe];
+  }
+};
+
+class LoraTensorParallelLayoutTest : public LoraTensorParallelTest,
+                                     public ::testing::WithParamInterface<TpCase> {};
+
+TEST_P(LoraTensorParallelLayoutTest, LossesAndAdaptersMatchOneProcess) {
+  const TpCase& c = GetParam();
+  const TrainerRun& reference = Reference(c.moe);
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  ASSERT_EQ(reference.losses.size(), static_cast<size_t>(kSteps));
+  const std::string dir = MakeTempDir("lora-tp");
+  std::vector<TrainerRun> runs =
+      RunRanks(Flags(c.moe, kSteps, dir, c.tp, c.ep, c.sequence_parallel), c.dp);
+  ASSERT_EQ(runs.size(), static_cast<size_t>(c.dp));
+  for (int rank = 0; rank < c.dp; ++rank) {
+    ASSERT_EQ(runs[rank].exit_code, 0) << "rank " << rank << ":\n" << runs[rank].output;
+  }
+  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps));
+  double worst = 0;
+  for (int64_t step = 1; step <= kSteps; ++step) {
+    const double expected = reference.losses.at(step);
+    const double relative = std::abs(runs[0].losses.at(step) - expected) / expected;
+    EXPECT_LE(relative, 1e-5) << "step " << step;
+    worst = std::max(worst, relative);
+  }
+  EXPECT_LT(runs[0].losses.at(kSteps), runs[0].losses.at(1));
+
+  const auto adapter = Adapter(dir, kSteps);
+  const auto expected = Adapter(reference_dir(c.moe), kSteps);
+  ASSERT_FALSE(expected.empty());
+  ASSERT_EQ(adapter.size(), expected.size());
+  // Every B trained (it starts at zero), also the halves a tp rank held alone.
+  for (const auto& [name, values] : adapter) {
+    if (name.find("lora_B") == std::string::npos) continue;
+    EXPECT_TRUE(std::any_of(values.begin(), values.end(), [](float v) { return v != 0; }))
+        << name << " did not train";
+  }
+  const double difference = MaxRelativeDifference(adapter, expected);
+  std::cout << c.name << ": max relative loss difference " << worst
+            << ", max relative adapter difference " << difference << "\n";
+  EXPECT_LE(difference, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, LoraTensorParallelLayoutTest,
+                         ::testing::Values(TpCase{"gpt2_tp2", false, 2, 2, 1, false},
+                                           TpCase{"gpt2_tp2_sequence_parallel", false, 2, 2, 1,
+                                                  true},
+                                           TpCase{"gpt2_dp2_tp2", false, 4, 2, 1, false},
+                                           TpCase{"moe_tp2", true, 2, 2, 1, false},
+                                           TpCase{"moe_ep2_tp2", true, 4, 2, 2, false}),
+                         CaseName);
+
+// Saved at tp 2 (each rank's split adapters boxes of the whole ones), resumed in one process.
+TEST_F(LoraTensorParallelTest, CheckpointAtTensorParallelResumesInOneProcess) {
+  const int n = kSteps / 2;
+  const TrainerRun straight = RunTrainer(Flags(false, kSteps, "", 1, 1, false, kSteps));
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  const std::string dir = MakeTempDir("lora-tp-resume");
+  std::vector<TrainerRun> first = RunRanks(Flags(false, n, dir, 2, 1, false, kSteps), 2);
+  ASSERT_EQ(first.size(), 2u);
+  ASSERT_EQ(first[0].exit_code, 0) << first[0].output;
+  ASSERT_EQ(first[1].exit_code, 0) << first[1].output;
+  const TrainerRun resumed = RunTrainer(Flags(false, kSteps, dir, 1, 1, false, kSteps));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, HasSubstr("resumed from"));
+  ASSERT_EQ(resumed.losses.size(), static_cast<size_t>(kSteps - n));
+  for (int64_t step = n + 1; step <= kSteps; ++step) {
+    const double expected = straight.losses.at(step);
+    EXPECT_LE(std::abs(resumed.losses.at(step) - expected) / expected, 1e-5) << "step " << step;
+  }
+}
+
+// QLoRA (--lora_nf4) at tp 2: each rank quantizes its own shard of the base, so where tp splits
+// a weight's rows (the row-parallel projections) its 64-value blocks are not one process's, a
+// difference within NF4's error: the losses track one process's QLoRA run closely, not exactly.
+TEST_F(LoraTensorParallelTest, QloraAtTensorParallelTracksOneProcess) {
+  std::vector<std::string> flags = Flags(false, kSteps, "", 1, 1, false);
+  flags.push_back("--lora_nf4");
+  const TrainerRun one = RunTrainer(flags);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_THAT(one.output, HasSubstr("(block linear weights in NF4)"));
+  std::vector<std::string> tp_flags = Flags(false, kSteps, "", 2, 1, false);
+  tp_flags.push_back("--lora_nf4");
+  std::vector<TrainerRun> runs = RunRanks(tp_flags, 2);
+  ASSERT_EQ(runs.size(), 2u);
+  ASSERT_EQ(runs[0].exit_code, 0) << runs[0].output;
+  ASSERT_EQ(runs[1].exit_code, 0) << runs[1].output;
+  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps));
+  double worst = 0;
+  for (int64_t step = 1; step <= kSteps; ++step) {
+    const double relative =
+        std::abs(runs[0].losses.at(step) - one.losses.at(step)) / one.losses.at(step);
+    worst = std::max(worst, relative);
+    EXPECT_LT(relative, 1e-3) << "step " << step;
+  }
+  EXPECT_LT(runs[0].losses.at(kSteps), runs[0].losses.at(1));
+  std::cout << "QLoRA at tp 2 vs one process: max relative loss difference " << worst << "\n";
+}
+
+// export_merged at ep 2 and at tp 2: the base experts (and every other weight) gathered from the
+// ranks with their adapters merged in, written as transformers' per-expert tensors equal to the
+// one-process export. The model is a tiny Qwen3-MoE (8 experts, normalised top-k, which the
+// Hugging Face export needs) made from a config.json by the trainer's own tools: its seeded
+// weights exported, then written as a Hugging Face directory to import from.
+TEST_F(LoraTensorParallelTest, MergedExportAtExpertAndTensorParallelEqualsOneProcess) {
+  constexpr int kExportSteps = 4;
+  const std::string config_dir = MakeTempDir("lora-merged-config");
+  {
+    std::ofstream config(config_dir + "/config.json");
+    config << R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+      "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+      "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+      "norm_topk_prob": true, "max_position_embeddings": 128, "rms_norm_eps": 1e-06,
+      "rope_theta": 10000.0, "tie_word_embeddings": false, "router_aux_loss_coef": 0.01})";
+  }
+  const std::string initial = config_dir + "/initial.safetensors";
+  const TrainerRun exported =
+      RunTrainer({Trainer(), "--data=" + *data_dir_ + "/train-*.bin", "--init_from=" + config_dir,
+                  "--seq_len=64", "--export_initial=" + initial});
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  const std::string source = MakeTempDir("lora-merged-source");
+  const TrainerRun written = RunTrainer({Trainer(), "--init_from=" + config_dir, "--seq_len=64",
+                                         "--weights=" + initial, "--export_hf=" + source});
+  ASSERT_EQ(written.exit_code, 0) << written.output;
+
+  auto flags = [&source](const std::string& dir, int tp, int ep) {
+    std::vector<std::string> flags = BaseFlags(kExportSteps, dir);
+    for (std::string& flag : flags) {
+      if (flag == "--preset=tiny-gpt2") flag = "--init_from=" + source;
+    }
+    flags.push_back(absl::StrCat("--expert_parallel=", ep));
+    flags.push_back(absl::StrCat("--tensor_parallel=", tp));
+    flags.push_back("--lora_rank=4");
+    flags.push_back("--export_format=hf");
+    flags.push_back("--export_merged");
+    return flags;
+  };
+  auto merged = [](const std::string& dir) {
+    return ReadExport(dir + "/export/hf-merged/model.safetensors");
+  };
+  const std::string one_dir = MakeTempDir("lora-merged-one");
+  const TrainerRun one = RunTrainer(flags(one_dir, 1, 1));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto expected = merged(one_dir);
+  // Qwen3-MoE's names, one tensor per expert.
+  ASSERT_TRUE(expected.contains("model.layers.1.mlp.experts.7.down_proj.weight"));
+  const auto base = ReadExport(source + "/model.safetensors");
+  ASSERT_EQ(base.size(), expected.size());
+  EXPECT_GT(MaxRelativeDifference(expected, base), 0) << "no adapter was merged in";
+  for (const auto& [tp, ep] : {std::pair{1, 2}, std::pair{2, 1}}) {
+    const std::string dir = MakeTempDir("lora-merged");
+    std::vector<TrainerRun> runs = RunRanks(flags(dir, tp, ep), 2);
+    ASSERT_EQ(runs.size(), 2u);
+    for (int rank = 0; rank < 2; ++rank) {
+      ASSERT_EQ(runs[rank].exit_code, 0) << "tp " << tp << " ep " << ep << " rank " << rank << ":\n"
+                                         << runs[rank].output;
+    }
+    const auto exported = merged(dir);
+    ASSERT_EQ(exported.size(), expected.size()) << "tp " << tp << " ep " << ep;
+    const double difference = MaxRelativeDifference(exported, expected);
+    std::cout << "merged export at tp " << tp << " x ep " << ep
+              << ": max relative difference to one process " << difference << "\n";
+    EXPECT_LE(difference, 1e-5) << "tp " << tp << " ep " << ep;
+  }
+}
+
+}  // namespace
+}  // namespace tessera
