@@ -36,6 +36,7 @@
 #include "common/timestamp.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
+#include "trainer/io/checkpoint_fence.h"
 #include "trainer/io/sha256.h"
 #include "trainer/io/xxh3.h"
 #include "trainer/io/shard_file.h"
@@ -445,7 +446,7 @@ absl::StatusOr<std::string> WriteHashedFile(const std::string& path,
 
 absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     const std::string& root, int64_t step, v1::CheckpointManifest manifest, int world_size,
-    int keep_last, const std::map<std::string, std::string>& known_digests) {
+    int keep_last, const std::map<std::string, std::string>& known_digests, int64_t attempt) {
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("negative checkpoint step ", step));
   if (world_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat("world_size ", world_size, " is not positive"));
@@ -554,6 +555,11 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
   RETURN_IF_ERROR(WriteFileSynced(JoinPath(staging, kManifestFileName), binary));
   RETURN_IF_ERROR(FsyncPath(staging));
 
+  // The fence check, the rename and retention under one lock: a newer attempt's raise (taken
+  // before it loads) either comes first and this commit is refused, or waits for it, so a stale
+  // commit never replaces nor deletes (retention) a newer attempt's checkpoint.
+  ASSIGN_OR_RETURN(FenceLock fence_lock, FenceLock::Acquire(root));
+  RETURN_IF_ERROR(CheckCheckpointFenceLocked(root, manifest.job_id(), attempt));
   const std::string final_dir = JoinPath(root, CheckpointDirName(step));
   RETURN_IF_ERROR(MoveIntoPlace(root, step, staging, final_dir));
   RETURN_IF_ERROR(FsyncPath(root));
