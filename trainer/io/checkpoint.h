@@ -76,8 +76,9 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
 // `known_digests` maps shard file names to the XXH3-128 digests their writers computed while
 // writing (WriteHashedFile); those shards are not read back to hash them, the others are.
 //
-// Fenced (trainer/io/checkpoint_fence.h): the rename and retention happen under the fence's lock,
-// and only when <root>/FENCE is absent or holds `manifest.job_id` at an attempt <= `attempt`;
+// Fenced (trainer/io/checkpoint_fence.h): the rename and retention's renames (a deleted
+// checkpoint is first renamed to <root>/.retired-step-..., deleted after) happen under the fence's
+// lock, held for nothing slower than a rename, and only when <root>/FENCE is absent or holds `manifest.job_id` at an attempt <= `attempt`;
 // otherwise FAILED_PRECONDITION "checkpoint write refused: attempt 2 of job j is fenced off by
 // attempt 3 of job j in <root>/FENCE (...)", leaving the staging directory and every committed
 // checkpoint as they were (DEADLINE_EXCEEDED when the lock stays held). The default attempt 0 is
