@@ -27,6 +27,20 @@ How it runs:
      goodput(T) = GOODPUT_STEPS * T / (GOODPUT_STEPS * T + failures * (recovery + lost * T)), with
      lost = CHECKPOINT_INTERVAL / 2 steps retrained on average.
 
+With --step_seconds S (e.g. 1): the goodput of a job whose steps take about S seconds, measured,
+not projected (make bench BENCH=fault ARGS="--step_seconds 1 --runs 1"). The model is a wider
+GPT-2 (LONG_STEP_DIMS, byte-level, seq_len 256) whose global batch is sized from a short
+calibration job so that a step takes about S s on this machine (real compute, no sleeps); it
+checkpoints every --checkpoint_interval steps (asynchronous saves: the step only waits for the
+host copy). No separate recovery job: the faulted run's kills are timed, and its lost time is
+split into detection (kill -> RESTARTING), restart (-> RUNNING), the first step of the new attempt
+(process start, checkpoint load, rendezvous) and the steps retrained since the last checkpoint.
+A failure's cost is the time from the kill until the new attempt is back at the killed step (its
+first step, then the other retrained steps at the run's median step time); goodput = 1 - the
+failures' cost / the faulted run's wall time, which needs no clean run (on a shared machine a
+clean run and a faulted one see different loads; with --faulted_only none is run, otherwise the
+clean / faulted wall ratio is recorded too). Results go to fault-step<S>s.json.
+
 Results: a summary on stdout and $TESSERA_BENCH_RESULTS/fault.json with medians, ranges, every
 kill's figures, the configuration, machine, date and commit. Only the standard library is used.
 """
@@ -55,7 +69,21 @@ JOB_TIMEOUT_SECONDS = 900
 POLL_SECONDS = 0.02
 
 
-def write_spec(path, name, shards, steps):
+# The --step_seconds model: GPT-2 blocks wide enough that compute, not per-step overheads, sets
+# the step time; byte-level like tiny-gpt2 so that the bundled corpus feeds it.
+LONG_STEP_DIMS = {"architecture": "ARCHITECTURE_GPT2", "num_layers": 4, "hidden_size": 128,
+                  "num_attention_heads": 4, "vocab_size": 257, "max_seq_len": 256,
+                  "tie_embeddings": True}
+LONG_STEP_SEQ_LEN = 256
+LONG_STEP_MICRO_BATCH = 4
+# Global batch of the calibration job: one micro-batch per rank.
+CALIBRATION_BATCH = 2 * LONG_STEP_MICRO_BATCH
+CALIBRATION_STEPS = 8
+
+
+def write_spec(path, name, shards, steps, long_step_batch=0, interval=CHECKPOINT_INTERVAL):
+    """A tiny-gpt2 spec, or with `long_step_batch` > 0 the --step_seconds model at that global
+    batch."""
     spec = {
         "name": name,
         "model": {"preset": "tiny-gpt2"},
@@ -64,10 +92,15 @@ def write_spec(path, name, shards, steps):
         "optimizer": {"schedule": {"peak_learning_rate": 3e-3, "warmup_steps": 10}},
         "precision": "PRECISION_FP32",
         "max_steps": steps,
-        "checkpoint": {"interval_steps": CHECKPOINT_INTERVAL, "keep_last": 2},
+        "checkpoint": {"interval_steps": interval, "keep_last": 2},
         "resources": {"cpu_slots": 2},
         "max_restarts": 1000,
     }
+    if long_step_batch:
+        spec["model"] = {"dims": LONG_STEP_DIMS}
+        spec["data"]["seq_len"] = LONG_STEP_SEQ_LEN
+        spec["batch"] = {"global_batch_size": long_step_batch,
+                         "micro_batch_size": LONG_STEP_MICRO_BATCH}
     with open(path, "w") as f:
         json.dump(spec, f)  # JSON is YAML
 
@@ -178,16 +211,163 @@ def measure(build_dir, trainer, workdir, args):
     }
 
 
+def median_step_seconds(cluster, job_id, skip=2, field="step_time_seconds"):
+    """The median of a StepMetrics field (the step time) over a finished job's curve, its first
+    `skip` steps (warm-up) left out."""
+    out = cluster.cli("--output=json", "metrics", job_id)
+    points = json.loads(out).get("points", [])
+    values = [float(p.get(field, 0)) for p in points[skip:] if "step_time_seconds" in p]
+    if not values:
+        raise BenchError(f"{job_id}: no step times in its metrics")
+    return statistics.median(values)
+
+
+def lost_seconds(kill, step_seconds):
+    """Wall time a failure cost: from the kill until the new attempt has trained back to the
+    killed step (its first step, then the rest of the retrained ones at the run's step time)."""
+    return kill["first_step"] + max(0, kill["retrained_steps"] - 1) * step_seconds
+
+
+def measure_long_steps(build_dir, trainer, workdir, args):
+    shards = prepare_corpus(trainer, workdir, timeout=300)
+    cluster = Cluster(build_dir, workdir, coordinator_flags=(
+        "--heartbeat_interval=500ms", "--heartbeat_timeout=5s"), cpu_slots=2,
+        worker_flags=("--stop_grace=2s",), threads=1)
+    steps, interval = args.goodput_steps, args.checkpoint_interval
+    try:
+        write_spec(f"{workdir}/calibrate.yaml", "calibrate", shards, CALIBRATION_STEPS,
+                   long_step_batch=CALIBRATION_BATCH, interval=0)
+        _, _, job = run_job(cluster, f"{workdir}/calibrate.yaml", 0)
+        calibration = median_step_seconds(cluster, job["job_id"])
+        # Compute grows with the batch; whole micro-batches on each of the two ranks.
+        unit = 2 * LONG_STEP_MICRO_BATCH
+        batch = max(unit, round(CALIBRATION_BATCH * args.step_seconds / calibration / unit) * unit)
+        print(f"{BENCH}: calibration: {calibration:.3f} s steps at global batch "
+              f"{CALIBRATION_BATCH}; sized to global batch {batch}")
+        write_spec(f"{workdir}/goodput.yaml", "goodput", shards, steps, long_step_batch=batch,
+                   interval=interval)
+        clean, faulted, step_seconds, all_kills, derived, blocked = [], [], [], [], [], []
+        for r in range(args.runs):
+            if not args.faulted_only:
+                wall, _, job = run_job(cluster, f"{workdir}/goodput.yaml", 0)
+                clean.append(wall)
+            wall, kills, job = run_job(cluster, f"{workdir}/goodput.yaml", KILL_EVERY,
+                                       lambda n, s: print(f"  kill {n} at step {s}"))
+            faulted.append(wall)
+            step_seconds.append(median_step_seconds(cluster, job["job_id"]))
+            blocked.append(median_step_seconds(cluster, job["job_id"],
+                                               field="checkpoint_blocked_seconds"))
+            for k in kills:
+                k["retrained_steps"] = k["kill_step"] - k["resume_step"]
+                k["lost_seconds"] = lost_seconds(k, step_seconds[-1])
+            all_kills += kills
+            # The same run without its failures would have taken its wall time less what they
+            # cost: a goodput that does not compare two runs a shared machine loads differently.
+            derived.append(1 - sum(k["lost_seconds"] for k in kills) / wall)
+            print(f"  round {r + 1}: with {len(kills)} kills {wall:.1f} s "
+                  f"({step_seconds[-1]:.2f} s steps), lost "
+                  f"{sum(k['lost_seconds'] for k in kills):.1f} s: goodput {derived[-1]:.1%}" +
+                  (f"; clean run {clean[-1]:.1f} s, ratio {clean[-1] / wall:.1%}"
+                   if clean else ""))
+    finally:
+        cluster.stop()
+    if not all_kills:
+        raise BenchError("no kill was timed")
+    step = statistics.median(step_seconds)
+    restarting = [k["restarting"] for k in all_kills]
+    running = [k["running"] for k in all_kills]
+    first = [k["first_step"] for k in all_kills]
+    retrained = [k["retrained_steps"] for k in all_kills]
+    lost = statistics.median(k["lost_seconds"] for k in all_kills)
+    return {
+        "step_seconds_target": args.step_seconds,
+        "global_batch": batch,
+        "calibration_step_seconds": calibration,
+        "checkpoint_interval": interval,
+        "goodput": {
+            "steps": steps, "kill_every": KILL_EVERY, "runs": args.runs,
+            "failures_per_run": [len(all_kills) // max(1, args.runs)],
+            "measured_step_seconds": step,
+            "checkpoint_blocked_seconds_per_step": statistics.median(blocked),
+            "faulted_wall_seconds": spread(faulted),
+            # 1 - (what the failures cost) / the faulted run's wall time, per run.
+            "goodput": spread(derived),
+            # One failure per KILL_EVERY steps at the measured step time and lost time.
+            "goodput_one_failure_per_kill_every":
+                KILL_EVERY * step / (KILL_EVERY * step + lost),
+            # Clean run / faulted run wall times (without --faulted_only); skewed when the
+            # machine's load changes between the two runs.
+            "clean_wall_seconds": spread(clean) if clean else None,
+            "wall_ratio": spread([c / f for c, f in zip(clean, faulted)]) if clean else None,
+        },
+        # Where a failure's time goes, per kill (seconds from the kill, cumulative), and the
+        # steps trained again: the last checkpoint was behind the killed step by that many.
+        "per_failure": {
+            "kill_to_restarting_seconds": spread(restarting),
+            "kill_to_running_seconds": spread(running),
+            "kill_to_first_step_seconds": spread(first),
+            "retrained_steps": spread(retrained),
+            "retrained_seconds_estimate": statistics.median(retrained) * step,
+            "lost_seconds": spread([k["lost_seconds"] for k in all_kills]),
+            "kills": all_kills,
+        },
+    }
+
+
+def main_long_steps(args, build_dir, trainer, started):
+    workdir = tempfile.mkdtemp(prefix="tessera-fault-bench-")
+    figures = in_workdir(BENCH, workdir, args.keep_workdir,
+                         lambda: measure_long_steps(build_dir, trainer, workdir, args))
+    if figures is None:
+        return 1
+    g, f = figures["goodput"], figures["per_failure"]
+    print(f"{BENCH}: goodput with a rank killed every {KILL_EVERY} of {g['steps']} steps of "
+          f"{g['measured_step_seconds']:.2f} s, checkpoints every "
+          f"{figures['checkpoint_interval']} steps: median {g['goodput']['median']:.1%} over "
+          f"{args.runs} run(s) ({g['goodput_one_failure_per_kill_every']:.1%} at one failure per "
+          f"{KILL_EVERY} steps); per failure: lost {f['lost_seconds']['median']:.2f} s, RESTARTING "
+          f"{f['kill_to_restarting_seconds']['median']:.2f} s, RUNNING "
+          f"{f['kill_to_running_seconds']['median']:.2f} s, first step "
+          f"{f['kill_to_first_step_seconds']['median']:.2f} s, "
+          f"{f['retrained_steps']['median']:g} steps retrained")
+    results = {
+        "benchmark": BENCH,
+        "method": __doc__,
+        "config": {"kill_every": KILL_EVERY, "goodput_steps": args.goodput_steps,
+                   "checkpoint_interval": args.checkpoint_interval, "runs": args.runs,
+                   "step_seconds": args.step_seconds, "dims": LONG_STEP_DIMS,
+                   "seq_len": LONG_STEP_SEQ_LEN},
+        **figures,
+        **provenance(trainer, trainer),
+        "wall_seconds": time.monotonic() - started,
+    }
+    write_results(results, os.environ.get(RESULTS_ENV, os.path.join(build_dir, "bench", "results")),
+                  f"{BENCH}-step{args.step_seconds:g}s.json", BENCH)
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="goodput rounds (clean + faulted)")
     parser.add_argument("--keep_workdir", action="store_true")
+    parser.add_argument("--step_seconds", type=float, default=0,
+                        help="measure goodput with steps of about this many seconds (a wider "
+                             "model, sized by calibration) instead of projecting it")
+    parser.add_argument("--goodput_steps", type=int, default=300,
+                        help="with --step_seconds: steps of the goodput job")
+    parser.add_argument("--checkpoint_interval", type=int, default=2,
+                        help="with --step_seconds: steps between checkpoints")
+    parser.add_argument("--faulted_only", action="store_true",
+                        help="with --step_seconds: no clean runs (goodput comes from the faulted "
+                             "run's own lost time)")
     args = parser.parse_args()
     found = find_trainer(BENCH)
     if found is None:
         return 1
     build_dir, trainer = found
     started = time.monotonic()
+    if args.step_seconds > 0:
+        return main_long_steps(args, build_dir, trainer, started)
     workdir = tempfile.mkdtemp(prefix="tessera-fault-bench-")
     figures = in_workdir(BENCH, workdir, args.keep_workdir,
                          lambda: measure(build_dir, trainer, workdir, args))

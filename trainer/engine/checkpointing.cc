@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "trainer/io/checkpoint.h"
+#include "trainer/io/checkpoint_fence.h"
 #include "trainer/io/safetensors.h"
 #include "trainer/io/shard_file.h"
 #include "trainer/engine/training_state.h"
@@ -262,6 +263,9 @@ namespace {
 // Rank 0 creates the step's staging directory; every rank waits for it (a collective).
 absl::Status PrepareSave(const CheckpointContext& context, int64_t step) {
   if (context.rank == 0) {
+    // A stale attempt stops here, before it touches a staging directory a newer one may use.
+    RETURN_IF_ERROR(CheckCheckpointFence(context.task->checkpoint_directory(),
+                                         context.task->job_id(), context.task->attempt()));
     RETURN_IF_ERROR(PrepareStaging(context.task->checkpoint_directory(), step).status());
   }
   return Barrier(context);
@@ -314,7 +318,8 @@ absl::StatusOr<v1::Checkpoint> CollectAndCommit(const CheckpointContext& context
     manifest.set_tokens_seen(state.tokens_seen);
     ASSIGN_OR_RETURN(manifest,
                      CommitCheckpoint(root, state.step, std::move(manifest), context.world,
-                                      task.spec().checkpoint().keep_last(), known_digests));
+                                      task.spec().checkpoint().keep_last(), known_digests,
+                                      task.attempt()));
     checkpoint.set_job_id(task.job_id());
     checkpoint.set_step(state.step);
     checkpoint.set_path(absl::StrCat(root, "/", CheckpointDirName(state.step)));

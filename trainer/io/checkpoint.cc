@@ -36,6 +36,7 @@
 #include "common/timestamp.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
+#include "trainer/io/checkpoint_fence.h"
 #include "trainer/io/sha256.h"
 #include "trainer/io/xxh3.h"
 #include "trainer/io/shard_file.h"
@@ -48,6 +49,8 @@ constexpr absl::string_view kStagingPrefix = ".staging-";
 // Where a replaced checkpoint of the same step goes while it is deleted, on
 // file systems without RENAME_EXCHANGE.
 constexpr absl::string_view kReplacedPrefix = ".replaced-";
+// Where retention moves a checkpoint it deletes, under the fence's lock; deleted after it.
+constexpr absl::string_view kRetiredPrefix = ".retired-";
 constexpr absl::string_view kShardPrefix = "rank-";
 // How many missing ranks an error message lists before it abbreviates.
 constexpr size_t kMaxListedRanks = 32;
@@ -247,18 +250,20 @@ void RemoveTreeReporting(const std::string& path) {
   }
 }
 
-// Moves `staging` to `final_dir`, atomically replacing an existing `final_dir`.
-absl::Status MoveIntoPlace(const std::string& root, int64_t step, const std::string& staging,
-                           const std::string& final_dir) {
-  if (::rename(staging.c_str(), final_dir.c_str()) == 0) return absl::OkStatus();
+// Moves `staging` to `final_dir`, atomically replacing an existing `final_dir`. Only renames: the
+// replaced checkpoint, if any, is left under the returned path (empty when there was none) for the
+// caller to delete once it has released the fence's lock.
+absl::StatusOr<std::string> MoveIntoPlace(const std::string& root, int64_t step,
+                                          const std::string& staging,
+                                          const std::string& final_dir) {
+  if (::rename(staging.c_str(), final_dir.c_str()) == 0) return std::string();
   if (errno != ENOTEMPTY && errno != EEXIST) {
     return ErrnoToStatus(errno, absl::StrCat("rename ", staging, " to ", final_dir));
   }
   // A checkpoint of this step exists (e.g. written again after a restart).
   // Swap the two atomically; the old one is then deleted from the staging path.
   if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
-    RemoveTreeReporting(staging);
-    return absl::OkStatus();
+    return staging;
   }
   if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) {
     return ErrnoToStatus(errno, absl::StrCat("exchange ", staging, " with ", final_dir));
@@ -273,38 +278,59 @@ absl::Status MoveIntoPlace(const std::string& root, int64_t step, const std::str
   if (::rename(staging.c_str(), final_dir.c_str()) != 0) {
     return ErrnoToStatus(errno, absl::StrCat("rename ", staging, " to ", final_dir));
   }
-  RemoveTreeReporting(replaced);
-  return absl::OkStatus();
+  return replaced;
 }
 
-void ApplyRetention(const std::string& root, int64_t committed_step, int keep_last) {
+// Retention's decision, taken under the fence's lock so that a stale commit never retires a newer
+// attempt's checkpoint: renames the complete checkpoints beyond the keep_last newest (the one just
+// committed always kept) to <root>/.retired-step-..., out of every listing, and returns them with
+// the staging directories of older steps and leftovers of earlier commits, for the caller to
+// delete after releasing the lock (renames are quick; deleting a tree is not).
+std::vector<std::string> RetireForRetention(const std::string& root, int64_t committed_step,
+                                            int keep_last) {
+  std::vector<std::string> doomed;
   if (keep_last > 0) {
     absl::StatusOr<std::vector<StepDir>> complete =
         ListStepDirs(root, "", /*require_manifest=*/true);
     if (!complete.ok()) {
       std::cerr << "tessera checkpoint retention: " << complete.status() << "\n";
-      return;
-    }
-    // The checkpoint just committed always counts as one of the kept ones,
-    // even when newer ones exist (a job that resumed from an older step).
-    int kept = 1;
-    for (const StepDir& dir : *complete) {
-      if (dir.step == committed_step) continue;
-      if (kept < keep_last) {
-        ++kept;
-      } else {
-        RemoveTreeReporting(dir.path);
+    } else {
+      // The checkpoint just committed always counts as one of the kept ones,
+      // even when newer ones exist (a job that resumed from an older step).
+      int kept = 1;
+      for (const StepDir& dir : *complete) {
+        if (dir.step == committed_step) continue;
+        if (kept < keep_last) {
+          ++kept;
+          continue;
+        }
+        std::string retired =
+            JoinPath(root, absl::StrCat(kRetiredPrefix, CheckpointDirName(dir.step)));
+        if (absl::Status cleared = RemoveTree(retired); !cleared.ok()) {
+          std::cerr << "tessera checkpoint retention: cannot remove " << retired << ": "
+                    << cleared.message() << "\n";
+          continue;
+        }
+        if (::rename(dir.path.c_str(), retired.c_str()) != 0) {
+          std::cerr << "tessera checkpoint retention: cannot rename " << dir.path << " to "
+                    << retired << ": " << std::strerror(errno) << "\n";
+          continue;
+        }
+        doomed.push_back(std::move(retired));
       }
     }
   }
-  for (absl::string_view prefix : {kStagingPrefix, kReplacedPrefix}) {
+  for (absl::string_view prefix : {kStagingPrefix, kReplacedPrefix, kRetiredPrefix}) {
     absl::StatusOr<std::vector<StepDir>> stale =
         ListStepDirs(root, prefix, /*require_manifest=*/false);
     if (!stale.ok()) continue;
     for (const StepDir& dir : *stale) {
-      if (dir.step < committed_step || prefix == kReplacedPrefix) RemoveTreeReporting(dir.path);
+      if (prefix != kStagingPrefix || dir.step < committed_step) doomed.push_back(dir.path);
     }
   }
+  std::sort(doomed.begin(), doomed.end());
+  doomed.erase(std::unique(doomed.begin(), doomed.end()), doomed.end());
+  return doomed;
 }
 
 std::string ListRanks(const std::vector<int>& ranks) {
@@ -445,7 +471,7 @@ absl::StatusOr<std::string> WriteHashedFile(const std::string& path,
 
 absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     const std::string& root, int64_t step, v1::CheckpointManifest manifest, int world_size,
-    int keep_last, const std::map<std::string, std::string>& known_digests) {
+    int keep_last, const std::map<std::string, std::string>& known_digests, int64_t attempt) {
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("negative checkpoint step ", step));
   if (world_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat("world_size ", world_size, " is not positive"));
@@ -554,11 +580,22 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
   RETURN_IF_ERROR(WriteFileSynced(JoinPath(staging, kManifestFileName), binary));
   RETURN_IF_ERROR(FsyncPath(staging));
 
+  // The fence check, the rename and retention's renames under one lock: a newer attempt's raise
+  // (taken before it loads) either comes first and this commit is refused, or waits for it, so a
+  // stale commit never replaces nor retires a newer attempt's checkpoint. Only renames run under
+  // it: a process frozen (SIGSTOP) while holding it would hold back the next attempt's start.
   const std::string final_dir = JoinPath(root, CheckpointDirName(step));
-  RETURN_IF_ERROR(MoveIntoPlace(root, step, staging, final_dir));
+  std::vector<std::string> to_delete;
+  {
+    ASSIGN_OR_RETURN(FenceLock fence_lock, FenceLock::Acquire(root));
+    RETURN_IF_ERROR(CheckCheckpointFenceLocked(root, manifest.job_id(), attempt));
+    ASSIGN_OR_RETURN(std::string replaced, MoveIntoPlace(root, step, staging, final_dir));
+    if (!replaced.empty()) to_delete.push_back(std::move(replaced));
+    std::vector<std::string> retired = RetireForRetention(root, step, keep_last);
+    to_delete.insert(to_delete.end(), retired.begin(), retired.end());
+  }
   RETURN_IF_ERROR(FsyncPath(root));
-
-  ApplyRetention(root, step, keep_last);
+  for (const std::string& path : to_delete) RemoveTreeReporting(path);
   return manifest;
 }
 

@@ -75,9 +75,18 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
 //
 // `known_digests` maps shard file names to the XXH3-128 digests their writers computed while
 // writing (WriteHashedFile); those shards are not read back to hash them, the others are.
+//
+// Fenced (trainer/io/checkpoint_fence.h): the rename and retention's renames (a deleted
+// checkpoint is first renamed to <root>/.retired-step-..., deleted after) happen under the fence's
+// lock, held for nothing slower than a rename, and only when <root>/FENCE is absent or holds `manifest.job_id` at an attempt <= `attempt`;
+// otherwise FAILED_PRECONDITION "checkpoint write refused: attempt 2 of job j is fenced off by
+// attempt 3 of job j in <root>/FENCE (...)", leaving the staging directory and every committed
+// checkpoint as they were (DEADLINE_EXCEEDED when the lock stays held). The default attempt 0 is
+// the most conservative: fenced off by any restart.
 absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     const std::string& root, int64_t step, v1::CheckpointManifest manifest, int world_size,
-    int keep_last, const std::map<std::string, std::string>& known_digests = {});
+    int keep_last, const std::map<std::string, std::string>& known_digests = {},
+    int64_t attempt = 0);
 
 // Receives bytes in order; returns how many it took (fewer means an error).
 using ByteSink = std::function<size_t(const void* data, size_t size)>;

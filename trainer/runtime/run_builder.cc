@@ -19,6 +19,7 @@
 #include "planner/model_config.h"
 #include "planner/training_settings.h"
 #include "trainer/engine/data_parallelism.h"
+#include "trainer/io/checkpoint_fence.h"
 #include "trainer/model/build_model.h"
 #include "trainer/parallel/context_parallelism.h"
 #include "trainer/parallel/expert_parallel.h"
@@ -179,6 +180,7 @@ absl::Status StartRun(const v1::TrainerTask& task, const TrainOptions& options,
   v1::DataPosition start;
   start.set_seed(run.settings.seed);
   *kind = v1::FAILURE_KIND_CHECKPOINT_ERROR;
+  RETURN_IF_ERROR(RaiseAttemptFence(checkpoints));
   RETURN_IF_ERROR(ResumeFromCheckpoint(checkpoints, run, &start));
   // A resumed checkpoint covers every element of the shards (ResumeLatest refuses holes), so
   // the deferred shards are drawn or read only for a fresh start.
@@ -363,6 +365,12 @@ CheckpointContext CheckpointContextOf(const v1::TrainerTask& task, const TrainOp
           .engine = run.engine.get(),
           .log = options.log,
           .kill_in_checkpoint_at_step = options.kill_in_checkpoint_at_step};
+}
+
+absl::Status RaiseAttemptFence(const CheckpointContext& context) {
+  const std::string& root = context.task->checkpoint_directory();
+  if (context.rank != 0 || root.empty()) return absl::OkStatus();
+  return RaiseCheckpointFence(root, context.task->job_id(), context.task->attempt());
 }
 
 absl::Status ResumeFromCheckpoint(const CheckpointContext& context, TrainingRun& run,

@@ -88,6 +88,12 @@ absl::StatusOr<std::optional<JoinedGroup>> JoinWorld(const v1::TrainerTask& task
 CheckpointContext CheckpointContextOf(const v1::TrainerTask& task, const TrainOptions& options,
                                       TrainingRun& run);
 
+// Rank 0 of a new attempt, before anything is loaded: raises the checkpoint directory's fence to
+// this attempt (trainer/io/checkpoint_fence.h), so that no older attempt of the job still running
+// commits a checkpoint from now on. FAILED_PRECONDITION when a newer attempt has raised it
+// already: this attempt is stale and must end. Nothing on other ranks or without a directory.
+absl::Status RaiseAttemptFence(const CheckpointContext& context);
+
 // Restores the newest complete checkpoint into the run's engine (and the CPU RNG) and sets the
 // run's start step, tokens seen and resumed_from; `start` gets its data position. Nothing when
 // there is none.
