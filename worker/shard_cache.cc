@@ -371,7 +371,7 @@ ShardCacheMetrics::ShardCacheMetrics(prometheus::Registry& registry) {
   storage_ = &restores.Add({{"source", "storage"}});
   cache_bytes_ = &prometheus::BuildGauge()
                       .Name("tessera_shard_cache_bytes")
-                      .Help("Checkpoint shard bytes this worker holds in memory")
+                      .Help("Checkpoint shard bytes this worker holds in memory, as of its trainers' last put")
                       .Register(registry)
                       .Add({});
 }

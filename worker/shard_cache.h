@@ -18,6 +18,7 @@
 //                        ShardCacheResponse with the bytes of a get that found the shard.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -185,6 +186,9 @@ class LocalShardCacheServer {
   ~LocalShardCacheServer();
 
   const std::string& socket_path() const { return socket_path_; }
+  // Where puts report the cache's size from now on (null: nowhere); the daemon's registry exists
+  // only after its servers, which start after this socket.
+  void SetMetrics(ShardCacheMetrics* metrics) { metrics_.store(metrics); }
 
  private:
   LocalShardCacheServer(std::string socket_path, int listen_fd, ShardCacheStore* store,
@@ -198,7 +202,7 @@ class LocalShardCacheServer {
   const int listen_fd_;
   ShardCacheStore* const store_;
   ShardCachePeers* const peers_;
-  ShardCacheMetrics* const metrics_;
+  std::atomic<ShardCacheMetrics*> metrics_;
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<int> connections_ ABSL_GUARDED_BY(mu_);

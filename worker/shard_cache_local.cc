@@ -174,7 +174,9 @@ bool LocalShardCacheServer::ServeOne(int fd) {
       v1::ShardHeader header = request.header();
       const v1::ShardKey key = header.key();
       absl::Status status = store_->Put(std::move(header), std::move(bytes));
-      if (metrics_ != nullptr) metrics_->SetCacheBytes(store_->bytes());
+      if (ShardCacheMetrics* metrics = metrics_.load(); metrics != nullptr) {
+        metrics->SetCacheBytes(store_->bytes());
+      }
       if (status.ok() && !request.replica_address().empty()) {
         absl::StatusOr<std::shared_ptr<const CachedShard>> stored = store_->Get(key, "");
         if (stored.ok()) peers_->Replicate(request.replica_address(), *std::move(stored));
