@@ -174,7 +174,8 @@ class ShardCacheMetrics {
 };
 
 // The trainers' local socket. Thread safety: Start and destruction from one thread; a thread
-// accepts, and each connection is served on a thread of its own (a node runs a few trainers).
+// accepts, and each connection (one call of a trainer) is served on a detached thread of its own,
+// which the destructor waits for (a node runs a few trainers, each with a call or two at a time).
 class LocalShardCacheServer {
  public:
   // Listens on `socket_path` (replacing a stale socket there). `store` and `peers` are not owned
@@ -205,8 +206,8 @@ class LocalShardCacheServer {
   std::atomic<ShardCacheMetrics*> metrics_;
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Open connections; each one's thread removes it when done.
   std::vector<int> connections_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
   std::thread acceptor_;
 };
 

@@ -109,7 +109,6 @@ LocalShardCacheServer::LocalShardCacheServer(std::string socket_path, int listen
       acceptor_([this] { AcceptLoop(); }) {}
 
 LocalShardCacheServer::~LocalShardCacheServer() {
-  std::vector<std::thread> threads;
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
@@ -120,9 +119,9 @@ LocalShardCacheServer::~LocalShardCacheServer() {
   acceptor_.join();
   {
     absl::MutexLock lock(&mu_);
-    threads.swap(threads_);
+    auto all_done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return connections_.empty(); };
+    mu_.Await(absl::Condition(&all_done));
   }
-  for (std::thread& thread : threads) thread.join();
   ::close(listen_fd_);
   std::error_code ignored;
   std::filesystem::remove(socket_path_, ignored);
@@ -144,7 +143,7 @@ void LocalShardCacheServer::AcceptLoop() {
       return;
     }
     connections_.push_back(fd);
-    threads_.emplace_back([this, fd] { Serve(fd); });
+    std::thread([this, fd] { Serve(fd); }).detach();
   }
 }
 

@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -13,7 +15,9 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "trainer/io/memory_restore.h"
 #include "trainer/io/shard_cache_client.h"
+#include "trainer/io/xxh3.h"
 
 namespace tessera::worker {
 namespace {
@@ -227,6 +231,82 @@ TEST(LocalShardCacheServerTest, UnreachableWorkerIsUnavailableNamingTheSocket) {
   const std::string socket = SocketPath("missing");
   EXPECT_THAT(trainer::GetShardFromCache(socket, Key("j", 1, 0), "", {}),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr(socket)));
+}
+
+// The trainer's restore from memory (trainer/io/memory_restore.h) against a real local socket: a
+// copy is used only when its bytes hash to the manifest's digest; a missing shard is NOT_FOUND.
+class MemoryRestoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto started = LocalShardCacheServer::Start(socket_, &store_, &peers_, nullptr);
+    ASSERT_THAT(started, IsOk());
+    server_ = *std::move(started);
+    task_.set_job_id("job");
+    task_.set_shard_cache_socket(socket_);
+    manifest_.set_step(30);
+    for (int rank : {0, 1}) {
+      v1::CheckpointShard* shard = manifest_.add_shards();
+      shard->set_rank(rank);
+      shard->set_file(absl::StrCat("rank-0000", rank, ".safetensors"));
+      shard->set_size_bytes(static_cast<int64_t>(Bytes(rank).size()));
+      shard->set_xxh3_128(trainer::Xxh3Hex(Bytes(rank)));
+    }
+  }
+  static std::string Bytes(int rank) { return Pattern(1000 + rank); }
+  // What rank `rank`'s trainer hands over after writing its shard.
+  void Hand(int rank, const std::string& bytes, const std::string& digest) {
+    ASSERT_THAT(trainer::HandShardToCache(task_, 30, rank, manifest_.shards(rank).file(), digest,
+                                          bytes),
+                IsOk());
+  }
+
+  std::string socket_ = SocketPath("restore");
+  ShardCacheStore store_{64 << 20};
+  ShardCachePeers peers_{{}};
+  std::unique_ptr<LocalShardCacheServer> server_;
+  v1::TrainerTask task_;
+  v1::CheckpointManifest manifest_;
+};
+
+TEST_F(MemoryRestoreTest, EveryShardFromMemoryLandsInAScratchDirectory) {
+  Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  Hand(1, Bytes(1), trainer::Xxh3Hex(Bytes(1)));
+  std::string dir;
+  {
+    auto copy = trainer::FetchCheckpointFromMemory(task_, manifest_, 0);
+    ASSERT_THAT(copy, IsOk());
+    dir = copy->dir();
+    EXPECT_EQ(copy->shards_from_peers, 0);
+    for (int rank : {0, 1}) {
+      std::ifstream in(dir + "/" + manifest_.shards(rank).file(), std::ios::binary);
+      std::string read((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      EXPECT_EQ(read, Bytes(rank));
+    }
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir)) << "the scratch copy outlived its owner";
+}
+
+TEST_F(MemoryRestoreTest, AMissingShardIsNotFound) {
+  Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_, 0),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("rank 1")));
+}
+
+TEST_F(MemoryRestoreTest, ACorruptCopyIsDataLossNamingTheShard) {
+  Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  // The worker holds bytes that are not those its digest (the manifest's) describes.
+  std::string corrupt = Bytes(1);
+  corrupt[17] ^= 1;
+  Hand(1, corrupt, trainer::Xxh3Hex(Bytes(1)));
+  EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_, 0),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("rank-00001.safetensors")));
+}
+
+TEST_F(MemoryRestoreTest, ACopyOfAnotherCheckpointIsNotUsed) {
+  Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  Hand(1, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_, 0),
+              StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
 }
 
 }  // namespace
