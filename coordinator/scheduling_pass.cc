@@ -15,6 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "coordinator/attempt_policy.h"
 #include "coordinator/layout_planning.h"
+#include "coordinator/shard_cache_peers.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace tessera::coordinator {
@@ -144,6 +145,13 @@ int SchedulingPass::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
   allocation.placed_time = state_->Now();
   allocation.start_step = StartStep(job, spec);
   allocation.storing = true;
+  std::map<std::string, std::string> worker_addresses;
+  for (const auto& [node_id, assignment] : assignments) {
+    if (const v1::Node* node = state_->nodes.Find(node_id); node != nullptr) {
+      worker_addresses[node_id] = node->address();
+    }
+  }
+  AssignShardCachePeers(worker_addresses, assignments);
   for (auto& [node_id, assignment] : assignments) {
     for (v1::TrainerTask& task : *assignment.mutable_trainers()) {
       task.mutable_assignment()->set_master_port(master_port);

@@ -51,6 +51,7 @@ benches=(
   "zero|$TESSERA_BENCH_PYTHON bench/zero_bench.py|cpu"
   "model-parallel|$TESSERA_BENCH_PYTHON bench/model_parallel_bench.py|cpu"
   "fault|$TESSERA_BENCH_PYTHON bench/fault_bench.py|cpu"
+  "peermem|$TESSERA_BENCH_PYTHON bench/peermem_bench.py|cpu"
   "failover|$TESSERA_BENCH_PYTHON bench/failover_bench.py|cpu"
   "lora|$TESSERA_BENCH_PYTHON bench/lora_bench.py|cpu"
   "moe|$TESSERA_BENCH_PYTHON bench/moe_bench.py|cpu"

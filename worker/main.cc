@@ -81,6 +81,11 @@ ABSL_FLAG(bool, watch_assignments, true,
           "soon as it has tasks to start or stop; false: only the periodic heartbeat delivers "
           "them.");
 
+ABSL_FLAG(int64_t, shard_cache_bytes, -1,
+          "Most bytes of checkpoint shards this worker keeps in memory, its trainers' and a copy of "
+          "a peer node's, so that a restarted attempt resumes from memory instead of storage; -1: "
+          "a quarter of the node's memory; 0: none (resume from storage only).");
+
 // Join token of the worker when --join_token_file is not given.
 constexpr char kJoinTokenEnv[] = "TESSERA_JOIN_TOKEN";
 
@@ -169,6 +174,7 @@ int main(int argc, char** argv) {
   options.security.tls.reload_interval = absl::GetFlag(FLAGS_tls_reload_interval);
   options.security.insecure = absl::GetFlag(FLAGS_insecure);
   options.allowed_callers = absl::GetFlag(FLAGS_tls_allowed_callers);
+  options.shard_cache_bytes = absl::GetFlag(FLAGS_shard_cache_bytes);
   if (const std::string path = absl::GetFlag(FLAGS_join_token_file); !path.empty()) {
     auto token = tessera::ReadWholeFile(path);
     if (!token.ok()) {

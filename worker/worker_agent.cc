@@ -501,6 +501,7 @@ void WorkerAgent::LaunchRanksLocked(Task& task, const v1::TaskAssignment& assign
     const v1::RankAssignment& ra = trainer.assignment();
     rank.gpu = ra.gpu_index();
     rank.task.set_report_socket(socket_path_);
+    rank.task.set_shard_cache_socket(options_.shard_cache_socket);
     rank.task.set_heartbeat_interval_seconds(
         absl::ToDoubleSeconds(options_.trainer_heartbeat_interval));
     std::map<std::string, std::string> env = {

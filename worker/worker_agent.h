@@ -66,6 +66,9 @@ struct WorkerAgentOptions {
   // Task files, logs and the report socket live here (required; main.cc picks a default outside
   // the current directory).
   std::string work_dir;
+  // The local shard cache socket handed to every trainer (TrainerTask.shard_cache_socket,
+  // worker/shard_cache.h); empty: the node keeps no checkpoint shards in memory.
+  std::string shard_cache_socket;
   // Trainer ranks a node without GPUs runs at once.
   int cpu_slots = 0;
   // Intra-op threads of each trainer (OMP_NUM_THREADS, MKL_NUM_THREADS); 0: the cores this

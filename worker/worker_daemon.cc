@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <filesystem>
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +10,34 @@
 #include "worker/node_key.h"
 
 namespace tessera::worker {
+namespace {
+
+// A job whose trainers finished needs no shards in memory any more (its last checkpoint is on
+// storage); a job that failed keeps them until it restarts or the cap evicts them.
+void ForgetFinishedJob(ShardCacheStore* store, const v1::TrainerReport& report) {
+  if (store != nullptr && report.has_finished()) store->DropJob(report.job_id());
+}
+
+}  // namespace
+
+absl::Status WorkerDaemon::StartShardCache(const WorkerOptions& options,
+                                           WorkerAgentOptions& agent) {
+  if (options.shard_cache_bytes == 0) return absl::OkStatus();
+  const int64_t capacity =
+      options.shard_cache_bytes > 0 ? options.shard_cache_bytes : DefaultShardCacheBytes();
+  shard_store_ = std::make_unique<ShardCacheStore>(capacity);
+  // Peers are workers: the node certificate that this worker presents to the coordinator.
+  shard_peers_ = std::make_unique<ShardCachePeers>(
+      ShardCachePeersOptions{.credentials = agent.coordinator_credentials});
+  shard_service_ = std::make_unique<ShardCacheService>(shard_store_.get());
+  const std::string socket_path = absl::StrCat(agent.work_dir, "/shard-cache.sock");
+  std::error_code ignored;
+  std::filesystem::create_directories(agent.work_dir, ignored);
+  ASSIGN_OR_RETURN(shard_socket_, LocalShardCacheServer::Start(socket_path, shard_store_.get(),
+                                                               shard_peers_.get(), nullptr));
+  agent.shard_cache_socket = socket_path;
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOptions& options) {
   std::unique_ptr<WorkerDaemon> daemon(new WorkerDaemon());
@@ -21,8 +50,17 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOp
   std::string nvml_error;
   std::unique_ptr<GpuBackend> gpus = LoadNvml(&nvml_error);
   if (!gpus) std::cerr << "tessera-worker: no GPUs (" << nvml_error << ")" << std::endl;
+  RETURN_IF_ERROR(daemon->StartShardCache(options, agent));
   daemon->agent_ = std::make_unique<WorkerAgent>(std::move(agent), std::move(gpus));
   daemon->worker_service_ = std::make_unique<WorkerService>(daemon->agent_.get(), options.allowed_callers);
+  std::vector<NamedService> services = {{.name = v1::Worker::service_full_name(),
+                                         .service = daemon->worker_service_.get(),
+                                         .serving_at_start = false}};
+  if (daemon->shard_service_ != nullptr) {
+    services.push_back({.name = v1::ShardCache::service_full_name(),
+                        .service = daemon->shard_service_.get(),
+                        .serving_at_start = true});
+  }
   ASSIGN_OR_RETURN(
       daemon->servers_,
       DaemonServers::Start({.component = "worker",
@@ -30,9 +68,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOp
                             .metrics_listen_address = options.metrics_listen_address,
                             .health_listen_address = options.health_listen_address,
                             .credentials = std::move(server_credentials)},
-                           {{.name = v1::Worker::service_full_name(),
-                             .service = daemon->worker_service_.get(),
-                             .serving_at_start = false}}));
+                           services));
   // Readiness (the chart's probe asks for this service): serving once registered.
   DaemonServers* servers = daemon->servers_.get();
   daemon->agent_->SetRegistrationObserver([servers](bool registered) {
@@ -57,8 +93,23 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(const WorkerOp
         [dcgm](const std::vector<v1::GpuDevice>& devices, const std::vector<GpuSample>& samples) {
           dcgm->Update(devices, samples);
         });
+    daemon->shard_metrics_ =
+        daemon->shard_store_ != nullptr
+            ? std::make_unique<ShardCacheMetrics>(*daemon->servers_->registry())
+            : nullptr;
+    ShardCacheMetrics* shard_metrics = daemon->shard_metrics_.get();
+    if (daemon->shard_socket_ != nullptr) daemon->shard_socket_->SetMetrics(shard_metrics);
+    ShardCacheStore* shard_store = daemon->shard_store_.get();
     daemon->agent_->SetReportObserver(
-        [training](const v1::TrainerReport& report) { training->Record(report); });
+        [training, shard_metrics, shard_store](const v1::TrainerReport& report) {
+          training->Record(report);
+          if (shard_metrics != nullptr) shard_metrics->RecordReport(report);
+          ForgetFinishedJob(shard_store, report);
+        });
+  } else if (daemon->shard_store_ != nullptr) {
+    ShardCacheStore* shard_store = daemon->shard_store_.get();
+    daemon->agent_->SetReportObserver(
+        [shard_store](const v1::TrainerReport& report) { ForgetFinishedJob(shard_store, report); });
   }
   std::string address = daemon->servers_->address();
   std::string host = options.advertise_host;

@@ -12,6 +12,7 @@
 #include "common/security/daemon_security.h"
 #include "worker/contact_metrics.h"
 #include "worker/gpu_inventory.h"
+#include "worker/shard_cache.h"
 #include "worker/training_metrics.h"
 #include "worker/worker_agent.h"
 #include "worker/worker_service.h"
@@ -37,6 +38,9 @@ struct WorkerOptions {
   // Certificate CNs allowed to call the worker's service (the coordinator's); empty: any
   // certificate the CA signed.
   std::vector<std::string> allowed_callers;
+  // Most checkpoint shard bytes kept in memory for recovery (worker/shard_cache.h); -1: a quarter
+  // of the node's memory (DefaultShardCacheBytes); 0: no cache (trainers resume from storage).
+  int64_t shard_cache_bytes = -1;
 };
 
 // Thread safety: Start and destruction from one thread.
@@ -50,7 +54,17 @@ class WorkerDaemon {
 
  private:
   WorkerDaemon() = default;
+  // Creates the shard cache (unless options.shard_cache_bytes is 0) and its local socket in the
+  // agent's work directory, whose path it sets in `agent`.
+  absl::Status StartShardCache(const WorkerOptions& options, WorkerAgentOptions& agent);
 
+  // Checkpoint shards in memory (null without a cache). Declared first: the local socket, the
+  // gRPC service and the agent's report observer use them until they are gone.
+  std::unique_ptr<ShardCacheStore> shard_store_;
+  std::unique_ptr<ShardCachePeers> shard_peers_;
+  std::unique_ptr<ShardCacheMetrics> shard_metrics_;
+  std::unique_ptr<LocalShardCacheServer> shard_socket_;
+  std::unique_ptr<ShardCacheService> shard_service_;
   // Null when metrics are disabled. Declared before the agent, which reports
   // into them, so they outlive it.
   std::unique_ptr<DcgmExporter> dcgm_;

@@ -19,11 +19,13 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/status_macros.h"
 #include "trainer/io/checkpoint.h"
 #include "trainer/io/checkpoint_fence.h"
 #include "trainer/io/safetensors.h"
 #include "trainer/io/shard_file.h"
+#include "trainer/io/memory_restore.h"
 #include "trainer/engine/training_state.h"
 
 namespace tessera::trainer {
@@ -177,6 +179,7 @@ absl::Status VerifyShareOfDigests(const std::string& dir, const v1::CheckpointMa
 }  // namespace
 
 absl::StatusOr<std::optional<Resumed>> ResumeLatest(const CheckpointContext& context) {
+  const auto start = std::chrono::steady_clock::now();
   const v1::TrainerTask& task = *context.task;
   const std::string& root = task.checkpoint_directory();
   const bool resume = !task.spec().checkpoint().has_resume() || task.spec().checkpoint().resume();
@@ -223,22 +226,55 @@ absl::StatusOr<std::optional<Resumed>> ResumeLatest(const CheckpointContext& con
           "resumed by this one; start the job with checkpoint.resume: false or another "
           "checkpoint directory"));
     }
+    // Memory first (round 0 only: after a mismatch on storage, storage is what is in question).
+    std::optional<MemoryCheckpointCopy> memory;
+    if (round == 0 && !task.shard_cache_socket().empty()) {
+      absl::StatusOr<MemoryCheckpointCopy> fetched =
+          FetchCheckpointFromMemory(task, resumed.manifest, context.rank);
+      ASSIGN_OR_RETURN(
+          std::string miss,
+          AgreeOnProblem(context, absl::StrCat(kResumeKey, "/memory"),
+                         fetched.ok() ? ""
+                                      : absl::StrCat("rank ", context.rank, ": ",
+                                                     fetched.status().message())));
+      if (miss.empty()) {
+        resumed.restore.set_shards_from_peers(fetched->shards_from_peers);
+        memory.emplace(*std::move(fetched));
+      } else {
+        resumed.restore.set_memory_miss_reason(miss);
+        Log(context, absl::StrCat("checkpoint ", path, " not restored from memory: ", miss,
+                                  "; reading it from storage"));
+      }
+    }
+    resumed.restore.set_source(memory.has_value() ? v1::RESTORE_SOURCE_MEMORY
+                                                  : v1::RESTORE_SOURCE_STORAGE);
     ASSIGN_OR_RETURN(ShardedCheckpointReader reader,
-                     ShardedCheckpointReader::Open(path, resumed.manifest));
+                     ShardedCheckpointReader::Open(memory.has_value() ? memory->dir() : path,
+                                                   resumed.manifest));
     std::future<absl::Status> digests;
-    if (round == 0) {
+    // The memory copy's digests were checked against the manifest as they arrived.
+    if (round == 0 && !memory.has_value()) {
       digests = std::async(std::launch::async, VerifyShareOfDigests, path,
                            std::cref(resumed.manifest), context.rank, context.world);
     }
     const absl::Status applied = ReadTrainingState(reader, *context.engine, context.rank);
-    const absl::Status verified = round == 0 ? digests.get() : absl::OkStatus();
+    const absl::Status verified = digests.valid() ? digests.get() : absl::OkStatus();
     ASSIGN_OR_RETURN(std::string problem,
                      AgreeOnProblem(context, absl::StrCat(kResumeKey, "/verified/", round),
                                     verified.ok() ? "" : std::string(verified.message())));
     if (problem.empty()) {
       RETURN_IF_ERROR(applied);
+      resumed.restore.set_seconds(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       Log(context,
-          absl::StrCat("resumed from ", path, " at step ", resumed.manifest.step(),
+          absl::StrCat("resumed from ", path, " at step ", resumed.manifest.step(), " (from ",
+                       memory.has_value() ? "memory" : "storage", ", ",
+                       absl::StrFormat("%.3f", resumed.restore.seconds()), " s",
+                       resumed.restore.shards_from_peers() > 0
+                           ? absl::StrCat(", ", resumed.restore.shards_from_peers(),
+                                          " shard(s) from peers")
+                           : "",
+                       ")",
                        " (written with dp ", resumed.manifest.layout().data_parallel(), ", tp ",
                        std::max(1, resumed.manifest.layout().tensor_parallel()), ", pp ",
                        std::max(1, resumed.manifest.layout().pipeline_parallel()), ", ZeRO ",
@@ -354,6 +390,24 @@ std::string ShardPath(const CheckpointContext& context, int64_t step) {
                       SliceShardFileName(context.rank));
 }
 
+// Hands this rank's shard of `step`, just written, to the worker's memory. Called before the rank's
+// part of the commit (its digest to rank 0; rank 0's rename), so that by the time anyone learns
+// of the checkpoint, every rank's worker holds its shard (the worker keeps the step before it
+// too, for a commit that does not happen). A failure costs only the memory copy: logged, never
+// the checkpoint's error.
+void CacheShard(const CheckpointContext& context, int64_t step, const WrittenShard& written) {
+  absl::StatusOr<std::string> bytes = ReadShardForCache(*context.task, ShardPath(context, step));
+  absl::Status status = bytes.status();
+  if (status.ok()) {
+    status = HandShardToCache(*context.task, step, context.rank, SliceShardFileName(context.rank),
+                              written.xxh3_128, *bytes);
+  }
+  if (!status.ok()) {
+    Log(context, absl::StrCat("checkpoint step ", step, ": shard not kept in memory: ",
+                              status.ToString()));
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
@@ -366,6 +420,7 @@ absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
   ASSIGN_OR_RETURN(WrittenShard written,
                    WriteTrainingState(ShardPath(context, state.step), *context.engine,
                                       context.rank, ShardMetadata(context, state.step)));
+  CacheShard(context, state.step, written);
   return CollectAndCommit(context, state, written, export_safetensors, start);
 }
 
@@ -449,6 +504,7 @@ absl::Status AsyncCheckpointer::Start(const CheckpointState& state, bool export_
       std::filesystem::resize_file(path, written->size_bytes / 2, ignored);
       ::raise(SIGKILL);
     }
+    CacheShard(context_, state.step, *written);
     absl::StatusOr<v1::Checkpoint> checkpoint;
     try {
       checkpoint = CollectAndCommit(context_, state, *written, export_safetensors, start);

@@ -41,6 +41,9 @@ struct CheckpointContext {
 struct Resumed {
   std::string path;
   v1::CheckpointManifest manifest;
+  // Where the checkpoint was read from (memory: workers' shard caches, memory_restore.h) and how
+  // long this rank's restore took.
+  v1::CheckpointRestore restore;
 };
 
 // Restores the newest complete checkpoint under the task's checkpoint directory into the engine
@@ -49,7 +52,10 @@ struct Resumed {
 // checkpoint is read from disk once; when one does not match, the checkpoint is renamed to
 // <dir>.corrupt (QuarantineCheckpoint) and the newest older one that verifies in full is loaded
 // instead; DATA_LOSS when there is none (the engine no longer holds its initial state, so the
-// attempt must end: its restart starts from step 0).
+// attempt must end: its restart starts from step 0). With a shard cache (TrainerTask
+// shard_cache_socket), the newest checkpoint is first fetched from the workers' memory and loaded
+// from there when every rank got every shard with the manifest's digests (memory_restore.h);
+// otherwise from storage as above.
 absl::StatusOr<std::optional<Resumed>> ResumeLatest(const CheckpointContext& context);
 
 // What rank 0 records in the manifest besides the shards.

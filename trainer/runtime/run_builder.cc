@@ -381,6 +381,7 @@ absl::Status ResumeFromCheckpoint(const CheckpointContext& context, TrainingRun&
   run.tokens_seen = resumed->manifest.tokens_seen();
   *start = resumed->manifest.data_position();
   run.resumed_from = resumed->path;
+  run.restore = resumed->restore;
   return absl::OkStatus();
 }
 
@@ -407,6 +408,7 @@ void ReportStarted(const v1::TrainerTask& task, const TrainingRun& run,
   started->set_backend(run.group.has_value() ? run.group->backend
                                              : (device.is_cuda() ? "nccl" : "gloo"));
   started->set_resumed_from(run.resumed_from);
+  if (!run.resumed_from.empty()) *started->mutable_restore() = run.restore;
   reporter.Send(report);
   const EngineMemory memory = run.engine->Memory();
   reporter.Log(absl::StrFormat(

@@ -86,6 +86,8 @@ struct TrainingRun {
   int64_t start_step = 0;
   int64_t tokens_seen = 0;
   std::string resumed_from;
+  // Where the resumed checkpoint came from (memory or storage); unset for a fresh start.
+  v1::CheckpointRestore restore;
 };
 
 }  // namespace tessera::trainer

@@ -1,0 +1,313 @@
+// The worker's shard cache: the store (put, get, the two-step window, the byte cap's eviction,
+// digest mismatch, unknown job), the ShardCache gRPC service between two caches (replication and
+// a peer's lookup), and the trainers' Unix socket through the trainer's own client.
+#include "worker/shard_cache.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "trainer/io/memory_restore.h"
+#include "trainer/io/shard_cache_client.h"
+#include "trainer/io/xxh3.h"
+
+namespace tessera::worker {
+namespace {
+
+using ::tessera::testing::IsOk;
+using ::tessera::testing::StatusIs;
+using ::testing::HasSubstr;
+
+v1::ShardHeader Header(const std::string& job, int64_t step, int rank, const std::string& bytes,
+                       const std::string& digest = "") {
+  v1::ShardHeader header;
+  header.mutable_key()->set_job_id(job);
+  header.mutable_key()->set_step(step);
+  header.mutable_key()->set_rank(rank);
+  header.set_xxh3_128(digest.empty() ? absl::StrCat("d-", job, "-", step, "-", rank) : digest);
+  header.set_size_bytes(static_cast<int64_t>(bytes.size()));
+  header.set_file_name(absl::StrCat("rank-", rank, ".safetensors"));
+  return header;
+}
+
+v1::ShardKey Key(const std::string& job, int64_t step, int rank) {
+  v1::ShardKey key;
+  key.set_job_id(job);
+  key.set_step(step);
+  key.set_rank(rank);
+  return key;
+}
+
+TEST(ShardCacheStoreTest, PutThenGetReturnsTheBytes) {
+  ShardCacheStore store(1 << 20);
+  ASSERT_THAT(store.Put(Header("j", 10, 1, "hello"), "hello"), IsOk());
+  auto shard = store.Get(Key("j", 10, 1), "d-j-10-1");
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_EQ((*shard)->bytes, "hello");
+  EXPECT_EQ(store.bytes(), 5);
+  // Replacing the same key counts its bytes once.
+  ASSERT_THAT(store.Put(Header("j", 10, 1, "hey"), "hey"), IsOk());
+  EXPECT_EQ(store.bytes(), 3);
+  EXPECT_EQ(store.shards(), 1);
+}
+
+TEST(ShardCacheStoreTest, UnknownJobStepOrRankIsNotFound) {
+  ShardCacheStore store(1 << 20);
+  ASSERT_THAT(store.Put(Header("j", 10, 0, "a"), "a"), IsOk());
+  EXPECT_THAT(store.Get(Key("other", 10, 0), ""),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("job other")));
+  EXPECT_THAT(store.Get(Key("j", 20, 0), ""), StatusIs(absl::StatusCode::kNotFound, HasSubstr("step 20")));
+  EXPECT_THAT(store.Get(Key("j", 10, 3), ""), StatusIs(absl::StatusCode::kNotFound, HasSubstr("rank 3")));
+}
+
+TEST(ShardCacheStoreTest, DigestMismatchIsFailedPrecondition) {
+  ShardCacheStore store(1 << 20);
+  ASSERT_THAT(store.Put(Header("j", 10, 0, "a", "aaaa"), "a"), IsOk());
+  EXPECT_THAT(store.Get(Key("j", 10, 0), "bbbb"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("aaaa")));
+  EXPECT_THAT(store.Get(Key("j", 10, 0), "aaaa"), IsOk());
+}
+
+TEST(ShardCacheStoreTest, RefusesIncompleteHeadersNamingTheField) {
+  ShardCacheStore store(1 << 20);
+  EXPECT_THAT(store.Put(Header("", 1, 0, "a"), "a"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("key.job_id")));
+  v1::ShardHeader no_digest = Header("j", 1, 0, "a");
+  no_digest.clear_xxh3_128();
+  EXPECT_THAT(store.Put(no_digest, "a"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("xxh3_128")));
+  EXPECT_THAT(store.Put(Header("j", 1, 0, "abc"), "a"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("size_bytes")));
+  EXPECT_EQ(store.bytes(), 0);
+}
+
+TEST(ShardCacheStoreTest, KeepsTheTwoNewestStepsOfAJob) {
+  ShardCacheStore store(1 << 20);
+  for (int64_t step : {10, 20, 30}) {
+    ASSERT_THAT(store.Put(Header("j", step, 0, "xx"), "xx"), IsOk());
+  }
+  EXPECT_THAT(store.Get(Key("j", 10, 0), ""), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_THAT(store.Get(Key("j", 20, 0), ""), IsOk());
+  EXPECT_THAT(store.Get(Key("j", 30, 0), ""), IsOk());
+  EXPECT_EQ(store.bytes(), 4);
+}
+
+TEST(ShardCacheStoreTest, CapEvictsTheLeastRecentlyPutJobFirst) {
+  ShardCacheStore store(10);
+  ASSERT_THAT(store.Put(Header("old", 1, 0, "1234"), "1234"), IsOk());
+  ASSERT_THAT(store.Put(Header("mid", 1, 0, "1234"), "1234"), IsOk());
+  // 12 bytes > 10: "old" goes, "mid" stays.
+  ASSERT_THAT(store.Put(Header("new", 1, 0, "1234"), "1234"), IsOk());
+  EXPECT_THAT(store.Get(Key("old", 1, 0), ""), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_THAT(store.Get(Key("mid", 1, 0), ""), IsOk());
+  EXPECT_THAT(store.Get(Key("new", 1, 0), ""), IsOk());
+  EXPECT_LE(store.bytes(), 10);
+  // A job alone over the cap loses its older step, never the one being put.
+  ASSERT_THAT(store.Put(Header("new", 2, 0, "12345678"), "12345678"), IsOk());
+  EXPECT_THAT(store.Get(Key("new", 2, 0), ""), IsOk());
+  EXPECT_THAT(store.Get(Key("new", 1, 0), ""), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_THAT(store.Get(Key("mid", 1, 0), ""), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_EQ(store.bytes(), 8);
+  EXPECT_THAT(store.Put(Header("big", 1, 0, "12345678901"), "12345678901"),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("--shard_cache_bytes")));
+}
+
+TEST(ShardCacheStoreTest, DropJobForgetsOnlyThatJob) {
+  ShardCacheStore store(1 << 20);
+  ASSERT_THAT(store.Put(Header("a", 1, 0, "x"), "x"), IsOk());
+  ASSERT_THAT(store.Put(Header("a", 1, 1, "y"), "y"), IsOk());
+  ASSERT_THAT(store.Put(Header("b", 1, 0, "z"), "z"), IsOk());
+  EXPECT_EQ(store.DropJob("a"), 2);
+  EXPECT_EQ(store.DropJob("a"), 0);
+  EXPECT_THAT(store.Get(Key("a", 1, 0), ""), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+  EXPECT_THAT(store.Get(Key("b", 1, 0), ""), IsOk());
+  EXPECT_EQ(store.bytes(), 1);
+}
+
+// A worker's cache as a peer sees it: a store served over gRPC on loopback.
+struct PeerCache {
+  explicit PeerCache(int64_t capacity) : store(capacity), service(&store) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    server = builder.BuildAndStart();
+  }
+  ~PeerCache() { server->Shutdown(); }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port); }
+
+  ShardCacheStore store;
+  ShardCacheService service;
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+};
+
+std::string Pattern(size_t size) {
+  std::string bytes(size, '\0');
+  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<char>(i * 131 + 7);
+  return bytes;
+}
+
+TEST(ShardCachePeersTest, PutAndGetAcrossChunks) {
+  PeerCache peer(64 << 20);
+  ShardCachePeers peers({});
+  CachedShard shard{Header("j", 5, 2, Pattern(3 * kShardChunkBytes + 17)),
+                    Pattern(3 * kShardChunkBytes + 17)};
+  ASSERT_THAT(peers.Put(peer.address(), shard), IsOk());
+  EXPECT_EQ(peer.store.bytes(), static_cast<int64_t>(shard.bytes.size()));
+  auto fetched = peers.Get(peer.address(), Key("j", 5, 2), shard.header.xxh3_128());
+  ASSERT_THAT(fetched, IsOk());
+  EXPECT_EQ(fetched->bytes, shard.bytes);
+  EXPECT_EQ(fetched->header.xxh3_128(), shard.header.xxh3_128());
+  EXPECT_THAT(peers.Get(peer.address(), Key("j", 5, 2), "other"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
+  EXPECT_THAT(peers.Get(peer.address(), Key("unknown", 5, 2), ""),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr(peer.address())));
+  ASSERT_THAT(peers.DropJob(peer.address(), "j"), IsOk());
+  EXPECT_EQ(peer.store.shards(), 0);
+}
+
+TEST(ShardCachePeersTest, PeerRefusesAShardLargerThanItsCache) {
+  PeerCache peer(100);
+  ShardCachePeers peers({});
+  CachedShard shard{Header("j", 1, 0, Pattern(200)), Pattern(200)};
+  EXPECT_THAT(peers.Put(peer.address(), shard),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("size_bytes")));
+  EXPECT_EQ(peer.store.shards(), 0);
+}
+
+std::string SocketPath(const std::string& name) {
+  return (std::filesystem::temp_directory_path() /
+          absl::StrCat("tessera-shard-cache-test-", getpid(), "-", name, ".sock"))
+      .string();
+}
+
+// The trainer's put lands in its worker's store and is replicated to the peer; a get for a shard
+// this worker lacks is answered from the peer named in the request.
+TEST(LocalShardCacheServerTest, PutReplicatesAndGetFallsBackToPeers) {
+  PeerCache peer(64 << 20);
+  ShardCacheStore store(64 << 20);
+  ShardCachePeers peers({});
+  const std::string socket = SocketPath("a");
+  auto server = LocalShardCacheServer::Start(socket, &store, &peers, nullptr);
+  ASSERT_THAT(server, IsOk());
+  const std::string bytes = Pattern(2 * kShardChunkBytes + 5);
+  ASSERT_THAT(trainer::PutShardInCache(socket, Header("j", 7, 0, bytes), bytes, peer.address()),
+              IsOk());
+  EXPECT_EQ(store.bytes(), static_cast<int64_t>(bytes.size()));
+  for (int i = 0; i < 200 && peers.replicated() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(peers.replicated(), 1);
+  EXPECT_THAT(peer.store.Get(Key("j", 7, 0), "d-j-7-0"), IsOk());
+
+  auto local = trainer::GetShardFromCache(socket, Key("j", 7, 0), "d-j-7-0", {});
+  ASSERT_THAT(local, IsOk());
+  EXPECT_EQ(local->bytes, bytes);
+  EXPECT_EQ(local->source, v1::SHARD_SOURCE_LOCAL);
+
+  // This worker lost its copy (a restarted worker): the peer's answers.
+  store.DropJob("j");
+  auto remote =
+      trainer::GetShardFromCache(socket, Key("j", 7, 0), "d-j-7-0", {"127.0.0.1:1", peer.address()});
+  ASSERT_THAT(remote, IsOk());
+  EXPECT_EQ(remote->bytes, bytes);
+  EXPECT_EQ(remote->source, v1::SHARD_SOURCE_PEER);
+
+  EXPECT_THAT(trainer::GetShardFromCache(socket, Key("j", 7, 0), "wrong", {peer.address()}),
+              StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
+  EXPECT_THAT(trainer::GetShardFromCache(socket, Key("nope", 7, 0), "", {}),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
+TEST(LocalShardCacheServerTest, UnreachableWorkerIsUnavailableNamingTheSocket) {
+  const std::string socket = SocketPath("missing");
+  EXPECT_THAT(trainer::GetShardFromCache(socket, Key("j", 1, 0), "", {}),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr(socket)));
+}
+
+// The trainer's restore from memory (trainer/io/memory_restore.h) against a real local socket: a
+// copy is used only when its bytes hash to the manifest's digest; a missing shard is NOT_FOUND.
+class MemoryRestoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto started = LocalShardCacheServer::Start(socket_, &store_, &peers_, nullptr);
+    ASSERT_THAT(started, IsOk());
+    server_ = *std::move(started);
+    task_.set_job_id("job");
+    task_.set_shard_cache_socket(socket_);
+    manifest_.set_step(30);
+    for (int rank : {0, 1}) {
+      v1::CheckpointShard* shard = manifest_.add_shards();
+      shard->set_rank(rank);
+      shard->set_file(absl::StrCat("rank-0000", rank, ".safetensors"));
+      shard->set_size_bytes(static_cast<int64_t>(Bytes(rank).size()));
+      shard->set_xxh3_128(trainer::Xxh3Hex(Bytes(rank)));
+    }
+  }
+  static std::string Bytes(int rank) { return Pattern(1000 + rank); }
+  // What rank `rank`'s trainer hands over after writing its shard.
+  void Hand(int rank, const std::string& bytes, const std::string& digest) {
+    ASSERT_THAT(trainer::HandShardToCache(task_, 30, rank, manifest_.shards(rank).file(), digest,
+                                          bytes),
+                IsOk());
+  }
+
+  std::string socket_ = SocketPath("restore");
+  ShardCacheStore store_{64 << 20};
+  ShardCachePeers peers_{{}};
+  std::unique_ptr<LocalShardCacheServer> server_;
+  v1::TrainerTask task_;
+  v1::CheckpointManifest manifest_;
+};
+
+TEST_F(MemoryRestoreTest, EveryShardFromMemoryLandsInAScratchDirectory) {
+  Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  Hand(1, Bytes(1), trainer::Xxh3Hex(Bytes(1)));
+  std::string dir;
+  {
+    auto copy = trainer::FetchCheckpointFromMemory(task_, manifest_, 0);
+    ASSERT_THAT(copy, IsOk());
+    dir = copy->dir();
+    EXPECT_EQ(copy->shards_from_peers, 0);
+    for (int rank : {0, 1}) {
+      std::ifstream in(dir + "/" + manifest_.shards(rank).file(), std::ios::binary);
+      std::string read((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      EXPECT_EQ(read, Bytes(rank));
+    }
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir)) << "the scratch copy outlived its owner";
+}
+
+TEST_F(MemoryRestoreTest, AMissingShardIsNotFound) {
+  Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_, 0),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("rank 1")));
+}
+
+TEST_F(MemoryRestoreTest, ACorruptCopyIsDataLossNamingTheShard) {
+  Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  // The worker holds bytes that are not those its digest (the manifest's) describes.
+  std::string corrupt = Bytes(1);
+  corrupt[17] ^= 1;
+  Hand(1, corrupt, trainer::Xxh3Hex(Bytes(1)));
+  EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_, 0),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("rank-00001.safetensors")));
+}
+
+TEST_F(MemoryRestoreTest, ACopyOfAnotherCheckpointIsNotUsed) {
+  Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  Hand(1, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_, 0),
+              StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
+}
+
+}  // namespace
+}  // namespace tessera::worker
