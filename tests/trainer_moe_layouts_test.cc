@@ -10,22 +10,17 @@
 //    the micro-batches one process sees (the loss is taken per forward call, as transformers
 //    does), so the router loss needs no reduction over ranks to match one process.
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <iostream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "tests/trainer_training_fixture.h"
+#include "tests/trainer_layout_fixture.h"
 
 namespace tessera {
 namespace {
 
-using ::tessera::testing::TrainerRun;
-using ::tessera::testing::TrainerTrainingTest;
+using ::tessera::testing::LayoutTrainingTest;
 
 constexpr int kSteps = 12;
 constexpr char kAuxLossCoef[] = "0.05";
@@ -41,79 +36,34 @@ std::string CaseName(const ::testing::TestParamInfo<MoeLayoutCase>& info) {
   return absl::StrCat("dp", info.param.dp, "_ep", info.param.ep, "_pp", info.param.pp);
 }
 
-class MoeLayoutTrainingTest : public TrainerTrainingTest,
+class MoeLayoutTrainingTest : public LayoutTrainingTest,
                               public ::testing::WithParamInterface<MoeLayoutCase> {
  protected:
   static std::vector<std::string> MoeFlags(const std::string& dir, const MoeLayoutCase& c) {
     std::vector<std::string> flags = BaseFlags(kSteps, dir);
-    for (std::string& flag : flags) {
-      if (flag == "--preset=tiny-gpt2") flag = "--preset=tiny-llama";
-    }
-    flags.push_back("--num_experts=8");
-    flags.push_back("--experts_per_token=2");
-    flags.push_back(absl::StrCat("--router_aux_loss_coef=", kAuxLossCoef));
+    UseTinyMoe(flags, kAuxLossCoef);
     flags.push_back(absl::StrCat("--expert_parallel=", c.ep));
     flags.push_back(absl::StrCat("--pipeline_parallel=", c.pp));
     flags.push_back("--export_safetensors");
     return flags;
   }
 
-  // One process of the same model, exported, once for the suite.
-  static const TrainerRun& Reference() {
-    static TrainerRun* run = [] {
-      auto* reference = new TrainerRun;
-      *reference_dir_ = MakeTempDir("ckpt-moe-layouts-reference");
-      *reference = RunTrainer(MoeFlags(*reference_dir_, {1, 1, 1}));
-      return reference;
-    }();
-    return *run;
+  static const Reference& OneProcess() {
+    return SuiteReference("ckpt-moe-layouts-reference",
+                          [](const std::string& dir) { return MoeFlags(dir, {1, 1, 1}); });
   }
-  static inline std::string* reference_dir_ = new std::string;
 };
 
 TEST_P(MoeLayoutTrainingTest, LossesAndWeightsMatchOneProcess) {
   const MoeLayoutCase& c = GetParam();
-  const TrainerRun& reference = Reference();
-  ASSERT_EQ(reference.exit_code, 0) << reference.output;
-  ASSERT_EQ(reference.losses.size(), static_cast<size_t>(kSteps));
   const std::string dir = MakeTempDir("ckpt-moe-layout");
-  std::vector<TrainerRun> runs = RunRanks(MoeFlags(dir, c), c.world());
-  ASSERT_EQ(runs.size(), static_cast<size_t>(c.world()));
-  for (int rank = 0; rank < c.world(); ++rank) {
-    ASSERT_EQ(runs[rank].exit_code, 0) << "rank " << rank << ":\n" << runs[rank].output;
-  }
-  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps));
-  double worst_loss = 0, worst_aux = 0;
-  for (const auto& report : runs[0].reports) {
-    if (!report.has_metrics()) continue;
-    const int64_t step = report.metrics().step();
-    const double expected = reference.losses.at(step);
-    const double relative = std::abs(report.metrics().loss() - expected) / expected;
-    EXPECT_LE(relative, 1e-4) << "step " << step;
-    worst_loss = std::max(worst_loss, relative);
-    // The reported router loss is the last micro-batch's on rank 0, which one process's last
-    // micro-batch equals under pipeline parallelism alone (the stages' shares summed); a
-    // data-parallel rank 0 sees other micro-batches.
-    if (c.dp == 1) {
-      for (const auto& expected_report : reference.reports) {
-        if (!expected_report.has_metrics() || expected_report.metrics().step() != step) continue;
-        const double want = expected_report.metrics().router_aux_loss();
-        ASSERT_GT(want, 0);
-        const double aux_relative = std::abs(report.metrics().router_aux_loss() - want) / want;
-        EXPECT_LE(aux_relative, 1e-4) << "router loss, step " << step;
-        worst_aux = std::max(worst_aux, aux_relative);
-      }
-    }
-  }
-  const auto weights = ReadStepExport(dir, kSteps);
-  const auto expected_weights = ReadStepExport(*reference_dir_, kSteps);
-  ASSERT_TRUE(expected_weights.contains("layers.1.mlp.experts.gate"));
-  ASSERT_TRUE(expected_weights.contains("layers.0.mlp.router.weight"));
-  const double weight_difference = MaxRelativeDifference(weights, expected_weights);
-  std::cout << CaseName({c, 0}) << ": max relative loss difference " << worst_loss
-            << ", router loss " << worst_aux << ", max relative weight difference "
-            << weight_difference << "\n";
-  EXPECT_LE(weight_difference, 1e-4);
+  // The reported router loss is the last micro-batch's on rank 0, which one process's last
+  // micro-batch equals under pipeline parallelism alone (the stages' shares summed); a
+  // data-parallel rank 0 sees other micro-batches.
+  ExpectLayoutTrainsLike(OneProcess(), MoeFlags(dir, c), dir, c.world(), kSteps, 1e-4,
+                         /*compare_router_loss=*/c.dp == 1,
+                         {"layers.1.mlp.experts.gate", "layers.0.mlp.router.weight"},
+                         CaseName({c, 0}));
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoeLayoutTrainingTest,

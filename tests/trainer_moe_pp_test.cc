@@ -13,22 +13,18 @@
 // With one data-parallel replica rank 0's reported router loss is the last micro-batch's over
 // the whole model, which one process reports too; with dp2 rank 0 sees other micro-batches.
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
 #include <cstdlib>
-#include <iostream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "tests/trainer_training_fixture.h"
+#include "tests/trainer_layout_fixture.h"
 
 namespace tessera {
 namespace {
 
-using ::tessera::testing::TrainerRun;
+using ::tessera::testing::LayoutTrainingTest;
 using ::tessera::testing::TrainerTrainingTest;
 
 constexpr int kSteps = 12;
@@ -50,7 +46,7 @@ std::string CaseName(const ::testing::TestParamInfo<MoePipelineCase>& info) {
   return absl::StrCat("dp", c.dp, "_ep", c.ep, "_tp", c.tp, "_pp", c.pp, "_v", c.v);
 }
 
-class MoePipelineTrainingTest : public TrainerTrainingTest,
+class MoePipelineTrainingTest : public LayoutTrainingTest,
                                 public ::testing::WithParamInterface<MoePipelineCase> {
  protected:
   // One intra-op thread per rank, as torchrun and the worker give ranks that share the cores:
@@ -64,13 +60,8 @@ class MoePipelineTrainingTest : public TrainerTrainingTest,
 
   static std::vector<std::string> MoeFlags(const std::string& dir, const MoePipelineCase& c) {
     std::vector<std::string> flags = BaseFlags(kSteps, dir);
-    for (std::string& flag : flags) {
-      if (flag == "--preset=tiny-gpt2") flag = "--preset=tiny-llama";
-    }
+    UseTinyMoe(flags, kAuxLossCoef);
     flags.push_back(absl::StrCat("--num_layers=", kLayers));
-    flags.push_back("--num_experts=8");
-    flags.push_back("--experts_per_token=2");
-    flags.push_back(absl::StrCat("--router_aux_loss_coef=", kAuxLossCoef));
     flags.push_back(absl::StrCat("--expert_parallel=", c.ep));
     flags.push_back(absl::StrCat("--tensor_parallel=", c.tp));
     flags.push_back(absl::StrCat("--pipeline_parallel=", c.pp));
@@ -79,65 +70,20 @@ class MoePipelineTrainingTest : public TrainerTrainingTest,
     return flags;
   }
 
-  // One process of the same model, exported, once for the suite.
-  static const TrainerRun& Reference() {
-    static TrainerRun* run = [] {
-      auto* reference = new TrainerRun;
-      *reference_dir_ = MakeTempDir("ckpt-moe-pp-reference");
-      *reference = RunTrainer(MoeFlags(*reference_dir_, {1, 1, 1, 1, 1}));
-      return reference;
-    }();
-    return *run;
+  static const Reference& OneProcess() {
+    return SuiteReference("ckpt-moe-pp-reference",
+                          [](const std::string& dir) { return MoeFlags(dir, {1, 1, 1, 1, 1}); });
   }
-  static inline std::string* reference_dir_ = new std::string;
 };
 
 TEST_P(MoePipelineTrainingTest, LossesRouterLossAndWeightsMatchOneProcess) {
   const MoePipelineCase& c = GetParam();
-  const TrainerRun& reference = Reference();
-  ASSERT_EQ(reference.exit_code, 0) << reference.output;
-  ASSERT_EQ(reference.losses.size(), static_cast<size_t>(kSteps));
   const std::string dir = MakeTempDir("ckpt-moe-pp");
-  std::vector<TrainerRun> runs = RunRanks(MoeFlags(dir, c), c.world());
-  ASSERT_EQ(runs.size(), static_cast<size_t>(c.world()));
-  for (int rank = 0; rank < c.world(); ++rank) {
-    ASSERT_EQ(runs[rank].exit_code, 0) << "rank " << rank << ":\n" << runs[rank].output;
-  }
-  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps));
-  double worst_loss = 0, worst_aux = 0;
-  int aux_compared = 0;
-  for (const auto& report : runs[0].reports) {
-    if (!report.has_metrics()) continue;
-    const int64_t step = report.metrics().step();
-    const double expected = reference.losses.at(step);
-    const double relative = std::abs(report.metrics().loss() - expected) / expected;
-    EXPECT_LE(relative, 1e-5) << "step " << step;
-    worst_loss = std::max(worst_loss, relative);
-    EXPECT_GT(report.metrics().router_aux_loss(), 0) << "step " << step;
-    if (c.dp > 1) continue;
-    for (const auto& expected_report : reference.reports) {
-      if (!expected_report.has_metrics() || expected_report.metrics().step() != step) continue;
-      const double want = expected_report.metrics().router_aux_loss();
-      ASSERT_GT(want, 0);
-      // A report of one chunk or one stage only would be about 1/(pp x v) of this.
-      const double aux_relative = std::abs(report.metrics().router_aux_loss() - want) / want;
-      EXPECT_LE(aux_relative, 1e-5) << "router loss, step " << step;
-      worst_aux = std::max(worst_aux, aux_relative);
-      ++aux_compared;
-    }
-  }
-  if (c.dp == 1) {
-    EXPECT_EQ(aux_compared, kSteps);
-  }
-  const auto weights = ReadStepExport(dir, kSteps);
-  const auto expected_weights = ReadStepExport(*reference_dir_, kSteps);
-  ASSERT_TRUE(expected_weights.contains("layers.3.mlp.experts.down"));
-  ASSERT_TRUE(expected_weights.contains("layers.2.mlp.router.weight"));
-  const double weight_difference = MaxRelativeDifference(weights, expected_weights);
-  std::cout << CaseName({c, 0}) << ": max relative loss difference " << worst_loss
-            << ", router loss " << worst_aux << ", max relative weight difference "
-            << weight_difference << "\n";
-  EXPECT_LE(weight_difference, 1e-5);
+  // With two data-parallel replicas rank 0 reports its own micro-batches' router loss.
+  ExpectLayoutTrainsLike(OneProcess(), MoeFlags(dir, c), dir, c.world(), kSteps, 1e-5,
+                         /*compare_router_loss=*/c.dp == 1,
+                         {"layers.3.mlp.experts.down", "layers.2.mlp.router.weight"},
+                         CaseName({c, 0}));
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoePipelineTrainingTest,
