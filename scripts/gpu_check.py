@@ -606,7 +606,10 @@ def stage_control_plane(ctx):
     os.makedirs(results_dir, exist_ok=True)
     argv = [os.path.join(ctx["build_dir"], "bench", "control_plane_bench"),
             f"--coordinator={os.path.join(ctx['build_dir'], 'bin', 'tessera-coordinator')}",
-            f"--work_dir={ctx['workdir']}", f"--results_dir={results_dir}"]
+            f"--work_dir={ctx['workdir']}", f"--results_dir={results_dir}",
+            # The coordinator on its embedded store: this stage times the control plane on the
+            # GPU machine's cores; PostgreSQL next to SQLite is `make bench`'s comparison.
+            "--backends=sqlite"]
     argv += [f"--{k}={v}" for k, v in load.items()]
     report = run_bench_program(ctx, "control-plane", argv, ctx["env"], results_dir,
                                "control-plane.json")

@@ -307,6 +307,19 @@ absl::Status PrepareSave(const CheckpointContext& context, int64_t step) {
   return Barrier(context);
 }
 
+// A save that failed because a newer attempt took the directory over (its rank 0 removes the
+// stale staging directory this one was writing into) reports the fence's refusal, which names
+// the cause, rather than the missing file it ran into; any other failure is returned as it is.
+absl::Status PreferFenceRefusal(const CheckpointContext& context, absl::Status failed) {
+  if (failed.ok()) return failed;
+  const v1::TrainerTask& task = *context.task;
+  absl::Status fenced =
+      CheckCheckpointFence(task.checkpoint_directory(), task.job_id(), task.attempt());
+  if (!absl::IsFailedPrecondition(fenced)) return failed;
+  return absl::FailedPreconditionError(
+      absl::StrCat(fenced.message(), "; the save had failed with: ", failed.message()));
+}
+
 // After this rank wrote its shard: the ranks other than 0 hand their digest to rank 0 through the
 // store and are done; rank 0 waits for every digest (the shards are then all written), commits
 // the manifest with them and exports. Uses the store only, no collective, so it may run on a
@@ -417,11 +430,15 @@ absl::StatusOr<v1::Checkpoint> SaveCheckpoint(const CheckpointContext& context,
   RETURN_IF_ERROR(PrepareSave(context, state.step));
   // Each rank hashes its shard while writing it and hands the digest to rank 0 through the store,
   // so the commit does not read the shards back.
-  ASSIGN_OR_RETURN(WrittenShard written,
-                   WriteTrainingState(ShardPath(context, state.step), *context.engine,
-                                      context.rank, ShardMetadata(context, state.step)));
-  CacheShard(context, state.step, written);
-  return CollectAndCommit(context, state, written, export_safetensors, start);
+  absl::StatusOr<WrittenShard> written =
+      WriteTrainingState(ShardPath(context, state.step), *context.engine, context.rank,
+                         ShardMetadata(context, state.step));
+  if (!written.ok()) return PreferFenceRefusal(context, written.status());
+  CacheShard(context, state.step, *written);
+  absl::StatusOr<v1::Checkpoint> checkpoint =
+      CollectAndCommit(context, state, *written, export_safetensors, start);
+  if (!checkpoint.ok()) return PreferFenceRefusal(context, checkpoint.status());
+  return checkpoint;
 }
 
 AsyncCheckpointer::AsyncCheckpointer(const CheckpointContext& context) : context_(context) {}
@@ -495,7 +512,7 @@ absl::Status AsyncCheckpointer::Start(const CheckpointState& state, bool export_
         ShardPath(context_, state.step), *snapshot, context_.rank,
         ShardMetadata(context_, state.step));
     if (!written.ok()) {
-      status_ = written.status();
+      status_ = PreferFenceRefusal(context_, written.status());
       return;
     }
     if (context_.kill_in_checkpoint_at_step == state.step) {
@@ -513,7 +530,7 @@ absl::Status AsyncCheckpointer::Start(const CheckpointState& state, bool export_
                                                     c10::GetExceptionString(e)));
     }
     if (!checkpoint.ok()) {
-      status_ = checkpoint.status();
+      status_ = PreferFenceRefusal(context_, checkpoint.status());
       return;
     }
     if (context_.rank == 0 && on_committed) on_committed(*checkpoint);
