@@ -341,11 +341,14 @@ def main():
         synthetic.series = {"tessera": missing, "dcgm": dcgm_series()}
         print(f"synthetic series (no real target exports them): {sorted(missing) or 'none'}")
 
-        # Every panel's query returns data (give rates and fresh series up to 30 s).
+        # Every panel's query returns data (give rates and fresh series up to 30 s). A subquery
+        # ([1h:1m]) evaluates at whole minutes of the clock, so it has data only once a minute
+        # boundary has passed since the series' first sample: give it up to 70 s.
         for board, title, expr in panel_queries():
             resolved = substitute(expr, training)
             name = f"{board} / {title}: {resolved}"
-            deadline = time.time() + 30
+            subquery = re.search(r":\d+m\]", resolved) is not None
+            deadline = time.time() + (70 if subquery else 30)
             while True:
                 answer = query(prometheus, resolved)
                 ok = answer.get("status") == "success"
