@@ -55,8 +55,8 @@ class LatencyTest : public TwoWorkerClusterTest {
   // sorted.
   std::vector<absl::Duration> HealthRoundTrips(int host, int calls) {
     const size_t colon = address_.rfind(':');
-    auto fd = lab_->ConnectFrom(host, address_.substr(0, colon),
-                                std::stoi(address_.substr(colon + 1)));
+    auto fd =
+        lab_->ConnectFrom(host, address_.substr(0, colon), std::stoi(address_.substr(colon + 1)));
     EXPECT_THAT(fd, IsOk());
     if (!fd.ok()) return {};
     // The channel owns the socket from here.
@@ -90,9 +90,9 @@ TEST_F(LatencyTest, AWorkerFarFromTheCoordinatorHeartbeatsTrainsAndSucceeds) {
   ASSERT_FALSE(near.empty());
   EXPECT_LT(near.front(), absl::Milliseconds(100)) << "before any latency";
 
-  ASSERT_THAT(lab_->Delay(kSecondWorkerHost, delay, absl::ZeroDuration(),
-                          lab_->Ip(kCoordinatorHost)),
-              IsOk());
+  ASSERT_THAT(
+      lab_->Delay(kSecondWorkerHost, delay, absl::ZeroDuration(), lab_->Ip(kCoordinatorHost)),
+      IsOk());
   // The added latency is what the worker's control plane sees: at least 2 * 150 ms per call,
   // and not much more (the median within 200 ms of it).
   const std::vector<absl::Duration> far = HealthRoundTrips(kSecondWorkerHost, 5);
@@ -122,9 +122,9 @@ TEST_F(LatencyTest, AWorkerFarFromTheCoordinatorHeartbeatsTrainsAndSucceeds) {
 
 TEST_F(LatencyTest, WorkersFarFromEachOtherTrainSlowerStepsAndSucceed) {
   const absl::Duration delay = absl::Milliseconds(100);
-  ASSERT_THAT(lab_->Delay(kFirstWorkerHost, delay, absl::ZeroDuration(),
-                          lab_->Ip(kSecondWorkerHost)),
-              IsOk());
+  ASSERT_THAT(
+      lab_->Delay(kFirstWorkerHost, delay, absl::ZeroDuration(), lab_->Ip(kSecondWorkerHost)),
+      IsOk());
   const std::string job_id = Submit(TwoNodeSpec(30));
   v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();

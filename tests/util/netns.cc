@@ -253,7 +253,6 @@ absl::Status NetnsLab::Undelay(int host) {
   // Rules first, so that no packet is queued to a delayer that is gone; a delayer's end releases
   // what it still holds.
   for (DelayRule& rule : delays_[host]) {
-    if (rule.delayer == nullptr) continue;
     result.Update(Shell(rule.iptables + "-D " + rule.rule));
   }
   delays_[host].clear();

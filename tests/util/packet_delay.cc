@@ -149,9 +149,9 @@ absl::StatusOr<std::unique_ptr<PacketDelayer>> PacketDelayer::Start(
   nfqnl_msg_config_cmd bind_command{};
   bind_command.command = NFQNL_CFG_CMD_BIND;
   bind_command.pf = htons(AF_INET);
-  if (absl::Status bound = Configure(*fd, Message(config, request, queue).Add(NFQA_CFG_CMD,
-                                                                              bind_command),
-                                     absl::StrCat("bind NFQUEUE ", queue));
+  if (absl::Status bound =
+          Configure(*fd, Message(config, request, queue).Add(NFQA_CFG_CMD, bind_command),
+                    absl::StrCat("bind NFQUEUE ", queue));
       !bound.ok()) {
     return fail(bound);
   }
@@ -215,8 +215,7 @@ void PacketDelayer::Loop() {
     int timeout_ms = -1;
     if (!held.empty()) {
       const auto wait = held.top().first - Clock::now();
-      timeout_ms = std::max<int64_t>(
-          0, std::chrono::ceil<std::chrono::milliseconds>(wait).count());
+      timeout_ms = std::max<int64_t>(0, std::chrono::ceil<std::chrono::milliseconds>(wait).count());
     }
     pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
     if (poll(fds, 2, timeout_ms) < 0 && errno != EINTR) break;
@@ -232,20 +231,17 @@ void PacketDelayer::Loop() {
              header = NLMSG_NEXT(header, left)) {
           if (header->nlmsg_type != kQueueMessage(NFQNL_MSG_PACKET)) continue;
           const size_t prefix = NLMSG_ALIGN(sizeof(nfgenmsg));
-          auto* attribute = reinterpret_cast<nlattr*>(static_cast<char*>(NLMSG_DATA(header)) +
-                                                      prefix);
-          int attributes_left = static_cast<int>(header->nlmsg_len) - NLMSG_HDRLEN -
-                                static_cast<int>(prefix);
+          auto* attribute =
+              reinterpret_cast<nlattr*>(static_cast<char*>(NLMSG_DATA(header)) + prefix);
+          int attributes_left =
+              static_cast<int>(header->nlmsg_len) - NLMSG_HDRLEN - static_cast<int>(prefix);
           while (attributes_left >= NLA_HDRLEN && attribute->nla_len >= NLA_HDRLEN &&
                  attribute->nla_len <= attributes_left) {
             if ((attribute->nla_type & NLA_TYPE_MASK) == NFQA_PACKET_HDR) {
               nfqnl_msg_packet_hdr packet;
-              std::memcpy(&packet, reinterpret_cast<char*>(attribute) + NLA_HDRLEN,
-                          sizeof(packet));
+              std::memcpy(&packet, reinterpret_cast<char*>(attribute) + NLA_HDRLEN, sizeof(packet));
               const int64_t extra =
-                  jitter_ns > 0
-                      ? std::uniform_int_distribution<int64_t>(0, jitter_ns)(rng)
-                      : 0;
+                  jitter_ns > 0 ? std::uniform_int_distribution<int64_t>(0, jitter_ns)(rng) : 0;
               held.push({now + delay + std::chrono::nanoseconds(extra), ntohl(packet.packet_id)});
               break;
             }
