@@ -1,8 +1,8 @@
 // tessera-chaos-soak: the chaos soak of `make chaos` (tests/chaos/chaos_soak.h). Flags → options →
 // run; prints the seed first (to replay a failure), a line per fault and per job end, then the
 // counts as JSON (also written to --results). Exit 0 when nothing was lost, orphaned, corrupt or
-// unequal; 1 when something was; 77 (ctest's skip) when the machine cannot build the network
-// (not root, no ip/iptables).
+// unequal; 1 when something was; 2 on bad flags; 77 (ctest's skip) when the machine cannot build
+// the network (not root, no ip/iptables) or, with --require_ha, has no PostgreSQL.
 
 #include <fstream>
 #include <iostream>
@@ -25,6 +25,10 @@ ABSL_FLAG(int, workers, 3, "Worker daemons, each on a network namespace of its o
 ABSL_FLAG(bool, ha, true,
           "Two coordinators on a private PostgreSQL (when installed), and kill -9 of the leader "
           "among the faults.");
+ABSL_FLAG(bool, require_ha, false,
+          "With --ha: exit 77 (skip) instead of running on SQLite when PostgreSQL is absent.");
+ABSL_FLAG(int, min_job_steps, 200, "Fewest steps a job trains.");
+ABSL_FLAG(int, max_job_steps, 500, "Most steps a job trains.");
 ABSL_FLAG(int, jobs_in_flight, 2, "Jobs kept submitted and unfinished at a time.");
 ABSL_FLAG(double, fault_interval, 6, "Mean seconds between two faults.");
 ABSL_FLAG(int, loss_checks, 3, "SUCCEEDED jobs rerun fault-free to compare their losses.");
@@ -48,6 +52,14 @@ int main(int argc, char** argv) {
   options.dir = absl::GetFlag(FLAGS_dir);
   options.workers = absl::GetFlag(FLAGS_workers);
   options.ha = absl::GetFlag(FLAGS_ha);
+  options.require_ha = absl::GetFlag(FLAGS_require_ha);
+  options.min_job_steps = absl::GetFlag(FLAGS_min_job_steps);
+  options.max_job_steps = absl::GetFlag(FLAGS_max_job_steps);
+  if (options.min_job_steps < 1 || options.max_job_steps < options.min_job_steps) {
+    std::cerr << "chaos soak: --min_job_steps must be at least 1 and at most --max_job_steps"
+              << std::endl;
+    return 2;
+  }
   options.jobs_in_flight = absl::GetFlag(FLAGS_jobs_in_flight);
   options.mean_fault_interval_s = absl::GetFlag(FLAGS_fault_interval);
   options.loss_checks = absl::GetFlag(FLAGS_loss_checks);

@@ -98,6 +98,7 @@ class Soak {
   std::set<int> cut_from_coordinator_;
   std::set<std::pair<int, int>> cut_pairs_;
   std::set<int> lossy_;
+  std::set<int> slow_;
   std::map<std::string, int> faults_;
   std::vector<std::string> fault_errors_;
 };
@@ -112,8 +113,10 @@ v1::JobSpec Soak::NextSpec() {
   spec.mutable_batch()->set_micro_batch_size(2);
   spec.mutable_optimizer()->mutable_schedule()->set_peak_learning_rate(3e-3);
   spec.mutable_optimizer()->mutable_schedule()->set_warmup_steps(5);
-  // 10 to 30 s of training on this machine's tiny model: long enough that faults land mid-job.
-  spec.set_max_steps(200 + 50 * Pick(7));
+  // By default 10 to 30 s of training on this machine's tiny model: long enough that faults
+  // land mid-job.
+  const int step_choices = (options_.max_job_steps - options_.min_job_steps) / 10 + 1;
+  spec.set_max_steps(options_.min_job_steps + 10 * Pick(std::max(1, step_choices)));
   spec.mutable_checkpoint()->set_interval_steps(10);
   // One rank, or two that (one slot per worker) sit on two hosts and talk over the lab network.
   spec.mutable_resources()->set_cpu_slots(1 + Pick(2));
@@ -268,6 +271,24 @@ bool Soak::Inject(const std::string& kind) {
         return cluster_.lab().SetLoss(w, 0);
       });
     }
+  } else if (kind == "latency") {
+    const int w = Pick(workers);
+    if (slow_.count(w)) return false;
+    // Each way, on all of the worker's traffic: heartbeats, reports, Gloo's collectives.
+    const absl::Duration delay = absl::Milliseconds(50 * (1 + Pick(6)));
+    const absl::Duration jitter = delay / 5;
+    const absl::Duration length = absl::Seconds(Uniform(5, 20));
+    what = absl::StrCat("delay worker ", w, "'s packets ", absl::FormatDuration(delay), " + 0-",
+                        absl::FormatDuration(jitter), " each way for ",
+                        absl::FormatDuration(length));
+    injected = cluster_.lab().Delay(w, delay, jitter);
+    if (injected.ok()) {
+      slow_.insert(w);
+      Schedule(length, absl::StrCat("no more latency on worker ", w), [this, w] {
+        slow_.erase(w);
+        return cluster_.lab().Undelay(w);
+      });
+    }
   }
   if (!injected.ok()) {
     Log(absl::StrCat("fault ", what, " FAILED: ", injected.message()));
@@ -282,7 +303,8 @@ bool Soak::Inject(const std::string& kind) {
 const std::vector<std::string>& FaultKinds() {
   static const auto* kinds =
       new std::vector<std::string>{"kill_trainer",          "kill_worker",       "kill_coordinator",
-                                   "partition_coordinator", "partition_workers", "packet_loss"};
+                                   "partition_coordinator", "partition_workers", "packet_loss",
+                                   "latency"};
   return *kinds;
 }
 
@@ -629,6 +651,13 @@ absl::StatusOr<nlohmann::json> RunChaosSoak(const SoakOptions& options) {
     ha_note = cluster_options.postgres_url.empty()
                   ? "off: " + testing::PostgresCluster::Shared().Reason()
                   : "two coordinators on PostgreSQL";
+    if (cluster_options.postgres_url.empty() && options.require_ha) {
+      std::error_code ignored;
+      if (options.dir.empty()) std::filesystem::remove_all(dir, ignored);
+      return absl::FailedPreconditionError(
+          "no PostgreSQL for the coordinators' failover: " +
+          testing::PostgresCluster::Shared().Reason());
+    }
   }
   std::cout << "chaos soak: " << options.workers << " workers, coordinators: " << ha_note
             << ", files in " << dir << std::endl;

@@ -7,7 +7,9 @@
 //   - partition_coordinator: a worker cut off from the coordinators for 2-20 s (longer than the
 //     heartbeat timeout or not);
 //   - partition_workers: two workers cut off from each other for 2-20 s;
-//   - packet_loss: 2-10% of a worker's packets dropped for 5-20 s.
+//   - packet_loss: 2-10% of a worker's packets dropped for 5-20 s;
+//   - latency: 50-300 ms (plus up to a fifth of it in jitter) added each way to all of a
+//     worker's packets for 5-20 s (NetnsLab::Delay).
 // When the time is up the network heals, every daemon comes back, and the soak waits for every
 // job to end, then checks what the issue asks: every job SUCCEEDED or FAILED with its cause named
 // (anything else is "lost"); no trainer process left on any host; every committed checkpoint
@@ -42,6 +44,11 @@ struct SoakOptions {
   // Two coordinators on a private PostgreSQL when its server binaries are installed; false (or
   // no PostgreSQL): one coordinator on SQLite, and no kill_coordinator faults.
   bool ha = true;
+  // With ha: fail (FAILED_PRECONDITION) rather than run on SQLite when PostgreSQL is absent.
+  bool require_ha = false;
+  // Each job trains a number of steps drawn from [min_job_steps, max_job_steps] in tens.
+  int min_job_steps = 200;
+  int max_job_steps = 500;
   // Jobs kept submitted and unfinished at a time.
   int jobs_in_flight = 2;
   // Mean seconds between two faults (drawn uniformly from [0.5, 1.5] times it).
@@ -54,7 +61,8 @@ struct SoakOptions {
 
 // Runs the soak and returns its counts as JSON (see the .cc for the fields); "passed" is true
 // when nothing was lost, orphaned, corrupt or unequal. An error when the cluster cannot be built
-// (FAILED_PRECONDITION when not root or without ip/iptables).
+// (FAILED_PRECONDITION when not root, without ip/iptables, or without PostgreSQL when
+// require_ha).
 absl::StatusOr<nlohmann::json> RunChaosSoak(const SoakOptions& options);
 
 }  // namespace tessera::chaos

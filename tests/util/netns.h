@@ -12,8 +12,8 @@
 //   - SetLoss(a, 0.02): a random 2% of a's packets dropped each way (iptables' statistic match);
 //     SetLoss(a, 0) removes it.
 //   - LimitRate(a, "1mbit"): a's outgoing traffic shaped by tc's token bucket; "" removes it.
-//   - Delay(a, "50ms 10ms"): tc netem, where the kernel has it (this project's CI machines do
-//     not: FAILED_PRECONDITION says so, and tests that need latency skip).
+//   - Delay(a, 150ms, 20ms jitter): every packet a sends or receives arrives 150-170 ms late
+//     (packet_delay.h: NFQUEUE, since the kernels here lack tc netem); Undelay(a) removes it.
 // The lab needs root (CAP_NET_ADMIN) and the ip, iptables and tc commands; Create says why when
 // it cannot build the network, and tests skip with that reason.
 //
@@ -30,6 +30,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "tests/util/packet_delay.h"
 
 namespace tessera::testing {
 
@@ -65,7 +67,24 @@ class NetnsLab {
   absl::Status Reconnect(int host);
   absl::Status SetLoss(int host, double fraction);
   absl::Status LimitRate(int host, const std::string& rate);
-  absl::Status Delay(int host, const std::string& netem_delay);
+  // Latency on host's traffic, each way: the packets it receives and the packets it sends (to
+  // `peer_ip` only, a host's Ip() or MachineIp(), or to everyone when empty) are held `delay`
+  // plus a uniform draw from [0, jitter] (which reorders packets) on arrival, so a round trip
+  // between host and a peer takes 2 * delay longer. TCP control and bulk traffic alike (gRPC,
+  // Gloo). Packets are held at the receiving end only: held on the way out they would still count
+  // against their socket's small-queue budget (TSQ), which throttles a delayed flow to a few
+  // packets per delay. A second Delay of the host replaces the first.
+  absl::Status Delay(int host, absl::Duration delay, absl::Duration jitter = absl::ZeroDuration(),
+                     const std::string& peer_ip = "");
+  absl::Status Undelay(int host);
+  // Packets held and released so far for host's latency (0 when none is injected).
+  int64_t DelayedPackets(int host) const;
+  // A TCP socket made on `host` (in its namespace), to bind, listen or connect as that host would,
+  // from any thread; the caller owns the descriptor.
+  absl::StatusOr<int> TcpSocketOn(int host) const;
+  // TcpSocketOn(host) connected to ip:port (blocking), e.g. for a client that must see the
+  // network as that host does (grpc::CreateInsecureChannelFromFd).
+  absl::StatusOr<int> ConnectFrom(int host, const std::string& ip, int port) const;
 
  private:
   NetnsLab(std::string prefix, int net) : prefix_(std::move(prefix)), net_(net) {}
@@ -73,12 +92,22 @@ class NetnsLab {
   // Adds (`flag` "-I") or deletes ("-D") the rules that drop a's traffic with b, on a's side.
   absl::Status DropRules(int a, int b, const std::string& flag);
   void Remove();
+  // A namespace's path under /run/netns; "" for this machine's.
+  std::string NamespacePath(int host) const;
+
+  struct DelayRule {
+    std::string iptables;  // "ip netns exec <ns> iptables -w -t mangle" or this machine's
+    std::string rule;      // the rule after -A/-D
+    std::unique_ptr<PacketDelayer> delayer;
+  };
 
   std::string prefix_;
   int net_;
   std::vector<std::string> names_;
   // Per host: the loss rules in place (their probability), to delete them again.
   std::vector<std::string> loss_;
+  // Per host: the latency rules and their delayers (empty when none).
+  std::vector<std::vector<DelayRule>> delays_;
 };
 
 // Runs `command` with /bin/sh; INTERNAL naming it and its output when it fails.
