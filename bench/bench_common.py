@@ -2,7 +2,8 @@
 machine) and the median/range summary of repeated runs; and for the multi-process CPU benchmarks
 (bench/zero_bench.py, bench/model_parallel_bench.py) the launch of a job's ranks as torchrun
 would, its task file and the checks that runs computed the same thing; and a local cluster (a real
-coordinator and worker driven through the CLI) for bench/fault_bench.py and scripts/gpu_check.py.
+coordinator and worker driven through the CLI) for bench/fault_bench.py, bench/peermem_bench.py
+and scripts/gpu_check.py, with the restart benchmarks' settings, job spec and rank lookup.
 Standard library only."""
 
 import datetime
@@ -344,6 +345,46 @@ class Cluster:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def restart_cluster(build_dir, workdir, worker_flags=()):
+    """The cluster of the restart benchmarks (bench/fault_bench.py, bench/peermem_bench.py): a
+    heartbeat every 500 ms and a node lost after 5 s, so that a killed rank is noticed quickly;
+    one worker with two CPU slots whose trainers run one thread each and get 2 s to stop."""
+    return Cluster(build_dir, workdir,
+                   coordinator_flags=("--heartbeat_interval=500ms", "--heartbeat_timeout=5s"),
+                   cpu_slots=2, worker_flags=("--stop_grace=2s", *worker_flags), threads=1)
+
+
+def write_job_spec(path, name, model, shards, seq_len, global_batch, micro_batch,
+                   peak_learning_rate, warmup_steps, steps, checkpoint_interval, keep_last,
+                   max_restarts):
+    """Writes a two-slot fp32 CPU job spec to `path` (JSON, which is YAML); `model` is the spec's
+    model section ({"preset": ...} or {"dims": ...})."""
+    spec = {
+        "name": name,
+        "model": model,
+        "data": {"train_shards": [shards], "seq_len": seq_len},
+        "batch": {"global_batch_size": global_batch, "micro_batch_size": micro_batch},
+        "optimizer": {"schedule": {"peak_learning_rate": peak_learning_rate,
+                                   "warmup_steps": warmup_steps}},
+        "precision": "PRECISION_FP32",
+        "max_steps": steps,
+        "checkpoint": {"interval_steps": checkpoint_interval, "keep_last": keep_last},
+        "resources": {"cpu_slots": 2},
+        "max_restarts": max_restarts,
+    }
+    with open(path, "w") as f:
+        json.dump(spec, f)
+
+
+def rank_pid(workdir, job_id, attempt, rank):
+    """The pid of a rank's trainer under a Cluster's worker (found by its task file), or None
+    while there is not exactly one."""
+    task = f"{workdir}/worker/jobs/{job_id}/attempt-{attempt}/rank-{rank}.task.pb"
+    out = subprocess.run(["pgrep", "-f", "--", f"--task={task}"], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    return pids[0] if len(pids) == 1 else None
 
 
 def json_lines(path, what):

@@ -50,13 +50,13 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from bench_common import (RESULTS_ENV, BenchError, Cluster, find_trainer, in_workdir,
-                          prepare_corpus, provenance, spread, write_results)
+from bench_common import (RESULTS_ENV, BenchError, find_trainer, in_workdir, prepare_corpus,
+                          provenance, rank_pid, restart_cluster, spread, write_job_spec,
+                          write_results)
 
 BENCH = "fault"
 CHECKPOINT_INTERVAL = 10
@@ -84,32 +84,12 @@ CALIBRATION_STEPS = 8
 def write_spec(path, name, shards, steps, long_step_batch=0, interval=CHECKPOINT_INTERVAL):
     """A tiny-gpt2 spec, or with `long_step_batch` > 0 the --step_seconds model at that global
     batch."""
-    spec = {
-        "name": name,
-        "model": {"preset": "tiny-gpt2"},
-        "data": {"train_shards": [shards], "seq_len": 64},
-        "batch": {"global_batch_size": 8, "micro_batch_size": 2},
-        "optimizer": {"schedule": {"peak_learning_rate": 3e-3, "warmup_steps": 10}},
-        "precision": "PRECISION_FP32",
-        "max_steps": steps,
-        "checkpoint": {"interval_steps": interval, "keep_last": 2},
-        "resources": {"cpu_slots": 2},
-        "max_restarts": 1000,
-    }
     if long_step_batch:
-        spec["model"] = {"dims": LONG_STEP_DIMS}
-        spec["data"]["seq_len"] = LONG_STEP_SEQ_LEN
-        spec["batch"] = {"global_batch_size": long_step_batch,
-                         "micro_batch_size": LONG_STEP_MICRO_BATCH}
-    with open(path, "w") as f:
-        json.dump(spec, f)  # JSON is YAML
-
-
-def rank_pid(workdir, job_id, attempt, rank):
-    task = f"{workdir}/worker/jobs/{job_id}/attempt-{attempt}/rank-{rank}.task.pb"
-    out = subprocess.run(["pgrep", "-f", "--", f"--task={task}"], capture_output=True, text=True)
-    pids = [int(p) for p in out.stdout.split()]
-    return pids[0] if len(pids) == 1 else None
+        write_job_spec(path, name, {"dims": LONG_STEP_DIMS}, shards, LONG_STEP_SEQ_LEN,
+                       long_step_batch, LONG_STEP_MICRO_BATCH, 3e-3, 10, steps, interval, 2, 1000)
+    else:
+        write_job_spec(path, name, {"preset": "tiny-gpt2"}, shards, 64, 8, 2, 3e-3, 10, steps,
+                       interval, 2, 1000)
 
 
 def run_job(cluster, spec_path, kill_every, on_kill=None):
@@ -153,6 +133,18 @@ def run_job(cluster, spec_path, kill_every, on_kill=None):
         time.sleep(POLL_SECONDS)
 
 
+def goodput_rounds(cluster, spec_path, runs, clean=True, on_kill=None):
+    """Runs the goodput job `runs` times, each round a clean run (unless not `clean`) and then
+    one with rank 1 killed every KILL_EVERY steps. Yields, per round, (clean run's (wall seconds,
+    job) or None, faulted run's (wall seconds, kills, job)) as run_job returns them."""
+    for _ in range(runs):
+        clean_run = None
+        if clean:
+            wall, _, job = run_job(cluster, spec_path, 0)
+            clean_run = (wall, job)
+        yield clean_run, run_job(cluster, spec_path, KILL_EVERY, on_kill)
+
+
 def projected_goodput(step_seconds, failures, recovery_seconds):
     useful = GOODPUT_STEPS * step_seconds
     lost = failures * (recovery_seconds + CHECKPOINT_INTERVAL / 2 * step_seconds)
@@ -161,9 +153,7 @@ def projected_goodput(step_seconds, failures, recovery_seconds):
 
 def measure(build_dir, trainer, workdir, args):
     shards = prepare_corpus(trainer, workdir, timeout=300)
-    cluster = Cluster(build_dir, workdir, coordinator_flags=(
-        "--heartbeat_interval=500ms", "--heartbeat_timeout=5s"), cpu_slots=2,
-        worker_flags=("--stop_grace=2s",), threads=1)
+    cluster = restart_cluster(build_dir, workdir)
     try:
         recovery_steps = RECOVERY_KILLS * KILL_EVERY + 50
         write_spec(f"{workdir}/recovery.yaml", "recovery", shards, recovery_steps)
@@ -178,11 +168,10 @@ def measure(build_dir, trainer, workdir, args):
 
         write_spec(f"{workdir}/goodput.yaml", "goodput", shards, GOODPUT_STEPS)
         clean, faulted, clean_step_seconds = [], [], []
-        for r in range(args.runs):
-            wall, _, job = run_job(cluster, f"{workdir}/goodput.yaml", 0)
-            clean.append(wall)
-            clean_step_seconds.append(float(job["latest_metrics"]["step_time_seconds"]))
-            wall, goodput_kills, _ = run_job(cluster, f"{workdir}/goodput.yaml", KILL_EVERY)
+        rounds = goodput_rounds(cluster, f"{workdir}/goodput.yaml", args.runs)
+        for r, ((clean_wall, clean_job), (wall, goodput_kills, _)) in enumerate(rounds):
+            clean.append(clean_wall)
+            clean_step_seconds.append(float(clean_job["latest_metrics"]["step_time_seconds"]))
             faulted.append(wall)
             print(f"  round {r + 1}: clean {clean[-1]:.1f} s, with {len(goodput_kills)} kills "
                   f"{faulted[-1]:.1f} s")
@@ -230,9 +219,7 @@ def lost_seconds(kill, step_seconds):
 
 def measure_long_steps(build_dir, trainer, workdir, args):
     shards = prepare_corpus(trainer, workdir, timeout=300)
-    cluster = Cluster(build_dir, workdir, coordinator_flags=(
-        "--heartbeat_interval=500ms", "--heartbeat_timeout=5s"), cpu_slots=2,
-        worker_flags=("--stop_grace=2s",), threads=1)
+    cluster = restart_cluster(build_dir, workdir)
     steps, interval = args.goodput_steps, args.checkpoint_interval
     try:
         write_spec(f"{workdir}/calibrate.yaml", "calibrate", shards, CALIBRATION_STEPS,
@@ -247,12 +234,12 @@ def measure_long_steps(build_dir, trainer, workdir, args):
         write_spec(f"{workdir}/goodput.yaml", "goodput", shards, steps, long_step_batch=batch,
                    interval=interval)
         clean, faulted, step_seconds, all_kills, derived, blocked = [], [], [], [], [], []
-        for r in range(args.runs):
-            if not args.faulted_only:
-                wall, _, job = run_job(cluster, f"{workdir}/goodput.yaml", 0)
-                clean.append(wall)
-            wall, kills, job = run_job(cluster, f"{workdir}/goodput.yaml", KILL_EVERY,
-                                       lambda n, s: print(f"  kill {n} at step {s}"))
+        rounds = goodput_rounds(cluster, f"{workdir}/goodput.yaml", args.runs,
+                                clean=not args.faulted_only,
+                                on_kill=lambda n, s: print(f"  kill {n} at step {s}"))
+        for r, (clean_run, (wall, kills, job)) in enumerate(rounds):
+            if clean_run is not None:
+                clean.append(clean_run[0])
             faulted.append(wall)
             step_seconds.append(median_step_seconds(cluster, job["job_id"]))
             blocked.append(median_step_seconds(cluster, job["job_id"],

@@ -26,17 +26,16 @@ Results: a summary on stdout and $TESSERA_BENCH_RESULTS/peermem.json. Only the s
 """
 
 import argparse
-import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 
-from bench_common import (RESULTS_ENV, BenchError, Cluster, find_trainer, in_workdir,
-                          prepare_corpus, provenance, spread, write_results)
+from bench_common import (RESULTS_ENV, BenchError, find_trainer, in_workdir, prepare_corpus,
+                          provenance, rank_pid, restart_cluster, spread, write_job_spec,
+                          write_results)
 
 BENCH = "peermem"
 CHECKPOINT_INTERVAL = 2
@@ -46,27 +45,8 @@ POLL_SECONDS = 0.05
 
 
 def write_spec(path, shards, preset):
-    spec = {
-        "name": "peermem",
-        "model": {"preset": preset},
-        "data": {"train_shards": [shards], "seq_len": 64},
-        "batch": {"global_batch_size": 2, "micro_batch_size": 1},
-        "optimizer": {"schedule": {"peak_learning_rate": 3e-4, "warmup_steps": 2}},
-        "precision": "PRECISION_FP32",
-        "max_steps": MAX_STEPS,
-        "checkpoint": {"interval_steps": CHECKPOINT_INTERVAL, "keep_last": 2},
-        "resources": {"cpu_slots": 2},
-        "max_restarts": 3,
-    }
-    with open(path, "w") as f:
-        json.dump(spec, f)  # JSON is YAML
-
-
-def rank_pid(workdir, job_id, attempt, rank):
-    task = f"{workdir}/worker/jobs/{job_id}/attempt-{attempt}/rank-{rank}.task.pb"
-    out = subprocess.run(["pgrep", "-f", "--", f"--task={task}"], capture_output=True, text=True)
-    pids = [int(p) for p in out.stdout.split()]
-    return pids[0] if len(pids) == 1 else None
+    write_job_spec(path, "peermem", {"preset": preset}, shards, 64, 2, 1, 3e-4, 2, MAX_STEPS,
+                   CHECKPOINT_INTERVAL, 2, 3)
 
 
 def evict(directory):
@@ -103,32 +83,40 @@ def first_step_logged(workdir, job_id):
 RESUMED = re.compile(r"resumed from \S+ at step (\d+) \(from (memory|storage), ([\d.]+) s")
 
 
+# A restore from memory's phases, as the rank logs them after its restore time.
+PHASES = re.compile(r"fetch ([\d.]+) s, of which digests ([\d.]+) s over all shards, "
+                    r"load ([\d.]+) s")
+
+
 def restore_figures(workdir, job_id, attempt, world):
-    """(source, slowest rank's restore seconds, checkpoint step) from the ranks' logs."""
-    sources, seconds, steps = set(), [], set()
+    """(source, slowest rank's restore seconds, checkpoint step, that rank's phases: a dict of
+    fetch, digest and load seconds, empty when not logged) from the ranks' logs."""
+    sources, seconds, steps, phases = set(), [], set(), []
     for rank in range(world):
         log = f"{workdir}/worker/jobs/{job_id}/attempt-{attempt}/rank-{rank}.log"
         with open(log, errors="replace") as f:
-            match = RESUMED.search(f.read())
+            text = f.read()
+        match = RESUMED.search(text)
         if match is None:
             raise BenchError(f"{log}: no 'resumed from' line")
         steps.add(int(match.group(1)))
         sources.add(match.group(2))
         seconds.append(float(match.group(3)))
+        phase = PHASES.search(text, match.end())
+        phases.append({} if phase is None else {
+            "fetch_seconds": float(phase.group(1)), "digest_seconds": float(phase.group(2)),
+            "load_seconds": float(phase.group(3))})
     if len(sources) != 1 or len(steps) != 1:
         raise BenchError(f"ranks disagree: sources {sources}, steps {steps}")
-    return sources.pop(), max(seconds), steps.pop()
+    slowest = seconds.index(max(seconds))
+    return sources.pop(), max(seconds), steps.pop(), phases[slowest]
 
 
 def one_run(build_dir, workdir, shards, mode, preset, run):
     run_dir = os.path.join(workdir, f"{mode}-{run}")
     os.makedirs(run_dir)
-    worker_flags = ["--stop_grace=2s"]
-    if mode == "storage":
-        worker_flags.append("--shard_cache_bytes=0")
-    cluster = Cluster(build_dir, run_dir, coordinator_flags=(
-        "--heartbeat_interval=500ms", "--heartbeat_timeout=5s"), cpu_slots=2,
-        worker_flags=worker_flags, threads=1)
+    cluster = restart_cluster(build_dir, run_dir, worker_flags=(
+        ("--shard_cache_bytes=0",) if mode == "storage" else ()))
     try:
         spec_path = os.path.join(run_dir, "job.yaml")
         write_spec(spec_path, shards, preset)
@@ -156,7 +144,7 @@ def one_run(build_dir, workdir, shards, mode, preset, run):
             if state == "JOB_STATE_SUCCEEDED":
                 raise BenchError(f"{job_id} succeeded before the restart was timed")
             time.sleep(POLL_SECONDS)
-        source, restore_seconds, resumed_step = restore_figures(run_dir, job_id, 1, 2)
+        source, restore_seconds, resumed_step, phases = restore_figures(run_dir, job_id, 1, 2)
         if source != mode:
             raise BenchError(f"{mode} run restored from {source}")
         cluster.cli("cancel", job_id, "--reason=benchmark done")
@@ -166,7 +154,7 @@ def one_run(build_dir, workdir, shards, mode, preset, run):
         return {"mode": mode, "restore_seconds": restore_seconds,
                 "kill_to_first_step_seconds": first_step, "kill_step": kill_step,
                 "resumed_step": resumed_step, "evicted_bytes": evicted,
-                "checkpoint_bytes": checkpoint_bytes}
+                "checkpoint_bytes": checkpoint_bytes, "restore_phases": phases}
     finally:
         cluster.stop()
 
@@ -179,7 +167,10 @@ def measure(build_dir, trainer, workdir, args):
             figures = one_run(build_dir, workdir, shards, mode, args.preset, run)
             print(f"  run {run + 1} {mode}: restore {figures['restore_seconds']:.2f} s, kill -> "
                   f"first step {figures['kill_to_first_step_seconds']:.2f} s "
-                  f"({figures['checkpoint_bytes'] / 2**30:.2f} GiB checkpoint)")
+                  f"({figures['checkpoint_bytes'] / 2**30:.2f} GiB checkpoint)" +
+                  ("; slower rank: fetch {fetch_seconds:.2f} s (digests {digest_seconds:.2f} s), "
+                   "load {load_seconds:.2f} s".format(**figures["restore_phases"])
+                   if figures["restore_phases"] else ""))
             runs.append(figures)
     by_mode = {}
     for mode in ("memory", "storage"):

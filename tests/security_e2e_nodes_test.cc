@@ -1,6 +1,7 @@
 // Node admission on the real daemons: a node id cannot be taken over by another node key while
 // its node is alive; a worker needs the join token to register, and the coordinator relays a
-// job's logs from the worker over mutual TLS (the worker admits no other caller).
+// job's logs from the worker over mutual TLS (the worker admits no other caller); the worker's
+// ShardCache service admits only peer workers' certificates.
 
 
 #include <regex>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tessera/v1/shard_cache.grpc.pb.h"
 #include "tessera/v1/worker_service.grpc.pb.h"
 #include "tests/security_e2e_fixture.h"
 
@@ -156,6 +158,98 @@ TEST_F(SecurityTest, WorkersNeedTheJoinTokenAndLogsFlowOverMutualTls) {
   ASSERT_TRUE(stub->ListNodes(Context(admin).get(), {}, &listed).ok());
   ASSERT_EQ(listed.nodes_size(), 1);
   EXPECT_EQ(listed.nodes(0).node_id(), "cpu-1");
+}
+
+// Checkpoint shards hold a job's weights: only workers may put or read them. By default a worker
+// admits its own certificate's CN (workers sharing one); --tls_allowed_callers (the coordinator)
+// does not open this service, and a user certificate from the same CA is refused.
+TEST_F(SecurityTest, TheShardCacheAdmitsOnlyPeerWorkers) {
+  StartCoordinator();
+  auto start_worker = [&](const std::string& name, const std::vector<std::string>& extra) {
+    std::vector<std::string> argv = {BinDir() + "/tessera-worker",
+                                     "--coordinator=" + address_,
+                                     "--node_name=" + name,
+                                     "--listen=127.0.0.1:0",
+                                     "--metrics_listen=",
+                                     "--cpu_slots=1",
+                                     "--shard_cache_bytes=1048576",
+                                     "--work_dir=" + dir_.path() + "/" + name,
+                                     "--trainer=" + BinDir() + "/../tests/fake_trainer",
+                                     "--tls_cert=" + worker_cert_.cert_file,
+                                     "--tls_key=" + worker_cert_.key_file,
+                                     "--tls_ca=" + pki_->ca_file(),
+                                     "--tls_allowed_callers=tessera-coordinator"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return Subprocess::Start(argv);
+  };
+  auto address_of = [](Subprocess& worker) -> std::string {
+    auto line = worker.WaitForStderrLine("serving gRPC on");
+    EXPECT_THAT(line, IsOk()) << worker.stderr_text();
+    if (!line.ok()) return "";
+    std::smatch match;
+    const std::string serving = *line;
+    if (!std::regex_search(serving, match, std::regex(R"(serving gRPC on \S+:(\d+))"))) return "";
+    return absl::StrCat("127.0.0.1:", match[1].str());
+  };
+  // DropJob of an unknown job: the cheapest call, OK with 0 shards once admitted.
+  auto drop_job = [&](const std::string& address, const PemFiles& identity) {
+    auto stub = v1::ShardCache::NewStub(Channel(address, Tls(&identity)));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::DropJobRequest request;
+    request.set_job_id("no-such-job");
+    v1::DropJobResponse response;
+    return stub->DropJob(&context, request, &response);
+  };
+
+  auto worker = start_worker("cache-default", {});
+  ASSERT_THAT(worker, IsOk());
+  const std::string address = address_of(*worker);
+  ASSERT_FALSE(address.empty());
+  // A peer worker (same certificate CN): admitted, for every method.
+  grpc::Status peer = drop_job(address, worker_cert_);
+  EXPECT_TRUE(peer.ok()) << peer.error_message();
+  {
+    auto stub = v1::ShardCache::NewStub(Channel(address, Tls(&worker_cert_)));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::GetShardRequest request;
+    request.mutable_key()->set_job_id("no-such-job");
+    auto reader = stub->Get(&context, request);
+    v1::GetShardChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    EXPECT_EQ(reader->Finish().error_code(), Code::NOT_FOUND);
+  }
+  // A user certificate, and the coordinator's (the only caller of the Worker service): refused.
+  for (const PemFiles* outsider : {&admin_cert_, &coordinator_cert_}) {
+    grpc::Status refused = drop_job(address, *outsider);
+    EXPECT_EQ(refused.error_code(), Code::PERMISSION_DENIED) << refused.error_message();
+    EXPECT_THAT(refused.error_message(), HasSubstr("--shard_cache_allowed_callers"));
+  }
+  {
+    // A put from an outsider stores nothing: refused before the first byte is kept.
+    auto stub = v1::ShardCache::NewStub(Channel(address, Tls(&admin_cert_)));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::PutShardResponse response;
+    auto writer = stub->Put(&context, &response);
+    v1::PutShardChunk chunk;
+    chunk.mutable_header()->mutable_key()->set_job_id("j");
+    chunk.mutable_header()->set_xxh3_128("00");
+    chunk.mutable_header()->set_size_bytes(1);
+    chunk.set_data("x");
+    writer->Write(chunk);
+    writer->WritesDone();
+    EXPECT_EQ(writer->Finish().error_code(), Code::PERMISSION_DENIED);
+  }
+
+  // An explicit list replaces the default: here the user's CN only, so the worker CN is refused.
+  auto listed = start_worker("cache-listed", {"--shard_cache_allowed_callers=ops"});
+  ASSERT_THAT(listed, IsOk());
+  const std::string listed_address = address_of(*listed);
+  ASSERT_FALSE(listed_address.empty());
+  EXPECT_TRUE(drop_job(listed_address, admin_cert_).ok());
+  EXPECT_EQ(drop_job(listed_address, worker_cert_).error_code(), Code::PERMISSION_DENIED);
 }
 
 }  // namespace

@@ -86,6 +86,12 @@ ABSL_FLAG(int64_t, shard_cache_bytes, -1,
           "a peer node's, so that a restarted attempt resumes from memory instead of storage; -1: "
           "a quarter of the node's memory; 0: none (resume from storage only).");
 
+ABSL_FLAG(std::vector<std::string>, shard_cache_allowed_callers, {},
+          "Certificate CNs allowed to call this worker's ShardCache service (the other workers', "
+          "which copy and fetch checkpoint shards); empty: this worker's own --tls_cert CN, for "
+          "workers that share one; '*': any certificate signed by --tls_ca. Others get "
+          "PERMISSION_DENIED. Unused without TLS.");
+
 // Join token of the worker when --join_token_file is not given.
 constexpr char kJoinTokenEnv[] = "TESSERA_JOIN_TOKEN";
 
@@ -175,6 +181,7 @@ int main(int argc, char** argv) {
   options.security.insecure = absl::GetFlag(FLAGS_insecure);
   options.allowed_callers = absl::GetFlag(FLAGS_tls_allowed_callers);
   options.shard_cache_bytes = absl::GetFlag(FLAGS_shard_cache_bytes);
+  options.shard_cache_allowed_callers = absl::GetFlag(FLAGS_shard_cache_allowed_callers);
   if (const std::string path = absl::GetFlag(FLAGS_join_token_file); !path.empty()) {
     auto token = tessera::ReadWholeFile(path);
     if (!token.ok()) {

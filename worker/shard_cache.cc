@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/daemon/grpc_status.h"
+#include "common/security/tls.h"
 
 namespace tessera::worker {
 namespace {
@@ -30,7 +31,14 @@ absl::Status CheckHeader(const v1::ShardHeader& header, size_t size) {
 
 }  // namespace
 
-absl::Status ShardCacheStore::Put(v1::ShardHeader header, std::string bytes) {
+absl::Status ShardCacheStore::Put(v1::ShardHeader header, std::string_view bytes) {
+  if (absl::Status status = CheckHeader(header, bytes.size()); !status.ok()) return status;
+  absl::StatusOr<SealedMemory> copy = SealedMemory::Copy("tessera-shard", bytes);
+  if (!copy.ok()) return copy.status();
+  return Put(std::move(header), *std::move(copy));
+}
+
+absl::Status ShardCacheStore::Put(v1::ShardHeader header, SealedMemory bytes) {
   if (absl::Status status = CheckHeader(header, bytes.size()); !status.ok()) return status;
   const int64_t size = static_cast<int64_t>(bytes.size());
   if (size > capacity_bytes_) {
@@ -146,34 +154,48 @@ int64_t DefaultShardCacheBytes() {
 
 // --- gRPC service -------------------------------------------------------------------------------
 
+grpc::Status ShardCacheService::CheckCaller(const grpc::ServerContext& context) const {
+  return CheckCallerAllowed(context, allowed_callers_, "--shard_cache_allowed_callers");
+}
+
 grpc::Status ShardCacheService::Put(grpc::ServerContext* context,
                                     grpc::ServerReader<v1::PutShardChunk>* reader,
                                     v1::PutShardResponse* response) {
+  if (grpc::Status status = CheckCaller(*context); !status.ok()) return status;
   v1::PutShardChunk chunk;
-  v1::ShardHeader header;
-  std::string bytes;
-  bool first = true;
-  while (reader->Read(&chunk)) {
-    if (first) {
-      header = chunk.header();
-      if (header.size_bytes() < 0 || header.size_bytes() > store_->capacity_bytes()) {
-        return ToGrpcStatus(absl::ResourceExhaustedError(
-            absl::StrCat("size_bytes: ", header.size_bytes(), " does not fit the cache (",
-                         store_->capacity_bytes(), " bytes)")));
-      }
-      bytes.reserve(static_cast<size_t>(header.size_bytes()));
-      first = false;
-    }
-    bytes.append(chunk.data());
-    if (static_cast<int64_t>(bytes.size()) > header.size_bytes()) {
-      return ToGrpcStatus(absl::DataLossError(
-          absl::StrCat("shard ", KeyText(header.key()), ": more bytes than size_bytes ",
-                       header.size_bytes())));
-    }
+  if (!reader->Read(&chunk)) {
+    return ToGrpcStatus(absl::InvalidArgumentError("header: the stream was empty"));
   }
-  if (first) return ToGrpcStatus(absl::InvalidArgumentError("header: the stream was empty"));
+  v1::ShardHeader header = chunk.header();
+  if (header.size_bytes() < 0 || header.size_bytes() > store_->capacity_bytes()) {
+    return ToGrpcStatus(absl::ResourceExhaustedError(
+        absl::StrCat("size_bytes: ", header.size_bytes(), " does not fit the cache (",
+                     store_->capacity_bytes(), " bytes)")));
+  }
+  // The chunks go straight into the memory file the store keeps.
+  const size_t size = static_cast<size_t>(header.size_bytes());
+  absl::StatusOr<SealedMemory> bytes =
+      SealedMemory::Create("tessera-shard", size, [&](char* data) -> absl::Status {
+        size_t received = 0;
+        do {
+          if (chunk.data().size() > size - received) {
+            return absl::DataLossError(absl::StrCat("shard ", KeyText(header.key()),
+                                                    ": more bytes than size_bytes ", size));
+          }
+          if (!chunk.data().empty()) {
+            std::memcpy(data + received, chunk.data().data(), chunk.data().size());
+          }
+          received += chunk.data().size();
+        } while (reader->Read(&chunk));
+        if (received != size) {
+          return absl::DataLossError(absl::StrCat("shard ", KeyText(header.key()), ": ",
+                                                  received, " bytes, size_bytes says ", size));
+        }
+        return absl::OkStatus();
+      });
   if (context->IsCancelled()) return grpc::Status::CANCELLED;
-  if (absl::Status status = store_->Put(std::move(header), std::move(bytes)); !status.ok()) {
+  if (!bytes.ok()) return ToGrpcStatus(bytes.status());
+  if (absl::Status status = store_->Put(std::move(header), *std::move(bytes)); !status.ok()) {
     return ToGrpcStatus(status);
   }
   response->set_cache_bytes(store_->bytes());
@@ -183,10 +205,11 @@ grpc::Status ShardCacheService::Put(grpc::ServerContext* context,
 grpc::Status ShardCacheService::Get(grpc::ServerContext* context,
                                     const v1::GetShardRequest* request,
                                     grpc::ServerWriter<v1::GetShardChunk>* writer) {
+  if (grpc::Status status = CheckCaller(*context); !status.ok()) return status;
   absl::StatusOr<std::shared_ptr<const CachedShard>> shard =
       store_->Get(request->key(), request->xxh3_128());
   if (!shard.ok()) return ToGrpcStatus(shard.status());
-  const std::string& bytes = (*shard)->bytes;
+  const std::string_view bytes = (*shard)->bytes.view();
   size_t offset = 0;
   do {
     v1::GetShardChunk chunk;
@@ -199,8 +222,10 @@ grpc::Status ShardCacheService::Get(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status ShardCacheService::DropJob(grpc::ServerContext*, const v1::DropJobRequest* request,
+grpc::Status ShardCacheService::DropJob(grpc::ServerContext* context,
+                                        const v1::DropJobRequest* request,
                                         v1::DropJobResponse* response) {
+  if (grpc::Status status = CheckCaller(*context); !status.ok()) return status;
   if (request->job_id().empty()) {
     return ToGrpcStatus(absl::InvalidArgumentError("job_id: required"));
   }
@@ -278,27 +303,54 @@ absl::StatusOr<CachedShard> ShardCachePeers::Get(const std::string& address,
   *request.mutable_key() = key;
   request.set_xxh3_128(want_xxh3_128);
   std::unique_ptr<grpc::ClientReader<v1::GetShardChunk>> reader = stub.Get(&context, request);
+  const std::string what = absl::StrCat("shard cache get ", KeyText(key), " from ", address);
   CachedShard shard;
   v1::GetShardChunk chunk;
-  bool first = true;
-  while (reader->Read(&chunk)) {
-    if (first) {
-      shard.header = chunk.header();
-      shard.bytes.reserve(static_cast<size_t>(std::max<int64_t>(0, shard.header.size_bytes())));
-      first = false;
+  absl::Status received = absl::OkStatus();
+  if (reader->Read(&chunk)) {
+    shard.header = chunk.header();
+    if (shard.header.size_bytes() < 0) {
+      context.TryCancel();
+      received = absl::DataLossError(absl::StrCat(what, ": negative size_bytes"));
+    } else {
+      // The chunks go straight into one memory file of the announced size.
+      const size_t size = static_cast<size_t>(shard.header.size_bytes());
+      absl::StatusOr<SealedMemory> bytes =
+          SealedMemory::Create("tessera-shard", size, [&](char* data) -> absl::Status {
+            size_t got = 0;
+            do {
+              if (chunk.data().size() > size - got) {
+                context.TryCancel();
+                return absl::DataLossError(
+                    absl::StrCat(what, ": more bytes than the header's ", size));
+              }
+              if (!chunk.data().empty()) {
+                std::memcpy(data + got, chunk.data().data(), chunk.data().size());
+              }
+              got += chunk.data().size();
+            } while (reader->Read(&chunk));
+            if (got != size) {
+              return absl::DataLossError(
+                  absl::StrCat(what, ": ", got, " bytes, header says ", size));
+            }
+            return absl::OkStatus();
+          });
+      if (bytes.ok()) {
+        shard.bytes = *std::move(bytes);
+      } else {
+        received = bytes.status();
+      }
     }
-    shard.bytes.append(chunk.data());
+  }
+  while (!received.ok() && reader->Read(&chunk)) {
   }
   absl::Status status = FromGrpcStatus(reader->Finish());
-  if (!status.ok()) {
-    return absl::Status(status.code(), absl::StrCat("shard cache get ", KeyText(key), " from ",
-                                                    address, ": ", status.message()));
+  // The peer's error explains a short stream better than the count does; a cancel is ours.
+  if (!status.ok() && !(absl::IsCancelled(status) && !received.ok())) {
+    return absl::Status(status.code(), absl::StrCat(what, ": ", status.message()));
   }
-  if (first || static_cast<int64_t>(shard.bytes.size()) != shard.header.size_bytes()) {
-    return absl::DataLossError(absl::StrCat("shard cache get ", KeyText(key), " from ", address,
-                                            ": ", shard.bytes.size(), " bytes, header says ",
-                                            shard.header.size_bytes()));
-  }
+  if (!received.ok()) return received;
+  if (shard.bytes.fd() < 0) return absl::DataLossError(absl::StrCat(what, ": no header came"));
   return shard;
 }
 

@@ -15,7 +15,9 @@
 //                        bounded queue) and fetches from peers, each call with a deadline.
 //   LocalShardCacheServer the Unix socket the worker's trainers use (they link no gRPC): one
 //                        length-prefixed ShardCacheRequest, the bytes of a put, and one
-//                        ShardCacheResponse with the bytes of a get that found the shard.
+//                        ShardCacheResponse; a get that found the shard passes the sealed memory
+//                        file holding it (common/sealed_memory.h) beside the response, so the
+//                        trainer maps the worker's pages and nothing is copied through the socket.
 #pragma once
 
 #include <atomic>
@@ -24,6 +26,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -31,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/sealed_memory.h"
 #include "grpcpp/grpcpp.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -41,10 +45,11 @@
 
 namespace tessera::worker {
 
-// One shard in memory. Immutable once stored, so readers share it without the store's lock.
+// One shard in memory, in a sealed memory file. Immutable once stored, so readers share it
+// without the store's lock.
 struct CachedShard {
   v1::ShardHeader header;
-  std::string bytes;
+  SealedMemory bytes;
 };
 
 // Thread safety: every method may be called from any thread (one absl::Mutex).
@@ -58,7 +63,9 @@ class ShardCacheStore {
   // then this job's older step. INVALID_ARGUMENT naming the header field that is missing
   // (key.job_id, key.step < 0, key.rank < 0, xxh3_128), or when size_bytes is not the bytes'
   // size; RESOURCE_EXHAUSTED when the shard alone exceeds the cap.
-  absl::Status Put(v1::ShardHeader header, std::string bytes);
+  absl::Status Put(v1::ShardHeader header, SealedMemory bytes);
+  // Put of a copy of `bytes`.
+  absl::Status Put(v1::ShardHeader header, std::string_view bytes);
   // The shard. NOT_FOUND when the job or shard is not held; FAILED_PRECONDITION when
   // `want_xxh3_128` is set and the held copy's digest differs (a copy of another checkpoint).
   absl::StatusOr<std::shared_ptr<const CachedShard>> Get(const v1::ShardKey& key,
@@ -94,10 +101,14 @@ int64_t DefaultShardCacheBytes();
 inline constexpr size_t kShardChunkBytes = 1 << 20;
 
 // The ShardCache gRPC service over `store` (not owned). Sync handlers: a stream holds one of the
-// server's threads while it moves one shard, which at memory speed is short.
+// server's threads while it moves one shard, which at memory speed is short. Under mutual TLS
+// only callers whose certificate CN is in `allowed_callers` (the peer workers') are served;
+// others get PERMISSION_DENIED. Empty: every caller the TLS layer admitted.
 class ShardCacheService final : public v1::ShardCache::Service {
  public:
-  explicit ShardCacheService(ShardCacheStore* store) : store_(store) {}
+  explicit ShardCacheService(ShardCacheStore* store,
+                             std::vector<std::string> allowed_callers = {})
+      : store_(store), allowed_callers_(std::move(allowed_callers)) {}
 
   grpc::Status Put(grpc::ServerContext* context, grpc::ServerReader<v1::PutShardChunk>* reader,
                    v1::PutShardResponse* response) override;
@@ -107,7 +118,10 @@ class ShardCacheService final : public v1::ShardCache::Service {
                        v1::DropJobResponse* response) override;
 
  private:
+  grpc::Status CheckCaller(const grpc::ServerContext& context) const;
+
   ShardCacheStore* const store_;
+  const std::vector<std::string> allowed_callers_;
 };
 
 struct ShardCachePeersOptions {

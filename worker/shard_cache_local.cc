@@ -1,7 +1,9 @@
-// LocalShardCacheServer (shard_cache.h): the Unix socket of the worker's trainers. Frames: a
-// 4-byte little-endian length, then the serialized message; a put's or a found get's shard bytes
-// follow their message raw (trainer/io/shard_cache_client.h is the other end).
+// LocalShardCacheServer (shard_cache.h): the Unix socket of the worker's trainers. Frames
+// (common/socket_frames.h) hold the serialized messages; a put's shard bytes follow its request
+// raw, and a found get's sealed memory file is passed beside its response
+// (trainer/io/shard_cache_client.h is the other end).
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -12,6 +14,8 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "common/sealed_memory.h"
+#include "common/socket_frames.h"
 #include "worker/shard_cache.h"
 
 namespace tessera::worker {
@@ -20,55 +24,11 @@ namespace {
 // A request larger than this is not a ShardCacheRequest (peer lists are short).
 constexpr uint32_t kMaxFrameBytes = 1 << 20;
 
-bool ReadFull(int fd, void* data, size_t size) {
-  char* p = static_cast<char*>(data);
-  while (size > 0) {
-    const ssize_t n = ::read(fd, p, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-bool WriteFull(int fd, const void* data, size_t size) {
-  const char* p = static_cast<const char*>(data);
-  while (size > 0) {
-    const ssize_t n = ::send(fd, p, size, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-bool WriteFrame(int fd, const google::protobuf::MessageLite& message) {
-  const std::string body = message.SerializeAsString();
-  const uint32_t size = static_cast<uint32_t>(body.size());
-  const unsigned char prefix[4] = {static_cast<unsigned char>(size),
-                                   static_cast<unsigned char>(size >> 8),
-                                   static_cast<unsigned char>(size >> 16),
-                                   static_cast<unsigned char>(size >> 24)};
-  return WriteFull(fd, prefix, 4) && WriteFull(fd, body.data(), body.size());
-}
-
-bool ReadFrame(int fd, google::protobuf::MessageLite* message) {
-  unsigned char prefix[4];
-  if (!ReadFull(fd, prefix, 4)) return false;
-  const uint32_t size = prefix[0] | (prefix[1] << 8) | (prefix[2] << 16) |
-                        (static_cast<uint32_t>(prefix[3]) << 24);
-  if (size > kMaxFrameBytes) return false;
-  std::string body(size, '\0');
-  return ReadFull(fd, body.data(), size) && message->ParseFromString(body);
-}
-
 bool Answer(int fd, const absl::Status& status) {
   v1::ShardCacheResponse response;
   response.set_code(static_cast<int>(status.code()));
   response.set_message(std::string(status.message()));
-  return WriteFrame(fd, response);
+  return WriteMessage(fd, response);
 }
 
 }  // namespace
@@ -87,8 +47,9 @@ absl::StatusOr<std::unique_ptr<LocalShardCacheServer>> LocalShardCacheServer::St
   if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
   address.sun_family = AF_UNIX;
   std::memcpy(address.sun_path, socket_path.data(), socket_path.size());
+  // Owner only: the worker's trainers run as its user; no other local user reads shards.
   if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
-      ::listen(fd, 64) != 0) {
+      ::chmod(socket_path.c_str(), 0600) != 0 || ::listen(fd, 64) != 0) {
     const int error = errno;
     ::close(fd);
     return absl::InternalError(
@@ -157,7 +118,7 @@ void LocalShardCacheServer::Serve(int fd) {
 
 bool LocalShardCacheServer::ServeOne(int fd) {
   v1::ShardCacheRequest request;
-  if (!ReadFrame(fd, &request)) return false;
+  if (!ReadMessage(fd, kMaxFrameBytes, &request)) return false;
   switch (request.op()) {
     case v1::SHARD_CACHE_OP_PUT: {
       const int64_t size = request.header().size_bytes();
@@ -168,11 +129,24 @@ bool LocalShardCacheServer::ServeOne(int fd) {
                                     store_->capacity_bytes(), " bytes)")));
         return false;
       }
-      std::string bytes(static_cast<size_t>(size), '\0');
-      if (!ReadFull(fd, bytes.data(), bytes.size())) return false;
+      bool connection_broken = false;
+      absl::StatusOr<SealedMemory> bytes = SealedMemory::Create(
+          "tessera-shard", static_cast<size_t>(size), [&](char* data) -> absl::Status {
+            if (size > 0 && !ReadFull(fd, data, static_cast<size_t>(size))) {
+              connection_broken = true;
+              return absl::UnavailableError("the put's bytes were cut short");
+            }
+            return absl::OkStatus();
+          });
+      if (connection_broken) return false;
+      if (!bytes.ok()) {
+        // The bytes that follow were not read: the connection ends after the answer.
+        Answer(fd, bytes.status());
+        return false;
+      }
       v1::ShardHeader header = request.header();
       const v1::ShardKey key = header.key();
-      absl::Status status = store_->Put(std::move(header), std::move(bytes));
+      absl::Status status = store_->Put(std::move(header), *std::move(bytes));
       if (ShardCacheMetrics* metrics = metrics_.load(); metrics != nullptr) {
         metrics->SetCacheBytes(store_->bytes());
       }
@@ -206,7 +180,8 @@ bool LocalShardCacheServer::ServeOne(int fd) {
       v1::ShardCacheResponse response;
       *response.mutable_header() = shard->header;
       response.set_source(source);
-      return WriteFrame(fd, response) && WriteFull(fd, shard->bytes.data(), shard->bytes.size());
+      // The trainer maps the sealed memory file: no bytes cross the socket.
+      return WriteMessage(fd, response) && SendDescriptor(fd, shard->bytes.fd());
     }
     default:
       Answer(fd, absl::InvalidArgumentError(

@@ -3,6 +3,7 @@
 // a peer's lookup), and the trainers' Unix socket through the trainer's own client.
 #include "worker/shard_cache.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -51,7 +52,7 @@ TEST(ShardCacheStoreTest, PutThenGetReturnsTheBytes) {
   ASSERT_THAT(store.Put(Header("j", 10, 1, "hello"), "hello"), IsOk());
   auto shard = store.Get(Key("j", 10, 1), "d-j-10-1");
   ASSERT_THAT(shard, IsOk());
-  EXPECT_EQ((*shard)->bytes, "hello");
+  EXPECT_EQ((*shard)->bytes.view(), "hello");
   EXPECT_EQ(store.bytes(), 5);
   // Replacing the same key counts its bytes once.
   ASSERT_THAT(store.Put(Header("j", 10, 1, "hey"), "hey"), IsOk());
@@ -159,12 +160,12 @@ TEST(ShardCachePeersTest, PutAndGetAcrossChunks) {
   PeerCache peer(64 << 20);
   ShardCachePeers peers({});
   CachedShard shard{Header("j", 5, 2, Pattern(3 * kShardChunkBytes + 17)),
-                    Pattern(3 * kShardChunkBytes + 17)};
+                    *SealedMemory::Copy("test", Pattern(3 * kShardChunkBytes + 17))};
   ASSERT_THAT(peers.Put(peer.address(), shard), IsOk());
   EXPECT_EQ(peer.store.bytes(), static_cast<int64_t>(shard.bytes.size()));
   auto fetched = peers.Get(peer.address(), Key("j", 5, 2), shard.header.xxh3_128());
   ASSERT_THAT(fetched, IsOk());
-  EXPECT_EQ(fetched->bytes, shard.bytes);
+  EXPECT_EQ(fetched->bytes.view(), shard.bytes.view());
   EXPECT_EQ(fetched->header.xxh3_128(), shard.header.xxh3_128());
   EXPECT_THAT(peers.Get(peer.address(), Key("j", 5, 2), "other"),
               StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
@@ -177,7 +178,7 @@ TEST(ShardCachePeersTest, PutAndGetAcrossChunks) {
 TEST(ShardCachePeersTest, PeerRefusesAShardLargerThanItsCache) {
   PeerCache peer(100);
   ShardCachePeers peers({});
-  CachedShard shard{Header("j", 1, 0, Pattern(200)), Pattern(200)};
+  CachedShard shard{Header("j", 1, 0, Pattern(200)), *SealedMemory::Copy("test", Pattern(200))};
   EXPECT_THAT(peers.Put(peer.address(), shard),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("size_bytes")));
   EXPECT_EQ(peer.store.shards(), 0);
@@ -210,7 +211,13 @@ TEST(LocalShardCacheServerTest, PutReplicatesAndGetFallsBackToPeers) {
 
   auto local = trainer::GetShardFromCache(socket, Key("j", 7, 0), "d-j-7-0", {});
   ASSERT_THAT(local, IsOk());
-  EXPECT_EQ(local->bytes, bytes);
+  EXPECT_EQ(local->bytes.view(), bytes);
+  // The trainer maps the worker's own memory file: the same pages, not a copy.
+  struct stat mine {}, theirs {};
+  ASSERT_EQ(::fstat(local->bytes.fd(), &mine), 0);
+  ASSERT_EQ(::fstat((*store.Get(Key("j", 7, 0), ""))->bytes.fd(), &theirs), 0);
+  EXPECT_EQ(mine.st_ino, theirs.st_ino);
+  EXPECT_EQ(mine.st_dev, theirs.st_dev);
   EXPECT_EQ(local->source, v1::SHARD_SOURCE_LOCAL);
 
   // This worker lost its copy (a restarted worker): the peer's answers.
@@ -218,7 +225,7 @@ TEST(LocalShardCacheServerTest, PutReplicatesAndGetFallsBackToPeers) {
   auto remote =
       trainer::GetShardFromCache(socket, Key("j", 7, 0), "d-j-7-0", {"127.0.0.1:1", peer.address()});
   ASSERT_THAT(remote, IsOk());
-  EXPECT_EQ(remote->bytes, bytes);
+  EXPECT_EQ(remote->bytes.view(), bytes);
   EXPECT_EQ(remote->source, v1::SHARD_SOURCE_PEER);
 
   EXPECT_THAT(trainer::GetShardFromCache(socket, Key("j", 7, 0), "wrong", {peer.address()}),
@@ -268,27 +275,26 @@ class MemoryRestoreTest : public ::testing::Test {
   v1::CheckpointManifest manifest_;
 };
 
-TEST_F(MemoryRestoreTest, EveryShardFromMemoryLandsInAScratchDirectory) {
+TEST_F(MemoryRestoreTest, EveryShardFromMemoryIsMappedInManifestOrder) {
   Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
   Hand(1, Bytes(1), trainer::Xxh3Hex(Bytes(1)));
-  std::string dir;
-  {
-    auto copy = trainer::FetchCheckpointFromMemory(task_, manifest_, 0);
-    ASSERT_THAT(copy, IsOk());
-    dir = copy->dir();
-    EXPECT_EQ(copy->shards_from_peers, 0);
-    for (int rank : {0, 1}) {
-      std::ifstream in(dir + "/" + manifest_.shards(rank).file(), std::ios::binary);
-      std::string read((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      EXPECT_EQ(read, Bytes(rank));
-    }
+  auto copy = trainer::FetchCheckpointFromMemory(task_, manifest_);
+  ASSERT_THAT(copy, IsOk());
+  EXPECT_EQ(copy->shards_from_peers, 0);
+  ASSERT_EQ(copy->shards.size(), 2u);
+  const std::vector<std::string> paths = copy->ShardPaths();
+  for (int rank : {0, 1}) {
+    EXPECT_EQ(copy->shards[rank].view(), Bytes(rank));
+    // What a reader opening the path reads.
+    std::ifstream in(paths[rank], std::ios::binary);
+    std::string read((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(read, Bytes(rank));
   }
-  EXPECT_FALSE(std::filesystem::exists(dir)) << "the scratch copy outlived its owner";
 }
 
 TEST_F(MemoryRestoreTest, AMissingShardIsNotFound) {
   Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
-  EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_, 0),
+  EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("rank 1")));
 }
 
@@ -298,14 +304,14 @@ TEST_F(MemoryRestoreTest, ACorruptCopyIsDataLossNamingTheShard) {
   std::string corrupt = Bytes(1);
   corrupt[17] ^= 1;
   Hand(1, corrupt, trainer::Xxh3Hex(Bytes(1)));
-  EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_, 0),
+  EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("rank-00001.safetensors")));
 }
 
 TEST_F(MemoryRestoreTest, ACopyOfAnotherCheckpointIsNotUsed) {
   Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
   Hand(1, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
-  EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_, 0),
+  EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_),
               StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
 }
 

@@ -6,6 +6,7 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "common/security/tls.h"
 #include "common/status_macros.h"
 #include "worker/node_key.h"
 
@@ -16,6 +17,24 @@ namespace {
 // storage); a job that failed keeps them until it restarts or the cap evicts them.
 void ForgetFinishedJob(ShardCacheStore* store, const v1::TrainerReport& report) {
   if (store != nullptr && report.has_finished()) store->DropJob(report.job_id());
+}
+
+// Who may call the ShardCache service: the list given; by default, under TLS, this worker's own
+// certificate CN (its peers are workers with the same kind of certificate); "*" alone: anyone
+// the CA signed.
+absl::StatusOr<std::vector<std::string>> ShardCacheCallers(const WorkerOptions& options) {
+  const std::vector<std::string>& given = options.shard_cache_allowed_callers;
+  if (given.size() == 1 && given.front() == "*") return std::vector<std::string>();
+  if (!given.empty()) return given;
+  if (options.security.tls.cert_file.empty()) return std::vector<std::string>();
+  absl::StatusOr<std::string> own = CertificateCommonName(options.security.tls.cert_file);
+  if (!own.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shard_cache_allowed_callers is empty, so it defaults to this worker's certificate "
+        "CN, which cannot be read: ",
+        own.status().message()));
+  }
+  return std::vector<std::string>{*own};
 }
 
 }  // namespace
@@ -29,7 +48,8 @@ absl::Status WorkerDaemon::StartShardCache(const WorkerOptions& options,
   // Peers are workers: the node certificate that this worker presents to the coordinator.
   shard_peers_ = std::make_unique<ShardCachePeers>(
       ShardCachePeersOptions{.credentials = agent.coordinator_credentials});
-  shard_service_ = std::make_unique<ShardCacheService>(shard_store_.get());
+  ASSIGN_OR_RETURN(std::vector<std::string> allowed, ShardCacheCallers(options));
+  shard_service_ = std::make_unique<ShardCacheService>(shard_store_.get(), std::move(allowed));
   const std::string socket_path = absl::StrCat(agent.work_dir, "/shard-cache.sock");
   std::error_code ignored;
   std::filesystem::create_directories(agent.work_dir, ignored);

@@ -41,6 +41,10 @@ struct WorkerOptions {
   // Most checkpoint shard bytes kept in memory for recovery (worker/shard_cache.h); -1: a quarter
   // of the node's memory (DefaultShardCacheBytes); 0: no cache (trainers resume from storage).
   int64_t shard_cache_bytes = -1;
+  // Certificate CNs allowed to call the ShardCache service (the peer workers'); empty: this
+  // worker's own certificate CN (workers that share one), under TLS; {"*"}: any certificate the
+  // CA signed. Unused without TLS.
+  std::vector<std::string> shard_cache_allowed_callers;
 };
 
 // Thread safety: Start and destruction from one thread.

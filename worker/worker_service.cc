@@ -20,15 +20,7 @@ constexpr absl::Duration kFollowPause = absl::Milliseconds(200);
 }  // namespace
 
 grpc::Status WorkerService::CheckCaller(const grpc::ServerContext& context) const {
-  if (allowed_callers_.empty()) return grpc::Status::OK;
-  std::optional<std::string> name = PeerCommonName(context.auth_context().get());
-  if (name && std::find(allowed_callers_.begin(), allowed_callers_.end(), *name) !=
-                  allowed_callers_.end()) {
-    return grpc::Status::OK;
-  }
-  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                      absl::StrCat("caller ", name.value_or("without a certificate"),
-                                   " is not in --tls_allowed_callers"));
+  return CheckCallerAllowed(context, allowed_callers_, "--tls_allowed_callers");
 }
 
 grpc::Status WorkerService::ReadLogs(grpc::ServerContext* context,

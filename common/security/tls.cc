@@ -292,4 +292,32 @@ std::optional<std::string> PeerCommonName(const grpc::AuthContext* auth_context)
   return std::string(names.front().data(), names.front().size());
 }
 
+absl::StatusOr<std::string> CertificateCommonName(const std::string& cert_file) {
+  absl::StatusOr<std::string> pem = ReadPemFile(kCertFlag, cert_file);
+  if (!pem.ok()) return pem.status();
+  std::vector<X509Ptr> chain = ParseCertificates(*pem);
+  if (chain.empty()) return FlagError(kCertFlag, cert_file, "holds no PEM certificate");
+  X509_NAME* subject = X509_get_subject_name(chain.front().get());
+  const int length = subject == nullptr
+                         ? -1
+                         : X509_NAME_get_text_by_NID(subject, NID_commonName, nullptr, 0);
+  if (length <= 0) return FlagError(kCertFlag, cert_file, "its certificate has no subject CN");
+  std::string name(static_cast<size_t>(length) + 1, '\0');
+  X509_NAME_get_text_by_NID(subject, NID_commonName, name.data(), length + 1);
+  name.resize(static_cast<size_t>(length));
+  return name;
+}
+
+grpc::Status CheckCallerAllowed(const grpc::ServerContextBase& context,
+                                const std::vector<std::string>& allowed, absl::string_view flag) {
+  if (allowed.empty()) return grpc::Status::OK;
+  std::optional<std::string> name = PeerCommonName(context.auth_context().get());
+  if (name && std::find(allowed.begin(), allowed.end(), *name) != allowed.end()) {
+    return grpc::Status::OK;
+  }
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      absl::StrCat("caller ", name.value_or("without a certificate"),
+                                   " is not in ", flag));
+}
+
 }  // namespace tessera

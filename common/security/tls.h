@@ -25,6 +25,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -33,6 +34,8 @@
 #include "grpcpp/security/auth_context.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_context.h"
+#include "grpcpp/support/status.h"
 
 namespace tessera {
 
@@ -97,5 +100,15 @@ bool IsLoopbackAddress(absl::string_view host_port);
 // The peer certificate's subject CN from an auth context (nullptr-safe);
 // nullopt when the peer presented no certificate (or the call was plaintext).
 std::optional<std::string> PeerCommonName(const grpc::AuthContext* auth_context);
+
+// The subject CN of the first certificate in the PEM file at `cert_file` (a daemon's own
+// --tls_cert). INVALID_ARGUMENT naming the file when it holds no certificate, or one without a CN.
+absl::StatusOr<std::string> CertificateCommonName(const std::string& cert_file);
+
+// An allow-list of callers by certificate CN: OK when `allowed` is empty (any certificate the
+// TLS layer verified) or holds the caller's CN; PERMISSION_DENIED otherwise, saying which CN (or
+// that there was no certificate) and naming `flag`, the list's flag.
+grpc::Status CheckCallerAllowed(const grpc::ServerContextBase& context,
+                                const std::vector<std::string>& allowed, absl::string_view flag);
 
 }  // namespace tessera

@@ -230,7 +230,7 @@ absl::StatusOr<std::optional<Resumed>> ResumeLatest(const CheckpointContext& con
     std::optional<MemoryCheckpointCopy> memory;
     if (round == 0 && !task.shard_cache_socket().empty()) {
       absl::StatusOr<MemoryCheckpointCopy> fetched =
-          FetchCheckpointFromMemory(task, resumed.manifest, context.rank);
+          FetchCheckpointFromMemory(task, resumed.manifest);
       ASSIGN_OR_RETURN(
           std::string miss,
           AgreeOnProblem(context, absl::StrCat(kResumeKey, "/memory"),
@@ -249,8 +249,11 @@ absl::StatusOr<std::optional<Resumed>> ResumeLatest(const CheckpointContext& con
     resumed.restore.set_source(memory.has_value() ? v1::RESTORE_SOURCE_MEMORY
                                                   : v1::RESTORE_SOURCE_STORAGE);
     ASSIGN_OR_RETURN(ShardedCheckpointReader reader,
-                     ShardedCheckpointReader::Open(memory.has_value() ? memory->dir() : path,
-                                                   resumed.manifest));
+                     memory.has_value()
+                         ? ShardedCheckpointReader::OpenShardPaths(path, resumed.manifest,
+                                                                   memory->ShardPaths())
+                         : ShardedCheckpointReader::Open(path, resumed.manifest));
+    const auto load_start = std::chrono::steady_clock::now();
     std::future<absl::Status> digests;
     // The memory copy's digests were checked against the manifest as they arrived.
     if (round == 0 && !memory.has_value()) {
@@ -264,8 +267,16 @@ absl::StatusOr<std::optional<Resumed>> ResumeLatest(const CheckpointContext& con
                                     verified.ok() ? "" : std::string(verified.message())));
     if (problem.empty()) {
       RETURN_IF_ERROR(applied);
-      resumed.restore.set_seconds(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      const auto now = std::chrono::steady_clock::now();
+      resumed.restore.set_seconds(std::chrono::duration<double>(now - start).count());
+      // Where a restore from memory spent its time (docs/performance.md, peer memory).
+      const std::string phases =
+          memory.has_value()
+              ? absl::StrFormat("; fetch %.3f s, of which digests %.3f s over all shards, "
+                                "load %.3f s",
+                                memory->fetch_seconds, memory->verify_seconds,
+                                std::chrono::duration<double>(now - load_start).count())
+              : "";
       Log(context,
           absl::StrCat("resumed from ", path, " at step ", resumed.manifest.step(), " (from ",
                        memory.has_value() ? "memory" : "storage", ", ",
@@ -274,7 +285,7 @@ absl::StatusOr<std::optional<Resumed>> ResumeLatest(const CheckpointContext& con
                            ? absl::StrCat(", ", resumed.restore.shards_from_peers(),
                                           " shard(s) from peers")
                            : "",
-                       ")",
+                       phases, ")",
                        " (written with dp ", resumed.manifest.layout().data_parallel(), ", tp ",
                        std::max(1, resumed.manifest.layout().tensor_parallel()), ", pp ",
                        std::max(1, resumed.manifest.layout().pipeline_parallel()), ", ZeRO ",

@@ -1,9 +1,9 @@
 #include "trainer/io/memory_restore.h"
 
-#include <unistd.h>
-
-#include <filesystem>
-#include <fstream>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -36,67 +36,101 @@ absl::Status HandShardToCache(const v1::TrainerTask& task, int64_t step, int ran
   return PutShardInCache(task.shard_cache_socket(), header, bytes, task.shard_replica_address());
 }
 
-MemoryCheckpointCopy::MemoryCheckpointCopy(MemoryCheckpointCopy&& other) noexcept
-    : shards_from_peers(other.shards_from_peers), dir_(std::exchange(other.dir_, "")) {}
+std::vector<std::string> MemoryCheckpointCopy::ShardPaths() const {
+  std::vector<std::string> paths;
+  paths.reserve(shards.size());
+  for (const SealedMemory& shard : shards) paths.push_back(shard.ProcPath());
+  return paths;
+}
 
-MemoryCheckpointCopy& MemoryCheckpointCopy::operator=(MemoryCheckpointCopy&& other) noexcept {
-  if (this != &other) {
-    MemoryCheckpointCopy old(std::move(*this));
-    dir_ = std::exchange(other.dir_, "");
-    shards_from_peers = other.shards_from_peers;
+namespace {
+
+// Shards fetched and checked at once: each fetch waits on the worker (and for a peer's copy on
+// the network) and each check hashes at memory speed, so a few in flight hide both.
+int FetchParallelism(int shards) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::clamp(cores, 1, std::max(1, std::min(shards, 8)));
+}
+
+struct FetchedShard {
+  absl::Status status;
+  SealedMemory bytes;
+  bool from_peer = false;
+  double verify_seconds = 0;
+};
+
+// Fetches one shard and checks it against the manifest's record of it.
+FetchedShard FetchOne(const v1::TrainerTask& task, const v1::CheckpointShard& shard, int64_t step,
+                      const std::vector<std::string>& peers) {
+  FetchedShard out;
+  v1::ShardKey key;
+  key.set_job_id(task.job_id());
+  key.set_step(step);
+  key.set_rank(shard.rank());
+  absl::StatusOr<CachedShardCopy> fetched =
+      GetShardFromCache(task.shard_cache_socket(), key, shard.xxh3_128(), peers);
+  if (!fetched.ok()) {
+    out.status = fetched.status();
+    return out;
   }
-  return *this;
+  const auto verify_start = std::chrono::steady_clock::now();
+  // The worker's word is not enough: the bytes must be those the manifest on storage lists.
+  if (static_cast<int64_t>(fetched->bytes.size()) != shard.size_bytes() ||
+      fetched->header.file_name() != shard.file() ||
+      Xxh3Hex(fetched->bytes.view()) != shard.xxh3_128()) {
+    out.status = absl::DataLossError(absl::StrCat(
+        "memory copy of ", shard.file(), " (step ", step, ", ", fetched->bytes.size(),
+        " bytes, file ", fetched->header.file_name(), ") does not match the manifest (",
+        shard.size_bytes(), " bytes, xxh3-128 ", shard.xxh3_128(), ")"));
+    return out;
+  }
+  out.verify_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - verify_start).count();
+  out.from_peer = fetched->source == v1::SHARD_SOURCE_PEER;
+  out.bytes = std::move(fetched->bytes);
+  return out;
 }
 
-MemoryCheckpointCopy::~MemoryCheckpointCopy() {
-  if (dir_.empty()) return;
-  std::error_code ignored;  // a leftover directory in tmpfs is harmless; nothing to report to
-  std::filesystem::remove_all(dir_, ignored);
-}
+}  // namespace
 
 absl::StatusOr<MemoryCheckpointCopy> FetchCheckpointFromMemory(
-    const v1::TrainerTask& task, const v1::CheckpointManifest& manifest, int rank) {
+    const v1::TrainerTask& task, const v1::CheckpointManifest& manifest) {
   if (task.shard_cache_socket().empty()) {
     return absl::FailedPreconditionError("no shard cache (TrainerTask.shard_cache_socket)");
   }
-  std::filesystem::path root = kMemoryRestoreRoot;
-  std::error_code error;
-  if (!std::filesystem::is_directory(root, error)) root = std::filesystem::temp_directory_path();
-  MemoryCheckpointCopy copy((root / absl::StrCat("tessera-restore-", task.job_id(), "-rank", rank,
-                                                 "-pid", getpid()))
-                                .string());
-  std::filesystem::remove_all(copy.dir(), error);
-  if (!std::filesystem::create_directories(copy.dir(), error)) {
-    return absl::InternalError(absl::StrCat(copy.dir(), ": ", error.message()));
-  }
-  const std::vector<std::string> peers(task.shard_cache_peers().begin(),
-                                       task.shard_cache_peers().end());
   for (const v1::CheckpointShard& shard : manifest.shards()) {
     if (shard.xxh3_128().empty()) {
       return absl::FailedPreconditionError(
           absl::StrCat(shard.file(), ": the manifest records no xxh3-128 digest"));
     }
-    v1::ShardKey key;
-    key.set_job_id(task.job_id());
-    key.set_step(manifest.step());
-    key.set_rank(shard.rank());
-    ASSIGN_OR_RETURN(CachedShardCopy fetched,
-                     GetShardFromCache(task.shard_cache_socket(), key, shard.xxh3_128(), peers));
-    // The worker's word is not enough: the bytes must be those the manifest on storage lists.
-    if (static_cast<int64_t>(fetched.bytes.size()) != shard.size_bytes() ||
-        Xxh3Hex(fetched.bytes) != shard.xxh3_128() || fetched.header.file_name() != shard.file()) {
-      return absl::DataLossError(absl::StrCat(
-          "memory copy of ", shard.file(), " (step ", manifest.step(), ", ",
-          fetched.bytes.size(), " bytes, file ", fetched.header.file_name(),
-          ") does not match the manifest (", shard.size_bytes(), " bytes, xxh3-128 ",
-          shard.xxh3_128(), ")"));
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<std::string> peers(task.shard_cache_peers().begin(),
+                                       task.shard_cache_peers().end());
+  const int count = manifest.shards_size();
+  std::vector<FetchedShard> fetched(static_cast<size_t>(count));
+  std::atomic<int> next{0};
+  std::atomic<bool> failed{false};
+  auto work = [&] {
+    // After a failure the copy is useless: the rest are not fetched.
+    for (int i = next++; i < count && !failed.load(); i = next++) {
+      fetched[i] = FetchOne(task, manifest.shards(i), manifest.step(), peers);
+      if (!fetched[i].status.ok()) failed = true;
     }
-    if (fetched.source == v1::SHARD_SOURCE_PEER) ++copy.shards_from_peers;
-    const std::string path = absl::StrCat(copy.dir(), "/", shard.file());
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    out.write(fetched.bytes.data(), static_cast<std::streamsize>(fetched.bytes.size()));
-    out.close();
-    if (!out) return absl::InternalError(absl::StrCat(path, ": cannot write"));
+  };
+  std::vector<std::thread> threads;
+  for (int t = 1; t < FetchParallelism(count); ++t) threads.emplace_back(work);
+  work();
+  for (std::thread& thread : threads) thread.join();
+
+  MemoryCheckpointCopy copy;
+  copy.fetch_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (FetchedShard& shard : fetched) {
+    RETURN_IF_ERROR(shard.status);
+    if (shard.from_peer) ++copy.shards_from_peers;
+    copy.verify_seconds += shard.verify_seconds;
+    copy.shards.push_back(std::move(shard.bytes));
   }
   return copy;
 }

@@ -1,24 +1,23 @@
 // Recovery from peers' memory, the trainer's part (worker/shard_cache.h holds the worker's): after
 // a checkpoint's shard is written, the rank hands its bytes to its worker's memory (which copies
 // them to a peer node's worker); on resume, before reading the checkpoint from storage, every
-// rank asks its worker for every shard of it, from memory, and keeps a shard only when its
+// rank asks its worker for every shard of it, from memory (the worker passes its sealed memory
+// file, so the rank maps the bytes without copying them), and keeps a shard only when its
 // XXH3-128 equals the manifest's on storage (the checkpoint of record). The ranks agree
 // (trainer/engine/checkpointing.cc) to load from memory only when every rank got every shard.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/sealed_memory.h"
 #include "tessera/v1/checkpoint.pb.h"
 #include "tessera/v1/shard_cache.pb.h"
 #include "tessera/v1/trainer.pb.h"
 
 namespace tessera::trainer {
-
-// Where fetched shards are laid out for the checkpoint reader: a tmpfs (memory), so that loading
-// them reads no disk.
-inline constexpr char kMemoryRestoreRoot[] = "/dev/shm";
 
 // The bytes of the shard this rank just wrote at `path` (in the page cache, so a copy), read
 // before the commit renames the staging directory. Empty when the task has no shard cache.
@@ -32,30 +31,29 @@ absl::Status HandShardToCache(const v1::TrainerTask& task, int64_t step, int ran
                               const std::string& file_name, const std::string& xxh3_128,
                               const std::string& bytes);
 
-// A checkpoint's shards fetched from memory into a directory of kMemoryRestoreRoot, which the
-// destructor removes.
-class MemoryCheckpointCopy {
- public:
-  MemoryCheckpointCopy() = default;
-  explicit MemoryCheckpointCopy(std::string dir) : dir_(std::move(dir)) {}
-  MemoryCheckpointCopy(MemoryCheckpointCopy&& other) noexcept;
-  MemoryCheckpointCopy& operator=(MemoryCheckpointCopy&& other) noexcept;
-  ~MemoryCheckpointCopy();
-
-  const std::string& dir() const { return dir_; }
+// A checkpoint's shards fetched from memory: the workers' sealed memory files, mapped read-only
+// into this process (common/sealed_memory.h), so nothing was copied to get them here.
+struct MemoryCheckpointCopy {
+  // One per shard of the manifest, in its order.
+  std::vector<SealedMemory> shards;
   int shards_from_peers = 0;
+  // Wall time of all the fetches (checks included), and the time the digest checks took, summed
+  // over the shards (they run several at once, beside other fetches).
+  double fetch_seconds = 0;
+  double verify_seconds = 0;
 
- private:
-  std::string dir_;
+  // Paths that open each shard in this process (/proc/self/fd/<fd>), in the manifest's order:
+  // what ShardedCheckpointReader::OpenShardPaths reads, as long as this copy lives.
+  std::vector<std::string> ShardPaths() const;
 };
 
 // Fetches every shard `manifest` lists through the task's shard cache (this worker's memory,
-// else the workers of shard_cache_peers) into a fresh directory, checking each against the
-// manifest's size and XXH3-128. NOT_FOUND (the worker's message) when some shard is held by no
-// one; DATA_LOSS naming the shard when a copy does not match the manifest; UNAVAILABLE when the
-// worker cannot be reached; FAILED_PRECONDITION when the manifest has no XXH3-128 digests
-// (written before them) or the task has no cache.
+// else the workers of shard_cache_peers), several at once, checking each against the manifest's
+// size and XXH3-128. NOT_FOUND (the worker's message) when some shard is held by no one;
+// DATA_LOSS naming the shard when a copy does not match the manifest; UNAVAILABLE when the worker
+// cannot be reached; FAILED_PRECONDITION when the manifest has no XXH3-128 digests (written
+// before them) or the task has no cache. The first error in the manifest's order wins.
 absl::StatusOr<MemoryCheckpointCopy> FetchCheckpointFromMemory(
-    const v1::TrainerTask& task, const v1::CheckpointManifest& manifest, int rank);
+    const v1::TrainerTask& task, const v1::CheckpointManifest& manifest);
 
 }  // namespace tessera::trainer

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/scoped_fd.h"
+#include "common/socket_frames.h"
 
 namespace tessera::trainer {
 namespace {
@@ -20,53 +21,6 @@ constexpr uint32_t kMaxFrameBytes = 1 << 20;
 absl::Status Broken(const std::string& socket_path, const char* what) {
   return absl::UnavailableError(absl::StrCat("shard cache ", socket_path, ": ", what, ": ",
                                              errno != 0 ? std::strerror(errno) : "closed"));
-}
-
-bool ReadFull(int fd, void* data, size_t size) {
-  char* p = static_cast<char*>(data);
-  while (size > 0) {
-    const ssize_t n = ::read(fd, p, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      if (n == 0) errno = 0;
-      return false;
-    }
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-bool WriteFull(int fd, const void* data, size_t size) {
-  const char* p = static_cast<const char*>(data);
-  while (size > 0) {
-    const ssize_t n = ::send(fd, p, size, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-bool WriteFrame(int fd, const google::protobuf::MessageLite& message) {
-  const std::string body = message.SerializeAsString();
-  const uint32_t size = static_cast<uint32_t>(body.size());
-  const unsigned char prefix[4] = {static_cast<unsigned char>(size),
-                                   static_cast<unsigned char>(size >> 8),
-                                   static_cast<unsigned char>(size >> 16),
-                                   static_cast<unsigned char>(size >> 24)};
-  return WriteFull(fd, prefix, 4) && WriteFull(fd, body.data(), body.size());
-}
-
-bool ReadFrame(int fd, google::protobuf::MessageLite* message) {
-  unsigned char prefix[4];
-  if (!ReadFull(fd, prefix, 4)) return false;
-  const uint32_t size = prefix[0] | (prefix[1] << 8) | (prefix[2] << 16) |
-                        (static_cast<uint32_t>(prefix[3]) << 24);
-  if (size > kMaxFrameBytes) return false;
-  std::string body(size, '\0');
-  return ReadFull(fd, body.data(), size) && message->ParseFromString(body);
 }
 
 // The connected socket's descriptor, which the caller owns.
@@ -112,11 +66,11 @@ absl::Status PutShardInCache(const std::string& socket_path, const v1::ShardHead
   *request.mutable_header() = header;
   request.mutable_header()->set_size_bytes(static_cast<int64_t>(bytes.size()));
   request.set_replica_address(replica_address);
-  if (!WriteFrame(fd.get(), request) || !WriteFull(fd.get(), bytes.data(), bytes.size())) {
+  if (!WriteMessage(fd.get(), request) || !WriteFull(fd.get(), bytes.data(), bytes.size())) {
     return Broken(socket_path, "put");
   }
   v1::ShardCacheResponse response;
-  if (!ReadFrame(fd.get(), &response)) return Broken(socket_path, "put's answer");
+  if (!ReadMessage(fd.get(), kMaxFrameBytes, &response)) return Broken(socket_path, "put's answer");
   return StatusOf(response);
 }
 
@@ -133,9 +87,9 @@ absl::StatusOr<CachedShardCopy> GetShardFromCache(const std::string& socket_path
   *request.mutable_key() = key;
   request.set_xxh3_128(xxh3_128);
   for (const std::string& peer : peers) request.add_peer_addresses(peer);
-  if (!WriteFrame(fd.get(), request)) return Broken(socket_path, "get");
+  if (!WriteMessage(fd.get(), request)) return Broken(socket_path, "get");
   v1::ShardCacheResponse response;
-  if (!ReadFrame(fd.get(), &response)) return Broken(socket_path, "get's answer");
+  if (!ReadMessage(fd.get(), kMaxFrameBytes, &response)) return Broken(socket_path, "get's answer");
   if (response.code() != 0) return StatusOf(response);
   CachedShardCopy copy;
   copy.header = response.header();
@@ -143,9 +97,22 @@ absl::StatusOr<CachedShardCopy> GetShardFromCache(const std::string& socket_path
   if (copy.header.size_bytes() < 0) {
     return absl::DataLossError(absl::StrCat("shard cache ", socket_path, ": negative size"));
   }
-  copy.bytes.resize(static_cast<size_t>(copy.header.size_bytes()));
-  if (!ReadFull(fd.get(), copy.bytes.data(), copy.bytes.size())) {
-    return Broken(socket_path, "get's bytes");
+  absl::StatusOr<int> received = ReceiveDescriptor(fd.get());
+  if (!received.ok()) {
+    return absl::Status(received.status().code(), absl::StrCat("shard cache ", socket_path,
+                                                               ": get's memory file: ",
+                                                               received.status().message()));
+  }
+  absl::StatusOr<SealedMemory> bytes = SealedMemory::Adopt(*received);
+  if (!bytes.ok()) {
+    return absl::Status(bytes.status().code(),
+                        absl::StrCat("shard cache ", socket_path, ": ", bytes.status().message()));
+  }
+  copy.bytes = *std::move(bytes);
+  if (static_cast<int64_t>(copy.bytes.size()) != copy.header.size_bytes()) {
+    return absl::DataLossError(absl::StrCat("shard cache ", socket_path, ": the memory file has ",
+                                            copy.bytes.size(), " bytes, the header says ",
+                                            copy.header.size_bytes()));
   }
   return copy;
 }

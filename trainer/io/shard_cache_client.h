@@ -1,8 +1,10 @@
 // The trainer's end of its worker's local shard cache socket (worker/shard_cache.h,
 // proto/tessera/v1/shard_cache.proto): hands a checkpoint shard to the worker's memory and asks
-// for one on resume. Frames: a 4-byte little-endian length and the serialized message; a put's
-// bytes follow its request, a found get's bytes follow its response. One connection per call, so
-// calls from several threads never interleave. Plain C++: no gRPC, no LibTorch.
+// for one on resume. Frames (common/socket_frames.h) hold the serialized messages; a put's bytes
+// follow its request, and a found get's sealed memory file (common/sealed_memory.h) is passed
+// beside its response, so the trainer maps the worker's copy instead of receiving the bytes. One
+// connection per call, so calls from several threads never interleave. Plain C++: no gRPC, no
+// LibTorch.
 #pragma once
 
 #include <string>
@@ -10,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/sealed_memory.h"
 #include "tessera/v1/shard_cache.pb.h"
 
 namespace tessera::trainer {
@@ -26,7 +29,8 @@ absl::Status PutShardInCache(const std::string& socket_path, const v1::ShardHead
 
 struct CachedShardCopy {
   v1::ShardHeader header;
-  std::string bytes;
+  // The worker's memory file, mapped read-only (its pages are the worker's, shared).
+  SealedMemory bytes;
   v1::ShardSource source = v1::SHARD_SOURCE_UNSPECIFIED;
 };
 

@@ -504,6 +504,19 @@ absl::StatusOr<ShardedCheckpointReader> ShardedCheckpointReader::Open(
   return reader;
 }
 
+absl::StatusOr<ShardedCheckpointReader> ShardedCheckpointReader::OpenShardPaths(
+    const std::string& dir, const v1::CheckpointManifest& manifest,
+    const std::vector<std::string>& shard_paths) {
+  if (static_cast<int>(shard_paths.size()) != manifest.shards_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint ", dir, ": ", shard_paths.size(),
+                                                   " shard paths for the manifest's ",
+                                                   manifest.shards_size(), " shards"));
+  }
+  ASSIGN_OR_RETURN(ShardedCheckpointReader reader, Open(dir, manifest));
+  for (size_t i = 0; i < shard_paths.size(); ++i) reader.shards_[i]->path = shard_paths[i];
+  return reader;
+}
+
 bool ShardedCheckpointReader::Has(const std::string& name) const {
   return tensors_.count(name) > 0;
 }

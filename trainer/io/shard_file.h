@@ -150,6 +150,13 @@ class ShardedCheckpointReader {
   // shape. Opens no shard file.
   static absl::StatusOr<ShardedCheckpointReader> Open(const std::string& dir,
                                                       const v1::CheckpointManifest& manifest);
+  // As Open, but shard i of the manifest is read from `shard_paths[i]` instead of
+  // dir/<its file> (a restore from memory: /proc/self/fd/<fd> of the memory file holding it,
+  // trainer/io/memory_restore.h); `dir` then only names the checkpoint in messages.
+  // INVALID_ARGUMENT when there is not one path per shard.
+  static absl::StatusOr<ShardedCheckpointReader> OpenShardPaths(
+      const std::string& dir, const v1::CheckpointManifest& manifest,
+      const std::vector<std::string>& shard_paths);
 
   ShardedCheckpointReader(ShardedCheckpointReader&&);
   ShardedCheckpointReader& operator=(ShardedCheckpointReader&&);

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -13,6 +14,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/read_file.h"
+#include "common/sealed_memory.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -191,6 +194,32 @@ class ShardedReaderErrorsTest : public ::testing::Test {
   v1::CheckpointManifest manifest_;
   std::string dir_;
 };
+
+// A restore from memory: the shards are sealed memory files (as the worker's shard cache hands
+// them over), read through their /proc/self/fd paths, with the checkpoint directory only named.
+TEST_F(ShardedReaderErrorsTest, ReadsShardsFromTheirOwnPaths) {
+  std::vector<SealedMemory> memory;
+  std::vector<std::string> paths;
+  for (const v1::CheckpointShard& shard : manifest_.shards()) {
+    absl::StatusOr<std::string> bytes = ReadWholeFile(dir_ + "/" + shard.file());
+    ASSERT_THAT(bytes, IsOk());
+    absl::StatusOr<SealedMemory> sealed = SealedMemory::Copy("shard", *bytes);
+    ASSERT_THAT(sealed, IsOk());
+    paths.push_back(sealed->ProcPath());
+    memory.push_back(*std::move(sealed));
+  }
+  // The files on storage are gone: every byte must come from memory.
+  std::filesystem::remove_all(dir_);
+  absl::StatusOr<ShardedCheckpointReader> reader =
+      ShardedCheckpointReader::OpenShardPaths(dir_, manifest_, paths);
+  ASSERT_THAT(reader, IsOk());
+  for (const FullTensor& tensor : model_) {
+    EXPECT_EQ(ReadRange(*reader, tensor, 0, tensor.numel()), tensor.bytes) << tensor.name;
+  }
+  paths.pop_back();
+  EXPECT_THAT(ShardedCheckpointReader::OpenShardPaths(dir_, manifest_, paths),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("2 shard paths")));
+}
 
 TEST_F(ShardedReaderErrorsTest, ShapeMismatchNamesTheTensor) {
   absl::StatusOr<ShardedCheckpointReader> reader = ShardedCheckpointReader::Open(dir_, manifest_);

@@ -1,0 +1,117 @@
+#include "common/sealed_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/errno_status.h"
+
+namespace tessera {
+namespace {
+
+constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL;
+
+// A read-only shared mapping of `size` bytes of `fd` (none for 0 bytes). MAP_POPULATE: the
+// readers go through every page anyway, and one populate is cheaper than a fault per page.
+absl::StatusOr<const char*> MapReadOnly(int fd, size_t size) {
+  if (size == 0) return nullptr;
+  void* data = ::mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (data == MAP_FAILED) return ErrnoToStatus(errno, "mmap of a sealed memory file");
+  return static_cast<const char*>(data);
+}
+
+}  // namespace
+
+SealedMemory::SealedMemory(SealedMemory&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+SealedMemory& SealedMemory::operator=(SealedMemory&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    fd_ = std::exchange(other.fd_, -1);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+SealedMemory::~SealedMemory() { Reset(); }
+
+void SealedMemory::Reset() {
+  if (data_ != nullptr) ::munmap(const_cast<char*>(data_), size_);
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  data_ = nullptr;
+  size_ = 0;
+}
+
+std::string SealedMemory::ProcPath() const { return absl::StrCat("/proc/self/fd/", fd_); }
+
+absl::StatusOr<SealedMemory> SealedMemory::Create(
+    const char* name, size_t size, absl::FunctionRef<absl::Status(char* data)> fill) {
+  const int fd = ::memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("memfd_create ", name));
+  SealedMemory memory(fd, nullptr, 0);  // closes fd on every early return
+  if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("memory file ", name, " of ", size, " bytes: ", std::strerror(errno)));
+  }
+  if (size > 0) {
+    void* writable = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (writable == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("mmap of memory file ", name, ": ", std::strerror(errno)));
+    }
+    absl::Status filled = fill(static_cast<char*>(writable));
+    // F_SEAL_WRITE needs every writable mapping gone.
+    ::munmap(writable, size);
+    if (!filled.ok()) return filled;
+  } else if (absl::Status filled = fill(nullptr); !filled.ok()) {
+    return filled;
+  }
+  if (::fcntl(fd, F_ADD_SEALS, kSeals) != 0) {
+    return ErrnoToStatus(errno, absl::StrCat("sealing memory file ", name));
+  }
+  absl::StatusOr<const char*> data = MapReadOnly(fd, size);
+  if (!data.ok()) return data.status();
+  memory.data_ = *data;
+  memory.size_ = size;
+  return memory;
+}
+
+absl::StatusOr<SealedMemory> SealedMemory::Copy(const char* name, std::string_view bytes) {
+  return Create(name, bytes.size(), [&](char* data) {
+    if (!bytes.empty()) std::memcpy(data, bytes.data(), bytes.size());
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<SealedMemory> SealedMemory::Adopt(int fd) {
+  SealedMemory memory(fd, nullptr, 0);  // closes fd on every early return
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE)) !=
+                       (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE)) {
+    return absl::FailedPreconditionError(
+        seals < 0 ? absl::StrCat("the descriptor received is not a memory file: ",
+                                 std::strerror(errno))
+                  : "the memory file received is not sealed against writes and resizing");
+  }
+  struct stat info {};
+  if (::fstat(fd, &info) != 0) return ErrnoToStatus(errno, "fstat of a received memory file");
+  const size_t size = static_cast<size_t>(info.st_size);
+  absl::StatusOr<const char*> data = MapReadOnly(fd, size);
+  if (!data.ok()) return data.status();
+  memory.data_ = *data;
+  memory.size_ = size;
+  return memory;
+}
+
+}  // namespace tessera

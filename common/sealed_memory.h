@@ -1,0 +1,59 @@
+// SealedMemory: bytes in an anonymous memory file (memfd) sealed against every change, with a
+// read-only mapping of them. The worker's shard cache keeps checkpoint shards in these and hands
+// the descriptor to its trainers over the local socket (common/socket_frames.h), so a restore
+// maps the worker's pages instead of copying them through the socket: the receiver can read the
+// bytes, never change them (the seals hold for every process). Thread safety: immutable once
+// made; move-only.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace tessera {
+
+class SealedMemory {
+ public:
+  // No bytes, no descriptor.
+  SealedMemory() = default;
+  SealedMemory(SealedMemory&& other) noexcept;
+  SealedMemory& operator=(SealedMemory&& other) noexcept;
+  SealedMemory(const SealedMemory&) = delete;
+  SealedMemory& operator=(const SealedMemory&) = delete;
+  ~SealedMemory();
+
+  // A memory file of `size` bytes (named `name` in /proc/<pid>/fd, for debugging) that `fill`
+  // writes through a writable mapping before the seals go on; fill's error is returned as it is.
+  // RESOURCE_EXHAUSTED when the memory cannot be had.
+  static absl::StatusOr<SealedMemory> Create(const char* name, size_t size,
+                                             absl::FunctionRef<absl::Status(char* data)> fill);
+  // Create filled with a copy of `bytes`.
+  static absl::StatusOr<SealedMemory> Copy(const char* name, std::string_view bytes);
+  // Takes ownership of `fd` (received from another process) and maps it read-only.
+  // FAILED_PRECONDITION (and `fd` closed) unless it is a memory file sealed against writes,
+  // growth and shrinking: bytes another process can still change are not taken.
+  static absl::StatusOr<SealedMemory> Adopt(int fd);
+
+  std::string_view view() const { return {data(), size_}; }
+  // Never null ("" when empty).
+  const char* data() const { return data_ != nullptr ? data_ : ""; }
+  size_t size() const { return size_; }
+  // The memory file's descriptor (-1 when empty-constructed), to pass to another process.
+  int fd() const { return fd_; }
+  // A path that opens the same bytes read-only in this process (/proc/self/fd/<fd>).
+  std::string ProcPath() const;
+
+ private:
+  SealedMemory(int fd, const char* data, size_t size) : fd_(fd), data_(data), size_(size) {}
+  void Reset();
+
+  int fd_ = -1;
+  const char* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace tessera
