@@ -49,6 +49,7 @@ TEST_F(ClusterTest, StepsWhoseReportsDiedWithTheirWorkerAreReportedAgainFromTheC
   constexpr int kSteps = 80;
   v1::JobSpec spec = Spec(kSteps);
   spec.mutable_checkpoint()->set_interval_steps(5);
+  spec.set_max_restarts(2);
   const std::string job_id = Submit(spec);
   ASSERT_FALSE(job_id.empty());
   ASSERT_TRUE(WaitForStep(job_id, 8, 120)) << Get(job_id).reason();
