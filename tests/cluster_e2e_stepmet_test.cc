@@ -101,9 +101,8 @@ TEST_F(ClusterTest, StepsWhoseReportsDiedWithTheirWorkerAreReportedAgainFromTheC
     EXPECT_GT(point.loss(), 0) << "step " << step;
   }
   // The new attempt's rank 0 says what it reported again.
-  const std::string log =
-      ReadText(absl::StrCat(dir_.path(), "/e2e-node/jobs/", job_id, "/attempt-", job.attempt(),
-                            "/rank-0.log"));
+  const std::string log = ReadText(absl::StrCat(dir_.path(), "/e2e-node/jobs/", job_id, "/attempt-",
+                                                job.attempt(), "/rank-0.log"));
   EXPECT_THAT(log, HasSubstr(absl::StrCat("again from the checkpoint's step_metrics.pb")));
   EXPECT_THAT(log, ::testing::Not(HasSubstr("stay missing"))) << log;
 }

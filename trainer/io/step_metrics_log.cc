@@ -57,8 +57,8 @@ absl::StatusOr<std::optional<v1::StepMetricsLog>> ReadStepMetricsFile(
   const std::string path = absl::StrCat(dir, "/", listed.file());
   absl::StatusOr<std::string> bytes = ReadWholeFile(path);
   if (!bytes.ok()) {
-    return absl::DataLossError(absl::StrCat(path, ": cannot read (listed in the manifest): ",
-                                            bytes.status().message()));
+    return absl::DataLossError(
+        absl::StrCat(path, ": cannot read (listed in the manifest): ", bytes.status().message()));
   }
   if (static_cast<int64_t>(bytes->size()) != listed.size_bytes()) {
     return absl::DataLossError(absl::StrCat(path, ": size ", bytes->size(),

@@ -415,10 +415,10 @@ void ReportCarriedStepMetrics(const v1::TrainerTask& task, const TrainingRun& ru
     *report.mutable_metrics() = point;
     reporter.SendToWorkerOnly(report);
   }
-  std::string line = absl::StrCat(
-      "the coordinator holds step metrics through step ", complete, "; reported ",
-      backfill.points.size(), " point(s) of steps ", complete + 1, "..", run.start_step,
-      " again from the checkpoint's ", kStepMetricsFileName);
+  std::string line =
+      absl::StrCat("the coordinator holds step metrics through step ", complete, "; reported ",
+                   backfill.points.size(), " point(s) of steps ", complete + 1, "..",
+                   run.start_step, " again from the checkpoint's ", kStepMetricsFileName);
   if (!backfill.uncovered.empty()) {
     std::vector<std::string> ranges;
     for (const auto& [first, last] : backfill.uncovered) {
