@@ -154,6 +154,29 @@ TEST_F(JobManagerTest, RecordReportsAddsEachStepsEventOnce) {
   EXPECT_EQ(events(), before + 4);
 }
 
+// A resumed attempt's backfill (step_metrics_log.h): points of steps the record misses, below the
+// current step, fill the gap without moving current_step or latest_metrics back or adding events.
+TEST_F(JobManagerTest, BackfilledPointsBelowTheCurrentStepFillGapsOnly) {
+  const std::string job_id = Submit();
+  ASSERT_THAT(jobs_->RecordReports(job_id, {Point(1, 3.0), Point(2, 2.9), Point(6, 2.5)}, {}, {}),
+              IsOk());
+  auto read = jobs_->Events(job_id, 0, 0);
+  ASSERT_THAT(read.status(), IsOk());
+  const size_t before = read->size();
+  ASSERT_THAT(jobs_->RecordReports(job_id, {Point(3, 2.8), Point(4, 2.7), Point(5, 2.6)}, {}, {}),
+              IsOk());
+  read = jobs_->Events(job_id, 0, 0);
+  ASSERT_THAT(read.status(), IsOk());
+  EXPECT_EQ(read->size(), before) << "backfilled steps add no event";
+  const v1::Job job = Job(job_id);
+  EXPECT_EQ(job.current_step(), 6);
+  EXPECT_EQ(job.latest_metrics().step(), 6);
+  EXPECT_DOUBLE_EQ(job.latest_metrics().loss(), 2.5);
+  absl::StatusOr<int64_t> complete = store_->MetricsCompleteThrough(job_id, 0);
+  ASSERT_THAT(complete, IsOk());
+  EXPECT_EQ(*complete, 6);
+}
+
 // The commit observer sees every committed change, as stored, in commit order: submission,
 // single and batched transitions, reports; a refused change is not seen.
 TEST_F(JobManagerTest, CommitObserverSeesEachCommittedChangeAsStored) {

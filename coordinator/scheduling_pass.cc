@@ -100,6 +100,26 @@ std::string ReasonShape(absl::string_view reason) {
   return shape;
 }
 
+// A restart's trainers learn how far the store's step metrics are complete, so that rank 0
+// reports again, from the checkpoint it resumes from, the steps whose reports were lost with the
+// previous attempt (TrainerTask.metrics_complete_through_step). One read of the job's metric
+// steps, without the cluster lock; on an error (logged) the field stays unset and nothing is
+// reported again.
+void StampMetricsComplete(Store& store, const v1::Job& job,
+                          std::map<std::string, v1::TaskAssignment>& assignments) {
+  if (job.attempt() == 0) return;
+  absl::StatusOr<int64_t> complete = store.MetricsCompleteThrough(job.job_id(), 0);
+  if (!complete.ok()) {
+    LogRetried(complete.status(), absl::StrCat("reading the metric steps of job ", job.job_id()));
+    return;
+  }
+  for (auto& [node_id, assignment] : assignments) {
+    for (v1::TrainerTask& task : *assignment.mutable_trainers()) {
+      task.set_metrics_complete_through_step(*complete);
+    }
+  }
+}
+
 }  // namespace
 
 int64_t SchedulingPass::StartStep(const v1::Job& job, const v1::JobSpec& spec) {
@@ -482,6 +502,7 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   for (const auto& placement : result.placed) {
     const std::string& job_id = placement.job_id;
     assignments.push_back(Assignments(*waiting[job_id], specs[job_id], placement, plans[job_id]));
+    StampMetricsComplete(*state_->store, *waiting[job_id], assignments.back());
   }
   {
     TimedLock lock(&state_->mu, stats);

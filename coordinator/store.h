@@ -207,6 +207,11 @@ class Store {
                                                            int64_t from_step, int64_t to_step);
   absl::StatusOr<std::vector<v1::EvalMetrics>> ReadEvals(const std::string& job_id,
                                                          int64_t from_step, int64_t to_step);
+  // The highest step h such that the job has a metric point for every step 1..h (0 when step 1
+  // has none), looking no further than `up_to_step` (0: no bound). Reads steps only, in order,
+  // and stops at the first gap: what a resuming attempt need not report again
+  // (TrainerTask.metrics_complete_through_step).
+  absl::StatusOr<int64_t> MetricsCompleteThrough(const std::string& job_id, int64_t up_to_step);
   // Newest step first.
   absl::StatusOr<std::vector<v1::Checkpoint>> ListCheckpoints(const std::string& job_id);
 

@@ -116,6 +116,25 @@ absl::StatusOr<std::vector<v1::EvalMetrics>> Store::ReadEvals(const std::string&
   return ReadStepRange<v1::EvalMetrics>(*database_, "eval_metrics", job_id, from_step, to_step);
 }
 
+absl::StatusOr<int64_t> Store::MetricsCompleteThrough(const std::string& job_id,
+                                                      int64_t up_to_step) {
+  Database::ReadLock lock(*database_);
+  DbConnection& reader = lock.connection();
+  ASSIGN_OR_RETURN(Statement select,
+                   reader.Prepare("SELECT step FROM step_metrics WHERE job_id = ?1 AND step >= 1 "
+                                  "AND step <= ?2 ORDER BY step",
+                                  absl::StrCat("read the metric steps of ", job_id)));
+  select.BindText(1, job_id);
+  select.Bind(2, up_to_step == 0 ? std::numeric_limits<int64_t>::max() : up_to_step);
+  int64_t complete = 0;
+  while (true) {
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (!has_row || select.ColumnInt64(0) != complete + 1) break;
+    ++complete;
+  }
+  return complete;
+}
+
 absl::StatusOr<std::vector<v1::Checkpoint>> Store::ListCheckpoints(const std::string& job_id) {
   Database::ReadLock lock(*database_);
   DbConnection& reader = lock.connection();

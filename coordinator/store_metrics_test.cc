@@ -4,6 +4,7 @@
 // Thread safety: each test owns its store; the threads a test starts use it as the
 // coordinator's threads do.
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common/status_matchers.h"
@@ -105,6 +106,42 @@ TEST_P(StoreBackendTest, CheckpointsNewestFirstAndRetention) {
   checkpoints = store->ListCheckpoints("job-other");
   ASSERT_THAT(checkpoints, IsOk());
   EXPECT_THAT(*checkpoints, IsEmpty());
+}
+
+TEST_P(StoreBackendTest, MetricsCompleteThroughIsTheEndOfTheFirstRunWithoutAGap) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
+  SubmitJob(*store, MakeJob("job-b", v1::JOB_STATE_RUNNING, 2));
+  auto commit = [&](const std::string& job_id, std::vector<int> steps) {
+    JobWrite write;
+    write.job_id = job_id;
+    for (int step : steps) write.metrics.push_back(Metrics(step, 1.0));
+    ASSERT_THAT(store->Commit(write), IsOk());
+  };
+  auto complete = [&](const std::string& job_id, int64_t up_to) -> int64_t {
+    absl::StatusOr<int64_t> h = store->MetricsCompleteThrough(job_id, up_to);
+    EXPECT_THAT(h, IsOk());
+    return h.ok() ? *h : -1;
+  };
+  // No points at all.
+  EXPECT_EQ(complete("job-a", 0), 0);
+  // A gap at the start: step 1 missing.
+  commit("job-a", {2, 3, 4});
+  EXPECT_EQ(complete("job-a", 0), 0);
+  // Steps of another job do not fill it.
+  commit("job-b", {1, 2, 3, 4, 5, 6, 7, 8, 9});
+  EXPECT_EQ(complete("job-a", 0), 0);
+  EXPECT_EQ(complete("job-b", 0), 9);
+  // A gap in the middle: 1..4, then 7..9.
+  commit("job-a", {1, 7, 8, 9});
+  EXPECT_EQ(complete("job-a", 0), 4);
+  // None: the gap filled (a backfill's points, stored by step).
+  commit("job-a", {5, 6});
+  EXPECT_EQ(complete("job-a", 0), 9);
+  // Bounded: looks no further than the bound.
+  EXPECT_EQ(complete("job-a", 6), 6);
+  EXPECT_EQ(complete("job-a", 100), 9);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, StoreBackendTest, kStoreBackends, StoreBackendName);

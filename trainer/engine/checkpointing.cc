@@ -25,6 +25,7 @@
 #include "trainer/io/checkpoint_fence.h"
 #include "trainer/io/safetensors.h"
 #include "trainer/io/shard_file.h"
+#include "trainer/io/step_metrics_log.h"
 #include "trainer/io/memory_restore.h"
 #include "trainer/engine/training_state.h"
 
@@ -352,6 +353,11 @@ absl::StatusOr<v1::Checkpoint> CollectAndCommit(const CheckpointContext& context
   } else {
     std::map<std::string, std::string> known_digests{
         {SliceShardFileName(context.rank), written.xxh3_128}};
+    if (state.step_metrics != nullptr) {
+      ASSIGN_OR_RETURN(v1::CheckpointFile metrics_file,
+                       WriteStepMetricsFile(StagingDir(root, state.step), *state.step_metrics));
+      known_digests[metrics_file.file()] = metrics_file.xxh3_128();
+    }
     if (context.world > 1) {
       std::vector<std::string> keys;
       for (int r = 1; r < context.world; ++r) keys.push_back(absl::StrCat(digest_key, r));

@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "tessera/v1/checkpoint.pb.h"
+#include "tessera/v1/metrics.pb.h"
 #include "tessera/v1/trainer.pb.h"
 #include "trainer/parallel/distributed.h"
 #include "trainer/engine/sharded_engine.h"
@@ -65,6 +66,9 @@ struct CheckpointState {
   v1::Layout layout;
   v1::ModelSummary model;
   v1::DataPosition data_position;
+  // Rank 0: the step metrics the checkpoint carries (trainer/io/step_metrics_log.h), written into
+  // the staging directory before the commit; null: none (other ranks; a run without them).
+  std::shared_ptr<const v1::StepMetricsLog> step_metrics;
 };
 
 // Saves the checkpoint of `state.step`. Rank 0 returns the Checkpoint to report (with the

@@ -38,8 +38,9 @@
 #include "google/protobuf/util/time_util.h"
 #include "trainer/io/checkpoint_fence.h"
 #include "trainer/io/sha256.h"
-#include "trainer/io/xxh3.h"
 #include "trainer/io/shard_file.h"
+#include "trainer/io/step_metrics_log.h"
+#include "trainer/io/xxh3.h"
 
 namespace tessera::trainer {
 namespace {
@@ -494,6 +495,7 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     int rank;
   };
   std::vector<ShardFile> files;
+  bool has_step_metrics = false;
   ASSIGN_OR_RETURN(std::vector<DirEntry> entries, ListDirectory(staging));
   for (DirEntry& entry : entries) {
     std::string& name = entry.name;
@@ -502,6 +504,10 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     if (!entry.is_regular_file) {
       return absl::InvalidArgumentError(
           absl::StrCat(path, ": not a regular file; a checkpoint holds only shard files"));
+    }
+    if (name == kStepMetricsFileName) {
+      has_step_metrics = true;
+      continue;
     }
     std::optional<int> rank = ParseShardRank(name);
     if (!rank.has_value()) {
@@ -556,6 +562,23 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     }
   }
   if (has_slice_shards) RETURN_IF_ERROR(CheckManifestSlices(manifest));
+  manifest.clear_step_metrics();
+  if (has_step_metrics) {
+    const std::string path = JoinPath(staging, kStepMetricsFileName);
+    RETURN_IF_ERROR(FsyncPath(path));
+    struct stat info;
+    if (!Stat(path, &info)) return ErrnoToStatus(errno, path);
+    std::string digest;
+    if (auto known = known_digests.find(kStepMetricsFileName); known != known_digests.end()) {
+      digest = known->second;
+    } else {
+      ASSIGN_OR_RETURN(digest, Xxh3File(path));
+    }
+    v1::CheckpointFile* file = manifest.mutable_step_metrics();
+    file->set_file(kStepMetricsFileName);
+    file->set_size_bytes(info.st_size);
+    file->set_xxh3_128(std::move(digest));
+  }
   manifest.set_format_version(has_slice_shards ? kCheckpointFormatVersion
                                                : kOldestCheckpointFormatVersion);
   manifest.set_step(step);
@@ -643,6 +666,32 @@ absl::StatusOr<v1::CheckpointManifest> VerifyCheckpoint(const std::string& dir,
       return absl::DataLossError(absl::StrCat(path, ": the manifest records no digest of it"));
     }
     if (digests == DigestCheck::kAll) RETURN_IF_ERROR(VerifyShardDigest(dir, shard));
+  }
+  if (manifest.has_step_metrics()) {
+    // Checked as a shard is; its digest only with kAll (a resume checks it when it reads it).
+    const v1::CheckpointFile& listed = manifest.step_metrics();
+    v1::CheckpointShard as_shard;
+    as_shard.set_file(listed.file());
+    as_shard.set_size_bytes(listed.size_bytes());
+    as_shard.set_xxh3_128(listed.xxh3_128());
+    const std::string& name = listed.file();
+    if (name.empty() || name == "." || name == ".." || absl::StrContains(name, '/')) {
+      return absl::DataLossError(absl::StrCat(manifest_path, ": step metrics file name \"", name,
+                                              "\" is not a plain file name"));
+    }
+    const std::string path = JoinPath(dir, name);
+    struct stat info;
+    if (!Stat(path, &info) || !S_ISREG(info.st_mode)) {
+      return absl::DataLossError(absl::StrCat(path, ": missing (listed in the manifest)"));
+    }
+    if (info.st_size != listed.size_bytes()) {
+      return absl::DataLossError(absl::StrCat(path, ": size ", info.st_size,
+                                              " bytes, manifest says ", listed.size_bytes()));
+    }
+    if (listed.xxh3_128().empty()) {
+      return absl::DataLossError(absl::StrCat(path, ": the manifest records no digest of it"));
+    }
+    if (digests == DigestCheck::kAll) RETURN_IF_ERROR(VerifyShardDigest(dir, as_shard));
   }
   return manifest;
 }

@@ -57,7 +57,9 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
 // barrier: fills `manifest.shards` from the staging directory's files (rank
 // parsed from the "rank-NNNNN..." name, size, XXH3-128, and for a ".safetensors"
 // file the slices its header lists, reading only the header), sets
-// format_version (see kCheckpointFormatVersion), step and create_time, writes manifest.pb and
+// format_version (see kCheckpointFormatVersion), step and create_time, lists step_metrics.pb
+// (trainer/io/step_metrics_log.h) in `manifest.step_metrics` when the staging directory holds one
+// (its digest from `known_digests` too), writes manifest.pb and
 // manifest.json, fsyncs the files and the directory, and renames it to <root>/step-... (atomically
 // replacing a checkpoint of the same step). Then applies retention: with keep_last > 0, complete
 // checkpoints beyond the keep_last newest are deleted (the one just committed is always kept);
@@ -106,7 +108,8 @@ enum class DigestCheck {
   kNone,
 };
 
-// Re-reads <dir>/manifest.pb and checks every shard it lists: the file exists,
+// Re-reads <dir>/manifest.pb and checks every shard it lists, and the step metrics file when it
+// lists one (CheckpointManifest.step_metrics), as a shard: the file exists,
 // its size and digest match (XXH3-128, or SHA-256 for a manifest written before
 // it; the digest only with DigestCheck::kAll). DATA_LOSS naming the file at
 // fault, e.g.

@@ -20,6 +20,7 @@
 #include "planner/training_settings.h"
 #include "trainer/engine/data_parallelism.h"
 #include "trainer/io/checkpoint_fence.h"
+#include "trainer/io/step_metrics_log.h"
 #include "trainer/model/build_model.h"
 #include "trainer/parallel/context_parallelism.h"
 #include "trainer/parallel/expert_parallel.h"
@@ -196,6 +197,7 @@ absl::Status StartRun(const v1::TrainerTask& task, const TrainOptions& options,
   ASSIGN_OR_RETURN(BatchLoader loader, MakeLoader(task.spec(), run, start));
   run.loader.emplace(std::move(loader));
   ReportStarted(task, run, reporter);
+  ReportCarriedStepMetrics(task, run, reporter);
   return absl::OkStatus();
 }
 
@@ -382,7 +384,58 @@ absl::Status ResumeFromCheckpoint(const CheckpointContext& context, TrainingRun&
   *start = resumed->manifest.data_position();
   run.resumed_from = resumed->path;
   run.restore = resumed->restore;
+  if (context.rank == 0) {
+    // Read from storage (a restore from memory holds the shards only). A file that cannot be read
+    // costs the backfill only: the checkpoint's shards verified.
+    absl::StatusOr<std::optional<v1::StepMetricsLog>> carried =
+        ReadStepMetricsFile(resumed->path, resumed->manifest);
+    if (!carried.ok()) {
+      run.resumed_step_metrics_problem = std::string(carried.status().message());
+    } else if (carried->has_value()) {
+      run.resumed_step_metrics = true;
+      run.step_metrics.AddAll(**carried, run.start_step);
+    }
+  }
   return absl::OkStatus();
+}
+
+void ReportCarriedStepMetrics(const v1::TrainerTask& task, const TrainingRun& run,
+                              const RunReporter& reporter) {
+  if (reporter.rank() != 0 || run.resumed_from.empty() ||
+      !task.has_metrics_complete_through_step()) {
+    return;
+  }
+  const int64_t complete = task.metrics_complete_through_step();
+  if (complete >= run.start_step) return;
+  const v1::StepMetricsLog carried = run.step_metrics.UpTo(run.start_step);
+  const Backfill backfill =
+      PlanBackfill(run.resumed_step_metrics ? &carried : nullptr, complete, run.start_step);
+  for (const v1::StepMetrics& point : backfill.points) {
+    v1::TrainerReport report = reporter.NewReport();
+    *report.mutable_metrics() = point;
+    reporter.SendToWorkerOnly(report);
+  }
+  std::string line =
+      absl::StrCat("the coordinator holds step metrics through step ", complete, "; reported ",
+                   backfill.points.size(), " point(s) of steps ", complete + 1, "..",
+                   run.start_step, " again from the checkpoint's ", kStepMetricsFileName);
+  if (!backfill.uncovered.empty()) {
+    std::vector<std::string> ranges;
+    for (const auto& [first, last] : backfill.uncovered) {
+      ranges.push_back(first == last ? absl::StrCat(first) : absl::StrCat(first, "..", last));
+    }
+    absl::StrAppend(
+        &line, "; steps ", absl::StrJoin(ranges, ", "), " stay missing: ",
+        !run.resumed_step_metrics_problem.empty()
+            ? absl::StrCat("its step metrics cannot be read (", run.resumed_step_metrics_problem,
+                           ")")
+        : !run.resumed_step_metrics
+            ? std::string("the checkpoint carries no step metrics (written before checkpoints "
+                          "carried them)")
+            : absl::StrCat("the checkpoint carries the last ", kStepMetricsLogCapacity,
+                           " steps' at most"));
+  }
+  reporter.Log(line);
 }
 
 absl::StatusOr<BatchLoader> MakeLoader(const v1::JobSpec& spec, const TrainingRun& run,

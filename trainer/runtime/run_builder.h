@@ -11,9 +11,10 @@
 //               pipeline parallelism give it (trainer/parallel/tensor_parallelism.h,
 //               pipeline_parallelism.h); LoRA and activation checkpointing applied there
 //   engine      ApplyDataParallel (trainer/engine/data_parallelism.h): ZeRO and AdamW
-//   checkpoints CheckpointContextOf, ResumeFromCheckpoint
+//   checkpoints CheckpointContextOf, ResumeFromCheckpoint (rank 0 also reads the checkpoint's
+//               step metrics)
 //   loader      MakeLoader, from the resumed position
-//   reports     ReportStarted
+//   reports     ReportStarted, ReportCarriedStepMetrics
 //
 // BuildTrainingRun composes them in that order; adding a parallelism touches its own file and one
 // line of the composition. Errors name the spec field at fault; BuildTrainingRun says which
@@ -95,14 +96,23 @@ CheckpointContext CheckpointContextOf(const v1::TrainerTask& task, const TrainOp
 absl::Status RaiseAttemptFence(const CheckpointContext& context);
 
 // Restores the newest complete checkpoint into the run's engine (and the CPU RNG) and sets the
-// run's start step, tokens seen and resumed_from; `start` gets its data position. Nothing when
-// there is none.
+// run's start step, tokens seen and resumed_from; `start` gets its data position. Rank 0 also
+// takes the checkpoint's step metrics into run.step_metrics (a file that cannot be read is noted in
+// run.resumed_step_metrics_problem, not returned). Nothing when there is none.
 absl::Status ResumeFromCheckpoint(const CheckpointContext& context, TrainingRun& run,
                                   v1::DataPosition* start);
 
 // This rank's batch loader over the run's training data, from `start`.
 absl::StatusOr<BatchLoader> MakeLoader(const v1::JobSpec& spec, const TrainingRun& run,
                                        const v1::DataPosition& start);
+
+// Rank 0 of a resumed run: reports again, right after the start, the resumed checkpoint's step
+// metrics of the steps the coordinator's record misses (metrics_complete_through_step < step <=
+// the resumed step; step_metrics_log.h PlanBackfill), and logs how many, and which steps of that
+// range the checkpoint cannot supply and why. Nothing on other ranks, on a fresh start, or when
+// the coordinator did not say how far its record is complete (a first attempt, a standalone run).
+void ReportCarriedStepMetrics(const v1::TrainerTask& task, const TrainingRun& run,
+                              const RunReporter& reporter);
 
 // Reports the start (TrainerStarted) and logs the model, layout and memory lines.
 void ReportStarted(const v1::TrainerTask& task, const TrainingRun& run,

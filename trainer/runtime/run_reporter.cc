@@ -23,10 +23,14 @@ v1::TrainerReport RunReporter::NewReport() const {
   return report;
 }
 
-void RunReporter::Send(const v1::TrainerReport& report) const {
+void RunReporter::SendToWorkerOnly(const v1::TrainerReport& report) const {
   if (auto status = reporter_.Send(report); !status.ok()) {
     Log(absl::StrCat("report not delivered: ", status.ToString()));
   }
+}
+
+void RunReporter::Send(const v1::TrainerReport& report) const {
+  SendToWorkerOnly(report);
   if (tensorboard_ == nullptr) return;
   WriteToTensorBoard(report, *tensorboard_);
   if (report.has_finished() || report.has_failure()) {

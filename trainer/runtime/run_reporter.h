@@ -34,6 +34,10 @@ class RunReporter {
   // Sends `report` (and writes it to TensorBoard; a finished or failed run's events are flushed
   // there); a report that cannot be delivered or written is logged, not returned.
   void Send(const v1::TrainerReport& report) const;
+  // Sends `report` to the worker only: a step's metrics reported again from a checkpoint
+  // (step_metrics_log.h), which the event file already holds (an out-of-order step there would
+  // make TensorBoard drop the later ones).
+  void SendToWorkerOnly(const v1::TrainerReport& report) const;
   // Reports the failure of this rank at `step` (stamped with the time it was reported, by which
   // the worker blames the first failure of a task) and logs it.
   void ReportFailure(v1::FailureKind kind, int64_t step, const absl::Status& status) const;

@@ -379,6 +379,7 @@ void TrainLoop::ReportStep(double loss, double grad_norm, double learning_rate, 
     if (timer_.enabled()) *m->mutable_breakdown() = breakdown;
     *m->mutable_time() = report.time();
     reporter_.Send(report);
+    run_.step_metrics.Add(*m);
     if (timer_.enabled() && (step_ % kBreakdownLogInterval == 0 ||
                              step_ == result_.start_step + 1 || step_ == run_.max_steps)) {
       reporter_.Log(absl::StrFormat("step %d: loss %.4f, %.3f s: %s", step_, loss, seconds,
@@ -502,6 +503,10 @@ absl::Status TrainLoop::SaveCheckpoint(bool last, bool wait) {
   state.layout.set_data_parallel(run_.mesh.size(MeshDim::kData));
   state.layout.set_tensor_parallel(run_.mesh.size(MeshDim::kTensor));
   state.layout.set_pipeline_parallel(run_.mesh.size(MeshDim::kPipeline));
+  // Snapshot now: the save is written while later steps are added.
+  if (reporter_.rank() == 0) {
+    state.step_metrics = std::make_shared<const v1::StepMetricsLog>(run_.step_metrics.UpTo(step_));
+  }
   auto committed = std::make_shared<v1::Checkpoint>();
   const auto start = std::chrono::steady_clock::now();
   AsyncCheckpointer& checkpointer = *run_.checkpointer;

@@ -18,6 +18,7 @@
 #include "trainer/engine/adamw.h"
 #include "trainer/engine/checkpointing.h"
 #include "trainer/engine/sharded_engine.h"
+#include "trainer/io/step_metrics_log.h"
 #include "trainer/model/model.h"
 #include "trainer/parallel/distributed.h"
 #include "trainer/parallel/mesh.h"
@@ -88,6 +89,13 @@ struct TrainingRun {
   std::string resumed_from;
   // Where the resumed checkpoint came from (memory or storage); unset for a fresh start.
   v1::CheckpointRestore restore;
+  // Rank 0: the step metrics of the run's chain of attempts, which its checkpoints carry
+  // (trainer/io/step_metrics_log.h): the resumed checkpoint's points, then each step's.
+  StepMetricsLog step_metrics;
+  // Rank 0 of a resumed run: whether the resumed checkpoint carried step metrics, and why they
+  // could not be read when they could not ("" otherwise).
+  bool resumed_step_metrics = false;
+  std::string resumed_step_metrics_problem;
 };
 
 }  // namespace tessera::trainer

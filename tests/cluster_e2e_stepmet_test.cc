@@ -1,0 +1,111 @@
+// Step metrics outlive the reports that carried them (issue 45), end to end: a 2-rank CPU job
+// checkpoints every 5 steps; the coordinator stops answering (SIGSTOP), so the worker keeps its
+// trainers' reports while they train and commit checkpoints on; then the machine is lost: the
+// trainers and the worker are killed -9 with those reports queued. The coordinator comes back, a
+// new worker registers, and the job restarts from the newest checkpoint, which is past every step
+// the coordinator recorded. Its rank 0 reports the lost steps again from the checkpoint's
+// step_metrics.pb, so the job SUCCEEDS with a metric point for every step 1..max_steps, and the
+// points of the lost steps are the first attempt's.
+
+#include <signal.h>
+
+#include <fstream>
+#include <iterator>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/time_util.h"
+#include "gtest/gtest.h"
+#include "tests/cluster_e2e_fixture.h"
+#include "trainer/io/checkpoint.h"
+
+namespace tessera {
+namespace {
+
+using ::google::protobuf::util::TimeUtil;
+using ::testing::HasSubstr;
+
+// The step of the newest complete checkpoint under `root`; 0 when there is none.
+int64_t NewestCheckpointStep(const std::string& root) {
+  const std::vector<std::string> dirs = trainer::ListCheckpointDirs(root);
+  if (dirs.empty()) return 0;
+  int64_t step = 0;
+  const std::string& newest = dirs.front();
+  if (!absl::SimpleAtoi(newest.substr(newest.rfind("step-") + 5), &step)) return 0;
+  return step;
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+TEST_F(ClusterTest, StepsWhoseReportsDiedWithTheirWorkerAreReportedAgainFromTheCheckpoint) {
+  constexpr int kSteps = 80;
+  v1::JobSpec spec = Spec(kSteps);
+  spec.mutable_checkpoint()->set_interval_steps(5);
+  spec.set_max_restarts(2);
+  const std::string job_id = Submit(spec);
+  ASSERT_FALSE(job_id.empty());
+  ASSERT_TRUE(WaitForStep(job_id, 8, 120)) << Get(job_id).reason();
+  const int64_t recorded = Get(job_id).current_step();
+
+  // The coordinator stops answering: the worker keeps the reports while training goes on.
+  const pid_t coordinator = coordinator_->pid();
+  ASSERT_EQ(::kill(coordinator, SIGSTOP), 0);
+  absl::Cleanup resume_coordinator = [coordinator] { ::kill(coordinator, SIGCONT); };
+  const std::string checkpoints = dir_.path() + "/ckpt/" + job_id;
+  int64_t lost_from = 0;
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] {
+        lost_from = NewestCheckpointStep(checkpoints);
+        return lost_from >= recorded + 15;
+      },
+      absl::Seconds(60), absl::Milliseconds(50)))
+      << "newest checkpoint: step " << lost_from << ", recorded: step " << recorded;
+
+  // The machine is lost: its trainers and its worker die with the reports queued.
+  const std::vector<pid_t> trainers = TrainerPids(dir_.path() + "/e2e-node/");
+  ASSERT_EQ(trainers.size(), 2u);
+  for (pid_t pid : trainers) ::kill(pid, SIGKILL);
+  ASSERT_THAT(worker_->Stop(SIGKILL), IsOk());
+  worker_.reset();
+  const absl::Time lost = absl::Now();
+  // The newest checkpoint once the trainers are gone: where the next attempt resumes.
+  const int64_t resumed = NewestCheckpointStep(checkpoints);
+  ASSERT_GE(resumed, recorded + 15);
+  std::move(resume_coordinator).Invoke();
+
+  StartWorker(0, 1);
+  ASSERT_FALSE(HasFatalFailure());
+  const v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 180);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  ASSERT_GE(job.restarts(), 1);
+
+  // Every step once, with no gap.
+  const std::vector<v1::StepMetrics> curve = Curve(job_id);
+  ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps));
+  for (int i = 0; i < kSteps; ++i) EXPECT_EQ(curve[i].step(), i + 1);
+  // The steps the coordinator had not recorded up to the resumed checkpoint were trained by the
+  // lost attempt, before the machine was lost, and reported again from the checkpoint.
+  const absl::Time lost_time = lost;
+  for (int64_t step = recorded + 1; step <= resumed; ++step) {
+    const v1::StepMetrics& point = curve[step - 1];
+    EXPECT_LT(absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(point.time())), lost_time)
+        << "step " << step;
+    EXPECT_GT(point.loss(), 0) << "step " << step;
+  }
+  // The new attempt's rank 0 says what it reported again.
+  const std::string log = ReadText(absl::StrCat(dir_.path(), "/e2e-node/jobs/", job_id, "/attempt-",
+                                                job.attempt(), "/rank-0.log"));
+  EXPECT_THAT(log, HasSubstr(absl::StrCat("again from the checkpoint's step_metrics.pb")));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("stay missing"))) << log;
+}
+
+}  // namespace
+}  // namespace tessera
