@@ -151,10 +151,17 @@ TEST(JobViewTest, WatchSummaryIsOneCompactLine) {
   EXPECT_THAT(BreakdownSummary(m), Not(HasSubstr("top")));
 }
 
-TEST(JobViewTest, GpuTableJoinsPlacementsWithTheNodesInventory) {
+// A job on four GPUs: ranks 0 and 1 on gpu-a's GPUs 0 and 1 (H100s), rank 2 on gpu-b's GPU 0
+// (no product name), rank 3 on GPU 3 of a node no longer listed.
+struct GpuJob {
   v1::Job job;
+  std::vector<v1::Node> nodes;
+};
+GpuJob FourGpuRanks() {
+  GpuJob out;
+  out.job.set_job_id("job-00000001");
   auto place = [&](int rank, const char* node, int gpu) {
-    v1::RankPlacement* p = job.add_placements();
+    v1::RankPlacement* p = out.job.add_placements();
     p->set_rank(rank);
     p->set_node_id(node);
     p->set_gpu_index(gpu);
@@ -163,18 +170,23 @@ TEST(JobViewTest, GpuTableJoinsPlacementsWithTheNodesInventory) {
   place(1, "gpu-a", 1);
   place(2, "gpu-b", 0);
   place(3, "gone", 3);
-  std::vector<v1::Node> nodes(2);
-  nodes[0].set_node_id("gpu-a");
+  out.nodes.resize(2);
+  out.nodes[0].set_node_id("gpu-a");
   for (int i = 0; i < 2; ++i) {
-    v1::GpuDevice* gpu = nodes[0].mutable_resources()->add_gpus();
+    v1::GpuDevice* gpu = out.nodes[0].mutable_resources()->add_gpus();
     gpu->set_index(i);
     gpu->set_uuid(i == 0 ? "GPU-aaaa" : "GPU-bbbb");
     gpu->set_name("NVIDIA H100 80GB HBM3");
   }
-  nodes[1].set_node_id("gpu-b");
-  v1::GpuDevice* gpu = nodes[1].mutable_resources()->add_gpus();
+  out.nodes[1].set_node_id("gpu-b");
+  v1::GpuDevice* gpu = out.nodes[1].mutable_resources()->add_gpus();
   gpu->set_index(0);
   gpu->set_uuid("GPU-cccc");
+  return out;
+}
+
+TEST(JobViewTest, GpuTableJoinsPlacementsWithTheNodesInventory) {
+  const auto [job, nodes] = FourGpuRanks();
   ASSERT_TRUE(HoldsGpus(job));
   const std::string table = GpuTable(job, nodes);
   EXPECT_THAT(LineStartingWith(table, "0  gpu-a"), HasSubstr("0  GPU-aaaa  NVIDIA H100 80GB HBM3"));
@@ -187,24 +199,7 @@ TEST(JobViewTest, GpuTableJoinsPlacementsWithTheNodesInventory) {
 }
 
 TEST(JobViewTest, JobJsonGainsEachGpuRanksUuidFromItsNode) {
-  v1::Job job;
-  job.set_job_id("job-00000001");
-  auto place = [&](int rank, const char* node, int gpu) {
-    v1::RankPlacement* p = job.add_placements();
-    p->set_rank(rank);
-    p->set_node_id(node);
-    p->set_gpu_index(gpu);
-  };
-  place(0, "gpu-a", 1);
-  place(1, "gone", 0);
-  std::vector<v1::Node> nodes(1);
-  nodes[0].set_node_id("gpu-a");
-  for (int i = 0; i < 2; ++i) {
-    v1::GpuDevice* gpu = nodes[0].mutable_resources()->add_gpus();
-    gpu->set_index(i);
-    gpu->set_uuid(i == 0 ? "GPU-aaaa" : "GPU-bbbb");
-    gpu->set_name("NVIDIA H100 80GB HBM3");
-  }
+  const auto [job, nodes] = FourGpuRanks();
   const std::string job_json = "{\n  \"job_id\": \"job-00000001\",\n  \"attempt\": 2\n}\n";
   absl::StatusOr<std::string> out = JobJsonWithGpus(job_json, job, nodes);
   ASSERT_THAT(out, IsOk());
@@ -214,16 +209,14 @@ TEST(JobViewTest, JobJsonGainsEachGpuRanksUuidFromItsNode) {
   EXPECT_EQ(printed.begin().key(), "job_id");
   EXPECT_EQ(printed["job_id"], "job-00000001");
   EXPECT_EQ(printed["attempt"], 2);
-  const nlohmann::ordered_json& gpus = printed["gpus"];
-  ASSERT_EQ(gpus.size(), 2u);
-  EXPECT_EQ(gpus[0],
-            nlohmann::ordered_json::parse(R"({"rank": 0, "node_id": "gpu-a", "gpu_index": 1,
-                                              "uuid": "GPU-bbbb",
-                                              "name": "NVIDIA H100 80GB HBM3"})"));
-  // A node no longer listed: the placement, and null for what only its inventory knows.
-  EXPECT_EQ(gpus[1], nlohmann::ordered_json::parse(R"({"rank": 1, "node_id": "gone",
-                                                       "gpu_index": 0, "uuid": null,
-                                                       "name": null})"));
+  EXPECT_EQ(printed["gpus"], nlohmann::ordered_json::parse(R"([
+    {"rank": 0, "node_id": "gpu-a", "gpu_index": 0, "uuid": "GPU-aaaa",
+     "name": "NVIDIA H100 80GB HBM3"},
+    {"rank": 1, "node_id": "gpu-a", "gpu_index": 1, "uuid": "GPU-bbbb",
+     "name": "NVIDIA H100 80GB HBM3"},
+    {"rank": 2, "node_id": "gpu-b", "gpu_index": 0, "uuid": "GPU-cccc", "name": null},
+    {"rank": 3, "node_id": "gone", "gpu_index": 3, "uuid": null, "name": null}])"))
+      << *out;
 
   // A CPU job's JSON is left as it was; so is the check of what it is given.
   v1::Job cpu_job;
