@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
 
 namespace tessera::client {
 namespace {
@@ -60,6 +61,25 @@ std::string FormatBytes(int64_t bytes) {
   if (b >= 1024.0 * 1024) return absl::StrFormat("%.1f MiB", b / (1024.0 * 1024));
   if (b >= 1024.0) return absl::StrFormat("%.1f KiB", b / 1024.0);
   return absl::StrFormat("%d B", bytes);
+}
+
+// The GPU ranks of `job`, in placement order, each with its device from its node's inventory
+// in `nodes` (null when the node or its GPU is not listed).
+std::vector<std::pair<const v1::RankPlacement*, const v1::GpuDevice*>> RankGpus(
+    const v1::Job& job, const std::vector<v1::Node>& nodes) {
+  std::map<std::pair<std::string, int>, const v1::GpuDevice*> devices;
+  for (const v1::Node& node : nodes) {
+    for (const v1::GpuDevice& gpu : node.resources().gpus()) {
+      devices[{node.node_id(), gpu.index()}] = &gpu;
+    }
+  }
+  std::vector<std::pair<const v1::RankPlacement*, const v1::GpuDevice*>> out;
+  for (const v1::RankPlacement& p : job.placements()) {
+    if (p.gpu_index() < 0) continue;
+    const auto it = devices.find({p.node_id(), p.gpu_index()});
+    out.emplace_back(&p, it == devices.end() ? nullptr : it->second);
+  }
+  return out;
 }
 
 }  // namespace
@@ -159,12 +179,6 @@ bool HoldsGpus(const v1::Job& job) {
 
 std::string GpuTable(const v1::Job& job, const std::vector<v1::Node>& nodes) {
   if (!HoldsGpus(job)) return "";
-  std::map<std::pair<std::string, int>, const v1::GpuDevice*> devices;
-  for (const v1::Node& node : nodes) {
-    for (const v1::GpuDevice& gpu : node.resources().gpus()) {
-      devices[{node.node_id(), gpu.index()}] = &gpu;
-    }
-  }
   size_t node_width = 4;
   for (const v1::RankPlacement& p : job.placements()) {
     node_width = std::max(node_width, p.node_id().size());
@@ -172,19 +186,41 @@ std::string GpuTable(const v1::Job& job, const std::vector<v1::Node>& nodes) {
   const int width = static_cast<int>(node_width);
   std::string out = "  gpus:\n";
   absl::StrAppendFormat(&out, "    %4s  %-*s  %3s  %s\n", "rank", width, "node", "gpu", "uuid");
-  for (const v1::RankPlacement& p : job.placements()) {
-    if (p.gpu_index() < 0) continue;
-    const auto it = devices.find({p.node_id(), p.gpu_index()});
+  for (const auto& [p, device] : RankGpus(job, nodes)) {
     const std::string uuid =
-        it == devices.end() || it->second->uuid().empty() ? std::string("?") : it->second->uuid();
-    absl::StrAppendFormat(&out, "    %4d  %-*s  %3d  %s", p.rank(), width, p.node_id(),
-                          p.gpu_index(), uuid);
-    if (it != devices.end() && !it->second->name().empty()) {
-      absl::StrAppendFormat(&out, "  %s", it->second->name());
+        device == nullptr || device->uuid().empty() ? std::string("?") : device->uuid();
+    absl::StrAppendFormat(&out, "    %4d  %-*s  %3d  %s", p->rank(), width, p->node_id(),
+                          p->gpu_index(), uuid);
+    if (device != nullptr && !device->name().empty()) {
+      absl::StrAppendFormat(&out, "  %s", device->name());
     }
     out += "\n";
   }
   return out;
+}
+
+absl::StatusOr<std::string> JobJsonWithGpus(const std::string& job_json, const v1::Job& job,
+                                            const std::vector<v1::Node>& nodes) {
+  if (!HoldsGpus(job)) return job_json;
+  // Ordered, so that the job's fields keep protobuf's order.
+  nlohmann::ordered_json out = nlohmann::ordered_json::parse(job_json, nullptr,
+                                                             /*allow_exceptions=*/false);
+  if (!out.is_object()) {
+    return absl::InvalidArgumentError("job_json: not a JSON object (the job as protobuf JSON)");
+  }
+  nlohmann::ordered_json gpus = nlohmann::ordered_json::array();
+  for (const auto& [p, device] : RankGpus(job, nodes)) {
+    const bool known = device != nullptr && !device->uuid().empty();
+    gpus.push_back({{"rank", p->rank()},
+                    {"node_id", p->node_id()},
+                    {"gpu_index", p->gpu_index()},
+                    {"uuid", known ? nlohmann::ordered_json(device->uuid()) : nullptr},
+                    {"name", device != nullptr && !device->name().empty()
+                                 ? nlohmann::ordered_json(device->name())
+                                 : nullptr}});
+  }
+  out["gpus"] = std::move(gpus);
+  return out.dump(2) + "\n";
 }
 
 std::string RollbackLine(const v1::Rollback& rollback) {

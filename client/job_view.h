@@ -1,9 +1,10 @@
 // The parts of `tessera get` and `tessera watch` that show where a job's step time goes and which
 // GPUs it holds: rank 0's newest StepMetrics.breakdown as a block of phases and top collectives,
 // every rank's heartbeat breakdown (StragglerReport) as a table, a one-line summary per step for
-// `watch`, and each rank's GPU joined with its node's inventory. Each function returns the text to
-// print, or "" when the job has nothing of the kind (a trainer that sends no breakdown, a CPU job),
-// so that the output of such jobs stays as it was.
+// `watch`, and each rank's GPU joined with its node's inventory, as a table or in the JSON. Each
+// function returns what to print, or "" (the JSON unchanged) when the job has nothing of the
+// kind (a trainer that sends no breakdown, a CPU job), so that the output of such jobs stays as
+// it was.
 //
 // Thread safety: pure functions.
 #pragma once
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "tessera/v1/job.pb.h"
 #include "tessera/v1/metrics.pb.h"
 #include "tessera/v1/node.pb.h"
@@ -40,6 +42,14 @@ std::string BreakdownSummary(const v1::StepMetrics& metrics);
 // inventory in `nodes` ("?" when the node or its GPU is not listed, e.g. a removed node). "" for a
 // job holding no GPU.
 std::string GpuTable(const v1::Job& job, const std::vector<v1::Node>& nodes);
+
+// `get --output=json`: `job_json` (the job as protobuf JSON) with a "gpus" array added for a job
+// holding GPUs, one object per GPU rank: rank, node_id, gpu_index, and the uuid and name from that
+// node's inventory (null when the node or its GPU is not listed). The job's own fields keep their
+// order. `job_json` unchanged for a job holding no GPU; InvalidArgument when it is not a JSON
+// object.
+absl::StatusOr<std::string> JobJsonWithGpus(const std::string& job_json, const v1::Job& job,
+                                            const std::vector<v1::Node>& nodes);
 
 // Whether any rank of `job` holds a GPU (`get` asks the coordinator for its nodes only then).
 bool HoldsGpus(const v1::Job& job);

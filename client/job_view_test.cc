@@ -4,12 +4,17 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 
 namespace tessera::client {
 namespace {
 
+using ::tessera::testing::IsOk;
+using ::tessera::testing::IsOkAndHolds;
+using ::tessera::testing::StatusIs;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -146,10 +151,17 @@ TEST(JobViewTest, WatchSummaryIsOneCompactLine) {
   EXPECT_THAT(BreakdownSummary(m), Not(HasSubstr("top")));
 }
 
-TEST(JobViewTest, GpuTableJoinsPlacementsWithTheNodesInventory) {
+// A job on four GPUs: ranks 0 and 1 on gpu-a's GPUs 0 and 1 (H100s), rank 2 on gpu-b's GPU 0
+// (no product name), rank 3 on GPU 3 of a node no longer listed.
+struct GpuJob {
   v1::Job job;
+  std::vector<v1::Node> nodes;
+};
+GpuJob FourGpuRanks() {
+  GpuJob out;
+  out.job.set_job_id("job-00000001");
   auto place = [&](int rank, const char* node, int gpu) {
-    v1::RankPlacement* p = job.add_placements();
+    v1::RankPlacement* p = out.job.add_placements();
     p->set_rank(rank);
     p->set_node_id(node);
     p->set_gpu_index(gpu);
@@ -158,18 +170,23 @@ TEST(JobViewTest, GpuTableJoinsPlacementsWithTheNodesInventory) {
   place(1, "gpu-a", 1);
   place(2, "gpu-b", 0);
   place(3, "gone", 3);
-  std::vector<v1::Node> nodes(2);
-  nodes[0].set_node_id("gpu-a");
+  out.nodes.resize(2);
+  out.nodes[0].set_node_id("gpu-a");
   for (int i = 0; i < 2; ++i) {
-    v1::GpuDevice* gpu = nodes[0].mutable_resources()->add_gpus();
+    v1::GpuDevice* gpu = out.nodes[0].mutable_resources()->add_gpus();
     gpu->set_index(i);
     gpu->set_uuid(i == 0 ? "GPU-aaaa" : "GPU-bbbb");
     gpu->set_name("NVIDIA H100 80GB HBM3");
   }
-  nodes[1].set_node_id("gpu-b");
-  v1::GpuDevice* gpu = nodes[1].mutable_resources()->add_gpus();
+  out.nodes[1].set_node_id("gpu-b");
+  v1::GpuDevice* gpu = out.nodes[1].mutable_resources()->add_gpus();
   gpu->set_index(0);
   gpu->set_uuid("GPU-cccc");
+  return out;
+}
+
+TEST(JobViewTest, GpuTableJoinsPlacementsWithTheNodesInventory) {
+  const auto [job, nodes] = FourGpuRanks();
   ASSERT_TRUE(HoldsGpus(job));
   const std::string table = GpuTable(job, nodes);
   EXPECT_THAT(LineStartingWith(table, "0  gpu-a"), HasSubstr("0  GPU-aaaa  NVIDIA H100 80GB HBM3"));
@@ -179,6 +196,36 @@ TEST(JobViewTest, GpuTableJoinsPlacementsWithTheNodesInventory) {
   EXPECT_THAT(LineStartingWith(table, "2  gpu-b"), Not(HasSubstr("GPU-aaaa")));
   // A node no longer listed: the index, and "?" for the UUID.
   EXPECT_THAT(LineStartingWith(table, "3  gone"), HasSubstr("3  ?"));
+}
+
+TEST(JobViewTest, JobJsonGainsEachGpuRanksUuidFromItsNode) {
+  const auto [job, nodes] = FourGpuRanks();
+  const std::string job_json = "{\n  \"job_id\": \"job-00000001\",\n  \"attempt\": 2\n}\n";
+  absl::StatusOr<std::string> out = JobJsonWithGpus(job_json, job, nodes);
+  ASSERT_THAT(out, IsOk());
+  const nlohmann::ordered_json printed = nlohmann::ordered_json::parse(*out);
+  // The job's fields first, in their order, then the GPUs.
+  ASSERT_EQ(printed.size(), 3u);
+  EXPECT_EQ(printed.begin().key(), "job_id");
+  EXPECT_EQ(printed["job_id"], "job-00000001");
+  EXPECT_EQ(printed["attempt"], 2);
+  EXPECT_EQ(printed["gpus"], nlohmann::ordered_json::parse(R"([
+    {"rank": 0, "node_id": "gpu-a", "gpu_index": 0, "uuid": "GPU-aaaa",
+     "name": "NVIDIA H100 80GB HBM3"},
+    {"rank": 1, "node_id": "gpu-a", "gpu_index": 1, "uuid": "GPU-bbbb",
+     "name": "NVIDIA H100 80GB HBM3"},
+    {"rank": 2, "node_id": "gpu-b", "gpu_index": 0, "uuid": "GPU-cccc", "name": null},
+    {"rank": 3, "node_id": "gone", "gpu_index": 3, "uuid": null, "name": null}])"))
+      << *out;
+
+  // A CPU job's JSON is left as it was; so is the check of what it is given.
+  v1::Job cpu_job;
+  cpu_job.add_placements()->set_gpu_index(-1);
+  EXPECT_THAT(JobJsonWithGpus(job_json, cpu_job, nodes), IsOkAndHolds(job_json));
+  EXPECT_THAT(JobJsonWithGpus("[1, 2]", job, nodes),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_json")));
+  EXPECT_THAT(JobJsonWithGpus("{\"job_id\": ", job, nodes),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a JSON object")));
 }
 
 TEST(JobViewTest, RollbacksShowTheSpikeTheResumeAndTheSkippedData) {

@@ -387,8 +387,21 @@ int main(int argc, char** argv) {
     if (!need_arg("JOB")) return 2;
     auto job = client.Get(arg);
     if (!job.ok()) return Fail(job.status());
+    // The GPUs' UUIDs are in the nodes' inventories; without them the indices still show.
+    std::vector<v1::Node> nodes;
+    if (tessera::client::HoldsGpus(*job)) {
+      auto listed = client.Nodes(/*include_lost=*/true);
+      if (listed.ok()) {
+        nodes = *std::move(listed);
+      } else {
+        std::cerr << "tessera: cannot list nodes for the GPUs' UUIDs: "
+                  << listed.status().message() << "\n";
+      }
+    }
     if (json) {
-      std::cout << Json(*job);
+      auto out = tessera::client::JobJsonWithGpus(Json(*job), *job, nodes);
+      if (!out.ok()) return Fail(out.status());
+      std::cout << *out;
     } else {
       PrintJob(*job);
       if (!job->plan().explanation().empty()) {
@@ -398,15 +411,7 @@ int main(int argc, char** argv) {
       std::cout << tessera::client::RollbackBlock(*job);
       std::cout << tessera::client::TimeBreakdownBlock(job->latest_metrics())
                 << tessera::client::RankBreakdownTable(job->straggler());
-      if (tessera::client::HoldsGpus(*job)) {
-        // The UUIDs are in the nodes' inventories; without them the indices still show.
-        auto nodes = client.Nodes(/*include_lost=*/true);
-        if (!nodes.ok()) {
-          std::cerr << "tessera: cannot list nodes for the GPUs' UUIDs: "
-                    << nodes.status().message() << "\n";
-        }
-        std::cout << tessera::client::GpuTable(*job, nodes.ok() ? *nodes : std::vector<v1::Node>{});
-      }
+      std::cout << tessera::client::GpuTable(*job, nodes);
     }
     return 0;
   }

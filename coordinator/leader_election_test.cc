@@ -7,6 +7,7 @@
 #include "coordinator/leader_election.h"
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -29,6 +30,35 @@ using ::tessera::testing::StatusIs;
 using ::testing::HasSubstr;
 using ::testing::SizeIs;
 
+// What an elector reported through StartRenewing's loss callback.
+//
+// Thread safety: the callback writes from the renewal thread; readers hold mu_.
+class LossLog {
+ public:
+  // Starts `elector`'s renewals; a loss goes into this log, which must outlive `elector`.
+  void StartRenewing(LeaderElection& elector) {
+    elector.StartRenewing([this](const std::string& message) {
+      absl::MutexLock lock(&mu_);
+      message_ = message;
+    });
+  }
+  std::string message() const {
+    absl::MutexLock lock(&mu_);
+    return message_;
+  }
+  // Waits up to `timeout` for a loss to be reported; false if none was.
+  bool AwaitLoss(absl::Duration timeout) const {
+    absl::MutexLock lock(&mu_);
+    return mu_.AwaitWithTimeout(
+        absl::Condition(+[](const std::string* text) { return !text->empty(); }, &message_),
+        timeout);
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::string message_ ABSL_GUARDED_BY(mu_);
+};
+
 class LeaderElectionTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -50,8 +80,39 @@ class LeaderElectionTest : public ::testing::Test {
     return election.ok() ? *std::move(election) : nullptr;
   }
 
+  // A leader "a:1" holding the lease at epoch 1 (one-second lease, renewed every
+  // `leader_renew_interval`; zero: the default) and a standby "b:1" on the same database.
+  void ElectLeaderWithStandby(absl::Duration leader_renew_interval = absl::ZeroDuration()) {
+    leader_ = Elector("a:1", absl::Seconds(1), leader_renew_interval);
+    standby_ = Elector("b:1");
+    ASSERT_NE(leader_, nullptr);
+    ASSERT_NE(standby_, nullptr);
+    ASSERT_THAT(leader_->TryAcquire(), IsOkAndHolds(true));
+    ASSERT_EQ(leader_->epoch(), 1);
+  }
+
+  // A store on the test database whose every write passes `elector`'s fence; `in_write`, when
+  // given, runs next inside the write transaction with the fence's verdict (to hold it open).
+  std::unique_ptr<Store> FencedStore(
+      LeaderElection* elector, std::function<void(const absl::Status& fenced)> in_write = {}) {
+    absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(url_);
+    EXPECT_THAT(store.status(), IsOk());
+    if (!store.ok()) return nullptr;
+    (*store)->SetWriteFence([elector, in_write](DbConnection& writer) {
+      absl::Status fenced = elector->Fence(writer);
+      if (in_write) in_write(fenced);
+      return fenced;
+    });
+    return *std::move(store);
+  }
+
   std::string url_;
+  // Before the electors, so that it outlives their renewal threads.
+  LossLog lost_;
+  std::unique_ptr<LeaderElection> leader_;
+  std::unique_ptr<LeaderElection> standby_;
 };
+
 
 TEST_F(LeaderElectionTest, OneOfTwoLeadsAndTheOtherSeesWhich) {
   auto a = Elector("10.0.0.1:50051", absl::Seconds(30));
@@ -74,9 +135,9 @@ TEST_F(LeaderElectionTest, OneOfTwoLeadsAndTheOtherSeesWhich) {
 }
 
 TEST_F(LeaderElectionTest, TheStandbyTakesOverOnlyAfterTheLeaseAndTheOldRenewalFails) {
-  auto a = Elector("a:1");
-  auto b = Elector("b:1");
-  ASSERT_THAT(a->TryAcquire(), IsOkAndHolds(true));
+  ASSERT_NO_FATAL_FAILURE(ElectLeaderWithStandby());
+  LeaderElection* a = leader_.get();
+  LeaderElection* b = standby_.get();
   const auto acquired = std::chrono::steady_clock::now();
   // Tried again and again before the lease ends, and refused each time.
   while (std::chrono::steady_clock::now() - acquired < std::chrono::milliseconds(700)) {
@@ -93,119 +154,82 @@ TEST_F(LeaderElectionTest, TheStandbyTakesOverOnlyAfterTheLeaseAndTheOldRenewalF
 }
 
 TEST_F(LeaderElectionTest, ARenewingLeaderKeepsTheLease) {
-  auto a = Elector("a:1");
-  auto b = Elector("b:1");
-  ASSERT_THAT(a->TryAcquire(), IsOkAndHolds(true));
-  absl::Mutex mu;
-  std::string lost;
-  a->StartRenewing([&](const std::string& message) {
-    absl::MutexLock lock(&mu);
-    lost = message;
-  });
+  ASSERT_NO_FATAL_FAILURE(ElectLeaderWithStandby());
+  lost_.StartRenewing(*leader_);
   for (int i = 0; i < 25; ++i) {
-    ASSERT_THAT(b->TryAcquire(), IsOkAndHolds(false)) << "after " << i * 100 << " ms";
+    ASSERT_THAT(standby_->TryAcquire(), IsOkAndHolds(false)) << "after " << i * 100 << " ms";
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  EXPECT_TRUE(a->Valid());
-  absl::MutexLock lock(&mu);
-  EXPECT_EQ(lost, "");
+  EXPECT_TRUE(leader_->Valid());
+  EXPECT_EQ(lost_.message(), "");
 }
 
 TEST_F(LeaderElectionTest, TheDeposedLeadersWritesAreRefusedAndNothingOfThemIsStored) {
   // A renewal interval past the test: the leader never renews, as if paused.
-  auto a = Elector("a:1", absl::Seconds(1), absl::Seconds(600));
-  auto b = Elector("b:1");
-  ASSERT_THAT(a->TryAcquire(), IsOkAndHolds(true));
-  absl::StatusOr<std::unique_ptr<Store>> store_a = Store::Open(url_);
-  ASSERT_THAT(store_a.status(), IsOk());
-  LeaderElection* fence = a.get();
-  (*store_a)->SetWriteFence([fence](DbConnection& writer) { return fence->Fence(writer); });
+  ASSERT_NO_FATAL_FAILURE(ElectLeaderWithStandby(absl::Seconds(600)));
+  std::unique_ptr<Store> store_a = FencedStore(leader_.get());
+  ASSERT_NE(store_a, nullptr);
   // The fence reports a refusal through the loss callback StartRenewing installs.
-  absl::Mutex mu;
-  std::string lost;
-  a->StartRenewing([&](const std::string& message) {
-    absl::MutexLock lock(&mu);
-    lost = message;
-  });
-  SubmitJob(**store_a, MakeJob("job-00000001", v1::JOB_STATE_PENDING, 1));
+  lost_.StartRenewing(*leader_);
+  SubmitJob(*store_a, MakeJob("job-00000001", v1::JOB_STATE_PENDING, 1));
 
   std::this_thread::sleep_for(std::chrono::milliseconds(1100));
-  ASSERT_THAT(b->TryAcquire(), IsOkAndHolds(true));
-  ASSERT_EQ(b->epoch(), 2);
+  ASSERT_THAT(standby_->TryAcquire(), IsOkAndHolds(true));
+  ASSERT_EQ(standby_->epoch(), 2);
 
   JobWrite write;
   write.job = MakeJob("", v1::JOB_STATE_PENDING, 2);
-  EXPECT_THAT((*store_a)->CommitNewJob(&write),
+  EXPECT_THAT(store_a->CommitNewJob(&write),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("store: fenced: leadership epoch 1 was superseded by 2")));
   EXPECT_EQ(write.job_id, "");
-  EXPECT_THAT((*store_a)->PutNode([] {
+  EXPECT_THAT(store_a->PutNode([] {
     v1::Node node;
     node.set_node_id("node-1");
     return node;
   }()),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("fenced")));
-  {
-    absl::MutexLock lock(&mu);
-    EXPECT_EQ(lost, "lost leadership (epoch 1, now 2 at b:1)");
-  }
+  EXPECT_EQ(lost_.message(), "lost leadership (epoch 1, now 2 at b:1)");
 
-  // What the new leader's store finds: the job written before the takeover, nothing after.
-  absl::StatusOr<std::unique_ptr<Store>> store_b = Store::Open(url_);
-  ASSERT_THAT(store_b.status(), IsOk());
-  absl::StatusOr<JobPage> jobs = (*store_b)->ListJobs({}, 0, "");
+  // What the new leader's own fenced store finds: the job written before the takeover, nothing
+  // after; and it writes.
+  std::unique_ptr<Store> store_b = FencedStore(standby_.get());
+  ASSERT_NE(store_b, nullptr);
+  absl::StatusOr<JobPage> jobs = store_b->ListJobs({}, 0, "");
   ASSERT_THAT(jobs.status(), IsOk());
   EXPECT_THAT(JobIds(jobs->jobs), ::testing::ElementsAre("job-00000001"));
-  EXPECT_THAT((*store_b)->ListNodes(), IsOkAndHolds(SizeIs(0)));
-  // The new leader's own fenced store writes.
-  LeaderElection* fence_b = b.get();
-  (*store_b)->SetWriteFence([fence_b](DbConnection& writer) { return fence_b->Fence(writer); });
+  EXPECT_THAT(store_b->ListNodes(), IsOkAndHolds(SizeIs(0)));
   JobWrite next;
   next.job = MakeJob("", v1::JOB_STATE_PENDING, 3);
-  EXPECT_THAT((*store_b)->CommitNewJob(&next), IsOk());
+  EXPECT_THAT(store_b->CommitNewJob(&next), IsOk());
 }
 
 // A write transaction that holds the fence longer than the lease (a slow group commit on a loaded
 // database) does not stop the leader's renewals: it keeps the lease.
 TEST_F(LeaderElectionTest, ASlowFencedWriteDoesNotStarveTheRenewal) {
   auto a = Elector("a:1");
+  ASSERT_NE(a, nullptr);
   ASSERT_THAT(a->TryAcquire(), IsOkAndHolds(true));
-  absl::Mutex mu;
-  std::string lost;
-  a->StartRenewing([&](const std::string& message) {
-    absl::MutexLock lock(&mu);
-    lost = message;
-  });
-  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(url_);
-  ASSERT_THAT(store.status(), IsOk());
-  LeaderElection* elector = a.get();
-  (*store)->SetWriteFence([elector](DbConnection& writer) {
-    absl::Status fenced = elector->Fence(writer);
+  lost_.StartRenewing(*a);
+  std::unique_ptr<Store> store = FencedStore(a.get(), [](const absl::Status&) {
     // The transaction goes on holding the lease row for 1.5 leases.
     std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-    return fenced;
   });
-  SubmitJob(**store, MakeJob("job-00000001", v1::JOB_STATE_PENDING, 1));
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-00000001", v1::JOB_STATE_PENDING, 1));
   EXPECT_TRUE(a->Valid()) << "the renewal waited for the leader's own write";
-  absl::MutexLock lock(&mu);
-  EXPECT_EQ(lost, "");
+  EXPECT_EQ(lost_.message(), "");
 }
 
 // A standby cannot take over while a write fenced under the old epoch is in flight: its takeover
 // waits until that write has committed.
 TEST_F(LeaderElectionTest, ATakeoverWaitsForTheOldLeadersFencedWrite) {
   // The leader never renews: its lease runs out while its write holds the fence.
-  auto a = Elector("a:1", absl::Seconds(1), absl::Seconds(600));
-  auto b = Elector("b:1");
-  ASSERT_THAT(a->TryAcquire(), IsOkAndHolds(true));
-  absl::StatusOr<std::unique_ptr<Store>> store = Store::Open(url_);
-  ASSERT_THAT(store.status(), IsOk());
-  LeaderElection* elector = a.get();
+  ASSERT_NO_FATAL_FAILURE(ElectLeaderWithStandby(absl::Seconds(600)));
   absl::Mutex mu;
   bool passed = false;
   std::chrono::steady_clock::time_point released;
-  (*store)->SetWriteFence([&, elector](DbConnection& writer) {
-    absl::Status fenced = elector->Fence(writer);
+  std::unique_ptr<Store> store = FencedStore(leader_.get(), [&](const absl::Status& fenced) {
     {
       absl::MutexLock lock(&mu);
       passed = fenced.ok();
@@ -213,45 +237,38 @@ TEST_F(LeaderElectionTest, ATakeoverWaitsForTheOldLeadersFencedWrite) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1500));
     absl::MutexLock lock(&mu);
     released = std::chrono::steady_clock::now();
-    return fenced;
   });
-  std::thread writer([&] { SubmitJob(**store, MakeJob("job-00000001", v1::JOB_STATE_PENDING, 1)); });
+  ASSERT_NE(store, nullptr);
+  std::thread writer([&] { SubmitJob(*store, MakeJob("job-00000001", v1::JOB_STATE_PENDING, 1)); });
   {
     absl::MutexLock lock(&mu);
     mu.Await(absl::Condition(&passed));
   }
-  absl::StatusOr<bool> taken = b->TryAcquire();
+  absl::StatusOr<bool> taken = standby_->TryAcquire();
   while (!taken.ok() || !*taken) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    taken = b->TryAcquire();
+    taken = standby_->TryAcquire();
   }
   const auto taken_at = std::chrono::steady_clock::now();
   writer.join();
-  EXPECT_EQ(b->epoch(), 2);
+  EXPECT_EQ(standby_->epoch(), 2);
   {
     absl::MutexLock lock(&mu);
     EXPECT_GT(taken_at, released) << "the standby took over under a write in flight";
   }
-  absl::StatusOr<JobPage> jobs = (*store)->ListJobs({}, 0, "");
+  absl::StatusOr<JobPage> jobs = store->ListJobs({}, 0, "");
   ASSERT_THAT(jobs.status(), IsOk());
   EXPECT_THAT(JobIds(jobs->jobs), ::testing::ElementsAre("job-00000001"));
 }
 
 TEST_F(LeaderElectionTest, ALeaderThatStopsRenewingStepsDownByItsOwnClock) {
   auto a = Elector("a:1", absl::Milliseconds(600), absl::Milliseconds(900));
+  ASSERT_NE(a, nullptr);
   ASSERT_THAT(a->TryAcquire(), IsOkAndHolds(true));
-  absl::Mutex mu;
-  std::string lost;
-  a->StartRenewing([&](const std::string& message) {
-    absl::MutexLock lock(&mu);
-    lost = message;
-  });
+  lost_.StartRenewing(*a);
   // The first renewal is due after the lease is over: the leader gives up rather than renew.
-  absl::MutexLock lock(&mu);
-  EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(
-                                      +[](std::string* text) { return !text->empty(); }, &lost),
-                                  absl::Seconds(5)));
-  EXPECT_EQ(lost, "lost leadership (epoch 1, not renewed for 600ms)");
+  EXPECT_TRUE(lost_.AwaitLoss(absl::Seconds(5)));
+  EXPECT_EQ(lost_.message(), "lost leadership (epoch 1, not renewed for 600ms)");
   EXPECT_FALSE(a->Valid());
 }
 

@@ -19,6 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "tessera/v1/worker_service.grpc.pb.h"
 #include "tests/coordinator_test_fixture.h"
@@ -549,6 +551,63 @@ TEST_F(CoordinatorQueuesTest, ListQueuesAndTheCliShowQuotaUseAndJobs) {
   ASSERT_THAT(json, IsOk());
   EXPECT_EQ(json->exit.exit_code, 0) << json->output;
   EXPECT_THAT(json->output, HasSubstr("\"running_jobs\": 1"));
+}
+
+// `tessera get`: each GPU rank's node, index and the UUID from its node's inventory, in the table
+// and in the JSON (beside the job's own fields, which stay protobuf JSON).
+TEST_F(CoordinatorTest, TheCliShowsTheGpuUuidsOfAJobsRanks) {
+  RegisterNode("node-a", 2, 0);
+  RegisterNode("node-b", 2, 0);
+  v1::Job job = Submit(GpuSpec("uuids", 4, 4, 1));
+  job = WaitForJob(job.job_id(),
+                   [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
+  ASSERT_EQ(job.placements_size(), 4);
+
+  auto json = testing::RunCommand(
+      {BinDir() + "/tessera", "--coordinator=" + address_, "--output=json", "get", job.job_id()});
+  ASSERT_THAT(json, IsOk());
+  ASSERT_EQ(json->exit.exit_code, 0) << json->output;
+  google::protobuf::Struct printed;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json->output, &printed).ok())
+      << json->output;
+  EXPECT_EQ(printed.fields().at("job_id").string_value(), job.job_id());
+  ASSERT_TRUE(printed.fields().contains("gpus")) << json->output;
+  const google::protobuf::ListValue& gpus = printed.fields().at("gpus").list_value();
+  ASSERT_EQ(gpus.values_size(), 4);
+  std::set<std::string> uuids;
+  for (const auto& value : gpus.values()) {
+    const auto& gpu = value.struct_value().fields();
+    const int rank = static_cast<int>(gpu.at("rank").number_value());
+    ASSERT_GE(rank, 0);
+    ASSERT_LT(rank, 4);
+    const v1::RankPlacement* placement = nullptr;
+    for (const auto& p : job.placements()) {
+      if (p.rank() == rank) placement = &p;
+    }
+    ASSERT_NE(placement, nullptr) << rank;
+    EXPECT_EQ(gpu.at("node_id").string_value(), placement->node_id());
+    EXPECT_EQ(gpu.at("gpu_index").number_value(), placement->gpu_index());
+    // The fake nodes' inventories name GPU i of node N "GPU-N-i".
+    EXPECT_EQ(gpu.at("uuid").string_value(),
+              absl::StrCat("GPU-", placement->node_id(), "-", placement->gpu_index()));
+    EXPECT_EQ(gpu.at("name").string_value(), "NVIDIA H100 80GB HBM3");
+    uuids.insert(gpu.at("uuid").string_value());
+  }
+  EXPECT_EQ(uuids.size(), 4u) << "each rank holds a GPU of its own";
+  // The job's own fields parse back as the job, once the CLI's addition is set aside.
+  printed.mutable_fields()->erase("gpus");
+  std::string job_json;
+  ASSERT_TRUE(google::protobuf::util::MessageToJsonString(printed, &job_json).ok());
+  v1::Job parsed;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(job_json, &parsed).ok()) << job_json;
+  EXPECT_EQ(parsed.placements_size(), 4);
+
+  auto text = testing::RunCommand(
+      {BinDir() + "/tessera", "--coordinator=" + address_, "get", job.job_id()});
+  ASSERT_THAT(text, IsOk());
+  ASSERT_EQ(text->exit.exit_code, 0) << text->output;
+  for (const std::string& uuid : uuids) EXPECT_THAT(text->output, HasSubstr(uuid));
 }
 
 TEST(CoordinatorQueueFileTest, ABadFileStopsTheStartNamingTheField) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/daemon/server.h"
 #include "common/status_matchers.h"
 #include "grpcpp/client_context.h"
@@ -76,6 +77,7 @@ class CoordinatorTest : public ::testing::Test {
     for (int i = 0; i < gpus; ++i) {
       auto* gpu = request.mutable_resources()->add_gpus();
       gpu->set_index(i);
+      gpu->set_uuid(absl::StrCat("GPU-", node_id, "-", i));
       gpu->set_name("NVIDIA H100 80GB HBM3");
       gpu->set_memory_bytes(80LL << 30);
     }

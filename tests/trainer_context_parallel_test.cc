@@ -38,16 +38,6 @@ using ::testing::HasSubstr;
 
 constexpr int kSteps = 12;
 
-// One intra-op thread per trainer process. Up to four ranks share the test machine's cores, and
-// OpenMP teams that spin in their barriers while a peer waits on the ring slow each other down by
-// ~50x (measured on 2 cores: 25 s a step at cp 2 with two threads per rank, 0.2-0.5 s with one).
-class OneThreadPerRank : public ::testing::Environment {
- public:
-  void SetUp() override { setenv("OMP_NUM_THREADS", "1", /*overwrite=*/1); }
-};
-[[maybe_unused]] const ::testing::Environment* const kOneThreadPerRank =
-    ::testing::AddGlobalTestEnvironment(new OneThreadPerRank);
-
 struct ContextCase {
   std::string name;
   std::string preset;

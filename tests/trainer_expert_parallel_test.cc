@@ -17,16 +17,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/trainer_training_fixture.h"
+#include "tests/trainer_layout_fixture.h"
 
 namespace tessera {
 namespace {
 
+using ::tessera::testing::LayoutTrainingTest;
 using ::tessera::testing::TrainerRun;
-using ::tessera::testing::TrainerTrainingTest;
-using ::testing::HasSubstr;
 
 constexpr int kSteps = 12;
 
@@ -41,16 +39,12 @@ std::string CaseName(const ::testing::TestParamInfo<ExpertCase>& info) {
 }
 
 // The tiny MoE model's runs: flags and the median step time they report.
-class MoeTrainingTest : public TrainerTrainingTest {
+class MoeTrainingTest : public LayoutTrainingTest {
  protected:
   static std::vector<std::string> MoeFlags(int steps, const std::string& dir, int ep, int zero,
                                            int decay_steps) {
     std::vector<std::string> flags = BaseFlags(steps, dir, decay_steps);
-    for (std::string& flag : flags) {
-      if (flag == "--preset=tiny-gpt2") flag = "--preset=tiny-llama";
-    }
-    flags.push_back("--num_experts=8");
-    flags.push_back("--experts_per_token=2");
+    UseTinyMoe(flags, /*aux_loss_coef=*/"0");
     flags.push_back(absl::StrCat("--expert_parallel=", ep));
     flags.push_back(absl::StrCat("--zero_stage=", zero));
     return flags;
@@ -73,52 +67,34 @@ class ExpertParallelTrainingTest : public MoeTrainingTest,
                                    public ::testing::WithParamInterface<ExpertCase> {
  protected:
   // One process of the same model, exported, once for the suite.
-  static const TrainerRun& Reference() {
-    static TrainerRun* run = [] {
-      auto* reference = new TrainerRun;
-      *reference_dir_ = MakeTempDir("ckpt-moe-reference");
-      std::vector<std::string> flags = MoeFlags(kSteps, *reference_dir_, 1, 0, 0);
-      flags.push_back("--export_safetensors");
-      *reference = RunTrainer(flags);
-      std::cout << "ep1 (one process): median step " << MedianStepSeconds(*reference) << " s\n";
-      return reference;
+  static const Reference& OneProcess() {
+    static const Reference& reference = []() -> const Reference& {
+      const Reference& run = SuiteReference("ckpt-moe-reference", [](const std::string& dir) {
+        std::vector<std::string> flags = MoeFlags(kSteps, dir, 1, 0, 0);
+        flags.push_back("--export_safetensors");
+        return flags;
+      });
+      std::cout << "ep1 (one process): median step " << MedianStepSeconds(run.run) << " s\n";
+      return run;
     }();
-    return *run;
+    return reference;
   }
-  static std::string* reference_dir_;
 };
-
-std::string* ExpertParallelTrainingTest::reference_dir_ = new std::string;
 
 TEST_P(ExpertParallelTrainingTest, LossesAndWeightsMatchOneProcess) {
   const ExpertCase& c = GetParam();
-  const TrainerRun& reference = Reference();
-  ASSERT_EQ(reference.exit_code, 0) << reference.output;
-  ASSERT_EQ(reference.losses.size(), static_cast<size_t>(kSteps));
   const std::string dir = MakeTempDir("ckpt-moe-ep");
   std::vector<std::string> flags = MoeFlags(kSteps, dir, c.ep, c.zero, 0);
   flags.push_back("--export_safetensors");
-  std::vector<TrainerRun> runs = RunRanks(flags, c.dp);
-  ASSERT_EQ(runs.size(), static_cast<size_t>(c.dp));
-  for (int rank = 0; rank < c.dp; ++rank) {
-    ASSERT_EQ(runs[rank].exit_code, 0) << "rank " << rank << ":\n" << runs[rank].output;
-  }
-  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps));
-  double worst = 0;
-  for (int64_t step = 1; step <= kSteps; ++step) {
-    const double expected = reference.losses.at(step);
-    const double relative = std::abs(runs[0].losses.at(step) - expected) / expected;
-    EXPECT_LE(relative, 1e-4) << "step " << step;
-    worst = std::max(worst, relative);
-  }
-  const auto weights = ReadStepExport(dir, kSteps);
-  const auto expected_weights = ReadStepExport(*reference_dir_, kSteps);
-  ASSERT_TRUE(expected_weights.contains("layers.0.mlp.experts.gate"));
-  const double weight_difference = MaxRelativeDifference(weights, expected_weights);
-  std::cout << CaseName({c, 0}) << ": max relative loss difference " << worst
-            << ", max relative weight difference " << weight_difference << ", median step "
-            << MedianStepSeconds(runs[0]) << " s\n";
-  EXPECT_LE(weight_difference, 1e-4);
+  std::vector<TrainerRun> runs;
+  ASSERT_NO_FATAL_FAILURE(ExpectLayoutTrainsLike(OneProcess(), flags, dir,
+                                                 {.world = c.dp,
+                                                  .steps = kSteps,
+                                                  .tolerance = 1e-4,
+                                                  .expected_tensors = {"layers.0.mlp.experts.gate"},
+                                                  .name = CaseName({c, 0})},
+                                                 &runs));
+  std::cout << CaseName({c, 0}) << ": median step " << MedianStepSeconds(runs[0]) << " s\n";
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ExpertParallelTrainingTest,
@@ -131,28 +107,18 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ExpertParallelTrainingTest,
 TEST_F(MoeTrainingTest, ExpertParallelCheckpointResumesAtOtherDegrees) {
   const int n = 6;
   const TrainerRun straight = RunTrainer(MoeFlags(2 * n, "", 1, 0, 2 * n));
-  ASSERT_EQ(straight.exit_code, 0) << straight.output;
   const std::string saved = MakeTempDir("ckpt-moe-saved");
-  std::vector<TrainerRun> first = RunRanks(MoeFlags(n, saved, 2, 1, 2 * n), 2);
-  ASSERT_EQ(first.size(), 2u);
-  ASSERT_EQ(first[0].exit_code, 0) << first[0].output;
-  ASSERT_EQ(first[1].exit_code, 0) << first[1].output;
+  std::vector<TrainerRun> first;
+  ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(MoeFlags(n, saved, 2, 1, 2 * n), 2, &first));
   for (const auto& [resumed_dp, resumed_ep] : {std::pair{1, 1}, std::pair{4, 4}}) {
     SCOPED_TRACE(absl::StrCat("resumed at dp", resumed_dp, " ep", resumed_ep));
     const std::string dir = MakeTempDir("ckpt-moe-resume");
     const std::string copy = absl::StrCat("cp -r ", saved, "/. ", dir);
     ASSERT_EQ(std::system(copy.c_str()), 0);
-    std::vector<TrainerRun> resumed =
-        RunRanks(MoeFlags(2 * n, dir, resumed_ep, 1, 2 * n), resumed_dp);
-    ASSERT_EQ(resumed.size(), static_cast<size_t>(resumed_dp));
-    ASSERT_EQ(resumed[0].exit_code, 0) << resumed[0].output;
-    EXPECT_THAT(resumed[0].output, HasSubstr("resumed from"));
-    ASSERT_EQ(resumed[0].losses.size(), static_cast<size_t>(n));
-    for (int64_t step = n + 1; step <= 2 * n; ++step) {
-      const double expected = straight.losses.at(step);
-      EXPECT_LE(std::abs(resumed[0].losses.at(step) - expected) / expected, 1e-4)
-          << "step " << step;
-    }
+    std::vector<TrainerRun> resumed;
+    ASSERT_NO_FATAL_FAILURE(
+        RunRanksToSuccess(MoeFlags(2 * n, dir, resumed_ep, 1, 2 * n), resumed_dp, &resumed));
+    ExpectResumedLike(resumed[0], straight, n, 2 * n, 1e-4);
   }
 }
 

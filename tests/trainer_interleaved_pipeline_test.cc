@@ -86,21 +86,12 @@ TEST_P(InterleavedPipelineTest, LossesAndWeightsMatchOneProcess) {
   flags.push_back(absl::StrCat("--zero_stage=", c.zero));
   flags.push_back("--activation_checkpointing=" + c.recompute);
   const int world = 2 * c.dp;
-  std::vector<TrainerRun> runs = RunRanks(flags, world);
-  ASSERT_EQ(runs.size(), static_cast<size_t>(world));
-  for (int rank = 0; rank < world; ++rank) {
-    ASSERT_EQ(runs[rank].exit_code, 0) << "rank " << rank << ":\n" << runs[rank].output;
-  }
+  std::vector<TrainerRun> runs;
+  ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(flags, world, &runs));
   EXPECT_THAT(runs[0].output, HasSubstr(absl::StrCat("dp 0/", c.dp, ", tp 0/1, pp 0/2")));
   EXPECT_THAT(runs[0].output, HasSubstr("2 virtual stages"));
-  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps)) << runs[0].output;
   double worst = 0;
-  for (int64_t step = 1; step <= kSteps; ++step) {
-    const double expected = reference.losses.at(step);
-    const double relative = std::abs(runs[0].losses.at(step) - expected) / expected;
-    EXPECT_LE(relative, 1e-5) << "step " << step;
-    worst = std::max(worst, relative);
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectLossesMatch(runs[0], reference, 1, kSteps, 1e-5, &worst));
   // Evaluation goes around the stages once per chunk; eval_batches are per dp rank, so only
   // dp 1 evaluates the reference's samples.
   if (c.dp == 1) ExpectEvalsMatch(runs[0], reference, 2, 1e-5);
@@ -134,23 +125,12 @@ TEST_F(InterleavedPipelineTest, CheckpointResumesWithoutVirtualStages) {
     f.push_back(absl::StrCat("--pipeline_virtual_stages=", virtual_stages));
     return f;
   };
-  std::vector<TrainerRun> first = RunRanks(flags(n, 2), 2);
-  ASSERT_EQ(first.size(), 2u);
-  ASSERT_EQ(first[0].exit_code, 0) << first[0].output;
-  ASSERT_EQ(first[1].exit_code, 0) << first[1].output;
-  std::vector<TrainerRun> resumed = RunRanks(flags(2 * n, 1), 2);
-  ASSERT_EQ(resumed.size(), 2u);
-  ASSERT_EQ(resumed[0].exit_code, 0) << resumed[0].output;
-  EXPECT_THAT(resumed[0].output, HasSubstr("resumed from"));
-  ASSERT_EQ(resumed[0].losses.size(), static_cast<size_t>(n)) << resumed[0].output;
-  for (int64_t step = 1; step <= n; ++step) {
-    const double expected = straight.losses.at(step);
-    EXPECT_LE(std::abs(first[0].losses.at(step) - expected) / expected, 1e-5) << "step " << step;
-  }
-  for (int64_t step = n + 1; step <= 2 * n; ++step) {
-    const double expected = straight.losses.at(step);
-    EXPECT_LE(std::abs(resumed[0].losses.at(step) - expected) / expected, 1e-5) << "step " << step;
-  }
+  std::vector<TrainerRun> first;
+  ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(flags(n, 2), 2, &first));
+  ExpectLossesMatch(first[0], straight, 1, n, 1e-5);
+  std::vector<TrainerRun> resumed;
+  ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(flags(2 * n, 1), 2, &resumed));
+  ExpectResumedLike(resumed[0], straight, n, 2 * n, 1e-5);
 }
 
 // What the interleaved schedule cannot run fails at start, naming the field.

@@ -1,7 +1,8 @@
 // What the layout-equivalence suites share (trainer_moe_layouts_test, trainer_moe_tp_test,
-// trainer_moe_pp_test): a one-process reference run kept for the suite, the tiny MoE model, and
+// trainer_moe_pp_test, trainer_expert_parallel_test, trainer_moe_lora_test,
+// trainer_lora_tp_test): a one-process reference run kept for the suite, the tiny MoE model, and
 // the check that a layout over several ranks trains like the reference (rank 0's losses and
-// router losses step by step, the exported weights of the last step).
+// router losses step by step, the exported weights or LoRA adapters of the last step).
 #pragma once
 
 #include <algorithm>
@@ -10,9 +11,11 @@
 #include <iostream>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
 #include "tests/trainer_training_fixture.h"
 
@@ -50,61 +53,88 @@ class LayoutTrainingTest : public TrainerTrainingTest {
     return it->second;
   }
 
-  // Trains `flags` (writing to `dir`, exporting safetensors) over `world` ranks and expects it to
-  // train as `reference` did for `steps` steps: rank 0's loss at each step and, with
-  // `compare_router_loss` (one data-parallel replica, whose rank 0 sees one process's last
-  // micro-batch), its router loss, and the weights exported at the last step, each within
-  // `tolerance` relative. `expected_weights` must be among the reference's tensors. Prints the
-  // worst differences under `name`.
-  static void ExpectLayoutTrainsLike(const Reference& reference, const std::vector<std::string>& flags,
-                                     const std::string& dir, int world, int steps, double tolerance,
-                                     bool compare_router_loss,
-                                     const std::vector<std::string>& expected_weights,
-                                     const std::string& name) {
+  // What a layout's run is held to against the one-process reference.
+  struct LayoutExpectation {
+    int world = 1;  // processes
+    int steps = 0;
+    // Relative, for each step's loss, the router loss and the tensors compared after the last
+    // step.
+    double tolerance = 0;
+    // Rank 0's router loss against the reference's, step by step: with one data-parallel
+    // replica, whose rank 0 sees one process's last micro-batch.
+    bool compare_router_loss = false;
+    // Compare the PEFT adapter of the last step's checkpoint instead of its safetensors export.
+    bool adapters = false;
+    // Tensors that must be among the reference's compared ones.
+    std::vector<std::string> expected_tensors;
+    std::string name;  // printed with the worst differences
+  };
+
+  // The PEFT adapter of the checkpoint a LoRA run with `checkpoint_dir` wrote at `step`.
+  static std::map<std::string, std::vector<float>> ReadStepAdapter(
+      const std::string& checkpoint_dir, int64_t step) {
+    return ReadExport(
+        absl::StrFormat("%s/step-%08d/adapter/adapter_model.safetensors", checkpoint_dir, step));
+  }
+
+  // Trains `flags` (writing checkpoints to `dir`, exporting safetensors or LoRA adapters) over
+  // `expect.world` ranks and expects it to train as `reference` did for `expect.steps` steps:
+  // rank 0's loss at each step, with `compare_router_loss` its router loss, and the weights (or
+  // adapters) of the last step, each within `expect.tolerance` relative. A model with experts
+  // must report a router loss at every step. Prints the worst differences under `expect.name`;
+  // the ranks' runs go to `runs` for a suite's own checks.
+  static void ExpectLayoutTrainsLike(const Reference& reference,
+                                     const std::vector<std::string>& flags, const std::string& dir,
+                                     const LayoutExpectation& expect,
+                                     std::vector<TrainerRun>* runs = nullptr) {
     ASSERT_EQ(reference.run.exit_code, 0) << reference.run.output;
-    ASSERT_EQ(reference.run.losses.size(), static_cast<size_t>(steps));
-    std::vector<TrainerRun> runs = RunRanks(flags, world);
-    ASSERT_EQ(runs.size(), static_cast<size_t>(world));
-    for (int rank = 0; rank < world; ++rank) {
-      ASSERT_EQ(runs[rank].exit_code, 0) << "rank " << rank << ":\n" << runs[rank].output;
-    }
-    ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(steps));
+    ASSERT_EQ(reference.run.losses.size(), static_cast<size_t>(expect.steps));
+    std::vector<TrainerRun> ranks;
+    ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(flags, expect.world, &ranks));
+    double worst_loss = 0, worst_aux = 0;
+    ASSERT_NO_FATAL_FAILURE(ExpectLossesMatch(ranks[0], reference.run, 1, expect.steps,
+                                              expect.tolerance, &worst_loss));
     // A model with experts reports a router loss at every step, whatever the layout.
     const bool has_router_loss =
         std::any_of(reference.run.reports.begin(), reference.run.reports.end(),
                     [](const auto& r) { return r.has_metrics() && r.metrics().router_aux_loss() > 0; });
-    double worst_loss = 0, worst_aux = 0;
     int aux_compared = 0;
-    for (const auto& report : runs[0].reports) {
+    for (const auto& report : ranks[0].reports) {
       if (!report.has_metrics()) continue;
       const int64_t step = report.metrics().step();
-      const double expected = reference.run.losses.at(step);
-      const double relative = std::abs(report.metrics().loss() - expected) / expected;
-      EXPECT_LE(relative, tolerance) << "step " << step;
-      worst_loss = std::max(worst_loss, relative);
-      if (has_router_loss) EXPECT_GT(report.metrics().router_aux_loss(), 0) << "step " << step;
-      if (!compare_router_loss) continue;
+      if (has_router_loss) {
+        EXPECT_GT(report.metrics().router_aux_loss(), 0) << "step " << step;
+      }
+      if (!expect.compare_router_loss) continue;
       for (const auto& expected_report : reference.run.reports) {
         if (!expected_report.has_metrics() || expected_report.metrics().step() != step) continue;
         const double want = expected_report.metrics().router_aux_loss();
         ASSERT_GT(want, 0);
         // A report of one chunk or one stage only would be about 1/(pp x v) of this.
         const double aux_relative = std::abs(report.metrics().router_aux_loss() - want) / want;
-        EXPECT_LE(aux_relative, tolerance) << "router loss, step " << step;
+        EXPECT_LE(aux_relative, expect.tolerance) << "router loss, step " << step;
         worst_aux = std::max(worst_aux, aux_relative);
         ++aux_compared;
       }
     }
-    if (compare_router_loss) EXPECT_EQ(aux_compared, steps);
-    const auto weights = ReadStepExport(dir, steps);
-    const auto want_weights = ReadStepExport(reference.dir, steps);
-    for (const std::string& tensor : expected_weights) {
-      ASSERT_TRUE(want_weights.contains(tensor)) << tensor;
+    if (expect.compare_router_loss) {
+      EXPECT_EQ(aux_compared, expect.steps);
     }
-    const double weight_difference = MaxRelativeDifference(weights, want_weights);
-    std::cout << name << ": max relative loss difference " << worst_loss << ", router loss "
-              << worst_aux << ", max relative weight difference " << weight_difference << "\n";
-    EXPECT_LE(weight_difference, tolerance);
+    const auto read = expect.adapters ? ReadStepAdapter : ReadStepExport;
+    const auto tensors = read(dir, expect.steps);
+    const auto want_tensors = read(reference.dir, expect.steps);
+    ASSERT_FALSE(want_tensors.empty()) << reference.dir;
+    ASSERT_EQ(tensors.size(), want_tensors.size()) << dir;
+    for (const std::string& tensor : expect.expected_tensors) {
+      ASSERT_TRUE(want_tensors.contains(tensor)) << tensor;
+    }
+    const double difference = MaxRelativeDifference(tensors, want_tensors);
+    std::cout << expect.name << ": max relative loss difference " << worst_loss;
+    if (has_router_loss) std::cout << ", router loss " << worst_aux;
+    std::cout << ", max relative " << (expect.adapters ? "adapter" : "weight") << " difference "
+              << difference << "\n";
+    EXPECT_LE(difference, expect.tolerance);
+    if (runs != nullptr) *runs = std::move(ranks);
   }
 };
 

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -23,17 +22,16 @@
 #include "absl/strings/str_format.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/trainer_training_fixture.h"
+#include "tests/trainer_layout_fixture.h"
 
 namespace tessera {
 namespace {
 
+using ::tessera::testing::LayoutTrainingTest;
 using ::tessera::testing::TrainerRun;
-using ::tessera::testing::TrainerTrainingTest;
 using ::testing::HasSubstr;
 
 constexpr int kSteps = 8;
-constexpr int kExperts = 8;
 
 // A layout of the test and the model it trains.
 struct TpCase {
@@ -47,23 +45,13 @@ struct TpCase {
 
 std::string CaseName(const ::testing::TestParamInfo<TpCase>& info) { return info.param.name; }
 
-class LoraTensorParallelTest : public TrainerTrainingTest {
+class LoraTensorParallelTest : public LayoutTrainingTest {
  protected:
-  // One intra-op thread per trainer, as the worker pins them: four processes share two cores.
-  static void SetUpTestSuite() {
-    setenv("OMP_NUM_THREADS", "1", /*overwrite=*/1);
-    TrainerTrainingTest::SetUpTestSuite();
-  }
-
   static std::vector<std::string> Flags(bool moe, int steps, const std::string& dir, int tp, int ep,
                                         bool sequence_parallel, int decay_steps = 0) {
     std::vector<std::string> flags = BaseFlags(steps, dir, decay_steps);
     if (moe) {
-      for (std::string& flag : flags) {
-        if (flag == "--preset=tiny-gpt2") flag = "--preset=tiny-llama";
-      }
-      flags.push_back(absl::StrCat("--num_experts=", kExperts));
-      flags.push_back("--experts_per_token=2");
+      UseTinyMoe(flags, /*aux_loss_coef=*/"0");
       flags.push_back(absl::StrCat("--expert_parallel=", ep));
       // The default targets: every attention projection and every expert's gate, up and down.
     } else {
@@ -76,23 +64,12 @@ class LoraTensorParallelTest : public TrainerTrainingTest {
     return flags;
   }
 
-  // The PEFT adapter of the final checkpoint of a run with `dir`.
-  static std::map<std::string, std::vector<float>> Adapter(const std::string& dir, int step) {
-    return ReadExport(absl::StrFormat("%s/step-%08d/adapter/adapter_model.safetensors", dir, step));
-  }
-
   // One process of the dense or the MoE job, once for the suite.
-  static const TrainerRun& Reference(bool moe) {
-    static std::map<bool, TrainerRun>* runs = new std::map<bool, TrainerRun>;
-    if (!runs->contains(moe)) {
-      reference_dir(moe) = MakeTempDir(moe ? "lora-tp-moe-reference" : "lora-tp-reference");
-      (*runs)[moe] = RunTrainer(Flags(moe, kSteps, reference_dir(moe), 1, 1, false));
-    }
-    return runs->at(moe);
-  }
-  static std::string& reference_dir(bool moe) {
-    static std::map<bool, std::string>* dirs = new std::map<bool, std::string>;
-    return (*dirs)[moe];
+  static const Reference& OneProcess(bool moe) {
+    return SuiteReference(moe ? "lora-tp-moe-reference" : "lora-tp-reference",
+                          [moe](const std::string& dir) {
+                            return Flags(moe, kSteps, dir, 1, 1, false);
+                          });
   }
 };
 
@@ -101,40 +78,24 @@ class LoraTensorParallelLayoutTest : public LoraTensorParallelTest,
 
 TEST_P(LoraTensorParallelLayoutTest, LossesAndAdaptersMatchOneProcess) {
   const TpCase& c = GetParam();
-  const TrainerRun& reference = Reference(c.moe);
-  ASSERT_EQ(reference.exit_code, 0) << reference.output;
-  ASSERT_EQ(reference.losses.size(), static_cast<size_t>(kSteps));
   const std::string dir = MakeTempDir("lora-tp");
-  std::vector<TrainerRun> runs =
-      RunRanks(Flags(c.moe, kSteps, dir, c.tp, c.ep, c.sequence_parallel), c.dp);
-  ASSERT_EQ(runs.size(), static_cast<size_t>(c.dp));
-  for (int rank = 0; rank < c.dp; ++rank) {
-    ASSERT_EQ(runs[rank].exit_code, 0) << "rank " << rank << ":\n" << runs[rank].output;
-  }
-  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps));
-  double worst = 0;
-  for (int64_t step = 1; step <= kSteps; ++step) {
-    const double expected = reference.losses.at(step);
-    const double relative = std::abs(runs[0].losses.at(step) - expected) / expected;
-    EXPECT_LE(relative, 1e-5) << "step " << step;
-    worst = std::max(worst, relative);
-  }
+  std::vector<TrainerRun> runs;
+  ASSERT_NO_FATAL_FAILURE(ExpectLayoutTrainsLike(
+      OneProcess(c.moe), Flags(c.moe, kSteps, dir, c.tp, c.ep, c.sequence_parallel), dir,
+      {.world = c.dp,
+       .steps = kSteps,
+       .tolerance = 1e-5,
+       .adapters = true,
+       .expected_tensors = {},
+       .name = c.name},
+      &runs));
   EXPECT_LT(runs[0].losses.at(kSteps), runs[0].losses.at(1));
-
-  const auto adapter = Adapter(dir, kSteps);
-  const auto expected = Adapter(reference_dir(c.moe), kSteps);
-  ASSERT_FALSE(expected.empty());
-  ASSERT_EQ(adapter.size(), expected.size());
   // Every B trained (it starts at zero), also the halves a tp rank held alone.
-  for (const auto& [name, values] : adapter) {
+  for (const auto& [name, values] : ReadStepAdapter(dir, kSteps)) {
     if (name.find("lora_B") == std::string::npos) continue;
     EXPECT_TRUE(std::any_of(values.begin(), values.end(), [](float v) { return v != 0; }))
         << name << " did not train";
   }
-  const double difference = MaxRelativeDifference(adapter, expected);
-  std::cout << c.name << ": max relative loss difference " << worst
-            << ", max relative adapter difference " << difference << "\n";
-  EXPECT_LE(difference, 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, LoraTensorParallelLayoutTest,
@@ -150,20 +111,11 @@ INSTANTIATE_TEST_SUITE_P(Layouts, LoraTensorParallelLayoutTest,
 TEST_F(LoraTensorParallelTest, CheckpointAtTensorParallelResumesInOneProcess) {
   const int n = kSteps / 2;
   const TrainerRun straight = RunTrainer(Flags(false, kSteps, "", 1, 1, false, kSteps));
-  ASSERT_EQ(straight.exit_code, 0) << straight.output;
   const std::string dir = MakeTempDir("lora-tp-resume");
-  std::vector<TrainerRun> first = RunRanks(Flags(false, n, dir, 2, 1, false, kSteps), 2);
-  ASSERT_EQ(first.size(), 2u);
-  ASSERT_EQ(first[0].exit_code, 0) << first[0].output;
-  ASSERT_EQ(first[1].exit_code, 0) << first[1].output;
+  std::vector<TrainerRun> first;
+  ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(Flags(false, n, dir, 2, 1, false, kSteps), 2, &first));
   const TrainerRun resumed = RunTrainer(Flags(false, kSteps, dir, 1, 1, false, kSteps));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_THAT(resumed.output, HasSubstr("resumed from"));
-  ASSERT_EQ(resumed.losses.size(), static_cast<size_t>(kSteps - n));
-  for (int64_t step = n + 1; step <= kSteps; ++step) {
-    const double expected = straight.losses.at(step);
-    EXPECT_LE(std::abs(resumed.losses.at(step) - expected) / expected, 1e-5) << "step " << step;
-  }
+  ExpectResumedLike(resumed, straight, n, kSteps, 1e-5);
 }
 
 // QLoRA (--lora_nf4) at tp 2: each rank quantizes its own shard of the base, so where tp splits
@@ -177,18 +129,10 @@ TEST_F(LoraTensorParallelTest, QloraAtTensorParallelTracksOneProcess) {
   EXPECT_THAT(one.output, HasSubstr("(block linear weights in NF4)"));
   std::vector<std::string> tp_flags = Flags(false, kSteps, "", 2, 1, false);
   tp_flags.push_back("--lora_nf4");
-  std::vector<TrainerRun> runs = RunRanks(tp_flags, 2);
-  ASSERT_EQ(runs.size(), 2u);
-  ASSERT_EQ(runs[0].exit_code, 0) << runs[0].output;
-  ASSERT_EQ(runs[1].exit_code, 0) << runs[1].output;
-  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps));
+  std::vector<TrainerRun> runs;
+  ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(tp_flags, 2, &runs));
   double worst = 0;
-  for (int64_t step = 1; step <= kSteps; ++step) {
-    const double relative =
-        std::abs(runs[0].losses.at(step) - one.losses.at(step)) / one.losses.at(step);
-    worst = std::max(worst, relative);
-    EXPECT_LT(relative, 1e-3) << "step " << step;
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectLossesMatch(runs[0], one, 1, kSteps, 1e-3, &worst));
   EXPECT_LT(runs[0].losses.at(kSteps), runs[0].losses.at(1));
   std::cout << "QLoRA at tp 2 vs one process: max relative loss difference " << worst << "\n";
 }
@@ -246,12 +190,9 @@ TEST_F(LoraTensorParallelTest, MergedExportAtExpertAndTensorParallelEqualsOnePro
   EXPECT_GT(MaxRelativeDifference(expected, base), 0) << "no adapter was merged in";
   for (const auto& [tp, ep] : {std::pair{1, 2}, std::pair{2, 1}}) {
     const std::string dir = MakeTempDir("lora-merged");
-    std::vector<TrainerRun> runs = RunRanks(flags(dir, tp, ep), 2);
-    ASSERT_EQ(runs.size(), 2u);
-    for (int rank = 0; rank < 2; ++rank) {
-      ASSERT_EQ(runs[rank].exit_code, 0) << "tp " << tp << " ep " << ep << " rank " << rank << ":\n"
-                                         << runs[rank].output;
-    }
+    SCOPED_TRACE(absl::StrCat("tp ", tp, " ep ", ep));
+    std::vector<TrainerRun> runs;
+    ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(flags(dir, tp, ep), 2, &runs));
     const auto exported = merged(dir);
     ASSERT_EQ(exported.size(), expected.size()) << "tp " << tp << " ep " << ep;
     const double difference = MaxRelativeDifference(exported, expected);

@@ -60,10 +60,14 @@ TEST_P(MoeLayoutTrainingTest, LossesAndWeightsMatchOneProcess) {
   // The reported router loss is the last micro-batch's on rank 0, which one process's last
   // micro-batch equals under pipeline parallelism alone (the stages' shares summed); a
   // data-parallel rank 0 sees other micro-batches.
-  ExpectLayoutTrainsLike(OneProcess(), MoeFlags(dir, c), dir, c.world(), kSteps, 1e-4,
-                         /*compare_router_loss=*/c.dp == 1,
-                         {"layers.1.mlp.experts.gate", "layers.0.mlp.router.weight"},
-                         CaseName({c, 0}));
+  ExpectLayoutTrainsLike(
+      OneProcess(), MoeFlags(dir, c), dir,
+      {.world = c.world(),
+       .steps = kSteps,
+       .tolerance = 1e-4,
+       .compare_router_loss = c.dp == 1,
+       .expected_tensors = {"layers.1.mlp.experts.gate", "layers.0.mlp.router.weight"},
+       .name = CaseName({c, 0})});
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoeLayoutTrainingTest,

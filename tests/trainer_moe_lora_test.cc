@@ -11,23 +11,21 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <iostream>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/trainer_training_fixture.h"
+#include "tests/trainer_layout_fixture.h"
 
 namespace tessera {
 namespace {
 
+using ::tessera::testing::LayoutTrainingTest;
 using ::tessera::testing::TrainerRun;
-using ::tessera::testing::TrainerTrainingTest;
 using ::testing::HasSubstr;
 
 constexpr int kSteps = 12;
@@ -43,47 +41,23 @@ std::string CaseName(const ::testing::TestParamInfo<LoraCase>& info) {
   return absl::StrCat("dp", info.param.dp, "_ep", info.param.ep, "_zero", info.param.zero);
 }
 
-class MoeLoraTrainingTest : public TrainerTrainingTest {
+class MoeLoraTrainingTest : public LayoutTrainingTest {
  protected:
-  // One intra-op thread per trainer, as the worker pins them (WorkerOptions): QLoRA's per-expert
-  // dequantization is many small ops, and on a loaded 2-core machine each op's thread-pool
-  // hand-off waits for a descheduled thread (measured: 70 s a step with the default threads,
-  // 1.4 s with one).
-  static void SetUpTestSuite() {
-    setenv("OMP_NUM_THREADS", "1", /*overwrite=*/1);
-    TrainerTrainingTest::SetUpTestSuite();
-  }
-
   static std::vector<std::string> Flags(int steps, const std::string& dir, int ep, int zero,
                                         int decay_steps) {
     std::vector<std::string> flags = BaseFlags(steps, dir, decay_steps);
-    for (std::string& flag : flags) {
-      if (flag == "--preset=tiny-gpt2") flag = "--preset=tiny-llama";
-    }
-    flags.push_back(absl::StrCat("--num_experts=", kExperts));
-    flags.push_back("--experts_per_token=2");
+    UseTinyMoe(flags, /*aux_loss_coef=*/"0");
     flags.push_back(absl::StrCat("--expert_parallel=", ep));
     flags.push_back(absl::StrCat("--zero_stage=", zero));
     flags.push_back("--lora_rank=4");
     return flags;
   }
 
-  // The PEFT adapter of the final checkpoint of a run with `dir`.
-  static std::map<std::string, std::vector<float>> Adapter(const std::string& dir, int step) {
-    return ReadExport(absl::StrFormat("%s/step-%08d/adapter/adapter_model.safetensors", dir, step));
-  }
-
   // One process of the same job, once for the suite.
-  static const TrainerRun& Reference() {
-    static TrainerRun* run = [] {
-      auto* reference = new TrainerRun;
-      *reference_dir_ = MakeTempDir("moe-lora-reference");
-      *reference = RunTrainer(Flags(kSteps, *reference_dir_, 1, 0, 0));
-      return reference;
-    }();
-    return *run;
+  static const Reference& OneProcess() {
+    return SuiteReference("moe-lora-reference",
+                          [](const std::string& dir) { return Flags(kSteps, dir, 1, 0, 0); });
   }
-  static inline std::string* reference_dir_ = new std::string;
 };
 
 class MoeLoraLayoutTest : public MoeLoraTrainingTest,
@@ -91,27 +65,20 @@ class MoeLoraLayoutTest : public MoeLoraTrainingTest,
 
 TEST_P(MoeLoraLayoutTest, LossesAndAdaptersMatchOneProcess) {
   const LoraCase& c = GetParam();
-  const TrainerRun& reference = Reference();
-  ASSERT_EQ(reference.exit_code, 0) << reference.output;
-  ASSERT_EQ(reference.losses.size(), static_cast<size_t>(kSteps));
   const std::string dir = MakeTempDir("moe-lora-ep");
-  std::vector<TrainerRun> runs = RunRanks(Flags(kSteps, dir, c.ep, c.zero, 0), c.dp);
-  ASSERT_EQ(runs.size(), static_cast<size_t>(c.dp));
-  for (int rank = 0; rank < c.dp; ++rank) {
-    ASSERT_EQ(runs[rank].exit_code, 0) << "rank " << rank << ":\n" << runs[rank].output;
-  }
-  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps));
-  double worst = 0;
-  for (int64_t step = 1; step <= kSteps; ++step) {
-    const double expected = reference.losses.at(step);
-    const double relative = std::abs(runs[0].losses.at(step) - expected) / expected;
-    EXPECT_LE(relative, 1e-4) << "step " << step;
-    worst = std::max(worst, relative);
-  }
+  std::vector<TrainerRun> runs;
+  ASSERT_NO_FATAL_FAILURE(ExpectLayoutTrainsLike(
+      OneProcess(), Flags(kSteps, dir, c.ep, c.zero, 0), dir,
+      {.world = c.dp,
+       .steps = kSteps,
+       .tolerance = 1e-4,
+       .adapters = true,
+       .expected_tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"},
+       .name = CaseName({c, 0})},
+      &runs));
   EXPECT_LT(runs[0].losses.at(kSteps), runs[0].losses.at(1));
 
-  const auto adapter = Adapter(dir, kSteps);
-  const auto expected = Adapter(*reference_dir_, kSteps);
+  const auto adapter = ReadStepAdapter(dir, kSteps);
   // Every expert of every layer has its own pair in the gathered file, also those this rank
   // did not hold, and they trained (B starts at zero). tiny-llama has no qk_norm, so PEFT's names
   // are Mixtral's (w1, w3, w2 for gate, up, down).
@@ -129,10 +96,6 @@ TEST_P(MoeLoraLayoutTest, LossesAndAdaptersMatchOneProcess) {
   ASSERT_TRUE(adapter.contains("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"));
   // 2 layers x (4 attention projections + 8 experts x 3) x A and B.
   EXPECT_EQ(adapter.size(), 2u * (4 + kExperts * 3) * 2);
-  const double difference = MaxRelativeDifference(adapter, expected);
-  std::cout << CaseName({c, 0}) << ": max relative loss difference " << worst
-            << ", max relative adapter difference " << difference << "\n";
-  EXPECT_LE(difference, 1e-4);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoeLoraLayoutTest,
@@ -143,20 +106,11 @@ INSTANTIATE_TEST_SUITE_P(Layouts, MoeLoraLayoutTest,
 TEST_F(MoeLoraTrainingTest, CheckpointAtExpertParallelResumesInOneProcess) {
   const int n = kSteps / 2;
   const TrainerRun straight = RunTrainer(Flags(kSteps, "", 1, 0, kSteps));
-  ASSERT_EQ(straight.exit_code, 0) << straight.output;
   const std::string dir = MakeTempDir("moe-lora-resume");
-  std::vector<TrainerRun> first = RunRanks(Flags(n, dir, 2, 0, kSteps), 2);
-  ASSERT_EQ(first.size(), 2u);
-  ASSERT_EQ(first[0].exit_code, 0) << first[0].output;
-  ASSERT_EQ(first[1].exit_code, 0) << first[1].output;
+  std::vector<TrainerRun> first;
+  ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(Flags(n, dir, 2, 0, kSteps), 2, &first));
   const TrainerRun resumed = RunTrainer(Flags(kSteps, dir, 1, 0, kSteps));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_THAT(resumed.output, HasSubstr("resumed from"));
-  ASSERT_EQ(resumed.losses.size(), static_cast<size_t>(kSteps - n));
-  for (int64_t step = n + 1; step <= kSteps; ++step) {
-    const double expected = straight.losses.at(step);
-    EXPECT_LE(std::abs(resumed.losses.at(step) - expected) / expected, 1e-4) << "step " << step;
-  }
+  ExpectResumedLike(resumed, straight, n, kSteps, 1e-4);
 }
 
 // QLoRA on the experts (--lora_nf4): the attention's and every expert's frozen weights in NF4.
@@ -164,36 +118,23 @@ TEST_F(MoeLoraTrainingTest, CheckpointAtExpertParallelResumesInOneProcess) {
 // and dp2 x ep2 (each rank quantizing its own experts, which quantize alike whatever the split)
 // equals one process's QLoRA run.
 TEST_F(MoeLoraTrainingTest, QloraOnExpertsTracksLoraAndRunsExpertParallel) {
-  const TrainerRun& lora = Reference();
+  const TrainerRun& lora = OneProcess().run;
   ASSERT_EQ(lora.exit_code, 0) << lora.output;
   std::vector<std::string> flags = Flags(kSteps, "", 1, 0, 0);
   flags.push_back("--lora_nf4");
   const TrainerRun qlora = RunTrainer(flags);
   ASSERT_EQ(qlora.exit_code, 0) << qlora.output;
   EXPECT_THAT(qlora.output, HasSubstr("(block linear weights in NF4)"));
-  ASSERT_EQ(qlora.losses.size(), static_cast<size_t>(kSteps));
   double worst = 0;
-  for (int64_t step = 1; step <= kSteps; ++step) {
-    const double relative =
-        std::abs(qlora.losses.at(step) - lora.losses.at(step)) / lora.losses.at(step);
-    worst = std::max(worst, relative);
-    EXPECT_LT(relative, 1e-2) << "step " << step;
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectLossesMatch(qlora, lora, 1, kSteps, 1e-2, &worst));
   EXPECT_GT(worst, 0) << "QLoRA's losses equal LoRA's: is the base really quantized?";
   EXPECT_LT(qlora.losses.at(kSteps), qlora.losses.at(1));
 
   std::vector<std::string> ep_flags = Flags(kSteps, "", 2, 0, 0);
   ep_flags.push_back("--lora_nf4");
-  std::vector<TrainerRun> ranks = RunRanks(ep_flags, 2);
-  ASSERT_EQ(ranks.size(), 2u);
-  ASSERT_EQ(ranks[0].exit_code, 0) << ranks[0].output;
-  ASSERT_EQ(ranks[1].exit_code, 0) << ranks[1].output;
-  ASSERT_EQ(ranks[0].losses.size(), static_cast<size_t>(kSteps));
-  for (int64_t step = 1; step <= kSteps; ++step) {
-    EXPECT_LE(std::abs(ranks[0].losses.at(step) - qlora.losses.at(step)) / qlora.losses.at(step),
-              1e-4)
-        << "step " << step;
-  }
+  std::vector<TrainerRun> ranks;
+  ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(ep_flags, 2, &ranks));
+  ExpectLossesMatch(ranks[0], qlora, 1, kSteps, 1e-4);
   std::cout << "MoE QLoRA vs LoRA on tiny-llama with 8 experts, largest relative loss difference "
                "over "
             << kSteps << " steps: " << worst << "\n";

@@ -13,7 +13,6 @@
 // With one data-parallel replica rank 0's reported router loss is the last micro-batch's over
 // the whole model, which one process reports too; with dp2 rank 0 sees other micro-batches.
 
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -25,7 +24,6 @@ namespace tessera {
 namespace {
 
 using ::tessera::testing::LayoutTrainingTest;
-using ::tessera::testing::TrainerTrainingTest;
 
 constexpr int kSteps = 12;
 // Four layers, so that pp2 x v2 gives every chunk one MoE layer.
@@ -49,15 +47,6 @@ std::string CaseName(const ::testing::TestParamInfo<MoePipelineCase>& info) {
 class MoePipelineTrainingTest : public LayoutTrainingTest,
                                 public ::testing::WithParamInterface<MoePipelineCase> {
  protected:
-  // One intra-op thread per rank, as torchrun and the worker give ranks that share the cores:
-  // up to 8 ranks of two spinning OpenMP threads each on a busy 2-core machine wait on each
-  // other's descheduled threads for minutes.
-  static void SetUpTestSuite() {
-    setenv("OMP_NUM_THREADS", "1", /*overwrite=*/1);
-    setenv("MKL_NUM_THREADS", "1", /*overwrite=*/1);
-    TrainerTrainingTest::SetUpTestSuite();
-  }
-
   static std::vector<std::string> MoeFlags(const std::string& dir, const MoePipelineCase& c) {
     std::vector<std::string> flags = BaseFlags(kSteps, dir);
     UseTinyMoe(flags, kAuxLossCoef);
@@ -80,10 +69,14 @@ TEST_P(MoePipelineTrainingTest, LossesRouterLossAndWeightsMatchOneProcess) {
   const MoePipelineCase& c = GetParam();
   const std::string dir = MakeTempDir("ckpt-moe-pp");
   // With two data-parallel replicas rank 0 reports its own micro-batches' router loss.
-  ExpectLayoutTrainsLike(OneProcess(), MoeFlags(dir, c), dir, c.world(), kSteps, 1e-5,
-                         /*compare_router_loss=*/c.dp == 1,
-                         {"layers.3.mlp.experts.down", "layers.2.mlp.router.weight"},
-                         CaseName({c, 0}));
+  ExpectLayoutTrainsLike(
+      OneProcess(), MoeFlags(dir, c), dir,
+      {.world = c.world(),
+       .steps = kSteps,
+       .tolerance = 1e-5,
+       .compare_router_loss = c.dp == 1,
+       .expected_tensors = {"layers.3.mlp.experts.down", "layers.2.mlp.router.weight"},
+       .name = CaseName({c, 0})});
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoePipelineTrainingTest,

@@ -28,7 +28,6 @@ namespace {
 
 using ::tessera::testing::TrainerRun;
 using ::tessera::testing::LayoutTrainingTest;
-using ::testing::HasSubstr;
 
 constexpr int kSteps = 12;
 constexpr char kAuxLossCoef[] = "0.05";
@@ -83,10 +82,14 @@ TEST_P(MoeTensorParallelLayoutTest, LossesAndWeightsMatchOneProcess) {
   flags.push_back("--export_safetensors");
   // The reported router loss is rank 0's last micro-batch's: one process's last micro-batch
   // when there is one data-parallel replica.
-  ExpectLayoutTrainsLike(OneProcess(), flags, dir, c.world(), kSteps, 1e-4,
-                         /*compare_router_loss=*/c.dp == 1,
-                         {"layers.1.mlp.experts.down", "layers.0.mlp.router.weight"},
-                         CaseName({c, 0}));
+  ExpectLayoutTrainsLike(
+      OneProcess(), flags, dir,
+      {.world = c.world(),
+       .steps = kSteps,
+       .tolerance = 1e-4,
+       .compare_router_loss = c.dp == 1,
+       .expected_tensors = {"layers.1.mlp.experts.down", "layers.0.mlp.router.weight"},
+       .name = CaseName({c, 0})});
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoeTensorParallelLayoutTest,
@@ -100,22 +103,12 @@ INSTANTIATE_TEST_SUITE_P(Layouts, MoeTensorParallelLayoutTest,
 TEST_F(MoeTensorParallelTrainingTest, CheckpointAtEp2Tp2ResumesInOneProcess) {
   const int n = kSteps / 2;
   const TrainerRun& straight = OneProcess().run;
-  ASSERT_EQ(straight.exit_code, 0) << straight.output;
   const std::string dir = MakeTempDir("ckpt-moe-tp-resume");
   const MoeTpCase saved{2, 2, 2, false};
-  std::vector<TrainerRun> first = RunRanks(MoeFlags(n, dir, saved), saved.world());
-  ASSERT_EQ(first.size(), static_cast<size_t>(saved.world()));
-  for (int rank = 0; rank < saved.world(); ++rank) {
-    ASSERT_EQ(first[rank].exit_code, 0) << "rank " << rank << ":\n" << first[rank].output;
-  }
+  std::vector<TrainerRun> first;
+  ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(MoeFlags(n, dir, saved), saved.world(), &first));
   const TrainerRun resumed = RunTrainer(MoeFlags(kSteps, dir, {1, 1, 1, false}));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_THAT(resumed.output, HasSubstr("resumed from"));
-  ASSERT_EQ(resumed.losses.size(), static_cast<size_t>(kSteps - n));
-  for (int64_t step = n + 1; step <= kSteps; ++step) {
-    const double expected = straight.losses.at(step);
-    EXPECT_LE(std::abs(resumed.losses.at(step) - expected) / expected, 1e-4) << "step " << step;
-  }
+  ExpectResumedLike(resumed, straight, n, kSteps, 1e-4);
 }
 
 }  // namespace

@@ -76,20 +76,11 @@ TEST_P(ShardedTrainingTest, LossesAndWeightsMatchOneProcess) {
   const TrainerRun& reference = Reference();
   ASSERT_EQ(reference.exit_code, 0) << reference.output;
   const std::string dir = MakeTempDir("ckpt-sharded");
-  std::vector<TrainerRun> runs = RunRanks(Flags(dir, c.zero, c.recompute), c.dp);
-  ASSERT_EQ(runs.size(), static_cast<size_t>(c.dp));
-  for (int rank = 0; rank < c.dp; ++rank) {
-    ASSERT_EQ(runs[rank].exit_code, 0) << "rank " << rank << ":\n" << runs[rank].output;
-  }
+  std::vector<TrainerRun> runs;
+  ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(Flags(dir, c.zero, c.recompute), c.dp, &runs));
   EXPECT_THAT(runs[0].output, HasSubstr(absl::StrCat("ZeRO ", c.zero)));
-  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps));
   double worst = 0;
-  for (int64_t step = 1; step <= kSteps; ++step) {
-    const double expected = reference.losses.at(step);
-    const double relative = std::abs(runs[0].losses.at(step) - expected) / expected;
-    EXPECT_LE(relative, 1e-5) << "step " << step;
-    worst = std::max(worst, relative);
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectLossesMatch(runs[0], reference, 1, kSteps, 1e-5, &worst));
   const double weights =
       MaxRelativeDifference(ReadStepExport(dir, kSteps), ReadStepExport(*reference_dir_, kSteps));
   std::cout << CaseName({GetParam(), 0}) << ": max relative loss difference " << worst
@@ -173,21 +164,12 @@ TEST_P(ModelParallelTest, LossesAndWeightsMatchOneProcess) {
   if (c.sp) flags.push_back("--sequence_parallel");
   flags.push_back(absl::StrCat("--zero_stage=", c.zero));
   flags.push_back("--activation_checkpointing=" + c.recompute);
-  std::vector<TrainerRun> runs = RunRanks(flags, c.world);
-  ASSERT_EQ(runs.size(), static_cast<size_t>(c.world));
-  for (int rank = 0; rank < c.world; ++rank) {
-    ASSERT_EQ(runs[rank].exit_code, 0) << "rank " << rank << ":\n" << runs[rank].output;
-  }
+  std::vector<TrainerRun> runs;
+  ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(flags, c.world, &runs));
   EXPECT_THAT(runs[0].output, HasSubstr(absl::StrCat("dp 0/", c.world / (c.tp * c.pp), ", tp 0/",
                                                      c.tp, ", pp 0/", c.pp)));
-  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps)) << runs[0].output;
   double worst = 0;
-  for (int64_t step = 1; step <= kSteps; ++step) {
-    const double expected = reference.losses.at(step);
-    const double relative = std::abs(runs[0].losses.at(step) - expected) / expected;
-    EXPECT_LE(relative, 1e-5) << "step " << step;
-    worst = std::max(worst, relative);
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectLossesMatch(runs[0], reference, 1, kSteps, 1e-5, &worst));
   // Evaluation runs through the stages too, each sample counted once (eval_batches are per dp
   // rank, so only dp 1 evaluates the reference's samples).
   if (c.world == c.tp * c.pp) ExpectEvalsMatch(runs[0], reference, 2, 1e-5);
@@ -313,20 +295,10 @@ TEST_P(MaskedTrainingTest, LossesAndEvaluationMatchOneProcess) {
   flags.push_back(absl::StrCat("--pipeline_parallel=", c.pp));
   if (c.sequence_parallel) flags.push_back("--sequence_parallel");
   const int world = c.dp * c.tp * c.pp;
-  std::vector<TrainerRun> runs = RunRanks(flags, world);
-  ASSERT_EQ(runs.size(), static_cast<size_t>(world));
-  for (int rank = 0; rank < world; ++rank) {
-    ASSERT_EQ(runs[rank].exit_code, 0) << "rank " << rank << ":\n" << runs[rank].output;
-  }
-  ASSERT_EQ(runs[0].losses.size(), static_cast<size_t>(kSteps)) << runs[0].output;
+  std::vector<TrainerRun> runs;
+  ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(flags, world, &runs));
   double worst = 0;
-  for (int64_t step = 1; step <= kSteps; ++step) {
-    const double expected = reference.losses.at(step);
-    ASSERT_TRUE(std::isfinite(runs[0].losses.at(step))) << "step " << step;
-    const double relative = std::abs(runs[0].losses.at(step) - expected) / expected;
-    EXPECT_LE(relative, 2e-5) << "step " << step;
-    worst = std::max(worst, relative);
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectLossesMatch(runs[0], reference, 1, kSteps, 2e-5, &worst));
   std::cout << "masked " << c.name << ": max relative loss difference " << worst << "\n";
   // Evaluation takes eval_batches per dp rank: only dp 1 evaluates the reference's samples.
   const std::vector<v1::EvalMetrics> evals = Evals(runs[0]);

@@ -1,6 +1,8 @@
 // What the trainer's end-to-end tests share: real tessera-trainer processes on the bundled corpus
 // (CPU, Gloo over loopback), one or several ranks, their JSON reports parsed, and the comparison
-// of safetensors exports. The fixture prepares the corpus's token shards once per test suite.
+// of safetensors exports. The fixture prepares the corpus's token shards once per test suite and
+// gives every trainer it starts one intra-op thread, as the worker and torchrun give ranks that
+// share a node's cores.
 #pragma once
 
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/status_matchers.h"
+#include "common/trainer_env.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -59,6 +62,13 @@ inline std::vector<v1::EvalMetrics> Evals(const TrainerRun& run) {
 class TrainerTrainingTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
+    // In the test program's environment, so that every trainer inherits it: the ranks of
+    // RunRanks, the one-process references they are compared with (the same intra-op reduction
+    // order) and the processes a suite starts itself. Several ranks with a thread per core each
+    // oversubscribe the cores, and their OpenMP teams then spin waiting for descheduled threads
+    // (measured on 2 cores: 25 s a step at cp 2 with two threads per rank, 0.2-0.5 s with one).
+    setenv(kOmpNumThreadsEnv, "1", /*overwrite=*/1);
+    setenv(kMklNumThreadsEnv, "1", /*overwrite=*/1);
     data_dir_ = new std::string(MakeTempDir("data"));
     auto prepared = RunCommand({Trainer(), "prepare", "--input=" + CorpusPath(),
                                 "--output_dir=" + *data_dir_, "--val_fraction=0.05"});
@@ -136,6 +146,44 @@ class TrainerTrainingTest : public ::testing::Test {
       ParseReports(runs[rank]);
     }
     return runs;
+  }
+
+  // Runs `flags` over `world` ranks (RunRanks) into `runs` and asserts that every rank exited 0.
+  static void RunRanksToSuccess(const std::vector<std::string>& flags, int world,
+                                std::vector<TrainerRun>* runs) {
+    *runs = RunRanks(flags, world);
+    ASSERT_EQ(runs->size(), static_cast<size_t>(world));
+    for (int rank = 0; rank < world; ++rank) {
+      ASSERT_EQ((*runs)[rank].exit_code, 0) << "rank " << rank << ":\n" << (*runs)[rank].output;
+    }
+  }
+
+  // Expects `run` to report steps first..last, and only those, each loss within `tolerance`
+  // relative of `reference`'s at that step; the worst relative difference goes to `worst`.
+  static void ExpectLossesMatch(const TrainerRun& run, const TrainerRun& reference, int64_t first,
+                                int64_t last, double tolerance, double* worst = nullptr) {
+    ASSERT_EQ(run.losses.size(), static_cast<size_t>(last - first + 1)) << run.output;
+    double largest = 0;
+    for (int64_t step = first; step <= last; ++step) {
+      ASSERT_TRUE(run.losses.contains(step)) << "step " << step << "\n" << run.output;
+      ASSERT_TRUE(reference.losses.contains(step)) << "reference, step " << step;
+      ASSERT_TRUE(std::isfinite(run.losses.at(step))) << "step " << step;
+      const double expected = reference.losses.at(step);
+      const double relative = std::abs(run.losses.at(step) - expected) / expected;
+      EXPECT_LE(relative, tolerance) << "step " << step;
+      largest = std::max(largest, relative);
+    }
+    if (worst != nullptr) *worst = largest;
+  }
+
+  // Expects `resumed` (a run of `steps` steps over a checkpoint of step `saved`) to have exited
+  // 0, resumed, and trained steps saved+1..steps with `straight`'s losses within `tolerance`.
+  static void ExpectResumedLike(const TrainerRun& resumed, const TrainerRun& straight,
+                                int64_t saved, int64_t steps, double tolerance) {
+    ASSERT_EQ(straight.exit_code, 0) << straight.output;
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    EXPECT_THAT(resumed.output, ::testing::HasSubstr("resumed from"));
+    ExpectLossesMatch(resumed, straight, saved + 1, steps, tolerance);
   }
 
   // The export of the checkpoint a run with `checkpoint_dir` wrote at `step`.

@@ -3,9 +3,11 @@
 // each rank's world group and DeviceMesh, runs `body` on every rank's thread and joins them; a
 // failure to build a rank's group or mesh fails the test. The ranks meet in a world barrier once
 // their mesh is built and again after `body`, so that none tears its groups down while a peer is
-// still connecting or communicating. Header-only, for tests.
+// still connecting or communicating. The ranks run with one intra-op thread each. Header-only,
+// for tests.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <cstdlib>
 #include <functional>
 #include <thread>
@@ -26,6 +28,12 @@ inline void RunMeshThreads(
   // several process groups of one process record collectives at once, as threads-as-ranks do;
   // a trainer has one rank per process. Off, before the first group exists.
   setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1);
+  // One intra-op thread per rank, as each trainer rank gets (common/trainer_env.h): the ranks
+  // share the process's cores as a node's ranks share its cores, and with a team of threads each
+  // they oversubscribe them and wait on each other's descheduled threads. The count is
+  // process-wide and taken up by each thread on its first parallel op; restored afterwards.
+  const int intra_op_threads = at::get_num_threads();
+  at::set_num_threads(1);
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::thread> threads;
   for (int rank = 0; rank < shape.world(); ++rank) {
@@ -49,6 +57,7 @@ inline void RunMeshThreads(
     });
   }
   for (auto& thread : threads) thread.join();
+  at::set_num_threads(intra_op_threads);
 }
 
 }  // namespace tessera::trainer::testing
