@@ -7,8 +7,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "common/status_macros.h"
 #include "common/clock.h"
+#include "common/status_macros.h"
 #include "coordinator/job_validation.h"
 #include "coordinator/queue_admission.h"
 #include "google/protobuf/util/time_util.h"
@@ -197,9 +197,9 @@ std::vector<absl::StatusOr<v1::Job>> JobManager::TransitionAll(
       continue;
     }
     if (IsTerminal(job->state())) {
-      results[i] = absl::FailedPreconditionError(
-          absl::StrCat("job ", request.job_id, " is ", v1::JobState_Name(job->state()),
-                       " and cannot change state"));
+      results[i] = absl::FailedPreconditionError(absl::StrCat("job ", request.job_id, " is ",
+                                                              v1::JobState_Name(job->state()),
+                                                              " and cannot change state"));
       continue;
     }
     if (request.precondition) {
@@ -244,20 +244,26 @@ std::vector<absl::StatusOr<v1::Job>> JobManager::TransitionAll(
 absl::Status JobManager::RecordReports(const std::string& job_id,
                                        const std::vector<v1::StepMetrics>& metrics,
                                        const std::vector<v1::EvalMetrics>& evals,
-                                       const std::vector<v1::Checkpoint>& checkpoints) {
+                                       const std::vector<v1::Checkpoint>& checkpoints,
+                                       std::optional<int32_t> attempt) {
   if (metrics.empty() && evals.empty() && checkpoints.empty()) return absl::OkStatus();
   const KeyedMutex::Hold lock(&job_locks_, job_id);
   ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
+  // A replaced attempt keeps only its checkpoints.
+  const bool replaced = attempt.has_value() && *attempt < job.attempt();
+  if (replaced && checkpoints.empty()) return absl::OkStatus();
+  const std::vector<v1::StepMetrics> no_metrics;
+  const std::vector<v1::EvalMetrics> no_evals;
   JobWrite write;
   write.job_id = job_id;
-  for (const auto& point : metrics) {
+  for (const auto& point : replaced ? no_metrics : metrics) {
     write.metrics.push_back(point);
     if (point.step() <= job.current_step()) continue;
     job.set_current_step(point.step());
     *job.mutable_latest_metrics() = point;
     *write.events.emplace_back().mutable_metrics() = point;
   }
-  for (const auto& eval : evals) {
+  for (const auto& eval : replaced ? no_evals : evals) {
     write.evals.push_back(eval);
     *write.events.emplace_back().mutable_eval() = eval;
   }

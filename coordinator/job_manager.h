@@ -16,6 +16,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -79,9 +80,16 @@ class JobManager {
   // their events. Metric points are idempotent per step, and a point at or
   // below the job's current_step adds no event: a resent point is not shown
   // twice (a restart sets current_step back to the step it resumes from).
+  // `attempt`, where given, is the attempt that sent them: the metrics and
+  // evaluations of an attempt the job has since replaced are dropped (a
+  // partitioned worker relaying what it queued before the restart); the new
+  // attempt trains those steps again or reports them again from the
+  // checkpoint it resumed from (TrainerTask.metrics_complete_through_step).
+  // Its checkpoints are kept: they were committed under the fence.
   absl::Status RecordReports(const std::string& job_id, const std::vector<v1::StepMetrics>& metrics,
                              const std::vector<v1::EvalMetrics>& evals,
-                             const std::vector<v1::Checkpoint>& checkpoints);
+                             const std::vector<v1::Checkpoint>& checkpoints,
+                             std::optional<int32_t> attempt = std::nullopt);
 
   // Metric points of steps [from_step, to_step] (0 = open), downsampled to at
   // most max_points (0 = all): each point the mean of an equal run of

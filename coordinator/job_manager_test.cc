@@ -177,6 +177,44 @@ TEST_F(JobManagerTest, BackfilledPointsBelowTheCurrentStepFillGapsOnly) {
   EXPECT_EQ(*complete, 6);
 }
 
+// Fencing: what a replaced attempt relays late (a partitioned worker's queue) does not move the
+// new attempt's record; its committed checkpoints are kept.
+TEST_F(JobManagerTest, AReplacedAttemptsMetricsAreDroppedAndItsCheckpointsKept) {
+  const std::string job_id = Submit();
+  ASSERT_THAT(jobs_->RecordReports(job_id, {Point(1, 3.0), Point(2, 2.9)}, {}, {}, 0), IsOk());
+  ASSERT_THAT(jobs_
+                  ->Transition(job_id, v1::JOB_STATE_RESTARTING, "a node was lost",
+                               [](v1::Job& job) {
+                                 job.set_attempt(job.attempt() + 1);
+                                 job.set_current_step(2);
+                               })
+                  .status(),
+              IsOk());
+  v1::Checkpoint checkpoint;
+  checkpoint.set_step(4);
+  checkpoint.set_path("/ckpt/step-00000004");
+  v1::EvalMetrics eval;
+  eval.set_step(4);
+  ASSERT_THAT(jobs_->RecordReports(job_id, {Point(3, 9.0), Point(4, 9.0)}, {eval}, {checkpoint}, 0),
+              IsOk());
+  v1::Job job = Job(job_id);
+  EXPECT_EQ(job.current_step(), 2);
+  EXPECT_EQ(job.latest_metrics().step(), 2);
+  EXPECT_EQ(job.latest_checkpoint().step(), 4) << "a committed checkpoint is a checkpoint";
+  auto points = store_->ReadMetrics(job_id, 0, 0);
+  ASSERT_THAT(points.status(), IsOk());
+  EXPECT_EQ(points->size(), 2u) << "attempt 0's steps 3 and 4 are not the record";
+  auto evals = store_->ReadEvals(job_id, 0, 0);
+  ASSERT_THAT(evals.status(), IsOk());
+  EXPECT_TRUE(evals->empty());
+  // The new attempt's own reports, and reports without an attempt (a standalone caller), count.
+  ASSERT_THAT(jobs_->RecordReports(job_id, {Point(3, 2.8)}, {}, {}, 1), IsOk());
+  ASSERT_THAT(jobs_->RecordReports(job_id, {Point(4, 2.7)}, {}, {}), IsOk());
+  job = Job(job_id);
+  EXPECT_EQ(job.current_step(), 4);
+  EXPECT_DOUBLE_EQ(job.latest_metrics().loss(), 2.7);
+}
+
 // The commit observer sees every committed change, as stored, in commit order: submission,
 // single and batched transitions, reports; a refused change is not seen.
 TEST_F(JobManagerTest, CommitObserverSeesEachCommittedChangeAsStored) {

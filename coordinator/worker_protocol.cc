@@ -239,6 +239,8 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
       skip = std::clamp<int64_t>(acked - request.first_sequence() + 1, 0, request.reports_size());
     }
   }
+  // One request carries one task's reports: one attempt of one job.
+  std::map<std::string, int32_t> attempts;
   std::map<std::string, std::vector<v1::StepMetrics>> metrics;
   std::map<std::string, std::vector<v1::EvalMetrics>> evals;
   std::map<std::string, std::vector<v1::Checkpoint>> checkpoints;
@@ -248,6 +250,7 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
   for (int i = static_cast<int>(skip); i < request.reports_size(); ++i) {
     const v1::TrainerReport& report = request.reports(i);
     const std::string& job_id = report.job_id();
+    attempts.emplace(job_id, report.attempt());
     switch (report.report_case()) {
       case v1::TrainerReport::kMetrics:
         metrics[job_id].push_back(report.metrics());
@@ -293,7 +296,8 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
   for (const auto& [id, _] : evals) job_ids.insert(id);
   for (const auto& [id, _] : checkpoints) job_ids.insert(id);
   for (const auto& id : job_ids) {
-    RETURN_IF_ERROR(jobs_->RecordReports(id, metrics[id], evals[id], checkpoints[id]));
+    RETURN_IF_ERROR(
+        jobs_->RecordReports(id, metrics[id], evals[id], checkpoints[id], attempts[id]));
   }
   if (!spikes.empty()) {
     absl::MutexLock lock(&state_->mu);
