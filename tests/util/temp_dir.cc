@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -34,6 +36,17 @@ ScopedTempDir::ScopedTempDir(const std::string& prefix) {
 ScopedTempDir::~ScopedTempDir() {
   std::error_code ignored;
   fs::remove_all(path_, ignored);
+}
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+  EXPECT_TRUE(out.good()) << "cannot write " << path;
 }
 
 }  // namespace tessera::testing

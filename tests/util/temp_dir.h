@@ -25,4 +25,9 @@ class ScopedTempDir {
   std::string path_;
 };
 
+// A file's bytes ("" when it cannot be read), and a file written with `bytes` (a GoogleTest
+// failure naming it when it cannot be).
+std::string ReadBytes(const std::string& path);
+void WriteBytes(const std::string& path, const std::string& bytes);
+
 }  // namespace tessera::testing

@@ -23,8 +23,10 @@ namespace tessera::trainer {
 namespace {
 
 using ::tessera::testing::IsOk;
+using ::tessera::testing::ReadBytes;
 using ::tessera::testing::ScopedTempDir;
 using ::tessera::testing::StatusIs;
+using ::tessera::testing::WriteBytes;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -35,17 +37,6 @@ constexpr char kJob[] = "job-1";
 bool Exists(const std::string& path) {
   struct stat info;
   return ::stat(path.c_str(), &info) == 0;
-}
-
-void WriteBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << bytes;
-  ASSERT_TRUE(out.good()) << path;
-}
-
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 // Distinct shard bytes for each (step, writer), so that a test tells whose checkpoint it reads.
@@ -130,7 +121,8 @@ TEST(CheckpointFenceTest, StaleCommitIsRefusedAndNewerCheckpointStaysIntact) {
   EXPECT_EQ(ShardOf(root, 10), ShardContent(10, "attempt 3"));
   EXPECT_THAT(ListCheckpointDirs(root), ElementsAre(root + "/" + CheckpointDirName(10)));
   ASSERT_THAT(VerifyCheckpoint(root + "/" + CheckpointDirName(10)), IsOk());
-  EXPECT_THAT(CheckCheckpointFence(root, kJob, 2), StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
+  EXPECT_THAT(CheckCheckpointFence(root, kJob, 2),
+              StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
   EXPECT_THAT(CheckCheckpointFence(root, kJob, 3), IsOk());
   EXPECT_THAT(CheckCheckpointFence(root, kJob, 4), IsOk());
   // The default attempt (0) is fenced off by any restart.

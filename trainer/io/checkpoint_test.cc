@@ -29,8 +29,10 @@ namespace {
 
 using ::google::protobuf::util::MessageDifferencer;
 using ::tessera::testing::IsOk;
+using ::tessera::testing::ReadBytes;
 using ::tessera::testing::ScopedTempDir;
 using ::tessera::testing::StatusIs;
+using ::tessera::testing::WriteBytes;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -64,17 +66,6 @@ std::vector<std::string> ListNames(const std::string& path) {
   ::closedir(dir);
   std::sort(names.begin(), names.end());
   return names;
-}
-
-void WriteBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << bytes;
-  ASSERT_TRUE(out.good()) << path;
-}
-
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 // Deterministic, distinct content for each (step, rank).
@@ -272,11 +263,11 @@ TEST(CheckpointTest, VerifyCatchesFlippedByte) {
   std::string bytes = ReadBytes(shard);
   bytes[bytes.size() / 2] ^= 0x01;
   WriteBytes(shard, bytes);
-  EXPECT_THAT(
-      VerifyCheckpoint(CheckpointPath(root, 100)),
-      StatusIs(absl::StatusCode::kDataLoss, AllOf(HasSubstr(shard + ": xxh3-128 mismatch (manifest "),
-                                                  HasSubstr(Xxh3Hex(ShardContent(100, 1))),
-                                                  HasSubstr(", file " + Xxh3Hex(bytes) + ")"))));
+  EXPECT_THAT(VerifyCheckpoint(CheckpointPath(root, 100)),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr(shard + ": xxh3-128 mismatch (manifest "),
+                             HasSubstr(Xxh3Hex(ShardContent(100, 1))),
+                             HasSubstr(", file " + Xxh3Hex(bytes) + ")"))));
 }
 
 // Every single-bit flip anywhere in a shard changes its XXH3-128 (checked exhaustively over a 4 KiB
@@ -317,8 +308,8 @@ TEST(CheckpointTest, OlderManifestsWithSha256StillVerify) {
                                               HasSubstr(shard + ": sha256 mismatch (manifest ")));
   manifest.mutable_shards(1)->clear_sha256();
   WriteBytes(dir + "/manifest.pb", manifest.SerializeAsString());
-  EXPECT_THAT(VerifyCheckpoint(dir), StatusIs(absl::StatusCode::kDataLoss,
-                                              HasSubstr("records no digest")));
+  EXPECT_THAT(VerifyCheckpoint(dir),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("records no digest")));
 }
 
 TEST(CheckpointTest, VerifyCatchesTruncatedShard) {
@@ -375,8 +366,8 @@ TEST(CheckpointTest, FindLatestSkipsCorruptedNewerCheckpoint) {
   EXPECT_EQ((*found)->path, CheckpointPath(root, 200));
   EXPECT_EQ((*found)->manifest.step(), 200);
   ASSERT_THAT(skipped, SizeIs(1));
-  EXPECT_THAT(skipped[0], AllOf(HasSubstr(CheckpointPath(root, 300)), HasSubstr("xxh3-128 mismatch"),
-                                HasSubstr("rank-00000.pt")));
+  EXPECT_THAT(skipped[0], AllOf(HasSubstr(CheckpointPath(root, 300)),
+                                HasSubstr("xxh3-128 mismatch"), HasSubstr("rank-00000.pt")));
 
   // Without the corruption the newest wins, and nothing is skipped.
   WriteBytes(shard, ShardContent(300, 0));
@@ -404,14 +395,14 @@ TEST(CheckpointTest, StructureOnlyCheckDigestOfOneShardAndQuarantine) {
 
   absl::StatusOr<v1::CheckpointManifest> manifest = VerifyCheckpoint(dir, DigestCheck::kNone);
   ASSERT_THAT(manifest, IsOk());
-  EXPECT_THAT(VerifyCheckpoint(dir), StatusIs(absl::StatusCode::kDataLoss,
-                                              HasSubstr(shard + ": xxh3-128 mismatch")));
+  EXPECT_THAT(VerifyCheckpoint(dir),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr(shard + ": xxh3-128 mismatch")));
   ASSERT_THAT(manifest->shards(), SizeIs(2));
   for (const v1::CheckpointShard& s : manifest->shards()) {
     if (s.rank() == 0) EXPECT_THAT(VerifyShardDigest(dir, s), IsOk());
     if (s.rank() == 1) {
-      EXPECT_THAT(VerifyShardDigest(dir, s), StatusIs(absl::StatusCode::kDataLoss,
-                                                      HasSubstr(shard + ": xxh3-128 mismatch")));
+      EXPECT_THAT(VerifyShardDigest(dir, s),
+                  StatusIs(absl::StatusCode::kDataLoss, HasSubstr(shard + ": xxh3-128 mismatch")));
     }
   }
   std::vector<std::string> skipped;

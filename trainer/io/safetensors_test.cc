@@ -22,8 +22,10 @@ namespace tessera::trainer {
 namespace {
 
 using ::tessera::testing::IsOk;
+using ::tessera::testing::ReadBytes;
 using ::tessera::testing::ScopedTempDir;
 using ::tessera::testing::StatusIs;
+using ::tessera::testing::WriteBytes;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -31,17 +33,6 @@ using ::testing::HasSubstr;
 bool Exists(const std::string& path) {
   struct stat info;
   return ::stat(path.c_str(), &info) == 0;
-}
-
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-void WriteBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << bytes;
-  ASSERT_TRUE(out.good()) << path;
 }
 
 uint64_t LittleEndian64(const std::string& bytes) {

@@ -24,8 +24,10 @@ namespace {
 
 using ::google::protobuf::util::MessageDifferencer;
 using ::tessera::testing::IsOk;
+using ::tessera::testing::ReadBytes;
 using ::tessera::testing::ScopedTempDir;
 using ::tessera::testing::StatusIs;
+using ::tessera::testing::WriteBytes;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -56,17 +58,6 @@ std::vector<int64_t> Range(int64_t first, int64_t last) {
   std::vector<int64_t> steps;
   for (int64_t step = first; step <= last; ++step) steps.push_back(step);
   return steps;
-}
-
-void WriteBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << bytes;
-  ASSERT_TRUE(out.good()) << path;
-}
-
-std::string ReadBytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 // Rank 0's part of a save as trainer/engine/checkpointing.cc plays it: a shard and, when `log`
