@@ -41,17 +41,17 @@
 #include "common/command_line.h"
 #include "common/errno_status.h"
 #include "common/status_macros.h"
+#include "common/xxh3.h"
 #include "nlohmann/json.hpp"
 #include "planner/model_config.h"
 #include "trainer/engine/adamw.h"
-#include "trainer/io/checkpoint.h"
 #include "trainer/engine/checkpointing.h"
-#include "trainer/model/model.h"
-#include "trainer/io/xxh3.h"
-#include "trainer/io/shard_file.h"
 #include "trainer/engine/sharded_engine.h"
-#include "trainer/torch_pch.h"
 #include "trainer/engine/training_state.h"
+#include "trainer/io/checkpoint.h"
+#include "trainer/io/shard_file.h"
+#include "trainer/model/model.h"
+#include "trainer/torch_pch.h"
 
 ABSL_FLAG(std::string, dir, "",
           "Directory in which to create the scratch directory (both sides write there); "
@@ -502,10 +502,10 @@ absl::Status RunIterations(const BenchOptions& options, Results& results) {
       RETURN_IF_ERROR(ReadPlain(plain_file, &plain_bytes).status());
       results.plain_read_warm_mb_s = results.shard_bytes / kBytesPerMb / SecondsSince(start);
       start = Clock::now();
-      RETURN_IF_ERROR(trainer::Xxh3File(plain_file).status());
+      RETURN_IF_ERROR(Xxh3File(plain_file).status());
       results.digest_file_warm_mb_s = results.shard_bytes / kBytesPerMb / SecondsSince(start);
       start = Clock::now();
-      trainer::Xxh3Hex(plain_bytes);
+      Xxh3Hex(plain_bytes);
       results.digest_in_memory_mb_s = results.shard_bytes / kBytesPerMb / SecondsSince(start);
     }
     if (warmup) {

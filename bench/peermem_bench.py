@@ -19,8 +19,9 @@ How it runs:
   5. Measured: the restore time each rank of the next attempt reports (TrainerStarted.restore,
      from its log line "resumed from ... (from memory|storage, S s"; the slower rank counts), and
      from the kill until rank 0 of the next attempt logs its first step (its log polled every
-     50 ms).
-Runs alternate the modes; medians over RUNS runs each.
+     50 ms); and what saving the step-2 checkpoint took (its Checkpoint.write_seconds: in mode
+     memory that includes handing each shard to the worker).
+Runs alternate the modes; medians over RUNS runs each, and memory's median over storage's.
 
 Results: a summary on stdout and $TESSERA_BENCH_RESULTS/peermem.json. Only the standard library.
 """
@@ -122,7 +123,7 @@ def one_run(build_dir, workdir, shards, mode, preset, run):
         write_spec(spec_path, shards, preset)
         job_id = cluster.cli("submit", spec_path).strip()
         start = time.monotonic()
-        killed, kill_step, evicted = None, None, 0
+        killed, kill_step, evicted, write_seconds = None, None, 0, None
         while True:
             if time.monotonic() - start > JOB_TIMEOUT_SECONDS:
                 raise BenchError(f"{job_id} did not finish in {JOB_TIMEOUT_SECONDS} s")
@@ -137,6 +138,7 @@ def one_run(build_dir, workdir, shards, mode, preset, run):
                     if pid is not None:
                         os.kill(pid, signal.SIGKILL)
                         killed, kill_step = time.monotonic(), step
+                        write_seconds = float(job["latest_checkpoint"].get("write_seconds", 0))
                         evicted = evict(os.path.join(run_dir, "ckpt", job_id))
             elif first_step_logged(run_dir, job_id):
                 first_step = time.monotonic() - killed
@@ -153,6 +155,7 @@ def one_run(build_dir, workdir, shards, mode, preset, run):
                                                     f"{resumed_step:08d}")) for f in fs)
         return {"mode": mode, "restore_seconds": restore_seconds,
                 "kill_to_first_step_seconds": first_step, "kill_step": kill_step,
+                "checkpoint_write_seconds": write_seconds,
                 "resumed_step": resumed_step, "evicted_bytes": evicted,
                 "checkpoint_bytes": checkpoint_bytes, "restore_phases": phases}
     finally:
@@ -167,7 +170,8 @@ def measure(build_dir, trainer, workdir, args):
             figures = one_run(build_dir, workdir, shards, mode, args.preset, run)
             print(f"  run {run + 1} {mode}: restore {figures['restore_seconds']:.2f} s, kill -> "
                   f"first step {figures['kill_to_first_step_seconds']:.2f} s "
-                  f"({figures['checkpoint_bytes'] / 2**30:.2f} GiB checkpoint)" +
+                  f"({figures['checkpoint_bytes'] / 2**30:.2f} GiB checkpoint, written in "
+                  f"{figures['checkpoint_write_seconds']:.2f} s)" +
                   ("; slower rank: fetch {fetch_seconds:.2f} s (digests {digest_seconds:.2f} s), "
                    "load {load_seconds:.2f} s".format(**figures["restore_phases"])
                    if figures["restore_phases"] else ""))
@@ -178,8 +182,14 @@ def measure(build_dir, trainer, workdir, args):
         by_mode[mode] = {
             "restore_seconds": spread([r["restore_seconds"] for r in mine]),
             "kill_to_first_step_seconds": spread([r["kill_to_first_step_seconds"] for r in mine]),
+            "checkpoint_write_seconds": spread([r["checkpoint_write_seconds"] for r in mine]),
         }
-    return {"modes": by_mode, "runs": runs,
+    ratios = {}
+    if runs:
+        for figure in ("restore_seconds", "kill_to_first_step_seconds", "checkpoint_write_seconds"):
+            ratios[figure] = (by_mode["memory"][figure]["median"] /
+                              by_mode["storage"][figure]["median"])
+    return {"modes": by_mode, "memory_over_storage": ratios, "runs": runs,
             "checkpoint_bytes": runs[0]["checkpoint_bytes"] if runs else 0}
 
 
@@ -201,7 +211,10 @@ def main():
         return 1
     for mode, m in figures["modes"].items():
         print(f"{BENCH}: {mode}: restore median {m['restore_seconds']['median']:.2f} s, kill -> "
-              f"first step median {m['kill_to_first_step_seconds']['median']:.2f} s")
+              f"first step median {m['kill_to_first_step_seconds']['median']:.2f} s, checkpoint "
+              f"write median {m['checkpoint_write_seconds']['median']:.2f} s")
+    for figure, ratio in figures["memory_over_storage"].items():
+        print(f"{BENCH}: memory / storage, {figure}: {ratio:.2f}x")
     results = {
         "benchmark": BENCH,
         "method": __doc__,

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/daemon/grpc_status.h"
 #include "common/security/tls.h"
+#include "common/xxh3.h"
 
 namespace tessera::worker {
 namespace {
@@ -31,6 +32,18 @@ absl::Status CheckHeader(const v1::ShardHeader& header, size_t size) {
 
 }  // namespace
 
+absl::Status CachedShard::Verify() const {
+  absl::call_once(digest_check->once, [this] {
+    const std::string digest = Xxh3Hex(bytes.view());
+    if (digest != header.xxh3_128()) {
+      digest_check->status = absl::DataLossError(absl::StrCat(
+          "shard cache: the copy of ", header.file_name(), " (", KeyText(header.key()), ", ",
+          bytes.size(), " bytes) hashes to xxh3-128 ", digest, ", not its ", header.xxh3_128()));
+    }
+  });
+  return digest_check->status;
+}
+
 absl::Status ShardCacheStore::Put(v1::ShardHeader header, std::string_view bytes) {
   if (absl::Status status = CheckHeader(header, bytes.size()); !status.ok()) return status;
   absl::StatusOr<SealedMemory> copy = SealedMemory::Copy("tessera-shard", bytes);
@@ -39,8 +52,16 @@ absl::Status ShardCacheStore::Put(v1::ShardHeader header, std::string_view bytes
 }
 
 absl::Status ShardCacheStore::Put(v1::ShardHeader header, SealedMemory bytes) {
-  if (absl::Status status = CheckHeader(header, bytes.size()); !status.ok()) return status;
-  const int64_t size = static_cast<int64_t>(bytes.size());
+  auto shard = std::make_shared<CachedShard>();
+  shard->header = std::move(header);
+  shard->bytes = std::move(bytes);
+  return Put(std::shared_ptr<const CachedShard>(std::move(shard)));
+}
+
+absl::Status ShardCacheStore::Put(std::shared_ptr<const CachedShard> shard) {
+  const v1::ShardHeader& header = shard->header;
+  if (absl::Status status = CheckHeader(header, shard->bytes.size()); !status.ok()) return status;
+  const int64_t size = static_cast<int64_t>(shard->bytes.size());
   if (size > capacity_bytes_) {
     return absl::ResourceExhaustedError(
         absl::StrCat("shard ", KeyText(header.key()), " has ", size,
@@ -50,9 +71,6 @@ absl::Status ShardCacheStore::Put(v1::ShardHeader header, SealedMemory bytes) {
   const std::string job_id = header.key().job_id();
   const int64_t step = header.key().step();
   const int rank = header.key().rank();
-  auto shard = std::make_shared<CachedShard>();
-  shard->header = std::move(header);
-  shard->bytes = std::move(bytes);
   absl::MutexLock lock(&mu_);
   Job& job = jobs_[job_id];
   job.last_put = ++puts_;
@@ -195,9 +213,14 @@ grpc::Status ShardCacheService::Put(grpc::ServerContext* context,
       });
   if (context->IsCancelled()) return grpc::Status::CANCELLED;
   if (!bytes.ok()) return ToGrpcStatus(bytes.status());
-  if (absl::Status status = store_->Put(std::move(header), *std::move(bytes)); !status.ok()) {
-    return ToGrpcStatus(status);
-  }
+  auto shard = std::make_shared<CachedShard>();
+  shard->header = std::move(header);
+  shard->bytes = *std::move(bytes);
+  // Hashed as it arrives: a copy the network damaged is refused (the sender logs it), and one
+  // kept is served to this node's trainers without hashing it again.
+  absl::Status status = shard->Verify();
+  if (status.ok()) status = store_->Put(std::move(shard));
+  if (!status.ok()) return ToGrpcStatus(status);
   response->set_cache_bytes(store_->bytes());
   return grpc::Status::OK;
 }

@@ -2,9 +2,10 @@
 // shard_cache.proto). Trainer processes die on a restart; their worker does not, so it keeps in
 // its memory the shards its trainers wrote last and a copy of the shards of a peer node's
 // trainers. A restarted attempt asks its worker for every shard of the checkpoint it resumes;
-// the worker answers from its memory or from the peers the trainer names. The trainer uses what
-// it gets only when the digest equals the manifest's on storage, which stays the checkpoint of
-// record: nothing here is trusted beyond being a fast copy.
+// the worker answers from its memory or from the peers the trainer names. The worker serves a
+// copy only after hashing it (once per copy: its memory files are sealed, so the answer holds),
+// and the trainer uses what it gets only when that digest is the manifest's on storage, which
+// stays the checkpoint of record: nothing here is trusted beyond being a fast copy.
 //
 //   ShardCacheStore      the shards in memory: per job the two newest steps (a step's shards
 //                        arrive before its manifest is committed, so the previous, committed step
@@ -14,10 +15,12 @@
 //   ShardCachePeers      the client side: replicates puts to a peer (a thread of its own, a
 //                        bounded queue) and fetches from peers, each call with a deadline.
 //   LocalShardCacheServer the Unix socket the worker's trainers use (they link no gRPC): one
-//                        length-prefixed ShardCacheRequest, the bytes of a put, and one
-//                        ShardCacheResponse; a get that found the shard passes the sealed memory
-//                        file holding it (common/sealed_memory.h) beside the response, so the
-//                        trainer maps the worker's pages and nothing is copied through the socket.
+//                        length-prefixed ShardCacheRequest and one ShardCacheResponse; the sealed
+//                        memory file holding the shard (common/sealed_memory.h) passes beside a
+//                        put's request (the worker keeps the trainer's file) and beside a found
+//                        get's response (the trainer maps the worker's pages): nothing is copied
+//                        through the socket. A shard a get fetched from a peer is kept too, so the
+//                        node's other ranks find it here.
 #pragma once
 
 #include <atomic>
@@ -30,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/call_once.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -48,8 +52,20 @@ namespace tessera::worker {
 // One shard in memory, in a sealed memory file. Immutable once stored, so readers share it
 // without the store's lock.
 struct CachedShard {
+  // OK when the bytes' XXH3-128 is header.xxh3_128, else DATA_LOSS naming the shard. Hashes on
+  // the first call only (the bytes are sealed, so the answer holds for the shard's life); callers
+  // meanwhile, such as a node's ranks asking for the same shard at once, wait for that one hash.
+  absl::Status Verify() const;
+
   v1::ShardHeader header;
   SealedMemory bytes;
+
+  struct DigestCheck {
+    absl::once_flag once;
+    absl::Status status;
+  };
+  // Verify's answer, once there is one.
+  std::unique_ptr<DigestCheck> digest_check = std::make_unique<DigestCheck>();
 };
 
 // Thread safety: every method may be called from any thread (one absl::Mutex).
@@ -66,6 +82,8 @@ class ShardCacheStore {
   absl::Status Put(v1::ShardHeader header, SealedMemory bytes);
   // Put of a copy of `bytes`.
   absl::Status Put(v1::ShardHeader header, std::string_view bytes);
+  // Put of a shard made elsewhere (one whose digest may have been checked already).
+  absl::Status Put(std::shared_ptr<const CachedShard> shard);
   // The shard. NOT_FOUND when the job or shard is not held; FAILED_PRECONDITION when
   // `want_xxh3_128` is set and the held copy's digest differs (a copy of another checkpoint).
   absl::StatusOr<std::shared_ptr<const CachedShard>> Get(const v1::ShardKey& key,

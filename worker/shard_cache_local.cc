@@ -1,6 +1,6 @@
 // LocalShardCacheServer (shard_cache.h): the Unix socket of the worker's trainers. Frames
-// (common/socket_frames.h) hold the serialized messages; a put's shard bytes follow its request
-// raw, and a found get's sealed memory file is passed beside its response
+// (common/socket_frames.h) hold the serialized messages; a sealed memory file holding the shard
+// is passed beside a put's request and beside a found get's response
 // (trainer/io/shard_cache_client.h is the other end).
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -121,40 +121,35 @@ bool LocalShardCacheServer::ServeOne(int fd) {
   if (!ReadMessage(fd, kMaxFrameBytes, &request)) return false;
   switch (request.op()) {
     case v1::SHARD_CACHE_OP_PUT: {
-      const int64_t size = request.header().size_bytes();
-      if (size < 0 || size > store_->capacity_bytes()) {
-        // The bytes that follow cannot be skipped cheaply: the connection ends after the answer.
-        Answer(fd, absl::ResourceExhaustedError(
-                       absl::StrCat("header.size_bytes: ", size, " does not fit the cache (",
-                                    store_->capacity_bytes(), " bytes)")));
+      // The trainer's sealed memory file comes beside the request; the worker keeps it.
+      absl::StatusOr<int> received = ReceiveDescriptor(fd);
+      if (!received.ok()) {
+        Answer(fd, absl::Status(received.status().code(),
+                                absl::StrCat("put's memory file: ", received.status().message())));
         return false;
       }
-      bool connection_broken = false;
-      absl::StatusOr<SealedMemory> bytes = SealedMemory::Create(
-          "tessera-shard", static_cast<size_t>(size), [&](char* data) -> absl::Status {
-            if (size > 0 && !ReadFull(fd, data, static_cast<size_t>(size))) {
-              connection_broken = true;
-              return absl::UnavailableError("the put's bytes were cut short");
-            }
-            return absl::OkStatus();
-          });
-      if (connection_broken) return false;
-      if (!bytes.ok()) {
-        // The bytes that follow were not read: the connection ends after the answer.
-        Answer(fd, bytes.status());
-        return false;
-      }
-      v1::ShardHeader header = request.header();
-      const v1::ShardKey key = header.key();
-      absl::Status status = store_->Put(std::move(header), *std::move(bytes));
+      absl::StatusOr<SealedMemory> bytes = SealedMemory::Adopt(*received);
+      if (!bytes.ok()) return Answer(fd, bytes.status());
+      auto shard = std::make_shared<CachedShard>();
+      shard->header = request.header();
+      shard->bytes = *std::move(bytes);
+      std::shared_ptr<const CachedShard> stored = std::move(shard);
+      absl::Status status = store_->Put(stored);
       if (ShardCacheMetrics* metrics = metrics_.load(); metrics != nullptr) {
         metrics->SetCacheBytes(store_->bytes());
       }
       if (status.ok() && !request.replica_address().empty()) {
-        absl::StatusOr<std::shared_ptr<const CachedShard>> stored = store_->Get(key, "");
-        if (stored.ok()) peers_->Replicate(request.replica_address(), *std::move(stored));
+        peers_->Replicate(request.replica_address(), stored);
       }
-      return Answer(fd, status);
+      const bool answered = Answer(fd, status);
+      // Hashed now, after the answer (the trainer's checkpoint does not wait for it), so that a
+      // restore finds the check done. A copy that does not match is never served.
+      if (status.ok()) {
+        if (absl::Status verified = stored->Verify(); !verified.ok()) {
+          std::cerr << "tessera-worker: " << verified << std::endl;
+        }
+      }
+      return answered;
     }
     case v1::SHARD_CACHE_OP_GET: {
       std::shared_ptr<const CachedShard> shard;
@@ -163,23 +158,35 @@ bool LocalShardCacheServer::ServeOne(int fd) {
           store_->Get(request.key(), request.xxh3_128());
       absl::Status last = local.status();
       if (local.ok()) {
-        shard = *std::move(local);
-      } else {
+        last = (*local)->Verify();
+        if (last.ok()) shard = *std::move(local);
+      }
+      if (shard == nullptr) {
         for (const std::string& peer : request.peer_addresses()) {
           absl::StatusOr<CachedShard> fetched =
               peers_->Get(peer, request.key(), request.xxh3_128());
-          if (fetched.ok()) {
-            shard = std::make_shared<const CachedShard>(*std::move(fetched));
-            source = v1::SHARD_SOURCE_PEER;
-            break;
+          if (!fetched.ok()) {
+            last = fetched.status();
+            continue;
           }
-          last = fetched.status();
+          auto copy = std::make_shared<const CachedShard>(*std::move(fetched));
+          last = copy->Verify();
+          if (!last.ok()) continue;
+          // Kept here too: the node's other ranks ask for the same shard.
+          if (absl::Status kept = store_->Put(copy); !kept.ok()) {
+            std::cerr << "tessera-worker: shard cache: a peer's copy not kept: " << kept
+                      << std::endl;
+          }
+          shard = std::move(copy);
+          source = v1::SHARD_SOURCE_PEER;
+          break;
         }
       }
       if (shard == nullptr) return Answer(fd, last);
       v1::ShardCacheResponse response;
       *response.mutable_header() = shard->header;
       response.set_source(source);
+      response.set_verified(true);
       // The trainer maps the sealed memory file: no bytes cross the socket.
       return WriteMessage(fd, response) && SendDescriptor(fd, shard->bytes.fd());
     }

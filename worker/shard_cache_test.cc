@@ -1,24 +1,33 @@
 // The worker's shard cache: the store (put, get, the two-step window, the byte cap's eviction,
-// digest mismatch, unknown job), the ShardCache gRPC service between two caches (replication and
-// a peer's lookup), and the trainers' Unix socket through the trainer's own client.
+// digest mismatch, unknown job), a copy's digest check (once, shared), the ShardCache gRPC
+// service between two caches (replication, a peer's lookup, a damaged copy refused), and the
+// trainers' Unix socket through the trainer's own client (memory files both ways, unsealed ones
+// refused, a peer's copy kept, a corrupt copy never served).
 #include "worker/shard_cache.h"
 
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/scoped_fd.h"
+#include "common/socket_frames.h"
 #include "common/status_matchers.h"
+#include "common/xxh3.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "trainer/io/memory_restore.h"
 #include "trainer/io/shard_cache_client.h"
-#include "trainer/io/xxh3.h"
 
 namespace tessera::worker {
 namespace {
@@ -156,10 +165,32 @@ std::string Pattern(size_t size) {
   return bytes;
 }
 
+// A header whose digest is the bytes' own.
+v1::ShardHeader TrueHeader(const std::string& job, int64_t step, int rank,
+                           const std::string& bytes) {
+  return Header(job, step, rank, bytes, Xxh3Hex(bytes));
+}
+
+TEST(CachedShardTest, VerifyHashesOnceAndNamesTheShardOnAMismatch) {
+  const std::string bytes = Pattern(4096);
+  CachedShard good{TrueHeader("j", 1, 0, bytes), *SealedMemory::Copy("test", bytes)};
+  EXPECT_THAT(good.Verify(), IsOk());
+  EXPECT_THAT(good.Verify(), IsOk());
+  CachedShard bad{Header("j", 1, 3, bytes, Xxh3Hex("other")), *SealedMemory::Copy("test", bytes)};
+  // Several callers at once (a node's ranks) get the one answer.
+  std::vector<absl::Status> answers(4);
+  std::vector<std::thread> callers;
+  for (absl::Status& answer : answers) callers.emplace_back([&] { answer = bad.Verify(); });
+  for (std::thread& caller : callers) caller.join();
+  for (const absl::Status& answer : answers) {
+    EXPECT_THAT(answer, StatusIs(absl::StatusCode::kDataLoss, HasSubstr("rank-3.safetensors")));
+  }
+}
+
 TEST(ShardCachePeersTest, PutAndGetAcrossChunks) {
   PeerCache peer(64 << 20);
   ShardCachePeers peers({});
-  CachedShard shard{Header("j", 5, 2, Pattern(3 * kShardChunkBytes + 17)),
+  CachedShard shard{TrueHeader("j", 5, 2, Pattern(3 * kShardChunkBytes + 17)),
                     *SealedMemory::Copy("test", Pattern(3 * kShardChunkBytes + 17))};
   ASSERT_THAT(peers.Put(peer.address(), shard), IsOk());
   EXPECT_EQ(peer.store.bytes(), static_cast<int64_t>(shard.bytes.size()));
@@ -167,11 +198,26 @@ TEST(ShardCachePeersTest, PutAndGetAcrossChunks) {
   ASSERT_THAT(fetched, IsOk());
   EXPECT_EQ(fetched->bytes.view(), shard.bytes.view());
   EXPECT_EQ(fetched->header.xxh3_128(), shard.header.xxh3_128());
+  // The peer hashed its copy as it arrived.
+  auto held = peer.store.Get(Key("j", 5, 2), "");
+  ASSERT_THAT(held, IsOk());
+  EXPECT_THAT((*held)->Verify(), IsOk());
   EXPECT_THAT(peers.Get(peer.address(), Key("j", 5, 2), "other"),
               StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
   EXPECT_THAT(peers.Get(peer.address(), Key("unknown", 5, 2), ""),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr(peer.address())));
   ASSERT_THAT(peers.DropJob(peer.address(), "j"), IsOk());
+  EXPECT_EQ(peer.store.shards(), 0);
+}
+
+// A copy that does not hash to its header's digest (damaged on the way) is refused, not kept.
+TEST(ShardCachePeersTest, PeerRefusesADamagedCopy) {
+  PeerCache peer(64 << 20);
+  ShardCachePeers peers({});
+  CachedShard shard{Header("j", 5, 1, Pattern(1000), Xxh3Hex("not these bytes")),
+                    *SealedMemory::Copy("test", Pattern(1000))};
+  EXPECT_THAT(peers.Put(peer.address(), shard),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("rank-1.safetensors")));
   EXPECT_EQ(peer.store.shards(), 0);
 }
 
@@ -200,18 +246,28 @@ TEST(LocalShardCacheServerTest, PutReplicatesAndGetFallsBackToPeers) {
   auto server = LocalShardCacheServer::Start(socket, &store, &peers, nullptr);
   ASSERT_THAT(server, IsOk());
   const std::string bytes = Pattern(2 * kShardChunkBytes + 5);
-  ASSERT_THAT(trainer::PutShardInCache(socket, Header("j", 7, 0, bytes), bytes, peer.address()),
+  const std::string digest = Xxh3Hex(bytes);
+  auto put = SealedMemory::Copy("test", bytes);
+  ASSERT_THAT(put, IsOk());
+  ASSERT_THAT(trainer::PutShardInCache(socket, TrueHeader("j", 7, 0, bytes), *put, peer.address()),
               IsOk());
   EXPECT_EQ(store.bytes(), static_cast<int64_t>(bytes.size()));
+  // The worker keeps the trainer's memory file: the same pages, not a copy.
+  struct stat handed {
+  }, kept{};
+  ASSERT_EQ(::fstat(put->fd(), &handed), 0);
+  ASSERT_EQ(::fstat((*store.Get(Key("j", 7, 0), ""))->bytes.fd(), &kept), 0);
+  EXPECT_EQ(handed.st_ino, kept.st_ino);
   for (int i = 0; i < 200 && peers.replicated() == 0; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(peers.replicated(), 1);
-  EXPECT_THAT(peer.store.Get(Key("j", 7, 0), "d-j-7-0"), IsOk());
+  EXPECT_THAT(peer.store.Get(Key("j", 7, 0), digest), IsOk());
 
-  auto local = trainer::GetShardFromCache(socket, Key("j", 7, 0), "d-j-7-0", {});
+  auto local = trainer::GetShardFromCache(socket, Key("j", 7, 0), digest, {});
   ASSERT_THAT(local, IsOk());
   EXPECT_EQ(local->bytes.view(), bytes);
+  EXPECT_TRUE(local->verified);
   // The trainer maps the worker's own memory file: the same pages, not a copy.
   struct stat mine {}, theirs {};
   ASSERT_EQ(::fstat(local->bytes.fd(), &mine), 0);
@@ -220,18 +276,75 @@ TEST(LocalShardCacheServerTest, PutReplicatesAndGetFallsBackToPeers) {
   EXPECT_EQ(mine.st_dev, theirs.st_dev);
   EXPECT_EQ(local->source, v1::SHARD_SOURCE_LOCAL);
 
-  // This worker lost its copy (a restarted worker): the peer's answers.
+  // This worker lost its copy (a restarted worker): the peer's answers, and this worker keeps
+  // it, so the node's next rank asking finds it here.
   store.DropJob("j");
   auto remote =
-      trainer::GetShardFromCache(socket, Key("j", 7, 0), "d-j-7-0", {"127.0.0.1:1", peer.address()});
+      trainer::GetShardFromCache(socket, Key("j", 7, 0), digest, {"127.0.0.1:1", peer.address()});
   ASSERT_THAT(remote, IsOk());
   EXPECT_EQ(remote->bytes.view(), bytes);
   EXPECT_EQ(remote->source, v1::SHARD_SOURCE_PEER);
+  EXPECT_TRUE(remote->verified);
+  auto again = trainer::GetShardFromCache(socket, Key("j", 7, 0), digest, {peer.address()});
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ(again->source, v1::SHARD_SOURCE_LOCAL);
+  EXPECT_EQ(again->bytes.view(), bytes);
 
   EXPECT_THAT(trainer::GetShardFromCache(socket, Key("j", 7, 0), "wrong", {peer.address()}),
               StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
   EXPECT_THAT(trainer::GetShardFromCache(socket, Key("nope", 7, 0), "", {}),
               StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
+// A copy whose bytes are not those its digest names (a trainer's put gone wrong) is never
+// served; a peer's good copy is served instead.
+TEST(LocalShardCacheServerTest, ACorruptCopyIsNeverServed) {
+  PeerCache peer(64 << 20);
+  ShardCacheStore store(64 << 20);
+  ShardCachePeers peers({});
+  const std::string socket = SocketPath("corrupt");
+  auto server = LocalShardCacheServer::Start(socket, &store, &peers, nullptr);
+  ASSERT_THAT(server, IsOk());
+  const std::string bytes = Pattern(5000);
+  std::string corrupt = bytes;
+  corrupt[99] ^= 4;
+  ASSERT_THAT(store.Put(TrueHeader("j", 3, 1, bytes), corrupt), IsOk());
+  EXPECT_THAT(trainer::GetShardFromCache(socket, Key("j", 3, 1), Xxh3Hex(bytes), {}),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("rank-1.safetensors")));
+  ASSERT_THAT(peer.store.Put(TrueHeader("j", 3, 1, bytes), bytes), IsOk());
+  auto served =
+      trainer::GetShardFromCache(socket, Key("j", 3, 1), Xxh3Hex(bytes), {peer.address()});
+  ASSERT_THAT(served, IsOk());
+  EXPECT_EQ(served->source, v1::SHARD_SOURCE_PEER);
+  EXPECT_EQ(served->bytes.view(), bytes);
+}
+
+// A put's memory file must be sealed: bytes the trainer could still change are not kept.
+TEST(LocalShardCacheServerTest, AnUnsealedMemoryFileIsRefused) {
+  ShardCacheStore store(64 << 20);
+  ShardCachePeers peers({});
+  const std::string socket = SocketPath("unsealed");
+  auto server = LocalShardCacheServer::Start(socket, &store, &peers, nullptr);
+  ASSERT_THAT(server, IsOk());
+  const std::string bytes = Pattern(100);
+  ScopedFd memory(::memfd_create("unsealed", MFD_CLOEXEC));
+  ASSERT_GE(memory.get(), 0);
+  ASSERT_EQ(::write(memory.get(), bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  ScopedFd client(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, socket.data(), socket.size());
+  ASSERT_EQ(::connect(client.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  v1::ShardCacheRequest request;
+  request.set_op(v1::SHARD_CACHE_OP_PUT);
+  *request.mutable_header() = TrueHeader("j", 1, 0, bytes);
+  ASSERT_TRUE(WriteMessage(client.get(), request));
+  ASSERT_TRUE(SendDescriptor(client.get(), memory.get()));
+  v1::ShardCacheResponse response;
+  ASSERT_TRUE(ReadMessage(client.get(), 1 << 20, &response));
+  EXPECT_EQ(response.code(), static_cast<int>(absl::StatusCode::kFailedPrecondition))
+      << response.message();
+  EXPECT_EQ(store.shards(), 0);
 }
 
 TEST(LocalShardCacheServerTest, UnreachableWorkerIsUnavailableNamingTheSocket) {
@@ -256,15 +369,17 @@ class MemoryRestoreTest : public ::testing::Test {
       shard->set_rank(rank);
       shard->set_file(absl::StrCat("rank-0000", rank, ".safetensors"));
       shard->set_size_bytes(static_cast<int64_t>(Bytes(rank).size()));
-      shard->set_xxh3_128(trainer::Xxh3Hex(Bytes(rank)));
+      shard->set_xxh3_128(Xxh3Hex(Bytes(rank)));
     }
   }
   static std::string Bytes(int rank) { return Pattern(1000 + rank); }
   // What rank `rank`'s trainer hands over after writing its shard.
   void Hand(int rank, const std::string& bytes, const std::string& digest) {
-    ASSERT_THAT(trainer::HandShardToCache(task_, 30, rank, manifest_.shards(rank).file(), digest,
-                                          bytes),
-                IsOk());
+    auto memory = SealedMemory::Copy("test", bytes);
+    ASSERT_THAT(memory, IsOk());
+    ASSERT_THAT(
+        trainer::HandShardToCache(task_, 30, rank, manifest_.shards(rank).file(), digest, *memory),
+        IsOk());
   }
 
   std::string socket_ = SocketPath("restore");
@@ -276,11 +391,13 @@ class MemoryRestoreTest : public ::testing::Test {
 };
 
 TEST_F(MemoryRestoreTest, EveryShardFromMemoryIsMappedInManifestOrder) {
-  Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
-  Hand(1, Bytes(1), trainer::Xxh3Hex(Bytes(1)));
+  Hand(0, Bytes(0), Xxh3Hex(Bytes(0)));
+  Hand(1, Bytes(1), Xxh3Hex(Bytes(1)));
   auto copy = trainer::FetchCheckpointFromMemory(task_, manifest_);
   ASSERT_THAT(copy, IsOk());
   EXPECT_EQ(copy->shards_from_peers, 0);
+  // The worker had hashed every copy: the rank hashed none itself.
+  EXPECT_EQ(copy->verify_seconds, 0);
   ASSERT_EQ(copy->shards.size(), 2u);
   const std::vector<std::string> paths = copy->ShardPaths();
   for (int rank : {0, 1}) {
@@ -293,24 +410,24 @@ TEST_F(MemoryRestoreTest, EveryShardFromMemoryIsMappedInManifestOrder) {
 }
 
 TEST_F(MemoryRestoreTest, AMissingShardIsNotFound) {
-  Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  Hand(0, Bytes(0), Xxh3Hex(Bytes(0)));
   EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("rank 1")));
 }
 
 TEST_F(MemoryRestoreTest, ACorruptCopyIsDataLossNamingTheShard) {
-  Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  Hand(0, Bytes(0), Xxh3Hex(Bytes(0)));
   // The worker holds bytes that are not those its digest (the manifest's) describes.
   std::string corrupt = Bytes(1);
   corrupt[17] ^= 1;
-  Hand(1, corrupt, trainer::Xxh3Hex(Bytes(1)));
+  Hand(1, corrupt, Xxh3Hex(Bytes(1)));
   EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("rank-00001.safetensors")));
 }
 
 TEST_F(MemoryRestoreTest, ACopyOfAnotherCheckpointIsNotUsed) {
-  Hand(0, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
-  Hand(1, Bytes(0), trainer::Xxh3Hex(Bytes(0)));
+  Hand(0, Bytes(0), Xxh3Hex(Bytes(0)));
+  Hand(1, Bytes(0), Xxh3Hex(Bytes(0)));
   EXPECT_THAT(trainer::FetchCheckpointFromMemory(task_, manifest_),
               StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
 }

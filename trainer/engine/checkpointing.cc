@@ -426,7 +426,7 @@ std::string ShardPath(const CheckpointContext& context, int64_t step) {
 // too, for a commit that does not happen). A failure costs only the memory copy: logged, never
 // the checkpoint's error.
 void CacheShard(const CheckpointContext& context, int64_t step, const WrittenShard& written) {
-  absl::StatusOr<std::string> bytes = ReadShardForCache(*context.task, ShardPath(context, step));
+  absl::StatusOr<SealedMemory> bytes = ReadShardForCache(*context.task, ShardPath(context, step));
   absl::Status status = bytes.status();
   if (status.ok()) {
     status = HandShardToCache(*context.task, step, context.rank, SliceShardFileName(context.rank),

@@ -14,8 +14,8 @@
 #include <iostream>
 #include <map>
 #include <optional>
-#include <thread>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -34,13 +34,13 @@
 #include "common/scoped_fd.h"
 #include "common/status_macros.h"
 #include "common/timestamp.h"
+#include "common/xxh3.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
 #include "trainer/io/checkpoint_fence.h"
 #include "trainer/io/sha256.h"
 #include "trainer/io/shard_file.h"
 #include "trainer/io/step_metrics_log.h"
-#include "trainer/io/xxh3.h"
 
 namespace tessera::trainer {
 namespace {

@@ -16,13 +16,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
+#include "common/xxh3.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
 #include "trainer/io/sha256.h"
-#include "trainer/io/xxh3.h"
 
 namespace tessera::trainer {
 namespace {

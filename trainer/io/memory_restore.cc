@@ -1,30 +1,55 @@
 #include "trainer/io/memory_restore.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/read_file.h"
+#include "common/errno_status.h"
+#include "common/scoped_fd.h"
 #include "common/status_macros.h"
+#include "common/xxh3.h"
 #include "trainer/io/shard_cache_client.h"
-#include "trainer/io/xxh3.h"
 
 namespace tessera::trainer {
 
-absl::StatusOr<std::string> ReadShardForCache(const v1::TrainerTask& task,
-                                              const std::string& path) {
-  if (task.shard_cache_socket().empty()) return std::string();
-  return ReadWholeFile(path);
+absl::StatusOr<SealedMemory> ReadShardForCache(const v1::TrainerTask& task,
+                                               const std::string& path) {
+  if (task.shard_cache_socket().empty()) return SealedMemory();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoToStatus(errno, path);
+  ScopedFd file(fd);
+  struct stat info {};
+  if (::fstat(file.get(), &info) != 0) return ErrnoToStatus(errno, path);
+  const size_t size = static_cast<size_t>(info.st_size);
+  return SealedMemory::Create("tessera-shard", size, [&](char* data) -> absl::Status {
+    size_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::pread(file.get(), data + done, size - done, static_cast<off_t>(done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return ErrnoToStatus(errno, path);
+      if (n == 0) {
+        return absl::DataLossError(
+            absl::StrCat(path, ": ended after ", done, " of its ", size, " bytes"));
+      }
+      done += static_cast<size_t>(n);
+    }
+    return absl::OkStatus();
+  });
 }
 
 absl::Status HandShardToCache(const v1::TrainerTask& task, int64_t step, int rank,
                               const std::string& file_name, const std::string& xxh3_128,
-                              const std::string& bytes) {
-  if (task.shard_cache_socket().empty() || bytes.empty()) return absl::OkStatus();
+                              const SealedMemory& bytes) {
+  if (task.shard_cache_socket().empty() || bytes.size() == 0) return absl::OkStatus();
   v1::ShardHeader header;
   header.mutable_key()->set_job_id(task.job_id());
   header.mutable_key()->set_step(step);
@@ -73,19 +98,23 @@ FetchedShard FetchOne(const v1::TrainerTask& task, const v1::CheckpointShard& sh
     out.status = fetched.status();
     return out;
   }
-  const auto verify_start = std::chrono::steady_clock::now();
-  // The worker's word is not enough: the bytes must be those the manifest on storage lists.
+  // The bytes must be those the manifest on storage lists. The worker hashed them when it says so
+  // (once for all of the node's ranks; its memory files are sealed); otherwise this rank does.
+  bool hash_matches = fetched->verified && fetched->header.xxh3_128() == shard.xxh3_128();
+  if (!hash_matches) {
+    const auto verify_start = std::chrono::steady_clock::now();
+    hash_matches = Xxh3Hex(fetched->bytes.view()) == shard.xxh3_128();
+    out.verify_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - verify_start).count();
+  }
   if (static_cast<int64_t>(fetched->bytes.size()) != shard.size_bytes() ||
-      fetched->header.file_name() != shard.file() ||
-      Xxh3Hex(fetched->bytes.view()) != shard.xxh3_128()) {
+      fetched->header.file_name() != shard.file() || !hash_matches) {
     out.status = absl::DataLossError(absl::StrCat(
         "memory copy of ", shard.file(), " (step ", step, ", ", fetched->bytes.size(),
         " bytes, file ", fetched->header.file_name(), ") does not match the manifest (",
         shard.size_bytes(), " bytes, xxh3-128 ", shard.xxh3_128(), ")"));
     return out;
   }
-  out.verify_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - verify_start).count();
   out.from_peer = fetched->source == v1::SHARD_SOURCE_PEER;
   out.bytes = std::move(fetched->bytes);
   return out;

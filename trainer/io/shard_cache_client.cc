@@ -56,7 +56,7 @@ absl::Status StatusOf(const v1::ShardCacheResponse& response) {
 }  // namespace
 
 absl::Status PutShardInCache(const std::string& socket_path, const v1::ShardHeader& header,
-                             const std::string& bytes, const std::string& replica_address,
+                             const SealedMemory& bytes, const std::string& replica_address,
                              absl::Duration timeout) {
   absl::StatusOr<int> connected = Connect(socket_path, timeout);
   if (!connected.ok()) return connected.status();
@@ -66,7 +66,7 @@ absl::Status PutShardInCache(const std::string& socket_path, const v1::ShardHead
   *request.mutable_header() = header;
   request.mutable_header()->set_size_bytes(static_cast<int64_t>(bytes.size()));
   request.set_replica_address(replica_address);
-  if (!WriteMessage(fd.get(), request) || !WriteFull(fd.get(), bytes.data(), bytes.size())) {
+  if (!WriteMessage(fd.get(), request) || !SendDescriptor(fd.get(), bytes.fd())) {
     return Broken(socket_path, "put");
   }
   v1::ShardCacheResponse response;
@@ -94,6 +94,7 @@ absl::StatusOr<CachedShardCopy> GetShardFromCache(const std::string& socket_path
   CachedShardCopy copy;
   copy.header = response.header();
   copy.source = response.source();
+  copy.verified = response.verified();
   if (copy.header.size_bytes() < 0) {
     return absl::DataLossError(absl::StrCat("shard cache ", socket_path, ": negative size"));
   }

@@ -17,13 +17,13 @@
 #include "common/read_file.h"
 #include "common/sealed_memory.h"
 #include "common/status_matchers.h"
+#include "common/xxh3.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
 #include "trainer/io/checkpoint.h"
 #include "trainer/io/safetensors.h"
 #include "trainer/io/shard_file_test_util.h"
-#include "trainer/io/xxh3.h"
 
 namespace tessera::trainer {
 namespace {

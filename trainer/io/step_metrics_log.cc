@@ -4,8 +4,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/read_file.h"
 #include "common/status_macros.h"
+#include "common/xxh3.h"
 #include "trainer/io/checkpoint.h"
-#include "trainer/io/xxh3.h"
 
 namespace tessera::trainer {
 

@@ -59,8 +59,8 @@ TrainLoop::TrainLoop(const v1::TrainerTask& task, const TrainOptions& options,
       reporter_(reporter),
       run_(run),
       step_(run.start_step),
-      timer_(options.step_breakdown),
       tokens_seen_(run.tokens_seen),
+      timer_(options.step_breakdown),
       peak_flops_(PeakFlopsForDevice(run.device.name)),
       // With LoRA the frozen base computes no weight gradients: 2N fewer per token, N the
       // parameters active per token (the planner's LoRA model). A plan stored before MoE has no
@@ -499,7 +499,8 @@ absl::Status TrainLoop::SaveCheckpoint(bool last, bool wait) {
                         .tokens_seen = tokens_seen_,
                         .layout = task_.plan().layout(),
                         .model = run_.summary,
-                        .data_position = run_.loader->position()};
+                        .data_position = run_.loader->position(),
+                        .step_metrics = nullptr};
   state.layout.set_data_parallel(run_.mesh.size(MeshDim::kData));
   state.layout.set_tensor_parallel(run_.mesh.size(MeshDim::kTensor));
   state.layout.set_pipeline_parallel(run_.mesh.size(MeshDim::kPipeline));

@@ -1,4 +1,4 @@
-#include "trainer/io/xxh3.h"
+#include "common/xxh3.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -13,7 +13,7 @@
 #include "common/errno_status.h"
 #include "common/scoped_fd.h"
 
-namespace tessera::trainer {
+namespace tessera {
 namespace {
 
 constexpr size_t kReadChunkBytes = 4 << 20;
@@ -24,8 +24,8 @@ constexpr off_t kReadAheadBytes = 32 << 20;
 std::string Hex(XXH128_hash_t hash) {
   XXH128_canonical_t canonical;
   XXH128_canonicalFromHash(&canonical, hash);
-  return absl::BytesToHexString(absl::string_view(
-      reinterpret_cast<const char*>(canonical.digest), sizeof(canonical.digest)));
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(canonical.digest), sizeof(canonical.digest)));
 }
 
 }  // namespace
@@ -89,4 +89,4 @@ void Xxh3Hasher::Update(const void* data, size_t size) { XXH3_128bits_update(sta
 
 std::string Xxh3Hasher::HexDigest() const { return Hex(XXH3_128bits_digest(state_)); }
 
-}  // namespace tessera::trainer
+}  // namespace tessera

@@ -4,7 +4,8 @@
 // XXH3 is not cryptographic, but any change of a file's bytes (a flipped bit, a torn or
 // truncated write) changes its 128-bit digest, and it runs at memory speed (tens of GB/s on one
 // core, where SHA-256 managed about 2), so hashing while writing and verifying while reading
-// no longer bound checkpoint I/O. Manifests written before it hold SHA-256 (sha256.h) instead.
+// no longer bound checkpoint I/O. Manifests written before it hold SHA-256 (trainer/io/sha256.h)
+// instead. The worker's shard cache (worker/shard_cache.h) checks the copies it keeps with it.
 #pragma once
 
 #include <cstddef>
@@ -15,7 +16,7 @@
 
 struct XXH3_state_s;
 
-namespace tessera::trainer {
+namespace tessera {
 
 // Hex XXH3-128 of the contents of the file at `path`, read in chunks. NOT_FOUND when the file
 // does not exist, other codes for read errors; the message names the path.
@@ -42,4 +43,4 @@ class Xxh3Hasher {
   XXH3_state_s* state_;
 };
 
-}  // namespace tessera::trainer
+}  // namespace tessera
