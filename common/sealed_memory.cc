@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/sendfile.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -17,11 +18,12 @@ namespace {
 
 constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL;
 
-// A read-only shared mapping of `size` bytes of `fd` (none for 0 bytes). MAP_POPULATE: the
-// readers go through every page anyway, and one populate is cheaper than a fault per page.
-absl::StatusOr<const char*> MapReadOnly(int fd, size_t size) {
+// A read-only shared mapping of `size` bytes of `fd` (none for 0 bytes). `populate`
+// (MAP_POPULATE) where the reader goes through every page anyway: one populate is cheaper than a
+// fault per page.
+absl::StatusOr<const char*> MapReadOnly(int fd, size_t size, bool populate = true) {
   if (size == 0) return nullptr;
-  void* data = ::mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+  void* data = ::mmap(nullptr, size, PROT_READ, MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, 0);
   if (data == MAP_FAILED) return ErrnoToStatus(errno, "mmap of a sealed memory file");
   return static_cast<const char*>(data);
 }
@@ -92,6 +94,40 @@ absl::StatusOr<SealedMemory> SealedMemory::Copy(const char* name, std::string_vi
     if (!bytes.empty()) std::memcpy(data, bytes.data(), bytes.size());
     return absl::OkStatus();
   });
+}
+
+absl::StatusOr<SealedMemory> SealedMemory::CopyOfFile(const char* name, int file_fd, size_t size) {
+  const int fd = ::memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("memfd_create ", name));
+  SealedMemory memory(fd, nullptr, 0);  // closes fd on every early return
+  // The kernel copies from the file's page cache into the memory file's pages: no mapping of
+  // them here, so no page fault per page (about half the time of a pread into a mapping).
+  off_t offset = 0;
+  while (static_cast<size_t>(offset) < size) {
+    const ssize_t n = ::sendfile(fd, file_fd, &offset, size - static_cast<size_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int error = errno;
+      if (error == ENOSPC || error == ENOMEM) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("memory file ", name, " of ", size, " bytes: ", std::strerror(error)));
+      }
+      return ErrnoToStatus(error, absl::StrCat("copying into memory file ", name));
+    }
+    if (n == 0) {
+      return absl::DataLossError(absl::StrCat("copying into memory file ", name,
+                                              ": the file ended after ", offset, " of ", size,
+                                              " bytes"));
+    }
+  }
+  if (::fcntl(fd, F_ADD_SEALS, kSeals) != 0) {
+    return ErrnoToStatus(errno, absl::StrCat("sealing memory file ", name));
+  }
+  absl::StatusOr<const char*> data = MapReadOnly(fd, size, /*populate=*/false);
+  if (!data.ok()) return data.status();
+  memory.data_ = *data;
+  memory.size_ = size;
+  return memory;
 }
 
 absl::StatusOr<SealedMemory> SealedMemory::Adopt(int fd) {

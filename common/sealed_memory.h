@@ -33,6 +33,11 @@ class SealedMemory {
                                              absl::FunctionRef<absl::Status(char* data)> fill);
   // Create filled with a copy of `bytes`.
   static absl::StatusOr<SealedMemory> Copy(const char* name, std::string_view bytes);
+  // A memory file holding the first `size` bytes of the open file `file_fd` (from its offset 0),
+  // copied by the kernel (sendfile) without mapping the pages here; the mapping is made without
+  // touching them (a process that only passes the descriptor on never faults them in).
+  // DATA_LOSS when the file holds fewer bytes; RESOURCE_EXHAUSTED when the memory cannot be had.
+  static absl::StatusOr<SealedMemory> CopyOfFile(const char* name, int file_fd, size_t size);
   // Takes ownership of `fd` (received from another process) and maps it read-only.
   // FAILED_PRECONDITION (and `fd` closed) unless it is a memory file sealed against writes,
   // growth and shrinking: bytes another process can still change are not taken.

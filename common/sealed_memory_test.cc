@@ -2,10 +2,11 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <cerrno>
-#include <cstring>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -61,6 +62,29 @@ TEST(SealedMemoryTest, AdoptsASealedDuplicate) {
   // Both map the same pages, not copies.
   *memory = SealedMemory();
   EXPECT_EQ(adopted->view(), "shared bytes");
+}
+
+// A file's bytes copied in by the kernel: the same bytes, sealed like any other.
+TEST(SealedMemoryTest, CopiesAFileSealed) {
+  std::string bytes(3 << 20, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 31 + 3);
+  FILE* file = std::tmpfile();
+  ASSERT_NE(file, nullptr);
+  ASSERT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), file), bytes.size());
+  ASSERT_EQ(std::fflush(file), 0);
+  absl::StatusOr<SealedMemory> memory =
+      SealedMemory::CopyOfFile("test", ::fileno(file), bytes.size());
+  ASSERT_THAT(memory, IsOk());
+  EXPECT_TRUE(memory->view() == bytes);
+  EXPECT_LT(::pwrite(memory->fd(), "X", 1, 0), 0);
+  absl::StatusOr<SealedMemory> adopted =
+      SealedMemory::Adopt(::fcntl(memory->fd(), F_DUPFD_CLOEXEC, 0));
+  ASSERT_THAT(adopted, IsOk());
+  EXPECT_TRUE(adopted->view() == bytes);
+  // A file shorter than asked for is not taken as whole.
+  EXPECT_THAT(SealedMemory::CopyOfFile("test", ::fileno(file), bytes.size() + 1),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("ended after")));
+  std::fclose(file);
 }
 
 TEST(SealedMemoryTest, RefusesWhatIsNotSealed) {

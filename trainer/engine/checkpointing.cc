@@ -426,6 +426,8 @@ std::string ShardPath(const CheckpointContext& context, int64_t step) {
 // too, for a commit that does not happen). A failure costs only the memory copy: logged, never
 // the checkpoint's error.
 void CacheShard(const CheckpointContext& context, int64_t step, const WrittenShard& written) {
+  if (context.task->shard_cache_socket().empty()) return;
+  const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<SealedMemory> bytes = ReadShardForCache(*context.task, ShardPath(context, step));
   absl::Status status = bytes.status();
   if (status.ok()) {
@@ -435,7 +437,13 @@ void CacheShard(const CheckpointContext& context, int64_t step, const WrittenSha
   if (!status.ok()) {
     Log(context, absl::StrCat("checkpoint step ", step, ": shard not kept in memory: ",
                               status.ToString()));
+    return;
   }
+  Log(context,
+      absl::StrFormat(
+          "checkpoint step %d: shard (%d bytes) handed to the worker's memory in %.3f s", step,
+          bytes->size(),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
 }
 
 }  // namespace

@@ -29,21 +29,12 @@ absl::StatusOr<SealedMemory> ReadShardForCache(const v1::TrainerTask& task,
   ScopedFd file(fd);
   struct stat info {};
   if (::fstat(file.get(), &info) != 0) return ErrnoToStatus(errno, path);
-  const size_t size = static_cast<size_t>(info.st_size);
-  return SealedMemory::Create("tessera-shard", size, [&](char* data) -> absl::Status {
-    size_t done = 0;
-    while (done < size) {
-      const ssize_t n = ::pread(file.get(), data + done, size - done, static_cast<off_t>(done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return ErrnoToStatus(errno, path);
-      if (n == 0) {
-        return absl::DataLossError(
-            absl::StrCat(path, ": ended after ", done, " of its ", size, " bytes"));
-      }
-      done += static_cast<size_t>(n);
-    }
-    return absl::OkStatus();
-  });
+  absl::StatusOr<SealedMemory> copy =
+      SealedMemory::CopyOfFile("tessera-shard", file.get(), static_cast<size_t>(info.st_size));
+  if (!copy.ok()) {
+    return absl::Status(copy.status().code(), absl::StrCat(path, ": ", copy.status().message()));
+  }
+  return copy;
 }
 
 absl::Status HandShardToCache(const v1::TrainerTask& task, int64_t step, int rank,
