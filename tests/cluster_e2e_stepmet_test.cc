@@ -6,7 +6,8 @@
 // the coordinator recorded. Its rank 0 reports the lost steps again from the checkpoint's
 // step_metrics.pb, so the job SUCCEEDS with a metric point for every step 1..max_steps, and the
 // points of the lost steps are the first attempt's. Again with two workers, where the attempt
-// that reports them again runs on the other node than the lost one.
+// that reports them again runs on the other node than the lost one. And a job started on another
+// job's checkpoint directory reports none of that job's steps, on its first attempt or a restart.
 
 #include <signal.h>
 
@@ -175,6 +176,47 @@ TEST_F(TwoWorkerClusterTest, StepsLostWithTheirNodeAreReportedAgainByAnAttemptOn
                                                 "/attempt-", job.attempt(), "/rank-0.log"));
   EXPECT_THAT(log, HasSubstr("again from the checkpoint's step_metrics.pb")) << log;
   EXPECT_THAT(log, ::testing::Not(HasSubstr("stay missing"))) << log;
+}
+
+// Job A trains 10 steps into a directory and succeeds; job B, given the same directory, resumes
+// from A's step 10, checkpoints every 5 steps and is restarted once (its trainers killed -9 after
+// a checkpoint past step 15). The coordinator's record of B begins at step 11, so the restart is
+// told it is complete through step 0 and replays what B's checkpoint carries: B's own steps only.
+// B's curve is steps 11..30, each once; none of A's steps 1..10, and B's first attempt says why.
+TEST_F(ClusterTest, AJobStartedOnAnotherJobsCheckpointsReportsNoneOfThatJobsSteps) {
+  const std::string shared = dir_.path() + "/shared-ckpt";
+  v1::JobSpec first = Spec(10);
+  first.mutable_checkpoint()->set_directory(shared);
+  const std::string a = Submit(first);
+  ASSERT_FALSE(a.empty());
+  const v1::Job done = WaitFor(a, v1::JOB_STATE_SUCCEEDED, 120);
+  ASSERT_EQ(done.state(), v1::JOB_STATE_SUCCEEDED) << done.reason();
+  ASSERT_EQ(NewestCheckpointStep(shared), 10);
+  ASSERT_EQ(Curve(a).size(), 10u);
+
+  constexpr int kSteps = 30;
+  v1::JobSpec second = Spec(kSteps);
+  second.mutable_checkpoint()->set_directory(shared);
+  second.mutable_checkpoint()->set_interval_steps(5);
+  second.set_max_restarts(2);
+  const std::string b = Submit(second);
+  ASSERT_FALSE(b.empty());
+  ASSERT_TRUE(WaitForCheckpoint(b, 15, 120)) << Get(b).ShortDebugString();
+  const std::vector<pid_t> trainers =
+      TrainerPids(absl::StrCat(dir_.path(), "/e2e-node/jobs/", b, "/attempt-0/"));
+  ASSERT_EQ(trainers.size(), 2u);
+  for (pid_t pid : trainers) ::kill(pid, SIGKILL);
+
+  const v1::Job job = WaitFor(b, v1::JOB_STATE_SUCCEEDED, 180);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  ASSERT_GE(job.restarts(), 1);
+  const std::vector<v1::StepMetrics> curve = Curve(b);
+  ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps - 10));
+  for (int i = 0; i < kSteps - 10; ++i) EXPECT_EQ(curve[i].step(), 11 + i);
+  const std::string log =
+      ReadText(absl::StrCat(dir_.path(), "/e2e-node/jobs/", b, "/attempt-0/rank-0.log"));
+  EXPECT_THAT(log, HasSubstr(absl::StrCat("resumed from a checkpoint of job ", a, " (step 10)")))
+      << log;
 }
 
 }  // namespace
