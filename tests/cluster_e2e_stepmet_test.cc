@@ -114,10 +114,12 @@ TEST_F(ClusterTest, StepsWhoseReportsDiedWithTheirWorkerAreReportedAgainFromTheC
 // restart goes to the other node, which has never run the job: its rank 0 reads the lost
 // steps from the checkpoint's step_metrics.pb in the shared checkpoint root and reports them.
 TEST_F(TwoWorkerClusterTest, StepsLostWithTheirNodeAreReportedAgainByAnAttemptOnAnotherNode) {
-  constexpr int kSteps = 60;
+  constexpr int kSteps = 40;
   v1::JobSpec spec = Spec(kSteps);
   spec.mutable_checkpoint()->set_interval_steps(5);
   spec.mutable_resources()->set_cpu_slots(1);
+  // One rank: half the fixture's batch keeps its steps as short as the 2-rank case's.
+  spec.mutable_batch()->set_global_batch_size(4);
   spec.set_max_restarts(2);
   const std::string job_id = Submit(spec);
   ASSERT_FALSE(job_id.empty());
@@ -217,6 +219,13 @@ TEST_F(ClusterTest, AJobStartedOnAnotherJobsCheckpointsReportsNoneOfThatJobsStep
       ReadText(absl::StrCat(dir_.path(), "/e2e-node/jobs/", b, "/attempt-0/rank-0.log"));
   EXPECT_THAT(log, HasSubstr(absl::StrCat("resumed from a checkpoint of job ", a, " (step 10)")))
       << log;
+  // The restart reports B's own points again (its record reads as complete through step 0) and
+  // says why steps 1..10 are not among them.
+  const std::string restart_log = ReadText(
+      absl::StrCat(dir_.path(), "/e2e-node/jobs/", b, "/attempt-", job.attempt(), "/rank-0.log"));
+  EXPECT_THAT(restart_log, HasSubstr("steps 1..10 stay missing: the attempts that wrote the "
+                                     "checkpoint started above them"))
+      << restart_log;
 }
 
 }  // namespace
