@@ -116,7 +116,7 @@ CREATE TABLE queue_usage (
 )sql"},
     // v5: per job, the highest step h with a metric point for every step 1..h
     // (Store::MetricsCompleteThrough), which Commit advances as points arrive: reading it had
-    // meant reading every step of the job (about 0.2 s for a million on SQLite). Filled here
+    // meant reading every step of the job (docs/performance.md). Filled here
     // for the jobs already stored: h is the first step from 1 whose successor is missing, for a
     // job that has step 1; a job without step 1 gets no row (h = 0).
     {R"sql(

@@ -35,8 +35,8 @@ inline constexpr size_t kStepMetricsLogCapacity = 10000;
 // rollback, replaces its point), the `capacity` highest steps.
 //
 // Each point is kept serialized, as it appears inside a serialized v1::StepMetricsLog, so that a
-// save's snapshot (EncodedUpTo) is a copy of bytes: copying 10,000 messages cost the training
-// thread ~14 ms a save (bench/step_metrics_bench.cc, docs/performance.md).
+// save's snapshot (EncodedUpTo), taken on the training thread, is a copy of bytes rather than of
+// 10,000 messages (bench/step_metrics_bench.cc, docs/performance.md).
 //
 // Thread safety: none; rank 0's training thread owns it and hands copies (EncodedUpTo) to saves.
 class StepMetricsLog {
