@@ -130,7 +130,7 @@ struct JobPage {
 class Store {
  public:
   // The schema version this binary writes; kept in the schema_version table.
-  static constexpr int kSchemaVersion = 4;
+  static constexpr int kSchemaVersion = 5;
   // How long a statement waits for a lock held by another connection.
   static constexpr int kBusyTimeoutMs = 5000;
   // ListJobs page size when 0 is asked for, and the largest honoured.
@@ -208,9 +208,9 @@ class Store {
   absl::StatusOr<std::vector<v1::EvalMetrics>> ReadEvals(const std::string& job_id,
                                                          int64_t from_step, int64_t to_step);
   // The highest step h such that the job has a metric point for every step 1..h (0 when step 1
-  // has none), looking no further than `up_to_step` (0: no bound). Reads steps only, in order,
-  // and stops at the first gap: what a resuming attempt need not report again
-  // (TrainerTask.metrics_complete_through_step).
+  // has none), looking no further than `up_to_step` (0: no bound): what a resuming attempt need
+  // not report again (TrainerTask.metrics_complete_through_step). One row's read, whatever the
+  // job's length: Commit keeps h per job (step_metrics_complete) as it stores metric points.
   absl::StatusOr<int64_t> MetricsCompleteThrough(const std::string& job_id, int64_t up_to_step);
   // Newest step first.
   absl::StatusOr<std::vector<v1::Checkpoint>> ListCheckpoints(const std::string& job_id);

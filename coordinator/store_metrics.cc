@@ -1,7 +1,10 @@
 // The Store's rows keyed (job_id, step): metric points (`step_metrics`), evaluations
 // (`eval_metrics`) and checkpoint records (`checkpoints`); a resent step replaces the old row.
+// `step_metrics_complete` keeps, per job, the end of the first run of metric steps without a gap
+// (Store::MetricsCompleteThrough), advanced by the writes that store the step just above it.
 // Store's reads run under a Database::ReadLock; WriteStepRecords (store_tables.h) runs on
 // the writer in a group commit.
+#include <algorithm>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -50,6 +53,50 @@ absl::StatusOr<std::vector<Message>> ReadStepRange(Database& database, const cha
   return ReadStepRows<Message>(select, job_id, table);
 }
 
+// Moves `job_id`'s step_metrics_complete mark over the metric steps now stored without a gap,
+// after `points` were upserted. Reads the stored steps only when `points` hold the step just
+// above the mark, and then only up to the first gap: over a job's life each point is passed once
+// (a long gap filled late passes the points stored beyond it then).
+absl::Status AdvanceMetricsComplete(DbConnection& writer, const std::string& job_id,
+                                    const std::vector<v1::StepMetrics>& points) {
+  const std::string operation = absl::StrCat("advance the complete metric steps of ", job_id);
+  int64_t through = 0;
+  {
+    ASSIGN_OR_RETURN(
+        Statement select,
+        writer.Prepare("SELECT through_step FROM step_metrics_complete WHERE job_id = ?1",
+                       operation));
+    select.BindText(1, job_id);
+    ASSIGN_OR_RETURN(bool has_row, select.Step());
+    if (has_row) through = select.ColumnInt64(0);
+  }
+  if (std::none_of(points.begin(), points.end(),
+                   [&](const v1::StepMetrics& point) { return point.step() == through + 1; })) {
+    return absl::OkStatus();
+  }
+  int64_t advanced = through;
+  {
+    ASSIGN_OR_RETURN(Statement select,
+                     writer.Prepare("SELECT step FROM step_metrics WHERE job_id = ?1 AND step > ?2 "
+                                    "ORDER BY step",
+                                    operation));
+    select.BindText(1, job_id);
+    select.Bind(2, through);
+    while (true) {
+      ASSIGN_OR_RETURN(bool has_row, select.Step());
+      if (!has_row || select.ColumnInt64(0) != advanced + 1) break;
+      ++advanced;
+    }
+  }
+  ASSIGN_OR_RETURN(Statement upsert, writer.Prepare(R"sql(
+INSERT INTO step_metrics_complete (job_id, through_step) VALUES (?1, ?2)
+ON CONFLICT (job_id) DO UPDATE SET through_step = excluded.through_step)sql",
+                                                    operation));
+  upsert.BindText(1, job_id);
+  upsert.Bind(2, advanced);
+  return upsert.Run();
+}
+
 }  // namespace
 
 namespace store_internal {
@@ -75,6 +122,9 @@ absl::Status WriteStepRecords(DbConnection& writer, const JobWrite& write) {
 INSERT INTO step_metrics (job_id, step, metrics) VALUES (?1, ?2, ?3)
 ON CONFLICT (job_id, step) DO UPDATE SET metrics = excluded.metrics)sql",
                                  "step metrics", write.metrics, as_is));
+  if (!write.metrics.empty()) {
+    RETURN_IF_ERROR(AdvanceMetricsComplete(writer, job_id, write.metrics));
+  }
   RETURN_IF_ERROR(upsert_by_step(R"sql(
 INSERT INTO eval_metrics (job_id, step, metrics) VALUES (?1, ?2, ?3)
 ON CONFLICT (job_id, step) DO UPDATE SET metrics = excluded.metrics)sql",
@@ -120,19 +170,15 @@ absl::StatusOr<int64_t> Store::MetricsCompleteThrough(const std::string& job_id,
                                                       int64_t up_to_step) {
   Database::ReadLock lock(*database_);
   DbConnection& reader = lock.connection();
-  ASSIGN_OR_RETURN(Statement select,
-                   reader.Prepare("SELECT step FROM step_metrics WHERE job_id = ?1 AND step >= 1 "
-                                  "AND step <= ?2 ORDER BY step",
-                                  absl::StrCat("read the metric steps of ", job_id)));
+  ASSIGN_OR_RETURN(
+      Statement select,
+      reader.Prepare("SELECT through_step FROM step_metrics_complete WHERE job_id = ?1",
+                     absl::StrCat("read the complete metric steps of ", job_id)));
   select.BindText(1, job_id);
-  select.Bind(2, up_to_step == 0 ? std::numeric_limits<int64_t>::max() : up_to_step);
-  int64_t complete = 0;
-  while (true) {
-    ASSIGN_OR_RETURN(bool has_row, select.Step());
-    if (!has_row || select.ColumnInt64(0) != complete + 1) break;
-    ++complete;
-  }
-  return complete;
+  ASSIGN_OR_RETURN(bool has_row, select.Step());
+  const int64_t complete = has_row ? select.ColumnInt64(0) : 0;
+  if (up_to_step == 0) return complete;
+  return std::max<int64_t>(0, std::min(complete, up_to_step));
 }
 
 absl::StatusOr<std::vector<v1::Checkpoint>> Store::ListCheckpoints(const std::string& job_id) {

@@ -3,7 +3,10 @@
 //
 // Thread safety: each test owns its store; the threads a test starts use it as the
 // coordinator's threads do.
+#include <algorithm>
 #include <memory>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -17,6 +20,7 @@ namespace tessera::coordinator {
 namespace {
 
 using ::tessera::testing::IsOk;
+using ::tessera::testing::IsOkAndHolds;
 using ::testing::IsEmpty;
 using ::testing::SizeIs;
 
@@ -142,6 +146,54 @@ TEST_P(StoreBackendTest, MetricsCompleteThroughIsTheEndOfTheFirstRunWithoutAGap)
   // Bounded: looks no further than the bound.
   EXPECT_EQ(complete("job-a", 6), 6);
   EXPECT_EQ(complete("job-a", 100), 9);
+}
+
+// The mark Commit keeps (step_metrics_complete) against the first gap counted from a set of the
+// steps written: 600 steps in batches of 1-12 consecutive steps written in a shuffled order,
+// some batches twice (a report relayed again, a replay), checked after every write. Long gaps
+// open and close in any order, so a write fills a gap with points stored beyond it.
+TEST_P(StoreBackendTest, MetricsCompleteThroughFollowsShuffledWrites) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
+  std::mt19937 random(45);
+  std::vector<std::vector<int64_t>> batches;
+  for (int64_t first = 1; first <= 600;) {
+    const int64_t size = std::uniform_int_distribution<int64_t>(1, 12)(random);
+    std::vector<int64_t>& batch = batches.emplace_back();
+    for (int64_t step = first; step < first + size && step <= 600; ++step) batch.push_back(step);
+    first += size;
+  }
+  const size_t distinct = batches.size();
+  for (size_t i = 0; i < distinct; i += 7) batches.push_back(batches[i]);
+  std::shuffle(batches.begin(), batches.end(), random);
+
+  std::set<int64_t> written;
+  for (const std::vector<int64_t>& batch : batches) {
+    JobWrite write;
+    write.job_id = "job-a";
+    for (int64_t step : batch) {
+      write.metrics.push_back(Metrics(step, 1.0));
+      written.insert(step);
+    }
+    ASSERT_THAT(store->Commit(write), IsOk());
+    int64_t expected = 0;
+    while (written.count(expected + 1) > 0) ++expected;
+    ASSERT_THAT(store->MetricsCompleteThrough("job-a", 0), IsOkAndHolds(expected))
+        << "after writing steps " << batch.front() << ".." << batch.back();
+    ASSERT_THAT(store->MetricsCompleteThrough("job-a", 300),
+                IsOkAndHolds(std::min<int64_t>(expected, 300)));
+  }
+  EXPECT_THAT(store->MetricsCompleteThrough("job-a", 0), IsOkAndHolds(600));
+  // The mark is the job's: another job's steps leave it, and its own, alone.
+  SubmitJob(*store, MakeJob("job-b", v1::JOB_STATE_RUNNING, 2));
+  EXPECT_THAT(store->MetricsCompleteThrough("job-b", 0), IsOkAndHolds(0));
+  JobWrite other;
+  other.job_id = "job-b";
+  other.metrics = {Metrics(1, 1.0), Metrics(2, 1.0), Metrics(601, 1.0)};
+  ASSERT_THAT(store->Commit(other), IsOk());
+  EXPECT_THAT(store->MetricsCompleteThrough("job-b", 0), IsOkAndHolds(2));
+  EXPECT_THAT(store->MetricsCompleteThrough("job-a", 0), IsOkAndHolds(600));
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, StoreBackendTest, kStoreBackends, StoreBackendName);

@@ -61,6 +61,8 @@ CREATE INDEX jobs_by_state ON jobs (state, create_time_ns, job_id);
     {"ALTER TABLE job_events DROP COLUMN last_sequence;"},
     // To 3: no saved queue usage.
     {"DROP TABLE queue_usage;"},
+    // To 4: no per-job mark of the complete metric steps.
+    {"DROP TABLE step_metrics_complete;"},
 };
 static_assert(std::size(kUndo) == Store::kSchemaVersion - 1);
 
@@ -115,10 +117,11 @@ class StoreMigrationTest : public ::testing::TestWithParam<MigrationCase> {
 
 // A database written by each earlier schema version is migrated on open to the current one, on
 // SQLite and on PostgreSQL: from version 1 (jobs in a WITHOUT ROWID table on SQLite, a row per
-// event), through version 3 (a write's events in one row) and version 4 (the queues' saved
-// fair-share usage). Every job, event, metric point and checkpoint survives (dropping SQLite's
-// old jobs table must not cascade into the others), the foreign keys hold afterwards, and what
-// each later version added works.
+// event), through version 3 (a write's events in one row), version 4 (the queues' saved
+// fair-share usage) and version 5 (each job's mark of its complete metric steps, which the
+// migration finds from the steps stored). Every job, event, metric point and checkpoint survives
+// (dropping SQLite's old jobs table must not cascade into the others), the foreign keys hold
+// afterwards, and what each later version added works.
 TEST_P(StoreMigrationTest, MigratesAnOlderDatabase) {
   {
     std::unique_ptr<Store> store = OpenOrDie(location());
@@ -138,16 +141,21 @@ TEST_P(StoreMigrationTest, MigratesAnOlderDatabase) {
       JobWrite second;
       second.job_id = write.job_id;
       second.events = {StateEvent(v1::JOB_STATE_RUNNING, v1::JOB_STATE_RUNNING)};
+      // Complete metric steps: job-0 1..6, job-1 none (no step 1), job-2 1..2 (3 missing).
+      if (i == 0) second.metrics = {Metrics(1, 2), Metrics(2, 2), Metrics(3, 2), Metrics(4, 2)};
+      if (i == 2) second.metrics = {Metrics(1, 2), Metrics(2, 2), Metrics(4, 2)};
       ASSERT_THAT(store->Commit(second), IsOk());
     }
   }
+  constexpr int64_t kCompleteThrough[] = {6, 0, 2};
+  constexpr size_t kMetricPoints[] = {6, 2, 5};
   Downgrade(from_version());
   ASSERT_EQ(Query("SELECT version FROM schema_version"), std::to_string(from_version()));
   constexpr char kQueueUsageTables[] =
       "SELECT count(*) FROM sqlite_master WHERE name = 'queue_usage'";
   constexpr char kPostgresQueueUsageTables[] =
       "SELECT count(*) FROM pg_tables WHERE tablename = 'queue_usage'";
-  ASSERT_EQ(Query(kQueueUsageTables, kPostgresQueueUsageTables), "0");
+  ASSERT_EQ(Query(kQueueUsageTables, kPostgresQueueUsageTables), from_version() < 4 ? "0" : "1");
   constexpr char kEventColumns[] = "SELECT count(*) FROM pragma_table_info('job_events')";
   constexpr char kPostgresEventColumns[] =
       "SELECT count(*) FROM information_schema.columns WHERE table_name = 'job_events'";
@@ -184,7 +192,9 @@ TEST_P(StoreMigrationTest, MigratesAnOlderDatabase) {
     absl::StatusOr<std::vector<v1::JobEvent>> events = store->ReadEvents(job_id, 0, 0);
     ASSERT_THAT(events, IsOk());
     EXPECT_THAT(Sequences(*events), ElementsAre(1, 2));
-    EXPECT_THAT(store->ReadMetrics(job_id, 0, 0), IsOkAndHolds(SizeIs(2)));
+    EXPECT_THAT(store->ReadMetrics(job_id, 0, 0), IsOkAndHolds(SizeIs(kMetricPoints[i])));
+    // Before version 5 nothing kept it: the migration finds it from the stored steps.
+    EXPECT_THAT(store->MetricsCompleteThrough(job_id, 0), IsOkAndHolds(kCompleteThrough[i]));
     EXPECT_THAT(store->ListCheckpoints(job_id), IsOkAndHolds(SizeIs(1)));
   }
   absl::StatusOr<JobPage> page = store->ListJobs({v1::JOB_STATE_RUNNING}, 10, "");
@@ -212,6 +222,13 @@ TEST_P(StoreMigrationTest, MigratesAnOlderDatabase) {
   ASSERT_TRUE(loaded->has_value());
   EXPECT_EQ((*loaded)->as_of, usage.as_of);
   EXPECT_EQ((*loaded)->queues["nlp"].cpu_slot_seconds, 8);
+
+  // The mark goes on from where the migration left it: job-2's gap filled.
+  JobWrite fill;
+  fill.job_id = "job-2";
+  fill.metrics = {Metrics(3, 2)};
+  ASSERT_THAT(store->Commit(fill), IsOk());
+  EXPECT_THAT(store->MetricsCompleteThrough("job-2", 0), IsOkAndHolds(6));
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -114,6 +114,23 @@ CREATE TABLE queue_usage (
   as_of_ns INTEGER NOT NULL
 ) WITHOUT ROWID;
 )sql"},
+    // v5: per job, the highest step h with a metric point for every step 1..h
+    // (Store::MetricsCompleteThrough), which Commit advances as points arrive: reading it had
+    // meant reading every step of the job (docs/performance.md). Filled here
+    // for the jobs already stored: h is the first step from 1 whose successor is missing, for a
+    // job that has step 1; a job without step 1 gets no row (h = 0).
+    {R"sql(
+CREATE TABLE step_metrics_complete (
+  job_id TEXT PRIMARY KEY NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
+  through_step INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT INTO step_metrics_complete (job_id, through_step)
+  SELECT s.job_id, MIN(s.step) FROM step_metrics s
+  WHERE s.step >= 1
+    AND EXISTS (SELECT 1 FROM step_metrics f WHERE f.job_id = s.job_id AND f.step = 1)
+    AND NOT EXISTS (SELECT 1 FROM step_metrics n WHERE n.job_id = s.job_id AND n.step = s.step + 1)
+  GROUP BY s.job_id;
+)sql"},
 };
 static_assert(std::size(kMigrations) == Store::kSchemaVersion);
 

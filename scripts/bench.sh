@@ -48,6 +48,7 @@ benches=(
   "fused-ops|$build_dir/bench/fused_ops_bench|gpu"
   "fused-ops-cpu|$build_dir/bench/fused_ops_bench --cpu|cpu"
   "checkpoint|$build_dir/bench/checkpoint_bench|cpu"
+  "step-metrics|$build_dir/bench/step_metrics_bench|cpu"
   "zero|$TESSERA_BENCH_PYTHON bench/zero_bench.py|cpu"
   "model-parallel|$TESSERA_BENCH_PYTHON bench/model_parallel_bench.py|cpu"
   "fault|$TESSERA_BENCH_PYTHON bench/fault_bench.py|cpu"

@@ -5,7 +5,9 @@
 // new worker registers, and the job restarts from the newest checkpoint, which is past every step
 // the coordinator recorded. Its rank 0 reports the lost steps again from the checkpoint's
 // step_metrics.pb, so the job SUCCEEDS with a metric point for every step 1..max_steps, and the
-// points of the lost steps are the first attempt's.
+// points of the lost steps are the first attempt's. Again with two workers, where the attempt
+// that reports them again runs on the other node than the lost one. And a job started on another
+// job's checkpoint directory reports none of that job's steps, on its first attempt or a restart.
 
 #include <signal.h>
 
@@ -105,6 +107,125 @@ TEST_F(ClusterTest, StepsWhoseReportsDiedWithTheirWorkerAreReportedAgainFromTheC
                                                 job.attempt(), "/rank-0.log"));
   EXPECT_THAT(log, HasSubstr(absl::StrCat("again from the checkpoint's step_metrics.pb")));
   EXPECT_THAT(log, ::testing::Not(HasSubstr("stay missing"))) << log;
+}
+
+// Two workers of one slot each and a 1-rank job: the node that runs it is lost (its trainer and
+// its worker killed -9) while the coordinator, stopped, misses the steps after `recorded`. The
+// restart goes to the other node, which has never run the job: its rank 0 reads the lost
+// steps from the checkpoint's step_metrics.pb in the shared checkpoint root and reports them.
+TEST_F(TwoWorkerClusterTest, StepsLostWithTheirNodeAreReportedAgainByAnAttemptOnAnotherNode) {
+  constexpr int kSteps = 40;
+  v1::JobSpec spec = Spec(kSteps);
+  spec.mutable_checkpoint()->set_interval_steps(5);
+  spec.mutable_resources()->set_cpu_slots(1);
+  // One rank: half the fixture's batch keeps its steps as short as the 2-rank case's.
+  spec.mutable_batch()->set_global_batch_size(4);
+  spec.set_max_restarts(2);
+  const std::string job_id = Submit(spec);
+  ASSERT_FALSE(job_id.empty());
+  ASSERT_TRUE(WaitForStep(job_id, 8, 120)) << Get(job_id).reason();
+  int lost_worker = -1;
+  std::vector<pid_t> trainers;
+  for (int w = 0; w < 2 && trainers.empty(); ++w) {
+    trainers = TrainerPids(absl::StrCat(dir_.path(), "/", WorkerName(w), "/jobs/", job_id, "/"));
+    lost_worker = w;
+  }
+  ASSERT_EQ(trainers.size(), 1u);
+  const std::string other_node = WorkerName(1 - lost_worker);
+
+  const int64_t recorded = Get(job_id).current_step();
+  const pid_t coordinator = coordinator_->pid();
+  ASSERT_EQ(::kill(coordinator, SIGSTOP), 0);
+  absl::Cleanup resume_coordinator = [coordinator] { ::kill(coordinator, SIGCONT); };
+  const std::string checkpoints = dir_.path() + "/ckpt/" + job_id;
+  int64_t newest = 0;
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] {
+        newest = NewestCheckpointStep(checkpoints);
+        return newest >= recorded + 15;
+      },
+      absl::Seconds(60), absl::Milliseconds(50)))
+      << "newest checkpoint: step " << newest << ", recorded: step " << recorded;
+
+  ::kill(trainers[0], SIGKILL);
+  std::optional<Subprocess>& lost = lost_worker == 0 ? worker_ : worker2_;
+  ASSERT_THAT(lost->Stop(SIGKILL), IsOk());
+  lost.reset();
+  const absl::Time lost_time = absl::Now();
+  const int64_t resumed = NewestCheckpointStep(checkpoints);
+  ASSERT_GE(resumed, recorded + 15);
+  std::move(resume_coordinator).Invoke();
+
+  const v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 180);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  ASSERT_GE(job.attempts_size(), 2);
+  const v1::JobAttempt& last = job.attempts(job.attempts_size() - 1);
+  ASSERT_EQ(last.node_ids_size(), 1);
+  EXPECT_EQ(last.node_ids(0), other_node);
+
+  // Every step exactly once.
+  const std::vector<v1::StepMetrics> curve = Curve(job_id);
+  ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps));
+  for (int i = 0; i < kSteps; ++i) EXPECT_EQ(curve[i].step(), i + 1);
+  // The steps up to the resumed checkpoint that the stopped coordinator missed are the lost
+  // node's points, reported by the other node.
+  for (int64_t step = recorded + 1; step <= resumed; ++step) {
+    const v1::StepMetrics& point = curve[step - 1];
+    EXPECT_LT(absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(point.time())), lost_time)
+        << "step " << step;
+  }
+  const std::string log = ReadText(absl::StrCat(dir_.path(), "/", other_node, "/jobs/", job_id,
+                                                "/attempt-", job.attempt(), "/rank-0.log"));
+  EXPECT_THAT(log, HasSubstr("again from the checkpoint's step_metrics.pb")) << log;
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("stay missing"))) << log;
+}
+
+// Job A trains 10 steps into a directory and succeeds; job B, given the same directory, resumes
+// from A's step 10, checkpoints every 5 steps and is restarted once (its trainers killed -9 after
+// a checkpoint past step 15). The coordinator's record of B begins at step 11, so the restart is
+// told it is complete through step 0 and replays what B's checkpoint carries: B's own steps only.
+// B's curve is steps 11..30, each once; none of A's steps 1..10, and B's first attempt says why.
+TEST_F(ClusterTest, AJobStartedOnAnotherJobsCheckpointsReportsNoneOfThatJobsSteps) {
+  const std::string shared = dir_.path() + "/shared-ckpt";
+  v1::JobSpec first = Spec(10);
+  first.mutable_checkpoint()->set_directory(shared);
+  const std::string a = Submit(first);
+  ASSERT_FALSE(a.empty());
+  const v1::Job done = WaitFor(a, v1::JOB_STATE_SUCCEEDED, 120);
+  ASSERT_EQ(done.state(), v1::JOB_STATE_SUCCEEDED) << done.reason();
+  ASSERT_EQ(NewestCheckpointStep(shared), 10);
+  ASSERT_EQ(Curve(a).size(), 10u);
+
+  constexpr int kSteps = 30;
+  v1::JobSpec second = Spec(kSteps);
+  second.mutable_checkpoint()->set_directory(shared);
+  second.mutable_checkpoint()->set_interval_steps(5);
+  second.set_max_restarts(2);
+  const std::string b = Submit(second);
+  ASSERT_FALSE(b.empty());
+  ASSERT_TRUE(WaitForCheckpoint(b, 15, 120)) << Get(b).ShortDebugString();
+  const std::vector<pid_t> trainers =
+      TrainerPids(absl::StrCat(dir_.path(), "/e2e-node/jobs/", b, "/attempt-0/"));
+  ASSERT_EQ(trainers.size(), 2u);
+  for (pid_t pid : trainers) ::kill(pid, SIGKILL);
+
+  const v1::Job job = WaitFor(b, v1::JOB_STATE_SUCCEEDED, 180);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  ASSERT_GE(job.restarts(), 1);
+  const std::vector<v1::StepMetrics> curve = Curve(b);
+  ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps - 10));
+  for (int i = 0; i < kSteps - 10; ++i) EXPECT_EQ(curve[i].step(), 11 + i);
+  const std::string log =
+      ReadText(absl::StrCat(dir_.path(), "/e2e-node/jobs/", b, "/attempt-0/rank-0.log"));
+  EXPECT_THAT(log, HasSubstr(absl::StrCat("resumed from a checkpoint of job ", a, " (step 10)")))
+      << log;
+  // The restart reports B's own points again (its record reads as complete through step 0) and
+  // says why steps 1..10 are not among them.
+  const std::string restart_log = ReadText(
+      absl::StrCat(dir_.path(), "/e2e-node/jobs/", b, "/attempt-", job.attempt(), "/rank-0.log"));
+  EXPECT_THAT(restart_log, HasSubstr("steps 1..10 stay missing: the attempts that wrote the "
+                                     "checkpoint started above them"))
+      << restart_log;
 }
 
 }  // namespace

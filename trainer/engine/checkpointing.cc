@@ -354,8 +354,9 @@ absl::StatusOr<v1::Checkpoint> CollectAndCommit(const CheckpointContext& context
     std::map<std::string, std::string> known_digests{
         {SliceShardFileName(context.rank), written.xxh3_128}};
     if (state.step_metrics != nullptr) {
-      ASSIGN_OR_RETURN(v1::CheckpointFile metrics_file,
-                       WriteStepMetricsFile(StagingDir(root, state.step), *state.step_metrics));
+      ASSIGN_OR_RETURN(
+          v1::CheckpointFile metrics_file,
+          WriteEncodedStepMetricsFile(StagingDir(root, state.step), *state.step_metrics));
       known_digests[metrics_file.file()] = metrics_file.xxh3_128();
     }
     if (context.world > 1) {

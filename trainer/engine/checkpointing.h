@@ -66,9 +66,10 @@ struct CheckpointState {
   v1::Layout layout;
   v1::ModelSummary model;
   v1::DataPosition data_position;
-  // Rank 0: the step metrics the checkpoint carries (trainer/io/step_metrics_log.h), written into
-  // the staging directory before the commit; null: none (other ranks; a run without them).
-  std::shared_ptr<const v1::StepMetricsLog> step_metrics;
+  // Rank 0: the step metrics the checkpoint carries, a serialized v1::StepMetricsLog
+  // (trainer/io/step_metrics_log.h: StepMetricsLog::EncodedUpTo), written into the staging
+  // directory before the commit; null: none (other ranks; a run without them).
+  std::shared_ptr<const std::string> step_metrics;
 };
 
 // Saves the checkpoint of `state.step`. Rank 0 returns the Checkpoint to report (with the

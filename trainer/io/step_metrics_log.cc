@@ -5,12 +5,26 @@
 #include "common/read_file.h"
 #include "common/status_macros.h"
 #include "common/xxh3.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "trainer/io/checkpoint.h"
 
 namespace tessera::trainer {
 
 void StepMetricsLog::Add(const v1::StepMetrics& point) {
-  points_[point.step()] = point;
+  // StepMetricsLog.points is field 1, length-delimited.
+  constexpr uint32_t kPointsTag = (1 << 3) | 2;
+  const size_t size = point.ByteSizeLong();
+  std::string entry;
+  entry.reserve(1 + google::protobuf::io::CodedOutputStream::VarintSize64(size) + size);
+  {
+    google::protobuf::io::StringOutputStream stream(&entry);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.WriteTag(kPointsTag);
+    coded.WriteVarint64(size);
+    point.SerializeWithCachedSizes(&coded);
+  }
+  points_[point.step()] = std::move(entry);
   while (points_.size() > capacity_) points_.erase(points_.begin());
 }
 
@@ -20,21 +34,36 @@ void StepMetricsLog::AddAll(const v1::StepMetricsLog& log, int64_t up_to_step) {
   }
 }
 
+std::string StepMetricsLog::EncodedUpTo(int64_t step) const {
+  size_t bytes = 0;
+  auto end = points_.upper_bound(step);
+  for (auto it = points_.begin(); it != end; ++it) bytes += it->second.size();
+  std::string encoded;
+  encoded.reserve(bytes);
+  for (auto it = points_.begin(); it != end; ++it) encoded += it->second;
+  return encoded;
+}
+
 v1::StepMetricsLog StepMetricsLog::UpTo(int64_t step) const {
   v1::StepMetricsLog log;
-  for (auto it = points_.begin(); it != points_.end() && it->first <= step; ++it) {
-    *log.add_points() = it->second;
-  }
+  // Bytes this log serialized itself: they parse (were they not, the log would come back empty).
+  if (!log.ParseFromString(EncodedUpTo(step))) log.Clear();
   return log;
 }
 
 absl::StatusOr<v1::CheckpointFile> WriteStepMetricsFile(const std::string& dir,
                                                         const v1::StepMetricsLog& log) {
-  const std::string path = absl::StrCat(dir, "/", kStepMetricsFileName);
   std::string bytes;
   if (!log.SerializeToString(&bytes)) {
-    return absl::InternalError(absl::StrCat(path, ": cannot serialize the step metrics"));
+    return absl::InternalError(
+        absl::StrCat(dir, "/", kStepMetricsFileName, ": cannot serialize the step metrics"));
   }
+  return WriteEncodedStepMetricsFile(dir, bytes);
+}
+
+absl::StatusOr<v1::CheckpointFile> WriteEncodedStepMetricsFile(const std::string& dir,
+                                                               const std::string& bytes) {
+  const std::string path = absl::StrCat(dir, "/", kStepMetricsFileName);
   size_t written = 0;
   ASSIGN_OR_RETURN(std::string digest, WriteHashedFile(path, [&](const ByteSink& sink) {
                      written = sink(bytes.data(), bytes.size());

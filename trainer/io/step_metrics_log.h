@@ -34,7 +34,11 @@ inline constexpr size_t kStepMetricsLogCapacity = 10000;
 // The step metrics of a chain of attempts: one point per step (a step reported again, after a
 // rollback, replaces its point), the `capacity` highest steps.
 //
-// Thread safety: none; rank 0's training thread owns it and hands copies (UpTo) to saves.
+// Each point is kept serialized, as it appears inside a serialized v1::StepMetricsLog, so that a
+// save's snapshot (EncodedUpTo), taken on the training thread, is a copy of bytes rather than of
+// 10,000 messages (bench/step_metrics_bench.cc, docs/performance.md).
+//
+// Thread safety: none; rank 0's training thread owns it and hands copies (EncodedUpTo) to saves.
 class StepMetricsLog {
  public:
   explicit StepMetricsLog(size_t capacity = kStepMetricsLogCapacity) : capacity_(capacity) {}
@@ -42,19 +46,26 @@ class StepMetricsLog {
   void Add(const v1::StepMetrics& point);
   // Every point of `log` (a resumed checkpoint's) with step <= `up_to_step`.
   void AddAll(const v1::StepMetricsLog& log, int64_t up_to_step);
-  // The points with step <= `step`, ascending: what the checkpoint of `step` carries.
+  // The points with step <= `step`, ascending, as the serialized v1::StepMetricsLog that the
+  // checkpoint of `step` carries (the bytes SerializeToString gives for UpTo(step)).
+  std::string EncodedUpTo(int64_t step) const;
+  // The same points, parsed.
   v1::StepMetricsLog UpTo(int64_t step) const;
   size_t size() const { return points_.size(); }
 
  private:
   size_t capacity_;
-  std::map<int64_t, v1::StepMetrics> points_;
+  // By step: the point's field entry in a serialized v1::StepMetricsLog (tag, length, message).
+  std::map<int64_t, std::string> points_;
 };
 
 // Writes `log` to <dir>/step_metrics.pb (a staging directory); returns the file as the manifest
 // lists it (name, size, XXH3-128). Errors name the path.
 absl::StatusOr<v1::CheckpointFile> WriteStepMetricsFile(const std::string& dir,
                                                         const v1::StepMetricsLog& log);
+// The same from a serialized v1::StepMetricsLog (StepMetricsLog::EncodedUpTo).
+absl::StatusOr<v1::CheckpointFile> WriteEncodedStepMetricsFile(const std::string& dir,
+                                                               const std::string& encoded);
 
 // The step metrics the checkpoint in `dir` carries, checked against `manifest.step_metrics`
 // (size and digest): std::nullopt when the manifest lists none (a checkpoint written before

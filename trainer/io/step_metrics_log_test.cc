@@ -96,6 +96,32 @@ TEST(StepMetricsLogTest, KeepsOnePointPerStepAndOnlyTheLastCapacitySteps) {
   EXPECT_DOUBLE_EQ(kept.points(2).loss(), 42.0);
 }
 
+// The snapshot a save takes is the log's points serialized once each, as they were added: the
+// same bytes as a v1::StepMetricsLog built from those points and serialized whole, also after a
+// step is replaced and the oldest dropped.
+TEST(StepMetricsLogTest, EncodedUpToIsTheSerializedLogOfThoseSteps) {
+  StepMetricsLog log(/*capacity=*/6);
+  for (int64_t step = 1; step <= 9; ++step) {
+    v1::StepMetrics point = Point(step, 1.0 / step);
+    point.mutable_breakdown()->add_collectives()->set_kind("all_reduce");
+    point.mutable_time()->set_seconds(1790000000 + step);
+    log.Add(point);
+  }
+  log.Add(Point(7, 42.0));
+  v1::StepMetricsLog expected;
+  for (int64_t step = 4; step <= 8; ++step) {
+    v1::StepMetrics point = Point(step, 1.0 / step);
+    point.mutable_breakdown()->add_collectives()->set_kind("all_reduce");
+    point.mutable_time()->set_seconds(1790000000 + step);
+    *expected.add_points() = step == 7 ? Point(7, 42.0) : point;
+  }
+  std::string expected_bytes;
+  ASSERT_TRUE(expected.SerializeToString(&expected_bytes));
+  EXPECT_EQ(log.EncodedUpTo(8), expected_bytes);
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(log.UpTo(8), expected));
+  EXPECT_EQ(log.EncodedUpTo(3), "");
+}
+
 TEST(StepMetricsLogTest, TheDefaultCapacityHoldsTenThousandPoints) {
   StepMetricsLog log;
   for (int64_t step = 1; step <= 10050; ++step) log.Add(Point(step, 1.0));

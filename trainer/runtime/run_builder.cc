@@ -384,7 +384,13 @@ absl::Status ResumeFromCheckpoint(const CheckpointContext& context, TrainingRun&
   *start = resumed->manifest.data_position();
   run.resumed_from = resumed->path;
   run.restore = resumed->restore;
-  if (context.rank == 0) {
+  const std::string& writer = resumed->manifest.job_id();
+  if (context.rank == 0 && !writer.empty() && writer != context.task->job_id()) {
+    // Another job's checkpoint: its points are that job's curve. Reported as this job's (now, or
+    // by a restart whose coordinator's record starts above step 1) they would be a curve this
+    // job never trained.
+    run.resumed_other_job = writer;
+  } else if (context.rank == 0) {
     // Read from storage (a restore from memory holds the shards only). A file that cannot be read
     // costs the backfill only: the checkpoint's shards verified.
     absl::StatusOr<std::optional<v1::StepMetricsLog>> carried =
@@ -401,10 +407,15 @@ absl::Status ResumeFromCheckpoint(const CheckpointContext& context, TrainingRun&
 
 void ReportCarriedStepMetrics(const v1::TrainerTask& task, const TrainingRun& run,
                               const RunReporter& reporter) {
-  if (reporter.rank() != 0 || run.resumed_from.empty() ||
-      !task.has_metrics_complete_through_step()) {
+  if (reporter.rank() != 0 || run.resumed_from.empty()) return;
+  if (!run.resumed_other_job.empty()) {
+    reporter.Log(absl::StrCat("resumed from a checkpoint of job ", run.resumed_other_job, " (step ",
+                              run.start_step, "): its step metrics are that job's; none of steps ",
+                              "1..", run.start_step, " is reported for job ", task.job_id(),
+                              " nor carried by its checkpoints"));
     return;
   }
+  if (!task.has_metrics_complete_through_step()) return;
   const int64_t complete = task.metrics_complete_through_step();
   if (complete >= run.start_step) return;
   const v1::StepMetricsLog carried = run.step_metrics.UpTo(run.start_step);
@@ -432,6 +443,10 @@ void ReportCarriedStepMetrics(const v1::TrainerTask& task, const TrainingRun& ru
         : !run.resumed_step_metrics
             ? std::string("the checkpoint carries no step metrics (written before checkpoints "
                           "carried them)")
+        // Fewer than it keeps: the file holds its chain of attempts from the start.
+        : static_cast<size_t>(carried.points_size()) < kStepMetricsLogCapacity
+            ? std::string("the attempts that wrote the checkpoint started above them (on "
+                          "another job's checkpoint, or on one that carried no step metrics)")
             : absl::StrCat("the checkpoint carries the last ", kStepMetricsLogCapacity,
                            " steps' at most"));
   }

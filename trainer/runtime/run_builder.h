@@ -98,7 +98,8 @@ absl::Status RaiseAttemptFence(const CheckpointContext& context);
 // Restores the newest complete checkpoint into the run's engine (and the CPU RNG) and sets the
 // run's start step, tokens seen and resumed_from; `start` gets its data position. Rank 0 also
 // takes the checkpoint's step metrics into run.step_metrics (a file that cannot be read is noted in
-// run.resumed_step_metrics_problem, not returned). Nothing when there is none.
+// run.resumed_step_metrics_problem, not returned), unless another job wrote the checkpoint
+// (run.resumed_other_job). Nothing when there is none.
 absl::Status ResumeFromCheckpoint(const CheckpointContext& context, TrainingRun& run,
                                   v1::DataPosition* start);
 
@@ -111,6 +112,8 @@ absl::StatusOr<BatchLoader> MakeLoader(const v1::JobSpec& spec, const TrainingRu
 // the resumed step; step_metrics_log.h PlanBackfill), and logs how many, and which steps of that
 // range the checkpoint cannot supply and why. Nothing on other ranks, on a fresh start, or when
 // the coordinator did not say how far its record is complete (a first attempt, a standalone run).
+// A checkpoint another job wrote (a job started on its directory) carries that job's points:
+// none is reported, and the log says so.
 void ReportCarriedStepMetrics(const v1::TrainerTask& task, const TrainingRun& run,
                               const RunReporter& reporter);
 

@@ -506,7 +506,7 @@ absl::Status TrainLoop::SaveCheckpoint(bool last, bool wait) {
   state.layout.set_pipeline_parallel(run_.mesh.size(MeshDim::kPipeline));
   // Snapshot now: the save is written while later steps are added.
   if (reporter_.rank() == 0) {
-    state.step_metrics = std::make_shared<const v1::StepMetricsLog>(run_.step_metrics.UpTo(step_));
+    state.step_metrics = std::make_shared<const std::string>(run_.step_metrics.EncodedUpTo(step_));
   }
   auto committed = std::make_shared<v1::Checkpoint>();
   const auto start = std::chrono::steady_clock::now();

@@ -96,6 +96,10 @@ struct TrainingRun {
   // could not be read when they could not ("" otherwise).
   bool resumed_step_metrics = false;
   std::string resumed_step_metrics_problem;
+  // Rank 0: the job that wrote the resumed checkpoint when it is another job (a job started on
+  // another's checkpoint directory); its step metrics are that job's and stay out of
+  // step_metrics. "" otherwise.
+  std::string resumed_other_job;
 };
 
 }  // namespace tessera::trainer
