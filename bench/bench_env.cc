@@ -3,7 +3,9 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <regex>
 #include <string>
 
@@ -60,6 +62,27 @@ Provenance ReadProvenance() {
 
 std::string ResultsDir(const std::string& fallback) {
   return EnvOr("TESSERA_BENCH_RESULTS", fallback);
+}
+
+std::string ResultsBesideExecutable() {
+  std::error_code error;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (error) return "results";
+  return (self.parent_path() / "results").string();
+}
+
+absl::Status WriteResultsFile(const std::string& dir, const std::string& file_name,
+                              const std::string& text) {
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error) return absl::InternalError(absl::StrCat(dir, ": cannot create: ", error.message()));
+  const std::string path = absl::StrCat(dir, "/", file_name);
+  std::ofstream out(path);
+  out << text;
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat(path, ": cannot write"));
+  std::cout << "wrote " << path << "\n";
+  return absl::OkStatus();
 }
 
 }  // namespace tessera::bench

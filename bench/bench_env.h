@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "absl/status/status.h"
+
 namespace tessera::bench {
 
 struct Provenance {
@@ -21,6 +23,15 @@ Provenance ReadProvenance();
 
 // Directory for the benchmark's JSON: $TESSERA_BENCH_RESULTS, else `fallback`.
 std::string ResultsDir(const std::string& fallback);
+
+// The folder `results` beside this executable (where a hand run's JSON goes by default), or
+// "results" when /proc/self/exe cannot be read.
+std::string ResultsBesideExecutable();
+
+// Writes `text` to `dir`/`file_name`, creating `dir`, and says where on stdout. INTERNAL naming
+// the path when it cannot.
+absl::Status WriteResultsFile(const std::string& dir, const std::string& file_name,
+                              const std::string& text);
 
 // The environment variable `name`, or `fallback` when unset or empty.
 std::string EnvOr(const char* name, const std::string& fallback);

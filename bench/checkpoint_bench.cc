@@ -754,19 +754,6 @@ void PrintSummary(const Results& results) {
       results.serialize_to_memory_mb_s, 100 * results.max_resident_after_drop);
 }
 
-absl::Status WriteResults(const std::string& dir, const Json& json) {
-  std::error_code error;
-  std::filesystem::create_directories(dir, error);
-  if (error) return absl::InternalError(absl::StrCat(dir, ": cannot create: ", error.message()));
-  const std::string path = absl::StrCat(dir, "/", kResultsFileName);
-  std::ofstream out(path);
-  out << json.dump(2) << "\n";
-  out.close();
-  if (!out) return absl::InternalError(absl::StrCat(path, ": cannot write"));
-  std::cout << "wrote " << path << "\n";
-  return absl::OkStatus();
-}
-
 absl::Status Run(const BenchOptions& options) {
   if (options.runs < 1) return absl::InvalidArgumentError("--runs: must be at least 1");
   if (options.hidden_size % 64 != 0) {
@@ -800,14 +787,8 @@ absl::Status Run(const BenchOptions& options) {
   RETURN_IF_ERROR(RunIterations(options, results));
   results.load_average_after = LoadAverage();
   PrintSummary(results);
-  return WriteResults(options.results_dir, ResultsJson(options, results));
-}
-
-std::string DefaultResultsDir() {
-  std::error_code error;
-  std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
-  if (error) return "results";
-  return (self.parent_path() / "results").string();
+  return WriteResultsFile(options.results_dir, kResultsFileName,
+                          ResultsJson(options, results).dump(2) + "\n");
 }
 
 }  // namespace
@@ -830,7 +811,7 @@ int main(int argc, char** argv) {
   options.vocab_size = absl::GetFlag(FLAGS_vocab);
   options.verify_then_load = absl::GetFlag(FLAGS_verify_then_load);
   options.copy_before_step = absl::GetFlag(FLAGS_copy_before_step);
-  options.results_dir = ResultsDir(DefaultResultsDir());
+  options.results_dir = ResultsDir(ResultsBesideExecutable());
   const Provenance provenance = ReadProvenance();
   options.commit = provenance.commit;
   options.date = provenance.date;

@@ -472,13 +472,6 @@ absl::StatusOr<Options> ReadOptions() {
   return options;
 }
 
-std::string DefaultResultsDir() {
-  std::error_code error;
-  std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
-  if (error) return "results";
-  return (self.parent_path() / "results").string();
-}
-
 absl::Status Run(const Options& options) {
   std::string scratch = absl::StrCat(options.parent_dir, "/step_metrics_bench.XXXXXX");
   if (mkdtemp(scratch.data()) == nullptr) {
@@ -585,19 +578,8 @@ absl::Status Run(const Options& options) {
     }
   }
 
-  const std::string results_dir = ResultsDir(DefaultResultsDir());
-  std::error_code error;
-  std::filesystem::create_directories(results_dir, error);
-  if (error) {
-    return absl::InternalError(absl::StrCat(results_dir, ": cannot create: ", error.message()));
-  }
-  const std::string path = absl::StrCat(results_dir, "/step_metrics.json");
-  std::ofstream out(path);
-  out << json.dump(2) << "\n";
-  out.close();
-  if (!out) return absl::InternalError(absl::StrCat(path, ": cannot write"));
-  std::cout << "wrote " << path << "\n";
-  return absl::OkStatus();
+  return WriteResultsFile(ResultsDir(ResultsBesideExecutable()), "step_metrics.json",
+                          json.dump(2) + "\n");
 }
 
 }  // namespace
