@@ -101,7 +101,9 @@ TEST_F(TrainerTrainingTest, TwoDataParallelProcessesMatchOneProcess) {
   for (int rank = 0; rank < 2; ++rank) ExpectRankStepBreakdowns(runs[rank], rank, steps);
   // Rank 0's job metrics carry its breakdown too, and its log the summary.
   for (const v1::TrainerReport& report : runs[0].reports) {
-    if (report.has_metrics()) EXPECT_TRUE(report.metrics().has_breakdown());
+    if (report.has_metrics()) {
+      EXPECT_TRUE(report.metrics().has_breakdown());
+    }
   }
   EXPECT_THAT(runs[0].output, ::testing::HasSubstr("| all_reduce/dp "));
   RecordProperty("max_loss_difference", std::to_string(max_difference));
