@@ -238,7 +238,10 @@ TEST_F(IgnoredPreemptionTest, TheTrainerIsStoppedAtTheDeadlineAndResumesFromItsL
   spec.set_max_restarts(0);
   spec.mutable_checkpoint()->set_interval_steps(100);
   const std::string borrower = Submit(spec);
-  ASSERT_TRUE(WaitForStep(borrower, 102, 180)) << Get(borrower).ShortDebugString();
+  // The periodic checkpoint it will resume from is committed (saves are asynchronous: under
+  // load, waiting only for step 102 let the stop come before step 100's commit, and the attempt
+  // resumed from 0).
+  ASSERT_TRUE(WaitForCheckpoint(borrower, 100, 180)) << Get(borrower).ShortDebugString();
 
   v1::JobSpec small = Spec(3);
   small.set_name("reclaims");
