@@ -51,16 +51,6 @@ v1::StepMetricsLog StepMetricsLog::UpTo(int64_t step) const {
   return log;
 }
 
-absl::StatusOr<v1::CheckpointFile> WriteStepMetricsFile(const std::string& dir,
-                                                        const v1::StepMetricsLog& log) {
-  std::string bytes;
-  if (!log.SerializeToString(&bytes)) {
-    return absl::InternalError(
-        absl::StrCat(dir, "/", kStepMetricsFileName, ": cannot serialize the step metrics"));
-  }
-  return WriteEncodedStepMetricsFile(dir, bytes);
-}
-
 absl::StatusOr<v1::CheckpointFile> WriteEncodedStepMetricsFile(const std::string& dir,
                                                                const std::string& bytes) {
   const std::string path = absl::StrCat(dir, "/", kStepMetricsFileName);

@@ -59,11 +59,9 @@ class StepMetricsLog {
   std::map<int64_t, std::string> points_;
 };
 
-// Writes `log` to <dir>/step_metrics.pb (a staging directory); returns the file as the manifest
-// lists it (name, size, XXH3-128). Errors name the path.
-absl::StatusOr<v1::CheckpointFile> WriteStepMetricsFile(const std::string& dir,
-                                                        const v1::StepMetricsLog& log);
-// The same from a serialized v1::StepMetricsLog (StepMetricsLog::EncodedUpTo).
+// Writes a serialized v1::StepMetricsLog (StepMetricsLog::EncodedUpTo) to <dir>/step_metrics.pb
+// (a staging directory); returns the file as the manifest lists it (name, size, XXH3-128).
+// Errors name the path.
 absl::StatusOr<v1::CheckpointFile> WriteEncodedStepMetricsFile(const std::string& dir,
                                                                const std::string& encoded);
 

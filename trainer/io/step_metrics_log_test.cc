@@ -69,7 +69,7 @@ absl::StatusOr<v1::CheckpointManifest> Save(const std::string& root, int64_t ste
   WriteBytes(*staging + "/" + ShardFileName(0), std::string(512, static_cast<char>(step)));
   std::map<std::string, std::string> known;
   if (log != nullptr) {
-    absl::StatusOr<v1::CheckpointFile> file = WriteStepMetricsFile(*staging, *log);
+    absl::StatusOr<v1::CheckpointFile> file = WriteEncodedStepMetricsFile(*staging, log->SerializeAsString());
     if (!file.ok()) return file.status();
     known[file->file()] = file->xxh3_128();
   }
