@@ -1,13 +1,18 @@
-// Step metrics outlive the reports that carried them (issue 45), end to end: a 2-rank CPU job
-// checkpoints every 5 steps; the coordinator stops answering (SIGSTOP), so the worker keeps its
-// trainers' reports while they train and commit checkpoints on; then the machine is lost: the
-// trainers and the worker are killed -9 with those reports queued. The coordinator comes back, a
-// new worker registers, and the job restarts from the newest checkpoint, which is past every step
-// the coordinator recorded. Its rank 0 reports the lost steps again from the checkpoint's
+// Step metrics outlive the reports that carried them, end to end: a 2-rank CPU job checkpoints
+// every 5 steps; the coordinator is killed -9, so the worker keeps its trainers' reports (its
+// Report calls are refused: no report waits in a socket the coordinator would read later) while
+// they train and commit checkpoints on; then the machine is lost: the trainers and the worker are
+// killed -9 with those reports queued. The coordinator restarts on its state, a new worker
+// registers, and the job restarts from the newest checkpoint, which is past every step the
+// coordinator recorded. Its rank 0 reports the lost steps again from the checkpoint's
 // step_metrics.pb, so the job SUCCEEDS with a metric point for every step 1..max_steps, and the
 // points of the lost steps are the first attempt's. Again with two workers, where the attempt
 // that reports them again runs on the other node than the lost one. And a job started on another
 // job's checkpoint directory reports none of that job's steps, on its first attempt or a restart.
+//
+// The coordinator is killed rather than stopped (SIGSTOP): a stopped process's sockets still take
+// the worker's retried Report calls, each carrying every queued report, and the coordinator reads
+// them all once it resumes, so nothing would be lost and nothing reported again.
 
 #include <signal.h>
 
@@ -17,7 +22,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -55,21 +59,20 @@ TEST_F(ClusterTest, StepsWhoseReportsDiedWithTheirWorkerAreReportedAgainFromTheC
   const std::string job_id = Submit(spec);
   ASSERT_FALSE(job_id.empty());
   ASSERT_TRUE(WaitForStep(job_id, 8, 120)) << Get(job_id).reason();
-  const int64_t recorded = Get(job_id).current_step();
 
-  // The coordinator stops answering: the worker keeps the reports while training goes on.
-  const pid_t coordinator = coordinator_->pid();
-  ASSERT_EQ(::kill(coordinator, SIGSTOP), 0);
-  absl::Cleanup resume_coordinator = [coordinator] { ::kill(coordinator, SIGCONT); };
+  // The coordinator goes: the worker keeps the reports while training goes on.
+  const int64_t recorded_before = static_cast<int64_t>(Curve(job_id).size());
+  ASSERT_THAT(coordinator_->Stop(SIGKILL), IsOk());
+  coordinator_.reset();
   const std::string checkpoints = dir_.path() + "/ckpt/" + job_id;
   int64_t lost_from = 0;
   ASSERT_TRUE(testing::WaitUntil(
       [&] {
         lost_from = NewestCheckpointStep(checkpoints);
-        return lost_from >= recorded + 15;
+        return lost_from >= recorded_before + 15;
       },
       absl::Seconds(60), absl::Milliseconds(50)))
-      << "newest checkpoint: step " << lost_from << ", recorded: step " << recorded;
+      << "newest checkpoint: step " << lost_from << ", recorded: step " << recorded_before;
 
   // The machine is lost: its trainers and its worker die with the reports queued.
   const std::vector<pid_t> trainers = TrainerPids(dir_.path() + "/e2e-node/");
@@ -80,8 +83,17 @@ TEST_F(ClusterTest, StepsWhoseReportsDiedWithTheirWorkerAreReportedAgainFromTheC
   const absl::Time lost = absl::Now();
   // The newest checkpoint once the trainers are gone: where the next attempt resumes.
   const int64_t resumed = NewestCheckpointStep(checkpoints);
-  ASSERT_GE(resumed, recorded + 15);
-  std::move(resume_coordinator).Invoke();
+  ASSERT_GE(resumed, recorded_before + 15);
+  StartCoordinator();
+  ASSERT_FALSE(HasFatalFailure());
+  // The restarted coordinator's record ends where the killed one's did, before the resumed
+  // checkpoint: the steps after it are the lost ones.
+  const int64_t recorded = static_cast<int64_t>(Curve(job_id).size());
+  ASSERT_GE(recorded, recorded_before);
+  ASSERT_LT(recorded, resumed);
+  // Steps 1..recorded, with no gap.
+  const std::vector<v1::StepMetrics> kept = Curve(job_id);
+  ASSERT_EQ(kept.empty() ? 0 : kept.back().step(), recorded);
 
   StartWorker(0, 1);
   ASSERT_FALSE(HasFatalFailure());
@@ -110,7 +122,7 @@ TEST_F(ClusterTest, StepsWhoseReportsDiedWithTheirWorkerAreReportedAgainFromTheC
 }
 
 // Two workers of one slot each and a 1-rank job: the node that runs it is lost (its trainer and
-// its worker killed -9) while the coordinator, stopped, misses the steps after `recorded`. The
+// its worker killed -9) while the coordinator, killed -9, misses the steps after `recorded`. The
 // restart goes to the other node, which has never run the job: its rank 0 reads the lost
 // steps from the checkpoint's step_metrics.pb in the shared checkpoint root and reports them.
 TEST_F(TwoWorkerClusterTest, StepsLostWithTheirNodeAreReportedAgainByAnAttemptOnAnotherNode) {
@@ -133,19 +145,18 @@ TEST_F(TwoWorkerClusterTest, StepsLostWithTheirNodeAreReportedAgainByAnAttemptOn
   ASSERT_EQ(trainers.size(), 1u);
   const std::string other_node = WorkerName(1 - lost_worker);
 
-  const int64_t recorded = Get(job_id).current_step();
-  const pid_t coordinator = coordinator_->pid();
-  ASSERT_EQ(::kill(coordinator, SIGSTOP), 0);
-  absl::Cleanup resume_coordinator = [coordinator] { ::kill(coordinator, SIGCONT); };
+  const int64_t recorded_before = static_cast<int64_t>(Curve(job_id).size());
+  ASSERT_THAT(coordinator_->Stop(SIGKILL), IsOk());
+  coordinator_.reset();
   const std::string checkpoints = dir_.path() + "/ckpt/" + job_id;
   int64_t newest = 0;
   ASSERT_TRUE(testing::WaitUntil(
       [&] {
         newest = NewestCheckpointStep(checkpoints);
-        return newest >= recorded + 15;
+        return newest >= recorded_before + 15;
       },
       absl::Seconds(60), absl::Milliseconds(50)))
-      << "newest checkpoint: step " << newest << ", recorded: step " << recorded;
+      << "newest checkpoint: step " << newest << ", recorded: step " << recorded_before;
 
   ::kill(trainers[0], SIGKILL);
   std::optional<Subprocess>& lost = lost_worker == 0 ? worker_ : worker2_;
@@ -153,8 +164,15 @@ TEST_F(TwoWorkerClusterTest, StepsLostWithTheirNodeAreReportedAgainByAnAttemptOn
   lost.reset();
   const absl::Time lost_time = absl::Now();
   const int64_t resumed = NewestCheckpointStep(checkpoints);
-  ASSERT_GE(resumed, recorded + 15);
-  std::move(resume_coordinator).Invoke();
+  ASSERT_GE(resumed, recorded_before + 15);
+  StartCoordinator();
+  ASSERT_FALSE(HasFatalFailure());
+  const int64_t recorded = static_cast<int64_t>(Curve(job_id).size());
+  ASSERT_GE(recorded, recorded_before);
+  ASSERT_LT(recorded, resumed);
+  // Steps 1..recorded, with no gap.
+  const std::vector<v1::StepMetrics> kept = Curve(job_id);
+  ASSERT_EQ(kept.empty() ? 0 : kept.back().step(), recorded);
 
   const v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 180);
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
