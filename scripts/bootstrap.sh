@@ -26,23 +26,14 @@ readonly PEFT_PIN="peft==0.17.1"
 # tests/tensorboard_test.py reads the trainer's event files with tensorboard's own reader.
 readonly TENSORBOARD_PIN="tensorboard==2.20.0"
 
-readonly APT_PACKAGES=(
-  build-essential cmake ninja-build ccache pkg-config
-  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev
-  libyaml-cpp-dev nlohmann-json3-dev libsqlite3-dev libsentencepiece-dev libgloo-dev
-  libssl-dev libxxhash-dev python3-venv
-  libisal-dev  # CRC32C of TensorBoard's event files (trainer/report/tensorboard_writer.cc)
-  libjemalloc-dev  # tessera-coordinator's allocator (coordinator/CMakeLists.txt)
-  prometheus  # promtool: tests lint the /metrics exposition with it
-  libpq-dev  # the coordinator's PostgreSQL store (coordinator/postgres_database.cc)
-  postgresql  # initdb/pg_ctl: the store's tests start a private server (tests/postgres_fixture.h)
-  # ip netns, veth, tc (tbf) and iptables: the partition tests' isolated hosts (tests/util/netns.cc)
-  iproute2 iptables
-  # The fuzz build (tests/fuzz): clang, libFuzzer and the sanitizer runtimes
-  # (libclang_rt.fuzzer-x86_64.a is in libclang-rt-14-dev), llvm-symbolizer for its reports.
-  clang-14 libclang-rt-14-dev llvm-14
-)
+# The Debian packages: deploy/packages/build (what builds the binaries; the Dockerfile reads the
+# same list) and deploy/packages/test (what only the tests use). One name a word; '#' comments.
+read_package_list() {
+  sed -e 's/#.*//' "$1" | tr -s ' \t' '\n' | sed '/^$/d'
+}
+packages_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/../deploy/packages" && pwd)"
+mapfile -t APT_PACKAGES < <(read_package_list "$packages_dir/build"; read_package_list "$packages_dir/test")
+readonly APT_PACKAGES
 
 # Deploy tools for the chart's tests (a Helm renderer and Kubernetes' OpenAPI schemas), pinned;
 # in a venv of their own so that torch's stays as it is.
