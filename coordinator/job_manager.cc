@@ -257,22 +257,34 @@ absl::Status JobManager::RecordReports(const std::string& job_id,
   JobWrite write;
   write.job_id = job_id;
   for (const auto& point : replaced ? no_metrics : metrics) {
-    write.metrics.push_back(point);
+    // A mixture of experts' per-expert counts stay in latest_metrics only: stored with every
+    // step (curve and events) they would multiply its size (layers x experts values a point);
+    // each layer's imbalance is kept.
+    v1::StepMetrics& stored = write.metrics.emplace_back(point);
+    for (v1::ExpertLoad& load : *stored.mutable_expert_load()) load.clear_tokens();
     if (point.step() <= job.current_step()) continue;
     job.set_current_step(point.step());
     *job.mutable_latest_metrics() = point;
-    *write.events.emplace_back().mutable_metrics() = point;
+    *write.events.emplace_back().mutable_metrics() = stored;
   }
   for (const auto& eval : replaced ? no_evals : evals) {
     write.evals.push_back(eval);
     *write.events.emplace_back().mutable_eval() = eval;
   }
-  for (const auto& checkpoint : checkpoints) {
+  for (const auto& reported : checkpoints) {
+    // What the commit's retention deleted leaves the records in the same write.
+    const absl::Time committed = absl::FromUnixNanos(
+        google::protobuf::util::TimeUtil::TimestampToNanoseconds(reported.create_time()));
+    for (int64_t step : reported.retired_steps()) {
+      write.retired_checkpoints.push_back({.step = step, .time = committed});
+    }
+    v1::Checkpoint checkpoint = reported;
+    checkpoint.clear_retired_steps();
     if (checkpoint.step() >= job.latest_checkpoint().step()) {
       *job.mutable_latest_checkpoint() = checkpoint;
     }
     write.checkpoints.push_back(checkpoint);
-    *write.events.emplace_back().mutable_checkpoint() = checkpoint;
+    *write.events.emplace_back().mutable_checkpoint() = std::move(checkpoint);
   }
   write.job = job;
   return CommitAndNotify(write).status();

@@ -22,11 +22,16 @@ namespace {
 using ::google::protobuf::util::TimeUtil;
 using ::tessera::testing::IsOk;
 using ::tessera::testing::StatusIs;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::SizeIs;
 
 absl::Time FromProto(const google::protobuf::Timestamp& timestamp) {
   return absl::FromUnixNanos(TimeUtil::TimestampToNanoseconds(timestamp));
+}
+
+google::protobuf::Timestamp ToProto(absl::Time time) {
+  return TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(time));
 }
 
 v1::StepMetrics Point(int64_t step, double loss) {
@@ -152,6 +157,54 @@ TEST_F(JobManagerTest, RecordReportsAddsEachStepsEventOnce) {
   EXPECT_EQ(job.latest_checkpoint().step(), 2);
   EXPECT_THAT(jobs_->RecordReports(job_id, {}, {}, {}), IsOk());
   EXPECT_EQ(events(), before + 4);
+}
+
+// A mixture of experts' routing: the job's latest_metrics keeps every layer's per-expert counts;
+// the curve and the events keep each layer's imbalance, not the counts.
+TEST_F(JobManagerTest, ExpertCountsStayInTheLatestMetricsAndImbalanceInTheCurve) {
+  const std::string job_id = Submit();
+  v1::StepMetrics point = Point(1, 3.0);
+  for (int layer = 0; layer < 2; ++layer) {
+    v1::ExpertLoad* load = point.add_expert_load();
+    load->set_layer(layer);
+    for (int64_t tokens : {6, 1, 1, 0}) load->add_tokens(tokens);
+    load->set_imbalance(3.0);
+  }
+  ASSERT_THAT(jobs_->RecordReports(job_id, {point}, {}, {}), IsOk());
+  const v1::Job job = Job(job_id);
+  ASSERT_EQ(job.latest_metrics().expert_load_size(), 2);
+  EXPECT_THAT(job.latest_metrics().expert_load(1).tokens(), ElementsAre(6, 1, 1, 0));
+  absl::StatusOr<std::vector<v1::StepMetrics>> curve = store_->ReadMetrics(job_id, 0, 0);
+  ASSERT_THAT(curve, IsOk());
+  ASSERT_EQ(curve->size(), 1u);
+  ASSERT_EQ(curve->front().expert_load_size(), 2);
+  EXPECT_EQ(curve->front().expert_load(1).tokens_size(), 0);
+  EXPECT_DOUBLE_EQ(curve->front().expert_load(1).imbalance(), 3.0);
+  auto events = jobs_->Events(job_id, 0, 0);
+  ASSERT_THAT(events.status(), IsOk());
+  ASSERT_TRUE(events->back().has_metrics());
+  EXPECT_EQ(events->back().metrics().expert_load(0).tokens_size(), 0);
+}
+
+// A checkpoint report names the checkpoints its commit's retention deleted: they leave the list
+// in the same write, and the reported checkpoint is recorded without that list.
+TEST_F(JobManagerTest, ACheckpointsRetiredStepsLeaveTheList) {
+  const std::string job_id = Submit();
+  std::vector<v1::Checkpoint> saved(3);
+  for (int i = 0; i < 3; ++i) {
+    saved[i].set_step(10 * (i + 1));
+    *saved[i].mutable_create_time() = ToProto(clock_.Now() + absl::Seconds(i));
+  }
+  saved[2].add_retired_steps(10);
+  ASSERT_THAT(jobs_->RecordReports(job_id, {}, {}, {saved[0], saved[1]}), IsOk());
+  ASSERT_THAT(jobs_->RecordReports(job_id, {}, {}, {saved[2]}), IsOk());
+  absl::StatusOr<std::vector<v1::Checkpoint>> listed = jobs_->Checkpoints(job_id);
+  ASSERT_THAT(listed, IsOk());
+  ASSERT_EQ(listed->size(), 2u);
+  EXPECT_EQ((*listed)[0].step(), 30);
+  EXPECT_EQ((*listed)[0].retired_steps_size(), 0);
+  EXPECT_EQ((*listed)[1].step(), 20);
+  EXPECT_EQ(Job(job_id).latest_checkpoint().retired_steps_size(), 0);
 }
 
 // A resumed attempt's backfill (step_metrics_log.h): points of steps the record misses, below the

@@ -61,9 +61,16 @@ namespace tessera::coordinator {
 class Database;
 class DbConnection;
 
+// A checkpoint that retention deleted from its directory (Checkpoint.retired_steps of the
+// commit that deleted it, at that commit's time).
+struct CheckpointRetirement {
+  int64_t step = 0;
+  absl::Time time;
+};
+
 // Everything one committed change of a job writes, applied in ONE SQLite
 // transaction, in this order: job upsert, events, metrics, evals, checkpoint
-// upserts, checkpoint deletions.
+// upserts, checkpoint retirements.
 struct JobWrite {
   // Upsert of the job row: the whole v1::Job, stored as a blob plus the
   // indexed columns job_id, state, priority, create_time and request_id.
@@ -76,10 +83,15 @@ struct JobWrite {
   std::vector<v1::StepMetrics> metrics;
   // Keyed (job_id, step), replaced likewise.
   std::vector<v1::EvalMetrics> evals;
-  // Keyed (job_id, step), replaced likewise; `job_id` is set when empty.
+  // Keyed (job_id, step), replaced likewise; `job_id` is set when empty. Reports arrive late and
+  // out of order (a replaced attempt's, relayed after a partition heals): a checkpoint is not
+  // recorded when its step's record is newer (create_time) or was retired after it was created
+  // (a late report of a checkpoint retention already deleted).
   std::vector<v1::Checkpoint> checkpoints;
-  // Retention: the checkpoint rows of these steps are removed.
-  std::vector<int64_t> deleted_checkpoint_steps;
+  // Retention: the records of these steps leave ListCheckpoints, unless recorded again by a
+  // checkpoint created after the retirement. The store remembers the retirement (a row with
+  // no checkpoint) so that the deleted checkpoint's late report stays out.
+  std::vector<CheckpointRetirement> retired_checkpoints;
   // The job the write is about. Required; must match job->job_id() when set.
   // Without `job`, the job must already be stored (NOT_FOUND otherwise).
   std::string job_id;
@@ -130,7 +142,7 @@ struct JobPage {
 class Store {
  public:
   // The schema version this binary writes; kept in the schema_version table.
-  static constexpr int kSchemaVersion = 5;
+  static constexpr int kSchemaVersion = 6;
   // How long a statement waits for a lock held by another connection.
   static constexpr int kBusyTimeoutMs = 5000;
   // ListJobs page size when 0 is asked for, and the largest honoured.

@@ -12,9 +12,12 @@
 #include "coordinator/store.h"
 #include "coordinator/store_database.h"
 #include "coordinator/store_tables.h"
+#include "google/protobuf/util/time_util.h"
 
 namespace tessera::coordinator {
 namespace {
+
+using ::google::protobuf::util::TimeUtil;
 
 // Reads (step, blob) rows into messages, naming `table` on a bad blob.
 template <typename Message>
@@ -129,26 +132,44 @@ ON CONFLICT (job_id, step) DO UPDATE SET metrics = excluded.metrics)sql",
 INSERT INTO eval_metrics (job_id, step, metrics) VALUES (?1, ?2, ?3)
 ON CONFLICT (job_id, step) DO UPDATE SET metrics = excluded.metrics)sql",
                                  "eval metrics", write.evals, as_is));
-  RETURN_IF_ERROR(upsert_by_step(R"sql(
-INSERT INTO checkpoints (job_id, step, checkpoint) VALUES (?1, ?2, ?3)
-ON CONFLICT (job_id, step) DO UPDATE SET checkpoint = excluded.checkpoint)sql",
-                                 "checkpoint", write.checkpoints,
-                                 [&](const v1::Checkpoint& checkpoint) {
-                                   v1::Checkpoint stored = checkpoint;
-                                   stored.set_job_id(job_id);
-                                   return stored;
-                                 }));
-
-  if (!write.deleted_checkpoint_steps.empty()) {
-    const std::string operation = absl::StrCat("delete checkpoint of ", job_id);
-    for (int64_t step : write.deleted_checkpoint_steps) {
-      ASSIGN_OR_RETURN(
-          Statement remove,
-          writer.Prepare("DELETE FROM checkpoints WHERE job_id = ?1 AND step = ?2", operation));
-      remove.BindText(1, job_id);
-      remove.Bind(2, step);
-      RETURN_IF_ERROR(remove.Run());
-    }
+  // A checkpoint replaces its step's record unless that record is newer or was retired after
+  // this checkpoint was created (see JobWrite::checkpoints).
+  for (const v1::Checkpoint& checkpoint : write.checkpoints) {
+    v1::Checkpoint stored = checkpoint;
+    stored.set_job_id(job_id);
+    stored.clear_retired_steps();
+    const int64_t created = TimeUtil::TimestampToNanoseconds(stored.create_time());
+    ASSIGN_OR_RETURN(Statement upsert,
+                     writer.Prepare(R"sql(
+INSERT INTO checkpoints (job_id, step, checkpoint, create_time_ns, retire_time_ns)
+VALUES (?1, ?2, ?3, ?4, NULL)
+ON CONFLICT (job_id, step) DO UPDATE SET checkpoint = excluded.checkpoint,
+  create_time_ns = excluded.create_time_ns, retire_time_ns = NULL
+WHERE (checkpoints.retire_time_ns IS NULL OR checkpoints.retire_time_ns < excluded.create_time_ns)
+  AND (checkpoints.create_time_ns IS NULL OR checkpoints.create_time_ns <= excluded.create_time_ns))sql",
+                                    absl::StrCat("upsert checkpoint for ", job_id)));
+    upsert.BindText(1, job_id);
+    upsert.Bind(2, stored.step());
+    upsert.BindMessage(3, stored);
+    upsert.Bind(4, created);
+    RETURN_IF_ERROR(upsert.Run());
+  }
+  // A retirement applies to the record of a checkpoint created before it; a step without a
+  // record gets an empty retired one.
+  for (const CheckpointRetirement& retired : write.retired_checkpoints) {
+    ASSIGN_OR_RETURN(Statement retire,
+                     writer.Prepare(R"sql(
+INSERT INTO checkpoints (job_id, step, checkpoint, create_time_ns, retire_time_ns)
+VALUES (?1, ?2, ?3, NULL, ?4)
+ON CONFLICT (job_id, step) DO UPDATE SET retire_time_ns = excluded.retire_time_ns
+WHERE (checkpoints.create_time_ns IS NULL OR checkpoints.create_time_ns <= excluded.retire_time_ns)
+  AND (checkpoints.retire_time_ns IS NULL OR checkpoints.retire_time_ns < excluded.retire_time_ns))sql",
+                                    absl::StrCat("retire checkpoint of ", job_id)));
+    retire.BindText(1, job_id);
+    retire.Bind(2, retired.step);
+    retire.BindBlob(3, "");
+    retire.Bind(4, absl::ToUnixNanos(retired.time));
+    RETURN_IF_ERROR(retire.Run());
   }
   return absl::OkStatus();
 }
@@ -188,7 +209,8 @@ absl::StatusOr<std::vector<v1::Checkpoint>> Store::ListCheckpoints(const std::st
   ASSIGN_OR_RETURN(
       Statement select,
       reader.Prepare(
-          "SELECT step, checkpoint FROM checkpoints WHERE job_id = ?1 ORDER BY step DESC",
+          "SELECT step, checkpoint FROM checkpoints WHERE job_id = ?1 AND retire_time_ns IS NULL "
+          "ORDER BY step DESC",
           operation));
   select.BindText(1, job_id);
   return ReadStepRows<v1::Checkpoint>(select, job_id, "checkpoints");

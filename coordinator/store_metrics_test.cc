@@ -10,17 +10,22 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "common/status_matchers.h"
 #include "coordinator/store.h"
 #include "coordinator/store_test_util.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/util/time_util.h"
 #include "gtest/gtest.h"
 
 namespace tessera::coordinator {
 namespace {
 
+using ::google::protobuf::util::TimeUtil;
 using ::tessera::testing::IsOk;
 using ::tessera::testing::IsOkAndHolds;
+using ::testing::ElementsAre;
 using ::testing::IsEmpty;
 using ::testing::SizeIs;
 
@@ -100,7 +105,7 @@ TEST_P(StoreBackendTest, CheckpointsNewestFirstAndRetention) {
   JobWrite retain;
   retain.job_id = "job-a";
   retain.checkpoints.emplace_back().set_step(400);
-  retain.deleted_checkpoint_steps = {100, 200};
+  retain.retired_checkpoints = {{100, absl::FromUnixSeconds(10)}, {200, absl::FromUnixSeconds(10)}};
   ASSERT_THAT(store->Commit(retain), IsOk());
   checkpoints = store->ListCheckpoints("job-a");
   ASSERT_THAT(checkpoints, IsOk());
@@ -110,6 +115,67 @@ TEST_P(StoreBackendTest, CheckpointsNewestFirstAndRetention) {
   checkpoints = store->ListCheckpoints("job-other");
   ASSERT_THAT(checkpoints, IsOk());
   EXPECT_THAT(*checkpoints, IsEmpty());
+}
+
+// Reports come late and out of order: a replaced attempt's, relayed after its partition healed,
+// may name a checkpoint that a newer attempt's retention has deleted since, or an older copy of
+// a step written again since. Neither comes back into the list; a checkpoint created after its
+// step was retired (a rollback that trains past it again) does.
+TEST_P(StoreBackendTest, LateReportsOfDeletedOrReplacedCheckpointsStayOut) {
+  std::unique_ptr<Store> store = OpenOrDie(location());
+  ASSERT_NE(store, nullptr);
+  SubmitJob(*store, MakeJob("job-a", v1::JOB_STATE_RUNNING, 1));
+  auto checkpoint_at = [](int64_t step, int64_t created_seconds) {
+    v1::Checkpoint checkpoint;
+    checkpoint.set_step(step);
+    checkpoint.set_path(absl::StrCat("/ckpt/job-a/step-", step, "@", created_seconds));
+    *checkpoint.mutable_create_time() = TimeUtil::SecondsToTimestamp(created_seconds);
+    return checkpoint;
+  };
+  auto commit = [&](std::vector<v1::Checkpoint> checkpoints,
+                    std::vector<CheckpointRetirement> retired) {
+    JobWrite write;
+    write.job_id = "job-a";
+    write.checkpoints = std::move(checkpoints);
+    write.retired_checkpoints = std::move(retired);
+    return store->Commit(write).status();
+  };
+  auto listed = [&] {
+    std::vector<std::string> paths;
+    absl::StatusOr<std::vector<v1::Checkpoint>> checkpoints = store->ListCheckpoints("job-a");
+    EXPECT_THAT(checkpoints, IsOk());
+    if (checkpoints.ok()) {
+      for (const v1::Checkpoint& checkpoint : *checkpoints) paths.push_back(checkpoint.path());
+    }
+    return paths;
+  };
+  // Attempt 1 committed step 70 at t=100 (its report is held back); attempt 2 commits 80 at
+  // t=200 and 90 at t=300, whose retention (keep_last 2) deletes 70.
+  ASSERT_THAT(commit({checkpoint_at(80, 200)}, {}), IsOk());
+  ASSERT_THAT(commit({checkpoint_at(90, 300)}, {{70, absl::FromUnixSeconds(300)}}), IsOk());
+  // The held-back report of 70 arrives: deleted before it arrived, it stays out.
+  ASSERT_THAT(commit({checkpoint_at(70, 100)}, {}), IsOk());
+  EXPECT_THAT(listed(), ElementsAre("/ckpt/job-a/step-90@300", "/ckpt/job-a/step-80@200"));
+  // A late retirement of a record created after it (step 80 written again at t=400 by a
+  // rollback, then the retirement of its first copy, made at t=250, arrives) leaves it listed.
+  ASSERT_THAT(commit({checkpoint_at(80, 400)}, {}), IsOk());
+  ASSERT_THAT(commit({}, {{80, absl::FromUnixSeconds(250)}}), IsOk());
+  // A late report of the first copy of 80 does not replace the newer one.
+  ASSERT_THAT(commit({checkpoint_at(80, 200)}, {}), IsOk());
+  EXPECT_THAT(listed(), ElementsAre("/ckpt/job-a/step-90@300", "/ckpt/job-a/step-80@400"));
+  // Step 70 trained again after a rollback (created t=500, after its retirement): listed again.
+  ASSERT_THAT(commit({checkpoint_at(70, 500)}, {}), IsOk());
+  EXPECT_THAT(listed(), ElementsAre("/ckpt/job-a/step-90@300", "/ckpt/job-a/step-80@400",
+                                    "/ckpt/job-a/step-70@500"));
+  // Records never carry the report's retired steps.
+  v1::Checkpoint reported = checkpoint_at(100, 600);
+  reported.add_retired_steps(70);
+  ASSERT_THAT(commit({reported}, {{70, absl::FromUnixSeconds(600)}}), IsOk());
+  absl::StatusOr<std::vector<v1::Checkpoint>> checkpoints = store->ListCheckpoints("job-a");
+  ASSERT_THAT(checkpoints, IsOk());
+  ASSERT_THAT(*checkpoints, SizeIs(3));
+  EXPECT_EQ((*checkpoints)[0].step(), 100);
+  EXPECT_EQ((*checkpoints)[0].retired_steps_size(), 0);
 }
 
 TEST_P(StoreBackendTest, MetricsCompleteThroughIsTheEndOfTheFirstRunWithoutAGap) {

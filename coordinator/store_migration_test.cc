@@ -63,6 +63,9 @@ CREATE INDEX jobs_by_state ON jobs (state, create_time_ns, job_id);
     {"DROP TABLE queue_usage;"},
     // To 4: no per-job mark of the complete metric steps.
     {"DROP TABLE step_metrics_complete;"},
+    // To 5: checkpoint records without their creation and retirement times.
+    {"ALTER TABLE checkpoints DROP COLUMN retire_time_ns;\n"
+     "ALTER TABLE checkpoints DROP COLUMN create_time_ns;\n"},
 };
 static_assert(std::size(kUndo) == Store::kSchemaVersion - 1);
 
@@ -118,8 +121,9 @@ class StoreMigrationTest : public ::testing::TestWithParam<MigrationCase> {
 // A database written by each earlier schema version is migrated on open to the current one, on
 // SQLite and on PostgreSQL: from version 1 (jobs in a WITHOUT ROWID table on SQLite, a row per
 // event), through version 3 (a write's events in one row), version 4 (the queues' saved
-// fair-share usage) and version 5 (each job's mark of its complete metric steps, which the
-// migration finds from the steps stored). Every job, event, metric point and checkpoint survives
+// fair-share usage), version 5 (each job's mark of its complete metric steps, which the
+// migration finds from the steps stored) and version 6 (checkpoint records that retention
+// retires). Every job, event, metric point and checkpoint survives
 // (dropping SQLite's old jobs table must not cascade into the others), the foreign keys hold
 // afterwards, and what each later version added works.
 TEST_P(StoreMigrationTest, MigratesAnOlderDatabase) {
@@ -229,6 +233,14 @@ TEST_P(StoreMigrationTest, MigratesAnOlderDatabase) {
   fill.metrics = {Metrics(3, 2)};
   ASSERT_THAT(store->Commit(fill), IsOk());
   EXPECT_THAT(store->MetricsCompleteThrough("job-2", 0), IsOkAndHolds(6));
+
+  // A checkpoint recorded before version 6 (no creation time) is retired like a new one.
+  JobWrite retire;
+  retire.job_id = "job-0";
+  retire.retired_checkpoints = {{6, absl::FromUnixSeconds(1000)}};
+  ASSERT_THAT(store->Commit(retire), IsOk());
+  EXPECT_THAT(store->ListCheckpoints("job-0"), IsOkAndHolds(SizeIs(0)));
+  EXPECT_THAT(store->ListCheckpoints("job-1"), IsOkAndHolds(SizeIs(1)));
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -131,6 +131,14 @@ INSERT INTO step_metrics_complete (job_id, through_step)
     AND NOT EXISTS (SELECT 1 FROM step_metrics n WHERE n.job_id = s.job_id AND n.step = s.step + 1)
   GROUP BY s.job_id;
 )sql"},
+    // v6: checkpoint records follow retention. create_time_ns: the checkpoint's create_time
+    // (NULL in rows written before v6); retire_time_ns: when retention deleted it (NULL while it
+    // exists). A retired row stays, its blob empty when the checkpoint was never recorded, so
+    // that a late report of a deleted checkpoint is recognised and left out.
+    {R"sql(
+ALTER TABLE checkpoints ADD COLUMN create_time_ns INTEGER;
+ALTER TABLE checkpoints ADD COLUMN retire_time_ns INTEGER;
+)sql"},
 };
 static_assert(std::size(kMigrations) == Store::kSchemaVersion);
 

@@ -3,11 +3,14 @@
 // on an imported model, one rank on each of two nodes, the CLI (submit --watch, metrics, plot,
 // status, plan) and `tessera local` as a new user runs it.
 
-
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -24,6 +27,7 @@
 #include "client/progress_line.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tessera/v1/trainer.pb.h"
 #include "tests/cluster_e2e_fixture.h"
 #include "tests/util/pty.h"
 
@@ -33,8 +37,48 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
+// Another process on the machine (another cluster's trainer, a test beside this one) holds the
+// port the coordinator would give the job's rendezvous. The job's ranks all run on one node,
+// whose worker chooses a free port there and hands rank 0 the socket: the job trains on its
+// first attempt, no restart, and its ranks' task files name the port they met on.
+TEST_F(ClusterTest, APortHeldByAnotherProcessDoesNotStopASingleNodeJob) {
+  const int base = MasterPortBase();
+  const int held = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(held, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(base));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(held, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0)
+      << "port " << base << ": " << std::strerror(errno);
+  ASSERT_EQ(listen(held, 16), 0);
+
+  const std::string job_id = Submit(Spec(5));
+  ASSERT_FALSE(job_id.empty());
+  const v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 120);
+  close(held);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  EXPECT_EQ(job.restarts(), 0) << job.ShortDebugString();
+  EXPECT_EQ(job.master_port(), base) << "the coordinator's choice, taken by another process";
+  int port = -1;
+  for (int rank = 0; rank < 2; ++rank) {
+    v1::TrainerTask task;
+    std::ifstream in(RankTask("e2e-node", job_id, 0, rank), std::ios::binary);
+    ASSERT_TRUE(task.ParseFromIstream(&in)) << "rank " << rank;
+    EXPECT_NE(task.assignment().master_port(), base) << "rank " << rank;
+    EXPECT_EQ(task.assignment().master_listen_fd(), rank == 0 ? 3 : 0) << "rank " << rank;
+    if (rank == 0) port = task.assignment().master_port();
+    EXPECT_EQ(task.assignment().master_port(), port) << "rank " << rank;
+  }
+  EXPECT_GT(port, 0);
+}
+
 TEST_F(ClusterTest, TwoRankJobTrainsThroughCoordinatorAndWorker) {
-  const std::string job_id = Submit(Spec(30));
+  // Ten saves, of which retention keeps two: the coordinator lists what the directory holds.
+  v1::JobSpec spec = Spec(30);
+  spec.mutable_checkpoint()->set_interval_steps(3);
+  spec.mutable_checkpoint()->set_keep_last(2);
+  const std::string job_id = Submit(spec);
   ASSERT_FALSE(job_id.empty());
 
   v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
@@ -55,9 +99,19 @@ TEST_F(ClusterTest, TwoRankJobTrainsThroughCoordinatorAndWorker) {
   list.set_job_id(job_id);
   v1::ListCheckpointsResponse checkpoints;
   ASSERT_TRUE(stub_->ListCheckpoints(Context().get(), list, &checkpoints).ok());
-  ASSERT_EQ(checkpoints.checkpoints_size(), 3);  // steps 10, 20, 30
+  ASSERT_EQ(checkpoints.checkpoints_size(), 2);  // steps 30 and 27 of 3, 6, ..., 30
   EXPECT_EQ(checkpoints.checkpoints(0).step(), 30);
+  EXPECT_EQ(checkpoints.checkpoints(1).step(), 27);
   EXPECT_EQ(checkpoints.checkpoints(0).num_shards(), 2);
+  EXPECT_EQ(checkpoints.checkpoints(0).retired_steps_size(), 0);
+  std::set<std::string> listed, on_disk;
+  for (const v1::Checkpoint& checkpoint : checkpoints.checkpoints()) {
+    listed.insert(checkpoint.path());
+  }
+  for (const auto& entry : std::filesystem::directory_iterator(dir_.path() + "/ckpt/" + job_id)) {
+    if (std::filesystem::exists(entry.path() / "manifest.pb")) on_disk.insert(entry.path());
+  }
+  EXPECT_EQ(listed, on_disk);
 
   v1::GetLogsRequest logs;
   logs.set_job_id(job_id);

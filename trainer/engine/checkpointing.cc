@@ -383,10 +383,11 @@ absl::StatusOr<v1::Checkpoint> CollectAndCommit(const CheckpointContext& context
     *manifest.mutable_model() = state.model;
     *manifest.mutable_data_position() = state.data_position;
     manifest.set_tokens_seen(state.tokens_seen);
-    ASSIGN_OR_RETURN(manifest,
-                     CommitCheckpoint(root, state.step, std::move(manifest), context.world,
-                                      task.spec().checkpoint().keep_last(), known_digests,
-                                      task.attempt()));
+    std::vector<int64_t> retired;
+    ASSIGN_OR_RETURN(manifest, CommitCheckpoint(root, state.step, std::move(manifest),
+                                                context.world, task.spec().checkpoint().keep_last(),
+                                                known_digests, task.attempt(), &retired));
+    checkpoint.mutable_retired_steps()->Add(retired.begin(), retired.end());
     checkpoint.set_job_id(task.job_id());
     checkpoint.set_step(state.step);
     checkpoint.set_path(absl::StrCat(root, "/", CheckpointDirName(state.step)));

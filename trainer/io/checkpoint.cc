@@ -286,9 +286,10 @@ absl::StatusOr<std::string> MoveIntoPlace(const std::string& root, int64_t step,
 // attempt's checkpoint: renames the complete checkpoints beyond the keep_last newest (the one just
 // committed always kept) to <root>/.retired-step-..., out of every listing, and returns them with
 // the staging directories of older steps and leftovers of earlier commits, for the caller to
-// delete after releasing the lock (renames are quick; deleting a tree is not).
+// delete after releasing the lock (renames are quick; deleting a tree is not). Appends the steps
+// it retired to `retired_steps`.
 std::vector<std::string> RetireForRetention(const std::string& root, int64_t committed_step,
-                                            int keep_last) {
+                                            int keep_last, std::vector<int64_t>& retired_steps) {
   std::vector<std::string> doomed;
   if (keep_last > 0) {
     absl::StatusOr<std::vector<StepDir>> complete =
@@ -318,6 +319,7 @@ std::vector<std::string> RetireForRetention(const std::string& root, int64_t com
           continue;
         }
         doomed.push_back(std::move(retired));
+        retired_steps.push_back(dir.step);
       }
     }
   }
@@ -472,7 +474,8 @@ absl::StatusOr<std::string> WriteHashedFile(const std::string& path,
 
 absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     const std::string& root, int64_t step, v1::CheckpointManifest manifest, int world_size,
-    int keep_last, const std::map<std::string, std::string>& known_digests, int64_t attempt) {
+    int keep_last, const std::map<std::string, std::string>& known_digests, int64_t attempt,
+    std::vector<int64_t>* retired_steps) {
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("negative checkpoint step ", step));
   if (world_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat("world_size ", world_size, " is not positive"));
@@ -614,7 +617,9 @@ absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     RETURN_IF_ERROR(CheckCheckpointFenceLocked(root, manifest.job_id(), attempt));
     ASSIGN_OR_RETURN(std::string replaced, MoveIntoPlace(root, step, staging, final_dir));
     if (!replaced.empty()) to_delete.push_back(std::move(replaced));
-    std::vector<std::string> retired = RetireForRetention(root, step, keep_last);
+    std::vector<int64_t> retired_now;
+    std::vector<std::string> retired = RetireForRetention(root, step, keep_last, retired_now);
+    if (retired_steps != nullptr) *retired_steps = std::move(retired_now);
     to_delete.insert(to_delete.end(), retired.begin(), retired.end());
   }
   RETURN_IF_ERROR(FsyncPath(root));

@@ -64,7 +64,9 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
 // replacing a checkpoint of the same step). Then applies retention: with keep_last > 0, complete
 // checkpoints beyond the keep_last newest are deleted (the one just committed is always kept);
 // staging directories of older steps are deleted. Retention is best-effort: its failures are
-// reported on stderr, never undo the commit. Returns the manifest as written.
+// reported on stderr, never undo the commit. Returns the manifest as written, and, when
+// `retired_steps` is given, sets it to the steps whose checkpoints retention deleted (taken out of
+// every listing before this returns; the caller reports them so that records follow).
 //
 // INVALID_ARGUMENT for world_size < 1, a manifest whose step is set and is not
 // `step`, or a file whose name is not a shard name; FAILED_PRECONDITION when
@@ -80,15 +82,15 @@ absl::StatusOr<std::string> PrepareStaging(const std::string& root, int64_t step
 //
 // Fenced (trainer/io/checkpoint_fence.h): the rename and retention's renames (a deleted
 // checkpoint is first renamed to <root>/.retired-step-..., deleted after) happen under the fence's
-// lock, held for nothing slower than a rename, and only when <root>/FENCE is absent or holds `manifest.job_id` at an attempt <= `attempt`;
-// otherwise FAILED_PRECONDITION "checkpoint write refused: attempt 2 of job j is fenced off by
-// attempt 3 of job j in <root>/FENCE (...)", leaving the staging directory and every committed
-// checkpoint as they were (DEADLINE_EXCEEDED when the lock stays held). The default attempt 0 is
-// the most conservative: fenced off by any restart.
+// lock, held for nothing slower than a rename, and only when <root>/FENCE is absent or holds
+// `manifest.job_id` at an attempt <= `attempt`; otherwise FAILED_PRECONDITION "checkpoint write
+// refused: attempt 2 of job j is fenced off by attempt 3 of job j in <root>/FENCE (...)", leaving
+// the staging directory and every committed checkpoint as they were (DEADLINE_EXCEEDED when the
+// lock stays held). The default attempt 0 is the most conservative: fenced off by any restart.
 absl::StatusOr<v1::CheckpointManifest> CommitCheckpoint(
     const std::string& root, int64_t step, v1::CheckpointManifest manifest, int world_size,
     int keep_last, const std::map<std::string, std::string>& known_digests = {},
-    int64_t attempt = 0);
+    int64_t attempt = 0, std::vector<int64_t>* retired_steps = nullptr);
 
 // Receives bytes in order; returns how many it took (fewer means an error).
 using ByteSink = std::function<size_t(const void* data, size_t size)>;

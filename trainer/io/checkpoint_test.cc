@@ -79,7 +79,8 @@ std::string ShardContent(int64_t step, int rank) {
 
 // Plays every rank writing its shard, then rank 0 committing.
 absl::StatusOr<v1::CheckpointManifest> WriteCheckpoint(const std::string& root, int64_t step,
-                                                       int world_size, int keep_last) {
+                                                       int world_size, int keep_last,
+                                                       std::vector<int64_t>* retired = nullptr) {
   absl::StatusOr<std::string> staging = PrepareStaging(root, step);
   if (!staging.ok()) return staging.status();
   for (int rank = 0; rank < world_size; ++rank) {
@@ -87,7 +88,7 @@ absl::StatusOr<v1::CheckpointManifest> WriteCheckpoint(const std::string& root, 
   }
   v1::CheckpointManifest manifest;
   manifest.set_job_id("job-1");
-  return CommitCheckpoint(root, step, manifest, world_size, keep_last);
+  return CommitCheckpoint(root, step, manifest, world_size, keep_last, {}, 0, retired);
 }
 
 std::string CheckpointPath(const std::string& root, int64_t step) {
@@ -399,7 +400,9 @@ TEST(CheckpointTest, StructureOnlyCheckDigestOfOneShardAndQuarantine) {
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr(shard + ": xxh3-128 mismatch")));
   ASSERT_THAT(manifest->shards(), SizeIs(2));
   for (const v1::CheckpointShard& s : manifest->shards()) {
-    if (s.rank() == 0) EXPECT_THAT(VerifyShardDigest(dir, s), IsOk());
+    if (s.rank() == 0) {
+      EXPECT_THAT(VerifyShardDigest(dir, s), IsOk());
+    }
     if (s.rank() == 1) {
       EXPECT_THAT(VerifyShardDigest(dir, s),
                   StatusIs(absl::StatusCode::kDataLoss, HasSubstr(shard + ": xxh3-128 mismatch")));
@@ -473,9 +476,15 @@ TEST(CheckpointTest, FindLatestInMissingOrEmptyRootIsNone) {
 TEST(CheckpointTest, KeepLastTwoKeepsTheTwoNewest) {
   ScopedTempDir tmp("checkpoint_test");
   const std::string root = tmp.path();
+  // Each commit says which steps its retention deleted: what the coordinator's records drop.
+  std::vector<std::vector<int64_t>> retired_by_commit;
   for (int64_t step : {100, 200, 300, 400}) {
-    ASSERT_THAT(WriteCheckpoint(root, step, 2, /*keep_last=*/2), IsOk());
+    std::vector<int64_t> retired = {-1};
+    ASSERT_THAT(WriteCheckpoint(root, step, 2, /*keep_last=*/2, &retired), IsOk());
+    retired_by_commit.push_back(retired);
   }
+  EXPECT_THAT(retired_by_commit,
+              ElementsAre(IsEmpty(), IsEmpty(), ElementsAre(100), ElementsAre(200)));
   EXPECT_THAT(ListCheckpointDirs(root),
               ElementsAre(CheckpointPath(root, 400), CheckpointPath(root, 300)));
   EXPECT_FALSE(Exists(CheckpointPath(root, 200)));
@@ -495,7 +504,9 @@ TEST(CheckpointTest, RetentionKeepsTheCommittedOneWhenNewerExist) {
   const std::string root = tmp.path();
   for (int64_t step : {300, 400}) ASSERT_THAT(WriteCheckpoint(root, step, 1, 0), IsOk());
   // A job that resumed from an older step commits below existing checkpoints.
-  ASSERT_THAT(WriteCheckpoint(root, 200, 1, /*keep_last=*/2), IsOk());
+  std::vector<int64_t> retired;
+  ASSERT_THAT(WriteCheckpoint(root, 200, 1, /*keep_last=*/2, &retired), IsOk());
+  EXPECT_THAT(retired, ElementsAre(300));
   EXPECT_THAT(ListCheckpointDirs(root),
               ElementsAre(CheckpointPath(root, 400), CheckpointPath(root, 200)));
 }
