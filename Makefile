@@ -26,7 +26,7 @@
 # `make test` also builds the fuzz targets and runs their ctest: each target for a fixed number
 # of iterations over its seed corpus, and every checked-in regression input.
 #
-# Variables: BUILD_DIR (build), BUILD_TYPE (Release), WITH_CUDA (AUTO|ON|OFF),
+# Variables: BUILD_DIR (build), BUILD_TYPE (Release), WITH_CUDA (AUTO|ON|OFF), WERROR (ON|OFF),
 # JOBS (number of cores), CTEST_ARGS (extra ctest arguments, e.g. -L unit),
 # FUZZ_DIR (build-fuzz), FUZZ_SECONDS (60), FUZZ_CTEST_ARGS (extra ctest arguments of the fuzz
 # build, e.g. -L fuzz-regression for the regression inputs alone).
@@ -34,6 +34,9 @@
 BUILD_DIR  ?= build
 BUILD_TYPE ?= Release
 WITH_CUDA  ?= AUTO
+# ON: the project's own code must build without a compiler warning (CI's build); OFF for a
+# compiler the project does not build with (another GCC or Clang may warn where GCC 12 does not).
+WERROR     ?= ON
 JOBS       ?= $(shell nproc)
 CTEST_ARGS ?=
 FUZZ_DIR   ?= build-fuzz
@@ -62,6 +65,7 @@ configure: bootstrap
 	@cmake -S . -B $(BUILD_DIR) -G Ninja \
 	  -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
 	  -DTESSERA_WITH_CUDA=$(WITH_CUDA) \
+	  -DTESSERA_WERROR=$(WERROR) \
 	  -DTESSERA_PYTHON="$$(scripts/bootstrap.sh --print-python)" \
 	  -DTESSERA_TOOLS_PYTHON="$$(scripts/bootstrap.sh --print-tools-python)" > $(BUILD_DIR)/configure.log 2>&1 \
 	  || { cat $(BUILD_DIR)/configure.log; exit 1; }

@@ -61,7 +61,11 @@ std::string ProgressLine::Render(int columns, bool chart) const {
     const int filled =
         max_steps_ > 0 ? static_cast<int>(width * std::min(last_.step(), max_steps_) / max_steps_)
                        : 0;
-    return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
+    // Appended in place: GCC 12 reads "[" + std::string(...) as a possibly overlapping memcpy
+    // (-Wrestrict, a false positive).
+    std::string out = "[";
+    out.append(filled, '#').append(width - filled, '.').append("]");
+    return out;
   };
   // Most to least expendable.
   for (const auto& [bar_width, with_lr, with_mfu, with_spark] :

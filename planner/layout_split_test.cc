@@ -341,7 +341,9 @@ TEST(LayoutSplitTest, JobSpecLimitsAndWhatTheTrainerRunsApply) {
   for (const v1::LayoutCandidate& x : planned->candidates) {
     const v1::Layout& l = x.plan().layout();
     EXPECT_LE(l.context_parallel(), 1) << x.ShortDebugString();
-    if (l.expert_parallel() > 1) EXPECT_LE(l.zero_stage(), 1) << x.ShortDebugString();
+    if (l.expert_parallel() > 1) {
+      EXPECT_LE(l.zero_stage(), 1) << x.ShortDebugString();
+    }
   }
   v1::Layout layout;
   layout.set_data_parallel(8);

@@ -410,7 +410,9 @@ TEST(MaskedBatchLoaderTest, IgnoresMaskedTargetsAndCountsTheWholeStepOnEveryRank
         }
         EXPECT_EQ(batch.loss_tokens, batch_counted);
         counted += batch_counted;
-        if (step_tokens >= 0) EXPECT_EQ(batch.step_loss_tokens, step_tokens);
+        if (step_tokens >= 0) {
+          EXPECT_EQ(batch.step_loss_tokens, step_tokens);
+        }
         step_tokens = batch.step_loss_tokens;
       }
     }
