@@ -34,6 +34,10 @@ struct LaunchSpec {
   std::string log_path;
   // The child's working directory; "" inherits the worker's.
   std::string working_dir;
+  // A descriptor of the worker's that the child inherits as `inherited_fd_number` (every other
+  // descriptor past stderr is closed in the child); -1: none. The worker keeps its own copy.
+  int inherited_fd = -1;
+  int inherited_fd_number = 3;
 };
 
 // How a process ended.

@@ -93,6 +93,10 @@ ExitStatus DecodeWaitStatus(int status) {
 absl::StatusOr<std::unique_ptr<TrainerProcess>> TrainerProcess::Launch(const LaunchSpec& spec) {
   if (spec.binary.empty()) return absl::InvalidArgumentError("trainer binary is empty");
   if (spec.log_path.empty()) return absl::InvalidArgumentError("trainer log_path is empty");
+  if (spec.inherited_fd >= 0 && spec.inherited_fd_number <= STDERR_FILENO) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "trainer inherited descriptor number ", spec.inherited_fd_number, " is not past stderr"));
+  }
   const bool search_path = spec.binary.find('/') == std::string::npos;
   std::string binary = spec.binary;
   std::error_code error;
@@ -144,9 +148,15 @@ absl::StatusOr<std::unique_ptr<TrainerProcess>> TrainerProcess::Launch(const Lau
   posix_spawn_file_actions_addopen(&spawn.actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
   posix_spawn_file_actions_adddup2(&spawn.actions, log_fd, STDOUT_FILENO);
   posix_spawn_file_actions_adddup2(&spawn.actions, log_fd, STDERR_FILENO);
+  int first_closed = STDERR_FILENO + 1;
+  if (spec.inherited_fd >= 0) {
+    // dup2 clears the copy's close-on-exec flag.
+    posix_spawn_file_actions_adddup2(&spawn.actions, spec.inherited_fd, spec.inherited_fd_number);
+    first_closed = spec.inherited_fd_number + 1;
+  }
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 34))
   // The daemon's sockets and files are no business of the trainer, CLOEXEC or not.
-  posix_spawn_file_actions_addclosefrom_np(&spawn.actions, STDERR_FILENO + 1);
+  posix_spawn_file_actions_addclosefrom_np(&spawn.actions, first_closed);
 #endif
   if (!spec.working_dir.empty()) {
     posix_spawn_file_actions_addchdir_np(&spawn.actions, spec.working_dir.c_str());

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -21,6 +22,7 @@
 #include "worker/failure_policy.h"
 #include "worker/orphans.h"
 #include "worker/proc_stat.h"
+#include "worker/rendezvous_socket.h"
 
 namespace tessera::worker {
 namespace {
@@ -495,10 +497,34 @@ void WorkerAgent::LaunchRanksLocked(Task& task, const v1::TaskAssignment& assign
   std::filesystem::create_directories(dir, ignored);
   // A rank that cannot start fails the task, and the supervise loop stops the others.
   bool launch_failed = false;
+  // Every rank of the job here: the rendezvous port is chosen here, on a socket handed to rank 0,
+  // not the coordinator's, which another process on this machine (another cluster's trainer)
+  // may hold. Several nodes: the coordinator's port, which every node's ranks were told.
+  std::optional<RendezvousSocket> rendezvous;
+  if (assignment.trainers_size() > 1 &&
+      assignment.trainers(0).assignment().world_size() == assignment.trainers_size()) {
+    absl::StatusOr<RendezvousSocket> bound =
+        RendezvousSocket::Listen(assignment.trainers(0).assignment().master_addr());
+    if (bound.ok()) {
+      rendezvous.emplace(*std::move(bound));
+      std::cerr << "tessera-worker: task " << task.task_id << " rendezvouses on port "
+                << rendezvous->port() << ", chosen on this node" << std::endl;
+    } else {
+      std::cerr << "tessera-worker: task " << task.task_id << ": " << bound.status()
+                << "; its rank 0 binds the coordinator's port "
+                << assignment.trainers(0).assignment().master_port() << std::endl;
+    }
+  }
   for (const auto& trainer : assignment.trainers()) {
     Rank rank;
     rank.task = trainer;
-    const v1::RankAssignment& ra = trainer.assignment();
+    if (rendezvous) {
+      rank.task.mutable_assignment()->set_master_port(rendezvous->port());
+      if (trainer.assignment().rank() == 0) {
+        rank.task.mutable_assignment()->set_master_listen_fd(kInheritedListenFd);
+      }
+    }
+    const v1::RankAssignment& ra = rank.task.assignment();
     rank.gpu = ra.gpu_index();
     rank.task.set_report_socket(socket_path_);
     rank.task.set_shard_cache_socket(options_.shard_cache_socket);
@@ -521,11 +547,15 @@ void WorkerAgent::LaunchRanksLocked(Task& task, const v1::TaskAssignment& assign
     rank.log_path = absl::StrCat(dir, "/rank-", ra.rank(), ".log");
     absl::Status status = WriteMessageFile(task_file, rank.task);
     if (status.ok()) {
-      auto process = options_.launcher->Launch({.binary = options_.trainer_path,
-                                                .args = {"--task=" + task_file},
-                                                .env = env,
-                                                .log_path = rank.log_path,
-                                                .working_dir = dir});
+      const bool hands_socket = ra.master_listen_fd() > 0 && rendezvous.has_value();
+      auto process = options_.launcher->Launch(
+          {.binary = options_.trainer_path,
+           .args = {"--task=" + task_file},
+           .env = env,
+           .log_path = rank.log_path,
+           .working_dir = dir,
+           .inherited_fd = hands_socket ? rendezvous->fd() : -1,
+           .inherited_fd_number = hands_socket ? ra.master_listen_fd() : kInheritedListenFd});
       if (process.ok()) {
         rank.process = std::move(*process);
         rank.launched = clock_->Now();

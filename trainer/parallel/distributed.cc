@@ -74,6 +74,9 @@ absl::StatusOr<JoinedGroup> JoinProcessGroup(const v1::RankAssignment& assignmen
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<uint16_t>(assignment.master_port());
     store_options.isServer = rank == 0;
+    if (rank == 0 && assignment.master_listen_fd() > 0) {
+      store_options.masterListenFd = assignment.master_listen_fd();
+    }
     store_options.numWorkers = size;
     store_options.waitWorkers = true;
     store_options.timeout = std::chrono::milliseconds(
