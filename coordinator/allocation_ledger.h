@@ -50,8 +50,14 @@ struct Allocation {
   std::string master_node;
   int master_port = 0;
   absl::Time placed_time;
-  // Optimizer step the attempt resumes from.
+  // Optimizer step the attempt resumes from: where it was placed to, then where its rank 0
+  // reported it did (TrainerStarted.start_step).
   int64_t start_step = 0;
+  // When the attempt's newest checkpoint was committed (its create_time as reported, never later
+  // than when the report came in); placed_time until it reports one (after a coordinator restart:
+  // the job's newest checkpoint's). A stop loses the progress since then: preemption takes the
+  // victims that lose least.
+  absl::Time last_checkpoint_time;
   Phase phase = Phase::kRunning;
   // node_id -> last task state reported.
   std::map<std::string, v1::TaskState> task_states;

@@ -35,6 +35,13 @@ absl::Status Cluster::Recover() {
     allocation.ranks.assign(job.placements().begin(), job.placements().end());
     allocation.master_node = job.placements(0).node_id();
     allocation.placed_time = now;
+    // The job's newest checkpoint is where a stop would take it back to (the attempt may have
+    // started after it, which the ledger no longer knows); without one, from the restart on.
+    allocation.last_checkpoint_time = now;
+    if (job.latest_checkpoint().has_create_time()) {
+      allocation.last_checkpoint_time =
+          std::min(now, FromProto(job.latest_checkpoint().create_time()));
+    }
     allocation.start_step = job.current_step();
     // The port the workers' assignments hold, stored with the placement. A job placed by an
     // older coordinator has none stored: reserve the node's next free one for it.

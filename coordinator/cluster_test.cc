@@ -83,6 +83,37 @@ TEST_F(ClusterTest, HeartbeatGpuMetricsReplaceTheNodesLast) {
   EXPECT_TRUE(utilization().empty());
 }
 
+// The coordinator placed attempt 1 to resume from step 2, the newest checkpoint it had heard of;
+// its ranks found a newer one (step 4, committed by attempt 0 before the fence rose, its report
+// lost with its node) and resumed there. The attempt's history says step 4, as its rank 0
+// reported, not the step it was placed for.
+TEST_F(ClusterTest, AnAttemptsRecordGivesTheStepItsRanksResumedFrom) {
+  Register("n1", 2);
+  const std::string job_id = Submit(CpuSpec(2, 2));
+  cluster_->Tick();
+  StartOn(job_id, 0, "n1");
+  ASSERT_THAT(Relay("n1", job_id, 0, 1, {Step(1, 5.0), Step(2, 4.0), CheckpointAt(2)}).status(),
+              IsOk());
+  v1::TaskStatus failed = Task(job_id, 0, "n1", v1::TASK_STATE_FAILED);
+  *failed.mutable_failure() =
+      Failure(v1::FAILURE_KIND_PROCESS_EXIT, 1, "n1", Now(), "killed by signal 9");
+  Beat("n1", {failed});
+  cluster_->Tick();
+  ASSERT_THAT(Job(job_id).reason(), HasSubstr("resuming from the checkpoint of step 2"));
+  StartOn(job_id, 1, "n1");
+  v1::TrainerReport started;
+  started.set_rank(0);
+  started.mutable_started()->set_start_step(4);
+  ASSERT_THAT(Relay("n1", job_id, 1, 1, {started, Step(5, 3.0), Step(6, 2.9)}).status(), IsOk());
+  Beat("n1", {Task(job_id, 1, "n1", v1::TASK_STATE_SUCCEEDED)});
+  const v1::Job job = Job(job_id);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  ASSERT_THAT(job.attempts(), SizeIs(2));
+  EXPECT_EQ(job.attempts(0).start_step(), 0);
+  EXPECT_EQ(job.attempts(1).start_step(), 4);
+  EXPECT_EQ(job.attempts(1).end_step(), 6);
+}
+
 TEST_F(ClusterTest, KilledRankRestartsFromTheCheckpointBlamingTheKilledRank) {
   Register("n1", 2);
   const std::string job_id = Submit(CpuSpec(2, 2));

@@ -7,19 +7,16 @@
 #include "absl/strings/str_cat.h"
 
 namespace tessera::coordinator {
-namespace {
 
-bool VictimBefore(const RunningJob* a, const RunningJob* b) {
-  return std::make_tuple(a->priority, a->since_checkpoint, -a->devices, a->job_id) <
-         std::make_tuple(b->priority, b->since_checkpoint, -b->devices, b->job_id);
+bool VictimBefore(const RunningJob& a, const RunningJob& b) {
+  return std::make_tuple(a.priority, a.since_checkpoint, -a.devices, a.job_id) <
+         std::make_tuple(b.priority, b.since_checkpoint, -b.devices, b.job_id);
 }
 
-std::string Describe(const RunningJob& job) {
+std::string DescribeVictim(const RunningJob& job) {
   return absl::StrCat("priority ", job.priority, ", ", absl::FormatDuration(job.since_checkpoint),
                       " since its last checkpoint");
 }
-
-}  // namespace
 
 PreemptionDecision SelectPreemption(const QueueConfig& config,
                                     const std::vector<RunningJob>& running,
@@ -47,7 +44,8 @@ PreemptionDecision SelectPreemption(const QueueConfig& config,
         job.devices;
     if (job.use_gpus == waiting.use_gpus) same_kind.push_back(&job);
   }
-  std::sort(same_kind.begin(), same_kind.end(), VictimBefore);
+  std::sort(same_kind.begin(), same_kind.end(),
+            [](const RunningJob* a, const RunningJob* b) { return VictimBefore(*a, *b); });
   const QuotaLedger before(config, in_use);
   std::optional<std::string> why = before.WhyNotFit(*queue, kind, waiting.devices);
   if (!why.has_value()) {
@@ -66,11 +64,11 @@ PreemptionDecision SelectPreemption(const QueueConfig& config,
       if (owner == nullptr || owner == queue || owner->cohort != queue->cohort) continue;
       const int64_t borrowed = ledger.Borrowed(*owner, kind);
       if (borrowed <= 0) continue;
-      victims.push_back(
-          {job->job_id, PreemptionKind::kReclaim,
-           absl::StrCat("reclaimed for queue ", queue->name, " (below its nominal ", nominal, " ",
-                        unit, ", ", waiting.job_id, " needs ", waiting.devices, "): queue ",
-                        owner->name, " borrows ", borrowed, " ", unit, "; ", Describe(*job))});
+      victims.push_back({job->job_id, PreemptionKind::kReclaim,
+                         absl::StrCat("reclaimed for queue ", queue->name, " (below its nominal ",
+                                      nominal, " ", unit, ", ", waiting.job_id, " needs ",
+                                      waiting.devices, "): queue ", owner->name, " borrows ",
+                                      borrowed, " ", unit, "; ", DescribeVictim(*job))});
       ledger.Add(*owner, kind, -job->devices);
     }
     if (!ledger.WhyNotFit(*queue, kind, waiting.devices).has_value()) {
@@ -89,10 +87,10 @@ PreemptionDecision SelectPreemption(const QueueConfig& config,
   for (const RunningJob* job : same_kind) {
     if (!ledger.WhyNotFit(*queue, kind, waiting.devices).has_value()) break;
     if (job->queue != queue->name || job->priority >= waiting.priority) continue;
-    victims.push_back({job->job_id, PreemptionKind::kPriority,
-                       absl::StrCat("preempted by higher-priority ", waiting.job_id,
-                                                 " (priority ", waiting.priority, ") in queue ",
-                                                 queue->name, "; ", Describe(*job))});
+    victims.push_back(
+        {job->job_id, PreemptionKind::kPriority,
+         absl::StrCat("preempted by higher-priority ", waiting.job_id, " (priority ",
+                      waiting.priority, ") in queue ", queue->name, "; ", DescribeVictim(*job))});
     ledger.Add(*queue, kind, -job->devices);
   }
   if (!ledger.WhyNotFit(*queue, kind, waiting.devices).has_value()) {

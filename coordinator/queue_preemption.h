@@ -70,6 +70,12 @@ struct PreemptionDecision {
   std::string reason{};
 };
 
+// The victim order above: whether `a` is taken before `b`.
+bool VictimBefore(const RunningJob& a, const RunningJob& b);
+
+// "priority 0, 42s since its last checkpoint": why a victim was taken, for its reason.
+std::string DescribeVictim(const RunningJob& job);
+
 // The victims that let `waiting` start under its quota, by the policy above. `running` must hold
 // every running job (their holdings are the queues' usage).
 PreemptionDecision SelectPreemption(const QueueConfig& config,

@@ -150,6 +150,19 @@ std::string SchedulingPass::PlacementReason(const v1::Job& job, const v1::JobSpe
   return reason;
 }
 
+void SchedulingPass::IdentifyGpusLocked(std::vector<v1::RankPlacement>& ranks) {
+  for (v1::RankPlacement& rank : ranks) {
+    if (rank.gpu_index() < 0) continue;
+    const v1::Node* node = state_->nodes.Find(rank.node_id());
+    if (node == nullptr) continue;
+    for (const v1::GpuDevice& gpu : node->resources().gpus()) {
+      if (gpu.index() != rank.gpu_index()) continue;
+      rank.set_gpu_uuid(gpu.uuid());
+      rank.set_gpu_name(gpu.name());
+    }
+  }
+}
+
 int SchedulingPass::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
                                 const GangPlacement& placement,
                                 std::map<std::string, v1::TaskAssignment> assignments) {
@@ -163,6 +176,7 @@ int SchedulingPass::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
       allocation.master_node, state_->options.base_master_port, /*avoid=*/job.master_port());
   const int master_port = allocation.master_port;
   allocation.placed_time = state_->Now();
+  allocation.last_checkpoint_time = allocation.placed_time;
   allocation.start_step = StartStep(job, spec);
   allocation.storing = true;
   std::map<std::string, std::string> worker_addresses;
@@ -289,78 +303,6 @@ void SchedulingPass::AdmitByQueues(const Snapshot& snapshot,
   *held = std::move(admission.held);
 }
 
-void SchedulingPass::PreemptLocked(const Snapshot& snapshot,
-                                   std::vector<QueuedRequest> held_requests,
-                                   std::map<std::string, std::string>* reasons,
-                                   std::vector<JobManager::TransitionRequest>* writes) {
-  if (snapshot.queues == nullptr) return;
-  const QueueConfig& config = *snapshot.queues;
-  const absl::Time now = state_->Now();
-  std::vector<RunningJob> running;
-  for (const auto& [job_id, allocation] : state_->allocations.all()) {
-    // Victims still saving their checkpoint free nothing yet: decide again once they have.
-    if (!allocation.preempted.empty() && allocation.phase == Allocation::Phase::kMoving) return;
-    if (allocation.phase != Allocation::Phase::kRunning || allocation.storing ||
-        allocation.success_pending || allocation.ranks.empty()) {
-      continue;
-    }
-    running.push_back({.job_id = job_id,
-                       .queue = CountingQueue(allocation.queue, config),
-                       .priority = allocation.priority,
-                       .use_gpus = allocation.ranks.front().gpu_index() >= 0,
-                       .devices = static_cast<int64_t>(allocation.ranks.size()),
-                       .since_checkpoint = now - allocation.placed_time});
-  }
-  std::sort(held_requests.begin(), held_requests.end(),
-            [](const QueuedRequest& a, const QueuedRequest& b) {
-              return std::tie(b.priority, a.submit_order, a.job_id) <
-                     std::tie(a.priority, b.submit_order, b.job_id);
-            });
-  // Only each queue's head (per resource) may preempt: the later requests of a queue wait
-  // behind it anyway (queue_admission.h). So a pass makes at most one search per queue and
-  // resource, however many jobs wait: O(queues x running), not O(waiting x running).
-  std::set<std::pair<std::string, bool>> heads_tried;
-  for (const QueuedRequest& request : held_requests) {
-    // A request that can never start under its quota holds nothing back: the next one is head.
-    if (QuotaUnsatisfiable(config, request).has_value()) continue;
-    if (!heads_tried.emplace(request.queue, request.use_gpus).second) continue;
-    const PreemptionDecision decision = SelectPreemption(config, running, request);
-    if (decision.victims.empty()) continue;
-    std::vector<std::string> names;
-    for (const Victim& victim : decision.victims) {
-      Allocation* allocation = state_->allocations.Find(victim.job_id);
-      if (allocation == nullptr) continue;
-      allocation->preempted = absl::StrCat("preempted by ", request.job_id, " of queue ",
-                                           request.queue, " (", victim.reason, ")");
-      allocation->preempted_time = now;
-      allocation->preemption_deadline = config.preemption_checkpoint_deadline;
-      fate_->AssertLockHeld();
-      fate_->MoveLocked(victim.job_id, *allocation);
-      names.push_back(victim.job_id);
-      ++preemptions_[CountingQueue(allocation->queue, config)][PreemptionKindName(victim.kind)];
-      // RUNNING (or SCHEDULED) -> PREEMPTED, unless the attempt ended meanwhile: its end, stored
-      // by AttemptFate, decides then.
-      writes->push_back(
-          {victim.job_id, v1::JOB_STATE_PREEMPTED,
-           absl::StrCat(allocation->preempted, ": saving a checkpoint (deadline ",
-                        absl::FormatDuration(allocation->preemption_deadline), ")"),
-           nullptr,
-           [attempt = allocation->attempt, job_id = victim.job_id](const v1::Job& job) {
-             if (job.attempt() == attempt && (job.state() == v1::JOB_STATE_SCHEDULED ||
-                                              job.state() == v1::JOB_STATE_RUNNING)) {
-               return absl::OkStatus();
-             }
-             return absl::FailedPreconditionError(
-                 absl::StrCat("job ", job_id, " no longer runs attempt ", attempt));
-           }});
-    }
-    (*reasons)[request.job_id] =
-        absl::StrCat("waiting for ", absl::StrJoin(names, ", "),
-                     " to save a checkpoint and stop (", decision.reason, ")");
-    return;
-  }
-}
-
 SchedulingPass::Snapshot SchedulingPass::SnapshotLocked(const std::vector<v1::Job>& waiting,
                                                         std::shared_ptr<const QueueConfig> queues) {
   Snapshot snapshot;
@@ -483,7 +425,17 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   AdmitByQueues(snapshot, waiting, &requests, &quota_held, &held_requests);
   phase.Next("plan");
   ScheduleResult result;
+  // What the scheduler cannot place may preempt lower priorities of its queue (PreemptLocked's
+  // quota preemption goes first).
+  std::vector<GangRequest> tried = requests;
+  std::map<std::string, std::string> queue_of;
+  for (const GangRequest& request : tried) {
+    queue_of[request.job_id] = waiting[request.job_id]->queue();
+  }
   if (!requests.empty()) result = Schedule(std::move(requests), std::move(capacity));
+  std::set<std::string> placed_ids;
+  for (const GangPlacement& placement : result.placed) placed_ids.insert(placement.job_id);
+  std::erase_if(tried, [&](const GangRequest& r) { return placed_ids.contains(r.job_id); });
   result.pending_reasons.merge(quota_held);
   phase.Next("schedule");
   // The gangs are admitted (allocation made) under one short hold, unless a node registered again
@@ -507,12 +459,13 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   {
     TimedLock lock(&state_->mu, stats);
     for (size_t i = 0; i < result.placed.size(); ++i) {
-      const GangPlacement& placement = result.placed[i];
+      GangPlacement& placement = result.placed[i];
       bool stale = false;
       for (const auto& rank : placement.ranks) {
         stale = stale || state_->nodes.ChangedSince(rank.node_id(), snapshot.generation);
       }
       if (stale || state_->allocations.Find(placement.job_id) != nullptr) continue;
+      IdentifyGpusLocked(placement.ranks);
       master_ports[placement.job_id] =
           AdmitLocked(*waiting[placement.job_id], specs[placement.job_id], placement,
                       std::move(assignments[i]));
@@ -521,6 +474,9 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
     }
     if (!held_requests.empty()) {
       PreemptLocked(snapshot, std::move(held_requests), &result.pending_reasons, &preempted);
+    }
+    if (preempted.empty()) {
+      PreemptForCapacityLocked(snapshot, tried, queue_of, &result.pending_reasons, &preempted);
     }
   }
   phase.Next("admit");

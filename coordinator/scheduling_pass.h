@@ -128,6 +128,27 @@ class SchedulingPass {
                      std::map<std::string, std::string>* reasons,
                      std::vector<JobManager::TransitionRequest>* writes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_, state_->mu);
+  // Priority preemption when the cluster is full (capacity_preemption.h), under the lock, after
+  // PreemptLocked decided nothing: for the first of `unplaced` (by priority, then age; one per
+  // queue and resource) whose queue holds lower-priority jobs whose devices would let its gang
+  // start, those are asked to save a checkpoint and stop, as PreemptLocked's victims are.
+  // `queues`: each unplaced job's Job.queue. With or without a queue file.
+  void PreemptForCapacityLocked(const Snapshot& snapshot, const std::vector<GangRequest>& unplaced,
+                                const std::map<std::string, std::string>& queues,
+                                std::map<std::string, std::string>* reasons,
+                                std::vector<JobManager::TransitionRequest>* writes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_, state_->mu);
+  // Whether victims of an earlier preemption are still saving their checkpoint (they free
+  // nothing yet: no new decision until they have stopped).
+  bool PreemptionStoppingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  // Asks `decision`'s victims to save a checkpoint and stop within `deadline`, for `for_job`
+  // (`label`: " of queue nlp"); their moves to PREEMPTED go to `writes`, `for_job`'s reason to
+  // `reasons`. `config`: the queues in force (null without a queue file), for the metrics.
+  void PreemptVictimsLocked(const std::string& for_job, const std::string& label,
+                            const PreemptionDecision& decision, absl::Duration deadline,
+                            const QueueConfig* config, std::map<std::string, std::string>* reasons,
+                            std::vector<JobManager::TransitionRequest>* writes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_, state_->mu);
   // Plans, schedules and admits the waiting jobs (`waiting`, from ListWaitingJobs) without the
   // lock but for the admission; returns the writes that store the placements (ids added to
   // `admitted`) and the changed pending reasons.
@@ -163,6 +184,9 @@ class SchedulingPass {
   // The reason stored with a placement ("placed on n1, n2").
   static std::string PlacementReason(const v1::Job& job, const v1::JobSpec& spec,
                                      const GangPlacement& placement, const v1::LayoutPlan& plan);
+  // Names each GPU rank's device (RankPlacement.gpu_uuid, gpu_name) from its node's inventory.
+  void IdentifyGpusLocked(std::vector<v1::RankPlacement>& ranks)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   // Records the allocation of a placement and queues its assignments, held back from the nodes
   // until the placement is stored (NodeRegistry::ReleaseStart); returns its master port (stored
   // with the placement, so that a restarted coordinator reserves the same one).

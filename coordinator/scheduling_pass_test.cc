@@ -60,8 +60,10 @@ class SchedulingPassTest : public ::testing::Test {
     ASSERT_THAT(state_->nodes.Register(request, &returning), IsOk());
   }
 
-  std::string Submit(int slots, int max_restarts = 0) {
-    auto job = jobs_->Submit(testing::TinyCpuJobSpec("pass", slots, max_restarts), "");
+  std::string Submit(int slots, int max_restarts = 0, int priority = 0) {
+    v1::JobSpec spec = testing::TinyCpuJobSpec("pass", slots, max_restarts);
+    spec.set_priority(priority);
+    auto job = jobs_->Submit(spec, "");
     EXPECT_THAT(job.status(), IsOk());
     return job.ok() ? job->job_id() : "";
   }
@@ -122,6 +124,46 @@ TEST_F(SchedulingPassTest, PlacesAWaitingJobAndReleasesItsAssignmentOnceStored) 
   for (const char* phase : {"list", "settle", "plan", "schedule", "admit", "store", "count"}) {
     EXPECT_TRUE(stats.phase_seconds.contains(phase)) << phase;
   }
+}
+
+// Without a queue file, a full cluster: a job of higher priority that cannot be placed preempts a
+// lower one of the same (implicit) queue, whose devices let it start; one of equal priority
+// preempts nothing. The victim saves a checkpoint and stops, goes back to PENDING with no
+// restart counted, and the higher-priority job is placed on its devices.
+TEST_F(SchedulingPassTest, AHigherPriorityJobPreemptsALowerOneWhenTheClusterIsFull) {
+  Register("n1", 2);
+  const std::string low = Submit(2, 0, /*priority=*/0);
+  pass_->Run(/*count=*/false, /*overlap_store=*/false);
+  ASSERT_EQ(Job(low).state(), v1::JOB_STATE_SCHEDULED);
+  Orders("n1");
+  const std::string peer = Submit(2, 0, /*priority=*/0);
+  clock_.Advance(absl::Seconds(1));
+  pass_->Run(/*count=*/false, /*overlap_store=*/false);
+  EXPECT_EQ(Job(low).state(), v1::JOB_STATE_SCHEDULED) << "equal priority preempts nothing";
+  EXPECT_EQ(Job(peer).state(), v1::JOB_STATE_PENDING);
+
+  const std::string high = Submit(2, 0, /*priority=*/5);
+  clock_.Advance(absl::Seconds(1));
+  pass_->Run(/*count=*/false, /*overlap_store=*/false);
+  const v1::Job victim = Job(low);
+  EXPECT_EQ(victim.state(), v1::JOB_STATE_PREEMPTED);
+  EXPECT_THAT(victim.reason(),
+              HasSubstr("preempted by higher-priority " + high + " (priority 5) in queue"));
+  EXPECT_THAT(Job(high).reason(), HasSubstr("waiting for " + low + " to save a checkpoint"));
+  EXPECT_EQ(Job(peer).state(), v1::JOB_STATE_PENDING);
+  EXPECT_THAT(Orders("n1").checkpoint_and_stop(), SizeIs(1));
+  {
+    absl::MutexLock lock(&state_->mu);
+    state_->allocations.Find(low)->task_states["n1"] = v1::TASK_STATE_STOPPED;
+  }
+  for (int i = 0; i < 3 && Job(high).state() == v1::JOB_STATE_PENDING; ++i) {
+    clock_.Advance(absl::Seconds(1));
+    pass_->Run(/*count=*/false, /*overlap_store=*/false);
+  }
+  EXPECT_EQ(Job(high).state(), v1::JOB_STATE_SCHEDULED) << Job(high).reason();
+  EXPECT_EQ(Job(low).state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(Job(low).restarts(), 0);
+  EXPECT_EQ(Job(peer).state(), v1::JOB_STATE_PENDING);
 }
 
 // The spec is resolved once, at submission: the pass plans for the model the submission resolved
@@ -563,6 +605,43 @@ TEST(SchedulingPassQueuesTest, LentQuotaIsReclaimedByCheckpointAndStop) {
   const ClusterStats stats = pass.Run(/*count=*/false, /*overlap_store=*/false);
   ASSERT_TRUE(stats.queues.contains("vision"));
   EXPECT_THAT(stats.queues.at("vision").preemptions, ElementsAre(Pair("reclaim", 1)));
+}
+
+// Of two borrowing jobs of one priority, the one that loses least is preempted: the one whose
+// newest checkpoint is 1 s old, though it was placed first, not the one placed later that has
+// checkpointed nothing for 10 s.
+TEST(SchedulingPassQueuesTest, TheVictimIsTheJobWithTheNewestCheckpointNotTheNewestPlacement) {
+  ::tessera::testing::ScopedTempDir dir("pass-victim");
+  const std::string path = dir.path() + "/queues.yaml";
+  std::ofstream(path) << kLabQueues;
+  QueuedPass queued;
+  ASSERT_NO_FATAL_FAILURE(queued.Init(path));
+  auto run = [&] {
+    queued.clock.Advance(absl::Seconds(10));
+    queued.pass->Run(/*count=*/false, /*overlap_store=*/false);
+  };
+  const std::string own = queued.Submit("bob", 4);
+  run();
+  const std::string placed_first = queued.Submit("bob", 2);
+  run();
+  const std::string placed_later = queued.Submit("bob", 2);
+  run();
+  ASSERT_EQ(queued.Get(placed_first).state(), v1::JOB_STATE_SCHEDULED);
+  ASSERT_EQ(queued.Get(placed_later).state(), v1::JOB_STATE_SCHEDULED);
+  queued.TakeOrders();
+  queued.clock.Advance(absl::Seconds(9));
+  {
+    // What the worker protocol records when placed_first's checkpoint report arrives.
+    absl::MutexLock lock(&queued.state->mu);
+    queued.state->allocations.Find(placed_first)->last_checkpoint_time = queued.clock.Now();
+  }
+  queued.clock.Advance(absl::Seconds(1));
+  const std::string reclaiming = queued.Submit("alice", 2);
+  queued.pass->Run(/*count=*/false, /*overlap_store=*/false);
+  EXPECT_EQ(queued.Get(placed_first).state(), v1::JOB_STATE_PREEMPTED);
+  EXPECT_THAT(queued.Get(placed_first).reason(), HasSubstr("preempted by " + reclaiming));
+  EXPECT_EQ(queued.Get(placed_later).state(), v1::JOB_STATE_SCHEDULED);
+  EXPECT_EQ(queued.Get(own).state(), v1::JOB_STATE_SCHEDULED);
 }
 
 // A preempted job whose ranks ignore the order is stopped by the worker at the deadline; its job

@@ -262,6 +262,17 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
         checkpoints[job_id].push_back(report.checkpoint());
         break;
       case v1::TrainerReport::kStarted: {
+        if (report.rank() == 0) {
+          // Where the ranks really resumed: the newest checkpoint in the directory, which may be
+          // past the one the coordinator placed the attempt to resume from (a checkpoint a
+          // cut-off attempt committed before the fence rose, its report lost). The attempt's
+          // history entry says so.
+          absl::MutexLock lock(&state_->mu);
+          Allocation* allocation = state_->allocations.Find(job_id);
+          if (allocation != nullptr && allocation->attempt == report.attempt()) {
+            allocation->start_step = report.started().start_step();
+          }
+        }
         // Rank 0 starts training only after every rank joined the process
         // group: the whole gang runs.
         auto job = state_->store->GetJob(job_id);
@@ -298,6 +309,19 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
   for (const auto& id : job_ids) {
     RETURN_IF_ERROR(
         jobs_->RecordReports(id, metrics[id], evals[id], checkpoints[id], attempts[id]));
+  }
+  if (!checkpoints.empty()) {
+    // The progress a stop of the attempt would lose now starts at its newest checkpoint.
+    absl::MutexLock lock(&state_->mu);
+    const absl::Time now = state_->Now();
+    for (const auto& [id, committed] : checkpoints) {
+      Allocation* allocation = state_->allocations.Find(id);
+      if (allocation == nullptr || allocation->attempt != attempts[id]) continue;
+      for (const v1::Checkpoint& checkpoint : committed) {
+        allocation->last_checkpoint_time = std::max(
+            allocation->last_checkpoint_time, std::min(now, FromProto(checkpoint.create_time())));
+      }
+    }
   }
   if (!spikes.empty()) {
     absl::MutexLock lock(&state_->mu);

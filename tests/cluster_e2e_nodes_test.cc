@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "common/trainer_env.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -21,6 +22,10 @@
 
 namespace tessera {
 namespace {
+
+absl::Time FromProtoTime(const google::protobuf::Timestamp& time) {
+  return absl::FromUnixSeconds(time.seconds()) + absl::Nanoseconds(time.nanos());
+}
 
 using ::testing::HasSubstr;
 
@@ -206,6 +211,39 @@ TEST_F(QueuedClusterTest, ABorrowerIsPreemptedCheckpointsAndResumesWithNoStepLos
   ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps));
   for (int i = 0; i < kSteps; ++i) EXPECT_EQ(curve[i].step(), i + 1);
   ExpectTheLossesOfAnUninterruptedRun(spec, curve);
+}
+
+// No queue file, a full cluster (one worker, 2 slots): a job of higher priority preempts the
+// running lower-priority one, which saves a checkpoint, stops, waits and resumes once the
+// higher-priority job is done, with no restart counted and no step lost.
+TEST_F(ClusterTest, AHigherPriorityJobPreemptsALowerOneOnAFullCluster) {
+  constexpr int kSteps = 40;
+  v1::JobSpec spec = Spec(kSteps);
+  spec.set_priority(0);
+  const std::string low = Submit(spec);
+  ASSERT_TRUE(WaitForStep(low, 5, 120)) << Get(low).ShortDebugString();
+
+  v1::JobSpec urgent = Spec(5);
+  urgent.set_name("urgent");
+  urgent.set_priority(10);
+  urgent.mutable_checkpoint()->set_directory(dir_.path() + "/urgent");
+  const std::string high = Submit(urgent);
+  v1::Job job = WaitFor(high, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+
+  job = WaitFor(low, v1::JOB_STATE_SUCCEEDED, 240);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
+  EXPECT_EQ(job.restarts(), 0);
+  ASSERT_EQ(job.attempts_size(), 2) << job.ShortDebugString();
+  EXPECT_THAT(job.attempts(0).reason(),
+              HasSubstr("preempted by higher-priority " + high + " (priority 10)"));
+  EXPECT_FALSE(job.attempts(0).has_failure());
+  EXPECT_EQ(job.attempts(1).start_step(), job.attempts(0).end_step());
+  EXPECT_LT(FromProtoTime(Get(high).end_time()), FromProtoTime(job.attempts(1).start_time()))
+      << "the lower priority resumed only once the higher one was done";
+  std::vector<v1::StepMetrics> curve = Curve(low);
+  ASSERT_EQ(curve.size(), static_cast<size_t>(kSteps));
+  for (int i = 0; i < kSteps; ++i) EXPECT_EQ(curve[i].step(), i + 1);
 }
 
 // A borrower whose trainers ignore the checkpoint request: the worker stops them at the queue
