@@ -279,6 +279,29 @@ std::vector<BadSpecCase> BadSpecCases() {
        kInvalid,
        "parallelism.layout.context_parallel: 4: 2 x context_parallel (8) does not divide "
        "data.seq_len 60"},
+      // The trainer does not run context parallelism on a mixture of experts: refused here, at
+      // the door, not by the trainer once the job is placed.
+      {"LayoutContextParallelOnMixtureOfExperts",
+       [](S& s) {
+         SetTinyMoe(s, /*experts=*/4);
+         s.mutable_resources()->set_cpu_slots(2);
+         SetLayout(s, 1, 1, 1);
+         s.mutable_parallelism()->mutable_layout()->set_context_parallel(2);
+       },
+       kInvalid,
+       "parallelism.layout.context_parallel: 2 with a mixture-of-experts model (4 experts) is not "
+       "supported"},
+      // Sequence parallelism splits each sequence over tp, with or without context parallelism.
+      {"LayoutSequenceParallelVsSeqLen",
+       [](S& s) {
+         s.mutable_model()->set_preset("tiny-llama");  // 4 heads, 2 kv heads
+         s.mutable_data()->set_seq_len(63);
+         SetLayout(s, 1, 2, 1);
+         s.mutable_parallelism()->mutable_layout()->set_sequence_parallel(true);
+       },
+       kInvalid,
+       "parallelism.layout.sequence_parallel: data.seq_len 63 is not divisible by "
+       "tensor_parallel 2"},
       {"LayoutExpertParallelOnDenseModel",
        [](S& s) {
          SetLayout(s, 2, 1, 1);
@@ -534,24 +557,34 @@ TEST(JobValidationTest, FullExplicitGpuSpecIsValid) {
 }
 
 TEST(JobValidationTest, ContextAndExpertParallelLayoutsAreValid) {
-  // dp 2 x cp 2 = 4 slots; the 4 experts split over ep 2 of the 2 data-parallel ranks.
+  // A mixture of experts at dp 2: its 4 experts split over ep 2 of the 2 data-parallel ranks.
   v1::JobSpec spec = MinimalSpec();
   SetTinyMoe(spec, /*experts=*/4);
-  spec.mutable_resources()->set_cpu_slots(4);
+  spec.mutable_resources()->set_cpu_slots(2);
   SetLayout(spec, 2, 1, 1);
-  v1::Layout* layout = spec.mutable_parallelism()->mutable_layout();
-  layout->set_context_parallel(2);
-  layout->set_expert_parallel(2);
+  spec.mutable_parallelism()->mutable_layout()->set_expert_parallel(2);
   ASSERT_THAT(ValidateJobSpec(spec), IsOk());
-  const absl::StatusOr<v1::LayoutPlan> plan = PlanJob(spec);
+  absl::StatusOr<v1::LayoutPlan> plan = PlanJob(spec);
+  ASSERT_THAT(plan.status(), IsOk());
+  EXPECT_EQ(plan->world_size(), 2);
+  EXPECT_EQ(plan->layout().expert_parallel(), 2);
+  EXPECT_THAT(plan->explanation(), HasSubstr("expert_parallel 2"));
+  // The dense model at dp 2 x cp 2 = 4 slots (a mixture of experts under cp is refused:
+  // LayoutContextParallelOnMixtureOfExperts above).
+  spec.mutable_model()->mutable_dims()->clear_num_experts();
+  spec.mutable_model()->mutable_dims()->clear_num_experts_per_token();
+  spec.mutable_resources()->set_cpu_slots(4);
+  v1::Layout* layout = spec.mutable_parallelism()->mutable_layout();
+  layout->set_expert_parallel(0);
+  layout->set_context_parallel(2);
+  ASSERT_THAT(ValidateJobSpec(spec), IsOk());
+  plan = PlanJob(spec);
   ASSERT_THAT(plan.status(), IsOk());
   EXPECT_EQ(plan->world_size(), 4);
   EXPECT_EQ(plan->layout().context_parallel(), 2);
-  EXPECT_EQ(plan->layout().expert_parallel(), 2);
   // Accumulation is over the data-parallel ranks only: 8 / (2 x 2).
   EXPECT_EQ(plan->gradient_accumulation_steps(), 2);
   EXPECT_THAT(plan->explanation(), HasSubstr("pipeline_parallel 1 x context_parallel 2"));
-  EXPECT_THAT(plan->explanation(), HasSubstr("expert_parallel 2"));
 }
 
 TEST(JobValidationTest, InterleavedPipelineWithContextParallelIsValid) {

@@ -67,13 +67,22 @@ std::optional<LayoutRuleViolation> CheckSplitRules(const v1::ModelDims& dims, in
         absl::StrCat(cp, ": 2 x context_parallel (", 2 * cp, ") does not divide data.seq_len ",
                      seq_len, " (each sequence is split into 2 x cp causal chunks)")};
   }
-  if (cp > 1 && degrees.sequence_parallel && degrees.tensor_parallel > 1 &&
+  if (cp > 1 && dims.num_experts() > 0) {
+    return LayoutRuleViolation{
+        kContext, absl::StrCat(cp, " with a mixture-of-experts model (", dims.num_experts(),
+                               " experts) is not supported: the routers' load-balancing loss "
+                               "would count only a rank's part of each sequence; use 1")};
+  }
+  if (degrees.sequence_parallel && degrees.tensor_parallel > 1 &&
       (seq_len / cp) % degrees.tensor_parallel != 0) {
     return LayoutRuleViolation{
         "parallelism.layout.sequence_parallel",
-        absl::StrCat("tensor_parallel ", degrees.tensor_parallel, " does not divide the ",
-                     seq_len / cp, " tokens of each context-parallel rank (data.seq_len ", seq_len,
-                     " / context_parallel ", cp, ")")};
+        cp > 1 ? absl::StrCat("tensor_parallel ", degrees.tensor_parallel, " does not divide the ",
+                              seq_len / cp, " tokens of each context-parallel rank (data.seq_len ",
+                              seq_len, " / context_parallel ", cp, ")")
+               : absl::StrCat("data.seq_len ", seq_len, " is not divisible by tensor_parallel ",
+                              degrees.tensor_parallel,
+                              " (sequence parallelism splits each sequence over tp)")};
   }
   if (ep > 1) {
     if (dims.num_experts() == 0) {

@@ -51,11 +51,12 @@ struct SplitDegrees {
 // on sequences of `seq_len` tokens:
 //   * context_parallel, expert_parallel and pipeline_virtual_stages are >= 0 (0 means 1);
 //   * context parallelism splits each sequence into 2 x cp load-balanced causal chunks, so 2 x cp
-//     must divide seq_len;
+//     must divide seq_len; and it does not run a mixture of experts (the routers' load-balancing
+//     loss would see a rank's chunks only);
 //   * expert parallelism splits the routed experts over ep ranks of the data-parallel group: the
 //     model must be a mixture of experts, and ep must divide num_experts and data_parallel;
-//   * with sequence parallelism next to cp, tensor_parallel must divide seq_len / cp (each rank's
-//     chunk of the sequence is split again over tp);
+//   * with sequence parallelism, tensor_parallel must divide seq_len / cp (each rank's chunk of
+//     the sequence, the whole sequence without cp, is split again over tp);
 //   * interleaving gives each pipeline rank v chunks of whole layers: v > 1 needs
 //     pipeline_parallel > 1, v must divide num_layers / pipeline_parallel, and the micro-batches
 //     per step must be a multiple of pipeline_parallel (the interleaved schedule runs them in

@@ -92,10 +92,27 @@ TEST(LayoutRulesTest, ContextExpertAndVirtualStageDegreesThatFitPass) {
   EXPECT_EQ(SplitText(moe, 4096,
                       {.data_parallel = 16,
                        .pipeline_parallel = 2,
-                       .context_parallel = 4,
                        .expert_parallel = 8,
                        .pipeline_virtual_stages = 4}),
             "ok");
+  v1::ModelDims dense = moe;
+  dense.set_num_experts(0);
+  EXPECT_EQ(SplitText(dense, 4096,
+                      {.data_parallel = 16,
+                       .pipeline_parallel = 2,
+                       .context_parallel = 4,
+                       .pipeline_virtual_stages = 4}),
+            "ok");
+  // The trainer does not run context parallelism on a mixture of experts: refused here, for the
+  // coordinator, the layout search and the trainer alike.
+  EXPECT_EQ(SplitText(moe, 4096, {.data_parallel = 16, .context_parallel = 4}),
+            "parallelism.layout.context_parallel: 4 with a mixture-of-experts model (64 experts) "
+            "is not supported: the routers' load-balancing loss would count only a rank's part of "
+            "each sequence; use 1");
+  // Sequence parallelism splits the tokens each rank holds over tp, with or without cp.
+  EXPECT_EQ(SplitText(dense, 4094, {.tensor_parallel = 4, .sequence_parallel = true}),
+            "parallelism.layout.sequence_parallel: data.seq_len 4094 is not divisible by "
+            "tensor_parallel 4 (sequence parallelism splits each sequence over tp)");
 }
 
 TEST(LayoutRulesTest, EachBrokenSplitRuleNamesItsField) {

@@ -11,13 +11,6 @@ absl::Status CheckContextParallelSplits(const v1::ModelDims& dims, const v1::Lay
     return absl::InvalidArgumentError(
         absl::StrCat("data.seq_len / parallelism.layout.context_parallel: ", status.message()));
   }
-  if (dims.num_experts() > 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parallelism.layout.context_parallel: ", cp, " with a mixture-of-experts model (",
-        dims.num_experts(),
-        " experts) is not supported: the routers' load-balancing loss would count only a rank's "
-        "part of each sequence; use context_parallel 1"));
-  }
   const int64_t local = seq_len / cp;
   if (layout.sequence_parallel() && tp > 1 && local % tp != 0) {
     return absl::InvalidArgumentError(

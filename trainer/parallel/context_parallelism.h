@@ -23,9 +23,9 @@
 namespace tessera::trainer {
 
 // INVALID_ARGUMENT naming the field at fault when a job cannot run with context parallelism `cp`
-// (nothing to check when cp is 1): data.seq_len not divisible by 2 * cp, a mixture-of-experts
-// model (its load-balancing loss would see only a rank's tokens), or sequence parallelism whose
-// tensor_parallel does not divide a cp rank's seq_len / cp tokens.
+// (nothing to check when cp is 1): data.seq_len not divisible by 2 * cp, or sequence parallelism
+// whose tensor_parallel does not divide a cp rank's seq_len / cp tokens. (A mixture of experts is
+// refused by planner::CheckSplitRules, which the trainer and the coordinator both ask.)
 absl::Status CheckContextParallelSplits(const v1::ModelDims& dims, const v1::Layout& layout,
                                         int64_t seq_len, int cp, int tp);
 

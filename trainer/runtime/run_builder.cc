@@ -1,5 +1,6 @@
 #include "trainer/runtime/run_builder.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -14,6 +15,7 @@
 #include "common/status_macros.h"
 #include "planner/hf_config.h"
 #include "planner/job_plan.h"
+#include "planner/layout_rules.h"
 #include "planner/lora.h"
 #include "planner/lr_schedule.h"
 #include "planner/model_config.h"
@@ -210,19 +212,8 @@ absl::StatusOr<MeshShape> ValidateLayout(const v1::TrainerTask& task) {
         absl::StrCat("parallelism.layout.zero_stage: ", layout.zero_stage(), " is not in 0..3"));
   }
   ASSIGN_OR_RETURN(MeshShape shape, MeshShapeForLayout(layout, task.assignment().world_size()));
-  if (layout.zero_stage() > 1 && (shape.tp > 1 || shape.pp > 1)) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "parallelism.layout.zero_stage: %d with tensor_parallel %d and pipeline_parallel %d: "
-        "this trainer runs ZeRO 2 and 3 under data parallelism alone; use zero_stage 0 or 1",
-        layout.zero_stage(), shape.tp, shape.pp));
-  }
-  if (layout.zero_stage() > 1 && shape.ep > 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "parallelism.layout.zero_stage: %d with expert_parallel %d: expert parallelism runs ZeRO "
-        "0 and 1 (the experts' gradients and optimizer state are split over their own group); "
-        "use zero_stage 0 or 1",
-        layout.zero_stage(), shape.ep));
-  }
+  // What this trainer runs: the coordinator refuses the same at submission (planner/job_plan.h).
+  RETURN_IF_ERROR(planner::CheckTrainerRuns(layout));
   if (task.spec().has_lora()) RETURN_IF_ERROR(planner::CheckTrainerRunsLora(layout));
   if (layout.sequence_parallel() && shape.tp == 1) {
     return absl::InvalidArgumentError(
@@ -238,6 +229,24 @@ absl::StatusOr<v1::ModelSummary> ResolveModelSummary(const v1::TrainerTask& task
 
 absl::Status ValidateSplits(const v1::ModelDims& dims, const MeshShape& shape,
                             const v1::TrainerTask& task) {
+  // The rules the coordinator's validation and the layout search apply (planner/layout_rules.h)
+  // first, so that nothing this trainer refuses there was accepted at submission; then each
+  // parallelism's own checks.
+  const v1::Layout& layout = task.plan().layout();
+  const int64_t per_step = int64_t{task.spec().batch().micro_batch_size()} * std::max(1, shape.dp);
+  if (const auto violation = planner::CheckSplitRules(
+          dims, task.spec().data().seq_len(),
+          {.data_parallel = shape.dp,
+           .pipeline_parallel = shape.pp,
+           .context_parallel = shape.cp,
+           .expert_parallel = shape.ep,
+           .pipeline_virtual_stages = layout.pipeline_virtual_stages(),
+           .tensor_parallel = shape.tp,
+           .sequence_parallel = layout.sequence_parallel(),
+           .micro_batches_per_step =
+               per_step > 0 ? task.spec().batch().global_batch_size() / per_step : 0})) {
+    return absl::InvalidArgumentError(violation->ToString());
+  }
   RETURN_IF_ERROR(CheckTensorParallelSplits(dims, shape.tp));
   RETURN_IF_ERROR(CheckPipelineSplits(dims, shape.pp));
   RETURN_IF_ERROR(CheckContextParallelSplits(dims, task.plan().layout(),
