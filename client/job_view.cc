@@ -3,10 +3,11 @@
 #include <algorithm>
 #include <map>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "nlohmann/json.hpp"
+#include "absl/strings/str_join.h"
 
 namespace tessera::client {
 namespace {
@@ -61,25 +62,6 @@ std::string FormatBytes(int64_t bytes) {
   if (b >= 1024.0 * 1024) return absl::StrFormat("%.1f MiB", b / (1024.0 * 1024));
   if (b >= 1024.0) return absl::StrFormat("%.1f KiB", b / 1024.0);
   return absl::StrFormat("%d B", bytes);
-}
-
-// The GPU ranks of `job`, in placement order, each with its device from its node's inventory
-// in `nodes` (null when the node or its GPU is not listed).
-std::vector<std::pair<const v1::RankPlacement*, const v1::GpuDevice*>> RankGpus(
-    const v1::Job& job, const std::vector<v1::Node>& nodes) {
-  std::map<std::pair<std::string, int>, const v1::GpuDevice*> devices;
-  for (const v1::Node& node : nodes) {
-    for (const v1::GpuDevice& gpu : node.resources().gpus()) {
-      devices[{node.node_id(), gpu.index()}] = &gpu;
-    }
-  }
-  std::vector<std::pair<const v1::RankPlacement*, const v1::GpuDevice*>> out;
-  for (const v1::RankPlacement& p : job.placements()) {
-    if (p.gpu_index() < 0) continue;
-    const auto it = devices.find({p.node_id(), p.gpu_index()});
-    out.emplace_back(&p, it == devices.end() ? nullptr : it->second);
-  }
-  return out;
 }
 
 }  // namespace
@@ -172,12 +154,63 @@ std::string BreakdownSummary(const v1::StepMetrics& metrics) {
   return out;
 }
 
+std::string ExpertLoadBlock(const v1::StepMetrics& metrics) {
+  if (metrics.expert_load_size() == 0) return "";
+  const v1::ExpertLoad* worst = &metrics.expert_load(0);
+  double sum = 0;
+  for (const v1::ExpertLoad& load : metrics.expert_load()) {
+    sum += load.imbalance();
+    if (load.imbalance() > worst->imbalance()) worst = &load;
+  }
+  std::string out = absl::StrFormat(
+      "  experts (step %d): imbalance (busiest expert / mean) %.2f mean over %d layers, %.2f "
+      "worst in layer %d\n",
+      metrics.step(), sum / metrics.expert_load_size(), metrics.expert_load_size(),
+      worst->imbalance(), worst->layer());
+  int64_t slots = 0;
+  std::vector<int> experts;
+  for (int e = 0; e < worst->tokens_size(); ++e) {
+    slots += worst->tokens(e);
+    experts.push_back(e);
+  }
+  if (slots == 0) return out;
+  constexpr size_t kBusiest = 3;
+  std::stable_sort(experts.begin(), experts.end(),
+                   [&](int a, int b) { return worst->tokens(a) > worst->tokens(b); });
+  std::vector<std::string> busiest;
+  for (size_t i = 0; i < std::min(kBusiest, experts.size()); ++i) {
+    busiest.push_back(absl::StrFormat(
+        "%d (%.0f%%)", experts[i],
+        Percent(static_cast<double>(worst->tokens(experts[i])), static_cast<double>(slots))));
+  }
+  absl::StrAppendFormat(&out, "    layer %d's busiest experts, by share of its %d slots: %s\n",
+                        worst->layer(), slots, absl::StrJoin(busiest, ", "));
+  return out;
+}
+
 bool HoldsGpus(const v1::Job& job) {
   return std::any_of(job.placements().begin(), job.placements().end(),
                      [](const v1::RankPlacement& p) { return p.gpu_index() >= 0; });
 }
 
-std::string GpuTable(const v1::Job& job, const std::vector<v1::Node>& nodes) {
+v1::Job WithGpuIdentity(v1::Job job, const std::vector<v1::Node>& nodes) {
+  std::map<std::pair<std::string, int>, const v1::GpuDevice*> devices;
+  for (const v1::Node& node : nodes) {
+    for (const v1::GpuDevice& gpu : node.resources().gpus()) {
+      devices[{node.node_id(), gpu.index()}] = &gpu;
+    }
+  }
+  for (v1::RankPlacement& p : *job.mutable_placements()) {
+    if (p.gpu_index() < 0 || !p.gpu_uuid().empty()) continue;
+    const auto it = devices.find({p.node_id(), p.gpu_index()});
+    if (it == devices.end()) continue;
+    p.set_gpu_uuid(it->second->uuid());
+    p.set_gpu_name(it->second->name());
+  }
+  return job;
+}
+
+std::string GpuTable(const v1::Job& job) {
   if (!HoldsGpus(job)) return "";
   size_t node_width = 4;
   for (const v1::RankPlacement& p : job.placements()) {
@@ -186,41 +219,14 @@ std::string GpuTable(const v1::Job& job, const std::vector<v1::Node>& nodes) {
   const int width = static_cast<int>(node_width);
   std::string out = "  gpus:\n";
   absl::StrAppendFormat(&out, "    %4s  %-*s  %3s  %s\n", "rank", width, "node", "gpu", "uuid");
-  for (const auto& [p, device] : RankGpus(job, nodes)) {
-    const std::string uuid =
-        device == nullptr || device->uuid().empty() ? std::string("?") : device->uuid();
-    absl::StrAppendFormat(&out, "    %4d  %-*s  %3d  %s", p->rank(), width, p->node_id(),
-                          p->gpu_index(), uuid);
-    if (device != nullptr && !device->name().empty()) {
-      absl::StrAppendFormat(&out, "  %s", device->name());
-    }
+  for (const v1::RankPlacement& p : job.placements()) {
+    if (p.gpu_index() < 0) continue;
+    absl::StrAppendFormat(&out, "    %4d  %-*s  %3d  %s", p.rank(), width, p.node_id(),
+                          p.gpu_index(), p.gpu_uuid().empty() ? "?" : p.gpu_uuid());
+    if (!p.gpu_name().empty()) absl::StrAppendFormat(&out, "  %s", p.gpu_name());
     out += "\n";
   }
   return out;
-}
-
-absl::StatusOr<std::string> JobJsonWithGpus(const std::string& job_json, const v1::Job& job,
-                                            const std::vector<v1::Node>& nodes) {
-  if (!HoldsGpus(job)) return job_json;
-  // Ordered, so that the job's fields keep protobuf's order.
-  nlohmann::ordered_json out = nlohmann::ordered_json::parse(job_json, nullptr,
-                                                             /*allow_exceptions=*/false);
-  if (!out.is_object()) {
-    return absl::InvalidArgumentError("job_json: not a JSON object (the job as protobuf JSON)");
-  }
-  nlohmann::ordered_json gpus = nlohmann::ordered_json::array();
-  for (const auto& [p, device] : RankGpus(job, nodes)) {
-    const bool known = device != nullptr && !device->uuid().empty();
-    gpus.push_back({{"rank", p->rank()},
-                    {"node_id", p->node_id()},
-                    {"gpu_index", p->gpu_index()},
-                    {"uuid", known ? nlohmann::ordered_json(device->uuid()) : nullptr},
-                    {"name", device != nullptr && !device->name().empty()
-                                 ? nlohmann::ordered_json(device->name())
-                                 : nullptr}});
-  }
-  out["gpus"] = std::move(gpus);
-  return out.dump(2) + "\n";
 }
 
 std::string RollbackLine(const v1::Rollback& rollback) {

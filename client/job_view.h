@@ -30,6 +30,12 @@ bool HasBreakdown(const v1::StepTimeBreakdown& breakdown);
 // of step_time_seconds, or of the phases' sum when the step time is missing.
 std::string TimeBreakdownBlock(const v1::StepMetrics& metrics);
 
+// A mixture of experts' routing in `metrics` (StepMetrics.expert_load), "" for a dense model:
+// "  experts (step N): imbalance (busiest expert / mean) 1.31 mean over 24 layers, 2.05 worst
+// in layer 7" and, where the step's counts are there, that layer's busiest experts with their
+// share of its slots.
+std::string ExpertLoadBlock(const v1::StepMetrics& metrics);
+
 // One line per rank of the straggler report: rank, node, step s, busy s, forward / backward /
 // optimizer / data-wait % of the step, and its top collective. "" when no rank sent a breakdown.
 std::string RankBreakdownTable(const v1::StragglerReport& straggler);
@@ -38,18 +44,14 @@ std::string RankBreakdownTable(const v1::StragglerReport& straggler);
 // all_reduce/dp 36%" (ckpt only when blocked). "" without a breakdown.
 std::string BreakdownSummary(const v1::StepMetrics& metrics);
 
-// One line per GPU rank: rank, node, GPU index, and the UUID and product name from that node's
-// inventory in `nodes` ("?" when the node or its GPU is not listed, e.g. a removed node). "" for a
-// job holding no GPU.
-std::string GpuTable(const v1::Job& job, const std::vector<v1::Node>& nodes);
+// `job` with each GPU rank's device named (RankPlacement.gpu_uuid, gpu_name) from its node's
+// inventory in `nodes`, where the placement does not name it already (a job placed by a
+// coordinator that did not record them). Ranks whose node or GPU is not listed stay unnamed.
+v1::Job WithGpuIdentity(v1::Job job, const std::vector<v1::Node>& nodes);
 
-// `get --output=json`: `job_json` (the job as protobuf JSON) with a "gpus" array added for a job
-// holding GPUs, one object per GPU rank: rank, node_id, gpu_index, and the uuid and name from that
-// node's inventory (null when the node or its GPU is not listed). The job's own fields keep their
-// order. `job_json` unchanged for a job holding no GPU; InvalidArgument when it is not a JSON
-// object.
-absl::StatusOr<std::string> JobJsonWithGpus(const std::string& job_json, const v1::Job& job,
-                                            const std::vector<v1::Node>& nodes);
+// One line per GPU rank: rank, node, GPU index, and the UUID and product name its placement
+// records ("?" for a UUID it does not know). "" for a job holding no GPU.
+std::string GpuTable(const v1::Job& job);
 
 // Whether any rank of `job` holds a GPU (`get` asks the coordinator for its nodes only then).
 bool HoldsGpus(const v1::Job& job);

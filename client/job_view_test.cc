@@ -6,14 +6,13 @@
 #include "absl/strings/str_split.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
-#include "nlohmann/json.hpp"
 
 namespace tessera::client {
 namespace {
 
 using ::tessera::testing::IsOk;
-using ::tessera::testing::IsOkAndHolds;
 using ::tessera::testing::StatusIs;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -111,7 +110,7 @@ TEST(JobViewTest, NothingWithoutABreakdown) {
   v1::Job cpu_job;
   cpu_job.add_placements()->set_gpu_index(-1);
   EXPECT_FALSE(HoldsGpus(cpu_job));
-  EXPECT_EQ(GpuTable(cpu_job, {}), "");
+  EXPECT_EQ(GpuTable(cpu_job), "");
 }
 
 TEST(JobViewTest, RankTableShowsEachRanksShares) {
@@ -186,9 +185,10 @@ GpuJob FourGpuRanks() {
 }
 
 TEST(JobViewTest, GpuTableJoinsPlacementsWithTheNodesInventory) {
-  const auto [job, nodes] = FourGpuRanks();
-  ASSERT_TRUE(HoldsGpus(job));
-  const std::string table = GpuTable(job, nodes);
+  const auto [placed, nodes] = FourGpuRanks();
+  ASSERT_TRUE(HoldsGpus(placed));
+  const v1::Job job = WithGpuIdentity(placed, nodes);
+  const std::string table = GpuTable(job);
   EXPECT_THAT(LineStartingWith(table, "0  gpu-a"), HasSubstr("0  GPU-aaaa  NVIDIA H100 80GB HBM3"));
   EXPECT_THAT(LineStartingWith(table, "1  gpu-a"), HasSubstr("1  GPU-bbbb"));
   EXPECT_THAT(LineStartingWith(table, "2  gpu-b"), HasSubstr("0  GPU-cccc"));
@@ -198,34 +198,53 @@ TEST(JobViewTest, GpuTableJoinsPlacementsWithTheNodesInventory) {
   EXPECT_THAT(LineStartingWith(table, "3  gone"), HasSubstr("3  ?"));
 }
 
-TEST(JobViewTest, JobJsonGainsEachGpuRanksUuidFromItsNode) {
-  const auto [job, nodes] = FourGpuRanks();
-  const std::string job_json = "{\n  \"job_id\": \"job-00000001\",\n  \"attempt\": 2\n}\n";
-  absl::StatusOr<std::string> out = JobJsonWithGpus(job_json, job, nodes);
-  ASSERT_THAT(out, IsOk());
-  const nlohmann::ordered_json printed = nlohmann::ordered_json::parse(*out);
-  // The job's fields first, in their order, then the GPUs.
-  ASSERT_EQ(printed.size(), 3u);
-  EXPECT_EQ(printed.begin().key(), "job_id");
-  EXPECT_EQ(printed["job_id"], "job-00000001");
-  EXPECT_EQ(printed["attempt"], 2);
-  EXPECT_EQ(printed["gpus"], nlohmann::ordered_json::parse(R"([
-    {"rank": 0, "node_id": "gpu-a", "gpu_index": 0, "uuid": "GPU-aaaa",
-     "name": "NVIDIA H100 80GB HBM3"},
-    {"rank": 1, "node_id": "gpu-a", "gpu_index": 1, "uuid": "GPU-bbbb",
-     "name": "NVIDIA H100 80GB HBM3"},
-    {"rank": 2, "node_id": "gpu-b", "gpu_index": 0, "uuid": "GPU-cccc", "name": null},
-    {"rank": 3, "node_id": "gone", "gpu_index": 3, "uuid": null, "name": null}])"))
-      << *out;
+// The devices a placement names are kept (the coordinator recorded them when it placed the
+// ranks); only unnamed ones are looked up. The job stays a v1.Job: its JSON is protobuf's, which
+// a strict parser reads back whole.
+TEST(JobViewTest, TheJobWithItsGpusIsAPlainJobThatAStrictJsonParserReads) {
+  auto [job, nodes] = FourGpuRanks();
+  job.set_job_id("job-00000001");
+  job.mutable_placements(1)->set_gpu_uuid("GPU-recorded");
+  job.mutable_placements(1)->set_gpu_name("NVIDIA H200");
+  const v1::Job named = WithGpuIdentity(job, nodes);
+  EXPECT_EQ(named.placements(0).gpu_uuid(), "GPU-aaaa");
+  EXPECT_EQ(named.placements(0).gpu_name(), "NVIDIA H100 80GB HBM3");
+  EXPECT_EQ(named.placements(1).gpu_uuid(), "GPU-recorded");
+  EXPECT_EQ(named.placements(1).gpu_name(), "NVIDIA H200");
+  EXPECT_EQ(named.placements(2).gpu_uuid(), "GPU-cccc");
+  EXPECT_EQ(named.placements(3).gpu_uuid(), "");
 
-  // A CPU job's JSON is left as it was; so is the check of what it is given.
-  v1::Job cpu_job;
-  cpu_job.add_placements()->set_gpu_index(-1);
-  EXPECT_THAT(JobJsonWithGpus(job_json, cpu_job, nodes), IsOkAndHolds(job_json));
-  EXPECT_THAT(JobJsonWithGpus("[1, 2]", job, nodes),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_json")));
-  EXPECT_THAT(JobJsonWithGpus("{\"job_id\": ", job, nodes),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a JSON object")));
+  std::string json;
+  ASSERT_TRUE(google::protobuf::util::MessageToJsonString(named, &json).ok());
+  v1::Job parsed;
+  google::protobuf::util::JsonParseOptions strict;
+  strict.ignore_unknown_fields = false;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json, &parsed, strict).ok()) << json;
+  EXPECT_EQ(parsed.placements(0).gpu_uuid(), "GPU-aaaa");
+  EXPECT_EQ(parsed.job_id(), "job-00000001");
+}
+
+TEST(JobViewTest, ExpertLoadShowsTheMeanAndWorstLayerAndItsBusiestExperts) {
+  v1::StepMetrics metrics;
+  metrics.set_step(12);
+  EXPECT_EQ(ExpertLoadBlock(metrics), "") << "a dense model";
+  const int64_t tokens[3][4] = {{2, 2, 2, 2}, {1, 5, 0, 2}, {3, 2, 2, 1}};
+  const double imbalance[3] = {1.0, 2.5, 1.5};
+  for (int layer = 0; layer < 3; ++layer) {
+    v1::ExpertLoad* load = metrics.add_expert_load();
+    load->set_layer(layer);
+    for (int64_t t : tokens[layer]) load->add_tokens(t);
+    load->set_imbalance(imbalance[layer]);
+  }
+  const std::string block = ExpertLoadBlock(metrics);
+  EXPECT_THAT(block, HasSubstr("experts (step 12): imbalance (busiest expert / mean) 1.67 mean "
+                               "over 3 layers, 2.50 worst in layer 1"));
+  EXPECT_THAT(block, HasSubstr("layer 1's busiest experts, by share of its 8 slots: 1 (62%), "
+                               "3 (25%), 0 (12%)"));
+  // Points from the stored curve keep each layer's imbalance, not the counts.
+  for (v1::ExpertLoad& load : *metrics.mutable_expert_load()) load.clear_tokens();
+  EXPECT_THAT(ExpertLoadBlock(metrics), Not(HasSubstr("busiest experts")));
+  EXPECT_THAT(ExpertLoadBlock(metrics), HasSubstr("2.50 worst in layer 1"));
 }
 
 TEST(JobViewTest, RollbacksShowTheSpikeTheResumeAndTheSkippedData) {

@@ -387,7 +387,8 @@ int main(int argc, char** argv) {
     if (!need_arg("JOB")) return 2;
     auto job = client.Get(arg);
     if (!job.ok()) return Fail(job.status());
-    // The GPUs' UUIDs are in the nodes' inventories; without them the indices still show.
+    // A job placed by an older coordinator records no GPU UUIDs: the nodes' inventories have
+    // them; without those the indices still show.
     std::vector<v1::Node> nodes;
     if (tessera::client::HoldsGpus(*job)) {
       auto listed = client.Nodes(/*include_lost=*/true);
@@ -398,10 +399,10 @@ int main(int argc, char** argv) {
                   << listed.status().message() << "\n";
       }
     }
+    *job = tessera::client::WithGpuIdentity(*std::move(job), nodes);
     if (json) {
-      auto out = tessera::client::JobJsonWithGpus(Json(*job), *job, nodes);
-      if (!out.ok()) return Fail(out.status());
-      std::cout << *out;
+      // The job as protobuf JSON, nothing added: a strict v1.Job parser reads it.
+      std::cout << Json(*job);
     } else {
       PrintJob(*job);
       if (!job->plan().explanation().empty()) {
@@ -409,9 +410,10 @@ int main(int argc, char** argv) {
       }
       PrintAttempts(*job);
       std::cout << tessera::client::RollbackBlock(*job);
+      std::cout << tessera::client::ExpertLoadBlock(job->latest_metrics());
       std::cout << tessera::client::TimeBreakdownBlock(job->latest_metrics())
                 << tessera::client::RankBreakdownTable(job->straggler());
-      std::cout << tessera::client::GpuTable(*job, nodes);
+      std::cout << tessera::client::GpuTable(*job);
     }
     return 0;
   }

@@ -10,6 +10,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -70,6 +71,18 @@ class LayoutTrainingTest : public TrainerTrainingTest {
     std::string name;  // printed with the worst differences
   };
 
+  // Token slots a layer's routing reports (StepMetrics.expert_load).
+  static int64_t SlotsOf(const v1::ExpertLoad& load) {
+    return std::accumulate(load.tokens().begin(), load.tokens().end(), int64_t{0});
+  }
+  // The MoE layers the first step report of `reports` covers; every step reports all of them.
+  static int ExpertLayers(const std::vector<v1::TrainerReport>& reports) {
+    for (const auto& report : reports) {
+      if (report.has_metrics()) return report.metrics().expert_load_size();
+    }
+    return 0;
+  }
+
   // The PEFT adapter of the checkpoint a LoRA run with `checkpoint_dir` wrote at `step`.
   static std::map<std::string, std::vector<float>> ReadStepAdapter(
       const std::string& checkpoint_dir, int64_t step) {
@@ -104,6 +117,20 @@ class LayoutTrainingTest : public TrainerTrainingTest {
       const int64_t step = report.metrics().step();
       if (has_router_loss) {
         EXPECT_GT(report.metrics().router_aux_loss(), 0) << "step " << step;
+        // The same micro-batch's routing, every MoE layer of the model (every stage's under
+        // pipeline parallelism): each layer routes the same tokens, top-k slots each.
+        const auto& loads = report.metrics().expert_load();
+        const int layers = ExpertLayers(reference.run.reports);
+        EXPECT_GT(layers, 0) << "the reference reports no routing";
+        EXPECT_EQ(loads.size(), layers) << "step " << step;
+        for (const v1::ExpertLoad& load : loads) {
+          EXPECT_EQ(SlotsOf(load), SlotsOf(loads[0]))
+              << "step " << step << ", layer " << load.layer();
+          EXPECT_GE(load.imbalance(), 1.0) << "step " << step << ", layer " << load.layer();
+        }
+        if (!loads.empty()) {
+          EXPECT_GT(SlotsOf(loads[0]), 0) << "step " << step;
+        }
       }
       if (!expect.compare_router_loss) continue;
       for (const auto& expected_report : reference.run.reports) {

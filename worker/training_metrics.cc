@@ -175,6 +175,35 @@ std::vector<prometheus::MetricFamily> TrainingMetrics::Collect() const {
     if (series.eval_loss) AddSample(eval, key, *series.eval_loss);
   }
 
+  // A mixture of experts' routing in the newest step: per layer (bounded by the model's layers)
+  // and per expert summed over the layers (bounded by its experts), never layer x expert.
+  auto& imbalance = AddFamily(
+      families, "tessera_moe_expert_imbalance",
+      "Mixture of experts: the busiest expert's token slots over the mean per expert in each "
+      "layer, newest step (1 = balanced)",
+      MetricType::Gauge);
+  auto& expert_tokens = AddFamily(
+      families, "tessera_moe_expert_tokens",
+      "Mixture of experts: token slots routed to each expert in the newest step, summed over the "
+      "layers",
+      MetricType::Gauge);
+  for (const auto& [key, series] : series_) {
+    if (!series.step) continue;
+    std::vector<double> per_expert;
+    for (const v1::ExpertLoad& load : series.step->expert_load()) {
+      AddSample(imbalance, key, load.imbalance(), {{"layer", absl::StrCat(load.layer())}});
+      if (per_expert.size() < static_cast<size_t>(load.tokens_size())) {
+        per_expert.resize(load.tokens_size());
+      }
+      for (int e = 0; e < load.tokens_size(); ++e) {
+        per_expert[e] += static_cast<double>(load.tokens(e));
+      }
+    }
+    for (size_t e = 0; e < per_expert.size(); ++e) {
+      AddSample(expert_tokens, key, per_expert[e], {{"expert", absl::StrCat(e)}});
+    }
+  }
+
   // Per rank: its own RankStepMetrics, else (a trainer that sends none) rank 0's StepMetrics.
   auto& step_time =
       AddFamily(families, "tessera_train_step_time_seconds",

@@ -14,7 +14,10 @@
 // - tessera_train_last_report_timestamp_seconds: unix time the newest report of a rank arrived;
 // - tessera_job_rollbacks_total: loss spikes rank 0 reported (TrainerReport.loss_spike), each of
 //   which rolls the job back to its last checkpoint (or fails it past guard.max_rollbacks);
-// - tessera_task_gpu_info{job_id,rank,node,gpu,UUID} 1 for each GPU a running rank holds.
+// - tessera_task_gpu_info{job_id,rank,node,gpu,UUID} 1 for each GPU a running rank holds;
+// - a mixture of experts' routing in rank 0's newest step (StepMetrics.expert_load):
+//   tessera_moe_expert_imbalance{layer} and tessera_moe_expert_tokens{expert} (summed over the
+//   layers), so a job has layers + experts series, never layers x experts.
 //
 // A job's series stay while a rank of it runs on this worker, however long ago it last reported
 // (a stalled job must stay on the dashboards), and disappear `retention` after both its last

@@ -102,7 +102,33 @@ TEST(TrainingMetricsTest, NewestStepAndEvaluationPerJobLabelledJobId) {
   EXPECT_THAT(lines, Contains("tessera_train_peak_memory_bytes" + r0 + " 1048576"));
   EXPECT_THAT(lines, Contains("tessera_train_step_time_seconds" + r0 + " 0.3"));
   // Every family is served, with its help, even the empty ones.
-  EXPECT_EQ(metrics.Collect().size(), 22u);
+  EXPECT_EQ(metrics.Collect().size(), 24u);
+}
+
+// A mixture of experts' routing: each layer's imbalance, and each expert's slots summed over the
+// layers; a dense job has neither.
+TEST(TrainingMetricsTest, ExpertLoadPerLayerAndPerExpert) {
+  TrainingMetrics metrics;
+  v1::TrainerReport report = StepReport("job-1", 3, 4.0);
+  const int64_t tokens[2][4] = {{6, 1, 1, 0}, {2, 2, 2, 2}};
+  for (int layer = 0; layer < 2; ++layer) {
+    v1::ExpertLoad* load = report.mutable_metrics()->add_expert_load();
+    load->set_layer(layer);
+    for (int64_t t : tokens[layer]) load->add_tokens(t);
+    load->set_imbalance(layer == 0 ? 3.0 : 1.0);
+  }
+  metrics.Record(report);
+  metrics.Record(StepReport("dense", 3, 4.0));
+  const auto lines = Lines(metrics);
+  const std::string prefix = "{job_id=\"job-1\",rank=\"0\",";
+  EXPECT_THAT(lines, Contains("tessera_moe_expert_imbalance" + prefix + "layer=\"0\"} 3"));
+  EXPECT_THAT(lines, Contains("tessera_moe_expert_imbalance" + prefix + "layer=\"1\"} 1"));
+  EXPECT_THAT(lines, Contains("tessera_moe_expert_tokens" + prefix + "expert=\"0\"} 8"));
+  EXPECT_THAT(lines, Contains("tessera_moe_expert_tokens" + prefix + "expert=\"3\"} 2"));
+  EXPECT_THAT(lines, Not(Contains(HasSubstr("tessera_moe_expert_tokens{job_id=\"dense\""))));
+  int series = 0;
+  for (const std::string& line : lines) series += line.rfind("tessera_moe_", 0) == 0;
+  EXPECT_EQ(series, 2 + 4) << "layers + experts, not layers x experts";
 }
 
 TEST(TrainingMetricsTest, JobTotalsAreCountersOfTheNewestStep) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -16,6 +17,7 @@
 #include "trainer/model/hf_weights.h"
 #include "trainer/parallel/context_parallelism.h"
 #include "trainer/parallel/peer_wait.h"
+#include "trainer/report/expert_load.h"
 #include "trainer/report/step_breakdown.h"
 #include "trainer/runtime/final_export.h"
 #include "trainer/runtime/step_profiler.h"
@@ -373,6 +375,17 @@ void TrainLoop::ReportStep(double loss, double grad_norm, double learning_rate, 
     m->set_checkpoint_blocked_seconds(checkpoint_blocked_seconds_);
     if (const at::Tensor aux = run_.model->last_router_aux_loss(); aux.defined()) {
       m->set_router_aux_loss(aux.item<double>());
+    }
+    // The same micro-batch's routing, per layer (every layer of a mixture of experts routes).
+    if (const at::Tensor counts = run_.model->last_tokens_per_expert();
+        counts.defined() && counts.dim() == 2) {
+      const at::Tensor host = counts.to(torch::kCPU, torch::kInt64).contiguous();
+      const int64_t* values = host.data_ptr<int64_t>();
+      for (v1::ExpertLoad& load :
+           ExpertLoads(std::vector<int64_t>(values, values + host.numel()),
+                       static_cast<int>(host.size(0)), static_cast<int>(host.size(1)))) {
+        *m->add_expert_load() = std::move(load);
+      }
     }
     m->set_epoch(static_cast<double>(step_) * spec_.batch().global_batch_size() /
                  static_cast<double>(run_.samples_per_epoch));
