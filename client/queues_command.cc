@@ -26,16 +26,16 @@ std::string Borrowed(const v1::QueueResources& borrowed) {
 
 std::string QueuesTable(const v1::ListQueuesResponse& response) {
   const bool quota = !response.queue_file().empty();
-  constexpr char kRow[] = "%-20s %-12s %-10s %-12s %-10s %7s %7s %10s %9s\n";
-  std::string out = absl::StrFormat(kRow, "NAME", "COHORT", "GPUS", "BORROWED", "CPU-SLOTS",
+  constexpr char kRow[] = "%-20s %-12s %-10s %-10s %-12s %7s %7s %10s %9s\n";
+  std::string out = absl::StrFormat(kRow, "NAME", "COHORT", "GPUS", "CPU-SLOTS", "BORROWED",
                                     "PENDING", "RUNNING", "FAIR-SHARE", "PREEMPTED");
   for (const v1::QueueStatus& queue : response.queues()) {
     absl::StrAppendFormat(
         &out, kRow, queue.name(), queue.cohort().empty() ? "-" : queue.cohort(),
         UsedOfNominal(queue.used().gpus(), queue.nominal().gpus(), quota),
-        Borrowed(queue.borrowed()),
         UsedOfNominal(queue.used().cpu_slots(), queue.nominal().cpu_slots(), quota),
-        absl::StrCat(queue.pending_jobs()), absl::StrCat(queue.running_jobs()),
+        Borrowed(queue.borrowed()), absl::StrCat(queue.pending_jobs()),
+        absl::StrCat(queue.running_jobs()),
         queue.cohort().empty() ? std::string("-") : absl::StrFormat("%.3f", queue.fair_share()),
         absl::StrCat(queue.preemptions()));
   }

@@ -1,8 +1,13 @@
 #include "client/queues_command.h"
 
+#include <fstream>
+#include <iterator>
+#include <regex>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -44,13 +49,13 @@ TEST(QueuesTableTest, OneRowPerQueueWithUseAgainstQuota) {
 
   const auto rows = Cells(QueuesTable(response));
   ASSERT_EQ(rows.size(), 4u);
-  EXPECT_THAT(rows[0], ElementsAre("NAME", "COHORT", "GPUS", "BORROWED", "CPU-SLOTS", "PENDING",
+  EXPECT_THAT(rows[0], ElementsAre("NAME", "COHORT", "GPUS", "CPU-SLOTS", "BORROWED", "PENDING",
                                    "RUNNING", "FAIR-SHARE", "PREEMPTED"));
   EXPECT_THAT(rows[1],
-              ElementsAre("nlp", "research", "40/32", "8gpu,1cpu", "1/0", "3", "5", "0.457", "2"))
+              ElementsAre("nlp", "research", "40/32", "1/0", "8gpu,1cpu", "3", "5", "0.457", "2"))
       << QueuesTable(response);
   // No cohort: nothing borrowed and no fair share to compare.
-  EXPECT_THAT(rows[2], ElementsAre("solo", "-", "0/0", "-", "0/4", "0", "0", "-", "0"));
+  EXPECT_THAT(rows[2], ElementsAre("solo", "-", "0/0", "0/4", "-", "0", "0", "-", "0"));
   EXPECT_THAT(QueuesTable(response), HasSubstr("queue file: /etc/tessera/queues.yaml\n"));
 }
 
@@ -63,9 +68,34 @@ TEST(QueuesTableTest, WithoutAQueueFileTheImplicitQueueHasNoQuota) {
   const std::string table = QueuesTable(response);
   const auto rows = Cells(table);
   ASSERT_GE(rows.size(), 2u);
-  EXPECT_THAT(rows[1], ElementsAre("default", "-", "2/-", "-", "0/-", "0", "1", "-", "0"));
+  EXPECT_THAT(rows[1], ElementsAre("default", "-", "2/-", "0/-", "-", "0", "1", "-", "0"));
   EXPECT_THAT(table, HasSubstr("no queue file"));
   EXPECT_THAT(table, StartsWith("NAME"));
+}
+
+// The column names docs/cli.md gives for `command`, in the order it gives them: the words in
+// capitals of the command's row of the command table.
+std::vector<std::string> DocumentedColumns(const std::string& command) {
+  std::ifstream in(std::string(TESSERA_SOURCE_DIR) + "/docs/cli.md");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::string> columns;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (!absl::StartsWith(line, absl::StrCat("| `", command, "` |"))) continue;
+    const std::string row(line);
+    const std::regex capitals(R"(\b[A-Z][A-Z-]*[A-Z]\b)");
+    for (auto it = std::sregex_iterator(row.begin(), row.end(), capitals);
+         it != std::sregex_iterator(); ++it) {
+      columns.push_back(it->str());
+    }
+  }
+  return columns;
+}
+
+// docs/cli.md names the table's columns in the order `tessera queues` prints them.
+TEST(QueuesTableTest, TheDocumentedColumnsAreThePrintedOnesInOrder) {
+  const std::vector<std::string> documented = DocumentedColumns("queues");
+  ASSERT_FALSE(documented.empty()) << "docs/cli.md has no row for `queues`";
+  EXPECT_EQ(documented, Cells(QueuesTable(v1::ListQueuesResponse())).front());
 }
 
 }  // namespace
