@@ -333,6 +333,16 @@ absl::StatusOr<std::string> HfConfigJson(const v1::ModelDims& dims, absl::string
     }
   }
   const std::string arch = HfArchitectureOf(dims);
+  if (base_json.empty()) {
+    // A model trained from scratch: transformers' defaults for absent token ids (GPT-2's 50256,
+    // Llama's 1 and 2) are another tokenizer's. The byte tokenizer's vocabulary (257 tokens)
+    // ends with its eos, which GPT-2's convention also makes the bos; any other vocabulary's
+    // tokenizer is not known here, so its ids are left unset rather than guessed.
+    const bool bytes = dims.vocab_size() == kByteTokenizerVocabSize;
+    const Json eos = bytes ? Json(kByteTokenizerVocabSize - 1) : Json(nullptr);
+    config["bos_token_id"] = eos;
+    config["eos_token_id"] = eos;
+  }
   config["architectures"] = Json::array({arch});
   config["vocab_size"] = dims.vocab_size();
   config["tie_word_embeddings"] = dims.tie_embeddings();

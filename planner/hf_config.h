@@ -55,10 +55,15 @@ absl::Status CheckHfExportable(const v1::ModelDims& dims);
 // parallelism the trainer gathers the whole model for it.
 absl::Status CheckExportPolicy(const v1::JobSpec& spec, const v1::ModelDims& dims);
 
+// The byte tokenizer's vocabulary (trainer/data/tokenizer.h): bytes 0..255, then eos 256.
+inline constexpr int kByteTokenizerVocabSize = 257;
+
 // config.json text for resolved `dims` with float32 weights. `base_json`, when not empty, is the
 // config the model was imported from: its other fields (token ids, ...) are kept and the
-// dimensions overwritten. INVALID_ARGUMENT when `base_json` is not a JSON object or
-// CheckHfExportable refuses `dims`.
+// dimensions overwritten. Without it (a model trained from scratch) bos_token_id and eos_token_id
+// are the byte tokenizer's eos (256) for its 257-token vocabulary, and null for any other (the
+// tokenizer is not known here), never transformers' defaults, which belong to other vocabularies.
+// INVALID_ARGUMENT when `base_json` is not a JSON object or CheckHfExportable refuses `dims`.
 absl::StatusOr<std::string> HfConfigJson(const v1::ModelDims& dims, absl::string_view base_json);
 
 }  // namespace tessera::planner

@@ -101,6 +101,25 @@ TEST(HfConfigTest, WrittenConfigKeepsTheSourceTokenIds) {
   EXPECT_THAT(*json, HasSubstr("\"torch_dtype\": \"float32\""));
 }
 
+// A model trained from scratch names no token id outside its vocabulary: the byte tokenizer's eos
+// (256) for its 257 tokens, none for a vocabulary whose tokenizer the exporter does not know (not
+// transformers' GPT-2 default 50256, nor Llama's 1 and 2).
+TEST(HfConfigTest, AModelFromScratchNamesOnlyTokenIdsOfItsVocabulary) {
+  for (const char* preset : {"tiny-gpt2", "tiny-llama"}) {
+    v1::ModelDims dims = PresetDims(preset);
+    ASSERT_EQ(dims.vocab_size(), kByteTokenizerVocabSize) << preset;
+    auto json = HfConfigJson(dims, "");
+    ASSERT_THAT(json, IsOk());
+    EXPECT_THAT(*json, HasSubstr("\"bos_token_id\": 256")) << preset;
+    EXPECT_THAT(*json, HasSubstr("\"eos_token_id\": 256")) << preset;
+  }
+  auto json = HfConfigJson(PresetDims("gpt2-124m"), "");
+  ASSERT_THAT(json, IsOk());
+  EXPECT_THAT(*json, HasSubstr("\"bos_token_id\": null"));
+  EXPECT_THAT(*json, HasSubstr("\"eos_token_id\": null"));
+  EXPECT_THAT(*json, ::testing::Not(HasSubstr("50256")));
+}
+
 TEST(HfConfigTest, RefusesWhatTesseraDoesNotCompute) {
   auto with = [](std::string json, const std::string& from, const std::string& to) {
     json.replace(json.find(from), from.size(), to);

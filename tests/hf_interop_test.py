@@ -16,6 +16,10 @@ original's, 20 training steps with a falling loss and the router's load-balancin
 reported, and the first loss under data parallel 2 (ZeRO 1 and 3) equal to one process's. Broken inputs (no config.json, an unsupported architecture, a missing tensor, a
 truncated safetensors file) fail with messages naming the file and the tensor or field.
 
+A model trained from scratch on the byte tokenizer (tiny-gpt2, tiny-llama: 257 tokens) exports
+bos/eos 256, inside its vocabulary, which GenerationConfig.validate(strict=True) accepts and
+generate() runs with.
+
 Exit code 77 (ctest's skip) when transformers is not installed. No downloads.
 """
 
@@ -187,6 +191,36 @@ def check_sharded_layouts(trainer, tmp, name, model_dir,
                    "model.from_pretrained", path)
 
 
+def check_scratch_export(trainer, tmp):
+    """A model trained from scratch on the byte tokenizer exports token ids of its own vocabulary,
+    which transformers' own checks accept (GenerationConfig.validate, strict) and generation
+    stops on."""
+    failures = []
+    for preset in ("tiny-gpt2", "tiny-llama"):
+        export_dir = os.path.join(tmp, f"scratch_{preset}")
+        run(trainer, f"--preset={preset}", f"--export_hf={export_dir}")
+        config = transformers.AutoConfig.from_pretrained(export_dir)
+        generation = transformers.GenerationConfig.from_model_config(config)
+        generation.validate(strict=True)
+        ids = {name: getattr(config, name, None)
+               for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        print(f"scratch {preset}: vocab {config.vocab_size}, token ids {ids}")
+        for name, value in ids.items():
+            if value is not None and not 0 <= value < config.vocab_size:
+                failures.append(f"scratch {preset}: {name} {value} is outside the vocabulary "
+                                f"of {config.vocab_size} tokens")
+        if ids["eos_token_id"] != 256:
+            failures.append(f"scratch {preset}: eos_token_id {ids['eos_token_id']}, not the byte "
+                            "tokenizer's 256")
+        model = transformers.AutoModelForCausalLM.from_pretrained(export_dir).eval()
+        with torch.no_grad():
+            out = model.generate(torch.tensor([[72, 105]]), max_new_tokens=4, do_sample=False,
+                                 pad_token_id=generation.eos_token_id)
+        if out.shape[1] > 6 or int(out.max()) >= config.vocab_size:
+            failures.append(f"scratch {preset}: generate gave {out.tolist()}")
+    return failures
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", required=True)
@@ -251,6 +285,7 @@ def main():
             if not diff <= MOE_EXPORT_TOLERANCE:
                 failures.append(f"{name}: exported model's logits differ by {diff}")
 
+        failures += check_scratch_export(args.trainer, tmp)
         check_bad_inputs(args.trainer, tmp, dirs["llama"])
         if args.corpus:
             for name in ("llama", "gpt2"):
