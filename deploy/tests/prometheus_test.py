@@ -6,11 +6,13 @@ on loopback, a Prometheus server (Debian's) scraping them every second with depl
 loaded, trains one job on CPU and one whose loss turns NaN (TESSERA_FAULT_NAN_LOSS_AT_STEP on its
 worker), then:
   - runs every query of every dashboard panel through Prometheus' HTTP API: each must return
-    data. Two more scrape targets stand in for what this machine or this build cannot export:
-    "dcgm-exporter" serves DCGM-named series of two synthetic GPUs (no GPU here), and
-    "tessera-synthetic" serves, for the training job, those of issue 43's series (per-rank phase
-    and collective counters, progress counters, the coordinator's step and checkpoint
-    timestamps, tessera_task_gpu_info) that no real target exports (listed in the output);
+    data. Every series of the metrics contract the CPU daemons export (REAL_SERIES: per-rank
+    phase and collective counters, progress counters, the coordinator's step and checkpoint
+    timestamps, leadership) must come from the real coordinator and workers: nothing stands in
+    for them, so a daemon that stopped exporting one fails the test. Only what needs a GPU
+    comes from two labelled stand-in targets, and the output says which: "dcgm-exporter"
+    (DCGM-named series of two synthetic GPUs) and "tessera-synthetic" (tessera_task_gpu_info,
+    tessera_gpu_xid_errors_total);
   - waits for the NaN-loss and failed-job alerts to fire.
 Prints "N passed, N failed, N skipped" and exits 0 when nothing failed, 77 (skipped) when
 Prometheus or the binaries are missing. Every process it starts is stopped at the end.
@@ -80,42 +82,30 @@ class Cluster:
                 process.wait()
 
 
-# Issue 43's series (/work/prompts/metrics.md's contract) the dashboards read, for the synthetic
-# target: {name: (type, [(labels, value per second of elapsed time or constant)])}. Rank 0 and 1
-# of the training job; counters grow at a fixed rate, so rate() and increase() have data.
-PHASE_RATES = {"forward": 0.3, "backward": 0.45, "optimizer": 0.1, "data_wait": 0.05,
-               "checkpoint_blocked": 0.02, "other": 0.08}
+# The series of the metrics contract (docs/observability.md) the dashboards read. Those the CPU
+# daemons export must come from them: each must have data from a real target (a worker built
+# without one fails the test), and nothing stands in for it.
+REAL_SERIES = (
+    "tessera_train_phase_seconds_total", "tessera_train_collective_seconds_total",
+    "tessera_train_collective_bytes_total", "tessera_train_rank_steps_total",
+    "tessera_train_steps_total", "tessera_train_tokens_total", "tessera_train_samples_total",
+    "tessera_train_max_steps", "tessera_job_last_step_timestamp_seconds",
+    "tessera_job_last_checkpoint_timestamp_seconds", "tessera_job_running",
+    "tessera_coordinator_leader", "tessera_coordinator_leader_epoch",
+)
+
 GPU_UUIDS = ("GPU-synthetic-0", "GPU-synthetic-1")
 
 
-def contract_series(job_id):
-    ranks = [{"job_id": job_id, "rank": str(r)} for r in (0, 1)]
-    rank0 = [ranks[0]]
-    coll = {"kind": "all_reduce", "dim": "dp"}
-    now = lambda offset=0: (lambda elapsed: time.time() - offset)  # noqa: E731
-    rate = lambda per_second: (lambda elapsed: per_second * elapsed)  # noqa: E731
+def gpu_series(job_id):
+    """The series only a GPU gives (none here), for the labelled stand-in target
+    "tessera-synthetic": what a worker with two GPUs exports for the training job's ranks.
+    {name: (type, [(labels, value of the elapsed seconds)])}."""
     const = lambda value: (lambda elapsed: value)  # noqa: E731
     return {
-        "tessera_train_phase_seconds_total": ("counter", [
-            ({**r, "phase": phase}, rate(v)) for r in ranks for phase, v in PHASE_RATES.items()]),
-        "tessera_train_collective_seconds_total": ("counter", [({**r, **coll}, rate(0.2))
-                                                               for r in ranks]),
-        "tessera_train_collective_bytes_total": ("counter", [({**r, **coll}, rate(4e8))
-                                                             for r in ranks]),
-        "tessera_train_rank_steps_total": ("counter", [(r, rate(2)) for r in ranks]),
-        "tessera_train_steps_total": ("counter", [(r, rate(2)) for r in rank0]),
-        "tessera_train_tokens_total": ("counter", [(r, rate(1024)) for r in rank0]),
-        "tessera_train_samples_total": ("counter", [(r, rate(16)) for r in rank0]),
-        "tessera_train_max_steps": ("gauge", [(r, const(1000000)) for r in rank0]),
-        "tessera_job_last_step_timestamp_seconds": ("gauge", [({"job_id": job_id}, now())]),
-        "tessera_job_last_checkpoint_timestamp_seconds": ("gauge", [({"job_id": job_id}, now(30))]),
-        "tessera_job_running": ("gauge", [({"job_id": job_id}, const(1))]),
         "tessera_task_gpu_info": ("gauge", [
-            ({**ranks[i], "node": "worker-a", "gpu": str(i), "UUID": uuid}, const(1))
-            for i, uuid in enumerate(GPU_UUIDS)]),
-        # One coordinator on SQLite leads at epoch 0 (HA contract, issue 44).
-        "tessera_coordinator_leader": ("gauge", [({}, const(1))]),
-        "tessera_coordinator_leader_epoch": ("gauge", [({}, const(0))]),
+            ({"job_id": job_id, "rank": str(i), "node": "worker-a", "gpu": str(i), "UUID": uuid},
+             const(1)) for i, uuid in enumerate(GPU_UUIDS)]),
         "tessera_gpu_xid_errors_total": ("counter", [
             ({"gpu": str(i), "UUID": uuid, "Hostname": "worker-a"}, const(0))
             for i, uuid in enumerate(GPU_UUIDS)]),
@@ -313,7 +303,9 @@ def main():
                 raise RuntimeError(f"Prometheus targets not all up: {targets}")
             time.sleep(0.3)
 
-        (work / "train.yaml").write_text(spec("observed", work / "data", 1000000, 2, "none"))
+        # Checkpoints every 20 steps: the coordinator's last-checkpoint series is a real one.
+        (work / "train.yaml").write_text(spec("observed", work / "data", 1000000, 2, "none",
+                                              "checkpoint: {interval_steps: 20}\n"))
         (work / "nan.yaml").write_text(spec("diverges", work / "data", 50, 1, "nan",
                                             "max_restarts: 1\n"))
         training = cli(["submit", str(work / "train.yaml")], args.bin_dir, coordinator).split()[0]
@@ -330,16 +322,23 @@ def main():
                 raise RuntimeError(f"{training} {state} at step {step}; {diverging} {nan_state}")
             time.sleep(0.5)
 
-        # Stand-ins for what no real target exports: GPUs always (none here), and those of issue
-        # 43's series this build's daemons do not export yet for the training job.
-        contract = contract_series(training)
-        missing = {}
-        for name, definition in contract.items():
-            real = query(prometheus, f'count({{__name__="{name}", job!="tessera-synthetic"}})')
-            if not real.get("data", {}).get("result"):
-                missing[name] = definition
-        synthetic.series = {"tessera": missing, "dcgm": dcgm_series()}
-        print(f"synthetic series (no real target exports them): {sorted(missing) or 'none'}")
+        # Every series the CPU daemons export comes from them: none is stood in for.
+        for name in REAL_SERIES:
+            expr = f'count({{__name__="{name}", job=~"tessera-coordinator|tessera-worker"}})'
+            deadline = time.time() + 30
+            while True:
+                real = query(prometheus, expr).get("data", {}).get("result")
+                if real or time.time() > deadline:
+                    break
+                time.sleep(1)
+            (passed if real else failed).append(
+                f"{name} comes from a real coordinator or worker" if real
+                else f"{name}: no real coordinator or worker exports it")
+        # Stand-ins only for what needs a GPU (none here), under their own scrape jobs.
+        synthetic.series = {"tessera": gpu_series(training), "dcgm": dcgm_series()}
+        print("stand-in series (need a GPU): "
+              f"{sorted(gpu_series(training))} (job tessera-synthetic), "
+              f"{sorted(dcgm_series())} (job dcgm-exporter)")
 
         # Every panel's query returns data (give rates and fresh series up to 30 s). A subquery
         # ([1h:1m]) evaluates at whole minutes of the clock, so it has data only once a minute
