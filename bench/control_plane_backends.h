@@ -1,5 +1,5 @@
-// The coordinator's store on SQLite and on PostgreSQL in one run of the control-plane benchmark
-// (issue 44): which backends to run (--backends), a private PostgreSQL server for the run
+// The coordinator's store on SQLite and on PostgreSQL in one run of the control-plane benchmark:
+// which backends to run (--backends), a private PostgreSQL server for the run
 // (common/postgres_cluster.h, a fresh database per coordinator, the password in a file as
 // docs/coordinator.md asks of operators), and the two side by side, medians over the repeats,
 // with PostgreSQL / SQLite ratios.

@@ -1,4 +1,4 @@
-// The queues scenario of the control-plane benchmark (issue 41): the same fleet and the same job
+// The queues scenario of the control-plane benchmark: the same fleet and the same job
 // stream as the single-pool scenario, but the coordinator reads a queue file (--queue_file) of
 // `queues` queues in cohorts, whose nominal GPU quotas sum to the fleet, and every job names one
 // of them. Every other queue of a cohort has a borrowing limit; demand is spread unevenly over

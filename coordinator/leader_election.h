@@ -1,5 +1,5 @@
-// LeaderElection: which of several coordinators sharing one PostgreSQL database leads (issue 44,
-// docs/coordinator.md "High availability"). A lease row (tessera_leader_lease: epoch, holder,
+// LeaderElection: which of several coordinators sharing one PostgreSQL database leads
+// (docs/coordinator.md "High availability"). A lease row (tessera_leader_lease: epoch, holder,
 // advertise address, renewed_at, expires_at) decides; every time in it is the database server's
 // now(), so the coordinators' clocks never matter. Taking the lease over once it has expired
 // increments the epoch; the leader renews it every renew_interval; a renewal that finds another

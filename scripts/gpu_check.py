@@ -35,7 +35,7 @@ CUDA build; each is timed and recorded):
                  simulated 8-GPU nodes heartbeating every second, each with its
                  WatchAssignments stream open and announcing task ends at once, as workers
                  run, offered 2,500 jobs/s of 1-2 s;
-                 placements/s and heartbeat p50/p99 against issue 18's goals (>= 2,000/s,
+                 placements/s and heartbeat p50/p99 against the goals (>= 2,000/s,
                  p99 < 20 ms while placing at full rate). A measurement: missing a goal does not
                  fail the stage, an error of the benchmark does.
 Results: OUT/gpu-check.json (every figure, with commit, machine and date) and
@@ -47,7 +47,7 @@ the machine has the Debian packages), or a bundle made on another machine by `ma
 (binaries, GPU test binaries and the shared libraries a machine without a package registry lacks,
 in lib/). Torch's own libraries come from the python that holds torch (scripts/bootstrap.sh
 --print-python: /opt/torch/.venv on the GPU machines), whichever torch 2.11 build is there.
-Standard library only. The default run is meant to fit issue 18's 8 minutes: on one H100 it
+Standard library only. The default run is meant to fit its 8-minute goal: on one H100 it
 took about 7 on 2026-11-26 and 486.5 s on 2026-11-28 (environment 8 s, GPU tests 37 s, cluster
 64 s, bench and profile 352 s, control plane 22 s), with one benchmark run per side; the
 CUDA-graph run (29 s of that bench) has been --full only since. --full takes longer: two runs per side in the bench,

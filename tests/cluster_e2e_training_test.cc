@@ -137,7 +137,7 @@ TEST_F(ClusterTest, TwoRankJobTrainsThroughCoordinatorAndWorker) {
   EXPECT_THAT(metrics_page->body,
               HasSubstr(absl::StrCat("tessera_train_loss{job_id=\"", job_id, "\",rank=\"0\"}")));
   EXPECT_THAT(metrics_page->body, HasSubstr("tessera_train_tokens_per_second{"));
-  // Issue 43: the job's totals are counters (rate() works), the last report is timestamped, and
+  // The job's totals are counters (rate() works), the last report is timestamped, and
   // the worker serves its own process metrics.
   const std::string rank0 = absl::StrCat("{job_id=\"", job_id, "\",rank=\"0\"}");
   EXPECT_THAT(metrics_page->body, HasSubstr("# TYPE tessera_train_steps_total counter\n"));
@@ -284,7 +284,7 @@ TEST_F(ClusterTest, TheCliSubmitsWatchesAndReads) {
   ASSERT_THAT(text_status, IsOk());
   EXPECT_THAT(text_status->output, HasSubstr("plan: dp=2 tp=1 pp=1"));
   EXPECT_THAT(text_status->output, HasSubstr("on 2 x cpu ("));
-  // Where the time goes (issue 43): shown when the trainer's metrics carry a breakdown, and
+  // Where the time goes: shown when the trainer's metrics carry a breakdown, and
   // nothing extra when they do not (a trainer from before it).
   if (absl::StrContains(status->output, "\"breakdown\"")) {
     EXPECT_THAT(text_status->output, HasSubstr("Where the time goes (rank 0, step 25,"));
@@ -422,7 +422,7 @@ TEST(LocalTest, TesseraLocalRunsAJobAndStopsCleanly) {
       },
       absl::Seconds(60), absl::Milliseconds(100));
   ASSERT_TRUE(running);
-  // While it runs, the coordinator exports it as running with its newest step's time (issue 43);
+  // While it runs, the coordinator exports it as running with its newest step's time;
   // cancelling removes both at once.
   auto running_page = testing::HttpGet(ports[0], "/metrics");
   ASSERT_THAT(running_page, IsOk());

@@ -1,4 +1,4 @@
-// Context parallelism (issue 42) in real tessera-trainer processes against one process of the same
+// Context parallelism in real tessera-trainer processes against one process of the same
 // model: the cp ranks of a replica read the same samples, keep their two load-balanced chunks of
 // every sequence and attend over the whole sequence through ring attention, so the 12 losses,
 // the evaluations and the exported weights agree with the single process to float32 reduction

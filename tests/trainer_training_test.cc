@@ -22,7 +22,7 @@ namespace {
 using ::tessera::testing::TrainerRun;
 using ::tessera::testing::TrainerTrainingTest;
 
-// Every rank reports each step's RankStepMetrics with where its time went (issue 43): forward and
+// Every rank reports each step's RankStepMetrics with where its time went: forward and
 // backward measured, the gradient all-reduce over dp counted, and the phases plus other adding up
 // to the step's wall time.
 void ExpectRankStepBreakdowns(const TrainerRun& run, int rank, int64_t steps) {

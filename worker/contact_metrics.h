@@ -1,4 +1,4 @@
-// CoordinatorContactMetrics: the worker's /metrics view of its coordinator (issue 45's grace):
+// CoordinatorContactMetrics: the worker's /metrics view of its coordinator (the coordinator grace):
 // tessera_worker_coordinator_reachable (1 while the leader answers, else 0) and
 // tessera_worker_seconds_without_coordinator (since the leader last answered; 0 while it does), so
 // that an alert fires well before the worker's coordinator grace stops its trainers.

@@ -1,6 +1,6 @@
 // Per-job training metrics on the worker's /metrics, from its trainers' reports, labelled job_id
 // and rank (never `job`, which Prometheus reserves for the scrape job and would rename to
-// exported_job). The names are issue 43's contract (docs/observability.md):
+// exported_job). The names are the metrics contract (docs/observability.md):
 // - gauges of rank 0's newest StepMetrics: tessera_train_loss, _tokens_per_second, _mfu_ratio,
 //   _grad_norm, _learning_rate, _step, _epoch, _checkpoint_blocked_seconds, _max_steps, and
 //   tessera_eval_loss (the newest evaluation); a diverged step's loss reads NaN;

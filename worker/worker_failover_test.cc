@@ -1,4 +1,4 @@
-// WorkerAgent and coordinators that fail over (the HA contract, docs/coordinator.md; issue 45's
+// WorkerAgent and coordinators that fail over (the HA contract, docs/coordinator.md; the
 // worker without a coordinator), in-process on simulated time with fake trainers and fake
 // coordinators on 127.0.0.1: the worker follows a new leader and registers its running tasks with
 // it, ignores the orders of a deposed leader's lower epoch, keeps its trainers and their reports

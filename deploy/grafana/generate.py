@@ -181,7 +181,7 @@ def training():
 
 
 def where_the_time_goes():
-    """The training dashboard's breakdown of step time (issue 43): the trainers' per-phase and
+    """The training dashboard's breakdown of step time: the trainers' per-phase and
     per-collective counters, summed over ranks, per step or as shares of wall time."""
     per_step = f"sum by (job_id) (rate({RANK_STEPS}{{{JOB}}}[{RATE}]))"
     return [

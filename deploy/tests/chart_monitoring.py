@@ -1,4 +1,4 @@
-"""Chart tests of the monitoring values (issue 43): alert routing labels, runbook links,
+"""Chart tests of the monitoring values: alert routing labels, runbook links,
 thresholds and disabled alerts rendered into the PrometheusRule, their schema refusals, and
 metrics.gpuSource (the worker's DCGM series dropped and the dashboards' scrape job variable
 pointed at dcgm-exporter). Called by chart_test.py.

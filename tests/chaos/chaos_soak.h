@@ -1,4 +1,4 @@
-// The chaos soak (`make chaos`, issue 45): a cluster on isolated networks (chaos_cluster.h)
+// The chaos soak (`make chaos`): a cluster on isolated networks (chaos_cluster.h)
 // trains a stream of small CPU jobs while faults are injected at random, from one seed:
 //   - kill_trainer: kill -9 of one trainer process;
 //   - kill_worker: kill -9 of a worker daemon, restarted a few seconds later;

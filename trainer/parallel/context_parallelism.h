@@ -1,4 +1,4 @@
-// Context parallelism applied to a run (issue 42): what a job must allow for a cp split, this
+// Context parallelism applied to a run: what a job must allow for a cp split, this
 // rank's ContextParallel on the device mesh (the model is built with it, ModelPartition::cp), and
 // the split of a dp rank's token rows into the cp rank's part. Every cp rank of a dp replica reads
 // the same samples and keeps the two load-balanced chunks ring_attention.h assigns it (chunks i

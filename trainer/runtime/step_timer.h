@@ -1,4 +1,4 @@
-// Where one rank's step time goes (issue 43): host wall time of the step's phases (forward,
+// Where one rank's step time goes: host wall time of the step's phases (forward,
 // backward, optimizer, data wait) as the training loop marks them, and the collectives' time by
 // kind and mesh dimension from the process-wide table of trainer/parallel/collective_timer.h,
 // read as the difference between the step's start and its end. FinishStep turns them into the
