@@ -60,9 +60,9 @@ std::map<std::string, int64_t> ManifestTimes(const std::string& root) {
 }
 
 TEST_F(FenceTest, AFrozenAttemptWokenAfterARestartCannotCommit) {
-  // Long enough that the trainer is far from done when it is frozen after step 5, short enough
-  // for a loaded machine (steps of seconds).
-  constexpr int kSteps = 30;
+  // Long enough that the trainer is far from done when it is frozen after step 5 (steps of a few
+  // milliseconds on an idle machine), short enough for a loaded one (steps of seconds).
+  constexpr int kSteps = 60;
   v1::JobSpec spec = Spec(kSteps);
   spec.mutable_checkpoint()->set_interval_steps(5);
   spec.mutable_resources()->set_cpu_slots(1);
@@ -71,7 +71,11 @@ TEST_F(FenceTest, AFrozenAttemptWokenAfterARestartCannotCommit) {
   const std::string job_id = Submit(spec);
   ASSERT_FALSE(job_id.empty());
   const std::string root = dir_.path() + "/ckpt/" + job_id;
-  ASSERT_TRUE(WaitForCheckpoint(job_id, 5, 120)) << Get(job_id).ShortDebugString();
+  // The checkpoint as the trainer commits it, not as its report reaches the coordinator (the
+  // worker relays reports on its poll interval: a fast trainer would be done by then).
+  ASSERT_TRUE(testing::WaitUntil([&] { return !trainer::ListCheckpointDirs(root).empty(); },
+                                 absl::Seconds(120), absl::Milliseconds(2)))
+      << Get(job_id).ShortDebugString();
 
   // Freeze the node that runs attempt 0: its worker first, so that nothing reacts to the stopped
   // trainer, then the trainer, wherever it is (between saves or in one).

@@ -149,10 +149,12 @@ TEST_F(InterleavedPipelineTest, LayoutsTheScheduleCannotRunAreRefused) {
       {2,
        {"--pipeline_parallel=2", "--pipeline_virtual_stages=3"},
        "pipeline_virtual_stages: 3 does not divide the 2 layers"},
-      // 6 sequences of 2: 3 micro-batches, not a multiple of pp 2.
+      // 6 sequences of 2: 3 micro-batches, not a multiple of pp 2 (the message of the rules
+      // table the coordinator applies at submission, planner/layout_rules.h).
       {2,
        {"--pipeline_parallel=2", "--pipeline_virtual_stages=2", "--global_batch=6"},
-       "but a step has 3 per pipeline"},
+       "needs the micro-batches per step (3 = global batch / (micro-batch x data_parallel)) to be "
+       "a multiple of pipeline_parallel 2"},
   };
   for (const Refusal& refusal : refusals) {
     std::vector<std::string> flags = ModelFlags("", "tiny-gpt2", 2);
