@@ -46,6 +46,17 @@ int64_t NewestCheckpointStep(const std::string& root) {
   return step;
 }
 
+// The record a restarted coordinator kept of a job (`kept`, its curve): steps 1..`*recorded` with
+// no gap, at least `before` (what it held when it was killed) and short of the `resumed`
+// checkpoint, so that the steps after it are the lost ones.
+void ReadRecordShortOf(const std::vector<v1::StepMetrics>& kept, int64_t before, int64_t resumed,
+                       int64_t* recorded) {
+  *recorded = static_cast<int64_t>(kept.size());
+  ASSERT_GE(*recorded, before);
+  ASSERT_LT(*recorded, resumed);
+  ASSERT_EQ(kept.empty() ? 0 : kept.back().step(), *recorded);
+}
+
 std::string ReadText(const std::string& path) {
   std::ifstream in(path);
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
@@ -86,14 +97,8 @@ TEST_F(ClusterTest, StepsWhoseReportsDiedWithTheirWorkerAreReportedAgainFromTheC
   ASSERT_GE(resumed, recorded_before + 15);
   StartCoordinator();
   ASSERT_FALSE(HasFatalFailure());
-  // The restarted coordinator's record ends where the killed one's did, before the resumed
-  // checkpoint: the steps after it are the lost ones.
-  const int64_t recorded = static_cast<int64_t>(Curve(job_id).size());
-  ASSERT_GE(recorded, recorded_before);
-  ASSERT_LT(recorded, resumed);
-  // Steps 1..recorded, with no gap.
-  const std::vector<v1::StepMetrics> kept = Curve(job_id);
-  ASSERT_EQ(kept.empty() ? 0 : kept.back().step(), recorded);
+  int64_t recorded = 0;
+  ASSERT_NO_FATAL_FAILURE(ReadRecordShortOf(Curve(job_id), recorded_before, resumed, &recorded));
 
   StartWorker(0, 1);
   ASSERT_FALSE(HasFatalFailure());
@@ -167,12 +172,8 @@ TEST_F(TwoWorkerClusterTest, StepsLostWithTheirNodeAreReportedAgainByAnAttemptOn
   ASSERT_GE(resumed, recorded_before + 15);
   StartCoordinator();
   ASSERT_FALSE(HasFatalFailure());
-  const int64_t recorded = static_cast<int64_t>(Curve(job_id).size());
-  ASSERT_GE(recorded, recorded_before);
-  ASSERT_LT(recorded, resumed);
-  // Steps 1..recorded, with no gap.
-  const std::vector<v1::StepMetrics> kept = Curve(job_id);
-  ASSERT_EQ(kept.empty() ? 0 : kept.back().step(), recorded);
+  int64_t recorded = 0;
+  ASSERT_NO_FATAL_FAILURE(ReadRecordShortOf(Curve(job_id), recorded_before, resumed, &recorded));
 
   const v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 180);
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.reason();
