@@ -18,6 +18,8 @@ for binary in /usr/local/bin/tessera*; do
 done
 tessera-trainer --version
 tessera-trainer --version | grep -q 'CUDA off' || fail "the trainer is not the CPU build"
+# scripts/image.sh passes the checkout's commit (GIT_COMMIT): the binaries say which they are.
+! tessera-trainer --version | grep -q 'commit unknown' || fail "the image's binaries report no commit"
 corpus=/usr/local/share/tessera/corpus/kjv-genesis-ruth.txt
 [[ -f "$corpus" ]] || fail "no bundled corpus at $corpus"
 

@@ -42,6 +42,8 @@ step "ld.so --list: $checked objects resolve (driver libraries aside), $skipped 
 
 tessera-trainer --version
 tessera-trainer --version | grep -q 'CUDA on' || fail "the trainer is not the CUDA build"
+# scripts/image.sh passes the checkout's commit (GIT_COMMIT): the binaries say which they are.
+! tessera-trainer --version | grep -q 'commit unknown' || fail "the image's binaries report no commit"
 /lib64/ld-linux-x86-64.so.2 --list /usr/local/bin/tessera-trainer | grep -E 'libtorch_cuda|libnccl|libcudart'
 for binary in tessera tessera-coordinator tessera-worker; do "$binary" --version >/dev/null; done
 [[ -f /usr/local/share/tessera/corpus/kjv-genesis-ruth.txt ]] || fail "no bundled corpus"
