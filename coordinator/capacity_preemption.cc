@@ -58,8 +58,8 @@ PreemptionDecision SelectCapacityPreemption(const std::vector<RunningGang>& runn
   }
   std::vector<Victim> victims;
   for (const RunningGang* gang : candidates) {
-    Free(gang->ranks, freed);
-    available += static_cast<int64_t>(gang->ranks.size());
+    Free(*gang->ranks, freed);
+    available += static_cast<int64_t>(gang->ranks->size());
     victims.push_back(
         {gang->job.job_id, PreemptionKind::kPriority,
          absl::StrCat("preempted by higher-priority ", waiting.job_id, " (priority ",

@@ -26,10 +26,11 @@
 
 namespace tessera::coordinator {
 
-// A running job with the devices it holds, for SelectCapacityPreemption.
+// A running job with the devices it holds (not owned: the allocation's), for
+// SelectCapacityPreemption.
 struct RunningGang {
   RunningJob job;
-  std::vector<v1::RankPlacement> ranks;
+  const std::vector<v1::RankPlacement>* ranks = nullptr;
 };
 
 // The victims that let `waiting` (of queue `queue`) start on `capacity` (the free devices now)

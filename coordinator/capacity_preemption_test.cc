@@ -1,5 +1,6 @@
 #include "coordinator/capacity_preemption.h"
 
+#include <deque>
 #include <string>
 #include <vector>
 
@@ -23,22 +24,25 @@ NodeCapacity CpuNode(const std::string& id, int total, int free) {
   return node;
 }
 
-// A running CPU job of `queue` at `priority` holding `slots` slots on `node`.
+// A running CPU job of `queue` at `priority` holding `slots` slots on `node`; its ranks are kept
+// for the life of the test program (RunningGang points to them, as to an allocation's).
 RunningGang Running(const std::string& id, const std::string& queue, int priority,
                     const std::string& node, int slots, absl::Duration since_checkpoint) {
-  RunningGang gang{.job = {.job_id = id,
-                           .queue = queue,
-                           .priority = priority,
-                           .use_gpus = false,
-                           .devices = slots,
-                           .since_checkpoint = since_checkpoint}};
+  static std::deque<std::vector<v1::RankPlacement>> held;
+  std::vector<v1::RankPlacement>& ranks = held.emplace_back();
   for (int r = 0; r < slots; ++r) {
-    v1::RankPlacement& rank = gang.ranks.emplace_back();
+    v1::RankPlacement& rank = ranks.emplace_back();
     rank.set_rank(r);
     rank.set_node_id(node);
     rank.set_gpu_index(-1);
   }
-  return gang;
+  return RunningGang{.job = {.job_id = id,
+                             .queue = queue,
+                             .priority = priority,
+                             .use_gpus = false,
+                             .devices = slots,
+                             .since_checkpoint = since_checkpoint},
+                     .ranks = &ranks};
 }
 
 GangRequest Waiting(const std::string& id, int priority, int slots) {

@@ -138,9 +138,6 @@ class SchedulingPass {
                                 std::map<std::string, std::string>* reasons,
                                 std::vector<JobManager::TransitionRequest>* writes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_, state_->mu);
-  // Whether victims of an earlier preemption are still saving their checkpoint (they free
-  // nothing yet: no new decision until they have stopped).
-  bool PreemptionStoppingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   // Asks `decision`'s victims to save a checkpoint and stop within `deadline`, for `for_job`
   // (`label`: " of queue nlp"); their moves to PREEMPTED go to `writes`, `for_job`'s reason to
   // `reasons`. `config`: the queues in force (null without a queue file), for the metrics.

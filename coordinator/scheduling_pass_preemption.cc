@@ -59,15 +59,6 @@ void SchedulingPass::PreemptLocked(const Snapshot& snapshot,
   }
 }
 
-bool SchedulingPass::PreemptionStoppingLocked() const {
-  for (const auto& [job_id, allocation] : state_->allocations.all()) {
-    if (!allocation.preempted.empty() && allocation.phase == Allocation::Phase::kMoving) {
-      return true;
-    }
-  }
-  return false;
-}
-
 void SchedulingPass::PreemptVictimsLocked(const std::string& for_job, const std::string& label,
                                           const PreemptionDecision& decision,
                                           absl::Duration deadline, const QueueConfig* config,
@@ -111,16 +102,22 @@ void SchedulingPass::PreemptForCapacityLocked(const Snapshot& snapshot,
                                               const std::map<std::string, std::string>& queues,
                                               std::map<std::string, std::string>* reasons,
                                               std::vector<JobManager::TransitionRequest>* writes) {
-  if (unplaced.empty() || PreemptionStoppingLocked()) return;
+  if (unplaced.empty()) return;
   const QueueConfig* config = snapshot.queues.get();
   auto counting = [config](const std::string& queue) {
     return config != nullptr ? CountingQueue(queue, *config) : queue;
   };
+  // Only jobs of a lower priority than the highest waiting one can be preempted: with equal
+  // priorities (the common case) nothing below is built, however many jobs run.
+  int highest = unplaced.front().priority;
+  for (const GangRequest& request : unplaced) highest = std::max(highest, request.priority);
   const absl::Time now = state_->Now();
   std::vector<RunningGang> running;
   for (const auto& [job_id, allocation] : state_->allocations.all()) {
-    if (allocation.phase != Allocation::Phase::kRunning || allocation.storing ||
-        allocation.success_pending || allocation.ranks.empty()) {
+    // Victims still saving their checkpoint free nothing yet: decide again once they have.
+    if (!allocation.preempted.empty() && allocation.phase == Allocation::Phase::kMoving) return;
+    if (allocation.priority >= highest || allocation.phase != Allocation::Phase::kRunning ||
+        allocation.storing || allocation.success_pending || allocation.ranks.empty()) {
       continue;
     }
     running.push_back({.job = {.job_id = job_id,
@@ -129,7 +126,7 @@ void SchedulingPass::PreemptForCapacityLocked(const Snapshot& snapshot,
                                .use_gpus = allocation.ranks.front().gpu_index() >= 0,
                                .devices = static_cast<int64_t>(allocation.ranks.size()),
                                .since_checkpoint = now - allocation.last_checkpoint_time},
-                       .ranks = allocation.ranks});
+                       .ranks = &allocation.ranks});
   }
   if (running.empty()) return;
   const std::vector<NodeCapacity> capacity =
