@@ -17,7 +17,15 @@ How it runs:
      steps); the seconds per step of the all-to-alls and of the ring's send/recv (each
      rank's rank_step breakdown, median over the timed steps, mean over the ranks: host wall time
      from issuing a collective to the end of its wait, so a rank that waits for a slower peer
-     counts the wait); peak memory per rank (the largest peak RSS any rank reports).
+     counts the wait, and the ring counts the attention its hops overlap); peak memory per rank
+     (the largest peak RSS any rank reports).
+  3b. Probed, per run of a layout with ep or cp > 1: the same layout again with
+     `tessera-trainer --collective_probe` (a barrier on the group before each collective, the
+     collective waited for at once), which splits each collective's time into the wait for the
+     slowest peer (peer_wait_seconds) and the transfer (seconds). The transfer is what the
+     planner prices; its ratio to the plan is the calibrated one, and its bytes (each rank's
+     input, per step) over its seconds the bandwidth achieved. The probed run's step time is not
+     used (the barriers and lost overlap slow it).
   4. The process's own memory: the same layout with a model of width 32 (BASELINE_DIMS) runs
      once per round, and its peak RSS (libtorch, Gloo, the allocator's arenas, the data loader)
      is subtracted from the measured peak before comparing with the planner, whose CPU device
@@ -128,22 +136,28 @@ def plan(cli, workdir, layout):
             "memory": candidate["memory"], "step_time": candidate["step_time"]}
 
 
-def collective_seconds(breakdown, kind):
-    """Seconds of the collectives of `kind` over any group: only expert parallelism runs
+def collective_seconds(breakdown, kind, field="seconds"):
+    """`field` of the collectives of `kind` over any group: only expert parallelism runs
     all-to-alls and only ring attention sends and receives in these layouts (no pipeline), and
     a group that spans the whole world is reported as "world", not as "ep" or "cp"."""
-    return sum(float(c.get("seconds", 0)) for c in breakdown.get("collectives", [])
+    return sum(float(c.get(field, 0)) for c in breakdown.get("collectives", [])
                if c.get("kind") == kind)
 
 
-def run_layout(trainer, task, layout, workdir, label):
-    """One run's figures: rank 0's step time, the ranks' collective seconds, peak RSS."""
+def probed(layout):
+    return layout["ep"] > 1 or layout["cp"] > 1
+
+
+def run_layout(trainer, task, layout, workdir, label, args=()):
+    """One run's figures: rank 0's step time, the ranks' collective seconds (and, probed, their
+    peer wait), peak RSS."""
     procs, load = run_ranks(trainer, task, world(layout), 1, workdir, label, RUN_TIMEOUT_SECONDS,
-                            POLL_SECONDS)
+                            POLL_SECONDS, args=args)
     steps = STEPS["untimed_steps"] + STEPS["timed_steps"]
     _, metrics = step_reports(procs[0], steps, label)
     times = [float(m["step_time_seconds"]) for m in metrics][STEPS["untimed_steps"]:]
-    all_to_all, ring, peaks = [], [], []
+    all_to_all, ring, all_to_all_wait, ring_wait, peaks = [], [], [], [], []
+    all_to_all_bytes, ring_bytes = [], []
     for p in procs:
         reports = json_lines(p["out"], label) + json_lines(p["err"], label)
         rank_steps = [r["rank_step"] for r in reports if "rank_step" in r and
@@ -156,11 +170,24 @@ def run_layout(trainer, task, layout, workdir, label):
                                             for b in breakdowns))
         ring.append(statistics.median(collective_seconds(b, "send_recv")
                                       for b in breakdowns))
+        all_to_all_wait.append(statistics.median(
+            collective_seconds(b, "all_to_all", "peer_wait_seconds") for b in breakdowns))
+        ring_wait.append(statistics.median(
+            collective_seconds(b, "send_recv", "peer_wait_seconds") for b in breakdowns))
+        all_to_all_bytes.append(statistics.median(
+            collective_seconds(b, "all_to_all", "bytes") for b in breakdowns))
+        ring_bytes.append(statistics.median(
+            collective_seconds(b, "send_recv", "bytes") for b in breakdowns))
         peaks.append(max(p["rusage"].ru_maxrss * 1024,
                          max(int(r.get("peak_memory_bytes", 0)) for r in rank_steps)))
     return {"step_seconds": statistics.median(times),
             "all_to_all_seconds": sum(all_to_all) / len(all_to_all),
-            "ring_seconds": sum(ring) / len(ring), "peak_rss_bytes": max(peaks),
+            "ring_seconds": sum(ring) / len(ring),
+            "all_to_all_peer_wait_seconds": sum(all_to_all_wait) / len(all_to_all_wait),
+            "ring_peer_wait_seconds": sum(ring_wait) / len(ring_wait),
+            "all_to_all_bytes": sum(all_to_all_bytes) / len(all_to_all_bytes),
+            "ring_bytes": sum(ring_bytes) / len(ring_bytes),
+            "peak_rss_bytes": max(peaks),
             "first_loss": float(metrics[0]["loss"]), "load_average_before": load}
 
 
@@ -168,9 +195,19 @@ def ratio(measured, planned):
     return measured / planned if planned > 0 else None
 
 
-def summarize(layout, runs, baselines, planned):
+PROBED_KEYS = ("all_to_all_seconds", "ring_seconds", "all_to_all_peer_wait_seconds",
+               "ring_peer_wait_seconds", "all_to_all_bytes", "ring_bytes")
+
+
+def summarize(layout, runs, baselines, planned, probes):
     median = {k: statistics.median(r[k] for r in runs)
               for k in ("step_seconds", "all_to_all_seconds", "ring_seconds", "peak_rss_bytes")}
+    probe = {k: statistics.median(r[k] for r in probes) for k in PROBED_KEYS} if probes else {}
+    if probe:
+        # What the transfers achieved: each rank's input bytes over their transfer seconds.
+        for kind in ("all_to_all", "ring"):
+            seconds = probe[f"{kind}_seconds"]
+            probe[f"{kind}_gb_per_s"] = probe[f"{kind}_bytes"] / seconds / 1e9 if seconds else None
     baseline_rss = statistics.median(b["peak_rss_bytes"] for b in baselines)
     model_bytes = median["peak_rss_bytes"] - baseline_rss
     ratios = {"step_time": ratio(median["step_seconds"], planned["step_seconds"]),
@@ -178,14 +215,24 @@ def summarize(layout, runs, baselines, planned):
               "ring": ratio(median["ring_seconds"], planned["ring_seconds"]),
               "memory_above_baseline": ratio(model_bytes, planned["peak_bytes"]),
               "memory_raw": ratio(median["peak_rss_bytes"], planned["peak_bytes"])}
+    if probe:
+        ratios["all_to_all_transfer"] = ratio(probe["all_to_all_seconds"],
+                                              planned["all_to_all_seconds"])
+        ratios["ring_transfer"] = ratio(probe["ring_seconds"], planned["ring_seconds"])
+    # The unprobed collective times hold peer waits and overlapped compute: with a probe, the
+    # transfer ratios are the ones judged.
+    unjudged = {"memory_raw"} | ({"all_to_all", "ring"} if probe else set())
     flagged = [k for k, v in ratios.items()
-               if v is not None and k != "memory_raw" and not FLAG_BELOW <= v <= FLAG_ABOVE]
+               if v is not None and k not in unjudged and not FLAG_BELOW <= v <= FLAG_ABOVE]
     return {"layout": layout, "planned": planned, "measured_median": median,
             "baseline_peak_rss_bytes": baseline_rss, "model_bytes_above_baseline": model_bytes,
             "ratios_measured_over_planned": ratios, "off_by_more_than_2x": flagged,
             "runs": {k: spread([r[k] for r in runs]) for k in
                      ("step_seconds", "all_to_all_seconds", "ring_seconds", "peak_rss_bytes")},
-            "baseline_runs": [b["peak_rss_bytes"] for b in baselines]}
+            "baseline_runs": [b["peak_rss_bytes"] for b in baselines],
+            "probed_median": probe,
+            "probed_runs": {k: spread([r[k] for r in probes]) for k in PROBED_KEYS}
+            if probes else {}}
 
 
 def fmt_ratio(value):
@@ -207,6 +254,20 @@ def print_summary(results):
               f"{p['peak_bytes'] / 2**20:7.1f} {fmt_ratio(r['memory_above_baseline'])}"
               + (f"  off by > 2x: {', '.join(entry['off_by_more_than_2x'])}"
                  if entry["off_by_more_than_2x"] else ""))
+    probed_entries = [e for e in results["layouts"] if e["probed_median"]]
+    if probed_entries:
+        print("  probed (--collective_probe): transfer / planned, and the wait for peers")
+        for entry in probed_entries:
+            q, p = entry["probed_median"], entry["planned"]
+            r = entry["ratios_measured_over_planned"]
+            print(f"  {entry['layout']['name']:<9} a2a transfer {q['all_to_all_seconds']:7.4f} "
+                  f"plan {p['all_to_all_seconds']:7.4f} {fmt_ratio(r['all_to_all_transfer'])} "
+                  f"wait {q['all_to_all_peer_wait_seconds']:7.4f}  ring transfer "
+                  f"{q['ring_seconds']:7.4f} plan {p['ring_seconds']:7.4f} "
+                  f"{fmt_ratio(r['ring_transfer'])} wait {q['ring_peer_wait_seconds']:7.4f}"
+                  + "".join(f"  {kind} {q[kind + '_bytes'] / 2**20:.1f} MiB at "
+                            f"{q[kind + '_gb_per_s']:.2f} GB/s"
+                            for kind in ("all_to_all", "ring") if q[kind + "_gb_per_s"]))
 
 
 def main():
@@ -246,6 +307,7 @@ def main():
             planned[layout["name"]] = plan(cli, workdir, layout)
         runs = {l["name"]: [] for l in layouts}
         baselines = {l["name"]: [] for l in layouts}
+        probes = {l["name"]: [] for l in layouts}
         first_loss = {}
         for round_index in range(args.runs):
             for layout in layouts:
@@ -259,14 +321,23 @@ def main():
                 base = run_layout(trainer, tasks[layout["name"] + "-baseline"], layout, workdir,
                                   label + "-baseline")
                 baselines[layout["name"]].append(base)
+                if probed(layout):
+                    probe = run_layout(trainer, tasks[layout["name"]], layout, workdir,
+                                       label + "-probed", args=("--collective_probe",))
+                    probes[layout["name"]].append(probe)
+                    print(f"  round {round_index + 1} {layout['name']:<8} probed: all-to-all "
+                          f"{probe['all_to_all_seconds']:.4f} s + wait "
+                          f"{probe['all_to_all_peer_wait_seconds']:.4f} s, ring "
+                          f"{probe['ring_seconds']:.4f} s + wait "
+                          f"{probe['ring_peer_wait_seconds']:.4f} s", flush=True)
                 print(f"  round {round_index + 1} {layout['name']:<8} step "
                       f"{run['step_seconds']:.3f} s, all-to-all {run['all_to_all_seconds']:.4f} "
                       f"s, ring {run['ring_seconds']:.4f} s, peak RSS "
                       f"{run['peak_rss_bytes'] / 2**20:.0f} MiB (baseline "
                       f"{base['peak_rss_bytes'] / 2**20:.0f}), load before "
                       f"{run['load_average_before']:.1f}", flush=True)
-        return [summarize(l, runs[l["name"]], baselines[l["name"]], planned[l["name"]])
-                for l in layouts]
+        return [summarize(l, runs[l["name"]], baselines[l["name"]], planned[l["name"]],
+                          probes[l["name"]]) for l in layouts]
 
     summaries = in_workdir("planner_fit_bench", workdir, args.keep_workdir, measure)
     if summaries is None:

@@ -23,18 +23,19 @@
 #include "planner/lora.h"
 #include "planner/model_config.h"
 #include "planner/training_settings.h"
+#include "trainer/data/prepare.h"
+#include "trainer/io/safetensors.h"
 #include "trainer/kernels/device.h"
-#include "trainer/parallel/distributed.h"
 #include "trainer/kernels/fused_ops.h"
-#include "trainer/report/heartbeat.h"
 #include "trainer/model/hf_weights.h"
 #include "trainer/model/model.h"
-#include "trainer/data/prepare.h"
+#include "trainer/parallel/collective_timer.h"
+#include "trainer/parallel/distributed.h"
+#include "trainer/report/heartbeat.h"
 #include "trainer/report/reporter.h"
-#include "trainer/io/safetensors.h"
+#include "trainer/report/worker_lifeline.h"
 #include "trainer/runtime/self_check.h"
 #include "trainer/runtime/train.h"
-#include "trainer/report/worker_lifeline.h"
 
 ABSL_FLAG(std::string, task, "",
           "TrainerTask file written by the worker: binary protobuf, or JSON (.json) or text "
@@ -56,6 +57,11 @@ ABSL_FLAG(bool, step_breakdown, true,
           "Measure where each step's time goes (forward, backward, optimizer, data wait, "
           "checkpoint, collectives by kind and mesh dimension), report it with every rank's step "
           "and log its summary; false measures nothing.");
+ABSL_FLAG(bool, collective_probe, false,
+          "With --step_breakdown: precede every collective that its whole group issues with a "
+          "barrier on the group and wait for it right after its issue, so that the breakdown "
+          "separates the wait for the slowest peer (peer_wait_seconds) from the transfer "
+          "(seconds). Slows training: for measurements, e.g. bench/planner_fit_bench.py.");
 ABSL_FLAG(std::string, profile_dir, "",
           "Record a profile of --profile_steps training steps (operators, and on a GPU every "
           "kernel and copy) and write it to DIR/trace-rank-R.json as a Chrome trace "
@@ -662,6 +668,15 @@ int main(int argc, char** argv) {
   }
   train_options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   train_options.step_breakdown = absl::GetFlag(FLAGS_step_breakdown);
+  if (absl::GetFlag(FLAGS_collective_probe)) {
+    if (!train_options.step_breakdown) {
+      std::cerr << "tessera-trainer: --collective_probe needs --step_breakdown\n";
+      return 2;
+    }
+    tessera::trainer::SetCollectiveProbeEnabled(true);
+    std::cerr << "tessera-trainer: collectives are probed: a barrier before each, waited at "
+                 "once (slower training)\n";
+  }
   if (!absl::GetFlag(FLAGS_profile_dir).empty()) {
     train_options.profile.directory = absl::GetFlag(FLAGS_profile_dir);
     if (absl::Status status = tessera::trainer::ParseProfileSteps(

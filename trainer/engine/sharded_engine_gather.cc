@@ -55,7 +55,9 @@ c10::intrusive_ptr<c10d::Work> ShardedEngine::GatherInto(Unit& unit, const at::T
     at::Tensor input = shard;
     *issue = IssueCollective(CollectiveKind::kAllGather, unit.group.get(),
                              TensorBytes(std::vector{input}), input.is_cuda());
-    return unit.group->_allgather_base(unit.full, input);
+    auto work = unit.group->_allgather_base(unit.full, input);
+    WaitNowWhenProbing(work, issue);
+    return work;
   }
   // Every rank contributes its shard in place and zeros elsewhere; the sum is the gather.
   torch::NoGradGuard no_grad;
@@ -67,7 +69,9 @@ c10::intrusive_ptr<c10d::Work> ShardedEngine::GatherInto(Unit& unit, const at::T
   std::vector<at::Tensor> tensors{unit.full};
   *issue = IssueCollective(CollectiveKind::kAllReduce, unit.group.get(), TensorBytes(tensors),
                            unit.full.is_cuda());
-  return unit.group->allreduce(tensors);
+  auto work = unit.group->allreduce(tensors);
+  WaitNowWhenProbing(work, issue);
+  return work;
 }
 
 void ShardedEngine::EnsureGathered(int u) {

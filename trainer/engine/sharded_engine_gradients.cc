@@ -109,6 +109,7 @@ void ShardedEngine::ReduceUnit(int u) {
                                     TensorBytes(std::vector{input}), input.is_cuda());
     pending.work = unit.group->_reduce_scatter_base(pending.output, pending.input);
   }
+  WaitNowWhenProbing(pending.work, &pending.issue);
   pending_.push_back(std::move(pending));
 }
 

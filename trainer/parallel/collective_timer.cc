@@ -1,5 +1,6 @@
 #include "trainer/parallel/collective_timer.h"
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <unordered_map>
 #include <vector>
 
@@ -16,11 +17,13 @@ namespace {
 static_assert(kCollectiveDims == kMeshGroups + 1, "one dimension per mesh group, then world");
 
 std::atomic<bool> timing_enabled{true};
+std::atomic<bool> probe_enabled{false};
 
 struct AtomicTotals {
   std::atomic<int64_t> nanos{0};
   std::atomic<int64_t> calls{0};
   std::atomic<int64_t> bytes{0};
+  std::atomic<int64_t> peer_wait_nanos{0};
 };
 
 std::array<AtomicTotals, kCollectiveKinds * kCollectiveDims>& Table() {
@@ -126,6 +129,12 @@ void SetCollectiveTimingEnabled(bool enabled) {
 
 bool CollectiveTimingEnabled() { return timing_enabled.load(std::memory_order_relaxed); }
 
+void SetCollectiveProbeEnabled(bool enabled) {
+  probe_enabled.store(enabled, std::memory_order_relaxed);
+}
+
+bool CollectiveProbeEnabled() { return probe_enabled.load(std::memory_order_relaxed); }
+
 void RegisterCollectiveGroup(const void* group, int dim) {
   if (group == nullptr) return;
   GroupRegistry& registry = Groups();
@@ -158,12 +167,25 @@ int CollectiveDimOf(const void* group) {
 }
 
 CollectiveIssue IssueCollective(CollectiveKind kind, const void* group, int64_t bytes,
-                                [[maybe_unused]] bool cuda) {
+                                [[maybe_unused]] bool cuda, CollectivePeers peers) {
   CollectiveIssue issue;
   if (!CollectiveTimingEnabled()) return issue;
   issue.kind = static_cast<int8_t>(kind);
   issue.dim = static_cast<int8_t>(CollectiveDimOf(group));
   issue.bytes = bytes;
+  if (CollectiveProbeEnabled() && peers == CollectivePeers::kWholeGroup && group != nullptr) {
+    // The caller holds `group` alive while it issues on it. The barrier returns once every member
+    // has reached this collective: the time in it is the wait for the slowest one.
+    auto* process_group = static_cast<c10d::ProcessGroup*>(const_cast<void*>(group));
+    const auto barrier_start = std::chrono::steady_clock::now();
+    process_group->barrier()->wait();
+    Table()[CollectiveIndex(kind, issue.dim)].peer_wait_nanos.fetch_add(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                             barrier_start)
+            .count(),
+        std::memory_order_relaxed);
+    issue.probed = true;
+  }
 #if TESSERA_WITH_CUDA
   if (cuda) {
     const int slot = TakeEventSlot();
@@ -241,6 +263,7 @@ CollectiveTable CollectiveSnapshot() {
     snapshot[i].nanos = table[i].nanos.load(std::memory_order_relaxed);
     snapshot[i].calls = table[i].calls.load(std::memory_order_relaxed);
     snapshot[i].bytes = table[i].bytes.load(std::memory_order_relaxed);
+    snapshot[i].peer_wait_nanos = table[i].peer_wait_nanos.load(std::memory_order_relaxed);
   }
   return snapshot;
 }

@@ -11,6 +11,15 @@
 // (before the issue, after the wait has ordered the stream behind the collective), read by
 // PollCollectiveEvents() one step later without synchronising (cudaEventQuery).
 //
+// The probe (--collective_probe, off by default: it slows training) separates the wait for the
+// group's slowest member from the transfer: each collective that every member of its group issues
+// is preceded by a barrier on the group, whose host time is the collective's peer wait, and is
+// waited for right after its issue (WaitNowWhenProbing in peer_wait.h), so that its own time is
+// the transfer alone, not the compute it would overlap. Pipeline sends and receives, which the
+// stages issue at different points of their schedules, get no barrier (a barrier there would
+// deadlock) and keep their issue-to-wait time. The barrier's own latency (a small all-reduce)
+// counts as peer wait.
+//
 // Thread safety: every function may be called from any thread. With ranks as threads of one
 // process (tests) the table holds the sum over those ranks.
 #pragma once
@@ -50,6 +59,8 @@ struct CollectiveTotals {
   int64_t nanos = 0;
   int64_t calls = 0;
   int64_t bytes = 0;
+  // Time in the probe's barriers before these collectives (0 with the probe off); not in nanos.
+  int64_t peer_wait_nanos = 0;
 };
 using CollectiveTable = std::array<CollectiveTotals, kCollectiveKinds * kCollectiveDims>;
 
@@ -61,6 +72,14 @@ inline int CollectiveIndex(CollectiveKind kind, int dim) {
 // nothing (--step_breakdown=false).
 void SetCollectiveTimingEnabled(bool enabled);
 bool CollectiveTimingEnabled();
+
+// Whether collectives are probed (default false): see the top of this file. Probing needs timing.
+void SetCollectiveProbeEnabled(bool enabled);
+bool CollectiveProbeEnabled();
+
+// Who issues a collective: every member of its group (all collectives, ring attention's hops),
+// or only some of them at this point (a pipeline stage's send or receive).
+enum class CollectivePeers : int8_t { kWholeGroup = 0, kSome = 1 };
 
 // Names the dimension of `group` (a c10d::ProcessGroup*) for the collectives issued on it. A
 // group that several of a mesh's dimensions share takes the first of dp, tp, pp, cp, ep, edp,
@@ -77,13 +96,18 @@ struct CollectiveIssue {
   int8_t dim = 0;
   // Index of its CUDA start event in the event pool; -1 when timed on the host.
   int16_t cuda_event = -1;
+  // Probed: its caller waits for it right after issuing it (WaitNowWhenProbing).
+  bool probed = false;
   int64_t bytes = 0;
   std::chrono::steady_clock::time_point issued;
 };
 
-// Marks the issue of a collective of `kind` over `group` with `bytes` of this rank's input;
-// `cuda` when its tensors are on a CUDA device (then timed with events on the current stream).
-CollectiveIssue IssueCollective(CollectiveKind kind, const void* group, int64_t bytes, bool cuda);
+// Marks the issue of a collective of `kind` over `group` (a c10d::ProcessGroup*, or nullptr)
+// with `bytes` of this rank's input; `cuda` when its tensors are on a CUDA device (then timed
+// with events on the current stream). With the probe on and `peers` the whole group, first waits
+// in a barrier on `group` and adds that time to the collective's peer wait.
+CollectiveIssue IssueCollective(CollectiveKind kind, const void* group, int64_t bytes, bool cuda,
+                                CollectivePeers peers = CollectivePeers::kWholeGroup);
 
 // Bytes of a list of tensors (anything with numel() and element_size()).
 template <typename Tensors>

@@ -1,12 +1,23 @@
 // The collective table on real Gloo groups, ranks as threads (mesh_threads.h): a tensor-parallel
 // all-reduce issued by the model's own code path lands in all_reduce/tp with its bytes, a dp
 // all-reduce in all_reduce/dp, and nothing elsewhere; a dp-only job's dp group, which is also
-// the world group, reads "dp"; timing switched off records nothing. On a GPU (skipped without
+// the world group, reads "dp"; timing switched off records nothing; the probe puts a late
+// peer's wait in the barrier and leaves the transfer. On a GPU (skipped without
 // one): a collective on CUDA tensors is timed by events read a step later, never by waiting.
 #include "trainer/parallel/collective_timer.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <utility>
 #include <vector>
 
 #if TESSERA_WITH_CUDA
@@ -30,6 +41,7 @@ CollectiveTable Since(const CollectiveTable& before) {
     now[i].nanos -= before[i].nanos;
     now[i].calls -= before[i].calls;
     now[i].bytes -= before[i].bytes;
+    now[i].peer_wait_nanos -= before[i].peer_wait_nanos;
   }
   return now;
 }
@@ -120,6 +132,157 @@ TEST(CollectiveTimerTest, SwitchedOffRecordsNothing) {
   SetCollectiveTimingEnabled(true);
   const CollectiveTable grown = Since(before);
   for (const CollectiveTotals& totals : grown) EXPECT_EQ(totals.calls, 0);
+}
+
+// Ranks as processes, as trainers run: each forked child joins a Gloo group over a FileStore,
+// builds its mesh, runs `body` and writes back the growth of the table's entry `index` during
+// it; returns their sum (nullopt, with a test failure, when a child failed). The probe's timing
+// tests run this way: with ranks as threads, a rank that sleeps while a peer is blocked in Gloo
+// has crashed the process at thread exit (glibc found its heap corrupted), with or without the
+// probe; a trainer never has two ranks in one process.
+std::optional<CollectiveTotals> SumOverRankProcesses(
+    const MeshShape& shape, int index,
+    const std::function<void(int rank, const DeviceMesh&)>& body) {
+  char pattern[] = "/tmp/collective-timer-test.XXXXXX";
+  const char* dir = mkdtemp(pattern);
+  if (dir == nullptr) {
+    ADD_FAILURE() << "mkdtemp failed";
+    return std::nullopt;
+  }
+  const std::string store_path = std::string(dir) + "/store";
+  std::vector<std::pair<pid_t, int>> children;
+  for (int rank = 0; rank < shape.world(); ++rank) {
+    int fds[2];
+    if (pipe(fds) != 0) {
+      ADD_FAILURE() << "pipe failed";
+      return std::nullopt;
+    }
+    const pid_t pid = fork();
+    if (pid == 0) {
+      close(fds[0]);
+      at::set_num_threads(1);
+      JoinedGroup world;
+      world.store = c10::make_intrusive<c10d::FileStore>(store_path, shape.world());
+      world.backend = "gloo";
+      world.hostname = "127.0.0.1";
+      auto group = NewProcessGroup(world.store, rank, shape.world(), v1::DEVICE_TYPE_CPU,
+                                   "127.0.0.1", ProcessGroupOptions{});
+      if (!group.ok()) _exit(3);
+      world.group = *group;
+      auto mesh = DeviceMesh::Create(shape, rank, &world, ProcessGroupOptions{});
+      if (!mesh.ok() || !Barrier(world).ok()) _exit(4);
+      const CollectiveTable before = CollectiveSnapshot();
+      body(rank, *mesh);
+      const CollectiveTotals grown = Since(before)[index];
+      if (!Barrier(world).ok()) _exit(5);
+      const bool written = write(fds[1], &grown, sizeof grown) == sizeof grown;
+      _exit(::testing::Test::HasFailure() ? 6 : (written ? 0 : 7));
+    }
+    close(fds[1]);
+    children.emplace_back(pid, fds[0]);
+  }
+  CollectiveTotals sum;
+  bool ok = true;
+  for (auto& [pid, fd] : children) {
+    CollectiveTotals grown;
+    const bool read_all = read(fd, &grown, sizeof grown) == sizeof grown;
+    close(fd);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!read_all || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      ADD_FAILURE() << "rank process " << pid << " failed (wait status " << status << ")";
+      ok = false;
+      continue;
+    }
+    sum.nanos += grown.nanos;
+    sum.calls += grown.calls;
+    sum.bytes += grown.bytes;
+    sum.peer_wait_nanos += grown.peer_wait_nanos;
+  }
+  std::filesystem::remove_all(dir);
+  if (!ok) return std::nullopt;
+  return sum;
+}
+
+// Rank 1 arrives 400 ms late at a dp all-reduce. Unprobed, rank 0's time for it holds that wait;
+// probed, the wait lands in the barrier (peer wait) and the all-reduce's own time is its
+// transfer, far below the delay. A collective its caller would overlap with 400 ms of compute
+// (WaitNowWhenProbing) is likewise timed without that compute. Ranks are processes.
+TEST(CollectiveTimerTest, TheProbeSeparatesTheWaitForALatePeerFromTheTransfer) {
+  constexpr auto kDelay = std::chrono::milliseconds(400);
+  constexpr int64_t kDelayNanos = 400'000'000;
+  // Rank 0 may reach the collective a little after rank 1 began its delay (they leave the
+  // mesh's barrier within milliseconds of each other): the wait it sees is most of the delay.
+  constexpr int64_t kMostOfTheDelay = kDelayNanos * 3 / 4;
+  // Far below the delay: a 512-byte all-reduce over loopback, on a loaded machine.
+  constexpr int64_t kATransfer = kDelayNanos / 4;
+  const int index = CollectiveIndex(CollectiveKind::kAllReduce, Dim(MeshDim::kData));
+  auto run = [&](bool probe, bool overlap) {
+    return SumOverRankProcesses(MeshShape{.dp = 2}, index, [&](int rank, const DeviceMesh& mesh) {
+      SetCollectiveTimingEnabled(true);
+      SetCollectiveProbeEnabled(probe);
+      const auto& dp = mesh.group(MeshDim::kData);
+      if (!overlap && rank == 1) std::this_thread::sleep_for(kDelay);
+      std::vector<at::Tensor> tensors{torch::ones({64}, torch::kFloat64)};
+      CollectiveIssue issue =
+          IssueCollective(CollectiveKind::kAllReduce, dp.get(), TensorBytes(tensors), false);
+      EXPECT_EQ(issue.probed, probe);
+      auto work = dp->allreduce(tensors);
+      WaitNowWhenProbing(work, &issue);
+      if (overlap) std::this_thread::sleep_for(kDelay);  // compute the collective overlaps
+      WaitForPeers(work, issue);
+      EXPECT_DOUBLE_EQ(tensors[0][0].item<double>(), 2.0);
+      SetCollectiveProbeEnabled(false);
+    });
+  };
+  const std::optional<CollectiveTotals> late = run(/*probe=*/false, /*overlap=*/false);
+  ASSERT_TRUE(late.has_value());
+  EXPECT_EQ(late->calls, 2);
+  EXPECT_GE(late->nanos, kMostOfTheDelay) << "rank 0's issue-to-wait time holds the wait";
+  EXPECT_EQ(late->peer_wait_nanos, 0);
+
+  const std::optional<CollectiveTotals> probed = run(/*probe=*/true, /*overlap=*/false);
+  ASSERT_TRUE(probed.has_value());
+  EXPECT_EQ(probed->calls, 2);
+  EXPECT_GE(probed->peer_wait_nanos, kMostOfTheDelay);
+  EXPECT_LT(probed->nanos, kATransfer) << "the transfer still holds the wait for the peer";
+
+  const std::optional<CollectiveTotals> overlapped = run(/*probe=*/false, /*overlap=*/true);
+  ASSERT_TRUE(overlapped.has_value());
+  EXPECT_GE(overlapped->nanos, 2 * kDelayNanos) << "both ranks count the overlapped compute";
+  const std::optional<CollectiveTotals> waited_at_once = run(/*probe=*/true, /*overlap=*/true);
+  ASSERT_TRUE(waited_at_once.has_value());
+  EXPECT_EQ(waited_at_once->calls, 2) << "recorded once, at the early wait";
+  EXPECT_LT(waited_at_once->nanos, kATransfer);
+}
+
+// Pipeline sends and receives (CollectivePeers::kSome) are issued by some of the group's members
+// only: the probe never puts a barrier before them (one would deadlock), and they stay timed from
+// issue to wait. Here rank 0 sends twice while rank 1 receives twice and issues nothing else.
+TEST(CollectiveTimerTest, TheProbeLeavesPointToPointOfSomeMembersUnbarriered) {
+  SetCollectiveTimingEnabled(true);
+  SetCollectiveProbeEnabled(true);
+  const CollectiveTable before = CollectiveSnapshot();
+  testing::RunMeshThreads(MeshShape{.pp = 2}, [&](int rank, const JoinedGroup&,
+                                                  const DeviceMesh& mesh) {
+    const auto& pp = mesh.group(MeshDim::kPipeline);
+    for (int message = 0; message < 2; ++message) {
+      std::vector<at::Tensor> tensors{torch::full({8}, static_cast<float>(message))};
+      const CollectiveIssue issue = IssueCollective(
+          CollectiveKind::kSendRecv, pp.get(), TensorBytes(tensors), false, CollectivePeers::kSome);
+      EXPECT_FALSE(issue.probed);
+      WaitForPeers(rank == 0 ? pp->send(tensors, 1, message) : pp->recv(tensors, 0, message),
+                   issue);
+      if (rank == 1) {
+        EXPECT_FLOAT_EQ(tensors[0][0].item<float>(), static_cast<float>(message));
+      }
+    }
+  });
+  SetCollectiveProbeEnabled(false);
+  const CollectiveTotals grown =
+      Since(before)[CollectiveIndex(CollectiveKind::kSendRecv, Dim(MeshDim::kPipeline))];
+  EXPECT_EQ(grown.calls, 4);
+  EXPECT_EQ(grown.peer_wait_nanos, 0);
 }
 
 // The stream is held busy (a spinning kernel) across the collective's window: recording and

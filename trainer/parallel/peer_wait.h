@@ -68,4 +68,15 @@ void WaitForPeers(const WorkPtr& work, const CollectiveIssue& issue) {
   RecordCollective(issue);
 }
 
+// With the collective probe on (collective_timer.h), waits for the collective `issue` marked right
+// away and records it, so that its time is the transfer alone rather than the compute its caller
+// overlaps with it; `issue` is then spent, and the caller's later WaitForPeers(work, *issue)
+// returns at once and records nothing. Without the probe, does nothing.
+template <typename WorkPtr>
+void WaitNowWhenProbing(const WorkPtr& work, CollectiveIssue* issue) {
+  if (!issue->probed) return;
+  WaitForPeers(work, *issue);
+  *issue = CollectiveIssue{};
+}
+
 }  // namespace tessera::trainer

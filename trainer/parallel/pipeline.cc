@@ -140,8 +140,9 @@ void PipelineSchedule::ThrowPeerLost(const std::vector<int>& stages,
 
 void PipelineSchedule::PostSend(const at::Tensor& tensor, int to, int tag) {
   std::vector<at::Tensor> outgoing{tensor.detach().to(at::kFloat).contiguous()};
-  const CollectiveIssue issue = IssueCollective(CollectiveKind::kSendRecv, group_.get(),
-                                                TensorBytes(outgoing), outgoing[0].is_cuda());
+  const CollectiveIssue issue =
+      IssueCollective(CollectiveKind::kSendRecv, group_.get(), TensorBytes(outgoing),
+                      outgoing[0].is_cuda(), CollectivePeers::kSome);
   sends_.push_back({group_->send(outgoing, to, tag), to, issue});
   sent_.push_back(outgoing[0]);
 }
@@ -162,8 +163,9 @@ void PipelineSchedule::FinishSends() {
 
 at::Tensor PipelineSchedule::Receive(int from, int tag, bool requires_grad) {
   std::vector<at::Tensor> incoming{EmptyActivation()};
-  const CollectiveIssue issue = IssueCollective(CollectiveKind::kSendRecv, group_.get(),
-                                                TensorBytes(incoming), incoming[0].is_cuda());
+  const CollectiveIssue issue =
+      IssueCollective(CollectiveKind::kSendRecv, group_.get(), TensorBytes(incoming),
+                      incoming[0].is_cuda(), CollectivePeers::kSome);
   auto work = group_->recv(incoming, from, tag);
   try {
     WaitForPeers(work, issue);
@@ -181,9 +183,9 @@ at::Tensor PipelineSchedule::Exchange(const at::Tensor& send, int send_to, int s
   if (send.defined()) outgoing.push_back(send.detach().to(at::kFloat).contiguous());
   if (receive) incoming.push_back(EmptyActivation());
   // The exchange as one send_recv: its bytes are this rank's send and receive.
-  const CollectiveIssue issue =
-      IssueCollective(CollectiveKind::kSendRecv, group_.get(),
-                      TensorBytes(outgoing) + TensorBytes(incoming), device_.is_cuda());
+  const CollectiveIssue issue = IssueCollective(CollectiveKind::kSendRecv, group_.get(),
+                                                TensorBytes(outgoing) + TensorBytes(incoming),
+                                                device_.is_cuda(), CollectivePeers::kSome);
   if (send.defined()) works.push_back(group_->send(outgoing, send_to, send_tag));
   if (receive) works.push_back(group_->recv(incoming, receive_from, receive_tag));
   try {

@@ -185,6 +185,9 @@ class RingHop {
       works_.clear();
       works_.push_back(group->endCoalescing(c10::DeviceType::CUDA));
     }
+    // Probing, the hop completes here, before the attention it would overlap (Wait() below then
+    // records nothing more).
+    if (issue_.probed) Wait();
   }
   RingHop(const RingHop&) = delete;
   RingHop& operator=(const RingHop&) = delete;

@@ -14,6 +14,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "trainer/parallel/collective_timer.h"
 #include "trainer/parallel/mesh_threads.h"
 
 namespace tessera::trainer {
@@ -186,6 +187,34 @@ INSTANTIATE_TEST_SUITE_P(
              .fused_kernel = false},
         Case{.cp = 2, .fused_kernel = false, .scale = 0.3}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.Name(); });
+
+// With the collective probe on, every hop is preceded by a barrier on the cp group and completes
+// before the attention it would overlap: the results are bitwise those of the overlapped ring,
+// and each hop's peer wait is recorded beside its transfer.
+TEST(RingAttentionProbeTest, ProbedHopsComputeTheSameAndRecordTheirPeerWait) {
+  const Case c{.cp = 4};
+  const Inputs inputs = MakeInputs(c);
+  SetCollectiveTimingEnabled(true);
+  const CollectiveTable start = CollectiveSnapshot();
+  const Attention overlapped = RunRing(inputs, c.cp, c.model_layout, c.fused_kernel, c.scale);
+  SetCollectiveProbeEnabled(true);
+  const CollectiveTable before = CollectiveSnapshot();
+  const Attention probed = RunRing(inputs, c.cp, c.model_layout, c.fused_kernel, c.scale);
+  const CollectiveTable after = CollectiveSnapshot();
+  SetCollectiveProbeEnabled(false);
+  EXPECT_EQ(MaxDiff(probed.out, overlapped.out), 0.0);
+  EXPECT_EQ(MaxDiff(probed.dq, overlapped.dq), 0.0);
+  EXPECT_EQ(MaxDiff(probed.dk, overlapped.dk), 0.0);
+  EXPECT_EQ(MaxDiff(probed.dv, overlapped.dv), 0.0);
+  // RunRing's ranks are a dp-shaped mesh's world group: the hops read dp.
+  const int index = CollectiveIndex(CollectiveKind::kSendRecv, static_cast<int>(MeshDim::kData));
+  // The same hops, each timed once, and only the probed ones wait in a barrier.
+  EXPECT_GT(before[index].calls - start[index].calls, 0);
+  EXPECT_EQ(after[index].calls - before[index].calls, before[index].calls - start[index].calls);
+  EXPECT_EQ(before[index].peer_wait_nanos, start[index].peer_wait_nanos);
+  EXPECT_GT(after[index].peer_wait_nanos, before[index].peer_wait_nanos);
+  EXPECT_GT(after[index].nanos, before[index].nanos);
+}
 
 TEST(RingAttentionReferenceTest, ReferenceEqualsScaledDotProductAttention) {
   // The explicit reference against LibTorch's own causal attention, so the ring is not merely

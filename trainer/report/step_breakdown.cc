@@ -36,6 +36,7 @@ void AddBreakdown(const v1::StepTimeBreakdown& step, v1::StepTimeBreakdown* sum)
   for (const v1::CollectiveTime& c : step.collectives()) {
     v1::CollectiveTime* total = FindOrAdd(sum, c);
     total->set_seconds(total->seconds() + c.seconds());
+    total->set_peer_wait_seconds(total->peer_wait_seconds() + c.peer_wait_seconds());
     total->set_calls(total->calls() + c.calls());
     total->set_bytes(total->bytes() + c.bytes());
   }
@@ -56,6 +57,7 @@ v1::StepTimeBreakdown MeanBreakdown(const v1::StepTimeBreakdown& sum, int64_t st
     m->set_kind(c.kind());
     m->set_dim(c.dim());
     m->set_seconds(c.seconds() / n);
+    m->set_peer_wait_seconds(c.peer_wait_seconds() / n);
     m->set_calls(std::llround(static_cast<double>(c.calls()) / n));
     m->set_bytes(std::llround(static_cast<double>(c.bytes()) / n));
   }
@@ -87,6 +89,9 @@ std::string BreakdownSummary(const v1::StepTimeBreakdown& breakdown, double wall
     const v1::CollectiveTime& c = breakdown.collectives(i);
     absl::StrAppend(&summary, i == 0 ? " | " : " ", c.kind(), "/", c.dim(), " ",
                     Percent(c.seconds(), wall_seconds));
+    if (c.peer_wait_seconds() > 0) {
+      absl::StrAppend(&summary, " (+", Percent(c.peer_wait_seconds(), wall_seconds), " wait)");
+    }
   }
   return summary;
 }

@@ -55,6 +55,9 @@ v1::StepTimeBreakdown StepTimer::FinishStep(double wall_seconds,
       c->set_seconds(static_cast<double>(now[i].nanos - collectives_at_start_[i].nanos) * 1e-9);
       c->set_calls(calls);
       c->set_bytes(now[i].bytes - collectives_at_start_[i].bytes);
+      c->set_peer_wait_seconds(
+          static_cast<double>(now[i].peer_wait_nanos - collectives_at_start_[i].peer_wait_nanos) *
+          1e-9);
     }
   }
   SortCollectives(&breakdown);
