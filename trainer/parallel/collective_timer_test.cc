@@ -1,9 +1,10 @@
-// The collective table on real Gloo groups, ranks as threads (mesh_threads.h): a tensor-parallel
-// all-reduce issued by the model's own code path lands in all_reduce/tp with its bytes, a dp
-// all-reduce in all_reduce/dp, and nothing elsewhere; a dp-only job's dp group, which is also
-// the world group, reads "dp"; timing switched off records nothing; the probe puts a late
-// peer's wait in the barrier and leaves the transfer. On a GPU (skipped without
-// one): a collective on CUDA tensors is timed by events read a step later, never by waiting.
+// The collective table on real Gloo groups, ranks as processes: a tensor-parallel all-reduce issued
+// by the model's own code path lands in all_reduce/tp with its bytes, a dp all-reduce in
+// all_reduce/dp, and nothing elsewhere; a dp-only job's dp group, which is also the world group,
+// reads "dp"; timing switched off records nothing; the probe puts a late peer's wait in the barrier
+// and leaves the transfer, and never barriers a pipeline's point-to-point. On a GPU (skipped
+// without one): a collective on CUDA tensors is timed by events read a step later, never by
+// waiting.
 #include "trainer/parallel/collective_timer.h"
 
 #include <sys/wait.h>
@@ -27,7 +28,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "trainer/parallel/mesh_threads.h"
+#include "trainer/parallel/distributed.h"
+#include "trainer/parallel/mesh.h"
 #include "trainer/parallel/peer_wait.h"
 #include "trainer/parallel/tensor_parallel.h"
 
@@ -48,101 +50,16 @@ CollectiveTable Since(const CollectiveTable& before) {
 
 int Dim(MeshDim dim) { return static_cast<int>(dim); }
 
-TEST(CollectiveTimerTest, NamesKindsAndDimensions) {
-  EXPECT_STREQ(CollectiveKindName(CollectiveKind::kAllReduce), "all_reduce");
-  EXPECT_STREQ(CollectiveKindName(CollectiveKind::kReduceScatter), "reduce_scatter");
-  EXPECT_STREQ(CollectiveKindName(CollectiveKind::kSendRecv), "send_recv");
-  EXPECT_STREQ(CollectiveDimName(Dim(MeshDim::kTensor)), "tp");
-  EXPECT_STREQ(CollectiveDimName(Dim(MeshDim::kDataContext)), "dcp");
-  EXPECT_STREQ(CollectiveDimName(kWorldCollectiveDim), "world");
-}
-
-TEST(CollectiveTimerTest, AttributesAllReducesToTheirMeshDimension) {
-  SetCollectiveTimingEnabled(true);
-  const CollectiveTable before = CollectiveSnapshot();
-  constexpr int64_t kBatch = 2, kSeq = 3, kHidden = 8, kDpElements = 16;
-  testing::RunMeshThreads(MeshShape{.dp = 2, .tp = 2}, [&](int rank, const JoinedGroup&,
-                                                           const DeviceMesh& mesh) {
-    // The row-parallel exit of a tensor-parallel region: one all-reduce over tp.
-    TensorParallel tp{
-        .group = mesh.group(MeshDim::kTensor), .rank = mesh.coord(MeshDim::kTensor), .size = 2};
-    at::Tensor x = torch::full({kBatch, kSeq, kHidden}, static_cast<float>(rank + 1));
-    at::Tensor summed = ExitTensorParallel(x, tp);
-    // The tp partner holds rank ^ 1 (tp is the innermost dimension).
-    EXPECT_FLOAT_EQ(summed[0][0][0].item<float>(), static_cast<float>(rank + 1 + (rank ^ 1) + 1));
-    // A dp all-reduce through the same seam as the engine's.
-    std::vector<at::Tensor> tensors{torch::ones({kDpElements}, torch::kFloat64)};
-    const auto& dp = mesh.group(MeshDim::kData);
-    const CollectiveIssue issue =
-        IssueCollective(CollectiveKind::kAllReduce, dp.get(), TensorBytes(tensors), false);
-    WaitForPeers(dp->allreduce(tensors), issue);
-    EXPECT_DOUBLE_EQ(tensors[0][0].item<double>(), 2.0);
-  });
-  const CollectiveTable grown = Since(before);
-  // Four ranks (threads) share the process's table.
-  const CollectiveTotals& tp =
-      grown[CollectiveIndex(CollectiveKind::kAllReduce, Dim(MeshDim::kTensor))];
-  EXPECT_EQ(tp.calls, 4);
-  EXPECT_EQ(tp.bytes, 4 * kBatch * kSeq * kHidden * 4);
-  EXPECT_GT(tp.nanos, 0);
-  const CollectiveTotals& dp =
-      grown[CollectiveIndex(CollectiveKind::kAllReduce, Dim(MeshDim::kData))];
-  EXPECT_EQ(dp.calls, 4);
-  EXPECT_EQ(dp.bytes, 4 * kDpElements * 8);
-  EXPECT_GT(dp.nanos, 0);
-  int64_t other_calls = 0;
-  for (size_t i = 0; i < grown.size(); ++i) other_calls += grown[i].calls;
-  EXPECT_EQ(other_calls, tp.calls + dp.calls) << "collectives recorded under another kind or dim";
-}
-
-TEST(CollectiveTimerTest, AWorldSizedDataParallelGroupReadsDp) {
-  testing::RunMeshThreads(MeshShape{.dp = 2},
-                          [&](int, const JoinedGroup& world, const DeviceMesh& mesh) {
-                            EXPECT_EQ(mesh.group(MeshDim::kData).get(), world.group.get());
-                            EXPECT_EQ(CollectiveDimOf(world.group.get()), Dim(MeshDim::kData));
-                          });
-  testing::RunMeshThreads(
-      MeshShape{.pp = 2, .dp = 2}, [&](int, const JoinedGroup& world, const DeviceMesh& mesh) {
-        EXPECT_EQ(CollectiveDimOf(mesh.group(MeshDim::kPipeline).get()), Dim(MeshDim::kPipeline));
-        EXPECT_EQ(CollectiveDimOf(mesh.group(MeshDim::kData).get()), Dim(MeshDim::kData));
-        EXPECT_EQ(CollectiveDimOf(world.group.get()), kWorldCollectiveDim);
-      });
-}
-
-TEST(CollectiveTimerTest, TimesFromIssueToTheEndOfTheWait) {
-  SetCollectiveTimingEnabled(true);
-  const CollectiveTable before = CollectiveSnapshot();
-  const CollectiveIssue issue = IssueCollective(CollectiveKind::kBroadcast, nullptr, 100, false);
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  RecordCollective(issue);
-  const CollectiveTotals grown =
-      Since(before)[CollectiveIndex(CollectiveKind::kBroadcast, kWorldCollectiveDim)];
-  EXPECT_EQ(grown.calls, 1);
-  EXPECT_EQ(grown.bytes, 100);
-  EXPECT_GE(grown.nanos, 20'000'000);
-  EXPECT_LT(grown.nanos, 2'000'000'000);
-}
-
-TEST(CollectiveTimerTest, SwitchedOffRecordsNothing) {
-  SetCollectiveTimingEnabled(false);
-  const CollectiveTable before = CollectiveSnapshot();
-  const CollectiveIssue issue = IssueCollective(CollectiveKind::kAllToAll, nullptr, 64, false);
-  EXPECT_LT(issue.kind, 0);
-  RecordCollective(issue);
-  SetCollectiveTimingEnabled(true);
-  const CollectiveTable grown = Since(before);
-  for (const CollectiveTotals& totals : grown) EXPECT_EQ(totals.calls, 0);
-}
-
 // Ranks as processes, as trainers run: each forked child joins a Gloo group over a FileStore,
-// builds its mesh, runs `body` and writes back the growth of the table's entry `index` during
-// it; returns their sum (nullopt, with a test failure, when a child failed). The probe's timing
-// tests run this way: with ranks as threads, a rank that sleeps while a peer is blocked in Gloo
-// has crashed the process at thread exit (glibc found its heap corrupted), with or without the
-// probe; a trainer never has two ranks in one process.
-std::optional<CollectiveTotals> SumOverRankProcesses(
-    const MeshShape& shape, int index,
-    const std::function<void(int rank, const DeviceMesh&)>& body) {
+// builds its mesh, runs `body` and writes back the growth of the collective table during it;
+// returns the sum over the ranks (nullopt, with a test failure, when a child failed or one of
+// its expectations did). Every test here that builds groups runs this way: with ranks as threads
+// of one process (mesh_threads.h) the process now and then crashed as a rank thread exited,
+// glibc finding its heap corrupted (rarely alone; 3 runs in 8 with a rank asleep while its peer
+// waited in Gloo, with or without the probe), which a trainer, one rank per process, never is.
+std::optional<CollectiveTable> SumOverRankProcesses(
+    const MeshShape& shape,
+    const std::function<void(int rank, const JoinedGroup& world, const DeviceMesh&)>& body) {
   char pattern[] = "/tmp/collective-timer-test.XXXXXX";
   const char* dir = mkdtemp(pattern);
   if (dir == nullptr) {
@@ -172,8 +89,8 @@ std::optional<CollectiveTotals> SumOverRankProcesses(
       auto mesh = DeviceMesh::Create(shape, rank, &world, ProcessGroupOptions{});
       if (!mesh.ok() || !Barrier(world).ok()) _exit(4);
       const CollectiveTable before = CollectiveSnapshot();
-      body(rank, *mesh);
-      const CollectiveTotals grown = Since(before)[index];
+      body(rank, world, *mesh);
+      const CollectiveTable grown = Since(before);
       if (!Barrier(world).ok()) _exit(5);
       const bool written = write(fds[1], &grown, sizeof grown) == sizeof grown;
       _exit(::testing::Test::HasFailure() ? 6 : (written ? 0 : 7));
@@ -181,10 +98,10 @@ std::optional<CollectiveTotals> SumOverRankProcesses(
     close(fds[1]);
     children.emplace_back(pid, fds[0]);
   }
-  CollectiveTotals sum;
+  CollectiveTable sum{};
   bool ok = true;
   for (auto& [pid, fd] : children) {
-    CollectiveTotals grown;
+    CollectiveTable grown;
     const bool read_all = read(fd, &grown, sizeof grown) == sizeof grown;
     close(fd);
     int status = 0;
@@ -194,14 +111,104 @@ std::optional<CollectiveTotals> SumOverRankProcesses(
       ok = false;
       continue;
     }
-    sum.nanos += grown.nanos;
-    sum.calls += grown.calls;
-    sum.bytes += grown.bytes;
-    sum.peer_wait_nanos += grown.peer_wait_nanos;
+    for (size_t i = 0; i < sum.size(); ++i) {
+      sum[i].nanos += grown[i].nanos;
+      sum[i].calls += grown[i].calls;
+      sum[i].bytes += grown[i].bytes;
+      sum[i].peer_wait_nanos += grown[i].peer_wait_nanos;
+    }
   }
   std::filesystem::remove_all(dir);
   if (!ok) return std::nullopt;
   return sum;
+}
+
+TEST(CollectiveTimerTest, NamesKindsAndDimensions) {
+  EXPECT_STREQ(CollectiveKindName(CollectiveKind::kAllReduce), "all_reduce");
+  EXPECT_STREQ(CollectiveKindName(CollectiveKind::kReduceScatter), "reduce_scatter");
+  EXPECT_STREQ(CollectiveKindName(CollectiveKind::kSendRecv), "send_recv");
+  EXPECT_STREQ(CollectiveDimName(Dim(MeshDim::kTensor)), "tp");
+  EXPECT_STREQ(CollectiveDimName(Dim(MeshDim::kDataContext)), "dcp");
+  EXPECT_STREQ(CollectiveDimName(kWorldCollectiveDim), "world");
+}
+
+TEST(CollectiveTimerTest, AttributesAllReducesToTheirMeshDimension) {
+  constexpr int64_t kBatch = 2, kSeq = 3, kHidden = 8, kDpElements = 16;
+  const std::optional<CollectiveTable> summed_table = SumOverRankProcesses(
+      MeshShape{.dp = 2, .tp = 2}, [&](int rank, const JoinedGroup&, const DeviceMesh& mesh) {
+        SetCollectiveTimingEnabled(true);
+        // The row-parallel exit of a tensor-parallel region: one all-reduce over tp.
+        TensorParallel tp{
+            .group = mesh.group(MeshDim::kTensor), .rank = mesh.coord(MeshDim::kTensor), .size = 2};
+        at::Tensor x = torch::full({kBatch, kSeq, kHidden}, static_cast<float>(rank + 1));
+        at::Tensor summed = ExitTensorParallel(x, tp);
+        // The tp partner holds rank ^ 1 (tp is the innermost dimension).
+        EXPECT_FLOAT_EQ(summed[0][0][0].item<float>(),
+                        static_cast<float>(rank + 1 + (rank ^ 1) + 1));
+        // A dp all-reduce through the same seam as the engine's.
+        std::vector<at::Tensor> tensors{torch::ones({kDpElements}, torch::kFloat64)};
+        const auto& dp = mesh.group(MeshDim::kData);
+        const CollectiveIssue issue =
+            IssueCollective(CollectiveKind::kAllReduce, dp.get(), TensorBytes(tensors), false);
+        WaitForPeers(dp->allreduce(tensors), issue);
+        EXPECT_DOUBLE_EQ(tensors[0][0].item<double>(), 2.0);
+      });
+  ASSERT_TRUE(summed_table.has_value());
+  const CollectiveTable& grown = *summed_table;
+  // Summed over the four ranks.
+  const CollectiveTotals& tp =
+      grown[CollectiveIndex(CollectiveKind::kAllReduce, Dim(MeshDim::kTensor))];
+  EXPECT_EQ(tp.calls, 4);
+  EXPECT_EQ(tp.bytes, 4 * kBatch * kSeq * kHidden * 4);
+  EXPECT_GT(tp.nanos, 0);
+  const CollectiveTotals& dp =
+      grown[CollectiveIndex(CollectiveKind::kAllReduce, Dim(MeshDim::kData))];
+  EXPECT_EQ(dp.calls, 4);
+  EXPECT_EQ(dp.bytes, 4 * kDpElements * 8);
+  EXPECT_GT(dp.nanos, 0);
+  int64_t other_calls = 0;
+  for (size_t i = 0; i < grown.size(); ++i) other_calls += grown[i].calls;
+  EXPECT_EQ(other_calls, tp.calls + dp.calls) << "collectives recorded under another kind or dim";
+}
+
+TEST(CollectiveTimerTest, AWorldSizedDataParallelGroupReadsDp) {
+  EXPECT_TRUE(SumOverRankProcesses(MeshShape{.dp = 2}, [&](int, const JoinedGroup& world,
+                                                           const DeviceMesh& mesh) {
+                EXPECT_EQ(mesh.group(MeshDim::kData).get(), world.group.get());
+                EXPECT_EQ(CollectiveDimOf(world.group.get()), Dim(MeshDim::kData));
+              }).has_value());
+  EXPECT_TRUE(SumOverRankProcesses(MeshShape{.pp = 2, .dp = 2}, [&](int, const JoinedGroup& world,
+                                                                    const DeviceMesh& mesh) {
+                EXPECT_EQ(CollectiveDimOf(mesh.group(MeshDim::kPipeline).get()),
+                          Dim(MeshDim::kPipeline));
+                EXPECT_EQ(CollectiveDimOf(mesh.group(MeshDim::kData).get()), Dim(MeshDim::kData));
+                EXPECT_EQ(CollectiveDimOf(world.group.get()), kWorldCollectiveDim);
+              }).has_value());
+}
+
+TEST(CollectiveTimerTest, TimesFromIssueToTheEndOfTheWait) {
+  SetCollectiveTimingEnabled(true);
+  const CollectiveTable before = CollectiveSnapshot();
+  const CollectiveIssue issue = IssueCollective(CollectiveKind::kBroadcast, nullptr, 100, false);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  RecordCollective(issue);
+  const CollectiveTotals grown =
+      Since(before)[CollectiveIndex(CollectiveKind::kBroadcast, kWorldCollectiveDim)];
+  EXPECT_EQ(grown.calls, 1);
+  EXPECT_EQ(grown.bytes, 100);
+  EXPECT_GE(grown.nanos, 20'000'000);
+  EXPECT_LT(grown.nanos, 2'000'000'000);
+}
+
+TEST(CollectiveTimerTest, SwitchedOffRecordsNothing) {
+  SetCollectiveTimingEnabled(false);
+  const CollectiveTable before = CollectiveSnapshot();
+  const CollectiveIssue issue = IssueCollective(CollectiveKind::kAllToAll, nullptr, 64, false);
+  EXPECT_LT(issue.kind, 0);
+  RecordCollective(issue);
+  SetCollectiveTimingEnabled(true);
+  const CollectiveTable grown = Since(before);
+  for (const CollectiveTotals& totals : grown) EXPECT_EQ(totals.calls, 0);
 }
 
 // Rank 1 arrives 400 ms late at a dp all-reduce. Unprobed, rank 0's time for it holds that wait;
@@ -217,23 +224,26 @@ TEST(CollectiveTimerTest, TheProbeSeparatesTheWaitForALatePeerFromTheTransfer) {
   // Far below the delay: a 512-byte all-reduce over loopback, on a loaded machine.
   constexpr int64_t kATransfer = kDelayNanos / 4;
   const int index = CollectiveIndex(CollectiveKind::kAllReduce, Dim(MeshDim::kData));
-  auto run = [&](bool probe, bool overlap) {
-    return SumOverRankProcesses(MeshShape{.dp = 2}, index, [&](int rank, const DeviceMesh& mesh) {
-      SetCollectiveTimingEnabled(true);
-      SetCollectiveProbeEnabled(probe);
-      const auto& dp = mesh.group(MeshDim::kData);
-      if (!overlap && rank == 1) std::this_thread::sleep_for(kDelay);
-      std::vector<at::Tensor> tensors{torch::ones({64}, torch::kFloat64)};
-      CollectiveIssue issue =
-          IssueCollective(CollectiveKind::kAllReduce, dp.get(), TensorBytes(tensors), false);
-      EXPECT_EQ(issue.probed, probe);
-      auto work = dp->allreduce(tensors);
-      WaitNowWhenProbing(work, &issue);
-      if (overlap) std::this_thread::sleep_for(kDelay);  // compute the collective overlaps
-      WaitForPeers(work, issue);
-      EXPECT_DOUBLE_EQ(tensors[0][0].item<double>(), 2.0);
-      SetCollectiveProbeEnabled(false);
-    });
+  auto run = [&](bool probe, bool overlap) -> std::optional<CollectiveTotals> {
+    const std::optional<CollectiveTable> table = SumOverRankProcesses(
+        MeshShape{.dp = 2}, [&](int rank, const JoinedGroup&, const DeviceMesh& mesh) {
+          SetCollectiveTimingEnabled(true);
+          SetCollectiveProbeEnabled(probe);
+          const auto& dp = mesh.group(MeshDim::kData);
+          if (!overlap && rank == 1) std::this_thread::sleep_for(kDelay);
+          std::vector<at::Tensor> tensors{torch::ones({64}, torch::kFloat64)};
+          CollectiveIssue issue =
+              IssueCollective(CollectiveKind::kAllReduce, dp.get(), TensorBytes(tensors), false);
+          EXPECT_EQ(issue.probed, probe);
+          auto work = dp->allreduce(tensors);
+          WaitNowWhenProbing(work, &issue);
+          if (overlap) std::this_thread::sleep_for(kDelay);  // compute the collective overlaps
+          WaitForPeers(work, issue);
+          EXPECT_DOUBLE_EQ(tensors[0][0].item<double>(), 2.0);
+          SetCollectiveProbeEnabled(false);
+        });
+    if (!table.has_value()) return std::nullopt;
+    return (*table)[index];
   };
   const std::optional<CollectiveTotals> late = run(/*probe=*/false, /*overlap=*/false);
   ASSERT_TRUE(late.has_value());
@@ -260,27 +270,27 @@ TEST(CollectiveTimerTest, TheProbeSeparatesTheWaitForALatePeerFromTheTransfer) {
 // only: the probe never puts a barrier before them (one would deadlock), and they stay timed from
 // issue to wait. Here rank 0 sends twice while rank 1 receives twice and issues nothing else.
 TEST(CollectiveTimerTest, TheProbeLeavesPointToPointOfSomeMembersUnbarriered) {
-  SetCollectiveTimingEnabled(true);
-  SetCollectiveProbeEnabled(true);
-  const CollectiveTable before = CollectiveSnapshot();
-  testing::RunMeshThreads(MeshShape{.pp = 2}, [&](int rank, const JoinedGroup&,
-                                                  const DeviceMesh& mesh) {
-    const auto& pp = mesh.group(MeshDim::kPipeline);
-    for (int message = 0; message < 2; ++message) {
-      std::vector<at::Tensor> tensors{torch::full({8}, static_cast<float>(message))};
-      const CollectiveIssue issue = IssueCollective(
-          CollectiveKind::kSendRecv, pp.get(), TensorBytes(tensors), false, CollectivePeers::kSome);
-      EXPECT_FALSE(issue.probed);
-      WaitForPeers(rank == 0 ? pp->send(tensors, 1, message) : pp->recv(tensors, 0, message),
-                   issue);
-      if (rank == 1) {
-        EXPECT_FLOAT_EQ(tensors[0][0].item<float>(), static_cast<float>(message));
-      }
-    }
-  });
-  SetCollectiveProbeEnabled(false);
-  const CollectiveTotals grown =
-      Since(before)[CollectiveIndex(CollectiveKind::kSendRecv, Dim(MeshDim::kPipeline))];
+  const std::optional<CollectiveTable> table = SumOverRankProcesses(
+      MeshShape{.pp = 2}, [&](int rank, const JoinedGroup&, const DeviceMesh& mesh) {
+        SetCollectiveTimingEnabled(true);
+        SetCollectiveProbeEnabled(true);
+        const auto& pp = mesh.group(MeshDim::kPipeline);
+        for (int message = 0; message < 2; ++message) {
+          std::vector<at::Tensor> tensors{torch::full({8}, static_cast<float>(message))};
+          const CollectiveIssue issue =
+              IssueCollective(CollectiveKind::kSendRecv, pp.get(), TensorBytes(tensors), false,
+                              CollectivePeers::kSome);
+          EXPECT_FALSE(issue.probed);
+          WaitForPeers(rank == 0 ? pp->send(tensors, 1, message) : pp->recv(tensors, 0, message),
+                       issue);
+          if (rank == 1) {
+            EXPECT_FLOAT_EQ(tensors[0][0].item<float>(), static_cast<float>(message));
+          }
+        }
+      });
+  ASSERT_TRUE(table.has_value());
+  const CollectiveTotals& grown =
+      (*table)[CollectiveIndex(CollectiveKind::kSendRecv, Dim(MeshDim::kPipeline))];
   EXPECT_EQ(grown.calls, 4);
   EXPECT_EQ(grown.peer_wait_nanos, 0);
 }
