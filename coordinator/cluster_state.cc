@@ -11,10 +11,6 @@
 
 namespace tessera::coordinator {
 
-std::string TaskId(const std::string& job_id, int32_t attempt, const std::string& node) {
-  return absl::StrCat(job_id, "/", attempt, "/", node);
-}
-
 google::protobuf::Timestamp ToProto(absl::Time time) {
   return google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(time));
 }

@@ -23,11 +23,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
-#include "coordinator/queue_config.h"
-#include "coordinator/queue_file.h"
 #include "coordinator/allocation_ledger.h"
 #include "coordinator/assignment_notifier.h"
 #include "coordinator/node_registry.h"
+#include "coordinator/queue_config.h"
+#include "coordinator/queue_file.h"
+#include "coordinator/scheduling/assignments.h"  // TaskId
 #include "coordinator/store.h"
 #include "google/protobuf/timestamp.pb.h"
 #include "tessera/v1/node_service.pb.h"
@@ -117,8 +118,6 @@ struct ClusterStats {
   bool counted = true;
 };
 
-// The task id of `job_id`'s attempt `attempt` on `node`.
-std::string TaskId(const std::string& job_id, int32_t attempt, const std::string& node);
 google::protobuf::Timestamp ToProto(absl::Time time);
 absl::Time FromProto(const google::protobuf::Timestamp& time);
 // A store write whose failure the next tick repairs: worth a log line, not a crash or a lost job.

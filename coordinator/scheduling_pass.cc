@@ -9,20 +9,15 @@
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "coordinator/attempt_policy.h"
-#include "coordinator/layout_planning.h"
 #include "coordinator/shard_cache_peers.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace tessera::coordinator {
 namespace {
-
-// JobSpec.hang_timeout_seconds when 0.
-constexpr int kDefaultHangTimeoutSeconds = 300;
 
 using google::protobuf::util::TimeUtil;
 
@@ -44,26 +39,6 @@ class ABSL_SCOPED_LOCKABLE TimedLock {
   std::chrono::steady_clock::time_point start_;
 };
 
-bool ResumesFromCheckpoints(const v1::JobSpec& spec) {
-  return !spec.checkpoint().has_resume() || spec.checkpoint().resume();
-}
-
-bool AutomaticLayout(const v1::JobSpec& spec) { return !spec.parallelism().has_layout(); }
-
-// `spec` asking for `devices` devices of the kind it runs on.
-v1::JobSpec WithDevices(v1::JobSpec spec, int devices) {
-  if (spec.resources().gpus() > 0) {
-    spec.mutable_resources()->set_gpus(devices);
-  } else {
-    spec.mutable_resources()->set_cpu_slots(devices);
-  }
-  return spec;
-}
-
-int RequestedDevices(const v1::JobSpec& spec) {
-  return spec.resources().gpus() > 0 ? spec.resources().gpus() : spec.resources().cpu_slots();
-}
-
 // Adds the wall time from its construction (or the previous Next) to stats->phase_seconds[phase].
 class PhaseTimer {
  public:
@@ -79,26 +54,6 @@ class PhaseTimer {
   ClusterStats* stats_;
   std::chrono::steady_clock::time_point start_;
 };
-
-// `reason` with every number (a run of digits, with any decimal point inside) replaced by '#':
-// two reasons of one shape differ only in figures ("56 of 64 GPUs in use" and "60 of 64 ...").
-std::string ReasonShape(absl::string_view reason) {
-  std::string shape;
-  shape.reserve(reason.size());
-  for (size_t i = 0; i < reason.size();) {
-    if (!absl::ascii_isdigit(reason[i])) {
-      shape.push_back(reason[i++]);
-      continue;
-    }
-    while (i < reason.size() &&
-           (absl::ascii_isdigit(reason[i]) ||
-            (reason[i] == '.' && i + 1 < reason.size() && absl::ascii_isdigit(reason[i + 1])))) {
-      ++i;
-    }
-    shape.push_back('#');
-  }
-  return shape;
-}
 
 // A restart's trainers learn how far the store's step metrics are complete, so that rank 0
 // reports again, from the checkpoint it resumes from, the steps whose reports were lost with the
@@ -121,34 +76,6 @@ void StampMetricsComplete(Store& store, const v1::Job& job,
 }
 
 }  // namespace
-
-int64_t SchedulingPass::StartStep(const v1::Job& job, const v1::JobSpec& spec) {
-  return ResumesFromCheckpoints(spec) ? job.latest_checkpoint().step() : 0;
-}
-
-std::string SchedulingPass::PlacementReason(const v1::Job& job, const v1::JobSpec& spec,
-                                            const GangPlacement& placement,
-                                            const v1::LayoutPlan& plan) {
-  std::vector<std::string> node_order;
-  for (const auto& rank : placement.ranks) {
-    if (std::find(node_order.begin(), node_order.end(), rank.node_id()) == node_order.end()) {
-      node_order.push_back(rank.node_id());
-    }
-  }
-  std::string reason = absl::StrCat("placed on ", absl::StrJoin(node_order, ", "));
-  if (job.attempt() > 0) {
-    const int64_t start_step = StartStep(job, spec);
-    reason = absl::StrCat("attempt ", job.attempt(), " ", reason, ", resuming from ",
-                          start_step > 0 ? absl::StrCat("the checkpoint of step ", start_step)
-                                         : std::string("the start"));
-    if (static_cast<int>(placement.ranks.size()) != RequestedDevices(job.spec())) {
-      absl::StrAppend(&reason, "; re-planned for ", placement.ranks.size(), " of the ",
-                      RequestedDevices(job.spec()), " devices asked for (",
-                      plan.explanation().substr(0, plan.explanation().find('.')), ")");
-    }
-  }
-  return reason;
-}
 
 void SchedulingPass::IdentifyGpusLocked(std::vector<v1::RankPlacement>& ranks) {
   for (v1::RankPlacement& rank : ranks) {
@@ -194,63 +121,6 @@ int SchedulingPass::AdmitLocked(const v1::Job& job, const v1::JobSpec& spec,
   }
   state_->allocations.Add(job.job_id(), std::move(allocation));
   return master_port;
-}
-
-std::map<std::string, v1::TaskAssignment> SchedulingPass::Assignments(
-    const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
-    const v1::LayoutPlan& plan) const {
-  std::map<std::string, int> local_world;
-  for (const auto& rank : placement.ranks) ++local_world[rank.node_id()];
-  const std::string checkpoint_dir =
-      spec.checkpoint().directory().empty()
-          ? absl::StrCat(state_->options.checkpoint_root, "/", job.job_id())
-          : spec.checkpoint().directory();
-  std::map<std::string, v1::TaskAssignment> assignments;
-  for (const auto& rank : placement.ranks) {
-    v1::TaskAssignment& assignment = assignments[rank.node_id()];
-    assignment.set_task_id(TaskId(job.job_id(), job.attempt(), rank.node_id()));
-    v1::TrainerTask* task = assignment.add_trainers();
-    task->set_job_id(job.job_id());
-    task->set_attempt(job.attempt());
-    *task->mutable_spec() = spec;
-    AddRollbackSkips(job, task->mutable_spec());
-    *task->mutable_plan() = plan;
-    task->set_checkpoint_directory(checkpoint_dir);
-    // A collective blocked on a peer that cannot be reached (a partition: its heartbeats go on)
-    // fails after the job's hang timeout, as a rank whose heartbeat stops does.
-    task->set_collective_timeout_seconds(spec.hang_timeout_seconds() > 0
-                                             ? spec.hang_timeout_seconds()
-                                             : kDefaultHangTimeoutSeconds);
-    v1::RankAssignment* ra = task->mutable_assignment();
-    ra->set_rank(rank.rank());
-    ra->set_world_size(static_cast<int>(placement.ranks.size()));
-    ra->set_local_rank(rank.local_rank());
-    ra->set_local_world_size(local_world[rank.node_id()]);
-    ra->set_master_addr(placement.master_addr);
-    if (auto host = placement.node_hosts.find(rank.node_id()); host != placement.node_hosts.end()) {
-      ra->set_node_addr(host->second);
-    }
-    ra->set_device_type(rank.gpu_index() >= 0 ? v1::DEVICE_TYPE_CUDA : v1::DEVICE_TYPE_CPU);
-    ra->set_gpu_index(rank.gpu_index());
-  }
-  return assignments;
-}
-
-const absl::StatusOr<v1::LayoutPlan>& SchedulingPass::CachedPlan(
-    const v1::Job& job, const v1::JobSpec& spec,
-    const absl::StatusOr<planner::DeviceTarget>& target) {
-  // A job's spec never changes, so its plan changes only with the device it is planned for (or
-  // the devices it is given after losing some).
-  const std::string fingerprint =
-      target.ok() ? absl::StrCat(target->device.SerializeAsString(), "|", target->devices_per_node,
-                                 "|", target->gpu_name, "|", RequestedDevices(spec))
-                  : target.status().ToString();
-  PlanEntry& cached = plan_cache_[job.job_id()];
-  if (!cached.plan.has_value() || cached.fingerprint != fingerprint) {
-    cached.fingerprint = fingerprint;
-    cached.plan = PlanForTarget(spec, job.plan(), target);
-  }
-  return *cached.plan;
 }
 
 void SchedulingPass::CountQueues(const QueueConfig& config, const Snapshot& snapshot,
@@ -332,12 +202,6 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
                                                     const Snapshot& snapshot, ClusterStats* stats,
                                                     std::set<std::string>* admitted_ids) {
   // `active` holds the waiting jobs (ListWaitingJobs).
-  std::vector<GangRequest> requests;
-  std::map<std::string, const v1::Job*> waiting;
-  // The spec and plan each waiting job starts with, fitted to the devices registered now.
-  std::map<std::string, v1::JobSpec> specs;
-  std::map<std::string, v1::LayoutPlan> plans;
-  std::map<std::string, std::string> unfit;
   const std::set<std::string>& waiting_ids = snapshot.waiting;
   if (snapshot.queues != nullptr) {
     // What each queue held since the previous pass counts towards its fair share, on top of
@@ -350,75 +214,18 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
     fair_share_saver_.MaybeSave(now, *fair_share_);
     CountQueues(*snapshot.queues, snapshot, active, stats);
   }
+  pending_reasons_.Keep(waiting_ids);
   if (waiting_ids.empty()) {
-    plan_cache_.clear();
-    reason_written_.clear();
+    plan_stage_.Clear();
     return {};
   }
   PhaseTimer phase(stats);
   std::vector<NodeCapacity> capacity = NodeRegistry::Subtract(*snapshot.summaries, snapshot.used);
-  // Jobs asking for the same kind of device share one look over the nodes.
-  std::map<std::string, absl::StatusOr<planner::DeviceTarget>> targets;
-  for (const auto& job : active) {
-    if (!waiting_ids.contains(job.job_id())) continue;
-    const v1::ResourceRequest& resources = job.spec().resources();
-    GangRequest request;
-    request.job_id = job.job_id();
-    request.priority = job.spec().priority();
-    request.submit_order = TimeUtil::TimestampToNanoseconds(job.create_time());
-    request.use_gpus = resources.gpus() > 0;
-    request.gpu_type = resources.gpu_type();
-    request.node_selector.insert(resources.node_selector().begin(),
-                                 resources.node_selector().end());
-    const std::string key = NodeKindKey(request);
-    auto target = targets.find(key);
-    if (target == targets.end()) {
-      target = targets.emplace(key, TargetFromNodes(job.spec(), capacity)).first;
-    }
-    // A restarting job with an automatic layout that lost devices (a node is gone) runs on what
-    // is free rather than waiting for the node: fewer data-parallel replicas, the same global
-    // batch through more accumulation. Its checkpoint is resharded on load.
-    v1::JobSpec& spec = specs[job.job_id()] = job.spec();
-    if (job.state() == v1::JOB_STATE_RESTARTING && AutomaticLayout(spec)) {
-      int free = 0;
-      for (const auto& node : capacity) {
-        if (!node.schedulable) continue;
-        if (!Unsatisfiable(request, {node}).has_value()) {
-          free += request.use_gpus ? static_cast<int>(node.free_gpus.size()) : node.free_cpu_slots;
-        }
-      }
-      const int asked = RequestedDevices(spec);
-      for (int devices = std::min(free, asked); devices >= 1 && devices < asked; --devices) {
-        const v1::JobSpec smaller = WithDevices(job.spec(), devices);
-        if (auto plan = PlanForTarget(smaller, job.plan(), target->second);
-            plan.ok() && plan->fits()) {
-          spec = smaller;
-          break;
-        }
-      }
-    }
-    // Automatic layouts are chosen for the devices the job would get; explicit ones are checked
-    // against them. A job that cannot be planned here (no matching node yet, a GPU without a
-    // device model) keeps its provisional plan and the scheduler says why it waits.
-    v1::LayoutPlan& plan = plans[job.job_id()];
-    plan = job.plan();
-    const absl::StatusOr<v1::LayoutPlan>& fitted = CachedPlan(job, spec, target->second);
-    if (fitted.ok()) {
-      if (!fitted->fits()) {
-        unfit[job.job_id()] = fitted->explanation();
-        continue;
-      }
-      plan = *fitted;
-    }
-    waiting[job.job_id()] = &job;
-    request.world_size = std::max(1, plan.world_size());
-    request.tensor_parallel = std::max(1, plan.layout().tensor_parallel());
-    requests.push_back(std::move(request));
-  }
-  // Plans (and reason times) of jobs that left the queue are not needed again.
-  std::erase_if(plan_cache_, [&](const auto& entry) { return !waiting_ids.contains(entry.first); });
-  std::erase_if(reason_written_,
-                [&](const auto& entry) { return !waiting_ids.contains(entry.first); });
+  PlannedJobs planned = plan_stage_.Run(active, waiting_ids, capacity);
+  std::vector<GangRequest>& requests = planned.requests;
+  const std::map<std::string, const v1::Job*>& waiting = planned.jobs;
+  std::map<std::string, v1::JobSpec>& specs = planned.specs;
+  std::map<std::string, v1::LayoutPlan>& plans = planned.plans;
   // Only what the queues' quotas admit tries placement.
   std::map<std::string, std::string> quota_held;
   std::vector<QueuedRequest> held_requests;
@@ -430,7 +237,7 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   std::vector<GangRequest> tried = requests;
   std::map<std::string, std::string> queue_of;
   for (const GangRequest& request : tried) {
-    queue_of[request.job_id] = waiting[request.job_id]->queue();
+    queue_of[request.job_id] = waiting.at(request.job_id)->queue();
   }
   if (!requests.empty()) result = Schedule(std::move(requests), std::move(capacity));
   std::set<std::string> placed_ids;
@@ -453,8 +260,13 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   assignments.reserve(result.placed.size());
   for (const auto& placement : result.placed) {
     const std::string& job_id = placement.job_id;
-    assignments.push_back(Assignments(*waiting[job_id], specs[job_id], placement, plans[job_id]));
-    StampMetricsComplete(*state_->store, *waiting[job_id], assignments.back());
+    const v1::Job& job = *waiting.at(job_id);
+    // Every rank skips the data that the job's rollbacks so far skipped.
+    v1::JobSpec task_spec = specs[job_id];
+    AddRollbackSkips(job, &task_spec);
+    assignments.push_back(PlacementAssignments(job, task_spec, placement, plans[job_id],
+                                               state_->options.checkpoint_root));
+    StampMetricsComplete(*state_->store, job, assignments.back());
   }
   {
     TimedLock lock(&state_->mu, stats);
@@ -467,7 +279,7 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
       if (stale || state_->allocations.Find(placement.job_id) != nullptr) continue;
       IdentifyGpusLocked(placement.ranks);
       master_ports[placement.job_id] =
-          AdmitLocked(*waiting[placement.job_id], specs[placement.job_id], placement,
+          AdmitLocked(*waiting.at(placement.job_id), specs[placement.job_id], placement,
                       std::move(assignments[i]));
       admitted.push_back(&placement);
       admitted_ids->insert(placement.job_id);
@@ -488,7 +300,7 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
     const std::string& job_id = placement->job_id;
     pass.writes.push_back(
         {job_id, v1::JOB_STATE_SCHEDULED,
-         PlacementReason(*waiting[job_id], specs[job_id], *placement, plans[job_id]),
+         PlacementReason(*waiting.at(job_id), specs[job_id], *placement, plans[job_id]),
          [plan = std::move(plans[job_id]), ranks = placement->ranks,
           port = master_ports[job_id]](v1::Job& stored) {
            *stored.mutable_plan() = plan;
@@ -499,25 +311,11 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
          nullptr});
   }
   pass.placements = pass.writes.size();
-  result.pending_reasons.merge(unfit);
-  std::map<std::string, const v1::Job*> by_id;
-  for (const auto& job : active) by_id[job.job_id()] = &job;
-  for (const auto& [job_id, reason] : result.pending_reasons) {
-    const v1::Job* job = by_id[job_id];
-    if (job == nullptr) continue;
-    // A restarting job keeps its state (and the reason it restarts) until it is placed again.
-    if (job->state() != v1::JOB_STATE_PENDING || job->reason() == reason) continue;
-    // A reason whose figures alone changed (use, fair share, a job it waits behind) is stored
-    // at most every kReasonRefresh: in a busy cluster they change with every start and end, and
-    // rewriting thousands of waiting jobs each pass would cost more than the pass itself.
-    const absl::Time now = state_->Now();
-    auto written = reason_written_.find(job_id);
-    if (written != reason_written_.end() && now - written->second < kReasonRefresh &&
-        ReasonShape(job->reason()) == ReasonShape(reason)) {
-      continue;
-    }
-    reason_written_[job_id] = now;
-    pass.writes.push_back({job_id, v1::JOB_STATE_PENDING, reason, nullptr, nullptr});
+  result.pending_reasons.merge(planned.unfit);
+  for (auto& [job_id, reason] :
+       pending_reasons_.ToWrite(result.pending_reasons, active, state_->Now())) {
+    pass.writes.push_back(
+        {std::move(job_id), v1::JOB_STATE_PENDING, std::move(reason), nullptr, nullptr});
   }
   for (auto& write : preempted) pass.writes.push_back(std::move(write));
   phase.Next("store");

@@ -2,23 +2,25 @@
 // waiting jobs (store reads); settle (under the cluster lock: node liveness, the attempts whose
 // end is due, the devices of ended attempts freed); store the ends decided (AttemptFate, lock
 // released) and the node records changed; snapshot the free devices; plan each waiting job for
-// the devices it would get (plans cached per job until their target changes) and run the gang
-// scheduler, both without the lock; admit the placements (under the lock: allocations made,
-// assignments queued held back); store the placements and the changed pending reasons in ONE
-// store transaction (lock released); announce each stored placement to its nodes (its held
-// assignments released) and take back each one that could not be stored. With the store thread
-// started, that transaction runs beside the next pass, which waits only if it reaches its own
-// store before the previous one finished; an allocation still being stored is left alone
-// (Allocation::storing). Finally the pass's statistics.
+// the devices it would get (the planning stage, scheduling/plan_stage.h: plans cached per job
+// until their target changes) and run the gang scheduler, both without the lock; admit the
+// placements (under the lock: allocations made, assignments queued held back); store the
+// placements and the pending reasons worth a write (scheduling/pending_reasons.h) in ONE store
+// transaction (lock released); announce each stored placement to its nodes (its held assignments
+// released) and take back each one that could not be stored. With the store thread started, that
+// transaction runs beside the next pass, which waits only if it reaches its own store before the
+// previous one finished; an allocation still being stored is left alone (Allocation::storing).
+// Finally the pass's statistics. The stages in coordinator/scheduling/ read only their inputs
+// and their own memory; the rest of the pass still works on the shared ClusterState.
 //
 // Only a pass adds or frees allocations and passes are serialized, so devices free in the
 // snapshot are still free at admission unless their node registered again (or was lost), which
 // NodeRegistry::ChangedSince tells: that gang waits for the next pass.
 //
 // Thread safety: Run may be called from any thread; passes are serialized by pass_mu_ (taken
-// before the cluster lock ClusterState::mu), which also guards the plan cache. The cluster lock is
-// held only for short phases and never across a store write. store_mu_ guards the hand-over to the
-// store thread.
+// before the cluster lock ClusterState::mu), which also guards the stages' memory between passes.
+// The cluster lock is held only for short phases and never across a store write. store_mu_
+// guards the hand-over to the store thread.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +46,9 @@
 #include "coordinator/queue_admission.h"
 #include "coordinator/queue_preemption.h"
 #include "coordinator/scheduler.h"
+#include "coordinator/scheduling/assignments.h"
+#include "coordinator/scheduling/pending_reasons.h"
+#include "coordinator/scheduling/plan_stage.h"
 #include "planner/job_plan.h"
 
 namespace tessera::coordinator {
@@ -172,15 +177,6 @@ class SchedulingPass {
   // The cluster-wide figures of a counted pass.
   void CountLocked(ClusterStats* stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
 
-  // `job`'s plan for `target`, computed again only when the target (or the device count, for a
-  // job re-planned after losing devices) changed.
-  const absl::StatusOr<v1::LayoutPlan>& CachedPlan(
-      const v1::Job& job, const v1::JobSpec& spec,
-      const absl::StatusOr<planner::DeviceTarget>& target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_);
-  static int64_t StartStep(const v1::Job& job, const v1::JobSpec& spec);
-  // The reason stored with a placement ("placed on n1, n2").
-  static std::string PlacementReason(const v1::Job& job, const v1::JobSpec& spec,
-                                     const GangPlacement& placement, const v1::LayoutPlan& plan);
   // Names each GPU rank's device (RankPlacement.gpu_uuid, gpu_name) from its node's inventory.
   void IdentifyGpusLocked(std::vector<v1::RankPlacement>& ranks)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
@@ -191,11 +187,6 @@ class SchedulingPass {
   int AdmitLocked(const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
                   std::map<std::string, v1::TaskAssignment> assignments)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
-  // A placement's assignment for each of its nodes, by node id, without the master port (made
-  // without the lock: the spec and plan are copied for every node).
-  std::map<std::string, v1::TaskAssignment> Assignments(const v1::Job& job, const v1::JobSpec& spec,
-                                                        const GangPlacement& placement,
-                                                        const v1::LayoutPlan& plan) const;
 
   ClusterState* const state_;
   JobManager* const jobs_;
@@ -203,16 +194,10 @@ class SchedulingPass {
 
   // Serializes Run: one pass at a time. Taken before the cluster lock.
   absl::Mutex pass_mu_;
-  // Waiting jobs' plans (PlanForTarget), keyed by job_id, with the target they were made for.
-  struct PlanEntry {
-    std::string fingerprint;
-    std::optional<absl::StatusOr<v1::LayoutPlan>> plan;
-  };
-  std::map<std::string, PlanEntry> plan_cache_ ABSL_GUARDED_BY(pass_mu_);
-  // When each waiting job's pending reason was last stored by this process: a reason that
-  // changes only in its figures is stored again after kReasonRefresh, not every pass.
-  static constexpr absl::Duration kReasonRefresh = absl::Seconds(30);
-  std::map<std::string, absl::Time> reason_written_ ABSL_GUARDED_BY(pass_mu_);
+  // The planning stage (scheduling/plan_stage.h), with its plans cached between passes.
+  PlanStage plan_stage_ ABSL_GUARDED_BY(pass_mu_);
+  // Which pending reasons a pass stores (scheduling/pending_reasons.h).
+  PendingReasons pending_reasons_ ABSL_GUARDED_BY(pass_mu_);
   // Each queue's decayed usage (fair_share.h), from the first pass with queues configured.
   std::optional<FairShareTracker> fair_share_ ABSL_GUARDED_BY(pass_mu_);
   // Restores fair_share_ from the store when it is created and saves it now and then.
