@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -315,6 +316,306 @@ int Local() {
   return 0;
 }
 
+// What a command is given: its words (args[1] is the command, args[2] its first argument),
+// the client for the coordinator and the output format.
+struct Invocation {
+  const std::vector<char*>& args;
+  const std::string& command;
+  const std::string& arg;
+  CoordinatorClient& client;
+  bool json;
+};
+
+int Health(const Invocation& in) {
+  auto serving = in.client.CheckHealth("tessera.v1.Coordinator");
+  if (!serving.ok()) return Fail(serving.status());
+  std::cout << in.client.options().address << ": "
+            << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*serving) << "\n";
+  return *serving == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+}
+
+int Plan(const Invocation& in) { return tessera::client::RunPlan(in.arg, in.client, in.json); }
+
+int Submit(const Invocation& in) {
+  auto spec = tessera::client::LoadJobSpec(in.arg, tessera::client::ProcessEnvironment());
+  if (!spec.ok()) return Fail(spec.status());
+  auto job = in.client.Submit(*spec);
+  if (!job.ok()) return Fail(job.status());
+  std::cout << job->job_id() << "\n";
+  return absl::GetFlag(FLAGS_watch) ? Watch(in.client, job->job_id()) : 0;
+}
+
+int WatchJob(const Invocation& in) { return Watch(in.client, in.arg); }
+
+int Get(const Invocation& in) {
+  auto job = in.client.Get(in.arg);
+  if (!job.ok()) return Fail(job.status());
+  // A job placed by an older coordinator records no GPU UUIDs: the nodes' inventories have
+  // them; without those the indices still show.
+  std::vector<v1::Node> nodes;
+  if (tessera::client::HoldsGpus(*job)) {
+    auto listed = in.client.Nodes(/*include_lost=*/true);
+    if (listed.ok()) {
+      nodes = *std::move(listed);
+    } else {
+      std::cerr << "tessera: cannot list nodes for the GPUs' UUIDs: " << listed.status().message()
+                << "\n";
+    }
+  }
+  *job = tessera::client::WithGpuIdentity(*std::move(job), nodes);
+  if (in.json) {
+    // The job as protobuf JSON, nothing added: a strict v1.Job parser reads it.
+    std::cout << Json(*job);
+    return 0;
+  }
+  PrintJob(*job);
+  if (!job->plan().explanation().empty()) {
+    std::cout << "  plan: " << job->plan().explanation() << "\n";
+  }
+  PrintAttempts(*job);
+  std::cout << tessera::client::RollbackBlock(*job);
+  std::cout << tessera::client::ExpertLoadBlock(job->latest_metrics());
+  std::cout << tessera::client::TimeBreakdownBlock(job->latest_metrics())
+            << tessera::client::RankBreakdownTable(job->straggler());
+  std::cout << tessera::client::GpuTable(*job);
+  return 0;
+}
+
+int List(const Invocation& in) {
+  v1::ListJobsRequest request;
+  for (const auto& name : absl::GetFlag(FLAGS_state)) {
+    v1::JobState state;
+    if (!v1::JobState_Parse("JOB_STATE_" + absl::AsciiStrToUpper(name), &state)) {
+      std::cerr << "tessera list: unknown state '" << name << "'\n";
+      return 2;
+    }
+    request.add_states(state);
+  }
+  do {
+    auto page = in.client.List(request);
+    if (!page.ok()) return Fail(page.status());
+    for (const auto& job : page->jobs()) {
+      if (in.json) {
+        std::cout << Json(job);
+      } else {
+        PrintJob(job);
+      }
+    }
+    request.set_page_token(page->next_page_token());
+  } while (!request.page_token().empty());
+  return 0;
+}
+
+int Cancel(const Invocation& in) {
+  auto job = in.client.Cancel(in.arg, absl::GetFlag(FLAGS_reason));
+  if (!job.ok()) return Fail(job.status());
+  PrintJob(*job);
+  return 0;
+}
+
+int Logs(const Invocation& in) {
+  v1::GetLogsRequest request;
+  request.set_job_id(in.arg);
+  request.set_rank(absl::GetFlag(FLAGS_rank));
+  request.set_attempt(-1);
+  request.set_follow(absl::GetFlag(FLAGS_follow));
+  request.set_tail_lines(absl::GetFlag(FLAGS_tail));
+  auto status = in.client.Logs(request, [](const v1::LogChunk& chunk) {
+    std::cout << chunk.data();
+    std::cout.flush();
+  });
+  return status.ok() ? 0 : Fail(status);
+}
+
+int Metrics(const Invocation& in) {
+  v1::GetMetricsRequest request;
+  request.set_job_id(in.arg);
+  request.set_max_points(absl::GetFlag(FLAGS_max_points));
+  auto metrics = in.client.Metrics(request);
+  if (!metrics.ok()) return Fail(metrics.status());
+  const std::string format = absl::GetFlag(FLAGS_format);
+  if (format == "json" || in.json) {
+    std::cout << Json(*metrics);
+    return 0;
+  }
+  if (format != "csv") {
+    std::cerr << "tessera metrics: --format must be csv or json\n";
+    return 2;
+  }
+  std::cout << "step,loss,grad_norm,learning_rate,tokens_per_second,samples_per_second,mfu,"
+               "step_time_seconds,peak_memory_bytes,epoch\n";
+  for (const auto& m : metrics->points()) {
+    std::cout << absl::StrFormat("%d,%.6f,%.6f,%.6e,%.1f,%.2f,%.6f,%.6f,%d,%.4f\n", m.step(),
+                                 m.loss(), m.grad_norm(), m.learning_rate(), m.tokens_per_second(),
+                                 m.samples_per_second(), m.mfu(), m.step_time_seconds(),
+                                 m.peak_memory_bytes(), m.epoch());
+  }
+  return 0;
+}
+
+int Plot(const Invocation& in) {
+  v1::GetMetricsRequest request;
+  request.set_job_id(in.arg);
+  request.set_max_points(absl::GetFlag(FLAGS_max_points) > 0 ? absl::GetFlag(FLAGS_max_points)
+                                                             : 2000);
+  auto metrics = in.client.Metrics(request);
+  if (!metrics.ok()) return Fail(metrics.status());
+  auto job = in.client.Get(in.arg);
+  if (!job.ok()) return Fail(job.status());
+  std::string path = absl::GetFlag(FLAGS_o).empty() ? in.arg + ".svg" : absl::GetFlag(FLAGS_o);
+  std::ofstream out(path);
+  out << tessera::client::RenderTrainingPlot(
+      absl::StrCat(in.arg, " (", job->spec().name(), "): ", StateName(job->state()), ", step ",
+                   job->current_step(), "/", TotalSteps(*job)),
+      *metrics);
+  if (!out.good()) return Fail(absl::UnavailableError(absl::StrCat(path, ": cannot write")));
+  std::cout << path << "\n";
+  return 0;
+}
+
+int Checkpoints(const Invocation& in) {
+  auto checkpoints = in.client.Checkpoints(in.arg);
+  if (!checkpoints.ok()) return Fail(checkpoints.status());
+  for (const auto& c : *checkpoints) {
+    std::cout << absl::StrFormat("step %-8lld %8.1f MiB  %d shard(s)  %s\n", c.step(),
+                                 c.size_bytes() / 1048576.0, c.num_shards(), c.path());
+  }
+  return 0;
+}
+
+int Queues(const Invocation& in) {
+  auto queues = in.client.Queues();
+  if (!queues.ok()) return Fail(queues.status());
+  std::cout << (in.json ? Json(*queues) : tessera::client::QueuesTable(*queues));
+  return 0;
+}
+
+// `tessera nodes drain|undrain|remove NODE`.
+int ChangeNode(const Invocation& in) {
+  const std::string& action = in.arg;
+  const std::string node_id = in.args.size() > 3 ? in.args[3] : "";
+  if (node_id.empty() || (action != "drain" && action != "undrain" && action != "remove")) {
+    std::cerr << "tessera nodes: expected drain NODE, undrain NODE or remove NODE\n\n" << kUsage;
+    return 2;
+  }
+  if (action == "remove") {
+    if (auto status = in.client.RemoveNode(node_id); !status.ok()) return Fail(status);
+    std::cout << "node " << node_id << " removed\n";
+    return 0;
+  }
+  v1::Node node;
+  std::string moving, remaining;
+  if (action == "drain") {
+    v1::DrainNodeRequest request;
+    request.set_node_id(node_id);
+    request.set_checkpoint(absl::GetFlag(FLAGS_checkpoint));
+    request.set_reason(absl::GetFlag(FLAGS_reason));
+    auto drained = in.client.DrainNode(request);
+    if (!drained.ok()) return Fail(drained.status());
+    if (in.json) {
+      std::cout << Json(*drained);
+      return 0;
+    }
+    node = drained->node();
+    moving = absl::StrJoin(drained->moving_job_ids(), ", ");
+    remaining = absl::StrJoin(drained->remaining_job_ids(), ", ");
+  } else {
+    auto undrained = in.client.UndrainNode(node_id);
+    if (!undrained.ok()) return Fail(undrained.status());
+    node = *undrained;
+    if (in.json) {
+      std::cout << Json(node);
+      return 0;
+    }
+  }
+  std::cout << "node " << node_id << ": "
+            << v1::NodeState_Name(node.state()).substr(std::string("NODE_STATE_").size()) << "\n";
+  if (!moving.empty()) std::cout << "  checkpointing and moving: " << moving << "\n";
+  if (!remaining.empty()) std::cout << "  left to finish here: " << remaining << "\n";
+  return 0;
+}
+
+// `tessera nodes` lists the nodes; `tessera nodes ACTION NODE` changes one.
+int Nodes(const Invocation& in) {
+  if (!in.arg.empty()) return ChangeNode(in);
+  auto nodes = in.client.Nodes(/*include_lost=*/true);
+  if (!nodes.ok()) return Fail(nodes.status());
+  for (const auto& node : *nodes) {
+    if (in.json) {
+      std::cout << Json(node);
+      continue;
+    }
+    std::string state = v1::NodeState_Name(node.state()).substr(std::string("NODE_STATE_").size());
+    std::cout << absl::StrFormat("%-20s %-8s gpus %d/%d free  cpu slots %d/%d free  jobs [%s]\n",
+                                 node.node_id(), state, node.free_gpus_size(),
+                                 node.resources().gpus_size(), node.free_cpu_slots(),
+                                 node.resources().cpu_slots(), absl::StrJoin(node.job_ids(), ","));
+    if (node.drained()) {
+      std::cout << "    drained" << (node.drain_reason().empty() ? "" : ": ") << node.drain_reason()
+                << "\n";
+    }
+    for (const auto& gpu : node.gpu_metrics()) {
+      std::cout << absl::StrFormat(
+          "    gpu %d  util %3.0f%%  memory %5.1f/%5.1f GiB  %3.0f W  %2.0f C  %4.0f MHz\n",
+          gpu.index(), gpu.utilization_percent(), gpu.memory_used_bytes() / 1073741824.0,
+          gpu.memory_total_bytes() / 1073741824.0, gpu.power_watts(), gpu.temperature_celsius(),
+          gpu.sm_clock_mhz());
+    }
+  }
+  return 0;
+}
+
+// The commands that talk to a coordinator, by name. `needs`: what the first argument names when
+// the command cannot run without one ("tessera get: missing JOB"); null when it needs none.
+struct Command {
+  std::string_view name;
+  const char* needs;
+  int (*run)(const Invocation&);
+};
+
+constexpr Command kCommands[] = {
+    {"health", nullptr, Health}, {"plan", nullptr, Plan},   {"submit", "SPEC file", Submit},
+    {"watch", "JOB", WatchJob},  {"get", "JOB", Get},       {"status", "JOB", Get},
+    {"list", nullptr, List},     {"cancel", "JOB", Cancel}, {"logs", "JOB", Logs},
+    {"metrics", "JOB", Metrics}, {"plot", "JOB", Plot},     {"checkpoints", "JOB", Checkpoints},
+    {"queues", nullptr, Queues}, {"nodes", nullptr, Nodes},
+};
+
+const Command* FindCommand(std::string_view name) {
+  for (const Command& command : kCommands) {
+    if (command.name == name) return &command;
+  }
+  return nullptr;
+}
+
+// The client options: flags, then the environment, then the config file. Exits with 2 on a bad
+// config file (message printed).
+std::optional<tessera::client::ClientOptions> ClientOptionsFromFlags() {
+  auto config = tessera::client::LoadClientConfig(absl::GetFlag(FLAGS_config));
+  if (!config.ok()) {
+    std::cerr << "tessera: " << config.status().message() << "\n";
+    return std::nullopt;
+  }
+  auto pick = [](const std::string& flag, const char* env, const std::string& from_file) {
+    if (!flag.empty()) return flag;
+    if (const char* value = env == nullptr ? nullptr : std::getenv(env);
+        value != nullptr && *value != '\0') {
+      return std::string(value);
+    }
+    return from_file;
+  };
+  std::string address =
+      pick(absl::GetFlag(FLAGS_coordinator), kCoordinatorEnv, config->coordinator);
+  if (address.empty()) address = "127.0.0.1:50051";
+  tessera::client::ClientOptions options{.address = address,
+                                         .timeout = absl::GetFlag(FLAGS_timeout)};
+  options.token = pick("", kTokenEnv, config->token);
+  options.tls.ca_file = pick(absl::GetFlag(FLAGS_tls_ca), nullptr, config->tls_ca);
+  options.tls.cert_file = pick(absl::GetFlag(FLAGS_tls_cert), nullptr, config->tls_cert);
+  options.tls.key_file = pick(absl::GetFlag(FLAGS_tls_key), nullptr, config->tls_key);
+  return options;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -325,277 +626,29 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[1];
   const std::string arg = args.size() > 2 ? args[2] : "";
-  auto need_arg = [&](const char* what) {
-    if (!arg.empty()) return true;
-    std::cerr << "tessera " << command << ": missing " << what << "\n\n" << kUsage;
-    return false;
-  };
+  // Commands that need no coordinator.
   if (command == "local") return Local();
   if (command == "version") {
     std::cout << tessera::BuildSummary() << "\n";
     return 0;
   }
-  auto config = tessera::client::LoadClientConfig(absl::GetFlag(FLAGS_config));
-  if (!config.ok()) {
-    std::cerr << "tessera: " << config.status().message() << "\n";
+  const Command* found = FindCommand(command);
+  if (found == nullptr) {
+    std::cerr << "tessera: unknown command '" << command << "'\n\n" << kUsage;
     return 2;
   }
-  // Flags, then the environment, then the config file.
-  auto pick = [](const std::string& flag, const char* env, const std::string& from_file) {
-    if (!flag.empty()) return flag;
-    if (const char* value = env == nullptr ? nullptr : std::getenv(env);
-        value != nullptr && *value != '\0') {
-      return std::string(value);
-    }
-    return from_file;
-  };
-  std::string address = pick(absl::GetFlag(FLAGS_coordinator), kCoordinatorEnv, config->coordinator);
-  if (address.empty()) address = "127.0.0.1:50051";
-  tessera::client::ClientOptions client_options{.address = address,
-                                                .timeout = absl::GetFlag(FLAGS_timeout)};
-  client_options.token = pick("", kTokenEnv, config->token);
-  client_options.tls.ca_file = pick(absl::GetFlag(FLAGS_tls_ca), nullptr, config->tls_ca);
-  client_options.tls.cert_file = pick(absl::GetFlag(FLAGS_tls_cert), nullptr, config->tls_cert);
-  client_options.tls.key_file = pick(absl::GetFlag(FLAGS_tls_key), nullptr, config->tls_key);
-  CoordinatorClient client(client_options);
+  std::optional<tessera::client::ClientOptions> options = ClientOptionsFromFlags();
+  if (!options.has_value()) return 2;
+  CoordinatorClient client(*options);
   const std::string output = absl::GetFlag(FLAGS_output);
   if (output != "text" && output != "json") {
     std::cerr << "tessera: --output must be text or json, not '" << output << "'\n";
     return 2;
   }
-  const bool json = output == "json";
-
-  if (command == "health") {
-    auto serving = client.CheckHealth("tessera.v1.Coordinator");
-    if (!serving.ok()) return Fail(serving.status());
-    std::cout << client.options().address << ": "
-              << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(*serving) << "\n";
-    return *serving == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+  if (found->needs != nullptr && arg.empty()) {
+    std::cerr << "tessera " << command << ": missing " << found->needs << "\n\n" << kUsage;
+    return 2;
   }
-  if (command == "plan") return tessera::client::RunPlan(arg, client, json);
-  if (command == "submit") {
-    if (!need_arg("SPEC file")) return 2;
-    auto spec = tessera::client::LoadJobSpec(arg, tessera::client::ProcessEnvironment());
-    if (!spec.ok()) return Fail(spec.status());
-    auto job = client.Submit(*spec);
-    if (!job.ok()) return Fail(job.status());
-    std::cout << job->job_id() << "\n";
-    return absl::GetFlag(FLAGS_watch) ? Watch(client, job->job_id()) : 0;
-  }
-  if (command == "watch") return need_arg("JOB") ? Watch(client, arg) : 2;
-  if (command == "get" || command == "status") {
-    if (!need_arg("JOB")) return 2;
-    auto job = client.Get(arg);
-    if (!job.ok()) return Fail(job.status());
-    // A job placed by an older coordinator records no GPU UUIDs: the nodes' inventories have
-    // them; without those the indices still show.
-    std::vector<v1::Node> nodes;
-    if (tessera::client::HoldsGpus(*job)) {
-      auto listed = client.Nodes(/*include_lost=*/true);
-      if (listed.ok()) {
-        nodes = *std::move(listed);
-      } else {
-        std::cerr << "tessera: cannot list nodes for the GPUs' UUIDs: "
-                  << listed.status().message() << "\n";
-      }
-    }
-    *job = tessera::client::WithGpuIdentity(*std::move(job), nodes);
-    if (json) {
-      // The job as protobuf JSON, nothing added: a strict v1.Job parser reads it.
-      std::cout << Json(*job);
-    } else {
-      PrintJob(*job);
-      if (!job->plan().explanation().empty()) {
-        std::cout << "  plan: " << job->plan().explanation() << "\n";
-      }
-      PrintAttempts(*job);
-      std::cout << tessera::client::RollbackBlock(*job);
-      std::cout << tessera::client::ExpertLoadBlock(job->latest_metrics());
-      std::cout << tessera::client::TimeBreakdownBlock(job->latest_metrics())
-                << tessera::client::RankBreakdownTable(job->straggler());
-      std::cout << tessera::client::GpuTable(*job);
-    }
-    return 0;
-  }
-  if (command == "list") {
-    v1::ListJobsRequest request;
-    for (const auto& name : absl::GetFlag(FLAGS_state)) {
-      v1::JobState state;
-      if (!v1::JobState_Parse("JOB_STATE_" + absl::AsciiStrToUpper(name), &state)) {
-        std::cerr << "tessera list: unknown state '" << name << "'\n";
-        return 2;
-      }
-      request.add_states(state);
-    }
-    do {
-      auto page = client.List(request);
-      if (!page.ok()) return Fail(page.status());
-      for (const auto& job : page->jobs()) {
-        if (json) {
-          std::cout << Json(job);
-        } else {
-          PrintJob(job);
-        }
-      }
-      request.set_page_token(page->next_page_token());
-    } while (!request.page_token().empty());
-    return 0;
-  }
-  if (command == "cancel") {
-    if (!need_arg("JOB")) return 2;
-    auto job = client.Cancel(arg, absl::GetFlag(FLAGS_reason));
-    if (!job.ok()) return Fail(job.status());
-    PrintJob(*job);
-    return 0;
-  }
-  if (command == "logs") {
-    if (!need_arg("JOB")) return 2;
-    v1::GetLogsRequest request;
-    request.set_job_id(arg);
-    request.set_rank(absl::GetFlag(FLAGS_rank));
-    request.set_attempt(-1);
-    request.set_follow(absl::GetFlag(FLAGS_follow));
-    request.set_tail_lines(absl::GetFlag(FLAGS_tail));
-    auto status = client.Logs(request, [](const v1::LogChunk& chunk) {
-      std::cout << chunk.data();
-      std::cout.flush();
-    });
-    return status.ok() ? 0 : Fail(status);
-  }
-  if (command == "metrics") {
-    if (!need_arg("JOB")) return 2;
-    v1::GetMetricsRequest request;
-    request.set_job_id(arg);
-    request.set_max_points(absl::GetFlag(FLAGS_max_points));
-    auto metrics = client.Metrics(request);
-    if (!metrics.ok()) return Fail(metrics.status());
-    const std::string format = absl::GetFlag(FLAGS_format);
-    if (format == "json" || json) {
-      std::cout << Json(*metrics);
-      return 0;
-    }
-    if (format != "csv") {
-      std::cerr << "tessera metrics: --format must be csv or json\n";
-      return 2;
-    }
-    std::cout << "step,loss,grad_norm,learning_rate,tokens_per_second,samples_per_second,mfu,"
-                 "step_time_seconds,peak_memory_bytes,epoch\n";
-    for (const auto& m : metrics->points()) {
-      std::cout << absl::StrFormat("%d,%.6f,%.6f,%.6e,%.1f,%.2f,%.6f,%.6f,%d,%.4f\n", m.step(),
-                                   m.loss(), m.grad_norm(), m.learning_rate(),
-                                   m.tokens_per_second(), m.samples_per_second(), m.mfu(),
-                                   m.step_time_seconds(), m.peak_memory_bytes(), m.epoch());
-    }
-    return 0;
-  }
-  if (command == "plot") {
-    if (!need_arg("JOB")) return 2;
-    v1::GetMetricsRequest request;
-    request.set_job_id(arg);
-    request.set_max_points(absl::GetFlag(FLAGS_max_points) > 0 ? absl::GetFlag(FLAGS_max_points)
-                                                               : 2000);
-    auto metrics = client.Metrics(request);
-    if (!metrics.ok()) return Fail(metrics.status());
-    auto job = client.Get(arg);
-    if (!job.ok()) return Fail(job.status());
-    std::string path = absl::GetFlag(FLAGS_o).empty() ? arg + ".svg" : absl::GetFlag(FLAGS_o);
-    std::ofstream out(path);
-    out << tessera::client::RenderTrainingPlot(
-        absl::StrCat(arg, " (", job->spec().name(), "): ", StateName(job->state()), ", step ",
-                     job->current_step(), "/", TotalSteps(*job)),
-        *metrics);
-    if (!out.good()) return Fail(absl::UnavailableError(absl::StrCat(path, ": cannot write")));
-    std::cout << path << "\n";
-    return 0;
-  }
-  if (command == "checkpoints") {
-    if (!need_arg("JOB")) return 2;
-    auto checkpoints = client.Checkpoints(arg);
-    if (!checkpoints.ok()) return Fail(checkpoints.status());
-    for (const auto& c : *checkpoints) {
-      std::cout << absl::StrFormat("step %-8lld %8.1f MiB  %d shard(s)  %s\n", c.step(),
-                                   c.size_bytes() / 1048576.0, c.num_shards(), c.path());
-    }
-    return 0;
-  }
-  if (command == "nodes" && !arg.empty()) {
-    const std::string node_id = args.size() > 3 ? args[3] : "";
-    if (node_id.empty() || (arg != "drain" && arg != "undrain" && arg != "remove")) {
-      std::cerr << "tessera nodes: expected drain NODE, undrain NODE or remove NODE\n\n"
-                << kUsage;
-      return 2;
-    }
-    if (arg == "remove") {
-      if (auto status = client.RemoveNode(node_id); !status.ok()) return Fail(status);
-      std::cout << "node " << node_id << " removed\n";
-      return 0;
-    }
-    v1::Node node;
-    std::string moving, remaining;
-    if (arg == "drain") {
-      v1::DrainNodeRequest request;
-      request.set_node_id(node_id);
-      request.set_checkpoint(absl::GetFlag(FLAGS_checkpoint));
-      request.set_reason(absl::GetFlag(FLAGS_reason));
-      auto drained = client.DrainNode(request);
-      if (!drained.ok()) return Fail(drained.status());
-      if (json) {
-        std::cout << Json(*drained);
-        return 0;
-      }
-      node = drained->node();
-      moving = absl::StrJoin(drained->moving_job_ids(), ", ");
-      remaining = absl::StrJoin(drained->remaining_job_ids(), ", ");
-    } else {
-      auto undrained = client.UndrainNode(node_id);
-      if (!undrained.ok()) return Fail(undrained.status());
-      node = *undrained;
-      if (json) {
-        std::cout << Json(node);
-        return 0;
-      }
-    }
-    std::cout << "node " << node_id << ": "
-              << v1::NodeState_Name(node.state()).substr(std::string("NODE_STATE_").size())
-              << "\n";
-    if (!moving.empty()) std::cout << "  checkpointing and moving: " << moving << "\n";
-    if (!remaining.empty()) std::cout << "  left to finish here: " << remaining << "\n";
-    return 0;
-  }
-  if (command == "queues") {
-    auto queues = client.Queues();
-    if (!queues.ok()) return Fail(queues.status());
-    std::cout << (json ? Json(*queues) : tessera::client::QueuesTable(*queues));
-    return 0;
-  }
-  if (command == "nodes") {
-    auto nodes = client.Nodes(/*include_lost=*/true);
-    if (!nodes.ok()) return Fail(nodes.status());
-    for (const auto& node : *nodes) {
-      if (json) {
-        std::cout << Json(node);
-        continue;
-      }
-      std::string state =
-          v1::NodeState_Name(node.state()).substr(std::string("NODE_STATE_").size());
-      std::cout << absl::StrFormat(
-          "%-20s %-8s gpus %d/%d free  cpu slots %d/%d free  jobs [%s]\n", node.node_id(), state,
-          node.free_gpus_size(), node.resources().gpus_size(), node.free_cpu_slots(),
-          node.resources().cpu_slots(), absl::StrJoin(node.job_ids(), ","));
-      if (node.drained()) {
-        std::cout << "    drained" << (node.drain_reason().empty() ? "" : ": ")
-                  << node.drain_reason() << "\n";
-      }
-      for (const auto& gpu : node.gpu_metrics()) {
-        std::cout << absl::StrFormat(
-            "    gpu %d  util %3.0f%%  memory %5.1f/%5.1f GiB  %3.0f W  %2.0f C  %4.0f MHz\n",
-            gpu.index(), gpu.utilization_percent(), gpu.memory_used_bytes() / 1073741824.0,
-            gpu.memory_total_bytes() / 1073741824.0, gpu.power_watts(), gpu.temperature_celsius(),
-            gpu.sm_clock_mhz());
-      }
-    }
-    return 0;
-  }
-  std::cerr << "tessera: unknown command '" << command << "'\n\n" << kUsage;
-  return 2;
+  return found->run(Invocation{
+      .args = args, .command = command, .arg = arg, .client = client, .json = output == "json"});
 }
