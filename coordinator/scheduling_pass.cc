@@ -134,7 +134,7 @@ void SchedulingPass::CountQueues(const QueueConfig& config, const Snapshot& snap
     figures.borrowed.gpus = std::max<int64_t>(0, figures.used.gpus - queue.nominal.gpus);
     figures.borrowed.cpu_slots =
         std::max<int64_t>(0, figures.used.cpu_slots - queue.nominal.cpu_slots);
-    figures.fair_share = fair_share_->Share(config, queue.name);
+    figures.fair_share = queue_stage_.Share(config, queue.name);
     if (auto it = preemptions_.find(queue.name); it != preemptions_.end()) {
       figures.preemptions = it->second;
     }
@@ -144,33 +144,6 @@ void SchedulingPass::CountQueues(const QueueConfig& config, const Snapshot& snap
     auto it = stats->queues.find(CountingQueue(job.queue(), config));
     if (it != stats->queues.end()) ++it->second.waiting_jobs;
   }
-}
-
-void SchedulingPass::AdmitByQueues(const Snapshot& snapshot,
-                                   const std::map<std::string, const v1::Job*>& waiting,
-                                   std::vector<GangRequest>* requests,
-                                   std::map<std::string, std::string>* held,
-                                   std::vector<QueuedRequest>* held_requests) {
-  if (snapshot.queues == nullptr || requests->empty()) return;
-  const QueueConfig& config = *snapshot.queues;
-  std::vector<QueuedRequest> queued;
-  queued.reserve(requests->size());
-  for (const GangRequest& request : *requests) {
-    queued.push_back({.job_id = request.job_id,
-                      .queue = CountingQueue(waiting.at(request.job_id)->queue(), config),
-                      .priority = request.priority,
-                      .submit_order = request.submit_order,
-                      .use_gpus = request.use_gpus,
-                      .devices = request.world_size});
-  }
-  QuotaAdmission admission =
-      AdmitByQuota(config, snapshot.queue_use, fair_share_->Shares(config), queued);
-  for (QueuedRequest& request : queued) {
-    if (admission.held.contains(request.job_id)) held_requests->push_back(std::move(request));
-  }
-  std::erase_if(*requests,
-                [&](const GangRequest& request) { return admission.held.contains(request.job_id); });
-  *held = std::move(admission.held);
 }
 
 SchedulingPass::Snapshot SchedulingPass::SnapshotLocked(const std::vector<v1::Job>& waiting,
@@ -207,11 +180,10 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
     // What each queue held since the previous pass counts towards its fair share, on top of
     // what it used before a restart (restored once). Saved here, with the cluster lock released.
     const absl::Time now = state_->Now();
-    if (!fair_share_.has_value()) fair_share_.emplace(snapshot.queues->fair_share_half_life, now);
-    fair_share_->set_half_life(snapshot.queues->fair_share_half_life);
-    fair_share_saver_.RestoreInto(&*fair_share_);
-    fair_share_->Accrue(now, snapshot.queue_use);
-    fair_share_saver_.MaybeSave(now, *fair_share_);
+    FairShareTracker& tracker = queue_stage_.Tracker(*snapshot.queues, now);
+    fair_share_saver_.RestoreInto(&tracker);
+    queue_stage_.Accrue(now, snapshot.queue_use);
+    fair_share_saver_.MaybeSave(now, tracker);
     CountQueues(*snapshot.queues, snapshot, active, stats);
   }
   pending_reasons_.Keep(waiting_ids);
@@ -227,9 +199,11 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   std::map<std::string, v1::JobSpec>& specs = planned.specs;
   std::map<std::string, v1::LayoutPlan>& plans = planned.plans;
   // Only what the queues' quotas admit tries placement.
-  std::map<std::string, std::string> quota_held;
-  std::vector<QueuedRequest> held_requests;
-  AdmitByQueues(snapshot, waiting, &requests, &quota_held, &held_requests);
+  QueueStage::Held quota_held;
+  if (snapshot.queues != nullptr) {
+    quota_held = queue_stage_.Admit(*snapshot.queues, snapshot.queue_use, waiting, &requests);
+  }
+  std::vector<QueuedRequest>& held_requests = quota_held.requests;
   phase.Next("plan");
   ScheduleResult result;
   // What the scheduler cannot place may preempt lower priorities of its queue (PreemptLocked's
@@ -243,7 +217,7 @@ SchedulingPass::Writes SchedulingPass::PlanAndAdmit(const std::vector<v1::Job>& 
   std::set<std::string> placed_ids;
   for (const GangPlacement& placement : result.placed) placed_ids.insert(placement.job_id);
   std::erase_if(tried, [&](const GangRequest& r) { return placed_ids.contains(r.job_id); });
-  result.pending_reasons.merge(quota_held);
+  result.pending_reasons.merge(quota_held.reasons);
   phase.Next("schedule");
   // The gangs are admitted (allocation made) under one short hold, unless a node registered again
   // (or was lost) since the snapshot: it may offer other devices now, and that gang waits for the
@@ -610,7 +584,9 @@ SchedulingPass::~SchedulingPass() { StopStoreThread(); }
 
 void SchedulingPass::SaveFairShare() {
   absl::MutexLock lock(&pass_mu_);
-  if (fair_share_.has_value()) fair_share_saver_.Save(*fair_share_);
+  if (const FairShareTracker* tracker = queue_stage_.tracker(); tracker != nullptr) {
+    fair_share_saver_.Save(*tracker);
+  }
 }
 
 void SchedulingPass::SetSchedulingLatencyObserver(std::function<void(double)> observer) {

@@ -49,6 +49,7 @@
 #include "coordinator/scheduling/assignments.h"
 #include "coordinator/scheduling/pending_reasons.h"
 #include "coordinator/scheduling/plan_stage.h"
+#include "coordinator/scheduling/queue_stage.h"
 #include "planner/job_plan.h"
 
 namespace tessera::coordinator {
@@ -111,17 +112,9 @@ class SchedulingPass {
   Snapshot SnapshotLocked(const std::vector<v1::Job>& waiting,
                           std::shared_ptr<const QueueConfig> queues)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
-  // Quota admission (queue_admission.h) of this pass's `requests`: those their queues' quotas
-  // hold back are removed, with why in `held`; fair share accrues what the queues held since the
-  // previous pass. Nothing changes without configured queues.
   // Each configured queue's figures for the pass's statistics (ClusterStats::queues).
   void CountQueues(const QueueConfig& config, const Snapshot& snapshot,
                    const std::vector<v1::Job>& waiting, ClusterStats* stats)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_);
-  void AdmitByQueues(const Snapshot& snapshot,
-                     const std::map<std::string, const v1::Job*>& waiting,
-                     std::vector<GangRequest>* requests, std::map<std::string, std::string>* held,
-                     std::vector<QueuedRequest>* held_requests)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_);
   // Preemption (queue_preemption.h), under the lock: for the first job its quota holds back
   // (by priority, then age) that preemption would let start, the victims are asked to save a
@@ -198,9 +191,11 @@ class SchedulingPass {
   PlanStage plan_stage_ ABSL_GUARDED_BY(pass_mu_);
   // Which pending reasons a pass stores (scheduling/pending_reasons.h).
   PendingReasons pending_reasons_ ABSL_GUARDED_BY(pass_mu_);
-  // Each queue's decayed usage (fair_share.h), from the first pass with queues configured.
-  std::optional<FairShareTracker> fair_share_ ABSL_GUARDED_BY(pass_mu_);
-  // Restores fair_share_ from the store when it is created and saves it now and then.
+  // Quota admission and the queues' fair share (scheduling/queue_stage.h), from the first pass
+  // with queues configured.
+  QueueStage queue_stage_ ABSL_GUARDED_BY(pass_mu_);
+  // Restores the queue stage's fair-share usage from the store when it is created and saves it
+  // now and then.
   FairShareSaver fair_share_saver_ ABSL_GUARDED_BY(pass_mu_);
   // Jobs preempted since start, by victim queue, then reason (PreemptionKindName).
   std::map<std::string, std::map<std::string, int64_t>> preemptions_ ABSL_GUARDED_BY(pass_mu_);
