@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "coordinator/postgres_client.h"
 #include "coordinator/postgres_database.h"
 
 namespace tessera::coordinator {
@@ -71,12 +72,6 @@ constexpr char kCurrent[] =
 constexpr char kFence[] =
     "SELECT epoch, address FROM tessera_leader_lease WHERE id = 1 FOR KEY SHARE";
 
-std::string Trimmed(const char* message) {
-  std::string text = message != nullptr ? message : "";
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
-  return text;
-}
-
 std::string DefaultHolder() {
   char host[256] = {};
   if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
@@ -122,11 +117,11 @@ absl::StatusOr<std::unique_ptr<LeaderElection>> LeaderElection::Connect(
   election->conn_ = PQconnectdbParams(keys.data(), values.data(), /*expand_dbname=*/1);
   if (election->conn_ == nullptr || PQstatus(election->conn_) != CONNECTION_OK) {
     return absl::UnavailableError(absl::StrCat("leader election: connect to ", redacted, ": ",
-                                               Trimmed(PQerrorMessage(election->conn_))));
+                                               PgMessage(PQerrorMessage(election->conn_))));
   }
   PGresult* created = PQexec(election->conn_, kCreateTable);
   const bool ok = PQresultStatus(created) == PGRES_COMMAND_OK;
-  const std::string error = Trimmed(PQresultErrorMessage(created));
+  const std::string error = PgMessage(PQresultErrorMessage(created));
   PQclear(created);
   if (!ok) {
     return absl::UnavailableError(
@@ -166,16 +161,12 @@ LeaderElection::~LeaderElection() {
 
 absl::StatusOr<std::vector<std::vector<std::string>>> LeaderElection::Query(
     const std::string& sql, const std::vector<std::string>& parameters) {
-  // As the store's connections (postgres_database.cc): find a server's restart before the query.
-  if (PQstatus(conn_) == CONNECTION_OK && PQtransactionStatus(conn_) == PQTRANS_IDLE) {
-    for (int i = 0; i < 2 && PQconsumeInput(conn_) == 1; ++i) {
-    }
-  }
-  if (PQstatus(conn_) != CONNECTION_OK) PQreset(conn_);
+  // As the store's connections: find a server's restart before the query.
+  PgReconnectIfBroken(conn_);
   if (PQstatus(conn_) != CONNECTION_OK) {
     return absl::UnavailableError(absl::StrCat("leader election: reconnect to ",
                                                RedactPostgresUrl(options_.url), ": ",
-                                               Trimmed(PQerrorMessage(conn_))));
+                                               PgMessage(PQerrorMessage(conn_))));
   }
   std::vector<const char*> values;
   for (const std::string& parameter : parameters) values.push_back(parameter.c_str());
@@ -183,16 +174,11 @@ absl::StatusOr<std::vector<std::vector<std::string>>> LeaderElection::Query(
                                   values.data(), nullptr, nullptr, /*resultFormat=*/0);
   const ExecStatusType status = PQresultStatus(result);
   if (status != PGRES_TUPLES_OK && status != PGRES_COMMAND_OK) {
-    const char* state = PQresultErrorField(result, PG_DIAG_SQLSTATE);
-    const std::string code = state != nullptr ? state : "";
-    std::string message = absl::StrCat("leader election: ", Trimmed(PQresultErrorMessage(result)));
+    // Classified as the store's failures are (a broken connection, a shutdown, a lock timeout:
+    // UNAVAILABLE, worth trying again).
+    absl::Status failure = PgFailure(conn_, result, "leader election");
     PQclear(result);
-    // A broken connection, a shutdown, a lock or statement timeout: worth trying again.
-    if (code.empty() || absl::StartsWith(code, "08") || absl::StartsWith(code, "57") ||
-        code == "55P03" || code == "40001" || code == "40P01") {
-      return absl::UnavailableError(std::move(message));
-    }
-    return absl::InternalError(std::move(message));
+    return failure;
   }
   std::vector<std::vector<std::string>> rows(PQntuples(result));
   for (int row = 0; row < PQntuples(result); ++row) {

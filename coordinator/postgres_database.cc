@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
+#include "coordinator/postgres_client.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -34,45 +35,8 @@ constexpr Oid kFloat8Oid = 701;
 
 constexpr int kBinary = 1;
 
-// libpq's messages end with a newline; ours do not.
-std::string Trimmed(const char* message) {
-  std::string text = message != nullptr ? message : "";
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
-  return text;
-}
-
-// A failure as a status, by SQLSTATE class (PostgreSQL's appendix A): unique violation
-// ALREADY_EXISTS; connection failures, shutdowns, serialization failures, deadlocks and lock
-// timeouts UNAVAILABLE (worth retrying); disk full and other insufficient resources
-// RESOURCE_EXHAUSTED; refused credentials PERMISSION_DENIED; data or index corruption
-// DATA_LOSS; a missing database, table or column FAILED_PRECONDITION; INTERNAL otherwise. A
-// failure with no SQLSTATE (the connection is gone) is UNAVAILABLE.
-absl::Status StatusFromSqlState(const std::string& state, std::string message) {
-  auto klass = [&](const char* prefix) { return absl::StartsWith(state, prefix); };
-  if (state.empty() || klass("08") || klass("57P") || state == "40001" || state == "40P01" ||
-      state == "55P03" || state == "53300") {
-    return absl::UnavailableError(std::move(message));
-  }
-  if (state == "23505") return absl::AlreadyExistsError(std::move(message));
-  if (klass("53")) return absl::ResourceExhaustedError(std::move(message));
-  if (klass("28")) return absl::PermissionDeniedError(std::move(message));
-  if (state == "XX001" || state == "XX002") return absl::DataLossError(std::move(message));
-  if (state == "3D000" || state == "42P01" || state == "42703") {
-    return absl::FailedPreconditionError(std::move(message));
-  }
-  return absl::InternalError(std::move(message));
-}
-
 absl::Status ResultStatus(PGconn* conn, const PGresult* result, absl::string_view operation) {
-  const char* state = result != nullptr ? PQresultErrorField(result, PG_DIAG_SQLSTATE) : nullptr;
-  const std::string detail =
-      Trimmed(result != nullptr ? PQresultErrorMessage(result) : PQerrorMessage(conn));
-  std::string message = absl::StrCat("store: ", operation, ": ",
-                                     detail.empty() ? Trimmed(PQerrorMessage(conn)) : detail);
-  if (state == nullptr && PQstatus(conn) == CONNECTION_OK && result != nullptr) {
-    return absl::InternalError(std::move(message));
-  }
-  return StatusFromSqlState(state != nullptr ? state : "", std::move(message));
+  return PgFailure(conn, result, absl::StrCat("store: ", operation));
 }
 
 // Owns a PGresult.
@@ -398,19 +362,13 @@ class PostgresConnection final : public DbConnection {
   // rather than by the next read or batch. Twice: the first call may read only the server's
   // farewell message (taken as a notice while idle), the second finds the end of the stream.
   void ReconnectIfBroken() {
-    if (PQstatus(conn_) == CONNECTION_OK && !InTransaction()) {
-      for (int i = 0; i < 2 && PQconsumeInput(conn_) == 1; ++i) {
-      }
-    }
-    if (PQstatus(conn_) == CONNECTION_OK) return;
-    statements_.clear();
-    PQreset(conn_);
+    if (PgReconnectIfBroken(conn_)) statements_.clear();
   }
   absl::Status EnsureConnected() {
     ReconnectIfBroken();
     if (PQstatus(conn_) != CONNECTION_OK) {
       return absl::UnavailableError(
-          absl::StrCat("store: reconnect to ", name_, ": ", Trimmed(PQerrorMessage(conn_))));
+          absl::StrCat("store: reconnect to ", name_, ": ", PgMessage(PQerrorMessage(conn_))));
     }
     return absl::OkStatus();
   }
@@ -454,7 +412,7 @@ absl::StatusOr<std::unique_ptr<PostgresConnection>> Connect(
   PGconn* conn = PQconnectdbParams(keys.data(), values.data(), /*expand_dbname=*/1);
   auto connection = std::make_unique<PostgresConnection>(conn, redacted);
   if (conn == nullptr || PQstatus(conn) != CONNECTION_OK) {
-    const std::string detail = conn != nullptr ? Trimmed(PQerrorMessage(conn)) : "out of memory";
+    const std::string detail = conn != nullptr ? PgMessage(PQerrorMessage(conn)) : "out of memory";
     std::string message = absl::StrCat("store: connect to ", redacted, ": ", detail);
     if (absl::StrContains(detail, "password authentication failed") ||
         absl::StrContains(detail, "no password supplied")) {
