@@ -368,42 +368,6 @@ std::set<std::string> SchedulingPass::StoreWrites(Writes pass) {
   return placed;
 }
 
-void SchedulingPass::HandOver(Writes pass) {
-  absl::MutexLock lock(&store_mu_);
-  store_mu_.Await(absl::Condition(
-      +[](SchedulingPass* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->store_mu_) {
-        return !self->store_next_.has_value() && !self->store_busy_;
-      },
-      this));
-  store_next_ = std::move(pass);
-}
-
-void SchedulingPass::StoreLoop() {
-  while (true) {
-    Writes pass;
-    {
-      absl::MutexLock lock(&store_mu_);
-      store_mu_.Await(absl::Condition(
-          +[](SchedulingPass* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->store_mu_) {
-            return self->store_next_.has_value() || self->store_stopping_;
-          },
-          this));
-      // Writes handed over before Stop are stored first.
-      if (!store_next_.has_value()) return;
-      pass = std::move(*store_next_);
-      store_next_.reset();
-      store_busy_ = true;
-    }
-    const auto start = std::chrono::steady_clock::now();
-    StoreWrites(std::move(pass));
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    absl::MutexLock lock(&store_mu_);
-    store_busy_ = false;
-    store_overlapped_seconds_ += seconds;
-  }
-}
-
 ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
   absl::MutexLock pass_lock(&pass_mu_);
   const absl::Time now = state_->Now();
@@ -462,17 +426,13 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
     if (overlap_store) {
       // Counted as placed: the store thread takes a placement back only if its job was cancelled
       // meanwhile (or on a store error), which the next pass's counts show.
-      if (!pass.writes.empty()) HandOver(std::move(pass));
+      if (!pass.writes.empty()) store_thread_.HandOver(std::move(pass));
     } else {
       placed = StoreWrites(std::move(pass));
     }
     phase.Next("store");
-    {
-      absl::MutexLock lock(&store_mu_);
-      if (store_overlapped_seconds_ > 0) {
-        stats.phase_seconds["store_overlapped"] += store_overlapped_seconds_;
-        store_overlapped_seconds_ = 0;
-      }
+    if (const double overlapped = store_thread_.TakeBusySeconds(); overlapped > 0) {
+      stats.phase_seconds["store_overlapped"] += overlapped;
     }
     for (const auto& job : *active) {
       const bool pending = !placed.contains(job.job_id) && job.state == v1::JOB_STATE_PENDING;
@@ -561,24 +521,9 @@ void SchedulingPass::CountLocked(ClusterStats* stats) {
   }
 }
 
-void SchedulingPass::StartStoreThread() {
-  {
-    absl::MutexLock lock(&store_mu_);
-    store_stopping_ = false;
-  }
-  store_loop_ = std::thread([this] {
-    pthread_setname_np(pthread_self(), "pass-store");
-    StoreLoop();
-  });
-}
+void SchedulingPass::StartStoreThread() { store_thread_.Start(); }
 
-void SchedulingPass::StopStoreThread() {
-  {
-    absl::MutexLock lock(&store_mu_);
-    store_stopping_ = true;
-  }
-  if (store_loop_.joinable()) store_loop_.join();
-}
+void SchedulingPass::StopStoreThread() { store_thread_.Stop(); }
 
 SchedulingPass::~SchedulingPass() { StopStoreThread(); }
 

@@ -19,8 +19,8 @@
 //
 // Thread safety: Run may be called from any thread; passes are serialized by pass_mu_ (taken
 // before the cluster lock ClusterState::mu), which also guards the stages' memory between passes.
-// The cluster lock is held only for short phases and never across a store write. store_mu_
-// guards the hand-over to the store thread.
+// The cluster lock is held only for short phases and never across a store write. The store
+// thread (HandOffThread) guards its hand-over itself.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +47,7 @@
 #include "coordinator/queue_preemption.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/scheduling/assignments.h"
+#include "coordinator/scheduling/hand_off_thread.h"
 #include "coordinator/scheduling/pending_reasons.h"
 #include "coordinator/scheduling/plan_stage.h"
 #include "coordinator/scheduling/queue_stage.h"
@@ -66,13 +67,12 @@ class SchedulingPass {
 
   // One pass (see Cluster::Tick for `count`). With `overlap_store`, its placements are handed to
   // the store thread (StartStoreThread first) instead of being stored before it returns.
-  ClusterStats Run(bool count, bool overlap_store)
-      ABSL_LOCKS_EXCLUDED(pass_mu_, state_->mu, store_mu_);
+  ClusterStats Run(bool count, bool overlap_store) ABSL_LOCKS_EXCLUDED(pass_mu_, state_->mu);
 
   // The thread that stores the placements of passes run with `overlap_store`. Stop stores what
   // was handed over before it returns.
-  void StartStoreThread() ABSL_LOCKS_EXCLUDED(store_mu_);
-  void StopStoreThread() ABSL_LOCKS_EXCLUDED(store_mu_);
+  void StartStoreThread();
+  void StopStoreThread();
 
   // Saves the queues' fair-share usage now (fair_share_saver.h), as the coordinator stops;
   // nothing before the first pass with queues. A pass saves it every kSaveInterval on its own.
@@ -154,8 +154,6 @@ class SchedulingPass {
   // each placement stored and takes back each one that was not. Returns the ids of the jobs placed.
   std::set<std::string> StoreWrites(Writes pass) ABSL_LOCKS_EXCLUDED(state_->mu);
   // Gives `pass` to the store thread once the previous pass's writes are stored.
-  void HandOver(Writes pass) ABSL_LOCKS_EXCLUDED(store_mu_);
-  void StoreLoop() ABSL_LOCKS_EXCLUDED(store_mu_);
   // Settling, under the lock: liveness (when `count`), the attempts of jobs no longer active
   // (`active_ids`; null when the listing failed) drained, and the attempts whose end is due.
   std::vector<AttemptFate::Ending> SettleLocked(
@@ -202,14 +200,10 @@ class SchedulingPass {
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(state_->mu);
   std::function<void(const std::string&, double)> queue_wait_observer_ ABSL_GUARDED_BY(state_->mu);
 
-  // The store thread: one pass's writes in flight, the next waits its turn.
-  std::thread store_loop_;
-  absl::Mutex store_mu_;
-  std::optional<Writes> store_next_ ABSL_GUARDED_BY(store_mu_);
-  bool store_busy_ ABSL_GUARDED_BY(store_mu_) = false;
-  bool store_stopping_ ABSL_GUARDED_BY(store_mu_) = false;
-  // The store thread's seconds not yet reported in a pass's statistics.
-  double store_overlapped_seconds_ ABSL_GUARDED_BY(store_mu_) = 0;
+  // The store thread (scheduling/hand_off_thread.h): one pass's writes in flight, the next
+  // waits its turn; its busy seconds are the next pass's "store_overlapped".
+  HandOffThread<Writes> store_thread_{[this](Writes pass) { StoreWrites(std::move(pass)); },
+                                      "pass-store"};
 };
 
 }  // namespace tessera::coordinator
