@@ -3,7 +3,9 @@
 # seconds when nothing is.
 #
 #   make build   configure and build into build/ (binaries in build/bin/)
-#   make test    build, then run every test with ctest
+#   make test    build, check the module rules (make check-modules), then run every test with ctest
+#   make check-modules  every file includes only headers of what its target links, and
+#                docs/modules.dot is current
 #   make demo    build, then train a small model end to end on this machine
 #   make bench   build, then run the CPU benchmarks (BENCH="trainer ..." picks some)
 #   make bench-gpu  build, then run the GPU benchmarks (needs a CUDA build and a GPU)
@@ -51,7 +53,7 @@ CHAOS_SEED ?= 0
 CHAOS_RESULTS ?= $(BUILD_DIR)/chaos-results.json
 CHAOS_ARGS ?=
 
-.PHONY: all bootstrap configure build test demo bench bench-gpu gpu-check gpu-bundle fuzz-build fuzz \
+.PHONY: all bootstrap configure build test check-modules demo bench bench-gpu gpu-check gpu-bundle fuzz-build fuzz \
   thread-safety \
   format clean
 
@@ -74,9 +76,15 @@ configure: bootstrap
 build: configure
 	@cmake --build $(BUILD_DIR) -j $(JOBS)
 
-test: build fuzz-build
+test: build fuzz-build check-modules
 	@cd $(BUILD_DIR) && ctest -j $(JOBS) --output-on-failure $(CTEST_ARGS)
 	@cd $(FUZZ_DIR) && ctest -j $(JOBS) --output-on-failure $(FUZZ_CTEST_ARGS)
+
+# The module rules the compiler cannot see: every file includes only headers of the libraries its
+# target links (scripts/check_includes.py), and docs/modules.dot is the graph the build draws.
+check-modules: configure
+	@python3 scripts/check_includes.py $(BUILD_DIR)
+	@scripts/module_graph.sh --check $(BUILD_DIR)
 
 demo: build
 	@scripts/demo.sh $(BUILD_DIR)

@@ -4,9 +4,9 @@
 
 find_package(nlohmann_json REQUIRED)
 
-add_executable(control_plane_bench
+# The load generator's parts, compiled once for the benchmark and its tests.
+add_library(tessera_control_plane_load STATIC
   control_plane_backends.cc
-  control_plane_bench.cc
   control_plane_fleet.cc
   control_plane_jobs.cc
   control_plane_process.cc
@@ -15,10 +15,12 @@ add_executable(control_plane_bench
   control_plane_report.cc
   control_plane_scale.cc
   control_plane_stats.cc)
-target_link_libraries(control_plane_bench PRIVATE
-  tessera::daemon tessera::postgres_cluster tessera::proto tessera_bench_env
+target_link_libraries(tessera_control_plane_load PUBLIC
+  tessera::daemon tessera::postgres_cluster tessera::queues tessera::proto tessera_bench_env
   absl::flags absl::str_format absl::synchronization absl::time
   nlohmann_json::nlohmann_json Threads::Threads)
+add_executable(control_plane_bench control_plane_bench.cc)
+target_link_libraries(control_plane_bench PRIVATE tessera_control_plane_load)
 # The load generator shares the machine with the coordinator it measures, so it should take as
 # little CPU as it can: jemalloc, as the coordinator links it (glibc's malloc was ~14% of the
 # generator's samples at 500 jobs/s).
@@ -37,14 +39,10 @@ add_dependencies(control_plane_bench tessera-coordinator)
 if(TESSERA_BUILD_TESTS)
   # The queues scenario's file (parsed as the coordinator does) and its comparison.
   tessera_add_test(NAME control_plane_queues_test
-    SOURCES control_plane_queues_test.cc control_plane_queues.cc
-    LIBS tessera::queues tessera::daemon tessera::proto absl::str_format absl::synchronization)
+    SOURCES control_plane_queues_test.cc LIBS tessera_control_plane_load)
   # --backends and the PostgreSQL / SQLite comparison.
   tessera_add_test(NAME control_plane_backends_test
-    SOURCES control_plane_backends_test.cc control_plane_backends.cc control_plane_queues.cc
-      control_plane_stats.cc
-    LIBS tessera::postgres_cluster tessera::queues tessera::daemon tessera::proto
-      tessera::test_util absl::str_format absl::synchronization)
+    SOURCES control_plane_backends_test.cc LIBS tessera_control_plane_load tessera::test_util)
   # The benchmark end to end at a small size, both scenarios, on SQLite and (when its binaries
   # are there) PostgreSQL (~30 s): the real coordinator takes the queue file, jobs flow, the
   # comparisons are printed.

@@ -6,7 +6,7 @@
 #include <map>
 #include <set>
 
-#include "coordinator/queue_config.h"
+#include "coordinator/queues/queue_config.h"
 #include "gtest/gtest.h"
 
 namespace tessera::bench {

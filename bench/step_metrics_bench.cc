@@ -43,7 +43,7 @@
 #include "common/command_line.h"
 #include "common/postgres_cluster.h"
 #include "common/status_macros.h"
-#include "coordinator/store.h"
+#include "coordinator/store/store.h"
 #include "nlohmann/json.hpp"
 #include "tessera/v1/metrics.pb.h"
 #include "trainer/io/checkpoint.h"

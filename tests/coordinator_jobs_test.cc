@@ -23,7 +23,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "tessera/v1/worker_service.grpc.pb.h"
-#include "tests/coordinator_test_fixture.h"
+#include "tests/coordinator_fixture.h"
 
 namespace tessera {
 namespace {

@@ -16,7 +16,7 @@
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
-#include "tests/coordinator_test_fixture.h"
+#include "tests/coordinator_fixture.h"
 
 namespace tessera {
 namespace {

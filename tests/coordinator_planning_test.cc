@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/coordinator_test_fixture.h"
+#include "tests/coordinator_fixture.h"
 
 namespace tessera {
 namespace {

@@ -10,7 +10,7 @@
 #include "absl/status/status.h"
 #include "client/job_spec_file.h"
 #include "common/status_matchers.h"
-#include "coordinator/job_validation.h"
+#include "coordinator/admission/job_validation.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/hf_config.h"

@@ -19,7 +19,7 @@
 #include "common/read_file.h"
 #include "common/security/tls.h"
 #include "common/status_matchers.h"
-#include "coordinator/auth.h"
+#include "coordinator/auth/auth.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/tls_certificate_provider.h"

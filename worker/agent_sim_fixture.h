@@ -22,7 +22,7 @@
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
-#include "worker/sim_fakes.h"
+#include "worker/sim_fake.h"
 #include "worker/worker_agent.h"
 
 namespace tessera::worker::agent_test {

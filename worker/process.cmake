@@ -2,7 +2,7 @@ target_sources(tessera_worker PRIVATE trainer_process.cc log_reader.cc orphans.c
   failure_policy.cc)
 if(TESSERA_BUILD_TESTS)
   add_executable(fake_trainer ${PROJECT_SOURCE_DIR}/tests/fake_trainer.cc)
-  target_link_libraries(fake_trainer PRIVATE tessera::proto)
+  target_link_libraries(fake_trainer PRIVATE tessera::proto tessera::common)
   # common/trainer_env.h only (header-only): the signal the worker sends.
   target_include_directories(fake_trainer PRIVATE "${PROJECT_SOURCE_DIR}")
   set_target_properties(fake_trainer PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${CMAKE_BINARY_DIR}/tests")

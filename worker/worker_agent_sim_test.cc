@@ -23,10 +23,10 @@
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
-#include "worker/failure_policy.h"
-#include "worker/fake_coordinator.h"
 #include "worker/agent_sim_fixture.h"
-#include "worker/sim_fakes.h"
+#include "worker/coordinator_fake.h"
+#include "worker/failure_policy.h"
+#include "worker/sim_fake.h"
 #include "worker/trainer_launcher.h"
 #include "worker/worker_agent.h"
 

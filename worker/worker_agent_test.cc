@@ -26,7 +26,7 @@
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
-#include "worker/fake_coordinator.h"
+#include "worker/coordinator_fake.h"
 
 namespace tessera::worker {
 namespace {

@@ -21,10 +21,10 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
-#include "worker/contact_metrics.h"
-#include "worker/fake_coordinator.h"
 #include "worker/agent_sim_fixture.h"
-#include "worker/sim_fakes.h"
+#include "worker/contact_metrics.h"
+#include "worker/coordinator_fake.h"
+#include "worker/sim_fake.h"
 #include "worker/worker_agent.h"
 
 namespace tessera::worker {

@@ -80,7 +80,7 @@ class DaemonServers {
 
   // A health-only listener: its own plaintext grpc::Server with the default health service, no
   // reflection and no other service; "" SERVING and each of `services` as it says at start.
-  // Also what a standby coordinator (coordinator/standby_server.h) serves for its probes.
+  // Also what a standby coordinator (coordinator/ha/standby_server.h) serves for its probes.
   struct HealthListener;
   static absl::StatusOr<std::unique_ptr<HealthListener>> StartHealthListener(
       const std::string& listen_address, const std::vector<NamedService>& services);

@@ -10,7 +10,7 @@
 #include <map>
 #include <string>
 
-#include "coordinator/scheduler.h"
+#include "coordinator/scheduler/scheduler.h"
 #include "tessera/v1/job.pb.h"
 #include "tessera/v1/layout.pb.h"
 #include "tessera/v1/node_service.pb.h"

@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "coordinator/layout_planning.h"
+#include "coordinator/admission/layout_planning.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace tessera::coordinator {

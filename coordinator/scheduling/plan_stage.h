@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "coordinator/scheduler.h"
+#include "coordinator/scheduler/scheduler.h"
 #include "planner/job_plan.h"
 #include "tessera/v1/job.pb.h"
 #include "tessera/v1/layout.pb.h"

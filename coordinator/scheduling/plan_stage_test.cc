@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "common/status_matchers.h"
-#include "coordinator/job_validation.h"
+#include "coordinator/admission/job_validation.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/util/job_specs.h"

@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "coordinator/fair_share.h"
-#include "coordinator/queue_admission.h"
-#include "coordinator/queue_config.h"
-#include "coordinator/scheduler.h"
+#include "coordinator/queues/fair_share.h"
+#include "coordinator/queues/queue_admission.h"
+#include "coordinator/queues/queue_config.h"
+#include "coordinator/scheduler/scheduler.h"
 #include "tessera/v1/job.pb.h"
 
 namespace tessera::coordinator {

@@ -1,11 +1,11 @@
 // What the job_spec and job_validation fuzz targets do with a spec: the coordinator's admission
-// (coordinator/job_validation.h) in SubmitJob's order, aborting when a result breaks the contract
-// that header states.
+// (coordinator/admission/job_validation.h) in SubmitJob's order, aborting when a result breaks the
+// contract that header states.
 #pragma once
 
 #include <cstdint>
 
-#include "coordinator/job_validation.h"
+#include "coordinator/admission/job_validation.h"
 #include "tessera/v1/job.pb.h"
 #include "tests/fuzz/contract.h"
 

@@ -1,6 +1,6 @@
 // Fuzz target: job spec files (client/job_spec_file.h), YAML or JSON with ${...} expansion, and
-// the coordinator's admission checks and provisional plan (coordinator/job_validation.h) of every
-// spec that parses. Inputs are the text of a spec file.
+// the coordinator's admission checks and provisional plan (coordinator/admission/job_validation.h)
+// of every spec that parses. Inputs are the text of a spec file.
 #include <cstddef>
 #include <cstdint>
 #include <optional>

@@ -25,11 +25,11 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "planner/model_config.h"
-#include "trainer/kernels/device.h"
-#include "trainer/parallel/distributed.h"
-#include "trainer/model/model.h"
 #include "trainer/engine/sharded_engine.h"
-#include "trainer/model/test_model_dims.h"
+#include "trainer/kernels/device.h"
+#include "trainer/model/model.h"
+#include "trainer/model/model_dims_fixture.h"
+#include "trainer/parallel/distributed.h"
 
 namespace tessera::trainer {
 namespace {

@@ -20,13 +20,13 @@
 #include "planner/layout_planner.h"
 #include "planner/lora.h"
 #include "planner/model_config.h"
-#include "trainer/parallel/distributed.h"
-#include "trainer/model/hf_weights.h"
-#include "trainer/parallel/mesh.h"
-#include "trainer/model/model.h"
 #include "trainer/engine/sharded_engine.h"
+#include "trainer/model/hf_weights.h"
+#include "trainer/model/model.h"
+#include "trainer/model/model_dims_fixture.h"
+#include "trainer/parallel/distributed.h"
+#include "trainer/parallel/mesh.h"
 #include "trainer/parallel/tensor_parallel.h"
-#include "trainer/model/test_model_dims.h"
 
 #define USE_C10D_GLOO 1
 #include <thread>

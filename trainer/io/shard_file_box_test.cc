@@ -18,7 +18,7 @@
 #include "trainer/io/checkpoint.h"
 #include "trainer/io/safetensors.h"
 #include "trainer/io/shard_file.h"
-#include "trainer/io/shard_file_test_util.h"
+#include "trainer/io/shard_file_fixture.h"
 
 namespace tessera::trainer {
 namespace {

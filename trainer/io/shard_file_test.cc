@@ -23,7 +23,7 @@
 #include "tests/util/temp_dir.h"
 #include "trainer/io/checkpoint.h"
 #include "trainer/io/safetensors.h"
-#include "trainer/io/shard_file_test_util.h"
+#include "trainer/io/shard_file_fixture.h"
 
 namespace tessera::trainer {
 namespace {

@@ -21,9 +21,9 @@
 #include "planner/model_config.h"
 #include "trainer/kernels/device.h"
 #include "trainer/kernels/fused_ops_cpu.h"
-#include "trainer/kernels/fused_ops_test_util.h"
+#include "trainer/kernels/fused_ops_fixture.h"
 #include "trainer/model/model.h"
-#include "trainer/model/test_model_dims.h"
+#include "trainer/model/model_dims_fixture.h"
 
 namespace tessera::trainer {
 namespace {

@@ -17,11 +17,11 @@
 #include "gtest/gtest.h"
 #include "planner/model_config.h"
 #include "trainer/data/data_loader.h"
-#include "trainer/parallel/distributed.h"
-#include "trainer/model/model.h"
 #include "trainer/engine/sharded_engine.h"
+#include "trainer/model/model.h"
+#include "trainer/model/model_dims_fixture.h"
+#include "trainer/parallel/distributed.h"
 #include "trainer/parallel/tensor_parallel.h"
-#include "trainer/model/test_model_dims.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {

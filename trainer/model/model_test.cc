@@ -26,7 +26,7 @@
 #include "planner/model_config.h"
 #include "trainer/kernels/device.h"
 #include "trainer/kernels/fused_ops.h"
-#include "trainer/model/test_model_dims.h"
+#include "trainer/model/model_dims_fixture.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {

@@ -13,7 +13,7 @@
 #include "gtest/gtest.h"
 #include "planner/model_config.h"
 #include "trainer/model/model.h"
-#include "trainer/model/test_model_dims.h"
+#include "trainer/model/model_dims_fixture.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "trainer/model/model.h"
-#include "trainer/model/test_model_dims.h"
+#include "trainer/model/model_dims_fixture.h"
 #include "trainer/parallel/mesh_threads.h"
 #include "trainer/torch_pch.h"
 

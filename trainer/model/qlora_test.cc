@@ -26,8 +26,8 @@
 #include "trainer/engine/sharded_engine.h"
 #include "trainer/model/build_model.h"
 #include "trainer/model/hf_weights.h"
+#include "trainer/model/model_dims_fixture.h"
 #include "trainer/model/nf4.h"
-#include "trainer/model/test_model_dims.h"
 
 namespace tessera::trainer {
 namespace {

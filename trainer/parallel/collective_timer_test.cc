@@ -26,6 +26,8 @@
 #include <torch/cuda.h>
 #endif
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "trainer/parallel/distributed.h"
@@ -325,6 +327,21 @@ TEST(CollectiveTimerTest, GpuTimesWithEventsReadAStepLaterWithoutWaiting) {
 #else
   GTEST_SKIP() << "built without CUDA";
 #endif
+}
+
+// WaitForPeers counts the time a collective's wait() blocks.
+struct FakeWork {
+  absl::Duration blocks;
+  void wait() const { absl::SleepFor(blocks); }
+};
+
+TEST(PeerWaitTest, CountsTimeBlockedInWait) {
+  const double before = PeerWaitSeconds();
+  FakeWork work{absl::Milliseconds(60)};
+  WaitForPeers(&work);
+  const double waited = PeerWaitSeconds() - before;
+  EXPECT_GE(waited, 0.055);
+  EXPECT_LT(waited, 5.0);
 }
 
 }  // namespace

@@ -5,7 +5,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "trainer/parallel/peer_wait.h"
 
 namespace tessera::trainer {
 namespace {
@@ -92,20 +91,6 @@ TEST(HeartbeatIntervalTest, ZeroMeansOneSecond) {
   EXPECT_EQ(HeartbeatInterval(task), absl::Seconds(1));
   task.set_heartbeat_interval_seconds(0.25);
   EXPECT_EQ(HeartbeatInterval(task), absl::Milliseconds(250));
-}
-
-struct FakeWork {
-  absl::Duration blocks;
-  void wait() const { absl::SleepFor(blocks); }
-};
-
-TEST(PeerWaitTest, CountsTimeBlockedInWait) {
-  const double before = PeerWaitSeconds();
-  FakeWork work{absl::Milliseconds(60)};
-  WaitForPeers(&work);
-  const double waited = PeerWaitSeconds() - before;
-  EXPECT_GE(waited, 0.055);
-  EXPECT_LT(waited, 5.0);
 }
 
 }  // namespace

@@ -24,7 +24,7 @@
 #include "trainer/data/token_shard.h"
 #include "trainer/engine/data_parallelism.h"
 #include "trainer/model/build_model.h"
-#include "trainer/model/test_model_dims.h"
+#include "trainer/model/model_dims_fixture.h"
 #include "trainer/parallel/mesh_threads.h"
 #include "trainer/parallel/pipeline_parallelism.h"
 #include "trainer/parallel/tensor_parallelism.h"

@@ -1,0 +1,184 @@
+#include "coordinator/cluster/allocation_ledger.h"
+
+#include <algorithm>
+
+namespace tessera::coordinator {
+namespace {
+
+bool IsTaskEnded(v1::TaskState state) {
+  return state == v1::TASK_STATE_SUCCEEDED || state == v1::TASK_STATE_FAILED ||
+         state == v1::TASK_STATE_STOPPED;
+}
+
+// Whether `pred(node_id)` holds for the node of every rank. Called on every heartbeat of a running
+// job: walks the ranks (a node's ranks are adjacent, so each node is usually checked once) instead
+// of building the list of nodes.
+template <typename Pred>
+bool EveryRankNode(const std::vector<v1::RankPlacement>& ranks, Pred pred) {
+  const std::string* checked = nullptr;
+  for (const auto& rank : ranks) {
+    if (checked != nullptr && *checked == rank.node_id()) continue;
+    if (!pred(rank.node_id())) return false;
+    checked = &rank.node_id();
+  }
+  return true;
+}
+
+}  // namespace
+
+std::vector<std::string> Allocation::Nodes() const {
+  std::vector<std::string> nodes;
+  for (const auto& rank : ranks) {
+    if (std::find(nodes.begin(), nodes.end(), rank.node_id()) == nodes.end()) {
+      nodes.push_back(rank.node_id());
+    }
+  }
+  return nodes;
+}
+
+bool Allocation::NodeEnded(const std::string& node_id) const {
+  if (lost_nodes.contains(node_id)) return true;
+  auto it = task_states.find(node_id);
+  return it != task_states.end() && IsTaskEnded(it->second);
+}
+
+bool Allocation::AllNodesEnded() const {
+  return EveryRankNode(ranks, [this](const std::string& node) { return NodeEnded(node); });
+}
+
+bool Allocation::AllNodesIn(v1::TaskState state) const {
+  return EveryRankNode(ranks, [this, state](const std::string& node) {
+    auto it = task_states.find(node);
+    return it != task_states.end() && it->second == state;
+  });
+}
+
+void Allocation::AddFailure(const v1::TrainerFailure& failure, absl::Time now) {
+  for (const auto& seen : failures) {
+    if (seen.rank() == failure.rank() && seen.node_id() == failure.node_id() &&
+        seen.kind() == failure.kind() && seen.message() == failure.message()) {
+      return;
+    }
+  }
+  if (failures.empty()) first_failure_time = now;
+  failures.push_back(failure);
+}
+
+Allocation* AllocationLedger::Find(const std::string& job_id) {
+  auto it = allocations_.find(job_id);
+  return it == allocations_.end() ? nullptr : &it->second;
+}
+
+Allocation& AllocationLedger::Add(const std::string& job_id, Allocation allocation) {
+  if (auto it = allocations_.find(job_id); it != allocations_.end()) Unindex(job_id, it->second);
+  QueueHold& queue = held_by_queue_[allocation.queue];
+  ++queue.allocations;
+  for (const auto& rank : allocation.ranks) {
+    jobs_by_node_[rank.node_id()].insert(job_id);
+    if (rank.gpu_index() >= 0) {
+      ++held_gpus_[rank.node_id()][rank.gpu_index()];
+      ++queue.held.gpus;
+    } else {
+      ++held_cpu_slots_[rank.node_id()];
+      ++queue.held.cpu_slots;
+    }
+  }
+  return allocations_[job_id] = std::move(allocation);
+}
+
+void AllocationLedger::Unindex(const std::string& job_id, const Allocation& allocation) {
+  // The queue and ranks are not changed once added (all() says so), so Add counted these.
+  if (auto queue = held_by_queue_.find(allocation.queue); queue != held_by_queue_.end()) {
+    for (const auto& rank : allocation.ranks) {
+      --(rank.gpu_index() >= 0 ? queue->second.held.gpus : queue->second.held.cpu_slots);
+    }
+    if (--queue->second.allocations == 0) held_by_queue_.erase(queue);
+  }
+  for (const auto& rank : allocation.ranks) {
+    if (auto it = jobs_by_node_.find(rank.node_id()); it != jobs_by_node_.end()) {
+      it->second.erase(job_id);
+      if (it->second.empty()) jobs_by_node_.erase(it);
+    }
+    // Ranks are not changed once added (all() says so), so each was counted by Add.
+    if (rank.gpu_index() >= 0) {
+      auto node = held_gpus_.find(rank.node_id());
+      if (node == held_gpus_.end()) continue;
+      auto gpu = node->second.find(rank.gpu_index());
+      if (gpu != node->second.end() && --gpu->second == 0) node->second.erase(gpu);
+      if (node->second.empty()) held_gpus_.erase(node);
+    } else {
+      auto node = held_cpu_slots_.find(rank.node_id());
+      if (node != held_cpu_slots_.end() && --node->second == 0) held_cpu_slots_.erase(node);
+    }
+  }
+}
+
+void AllocationLedger::Erase(const std::string& job_id) {
+  auto it = allocations_.find(job_id);
+  if (it == allocations_.end()) return;
+  Unindex(job_id, it->second);
+  allocations_.erase(it);
+}
+
+size_t AllocationLedger::EraseIf(
+    const std::function<bool(const std::string&, const Allocation&)>& pred) {
+  size_t erased = 0;
+  for (auto it = allocations_.begin(); it != allocations_.end();) {
+    if (pred(it->first, it->second)) {
+      Unindex(it->first, it->second);
+      it = allocations_.erase(it);
+      ++erased;
+    } else {
+      ++it;
+    }
+  }
+  return erased;
+}
+
+UsedResources AllocationLedger::Used() const {
+  // Copied from the counts kept by Add and Unindex, both maps in node_id order, walked together:
+  // a pass asks for this under the cluster lock with thousands of allocations held.
+  UsedResources used;
+  used.nodes.reserve(std::max(held_gpus_.size(), held_cpu_slots_.size()));
+  auto gpus = held_gpus_.begin();
+  auto slots = held_cpu_slots_.begin();
+  while (gpus != held_gpus_.end() || slots != held_cpu_slots_.end()) {
+    const bool take_gpus =
+        gpus != held_gpus_.end() && (slots == held_cpu_slots_.end() || gpus->first <= slots->first);
+    const bool take_slots =
+        slots != held_cpu_slots_.end() && (gpus == held_gpus_.end() || slots->first <= gpus->first);
+    UsedResources::Node& node = used.nodes.emplace_back();
+    node.node_id = take_gpus ? gpus->first : slots->first;
+    if (take_gpus) {
+      for (const auto& [gpu, holds] : gpus->second) node.AddGpu(gpu);  // ascending: the map is
+      ++gpus;
+    }
+    if (take_slots) {
+      node.cpu_slots = slots->second;
+      ++slots;
+    }
+  }
+  return used;
+}
+
+int AllocationLedger::FreeMasterPort(const std::string& node_id, int base, int avoid) const {
+  std::set<int> held;
+  if (auto jobs = jobs_by_node_.find(node_id); jobs != jobs_by_node_.end()) {
+    for (const auto& job_id : jobs->second) {
+      const Allocation& allocation = allocations_.at(job_id);
+      if (allocation.master_node == node_id) held.insert(allocation.master_port);
+    }
+  }
+  if (avoid > 0) held.insert(avoid);
+  int port = base;
+  while (held.contains(port)) ++port;
+  return port;
+}
+
+std::vector<std::string> AllocationLedger::JobsOn(const std::string& node_id) const {
+  auto it = jobs_by_node_.find(node_id);
+  if (it == jobs_by_node_.end()) return {};
+  return std::vector<std::string>(it->second.begin(), it->second.end());
+}
+
+}  // namespace tessera::coordinator

@@ -1,0 +1,172 @@
+// AllocationLedger's device counts and Allocation's node checks against slow recounts: after random
+// sequences of Add (new and replacing), Erase and EraseIf, Used() must equal the devices the
+// allocations' ranks name, HeldByQueue() the devices each queue's allocations hold, and
+// AllNodesIn / AllNodesEnded must agree with a walk over Nodes() (all are kept or computed
+// without walking every allocation or building the node list, on every pass and heartbeat).
+#include "coordinator/cluster/allocation_ledger.h"
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace tessera::coordinator {
+namespace {
+
+UsedResources Recount(AllocationLedger& ledger) {
+  std::map<std::string, std::set<int>> gpus;
+  std::map<std::string, int> cpu_slots;
+  for (const auto& [job_id, allocation] : ledger.all()) {
+    for (const auto& rank : allocation.ranks) {
+      if (rank.gpu_index() >= 0) {
+        gpus[rank.node_id()].insert(rank.gpu_index());
+      } else {
+        ++cpu_slots[rank.node_id()];
+      }
+    }
+  }
+  return UsedResources::FromMaps(gpus, cpu_slots);
+}
+
+Allocation RandomAllocation(std::mt19937& rng) {
+  Allocation allocation;
+  const int nodes = std::uniform_int_distribution<int>(1, 3)(rng);
+  for (int n = 0; n < nodes; ++n) {
+    const std::string node_id = absl::StrCat("n", std::uniform_int_distribution<int>(0, 5)(rng));
+    const int ranks = std::uniform_int_distribution<int>(1, 3)(rng);
+    for (int r = 0; r < ranks; ++r) {
+      v1::RankPlacement& rank = allocation.ranks.emplace_back();
+      rank.set_rank(static_cast<int>(allocation.ranks.size()) - 1);
+      rank.set_node_id(node_id);
+      // -1: a CPU slot. Indexes repeat across allocations on purpose (a doubled placement must
+      // not free a device the other still holds).
+      rank.set_gpu_index(std::uniform_int_distribution<int>(-1, 3)(rng));
+    }
+  }
+  return allocation;
+}
+
+TEST(AllocationLedgerTest, UsedMatchesTheRanksHeld) {
+  std::mt19937 rng(20261125);
+  AllocationLedger ledger;
+  for (int step = 0; step < 2000; ++step) {
+    const std::string job_id = absl::StrCat("job-", std::uniform_int_distribution<int>(0, 20)(rng));
+    switch (std::uniform_int_distribution<int>(0, 3)(rng)) {
+      case 0:
+      case 1:
+        ledger.Add(job_id, RandomAllocation(rng));
+        break;
+      case 2:
+        ledger.Erase(job_id);
+        break;
+      default: {
+        const int parity = std::uniform_int_distribution<int>(0, 1)(rng);
+        ledger.EraseIf([&](const std::string& id, const Allocation&) {
+          return static_cast<int>(id.size() % 2) == parity;
+        });
+      }
+    }
+    const UsedResources expected = Recount(ledger);
+    const UsedResources used = ledger.Used();
+    ASSERT_EQ(used.GpuSets(), expected.GpuSets()) << "step " << step;
+    ASSERT_EQ(used.CpuSlotCounts(), expected.CpuSlotCounts()) << "step " << step;
+    ASSERT_EQ(used.nodes.size(), expected.nodes.size()) << "step " << step;
+    for (size_t i = 0; i < used.nodes.size(); ++i) {
+      ASSERT_EQ(used.nodes[i].node_id, expected.nodes[i].node_id) << "step " << step;
+    }
+  }
+  ledger.EraseIf([](const std::string&, const Allocation&) { return true; });
+  EXPECT_TRUE(ledger.Used().nodes.empty());
+}
+
+// Allocation::queue -> (allocations, devices held), walking every allocation.
+std::map<std::string, std::pair<int64_t, Resources>> RecountQueues(AllocationLedger& ledger) {
+  std::map<std::string, std::pair<int64_t, Resources>> held;
+  for (const auto& [job_id, allocation] : ledger.all()) {
+    auto& [allocations, resources] = held[allocation.queue];
+    ++allocations;
+    for (const auto& rank : allocation.ranks) {
+      ++(rank.gpu_index() >= 0 ? resources.gpus : resources.cpu_slots);
+    }
+  }
+  return held;
+}
+
+TEST(AllocationLedgerTest, QueueHoldsMatchARecount) {
+  std::mt19937 rng(20261129);
+  // "" is a job stored before queues existed; "default" the implicit queue.
+  const std::vector<std::string> queues = {"", "default", "nlp", "vision", "a-very-long-queue"};
+  AllocationLedger ledger;
+  for (int step = 0; step < 3000; ++step) {
+    const std::string job_id = absl::StrCat("job-", std::uniform_int_distribution<int>(0, 30)(rng));
+    switch (std::uniform_int_distribution<int>(0, 4)(rng)) {
+      case 0:
+      case 1:
+      case 2: {
+        // Replacing an allocation may move the job to another queue.
+        Allocation allocation = RandomAllocation(rng);
+        allocation.queue = queues[std::uniform_int_distribution<size_t>(0, queues.size() - 1)(rng)];
+        if (std::uniform_int_distribution<int>(0, 19)(rng) == 0) allocation.ranks.clear();
+        ledger.Add(job_id, std::move(allocation));
+        break;
+      }
+      case 3:
+        ledger.Erase(job_id);
+        break;
+      default: {
+        const int modulus = std::uniform_int_distribution<int>(2, 5)(rng);
+        ledger.EraseIf([&](const std::string& id, const Allocation&) {
+          return static_cast<int>(id.size() + id.back()) % modulus == 0;
+        });
+      }
+    }
+    const auto expected = RecountQueues(ledger);
+    const auto& held = ledger.HeldByQueue();
+    ASSERT_EQ(held.size(), expected.size()) << "step " << step;
+    for (const auto& [queue, hold] : held) {
+      auto it = expected.find(queue);
+      ASSERT_NE(it, expected.end()) << "step " << step << ", queue '" << queue << "'";
+      EXPECT_EQ(hold.allocations, it->second.first) << "step " << step << ", queue " << queue;
+      EXPECT_EQ(hold.held, it->second.second) << "step " << step << ", queue " << queue;
+    }
+  }
+  ledger.EraseIf([](const std::string&, const Allocation&) { return true; });
+  EXPECT_TRUE(ledger.HeldByQueue().empty());
+}
+
+TEST(AllocationTest, NodeChecksAgreeWithTheNodeList) {
+  std::mt19937 rng(7);
+  const std::vector<v1::TaskState> states = {v1::TASK_STATE_RUNNING, v1::TASK_STATE_SUCCEEDED,
+                                             v1::TASK_STATE_FAILED, v1::TASK_STATE_STARTING};
+  for (int trial = 0; trial < 500; ++trial) {
+    Allocation allocation = RandomAllocation(rng);
+    // Interleave the nodes' ranks at times: a node's ranks need not be adjacent.
+    if (trial % 3 == 0) std::shuffle(allocation.ranks.begin(), allocation.ranks.end(), rng);
+    for (const std::string& node : allocation.Nodes()) {
+      const int pick = std::uniform_int_distribution<int>(0, 4)(rng);
+      if (pick < 4) allocation.task_states[node] = states[pick];
+      if (std::uniform_int_distribution<int>(0, 9)(rng) == 0) allocation.lost_nodes.insert(node);
+    }
+    for (v1::TaskState state : states) {
+      bool all_in = true;
+      for (const std::string& node : allocation.Nodes()) {
+        auto it = allocation.task_states.find(node);
+        all_in = all_in && it != allocation.task_states.end() && it->second == state;
+      }
+      EXPECT_EQ(allocation.AllNodesIn(state), all_in) << "trial " << trial;
+    }
+    bool all_ended = true;
+    for (const std::string& node : allocation.Nodes()) {
+      all_ended = all_ended && allocation.NodeEnded(node);
+    }
+    EXPECT_EQ(allocation.AllNodesEnded(), all_ended) << "trial " << trial;
+  }
+}
+
+}  // namespace
+}  // namespace tessera::coordinator

@@ -1,5 +1,0 @@
-target_sources(tessera_coordinator PRIVATE coordinator_metrics.cc)
-target_link_libraries(tessera_coordinator PUBLIC prometheus-cpp::core)
-if(TESSERA_BUILD_TESTS)
-  tessera_add_test(NAME coordinator_metrics_test SOURCES coordinator_metrics_test.cc LIBS tessera::coordinator tessera::test_util)
-endif()

@@ -1,0 +1,476 @@
+#include "coordinator/nodes/node_registry.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "coordinator/auth/auth.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace tessera::coordinator {
+namespace {
+
+google::protobuf::Timestamp ToProto(absl::Time time) {
+  return google::protobuf::util::TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(time));
+}
+
+std::string HostOf(const std::string& address) {
+  size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+}  // namespace
+
+absl::Status NodeRegistry::Load() {
+  const absl::Time now = clock_->Now();
+  ASSIGN_OR_RETURN(auto nodes, store_->ListNodes());
+  for (auto& node : nodes) {
+    Entry& entry = Insert(node.node_id());
+    entry.node = std::move(node);
+    liveness_[entry.liveness].last_heartbeat = now;
+    Summarize(entry);
+  }
+  return absl::OkStatus();
+}
+
+NodeRegistry::Entry& NodeRegistry::Insert(const std::string& node_id) {
+  auto [it, inserted] = nodes_.try_emplace(node_id);
+  if (inserted) {
+    by_id_.emplace(node_id, &it->second);
+    it->second.liveness = liveness_.size();
+    liveness_.push_back({.entry = &it->second});
+  }
+  return it->second;
+}
+
+NodeRegistry::Entry* NodeRegistry::Lookup(const std::string& node_id) {
+  auto it = by_id_.find(node_id);
+  return it == by_id_.end() ? nullptr : it->second;
+}
+
+const NodeRegistry::Entry* NodeRegistry::Lookup(const std::string& node_id) const {
+  auto it = by_id_.find(node_id);
+  return it == by_id_.end() ? nullptr : it->second;
+}
+
+void NodeRegistry::Summarize(Entry& entry) {
+  const v1::Node& node = entry.node;
+  NodeCapacity& c = entry.capacity;
+  c = NodeCapacity();
+  c.node_id = node.node_id();
+  c.host = HostOf(node.address());
+  c.host_memory_bytes = node.resources().memory_bytes();
+  c.total_gpus = node.resources().gpus_size();
+  for (const auto& gpu : node.resources().gpus()) {
+    c.free_gpus.push_back(gpu.index());
+    if (c.gpu_name.empty()) {
+      c.gpu_name = gpu.name();
+      c.gpu_memory_bytes = gpu.memory_bytes();
+    }
+  }
+  c.total_cpu_slots = node.resources().cpu_slots();
+  c.free_cpu_slots = std::max(0, c.total_cpu_slots);
+  c.labels.insert(node.labels().begin(), node.labels().end());
+  c.schedulable = node.state() == v1::NODE_STATE_READY;
+  entry.changed = ++generation_;
+  Recount(entry);
+}
+
+void NodeRegistry::Recount(Entry& entry) {
+  Entry::Counted& counted = entry.counted;
+  if (counted.added) {
+    if (--state_counts_[counted.state] == 0) state_counts_.erase(counted.state);
+    gpus_total_ -= counted.gpus;
+    cpu_slots_total_ -= counted.cpu_slots;
+  }
+  counted = {.state = entry.node.state(),
+             .gpus = entry.capacity.total_gpus,
+             .cpu_slots = entry.capacity.total_cpu_slots,
+             .added = true};
+  ++state_counts_[counted.state];
+  gpus_total_ += counted.gpus;
+  cpu_slots_total_ += counted.cpu_slots;
+  liveness_[entry.liveness].lost = counted.state == v1::NODE_STATE_LOST;
+}
+
+absl::Status NodeRegistry::Persist(const std::string& node_id) {
+  if (write_behind_) {
+    dirty_.insert(node_id);
+    return absl::OkStatus();
+  }
+  absl::Status status = store_->PutNode(by_id_.at(node_id)->node);
+  if (status.ok()) {
+    dirty_.erase(node_id);
+  } else {
+    dirty_.insert(node_id);
+  }
+  return status;
+}
+
+absl::Status NodeRegistry::Flush() {
+  if (write_behind_) return absl::OkStatus();
+  absl::Status first;
+  const std::set<std::string> dirty = dirty_;
+  for (const auto& node_id : dirty) first.Update(Persist(node_id));
+  return first;
+}
+
+absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, bool* returning) {
+  const absl::Time now = clock_->Now();
+  const std::string key_sha256 = TokenSha256(request.node_key());
+  if (const Entry* known = Lookup(request.node_id());
+      known != nullptr && known->node.state() != v1::NODE_STATE_LOST &&
+      // A record from before node keys binds to the first key it sees.
+      !known->node.key_sha256().empty() && known->node.key_sha256() != key_sha256) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "node ", request.node_id(), " is registered by another worker (", known->node.address(),
+        ", heard from ",
+        absl::FormatDuration(
+            absl::Trunc(now - liveness_[known->liveness].last_heartbeat, absl::Milliseconds(100))),
+        " ago) with a different node key; a node id is taken over only once its node is LOST"));
+  }
+  Entry& entry = Insert(request.node_id());
+  v1::Node& node = entry.node;
+  *returning = !node.node_id().empty();
+  node.set_node_id(request.node_id());
+  node.set_hostname(request.hostname());
+  node.set_address(request.address());
+  node.set_state(node.drained() ? v1::NODE_STATE_DRAINING : v1::NODE_STATE_READY);
+  *node.mutable_resources() = request.resources();
+  node.mutable_labels()->clear();
+  for (const auto& [key, value] : request.labels()) (*node.mutable_labels())[key] = value;
+  node.set_worker_version(request.worker_version());
+  node.set_key_sha256(key_sha256);
+  if (!*returning) *node.mutable_register_time() = ToProto(now);
+  *node.mutable_last_heartbeat_time() = ToProto(now);
+  liveness_[entry.liveness].last_heartbeat = now;
+  Summarize(entry);
+  return Persist(request.node_id());
+}
+
+bool NodeRegistry::Touch(const std::string& node_id,
+                         google::protobuf::RepeatedPtrField<v1::GpuMetrics>* gpu_metrics) {
+  const absl::Time now = clock_->Now();
+  auto* const found = Lookup(node_id);
+  if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return false;
+  Entry& entry = *found;
+  liveness_[entry.liveness].last_heartbeat = now;
+  *entry.node.mutable_last_heartbeat_time() = ToProto(now);
+  entry.node.mutable_gpu_metrics()->Swap(gpu_metrics);
+  return true;
+}
+
+std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire() {
+  const absl::Time now = clock_->Now();
+  std::vector<std::pair<std::string, absl::Duration>> lost;
+  for (Liveness& live : liveness_) {
+    if (live.lost) continue;
+    const absl::Duration silence = now - live.last_heartbeat;
+    if (silence <= heartbeat_timeout_) continue;
+    Entry& entry = *live.entry;
+    const std::string& node_id = entry.node.node_id();
+    entry.node.set_state(v1::NODE_STATE_LOST);
+    Recount(entry);
+    entry.capacity.schedulable = false;
+    entry.changed = ++generation_;
+    entry.to_start.clear();
+    entry.to_stop.clear();
+    entry.to_checkpoint_and_stop.clear();
+    entry.checkpoint_deadlines.clear();
+    // A failed write leaves the record dirty: Flush (every tick) writes it again.
+    Persist(node_id).IgnoreError();
+    lost.emplace_back(node_id, silence);
+  }
+  // In node_id order, as a walk of the entries would give them.
+  std::sort(lost.begin(), lost.end());
+  return lost;
+}
+
+absl::Status NodeRegistry::SetDrained(const std::string& node_id, bool drained,
+                                      const std::string& reason) {
+  Entry* const found = Lookup(node_id);
+  if (found == nullptr) return absl::NotFoundError(absl::StrCat("node ", node_id, ": not registered"));
+  v1::Node& node = found->node;
+  node.set_drained(drained);
+  if (drained) {
+    node.set_drain_reason(reason);
+    *node.mutable_drain_time() = ToProto(clock_->Now());
+  } else {
+    node.clear_drain_reason();
+    node.clear_drain_time();
+  }
+  if (node.state() != v1::NODE_STATE_LOST) {
+    node.set_state(drained ? v1::NODE_STATE_DRAINING : v1::NODE_STATE_READY);
+  }
+  Summarize(*found);
+  return Persist(node_id);
+}
+
+std::vector<v1::Node> NodeRegistry::TakeWrites() {
+  std::vector<v1::Node> writes;
+  writes.reserve(dirty_.size());
+  for (const auto& node_id : dirty_) writes.push_back(by_id_.at(node_id)->node);
+  dirty_.clear();
+  return writes;
+}
+
+void NodeRegistry::WriteFailed(const std::string& node_id) {
+  if (Known(node_id)) dirty_.insert(node_id);
+}
+
+absl::Status NodeRegistry::CheckRemovable(const std::string& node_id) const {
+  const Entry* const found = Lookup(node_id);
+  if (found == nullptr) return absl::NotFoundError(absl::StrCat("node ", node_id, ": not registered"));
+  if (found->node.state() != v1::NODE_STATE_LOST && !found->node.drained()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "node ", node_id, " is ", v1::NodeState_Name(found->node.state()),
+        ": drain it first (tessera nodes drain ", node_id, "), or wait until it is LOST"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NodeRegistry::Remove(const std::string& node_id) {
+  RETURN_IF_ERROR(CheckRemovable(node_id));
+  RETURN_IF_ERROR(store_->DeleteNode(node_id));
+  return Forget(node_id);
+}
+
+absl::Status NodeRegistry::Forget(const std::string& node_id) {
+  Entry* const found = Lookup(node_id);
+  if (found == nullptr) return absl::NotFoundError(absl::StrCat("node ", node_id, ": not registered"));
+  Entry& entry = *found;
+  if (entry.counted.added) {
+    if (--state_counts_[entry.counted.state] == 0) state_counts_.erase(entry.counted.state);
+    gpus_total_ -= entry.counted.gpus;
+    cpu_slots_total_ -= entry.counted.cpu_slots;
+  }
+  // The last liveness slot takes the removed one's place.
+  const size_t slot = entry.liveness;
+  if (slot + 1 != liveness_.size()) {
+    liveness_[slot] = liveness_.back();
+    liveness_[slot].entry->liveness = slot;
+  }
+  liveness_.pop_back();
+  dirty_.erase(node_id);
+  by_id_.erase(node_id);
+  nodes_.erase(node_id);  // `entry` and `found` dangle from here
+  ++generation_;          // Summaries() is rebuilt without it
+  return absl::OkStatus();
+}
+
+absl::Status NodeRegistry::CheckKey(const std::string& node_id,
+                                    const std::string& key_sha256) const {
+  auto* const found = Lookup(node_id);
+  if (found == nullptr || found->node.key_sha256().empty()) return absl::OkStatus();
+  if (found->node.key_sha256() == key_sha256) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat("node ", node_id, " registered with another node key"));
+}
+
+bool NodeRegistry::IsLost(const std::string& node_id) const {
+  auto* const found = Lookup(node_id);
+  return found == nullptr || found->node.state() == v1::NODE_STATE_LOST;
+}
+
+bool UsedResources::Node::HoldsGpu(int index) const {
+  if (index >= 0 && index < 64) return (gpu_bits >> index) & 1;
+  return std::binary_search(other_gpus.begin(), other_gpus.end(), index);
+}
+
+void UsedResources::Node::AddGpu(int index) {
+  if (index >= 0 && index < 64) {
+    gpu_bits |= uint64_t{1} << index;
+  } else {
+    other_gpus.push_back(index);
+  }
+}
+
+void UsedResources::Append(const std::string& node_id, const std::set<int>& gpus, int cpu_slots) {
+  if (gpus.empty() && cpu_slots == 0) return;
+  Node& node = nodes.emplace_back();
+  node.node_id = node_id;
+  for (int gpu : gpus) node.AddGpu(gpu);  // ascending: the set is
+  node.cpu_slots = cpu_slots;
+}
+
+UsedResources UsedResources::FromMaps(const std::map<std::string, std::set<int>>& gpus,
+                                      const std::map<std::string, int>& cpu_slots) {
+  std::set<std::string> ids;
+  for (const auto& [node_id, held] : gpus) ids.insert(node_id);
+  for (const auto& [node_id, slots] : cpu_slots) ids.insert(node_id);
+  UsedResources used;
+  const std::set<int> none;
+  for (const auto& node_id : ids) {
+    auto held = gpus.find(node_id);
+    auto slots = cpu_slots.find(node_id);
+    used.Append(node_id, held == gpus.end() ? none : held->second,
+                slots == cpu_slots.end() ? 0 : slots->second);
+  }
+  return used;
+}
+
+std::map<std::string, std::set<int>> UsedResources::GpuSets() const {
+  std::map<std::string, std::set<int>> out;
+  for (const Node& node : nodes) {
+    if (node.gpu_bits == 0 && node.other_gpus.empty()) continue;
+    std::set<int>& held = out[node.node_id];
+    for (int i = 0; i < 64; ++i) {
+      if ((node.gpu_bits >> i) & 1) held.insert(i);
+    }
+    held.insert(node.other_gpus.begin(), node.other_gpus.end());
+  }
+  return out;
+}
+
+std::map<std::string, int> UsedResources::CpuSlotCounts() const {
+  std::map<std::string, int> out;
+  for (const Node& node : nodes) {
+    if (node.cpu_slots != 0) out[node.node_id] = node.cpu_slots;
+  }
+  return out;
+}
+
+const v1::Node* NodeRegistry::Find(const std::string& node_id) const {
+  auto* const found = Lookup(node_id);
+  return found == nullptr ? nullptr : &found->node;
+}
+
+void NodeRegistry::QueueStart(const std::string& node_id, v1::TaskAssignment assignment,
+                              bool held) {
+  auto* const found = Lookup(node_id);
+  if (found == nullptr) return;
+  found->to_start.push_back({std::move(assignment), held});
+  if (!held && orders_listener_) orders_listener_(node_id);
+}
+
+bool NodeRegistry::ReleaseStart(const std::string& node_id, const std::string& task_id) {
+  auto* const found = Lookup(node_id);
+  if (found == nullptr) return false;
+  for (auto& start : found->to_start) {
+    if (start.assignment.task_id() != task_id) continue;
+    if (start.held) {
+      start.held = false;
+      if (orders_listener_) orders_listener_(node_id);
+    }
+    return true;
+  }
+  return false;
+}
+
+void NodeRegistry::QueueStop(const std::string& node_id, const std::string& task_id) {
+  auto* const found = Lookup(node_id);
+  if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return;
+  auto& stops = found->to_stop;
+  if (std::find(stops.begin(), stops.end(), task_id) != stops.end()) return;
+  stops.push_back(task_id);
+  if (orders_listener_) orders_listener_(node_id);
+}
+
+void NodeRegistry::QueueCheckpointAndStop(const std::string& node_id, const std::string& task_id,
+                                          std::optional<absl::Duration> deadline) {
+  auto* const found = Lookup(node_id);
+  if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return;
+  auto& orders = found->to_checkpoint_and_stop;
+  if (std::find(orders.begin(), orders.end(), task_id) != orders.end()) return;
+  orders.push_back(task_id);
+  if (deadline) found->checkpoint_deadlines[task_id] = *deadline;
+  if (orders_listener_) orders_listener_(node_id);
+}
+
+bool NodeRegistry::WithdrawStart(const std::string& node_id, const std::string& task_id) {
+  auto* const found = Lookup(node_id);
+  if (found == nullptr) return false;
+  return std::erase_if(found->to_start, [&](const Entry::Start& start) {
+           return start.assignment.task_id() == task_id;
+         }) > 0;
+}
+
+bool NodeRegistry::StartQueued(const std::string& node_id, const std::string& task_id) const {
+  auto* const found = Lookup(node_id);
+  if (found == nullptr) return false;
+  return std::any_of(
+      found->to_start.begin(), found->to_start.end(),
+      [&](const Entry::Start& start) { return start.assignment.task_id() == task_id; });
+}
+
+void NodeRegistry::TakeOrders(const std::string& node_id, v1::HeartbeatResponse* response) {
+  auto* const found = Lookup(node_id);
+  if (found == nullptr) return;
+  auto& starts = found->to_start;
+  for (auto& start : starts) {
+    if (!start.held) *response->add_start() = std::move(start.assignment);
+  }
+  std::erase_if(starts, [](const Entry::Start& start) { return !start.held; });
+  for (auto& stop : found->to_stop) response->add_stop(std::move(stop));
+  found->to_stop.clear();
+  for (auto& order : found->to_checkpoint_and_stop) {
+    response->add_checkpoint_and_stop(std::move(order));
+  }
+  for (const auto& [task_id, deadline] : found->checkpoint_deadlines) {
+    (*response->mutable_checkpoint_deadline_seconds())[task_id] = absl::ToDoubleSeconds(deadline);
+  }
+  found->to_checkpoint_and_stop.clear();
+  found->checkpoint_deadlines.clear();
+}
+
+std::vector<NodeCapacity> NodeRegistry::Capacity(const UsedResources& used) const {
+  return Subtract(*Summaries(), used);
+}
+
+std::shared_ptr<const std::vector<NodeCapacity>> NodeRegistry::Summaries() const {
+  if (summaries_ == nullptr || summaries_generation_ != generation_) {
+    auto summaries = std::make_shared<std::vector<NodeCapacity>>();
+    summaries->reserve(nodes_.size());
+    for (const auto& [node_id, entry] : nodes_) summaries->push_back(entry.capacity);
+    summaries_ = std::move(summaries);
+    summaries_generation_ = generation_;
+  }
+  return summaries_;
+}
+
+std::vector<NodeCapacity> NodeRegistry::Subtract(const std::vector<NodeCapacity>& summaries,
+                                                 const UsedResources& used) {
+  std::vector<NodeCapacity> capacity = summaries;
+  // Both are in node_id order: walk them together instead of a lookup per node.
+  auto held = used.nodes.begin();
+  for (NodeCapacity& c : capacity) {
+    while (held != used.nodes.end() && held->node_id < c.node_id) ++held;
+    if (held == used.nodes.end()) break;
+    if (held->node_id != c.node_id) continue;
+    std::erase_if(c.free_gpus, [&](int gpu) { return held->HoldsGpu(gpu); });
+    if (held->cpu_slots > 0) c.free_cpu_slots = std::max(0, c.total_cpu_slots - held->cpu_slots);
+  }
+  return capacity;
+}
+
+bool NodeRegistry::ChangedSince(const std::string& node_id, uint64_t generation) const {
+  auto* const found = Lookup(node_id);
+  return found == nullptr || found->changed > generation;
+}
+
+NodeRegistry::Tally NodeRegistry::Count(const UsedResources& used) const {
+  // The totals are kept as nodes change (Recount); only the nodes holding something are looked
+  // at. This runs under the cluster lock once a second.
+  Tally tally;
+  tally.nodes = state_counts_;
+  tally.gpus_total = gpus_total_;
+  tally.cpu_slots_total = cpu_slots_total_;
+  for (const UsedResources::Node& held : used.nodes) {
+    const Entry* entry = Lookup(held.node_id);
+    if (entry == nullptr) continue;
+    // Only devices a node registered count as allocated (a rank on an unknown GPU index does
+    // not).
+    for (int gpu : entry->capacity.free_gpus) tally.gpus_allocated += held.HoldsGpu(gpu);
+    const int total = entry->capacity.total_cpu_slots;
+    tally.cpu_slots_allocated += total - std::max(0, total - held.cpu_slots);
+  }
+  return tally;
+}
+
+std::vector<v1::Node> NodeRegistry::Nodes() const {
+  std::vector<v1::Node> nodes;
+  for (const auto& [node_id, entry] : nodes_) nodes.push_back(entry.node);
+  return nodes;
+}
+
+}  // namespace tessera::coordinator
