@@ -17,6 +17,7 @@
 #include "coordinator/cluster/attempt_fate.h"
 #include "coordinator/cluster/cluster_state.h"
 #include "coordinator/cluster/fair_share_saver.h"
+#include "coordinator/cluster/pass_fixture.h"
 #include "coordinator/jobs/job_manager.h"
 #include "coordinator/store/store_fixture.h"
 #include "gmock/gmock.h"
@@ -34,67 +35,13 @@ using ::testing::Not;
 using ::testing::Pair;
 using ::testing::SizeIs;
 
-class SchedulingPassTest : public ::testing::Test {
+class SchedulingPassTest : public PassFixture {
  protected:
   void SetUp() override {
-    auto store = Store::Open(":memory:");
-    ASSERT_THAT(store.status(), IsOk());
-    store_ = std::move(*store);
-    jobs_ = std::make_unique<JobManager>(store_.get(), &clock_);
-    ClusterOptions options;
-    options.clock = &clock_;
-    options.failure_settle = absl::Seconds(5);
-    options.blame_grace = absl::Seconds(1);
-    state_ = std::make_unique<ClusterState>(store_.get(), options);
-    fate_ = std::make_unique<AttemptFate>(state_.get(), jobs_.get());
+    PassFixture::SetUp();
     pass_ = std::make_unique<SchedulingPass>(state_.get(), jobs_.get(), fate_.get());
   }
 
-  void Register(const std::string& node, int slots) {
-    v1::RegisterNodeRequest request;
-    request.set_node_id(node);
-    request.set_address(node + ":7000");
-    request.mutable_resources()->set_cpu_slots(slots);
-    absl::MutexLock lock(&state_->mu);
-    bool returning = false;
-    ASSERT_THAT(state_->nodes.Register(request, &returning), IsOk());
-  }
-
-  std::string Submit(int slots, int max_restarts = 0, int priority = 0) {
-    v1::JobSpec spec = testing::TinyCpuJobSpec("pass", slots, max_restarts);
-    spec.set_priority(priority);
-    auto job = jobs_->Submit(spec, "");
-    EXPECT_THAT(job.status(), IsOk());
-    return job.ok() ? job->job_id() : "";
-  }
-
-  v1::Job Job(const std::string& job_id) {
-    auto job = jobs_->Get(job_id);
-    EXPECT_THAT(job.status(), IsOk());
-    return job.ok() ? *job : v1::Job();
-  }
-
-  // The orders a heartbeat from `node` would carry now.
-  v1::HeartbeatResponse Orders(const std::string& node) {
-    absl::MutexLock lock(&state_->mu);
-    v1::HeartbeatResponse response;
-    state_->nodes.TakeOrders(node, &response);
-    return response;
-  }
-
-  // Whether `job_id` holds devices, and whether its placement is still being stored.
-  bool Allocated(const std::string& job_id, bool* storing = nullptr) {
-    absl::MutexLock lock(&state_->mu);
-    const Allocation* allocation = state_->allocations.Find(job_id);
-    if (allocation != nullptr && storing != nullptr) *storing = allocation->storing;
-    return allocation != nullptr;
-  }
-
-  SimulatedClock clock_;
-  std::unique_ptr<Store> store_;
-  std::unique_ptr<JobManager> jobs_;
-  std::unique_ptr<ClusterState> state_;
-  std::unique_ptr<AttemptFate> fate_;
   std::unique_ptr<SchedulingPass> pass_;
 };
 

@@ -146,7 +146,7 @@ struct QueueConfig {
 
 // The queue a job counts against: `job_queue` (Job.queue), or for one submitted before queues were
 // configured (empty or the implicit queue) the file's default_queue when it names one. A queue the
-// file no longer defines stays as it is. (SchedulingPass still has a private copy.)
+// file no longer defines stays as it is.
 std::string CountingQueue(const std::string& job_queue, const QueueConfig& config);
 
 // Parses and validates the file's text. INVALID_ARGUMENT naming the entry and field at fault,

@@ -1,30 +1,39 @@
-// SchedulingPass's preemption stage (scheduling_pass.h): under the cluster lock, after the pass's
-// admissions, the quota preemption of queue_preemption.h and, when that decides nothing, the
-// priority preemption on a full cluster of capacity_preemption.h; both ask their victims to
-// save a checkpoint and stop the same way.
+#include "coordinator/cluster/preemption_stage.h"
+
 #include <algorithm>
-#include <map>
 #include <set>
-#include <string>
 #include <tuple>
-#include <vector>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "coordinator/cluster/scheduling_pass.h"
 #include "coordinator/scheduling/capacity_preemption.h"
 
 namespace tessera::coordinator {
 
-void SchedulingPass::PreemptLocked(const Snapshot& snapshot,
-                                   std::vector<QueuedRequest> held_requests,
-                                   std::map<std::string, std::string>* reasons,
-                                   std::vector<JobManager::TransitionRequest>* writes) {
+void PreemptionStage::RunLocked(ClusterState& state, const PassSnapshot& snapshot,
+                                std::vector<QueuedRequest> held_by_quota,
+                                const std::vector<GangRequest>& unplaced,
+                                const std::map<std::string, std::string>& queue_of,
+                                std::map<std::string, std::string>* reasons,
+                                std::vector<JobManager::TransitionRequest>* writes) {
+  const size_t before = writes->size();
+  if (!held_by_quota.empty()) {
+    QuotaLocked(state, snapshot, std::move(held_by_quota), reasons, writes);
+  }
+  if (writes->size() == before)
+    CapacityLocked(state, snapshot, unplaced, queue_of, reasons, writes);
+}
+
+void PreemptionStage::QuotaLocked(ClusterState& state, const PassSnapshot& snapshot,
+                                  std::vector<QueuedRequest> held_requests,
+                                  std::map<std::string, std::string>* reasons,
+                                  std::vector<JobManager::TransitionRequest>* writes) {
   if (snapshot.queues == nullptr) return;
   const QueueConfig& config = *snapshot.queues;
-  const absl::Time now = state_->Now();
+  const absl::Time now = state.Now();
   std::vector<RunningJob> running;
-  for (const auto& [job_id, allocation] : state_->allocations.all()) {
+  for (const auto& [job_id, allocation] : state.allocations.all()) {
     // Victims still saving their checkpoint free nothing yet: decide again once they have.
     if (!allocation.preempted.empty() && allocation.phase == Allocation::Phase::kMoving) return;
     if (allocation.phase != Allocation::Phase::kRunning || allocation.storing ||
@@ -53,21 +62,21 @@ void SchedulingPass::PreemptLocked(const Snapshot& snapshot,
     if (!heads_tried.emplace(request.queue, request.use_gpus).second) continue;
     const PreemptionDecision decision = SelectPreemption(config, running, request);
     if (decision.victims.empty()) continue;
-    PreemptVictimsLocked(request.job_id, absl::StrCat(" of queue ", request.queue), decision,
-                         config.preemption_checkpoint_deadline, &config, reasons, writes);
+    VictimsLocked(state, request.job_id, absl::StrCat(" of queue ", request.queue), decision,
+                  config.preemption_checkpoint_deadline, &config, reasons, writes);
     return;
   }
 }
 
-void SchedulingPass::PreemptVictimsLocked(const std::string& for_job, const std::string& label,
-                                          const PreemptionDecision& decision,
-                                          absl::Duration deadline, const QueueConfig* config,
-                                          std::map<std::string, std::string>* reasons,
-                                          std::vector<JobManager::TransitionRequest>* writes) {
-  const absl::Time now = state_->Now();
+void PreemptionStage::VictimsLocked(ClusterState& state, const std::string& for_job,
+                                    const std::string& label, const PreemptionDecision& decision,
+                                    absl::Duration deadline, const QueueConfig* config,
+                                    std::map<std::string, std::string>* reasons,
+                                    std::vector<JobManager::TransitionRequest>* writes) {
+  const absl::Time now = state.Now();
   std::vector<std::string> names;
   for (const Victim& victim : decision.victims) {
-    Allocation* allocation = state_->allocations.Find(victim.job_id);
+    Allocation* allocation = state.allocations.Find(victim.job_id);
     if (allocation == nullptr) continue;
     allocation->preempted = absl::StrCat("preempted by ", for_job, label, " (", victim.reason, ")");
     allocation->preempted_time = now;
@@ -97,11 +106,11 @@ void SchedulingPass::PreemptVictimsLocked(const std::string& for_job, const std:
                                      " to save a checkpoint and stop (", decision.reason, ")");
 }
 
-void SchedulingPass::PreemptForCapacityLocked(const Snapshot& snapshot,
-                                              const std::vector<GangRequest>& unplaced,
-                                              const std::map<std::string, std::string>& queues,
-                                              std::map<std::string, std::string>* reasons,
-                                              std::vector<JobManager::TransitionRequest>* writes) {
+void PreemptionStage::CapacityLocked(ClusterState& state, const PassSnapshot& snapshot,
+                                     const std::vector<GangRequest>& unplaced,
+                                     const std::map<std::string, std::string>& queues,
+                                     std::map<std::string, std::string>* reasons,
+                                     std::vector<JobManager::TransitionRequest>* writes) {
   if (unplaced.empty()) return;
   const QueueConfig* config = snapshot.queues.get();
   auto counting = [config](const std::string& queue) {
@@ -111,9 +120,9 @@ void SchedulingPass::PreemptForCapacityLocked(const Snapshot& snapshot,
   // priorities (the common case) nothing below is built, however many jobs run.
   int highest = unplaced.front().priority;
   for (const GangRequest& request : unplaced) highest = std::max(highest, request.priority);
-  const absl::Time now = state_->Now();
+  const absl::Time now = state.Now();
   std::vector<RunningGang> running;
-  for (const auto& [job_id, allocation] : state_->allocations.all()) {
+  for (const auto& [job_id, allocation] : state.allocations.all()) {
     // Victims still saving their checkpoint free nothing yet: decide again once they have.
     if (!allocation.preempted.empty() && allocation.phase == Allocation::Phase::kMoving) return;
     if (allocation.priority >= highest || allocation.phase != Allocation::Phase::kRunning ||
@@ -130,7 +139,7 @@ void SchedulingPass::PreemptForCapacityLocked(const Snapshot& snapshot,
   }
   if (running.empty()) return;
   const std::vector<NodeCapacity> capacity =
-      NodeRegistry::Subtract(*state_->nodes.Summaries(), state_->allocations.Used());
+      NodeRegistry::Subtract(*state.nodes.Summaries(), state.allocations.Used());
   // The highest priority first, one decision per pass (its victims stop before the next).
   std::vector<const GangRequest*> order;
   for (const GangRequest& request : unplaced) order.push_back(&request);
@@ -149,10 +158,10 @@ void SchedulingPass::PreemptForCapacityLocked(const Snapshot& snapshot,
     const PreemptionDecision decision =
         SelectCapacityPreemption(running, *request, label, capacity);
     if (decision.victims.empty()) continue;
-    PreemptVictimsLocked(request->job_id, absl::StrCat(" of queue ", label), decision,
-                         config != nullptr ? config->preemption_checkpoint_deadline
-                                           : kDefaultPreemptionCheckpointDeadline,
-                         config, reasons, writes);
+    VictimsLocked(state, request->job_id, absl::StrCat(" of queue ", label), decision,
+                  config != nullptr ? config->preemption_checkpoint_deadline
+                                    : kDefaultPreemptionCheckpointDeadline,
+                  config, reasons, writes);
     return;
   }
 }
