@@ -131,7 +131,10 @@ TEST_F(ClusterTest, StepsWhoseReportsDiedWithTheirWorkerAreReportedAgainFromTheC
 // restart goes to the other node, which has never run the job: its rank 0 reads the lost
 // steps from the checkpoint's step_metrics.pb in the shared checkpoint root and reports them.
 TEST_F(TwoWorkerClusterTest, StepsLostWithTheirNodeAreReportedAgainByAnAttemptOnAnotherNode) {
-  constexpr int kSteps = 40;
+  // Enough steps that the coordinator is killed while training goes on: a 1-rank step of this
+  // model takes milliseconds on an idle machine, and 40 steps were over before it learned of
+  // step 8.
+  constexpr int kSteps = 200;
   v1::JobSpec spec = Spec(kSteps);
   spec.mutable_checkpoint()->set_interval_steps(5);
   spec.mutable_resources()->set_cpu_slots(1);
