@@ -184,7 +184,7 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Create(Authenticat
   if (authenticator->open()) return authenticator;
   absl::MutexLock lock(&authenticator->mu_);
   RETURN_IF_ERROR(authenticator->LoadLocked());
-  authenticator->last_check_ = authenticator->options_.now();
+  authenticator->last_check_ = authenticator->options_.clock->Now();
   return authenticator;
 }
 
@@ -211,7 +211,7 @@ absl::Status Authenticator::LoadLocked() {
 absl::Status Authenticator::ReloadIfChanged() {
   if (open()) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
-  last_check_ = options_.now();
+  last_check_ = options_.clock->Now();
   auto identity = FileIdentity(options_.auth_file);
   if (!identity.ok()) return identity.status();
   if (*identity == file_identity_) return absl::OkStatus();
@@ -248,7 +248,7 @@ absl::StatusOr<Principal> Authenticator::Authenticate(const CallCredentials& cre
   bool check_file = false;
   {
     absl::MutexLock lock(&mu_);
-    check_file = options_.now() - last_check_ >= options_.reload_check_interval;
+    check_file = options_.clock->Now() - last_check_ >= options_.reload_check_interval;
   }
   if (check_file) ReloadIfChanged().IgnoreError();  // logged inside; the old table stays
 

@@ -14,7 +14,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -26,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "grpcpp/server_context.h"
 
 namespace tessera::coordinator {
@@ -77,8 +77,8 @@ struct AuthenticatorOptions {
   std::string auth_file;
   // How often, at most, calls check whether the file changed.
   absl::Duration reload_check_interval = absl::Seconds(1);
-  // Clock, injectable for tests.
-  std::function<absl::Time()> now = [] { return absl::Now(); };
+  // Must outlive the authenticator; tests pass a SimulatedClock.
+  Clock* clock = Clock::Real();
 };
 
 // Thread safety: all methods may be called from any thread (mu_ guards the

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -86,9 +87,7 @@ class AuthenticatorTest : public ::testing::Test {
     path_ = dir_.path() + "/auth.yaml";
     Write(path_, Users("alice-1"));
     auto authenticator = Authenticator::Create(
-        {.auth_file = path_, .reload_check_interval = absl::Seconds(1), .now = [this] {
-           return now_;
-         }});
+        {.auth_file = path_, .reload_check_interval = absl::Seconds(1), .clock = &clock_});
     ASSERT_THAT(authenticator, IsOk());
     authenticator_ = std::move(*authenticator);
   }
@@ -99,7 +98,7 @@ class AuthenticatorTest : public ::testing::Test {
 
   ScopedTempDir dir_;
   std::string path_;
-  absl::Time now_ = absl::FromUnixSeconds(1000);
+  SimulatedClock clock_;
   std::unique_ptr<Authenticator> authenticator_;
 };
 
@@ -141,9 +140,9 @@ TEST_F(AuthenticatorTest, NothingValidIsUnauthenticated) {
 TEST_F(AuthenticatorTest, AChangedFileIsReadAtTheNextCheck) {
   Write(path_, Users("alice-2"));
   // Within the check interval the old table stands.
-  now_ += absl::Milliseconds(500);
+  clock_.Advance(absl::Milliseconds(500));
   EXPECT_THAT(WithToken("alice-1"), IsOk());
-  now_ += absl::Seconds(1);
+  clock_.Advance(absl::Seconds(1));
   EXPECT_EQ(WithToken("alice-1").status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_THAT(WithToken("alice-2"), IsOk());
   EXPECT_EQ(authenticator_->reloads(), 2);
@@ -151,7 +150,7 @@ TEST_F(AuthenticatorTest, AChangedFileIsReadAtTheNextCheck) {
   // A broken file keeps the last good table and is reported.
   Write(path_, "users: [");
   EXPECT_EQ(authenticator_->ReloadIfChanged().code(), absl::StatusCode::kInvalidArgument);
-  now_ += absl::Seconds(2);
+  clock_.Advance(absl::Seconds(2));
   EXPECT_THAT(WithToken("alice-2"), IsOk());
 }
 

@@ -12,7 +12,7 @@ absl::Status ClientLimits::AdmitSubmit(const std::string& user) {
   if (options_.submits_per_minute <= 0) return absl::OkStatus();
   const double capacity = options_.submits_per_minute;
   const double per_second = capacity / 60.0;
-  const absl::Time now = options_.now();
+  const absl::Time now = options_.clock->Now();
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = buckets_.try_emplace(user, Bucket{capacity, now});
   Bucket& bucket = it->second;

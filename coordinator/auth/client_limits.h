@@ -4,7 +4,6 @@
 // say when to retry.
 #pragma once
 
-#include <functional>
 #include <memory>
 #include <string>
 
@@ -13,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "common/daemon/grpc_status.h"
 
 namespace tessera::coordinator {
@@ -22,8 +22,8 @@ struct ClientLimitsOptions {
   int submits_per_minute = 60;
   // Open WatchJob/GetLogs streams per user; 0: unlimited.
   int max_streams_per_client = 16;
-  // Clock, injectable for tests.
-  std::function<absl::Time()> now = [] { return absl::Now(); };
+  // Must outlive the limits; tests pass a SimulatedClock.
+  Clock* clock = Clock::Real();
 };
 
 // RESOURCE_EXHAUSTED statuses carry their retry delay under kRetryAfterPayload

@@ -1,5 +1,6 @@
 #include "coordinator/auth/client_limits.h"
 
+#include "common/clock.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -11,8 +12,8 @@ using ::tessera::testing::IsOk;
 using ::testing::HasSubstr;
 
 TEST(ClientLimitsTest, SubmitRateIsATokenBucketPerUser) {
-  absl::Time now = absl::FromUnixSeconds(100);
-  ClientLimits limits({.submits_per_minute = 3, .now = [&] { return now; }});
+  SimulatedClock clock;
+  ClientLimits limits({.submits_per_minute = 3, .clock = &clock});
   for (int i = 0; i < 3; ++i) EXPECT_THAT(limits.AdmitSubmit("alice"), IsOk());
   absl::Status refused = limits.AdmitSubmit("alice");
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
@@ -23,14 +24,14 @@ TEST(ClientLimitsTest, SubmitRateIsATokenBucketPerUser) {
   // Others are not held back.
   EXPECT_THAT(limits.AdmitSubmit("bob"), IsOk());
   // One token comes back every 20 s.
-  now += absl::Seconds(10);
+  clock.Advance(absl::Seconds(10));
   refused = limits.AdmitSubmit("alice");
   EXPECT_THAT(refused.message(), HasSubstr("retry in 10.0 s"));
-  now += absl::Seconds(10);
+  clock.Advance(absl::Seconds(10));
   EXPECT_THAT(limits.AdmitSubmit("alice"), IsOk());
   EXPECT_EQ(limits.AdmitSubmit("alice").code(), absl::StatusCode::kResourceExhausted);
   // The bucket holds at most a minute's worth.
-  now += absl::Hours(1);
+  clock.Advance(absl::Hours(1));
   for (int i = 0; i < 3; ++i) EXPECT_THAT(limits.AdmitSubmit("alice"), IsOk());
   EXPECT_EQ(limits.AdmitSubmit("alice").code(), absl::StatusCode::kResourceExhausted);
 }

@@ -162,7 +162,8 @@ void Cluster::Start(std::function<void(const ClusterStats&, double)> observer) {
   loop_ = std::thread([this, observer = std::move(observer)] {
     // Named for profiles (perf, top -H): the pass is one thread.
     pthread_setname_np(pthread_self(), "scheduler");
-    absl::Time last_start = absl::Now();
+    Clock* const clock = state_.options.clock;
+    absl::Time last_start = clock->Now();
     absl::Time last_counted = last_start;
     while (true) {
       {
@@ -170,16 +171,20 @@ void Cluster::Start(std::function<void(const ClusterStats&, double)> observer) {
         // The regular pass comes tick_interval after the previous one started; a requested one
         // as soon as min_tick_gap has passed since then.
         while (!stopping_) {
-          const absl::Time wake_now = absl::Now();
           absl::Time due = last_start + state_.options.tick_interval;
           if (pass_requested_) due = std::min(due, last_start + state_.options.min_tick_gap);
-          if (wake_now >= due) break;
-          wake_cv_.WaitWithDeadline(&wake_mu_, due);
+          if (clock->Now() >= due) break;
+          // Until `due`, or at once when stopped or asked for a pass (which may bring it closer).
+          const bool requested = pass_requested_;
+          auto woken = [this, requested]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(wake_mu_) {
+            return stopping_ || pass_requested_ != requested;
+          };
+          clock->AwaitWithDeadline(&wake_mu_, absl::Condition(&woken), due);
         }
         if (stopping_) return;
         pass_requested_ = false;
       }
-      last_start = absl::Now();
+      last_start = clock->Now();
       // The cluster-wide counts are taken every tick_interval, not on every early pass.
       const bool count = last_start - last_counted >= state_.options.tick_interval;
       if (count) last_counted = last_start;
@@ -196,15 +201,13 @@ void Cluster::Start(std::function<void(const ClusterStats&, double)> observer) {
 void Cluster::RequestPass() {
   absl::MutexLock lock(&wake_mu_);
   if (pass_requested_) return;
-  pass_requested_ = true;
-  wake_cv_.Signal();
+  pass_requested_ = true;  // the loop's wait sees it as the lock is released
 }
 
 void Cluster::Stop() {
   {
     absl::MutexLock lock(&wake_mu_);
     stopping_ = true;
-    wake_cv_.SignalAll();
   }
   if (loop_.joinable()) loop_.join();
   pass_.StopStoreThread();

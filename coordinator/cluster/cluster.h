@@ -145,7 +145,6 @@ class Cluster {
 
   std::thread loop_;
   absl::Mutex wake_mu_;
-  absl::CondVar wake_cv_;
   bool pass_requested_ ABSL_GUARDED_BY(wake_mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(wake_mu_) = false;
 

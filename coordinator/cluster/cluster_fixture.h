@@ -1,7 +1,8 @@
 // ClusterTest: the fixture of Cluster's in-process tests (cluster_test.cc: workers, attempts,
 // nodes; cluster_pass_test.cc: placements, the loop, the lock): an in-memory store (or one on a
 // file, for the loop), one SimulatedClock for the cluster and the job manager, and workers played
-// by the test through Register / Heartbeat / Report. No processes, no sleeps.
+// by the test through Register / Heartbeat / Report. No processes, no sleeps: the loop (StartLoop)
+// paces itself on the simulated clock, which the waits move on.
 //
 // Thread safety: a gtest fixture, used from the test's thread, except that the loop's observer
 // (StartLoop) counts passes under passes_mu_ for the waits (AwaitPasses, AwaitAfterPasses).
@@ -171,6 +172,7 @@ class ClusterTest : public ::testing::Test {
     options.tick_interval = absl::Milliseconds(10);
     options.min_tick_gap = absl::ZeroDuration();
     options.clock = &clock_;
+    loop_tick_ = options.tick_interval;
     cluster_ = std::make_unique<Cluster>(store_.get(), jobs_.get(), options);
   }
 
@@ -212,13 +214,21 @@ class ClusterTest : public ::testing::Test {
     absl::MutexLock lock(&passes_mu_);
     return passes_;
   }
-  // Waits (at most `timeout`) until the loop has made `passes` passes in all.
+  // Waits (at most `timeout` of real time) until the loop has made `passes` passes in all. The
+  // loop paces itself on the simulated clock: whenever it waits for its next tick, time moves on
+  // by one tick_interval.
   bool AwaitPasses(int passes, absl::Duration timeout = absl::Seconds(30)) {
+    const absl::Time give_up = absl::Now() + timeout;
     absl::MutexLock lock(&passes_mu_);
     const auto reached = [this, passes]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(passes_mu_) {
       return passes_ >= passes;
     };
-    return passes_mu_.AwaitWithTimeout(absl::Condition(&reached), timeout);
+    while (!reached()) {
+      if (absl::Now() >= give_up) return false;
+      if (clock_.waiters() > 0) clock_.Advance(loop_tick_);
+      passes_mu_.AwaitWithTimeout(absl::Condition(&reached), absl::Milliseconds(1));
+    }
+    return true;
   }
   // Waits (at most `timeout`) until `done` holds, checking it after each pass of the loop, and at
   // least every 10 ms: a pass may change what `done` reads and then block (its store waits for
@@ -235,6 +245,8 @@ class ClusterTest : public ::testing::Test {
   }
 
   SimulatedClock clock_{absl::FromUnixSeconds(1'800'000'000)};
+  // The loop's tick_interval (ClusterOptions), by which AwaitPasses moves the clock.
+  absl::Duration loop_tick_ = ClusterOptions().tick_interval;
   absl::Mutex passes_mu_;
   int passes_ ABSL_GUARDED_BY(passes_mu_) = 0;
   std::optional<::tessera::testing::ScopedTempDir> dir_;

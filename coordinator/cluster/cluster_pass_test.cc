@@ -105,6 +105,7 @@ TEST_F(ClusterTest, TheLoopStoresAPassBesideTheNextPass) {
       overlapped = overlapped + it->second;
     }
   });
+  cluster_->RequestPass();  // the loop's time is the simulated clock's, which waits here
   ASSERT_TRUE(storing.WaitForNotificationWithTimeout(absl::Seconds(30)));
   // Passes go on while the first placement is being stored; its job still reads PENDING, and it
   // holds the devices of one node.

@@ -59,7 +59,7 @@ struct ClusterOptions {
   // rank 0 is on the same node gets the next one.
   int base_master_port = 29500;
   // The clock of liveness, settle times and the history's times (must outlive the cluster);
-  // tests pass a SimulatedClock. The loop of Cluster::Start paces itself on the wall clock.
+  // tests pass a SimulatedClock. The loop of Cluster::Start paces its passes on it too.
   Clock* clock = Clock::Real();
   // Queues and quotas (--queue_file); null: one implicit queue, no quotas. Must outlive the
   // cluster.
