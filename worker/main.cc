@@ -9,11 +9,9 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
-#include "common/read_file.h"
-#include "common/command_line.h"
+#include "common/daemon/daemon_main.h"
 #include "common/daemon/daemon_servers.h"
-#include "common/daemon/log_format.h"
-#include "common/daemon/shutdown_signal.h"
+#include "common/read_file.h"
 #include "common/version.h"
 #include "worker/trainer_process.h"
 #include "worker/worker_daemon.h"
@@ -69,9 +67,6 @@ ABSL_FLAG(std::string, join_token_file, "",
           "File holding the token this worker presents to the coordinator (a user with the "
           "node role); TESSERA_JOIN_TOKEN is used when empty.");
 
-ABSL_FLAG(std::string, log_format, "text",
-          "text: plain lines; json: one JSON object per line (time, component, pid, message; "
-          "gRPC's lines with severity and source) for cluster log collectors.");
 ABSL_FLAG(int, trainer_threads, 0,
           "Intra-op CPU threads of each trainer (OMP_NUM_THREADS, MKL_NUM_THREADS); 0: this "
           "node's cores divided by its slots (CPU slots, or GPUs), at least 1, so that ranks do "
@@ -126,14 +121,9 @@ constexpr char kUsage[] =
     "coordinator, launches and supervises trainer processes, and relays their reports.\n";
 
 int main(int argc, char** argv) {
-  tessera::BlockShutdownSignals();
-  tessera::ParseCommandLine(argc, argv, kUsage);
-  auto log_format = tessera::ParseLogFormat(absl::GetFlag(FLAGS_log_format));
-  if (!log_format.ok()) {
-    std::cerr << "tessera-worker: " << log_format.status().message() << "\n";
-    return 2;
+  if (int code = tessera::StartDaemonProcess(argc, argv, kUsage, "worker"); code != 0) {
+    return code;
   }
-  tessera::InstallLogFormat(*log_format, "worker");
   // Trainers' orphaned descendants become ours to reap, so stopping a
   // trainer's process group always finishes (PID 1 may not reap them).
   if (auto status = tessera::worker::BecomeChildSubreaper(); !status.ok()) {

@@ -4,10 +4,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/synchronization/mutex.h"
-#include "common/command_line.h"
+#include "common/daemon/daemon_main.h"
 #include "common/daemon/daemon_servers.h"
-#include "common/daemon/log_format.h"
-#include "common/daemon/shutdown_signal.h"
 #include "common/version.h"
 #include "coordinator/service/coordinator_daemon.h"
 #include "coordinator/service/leader_run.h"
@@ -93,10 +91,6 @@ ABSL_FLAG(int, node_call_threads, 0,
           "Threads that do the work of workers' registrations and reports, and the store writes "
           "heartbeats decide; 0: 8 per core, at least 64.");
 
-ABSL_FLAG(std::string, log_format, "text",
-          "text: plain lines; json: one JSON object per line (time, component, pid, message; "
-          "gRPC's lines with severity and source) for cluster log collectors.");
-
 constexpr char kUsage[] =
     "Usage: tessera-coordinator [--listen=HOST:PORT] [--metrics_listen=HOST:PORT] "
     "[--state=FILE|postgresql://USER@HOST/DB]\n\n"
@@ -104,14 +98,9 @@ constexpr char kUsage[] =
     "plans and gang-schedules them onto workers (tessera.v1.NodeService).\n";
 
 int main(int argc, char** argv) {
-  tessera::BlockShutdownSignals();
-  tessera::ParseCommandLine(argc, argv, kUsage);
-  auto log_format = tessera::ParseLogFormat(absl::GetFlag(FLAGS_log_format));
-  if (!log_format.ok()) {
-    std::cerr << "tessera-coordinator: " << log_format.status().message() << "\n";
-    return 2;
+  if (int code = tessera::StartDaemonProcess(argc, argv, kUsage, "coordinator"); code != 0) {
+    return code;
   }
-  tessera::InstallLogFormat(*log_format, "coordinator");
   // Debian's Abseil checks every lock acquisition for deadlock cycles, which cost 3% of the
   // coordinator's CPU at 10,000 nodes (bench/control_plane_bench); in-process tests keep it on.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
