@@ -7,7 +7,7 @@
   planner/, trainer/ (one level down: coordinator/scheduling, trainer/model, ...);
 - the ten largest non-test C++ files;
 - uses of the coordinator's shared ClusterState fields (nodes, allocations, notifier,
-  heartbeat_node, mu, node_write_mu through `state->` or `state_->`) outside
+  heartbeat_node, mu, node_write_mu through `state->`, `state_->` or a `state.` reference) outside
   cluster_state.{h,cc}, by file, in the parts that hold a ClusterState (coordinator/cluster/, or a file whose .h or
   .cc names it; other classes' own `state->mu` are not counted): each is a part reading or writing
   state it does not own;
@@ -20,7 +20,8 @@ import re
 import sys
 
 FOLDERS = ("coordinator", "worker", "client", "common", "planner", "trainer")
-STATE_USE = re.compile(r"\bstate_?->(nodes|allocations|notifier|heartbeat_node|mu|node_write_mu)\b")
+STATE_USE = re.compile(
+    r"\bstate_?(?:->|\.)(nodes|allocations|notifier|heartbeat_node|mu|node_write_mu)\b")
 SLEEP = re.compile(r"sleep_for\s*\(|SleepFor\s*\(|\busleep\s*\(")
 
 
@@ -35,7 +36,8 @@ def cxx_files(root):
 
 def is_test(path):
     name = os.path.basename(path)
-    return name.endswith("_test.cc") or "/testing/" in path or name.startswith("test_")
+    return (name.endswith(("_test.cc", "_fixture.h", "_fake.h", "_golden.h")) or
+            "/testing/" in path or name.startswith("test_"))
 
 
 def main():
