@@ -82,14 +82,14 @@ void AttemptFate::StopTasksLocked(const std::string& job_id, Allocation& allocat
   for (const auto& node : allocation.Nodes()) {
     if (allocation.NodeEnded(node)) continue;
     const std::string task_id = TaskId(job_id, allocation.attempt, node);
-    if (state_->nodes.WithdrawStart(node, task_id)) {
+    if (state_->orders.WithdrawStart(node, task_id)) {
       allocation.task_states[node] = v1::TASK_STATE_STOPPED;  // never started
     } else if (checkpoint) {
       std::optional<absl::Duration> deadline;
       if (!allocation.preempted.empty()) deadline = allocation.preemption_deadline;
-      state_->nodes.QueueCheckpointAndStop(node, task_id, deadline);
+      state_->orders.QueueCheckpointAndStop(node, task_id, deadline);
     } else {
-      state_->nodes.QueueStop(node, task_id);
+      state_->orders.QueueStop(node, task_id);
     }
   }
 }

@@ -288,8 +288,7 @@ v1::ListQueuesResponse Cluster::ListQueues() {
 }
 
 void Cluster::SetAssignmentNotifier(AssignmentNotifier* notifier) {
-  absl::MutexLock lock(&state_.mu);
-  state_.notifier = notifier;
+  state_.orders.SetNotifier(notifier);
 }
 
 void Cluster::SetFollowUpExecutor(CallExecutor* executor) {

@@ -29,12 +29,8 @@ void LogRetried(const absl::Status& status, const std::string& what) {
 ClusterState::ClusterState(Store* store, ClusterOptions options)
     : store(store),
       options(std::move(options)),
-      nodes(store, this->options.heartbeat_timeout, /*write_behind=*/true, this->options.clock) {
-  // The registry calls this under mu (it is only ever used under mu).
-  nodes.SetOrdersListener([this](const std::string& node_id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (notifier != nullptr && node_id != heartbeat_node) notifier->Notify(node_id);
-  });
-}
+      nodes(store, this->options.heartbeat_timeout, /*write_behind=*/true, this->options.clock,
+            &orders) {}
 
 absl::Status ClusterState::WriteNodes(const std::string& node_id) {
   absl::MutexLock write_lock(&node_write_mu);

@@ -1,13 +1,14 @@
 // ClusterState: what the coordinator's control loop knows of its workers and their attempts, shared
 // by the parts Cluster is made of (WorkerProtocol: registrations, heartbeats, reports;
 // AttemptFate: failures, decisions, moves, successes; SchedulingPass: the gang scheduling pass).
-// It holds the node registry, the allocation ledger and the announcement of new orders, all under
-// the one cluster lock `mu`, and the way out for node records: the registry only marks a changed
+// It holds the node registry and the allocation ledger under the one cluster lock `mu`, the order
+// outbox (its own lock), and the way out for node records: the registry only marks a changed
 // record dirty (write-behind), and WriteNodes stores the changed records after `mu` is released,
 // so that no SQLite fsync ever holds the cluster lock. Also here: the options and the statistics
 // of the cluster, and the small helpers the parts share.
 //
-// Thread safety: `mu` guards the registry, the ledger, the notifier and heartbeat_node. Code that
+// Thread safety: `mu` guards the registry and the ledger; the order outbox (each node's orders and
+// their announcement to its WatchAssignments stream) guards itself. Code that
 // holds `mu` makes no store write and, but for Cluster::Recover's reads at startup, no store call
 // at all. Node record writes are serialized by node_write_mu (taken before mu): a record taken
 // later is stored later, so an older copy never overwrites a newer one.
@@ -24,8 +25,8 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "coordinator/cluster/allocation_ledger.h"
-#include "coordinator/nodes/assignment_notifier.h"
 #include "coordinator/nodes/node_registry.h"
+#include "coordinator/nodes/order_outbox.h"
 #include "coordinator/queues/queue_config.h"
 #include "coordinator/queues/queue_file.h"
 #include "coordinator/scheduling/assignments.h"  // TaskId
@@ -145,12 +146,11 @@ struct ClusterState {
   // Serializes the node record writes (WriteNodes, RemoveNode). Taken before mu.
   absl::Mutex node_write_mu ABSL_ACQUIRED_BEFORE(mu);
   absl::Mutex mu;
+  // Each node's orders and their announcement; its own lock (taken after mu where both are).
+  // Declared before the registry, which tells it the nodes it may hold orders for.
+  OrderOutbox orders;
   NodeRegistry nodes ABSL_GUARDED_BY(mu);
   AllocationLedger allocations ABSL_GUARDED_BY(mu);
-  AssignmentNotifier* notifier ABSL_GUARDED_BY(mu) = nullptr;
-  // The node whose heartbeat is being handled: its new orders leave with the response and are
-  // not announced.
-  std::string heartbeat_node ABSL_GUARDED_BY(mu);
 };
 
 }  // namespace tessera::coordinator

@@ -72,7 +72,7 @@ class PassFixture : public ::testing::Test {
   v1::HeartbeatResponse Orders(const std::string& node) {
     absl::MutexLock lock(&state_->mu);
     v1::HeartbeatResponse response;
-    state_->nodes.TakeOrders(node, &response);
+    state_->orders.TakeOrders(node, &response);
     return response;
   }
 

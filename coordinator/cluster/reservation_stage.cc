@@ -76,7 +76,7 @@ int ReserveOneLocked(ClusterState& state, const v1::Job& job, const v1::JobSpec&
     for (v1::TrainerTask& task : *assignment.mutable_trainers()) {
       task.mutable_assignment()->set_master_port(master_port);
     }
-    state.nodes.QueueStart(node_id, std::move(assignment), /*held=*/true);
+    state.orders.QueueStart(node_id, std::move(assignment), /*held=*/true);
   }
   state.allocations.Add(job.job_id(), std::move(allocation));
   return master_port;

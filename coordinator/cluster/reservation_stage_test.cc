@@ -31,7 +31,7 @@ TEST_F(ReservationStageTest, APlacementBecomesAnAllocationWithItsOrdersHeldBack)
   EXPECT_THAT(Orders("n1").start(), SizeIs(0));
   {
     absl::MutexLock lock(&state_->mu);
-    EXPECT_TRUE(state_->nodes.ReleaseStart("n1", TaskId(job_id, 0, "n1")));
+    EXPECT_TRUE(state_->orders.ReleaseStart("n1", TaskId(job_id, 0, "n1")));
   }
   const v1::HeartbeatResponse orders = Orders("n1");
   ASSERT_THAT(orders.start(), SizeIs(1));

@@ -330,7 +330,7 @@ struct QueuedPass {
   v1::HeartbeatResponse TakeOrders() {
     absl::MutexLock lock(&state->mu);
     v1::HeartbeatResponse orders;
-    state->nodes.TakeOrders("n1", &orders);
+    state->orders.TakeOrders("n1", &orders);
     return orders;
   }
   // The job's state changes, in order, from its watch stream.
@@ -502,7 +502,7 @@ TEST(SchedulingPassQueuesTest, LentQuotaIsReclaimedByCheckpointAndStop) {
   {
     absl::MutexLock lock(&state.mu);
     v1::HeartbeatResponse orders;
-    state.nodes.TakeOrders("n1", &orders);
+    state.orders.TakeOrders("n1", &orders);
     ASSERT_THAT(orders.checkpoint_and_stop(), SizeIs(1));
     EXPECT_EQ(orders.checkpoint_and_stop(0), task);
     // The ranks get the queue file's deadline (the default, 120 s), not the worker's grace.
@@ -615,7 +615,7 @@ TEST(SchedulingPassQueuesTest, APreemptedJobWithoutANewCheckpointSaysSo) {
   {
     absl::MutexLock lock(&queued.state->mu);
     v1::HeartbeatResponse orders;
-    queued.state->nodes.TakeOrders("n1", &orders);
+    queued.state->orders.TakeOrders("n1", &orders);
     EXPECT_DOUBLE_EQ(orders.checkpoint_deadline_seconds().at(TaskId(borrowing, 0, "n1")), 30);
     queued.state->allocations.Find(borrowing)->task_states["n1"] = v1::TASK_STATE_STOPPED;
   }

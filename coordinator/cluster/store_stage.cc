@@ -54,7 +54,7 @@ std::set<std::string> StoreStage::Store(PassWrites pass) {
       if (stored[i].ok()) {
         if (allocation != nullptr) {
           for (const auto& node : allocation->Nodes()) {
-            state_->nodes.ReleaseStart(node, TaskId(job_id, allocation->attempt, node));
+            state_->orders.ReleaseStart(node, TaskId(job_id, allocation->attempt, node));
           }
         }
         placed.insert(job_id);
@@ -77,7 +77,7 @@ std::set<std::string> StoreStage::Store(PassWrites pass) {
       }
       if (allocation != nullptr) {
         for (const auto& node : allocation->Nodes()) {
-          state_->nodes.WithdrawStart(node, TaskId(job_id, allocation->attempt, node));
+          state_->orders.WithdrawStart(node, TaskId(job_id, allocation->attempt, node));
         }
         state_->allocations.Erase(job_id);
       }

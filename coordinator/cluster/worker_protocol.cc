@@ -48,7 +48,7 @@ absl::Status WorkerProtocol::RegisterLocked(const v1::RegisterNodeRequest& reque
     if (found == nullptr) continue;
     Allocation& allocation = *found;
     const std::string task_id = TaskId(job_id, allocation.attempt, request.node_id());
-    if (state_->nodes.StartQueued(request.node_id(), task_id) || reported.contains(task_id))
+    if (state_->orders.StartQueued(request.node_id(), task_id) || reported.contains(task_id))
       continue;
     if (allocation.NodeEnded(request.node_id())) continue;
     allocation.task_states[request.node_id()] = v1::TASK_STATE_FAILED;
@@ -88,8 +88,8 @@ absl::StatusOr<v1::HeartbeatResponse> WorkerProtocol::Heartbeat(
   gpu_metrics.CopyFrom(request.gpu_metrics());
   absl::MutexLock lock(&state_->mu);
   RETURN_IF_ERROR(state_->nodes.CheckKey(request.node_id(), key_sha256));
-  state_->heartbeat_node = request.node_id();
-  absl::Cleanup quiet = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { state_->heartbeat_node.clear(); };
+  // What is queued for the node while its heartbeat is answered leaves with the response.
+  OrderOutbox::Answering answering(&state_->orders, request.node_id());
   v1::HeartbeatResponse response;
   if (!state_->nodes.Touch(request.node_id(), &gpu_metrics)) {
     // Unknown, or declared lost (its work was failed): start over.
@@ -112,12 +112,12 @@ absl::StatusOr<v1::HeartbeatResponse> WorkerProtocol::Heartbeat(
       continue;
     }
     const std::string task_id = TaskId(job_id, allocation.attempt, request.node_id());
-    if (!listed.contains(task_id) && !state_->nodes.StartQueued(request.node_id(), task_id) &&
+    if (!listed.contains(task_id) && !state_->orders.StartQueued(request.node_id(), task_id) &&
         !allocation.NodeEnded(request.node_id())) {
       allocation.task_states[request.node_id()] = v1::TASK_STATE_STOPPED;
     }
   }
-  state_->nodes.TakeOrders(request.node_id(), &response);
+  state_->orders.TakeOrders(request.node_id(), &response);
   return response;
 }
 
@@ -138,7 +138,7 @@ void WorkerProtocol::OnTaskStatusLocked(const std::string& node_id, const v1::Ta
     // A task the coordinator no longer wants (cancelled, failed elsewhere,
     // or from an earlier attempt of the job): stop it.
     if (status.state() == v1::TASK_STATE_STARTING || status.state() == v1::TASK_STATE_RUNNING) {
-      state_->nodes.QueueStop(node_id, status.task_id());
+      state_->orders.QueueStop(node_id, status.task_id());
     }
     return;
   }

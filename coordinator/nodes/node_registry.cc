@@ -29,6 +29,9 @@ absl::Status NodeRegistry::Load() {
     entry.node = std::move(node);
     liveness_[entry.liveness].last_heartbeat = now;
     Summarize(entry);
+    if (outbox_ != nullptr) {
+      outbox_->Known(entry.node.node_id(), entry.node.state() == v1::NODE_STATE_LOST);
+    }
   }
   return absl::OkStatus();
 }
@@ -145,6 +148,7 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, bool
   *node.mutable_last_heartbeat_time() = ToProto(now);
   liveness_[entry.liveness].last_heartbeat = now;
   Summarize(entry);
+  if (outbox_ != nullptr) outbox_->Known(request.node_id(), /*lost=*/false);
   return Persist(request.node_id());
 }
 
@@ -173,10 +177,7 @@ std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire() {
     Recount(entry);
     entry.capacity.schedulable = false;
     entry.changed = ++generation_;
-    entry.to_start.clear();
-    entry.to_stop.clear();
-    entry.to_checkpoint_and_stop.clear();
-    entry.checkpoint_deadlines.clear();
+    if (outbox_ != nullptr) outbox_->Lost(node_id);
     // A failed write leaves the record dirty: Flush (every tick) writes it again.
     Persist(node_id).IgnoreError();
     lost.emplace_back(node_id, silence);
@@ -252,6 +253,7 @@ absl::Status NodeRegistry::Forget(const std::string& node_id) {
   }
   liveness_.pop_back();
   dirty_.erase(node_id);
+  if (outbox_ != nullptr) outbox_->Forget(node_id);
   by_id_.erase(node_id);
   nodes_.erase(node_id);  // `entry` and `found` dangle from here
   ++generation_;          // Summaries() is rebuilt without it
@@ -333,84 +335,6 @@ std::map<std::string, int> UsedResources::CpuSlotCounts() const {
 const v1::Node* NodeRegistry::Find(const std::string& node_id) const {
   auto* const found = Lookup(node_id);
   return found == nullptr ? nullptr : &found->node;
-}
-
-void NodeRegistry::QueueStart(const std::string& node_id, v1::TaskAssignment assignment,
-                              bool held) {
-  auto* const found = Lookup(node_id);
-  if (found == nullptr) return;
-  found->to_start.push_back({std::move(assignment), held});
-  if (!held && orders_listener_) orders_listener_(node_id);
-}
-
-bool NodeRegistry::ReleaseStart(const std::string& node_id, const std::string& task_id) {
-  auto* const found = Lookup(node_id);
-  if (found == nullptr) return false;
-  for (auto& start : found->to_start) {
-    if (start.assignment.task_id() != task_id) continue;
-    if (start.held) {
-      start.held = false;
-      if (orders_listener_) orders_listener_(node_id);
-    }
-    return true;
-  }
-  return false;
-}
-
-void NodeRegistry::QueueStop(const std::string& node_id, const std::string& task_id) {
-  auto* const found = Lookup(node_id);
-  if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return;
-  auto& stops = found->to_stop;
-  if (std::find(stops.begin(), stops.end(), task_id) != stops.end()) return;
-  stops.push_back(task_id);
-  if (orders_listener_) orders_listener_(node_id);
-}
-
-void NodeRegistry::QueueCheckpointAndStop(const std::string& node_id, const std::string& task_id,
-                                          std::optional<absl::Duration> deadline) {
-  auto* const found = Lookup(node_id);
-  if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return;
-  auto& orders = found->to_checkpoint_and_stop;
-  if (std::find(orders.begin(), orders.end(), task_id) != orders.end()) return;
-  orders.push_back(task_id);
-  if (deadline) found->checkpoint_deadlines[task_id] = *deadline;
-  if (orders_listener_) orders_listener_(node_id);
-}
-
-bool NodeRegistry::WithdrawStart(const std::string& node_id, const std::string& task_id) {
-  auto* const found = Lookup(node_id);
-  if (found == nullptr) return false;
-  return std::erase_if(found->to_start, [&](const Entry::Start& start) {
-           return start.assignment.task_id() == task_id;
-         }) > 0;
-}
-
-bool NodeRegistry::StartQueued(const std::string& node_id, const std::string& task_id) const {
-  auto* const found = Lookup(node_id);
-  if (found == nullptr) return false;
-  return std::any_of(
-      found->to_start.begin(), found->to_start.end(),
-      [&](const Entry::Start& start) { return start.assignment.task_id() == task_id; });
-}
-
-void NodeRegistry::TakeOrders(const std::string& node_id, v1::HeartbeatResponse* response) {
-  auto* const found = Lookup(node_id);
-  if (found == nullptr) return;
-  auto& starts = found->to_start;
-  for (auto& start : starts) {
-    if (!start.held) *response->add_start() = std::move(start.assignment);
-  }
-  std::erase_if(starts, [](const Entry::Start& start) { return !start.held; });
-  for (auto& stop : found->to_stop) response->add_stop(std::move(stop));
-  found->to_stop.clear();
-  for (auto& order : found->to_checkpoint_and_stop) {
-    response->add_checkpoint_and_stop(std::move(order));
-  }
-  for (const auto& [task_id, deadline] : found->checkpoint_deadlines) {
-    (*response->mutable_checkpoint_deadline_seconds())[task_id] = absl::ToDoubleSeconds(deadline);
-  }
-  found->to_checkpoint_and_stop.clear();
-  found->checkpoint_deadlines.clear();
 }
 
 std::vector<NodeCapacity> NodeRegistry::Capacity(const UsedResources& used) const {

@@ -1,11 +1,11 @@
 // NodeRegistry: the coordinator's list of worker nodes and their liveness. It records what each
 // node registered (address, GPUs, CPU slots, labels), refreshes it on every heartbeat, declares a
-// node LOST once it has been silent for the heartbeat timeout, and holds the orders (tasks to
-// start, tasks to stop) that go out in the node's next heartbeat response. Store writes of node
-// records that fail are kept as dirty and retried, never dropped. Written through (each change
-// stored before the call returns), or, with `write_behind`, only marked dirty: the owner takes the
-// changed records (TakeWrites) and stores them after releasing its lock, so that no fsync holds
-// it (see ClusterState::WriteNodes).
+// node LOST once it has been silent for the heartbeat timeout, and tells the order outbox
+// (order_outbox.h), which holds each node's orders, which nodes are known and which are lost.
+// Store writes of node records that fail are kept as dirty and retried, never dropped. Written
+// through (each change stored before the call returns), or, with `write_behind`, only marked dirty:
+// the owner takes the changed records (TakeWrites) and stores them after releasing its lock, so
+// that no fsync holds it (see ClusterState::WriteNodes).
 //
 // Not thread-safe: ClusterState holds it; it is used under the cluster lock. Time comes from the
 // injected Clock (the cluster's), so tests drive liveness with a SimulatedClock, not sleeps.
@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "coordinator/nodes/order_outbox.h"
 #include "coordinator/scheduler/scheduler.h"
 #include "coordinator/store/store.h"
 #include "tessera/v1/node_service.pb.h"
@@ -60,12 +61,14 @@ class NodeRegistry {
   // `store` (must outlive the registry) persists node records; with `write_behind`, only through
   // the owner (TakeWrites), and Remove is replaced by CheckRemovable + DeleteNode + Forget.
   // `clock` (must outlive the registry) times heartbeats, registrations, drains and expiry.
+  // `outbox` (may be null; must outlive the registry) is told which nodes are known and lost.
   NodeRegistry(Store* store, absl::Duration heartbeat_timeout, bool write_behind = false,
-               Clock* clock = Clock::Real())
+               Clock* clock = Clock::Real(), OrderOutbox* outbox = nullptr)
       : store_(store),
         clock_(clock),
         heartbeat_timeout_(heartbeat_timeout),
-        write_behind_(write_behind) {}
+        write_behind_(write_behind),
+        outbox_(outbox) {}
   // by_id_ points into nodes_.
   NodeRegistry(const NodeRegistry&) = delete;
   NodeRegistry& operator=(const NodeRegistry&) = delete;
@@ -90,8 +93,8 @@ class NodeRegistry {
   bool Touch(const std::string& node_id,
              google::protobuf::RepeatedPtrField<v1::GpuMetrics>* gpu_metrics);
 
-  // Marks every READY node silent for longer than the heartbeat timeout LOST, drops its queued
-  // orders and returns (node_id, silence) of each.
+  // Marks every READY node silent for longer than the heartbeat timeout LOST (the outbox drops
+  // its orders) and returns (node_id, silence) of each.
   std::vector<std::pair<std::string, absl::Duration>> Expire();
 
   // An operator's drain (or undrain, `drained` false): a drained node is not schedulable, and is
@@ -125,32 +128,6 @@ class NodeRegistry {
   bool IsLost(const std::string& node_id) const;
   // The registered node, or null.
   const v1::Node* Find(const std::string& node_id) const;
-
-  // Called with the node's id each time an order is queued for it (a stop already queued is not
-  // queued again), under the owner's lock: it must not block nor call back into the registry.
-  void SetOrdersListener(std::function<void(const std::string& node_id)> listener) {
-    orders_listener_ = std::move(listener);
-  }
-
-  // Orders delivered with the node's next heartbeat response. A start queued `held` is queued
-  // (StartQueued, WithdrawStart see it) but neither delivered nor announced to the listener
-  // until ReleaseStart: the scheduler holds a placement's starts back while it stores it.
-  void QueueStart(const std::string& node_id, v1::TaskAssignment assignment, bool held = false);
-  // Lets a held start go out with the next heartbeat, and tells the listener; false when no such
-  // start is queued (withdrawn meanwhile).
-  bool ReleaseStart(const std::string& node_id, const std::string& task_id);
-  void QueueStop(const std::string& node_id, const std::string& task_id);
-  // Removes a start not yet delivered, held or not; true when there was one.
-  bool WithdrawStart(const std::string& node_id, const std::string& task_id);
-  bool StartQueued(const std::string& node_id, const std::string& task_id) const;
-  // Asks the node to have the task's trainers save a checkpoint and exit
-  // (HeartbeatResponse.checkpoint_and_stop); once per task, like QueueStop. With a deadline, the
-  // ranks still running that long after the order are stopped; without, the worker's own
-  // checkpoint grace applies.
-  void QueueCheckpointAndStop(const std::string& node_id, const std::string& task_id,
-                              std::optional<absl::Duration> deadline = std::nullopt);
-  // Moves the queued orders into `response`, except the held starts.
-  void TakeOrders(const std::string& node_id, v1::HeartbeatResponse* response);
 
   // What each node offers, less `used`; LOST nodes are listed but not schedulable. In node_id
   // order. Built from a per-node summary kept with each record (see Entry::capacity), so a pass
@@ -196,15 +173,6 @@ class NodeRegistry {
       int64_t gpus = 0, cpu_slots = 0;
       bool added = false;  // whether the totals include it yet
     } counted;
-    struct Start {
-      v1::TaskAssignment assignment;
-      bool held = false;
-    };
-    std::vector<Start> to_start;
-    std::vector<std::string> to_stop;
-    std::vector<std::string> to_checkpoint_and_stop;
-    // Deadlines of some of to_checkpoint_and_stop (the others get the worker's grace).
-    std::map<std::string, absl::Duration> checkpoint_deadlines;
   };
   absl::Status Persist(const std::string& node_id);
   // The entry of `node_id`, made empty when there is none. Entries leave only through Remove.
@@ -222,6 +190,7 @@ class NodeRegistry {
   Clock* const clock_;
   const absl::Duration heartbeat_timeout_;
   const bool write_behind_;
+  OrderOutbox* const outbox_;
   // In node_id order, for the walks beside UsedResources (Count, Summaries); looked up through
   // by_id_, since every heartbeat looks its node up several times under the cluster lock, and
   // a lookup in a map of 10,000 ids is about 14 string compares, most of them cache misses.
@@ -242,7 +211,6 @@ class NodeRegistry {
   std::map<v1::NodeState, int64_t> state_counts_;
   int64_t gpus_total_ = 0, cpu_slots_total_ = 0;
   std::set<std::string> dirty_;
-  std::function<void(const std::string&)> orders_listener_;
   uint64_t generation_ = 0;
   // Summaries() as of summaries_generation_.
   mutable std::shared_ptr<const std::vector<NodeCapacity>> summaries_;

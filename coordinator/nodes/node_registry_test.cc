@@ -314,7 +314,8 @@ TEST(NodeRegistryTest, RemovedNodesLeaveTheCountsAndTheStore) {
   auto store = Store::Open(":memory:");
   ASSERT_TRUE(store.ok()) << store.status();
   SimulatedClock clock(absl::FromUnixSeconds(1'000'000));
-  NodeRegistry registry(store->get(), absl::Seconds(15), /*write_behind=*/false, &clock);
+  OrderOutbox outbox;
+  NodeRegistry registry(store->get(), absl::Seconds(15), /*write_behind=*/false, &clock, &outbox);
   bool returning = false;
   for (const char* id : {"a", "b", "c"}) {
     ASSERT_TRUE(registry.Register(CpuNode(id), &returning).ok());
@@ -328,7 +329,7 @@ TEST(NodeRegistryTest, RemovedNodesLeaveTheCountsAndTheStore) {
   clock.Advance(absl::Seconds(10));
   ASSERT_EQ(registry.Expire().size(), 1u);  // a
   ASSERT_TRUE(registry.SetDrained("c", true, "").ok());
-  registry.QueueStop("c", "t1");
+  outbox.QueueStop("c", "t1");
   EXPECT_EQ(registry.Count(UsedResources()).nodes.at(v1::NODE_STATE_LOST), 1);
 
   ASSERT_TRUE(registry.Remove("a").ok());
@@ -352,76 +353,8 @@ TEST(NodeRegistryTest, RemovedNodesLeaveTheCountsAndTheStore) {
   EXPECT_FALSE(returning) << "a removed node comes back as a new one";
   EXPECT_FALSE(registry.Find("c")->drained());
   v1::HeartbeatResponse orders;
-  registry.TakeOrders("c", &orders);
+  outbox.TakeOrders("c", &orders);
   EXPECT_EQ(orders.stop_size(), 0) << "the removed node's orders went with it";
-}
-
-}  // namespace
-}  // namespace tessera::coordinator
-
-namespace tessera::coordinator {
-namespace {
-
-TEST(UsedResourcesTest, MapsRoundTripThroughTheFlatFormIncludingIndicesOutsideTheBits) {
-  const std::map<std::string, std::set<int>> gpus = {
-      {"a", {0, 7, 63}}, {"b", {-1, 64, 100}}, {"d", {5}}};
-  const std::map<std::string, int> slots = {{"b", 3}, {"c", 2}};
-  const UsedResources used = UsedResources::FromMaps(gpus, slots);
-  ASSERT_EQ(used.nodes.size(), 4u);
-  EXPECT_EQ(used.nodes[2].node_id, "c");
-  EXPECT_EQ(used.GpuSets(), gpus);
-  EXPECT_EQ(used.CpuSlotCounts(), slots);
-  EXPECT_TRUE(used.nodes[0].HoldsGpu(63));
-  EXPECT_FALSE(used.nodes[0].HoldsGpu(62));
-  EXPECT_TRUE(used.nodes[1].HoldsGpu(-1));
-  EXPECT_TRUE(used.nodes[1].HoldsGpu(100));
-  EXPECT_FALSE(used.nodes[1].HoldsGpu(0));
-  EXPECT_FALSE(used.nodes[1].HoldsGpu(65));
-}
-
-v1::TaskAssignment Assignment(const std::string& task_id) {
-  v1::TaskAssignment assignment;
-  assignment.set_task_id(task_id);
-  return assignment;
-}
-
-// A start queued held counts as queued (the coordinator's liveness and re-registration logic see
-// it) but is neither delivered nor announced until released; withdrawing it drops it either way.
-TEST(NodeRegistryTest, HeldStartsLeaveOnlyOnceReleased) {
-  auto store = Store::Open(":memory:");
-  ASSERT_TRUE(store.ok()) << store.status();
-  SimulatedClock clock(absl::FromUnixSeconds(1'000'000));
-  NodeRegistry registry(store->get(), absl::Seconds(15), /*write_behind=*/false, &clock);
-  v1::RegisterNodeRequest request;
-  request.set_node_id("n1");
-  request.set_address("10.0.0.1:5000");
-  request.mutable_resources()->set_cpu_slots(4);
-  bool returning = false;
-  ASSERT_TRUE(registry.Register(request, &returning).ok());
-  std::vector<std::string> told;
-  registry.SetOrdersListener([&](const std::string& node_id) { told.push_back(node_id); });
-
-  registry.QueueStart("n1", Assignment("held"), /*held=*/true);
-  registry.QueueStart("n1", Assignment("free"));
-  registry.QueueStart("n1", Assignment("dropped"), /*held=*/true);
-  EXPECT_EQ(told, std::vector<std::string>{"n1"}) << "only the unheld start is announced";
-  EXPECT_TRUE(registry.StartQueued("n1", "held"));
-
-  v1::HeartbeatResponse first;
-  registry.TakeOrders("n1", &first);
-  ASSERT_EQ(first.start_size(), 1);
-  EXPECT_EQ(first.start(0).task_id(), "free");
-  EXPECT_TRUE(registry.StartQueued("n1", "held"));
-
-  EXPECT_TRUE(registry.WithdrawStart("n1", "dropped"));
-  EXPECT_TRUE(registry.ReleaseStart("n1", "held"));
-  EXPECT_FALSE(registry.ReleaseStart("n1", "dropped"));
-  EXPECT_EQ(told, (std::vector<std::string>{"n1", "n1"}));
-  v1::HeartbeatResponse second;
-  registry.TakeOrders("n1", &second);
-  ASSERT_EQ(second.start_size(), 1);
-  EXPECT_EQ(second.start(0).task_id(), "held");
-  EXPECT_FALSE(registry.StartQueued("n1", "held"));
 }
 
 }  // namespace
