@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
+#include "tests/util/wait.h"
 #include "worker/proc_stat.h"
 
 extern char** environ;
@@ -47,15 +48,16 @@ pid_t SpawnSleeper() {
 
 // Reaps `pid` (waiting at most 10 s) and returns its wait status, or -1.
 int ReapWithin10s(pid_t pid) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < deadline) {
-    int status = 0;
-    const pid_t reaped = waitpid(pid, &status, WNOHANG);
-    if (reaped == pid) return status;
-    if (reaped < 0) return -1;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return -1;
+  int status = -1;
+  testing::WaitUntil(
+      [&] {
+        int wait_status = 0;
+        const pid_t reaped = waitpid(pid, &wait_status, WNOHANG);
+        if (reaped == pid) status = wait_status;
+        return reaped != 0;  // reaped, or an error (-1 stays)
+      },
+      absl::Seconds(10), absl::Milliseconds(10));
+  return status;
 }
 
 TEST(ProcStatTest, ParsesNamesWithSpacesAndParentheses) {

@@ -26,6 +26,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/util/wait.h"
 #include "trainer/io/memory_restore.h"
 #include "trainer/io/shard_cache_client.h"
 
@@ -258,9 +259,8 @@ TEST(LocalShardCacheServerTest, PutReplicatesAndGetFallsBackToPeers) {
   ASSERT_EQ(::fstat(put->fd(), &handed), 0);
   ASSERT_EQ(::fstat((*store.Get(Key("j", 7, 0), ""))->bytes.fd(), &kept), 0);
   EXPECT_EQ(handed.st_ino, kept.st_ino);
-  for (int i = 0; i < 200 && peers.replicated() == 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  EXPECT_TRUE(testing::WaitUntil([&] { return peers.replicated() != 0; }, absl::Seconds(2),
+                                 absl::Milliseconds(10)));
   EXPECT_EQ(peers.replicated(), 1);
   EXPECT_THAT(peer.store.Get(Key("j", 7, 0), digest), IsOk());
 

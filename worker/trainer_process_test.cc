@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "tessera/v1/trainer.pb.h"
 #include "tests/util/temp_dir.h"
+#include "tests/util/wait.h"
 
 namespace tessera::worker {
 namespace {
@@ -47,21 +48,15 @@ std::string ReadFile(const std::string& path) {
 
 // Waits until the log at `path` contains `needle`.
 bool WaitForLog(const std::string& path, const std::string& needle) {
-  const absl::Time deadline = absl::Now() + kTestTimeout;
-  while (absl::Now() < deadline) {
-    if (ReadFile(path).find(needle) != std::string::npos) return true;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return false;
+  return testing::WaitUntil([&] { return ReadFile(path).find(needle) != std::string::npos; },
+                            kTestTimeout, absl::Milliseconds(10));
 }
 
 std::optional<ExitStatus> WaitForExit(TrainerProcess& process) {
-  const absl::Time deadline = absl::Now() + kTestTimeout;
-  while (absl::Now() < deadline) {
-    if (std::optional<ExitStatus> exit = process.Poll()) return exit;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return std::nullopt;
+  std::optional<ExitStatus> exit;
+  testing::WaitUntil([&] { return (exit = process.Poll()).has_value(); }, kTestTimeout,
+                     absl::Milliseconds(10));
+  return exit;
 }
 
 // Every process (zombies included) whose process group is `pgid`, from /proc.

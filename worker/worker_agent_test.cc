@@ -26,6 +26,7 @@
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
+#include "tests/util/wait.h"
 #include "worker/coordinator_fake.h"
 
 namespace tessera::worker {
@@ -330,10 +331,8 @@ TEST_F(WorkerAgentTest, RunningRanksNameTheirGpusUntilTheTaskEnds) {
   StartCluster(GpuRanks("job-1", 0, 2, 29500), "--heartbeat --sleep=60", "--heartbeat --sleep=60",
                options, std::make_unique<FixedGpus>());
   std::vector<RunningRank> running;
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while ((running = agent_->RunningRanks()).size() < 2 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
+  testing::WaitUntil([&] { return (running = agent_->RunningRanks()).size() >= 2; },
+                     absl::Seconds(30), absl::Milliseconds(50));
   ASSERT_EQ(running.size(), 2u);
   std::sort(running.begin(), running.end(),
             [](const RunningRank& a, const RunningRank& b) { return a.rank < b.rank; });

@@ -10,6 +10,7 @@
 #include "absl/time/time.h"
 #include "common/daemon/grpc_status.h"
 #include "gtest/gtest.h"
+#include "tests/util/wait.h"
 
 namespace tessera {
 namespace {
@@ -78,8 +79,7 @@ TEST(CallExecutorTest, TryScheduleRefusesWorkBeyondTheQueueLimit) {
   // Schedule is never refused (work that must run, such as a heartbeat's store writes).
   executor.Schedule([&] { ++ran; });
   release.Notify();
-  absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (ran.load() < 4 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_TRUE(testing::WaitUntil([&] { return ran.load() == 4; }, absl::Seconds(30)));
   EXPECT_EQ(ran.load(), 4);
   EXPECT_FALSE(refused_ran);
   // Room again once the queue drained.

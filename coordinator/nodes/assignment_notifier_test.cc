@@ -7,6 +7,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/util/wait.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -16,12 +17,7 @@ constexpr absl::Duration kWait = absl::Seconds(10);
 // Polls `done` until it holds or kWait passes.
 template <typename F>
 bool Eventually(F done) {
-  const absl::Time deadline = absl::Now() + kWait;
-  while (!done()) {
-    if (absl::Now() > deadline) return false;
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  return true;
+  return testing::WaitUntil(done, kWait, absl::Milliseconds(1));
 }
 
 TEST(AssignmentNotifierTest, NotifiesOnlyTheNodesSubscribers) {
