@@ -29,6 +29,7 @@
 #include "tests/util/grpc_context.h"
 #include "tests/util/temp_dir.h"
 #include "tests/util/test_pki.h"
+#include "tests/util/wait.h"
 
 namespace tessera {
 namespace {
@@ -327,12 +328,13 @@ TEST_F(TlsTest, ServerPicksUpRotatedCertificateWithoutRestart) {
   ReplaceFile(b->key_file, key_file);
   // Cert and key land one rename apart, so a reload may catch a mismatched
   // pair for one interval; poll until a new connection sees "b".
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
   CallResult after;
-  do {
-    absl::SleepFor(absl::Milliseconds(250));
-    after = CheckHealth(server->address(), client);
-  } while (!(after.status.ok() && after.server_name == "b") && absl::Now() < deadline);
+  testing::WaitUntil(
+      [&] {
+        after = CheckHealth(server->address(), client);
+        return after.status.ok() && after.server_name == "b";
+      },
+      absl::Seconds(10), absl::Milliseconds(250));
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
   EXPECT_THAT(after.server_name, Optional(std::string("b")));
 }
@@ -356,12 +358,13 @@ TEST_F(TlsTest, ServerPicksUpRotatedCaWithoutRestart) {
   ASSERT_FALSE(GetNode(server->address(), new_ca_client).status.ok());
 
   ReplaceFile(other_pki_->ca_file(), ca_file);
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
   CallResult new_result;
-  do {
-    absl::SleepFor(absl::Milliseconds(250));
-    new_result = GetNode(server->address(), new_ca_client);
-  } while (!new_result.status.ok() && absl::Now() < deadline);
+  testing::WaitUntil(
+      [&] {
+        new_result = GetNode(server->address(), new_ca_client);
+        return new_result.status.ok();
+      },
+      absl::Seconds(10), absl::Milliseconds(250));
   ASSERT_TRUE(new_result.status.ok()) << new_result.status.error_message();
   EXPECT_EQ(new_result.name_seen_by_server, "new");
   EXPECT_EQ(GetNode(server->address(), old_ca_client).status.error_code(),
