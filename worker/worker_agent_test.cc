@@ -18,16 +18,21 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
 #include "tests/util/wait.h"
 #include "worker/coordinator_fake.h"
+#include "worker/worker_service.h"
 
 namespace tessera::worker {
 namespace {
@@ -401,6 +406,68 @@ TEST_F(WorkerAgentTest, CheckpointAndStopFallsBackToAStopAfterTheGrace) {
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_THAT(RankLog(work_dir_, rank), ::testing::Not(HasSubstr("CHECKPOINTED")));
   }
+}
+
+// tessera.v1.Worker/ReadLogs with follow, served on the callback API: what the ranks wrote comes
+// at once, the stream stays open while the task runs, a stream the client cancels ends, and a
+// following stream ends OK once the task has ended and its output is sent.
+TEST_F(WorkerAgentTest, AFollowingLogStreamEndsWithTheTaskAndACancelledOneAtOnce) {
+  WorkerAgentOptions options;
+  options.stop_grace = absl::Seconds(1);
+  // The ranks print their lines, then run 5 s more and exit: the task ends on its own.
+  StartCluster(GpuRanks("job-1", 0, 2, 29500), "--lines=3 --sleep=5", "--lines=3 --sleep=5",
+               options, std::make_unique<FixedGpus>());
+  ASSERT_TRUE(testing::WaitUntil([&] { return agent_->RunningRanks().size() >= 2; },
+                                 absl::Seconds(30), absl::Milliseconds(50)));
+  WorkerService service(agent_.get());
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::Worker::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  v1::ReadLogsRequest request;
+  request.set_job_id("job-1");
+  request.set_attempt(0);
+  request.set_rank(-1);
+  request.set_follow(true);
+  // Reads `reader` until every rank's output holds "line 2".
+  auto read_all_lines = [](grpc::ClientReader<v1::LogChunk>& reader) {
+    std::map<int, std::string> text;
+    v1::LogChunk chunk;
+    while (reader.Read(&chunk)) {
+      text[chunk.rank()] += chunk.data();
+      if (text.size() == 2 && absl::StrContains(text[0], "line 2") &&
+          absl::StrContains(text[1], "line 2")) {
+        return true;
+      }
+    }
+    return false;
+  };
+
+  grpc::ClientContext cancelled_context;
+  cancelled_context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  auto cancelled = stub->ReadLogs(&cancelled_context, request);
+  ASSERT_TRUE(read_all_lines(*cancelled));
+  cancelled_context.TryCancel();
+  v1::LogChunk chunk;
+  while (cancelled->Read(&chunk)) {
+  }
+  EXPECT_EQ(cancelled->Finish().error_code(), grpc::StatusCode::CANCELLED);
+
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  auto following = stub->ReadLogs(&context, request);
+  ASSERT_TRUE(read_all_lines(*following));
+  EXPECT_TRUE(agent_->Running("job-1", 0)) << "the ranks' sleep is over before the test got here";
+  while (following->Read(&chunk)) {
+  }
+  const grpc::Status status = following->Finish();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_FALSE(agent_->Running("job-1", 0));
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
 }
 
 }  // namespace
