@@ -16,8 +16,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "client/job_spec_file.h"
 #include "common/command_line.h"
 #include "common/trainer_env.h"
+#include "coordinator/admission/job_validation.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
 #include "planner/lora.h"
@@ -40,6 +42,13 @@
 ABSL_FLAG(std::string, task, "",
           "TrainerTask file written by the worker: binary protobuf, or JSON (.json) or text "
           "format (.txtpb).");
+ABSL_FLAG(std::string, job_spec, "",
+          "A job spec file (YAML or JSON, what `tessera submit` takes; ${VAR} expanded from the "
+          "environment), validated, resolved and planned as the coordinator does a submitted job "
+          "(coordinator::PlanJob): this process runs it as one rank, or as the rank torchrun's "
+          "environment names (RANK, WORLD_SIZE), which must match the ranks the spec's resources "
+          "ask for. An automatic layout is data parallel over them (the coordinator's plan before "
+          "it knows the cluster).");
 ABSL_FLAG(bool, check, false,
           "Train a small MLP for a few AdamW steps on --gpu (or the CPU) and print the result as "
           "one JSON line; exit 0 when the loss falls.");
@@ -202,6 +211,7 @@ namespace {
 
 constexpr char kUsage[] =
     "Usage: tessera-trainer --task=PATH\n"
+    "       tessera-trainer --job_spec=FILE   (a job spec, resolved as the coordinator does)\n"
     "       tessera-trainer --data=GLOB [--preset=NAME --steps=N ...]   (standalone)\n"
     "       tessera-trainer prepare --input=FILES --output_dir=DIR [--tokenizer=byte|PATH]\n"
     "                               [--prompt_template=alpaca|chat --sample_seq_len=N [--pack]]\n"
@@ -348,6 +358,32 @@ tessera::v1::TrainerTask TaskFromFlags() {
   task.mutable_assignment()->set_device_type(gpu >= 0 ? tessera::v1::DEVICE_TYPE_CUDA
                                                       : tessera::v1::DEVICE_TYPE_CPU);
   task.mutable_assignment()->set_gpu_index(gpu);
+  return task;
+}
+
+// --job_spec: the spec validated, resolved and planned by the coordinator's own functions, so a
+// spec run here is the job the coordinator would run, defaults and all.
+absl::StatusOr<tessera::v1::TrainerTask> TaskFromJobSpec(const std::string& path) {
+  absl::StatusOr<tessera::v1::JobSpec> spec = tessera::client::LoadJobSpec(path);
+  if (!spec.ok()) {
+    return absl::Status(spec.status().code(),
+                        absl::StrCat("--job_spec: ", spec.status().message()));
+  }
+  absl::StatusOr<tessera::v1::LayoutPlan> plan = tessera::coordinator::PlanJob(*spec);
+  if (!plan.ok()) return plan.status();
+  if (absl::Status runs = tessera::coordinator::ValidateTrainerRuns(*spec); !runs.ok()) {
+    return runs;
+  }
+  tessera::v1::TrainerTask task;
+  task.set_job_id(spec->name());
+  task.set_checkpoint_directory(spec->checkpoint().directory());
+  const bool gpus = spec->resources().gpus() > 0;
+  task.mutable_assignment()->set_device_type(gpus ? tessera::v1::DEVICE_TYPE_CUDA
+                                                  : tessera::v1::DEVICE_TYPE_CPU);
+  // -1: the rank's local rank picks its GPU (trainer/runtime/run_builder.cc).
+  task.mutable_assignment()->set_gpu_index(gpus ? absl::GetFlag(FLAGS_gpu) : -1);
+  *task.mutable_plan() = *std::move(plan);
+  *task.mutable_spec() = *std::move(spec);
   return task;
 }
 
@@ -578,7 +614,19 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_check)) return Check();
 
   tessera::v1::TrainerTask task;
-  if (!absl::GetFlag(FLAGS_task).empty()) {
+  if (!absl::GetFlag(FLAGS_job_spec).empty()) {
+    if (!absl::GetFlag(FLAGS_task).empty() || !absl::GetFlag(FLAGS_data).empty()) {
+      std::cerr << "tessera-trainer: --job_spec is the whole job: pass it without --task or "
+                   "--data\n";
+      return 2;
+    }
+    auto from_spec = TaskFromJobSpec(absl::GetFlag(FLAGS_job_spec));
+    if (!from_spec.ok()) {
+      std::cerr << "tessera-trainer: " << from_spec.status() << "\n";
+      return 2;
+    }
+    task = std::move(*from_spec);
+  } else if (!absl::GetFlag(FLAGS_task).empty()) {
     auto read = ReadTask(absl::GetFlag(FLAGS_task));
     if (!read.ok()) {
       std::cerr << "tessera-trainer: " << read.status() << "\n";
@@ -606,6 +654,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   *task.mutable_assignment() = *assignment;
+  if (!absl::GetFlag(FLAGS_job_spec).empty() &&
+      task.assignment().world_size() != task.plan().world_size()) {
+    std::cerr << "tessera-trainer: --job_spec: the spec's resources ask for "
+              << task.plan().world_size() << " rank(s) and this process is one of "
+              << task.assignment().world_size()
+              << " (WORLD_SIZE): start as many trainers (torchrun --nproc_per_node="
+              << task.plan().world_size() << "), or change resources\n";
+    return 2;
+  }
 
   std::unique_ptr<tessera::trainer::Reporter> reporter;
   if (!task.report_socket().empty()) {
