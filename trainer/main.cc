@@ -33,6 +33,7 @@
 #include "trainer/model/model.h"
 #include "trainer/parallel/collective_timer.h"
 #include "trainer/parallel/distributed.h"
+#include "trainer/parallel/mesh.h"
 #include "trainer/report/heartbeat.h"
 #include "trainer/report/reporter.h"
 #include "trainer/report/worker_lifeline.h"
@@ -387,6 +388,39 @@ absl::StatusOr<tessera::v1::TrainerTask> TaskFromJobSpec(const std::string& path
   return task;
 }
 
+// A training run from flags goes through the same planning as --job_spec: the spec the flags
+// spell out, with their layout as an explicit one and resources for the ranks this process is
+// one of (WORLD_SIZE, GPUs with --gpu), is validated, resolved and planned by
+// coordinator::PlanJob. The task keeps the flags' job id (a spec's name has a stricter form: the
+// check is made under "standalone").
+absl::Status PlanFlagsTask(tessera::v1::TrainerTask* task) {
+  auto assignment = tessera::trainer::ResolveRankAssignment(
+      task->assignment(), [](const char* name) { return std::getenv(name); });
+  if (!assignment.ok()) return assignment.status();
+  tessera::v1::JobSpec* spec = task->mutable_spec();
+  if (task->assignment().device_type() == tessera::v1::DEVICE_TYPE_CUDA) {
+    spec->mutable_resources()->set_gpus(assignment->world_size());
+  } else {
+    spec->mutable_resources()->set_cpu_slots(assignment->world_size());
+  }
+  // The flags leave the data-parallel degree to the rest of the world; an explicit layout names it.
+  absl::StatusOr<tessera::trainer::MeshShape> shape =
+      tessera::trainer::MeshShapeForLayout(task->plan().layout(), assignment->world_size());
+  if (!shape.ok()) return shape.status();
+  tessera::v1::Layout* layout = spec->mutable_parallelism()->mutable_layout();
+  *layout = task->plan().layout();
+  layout->set_data_parallel(shape->dp);
+  tessera::v1::JobSpec checked = *spec;
+  checked.set_name("standalone");
+  absl::StatusOr<tessera::v1::LayoutPlan> plan = tessera::coordinator::PlanJob(checked);
+  if (!plan.ok()) return plan.status();
+  if (absl::Status runs = tessera::coordinator::ValidateTrainerRuns(checked); !runs.ok()) {
+    return runs;
+  }
+  *task->mutable_plan() = *std::move(plan);
+  return absl::OkStatus();
+}
+
 int Prepare() {
   tessera::trainer::PrepareOptions options;
   options.inputs = absl::GetFlag(FLAGS_input);
@@ -636,6 +670,15 @@ int main(int argc, char** argv) {
   } else if (!absl::GetFlag(FLAGS_data).empty() || !absl::GetFlag(FLAGS_export_hf).empty() ||
              !absl::GetFlag(FLAGS_logits_out).empty()) {
     task = TaskFromFlags();
+    const bool tool = !absl::GetFlag(FLAGS_export_hf).empty() ||
+                      !absl::GetFlag(FLAGS_logits_out).empty() ||
+                      !absl::GetFlag(FLAGS_export_initial).empty();
+    if (!tool) {
+      if (absl::Status planned = PlanFlagsTask(&task); !planned.ok()) {
+        std::cerr << "tessera-trainer: " << planned << "\n";
+        return 2;
+      }
+    }
   } else {
     std::cerr << "tessera-trainer: nothing to do; pass --task, --data, prepare or --check\n\n"
               << kUsage;
