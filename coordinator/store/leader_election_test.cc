@@ -19,6 +19,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/postgres_fixture.h"
+#include "tests/util/wait.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -144,8 +145,12 @@ TEST_F(LeaderElectionTest, TheStandbyTakesOverOnlyAfterTheLeaseAndTheOldRenewalF
     ASSERT_THAT(b->TryAcquire(), IsOkAndHolds(false));
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  EXPECT_FALSE(a->Valid()) << "a second without renewal is past a one-second lease";
+  // Past the one-second lease (1.5 s after it was taken, at the latest), without renewal.
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] { return !a->Valid(); },
+      absl::Milliseconds(1500) - absl::FromChrono(std::chrono::steady_clock::now() - acquired),
+      absl::Milliseconds(10)))
+      << "a second without renewal is past a one-second lease";
   ASSERT_THAT(b->TryAcquire(), IsOkAndHolds(true));
   EXPECT_EQ(b->epoch(), 2);
   EXPECT_THAT(a->Renew(), StatusIs(absl::StatusCode::kFailedPrecondition,
@@ -173,8 +178,13 @@ TEST_F(LeaderElectionTest, TheDeposedLeadersWritesAreRefusedAndNothingOfThemIsSt
   lost_.StartRenewing(*leader_);
   SubmitJob(*store_a, MakeJob("job-00000001", v1::JOB_STATE_PENDING, 1));
 
-  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
-  ASSERT_THAT(standby_->TryAcquire(), IsOkAndHolds(true));
+  // The standby takes over once the lease has run out.
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] {
+        absl::StatusOr<bool> taken = standby_->TryAcquire();
+        return taken.ok() && *taken;
+      },
+      absl::Seconds(10), absl::Milliseconds(50)));
   ASSERT_EQ(standby_->epoch(), 2);
 
   JobWrite write;
@@ -244,11 +254,12 @@ TEST_F(LeaderElectionTest, ATakeoverWaitsForTheOldLeadersFencedWrite) {
     absl::MutexLock lock(&mu);
     mu.Await(absl::Condition(&passed));
   }
-  absl::StatusOr<bool> taken = standby_->TryAcquire();
-  while (!taken.ok() || !*taken) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    taken = standby_->TryAcquire();
-  }
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] {
+        absl::StatusOr<bool> taken = standby_->TryAcquire();
+        return taken.ok() && *taken;
+      },
+      absl::Seconds(30), absl::Milliseconds(50)));
   const auto taken_at = std::chrono::steady_clock::now();
   writer.join();
   EXPECT_EQ(standby_->epoch(), 2);

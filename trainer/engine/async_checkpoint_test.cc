@@ -15,10 +15,11 @@
 #include "planner/model_config.h"
 #include "tessera/v1/trainer.pb.h"
 #include "tests/util/temp_dir.h"
+#include "tests/util/wait.h"
 #include "trainer/engine/checkpointing.h"
+#include "trainer/engine/sharded_engine.h"
 #include "trainer/kernels/device.h"
 #include "trainer/model/model.h"
-#include "trainer/engine/sharded_engine.h"
 #include "trainer/torch_pch.h"
 
 namespace tessera::trainer {
@@ -84,7 +85,8 @@ void SaveWhileTraining(const torch::Device& device) {
   std::atomic<bool> awaiting{false};
   context.before_copy = [released] { released.wait(); };
   std::thread releaser([&] {
-    while (!awaiting.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ::tessera::testing::WaitUntil([&] { return awaiting.load(); }, absl::Seconds(60),
+                                  absl::Milliseconds(1));
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     release.set_value();
   });

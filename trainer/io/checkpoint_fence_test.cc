@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/util/temp_dir.h"
+#include "tests/util/wait.h"
 #include "trainer/io/checkpoint.h"
 
 namespace tessera::trainer {
@@ -218,11 +219,8 @@ TEST(CheckpointFenceTest, RacingProcessesNeverCommitAfterTheRaise) {
     ::_exit(12);
   }
   // Let the old attempt commit a few checkpoints first.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (!Exists(root + "/" + CheckpointDirName(3)) &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  testing::WaitUntil([&] { return Exists(root + "/" + CheckpointDirName(3)); }, absl::Seconds(30),
+                     absl::Milliseconds(1));
   ASSERT_THAT(RaiseCheckpointFence(root, kJob, 2), IsOk());
   const std::vector<std::string> after_raise = ListCheckpointDirs(root);
   int wait_status = 0;
