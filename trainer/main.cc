@@ -362,6 +362,17 @@ tessera::v1::TrainerTask TaskFromFlags() {
   return task;
 }
 
+// What SubmitJob decides of a spec: validated, resolved and planned (coordinator::PlanJob), and
+// refused where this trainer does not run it (ValidateTrainerRuns).
+absl::StatusOr<tessera::v1::LayoutPlan> PlanAsSubmitted(const tessera::v1::JobSpec& spec) {
+  absl::StatusOr<tessera::v1::LayoutPlan> plan = tessera::coordinator::PlanJob(spec);
+  if (!plan.ok()) return plan.status();
+  if (absl::Status runs = tessera::coordinator::ValidateTrainerRuns(spec); !runs.ok()) {
+    return runs;
+  }
+  return plan;
+}
+
 // --job_spec: the spec validated, resolved and planned by the coordinator's own functions, so a
 // spec run here is the job the coordinator would run, defaults and all.
 absl::StatusOr<tessera::v1::TrainerTask> TaskFromJobSpec(const std::string& path) {
@@ -370,11 +381,8 @@ absl::StatusOr<tessera::v1::TrainerTask> TaskFromJobSpec(const std::string& path
     return absl::Status(spec.status().code(),
                         absl::StrCat("--job_spec: ", spec.status().message()));
   }
-  absl::StatusOr<tessera::v1::LayoutPlan> plan = tessera::coordinator::PlanJob(*spec);
+  absl::StatusOr<tessera::v1::LayoutPlan> plan = PlanAsSubmitted(*spec);
   if (!plan.ok()) return plan.status();
-  if (absl::Status runs = tessera::coordinator::ValidateTrainerRuns(*spec); !runs.ok()) {
-    return runs;
-  }
   tessera::v1::TrainerTask task;
   task.set_job_id(spec->name());
   task.set_checkpoint_directory(spec->checkpoint().directory());
@@ -412,11 +420,8 @@ absl::Status PlanFlagsTask(tessera::v1::TrainerTask* task) {
   layout->set_data_parallel(shape->dp);
   tessera::v1::JobSpec checked = *spec;
   checked.set_name("standalone");
-  absl::StatusOr<tessera::v1::LayoutPlan> plan = tessera::coordinator::PlanJob(checked);
+  absl::StatusOr<tessera::v1::LayoutPlan> plan = PlanAsSubmitted(checked);
   if (!plan.ok()) return plan.status();
-  if (absl::Status runs = tessera::coordinator::ValidateTrainerRuns(checked); !runs.ok()) {
-    return runs;
-  }
   *task->mutable_plan() = *std::move(plan);
   return absl::OkStatus();
 }

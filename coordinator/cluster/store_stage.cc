@@ -38,12 +38,20 @@ std::set<std::string> StoreStage::Store(PassWrites pass) {
   std::set<std::string> placed;
   if (pass.writes.empty()) return placed;
   const std::vector<absl::StatusOr<v1::Job>> stored = jobs_->TransitionAll(pass.writes);
+  std::function<void(double)> latency_observer;
+  std::function<void(const std::string&, double)> queue_wait_observer;
+  {
+    absl::MutexLock lock(&observers_mu_);
+    latency_observer = latency_observer_;
+    queue_wait_observer = queue_wait_observer_;
+  }
   std::vector<double> latencies;
-  // Each job placed: its queue and the seconds it waited there.
+  // Each job placed: its queue and the seconds it waited there (only for an observer).
   std::vector<std::pair<std::string, double>> queue_waits;
   std::shared_ptr<const QueueConfig> queues =
-      pass.placements > 0 && state_->options.queues != nullptr ? state_->options.queues->Current()
-                                                               : nullptr;
+      pass.placements > 0 && queue_wait_observer && state_->options.queues != nullptr
+          ? state_->options.queues->Current()
+          : nullptr;
   {
     absl::MutexLock lock(&state_->mu);
     const absl::Time now = state_->Now();
@@ -58,16 +66,18 @@ std::set<std::string> StoreStage::Store(PassWrites pass) {
           }
         }
         placed.insert(job_id);
-        if (stored[i]->attempt() == 0) {
+        if (latency_observer && stored[i]->attempt() == 0) {
           latencies.push_back(SecondsSince(now, stored[i]->create_time()));
         }
-        // Attempt 0 entered its queue at submission, a later one when the previous ended.
-        const google::protobuf::Timestamp& entered =
-            stored[i]->attempts().empty() ? stored[i]->create_time()
-                                          : stored[i]->attempts().rbegin()->end_time();
-        queue_waits.emplace_back(queues != nullptr ? CountingQueue(stored[i]->queue(), *queues)
-                                                   : std::string(kImplicitQueue),
-                                 std::max(0.0, SecondsSince(now, entered)));
+        if (queue_wait_observer) {
+          // Attempt 0 entered its queue at submission, a later one when the previous ended.
+          const google::protobuf::Timestamp& entered =
+              stored[i]->attempts().empty() ? stored[i]->create_time()
+                                            : stored[i]->attempts().rbegin()->end_time();
+          queue_waits.emplace_back(queues != nullptr ? CountingQueue(stored[i]->queue(), *queues)
+                                                     : std::string(kImplicitQueue),
+                                   std::max(0.0, SecondsSince(now, entered)));
+        }
         continue;
       }
       // Cancelled meanwhile (FAILED_PRECONDITION), or a store error: nothing was delivered (the
@@ -82,13 +92,6 @@ std::set<std::string> StoreStage::Store(PassWrites pass) {
         state_->allocations.Erase(job_id);
       }
     }
-  }
-  std::function<void(double)> latency_observer;
-  std::function<void(const std::string&, double)> queue_wait_observer;
-  {
-    absl::MutexLock lock(&observers_mu_);
-    latency_observer = latency_observer_;
-    queue_wait_observer = queue_wait_observer_;
   }
   if (latency_observer) {
     for (double seconds : latencies) latency_observer(seconds);
