@@ -73,6 +73,7 @@ Allocation& AllocationLedger::Add(const std::string& job_id, Allocation allocati
   if (auto it = allocations_.find(job_id); it != allocations_.end()) Unindex(job_id, it->second);
   QueueHold& queue = held_by_queue_[allocation.queue];
   ++queue.allocations;
+  const std::string* refreshed = nullptr;
   for (const auto& rank : allocation.ranks) {
     jobs_by_node_[rank.node_id()].insert(job_id);
     if (rank.gpu_index() >= 0) {
@@ -82,8 +83,42 @@ Allocation& AllocationLedger::Add(const std::string& job_id, Allocation allocati
       ++held_cpu_slots_[rank.node_id()];
       ++queue.held.cpu_slots;
     }
+    // A node's ranks are adjacent: its entry is rewritten once it has them all (or again, if
+    // they are not).
+    if (refreshed != nullptr && *refreshed != rank.node_id()) RefreshUsed(*refreshed);
+    refreshed = &rank.node_id();
   }
+  if (refreshed != nullptr) RefreshUsed(*refreshed);
   return allocations_[job_id] = std::move(allocation);
+}
+
+void AllocationLedger::RefreshUsed(const std::string& node_id) {
+  auto it = std::lower_bound(
+      used_.begin(), used_.end(), node_id,
+      [](const UsedResources::Node& node, const std::string& id) { return node.node_id < id; });
+  auto gpus = held_gpus_.find(node_id);
+  auto slots = held_cpu_slots_.find(node_id);
+  const bool holds = gpus != held_gpus_.end() || slots != held_cpu_slots_.end();
+  if (it == used_.end() || it->node_id != node_id) {
+    if (!holds) return;
+    it = used_.insert(it, UsedResources::Node{.node_id = node_id});
+  } else if (it->gpu_bits == 0 && it->other_gpus.empty() && it->cpu_slots == 0) {
+    --empty_used_;
+  }
+  it->gpu_bits = 0;
+  it->other_gpus.clear();
+  if (gpus != held_gpus_.end()) {
+    for (const auto& [gpu, holds_of_gpu] : gpus->second) it->AddGpu(gpu);  // ascending
+  }
+  it->cpu_slots = slots != held_cpu_slots_.end() ? slots->second : 0;
+  if (holds) return;
+  ++empty_used_;
+  if (empty_used_ > 64 && 2 * empty_used_ > used_.size()) {
+    std::erase_if(used_, [](const UsedResources::Node& node) {
+      return node.gpu_bits == 0 && node.other_gpus.empty() && node.cpu_slots == 0;
+    });
+    empty_used_ = 0;
+  }
 }
 
 void AllocationLedger::Unindex(const std::string& job_id, const Allocation& allocation) {
@@ -111,6 +146,12 @@ void AllocationLedger::Unindex(const std::string& job_id, const Allocation& allo
       if (node != held_cpu_slots_.end() && --node->second == 0) held_cpu_slots_.erase(node);
     }
   }
+  const std::string* refreshed = nullptr;
+  for (const auto& rank : allocation.ranks) {
+    if (refreshed != nullptr && *refreshed == rank.node_id()) continue;
+    RefreshUsed(rank.node_id());
+    refreshed = &rank.node_id();
+  }
 }
 
 void AllocationLedger::Erase(const std::string& job_id) {
@@ -136,26 +177,13 @@ size_t AllocationLedger::EraseIf(
 }
 
 UsedResources AllocationLedger::Used() const {
-  // Copied from the counts kept by Add and Unindex, both maps in node_id order, walked together:
-  // a pass asks for this under the cluster lock with thousands of allocations held.
+  // A pass asks for this under the cluster lock with thousands of allocations held: a copy of
+  // the entries kept by Add and Unindex, less those holding nothing.
   UsedResources used;
-  used.nodes.reserve(std::max(held_gpus_.size(), held_cpu_slots_.size()));
-  auto gpus = held_gpus_.begin();
-  auto slots = held_cpu_slots_.begin();
-  while (gpus != held_gpus_.end() || slots != held_cpu_slots_.end()) {
-    const bool take_gpus =
-        gpus != held_gpus_.end() && (slots == held_cpu_slots_.end() || gpus->first <= slots->first);
-    const bool take_slots =
-        slots != held_cpu_slots_.end() && (gpus == held_gpus_.end() || slots->first <= gpus->first);
-    UsedResources::Node& node = used.nodes.emplace_back();
-    node.node_id = take_gpus ? gpus->first : slots->first;
-    if (take_gpus) {
-      for (const auto& [gpu, holds] : gpus->second) node.AddGpu(gpu);  // ascending: the map is
-      ++gpus;
-    }
-    if (take_slots) {
-      node.cpu_slots = slots->second;
-      ++slots;
+  used.nodes.reserve(used_.size() - empty_used_);
+  for (const UsedResources::Node& node : used_) {
+    if (node.gpu_bits != 0 || !node.other_gpus.empty() || node.cpu_slots != 0) {
+      used.nodes.push_back(node);
     }
   }
   return used;

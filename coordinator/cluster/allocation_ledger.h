@@ -135,6 +135,8 @@ class AllocationLedger {
 
  private:
   void Unindex(const std::string& job_id, const Allocation& allocation);
+  // Rewrites `node_id`'s entry of used_ from held_gpus_ and held_cpu_slots_ (adding it if new).
+  void RefreshUsed(const std::string& node_id);
 
   std::map<std::string, Allocation> allocations_;
   // node_id -> jobs with a rank there. Hashed: every heartbeat looks its node up under the
@@ -142,8 +144,14 @@ class AllocationLedger {
   absl::flat_hash_map<std::string, std::set<std::string>> jobs_by_node_;
   // node_id -> GPU index -> ranks holding it (more than one only if a placement was doubled), and
   // node_id -> CPU ranks: what Used reports, kept by Add and Unindex.
-  std::map<std::string, std::map<int, int>> held_gpus_;
-  std::map<std::string, int> held_cpu_slots_;
+  absl::flat_hash_map<std::string, std::map<int, int>> held_gpus_;
+  absl::flat_hash_map<std::string, int> held_cpu_slots_;
+  // The same holdings as Used() returns them, kept as they change: ascending node_id, but with
+  // entries of nodes that hold nothing now (a node's entry is made at its first rank and stays,
+  // so that a placement rarely inserts into the vector; compacted once most are empty). A pass
+  // copies it under the cluster lock: one pass over contiguous memory, not a walk of two trees.
+  std::vector<UsedResources::Node> used_;
+  size_t empty_used_ = 0;
   std::map<std::string, QueueHold> held_by_queue_;
 };
 

@@ -33,11 +33,14 @@ UsedResources Recount(AllocationLedger& ledger) {
   return UsedResources::FromMaps(gpus, cpu_slots);
 }
 
-Allocation RandomAllocation(std::mt19937& rng) {
+// Ranks on `cluster_nodes` nodes; GPU indexes up to `max_gpu` (64 and above are held outside the
+// bit set).
+Allocation RandomAllocation(std::mt19937& rng, int cluster_nodes = 6, int max_gpu = 3) {
   Allocation allocation;
   const int nodes = std::uniform_int_distribution<int>(1, 3)(rng);
   for (int n = 0; n < nodes; ++n) {
-    const std::string node_id = absl::StrCat("n", std::uniform_int_distribution<int>(0, 5)(rng));
+    const std::string node_id =
+        absl::StrCat("n", std::uniform_int_distribution<int>(0, cluster_nodes - 1)(rng));
     const int ranks = std::uniform_int_distribution<int>(1, 3)(rng);
     for (int r = 0; r < ranks; ++r) {
       v1::RankPlacement& rank = allocation.ranks.emplace_back();
@@ -45,21 +48,24 @@ Allocation RandomAllocation(std::mt19937& rng) {
       rank.set_node_id(node_id);
       // -1: a CPU slot. Indexes repeat across allocations on purpose (a doubled placement must
       // not free a device the other still holds).
-      rank.set_gpu_index(std::uniform_int_distribution<int>(-1, 3)(rng));
+      const int gpu = std::uniform_int_distribution<int>(-1, max_gpu)(rng);
+      rank.set_gpu_index(gpu > 3 ? 60 + gpu : gpu);
     }
   }
   return allocation;
 }
 
-TEST(AllocationLedgerTest, UsedMatchesTheRanksHeld) {
+// `cluster_nodes` nodes and `jobs` job ids; GPU indexes up to 60 + `max_gpu`.
+void CheckUsedAgainstRecounts(int cluster_nodes, int jobs, int max_gpu) {
   std::mt19937 rng(20261125);
   AllocationLedger ledger;
   for (int step = 0; step < 2000; ++step) {
-    const std::string job_id = absl::StrCat("job-", std::uniform_int_distribution<int>(0, 20)(rng));
+    const std::string job_id =
+        absl::StrCat("job-", std::uniform_int_distribution<int>(0, jobs)(rng));
     switch (std::uniform_int_distribution<int>(0, 3)(rng)) {
       case 0:
       case 1:
-        ledger.Add(job_id, RandomAllocation(rng));
+        ledger.Add(job_id, RandomAllocation(rng, cluster_nodes, max_gpu));
         break;
       case 2:
         ledger.Erase(job_id);
@@ -82,6 +88,14 @@ TEST(AllocationLedgerTest, UsedMatchesTheRanksHeld) {
   }
   ledger.EraseIf([](const std::string&, const Allocation&) { return true; });
   EXPECT_TRUE(ledger.Used().nodes.empty());
+}
+
+TEST(AllocationLedgerTest, UsedMatchesTheRanksHeld) { CheckUsedAgainstRecounts(6, 20, 3); }
+
+// Hundreds of nodes, most of them emptied again and again (the kept holdings are compacted), and
+// GPU indexes beyond the 64 of the bit set.
+TEST(AllocationLedgerTest, UsedMatchesTheRanksHeldOnManyNodes) {
+  CheckUsedAgainstRecounts(400, 60, 6);
 }
 
 // Allocation::queue -> (allocations, devices held), walking every allocation.
