@@ -151,6 +151,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
     daemon->cluster_->Start(nullptr);
     return daemon;
   }
+  daemon->servers_->RegisterCollectable(metrics->job_series());
   RETURN_IF_ERROR(WatchRunningJobs(*daemon->jobs_, *metrics));
   daemon->store_->SetWriteObserver([metrics](const StoreWriteStats& stats) {
     metrics->ObserveStoreWrite(stats.seconds, stats.cpu_seconds, stats.writes);

@@ -229,30 +229,7 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                                 "submission (0 when none waits).")
                           .Register(registry)
                           .Add({})),
-      rank_step_seconds_(prometheus::BuildGauge()
-                             .Name("tessera_rank_step_seconds")
-                             .Help("Seconds per optimizer step a running job's rank spends "
-                                   "computing rather than waiting for its peers.")
-                             .Register(registry)),
-      straggler_skew_(prometheus::BuildGauge()
-                          .Name("tessera_job_straggler_skew")
-                          .Help("A running job's slowest rank's busy seconds per step over the "
-                                "median rank's (1 = even).")
-                          .Register(registry)),
-      job_running_(prometheus::BuildGauge()
-                       .Name("tessera_job_running")
-                       .Help("1 for each RUNNING job (no series for a job in another state).")
-                       .Register(registry)),
-      job_last_step_(prometheus::BuildGauge()
-                         .Name("tessera_job_last_step_timestamp_seconds")
-                         .Help("Unix time of a RUNNING job's newest step metric point (kept "
-                               "while the job is stalled).")
-                         .Register(registry)),
-      job_last_checkpoint_(prometheus::BuildGauge()
-                               .Name("tessera_job_last_checkpoint_timestamp_seconds")
-                               .Help("Unix time of a RUNNING job's newest committed checkpoint "
-                                     "(no series before its first).")
-                               .Register(registry)) {
+      job_series_(std::make_shared<JobSeries>()) {
   const std::array<std::pair<const char*, const char*>, kQueueFamilies> queue_families = {{
       {"tessera_queue_nominal_gpus", "A queue's nominal (guaranteed) GPU quota."},
       {"tessera_queue_nominal_cpu_slots", "A queue's nominal (guaranteed) CPU-slot quota."},
@@ -442,31 +419,7 @@ void CoordinatorMetrics::ObserveQueueWait(const std::string& queue, double secon
 
 void CoordinatorMetrics::SetStragglers(
     const std::map<std::string, v1::StragglerReport>& stragglers) {
-  absl::MutexLock lock(&mu_);
-  for (auto it = rank_series_.begin(); it != rank_series_.end();) {
-    if (stragglers.contains(it->first)) {
-      ++it;
-      continue;
-    }
-    for (auto& [rank, gauge] : it->second) rank_step_seconds_.Remove(gauge);
-    straggler_skew_.Remove(skew_series_[it->first]);
-    skew_series_.erase(it->first);
-    it = rank_series_.erase(it);
-  }
-  for (const auto& [job_id, report] : stragglers) {
-    auto& series = rank_series_[job_id];
-    for (const auto& rank : report.ranks()) {
-      prometheus::Gauge*& gauge = series[rank.rank()];
-      if (gauge == nullptr) {
-        gauge =
-            &rank_step_seconds_.Add({{"job_id", job_id}, {"rank", std::to_string(rank.rank())}});
-      }
-      gauge->Set(rank.busy_seconds());
-    }
-    prometheus::Gauge*& skew = skew_series_[job_id];
-    if (skew == nullptr) skew = &straggler_skew_.Add({{"job_id", job_id}});
-    skew->Set(report.skew());
-  }
+  job_series_->SetStragglers(stragglers);
 }
 
 namespace {
@@ -479,43 +432,19 @@ std::optional<double> UnixSeconds(const google::protobuf::Timestamp& time) {
 
 }  // namespace
 
-void CoordinatorMetrics::RemoveJobSeriesLocked(const std::string& job_id) {
-  const auto it = job_series_.find(job_id);
-  if (it == job_series_.end()) return;
-  if (it->second.running != nullptr) job_running_.Remove(it->second.running);
-  if (it->second.last_step != nullptr) job_last_step_.Remove(it->second.last_step);
-  if (it->second.last_checkpoint != nullptr) {
-    job_last_checkpoint_.Remove(it->second.last_checkpoint);
-  }
-  job_series_.erase(it);
-}
-
 void CoordinatorMetrics::ApplyJobLocked(const v1::Job& job) {
-  const std::string& job_id = job.job_id();
   if (job.state() != v1::JOB_STATE_RUNNING) {
-    RemoveJobSeriesLocked(job_id);
+    job_series_->DropRunning(job.job_id());
     return;
   }
-  JobSeries& series = job_series_[job_id];
-  if (series.running == nullptr) {
-    series.running = &job_running_.Add({{"job_id", job_id}});
-    series.running->Set(1);
-  }
-  // A gauge is created with its first value and then only moves: a job that has reported no step
+  // A timestamp is set with its first value and then only moves: a job that has reported no step
   // (or no checkpoint) yet has no series, rather than one at 1970.
-  auto set = [&](prometheus::Family<prometheus::Gauge>& family, prometheus::Gauge*& gauge,
-                 std::optional<double> value) {
-    if (!value.has_value()) return;
-    if (gauge == nullptr) gauge = &family.Add({{"job_id", job_id}});
-    gauge->Set(*value);
-  };
-  if (job.has_latest_metrics()) {
-    set(job_last_step_, series.last_step, UnixSeconds(job.latest_metrics().time()));
-  }
+  std::optional<double> last_step, last_checkpoint;
+  if (job.has_latest_metrics()) last_step = UnixSeconds(job.latest_metrics().time());
   if (job.has_latest_checkpoint() && !job.latest_checkpoint().path().empty()) {
-    set(job_last_checkpoint_, series.last_checkpoint,
-        UnixSeconds(job.latest_checkpoint().create_time()));
+    last_checkpoint = UnixSeconds(job.latest_checkpoint().create_time());
   }
+  job_series_->SetRunning(job.job_id(), last_step, last_checkpoint);
 }
 
 void CoordinatorMetrics::ObserveJob(const v1::Job& job) {

@@ -53,6 +53,10 @@
 //     These three are kept while a job stays RUNNING, stalled or not, so that
 //     "no step for N minutes" can be alerted on, and removed when it leaves
 //     RUNNING. They follow the job's commits (ObserveJob), not a store scan.
+//   The per-job families (tessera_rank_step_seconds, tessera_job_straggler_skew and the three
+//   above) are not in the registry: job_series() serves them, and the daemon registers it with
+//   its exposer beside the registry (prometheus-cpp's families drop a series in time linear in
+//   their size, too slow for thousands of jobs; job_series.h).
 //   tessera_queue_nominal_gpus{queue}, tessera_queue_nominal_cpu_slots{queue}
 //                                           gauge; a configured queue's quota
 //   tessera_queue_used_gpus{queue}, tessera_queue_used_cpu_slots{queue}
@@ -96,6 +100,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "coordinator/cluster/cluster_state.h"
+#include "coordinator/service/job_series.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -148,6 +153,8 @@ class CoordinatorMetrics {
   // stalled ones). A job ObserveJob saw since this object was made is skipped: its commit is
   // newer than the list.
   void SeedRunningJobs(const std::vector<v1::Job>& running);
+  // What serves the per-job families; register it with the exposer that serves the registry.
+  std::shared_ptr<prometheus::Collectable> job_series() const { return job_series_; }
 
   // Histograms, in seconds.
   // Submission -> SCHEDULED of one job (buckets 1 ms .. 1 h).
@@ -213,30 +220,15 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Counter>& restarts_;
   prometheus::Family<prometheus::Counter>& failures_;
   prometheus::Gauge& oldest_pending_;
-  prometheus::Family<prometheus::Gauge>& rank_step_seconds_;
-  prometheus::Family<prometheus::Gauge>& straggler_skew_;
-  prometheus::Family<prometheus::Gauge>& job_running_;
-  prometheus::Family<prometheus::Gauge>& job_last_step_;
-  prometheus::Family<prometheus::Gauge>& job_last_checkpoint_;
+  const std::shared_ptr<JobSeries> job_series_;
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, MethodSeries> methods_ ABSL_GUARDED_BY(mu_);
   std::map<v1::FailureKind, int64_t> restarts_seen_ ABSL_GUARDED_BY(mu_);
   std::map<v1::FailureKind, int64_t> failures_seen_ ABSL_GUARDED_BY(mu_);
-  // job_id -> the rank_step_seconds series set last time, and its skew series.
-  std::map<std::string, std::map<int, prometheus::Gauge*>> rank_series_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, prometheus::Gauge*> skew_series_ ABSL_GUARDED_BY(mu_);
-  // A RUNNING job's series; null until it has a value.
-  struct JobSeries {
-    prometheus::Gauge* running = nullptr;
-    prometheus::Gauge* last_step = nullptr;
-    prometheus::Gauge* last_checkpoint = nullptr;
-  };
-  std::map<std::string, JobSeries> job_series_ ABSL_GUARDED_BY(mu_);
   // Until SeedRunningJobs: the jobs ObserveJob has seen, whose listed copies are older.
   bool seeded_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> observed_before_seed_ ABSL_GUARDED_BY(mu_);
   void ApplyJobLocked(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RemoveJobSeriesLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // phase -> its tessera_scheduler_pass_phase_seconds series.
   std::map<std::string, prometheus::Histogram*> phase_series_ ABSL_GUARDED_BY(mu_);
   // The tessera_queue_* families, in QueueSeries order, and each queue's series.

@@ -50,8 +50,13 @@ using ::testing::Not;
 constexpr char kGetNode[] = "/tessera.v1.Worker/GetNode";
 constexpr char kReadLogs[] = "/tessera.v1.Worker/ReadLogs";
 
-std::string Exposition(prometheus::Registry& registry) {
-  return prometheus::TextSerializer().Serialize(registry.Collect());
+// The registry's families and the per-job ones, as the daemon's exposer serves them.
+std::string Exposition(prometheus::Registry& registry, const CoordinatorMetrics& metrics) {
+  std::vector<prometheus::MetricFamily> families = registry.Collect();
+  for (prometheus::MetricFamily& family : metrics.job_series()->Collect()) {
+    families.push_back(std::move(family));
+  }
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 // Every line of the exposition, so a test can match whole lines: a substring
@@ -62,7 +67,7 @@ std::vector<std::string> Lines(const std::string& text) {
 
 class CoordinatorMetricsTest : public ::testing::Test {
  protected:
-  std::vector<std::string> ExpositionLines() { return Lines(Exposition(registry_)); }
+  std::vector<std::string> ExpositionLines() { return Lines(Exposition(registry_, metrics_)); }
 
   prometheus::Registry registry_;
   CoordinatorMetrics metrics_{registry_};
@@ -74,7 +79,7 @@ TEST_F(CoordinatorMetricsTest, EveryJobStateIsExposedFromTheStart) {
        {"pending", "scheduled", "running", "restarting", "succeeded", "failed", "cancelled"}) {
     EXPECT_THAT(lines, Contains(absl::StrCat("tessera_jobs{state=\"", state, "\"} 0")));
   }
-  EXPECT_THAT(Exposition(registry_), Not(HasSubstr("unspecified")));
+  EXPECT_THAT(Exposition(registry_, metrics_), Not(HasSubstr("unspecified")));
 }
 
 TEST_F(CoordinatorMetricsTest, JobCountsAreSetWholesaleAndMissingStatesReadZero) {
@@ -94,7 +99,7 @@ TEST_F(CoordinatorMetricsTest, UnspecifiedStatesAreIgnored) {
   metrics_.SetJobCounts({{v1::JOB_STATE_UNSPECIFIED, 4}, {v1::JOB_STATE_FAILED, 1}});
   metrics_.SetNodeCounts({{v1::NODE_STATE_UNSPECIFIED, 4}, {v1::NODE_STATE_LOST, 1}});
 
-  const std::string text = Exposition(registry_);
+  const std::string text = Exposition(registry_, metrics_);
   EXPECT_THAT(text, Not(HasSubstr("unspecified")));
   EXPECT_THAT(Lines(text), Contains("tessera_jobs{state=\"failed\"} 1"));
   EXPECT_THAT(Lines(text), Contains("tessera_nodes{state=\"lost\"} 1"));
@@ -123,7 +128,7 @@ TEST_F(CoordinatorMetricsTest, GpusAndCpuSlotsAreCapacityAndAllocatedGauges) {
 }
 
 TEST_F(CoordinatorMetricsTest, QueuesHaveSeriesOfTheirOwnUntilTheyAreGone) {
-  EXPECT_THAT(Exposition(registry_), Not(HasSubstr("tessera_queue_used_gpus{")));
+  EXPECT_THAT(Exposition(registry_, metrics_), Not(HasSubstr("tessera_queue_used_gpus{")));
   ClusterStats::QueueFigures nlp;
   nlp.nominal = {.gpus = 8, .cpu_slots = 0};
   nlp.used = {.gpus = 12, .cpu_slots = 0};
@@ -147,7 +152,7 @@ TEST_F(CoordinatorMetricsTest, QueuesHaveSeriesOfTheirOwnUntilTheyAreGone) {
   metrics_.SetQueues({{"nlp", nlp}});
   lines = ExpositionLines();
   EXPECT_THAT(lines, Contains("tessera_queue_used_gpus{queue=\"nlp\"} 12"));
-  EXPECT_THAT(Exposition(registry_), Not(HasSubstr("vision")));
+  EXPECT_THAT(Exposition(registry_, metrics_), Not(HasSubstr("vision")));
 }
 
 TEST_F(CoordinatorMetricsTest, QueuePreemptionsAdvanceByTheDifferenceAndRunningJobsAreAGauge) {
@@ -212,7 +217,7 @@ v1::Job RunningJob(const std::string& job_id, int64_t step_seconds, int64_t chec
 }
 
 TEST_F(CoordinatorMetricsTest, RunningJobsHaveTheirSeriesUntilTheyLeaveRunning) {
-  EXPECT_THAT(Exposition(registry_), Not(HasSubstr("tessera_job_running{")));
+  EXPECT_THAT(Exposition(registry_, metrics_), Not(HasSubstr("tessera_job_running{")));
   metrics_.ObserveJob(RunningJob("job-a", 1700000000, 1699990000));
   // Running, but no step and no checkpoint yet: only the running series.
   metrics_.ObserveJob(RunningJob("job-b", 0, 0));
@@ -224,9 +229,9 @@ TEST_F(CoordinatorMetricsTest, RunningJobsHaveTheirSeriesUntilTheyLeaveRunning) 
               Contains("tessera_job_last_step_timestamp_seconds{job_id=\"job-a\"} 1700000000.5"));
   EXPECT_THAT(lines, Contains("tessera_job_last_checkpoint_timestamp_seconds{job_id=\"job-a\"} "
                               "1699990000"));
-  EXPECT_THAT(Exposition(registry_),
+  EXPECT_THAT(Exposition(registry_, metrics_),
               Not(HasSubstr("tessera_job_last_step_timestamp_seconds{job_id=\"job-b\"}")));
-  EXPECT_THAT(Exposition(registry_),
+  EXPECT_THAT(Exposition(registry_, metrics_),
               Not(HasSubstr("tessera_job_last_checkpoint_timestamp_seconds{job_id=\"job-b\"}")));
 
   // A newer step moves the gauge; the checkpoint's stays.
@@ -241,7 +246,7 @@ TEST_F(CoordinatorMetricsTest, RunningJobsHaveTheirSeriesUntilTheyLeaveRunning) 
   v1::Job restarting = RunningJob("job-a", 1700000060, 1699990000);
   restarting.set_state(v1::JOB_STATE_RESTARTING);
   metrics_.ObserveJob(restarting);
-  const std::string text = Exposition(registry_);
+  const std::string text = Exposition(registry_, metrics_);
   EXPECT_THAT(text, Not(HasSubstr("job-a")));
   EXPECT_THAT(Lines(text), Contains("tessera_job_running{job_id=\"job-b\"} 1"));
   // Back to RUNNING: back with its figures.
@@ -257,7 +262,7 @@ TEST_F(CoordinatorMetricsTest, SeededJobsShowUnlessACommitWasSeenSince) {
   metrics_.ObserveJob(ended);
   metrics_.SeedRunningJobs(
       {RunningJob("job-a", 1700000000, 0), RunningJob("job-s", 1600000000, 0)});
-  std::string text = Exposition(registry_);
+  std::string text = Exposition(registry_, metrics_);
   EXPECT_THAT(text, Not(HasSubstr("job-a")));
   // A stalled job that reports nothing after the restart still shows.
   EXPECT_THAT(Lines(text),
@@ -278,7 +283,7 @@ TEST_F(CoordinatorMetricsTest, JobSeriesFollowTheJobManagersCommits) {
   auto submitted = jobs.Submit(testing::TinyCpuJobSpec("job", 1, 0), "", "alice");
   ASSERT_THAT(submitted.status(), IsOk());
   const std::string id = submitted->job_id();
-  EXPECT_THAT(Exposition(registry_), Not(HasSubstr(id))) << "PENDING has no series";
+  EXPECT_THAT(Exposition(registry_, metrics_), Not(HasSubstr(id))) << "PENDING has no series";
   ASSERT_THAT(jobs.Transition(id, v1::JOB_STATE_RUNNING, "up").status(), IsOk());
   EXPECT_THAT(ExpositionLines(),
               Contains(absl::StrCat("tessera_job_running{job_id=\"", id, "\"} 1")));
@@ -297,7 +302,7 @@ TEST_F(CoordinatorMetricsTest, JobSeriesFollowTheJobManagersCommits) {
               Contains(absl::StrCat("tessera_job_last_checkpoint_timestamp_seconds{job_id=\"", id,
                                     "\"} 1700000124")));
   ASSERT_THAT(jobs.Transition(id, v1::JOB_STATE_SUCCEEDED, "done").status(), IsOk());
-  EXPECT_THAT(Exposition(registry_), Not(HasSubstr(id)));
+  EXPECT_THAT(Exposition(registry_, metrics_), Not(HasSubstr(id)));
 }
 
 TEST_F(CoordinatorMetricsTest, HistogramsCountObservationsIntoTheirBuckets) {
@@ -439,9 +444,9 @@ TEST_F(MetricsInterceptorTest, CountsUnaryAndStreamingCallsByMethodAndCode) {
   EXPECT_THAT(lines, Contains(absl::StrCat(
                          "tessera_grpc_server_requests_total{code=\"UNIMPLEMENTED\",method=\"",
                          kReadLogs, "\"} 1")));
-  EXPECT_THAT(Exposition(registry_),
+  EXPECT_THAT(Exposition(registry_, metrics_),
               Not(HasSubstr(absl::StrCat("code=\"UNIMPLEMENTED\",method=\"", kGetNode))));
-  EXPECT_THAT(Exposition(registry_),
+  EXPECT_THAT(Exposition(registry_, metrics_),
               Not(HasSubstr(absl::StrCat("code=\"OK\",method=\"", kReadLogs))));
 
   EXPECT_THAT(lines, Contains("# TYPE tessera_grpc_server_request_duration_seconds histogram"));
@@ -469,7 +474,7 @@ TEST_F(MetricsInterceptorTest, UnknownMethodNamesShareOneSeries) {
   EXPECT_EQ(CallByName("/grpc.health.v1.Health/Check").error_code(),
             grpc::StatusCode::UNIMPLEMENTED);
 
-  const std::string text = Exposition(registry_);
+  const std::string text = Exposition(registry_, metrics_);
   EXPECT_THAT(Lines(text), Contains("tessera_grpc_server_requests_total{code=\"UNIMPLEMENTED\","
                                     "method=\"/grpc.health.v1.Health/Check\"} 1"));
   EXPECT_THAT(text, Not(HasSubstr("NoSuchMethod")));
@@ -516,7 +521,7 @@ TEST_F(MetricsInterceptorTest, PromtoolFindsNothingToLint) {
   ASSERT_TRUE(CallGetNode().ok());
   ASSERT_EQ(CallReadLogs().error_code(), grpc::StatusCode::UNIMPLEMENTED);
 
-  const std::string text = Exposition(registry_);
+  const std::string text = Exposition(registry_, metrics_);
   ASSERT_THAT(text, AllOf(HasSubstr("tessera_grpc_server_requests_total{"),
                           HasSubstr("tessera_jobs{"), HasSubstr("tessera_gpus_capacity 8"),
                           HasSubstr("tessera_job_last_checkpoint_timestamp_seconds{")));
