@@ -10,20 +10,6 @@ bool IsTaskEnded(v1::TaskState state) {
          state == v1::TASK_STATE_STOPPED;
 }
 
-// Whether `pred(node_id)` holds for the node of every rank. Called on every heartbeat of a running
-// job: walks the ranks (a node's ranks are adjacent, so each node is usually checked once) instead
-// of building the list of nodes.
-template <typename Pred>
-bool EveryRankNode(const std::vector<v1::RankPlacement>& ranks, Pred pred) {
-  const std::string* checked = nullptr;
-  for (const auto& rank : ranks) {
-    if (checked != nullptr && *checked == rank.node_id()) continue;
-    if (!pred(rank.node_id())) return false;
-    checked = &rank.node_id();
-  }
-  return true;
-}
-
 }  // namespace
 
 std::vector<std::string> Allocation::Nodes() const {
@@ -36,21 +22,48 @@ std::vector<std::string> Allocation::Nodes() const {
   return nodes;
 }
 
-bool Allocation::NodeEnded(const std::string& node_id) const {
-  if (lost_nodes.contains(node_id)) return true;
-  auto it = task_states.find(node_id);
-  return it != task_states.end() && IsTaskEnded(it->second);
+bool Allocation::HasNode(const std::string& node_id) const {
+  return std::any_of(ranks.begin(), ranks.end(),
+                     [&](const v1::RankPlacement& rank) { return rank.node_id() == node_id; });
 }
 
-bool Allocation::AllNodesEnded() const {
-  return EveryRankNode(ranks, [this](const std::string& node) { return NodeEnded(node); });
+int Allocation::NodeCount() const {
+  if (node_count_ < 0) node_count_ = static_cast<int>(Nodes().size());
+  return node_count_;
 }
+
+void Allocation::SetTaskState(const std::string& node_id, v1::TaskState state) {
+  if (!HasNode(node_id)) {
+    task_states_[node_id] = state;
+    return;
+  }
+  const bool ended_before = NodeEnded(node_id);
+  auto [it, inserted] = task_states_.try_emplace(node_id, state);
+  if (!inserted) {
+    --nodes_in_state_[it->second];
+    it->second = state;
+  }
+  ++nodes_in_state_[state];
+  const bool ended = NodeEnded(node_id);
+  if (ended != ended_before) nodes_ended_ += ended ? 1 : -1;
+}
+
+void Allocation::MarkLost(const std::string& node_id) {
+  const bool ended_before = NodeEnded(node_id);
+  lost_nodes_.insert(node_id);
+  if (!ended_before && HasNode(node_id)) ++nodes_ended_;
+}
+
+bool Allocation::NodeEnded(const std::string& node_id) const {
+  if (lost_nodes_.contains(node_id)) return true;
+  auto it = task_states_.find(node_id);
+  return it != task_states_.end() && IsTaskEnded(it->second);
+}
+
+bool Allocation::AllNodesEnded() const { return nodes_ended_ == NodeCount(); }
 
 bool Allocation::AllNodesIn(v1::TaskState state) const {
-  return EveryRankNode(ranks, [this, state](const std::string& node) {
-    auto it = task_states.find(node);
-    return it != task_states.end() && it->second == state;
-  });
+  return nodes_in_state_[state] == NodeCount();
 }
 
 void Allocation::AddFailure(const v1::TrainerFailure& failure, absl::Time now) {

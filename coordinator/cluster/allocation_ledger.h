@@ -9,6 +9,7 @@
 // Not thread-safe: ClusterState holds it; it is used under the cluster lock.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -59,10 +60,6 @@ struct Allocation {
   // victims that lose least.
   absl::Time last_checkpoint_time;
   Phase phase = Phase::kRunning;
-  // node_id -> last task state reported.
-  std::map<std::string, v1::TaskState> task_states;
-  // Nodes of the attempt declared LOST (their tasks count as ended).
-  std::set<std::string> lost_nodes;
   // Every failure reported for the attempt, in arrival order; first_failure_time is when the
   // first came in.
   std::vector<v1::TrainerFailure> failures;
@@ -91,12 +88,33 @@ struct Allocation {
 
   // The attempt's nodes, in order of their first rank.
   std::vector<std::string> Nodes() const;
+  // What a node's task last reported (or was taken to be), and that a node was declared LOST (its
+  // task counts as ended). Both keep the counts behind AllNodesIn and AllNodesEnded, which every
+  // pass asks of every allocation: `ranks` must be complete before the first call.
+  void SetTaskState(const std::string& node_id, v1::TaskState state);
+  void MarkLost(const std::string& node_id);
   // Whether `node_id`'s task has ended (terminal state reported, or the node lost).
   bool NodeEnded(const std::string& node_id) const;
+  // Whether every node of the attempt ended, or last reported `state`; O(1).
   bool AllNodesEnded() const;
   bool AllNodesIn(v1::TaskState state) const;
   // Adds a failure unless the same rank already reported one of the same kind and message.
   void AddFailure(const v1::TrainerFailure& failure, absl::Time now);
+
+ private:
+  bool HasNode(const std::string& node_id) const;
+  int NodeCount() const;
+
+  // node_id -> last task state reported.
+  std::map<std::string, v1::TaskState> task_states_;
+  // Nodes of the attempt declared LOST.
+  std::set<std::string> lost_nodes_;
+  // Of the attempt's nodes (a state of a node without a rank is kept, not counted): how many last
+  // reported each state, and how many ended.
+  std::array<int, v1::TaskState_ARRAYSIZE> nodes_in_state_{};
+  int nodes_ended_ = 0;
+  // The distinct nodes of `ranks`; -1 until first needed.
+  mutable int node_count_ = -1;
 };
 
 class AllocationLedger {

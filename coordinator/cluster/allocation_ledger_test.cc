@@ -156,29 +156,52 @@ TEST(AllocationLedgerTest, QueueHoldsMatchARecount) {
 TEST(AllocationTest, NodeChecksAgreeWithTheNodeList) {
   std::mt19937 rng(7);
   const std::vector<v1::TaskState> states = {v1::TASK_STATE_RUNNING, v1::TASK_STATE_SUCCEEDED,
-                                             v1::TASK_STATE_FAILED, v1::TASK_STATE_STARTING};
+                                             v1::TASK_STATE_FAILED, v1::TASK_STATE_STARTING,
+                                             v1::TASK_STATE_STOPPED};
   for (int trial = 0; trial < 500; ++trial) {
     Allocation allocation = RandomAllocation(rng);
     // Interleave the nodes' ranks at times: a node's ranks need not be adjacent.
     if (trial % 3 == 0) std::shuffle(allocation.ranks.begin(), allocation.ranks.end(), rng);
-    for (const std::string& node : allocation.Nodes()) {
-      const int pick = std::uniform_int_distribution<int>(0, 4)(rng);
-      if (pick < 4) allocation.task_states[node] = states[pick];
-      if (std::uniform_int_distribution<int>(0, 9)(rng) == 0) allocation.lost_nodes.insert(node);
-    }
-    for (v1::TaskState state : states) {
-      bool all_in = true;
-      for (const std::string& node : allocation.Nodes()) {
-        auto it = allocation.task_states.find(node);
-        all_in = all_in && it != allocation.task_states.end() && it->second == state;
+    const std::vector<std::string> nodes = allocation.Nodes();
+    // What was set, walked below without the allocation's counts: reports come in rounds and
+    // change a node's state again (and may name a node that has no rank of the attempt).
+    std::map<std::string, v1::TaskState> reported;
+    std::set<std::string> lost;
+    for (int round = 0; round < 4; ++round) {
+      for (const std::string& node : {nodes.front(), nodes.back(), std::string("stranger")}) {
+        const int pick = std::uniform_int_distribution<int>(0, 5)(rng);
+        if (pick < 5) {
+          allocation.SetTaskState(node, states[pick]);
+          reported[node] = states[pick];
+        }
+        if (std::uniform_int_distribution<int>(0, 9)(rng) == 0) {
+          allocation.MarkLost(node);
+          lost.insert(node);
+        }
       }
-      EXPECT_EQ(allocation.AllNodesIn(state), all_in) << "trial " << trial;
+      for (v1::TaskState state : states) {
+        bool all_in = true;
+        for (const std::string& node : nodes) {
+          auto it = reported.find(node);
+          all_in = all_in && it != reported.end() && it->second == state;
+        }
+        EXPECT_EQ(allocation.AllNodesIn(state), all_in) << "trial " << trial << " round " << round;
+      }
+      bool all_ended = true;
+      for (const std::string& node : nodes) {
+        auto it = reported.find(node);
+        const bool ended = lost.contains(node) ||
+                           (it != reported.end() && (it->second == v1::TASK_STATE_SUCCEEDED ||
+                                                     it->second == v1::TASK_STATE_FAILED ||
+                                                     it->second == v1::TASK_STATE_STOPPED));
+        EXPECT_EQ(allocation.NodeEnded(node), ended) << "trial " << trial << " round " << round;
+        all_ended = all_ended && ended;
+      }
+      EXPECT_EQ(allocation.AllNodesEnded(), all_ended) << "trial " << trial << " round " << round;
+      // A copy (a decision's record of the attempt) answers alike.
+      const Allocation copy = allocation;
+      EXPECT_EQ(copy.AllNodesEnded(), all_ended);
     }
-    bool all_ended = true;
-    for (const std::string& node : allocation.Nodes()) {
-      all_ended = all_ended && allocation.NodeEnded(node);
-    }
-    EXPECT_EQ(allocation.AllNodesEnded(), all_ended) << "trial " << trial;
   }
 }
 

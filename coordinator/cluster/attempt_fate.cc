@@ -54,7 +54,7 @@ void AttemptFate::ExpireNodesLocked(absl::Time now) {
     const std::string reason = absl::StrCat("no heartbeat for ", absl::FormatDuration(silence));
     for (const auto& job_id : state_->allocations.JobsOn(node_id)) {
       Allocation& allocation = *state_->allocations.Find(job_id);
-      allocation.lost_nodes.insert(node_id);
+      allocation.MarkLost(node_id);
       if (allocation.phase == Allocation::Phase::kDraining) continue;
       v1::TrainerFailure failure;
       failure.set_kind(v1::FAILURE_KIND_NODE_LOST);
@@ -83,7 +83,7 @@ void AttemptFate::StopTasksLocked(const std::string& job_id, Allocation& allocat
     if (allocation.NodeEnded(node)) continue;
     const std::string task_id = TaskId(job_id, allocation.attempt, node);
     if (state_->orders.WithdrawStart(node, task_id)) {
-      allocation.task_states[node] = v1::TASK_STATE_STOPPED;  // never started
+      allocation.SetTaskState(node, v1::TASK_STATE_STOPPED);  // never started
     } else if (checkpoint) {
       std::optional<absl::Duration> deadline;
       if (!allocation.preempted.empty()) deadline = allocation.preemption_deadline;

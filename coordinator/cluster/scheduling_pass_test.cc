@@ -101,7 +101,7 @@ TEST_F(SchedulingPassTest, AHigherPriorityJobPreemptsALowerOneWhenTheClusterIsFu
   EXPECT_THAT(Orders("n1").checkpoint_and_stop(), SizeIs(1));
   {
     absl::MutexLock lock(&state_->mu);
-    state_->allocations.Find(low)->task_states["n1"] = v1::TASK_STATE_STOPPED;
+    state_->allocations.Find(low)->SetTaskState("n1", v1::TASK_STATE_STOPPED);
   }
   for (int i = 0; i < 3 && Job(high).state() == v1::JOB_STATE_PENDING; ++i) {
     clock_.Advance(absl::Seconds(1));
@@ -247,7 +247,7 @@ TEST_F(SchedulingPassTest, AFailedAttemptIsRestartedOnceItsEndIsStored) {
     failure.set_node_id("n1");
     fate_->AssertLockHeld();
     fate_->AddFailureLocked(job_id, 0, failure);
-    state_->allocations.Find(job_id)->task_states["n1"] = v1::TASK_STATE_FAILED;
+    state_->allocations.Find(job_id)->SetTaskState("n1", v1::TASK_STATE_FAILED);
   }
   bool fail = true;
   store_->SetWriteFailureInjector([&](const std::string& id) {
@@ -403,7 +403,7 @@ queues:
     absl::MutexLock lock(&state.mu);
     Allocation* allocation = state.allocations.Find(first);
     ASSERT_NE(allocation, nullptr);
-    allocation->task_states["n1"] = v1::TASK_STATE_STOPPED;
+    allocation->SetTaskState("n1", v1::TASK_STATE_STOPPED);
   }
   // (Passes without the liveness scan: the test's node sends no heartbeats.)
   for (int i = 0; i < 3 && get(second).state() == v1::JOB_STATE_PENDING; ++i) {
@@ -441,7 +441,7 @@ queues:
   ASSERT_THAT(queued.jobs->Cancel(first, "done").status(), IsOk());
   {
     absl::MutexLock lock(&queued.state->mu);
-    queued.state->allocations.Find(first)->task_states["n1"] = v1::TASK_STATE_STOPPED;
+    queued.state->allocations.Find(first)->SetTaskState("n1", v1::TASK_STATE_STOPPED);
   }
   run(absl::Seconds(1));
   run(absl::Seconds(1));
@@ -530,7 +530,7 @@ TEST(SchedulingPassQueuesTest, LentQuotaIsReclaimedByCheckpointAndStop) {
   ASSERT_THAT(queued.jobs->RecordReports(borrowing, {}, {}, {checkpoint}), IsOk());
   {
     absl::MutexLock lock(&state.mu);
-    state.allocations.Find(borrowing)->task_states["n1"] = v1::TASK_STATE_STOPPED;
+    state.allocations.Find(borrowing)->SetTaskState("n1", v1::TASK_STATE_STOPPED);
   }
   for (int i = 0; i < 3 && get(reclaiming).state() == v1::JOB_STATE_PENDING; ++i) run();
   EXPECT_EQ(get(reclaiming).state(), v1::JOB_STATE_SCHEDULED) << get(reclaiming).reason();
@@ -617,7 +617,7 @@ TEST(SchedulingPassQueuesTest, APreemptedJobWithoutANewCheckpointSaysSo) {
     v1::HeartbeatResponse orders;
     queued.state->orders.TakeOrders("n1", &orders);
     EXPECT_DOUBLE_EQ(orders.checkpoint_deadline_seconds().at(TaskId(borrowing, 0, "n1")), 30);
-    queued.state->allocations.Find(borrowing)->task_states["n1"] = v1::TASK_STATE_STOPPED;
+    queued.state->allocations.Find(borrowing)->SetTaskState("n1", v1::TASK_STATE_STOPPED);
   }
   for (int i = 0; i < 3 && queued.Get(reclaiming).state() == v1::JOB_STATE_PENDING; ++i) run();
   const v1::Job victim = queued.Get(borrowing);

@@ -20,7 +20,7 @@ class SettleStageTest : public PassFixture {
     Allocation* allocation = state_->allocations.Find(job_id);
     ASSERT_NE(allocation, nullptr);
     for (const std::string& node : allocation->Nodes()) {
-      allocation->task_states[node] = v1::TASK_STATE_STOPPED;
+      allocation->SetTaskState(node, v1::TASK_STATE_STOPPED);
     }
   }
 };

@@ -51,7 +51,7 @@ absl::Status WorkerProtocol::RegisterLocked(const v1::RegisterNodeRequest& reque
     if (state_->orders.StartQueued(request.node_id(), task_id) || reported.contains(task_id))
       continue;
     if (allocation.NodeEnded(request.node_id())) continue;
-    allocation.task_states[request.node_id()] = v1::TASK_STATE_FAILED;
+    allocation.SetTaskState(request.node_id(), v1::TASK_STATE_FAILED);
     if (allocation.phase == Allocation::Phase::kDraining) continue;
     v1::TrainerFailure failure;
     failure.set_kind(v1::FAILURE_KIND_PROCESS_EXIT);
@@ -114,7 +114,7 @@ absl::StatusOr<v1::HeartbeatResponse> WorkerProtocol::Heartbeat(
     const std::string task_id = TaskId(job_id, allocation.attempt, request.node_id());
     if (!listed.contains(task_id) && !state_->orders.StartQueued(request.node_id(), task_id) &&
         !allocation.NodeEnded(request.node_id())) {
-      allocation.task_states[request.node_id()] = v1::TASK_STATE_STOPPED;
+      allocation.SetTaskState(request.node_id(), v1::TASK_STATE_STOPPED);
     }
   }
   state_->orders.TakeOrders(request.node_id(), &response);
@@ -142,7 +142,7 @@ void WorkerProtocol::OnTaskStatusLocked(const std::string& node_id, const v1::Ta
     }
     return;
   }
-  allocation->task_states[node_id] = status.state();
+  allocation->SetTaskState(node_id, status.state());
   for (const auto& rank : status.ranks()) {
     v1::RankStepTime& time = allocation->rank_times[rank.rank()];
     time = rank;
