@@ -33,8 +33,8 @@ PassWrites SchedulingPass::Place(const std::vector<v1::Job>& active, const PassS
     return {};
   }
   PhaseTimer phase(stats);
-  std::vector<NodeCapacity> capacity = NodeRegistry::Subtract(*snapshot.summaries, snapshot.used);
-  PlannedJobs planned = plan_stage_.Run(active, snapshot.waiting, capacity);
+  NodeRegistry::SubtractInto(*snapshot.summaries, snapshot.used, &capacity_);
+  PlannedJobs planned = plan_stage_.Run(active, snapshot.waiting, capacity_);
   const PlacedJobs jobs{planned.jobs, planned.specs, planned.plans};
   // Only what the queues' quotas admit tries placement.
   QueueStage::Held quota_held;
@@ -51,7 +51,7 @@ PassWrites SchedulingPass::Place(const std::vector<v1::Job>& active, const PassS
   }
   ScheduleResult result;
   if (!planned.requests.empty()) {
-    result = Schedule(std::move(planned.requests), std::move(capacity));
+    result = Schedule(std::move(planned.requests), capacity_);
   }
   std::set<std::string> placed_ids;
   for (const GangPlacement& placement : result.placed) placed_ids.insert(placement.job_id);

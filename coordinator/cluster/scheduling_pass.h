@@ -105,6 +105,9 @@ class SchedulingPass {
   // From the first pass with queues configured.
   QueueStage queue_stage_ ABSL_GUARDED_BY(pass_mu_);
   PreemptionStage preemption_stage_ ABSL_GUARDED_BY(pass_mu_);
+  // The free capacity of the pass in progress; kept between passes so that filling it reuses its
+  // elements' storage (NodeRegistry::SubtractInto).
+  std::vector<NodeCapacity> capacity_ ABSL_GUARDED_BY(pass_mu_);
   StoreStage store_stage_;
   // Restores the queue stage's fair-share usage from the store when it is created and saves it
   // now and then.

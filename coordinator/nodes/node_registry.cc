@@ -354,17 +354,24 @@ std::shared_ptr<const std::vector<NodeCapacity>> NodeRegistry::Summaries() const
 
 std::vector<NodeCapacity> NodeRegistry::Subtract(const std::vector<NodeCapacity>& summaries,
                                                  const UsedResources& used) {
-  std::vector<NodeCapacity> capacity = summaries;
+  std::vector<NodeCapacity> capacity;
+  SubtractInto(summaries, used, &capacity);
+  return capacity;
+}
+
+void NodeRegistry::SubtractInto(const std::vector<NodeCapacity>& summaries,
+                                const UsedResources& used, std::vector<NodeCapacity>* capacity) {
+  *capacity = summaries;  // element-wise assignment where sizes allow: strings, vectors and maps
+                          // keep their storage
   // Both are in node_id order: walk them together instead of a lookup per node.
   auto held = used.nodes.begin();
-  for (NodeCapacity& c : capacity) {
+  for (NodeCapacity& c : *capacity) {
     while (held != used.nodes.end() && held->node_id < c.node_id) ++held;
     if (held == used.nodes.end()) break;
     if (held->node_id != c.node_id) continue;
     std::erase_if(c.free_gpus, [&](int gpu) { return held->HoldsGpu(gpu); });
     if (held->cpu_slots > 0) c.free_cpu_slots = std::max(0, c.total_cpu_slots - held->cpu_slots);
   }
-  return capacity;
 }
 
 bool NodeRegistry::ChangedSince(const std::string& node_id, uint64_t generation) const {

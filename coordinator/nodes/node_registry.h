@@ -141,6 +141,10 @@ class NodeRegistry {
   // `summaries` (in node_id order) less `used`.
   static std::vector<NodeCapacity> Subtract(const std::vector<NodeCapacity>& summaries,
                                             const UsedResources& used);
+  // The same into `capacity`, whose elements' storage is reused: a pass that keeps the vector
+  // from one pass to the next copies 10,000 nodes without allocating for each.
+  static void SubtractInto(const std::vector<NodeCapacity>& summaries, const UsedResources& used,
+                           std::vector<NodeCapacity>* capacity);
   // Counts registrations and state changes; a placement computed from Summaries() taken at
   // generation g is still valid on `node_id` unless ChangedSince(node_id, g).
   uint64_t generation() const { return generation_; }

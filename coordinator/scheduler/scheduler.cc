@@ -278,17 +278,21 @@ std::string NodeKindKey(const GangRequest& request) {
   return key;
 }
 
-ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapacity> nodes) {
+ScheduleResult Schedule(std::vector<GangRequest> pending, const std::vector<NodeCapacity>& given) {
   // Sorting both inputs makes the answer independent of the order the caller happened to use.
   std::sort(pending.begin(), pending.end(), [](const GangRequest& a, const GangRequest& b) {
     return std::make_tuple(-static_cast<int64_t>(a.priority), a.submit_order, std::cref(a.job_id)) <
            std::make_tuple(-static_cast<int64_t>(b.priority), b.submit_order, std::cref(b.job_id));
   });
   auto by_id = [](const NodeCapacity& a, const NodeCapacity& b) { return a.node_id < b.node_id; };
-  // The coordinator passes them in node_id order already; checking is cheaper than sorting.
-  if (!std::is_sorted(nodes.begin(), nodes.end(), by_id)) {
-    std::sort(nodes.begin(), nodes.end(), by_id);
+  // The coordinator passes them in node_id order already: checking is cheaper than sorting, and
+  // only nodes in another order are copied.
+  std::vector<NodeCapacity> sorted;
+  if (!std::is_sorted(given.begin(), given.end(), by_id)) {
+    sorted = given;
+    std::sort(sorted.begin(), sorted.end(), by_id);
   }
+  const std::vector<NodeCapacity>& nodes = sorted.empty() ? given : sorted;
 
   std::vector<NodeState> states(nodes.size());
   for (size_t i = 0; i < nodes.size(); ++i) {

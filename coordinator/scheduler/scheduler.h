@@ -115,7 +115,7 @@ std::string NodeKindKey(const GangRequest& request);
 // One scheduling pass: decides which pending gangs start now on the free capacity, by the policy
 // above. Pure and deterministic: the result depends on the contents of the inputs, not on their
 // order. Node ids must be unique.
-ScheduleResult Schedule(std::vector<GangRequest> pending, std::vector<NodeCapacity> nodes);
+ScheduleResult Schedule(std::vector<GangRequest> pending, const std::vector<NodeCapacity>& nodes);
 
 // Why `request` can never run on `nodes` even when all of them are empty (invalid shape, more
 // ranks than the matching nodes hold, a tensor-parallel group larger than any node, no node
