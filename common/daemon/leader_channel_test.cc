@@ -18,6 +18,7 @@
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 #include "tessera/v1/node_service.grpc.pb.h"
+#include "tests/util/wait.h"
 
 namespace tessera {
 namespace {
@@ -273,7 +274,8 @@ TEST(LeaderChannelTest, ShutdownEndsTheBackoff) {
                          .initial_backoff = absl::Seconds(30),
                          .max_backoff = absl::Seconds(30)});
   std::thread stopper([&] {
-    absl::SleepFor(absl::Milliseconds(300));
+    // Both standbys refused once: the channel is in its 30 s back-off.
+    testing::WaitUntil([&] { return a.calls() >= 1 && b.calls() >= 1; }, absl::Seconds(10));
     channel.Shutdown();
   });
   const absl::Time start = absl::Now();

@@ -57,6 +57,12 @@ class KeyedMutex {
     absl::MutexLock lock(&table_mu_);
     return entries_.size();
   }
+  // Holders and waiters of `key` now; for tests.
+  int users(const std::string& key) {
+    absl::MutexLock lock(&table_mu_);
+    auto it = entries_.find(key);
+    return it == entries_.end() ? 0 : it->second->users;
+  }
 
   // Holds one key's mutex for its lifetime.
   class Hold {

@@ -8,6 +8,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/util/wait.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -28,7 +29,8 @@ TEST(KeyedMutexTest, OneKeyIsExclusiveAndOtherKeysDoNotWait) {
     KeyedMutex::Hold same(&mutex, "job-1");
     got = true;
   });
-  absl::SleepFor(absl::Milliseconds(100));
+  // The waiter has come to the key's mutex (it counts as a user before it locks).
+  ASSERT_TRUE(testing::WaitUntil([&] { return mutex.users("job-1") == 2; }, absl::Seconds(30)));
   EXPECT_FALSE(got.load()) << "a second holder of the same key must wait";
   release.Notify();
   holder.join();

@@ -41,6 +41,8 @@ TEST(AssignmentNotifierTest, NoticesCoalesceWhileTheSubscriberIsBusy) {
   AssignmentNotifier notifier;
   absl::Notification entered, release;
   std::atomic<int> calls{0};
+  std::atomic<int> sentinel{0};
+  notifier.Subscribe("node-z", [&] { ++sentinel; });
   notifier.Subscribe("node-a", [&] {
     if (++calls == 1) {
       entered.Notify();
@@ -56,7 +58,10 @@ TEST(AssignmentNotifierTest, NoticesCoalesceWhileTheSubscriberIsBusy) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   release.Notify();
   ASSERT_TRUE(Eventually([&] { return calls == 2; }));
-  absl::SleepFor(absl::Milliseconds(50));
+  // Notices are handled in order: once a later one's callback ran, a third call of node-a's
+  // would have come before it.
+  notifier.Notify("node-z");
+  ASSERT_TRUE(Eventually([&] { return sentinel == 1; }));
   EXPECT_EQ(calls, 2);
 }
 
