@@ -368,8 +368,8 @@ AttemptFate::SuccessRecord AttemptFate::SuccessOf(const Allocation& allocation) 
 }
 
 bool AttemptFate::RecordSuccess(const std::string& job_id, const SuccessRecord& success) {
-  auto job = state_->store->GetJob(job_id);
-  if (job.ok() && IsTerminal(job->state())) return true;
+  // A job that already ended (cancelled meanwhile, or recorded by an earlier try) is left as it
+  // is: the transition says FAILED_PRECONDITION.
   const absl::Time now = state_->Now();
   auto succeeded = jobs_->Transition(job_id, v1::JOB_STATE_SUCCEEDED, "every rank finished",
                                      [&](v1::Job& stored) {

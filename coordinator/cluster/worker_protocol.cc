@@ -177,17 +177,33 @@ void WorkerProtocol::OnTaskStatusLocked(const std::string& node_id, const v1::Ta
   }
 }
 
+namespace {
+
+// TransitionIf's precondition: the job is SCHEDULED in `attempt`.
+std::function<absl::Status(const v1::Job&)> ScheduledIn(int32_t attempt) {
+  return [attempt](const v1::Job& job) {
+    if (job.state() == v1::JOB_STATE_SCHEDULED && job.attempt() == attempt) {
+      return absl::OkStatus();
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job.job_id(), " is ", v1::JobState_Name(job.state()), " in attempt ",
+                     job.attempt(), ", not ", attempt));
+  };
+}
+
+}  // namespace
+
 void WorkerProtocol::FinishFollowUps(const FollowUps& follow_ups) {
   for (const auto& running : follow_ups.running) {
-    auto job = state_->store->GetJob(running.job_id);
-    bool done = job.ok();
-    if (job.ok() && job->state() == v1::JOB_STATE_SCHEDULED && job->attempt() == running.attempt) {
-      auto transitioned = jobs_->Transition(running.job_id, v1::JOB_STATE_RUNNING,
-                                            absl::StrCat("all ", running.ranks, " ranks running"));
-      done = transitioned.ok() || absl::IsFailedPrecondition(transitioned.status());
-      LogRetried(transitioned.status(), absl::StrCat("job ", running.job_id, " to RUNNING"));
-    }
+    // Only the attempt still SCHEDULED moves (FAILED_PRECONDITION otherwise: moved already, or
+    // a newer attempt, or ended), checked on the transition's own read under the job's lock.
+    auto transitioned =
+        jobs_->TransitionIf(running.job_id, ScheduledIn(running.attempt), v1::JOB_STATE_RUNNING,
+                            absl::StrCat("all ", running.ranks, " ranks running"));
+    const bool done = transitioned.ok() || absl::IsFailedPrecondition(transitioned.status()) ||
+                      absl::IsNotFound(transitioned.status());
     if (!done) {
+      LogRetried(transitioned.status(), absl::StrCat("job ", running.job_id, " to RUNNING"));
       // The next heartbeat tries again.
       absl::MutexLock lock(&state_->mu);
       Allocation* allocation = state_->allocations.Find(running.job_id);
@@ -262,7 +278,11 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
         checkpoints[job_id].push_back(report.checkpoint());
         break;
       case v1::TrainerReport::kStarted: {
-        if (report.rank() == 0) {
+        // Rank 0 starts training only after every rank joined the process group: the whole gang
+        // runs. Its report moves the attempt, if still SCHEDULED, to RUNNING.
+        if (report.rank() != 0) break;
+        std::string ranks = "all";
+        {
           // Where the ranks really resumed: the newest checkpoint in the directory, which may be
           // past the one the coordinator placed the attempt to resume from (a checkpoint a
           // cut-off attempt committed before the fence rose, its report lost). The attempt's
@@ -271,17 +291,14 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
           Allocation* allocation = state_->allocations.Find(job_id);
           if (allocation != nullptr && allocation->attempt == report.attempt()) {
             allocation->start_step = report.started().start_step();
+            ranks = absl::StrCat("all ", allocation->ranks.size());
           }
         }
-        // Rank 0 starts training only after every rank joined the process
-        // group: the whole gang runs.
-        auto job = state_->store->GetJob(job_id);
-        if (report.rank() == 0 && job.ok() && job->state() == v1::JOB_STATE_SCHEDULED &&
-            job->attempt() == report.attempt()) {
-          auto running = jobs_->Transition(
-              job_id, v1::JOB_STATE_RUNNING,
-              absl::StrCat("all ", job->placements_size(), " ranks of attempt ", report.attempt(),
-                           " joined; training from step ", report.started().start_step()));
+        auto running = jobs_->TransitionIf(
+            job_id, ScheduledIn(report.attempt()), v1::JOB_STATE_RUNNING,
+            absl::StrCat(ranks, " ranks of attempt ", report.attempt(),
+                         " joined; training from step ", report.started().start_step()));
+        if (!absl::IsFailedPrecondition(running.status()) && !absl::IsNotFound(running.status())) {
           LogRetried(running.status(), absl::StrCat("job ", job_id, " to RUNNING"));
         }
         break;

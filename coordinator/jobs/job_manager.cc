@@ -158,12 +158,26 @@ absl::StatusOr<v1::Job> JobManager::Transition(const std::string& job_id, v1::Jo
                                                const std::string& reason,
                                                const std::function<void(v1::Job&)>& mutate,
                                                const std::vector<v1::JobEvent>& preceding_events) {
+  return TransitionChecked(job_id, nullptr, state, reason, mutate, preceding_events);
+}
+
+absl::StatusOr<v1::Job> JobManager::TransitionIf(
+    const std::string& job_id, const std::function<absl::Status(const v1::Job&)>& precondition,
+    v1::JobState state, const std::string& reason, const std::function<void(v1::Job&)>& mutate) {
+  return TransitionChecked(job_id, precondition, state, reason, mutate, {});
+}
+
+absl::StatusOr<v1::Job> JobManager::TransitionChecked(
+    const std::string& job_id, const std::function<absl::Status(const v1::Job&)>& precondition,
+    v1::JobState state, const std::string& reason, const std::function<void(v1::Job&)>& mutate,
+    const std::vector<v1::JobEvent>& preceding_events) {
   const KeyedMutex::Hold lock(&job_locks_, job_id);
   ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
   if (IsTerminal(job.state())) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job ", job_id, " is ", v1::JobState_Name(job.state()), " and cannot change state"));
   }
+  if (precondition) RETURN_IF_ERROR(precondition(job));
   v1::JobState previous = job.state();
   job.set_state(state);
   job.set_reason(reason);

@@ -60,6 +60,13 @@ class JobManager {
                                      const std::string& reason,
                                      const std::function<void(v1::Job&)>& mutate = nullptr,
                                      const std::vector<v1::JobEvent>& preceding_events = {});
+  // Transition, made only when `precondition` is OK for the job as stored (e.g. "SCHEDULED in
+  // attempt 3"), checked on the one read the transition makes, under the job's lock: nothing can
+  // move the job between the check and the write. Its error is returned as is, and nothing stored.
+  absl::StatusOr<v1::Job> TransitionIf(
+      const std::string& job_id, const std::function<absl::Status(const v1::Job&)>& precondition,
+      v1::JobState state, const std::string& reason,
+      const std::function<void(v1::Job&)>& mutate = nullptr);
   // One Transition of a batch (TransitionAll).
   struct TransitionRequest {
     std::string job_id;
@@ -118,6 +125,11 @@ class JobManager {
   bool closed() const { return closed_.load(); }
 
  private:
+  // Transition and TransitionIf (`precondition` null: any non-terminal job); takes the job's lock.
+  absl::StatusOr<v1::Job> TransitionChecked(
+      const std::string& job_id, const std::function<absl::Status(const v1::Job&)>& precondition,
+      v1::JobState state, const std::string& reason, const std::function<void(v1::Job&)>& mutate,
+      const std::vector<v1::JobEvent>& preceding_events);
   // Commits `write`, tells the commit observer and wakes the job's watchers.
   absl::StatusOr<std::vector<v1::JobEvent>> CommitAndNotify(const JobWrite& write);
 

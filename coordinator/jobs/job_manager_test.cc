@@ -135,6 +135,32 @@ TEST_F(JobManagerTest, TransitionAllStoresWhatItCanAtOneTime) {
   EXPECT_EQ(FromProto(Job(c).end_time()), clock_.Now());
 }
 
+// A conditional transition checks the job as it reads it: a precondition that fails is returned and
+// nothing is stored; one that holds moves the job as Transition does.
+TEST_F(JobManagerTest, TransitionIfMovesOnlyAJobItsPreconditionAccepts) {
+  const std::string job_id = Submit();
+  auto pending = [](const v1::Job& job) {
+    return job.state() == v1::JOB_STATE_PENDING ? absl::OkStatus()
+                                                : absl::FailedPreconditionError("not pending");
+  };
+  auto refused = jobs_->TransitionIf(
+      job_id, [](const v1::Job&) { return absl::AbortedError("not now"); }, v1::JOB_STATE_RUNNING,
+      "up");
+  EXPECT_TRUE(absl::IsAborted(refused.status())) << refused.status();
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_PENDING) << "nothing stored";
+  EXPECT_THAT(jobs_
+                  ->TransitionIf(job_id, pending, v1::JOB_STATE_RUNNING, "up",
+                                 [](v1::Job& job) { job.set_restarts(2); })
+                  .status(),
+              IsOk());
+  EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(job_id).restarts(), 2);
+  EXPECT_TRUE(absl::IsFailedPrecondition(
+      jobs_->TransitionIf(job_id, pending, v1::JOB_STATE_RUNNING, "again").status()));
+  EXPECT_TRUE(absl::IsNotFound(
+      jobs_->TransitionIf("job-missing", pending, v1::JOB_STATE_RUNNING, "up").status()));
+}
+
 // Metric points at or below the current step (resent, or trained again after a restart) add no
 // event; checkpoints move latest_checkpoint forward only.
 TEST_F(JobManagerTest, RecordReportsAddsEachStepsEventOnce) {
