@@ -3,7 +3,7 @@
 #include <iostream>
 #include <utility>
 
-#include "common/timestamp.h"
+#include "google/protobuf/util/time_util.h"
 #include "trainer/report/step_breakdown.h"
 
 namespace tessera::trainer {
@@ -57,18 +57,22 @@ HeartbeatSender::HeartbeatSender(Reporter& reporter, RankProgress& progress,
 }
 
 HeartbeatSender::~HeartbeatSender() {
-  stop_.Notify();
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
   thread_.join();
 }
 
 void HeartbeatSender::Loop() {
   bool logged_failure = false;
-  do {
+  while (true) {
     v1::TrainerReport report;
     report.set_job_id(options_.job_id);
     report.set_attempt(options_.attempt);
     report.set_rank(options_.rank);
-    *report.mutable_time() = NowTimestamp();
+    *report.mutable_time() = google::protobuf::util::TimeUtil::NanosecondsToTimestamp(
+        absl::ToUnixNanos(options_.clock->Now()));
     *report.mutable_heartbeat() = progress_.TakeHeartbeat();
     // Undeliverable means the worker is gone, which the reporter's socket watch acts on: say so
     // once rather than every interval.
@@ -77,7 +81,11 @@ void HeartbeatSender::Loop() {
                 << "] heartbeat not delivered: " << status << std::endl;
       logged_failure = true;
     }
-  } while (!stop_.WaitForNotificationWithTimeout(options_.interval));
+    // Until the next one is due, or the sender is destroyed.
+    absl::MutexLock lock(&mu_);
+    const absl::Time next = options_.clock->Now() + options_.interval;
+    if (options_.clock->AwaitWithDeadline(&mu_, absl::Condition(&stopping_), next)) return;
+  }
 }
 
 }  // namespace tessera::trainer

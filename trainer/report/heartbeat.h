@@ -15,8 +15,8 @@
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "tessera/v1/trainer.pb.h"
 #include "trainer/report/reporter.h"
 
@@ -58,6 +58,9 @@ struct HeartbeatOptions {
   int attempt = 0;
   int rank = 0;
   absl::Duration interval = kDefaultHeartbeatInterval;
+  // Paces the heartbeats and stamps their time (must outlive the sender); tests pass a
+  // SimulatedClock.
+  Clock* clock = Clock::Real();
 };
 
 // Sends a heartbeat at once and then every options.interval until destroyed. `reporter` and
@@ -76,7 +79,8 @@ class HeartbeatSender {
   Reporter& reporter_;
   RankProgress& progress_;
   const HeartbeatOptions options_;
-  absl::Notification stop_;
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

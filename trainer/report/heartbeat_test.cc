@@ -4,7 +4,10 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/clock.h"
+#include "google/protobuf/util/time_util.h"
 #include "gtest/gtest.h"
+#include "tests/util/wait.h"
 
 namespace tessera::trainer {
 namespace {
@@ -55,35 +58,53 @@ TEST(RankProgressTest, HeartbeatCarriesMeansSincePreviousOne) {
   EXPECT_DOUBLE_EQ(progress.TakeHeartbeat().step_seconds(), 1.0);
 }
 
+// On simulated time: one heartbeat at once, then one per interval of the clock, stamped with it;
+// none between, and none once the sender is gone.
 TEST(HeartbeatSenderTest, SendsAtOnceAndThenEveryInterval) {
   RecordingReporter reporter;
   RankProgress progress;
   progress.StepFinished(7, 0.25, 0.2);
-  const absl::Time start = absl::Now();
+  SimulatedClock clock;
+  const absl::Time start = clock.Now();
+  const absl::Duration interval = absl::Milliseconds(50);
+  // The sender's thread is waiting for its next heartbeat (it sent the ones before).
+  auto waiting = [&] {
+    return ::tessera::testing::WaitUntil([&] { return clock.waiters() == 1; }, absl::Seconds(10));
+  };
   {
     HeartbeatSender sender(
         reporter, progress,
-        {.job_id = "job-9", .attempt = 2, .rank = 3, .interval = absl::Milliseconds(50)});
-    ASSERT_TRUE(reporter.WaitFor(4));
+        {.job_id = "job-9", .attempt = 2, .rank = 3, .interval = interval, .clock = &clock});
+    ASSERT_TRUE(reporter.WaitFor(1));
+    for (size_t sent = 1; sent < 4; ++sent) {
+      ASSERT_TRUE(waiting());
+      EXPECT_EQ(reporter.reports().size(), sent) << "nothing before the interval is over";
+      clock.Advance(interval / 2);
+      ASSERT_TRUE(waiting());
+      EXPECT_EQ(reporter.reports().size(), sent);
+      clock.Advance(interval / 2);
+      ASSERT_TRUE(reporter.WaitFor(sent + 1));
+    }
+    ASSERT_TRUE(waiting());
   }
-  EXPECT_GE(absl::Now() - start, absl::Milliseconds(150)) << "4 heartbeats need 3 intervals";
+  // Destruction stopped the thread: time goes on and nothing more arrives.
+  clock.Advance(10 * interval);
   const std::vector<v1::TrainerReport> reports = reporter.reports();
-  const size_t sent = reports.size();
-  ASSERT_GE(sent, 4u);
-  for (const v1::TrainerReport& report : reports) {
+  ASSERT_EQ(reports.size(), 4u);
+  for (size_t i = 0; i < reports.size(); ++i) {
+    const v1::TrainerReport& report = reports[i];
     ASSERT_TRUE(report.has_heartbeat());
     EXPECT_EQ(report.job_id(), "job-9");
     EXPECT_EQ(report.attempt(), 2);
     EXPECT_EQ(report.rank(), 3);
-    EXPECT_GT(report.time().seconds(), 0);
+    EXPECT_EQ(absl::FromUnixNanos(
+                  google::protobuf::util::TimeUtil::TimestampToNanoseconds(report.time())),
+              start + static_cast<int64_t>(i) * interval);
     EXPECT_EQ(report.heartbeat().step(), 7);
   }
   EXPECT_DOUBLE_EQ(reports[0].heartbeat().step_seconds(), 0.25);
   EXPECT_DOUBLE_EQ(reports[0].heartbeat().busy_seconds(), 0.2);
   EXPECT_EQ(reports[1].heartbeat().step_seconds(), 0);
-  // Destruction stops the thread: nothing more arrives.
-  absl::SleepFor(absl::Milliseconds(120));
-  EXPECT_EQ(reporter.reports().size(), sent);
 }
 
 TEST(HeartbeatIntervalTest, ZeroMeansOneSecond) {
