@@ -5,14 +5,15 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "tests/util/wait.h"
 
 namespace tessera {
 namespace {
 
-// Spins (real time) until `clock` has `n` waiters, so an Advance() happens after the wait began.
+// Waits (real time) until `clock` has `n` waiters, so an Advance() happens after the wait began.
 void AwaitWaiters(const SimulatedClock& clock, int n) {
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  while (clock.waiters() < n && absl::Now() < give_up) absl::SleepFor(absl::Microseconds(100));
+  testing::WaitUntil([&] { return clock.waiters() >= n; }, absl::Seconds(10),
+                     absl::Microseconds(100));
   ASSERT_EQ(clock.waiters(), n);
 }
 
