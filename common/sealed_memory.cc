@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/errno_status.h"
+#include "common/status_macros.h"
 
 namespace tessera {
 namespace {
@@ -57,11 +58,10 @@ void SealedMemory::Reset() {
 
 std::string SealedMemory::ProcPath() const { return absl::StrCat("/proc/self/fd/", fd_); }
 
-absl::StatusOr<SealedMemory> SealedMemory::Create(
-    const char* name, size_t size, absl::FunctionRef<absl::Status(char* data)> fill) {
+absl::StatusOr<SealedMemory::Writer> SealedMemory::Writer::Start(const char* name, size_t size) {
   const int fd = ::memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return ErrnoToStatus(errno, absl::StrCat("memfd_create ", name));
-  SealedMemory memory(fd, nullptr, 0);  // closes fd on every early return
+  Writer writer(name, fd, nullptr, 0);  // closes fd on every early return
   if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
     return absl::ResourceExhaustedError(
         absl::StrCat("memory file ", name, " of ", size, " bytes: ", std::strerror(errno)));
@@ -72,21 +72,59 @@ absl::StatusOr<SealedMemory> SealedMemory::Create(
       return absl::ResourceExhaustedError(
           absl::StrCat("mmap of memory file ", name, ": ", std::strerror(errno)));
     }
-    absl::Status filled = fill(static_cast<char*>(writable));
-    // F_SEAL_WRITE needs every writable mapping gone.
-    ::munmap(writable, size);
-    if (!filled.ok()) return filled;
-  } else if (absl::Status filled = fill(nullptr); !filled.ok()) {
-    return filled;
+    writer.writable_ = static_cast<char*>(writable);
   }
-  if (::fcntl(fd, F_ADD_SEALS, kSeals) != 0) {
-    return ErrnoToStatus(errno, absl::StrCat("sealing memory file ", name));
+  writer.size_ = size;
+  return writer;
+}
+
+SealedMemory::Writer::Writer(Writer&& other) noexcept
+    : name_(std::move(other.name_)),
+      fd_(std::exchange(other.fd_, -1)),
+      writable_(std::exchange(other.writable_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+SealedMemory::Writer& SealedMemory::Writer::operator=(Writer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    name_ = std::move(other.name_);
+    fd_ = std::exchange(other.fd_, -1);
+    writable_ = std::exchange(other.writable_, nullptr);
+    size_ = std::exchange(other.size_, 0);
   }
-  absl::StatusOr<const char*> data = MapReadOnly(fd, size);
+  return *this;
+}
+
+SealedMemory::Writer::~Writer() { Reset(); }
+
+void SealedMemory::Writer::Reset() {
+  if (writable_ != nullptr) ::munmap(writable_, size_);
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  writable_ = nullptr;
+  size_ = 0;
+}
+
+absl::StatusOr<SealedMemory> SealedMemory::Writer::Seal() && {
+  // F_SEAL_WRITE needs every writable mapping gone.
+  if (writable_ != nullptr) ::munmap(std::exchange(writable_, nullptr), size_);
+  SealedMemory memory(std::exchange(fd_, -1), nullptr, 0);  // closes the file on an error
+  const size_t size = std::exchange(size_, 0);
+  if (::fcntl(memory.fd_, F_ADD_SEALS, kSeals) != 0) {
+    return ErrnoToStatus(errno, absl::StrCat("sealing memory file ", name_));
+  }
+  absl::StatusOr<const char*> data = MapReadOnly(memory.fd_, size);
   if (!data.ok()) return data.status();
   memory.data_ = *data;
   memory.size_ = size;
   return memory;
+}
+
+absl::StatusOr<SealedMemory> SealedMemory::Create(
+    const char* name, size_t size, absl::FunctionRef<absl::Status(char* data)> fill) {
+  ASSIGN_OR_RETURN(Writer writer, Writer::Start(name, size));
+  RETURN_IF_ERROR(fill(writer.data()));
+  return std::move(writer).Seal();
 }
 
 absl::StatusOr<SealedMemory> SealedMemory::Copy(const char* name, std::string_view bytes) {

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -33,6 +34,35 @@ class SealedMemory {
                                              absl::FunctionRef<absl::Status(char* data)> fill);
   // Create filled with a copy of `bytes`.
   static absl::StatusOr<SealedMemory> Copy(const char* name, std::string_view bytes);
+
+  // A memory file filled piece by piece (a stream's chunks as they come in), then sealed: Start
+  // makes it, with a writable mapping of its `size` bytes; data() is written by one thread at a
+  // time; Seal drops the writable mapping, seals the file and maps it read-only. A writer
+  // destroyed unsealed discards the file. RESOURCE_EXHAUSTED when the memory cannot be had.
+  class Writer {
+   public:
+    static absl::StatusOr<Writer> Start(const char* name, size_t size);
+    Writer(Writer&& other) noexcept;
+    Writer& operator=(Writer&& other) noexcept;
+    Writer(const Writer&) = delete;
+    Writer& operator=(const Writer&) = delete;
+    ~Writer();
+
+    // Null for 0 bytes.
+    char* data() { return writable_; }
+    size_t size() const { return size_; }
+    absl::StatusOr<SealedMemory> Seal() &&;
+
+   private:
+    Writer(std::string name, int fd, char* writable, size_t size)
+        : name_(std::move(name)), fd_(fd), writable_(writable), size_(size) {}
+    void Reset();
+
+    std::string name_;
+    int fd_ = -1;
+    char* writable_ = nullptr;
+    size_t size_ = 0;
+  };
   // A memory file holding the first `size` bytes of the open file `file_fd` (from its offset 0),
   // copied by the kernel (sendfile) without mapping the pages here; the mapping is made without
   // touching them (a process that only passes the descriptor on never faults them in).

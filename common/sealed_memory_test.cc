@@ -53,6 +53,33 @@ TEST(SealedMemoryTest, NobodyCanChangeTheBytes) {
   EXPECT_EQ(memory->view(), "fixed");
 }
 
+// A writer's pieces, written one after the other, are the sealed bytes; writers of no bytes and
+// writers dropped unsealed are fine too.
+TEST(SealedMemoryTest, AWriterFillsPieceByPieceThenSeals) {
+  absl::StatusOr<SealedMemory::Writer> writer = SealedMemory::Writer::Start("test", 11);
+  ASSERT_THAT(writer, IsOk());
+  ASSERT_EQ(writer->size(), 11u);
+  std::memcpy(writer->data(), "piece ", 6);
+  std::memcpy(writer->data() + 6, "by pc", 5);
+  SealedMemory::Writer moved = *std::move(writer);
+  absl::StatusOr<SealedMemory> memory = std::move(moved).Seal();
+  ASSERT_THAT(memory, IsOk());
+  EXPECT_EQ(memory->view(), "piece by pc");
+  EXPECT_LT(::pwrite(memory->fd(), "X", 1, 0), 0) << "sealed like any other";
+  EXPECT_EQ(moved.data(), nullptr);
+
+  absl::StatusOr<SealedMemory::Writer> empty = SealedMemory::Writer::Start("test", 0);
+  ASSERT_THAT(empty, IsOk());
+  EXPECT_EQ(empty->data(), nullptr);
+  absl::StatusOr<SealedMemory> none = std::move(*empty).Seal();
+  ASSERT_THAT(none, IsOk());
+  EXPECT_EQ(none->view(), "");
+
+  absl::StatusOr<SealedMemory::Writer> dropped = SealedMemory::Writer::Start("test", 4096);
+  ASSERT_THAT(dropped, IsOk());
+  dropped->data()[0] = 'x';
+}
+
 TEST(SealedMemoryTest, AdoptsASealedDuplicate) {
   absl::StatusOr<SealedMemory> memory = SealedMemory::Copy("test", "shared bytes");
   ASSERT_THAT(memory, IsOk());

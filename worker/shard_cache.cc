@@ -5,6 +5,8 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <optional>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "common/daemon/grpc_status.h"
@@ -32,16 +34,21 @@ absl::Status CheckHeader(const v1::ShardHeader& header, size_t size) {
 
 }  // namespace
 
+absl::Status CachedShard::DigestStatus(const std::string& digest) const {
+  if (digest == header.xxh3_128()) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat(
+      "shard cache: the copy of ", header.file_name(), " (", KeyText(header.key()), ", ",
+      bytes.size(), " bytes) hashes to xxh3-128 ", digest, ", not its ", header.xxh3_128()));
+}
+
 absl::Status CachedShard::Verify() const {
-  absl::call_once(digest_check->once, [this] {
-    const std::string digest = Xxh3Hex(bytes.view());
-    if (digest != header.xxh3_128()) {
-      digest_check->status = absl::DataLossError(absl::StrCat(
-          "shard cache: the copy of ", header.file_name(), " (", KeyText(header.key()), ", ",
-          bytes.size(), " bytes) hashes to xxh3-128 ", digest, ", not its ", header.xxh3_128()));
-    }
-  });
+  absl::call_once(digest_check->once,
+                  [this] { digest_check->status = DigestStatus(Xxh3Hex(bytes.view())); });
   return digest_check->status;
+}
+
+void CachedShard::SetDigest(const std::string& xxh3_128) const {
+  absl::call_once(digest_check->once, [&] { digest_check->status = DigestStatus(xxh3_128); });
 }
 
 absl::Status ShardCacheStore::Put(v1::ShardHeader header, std::string_view bytes) {
@@ -172,88 +179,173 @@ int64_t DefaultShardCacheBytes() {
 
 // --- gRPC service -------------------------------------------------------------------------------
 
-grpc::Status ShardCacheService::CheckCaller(const grpc::ServerContext& context) const {
+grpc::Status ShardCacheService::CheckCaller(const grpc::ServerContextBase& context) const {
   return CheckCallerAllowed(context, allowed_callers_, "--shard_cache_allowed_callers");
 }
 
-grpc::Status ShardCacheService::Put(grpc::ServerContext* context,
-                                    grpc::ServerReader<v1::PutShardChunk>* reader,
-                                    v1::PutShardResponse* response) {
-  if (grpc::Status status = CheckCaller(*context); !status.ok()) return status;
-  v1::PutShardChunk chunk;
-  if (!reader->Read(&chunk)) {
-    return ToGrpcStatus(absl::InvalidArgumentError("header: the stream was empty"));
+namespace {
+
+// One Put stream: the header chunk sizes the memory file, every chunk's bytes go straight into it
+// and into the hash as they arrive, and the end of the stream seals the file and stores the shard.
+class PutReactor final : public grpc::ServerReadReactor<v1::PutShardChunk> {
+ public:
+  PutReactor(ShardCacheStore* store, grpc::CallbackServerContext* context,
+             v1::PutShardResponse* response, const grpc::Status& caller)
+      : store_(store), context_(context), response_(response) {
+    if (!caller.ok()) {
+      Finish(caller);
+      return;
+    }
+    StartRead(&chunk_);
   }
-  v1::ShardHeader header = chunk.header();
-  if (header.size_bytes() < 0 || header.size_bytes() > store_->capacity_bytes()) {
-    return ToGrpcStatus(absl::ResourceExhaustedError(
-        absl::StrCat("size_bytes: ", header.size_bytes(), " does not fit the cache (",
-                     store_->capacity_bytes(), " bytes)")));
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the end of the stream, or a broken one
+      Finish(End());
+      return;
+    }
+    if (absl::Status status = Take(); !status.ok()) {
+      Finish(ToGrpcStatus(status));
+      return;
+    }
+    StartRead(&chunk_);
   }
-  // The chunks go straight into the memory file the store keeps.
-  const size_t size = static_cast<size_t>(header.size_bytes());
-  absl::StatusOr<SealedMemory> bytes =
-      SealedMemory::Create("tessera-shard", size, [&](char* data) -> absl::Status {
-        size_t received = 0;
-        do {
-          if (chunk.data().size() > size - received) {
-            return absl::DataLossError(absl::StrCat("shard ", KeyText(header.key()),
-                                                    ": more bytes than size_bytes ", size));
-          }
-          if (!chunk.data().empty()) {
-            std::memcpy(data + received, chunk.data().data(), chunk.data().size());
-          }
-          received += chunk.data().size();
-        } while (reader->Read(&chunk));
-        if (received != size) {
-          return absl::DataLossError(absl::StrCat("shard ", KeyText(header.key()), ": ",
-                                                  received, " bytes, size_bytes says ", size));
-        }
-        return absl::OkStatus();
-      });
-  if (context->IsCancelled()) return grpc::Status::CANCELLED;
-  if (!bytes.ok()) return ToGrpcStatus(bytes.status());
-  auto shard = std::make_shared<CachedShard>();
-  shard->header = std::move(header);
-  shard->bytes = *std::move(bytes);
-  // Hashed as it arrives: a copy the network damaged is refused (the sender logs it), and one
-  // kept is served to this node's trainers without hashing it again.
-  absl::Status status = shard->Verify();
-  if (status.ok()) status = store_->Put(std::move(shard));
-  if (!status.ok()) return ToGrpcStatus(status);
-  response->set_cache_bytes(store_->bytes());
-  return grpc::Status::OK;
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Take() {
+    if (!writer_.has_value()) {
+      header_ = chunk_.header();
+      if (header_.size_bytes() < 0 || header_.size_bytes() > store_->capacity_bytes()) {
+        return absl::ResourceExhaustedError(absl::StrCat("size_bytes: ", header_.size_bytes(),
+                                                         " does not fit the cache (",
+                                                         store_->capacity_bytes(), " bytes)"));
+      }
+      absl::StatusOr<SealedMemory::Writer> writer =
+          SealedMemory::Writer::Start("tessera-shard", static_cast<size_t>(header_.size_bytes()));
+      if (!writer.ok()) return writer.status();
+      absl::StatusOr<Xxh3Hasher> hasher = Xxh3Hasher::Create();
+      if (!hasher.ok()) return hasher.status();
+      writer_.emplace(*std::move(writer));
+      hasher_.emplace(*std::move(hasher));
+    }
+    const std::string& data = chunk_.data();
+    if (data.size() > writer_->size() - received_) {
+      return absl::DataLossError(absl::StrCat("shard ", KeyText(header_.key()),
+                                              ": more bytes than size_bytes ", writer_->size()));
+    }
+    if (!data.empty()) {
+      std::memcpy(writer_->data() + received_, data.data(), data.size());
+      hasher_->Update(data.data(), data.size());
+    }
+    received_ += data.size();
+    return absl::OkStatus();
+  }
+
+  grpc::Status End() {
+    if (context_->IsCancelled()) return grpc::Status::CANCELLED;
+    if (!writer_.has_value()) {
+      return ToGrpcStatus(absl::InvalidArgumentError("header: the stream was empty"));
+    }
+    if (received_ != writer_->size()) {
+      return ToGrpcStatus(
+          absl::DataLossError(absl::StrCat("shard ", KeyText(header_.key()), ": ", received_,
+                                           " bytes, size_bytes says ", writer_->size())));
+    }
+    absl::StatusOr<SealedMemory> bytes = std::move(*writer_).Seal();
+    if (!bytes.ok()) return ToGrpcStatus(bytes.status());
+    auto shard = std::make_shared<CachedShard>();
+    shard->header = std::move(header_);
+    shard->bytes = *std::move(bytes);
+    // Hashed as it arrived: a copy the network damaged is refused (the sender logs it), and one
+    // kept is served to this node's trainers without hashing it again.
+    shard->SetDigest(hasher_->HexDigest());
+    absl::Status status = shard->Verify();
+    if (status.ok()) status = store_->Put(std::move(shard));
+    if (!status.ok()) return ToGrpcStatus(status);
+    response_->set_cache_bytes(store_->bytes());
+    return grpc::Status::OK;
+  }
+
+  ShardCacheStore* const store_;
+  grpc::CallbackServerContext* const context_;
+  v1::PutShardResponse* const response_;
+  v1::PutShardChunk chunk_;
+  v1::ShardHeader header_;
+  std::optional<SealedMemory::Writer> writer_;
+  std::optional<Xxh3Hasher> hasher_;
+  size_t received_ = 0;
+};
+
+// One Get stream: the shard's bytes in chunks of kShardChunkBytes (the header with the first; one
+// chunk for an empty shard), each written once the previous one was taken.
+class GetReactor final : public grpc::ServerWriteReactor<v1::GetShardChunk> {
+ public:
+  explicit GetReactor(absl::StatusOr<std::shared_ptr<const CachedShard>> shard)
+      : shard_(shard.ok() ? *shard : nullptr) {
+    if (!shard.ok()) {
+      Finish(ToGrpcStatus(shard.status()));
+      return;
+    }
+    WriteNext();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status::CANCELLED);
+    } else if (offset_ >= shard_->bytes.size()) {
+      Finish(grpc::Status::OK);
+    } else {
+      WriteNext();
+    }
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void WriteNext() {
+    const std::string_view bytes = shard_->bytes.view();
+    chunk_.Clear();
+    if (offset_ == 0) *chunk_.mutable_header() = shard_->header;
+    const size_t n = std::min(kShardChunkBytes, bytes.size() - offset_);
+    chunk_.set_data(bytes.data() + offset_, n);
+    offset_ += n;
+    StartWrite(&chunk_);
+  }
+
+  const std::shared_ptr<const CachedShard> shard_;
+  v1::GetShardChunk chunk_;
+  size_t offset_ = 0;
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<v1::PutShardChunk>* ShardCacheService::Put(
+    grpc::CallbackServerContext* context, v1::PutShardResponse* response) {
+  return new PutReactor(store_, context, response, CheckCaller(*context));
 }
 
-grpc::Status ShardCacheService::Get(grpc::ServerContext* context,
-                                    const v1::GetShardRequest* request,
-                                    grpc::ServerWriter<v1::GetShardChunk>* writer) {
-  if (grpc::Status status = CheckCaller(*context); !status.ok()) return status;
-  absl::StatusOr<std::shared_ptr<const CachedShard>> shard =
-      store_->Get(request->key(), request->xxh3_128());
-  if (!shard.ok()) return ToGrpcStatus(shard.status());
-  const std::string_view bytes = (*shard)->bytes.view();
-  size_t offset = 0;
-  do {
-    v1::GetShardChunk chunk;
-    if (offset == 0) *chunk.mutable_header() = (*shard)->header;
-    const size_t n = std::min(kShardChunkBytes, bytes.size() - offset);
-    chunk.set_data(bytes.data() + offset, n);
-    offset += n;
-    if (context->IsCancelled() || !writer->Write(chunk)) return grpc::Status::CANCELLED;
-  } while (offset < bytes.size());
-  return grpc::Status::OK;
+grpc::ServerWriteReactor<v1::GetShardChunk>* ShardCacheService::Get(
+    grpc::CallbackServerContext* context, const v1::GetShardRequest* request) {
+  if (grpc::Status status = CheckCaller(*context); !status.ok()) {
+    return new GetReactor(
+        absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message()));
+  }
+  return new GetReactor(store_->Get(request->key(), request->xxh3_128()));
 }
 
-grpc::Status ShardCacheService::DropJob(grpc::ServerContext* context,
-                                        const v1::DropJobRequest* request,
-                                        v1::DropJobResponse* response) {
-  if (grpc::Status status = CheckCaller(*context); !status.ok()) return status;
-  if (request->job_id().empty()) {
-    return ToGrpcStatus(absl::InvalidArgumentError("job_id: required"));
+grpc::ServerUnaryReactor* ShardCacheService::DropJob(grpc::CallbackServerContext* context,
+                                                     const v1::DropJobRequest* request,
+                                                     v1::DropJobResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  grpc::Status status = CheckCaller(*context);
+  if (status.ok() && request->job_id().empty()) {
+    status = ToGrpcStatus(absl::InvalidArgumentError("job_id: required"));
   }
-  response->set_shards(store_->DropJob(request->job_id()));
-  return grpc::Status::OK;
+  if (status.ok()) response->set_shards(store_->DropJob(request->job_id()));
+  reactor->Finish(status);
+  return reactor;
 }
 
 // --- peers --------------------------------------------------------------------------------------

@@ -56,6 +56,9 @@ struct CachedShard {
   // the first call only (the bytes are sealed, so the answer holds for the shard's life); callers
   // meanwhile, such as a node's ranks asking for the same shard at once, wait for that one hash.
   absl::Status Verify() const;
+  // Verify's answer from a digest computed elsewhere (the bytes hashed as they arrived), unless
+  // Verify already gave one.
+  void SetDigest(const std::string& xxh3_128) const;
 
   v1::ShardHeader header;
   SealedMemory bytes;
@@ -66,6 +69,10 @@ struct CachedShard {
   };
   // Verify's answer, once there is one.
   std::unique_ptr<DigestCheck> digest_check = std::make_unique<DigestCheck>();
+
+ private:
+  // OK when `digest` is header.xxh3_128, else DATA_LOSS naming the shard and both digests.
+  absl::Status DigestStatus(const std::string& digest) const;
 };
 
 // Thread safety: every method may be called from any thread (one absl::Mutex).
@@ -118,25 +125,27 @@ int64_t DefaultShardCacheBytes();
 // Chunk of a Put or Get stream.
 inline constexpr size_t kShardChunkBytes = 1 << 20;
 
-// The ShardCache gRPC service over `store` (not owned). Sync handlers: a stream holds one of the
-// server's threads while it moves one shard, which at memory speed is short. Under mutual TLS
-// only callers whose certificate CN is in `allowed_callers` (the peer workers') are served;
-// others get PERMISSION_DENIED. Empty: every caller the TLS layer admitted.
-class ShardCacheService final : public v1::ShardCache::Service {
+// The ShardCache gRPC service over `store` (not owned), on the callback API: a stream holds no
+// thread while it waits for the network. Put writes each chunk into the memory file the shard
+// will live in and hashes it as it comes; Get writes one chunk at a time as the previous one is
+// taken. Under mutual TLS only callers whose certificate CN is in `allowed_callers` (the peer
+// workers') are served; others get PERMISSION_DENIED. Empty: every caller the TLS layer admitted.
+class ShardCacheService final : public v1::ShardCache::CallbackService {
  public:
   explicit ShardCacheService(ShardCacheStore* store,
                              std::vector<std::string> allowed_callers = {})
       : store_(store), allowed_callers_(std::move(allowed_callers)) {}
 
-  grpc::Status Put(grpc::ServerContext* context, grpc::ServerReader<v1::PutShardChunk>* reader,
-                   v1::PutShardResponse* response) override;
-  grpc::Status Get(grpc::ServerContext* context, const v1::GetShardRequest* request,
-                   grpc::ServerWriter<v1::GetShardChunk>* writer) override;
-  grpc::Status DropJob(grpc::ServerContext* context, const v1::DropJobRequest* request,
-                       v1::DropJobResponse* response) override;
+  grpc::ServerReadReactor<v1::PutShardChunk>* Put(grpc::CallbackServerContext* context,
+                                                  v1::PutShardResponse* response) override;
+  grpc::ServerWriteReactor<v1::GetShardChunk>* Get(grpc::CallbackServerContext* context,
+                                                   const v1::GetShardRequest* request) override;
+  grpc::ServerUnaryReactor* DropJob(grpc::CallbackServerContext* context,
+                                    const v1::DropJobRequest* request,
+                                    v1::DropJobResponse* response) override;
 
  private:
-  grpc::Status CheckCaller(const grpc::ServerContext& context) const;
+  grpc::Status CheckCaller(const grpc::ServerContextBase& context) const;
 
   ShardCacheStore* const store_;
   const std::vector<std::string> allowed_callers_;

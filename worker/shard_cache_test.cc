@@ -231,6 +231,48 @@ TEST(ShardCachePeersTest, PeerRefusesAShardLargerThanItsCache) {
   EXPECT_EQ(peer.store.shards(), 0);
 }
 
+// What a peer that does not follow the protocol gets: an empty stream, a stream that ends short of
+// its size, or one with bytes beyond it, each refused with nothing kept; an empty shard is a
+// header alone, both ways.
+TEST(ShardCachePeersTest, MalformedPutStreamsAreRefusedAndAnEmptyShardRoundTrips) {
+  PeerCache peer(64 << 20);
+  auto stub = v1::ShardCache::NewStub(
+      grpc::CreateChannel(peer.address(), grpc::InsecureChannelCredentials()));
+  auto put = [&](const std::vector<v1::PutShardChunk>& chunks) {
+    grpc::ClientContext context;
+    v1::PutShardResponse response;
+    auto writer = stub->Put(&context, &response);
+    for (const v1::PutShardChunk& chunk : chunks) {
+      if (!writer->Write(chunk)) break;
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  };
+  EXPECT_EQ(put({}).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  const std::string bytes = Pattern(1000);
+  v1::PutShardChunk first;
+  *first.mutable_header() = TrueHeader("j", 2, 0, bytes);
+  first.set_data(bytes.substr(0, 600));
+  grpc::Status short_stream = put({first});
+  EXPECT_EQ(short_stream.error_code(), grpc::StatusCode::DATA_LOSS);
+  EXPECT_THAT(short_stream.error_message(), HasSubstr("600 bytes, size_bytes says 1000"));
+  v1::PutShardChunk rest;
+  rest.set_data(bytes.substr(600) + "extra");
+  grpc::Status long_stream = put({first, rest});
+  EXPECT_EQ(long_stream.error_code(), grpc::StatusCode::DATA_LOSS);
+  EXPECT_THAT(long_stream.error_message(), HasSubstr("more bytes than size_bytes 1000"));
+  EXPECT_EQ(peer.store.shards(), 0);
+
+  v1::PutShardChunk empty;
+  *empty.mutable_header() = TrueHeader("j", 3, 0, "");
+  ASSERT_TRUE(put({empty}).ok());
+  ShardCachePeers peers({});
+  auto fetched = peers.Get(peer.address(), Key("j", 3, 0), "");
+  ASSERT_THAT(fetched, IsOk());
+  EXPECT_EQ(fetched->bytes.size(), 0u);
+  EXPECT_EQ(fetched->header.xxh3_128(), Xxh3Hex(""));
+}
+
 std::string SocketPath(const std::string& name) {
   return (std::filesystem::temp_directory_path() /
           absl::StrCat("tessera-shard-cache-test-", getpid(), "-", name, ".sock"))
