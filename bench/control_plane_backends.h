@@ -1,6 +1,6 @@
 // The coordinator's store on SQLite and on PostgreSQL in one run of the control-plane benchmark:
 // which backends to run (--backends), a private PostgreSQL server for the run
-// (common/postgres_cluster.h, a fresh database per coordinator, the password in a file as
+// (tests/util/postgres_cluster.h, a fresh database per coordinator, the password in a file as
 // docs/coordinator.md asks of operators), and the two side by side, medians over the repeats,
 // with PostgreSQL / SQLite ratios.
 //
@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "bench/control_plane_scale.h"
-#include "common/postgres_cluster.h"
+#include "tests/util/postgres_cluster.h"
 
 namespace tessera::bench {
 

@@ -1,7 +1,7 @@
 // step_metrics_bench: what step metrics cost on a long job, each against a baseline measured in
 // the same run (medians of --runs).
 //
-// The coordinator side, on SQLite and on a private PostgreSQL (common/postgres_cluster.h), for a
+// The coordinator side, on SQLite and on a private PostgreSQL (tests/util/postgres_cluster.h), for a
 // job of --points metric rows: Store::MetricsCompleteThrough (what a restart's scheduling pass
 // reads) against the store's ReadMetrics of the same job, and against the scan it replaced (every
 // step from 1, in order, as the store read it before step_metrics_complete). Also a 10-point
@@ -41,7 +41,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_env.h"
 #include "common/command_line.h"
-#include "common/postgres_cluster.h"
+#include "tests/util/postgres_cluster.h"
 #include "common/status_macros.h"
 #include "coordinator/store/store.h"
 #include "nlohmann/json.hpp"

@@ -1,4 +1,4 @@
-// The private PostgreSQL cluster of a test binary (common/postgres_cluster.h): started on first
+// The private PostgreSQL cluster of a test binary (tests/util/postgres_cluster.h): started on first
 // use, one fresh database per test, stopped when the binary ends. Authentication is `trust` on
 // loopback only, and fsync is off: the tests check what the store sends and when it returns
 // (synchronous_commit, which the store checks, stays on); flushing every createdb and commit to a
@@ -15,7 +15,7 @@
 #include <memory>
 #include <string>
 
-#include "common/postgres_cluster.h"
+#include "tests/util/postgres_cluster.h"
 
 namespace tessera::testing {
 

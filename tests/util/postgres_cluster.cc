@@ -1,4 +1,4 @@
-#include "common/postgres_cluster.h"
+#include "tests/util/postgres_cluster.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
