@@ -11,7 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/daemon/server.h"
 #include "common/status_matchers.h"
 #include "grpcpp/client_context.h"
@@ -19,6 +22,7 @@
 #include "tessera/v1/coordinator_service.grpc.pb.h"
 #include "tessera/v1/node_service.grpc.pb.h"
 #include "tests/util/grpc_context.h"
+#include "tests/util/http_get.h"
 #include "tests/util/job_specs.h"
 #include "tests/util/subprocess.h"
 #include "tests/util/temp_dir.h"
@@ -43,7 +47,8 @@ class CoordinatorTest : public ::testing::Test {
 
   void Start(const std::vector<std::string>& extra_flags = {}) {
     std::vector<std::string> argv = {BinDir() + "/tessera-coordinator", "--listen=127.0.0.1:0",
-                                     "--metrics_listen=", "--state=" + dir_.path() + "/state.db"};
+                                     "--metrics_listen=127.0.0.1:0",
+                                     "--state=" + dir_.path() + "/state.db"};
     argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
     auto process = Subprocess::Start(argv);
     ASSERT_THAT(process, IsOk());
@@ -51,11 +56,31 @@ class CoordinatorTest : public ::testing::Test {
     auto line = process_->WaitForStderrLine("serving gRPC on");
     ASSERT_THAT(line, IsOk());
     std::smatch match;
-    ASSERT_TRUE(std::regex_search(*line, match, std::regex(R"(serving gRPC on (\S+:\d+))")));
+    ASSERT_TRUE(std::regex_search(
+        *line, match, std::regex(R"(serving gRPC on (\S+:\d+)(, metrics on port (\d+))?)")));
     address_ = match[1];
+    metrics_port_ = match[3].matched ? std::stoi(match[3]) : 0;
     channel_ = MakeClientChannel(address_);
     stub_ = v1::Coordinator::NewStub(channel_);
     nodes_ = v1::NodeService::NewStub(MakeClientChannel(match[1]));
+  }
+
+  // How many calls of Coordinator/`method` reached the coordinator
+  // (tessera_grpc_server_started_total): what a test waits for to know that calls it made are
+  // inside the coordinator, waiting there. -1 when /metrics cannot be read.
+  int64_t StartedCalls(const std::string& method) {
+    absl::StatusOr<testing::HttpResponse> page = testing::HttpGet(metrics_port_, "/metrics");
+    if (!page.ok() || page->status_code != 200) return -1;
+    const std::string prefix = absl::StrCat(
+        "tessera_grpc_server_started_total{method=\"/tessera.v1.Coordinator/", method, "\"} ");
+    for (absl::string_view line : absl::StrSplit(page->body, '\n')) {
+      if (absl::StartsWith(line, prefix)) {
+        double value = 0;
+        return absl::SimpleAtod(line.substr(prefix.size()), &value) ? static_cast<int64_t>(value)
+                                                                    : -1;
+      }
+    }
+    return 0;
   }
 
   // Polls GetJob until `done` holds or 10 s pass; returns the last job seen.
@@ -143,6 +168,7 @@ class CoordinatorTest : public ::testing::Test {
   ScopedTempDir dir_{"coordinator_test"};
   // host:port the coordinator serves on.
   std::string address_;
+  int metrics_port_ = 0;
   std::optional<Subprocess> process_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;

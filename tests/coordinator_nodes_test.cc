@@ -128,10 +128,10 @@ TEST_F(CoordinatorTest, HeartbeatsAreAnsweredWhileSubmissionsWaitForTheDisk) {
     });
   }
   EXPECT_TRUE(testing::WaitUntil([&] { return calling == kSubmissions; }, absl::Seconds(30)));
-  // Not a wait for a condition: a call waiting for the database shows nothing outside the
-  // coordinator. This only lets the calls just made reach it; one that arrived later could make
-  // the check below weaker, never fail it.
-  absl::SleepFor(absl::Milliseconds(500));
+  // Every call reached the coordinator (and waits there for the database).
+  EXPECT_TRUE(testing::WaitUntil([&] { return StartedCalls("SubmitJob") == kSubmissions; },
+                                 absl::Seconds(30)))
+      << StartedCalls("SubmitJob") << " of " << kSubmissions << " calls started";
 
   const absl::Time start = absl::Now();
   v1::HeartbeatRequest heartbeat;
@@ -207,10 +207,11 @@ TEST_F(CoordinatorBusyTest, ClientCallsBeyondTheQueueAreToldToRetry) {
       ++answered_count;
     });
     if (i == 0) {
-      EXPECT_TRUE(testing::WaitUntil([&] { return calling == 1; }, absl::Seconds(30)));
-      // Not a wait for a condition: the first call must hold the one thread before the others
-      // come, and a call waiting for the database shows nothing outside the coordinator. This
-      // lets the call just made reach it.
+      EXPECT_TRUE(
+          testing::WaitUntil([&] { return StartedCalls("SubmitJob") == 1; }, absl::Seconds(30)));
+      // Not a wait for a condition: the first call, which has reached the coordinator, must also
+      // hold the one thread before the others come, and nothing outside the coordinator shows
+      // that (a call waiting for the database shows nothing). This lets its handler get there.
       absl::SleepFor(absl::Milliseconds(300));
     }
   }

@@ -90,7 +90,9 @@ void SetOrZero(prometheus::Gauge* gauge, int64_t value) {
 class MetricsInterceptor final : public grpc::experimental::Interceptor {
  public:
   MetricsInterceptor(CoordinatorMetrics* metrics, std::string method)
-      : metrics_(metrics), method_(std::move(method)), start_(std::chrono::steady_clock::now()) {}
+      : metrics_(metrics), method_(std::move(method)), start_(std::chrono::steady_clock::now()) {
+    metrics_->RecordStart(method_);
+  }
 
   ~MetricsInterceptor() override {
     if (!recorded_) Record(grpc::StatusCode::CANCELLED);
@@ -213,6 +215,11 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                                        "status is sent (for streams, the whole stream), in "
                                        "seconds.")
                                  .Register(registry)),
+      grpc_started_(prometheus::BuildCounter()
+                        .Name("tessera_grpc_server_started_total")
+                        .Help("gRPC calls that reached the coordinator, by full method name "
+                              "(minus tessera_grpc_server_requests_total: the calls in flight).")
+                        .Register(registry)),
       restarts_(prometheus::BuildCounter()
                     .Name("tessera_job_restarts_total")
                     .Help("Job restarts the coordinator decided, by the kind of the failure "
@@ -500,6 +507,27 @@ CoordinatorMetrics::MakeInterceptorFactory() {
   return std::make_unique<MetricsInterceptorFactory>(this);
 }
 
+std::pair<const std::string*, CoordinatorMetrics::MethodSeries*> CoordinatorMetrics::MethodLocked(
+    const std::string& method) {
+  auto it = methods_.find(method);
+  if (it == methods_.end()) {
+    // Unknown names share one entry, so they cannot grow methods_ either.
+    it = methods_.try_emplace(IsKnownMethod(method) ? method : std::string(kOtherMethod)).first;
+  }
+  return {&it->first, &it->second};
+}
+
+void CoordinatorMetrics::RecordStart(const std::string& method) {
+  prometheus::Counter* started = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto [label, series] = MethodLocked(method);
+    if (series->started == nullptr) series->started = &grpc_started_.Add({{"method", *label}});
+    started = series->started;
+  }
+  started->Increment();
+}
+
 void CoordinatorMetrics::RecordRequest(const std::string& method, grpc::StatusCode code,
                                        double seconds) {
   const int code_index = static_cast<int>(code);
@@ -507,23 +535,18 @@ void CoordinatorMetrics::RecordRequest(const std::string& method, grpc::StatusCo
   prometheus::Histogram* duration = nullptr;
   {
     absl::MutexLock lock(&mu_);
-    auto it = methods_.find(method);
-    if (it == methods_.end()) {
-      // Unknown names share one entry, so they cannot grow methods_ either.
-      it = methods_.try_emplace(IsKnownMethod(method) ? method : std::string(kOtherMethod)).first;
+    auto [label, series] = MethodLocked(method);
+    if (series->duration == nullptr) {
+      series->duration = &grpc_request_duration_.Add({{"method", *label}}, RpcBuckets());
     }
-    const std::string& label = it->first;
-    MethodSeries& series = it->second;
-    if (series.duration == nullptr) {
-      series.duration = &grpc_request_duration_.Add({{"method", label}}, RpcBuckets());
-    }
-    duration = series.duration;
-    const bool canonical = code_index >= 0 && code_index < static_cast<int>(series.requests.size());
-    if (canonical && series.requests[code_index] != nullptr) {
-      requests = series.requests[code_index];
+    duration = series->duration;
+    const bool canonical =
+        code_index >= 0 && code_index < static_cast<int>(series->requests.size());
+    if (canonical && series->requests[code_index] != nullptr) {
+      requests = series->requests[code_index];
     } else {
-      requests = &grpc_requests_.Add({{"method", label}, {"code", CodeLabel(code)}});
-      if (canonical) series.requests[code_index] = requests;
+      requests = &grpc_requests_.Add({{"method", *label}, {"code", CodeLabel(code)}});
+      if (canonical) series->requests[code_index] = requests;
     }
   }
   requests->Increment();

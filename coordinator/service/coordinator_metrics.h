@@ -83,6 +83,11 @@
 //   tessera_grpc_server_request_duration_seconds{method}
 //                                           histogram; call start until the
 //                                           status is sent (for streams too)
+//   tessera_grpc_server_started_total{method}
+//                                           counter; RPCs that reached the
+//                                           coordinator (started minus
+//                                           finished: the calls in flight,
+//                                           e.g. waiting for the store)
 // Capacity and allocation are two gauges rather than one with a label, so
 // that sum() over a family stays meaningful (as in kube-state-metrics).
 #pragma once
@@ -188,13 +193,16 @@ class CoordinatorMetrics {
   // The `method` label value of calls to methods no compiled-in service declares.
   static constexpr char kOtherMethod[] = "other";
 
-  // Records one finished call; what the interceptor calls.
+  // Records one call that reached the coordinator, and one finished call; what the interceptor
+  // calls.
+  void RecordStart(const std::string& method);
   void RecordRequest(const std::string& method, grpc::StatusCode code, double seconds);
 
  private:
   // The series of one method, resolved once: Family::Add builds a metric on
   // every call before looking it up, too costly for every RPC.
   struct MethodSeries {
+    prometheus::Counter* started = nullptr;
     prometheus::Histogram* duration = nullptr;
     // Index = grpc::StatusCode value (0 .. UNAUTHENTICATED); null until seen.
     std::array<prometheus::Counter*, grpc::StatusCode::UNAUTHENTICATED + 1> requests{};
@@ -217,6 +225,7 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Histogram>& scheduler_pass_phases_;
   prometheus::Family<prometheus::Counter>& grpc_requests_;
   prometheus::Family<prometheus::Histogram>& grpc_request_duration_;
+  prometheus::Family<prometheus::Counter>& grpc_started_;
   prometheus::Family<prometheus::Counter>& restarts_;
   prometheus::Family<prometheus::Counter>& failures_;
   prometheus::Gauge& oldest_pending_;
@@ -229,6 +238,9 @@ class CoordinatorMetrics {
   bool seeded_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> observed_before_seed_ ABSL_GUARDED_BY(mu_);
   void ApplyJobLocked(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `method`'s series (unknown names share kOtherMethod's), and its label.
+  std::pair<const std::string*, MethodSeries*> MethodLocked(const std::string& method)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // phase -> its tessera_scheduler_pass_phase_seconds series.
   std::map<std::string, prometheus::Histogram*> phase_series_ ABSL_GUARDED_BY(mu_);
   // The tessera_queue_* families, in QueueSeries order, and each queue's series.

@@ -444,6 +444,12 @@ TEST_F(MetricsInterceptorTest, CountsUnaryAndStreamingCallsByMethodAndCode) {
   EXPECT_THAT(lines, Contains(absl::StrCat(
                          "tessera_grpc_server_requests_total{code=\"UNIMPLEMENTED\",method=\"",
                          kReadLogs, "\"} 1")));
+  // Every call that reached the server counts as started, whatever its status.
+  EXPECT_THAT(lines, Contains("# TYPE tessera_grpc_server_started_total counter"));
+  EXPECT_THAT(lines, Contains(absl::StrCat("tessera_grpc_server_started_total{method=\"", kGetNode,
+                                           "\"} 3")));
+  EXPECT_THAT(lines, Contains(absl::StrCat("tessera_grpc_server_started_total{method=\"", kReadLogs,
+                                           "\"} 1")));
   EXPECT_THAT(Exposition(registry_, metrics_),
               Not(HasSubstr(absl::StrCat("code=\"UNIMPLEMENTED\",method=\"", kGetNode))));
   EXPECT_THAT(Exposition(registry_, metrics_),
@@ -482,6 +488,7 @@ TEST_F(MetricsInterceptorTest, UnknownMethodNamesShareOneSeries) {
   EXPECT_THAT(text, Not(HasSubstr("junk")));
   EXPECT_THAT(Lines(text), Contains("tessera_grpc_server_requests_total{code=\"UNIMPLEMENTED\","
                                     "method=\"other\"} 3"));
+  EXPECT_THAT(Lines(text), Contains("tessera_grpc_server_started_total{method=\"other\"} 3"));
   EXPECT_THAT(Lines(text),
               Contains(absl::StrCat("tessera_grpc_server_requests_total{code=\"OK\",method=\"",
                                     kGetNode, "\"} 1")));
