@@ -65,14 +65,12 @@ class CoordinatorTest : public ::testing::Test {
     nodes_ = v1::NodeService::NewStub(MakeClientChannel(match[1]));
   }
 
-  // How many calls of Coordinator/`method` reached the coordinator
-  // (tessera_grpc_server_started_total): what a test waits for to know that calls it made are
-  // inside the coordinator, waiting there. -1 when /metrics cannot be read.
-  int64_t StartedCalls(const std::string& method) {
+  // The value of the series `series` (name and labels, as exposed) on the coordinator's
+  // /metrics now: 0 when it has none, -1 when /metrics cannot be read.
+  int64_t MetricValue(const std::string& series) {
     absl::StatusOr<testing::HttpResponse> page = testing::HttpGet(metrics_port_, "/metrics");
     if (!page.ok() || page->status_code != 200) return -1;
-    const std::string prefix = absl::StrCat(
-        "tessera_grpc_server_started_total{method=\"/tessera.v1.Coordinator/", method, "\"} ");
+    const std::string prefix = series + " ";
     for (absl::string_view line : absl::StrSplit(page->body, '\n')) {
       if (absl::StartsWith(line, prefix)) {
         double value = 0;
@@ -81,6 +79,13 @@ class CoordinatorTest : public ::testing::Test {
       }
     }
     return 0;
+  }
+  // How many calls of Coordinator/`method` reached the coordinator
+  // (tessera_grpc_server_started_total): what a test waits for to know that calls it made are
+  // inside the coordinator, waiting there.
+  int64_t StartedCalls(const std::string& method) {
+    return MetricValue(absl::StrCat(
+        "tessera_grpc_server_started_total{method=\"/tessera.v1.Coordinator/", method, "\"}"));
   }
 
   // Polls GetJob until `done` holds or 10 s pass; returns the last job seen.

@@ -207,12 +207,14 @@ TEST_F(CoordinatorBusyTest, ClientCallsBeyondTheQueueAreToldToRetry) {
       ++answered_count;
     });
     if (i == 0) {
-      EXPECT_TRUE(
-          testing::WaitUntil([&] { return StartedCalls("SubmitJob") == 1; }, absl::Seconds(30)));
-      // Not a wait for a condition: the first call, which has reached the coordinator, must also
-      // hold the one thread before the others come, and nothing outside the coordinator shows
-      // that (a call waiting for the database shows nothing). This lets its handler get there.
-      absl::SleepFor(absl::Milliseconds(300));
+      // The first call holds the one client-call thread (waiting for the database) before the
+      // others come.
+      EXPECT_TRUE(testing::WaitUntil(
+          [&] {
+            return MetricValue("tessera_call_executor_busy_threads{executor=\"client-calls\"}") ==
+                   1;
+          },
+          absl::Seconds(30)));
     }
   }
   // The five refusals come back at once (the accepted calls wait for the database): then the
@@ -239,6 +241,7 @@ TEST_F(CoordinatorBusyTest, ClientCallsBeyondTheQueueAreToldToRetry) {
   }
   EXPECT_EQ(accepted, 3);
   EXPECT_EQ(refused, 5);
+  EXPECT_EQ(MetricValue("tessera_call_executor_refused_total{executor=\"client-calls\"}"), 5);
   v1::ListJobsRequest list;
   v1::ListJobsResponse listed;
   ASSERT_TRUE(stub_->ListJobs(Context().get(), list, &listed).ok());

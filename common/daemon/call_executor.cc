@@ -52,7 +52,10 @@ void CallExecutor::Schedule(absl::AnyInvocable<void() &&> work) {
 bool CallExecutor::TrySchedule(absl::AnyInvocable<void() &&> work) {
   {
     absl::MutexLock lock(&mu_);
-    if (max_queued_ > 0 && queue_.size() >= max_queued_) return false;
+    if (max_queued_ > 0 && queue_.size() >= max_queued_) {
+      ++refused_;
+      return false;
+    }
     queue_.push_back(std::move(work));
   }
   ready_.Signal();
@@ -76,9 +79,20 @@ void CallExecutor::Loop() {
       if (queue_.empty()) return;  // stopping, and everything scheduled has run
       work = std::move(queue_.front());
       queue_.pop_front();
+      ++busy_;
     }
     std::move(work)();
+    // The work's captures go before the thread counts as idle.
+    work = nullptr;
+    absl::MutexLock lock(&mu_);
+    --busy_;
   }
+}
+
+CallExecutor::Load CallExecutor::load() const {
+  absl::MutexLock lock(&mu_);
+  return Load{
+      .busy_threads = busy_, .queued = static_cast<int>(queue_.size()), .refused = refused_};
 }
 
 }  // namespace tessera

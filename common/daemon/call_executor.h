@@ -9,6 +9,7 @@
 // call's reactor from one of the executor's threads.
 #pragma once
 
+#include <cstdint>
 #include <deque>
 #include <string>
 #include <thread>
@@ -47,11 +48,21 @@ class CallExecutor {
   const std::string& name() const { return name_; }
   int max_queued() const { return static_cast<int>(max_queued_); }
 
+  // How loaded it is now, and what it refused since it started (ExecutorMetrics serves these).
+  struct Load {
+    int busy_threads = 0;  // running work
+    int queued = 0;        // waiting for a thread
+    int64_t refused = 0;   // TrySchedule's refusals
+  };
+  Load load() const ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   void Loop();
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::deque<absl::AnyInvocable<void() &&>> queue_ ABSL_GUARDED_BY(mu_);
+  int busy_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
   const std::string name_;
   const size_t max_queued_;
   absl::CondVar ready_;

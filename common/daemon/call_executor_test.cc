@@ -8,12 +8,17 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/daemon/executor_metrics.h"
 #include "common/daemon/grpc_status.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "prometheus/text_serializer.h"
 #include "tests/util/wait.h"
 
 namespace tessera {
 namespace {
+
+using ::testing::HasSubstr;
 
 TEST(CallExecutorTest, RunsWorkOnItsOwnThreads) {
   absl::Mutex mu;
@@ -78,10 +83,26 @@ TEST(CallExecutorTest, TryScheduleRefusesWorkBeyondTheQueueLimit) {
   EXPECT_FALSE(executor.TrySchedule([&] { refused_ran = true; }));
   // Schedule is never refused (work that must run, such as a heartbeat's store writes).
   executor.Schedule([&] { ++ran; });
+  CallExecutor::Load load = executor.load();
+  EXPECT_EQ(load.busy_threads, 1);
+  EXPECT_EQ(load.queued, 3);
+  EXPECT_EQ(load.refused, 1);
+  // What /metrics says of it.
+  const std::string text =
+      prometheus::TextSerializer().Serialize(ExecutorMetrics({&executor, nullptr}).Collect());
+  EXPECT_THAT(text, HasSubstr("tessera_call_executor_threads{executor=\"test-calls\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("tessera_call_executor_busy_threads{executor=\"test-calls\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("tessera_call_executor_queued_calls{executor=\"test-calls\"} 3\n"));
+  EXPECT_THAT(text, HasSubstr("tessera_call_executor_refused_total{executor=\"test-calls\"} 1\n"));
   release.Notify();
   EXPECT_TRUE(testing::WaitUntil([&] { return ran.load() == 4; }, absl::Seconds(30)));
   EXPECT_EQ(ran.load(), 4);
   EXPECT_FALSE(refused_ran);
+  EXPECT_TRUE(
+      testing::WaitUntil([&] { return executor.load().busy_threads == 0; }, absl::Seconds(30)));
+  EXPECT_EQ(executor.load().queued, 0);
+  EXPECT_EQ(executor.load().refused, 1);
+  EXPECT_THAT(ExecutorMetrics({}).Collect(), ::testing::IsEmpty());
   // Room again once the queue drained.
   EXPECT_TRUE(executor.TrySchedule([&] { ++ran; }));
 }

@@ -152,6 +152,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
     return daemon;
   }
   daemon->servers_->RegisterCollectable(metrics->job_series());
+  daemon->executor_metrics_ = std::make_shared<ExecutorMetrics>(
+      std::vector<const CallExecutor*>{daemon->client_calls_.get(), daemon->node_calls_.get()});
+  daemon->servers_->RegisterCollectable(daemon->executor_metrics_);
   RETURN_IF_ERROR(WatchRunningJobs(*daemon->jobs_, *metrics));
   daemon->store_->SetWriteObserver([metrics](const StoreWriteStats& stats) {
     metrics->ObserveStoreWrite(stats.seconds, stats.cpu_seconds, stats.writes);

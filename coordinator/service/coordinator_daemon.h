@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "common/daemon/call_executor.h"
 #include "common/daemon/daemon_servers.h"
+#include "common/daemon/executor_metrics.h"
 #include "common/security/daemon_security.h"
 #include "coordinator/auth/auth.h"
 #include "coordinator/auth/client_limits.h"
@@ -110,6 +111,8 @@ class CoordinatorDaemon {
   // they use, before the servers: they outlive every call the servers finish.
   std::unique_ptr<CallExecutor> client_calls_;
   std::unique_ptr<CallExecutor> node_calls_;
+  // Their load on /metrics (executor_metrics.h); reads them, so declared after them.
+  std::shared_ptr<ExecutorMetrics> executor_metrics_;
   // Declared last: stopped (destroyed) before the services it serves.
   std::unique_ptr<DaemonServers> servers_;
 };
