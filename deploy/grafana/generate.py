@@ -355,6 +355,18 @@ def control_plane():
                     "{{method}}")], unit="s",
                   description="Unary calls only: a stream (WatchJob, GetLogs) lasts as long as its "
                               "client follows it."),
+            panel("Call executors: busy threads and queued calls",
+                  [("sum by (executor) (tessera_call_executor_busy_threads)", "{{executor}} busy"),
+                   ("sum by (executor) (tessera_call_executor_threads)", "{{executor}} threads"),
+                   ("sum by (executor) (tessera_call_executor_queued_calls)",
+                    "{{executor}} queued"),
+                   (f"sum by (executor) (rate(tessera_call_executor_refused_total[{RATE}]))",
+                    "{{executor}} refused/s")],
+                  description="Where the coordinator's calls wait: busy threads at the thread "
+                              "count with calls queued is saturation (client calls beyond the "
+                              "queue are refused, told to retry). Calls in flight: "
+                              "tessera_grpc_server_started_total minus "
+                              "tessera_grpc_server_requests_total."),
             panel("Scheduler pass and store write p99",
                   [(f"histogram_quantile(0.99, sum by (le) (rate(tessera_scheduler_pass_duration_seconds_bucket[{RATE}])))",
                     "scheduler pass"),
