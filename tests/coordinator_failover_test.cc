@@ -348,9 +348,20 @@ TEST_F(CoordinatorFailoverTest, ADatabaseRestartUnderLoadLosesNoAcceptedJob) {
       }
     });
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  auto accepted_count = [&] {
+    absl::MutexLock lock(&mu);
+    return accepted.size();
+  };
+  // Load flows, then the server restarts under it; then submissions are accepted again (the
+  // coordinator reconnected, and stayed the leader).
+  EXPECT_TRUE(testing::WaitUntil([&] { return accepted_count() >= 10; }, absl::Seconds(30)))
+      << "no load before the restart";
   const bool restarted = PostgresCluster::Shared().Restart();
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const size_t before = accepted_count();
+  EXPECT_TRUE(
+      testing::WaitUntil([&] { return accepted_count() >= before + 10; }, absl::Seconds(30)))
+      << "submissions not accepted again after the database restart\n"
+      << a_.process->stderr_text();
   stop = true;
   for (std::thread& submitter : submitters) submitter.join();
   ASSERT_TRUE(restarted) << "pg_ctl restart failed";
