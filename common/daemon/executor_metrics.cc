@@ -3,30 +3,14 @@
 #include <string>
 #include <utility>
 
+#include "common/daemon/metric_families.h"
+
 namespace tessera {
 namespace {
 
-prometheus::MetricFamily Family(std::string name, std::string help, prometheus::MetricType type) {
-  prometheus::MetricFamily family;
-  family.name = std::move(name);
-  family.help = std::move(help);
-  family.type = type;
-  return family;
-}
-
 void Add(prometheus::MetricFamily& family, const std::string& executor, double value) {
-  prometheus::ClientMetric& metric = family.metric.emplace_back();
-  metric.label = {{"executor", executor}};
-  if (family.type == prometheus::MetricType::Counter) {
-    metric.counter.value = value;
-  } else {
-    metric.gauge.value = value;
-  }
+  AddSample(family, {{"executor", executor}}, value);
 }
-
-}  // namespace
-
-namespace {
 
 std::vector<const CallExecutor*> NonNull(const std::vector<const CallExecutor*>& executors) {
   std::vector<const CallExecutor*> kept;
@@ -43,18 +27,18 @@ ExecutorMetrics::ExecutorMetrics(const std::vector<const CallExecutor*>& executo
 
 std::vector<prometheus::MetricFamily> ExecutorMetrics::Collect() const {
   prometheus::MetricFamily threads =
-      Family("tessera_call_executor_threads", "Threads of a call executor.",
-             prometheus::MetricType::Gauge);
-  prometheus::MetricFamily busy = Family("tessera_call_executor_busy_threads",
-                                         "Threads of a call executor running a call's work now.",
-                                         prometheus::MetricType::Gauge);
-  prometheus::MetricFamily queued =
-      Family("tessera_call_executor_queued_calls",
-             "Calls waiting for a thread of a call executor now.", prometheus::MetricType::Gauge);
+      NewFamily("tessera_call_executor_threads", "Threads of a call executor.",
+                prometheus::MetricType::Gauge);
+  prometheus::MetricFamily busy = NewFamily("tessera_call_executor_busy_threads",
+                                            "Threads of a call executor running a call's work now.",
+                                            prometheus::MetricType::Gauge);
+  prometheus::MetricFamily queued = NewFamily("tessera_call_executor_queued_calls",
+                                              "Calls waiting for a thread of a call executor now.",
+                                              prometheus::MetricType::Gauge);
   prometheus::MetricFamily refused =
-      Family("tessera_call_executor_refused_total",
-             "Calls a call executor refused because its queue was full (told to retry).",
-             prometheus::MetricType::Counter);
+      NewFamily("tessera_call_executor_refused_total",
+                "Calls a call executor refused because its queue was full (told to retry).",
+                prometheus::MetricType::Counter);
   for (const CallExecutor* executor : executors_) {
     const CallExecutor::Load load = executor->load();
     Add(threads, executor->name(), executor->threads());

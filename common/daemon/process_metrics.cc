@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "common/daemon/metric_families.h"
 #include "common/read_file.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/metric_type.h"
@@ -29,16 +30,8 @@ constexpr int kRss = 24 - 3;
 
 prometheus::MetricFamily Family(const char* name, const char* help, prometheus::MetricType type,
                                 double value) {
-  prometheus::MetricFamily family;
-  family.name = name;
-  family.help = help;
-  family.type = type;
-  prometheus::ClientMetric& metric = family.metric.emplace_back();
-  if (type == prometheus::MetricType::Counter) {
-    metric.counter.value = value;
-  } else {
-    metric.gauge.value = value;
-  }
+  prometheus::MetricFamily family = NewFamily(name, help, type);
+  AddSample(family, {}, value);
   return family;
 }
 

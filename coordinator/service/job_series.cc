@@ -3,24 +3,13 @@
 #include <algorithm>
 #include <utility>
 
+#include "common/daemon/metric_families.h"
+
 namespace tessera::coordinator {
 namespace {
 
 prometheus::MetricFamily GaugeFamily(std::string name, std::string help) {
-  prometheus::MetricFamily family;
-  family.name = std::move(name);
-  family.help = std::move(help);
-  family.type = prometheus::MetricType::Gauge;
-  return family;
-}
-
-prometheus::ClientMetric& AddGauge(prometheus::MetricFamily& family,
-                                   std::vector<prometheus::ClientMetric::Label> labels,
-                                   double value) {
-  prometheus::ClientMetric& metric = family.metric.emplace_back();
-  metric.label = std::move(labels);
-  metric.gauge.value = value;
-  return metric;
+  return NewFamily(std::move(name), std::move(help), prometheus::MetricType::Gauge);
 }
 
 }  // namespace
@@ -66,10 +55,10 @@ std::vector<prometheus::MetricFamily> JobSeries::Collect() const {
     std::sort(by_rank.begin(), by_rank.end(),
               [](const auto* a, const auto* b) { return a->rank() < b->rank(); });
     for (const v1::RankStepTime* rank : by_rank) {
-      AddGauge(ranks, {{"job_id", job_id}, {"rank", std::to_string(rank->rank())}},
-               rank->busy_seconds());
+      AddSample(ranks, {{"job_id", job_id}, {"rank", std::to_string(rank->rank())}},
+                rank->busy_seconds());
     }
-    AddGauge(skew, {{"job_id", job_id}}, report.skew());
+    AddSample(skew, {{"job_id", job_id}}, report.skew());
   }
   prometheus::MetricFamily running_family = GaugeFamily(
       "tessera_job_running", "1 for each RUNNING job (no series for a job in another state).");
@@ -80,12 +69,12 @@ std::vector<prometheus::MetricFamily> JobSeries::Collect() const {
       "tessera_job_last_checkpoint_timestamp_seconds",
       "Unix time of a RUNNING job's newest committed checkpoint (no series before its first).");
   for (const auto& [job_id, liveness] : running) {
-    AddGauge(running_family, {{"job_id", job_id}}, 1);
+    AddSample(running_family, {{"job_id", job_id}}, 1);
     if (liveness.last_step_time.has_value()) {
-      AddGauge(last_step, {{"job_id", job_id}}, *liveness.last_step_time);
+      AddSample(last_step, {{"job_id", job_id}}, *liveness.last_step_time);
     }
     if (liveness.last_checkpoint_time.has_value()) {
-      AddGauge(last_checkpoint, {{"job_id", job_id}}, *liveness.last_checkpoint_time);
+      AddSample(last_checkpoint, {{"job_id", job_id}}, *liveness.last_checkpoint_time);
     }
   }
   std::vector<prometheus::MetricFamily> families;
