@@ -50,7 +50,7 @@ void AttemptFate::AddLossSpikeLocked(const std::string& job_id, int32_t attempt,
 }
 
 void AttemptFate::ExpireNodesLocked(absl::Time now) {
-  for (const auto& [node_id, silence] : state_->nodes.Expire()) {
+  for (const auto& [node_id, silence] : nodes_->Expire()) {
     const std::string reason = absl::StrCat("no heartbeat for ", absl::FormatDuration(silence));
     for (const auto& job_id : state_->allocations.JobsOn(node_id)) {
       Allocation& allocation = *state_->allocations.Find(job_id);

@@ -29,13 +29,15 @@
 #include "coordinator/cluster/allocation_ledger.h"
 #include "coordinator/cluster/cluster_state.h"
 #include "coordinator/jobs/job_manager.h"
+#include "coordinator/nodes/node_registry.h"
 
 namespace tessera::coordinator {
 
 class AttemptFate {
  public:
-  // `state` and `jobs` must outlive the fate.
-  AttemptFate(ClusterState* state, JobManager* jobs) : state_(state), jobs_(jobs) {}
+  // `state`, `nodes` and `jobs` must outlive the fate.
+  AttemptFate(ClusterState* state, NodeRegistry* nodes, JobManager* jobs)
+      : state_(state), nodes_(nodes), jobs_(jobs) {}
 
   // Tells the thread-safety analysis (and debug builds) that the caller holds the cluster lock
   // under the name it knows this fate's by: callers reach it through their own ClusterState*.
@@ -53,7 +55,7 @@ class AttemptFate {
   void AddLossSpikeLocked(const std::string& job_id, int32_t attempt, const v1::LossSpike& spike)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   // Marks the nodes silent for longer than the heartbeat timeout LOST and fails the attempts
-  // that had ranks there (their record writes are left to ClusterState::WriteNodes).
+  // that had ranks there (their record writes are left to NodeRegistry::Flush).
   void ExpireNodesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   // Stops every task of the allocation that has not ended (a start not yet delivered is simply
   // withdrawn); the allocation is erased by a pass once all have ended.
@@ -142,6 +144,7 @@ class AttemptFate {
                        absl::FunctionRef<void(v1::Job&)> on_restart, absl::string_view doing);
 
   ClusterState* const state_;
+  NodeRegistry* const nodes_;
   JobManager* const jobs_;
   std::map<v1::FailureKind, int64_t> restarts_ ABSL_GUARDED_BY(state_->mu);
   std::map<v1::FailureKind, int64_t> failures_ ABSL_GUARDED_BY(state_->mu);

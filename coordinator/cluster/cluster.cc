@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "coordinator/jobs/attempt_policy.h"
 
@@ -15,16 +16,18 @@ namespace tessera::coordinator {
 
 Cluster::Cluster(Store* store, JobManager* jobs, ClusterOptions options)
     : state_(store, std::move(options)),
-      fate_(&state_, jobs),
-      protocol_(&state_, jobs, &fate_),
-      pass_(&state_, jobs, &fate_) {}
+      nodes_(store, state_.options.heartbeat_timeout, /*write_behind=*/true, state_.options.clock,
+             &state_.orders),
+      fate_(&state_, &nodes_, jobs),
+      protocol_(&state_, &nodes_, jobs, &fate_),
+      pass_(&state_, &nodes_, jobs, &fate_) {}
 
 Cluster::~Cluster() { Stop(); }
 
 absl::Status Cluster::Recover() {
+  RETURN_IF_ERROR(nodes_.Load());
   absl::MutexLock lock(&state_.mu);
   const absl::Time now = state_.Now();
-  RETURN_IF_ERROR(state_.nodes.Load());
   ASSIGN_OR_RETURN(auto active, state_.store->ListActiveJobs());
   for (const auto& job : active) {
     if (job.placements().empty()) continue;
@@ -75,38 +78,53 @@ std::optional<v1::StragglerReport> Cluster::Straggler(const std::string& job_id)
 }
 
 std::vector<NodeCapacity> Cluster::Capacity() {
-  absl::MutexLock lock(&state_.mu);
-  return state_.nodes.Capacity(state_.allocations.Used());
+  UsedResources used;
+  {
+    absl::MutexLock lock(&state_.mu);
+    used = state_.allocations.Used();
+  }
+  return nodes_.Capacity(used);
 }
 
 std::vector<v1::Node> Cluster::Nodes(bool include_lost) {
-  absl::MutexLock lock(&state_.mu);
   std::map<std::string, std::set<std::string>> jobs_on;
-  for (const auto& [job_id, allocation] : state_.allocations.all()) {
-    for (const auto& rank : allocation.ranks) jobs_on[rank.node_id()].insert(job_id);
+  UsedResources used;
+  {
+    absl::MutexLock lock(&state_.mu);
+    for (const auto& [job_id, allocation] : state_.allocations.all()) {
+      for (const auto& rank : allocation.ranks) jobs_on[rank.node_id()].insert(job_id);
+    }
+    used = state_.allocations.Used();
   }
+  std::map<std::string, NodeCapacity> capacity;
+  for (NodeCapacity& c : nodes_.Capacity(used)) capacity[c.node_id] = std::move(c);
   std::vector<v1::Node> nodes;
-  for (const auto& capacity : state_.nodes.Capacity(state_.allocations.Used())) {
-    const v1::Node* stored = state_.nodes.Find(capacity.node_id);
-    if (stored == nullptr) continue;
-    if (stored->state() == v1::NODE_STATE_LOST && !include_lost) continue;
-    v1::Node node = *stored;
-    for (int gpu : capacity.free_gpus) node.add_free_gpus(gpu);
-    node.set_free_cpu_slots(capacity.free_cpu_slots);
-    for (const auto& job_id : jobs_on[capacity.node_id]) node.add_job_ids(job_id);
+  for (v1::Node& node : nodes_.Nodes()) {
+    if (node.state() == v1::NODE_STATE_LOST && !include_lost) continue;
+    // A node registered between the two reads shows no free devices until the next call.
+    if (auto it = capacity.find(node.node_id()); it != capacity.end()) {
+      for (int gpu : it->second.free_gpus) node.add_free_gpus(gpu);
+      node.set_free_cpu_slots(it->second.free_cpu_slots);
+    }
+    for (const auto& job_id : jobs_on[node.node_id()]) node.add_job_ids(job_id);
     nodes.push_back(std::move(node));
   }
   return nodes;
 }
 
-v1::Node Cluster::NodeViewLocked(const v1::Node& stored) {
+v1::Node Cluster::NodeView(const v1::Node& stored) {
   v1::Node node = stored;
-  for (const NodeCapacity& capacity : state_.nodes.Capacity(state_.allocations.Used())) {
+  UsedResources used;
+  {
+    absl::MutexLock lock(&state_.mu);
+    used = state_.allocations.Used();
+    for (const auto& job_id : state_.allocations.JobsOn(node.node_id())) node.add_job_ids(job_id);
+  }
+  for (const NodeCapacity& capacity : nodes_.Capacity(used)) {
     if (capacity.node_id != node.node_id()) continue;
     for (int gpu : capacity.free_gpus) node.add_free_gpus(gpu);
     node.set_free_cpu_slots(capacity.free_cpu_slots);
   }
-  for (const auto& job_id : state_.allocations.JobsOn(node.node_id())) node.add_job_ids(job_id);
   node.clear_key_sha256();
   return node;
 }
@@ -115,14 +133,16 @@ absl::StatusOr<v1::DrainNodeResponse> Cluster::DrainNode(const std::string& node
                                                          bool checkpoint,
                                                          const std::string& reason) {
   v1::DrainNodeResponse response;
+  // Drained first: from here no pass places on the node (a placement computed before is
+  // dropped by the reservation's ChangedSince check), so the moves below see every attempt.
+  ASSIGN_OR_RETURN(const v1::Node drained, nodes_.SetDrained(node_id, true, reason));
   {
     absl::MutexLock lock(&state_.mu);
-    RETURN_IF_ERROR(state_.nodes.SetDrained(node_id, true, reason));
     DrainLockedMoves(node_id, checkpoint, &response);
-    *response.mutable_node() = NodeViewLocked(*state_.nodes.Find(node_id));
   }
-  // The drained record is stored with the lock released (a failed write is retried by a pass).
-  RETURN_IF_ERROR(state_.WriteNodes(node_id));
+  *response.mutable_node() = NodeView(drained);
+  // The drained record is stored with the locks released (a failed write is retried by a pass).
+  RETURN_IF_ERROR(nodes_.Flush(node_id));
   return response;
 }
 
@@ -145,17 +165,25 @@ void Cluster::DrainLockedMoves(const std::string& node_id, bool checkpoint,
 }
 
 absl::StatusOr<v1::Node> Cluster::UndrainNode(const std::string& node_id) {
-  v1::Node node;
-  {
-    absl::MutexLock lock(&state_.mu);
-    RETURN_IF_ERROR(state_.nodes.SetDrained(node_id, false, ""));
-    node = NodeViewLocked(*state_.nodes.Find(node_id));
-  }
-  RETURN_IF_ERROR(state_.WriteNodes(node_id));
+  ASSIGN_OR_RETURN(const v1::Node undrained, nodes_.SetDrained(node_id, false, ""));
+  v1::Node node = NodeView(undrained);
+  RETURN_IF_ERROR(nodes_.Flush(node_id));
   return node;
 }
 
-absl::Status Cluster::RemoveNode(const std::string& node_id) { return state_.RemoveNode(node_id); }
+absl::Status Cluster::RemoveNode(const std::string& node_id) {
+  // The registry checks the node (known; drained or LOST), the ledger that nothing is held on it,
+  // before the store delete and again after it.
+  return nodes_.Remove(node_id, [&]() ABSL_LOCKS_EXCLUDED(state_.mu) -> absl::Status {
+    absl::MutexLock lock(&state_.mu);
+    if (const std::vector<std::string> jobs = state_.allocations.JobsOn(node_id); !jobs.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "node ", node_id, " still holds devices of job(s) ", absl::StrJoin(jobs, ", "),
+          ": wait until they end or move (drain with checkpoint)"));
+    }
+    return absl::OkStatus();
+  });
+}
 
 void Cluster::Start(std::function<void(const ClusterStats&, double)> observer) {
   pass_.StartStoreThread();

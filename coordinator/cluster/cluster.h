@@ -1,5 +1,6 @@
-// Cluster: the coordinator's control loop over its workers, composed of its parts over one shared
-// ClusterState (the node registry and the allocation ledger under the cluster lock):
+// Cluster: the coordinator's control loop over its workers, composed of its parts over the node
+// registry (membership and liveness, its own lock) and one shared ClusterState (the allocation
+// ledger under the cluster lock, each node's orders):
 // WorkerProtocol answers workers (registrations, heartbeats, reports), AttemptFate decides what
 // becomes of attempts that failed, moved or succeeded, and SchedulingPass runs a pass (Tick):
 // liveness, the attempts' ends, the devices of ended attempts freed, one gang scheduling pass over
@@ -14,9 +15,10 @@
 // from the newest complete checkpoint themselves.
 //
 // Thread safety: all methods may be called from any thread. One absl::Mutex (ClusterState::mu)
-// guards the registry and the ledger; it is held only for short phases and never across a store
-// write: what is decided under it (a job to RUNNING, SUCCEEDED, RESTARTING or FAILED, a placement,
-// a node record) is stored after it is released, and an attempt whose end is being stored keeps
+// guards the ledger, and the registry guards itself (taken after mu where both are); each is
+// held only for short phases and never across a store write: what is decided under them (a job
+// to RUNNING, SUCCEEDED, RESTARTING or FAILED, a placement, a node record) is stored after they
+// are released, and an attempt whose end is being stored keeps
 // its devices until the write is stored. A scheduling pass plans and schedules without it (see
 // scheduling_pass.h), so heartbeats are not held up by a pass on a large cluster.
 #pragma once
@@ -128,8 +130,8 @@ class Cluster {
   std::optional<v1::StragglerReport> Straggler(const std::string& job_id);
 
  private:
-  // One node's view for ListNodes and the node actions: free devices and the jobs on it.
-  v1::Node NodeViewLocked(const v1::Node& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
+  // One node's view for the node actions: free devices and the jobs on it.
+  v1::Node NodeView(const v1::Node& node) ABSL_LOCKS_EXCLUDED(state_.mu);
   // DrainNode's moves: with `checkpoint`, each attempt running as placed on `node_id` is asked to
   // save a checkpoint and stop (kMoving); the others are listed as remaining.
   void DrainLockedMoves(const std::string& node_id, bool checkpoint,
@@ -139,6 +141,8 @@ class Cluster {
   void RecordQueues(ClusterStats* stats) ABSL_LOCKS_EXCLUDED(state_.mu, queues_mu_);
 
   ClusterState state_;
+  // Declared after state_: it tells state_.orders which nodes are known and lost.
+  NodeRegistry nodes_;
   AttemptFate fate_;
   WorkerProtocol protocol_;
   SchedulingPass pass_;

@@ -1,17 +1,14 @@
-// ClusterState: what the coordinator's control loop knows of its workers and their attempts, shared
-// by the parts Cluster is made of (WorkerProtocol: registrations, heartbeats, reports;
-// AttemptFate: failures, decisions, moves, successes; SchedulingPass: the gang scheduling pass).
-// It holds the node registry and the allocation ledger under the one cluster lock `mu`, the order
-// outbox (its own lock), and the way out for node records: the registry only marks a changed
-// record dirty (write-behind), and WriteNodes stores the changed records after `mu` is released,
-// so that no SQLite fsync ever holds the cluster lock. Also here: the options and the statistics
-// of the cluster, and the small helpers the parts share.
+// ClusterState: the attempts the coordinator's control loop runs (the allocation ledger) under
+// the cluster lock `mu`, each node's orders (the order outbox, its own lock), and the options
+// and the statistics of the cluster, shared by the parts Cluster is made of (WorkerProtocol:
+// registrations, heartbeats, reports; AttemptFate: failures, decisions, moves, successes;
+// SchedulingPass: the gang scheduling pass). Node membership and liveness are not here: the
+// NodeRegistry owns them under its own lock and the parts are handed it.
 //
-// Thread safety: `mu` guards the registry and the ledger; the order outbox (each node's orders and
-// their announcement to its WatchAssignments stream) guards itself. Code that
-// holds `mu` makes no store write and, but for Cluster::Recover's reads at startup, no store call
-// at all. Node record writes are serialized by node_write_mu (taken before mu): a record taken
-// later is stored later, so an older copy never overwrites a newer one.
+// Thread safety: `mu` guards the ledger; the order outbox (each node's orders and their
+// announcement to its WatchAssignments stream) guards itself. Code that holds `mu` makes no
+// store write and, but for Cluster::Recover's reads at startup, no store call at all. Lock
+// order: mu, then the registry's lock, then the outbox's.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +22,6 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "coordinator/cluster/allocation_ledger.h"
-#include "coordinator/nodes/node_registry.h"
 #include "coordinator/nodes/order_outbox.h"
 #include "coordinator/queues/queue_config.h"
 #include "coordinator/queues/queue_file.h"
@@ -132,24 +128,12 @@ struct ClusterState {
 
   absl::Time Now() const { return options.clock->Now(); }
 
-  // Stores the node records changed since the last call, in the order they were taken; a record
-  // that cannot be stored is marked dirty again and stored by a later call. Returns the status of
-  // `node_id`'s write (OK when none was made), or with `node_id` empty the first error.
-  absl::Status WriteNodes(const std::string& node_id = "") ABSL_LOCKS_EXCLUDED(mu, node_write_mu);
-  // Removes a node (NodeRegistry::Remove): checked under mu, deleted from the store without it,
-  // then forgotten under mu.
-  absl::Status RemoveNode(const std::string& node_id) ABSL_LOCKS_EXCLUDED(mu, node_write_mu);
-
   Store* const store;
   const ClusterOptions options;
 
-  // Serializes the node record writes (WriteNodes, RemoveNode). Taken before mu.
-  absl::Mutex node_write_mu ABSL_ACQUIRED_BEFORE(mu);
   absl::Mutex mu;
   // Each node's orders and their announcement; its own lock (taken after mu where both are).
-  // Declared before the registry, which tells it the nodes it may hold orders for.
   OrderOutbox orders;
-  NodeRegistry nodes ABSL_GUARDED_BY(mu);
   AllocationLedger allocations ABSL_GUARDED_BY(mu);
 };
 

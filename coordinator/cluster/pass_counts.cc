@@ -7,9 +7,10 @@
 
 namespace tessera::coordinator {
 
-void CountClusterLocked(ClusterState& state, AttemptFate& fate, ClusterStats* stats) {
+void CountClusterLocked(ClusterState& state, const NodeRegistry& nodes, AttemptFate& fate,
+                        ClusterStats* stats) {
   // Counted in place: copying every node record (or capacity) here cost more than the pass.
-  NodeRegistry::Tally tally = state.nodes.Count(state.allocations.Used());
+  NodeRegistry::Tally tally = nodes.Count(state.allocations.Used());
   stats->nodes = std::move(tally.nodes);
   stats->gpus_total = tally.gpus_total;
   stats->gpus_allocated = tally.gpus_allocated;

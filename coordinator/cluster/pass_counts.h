@@ -16,14 +16,15 @@
 #include "coordinator/cluster/attempt_fate.h"
 #include "coordinator/cluster/cluster_state.h"
 #include "coordinator/cluster/pass_snapshot.h"
+#include "coordinator/nodes/node_registry.h"
 #include "coordinator/queues/queue_config.h"
 #include "coordinator/scheduling/queue_stage.h"
 #include "tessera/v1/job.pb.h"
 
 namespace tessera::coordinator {
 
-void CountClusterLocked(ClusterState& state, AttemptFate& fate, ClusterStats* stats)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+void CountClusterLocked(ClusterState& state, const NodeRegistry& nodes, AttemptFate& fate,
+                        ClusterStats* stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
 
 // `waiting`: the pass's waiting jobs (those of `snapshot.waiting` count); `preemptions`:
 // PreemptionStage::counts().

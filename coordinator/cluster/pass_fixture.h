@@ -1,7 +1,7 @@
 // PassFixture: the fixture of the scheduling pass's in-process tests (scheduling_pass_test.cc
-// and the stages' own tests): a ClusterState whose nodes the test registers directly, an
-// in-memory store, a job manager and an AttemptFate on one SimulatedClock. No Cluster, no
-// threads, no sleeps.
+// and the stages' own tests): a ClusterState and a NodeRegistry whose nodes the test registers
+// directly, an in-memory store, a job manager and an AttemptFate on one SimulatedClock. No Cluster,
+// no threads, no sleeps.
 //
 // Thread safety: a gtest fixture, used from the test's thread.
 #pragma once
@@ -41,7 +41,9 @@ class PassFixture : public ::testing::Test {
     options.failure_settle = absl::Seconds(5);
     options.blame_grace = absl::Seconds(1);
     state_ = std::make_unique<ClusterState>(store_.get(), options);
-    fate_ = std::make_unique<AttemptFate>(state_.get(), jobs_.get());
+    nodes_ = std::make_unique<NodeRegistry>(store_.get(), options.heartbeat_timeout,
+                                            /*write_behind=*/true, &clock_, &state_->orders);
+    fate_ = std::make_unique<AttemptFate>(state_.get(), nodes_.get(), jobs_.get());
   }
 
   void Register(const std::string& node, int slots) {
@@ -49,9 +51,8 @@ class PassFixture : public ::testing::Test {
     request.set_node_id(node);
     request.set_address(node + ":7000");
     request.mutable_resources()->set_cpu_slots(slots);
-    absl::MutexLock lock(&state_->mu);
     bool returning = false;
-    ASSERT_THAT(state_->nodes.Register(request, &returning), ::tessera::testing::IsOk());
+    ASSERT_THAT(nodes_->Register(request, &returning), ::tessera::testing::IsOk());
   }
 
   std::string Submit(int slots, int max_restarts = 0, int priority = 0) {
@@ -87,7 +88,7 @@ class PassFixture : public ::testing::Test {
   // The waiting jobs as a pass lists them, and the snapshot taken over them.
   PassSnapshot Snapshot(const std::vector<v1::Job>& waiting) {
     absl::MutexLock lock(&state_->mu);
-    return TakePassSnapshotLocked(*state_, waiting, nullptr);
+    return TakePassSnapshotLocked(*state_, *nodes_, waiting, nullptr);
   }
   std::vector<v1::Job> Waiting() {
     auto waiting = store_->ListWaitingJobs();
@@ -121,7 +122,7 @@ class PassFixture : public ::testing::Test {
   Reservation Reserve(Proposal& proposal) {
     auto assignments = MakeAssignments(*state_, proposal.result.placed, proposal.jobs());
     absl::MutexLock lock(&state_->mu);
-    return ReserveLocked(*state_, proposal.result.placed, proposal.snapshot.generation,
+    return ReserveLocked(*state_, *nodes_, proposal.result.placed, proposal.snapshot.generation,
                          proposal.jobs(), std::move(assignments));
   }
   // The writes of a reservation's placements (as the pass makes them).
@@ -148,6 +149,7 @@ class PassFixture : public ::testing::Test {
   std::unique_ptr<Store> store_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<ClusterState> state_;
+  std::unique_ptr<NodeRegistry> nodes_;
   std::unique_ptr<AttemptFate> fate_;
 };
 

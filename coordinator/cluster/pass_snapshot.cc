@@ -4,7 +4,8 @@
 
 namespace tessera::coordinator {
 
-PassSnapshot TakePassSnapshotLocked(ClusterState& state, const std::vector<v1::Job>& waiting,
+PassSnapshot TakePassSnapshotLocked(ClusterState& state, const NodeRegistry& nodes,
+                                    const std::vector<v1::Job>& waiting,
                                     std::shared_ptr<const QueueConfig> queues) {
   PassSnapshot snapshot;
   if (queues != nullptr && !queues->implicit()) {
@@ -21,9 +22,13 @@ PassSnapshot TakePassSnapshotLocked(ClusterState& state, const std::vector<v1::J
     if (state.allocations.Find(job.job_id()) == nullptr) snapshot.waiting.insert(job.job_id());
   }
   if (snapshot.waiting.empty()) return snapshot;
-  snapshot.summaries = state.nodes.Summaries();
+  // The nodes (and their generation) from the registry, the devices in use from the ledger:
+  // a node that changes after this is caught by the reservation (ChangedSince), and the ledger
+  // gains allocations only from a pass.
+  NodeRegistry::Snapshot registered = nodes.Summaries();
+  snapshot.summaries = std::move(registered.summaries);
+  snapshot.generation = registered.generation;
   snapshot.used = state.allocations.Used();
-  snapshot.generation = state.nodes.generation();
   return snapshot;
 }
 

@@ -39,7 +39,8 @@ struct PassSnapshot {
 
 // `waiting`: the PENDING and RESTARTING jobs (Store::ListWaitingJobs); `queues`: the
 // configuration for this pass (QueueFile::Current, read before the lock), or null.
-PassSnapshot TakePassSnapshotLocked(ClusterState& state, const std::vector<v1::Job>& waiting,
+PassSnapshot TakePassSnapshotLocked(ClusterState& state, const NodeRegistry& nodes,
+                                    const std::vector<v1::Job>& waiting,
                                     std::shared_ptr<const QueueConfig> queues)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
 

@@ -31,8 +31,7 @@ TEST_F(PassSnapshotTest, TakesTheWaitingJobsWithoutDevicesAndTheDevicesInUse) {
   int64_t slots_used = 0;
   for (const auto& [node, slots] : snapshot.used.CpuSlotCounts()) slots_used += slots;
   EXPECT_EQ(slots_used, 2);
-  absl::MutexLock lock(&state_->mu);
-  EXPECT_EQ(snapshot.generation, state_->nodes.generation());
+  EXPECT_EQ(snapshot.generation, nodes_->generation());
   EXPECT_EQ(snapshot.queues, nullptr);
   EXPECT_THAT(snapshot.queue_use, IsEmpty());
 }
@@ -51,7 +50,7 @@ queues:
   ASSERT_THAT(config.status(), ::tessera::testing::IsOk());
   auto queues = std::make_shared<const QueueConfig>(*std::move(config));
   absl::MutexLock lock(&state_->mu);
-  const PassSnapshot snapshot = TakePassSnapshotLocked(*state_, {}, queues);
+  const PassSnapshot snapshot = TakePassSnapshotLocked(*state_, *nodes_, {}, queues);
   EXPECT_EQ(snapshot.queues, queues);
   EXPECT_EQ(snapshot.queue_use.at("shared").cpu_slots, 2);
   EXPECT_THAT(snapshot.waiting, IsEmpty());

@@ -139,7 +139,7 @@ void PreemptionStage::CapacityLocked(ClusterState& state, const PassSnapshot& sn
   }
   if (running.empty()) return;
   const std::vector<NodeCapacity> capacity =
-      NodeRegistry::Subtract(*state.nodes.Summaries(), state.allocations.Used());
+      NodeRegistry::Subtract(*nodes_->Summaries().summaries, state.allocations.Used());
   // The highest priority first, one decision per pass (its victims stop before the next).
   std::vector<const GangRequest*> order;
   for (const GangRequest& request : unplaced) order.push_back(&request);

@@ -25,6 +25,7 @@
 #include "coordinator/cluster/cluster_state.h"
 #include "coordinator/cluster/pass_snapshot.h"
 #include "coordinator/jobs/job_manager.h"
+#include "coordinator/nodes/node_registry.h"
 #include "coordinator/queues/queue_admission.h"
 #include "coordinator/queues/queue_preemption.h"
 #include "coordinator/scheduler/scheduler.h"
@@ -33,8 +34,8 @@ namespace tessera::coordinator {
 
 class PreemptionStage {
  public:
-  // `fate` must outlive the stage.
-  explicit PreemptionStage(AttemptFate* fate) : fate_(fate) {}
+  // `nodes` and `fate` must outlive the stage.
+  PreemptionStage(const NodeRegistry* nodes, AttemptFate* fate) : nodes_(nodes), fate_(fate) {}
 
   // `held_by_quota`: the requests the queues' quotas held back (QueueStage::Admit);
   // `unplaced`: the requests the scheduler tried and could not place, and `queue_of` each one's
@@ -73,6 +74,7 @@ class PreemptionStage {
                      std::vector<JobManager::TransitionRequest>* writes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
 
+  const NodeRegistry* const nodes_;
   AttemptFate* const fate_;
   std::map<std::string, std::map<std::string, int64_t>> preemptions_;
 };

@@ -35,7 +35,7 @@ TEST_F(PreemptionStageTest, AHigherPriorityJobPreemptsALowerOneOnAFullCluster) {
   const std::string low = Submit(2, 0, /*priority=*/0);
   ASSERT_THAT(PlaceAll(), SizeIs(1));
   const std::string high = Submit(2, 0, /*priority=*/5);
-  PreemptionStage stage(fate_.get());
+  PreemptionStage stage(nodes_.get(), fate_.get());
   std::map<std::string, std::string> reasons;
   std::vector<JobManager::TransitionRequest> writes;
   Preempt(stage, &reasons, &writes);
@@ -64,7 +64,7 @@ TEST_F(PreemptionStageTest, AnEqualPriorityPreemptsNothing) {
   Register("n1", 2);
   ASSERT_THAT((Submit(2), PlaceAll()), SizeIs(1));
   Submit(2);
-  PreemptionStage stage(fate_.get());
+  PreemptionStage stage(nodes_.get(), fate_.get());
   std::map<std::string, std::string> reasons;
   std::vector<JobManager::TransitionRequest> writes;
   Preempt(stage, &reasons, &writes);

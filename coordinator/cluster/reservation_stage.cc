@@ -30,26 +30,11 @@ void StampMetricsComplete(Store& store, const v1::Job& job,
   }
 }
 
-// Names each GPU rank's device (RankPlacement.gpu_uuid, gpu_name) from its node's inventory.
-void IdentifyGpusLocked(ClusterState& state, std::vector<v1::RankPlacement>& ranks)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu) {
-  for (v1::RankPlacement& rank : ranks) {
-    if (rank.gpu_index() < 0) continue;
-    const v1::Node* node = state.nodes.Find(rank.node_id());
-    if (node == nullptr) continue;
-    for (const v1::GpuDevice& gpu : node->resources().gpus()) {
-      if (gpu.index() != rank.gpu_index()) continue;
-      rank.set_gpu_uuid(gpu.uuid());
-      rank.set_gpu_name(gpu.name());
-    }
-  }
-}
-
 // Records the allocation of a placement and queues its orders held back
 // (NodeRegistry::ReleaseStart releases them); returns its master port, stored with the placement
 // so that a restarted coordinator reserves the same one.
-int ReserveOneLocked(ClusterState& state, const v1::Job& job, const v1::JobSpec& spec,
-                     const GangPlacement& placement,
+int ReserveOneLocked(ClusterState& state, const NodeRegistry& nodes, const v1::Job& job,
+                     const v1::JobSpec& spec, const GangPlacement& placement,
                      std::map<std::string, v1::TaskAssignment> assignments)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu) {
   Allocation allocation;
@@ -65,13 +50,9 @@ int ReserveOneLocked(ClusterState& state, const v1::Job& job, const v1::JobSpec&
   allocation.last_checkpoint_time = allocation.placed_time;
   allocation.start_step = StartStep(job, spec);
   allocation.storing = true;
-  std::map<std::string, std::string> worker_addresses;
-  for (const auto& [node_id, assignment] : assignments) {
-    if (const v1::Node* node = state.nodes.Find(node_id); node != nullptr) {
-      worker_addresses[node_id] = node->address();
-    }
-  }
-  AssignShardCachePeers(worker_addresses, assignments);
+  std::vector<std::string> node_ids;
+  for (const auto& [node_id, assignment] : assignments) node_ids.push_back(node_id);
+  AssignShardCachePeers(nodes.Addresses(node_ids), assignments);
   for (auto& [node_id, assignment] : assignments) {
     for (v1::TrainerTask& task : *assignment.mutable_trainers()) {
       task.mutable_assignment()->set_master_port(master_port);
@@ -100,21 +81,22 @@ std::vector<std::map<std::string, v1::TaskAssignment>> MakeAssignments(
   return assignments;
 }
 
-Reservation ReserveLocked(ClusterState& state, std::vector<GangPlacement>& placed,
-                          uint64_t generation, const PlacedJobs& jobs,
+Reservation ReserveLocked(ClusterState& state, const NodeRegistry& nodes,
+                          std::vector<GangPlacement>& placed, uint64_t generation,
+                          const PlacedJobs& jobs,
                           std::vector<std::map<std::string, v1::TaskAssignment>> assignments) {
   Reservation reservation;
   for (size_t i = 0; i < placed.size(); ++i) {
     GangPlacement& placement = placed[i];
     bool stale = false;
     for (const auto& rank : placement.ranks) {
-      stale = stale || state.nodes.ChangedSince(rank.node_id(), generation);
+      stale = stale || nodes.ChangedSince(rank.node_id(), generation);
     }
     if (stale || state.allocations.Find(placement.job_id) != nullptr) continue;
-    IdentifyGpusLocked(state, placement.ranks);
+    nodes.IdentifyGpus(placement.ranks);
     reservation.master_ports[placement.job_id] =
-        ReserveOneLocked(state, *jobs.jobs.at(placement.job_id), jobs.specs.at(placement.job_id),
-                         placement, std::move(assignments[i]));
+        ReserveOneLocked(state, nodes, *jobs.jobs.at(placement.job_id),
+                         jobs.specs.at(placement.job_id), placement, std::move(assignments[i]));
     reservation.placements.push_back(&placement);
   }
   return reservation;

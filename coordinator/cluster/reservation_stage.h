@@ -21,6 +21,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "coordinator/cluster/cluster_state.h"
+#include "coordinator/nodes/node_registry.h"
 #include "coordinator/scheduler/scheduler.h"
 #include "tessera/v1/job.pb.h"
 #include "tessera/v1/node_service.pb.h"
@@ -46,8 +47,9 @@ struct Reservation {
 
 // `assignments`: MakeAssignments' (moved from); `generation`: the snapshot's
 // (NodeRegistry::generation). Names the GPU ranks of `placed` in place.
-Reservation ReserveLocked(ClusterState& state, std::vector<GangPlacement>& placed,
-                          uint64_t generation, const PlacedJobs& jobs,
+Reservation ReserveLocked(ClusterState& state, const NodeRegistry& nodes,
+                          std::vector<GangPlacement>& placed, uint64_t generation,
+                          const PlacedJobs& jobs,
                           std::vector<std::map<std::string, v1::TaskAssignment>> assignments)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
 

@@ -64,8 +64,8 @@ PassWrites SchedulingPass::Place(const std::vector<v1::Job>& active, const PassS
   std::vector<JobManager::TransitionRequest> preempted;  // the victims' moves to PREEMPTED
   {
     TimedLock lock(&state_->mu, stats);
-    reservation =
-        ReserveLocked(*state_, result.placed, snapshot.generation, jobs, std::move(assignments));
+    reservation = ReserveLocked(*state_, *nodes_, result.placed, snapshot.generation, jobs,
+                                std::move(assignments));
     preemption_stage_.RunLocked(*state_, snapshot, std::move(quota_held.requests), unplaced,
                                 queue_of, &result.pending_reasons, &preempted);
   }
@@ -120,7 +120,7 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
   // The node records changed (registrations, nodes lost; a write that failed before) and the
   // attempts' ends are stored with the lock released: heartbeats go on meanwhile. An ending
   // attempt keeps its devices until then.
-  LogRetried(state_->WriteNodes(), "writing node records");
+  LogRetried(nodes_->Flush(), "writing node records");
   fate_->StoreEndings(endings, now);
   PassSnapshot snapshot;
   bool relist = false;
@@ -128,7 +128,7 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
     TimedLock lock(&state_->mu, &stats);
     relist = FreeEndedLocked(*state_, *fate_, endings, active.ok() ? &active_ids : nullptr);
     if (active.ok() && !relist && waiting.ok()) {
-      snapshot = TakePassSnapshotLocked(*state_, *waiting, queues);
+      snapshot = TakePassSnapshotLocked(*state_, *nodes_, *waiting, queues);
     }
   }
   phase.Next("settle");
@@ -139,7 +139,7 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
     phase.Next("list");
     if (waiting.ok()) {
       TimedLock lock(&state_->mu, &stats);
-      snapshot = TakePassSnapshotLocked(*state_, *waiting, queues);
+      snapshot = TakePassSnapshotLocked(*state_, *nodes_, *waiting, queues);
     }
     phase.Next("settle");
   }
@@ -174,7 +174,7 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
   if (!count) return stats;
   {
     TimedLock lock(&state_->mu, &stats);
-    CountClusterLocked(*state_, *fate_, &stats);
+    CountClusterLocked(*state_, *nodes_, *fate_, &stats);
   }
   // Ended jobs are counted by the store (the active ones above, as this pass left them).
   if (auto ended = state_->store->CountEndedJobs(); ended.ok()) {

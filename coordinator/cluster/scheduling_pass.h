@@ -54,11 +54,12 @@ namespace tessera::coordinator {
 
 class SchedulingPass {
  public:
-  // `state`, `jobs` and `fate` must outlive the pass.
-  SchedulingPass(ClusterState* state, JobManager* jobs, AttemptFate* fate)
+  // `state`, `nodes`, `jobs` and `fate` must outlive the pass.
+  SchedulingPass(ClusterState* state, NodeRegistry* nodes, JobManager* jobs, AttemptFate* fate)
       : state_(state),
+        nodes_(nodes),
         fate_(fate),
-        preemption_stage_(fate),
+        preemption_stage_(nodes, fate),
         store_stage_(state, jobs),
         fair_share_saver_(state->store) {}
   // Stops the store thread (after storing what it was handed).
@@ -96,6 +97,7 @@ class SchedulingPass {
       ABSL_LOCKS_EXCLUDED(state_->mu);
 
   ClusterState* const state_;
+  NodeRegistry* const nodes_;
   AttemptFate* const fate_;
 
   // Serializes Run: one pass at a time. Taken before the cluster lock.

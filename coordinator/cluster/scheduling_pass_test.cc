@@ -39,7 +39,7 @@ class SchedulingPassTest : public PassFixture {
  protected:
   void SetUp() override {
     PassFixture::SetUp();
-    pass_ = std::make_unique<SchedulingPass>(state_.get(), jobs_.get(), fate_.get());
+    pass_ = std::make_unique<SchedulingPass>(state_.get(), nodes_.get(), jobs_.get(), fate_.get());
   }
 
   std::unique_ptr<SchedulingPass> pass_;
@@ -304,15 +304,16 @@ struct QueuedPass {
     options.clock = &clock;
     options.queues = queues.get();
     state = std::make_unique<ClusterState>(store.get(), options);
-    fate = std::make_unique<AttemptFate>(state.get(), jobs.get());
-    pass = std::make_unique<SchedulingPass>(state.get(), jobs.get(), fate.get());
+    nodes = std::make_unique<NodeRegistry>(store.get(), options.heartbeat_timeout,
+                                           /*write_behind=*/true, &clock, &state->orders);
+    fate = std::make_unique<AttemptFate>(state.get(), nodes.get(), jobs.get());
+    pass = std::make_unique<SchedulingPass>(state.get(), nodes.get(), jobs.get(), fate.get());
     v1::RegisterNodeRequest request;
     request.set_node_id("n1");
     request.set_address("n1:7000");
     request.mutable_resources()->set_cpu_slots(8);
-    absl::MutexLock lock(&state->mu);
     bool returning = false;
-    ASSERT_THAT(state->nodes.Register(request, &returning), IsOk());
+    ASSERT_THAT(nodes->Register(request, &returning), IsOk());
   }
 
   // A tiny CPU job of `owner` on `slots` slots, routed to the owner's default queue.
@@ -349,6 +350,7 @@ struct QueuedPass {
   std::unique_ptr<Store> store;
   std::unique_ptr<JobManager> jobs;
   std::unique_ptr<ClusterState> state;
+  std::unique_ptr<NodeRegistry> nodes;
   std::unique_ptr<AttemptFate> fate;
   std::unique_ptr<SchedulingPass> pass;
 };
@@ -669,14 +671,17 @@ TEST(SchedulingPassQueuesTest, FairShareUsageSurvivesARestart) {
   // one half-life later, with nothing allocated: only the decay over the downtime applies.
   queued.pass.reset();
   queued.fate.reset();
+  queued.nodes.reset();
   queued.state.reset();
   clock.Advance(absl::Hours(1));
   ClusterOptions options;
   options.clock = &clock;
   options.queues = queued.queues.get();
   ClusterState state(queued.store.get(), options);
-  AttemptFate fate(&state, queued.jobs.get());
-  SchedulingPass restarted(&state, queued.jobs.get(), &fate);
+  NodeRegistry nodes(queued.store.get(), options.heartbeat_timeout, /*write_behind=*/true, &clock,
+                     &state.orders);
+  AttemptFate fate(&state, &nodes, queued.jobs.get());
+  SchedulingPass restarted(&state, &nodes, queued.jobs.get(), &fate);
   ClusterStats after = run(restarted);
   EXPECT_NEAR(after.queues["vision"].fair_share, vision_before / 2, vision_before * 1e-9);
   EXPECT_EQ(after.queues["nlp"].fair_share, 0);
@@ -684,7 +689,7 @@ TEST(SchedulingPassQueuesTest, FairShareUsageSurvivesARestart) {
   // A coordinator without the saved usage would have started vision at zero: the store is what
   // kept it.
   ASSERT_THAT(queued.store->SaveQueueUsage(SavedQueueUsage{}), IsOk());
-  SchedulingPass forgetful(&state, queued.jobs.get(), &fate);
+  SchedulingPass forgetful(&state, &nodes, queued.jobs.get(), &fate);
   EXPECT_EQ(run(forgetful).queues["vision"].fair_share, 0);
 }
 

@@ -18,15 +18,17 @@ absl::StatusOr<v1::RegisterNodeResponse> WorkerProtocol::Register(
   if (request.resources().gpus().empty() && request.resources().cpu_slots() <= 0) {
     return absl::InvalidArgumentError("resources: a node must offer GPUs or cpu_slots");
   }
+  bool returning = false;
+  RETURN_IF_ERROR(nodes_->Register(request, &returning));
   FollowUps follow_ups;
   {
     absl::MutexLock lock(&state_->mu);
-    RETURN_IF_ERROR(RegisterLocked(request, &follow_ups));
+    RegisterLocked(request, &follow_ups);
   }
   FinishFollowUps(follow_ups);
-  // The node's record is stored with the lock released; a write that fails is retried by the
-  // next pass (ClusterState::WriteNodes) and reported to the worker, which registers again.
-  RETURN_IF_ERROR(state_->WriteNodes(request.node_id()));
+  // The node's record is stored with the locks released; a write that fails is retried by the
+  // next pass (NodeRegistry::Flush) and reported to the worker, which registers again.
+  RETURN_IF_ERROR(nodes_->Flush(request.node_id()));
   v1::RegisterNodeResponse response;
   response.set_node_id(request.node_id());
   response.set_heartbeat_interval_seconds(
@@ -34,11 +36,8 @@ absl::StatusOr<v1::RegisterNodeResponse> WorkerProtocol::Register(
   return response;
 }
 
-absl::Status WorkerProtocol::RegisterLocked(const v1::RegisterNodeRequest& request,
-                                            FollowUps* follow_ups) {
+void WorkerProtocol::RegisterLocked(const v1::RegisterNodeRequest& request, FollowUps* follow_ups) {
   const absl::Time now = state_->Now();
-  bool returning = false;
-  RETURN_IF_ERROR(state_->nodes.Register(request, &returning));
   // A worker that registers again without a task it was given has lost it
   // (the worker restarted): that attempt cannot go on.
   std::set<std::string> reported;
@@ -65,7 +64,6 @@ absl::Status WorkerProtocol::RegisterLocked(const v1::RegisterNodeRequest& reque
   for (const auto& task : request.running_tasks()) {
     OnTaskStatusLocked(request.node_id(), task, follow_ups);
   }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::HeartbeatResponse> WorkerProtocol::Heartbeat(
@@ -79,23 +77,23 @@ absl::StatusOr<v1::HeartbeatResponse> WorkerProtocol::Heartbeat(
     if (executor == nullptr) return FinishFollowUps(follow_ups);
     executor->Schedule([this, follow_ups = std::move(follow_ups)] { FinishFollowUps(follow_ups); });
   };
-  // Hashed and copied before the lock: every heartbeat holds it, and the hash was most of a
-  // hold. The metrics are copied into this thread's scratch, which Touch swaps with the node's:
-  // the scratch then holds the node's previous ones, whose messages the next copy reuses, so a
-  // heartbeat allocates nothing for them.
+  // Hashed and copied before the registry's lock: every heartbeat takes it, and the hash was
+  // most of a hold. The metrics are copied into this thread's scratch, which Touch swaps with the
+  // node's: the scratch then holds the node's previous ones, whose messages the next copy reuses,
+  // so a heartbeat allocates nothing for them.
   const std::string key_sha256 = TokenSha256(request.node_key());
   thread_local google::protobuf::RepeatedPtrField<v1::GpuMetrics> gpu_metrics;
   gpu_metrics.CopyFrom(request.gpu_metrics());
-  absl::MutexLock lock(&state_->mu);
-  RETURN_IF_ERROR(state_->nodes.CheckKey(request.node_id(), key_sha256));
-  // What is queued for the node while its heartbeat is answered leaves with the response.
-  OrderOutbox::Answering answering(&state_->orders, request.node_id());
   v1::HeartbeatResponse response;
-  if (!state_->nodes.Touch(request.node_id(), &gpu_metrics)) {
+  ASSIGN_OR_RETURN(const bool alive, nodes_->Touch(request.node_id(), key_sha256, &gpu_metrics));
+  if (!alive) {
     // Unknown, or declared lost (its work was failed): start over.
     response.set_reregister(true);
     return response;
   }
+  absl::MutexLock lock(&state_->mu);
+  // What is queued for the node while its heartbeat is answered leaves with the response.
+  OrderOutbox::Answering answering(&state_->orders, request.node_id());
   std::set<std::string> listed;
   for (const auto& task : request.tasks()) {
     listed.insert(task.task_id());
@@ -124,11 +122,10 @@ absl::StatusOr<v1::HeartbeatResponse> WorkerProtocol::Heartbeat(
 absl::Status WorkerProtocol::CheckWatcher(const std::string& node_id, const std::string& node_key) {
   if (node_id.empty()) return absl::InvalidArgumentError("node_id: required");
   const std::string key_sha256 = TokenSha256(node_key);
-  absl::MutexLock lock(&state_->mu);
-  if (!state_->nodes.Known(node_id)) {
+  if (!nodes_->Known(node_id)) {
     return absl::NotFoundError(absl::StrCat("node ", node_id, " is not registered"));
   }
-  return state_->nodes.CheckKey(node_id, key_sha256);
+  return nodes_->CheckKey(node_id, key_sha256);
 }
 
 void WorkerProtocol::OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status,
@@ -233,10 +230,9 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
   // Reports of this batch already stored (the worker resends a batch whose response it lost):
   // skipped, so each report is stored, and each event appended, once.
   int64_t skip = 0;
-  const std::string key_sha256 = TokenSha256(request.node_key());
+  RETURN_IF_ERROR(nodes_->CheckKey(request.node_id(), TokenSha256(request.node_key())));
   {
     absl::MutexLock lock(&state_->mu);
-    RETURN_IF_ERROR(state_->nodes.CheckKey(request.node_id(), key_sha256));
     // A node speaks only for the attempts placed on it.
     for (const auto& report : request.reports()) {
       const Allocation* placed = state_->allocations.Find(report.job_id());

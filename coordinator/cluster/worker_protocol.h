@@ -5,8 +5,9 @@
 // attempts on (AttemptFate takes the failures); the store writes they call for (a job to RUNNING
 // or SUCCEEDED, node records) are decided under the cluster lock and made after it is released.
 //
-// Thread safety: every public method may be called from any thread; each takes the cluster lock
-// (ClusterState::mu) for short holds and never writes to the store while holding it. An attempt
+// Thread safety: every public method may be called from any thread; each asks the node registry
+// (its own lock) about the calling node, then takes the cluster lock (ClusterState::mu) for short
+// holds, and never writes to the store while holding either. An attempt
 // whose success is being recorded keeps its devices until the write is stored
 // (Allocation::success_pending).
 #pragma once
@@ -22,15 +23,16 @@
 #include "coordinator/cluster/attempt_fate.h"
 #include "coordinator/cluster/cluster_state.h"
 #include "coordinator/jobs/job_manager.h"
+#include "coordinator/nodes/node_registry.h"
 #include "tessera/v1/node_service.pb.h"
 
 namespace tessera::coordinator {
 
 class WorkerProtocol {
  public:
-  // `state`, `jobs` and `fate` must outlive the protocol.
-  WorkerProtocol(ClusterState* state, JobManager* jobs, AttemptFate* fate)
-      : state_(state), jobs_(jobs), fate_(fate) {}
+  // `state`, `nodes`, `jobs` and `fate` must outlive the protocol.
+  WorkerProtocol(ClusterState* state, NodeRegistry* nodes, JobManager* jobs, AttemptFate* fate)
+      : state_(state), nodes_(nodes), jobs_(jobs), fate_(fate) {}
 
   absl::StatusOr<v1::RegisterNodeResponse> Register(const v1::RegisterNodeRequest& request)
       ABSL_LOCKS_EXCLUDED(state_->mu);
@@ -58,9 +60,9 @@ class WorkerProtocol {
     std::vector<std::pair<std::string, AttemptFate::SuccessRecord>> succeeded;
     bool empty() const { return running.empty() && succeeded.empty(); }
   };
-  // Register's part under the lock: the node recorded (its record left dirty for WriteNodes), the
-  // attempts whose task the worker no longer runs failed, the tasks it runs taken in.
-  absl::Status RegisterLocked(const v1::RegisterNodeRequest& request, FollowUps* follow_ups)
+  // Register's part under the lock, once the node is recorded: the attempts whose task the
+  // worker no longer runs failed, the tasks it runs taken in.
+  void RegisterLocked(const v1::RegisterNodeRequest& request, FollowUps* follow_ups)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
   void OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status,
                           FollowUps* follow_ups) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
@@ -69,6 +71,7 @@ class WorkerProtocol {
   void FinishFollowUps(const FollowUps& follow_ups) ABSL_LOCKS_EXCLUDED(state_->mu);
 
   ClusterState* const state_;
+  NodeRegistry* const nodes_;
   JobManager* const jobs_;
   AttemptFate* const fate_;
   std::atomic<CallExecutor*> follow_up_executor_{nullptr};

@@ -22,8 +22,9 @@ std::string HostOf(const std::string& address) {
 }  // namespace
 
 absl::Status NodeRegistry::Load() {
-  const absl::Time now = clock_->Now();
   ASSIGN_OR_RETURN(auto nodes, store_->ListNodes());
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
   for (auto& node : nodes) {
     Entry& entry = Insert(node.node_id());
     entry.node = std::move(node);
@@ -110,17 +111,37 @@ absl::Status NodeRegistry::Persist(const std::string& node_id) {
   return status;
 }
 
-absl::Status NodeRegistry::Flush() {
-  if (write_behind_) return absl::OkStatus();
-  absl::Status first;
-  const std::set<std::string> dirty = dirty_;
-  for (const auto& node_id : dirty) first.Update(Persist(node_id));
-  return first;
+absl::Status NodeRegistry::Flush(const std::string& node_id) {
+  absl::MutexLock write_lock(&write_mu_);
+  std::vector<v1::Node> writes;
+  {
+    absl::MutexLock lock(&mu_);
+    writes.reserve(dirty_.size());
+    for (const auto& id : dirty_) writes.push_back(by_id_.at(id)->node);
+    dirty_.clear();
+  }
+  absl::Status result;
+  std::vector<std::string> failed;
+  for (const v1::Node& record : writes) {
+    absl::Status status = store_->PutNode(record);
+    if (status.ok()) continue;
+    failed.push_back(record.node_id());
+    if (node_id.empty() || record.node_id() == node_id) result.Update(status);
+  }
+  if (!failed.empty()) {
+    absl::MutexLock lock(&mu_);
+    // Written again by a later call, unless removed meanwhile.
+    for (const auto& id : failed) {
+      if (by_id_.contains(id)) dirty_.insert(id);
+    }
+  }
+  return result;
 }
 
 absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, bool* returning) {
-  const absl::Time now = clock_->Now();
   const std::string key_sha256 = TokenSha256(request.node_key());
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
   if (const Entry* known = Lookup(request.node_id());
       known != nullptr && known->node.state() != v1::NODE_STATE_LOST &&
       // A record from before node keys binds to the first key it sees.
@@ -152,10 +173,17 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, bool
   return Persist(request.node_id());
 }
 
-bool NodeRegistry::Touch(const std::string& node_id,
-                         google::protobuf::RepeatedPtrField<v1::GpuMetrics>* gpu_metrics) {
-  const absl::Time now = clock_->Now();
+absl::StatusOr<bool> NodeRegistry::Touch(
+    const std::string& node_id, const std::string& key_sha256,
+    google::protobuf::RepeatedPtrField<v1::GpuMetrics>* gpu_metrics) {
+  absl::MutexLock lock(&mu_);
   auto* const found = Lookup(node_id);
+  if (found != nullptr && !found->node.key_sha256().empty() &&
+      found->node.key_sha256() != key_sha256) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("node ", node_id, " registered with another node key"));
+  }
+  const absl::Time now = clock_->Now();
   if (found == nullptr || found->node.state() == v1::NODE_STATE_LOST) return false;
   Entry& entry = *found;
   liveness_[entry.liveness].last_heartbeat = now;
@@ -165,6 +193,7 @@ bool NodeRegistry::Touch(const std::string& node_id,
 }
 
 std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire() {
+  absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
   std::vector<std::pair<std::string, absl::Duration>> lost;
   for (Liveness& live : liveness_) {
@@ -187,8 +216,9 @@ std::vector<std::pair<std::string, absl::Duration>> NodeRegistry::Expire() {
   return lost;
 }
 
-absl::Status NodeRegistry::SetDrained(const std::string& node_id, bool drained,
-                                      const std::string& reason) {
+absl::StatusOr<v1::Node> NodeRegistry::SetDrained(const std::string& node_id, bool drained,
+                                                  const std::string& reason) {
+  absl::MutexLock lock(&mu_);
   Entry* const found = Lookup(node_id);
   if (found == nullptr) return absl::NotFoundError(absl::StrCat("node ", node_id, ": not registered"));
   v1::Node& node = found->node;
@@ -204,19 +234,8 @@ absl::Status NodeRegistry::SetDrained(const std::string& node_id, bool drained,
     node.set_state(drained ? v1::NODE_STATE_DRAINING : v1::NODE_STATE_READY);
   }
   Summarize(*found);
-  return Persist(node_id);
-}
-
-std::vector<v1::Node> NodeRegistry::TakeWrites() {
-  std::vector<v1::Node> writes;
-  writes.reserve(dirty_.size());
-  for (const auto& node_id : dirty_) writes.push_back(by_id_.at(node_id)->node);
-  dirty_.clear();
-  return writes;
-}
-
-void NodeRegistry::WriteFailed(const std::string& node_id) {
-  if (Known(node_id)) dirty_.insert(node_id);
+  RETURN_IF_ERROR(Persist(node_id));
+  return node;
 }
 
 absl::Status NodeRegistry::CheckRemovable(const std::string& node_id) const {
@@ -230,16 +249,25 @@ absl::Status NodeRegistry::CheckRemovable(const std::string& node_id) const {
   return absl::OkStatus();
 }
 
-absl::Status NodeRegistry::Remove(const std::string& node_id) {
-  RETURN_IF_ERROR(CheckRemovable(node_id));
+absl::Status NodeRegistry::Remove(const std::string& node_id,
+                                  absl::FunctionRef<absl::Status()> in_use) {
+  absl::MutexLock write_lock(&write_mu_);
+  RETURN_IF_ERROR(in_use());
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckRemovable(node_id));
+  }
   RETURN_IF_ERROR(store_->DeleteNode(node_id));
-  return Forget(node_id);
-}
-
-absl::Status NodeRegistry::Forget(const std::string& node_id) {
-  Entry* const found = Lookup(node_id);
-  if (found == nullptr) return absl::NotFoundError(absl::StrCat("node ", node_id, ": not registered"));
-  Entry& entry = *found;
+  // Checked again: the node may have been undrained (or given work) while its record was deleted;
+  // its record is then stored again.
+  absl::Status still = in_use();
+  absl::MutexLock lock(&mu_);
+  if (still.ok()) still = CheckRemovable(node_id);
+  if (!still.ok()) {
+    if (by_id_.contains(node_id)) Persist(node_id).IgnoreError();
+    return still;
+  }
+  Entry& entry = *by_id_.at(node_id);
   if (entry.counted.added) {
     if (--state_counts_[entry.counted.state] == 0) state_counts_.erase(entry.counted.state);
     gpus_total_ -= entry.counted.gpus;
@@ -255,13 +283,14 @@ absl::Status NodeRegistry::Forget(const std::string& node_id) {
   dirty_.erase(node_id);
   if (outbox_ != nullptr) outbox_->Forget(node_id);
   by_id_.erase(node_id);
-  nodes_.erase(node_id);  // `entry` and `found` dangle from here
+  nodes_.erase(node_id);  // `entry` dangles from here
   ++generation_;          // Summaries() is rebuilt without it
   return absl::OkStatus();
 }
 
 absl::Status NodeRegistry::CheckKey(const std::string& node_id,
                                     const std::string& key_sha256) const {
+  absl::MutexLock lock(&mu_);
   auto* const found = Lookup(node_id);
   if (found == nullptr || found->node.key_sha256().empty()) return absl::OkStatus();
   if (found->node.key_sha256() == key_sha256) return absl::OkStatus();
@@ -269,7 +298,13 @@ absl::Status NodeRegistry::CheckKey(const std::string& node_id,
       absl::StrCat("node ", node_id, " registered with another node key"));
 }
 
+bool NodeRegistry::Known(const std::string& node_id) const {
+  absl::MutexLock lock(&mu_);
+  return by_id_.contains(node_id);
+}
+
 bool NodeRegistry::IsLost(const std::string& node_id) const {
+  absl::MutexLock lock(&mu_);
   auto* const found = Lookup(node_id);
   return found == nullptr || found->node.state() == v1::NODE_STATE_LOST;
 }
@@ -332,16 +367,45 @@ std::map<std::string, int> UsedResources::CpuSlotCounts() const {
   return out;
 }
 
-const v1::Node* NodeRegistry::Find(const std::string& node_id) const {
+std::optional<v1::Node> NodeRegistry::Find(const std::string& node_id) const {
+  absl::MutexLock lock(&mu_);
   auto* const found = Lookup(node_id);
-  return found == nullptr ? nullptr : &found->node;
+  if (found == nullptr) return std::nullopt;
+  return found->node;
+}
+
+std::map<std::string, std::string> NodeRegistry::Addresses(
+    const std::vector<std::string>& node_ids) const {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, std::string> addresses;
+  for (const std::string& node_id : node_ids) {
+    if (const Entry* entry = Lookup(node_id); entry != nullptr) {
+      addresses[node_id] = entry->node.address();
+    }
+  }
+  return addresses;
+}
+
+void NodeRegistry::IdentifyGpus(std::vector<v1::RankPlacement>& ranks) const {
+  absl::MutexLock lock(&mu_);
+  for (v1::RankPlacement& rank : ranks) {
+    if (rank.gpu_index() < 0) continue;
+    const Entry* entry = Lookup(rank.node_id());
+    if (entry == nullptr) continue;
+    for (const v1::GpuDevice& gpu : entry->node.resources().gpus()) {
+      if (gpu.index() != rank.gpu_index()) continue;
+      rank.set_gpu_uuid(gpu.uuid());
+      rank.set_gpu_name(gpu.name());
+    }
+  }
 }
 
 std::vector<NodeCapacity> NodeRegistry::Capacity(const UsedResources& used) const {
-  return Subtract(*Summaries(), used);
+  return Subtract(*Summaries().summaries, used);
 }
 
-std::shared_ptr<const std::vector<NodeCapacity>> NodeRegistry::Summaries() const {
+NodeRegistry::Snapshot NodeRegistry::Summaries() const {
+  absl::MutexLock lock(&mu_);
   if (summaries_ == nullptr || summaries_generation_ != generation_) {
     auto summaries = std::make_shared<std::vector<NodeCapacity>>();
     summaries->reserve(nodes_.size());
@@ -349,7 +413,12 @@ std::shared_ptr<const std::vector<NodeCapacity>> NodeRegistry::Summaries() const
     summaries_ = std::move(summaries);
     summaries_generation_ = generation_;
   }
-  return summaries_;
+  return {.summaries = summaries_, .generation = generation_};
+}
+
+uint64_t NodeRegistry::generation() const {
+  absl::MutexLock lock(&mu_);
+  return generation_;
 }
 
 std::vector<NodeCapacity> NodeRegistry::Subtract(const std::vector<NodeCapacity>& summaries,
@@ -375,13 +444,15 @@ void NodeRegistry::SubtractInto(const std::vector<NodeCapacity>& summaries,
 }
 
 bool NodeRegistry::ChangedSince(const std::string& node_id, uint64_t generation) const {
+  absl::MutexLock lock(&mu_);
   auto* const found = Lookup(node_id);
   return found == nullptr || found->changed > generation;
 }
 
 NodeRegistry::Tally NodeRegistry::Count(const UsedResources& used) const {
   // The totals are kept as nodes change (Recount); only the nodes holding something are looked
-  // at. This runs under the cluster lock once a second.
+  // at. This runs once a second.
+  absl::MutexLock lock(&mu_);
   Tally tally;
   tally.nodes = state_counts_;
   tally.gpus_total = gpus_total_;
@@ -399,6 +470,7 @@ NodeRegistry::Tally NodeRegistry::Count(const UsedResources& used) const {
 }
 
 std::vector<v1::Node> NodeRegistry::Nodes() const {
+  absl::MutexLock lock(&mu_);
   std::vector<v1::Node> nodes;
   for (const auto& [node_id, entry] : nodes_) nodes.push_back(entry.node);
   return nodes;

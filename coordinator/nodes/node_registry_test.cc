@@ -14,10 +14,19 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
+#include "coordinator/auth/auth.h"
 #include "gtest/gtest.h"
 
 namespace tessera::coordinator {
 namespace {
+
+// A heartbeat from `node_id` (registered with the node key "key"): whether it was taken.
+bool Heard(NodeRegistry& registry, const std::string& node_id,
+           google::protobuf::RepeatedPtrField<v1::GpuMetrics>* metrics) {
+  absl::StatusOr<bool> touched = registry.Touch(node_id, TokenSha256("key"), metrics);
+  EXPECT_TRUE(touched.ok()) << touched.status();
+  return touched.value_or(false);
+}
 
 // The capacity of `nodes` less `used`, computed the slow way from the protos.
 std::vector<NodeCapacity> Recount(const std::vector<v1::Node>& nodes,
@@ -111,7 +120,7 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
         clock.Advance(absl::Seconds(1 + pick(8)));
         for (auto& [id, seen] : last_seen) {
           google::protobuf::RepeatedPtrField<v1::GpuMetrics> no_metrics;
-          if (pick(3) && registry.Touch(id, &no_metrics)) seen = clock.Now();
+          if (pick(3) && Heard(registry, id, &no_metrics)) seen = clock.Now();
         }
         {
           // Exactly the nodes silent for longer than the timeout and not lost yet, in node_id
@@ -148,13 +157,13 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
         break;
       case 5: {  // drain or undrain
         const bool drain = pick(2) == 0;
-        const absl::Status status = registry.SetDrained(node_id, drain, "test");
+        const absl::Status status = registry.SetDrained(node_id, drain, "test").status();
         if (!last_seen.contains(node_id)) {
           EXPECT_TRUE(absl::IsNotFound(status)) << status;
           break;
         }
         ASSERT_TRUE(status.ok()) << status;
-        const v1::Node* node = registry.Find(node_id);
+        const std::optional<v1::Node> node = registry.Find(node_id);
         EXPECT_EQ(node->drained(), drain);
         EXPECT_EQ(node->state(), lost.contains(node_id) ? v1::NODE_STATE_LOST
                                  : drain                ? v1::NODE_STATE_DRAINING
@@ -163,10 +172,10 @@ TEST(NodeRegistryTest, CapacityAndCountAgreeWithARecountAfterRandomChanges) {
         break;
       }
       case 6: {  // remove: only a LOST or drained node
-        const v1::Node* node = registry.Find(node_id);
-        const bool removable = node != nullptr && (lost.contains(node_id) || node->drained());
+        const std::optional<v1::Node> node = registry.Find(node_id);
+        const bool removable = node.has_value() && (lost.contains(node_id) || node->drained());
         const absl::Status status = registry.Remove(node_id);
-        if (node == nullptr) {
+        if (!node.has_value()) {
           EXPECT_TRUE(absl::IsNotFound(status)) << status;
         } else if (!removable) {
           EXPECT_TRUE(absl::IsFailedPrecondition(status)) << status;
@@ -243,7 +252,10 @@ TEST(NodeRegistryTest, ASilentNodeExpiresAfterTheHeartbeatTimeoutOnTheClock) {
 
   google::protobuf::RepeatedPtrField<v1::GpuMetrics> no_metrics;
   clock.Advance(absl::Seconds(10));
-  ASSERT_TRUE(registry.Touch("chatty", &no_metrics));
+  ASSERT_TRUE(Heard(registry, "chatty", &no_metrics));
+  EXPECT_TRUE(absl::IsPermissionDenied(
+      registry.Touch("chatty", TokenSha256("another key"), &no_metrics).status()))
+      << "a heartbeat speaks for its own node only";
   EXPECT_EQ(registry.Find("chatty")->last_heartbeat_time().seconds(), 1'000'010);
   clock.Advance(absl::Seconds(5));
   EXPECT_TRUE(registry.Expire().empty()) << "silent for exactly the timeout: still alive";
@@ -255,7 +267,7 @@ TEST(NodeRegistryTest, ASilentNodeExpiresAfterTheHeartbeatTimeoutOnTheClock) {
   EXPECT_TRUE(registry.IsLost("quiet"));
   EXPECT_FALSE(registry.IsLost("chatty")) << "heard from 5 s ago";
   EXPECT_TRUE(registry.Expire().empty()) << "a node is lost once";
-  EXPECT_FALSE(registry.Touch("quiet", &no_metrics)) << "a LOST node must register again";
+  EXPECT_FALSE(Heard(registry, "quiet", &no_metrics)) << "a LOST node must register again";
 
   clock.Advance(absl::Seconds(11));
   expired = registry.Expire();
@@ -266,7 +278,7 @@ TEST(NodeRegistryTest, ASilentNodeExpiresAfterTheHeartbeatTimeoutOnTheClock) {
   ASSERT_TRUE(registry.Register(CpuNode("quiet"), &returning).ok());
   EXPECT_TRUE(returning);
   EXPECT_FALSE(registry.IsLost("quiet"));
-  EXPECT_TRUE(registry.Touch("quiet", &no_metrics));
+  EXPECT_TRUE(Heard(registry, "quiet", &no_metrics));
   clock.Advance(absl::Seconds(15));
   EXPECT_TRUE(registry.Expire().empty()) << "registering restarted the count";
 }
@@ -305,7 +317,7 @@ TEST(NodeRegistryTest, ADrainOutlivesRegistrationsLossAndARestart) {
   EXPECT_EQ(restarted.Find("n1")->state(), v1::NODE_STATE_READY);
   EXPECT_TRUE(restarted.Find("n1")->drain_reason().empty());
   EXPECT_TRUE(restarted.Capacity(UsedResources())[0].schedulable);
-  EXPECT_TRUE(absl::IsNotFound(restarted.SetDrained("n9", true, "")));
+  EXPECT_TRUE(absl::IsNotFound(restarted.SetDrained("n9", true, "").status()));
 }
 
 // Removing forgets the node everywhere: its count (the alert on LOST nodes reads it), its record
@@ -324,8 +336,8 @@ TEST(NodeRegistryTest, RemovedNodesLeaveTheCountsAndTheStore) {
   EXPECT_TRUE(absl::IsNotFound(registry.Remove("zz")));
   clock.Advance(absl::Seconds(10));
   google::protobuf::RepeatedPtrField<v1::GpuMetrics> no_metrics;
-  ASSERT_TRUE(registry.Touch("b", &no_metrics));
-  ASSERT_TRUE(registry.Touch("c", &no_metrics));
+  ASSERT_TRUE(Heard(registry, "b", &no_metrics));
+  ASSERT_TRUE(Heard(registry, "c", &no_metrics));
   clock.Advance(absl::Seconds(10));
   ASSERT_EQ(registry.Expire().size(), 1u);  // a
   ASSERT_TRUE(registry.SetDrained("c", true, "").ok());

@@ -154,7 +154,8 @@ TEST(OrderOutboxTest, FollowsTheRegistrysNodes) {
   EXPECT_EQ(orders.stop(0), "t2");
 
   outbox.QueueStop("n1", "t3");
-  ASSERT_TRUE(registry.Forget("n1").ok());
+  ASSERT_TRUE(registry.SetDrained("n1", true, "removed").ok());
+  ASSERT_TRUE(registry.Remove("n1").ok());
   outbox.QueueStart("n1", Assignment("t4"));
   EXPECT_FALSE(outbox.StartQueued("n1", "t4")) << "a removed node is unknown";
 }
