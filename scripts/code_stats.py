@@ -11,6 +11,8 @@
   cluster_state.{h,cc}, by file, in the parts that hold a ClusterState (coordinator/cluster/, or a file whose .h or
   .cc names it; other classes' own `state->mu` are not counted): each is a part reading or writing
   state it does not own;
+- where the cluster lock is taken: the GuardedLedger::Hold objects made outside
+  guarded_ledger.h, by file (tests apart): the parts that read or change the live attempts;
 - sleeps in tests (std::this_thread::sleep_for, absl::SleepFor, usleep in *_test.cc and tests/).
 """
 
@@ -22,6 +24,7 @@ import sys
 FOLDERS = ("coordinator", "worker", "client", "common", "planner", "trainer")
 STATE_USE = re.compile(
     r"\bstate_?(?:->|\.)(nodes|allocations|notifier|heartbeat_node|mu|node_write_mu)\b")
+HOLD = re.compile(r"\bGuardedLedger::Hold\s+\w+\s*\(")
 SLEEP = re.compile(r"sleep_for\s*\(|SleepFor\s*\(|\busleep\s*\(")
 
 
@@ -82,6 +85,16 @@ def main():
     total = sum(uses.values())
     print(f"ClusterState field uses outside cluster_state.*: {total}")
     for path, count in uses.most_common():
+        if count:
+            print(f"  {count:4d}  {path}")
+    holds = collections.Counter()
+    for path, text in lines.items():
+        if is_test(path) or os.path.basename(path) == "guarded_ledger.h":
+            continue
+        holds[path] += sum(len(HOLD.findall(line)) for line in text)
+    print(f"cluster lock holds (GuardedLedger::Hold) outside guarded_ledger.h: "
+          f"{sum(holds.values())}")
+    for path, count in holds.most_common():
         if count:
             print(f"  {count:4d}  {path}")
     sleeps = 0

@@ -6,7 +6,7 @@
 // report sequence acknowledged per node (so a resent batch is stored once) and each rank's latest
 // step time.
 //
-// Not thread-safe: ClusterState holds it; it is used under the cluster lock.
+// Not thread-safe: GuardedLedger holds it behind the cluster lock (guarded_ledger.h).
 #pragma once
 
 #include <array>
@@ -85,6 +85,10 @@ struct Allocation {
   std::string preempted;
   absl::Time preempted_time;
   absl::Duration preemption_deadline;
+  // Rank 0's report of a loss spike of this attempt (TrainerReport.loss_spike), for its ending,
+  // which records it in the Rollback event (AttemptFate::AddLossSpikeLocked). Kept in memory
+  // only: a coordinator restarted meanwhile records the spike's step and cause from the failure.
+  std::optional<v1::LossSpike> spike;
 
   // The attempt's nodes, in order of their first rank.
   std::vector<std::string> Nodes() const;

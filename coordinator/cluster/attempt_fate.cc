@@ -32,9 +32,9 @@ v1::JobAttempt EndedAttempt(const Allocation& allocation, const v1::Job& job, ab
 
 }  // namespace
 
-void AttemptFate::AddFailureLocked(const std::string& job_id, int32_t attempt,
-                                   const v1::TrainerFailure& failure) {
-  Allocation* allocation = state_->allocations.Find(job_id);
+void AttemptFate::AddFailureLocked(GuardedLedger::Hold& held, const std::string& job_id,
+                                   int32_t attempt, const v1::TrainerFailure& failure) {
+  Allocation* allocation = held->Find(job_id);
   if (allocation == nullptr || allocation->attempt != attempt) return;  // an earlier attempt's
   allocation->AddFailure(failure, state_->Now());
   if (allocation->phase == Allocation::Phase::kRunning) {
@@ -42,18 +42,18 @@ void AttemptFate::AddFailureLocked(const std::string& job_id, int32_t attempt,
   }
 }
 
-void AttemptFate::AddLossSpikeLocked(const std::string& job_id, int32_t attempt,
-                                     const v1::LossSpike& spike) {
-  const Allocation* allocation = state_->allocations.Find(job_id);
+void AttemptFate::AddLossSpikeLocked(GuardedLedger::Hold& held, const std::string& job_id,
+                                     int32_t attempt, const v1::LossSpike& spike) {
+  Allocation* allocation = held->Find(job_id);
   if (allocation == nullptr || allocation->attempt != attempt) return;
-  spikes_[job_id] = {attempt, spike};
+  allocation->spike = spike;
 }
 
-void AttemptFate::ExpireNodesLocked(absl::Time now) {
+void AttemptFate::ExpireNodesLocked(GuardedLedger::Hold& held, absl::Time now) {
   for (const auto& [node_id, silence] : nodes_->Expire()) {
     const std::string reason = absl::StrCat("no heartbeat for ", absl::FormatDuration(silence));
-    for (const auto& job_id : state_->allocations.JobsOn(node_id)) {
-      Allocation& allocation = *state_->allocations.Find(job_id);
+    for (const auto& job_id : held->JobsOn(node_id)) {
+      Allocation& allocation = *held->Find(job_id);
       allocation.MarkLost(node_id);
       if (allocation.phase == Allocation::Phase::kDraining) continue;
       v1::TrainerFailure failure;
@@ -62,23 +62,25 @@ void AttemptFate::ExpireNodesLocked(absl::Time now) {
       failure.set_node_id(node_id);
       failure.set_message(reason);
       *failure.mutable_time() = ToProto(now);
-      AddFailureLocked(job_id, allocation.attempt, failure);
+      AddFailureLocked(held, job_id, allocation.attempt, failure);
     }
   }
 }
 
-void AttemptFate::DrainLocked(const std::string& job_id, Allocation& allocation) {
+void AttemptFate::DrainLocked(GuardedLedger::Hold& held, const std::string& job_id,
+                              Allocation& allocation) {
   allocation.phase = Allocation::Phase::kDraining;
-  StopTasksLocked(job_id, allocation, /*checkpoint=*/false);
+  StopTasksLocked(held, job_id, allocation, /*checkpoint=*/false);
 }
 
-void AttemptFate::MoveLocked(const std::string& job_id, Allocation& allocation) {
+void AttemptFate::MoveLocked(GuardedLedger::Hold& held, const std::string& job_id,
+                             Allocation& allocation) {
   allocation.phase = Allocation::Phase::kMoving;
-  StopTasksLocked(job_id, allocation, /*checkpoint=*/true);
+  StopTasksLocked(held, job_id, allocation, /*checkpoint=*/true);
 }
 
-void AttemptFate::StopTasksLocked(const std::string& job_id, Allocation& allocation,
-                                  bool checkpoint) {
+void AttemptFate::StopTasksLocked(GuardedLedger::Hold& /*held*/, const std::string& job_id,
+                                  Allocation& allocation, bool checkpoint) {
   for (const auto& node : allocation.Nodes()) {
     if (allocation.NodeEnded(node)) continue;
     const std::string task_id = TaskId(job_id, allocation.attempt, node);
@@ -94,7 +96,8 @@ void AttemptFate::StopTasksLocked(const std::string& job_id, Allocation& allocat
   }
 }
 
-void AttemptFate::PrepareLocked(const std::string& job_id, Allocation& allocation, absl::Time now,
+void AttemptFate::PrepareLocked(GuardedLedger::Hold& /*held*/, const std::string& job_id,
+                                Allocation& allocation, absl::Time now,
                                 std::vector<Ending>* endings) {
   auto add = [&](Ending::Kind kind) {
     Ending& ending = endings->emplace_back();
@@ -111,8 +114,7 @@ void AttemptFate::PrepareLocked(const std::string& job_id, Allocation& allocatio
     // Rank 0's spike report travels in the report stream while the ranks' ends come with the
     // heartbeat: a spike's attempt waits blame_grace for it, so that its rollback records the
     // figures (it is decided without them after that).
-    const auto spike = spikes_.find(job_id);
-    const bool spike_known = spike != spikes_.end() && spike->second.first == allocation.attempt;
+    const bool spike_known = allocation.spike.has_value();
     const bool spike_report_due =
         !spike_known &&
         std::any_of(allocation.failures.begin(), allocation.failures.end(),
@@ -121,7 +123,7 @@ void AttemptFate::PrepareLocked(const std::string& job_id, Allocation& allocatio
         waited >= state_->options.failure_settle ||
         (cause_known && waited >= state_->options.blame_grace)) {
       add(Ending::Kind::kFailure);
-      if (spike_known) endings->back().spike = spike->second.second;
+      if (spike_known) endings->back().spike = allocation.spike;
     }
     return;
   }
@@ -160,9 +162,9 @@ void AttemptFate::StoreEndings(std::vector<Ending>& endings, absl::Time now) {
   }
 }
 
-void AttemptFate::FinishLocked(const std::vector<Ending>& endings) {
+void AttemptFate::FinishLocked(GuardedLedger::Hold& held, const std::vector<Ending>& endings) {
   for (const Ending& ending : endings) {
-    Allocation* allocation = state_->allocations.Find(ending.job_id);
+    Allocation* allocation = held->Find(ending.job_id);
     if (allocation == nullptr || allocation->attempt != ending.attempt.attempt) continue;
     if (ending.kind == Ending::Kind::kSuccess) {
       allocation->success_pending = false;
@@ -172,10 +174,13 @@ void AttemptFate::FinishLocked(const std::vector<Ending>& endings) {
       }
       continue;
     }
-    if (ending.counted.has_value()) ++(ending.restart ? restarts_ : failures_)[*ending.counted];
+    if (ending.counted.has_value()) {
+      absl::MutexLock lock(&counts_mu_);
+      ++(ending.restart ? restarts_ : failures_)[*ending.counted];
+    }
     if (ending.drain) {
-      spikes_.erase(ending.job_id);
-      DrainLocked(ending.job_id, *allocation);
+      allocation->spike.reset();
+      DrainLocked(held, ending.job_id, *allocation);
     }
   }
 }

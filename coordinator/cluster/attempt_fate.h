@@ -10,9 +10,10 @@
 // FinishLocked drains the attempts whose end was stored and leaves the others as they were, for
 // the next pass to try again. An attempt keeps its devices until its end is stored.
 //
-// Thread safety: the *Locked methods need the cluster lock (ClusterState::mu), the others must be
-// called without it. Store is called by one scheduling pass at a time; RecordSuccess from any
-// thread.
+// Thread safety: the *Locked methods need the cluster lock, which they take as a Hold of the
+// ledger (guarded_ledger.h); the others must be called without it. Store is called by one
+// scheduling pass at a time; RecordSuccess from any thread. The counters have a lock of their own
+// (taken after the ledger's).
 #pragma once
 
 #include <cstdint>
@@ -28,6 +29,7 @@
 #include "absl/time/time.h"
 #include "coordinator/cluster/allocation_ledger.h"
 #include "coordinator/cluster/cluster_state.h"
+#include "coordinator/cluster/guarded_ledger.h"
 #include "coordinator/jobs/job_manager.h"
 #include "coordinator/nodes/node_registry.h"
 
@@ -39,34 +41,26 @@ class AttemptFate {
   AttemptFate(ClusterState* state, NodeRegistry* nodes, JobManager* jobs)
       : state_(state), nodes_(nodes), jobs_(jobs) {}
 
-  // Tells the thread-safety analysis (and debug builds) that the caller holds the cluster lock
-  // under the name it knows this fate's by: callers reach it through their own ClusterState*.
-  void AssertLockHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK(state_->mu) { state_->mu.AssertHeld(); }
-
   // Records a failure of the job's current attempt (one of an earlier attempt is dropped); a
   // running attempt enters kFailing.
-  void AddFailureLocked(const std::string& job_id, int32_t attempt,
-                        const v1::TrainerFailure& failure)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
-  // Keeps rank 0's report of a loss spike of the job's current attempt (TrainerReport.loss_spike)
-  // for the attempt's ending, which records it in the Rollback event; one of an earlier attempt
-  // is dropped. Kept in memory only: a coordinator restarted meanwhile records the spike's step
-  // and cause from the failure instead.
-  void AddLossSpikeLocked(const std::string& job_id, int32_t attempt, const v1::LossSpike& spike)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  void AddFailureLocked(GuardedLedger::Hold& held, const std::string& job_id, int32_t attempt,
+                        const v1::TrainerFailure& failure);
+  // Keeps rank 0's report of a loss spike of the job's current attempt (Allocation::spike) for
+  // the attempt's ending, which records it in the Rollback event; one of an earlier attempt is
+  // dropped.
+  void AddLossSpikeLocked(GuardedLedger::Hold& held, const std::string& job_id, int32_t attempt,
+                          const v1::LossSpike& spike);
   // Marks the nodes silent for longer than the heartbeat timeout LOST and fails the attempts
   // that had ranks there (their record writes are left to NodeRegistry::Flush).
-  void ExpireNodesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  void ExpireNodesLocked(GuardedLedger::Hold& held, absl::Time now);
   // Stops every task of the allocation that has not ended (a start not yet delivered is simply
   // withdrawn); the allocation is erased by a pass once all have ended.
-  void DrainLocked(const std::string& job_id, Allocation& allocation)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  void DrainLocked(GuardedLedger::Hold& held, const std::string& job_id, Allocation& allocation);
   // Asks every task of the allocation that has not ended to save a checkpoint and stop (a start
   // not yet delivered is withdrawn): the attempt moves (kMoving) and its job is queued again once
   // all have ended, no restart counted. A preempted allocation (`preempted` set) gives its ranks
   // its preemption_deadline; a drained one the workers' checkpoint grace.
-  void MoveLocked(const std::string& job_id, Allocation& allocation)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  void MoveLocked(GuardedLedger::Hold& held, const std::string& job_id, Allocation& allocation);
 
   // An attempt whose end is to be stored, as PrepareLocked found it.
   struct Ending {
@@ -89,12 +83,13 @@ class AttemptFate {
   // Under the lock, for each allocation of an active job not being stored: a kMoving attempt
   // whose nodes all succeeded goes back to kRunning (a success); an attempt whose end is due is
   // added to `endings` (a success is marked success_pending meanwhile).
-  void PrepareLocked(const std::string& job_id, Allocation& allocation, absl::Time now,
-                     std::vector<Ending>* endings) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  void PrepareLocked(GuardedLedger::Hold& held, const std::string& job_id, Allocation& allocation,
+                     absl::Time now, std::vector<Ending>* endings);
   // Without the lock: stores each ending (a store error is logged and left for the next pass).
-  void StoreEndings(std::vector<Ending>& endings, absl::Time now) ABSL_LOCKS_EXCLUDED(state_->mu);
+  void StoreEndings(std::vector<Ending>& endings, absl::Time now);
   // Under the lock: applies what Store found to the allocations, if they are still there.
-  void FinishLocked(const std::vector<Ending>& endings) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  void FinishLocked(GuardedLedger::Hold& held, const std::vector<Ending>& endings)
+      ABSL_LOCKS_EXCLUDED(counts_mu_);
 
   // What RecordSuccess writes of an attempt.
   struct SuccessRecord {
@@ -106,24 +101,23 @@ class AttemptFate {
   };
   static SuccessRecord SuccessOf(const Allocation& allocation);
   // Moves a job whose every task succeeded to SUCCEEDED; false (retried later) on a store error.
-  bool RecordSuccess(const std::string& job_id, const SuccessRecord& success)
-      ABSL_LOCKS_EXCLUDED(state_->mu);
+  bool RecordSuccess(const std::string& job_id, const SuccessRecord& success);
 
   // Restarts decided and jobs failed since the coordinator started, by the blamed failure's kind.
-  const std::map<v1::FailureKind, int64_t>& restarts() const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+  std::map<v1::FailureKind, int64_t> restarts() const ABSL_LOCKS_EXCLUDED(counts_mu_) {
+    absl::MutexLock lock(&counts_mu_);
     return restarts_;
   }
-  const std::map<v1::FailureKind, int64_t>& failures() const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+  std::map<v1::FailureKind, int64_t> failures() const ABSL_LOCKS_EXCLUDED(counts_mu_) {
+    absl::MutexLock lock(&counts_mu_);
     return failures_;
   }
 
  private:
   // Stops each task of the allocation that has not ended: a start not yet delivered is withdrawn,
   // a delivered one is ordered to stop (to save a checkpoint first with `checkpoint`).
-  void StopTasksLocked(const std::string& job_id, Allocation& allocation, bool checkpoint)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu);
+  void StopTasksLocked(GuardedLedger::Hold& held, const std::string& job_id, Allocation& allocation,
+                       bool checkpoint);
   // The job of an ending attempt, read from the store; nullopt when the read failed (logged; the
   // next pass retries) or the job ended meanwhile (`ending->drain` set).
   std::optional<v1::Job> JobToEnd(Ending* ending, const char* why);
@@ -146,10 +140,9 @@ class AttemptFate {
   ClusterState* const state_;
   NodeRegistry* const nodes_;
   JobManager* const jobs_;
-  std::map<v1::FailureKind, int64_t> restarts_ ABSL_GUARDED_BY(state_->mu);
-  std::map<v1::FailureKind, int64_t> failures_ ABSL_GUARDED_BY(state_->mu);
-  // AddLossSpikeLocked's reports by job: the attempt and its spike.
-  std::map<std::string, std::pair<int32_t, v1::LossSpike>> spikes_ ABSL_GUARDED_BY(state_->mu);
+  mutable absl::Mutex counts_mu_;
+  std::map<v1::FailureKind, int64_t> restarts_ ABSL_GUARDED_BY(counts_mu_);
+  std::map<v1::FailureKind, int64_t> failures_ ABSL_GUARDED_BY(counts_mu_);
 };
 
 }  // namespace tessera::coordinator

@@ -19,14 +19,14 @@ Cluster::Cluster(Store* store, JobManager* jobs, ClusterOptions options)
       nodes_(store, state_.options.heartbeat_timeout, /*write_behind=*/true, state_.options.clock,
              &state_.orders),
       fate_(&state_, &nodes_, jobs),
-      protocol_(&state_, &nodes_, jobs, &fate_),
-      pass_(&state_, &nodes_, jobs, &fate_) {}
+      protocol_(&state_, &ledger_, &nodes_, jobs, &fate_),
+      pass_(&state_, &ledger_, &nodes_, jobs, &fate_) {}
 
 Cluster::~Cluster() { Stop(); }
 
 absl::Status Cluster::Recover() {
   RETURN_IF_ERROR(nodes_.Load());
-  absl::MutexLock lock(&state_.mu);
+  GuardedLedger::Hold held(&ledger_);
   const absl::Time now = state_.Now();
   ASSIGN_OR_RETURN(auto active, state_.store->ListActiveJobs());
   for (const auto& job : active) {
@@ -48,29 +48,28 @@ absl::Status Cluster::Recover() {
     allocation.start_step = job.current_step();
     // The port the workers' assignments hold, stored with the placement. A job placed by an
     // older coordinator has none stored: reserve the node's next free one for it.
-    allocation.master_port = job.master_port() > 0
-                                 ? job.master_port()
-                                 : state_.allocations.FreeMasterPort(
-                                       allocation.master_node, state_.options.base_master_port);
+    allocation.master_port =
+        job.master_port() > 0
+            ? job.master_port()
+            : held->FreeMasterPort(allocation.master_node, state_.options.base_master_port);
     if (job.state() == v1::JOB_STATE_PREEMPTED) {
       // Preempted before the restart: its ranks are asked again to save and stop (a worker
       // already stopping them ignores the repeat), with the default deadline from now.
       allocation.preempted = job.reason().substr(0, job.reason().find(": saving a checkpoint"));
       allocation.preempted_time = now;
       allocation.preemption_deadline = kDefaultPreemptionCheckpointDeadline;
-      Allocation& added = state_.allocations.Add(job.job_id(), std::move(allocation));
-      fate_.AssertLockHeld();
-      fate_.MoveLocked(job.job_id(), added);
+      Allocation& added = held->Add(job.job_id(), std::move(allocation));
+      fate_.MoveLocked(held, job.job_id(), added);
       continue;
     }
-    state_.allocations.Add(job.job_id(), std::move(allocation));
+    held->Add(job.job_id(), std::move(allocation));
   }
   return absl::OkStatus();
 }
 
 std::optional<v1::StragglerReport> Cluster::Straggler(const std::string& job_id) {
-  absl::MutexLock lock(&state_.mu);
-  Allocation* allocation = state_.allocations.Find(job_id);
+  GuardedLedger::Hold held(&ledger_);
+  Allocation* allocation = held->Find(job_id);
   if (allocation == nullptr || allocation->rank_times.empty()) return std::nullopt;
   std::vector<v1::RankStepTime> ranks;
   for (const auto& [rank, time] : allocation->rank_times) ranks.push_back(time);
@@ -80,8 +79,8 @@ std::optional<v1::StragglerReport> Cluster::Straggler(const std::string& job_id)
 std::vector<NodeCapacity> Cluster::Capacity() {
   UsedResources used;
   {
-    absl::MutexLock lock(&state_.mu);
-    used = state_.allocations.Used();
+    GuardedLedger::Hold held(&ledger_);
+    used = held->Used();
   }
   return nodes_.Capacity(used);
 }
@@ -90,11 +89,11 @@ std::vector<v1::Node> Cluster::Nodes(bool include_lost) {
   std::map<std::string, std::set<std::string>> jobs_on;
   UsedResources used;
   {
-    absl::MutexLock lock(&state_.mu);
-    for (const auto& [job_id, allocation] : state_.allocations.all()) {
+    GuardedLedger::Hold held(&ledger_);
+    for (const auto& [job_id, allocation] : held->all()) {
       for (const auto& rank : allocation.ranks) jobs_on[rank.node_id()].insert(job_id);
     }
-    used = state_.allocations.Used();
+    used = held->Used();
   }
   std::map<std::string, NodeCapacity> capacity;
   for (NodeCapacity& c : nodes_.Capacity(used)) capacity[c.node_id] = std::move(c);
@@ -116,9 +115,9 @@ v1::Node Cluster::NodeView(const v1::Node& stored) {
   v1::Node node = stored;
   UsedResources used;
   {
-    absl::MutexLock lock(&state_.mu);
-    used = state_.allocations.Used();
-    for (const auto& job_id : state_.allocations.JobsOn(node.node_id())) node.add_job_ids(job_id);
+    GuardedLedger::Hold held(&ledger_);
+    used = held->Used();
+    for (const auto& job_id : held->JobsOn(node.node_id())) node.add_job_ids(job_id);
   }
   for (const NodeCapacity& capacity : nodes_.Capacity(used)) {
     if (capacity.node_id != node.node_id()) continue;
@@ -137,8 +136,8 @@ absl::StatusOr<v1::DrainNodeResponse> Cluster::DrainNode(const std::string& node
   // dropped by the reservation's ChangedSince check), so the moves below see every attempt.
   ASSIGN_OR_RETURN(const v1::Node drained, nodes_.SetDrained(node_id, true, reason));
   {
-    absl::MutexLock lock(&state_.mu);
-    DrainLockedMoves(node_id, checkpoint, &response);
+    GuardedLedger::Hold held(&ledger_);
+    DrainLockedMoves(held, node_id, checkpoint, &response);
   }
   *response.mutable_node() = NodeView(drained);
   // The drained record is stored with the locks released (a failed write is retried by a pass).
@@ -146,10 +145,10 @@ absl::StatusOr<v1::DrainNodeResponse> Cluster::DrainNode(const std::string& node
   return response;
 }
 
-void Cluster::DrainLockedMoves(const std::string& node_id, bool checkpoint,
-                               v1::DrainNodeResponse* response) {
-  for (const auto& job_id : state_.allocations.JobsOn(node_id)) {
-    Allocation& allocation = *state_.allocations.Find(job_id);
+void Cluster::DrainLockedMoves(GuardedLedger::Hold& held, const std::string& node_id,
+                               bool checkpoint, v1::DrainNodeResponse* response) {
+  for (const auto& job_id : held->JobsOn(node_id)) {
+    Allocation& allocation = *held->Find(job_id);
     // Only an attempt that runs as placed moves; one being stored, decided or stopped ends on its
     // own (a failing one restarts elsewhere: the drained node takes no placement).
     if (!checkpoint || allocation.storing || allocation.success_pending ||
@@ -158,8 +157,7 @@ void Cluster::DrainLockedMoves(const std::string& node_id, bool checkpoint,
       continue;
     }
     allocation.moving_off = node_id;
-    fate_.AssertLockHeld();
-    fate_.MoveLocked(job_id, allocation);
+    fate_.MoveLocked(held, job_id, allocation);
     response->add_moving_job_ids(job_id);
   }
 }
@@ -174,9 +172,9 @@ absl::StatusOr<v1::Node> Cluster::UndrainNode(const std::string& node_id) {
 absl::Status Cluster::RemoveNode(const std::string& node_id) {
   // The registry checks the node (known; drained or LOST), the ledger that nothing is held on it,
   // before the store delete and again after it.
-  return nodes_.Remove(node_id, [&]() ABSL_LOCKS_EXCLUDED(state_.mu) -> absl::Status {
-    absl::MutexLock lock(&state_.mu);
-    if (const std::vector<std::string> jobs = state_.allocations.JobsOn(node_id); !jobs.empty()) {
+  return nodes_.Remove(node_id, [&]() -> absl::Status {
+    GuardedLedger::Hold held(&ledger_);
+    if (const std::vector<std::string> jobs = held->JobsOn(node_id); !jobs.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "node ", node_id, " still holds devices of job(s) ", absl::StrJoin(jobs, ", "),
           ": wait until they end or move (drain with checkpoint)"));
@@ -276,8 +274,8 @@ void Cluster::RecordQueues(ClusterStats* stats) {
   {
     // The ledger keeps each queue's allocations and devices as they are added and erased:
     // O(queues) here, not O(jobs).
-    absl::MutexLock lock(&state_.mu);
-    for (const auto& [queue, hold] : state_.allocations.HeldByQueue()) {
+    GuardedLedger::Hold held(&ledger_);
+    for (const auto& [queue, hold] : held->HeldByQueue()) {
       if (!implicit) {
         auto it = stats->queues.find(CountingQueue(queue, *config));
         if (it != stats->queues.end()) it->second.running_jobs += hold.allocations;

@@ -1,6 +1,7 @@
 // Cluster: the coordinator's control loop over its workers, composed of its parts over the node
-// registry (membership and liveness, its own lock) and one shared ClusterState (the allocation
-// ledger under the cluster lock, each node's orders):
+// registry (membership and liveness, its own lock), the allocation ledger (the live attempts,
+// behind the cluster lock: guarded_ledger.h) and the ClusterState they share (options, store,
+// each node's orders):
 // WorkerProtocol answers workers (registrations, heartbeats, reports), AttemptFate decides what
 // becomes of attempts that failed, moved or succeeded, and SchedulingPass runs a pass (Tick):
 // liveness, the attempts' ends, the devices of ended attempts freed, one gang scheduling pass over
@@ -14,12 +15,12 @@
 // longer fits (a node is gone) is planned again for the devices that are free. Trainers resume
 // from the newest complete checkpoint themselves.
 //
-// Thread safety: all methods may be called from any thread. One absl::Mutex (ClusterState::mu)
-// guards the ledger, and the registry guards itself (taken after mu where both are); each is
-// held only for short phases and never across a store write: what is decided under them (a job
-// to RUNNING, SUCCEEDED, RESTARTING or FAILED, a placement, a node record) is stored after they
-// are released, and an attempt whose end is being stored keeps
-// its devices until the write is stored. A scheduling pass plans and schedules without it (see
+// Thread safety: all methods may be called from any thread. The cluster lock guards the ledger
+// and is held only as a GuardedLedger::Hold (guarded_ledger.h); the registry guards itself (taken
+// after mu where both are); each is held only for short phases and never across a store write: what
+// is decided under them (a job to RUNNING, SUCCEEDED, RESTARTING or FAILED, a placement, a node
+// record) is stored after they are released, and an attempt whose end is being stored keeps its
+// devices until the write is stored. A scheduling pass plans and schedules without it (see
 // scheduling_pass.h), so heartbeats are not held up by a pass on a large cluster.
 #pragma once
 
@@ -41,6 +42,7 @@
 #include "coordinator/cluster/allocation_ledger.h"
 #include "coordinator/cluster/attempt_fate.h"
 #include "coordinator/cluster/cluster_state.h"
+#include "coordinator/cluster/guarded_ledger.h"
 #include "coordinator/cluster/queue_status.h"
 #include "coordinator/cluster/scheduling_pass.h"
 #include "coordinator/cluster/worker_protocol.h"
@@ -131,16 +133,18 @@ class Cluster {
 
  private:
   // One node's view for the node actions: free devices and the jobs on it.
-  v1::Node NodeView(const v1::Node& node) ABSL_LOCKS_EXCLUDED(state_.mu);
+  v1::Node NodeView(const v1::Node& node);
   // DrainNode's moves: with `checkpoint`, each attempt running as placed on `node_id` is asked to
   // save a checkpoint and stop (kMoving); the others are listed as remaining.
-  void DrainLockedMoves(const std::string& node_id, bool checkpoint,
-                        v1::DrainNodeResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
+  void DrainLockedMoves(GuardedLedger::Hold& held, const std::string& node_id, bool checkpoint,
+                        v1::DrainNodeResponse* response);
   // After each pass: each queue's running jobs into stats->queues (without a queue file, the
   // implicit queue's devices and jobs), kept for ListQueues.
-  void RecordQueues(ClusterStats* stats) ABSL_LOCKS_EXCLUDED(state_.mu, queues_mu_);
+  void RecordQueues(ClusterStats* stats) ABSL_LOCKS_EXCLUDED(queues_mu_);
 
   ClusterState state_;
+  // The live attempts behind the cluster lock.
+  GuardedLedger ledger_;
   // Declared after state_: it tells state_.orders which nodes are known and lost.
   NodeRegistry nodes_;
   AttemptFate fate_;
@@ -152,7 +156,7 @@ class Cluster {
   bool pass_requested_ ABSL_GUARDED_BY(wake_mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(wake_mu_) = false;
 
-  // The latest pass's queue figures (RecordQueues). Never taken with state_.mu held.
+  // The latest pass's queue figures (RecordQueues). Never taken with the ledger held.
   absl::Mutex queues_mu_;
   std::map<std::string, ClusterStats::QueueFigures> queue_figures_ ABSL_GUARDED_BY(queues_mu_);
 };

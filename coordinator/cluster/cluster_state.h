@@ -1,14 +1,10 @@
-// ClusterState: the attempts the coordinator's control loop runs (the allocation ledger) under
-// the cluster lock `mu`, each node's orders (the order outbox, its own lock), and the options
-// and the statistics of the cluster, shared by the parts Cluster is made of (WorkerProtocol:
-// registrations, heartbeats, reports; AttemptFate: failures, decisions, moves, successes;
-// SchedulingPass: the gang scheduling pass). Node membership and liveness are not here: the
-// NodeRegistry owns them under its own lock and the parts are handed it.
+// ClusterState: what the parts Cluster is made of share besides the owners they are handed (the
+// node registry, the allocation ledger behind the cluster lock): the options and the statistics
+// of the cluster, the store, and each node's orders (the order outbox, which keeps its own lock).
+// The parts: WorkerProtocol (registrations, heartbeats, reports), AttemptFate (failures,
+// decisions, moves, successes), SchedulingPass (the gang scheduling pass).
 //
-// Thread safety: `mu` guards the ledger; the order outbox (each node's orders and their
-// announcement to its WatchAssignments stream) guards itself. Code that holds `mu` makes no
-// store write and, but for Cluster::Recover's reads at startup, no store call at all. Lock
-// order: mu, then the registry's lock, then the outbox's.
+// Thread safety: immutable but for the outbox, which guards itself.
 #pragma once
 
 #include <cstdint>
@@ -18,10 +14,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
-#include "coordinator/cluster/allocation_ledger.h"
 #include "coordinator/nodes/order_outbox.h"
 #include "coordinator/queues/queue_config.h"
 #include "coordinator/queues/queue_file.h"
@@ -131,10 +125,9 @@ struct ClusterState {
   Store* const store;
   const ClusterOptions options;
 
-  absl::Mutex mu;
-  // Each node's orders and their announcement; its own lock (taken after mu where both are).
+  // Each node's orders and their announcement; its own lock (taken after the ledger's and the
+  // registry's where they are held).
   OrderOutbox orders;
-  AllocationLedger allocations ABSL_GUARDED_BY(mu);
 };
 
 }  // namespace tessera::coordinator

@@ -7,19 +7,18 @@
 
 namespace tessera::coordinator {
 
-void CountClusterLocked(ClusterState& state, const NodeRegistry& nodes, AttemptFate& fate,
-                        ClusterStats* stats) {
+void CountClusterLocked(GuardedLedger::Hold& held, ClusterState& state, const NodeRegistry& nodes,
+                        AttemptFate& fate, ClusterStats* stats) {
   // Counted in place: copying every node record (or capacity) here cost more than the pass.
-  NodeRegistry::Tally tally = nodes.Count(state.allocations.Used());
+  NodeRegistry::Tally tally = nodes.Count(held->Used());
   stats->nodes = std::move(tally.nodes);
   stats->gpus_total = tally.gpus_total;
   stats->gpus_allocated = tally.gpus_allocated;
   stats->cpu_slots_total = tally.cpu_slots_total;
   stats->cpu_slots_allocated = tally.cpu_slots_allocated;
-  fate.AssertLockHeld();
   stats->restarts = fate.restarts();
   stats->failures = fate.failures();
-  for (auto& [job_id, allocation] : state.allocations.all()) {
+  for (auto& [job_id, allocation] : held->all()) {
     if (allocation.phase != Allocation::Phase::kRunning || allocation.rank_times.empty()) {
       continue;
     }

@@ -15,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "coordinator/cluster/attempt_fate.h"
 #include "coordinator/cluster/cluster_state.h"
+#include "coordinator/cluster/guarded_ledger.h"
 #include "coordinator/cluster/pass_snapshot.h"
 #include "coordinator/nodes/node_registry.h"
 #include "coordinator/queues/queue_config.h"
@@ -23,8 +24,8 @@
 
 namespace tessera::coordinator {
 
-void CountClusterLocked(ClusterState& state, const NodeRegistry& nodes, AttemptFate& fate,
-                        ClusterStats* stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+void CountClusterLocked(GuardedLedger::Hold& held, ClusterState& state, const NodeRegistry& nodes,
+                        AttemptFate& fate, ClusterStats* stats);
 
 // `waiting`: the pass's waiting jobs (those of `snapshot.waiting` count); `preemptions`:
 // PreemptionStage::counts().

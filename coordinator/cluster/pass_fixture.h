@@ -1,7 +1,7 @@
 // PassFixture: the fixture of the scheduling pass's in-process tests (scheduling_pass_test.cc
-// and the stages' own tests): a ClusterState and a NodeRegistry whose nodes the test registers
-// directly, an in-memory store, a job manager and an AttemptFate on one SimulatedClock. No Cluster,
-// no threads, no sleeps.
+// and the stages' own tests): a ClusterState, a GuardedLedger and a NodeRegistry whose nodes the
+// test registers directly, an in-memory store, a job manager and an AttemptFate on one
+// SimulatedClock. No Cluster, no threads, no sleeps.
 //
 // Thread safety: a gtest fixture, used from the test's thread.
 #pragma once
@@ -71,7 +71,7 @@ class PassFixture : public ::testing::Test {
 
   // The orders a heartbeat from `node` would carry now.
   v1::HeartbeatResponse Orders(const std::string& node) {
-    absl::MutexLock lock(&state_->mu);
+    GuardedLedger::Hold held(ledger_.get());
     v1::HeartbeatResponse response;
     state_->orders.TakeOrders(node, &response);
     return response;
@@ -79,16 +79,16 @@ class PassFixture : public ::testing::Test {
 
   // Whether `job_id` holds devices, and whether its placement is still being stored.
   bool Allocated(const std::string& job_id, bool* storing = nullptr) {
-    absl::MutexLock lock(&state_->mu);
-    const Allocation* allocation = state_->allocations.Find(job_id);
+    GuardedLedger::Hold held(ledger_.get());
+    const Allocation* allocation = held->Find(job_id);
     if (allocation != nullptr && storing != nullptr) *storing = allocation->storing;
     return allocation != nullptr;
   }
 
   // The waiting jobs as a pass lists them, and the snapshot taken over them.
   PassSnapshot Snapshot(const std::vector<v1::Job>& waiting) {
-    absl::MutexLock lock(&state_->mu);
-    return TakePassSnapshotLocked(*state_, *nodes_, waiting, nullptr);
+    GuardedLedger::Hold held(ledger_.get());
+    return TakePassSnapshotLocked(held, *state_, *nodes_, waiting, nullptr);
   }
   std::vector<v1::Job> Waiting() {
     auto waiting = store_->ListWaitingJobs();
@@ -121,9 +121,9 @@ class PassFixture : public ::testing::Test {
   // The reservation stage over a proposal.
   Reservation Reserve(Proposal& proposal) {
     auto assignments = MakeAssignments(*state_, proposal.result.placed, proposal.jobs());
-    absl::MutexLock lock(&state_->mu);
-    return ReserveLocked(*state_, *nodes_, proposal.result.placed, proposal.snapshot.generation,
-                         proposal.jobs(), std::move(assignments));
+    GuardedLedger::Hold held(ledger_.get());
+    return ReserveLocked(held, *state_, *nodes_, proposal.result.placed,
+                         proposal.snapshot.generation, proposal.jobs(), std::move(assignments));
   }
   // The writes of a reservation's placements (as the pass makes them).
   PassWrites Writes(Proposal& proposal, const Reservation& reservation) {
@@ -141,7 +141,7 @@ class PassFixture : public ::testing::Test {
   std::set<std::string> PlaceAll() {
     std::unique_ptr<Proposal> proposal = Propose();
     const Reservation reservation = Reserve(*proposal);
-    StoreStage store(state_.get(), jobs_.get());
+    StoreStage store(state_.get(), ledger_.get(), jobs_.get());
     return store.Store(Writes(*proposal, reservation));
   }
 
@@ -149,6 +149,7 @@ class PassFixture : public ::testing::Test {
   std::unique_ptr<Store> store_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<ClusterState> state_;
+  std::unique_ptr<GuardedLedger> ledger_ = std::make_unique<GuardedLedger>();
   std::unique_ptr<NodeRegistry> nodes_;
   std::unique_ptr<AttemptFate> fate_;
 };

@@ -17,6 +17,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "coordinator/cluster/cluster_state.h"
+#include "coordinator/cluster/guarded_ledger.h"
 #include "coordinator/nodes/node_registry.h"
 #include "coordinator/queues/queue_config.h"
 #include "coordinator/scheduler/scheduler.h"
@@ -39,9 +40,8 @@ struct PassSnapshot {
 
 // `waiting`: the PENDING and RESTARTING jobs (Store::ListWaitingJobs); `queues`: the
 // configuration for this pass (QueueFile::Current, read before the lock), or null.
-PassSnapshot TakePassSnapshotLocked(ClusterState& state, const NodeRegistry& nodes,
-                                    const std::vector<v1::Job>& waiting,
-                                    std::shared_ptr<const QueueConfig> queues)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+PassSnapshot TakePassSnapshotLocked(GuardedLedger::Hold& held, ClusterState& state,
+                                    const NodeRegistry& nodes, const std::vector<v1::Job>& waiting,
+                                    std::shared_ptr<const QueueConfig> queues);
 
 }  // namespace tessera::coordinator

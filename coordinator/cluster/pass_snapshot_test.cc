@@ -49,8 +49,8 @@ queues:
 )");
   ASSERT_THAT(config.status(), ::tessera::testing::IsOk());
   auto queues = std::make_shared<const QueueConfig>(*std::move(config));
-  absl::MutexLock lock(&state_->mu);
-  const PassSnapshot snapshot = TakePassSnapshotLocked(*state_, *nodes_, {}, queues);
+  GuardedLedger::Hold held(ledger_.get());
+  const PassSnapshot snapshot = TakePassSnapshotLocked(held, *state_, *nodes_, {}, queues);
   EXPECT_EQ(snapshot.queues, queues);
   EXPECT_EQ(snapshot.queue_use.at("shared").cpu_slots, 2);
   EXPECT_THAT(snapshot.waiting, IsEmpty());

@@ -11,7 +11,8 @@
 
 namespace tessera::coordinator {
 
-void PreemptionStage::RunLocked(ClusterState& state, const PassSnapshot& snapshot,
+void PreemptionStage::RunLocked(GuardedLedger::Hold& held, ClusterState& state,
+                                const PassSnapshot& snapshot,
                                 std::vector<QueuedRequest> held_by_quota,
                                 const std::vector<GangRequest>& unplaced,
                                 const std::map<std::string, std::string>& queue_of,
@@ -19,13 +20,14 @@ void PreemptionStage::RunLocked(ClusterState& state, const PassSnapshot& snapsho
                                 std::vector<JobManager::TransitionRequest>* writes) {
   const size_t before = writes->size();
   if (!held_by_quota.empty()) {
-    QuotaLocked(state, snapshot, std::move(held_by_quota), reasons, writes);
+    QuotaLocked(held, state, snapshot, std::move(held_by_quota), reasons, writes);
   }
   if (writes->size() == before)
-    CapacityLocked(state, snapshot, unplaced, queue_of, reasons, writes);
+    CapacityLocked(held, state, snapshot, unplaced, queue_of, reasons, writes);
 }
 
-void PreemptionStage::QuotaLocked(ClusterState& state, const PassSnapshot& snapshot,
+void PreemptionStage::QuotaLocked(GuardedLedger::Hold& held, ClusterState& state,
+                                  const PassSnapshot& snapshot,
                                   std::vector<QueuedRequest> held_requests,
                                   std::map<std::string, std::string>* reasons,
                                   std::vector<JobManager::TransitionRequest>* writes) {
@@ -33,7 +35,7 @@ void PreemptionStage::QuotaLocked(ClusterState& state, const PassSnapshot& snaps
   const QueueConfig& config = *snapshot.queues;
   const absl::Time now = state.Now();
   std::vector<RunningJob> running;
-  for (const auto& [job_id, allocation] : state.allocations.all()) {
+  for (const auto& [job_id, allocation] : held->all()) {
     // Victims still saving their checkpoint free nothing yet: decide again once they have.
     if (!allocation.preempted.empty() && allocation.phase == Allocation::Phase::kMoving) return;
     if (allocation.phase != Allocation::Phase::kRunning || allocation.storing ||
@@ -62,27 +64,27 @@ void PreemptionStage::QuotaLocked(ClusterState& state, const PassSnapshot& snaps
     if (!heads_tried.emplace(request.queue, request.use_gpus).second) continue;
     const PreemptionDecision decision = SelectPreemption(config, running, request);
     if (decision.victims.empty()) continue;
-    VictimsLocked(state, request.job_id, absl::StrCat(" of queue ", request.queue), decision,
+    VictimsLocked(held, state, request.job_id, absl::StrCat(" of queue ", request.queue), decision,
                   config.preemption_checkpoint_deadline, &config, reasons, writes);
     return;
   }
 }
 
-void PreemptionStage::VictimsLocked(ClusterState& state, const std::string& for_job,
-                                    const std::string& label, const PreemptionDecision& decision,
-                                    absl::Duration deadline, const QueueConfig* config,
+void PreemptionStage::VictimsLocked(GuardedLedger::Hold& held, ClusterState& state,
+                                    const std::string& for_job, const std::string& label,
+                                    const PreemptionDecision& decision, absl::Duration deadline,
+                                    const QueueConfig* config,
                                     std::map<std::string, std::string>* reasons,
                                     std::vector<JobManager::TransitionRequest>* writes) {
   const absl::Time now = state.Now();
   std::vector<std::string> names;
   for (const Victim& victim : decision.victims) {
-    Allocation* allocation = state.allocations.Find(victim.job_id);
+    Allocation* allocation = held->Find(victim.job_id);
     if (allocation == nullptr) continue;
     allocation->preempted = absl::StrCat("preempted by ", for_job, label, " (", victim.reason, ")");
     allocation->preempted_time = now;
     allocation->preemption_deadline = deadline;
-    fate_->AssertLockHeld();
-    fate_->MoveLocked(victim.job_id, *allocation);
+    fate_->MoveLocked(held, victim.job_id, *allocation);
     names.push_back(victim.job_id);
     const std::string queue =
         config != nullptr ? CountingQueue(allocation->queue, *config) : allocation->queue;
@@ -106,7 +108,8 @@ void PreemptionStage::VictimsLocked(ClusterState& state, const std::string& for_
                                      " to save a checkpoint and stop (", decision.reason, ")");
 }
 
-void PreemptionStage::CapacityLocked(ClusterState& state, const PassSnapshot& snapshot,
+void PreemptionStage::CapacityLocked(GuardedLedger::Hold& held, ClusterState& state,
+                                     const PassSnapshot& snapshot,
                                      const std::vector<GangRequest>& unplaced,
                                      const std::map<std::string, std::string>& queues,
                                      std::map<std::string, std::string>* reasons,
@@ -122,7 +125,7 @@ void PreemptionStage::CapacityLocked(ClusterState& state, const PassSnapshot& sn
   for (const GangRequest& request : unplaced) highest = std::max(highest, request.priority);
   const absl::Time now = state.Now();
   std::vector<RunningGang> running;
-  for (const auto& [job_id, allocation] : state.allocations.all()) {
+  for (const auto& [job_id, allocation] : held->all()) {
     // Victims still saving their checkpoint free nothing yet: decide again once they have.
     if (!allocation.preempted.empty() && allocation.phase == Allocation::Phase::kMoving) return;
     if (allocation.priority >= highest || allocation.phase != Allocation::Phase::kRunning ||
@@ -139,7 +142,7 @@ void PreemptionStage::CapacityLocked(ClusterState& state, const PassSnapshot& sn
   }
   if (running.empty()) return;
   const std::vector<NodeCapacity> capacity =
-      NodeRegistry::Subtract(*nodes_->Summaries().summaries, state.allocations.Used());
+      NodeRegistry::Subtract(*nodes_->Summaries().summaries, held->Used());
   // The highest priority first, one decision per pass (its victims stop before the next).
   std::vector<const GangRequest*> order;
   for (const GangRequest& request : unplaced) order.push_back(&request);
@@ -158,7 +161,7 @@ void PreemptionStage::CapacityLocked(ClusterState& state, const PassSnapshot& sn
     const PreemptionDecision decision =
         SelectCapacityPreemption(running, *request, label, capacity);
     if (decision.victims.empty()) continue;
-    VictimsLocked(state, request->job_id, absl::StrCat(" of queue ", label), decision,
+    VictimsLocked(held, state, request->job_id, absl::StrCat(" of queue ", label), decision,
                   config != nullptr ? config->preemption_checkpoint_deadline
                                     : kDefaultPreemptionCheckpointDeadline,
                   config, reasons, writes);

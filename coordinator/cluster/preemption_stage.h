@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "coordinator/cluster/attempt_fate.h"
 #include "coordinator/cluster/cluster_state.h"
+#include "coordinator/cluster/guarded_ledger.h"
 #include "coordinator/cluster/pass_snapshot.h"
 #include "coordinator/jobs/job_manager.h"
 #include "coordinator/nodes/node_registry.h"
@@ -40,12 +41,11 @@ class PreemptionStage {
   // `held_by_quota`: the requests the queues' quotas held back (QueueStage::Admit);
   // `unplaced`: the requests the scheduler tried and could not place, and `queue_of` each one's
   // Job.queue. Adds the victims' moves to `writes` and the preempting job's reason to `reasons`.
-  void RunLocked(ClusterState& state, const PassSnapshot& snapshot,
+  void RunLocked(GuardedLedger::Hold& held, ClusterState& state, const PassSnapshot& snapshot,
                  std::vector<QueuedRequest> held_by_quota, const std::vector<GangRequest>& unplaced,
                  const std::map<std::string, std::string>& queue_of,
                  std::map<std::string, std::string>* reasons,
-                 std::vector<JobManager::TransitionRequest>* writes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+                 std::vector<JobManager::TransitionRequest>* writes);
 
   // Jobs preempted since the coordinator started, by the victim's queue, then reason
   // (PreemptionKindName).
@@ -54,25 +54,23 @@ class PreemptionStage {
   }
 
  private:
-  void QuotaLocked(ClusterState& state, const PassSnapshot& snapshot,
+  void QuotaLocked(GuardedLedger::Hold& held, ClusterState& state, const PassSnapshot& snapshot,
                    std::vector<QueuedRequest> held_requests,
                    std::map<std::string, std::string>* reasons,
-                   std::vector<JobManager::TransitionRequest>* writes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
-  void CapacityLocked(ClusterState& state, const PassSnapshot& snapshot,
+                   std::vector<JobManager::TransitionRequest>* writes);
+  void CapacityLocked(GuardedLedger::Hold& held, ClusterState& state, const PassSnapshot& snapshot,
                       const std::vector<GangRequest>& unplaced,
                       const std::map<std::string, std::string>& queues,
                       std::map<std::string, std::string>* reasons,
-                      std::vector<JobManager::TransitionRequest>* writes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+                      std::vector<JobManager::TransitionRequest>* writes);
   // Asks `decision`'s victims to save a checkpoint and stop within `deadline`, for `for_job`
   // (`label`: " of queue nlp"). `config`: the queues in force (null without a queue file), for
   // the counts.
-  void VictimsLocked(ClusterState& state, const std::string& for_job, const std::string& label,
-                     const PreemptionDecision& decision, absl::Duration deadline,
-                     const QueueConfig* config, std::map<std::string, std::string>* reasons,
-                     std::vector<JobManager::TransitionRequest>* writes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+  void VictimsLocked(GuardedLedger::Hold& held, ClusterState& state, const std::string& for_job,
+                     const std::string& label, const PreemptionDecision& decision,
+                     absl::Duration deadline, const QueueConfig* config,
+                     std::map<std::string, std::string>* reasons,
+                     std::vector<JobManager::TransitionRequest>* writes);
 
   const NodeRegistry* const nodes_;
   AttemptFate* const fate_;

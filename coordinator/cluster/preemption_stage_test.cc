@@ -24,9 +24,9 @@ class PreemptionStageTest : public PassFixture {
     for (const GangRequest& request : proposal->planned.requests) {
       queue_of[request.job_id] = proposal->planned.jobs.at(request.job_id)->queue();
     }
-    absl::MutexLock lock(&state_->mu);
-    stage.RunLocked(*state_, proposal->snapshot, {}, proposal->planned.requests, queue_of, reasons,
-                    writes);
+    GuardedLedger::Hold held(ledger_.get());
+    stage.RunLocked(held, *state_, proposal->snapshot, {}, proposal->planned.requests, queue_of,
+                    reasons, writes);
   }
 };
 
@@ -45,8 +45,8 @@ TEST_F(PreemptionStageTest, AHigherPriorityJobPreemptsALowerOneOnAFullCluster) {
   EXPECT_EQ(writes[0].state, v1::JOB_STATE_PREEMPTED);
   EXPECT_THAT(reasons[high], HasSubstr("waiting for " + low + " to save a checkpoint and stop"));
   {
-    absl::MutexLock lock(&state_->mu);
-    const Allocation* victim = state_->allocations.Find(low);
+    GuardedLedger::Hold held(ledger_.get());
+    const Allocation* victim = held->Find(low);
     ASSERT_NE(victim, nullptr);
     EXPECT_EQ(victim->phase, Allocation::Phase::kMoving);
     EXPECT_THAT(victim->preempted, HasSubstr("preempted by " + high));

@@ -33,17 +33,16 @@ void StampMetricsComplete(Store& store, const v1::Job& job,
 // Records the allocation of a placement and queues its orders held back
 // (NodeRegistry::ReleaseStart releases them); returns its master port, stored with the placement
 // so that a restarted coordinator reserves the same one.
-int ReserveOneLocked(ClusterState& state, const NodeRegistry& nodes, const v1::Job& job,
-                     const v1::JobSpec& spec, const GangPlacement& placement,
-                     std::map<std::string, v1::TaskAssignment> assignments)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu) {
+int ReserveOneLocked(GuardedLedger::Hold& held, ClusterState& state, const NodeRegistry& nodes,
+                     const v1::Job& job, const v1::JobSpec& spec, const GangPlacement& placement,
+                     std::map<std::string, v1::TaskAssignment> assignments) {
   Allocation allocation;
   allocation.attempt = job.attempt();
   allocation.queue = job.queue();
   allocation.priority = spec.priority();
   allocation.ranks = placement.ranks;
   allocation.master_node = placement.ranks.front().node_id();
-  allocation.master_port = state.allocations.FreeMasterPort(
+  allocation.master_port = held->FreeMasterPort(
       allocation.master_node, state.options.base_master_port, /*avoid=*/job.master_port());
   const int master_port = allocation.master_port;
   allocation.placed_time = state.Now();
@@ -59,7 +58,7 @@ int ReserveOneLocked(ClusterState& state, const NodeRegistry& nodes, const v1::J
     }
     state.orders.QueueStart(node_id, std::move(assignment), /*held=*/true);
   }
-  state.allocations.Add(job.job_id(), std::move(allocation));
+  held->Add(job.job_id(), std::move(allocation));
   return master_port;
 }
 
@@ -81,7 +80,7 @@ std::vector<std::map<std::string, v1::TaskAssignment>> MakeAssignments(
   return assignments;
 }
 
-Reservation ReserveLocked(ClusterState& state, const NodeRegistry& nodes,
+Reservation ReserveLocked(GuardedLedger::Hold& held, ClusterState& state, const NodeRegistry& nodes,
                           std::vector<GangPlacement>& placed, uint64_t generation,
                           const PlacedJobs& jobs,
                           std::vector<std::map<std::string, v1::TaskAssignment>> assignments) {
@@ -92,10 +91,10 @@ Reservation ReserveLocked(ClusterState& state, const NodeRegistry& nodes,
     for (const auto& rank : placement.ranks) {
       stale = stale || nodes.ChangedSince(rank.node_id(), generation);
     }
-    if (stale || state.allocations.Find(placement.job_id) != nullptr) continue;
+    if (stale || held->Find(placement.job_id) != nullptr) continue;
     nodes.IdentifyGpus(placement.ranks);
     reservation.master_ports[placement.job_id] =
-        ReserveOneLocked(state, nodes, *jobs.jobs.at(placement.job_id),
+        ReserveOneLocked(held, state, nodes, *jobs.jobs.at(placement.job_id),
                          jobs.specs.at(placement.job_id), placement, std::move(assignments[i]));
     reservation.placements.push_back(&placement);
   }

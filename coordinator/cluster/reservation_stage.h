@@ -21,6 +21,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "coordinator/cluster/cluster_state.h"
+#include "coordinator/cluster/guarded_ledger.h"
 #include "coordinator/nodes/node_registry.h"
 #include "coordinator/scheduler/scheduler.h"
 #include "tessera/v1/job.pb.h"
@@ -47,10 +48,9 @@ struct Reservation {
 
 // `assignments`: MakeAssignments' (moved from); `generation`: the snapshot's
 // (NodeRegistry::generation). Names the GPU ranks of `placed` in place.
-Reservation ReserveLocked(ClusterState& state, const NodeRegistry& nodes,
+Reservation ReserveLocked(GuardedLedger::Hold& held, ClusterState& state, const NodeRegistry& nodes,
                           std::vector<GangPlacement>& placed, uint64_t generation,
                           const PlacedJobs& jobs,
-                          std::vector<std::map<std::string, v1::TaskAssignment>> assignments)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+                          std::vector<std::map<std::string, v1::TaskAssignment>> assignments);
 
 }  // namespace tessera::coordinator

@@ -30,7 +30,7 @@ TEST_F(ReservationStageTest, APlacementBecomesAnAllocationWithItsOrdersHeldBack)
   // Held back: nothing goes out before the placement is stored.
   EXPECT_THAT(Orders("n1").start(), SizeIs(0));
   {
-    absl::MutexLock lock(&state_->mu);
+    GuardedLedger::Hold held(ledger_.get());
     EXPECT_TRUE(state_->orders.ReleaseStart("n1", TaskId(job_id, 0, "n1")));
   }
   const v1::HeartbeatResponse orders = Orders("n1");

@@ -63,10 +63,10 @@ PassWrites SchedulingPass::Place(const std::vector<v1::Job>& active, const PassS
   Reservation reservation;
   std::vector<JobManager::TransitionRequest> preempted;  // the victims' moves to PREEMPTED
   {
-    TimedLock lock(&state_->mu, stats);
-    reservation = ReserveLocked(*state_, *nodes_, result.placed, snapshot.generation, jobs,
+    GuardedLedger::Hold held(ledger_, &stats->lock_held_seconds, &stats->longest_lock_hold_seconds);
+    reservation = ReserveLocked(held, *state_, *nodes_, result.placed, snapshot.generation, jobs,
                                 std::move(assignments));
-    preemption_stage_.RunLocked(*state_, snapshot, std::move(quota_held.requests), unplaced,
+    preemption_stage_.RunLocked(held, *state_, snapshot, std::move(quota_held.requests), unplaced,
                                 queue_of, &result.pending_reasons, &preempted);
   }
   phase.Next("admit");
@@ -114,8 +114,8 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
   phase.Next("list");
   std::vector<AttemptFate::Ending> endings;
   {
-    TimedLock lock(&state_->mu, &stats);
-    endings = SettleLocked(*state_, *fate_, count, now, active.ok() ? &active_ids : nullptr);
+    GuardedLedger::Hold held(ledger_, &stats.lock_held_seconds, &stats.longest_lock_hold_seconds);
+    endings = SettleLocked(held, *fate_, count, now, active.ok() ? &active_ids : nullptr);
   }
   // The node records changed (registrations, nodes lost; a write that failed before) and the
   // attempts' ends are stored with the lock released: heartbeats go on meanwhile. An ending
@@ -125,10 +125,10 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
   PassSnapshot snapshot;
   bool relist = false;
   {
-    TimedLock lock(&state_->mu, &stats);
-    relist = FreeEndedLocked(*state_, *fate_, endings, active.ok() ? &active_ids : nullptr);
+    GuardedLedger::Hold held(ledger_, &stats.lock_held_seconds, &stats.longest_lock_hold_seconds);
+    relist = FreeEndedLocked(held, *fate_, endings, active.ok() ? &active_ids : nullptr);
     if (active.ok() && !relist && waiting.ok()) {
-      snapshot = TakePassSnapshotLocked(*state_, *nodes_, *waiting, queues);
+      snapshot = TakePassSnapshotLocked(held, *state_, *nodes_, *waiting, queues);
     }
   }
   phase.Next("settle");
@@ -138,8 +138,8 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
     waiting = state_->store->ListWaitingJobs();
     phase.Next("list");
     if (waiting.ok()) {
-      TimedLock lock(&state_->mu, &stats);
-      snapshot = TakePassSnapshotLocked(*state_, *nodes_, *waiting, queues);
+      GuardedLedger::Hold held(ledger_, &stats.lock_held_seconds, &stats.longest_lock_hold_seconds);
+      snapshot = TakePassSnapshotLocked(held, *state_, *nodes_, *waiting, queues);
     }
     phase.Next("settle");
   }
@@ -173,8 +173,8 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
   }
   if (!count) return stats;
   {
-    TimedLock lock(&state_->mu, &stats);
-    CountClusterLocked(*state_, *nodes_, *fate_, &stats);
+    GuardedLedger::Hold held(ledger_, &stats.lock_held_seconds, &stats.longest_lock_hold_seconds);
+    CountClusterLocked(held, *state_, *nodes_, *fate_, &stats);
   }
   // Ended jobs are counted by the store (the active ones above, as this pass left them).
   if (auto ended = state_->store->CountEndedJobs(); ended.ok()) {

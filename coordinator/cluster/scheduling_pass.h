@@ -26,7 +26,7 @@
 // NodeRegistry::ChangedSince tells: that gang waits for the next pass.
 //
 // Thread safety: Run may be called from any thread; passes are serialized by pass_mu_ (taken
-// before the cluster lock ClusterState::mu), which also guards the stages' memory between passes.
+// before the cluster lock, the ledger's), which also guards the stages' memory between passes.
 // The store thread (HandOffThread) guards its hand-over itself.
 #pragma once
 
@@ -41,6 +41,7 @@
 #include "coordinator/cluster/attempt_fate.h"
 #include "coordinator/cluster/cluster_state.h"
 #include "coordinator/cluster/fair_share_saver.h"
+#include "coordinator/cluster/guarded_ledger.h"
 #include "coordinator/cluster/pass_snapshot.h"
 #include "coordinator/cluster/preemption_stage.h"
 #include "coordinator/cluster/store_stage.h"
@@ -54,13 +55,15 @@ namespace tessera::coordinator {
 
 class SchedulingPass {
  public:
-  // `state`, `nodes`, `jobs` and `fate` must outlive the pass.
-  SchedulingPass(ClusterState* state, NodeRegistry* nodes, JobManager* jobs, AttemptFate* fate)
+  // `state`, `ledger`, `nodes`, `jobs` and `fate` must outlive the pass.
+  SchedulingPass(ClusterState* state, GuardedLedger* ledger, NodeRegistry* nodes, JobManager* jobs,
+                 AttemptFate* fate)
       : state_(state),
+        ledger_(ledger),
         nodes_(nodes),
         fate_(fate),
         preemption_stage_(nodes, fate),
-        store_stage_(state, jobs),
+        store_stage_(state, ledger, jobs),
         fair_share_saver_(state->store) {}
   // Stops the store thread (after storing what it was handed).
   ~SchedulingPass();
@@ -69,7 +72,7 @@ class SchedulingPass {
 
   // One pass (see Cluster::Tick for `count`). With `overlap_store`, its writes are handed to the
   // store thread (StartStoreThread first) instead of being stored before it returns.
-  ClusterStats Run(bool count, bool overlap_store) ABSL_LOCKS_EXCLUDED(pass_mu_, state_->mu);
+  ClusterStats Run(bool count, bool overlap_store) ABSL_LOCKS_EXCLUDED(pass_mu_);
 
   // The thread that stores the writes of passes run with `overlap_store`. Stop stores what was
   // handed over before it returns.
@@ -93,10 +96,10 @@ class SchedulingPass {
   // Queues, plan, schedule, reserve, preempt for the waiting jobs (`waiting`, from
   // ListWaitingJobs); returns the writes that store the pass (placements and reasons).
   PassWrites Place(const std::vector<v1::Job>& waiting, const PassSnapshot& snapshot,
-                   ClusterStats* stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_)
-      ABSL_LOCKS_EXCLUDED(state_->mu);
+                   ClusterStats* stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(pass_mu_);
 
   ClusterState* const state_;
+  GuardedLedger* const ledger_;
   NodeRegistry* const nodes_;
   AttemptFate* const fate_;
 

@@ -39,7 +39,8 @@ class SchedulingPassTest : public PassFixture {
  protected:
   void SetUp() override {
     PassFixture::SetUp();
-    pass_ = std::make_unique<SchedulingPass>(state_.get(), nodes_.get(), jobs_.get(), fate_.get());
+    pass_ = std::make_unique<SchedulingPass>(state_.get(), ledger_.get(), nodes_.get(), jobs_.get(),
+                                             fate_.get());
   }
 
   std::unique_ptr<SchedulingPass> pass_;
@@ -100,8 +101,8 @@ TEST_F(SchedulingPassTest, AHigherPriorityJobPreemptsALowerOneWhenTheClusterIsFu
   EXPECT_EQ(Job(peer).state(), v1::JOB_STATE_PENDING);
   EXPECT_THAT(Orders("n1").checkpoint_and_stop(), SizeIs(1));
   {
-    absl::MutexLock lock(&state_->mu);
-    state_->allocations.Find(low)->SetTaskState("n1", v1::TASK_STATE_STOPPED);
+    GuardedLedger::Hold held(ledger_.get());
+    held->Find(low)->SetTaskState("n1", v1::TASK_STATE_STOPPED);
   }
   for (int i = 0; i < 3 && Job(high).state() == v1::JOB_STATE_PENDING; ++i) {
     clock_.Advance(absl::Seconds(1));
@@ -240,14 +241,13 @@ TEST_F(SchedulingPassTest, AFailedAttemptIsRestartedOnceItsEndIsStored) {
   ASSERT_EQ(Job(job_id).state(), v1::JOB_STATE_SCHEDULED);
   ASSERT_THAT(Orders("n1").start(), SizeIs(1));  // delivered; then the task fails
   {
-    absl::MutexLock lock(&state_->mu);
+    GuardedLedger::Hold held(ledger_.get());
     v1::TrainerFailure failure;
     failure.set_kind(v1::FAILURE_KIND_OUT_OF_MEMORY);
     failure.set_rank(0);
     failure.set_node_id("n1");
-    fate_->AssertLockHeld();
-    fate_->AddFailureLocked(job_id, 0, failure);
-    state_->allocations.Find(job_id)->SetTaskState("n1", v1::TASK_STATE_FAILED);
+    fate_->AddFailureLocked(held, job_id, 0, failure);
+    held->Find(job_id)->SetTaskState("n1", v1::TASK_STATE_FAILED);
   }
   bool fail = true;
   store_->SetWriteFailureInjector([&](const std::string& id) {
@@ -257,8 +257,8 @@ TEST_F(SchedulingPassTest, AFailedAttemptIsRestartedOnceItsEndIsStored) {
   EXPECT_EQ(Job(job_id).restarts(), 0);
   ASSERT_TRUE(Allocated(job_id));
   {
-    absl::MutexLock lock(&state_->mu);
-    EXPECT_EQ(state_->allocations.Find(job_id)->phase, Allocation::Phase::kFailing);
+    GuardedLedger::Hold held(ledger_.get());
+    EXPECT_EQ(held->Find(job_id)->phase, Allocation::Phase::kFailing);
   }
 
   fail = false;
@@ -307,7 +307,8 @@ struct QueuedPass {
     nodes = std::make_unique<NodeRegistry>(store.get(), options.heartbeat_timeout,
                                            /*write_behind=*/true, &clock, &state->orders);
     fate = std::make_unique<AttemptFate>(state.get(), nodes.get(), jobs.get());
-    pass = std::make_unique<SchedulingPass>(state.get(), nodes.get(), jobs.get(), fate.get());
+    pass = std::make_unique<SchedulingPass>(state.get(), ledger.get(), nodes.get(), jobs.get(),
+                                            fate.get());
     v1::RegisterNodeRequest request;
     request.set_node_id("n1");
     request.set_address("n1:7000");
@@ -329,7 +330,7 @@ struct QueuedPass {
   }
   // Takes n1's queued orders, as its heartbeat would (starts delivered, stops sent).
   v1::HeartbeatResponse TakeOrders() {
-    absl::MutexLock lock(&state->mu);
+    GuardedLedger::Hold held(ledger.get());
     v1::HeartbeatResponse orders;
     state->orders.TakeOrders("n1", &orders);
     return orders;
@@ -350,6 +351,7 @@ struct QueuedPass {
   std::unique_ptr<Store> store;
   std::unique_ptr<JobManager> jobs;
   std::unique_ptr<ClusterState> state;
+  std::unique_ptr<GuardedLedger> ledger = std::make_unique<GuardedLedger>();
   std::unique_ptr<NodeRegistry> nodes;
   std::unique_ptr<AttemptFate> fate;
   std::unique_ptr<SchedulingPass> pass;
@@ -378,7 +380,6 @@ queues:
   QueuedPass queued;
   ASSERT_NO_FATAL_FAILURE(queued.Init(path));
   SimulatedClock& clock = queued.clock;
-  ClusterState& state = *queued.state;
   JobManager& jobs = *queued.jobs;
   SchedulingPass& pass = *queued.pass;
   auto submit = [&](const std::string& owner, int slots) { return queued.Submit(owner, slots); };
@@ -402,8 +403,8 @@ queues:
   // The first job ends: its slots come back to nlp, and the second is placed.
   ASSERT_THAT(jobs.Cancel(first, "done with it").status(), IsOk());
   {
-    absl::MutexLock lock(&state.mu);
-    Allocation* allocation = state.allocations.Find(first);
+    GuardedLedger::Hold held(queued.ledger.get());
+    Allocation* allocation = held->Find(first);
     ASSERT_NE(allocation, nullptr);
     allocation->SetTaskState("n1", v1::TASK_STATE_STOPPED);
   }
@@ -442,8 +443,8 @@ queues:
   // One of the two ends: the reason's figures change, nothing else.
   ASSERT_THAT(queued.jobs->Cancel(first, "done").status(), IsOk());
   {
-    absl::MutexLock lock(&queued.state->mu);
-    queued.state->allocations.Find(first)->SetTaskState("n1", v1::TASK_STATE_STOPPED);
+    GuardedLedger::Hold held(queued.ledger.get());
+    held->Find(first)->SetTaskState("n1", v1::TASK_STATE_STOPPED);
   }
   run(absl::Seconds(1));
   run(absl::Seconds(1));
@@ -502,7 +503,7 @@ TEST(SchedulingPassQueuesTest, LentQuotaIsReclaimedByCheckpointAndStop) {
                                           " to save a checkpoint and stop"));
   const std::string task = TaskId(borrowing, 0, "n1");
   {
-    absl::MutexLock lock(&state.mu);
+    GuardedLedger::Hold held(queued.ledger.get());
     v1::HeartbeatResponse orders;
     state.orders.TakeOrders("n1", &orders);
     ASSERT_THAT(orders.checkpoint_and_stop(), SizeIs(1));
@@ -510,11 +511,11 @@ TEST(SchedulingPassQueuesTest, LentQuotaIsReclaimedByCheckpointAndStop) {
     // The ranks get the queue file's deadline (the default, 120 s), not the worker's grace.
     ASSERT_TRUE(orders.checkpoint_deadline_seconds().contains(task));
     EXPECT_DOUBLE_EQ(orders.checkpoint_deadline_seconds().at(task), 120);
-    Allocation* victim = state.allocations.Find(borrowing);
+    Allocation* victim = held->Find(borrowing);
     ASSERT_NE(victim, nullptr);
     EXPECT_EQ(victim->phase, Allocation::Phase::kMoving);
     // Not preempted twice while the victim saves its checkpoint.
-    EXPECT_EQ(state.allocations.Find(own)->phase, Allocation::Phase::kRunning);
+    EXPECT_EQ(held->Find(own)->phase, Allocation::Phase::kRunning);
   }
   v1::Job victim = get(borrowing);
   EXPECT_EQ(victim.state(), v1::JOB_STATE_PREEMPTED);
@@ -531,8 +532,8 @@ TEST(SchedulingPassQueuesTest, LentQuotaIsReclaimedByCheckpointAndStop) {
   *checkpoint.mutable_create_time() = ToProto(asked + absl::Seconds(3));
   ASSERT_THAT(queued.jobs->RecordReports(borrowing, {}, {}, {checkpoint}), IsOk());
   {
-    absl::MutexLock lock(&state.mu);
-    state.allocations.Find(borrowing)->SetTaskState("n1", v1::TASK_STATE_STOPPED);
+    GuardedLedger::Hold held(queued.ledger.get());
+    held->Find(borrowing)->SetTaskState("n1", v1::TASK_STATE_STOPPED);
   }
   for (int i = 0; i < 3 && get(reclaiming).state() == v1::JOB_STATE_PENDING; ++i) run();
   EXPECT_EQ(get(reclaiming).state(), v1::JOB_STATE_SCHEDULED) << get(reclaiming).reason();
@@ -581,8 +582,8 @@ TEST(SchedulingPassQueuesTest, TheVictimIsTheJobWithTheNewestCheckpointNotTheNew
   queued.clock.Advance(absl::Seconds(9));
   {
     // What the worker protocol records when placed_first's checkpoint report arrives.
-    absl::MutexLock lock(&queued.state->mu);
-    queued.state->allocations.Find(placed_first)->last_checkpoint_time = queued.clock.Now();
+    GuardedLedger::Hold held(queued.ledger.get());
+    held->Find(placed_first)->last_checkpoint_time = queued.clock.Now();
   }
   queued.clock.Advance(absl::Seconds(1));
   const std::string reclaiming = queued.Submit("alice", 2);
@@ -615,11 +616,11 @@ TEST(SchedulingPassQueuesTest, APreemptedJobWithoutANewCheckpointSaysSo) {
   run();
   EXPECT_EQ(queued.Get(borrowing).state(), v1::JOB_STATE_PREEMPTED);
   {
-    absl::MutexLock lock(&queued.state->mu);
+    GuardedLedger::Hold held(queued.ledger.get());
     v1::HeartbeatResponse orders;
     queued.state->orders.TakeOrders("n1", &orders);
     EXPECT_DOUBLE_EQ(orders.checkpoint_deadline_seconds().at(TaskId(borrowing, 0, "n1")), 30);
-    queued.state->allocations.Find(borrowing)->SetTaskState("n1", v1::TASK_STATE_STOPPED);
+    held->Find(borrowing)->SetTaskState("n1", v1::TASK_STATE_STOPPED);
   }
   for (int i = 0; i < 3 && queued.Get(reclaiming).state() == v1::JOB_STATE_PENDING; ++i) run();
   const v1::Job victim = queued.Get(borrowing);
@@ -678,10 +679,11 @@ TEST(SchedulingPassQueuesTest, FairShareUsageSurvivesARestart) {
   options.clock = &clock;
   options.queues = queued.queues.get();
   ClusterState state(queued.store.get(), options);
+  GuardedLedger ledger;
   NodeRegistry nodes(queued.store.get(), options.heartbeat_timeout, /*write_behind=*/true, &clock,
                      &state.orders);
   AttemptFate fate(&state, &nodes, queued.jobs.get());
-  SchedulingPass restarted(&state, &nodes, queued.jobs.get(), &fate);
+  SchedulingPass restarted(&state, &ledger, &nodes, queued.jobs.get(), &fate);
   ClusterStats after = run(restarted);
   EXPECT_NEAR(after.queues["vision"].fair_share, vision_before / 2, vision_before * 1e-9);
   EXPECT_EQ(after.queues["nlp"].fair_share, 0);
@@ -689,7 +691,7 @@ TEST(SchedulingPassQueuesTest, FairShareUsageSurvivesARestart) {
   // A coordinator without the saved usage would have started vision at zero: the store is what
   // kept it.
   ASSERT_THAT(queued.store->SaveQueueUsage(SavedQueueUsage{}), IsOk());
-  SchedulingPass forgetful(&state, &nodes, queued.jobs.get(), &fate);
+  SchedulingPass forgetful(&state, &ledger, &nodes, queued.jobs.get(), &fate);
   EXPECT_EQ(run(forgetful).queues["vision"].fair_share, 0);
 }
 

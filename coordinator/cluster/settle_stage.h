@@ -4,7 +4,7 @@
 // FreeEndedLocked, once their ends are stored, applies them and frees the devices of the
 // attempts whose every task has ended.
 //
-// Thread safety: both need the cluster lock (ClusterState::mu), which is `fate`'s too.
+// Thread safety: both need the cluster lock: a Hold of the ledger (guarded_ledger.h).
 #pragma once
 
 #include <string_view>
@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "coordinator/cluster/attempt_fate.h"
 #include "coordinator/cluster/cluster_state.h"
+#include "coordinator/cluster/guarded_ledger.h"
 
 namespace tessera::coordinator {
 
@@ -22,15 +23,13 @@ namespace tessera::coordinator {
 // failed, which leaves every allocation as it is. Liveness (a scan of every node) only when
 // `count`: the regular passes do it.
 std::vector<AttemptFate::Ending> SettleLocked(
-    ClusterState& state, AttemptFate& fate, bool count, absl::Time now,
-    const absl::flat_hash_set<std::string_view>* active_ids)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+    GuardedLedger::Hold& held, AttemptFate& fate, bool count, absl::Time now,
+    const absl::flat_hash_set<std::string_view>* active_ids);
 
 // Returns whether a freed allocation belongs to a job still active: it restarts, and the pass
 // lists the waiting jobs again so that it can be placed in this pass.
-bool FreeEndedLocked(ClusterState& state, AttemptFate& fate,
+bool FreeEndedLocked(GuardedLedger::Hold& held, AttemptFate& fate,
                      const std::vector<AttemptFate::Ending>& endings,
-                     const absl::flat_hash_set<std::string_view>* active_ids)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(state.mu);
+                     const absl::flat_hash_set<std::string_view>* active_ids);
 
 }  // namespace tessera::coordinator

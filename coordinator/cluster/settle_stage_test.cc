@@ -16,8 +16,8 @@ class SettleStageTest : public PassFixture {
  protected:
   // Marks every task of `job_id`'s attempt ended, as the worker protocol does on their reports.
   void EndTasks(const std::string& job_id) {
-    absl::MutexLock lock(&state_->mu);
-    Allocation* allocation = state_->allocations.Find(job_id);
+    GuardedLedger::Hold held(ledger_.get());
+    Allocation* allocation = held->Find(job_id);
     ASSERT_NE(allocation, nullptr);
     for (const std::string& node : allocation->Nodes()) {
       allocation->SetTaskState(node, v1::TASK_STATE_STOPPED);
@@ -34,10 +34,10 @@ TEST_F(SettleStageTest, AnInactiveJobsAttemptIsDrainedAndFreedOnceItsTasksEnded)
   const absl::flat_hash_set<std::string_view> active;  // the job is no longer listed
 
   {
-    absl::MutexLock lock(&state_->mu);
-    EXPECT_THAT(SettleLocked(*state_, *fate_, /*count=*/true, clock_.Now(), &active), IsEmpty());
-    EXPECT_EQ(state_->allocations.Find(job_id)->phase, Allocation::Phase::kDraining);
-    EXPECT_FALSE(FreeEndedLocked(*state_, *fate_, {}, &active));
+    GuardedLedger::Hold held(ledger_.get());
+    EXPECT_THAT(SettleLocked(held, *fate_, /*count=*/true, clock_.Now(), &active), IsEmpty());
+    EXPECT_EQ(held->Find(job_id)->phase, Allocation::Phase::kDraining);
+    EXPECT_FALSE(FreeEndedLocked(held, *fate_, {}, &active));
   }
   const v1::HeartbeatResponse orders = Orders("n1");
   ASSERT_THAT(orders.stop(), SizeIs(1));
@@ -46,8 +46,8 @@ TEST_F(SettleStageTest, AnInactiveJobsAttemptIsDrainedAndFreedOnceItsTasksEnded)
 
   EndTasks(job_id);
   {
-    absl::MutexLock lock(&state_->mu);
-    EXPECT_FALSE(FreeEndedLocked(*state_, *fate_, {}, &active));
+    GuardedLedger::Hold held(ledger_.get());
+    EXPECT_FALSE(FreeEndedLocked(held, *fate_, {}, &active));
   }
   EXPECT_FALSE(Allocated(job_id));
 }
@@ -57,26 +57,26 @@ TEST_F(SettleStageTest, AnEndedAttemptOfAnActiveJobAsksForTheWaitingJobsAgain) {
   const std::string job_id = Submit(2);
   ASSERT_THAT(PlaceAll(), SizeIs(1));
   {
-    absl::MutexLock lock(&state_->mu);
-    state_->allocations.Find(job_id)->phase = Allocation::Phase::kDraining;
+    GuardedLedger::Hold held(ledger_.get());
+    held->Find(job_id)->phase = Allocation::Phase::kDraining;
   }
   EndTasks(job_id);
   absl::flat_hash_set<std::string_view> active;  // views of the listing, as the pass's
   active.insert(job_id);
-  absl::MutexLock lock(&state_->mu);
-  EXPECT_TRUE(FreeEndedLocked(*state_, *fate_, {}, &active));
-  EXPECT_EQ(state_->allocations.Find(job_id), nullptr);
+  GuardedLedger::Hold held(ledger_.get());
+  EXPECT_TRUE(FreeEndedLocked(held, *fate_, {}, &active));
+  EXPECT_EQ(held->Find(job_id), nullptr);
 }
 
 TEST_F(SettleStageTest, WithoutTheListingEveryAllocationIsLeftAsItIs) {
   Register("n1", 2);
   const std::string job_id = Submit(2);
   ASSERT_THAT(PlaceAll(), SizeIs(1));
-  absl::MutexLock lock(&state_->mu);
-  EXPECT_THAT(SettleLocked(*state_, *fate_, /*count=*/false, clock_.Now(), nullptr), IsEmpty());
-  EXPECT_FALSE(FreeEndedLocked(*state_, *fate_, {}, nullptr));
-  ASSERT_NE(state_->allocations.Find(job_id), nullptr);
-  EXPECT_EQ(state_->allocations.Find(job_id)->phase, Allocation::Phase::kRunning);
+  GuardedLedger::Hold held(ledger_.get());
+  EXPECT_THAT(SettleLocked(held, *fate_, /*count=*/false, clock_.Now(), nullptr), IsEmpty());
+  EXPECT_FALSE(FreeEndedLocked(held, *fate_, {}, nullptr));
+  ASSERT_NE(held->Find(job_id), nullptr);
+  EXPECT_EQ(held->Find(job_id)->phase, Allocation::Phase::kRunning);
 }
 
 }  // namespace

@@ -53,11 +53,11 @@ std::set<std::string> StoreStage::Store(PassWrites pass) {
           ? state_->options.queues->Current()
           : nullptr;
   {
-    absl::MutexLock lock(&state_->mu);
+    GuardedLedger::Hold held(ledger_);
     const absl::Time now = state_->Now();
     for (size_t i = 0; i < pass.placements; ++i) {
       const std::string& job_id = pass.writes[i].job_id;
-      Allocation* allocation = state_->allocations.Find(job_id);
+      Allocation* allocation = held->Find(job_id);
       if (allocation != nullptr) allocation->storing = false;
       if (stored[i].ok()) {
         if (allocation != nullptr) {
@@ -89,7 +89,7 @@ std::set<std::string> StoreStage::Store(PassWrites pass) {
         for (const auto& node : allocation->Nodes()) {
           state_->orders.WithdrawStart(node, TaskId(job_id, allocation->attempt, node));
         }
-        state_->allocations.Erase(job_id);
+        held->Erase(job_id);
       }
     }
   }

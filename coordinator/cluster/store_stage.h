@@ -23,6 +23,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "coordinator/cluster/cluster_state.h"
+#include "coordinator/cluster/guarded_ledger.h"
 #include "coordinator/jobs/job_manager.h"
 #include "coordinator/scheduler/scheduler.h"
 #include "tessera/v1/job.pb.h"
@@ -43,11 +44,12 @@ JobManager::TransitionRequest PlacementWrite(const v1::Job& job, const v1::JobSp
 
 class StoreStage {
  public:
-  // `state` and `jobs` must outlive the stage.
-  StoreStage(ClusterState* state, JobManager* jobs) : state_(state), jobs_(jobs) {}
+  // `state`, `ledger` and `jobs` must outlive the stage.
+  StoreStage(ClusterState* state, GuardedLedger* ledger, JobManager* jobs)
+      : state_(state), ledger_(ledger), jobs_(jobs) {}
 
   // Stores `pass` and announces or takes back its placements; returns the ids of the jobs placed.
-  std::set<std::string> Store(PassWrites pass) ABSL_LOCKS_EXCLUDED(state_->mu, observers_mu_);
+  std::set<std::string> Store(PassWrites pass) ABSL_LOCKS_EXCLUDED(observers_mu_);
 
   // Seconds from submission to SCHEDULED of each job placed at its first attempt.
   void SetSchedulingLatencyObserver(std::function<void(double)> observer)
@@ -60,6 +62,7 @@ class StoreStage {
 
  private:
   ClusterState* const state_;
+  GuardedLedger* const ledger_;
   JobManager* const jobs_;
   absl::Mutex observers_mu_;
   std::function<void(double)> latency_observer_ ABSL_GUARDED_BY(observers_mu_);

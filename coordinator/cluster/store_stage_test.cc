@@ -23,7 +23,7 @@ TEST_F(StoreStageTest, AStoredPlacementIsScheduledAndAnnounced) {
   std::unique_ptr<Proposal> proposal = Propose();
   const Reservation reservation = Reserve(*proposal);
   ASSERT_THAT(reservation.placements, SizeIs(1));
-  StoreStage stage(state_.get(), jobs_.get());
+  StoreStage stage(state_.get(), ledger_.get(), jobs_.get());
   std::vector<double> latencies;
   std::vector<std::pair<std::string, double>> waits;
   stage.SetSchedulingLatencyObserver([&](double seconds) { latencies.push_back(seconds); });
@@ -51,7 +51,7 @@ TEST_F(StoreStageTest, APlacementWhoseJobWasCancelledIsTakenBack) {
   ASSERT_THAT(reservation.placements, SizeIs(1));
   ASSERT_THAT(jobs_->Cancel(job_id, "changed my mind").status(), ::tessera::testing::IsOk());
 
-  StoreStage stage(state_.get(), jobs_.get());
+  StoreStage stage(state_.get(), ledger_.get(), jobs_.get());
   EXPECT_THAT(stage.Store(Writes(*proposal, reservation)), IsEmpty());
   EXPECT_EQ(Job(job_id).state(), v1::JOB_STATE_CANCELLED);
   EXPECT_FALSE(Allocated(job_id));

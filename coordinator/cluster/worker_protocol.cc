@@ -22,8 +22,8 @@ absl::StatusOr<v1::RegisterNodeResponse> WorkerProtocol::Register(
   RETURN_IF_ERROR(nodes_->Register(request, &returning));
   FollowUps follow_ups;
   {
-    absl::MutexLock lock(&state_->mu);
-    RegisterLocked(request, &follow_ups);
+    GuardedLedger::Hold held(ledger_);
+    RegisterLocked(held, request, &follow_ups);
   }
   FinishFollowUps(follow_ups);
   // The node's record is stored with the locks released; a write that fails is retried by the
@@ -36,14 +36,15 @@ absl::StatusOr<v1::RegisterNodeResponse> WorkerProtocol::Register(
   return response;
 }
 
-void WorkerProtocol::RegisterLocked(const v1::RegisterNodeRequest& request, FollowUps* follow_ups) {
+void WorkerProtocol::RegisterLocked(GuardedLedger::Hold& held,
+                                    const v1::RegisterNodeRequest& request, FollowUps* follow_ups) {
   const absl::Time now = state_->Now();
   // A worker that registers again without a task it was given has lost it
   // (the worker restarted): that attempt cannot go on.
   std::set<std::string> reported;
   for (const auto& task : request.running_tasks()) reported.insert(task.task_id());
-  for (const auto& job_id : state_->allocations.JobsOn(request.node_id())) {
-    Allocation* found = state_->allocations.Find(job_id);
+  for (const auto& job_id : held->JobsOn(request.node_id())) {
+    Allocation* found = held->Find(job_id);
     if (found == nullptr) continue;
     Allocation& allocation = *found;
     const std::string task_id = TaskId(job_id, allocation.attempt, request.node_id());
@@ -58,11 +59,10 @@ void WorkerProtocol::RegisterLocked(const v1::RegisterNodeRequest& request, Foll
     failure.set_node_id(request.node_id());
     failure.set_message("the worker restarted and no longer runs the job's trainers");
     *failure.mutable_time() = ToProto(now);
-    fate_->AssertLockHeld();
-    fate_->AddFailureLocked(job_id, allocation.attempt, failure);
+    fate_->AddFailureLocked(held, job_id, allocation.attempt, failure);
   }
   for (const auto& task : request.running_tasks()) {
-    OnTaskStatusLocked(request.node_id(), task, follow_ups);
+    OnTaskStatusLocked(held, request.node_id(), task, follow_ups);
   }
 }
 
@@ -91,18 +91,18 @@ absl::StatusOr<v1::HeartbeatResponse> WorkerProtocol::Heartbeat(
     response.set_reregister(true);
     return response;
   }
-  absl::MutexLock lock(&state_->mu);
+  GuardedLedger::Hold held(ledger_);
   // What is queued for the node while its heartbeat is answered leaves with the response.
   OrderOutbox::Answering answering(&state_->orders, request.node_id());
   std::set<std::string> listed;
   for (const auto& task : request.tasks()) {
     listed.insert(task.task_id());
-    OnTaskStatusLocked(request.node_id(), task, &follow_ups);
+    OnTaskStatusLocked(held, request.node_id(), task, &follow_ups);
   }
   // A draining attempt's task the worker no longer lists has ended there (the worker forgets a
   // task once it reported it ended, e.g. to a coordinator that restarted since).
-  for (const auto& job_id : state_->allocations.JobsOn(request.node_id())) {
-    Allocation* allocation_found = state_->allocations.Find(job_id);
+  for (const auto& job_id : held->JobsOn(request.node_id())) {
+    Allocation* allocation_found = held->Find(job_id);
     if (allocation_found == nullptr) continue;
     Allocation& allocation = *allocation_found;
     if (allocation.phase != Allocation::Phase::kDraining &&
@@ -128,9 +128,9 @@ absl::Status WorkerProtocol::CheckWatcher(const std::string& node_id, const std:
   return nodes_->CheckKey(node_id, key_sha256);
 }
 
-void WorkerProtocol::OnTaskStatusLocked(const std::string& node_id, const v1::TaskStatus& status,
-                                        FollowUps* follow_ups) {
-  Allocation* allocation = state_->allocations.Find(status.job_id());
+void WorkerProtocol::OnTaskStatusLocked(GuardedLedger::Hold& held, const std::string& node_id,
+                                        const v1::TaskStatus& status, FollowUps* follow_ups) {
+  Allocation* allocation = held->Find(status.job_id());
   if (allocation == nullptr || allocation->attempt != status.attempt()) {
     // A task the coordinator no longer wants (cancelled, failed elsewhere,
     // or from an earlier attempt of the job): stop it.
@@ -150,8 +150,7 @@ void WorkerProtocol::OnTaskStatusLocked(const std::string& node_id, const v1::Ta
     v1::TrainerFailure failure = status.failure();
     if (failure.node_id().empty()) failure.set_node_id(node_id);
     if (!failure.has_time()) *failure.mutable_time() = ToProto(state_->Now());
-    fate_->AssertLockHeld();
-    fate_->AddFailureLocked(job_id, status.attempt(), failure);
+    fate_->AddFailureLocked(held, job_id, status.attempt(), failure);
     return;
   }
   if (allocation->phase != Allocation::Phase::kRunning) return;
@@ -202,8 +201,8 @@ void WorkerProtocol::FinishFollowUps(const FollowUps& follow_ups) {
     if (!done) {
       LogRetried(transitioned.status(), absl::StrCat("job ", running.job_id, " to RUNNING"));
       // The next heartbeat tries again.
-      absl::MutexLock lock(&state_->mu);
-      Allocation* allocation = state_->allocations.Find(running.job_id);
+      GuardedLedger::Hold held(ledger_);
+      Allocation* allocation = held->Find(running.job_id);
       if (allocation != nullptr && allocation->attempt == running.attempt) {
         allocation->running_seen = false;
       }
@@ -211,13 +210,12 @@ void WorkerProtocol::FinishFollowUps(const FollowUps& follow_ups) {
   }
   for (const auto& [job_id, success] : follow_ups.succeeded) {
     const bool recorded = fate_->RecordSuccess(job_id, success);
-    absl::MutexLock lock(&state_->mu);
-    Allocation* allocation = state_->allocations.Find(job_id);
+    GuardedLedger::Hold held(ledger_);
+    Allocation* allocation = held->Find(job_id);
     if (allocation == nullptr || allocation->attempt != success.attempt) continue;
     allocation->success_pending = false;
     // Otherwise a tick records it (a store error) or drains the attempt (a node was lost since).
-    if (recorded && allocation->phase == Allocation::Phase::kRunning)
-      state_->allocations.Erase(job_id);
+    if (recorded && allocation->phase == Allocation::Phase::kRunning) held->Erase(job_id);
   }
 }
 
@@ -232,10 +230,10 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
   int64_t skip = 0;
   RETURN_IF_ERROR(nodes_->CheckKey(request.node_id(), TokenSha256(request.node_key())));
   {
-    absl::MutexLock lock(&state_->mu);
+    GuardedLedger::Hold held(ledger_);
     // A node speaks only for the attempts placed on it.
     for (const auto& report : request.reports()) {
-      const Allocation* placed = state_->allocations.Find(report.job_id());
+      const Allocation* placed = held->Find(report.job_id());
       if (placed == nullptr || placed->attempt != report.attempt()) continue;
       const auto nodes = placed->Nodes();
       if (std::find(nodes.begin(), nodes.end(), request.node_id()) == nodes.end()) {
@@ -245,7 +243,7 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
       }
     }
     const v1::TrainerReport& first = request.reports(0);
-    Allocation* allocation = state_->allocations.Find(first.job_id());
+    Allocation* allocation = held->Find(first.job_id());
     if (allocation != nullptr && allocation->attempt == first.attempt()) {
       const int64_t acked = allocation->acked_sequence[request.node_id()];
       skip = std::clamp<int64_t>(acked - request.first_sequence() + 1, 0, request.reports_size());
@@ -283,8 +281,8 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
           // past the one the coordinator placed the attempt to resume from (a checkpoint a
           // cut-off attempt committed before the fence rose, its report lost). The attempt's
           // history entry says so.
-          absl::MutexLock lock(&state_->mu);
-          Allocation* allocation = state_->allocations.Find(job_id);
+          GuardedLedger::Hold held(ledger_);
+          Allocation* allocation = held->Find(job_id);
           if (allocation != nullptr && allocation->attempt == report.attempt()) {
             allocation->start_step = report.started().start_step();
             ranks = absl::StrCat("all ", allocation->ranks.size());
@@ -300,12 +298,11 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
         break;
       }
       case v1::TrainerReport::kFailure: {
-        absl::MutexLock lock(&state_->mu);
+        GuardedLedger::Hold held(ledger_);
         v1::TrainerFailure failure = report.failure();
         if (failure.node_id().empty()) failure.set_node_id(request.node_id());
         if (!failure.has_time()) *failure.mutable_time() = report.time();
-        fate_->AssertLockHeld();
-        fate_->AddFailureLocked(job_id, report.attempt(), failure);
+        fate_->AddFailureLocked(held, job_id, report.attempt(), failure);
         break;
       }
       case v1::TrainerReport::kLossSpike:
@@ -325,10 +322,10 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
   }
   if (!checkpoints.empty()) {
     // The progress a stop of the attempt would lose now starts at its newest checkpoint.
-    absl::MutexLock lock(&state_->mu);
+    GuardedLedger::Hold held(ledger_);
     const absl::Time now = state_->Now();
     for (const auto& [id, committed] : checkpoints) {
-      Allocation* allocation = state_->allocations.Find(id);
+      Allocation* allocation = held->Find(id);
       if (allocation == nullptr || allocation->attempt != attempts[id]) continue;
       for (const v1::Checkpoint& checkpoint : committed) {
         allocation->last_checkpoint_time = std::max(
@@ -337,16 +334,15 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
     }
   }
   if (!spikes.empty()) {
-    absl::MutexLock lock(&state_->mu);
-    fate_->AssertLockHeld();
+    GuardedLedger::Hold held(ledger_);
     for (const v1::TrainerReport* spike : spikes) {
-      fate_->AddLossSpikeLocked(spike->job_id(), spike->attempt(), spike->loss_spike());
+      fate_->AddLossSpikeLocked(held, spike->job_id(), spike->attempt(), spike->loss_spike());
     }
   }
   {
-    absl::MutexLock lock(&state_->mu);
+    GuardedLedger::Hold held(ledger_);
     const v1::TrainerReport& first = request.reports(0);
-    Allocation* allocation = state_->allocations.Find(first.job_id());
+    Allocation* allocation = held->Find(first.job_id());
     if (allocation != nullptr && allocation->attempt == first.attempt()) {
       int64_t& acked = allocation->acked_sequence[request.node_id()];
       acked = std::max(acked, last_sequence);
