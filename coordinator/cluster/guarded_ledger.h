@@ -5,8 +5,9 @@
 // called without the lock, and the compiler, not a comment, says so.
 //
 // Thread safety: a Hold may be made on any thread; Holds exclude one another. Lock order: the
-// ledger's lock first, then the node registry's, then the order outbox's. Code that holds it makes
-// no store write.
+// scheduling pass's serialization and the node registry's write lock (NodeRegistry::Remove asks
+// the ledger) before it; the node registry's lock, then the order outbox's, after it. Code that
+// holds it makes no store write.
 #pragma once
 
 #include <algorithm>
@@ -36,12 +37,14 @@ class GuardedLedger {
       if (held_seconds_ != nullptr) start_ = std::chrono::steady_clock::now();
     }
     ~Hold() ABSL_UNLOCK_FUNCTION() {
+      if (held_seconds_ != nullptr) {
+        // Measured up to the release, not past it: waking a waiter is not time held.
+        const double held =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+        *held_seconds_ += held;
+        if (longest_seconds_ != nullptr) *longest_seconds_ = std::max(*longest_seconds_, held);
+      }
       owner_->mu_.Unlock();
-      if (held_seconds_ == nullptr) return;
-      const double held =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-      *held_seconds_ += held;
-      if (longest_seconds_ != nullptr) *longest_seconds_ = std::max(*longest_seconds_, held);
     }
     Hold(const Hold&) = delete;
     Hold& operator=(const Hold&) = delete;
