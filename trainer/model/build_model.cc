@@ -13,12 +13,6 @@ absl::Status FromPretrainedError(const absl::Status& status) {
   return absl::Status(status.code(), absl::StrCat("model.from_pretrained: ", status.message()));
 }
 
-absl::StatusOr<planner::ResolvedLora> ApplyLora(CausalLMImpl& model, const v1::LoraSpec& spec) {
-  ASSIGN_OR_RETURN(planner::ResolvedLora lora, planner::ResolveLora(spec, model.dims()));
-  model.AddLora(LoraOptionsOf(lora));
-  return lora;
-}
-
 void HoldFrozenInBf16(CausalLMImpl& model) {
   torch::NoGradGuard no_grad;
   for (const auto& item : model.named_parameters()) {
@@ -30,12 +24,14 @@ void HoldFrozenInBf16(CausalLMImpl& model) {
 }
 
 absl::StatusOr<BuiltModel> BuildModel(const ModelBuildOptions& options) {
-  const bool nf4 = options.lora != nullptr &&
-                   options.lora->base_quantization() == v1::LORA_BASE_QUANTIZATION_NF4;
-  // The spec's errors (INVALID_ARGUMENT naming the field) before anything is built.
-  if (nf4) RETURN_IF_ERROR(planner::ResolveLora(*options.lora, options.dims).status());
-  torch::manual_seed(options.seed);
   BuiltModel built;
+  // LoRA resolved once, before anything is built: the spec's errors (INVALID_ARGUMENT naming the
+  // field) come first, and the adapters added below are the ones resolved here.
+  if (options.lora != nullptr) {
+    ASSIGN_OR_RETURN(built.lora, planner::ResolveLora(*options.lora, options.dims));
+  }
+  const bool nf4 = built.lora.has_value() && built.lora->base_nf4;
+  torch::manual_seed(options.seed);
   // QLoRA's base is built deferred and materialized one tensor at a time, straight into NF4.
   built.model = CausalLM(options.dims, options.init_std, options.partition,
                          options.deferred || nf4 ? ParameterStorage::kDeferred
@@ -67,9 +63,8 @@ absl::StatusOr<BuiltModel> BuildModel(const ModelBuildOptions& options) {
     }
     if (!status.ok()) return FromPretrainedError(status);
   }
-  if (options.lora != nullptr) {
-    ASSIGN_OR_RETURN(built.lora, ApplyLora(*built.model, *options.lora));
-  }
+  // The adapters, which freeze the base. Before the move to the device.
+  if (built.lora.has_value()) built.model->AddLora(LoraOptionsOf(*built.lora));
   built.model->MoveTo(options.device);
   if (built.lora.has_value() && options.bf16) HoldFrozenInBf16(*built.model);
   built.model->SetActivationCheckpointing(options.checkpointing);

@@ -56,9 +56,6 @@ absl::StatusOr<BuiltModel> BuildModel(const ModelBuildOptions& options);
 // `status` with "model.from_pretrained: " before its message.
 absl::Status FromPretrainedError(const absl::Status& status);
 
-// LoRA: adds the resolved adapters to `model` (freezing its base). Before the move to the device.
-absl::StatusOr<planner::ResolvedLora> ApplyLora(CausalLMImpl& model, const v1::LoraSpec& spec);
-
 // Casts the frozen parameters to bf16 in place: the base of a LoRA model is only read, and held in
 // the compute precision it takes half the memory, as the planner's LoRA model assumes. The
 // adapters stay float32 for AdamW.
