@@ -484,8 +484,19 @@ TEST_F(CoordinatorQueuesTest, FairShareUsageSurvivesARestart) {
   v1::Job job = WaitForJob(busy.job_id(),
                            [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
   ASSERT_EQ(job.state(), v1::JOB_STATE_SCHEDULED) << job.reason();
-  // Its 2 slots held for a second or so of the coordinator's (real) clock.
-  absl::SleepFor(absl::Seconds(1));
+  // Its 2 slots held until the passes have counted more than 1 slot-second of use: vision's fair
+  // share is its decayed slot-seconds over its 2 nominal slots (weight 1), so past 0.55.
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] {
+        v1::ListQueuesResponse queues;
+        if (!stub_->ListQueues(Context().get(), {}, &queues).ok()) return false;
+        for (const v1::QueueStatus& queue : queues.queues()) {
+          if (queue.name() == "vision") return queue.fair_share() > 0.55;
+        }
+        return false;
+      },
+      absl::Seconds(30), absl::Milliseconds(50)))
+      << "vision's use is never counted";
   v1::CancelJobRequest cancel;
   cancel.set_job_id(busy.job_id());
   v1::CancelJobResponse cancelled;
