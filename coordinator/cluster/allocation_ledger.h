@@ -59,7 +59,9 @@ struct Allocation {
   // the job's newest checkpoint's). A stop loses the progress since then: preemption takes the
   // victims that lose least.
   absl::Time last_checkpoint_time;
-  Phase phase = Phase::kRunning;
+  // Where the attempt is (see Phase). Moved on by AttemptFate only: a part that sees an attempt
+  // fail, succeed or stop tells the fate, which decides.
+  Phase phase() const { return phase_; }
   // Every failure reported for the attempt, in arrival order; first_failure_time is when the
   // first came in.
   std::vector<v1::TrainerFailure> failures;
@@ -106,6 +108,10 @@ struct Allocation {
   void AddFailure(const v1::TrainerFailure& failure, absl::Time now);
 
  private:
+  friend class AttemptFate;
+  void SetPhase(Phase phase) { phase_ = phase; }
+
+  Phase phase_ = Phase::kRunning;
   bool HasNode(const std::string& node_id) const;
   int NodeCount() const;
 

@@ -37,8 +37,8 @@ void AttemptFate::AddFailureLocked(GuardedLedger::Hold& held, const std::string&
   Allocation* allocation = held->Find(job_id);
   if (allocation == nullptr || allocation->attempt != attempt) return;  // an earlier attempt's
   allocation->AddFailure(failure, state_->Now());
-  if (allocation->phase == Allocation::Phase::kRunning) {
-    allocation->phase = Allocation::Phase::kFailing;
+  if (allocation->phase() == Allocation::Phase::kRunning) {
+    allocation->SetPhase(Allocation::Phase::kFailing);
   }
 }
 
@@ -55,7 +55,7 @@ void AttemptFate::ExpireNodesLocked(GuardedLedger::Hold& held, absl::Time now) {
     for (const auto& job_id : held->JobsOn(node_id)) {
       Allocation& allocation = *held->Find(job_id);
       allocation.MarkLost(node_id);
-      if (allocation.phase == Allocation::Phase::kDraining) continue;
+      if (allocation.phase() == Allocation::Phase::kDraining) continue;
       v1::TrainerFailure failure;
       failure.set_kind(v1::FAILURE_KIND_NODE_LOST);
       failure.set_rank(-1);
@@ -69,14 +69,20 @@ void AttemptFate::ExpireNodesLocked(GuardedLedger::Hold& held, absl::Time now) {
 
 void AttemptFate::DrainLocked(GuardedLedger::Hold& held, const std::string& job_id,
                               Allocation& allocation) {
-  allocation.phase = Allocation::Phase::kDraining;
+  allocation.SetPhase(Allocation::Phase::kDraining);
   StopTasksLocked(held, job_id, allocation, /*checkpoint=*/false);
 }
 
 void AttemptFate::MoveLocked(GuardedLedger::Hold& held, const std::string& job_id,
                              Allocation& allocation) {
-  allocation.phase = Allocation::Phase::kMoving;
+  allocation.SetPhase(Allocation::Phase::kMoving);
   StopTasksLocked(held, job_id, allocation, /*checkpoint=*/true);
+}
+
+void AttemptFate::MovedLocked(GuardedLedger::Hold& /*held*/, Allocation& allocation) {
+  if (allocation.phase() == Allocation::Phase::kRunning) {
+    allocation.SetPhase(Allocation::Phase::kMoving);
+  }
 }
 
 void AttemptFate::StopTasksLocked(GuardedLedger::Hold& /*held*/, const std::string& job_id,
@@ -105,7 +111,7 @@ void AttemptFate::PrepareLocked(GuardedLedger::Hold& /*held*/, const std::string
     ending.job_id = job_id;
     ending.attempt = allocation;
   };
-  if (allocation.phase == Allocation::Phase::kFailing) {
+  if (allocation.phase() == Allocation::Phase::kFailing) {
     // Blamed once the settle rules allow: the whole failure_settle when only consequences came
     // in, blame_grace once a cause is known, at once when every node has ended.
     const bool cause_known = std::any_of(allocation.failures.begin(), allocation.failures.end(),
@@ -127,10 +133,10 @@ void AttemptFate::PrepareLocked(GuardedLedger::Hold& /*held*/, const std::string
     }
     return;
   }
-  if (allocation.phase == Allocation::Phase::kMoving) {
+  if (allocation.phase() == Allocation::Phase::kMoving) {
     if (allocation.AllNodesIn(v1::TASK_STATE_SUCCEEDED)) {
       // It finished before it could move: recorded as a success.
-      allocation.phase = Allocation::Phase::kRunning;
+      allocation.SetPhase(Allocation::Phase::kRunning);
     } else {
       if (allocation.AllNodesEnded()) {
         add(Ending::Kind::kMove);
@@ -139,7 +145,7 @@ void AttemptFate::PrepareLocked(GuardedLedger::Hold& /*held*/, const std::string
     }
   }
   // A success whose recording failed earlier is recorded now (unless a heartbeat is recording it).
-  if (allocation.phase == Allocation::Phase::kRunning && !allocation.success_pending &&
+  if (allocation.phase() == Allocation::Phase::kRunning && !allocation.success_pending &&
       allocation.AllNodesIn(v1::TASK_STATE_SUCCEEDED)) {
     allocation.success_pending = true;
     add(Ending::Kind::kSuccess);
@@ -169,8 +175,8 @@ void AttemptFate::FinishLocked(GuardedLedger::Hold& held, const std::vector<Endi
     if (ending.kind == Ending::Kind::kSuccess) {
       allocation->success_pending = false;
       // Otherwise the next pass records it (a store error) or drains it (a node was lost since).
-      if (ending.drain && allocation->phase == Allocation::Phase::kRunning) {
-        allocation->phase = Allocation::Phase::kDraining;
+      if (ending.drain && allocation->phase() == Allocation::Phase::kRunning) {
+        allocation->SetPhase(Allocation::Phase::kDraining);
       }
       continue;
     }

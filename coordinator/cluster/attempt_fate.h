@@ -61,6 +61,9 @@ class AttemptFate {
   // all have ended, no restart counted. A preempted allocation (`preempted` set) gives its ranks
   // its preemption_deadline; a drained one the workers' checkpoint grace.
   void MoveLocked(GuardedLedger::Hold& held, const std::string& job_id, Allocation& allocation);
+  // A running attempt whose task stopped though nothing here asked it to: a move this coordinator
+  // ordered before it restarted. It moves as it would have (kMoving), no order queued.
+  void MovedLocked(GuardedLedger::Hold& held, Allocation& allocation);
 
   // An attempt whose end is to be stored, as PrepareLocked found it.
   struct Ending {

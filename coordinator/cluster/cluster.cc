@@ -152,8 +152,9 @@ void Cluster::DrainLockedMoves(GuardedLedger::Hold& held, const std::string& nod
     // Only an attempt that runs as placed moves; one being stored, decided or stopped ends on its
     // own (a failing one restarts elsewhere: the drained node takes no placement).
     if (!checkpoint || allocation.storing || allocation.success_pending ||
-        allocation.phase != Allocation::Phase::kRunning) {
-      if (allocation.phase != Allocation::Phase::kDraining) response->add_remaining_job_ids(job_id);
+        allocation.phase() != Allocation::Phase::kRunning) {
+      if (allocation.phase() != Allocation::Phase::kDraining)
+        response->add_remaining_job_ids(job_id);
       continue;
     }
     allocation.moving_off = node_id;

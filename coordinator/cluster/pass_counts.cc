@@ -19,7 +19,7 @@ void CountClusterLocked(GuardedLedger::Hold& held, ClusterState& state, const No
   stats->restarts = fate.restarts();
   stats->failures = fate.failures();
   for (auto& [job_id, allocation] : held->all()) {
-    if (allocation.phase != Allocation::Phase::kRunning || allocation.rank_times.empty()) {
+    if (allocation.phase() != Allocation::Phase::kRunning || allocation.rank_times.empty()) {
       continue;
     }
     std::vector<v1::RankStepTime> ranks;

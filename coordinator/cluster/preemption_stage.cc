@@ -37,8 +37,8 @@ void PreemptionStage::QuotaLocked(GuardedLedger::Hold& held, ClusterState& state
   std::vector<RunningJob> running;
   for (const auto& [job_id, allocation] : held->all()) {
     // Victims still saving their checkpoint free nothing yet: decide again once they have.
-    if (!allocation.preempted.empty() && allocation.phase == Allocation::Phase::kMoving) return;
-    if (allocation.phase != Allocation::Phase::kRunning || allocation.storing ||
+    if (!allocation.preempted.empty() && allocation.phase() == Allocation::Phase::kMoving) return;
+    if (allocation.phase() != Allocation::Phase::kRunning || allocation.storing ||
         allocation.success_pending || allocation.ranks.empty()) {
       continue;
     }
@@ -127,8 +127,8 @@ void PreemptionStage::CapacityLocked(GuardedLedger::Hold& held, ClusterState& st
   std::vector<RunningGang> running;
   for (const auto& [job_id, allocation] : held->all()) {
     // Victims still saving their checkpoint free nothing yet: decide again once they have.
-    if (!allocation.preempted.empty() && allocation.phase == Allocation::Phase::kMoving) return;
-    if (allocation.priority >= highest || allocation.phase != Allocation::Phase::kRunning ||
+    if (!allocation.preempted.empty() && allocation.phase() == Allocation::Phase::kMoving) return;
+    if (allocation.priority >= highest || allocation.phase() != Allocation::Phase::kRunning ||
         allocation.storing || allocation.success_pending || allocation.ranks.empty()) {
       continue;
     }

@@ -48,7 +48,7 @@ TEST_F(PreemptionStageTest, AHigherPriorityJobPreemptsALowerOneOnAFullCluster) {
     GuardedLedger::Hold held(ledger_.get());
     const Allocation* victim = held->Find(low);
     ASSERT_NE(victim, nullptr);
-    EXPECT_EQ(victim->phase, Allocation::Phase::kMoving);
+    EXPECT_EQ(victim->phase(), Allocation::Phase::kMoving);
     EXPECT_THAT(victim->preempted, HasSubstr("preempted by " + high));
   }
   EXPECT_EQ(stage.counts().at("default").at("priority"), 1);

@@ -258,7 +258,7 @@ TEST_F(SchedulingPassTest, AFailedAttemptIsRestartedOnceItsEndIsStored) {
   ASSERT_TRUE(Allocated(job_id));
   {
     GuardedLedger::Hold held(ledger_.get());
-    EXPECT_EQ(held->Find(job_id)->phase, Allocation::Phase::kFailing);
+    EXPECT_EQ(held->Find(job_id)->phase(), Allocation::Phase::kFailing);
   }
 
   fail = false;
@@ -513,9 +513,9 @@ TEST(SchedulingPassQueuesTest, LentQuotaIsReclaimedByCheckpointAndStop) {
     EXPECT_DOUBLE_EQ(orders.checkpoint_deadline_seconds().at(task), 120);
     Allocation* victim = held->Find(borrowing);
     ASSERT_NE(victim, nullptr);
-    EXPECT_EQ(victim->phase, Allocation::Phase::kMoving);
+    EXPECT_EQ(victim->phase(), Allocation::Phase::kMoving);
     // Not preempted twice while the victim saves its checkpoint.
-    EXPECT_EQ(held->Find(own)->phase, Allocation::Phase::kRunning);
+    EXPECT_EQ(held->Find(own)->phase(), Allocation::Phase::kRunning);
   }
   v1::Job victim = get(borrowing);
   EXPECT_EQ(victim.state(), v1::JOB_STATE_PREEMPTED);

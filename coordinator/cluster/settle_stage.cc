@@ -14,7 +14,7 @@ std::vector<AttemptFate::Ending> SettleLocked(
     if (allocation.storing) continue;
     if (!active_ids->contains(job_id)) {
       // Cancelled (or ended by a decision already recorded): stop what still runs.
-      if (allocation.phase != Allocation::Phase::kDraining)
+      if (allocation.phase() != Allocation::Phase::kDraining)
         fate.DrainLocked(held, job_id, allocation);
       continue;
     }
@@ -30,7 +30,7 @@ bool FreeEndedLocked(GuardedLedger::Hold& held, AttemptFate& fate,
   if (active_ids == nullptr) return false;
   bool relist = false;
   held->EraseIf([&](const std::string& job_id, const Allocation& allocation) {
-    const bool ended = allocation.phase == Allocation::Phase::kDraining &&
+    const bool ended = allocation.phase() == Allocation::Phase::kDraining &&
                        allocation.AllNodesEnded() && !allocation.success_pending;
     relist = relist || (ended && active_ids->contains(job_id));
     return ended;

@@ -36,7 +36,7 @@ TEST_F(SettleStageTest, AnInactiveJobsAttemptIsDrainedAndFreedOnceItsTasksEnded)
   {
     GuardedLedger::Hold held(ledger_.get());
     EXPECT_THAT(SettleLocked(held, *fate_, /*count=*/true, clock_.Now(), &active), IsEmpty());
-    EXPECT_EQ(held->Find(job_id)->phase, Allocation::Phase::kDraining);
+    EXPECT_EQ(held->Find(job_id)->phase(), Allocation::Phase::kDraining);
     EXPECT_FALSE(FreeEndedLocked(held, *fate_, {}, &active));
   }
   const v1::HeartbeatResponse orders = Orders("n1");
@@ -58,7 +58,7 @@ TEST_F(SettleStageTest, AnEndedAttemptOfAnActiveJobAsksForTheWaitingJobsAgain) {
   ASSERT_THAT(PlaceAll(), SizeIs(1));
   {
     GuardedLedger::Hold held(ledger_.get());
-    held->Find(job_id)->phase = Allocation::Phase::kDraining;
+    fate_->DrainLocked(held, job_id, *held->Find(job_id));
   }
   EndTasks(job_id);
   absl::flat_hash_set<std::string_view> active;  // views of the listing, as the pass's
@@ -76,7 +76,7 @@ TEST_F(SettleStageTest, WithoutTheListingEveryAllocationIsLeftAsItIs) {
   EXPECT_THAT(SettleLocked(held, *fate_, /*count=*/false, clock_.Now(), nullptr), IsEmpty());
   EXPECT_FALSE(FreeEndedLocked(held, *fate_, {}, nullptr));
   ASSERT_NE(held->Find(job_id), nullptr);
-  EXPECT_EQ(held->Find(job_id)->phase, Allocation::Phase::kRunning);
+  EXPECT_EQ(held->Find(job_id)->phase(), Allocation::Phase::kRunning);
 }
 
 }  // namespace

@@ -52,7 +52,7 @@ void WorkerProtocol::RegisterLocked(GuardedLedger::Hold& held,
       continue;
     if (allocation.NodeEnded(request.node_id())) continue;
     allocation.SetTaskState(request.node_id(), v1::TASK_STATE_FAILED);
-    if (allocation.phase == Allocation::Phase::kDraining) continue;
+    if (allocation.phase() == Allocation::Phase::kDraining) continue;
     v1::TrainerFailure failure;
     failure.set_kind(v1::FAILURE_KIND_PROCESS_EXIT);
     failure.set_rank(-1);
@@ -105,8 +105,8 @@ absl::StatusOr<v1::HeartbeatResponse> WorkerProtocol::Heartbeat(
     Allocation* allocation_found = held->Find(job_id);
     if (allocation_found == nullptr) continue;
     Allocation& allocation = *allocation_found;
-    if (allocation.phase != Allocation::Phase::kDraining &&
-        allocation.phase != Allocation::Phase::kMoving) {
+    if (allocation.phase() != Allocation::Phase::kDraining &&
+        allocation.phase() != Allocation::Phase::kMoving) {
       continue;
     }
     const std::string task_id = TaskId(job_id, allocation.attempt, request.node_id());
@@ -153,11 +153,11 @@ void WorkerProtocol::OnTaskStatusLocked(GuardedLedger::Hold& held, const std::st
     fate_->AddFailureLocked(held, job_id, status.attempt(), failure);
     return;
   }
-  if (allocation->phase != Allocation::Phase::kRunning) return;
+  if (allocation->phase() != Allocation::Phase::kRunning) return;
   if (status.state() == v1::TASK_STATE_STOPPED) {
     // Only a move stops a running attempt's task (a cancel or a decision drains it first): one
     // this coordinator ordered before it restarted. The job moves as it would have.
-    allocation->phase = Allocation::Phase::kMoving;
+    fate_->MovedLocked(held, *allocation);
     return;
   }
   if (allocation->AllNodesIn(v1::TASK_STATE_SUCCEEDED)) {
@@ -215,7 +215,7 @@ void WorkerProtocol::FinishFollowUps(const FollowUps& follow_ups) {
     if (allocation == nullptr || allocation->attempt != success.attempt) continue;
     allocation->success_pending = false;
     // Otherwise a tick records it (a store error) or drains the attempt (a node was lost since).
-    if (recorded && allocation->phase == Allocation::Phase::kRunning) held->Erase(job_id);
+    if (recorded && allocation->phase() == Allocation::Phase::kRunning) held->Erase(job_id);
   }
 }
 
