@@ -118,16 +118,17 @@ void AttemptFate::PrepareLocked(GuardedLedger::Hold& /*held*/, const std::string
                                          [](const auto& f) { return !IsConsequence(f); });
     const absl::Duration waited = now - allocation.first_failure_time;
     // Rank 0's spike report travels in the report stream while the ranks' ends come with the
-    // heartbeat: a spike's attempt waits blame_grace for it, so that its rollback records the
-    // figures (it is decided without them after that).
+    // heartbeat, and a loaded worker's stream can lag its heartbeat by more than blame_grace: a
+    // spike's attempt waits for the report up to the whole failure_settle, so that its rollback
+    // records the figures (it is decided without them after that).
     const bool spike_known = allocation.spike.has_value();
     const bool spike_report_due =
         !spike_known &&
         std::any_of(allocation.failures.begin(), allocation.failures.end(),
                     [](const auto& f) { return f.kind() == v1::FAILURE_KIND_LOSS_SPIKE; });
-    if ((allocation.AllNodesEnded() && !spike_report_due) ||
-        waited >= state_->options.failure_settle ||
-        (cause_known && waited >= state_->options.blame_grace)) {
+    if (waited >= state_->options.failure_settle ||
+        (!spike_report_due &&
+         (allocation.AllNodesEnded() || (cause_known && waited >= state_->options.blame_grace)))) {
       add(Ending::Kind::kFailure);
       if (spike_known) endings->back().spike = allocation.spike;
     }
