@@ -81,7 +81,22 @@ TEST_F(ShortPartitionTest, AWorkerCutOffFromTheCoordinatorBrieflyLosesNothing) {
   // and delivers them once the coordinator answers again.
   Partition(kCoordinatorHost, kSecondWorkerHost);
   const int64_t before = Get(job_id).current_step();
-  absl::SleepFor(absl::Seconds(4));
+  // Cut off until the coordinator has not heard from the worker for 4 s: several heartbeats
+  // missed, well within the 15 s timeout.
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] {
+        v1::ListNodesResponse nodes;
+        if (!stub_->ListNodes(Context().get(), {}, &nodes).ok()) return false;
+        for (const v1::Node& node : nodes.nodes()) {
+          if (node.node_id() != "e2e-node-2") continue;
+          const absl::Time heard = absl::FromUnixSeconds(node.last_heartbeat_time().seconds()) +
+                                   absl::Nanoseconds(node.last_heartbeat_time().nanos());
+          return absl::Now() - heard >= absl::Seconds(4);
+        }
+        return false;
+      },
+      absl::Seconds(12), absl::Milliseconds(100)))
+      << "the coordinator still hears the cut-off worker";
   Heal(kCoordinatorHost, kSecondWorkerHost);
 
   v1::Job job = WaitFor(job_id, v1::JOB_STATE_SUCCEEDED, 240);
