@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/daemon/grpc_status.h"
 #include "common/daemon/server.h"
+#include "common/status_macros.h"
 #include "grpcpp/client_context.h"
 
 namespace tessera::client {
@@ -164,7 +165,7 @@ absl::StatusOr<std::vector<v1::Checkpoint>> CoordinatorClient::Checkpoints(
   return std::vector<v1::Checkpoint>(response.checkpoints().begin(), response.checkpoints().end());
 }
 
-absl::StatusOr<std::vector<v1::Node>> CoordinatorClient::Nodes(bool include_lost) {
+absl::StatusOr<v1::ListNodesResponse> CoordinatorClient::ListNodes(bool include_lost) {
   v1::ListNodesRequest request;
   request.set_include_lost(include_lost);
   v1::ListNodesResponse response;
@@ -172,6 +173,11 @@ absl::StatusOr<std::vector<v1::Node>> CoordinatorClient::Nodes(bool include_lost
     return stub.ListNodes(&context, request, &response);
   });
   if (!status.ok()) return status;
+  return response;
+}
+
+absl::StatusOr<std::vector<v1::Node>> CoordinatorClient::Nodes(bool include_lost) {
+  ASSIGN_OR_RETURN(v1::ListNodesResponse response, ListNodes(include_lost));
   return std::vector<v1::Node>(response.nodes().begin(), response.nodes().end());
 }
 

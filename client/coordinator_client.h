@@ -53,6 +53,8 @@ class CoordinatorClient {
   absl::StatusOr<v1::GetMetricsResponse> Metrics(const v1::GetMetricsRequest& request);
   absl::StatusOr<std::vector<v1::Checkpoint>> Checkpoints(const std::string& job_id);
   absl::StatusOr<std::vector<v1::Node>> Nodes(bool include_lost);
+  // The whole ListNodes answer: the nodes and the topology's levels and domains.
+  absl::StatusOr<v1::ListNodesResponse> ListNodes(bool include_lost);
   absl::StatusOr<v1::ListQueuesResponse> Queues();
   // Node operations (admin role).
   absl::StatusOr<v1::DrainNodeResponse> DrainNode(const v1::DrainNodeRequest& request);

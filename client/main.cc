@@ -32,6 +32,7 @@
 #include "client/progress_line.h"
 #include "client/queues_command.h"
 #include "client/text_format.h"
+#include "client/topology_command.h"
 #include "common/command_line.h"
 #include "common/daemon/failure_text.h"
 #include "common/version.h"
@@ -57,6 +58,9 @@ ABSL_FLAG(bool, follow, false, "logs: keep streaming new output until the job en
 ABSL_FLAG(int, tail, 0, "logs: start with the last N lines per rank; 0 from the start.");
 ABSL_FLAG(int, max_points, 0, "metrics: downsample the curve to at most N points; 0 all.");
 ABSL_FLAG(std::string, reason, "", "cancel, nodes drain: why, recorded in the job or node.");
+ABSL_FLAG(bool, topology, false,
+          "nodes: the topology tree (--topology_levels of the coordinator) with free devices per "
+          "domain and each level's fragmentation.");
 ABSL_FLAG(bool, checkpoint, false,
           "nodes drain: the node's jobs save a checkpoint, stop and are placed on other nodes "
           "(no failure or restart counted); without it they run on until they end.");
@@ -538,6 +542,12 @@ int ChangeNode(const Invocation& in) {
 // `tessera nodes` lists the nodes; `tessera nodes ACTION NODE` changes one.
 int Nodes(const Invocation& in) {
   if (!in.arg.empty()) return ChangeNode(in);
+  if (absl::GetFlag(FLAGS_topology)) {
+    auto listed = in.client.ListNodes(/*include_lost=*/true);
+    if (!listed.ok()) return Fail(listed.status());
+    std::cout << (in.json ? Json(*listed) : tessera::client::TopologyTree(*listed));
+    return 0;
+  }
   auto nodes = in.client.Nodes(/*include_lost=*/true);
   if (!nodes.ok()) return Fail(nodes.status());
   for (const auto& node : *nodes) {

@@ -1,7 +1,8 @@
 // The real tessera-coordinator's side of worker liveness and load: a worker that restarted or
 // fell silent fails its jobs, heartbeats are answered while client calls wait for a locked state
-// database, and client calls beyond the bounded queue are told to retry.
-
+// database, and client calls beyond the bounded queue are told to retry. And the cluster's shape:
+// nodes name their topology domains, inconsistent ones are refused, and ListNodes, `tessera nodes
+// --topology` and /metrics show the tree and each level's figures.
 
 #include <sqlite3.h>
 
@@ -17,6 +18,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "tests/coordinator_fixture.h"
+#include "tests/util/subprocess.h"
 
 namespace tessera {
 namespace {
@@ -246,6 +248,95 @@ TEST_F(CoordinatorBusyTest, ClientCallsBeyondTheQueueAreToldToRetry) {
   v1::ListJobsResponse listed;
   ASSERT_TRUE(stub_->ListJobs(Context().get(), list, &listed).ok());
   EXPECT_EQ(listed.jobs_size(), 3);
+}
+
+class CoordinatorTopologyTest : public CoordinatorTest {
+ protected:
+  void SetUp() override { Start({"--topology_levels=rack:200,block:50"}); }
+
+  grpc::Status Register(const std::string& node_id, int cpu_slots,
+                        const std::map<std::string, std::string>& topology) {
+    v1::RegisterNodeRequest request;
+    request.set_node_id(node_id);
+    request.set_address(node_id + ".cluster.local:50052");
+    request.mutable_resources()->set_cpu_slots(cpu_slots);
+    for (const auto& [level, domain] : topology) (*request.mutable_topology())[level] = domain;
+    v1::RegisterNodeResponse response;
+    return nodes_->RegisterNode(Context().get(), request, &response);
+  }
+};
+
+TEST_F(CoordinatorTopologyTest, NodesNameTheirDomainsAndTheTreeShowsWhatIsFree) {
+  ASSERT_TRUE(Register("a1", 4, {{"rack", "r1"}, {"block", "b1"}}).ok());
+  ASSERT_TRUE(Register("a2", 4, {{"rack", "r1"}, {"block", "b1"}}).ok());
+  ASSERT_TRUE(Register("b1", 4, {{"rack", "r2"}, {"block", "b1"}}).ok());
+  ASSERT_TRUE(Register("c1", 4, {{"rack", "r3"}, {"block", "b2"}}).ok());
+  ASSERT_TRUE(Register("solo", 4, {}).ok()) << "a node without labels is a domain of its own";
+
+  // Refused, naming the node and the label: a rack in two blocks, a level not configured.
+  grpc::Status refused = Register("x1", 4, {{"rack", "r1"}, {"block", "b2"}});
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(
+      refused.error_message(),
+      HasSubstr("node x1: topology rack=r1 is in block=b1 (node a1 says so), not block=b2"));
+  refused = Register("x2", 4, {{"row", "7"}});
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(refused.error_message(), HasSubstr("unknown level row (levels: rack < block)"));
+
+  // A 2-slot job takes part of one domain.
+  const v1::Job job = Submit(ValidSpec("topo"));
+  ASSERT_EQ(WaitForJob(job.job_id(),
+                       [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; })
+                .state(),
+            v1::JOB_STATE_SCHEDULED);
+
+  v1::ListNodesRequest request;
+  v1::ListNodesResponse listed;
+  ASSERT_TRUE(stub_->ListNodes(Context().get(), request, &listed).ok());
+  ASSERT_EQ(listed.topology_levels_size(), 2);
+  const v1::TopologyLevelStatus& racks = listed.topology_levels(0);
+  EXPECT_EQ(racks.name(), "rack");
+  EXPECT_EQ(racks.bandwidth_gbps(), 200);
+  EXPECT_EQ(racks.domains(), 4);  // r1, r2, r3 and solo
+  EXPECT_EQ(racks.free(), 18);
+  EXPECT_EQ(racks.whole_free_domains(), 3) << "one domain holds the job";
+  EXPECT_GT(racks.fragmentation(), 0);
+  EXPECT_LT(racks.fragmentation(), 1);
+  EXPECT_EQ(listed.topology_levels(1).name(), "block");
+  EXPECT_EQ(listed.topology_levels(1).domains(), 3);  // b1, b2 and solo
+  int64_t rack_free = 0;
+  for (const v1::TopologyDomainStatus& domain : listed.topology_domains()) {
+    if (domain.level() == 0) rack_free += domain.free();
+    if (domain.level() == 0 && domain.domain() == "r1") {
+      EXPECT_EQ(domain.parent(), "b1");
+      EXPECT_THAT(domain.node_ids(), ::testing::ElementsAre("a1", "a2"));
+    }
+  }
+  EXPECT_EQ(rack_free, 18);
+  for (const v1::Node& node : listed.nodes()) {
+    if (node.node_id() != "a1") continue;
+    EXPECT_EQ(node.topology().at("rack"), "r1");
+  }
+
+  auto cli = testing::RunCommand(
+      {BinDir() + "/tessera", "--coordinator=" + address_, "nodes", "--topology"});
+  ASSERT_THAT(cli, IsOk());
+  EXPECT_EQ(cli->exit.exit_code, 0) << cli->output;
+  EXPECT_THAT(cli->output, HasSubstr("topology, CPU slots of ready nodes:"));
+  EXPECT_THAT(cli->output, HasSubstr("  block b1 "));
+  EXPECT_THAT(cli->output, HasSubstr("    rack r1 "));
+  EXPECT_THAT(cli->output, HasSubstr("      a1\n"));
+  EXPECT_THAT(cli->output, HasSubstr("  node solo (no block label)"));
+  EXPECT_THAT(cli->output, HasSubstr("fragmentation"));
+
+  // /metrics: each level's figures, from the next counted pass.
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] { return MetricValue(R"(tessera_topology_domains{level="rack"})") == 4; },
+      absl::Seconds(10), absl::Milliseconds(50)));
+  EXPECT_EQ(MetricValue(R"(tessera_topology_domains{level="block"})"), 3);
+  EXPECT_EQ(MetricValue(R"(tessera_topology_free_devices{level="rack"})"), 18);
+  // b1's 12 slots, less the job's 2 if it landed there.
+  EXPECT_GE(MetricValue(R"(tessera_topology_largest_free_domain_devices{level="block"})"), 10);
 }
 
 }  // namespace

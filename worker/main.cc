@@ -39,6 +39,10 @@ ABSL_FLAG(int, cpu_slots, 0, "Trainer ranks this node runs on CPU (for nodes wit
 ABSL_FLAG(std::string, trainer, "",
           "Path of tessera-trainer; empty means the tessera-trainer beside this binary.");
 ABSL_FLAG(std::vector<std::string>, labels, {}, "Node labels as key=value,key=value.");
+ABSL_FLAG(std::vector<std::string>, topology, {},
+          "The node's place in the network as level=domain,level=domain (e.g. "
+          "rack=r17,block=b3), the levels being the coordinator's --topology_levels; a level "
+          "left out makes the node a domain of its own there.");
 ABSL_FLAG(absl::Duration, checkpoint_grace, absl::Minutes(10),
           "Time the ranks of a task asked to checkpoint and stop (its node drained with "
           "--checkpoint) get to save the checkpoint and exit before they are stopped.");
@@ -157,6 +161,15 @@ int main(int argc, char** argv) {
   for (const auto& label : absl::GetFlag(FLAGS_labels)) {
     std::pair<std::string, std::string> kv = absl::StrSplit(label, absl::MaxSplits('=', 1));
     agent.labels[kv.first] = kv.second;
+  }
+  for (const auto& item : absl::GetFlag(FLAGS_topology)) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    if (kv.first.empty() || kv.second.empty() ||
+        !agent.topology.emplace(kv.first, kv.second).second) {
+      std::cerr << "tessera-worker: --topology: '" << item
+                << "' is not level=domain, or names its level twice\n";
+      return 2;
+    }
   }
   agent.stop_grace = absl::GetFlag(FLAGS_stop_grace);
   agent.checkpoint_grace = absl::GetFlag(FLAGS_checkpoint_grace);

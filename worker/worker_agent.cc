@@ -286,6 +286,8 @@ absl::Status WorkerAgent::RegisterNow() {
   request.mutable_resources()->set_cpu_slots(options_.cpu_slots);
   for (const auto& device : devices_) *request.mutable_resources()->add_gpus() = device;
   for (const auto& [key, value] : options_.labels) (*request.mutable_labels())[key] = value;
+  for (const auto& [level, domain] : options_.topology)
+    (*request.mutable_topology())[level] = domain;
   request.set_worker_version(Version());
   {
     absl::MutexLock lock(&mu_);

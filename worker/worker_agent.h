@@ -78,6 +78,8 @@ struct WorkerAgentOptions {
   std::string trainer_path;
   // Labels offered to node selectors.
   std::map<std::string, std::string> labels;
+  // Topology level -> the node's domain there (RegisterNodeRequest.topology).
+  std::map<std::string, std::string> topology;
   // SIGTERM-to-SIGKILL grace when stopping trainers.
   absl::Duration stop_grace = absl::Seconds(10);
   // How long the ranks of a task asked to checkpoint and stop (a drained node) get to save their

@@ -278,6 +278,19 @@ TEST_F(WorkerAgentTest, ANewTaskWaitsForTheStoppingRanksOnItsGpusAndNoOther) {
   }
 }
 
+// The node's place in the network (--topology) goes out with its registration.
+TEST_F(WorkerAgentTest, TheRegistrationCarriesTheNodesTopology) {
+  WorkerAgentOptions options;
+  options.topology = {{"rack", "r17"}, {"block", "b3"}};
+  StartCluster(TwoRanks(0), "--sleep=60", "--sleep=60", options);
+  ASSERT_TRUE(::tessera::testing::WaitUntil([&] { return !coordinator_->registrations().empty(); },
+                                            absl::Seconds(30)));
+  const v1::RegisterNodeRequest registration = coordinator_->registrations().front();
+  ASSERT_EQ(registration.topology_size(), 2);
+  EXPECT_EQ(registration.topology().at("rack"), "r17");
+  EXPECT_EQ(registration.topology().at("block"), "b3");
+}
+
 // Each rank's step time breakdown reaches the coordinator in the worker's heartbeat, while the
 // per-step rank reports stay on the worker (for its metrics), as heartbeats do.
 TEST_F(WorkerAgentTest, RankBreakdownsGoOutInHeartbeatsAndRankStepsAreNotRelayed) {

@@ -20,7 +20,9 @@ Cluster::Cluster(Store* store, JobManager* jobs, ClusterOptions options)
              &state_.orders),
       fate_(&state_, &nodes_, jobs),
       protocol_(&state_, &ledger_, &nodes_, jobs, &fate_),
-      pass_(&state_, &ledger_, &nodes_, jobs, &fate_) {}
+      pass_(&state_, &ledger_, &nodes_, jobs, &fate_) {
+  nodes_.SetTopologyLevels(state_.options.topology_levels);
+}
 
 Cluster::~Cluster() { Stop(); }
 

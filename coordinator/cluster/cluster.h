@@ -78,6 +78,10 @@ class Cluster {
 
   // Nodes with their free GPUs / slots and jobs; LOST ones when include_lost.
   std::vector<v1::Node> Nodes(bool include_lost);
+  // The topology levels nodes are placed in (ClusterOptions::topology_levels).
+  const std::vector<TopologyLevel>& topology_levels() const {
+    return state_.options.topology_levels;
+  }
 
   // Operator actions (Coordinator.DrainNode, UndrainNode, RemoveNode). A drained node gets no
   // new placements. With `checkpoint`, each running attempt with ranks on it is asked to save a

@@ -19,6 +19,7 @@
 #include "coordinator/nodes/order_outbox.h"
 #include "coordinator/queues/queue_config.h"
 #include "coordinator/queues/queue_file.h"
+#include "coordinator/scheduler/topology.h"
 #include "coordinator/scheduling/assignments.h"  // TaskId
 #include "coordinator/store/store.h"
 #include "google/protobuf/timestamp.pb.h"
@@ -55,6 +56,8 @@ struct ClusterOptions {
   // Queues and quotas (--queue_file); null: one implicit queue, no quotas. Must outlive the
   // cluster.
   QueueFile* queues = nullptr;
+  // The cluster's topology levels, lowest first (--topology_levels); none by default.
+  std::vector<TopologyLevel> topology_levels;
 };
 
 // Counters for metrics, computed by Tick().
@@ -104,6 +107,9 @@ struct ClusterStats {
   // and "store_overlapped" the store thread's time for the previous pass's placements, spent
   // beside this pass and not part of its wall time.
   std::map<std::string, double> phase_seconds;
+  // Per topology level (ClusterOptions::topology_levels), lowest first: domains, the largest
+  // free one, fragmentation (topology.h). Counted with the nodes.
+  std::vector<TopologyLevelFigures> topology;
   // False for a pass that skipped the node, device, ended-job and straggler figures (Tick's
   // `count`): keep the previous ones.
   bool counted = true;

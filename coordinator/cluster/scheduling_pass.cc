@@ -172,10 +172,15 @@ ClusterStats SchedulingPass::Run(bool count, bool overlap_store) {
     LogRetried(active.ok() ? waiting.status() : active.status(), "listing active jobs");
   }
   if (!count) return stats;
+  const std::vector<TopologyLevel>& levels = state_->options.topology_levels;
+  UsedResources used;
   {
     GuardedLedger::Hold held(ledger_, &stats.lock_held_seconds, &stats.longest_lock_hold_seconds);
     CountClusterLocked(held, *state_, *nodes_, *fate_, &stats);
+    if (!levels.empty()) used = held->Used();
   }
+  // The topology's figures walk every node: without the cluster lock.
+  if (!levels.empty()) stats.topology = BuildTopology(levels, nodes_->TopologyNodes(used)).levels;
   // Ended jobs are counted by the store (the active ones above, as this pass left them).
   if (auto ended = state_->store->CountEndedJobs(); ended.ok()) {
     for (const auto& [state, count] : *ended) stats.jobs[state] = count;

@@ -21,6 +21,16 @@ std::string HostOf(const std::string& address) {
 
 }  // namespace
 
+void NodeRegistry::SetTopologyLevels(std::vector<TopologyLevel> levels) {
+  absl::MutexLock lock(&mu_);
+  topology_ = TopologyIndex(std::move(levels));
+}
+
+std::vector<TopologyLevel> NodeRegistry::topology_levels() const {
+  absl::MutexLock lock(&mu_);
+  return topology_.levels();
+}
+
 absl::Status NodeRegistry::Load() {
   ASSIGN_OR_RETURN(auto nodes, store_->ListNodes());
   absl::MutexLock lock(&mu_);
@@ -28,6 +38,10 @@ absl::Status NodeRegistry::Load() {
   for (auto& node : nodes) {
     Entry& entry = Insert(node.node_id());
     entry.node = std::move(node);
+    // As stored: a label of a level no longer configured is kept on the record and ignored.
+    const std::map<std::string, std::string> labels(entry.node.topology().begin(),
+                                                    entry.node.topology().end());
+    topology_.Add(entry.node.node_id(), labels);
     liveness_[entry.liveness].last_heartbeat = now;
     Summarize(entry);
     if (outbox_ != nullptr) {
@@ -153,6 +167,19 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, bool
             absl::Trunc(now - liveness_[known->liveness].last_heartbeat, absl::Milliseconds(100))),
         " ago) with a different node key; a node id is taken over only once its node is LOST"));
   }
+  // The node's place in the topology, checked against the others' with its own old labels out.
+  const std::map<std::string, std::string> labels(request.topology().begin(),
+                                                  request.topology().end());
+  std::map<std::string, std::string> old_labels;
+  if (const Entry* known = Lookup(request.node_id()); known != nullptr) {
+    old_labels.insert(known->node.topology().begin(), known->node.topology().end());
+  }
+  topology_.Remove(request.node_id(), old_labels);
+  if (absl::Status placed = topology_.Check(request.node_id(), labels); !placed.ok()) {
+    topology_.Add(request.node_id(), old_labels);
+    return placed;
+  }
+  topology_.Add(request.node_id(), labels);
   Entry& entry = Insert(request.node_id());
   v1::Node& node = entry.node;
   *returning = !node.node_id().empty();
@@ -163,6 +190,7 @@ absl::Status NodeRegistry::Register(const v1::RegisterNodeRequest& request, bool
   *node.mutable_resources() = request.resources();
   node.mutable_labels()->clear();
   for (const auto& [key, value] : request.labels()) (*node.mutable_labels())[key] = value;
+  *node.mutable_topology() = request.topology();
   node.set_worker_version(request.worker_version());
   node.set_key_sha256(key_sha256);
   if (!*returning) *node.mutable_register_time() = ToProto(now);
@@ -268,6 +296,8 @@ absl::Status NodeRegistry::Remove(const std::string& node_id,
     return still;
   }
   Entry& entry = *by_id_.at(node_id);
+  topology_.Remove(node_id, std::map<std::string, std::string>(entry.node.topology().begin(),
+                                                               entry.node.topology().end()));
   if (entry.counted.added) {
     if (--state_counts_[entry.counted.state] == 0) state_counts_.erase(entry.counted.state);
     gpus_total_ -= entry.counted.gpus;
@@ -467,6 +497,35 @@ NodeRegistry::Tally NodeRegistry::Count(const UsedResources& used) const {
     tally.cpu_slots_allocated += total - std::max(0, total - held.cpu_slots);
   }
   return tally;
+}
+
+std::vector<TopologyNode> NodeRegistry::TopologyNodes(const UsedResources& used) const {
+  absl::MutexLock lock(&mu_);
+  bool gpus = false;
+  for (const auto& [node_id, entry] : nodes_) gpus = gpus || entry.capacity.total_gpus > 0;
+  std::vector<TopologyNode> out;
+  out.reserve(nodes_.size());
+  auto held = used.nodes.begin();
+  for (const auto& [node_id, entry] : nodes_) {
+    while (held != used.nodes.end() && held->node_id < node_id) ++held;
+    const bool holds = held != used.nodes.end() && held->node_id == node_id;
+    const NodeCapacity& c = entry.capacity;
+    TopologyNode& node = out.emplace_back();
+    node.node_id = node_id;
+    node.labels.insert(entry.node.topology().begin(), entry.node.topology().end());
+    node.schedulable = c.schedulable;
+    if (gpus) {
+      node.total = c.total_gpus;
+      node.free = c.free_gpus.size();
+      if (holds) {
+        for (int gpu : c.free_gpus) node.free -= held->HoldsGpu(gpu);
+      }
+    } else {
+      node.total = c.total_cpu_slots;
+      node.free = std::max(0, c.total_cpu_slots - (holds ? held->cpu_slots : 0));
+    }
+  }
+  return out;
 }
 
 std::vector<v1::Node> NodeRegistry::Nodes() const {

@@ -35,6 +35,7 @@
 #include "common/clock.h"
 #include "coordinator/nodes/order_outbox.h"
 #include "coordinator/scheduler/scheduler.h"
+#include "coordinator/scheduler/topology.h"
 #include "coordinator/store/store.h"
 #include "tessera/v1/node_service.pb.h"
 
@@ -80,6 +81,12 @@ class NodeRegistry {
   // by_id_ points into nodes_.
   NodeRegistry(const NodeRegistry&) = delete;
   NodeRegistry& operator=(const NodeRegistry&) = delete;
+
+  // The cluster's topology levels (topology.h), lowest first: a registration names only these,
+  // consistently nested (TopologyIndex). Before Load and the first registration; none by default
+  // (a node then names no topology).
+  void SetTopologyLevels(std::vector<TopologyLevel> levels) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<TopologyLevel> topology_levels() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Reloads stored nodes; each gets a fresh grace period from now.
   absl::Status Load() ABSL_LOCKS_EXCLUDED(mu_);
@@ -180,6 +187,9 @@ class NodeRegistry {
   Tally Count(const UsedResources& used) const ABSL_LOCKS_EXCLUDED(mu_);
   // The registered node records, in node_id order.
   std::vector<v1::Node> Nodes() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Every node's topology labels and devices, less `used` (GPUs, or CPU slots when no node has
+  // a GPU), for BuildTopology; in node_id order.
+  std::vector<TopologyNode> TopologyNodes(const UsedResources& used) const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Entry {
@@ -244,6 +254,8 @@ class NodeRegistry {
   int64_t gpus_total_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t cpu_slots_total_ ABSL_GUARDED_BY(mu_) = 0;
   std::set<std::string> dirty_ ABSL_GUARDED_BY(mu_);
+  // The levels and what the registered nodes say of the domains' nesting.
+  TopologyIndex topology_ ABSL_GUARDED_BY(mu_);
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   // Summaries() as of summaries_generation_.
   mutable std::shared_ptr<const std::vector<NodeCapacity>> summaries_ ABSL_GUARDED_BY(mu_);

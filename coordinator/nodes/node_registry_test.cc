@@ -369,5 +369,43 @@ TEST(NodeRegistryTest, RemovedNodesLeaveTheCountsAndTheStore) {
   EXPECT_EQ(orders.stop_size(), 0) << "the removed node's orders went with it";
 }
 
+// A node's topology labels are checked against the others' as it registers (TopologyIndex): a
+// node that registers again may move, a removed node no longer says where its rack is, and the
+// labels survive a restart of the registry.
+TEST(NodeRegistryTest, TopologyLabelsAreCheckedKeptAndForgotten) {
+  auto store = Store::Open(":memory:");
+  ASSERT_TRUE(store.ok()) << store.status();
+  SimulatedClock clock(absl::FromUnixSeconds(1'000'000));
+  NodeRegistry registry(store->get(), absl::Seconds(15), /*write_behind=*/false, &clock);
+  registry.SetTopologyLevels(*ParseTopologyLevels("rack,block"));
+  auto node = [](const std::string& id, const std::string& rack, const std::string& block) {
+    v1::RegisterNodeRequest request = CpuNode(id);
+    (*request.mutable_topology())["rack"] = rack;
+    (*request.mutable_topology())["block"] = block;
+    return request;
+  };
+  bool returning = false;
+  ASSERT_TRUE(registry.Register(node("a", "r1", "b1"), &returning).ok());
+  const absl::Status refused = registry.Register(node("b", "r1", "b2"), &returning);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
+  EXPECT_FALSE(registry.Known("b")) << "a refused registration records nothing";
+  // a moves its rack to b2 (it was the only one saying where r1 is), then b may join it there.
+  ASSERT_TRUE(registry.Register(node("a", "r1", "b2"), &returning).ok());
+  ASSERT_TRUE(registry.Register(node("b", "r1", "b2"), &returning).ok());
+  EXPECT_EQ(registry.Find("a")->topology().at("block"), "b2");
+
+  NodeRegistry restarted(store->get(), absl::Seconds(15), /*write_behind=*/false, &clock);
+  restarted.SetTopologyLevels(*ParseTopologyLevels("rack,block"));
+  ASSERT_TRUE(restarted.Load().ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(restarted.Register(node("c", "r1", "b1"), &returning)))
+      << "the stored nodes still say r1 is in b2";
+  ASSERT_TRUE(restarted.SetDrained("a", true, "").ok());
+  ASSERT_TRUE(restarted.SetDrained("b", true, "").ok());
+  ASSERT_TRUE(restarted.Remove("a").ok());
+  ASSERT_TRUE(restarted.Remove("b").ok());
+  EXPECT_TRUE(restarted.Register(node("c", "r1", "b1"), &returning).ok())
+      << "once its nodes are gone, nothing says where r1 is";
+}
+
 }  // namespace
 }  // namespace tessera::coordinator

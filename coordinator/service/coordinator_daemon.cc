@@ -179,6 +179,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorDaemon>> CoordinatorDaemon::Start(
     metrics->SetOldestPendingSeconds(stats.oldest_pending_seconds);
     metrics->SetStragglers(stats.stragglers);
     metrics->SetQueues(stats.queues);
+    metrics->SetTopology(stats.topology);
   });
   return daemon;
 }

@@ -258,6 +258,27 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry)
                               .Help(queue_families[i].second)
                               .Register(registry);
   }
+  const std::array<std::pair<const char*, const char*>, kTopologyFamilies> topology_families = {{
+      {"tessera_topology_domains",
+       "Domains of a topology level (a node without a label at the "
+       "level is a domain of its own)."},
+      {"tessera_topology_whole_free_domains",
+       "Domains of a topology level whose devices (GPUs, or CPU slots without GPUs) are all "
+       "free."},
+      {"tessera_topology_largest_free_domain_devices",
+       "The most free devices in one domain of a topology level: the largest gang that fits "
+       "inside one."},
+      {"tessera_topology_free_devices", "Free devices of the ready nodes, counted per level."},
+      {"tessera_topology_fragmentation",
+       "Share of the free devices that sit in partly used domains of a topology level: 0 when "
+       "every free device is in a wholly free domain, 1 when none is."},
+  }};
+  for (int i = 0; i < kTopologyFamilies; ++i) {
+    topology_families_[i] = &prometheus::BuildGauge()
+                                 .Name(topology_families[i].first)
+                                 .Help(topology_families[i].second)
+                                 .Register(registry);
+  }
   queue_preemptions_ = &prometheus::BuildCounter()
                             .Name("tessera_queue_preemptions_total")
                             .Help(
@@ -408,6 +429,23 @@ void CoordinatorMetrics::SetQueues(
           .Increment(static_cast<double>(total - previous));
       previous = total;
     }
+  }
+}
+
+void CoordinatorMetrics::SetTopology(const std::vector<TopologyLevelFigures>& levels) {
+  absl::MutexLock lock(&mu_);
+  for (const TopologyLevelFigures& level : levels) {
+    auto [it, added] = topology_series_.try_emplace(level.level);
+    if (added) {
+      for (int i = 0; i < kTopologyFamilies; ++i) {
+        it->second[i] = &topology_families_[i]->Add({{"level", level.level}});
+      }
+    }
+    const std::array<double, kTopologyFamilies> values = {
+        static_cast<double>(level.domains), static_cast<double>(level.whole_free_domains),
+        static_cast<double>(level.largest_free), static_cast<double>(level.free),
+        level.fragmentation};
+    for (int i = 0; i < kTopologyFamilies; ++i) it->second[i]->Set(values[i]);
   }
 }
 

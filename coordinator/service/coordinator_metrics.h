@@ -75,6 +75,14 @@
 //   tessera_queue_fair_share{queue}         gauge; decayed dominant-resource
 //                                           usage over weight (lowest borrows
 //                                           first)
+//   tessera_topology_domains{level}, tessera_topology_whole_free_domains{level},
+//   tessera_topology_largest_free_domain_devices{level},
+//   tessera_topology_free_devices{level}, tessera_topology_fragmentation{level}
+//                                           gauges; per --topology_levels level:
+//                                           its domains, those wholly free, the
+//                                           most free devices in one, free
+//                                           devices, and the share of them in
+//                                           partly used domains
 //   tessera_grpc_server_requests_total{method,code}
 //                                           counter; finished RPCs by full
 //                                           method name ("/tessera.v1.
@@ -148,6 +156,9 @@ class CoordinatorMetrics {
   // counters advance by the difference to the previous call, and start at 0 for
   // each reason of kPreemptionReasons.
   void SetQueues(const std::map<std::string, ClusterStats::QueueFigures>& queues);
+  // Each topology level's figures (ClusterStats::topology); the levels are the coordinator's
+  // and do not change while it runs.
+  void SetTopology(const std::vector<TopologyLevelFigures>& levels);
 
   // A job as just committed (JobManager::SetCommitObserver): while it is RUNNING it has
   // tessera_job_running, and the step and checkpoint timestamps of its latest_metrics.time and
@@ -249,6 +260,12 @@ class CoordinatorMetrics {
   std::map<std::string, std::array<prometheus::Gauge*, kQueueFamilies>> queue_series_
       ABSL_GUARDED_BY(mu_);
   prometheus::Family<prometheus::Counter>* queue_preemptions_ = nullptr;
+  // The tessera_topology_* families (domains, whole free domains, largest free domain, free
+  // devices, fragmentation) and each level's series.
+  static constexpr int kTopologyFamilies = 5;
+  std::array<prometheus::Family<prometheus::Gauge>*, kTopologyFamilies> topology_families_{};
+  std::map<std::string, std::array<prometheus::Gauge*, kTopologyFamilies>> topology_series_
+      ABSL_GUARDED_BY(mu_);
   // (queue, reason) -> the cumulative count of the previous SetQueues.
   std::map<std::pair<std::string, std::string>, int64_t> preemptions_seen_ ABSL_GUARDED_BY(mu_);
   prometheus::Family<prometheus::Histogram>* queue_wait_ = nullptr;

@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "coordinator/admission/job_validation.h"
 #include "coordinator/admission/layout_planning.h"
+#include "coordinator/scheduler/topology.h"
 #include "coordinator/service/log_relay.h"
 
 namespace tessera::coordinator {
@@ -298,6 +299,50 @@ grpc::ServerUnaryReactor* CoordinatorService::ListCheckpoints(
   });
 }
 
+namespace {
+
+// ListNodes' topology: the levels with their figures and every domain, over the nodes listed
+// (devices: GPUs, or CPU slots when no node listed has a GPU; only READY nodes' count).
+void FillTopology(const std::vector<TopologyLevel>& levels, v1::ListNodesResponse* response) {
+  if (levels.empty()) return;
+  bool gpus = false;
+  for (const v1::Node& node : response->nodes()) gpus = gpus || node.resources().gpus_size() > 0;
+  std::vector<TopologyNode> nodes;
+  nodes.reserve(response->nodes_size());
+  for (const v1::Node& node : response->nodes()) {
+    TopologyNode& t = nodes.emplace_back();
+    t.node_id = node.node_id();
+    t.labels.insert(node.topology().begin(), node.topology().end());
+    t.free = gpus ? node.free_gpus_size() : node.free_cpu_slots();
+    t.total = gpus ? node.resources().gpus_size() : node.resources().cpu_slots();
+    t.schedulable = node.state() == v1::NODE_STATE_READY;
+  }
+  const TopologyView view = BuildTopology(levels, nodes);
+  for (size_t i = 0; i < levels.size(); ++i) {
+    const TopologyLevelFigures& figures = view.levels[i];
+    v1::TopologyLevelStatus* level = response->add_topology_levels();
+    level->set_name(levels[i].name);
+    level->set_bandwidth_gbps(levels[i].bandwidth_gbps);
+    level->set_domains(figures.domains);
+    level->set_whole_free_domains(figures.whole_free_domains);
+    level->set_largest_free(figures.largest_free);
+    level->set_free(figures.free);
+    level->set_fragmentation(figures.fragmentation);
+  }
+  for (const TopologyDomain& domain : view.domains) {
+    v1::TopologyDomainStatus* out = response->add_topology_domains();
+    out->set_level(static_cast<int32_t>(domain.level));
+    out->set_domain(domain.domain);
+    out->set_parent(domain.parent);
+    out->set_node_only(domain.node_only);
+    out->set_free(domain.free);
+    out->set_total(domain.total);
+    for (const std::string& node_id : domain.nodes) out->add_node_ids(node_id);
+  }
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* CoordinatorService::ListNodes(grpc::CallbackServerContext* context,
                                                         const v1::ListNodesRequest* request,
                                                         v1::ListNodesResponse* response) {
@@ -307,6 +352,7 @@ grpc::ServerUnaryReactor* CoordinatorService::ListNodes(grpc::CallbackServerCont
       node.clear_key_sha256();
       *response->add_nodes() = std::move(node);
     }
+    FillTopology(cluster_->topology_levels(), response);
     return absl::OkStatus();
   });
 }

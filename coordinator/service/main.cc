@@ -7,6 +7,7 @@
 #include "common/daemon/daemon_main.h"
 #include "common/daemon/daemon_servers.h"
 #include "common/version.h"
+#include "coordinator/scheduler/topology.h"
 #include "coordinator/service/coordinator_daemon.h"
 #include "coordinator/service/leader_run.h"
 #include "coordinator/store/store.h"
@@ -76,6 +77,11 @@ ABSL_FLAG(std::string, queue_file, "",
           "YAML file of queues: nominal GPU and CPU-slot quotas, cohorts that lend unused quota, "
           "who submits where, fair share (see docs/coordinator.md); re-read when it changes, a "
           "bad version refused and the previous one kept. Empty: one queue without quotas.");
+ABSL_FLAG(std::string, topology_levels, "",
+          "The cluster's topology levels, lowest first, each with the per-device bandwidth a "
+          "group confined to one of its domains gets in GB/s (optional), e.g. "
+          "'nvlink-domain:900,rack:200,block:50,zone'. Workers name their domain at each level "
+          "(--topology); `tessera nodes --topology` shows the tree. Empty: no topology.");
 ABSL_FLAG(int, max_submits_per_minute, 60,
           "Jobs one user may submit per minute (bursts up to as many); 0: unlimited.");
 ABSL_FLAG(int, max_streams_per_client, 16,
@@ -117,6 +123,13 @@ int main(int argc, char** argv) {
   options.cluster.straggler_threshold = absl::GetFlag(FLAGS_straggler_threshold);
   options.cluster.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
   options.cluster.base_master_port = absl::GetFlag(FLAGS_master_port_base);
+  if (auto levels = tessera::coordinator::ParseTopologyLevels(absl::GetFlag(FLAGS_topology_levels));
+      levels.ok()) {
+    options.cluster.topology_levels = *std::move(levels);
+  } else {
+    std::cerr << "tessera-coordinator: " << levels.status().message() << "\n";
+    return 2;
+  }
   options.security.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.security.tls.key_file = absl::GetFlag(FLAGS_tls_key);
   options.security.tls.ca_file = absl::GetFlag(FLAGS_tls_ca);

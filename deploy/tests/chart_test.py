@@ -81,7 +81,9 @@ VALUES_SETS = {
         "sharedStorage": {"existingClaim": "team-nfs"},
         # null drops the default GPU selector ({} would be merged with it).
         "worker": {"gpusPerNode": 0, "cpuSlots": 4, "nodeSelector": None, "tolerations": [],
-                   "labels": {"pool": "cpu", "zone": "a"}},
+                   "labels": {"pool": "cpu", "zone": "a"},
+                   "topology": {"rack": "r17", "block": "b3"}},
+        "coordinator": {"topologyLevels": "rack:200,block:50"},
         "grafana": {"dashboards": {"enabled": False}},
         "logFormat": "text",
     },
@@ -355,8 +357,14 @@ def main():
     results.check("nvidia.com/gpu" not in cpu_worker["resources"]["limits"]
                   and "nodeSelector" not in cpu_pod
                   and "--cpu-slots=4" in cpu_worker["args"]
-                  and "--labels=pool=cpu,zone=a" in cpu_worker["args"],
-                  "CPU-only workers: no GPU request, CPU slots and labels passed")
+                  and "--labels=pool=cpu,zone=a" in cpu_worker["args"]
+                  and "--topology=block=b3,rack=r17" in cpu_worker["args"],
+                  "CPU-only workers: no GPU request, CPU slots, labels and topology passed")
+    cpu_coordinator = [d for d in by_kind(cpu, "Deployment") + by_kind(cpu, "StatefulSet")
+                       if "coordinator" in d["metadata"]["name"]]
+    results.check(bool(cpu_coordinator) and "--topology-levels=rack:200,block:50" in
+                  cpu_coordinator[0]["spec"]["template"]["spec"]["containers"][0]["args"],
+                  "the coordinator gets the topology levels")
     results.check(not by_kind(cpu, "PersistentVolumeClaim"), "an existing claim is not created")
 
     test_security(results, rendered_sets)
