@@ -93,14 +93,20 @@ absl::Status TopologyIndex::Check(const std::string& node_id,
   return absl::OkStatus();
 }
 
-void TopologyIndex::Add(const std::string& node_id,
-                        const std::map<std::string, std::string>& labels) {
+std::vector<std::pair<size_t, std::string>> TopologyIndex::Named(
+    const std::map<std::string, std::string>& labels) const {
   std::vector<std::pair<size_t, std::string>> named;
   for (size_t i = 0; i < levels_.size(); ++i) {
     if (auto it = labels.find(levels_[i].name); it != labels.end()) {
       named.emplace_back(i, it->second);
     }
   }
+  return named;
+}
+
+void TopologyIndex::Add(const std::string& node_id,
+                        const std::map<std::string, std::string>& labels) {
+  const std::vector<std::pair<size_t, std::string>> named = Named(labels);
   for (size_t a = 0; a < named.size(); ++a) {
     for (size_t b = a + 1; b < named.size(); ++b) {
       Parent& parent = parents_[named[a]][named[b].first];
@@ -112,12 +118,7 @@ void TopologyIndex::Add(const std::string& node_id,
 
 void TopologyIndex::Remove(const std::string& node_id,
                            const std::map<std::string, std::string>& labels) {
-  std::vector<std::pair<size_t, std::string>> named;
-  for (size_t i = 0; i < levels_.size(); ++i) {
-    if (auto it = labels.find(levels_[i].name); it != labels.end()) {
-      named.emplace_back(i, it->second);
-    }
-  }
+  const std::vector<std::pair<size_t, std::string>> named = Named(labels);
   for (size_t a = 0; a < named.size(); ++a) {
     auto known = parents_.find(named[a]);
     if (known == parents_.end()) continue;

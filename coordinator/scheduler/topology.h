@@ -58,6 +58,10 @@ class TopologyIndex {
   void Remove(const std::string& node_id, const std::map<std::string, std::string>& labels);
 
  private:
+  // The labels of configured levels as (level index, domain), lowest level first.
+  std::vector<std::pair<size_t, std::string>> Named(
+      const std::map<std::string, std::string>& labels) const;
+
   struct Parent {
     std::string domain;
     std::set<std::string> nodes;  // the nodes that say so
