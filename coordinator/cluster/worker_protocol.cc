@@ -255,7 +255,10 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
   std::map<std::string, std::vector<v1::EvalMetrics>> evals;
   std::map<std::string, std::vector<v1::Checkpoint>> checkpoints;
   // Loss spikes are kept only once this batch's checkpoints are stored: the rollback they let
-  // the next pass decide resumes from the newest of them.
+  // the next pass decide resumes from the newest of them. A batch without checkpoints keeps them
+  // before its store writes: rank 0 reports the commit of a checkpoint in flight before the spike,
+  // and a task's batches are sent one at a time, so any such commit is stored already, and a slow
+  // write (an fsync on a loaded disk) does not keep the rollback waiting for the spike's figures.
   std::vector<const v1::TrainerReport*> spikes;
   for (int i = static_cast<int>(skip); i < request.reports_size(); ++i) {
     const v1::TrainerReport& report = request.reports(i);
@@ -312,6 +315,15 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
         break;
     }
   }
+  auto keep_spikes = [&] {
+    if (spikes.empty()) return;
+    GuardedLedger::Hold held(ledger_);
+    for (const v1::TrainerReport* spike : spikes) {
+      fate_->AddLossSpikeLocked(held, spike->job_id(), spike->attempt(), spike->loss_spike());
+    }
+    spikes.clear();
+  };
+  if (checkpoints.empty()) keep_spikes();
   std::set<std::string> job_ids;
   for (const auto& [id, _] : metrics) job_ids.insert(id);
   for (const auto& [id, _] : evals) job_ids.insert(id);
@@ -333,12 +345,7 @@ absl::StatusOr<v1::ReportResponse> WorkerProtocol::Report(const v1::ReportReques
       }
     }
   }
-  if (!spikes.empty()) {
-    GuardedLedger::Hold held(ledger_);
-    for (const v1::TrainerReport* spike : spikes) {
-      fate_->AddLossSpikeLocked(held, spike->job_id(), spike->attempt(), spike->loss_spike());
-    }
-  }
+  keep_spikes();
   {
     GuardedLedger::Hold held(ledger_);
     const v1::TrainerReport& first = request.reports(0);
