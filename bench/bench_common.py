@@ -20,6 +20,8 @@ import sys
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+import trainer_spec  # noqa: E402
 # Training text: Genesis to Ruth of the King James Bible (about 1 MiB), tokenized as bytes.
 CORPUS = os.path.join(REPO_ROOT, "data", "corpus", "kjv-genesis-ruth.txt")
 
@@ -445,15 +447,20 @@ def in_workdir(bench_name, workdir, keep_workdir, measure):
 # --- one-process runs from a Hugging Face model against PyTorch (moe_bench, lora_bench) -------
 
 
-def run_init_from(trainer, config, model_dir, shards, job, extra_args=(), timeout=900):
-    """One standalone tessera-trainer run from the save_pretrained model in model_dir: config's
-    untimed + timed steps of batch x seq_len in one micro-batch, AdamW (lr, weight decay 0.1, clip
-    1.0). Returns its step times and the largest peak memory it reported (peak RSS on CPU)."""
+def run_init_from(trainer, config, model_dir, shards, job, extra_spec=None, timeout=900):
+    """One tessera-trainer run, from --set settings, of the save_pretrained model in model_dir:
+    config's untimed + timed steps of batch x seq_len in one micro-batch, AdamW (lr, weight decay
+    0.1, clip 1.0, cosine to 0.1 of lr), with extra_spec's fields (e.g. lora) added. Returns its
+    step times and the largest peak memory it reported (peak RSS on CPU)."""
     steps = config["untimed_steps"] + config["timed_steps"]
-    args = [trainer, f"--init_from={model_dir}", f"--data={shards}", f"--steps={steps}",
-            f"--seq_len={config['seq_len']}", f"--global_batch={config['batch']}",
-            f"--micro_batch={config['batch']}", f"--lr={config['lr']}", "--warmup=1",
-            "--weight_decay=0.1", "--grad_clip=1.0", f"--job_id={job}", *extra_args]
+    spec = {"name": job, "model": {"from_pretrained": model_dir},
+            "data": {"train_shards": [shards], "seq_len": config["seq_len"]},
+            "batch": {"global_batch_size": config["batch"], "micro_batch_size": config["batch"]},
+            "optimizer": {"schedule": {"peak_learning_rate": config["lr"], "warmup_steps": 1,
+                                       "min_lr_ratio": 0.1},
+                          "weight_decay": 0.1, "grad_clip_norm": 1.0},
+            "max_steps": steps, **(extra_spec or {})}
+    args = [trainer, *trainer_spec.spec_args(spec)]
     result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise BenchError(f"{job}: tessera-trainer failed:\n{result.stderr[-2000:]}")

@@ -6,8 +6,8 @@ same LoRA and the same full fine-tuning, on the same machine in the same run.
     python bench/lora_bench.py          # make bench BENCH=lora (CPU)
 
 The model is a small Llama written by transformers' save_pretrained (random weights): Tessera
-imports it (--init_from), transformers loads it. LoRA: rank 16, alpha 32, no dropout, on every
-linear layer of every block (PEFT's "all-linear", which leaves the LM head alone as Tessera
+imports it (model.from_pretrained), transformers loads it. LoRA: rank 16, alpha 32, no dropout,
+on every linear layer of every block (PEFT's "all-linear", which leaves the LM head alone as Tessera
 does). Both sides: float32 on CPU, AdamW (weight decay 0.1, clip 1.0), the same batch and
 sequence length, all cores for intra-op threads. Each run is a fresh process; runs alternate
 between the four sides. A run's throughput is the tokens of its timed steps over the sum of their
@@ -129,8 +129,8 @@ def main():
                 if side.startswith("tessera"):
                     result = bench_common.run_init_from(
                         trainer, CONFIG, model_dir, shards, job, timeout=600,
-                        extra_args=[f"--lora_rank={CONFIG['lora_rank']}",
-                                    f"--lora_alpha={CONFIG['lora_alpha']}"] if lora else [])
+                        extra_spec={"lora": {"rank": CONFIG["lora_rank"],
+                                             "alpha": CONFIG["lora_alpha"]}} if lora else None)
                 else:
                     result = run_python(model_dir, lora, job)
                 result["tokens_per_second"] = bench_common.timed_tokens_per_second(result, CONFIG)

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "yaml-cpp/yaml.h"
@@ -89,6 +91,38 @@ std::string LineOfKeyIn(const std::string& message, const YAML::Node& root) {
   return line > 0 ? absl::StrCat(" (line ", line, ")") : "";
 }
 
+// One of SpecSettings (job_spec_file.h) applied to the spec's JSON.
+absl::Status ApplySetting(const std::string& setting, const EnvLookup& env, nlohmann::json* spec) {
+  const size_t equals = setting.find('=');
+  if (equals == std::string::npos || equals == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--set '", setting, "': expected PATH=VALUE, e.g. data.seq_len=128"));
+  }
+  const std::string path = setting.substr(0, equals);
+  nlohmann::json value;
+  try {
+    absl::Status expanded;
+    value = ToJson(YAML::Load(setting.substr(equals + 1)), env, &expanded);
+    if (!expanded.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--set ", path, ": ", expanded.message()));
+    }
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--set ", path, ": not a YAML value: ", e.what()));
+  }
+  nlohmann::json* node = spec;
+  for (absl::string_view name : absl::StrSplit(path, '.')) {
+    if (name.empty() || !std::all_of(name.begin(), name.end(), IsNameChar)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--set ", path, ": a path is field names joined by dots, e.g. data.seq_len"));
+    }
+    if (!node->is_object()) *node = nlohmann::json::object();
+    node = &(*node)[std::string(name)];
+  }
+  *node = std::move(value);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 EnvLookup ProcessEnvironment() {
@@ -143,7 +177,8 @@ absl::StatusOr<std::string> ExpandEnvironment(const std::string& value, const En
   return out;
 }
 
-absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text, const EnvLookup& env) {
+absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text, const EnvLookup& env,
+                                         const SpecSettings& settings) {
   nlohmann::json json;
   YAML::Node root;
   absl::Status expanded;
@@ -155,6 +190,9 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text, const EnvLooku
   }
   if (!expanded.ok()) return expanded;
   if (!json.is_object()) return absl::InvalidArgumentError("job spec: expected a mapping");
+  for (const std::string& setting : settings) {
+    if (absl::Status set = ApplySetting(setting, env, &json); !set.ok()) return set;
+  }
   // Shorthand: `parallelism: auto`.
   if (json.contains("parallelism") && json["parallelism"] == "auto") {
     json["parallelism"] = {{"auto_layout", nlohmann::json::object()}};
@@ -176,12 +214,13 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text, const EnvLooku
   return spec;
 }
 
-absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path, const EnvLookup& env) {
+absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path, const EnvLookup& env,
+                                        const SpecSettings& settings) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
   std::stringstream buffer;
   buffer << in.rdbuf();
-  auto spec = ParseJobSpec(buffer.str(), env);
+  auto spec = ParseJobSpec(buffer.str(), env, settings);
   if (!spec.ok()) {
     return absl::Status(spec.status().code(), absl::StrCat(path, ": ", spec.status().message()));
   }

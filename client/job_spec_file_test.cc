@@ -15,6 +15,7 @@ using ::tessera::testing::IsOk;
 using ::tessera::testing::IsOkAndHolds;
 using ::tessera::testing::StatusIs;
 using ::testing::AllOf;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 TEST(JobSpecFileTest, YamlMapsOntoTheProtoFields) {
@@ -122,6 +123,56 @@ TEST(JobSpecFileTest, BadVariablesNameTheVariableAndTheLine) {
   EXPECT_THAT(ExpandEnvironment("a${OPEN", Environment({})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no closing")));
   EXPECT_THAT(ExpandEnvironment("cost $5 and $", Environment({})), IsOkAndHolds("cost $5 and $"));
+}
+
+TEST(JobSpecFileTest, SettingsOverrideTheFileInOrder) {
+  auto spec = ParseJobSpec(
+      "name: base\nmax_steps: 10\nparallelism: auto\n"
+      "optimizer: {schedule: {peak_learning_rate: 1e-3, warmup_steps: 5}}\n",
+      Environment({{"ROOT", "/mnt"}}),
+      {"max_steps=20", "optimizer.schedule.peak_learning_rate=3e-3",
+       "data.train_shards=[\"${ROOT}/a-*.bin\", /b]", "parallelism.layout.tensor_parallel=2",
+       "parallelism.layout.activation_checkpointing_mode=ACTIVATION_CHECKPOINTING_FULL",
+       "lora={rank: 8, target_modules: [q_proj, v_proj]}", "checkpoint.resume=false",
+       "max_steps=30", "name="});
+  ASSERT_THAT(spec, IsOk());
+  EXPECT_EQ(spec->max_steps(), 30);  // the last setting wins
+  EXPECT_EQ(spec->name(), "");       // an empty value is the field's default
+  EXPECT_DOUBLE_EQ(spec->optimizer().schedule().peak_learning_rate(), 3e-3);
+  EXPECT_EQ(spec->optimizer().schedule().warmup_steps(), 5);  // the file's, untouched
+  EXPECT_THAT(spec->data().train_shards(), ElementsAre("/mnt/a-*.bin", "/b"));
+  // `parallelism: auto` was a value on the way: replaced by the mapping the setting needs.
+  ASSERT_TRUE(spec->parallelism().has_layout());
+  EXPECT_EQ(spec->parallelism().layout().tensor_parallel(), 2);
+  EXPECT_EQ(spec->parallelism().layout().activation_checkpointing_mode(),
+            v1::ACTIVATION_CHECKPOINTING_FULL);
+  EXPECT_EQ(spec->lora().rank(), 8);
+  EXPECT_THAT(spec->lora().target_modules(), ElementsAre("q_proj", "v_proj"));
+  ASSERT_TRUE(spec->checkpoint().has_resume());
+  EXPECT_FALSE(spec->checkpoint().resume());
+  // Settings alone make a spec; `parallelism=auto` keeps its shorthand.
+  auto bare = ParseJobSpec("{}", nullptr, {"model.preset=tiny-gpt2", "parallelism=auto"});
+  ASSERT_THAT(bare, IsOk());
+  EXPECT_EQ(bare->model().preset(), "tiny-gpt2");
+  EXPECT_TRUE(bare->parallelism().has_auto_layout());
+}
+
+TEST(JobSpecFileTest, BadSettingsAreNamed) {
+  EXPECT_THAT(ParseJobSpec("{}", nullptr, {"max_steps"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expected PATH=VALUE")));
+  EXPECT_THAT(
+      ParseJobSpec("{}", nullptr, {"data..seq_len=4"}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("field names joined by dots")));
+  EXPECT_THAT(ParseJobSpec("{}", nullptr, {"data.seq_len=[1"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("--set data.seq_len"), HasSubstr("not a YAML value"))));
+  EXPECT_THAT(ParseJobSpec("{}", Environment({}), {"max_steps=${NOPE}"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("--set max_steps"), HasSubstr("${NOPE} is not set"))));
+  EXPECT_THAT(ParseJobSpec("{}", nullptr, {"data.seq_lenn=4"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("seq_lenn")));
+  EXPECT_THAT(ParseJobSpec("{}", nullptr, {"max_steps=many"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_steps")));
 }
 
 }  // namespace

@@ -171,7 +171,7 @@ std::string AlpacaRecords(int count) {
 TEST_F(ClusterTest, TheLoraExampleFineTunesAnImportedModelForTwoEpochs) {
   const std::string trainer = BinDir() + "/tessera-trainer";
   const std::string base = dir_.path() + "/base";
-  auto exported = RunCommand({trainer, "--preset=tiny-llama", "--export_hf=" + base});
+  auto exported = RunCommand({trainer, "--set=model.preset=tiny-llama", "--export_hf=" + base});
   ASSERT_THAT(exported, IsOk());
   ASSERT_EQ(exported->exit.exit_code, 0) << exported->output;
   std::ofstream(dir_.path() + "/alpaca.jsonl") << AlpacaRecords(160);

@@ -3,7 +3,8 @@
 
 For tiny random LlamaForCausalLM (sharded safetensors with an index), Qwen3ForCausalLM and
 GPT2LMHeadModel models written by save_pretrained:
-  * `--init_from=DIR --logits_out` gives transformers' logits (float32, max |diff| <= 1e-4);
+  * `--set model.from_pretrained=DIR --logits_out` gives transformers' logits (float32,
+    max |diff| <= 1e-4);
   * `--export_hf` writes a directory that AutoModelForCausalLM.from_pretrained loads and that
     gives the same logits again;
   * 20 standalone training steps run from the imported weights (finite, falling loss), and
@@ -36,6 +37,7 @@ try:
     import transformers
     from safetensors.torch import load_file, save_file
     from hf_tiny_models import TOKENS, logits_of, make_model, run, tiny_configs, tiny_moe_configs
+    from hf_tiny_models import setting, spec_args
 except ImportError as error:  # pragma: no cover - depends on the venv
     print(f"SKIP: {error} (scripts/bootstrap.sh installs transformers into the torch venv)")
     sys.exit(77)
@@ -45,7 +47,8 @@ MOE_EXPORT_TOLERANCE = 1e-5
 
 
 def tessera_logits(trainer, init_from, out_file, *extra):
-    run(trainer, f"--init_from={init_from}", "--logits_tokens=" + ",".join(map(str, TOKENS)),
+    run(trainer, setting("model.from_pretrained", init_from),
+        "--logits_tokens=" + ",".join(map(str, TOKENS)),
         f"--logits_out={out_file}", *extra)
     return load_file(out_file)["logits"]
 
@@ -63,7 +66,7 @@ def check_bad_inputs(trainer, tmp, llama_dir):
     logits_args = ["--logits_tokens=1,2", f"--logits_out={tmp}/bad.safetensors"]
     empty = os.path.join(tmp, "empty")
     os.makedirs(empty)
-    expect_failure(trainer, [f"--init_from={empty}", *logits_args],
+    expect_failure(trainer, [setting("model.from_pretrained", empty), *logits_args],
                    "model.from_pretrained", f"{empty}/config.json: cannot open")
 
     mistral = os.path.join(tmp, "mistral")
@@ -73,7 +76,7 @@ def check_bad_inputs(trainer, tmp, llama_dir):
     config["architectures"] = ["MistralForCausalLM"]
     with open(os.path.join(mistral, "config.json"), "w") as f:
         json.dump(config, f)
-    expect_failure(trainer, [f"--init_from={mistral}", *logits_args],
+    expect_failure(trainer, [setting("model.from_pretrained", mistral), *logits_args],
                    f"{mistral}/config.json: architectures", "MistralForCausalLM")
 
     scaled = os.path.join(tmp, "rope_scaled")
@@ -83,7 +86,8 @@ def check_bad_inputs(trainer, tmp, llama_dir):
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     with open(os.path.join(scaled, "config.json"), "w") as f:
         json.dump(config, f)
-    expect_failure(trainer, [f"--init_from={scaled}", *logits_args], "rope_scaling", "llama3")
+    expect_failure(trainer, [setting("model.from_pretrained", scaled), *logits_args],
+                   "rope_scaling", "llama3")
 
     # One tensor left out of a single-file checkpoint.
     model = make_model(tiny_configs()["gpt2"], seed=5)
@@ -92,21 +96,21 @@ def check_bad_inputs(trainer, tmp, llama_dir):
     tensors = load_file(os.path.join(missing, "model.safetensors"))
     del tensors["transformer.h.1.mlp.c_fc.weight"]
     save_file(tensors, os.path.join(missing, "model.safetensors"), metadata={"format": "pt"})
-    expect_failure(trainer, [f"--init_from={missing}", *logits_args],
+    expect_failure(trainer, [setting("model.from_pretrained", missing), *logits_args],
                    f"{missing}/model.safetensors", "transformer.h.1.mlp.c_fc.weight")
 
     # A tensor of the wrong shape.
     tensors = load_file(os.path.join(missing, "model.safetensors"))
     tensors["transformer.h.1.mlp.c_fc.weight"] = torch.zeros(64, 100)
     save_file(tensors, os.path.join(missing, "model.safetensors"), metadata={"format": "pt"})
-    expect_failure(trainer, [f"--init_from={missing}", *logits_args],
+    expect_failure(trainer, [setting("model.from_pretrained", missing), *logits_args],
                    "transformer.h.1.mlp.c_fc.weight", "[64, 100]", "[64, 256]")
 
     truncated = os.path.join(tmp, "truncated")
     model.save_pretrained(truncated)
     path = os.path.join(truncated, "model.safetensors")
     os.truncate(path, os.path.getsize(path) - 1000)
-    expect_failure(trainer, [f"--init_from={truncated}", *logits_args], path)
+    expect_failure(trainer, [setting("model.from_pretrained", truncated), *logits_args], path)
 
 
 def check_training(trainer, tmp, name, model_dir, corpus, moe_top_k=0):
@@ -114,9 +118,13 @@ def check_training(trainer, tmp, name, model_dir, corpus, moe_top_k=0):
     if not os.path.isdir(data):
         run(trainer, "prepare", f"--input={corpus}", f"--output_dir={data}", "--val_fraction=0.05")
     shards = os.path.join(data, "train-*.bin")
-    result = run(trainer, f"--init_from={model_dir}", f"--data={shards}", "--steps=20",
-                 "--seq_len=64", "--global_batch=4", "--micro_batch=2", "--lr=1e-3",
-                 "--warmup=2", f"--job_id=hf-{name}")
+    result = run(trainer, *spec_args({
+        "name": f"hf-{name}".replace("_", "-"), "model": {"from_pretrained": model_dir},
+        "data": {"train_shards": [shards], "seq_len": 64}, "max_steps": 20,
+        "batch": {"global_batch_size": 4, "micro_batch_size": 2},
+        "optimizer": {"schedule": {"peak_learning_rate": 1e-3, "warmup_steps": 2,
+                                   "min_lr_ratio": 0.1},
+                      "weight_decay": 0.1, "grad_clip_norm": 1.0}}))
     losses, aux_losses = [], []
     for line in result.stdout.splitlines():
         if not line.startswith("{"):
@@ -154,14 +162,16 @@ def first_loss(stdout):
 
 
 def check_sharded_layouts(trainer, tmp, name, model_dir,
-                          layouts=("--tensor_parallel=2", "--pipeline_parallel=2",
-                                   "--zero_stage=3")):
+                          layouts=({"tensor_parallel": 2}, {"pipeline_parallel": 2},
+                                   {"zero_stage": 3})):
     """Each rank of `layouts` (two ranks: tp 2, pp 2, ZeRO dp 2) loads only its part; the first
     loss equals one process's."""
     shards = os.path.join(tmp, "data", "train-*.bin")
-    flags = [f"--init_from={model_dir}", f"--data={shards}", "--steps=1", "--seq_len=64",
-             "--global_batch=4", "--micro_batch=2", "--warmup=1"]
-    reference = first_loss(run(trainer, *flags, f"--job_id=hf-{name}-single").stdout)
+    spec = {"name": f"hf-{name}".replace("_", "-"), "model": {"from_pretrained": model_dir},
+            "data": {"train_shards": [shards], "seq_len": 64}, "max_steps": 1,
+            "batch": {"global_batch_size": 4, "micro_batch_size": 2},
+            "optimizer": {"schedule": {"peak_learning_rate": 3e-3, "warmup_steps": 1}}}
+    reference = first_loss(run(trainer, *spec_args(spec)).stdout)
     # ZeRO-3 reads only the tensors of each rank's shards, into its shards.
     for layout in layouts:
         port = free_port()
@@ -169,7 +179,8 @@ def check_sharded_layouts(trainer, tmp, name, model_dir,
         for rank in (0, 1):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            procs.append(subprocess.Popen([trainer, *flags, layout, f"--job_id=hf-{name}-{rank}"],
+            layout_args = spec_args({**spec, "parallelism": {"layout": layout}}, world=2)
+            procs.append(subprocess.Popen([trainer, *layout_args],
                                           env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
         outputs = [proc.communicate(timeout=300) for proc in procs]
@@ -186,8 +197,8 @@ def check_sharded_layouts(trainer, tmp, name, model_dir,
     make_model({**tiny_configs(), **tiny_moe_configs()}[name], seed=5).save_pretrained(truncated)
     path = os.path.join(truncated, "model.safetensors")
     os.truncate(path, os.path.getsize(path) - 1000)
-    flags[0] = f"--init_from={truncated}"
-    expect_failure(trainer, [*flags, "--zero_stage=3", f"--job_id=hf-{name}-truncated"],
+    expect_failure(trainer, spec_args({**spec, "model": {"from_pretrained": truncated},
+                                       "parallelism": {"layout": {"zero_stage": 3}}}),
                    "model.from_pretrained", path)
 
 
@@ -198,7 +209,7 @@ def check_scratch_export(trainer, tmp):
     failures = []
     for preset in ("tiny-gpt2", "tiny-llama"):
         export_dir = os.path.join(tmp, f"scratch_{preset}")
-        run(trainer, f"--preset={preset}", f"--export_hf={export_dir}")
+        run(trainer, setting("model.preset", preset), f"--export_hf={export_dir}")
         config = transformers.AutoConfig.from_pretrained(export_dir)
         generation = transformers.GenerationConfig.from_model_config(config)
         generation.validate(strict=True)
@@ -246,7 +257,8 @@ def main():
                 failures.append(f"{name}: import logits differ by {diff} (shape {logits.shape})")
 
             export_dir = os.path.join(tmp, f"{name}_export")
-            run(args.trainer, f"--init_from={model_dir}", f"--export_hf={export_dir}")
+            run(args.trainer, setting("model.from_pretrained", model_dir),
+                f"--export_hf={export_dir}")
             exported = transformers.AutoModelForCausalLM.from_pretrained(export_dir).eval()
             assert type(exported) is type(model), (type(exported), type(model))
             diff = (logits_of(exported) - reference).abs().max().item()
@@ -269,7 +281,8 @@ def main():
             # the same class and computes the original's logits (the weights are copied, not
             # recomputed, so within 1e-5).
             export_dir = os.path.join(tmp, f"{name}_export")
-            run(args.trainer, f"--init_from={model_dir}", f"--export_hf={export_dir}")
+            run(args.trainer, setting("model.from_pretrained", model_dir),
+                f"--export_hf={export_dir}")
             exported = transformers.AutoModelForCausalLM.from_pretrained(export_dir).eval()
             assert type(exported) is type(model), (type(exported), type(model))
             for key in ("num_experts_per_tok", "router_aux_loss_coef", "num_experts",
@@ -295,7 +308,7 @@ def main():
                                moe_top_k=config.num_experts_per_tok)
             # Mixture of experts: data parallel (ZeRO 1 and 3) only, for now.
             check_sharded_layouts(args.trainer, tmp, "qwen3_moe", dirs["qwen3_moe"],
-                                  layouts=("--zero_stage=1", "--zero_stage=3"))
+                                  layouts=({"zero_stage": 1}, {"zero_stage": 3}))
             # Qwen3 ties its embeddings: pp's last stage loads its own copy of them.
             check_sharded_layouts(args.trainer, tmp, "qwen3", dirs["qwen3"])
 

@@ -35,6 +35,7 @@ try:
     import transformers
     from safetensors.torch import load_file
     from hf_tiny_models import TOKENS, logits_of, make_model, run, tiny_configs, tiny_moe_configs
+    from hf_tiny_models import setting, spec_args
 except ImportError as error:  # pragma: no cover - depends on the venv
     print(f"SKIP: {error} (scripts/bootstrap.sh installs transformers and peft into the torch "
           "venv)")
@@ -56,13 +57,21 @@ def write_source(tmp, name, config, seed):
     return model_dir, model
 
 
-def train_flags(model_dir, shards, ckpt, job):
-    return [f"--init_from={model_dir}", f"--data={shards}", "--steps=4", "--seq_len=64",
-            "--global_batch=4", "--micro_batch=2", "--lr=3e-3", "--warmup=1",
-            f"--checkpoint_dir={ckpt}", "--export_format=hf", f"--job_id={job}"]
+def train_spec(model_dir, shards, ckpt, job, lora=None, export_merged=False):
+    spec = {"name": job, "model": {"from_pretrained": model_dir},
+            "data": {"train_shards": [shards], "seq_len": 64}, "max_steps": 4,
+            "batch": {"global_batch_size": 4, "micro_batch_size": 2},
+            "optimizer": {"schedule": {"peak_learning_rate": 3e-3, "warmup_steps": 1,
+                                       "min_lr_ratio": 0.1},
+                          "weight_decay": 0.1, "grad_clip_norm": 1.0},
+            "checkpoint": {"directory": ckpt, "export_format": "EXPORT_FORMAT_HF",
+                           "export_merged": export_merged}}
+    if lora:
+        spec["lora"] = lora
+    return spec
 
 
-def run_two_ranks(trainer, flags):
+def run_two_ranks(trainer, spec):
     import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -71,8 +80,8 @@ def run_two_ranks(trainer, flags):
     for rank in (0, 1):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([trainer, *flags], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([trainer, *spec_args(spec, world=2)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"rank failed:\n{out}\n{err}"
@@ -99,11 +108,11 @@ def compare(failures, what, ours, theirs, tolerance=TOLERANCE):
 
 def check_full_export(trainer, tmp, name, source, model, shards, failures, two_ranks=False):
     ckpt = os.path.join(tmp, f"{name}_ckpt")
-    flags = train_flags(source, shards, ckpt, f"export-{name}")
+    spec = train_spec(source, shards, ckpt, f"export-{name}".replace("_", "-"))
     if two_ranks:
-        run_two_ranks(trainer, [*flags, "--zero_stage=3"])
+        run_two_ranks(trainer, {**spec, "parallelism": {"layout": {"zero_stage": 3}}})
     else:
-        run(trainer, *flags)
+        run(trainer, *spec_args(spec))
     export = os.path.join(ckpt, "export", "hf")
     for file in ("config.json", "model.safetensors", "generation_config.json", *TOKENIZER_FILES):
         assert os.path.isfile(os.path.join(export, file)), f"{export} lacks {file}"
@@ -111,7 +120,7 @@ def check_full_export(trainer, tmp, name, source, model, shards, failures, two_r
         assert filecmp.cmp(os.path.join(source, file), os.path.join(export, file), shallow=False)
     exported = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
     assert type(exported) is type(model), (type(exported), type(model))
-    ours = trainer_logits(trainer, tmp, name, f"--init_from={source}",
+    ours = trainer_logits(trainer, tmp, name, setting("model.from_pretrained", source),
                           f"--weights={final_checkpoint(ckpt)}/model.safetensors")
     print(f"{name}{' (ZeRO-3, 2 ranks)' if two_ranks else ''}: export/hf")
     compare(failures, f"{name}: export/hf vs the trainer", logits_of(exported), ours)
@@ -122,12 +131,14 @@ def check_full_export(trainer, tmp, name, source, model, shards, failures, two_r
 
 def check_lora_export(trainer, tmp, name, source, model, shards, failures):
     ckpt = os.path.join(tmp, f"{name}_lora_ckpt")
-    run(trainer, *train_flags(source, shards, ckpt, f"export-lora-{name}"), "--lora_rank=4",
-        "--lora_alpha=16", "--lora_targets=q_proj,v_proj", "--export_merged")
+    run(trainer, *spec_args(train_spec(
+        source, shards, ckpt, f"export-lora-{name}".replace("_", "-"),
+        lora={"rank": 4, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+        export_merged=True)))
     adapter = os.path.join(ckpt, "export", "hf")
     for file in ("adapter_config.json", "adapter_model.safetensors", *TOKENIZER_FILES):
         assert os.path.isfile(os.path.join(adapter, file)), f"{adapter} lacks {file}"
-    ours = trainer_logits(trainer, tmp, f"{name}_lora", f"--init_from={source}",
+    ours = trainer_logits(trainer, tmp, f"{name}_lora", setting("model.from_pretrained", source),
                           f"--lora_adapter={adapter}")
     base = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
     peft_model = peft.PeftModel.from_pretrained(base, adapter).eval()
@@ -146,8 +157,10 @@ def check_qlora_export(trainer, tmp, name, source, shards, failures):
     on the full-precision base up to NF4's rounding (relative L2 below the bound qlora_test uses),
     and every tensor NF4 leaves alone (embeddings, norms) is the base's bit for bit."""
     ckpt = os.path.join(tmp, f"{name}_qlora_ckpt")
-    run(trainer, *train_flags(source, shards, ckpt, f"export-qlora-{name}"), "--lora_rank=4",
-        "--lora_alpha=16", "--lora_nf4", "--export_merged")
+    run(trainer, *spec_args(train_spec(
+        source, shards, ckpt, f"export-qlora-{name}".replace("_", "-"),
+        lora={"rank": 4, "alpha": 16, "base_quantization": "LORA_BASE_QUANTIZATION_NF4"},
+        export_merged=True)))
     adapter = os.path.join(ckpt, "export", "hf")
     base = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
     peft_logits = logits_of(peft.PeftModel.from_pretrained(base, adapter).eval())
@@ -168,12 +181,13 @@ def check_qlora_export(trainer, tmp, name, source, shards, failures):
 
 
 def check_refusal(trainer, tmp, source, shards):
-    result = run(trainer, *train_flags(source, shards, os.path.join(tmp, "refused"), "refused"),
-                 "--export_merged", expect_ok=False)
+    result = run(trainer, *spec_args(train_spec(source, shards, os.path.join(tmp, "refused"),
+                                                "refused", export_merged=True)),
+                 expect_ok=False)
     assert result.returncode != 0, result.stdout
     assert "checkpoint.export_merged" in result.stdout + result.stderr, result.stdout
     assert not os.path.exists(os.path.join(tmp, "refused", "step-00000001")), "trained anyway"
-    print("  --export_merged without LoRA refused, naming checkpoint.export_merged")
+    print("  checkpoint.export_merged without LoRA refused, naming checkpoint.export_merged")
 
 
 def main():

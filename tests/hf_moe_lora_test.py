@@ -36,7 +36,8 @@ try:
     import transformers
     from safetensors.torch import load_file
     from hf_tiny_models import (assert_adapter_only_checkpoint, check_merged_export,
-                                check_peft_logits, make_model, run, tiny_moe_configs)
+                                check_peft_logits, make_model, run, spec_args,
+                                tiny_moe_configs)
 except ImportError as error:  # pragma: no cover - depends on the venv
     print(f"SKIP: {error} (scripts/bootstrap.sh installs transformers and peft into the torch "
           "venv)")
@@ -50,16 +51,26 @@ CASES = {
 }
 
 
+def train_spec(model_dir, shards, targets, ckpt, job, steps=8):
+    return {"name": job, "model": {"from_pretrained": model_dir},
+            "data": {"train_shards": [shards], "seq_len": 64}, "max_steps": steps,
+            "batch": {"global_batch_size": 4, "micro_batch_size": 2},
+            "optimizer": {"schedule": {"peak_learning_rate": 5e-3, "warmup_steps": 1,
+                                       "min_lr_ratio": 0.1},
+                          "weight_decay": 0.1, "grad_clip_norm": 1.0},
+            "lora": {"rank": 4, "alpha": 16, "target_modules": targets},
+            "checkpoint": {"directory": ckpt, "export_format": "EXPORT_FORMAT_HF"}}
+
+
 def check_model(trainer, tmp, name, config, seed, shards, failures):
     block, projections, targets = CASES[name]
     model = make_model(config, seed)
     model_dir = os.path.join(tmp, name)
     model.save_pretrained(model_dir)
     ckpt = os.path.join(tmp, f"{name}_ckpt")
-    run(trainer, f"--init_from={model_dir}", f"--data={shards}", "--steps=8", "--seq_len=64",
-        "--global_batch=4", "--micro_batch=2", "--lr=5e-3", "--warmup=1", "--lora_rank=4",
-        "--lora_alpha=16", "--lora_targets=" + ",".join(targets), f"--checkpoint_dir={ckpt}",
-        "--export_format=hf", "--export_merged", f"--job_id=moe-lora-{name}")
+    spec = train_spec(model_dir, shards, targets, ckpt, f"moe-lora-{name}".replace("_", "-"))
+    spec["checkpoint"]["export_merged"] = True
+    run(trainer, *spec_args(spec))
 
     # Only adapters (and their moments) are checkpointed: the base is frozen.
     names = assert_adapter_only_checkpoint(sorted(glob.glob(os.path.join(ckpt, "step-*")))[-1])
@@ -115,10 +126,9 @@ def check_expert_parallel(trainer, tmp, name, config, seed, model_dir, shards, f
     for every expert (each trained), and PEFT's logits with it equal the trainer's."""
     block, projections, targets = CASES[name]
     ckpt = os.path.join(tmp, f"{name}_ep2_ckpt")
-    args = [trainer, f"--init_from={model_dir}", f"--data={shards}", "--steps=8", "--seq_len=64",
-            "--global_batch=4", "--micro_batch=2", "--lr=5e-3", "--warmup=1", "--lora_rank=4",
-            "--lora_alpha=16", "--lora_targets=" + ",".join(targets), "--expert_parallel=2",
-            f"--checkpoint_dir={ckpt}", "--export_format=hf", f"--job_id=moe-lora-{name}-ep2"]
+    spec = train_spec(model_dir, shards, targets, ckpt, f"moe-lora-{name}-ep2".replace("_", "-"))
+    spec["parallelism"] = {"layout": {"expert_parallel": 2}}
+    args = [trainer, *spec_args(spec, world=2)]
     port = free_port()
     ranks = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               # One intra-op thread each: two ranks share a small machine.
@@ -152,9 +162,9 @@ def check_expert_parallel(trainer, tmp, name, config, seed, model_dir, shards, f
 
 
 def check_refusal(trainer, model_dir, shards):
-    result = run(trainer, f"--init_from={model_dir}", f"--data={shards}", "--seq_len=64",
-                 "--global_batch=4", "--micro_batch=2", "--steps=1", "--lora_rank=4",
-                 "--lora_targets=gate", expect_ok=False)
+    spec = train_spec(model_dir, shards, ["gate"], "", "moe-lora-refused", steps=1)
+    del spec["checkpoint"]
+    result = run(trainer, *spec_args(spec), expect_ok=False)
     assert result.returncode != 0 and "lora.target_modules: 'gate'" in result.stderr, (
         result.stderr)
     print("  router refused as expected:", result.stderr.strip().splitlines()[-1][:160])

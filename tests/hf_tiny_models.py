@@ -5,9 +5,13 @@ ImportError and skip (exit 77). The PEFT checks import peft and safetensors when
 
 import os
 import subprocess
+import sys
 
 import torch
 import transformers
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from trainer_spec import merged, setting, spec_args  # noqa: E402,F401  (re-exported)
 
 # One sequence every test runs the models on (ids below every tiny model's vocabulary).
 TOKENS = [3, 17, 250, 42, 0, 99, 128, 7, 255, 1, 64, 200]
@@ -95,7 +99,7 @@ def check_peft_logits(trainer, tmp, name, model, model_dir, adapter, failures):
     peft_model = peft.PeftModel.from_pretrained(model, adapter).eval()
     peft_logits = logits_of(peft_model)
     ours = os.path.join(tmp, f"{name}_lora.logits")
-    run(trainer, f"--init_from={model_dir}", f"--lora_adapter={adapter}",
+    run(trainer, setting("model.from_pretrained", model_dir), f"--lora_adapter={adapter}",
         "--logits_tokens=" + ",".join(map(str, TOKENS)), f"--logits_out={ours}")
     diff = (load_file(ours)["logits"] - peft_logits).abs().max().item()
     with peft_model.disable_adapter():

@@ -28,7 +28,8 @@ try:
     import torch
     import transformers
     from hf_tiny_models import (assert_adapter_only_checkpoint, check_merged_export,
-                                check_peft_logits, make_model, run, tiny_configs)
+                                check_peft_logits, make_model, merged, run, setting,
+                                spec_args, tiny_configs)
 except ImportError as error:  # pragma: no cover - depends on the venv
     print(f"SKIP: {error} (scripts/bootstrap.sh installs transformers and peft into the torch "
           "venv)")
@@ -52,20 +53,24 @@ def losses_of(stdout):
     return losses
 
 
-def train_flags(model_dir, shards, targets, job):
-    flags = [f"--init_from={model_dir}", f"--data={shards}", "--seq_len=64", "--global_batch=4",
-             "--micro_batch=2", "--lr=5e-3", "--warmup=1", "--lora_rank=4", "--lora_alpha=16",
-             "--lora_dropout=0.1", f"--job_id={job}"]
+def train_spec(model_dir, shards, targets, job, steps):
+    spec = {"name": job, "model": {"from_pretrained": model_dir},
+            "data": {"train_shards": [shards], "seq_len": 64}, "max_steps": steps,
+            "batch": {"global_batch_size": 4, "micro_batch_size": 2},
+            "optimizer": {"schedule": {"peak_learning_rate": 5e-3, "warmup_steps": 1,
+                                       "min_lr_ratio": 0.1},
+                          "weight_decay": 0.1, "grad_clip_norm": 1.0},
+            "lora": {"rank": 4, "alpha": 16, "dropout": 0.1}}
     if targets:
-        flags.append("--lora_targets=" + ",".join(targets))
-    return flags
+        spec["lora"]["target_modules"] = targets
+    return spec
 
 
 def check_model(trainer, tmp, name, model, model_dir, shards, failures):
     targets, adapted = CASES[name]
     ckpt = os.path.join(tmp, f"{name}_ckpt")
-    result = run(trainer, *train_flags(model_dir, shards, targets, f"lora-{name}"), "--steps=8",
-                 f"--checkpoint_dir={ckpt}")
+    spec = train_spec(model_dir, shards, targets, f"lora-{name}".replace("_", "-"), 8)
+    result = run(trainer, *spec_args(merged(spec, {"checkpoint": {"directory": ckpt}})))
     losses = losses_of(result.stdout)
     assert sorted(losses) == list(range(1, 9)), result.stdout
     print(f"{name}: LoRA {targets or 'all-linear'}: loss {losses[1]:.4f} -> {losses[8]:.4f}")
@@ -83,7 +88,7 @@ def check_model(trainer, tmp, name, model, model_dir, shards, failures):
 
     # Merged export: transformers' logits equal PEFT's; layers without adapters are the base's.
     merged_dir = os.path.join(tmp, f"{name}_merged")
-    run(trainer, f"--init_from={model_dir}", f"--lora_adapter={adapter}",
+    run(trainer, setting("model.from_pretrained", model_dir), f"--lora_adapter={adapter}",
         f"--export_hf={merged_dir}")
     base_state, merged_state, kept = check_merged_export(name, merged_dir, model_dir,
                                                          peft_logits, adapted, failures)
@@ -98,11 +103,14 @@ def check_resume(trainer, tmp, name, model_dir, shards, failures):
     """Steps 5-8 after a stop at step 4 equal those of a run that never stopped."""
     targets, _ = CASES[name]
     # A constant learning rate after warmup, so that a 4-step run is the first half of 8 steps.
-    flags = train_flags(model_dir, shards, targets, f"lora-{name}-resume") + ["--min_lr_ratio=1"]
-    straight = losses_of(run(trainer, *flags, "--steps=8").stdout)
+    job = f"lora-{name}-resume".replace("_", "-")
+    spec = merged(train_spec(model_dir, shards, targets, job, 8),
+                  {"optimizer": {"schedule": {"min_lr_ratio": 1}}})
+    straight = losses_of(run(trainer, *spec_args(spec)).stdout)
     ckpt = os.path.join(tmp, f"{name}_resume_ckpt")
-    run(trainer, *flags, "--steps=4", f"--checkpoint_dir={ckpt}")
-    second = run(trainer, *flags, "--steps=8", f"--checkpoint_dir={ckpt}")
+    saved = {"checkpoint": {"directory": ckpt}}
+    run(trainer, *spec_args(merged(spec, {"max_steps": 4}, saved)))
+    second = run(trainer, *spec_args(merged(spec, saved)))
     assert "resumed from" in second.stderr, second.stderr
     resumed = losses_of(second.stdout)
     assert sorted(resumed) == [5, 6, 7, 8], second.stdout
@@ -113,9 +121,8 @@ def check_resume(trainer, tmp, name, model_dir, shards, failures):
 
 
 def check_refusals(trainer, model_dir, shards):
-    base = [f"--init_from={model_dir}", f"--data={shards}", "--seq_len=64", "--global_batch=4",
-            "--micro_batch=2", "--steps=1", "--lora_rank=4"]
-    result = run(trainer, *base, "--lora_targets=c_attn", expect_ok=False)
+    spec = train_spec(model_dir, shards, ["c_attn"], "lora-refused", 1)
+    result = run(trainer, *spec_args(spec), expect_ok=False)
     assert result.returncode != 0 and "lora.target_modules: 'c_attn'" in result.stderr, (
         result.stderr)
     print("  refused as expected:", result.stderr.strip().splitlines()[-1][:160])

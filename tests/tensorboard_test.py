@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """TensorBoard event files of a training run, read with tensorboard's own reader.
 
-tessera-trainer trains a tiny model standalone for 6 steps with a checkpoint directory and
+tessera-trainer trains a tiny model from --set settings for 6 steps with a checkpoint directory and
 evaluation every 3 steps; rank 0 writes <checkpoint_dir>/tensorboard/events.out.tfevents.*.
 tensorboard's EventAccumulator (the reader behind `tensorboard --logdir`) must load the file and
 find:
@@ -21,6 +21,9 @@ import os
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from trainer_spec import spec_args  # noqa: E402
 
 try:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -71,10 +74,15 @@ def main():
         shards = os.path.join(data, "train-*.bin")
         val = os.path.join(data, "val-*.bin")
         ckpt = os.path.join(tmp, "ckpt")
-        flags = ["--preset=tiny-gpt2", f"--data={shards}", f"--val_data={val}", "--eval_every=3",
-                 "--eval_batches=2", "--seq_len=32", "--global_batch=4", "--micro_batch=2",
-                 f"--checkpoint_dir={ckpt}", "--checkpoint_every=3", "--job_id=tb"]
-        result = run(args.trainer, *flags, "--steps=6")
+        spec = {"name": "tb", "model": {"preset": "tiny-gpt2"},
+                "data": {"train_shards": [shards], "validation_shards": [val], "seq_len": 32,
+                         "eval_interval_steps": 3, "eval_batches": 2},
+                "batch": {"global_batch_size": 4, "micro_batch_size": 2},
+                "optimizer": {"schedule": {"peak_learning_rate": 3e-3, "warmup_steps": 10,
+                                           "min_lr_ratio": 0.1},
+                              "weight_decay": 0.1, "grad_clip_norm": 1.0},
+                "checkpoint": {"directory": ckpt, "interval_steps": 3}}
+        result = run(args.trainer, *spec_args({**spec, "max_steps": 6}))
         losses, evals = reports_of(result.stdout)
         assert sorted(losses) == list(range(1, 7)), result.stdout
         assert sorted(evals) == [3, 6], result.stdout
@@ -113,7 +121,7 @@ def main():
               f"{', '.join(f'{s}: {v:.4f}' for s, v in sorted(written.items()))}")
 
         # A resumed attempt adds its own file next to the first.
-        run(args.trainer, *flags, "--steps=8")
+        run(args.trainer, *spec_args({**spec, "max_steps": 8}))
         files = glob.glob(os.path.join(tb_dir, "events.out.tfevents.*"))
         if len(files) != 2:
             failures.append(f"after the resumed run: {len(files)} event files, expected 2")

@@ -86,14 +86,15 @@ class ContextParallelTest : public TrainerTrainingTest,
     std::vector<std::string> flags = BaseFlags(kSteps, dir);
     const std::string data = masked ? MaskedDataDir() : *data_dir_;
     for (auto& flag : flags) {
-      if (flag == "--preset=tiny-gpt2") flag = "--preset=" + preset;
-      if (flag.starts_with("--data=")) flag = "--data=" + data + "/train-*.bin";
+      if (flag == "--set=model.preset=tiny-gpt2") flag = "--set=model.preset=" + preset;
+      if (flag.starts_with("--set=data.train_shards="))
+        flag = Shards("data.train_shards", data + "/train-*.bin");
     }
-    flags.push_back("--export_safetensors");
-    flags.push_back("--val_data=" + data + "/val-*.bin");
-    flags.push_back("--eval_every=6");
-    flags.push_back("--eval_batches=3");
-    if (lora_rank > 0) flags.push_back(absl::StrCat("--lora_rank=", lora_rank));
+    flags.push_back("--set=checkpoint.export_safetensors=true");
+    flags.push_back(Shards("data.validation_shards", data + "/val-*.bin"));
+    flags.push_back("--set=data.eval_interval_steps=6");
+    flags.push_back("--set=data.eval_batches=3");
+    if (lora_rank > 0) flags.push_back(absl::StrCat("--set=lora.rank=", lora_rank));
     return flags;
   }
 
@@ -137,12 +138,12 @@ TEST_P(ContextParallelTest, LossesEvaluationAndWeightsMatchOneProcess) {
 
   const std::string dir = MakeTempDir("cp-" + c.name);
   std::vector<std::string> flags = Flags(dir, c.preset, c.masked, c.lora_rank);
-  flags.push_back(absl::StrCat("--context_parallel=", c.cp));
-  flags.push_back(absl::StrCat("--tensor_parallel=", c.tp));
-  flags.push_back(absl::StrCat("--pipeline_parallel=", c.pp));
-  if (c.sp) flags.push_back("--sequence_parallel");
-  flags.push_back(absl::StrCat("--zero_stage=", c.zero));
-  flags.push_back("--activation_checkpointing=" + c.recompute);
+  flags.push_back(absl::StrCat("--set=parallelism.layout.context_parallel=", c.cp));
+  flags.push_back(absl::StrCat("--set=parallelism.layout.tensor_parallel=", c.tp));
+  flags.push_back(absl::StrCat("--set=parallelism.layout.pipeline_parallel=", c.pp));
+  if (c.sp) flags.push_back("--set=parallelism.layout.sequence_parallel=true");
+  flags.push_back(absl::StrCat("--set=parallelism.layout.zero_stage=", c.zero));
+  flags.push_back(Recompute(c.recompute));
   const int world = c.dp * c.cp * c.tp * c.pp;
   std::vector<TrainerRun> runs = RunRanks(flags, world);
   ASSERT_EQ(runs.size(), static_cast<size_t>(world));
@@ -209,7 +210,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST_F(TrainerTrainingTest, CheckpointSavedAtContextParallelTwoResumesAtOneAndAtDataTwo) {
   auto llama = [](std::vector<std::string> flags) {
     for (auto& flag : flags) {
-      if (flag == "--preset=tiny-gpt2") flag = "--preset=tiny-llama";
+      if (flag == "--set=model.preset=tiny-gpt2") flag = "--set=model.preset=tiny-llama";
     }
     return flags;
   };
@@ -219,7 +220,7 @@ TEST_F(TrainerTrainingTest, CheckpointSavedAtContextParallelTwoResumesAtOneAndAt
 
   const std::string dir = MakeTempDir("cp-resume");
   std::vector<std::string> first_flags = llama(BaseFlags(kSteps / 2, dir, kSteps));
-  first_flags.push_back("--context_parallel=2");
+  first_flags.push_back("--set=parallelism.layout.context_parallel=2");
   std::vector<TrainerRun> first = RunRanks(first_flags, 2);
   ASSERT_EQ(first.size(), 2u);
   for (const TrainerRun& run : first) ASSERT_EQ(run.exit_code, 0) << run.output;
@@ -262,9 +263,9 @@ TEST_F(TrainerTrainingTest, CheckpointSavedAtContextParallelTwoResumesAtOneAndAt
 TEST_F(TrainerTrainingTest, ContextParallelRefusesWhatItCannotSplit) {
   std::vector<std::string> flags = BaseFlags(2);
   for (auto& flag : flags) {
-    if (flag == "--seq_len=64") flag = "--seq_len=66";
+    if (flag == "--set=data.seq_len=64") flag = "--set=data.seq_len=66";
   }
-  flags.push_back("--context_parallel=2");
+  flags.push_back("--set=parallelism.layout.context_parallel=2");
   std::vector<TrainerRun> runs = RunRanks(flags, 2);
   ASSERT_EQ(runs.size(), 2u);
   for (const TrainerRun& run : runs) {
@@ -287,9 +288,10 @@ TEST_F(TrainerTrainingTest, ContextParallelRefusesWhatItCannotSplit) {
   ASSERT_EQ(prepared->exit.exit_code, 0) << prepared->output;
   flags = BaseFlags(2);
   for (auto& flag : flags) {
-    if (flag.starts_with("--data=")) flag = "--data=" + packed + "/train-*.bin";
+    if (flag.starts_with("--set=data.train_shards="))
+      flag = Shards("data.train_shards", packed + "/train-*.bin");
   }
-  flags.push_back("--context_parallel=2");
+  flags.push_back("--set=parallelism.layout.context_parallel=2");
   runs = RunRanks(flags, 2);
   ASSERT_EQ(runs.size(), 2u);
   for (const TrainerRun& run : runs) {

@@ -45,8 +45,8 @@ class MoeTrainingTest : public LayoutTrainingTest {
                                            int decay_steps) {
     std::vector<std::string> flags = BaseFlags(steps, dir, decay_steps);
     UseTinyMoe(flags, /*aux_loss_coef=*/"0");
-    flags.push_back(absl::StrCat("--expert_parallel=", ep));
-    flags.push_back(absl::StrCat("--zero_stage=", zero));
+    flags.push_back(absl::StrCat("--set=parallelism.layout.expert_parallel=", ep));
+    flags.push_back(absl::StrCat("--set=parallelism.layout.zero_stage=", zero));
     return flags;
   }
 
@@ -71,7 +71,7 @@ class ExpertParallelTrainingTest : public MoeTrainingTest,
     static const Reference& reference = []() -> const Reference& {
       const Reference& run = SuiteReference("ckpt-moe-reference", [](const std::string& dir) {
         std::vector<std::string> flags = MoeFlags(kSteps, dir, 1, 0, 0);
-        flags.push_back("--export_safetensors");
+        flags.push_back("--set=checkpoint.export_safetensors=true");
         return flags;
       });
       std::cout << "ep1 (one process): median step " << MedianStepSeconds(run.run) << " s\n";
@@ -85,7 +85,7 @@ TEST_P(ExpertParallelTrainingTest, LossesAndWeightsMatchOneProcess) {
   const ExpertCase& c = GetParam();
   const std::string dir = MakeTempDir("ckpt-moe-ep");
   std::vector<std::string> flags = MoeFlags(kSteps, dir, c.ep, c.zero, 0);
-  flags.push_back("--export_safetensors");
+  flags.push_back("--set=checkpoint.export_safetensors=true");
   std::vector<TrainerRun> runs;
   ASSERT_NO_FATAL_FAILURE(ExpectLayoutTrainsLike(OneProcess(), flags, dir,
                                                  {.world = c.dp,

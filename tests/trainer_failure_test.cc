@@ -43,7 +43,7 @@ TEST_F(TrainerTrainingTest, TruncatedShardIsRefusedByName) {
   fs::copy_file(*data_dir_ + "/train-00000.bin", shard);
   fs::resize_file(shard, fs::file_size(shard) - 1000);
   std::vector<std::string> flags = BaseFlags(5);
-  flags[1] = "--data=" + shard;
+  flags[1] = Shards("data.train_shards", shard);
   TrainerRun run = RunTrainer(flags);
   EXPECT_NE(run.exit_code, 0);
   EXPECT_THAT(run.output, HasSubstr(shard));
@@ -68,7 +68,7 @@ TEST_F(TrainerTrainingTest, TokensBeyondTheVocabularyAreADataError) {
     file.write(ones.data(), static_cast<std::streamsize>(ones.size()));
   }
   std::vector<std::string> flags = BaseFlags(5);
-  flags[1] = "--data=" + shard;
+  flags[1] = Shards("data.train_shards", shard);
   TrainerRun run = RunTrainer(flags);
   EXPECT_NE(run.exit_code, 0);
   EXPECT_THAT(run.output, HasSubstr(shard + ": token "));
@@ -83,9 +83,9 @@ TEST_F(TrainerTrainingTest, TokensBeyondTheVocabularyAreADataError) {
 TEST_F(TrainerTrainingTest, DivergenceIsReportedAsNanLoss) {
   // A learning rate of 1e4 without clipping blows the weights up within steps.
   std::vector<std::string> flags = BaseFlags(20);
-  flags.push_back("--lr=1e4");
-  flags.push_back("--warmup=0");
-  flags.push_back("--grad_clip=0");
+  flags.push_back("--set=optimizer.schedule.peak_learning_rate=1e4");
+  flags.push_back("--set=optimizer.schedule.warmup_steps=0");
+  flags.push_back("--set=optimizer.grad_clip_norm=0");
   TrainerRun run = RunTrainer(flags);
   EXPECT_EQ(run.exit_code, 1);
   bool typed = false;
@@ -100,7 +100,8 @@ TEST_F(TrainerTrainingTest, DivergenceIsReportedAsNanLoss) {
 // rank, with a typed failure, instead of waiting forever.
 TEST_F(TrainerTrainingTest, DeadPipelineStageFailsItsPeerNamingTheRank) {
   std::vector<std::string> flags = BaseFlags(100000);
-  flags.push_back("--pipeline_parallel=2");
+  flags.push_back("--set=parallelism.layout.pipeline_parallel=2");
+  flags = ForWorld(flags, 2);
   const absl::StatusOr<int> port = PickFreePort();
   ASSERT_THAT(port, IsOk());
   std::vector<Subprocess> ranks;
@@ -160,9 +161,10 @@ TEST_F(TrainerTrainingTest, ATakenMasterPortIsARendezvousFailureNamingThePort) {
   const int port = ntohs(address.sin_port);
   // Rank 0 of two, alone: it never gets as far as waiting for rank 1.
   auto process = Subprocess::Start(
-      BaseFlags(2), {.merge_stdout = true,
-                     .extra_env = {"RANK=0", "WORLD_SIZE=2", "LOCAL_RANK=0", "LOCAL_WORLD_SIZE=2",
-                                   "MASTER_ADDR=127.0.0.1", absl::StrCat("MASTER_PORT=", port)}});
+      ForWorld(BaseFlags(2), 2),
+      {.merge_stdout = true,
+       .extra_env = {"RANK=0", "WORLD_SIZE=2", "LOCAL_RANK=0", "LOCAL_WORLD_SIZE=2",
+                     "MASTER_ADDR=127.0.0.1", absl::StrCat("MASTER_PORT=", port)}});
   ASSERT_THAT(process, IsOk());
   auto exit = process->Wait(absl::Minutes(2));
   close(listener);

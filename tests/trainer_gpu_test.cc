@@ -39,11 +39,11 @@ TEST_F(TrainerTrainingTest, GpuDegreeOneLayoutMatchesTheCpuRunInBf16) {
   constexpr int kSteps = 10;
   std::vector<std::string> flags = BaseFlags(kSteps);
   for (auto& flag : flags) {
-    if (flag == "--preset=tiny-gpt2") flag = "--preset=tiny-llama";
+    if (flag == "--set=model.preset=tiny-gpt2") flag = "--set=model.preset=tiny-llama";
   }
-  flags.push_back("--tensor_parallel=1");
-  flags.push_back("--pipeline_parallel=1");
-  flags.push_back("--zero_stage=1");
+  flags.push_back("--set=parallelism.layout.tensor_parallel=1");
+  flags.push_back("--set=parallelism.layout.pipeline_parallel=1");
+  flags.push_back("--set=parallelism.layout.zero_stage=1");
   TrainerRun cpu = RunTrainer(flags);
   ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
   flags.push_back("--gpu=0");
@@ -70,7 +70,7 @@ TEST_F(TrainerTrainingTest, GpuCudaGraphsReplayTheEagerSteps) {
     SCOPED_TRACE(preset);
     std::vector<std::string> flags = BaseFlags(kSteps);
     for (auto& flag : flags) {
-      if (flag == "--preset=tiny-gpt2") flag = "--preset=" + preset;
+      if (flag == "--set=model.preset=tiny-gpt2") flag = "--set=model.preset=" + preset;
     }
     flags.push_back("--gpu=0");
     std::vector<TrainerRun> eager = RunRanks(flags, 1);
@@ -116,14 +116,16 @@ TEST_F(TrainerTrainingTest, GpuZero3Bf16PeakMemoryMatchesThePlanner) {
   if (!::torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const int seq = 1024, micro = 8;
   std::vector<std::string> flags = {Trainer(),
-                                    "--data=" + *data_dir_ + "/train-*.bin",
-                                    "--preset=gpt2-124m",
-                                    absl::StrCat("--seq_len=", seq),
-                                    absl::StrCat("--global_batch=", micro),
-                                    absl::StrCat("--micro_batch=", micro),
-                                    "--steps=6",
-                                    "--warmup=2",
-                                    "--zero_stage=3",
+                                    Shards("data.train_shards", *data_dir_ + "/train-*.bin"),
+                                    "--set=name=gpu-zero3",
+                                    "--set=model.preset=gpt2-124m",
+                                    "--set=optimizer.schedule.peak_learning_rate=3e-3",
+                                    absl::StrCat("--set=data.seq_len=", seq),
+                                    absl::StrCat("--set=batch.global_batch_size=", micro),
+                                    absl::StrCat("--set=batch.micro_batch_size=", micro),
+                                    "--set=max_steps=6",
+                                    "--set=optimizer.schedule.warmup_steps=2",
+                                    "--set=parallelism.layout.zero_stage=3",
                                     "--gpu=0"};
   std::vector<TrainerRun> runs = RunRanks(flags, 1);
   ASSERT_EQ(runs.size(), 1u);

@@ -48,7 +48,7 @@ std::optional<v1::TrainerFailure> FailureOf(const TrainerRun& run) {
 
 std::vector<std::string> Guarded(std::vector<std::string> flags, const std::string& guard,
                                  bool poisoned) {
-  flags.push_back("--guard=" + guard);
+  flags.push_back("--set=guard=" + guard);
   if (!poisoned) return flags;
   std::vector<std::string> argv = {"/usr/bin/env",
                                    absl::StrCat(kFaultLossSpikeAtBatchEnv, "=", kPoisonedBatch)};
@@ -57,12 +57,12 @@ std::vector<std::string> Guarded(std::vector<std::string> flags, const std::stri
 }
 
 TEST_F(TrainerTrainingTest, ASpikeRollsBackSkipsItsBatchAndTrainsOnAsIfSkippedFromTheStart) {
-  const std::string guard = "loss_spike_factor: 5 window: 3";
-  const std::string skip =
-      absl::StrCat(guard, " skipped { step: ", kPoisonedBatch, " batches: 1 }");
+  const std::string guard = "{loss_spike_factor: 5, window: 3}";
+  const std::string skip = absl::StrCat(
+      "{loss_spike_factor: 5, window: 3, skipped: [{step: ", kPoisonedBatch, ", batches: 1}]}");
   const std::string dir = MakeTempDir("guard-rollback");
   std::vector<std::string> flags = BaseFlags(kSteps, dir, kSteps);
-  flags.push_back("--checkpoint_every=3");
+  flags.push_back("--set=checkpoint.interval_steps=3");
 
   // The spike: steps 1-7 train, step 8's update is withheld, no checkpoint of it is started.
   TrainerRun spiked = RunTrainer(Guarded(flags, guard, /*poisoned=*/true));
@@ -112,7 +112,7 @@ TEST_F(TrainerTrainingTest, ASpikeRollsBackSkipsItsBatchAndTrainsOnAsIfSkippedFr
 // the step and ends with FAILURE_KIND_LOSS_SPIKE; only rank 0 reports the spike.
 TEST_F(TrainerTrainingTest, NanUnderAGuardIsASpikeEveryRankAgreesOn) {
   std::vector<std::string> flags = BaseFlags(6, "", 6);
-  flags.push_back("--guard=window: 2");
+  flags.push_back("--set=guard={window: 2}");
   std::vector<std::string> argv = {"/usr/bin/env", absl::StrCat(kFaultNanLossAtStepEnv, "=3")};
   argv.insert(argv.end(), flags.begin(), flags.end());
   std::vector<TrainerRun> ranks = RunRanks(argv, 2);

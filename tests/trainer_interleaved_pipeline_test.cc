@@ -49,13 +49,13 @@ class InterleavedPipelineTest : public TrainerTrainingTest,
                                              int steps = kSteps, int decay_steps = 0) {
     std::vector<std::string> flags = BaseFlags(steps, dir, decay_steps);
     for (auto& flag : flags) {
-      if (flag == "--preset=tiny-gpt2") flag = "--preset=" + preset;
+      if (flag == "--set=model.preset=tiny-gpt2") flag = "--set=model.preset=" + preset;
     }
-    flags.push_back(absl::StrCat("--num_layers=", kLayers));
-    flags.push_back("--export_safetensors");
-    flags.push_back("--val_data=" + *data_dir_ + "/val-*.bin");
-    flags.push_back("--eval_every=6");
-    flags.push_back("--eval_batches=2");
+    ChangeModelDims(flags, [](v1::ModelDims& dims) { dims.set_num_layers(kLayers); });
+    flags.push_back("--set=checkpoint.export_safetensors=true");
+    flags.push_back(Shards("data.validation_shards", *data_dir_ + "/val-*.bin"));
+    flags.push_back("--set=data.eval_interval_steps=6");
+    flags.push_back("--set=data.eval_batches=2");
     return flags;
   }
 
@@ -81,10 +81,10 @@ TEST_P(InterleavedPipelineTest, LossesAndWeightsMatchOneProcess) {
   ASSERT_EQ(reference.exit_code, 0) << reference.output;
   const std::string dir = MakeTempDir("ckpt-vpp");
   std::vector<std::string> flags = ModelFlags(dir, c.preset);
-  flags.push_back("--pipeline_parallel=2");
-  flags.push_back("--pipeline_virtual_stages=2");
-  flags.push_back(absl::StrCat("--zero_stage=", c.zero));
-  flags.push_back("--activation_checkpointing=" + c.recompute);
+  flags.push_back("--set=parallelism.layout.pipeline_parallel=2");
+  flags.push_back("--set=parallelism.layout.pipeline_virtual_stages=2");
+  flags.push_back(absl::StrCat("--set=parallelism.layout.zero_stage=", c.zero));
+  flags.push_back(Recompute(c.recompute));
   const int world = 2 * c.dp;
   std::vector<TrainerRun> runs;
   ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(flags, world, &runs));
@@ -121,8 +121,8 @@ TEST_F(InterleavedPipelineTest, CheckpointResumesWithoutVirtualStages) {
   const std::string dir = MakeTempDir("ckpt-vpp-resume");
   auto flags = [&](int steps, int virtual_stages) {
     std::vector<std::string> f = ModelFlags(dir, "tiny-gpt2", steps, 2 * n);
-    f.push_back("--pipeline_parallel=2");
-    f.push_back(absl::StrCat("--pipeline_virtual_stages=", virtual_stages));
+    f.push_back("--set=parallelism.layout.pipeline_parallel=2");
+    f.push_back(absl::StrCat("--set=parallelism.layout.pipeline_virtual_stages=", virtual_stages));
     return f;
   };
   std::vector<TrainerRun> first;
@@ -143,16 +143,18 @@ TEST_F(InterleavedPipelineTest, LayoutsTheScheduleCannotRunAreRefused) {
   const std::vector<Refusal> refusals = {
       // pp 1: nothing to interleave.
       {1,
-       {"--pipeline_virtual_stages=2"},
+       {"--set=parallelism.layout.pipeline_virtual_stages=2"},
        "pipeline_virtual_stages: 2 needs pipeline_parallel > 1"},
       // 4 layers over pp 2: 2 per stage, not 3 chunks.
       {2,
-       {"--pipeline_parallel=2", "--pipeline_virtual_stages=3"},
+       {"--set=parallelism.layout.pipeline_parallel=2",
+        "--set=parallelism.layout.pipeline_virtual_stages=3"},
        "pipeline_virtual_stages: 3 does not divide the 2 layers"},
       // 6 sequences of 2: 3 micro-batches, not a multiple of pp 2 (the message of the rules
       // table the coordinator applies at submission, planner/layout_rules.h).
       {2,
-       {"--pipeline_parallel=2", "--pipeline_virtual_stages=2", "--global_batch=6"},
+       {"--set=parallelism.layout.pipeline_parallel=2",
+        "--set=parallelism.layout.pipeline_virtual_stages=2", "--set=batch.global_batch_size=6"},
        "needs the micro-batches per step (3 = global batch / (micro-batch x data_parallel)) to be "
        "a multiple of pipeline_parallel 2"},
   };

@@ -1,7 +1,8 @@
 // tessera-trainer --job_spec: a spec file goes through the coordinator's validation, resolution
 // and planning (coordinator::PlanJob) and trains the job they describe: the same losses, step for
-// step, as the same job given by flags; a spec that asks for more ranks than this process is one
-// of, and one the coordinator would refuse, are refused with the coordinator's reasons (exit 2).
+// step, as the same job given by --set settings alone, and the settings given beside the file
+// override it; a spec that asks for more ranks than this process is one of, and one the
+// coordinator would refuse, are refused with the coordinator's reasons (exit 2).
 #include <fstream>
 #include <string>
 #include <vector>
@@ -15,8 +16,7 @@ using ::testing::HasSubstr;
 
 class TrainerJobSpecTest : public TrainerTrainingTest {
  protected:
-  // A spec of BaseFlags' job (flags' defaults spelled out where a spec's differ), with `extra`
-  // lines appended.
+  // A spec of BaseFlags' job.
   std::string WriteSpec(int steps, int cpu_slots, const std::string& micro_batch = "2") {
     const std::string path = MakeTempDir("spec") + "/job.yaml";
     std::ofstream out(path);
@@ -41,14 +41,28 @@ class TrainerJobSpecTest : public TrainerTrainingTest {
   }
 };
 
-TEST_F(TrainerJobSpecTest, ASpecTrainsAsTheSameJobGivenByFlags) {
+TEST_F(TrainerJobSpecTest, ASpecTrainsAsTheSameJobGivenBySettings) {
   constexpr int kSteps = 6;
-  const TrainerRun by_flags = RunTrainer(BaseFlags(kSteps, "", kSteps));
-  ASSERT_EQ(by_flags.exit_code, 0) << by_flags.output;
+  const TrainerRun by_settings = RunTrainer(BaseFlags(kSteps, "", kSteps));
+  ASSERT_EQ(by_settings.exit_code, 0) << by_settings.output;
   const TrainerRun by_spec = RunSpec(WriteSpec(kSteps, /*cpu_slots=*/1));
   ASSERT_EQ(by_spec.exit_code, 0) << by_spec.output;
   ASSERT_EQ(by_spec.losses.size(), static_cast<size_t>(kSteps)) << by_spec.output;
-  EXPECT_EQ(by_spec.losses, by_flags.losses);
+  EXPECT_EQ(by_spec.losses, by_settings.losses);
+}
+
+TEST_F(TrainerJobSpecTest, SettingsBesideTheFileOverrideIt) {
+  // The file's 2 ranks and 6 steps, set to 1 rank and 3 steps (the schedule stays the file's).
+  const TrainerRun run = RunTrainer({Trainer(), "--job_spec=" + WriteSpec(6, /*cpu_slots=*/2),
+                                     "--set", "resources.cpu_slots=1", "--set=max_steps=3"});
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(run.losses.size(), 3u) << run.output;
+  const TrainerRun both = RunTrainer({Trainer(), "--task=/nonexistent", "--set=max_steps=3"});
+  EXPECT_EQ(both.exit_code, 2);
+  EXPECT_THAT(both.output, HasSubstr("--task is the whole job"));
+  const TrainerRun bad = RunTrainer({Trainer(), "--set=max_steps=many"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.output, HasSubstr("max_steps"));
 }
 
 TEST_F(TrainerJobSpecTest, ASpecForMoreRanksThanThisProcessIsOneOfIsRefused) {

@@ -28,11 +28,15 @@ class LayoutTrainingTest : public TrainerTrainingTest {
   // and router loss weight `aux_loss_coef`.
   static void UseTinyMoe(std::vector<std::string>& flags, const std::string& aux_loss_coef) {
     for (std::string& flag : flags) {
-      if (flag == "--preset=tiny-gpt2") flag = "--preset=tiny-llama";
+      if (flag == "--set=model.preset=tiny-gpt2") flag = "--set=model.preset=tiny-llama";
     }
-    flags.push_back("--num_experts=8");
-    flags.push_back("--experts_per_token=2");
-    flags.push_back(absl::StrCat("--router_aux_loss_coef=", aux_loss_coef));
+    double coef = 0;
+    ASSERT_TRUE(absl::SimpleAtod(aux_loss_coef, &coef)) << aux_loss_coef;
+    ChangeModelDims(flags, [coef](v1::ModelDims& dims) {
+      dims.set_num_experts(8);
+      dims.set_num_experts_per_token(2);
+      dims.set_router_aux_loss_coef(coef);
+    });
   }
 
   struct Reference {

@@ -52,15 +52,15 @@ class LoraTensorParallelTest : public LayoutTrainingTest {
     std::vector<std::string> flags = BaseFlags(steps, dir, decay_steps);
     if (moe) {
       UseTinyMoe(flags, /*aux_loss_coef=*/"0");
-      flags.push_back(absl::StrCat("--expert_parallel=", ep));
+      flags.push_back(absl::StrCat("--set=parallelism.layout.expert_parallel=", ep));
       // The default targets: every attention projection and every expert's gate, up and down.
     } else {
       // GPT-2's every linear layer: the fused qkv and fc (column-parallel), both c_proj (row).
-      flags.push_back("--lora_targets=c_attn,c_proj,c_fc");
+      flags.push_back("--set=lora.target_modules=[c_attn, c_proj, c_fc]");
     }
-    flags.push_back(absl::StrCat("--tensor_parallel=", tp));
-    if (sequence_parallel) flags.push_back("--sequence_parallel");
-    flags.push_back("--lora_rank=4");
+    flags.push_back(absl::StrCat("--set=parallelism.layout.tensor_parallel=", tp));
+    if (sequence_parallel) flags.push_back("--set=parallelism.layout.sequence_parallel=true");
+    flags.push_back("--set=lora.rank=4");
     return flags;
   }
 
@@ -123,12 +123,12 @@ TEST_F(LoraTensorParallelTest, CheckpointAtTensorParallelResumesInOneProcess) {
 // difference within NF4's error: the losses track one process's QLoRA run closely, not exactly.
 TEST_F(LoraTensorParallelTest, QloraAtTensorParallelTracksOneProcess) {
   std::vector<std::string> flags = Flags(false, kSteps, "", 1, 1, false);
-  flags.push_back("--lora_nf4");
+  flags.push_back("--set=lora.base_quantization=LORA_BASE_QUANTIZATION_NF4");
   const TrainerRun one = RunTrainer(flags);
   ASSERT_EQ(one.exit_code, 0) << one.output;
   EXPECT_THAT(one.output, HasSubstr("(block linear weights in NF4)"));
   std::vector<std::string> tp_flags = Flags(false, kSteps, "", 2, 1, false);
-  tp_flags.push_back("--lora_nf4");
+  tp_flags.push_back("--set=lora.base_quantization=LORA_BASE_QUANTIZATION_NF4");
   std::vector<TrainerRun> runs;
   ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(tp_flags, 2, &runs));
   double worst = 0;
@@ -156,24 +156,26 @@ TEST_F(LoraTensorParallelTest, MergedExportAtExpertAndTensorParallelEqualsOnePro
   }
   const std::string initial = config_dir + "/initial.safetensors";
   const TrainerRun exported =
-      RunTrainer({Trainer(), "--data=" + *data_dir_ + "/train-*.bin", "--init_from=" + config_dir,
-                  "--seq_len=64", "--export_initial=" + initial});
+      RunTrainer({Trainer(), Shards("data.train_shards", *data_dir_ + "/train-*.bin"),
+                  Set("model.from_pretrained", config_dir), "--set=data.seq_len=64",
+                  "--export_initial=" + initial});
   ASSERT_EQ(exported.exit_code, 0) << exported.output;
   const std::string source = MakeTempDir("lora-merged-source");
-  const TrainerRun written = RunTrainer({Trainer(), "--init_from=" + config_dir, "--seq_len=64",
-                                         "--weights=" + initial, "--export_hf=" + source});
+  const TrainerRun written =
+      RunTrainer({Trainer(), Set("model.from_pretrained", config_dir), "--set=data.seq_len=64",
+                  "--weights=" + initial, "--export_hf=" + source});
   ASSERT_EQ(written.exit_code, 0) << written.output;
 
   auto flags = [&source](const std::string& dir, int tp, int ep) {
     std::vector<std::string> flags = BaseFlags(kExportSteps, dir);
     for (std::string& flag : flags) {
-      if (flag == "--preset=tiny-gpt2") flag = "--init_from=" + source;
+      if (flag == "--set=model.preset=tiny-gpt2") flag = Set("model.from_pretrained", source);
     }
-    flags.push_back(absl::StrCat("--expert_parallel=", ep));
-    flags.push_back(absl::StrCat("--tensor_parallel=", tp));
-    flags.push_back("--lora_rank=4");
-    flags.push_back("--export_format=hf");
-    flags.push_back("--export_merged");
+    flags.push_back(absl::StrCat("--set=parallelism.layout.expert_parallel=", ep));
+    flags.push_back(absl::StrCat("--set=parallelism.layout.tensor_parallel=", tp));
+    flags.push_back("--set=lora.rank=4");
+    flags.push_back("--set=checkpoint.export_format=EXPORT_FORMAT_HF");
+    flags.push_back("--set=checkpoint.export_merged=true");
     return flags;
   };
   auto merged = [](const std::string& dir) {

@@ -42,9 +42,9 @@ class MoeLayoutTrainingTest : public LayoutTrainingTest,
   static std::vector<std::string> MoeFlags(const std::string& dir, const MoeLayoutCase& c) {
     std::vector<std::string> flags = BaseFlags(kSteps, dir);
     UseTinyMoe(flags, kAuxLossCoef);
-    flags.push_back(absl::StrCat("--expert_parallel=", c.ep));
-    flags.push_back(absl::StrCat("--pipeline_parallel=", c.pp));
-    flags.push_back("--export_safetensors");
+    flags.push_back(absl::StrCat("--set=parallelism.layout.expert_parallel=", c.ep));
+    flags.push_back(absl::StrCat("--set=parallelism.layout.pipeline_parallel=", c.pp));
+    flags.push_back("--set=checkpoint.export_safetensors=true");
     return flags;
   }
 

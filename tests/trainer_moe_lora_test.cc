@@ -47,9 +47,9 @@ class MoeLoraTrainingTest : public LayoutTrainingTest {
                                         int decay_steps) {
     std::vector<std::string> flags = BaseFlags(steps, dir, decay_steps);
     UseTinyMoe(flags, /*aux_loss_coef=*/"0");
-    flags.push_back(absl::StrCat("--expert_parallel=", ep));
-    flags.push_back(absl::StrCat("--zero_stage=", zero));
-    flags.push_back("--lora_rank=4");
+    flags.push_back(absl::StrCat("--set=parallelism.layout.expert_parallel=", ep));
+    flags.push_back(absl::StrCat("--set=parallelism.layout.zero_stage=", zero));
+    flags.push_back("--set=lora.rank=4");
     return flags;
   }
 
@@ -121,7 +121,7 @@ TEST_F(MoeLoraTrainingTest, QloraOnExpertsTracksLoraAndRunsExpertParallel) {
   const TrainerRun& lora = OneProcess().run;
   ASSERT_EQ(lora.exit_code, 0) << lora.output;
   std::vector<std::string> flags = Flags(kSteps, "", 1, 0, 0);
-  flags.push_back("--lora_nf4");
+  flags.push_back("--set=lora.base_quantization=LORA_BASE_QUANTIZATION_NF4");
   const TrainerRun qlora = RunTrainer(flags);
   ASSERT_EQ(qlora.exit_code, 0) << qlora.output;
   EXPECT_THAT(qlora.output, HasSubstr("(block linear weights in NF4)"));
@@ -131,7 +131,7 @@ TEST_F(MoeLoraTrainingTest, QloraOnExpertsTracksLoraAndRunsExpertParallel) {
   EXPECT_LT(qlora.losses.at(kSteps), qlora.losses.at(1));
 
   std::vector<std::string> ep_flags = Flags(kSteps, "", 2, 0, 0);
-  ep_flags.push_back("--lora_nf4");
+  ep_flags.push_back("--set=lora.base_quantization=LORA_BASE_QUANTIZATION_NF4");
   std::vector<TrainerRun> ranks;
   ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(ep_flags, 2, &ranks));
   ExpectLossesMatch(ranks[0], qlora, 1, kSteps, 1e-4);

@@ -50,12 +50,12 @@ class MoePipelineTrainingTest : public LayoutTrainingTest,
   static std::vector<std::string> MoeFlags(const std::string& dir, const MoePipelineCase& c) {
     std::vector<std::string> flags = BaseFlags(kSteps, dir);
     UseTinyMoe(flags, kAuxLossCoef);
-    flags.push_back(absl::StrCat("--num_layers=", kLayers));
-    flags.push_back(absl::StrCat("--expert_parallel=", c.ep));
-    flags.push_back(absl::StrCat("--tensor_parallel=", c.tp));
-    flags.push_back(absl::StrCat("--pipeline_parallel=", c.pp));
-    flags.push_back(absl::StrCat("--pipeline_virtual_stages=", c.v));
-    flags.push_back("--export_safetensors");
+    ChangeModelDims(flags, [](v1::ModelDims& dims) { dims.set_num_layers(kLayers); });
+    flags.push_back(absl::StrCat("--set=parallelism.layout.expert_parallel=", c.ep));
+    flags.push_back(absl::StrCat("--set=parallelism.layout.tensor_parallel=", c.tp));
+    flags.push_back(absl::StrCat("--set=parallelism.layout.pipeline_parallel=", c.pp));
+    flags.push_back(absl::StrCat("--set=parallelism.layout.pipeline_virtual_stages=", c.v));
+    flags.push_back("--set=checkpoint.export_safetensors=true");
     return flags;
   }
 

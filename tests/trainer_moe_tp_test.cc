@@ -53,12 +53,12 @@ class MoeTensorParallelTrainingTest : public LayoutTrainingTest {
     std::vector<std::string> flags = BaseFlags(steps, dir, /*decay_steps=*/kSteps);
     // Micro-batches of 4: half the passes of the fixture's 2, to keep 8 ranks on 2 cores short.
     for (std::string& flag : flags) {
-      if (flag == "--micro_batch=2") flag = "--micro_batch=4";
+      if (flag == "--set=batch.micro_batch_size=2") flag = "--set=batch.micro_batch_size=4";
     }
     UseTinyMoe(flags, kAuxLossCoef);
-    flags.push_back(absl::StrCat("--expert_parallel=", c.ep));
-    flags.push_back(absl::StrCat("--tensor_parallel=", c.tp));
-    if (c.sp) flags.push_back("--sequence_parallel");
+    flags.push_back(absl::StrCat("--set=parallelism.layout.expert_parallel=", c.ep));
+    flags.push_back(absl::StrCat("--set=parallelism.layout.tensor_parallel=", c.tp));
+    if (c.sp) flags.push_back("--set=parallelism.layout.sequence_parallel=true");
     return flags;
   }
 
@@ -66,7 +66,7 @@ class MoeTensorParallelTrainingTest : public LayoutTrainingTest {
   static const Reference& OneProcess() {
     return SuiteReference("ckpt-moe-tp-reference", [](const std::string& dir) {
       std::vector<std::string> flags = MoeFlags(kSteps, dir, {1, 1, 1, false});
-      flags.push_back("--export_safetensors");
+      flags.push_back("--set=checkpoint.export_safetensors=true");
       return flags;
     });
   }
@@ -79,7 +79,7 @@ TEST_P(MoeTensorParallelLayoutTest, LossesAndWeightsMatchOneProcess) {
   const MoeTpCase& c = GetParam();
   const std::string dir = MakeTempDir("ckpt-moe-tp");
   std::vector<std::string> flags = MoeFlags(kSteps, dir, c);
-  flags.push_back("--export_safetensors");
+  flags.push_back("--set=checkpoint.export_safetensors=true");
   // The reported router loss is rank 0's last micro-batch's: one process's last micro-batch
   // when there is one data-parallel replica.
   ExpectLayoutTrainsLike(

@@ -50,9 +50,9 @@ class ShardedTrainingTest : public TrainerTrainingTest,
   static std::vector<std::string> Flags(const std::string& dir, int zero,
                                         const std::string& recompute) {
     std::vector<std::string> flags = BaseFlags(kSteps, dir);
-    flags.push_back(absl::StrCat("--zero_stage=", zero));
-    flags.push_back("--activation_checkpointing=" + recompute);
-    flags.push_back("--export_safetensors");
+    flags.push_back(absl::StrCat("--set=parallelism.layout.zero_stage=", zero));
+    flags.push_back(Recompute(recompute));
+    flags.push_back("--set=checkpoint.export_safetensors=true");
     return flags;
   }
 
@@ -126,13 +126,15 @@ class ModelParallelTest : public TrainerTrainingTest,
                                              int layers) {
     std::vector<std::string> flags = BaseFlags(kSteps, dir);
     for (auto& flag : flags) {
-      if (flag == "--preset=tiny-gpt2") flag = "--preset=" + preset;
+      if (flag == "--set=model.preset=tiny-gpt2") flag = "--set=model.preset=" + preset;
     }
-    if (layers > 0) flags.push_back(absl::StrCat("--num_layers=", layers));
-    flags.push_back("--export_safetensors");
-    flags.push_back("--val_data=" + *data_dir_ + "/val-*.bin");
-    flags.push_back("--eval_every=10");
-    flags.push_back("--eval_batches=3");
+    if (layers > 0) {
+      ChangeModelDims(flags, [layers](v1::ModelDims& dims) { dims.set_num_layers(layers); });
+    }
+    flags.push_back("--set=checkpoint.export_safetensors=true");
+    flags.push_back(Shards("data.validation_shards", *data_dir_ + "/val-*.bin"));
+    flags.push_back("--set=data.eval_interval_steps=10");
+    flags.push_back("--set=data.eval_batches=3");
     return flags;
   }
 
@@ -159,11 +161,11 @@ TEST_P(ModelParallelTest, LossesAndWeightsMatchOneProcess) {
   ASSERT_EQ(reference.exit_code, 0) << reference.output;
   const std::string dir = MakeTempDir("ckpt-mp");
   std::vector<std::string> flags = ModelFlags(dir, c.preset, c.layers);
-  flags.push_back(absl::StrCat("--tensor_parallel=", c.tp));
-  flags.push_back(absl::StrCat("--pipeline_parallel=", c.pp));
-  if (c.sp) flags.push_back("--sequence_parallel");
-  flags.push_back(absl::StrCat("--zero_stage=", c.zero));
-  flags.push_back("--activation_checkpointing=" + c.recompute);
+  flags.push_back(absl::StrCat("--set=parallelism.layout.tensor_parallel=", c.tp));
+  flags.push_back(absl::StrCat("--set=parallelism.layout.pipeline_parallel=", c.pp));
+  if (c.sp) flags.push_back("--set=parallelism.layout.sequence_parallel=true");
+  flags.push_back(absl::StrCat("--set=parallelism.layout.zero_stage=", c.zero));
+  flags.push_back(Recompute(c.recompute));
   std::vector<TrainerRun> runs;
   ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(flags, c.world, &runs));
   EXPECT_THAT(runs[0].output, HasSubstr(absl::StrCat("dp 0/", c.world / (c.tp * c.pp), ", tp 0/",
@@ -261,11 +263,12 @@ class MaskedTrainingTest : public TrainerTrainingTest,
   static std::vector<std::string> MaskedFlags(const std::string& checkpoint_dir, bool packed) {
     std::vector<std::string> flags = BaseFlags(kSteps, checkpoint_dir);
     for (auto& flag : flags) {
-      if (flag.starts_with("--data=")) flag = "--data=" + SftDir(packed) + "/train-*.bin";
+      if (flag.starts_with("--set=data.train_shards="))
+        flag = Shards("data.train_shards", SftDir(packed) + "/train-*.bin");
     }
-    flags.push_back("--val_data=" + SftDir(packed) + "/val-*.bin");
-    flags.push_back("--eval_every=6");
-    flags.push_back("--eval_batches=3");
+    flags.push_back(Shards("data.validation_shards", SftDir(packed) + "/val-*.bin"));
+    flags.push_back("--set=data.eval_interval_steps=6");
+    flags.push_back("--set=data.eval_batches=3");
     return flags;
   }
 
@@ -291,9 +294,9 @@ TEST_P(MaskedTrainingTest, LossesAndEvaluationMatchOneProcess) {
   EXPECT_LT(expected_evals[0].tokens(), 3 * 2 * 64);
 
   std::vector<std::string> flags = MaskedFlags(MakeTempDir("sft-" + c.name), c.packed);
-  flags.push_back(absl::StrCat("--tensor_parallel=", c.tp));
-  flags.push_back(absl::StrCat("--pipeline_parallel=", c.pp));
-  if (c.sequence_parallel) flags.push_back("--sequence_parallel");
+  flags.push_back(absl::StrCat("--set=parallelism.layout.tensor_parallel=", c.tp));
+  flags.push_back(absl::StrCat("--set=parallelism.layout.pipeline_parallel=", c.pp));
+  if (c.sequence_parallel) flags.push_back("--set=parallelism.layout.sequence_parallel=true");
   const int world = c.dp * c.tp * c.pp;
   std::vector<TrainerRun> runs;
   ASSERT_NO_FATAL_FAILURE(RunRanksToSuccess(flags, world, &runs));

@@ -27,8 +27,8 @@ using ::testing::HasSubstr;
 constexpr int kSteps = 12;
 
 std::vector<std::string> LoraFlags(std::vector<std::string> flags, bool nf4) {
-  flags.push_back("--lora_rank=8");
-  if (nf4) flags.push_back("--lora_nf4");
+  flags.push_back("--set=lora.rank=8");
+  if (nf4) flags.push_back("--set=lora.base_quantization=LORA_BASE_QUANTIZATION_NF4");
   return flags;
 }
 

@@ -55,7 +55,7 @@ TEST_F(TrainerTrainingTest, AnAsyncSaveKilledMidWriteIsNeverResumedFrom) {
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
   const std::string dir = MakeTempDir("ckpt-killed");
   std::vector<std::string> flags = BaseFlags(n, dir, n);
-  flags.push_back("--checkpoint_every=2");
+  flags.push_back("--set=checkpoint.interval_steps=2");
   std::vector<std::string> killed = {"/usr/bin/env",
                                      absl::StrCat(kFaultKillInCheckpointAtStepEnv, "=6")};
   killed.insert(killed.end(), flags.begin(), flags.end());
@@ -95,7 +95,7 @@ void FlipByte(const std::string& path, std::streamoff offset) {
 TEST_F(TrainerTrainingTest, CorruptedCheckpointIsSkippedByName) {
   std::string dir = MakeTempDir("ckpt-corrupt");
   std::vector<std::string> flags = BaseFlags(4, dir);
-  flags.push_back("--checkpoint_every=2");
+  flags.push_back("--set=checkpoint.interval_steps=2");
   TrainerRun first = RunTrainer(flags);
   ASSERT_EQ(first.exit_code, 0) << first.output;
   // Flip a byte in the newest checkpoint's shard.
@@ -116,7 +116,7 @@ TEST_F(TrainerTrainingTest, CorruptedCheckpointIsSkippedByName) {
   // of the corrupted checkpoint's load survives the second one.
   std::string clean = MakeTempDir("ckpt-corrupt-reference");
   flags = BaseFlags(4, clean);
-  flags.push_back("--checkpoint_every=2");
+  flags.push_back("--set=checkpoint.interval_steps=2");
   ASSERT_EQ(RunTrainer(flags).exit_code, 0);
   std::filesystem::remove_all(clean + "/step-00000004");
   TrainerRun reference = RunTrainer(BaseFlags(6, clean));
@@ -129,7 +129,7 @@ TEST_F(TrainerTrainingTest, CorruptedCheckpointIsSkippedByName) {
 TEST_F(TrainerTrainingTest, ACorruptedShardOfAnotherRankSendsEveryRankToTheOlderCheckpoint) {
   std::string dir = MakeTempDir("ckpt-corrupt-dp");
   std::vector<std::string> flags = BaseFlags(4, dir);
-  flags.push_back("--checkpoint_every=2");
+  flags.push_back("--set=checkpoint.interval_steps=2");
   for (const TrainerRun& run : RunRanks(flags, 2)) ASSERT_EQ(run.exit_code, 0) << run.output;
   FlipByte(dir + "/step-00000004/rank-00001.safetensors", 200);
   std::vector<TrainerRun> resumed = RunRanks(BaseFlags(6, dir), 2);
@@ -149,7 +149,7 @@ TEST_F(TrainerTrainingTest, ACorruptedShardOfAnotherRankSendsEveryRankToTheOlder
 TEST_F(TrainerTrainingTest, AnOnlyCheckpointFoundCorruptWhileLoadingFailsTheAttemptAndIsSetAside) {
   std::string dir = MakeTempDir("ckpt-corrupt-only");
   std::vector<std::string> flags = BaseFlags(2, dir);
-  flags.push_back("--checkpoint_every=2");
+  flags.push_back("--set=checkpoint.interval_steps=2");
   ASSERT_EQ(RunTrainer(flags).exit_code, 0);
   FlipByte(dir + "/step-00000002/rank-00000.safetensors", 300);
   TrainerRun failed = RunTrainer(BaseFlags(4, dir));
@@ -180,9 +180,9 @@ TEST_P(ReshardTest, ResumedLossesEqualAnUninterruptedRun) {
   const std::string dir = MakeTempDir("ckpt-reshard");
   auto flags = [&](int steps, int zero, int tp, int pp) {
     std::vector<std::string> f = BaseFlags(steps, dir, 2 * n);
-    f.push_back(absl::StrCat("--zero_stage=", zero));
-    f.push_back(absl::StrCat("--tensor_parallel=", tp));
-    f.push_back(absl::StrCat("--pipeline_parallel=", pp));
+    f.push_back(absl::StrCat("--set=parallelism.layout.zero_stage=", zero));
+    f.push_back(absl::StrCat("--set=parallelism.layout.tensor_parallel=", tp));
+    f.push_back(absl::StrCat("--set=parallelism.layout.pipeline_parallel=", pp));
     return f;
   };
   const int save_world = c.save_dp * c.save_tp * c.save_pp;
@@ -225,12 +225,12 @@ TEST_F(TrainerTrainingTest, CheckpointOfAnotherModelIsRefusedNamingTheTensor) {
   ASSERT_EQ(first.exit_code, 0) << first.output;
   // Same directory, a model with a wider MLP: every layer's MLP weights differ in shape.
   std::vector<std::string> flags = BaseFlags(4, dir);
-  flags.push_back("--zero_stage=2");
+  flags.push_back("--set=parallelism.layout.zero_stage=2");
   std::vector<TrainerRun> runs = RunRanks(
       [&] {
         std::vector<std::string> f = flags;
         for (auto& flag : f) {
-          if (flag == "--preset=tiny-gpt2") flag = "--preset=tiny-llama";
+          if (flag == "--set=model.preset=tiny-gpt2") flag = "--set=model.preset=tiny-llama";
         }
         return f;
       }(),

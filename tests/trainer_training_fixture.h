@@ -10,12 +10,16 @@
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -25,6 +29,7 @@
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "planner/model_config.h"
 #include "tessera/v1/trainer.pb.h"
 #include "tests/util/free_port.h"
 #include "tests/util/subprocess.h"
@@ -88,28 +93,131 @@ class TrainerTrainingTest : public ::testing::Test {
     return dir;
   }
 
+  // One job spec setting on a trainer's command line: tessera-trainer --set PATH=VALUE.
+  static std::string Set(absl::string_view path, absl::string_view value) {
+    return absl::StrCat("--set=", path, "=", value);
+  }
+  // data.train_shards (or another list of shards, e.g. "data.validation_shards") of one glob.
+  static std::string Shards(absl::string_view field, absl::string_view glob) {
+    return Set(field, absl::StrCat("[\"", glob, "\"]"));
+  }
+  // parallelism.layout.activation_checkpointing_mode: "none", "selective" or "full".
+  static std::string Recompute(absl::string_view mode) {
+    return Set("parallelism.layout.activation_checkpointing_mode",
+               absl::StrCat("ACTIVATION_CHECKPOINTING_", absl::AsciiStrToUpper(mode)));
+  }
+  // The value of the last setting of `path` in `flags`, if any.
+  static std::optional<std::string> SettingOf(const std::vector<std::string>& flags,
+                                              absl::string_view path) {
+    const std::string prefix = absl::StrCat("--set=", path, "=");
+    std::optional<std::string> value;
+    for (const std::string& flag : flags) {
+      if (absl::StartsWith(flag, prefix)) value = flag.substr(prefix.size());
+    }
+    return value;
+  }
+  // Replaces `flags`' model.preset with the preset's dimensions as `change` leaves them (a spec
+  // names a preset or dimensions, not both), or changes the model.dims already there: e.g. fewer
+  // layers, or experts in every block.
+  static void ChangeModelDims(std::vector<std::string>& flags,
+                              const std::function<void(v1::ModelDims&)>& change) {
+    const std::string preset_flag = "--set=model.preset=", dims_flag = "--set=model.dims=";
+    auto it = std::find_if(flags.begin(), flags.end(), [&](const std::string& flag) {
+      return absl::StartsWith(flag, preset_flag) || absl::StartsWith(flag, dims_flag);
+    });
+    ASSERT_NE(it, flags.end()) << "no model.preset or model.dims to change";
+    v1::ModelDims dims;
+    if (absl::StartsWith(*it, dims_flag)) {
+      ASSERT_TRUE(
+          google::protobuf::util::JsonStringToMessage(it->substr(dims_flag.size()), &dims).ok());
+    } else {
+      v1::ModelSpec model;
+      model.set_preset(it->substr(preset_flag.size()));
+      int seq_len = 0;
+      ASSERT_TRUE(absl::SimpleAtoi(SettingOf(flags, "data.seq_len").value_or("0"), &seq_len));
+      auto summary = planner::ResolveModel(model, seq_len);
+      ASSERT_THAT(summary, IsOk());
+      dims = summary->dims();
+    }
+    change(dims);
+    std::string json;
+    google::protobuf::util::JsonPrintOptions options;
+    options.preserve_proto_field_names = true;
+    ASSERT_TRUE(google::protobuf::util::MessageToJsonString(dims, &json, options).ok());
+    *it = Set("model.dims", json);
+  }
+
   // decay_steps pins the schedule, so a run of fewer steps follows the same
-  // learning-rate curve as a longer one (stop/resume compares the two).
+  // learning-rate curve as a longer one (stop/resume compares the two). The optimizer's weight
+  // decay, clipping and schedule floor are set as the suites were tuned with. flags[1] is the
+  // training data.
   static std::vector<std::string> BaseFlags(int steps, const std::string& checkpoint_dir = "",
                                             int decay_steps = 0) {
-    std::vector<std::string> flags = {Trainer(),
-                                      "--data=" + *data_dir_ + "/train-*.bin",
-                                      "--preset=tiny-gpt2",
-                                      "--seq_len=64",
-                                      "--global_batch=8",
-                                      "--micro_batch=2",
-                                      "--lr=3e-3",
-                                      "--warmup=5",
-                                      absl::StrCat("--steps=", steps),
-                                      absl::StrCat("--decay_steps=", decay_steps),
-                                      "--seed=7"};
-    if (!checkpoint_dir.empty()) flags.push_back("--checkpoint_dir=" + checkpoint_dir);
+    std::vector<std::string> flags = {
+        Trainer(),
+        Shards("data.train_shards", *data_dir_ + "/train-*.bin"),
+        Set("name", "standalone"),
+        Set("model.preset", "tiny-gpt2"),
+        Set("data.seq_len", "64"),
+        Set("batch.global_batch_size", "8"),
+        Set("batch.micro_batch_size", "2"),
+        Set("optimizer.schedule.peak_learning_rate", "3e-3"),
+        Set("optimizer.schedule.warmup_steps", "5"),
+        Set("optimizer.schedule.min_lr_ratio", "0.1"),
+        Set("optimizer.weight_decay", "0.1"),
+        Set("optimizer.grad_clip_norm", "1"),
+        Set("max_steps", absl::StrCat(steps)),
+        Set("optimizer.schedule.decay_steps", absl::StrCat(decay_steps)),
+        Set("seed", "7")};
+    if (!checkpoint_dir.empty()) flags.push_back(Set("checkpoint.directory", checkpoint_dir));
     return flags;
   }
 
+  // `flags` completed with what a spec needs and the suites leave to the world they run in:
+  // resources for `world` ranks (GPUs with --gpu=N), and, for an explicit layout, the degrees
+  // not set (1) and the data-parallel degree (the rest of the world; unset when it does not
+  // divide, which the trainer then refuses naming it).
+  // A --job_spec file or a --task says all of it itself.
+  static std::vector<std::string> ForWorld(std::vector<std::string> flags, int world) {
+    if (std::any_of(flags.begin(), flags.end(), [](const std::string& flag) {
+          return absl::StartsWith(flag, "--job_spec=") || absl::StartsWith(flag, "--task=");
+        })) {
+      return flags;
+    }
+    const bool gpu = std::any_of(flags.begin(), flags.end(), [](const std::string& flag) {
+      return absl::StartsWith(flag, "--gpu=") && flag != "--gpu=-1";
+    });
+    const bool has_resources = std::any_of(flags.begin(), flags.end(), [](const std::string& f) {
+      return absl::StartsWith(f, "--set=resources");
+    });
+    if (!has_resources) {
+      flags.push_back(Set(gpu ? "resources.gpus" : "resources.cpu_slots", absl::StrCat(world)));
+    }
+    const bool explicit_layout = std::any_of(flags.begin(), flags.end(), [](const std::string& f) {
+      return absl::StartsWith(f, "--set=parallelism.layout.");
+    });
+    if (!explicit_layout || SettingOf(flags, "parallelism.layout.data_parallel")) return flags;
+    int others = 1;
+    for (const char* degree : {"tensor_parallel", "pipeline_parallel", "context_parallel"}) {
+      const std::string path = absl::StrCat("parallelism.layout.", degree);
+      int value = 1;
+      if (const std::optional<std::string> set = SettingOf(flags, path); set.has_value()) {
+        if (!absl::SimpleAtoi(*set, &value)) value = 1;
+      } else if (degree != std::string("context_parallel")) {
+        flags.push_back(Set(path, "1"));  // an explicit layout names them
+      }
+      others *= std::max(1, value);
+    }
+    if (world % others == 0) {
+      flags.push_back(Set("parallelism.layout.data_parallel", absl::StrCat(world / others)));
+    }
+    return flags;
+  }
+
+  // One trainer process, as rank 0 of 1.
   static TrainerRun RunTrainer(const std::vector<std::string>& argv) {
     TrainerRun run;
-    auto result = RunCommand(argv, absl::Minutes(5));
+    auto result = RunCommand(ForWorld(argv, 1), absl::Minutes(5));
     EXPECT_THAT(result, IsOk());
     if (!result.ok()) return run;
     run.exit_code = result->exit.exit_code;
@@ -125,13 +233,14 @@ class TrainerTrainingTest : public ::testing::Test {
     EXPECT_THAT(port, IsOk());
     if (!port.ok()) return {};
     std::vector<Subprocess> ranks;
+    const std::vector<std::string> argv = ForWorld(flags, world);
     for (int rank = 0; rank < world; ++rank) {
       auto process = Subprocess::Start(
-          flags, {.merge_stdout = true,
-                  .extra_env = {absl::StrCat("RANK=", rank), absl::StrCat("WORLD_SIZE=", world),
-                                absl::StrCat("LOCAL_RANK=", rank),
-                                absl::StrCat("LOCAL_WORLD_SIZE=", world), "MASTER_ADDR=127.0.0.1",
-                                absl::StrCat("MASTER_PORT=", *port)}});
+          argv, {.merge_stdout = true,
+                 .extra_env = {absl::StrCat("RANK=", rank), absl::StrCat("WORLD_SIZE=", world),
+                               absl::StrCat("LOCAL_RANK=", rank),
+                               absl::StrCat("LOCAL_WORLD_SIZE=", world), "MASTER_ADDR=127.0.0.1",
+                               absl::StrCat("MASTER_PORT=", *port)}});
       EXPECT_THAT(process, IsOk());
       if (!process.ok()) return {};
       ranks.push_back(std::move(*process));

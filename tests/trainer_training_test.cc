@@ -113,9 +113,9 @@ TEST_F(TrainerTrainingTest, TwoDataParallelProcessesMatchOneProcess) {
 
 TEST_F(TrainerTrainingTest, EvaluatesOnHeldOutShards) {
   std::vector<std::string> flags = BaseFlags(60);
-  flags.push_back("--val_data=" + *data_dir_ + "/val-*.bin");
-  flags.push_back("--eval_every=20");
-  flags.push_back("--eval_batches=4");
+  flags.push_back(Shards("data.validation_shards", *data_dir_ + "/val-*.bin"));
+  flags.push_back("--set=data.eval_interval_steps=20");
+  flags.push_back("--set=data.eval_batches=4");
   TrainerRun run = RunTrainer(flags);
   ASSERT_EQ(run.exit_code, 0) << run.output;
   std::vector<v1::EvalMetrics> evals;

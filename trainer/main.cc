@@ -1,5 +1,5 @@
 // tessera-trainer: the process that trains one rank of a job. Launched by a
-// worker with a task file, or run standalone from flags.
+// worker with a task file, or run by hand (or torchrun) on a job spec.
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
@@ -45,15 +45,19 @@ ABSL_FLAG(std::string, task, "",
           "format (.txtpb).");
 ABSL_FLAG(std::string, job_spec, "",
           "A job spec file (YAML or JSON, what `tessera submit` takes; ${VAR} expanded from the "
-          "environment), validated, resolved and planned as the coordinator does a submitted job "
-          "(coordinator::PlanJob): this process runs it as one rank, or as the rank torchrun's "
-          "environment names (RANK, WORLD_SIZE), which must match the ranks the spec's resources "
-          "ask for. An automatic layout is data parallel over them (the coordinator's plan before "
-          "it knows the cluster).");
+          "environment), with the --set settings applied, validated, resolved and planned as the "
+          "coordinator does a submitted job (coordinator::PlanJob): this process runs it as one "
+          "rank, or as the rank torchrun's environment names (RANK, WORLD_SIZE), which must match "
+          "the ranks the spec's resources ask for. An automatic layout is data parallel over them "
+          "(the coordinator's plan before it knows the cluster). Without it, --set settings make "
+          "the whole spec.");
 ABSL_FLAG(bool, check, false,
-          "Train a small MLP for a few AdamW steps on --gpu (or the CPU) and print the result as "
-          "one JSON line; exit 0 when the loss falls.");
-ABSL_FLAG(int, gpu, -1, "CUDA device ordinal for --check and standalone runs; -1 uses the CPU.");
+          "Train a small MLP for --check_steps AdamW steps on --gpu (or the CPU) and print the "
+          "result as one JSON line; exit 0 when the loss falls.");
+ABSL_FLAG(int, check_steps, 50, "--check: optimizer steps.");
+ABSL_FLAG(int, gpu, -1,
+          "CUDA device ordinal for --check, and for a --job_spec / --set run that asks for "
+          "resources.gpus; -1: the rank's local rank picks it.");
 ABSL_FLAG(bool, fused_kernels, true,
           "Run RMSNorm, LayerNorm, rotary embedding, SwiGLU and the head's cross-entropy as fused "
           "CUDA kernels on a GPU, and RMSNorm, rotary embedding, SwiGLU and GELU as fused float32 "
@@ -78,105 +82,20 @@ ABSL_FLAG(std::string, profile_dir, "",
           "(bench/profile_summary.py summarises it); empty: no profile.");
 ABSL_FLAG(std::string, profile_steps, "3:3",
           "With --profile_dir: FIRST:COUNT, the 1-based first step recorded and how many.");
-// Standalone training (no --task).
-ABSL_FLAG(std::string, preset, "tiny-gpt2", "Standalone: model preset.");
-ABSL_FLAG(std::vector<std::string>, data, {}, "Standalone: training shard paths or globs.");
-ABSL_FLAG(std::vector<std::string>, val_data, {},
-          "Standalone: validation shard paths or globs (evaluated every --eval_every steps).");
-ABSL_FLAG(int64_t, eval_every, 0, "Standalone: evaluation interval in steps; 0 never.");
-ABSL_FLAG(int, eval_batches, 20, "Standalone: micro-batches per rank per evaluation.");
-ABSL_FLAG(int, seq_len, 128, "Standalone: tokens per sequence.");
-ABSL_FLAG(int64_t, global_batch, 16, "Standalone: sequences per optimizer step (whole job).");
-ABSL_FLAG(int, micro_batch, 4, "Standalone: sequences per rank per forward/backward.");
-ABSL_FLAG(int64_t, steps, 50, "Standalone: optimizer steps (also the step count of --check).");
-ABSL_FLAG(double, lr, 3e-3, "Standalone: peak learning rate.");
-ABSL_FLAG(int64_t, warmup, 10, "Standalone: warmup steps.");
-ABSL_FLAG(int64_t, decay_steps, 0, "Standalone: step where cosine decay ends; 0 = --steps.");
-ABSL_FLAG(double, min_lr_ratio, 0.1, "Standalone: floor of the cosine decay, fraction of peak.");
-ABSL_FLAG(double, weight_decay, 0.1, "Standalone: AdamW weight decay.");
-ABSL_FLAG(double, grad_clip, 1.0, "Standalone: global gradient-norm clip; 0 disables.");
-ABSL_FLAG(uint64_t, seed, tessera::planner::kDefaultSeed,
-          "Standalone: seed of initialisation and data order.");
-ABSL_FLAG(std::string, checkpoint_dir, "", "Standalone: checkpoint directory; empty: none.");
-ABSL_FLAG(int64_t, checkpoint_every, 0, "Standalone: checkpoint interval in steps.");
-ABSL_FLAG(int, keep_last, 0, "Standalone: checkpoints kept; 0 keeps all.");
-ABSL_FLAG(bool, resume, true, "Standalone: resume from the newest complete checkpoint.");
-ABSL_FLAG(bool, export_safetensors, false, "Standalone: export the final weights.");
-ABSL_FLAG(std::string, export_format, "",
-          "Standalone: the final export's format (checkpoint.export_format): tessera, or hf for a "
-          "Hugging Face directory under <checkpoint_dir>/export/hf (the PEFT adapter with LoRA); "
-          "empty: tessera when --export_safetensors.");
-ABSL_FLAG(bool, export_merged, false,
-          "Standalone: with --export_format=hf and LoRA, also write the base with the adapters "
-          "merged in under <checkpoint_dir>/export/hf-merged.");
-ABSL_FLAG(int, zero_stage, 0,
-          "Standalone: ZeRO stage over the data-parallel ranks (0 none, 1 optimizer state, 2 + "
-          "gradients, 3 + parameters).");
-ABSL_FLAG(int, num_layers, 0, "Standalone: override the preset's number of layers; 0 keeps it.");
-ABSL_FLAG(int, tensor_parallel, 1,
-          "Standalone: tensor-parallel degree (consecutive ranks; must divide the attention heads, "
-          "key/value heads and ffn_hidden_size).");
-ABSL_FLAG(bool, sequence_parallel, false,
-          "Standalone: split norms and activations between tensor-parallel regions along the "
-          "sequence (needs --tensor_parallel > 1).");
-ABSL_FLAG(int, context_parallel, 1,
-          "Standalone: context-parallel degree (ring attention over the sequence; 2 x it must "
-          "divide --seq_len).");
-ABSL_FLAG(int, pipeline_parallel, 1,
-          "Standalone: pipeline stages (1F1B; must divide the layers). Data parallelism is the "
-          "rest of the world size.");
-ABSL_FLAG(int, pipeline_virtual_stages, 1,
-          "Standalone: model chunks per pipeline stage (interleaved 1F1B when > 1; must divide "
-          "each stage's layers, and the micro-batches per step must be a multiple of "
-          "--pipeline_parallel).");
-// Expert parallelism, and a mixture-of-experts variant of a Llama-family preset to use it on.
-ABSL_FLAG(int, expert_parallel, 1,
-          "Standalone: expert-parallel degree (blocks of consecutive data-parallel ranks split each "
-          "layer's experts; must divide the data-parallel degree and --num_experts).");
-ABSL_FLAG(int, num_experts, 0,
-          "Standalone: make every block of a Llama-family preset a mixture of this many experts "
-          "(0 keeps the preset's).");
-ABSL_FLAG(int, experts_per_token, 2, "Standalone: with --num_experts, the experts each token uses.");
-ABSL_FLAG(double, router_aux_loss_coef, 0,
-          "Standalone: with --num_experts, the weight of the routers' load-balancing loss in the "
-          "training loss.");
-ABSL_FLAG(std::string, activation_checkpointing, "none",
-          "Standalone: activation recomputation: none, selective or full.");
-ABSL_FLAG(std::string, job_id, "standalone", "Standalone: job id in reports and checkpoints.");
 ABSL_FLAG(std::string, export_initial, "",
-          "With --task or standalone flags: write the weights the run would start step 1 from "
+          "With --task, --job_spec or --set: write the weights the run would start step 1 from "
           "(a fresh run, no resume) to this safetensors file, float32 and named as "
-          "--export_safetensors names them, with the resolved model in its metadata; then exit "
-          "without training. For comparing against other implementations.");
-// tessera-trainer prepare
-ABSL_FLAG(std::string, init_from, "",
-          "Standalone: a Hugging Face model directory (config.json + safetensors of a "
-          "LlamaForCausalLM, Qwen3ForCausalLM or GPT2LMHeadModel) to start from instead of "
-          "--preset (the spec's model.from_pretrained).");
+          "checkpoint.export_safetensors names them, with the resolved model in its metadata; "
+          "then exit without training. For comparing against other implementations.");
 ABSL_FLAG(std::string, weights, "",
           "With --export_hf / --logits_out: a Tessera safetensors export (a checkpoint's "
-          "model.safetensors, --export_initial) of the model --preset / --init_from describe, "
-          "to load instead of --init_from's or the seeded initial weights.");
+          "model.safetensors, --export_initial) of the spec's model (model.preset, model.dims "
+          "or model.from_pretrained), to load instead of from_pretrained's or the seeded "
+          "initial weights.");
 ABSL_FLAG(std::string, export_hf, "",
-          "Write the model (--init_from, --weights or the seeded initial weights) to this "
-          "directory as a Hugging Face model (config.json, model.safetensors, "
-          "generation_config.json) that transformers loads; then exit.");
-ABSL_FLAG(double, epochs, 0,
-          "Standalone: passes over the training data to train instead of --steps (the spec's "
-          "epochs); 0 uses --steps.");
-ABSL_FLAG(std::string, guard, "",
-          "Standalone: the loss-spike guard, a GuardSpec in protobuf text format, e.g. "
-          "'loss_spike_factor: 5 window: 8 skipped { step: 120 batches: 2 }'; empty: none.");
-ABSL_FLAG(int, lora_rank, 0,
-          "Standalone: LoRA adapter rank (the spec's lora.rank); 0 trains every weight.");
-ABSL_FLAG(double, lora_alpha, 0, "Standalone: LoRA alpha; 0 means 2 * rank.");
-ABSL_FLAG(double, lora_dropout, 0, "Standalone: dropout on the LoRA adapters' input.");
-ABSL_FLAG(std::vector<std::string>, lora_targets, {},
-          "Standalone: the linear layers that get adapters (q_proj, v_proj, ..., c_attn, ...); "
-          "empty: all-linear.");
-ABSL_FLAG(bool, lora_nf4, false,
-          "Standalone: QLoRA, the frozen base's block linear weights held in NF4 (the spec's "
-          "lora.base_quantization = LORA_BASE_QUANTIZATION_NF4); needs --lora_rank.");
+          "Write the spec's model (model.from_pretrained's weights, --weights or the seeded "
+          "initial weights) to this directory as a Hugging Face model (config.json, "
+          "model.safetensors, generation_config.json) that transformers loads; then exit.");
 ABSL_FLAG(std::string, lora_adapter, "",
           "With --export_hf / --logits_out: a PEFT LoRA adapter directory (adapter_config.json, "
           "adapter_model.safetensors; a LoRA job's final checkpoint holds one in adapter/) to "
@@ -203,7 +122,7 @@ ABSL_FLAG(std::string, prompt_template, "alpaca",
           "the loss.");
 ABSL_FLAG(int, sample_seq_len, 0,
           "prepare: write every record as one sample of N + 1 tokens (truncated, or padded with "
-          "eos that does not count); training must then use --seq_len=N. 0: one token stream.");
+          "eos that does not count); training must then use data.seq_len N. 0: one token stream.");
 ABSL_FLAG(bool, pack, false,
           "prepare: with --sample_seq_len, put several short records into one sample; the shards "
           "mark where each begins, and training keeps them from attending to one another.");
@@ -212,15 +131,22 @@ namespace {
 
 constexpr char kUsage[] =
     "Usage: tessera-trainer --task=PATH\n"
-    "       tessera-trainer --job_spec=FILE   (a job spec, resolved as the coordinator does)\n"
-    "       tessera-trainer --data=GLOB [--preset=NAME --steps=N ...]   (standalone)\n"
+    "       tessera-trainer --job_spec=FILE [--set PATH=VALUE ...]\n"
+    "       tessera-trainer --set PATH=VALUE ...   (the spec from settings alone)\n"
     "       tessera-trainer prepare --input=FILES --output_dir=DIR [--tokenizer=byte|PATH]\n"
     "                               [--prompt_template=alpaca|chat --sample_seq_len=N [--pack]]\n"
     "       tessera-trainer --check [--gpu=N]\n"
-    "       tessera-trainer --init_from=HF_DIR [--data=GLOB ...]   (from Hugging Face weights)\n"
-    "       tessera-trainer [--init_from=HF_DIR | --preset=NAME --weights=FILE] --export_hf=DIR\n\n"
+    "       tessera-trainer --set model.from_pretrained=HF_DIR | model.preset=NAME\n"
+    "                       [--weights=FILE] --export_hf=DIR\n\n"
     "Trains one rank of a Tessera job on LibTorch. With --task it runs what the worker\n"
-    "wrote; standalone it builds the task from flags and prints reports as JSON lines.\n"
+    "wrote; with a job spec it runs the job the coordinator would (validated, resolved and\n"
+    "planned by the same functions) and prints reports as JSON lines. A --set PATH=VALUE\n"
+    "(repeatable, like helm's) sets one spec field over the file: PATH is field names joined\n"
+    "by dots, VALUE one YAML value, e.g.\n"
+    "  --set model.preset=tiny-gpt2 --set data.train_shards=[/data/train-*.bin]\n"
+    "  --set max_steps=200 --set optimizer.schedule.peak_learning_rate=3e-3\n"
+    "  --set resources.cpu_slots=2 --set parallelism.layout={data_parallel: 1,\n"
+    "        tensor_parallel: 2, pipeline_parallel: 1}\n"
     "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (default\n"
     "29500), as set by torchrun or the worker, place the process in a multi-process job (Gloo\n"
     "on CPU, NCCL on GPU) and override the task's assignment; the worker also sets\n"
@@ -248,120 +174,6 @@ absl::StatusOr<tessera::v1::TrainerTask> ReadTask(const std::string& path) {
   return task;
 }
 
-tessera::v1::TrainerTask TaskFromFlags() {
-  tessera::v1::TrainerTask task;
-  task.set_job_id(absl::GetFlag(FLAGS_job_id));
-  tessera::v1::JobSpec* spec = task.mutable_spec();
-  spec->set_name(absl::GetFlag(FLAGS_job_id));
-  spec->mutable_model()->set_preset(absl::GetFlag(FLAGS_preset));
-  if (!absl::GetFlag(FLAGS_init_from).empty()) {
-    if (absl::GetFlag(FLAGS_num_layers) > 0) {
-      std::cerr << "tessera-trainer: --num_layers cannot change an --init_from model\n";
-      std::exit(2);
-    }
-    spec->mutable_model()->set_from_pretrained(absl::GetFlag(FLAGS_init_from));
-  }
-  if (absl::GetFlag(FLAGS_num_layers) > 0 || absl::GetFlag(FLAGS_num_experts) > 0) {
-    // A spec names a preset or dimensions, not both: spell out the preset's, with the override.
-    auto preset = tessera::planner::ResolveModel(spec->model(), absl::GetFlag(FLAGS_seq_len));
-    if (!preset.ok()) {
-      std::cerr << "tessera-trainer: --preset: " << preset.status() << "\n";
-      std::exit(2);
-    }
-    spec->mutable_model()->clear_preset();
-    *spec->mutable_model()->mutable_dims() = preset->dims();
-    tessera::v1::ModelDims* dims = spec->mutable_model()->mutable_dims();
-    if (absl::GetFlag(FLAGS_num_layers) > 0) dims->set_num_layers(absl::GetFlag(FLAGS_num_layers));
-    if (absl::GetFlag(FLAGS_num_experts) > 0) {
-      dims->set_num_experts(absl::GetFlag(FLAGS_num_experts));
-      dims->set_num_experts_per_token(absl::GetFlag(FLAGS_experts_per_token));
-      dims->set_router_aux_loss_coef(absl::GetFlag(FLAGS_router_aux_loss_coef));
-    }
-  }
-  for (const auto& shard : absl::GetFlag(FLAGS_data)) spec->mutable_data()->add_train_shards(shard);
-  spec->mutable_data()->set_seq_len(absl::GetFlag(FLAGS_seq_len));
-  for (const auto& shard : absl::GetFlag(FLAGS_val_data)) {
-    spec->mutable_data()->add_validation_shards(shard);
-  }
-  spec->mutable_data()->set_eval_interval_steps(absl::GetFlag(FLAGS_eval_every));
-  spec->mutable_data()->set_eval_batches(absl::GetFlag(FLAGS_eval_batches));
-  spec->mutable_batch()->set_global_batch_size(absl::GetFlag(FLAGS_global_batch));
-  spec->mutable_batch()->set_micro_batch_size(absl::GetFlag(FLAGS_micro_batch));
-  auto* schedule = spec->mutable_optimizer()->mutable_schedule();
-  schedule->set_peak_learning_rate(absl::GetFlag(FLAGS_lr));
-  schedule->set_warmup_steps(absl::GetFlag(FLAGS_warmup));
-  schedule->set_min_lr_ratio(absl::GetFlag(FLAGS_min_lr_ratio));
-  schedule->set_decay_steps(absl::GetFlag(FLAGS_decay_steps));
-  spec->mutable_optimizer()->set_weight_decay(absl::GetFlag(FLAGS_weight_decay));
-  spec->mutable_optimizer()->set_grad_clip_norm(absl::GetFlag(FLAGS_grad_clip));
-  spec->set_max_steps(absl::GetFlag(FLAGS_epochs) > 0 ? 0 : absl::GetFlag(FLAGS_steps));
-  spec->set_epochs(absl::GetFlag(FLAGS_epochs));
-  if (absl::GetFlag(FLAGS_lora_rank) != 0 || absl::GetFlag(FLAGS_lora_nf4)) {
-    tessera::v1::LoraSpec* lora = spec->mutable_lora();
-    if (absl::GetFlag(FLAGS_lora_nf4)) {
-      lora->set_base_quantization(tessera::v1::LORA_BASE_QUANTIZATION_NF4);
-    }
-    lora->set_rank(absl::GetFlag(FLAGS_lora_rank));
-    lora->set_alpha(absl::GetFlag(FLAGS_lora_alpha));
-    lora->set_dropout(absl::GetFlag(FLAGS_lora_dropout));
-    for (const std::string& target : absl::GetFlag(FLAGS_lora_targets)) {
-      lora->add_target_modules(target);
-    }
-  }
-  if (const std::string guard = absl::GetFlag(FLAGS_guard); !guard.empty()) {
-    if (!google::protobuf::TextFormat::ParseFromString(guard, spec->mutable_guard())) {
-      std::cerr << "tessera-trainer: --guard: not a GuardSpec in text format: '" << guard << "'\n";
-      std::exit(2);
-    }
-  }
-  spec->set_seed(absl::GetFlag(FLAGS_seed));
-  auto* checkpoint = spec->mutable_checkpoint();
-  checkpoint->set_directory(absl::GetFlag(FLAGS_checkpoint_dir));
-  checkpoint->set_interval_steps(absl::GetFlag(FLAGS_checkpoint_every));
-  checkpoint->set_keep_last(absl::GetFlag(FLAGS_keep_last));
-  checkpoint->set_resume(absl::GetFlag(FLAGS_resume));
-  checkpoint->set_export_safetensors(absl::GetFlag(FLAGS_export_safetensors));
-  if (const std::string format = absl::GetFlag(FLAGS_export_format); !format.empty()) {
-    tessera::v1::ExportFormat value = tessera::v1::EXPORT_FORMAT_UNSPECIFIED;
-    if (!tessera::v1::ExportFormat_Parse("EXPORT_FORMAT_" + absl::AsciiStrToUpper(format),
-                                         &value) ||
-        value == tessera::v1::EXPORT_FORMAT_UNSPECIFIED) {
-      std::cerr << "tessera-trainer: --export_format must be tessera or hf, got '" << format
-                << "'\n";
-      std::exit(2);
-    }
-    if (absl::GetFlag(FLAGS_checkpoint_dir).empty()) {
-      std::cerr << "tessera-trainer: --export_format needs --checkpoint_dir (the export is "
-                   "written under it)\n";
-      std::exit(2);
-    }
-    checkpoint->set_export_format(value);
-  }
-  checkpoint->set_export_merged(absl::GetFlag(FLAGS_export_merged));
-  task.set_checkpoint_directory(absl::GetFlag(FLAGS_checkpoint_dir));
-  tessera::v1::Layout* layout = task.mutable_plan()->mutable_layout();
-  layout->set_zero_stage(absl::GetFlag(FLAGS_zero_stage));
-  layout->set_tensor_parallel(absl::GetFlag(FLAGS_tensor_parallel));
-  layout->set_pipeline_parallel(absl::GetFlag(FLAGS_pipeline_parallel));
-  layout->set_context_parallel(absl::GetFlag(FLAGS_context_parallel));
-  layout->set_pipeline_virtual_stages(absl::GetFlag(FLAGS_pipeline_virtual_stages));
-  layout->set_expert_parallel(absl::GetFlag(FLAGS_expert_parallel));
-  layout->set_sequence_parallel(absl::GetFlag(FLAGS_sequence_parallel));
-  const std::string recompute =
-      absl::AsciiStrToUpper(absl::GetFlag(FLAGS_activation_checkpointing));
-  tessera::v1::ActivationCheckpointing mode = tessera::v1::ACTIVATION_CHECKPOINTING_UNSPECIFIED;
-  if (!tessera::v1::ActivationCheckpointing_Parse("ACTIVATION_CHECKPOINTING_" + recompute, &mode)) {
-    std::cerr << "tessera-trainer: --activation_checkpointing must be none, selective or full\n";
-    std::exit(2);
-  }
-  layout->set_activation_checkpointing_mode(mode);
-  int gpu = absl::GetFlag(FLAGS_gpu);
-  task.mutable_assignment()->set_device_type(gpu >= 0 ? tessera::v1::DEVICE_TYPE_CUDA
-                                                      : tessera::v1::DEVICE_TYPE_CPU);
-  task.mutable_assignment()->set_gpu_index(gpu);
-  return task;
-}
-
 // What SubmitJob decides of a spec: validated, resolved and planned (coordinator::PlanJob), and
 // refused where this trainer does not run it (ValidateTrainerRuns).
 absl::StatusOr<tessera::v1::LayoutPlan> PlanAsSubmitted(const tessera::v1::JobSpec& spec) {
@@ -373,14 +185,25 @@ absl::StatusOr<tessera::v1::LayoutPlan> PlanAsSubmitted(const tessera::v1::JobSp
   return plan;
 }
 
-// --job_spec: the spec validated, resolved and planned by the coordinator's own functions, so a
-// spec run here is the job the coordinator would run, defaults and all.
-absl::StatusOr<tessera::v1::TrainerTask> TaskFromJobSpec(const std::string& path) {
-  absl::StatusOr<tessera::v1::JobSpec> spec = tessera::client::LoadJobSpec(path);
-  if (!spec.ok()) {
+// The spec of --job_spec with the --set settings over it, or of the settings alone.
+absl::StatusOr<tessera::v1::JobSpec> SpecFromCommandLine(
+    const tessera::client::SpecSettings& settings) {
+  const std::string path = absl::GetFlag(FLAGS_job_spec);
+  absl::StatusOr<tessera::v1::JobSpec> spec =
+      path.empty()
+          ? tessera::client::ParseJobSpec("{}", tessera::client::ProcessEnvironment(), settings)
+          : tessera::client::LoadJobSpec(path, tessera::client::ProcessEnvironment(), settings);
+  if (!spec.ok() && !path.empty()) {
     return absl::Status(spec.status().code(),
                         absl::StrCat("--job_spec: ", spec.status().message()));
   }
+  return spec;
+}
+
+// A spec to run: validated, resolved and planned by the coordinator's own functions, so a spec
+// run here is the job the coordinator would run, defaults and all.
+absl::StatusOr<tessera::v1::TrainerTask> TaskFromSpec(absl::StatusOr<tessera::v1::JobSpec> spec) {
+  if (!spec.ok()) return spec.status();
   absl::StatusOr<tessera::v1::LayoutPlan> plan = PlanAsSubmitted(*spec);
   if (!plan.ok()) return plan.status();
   tessera::v1::TrainerTask task;
@@ -394,36 +217,6 @@ absl::StatusOr<tessera::v1::TrainerTask> TaskFromJobSpec(const std::string& path
   *task.mutable_plan() = *std::move(plan);
   *task.mutable_spec() = *std::move(spec);
   return task;
-}
-
-// A training run from flags goes through the same planning as --job_spec: the spec the flags
-// spell out, with their layout as an explicit one and resources for the ranks this process is
-// one of (WORLD_SIZE, GPUs with --gpu), is validated, resolved and planned by
-// coordinator::PlanJob. The task keeps the flags' job id (a spec's name has a stricter form: the
-// check is made under "standalone").
-absl::Status PlanFlagsTask(tessera::v1::TrainerTask* task) {
-  auto assignment = tessera::trainer::ResolveRankAssignment(
-      task->assignment(), [](const char* name) { return std::getenv(name); });
-  if (!assignment.ok()) return assignment.status();
-  tessera::v1::JobSpec* spec = task->mutable_spec();
-  if (task->assignment().device_type() == tessera::v1::DEVICE_TYPE_CUDA) {
-    spec->mutable_resources()->set_gpus(assignment->world_size());
-  } else {
-    spec->mutable_resources()->set_cpu_slots(assignment->world_size());
-  }
-  // The flags leave the data-parallel degree to the rest of the world; an explicit layout names it.
-  absl::StatusOr<tessera::trainer::MeshShape> shape =
-      tessera::trainer::MeshShapeForLayout(task->plan().layout(), assignment->world_size());
-  if (!shape.ok()) return shape.status();
-  tessera::v1::Layout* layout = spec->mutable_parallelism()->mutable_layout();
-  *layout = task->plan().layout();
-  layout->set_data_parallel(shape->dp);
-  tessera::v1::JobSpec checked = *spec;
-  checked.set_name("standalone");
-  absl::StatusOr<tessera::v1::LayoutPlan> plan = PlanAsSubmitted(checked);
-  if (!plan.ok()) return plan.status();
-  *task->mutable_plan() = *std::move(plan);
-  return absl::OkStatus();
 }
 
 int Prepare() {
@@ -461,9 +254,8 @@ int Prepare() {
 }
 
 int Check() {
-  auto result =
-      tessera::trainer::RunSelfCheck({.gpu_index = absl::GetFlag(FLAGS_gpu),
-                                      .steps = static_cast<int>(absl::GetFlag(FLAGS_steps))});
+  auto result = tessera::trainer::RunSelfCheck(
+      {.gpu_index = absl::GetFlag(FLAGS_gpu), .steps = absl::GetFlag(FLAGS_check_steps)});
   if (!result.ok()) {
     std::cerr << "tessera-trainer: check failed: " << result.status() << "\n";
     return 1;
@@ -472,13 +264,24 @@ int Check() {
   return 0;
 }
 
+// The model a tool builds (--export_initial, --export_hf, --logits_out): the spec's, at its
+// data.seq_len, or at the model's own context length when the spec names none.
+absl::StatusOr<tessera::v1::ModelSummary> ToolModel(const tessera::v1::JobSpec& spec) {
+  if (spec.data().seq_len() > 0) {
+    return tessera::planner::ResolveModel(spec.model(), spec.data().seq_len());
+  }
+  auto model = tessera::planner::ResolveModel(spec.model(), 1);
+  if (!model.ok()) return model.status();
+  return tessera::planner::ResolveModel(spec.model(), model->dims().max_seq_len());
+}
+
 // Contract with the run builder (runtime/run_builder.cc): a fresh run seeds LibTorch's CPU
 // generator with the job seed (0 means planner::kDefaultSeed) and builds the model on the CPU
 // before anything else draws from it, so the same steps here give bit-identical weights. A change
 // there that breaks this shows up as a first-step loss mismatch in bench/trainer_bench.py.
 int ExportInitialWeights(const tessera::v1::TrainerTask& task, const std::string& path) {
   const tessera::v1::JobSpec& spec = task.spec();
-  auto summary = tessera::planner::ResolveModel(spec.model(), spec.data().seq_len());
+  auto summary = ToolModel(spec);
   if (!summary.ok()) {
     std::cerr << "tessera-trainer: " << summary.status() << "\n";
     return 2;
@@ -530,7 +333,7 @@ int ExportInitialWeights(const tessera::v1::TrainerTask& task, const std::string
 // loads --weights or the spec's from_pretrained weights into it, and writes what was asked for.
 int RunModelTool(const tessera::v1::TrainerTask& task) {
   const tessera::v1::JobSpec& spec = task.spec();
-  auto summary = tessera::planner::ResolveModel(spec.model(), spec.data().seq_len());
+  auto summary = ToolModel(spec);
   if (!summary.ok()) {
     std::cerr << "tessera-trainer: " << summary.status() << "\n";
     return 2;
@@ -643,7 +446,30 @@ int main(int argc, char** argv) {
     std::cerr << "tessera-trainer: malloc refused to keep freed memory; each step's host "
                  "allocations will fault in fresh pages\n";
   }
-  std::vector<char*> args = tessera::ParseCommandLine(argc, argv, kUsage);
+  // --set may be given many times, and absl keeps a flag's last value only: the settings are
+  // taken out of the command line before the flags are parsed.
+  tessera::client::SpecSettings settings;
+  std::vector<char*> rest = {argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    if (arg == "--") {  // the rest is positional
+      rest.insert(rest.end(), argv + i, argv + argc);
+      break;
+    }
+    if (arg == "--set" || arg == "-set") {
+      if (i + 1 == argc) {
+        std::cerr << "tessera-trainer: --set needs PATH=VALUE\n";
+        return 2;
+      }
+      settings.emplace_back(argv[++i]);
+    } else if (absl::StartsWith(arg, "--set=") || absl::StartsWith(arg, "-set=")) {
+      settings.emplace_back(arg.substr(arg.find('=') + 1));
+    } else {
+      rest.push_back(argv[i]);
+    }
+  }
+  std::vector<char*> args =
+      tessera::ParseCommandLine(static_cast<int>(rest.size()), rest.data(), kUsage);
   tessera::trainer::SetFusedKernelsEnabled(absl::GetFlag(FLAGS_fused_kernels));
   if (args.size() == 2 && std::string(args[1]) == "prepare") return Prepare();
   if (args.size() > 1) {
@@ -652,40 +478,39 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_check)) return Check();
 
+  const bool tool = !absl::GetFlag(FLAGS_export_initial).empty() ||
+                    !absl::GetFlag(FLAGS_export_hf).empty() ||
+                    !absl::GetFlag(FLAGS_logits_out).empty();
+  const bool from_spec = !absl::GetFlag(FLAGS_job_spec).empty() || !settings.empty();
   tessera::v1::TrainerTask task;
-  if (!absl::GetFlag(FLAGS_job_spec).empty()) {
-    if (!absl::GetFlag(FLAGS_task).empty() || !absl::GetFlag(FLAGS_data).empty()) {
-      std::cerr << "tessera-trainer: --job_spec is the whole job: pass it without --task or "
-                   "--data\n";
+  if (!absl::GetFlag(FLAGS_task).empty()) {
+    if (from_spec) {
+      std::cerr << "tessera-trainer: --task is the whole job: pass it without --job_spec or "
+                   "--set\n";
       return 2;
     }
-    auto from_spec = TaskFromJobSpec(absl::GetFlag(FLAGS_job_spec));
-    if (!from_spec.ok()) {
-      std::cerr << "tessera-trainer: " << from_spec.status() << "\n";
-      return 2;
-    }
-    task = std::move(*from_spec);
-  } else if (!absl::GetFlag(FLAGS_task).empty()) {
     auto read = ReadTask(absl::GetFlag(FLAGS_task));
     if (!read.ok()) {
       std::cerr << "tessera-trainer: " << read.status() << "\n";
       return 2;
     }
     task = std::move(*read);
-  } else if (!absl::GetFlag(FLAGS_data).empty() || !absl::GetFlag(FLAGS_export_hf).empty() ||
-             !absl::GetFlag(FLAGS_logits_out).empty()) {
-    task = TaskFromFlags();
-    const bool tool = !absl::GetFlag(FLAGS_export_hf).empty() ||
-                      !absl::GetFlag(FLAGS_logits_out).empty() ||
-                      !absl::GetFlag(FLAGS_export_initial).empty();
-    if (!tool) {
-      if (absl::Status planned = PlanFlagsTask(&task); !planned.ok()) {
-        std::cerr << "tessera-trainer: " << planned << "\n";
+  } else if (from_spec) {
+    absl::StatusOr<tessera::v1::JobSpec> spec = SpecFromCommandLine(settings);
+    if (tool && spec.ok()) {
+      // A tool builds the spec's model only: nothing else of the job is planned or checked.
+      *task.mutable_spec() = *std::move(spec);
+    } else {
+      absl::StatusOr<tessera::v1::TrainerTask> planned = TaskFromSpec(std::move(spec));
+      if (!planned.ok()) {
+        std::cerr << "tessera-trainer: " << planned.status() << "\n";
         return 2;
       }
+      task = std::move(*planned);
     }
   } else {
-    std::cerr << "tessera-trainer: nothing to do; pass --task, --data, prepare or --check\n\n"
+    std::cerr << "tessera-trainer: nothing to do; pass --task, --job_spec, --set, prepare or "
+                 "--check\n\n"
               << kUsage;
     return 2;
   }
@@ -702,11 +527,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   *task.mutable_assignment() = *assignment;
-  if (!absl::GetFlag(FLAGS_job_spec).empty() &&
-      task.assignment().world_size() != task.plan().world_size()) {
-    std::cerr << "tessera-trainer: --job_spec: the spec's resources ask for "
-              << task.plan().world_size() << " rank(s) and this process is one of "
-              << task.assignment().world_size()
+  if (from_spec && task.assignment().world_size() != task.plan().world_size()) {
+    std::cerr << "tessera-trainer: the spec's resources ask for " << task.plan().world_size()
+              << " rank(s) and this process is one of " << task.assignment().world_size()
               << " (WORLD_SIZE): start as many trainers (torchrun --nproc_per_node="
               << task.plan().world_size() << "), or change resources\n";
     return 2;
