@@ -172,27 +172,25 @@ def prepare_corpus(trainer, workdir, timeout):
     return os.path.join(shard_dir, "train-*.bin")
 
 
-def write_cpu_task(path, prefix, job, config, shards, layout, model=None):
-    """The task of one job: `config`'s model (or `model`), batch, optimizer, seed and untimed +
-    timed steps, fp32 on CPU, with plan layout `layout`; job id "prefix-job"."""
-    task = {
-        "job_id": f"{prefix}-{job}",
-        "spec": {
-            "name": f"{prefix}-{config['name']}",
-            "model": model or config["model"],
-            "data": {"train_shards": [shards], "seq_len": config["seq_len"]},
-            "batch": {"global_batch_size": config["global_batch_size"],
-                      "micro_batch_size": config["micro_batch_size"]},
-            "optimizer": config["optimizer"],
-            "precision": "PRECISION_FP32",
-            "max_steps": config["untimed_steps"] + config["timed_steps"],
-            "seed": config["seed"],
-        },
-        "plan": {"layout": layout},
-        "assignment": {"device_type": "DEVICE_TYPE_CPU", "gpu_index": -1},
-    }
+def write_cpu_spec(path, prefix, job, config, shards, layout, world, model=None):
+    """The job spec (JSON, which --job_spec reads as YAML) of one job of `world` CPU ranks:
+    `config`'s model (or `model`), batch, optimizer, seed and untimed + timed steps, fp32, with
+    the explicit layout `layout` (degrees it leaves out completed: trainer_spec.completed); named
+    "prefix-job". The trainer plans it as the coordinator would a submission."""
+    spec = trainer_spec.completed({
+        "name": re.sub(r"[^a-z0-9-]", "-", f"{prefix}-{job}".lower()),
+        "model": model or config["model"],
+        "data": {"train_shards": [shards], "seq_len": config["seq_len"]},
+        "batch": {"global_batch_size": config["global_batch_size"],
+                  "micro_batch_size": config["micro_batch_size"]},
+        "optimizer": config["optimizer"],
+        "precision": "PRECISION_FP32",
+        "max_steps": config["untimed_steps"] + config["timed_steps"],
+        "seed": config["seed"],
+        "parallelism": {"layout": layout},
+    }, world)
     with open(path, "w") as f:
-        json.dump(task, f, indent=1)
+        json.dump(spec, f, indent=1)
 
 
 def free_port():
@@ -219,9 +217,9 @@ def tail(path, lines=15):
         return ""
 
 
-def run_ranks(trainer, task_path, world, threads, workdir, label, timeout, poll_seconds,
+def run_ranks(trainer, spec_path, world, threads, workdir, label, timeout, poll_seconds,
               on_poll=None, args=()):
-    """Starts `world` ranks of one job and waits for all of them, looking every poll_seconds.
+    """Starts `world` ranks of the job spec at spec_path (write_cpu_spec) and waits for all of them, looking every poll_seconds.
     Returns the 1-minute load average before the launch and, per rank, a dict: rank, the paths of
     its stdout and stderr (out, err), what the kernel counted for its process (rusage, from
     wait4) and when its end was seen (seconds after the launch). on_poll(seconds, ranks), when
@@ -238,7 +236,7 @@ def run_ranks(trainer, task_path, world, threads, workdir, label, timeout, poll_
             err = os.path.join(workdir, f"{label}.rank{rank}.err")
             with open(out, "w") as out_f, open(err, "w") as err_f:
                 procs.append({"rank": rank, "out": out, "err": err, "popen": subprocess.Popen(
-                    [trainer, f"--task={task_path}", *args], stdout=out_f, stderr=err_f,
+                    [trainer, f"--job_spec={spec_path}", *args], stdout=out_f, stderr=err_f,
                     env=rank_env(threads, rank, world, port), cwd=REPO_ROOT)})
         start = time.perf_counter()
         while any("rusage" not in p for p in procs):

@@ -27,7 +27,7 @@ import time
 
 from bench_common import (RESULTS_ENV, RUN_TIMEOUT_SECONDS, BenchError, find_trainer, in_workdir,
                           json_lines, prepare_corpus, provenance, run_ranks, spread, step_reports,
-                          write_cpu_task, write_results)
+                          write_cpu_spec, write_results)
 
 CONFIG = {
     "name": "gpt2-4x256-byte",
@@ -69,9 +69,10 @@ def measure(args, built, trainer, workdir):
     # Every run uses one copy of the binary, so a rebuild during the benchmark cannot mix builds.
     shutil.copy2(built, trainer)
     shards = prepare_corpus(trainer, workdir, RUN_TIMEOUT_SECONDS)
-    task = os.path.join(workdir, "task.json")
-    write_cpu_task(task, "breakdown", "job", CONFIG, shards,
-                   {"data_parallel": args.ranks, "tensor_parallel": 1, "pipeline_parallel": 1})
+    task = os.path.join(workdir, "spec.json")
+    write_cpu_spec(task, "breakdown", "job", CONFIG, shards,
+                   {"data_parallel": args.ranks, "tensor_parallel": 1, "pipeline_parallel": 1},
+                   args.ranks)
     runs = []
     for index in range(args.runs):
         for side in SIDES:

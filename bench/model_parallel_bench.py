@@ -57,7 +57,7 @@ import time
 
 from bench_common import (RESULTS_ENV, RUN_TIMEOUT_SECONDS, BenchError, find_trainer, in_workdir,
                           loss_diffs, prepare_corpus, provenance, run_ranks, spread, step_reports,
-                          tail, write_cpu_task, write_results)
+                          tail, write_cpu_spec, write_results)
 
 
 # The first step's loss is computed from the initial weights on the first batch: every layout
@@ -201,10 +201,11 @@ def grad_norm_diff(run, reference):
 
 
 def write_task(path, config, shards):
-    write_cpu_task(path, "model-parallel-bench", config["name"], CONFIG, shards,
+    write_cpu_spec(path, "model-parallel-bench", config["name"], CONFIG, shards,
                    {"zero_stage": 0, "tensor_parallel": config["tp"],
                     "pipeline_parallel": config["pp"], "sequence_parallel": config["sp"],
-                    "activation_checkpointing_mode": CONFIG["activation_checkpointing"]})
+                    "activation_checkpointing_mode": CONFIG["activation_checkpointing"]},
+                   config["procs"])
 
 
 def ratio(runs, base_runs):
@@ -376,7 +377,7 @@ def main():
         shards = prepare_corpus(trainer, workdir, RUN_TIMEOUT_SECONDS)
         tasks = {}
         for config in CONFIGS:
-            tasks[config["name"]] = os.path.join(workdir, f"{config['name']}.task.json")
+            tasks[config["name"]] = os.path.join(workdir, f"{config['name']}.spec.json")
             write_task(tasks[config["name"]], config, shards)
         print(f"model_parallel_bench: {CONFIG['name']}, {args.runs} rounds of "
               f"{[c['name'] for c in CONFIGS]}, {CONFIG['untimed_steps']} untimed + "

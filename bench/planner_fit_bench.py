@@ -54,7 +54,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (RESULTS_ENV, RUN_TIMEOUT_SECONDS, BenchError, find_trainer,  # noqa: E402
                           in_workdir, json_lines, prepare_corpus, provenance, run_ranks, spread,
-                          step_reports, write_cpu_task, write_results)
+                          step_reports, write_cpu_spec, write_results)
 
 POLL_SECONDS = 0.05
 LOSS_TOLERANCE_FIRST = 1e-5
@@ -301,9 +301,10 @@ def main():
         for layout in layouts:
             for baseline in (False, True):
                 name = layout["name"] + ("-baseline" if baseline else "")
-                tasks[name] = os.path.join(workdir, f"{name}.task.json")
-                write_cpu_task(tasks[name], "planner-fit-bench", name,
-                               model_config(layout, baseline), shards, layout_proto(layout))
+                tasks[name] = os.path.join(workdir, f"{name}.job.json")
+                write_cpu_spec(tasks[name], "planner-fit-bench", name,
+                               model_config(layout, baseline), shards, layout_proto(layout),
+                               world(layout))
             planned[layout["name"]] = plan(cli, workdir, layout)
         runs = {l["name"]: [] for l in layouts}
         baselines = {l["name"]: [] for l in layouts}

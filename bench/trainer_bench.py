@@ -9,8 +9,8 @@ samples, with the same optimizer, schedule, precision, batch and thread count.
 
 How it runs, per configuration:
   1. `tessera-trainer prepare` tokenizes data/corpus/kjv-genesis-ruth.txt into byte-level shards.
-  2. `tessera-trainer --task=T --export_initial=W` writes the weights a fresh run of T starts from;
-     the baseline loads them, so both sides start from identical parameters.
+  2. `tessera-trainer --job_spec=S --export_initial=W` writes the weights a fresh run of the job
+     spec S starts from; the baseline loads them, so both sides start from identical parameters.
   3. Runs alternate, each a fresh process: ours, PyTorch, ours, PyTorch, ... (--runs of each);
      with --baselines=eager,compile a third side, PyTorch with the model's forward and loss
      through torch.compile (compiled during the untimed steps), follows each PyTorch run.
@@ -281,10 +281,9 @@ def summarize_run(reports, config, process, what):
     return run
 
 
-def run_ours(trainer, task_path, config, env, timeout, extra_flags=()):
+def run_ours(trainer, spec_args, config, env, timeout, extra_flags=()):
     what = f"{config['name']}: tessera-trainer"
-    stdout, process = run_checked([trainer, f"--task={task_path}", *extra_flags], env, timeout,
-                                  what)
+    stdout, process = run_checked([trainer, *spec_args, *extra_flags], env, timeout, what)
     return summarize_run(parse_reports(stdout, what), config, process, what)
 
 
@@ -298,36 +297,34 @@ def run_pytorch(python, run_config_path, config, env, timeout):
 # --- configuration files ----------------------------------------------------------------------
 
 
-def write_task(path, config, shards, device):
-    """The TrainerTask (JSON) of our side: one rank, no checkpoints, no evaluation."""
+def write_spec(path, config, shards, device):
+    """The job spec (JSON) of our side, one rank, no checkpoints, no evaluation; returns the
+    trainer's arguments that run it."""
     lr = OPTIMIZER["lr"]
-    task = {
-        "job_id": f"trainer-bench-{config['name']}",
-        "spec": {
-            "name": f"trainer-bench-{config['name']}",
-            "model": config["model"],
-            "data": {"train_shards": shards, "seq_len": config["seq_len"]},
-            "batch": {"global_batch_size": config["global_batch_size"],
-                      "micro_batch_size": config["micro_batch_size"]},
-            "optimizer": {
-                "schedule": {"peak_learning_rate": lr["peak"], "warmup_steps": lr["warmup_steps"],
-                             "min_lr_ratio": lr["min_lr_ratio"],
-                             "decay_steps": lr["decay_steps"]},
-                "weight_decay": OPTIMIZER["weight_decay"],
-                "beta1": OPTIMIZER["beta1"],
-                "beta2": OPTIMIZER["beta2"],
-                "epsilon": OPTIMIZER["eps"],
-                "grad_clip_norm": OPTIMIZER["grad_clip"],
-            },
-            "precision": "PRECISION_BF16" if config["precision"] == "bf16" else "PRECISION_FP32",
-            "max_steps": config["untimed_steps"] + config["timed_steps"],
-            "seed": OPTIMIZER["seed"],
+    spec = {
+        "name": f"trainer-bench-{config['name'].replace('.', '-')}",
+        "model": config["model"],
+        "data": {"train_shards": shards, "seq_len": config["seq_len"]},
+        "batch": {"global_batch_size": config["global_batch_size"],
+                  "micro_batch_size": config["micro_batch_size"]},
+        "optimizer": {
+            "schedule": {"peak_learning_rate": lr["peak"], "warmup_steps": lr["warmup_steps"],
+                         "min_lr_ratio": lr["min_lr_ratio"],
+                         "decay_steps": lr["decay_steps"]},
+            "weight_decay": OPTIMIZER["weight_decay"],
+            "beta1": OPTIMIZER["beta1"],
+            "beta2": OPTIMIZER["beta2"],
+            "epsilon": OPTIMIZER["eps"],
+            "grad_clip_norm": OPTIMIZER["grad_clip"],
         },
-        "assignment": {"device_type": "DEVICE_TYPE_CUDA" if device == "cuda" else "DEVICE_TYPE_CPU",
-                       "gpu_index": 0 if device == "cuda" else -1},
+        "precision": "PRECISION_BF16" if config["precision"] == "bf16" else "PRECISION_FP32",
+        "max_steps": config["untimed_steps"] + config["timed_steps"],
+        "seed": OPTIMIZER["seed"],
+        "resources": {"gpus": 1} if device == "cuda" else {"cpu_slots": 1},
     }
     with open(path, "w") as f:
-        json.dump(task, f, indent=1)
+        json.dump(spec, f, indent=1)
+    return [f"--job_spec={path}", *(["--gpu=0"] if device == "cuda" else [])]
 
 
 def write_baseline_config(path, config, shards, device, init, threads, compile_model=False):
@@ -405,13 +402,14 @@ def check_equivalence(config, ours, theirs, exported_parameters, every_step):
 
 def set_up_config(config, args, paths):
     """Writes both sides' configuration files and the initial weights of `config`; returns the
-    paths of the task and of the baseline's configuration, and the weights' metadata."""
+    trainer arguments of our side (its job spec), the path of the baseline's configuration, and
+    the weights' metadata."""
     name, workdir = config["name"], paths["workdir"]
-    task_path = os.path.join(workdir, f"{name}.task.json")
     init_path = os.path.join(workdir, f"{name}.init.safetensors")
     baseline_path = os.path.join(workdir, f"{name}.baseline.json")
-    write_task(task_path, config, paths["shards"], args.device)
-    run_checked([paths["trainer"], f"--task={task_path}", f"--export_initial={init_path}"],
+    ours = write_spec(os.path.join(workdir, f"{name}.spec.json"), config, paths["shards"],
+                      args.device)
+    run_checked([paths["trainer"], *ours, f"--export_initial={init_path}"],
                 paths["env"], RUN_TIMEOUT_SECONDS[args.device],
                 f"{name}: exporting the initial weights")
     write_baseline_config(baseline_path, config, paths["shards"], args.device, init_path,
@@ -420,14 +418,14 @@ def set_up_config(config, args, paths):
         write_baseline_config(baseline_path.replace(".baseline.", ".compiled."), config,
                               paths["shards"], args.device, init_path, args.threads,
                               compile_model=True)
-    return task_path, baseline_path, read_safetensors_metadata(init_path)
+    return ours, baseline_path, read_safetensors_metadata(init_path)
 
 
 def check_config(config, args, paths):
     """--check: one run of each side; losses must agree at every step."""
-    task_path, baseline_path, metadata = set_up_config(config, args, paths)
+    ours_args, baseline_path, metadata = set_up_config(config, args, paths)
     timeout = RUN_TIMEOUT_SECONDS[args.device]
-    ours = run_ours(paths["trainer"], task_path, config, paths["env"], timeout, args.ours_flags)
+    ours = run_ours(paths["trainer"], ours_args, config, paths["env"], timeout, args.ours_flags)
     theirs = run_pytorch(paths["python"], baseline_path, config, paths["env"], timeout)
     check_equivalence(config, ours, theirs, int(metadata["tessera.num_parameters"]),
                       every_step=True)
@@ -442,11 +440,11 @@ def profile_config(config, args, paths):
     import profile_summary  # bench/, beside this file
 
     name = config["name"]
-    task_path, baseline_path, _ = set_up_config(config, args, paths)
+    ours_args, baseline_path, _ = set_up_config(config, args, paths)
     directory = os.path.join(args.profile, name)
     first, count = config["untimed_steps"] + 1, min(3, config["timed_steps"])
     timeout = RUN_TIMEOUT_SECONDS[args.device]
-    run_ours(paths["trainer"], task_path, config, paths["env"], timeout,
+    run_ours(paths["trainer"], ours_args, config, paths["env"], timeout,
              (*args.ours_flags, f"--profile_dir={directory}", f"--profile_steps={first}:{count}"))
     traces = [os.path.join(directory, "trace-rank-0.json")]
     # The baselines, each from its configuration file with the profiler's directory and steps.
@@ -486,7 +484,7 @@ def bench_config(config, args, paths):
     name, device = config["name"], args.device
     trainer, python, env = paths["trainer"], paths["python"], paths["env"]
     timeout = RUN_TIMEOUT_SECONDS[device]
-    task_path, baseline_path, metadata = set_up_config(config, args, paths)
+    ours_args, baseline_path, metadata = set_up_config(config, args, paths)
     dims = json.loads(metadata["tessera.dims"])
     flops_per_token = float(metadata["tessera.flops_per_token"])
 
@@ -497,7 +495,7 @@ def bench_config(config, args, paths):
           f"untimed + {config['timed_steps']} timed steps, {args.runs} runs per side", flush=True)
     ours_runs, theirs_runs, compiled_runs, equivalence = [], [], [], None
     for i in range(args.runs):
-        ours = run_ours(trainer, task_path, config, env, timeout, args.ours_flags)
+        ours = run_ours(trainer, ours_args, config, env, timeout, args.ours_flags)
         ours_runs.append(ours)
         theirs = run_pytorch(python, baseline_path, config, env, timeout)
         theirs_runs.append(theirs)

@@ -45,7 +45,7 @@ import time
 
 from bench_common import (RESULTS_ENV, RUN_TIMEOUT_SECONDS, BenchError, find_trainer, in_workdir,
                           loss_diffs, prepare_corpus, provenance, run_ranks, spread, step_reports,
-                          tail, write_cpu_task, write_results)
+                          tail, write_cpu_spec, write_results)
 
 
 # Every stage runs the same arithmetic on the same data; they differ only in how gradients are
@@ -199,10 +199,11 @@ def check_same_computation(run, reference, what):
                           LOSS_TOLERANCE_FIRST, LOSS_TOLERANCE))
 
 
-def write_task(path, stage, shards, model=None):
-    write_cpu_task(path, "zero-bench", stage, CONFIG, shards,
+def write_task(path, stage, shards, world, model=None):
+    write_cpu_spec(path, "zero-bench", stage, CONFIG, shards,
                    {"zero_stage": stage,
-                    "activation_checkpointing_mode": CONFIG["activation_checkpointing"]}, model)
+                    "activation_checkpointing_mode": CONFIG["activation_checkpointing"]}, world,
+                   model)
 
 
 def summarize_stage(stage, runs, baseline_runs):
@@ -341,13 +342,13 @@ def main():
         shards = prepare_corpus(trainer, workdir, RUN_TIMEOUT_SECONDS)
         tasks = {}
         for stage in STAGES:
-            tasks[stage] = os.path.join(workdir, f"zero{stage}.task.json")
-            write_task(tasks[stage], stage, shards)
+            tasks[stage] = os.path.join(workdir, f"zero{stage}.spec.json")
+            write_task(tasks[stage], stage, shards, args.ranks)
         print(f"zero_bench: {CONFIG['name']}, {args.ranks} ranks x {args.threads} thread(s), "
               f"{args.runs} rounds of ZeRO {list(STAGES)}, {CONFIG['untimed_steps']} untimed + "
               f"{CONFIG['timed_steps']} timed steps; {results['machine']}", flush=True)
-        floor_task = os.path.join(workdir, "floor.task.json")
-        write_task(floor_task, 0, shards, FLOOR_MODEL)
+        floor_task = os.path.join(workdir, "floor.spec.json")
+        write_task(floor_task, 0, shards, args.ranks, FLOOR_MODEL)
         floor_ranks, _ = launch(trainer, floor_task, args.ranks, args.threads, workdir, "floor")
         results["resident_floor_bytes_per_rank"] = [r["peak_rss_bytes"] for r in floor_ranks]
         print(f"  floor (a 0.1M-parameter model): peak RSS/rank "

@@ -133,8 +133,14 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
     return Invalid("lora_rank", absl::StrCat("must be >= 0, got ", options.lora_rank));
   }
   const bool lora = spec.has_lora() && spec.lora().rank() > 0;
+  std::optional<ResolvedLora> resolved_lora;
   if (lora) {
-    ASSIGN_OR_RETURN(const ResolvedLora resolved, ResolveLora(spec.lora(), model.dims()));
+    if (options.lora.has_value()) {
+      resolved_lora = *options.lora;
+    } else {
+      ASSIGN_OR_RETURN(resolved_lora, ResolveLora(spec.lora(), model.dims()));
+    }
+    const ResolvedLora& resolved = *resolved_lora;
     w.lora_rank = resolved.rank;
     w.lora_layer_parameters = resolved.parameters_per_layer;
     w.lora_expert_layer_parameters = ExpertLoraLayerParameters(resolved);
@@ -255,8 +261,9 @@ absl::StatusOr<JobPlan> PlanJobSpec(const v1::JobSpec& spec, const JobPlanOption
     }
     out.candidates = std::move(result.candidates);
   }
-  // The resolved model, its preset name included.
+  // The resolved model, its preset name included, and the resolved lora.
   *out.plan.mutable_model() = model;
+  if (resolved_lora.has_value()) *out.plan.mutable_lora() = ToLoraPlan(*resolved_lora);
   return out;
 }
 

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "planner/layout_planner.h"
+#include "planner/lora.h"
 #include "tessera/v1/coordinator_service.pb.h"
 #include "tessera/v1/job.pb.h"
 #include "tessera/v1/layout.pb.h"
@@ -57,6 +58,8 @@ struct JobPlanOptions {
   // The spec's model as resolved at submission for its data.seq_len (LayoutPlan.model); unset
   // resolves spec.model here (ResolveModel, which reads a from_pretrained config.json).
   std::optional<v1::ModelSummary> model;
+  // The spec's lora as resolved at submission (LayoutPlan.lora); unset resolves spec.lora here.
+  std::optional<ResolvedLora> lora;
 };
 
 struct JobPlan {

@@ -165,4 +165,42 @@ absl::StatusOr<ResolvedLora> ResolveLora(const v1::LoraSpec& spec, const v1::Mod
   return out;
 }
 
+v1::LoraPlan ToLoraPlan(const ResolvedLora& lora) {
+  v1::LoraPlan plan;
+  plan.set_rank(lora.rank);
+  plan.set_alpha(lora.alpha);
+  plan.set_dropout(lora.dropout);
+  for (const LoraTarget& target : lora.targets) {
+    v1::LoraPlanTarget* out = plan.add_targets();
+    out->set_module(target.module);
+    out->set_hf_module(target.hf_module);
+    out->set_in_features(target.in);
+    out->set_out_features(target.out);
+    out->set_experts(target.experts);
+  }
+  for (const std::string& module : lora.peft_target_modules) plan.add_peft_target_modules(module);
+  plan.set_parameters_per_layer(lora.parameters_per_layer);
+  plan.set_base_nf4(lora.base_nf4);
+  return plan;
+}
+
+ResolvedLora FromLoraPlan(const v1::LoraPlan& plan) {
+  ResolvedLora lora;
+  lora.rank = plan.rank();
+  lora.alpha = plan.alpha();
+  lora.dropout = plan.dropout();
+  for (const v1::LoraPlanTarget& target : plan.targets()) {
+    lora.targets.push_back({.module = target.module(),
+                            .hf_module = target.hf_module(),
+                            .in = target.in_features(),
+                            .out = target.out_features(),
+                            .experts = target.experts()});
+  }
+  lora.peft_target_modules.assign(plan.peft_target_modules().begin(),
+                                  plan.peft_target_modules().end());
+  lora.parameters_per_layer = plan.parameters_per_layer();
+  lora.base_nf4 = plan.base_nf4();
+  return lora;
+}
+
 }  // namespace tessera::planner

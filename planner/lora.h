@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "tessera/v1/job.pb.h"
+#include "tessera/v1/layout.pb.h"
 #include "tessera/v1/model.pb.h"
 
 namespace tessera::planner {
@@ -79,5 +80,10 @@ std::vector<LoraTarget> LoraCandidates(const v1::ModelDims& dims);
 // a linear layer of a llama block; known: q_proj, ...") for a spec that cannot be trained.
 // `dims` must be resolved (ResolveModel). An empty target list means every linear layer.
 absl::StatusOr<ResolvedLora> ResolveLora(const v1::LoraSpec& spec, const v1::ModelDims& dims);
+
+// A resolved LoRA as a plan carries it (LayoutPlan.lora), and back: the coordinator resolves a
+// spec's lora once, at submission, and the planner and the trainer read the plan's.
+v1::LoraPlan ToLoraPlan(const ResolvedLora& lora);
+ResolvedLora FromLoraPlan(const v1::LoraPlan& plan);
 
 }  // namespace tessera::planner

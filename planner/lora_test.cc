@@ -283,5 +283,33 @@ TEST(LoraTest, PlannerCountsOnlyTheTargetedAdaptersAndRunsDataParallel) {
                                  "LoRA under data, tensor and expert parallelism")));
 }
 
+// A plan carries the resolved LoRA (LayoutPlan.lora) whole: what comes back is what went in, so
+// the trainer builds the adapters the coordinator resolved and the planner counted.
+TEST(LoraTest, ThePlansFormHoldsTheWholeResolution) {
+  v1::LoraSpec spec;
+  spec.set_rank(4);
+  spec.set_alpha(16);
+  spec.set_dropout(0.1);
+  spec.set_base_quantization(v1::LORA_BASE_QUANTIZATION_NF4);
+  auto lora = ResolveLora(spec, Dims("tiny-gpt2"));
+  ASSERT_THAT(lora, IsOk());
+  ASSERT_FALSE(lora->targets.empty());
+  const ResolvedLora back = FromLoraPlan(ToLoraPlan(*lora));
+  EXPECT_EQ(back.rank, 4);
+  EXPECT_EQ(back.alpha, 16);
+  EXPECT_EQ(back.dropout, 0.1);
+  EXPECT_TRUE(back.base_nf4);
+  EXPECT_EQ(back.parameters_per_layer, lora->parameters_per_layer);
+  EXPECT_EQ(back.peft_target_modules, lora->peft_target_modules);
+  ASSERT_EQ(back.targets.size(), lora->targets.size());
+  for (size_t i = 0; i < back.targets.size(); ++i) {
+    EXPECT_EQ(back.targets[i].module, lora->targets[i].module);
+    EXPECT_EQ(back.targets[i].hf_module, lora->targets[i].hf_module);
+    EXPECT_EQ(back.targets[i].in, lora->targets[i].in);
+    EXPECT_EQ(back.targets[i].out, lora->targets[i].out);
+    EXPECT_EQ(back.targets[i].experts, lora->targets[i].experts);
+  }
+}
+
 }  // namespace
 }  // namespace tessera::planner

@@ -15,10 +15,16 @@ def setting(path, value):
 
 def spec_args(spec, world=1, gpus=False):
     """--set arguments giving tessera-trainer `spec` (nested dicts, as in a spec file), completed
-    for a run of `world` processes: resources (resources.gpus with `gpus`, else
-    resources.cpu_slots) unless the spec has them, and, when it names an explicit layout
-    (parallelism.layout), the model-parallel degrees it leaves out (1) and data_parallel, the rest
-    of the world. Each top-level field is one --set, its value as JSON (which is YAML)."""
+    for a run of `world` processes (completed()). Each top-level field is one --set, its value as
+    JSON (which is YAML)."""
+    return [setting(key, value) for key, value in completed(spec, world, gpus).items()]
+
+
+def completed(spec, world=1, gpus=False):
+    """A copy of `spec` completed for a run of `world` processes: resources (resources.gpus with
+    `gpus`, else resources.cpu_slots) unless the spec has them, and, when it names an explicit
+    layout (parallelism.layout), the model-parallel degrees it leaves out (1) and data_parallel,
+    the rest of the world."""
     spec = json.loads(json.dumps(spec))  # a deep copy that the completion may change
     if "resources" not in spec:
         spec["resources"] = {"gpus" if gpus else "cpu_slots": world}
@@ -31,7 +37,7 @@ def spec_args(spec, world=1, gpus=False):
                   max(1, layout.get("context_parallel", 1)))
         if "data_parallel" not in layout and world % others == 0:
             layout["data_parallel"] = world // others
-    return [setting(key, value) for key, value in spec.items()]
+    return spec
 
 
 def merged(base, *changes):

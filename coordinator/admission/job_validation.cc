@@ -387,7 +387,10 @@ absl::StatusOr<ResolvedJob> ResolveJob(const v1::JobSpec& spec) {
   // step counts are checked against it there.
   RETURN_IF_ERROR(ValidateOptimizer(
       spec.optimizer(), spec.epochs() > 0 ? std::numeric_limits<int64_t>::max() : spec.max_steps()));
-  if (spec.has_lora()) RETURN_IF_ERROR(planner::ResolveLora(spec.lora(), model.dims()).status());
+  std::optional<planner::ResolvedLora> lora;
+  if (spec.has_lora()) {
+    ASSIGN_OR_RETURN(lora, planner::ResolveLora(spec.lora(), model.dims()));
+  }
   RETURN_IF_ERROR(ValidatePrecision(spec.precision(), spec.resources()));
   if (spec.epochs() != 0) {
     if (!std::isfinite(spec.epochs()) || spec.epochs() < 0) {
@@ -420,6 +423,7 @@ absl::StatusOr<ResolvedJob> ResolveJob(const v1::JobSpec& spec) {
   resolved.precision = planner::ResolvePrecision(spec.precision(), spec.resources().gpus() > 0);
   // ValidateResources accepted the resources, so the world size is known.
   resolved.world_size = *WorldSize(spec.resources());
+  resolved.lora = std::move(lora);
   return resolved;
 }
 
@@ -436,6 +440,7 @@ v1::LayoutPlan PlanJob(const v1::JobSpec& spec, const ResolvedJob& resolved) {
   v1::LayoutPlan plan;
   *plan.mutable_model() = resolved.model;
   *plan.mutable_settings() = resolved.settings;
+  if (resolved.lora.has_value()) *plan.mutable_lora() = planner::ToLoraPlan(*resolved.lora);
   plan.set_precision(resolved.precision);
   const int world = resolved.world_size;
   const char* device = spec.resources().gpus() > 0 ? "GPUs" : "CPU slots";

@@ -5,8 +5,11 @@
 // devices the job gets (coordinator/admission/layout_planning.h).
 #pragma once
 
+#include <optional>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "planner/lora.h"
 #include "tessera/v1/job.pb.h"
 #include "tessera/v1/layout.pb.h"
 
@@ -39,6 +42,8 @@ struct ResolvedJob {
   v1::Precision precision = v1::PRECISION_UNSPECIFIED;
   // resources.gpus, or resources.cpu_slots when gpus is 0.
   int world_size = 0;
+  // The spec's lora for the model (planner::ResolveLora); unset without lora.
+  std::optional<planner::ResolvedLora> lora;
 };
 
 // Validates `spec` (ValidateJobSpec's rules and errors) and resolves it. Pure function;

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
+#include "coordinator/admission/layout_planning.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -822,6 +823,14 @@ TEST(JobValidationPlanTest, ThePlanRecordsWhatTheSpecResolvedTo) {
   EXPECT_EQ(plan.settings().SerializeAsString(), resolved->settings.SerializeAsString());
   EXPECT_EQ(plan.precision(), v1::PRECISION_FP32);
   EXPECT_EQ(plan.world_size(), resolved->world_size);
+  EXPECT_FALSE(plan.has_lora());
+  spec.mutable_lora()->set_rank(4);
+  resolved = ResolveJob(spec);
+  ASSERT_THAT(resolved, IsOk());
+  ASSERT_TRUE(resolved->lora.has_value());
+  EXPECT_EQ(PlanJob(spec, *resolved).lora().rank(), 4);
+  EXPECT_EQ(PlanJob(spec, *resolved).lora().alpha(), 8);  // 2 x rank, resolved
+  spec.clear_lora();
 
   // On GPUs an unset precision is bf16.
   spec.mutable_resources()->set_gpus(8);
@@ -835,6 +844,28 @@ TEST(JobValidationPlanTest, ThePlanRecordsWhatTheSpecResolvedTo) {
   spec.mutable_optimizer()->set_beta2(-1);
   EXPECT_EQ(ResolveJob(spec).status(), ValidateJobSpec(spec));
   EXPECT_FALSE(ValidateJobSpec(spec).ok());
+}
+
+// A plan stored by an older coordinator (no model, settings or precision) is completed as a
+// submission resolves it now; what a plan has is kept.
+TEST(JobValidationPlanTest, CompletePlanFillsWhatAnOlderPlanLacks) {
+  v1::JobSpec spec = MinimalSpec();
+  spec.mutable_optimizer()->set_beta2(0.99);
+  absl::StatusOr<ResolvedJob> resolved = ResolveJob(spec);
+  ASSERT_THAT(resolved, IsOk());
+  const v1::LayoutPlan submitted = PlanJob(spec, *resolved);
+  v1::LayoutPlan old = submitted;
+  old.clear_model();
+  old.clear_settings();
+  old.set_precision(v1::PRECISION_UNSPECIFIED);
+  const v1::LayoutPlan completed = CompletePlan(spec, old);
+  EXPECT_EQ(completed.SerializeAsString(), submitted.SerializeAsString());
+
+  v1::LayoutPlan kept = submitted;
+  kept.mutable_settings()->set_seed(99);
+  kept.set_precision(v1::PRECISION_BF16);
+  kept.mutable_model()->set_num_parameters(42);
+  EXPECT_EQ(CompletePlan(spec, kept).SerializeAsString(), kept.SerializeAsString());
 }
 
 TEST(JobValidationPlanTest, ExplicitLayoutIsTakenAsGiven) {

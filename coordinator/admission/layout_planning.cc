@@ -12,6 +12,9 @@
 #include "common/status_macros.h"
 #include "planner/devices.h"
 #include "planner/job_plan.h"
+#include "planner/lora.h"
+#include "planner/model_config.h"
+#include "planner/training_settings.h"
 
 namespace tessera::coordinator {
 namespace {
@@ -85,13 +88,36 @@ absl::StatusOr<v1::LayoutPlan> PlanForTarget(const v1::JobSpec& spec,
   options.runnable_only = true;
   // Plans stored before the model was resolved at submission have no dimensions.
   if (submitted.model().dims().hidden_size() > 0) options.model = submitted.model();
+  if (submitted.has_lora()) options.lora = planner::FromLoraPlan(submitted.lora());
   ASSIGN_OR_RETURN(planner::JobPlan plan, planner::PlanJobSpec(spec, options));
   if (submitted.has_settings()) *plan.plan.mutable_settings() = submitted.settings();
   if (!target->gpu_name.empty()) {
     plan.plan.set_explanation(
         absl::StrCat(plan.plan.explanation(), " Planned for ", target->gpu_name, "."));
   }
-  return std::move(plan.plan);
+  return CompletePlan(spec, std::move(plan.plan));
+}
+
+v1::LayoutPlan CompletePlan(const v1::JobSpec& spec, v1::LayoutPlan plan) {
+  if (plan.model().dims().hidden_size() == 0) {
+    // Submission resolved this spec's model once; an error here (a from_pretrained directory
+    // gone since) leaves the plan without one, and the trainer says so.
+    if (auto model = planner::ResolveModel(spec.model(), spec.data().seq_len()); model.ok()) {
+      *plan.mutable_model() = *std::move(model);
+    }
+  }
+  if (!planner::HasTrainingSettings(plan)) {
+    *plan.mutable_settings() = planner::ResolveTrainingSettings(spec);
+  }
+  if (plan.precision() == v1::PRECISION_UNSPECIFIED) {
+    plan.set_precision(planner::ResolvePrecision(spec.precision(), spec.resources().gpus() > 0));
+  }
+  if (spec.has_lora() && !plan.has_lora() && plan.model().dims().hidden_size() > 0) {
+    if (auto lora = planner::ResolveLora(spec.lora(), plan.model().dims()); lora.ok()) {
+      *plan.mutable_lora() = planner::ToLoraPlan(*lora);
+    }
+  }
+  return plan;
 }
 
 }  // namespace tessera::coordinator

@@ -37,4 +37,10 @@ absl::StatusOr<v1::LayoutPlan> PlanForTarget(const v1::JobSpec& spec,
                                              const v1::LayoutPlan& submitted,
                                              const absl::StatusOr<planner::DeviceTarget>& target);
 
+// `plan` with what a trainer needs of it and a plan stored by an older coordinator may lack,
+// resolved from `spec` as a submission resolves it now (ResolveJob): the model for the spec's
+// sequence length, the training settings, the precision and the lora. What `plan` has is kept. The
+// trainer takes these from the plan only: the coordinator is where a spec is resolved.
+v1::LayoutPlan CompletePlan(const v1::JobSpec& spec, v1::LayoutPlan plan);
+
 }  // namespace tessera::coordinator

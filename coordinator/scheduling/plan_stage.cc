@@ -79,7 +79,7 @@ PlannedJobs PlanStage::Run(const std::vector<v1::Job>& listed, const std::set<st
     // against them. A job that cannot be planned here (no matching node yet, a GPU without a
     // device model) keeps its provisional plan and the scheduler says why it waits.
     v1::LayoutPlan& plan = out.plans[job.job_id()];
-    plan = job.plan();
+    plan = CompletePlan(spec, job.plan());
     const absl::StatusOr<v1::LayoutPlan>& fitted = Cached(job, spec, target->second);
     if (fitted.ok()) {
       if (!fitted->fits()) {

@@ -25,11 +25,7 @@ void HoldFrozenInBf16(CausalLMImpl& model) {
 
 absl::StatusOr<BuiltModel> BuildModel(const ModelBuildOptions& options) {
   BuiltModel built;
-  // LoRA resolved once, before anything is built: the spec's errors (INVALID_ARGUMENT naming the
-  // field) come first, and the adapters added below are the ones resolved here.
-  if (options.lora != nullptr) {
-    ASSIGN_OR_RETURN(built.lora, planner::ResolveLora(*options.lora, options.dims));
-  }
+  built.lora = options.lora;
   const bool nf4 = built.lora.has_value() && built.lora->base_nf4;
   torch::manual_seed(options.seed);
   // QLoRA's base is built deferred and materialized one tensor at a time, straight into NF4.

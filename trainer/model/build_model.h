@@ -32,8 +32,8 @@ struct ModelBuildOptions {
   bool deferred = false;
   // A Hugging Face model directory to read this rank's part from; empty for none.
   std::string from_pretrained;
-  // LoRA fine-tuning; null for full training.
-  const v1::LoraSpec* lora = nullptr;
+  // LoRA fine-tuning as the plan resolved it (LayoutPlan.lora); unset for full training.
+  std::optional<planner::ResolvedLora> lora;
   torch::Device device = torch::kCPU;
   // With LoRA, the frozen base is held in bf16 on the device.
   bool bf16 = false;
@@ -49,8 +49,8 @@ struct BuiltModel {
   ParameterValues initial_values;
 };
 
-// Builds the model as above. The errors of from_pretrained carry FromPretrainedError's prefix;
-// planner::ResolveLora's pass through. LibTorch's c10::Error passes through as thrown.
+// Builds the model as above. The errors of from_pretrained carry FromPretrainedError's prefix.
+// LibTorch's c10::Error passes through as thrown.
 absl::StatusOr<BuiltModel> BuildModel(const ModelBuildOptions& options);
 
 // `status` with "model.from_pretrained: " before its message.

@@ -163,16 +163,5 @@ TEST(MoeExpertParallelInitTest, ShardIsTheSliceOfTheUnshardedDraw) {
   }
 }
 
-TEST(MoeExpertParallelInitTest, SplitRefusedUnlessEpDividesExperts) {
-  v1::ModelDims dims;
-  dims.set_num_experts(6);
-  EXPECT_TRUE(CheckExpertParallelSplit(dims, 3).ok());
-  const absl::Status bad = CheckExpertParallelSplit(dims, 4);
-  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(bad.message().find("parallelism.layout.expert_parallel"), std::string::npos);
-  dims.set_num_experts(0);
-  EXPECT_EQ(CheckExpertParallelSplit(dims, 2).code(), absl::StatusCode::kInvalidArgument);
-}
-
 }  // namespace
 }  // namespace tessera::trainer

@@ -4,23 +4,6 @@
 
 namespace tessera::trainer {
 
-absl::Status CheckContextParallelSplits(const v1::ModelDims& dims, const v1::Layout& layout,
-                                        int64_t seq_len, int cp, int tp) {
-  if (cp <= 1) return absl::OkStatus();
-  if (absl::Status status = CheckContextParallelSequence(seq_len, cp); !status.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("data.seq_len / parallelism.layout.context_parallel: ", status.message()));
-  }
-  const int64_t local = seq_len / cp;
-  if (layout.sequence_parallel() && tp > 1 && local % tp != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("parallelism.layout.sequence_parallel: a context-parallel rank's ", local,
-                     " tokens (data.seq_len ", seq_len, " / context_parallel ", cp,
-                     ") are not divisible by tensor_parallel ", tp));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status CheckContextParallelData(bool packed_records, int cp) {
   if (cp <= 1 || !packed_records) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(

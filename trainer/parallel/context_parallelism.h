@@ -22,13 +22,6 @@
 
 namespace tessera::trainer {
 
-// INVALID_ARGUMENT naming the field at fault when a job cannot run with context parallelism `cp`
-// (nothing to check when cp is 1): data.seq_len not divisible by 2 * cp, or sequence parallelism
-// whose tensor_parallel does not divide a cp rank's seq_len / cp tokens. (A mixture of experts is
-// refused by planner::CheckSplitRules, which the trainer and the coordinator both ask.)
-absl::Status CheckContextParallelSplits(const v1::ModelDims& dims, const v1::Layout& layout,
-                                        int64_t seq_len, int cp, int tp);
-
 // INVALID_ARGUMENT naming data.train_shards when the data marks record starts (prepare --pack)
 // and cp > 1: ring attention is plainly causal and cannot keep packed records apart.
 absl::Status CheckContextParallelData(bool packed_records, int cp);

@@ -17,38 +17,9 @@ using ::tessera::testing::IsOk;
 using ::tessera::testing::StatusIs;
 using ::testing::HasSubstr;
 
-v1::ModelDims DenseDims() {
-  v1::ModelDims dims;
-  dims.set_num_layers(2);
-  dims.set_hidden_size(64);
-  dims.set_num_attention_heads(4);
-  return dims;
-}
-
-TEST(ContextParallelSplitsTest, AcceptsSequencesThatCutIntoTwiceCpChunks) {
-  v1::Layout layout;
-  EXPECT_THAT(CheckContextParallelSplits(DenseDims(), layout, 64, 1, 1), IsOk());
-  EXPECT_THAT(CheckContextParallelSplits(DenseDims(), layout, 66, 1, 1), IsOk());
-  EXPECT_THAT(CheckContextParallelSplits(DenseDims(), layout, 64, 2, 1), IsOk());
-  EXPECT_THAT(CheckContextParallelSplits(DenseDims(), layout, 64, 4, 2), IsOk());
-  layout.set_sequence_parallel(true);
-  EXPECT_THAT(CheckContextParallelSplits(DenseDims(), layout, 64, 2, 2), IsOk());
-}
-
-TEST(ContextParallelSplitsTest, RefusesWithTheFieldNamed) {
-  v1::Layout layout;
-  EXPECT_THAT(CheckContextParallelSplits(DenseDims(), layout, 66, 2, 1),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("data.seq_len / parallelism.layout.context_parallel: seq_len 66 "
-                                 "is not divisible by 2 * context_parallel (4)")));
-  // A mixture of experts under cp is the rules table's to refuse (planner/layout_rules.h), before
-  // the trainer gets here: LayoutRulesTest and RunBuilderTest check it.
-  // 48 tokens over cp 2 leave 24 per rank, which tp 16 does not divide.
-  layout.set_sequence_parallel(true);
-  EXPECT_THAT(CheckContextParallelSplits(DenseDims(), layout, 48, 2, 16),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("parallelism.layout.sequence_parallel: a context-parallel "
-                                 "rank's 24 tokens")));
+// The layout's splits are planner::CheckSplitRules' (LayoutRulesTest); the data is the trainer's
+// to check.
+TEST(ContextParallelSplitsTest, PackedRecordsAreRefusedNamingTheShards) {
   EXPECT_THAT(CheckContextParallelData(/*packed_records=*/true, 2),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("data.train_shards")));
   EXPECT_THAT(CheckContextParallelData(/*packed_records=*/true, 1), IsOk());

@@ -112,21 +112,6 @@ ExpertParallel ExpertParallelOf(const DeviceMesh& mesh) {
   return ep;
 }
 
-absl::Status CheckExpertParallelSplit(const v1::ModelDims& dims, int ep) {
-  if (ep <= 1) return absl::OkStatus();
-  if (dims.num_experts() <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("parallelism.layout.expert_parallel ", ep,
-                     " needs a mixture-of-experts model (model.dims.num_experts is 0), use 1"));
-  }
-  if (dims.num_experts() % ep != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("parallelism.layout.expert_parallel ", ep,
-                                                   " does not divide model.dims.num_experts ",
-                                                   dims.num_experts()));
-  }
-  return absl::OkStatus();
-}
-
 torch::Tensor ExchangeExpertCounts(const torch::Tensor& counts, const ExpertParallel& ep) {
   if (!ep.enabled()) return counts;
   TORCH_CHECK(counts.dim() == 1 && counts.numel() % ep.size == 0,

@@ -54,10 +54,6 @@ torch::Tensor LocalExpertShardOf(const torch::Tensor& full, const ParamShard& sh
 // This rank's expert-parallel split on the mesh (the kExpert group, coordinate and size).
 ExpertParallel ExpertParallelOf(const DeviceMesh& mesh);
 
-// INVALID_ARGUMENT naming parallelism.layout.expert_parallel when ep > 1 and the model is dense
-// or ep does not divide its num_experts.
-absl::Status CheckExpertParallelSplit(const v1::ModelDims& dims, int ep);
-
 // The all-to-all of per-expert counts: `counts` int64 [ep * n] holds this rank's counts for
 // every rank's n local experts (rank r's at [r * n, (r + 1) * n)); the result, [ep * n], holds
 // at [s * n, (s + 1) * n) rank s's counts for this rank's experts. Not differentiable.

@@ -43,23 +43,6 @@ std::string PipelineOp::ToString() const {
                                  peer, ")");
 }
 
-absl::Status CheckInterleavedMicroBatches(int stages, int chunks, int micro_batches) {
-  if (chunks < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parallelism.layout.pipeline_virtual_stages: ", chunks, " is not a chunk count >= 1"));
-  }
-  if (chunks > 1 && (micro_batches < 1 || micro_batches % stages != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parallelism.layout.pipeline_virtual_stages: ", chunks,
-        " (interleaved 1F1B) takes the micro-batches of a step in groups of pipeline_parallel ",
-        stages, ", but a step has ", micro_batches,
-        " per pipeline (batch.global_batch_size / (batch.micro_batch_size x data-parallel "
-        "ranks)); make it a multiple of ",
-        stages, " or use pipeline_virtual_stages 1"));
-  }
-  return absl::OkStatus();
-}
-
 std::vector<PipelineOp> InterleavedPipelineOps(int stages, int stage, int chunks,
                                                int micro_batches) {
   const int p = stages, v = chunks, group = stages * chunks;
@@ -296,8 +279,10 @@ at::Tensor PipelineSchedule::Evaluate(const Forward& forward) {
 
 at::Tensor PipelineSchedule::TrainInterleaved(int micro_batches, const Forward& forward,
                                               const Backward& backward) {
-  const absl::Status check = CheckInterleavedMicroBatches(stages_, chunks_, micro_batches);
-  TORCH_CHECK(check.ok(), check.ToString());
+  // planner::CheckSplitRules refuses the rest at submission and in the trainer's ValidateSplits.
+  TORCH_CHECK(chunks_ == 1 || (chunks_ > 1 && micro_batches >= 1 && micro_batches % stages_ == 0),
+              "interleaved 1F1B takes the micro-batches of a step in groups of the ", stages_,
+              " stages, got ", micro_batches, " over ", chunks_, " chunk(s)");
   sends_.clear();
   sent_.clear();
   // Per (chunk, micro-batch): the received input (with its gradient after the backward), the

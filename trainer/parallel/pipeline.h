@@ -57,12 +57,7 @@ struct PipelineOp {
   std::string ToString() const;
 };
 
-// INVALID_ARGUMENT naming parallelism.layout.pipeline_virtual_stages when the interleaved
-// schedule cannot run `micro_batches` per step on `stages` stages of `chunks` chunks: it takes
-// the micro-batches in groups of `stages`, so v > 1 needs a multiple of the stages.
-absl::Status CheckInterleavedMicroBatches(int stages, int chunks, int micro_batches);
-
-// The operations of `stage` in one step of `micro_batches` (CheckInterleavedMicroBatches must
+// The operations of `stage` in one step of `micro_batches` (planner::CheckSplitRules must
 // accept them). The k-th forward runs chunk (k mod p*v) / p of micro-batch (k / (p*v)) * p +
 // k mod p, the k-th backward the same with the chunks in reverse; stage s first runs
 // (p - s - 1) + (v - 1) * p forwards (all of them when fewer), then alternates one forward and
@@ -95,7 +90,7 @@ class PipelineSchedule {
 
   // One step's forwards and backwards of `micro_batches` micro-batches. Returns the sum of the
   // losses (detached) on the last stage, an undefined tensor elsewhere. With chunks > 1,
-  // CheckInterleavedMicroBatches must accept `micro_batches` (c10::Error otherwise).
+  // planner::CheckSplitRules must accept `micro_batches` (c10::Error otherwise).
   at::Tensor Train(int micro_batches, const Forward& forward, const Backward& backward);
 
   // The forward of one micro-batch through every stage, without gradients. Returns the loss on

@@ -11,31 +11,6 @@ int VirtualStagesOf(const v1::Layout& layout) {
   return layout.pipeline_virtual_stages() == 0 ? 1 : layout.pipeline_virtual_stages();
 }
 
-absl::Status CheckPipelineSplits(const v1::ModelDims& dims, int pp, int virtual_stages) {
-  // The rule and its message are the coordinator's (planner/layout_rules.h); tp 1 divides all.
-  if (const auto violation = planner::CheckModelDivisibility(dims, /*tensor_parallel=*/1, pp)) {
-    return absl::InvalidArgumentError(violation->ToString());
-  }
-  if (virtual_stages < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("parallelism.layout.pipeline_virtual_stages: ", virtual_stages,
-                     " is negative; use 0 or 1 for one chunk per pipeline stage"));
-  }
-  if (virtual_stages > 1 && pp <= 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parallelism.layout.pipeline_virtual_stages: ", virtual_stages,
-        " needs pipeline_parallel > 1 (virtual stages interleave the chunks of pipeline stages)"));
-  }
-  const int layers_per_stage = dims.num_layers() / pp;
-  if (layers_per_stage % virtual_stages != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("parallelism.layout.pipeline_virtual_stages: ", virtual_stages,
-                     " does not divide the ", layers_per_stage, " layers of each of the ", pp,
-                     " pipeline stages (num_layers ", dims.num_layers(), ")"));
-  }
-  return absl::OkStatus();
-}
-
 PipelineStage PipelineStageOf(const DeviceMesh& mesh, int num_layers, int virtual_stages) {
   const int stage = mesh.coord(MeshDim::kPipeline), stages = mesh.size(MeshDim::kPipeline);
   const int layers_per_chunk = num_layers / (stages * virtual_stages);

@@ -35,13 +35,9 @@ struct PipelineStage {
 // The layout's virtual stages per pipeline stage (pipeline_virtual_stages; 0 means 1).
 int VirtualStagesOf(const v1::Layout& layout);
 
-// INVALID_ARGUMENT naming parallelism.layout.pipeline_parallel when `pp` does not divide the
-// model's layers, and parallelism.layout.pipeline_virtual_stages when `virtual_stages` is
-// negative, above 1 without pipeline parallelism, or does not divide a stage's layers.
-absl::Status CheckPipelineSplits(const v1::ModelDims& dims, int pp, int virtual_stages = 1);
-
 // The stage of this rank on `mesh`: num_layers / pp layers per stage, in `virtual_stages` chunks
-// of num_layers / (pp * virtual_stages) (CheckPipelineSplits must accept the split).
+// of num_layers / (pp * virtual_stages) (planner::CheckSplitRules and CheckModelDivisibility must
+// accept the split).
 PipelineStage PipelineStageOf(const DeviceMesh& mesh, int num_layers, int virtual_stages = 1);
 
 // The 1F1B schedule of this rank's stage (interleaved over `virtual_stages` chunks when above 1),

@@ -187,48 +187,6 @@ TEST(InterleavedPipelineOpsTest, OneChunkRunsAnyMicroBatchCount) {
   }
 }
 
-TEST(InterleavedPipelineOpsTest, MicroBatchesMustFillTheGroups) {
-  EXPECT_THAT(CheckInterleavedMicroBatches(2, 2, 4), IsOk());
-  EXPECT_THAT(CheckInterleavedMicroBatches(4, 1, 3), IsOk());
-  EXPECT_THAT(CheckInterleavedMicroBatches(2, 2, 3),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("parallelism.layout.pipeline_virtual_stages: 2")));
-  EXPECT_THAT(CheckInterleavedMicroBatches(4, 2, 2),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("a multiple of 4")));
-}
-
-v1::ModelDims Dims(int layers) {
-  v1::ModelDims dims;
-  dims.set_num_layers(layers);
-  dims.set_hidden_size(64);
-  dims.set_num_attention_heads(4);
-  dims.set_num_kv_heads(4);
-  dims.set_head_dim(16);
-  dims.set_ffn_hidden_size(256);
-  dims.set_vocab_size(256);
-  return dims;
-}
-
-TEST(PipelineSplitsTest, VirtualStagesMustDivideEachStagesLayers) {
-  EXPECT_THAT(CheckPipelineSplits(Dims(8), 2, 2), IsOk());
-  EXPECT_THAT(CheckPipelineSplits(Dims(8), 2, 4), IsOk());
-  EXPECT_THAT(CheckPipelineSplits(Dims(8), 2, -1),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("parallelism.layout.pipeline_virtual_stages: -1 is negative")));
-  EXPECT_THAT(CheckPipelineSplits(Dims(6), 2, 2),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("parallelism.layout.pipeline_virtual_stages: 2 does not divide "
-                                 "the 3 layers")));
-  EXPECT_THAT(CheckPipelineSplits(Dims(8), 1, 2),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("parallelism.layout.pipeline_virtual_stages: 2 needs "
-                                 "pipeline_parallel > 1")));
-  // The pipeline's own rule comes first.
-  EXPECT_THAT(CheckPipelineSplits(Dims(5), 2, 1),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("parallelism.layout.pipeline_parallel")));
-}
-
 TEST(PipelineSplitsTest, VirtualStagesOfTheLayout) {
   v1::Layout layout;
   EXPECT_EQ(VirtualStagesOf(layout), 1);

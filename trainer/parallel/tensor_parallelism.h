@@ -14,14 +14,6 @@
 
 namespace tessera::trainer {
 
-// INVALID_ARGUMENT naming parallelism.layout.tensor_parallel when `tp` does not divide the
-// model's attention heads, key/value heads or ffn_hidden_size (the planner's rules).
-absl::Status CheckTensorParallelSplits(const v1::ModelDims& dims, int tp);
-
-// INVALID_ARGUMENT naming parallelism.layout.sequence_parallel when sequence parallelism is on and
-// `tp` does not divide data.seq_len `seq_len`.
-absl::Status CheckSequenceParallelSplit(bool sequence_parallel, int seq_len, int tp);
-
 // This rank's tensor-parallel split: the mesh's tp group, coordinate and size; sequence
 // parallelism only with tp > 1.
 TensorParallel TensorParallelOf(const DeviceMesh& mesh, bool sequence_parallel);

@@ -37,18 +37,6 @@
 namespace tessera::trainer {
 namespace {
 
-// Interleaved 1F1B takes a step's micro-batches in groups of pp (pipeline.h); the loader gives
-// each pipeline global_batch_size / (micro_batch_size x dp) of them. A batch the loader refuses
-// is left to its own message.
-absl::Status CheckInterleavedSchedule(const v1::TrainerTask& task, const MeshShape& shape) {
-  const int virtual_stages = VirtualStagesOf(task.plan().layout());
-  const int64_t per_pipeline = int64_t{task.spec().batch().micro_batch_size()} * shape.dp;
-  if (virtual_stages <= 1 || per_pipeline <= 0) return absl::OkStatus();
-  return CheckInterleavedMicroBatches(
-      shape.pp, virtual_stages,
-      static_cast<int>(task.spec().batch().global_batch_size() / per_pipeline));
-}
-
 // ZeRO-3 builds the model without memory; the engine gives each rank its shards only.
 bool DeferredInit(const v1::TrainerTask& task) {
   return task.plan().layout().zero_stage() == 3 && !task.spec().has_lora();
@@ -60,26 +48,27 @@ ModelBuildOptions ModelOptionsFor(const v1::TrainerTask& task, const TrainingRun
                                   const TensorParallel& tp, const PipelineStage& stage,
                                   const ContextParallel& cp) {
   const v1::JobSpec& spec = task.spec();
-  return ModelBuildOptions{.dims = run.summary.dims(),
-                           .init_std = run.settings.init_std,
-                           .seed = run.settings.seed,
-                           .partition = ModelPartition{.tp = tp,
-                                                       .ep = ExpertParallelOf(run.mesh),
-                                                       .first_layer = stage.first_layer,
-                                                       .num_layers = stage.num_layers,
-                                                       .chunks = stage.chunks,
-                                                       .chunk_stride = stage.chunk_stride,
-                                                       .embedding = stage.first(),
-                                                       .head = stage.last(),
-                                                       .cp = cp},
-                           .deferred = DeferredInit(task),
-                           .from_pretrained = spec.model().has_from_pretrained()
-                                                  ? spec.model().from_pretrained()
-                                                  : std::string(),
-                           .lora = spec.has_lora() ? &spec.lora() : nullptr,
-                           .device = run.device.device,
-                           .bf16 = run.settings.bf16,
-                           .checkpointing = run.checkpointing};
+  return ModelBuildOptions{
+      .dims = run.summary.dims(),
+      .init_std = run.settings.init_std,
+      .seed = run.settings.seed,
+      .partition = ModelPartition{.tp = tp,
+                                  .ep = ExpertParallelOf(run.mesh),
+                                  .first_layer = stage.first_layer,
+                                  .num_layers = stage.num_layers,
+                                  .chunks = stage.chunks,
+                                  .chunk_stride = stage.chunk_stride,
+                                  .embedding = stage.first(),
+                                  .head = stage.last(),
+                                  .cp = cp},
+      .deferred = DeferredInit(task),
+      .from_pretrained =
+          spec.model().has_from_pretrained() ? spec.model().from_pretrained() : std::string(),
+      .lora = task.plan().has_lora() ? std::optional(planner::FromLoraPlan(task.plan().lora()))
+                                     : std::nullopt,
+      .device = run.device.device,
+      .bf16 = run.settings.bf16,
+      .checkpointing = run.checkpointing};
 }
 
 // The engine step's options, less what ApplyDataParallel takes from the mesh.
@@ -104,6 +93,14 @@ absl::Status PrepareRun(const v1::TrainerTask& task, const RunReporter& reporter
   *kind = v1::FAILURE_KIND_INVALID_SPEC;
   ASSIGN_OR_RETURN(*shape, ValidateLayout(task));
   ASSIGN_OR_RETURN(run.summary, ResolveModelSummary(task));
+  if (spec.has_lora() != task.plan().has_lora()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("plan.lora: the task's plan ",
+                     spec.has_lora() ? "has no resolved lora for the spec's"
+                                     : "has a lora the spec does not ask for",
+                     "; a task comes planned, from the coordinator or "
+                     "from tessera-trainer --job_spec / --set"));
+  }
   RETURN_IF_ERROR(ValidateSplits(run.summary.dims(), *shape, task));
   // Refused before training rather than after it (the export runs once the job is done).
   RETURN_IF_ERROR(planner::CheckExportPolicy(spec, run.summary.dims()));
@@ -224,14 +221,16 @@ absl::StatusOr<MeshShape> ValidateLayout(const v1::TrainerTask& task) {
 
 absl::StatusOr<v1::ModelSummary> ResolveModelSummary(const v1::TrainerTask& task) {
   if (task.plan().model().dims().hidden_size() > 0) return task.plan().model();
-  return planner::ResolveModel(task.spec().model(), task.spec().data().seq_len());
+  return absl::FailedPreconditionError(
+      "plan.model: the task's plan has no resolved model; a task comes planned, from the "
+      "coordinator or from tessera-trainer --job_spec / --set");
 }
 
 absl::Status ValidateSplits(const v1::ModelDims& dims, const MeshShape& shape,
                             const v1::TrainerTask& task) {
-  // The rules the coordinator's validation and the layout search apply (planner/layout_rules.h)
-  // first, so that nothing this trainer refuses there was accepted at submission; then each
-  // parallelism's own checks.
+  // The rules the coordinator's validation and the layout search apply (planner/layout_rules.h),
+  // and nothing else: one place for each rule and its message, so that nothing this trainer
+  // refuses was accepted at submission.
   const v1::Layout& layout = task.plan().layout();
   const int64_t per_step = int64_t{task.spec().batch().micro_batch_size()} * std::max(1, shape.dp);
   if (const auto violation = planner::CheckSplitRules(
@@ -247,15 +246,10 @@ absl::Status ValidateSplits(const v1::ModelDims& dims, const MeshShape& shape,
                per_step > 0 ? task.spec().batch().global_batch_size() / per_step : 0})) {
     return absl::InvalidArgumentError(violation->ToString());
   }
-  RETURN_IF_ERROR(CheckTensorParallelSplits(dims, shape.tp));
-  RETURN_IF_ERROR(CheckPipelineSplits(dims, shape.pp));
-  RETURN_IF_ERROR(CheckContextParallelSplits(dims, task.plan().layout(),
-                                             task.spec().data().seq_len(), shape.cp, shape.tp));
-  RETURN_IF_ERROR(CheckPipelineSplits(dims, shape.pp, VirtualStagesOf(task.plan().layout())));
-  RETURN_IF_ERROR(CheckInterleavedSchedule(task, shape));
-  RETURN_IF_ERROR(CheckExpertParallelSplit(dims, shape.ep));
-  return CheckSequenceParallelSplit(task.plan().layout().sequence_parallel(),
-                                    task.spec().data().seq_len(), shape.tp);
+  if (const auto violation = planner::CheckModelDivisibility(dims, shape.tp, shape.pp)) {
+    return absl::InvalidArgumentError(violation->ToString());
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<RunDevice> ResolveDevice(const v1::RankAssignment& assignment) {
@@ -278,13 +272,13 @@ absl::StatusOr<RunDevice> ResolveDevice(const v1::RankAssignment& assignment) {
 
 absl::StatusOr<RunSettings> ResolveRunSettings(const v1::TrainerTask& task, bool cuda) {
   const v1::LayoutPlan& plan = task.plan();
-  const v1::TrainingSettings settings = planner::HasTrainingSettings(plan)
-                                            ? plan.settings()
-                                            : planner::ResolveTrainingSettings(task.spec());
-  const v1::Precision precision =
-      plan.precision() != v1::PRECISION_UNSPECIFIED
-          ? plan.precision()
-          : planner::ResolvePrecision(task.spec().precision(), /*gpus=*/cuda);
+  if (!planner::HasTrainingSettings(plan) || plan.precision() == v1::PRECISION_UNSPECIFIED) {
+    return absl::FailedPreconditionError(
+        "plan.settings: the task's plan has no resolved training settings or precision; a task "
+        "comes planned, from the coordinator or from tessera-trainer --job_spec / --set");
+  }
+  const v1::TrainingSettings& settings = plan.settings();
+  const v1::Precision precision = plan.precision();
   if (precision == v1::PRECISION_BF16 && !cuda) {
     return absl::InvalidArgumentError("precision: BF16 needs a CUDA device; use FP32 on CPU");
   }

@@ -46,9 +46,9 @@ namespace tessera::trainer {
 // guards direct launches. The mesh shape of the task's world; errors name the layout field.
 absl::StatusOr<MeshShape> ValidateLayout(const v1::TrainerTask& task);
 
-// The task's model: the one the coordinator resolved at submission (its plan's `model`), or, for
-// a task that does not carry one (written by hand, or planned before models were resolved at
-// submission), the spec's resolved for its sequence length (planner::ResolveModel).
+// The task's model: the one the coordinator resolved (its plan's `model`; a task comes planned,
+// from the coordinator or from tessera-trainer's own --job_spec / --set, which plan as it does).
+// FAILED_PRECONDITION for a plan without one.
 absl::StatusOr<v1::ModelSummary> ResolveModelSummary(const v1::TrainerTask& task);
 
 // What the model's dimensions must allow for the mesh's splits (the planner's rules): each
@@ -61,9 +61,8 @@ absl::Status ValidateSplits(const v1::ModelDims& dims, const MeshShape& shape,
 absl::StatusOr<RunDevice> ResolveDevice(const v1::RankAssignment& assignment);
 
 // The task's settings (RunSettings): its plan's `settings` and `precision` as the coordinator
-// resolved them, or for a task that does not carry them the spec's with the same defaults
-// (planner::ResolveTrainingSettings, ResolvePrecision for this device). INVALID_ARGUMENT for bf16
-// without CUDA.
+// resolved them. FAILED_PRECONDITION for a plan without them; INVALID_ARGUMENT for bf16 without
+// CUDA.
 absl::StatusOr<RunSettings> ResolveRunSettings(const v1::TrainerTask& task, bool cuda);
 
 // The layout's activation checkpointing (the older boolean maps to FULL or NONE).
