@@ -339,5 +339,47 @@ TEST_F(CoordinatorTopologyTest, NodesNameTheirDomainsAndTheTreeShowsWhatIsFree) 
   EXPECT_GE(MetricValue(R"(tessera_topology_largest_free_domain_devices{level="block"})"), 10);
 }
 
+// placement.required keeps a gang inside one domain of the level: the fullest that holds it;
+// when none has room the job waits naming the level and the largest free domain. A level the
+// cluster does not have is refused at submission.
+TEST_F(CoordinatorTopologyTest, ARequiredLevelKeepsTheGangInOneDomainOrSaysWhyItWaits) {
+  ASSERT_TRUE(Register("a1", 4, {{"rack", "r1"}, {"block", "b1"}}).ok());
+  ASSERT_TRUE(Register("a2", 4, {{"rack", "r1"}, {"block", "b1"}}).ok());
+  ASSERT_TRUE(Register("b1", 4, {{"rack", "r2"}, {"block", "b1"}}).ok());
+
+  v1::JobSpec spec = ValidSpec("in-one-rack");
+  spec.mutable_resources()->set_cpu_slots(8);
+  spec.mutable_batch()->set_global_batch_size(16);
+  spec.mutable_placement()->set_required("row");
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = spec;
+  v1::SubmitJobResponse response;
+  grpc::Status refused = stub_->SubmitJob(Context().get(), request, &response);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(refused.error_message(),
+              HasSubstr("placement.required: 'row' is not a topology level of this cluster "
+                        "(its levels: rack, block"));
+
+  spec.mutable_placement()->set_required("rack");
+  const v1::Job placed = Submit(spec);
+  const v1::Job scheduled = WaitForJob(
+      placed.job_id(), [](const v1::Job& j) { return j.state() == v1::JOB_STATE_SCHEDULED; });
+  ASSERT_EQ(scheduled.state(), v1::JOB_STATE_SCHEDULED) << scheduled.reason();
+  ASSERT_EQ(scheduled.placements_size(), 8);
+  for (const v1::RankPlacement& rank : scheduled.placements()) {
+    EXPECT_THAT(rank.node_id(), ::testing::AnyOf("a1", "a2")) << "rank " << rank.rank();
+  }
+
+  spec.set_name("waits");
+  const v1::Job waiting = Submit(spec);
+  const std::string expected =
+      "needs 8 CPU slots inside one rack (placement.required); the largest free rack, r2, "
+      "offers 4";
+  const v1::Job pending =
+      WaitForJob(waiting.job_id(), [&](const v1::Job& j) { return j.reason() == expected; });
+  EXPECT_EQ(pending.state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(pending.reason(), expected);
+}
+
 }  // namespace
 }  // namespace tessera

@@ -318,8 +318,17 @@ TEST_F(WorkerAgentTest, RankBreakdownsGoOutInHeartbeatsAndRankStepsAreNotRelayed
     }
   }
   EXPECT_EQ(with_breakdown, 2) << "no heartbeat carried both ranks' breakdowns";
-  // Several relay rounds (poll_interval 50 ms) after rank steps arrived.
-  absl::SleepFor(absl::Milliseconds(400));
+  // Several relay rounds (poll_interval 50 ms) after rank steps arrived: four more heartbeats
+  // (0.1 s apart) span at least six of them.
+  const size_t seen = heartbeats.size();
+  ASSERT_GE(coordinator_
+                ->WaitForHeartbeats(
+                    [seen](const std::vector<FakeCoordinator::Exchange>& so_far) {
+                      return so_far.size() >= seen + 4;
+                    },
+                    absl::Seconds(30))
+                .size(),
+            seen + 4);
   for (const v1::TrainerReport& report : coordinator_->relayed()) {
     EXPECT_FALSE(report.has_rank_step()) << "relayed: " << report.ShortDebugString();
   }

@@ -342,6 +342,28 @@ absl::Status ValidateLabels(const google::protobuf::Map<std::string, std::string
 
 // The loss-spike guard: factors are off (0) or > 1, since a factor <= 1 would call half of all
 // steps (the median's upper half) spikes; a window of one step has no median worth the name.
+// A level name is the form --topology_levels takes (coordinator/scheduler/topology.h); whether the
+// cluster has it is the coordinator's to check (CheckPlacementLevels).
+absl::Status ValidatePlacement(const v1::PlacementSpec& placement) {
+  if (!placement.required().empty() && !placement.preferred().empty()) {
+    return Invalid("placement", absl::StrCat("set required or preferred, not both; got required '",
+                                             placement.required(), "' and preferred '",
+                                             placement.preferred(), "'"));
+  }
+  for (const auto& [field, level] :
+       {std::pair<const char*, const std::string&>{"placement.required", placement.required()},
+        {"placement.preferred", placement.preferred()}}) {
+    const bool named = std::all_of(level.begin(), level.end(), [](char c) {
+      return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-';
+    });
+    if (!named) {
+      return Invalid(field,
+                     absl::StrCat("'", level, "' is not a topology level name (a-z, 0-9 and '-')"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateGuard(const v1::GuardSpec& guard) {
   const auto check_factor = [](absl::string_view field, double factor) -> absl::Status {
     RETURN_IF_ERROR(CheckFinite(field, factor));
@@ -415,6 +437,7 @@ absl::StatusOr<ResolvedJob> ResolveJob(const v1::JobSpec& spec) {
   RETURN_IF_ERROR(CheckNonNegative("max_restarts", spec.max_restarts()));
   RETURN_IF_ERROR(CheckNonNegative("hang_timeout_seconds", spec.hang_timeout_seconds()));
   RETURN_IF_ERROR(ValidateLabels(spec.labels()));
+  RETURN_IF_ERROR(ValidatePlacement(spec.placement()));
   if (spec.has_guard()) RETURN_IF_ERROR(ValidateGuard(spec.guard()));
   ResolvedJob resolved;
   // ValidateData accepted data.seq_len for these dimensions.

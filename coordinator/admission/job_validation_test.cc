@@ -508,6 +508,15 @@ std::vector<BadSpecCase> BadSpecCases() {
          s.mutable_optimizer()->set_beta1(2);
        },
        kInvalid, "optimizer.beta1:"},
+      // placement (whether the cluster has the level is the coordinator's check)
+      {"PlacementBoth",
+       [](S& s) {
+         s.mutable_placement()->set_required("rack");
+         s.mutable_placement()->set_preferred("block");
+       },
+       kInvalid, "placement: set required or preferred, not both"},
+      {"PlacementBadLevelName", [](S& s) { s.mutable_placement()->set_preferred("Rack 1"); },
+       kInvalid, "placement.preferred: 'Rack 1' is not a topology level name"},
       {"FirstProblemLayoutBeforeResourcesWhenWorldUnknown",
        [](S& s) {
          s.mutable_resources()->clear_cpu_slots();

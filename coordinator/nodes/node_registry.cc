@@ -89,6 +89,7 @@ void NodeRegistry::Summarize(Entry& entry) {
   c.total_cpu_slots = node.resources().cpu_slots();
   c.free_cpu_slots = std::max(0, c.total_cpu_slots);
   c.labels.insert(node.labels().begin(), node.labels().end());
+  c.topology.insert(node.topology().begin(), node.topology().end());
   c.schedulable = node.state() == v1::NODE_STATE_READY;
   entry.changed = ++generation_;
   Recount(entry);

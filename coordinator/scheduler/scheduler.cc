@@ -1,6 +1,7 @@
 #include "coordinator/scheduler/scheduler.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <tuple>
 #include <utility>
@@ -262,6 +263,75 @@ GangPlacement Commit(const GangRequest& request, const std::vector<Share>& share
   return placement;
 }
 
+// The domain `node` is in at `level`: its label there, or the node itself when it names none.
+std::string DomainOf(const NodeCapacity& node, const std::string& level) {
+  auto it = node.topology.find(level);
+  return it != node.topology.end() ? it->second : absl::StrCat("node ", node.node_id);
+}
+
+// The largest domain of a level for a request: its name and the slots it offers in whole groups.
+struct LargestDomain {
+  std::string domain;
+  int gang = 0;
+};
+
+// `request` packed inside one domain of its placement level, on `slots_of(node)` slots of each
+// `eligible` node (ascending; no more than `max_slots` each): among the domains whose nodes hold
+// the gang, the one offering the fewest slots, ties to the smaller name (Topology in
+// scheduler.h). nullopt when no domain holds it; `largest` (when given) gets the domain offering
+// the most whole groups.
+template <typename SlotsOf>
+std::optional<std::vector<Share>> PackInOneDomain(const GangRequest& request,
+                                                  const std::vector<NodeCapacity>& nodes,
+                                                  const std::vector<int>& eligible,
+                                                  const SlotsOf& slots_of, int max_slots,
+                                                  LargestDomain* largest) {
+  std::map<std::string, std::vector<int>> domains;
+  for (int node : eligible) {
+    domains[DomainOf(nodes[node], request.placement_level)].push_back(node);
+  }
+  const int group = request.tensor_parallel;
+  std::optional<std::vector<Share>> best;
+  int64_t best_slots = std::numeric_limits<int64_t>::max();
+  for (const auto& [domain, members] : domains) {
+    OfferIndex offers(max_slots);
+    int64_t slots = 0;
+    for (int node : members) {
+      const int offered = std::min(max_slots, std::max(0, slots_of(node)));
+      offers.Add(node, offered);
+      slots += offered;
+    }
+    const OfferSummary summary = offers.Summary(group);
+    if (largest != nullptr && summary.gang > largest->gang) *largest = {domain, summary.gang};
+    if (summary.gang < request.world_size || slots >= best_slots) continue;
+    if (auto shares = offers.Pack(request)) {
+      best = std::move(shares);
+      best_slots = slots;
+    }
+  }
+  return best;
+}
+
+// Why no domain of the request's required level holds it, in the terms of `basis`.
+std::string DomainShortfall(const GangRequest& request, const LargestDomain& largest, Basis basis) {
+  std::string text = absl::StrCat("needs ", Amount(request, request.world_size), " inside one ",
+                                  request.placement_level, " (placement.required)");
+  if (largest.domain.empty())
+    return absl::StrCat(text, "; no ", request.placement_level, " has room");
+  switch (basis) {
+    case Basis::kFree:
+      return absl::StrCat(text, "; the largest free ", request.placement_level, ", ",
+                          largest.domain, ", offers ", largest.gang);
+    case Basis::kEmptySchedulable:
+      return absl::StrCat(text, "; the largest ", request.placement_level, ", ", largest.domain,
+                          ", holds ", largest.gang, " even when empty");
+    case Basis::kEmptyAll:
+      break;
+  }
+  return absl::StrCat(text, "; the largest matching ", request.placement_level, ", ",
+                      largest.domain, ", holds ", largest.gang);
+}
+
 std::string WaitingBehind(const GangRequest& request, const GangRequest& head) {
   return absl::StrCat("waiting behind ",
                       head.priority > request.priority ? "higher-priority" : "older", " job ",
@@ -376,6 +446,48 @@ ScheduleResult Schedule(std::vector<GangRequest> pending, const std::vector<Node
     const bool gpus = request.use_gpus;
     const Candidates& candidates = cached->second;
     const int group = request.tensor_parallel;
+    auto reserve = [&](const std::vector<Share>& reservation) {
+      head = request;
+      for (const Share& share : reservation) {
+        (gpus ? states[share.node].reserved_gpus : states[share.node].reserved_cpu_slots) +=
+            share.groups * request.tensor_parallel;
+        refresh(share.node);
+      }
+    };
+    if (!request.placement_level.empty()) {
+      auto unreserved = [&](int node) { return candidates.unreserved_slots[node]; };
+      if (auto shares = PackInOneDomain(request, nodes, eligible, unreserved, max_slots, nullptr)) {
+        result.placed.push_back(Commit(request, *shares, nodes, states));
+        for (const Share& share : *shares) refresh(share.node);
+        continue;
+      }
+      if (request.placement_required) {
+        LargestDomain free_largest;
+        auto free = [&](int node) { return candidates.free_slots[node]; };
+        const bool fits_free =
+            PackInOneDomain(request, nodes, eligible, free, max_slots, &free_largest).has_value();
+        if (!head.has_value()) {
+          LargestDomain empty_largest;
+          auto total = [&](int node) { return TotalSlots(request, nodes[node]); };
+          auto reservation =
+              PackInOneDomain(request, nodes, eligible, total, max_slots, &empty_largest);
+          if (!reservation.has_value()) {
+            result.pending_reasons[request.job_id] =
+                DomainShortfall(request, empty_largest, Basis::kEmptySchedulable);
+            continue;
+          }
+          reserve(*reservation);
+          result.pending_reasons[request.job_id] =
+              DomainShortfall(request, free_largest, Basis::kFree);
+          continue;
+        }
+        result.pending_reasons[request.job_id] =
+            fits_free ? WaitingBehind(request, *head)
+                      : DomainShortfall(request, free_largest, Basis::kFree);
+        continue;
+      }
+      // Preferred: no domain has room, so anywhere.
+    }
     // Pack succeeds exactly when the offers hold enough whole groups.
     if (auto shares = candidates.unreserved.Pack(request)) {
       result.placed.push_back(Commit(request, *shares, nodes, states));
@@ -393,12 +505,7 @@ ScheduleResult Schedule(std::vector<GangRequest> pending, const std::vector<Node
             Shortfall(request, empty.Summary(group), Basis::kEmptySchedulable);
         continue;
       }
-      head = request;
-      for (const Share& share : *reservation) {
-        (gpus ? states[share.node].reserved_gpus : states[share.node].reserved_cpu_slots) +=
-            share.groups * request.tensor_parallel;
-        refresh(share.node);
-      }
+      reserve(*reservation);
       result.pending_reasons[request.job_id] = Shortfall(request, free_summary, Basis::kFree);
       continue;
     }
@@ -415,6 +522,16 @@ std::optional<std::string> Unsatisfiable(const GangRequest& request,
   std::vector<int> eligible;
   if (auto problem = NoEligibleNode(request, nodes, /*schedulable_only=*/false, &eligible)) {
     return problem;
+  }
+  if (request.placement_required) {
+    int max_slots = 0;
+    for (int node : eligible) max_slots = std::max(max_slots, TotalSlots(request, nodes[node]));
+    LargestDomain largest;
+    auto total = [&](int node) { return TotalSlots(request, nodes[node]); };
+    if (PackInOneDomain(request, nodes, eligible, total, max_slots, &largest).has_value()) {
+      return std::nullopt;
+    }
+    return DomainShortfall(request, largest, Basis::kEmptyAll);
   }
   const OfferIndex empty = EmptyOffers(request, nodes, eligible);
   if (empty.Pack(request).has_value()) return std::nullopt;

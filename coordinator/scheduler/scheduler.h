@@ -34,8 +34,17 @@
 //   request that could not run even on empty schedulable nodes reserves nothing either (it would
 //   only idle the cluster); it waits, with a reason, for nodes to join or return.
 //
+// * Topology. A request with a placement level (JobSpec.placement; levels and a node's domains:
+//   topology.h) is packed inside one domain of that level: among the domains whose eligible nodes
+//   hold the gang, the one offering the fewest slots (best fit: emptier domains stay whole for
+//   larger gangs), ties to the smaller domain name, then by the packing rule inside it. A node
+//   naming no domain at the level is a domain of its own. `required`: no domain with room, no
+//   placement (its reservation, as the head, is one domain's too); `preferred`: the request is
+//   then placed as if it had no level.
+//
 // Every request not placed gets a reason a person can read; a request that would fit on the free
-// capacity but for the reservation names the job it waits behind.
+// capacity but for the reservation names the job it waits behind; one whose required level has
+// no domain with room names the level and the largest free domain.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +74,8 @@ struct NodeCapacity {
   int free_cpu_slots = 0;
   int total_cpu_slots = 0;
   std::map<std::string, std::string> labels;
+  // Level -> the domain this node is in there (its --topology labels).
+  std::map<std::string, std::string> topology;
   // READY: neither draining nor lost.
   bool schedulable = true;
 };
@@ -86,6 +97,10 @@ struct GangRequest {
   std::string gpu_type;
   // The node must carry all of these labels.
   std::map<std::string, std::string> node_selector;
+  // A topology level the gang is kept inside one domain of (Topology above); "" for none.
+  std::string placement_level;
+  // Whether it must be (JobSpec.placement.required) or is only tried first (preferred).
+  bool placement_required = false;
 };
 
 // Where one gang runs.

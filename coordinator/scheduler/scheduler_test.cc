@@ -669,5 +669,79 @@ TEST(SchedulerUnsatisfiableTest, Messages) {
   EXPECT_EQ(Unsatisfiable(Gang("j", 1), {}), "no node registered");
 }
 
+// Topology: nodes a0, a1 in rack ra (8 GPUs each, a0 half free), b0, b1 in rack rb (all free).
+std::vector<NodeCapacity> TwoRacks() {
+  std::vector<NodeCapacity> nodes = {GpuNode("a0", 8, 4), GpuNode("a1", 8, 8), GpuNode("b0", 8, 8),
+                                     GpuNode("b1", 8, 8)};
+  for (NodeCapacity& node : nodes) node.topology["rack"] = std::string("r") + node.node_id[0];
+  return nodes;
+}
+
+GangRequest InOneRack(const std::string& id, int world, bool required) {
+  GangRequest request = Gang(id, world);
+  request.placement_level = "rack";
+  request.placement_required = required;
+  return request;
+}
+
+// A gang kept inside one rack goes to the fullest rack that holds it (best fit), so the empty
+// rack stays whole for a gang that needs all of it.
+TEST(ScheduleTopologyTest, ARequiredLevelPacksInsideTheFullestDomainThatHoldsTheGang) {
+  const std::vector<NodeCapacity> nodes = TwoRacks();
+  const std::vector<GangRequest> requests = {InOneRack("small", 12, true),
+                                             InOneRack("whole", 16, true)};
+  ScheduleResult result = Schedule(requests, nodes);
+  ExpectValidPass(result, requests, nodes);
+  ASSERT_NE(Find(result, "small"), nullptr) << result.pending_reasons["small"];
+  EXPECT_THAT(RanksPerNode(*Find(result, "small")), ElementsAre(Pair("a0", 4), Pair("a1", 8)));
+  ASSERT_NE(Find(result, "whole"), nullptr) << result.pending_reasons["whole"];
+  EXPECT_THAT(RanksPerNode(*Find(result, "whole")), ElementsAre(Pair("b0", 8), Pair("b1", 8)));
+
+  // Without a level a gang of 20 spans the racks: three nodes, by the packing rule.
+  result = Schedule({Gang("anywhere", 20)}, nodes);
+  ASSERT_NE(Find(result, "anywhere"), nullptr);
+  EXPECT_EQ(RanksPerNode(*Find(result, "anywhere")).size(), 3u);
+}
+
+// No rack has room: a required gang waits naming the level and the largest free rack, and as the
+// head reserves one rack's slots; a preferred one takes nodes of both racks instead.
+TEST(ScheduleTopologyTest, RequiredWaitsNamingTheLargestFreeDomainAndPreferredSpreads) {
+  std::vector<NodeCapacity> nodes = TwoRacks();
+  nodes[2].free_gpus.resize(4);  // b0: 4 of 8 free
+  ScheduleResult result = Schedule({InOneRack("needs-16", 16, true)}, nodes);
+  EXPECT_TRUE(result.placed.empty());
+  EXPECT_EQ(result.pending_reasons["needs-16"],
+            "needs 16 GPUs inside one rack (placement.required); the largest free rack, ra, "
+            "offers 12");
+
+  // As the head it reserves rack ra (the fullest that holds it when empty: ties go to the
+  // smaller name), so a later small gang backfills only onto rack rb.
+  result = Schedule({InOneRack("needs-16", 16, true), Gang("small", 4, 1, 0, 1)}, nodes);
+  ASSERT_NE(Find(result, "small"), nullptr) << result.pending_reasons["small"];
+  for (const v1::RankPlacement& rank : Find(result, "small")->ranks) {
+    EXPECT_EQ(rank.node_id()[0], 'b') << rank.node_id();
+  }
+
+  result = Schedule({InOneRack("prefers", 16, false)}, nodes);
+  ASSERT_NE(Find(result, "prefers"), nullptr) << result.pending_reasons["prefers"];
+  std::set<char> racks;
+  for (const v1::RankPlacement& rank : Find(result, "prefers")->ranks) {
+    racks.insert(rank.node_id()[0]);
+  }
+  EXPECT_EQ(racks.size(), 2u);
+
+  // A node naming no rack is a rack of its own.
+  nodes = {GpuNode("x", 8, 8), GpuNode("y", 8, 8)};
+  result = Schedule({InOneRack("two-nodes", 16, true)}, nodes);
+  EXPECT_TRUE(result.placed.empty());
+  EXPECT_EQ(result.pending_reasons["two-nodes"],
+            "needs 16 GPUs inside one rack (placement.required); the largest rack, node x, "
+            "holds 8 even when empty");
+  EXPECT_EQ(Unsatisfiable(InOneRack("two-nodes", 16, true), nodes),
+            "needs 16 GPUs inside one rack (placement.required); the largest matching rack, "
+            "node x, holds 8");
+  EXPECT_EQ(Unsatisfiable(InOneRack("two-nodes", 16, true), TwoRacks()), std::nullopt);
+}
+
 }  // namespace
 }  // namespace tessera::coordinator

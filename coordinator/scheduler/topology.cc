@@ -58,6 +58,25 @@ absl::StatusOr<std::vector<TopologyLevel>> ParseTopologyLevels(absl::string_view
   return levels;
 }
 
+absl::Status CheckPlacementLevels(const std::string& required, const std::string& preferred,
+                                  const std::vector<TopologyLevel>& levels) {
+  for (const auto& [field, level] :
+       {std::pair<const char*, const std::string&>{"placement.required", required},
+        {"placement.preferred", preferred}}) {
+    if (level.empty() || !ValidName(level)) continue;
+    const bool known = std::any_of(levels.begin(), levels.end(),
+                                   [&](const TopologyLevel& known) { return known.name == level; });
+    if (known) continue;
+    std::vector<std::string> names;
+    for (const TopologyLevel& known : levels) names.push_back(known.name);
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, ": '", level, "' is not a topology level of this cluster (",
+        names.empty() ? "it has none" : absl::StrCat("its levels: ", absl::StrJoin(names, ", ")),
+        "; the coordinator's --topology_levels)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status TopologyIndex::Check(const std::string& node_id,
                                   const std::map<std::string, std::string>& labels) const {
   std::vector<std::pair<size_t, std::string>> named;

@@ -71,6 +71,12 @@ class TopologyIndex {
   std::map<std::pair<size_t, std::string>, std::map<size_t, Parent>> parents_;
 };
 
+// OK when the levels a spec's placement names (JobSpec.placement) are among the cluster's
+// `levels`; FAILED_PRECONDITION naming the field and the cluster's levels otherwise. A name that
+// is not a level name at all is left to the spec's validation (INVALID_ARGUMENT).
+absl::Status CheckPlacementLevels(const std::string& required, const std::string& preferred,
+                                  const std::vector<TopologyLevel>& levels);
+
 // A node as BuildTopology sees it.
 struct TopologyNode {
   std::string node_id;

@@ -92,5 +92,22 @@ TEST(TopologyTest, TheTreeAndItsFiguresPerLevel) {
   EXPECT_TRUE(BuildTopology({}, nodes).levels.empty());
 }
 
+TEST(TopologyTest, APlacementNamesOneOfTheClustersLevels) {
+  const std::vector<TopologyLevel> levels = {{"rack", 200}, {"block", 50}};
+  EXPECT_TRUE(CheckPlacementLevels("", "", levels).ok());
+  EXPECT_TRUE(CheckPlacementLevels("rack", "", levels).ok());
+  EXPECT_TRUE(CheckPlacementLevels("", "block", levels).ok());
+  absl::Status refused = CheckPlacementLevels("row", "", levels);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.message(), HasSubstr("placement.required: 'row' is not a topology level of "
+                                           "this cluster (its levels: rack, block;"));
+  refused = CheckPlacementLevels("", "rack", {});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.message(), HasSubstr("placement.preferred: 'rack' is not a topology level of "
+                                           "this cluster (it has none;"));
+  // Not a level name at all: the spec's validation says so (INVALID_ARGUMENT).
+  EXPECT_TRUE(CheckPlacementLevels("Rack 1", "", levels).ok());
+}
+
 }  // namespace
 }  // namespace tessera::coordinator

@@ -22,6 +22,10 @@ GangRequest RequestFor(const v1::Job& job) {
   request.use_gpus = resources.gpus() > 0;
   request.gpu_type = resources.gpu_type();
   request.node_selector.insert(resources.node_selector().begin(), resources.node_selector().end());
+  const v1::PlacementSpec& placement = job.spec().placement();
+  request.placement_required = !placement.required().empty();
+  request.placement_level =
+      request.placement_required ? placement.required() : placement.preferred();
   return request;
 }
 

@@ -220,6 +220,9 @@ grpc::ServerUnaryReactor* CoordinatorService::SubmitJob(grpc::CallbackServerCont
   return Serve(context, [this, context, request, response]() -> absl::Status {
     ASSIGN_OR_RETURN(Principal principal, Admit(context, Action::kSubmit));
     if (limits_ != nullptr) RETURN_IF_ERROR(limits_->AdmitSubmit(principal.user));
+    const v1::PlacementSpec& placement = request->spec().placement();
+    RETURN_IF_ERROR(CheckPlacementLevels(placement.required(), placement.preferred(),
+                                         cluster_->topology_levels()));
     ASSIGN_OR_RETURN(v1::Job job,
                      jobs_->Submit(request->spec(), request->request_id(), principal.user));
     // The job need not wait for the regular pass; a burst of submissions shares one.

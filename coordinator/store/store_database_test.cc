@@ -99,8 +99,8 @@ TEST(StoreTest, ReadsDoNotWaitForACommitInProgress) {
     commit_status = store->Commit(write).status();
     committed.Notify();
   });
-  absl::SleepFor(absl::Milliseconds(200));  // the commit now waits for the lock, holding the store
-  EXPECT_FALSE(committed.HasBeenNotified());
+  // The commit now waits for the lock, holding the store: it does not end within 200 ms.
+  EXPECT_FALSE(committed.WaitForNotificationWithTimeout(absl::Milliseconds(200)));
 
   const absl::Time start = absl::Now();
   absl::StatusOr<v1::Job> job = store->GetJob("job-a");
