@@ -90,6 +90,12 @@ void NodeRegistry::Summarize(Entry& entry) {
   c.free_cpu_slots = std::max(0, c.total_cpu_slots);
   c.labels.insert(node.labels().begin(), node.labels().end());
   c.topology.insert(node.topology().begin(), node.topology().end());
+  // Highest level first: the order ranks are numbered in (scheduler.h).
+  const std::vector<TopologyLevel>& levels = topology_.levels();
+  for (auto level = levels.rbegin(); level != levels.rend(); ++level) {
+    auto domain = c.topology.find(level->name);
+    c.topology_path.push_back(domain != c.topology.end() ? domain->second : "");
+  }
   c.schedulable = node.state() == v1::NODE_STATE_READY;
   entry.changed = ++generation_;
   Recount(entry);

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
 #include "coordinator/auth/auth.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace tessera::coordinator {
@@ -393,6 +394,11 @@ TEST(NodeRegistryTest, TopologyLabelsAreCheckedKeptAndForgotten) {
   ASSERT_TRUE(registry.Register(node("a", "r1", "b2"), &returning).ok());
   ASSERT_TRUE(registry.Register(node("b", "r1", "b2"), &returning).ok());
   EXPECT_EQ(registry.Find("a")->topology().at("block"), "b2");
+  // What the scheduler gets: the labels, and the domains highest level first.
+  for (const NodeCapacity& capacity : *registry.Summaries().summaries) {
+    EXPECT_EQ(capacity.topology.at("rack"), "r1") << capacity.node_id;
+    EXPECT_THAT(capacity.topology_path, ::testing::ElementsAre("b2", "r1")) << capacity.node_id;
+  }
 
   NodeRegistry restarted(store->get(), absl::Seconds(15), /*write_behind=*/false, &clock);
   restarted.SetTopologyLevels(*ParseTopologyLevels("rack,block"));

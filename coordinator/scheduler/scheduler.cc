@@ -237,8 +237,12 @@ struct NodeState {
   int Reserved(bool gpus) const { return gpus ? reserved_gpus : reserved_cpu_slots; }
 };
 
-GangPlacement Commit(const GangRequest& request, const std::vector<Share>& shares,
+GangPlacement Commit(const GangRequest& request, std::vector<Share> shares,
                      const std::vector<NodeCapacity>& nodes, std::vector<NodeState>& states) {
+  // Domain by domain, highest level first (scheduler.h); the packing order within one.
+  std::stable_sort(shares.begin(), shares.end(), [&](const Share& a, const Share& b) {
+    return nodes[a.node].topology_path < nodes[b.node].topology_path;
+  });
   GangPlacement placement;
   placement.job_id = request.job_id;
   placement.master_addr = nodes[shares.front().node].host;

@@ -20,7 +20,10 @@
 //   tightest node that holds it. Ties go to the smaller node_id. Leaving big nodes whole is what
 //   lets the next large gang fit. Ranks are numbered node by node in that order, local_rank counts
 //   0.. per node in rank order, GPU indexes are the node's lowest free ones, ascending; CPU ranks
-//   get gpu_index -1. master_addr is the host of rank 0's node.
+//   get gpu_index -1. master_addr is the host of rank 0's node. On a cluster with topology levels
+//   the gang's nodes are numbered domain by domain (their topology_path, highest level first;
+//   the packing order within a domain), so consecutive ranks (the neighbours of a data-parallel
+//   ring, the stages of a pipeline) cross as few domain boundaries as the nodes allow.
 // * Backfill with a reservation. The first request in the order that cannot be placed (the head)
 //   reserves the slots it would take if every eligible schedulable node were empty: its placement
 //   on TOTAL capacity, by the packing rule above. Because that placement depends only on the
@@ -76,6 +79,9 @@ struct NodeCapacity {
   std::map<std::string, std::string> labels;
   // Level -> the domain this node is in there (its --topology labels).
   std::map<std::string, std::string> topology;
+  // Its domains from the highest level down ("" where it names none): a gang's ranks are
+  // numbered domain by domain in this order.
+  std::vector<std::string> topology_path;
   // READY: neither draining nor lost.
   bool schedulable = true;
 };

@@ -743,5 +743,34 @@ TEST(ScheduleTopologyTest, RequiredWaitsNamingTheLargestFreeDomainAndPreferredSp
   EXPECT_EQ(Unsatisfiable(InOneRack("two-nodes", 16, true), TwoRacks()), std::nullopt);
 }
 
+// A gang over several racks numbers its nodes rack by rack (topology_path, highest level
+// first), so consecutive ranks share a rack wherever the nodes allow; without paths the packing
+// order stands.
+TEST(ScheduleTopologyTest, RanksAreNumberedDomainByDomain) {
+  std::vector<NodeCapacity> nodes = {GpuNode("n1", 8, 8), GpuNode("n2", 8, 8), GpuNode("n3", 8, 8),
+                                     GpuNode("n4", 8, 8)};
+  auto node_order = [](const GangPlacement& placement) {
+    std::vector<std::string> order;
+    for (const v1::RankPlacement& rank : placement.ranks) {
+      if (order.empty() || order.back() != rank.node_id()) order.push_back(rank.node_id());
+    }
+    return order;
+  };
+  ScheduleResult result = Schedule({Gang("j", 32)}, nodes);
+  ASSERT_NE(Find(result, "j"), nullptr);
+  EXPECT_THAT(node_order(*Find(result, "j")), ElementsAre("n1", "n2", "n3", "n4"));
+
+  // Blocks b1 (racks r1 and r2) and b2 (rack r3): n1 r2, n2 r3, n3 r1, n4 r2.
+  const std::vector<std::vector<std::string>> paths = {
+      {"b1", "r2"}, {"b2", "r3"}, {"b1", "r1"}, {"b1", "r2"}};
+  for (size_t i = 0; i < nodes.size(); ++i) nodes[i].topology_path = paths[i];
+  const std::vector<GangRequest> requests = {Gang("j", 32)};
+  result = Schedule(requests, nodes);
+  ExpectValidPass(result, requests, nodes);
+  ASSERT_NE(Find(result, "j"), nullptr);
+  EXPECT_THAT(node_order(*Find(result, "j")), ElementsAre("n3", "n1", "n4", "n2"));
+  EXPECT_EQ(Find(result, "j")->master_addr, "n3.cluster");
+}
+
 }  // namespace
 }  // namespace tessera::coordinator

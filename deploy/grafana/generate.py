@@ -322,7 +322,8 @@ def control_plane():
         "The coordinator: jobs and nodes by state, capacity, scheduling latency, heartbeats, "
         "RPC rates and errors, scheduler and store timings; leadership (leader, epoch, "
         "takeovers); queues (quota, use, borrowing, "
-        "waiting jobs, fair share, preemptions, wait times).",
+        "waiting jobs, fair share, preemptions, wait times); topology (fragmentation, the "
+        "largest free domain and wholly free domains per level).",
         [datasource_variable()],
         overview() + [
             row("Scheduling and RPCs"),
@@ -392,7 +393,7 @@ def control_plane():
                     "transactions")], unit="ops",
                   description="Writes (a job's change, a node record) and the group-commit "
                               "transactions that carry them."),
-        ] + leadership() + queues())
+        ] + leadership() + queues() + topology())
 
 
 def overview():
@@ -476,6 +477,31 @@ def queues():
                 f"{{{{queue}}}} p{int(q * 100)}") for q in (0.5, 0.95)], unit="s", width=24,
               description="From submission, or for a restarted or preempted job from the end of "
                           "its previous attempt."),
+    ]
+
+
+def topology():
+    """The Topology row of the control-plane dashboard (series only with --topology_levels)."""
+    return [
+        row("Topology"),
+        panel("Fragmentation, by level",
+              [("max by (level) (tessera_topology_fragmentation)", "{{level}}")],
+              unit="percentunit",
+              description="Share of the free devices that sit in partly used domains of the "
+                          "level: 0 when every free device is in a wholly free domain. High, a "
+                          "gang that needs a whole domain (placement.required) waits although "
+                          "enough devices are free."),
+        panel("Largest free domain and free devices, by level",
+              [("max by (level) (tessera_topology_largest_free_domain_devices)",
+                "{{level}} largest free domain"),
+               ("max by (level) (tessera_topology_free_devices)", "{{level}} free")],
+              description="The largest gang that fits inside one domain of the level, against "
+                          "all free devices of the ready nodes."),
+        panel("Wholly free domains, by level",
+              [("max by (level) (tessera_topology_whole_free_domains)", "{{level}} wholly free"),
+               ("max by (level) (tessera_topology_domains)", "{{level}} domains")], width=24,
+              description="Domains with no device in use, of all the level's domains (a node "
+                          "naming none at a level is a domain of its own)."),
     ]
 
 

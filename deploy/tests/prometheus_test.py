@@ -251,7 +251,7 @@ def main():
             "--metrics-listen=127.0.0.1:0", f"--state={work}/state.db",
             f"--checkpoint-root={work}/checkpoints", f"--master-port-base={free_port()}",
             "--heartbeat-interval=500ms", "--heartbeat-timeout=5s", "--failure-settle=2s",
-            f"--queue-file={work}/queues.yaml"])
+            f"--queue-file={work}/queues.yaml", "--topology-levels=rack"])
         match = cluster.wait_for_line("coordinator", r"serving gRPC on (\S+:\d+), metrics on port (\d+)")
         coordinator, coordinator_metrics = match.group(1), int(match.group(2))
         worker_metrics = []
@@ -261,7 +261,8 @@ def main():
                 f"{args.bin_dir}/tessera-worker", f"--coordinator={coordinator}",
                 "--listen=127.0.0.1:0", "--metrics-listen=127.0.0.1:0", f"--node-name={name}",
                 "--cpu-slots=2" if name == "worker-a" else "--cpu-slots=1",
-                f"--labels=fault={label}", f"--work-dir={work}/{name}", "--stop-grace=2s"], env)
+                f"--labels=fault={label}", f"--work-dir={work}/{name}", "--stop-grace=2s",
+                f"--topology=rack=r-{name}"], env)
             worker_metrics.append(int(cluster.wait_for_line(
                 name, r"metrics on port (\d+)").group(1)))
             cluster.wait_for_line(name, "registered with")
