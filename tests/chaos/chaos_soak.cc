@@ -330,14 +330,13 @@ void Soak::Drain() {
     }
   }
   Log("faults stopped; waiting for every job to end");
-  const absl::Time deadline = absl::Now() + options_.drain_timeout;
-  while (absl::Now() < deadline) {
-    PollJobs();
-    bool all_done = true;
-    for (const auto& [id, job] : jobs_) all_done = all_done && Terminal(job.last.state());
-    if (all_done) return;
-    absl::SleepFor(absl::Seconds(1));
-  }
+  testing::WaitUntil(
+      [&] {
+        PollJobs();
+        return std::all_of(jobs_.begin(), jobs_.end(),
+                           [](const auto& entry) { return Terminal(entry.second.last.state()); });
+      },
+      options_.drain_timeout, absl::Seconds(1));
 }
 
 nlohmann::json Soak::CountJobs() {

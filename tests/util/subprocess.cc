@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "tests/util/wait.h"
 
 extern char** environ;
 
@@ -140,20 +141,19 @@ absl::StatusOr<ExitInfo> Subprocess::Stop(int signal_number, absl::Duration time
 
 absl::StatusOr<ExitInfo> Subprocess::Wait(absl::Duration timeout) {
   if (pid_ <= 0) return absl::FailedPreconditionError("process already stopped");
-  absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    int status = 0;
-    pid_t done = waitpid(pid_, &status, WNOHANG);
-    if (done == pid_) {
-      pid_ = -1;
-      while (stderr_fd_ >= 0) DrainStderr(absl::Milliseconds(100));
-      return DecodeWaitStatus(status);
-    }
-    if (stderr_fd_ >= 0) {
-      DrainStderr(absl::Milliseconds(20));
-    } else {
-      absl::SleepFor(absl::Milliseconds(20));
-    }
+  // With a stderr pipe, draining it (up to 20 ms) is the wait between looks.
+  int status = 0;
+  const bool exited = WaitUntil(
+      [&] {
+        if (waitpid(pid_, &status, WNOHANG) == pid_) return true;
+        if (stderr_fd_ >= 0) DrainStderr(absl::Milliseconds(20));
+        return false;
+      },
+      timeout, stderr_fd_ >= 0 ? absl::ZeroDuration() : kDefaultPoll);
+  if (exited) {
+    pid_ = -1;
+    while (stderr_fd_ >= 0) DrainStderr(absl::Milliseconds(100));
+    return DecodeWaitStatus(status);
   }
   kill(pid_, SIGKILL);
   waitpid(pid_, nullptr, 0);
