@@ -60,9 +60,10 @@ absl::StatusOr<std::vector<TopologyLevel>> ParseTopologyLevels(absl::string_view
 
 absl::Status CheckPlacementLevels(const std::string& required, const std::string& preferred,
                                   const std::vector<TopologyLevel>& levels) {
-  for (const auto& [field, level] :
-       {std::pair<const char*, const std::string&>{"placement.required", required},
-        {"placement.preferred", preferred}}) {
+  const std::pair<const char*, const std::string*> named[] = {{"placement.required", &required},
+                                                              {"placement.preferred", &preferred}};
+  for (const auto& entry : named) {
+    const std::string& level = *entry.second;
     if (level.empty() || !ValidName(level)) continue;
     const bool known = std::any_of(levels.begin(), levels.end(),
                                    [&](const TopologyLevel& known) { return known.name == level; });
@@ -70,7 +71,7 @@ absl::Status CheckPlacementLevels(const std::string& required, const std::string
     std::vector<std::string> names;
     for (const TopologyLevel& known : levels) names.push_back(known.name);
     return absl::FailedPreconditionError(absl::StrCat(
-        field, ": '", level, "' is not a topology level of this cluster (",
+        entry.first, ": '", level, "' is not a topology level of this cluster (",
         names.empty() ? "it has none" : absl::StrCat("its levels: ", absl::StrJoin(names, ", ")),
         "; the coordinator's --topology_levels)"));
   }
